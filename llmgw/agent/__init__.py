@@ -1,0 +1,1 @@
+"""The agent: discovery, shard supervision, engine event subscriptions and its loop."""

@@ -1,0 +1,1 @@
+"""Benchmarks: workloads, runners and reports (scripts, not tests)."""

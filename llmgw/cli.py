@@ -1,0 +1,46 @@
+"""The ``llmgw`` command: a table of subcommands, each in its own module.
+
+Every subcommand module exposes ``main(argv: list[str]) -> int`` and builds its
+own argument parser, so ``llmgw sim`` does not pay for importing the router.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("llmgw.commands.serve", "run the gateway (control plane, router, OpenAI endpoint); a demo without --config"),
+    "config": ("llmgw.commands.config", "check a config file: llmgw config check FILE"),
+    "sim": ("llmgw.sim.cli", "run the vLLM-like simulator engine"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: llmgw COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run 'llmgw COMMAND --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from . import __version__
+
+        print(f"llmgw {__version__}")
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"llmgw: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

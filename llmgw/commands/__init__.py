@@ -1,0 +1,1 @@
+"""Subcommands of the ``llmgw`` CLI, one module each."""

@@ -1,0 +1,1 @@
+"""The control plane: inventory, reconciler, placement and the agent service."""

@@ -1,0 +1,96 @@
+"""Request and response objects of the thin HTTP layer, and OpenAI-style errors.
+
+A handler is ``async def handler(request: Request) -> Response``. A response
+body is either ``bytes`` (sent with Content-Length) or an async iterator of
+``bytes`` (sent chunked, each piece flushed as it is produced). When the
+client goes away while a handler runs, the server cancels the handler.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable, Union
+
+Body = Union[bytes, AsyncIterator[bytes]]
+
+
+@dataclass(slots=True)
+class Request:
+    method: str
+    target: str  # path and query as sent, e.g. "/v1/models?x=1"
+    headers: list[tuple[bytes, bytes]]  # names lower-cased, values as sent
+    body: bytes = b""
+    client: tuple[str, int] | None = None
+    http_version: str = "1.1"
+
+    @property
+    def path(self) -> str:
+        return self.target.split("?", 1)[0]
+
+    @property
+    def query(self) -> str:
+        parts = self.target.split("?", 1)
+        return parts[1] if len(parts) == 2 else ""
+
+    def header(self, name: str, default: str | None = None) -> str | None:
+        key = name.lower().encode("latin-1")
+        for k, v in self.headers:
+            if k == key:
+                return v.decode("latin-1")
+        return default
+
+    def json(self):
+        return json.loads(self.body)
+
+
+@dataclass(slots=True)
+class Response:
+    status: int = 200
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    body: Body = b""
+
+    @classmethod
+    def json(cls, obj, status: int = 200, headers: list[tuple[bytes, bytes]] | None = None) -> "Response":
+        payload = json.dumps(obj, separators=(",", ":")).encode()
+        return cls(status, [(b"content-type", b"application/json")] + (headers or []), payload)
+
+    @classmethod
+    def text(cls, text: str, status: int = 200, content_type: bytes = b"text/plain; charset=utf-8") -> "Response":
+        return cls(status, [(b"content-type", content_type)], text.encode())
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    431: "invalid_request_error",
+    500: "server_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
+               type_: str | None = None) -> bytes:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return json.dumps(
+        {"error": {"message": message, "type": type_ or ERROR_TYPES.get(status, "server_error"),
+                   "param": param, "code": code}},
+        separators=(",", ":"),
+    ).encode()
+
+
+def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
+                   type_: str | None = None, headers: list[tuple[bytes, bytes]] | None = None) -> Response:
+    return Response(status, [(b"content-type", b"application/json")] + (headers or []),
+                    error_body(status, message, param=param, code=code, type_=type_))

@@ -1,0 +1,1 @@
+"""KV-cache plumbing: block keys, the KV event codec, ZMQ under Trio, mirrors and indexes."""

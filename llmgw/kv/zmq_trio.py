@@ -1,0 +1,72 @@
+"""pyzmq sockets under Trio: wait on ``ZMQ_FD``, trust ``ZMQ_EVENTS``, drain until ``zmq.Again``.
+
+Rules (see shared/reference/python-stack.md, section 1): one task owns a socket
+(POLLIN and POLLOUT share one FD, and Trio allows one waiter per FD); always
+check ``EVENTS`` before sleeping on the edge-triggered FD; call
+:func:`close` (which notifies Trio first) instead of ``socket.close``.
+"""
+
+from __future__ import annotations
+
+import trio
+import zmq
+
+
+async def wait_for(sock: zmq.Socket, flag: int) -> None:
+    """Wait until ``sock`` is ready for ``flag`` (``zmq.POLLIN`` or ``zmq.POLLOUT``)."""
+    fd = sock.getsockopt(zmq.FD)
+    while not (sock.getsockopt(zmq.EVENTS) & flag):
+        await trio.lowlevel.wait_readable(fd)
+
+
+async def recv_multipart(sock: zmq.Socket) -> list[bytes]:
+    """Receive one multipart message without blocking the Trio loop."""
+    while True:
+        try:
+            msg = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            await wait_for(sock, zmq.POLLIN)
+        else:
+            await trio.lowlevel.checkpoint()
+            return msg
+
+
+def drain(sock: zmq.Socket, limit: int = 256) -> list[list[bytes]]:
+    """Every message already queued on ``sock`` (up to ``limit``), without waiting."""
+    out: list[list[bytes]] = []
+    while len(out) < limit:
+        try:
+            out.append(sock.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            break
+    return out
+
+
+async def recv_batch(sock: zmq.Socket, limit: int = 256) -> list[list[bytes]]:
+    """Wait for at least one message, then return all queued ones (up to ``limit``)."""
+    while True:
+        batch = drain(sock, limit)
+        if batch:
+            await trio.lowlevel.checkpoint()
+            return batch
+        await wait_for(sock, zmq.POLLIN)
+
+
+async def send_multipart(sock: zmq.Socket, frames: list[bytes]) -> None:
+    """Send one multipart message; waits while the high-water mark is reached."""
+    while True:
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            await wait_for(sock, zmq.POLLOUT)
+        else:
+            await trio.lowlevel.checkpoint()
+            return
+
+
+def close(sock: zmq.Socket) -> None:
+    """Wake any Trio task waiting on the socket, then close it without lingering."""
+    if sock.closed:
+        return
+    trio.lowlevel.notify_closing(sock.getsockopt(zmq.FD))
+    sock.close(linger=0)

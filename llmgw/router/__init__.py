@@ -1,0 +1,1 @@
+"""The router: replica table, load counters, health, and the decision pipeline over routing tiers."""
