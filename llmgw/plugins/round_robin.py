@@ -1,0 +1,32 @@
+"""The ``round_robin`` routing tier: each model's replicas in turn, skipping any that are not routable."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..hookspecs import hookimpl
+from ..router.replica import Replica
+from ..router.tier import Decision, RouteRequest
+
+
+class RoundRobinTier:
+    name = "round_robin"
+
+    def __init__(self, model=None, services=None):
+        self._next = 0
+
+    async def pick(self, request: RouteRequest, candidates: Sequence[Replica]) -> Decision:
+        index = self._next % len(candidates)
+        self._next = index + 1
+        return Decision(candidates[index], outcome="pick", tier=self.name)
+
+    def routed(self, request: RouteRequest, decision: Decision) -> None:
+        pass
+
+    def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
+        pass
+
+
+@hookimpl
+def register_routing_tiers():
+    return {"round_robin": RoundRobinTier}

@@ -1,0 +1,112 @@
+"""Replica health: active ``/health`` probes on an interval plus passive failure counting.
+
+A replica goes down after ``failures_to_down`` failed probes in a row, or
+``passive_failures_to_down`` failed requests in a row; it comes back after
+``successes_to_up`` good probes. Every change is logged with its reason and
+shown in ``llmgw_replica_up``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import trio
+
+from ..http.client import UpstreamError
+from .replica import Replica, ReplicaState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    interval: float = 2.0
+    timeout: float = 2.0
+    failures_to_down: int = 2
+    successes_to_up: int = 1
+    passive_failures_to_down: int = 3
+    path: str = "/health"
+
+
+class HealthTracker:
+    """Turns probe and request outcomes into replica states."""
+
+    def __init__(self, settings: HealthSettings, metrics=None):
+        self.settings = settings
+        self.metrics = metrics
+        self._probe_failures: dict[Replica, int] = {}
+        self._probe_successes: dict[Replica, int] = {}
+
+    def set_state(self, replica: Replica, state: ReplicaState, reason: str) -> None:
+        if replica.state is state:
+            replica.reason = reason
+            return
+        level = logging.WARNING if state is ReplicaState.DOWN else logging.INFO
+        log.log(level, "replica %s (%s) is now %s: %s", replica.name, replica.url, state.value, reason)
+        replica.state = state
+        replica.reason = reason
+        if self.metrics is not None:
+            self.metrics.for_replica(replica.name).up.set(1 if state.routable else 0)
+
+    def probe_result(self, replica: Replica, ok: bool, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.health_probes.labels(replica.name, "ok" if ok else "fail").inc()
+        if replica.state is ReplicaState.DRAINING:
+            return
+        if ok:
+            self._probe_failures[replica] = 0
+            successes = self._probe_successes.get(replica, 0) + 1
+            self._probe_successes[replica] = successes
+            if replica.state is not ReplicaState.UP and successes >= self.settings.successes_to_up:
+                replica.consecutive_failures = 0
+                self.set_state(replica, ReplicaState.UP, "health probe passed")
+        else:
+            self._probe_successes[replica] = 0
+            failures = self._probe_failures.get(replica, 0) + 1
+            self._probe_failures[replica] = failures
+            if replica.state is not ReplicaState.DOWN and (
+                    failures >= self.settings.failures_to_down or replica.state is ReplicaState.UNKNOWN):
+                self.set_state(replica, ReplicaState.DOWN, f"health probe failed: {reason}")
+
+    def request_failed(self, replica: Replica, reason: str) -> None:
+        replica.consecutive_failures += 1
+        if (replica.state.routable and replica.consecutive_failures >= self.settings.passive_failures_to_down):
+            self.set_state(replica, ReplicaState.DOWN,
+                           f"{replica.consecutive_failures} requests failed in a row, last: {reason}")
+            self._probe_successes[replica] = 0
+
+    def request_succeeded(self, replica: Replica) -> None:
+        replica.consecutive_failures = 0
+
+    def forget(self, replica: Replica) -> None:
+        self._probe_failures.pop(replica, None)
+        self._probe_successes.pop(replica, None)
+
+
+async def probe_once(replica: Replica, settings: HealthSettings) -> tuple[bool, str]:
+    """One ``GET /health`` through the replica's connection pool; (ok, reason)."""
+    assert replica.pool is not None
+    headers = [replica.auth_header] if replica.auth_header else []
+    try:
+        with trio.fail_after(settings.timeout):
+            response = await replica.pool.request("GET", replica.base_path + settings.path, headers, b"",
+                                                  first_byte_timeout=settings.timeout,
+                                                  idle_timeout=settings.timeout)
+            await response.read()
+    except UpstreamError as exc:
+        return False, str(exc)
+    except trio.TooSlowError:
+        return False, f"no answer within {settings.timeout:g}s"
+    if response.status != 200:
+        return False, f"HTTP {response.status}"
+    return True, "ok"
+
+
+async def probe_forever(replica: Replica, tracker: HealthTracker) -> None:
+    """Probe ``replica`` every interval until cancelled."""
+    settings = tracker.settings
+    while True:
+        ok, reason = await probe_once(replica, settings)
+        tracker.probe_result(replica, ok, reason)
+        await trio.sleep(settings.interval)

@@ -1,0 +1,71 @@
+"""A replica the router can send requests to: its address, state and live load.
+
+A replica is one engine endpoint serving one model (for multi-GPU or
+multi-node engines, the rank-0 shard's HTTP endpoint). Its state is what the
+health prober and passive failure counting say; ``inflight`` and
+``inflight_tokens`` are the router's own load counters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from urllib.parse import urlsplit
+
+from ..http.client import UpstreamPool
+
+
+class ReplicaState(str, Enum):
+    UNKNOWN = "unknown"  # not probed yet: routable, so a cold start serves at once
+    UP = "up"
+    DOWN = "down"
+    DRAINING = "draining"  # no new requests; in-flight ones finish
+
+    @property
+    def routable(self) -> bool:
+        return self in (ReplicaState.UP, ReplicaState.UNKNOWN)
+
+
+@dataclass(eq=False)
+class Replica:
+    name: str
+    model: str
+    url: str
+    api_key: str | None = field(default=None, repr=False)
+    weight: int = 1
+    state: ReplicaState = ReplicaState.UNKNOWN
+    reason: str = ""
+    inflight: int = 0
+    inflight_tokens: int = 0
+    consecutive_failures: int = 0
+    served: int = 0
+    pool: UpstreamPool | None = field(default=None, repr=False)
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.base_path = parts.path.rstrip("/")
+        if self.api_key:
+            self.auth_header: tuple[bytes, bytes] | None = (b"authorization", b"Bearer " + self.api_key.encode())
+        else:
+            self.auth_header = None
+
+    @property
+    def routable(self) -> bool:
+        return self.state.routable
+
+    def as_json(self) -> dict:
+        return {
+            "name": self.name,
+            "model": self.model,
+            "url": self.url,
+            "state": self.state.value,
+            "reason": self.reason,
+            "inflight": self.inflight,
+            "inflight_tokens": self.inflight_tokens,
+            "served": self.served,
+            "consecutive_failures": self.consecutive_failures,
+            "labels": self.labels,
+        }
