@@ -80,7 +80,7 @@ class Gateway:
         self._control_shutdown = trio.Event()
         self.addresses: Addresses | None = None
 
-    async def run(self, *, listen: tuple[str, int] | None = None, control_listen: tuple[str, int] | None = None,
+    async def run(self, listen: tuple[str, int] | None = None, control_listen: tuple[str, int] | None = None, *,
                   task_status=trio.TASK_STATUS_IGNORED) -> None:
         data_host, data_port = listen or (self.config.listen.host, self.config.listen.port)
         control_host, control_port = control_listen or (self.config.control_listen.host,

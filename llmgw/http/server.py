@@ -311,8 +311,10 @@ class _Connection:
                     if current.expect_continue and not continue_sent:
                         continue_sent = True
                         await self._send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
-            with trio.fail_at(deadline):
+            with trio.CancelScope(deadline=deadline) as scope:
                 data = await self.stream.receive_some(READ_SIZE)
+            if scope.cancelled_caught:
+                raise trio.TooSlowError
             if not data:
                 if reader.current is not None:
                     raise _ProtocolError(400, "client closed the connection in the middle of a request")
@@ -415,5 +417,7 @@ class _Connection:
             await self._send_response(Request("GET", "/", []), response, keep_alive)
 
     async def _send_all(self, data: bytes) -> None:
-        with trio.fail_after(self.limits.write_timeout):
+        with trio.CancelScope(deadline=trio.current_time() + self.limits.write_timeout) as scope:
             await self.stream.send_all(data)
+        if scope.cancelled_caught:
+            raise trio.TooSlowError

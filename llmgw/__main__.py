@@ -1,0 +1,7 @@
+"""``python -m llmgw`` is the ``llmgw`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,57 @@
+"""Shared fixtures: real child processes on 127.0.0.1 with ephemeral ports, owned by the test's nursery."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from llmgw.processes import Child, llmgw_command, run_child
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def start_fake_upstream(nursery):
+    """``await start_fake_upstream(name, port=0, chunks=50)`` -> a running fake OpenAI upstream (a Child)."""
+
+    async def start(name: str, port: int = 0, chunks: int = 50, model: str = "tiny") -> Child:
+        argv = [sys.executable, "-m", "llmgw.bench.fake_upstream", "--name", name, "--port", str(port),
+                "--chunks", str(chunks), "--model", model]
+        return await nursery.start(lambda task_status: run_child(argv, name=f"fake-{name}", task_status=task_status))
+
+    return start
+
+
+@pytest.fixture
+def start_llmgw(nursery, tmp_path):
+    """``await start_llmgw(config_text, *args, env=...)`` -> a running ``llmgw serve`` child.
+
+    The child gets ``--listen``/``--control-listen`` on port 0; its ``url`` is the
+    OpenAI endpoint and ``child.control_url`` the control listener.
+    """
+
+    async def start(config_text: str | None, *extra: str, env: dict | None = None) -> Child:
+        argv = llmgw_command("serve", "--listen", "127.0.0.1:0", "--control-listen", "127.0.0.1:0", *extra)
+        if config_text is not None:
+            path = tmp_path / f"llmgw-{len(list(tmp_path.iterdir()))}.yaml"
+            path.write_text(config_text)
+            argv += ["--config", str(path)]
+        child = await nursery.start(lambda task_status: run_child(argv, name="llmgw", env=env,
+                                                                   task_status=task_status))
+        banner = next(line for line in child.output if "(control: " in line)
+        child.control_url = banner.split("(control: ")[1].rstrip(")")
+        return child
+
+    return start
+
+
+@pytest.fixture
+def golden_dir() -> Path:
+    path = REPO.parent / "shared" / "golden"
+    if not path.is_dir():
+        raise RuntimeError(f"golden vectors not found at {path}: the 'shared' folder must sit beside the repo")
+    return path
