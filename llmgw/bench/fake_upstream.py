@@ -6,7 +6,9 @@ with canned JSON, or with ``--chunks`` SSE events when the body says
 (request and aborted-stream counters). Request bodies may steer it:
 ``x_status`` (answer with this HTTP status), ``x_delay_ms`` (wait before the
 head), ``x_chunk_delay_ms`` (pace stream events), ``x_chunks`` (events per
-stream). Every response names the server in ``x-served-by``.
+stream), ``x_break_after`` (drop the connection after this many events).
+``--status`` makes every POST fail with that status. Every response names
+the server in ``x-served-by``.
 
 Run: ``python -m llmgw.bench.fake_upstream --port 0 --name a`` (prints
 ``fake-upstream listening on http://HOST:PORT``).
@@ -36,11 +38,13 @@ class Stats:
         self.aborted_streams = 0
         self.completed_streams = 0
         self.active_streams = 0
+        self.aborted_at: list[float] = []  # time.time() when an aborted stream was noticed
 
 
 class FakeUpstream(asyncio.Protocol):
-    def __init__(self, name: str, model: str, chunks: int, stats: Stats):
+    def __init__(self, name: str, model: str, chunks: int, stats: Stats, status: int = 200):
         self.name = name.encode()
+        self.status = status
         self.model = model
         self.chunks = chunks
         self.stats = stats
@@ -117,7 +121,7 @@ class FakeUpstream(asyncio.Protocol):
             await asyncio.sleep(body["x_delay_ms"] / 1000)
             if self.closed:
                 return
-        status = int(body.get("x_status", 200))
+        status = int(body.get("x_status", self.status))
         if status != 200:
             return self._send(status, b'{"error":{"message":"forced by x_status","type":"server_error","param":null,"code":null}}')
         if body.get("stream"):
@@ -139,6 +143,7 @@ class FakeUpstream(asyncio.Protocol):
         stats = self.stats
         chunks = int(body.get("x_chunks", self.chunks))
         delay = body.get("x_chunk_delay_ms", 0) / 1000
+        break_after = body.get("x_break_after")
         write = self.transport.write
         write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
               b"x-served-by: %s\r\n\r\n" % self.name)
@@ -149,6 +154,10 @@ class FakeUpstream(asyncio.Protocol):
                     await asyncio.sleep(delay)
                 if self.closed:
                     stats.aborted_streams += 1
+                    stats.aborted_at.append(time.time())
+                    return
+                if break_after is not None and i >= break_after:
+                    self.transport.abort()
                     return
                 event = (CHUNK % (self.model, i)).encode()
                 write(b"%x\r\n%s\r\n" % (len(event), event))
@@ -159,10 +168,10 @@ class FakeUpstream(asyncio.Protocol):
             stats.active_streams -= 1
 
 
-async def serve(host: str, port: int, name: str, model: str, chunks: int) -> None:
+async def serve(host: str, port: int, name: str, model: str, chunks: int, status: int = 200) -> None:
     loop = asyncio.get_running_loop()
     stats = Stats()
-    server = await loop.create_server(lambda: FakeUpstream(name, model, chunks, stats), host, port, backlog=1024)
+    server = await loop.create_server(lambda: FakeUpstream(name, model, chunks, stats, status), host, port, backlog=1024)
     bound = server.sockets[0].getsockname()
     print(f"fake-upstream {name} listening on http://{bound[0]}:{bound[1]}", flush=True)
     stop = asyncio.Event()
@@ -179,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="fake")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--chunks", type=int, default=50, help="SSE events per streamed answer (default 50)")
+    parser.add_argument("--status", type=int, default=200, help="answer every POST with this status (default 200)")
     args = parser.parse_args(argv)
-    asyncio.run(serve(args.host, args.port, args.name, args.model, args.chunks))
+    asyncio.run(serve(args.host, args.port, args.name, args.model, args.chunks, args.status))
     return 0
 
 

@@ -1,0 +1,335 @@
+"""The gateway end to end: `llmgw serve` and fake OpenAI upstreams as real processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+import trio
+
+KEY = "sk-test-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def two_replica_config(a_url: str, b_url: str, extra: str = "") -> str:
+    return f"""
+models:
+  - name: tiny
+    routing: round_robin
+    replicas:
+      - url: {a_url}
+        name: a
+      - url: {b_url}
+        name: b
+        api_key: engine-secret
+api_keys:
+  - key: {KEY}
+health:
+  interval: 0.2s
+  failures_to_down: 1
+{extra}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def stats(upstream) -> dict:
+    async with httpx.AsyncClient() as client:
+        return (await client.get(upstream.url + "/stats")).json()
+
+
+async def replicas(gw) -> dict[str, dict]:
+    async with httpx.AsyncClient() as client:
+        return {r["name"]: r for r in (await client.get(gw.control_url + "/admin/replicas")).json()}
+
+
+async def metric_value(gw, name: str, labels: str) -> float | None:
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(gw.control_url + "/metrics")).text
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{") and all(part in line for part in labels.split(",")):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
+    with trio.fail_after(timeout):
+        while not (result := await predicate()):
+            await trio.sleep(interval)
+        return result
+
+
+def assert_openai_error(response: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+async def test_openai_client_through_llmgw(start_fake_upstream, start_llmgw):
+    a = await start_fake_upstream("a")
+    b = await start_fake_upstream("b")
+    gw = await start_llmgw(two_replica_config(a.url, b.url))
+
+    def drive():
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0)
+        served = []
+        for _ in range(4):
+            raw = client.chat.completions.with_raw_response.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}])
+            served.append((raw.headers["x-llmgw-replica"], raw.parse().choices[0].message.content))
+        completion = client.completions.create(model="tiny", prompt="hello")
+        models = [m.id for m in client.models.list()]
+        return served, completion, models
+
+    served, completion, models = await trio.to_thread.run_sync(drive)
+    assert [name for name, _ in served] in (["a", "b", "a", "b"], ["b", "a", "b", "a"])
+    assert all(text == f"hello from {name}" for name, text in served)  # the named replica really answered
+    assert completion.choices[0].text.startswith("hello from ")
+    assert models == ["tiny"]
+
+    # Streaming: the first chunk arrives while the upstream is still producing the stream.
+    def stream_and_peek():
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0)
+        stream = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True,
+            extra_body={"x_chunks": 10, "x_chunk_delay_ms": 60})
+        chunks = iter(stream)
+        first = next(chunks)
+        peeks = [httpx.get(u.url + "/stats").json() for u in (a, b)]
+        rest = list(chunks)
+        return first, peeks, rest
+
+    first, peeks, rest = await trio.to_thread.run_sync(stream_and_peek)
+    assert first.choices[0].delta.content == "tok0 "
+    assert sum(p["active_streams"] for p in peeks) == 1
+    assert sum(p["completed_streams"] for p in peeks) == 0
+    assert [c.choices[0].delta.content for c in rest] == [f"tok{i} " for i in range(1, 10)]
+
+
+async def test_killed_upstream_is_retried_marked_down_and_rejoins(start_fake_upstream, start_llmgw):
+    port = free_port()
+    a = await start_fake_upstream("a", port=port)
+    b = await start_fake_upstream("b")
+    gw = await start_llmgw(two_replica_config(a.url, b.url))
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    async with httpx.AsyncClient(base_url=gw.url, headers=AUTH) as client:
+        for i in range(20):
+            if i == 5:
+                a.process.kill()
+                await a.process.wait()
+            response = await client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+        assert (await wait_for(lambda: _state(gw, "a", "down")))
+        assert await metric_value(gw, "llmgw_replica_up", 'replica="a"') == 0.0
+        assert await metric_value(gw, "llmgw_replica_up", 'replica="b"') == 1.0
+
+        await start_fake_upstream("a", port=port)
+        await wait_for(lambda: _state(gw, "a", "up"))
+        assert await metric_value(gw, "llmgw_replica_up", 'replica="a"') == 1.0
+        served = {(await client.post("/v1/chat/completions", json=body)).headers["x-llmgw-replica"] for _ in range(4)}
+        assert served == {"a", "b"}
+
+
+async def _state(gw, name: str, state: str) -> bool:
+    return (await replicas(gw))[name]["state"] == state
+
+
+async def test_5xx_is_retried_on_another_replica_before_the_first_byte(start_fake_upstream, start_llmgw):
+    a = await start_fake_upstream("a", status=500)
+    b = await start_fake_upstream("b")
+    gw = await start_llmgw(two_replica_config(a.url, b.url))
+    async with httpx.AsyncClient(base_url=gw.url, headers=AUTH) as client:
+        for _ in range(4):
+            response = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+            assert response.status_code == 200
+            assert response.headers["x-llmgw-replica"] == "b"
+    assert (await stats(a))["by_path"].get("/v1/completions", 0) >= 1
+    assert await metric_value(gw, "llmgw_upstream_errors_total", 'replica="a",kind="status_5xx"') >= 1
+
+
+async def test_a_stream_broken_after_its_first_byte_is_not_retried(start_fake_upstream, start_llmgw):
+    a = await start_fake_upstream("a")
+    b = await start_fake_upstream("b")
+    gw = await start_llmgw(two_replica_config(a.url, b.url))
+    async with httpx.AsyncClient(base_url=gw.url, headers=AUTH) as client:
+        with pytest.raises(httpx.RemoteProtocolError):
+            async with client.stream("POST", "/v1/chat/completions",
+                                     json={"model": "tiny", "stream": True, "x_break_after": 3}) as response:
+                assert response.status_code == 200
+                async for _ in response.aiter_raw():
+                    pass
+    posts = [(await stats(u))["by_path"].get("/v1/chat/completions", 0) for u in (a, b)]
+    assert sorted(posts) == [0, 1]
+
+
+async def test_error_cases_answer_in_openai_shape(start_fake_upstream, start_llmgw):
+    a = await start_fake_upstream("a")
+    dead = f"http://127.0.0.1:{free_port()}"
+    config = f"""
+models:
+  - name: tiny
+    replicas:
+      - url: {a.url}
+  - name: orphan
+    replicas:
+      - url: {dead}
+        name: orphan-0
+api_keys:
+  - key: {KEY}
+limits:
+  max_body_bytes: 1KiB
+  first_byte_timeout: 300ms
+health:
+  interval: 0.2s
+  failures_to_down: 1
+"""
+    gw = await start_llmgw(config)
+    async with httpx.AsyncClient(base_url=gw.url, headers=AUTH) as client:
+        post = client.post
+        assert_openai_error(await post("/v1/chat/completions", json={"model": "nope", "messages": []}), 404,
+                            "model_not_found")
+        assert_openai_error(await post("/v1/chat/completions", content=b'{"model": "tiny",'), 400, "invalid_json")
+        assert_openai_error(await post("/v1/chat/completions", json={"messages": []}), 400)
+        assert_openai_error(await post("/v1/chat/completions", json={"model": "tiny", "p": "x" * 4096}), 413)
+        assert_openai_error(await post("/v1/chat/completions", json={"model": "tiny"}, headers={"Authorization": ""}),
+                            401, "invalid_api_key")
+        assert_openai_error(await post("/v1/chat/completions", json={"model": "tiny"},
+                                       headers={"Authorization": "Bearer sk-wrong"}), 401, "invalid_api_key")
+        await wait_for(lambda: _state(gw, "orphan-0", "down"))
+        unavailable = await post("/v1/chat/completions", json={"model": "orphan", "messages": []})
+        assert_openai_error(unavailable, 503, "no_healthy_replica")
+        assert int(unavailable.headers["retry-after"]) >= 1
+        slow = await post("/v1/chat/completions", json={"model": "tiny", "messages": [], "x_delay_ms": 3000})
+        assert_openai_error(slow, 504, "upstream_timeout")
+        assert_openai_error(await client.get("/v1/chat/completions"), 405)
+        assert_openai_error(await client.get("/v1/nothing-here"), 404)
+    assert await metric_value(gw, "llmgw_requests_total", 'code="404"') >= 1
+    assert await metric_value(gw, "llmgw_requests_total", 'code="504"') == 1
+
+
+async def test_request_id_is_propagated_or_generated(start_fake_upstream, start_llmgw):
+    a = await start_fake_upstream("a")
+    b = await start_fake_upstream("b")
+    gw = await start_llmgw(two_replica_config(a.url, b.url))
+    async with httpx.AsyncClient(base_url=gw.url, headers=AUTH) as client:
+        given = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"},
+                                  headers={"x-request-id": "req-42"})
+        assert given.headers["x-request-id"] == "req-42"
+        generated = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert len(generated.headers["x-request-id"]) == 32
+        assert generated.headers["x-request-id"] != "req-42"
+
+
+async def test_client_going_away_cancels_the_upstream_stream(start_fake_upstream, start_llmgw):
+    a = await start_fake_upstream("a")
+    b = await start_fake_upstream("b")
+    gw = await start_llmgw(two_replica_config(a.url, b.url))
+    host, port = gw.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "tiny", "stream": True, "x_chunks": 100000, "x_chunk_delay_ms": 10}).encode()
+    stream = await trio.open_tcp_stream(host, int(port))
+    await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer " + KEY.encode()
+                          + b"\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+    received = b""
+    with trio.fail_after(10):
+        while received.count(b"data: ") < 3:
+            received += await stream.receive_some(65536)
+    await stream.aclose()
+    closed_at = time.time()
+
+    async def aborted():
+        return [t for u in (a, b) for t in (await stats(u))["aborted_at"]]
+
+    noticed = (await wait_for(aborted, timeout=5))[0]
+    # The upstream notices at its next write, at most one 10 ms pacing interval after the cancel.
+    assert noticed - closed_at < 0.1 + 0.01
+    assert await metric_value(gw, "llmgw_inflight_requests", 'replica="a"') == 0
+    assert await metric_value(gw, "llmgw_inflight_requests", 'replica="b"') == 0
+
+
+async def test_sigterm_drains_in_flight_requests_then_exits_zero(start_fake_upstream, start_llmgw):
+    a = await start_fake_upstream("a")
+    b = await start_fake_upstream("b")
+    gw = await start_llmgw(two_replica_config(a.url, b.url))
+    results = []
+
+    async def slow_request():
+        async with httpx.AsyncClient(base_url=gw.url, headers=AUTH, timeout=10) as client:
+            results.append(await client.post("/v1/completions",
+                                             json={"model": "tiny", "prompt": "x", "x_delay_ms": 800}))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(slow_request)
+        await wait_for(lambda: _inflight(gw))
+        os.kill(gw.pid, signal.SIGTERM)
+    assert results[0].status_code == 200
+    with trio.fail_after(10):
+        assert await gw.process.wait() == 0
+
+
+async def _inflight(gw) -> bool:
+    return sum(r["inflight"] for r in (await replicas(gw)).values()) > 0
+
+
+async def test_a_third_party_routing_plugin_is_installed_and_routes(start_fake_upstream, start_llmgw, tmp_path):
+    source = tmp_path / "llmgw-last-tier"
+    (source / "llmgw_last_tier").mkdir(parents=True)
+    (source / "pyproject.toml").write_text("""
+[build-system]
+requires = ["setuptools"]
+build-backend = "setuptools.build_meta"
+[project]
+name = "llmgw-last-tier"
+version = "0.0.1"
+[project.entry-points.llmgw]
+last = "llmgw_last_tier"
+""")
+    (source / "llmgw_last_tier" / "__init__.py").write_text('''
+import pluggy
+hookimpl = pluggy.HookimplMarker("llmgw")
+
+class AlwaysLast:
+    name = "always_last"
+    def __init__(self, model, services):
+        pass
+    async def pick(self, request, candidates):
+        from llmgw.router.tier import Decision
+        return Decision(candidates[-1], outcome="last", tier=self.name)
+    def routed(self, request, decision):
+        pass
+    def finished(self, request, decision, usage):
+        pass
+
+@hookimpl
+def register_routing_tiers():
+    return {"always_last": AlwaysLast}
+''')
+    target = tmp_path / "site"
+    result = await trio.run_process(
+        [os.path.join(os.path.dirname(os.sys.executable), "pip"), "install", "--quiet", "--no-deps",
+         "--no-build-isolation", "--target", str(target), str(source)], capture_stdout=True, capture_stderr=True,
+        check=False)
+    assert result.returncode == 0, result.stderr.decode()
+
+    a = await start_fake_upstream("a")
+    b = await start_fake_upstream("b")
+    config = two_replica_config(a.url, b.url).replace("routing: round_robin", "routing: always_last")
+    gw = await start_llmgw(config, env={"PYTHONPATH": str(target)})
+    async with httpx.AsyncClient(base_url=gw.url, headers=AUTH) as client:
+        served = [(await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})).headers[
+            "x-llmgw-replica"] for _ in range(4)]
+    assert served == ["b"] * 4
+    assert await metric_value(gw, "llmgw_prefix_decisions_total", 'tier="always_last",outcome="last"') == 4
