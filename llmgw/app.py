@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import trio
 
-from .config import Config, ConfigError, issue_at
+from .config import Config
 from .http.client import UpstreamPool
 from .http.control import create_control_app, serve_control
 from .http.dataplane import DataPlane, DataPlaneSettings
 from .http.server import HttpServer, ServerLimits
 from .metrics import Metrics
-from .plugins_manager import PluginError, Registry, default_registry
+from .plugins_manager import Registry, check_config_plugins, default_registry
 from .router.health import HealthSettings, HealthTracker, probe_forever
 from .router.replica import Replica
 from .router.router import Router
@@ -40,23 +40,11 @@ class Addresses:
         return f"http://{self.control[0]}:{self.control[1]}"
 
 
-def check_plugins(config: Config, registry: Registry) -> None:
-    """Every routing tier the config names must be installed; errors point at the config line."""
-    issues = []
-    for model in config.models:
-        try:
-            registry.get("routing_tiers", model.routing)
-        except PluginError as exc:
-            issues.append(issue_at(model, "routing", str(exc)))
-    if issues:
-        raise ConfigError(issues)
-
-
 class Gateway:
     def __init__(self, config: Config, registry: Registry | None = None):
         self.config = config
         self.registry = registry or default_registry()
-        check_plugins(config, self.registry)
+        check_config_plugins(config, self.registry)
         self.metrics = Metrics()
         self.router = Router(self.registry, self.metrics)
         h = config.health

@@ -85,3 +85,17 @@ def default_registry() -> Registry:
     if _default is None:
         _default = build_registry(make_plugin_manager())
     return _default
+
+
+def check_config_plugins(config, registry: Registry) -> None:
+    """Every plugin the config names must be installed; raises ConfigError pointing at the config lines."""
+    from .config import ConfigError, issue_at
+
+    issues = []
+    for model in config.models:
+        try:
+            registry.get("routing_tiers", model.routing)
+        except PluginError as exc:
+            issues.append(issue_at(model, "routing", str(exc)))
+    if issues:
+        raise ConfigError(issues)

@@ -1,0 +1,97 @@
+"""Network addresses in the config: listeners (``HOST:PORT``), replica URLs, ZMQ endpoints."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+_PORT = re.compile(r"\d{1,5}")
+_HOSTPORT_HELP = "expected HOST:PORT, e.g. 127.0.0.1:8000 or \"[::1]:8000\""
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+@dataclass(frozen=True, slots=True)
+class HostPort:
+    """A host (name, IPv4 or IPv6 address) and a TCP port; port 0 asks for an ephemeral port."""
+
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: object) -> "HostPort":
+        """Parse ``host:port`` or ``[ipv6]:port``; ``ValueError`` with a helpful message otherwise."""
+        if not isinstance(text, str):
+            raise ValueError(_HOSTPORT_HELP)
+        host, sep, port = text.strip().rpartition(":")
+        if not sep or not host:
+            raise ValueError(_HOSTPORT_HELP)
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+            if not host:
+                raise ValueError(_HOSTPORT_HELP)
+        elif ":" in host:
+            raise ValueError("write an IPv6 address in brackets: \"[::1]:8000\"")
+        return cls(host, _parse_port(port, allow_zero=True))
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def _parse_port(text: str, *, allow_zero: bool) -> int:
+    lowest = 0 if allow_zero else 1
+    if not _PORT.fullmatch(text) or not lowest <= int(text) <= 65535:
+        raise ValueError(f"the port must be a number from {lowest} to 65535")
+    return int(text)
+
+
+def parse_http_url(value: object) -> str:
+    """A replica base URL, normalised: lower-case scheme and host, no trailing slash.
+
+    The URL is never quoted back in errors: it might carry credentials.
+    """
+    if not isinstance(value, str):
+        raise ValueError("expected a URL such as http://127.0.0.1:9001")
+    parts = urlsplit(value.strip())
+    if parts.scheme.lower() not in DEFAULT_PORTS:
+        raise ValueError("the URL must start with http:// or https://")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("put credentials in api_key, not in the URL")
+    if not parts.hostname:
+        raise ValueError("the URL has no host")
+    if parts.query or parts.fragment:
+        raise ValueError("the URL must not have a query or a fragment")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError("the URL's port must be a number from 1 to 65535") from None
+    if port == 0:
+        raise ValueError("the URL's port must be a number from 1 to 65535")
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        raise ValueError("leave /v1 out of the URL: llmgw appends the request path (/v1/chat/completions...)")
+    host = parts.hostname
+    netloc = f"[{host}]" if ":" in host else host
+    if port is not None:
+        netloc += f":{port}"
+    return f"{parts.scheme.lower()}://{netloc}{path}"
+
+
+def url_host_port(url: str) -> HostPort:
+    """The host and port (explicit or the scheme's default) of a normalised URL."""
+    parts = urlsplit(url)
+    return HostPort(parts.hostname or "", parts.port or DEFAULT_PORTS[parts.scheme])
+
+
+def parse_tcp_endpoint(value: object) -> str:
+    """A ZMQ endpoint to connect to: ``tcp://HOST:PORT`` with a concrete host and a non-zero port."""
+    help_ = "expected a ZMQ endpoint such as tcp://127.0.0.1:5557"
+    if not isinstance(value, str) or not value.startswith("tcp://"):
+        raise ValueError(help_)
+    try:
+        address = HostPort.parse(value[len("tcp://"):])
+    except ValueError:
+        raise ValueError(help_) from None
+    if address.host == "*" or address.port == 0:
+        raise ValueError(f"{help_} (llmgw connects to it, so the host cannot be '*' and the port not 0)")
+    return f"tcp://{address}"

@@ -1,0 +1,105 @@
+"""Rules that relate different parts of one config file.
+
+Run from ``Config._finish`` on the draft of the whole file; values that could
+not be read are skipped, so one mistake is not reported twice.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from .fields import Located, issue_at, known
+from .issues import ConfigIssue
+
+if TYPE_CHECKING:
+    from .reader import Draft
+
+_WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
+
+
+def report_duplicates(draft: Draft, items: Iterable[Located], attr: str, what: str) -> None:
+    """Report every item whose ``attr`` repeats an earlier item's (without quoting the value: it may be a secret)."""
+    first: dict[Any, Located] = {}
+    for item in items:
+        value = getattr(item, attr)
+        if value is None or not known(value):
+            continue
+        if value in first:
+            earlier = first[value]
+            draft.add(issue_at(item, attr, f"duplicate {what}: same as {earlier.key_of(attr)} "
+                                           f"on line {earlier.line_of(attr)}"))
+        else:
+            first[value] = item
+
+
+def check_config(draft: Draft) -> None:
+    """Every whole-file rule, each reporting into ``draft``."""
+    _check_listeners(draft)
+    for section, attr, what in (("models", "name", "model name"), ("profiles", "name", "profile name"),
+                                ("api_keys", "key", "API key")):
+        if draft.known(section):
+            report_duplicates(draft, draft[section], attr, what)
+    _check_deployment_profiles(draft)
+    _check_model_routing(draft)
+    _check_agent_token(draft)
+
+
+def _check_listeners(draft: Draft) -> None:
+    if not draft.known("listen", "control_listen"):
+        return
+    data, control = draft["listen"], draft["control_listen"]
+    same_host = data.host == control.host or {data.host, control.host} & _WILDCARD_HOSTS
+    if data.port and data.port == control.port and same_host:
+        draft.problem("control_listen", f"must not be the same address as listen ({data})")
+
+
+def _check_deployment_profiles(draft: Draft) -> None:
+    if not draft.known("profiles", "deployments"):
+        return
+    names = [profile.name for profile in draft["profiles"] if known(profile.name)]
+    for deployment in draft["deployments"]:
+        if not known(deployment.profile) or deployment.profile in names:
+            continue
+        close = difflib.get_close_matches(deployment.profile, names, n=1, cutoff=0.6)
+        hint = (f"did you mean '{close[0]}'?" if close else
+                f"defined: {', '.join(names)}" if names else "no profiles are defined")
+        draft.add(issue_at(deployment, "profile", f"no profile named '{deployment.profile}' ({hint})"))
+
+
+def _check_model_routing(draft: Draft) -> None:
+    """A model name served by several declarations must be routed the same way by all of them."""
+    if not draft.known("models", "profiles"):
+        return
+    declarations = [(model, "name", model.name) for model in draft["models"]]
+    declarations += [(profile, "served_model_name", profile.served_model_name) for profile in draft["profiles"]]
+    first: dict[str, tuple[Located, str]] = {}
+    for obj, name_attr, model_name in declarations:
+        if not known(model_name, obj.routing, obj.routing_options):
+            continue
+        if model_name not in first:
+            first[model_name] = (obj, name_attr)
+            continue
+        earlier, earlier_attr = first[model_name]
+        if name_attr == earlier_attr == "name":
+            continue  # two entries under models: already a duplicate name
+        where = f"{earlier.key_of(earlier_attr)} on line {earlier.line_of(earlier_attr)}"
+        if obj.routing != earlier.routing:
+            draft.add(issue_at(obj, "routing", f"model '{model_name}' is also declared by {where} with routing "
+                                               f"'{earlier.routing}'; one model has one routing tier"))
+        elif obj.routing_options != earlier.routing_options:
+            draft.add(issue_at(obj, "routing_options", f"model '{model_name}' is also declared by {where} "
+                                                       "with different routing_options"))
+
+
+def _check_agent_token(draft: Draft) -> None:
+    if not draft.known("deployments", "agents") or not draft["deployments"]:
+        return
+    agents = draft["agents"]
+    if not known(agents.embedded, agents.token) or agents.embedded or agents.token is not None:
+        return
+    message = ("agents.token is required for remote agents (deployments run on agents); "
+               "set one, or set agents.embedded: true to run them on this machine only")
+    line = agents.line_of() if draft.was_written("agents") else draft.line_of("deployments")
+    draft.add(ConfigIssue(draft.where.file, line, agents.key_of("token"), message))

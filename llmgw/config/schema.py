@@ -1,0 +1,252 @@
+"""The configuration model: one frozen dataclass per section of the YAML file.
+
+Each field is a YAML key; its type (with ``Annotated`` parse and check
+metadata) says how it is read, its ``setting`` its default. Rules that span
+several keys of one object live in its ``_finish`` hook; rules across the
+whole file are in :mod:`llmgw.config.crosschecks`. Documented key by key in
+``docs/configuration.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from . import crosschecks
+from .addresses import HostPort, parse_http_url, parse_tcp_endpoint, url_host_port
+from .fields import Check, Located, Parse, at_least, config_class, matches, non_empty, one_of, positive, setting
+from .reader import Draft
+from .units import parse_duration, parse_size
+
+KiB = 1024
+MiB = 1024 * KiB
+
+# Value types shared by several keys.
+Duration = Annotated[float, Parse(parse_duration)]  # seconds; "500ms", "5s", "2m" or a number
+PositiveDuration = Annotated[float, Parse(parse_duration), positive()]
+Size = Annotated[int, Parse(parse_size), positive()]  # bytes; "64KiB", "16MiB", "1GB" or an integer
+Address = Annotated[HostPort, Parse(HostPort.parse)]
+HttpUrl = Annotated[str, Parse(parse_http_url)]
+ZmqEndpoint = Annotated[str, Parse(parse_tcp_endpoint)]
+Count = Annotated[int, at_least(1)]
+NonNegative = Annotated[int, at_least(0)]
+Text = Annotated[str, Check(lambda value: None if value.strip() else "must not be empty")]
+Identifier = Annotated[str, matches(r"[A-Za-z_][A-Za-z0-9_.-]*", "a name of letters, digits, '_', '.' and '-'")]
+ProfileName = Annotated[str, matches(r"[A-Za-z0-9][A-Za-z0-9_.-]*",
+                                     "a name of letters, digits, '_', '.' and '-' (not starting with a symbol)")]
+EnvName = Annotated[str, matches(r"[A-Za-z_][A-Za-z0-9_]*", "a valid environment variable name")]
+LogLevel = Annotated[str, one_of("debug", "info", "warning", "error", "critical")]
+
+
+@config_class
+class ExternalReplica(Located):
+    """An OpenAI-compatible server that llmgw did not start (an existing vLLM, a simulator)."""
+
+    url: HttpUrl = setting()
+    api_key: Text | None = setting(None, secret=True)  # sent upstream as "Authorization: Bearer ..."
+    name: Text | None = setting(None)  # default: "host:port" of the URL
+    kv_events: ZmqEndpoint | None = setting(None)  # the engine's KV-event PUB socket
+    kv_replay: ZmqEndpoint | None = setting(None)  # its replay socket
+    weight: Count = setting(1)
+
+    @property
+    def address(self) -> HostPort:
+        """Host and port of the URL (the scheme's default port when none is written)."""
+        return url_host_port(self.url)
+
+    @classmethod
+    def _finish(cls, draft: Draft) -> None:
+        if draft["name"] is None and draft.known("url"):
+            draft.set("name", str(url_host_port(draft["url"])))
+        if draft.known("kv_replay", "kv_events") and draft["kv_replay"] and not draft["kv_events"]:
+            draft.problem("kv_replay", "needs kv_events: replay fills gaps in an event stream")
+
+
+@config_class
+class ModelConfig(Located):
+    """A model served by static external replicas."""
+
+    name: Text = setting()
+    routing: Identifier = setting("round_robin")  # a routing tier plugin's name
+    routing_options: dict[str, Any] = setting(factory=dict)  # the tier's own settings
+    replicas: Annotated[list[ExternalReplica], non_empty("a model needs at least one replica")] = setting()
+    max_model_len: Count | None = setting(None)
+
+    @classmethod
+    def _finish(cls, draft: Draft) -> None:
+        if draft.known("replicas"):
+            crosschecks.report_duplicates(draft, draft["replicas"], "url", "replica URL")
+            crosschecks.report_duplicates(draft, draft["replicas"], "name", "replica name")
+
+
+@config_class
+class ApiKey(Located):
+    """A client API key accepted on /v1 (as "Authorization: Bearer KEY")."""
+
+    key: Text = setting(secret=True)
+    name: Text | None = setting(None)  # who holds it; safe to log
+
+
+@config_class
+class Limits(Located):
+    """Request limits and timeouts of the data plane."""
+
+    max_body_bytes: Size = setting(16 * MiB)
+    max_header_bytes: Size = setting(64 * KiB)
+    client_header_timeout: PositiveDuration = setting(10.0)
+    client_body_timeout: PositiveDuration = setting(30.0)
+    keepalive_timeout: PositiveDuration = setting(75.0)
+    connect_timeout: PositiveDuration = setting(3.0)
+    first_byte_timeout: PositiveDuration = setting(600.0)
+    idle_timeout: PositiveDuration = setting(300.0)
+    retries: NonNegative = setting(2)
+    shutdown_grace: Duration = setting(30.0)
+    max_connections: Count = setting(10000)
+
+
+@config_class
+class HealthConfig(Located):
+    """Active probing and passive failure counting of replicas."""
+
+    interval: PositiveDuration = setting(2.0)
+    timeout: PositiveDuration = setting(2.0)
+    failures_to_down: Count = setting(2)
+    successes_to_up: Count = setting(1)
+    passive_failures_to_down: Count = setting(3)
+    path: Annotated[str, matches(r"/\S*", "a path starting with '/'")] = setting("/health")
+
+
+@config_class
+class AgentsConfig(Located):
+    """How agents join the control plane, and the embedded agent of ``llmgw serve``."""
+
+    token: Text | None = setting(None, secret=True)
+    embedded: bool = setting(False)
+    heartbeat_interval: PositiveDuration = setting(5.0)
+    suspect_after: PositiveDuration = setting(15.0)
+    disconnected_after: PositiveDuration = setting(60.0)
+    node_id: Text | None = setting(None)
+    state_dir: Text | None = setting(None)
+
+    @classmethod
+    def _finish(cls, draft: Draft) -> None:
+        if draft.known("heartbeat_interval", "suspect_after") and draft["suspect_after"] <= draft["heartbeat_interval"]:
+            draft.problem("suspect_after", "must be longer than heartbeat_interval")
+        if draft.known("suspect_after", "disconnected_after") and draft["disconnected_after"] <= draft["suspect_after"]:
+            draft.problem("disconnected_after", "must be longer than suspect_after")
+
+
+@config_class
+class LoraAdapter(Located):
+    """A LoRA adapter the engine loads next to the base model."""
+
+    name: Text = setting()
+    path: Text = setting()
+
+
+@config_class
+class Profile(Located):
+    """How to run one engine replica: engine, model, parallelism, arguments."""
+
+    name: ProfileName = setting()
+    engine: Identifier = setting()  # an engine plugin's name: vllm, sim
+    model_path: Text = setting()
+    served_model_name: Text = setting(None)  # default: name
+    gpu_class: Text | None = setting(None)
+    tp: Count = setting(1)
+    pp: Count = setting(1)
+    nodes: Count = setting(1)
+    gpus_per_node: Count | None = setting(None)  # default: tp * pp / nodes
+    args: list[str] = setting(factory=list)
+    env: dict[EnvName, str] = setting(factory=dict, secret=True)  # often holds tokens
+    lora_adapters: list[LoraAdapter] = setting(factory=list)
+    kv_events: bool = setting(False)
+    routing: Identifier = setting("round_robin")
+    routing_options: dict[str, Any] = setting(factory=dict)
+    engine_bin: Text | None = setting(None)
+    startup_timeout: PositiveDuration = setting(600.0)
+    labels: dict[str, str] = setting(factory=dict)
+    cpu_threads: Count | None = setting(None)
+    api_key: Text | None = setting(None, secret=True)
+
+    @property
+    def gpus(self) -> int:
+        """GPUs one replica uses in all: tp * pp."""
+        return self.tp * self.pp
+
+    @classmethod
+    def _finish(cls, draft: Draft) -> None:
+        if draft["served_model_name"] is None and draft.known("name"):
+            draft.set("served_model_name", draft["name"])
+        if draft.known("tp", "pp", "nodes", "gpus_per_node"):
+            gpus, nodes, per_node = draft["tp"] * draft["pp"], draft["nodes"], draft["gpus_per_node"]
+            if per_node is None and gpus % nodes:
+                draft.problem("nodes", f"tp x pp = {gpus} GPUs cannot be split evenly over {nodes} nodes")
+            elif per_node is None:
+                draft.set("gpus_per_node", gpus // nodes)
+            elif per_node * nodes != gpus:
+                draft.problem("gpus_per_node", f"gpus_per_node x nodes = {per_node * nodes}, but tp x pp = {gpus}")
+        if draft.known("lora_adapters"):
+            crosschecks.report_duplicates(draft, draft["lora_adapters"], "name", "LoRA adapter name")
+
+
+@config_class
+class Placement(Located):
+    """Where a deployment's replicas may run."""
+
+    node_selector: dict[str, str] = setting(factory=dict)  # node labels that must match
+    nodes: list[Text] = setting(factory=list)  # allowed node ids; empty: any
+    spread: bool = setting(True)  # prefer different nodes for different replicas
+
+
+@config_class
+class Deployment(Located):
+    """A number of replicas of one profile, kept running by the control plane."""
+
+    profile: Text = setting()
+    replicas: NonNegative = setting(1)
+    pool: Text | None = setting(None)
+    placement: Placement = setting(factory=Placement)
+
+
+@config_class
+class MetricsConfig(Located):
+    """The Prometheus endpoint on the control listener."""
+
+    enabled: bool = setting(True)
+
+
+@config_class
+class Config(Located):
+    """A whole configuration file."""
+
+    source: str = setting("", internal=True)  # the file it was read from
+    listen: Address = setting(HostPort("127.0.0.1", 8000))
+    control_listen: Address = setting(HostPort("127.0.0.1", 8001))
+    models: list[ModelConfig] = setting(factory=list)
+    api_keys: list[ApiKey] = setting(factory=list)
+    limits: Limits = setting(factory=Limits)
+    health: HealthConfig = setting(factory=HealthConfig)
+    agents: AgentsConfig = setting(factory=AgentsConfig)
+    profiles: list[Profile] = setting(factory=list)
+    deployments: list[Deployment] = setting(factory=list)
+    metrics: MetricsConfig = setting(factory=MetricsConfig)
+    log_level: LogLevel = setting("info")
+
+    def model_names(self) -> list[str]:
+        """Names clients may ask for: every model under ``models``, then every deployed profile's served name."""
+        deployed = {deployment.profile for deployment in self.deployments}
+        names = [model.name for model in self.models]
+        names += [profile.served_model_name for profile in self.profiles if profile.name in deployed]
+        return list(dict.fromkeys(names))
+
+    def profile(self, name: str) -> Profile:
+        """The profile called ``name``; ``KeyError`` when there is none."""
+        for profile in self.profiles:
+            if profile.name == name:
+                return profile
+        raise KeyError(name)
+
+    @classmethod
+    def _finish(cls, draft: Draft) -> None:
+        draft.set("source", draft.where.file)
+        crosschecks.check_config(draft)

@@ -1,0 +1,129 @@
+"""The router's decision pipeline and the health state machine, without sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw.metrics import Metrics
+from llmgw.plugins_manager import PluginError, build_registry, make_plugin_manager
+from llmgw.hookspecs import hookimpl
+from llmgw.router.health import HealthSettings, HealthTracker
+from llmgw.router.replica import Replica, ReplicaState
+from llmgw.router.router import Router
+from llmgw.router.tier import Decision, RouteRequest
+
+
+def make_router(*plugins, model="m", tier="round_robin", replicas=("a", "b", "c")):
+    registry = build_registry(make_plugin_manager(plugins))
+    metrics = Metrics()
+    router = Router(registry, metrics)
+    router.configure_model(model, tier)
+    made = [Replica(name=n, model=model, url=f"http://127.0.0.1:{9000 + i}") for i, n in enumerate(replicas)]
+    for r in made:
+        router.add_replica(r)
+    return router, made, metrics
+
+
+def request(model="m"):
+    return RouteRequest(model=model, path="/v1/completions", body={"model": model, "prompt": "x"})
+
+
+async def test_round_robin_cycles_and_skips_unroutable_replicas():
+    router, (a, b, c), _ = make_router()
+    picks = [(await router.pick(request())).replica.name for _ in range(6)]
+    assert picks == ["a", "b", "c", "a", "b", "c"]
+    b.state = ReplicaState.DOWN
+    picks = [(await router.pick(request())).replica.name for _ in range(4)]
+    assert "b" not in picks and set(picks) == {"a", "c"}
+
+
+async def test_pick_excludes_tried_replicas_and_returns_none_when_exhausted():
+    router, (a, b, c), _ = make_router()
+    assert (await router.pick(request(), exclude=[a, b])).replica is c
+    assert await router.pick(request(), exclude=[a, b, c]) is None
+
+
+class Broken:
+    name = "broken"
+
+    def __init__(self, model, services):
+        pass
+
+    async def pick(self, request, candidates):
+        raise RuntimeError("bug in a third-party tier")
+
+    def routed(self, request, decision):
+        raise RuntimeError("also broken")
+
+    def finished(self, request, decision, usage):
+        pass
+
+
+class BrokenPlugin:
+    @hookimpl
+    def register_routing_tiers(self):
+        return {"broken": Broken}
+
+
+async def test_a_failing_tier_falls_back_to_round_robin_and_is_counted():
+    router, replicas, metrics = make_router(BrokenPlugin(), tier="broken")
+    decision = await router.pick(request())
+    assert decision.replica in replicas and decision.outcome == "fallback"
+    router.routed(request(), decision)  # must not raise
+    assert metrics.decisions.labels("m", "broken", "error")._value.get() == 1
+
+
+def test_two_plugins_claiming_one_name_is_an_error():
+    class Dup:
+        @hookimpl
+        def register_routing_tiers(self):
+            return {"round_robin": Broken}
+
+    with pytest.raises(PluginError, match="round_robin"):
+        build_registry(make_plugin_manager((Dup(),)))
+
+
+def test_unknown_tier_names_the_known_ones():
+    registry = build_registry(make_plugin_manager())
+    with pytest.raises(PluginError, match="round_robin"):
+        registry.get("routing_tiers", "nope")
+
+
+def test_health_state_machine():
+    metrics = Metrics()
+    tracker = HealthTracker(HealthSettings(failures_to_down=2, successes_to_up=2, passive_failures_to_down=3), metrics)
+    r = Replica(name="r", model="m", url="http://127.0.0.1:1")
+    tracker.probe_result(r, True, "ok")
+    tracker.probe_result(r, True, "ok")
+    assert r.state is ReplicaState.UP
+    tracker.probe_result(r, False, "refused")
+    assert r.state is ReplicaState.UP  # one failed probe is not enough
+    tracker.probe_result(r, False, "refused")
+    assert r.state is ReplicaState.DOWN and "refused" in r.reason
+    assert metrics.replica_up.labels("r")._value.get() == 0
+    tracker.probe_result(r, True, "ok")
+    assert r.state is ReplicaState.DOWN  # needs two good probes
+    tracker.probe_result(r, True, "ok")
+    assert r.state is ReplicaState.UP
+    for _ in range(2):
+        tracker.request_failed(r, "HTTP 500")
+    tracker.request_succeeded(r)
+    tracker.request_failed(r, "HTTP 500")
+    assert r.state is ReplicaState.UP  # failures must be consecutive
+    for _ in range(2):
+        tracker.request_failed(r, "HTTP 500")
+    assert r.state is ReplicaState.DOWN and "3 requests failed" in r.reason
+
+
+def test_an_unprobed_replica_that_fails_its_first_probe_is_down_at_once():
+    tracker = HealthTracker(HealthSettings(failures_to_down=3))
+    r = Replica(name="r", model="m", url="http://127.0.0.1:1")
+    assert r.routable
+    tracker.probe_result(r, False, "refused")
+    assert not r.routable
+
+
+def test_replica_secrets_stay_out_of_repr():
+    r = Replica(name="r", model="m", url="http://127.0.0.1:1", api_key="engine-secret")
+    assert "engine-secret" not in repr(r)
+    assert "engine-secret" not in str(r.as_json())
