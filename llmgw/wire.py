@@ -1,0 +1,436 @@
+"""The agent <-> control-plane protocol: versioned msgpack messages, one per websocket frame.
+
+Every message is a dataclass below. On the wire it is a msgpack map
+``{"v": PROTOCOL_VERSION, "t": "<TypeName>", ...fields}``; nested records are
+maps too. Decoding is forgiving where that is safe and strict where it is not:
+
+- unknown fields are ignored and missing optional fields take their defaults,
+  so a newer peer can add fields without breaking an older one;
+- an unknown enum value decodes to the safe side (an unknown shard state is
+  ``FAILED``, never ``READY``);
+- an unknown message type decodes to :class:`UnknownMessage`, which receivers
+  count and skip;
+- a different major protocol version, a frame that is not a map, or a field of
+  the wrong type raises :class:`WireError`.
+
+The embedded agent exchanges the very same objects over an in-process channel
+(no encoding), so the two paths cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+
+class WireError(ValueError):
+    """A frame that cannot be decoded into a message."""
+
+
+class ShardState(str, enum.Enum):
+    PENDING = "pending"
+    STARTING = "starting"
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+    @classmethod
+    def _missing_(cls, value):
+        return cls.FAILED  # an unknown state read off the wire is never taken as Ready
+
+    @property
+    def alive(self) -> bool:
+        return self in (ShardState.PENDING, ShardState.STARTING, ShardState.LOADING, ShardState.READY,
+                        ShardState.DRAINING)
+
+
+class KvChangeKind(str, enum.Enum):
+    DELTA = "delta"  # net stored/removed blocks since the last message
+    FULL = "full"  # the whole mirror: replaces what the control plane knew
+    RESET = "reset"  # the engine's cache is empty (restart, AllBlocksCleared, unfillable gap)
+
+    @classmethod
+    def _missing_(cls, value):
+        return cls.RESET  # unknown: forget what we knew rather than trust it
+
+
+# -- records nested in messages ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class HostInfo:
+    os: str = ""
+    kernel: str = ""
+    arch: str = ""
+    cpu_model: str = ""
+    cpu_flags: list[str] = field(default_factory=list)
+    driver_version: str = ""
+    cuda_version: str = ""
+    python_version: str = ""
+
+
+@dataclass
+class GpuFabric:
+    state: str = ""  # e.g. "completed", "not_supported"
+    status: str = ""
+    cluster_uuid: str = ""
+    clique_id: int = 0
+    bandwidth_gbps: float = 0.0
+
+
+@dataclass
+class GpuHealth:
+    ecc_errors: int = 0
+    temperature_c: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MigInfo:
+    parent_uuid: str = ""
+    profile: str = ""  # e.g. "1g.10gb"
+    gpu_instance_id: int = 0
+    compute_instance_id: int = 0
+
+
+@dataclass
+class NicPath:
+    nic: str = ""  # e.g. "mlx5_0"
+    link: str = ""  # topology class as nvidia-smi topo prints it: PIX, PXB, PHB, NODE, SYS
+
+
+@dataclass
+class GpuInfo:
+    index: int = 0
+    uuid: str = ""
+    name: str = ""
+    memory_total: int = 0
+    memory_used: int = 0
+    compute_capability: str = ""
+    numa_node: int = -1
+    pci_bus_id: str = ""
+    driver_version: str = ""
+    cuda_version: str = ""
+    utilization: float = 0.0  # percent
+    nvlink_peers: list[str] = field(default_factory=list)  # UUIDs (or PCI bus ids) of NVLink peers
+    nic_paths: list[NicPath] = field(default_factory=list)
+    fabric: GpuFabric | None = None
+    health: GpuHealth = field(default_factory=GpuHealth)
+    mig: MigInfo | None = None
+
+
+@dataclass
+class ImexInfo:
+    state: str = ""  # "", "ready", "not_configured", ...
+    channels: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Hca:
+    name: str = ""
+    port: int = 1
+    state: str = ""  # ACTIVE, DOWN...
+    rate_gbps: float = 0.0
+    link_layer: str = ""  # InfiniBand, Ethernet
+    subnet_prefix: str = ""
+    pci_bus_id: str = ""
+    numa_node: int = -1
+
+
+@dataclass
+class FabricInfo:
+    kind: str = ""  # infiniband, roce, nvlink
+    name: str = ""
+    hcas: list[Hca] = field(default_factory=list)
+
+
+@dataclass
+class StorageInfo:
+    path: str = ""
+    total_bytes: int = 0
+    free_bytes: int = 0
+
+
+@dataclass
+class LocalWeights:
+    path: str = ""
+    name: str = ""
+    size_bytes: int = 0
+
+
+@dataclass
+class LoraModule:
+    name: str = ""
+    path: str = ""
+
+
+@dataclass
+class ShardProfile:
+    """What an engine plugin needs to build a shard's command line."""
+
+    name: str = ""
+    engine: str = ""
+    engine_bin: str | None = None
+    model_path: str = ""
+    served_model_name: str = ""
+    tp: int = 1
+    pp: int = 1
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    lora_adapters: list[LoraModule] = field(default_factory=list)
+    kv_events: bool = False
+    startup_timeout: float = 600.0
+
+
+@dataclass
+class ShardReport:
+    """A shard as an agent sees it: sent in Register (for adoption) and as ShardStatus."""
+
+    shard_id: str = ""
+    replica_id: str = ""
+    rank: int = 0
+    node_count: int = 1
+    state: ShardState = ShardState.PENDING
+    reason: str = ""
+    pid: int = 0
+    http_port: int = 0
+    endpoint: str = ""  # http://host:port of the engine, as the router should dial it
+    fingerprint: str = ""
+    generation: int = 0
+    gpu_indices: list[int] = field(default_factory=list)
+    restarts: int = 0
+    model: str = ""  # served model name
+    started_at: float = 0.0
+    log_tail: list[str] = field(default_factory=list)
+
+
+# -- messages ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Message:
+    TYPES: ClassVar[dict[str, type["Message"]]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        Message.TYPES[cls.__name__] = cls
+
+
+@dataclass
+class Register(Message):
+    """Agent -> control plane, first message of every connection."""
+
+    node_id: str = ""
+    token: str = field(default="", repr=False)
+    hostname: str = ""
+    address: str = ""  # management address: where engines on this node can be dialled
+    labels: dict[str, str] = field(default_factory=dict)
+    agent_version: str = ""
+    features: list[str] = field(default_factory=list)
+    engine_versions: dict[str, str] = field(default_factory=dict)
+    host: HostInfo = field(default_factory=HostInfo)
+    cpu_count: int = 0
+    memory_bytes: int = 0
+    gpus: list[GpuInfo] = field(default_factory=list)
+    imex: ImexInfo = field(default_factory=ImexInfo)
+    fabrics: list[FabricInfo] = field(default_factory=list)
+    storage: list[StorageInfo] = field(default_factory=list)
+    local_weights: list[LocalWeights] = field(default_factory=list)
+    shards: list[ShardReport] = field(default_factory=list)
+
+
+@dataclass
+class Registered(Message):
+    """Control plane -> agent: the answer to Register."""
+
+    accepted: bool = True
+    reason: str = ""
+    node_id: str = ""
+    heartbeat_interval: float = 5.0
+    control_plane_id: str = ""
+
+
+@dataclass
+class Heartbeat(Message):
+    """Both ways: liveness, with the agent's live GPU figures."""
+
+    seq: int = 0
+    sent_at: float = 0.0
+    gpu_utilization: dict[str, float] = field(default_factory=dict)  # uuid -> percent
+    gpu_memory_used: dict[str, int] = field(default_factory=dict)  # uuid -> bytes
+
+
+@dataclass
+class StartShard(Message):
+    """Control plane -> agent: run one shard (one rank of one replica)."""
+
+    shard_id: str = ""
+    replica_id: str = ""
+    rank: int = 0
+    node_count: int = 1
+    leader_address: str = ""
+    leader_port: int = 0
+    gpu_indices: list[int] = field(default_factory=list)
+    gpu_uuids: list[str] = field(default_factory=list)
+    hcas: list[str] = field(default_factory=list)
+    http_port: int = 0  # 0: the agent allocates one
+    profile: ShardProfile = field(default_factory=ShardProfile)
+    pool: str = ""
+    fabric: str = ""
+    fingerprint: str = ""
+    generation: int = 0
+    engine_api_key: str = field(default="", repr=False)
+    cpu_threads: int = 0
+
+
+@dataclass
+class StopShard(Message):
+    shard_id: str = ""
+    reason: str = ""
+    grace: float = 30.0
+
+
+@dataclass
+class DrainShard(Message):
+    """Stop routing to the shard, wait for in-flight requests up to ``timeout``, then stop it."""
+
+    shard_id: str = ""
+    reason: str = ""
+    timeout: float = 600.0
+    grace: float = 30.0
+
+
+@dataclass
+class ShardStatus(Message):
+    """Agent -> control plane: a shard changed state (every transition, with its reason)."""
+
+    shard: ShardReport = field(default_factory=ShardReport)
+
+
+@dataclass
+class KvChanges(Message):
+    """Agent -> control plane: KV-cache block changes of one engine (see the KV-index tier)."""
+
+    shard_id: str = ""
+    replica_id: str = ""
+    data_parallel_rank: int = 0
+    kind: KvChangeKind = KvChangeKind.DELTA
+    block_size: int = 0
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    reason: str = ""
+
+
+@dataclass
+class ErrorMessage(Message):
+    """Either way: a request that was refused, with why."""
+
+    code: str = ""
+    message: str = ""
+    about: str = ""  # e.g. the shard id concerned
+
+
+@dataclass
+class UnknownMessage:
+    """A message type this version does not know; receivers count it and carry on."""
+
+    type_name: str
+    fields: dict[str, Any]
+
+
+# -- encoding ---------------------------------------------------------------------------------------------------------
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    return value
+
+
+def encode(message: Message) -> bytes:
+    body = _to_plain(message)
+    return msgpack.packb({"v": PROTOCOL_VERSION, "t": type(message).__name__, **body}, use_bin_type=True)
+
+
+def decode(frame: bytes) -> Message | UnknownMessage:
+    try:
+        raw = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several types for garbage
+        raise WireError(f"not a msgpack frame: {exc}") from None
+    if not isinstance(raw, dict):
+        raise WireError("a frame must be a map")
+    version = raw.pop("v", None)
+    if version != PROTOCOL_VERSION:
+        raise WireError(f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})")
+    type_name = raw.pop("t", None)
+    cls = Message.TYPES.get(type_name) if isinstance(type_name, str) else None
+    if cls is None:
+        return UnknownMessage(str(type_name), raw)
+    return _from_plain(cls, raw, type_name)
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
+
+
+def _from_plain(cls: type, raw: Any, where: str):
+    if not isinstance(raw, dict):
+        raise WireError(f"{where}: expected a map, got {type(raw).__name__}")
+    hints = _hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in raw and raw[f.name] is not None:
+            kwargs[f.name] = _convert(hints[f.name], raw[f.name], f"{where}.{f.name}")
+    return cls(**kwargs)
+
+
+def _convert(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _convert(options[0], value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise WireError(f"{where}: expected a list, got {type(value).__name__}")
+        (item,) = typing.get_args(hint)
+        return [_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise WireError(f"{where}: expected a map, got {type(value).__name__}")
+        key_type, value_type = typing.get_args(hint)
+        return {_convert(key_type, k, where): _convert(value_type, v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return hint(value)
+    if dataclasses.is_dataclass(hint):
+        return _from_plain(hint, value, where)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise WireError(f"{where}: expected a number, got {type(value).__name__}")
+        return float(value)
+    if hint is Any:
+        return value
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise WireError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+    return value
