@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
-import trio
 
 from llmgw.processes import Child, llmgw_command, run_child
 
@@ -47,11 +45,3 @@ def start_llmgw(nursery, tmp_path):
         return child
 
     return start
-
-
-@pytest.fixture
-def golden_dir() -> Path:
-    path = REPO.parent / "shared" / "golden"
-    if not path.is_dir():
-        raise RuntimeError(f"golden vectors not found at {path}: the 'shared' folder must sit beside the repo")
-    return path

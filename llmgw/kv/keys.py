@@ -1,0 +1,517 @@
+"""Block keys: vLLM's chained prefix-cache block hash, and the key functions the router indexes by.
+
+vLLM (0.10.2+) hashes a request's tokens block by block::
+
+    NONE_HASH = H(seed_string)
+    h_i = H((h_{i-1}, tuple(block_i_tokens), extra_i))    # h_{-1} = NONE_HASH
+
+where ``H`` is a serialiser (canonical CBOR or pickle protocol 5) followed by a
+digest (SHA-256 or XXH3-128), and KV events carry the low 64 bits of ``h_i``.
+See ``shared/reference/vllm-kv-events.md`` section 3 and ``docs/kv.md``.
+
+Two :class:`BlockKeyFunction` implementations turn token ids into one unsigned
+64-bit key per full block:
+
+- :class:`VllmBlockKeys` reproduces vLLM's chain, so its keys equal the hashes
+  in the engine's events when the algorithm, seed and block size match;
+- :class:`ContentChainKeys` is a much faster private chain for a mirror that
+  re-keys events from their ``token_ids``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import sys
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import cbor2
+import xxhash
+
+ALGORITHMS = ("sha256_cbor", "sha256", "xxhash", "xxhash_cbor")
+DEFAULT_SEED_STRING = "vllm-none-hash"  # vLLM >= 0.29, sha256*/sha256_cbor with PYTHONHASHSEED unset
+PICKLE_PROTOCOL = 5  # pickle.HIGHEST_PROTOCOL on every CPython vLLM supports
+U64_MASK = 0xFFFF_FFFF_FFFF_FFFF
+
+ExtraKeys = Sequence[tuple | None]
+
+
+# --------------------------------------------------------------------------- serialisation
+
+
+def _cbor_head(major: int, length: int) -> bytes:
+    """A canonical (shortest-form) CBOR item head."""
+    if length < 24:
+        return bytes((major << 5 | length,))
+    for info, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
+        if length < 1 << (8 * size):
+            return bytes((major << 5 | info,)) + length.to_bytes(size, "big")
+    raise ValueError(f"CBOR length {length} does not fit in 64 bits")
+
+
+_CBOR_TRIPLE = b"\x83"  # array of 3 items
+_CBOR_NONE = b"\xf6"
+_PARENT_HEADS = {16: _cbor_head(2, 16), 32: _cbor_head(2, 32)}
+
+
+def cbor_block_triple(parent: bytes, tokens: Sequence[int], extra: tuple | None) -> bytes:
+    """``cbor2.dumps((parent, tuple(tokens), extra), canonical=True)``, about 1.2x faster.
+
+    cbor2's C encoder does the per-token work (so integer semantics stay
+    cbor2's own, bignums included); only the fixed framing around it is written
+    here. CBOR has no context, so encoding the parts separately is
+    byte-identical to encoding the triple (property-tested in
+    ``tests/unit/test_block_keys.py``).
+    """
+    head = _PARENT_HEADS.get(len(parent)) or _cbor_head(2, len(parent))
+    tail = _CBOR_NONE if extra is None else cbor2.dumps(extra, canonical=True)
+    return b"".join((_CBOR_TRIPLE, head, parent, cbor2.dumps(tokens, canonical=True), tail))
+
+
+def pickle_block_triple(parent: bytes, tokens: Sequence[int], extra: tuple | None) -> bytes:
+    """What vLLM's ``sha256``/``xxhash`` algorithms digest: the triple pickled with protocol 5."""
+    return pickle.dumps((parent, tuple(tokens), extra), protocol=PICKLE_PROTOCOL)
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+_SERIALISE_OBJECT: dict[str, Callable[[object], bytes]] = {
+    "sha256_cbor": lambda obj: cbor2.dumps(obj, canonical=True),
+    "xxhash_cbor": lambda obj: cbor2.dumps(obj, canonical=True),
+    "sha256": lambda obj: pickle.dumps(obj, protocol=PICKLE_PROTOCOL),
+    "xxhash": lambda obj: pickle.dumps(obj, protocol=PICKLE_PROTOCOL),
+}
+_SERIALISE_TRIPLE = {
+    "sha256_cbor": cbor_block_triple,
+    "xxhash_cbor": cbor_block_triple,
+    "sha256": pickle_block_triple,
+    "xxhash": pickle_block_triple,
+}
+_DIGEST: dict[str, Callable[[bytes], bytes]] = {
+    "sha256_cbor": _sha256,
+    "sha256": _sha256,
+    "xxhash_cbor": xxhash.xxh3_128_digest,  # canonical, i.e. big-endian, 16 bytes
+    "xxhash": xxhash.xxh3_128_digest,
+}
+
+
+def _check_algo(algo: str) -> None:
+    if algo not in _DIGEST:
+        raise ValueError(f"unknown prefix-caching hash algorithm {algo!r} (known: {', '.join(ALGORITHMS)})")
+
+
+def hash_object(algo: str, obj: object) -> bytes:
+    """vLLM's ``H(obj)`` for ``algo``: serialise, then digest (no truncation)."""
+    _check_algo(algo)
+    return _DIGEST[algo](_SERIALISE_OBJECT[algo](obj))
+
+
+def block_hasher(algo: str) -> Callable[[bytes, Sequence[int], tuple | None], bytes]:
+    """``hash_block(parent, tokens, extra) -> digest`` for ``algo``."""
+    _check_algo(algo)
+    serialise, digest = _SERIALISE_TRIPLE[algo], _DIGEST[algo]
+
+    def hash_block(parent: bytes, tokens: Sequence[int], extra: tuple | None) -> bytes:
+        return digest(serialise(parent, tokens, extra))
+
+    return hash_block
+
+
+# --------------------------------------------------------------------------- the chain
+
+
+def none_hash(algo: str, seed: str | None) -> bytes:
+    """The chain's root (vLLM's ``NONE_HASH``) under the rules of vLLM >= 0.29.
+
+    ``seed`` is the engine's ``PYTHONHASHSEED`` string exactly as set (``"0"``
+    and ``"00"`` differ), or None when it is unset. Unset gives the fixed seed
+    ``"vllm-none-hash"`` for sha256/sha256_cbor, and a random per-process root
+    for xxhash/xxhash_cbor, which no router can reproduce (ValueError).
+    """
+    _check_algo(algo)
+    if seed is None:
+        if algo.startswith("xxhash"):
+            raise ValueError(
+                f"{algo} with PYTHONHASHSEED unset uses a random per-process NONE_HASH; "
+                "set PYTHONHASHSEED for the engine and pass it as seed"
+            )
+        seed = DEFAULT_SEED_STRING
+    if not isinstance(seed, str):
+        raise TypeError(f"seed must be the PYTHONHASHSEED string or None, not {type(seed).__name__}")
+    return hash_object(algo, seed)
+
+
+def hashable_block_count(num_tokens: int, block_size: int, lookahead: int = 0) -> int:
+    """How many blocks vLLM hashes: full blocks only, each needing ``lookahead`` tokens after it."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if lookahead < 0:
+        raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+    return max(num_tokens - lookahead, 0) // block_size
+
+
+def _extras_for(extra_keys: ExtraKeys | None, count: int) -> Sequence[tuple | None]:
+    """One extra-key item per block; items must be None or tuples (pickle tells a list from a tuple)."""
+    if extra_keys is None:
+        return (None,) * count
+    if len(extra_keys) < count:
+        raise ValueError(f"extra_keys has {len(extra_keys)} entries for {count} blocks")
+    for i in range(count):
+        if extra_keys[i] is not None and type(extra_keys[i]) is not tuple:
+            raise TypeError(f"extra_keys[{i}] must be None or a tuple, not {type(extra_keys[i]).__name__}")
+    return extra_keys
+
+
+def _as_int_list(token_ids: Sequence[int]) -> Sequence[int]:
+    return token_ids if type(token_ids) in (list, tuple) else [int(t) for t in token_ids]
+
+
+def block_digests(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    algo: str = "sha256_cbor",
+    seed: str | None = None,
+    extra_keys: ExtraKeys | None = None,
+    parent: bytes | None = None,
+    lookahead: int = 0,
+) -> list[bytes]:
+    """vLLM's full block digests, one per hashable full block (the partial tail is ignored).
+
+    ``extra_keys`` holds the exact third item of each block's hashed triple
+    (see :func:`request_extra_keys`); entries beyond the hashed blocks are
+    ignored. ``parent`` continues an existing chain (default: the seed's
+    NONE_HASH). ``lookahead`` is EAGLE's lookahead token count (0.33+): blocks
+    are hashed only once that many tokens follow them.
+    """
+    hash_block = block_hasher(algo)
+    if parent is None:
+        parent = none_hash(algo, seed)
+    tokens = _as_int_list(token_ids)
+    count = hashable_block_count(len(tokens), block_size, lookahead)
+    extras = _extras_for(extra_keys, count)
+    digests = []
+    for i in range(count):
+        parent = hash_block(parent, tokens[i * block_size : (i + 1) * block_size], extras[i])
+        digests.append(parent)
+    return digests
+
+
+def event_int(digest: bytes) -> int:
+    """The int form KV events carry: the digest's last 8 bytes, big-endian unsigned."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+def normalize_hash(h: int | bytes) -> int:
+    """An event hash as the router's unsigned 64-bit key: ints masked, bytes via :func:`event_int`."""
+    if type(h) is int:
+        return h & U64_MASK
+    if isinstance(h, (bytes, bytearray, memoryview)):
+        return int.from_bytes(bytes(h[-8:]), "big")
+    raise TypeError(f"a block hash is an int or bytes, not {type(h).__name__}")
+
+
+# --------------------------------------------------------------------------- extra keys
+
+
+class MultiModalItem(NamedTuple):
+    """A multimodal placeholder: vLLM's item identifier and its token range ``[offset, offset+length)``."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+EXTRA_KEY_STYLES = {
+    "current": "hash input of vLLM 0.31+: tagged tuples ('lora', name, path), ('mm', id, offset), ('cache_salt', s)",
+    "event": "what BlockStored.extra_keys carries in 0.19+: untagged name, (id, offset), salt; no lookahead tokens",
+    "untagged": "hash input of 0.19.0-0.30.x: LoRA name, (identifier, offset), salt",
+    "untagged_mm_id": "hash input of 0.11.1-0.18.x: LoRA name, bare mm identifier, salt",
+    "lora_int_id": "hash input of 0.10.2-0.11.0: LoRA integer id, bare mm identifier, salt",
+}
+
+
+def _lora_piece(style: str, lora: tuple[str, str] | None, lora_int_id: int | None) -> object | None:
+    if style == "lora_int_id":
+        if lora is not None and lora_int_id is None:
+            raise ValueError("style 'lora_int_id' needs lora_int_id (the engine's integer adapter id)")
+        return lora_int_id
+    if lora is None:
+        return None
+    name, path = lora
+    return ("lora", name, path) if style == "current" else name
+
+
+def _mm_piece(style: str, item: MultiModalItem, block_start: int) -> object:
+    if style == "current":
+        return ("mm", item.identifier, item.offset - block_start)
+    if style in ("untagged", "event"):
+        return (item.identifier, item.offset - block_start)
+    return item.identifier
+
+
+def request_extra_keys(
+    num_tokens: int,
+    block_size: int,
+    *,
+    lora: tuple[str, str] | None = None,
+    cache_salt: str | None = None,
+    mm_items: Sequence[MultiModalItem | tuple[str, int, int]] = (),
+    style: str = "current",
+    lora_int_id: int | None = None,
+    lookahead: int = 0,
+    token_ids: Sequence[int] | None = None,
+) -> list[tuple | None]:
+    """The extra-key item of each hashable block of a request, in vLLM's order.
+
+    Per block: LoRA (every block), each multimodal item overlapping the block
+    (offset relative to the block start, negative once the item began
+    earlier), then the cache salt (block 0 only). ``lora`` is
+    ``(lora_name, lora_path)``; ``style`` picks the release's shape (see
+    :data:`EXTRA_KEY_STYLES`). Prompt-embedding digests are not supported (a
+    router never has the embeddings).
+
+    With EAGLE ``lookahead`` L > 0 (0.33+), only ``(num_tokens - L) //
+    block_size`` blocks exist, each item is computed over the block widened by
+    L tokens, and the hash styles append the L following tokens (from
+    ``token_ids``): ``(E, t_end, ..., t_end+L-1)``; style ``"event"`` gives
+    ``E`` alone, as ``BlockStored.extra_keys`` publishes it.
+
+    The multimodal overlap rule is the one vLLM applies when it hashes a whole
+    prompt at once; the 0.10.2-0.18 off-by-one only affected blocks hashed
+    later during decoding.
+    """
+    if style not in EXTRA_KEY_STYLES:
+        raise ValueError(f"unknown extra-key style {style!r} (known: {', '.join(EXTRA_KEY_STYLES)})")
+    if lookahead and style not in ("current", "event"):
+        raise ValueError("lookahead hashing exists only in vLLM 0.33+ (styles 'current' and 'event')")
+    appends_lookahead = lookahead > 0 and style != "event"
+    if appends_lookahead:
+        if token_ids is None or len(token_ids) != num_tokens:
+            raise ValueError("lookahead hashing needs the request's token_ids (num_tokens of them)")
+    items = [MultiModalItem(*item) for item in mm_items]
+    lora_piece = _lora_piece(style, lora, lora_int_id)
+    salt_piece = None
+    if cache_salt is not None:
+        salt_piece = ("cache_salt", cache_salt) if style == "current" else cache_salt
+
+    out: list[tuple | None] = []
+    for index in range(hashable_block_count(num_tokens, block_size, lookahead)):
+        start = index * block_size
+        end = start + block_size
+        window_end = end + lookahead
+        pieces: list[object] = []
+        if lora_piece is not None:
+            pieces.append(lora_piece)
+        for item in items:
+            if item.offset < window_end and item.offset + item.length > start:
+                pieces.append(_mm_piece(style, item, start))
+        if salt_piece is not None and start == 0:
+            pieces.append(salt_piece)
+        extra = tuple(pieces) if pieces else None
+        if appends_lookahead:
+            extra = (extra, *token_ids[end:window_end])
+        out.append(extra)
+    return out
+
+
+# --------------------------------------------------------------------------- compact block bytes
+
+
+@lru_cache(maxsize=4096)
+def _extra_bytes(extra: tuple) -> bytes:
+    return cbor2.dumps(extra, canonical=True)
+
+
+@lru_cache(maxsize=4096)
+def _extra_tail(extra: tuple) -> bytes:
+    return b"\xff" + _extra_bytes(extra)
+
+
+# Unsigned 32-bit little-endian token ids; unsigned typecodes convert lists twice as fast as signed ones.
+_U32 = next(code for code in "IL" if array(code).itemsize == 4)
+
+
+def _pack_u32le(tokens: Sequence[int]) -> bytes:
+    try:
+        packed = array(_U32, tokens)
+    except (TypeError, OverflowError) as exc:
+        raise ValueError(f"token ids must be ints in [0, 2**32): {exc}") from None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+# --------------------------------------------------------------------------- key functions
+
+
+@runtime_checkable
+class BlockKeyFunction(Protocol):
+    """Turns token ids into one unsigned 64-bit key per full block (a chained hash)."""
+
+    name: str
+
+    def keys(self, token_ids: Sequence[int], block_size: int, extra_keys: ExtraKeys | None = None) -> list[int]:
+        """One key per full block of ``token_ids``; ``extra_keys`` holds one item (or None) per block."""
+        ...
+
+
+class VllmBlockKeys:
+    """vLLM's own chain; the keys equal the int hashes in the engine's KV events.
+
+    Needs the engine's ``--prefix-caching-hash-algo``, its ``PYTHONHASHSEED``
+    (``seed``; None means unset) and block size. ``sha256_cbor`` uses the
+    cbor2-on-the-token-tuple fast path (:func:`cbor_block_triple`).
+
+    The memo maps ``(block size, parent digest, block tokens, extra)`` to
+    ``(digest, key)`` and is an **LRU** bounded by ``memo_size`` entries (0
+    disables it). LRU rather than clear-when-full because the entries worth
+    keeping (shared system prompts, earlier turns of a chat) are exactly the
+    recently used ones, while most prompt tails are unique: clearing would
+    periodically drop the hot prefixes together with the junk. A hit costs
+    about 0.6 µs per block against 2.5 µs for hashing; a miss adds about
+    0.9 µs (insertion, LRU bookkeeping). About 380 bytes per entry with
+    16-token blocks (24 MiB at the default size). Not thread-safe: use one
+    instance per thread.
+    """
+
+    name = "vllm"
+
+    def __init__(self, algo: str = "sha256_cbor", seed: str | None = "0", memo_size: int = 65536) -> None:
+        if memo_size < 0:
+            raise ValueError(f"memo_size must be >= 0, got {memo_size}")
+        self.algo = algo
+        self.seed = seed
+        self.none_hash = none_hash(algo, seed)
+        self.memo_size = memo_size
+        self._hash_block = block_hasher(algo)
+        self._memo: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()
+
+    def __repr__(self) -> str:
+        return f"VllmBlockKeys(algo={self.algo!r}, seed={self.seed!r}, memo_size={self.memo_size})"
+
+    def keys(self, token_ids: Sequence[int], block_size: int, extra_keys: ExtraKeys | None = None) -> list[int]:
+        return [key for _, key in self._chain(token_ids, block_size, extra_keys, self.none_hash, 0)]
+
+    def digests(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        extra_keys: ExtraKeys | None = None,
+        *,
+        parent: bytes | None = None,
+        lookahead: int = 0,
+    ) -> list[bytes]:
+        """Full digests (as :func:`block_digests`), memoised; ``parent`` continues a chain."""
+        root = self.none_hash if parent is None else parent
+        return [digest for digest, _ in self._chain(token_ids, block_size, extra_keys, root, lookahead)]
+
+    @property
+    def memo_entries(self) -> int:
+        return len(self._memo)
+
+    def clear_memo(self) -> None:
+        self._memo.clear()
+
+    def _chain(
+        self, token_ids: Sequence[int], block_size: int, extra_keys: ExtraKeys | None, parent: bytes, lookahead: int
+    ) -> list[tuple[bytes, int]]:
+        tokens = _as_int_list(token_ids)
+        count = hashable_block_count(len(tokens), block_size, lookahead)
+        extras = _extras_for(extra_keys, count)
+        if self.memo_size and len(parent) == len(self.none_hash):
+            try:
+                packed = _pack_u32le(tokens[: count * block_size])
+            except ValueError:
+                pass  # ids outside uint32 (never from a tokenizer): hash without the memo
+            else:
+                return self._memoised_chain(tokens, packed, block_size, extras, parent, count)
+        hash_block = self._hash_block
+        out = []
+        for i in range(count):
+            parent = hash_block(parent, tokens[i * block_size : (i + 1) * block_size], extras[i])
+            out.append((parent, int.from_bytes(parent[-8:], "big")))
+        return out
+
+    def _memoised_chain(
+        self, tokens: Sequence[int], packed: bytes, block_size: int, extras: Sequence, parent: bytes, count: int
+    ) -> list[tuple[bytes, int]]:
+        # Memo keys are flat bytes, not tuples: bytes are invisible to the cyclic GC, which
+        # otherwise re-scans a large memo of tuples and doubles the cost of a miss. The key is
+        # block size + parent + uint32 tokens [+ 0xff + CBOR of the extra]: unambiguous, since
+        # every parent here has the digest's length.
+        memo, limit, hash_block = self._memo, self.memo_size, self._hash_block
+        size_prefix = block_size.to_bytes(4, "little")
+        stride = 4 * block_size
+        out = []
+        hit = None
+        for i in range(count):
+            extra = extras[i]
+            extra_tail = b"" if extra is None else _extra_tail(extra)
+            memo_key = b"".join((size_prefix, parent, packed[i * stride : (i + 1) * stride], extra_tail))
+            # After a miss the rest of the chain almost surely misses too (its parents are new):
+            # skip the lookups. Recomputing a block that was in the memo after all is still correct.
+            hit = memo.get(memo_key) if i == 0 or hit is not None else None
+            if hit is None:
+                digest = hash_block(parent, tokens[i * block_size : (i + 1) * block_size], extra)
+                memo[memo_key] = entry = (digest, int.from_bytes(digest[-8:], "big"))
+                if len(memo) > limit:
+                    memo.popitem(last=False)
+            else:
+                memo.move_to_end(memo_key)
+                entry = hit
+            out.append(entry)
+            parent = entry[0]
+        return out
+
+
+class ContentChainKeys:
+    """A fast private chain over token ids. **Not** vLLM's hash: its keys never match event hashes.
+
+    ``key_i = xxh3_64(tokens_i as uint32 little-endian [+ CBOR of extra_i], seed=key_{i-1})``
+    with ``key_{-1} = root``. Use it where the mirror re-keys each
+    ``BlockStored`` from its ``token_ids`` (continuing from the parent block's
+    key via ``parent``) and keeps an engine-hash -> key map to apply
+    ``BlockRemoved``: it is independent of the engine's algorithm and seed and
+    5-10x cheaper than :class:`VllmBlockKeys`, but the block size must still
+    match. Token ids must lie in ``[0, 2**32)`` (ValueError otherwise). Token
+    blocks have a fixed byte length for a given block size, so a block with
+    extras can never be confused with one without.
+    """
+
+    name = "content"
+
+    def __init__(self, root: int = 0) -> None:
+        self.root = root & U64_MASK
+
+    def __repr__(self) -> str:
+        return f"ContentChainKeys(root={self.root})"
+
+    def keys(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        extra_keys: ExtraKeys | None = None,
+        *,
+        parent: int | None = None,
+    ) -> list[int]:
+        count = hashable_block_count(len(token_ids), block_size)
+        extras = _extras_for(extra_keys, count)
+        packed = _pack_u32le(token_ids[: count * block_size])
+        stride = block_size * 4
+        key = self.root if parent is None else parent & U64_MASK
+        digest = xxhash.xxh3_64_intdigest
+        out = []
+        for i in range(count):
+            data = packed[i * stride : (i + 1) * stride]
+            if extras[i] is not None:
+                data += _extra_bytes(extras[i])
+            key = digest(data, key)
+            out.append(key)
+        return out
