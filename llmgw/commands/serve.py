@@ -8,6 +8,7 @@ laptop. SIGINT/SIGTERM drain gracefully (a second signal stops at once).
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import sys
@@ -67,8 +68,8 @@ async def serve(config, listen, control_listen, demo_replicas: int = 2) -> None:
         if config is None:
             urls = []
             for i in range(demo_replicas):
-                child = await nursery.start(run_child, llmgw_command(
-                    "sim", "--port", "0", "--served-model-name", DEMO_MODEL, "--seed", str(i)), name=f"sim-{i}")
+                child = await nursery.start(functools.partial(run_child, llmgw_command(
+                    "sim", "--port", "0", "--served-model-name", DEMO_MODEL, "--seed", str(i)), name=f"sim-{i}"))
                 urls.append(child.url)
             text = demo_config_text(urls)
             config = parse_config(text, filename="<demo>")

@@ -333,3 +333,18 @@ def register_routing_tiers():
             "x-llmgw-replica"] for _ in range(4)]
     assert served == ["b"] * 4
     assert await metric_value(gw, "llmgw_prefix_decisions_total", 'tier="always_last",outcome="last"') == 4
+
+
+async def test_the_demo_serves_without_a_config(start_llmgw):
+    gw = await start_llmgw(None)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+    async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
+        models = (await client.get("/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == ["tiny"]
+        served = set()
+        for _ in range(4):
+            response = await client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["message"]["role"] == "assistant"
+            served.add(response.headers["x-llmgw-replica"])
+    assert len(served) == 2

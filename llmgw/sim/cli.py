@@ -1,0 +1,190 @@
+"""``llmgw sim``: parse vLLM-style flags, run a :class:`~llmgw.sim.app.Simulator` until SIGTERM/SIGINT.
+
+Flags take vLLM's names where vLLM has one, so an engine plugin can start vLLM
+and the simulator alike; common vLLM flags that do not matter here are
+accepted and ignored (one log line). When ready it prints, flushed, one line
+per event socket and then ``llmgw-sim listening on http://HOST:PORT`` to stdout
+(the real port when ``--port 0``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+
+import trio
+
+from .config import ConfigError, KVEventsConfig, SimConfig, parse_lora_modules
+
+log = logging.getLogger("llmgw.sim")
+
+READY_PREFIX = "llmgw-sim listening on "
+
+# vLLM flags an engine plugin may pass that do not matter to the simulator: (name, takes a value)
+IGNORED_FLAGS = (
+    ("--tensor-parallel-size", True), ("-tp", True), ("--pipeline-parallel-size", True), ("-pp", True),
+    ("--data-parallel-size", True), ("--dtype", True), ("--gpu-memory-utilization", True),
+    ("--kv-cache-memory-bytes", True), ("--swap-space", True), ("--tokenizer", True), ("--revision", True),
+    ("--download-dir", True), ("--load-format", True), ("--max-loras", True), ("--max-lora-rank", True),
+    ("--uvicorn-log-level", True), ("--distributed-executor-backend", True), ("--quantization", True),
+    ("--enforce-eager", False), ("--trust-remote-code", False), ("--disable-log-requests", False),
+    ("--enable-log-requests", False), ("--disable-log-stats", False), ("--enable-lora", False),
+    ("--enable-chunked-prefill", False), ("--enable-prompt-tokens-details", False),
+    ("--enable-server-load-tracking", False), ("--disable-uvicorn-access-log", False),
+)
+
+
+def _output_range(text: str) -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in text.split(":", 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected MIN:MAX, e.g. 16:128") from None
+    return low, high
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.from_json(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="llmgw sim", description="A vLLM-like OpenAI server with a simulated paged prefix cache and KV events.")
+    vllm = p.add_argument_group("vLLM flags")
+    vllm.add_argument("model_tag", nargs="?", help="model path (like `vllm serve MODEL`); default 'sim'")
+    vllm.add_argument("--model", help="model path, reported as the model card's root (default 'sim')")
+    vllm.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use; default: the model")
+    vllm.add_argument("--host", default="127.0.0.1")
+    vllm.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on stdout)")
+    vllm.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (as vLLM)")
+    vllm.add_argument("--block-size", type=int, default=16)
+    vllm.add_argument("--num-gpu-blocks-override", "--num-blocks", dest="num_blocks", type=int, default=1024,
+                      help="KV cache size in blocks, including vLLM's reserved null block (default 1024)")
+    vllm.add_argument("--max-model-len", type=int, default=None,
+                      help="context length (default 8192, lowered to what the KV cache holds)")
+    vllm.add_argument("--max-num-seqs", type=int, default=256, help="running requests per step")
+    vllm.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    vllm.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    vllm.add_argument("--prefix-caching-hash-algo", default="sha256",
+                      choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"))
+    vllm.add_argument("--kv-events-config", type=_kv_events_config, default=None,
+                      help="vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}'")
+    vllm.add_argument("--data-parallel-rank", "--engine-id", dest="data_parallel_rank", type=int, default=0,
+                      help="rank in events and metrics; offsets event ports as vLLM does")
+    vllm.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                      help="LoRA adapters served as models (their requests hash with the adapter)")
+    vllm.add_argument("--seed", type=int, default=0, help="seed of the simulated outputs")
+    sim = p.add_argument_group("simulator flags")
+    sim.add_argument("--event-layout", choices=("map", "array"), default="map",
+                     help="payload layout: map (vLLM 0.24+) or array (0.22-0.23)")
+    sim.add_argument("--event-fields", type=int, default=None,
+                     help="BlockStored fields the layout declares (map 11-15, default 14 = vLLM 0.30-0.32; "
+                          "array 5-11, default 11)")
+    sim.add_argument("--time-scale", type=float, default=1.0, help="1 = modelled real time, 0.01 = 100x faster, 0 = no waiting")
+    sim.add_argument("--prefill-tokens-per-s", type=float, default=20000.0, help="prefill throughput of uncached tokens")
+    sim.add_argument("--decode-ms-per-step", type=float, default=20.0, help="fixed cost of every engine step")
+    sim.add_argument("--output-tokens", type=_output_range, default=(16, 128), metavar="MIN:MAX",
+                     help="range of natural output lengths (ending in EOS) unless ignore_eos or max_tokens")
+    sim.add_argument("--drop-event-seqs", default=None, metavar="SEQS",
+                     help="test switch: '3,7' or 'every:N' batches kept for replay but not published live")
+    sim.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _strip_ignored(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Remove the ignored vLLM flags (with their values) from ``argv``."""
+    takes_value = dict(IGNORED_FLAGS)
+    kept, ignored = [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg.split("=", 1)[0]
+        if name in takes_value:
+            ignored.append(name)
+            if takes_value[name] and "=" not in arg:
+                i += 1
+        else:
+            kept.append(arg)
+        i += 1
+    return kept, ignored
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    model = args.model or args.model_tag or "sim"
+    return SimConfig(
+        model=model,
+        served_model_names=list(args.served_model_name or []),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        kv_events=args.kv_events_config or KVEventsConfig(),
+        event_layout=args.event_layout,
+        event_fields=args.event_fields,
+        data_parallel_rank=args.data_parallel_rank,
+        drop_event_seqs=args.drop_event_seqs,
+        time_scale=args.time_scale,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        decode_ms_per_step=args.decode_ms_per_step,
+        seed=args.seed,
+        output_tokens=args.output_tokens,
+        lora_modules=parse_lora_modules(args.lora_modules),
+    )
+
+
+async def _exit_on_signal(cancel_scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("received %s, shutting down", signal.Signals(signum).name)
+            cancel_scope.cancel()
+            return
+
+
+async def serve(config: SimConfig) -> None:
+    """Run a simulator until SIGTERM/SIGINT, announcing its addresses on stdout."""
+    from .app import Simulator
+
+    sim = Simulator(config)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_exit_on_signal, nursery.cancel_scope)
+        addresses = await nursery.start(sim.run)
+        if addresses.kv_events:
+            print(f"llmgw-sim kv-events on {addresses.kv_events}", flush=True)
+        if addresses.kv_replay:
+            print(f"llmgw-sim kv-replay on {addresses.kv_replay}", flush=True)
+        print(f"{READY_PREFIX}{addresses.base_url}", flush=True)
+        log.info("model %s: %d blocks of %d tokens, max_model_len %d, hash %s, events %s",
+                 config.model_name, config.num_blocks, config.block_size, config.max_model_len,
+                 config.prefix_caching_hash_algo if config.enable_prefix_caching else "off (no prefix caching)",
+                 json.dumps(sim.kv_event_sources()) if addresses.kv_events else "off")
+
+
+def main(argv: list[str]) -> int:
+    kept, ignored = _strip_ignored(list(argv))
+    parser = build_parser()
+    args = parser.parse_args(kept)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if ignored:
+        log.info("ignoring vLLM flags that do not apply to the simulator: %s", " ".join(ignored))
+    try:
+        config = config_from_args(args).resolve()
+    except ConfigError as exc:
+        print(f"llmgw sim: {exc}", file=sys.stderr)
+        return 2
+    try:
+        trio.run(serve, config)
+    except KeyboardInterrupt:
+        pass
+    return 0

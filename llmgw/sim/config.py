@@ -1,0 +1,223 @@
+"""The simulator's settings, and vLLM's ``--kv-events-config`` with its endpoint rules.
+
+:class:`SimConfig` is what the CLI parses and what :func:`llmgw.sim.app.run_simulator`
+runs, so tests and the demo can build one directly. :class:`KVEventsConfig`
+accepts vLLM's JSON (fields and defaults of 0.34) and applies vLLM's rules: the
+PUB socket binds when the endpoint has ``*`` or ``::`` or is ``ipc://`` /
+``inproc://``, otherwise connects; the replay socket always binds; data
+parallel rank r offsets tcp ports by r (never port 0) and suffixes inproc
+endpoints with ``_dp<r>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+
+from llmgw.kv.codec import ARRAY_VARIANTS, MAP_VARIANTS
+from llmgw.kv.keys import ALGORITHMS
+
+
+class ConfigError(ValueError):
+    """A setting the simulator cannot run with."""
+
+
+@dataclass
+class KVEventsConfig:
+    """vLLM's ``KVEventsConfig`` (``vllm/config/kv_events.py``)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # None -> "zmq" when enabled, else "null" (vLLM 0.11.1+)
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10000
+    hwm: int = 100000
+    max_queue_size: int = 100000
+    topic: str = ""
+
+    @classmethod
+    def from_json(cls, text: str) -> "KVEventsConfig":
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--kv-events-config is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError("--kv-events-config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"--kv-events-config: unknown field(s) {', '.join(unknown)} "
+                              f"(known: {', '.join(sorted(known))})")
+        config = cls(**raw)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if self.publisher not in ("zmq", "null"):
+            raise ConfigError(f"--kv-events-config: publisher must be 'zmq' or 'null', not {self.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"--kv-events-config: {name} must be a non-negative integer")
+        if not isinstance(self.topic, str):
+            raise ConfigError("--kv-events-config: topic must be a string")
+
+    @property
+    def publishing(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def binds(endpoint: str) -> bool:
+    """vLLM's rule: bind for wildcard hosts and ipc/inproc, connect otherwise."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def offset_endpoint(endpoint: str, rank: int) -> str:
+    """The endpoint data-parallel rank ``rank`` uses (vLLM's per-rank offset)."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    if endpoint.startswith("tcp://"):
+        match = re.fullmatch(r"(tcp://.*):(\d+)", endpoint)
+        if not match:
+            raise ConfigError(f"KV events endpoint {endpoint!r} has no port")
+        port = int(match.group(2))
+        return endpoint if port == 0 else f"{match.group(1)}:{port + rank}"
+    raise ConfigError(f"KV events endpoint {endpoint!r}: only tcp:// and inproc:// support data-parallel ranks > 0")
+
+
+@dataclass
+class LoraModule:
+    """A LoRA adapter the simulator serves as a model (``--lora-modules name=path``)."""
+
+    name: str
+    path: str
+    lora_id: int
+
+
+@dataclass
+class SimConfig:
+    """Everything a simulator needs to run (defaults are the CLI's)."""
+
+    model: str = "sim"
+    served_model_names: list[str] = field(default_factory=list)  # empty -> [model]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_model_len: int | None = None  # None -> 8192, lowered to what the cache holds
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    event_layout: str = "map"
+    event_fields: int | None = None  # BlockStored field count of the layout; None -> 14 (map) / 11 (array)
+    data_parallel_rank: int = 0
+    drop_event_seqs: str | None = None
+    time_scale: float = 1.0
+    prefill_tokens_per_s: float = 20000.0
+    decode_ms_per_step: float = 20.0
+    seed: int = 0
+    output_tokens: tuple[int, int] = (16, 128)
+    lora_modules: list[LoraModule] = field(default_factory=list)
+
+    DEFAULT_MAX_MODEL_LEN = 8192
+
+    def resolve(self) -> "SimConfig":
+        """Fill derived defaults and check the combination; returns self."""
+        if not self.served_model_names:
+            self.served_model_names = [self.model]
+        if self.block_size < 1:
+            raise ConfigError("--block-size must be positive")
+        if self.num_blocks < 2:
+            raise ConfigError("--num-blocks must be at least 2 (vLLM reserves one null block)")
+        if self.prefix_caching_hash_algo not in ALGORITHMS:
+            raise ConfigError(f"--prefix-caching-hash-algo must be one of {', '.join(ALGORITHMS)}")
+        if self.event_layout not in ("map", "array"):
+            raise ConfigError("--event-layout must be 'map' or 'array'")
+        if self.event_fields is None:
+            self.event_fields = 14 if self.event_layout == "map" else 11
+        variants = MAP_VARIANTS if self.event_layout == "map" else ARRAY_VARIANTS
+        if self.event_fields not in variants:
+            raise ConfigError(f"--event-fields for the {self.event_layout} layout must be one of "
+                              f"{', '.join(map(str, sorted(variants)))}")
+        capacity = (self.num_blocks - 1) * self.block_size
+        if self.max_model_len is None:
+            self.max_model_len = min(self.DEFAULT_MAX_MODEL_LEN, capacity)
+        elif self.max_model_len > capacity:
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len} needs more KV cache than --num-blocks {self.num_blocks} "
+                f"x --block-size {self.block_size} holds ({capacity} tokens; one block is vLLM's null block)")
+        if self.max_model_len < 2:
+            raise ConfigError("--max-model-len must be at least 2")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be positive")
+        if self.time_scale < 0 or self.prefill_tokens_per_s <= 0 or self.decode_ms_per_step < 0:
+            raise ConfigError("--time-scale and --decode-ms-per-step must be >= 0, --prefill-tokens-per-s > 0")
+        low, high = self.output_tokens
+        if not 1 <= low <= high:
+            raise ConfigError("--output-tokens must be MIN:MAX with 1 <= MIN <= MAX")
+        self.kv_events.validate()
+        if self.drop_event_seqs:
+            parse_drop_seqs(self.drop_event_seqs)
+        return self
+
+    @property
+    def model_name(self) -> str:
+        """The primary served model name (used in metrics and responses by default)."""
+        return (self.served_model_names or [self.model])[0]
+
+    @property
+    def pub_endpoint(self) -> str:
+        return offset_endpoint(self.kv_events.endpoint, self.data_parallel_rank)
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        ep = self.kv_events.replay_endpoint
+        return None if ep is None else offset_endpoint(ep, self.data_parallel_rank)
+
+
+def parse_drop_seqs(spec: str):
+    """``"3,7,9"`` or ``"every:N"`` -> predicate on sequence numbers (dropped from the live PUB only)."""
+    spec = spec.strip()
+    if spec.startswith("every:"):
+        try:
+            every = int(spec[len("every:"):])
+        except ValueError:
+            every = 0
+        if every < 1:
+            raise ConfigError("--drop-event-seqs every:N needs N >= 1")
+        return lambda seq: seq > 0 and seq % every == 0
+    try:
+        seqs = frozenset(int(part) for part in spec.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError("--drop-event-seqs must be a comma list of sequence numbers or every:N") from None
+    return seqs.__contains__
+
+
+def parse_lora_modules(values: list[str]) -> list[LoraModule]:
+    """vLLM's ``--lora-modules`` items: ``name=path`` or JSON ``{"name": .., "path": ..}``."""
+    out = []
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                raw = json.loads(value)
+                name, path = raw["name"], raw["path"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ConfigError(f"--lora-modules: bad JSON item {value!r}") from None
+        elif "=" in value:
+            name, path = value.split("=", 1)
+        else:
+            raise ConfigError(f"--lora-modules items are name=path or JSON, got {value!r}")
+        out.append(LoraModule(name, path, len(out) + 1))
+    return out

@@ -1,0 +1,110 @@
+"""The engine loop: runs scheduler steps on the Trio clock and hands out tokens and event batches.
+
+Timing model: a step lasts ``prefill_tokens / prefill_tokens_per_s +
+decode_ms_per_step / 1000`` seconds of modelled time, times ``time_scale``
+(0 = as fast as possible, still yielding to other tasks between steps).
+Prefix-cache hits are not computed, so a hit saves exactly the prefill time of
+its tokens. Tokens sampled by a step are delivered when the step ends; the
+step's KV events go to the publisher as one batch at the same moment, as vLLM
+publishes after the step ran. With nothing to do the loop sleeps on an event:
+no polling, no CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import trio
+
+from llmgw.kv.events import EventBatch, KVEvent
+
+from .scheduler import Scheduler, Sequence, Step
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """Owns the scheduler; one task runs :meth:`run`."""
+
+    def __init__(self, scheduler: Scheduler, *, prefill_tokens_per_s: float = 20000.0,
+                 decode_ms_per_step: float = 20.0, time_scale: float = 1.0, data_parallel_rank: int = 0,
+                 events_out: trio.MemorySendChannel | None = None):
+        if prefill_tokens_per_s <= 0 or decode_ms_per_step < 0 or time_scale < 0:
+            raise ValueError("prefill_tokens_per_s must be > 0; decode_ms_per_step and time_scale >= 0")
+        self.scheduler = scheduler
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.decode_s_per_step = decode_ms_per_step / 1000.0
+        self.time_scale = time_scale
+        self.data_parallel_rank = data_parallel_rank
+        self.events_out = events_out
+        self.batches_dropped = 0  # batches the publisher could not take (queue full)
+        self._work = trio.Event()
+
+    @property
+    def cache(self):
+        return self.scheduler.cache
+
+    def step_seconds(self, step: Step) -> float:
+        """Wall-clock length of ``step`` under the timing model."""
+        return (step.prefill_tokens / self.prefill_tokens_per_s + self.decode_s_per_step) * self.time_scale
+
+    def submit(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+        self._work.set()
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.finished:
+            self.scheduler.abort(seq)
+            seq.notify()
+            self._work.set()
+
+    def reset_prefix_cache(self, *, reset_running_requests: bool = False) -> bool:
+        """vLLM's reset: refused while blocks are in use, unless running requests are preempted first.
+
+        ``AllBlocksCleared`` is published at once (vLLM publishes it with its next step).
+        """
+        if reset_running_requests and self.scheduler.preempt_all():
+            self._work.set()
+        ok = self.scheduler.cache.reset_prefix_cache()
+        self._publish(self.scheduler.cache.pool.take_events())
+        return ok
+
+    def _publish(self, events: list[KVEvent]) -> None:
+        if not events or self.events_out is None:
+            return
+        try:
+            self.events_out.send_nowait(EventBatch(time.time(), events, self.data_parallel_rank))
+        except trio.WouldBlock:
+            self.batches_dropped += 1
+            log.warning("KV event queue is full; dropped a batch of %d events", len(events))
+
+    async def run(self) -> None:
+        scheduler = self.scheduler
+        while True:
+            if not scheduler.has_work():
+                self._work = trio.Event()
+                await self._work.wait()
+                continue
+            started = trio.current_time()
+            step = scheduler.schedule()
+            if not step.scheduled:
+                # Nothing fits (cannot happen with a sane config); wait for a submission or an abort.
+                self._publish(step.events)
+                self._work = trio.Event()
+                await self._work.wait()
+                continue
+            seconds = self.step_seconds(step)
+            if seconds > 0:
+                await trio.sleep_until(started + seconds)
+            else:
+                await trio.lowlevel.checkpoint()
+            for seq in scheduler.update(step):
+                seq.notify()
+            self._publish(step.events)
+
+
+def queue_size(max_queue_size: int | None) -> float:
+    """Capacity of the engine -> publisher channel (vLLM's ``max_queue_size``)."""
+    return math.inf if not max_queue_size else max_queue_size

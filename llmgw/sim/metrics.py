@@ -1,0 +1,75 @@
+"""``/metrics``: Prometheus text with vLLM's metric names and labels, read from the engine's state.
+
+Labels are vLLM's ``model_name`` (the first served name) and ``engine`` (the
+data-parallel rank). Counters carry the ``_total`` suffix, as prometheus_client
+exposes vLLM's. ``vllm:kv_cache_usage_perc`` is vLLM's definition: blocks
+referenced by requests over usable blocks, so it falls to 0 when the engine is
+idle even though cached blocks remain. Those are in the simulator's own
+``llmgw_sim_cached_blocks`` gauge, which equals BlockStored minus BlockRemoved
+block counts of the event stream (since the last AllBlocksCleared).
+The text is built by hand: a few dozen lines, cheap enough for the event loop.
+"""
+
+from __future__ import annotations
+
+from .engine import Engine
+
+CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+
+_METRICS = (
+    # (name, type, help)
+    ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches."),
+    ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
+    ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage."),
+    ("vllm:prefix_cache_queries", "counter",
+     "Prefix cache queries, in terms of number of queried tokens."),
+    ("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens."),
+    ("vllm:prompt_tokens", "counter", "Number of prefill tokens processed."),
+    ("vllm:generation_tokens", "counter", "Number of generation tokens processed."),
+    ("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine."),
+    ("vllm:request_success", "counter", "Count of successfully processed requests."),
+    ("llmgw_sim_cached_blocks", "gauge",
+     "Physical KV blocks holding a cached hash (BlockStored minus BlockRemoved blocks)."),
+    ("llmgw_sim_num_blocks", "gauge", "Usable KV blocks (num_blocks minus vLLM's null block)."),
+    ("llmgw_sim_block_size", "gauge", "Tokens per KV block."),
+    ("llmgw_sim_engine_steps", "counter", "Engine steps run."),
+    ("llmgw_sim_kv_event_batches_dropped", "counter", "KV event batches lost because the publisher queue was full."),
+)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render(engine: Engine, model_name: str) -> bytes:
+    """The exposition text for one engine."""
+    scheduler = engine.scheduler
+    stats = scheduler.stats
+    pool = scheduler.cache.pool
+    labels = f'engine="{engine.data_parallel_rank}",model_name="{_escape(model_name)}"'
+    values = {
+        "vllm:num_requests_running": [("", len(scheduler.running))],
+        "vllm:num_requests_waiting": [("", len(scheduler.waiting))],
+        "vllm:kv_cache_usage_perc": [("", pool.usage)],
+        "vllm:prefix_cache_queries": [("", stats.prefix_cache_queries)],
+        "vllm:prefix_cache_hits": [("", stats.prefix_cache_hits)],
+        "vllm:prompt_tokens": [("", stats.prompt_tokens)],
+        "vllm:generation_tokens": [("", stats.generation_tokens)],
+        "vllm:num_preemptions": [("", stats.preemptions)],
+        "vllm:request_success": [(f',finished_reason="{reason}"', count)
+                                 for reason, count in stats.finished.items()],
+        "llmgw_sim_cached_blocks": [("", pool.num_cached_blocks)],
+        "llmgw_sim_num_blocks": [("", pool.num_usable_blocks)],
+        "llmgw_sim_block_size": [("", pool.block_size)],
+        "llmgw_sim_engine_steps": [("", stats.steps)],
+        "llmgw_sim_kv_event_batches_dropped": [("", engine.batches_dropped)],
+    }
+    lines = []
+    for name, kind, help_ in _METRICS:
+        lines.append(f"# HELP {name} {help_}")
+        lines.append(f"# TYPE {name} {kind}")
+        sample = name + "_total" if kind == "counter" else name
+        for extra, value in values[name]:
+            lines.append(f"{sample}{{{labels}{extra}}} {float(value)!r}")
+    lines.append("")
+    return "\n".join(lines).encode()

@@ -1,0 +1,262 @@
+"""Continuous batching: which requests run in the next engine step, and what a step changes.
+
+Pure and synchronous (no clock, no I/O), after vLLM v1's scheduler:
+
+- running requests first, in admission order: each gets the tokens it still
+  has to compute (one per decoding request, the rest of a chunked or resumed
+  prefill), within the step's token budget (``max_num_batched_tokens``);
+  when its blocks do not fit, the most recently admitted running request is
+  preempted (blocks freed, recomputed later from the start, prefix cache
+  permitting) until they do;
+- then, unless something was preempted, waiting requests in arrival order
+  while the budget, ``max_num_seqs`` and free blocks allow; each starts with
+  its prefix-cache hit and computes the rest (chunked across steps when the
+  budget is short); the first that does not fit stops admission (FCFS);
+- after the step, every request whose scheduled tokens reached the end of its
+  tokens samples one token; a request finishes at EOS or at its length limit,
+  and its blocks are freed (cached blocks stay cached, evictable).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+import trio
+
+from llmgw.kv.events import KVEvent
+
+from .blockhash import SequenceHashes
+from .cache import Block, KVCacheManager
+from .tokenizer import EOS_ID
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request inside the engine: its tokens, blocks and progress.
+
+    ``planned_output`` is the whole output decided at submission (see
+    ``sampler.py``); the scheduler reveals it one token per decode step.
+    Consumers wait for progress with :meth:`wait_for_tokens`.
+    """
+
+    __slots__ = ("request_id", "prompt_len", "token_ids", "planned_output", "num_computed_tokens", "hashes",
+                 "blocks", "num_cached_blocks", "lora_id", "lora_name", "num_cached_tokens", "status",
+                 "finish_reason", "num_preemptions", "_changed")
+
+    def __init__(self, request_id: str, prompt_ids: list[int], planned_output: list[int], *,
+                 hashes: SequenceHashes | None = None, lora_id: int | None = None, lora_name: str | None = None):
+        if not prompt_ids:
+            raise ValueError("a request needs at least one prompt token")
+        if not planned_output:
+            raise ValueError("a request must generate at least one token")
+        self.request_id = request_id
+        self.prompt_len = len(prompt_ids)
+        self.token_ids = list(prompt_ids)
+        self.planned_output = planned_output
+        self.num_computed_tokens = 0
+        self.hashes = hashes
+        self.blocks: list[Block] = []
+        self.num_cached_blocks = 0
+        self.lora_id = lora_id
+        self.lora_name = lora_name
+        self.num_cached_tokens = -1  # prompt tokens served from the prefix cache, set when first scheduled
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None  # "stop", "length" or "abort"
+        self.num_preemptions = 0
+        self._changed = trio.Event()
+        if hashes is not None:
+            hashes.extend(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def notify(self) -> None:
+        self._changed.set()
+
+    async def wait_for_tokens(self, seen: int) -> None:
+        """Return once more than ``seen`` output tokens exist or the request finished."""
+        while len(self.token_ids) - self.prompt_len <= seen and self.status is not Status.FINISHED:
+            self._changed = trio.Event()
+            await self._changed.wait()
+
+    async def wait_finished(self) -> None:
+        while self.status is not Status.FINISHED:
+            self._changed = trio.Event()
+            await self._changed.wait()
+
+
+@dataclass(slots=True)
+class Step:
+    """What one engine step computes."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (request, tokens computed)
+    prefill_tokens: int = 0  # tokens computed for prompts (or recomputation), not single decode tokens
+    decode_requests: int = 0
+    preempted: int = 0
+    events: list[KVEvent] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Monotonic counters, exported as ``vllm:`` metrics."""
+
+    prefix_cache_queries: int = 0  # prompt tokens of admitted requests
+    prefix_cache_hits: int = 0  # of those, tokens served from the prefix cache
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+    steps: int = 0
+
+
+class Scheduler:
+    """The waiting queue, the running batch and the KV cache manager."""
+
+    def __init__(self, cache: KVCacheManager, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Finish ``seq`` now (client went away); its blocks are freed at once."""
+        if seq.status is Status.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        elif seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.cache.free(seq)
+        else:
+            return
+        self._finish(seq, "abort")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.stats.finished[reason] += 1
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.cache.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def preempt_all(self) -> int:
+        """Preempt every running request (vLLM's ``reset_running_requests``); returns how many."""
+        count = len(self.running)
+        while self.running:
+            self._preempt(self.running.pop())
+        return count
+
+    def schedule(self) -> Step:
+        """Plan the next step: allocate blocks (evictions and stores happen here, as in vLLM)."""
+        step = Step()
+        cache = self.cache
+        budget = self.max_num_batched_tokens
+        running = self.running
+        scheduled = step.scheduled
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            while not cache.allocate_slots(seq, num_new):
+                victim = running.pop()
+                self._preempt(victim)
+                step.preempted += 1
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break
+        if not step.preempted:
+            self._admit(step, budget)
+        for seq, num_new in scheduled:
+            if num_new == 1 and seq.num_output_tokens and seq.num_computed_tokens == len(seq.token_ids) - 1:
+                step.decode_requests += 1
+            else:
+                step.prefill_tokens += num_new
+        step.events = cache.pool.take_events()
+        return step
+
+    def _admit(self, step: Step, budget: int) -> None:
+        cache = self.cache
+        size = cache.block_size
+        waiting, running = self.waiting, self.running
+        stats = self.stats
+        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            seq = waiting[0]
+            hits = cache.computed_blocks(seq)
+            num_hit_tokens = len(hits) * size
+            num_new = min(len(seq.token_ids) - num_hit_tokens, budget)
+            if not cache.allocate_slots(seq, num_new, hits):
+                break
+            waiting.popleft()
+            seq.status = Status.RUNNING
+            seq.num_computed_tokens = num_hit_tokens
+            running.append(seq)
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_hit_tokens
+                stats.prefix_cache_queries += len(seq.token_ids)
+                stats.prefix_cache_hits += num_hit_tokens
+                stats.prompt_tokens += seq.prompt_len
+            step.scheduled.append((seq, num_new))
+            budget -= num_new
+
+    def update(self, step: Step) -> list[Sequence]:
+        """Apply a computed step: sample tokens, finish requests. Returns the requests that progressed."""
+        progressed = []
+        finished_any = False
+        stats = self.stats
+        stats.steps += 1
+        for seq, num_new in step.scheduled:
+            if seq.status is not Status.RUNNING:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += num_new
+            if seq.num_computed_tokens < len(seq.token_ids):
+                continue  # a prefill chunk: no token yet
+            produced = seq.num_output_tokens
+            token = seq.planned_output[produced]
+            seq.token_ids.append(token)
+            stats.generation_tokens += 1
+            progressed.append(seq)
+            if produced + 1 == len(seq.planned_output):
+                self.cache.free(seq)
+                self._finish(seq, "stop" if token == EOS_ID else "length")
+                finished_any = True
+        if finished_any:
+            self.running = [s for s in self.running if s.status is Status.RUNNING]
+        return progressed

@@ -1,0 +1,107 @@
+"""The engine loop's timing model, on Trio's mock clock (no sockets)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+
+from llmgw.kv.keys import event_int
+from llmgw.sim.blockhash import BlockHashing
+from llmgw.sim.cache import KVCacheManager
+from llmgw.sim.engine import Engine
+from llmgw.sim.scheduler import Scheduler, Sequence
+
+RATE, DECODE_S = 1000.0, 0.010
+
+
+def make_engine(time_scale: float = 1.0, events_out=None, budget: int = 2048) -> Engine:
+    cache = KVCacheManager(200, 16, to_event=event_int)
+    return Engine(Scheduler(cache, max_num_batched_tokens=budget), prefill_tokens_per_s=RATE,
+                  decode_ms_per_step=DECODE_S * 1000, time_scale=time_scale, events_out=events_out)
+
+
+HASHING = BlockHashing(16, "sha256", "0", event_int)
+
+
+def request(n_prompt: int, n_out: int, start: int = 20, rid: str = "r") -> Sequence:
+    return Sequence(rid, list(range(start, start + n_prompt)), list(range(50, 50 + n_out)),
+                    hashes=HASHING.for_request())
+
+
+async def run_one(engine: Engine, seq: Sequence) -> tuple[float, float]:
+    """(time to first token, time to finish) of ``seq``."""
+    t0 = trio.current_time()
+    engine.submit(seq)
+    await seq.wait_for_tokens(0)
+    first = trio.current_time() - t0
+    await seq.wait_finished()
+    return first, trio.current_time() - t0
+
+
+async def test_step_times_and_cache_hit_saving(autojump_clock):
+    engine = make_engine()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.run)
+        ttft, total = await run_one(engine, request(200, 5, rid="a"))
+        assert ttft == pytest.approx(200 / RATE + DECODE_S)
+        assert total == pytest.approx(200 / RATE + 5 * DECODE_S)
+        ttft2, _ = await run_one(engine, request(200, 5, rid="b"))
+        cached = 199 // 16 * 16
+        assert ttft2 == pytest.approx((200 - cached) / RATE + DECODE_S)
+        assert ttft - ttft2 == pytest.approx(cached / RATE)
+        nursery.cancel_scope.cancel()
+
+
+async def test_chunked_prefill_takes_several_steps(autojump_clock):
+    engine = make_engine(budget=64)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.run)
+        ttft, _ = await run_one(engine, request(200, 1))
+        assert ttft == pytest.approx(200 / RATE + math.ceil(200 / 64) * DECODE_S)
+        nursery.cancel_scope.cancel()
+
+
+async def test_time_scale_and_idle_engine_sleeps(autojump_clock):
+    engine = make_engine(time_scale=0.5)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.run)
+        _, total = await run_one(engine, request(100, 3))
+        assert total == pytest.approx((100 / RATE + 3 * DECODE_S) * 0.5)
+        steps = engine.scheduler.stats.steps
+        await trio.sleep(3600)  # idle: no steps run (and the autojump clock would spin if the loop polled)
+        assert engine.scheduler.stats.steps == steps
+        nursery.cancel_scope.cancel()
+
+
+async def test_batches_published_after_their_step(autojump_clock):
+    send, receive = trio.open_memory_channel(math.inf)
+    engine = make_engine(events_out=send)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.run)
+        await run_one(engine, request(40, 20))  # prompt: 2 blocks; decode fills block 2
+        batches = []
+        while True:
+            try:
+                batches.append(receive.receive_nowait())
+            except trio.WouldBlock:
+                break
+        assert [len(b.events[0].block_hashes) for b in batches] == [2, 1]  # 59 tokens computed: 3 full blocks
+        assert all(b.data_parallel_rank == 0 for b in batches)
+        assert engine.reset_prefix_cache()
+        assert type(receive.receive_nowait().events[0]).__name__ == "AllBlocksCleared"
+        nursery.cancel_scope.cancel()
+
+
+async def test_abort_frees_and_wakes(autojump_clock):
+    engine = make_engine()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.run)
+        seq = request(100, 1000)
+        engine.submit(seq)
+        await seq.wait_for_tokens(3)
+        engine.abort(seq)
+        await seq.wait_finished()
+        assert seq.finish_reason == "abort" and engine.cache.usage == 0.0
+        nursery.cancel_scope.cancel()
