@@ -29,8 +29,9 @@ def register_routing_tiers():
     ``model`` is the model's :class:`llmgw.config.ModelConfig` (its
     ``routing_options`` hold the tier's own settings) and ``services`` is the
     :class:`llmgw.router.tier.TierServices` the router offers (registry,
-    metrics, clock, HTTP client). The instance implements
-    :class:`llmgw.router.tier.RoutingTier`.
+    metrics, the model's name and replica list, a clock). The instance
+    implements :class:`llmgw.router.tier.RoutingTier` (optionally its
+    ``explain``).
     """
 
 
@@ -38,8 +39,12 @@ def register_routing_tiers():
 def register_scorers():
     """Return ``{name: factory}`` of replica scorers used by scoring tiers.
 
-    ``factory(options)`` builds a :class:`llmgw.router.tier.Scorer`; a profile
-    weights scorers by name in its ``routing_options``.
+    ``factory(options)`` builds a :class:`llmgw.router.tier.Scorer`, where
+    ``options`` is the model's whole ``routing_options`` mapping (a scorer
+    reads its own keys from it and lists them in the factory's
+    ``option_keys``, so config checks accept them); a model or profile
+    weights scorers by name in ``routing_options.scorers``. Built-in:
+    ``prefix`` and ``load`` (:mod:`llmgw.plugins.scorers`).
     """
 
 

@@ -88,14 +88,27 @@ def default_registry() -> Registry:
 
 
 def check_config_plugins(config, registry: Registry) -> None:
-    """Every plugin the config names must be installed; raises ConfigError pointing at the config lines."""
+    """Every plugin the config names must be installed; raises ConfigError pointing at the config lines.
+
+    A tier class may also vet its ``routing_options`` with a
+    ``check_options(options, registry) -> list[str]`` class method; its
+    problems are reported for models and for profiles (a profile whose tier is
+    not installed is routed round_robin by the control plane, so only models
+    must name an installed tier).
+    """
     from .config import ConfigError, issue_at
 
     issues = []
-    for model in config.models:
+    for owner in [*config.models, *getattr(config, "profiles", ())]:
         try:
-            registry.get("routing_tiers", model.routing)
+            tier = registry.get("routing_tiers", owner.routing)
         except PluginError as exc:
-            issues.append(issue_at(model, "routing", str(exc)))
+            if owner in config.models:
+                issues.append(issue_at(owner, "routing", str(exc)))
+            continue
+        check_options = getattr(tier, "check_options", None)
+        if check_options is not None:
+            for problem in check_options(owner.routing_options, registry):
+                issues.append(issue_at(owner, "routing_options", problem))
     if issues:
         raise ConfigError(issues)

@@ -20,6 +20,11 @@ class RoundRobinTier:
         self._next = index + 1
         return Decision(candidates[index], outcome="pick", tier=self.name)
 
+    def explain(self, request: RouteRequest, candidates: Sequence[Replica]) -> dict:
+        """The replica the next pick would take, without taking the turn."""
+        return {"pick": candidates[self._next % len(candidates)].name, "outcome": "pick",
+                "reason": "next in turn", "replicas": [{"name": r.name, "candidate": True} for r in candidates]}
+
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         pass
 

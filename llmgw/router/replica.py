@@ -3,7 +3,9 @@
 A replica is one engine endpoint serving one model (for multi-GPU or
 multi-node engines, the rank-0 shard's HTTP endpoint). Its state is what the
 health prober and passive failure counting say; ``inflight`` and
-``inflight_tokens`` are the router's own load counters.
+``inflight_tokens`` are the router's own load counters; ``engine_load`` is
+what the engine's own ``/metrics`` said last, when a tier asked for it to be
+scraped (:mod:`llmgw.router.load_scraper`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,19 @@ class ReplicaState(str, Enum):
         return self in (ReplicaState.UP, ReplicaState.UNKNOWN)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """The engine's own queue gauges (vLLM ``num_requests_running``/``num_requests_waiting``) at ``at``."""
+
+    running: float
+    waiting: float
+    at: float  # time.monotonic() of the scrape (the clock tiers get in TierServices)
+
+    @property
+    def requests(self) -> float:
+        return self.running + self.waiting
+
+
 @dataclass(eq=False)
 class Replica:
     name: str
@@ -39,6 +54,7 @@ class Replica:
     inflight_tokens: int = 0
     consecutive_failures: int = 0
     served: int = 0
+    engine_load: EngineLoad | None = None
     pool: UpstreamPool | None = field(default=None, repr=False)
     labels: dict[str, str] = field(default_factory=dict)
 
@@ -66,6 +82,8 @@ class Replica:
             "inflight": self.inflight,
             "inflight_tokens": self.inflight_tokens,
             "served": self.served,
+            "engine_load": None if self.engine_load is None else {
+                "running": self.engine_load.running, "waiting": self.engine_load.waiting},
             "consecutive_failures": self.consecutive_failures,
             "labels": self.labels,
         }

@@ -2,15 +2,21 @@
 
 Tiers are built from plugin factories once, when a model is configured. A
 tier that defers (returns None) or fails falls back to round-robin, so a
-broken third-party tier never stops traffic.
+broken third-party tier never stops traffic. The router keeps every
+replica's ``inflight_tokens`` (an estimate of the prompt tokens of its routed,
+unfinished requests: canonical characters / 4) whatever the tier, and
+answers :meth:`Router.explain` for ``POST /admin/explain``.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Iterable
 
+from .canonical import estimated_prompt_tokens
 from .replica import Replica
 from .tier import Decision, RouteRequest, RoutingTier, TierServices
 
@@ -35,10 +41,16 @@ class Router:
         self._tier_errors_logged: set[str] = set()
 
     def configure_model(self, name: str, tier_name: str, options: dict | None = None, model_config=None) -> ModelRoute:
-        """Create or re-tier a model; its replicas are kept."""
+        """Create or re-tier a model; its replicas are kept.
+
+        Without a ``model_config`` the tier gets a stand-in with ``name``,
+        ``routing`` and ``routing_options`` (= ``options``).
+        """
         existing = self.models.get(name)
         replicas = existing.replicas if existing else []
-        services = TierServices(registry=self.registry, metrics=self.metrics, replicas=replicas)
+        if model_config is None:
+            model_config = SimpleNamespace(name=name, routing=tier_name, routing_options=dict(options or {}))
+        services = TierServices(registry=self.registry, metrics=self.metrics, replicas=replicas, model=name)
         tier = self.registry.get("routing_tiers", tier_name)(model_config, services)
         fallback = self.registry.get("routing_tiers", "round_robin")(model_config, services)
         route = ModelRoute(name, tier_name, tier, fallback, replicas, dict(options or {}))
@@ -89,12 +101,58 @@ class Router:
             self.metrics.decisions.labels(request.model, decision.tier or route.tier_name, decision.outcome).inc()
         return decision
 
+    async def explain(self, request: RouteRequest) -> dict:
+        """What the model's tier would do with ``request`` and why, changing no state.
+
+        Tiers with an ``explain(request, candidates)`` method answer for
+        themselves; for others only the replicas and their load are known,
+        since asking such a tier to pick would change its state.
+        """
+        route = self.models[request.model]
+        candidates = self.candidates(request.model)
+        answer: dict[str, Any] = {"model": route.name, "tier": route.tier_name, "pick": None, "outcome": None}
+        explain = getattr(route.tier, "explain", None)
+        if not candidates:
+            answer["outcome"] = "no_replica"
+        elif explain is None:
+            answer["outcome"] = "not_explainable"
+            answer["note"] = (f"routing tier {route.tier_name!r} has no explain(); its pick cannot be shown "
+                              "without routing the request")
+        else:
+            try:
+                result = explain(request, candidates)
+                if inspect.isawaitable(result):
+                    result = await result
+                answer.update(result)
+            except Exception as exc:  # an operator tool: show the failure rather than a bare 500
+                log.exception("routing tier %r failed to explain a request", route.tier_name)
+                answer.update(outcome="error", error=f"{type(exc).__name__}: {exc}")
+        answer.setdefault("replicas", [])
+        explained = {entry.get("name") for entry in answer["replicas"]}
+        for replica in route.replicas:  # every replica appears, with why it is not a candidate
+            if replica.name not in explained:
+                answer["replicas"].append({"name": replica.name, "candidate": replica in candidates})
+        by_name = {r.name: r for r in route.replicas}
+        for entry in answer["replicas"]:
+            replica = by_name.get(entry.get("name"))
+            if replica is not None:
+                entry.update(state=replica.state.value, inflight=replica.inflight,
+                             inflight_tokens=replica.inflight_tokens)
+        return answer
+
     def routed(self, request: RouteRequest, decision: Decision) -> None:
+        if not decision.inflight_tokens:
+            decision.inflight_tokens = estimated_prompt_tokens(request)
+            decision.replica.inflight_tokens += decision.inflight_tokens
         route = self.models.get(request.model)
         if route is not None:
             self._notify(route, "routed", request, decision)
 
     def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
+        if decision.inflight_tokens:  # taken off once, however often this is called
+            replica = decision.replica
+            replica.inflight_tokens = max(0, replica.inflight_tokens - decision.inflight_tokens)
+            decision.inflight_tokens = 0
         route = self.models.get(request.model)
         if route is not None:
             self._notify(route, "finished", request, decision, usage)

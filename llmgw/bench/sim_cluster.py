@@ -1,0 +1,62 @@
+"""A gateway in front of simulator replicas, all child processes on loopback, for tests and benchmarks.
+
+:func:`sim_command` is how a simulator replica is started, :func:`gateway_config`
+the YAML of a gateway routing one model over replicas with a given tier, and
+:func:`start_sims` / :func:`start_gateway` start them in the caller's nursery
+(via :func:`llmgw.processes.run_child`, so cancelling the nursery stops them).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import trio
+
+from ..processes import Child, llmgw_command, run_child
+
+MODEL = "tiny"
+
+
+def sim_command(*, model: str = MODEL, num_blocks: int, block_size: int = 16, time_scale: float = 1.0,
+                seed: int = 0, extra: Sequence[str] = ()) -> list[str]:
+    return llmgw_command("sim", "--port", "0", "--served-model-name", model, "--num-blocks", str(num_blocks),
+                         "--block-size", str(block_size), "--time-scale", str(time_scale), "--seed", str(seed),
+                         "--log-level", "WARNING", *extra)
+
+
+def gateway_config(urls: Sequence[str], *, routing: str, routing_options: dict | None = None,
+                   model: str = MODEL) -> str:
+    replicas = "".join(f"      - url: {url}\n        name: sim-{i}\n" for i, url in enumerate(urls))
+    return (f"models:\n  - name: {model}\n    routing: {routing}\n"
+            f"    routing_options: {json.dumps(routing_options or {})}\n    replicas:\n{replicas}"
+            "health:\n  interval: 1s\nlog_level: warning\n")
+
+
+async def start_sims(nursery: trio.Nursery, count: int, **sim_options) -> list[Child]:
+    """Start ``count`` simulators at once; their Children in index order."""
+    children: list[Child | None] = [None] * count
+
+    async def start(i: int) -> None:
+        children[i] = await nursery.start(lambda task_status: run_child(
+            sim_command(**sim_options), name=f"sim-{i}", task_status=task_status))
+
+    async with trio.open_nursery() as starting:
+        for i in range(count):
+            starting.start_soon(start, i)
+    return children  # type: ignore[return-value]
+
+
+async def start_gateway(nursery: trio.Nursery, config_text: str) -> Child:
+    """``llmgw serve`` on ephemeral ports with ``config_text``; ``child.control_url`` is set."""
+    with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as directory:
+        path = Path(directory) / "llmgw.yaml"
+        path.write_text(config_text)
+        argv = llmgw_command("serve", "--listen", "127.0.0.1:0", "--control-listen", "127.0.0.1:0",
+                             "--config", str(path))
+        child = await nursery.start(lambda task_status: run_child(argv, name="llmgw", task_status=task_status))
+    banner = next(line for line in child.output if "(control: " in line)
+    child.control_url = banner.split("(control: ")[1].rstrip(")")
+    return child

@@ -1,0 +1,341 @@
+"""The ``prefix_tree`` routing tier: send a request where its prefix probably is, unless that replica is overloaded.
+
+Per model, an approximate radix tree (:mod:`llmgw.router.radix`) of the
+canonical text of what was routed where, learnt from the tier's own
+decisions (no engine help). Per request (the rule, also in
+``docs/routing.md``):
+
+1. Each candidate's *match* is the characters of the request's canonical text
+   it holds in the tree; a match shorter than ``min_match_chars`` counts as 0.
+2. Each scorer named in ``scorers`` rates each candidate in [0, 1]; the
+   combined score is their weighted sum (default ``prefix: 1.0, load: 0.5``).
+3. The *preferred* replica has the highest combined score; ties go to the
+   lower load, then fewer in-flight prompt tokens, then the one least recently
+   given a request it held nothing of, then at random (never "the first").
+4. *Load guard*: if sending it to the preferred replica would put it more than
+   ``max_imbalance`` in-flight requests above the least loaded candidate (or,
+   with ``load_sigma_k`` set, its load exceeds mean + k·σ of the candidates'),
+   the request goes to the least loaded candidate instead (same tie-breaks):
+   outcome ``load_override``.
+5. Otherwise it goes to the preferred replica: outcome ``hit`` when that
+   replica holds a match, ``miss`` when not.
+
+The chosen replica is inserted into the tree at once, so concurrent requests
+that share a new prefix find it. *Load* is the router's in-flight requests
+to the replica, or the engine's running + waiting requests when
+``engine_metrics_interval`` is set and its last scrape is fresh and higher.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from ..config.units import parse_duration
+from ..hookspecs import hookimpl
+from ..plugins_manager import PluginError, default_registry
+from ..router.canonical import canonical_text, estimated_prompt_tokens
+from ..router.radix import RadixTree
+from ..router.replica import Replica
+from ..router.tier import Decision, RouteRequest, ScoreContext, TierServices
+from ..router.tree_metrics import track_tree
+from .scorers import register_scorers
+
+# register_scorers is re-exported so that pluggy finds the built-in scorers' hook on this plugin module.
+__all__ = ["PrefixTreeOptions", "PrefixTreeTier", "register_routing_tiers", "register_scorers"]
+
+log = logging.getLogger(__name__)
+
+TIER_NAME = "prefix_tree"
+
+
+@dataclass
+class PrefixTreeOptions:
+    """The tier's ``routing_options``, with their defaults (units in the names or the docs)."""
+
+    scorers: dict[str, float] = field(default_factory=lambda: {"prefix": 1.0, "load": 0.5})
+    min_match_chars: int = 256
+    max_imbalance: float | None = 4
+    load_sigma_k: float | None = None
+    load_token_scale: int = 8192
+    tree_chars_per_replica: int = 2_000_000
+    tree_nodes_per_replica: int = 100_000
+    tree_ttl: float = 600.0
+    max_prefix_chars: int = 200_000
+    engine_metrics_interval: float | None = None
+    engine_metrics_timeout: float | None = None  # default: the interval, at most 1 s
+    engine_metrics_max_age: float | None = None  # default: 3 intervals
+    seed: int | None = None
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any] | None, scorer_keys: set[str] = frozenset()
+              ) -> tuple["PrefixTreeOptions", list[str], list[str]]:
+        """``(options, problems, unknown keys)``; a key with a problem keeps its default.
+
+        ``scorer_keys`` are the keys the configured scorers declare (``option_keys``): not unknown.
+        """
+        options, problems = cls(), []
+        raw = dict(raw or {})
+        known = set(cls.__dataclass_fields__) | set(scorer_keys)
+        unknown = sorted(k for k in raw if k not in known)
+
+        def take(key: str, convert) -> None:
+            if key not in raw or raw[key] is None and key not in _NULLABLE:
+                return
+            try:
+                setattr(options, key, None if raw[key] is None else convert(raw[key]))
+            except (TypeError, ValueError) as exc:
+                problems.append(f"{key}: {exc}")
+
+        take("scorers", _weights)
+        take("min_match_chars", _count(0))
+        take("max_imbalance", _positive_number)
+        take("load_sigma_k", _positive_number)
+        take("load_token_scale", _count(1))
+        take("tree_chars_per_replica", _count(1))
+        take("tree_nodes_per_replica", _count(1))
+        take("tree_ttl", _positive_duration)
+        take("max_prefix_chars", _count(1))
+        take("engine_metrics_interval", _positive_duration)
+        take("engine_metrics_timeout", _positive_duration)
+        take("engine_metrics_max_age", _positive_duration)
+        take("seed", _count(0))
+        if options.engine_metrics_interval is not None:
+            if options.engine_metrics_timeout is None:
+                options.engine_metrics_timeout = min(options.engine_metrics_interval, 1.0)
+            if options.engine_metrics_max_age is None:
+                options.engine_metrics_max_age = 3 * options.engine_metrics_interval
+        return options, problems, unknown
+
+
+_NULLABLE = {"max_imbalance", "load_sigma_k", "engine_metrics_interval", "seed"}
+
+
+def _count(minimum: int):
+    def convert(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"expected an integer >= {minimum}, got {value!r}")
+        return value
+    return convert
+
+
+def _positive_number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+        raise ValueError(f"expected a number > 0 (or null to turn it off), got {value!r}")
+    return value
+
+
+def _positive_duration(value: Any) -> float:
+    seconds = parse_duration(value)
+    if not seconds > 0:
+        raise ValueError("must be greater than 0")
+    return seconds
+
+
+def _weights(value: Any) -> dict[str, float]:
+    if not isinstance(value, Mapping) or not value:
+        raise ValueError("expected a mapping of scorer name to weight, e.g. {prefix: 1.0, load: 0.5}")
+    weights = {}
+    for name, weight in value.items():
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0 \
+                or not math.isfinite(weight):
+            raise ValueError(f"the weight of scorer {name!r} must be a number >= 0, got {weight!r}")
+        weights[str(name)] = float(weight)
+    return weights
+
+
+@dataclass
+class Evaluation:
+    """One request scored against the candidates (what :meth:`PrefixTreeTier.explain` shows)."""
+
+    text: str
+    matched: list[int]
+    loads: list[float]
+    tokens: list[int]
+    scores: dict[str, Sequence[float]]
+    combined: list[float]
+    preferred: int
+    chosen: int
+    outcome: str
+    reason: str
+
+
+class PrefixTreeTier:
+    name = TIER_NAME
+
+    def __init__(self, model=None, services: TierServices | None = None):
+        services = services or TierServices()
+        registry = services.registry or default_registry()
+        raw = getattr(model, "routing_options", None) or {}
+        self.model = services.model or getattr(model, "name", "")
+        options, problems, _ = PrefixTreeOptions.parse(raw)
+        if problems:
+            raise ValueError(f"routing_options of model {self.model!r}: " + "; ".join(problems))
+        factories = {name: registry.get("scorers", name) for name in options.scorers}
+        unknown = PrefixTreeOptions.parse(raw, _declared_keys(factories.values()))[2]
+        if unknown:
+            log.warning("model %r: prefix_tree ignores unknown routing_options %s", self.model, ", ".join(unknown))
+        self.options = options
+        self.clock = services.clock
+        self.tree = RadixTree(options.tree_chars_per_replica, options.tree_nodes_per_replica, options.tree_ttl)
+        self.scorers = [(name, weight, factories[name](raw)) for name, weight in options.scorers.items()]
+        self.engine_metrics_interval = options.engine_metrics_interval  # read by the gateway to start a scraper
+        self.engine_metrics_timeout = options.engine_metrics_timeout
+        self._rng = random.Random(options.seed)
+        self._cold_serial = 0
+        self._last_cold: dict[str, int] = {}  # replica -> serial of the last request it got without holding a match
+        if services.metrics is not None:
+            track_tree(services.metrics.registry, self.model, self.tree)
+
+    @classmethod
+    def check_options(cls, raw: Mapping[str, Any] | None, registry=None) -> list[str]:
+        """Problems with ``routing_options`` for this tier (used by ``llmgw config check`` and ``serve``)."""
+        registry = registry or default_registry()
+        options, problems, _ = PrefixTreeOptions.parse(raw)
+        factories = []
+        for name in options.scorers:
+            try:
+                factories.append(registry.get("scorers", name))
+            except PluginError as exc:
+                problems.append(f"scorers: {exc}")
+        known = set(PrefixTreeOptions.__dataclass_fields__) | _declared_keys(factories)
+        for key in PrefixTreeOptions.parse(raw, known)[2]:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            problems.append(f"unknown key {key!r} for routing: prefix_tree ({hint}see docs/routing.md)")
+        return problems
+
+    # -- the tier interface ------------------------------------------------------------------------------------------
+
+    async def pick(self, request: RouteRequest, candidates: Sequence[Replica]) -> Decision:
+        now = self.clock()
+        evaluation = self._evaluate(request, candidates, now, self._rng)
+        chosen = candidates[evaluation.chosen]
+        if evaluation.outcome != "hit":
+            self._cold_serial += 1
+            self._last_cold[chosen.name] = self._cold_serial
+        self.tree.insert(evaluation.text, chosen.name, now)
+        return Decision(chosen, outcome=evaluation.outcome, tier=TIER_NAME,
+                        detail={"matched_chars": evaluation.matched[evaluation.chosen],
+                                "prompt_chars": len(evaluation.text)})
+
+    def routed(self, request: RouteRequest, decision: Decision) -> None:
+        pass  # the tree learnt the decision in pick(), so concurrent requests with a new prefix find it
+
+    def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
+        pass
+
+    def explain(self, request: RouteRequest, candidates: Sequence[Replica]) -> dict:
+        """The pick :meth:`pick` would make now (same random draw), with every score; changes nothing."""
+        rng = random.Random()
+        rng.setstate(self._rng.getstate())
+        now = self.clock()
+        ev = self._evaluate(request, candidates, now, rng)
+        o = self.options
+        replicas = []
+        for i, replica in enumerate(candidates):
+            engine = replica.engine_load
+            replicas.append({
+                "name": replica.name, "candidate": True, "matched_chars": ev.matched[i], "load": ev.loads[i],
+                "engine_load": None if engine is None else {"running": engine.running, "waiting": engine.waiting,
+                                                            "age_s": round(now - engine.at, 3)},
+                "scores": {name: values[i] for name, values in ev.scores.items()}, "combined": ev.combined[i],
+            })
+        return {
+            "pick": candidates[ev.chosen].name, "outcome": ev.outcome, "reason": ev.reason,
+            "preferred": candidates[ev.preferred].name, "prompt_chars": len(ev.text),
+            "prompt_tokens_estimate": estimated_prompt_tokens(request),
+            "rule": {"weights": dict(o.scorers), "min_match_chars": o.min_match_chars,
+                     "max_imbalance": o.max_imbalance, "load_sigma_k": o.load_sigma_k},
+            "tree": {"nodes": self.tree.node_count, "chars": self.tree.char_count},
+            "replicas": replicas,
+        }
+
+    # -- the rule ----------------------------------------------------------------------------------------------------
+
+    def _evaluate(self, request: RouteRequest, candidates: Sequence[Replica], now: float,
+                  rng: random.Random) -> Evaluation:
+        o = self.options
+        text = canonical_text(request)
+        if len(text) > o.max_prefix_chars:
+            text = text[:o.max_prefix_chars]
+        held = self.tree.match(text, now)
+        floor = o.min_match_chars
+        matched = [m if (m := held.get(r.name, 0)) >= floor else 0 for r in candidates]
+        loads = [self._load(r, now) for r in candidates]
+        tokens = [r.inflight_tokens for r in candidates]
+        context = ScoreContext(len(text), matched, loads, tokens, now)
+        scores: dict[str, Sequence[float]] = {}
+        combined = [0.0] * len(candidates)
+        for name, weight, scorer in self.scorers:
+            values = scorer.score(request, candidates, context)
+            if len(values) != len(candidates):
+                raise ValueError(f"scorer {name!r} returned {len(values)} scores for {len(candidates)} candidates")
+            scores[name] = values
+            if weight:
+                combined = [total + weight * value for total, value in zip(combined, values)]
+
+        def tie_key(i: int) -> tuple:
+            return loads[i], tokens[i], self._last_cold.get(candidates[i].name, 0)
+
+        best = max(combined)
+        preferred = self._first(rng, [i for i, s in enumerate(combined) if s == best], tie_key)
+        least = min(loads)
+        reason = self._overloaded(preferred, loads, least)
+        if reason:
+            chosen = self._first(rng, [i for i, load in enumerate(loads) if load == least], tie_key)
+            outcome = "load_override"
+        else:
+            chosen = preferred
+            outcome = "hit" if matched[chosen] else "miss"
+            longest = max(matched)
+            reason = ("holds the longest useful match" if outcome == "hit" and matched[chosen] == longest
+                      else "best combined score" if longest
+                      else f"no candidate holds {floor}+ characters of the prefix: spread by load")
+        return Evaluation(text, matched, loads, tokens, scores, combined, preferred, chosen, outcome, reason)
+
+    def _overloaded(self, preferred: int, loads: list[float], least: float) -> str:
+        """Why the preferred replica is too loaded to take the request, or ''."""
+        o = self.options
+        load = loads[preferred]
+        if o.max_imbalance is not None and load + 1 - least > o.max_imbalance:
+            return (f"preferred replica would be {load + 1 - least:g} in-flight requests above the least loaded "
+                    f"(max_imbalance {o.max_imbalance:g})")
+        if o.load_sigma_k is not None and load > least:
+            mean = sum(loads) / len(loads)
+            sigma = math.sqrt(sum((x - mean) ** 2 for x in loads) / len(loads))
+            if load > mean + o.load_sigma_k * sigma:
+                return (f"preferred replica's load {load:g} exceeds mean + {o.load_sigma_k:g}σ "
+                        f"(mean {mean:.3g}, σ {sigma:.3g})")
+        return ""
+
+    @staticmethod
+    def _first(rng: random.Random, indices: list[int], key) -> int:
+        """The index with the smallest ``key``; a random one among equals."""
+        if len(indices) == 1:
+            return indices[0]
+        keys = [key(i) for i in indices]
+        smallest = min(keys)
+        tied = [i for i, k in zip(indices, keys) if k == smallest]
+        return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+    def _load(self, replica: Replica, now: float) -> float:
+        engine = replica.engine_load
+        if engine is not None and self.options.engine_metrics_max_age is not None \
+                and now - engine.at <= self.options.engine_metrics_max_age:
+            return max(replica.inflight, engine.requests)
+        return replica.inflight
+
+
+def _declared_keys(scorer_factories) -> set[str]:
+    """The ``routing_options`` keys scorers declare they read (a scorer factory's ``option_keys``)."""
+    return {str(key) for factory in scorer_factories for key in getattr(factory, "option_keys", ())}
+
+
+@hookimpl
+def register_routing_tiers():
+    return {TIER_NAME: PrefixTreeTier}

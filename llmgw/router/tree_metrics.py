@@ -1,0 +1,69 @@
+"""Prometheus series of the prefix trees: sizes and evictions per model, read at scrape time.
+
+One collector per metrics registry, registered the first time a tree is
+tracked (so re-configuring a model never registers a series twice). It holds
+weak references to the trees: a tree whose tier was replaced or dropped
+disappears from the exposition. Nothing is updated per request; the numbers
+are the trees' own counters, read when ``/metrics`` is rendered.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .radix import RadixTree
+
+_collectors: "weakref.WeakKeyDictionary[object, PrefixTreeCollector]" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+class PrefixTreeCollector:
+    def __init__(self) -> None:
+        self._trees: dict[str, weakref.ref[RadixTree]] = {}
+
+    def track(self, model: str, tree: RadixTree) -> None:
+        self._trees[model] = weakref.ref(tree)
+
+    def _families(self):
+        nodes = GaugeMetricFamily("llmgw_prefix_tree_nodes", "Nodes of the model's prefix tree.", labels=["model"])
+        chars = GaugeMetricFamily("llmgw_prefix_tree_chars", "Characters stored on the edges of the model's "
+                                  "prefix tree.", labels=["model"])
+        replica_chars = GaugeMetricFamily("llmgw_prefix_tree_replica_chars",
+                                          "Characters of the prefix tree attributed to each replica (what "
+                                          "tree_chars_per_replica bounds).", labels=["model", "replica"])
+        evictions = CounterMetricFamily("llmgw_prefix_tree_evictions", "Tree entries (node, replica) evicted, "
+                                        "by reason: size (over the per-replica limits) or age (older than the "
+                                        "TTL).", labels=["model", "reason"])
+        return nodes, chars, replica_chars, evictions
+
+    def describe(self):
+        return self._families()
+
+    def collect(self):
+        nodes, chars, replica_chars, evictions = self._families()
+        for model, ref in list(self._trees.items()):
+            tree = ref()
+            if tree is None:
+                self._trees.pop(model, None)
+                continue
+            stats = tree.stats()
+            nodes.add_metric([model], stats.nodes)
+            chars.add_metric([model], stats.chars)
+            for replica, count in sorted(stats.replica_chars.items()):
+                replica_chars.add_metric([model, replica], count)
+            evictions.add_metric([model, "size"], stats.evicted_for_size)
+            evictions.add_metric([model, "age"], stats.evicted_for_age)
+        return [nodes, chars, replica_chars, evictions]
+
+
+def track_tree(registry, model: str, tree: RadixTree) -> None:
+    """Report ``tree`` as model ``model``'s prefix tree in ``registry`` (a prometheus CollectorRegistry)."""
+    with _lock:
+        collector = _collectors.get(registry)
+        if collector is None:
+            collector = _collectors[registry] = PrefixTreeCollector()
+            registry.register(collector)
+    collector.track(model, tree)
