@@ -10,12 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
 
 import trio
+
+from .procgroup import terminate_group
 
 log = logging.getLogger(__name__)
 LISTENING = re.compile(rb"listening on (https?://\S+)")
@@ -79,19 +80,6 @@ async def run_child(argv: list[str], *, name: str, env: dict[str, str] | None = 
 
 async def terminate(process: trio.Process, grace: float) -> None:
     """SIGTERM the process group, then SIGKILL it if it has not exited within ``grace`` seconds."""
-    if process.returncode is None:
-        _signal_group(process, signal.SIGTERM)
-        with trio.move_on_after(grace):
-            await process.wait()
-    if process.returncode is None:
-        _signal_group(process, signal.SIGKILL)
-        await process.wait()
+    await terminate_group(process.pid, wait=process.wait, running=lambda: process.returncode is None, grace=grace)
     if process.stdout is not None:
         await process.stdout.aclose()
-
-
-def _signal_group(process: trio.Process, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass

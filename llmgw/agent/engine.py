@@ -1,0 +1,163 @@
+"""The engine interface an agent runs shards through, and the command-line helpers engine plugins share.
+
+An engine plugin (hook ``register_engines``) turns a :class:`~llmgw.wire.StartShard`
+into a :class:`Launch` (argv and the environment variables it adds), says how
+to tell that the shard is ready (:class:`Readiness`) and which of its
+``/metrics`` gauges count in-flight requests (for drain). It never spawns or
+watches processes itself: the shard supervisor does that, the same way for
+every engine.
+
+``vllm`` and ``sim`` both speak vLLM's flags, so :func:`openai_server_flags`
+builds the part of the command line they have in common.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, Sequence, runtime_checkable
+
+from .. import wire
+
+
+class EngineError(Exception):
+    """A shard's command line cannot be built (missing executable, impossible spec). Restarting will not help."""
+
+
+@dataclass(frozen=True)
+class LaunchContext:
+    """What the agent decided for one launch of a shard, beyond the StartShard itself."""
+
+    host: str  # the address the engine binds its HTTP server to
+    http_port: int  # 0 when the engine serves no HTTP (a headless follower rank)
+    node_address: str  # how other machines dial this node (the endpoint's host)
+    state_dir: Path
+    gpu_indices: Sequence[int] = ()
+    kv_events_port: int | None = None  # loopback port the agent's KV-event subscriber listens on ([E])
+    kv_replay_port: int | None = None  # port the engine binds its replay socket to ([E])
+    python: str = sys.executable  # the interpreter for Python-module engines (sim)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A command line and the environment variables it sets on top of the agent's own environment."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """How the supervisor probes a shard: Ready = ``health_path`` answers 200 and ``models_path`` lists the name."""
+
+    served_model_name: str
+    health_path: str = "/health"
+    models_path: str = "/v1/models"
+    metrics_path: str = "/metrics"
+    serves_http: bool = True  # False for ranks that run headless: alive is all that can be checked
+    api_key: str = field(default="", repr=False)  # sent as a bearer token on models_path (vLLM guards /v1/*)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What an engine plugin's factory builds."""
+
+    name: str
+
+    def command(self, spec: wire.StartShard, ctx: LaunchContext) -> Launch:
+        """The command line and environment of one launch; raises :class:`EngineError` when impossible."""
+
+    def readiness(self, spec: wire.StartShard) -> Readiness:
+        """How to probe this shard."""
+
+    def inflight_metric_names(self) -> tuple[str, ...]:
+        """Gauges on the engine's ``/metrics`` whose sum is the number of requests still in flight."""
+
+
+# -- helpers for engine plugins ---------------------------------------------------------------------------------------
+
+
+def resolve_executable(engine: str, spec: wire.StartShard, default: str) -> str:
+    """The profile's ``engine_bin`` (a path, or a name looked up on PATH), else ``default`` found on PATH."""
+    wanted = spec.profile.engine_bin or default
+    if os.sep in wanted:
+        if os.path.isfile(wanted) and os.access(wanted, os.X_OK):
+            return wanted
+        raise EngineError(f"engine {engine}: engine_bin {wanted!r} is not an executable file")
+    found = shutil.which(wanted)
+    if found is None:
+        if spec.profile.engine_bin:
+            raise EngineError(f"engine {engine}: engine_bin {wanted!r} not found on PATH")
+        raise EngineError(f"engine {engine}: executable {wanted!r} not found on PATH; set engine_bin in the profile")
+    return found
+
+
+def served_name(spec: wire.StartShard) -> str:
+    """The model name clients ask for (vLLM defaults it to the model path)."""
+    return spec.profile.served_model_name or spec.profile.model_path
+
+
+def is_follower(spec: wire.StartShard) -> bool:
+    """A rank other than 0 of a replica spread over several nodes."""
+    return spec.node_count > 1 and spec.rank > 0
+
+
+def openai_server_flags(spec: wire.StartShard, ctx: LaunchContext) -> list[str]:
+    """vLLM's flags for address, names, parallelism, LoRA adapters and API key (shared by ``vllm`` and ``sim``)."""
+    profile = spec.profile
+    if not profile.model_path:
+        raise EngineError(f"engine {profile.engine or '?'}: profile {profile.name!r} has no model_path")
+    flags = ["--host", ctx.host, "--port", str(ctx.http_port), "--served-model-name", served_name(spec),
+             "--tensor-parallel-size", str(profile.tp), "--pipeline-parallel-size", str(profile.pp)]
+    if profile.lora_adapters:
+        flags += ["--enable-lora", "--lora-modules", *(f"{lora.name}={lora.path}" for lora in profile.lora_adapters)]
+    if spec.engine_api_key:
+        flags += ["--api-key", spec.engine_api_key]
+    return flags
+
+
+def kv_events_flags(spec: wire.StartShard, ctx: LaunchContext) -> list[str]:
+    """``--kv-events-config`` when the profile wants KV events and the agent gave a subscriber port, else nothing.
+
+    The endpoint names a host (no ``*``), so the engine *connects* its PUB
+    socket to the agent's SUB; the replay socket is bound by the engine.
+    """
+    if not spec.profile.kv_events or ctx.kv_events_port is None:
+        return []
+    config = {"enable_kv_cache_events": True, "publisher": "zmq",
+              "endpoint": f"tcp://127.0.0.1:{ctx.kv_events_port}", "topic": "kv"}
+    if ctx.kv_replay_port is not None:
+        config["replay_endpoint"] = f"tcp://127.0.0.1:{ctx.kv_replay_port}"
+    return ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
+
+
+def gpu_env(spec: wire.StartShard, ctx: LaunchContext) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` pinning the shard to its GPUs: by UUID when the placement named them, else by index.
+
+    A shard given no GPUs sees none (an empty value), rather than every GPU of the machine.
+    """
+    uuids = [u for u in spec.gpu_uuids if u]
+    if uuids and len(uuids) == len(spec.gpu_uuids):
+        devices = uuids
+    else:
+        devices = [str(i) for i in ctx.gpu_indices]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(devices)}
+
+
+def cpu_threads_env(spec: wire.StartShard) -> dict[str, str]:
+    """Thread limits when the StartShard sets ``cpu_threads`` (nothing otherwise: the engine's defaults stand)."""
+    if spec.cpu_threads <= 0:
+        return {}
+    # vLLM's CPU backend binds its OpenMP threads to cores itself ("auto") and would ignore the
+    # thread count; "nobind" leaves the count to OMP_NUM_THREADS.
+    return {"OMP_NUM_THREADS": str(spec.cpu_threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def engine_env(spec: wire.StartShard, ctx: LaunchContext) -> dict[str, str]:
+    """The environment every engine gets: unbuffered Python output, GPU pinning, thread limits, then the profile's
+    own ``env`` (applied last, as given: it may override any of the others)."""
+    return {"PYTHONUNBUFFERED": "1", **gpu_env(spec, ctx), **cpu_threads_env(spec), **spec.profile.env}

@@ -1,0 +1,64 @@
+"""HTTP ports for engines: free ones from a range, never the same one twice while it is reserved.
+
+A port is free when a listening socket can bind it right now (with
+``SO_REUSEADDR``, as the engines' servers bind). The range sits below Linux's
+ephemeral range (32768-60999) so outgoing connections do not take our ports.
+Ports are handed out round-robin from a cursor: a port released a moment ago
+is the last one reused, so a router that still dials an old endpoint does not
+reach a different engine there. The cursor starts at a random place, so that
+two agents on one machine (tests, a serve with an embedded agent next to a
+remote agent) rarely test the same port at the same time: between the test
+and the engine's own bind, only this allocator knows the port is taken.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+
+
+class NoFreePort(Exception):
+    """Every port of the range is reserved or in use."""
+
+
+class PortAllocator:
+    def __init__(self, host: str = "127.0.0.1", start: int = 20000, end: int = 32000):
+        if not 0 < start <= end < 65536:
+            raise ValueError(f"bad port range {start}-{end}")
+        self.host = host
+        self.start = start
+        self.end = end
+        self._reserved: set[int] = set()
+        self._cursor = start + random.randrange(end - start + 1)
+
+    def allocate(self) -> int:
+        """A port that is free now and not reserved; it stays reserved until :meth:`release`."""
+        size = self.end - self.start + 1
+        for _ in range(size):
+            port = self._cursor
+            self._cursor = self.start + (port - self.start + 1) % size
+            if port not in self._reserved and self.is_free(port):
+                self._reserved.add(port)
+                return port
+        raise NoFreePort(f"no free port in {self.start}-{self.end} on {self.host}")
+
+    def reserve(self, port: int) -> None:
+        """Mark a port chosen elsewhere (a fixed ``http_port``, an adopted engine's) as taken."""
+        self._reserved.add(port)
+
+    def release(self, port: int) -> None:
+        self._reserved.discard(port)
+
+    def reserved(self, port: int) -> bool:
+        return port in self._reserved
+
+    def is_free(self, port: int) -> bool:
+        """Whether a server could bind ``port`` on our host right now."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((self.host, port))
+            except OSError:
+                return False
+        return True
