@@ -1,0 +1,330 @@
+"""Benchmark of the kv_index tier: decision cost, and event ingestion from engine batches to the router's index.
+
+Run: ``python -m llmgw.bench.kv_routing [--json out.json] [--quick]``.
+
+Decision cost: ``await tier.pick(request, candidates)`` of a ``kv_index`` tier
+with 4 candidates whose index holds 50k blocks each, at 2k and 32k prompt
+tokens (block size 16: 128 and 2048 blocks), as p50/p99 in µs:
+
+- *token ids*: a completion whose prompt is token ids (no ``/tokenize``);
+  *warm* repeats one prompt (the key memo and the index hit: the chosen
+  replica holds every block, the run walks them all), *cold* makes every
+  prompt new from its first token (every block hashed, a miss at block 0);
+- *text + /tokenize*: a string prompt tokenized by a local ``llmgw sim``
+  process (another process, on the same 2-core machine) through the tier's
+  client; *uncached* makes every prompt new, *cached* repeats one (the
+  tokenize LRU answers).
+
+Ingestion, in block changes per second:
+
+- *index.apply*: DELTA messages (64 stored + 64 removed, net) applied to a
+  ``KvIndex`` of 8 replicas holding 50k blocks each (the control plane's side);
+- *mirror*: decoded batches (a store of 1-4 blocks plus as many evictions of
+  older blocks, vLLM 0.34 map layout) applied to an ``EngineMirror`` with a
+  ``flush`` every 256 batches (the agent's side), with and without decoding;
+- *agent to index*: payload bytes -> ``decode_batch`` -> mirror -> flush ->
+  ``index.apply``, all in one thread (the whole path minus ZMQ and the stream);
+- *over ZMQ*: the same batches published on a loopback PUB and received by an
+  ``EngineSubscription`` into a mirror, in one Trio loop (sequence tracking
+  included; the publisher shares the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import trio
+import zmq
+
+from llmgw.http.client import UpstreamPool
+from llmgw.kv import zmq_trio
+from llmgw.kv.codec import decode_batch, encode_batch
+from llmgw.kv.events import BlockRemoved, BlockStored, EventBatch
+from llmgw.kv.index import KvIndex
+from llmgw.kv.keys import VllmBlockKeys
+from llmgw.kv.mirror import EngineMirror
+from llmgw.kv.subscriber import EngineSubscription
+from llmgw.metrics import Metrics
+from llmgw.plugins_manager import default_registry
+from llmgw.processes import llmgw_command, run_child
+from llmgw.router.canonical import render_body
+from llmgw.router.replica import Replica
+from llmgw.router.router import Router
+from llmgw.router.tier import RouteRequest
+from llmgw.wire import KvChangeKind, KvChanges
+
+BLOCK = 16
+VOCAB = 32_000
+REPLICAS = 4
+BACKGROUND_BLOCKS = 50_000
+
+
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {"p50_us": round(statistics.median(ordered) * 1e6, 1),
+            "p99_us": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e6, 1),
+            "n": len(ordered)}
+
+
+def _tier(sim_url: str | None):
+    router = Router(default_registry(), Metrics())
+    route = router.configure_model("tiny", "kv_index", {"tokenize_timeout": "5s", "tokenize_cache_tokens": 4_000_000,
+                                                        "seed": 1})
+    replicas = []
+    for i in range(REPLICAS):
+        url = sim_url or f"http://127.0.0.1:{9000 + i}"
+        replica = Replica(name=f"r{i}", model="tiny", url=url)
+        replica.pool = UpstreamPool(replica.host, replica.port)
+        router.add_replica(replica)
+        replicas.append(replica)
+    rng = random.Random(9)
+    for replica in replicas:
+        background = [rng.getrandbits(64) for _ in range(BACKGROUND_BLOCKS)]
+        route.tier.index.apply(replica.name, KvChanges(kind=KvChangeKind.FULL, stored=background, block_size=BLOCK))
+    return route.tier, replicas
+
+
+async def _time_picks(tier, candidates, requests: list[RouteRequest]) -> list[float]:
+    samples = []
+    for request in requests:
+        started = time.perf_counter()
+        await tier.pick(request, candidates)
+        samples.append(time.perf_counter() - started)
+    return samples
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(16, VOCAB) for _ in range(n)]
+
+
+async def bench_decisions(sim_url: str, tokens: int, count: int) -> dict[str, dict]:
+    rng = random.Random(tokens)
+    out = {}
+    # token ids, warm: one prompt the first replica holds entirely
+    tier, replicas = _tier(sim_url)
+    prompt = _ids(rng, tokens)
+    keys = VllmBlockKeys("sha256_cbor", "0").keys(prompt, BLOCK)
+    tier.index.apply("r0", KvChanges(kind=KvChangeKind.DELTA, stored=keys, block_size=BLOCK))
+    tier.index.apply("r1", KvChanges(kind=KvChangeKind.DELTA, stored=keys[:len(keys) // 2], block_size=BLOCK))
+    request = lambda body: RouteRequest("tiny", "/v1/completions", body)  # noqa: E731
+    warm = [request({"model": "tiny", "prompt": prompt}) for _ in range(count + 5)]
+    out["ids_warm"] = _percentiles((await _time_picks(tier, replicas, warm))[5:])
+    # token ids, cold: every prompt new from its first token
+    tier, replicas = _tier(sim_url)
+    cold = [request({"model": "tiny", "prompt": [16 + i % 200] + prompt[1:]}) for i in range(count)]
+    out["ids_cold"] = _percentiles(await _time_picks(tier, replicas, cold))
+    # text + /tokenize on the simulator, every prompt new (tokenize, hash everything)
+    tier, replicas = _tier(sim_url)
+    text = "".join(chr(97 + rng.randrange(26)) for _ in range(tokens - 1))  # byte tokenizer + BOS: `tokens` ids
+    texts = [request({"model": "tiny", "prompt": f"{i:06d}" + text[6:]}) for i in range(count + 5)]
+    out["text_tokenize_uncached"] = _percentiles((await _time_picks(tier, replicas, texts))[5:])
+    # text, the same prompt again: the tokenize cache answers, keys memoised
+    same = [request({"model": "tiny", "prompt": text}) for _ in range(count + 5)]
+    out["text_tokenize_cached"] = _percentiles((await _time_picks(tier, replicas, same))[5:])
+    # the router's canonical text of a token-id prompt (rendered once per request by the router, whatever
+    # the tier: part of the token-id rows above)
+    renders = []
+    for i in range(count):
+        started = time.perf_counter()
+        render_body({"prompt": [16 + i % 200] + prompt[1:]})
+        renders.append(time.perf_counter() - started)
+    out["canonical_text_ids"] = _percentiles(renders)
+    # the /tokenize call alone, for reference
+    calls = []
+    for i in range(count):
+        body = json.dumps({"prompt": f"{i:06d}x" + text[7:]}).encode()
+        started = time.perf_counter()
+        await tier.tokenizer._call(replicas[0], body)
+        calls.append(time.perf_counter() - started)
+    out["tokenize_call_alone"] = _percentiles(calls)
+    for replica in replicas:
+        await replica.pool.aclose()
+    return out
+
+
+# --------------------------------------------------------------------------- ingestion
+
+
+def engine_stream(count: int, seed: int = 3) -> list[EventBatch]:
+    """Batches of a full cache: each step stores 1-4 new blocks (chained) and evicts as many of the oldest."""
+    rng = random.Random(seed)
+    live: list[int] = [rng.getrandbits(64) for _ in range(4096)]
+    batches = []
+    for step in range(count):
+        n = rng.randint(1, 4)
+        new = [rng.getrandbits(64) for _ in range(n)]
+        stored = BlockStored(block_hashes=new, parent_block_hash=rng.getrandbits(64),
+                             token_ids=[rng.randrange(VOCAB) for _ in range(n * BLOCK)], block_size=BLOCK,
+                             medium="GPU", extra_keys=[None] * n, group_idx=0, kv_cache_spec_kind="full_attention")
+        evicted = [BlockRemoved([live.pop(0)], "GPU", 0) for _ in range(n)]
+        live.extend(new)
+        batches.append(EventBatch(1.7e9 + step * 0.01, [stored, *evicted], 0))
+    return batches
+
+
+def _prefill_mirror(batches: list[EventBatch]) -> EngineMirror:
+    mirror = EngineMirror()
+    rng = random.Random(3)
+    mirror.apply(EventBatch(0.0, [BlockStored([rng.getrandbits(64) for _ in range(4096)], None,
+                                              [0] * 4096 * BLOCK, BLOCK, medium="GPU")], 0))
+    mirror.take_delta()
+    return mirror
+
+
+def _changes(batches: list[EventBatch]) -> int:
+    return sum(len(e.block_hashes) for b in batches for e in b.events)
+
+
+def bench_index_apply(rounds: int = 2000) -> dict:
+    rng = random.Random(4)
+    index = KvIndex()
+    held = {}
+    for r in range(8):
+        keys = [rng.getrandbits(64) for _ in range(BACKGROUND_BLOCKS)]
+        held[f"r{r}"] = keys
+        index.apply(f"r{r}", KvChanges(kind=KvChangeKind.FULL, stored=keys, block_size=BLOCK))
+    messages = []
+    for i in range(rounds):
+        name = f"r{i % 8}"
+        keys = held[name]
+        removed = keys[:64]
+        stored = [rng.getrandbits(64) for _ in range(64)]
+        del keys[:64]
+        keys.extend(stored)
+        messages.append((name, KvChanges(kind=KvChangeKind.DELTA, stored=stored, removed=removed, block_size=BLOCK)))
+    started = time.perf_counter()
+    for name, message in messages:
+        index.apply(name, message)
+    elapsed = time.perf_counter() - started
+    return {"block_changes_per_s": round(rounds * 128 / elapsed), "us_per_message": round(elapsed / rounds * 1e6, 1)}
+
+
+def bench_mirror(count: int = 20000) -> dict:
+    batches = engine_stream(count)
+    payloads = [encode_batch(b) for b in batches]
+    changes = _changes(batches)
+    out = {}
+    mirror = _prefill_mirror(batches)
+    started = time.perf_counter()
+    for i, batch in enumerate(batches):
+        mirror.apply(batch)
+        if i % 256 == 255:
+            mirror.flush("s", "r")
+    elapsed = time.perf_counter() - started
+    out["mirror_apply"] = {"block_changes_per_s": round(changes / elapsed), "batches_per_s": round(count / elapsed)}
+    mirror = _prefill_mirror(batches)
+    started = time.perf_counter()
+    for i, payload in enumerate(payloads):
+        mirror.apply(decode_batch(payload))
+        if i % 256 == 255:
+            mirror.flush("s", "r")
+    elapsed = time.perf_counter() - started
+    out["decode_and_mirror"] = {"block_changes_per_s": round(changes / elapsed),
+                                "batches_per_s": round(count / elapsed)}
+    mirror = _prefill_mirror(batches)
+    index = KvIndex()
+    for message in mirror.full_messages("s", "r"):
+        index.apply("r", message)
+    started = time.perf_counter()
+    for i, payload in enumerate(payloads):
+        mirror.apply(decode_batch(payload))
+        if i % 256 == 255:
+            for message in mirror.flush("s", "r"):
+                index.apply("r", message)
+    for message in mirror.flush("s", "r"):
+        index.apply("r", message)
+    elapsed = time.perf_counter() - started
+    assert index.keys("r") == set(mirror.keys())
+    out["agent_to_index"] = {"block_changes_per_s": round(changes / elapsed), "batches_per_s": round(count / elapsed)}
+    return out
+
+
+async def bench_zmq(count: int = 20000) -> dict:
+    batches = engine_stream(count)
+    payloads = [encode_batch(b) for b in batches]
+    mirror = _prefill_mirror(batches)
+    sub = EngineSubscription("tcp://127.0.0.1:0", on_batch=mirror.apply, on_reset=mirror.reset, idle_probe=None)
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    pub.setsockopt(zmq.LINGER, 0)
+    async with trio.open_nursery() as nursery:
+        endpoint = await nursery.start(sub.run)
+        pub.connect(endpoint)
+        with trio.fail_after(10):
+            await zmq_trio.recv_multipart(pub)  # subscribed: nothing published from here on is lost
+        started = time.perf_counter()
+        for seq, payload in enumerate(payloads):
+            await zmq_trio.send_multipart(pub, [b"", seq.to_bytes(8, "big"), payload])
+        with trio.fail_after(60):
+            await sub.wait_for(lambda s: s.last_seq == count - 1)
+        elapsed = time.perf_counter() - started
+        nursery.cancel_scope.cancel()
+    zmq_trio.close(pub)
+    ctx.term()
+    assert sub.gaps == 0 and not sub.resets
+    return {"block_changes_per_s": round(_changes(batches) / elapsed), "batches_per_s": round(count / elapsed)}
+
+
+async def run(quick: bool = False) -> dict:
+    report: dict = {"machine": {"python": platform.python_version(), "platform": platform.platform()},
+                    "decisions": {}, "ingestion": {}}
+    argv = llmgw_command("sim", "--port", "0", "--served-model-name", "tiny", "--time-scale", "0",
+                         "--max-model-len", "40000", "--num-blocks", "4096")
+    async with trio.open_nursery() as nursery:
+        child = await nursery.start(lambda task_status: run_child(argv, name="sim", task_status=task_status))
+        for tokens, count in ((2048, 60 if quick else 300), (32768, 15 if quick else 80)):
+            report["decisions"][f"{tokens}_tokens"] = await bench_decisions(child.url, tokens, count)
+        nursery.cancel_scope.cancel()
+    report["ingestion"]["index_apply"] = bench_index_apply(500 if quick else 2000)
+    report["ingestion"].update(bench_mirror(5000 if quick else 20000))
+    report["ingestion"]["over_zmq"] = await bench_zmq(5000 if quick else 20000)
+    return report
+
+
+LABELS = {
+    "ids_warm": "token ids, warm (held by one replica, memo hit)",
+    "ids_cold": "token ids, cold (new prompt, every block hashed)",
+    "text_tokenize_uncached": "text + /tokenize to a local sim, new prompt",
+    "text_tokenize_cached": "text, tokenize cache hit",
+    "tokenize_call_alone": "the /tokenize call alone",
+    "canonical_text_ids": "router's canonical text of the ids (in rows 1-2)",
+}
+
+
+def _print_report(report: dict) -> None:
+    print("decision cost, µs (p50 / p99), 4 candidates, block size 16")
+    print(f"| {'path':<52} | {'2k tokens':>17} | {'32k tokens':>19} |")
+    small, large = report["decisions"]["2048_tokens"], report["decisions"]["32768_tokens"]
+    for key, label in LABELS.items():
+        a, b = small[key], large[key]
+        print(f"| {label:<52} | {a['p50_us']:>7} / {a['p99_us']:>7} | {b['p50_us']:>8} / {b['p99_us']:>8} |")
+    print()
+    print("ingestion, block changes/s")
+    for key, value in report["ingestion"].items():
+        print(f"| {key:<20} | {value['block_changes_per_s']:>12,} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
+    args = parser.parse_args(argv)
+    report = trio.run(run, args.quick)
+    _print_report(report)
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,323 @@
+"""The router's KV index: which block keys each replica's engine holds, and how many leading blocks of a prompt.
+
+One :class:`KvIndex` per router, fed with :class:`llmgw.wire.KvChanges` by the
+control plane (``apply``), read by the ``kv_index`` tier (``match``).
+
+Layout: one dict ``key -> bitmask of replica slots`` for every confirmed
+block, plus per replica the set of its keys (for FULL replacement, RESET and
+the size gauges). Matching a prompt walks its keys from block 0 with one dict
+lookup per block, AND-ing the candidates' bits; a replica's leading run ends
+at the first block it lacks, and the walk stops as soon as no candidate is
+left. So a miss costs one lookup, and a 2048-block (32k-token) prompt held
+entirely costs 2048 lookups (about 100 µs; ``llmgw/bench/kv_routing.py``).
+
+Per replica a health state:
+
+- ``no_events``: nothing received yet (or the agent's stream was lost:
+  :meth:`KvIndex.forget`); the tier routes it as the prefix tree would;
+- ``healthy``: a FULL copy or a DELTA arrived;
+- ``resetting``: a RESET arrived (engine restart, ``AllBlocksCleared``, a gap
+  replay could not fill); ends with the next FULL, the next DELTA storing
+  blocks, or after ``reset_window`` seconds, whichever comes first.
+
+*Predicted* entries (:meth:`KvIndex.predict`) record a request just routed,
+for ``ttl`` seconds (default 2), so that a burst of requests sharing a new
+prefix co-locates before the engine's events arrive. They live apart from the
+confirmed entries, never change them, and count in :meth:`KvIndex.match` (not
+in :meth:`KvIndex.blocks` nor the gauges). Approximation, documented: a key
+predicted for several replicas expires for all of them at the latest of their
+expiries.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Iterable, Sequence
+from enum import Enum
+
+from ..wire import KvChangeKind, KvChanges
+
+DEFAULT_RESET_WINDOW = 5.0
+DEFAULT_PREDICTED_TTL = 2.0
+
+
+class IndexState(str, Enum):
+    NO_EVENTS = "no_events"
+    HEALTHY = "healthy"
+    RESETTING = "resetting"
+
+
+class _Replica:
+    __slots__ = ("name", "bit", "keys", "block_size", "state", "reason", "resetting_until", "changes", "resets",
+                 "updated_at")
+
+    def __init__(self, name: str, bit: int):
+        self.name = name
+        self.bit = bit
+        self.keys: set[int] = set()
+        self.block_size = 0
+        self.state = IndexState.NO_EVENTS
+        self.reason = ""
+        self.resetting_until = 0.0
+        self.changes = 0  # block changes applied (stored + removed + FULL sizes)
+        self.resets = 0
+        self.updated_at = 0.0
+
+
+class KvIndex:
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic, reset_window: float = DEFAULT_RESET_WINDOW,
+                 predicted_ttl: float = DEFAULT_PREDICTED_TTL):
+        self.clock = clock
+        self.reset_window = reset_window
+        self.predicted_ttl = predicted_ttl
+        self._holders: dict[int, int] = {}  # confirmed: key -> bitmask of replica slots
+        self._replicas: dict[str, _Replica] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._pred_mask: dict[int, int] = {}  # predicted: key -> bitmask
+        self._pred_expiry: dict[int, float] = {}  # predicted: key -> when the entry expires (latest)
+        self._pred_heap: list[tuple[float, int, tuple[int, ...]]] = []
+        self._pred_serial = itertools.count()
+
+    # -- replicas -------------------------------------------------------------------------------------------------
+
+    def _replica(self, replica_id: str) -> _Replica:
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            slot = heapq.heappop(self._free_slots) if self._free_slots else self._next_slot
+            if slot == self._next_slot:
+                self._next_slot += 1
+            replica = self._replicas[replica_id] = _Replica(replica_id, 1 << slot)
+        return replica
+
+    def replicas(self) -> list[str]:
+        return list(self._replicas)
+
+    def state(self, replica_id: str) -> IndexState:
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            return IndexState.NO_EVENTS
+        if replica.state is IndexState.RESETTING and self.clock() >= replica.resetting_until:
+            replica.state = IndexState.HEALTHY
+        return replica.state
+
+    def healthy(self, replica_id: str) -> bool:
+        return self.state(replica_id) is IndexState.HEALTHY
+
+    def block_size(self, replica_id: str) -> int | None:
+        replica = self._replicas.get(replica_id)
+        return replica.block_size or None if replica is not None else None
+
+    def blocks(self, replica_id: str) -> int:
+        replica = self._replicas.get(replica_id)
+        return len(replica.keys) if replica is not None else 0
+
+    def holds(self, replica_id: str, key: int) -> bool:
+        replica = self._replicas.get(replica_id)
+        return replica is not None and key in replica.keys
+
+    def keys(self, replica_id: str) -> set[int]:
+        replica = self._replicas.get(replica_id)
+        return set(replica.keys) if replica is not None else set()
+
+    def summary(self) -> dict[str, tuple[int, str]]:
+        """``{replica: (blocks, state)}`` for the gauges."""
+        return {name: (len(r.keys), self.state(name).value) for name, r in self._replicas.items()}
+
+    def describe(self, replica_id: str) -> dict:
+        """What the index knows of one replica, as JSON-able data (for explain and the admin API)."""
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            return {"state": IndexState.NO_EVENTS.value, "blocks": 0, "block_size": None}
+        return {"state": self.state(replica_id).value, "blocks": len(replica.keys),
+                "block_size": replica.block_size or None, "last_reset_reason": replica.reason or None,
+                "resets": replica.resets, "changes": replica.changes}
+
+    def forget(self, replica_id: str) -> None:
+        """The agent's stream for this replica was lost: drop what we knew, back to ``no_events``.
+
+        The agent sends a FULL copy when its stream reconnects.
+        """
+        replica = self._replicas.get(replica_id)
+        if replica is not None:
+            self._clear(replica)
+            replica.state = IndexState.NO_EVENTS
+
+    def remove(self, replica_id: str) -> None:
+        """The replica left the router: drop it and free its slot (its predicted entries too)."""
+        replica = self._replicas.pop(replica_id, None)
+        if replica is None:
+            return
+        self._clear(replica)
+        bit = replica.bit
+        for key in [k for k, mask in self._pred_mask.items() if mask & bit]:
+            mask = self._pred_mask[key] & ~bit
+            if mask:
+                self._pred_mask[key] = mask
+            else:
+                del self._pred_mask[key]
+                del self._pred_expiry[key]
+        heapq.heappush(self._free_slots, bit.bit_length() - 1)
+
+    # -- applying changes -----------------------------------------------------------------------------------------
+
+    def apply(self, replica_id: str, changes: KvChanges) -> None:
+        """DELTA adds and removes keys, FULL replaces the replica's keys, RESET clears that replica only."""
+        replica = self._replica(replica_id)
+        now = self.clock()
+        replica.updated_at = now
+        if changes.block_size:
+            replica.block_size = changes.block_size
+        kind = changes.kind
+        if kind is KvChangeKind.DELTA:
+            self._remove_keys(replica, changes.removed)
+            self._add_keys(replica, changes.stored)
+            replica.changes += len(changes.stored) + len(changes.removed)
+            if replica.state is IndexState.NO_EVENTS or (replica.state is IndexState.RESETTING and changes.stored):
+                replica.state = IndexState.HEALTHY
+        elif kind is KvChangeKind.FULL:
+            new = set(changes.stored)
+            old = replica.keys
+            self._remove_keys(replica, [k for k in old if k not in new])
+            self._add_keys(replica, [k for k in new if k not in old])
+            replica.changes += len(new)
+            replica.state = IndexState.HEALTHY
+        else:  # RESET, or an unknown kind (decoded as RESET: forget rather than trust)
+            self._clear(replica)
+            replica.state = IndexState.RESETTING
+            replica.reason = changes.reason or "reset"
+            replica.resetting_until = now + self.reset_window
+            replica.resets += 1
+
+    def _add_keys(self, replica: _Replica, keys: Iterable[int]) -> None:
+        holders, bit, mine = self._holders, replica.bit, replica.keys
+        for key in keys:
+            if key not in mine:
+                mine.add(key)
+                holders[key] = holders.get(key, 0) | bit
+
+    def _remove_keys(self, replica: _Replica, keys: Iterable[int]) -> None:
+        holders, bit, mine = self._holders, replica.bit, replica.keys
+        for key in keys:
+            if key in mine:
+                mine.discard(key)
+                mask = holders[key] & ~bit
+                if mask:
+                    holders[key] = mask
+                else:
+                    del holders[key]
+
+    def _clear(self, replica: _Replica) -> None:
+        self._remove_keys(replica, list(replica.keys))
+
+    # -- predicted entries ----------------------------------------------------------------------------------------
+
+    def predict(self, replica_id: str, keys: Sequence[int], ttl: float | None = None) -> None:
+        """``replica_id`` was just sent a request with these block keys: count them as held for ``ttl`` seconds."""
+        if not keys:
+            return
+        now = self.clock()
+        self._expire(now)
+        expiry = now + (self.predicted_ttl if ttl is None else ttl)
+        bit = self._replica(replica_id).bit
+        masks, expiries = self._pred_mask, self._pred_expiry
+        for key in keys:
+            masks[key] = masks.get(key, 0) | bit
+            if expiries.get(key, 0.0) < expiry:
+                expiries[key] = expiry
+        heapq.heappush(self._pred_heap, (expiry, next(self._pred_serial), tuple(keys)))
+
+    def _expire(self, now: float) -> None:
+        heap = self._pred_heap
+        if not heap or heap[0][0] > now:
+            return
+        masks, expiries = self._pred_mask, self._pred_expiry
+        while heap and heap[0][0] <= now:
+            _, _, keys = heapq.heappop(heap)
+            for key in keys:
+                expiry = expiries.get(key)
+                if expiry is not None and expiry <= now:
+                    del expiries[key]
+                    del masks[key]
+
+    @property
+    def predicted_keys(self) -> int:
+        self._expire(self.clock())
+        return len(self._pred_mask)
+
+    # -- matching -------------------------------------------------------------------------------------------------
+
+    def match(self, keys: Sequence[int], replica_ids: Iterable[str], *, predicted: bool = True) -> dict[str, int]:
+        """Per replica, how many LEADING blocks of ``keys`` (contiguous from block 0) it holds.
+
+        With ``predicted`` (the default) live predicted entries count as held;
+        :meth:`match_detail` tells confirmed and predicted apart.
+        """
+        detail = self.match_detail(keys, replica_ids, predicted=predicted)
+        return {rid: run for rid, (_, run) in detail.items()}
+
+    def match_detail(self, keys: Sequence[int], replica_ids: Iterable[str], *,
+                     predicted: bool = True) -> dict[str, tuple[int, int]]:
+        """Per replica ``(confirmed, with_predicted)`` leading blocks; ``with_predicted >= confirmed``.
+
+        One walk from block 0 with one or two dict lookups per block, ending at
+        the first block no candidate holds (confirmed or predicted).
+        """
+        ids = list(replica_ids)
+        confirmed = dict.fromkeys(ids, 0)
+        total = dict.fromkeys(ids, 0)
+        bits: list[tuple[str, int]] = []
+        alive = 0
+        for rid in ids:
+            replica = self._replicas.get(rid)
+            if replica is not None:
+                bits.append((rid, replica.bit))
+                alive |= replica.bit
+        if predicted:
+            self._expire(self.clock())
+        if alive:
+            holders = self._holders.get
+            guesses = self._pred_mask.get if predicted and self._pred_mask else None
+            alive_c = alive_t = alive
+            end = len(keys)
+            for index, key in enumerate(keys):
+                held = holders(key, 0)
+                if alive_c and alive_c & held != alive_c:
+                    still = alive_c & held
+                    for rid, bit in bits:
+                        if (alive_c ^ still) & bit:
+                            confirmed[rid] = index
+                    alive_c = still
+                if guesses is not None:
+                    held |= guesses(key, 0)
+                if alive_t & held != alive_t:
+                    still = alive_t & held
+                    for rid, bit in bits:
+                        if (alive_t ^ still) & bit:
+                            total[rid] = index
+                    alive_t = still
+                    if not alive_t:
+                        break
+            else:
+                for rid, bit in bits:
+                    if alive_c & bit:
+                        confirmed[rid] = end
+                    if alive_t & bit:
+                        total[rid] = end
+        return {rid: (confirmed[rid], total[rid]) for rid in ids}
+
+
+def refusal_reason(changes: KvChanges, sender_node: str, placed_on: str | None) -> str | None:
+    """Why the control plane must refuse ``changes`` from ``sender_node``, or None to accept them.
+
+    ``placed_on`` is the node the control plane placed ``changes.replica_id``'s
+    shard ``changes.shard_id`` on (None when it placed no such shard). Reasons
+    label ``llmgw_kv_changes_refused_total``.
+    """
+    if placed_on is None:
+        return "unknown_replica"
+    if placed_on != sender_node:
+        return "foreign_replica"
+    return None

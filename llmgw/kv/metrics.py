@@ -1,0 +1,165 @@
+"""Prometheus metrics of the KV-index routing tier, from engine events to routing accuracy.
+
+One :class:`KvMetrics` per ``CollectorRegistry`` (:meth:`KvMetrics.for_registry`
+returns the same instance every time, so a tier rebuilt on reload never
+registers a series twice). Who counts what:
+
+- the agent (per engine subscription and mirror): ``llmgw_kv_events_total``,
+  ``llmgw_kv_gaps_total``, ``llmgw_kv_replays_total``, ``llmgw_kv_resets_total``,
+  ``llmgw_kv_decode_errors_total``, ``llmgw_kv_ignored_total``,
+  ``llmgw_kv_hash_parity_checks_total``;
+- the control plane: ``llmgw_kv_changes_refused_total``;
+- the router: ``llmgw_kv_index_blocks`` and ``llmgw_kv_index_state`` (read from
+  the tracked :class:`~llmgw.kv.index.KvIndex` at scrape time),
+  ``llmgw_kv_tokenize_seconds``, ``llmgw_route_predicted_cached_tokens_total``
+  and ``llmgw_route_actual_cached_tokens_total``.
+
+In ``llmgw serve`` with the embedded agent all of them land in the one
+registry. Every metric is documented in ``docs/kv-routing.md``.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from ..metrics import CachedLabels
+
+TOKENIZE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+_instances: "weakref.WeakKeyDictionary[CollectorRegistry, KvMetrics]" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+class _IndexCollector:
+    """``llmgw_kv_index_blocks{replica}`` and ``llmgw_kv_index_state{replica,state}``, read at scrape time."""
+
+    def __init__(self) -> None:
+        self._indexes: list[weakref.ref] = []
+
+    def track(self, index) -> None:
+        if not any(ref() is index for ref in self._indexes):
+            self._indexes.append(weakref.ref(index))
+
+    @staticmethod
+    def _families():
+        blocks = GaugeMetricFamily("llmgw_kv_index_blocks", "Distinct KV blocks the router's index holds for each "
+                                   "replica (confirmed by the engine's events; predicted entries not included).",
+                                   labels=["replica"])
+        state = GaugeMetricFamily("llmgw_kv_index_state", "1 for the replica's current index state: no_events, "
+                                  "healthy or resetting.", labels=["replica", "state"])
+        return blocks, state
+
+    def describe(self):
+        return self._families()
+
+    def collect(self):
+        blocks, state = self._families()
+        alive = []
+        for ref in self._indexes:
+            index = ref()
+            if index is None:
+                continue
+            alive.append(ref)
+            for replica, (count, current) in sorted(index.summary().items()):
+                blocks.add_metric([replica], count)
+                state.add_metric([replica, current], 1)
+        self._indexes = alive
+        return [blocks, state]
+
+
+class KvMetrics:
+    """The KV tier's series on one registry; see the module docstring for who counts what."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = r = registry
+        self.events = CachedLabels(Counter(
+            "llmgw_kv_events", "KV events received from engines, by node, replica and event type (BlockStored, "
+            "BlockRemoved, AllBlocksCleared, or the tag of an unknown type, which is skipped).",
+            ["node", "replica", "type"], registry=r))
+        self.gaps = CachedLabels(Counter(
+            "llmgw_kv_gaps", "Holes in a replica's event sequence numbers (each one triggers a replay when the "
+            "engine has a replay endpoint).", ["replica"], registry=r))
+        self.replays = CachedLabels(Counter(
+            "llmgw_kv_replays", "Replay attempts by result: filled (the hole was filled), incomplete (the engine "
+            "no longer buffers the missing batches), timeout, disabled (no replay endpoint).", ["result"],
+            registry=r))
+        self.resets = CachedLabels(Counter(
+            "llmgw_kv_resets", "Times a replica's mirrored cache was reset, by reason: gap (a hole replay could "
+            "not fill), engine_restart (sequence went backwards), cleared (AllBlocksCleared), decode_error.",
+            ["replica", "reason"], registry=r))
+        self.decode_errors = CachedLabels(Counter(
+            "llmgw_kv_decode_errors", "Event messages that could not be decoded, by source (the subscription).",
+            ["source"], registry=r))
+        self.ignored = CachedLabels(Counter(
+            "llmgw_kv_ignored", "Blocks in events kept out of the device index, by replica and reason "
+            "(medium, group, placeholder, unknown_block, unknown_parent, wrong_rank...).",
+            ["replica", "reason"], registry=r))
+        self.parity_checks = CachedLabels(Counter(
+            "llmgw_kv_hash_parity_checks", "Stores whose block hashes the agent recomputed with the router's key "
+            "function, by replica and result (ok, mismatch: the engine's hash algorithm, PYTHONHASHSEED or block "
+            "size differ from the tier's, so the index can never match).", ["replica", "result"], registry=r))
+        self.changes_refused = CachedLabels(Counter(
+            "llmgw_kv_changes_refused", "KvChanges messages the control plane refused, by sending node and reason "
+            "(e.g. foreign_replica: the replica is not placed on that node).", ["node", "reason"], registry=r))
+        self.tokenize_seconds = Histogram(
+            "llmgw_kv_tokenize_seconds", "Time of /tokenize calls made for routing (cache hits excluded; "
+            "timeouts observed at the timeout).", buckets=TOKENIZE_BUCKETS, registry=r)
+        self.predicted_cached = CachedLabels(Counter(
+            "llmgw_route_predicted_cached_tokens", "Prompt tokens the kv_index tier predicted the chosen replica "
+            "would serve from its prefix cache (counted when the response's usage arrives).", ["model"],
+            registry=r))
+        self.actual_cached = CachedLabels(Counter(
+            "llmgw_route_actual_cached_tokens", "Prompt tokens the engine reported as cached "
+            "(usage.prompt_tokens_details.cached_tokens) for the same requests.", ["model"], registry=r))
+        self._index_collector = _IndexCollector()
+        r.register(self._index_collector)
+
+    @classmethod
+    def for_registry(cls, registry: CollectorRegistry) -> "KvMetrics":
+        with _lock:
+            existing = _instances.get(registry)
+            if existing is None:
+                existing = _instances[registry] = cls(registry)
+            return existing
+
+    def track_index(self, index) -> None:
+        """Report ``index``'s per-replica sizes and states (a :class:`~llmgw.kv.index.KvIndex`)."""
+        self._index_collector.track(index)
+
+    def source(self, node: str, replica: str) -> "SourceMetrics":
+        return SourceMetrics(self, node, replica)
+
+
+class SourceMetrics:
+    """The agent-side series of one engine subscription (node, replica) bound once."""
+
+    def __init__(self, metrics: KvMetrics, node: str, replica: str):
+        self.metrics = metrics
+        self.node = node
+        self.replica = replica
+        self._gaps = metrics.gaps.labels(replica)
+
+    def event(self, kind: str, count: int = 1) -> None:
+        self.metrics.events.labels(self.node, self.replica, kind).inc(count)
+
+    def gap(self) -> None:
+        self._gaps.inc()
+
+    def replay(self, result: str) -> None:
+        self.metrics.replays.labels(result).inc()
+
+    def reset(self, reason: str) -> None:
+        self.metrics.resets.labels(self.replica, reason).inc()
+
+    def decode_error(self, source: str) -> None:
+        self.metrics.decode_errors.labels(source).inc()
+
+    def ignored(self, reason: str, count: int = 1) -> None:
+        self.metrics.ignored.labels(self.replica, reason).inc(count)
+
+    def parity(self, ok: bool) -> None:
+        self.metrics.parity_checks.labels(self.replica, "ok" if ok else "mismatch").inc()

@@ -1,0 +1,356 @@
+"""The agent's mirror of one engine's (one data-parallel rank's) GPU prefix cache, and its net changes.
+
+:class:`EngineMirror` applies decoded KV events and keeps the set of block
+keys the engine holds, **reference counted**: vLLM does not de-duplicate
+identical blocks, so two requests computing the same prefix at once store the
+same hash twice and remove it twice; a key leaves the set only when its count
+reaches zero. Only blocks a prefix index can use enter the set: device medium
+(``GPU`` or absent), main-attention groups, stores with token ids
+(placeholders of offload tiers have none). The others are counted by reason
+in :attr:`EngineMirror.ignored`, as are removals of blocks the mirror never
+saw.
+
+What it sends up the agent's stream (:class:`llmgw.wire.KvChanges`):
+
+- **net changes** (:meth:`take_delta`, :meth:`flush`): what changed since the
+  last flush, so a block stored and removed again within one flush window
+  (the agent flushes every 20-50 ms) is no change at all;
+- a **full copy** (:meth:`full_messages`) whenever the stream (re)connects;
+- a **reset** (:meth:`reset`) when the subscription says the engine's cache
+  is empty or unknown (restart, ``AllBlocksCleared``, a gap replay could not
+  fill); the reset goes out before the changes that followed it.
+
+Keys. ``key_mode="engine"`` (the default) forwards the engine's own block
+hashes, normalised to unsigned 64-bit ints: the agent starts vLLM with
+``--prefix-caching-hash-algo sha256_cbor`` and a fixed ``PYTHONHASHSEED``, so
+the router's ``vllm`` key function recomputes exactly these hashes from token
+ids. ``key_mode="content"`` re-keys every stored block with
+:class:`~llmgw.kv.keys.ContentChainKeys` from the event's ``token_ids``
+(chained from the parent block's key, extra keys included in their event
+form), keeping an engine-hash -> key map to apply removals: independent of
+the engine's hash algorithm and seed, and 8x cheaper to compute on the
+router, at the cost of the map (about 100 bytes per block). A store whose
+parent the mirror never saw cannot be re-keyed in that mode and is counted
+as ``unknown_parent``.
+
+Hash parity: with ``verify_keys`` (the router's key function, e.g.
+``VllmBlockKeys("sha256_cbor", "0")``) the mirror recomputes the first
+``verify_samples`` stores that start a chain (parent nil, no extra keys) and
+compares them with the engine's hashes; a mismatch (another algorithm, seed
+or block size: the router would silently never match) is logged once and
+counted (``parity_failed``, ``llmgw_kv_hash_parity_checks_total``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections import Counter
+from collections.abc import Iterable
+
+import trio
+
+from ..wire import KvChangeKind, KvChanges
+from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent, is_device_medium, \
+    is_main_attention
+from .keys import BlockKeyFunction, ContentChainKeys, normalize_hash
+
+log = logging.getLogger(__name__)
+
+KEY_MODES = ("engine", "content")
+MAX_KEYS_PER_MESSAGE = 65536  # one KvChanges carries at most this many keys (about 600 KB of msgpack)
+
+
+def _tupled(value: object) -> object:
+    """msgpack gives lists; the hash input needs tuples (as :func:`llmgw.kv.keys.request_extra_keys` builds)."""
+    if isinstance(value, list):
+        return tuple(_tupled(v) for v in value)
+    return value
+
+
+class EngineMirror:
+    """Reference-counted device blocks of one engine rank, with net-change tracking. Not thread-safe."""
+
+    def __init__(self, *, key_mode: str = "engine", content_keys: ContentChainKeys | None = None,
+                 on_ignored=None, verify_keys: BlockKeyFunction | None = None, verify_samples: int = 8,
+                 on_parity=None, name: str = "") -> None:
+        if key_mode not in KEY_MODES:
+            raise ValueError(f"key_mode must be one of {', '.join(KEY_MODES)}, not {key_mode!r}")
+        self.key_mode = key_mode
+        self._content = (content_keys or ContentChainKeys()) if key_mode == "content" else None
+        self._counts: dict[int, int] = {}  # key -> physical blocks holding it
+        self._before: dict[int, bool] = {}  # key -> whether it was present at the last flush (touched keys only)
+        self._engine_to_key: dict[int, int] = {}  # content mode: engine hash -> content key
+        self._pending_reset: str | None = None
+        self._main_groups: set[int] = set()  # groups seen as main attention in stores (kv_cache_spec_kind given)
+        self._on_ignored = on_ignored  # callable(reason, count), e.g. SourceMetrics.ignored
+        self.block_size: int | None = None
+        self.ignored: Counter[str] = Counter()
+        self.stored_blocks = 0  # device blocks stored / removed, as applied (before netting)
+        self.removed_blocks = 0
+        self.resets: Counter[str] = Counter()
+        # hash parity: the router's key function recomputed on a few stores, compared with the engine's hashes
+        self._verify = verify_keys if key_mode == "engine" else None
+        self._verify_left = verify_samples
+        self._on_parity = on_parity  # callable(ok: bool), e.g. SourceMetrics.parity
+        self.name = name
+        self.parity_checked = 0
+        self.parity_failed = 0
+
+    # -- reading --------------------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._counts
+
+    def refcount(self, key: int) -> int:
+        return self._counts.get(key, 0)
+
+    def keys(self) -> list[int]:
+        return list(self._counts)
+
+    @property
+    def pending(self) -> bool:
+        """Something would go out at the next :meth:`flush`."""
+        return self._pending_reset is not None or bool(self._before)
+
+    # -- applying events ------------------------------------------------------------------------------------------
+
+    def apply(self, batch: EventBatch) -> None:
+        for event in batch.events:
+            self.apply_event(event)
+
+    def apply_events(self, events: Iterable[KVEvent]) -> None:
+        for event in events:
+            self.apply_event(event)
+
+    def apply_event(self, event: KVEvent) -> None:
+        if isinstance(event, BlockStored):
+            self._stored(event)
+        elif isinstance(event, BlockRemoved):
+            self._removed(event)
+        elif isinstance(event, AllBlocksCleared):
+            self.reset("cleared")
+
+    def _ignore(self, reason: str, count: int) -> None:
+        if count:
+            self.ignored[reason] += count
+            if self._on_ignored is not None:
+                self._on_ignored(reason, count)
+
+    def _stored(self, ev: BlockStored) -> None:
+        hashes = ev.block_hashes
+        if not is_device_medium(ev.medium):
+            self._ignore("medium", len(hashes))
+            return
+        if not is_main_attention(ev):
+            self._ignore("group", len(hashes))
+            return
+        if not ev.token_ids or ev.block_size <= 0:
+            self._ignore("placeholder", len(hashes))
+            return
+        if ev.kv_cache_spec_kind is not None and ev.group_idx is not None:
+            self._main_groups.add(ev.group_idx)
+        block_size = ev.block_size
+        if self.block_size != block_size:
+            if self.block_size is not None and self._counts:
+                log.warning("engine block size changed from %d to %d with %d blocks mirrored", self.block_size,
+                            block_size, len(self._counts))
+            self.block_size = block_size
+        if self._content is None:
+            keys = [normalize_hash(h) for h in hashes]
+            if self._verify is not None and self._verify_left > 0 and ev.parent_block_hash is None:
+                self._check_parity(ev, keys)
+        else:
+            keys = self._content_keys(ev)
+            if keys is None:
+                return
+        counts, before = self._counts, self._before
+        for key in keys:
+            count = counts.get(key, 0)
+            if not count and key not in before:
+                before[key] = False
+            counts[key] = count + 1
+        self.stored_blocks += len(keys)
+
+    @property
+    def parity(self) -> bool | None:
+        """Whether the router's key function reproduces this engine's hashes (None: not checked yet)."""
+        if self.parity_failed:
+            return False
+        return True if self.parity_checked else None
+
+    def _check_parity(self, ev: BlockStored, keys: list[int]) -> None:
+        """Recompute a chain that starts at block 0 with the router's key function; log a mismatch once.
+
+        Only stores without extra keys are checked (LoRA paths and multimodal
+        identifiers are not in events), so a mismatch means a different hash
+        algorithm, ``PYTHONHASHSEED`` or block size: the router would never
+        match this engine's blocks (0% hits, silently).
+        """
+        if ev.extra_keys is not None and any(item is not None for item in ev.extra_keys):
+            return
+        if ev.lookahead_token_ids or len(ev.token_ids) != len(keys) * ev.block_size:
+            return
+        self._verify_left -= 1
+        self.parity_checked += 1
+        try:
+            expected = self._verify.keys(ev.token_ids, ev.block_size)
+        except (TypeError, ValueError):
+            return
+        ok = expected == keys
+        if self._on_parity is not None:
+            self._on_parity(ok)
+        if not ok:
+            self.parity_failed += 1
+            if self.parity_failed == 1:
+                log.warning("%s: the engine's block hashes differ from what the router computes with %r: check "
+                            "the engine's --prefix-caching-hash-algo, PYTHONHASHSEED and block size against the "
+                            "tier's hash_algo/hash_seed (or use content keys)", self.name or "engine", self._verify)
+
+    def _content_keys(self, ev: BlockStored) -> list[int] | None:
+        hashes, size = ev.block_hashes, ev.block_size
+        if len(ev.token_ids) != len(hashes) * size:
+            self._ignore("token_mismatch", len(hashes))  # e.g. sliding-window groups skipping null blocks
+            return None
+        parent = None
+        if ev.parent_block_hash is not None:
+            parent = self._engine_to_key.get(normalize_hash(ev.parent_block_hash))
+            if parent is None:
+                self._ignore("unknown_parent", len(hashes))
+                return None
+        extras = None
+        if ev.extra_keys is not None:
+            extras = [None if item is None else _tupled(item) for item in ev.extra_keys]
+            if len(extras) < len(hashes):
+                extras += [None] * (len(hashes) - len(extras))
+        try:
+            keys = self._content.keys(ev.token_ids, size, extras, parent=parent)
+        except (TypeError, ValueError):
+            self._ignore("bad_tokens", len(hashes))
+            return None
+        table = self._engine_to_key
+        for engine_hash, key in zip(hashes, keys):
+            table[normalize_hash(engine_hash)] = key
+        return keys
+
+    def _removed(self, ev: BlockRemoved) -> None:
+        hashes = ev.block_hashes
+        if not is_device_medium(ev.medium):
+            self._ignore("medium", len(hashes))
+            return
+        if not is_main_attention(ev, self._main_groups or None):
+            self._ignore("group", len(hashes))
+            return
+        counts, before = self._counts, self._before
+        table = self._engine_to_key if self._content is not None else None
+        unknown = 0
+        for raw in hashes:
+            engine_hash = normalize_hash(raw)
+            key = engine_hash if table is None else table.get(engine_hash)
+            count = counts.get(key, 0) if key is not None else 0
+            if not count:
+                unknown += 1
+                continue
+            if count == 1:
+                if key not in before:
+                    before[key] = True
+                del counts[key]
+                if table is not None:
+                    del table[engine_hash]
+            else:
+                counts[key] = count - 1
+            self.removed_blocks += 1
+        self._ignore("unknown_block", unknown)
+
+    def reset(self, reason: str) -> None:
+        """The engine's cache is empty or unknown from here on: forget everything, send a RESET next."""
+        self._counts.clear()
+        self._before.clear()
+        self._engine_to_key.clear()
+        self._pending_reset = reason
+        self.resets[reason] += 1
+
+    # -- what goes up the stream ----------------------------------------------------------------------------------
+
+    def take_delta(self) -> tuple[list[int], list[int]]:
+        """``(stored, removed)``: keys that appeared and disappeared since the last take (net), then forget them."""
+        counts = self._counts
+        stored, removed = [], []
+        for key, was_present in self._before.items():
+            if key in counts:
+                if not was_present:
+                    stored.append(key)
+            elif was_present:
+                removed.append(key)
+        self._before.clear()
+        return stored, removed
+
+    def take_reset(self) -> str | None:
+        reason, self._pending_reset = self._pending_reset, None
+        return reason
+
+    def full_copy(self) -> list[int]:
+        """Every key held now (sorted); reading it changes nothing."""
+        return sorted(self._counts)
+
+    def flush(self, shard_id: str, replica_id: str, data_parallel_rank: int = 0, *,
+              max_keys: int = MAX_KEYS_PER_MESSAGE) -> list[KvChanges]:
+        """The messages to send now, in order: a RESET if one is pending, then the net DELTA (may be none)."""
+        out = []
+        common = dict(shard_id=shard_id, replica_id=replica_id, data_parallel_rank=data_parallel_rank,
+                      block_size=self.block_size or 0)
+        reason = self.take_reset()
+        if reason is not None:
+            out.append(KvChanges(kind=KvChangeKind.RESET, reason=reason, **common))
+        stored, removed = self.take_delta()
+        for start in range(0, max(len(stored), len(removed)), max_keys):
+            out.append(KvChanges(kind=KvChangeKind.DELTA, stored=stored[start:start + max_keys],
+                                 removed=removed[start:start + max_keys], **common))
+        return out
+
+    def full_messages(self, shard_id: str, replica_id: str, data_parallel_rank: int = 0, *,
+                      reason: str = "connect", max_keys: int = MAX_KEYS_PER_MESSAGE) -> list[KvChanges]:
+        """A FULL copy for a (re)connected stream: supersedes any pending delta or reset.
+
+        More than ``max_keys`` keys go as one FULL followed by DELTAs storing the rest.
+        """
+        self._before.clear()
+        self._pending_reset = None
+        keys = self.full_copy()
+        common = dict(shard_id=shard_id, replica_id=replica_id, data_parallel_rank=data_parallel_rank,
+                      block_size=self.block_size or 0)
+        out = [KvChanges(kind=KvChangeKind.FULL, stored=keys[:max_keys], reason=reason, **common)]
+        for start in range(max_keys, len(keys), max_keys):
+            out.append(KvChanges(kind=KvChangeKind.DELTA, stored=keys[start:start + max_keys], **common))
+        return out
+
+
+DEFAULT_FLUSH_INTERVAL = 0.025
+
+
+async def flush_loop(mirror: EngineMirror, send, shard_id: str, replica_id: str, data_parallel_rank: int = 0, *,
+                     interval: float = DEFAULT_FLUSH_INTERVAL, full_first: bool = True,
+                     task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Send the mirror's changes every ``interval`` seconds through ``send(message)`` (sync or async), forever.
+
+    With ``full_first`` a FULL copy goes first: run one of these per stream
+    connection (cancel it when the stream drops, start a new one when it is
+    back), so every (re)connect starts with a full copy. Nothing is sent when
+    nothing changed.
+    """
+    async def deliver(messages: list[KvChanges]) -> None:
+        for message in messages:
+            result = send(message)
+            if inspect.isawaitable(result):
+                await result
+
+    if full_first:
+        await deliver(mirror.full_messages(shard_id, replica_id, data_parallel_rank))
+    task_status.started()
+    while True:
+        await trio.sleep(interval)
+        if mirror.pending:
+            await deliver(mirror.flush(shard_id, replica_id, data_parallel_rank))

@@ -1,0 +1,412 @@
+"""One engine's (one data-parallel rank's) KV-event stream: ZMQ under Trio, sequence tracking, replay, resets.
+
+:class:`EngineSubscription` owns a SUB socket and, when the engine has a
+replay endpoint, a DEALER socket, in its own ZMQ context, all used by the one
+task running :meth:`EngineSubscription.run` (Trio allows one waiter per FD;
+the two sockets are never waited on at once). Cancelling that task closes
+both sockets (``notify_closing`` first, ``linger=0``) and terminates the
+context.
+
+Modes. ``mode="bind"`` (the agent's): the SUB binds a loopback endpoint and
+the engine's PUB connects to it (vLLM connects when its endpoint has no
+``*``), so the agent can allocate the port before the engine starts and hear
+it from its first batch; bind ``tcp://127.0.0.1:0`` and the resolved
+endpoint is what ``nursery.start`` returns. ``mode="connect"`` dials an
+engine that binds its PUB (static external replicas with ``kv_events:
+tcp://host:port``). One subscription per data-parallel rank: vLLM offsets the
+port of rank ``r`` by ``r`` (:func:`rank_endpoint`), and a batch whose
+``data_parallel_rank`` is not the expected one is counted and dropped.
+
+Sequence numbers (8 bytes big-endian, from 0, one per published batch):
+
+- the next one: applied;
+- a jump (a gap: HWM drop, a late join, the simulator's
+  ``--drop-event-seqs``): replay is asked through the DEALER (``[b"",
+  seq8]``), replies are read until the END marker within ``replay_timeout``,
+  and the missing batches applied in order, de-duplicated by seq (live
+  messages can interleave with a replay). A hole replay cannot fill (replay
+  off, the engine no longer buffers the start, timeout) resets the mirror
+  with reason ``gap``; what arrived after the hole is applied on the fresh
+  state;
+- one not above the last *live* seq: the engine restarted (vLLM restarts at
+  0 and sends no ``AllBlocksCleared``): reset ``engine_restart``;
+- one not above the last applied but above the last live seq: a live copy of
+  a batch already replayed, dropped.
+
+The first message of a stream that does not start at 0 (the engine ran
+before the subscription) is a gap from 0. A lost batch shows as a gap only
+when a later one arrives, so after ``idle_probe`` seconds of silence (default
+2) the subscription asks the replay socket for anything after the last batch
+it applied: a loss at the end of a burst (or of the engine's very first
+batch, published before the subscription reached it) is found and filled
+within seconds, and an idle engine costs one small round trip per probe. ``AllBlocksCleared`` resets with
+reason ``cleared`` at its place in the batch. A message that cannot be
+decoded is counted and logged once per subscription, and, since its events
+are lost, resets with reason ``decode_error``; it never stops the task.
+
+Callbacks are synchronous and run in this task: ``on_batch(batch)`` with an
+:class:`~llmgw.kv.events.EventBatch` of events to apply (typically
+``EngineMirror.apply``), ``on_reset(reason)`` (typically ``EngineMirror.reset``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections import Counter
+from collections.abc import Callable
+
+import trio
+import zmq
+
+from . import zmq_trio
+from .codec import EventDecodeError, decode_batch, parse_frames, parse_replay_reply, replay_request
+from .events import AllBlocksCleared, EventBatch
+
+log = logging.getLogger(__name__)
+
+MODES = ("bind", "connect")
+DEFAULT_REPLAY_TIMEOUT = 2.0
+DEFAULT_IDLE_PROBE = 2.0  # seconds of silence before asking the replay socket whether a batch was lost
+DEFAULT_RCVHWM = 100_000  # as vLLM's PUB send HWM: a slow agent loses batches only past this many
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """vLLM's endpoint for data-parallel rank ``rank``: tcp port + rank (port 0 never offset), inproc ``_dp<r>``."""
+    if rank == 0:
+        return endpoint
+    match = re.fullmatch(r"(tcp://.*:)(\d+)", endpoint)
+    if match:
+        port = int(match.group(2))
+        return endpoint if port == 0 else f"{match.group(1)}{port + rank}"
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    raise ValueError(f"cannot derive data-parallel rank {rank}'s endpoint from {endpoint!r} (tcp or inproc only)")
+
+
+class EngineSubscription:
+    """The KV-event stream of one engine rank; run it with ``await nursery.start(sub.run)``."""
+
+    def __init__(self, endpoint: str, *, on_batch: Callable[[EventBatch], None], on_reset: Callable[[str], None],
+                 mode: str = "bind", replay_endpoint: str | None = None, topic: bytes = b"",
+                 data_parallel_rank: int = 0, decode: Callable[[bytes], EventBatch] = decode_batch,
+                 replay_timeout: float = DEFAULT_REPLAY_TIMEOUT, idle_probe: float | None = DEFAULT_IDLE_PROBE,
+                 rcvhwm: int = DEFAULT_RCVHWM,
+                 source: str | None = None, metrics=None, context: zmq.Context | None = None,
+                 clock: Callable[[], float] | None = None):
+        if mode not in MODES:
+            raise ValueError(f"mode must be 'bind' or 'connect', not {mode!r}")
+        self.endpoint = endpoint
+        self.mode = mode
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic
+        self.data_parallel_rank = data_parallel_rank
+        self.decode = decode
+        self.on_batch = on_batch
+        self.on_reset = on_reset
+        self.replay_timeout = replay_timeout
+        self.idle_probe = idle_probe
+        self.rcvhwm = rcvhwm
+        self.source = source or endpoint
+        self.metrics = metrics  # a llmgw.kv.metrics.SourceMetrics, or None
+        self._context = context
+        self.clock = clock or trio.current_time
+        self.bound_endpoint: str | None = None
+        # sequence state
+        self.last_seq: int | None = None  # last batch applied (live or replayed)
+        self.live_seq: int | None = None  # last seq seen on the live stream (strictly increasing per engine run)
+        self._dealer: zmq.Socket | None = None
+        self._ctx: zmq.Context | None = None
+        self._decode_error_logged = False
+        self._apply_error_logged = False
+        self._last_digest: int | None = None
+        # statistics (also exported through ``metrics``)
+        self.batches = 0
+        self.events: Counter[str] = Counter()
+        self.gaps = 0
+        self.replays: Counter[str] = Counter()
+        self.resets: Counter[str] = Counter()
+        self.decode_errors = 0
+        self.wrong_rank = 0
+        self.duplicates = 0
+        self.last_batch_at: float | None = None
+        self._arrived = trio.Event()
+
+    # -- the task ---------------------------------------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Open the sockets, report the endpoint (resolved when bound), then receive until cancelled."""
+        own_context = self._context is None
+        ctx = self._ctx = zmq.Context() if own_context else self._context
+        sub = ctx.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+            sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+            if "[" in self.endpoint or "::" in self.endpoint:
+                sub.setsockopt(zmq.IPV6, 1)
+            if self.mode == "bind":
+                sub.bind(self.endpoint)
+                self.bound_endpoint = sub.getsockopt(zmq.LAST_ENDPOINT).decode()
+            else:
+                sub.connect(self.endpoint)
+                self.bound_endpoint = self.endpoint
+            sub.getsockopt(zmq.EVENTS)  # let libzmq process pending commands now (an idle SUB subscribes to nobody)
+            task_status.started(self.bound_endpoint)
+            while True:
+                messages = zmq_trio.drain(sub)
+                if not messages:
+                    # Wait outside the drain, so a deadline can never drop messages already taken off the socket.
+                    with trio.move_on_after(math.inf if self.idle_probe is None else self.idle_probe):
+                        await zmq_trio.wait_for(sub, zmq.POLLIN)
+                    messages = zmq_trio.drain(sub)
+                    if not messages:
+                        await self._probe()
+                        continue
+                for frames in messages:
+                    await self._on_live(frames)
+                await trio.lowlevel.checkpoint()
+        finally:
+            zmq_trio.close(sub)
+            self._close_dealer()
+            if own_context:
+                ctx.term()
+            self._ctx = None
+
+    async def wait_for(self, predicate: Callable[["EngineSubscription"], bool]) -> None:
+        """Wait until ``predicate(self)`` holds, re-checked after every message (for tests and the agent)."""
+        while not predicate(self):
+            self._arrived = trio.Event()
+            await self._arrived.wait()
+
+    def notify_engine_restart(self) -> None:
+        """The supervisor restarted the engine: forget the old run's sequence and reset (if anything was seen)."""
+        if self.live_seq is not None or self.last_seq is not None:
+            self.live_seq = self.last_seq = None
+            self._reset("engine_restart")
+
+    # -- live messages ----------------------------------------------------------------------------------------------
+
+    async def _on_live(self, frames: list[bytes]) -> None:
+        try:
+            try:
+                _, seq, payload = parse_frames(frames)
+            except EventDecodeError as exc:
+                self._decode_error(exc)
+                return
+            batch = self._decode_payload(payload)
+            if batch is not None and not self._rank_ok(batch):
+                return
+            if self.live_seq is not None and seq <= self.live_seq:
+                log.info("%s: sequence went back from %d to %d: the engine restarted", self.source, self.live_seq, seq)
+                self.live_seq = self.last_seq = None
+                self._reset("engine_restart")
+            self.live_seq = seq
+            last = self.last_seq
+            if last is not None and seq <= last:
+                self.duplicates += 1  # a live copy of a batch a replay already gave us
+            elif (last is None and seq == 0) or (last is not None and seq == last + 1):
+                self._apply(seq, batch, payload)
+            else:
+                await self._fill_gap(0 if last is None else last + 1, seq, batch, payload)
+        finally:
+            self._arrived.set()
+
+    def _decode_payload(self, payload: bytes) -> EventBatch | None:
+        try:
+            return self.decode(payload)
+        except Exception as exc:  # EventDecodeError, or anything a third-party decoder plugin raises
+            self._decode_error(exc)
+            return None
+
+    def _rank_ok(self, batch: EventBatch) -> bool:
+        rank = batch.data_parallel_rank
+        if rank is None or rank == self.data_parallel_rank:
+            return True
+        self.wrong_rank += 1
+        if self.metrics is not None:
+            self.metrics.ignored("wrong_rank", len(batch.events))
+        if self.wrong_rank == 1:
+            log.warning("%s: dropped a batch of data-parallel rank %d (this subscription expects rank %d); "
+                        "further ones are counted silently", self.source, rank, self.data_parallel_rank)
+        return False
+
+    def _decode_error(self, exc: Exception) -> None:
+        self.decode_errors += 1
+        if self.metrics is not None:
+            self.metrics.decode_error(self.source)
+        if not self._decode_error_logged:
+            self._decode_error_logged = True
+            log.warning("%s: undecodable KV-event message (%s); further ones are counted silently", self.source, exc)
+
+    def _apply(self, seq: int, batch: EventBatch | None, payload: bytes) -> None:
+        """Apply one batch at its place in the sequence (``None``: it could not be decoded)."""
+        self.last_seq = seq
+        self._last_digest = hash(payload)  # the same bytes live and in replay: tells engine runs apart
+        self.batches += 1
+        self.last_batch_at = self.clock()
+        self._arrived.set()
+        if batch is None:
+            self._reset("decode_error")
+            return
+        self._count(batch)
+        events = batch.events
+        start = 0
+        for i, event in enumerate(events):
+            if isinstance(event, AllBlocksCleared):
+                if i > start:
+                    self._deliver(EventBatch(batch.ts, events[start:i], batch.data_parallel_rank))
+                self._reset("cleared")
+                start = i + 1
+        if start == 0:
+            self._deliver(batch)
+        elif start < len(events):
+            self._deliver(EventBatch(batch.ts, events[start:], batch.data_parallel_rank))
+
+    def _deliver(self, batch: EventBatch) -> None:
+        try:
+            self.on_batch(batch)
+        except Exception:
+            # A bug in the consumer must not stop the stream (nor the shard that owns it): log it once,
+            # and start over from a known state.
+            if not self._apply_error_logged:
+                self._apply_error_logged = True
+                log.exception("%s: applying a KV-event batch failed; resetting (logged once)", self.source)
+            self._reset("apply_error")
+
+    def _count(self, batch: EventBatch) -> None:
+        kinds = Counter(type(event).__name__ for event in batch.events)
+        kinds.update(batch.skipped)
+        self.events.update(kinds)
+        if self.metrics is not None:
+            for kind, count in kinds.items():
+                self.metrics.event(kind, count)
+
+    def _reset(self, reason: str) -> None:
+        self.resets[reason] += 1
+        if self.metrics is not None:
+            self.metrics.reset(reason)
+        self.on_reset(reason)
+
+    # -- gaps and replay --------------------------------------------------------------------------------------------
+
+    async def _fill_gap(self, start: int, seq: int, batch: EventBatch | None, payload: bytes) -> None:
+        """Batches ``start .. seq-1`` are missing; ``seq`` (decoded as ``batch``) just arrived live."""
+        self._gap(start, seq)
+        result, replies = await self._replay(start)
+        self._apply_replayed(start, result, replies, seq)
+        if self.last_seq is None or seq > self.last_seq:
+            self._apply(seq, batch, payload)
+
+    async def _probe(self) -> None:
+        """After ``idle_probe`` seconds of silence, ask the replay socket what follows the last batch applied.
+
+        A batch lost on the live stream shows as a gap only when a later one
+        arrives; when the engine falls silent right after (the end of a burst,
+        or the first batch of a restarted engine, published before the
+        subscription reached it), the loss would stay unseen. The probe asks
+        from the last applied seq: the same engine run answers with that very
+        batch (same bytes) and whatever followed; a restarted engine answers
+        with another batch at that seq, or with nothing that far: that is an
+        engine restart (reset, then replay from 0). Nothing new costs one
+        batch and counts nothing.
+        """
+        last = self.last_seq
+        start = 0 if last is None else last
+        result, replies = await self._replay(start)
+        if result != "ok":
+            return  # unreachable or replay off: the next probe tries again
+        if last is not None:
+            same_run = bool(replies) and replies[0][0] == last and hash(replies[0][1]) == self._last_digest
+            if not same_run and (not replies or replies[0][0] <= last):
+                log.info("%s: the engine's batch %d is not the one applied: the engine restarted", self.source, last)
+                self.live_seq = self.last_seq = None
+                self._reset("engine_restart")
+                start = 0
+                result, replies = await self._replay(0)
+                if result != "ok":
+                    return
+            else:
+                start = last + 1
+        replies = [(s, payload) for s, payload in replies if s >= start]
+        if not replies:
+            return
+        self._gap(start, replies[0][0])
+        self._apply_replayed(start, result, replies, None)
+
+    def _gap(self, start: int, seq: int) -> None:
+        self.gaps += 1
+        if self.metrics is not None:
+            self.metrics.gap()
+        log.debug("%s: gap: expected %d, got %d", self.source, start, seq)
+
+    def _apply_replayed(self, start: int, result: str, replies: list[tuple[int, bytes]], seq: int | None) -> None:
+        """Apply replayed batches from ``start`` in order; a hole before ``seq`` (or before them) resets ``gap``."""
+        known = {s: payload for s, payload in replies if self.last_seq is None or s > self.last_seq}
+        pending = sorted(known.items())
+        expected = start
+        position = 0
+        while position < len(pending) and pending[position][0] == expected:  # the contiguous part
+            s, payload = pending[position]
+            self._apply(s, self._checked(payload), payload)
+            expected = s + 1
+            position += 1
+        if (seq is not None and expected >= seq) or (seq is None and position == len(pending) and position):
+            result = "filled"
+        elif result == "ok":
+            result = "incomplete"
+        self.replays[result] += 1
+        if self.metrics is not None:
+            self.metrics.replay(result)
+        if result != "filled":
+            missing = f"{expected}-{seq - 1}" if seq is not None else f"from {expected}"
+            log.info("%s: batches %s are lost (replay: %s): resetting", self.source, missing, result)
+            self._reset("gap")
+            for s, payload in pending[position:]:  # what came after the hole, on the fresh state
+                if self.last_seq is None or s > self.last_seq:
+                    self._apply(s, self._checked(payload), payload)
+
+    def _checked(self, payload: bytes) -> EventBatch | None:
+        batch = self._decode_payload(payload)
+        if batch is not None and not self._rank_ok(batch):
+            return EventBatch(batch.ts, [], batch.data_parallel_rank)  # keeps the seq; the events are not ours
+        return batch
+
+    async def _replay(self, start: int) -> tuple[str, list[tuple[int, bytes]]]:
+        """Ask the engine for every buffered batch from ``start``: ``(result, [(seq, payload)])``.
+
+        ``result`` is ``ok`` (the END marker came), ``timeout`` or ``disabled``.
+        After a timeout the DEALER is closed, so late replies cannot be taken
+        for the next replay's.
+        """
+        if not self.replay_endpoint or self._ctx is None:
+            return "disabled", []
+        if self._dealer is None:
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            if "[" in self.replay_endpoint or "::" in self.replay_endpoint:
+                dealer.setsockopt(zmq.IPV6, 1)
+            dealer.connect(self.replay_endpoint)
+            self._dealer = dealer
+        dealer = self._dealer
+        replies: list[tuple[int, bytes]] = []
+        with trio.move_on_after(self.replay_timeout):
+            await zmq_trio.send_multipart(dealer, replay_request(start))
+            while True:
+                frames = await zmq_trio.recv_multipart(dealer)
+                try:
+                    reply = parse_replay_reply(frames)
+                except EventDecodeError as exc:
+                    self._decode_error(exc)
+                    continue
+                if reply[0] == "end":
+                    return "ok", replies
+                replies.append((reply[1], reply[2]))
+        self._close_dealer()
+        return "timeout", replies
+
+    def _close_dealer(self) -> None:
+        if self._dealer is not None:
+            zmq_trio.close(self._dealer)
+            self._dealer = None

@@ -1,0 +1,461 @@
+"""The ``kv_index`` routing tier: send a request where the engines' KV caches really hold its leading blocks.
+
+Per request (the rule, also in ``docs/kv-routing.md``):
+
+1. :func:`llmgw.kv.tokenize.plan` decides whether the request can be indexed;
+   if not, the prefix tree decides (outcome ``unindexable``).
+2. If no candidate's index is healthy (no events yet, or resetting after a
+   reset), the prefix tree decides (``index_unhealthy``) without tokenizing.
+3. The prompt ids come from a replica's ``/tokenize`` (the least loaded
+   candidate; answers cached by body) or from the request itself (token-id
+   prompts). Too slow: the tree decides (``tokenize_timeout``); an error:
+   the tree decides (``tokenize_error``).
+4. The ids are hashed into block keys with the block size each candidate's
+   events reported (once per distinct size), with vLLM's extra keys
+   (``cache_salt`` on block 0, a LoRA adapter on every block).
+5. Each healthy candidate's share is the fraction of the prompt's blocks it
+   holds as a leading run (contiguous from block 0; predicted entries of
+   requests just routed count); a candidate whose index is not healthy gets
+   the tree's share instead, for this decision.
+6. The shares go through the ``prefix_tree`` tier's own scorers and load rule
+   (weights, ties, ``max_imbalance``/``load_sigma_k`` override): outcome
+   ``hit``, ``miss`` or ``load_override``.
+7. The chosen replica is predicted to hold the prompt's blocks for
+   ``predicted_ttl`` and is inserted into the tree (which stays warm for the
+   fallbacks); the decision records its predicted cached tokens (leading
+   blocks x block size, never the last prompt token, as vLLM caps hits),
+   compared in :meth:`KvIndexTier.finished` with the engine's
+   ``usage.prompt_tokens_details.cached_tokens``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Mapping, Sequence
+
+from ..config.units import parse_duration
+from ..hookspecs import hookimpl
+from ..kv import tokenize as kv_tokenize
+from ..kv.index import IndexState, KvIndex
+from ..kv.keys import none_hash
+from ..kv.metrics import KvMetrics
+from ..kv.tokenize import TokenizeError
+from ..plugins_manager import PluginError
+from ..router.canonical import canonical_text
+from ..router.replica import Replica
+from ..router.tier import Decision, RouteRequest, ScoreContext, TierServices
+from .prefix_tree import PrefixTreeTier
+
+log = logging.getLogger(__name__)
+
+TIER_NAME = "kv_index"
+SHARE_SCALE = 1 << 20  # shares in [0, 1] handed to the tree's scorers as matched / SHARE_SCALE
+EXTRA_KEY_STYLE = {"vllm": "current", "content": "event"}
+
+
+@dataclass
+class KvIndexOptions:
+    """The tier's own ``routing_options`` (the others are the ``prefix_tree`` tier's, for scoring and fallback)."""
+
+    tokenizer: str = "replica"
+    tokenize_timeout: float = kv_tokenize.DEFAULT_TOKENIZE_TIMEOUT
+    tokenize_timeout_per_kb: float = kv_tokenize.DEFAULT_TOKENIZE_TIMEOUT_PER_KB
+    tokenize_cache_tokens: int = kv_tokenize.DEFAULT_CACHE_TOKENS
+    key_function: str = "vllm"
+    key_function_options: dict[str, Any] = field(default_factory=dict)
+    hash_algo: str = "sha256_cbor"
+    hash_seed: str | None = "0"
+    extra_key_style: str | None = None  # default: "current" for vllm keys, "event" for content keys
+    predicted_ttl: float = 2.0
+    min_match_blocks: int = 1
+    max_prompt_tokens: int = 131072
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> tuple["KvIndexOptions", list[str]]:
+        options, problems = cls(), []
+
+        def take(key: str, convert) -> None:
+            if key not in raw or raw[key] is None and key not in ("hash_seed", "extra_key_style"):
+                return
+            try:
+                setattr(options, key, None if raw[key] is None else convert(raw[key]))
+            except (TypeError, ValueError) as exc:
+                problems.append(f"{key}: {exc}")
+
+        take("tokenizer", _name)
+        take("tokenize_timeout", _positive_duration)
+        take("tokenize_timeout_per_kb", _non_negative_duration)
+        take("tokenize_cache_tokens", _count(0))
+        take("key_function", _name)
+        take("key_function_options", _mapping)
+        take("hash_algo", _name)
+        take("hash_seed", str)
+        take("extra_key_style", _name)
+        take("predicted_ttl", _non_negative_duration)
+        take("min_match_blocks", _count(1))
+        take("max_prompt_tokens", _count(1))
+        take("lora_adapters", _lora_map)
+        return options, problems
+
+
+KV_KEYS = frozenset(KvIndexOptions.__dataclass_fields__)
+
+
+def _name(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"expected a name, got {value!r}")
+    return value
+
+
+def _mapping(value: Any) -> dict:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"expected a mapping, got {value!r}")
+    return dict(value)
+
+
+def _lora_map(value: Any) -> dict[str, str]:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ValueError("expected a mapping of LoRA adapter name to the path the engine loaded it from")
+    return dict(value)
+
+
+def _count(minimum: int):
+    def convert(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"expected an integer >= {minimum}, got {value!r}")
+        return value
+    return convert
+
+
+def _positive_duration(value: Any) -> float:
+    seconds = parse_duration(value)
+    if not seconds > 0 or not math.isfinite(seconds):
+        raise ValueError("must be greater than 0")
+    return seconds
+
+
+def _non_negative_duration(value: Any) -> float:
+    seconds = parse_duration(value)
+    if not seconds >= 0 or not math.isfinite(seconds):
+        raise ValueError("must be 0 or more")
+    return seconds
+
+
+def split_options(raw: Mapping[str, Any] | None) -> tuple[dict, dict]:
+    """``(kv_index options, prefix_tree options)`` of a model's ``routing_options``."""
+    raw = dict(raw or {})
+    return {k: v for k, v in raw.items() if k in KV_KEYS}, {k: v for k, v in raw.items() if k not in KV_KEYS}
+
+
+@dataclass
+class Fallback:
+    outcome: str  # unindexable, index_unhealthy, tokenize_timeout, tokenize_error
+    reason: str
+
+
+@dataclass
+class KvEvaluation:
+    """One request scored against the candidates from the index (what :meth:`KvIndexTier.explain` shows)."""
+
+    prompt_tokens: int
+    keys: dict[int, list[int]]  # block size -> keys
+    block_sizes: list[int | None]
+    states: list[str]
+    confirmed: list[int]  # leading blocks confirmed by events (0 for replicas scored by the tree)
+    matched: list[int]  # leading blocks counting predicted entries
+    shares: list[float]
+    sources: list[str]  # "index" or "tree" per candidate
+    loads: list[float]
+    scores: dict[str, Sequence[float]]
+    combined: list[float]
+    preferred: int
+    chosen: int
+    outcome: str
+    reason: str
+    text: str | None  # the canonical text, when the tree was consulted
+
+
+class KvIndexTier:
+    name = TIER_NAME
+
+    def __init__(self, model=None, services: TierServices | None = None):
+        services = services or TierServices()
+        kv_raw, tree_raw = split_options(getattr(model, "routing_options", None))
+        options, problems = KvIndexOptions.parse(kv_raw)
+        self.model = services.model or getattr(model, "name", "")
+        if problems:
+            raise ValueError(f"routing_options of model {self.model!r}: " + "; ".join(problems))
+        self.options = options
+        self.clock = services.clock
+        tree_model = SimpleNamespace(name=self.model, routing="prefix_tree", routing_options=tree_raw)
+        self.tree = PrefixTreeTier(tree_model, services)  # the fallback, and the scorers and load rule
+        index = getattr(services, "kv_index", None)
+        self.index: KvIndex = index if index is not None else KvIndex(clock=self.clock)
+        registry = services.registry
+        if registry is None:
+            from ..plugins_manager import default_registry
+            registry = default_registry()
+        self.tokenizer = registry.get("tokenizer_sources", options.tokenizer)(
+            {"tokenize_timeout": options.tokenize_timeout, "tokenize_timeout_per_kb": options.tokenize_timeout_per_kb,
+             "tokenize_cache_tokens": options.tokenize_cache_tokens})
+        key_options = dict(options.key_function_options)
+        if options.key_function == "vllm":
+            key_options.setdefault("algo", options.hash_algo)
+            key_options.setdefault("seed", options.hash_seed)
+        self.keys = registry.get("block_key_functions", options.key_function)(**key_options)
+        self.extra_key_style = options.extra_key_style or EXTRA_KEY_STYLE.get(options.key_function, "current")
+        self.base_models = frozenset({self.model, getattr(model, "name", self.model)})
+        loras = {a.name: a.path for a in getattr(model, "lora_adapters", None) or ()
+                 if getattr(a, "name", None) and getattr(a, "path", None)}
+        loras.update(options.lora_adapters)
+        self.loras = loras
+        self.metrics: KvMetrics | None = None
+        if services.metrics is not None and getattr(services.metrics, "registry", None) is not None:
+            self.metrics = KvMetrics.for_registry(services.metrics.registry)
+            self.metrics.track_index(self.index)
+            if getattr(self.tokenizer, "observe", False) is None:
+                self.tokenizer.observe = self.metrics.tokenize_seconds.observe
+        self._rng = self.tree._rng
+        self._tokenize_turn = 0
+        # what finished() saw, for tests and the admin API (the counters carry the same totals)
+        self.predicted_cached_total = 0
+        self.actual_cached_total = 0
+        self.fallbacks: dict[str, int] = {}
+
+    @classmethod
+    def check_options(cls, raw: Mapping[str, Any] | None, registry=None) -> list[str]:
+        kv_raw, tree_raw = split_options(raw)
+        options, problems = KvIndexOptions.parse(kv_raw)
+        problems += PrefixTreeTier.check_options(tree_raw, registry)
+        problems = [p.replace("routing: prefix_tree", "routing: kv_index (or prefix_tree)") for p in problems]
+        if options.key_function == "vllm":
+            try:
+                none_hash(options.hash_algo, options.hash_seed)
+            except (TypeError, ValueError) as exc:
+                problems.append(f"hash_algo/hash_seed: {exc}")
+        if registry is not None:
+            for kind, name in (("tokenizer_sources", options.tokenizer),
+                               ("block_key_functions", options.key_function)):
+                try:
+                    registry.get(kind, name)
+                except PluginError as exc:
+                    problems.append(str(exc))
+        return problems
+
+    # -- the tier interface ------------------------------------------------------------------------------------------
+
+    async def pick(self, request: RouteRequest, candidates: Sequence[Replica]) -> Decision:
+        now = self.clock()
+        result = await self._evaluate(request, candidates, now, self._rng)
+        if isinstance(result, Fallback):
+            self.fallbacks[result.outcome] = self.fallbacks.get(result.outcome, 0) + 1
+            decision = await self.tree.pick(request, candidates)
+            decision.detail = {**decision.detail, "tree_outcome": decision.outcome, "reason": result.reason}
+            decision.outcome = result.outcome
+            decision.tier = TIER_NAME
+            return decision
+        ev = result
+        chosen = candidates[ev.chosen]
+        tree = self.tree
+        if ev.outcome != "hit":
+            tree._cold_serial += 1
+            tree._last_cold[chosen.name] = tree._cold_serial
+        text = ev.text if ev.text is not None else self._text(request)
+        tree.tree.insert(text, chosen.name, now)
+        detail: dict[str, Any] = {"prompt_tokens": ev.prompt_tokens, "source": ev.sources[ev.chosen],
+                                  "share": ev.shares[ev.chosen]}
+        size = ev.block_sizes[ev.chosen]
+        if ev.sources[ev.chosen] == "index" and size:
+            keys = ev.keys[size]
+            if self.options.predicted_ttl > 0:
+                self.index.predict(chosen.name, keys, self.options.predicted_ttl)
+            detail.update(block_size=size, blocks=len(keys), matched_blocks=ev.matched[ev.chosen],
+                          confirmed_blocks=ev.confirmed[ev.chosen],
+                          predicted_cached_tokens=predicted_cached_tokens(ev.matched[ev.chosen], size,
+                                                                          ev.prompt_tokens))
+        return Decision(chosen, outcome=ev.outcome, tier=TIER_NAME, detail=detail)
+
+    def routed(self, request: RouteRequest, decision: Decision) -> None:
+        pass  # pick() already recorded the predicted entries and the tree insert, for concurrent requests
+
+    def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
+        """Count predicted next to actual cached tokens, for decisions the index made and responses with usage."""
+        if decision.tier != TIER_NAME or not isinstance(usage, dict):
+            return
+        predicted = decision.detail.get("predicted_cached_tokens")
+        if predicted is None:
+            return
+        details = usage.get("prompt_tokens_details")
+        actual = details.get("cached_tokens") if isinstance(details, dict) else None
+        if type(actual) is not int:
+            return
+        self.predicted_cached_total += predicted
+        self.actual_cached_total += actual
+        if self.metrics is not None:
+            self.metrics.predicted_cached.labels(self.model).inc(predicted)
+            self.metrics.actual_cached.labels(self.model).inc(actual)
+
+    async def explain(self, request: RouteRequest, candidates: Sequence[Replica]) -> dict:
+        """The pick :meth:`pick` would make now, with every score; changes no routing state (it may tokenize)."""
+        rng = random.Random()
+        rng.setstate(self._rng.getstate())
+        now = self.clock()
+        result = await self._evaluate(request, candidates, now, rng)
+        if isinstance(result, Fallback):
+            answer = self.tree.explain(request, candidates)
+            answer["tree_outcome"] = answer.get("outcome")
+            answer.update(outcome=result.outcome, reason=result.reason, tier=TIER_NAME)
+            for entry in answer.get("replicas", []):
+                entry["index"] = self.index.describe(entry["name"])
+            return answer
+        ev = result
+        replicas = []
+        for i, replica in enumerate(candidates):
+            replicas.append({
+                "name": replica.name, "candidate": True, "index": self.index.describe(replica.name),
+                "source": ev.sources[i], "block_size": ev.block_sizes[i], "confirmed_blocks": ev.confirmed[i],
+                "matched_blocks": ev.matched[i], "share": ev.shares[i], "load": ev.loads[i],
+                "scores": {name: values[i] for name, values in ev.scores.items()}, "combined": ev.combined[i],
+            })
+        o = self.tree.options
+        return {
+            "pick": candidates[ev.chosen].name, "outcome": ev.outcome, "reason": ev.reason,
+            "preferred": candidates[ev.preferred].name, "prompt_tokens": ev.prompt_tokens,
+            "blocks": {str(size): len(keys) for size, keys in ev.keys.items()},
+            "rule": {"weights": dict(o.scorers), "min_match_blocks": self.options.min_match_blocks,
+                     "max_imbalance": o.max_imbalance, "load_sigma_k": o.load_sigma_k},
+            "replicas": replicas,
+        }
+
+    # -- the rule ----------------------------------------------------------------------------------------------------
+
+    def _text(self, request: RouteRequest) -> str:
+        text = canonical_text(request)
+        limit = self.tree.options.max_prefix_chars
+        return text[:limit] if len(text) > limit else text
+
+    def _tokenize_replica(self, candidates: Sequence[Replica]) -> Replica:
+        """The least loaded candidate (its API server answers soonest); equals in turn."""
+        least = min(r.inflight for r in candidates)
+        idle = [r for r in candidates if r.inflight == least]
+        replica = idle[self._tokenize_turn % len(idle)]
+        self._tokenize_turn += 1
+        return replica
+
+    async def _evaluate(self, request: RouteRequest, candidates: Sequence[Replica], now: float,
+                        rng: random.Random) -> KvEvaluation | Fallback:
+        plan = kv_tokenize.plan(request.path, request.body, base_models=self.base_models, loras=self.loras)
+        if not plan.indexable:
+            return Fallback("unindexable", plan.reason)
+        index = self.index
+        states = [index.state(r.name) for r in candidates]
+        if IndexState.HEALTHY not in states:
+            return Fallback("index_unhealthy", "no candidate's KV index is healthy: "
+                            + ", ".join(f"{r.name}={s.value}" for r, s in zip(candidates, states)))
+        if plan.token_ids is not None:
+            tokens = plan.token_ids
+        else:
+            try:
+                tokens = await self.tokenizer.tokenize(self._tokenize_replica(candidates), plan.body)
+            except TokenizeError as exc:
+                return Fallback("tokenize_timeout" if exc.kind == "timeout" else "tokenize_error", str(exc))
+        prompt_tokens = len(tokens)
+        if prompt_tokens > self.options.max_prompt_tokens:
+            tokens = tokens[:self.options.max_prompt_tokens]
+
+        healthy = [s is IndexState.HEALTHY for s in states]
+        sizes = [index.block_size(r.name) if ok else None for r, ok in zip(candidates, healthy)]
+        keys: dict[int, list[int]] = {}
+        runs: dict[str, tuple[int, int]] = {}
+        for size in {s for s in sizes if s}:
+            extras = plan.extra_keys(len(tokens), size, style=self.extra_key_style)
+            keys[size] = self.keys.keys(tokens, size, extras)
+            names = [r.name for r, s in zip(candidates, sizes) if s == size]
+            runs.update(index.match_detail(keys[size], names))
+
+        floor = self.options.min_match_blocks
+        text = None
+        tree_held: dict[str, int] = {}
+        if not all(healthy):  # some candidates are scored by the tree for this decision
+            text = self._text(request)
+            tree_held = self.tree.tree.match(text, now)
+        confirmed, matched, shares, sources = [], [], [], []
+        for replica, ok, size in zip(candidates, healthy, sizes):
+            if ok:
+                total = len(keys.get(size, ())) if size else 0
+                run_confirmed, run = runs.get(replica.name, (0, 0))
+                run = run if run >= floor else 0
+                confirmed.append(run_confirmed)
+                matched.append(run)
+                shares.append(run / total if total else 0.0)
+                sources.append("index")
+            else:
+                held = tree_held.get(replica.name, 0)
+                held = held if held >= self.tree.options.min_match_chars else 0
+                confirmed.append(0)
+                matched.append(0)
+                shares.append(held / len(text) if text else 0.0)
+                sources.append("tree")
+        ev = _decide(self.tree, request, candidates, shares, now, rng)
+        scores, combined, loads, preferred, chosen, outcome, reason = ev
+        return KvEvaluation(prompt_tokens, keys, sizes, [s.value for s in states], confirmed, matched, shares,
+                            sources, loads, scores, combined, preferred, chosen, outcome, reason, text)
+
+
+def _decide(tree: PrefixTreeTier, request: RouteRequest, candidates: Sequence[Replica], shares: list[float],
+            now: float, rng: random.Random):
+    """The prefix tier's scorers and load rule applied to ``shares`` (the tail of ``PrefixTreeTier._evaluate``).
+
+    The prefix share reaches the tree's scorers as ``matched_chars / prompt_chars`` =
+    ``round(share * SHARE_SCALE) / SHARE_SCALE``, so the ``prefix`` scorer rates a
+    candidate by its share, and every other scorer (``load``, third-party ones)
+    sees the same loads and in-flight tokens as under ``prefix_tree``.
+    """
+    matched = [round(share * SHARE_SCALE) for share in shares]
+    loads = [tree._load(r, now) for r in candidates]
+    tokens = [r.inflight_tokens for r in candidates]
+    context = ScoreContext(SHARE_SCALE, matched, loads, tokens, now)
+    scores: dict[str, Sequence[float]] = {}
+    combined = [0.0] * len(candidates)
+    for name, weight, scorer in tree.scorers:
+        values = scorer.score(request, candidates, context)
+        if len(values) != len(candidates):
+            raise ValueError(f"scorer {name!r} returned {len(values)} scores for {len(candidates)} candidates")
+        scores[name] = values
+        if weight:
+            combined = [total + weight * value for total, value in zip(combined, values)]
+
+    def tie_key(i: int) -> tuple:
+        return loads[i], tokens[i], tree._last_cold.get(candidates[i].name, 0)
+
+    best = max(combined)
+    preferred = tree._first(rng, [i for i, s in enumerate(combined) if s == best], tie_key)
+    least = min(loads)
+    reason = tree._overloaded(preferred, loads, least)
+    if reason:
+        chosen = tree._first(rng, [i for i, load in enumerate(loads) if load == least], tie_key)
+        outcome = "load_override"
+    else:
+        chosen = preferred
+        outcome = "hit" if matched[chosen] else "miss"
+        reason = ("holds the longest leading run of blocks" if outcome == "hit" and matched[chosen] == max(matched)
+                  else "best combined score" if outcome == "hit"
+                  else "no candidate holds a leading block of the prompt: spread by load")
+    return scores, combined, loads, preferred, chosen, outcome, reason
+
+
+def predicted_cached_tokens(matched_blocks: int, block_size: int, prompt_tokens: int) -> int:
+    """Tokens vLLM will serve from cache: the leading run, capped so the last prompt token is computed."""
+    if prompt_tokens <= 0 or block_size <= 0:
+        return 0
+    return min(matched_blocks, (prompt_tokens - 1) // block_size) * block_size
+
+
+@hookimpl
+def register_routing_tiers():
+    return {TIER_NAME: KvIndexTier}

@@ -1,0 +1,169 @@
+"""KvIndex: leading-run matching, FULL/DELTA/RESET per replica, health states, predicted entries, gauges."""
+
+from __future__ import annotations
+
+import random
+
+import trio
+from prometheus_client import CollectorRegistry, generate_latest
+
+from llmgw.kv.index import IndexState, KvIndex, refusal_reason
+from llmgw.kv.metrics import KvMetrics
+from llmgw.wire import KvChangeKind, KvChanges
+
+
+def delta(stored=(), removed=(), block_size=16):
+    return KvChanges(kind=KvChangeKind.DELTA, stored=list(stored), removed=list(removed), block_size=block_size)
+
+
+def full(stored=(), block_size=16):
+    return KvChanges(kind=KvChangeKind.FULL, stored=list(stored), block_size=block_size)
+
+
+def reset(reason="gap"):
+    return KvChanges(kind=KvChangeKind.RESET, reason=reason)
+
+
+def test_match_counts_leading_blocks_only():
+    index = KvIndex()
+    index.apply("a", full([10, 11, 12, 13]))
+    index.apply("b", full([10, 11, 13, 14]))  # lacks 12: its run stops there
+    index.apply("c", full([11, 12, 13]))  # lacks block 0: no leading run at all
+    keys = [10, 11, 12, 13, 14]
+    assert index.match(keys, ["a", "b", "c", "unknown"]) == {"a": 4, "b": 2, "c": 0, "unknown": 0}
+    assert index.match([], ["a"]) == {"a": 0}
+    assert index.match(keys[:2], ["a", "b"]) == {"a": 2, "b": 2}
+    assert index.match(keys, ["a"]) == {"a": 4}  # only the candidates asked for
+
+
+def test_match_agrees_with_a_brute_force_reference():
+    rng = random.Random(5)
+    index = KvIndex()
+    held = {}
+    for name in "abcdef":
+        keys = set(rng.sample(range(60), 40))
+        held[name] = keys
+        index.apply(name, full(keys))
+    for _ in range(300):
+        prompt = [rng.randrange(60) for _ in range(rng.randrange(0, 30))]
+        names = rng.sample("abcdef", rng.randrange(1, 7))
+        expected = {}
+        for name in names:
+            run = 0
+            while run < len(prompt) and prompt[run] in held[name]:
+                run += 1
+            expected[name] = run
+        assert index.match(prompt, names) == expected
+
+
+def test_delta_full_and_reset_change_only_that_replica():
+    index = KvIndex()
+    index.apply("a", delta([1, 2, 3]))
+    index.apply("b", delta([1, 2, 3]))
+    index.apply("a", delta([4], removed=[3]))
+    assert index.keys("a") == {1, 2, 4} and index.keys("b") == {1, 2, 3}
+    index.apply("a", full([7, 8]))  # replaces a's keys
+    assert index.keys("a") == {7, 8} and index.keys("b") == {1, 2, 3}
+    assert index.match([1, 2, 3], ["a", "b"]) == {"a": 0, "b": 3}
+    index.apply("b", reset("engine_restart"))
+    assert index.keys("b") == set() and index.keys("a") == {7, 8}
+    assert index.match([7, 8], ["a", "b"]) == {"a": 2, "b": 0}
+    assert index.blocks("a") == 2 and index.blocks("b") == 0
+    index.apply("a", delta(removed=[99]))  # removing what it does not hold changes nothing
+    assert index.keys("a") == {7, 8}
+
+
+def test_block_size_is_per_replica():
+    index = KvIndex()
+    index.apply("a", full([1], block_size=16))
+    index.apply("b", full([2], block_size=64))
+    index.apply("c", reset())
+    assert (index.block_size("a"), index.block_size("b"), index.block_size("c")) == (16, 64, None)
+
+
+async def test_health_states(autojump_clock):
+    index = KvIndex(clock=trio.current_time, reset_window=5.0)
+    assert index.state("a") is IndexState.NO_EVENTS
+    index.apply("a", full([1]))
+    assert index.healthy("a")
+    index.apply("a", reset("cleared"))
+    assert index.state("a") is IndexState.RESETTING
+    assert index.describe("a")["last_reset_reason"] == "cleared"
+    index.apply("a", delta(removed=[5]))  # no fresh stores: still resetting
+    assert index.state("a") is IndexState.RESETTING
+    index.apply("a", delta([2]))  # fresh stores: healthy again
+    assert index.healthy("a")
+    index.apply("a", reset())
+    index.apply("a", full([3]))  # a full copy ends it too
+    assert index.healthy("a")
+    index.apply("a", reset())
+    await trio.sleep(4.9)
+    assert index.state("a") is IndexState.RESETTING
+    await trio.sleep(0.2)  # the window ends: an empty cache is a known state
+    assert index.healthy("a")
+    index.forget("a")  # the agent's stream was lost
+    assert index.state("a") is IndexState.NO_EVENTS and index.blocks("a") == 0
+    index.apply("b", delta([1]))  # a first delta counts as the first events
+    assert index.healthy("b")
+
+
+async def test_predicted_entries_count_and_expire(autojump_clock):
+    index = KvIndex(clock=trio.current_time)
+    index.apply("a", full([1, 2]))
+    index.predict("b", [1, 2, 3, 4], ttl=2.0)
+    assert index.match([1, 2, 3, 4], ["a", "b"]) == {"a": 2, "b": 4}
+    assert index.match([1, 2, 3, 4], ["a", "b"], predicted=False) == {"a": 2, "b": 0}
+    assert index.match_detail([1, 2, 3, 4], ["a", "b"]) == {"a": (2, 2), "b": (0, 4)}
+    index.predict("a", [1, 2, 3], ttl=2.0)  # a confirmed run extended by a prediction
+    assert index.match_detail([1, 2, 3, 4], ["a"]) == {"a": (2, 3)}
+    assert index.blocks("b") == 0 and index.predicted_keys == 4  # never in the confirmed sets
+    await trio.sleep(1.9)
+    assert index.match([1, 2, 3, 4], ["b"]) == {"b": 4}
+    await trio.sleep(0.2)
+    assert index.match([1, 2, 3, 4], ["a", "b"]) == {"a": 2, "b": 0}
+    assert index.predicted_keys == 0
+
+
+async def test_a_newer_prediction_keeps_a_key_alive(autojump_clock):
+    index = KvIndex(clock=trio.current_time, predicted_ttl=2.0)
+    index.predict("a", [1, 2])
+    await trio.sleep(1.5)
+    index.predict("a", [1])
+    await trio.sleep(1.0)
+    assert index.match([1, 2], ["a"]) == {"a": 1}
+    await trio.sleep(1.1)
+    assert index.match([1, 2], ["a"]) == {"a": 0}
+
+
+def test_removed_replica_frees_its_slot_and_predictions():
+    index = KvIndex()
+    index.apply("a", full([1, 2]))
+    index.predict("a", [1, 2, 3])
+    index.remove("a")
+    assert index.replicas() == [] and index.predicted_keys == 0
+    index.apply("b", full([5]))  # reuses the slot: inherits nothing
+    assert index.match([1, 2, 3], ["b"]) == {"b": 0}
+    assert index.match([5], ["b"]) == {"b": 1}
+
+
+def test_refusal_reasons():
+    changes = delta([1])
+    assert refusal_reason(changes, "node-1", "node-1") is None
+    assert refusal_reason(changes, "node-1", "node-2") == "foreign_replica"
+    assert refusal_reason(changes, "node-1", None) == "unknown_replica"
+
+
+def test_gauges_read_the_index_at_scrape_time():
+    registry = CollectorRegistry()
+    metrics = KvMetrics.for_registry(registry)
+    assert KvMetrics.for_registry(registry) is metrics  # one per registry
+    index = KvIndex()
+    metrics.track_index(index)
+    metrics.track_index(index)
+    index.apply("a", full([1, 2, 3]))
+    index.apply("b", reset())
+    text = generate_latest(registry).decode()
+    assert 'llmgw_kv_index_blocks{replica="a"} 3.0' in text
+    assert 'llmgw_kv_index_blocks{replica="b"} 0.0' in text
+    assert 'llmgw_kv_index_state{replica="a",state="healthy"} 1.0' in text
+    assert 'llmgw_kv_index_state{replica="b",state="resetting"} 1.0' in text

@@ -1,0 +1,313 @@
+"""EngineSubscription against a scripted publisher on loopback: gaps, replay, restarts, decode errors, ranks, clears.
+
+The fake engine is an XPUB (so it can wait for the subscription before
+sending: no slow-joiner losses) that *connects* to the subscription's bound
+SUB, as vLLM does with an endpoint without ``*``, and a ROUTER answering
+vLLM 0.26+'s replay protocol from a buffer the test controls.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import trio
+import zmq
+
+from llmgw.kv import zmq_trio
+from llmgw.kv.codec import END_SEQ_BYTES, encode_batch
+from llmgw.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from llmgw.kv.subscriber import EngineSubscription, rank_endpoint
+
+TOPIC = b"kv"
+
+
+def payload(seq: int, *events, rank: int = 0) -> bytes:
+    events = events or (BlockStored([seq], None, [1, 2, 3, 4], 4, medium="GPU"),)
+    return encode_batch(EventBatch(float(seq), list(events), rank))
+
+
+class FakeEngine:
+    """A PUB that connects to the subscription and a replay ROUTER with a buffer of ``seq -> payload``."""
+
+    def __init__(self, ctx: zmq.Context, sub_endpoint: str, *, answer_replays: bool = True):
+        self.ctx = ctx
+        self.sub_endpoint = sub_endpoint
+        self.answer_replays = answer_replays
+        self.buffer: dict[int, bytes] = {}
+        self.replay_requests: list[int] = []
+        self.pub = ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind("tcp://127.0.0.1:0")
+        self.replay_endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    async def start(self) -> None:
+        self.pub.connect(self.sub_endpoint)
+        with trio.fail_after(5):
+            frames = await zmq_trio.recv_multipart(self.pub)  # the subscription arrived: nothing will be lost
+        assert frames == [b"\x01" + TOPIC]
+
+    async def publish(self, seq: int, data: bytes | None = None, *, live: bool = True) -> None:
+        data = payload(seq) if data is None else data
+        self.buffer[seq] = data
+        if live:
+            await zmq_trio.send_multipart(self.pub, [TOPIC, seq.to_bytes(8, "big"), data])
+
+    async def send_live(self, seq: int) -> None:
+        """Send a batch already in the buffer on the live stream."""
+        await zmq_trio.send_multipart(self.pub, [TOPIC, seq.to_bytes(8, "big"), self.buffer[seq]])
+
+    async def serve_replays(self) -> None:
+        while True:
+            identity, empty, start = await zmq_trio.recv_multipart(self.router)
+            assert empty == b""
+            self.replay_requests.append(int.from_bytes(start, "big"))
+            if not self.answer_replays:
+                continue
+            for seq in sorted(self.buffer):
+                if seq >= int.from_bytes(start, "big"):
+                    await zmq_trio.send_multipart(self.router, [identity, b"", TOPIC, seq.to_bytes(8, "big"),
+                                                                self.buffer[seq]])
+            await zmq_trio.send_multipart(self.router, [identity, b"", b"", END_SEQ_BYTES, b""])
+
+    def close(self) -> None:
+        zmq_trio.close(self.pub)
+        zmq_trio.close(self.router)
+
+
+class Recorder:
+    def __init__(self):
+        self.log: list = []
+
+    def on_batch(self, batch: EventBatch) -> None:
+        self.log.append(("batch", int(batch.ts), [type(e).__name__ for e in batch.events]))
+
+    def on_reset(self, reason: str) -> None:
+        self.log.append(("reset", reason))
+
+    def seqs(self) -> list[int]:
+        return [entry[1] for entry in self.log if entry[0] == "batch"]
+
+
+@pytest.fixture
+async def rig():
+    """``await rig(replay=True, answer=True, **subscription_options)`` -> (subscription, engine, recorder)."""
+    ctx = zmq.Context()
+    engines = []
+    async with trio.open_nursery() as nursery:
+
+        async def make(replay: bool = True, answer: bool = True, **options):
+            recorder = Recorder()
+            sub = EngineSubscription("tcp://127.0.0.1:0", topic=TOPIC, on_batch=recorder.on_batch,
+                                     on_reset=recorder.on_reset, replay_timeout=options.pop("replay_timeout", 2.0),
+                                     **options)
+            endpoint = await nursery.start(sub.run)
+            engine = FakeEngine(ctx, endpoint, answer_replays=answer)
+            engines.append(engine)
+            if replay:
+                sub.replay_endpoint = engine.replay_endpoint
+            nursery.start_soon(engine.serve_replays)
+            await engine.start()
+            return sub, engine, recorder
+
+        yield make
+        nursery.cancel_scope.cancel()
+    for engine in engines:
+        engine.close()
+    ctx.term()
+
+
+async def wait(sub: EngineSubscription, predicate) -> None:
+    with trio.fail_after(5):
+        await sub.wait_for(predicate)
+
+
+async def test_in_order_batches_are_applied(rig):
+    sub, engine, rec = await rig()
+    for seq in range(3):
+        await engine.publish(seq)
+    await wait(sub, lambda s: s.batches == 3)
+    assert rec.seqs() == [0, 1, 2] and sub.gaps == 0 and not sub.resets
+    assert sub.events == {"BlockStored": 3}
+
+
+async def test_a_gap_is_replayed_in_order_and_live_copies_are_dropped(rig):
+    sub, engine, rec = await rig()
+    await engine.publish(0)
+    for seq in range(1, 6):
+        await engine.publish(seq, live=False)
+    for seq in (3, 4, 5):  # 4 and 5 are buffered before the replay is answered: it returns them too
+        await engine.send_live(seq)
+    await wait(sub, lambda s: s.live_seq == 5)
+    assert rec.seqs() == [0, 1, 2, 3, 4, 5]
+    assert engine.replay_requests == [1]
+    assert sub.gaps == 1 and sub.replays == {"filled": 1} and sub.duplicates == 2 and not sub.resets
+
+
+async def test_a_hole_the_engine_no_longer_buffers_resets_with_gap(rig):
+    sub, engine, rec = await rig()
+    await engine.publish(0)
+    await engine.publish(1, live=False)
+    del engine.buffer[1]  # fell out of the engine's replay buffer
+    await engine.publish(2, live=False)
+    await engine.publish(3)
+    await wait(sub, lambda s: s.last_seq == 3)
+    assert rec.log == [("batch", 0, ["BlockStored"]), ("reset", "gap"), ("batch", 2, ["BlockStored"]),
+                       ("batch", 3, ["BlockStored"])]
+    assert sub.replays == {"incomplete": 1} and sub.resets == {"gap": 1}
+
+
+async def test_without_replay_a_gap_resets(rig):
+    sub, engine, rec = await rig(replay=False)
+    await engine.publish(0)
+    await engine.publish(1, live=False)
+    await engine.publish(2)
+    await wait(sub, lambda s: s.last_seq == 2)
+    assert rec.log == [("batch", 0, ["BlockStored"]), ("reset", "gap"), ("batch", 2, ["BlockStored"])]
+    assert sub.replays == {"disabled": 1} and engine.replay_requests == []
+
+
+async def test_a_replay_that_never_ends_times_out_and_resets(rig):
+    sub, engine, rec = await rig(answer=False, replay_timeout=0.2)
+    await engine.publish(0)
+    await engine.publish(1, live=False)
+    await engine.publish(2)
+    await wait(sub, lambda s: s.last_seq == 2)
+    assert sub.replays == {"timeout": 1} and sub.resets == {"gap": 1} and rec.seqs() == [0, 2]
+    assert sub._dealer is None  # closed: a late answer cannot be taken for the next replay's
+
+
+async def test_a_loss_at_the_end_of_a_burst_is_found_by_the_idle_probe(rig):
+    sub, engine, rec = await rig(idle_probe=0.1)
+    await engine.publish(0)
+    await engine.publish(1, live=False)  # the last batch before silence: no later batch reveals the gap
+    await engine.publish(2, live=False)
+    await wait(sub, lambda s: s.last_seq == 2)
+    assert rec.seqs() == [0, 1, 2] and sub.gaps == 1 and sub.replays == {"filled": 1} and not sub.resets
+    requests = len(engine.replay_requests)
+    with trio.fail_after(5):  # idle probes go on, and find nothing: they count nothing
+        while len(engine.replay_requests) < requests + 2:
+            await trio.sleep(0.05)
+    assert sub.gaps == 1 and sub.replays == {"filled": 1} and rec.seqs() == [0, 1, 2]
+
+
+async def test_the_idle_probe_resets_when_the_lost_batch_is_gone(rig):
+    sub, engine, rec = await rig(idle_probe=0.1)
+    await engine.publish(0)
+    await engine.publish(1, live=False)
+    await engine.publish(2, live=False)
+    del engine.buffer[1]
+    await wait(sub, lambda s: s.last_seq == 2)
+    assert rec.log[1:] == [("reset", "gap"), ("batch", 2, ["BlockStored"])]
+    assert sub.replays == {"incomplete": 1}
+
+
+async def test_a_stream_joined_late_is_replayed_from_zero(rig):
+    sub, engine, rec = await rig()
+    for seq in range(3):
+        await engine.publish(seq, live=False)  # published before the subscription heard anything
+    await engine.publish(3)
+    await wait(sub, lambda s: s.last_seq == 3)
+    assert rec.seqs() == [0, 1, 2, 3] and engine.replay_requests == [0] and not sub.resets
+
+
+async def test_sequence_going_back_is_an_engine_restart(rig):
+    sub, engine, rec = await rig()
+    for seq in range(3):
+        await engine.publish(seq)
+    engine.buffer.clear()  # a new engine process: new buffer, seq from 0
+    await engine.publish(0)
+    await engine.publish(1)
+    await wait(sub, lambda s: s.batches == 5)
+    assert rec.log[3:] == [("reset", "engine_restart"), ("batch", 0, ["BlockStored"]),
+                           ("batch", 1, ["BlockStored"])]
+    sub.notify_engine_restart()  # the supervisor can say so too
+    assert rec.log[-1] == ("reset", "engine_restart") and sub.last_seq is None
+
+
+async def test_a_restart_whose_first_batch_was_lost_is_found_by_the_idle_probe(rig):
+    sub, engine, rec = await rig(idle_probe=0.1)
+    await engine.publish(0)
+    await engine.publish(1)
+    await wait(sub, lambda s: s.last_seq == 1)
+    engine.buffer.clear()  # a new engine run, whose first batch the subscription never heard live
+    await engine.publish(0, live=False)
+    await wait(sub, lambda s: s.resets["engine_restart"] == 1 and s.last_seq == 0)
+    assert rec.log[2:] == [("reset", "engine_restart"), ("batch", 0, ["BlockStored"])]
+    engine.buffer[1] = payload(1)  # the same run goes on: a probe from the last seq finds the same bytes
+    await engine.publish(2, live=False)
+    await wait(sub, lambda s: s.last_seq == 2)
+    assert sub.resets == {"engine_restart": 1}
+
+
+async def test_all_blocks_cleared_resets_at_its_place(rig):
+    sub, engine, rec = await rig()
+    events = (BlockStored([1], None, [1, 2, 3, 4], 4), AllBlocksCleared(), BlockRemoved([9]))
+    await engine.publish(0, payload(0, *events))
+    await wait(sub, lambda s: s.batches == 1)
+    assert rec.log == [("batch", 0, ["BlockStored"]), ("reset", "cleared"), ("batch", 0, ["BlockRemoved"])]
+    assert sub.events == {"BlockStored": 1, "AllBlocksCleared": 1, "BlockRemoved": 1}
+
+
+async def test_undecodable_messages_are_counted_logged_once_and_reset(rig, caplog):
+    sub, engine, rec = await rig()
+    caplog.set_level(logging.WARNING, logger="llmgw.kv.subscriber")
+    await engine.publish(0, b"\xc1 not msgpack")
+    await engine.publish(1, b"\x93\x01")
+    await zmq_trio.send_multipart(engine.pub, [TOPIC, b"\x00\x01", b""])  # a bad seq frame
+    await engine.publish(2)
+    await wait(sub, lambda s: s.last_seq == 2)
+    assert sub.decode_errors == 3
+    assert rec.log == [("reset", "decode_error"), ("reset", "decode_error"), ("batch", 2, ["BlockStored"])]
+    assert len([r for r in caplog.records if "undecodable" in r.message]) == 1
+
+
+async def test_a_failing_consumer_resets_but_never_stops_the_stream(rig, caplog):
+    sub, engine, rec = await rig()
+    applied = []
+
+    def flaky(batch):
+        if int(batch.ts) == 1:
+            raise RuntimeError("consumer bug")
+        applied.append(int(batch.ts))
+
+    sub.on_batch = flaky
+    for seq in range(3):
+        await engine.publish(seq)
+    await wait(sub, lambda s: s.last_seq == 2)
+    assert applied == [0, 2] and rec.log == [("reset", "apply_error")]
+    assert len([r for r in caplog.records if "applying a KV-event batch failed" in r.message]) == 1
+
+
+async def test_batches_of_another_rank_are_dropped(rig):
+    sub, engine, rec = await rig(data_parallel_rank=1)
+    await engine.publish(0, payload(0, rank=0))  # not ours: counted, and its seq is not ours either
+    await engine.publish(0, payload(0, rank=1))
+    await wait(sub, lambda s: s.batches == 1)
+    assert sub.wrong_rank == 1 and rec.seqs() == [0] and not sub.resets
+
+
+async def test_cancelling_closes_the_sockets_and_frees_the_port(nursery):
+    recorder = Recorder()
+    sub = EngineSubscription("tcp://127.0.0.1:0", on_batch=recorder.on_batch, on_reset=recorder.on_reset,
+                             replay_endpoint="tcp://127.0.0.1:9")
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as inner:
+            endpoint = await inner.start(sub.run)
+            scope.cancel()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.SUB)
+    sock.bind(endpoint)  # the port is free again
+    sock.close(linger=0)
+    ctx.term()
+
+
+def test_rank_endpoints_follow_vllm():
+    assert rank_endpoint("tcp://127.0.0.1:5557", 0) == "tcp://127.0.0.1:5557"
+    assert rank_endpoint("tcp://127.0.0.1:5557", 3) == "tcp://127.0.0.1:5560"
+    assert rank_endpoint("tcp://*:0", 2) == "tcp://*:0"
+    assert rank_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
+    with pytest.raises(ValueError):
+        rank_endpoint("ipc:///tmp/kv", 1)

@@ -1,0 +1,314 @@
+"""The kv_index tier's decisions: hits on leading blocks, load, predictions, salts, block sizes, and every fallback."""
+
+from __future__ import annotations
+
+import json
+
+import trio
+from prometheus_client import generate_latest
+
+from llmgw.hookspecs import hookimpl
+from llmgw.kv.index import KvIndex
+from llmgw.kv.keys import VllmBlockKeys, request_extra_keys
+from llmgw.kv.tokenize import TokenizeError
+from llmgw.metrics import Metrics
+from llmgw.plugins.kv_index import KvIndexTier, predicted_cached_tokens
+from llmgw.plugins_manager import build_registry, make_plugin_manager
+from llmgw.router.replica import Replica
+from llmgw.router.router import Router
+from llmgw.router.tier import RouteRequest
+from llmgw.wire import KvChangeKind, KvChanges
+
+VLLM = VllmBlockKeys()
+
+
+class FakeTokenizer:
+    """Tokenizes like a byte tokenizer: a completion's prompt bytes; a chat's contents joined. Records calls."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.fail: Exception | None = None
+
+    async def tokenize(self, replica, body: bytes) -> list[int]:
+        self.calls.append(replica.name)
+        if self.fail is not None:
+            raise self.fail
+        request = json.loads(body)
+        if "prompt" in request:
+            return list(request["prompt"].encode())
+        return list("".join(m["content"] for m in request["messages"]).encode())
+
+
+class FakePlugin:
+    def __init__(self):
+        self.tokenizer = FakeTokenizer()
+
+    @hookimpl
+    def register_tokenizer_sources(self):
+        return {"fake": lambda options: self.tokenizer}
+
+
+def make(options=None, names=("a", "b", "c")):
+    plugin = FakePlugin()
+    router = Router(build_registry(make_plugin_manager((plugin,))), Metrics())
+    route = router.configure_model("m", "kv_index", {"tokenizer": "fake", "seed": 7, **(options or {})})
+    replicas = [Replica(name=n, model="m", url=f"http://127.0.0.1:{9000 + i}") for i, n in enumerate(names)]
+    for replica in replicas:
+        router.add_replica(replica)
+    tier: KvIndexTier = route.tier
+    tier.clock = tier.tree.clock = tier.index.clock = trio.current_time
+    return router, tier, plugin.tokenizer, replicas
+
+
+def prompt(text: str, salt: str | None = None, model: str = "m") -> RouteRequest:
+    body = {"model": model, "prompt": text, "max_tokens": 4}
+    if salt is not None:
+        body["cache_salt"] = salt
+    return RouteRequest("m", "/v1/completions", body)
+
+
+def keys_of(text: str, block_size: int = 16, salt: str | None = None) -> list[int]:
+    ids = list(text.encode())
+    extras = request_extra_keys(len(ids), block_size, cache_salt=salt) if salt else None
+    return VLLM.keys(ids, block_size, extras)
+
+
+def hold(tier: KvIndexTier, name: str, keys, block_size: int = 16) -> None:
+    tier.index.apply(name, KvChanges(kind=KvChangeKind.FULL, stored=list(keys), block_size=block_size))
+
+
+def outcomes(router) -> dict[str, float]:
+    counter = router.metrics.decisions
+    names = ("hit", "miss", "load_override", "unindexable", "tokenize_timeout", "tokenize_error", "index_unhealthy")
+    return {o: v for o in names if (v := counter.labels("m", "kv_index", o)._value.get())}
+
+
+TEXT = "".join(f"line {i:03d} of a long shared system prompt. " for i in range(10))[:320]  # 320 tokens, 20 blocks
+
+
+async def test_a_request_goes_where_its_leading_blocks_are():
+    router, tier, tokenizer, (a, b, c) = make()
+    keys = keys_of(TEXT)
+    assert len(keys) == 20
+    hold(tier, "a", keys[:10])
+    hold(tier, "b", keys[:4])
+    hold(tier, "c", [])
+    decision = await router.pick(prompt(TEXT))
+    assert decision.replica is a and decision.outcome == "hit" and decision.tier == "kv_index"
+    assert decision.detail["matched_blocks"] == 10 and decision.detail["confirmed_blocks"] == 10
+    assert decision.detail["predicted_cached_tokens"] == 160 and decision.detail["block_size"] == 16
+    assert tokenizer.calls == ["a"]  # tokenized once, by an idle candidate
+    assert outcomes(router) == {"hit": 1}
+
+
+async def test_the_last_prompt_token_is_never_predicted_cached():
+    assert predicted_cached_tokens(20, 16, 320) == 19 * 16
+    assert predicted_cached_tokens(20, 16, 321) == 20 * 16
+    assert predicted_cached_tokens(3, 16, 1000) == 48
+    assert predicted_cached_tokens(5, 16, 0) == 0
+    router, tier, _, (a, b, c) = make()
+    for name in "abc":
+        hold(tier, name, keys_of(TEXT) if name == "b" else [])
+    decision = await router.pick(prompt(TEXT))
+    assert decision.replica is b and decision.detail["predicted_cached_tokens"] == 304
+
+
+async def test_blocks_held_but_not_from_block_0_do_not_count():
+    router, tier, _, (a, b, c) = make()
+    keys = keys_of(TEXT)
+    hold(tier, "a", keys[1:])
+    hold(tier, "b", [])
+    hold(tier, "c", [])
+    b.inflight = c.inflight = 1
+    decision = await router.pick(prompt(TEXT))
+    assert decision.replica is a and decision.outcome == "miss" and decision.detail["matched_blocks"] == 0
+
+
+async def test_misses_spread_by_load_and_a_loaded_holder_is_overridden():
+    router, tier, _, (a, b, c) = make()
+    for name in "abc":
+        hold(tier, name, [])
+    a.inflight, b.inflight, c.inflight = 2, 0, 1
+    decision = await router.pick(prompt("a brand new prompt " * 10))
+    assert decision.replica is b and decision.outcome == "miss"
+    hold(tier, "a", keys_of(TEXT))
+    a.inflight, b.inflight, c.inflight = 6, 0, 1  # 7 in flight after this one, 4 is the max imbalance
+    decision = await router.pick(prompt(TEXT))
+    assert decision.replica is b and decision.outcome == "load_override"
+    assert outcomes(router) == {"miss": 1, "load_override": 1}
+
+
+async def test_requests_that_cannot_be_indexed_are_routed_by_the_tree():
+    router, tier, tokenizer, _ = make()
+    for name in "abc":
+        hold(tier, name, [])
+    image = RouteRequest("m", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]}]})
+    decision = await router.pick(image)
+    assert decision.outcome == "unindexable" and decision.tier == "kv_index"
+    assert decision.detail["reason"] == "non_text_content" and decision.detail["tree_outcome"] == "miss"
+    decision = await router.pick(RouteRequest("m", "/v1/embeddings", {"model": "m", "input": "x"}))
+    assert decision.outcome == "unindexable" and decision.detail["reason"] == "path"
+    assert tokenizer.calls == [] and outcomes(router) == {"unindexable": 2}
+    assert tier.fallbacks == {"unindexable": 2}
+
+
+async def test_a_slow_or_failing_tokenize_falls_back_to_the_tree():
+    router, tier, tokenizer, _ = make()
+    for name in "abc":
+        hold(tier, name, keys_of(TEXT))
+    tokenizer.fail = TokenizeError("timeout", "took longer than 50 ms")
+    decision = await router.pick(prompt(TEXT))
+    assert decision.outcome == "tokenize_timeout" and "50 ms" in decision.detail["reason"]
+    tokenizer.fail = TokenizeError("status", "/tokenize answered 500")
+    decision = await router.pick(prompt(TEXT))
+    assert decision.outcome == "tokenize_error"
+    assert outcomes(router) == {"tokenize_timeout": 1, "tokenize_error": 1}
+    assert tier.index.predicted_keys == 0  # fallbacks predict nothing
+
+
+async def test_without_a_healthy_index_the_tree_decides_and_nothing_is_tokenized():
+    router, tier, tokenizer, _ = make()
+    decision = await router.pick(prompt(TEXT))  # no events from anyone yet
+    assert decision.outcome == "index_unhealthy" and "a=no_events" in decision.detail["reason"]
+    hold(tier, "a", keys_of(TEXT))
+    tier.index.apply("a", KvChanges(kind=KvChangeKind.RESET, reason="engine_restart"))
+    decision = await router.pick(prompt(TEXT))
+    assert decision.outcome == "index_unhealthy" and "a=resetting" in decision.detail["reason"]
+    assert tokenizer.calls == [] and outcomes(router) == {"index_unhealthy": 2}
+
+
+async def test_an_unhealthy_replica_is_scored_by_the_tree_for_that_decision():
+    router, tier, _, (a, b, c) = make()
+    long_text = TEXT + " and more"
+    await tier.pick(prompt(long_text), [b])  # the tree learns that b was sent this text (no events at all yet)
+    hold(tier, "a", [])  # a is healthy and holds nothing; b has no events
+    decision = await tier.pick(prompt(long_text), [a, b])
+    assert decision.replica is b and decision.outcome == "hit" and decision.detail["source"] == "tree"
+    assert "predicted_cached_tokens" not in decision.detail  # the index predicted nothing for b
+    hold(tier, "a", keys_of(long_text))  # a's index share (1.0) ties b's tree share; b had the last cold request
+    decision = await tier.pick(prompt(long_text), [a, b])
+    assert decision.replica is a and decision.detail["source"] == "index"
+
+
+async def test_token_id_prompts_are_indexed_without_tokenizing():
+    router, tier, tokenizer, (a, b, c) = make()
+    ids = list(TEXT.encode())
+    for name in "abc":
+        hold(tier, name, VLLM.keys(ids, 16) if name == "c" else [])
+    decision = await router.pick(RouteRequest("m", "/v1/completions", {"model": "m", "prompt": ids}))
+    assert decision.replica is c and decision.outcome == "hit" and tokenizer.calls == []
+
+
+async def test_replicas_with_different_block_sizes_are_hashed_with_their_own():
+    router, tier, _, (a, b) = make(names=("a", "b"))
+    hold(tier, "a", keys_of(TEXT, 16), block_size=16)
+    hold(tier, "b", keys_of(TEXT, 32)[:5], block_size=32)
+    explained = await tier.explain(prompt(TEXT), [a, b])
+    by_name = {entry["name"]: entry for entry in explained["replicas"]}
+    assert explained["blocks"] == {"16": 20, "32": 10}
+    assert (by_name["a"]["matched_blocks"], by_name["a"]["share"]) == (20, 1.0)
+    assert (by_name["b"]["matched_blocks"], by_name["b"]["share"]) == (5, 0.5)
+    assert explained["pick"] == "a" and explained["outcome"] == "hit"
+
+
+async def test_a_burst_of_a_new_prefix_co_locates_before_events_arrive(autojump_clock):
+    router, tier, _, replicas = make()
+    for name in "abc":
+        hold(tier, name, [])
+    first = await router.pick(prompt(TEXT + " question 1"))
+    assert first.outcome == "miss"
+    first.replica.inflight += 1  # still running
+    second = await router.pick(prompt(TEXT + " question 2"))
+    assert second.replica is first.replica and second.outcome == "hit"
+    assert second.detail["confirmed_blocks"] == 0 and second.detail["matched_blocks"] == 20
+    first.replica.inflight -= 1
+    await trio.sleep(2.1)  # the predictions expired and no event confirmed them
+    explained = await tier.explain(prompt(TEXT + " question 3"), replicas)
+    assert explained["outcome"] == "miss"
+
+
+async def test_cache_salt_separates_tenants():
+    router, tier, _, (a, b) = make(names=("a", "b"))
+    hold(tier, "a", keys_of(TEXT, salt="tenant-1"))
+    hold(tier, "b", keys_of(TEXT))
+    decision = await tier.pick(prompt(TEXT, salt="tenant-1"), [a, b])
+    assert decision.replica is a and decision.outcome == "hit"
+    decision = await tier.pick(prompt(TEXT, salt="tenant-2"), [a, b])
+    assert decision.outcome == "miss"
+    decision = await tier.pick(prompt(TEXT), [a, b])
+    assert decision.replica is b and decision.outcome == "hit"
+
+
+async def test_lora_requests_are_indexed_only_with_a_known_adapter_path():
+    router, tier, _, (a, b) = make({"lora_adapters": {"sql": "/adapters/sql"}}, names=("a", "b"))
+    ids = list(TEXT.encode())
+    lora_keys = VLLM.keys(ids, 16, request_extra_keys(len(ids), 16, lora=("sql", "/adapters/sql")))
+    hold(tier, "a", [])
+    hold(tier, "b", lora_keys)
+    decision = await tier.pick(prompt(TEXT, model="sql"), [a, b])
+    assert decision.replica is b and decision.outcome == "hit"
+    decision = await tier.pick(prompt(TEXT, model="other-adapter"), [a, b])
+    assert decision.outcome == "unindexable" and decision.detail["reason"] == "unknown_lora"
+
+
+async def test_finished_counts_predicted_next_to_actual_cached_tokens():
+    router, tier, _, (a, b, c) = make()
+    for name in "abc":
+        hold(tier, name, keys_of(TEXT) if name == "a" else [])
+    request = prompt(TEXT)
+    decision = await router.pick(request)
+    router.routed(request, decision)
+    router.finished(request, decision, {"prompt_tokens": 320, "prompt_tokens_details": {"cached_tokens": 288}})
+    assert (tier.predicted_cached_total, tier.actual_cached_total) == (304, 288)
+    router.finished(request, decision, None)  # no usage seen: counts nothing
+    unindexable = RouteRequest("m", "/v1/embeddings", {"input": "x"})
+    fallback = await router.pick(unindexable)
+    router.finished(unindexable, fallback, {"prompt_tokens_details": {"cached_tokens": 5}})  # no prediction
+    text = generate_latest(router.metrics.registry).decode()
+    assert 'llmgw_route_predicted_cached_tokens_total{model="m"} 304.0' in text
+    assert 'llmgw_route_actual_cached_tokens_total{model="m"} 288.0' in text
+    assert 'llmgw_kv_index_blocks{replica="a"} 20.0' in text
+
+
+async def test_explain_changes_nothing():
+    router, tier, tokenizer, replicas = make()
+    for name in "abc":
+        hold(tier, name, keys_of(TEXT) if name == "c" else [])
+    before = tier.tree.tree.node_count
+    explained = await tier.explain(prompt(TEXT), replicas)
+    assert explained["pick"] == "c" and explained["outcome"] == "hit"
+    assert {e["name"]: e["index"]["state"] for e in explained["replicas"]} == dict.fromkeys("abc", "healthy")
+    assert tier.index.predicted_keys == 0 and tier.tree.tree.node_count == before
+    fallback = await tier.explain(RouteRequest("m", "/v1/embeddings", {"input": "x"}), replicas)
+    assert fallback["outcome"] == "unindexable" and fallback["tree_outcome"] == "miss"
+    answer = await router.explain(prompt(TEXT))
+    assert answer["tier"] == "kv_index" and answer["pick"] == "c"
+
+
+async def test_tokenize_goes_to_the_least_loaded_candidate():
+    router, tier, tokenizer, (a, b, c) = make()
+    for name in "abc":
+        hold(tier, name, [])
+    a.inflight, b.inflight, c.inflight = 3, 1, 2
+    await tier.pick(prompt("x" * 100), [a, b, c])
+    assert tokenizer.calls == ["b"]
+
+
+def test_options_are_checked():
+    registry = build_registry(make_plugin_manager((FakePlugin(),)))
+    assert KvIndexTier.check_options({"tokenizer": "fake", "tokenize_timeout": "20ms"}, registry) == []
+    problems = KvIndexTier.check_options({"tokenizer": "nope", "tokenize_timeout": -1, "min_match_blocks": 0,
+                                          "max_imbalance": "x", "bogus": 1}, registry)
+    text = "\n".join(problems)
+    assert "tokenize_timeout" in text and "min_match_blocks" in text and "max_imbalance" in text
+    assert "'bogus'" in text and "nope" in text
+    assert "hash_algo" in "\n".join(KvIndexTier.check_options({"hash_algo": "xxhash", "hash_seed": None}, registry))
+    assert "hash_algo" in "\n".join(KvIndexTier.check_options({"hash_algo": "md5"}, registry))
+
+
+async def test_the_replica_tokenizer_reports_its_latency():
+    router = Router(build_registry(make_plugin_manager()), Metrics())
+    tier = router.configure_model("m", "kv_index", {"tokenize_timeout": "30ms"}).tier
+    assert tier.tokenizer.timeout == 0.03 and tier.tokenizer.observe is not None
+    assert isinstance(tier.index, KvIndex)
