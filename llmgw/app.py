@@ -1,18 +1,21 @@
-"""The gateway process: one root nursery owning the data plane, the control app, health probes and the router.
+"""The gateway process: one root nursery owning the data plane, the control app, health probes, the router,
+the control plane and, when configured, the embedded agent.
 
 :class:`Gateway` is built from a :class:`llmgw.config.Config`; :meth:`Gateway.run`
-serves until cancelled or until :meth:`Gateway.shutdown` has drained it.
+serves until cancelled or until :meth:`Gateway.shutdown` has drained it;
+:meth:`Gateway.reload` re-reads the config file (SIGHUP, ``POST /admin/reload``).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import socket
 from dataclasses import dataclass
 
 import trio
 
-from .config import Config
+from .config import Config, ConfigError, load_config
 from .http.client import UpstreamPool
 from .http.control import create_control_app, serve_control
 from .http.dataplane import DataPlane, DataPlaneSettings
@@ -20,7 +23,8 @@ from .http.server import HttpServer, ServerLimits
 from .metrics import Metrics
 from .plugins_manager import Registry, check_config_plugins, default_registry
 from .router.health import HealthSettings, HealthTracker, probe_forever
-from .router.replica import Replica
+from .router.load_scraper import scrape_engine_load
+from .router.replica import Replica, ReplicaState
 from .router.router import Router
 
 log = logging.getLogger(__name__)
@@ -41,8 +45,16 @@ class Addresses:
 
 
 class Gateway:
-    def __init__(self, config: Config, registry: Registry | None = None):
+    def __init__(self, config: Config, registry: Registry | None = None, *, embedded_discovery: str = "auto",
+                 stop_engines_on_exit: bool = False):
+        """``stop_engines_on_exit``: the embedded agent's engines stop with the gateway (the demo); by default
+        they outlive it, to be adopted by the next start."""
+        from .control.plane import ControlPlane
+
         self.config = config
+        self.embedded_discovery = embedded_discovery
+        self.stop_engines_on_exit = stop_engines_on_exit
+        self.embedded_agent = None
         self.registry = registry or default_registry()
         check_config_plugins(config, self.registry)
         self.metrics = Metrics()
@@ -67,6 +79,10 @@ class Gateway:
         self._probes: dict[Replica, trio.CancelScope] = {}
         self._control_shutdown = trio.Event()
         self.addresses: Addresses | None = None
+        self.control = ControlPlane(self, config)
+        self._static: dict[str, Replica] = {}  # replicas of the config's `models`, by name
+        self._static_models: dict[str, tuple[str, dict]] = {}  # name -> (routing tier, its options)
+        self._reload_lock = trio.Lock()
 
     async def run(self, listen: tuple[str, int] | None = None, control_listen: tuple[str, int] | None = None, *,
                   task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -75,22 +91,57 @@ class Gateway:
                                                         self.config.control_listen.port)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            self._configure_static_models()
+            self._configure_static_models(self.config)
+            await nursery.start(self.control.run)
+            nursery.start_soon(scrape_engine_load, self.router)  # for tiers with engine_metrics_interval
             data = await nursery.start(self.data_server.serve, data_host, data_port)
             control = await nursery.start(functools.partial(serve_control, create_control_app(self), control_host,
                                                             control_port, shutdown=self._control_shutdown))
             self.addresses = Addresses(data, control)
+            if self.config.agents.embedded:
+                await nursery.start(self._run_embedded_agent)
             log.info("llmgw serving the OpenAI API on %s and the control API on %s",
                      self.addresses.data_url, self.addresses.control_url)
             task_status.started(self.addresses)
 
-    def _configure_static_models(self) -> None:
-        for model in self.config.models:
-            self.router.configure_model(model.name, model.routing, model.routing_options, model)
+    async def _run_embedded_agent(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """This machine's agent, in-process: the same Agent and session code as a remote one."""
+        from .agent.agent import Agent
+        from .agent.channel import InProcessConnector
+
+        agents = self.config.agents
+        node_id = agents.node_id or socket.gethostname()
+        self.embedded_agent = Agent(InProcessConnector(self.control.agents.accept_in_process, f"embedded agent "
+                                                       f"{node_id}"), node_id=node_id,
+                                    discovery=self.embedded_discovery, state_dir=agents.state_dir,
+                                    address="127.0.0.1", registry=self.registry)
+        await self.embedded_agent.run(task_status=task_status)
+
+    def _configure_static_models(self, config: Config) -> None:
+        """Make the router's static replicas those of ``config.models`` (replicas no longer listed are drained)."""
+        wanted: dict[str, Replica] = {}
+        for model in config.models:
+            routing = (model.routing, dict(model.routing_options))
+            if model.name not in self.router.models or self._static_models.get(model.name) != routing:
+                self.router.configure_model(model.name, model.routing, model.routing_options, model)
             for index, spec in enumerate(model.replicas):
                 name = spec.name or f"{model.name}-{index}"
-                self.add_replica(Replica(name=name, model=model.name, url=spec.url, api_key=spec.api_key,
-                                         weight=spec.weight))
+                wanted[name] = Replica(name=name, model=model.name, url=spec.url, api_key=spec.api_key,
+                                       weight=spec.weight)
+        for name, replica in list(self._static.items()):
+            new = wanted.get(name)
+            if new is None or (new.model, new.url, new.api_key, new.weight) != (replica.model, replica.url,
+                                                                                  replica.api_key, replica.weight):
+                del self._static[name]
+                self._nursery.start_soon(self.drain_replica, replica, "removed from the config", 600.0)
+        for name, replica in wanted.items():
+            if name not in self._static:
+                self._static[name] = replica
+                self.add_replica(replica)
+        for model in set(self._static_models) - {m.name for m in config.models}:
+            if model not in self.control.routing.models:  # a deployed profile may serve it too
+                self.router.remove_model(model)
+        self._static_models = {m.name: (m.routing, dict(m.routing_options)) for m in config.models}
 
     def add_replica(self, replica: Replica) -> None:
         """Put a replica into routing and start probing it."""
@@ -112,9 +163,56 @@ class Gateway:
         if replica.pool is not None:
             await replica.pool.aclose()
 
+    async def drain_replica(self, replica: Replica, reason: str, timeout: float) -> None:
+        """Take a replica out of routing without cutting a request: no new ones, in-flight ones finish (up to
+        ``timeout``), then it is removed."""
+        self.health.set_state(replica, ReplicaState.DRAINING, reason)
+        with trio.move_on_after(timeout) as waited:
+            while replica.inflight > 0:
+                await trio.sleep(0.05)
+        if waited.cancelled_caught:
+            log.warning("replica %s: %d requests still in flight after %gs of draining; removing it anyway",
+                        replica.name, replica.inflight, timeout)
+        await self.remove_replica(replica)
+
+    async def reload(self) -> list[str]:
+        """Re-read the config file and apply it; the errors (nothing is changed then), or [] when applied.
+
+        Listeners, limits and API keys need a restart; profiles, deployments, static models and agent settings
+        (token, heartbeats) apply at once.
+        """
+        async with self._reload_lock:
+            if not self.config.source or self.config.source.startswith("<"):
+                log.warning("reload: there is no config file to reload (the demo, or a config given as text)")
+                return ["there is no config file to reload (the demo, or a config given as text)"]
+            try:
+                config = await trio.to_thread.run_sync(load_config, self.config.source)
+                check_config_plugins(config, self.registry)
+            except ConfigError as exc:
+                errors = [str(issue) for issue in exc.errors]
+                log.error("reload of %s failed; keeping the running config:\n  %s", self.config.source,
+                          "\n  ".join(errors))
+                return errors
+            for key in ("listen", "control_listen", "limits", "api_keys", "health"):
+                if getattr(config, key) != getattr(self.config, key):
+                    log.warning("reload: %s changed; that takes a restart", key)
+            self.config = config
+            self._configure_static_models(config)
+            self.control.apply_config(config)
+            log.info("reloaded %s: %d models, %d deployments", config.source, len(config.models),
+                     len(config.deployments))
+            return []
+
     async def _probe(self, replica: Replica, scope: trio.CancelScope) -> None:
         with scope:
             await probe_forever(replica, self.health)
+
+    async def stop_embedded_shards(self, grace: float = 5.0) -> None:
+        """Stop the embedded agent's engines (the demo's exit; a real agent's engines outlive it)."""
+        if self.embedded_agent is not None:
+            self.control.freeze()  # nothing may start them again
+            with trio.CancelScope(shield=True), trio.move_on_after(grace + 5.0):
+                await self.embedded_agent.stop_all_shards(grace)
 
     async def shutdown(self, grace: float | None = None) -> None:
         """Stop accepting, let in-flight requests finish for up to ``grace`` seconds, then stop everything."""
@@ -123,6 +221,8 @@ class Gateway:
         log.info("draining: no new connections; waiting up to %gs for %d in-flight requests", grace,
                  self.data_server.active_requests)
         await self.data_server.drain(grace)
+        if self.stop_engines_on_exit:
+            await self.stop_embedded_shards()
         self._control_shutdown.set()
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()

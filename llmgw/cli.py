@@ -12,7 +12,10 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("llmgw.commands.serve", "run the gateway (control plane, router, OpenAI endpoint); a demo without --config"),
     "config": ("llmgw.commands.config", "check a config file: llmgw config check FILE"),
+    "agent": ("llmgw.commands.agent", "join a control plane and run its shards here: llmgw agent --join URL --token T"),
+    "status": ("llmgw.commands.status", "nodes, replicas and shards of a running llmgw serve, as tables"),
     "sim": ("llmgw.sim.cli", "run the vLLM-like simulator engine"),
+    "plan": ("llmgw.commands.plan", "print where a config's replicas would be placed, and why: llmgw plan --config FILE"),
 }
 
 

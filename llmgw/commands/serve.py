@@ -1,22 +1,24 @@
 """``llmgw serve``: run the gateway from a config file, or a self-contained demo without one.
 
-The demo starts simulator engines as child processes and routes a model
-``tiny`` across them, so a newcomer gets a working OpenAI endpoint on any
-laptop. SIGINT/SIGTERM drain gracefully (a second signal stops at once).
+The demo is a cluster of one: an embedded agent (in-process, CPU discovery)
+runs a ``sim`` profile with ``--demo-replicas`` replicas of model ``tiny``, so
+a newcomer gets a working OpenAI endpoint on any laptop. Its state lives in a
+temporary folder and its engines are stopped at exit (a real agent's engines
+outlive it). SIGINT/SIGTERM drain gracefully (a second signal stops at once);
+SIGHUP reloads the config file.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import signal
 import sys
+import tempfile
 
 import trio
 
 from ..config import ConfigError, HostPort, load_config, parse_config
-from ..processes import llmgw_command, run_child
 
 log = logging.getLogger("llmgw.serve")
 DEMO_MODEL = "tiny"
@@ -37,10 +39,12 @@ def setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def demo_config_text(urls: list[str]) -> str:
-    replicas = "\n".join(f"      - url: {url}\n        name: sim-{i}" for i, url in enumerate(urls))
-    return (f"# the demo: no config was given, so llmgw started {len(urls)} simulator engines\n"
-            f"models:\n  - name: {DEMO_MODEL}\n    routing: round_robin\n    replicas:\n{replicas}\n")
+def demo_config_text(replicas: int, state_dir: str) -> str:
+    return (f"# the demo: no config was given, so llmgw runs an embedded agent with {replicas} simulated engines\n"
+            f"agents:\n  embedded: true\n  node_id: demo\n  state_dir: {state_dir}\n"
+            f"profiles:\n  - name: tiny-sim\n    engine: sim\n    model_path: {DEMO_MODEL}\n"
+            f"    served_model_name: {DEMO_MODEL}\n    routing: round_robin\n"
+            f"deployments:\n  - profile: tiny-sim\n    replicas: {replicas}\n")
 
 
 def main(argv: list[str]) -> int:
@@ -62,30 +66,47 @@ def main(argv: list[str]) -> int:
 
 
 async def serve(config, listen, control_listen, demo_replicas: int = 2) -> None:
+    if config is not None:
+        await _serve(config, listen, control_listen)
+        return
+    with tempfile.TemporaryDirectory(prefix="llmgw-demo-") as state_dir:
+        text = demo_config_text(demo_replicas, state_dir)
+        log.info("demo mode:\n%s", text)
+        await _serve(parse_config(text, filename="<demo>"), listen, control_listen, demo_replicas=demo_replicas)
+
+
+async def _serve(config, listen, control_listen, demo_replicas: int | None = None) -> None:
     from ..app import Gateway
 
+    demo = demo_replicas is not None
+    gateway = Gateway(config, embedded_discovery="cpu" if demo else "auto", stop_engines_on_exit=demo)
     async with trio.open_nursery() as nursery:
-        if config is None:
-            urls = []
-            for i in range(demo_replicas):
-                child = await nursery.start(functools.partial(run_child, llmgw_command(
-                    "sim", "--port", "0", "--served-model-name", DEMO_MODEL, "--seed", str(i)), name=f"sim-{i}"))
-                urls.append(child.url)
-            text = demo_config_text(urls)
-            config = parse_config(text, filename="<demo>")
-            log.info("demo mode:\n%s", text)
-        gateway = Gateway(config)
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
             addresses = await nursery.start(gateway.run, listen and (listen.host, listen.port),
                                             control_listen and (control_listen.host, control_listen.port))
+            if demo:
+                await _wait_for_replicas(gateway, demo_replicas)
             print(f"llmgw listening on {addresses.data_url} (control: {addresses.control_url})", flush=True)
             async for signum in signals:
+                if signum == signal.SIGHUP:
+                    log.info("SIGHUP: reloading %s", config.source)
+                    nursery.start_soon(gateway.reload)
+                    continue
                 if gateway.draining:
                     log.warning("second %s: stopping now", signal.Signals(signum).name)
                     break
                 log.info("%s: draining (send it again to stop at once)", signal.Signals(signum).name)
                 nursery.start_soon(_shutdown, gateway, nursery)
+        if gateway.stop_engines_on_exit:  # stopping at once: the demo still leaves no engine behind
+            await gateway.stop_embedded_shards()
         nursery.cancel_scope.cancel()
+
+
+async def _wait_for_replicas(gateway, count: int, timeout: float = 30.0) -> None:
+    """Until ``count`` replicas of the demo model are routable (a newcomer's first request then succeeds)."""
+    with trio.move_on_after(timeout):
+        while sum(1 for r in gateway.router.all_replicas() if r.model == DEMO_MODEL and r.routable) < count:
+            await trio.sleep(0.05)
 
 
 async def _shutdown(gateway, nursery: trio.Nursery) -> None:

@@ -1,7 +1,8 @@
-"""The control-side app (Quart-Trio on Hypercorn): ``/health``, ``/metrics`` and the admin JSON API.
+"""The control-side app (Quart-Trio on Hypercorn): ``/health``, ``/metrics``, the admin JSON API and ``/agent``.
 
-It serves operators and, later, agents; it is not on the request hot path
-(that is :mod:`llmgw.http.dataplane` on the thin server).
+It serves operators (``/admin/*``) and agents (the ``/agent`` websocket, one
+session per agent, see :mod:`llmgw.control.agent_service`); it is not on the
+request hot path (that is :mod:`llmgw.http.dataplane` on the thin server).
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from typing import TYPE_CHECKING
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
-from quart import Response, jsonify
+from quart import Response, jsonify, request, websocket
 from quart_trio import QuartTrio
 
+from ..agent.channel import quart_channel
 from ..metrics import render
+from ..router.tier import RouteRequest
 
 if TYPE_CHECKING:
     from ..app import Gateway
@@ -35,7 +38,25 @@ def create_control_app(gateway: "Gateway") -> QuartTrio:
 
     @app.get("/admin/replicas")
     async def replicas():
-        return jsonify([r.as_json() for r in gateway.router.all_replicas()])
+        deployed = {id(routed.replica) for routed in gateway.control.routing.routed.values()}
+        static = [r.as_json() for r in gateway.router.all_replicas() if id(r) not in deployed]
+        return jsonify(static + gateway.control.replicas_json())
+
+    @app.get("/admin/nodes")
+    async def nodes():
+        return jsonify(gateway.control.nodes_json())
+
+    @app.post("/admin/reload")
+    async def reload():
+        errors = await gateway.reload()
+        if errors:
+            return jsonify({"reloaded": False, "errors": errors}), 400
+        return jsonify({"reloaded": True, "errors": []})
+
+    @app.websocket("/agent")
+    async def agent():
+        peer = f"{websocket.remote_addr or '?'}"
+        await gateway.control.agents.serve(quart_channel(websocket._get_current_object(), f"agent at {peer}"))
 
     @app.get("/admin/models")
     async def models():
@@ -45,12 +66,29 @@ def create_control_app(gateway: "Gateway") -> QuartTrio:
             for route in gateway.router.models.values()
         ])
 
+    @app.post("/admin/explain")
+    async def explain():
+        """For an OpenAI request body: each replica's scores and the pick, without sending or learning it."""
+        body = await request.get_json(force=True, silent=True)
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object: an OpenAI request with 'model'", "invalid_json")
+        model = body.get("model")
+        if not isinstance(model, str) or model not in gateway.router.models:
+            return _error(404, f"the model {model!r} does not exist", "model_not_found", param="model")
+        path = request.args.get("path") or ("/v1/chat/completions" if "messages" in body else "/v1/completions")
+        return jsonify(await gateway.router.explain(RouteRequest(model, path, body)))
+
     @app.errorhandler(404)
     async def not_found(_):
         return jsonify({"error": {"message": "no such control endpoint", "type": "not_found_error",
                                   "param": None, "code": "not_found"}}), 404
 
     return app
+
+
+def _error(status: int, message: str, code: str, param: str | None = None):
+    return jsonify({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                              "code": code}}), status
 
 
 async def serve_control(app: QuartTrio, host: str, port: int, *, shutdown: trio.Event,

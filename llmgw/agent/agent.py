@@ -1,0 +1,271 @@
+"""The agent loop: supervise this node's shards for the agent's whole life, and keep one stream to the control plane.
+
+:class:`Agent` runs a :class:`~llmgw.agent.shards.ShardManager` in its own
+nursery (it adopts the engines its ledger lists at start, and never stops
+them because a connection ended), and a connection loop beside it:
+
+1. connect (a websocket to ``ws://HOST:PORT/agent``, or an in-process channel
+   for the embedded agent: same code, see :mod:`llmgw.agent.channel`);
+2. send Register: discovery, the join token, and every shard it runs
+   (``ShardManager.reports()``), so they can be adopted;
+3. wait for Registered (refused for a bad token: the agent stops, since
+   retrying cannot help);
+4. then, in a session nursery: a reader that carries out StartShard,
+   StopShard and DrainShard (stops and drains run in the agent's nursery, so
+   a dropped connection does not interrupt them) under a deadline on every
+   receive (the control plane heartbeats too); a writer, the only task that
+   sends; heartbeats; and the shard statuses, forwarded as they change.
+
+Statuses are buffered while disconnected, the latest per shard winning; the
+Register of the next connection carries the full current state and replaces
+the buffer (so an older status never lands after a newer state). Any
+connection error leads to a reconnect after a capped exponential backoff
+(50 ms doubling to 5 s, reset once registered).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Callable
+from urllib.parse import urlsplit
+
+import trio
+
+from .. import __version__, wire
+from ..plugins_manager import Registry, default_registry
+from .channel import Channel, ChannelClosed, Connector, WebSocketConnector
+
+log = logging.getLogger(__name__)
+
+BACKOFF_FIRST = 0.05
+BACKOFF_CAP = 5.0
+REGISTER_TIMEOUT = 10.0
+OUTBOX_SIZE = 256
+
+
+class AgentRefused(Exception):
+    """The control plane refused this agent's Register (a wrong token, most likely)."""
+
+
+class ConnectionLost(Exception):
+    """The control plane went silent."""
+
+
+class LatestReports:
+    """Shard reports waiting to be sent: the latest per shard wins."""
+
+    def __init__(self) -> None:
+        self._reports: dict[str, wire.ShardReport] = {}
+        self._ready = trio.Event()
+
+    def put(self, report: wire.ShardReport) -> None:
+        self._reports[report.shard_id] = report
+        self._ready.set()
+
+    def clear(self) -> None:
+        self._reports.clear()
+
+    async def take(self) -> list[wire.ShardReport]:
+        """Wait for at least one report; all of them, oldest first."""
+        while not self._reports:
+            await self._ready.wait()
+            self._ready = trio.Event()
+        reports, self._reports = list(self._reports.values()), {}
+        return reports
+
+    def __len__(self) -> int:
+        return len(self._reports)
+
+
+def default_state_dir(node_id: str) -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "llmgw" / f"agent-{node_id}"
+
+
+def default_address(join_url: str) -> str:
+    """The local address this machine uses to reach the control plane (how other machines can dial it)."""
+    host = urlsplit(join_url).hostname or "127.0.0.1"
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))  # no packet is sent: this only picks the route
+            return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+class Agent:
+    def __init__(self, join: str | Connector, *, token: str = "", node_id: str, discovery: str = "auto",
+                 state_dir: Path | str | None = None, labels: dict[str, str] | None = None,
+                 address: str | None = None, registry: Registry | None = None, host: str | None = None,
+                 announce: Callable[[str], None] | None = None):
+        from .shards import ShardManager
+
+        self.connector: Connector = WebSocketConnector(join) if isinstance(join, str) else join
+        self.token = token
+        self.node_id = node_id
+        self.discovery = discovery
+        self.labels = dict(labels or {})
+        self.address = address or default_address(self.connector.url)
+        self.state_dir = Path(state_dir) if state_dir else default_state_dir(node_id)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.announce = announce or (lambda line: log.info("%s", line))
+        self.connected = False
+        self.sessions = 0  # accepted registrations so far
+        self.heartbeat_interval = 5.0
+        self._pending = LatestReports()
+        self._nursery: trio.Nursery | None = None
+        self.shards = ShardManager(registry or default_registry(), state_dir=self.state_dir,
+                                   node_address=self.address, host=host or self.address, on_status=self._pending.put)
+
+    # -- lifetime ------------------------------------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Supervise shards and stay connected until cancelled (engines keep running after that)."""
+        await self._discover()  # a bad --discovery fails here, at start, rather than on every reconnect
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await nursery.start(self.shards.run)
+            task_status.started()
+            await self._connect_forever()
+
+    async def stop_all_shards(self, grace: float = 5.0) -> None:
+        """Stop every shard this agent runs (the demo does this at exit; a real agent never does)."""
+        async with trio.open_nursery() as nursery:
+            for report in self.shards.reports():
+                nursery.start_soon(functools.partial(self.shards.stop, report.shard_id, grace, reason="agent exit"))
+
+    async def _connect_forever(self) -> None:
+        from trio_websocket import HandshakeError
+
+        lost = (ChannelClosed, ConnectionLost, HandshakeError, OSError, trio.BrokenResourceError, trio.TooSlowError,
+                wire.WireError)
+        delay = BACKOFF_FIRST
+        while True:
+            sessions = self.sessions
+            try:
+                register = await self._register_message()  # before dialling: the control plane waits for it
+                async with self.connector.connect() as channel:
+                    await self._session(channel, register)
+            except* AgentRefused as group:  # a wrong token does not heal by retrying: the agent stops
+                self.announce(f"llmgw-agent {self.node_id} refused by {self.connector.url}: {group.exceptions[0]}")
+                raise
+            except* lost as group:
+                self._lost(group.exceptions[0], delay)
+            except* Exception:
+                log.exception("the session with %s failed; reconnecting", self.connector.url)
+            self.connected = False
+            if self.sessions != sessions:  # it was registered: start the backoff over
+                delay = BACKOFF_FIRST
+            await trio.sleep(delay)
+            delay = min(delay * 2, BACKOFF_CAP, max(self.heartbeat_interval, BACKOFF_FIRST))
+
+    def _lost(self, error: BaseException, delay: float) -> None:
+        while isinstance(error, BaseExceptionGroup):
+            error = error.exceptions[0]
+        why = str(error) or type(error).__name__
+        if self.connected:
+            self.announce(f"llmgw-agent {self.node_id} disconnected from {self.connector.url}: {why}; "
+                          "reconnecting (engines keep running)")
+        else:
+            log.info("cannot reach %s (%s); retrying in %.2gs", self.connector.url, why, delay)
+        self.connected = False
+
+    # -- one connection ------------------------------------------------------------------------------------------
+
+    async def _session(self, channel: Channel, register: wire.Register) -> None:
+        await channel.send(register)
+        with trio.fail_after(REGISTER_TIMEOUT):
+            reply = await channel.receive()
+        if not isinstance(reply, wire.Registered):
+            raise wire.WireError(f"expected Registered, got {type(reply).__name__}")
+        if not reply.accepted:
+            raise AgentRefused(reply.reason or "no reason given")
+        self.heartbeat_interval = reply.heartbeat_interval
+        self.connected = True
+        self.sessions += 1
+        self.announce(f"llmgw-agent {self.node_id} connected to {self.connector.url} "
+                      f"({len(register.gpus)} GPUs, {len(register.shards)} running shards)")
+        outbox_send, outbox_receive = trio.open_memory_channel(OUTBOX_SIZE)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._write, channel, outbox_receive)
+            nursery.start_soon(self._heartbeats, outbox_send, reply.heartbeat_interval)
+            nursery.start_soon(self._forward_statuses, outbox_send)
+            await self._read(channel, outbox_send, reply.heartbeat_interval)
+
+    async def _discover(self) -> wire.Register:
+        from .discovery import discover
+
+        return await trio.to_thread.run_sync(functools.partial(
+            discover, self.discovery, node_id=self.node_id, address=self.address, labels=self.labels))
+
+    async def _register_message(self) -> wire.Register:
+        register = await self._discover()
+        register.token = self.token
+        register.agent_version = register.agent_version or __version__
+        self._pending.clear()  # the Register carries the current state of every shard
+        register.shards = self.shards.reports()
+        return register
+
+    async def _read(self, channel: Channel, outbox: trio.MemorySendChannel, interval: float) -> None:
+        silence_limit = max(3 * interval, interval + 5.0)
+        while True:
+            with trio.move_on_after(silence_limit):
+                message = await channel.receive()
+                self._handle(message, outbox)
+                continue
+            raise ConnectionLost(f"the control plane said nothing for {silence_limit:g}s")
+
+    def _handle(self, message, outbox: trio.MemorySendChannel) -> None:
+        if isinstance(message, wire.StartShard):
+            log.info("start shard %s (replica %s rank %d, generation %d, GPUs %s)", message.shard_id,
+                     message.replica_id, message.rank, message.generation, message.gpu_indices)
+            try:
+                self.shards.start(message)
+            except Exception as exc:  # a bad spec must not end the session
+                log.exception("cannot start shard %s", message.shard_id)
+                self._reply(outbox, wire.ErrorMessage(code="start_failed", message=str(exc), about=message.shard_id))
+        elif isinstance(message, wire.StopShard):
+            log.info("stop shard %s: %s", message.shard_id, message.reason)
+            self._nursery.start_soon(functools.partial(self.shards.stop, message.shard_id, message.grace,
+                                                       reason=message.reason))
+        elif isinstance(message, wire.DrainShard):
+            log.info("drain shard %s: %s", message.shard_id, message.reason)
+            self._nursery.start_soon(functools.partial(self.shards.drain, message.shard_id, message.timeout,
+                                                       message.grace, reason=message.reason))
+        elif isinstance(message, wire.ErrorMessage):
+            log.warning("the control plane refused something (%s) about %s: %s", message.code,
+                        message.about or "-", message.message)
+        elif isinstance(message, wire.Heartbeat):
+            pass
+        else:
+            name = message.type_name if isinstance(message, wire.UnknownMessage) else type(message).__name__
+            log.debug("ignored a %s from the control plane", name)
+
+    @staticmethod
+    def _reply(outbox: trio.MemorySendChannel, message: wire.Message) -> None:
+        try:
+            outbox.send_nowait(message)
+        except trio.WouldBlock:
+            log.warning("outbox full: dropped a %s", type(message).__name__)
+
+    async def _write(self, channel: Channel, outbox: trio.MemoryReceiveChannel) -> None:
+        async for message in outbox:
+            await channel.send(message)
+
+    async def _heartbeats(self, outbox: trio.MemorySendChannel, interval: float) -> None:
+        seq = 0
+        while True:
+            seq += 1
+            await outbox.send(wire.Heartbeat(seq=seq, sent_at=time.time()))
+            await trio.sleep(interval)
+
+    async def _forward_statuses(self, outbox: trio.MemorySendChannel) -> None:
+        while True:
+            for report in await self._pending.take():
+                await outbox.send(wire.ShardStatus(shard=report))

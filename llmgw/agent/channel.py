@@ -1,0 +1,209 @@
+"""The transport between an agent and the control plane: one ``Channel`` interface, two implementations.
+
+A :class:`Channel` carries :mod:`llmgw.wire` message objects both ways.
+
+- :class:`FrameChannel` encodes them into websocket frames: the agent's
+  trio-websocket client (:func:`websocket_channel`) and the control plane's
+  Quart websocket (:func:`quart_channel`).
+- :class:`MemoryChannel` hands them over trio memory channels: the embedded
+  agent of ``llmgw serve``. Messages are copied on the way, so neither side can
+  change what the other holds (as with a real wire).
+
+Both sessions, the agent's and the control plane's, are written against
+``Channel`` alone, so the embedded agent runs exactly the code a remote one
+runs. Rules for users of a channel: only one task sends (cancelling a
+websocket send mid-frame poisons the connection), every ``receive`` is made
+under a deadline by the caller, and a lost peer shows up as
+:class:`ChannelClosed` from either call.
+
+An agent reaches the control plane through a *connector*:
+:class:`WebSocketConnector` dials ``ws://HOST:PORT/agent``;
+:class:`InProcessConnector` hands a fresh memory channel pair to the in-process
+agent service.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Awaitable, Callable, Protocol
+from urllib.parse import urlsplit, urlunsplit
+
+import trio
+
+from .. import wire
+
+log = logging.getLogger(__name__)
+
+AGENT_PATH = "/agent"
+MAX_FRAME_BYTES = 16 * 1024 * 1024  # a full KV mirror can be large; Hypercorn's default limit is the same
+
+
+class ChannelClosed(Exception):
+    """The peer went away (or the channel was closed on this side)."""
+
+
+class Channel(Protocol):
+    peer: str  # who is at the other end, for logs
+
+    async def send(self, message: wire.Message) -> None:
+        """Send one message; raises :class:`ChannelClosed` when the peer is gone."""
+
+    async def receive(self) -> wire.Message | wire.UnknownMessage:
+        """The next message; raises :class:`ChannelClosed` at the end, :class:`llmgw.wire.WireError` on garbage."""
+
+    async def aclose(self) -> None:
+        """Close this end (idempotent)."""
+
+
+class FrameChannel:
+    """Messages as msgpack websocket frames, over any transport that moves whole frames."""
+
+    def __init__(self, send_frame: Callable[[bytes], Awaitable[None]], receive_frame: Callable[[], Awaitable[object]],
+                 close: Callable[[], Awaitable[None]], peer: str, closed_errors: tuple[type[BaseException], ...]):
+        self.peer = peer
+        self._send_frame = send_frame
+        self._receive_frame = receive_frame
+        self._close = close
+        self._closed_errors = closed_errors + (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+        self._closed = False
+
+    async def send(self, message: wire.Message) -> None:
+        frame = wire.encode(message)
+        try:
+            await self._send_frame(frame)
+        except self._closed_errors as exc:
+            raise ChannelClosed(f"{self.peer}: {exc or type(exc).__name__}") from None
+
+    async def receive(self) -> wire.Message | wire.UnknownMessage:
+        try:
+            frame = await self._receive_frame()
+        except self._closed_errors as exc:
+            raise ChannelClosed(f"{self.peer}: {exc or type(exc).__name__}") from None
+        if not isinstance(frame, (bytes, bytearray)):
+            raise wire.WireError("a text frame: agent messages are binary msgpack frames")
+        return wire.decode(bytes(frame))
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._close()
+        except Exception as exc:  # best effort: the peer may be gone, or the server closing the socket already
+            log.debug("closing the channel to %s: %r", self.peer, exc)
+
+
+def websocket_channel(ws, peer: str) -> FrameChannel:
+    """A channel over a trio-websocket connection (the agent's side)."""
+    from trio_websocket import ConnectionClosed
+
+    return FrameChannel(ws.send_message, ws.get_message, ws.aclose, peer, (ConnectionClosed,))
+
+
+def quart_channel(websocket, peer: str) -> FrameChannel:
+    """A channel over a Quart websocket (the control plane's side).
+
+    Quart cancels the handler when the client disconnects; a send after that
+    fails with a transport error, reported as :class:`ChannelClosed`.
+    """
+
+    async def close() -> None:
+        await websocket.close(1000)
+
+    return FrameChannel(websocket.send, websocket.receive, close, peer, (ConnectionError, RuntimeError))
+
+
+class MemoryChannel:
+    """One end of an in-process channel: message objects over trio memory channels."""
+
+    def __init__(self, send_channel: trio.MemorySendChannel, receive_channel: trio.MemoryReceiveChannel, peer: str):
+        self.peer = peer
+        self._send = send_channel
+        self._receive = receive_channel
+
+    async def send(self, message: wire.Message) -> None:
+        try:
+            await self._send.send(copy.deepcopy(message))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise ChannelClosed(f"{self.peer}: closed") from None
+
+    async def receive(self) -> wire.Message | wire.UnknownMessage:
+        try:
+            return await self._receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError, trio.BrokenResourceError):
+            raise ChannelClosed(f"{self.peer}: closed") from None
+
+    async def aclose(self) -> None:
+        await self._send.aclose()
+        await self._receive.aclose()
+
+
+def memory_channel_pair(agent_name: str = "embedded agent", buffer: int = 64) -> tuple[MemoryChannel, MemoryChannel]:
+    """``(agent_end, control_plane_end)`` of a new in-process channel."""
+    to_control_send, to_control_receive = trio.open_memory_channel(buffer)
+    to_agent_send, to_agent_receive = trio.open_memory_channel(buffer)
+    return (MemoryChannel(to_control_send, to_agent_receive, "control plane (in-process)"),
+            MemoryChannel(to_agent_send, to_control_receive, agent_name))
+
+
+# -- connectors: how an agent opens a channel -------------------------------------------------------------------------
+
+
+class Connector(Protocol):
+    url: str  # where it connects, for logs
+
+    def connect(self) -> AsyncIterator[Channel]:
+        """An async context manager yielding a fresh channel to the control plane."""
+
+
+def agent_url(join: str) -> str:
+    """The websocket URL of the agent service from what an operator typed.
+
+    ``http://cp:8001``, ``ws://cp:8001``, ``cp:8001`` and the full ``ws://cp:8001/agent``
+    all give ``ws://cp:8001/agent`` (``https``/``wss`` give ``wss``).
+    """
+    text = join.strip()
+    if "://" not in text:
+        text = "ws://" + text
+    parts = urlsplit(text)
+    scheme = {"http": "ws", "ws": "ws", "https": "wss", "wss": "wss"}.get(parts.scheme)
+    if scheme is None or not parts.hostname:
+        raise ValueError(f"not a control-plane URL: {join!r} (expected http://HOST:PORT or ws://HOST:PORT)")
+    path = parts.path.rstrip("/") or AGENT_PATH
+    return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+
+
+class WebSocketConnector:
+    """Dials the control plane's agent websocket."""
+
+    def __init__(self, join: str, connect_timeout: float = 10.0):
+        self.url = agent_url(join)
+        self.connect_timeout = connect_timeout
+
+    @asynccontextmanager
+    async def connect(self) -> AsyncIterator[Channel]:
+        from trio_websocket import open_websocket_url
+
+        async with open_websocket_url(self.url, connect_timeout=self.connect_timeout, disconnect_timeout=2.0,
+                                      max_message_size=MAX_FRAME_BYTES) as ws:
+            yield websocket_channel(ws, f"control plane {self.url}")
+
+
+class InProcessConnector:
+    """Hands the control plane's end of a new memory channel to ``accept`` (the in-process agent service)."""
+
+    def __init__(self, accept: Callable[[Channel], Awaitable[None]], agent_name: str = "embedded agent"):
+        self.url = "in-process"
+        self._accept = accept
+        self._agent_name = agent_name
+
+    @asynccontextmanager
+    async def connect(self) -> AsyncIterator[Channel]:
+        agent_end, control_end = memory_channel_pair(self._agent_name)
+        await self._accept(control_end)
+        try:
+            yield agent_end
+        finally:
+            await agent_end.aclose()

@@ -1,0 +1,93 @@
+"""``llmgw status``: the cluster as tables, from a running control plane's admin API.
+
+Nodes (state, GPUs used/total, shards, last heard from), replicas (model,
+state, node, endpoint) and shards (node, rank, GPUs, state, pid, restarts,
+reason), read from ``GET /admin/nodes`` and ``GET /admin/replicas``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+from typing import Any, Iterable, Sequence
+
+DEFAULT_CONTROL = "http://127.0.0.1:8001"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmgw status", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--control", default=DEFAULT_CONTROL,
+                        help=f"the control listener of llmgw serve (default {DEFAULT_CONTROL})")
+    parser.add_argument("--json", action="store_true", help="print the admin API's JSON instead of tables")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)")
+    return parser
+
+
+def fetch(url: str, timeout: float) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.load(response)
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    """Left-aligned columns as wide as their widest cell; '-' for empty cells."""
+    cells = [[str(h) for h in headers]] + [[("-" if v in (None, "") else str(v)) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]
+
+
+def node_rows(nodes: list[dict]) -> list[list]:
+    rows = []
+    for node in nodes:
+        gpus = node.get("gpus") or []
+        used = len(node.get("used_gpus") or [])
+        names = sorted({gpu.get("name", "?") for gpu in gpus})
+        rows.append([node.get("node_id"), node.get("state"), node.get("address"),
+                     f"{used}/{len(gpus)}" + (f" {','.join(names)}" if names else ""),
+                     len(node.get("shards") or []), f"{node.get('last_seen_s', 0):.1f}s ago",
+                     node.get("state_reason") if node.get("state") != "connected" else ""])
+    return rows
+
+
+def replica_rows(replicas: list[dict]) -> list[list]:
+    return [[r.get("name"), r.get("model"), r.get("state"), r.get("node") or "(static)", r.get("url"),
+             r.get("inflight", 0), r.get("reason")] for r in replicas]
+
+
+def shard_rows(replicas: list[dict]) -> list[list]:
+    rows = []
+    for replica in replicas:
+        for shard in replica.get("shards") or []:
+            rows.append([shard.get("shard_id"), shard.get("node"), shard.get("rank"),
+                         ",".join(map(str, shard.get("gpu_indices") or [])) or "none", shard.get("state"),
+                         shard.get("pid") or "", shard.get("restarts", 0), shard.get("reason")])
+    return rows
+
+
+def render(nodes: list[dict], replicas: list[dict]) -> str:
+    lines = [f"NODES ({len(nodes)})"]
+    lines += table(["NODE", "STATE", "ADDRESS", "GPUS USED", "SHARDS", "LAST HEARD", "WHY"], node_rows(nodes))
+    lines += ["", f"REPLICAS ({len(replicas)})"]
+    lines += table(["REPLICA", "MODEL", "STATE", "NODE", "ENDPOINT", "INFLIGHT", "REASON"], replica_rows(replicas))
+    shards = shard_rows(replicas)
+    lines += ["", f"SHARDS ({len(shards)})"]
+    lines += table(["SHARD", "NODE", "RANK", "GPUS", "STATE", "PID", "RESTARTS", "REASON"], shards)
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    base = args.control.rstrip("/")
+    try:
+        nodes = fetch(f"{base}/admin/nodes", args.timeout)
+        replicas = fetch(f"{base}/admin/replicas", args.timeout)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        print(f"llmgw status: cannot read {base}/admin: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"nodes": nodes, "replicas": replicas}, indent=2))
+    else:
+        print(render(nodes, replicas))
+    return 0

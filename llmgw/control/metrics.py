@@ -1,0 +1,41 @@
+"""Control-plane metrics (``llmgw_nodes``, ``llmgw_shards``, agent traffic, reconcile actions), on the gateway's
+registry."""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from .. import wire
+
+NODE_STATES = ("connected", "suspect", "disconnected")
+
+
+class ControlMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.nodes = Gauge("llmgw_nodes", "Nodes known to the control plane, by state.", ["state"], registry=registry)
+        self.shards = Gauge("llmgw_shards", "Engine shards agents report, by state.", ["state"], registry=registry)
+        self.agent_messages = Counter("llmgw_agent_messages", "Messages received from agents, by node and type.",
+                                      ["node", "type"], registry=registry)
+        self.agent_refused = Counter("llmgw_agent_refused", "Agent connections or messages refused, by reason "
+                                     "(bad_token, foreign_shard, protocol, ...).", ["reason"], registry=registry)
+        self.reconcile_actions = Counter("llmgw_reconcile_actions", "Actions the reconciler took, by kind "
+                                         "(start, adopt, drain, stop, retire).", ["action"], registry=registry)
+        self.placement_failures = Counter("llmgw_placement_failures", "Replicas that could not be placed "
+                                          "(counted when a replica becomes unplaceable).", registry=registry)
+        for state in NODE_STATES:
+            self.nodes.labels(state).set(0)
+        for shard_state in wire.ShardState:
+            self.shards.labels(shard_state.value).set(0)
+
+    def set_node_counts(self, states: Iterable[str]) -> None:
+        counts = Tally(states)
+        for state in NODE_STATES:
+            self.nodes.labels(state).set(counts.get(state, 0))
+
+    def set_shard_counts(self, states: Iterable[str]) -> None:
+        counts = Tally(states)
+        for shard_state in wire.ShardState:
+            self.shards.labels(shard_state.value).set(counts.get(shard_state.value, 0))

@@ -1,0 +1,255 @@
+"""The control plane of one gateway: inventory, agent service, reconciler and deployed routing, wired together.
+
+:class:`ControlPlane` is the agent service's session handler: it records what
+agents register and report (refusing reports about shards placed on another
+node), and reconciles after every change and every ``RECONCILE_INTERVAL``:
+the :class:`~llmgw.control.reconciler.Reconciler` decides, this class carries
+the actions out (commands to agents' sessions, log lines, metrics) and keeps
+the router in step (:class:`~llmgw.control.routing.DeployedRouting`).
+
+After a start, nothing new is placed for ``heartbeat_interval + 1`` seconds
+(agents reconnect at least that often), so the engines that survived a
+control-plane restart are adopted rather than started twice. Without a join
+token only the embedded agent can join, and there is no such wait.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+import trio
+
+from .. import wire
+from .agent_service import AgentService, AgentSession, SessionSettings
+from .fingerprint import profile_fingerprint
+from .inventory import Inventory
+from .metrics import ControlMetrics
+from .reconciler import (Action, Assignment, Command, DesiredReplica, Reconciler, Unplaceable,
+                         desired_replicas, place_with_plan_all)
+from .routing import DeployedRouting
+
+if TYPE_CHECKING:
+    from ..app import Gateway
+    from ..config import Config
+
+log = logging.getLogger(__name__)
+
+RECONCILE_INTERVAL = 5.0
+REFUSE_FOREIGN = "foreign_shard"
+
+
+class ControlPlane:
+    def __init__(self, gateway: "Gateway", config: "Config"):
+        self.gateway = gateway
+        self.id = uuid.uuid4().hex[:12]
+        self.metrics = ControlMetrics(gateway.metrics.registry)
+        self.inventory = Inventory(on_change=self.request_reconcile, metrics=self.metrics)
+        self.agents = AgentService(self.inventory, self, SessionSettings.from_config(config.agents),
+                                   metrics=self.metrics, control_plane_id=self.id)
+        self.reconciler = Reconciler(place_with_plan_all)
+        self.routing = DeployedRouting(gateway, self._released)
+        self.config = config
+        self.desired: dict[str, DesiredReplica] = {}
+        self._wake = trio.Event()
+        self._running = False
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        grace = 0.0 if self.config.agents.token is None else self.config.agents.heartbeat_interval + 1.0
+        self.reconciler.place_after = trio.current_time() + grace
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.agents.run)
+            await nursery.start(self.routing.run)
+            self._running = True
+            self.apply_config(self.config)
+            task_status.started()
+            if grace:
+                log.info("waiting %gs for agents to report running shards before placing new ones", grace)
+                nursery.start_soon(self._wake_at, self.reconciler.place_after)
+            while True:
+                with trio.move_on_after(RECONCILE_INTERVAL):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+                self.reconcile()
+
+    async def _wake_at(self, deadline: float) -> None:
+        await trio.sleep_until(deadline)
+        self.request_reconcile()
+
+    def apply_config(self, config: "Config") -> None:
+        """Take a (re)loaded config: new desired replicas, models, agent settings; reconciled at once."""
+        self.config = config
+        self.agents.settings = SessionSettings.from_config(config.agents)
+        self.desired = desired_replicas(config, profile_fingerprint)
+        self.routing.configure_models(self.desired, [model.name for model in config.models])
+        self.request_reconcile()
+
+    def freeze(self) -> None:
+        """Stop reconciling (the gateway is stopping its embedded engines on exit)."""
+        self._running = False
+
+    def request_reconcile(self) -> None:
+        self._wake.set()
+
+    # -- reconciling ---------------------------------------------------------------------------------------------
+
+    def reconcile(self) -> list[Action]:
+        if not self._running:
+            return []
+        nodes = self.inventory.nodes
+        actions = self.reconciler.plan(self.desired, nodes, now=trio.current_time(), wall_ms=int(time.time() * 1000))
+        for action in actions:
+            self._carry_out(action)
+        self._sync_routing()
+        self._forget_stopped_strays()
+        return actions
+
+    def _carry_out(self, action: Action) -> None:
+        self.metrics.reconcile_actions.labels(action.kind).inc()
+        if isinstance(action, Unplaceable):
+            if action.first:
+                self.metrics.placement_failures.inc()
+            log.warning("%s", action.describe())
+            return
+        log.info("%s", action.describe())
+        if isinstance(action, Command):
+            node = self.inventory.nodes.get(action.node_id)
+            if node is None or node.session is None or not node.session.post(action.message):
+                log.warning("could not send %s to %s: its session is gone (it is sent again when it reconnects)",
+                            action.kind, action.node_id)
+
+    def _sync_routing(self) -> None:
+        self.routing.sync(list(self.reconciler.assignments.values()), self._leader_report, self._api_key)
+
+    def _leader_report(self, assignment: Assignment) -> wire.ShardReport | None:
+        return self.inventory.shard(assignment.leader.node_id, assignment.leader.shard_id)
+
+    def _api_key(self, assignment: Assignment) -> str | None:
+        desired = self.desired.get(assignment.replica_id)
+        return desired.profile.api_key if desired is not None else None
+
+    def _released(self, key: str) -> None:
+        if self.reconciler.release(key):
+            self.request_reconcile()
+
+    def _forget_stopped_strays(self) -> None:
+        owned = {slot.shard_id for a in self.reconciler.assignments.values() for slot in a.slots}
+        for node_id, node in self.inventory.nodes.items():
+            stopped = [sid for sid, report in node.shards.items()
+                       if sid not in owned and report.state is wire.ShardState.STOPPED]
+            if stopped:
+                self.inventory.forget_shards(node_id, stopped)
+
+    # -- the agent service's handler -----------------------------------------------------------------------------
+
+    def on_register(self, session: AgentSession, register: wire.Register) -> AgentSession | None:
+        register = dataclasses.replace(register, shards=[r for r in register.shards
+                                                         if self._own_shard(session, r.shard_id)])
+        return self.inventory.register(register, session)
+
+    def on_message(self, session: AgentSession, message: wire.Message) -> None:
+        if isinstance(message, wire.ShardStatus):
+            if self._own_shard(session, message.shard.shard_id):
+                self.inventory.update_shard(session.node_id, message.shard)
+        elif isinstance(message, wire.KvChanges):
+            if self._own_shard(session, message.shard_id):
+                self._hand_kv_changes(session, message)
+        elif isinstance(message, wire.ErrorMessage):
+            log.warning("node %s reports an error (%s) about %s: %s", session.node_id, message.code,
+                        message.about or "-", message.message)
+        else:
+            session.post(wire.ErrorMessage(code="unexpected", message=f"{type(message).__name__} is not a message "
+                                                                      "an agent sends"))
+
+    def _hand_kv_changes(self, session: AgentSession, changes: wire.KvChanges) -> None:
+        """KV-cache changes of a shard placed on the sender go to its model's KV index, under the replica id
+        the control plane gave it (not the one the message claims)."""
+        owner = self.reconciler.owner(changes.shard_id)
+        if owner is None:
+            log.debug("KV changes from %s about unknown shard %s: dropped", session.node_id, changes.shard_id)
+            return
+        assignment = owner[0]
+        route = self.gateway.router.models.get(assignment.model)
+        index = getattr(route.tier, "index", None) if route is not None else None
+        if index is not None:
+            index.apply(assignment.replica_id, changes)
+
+    def on_end(self, session: AgentSession, reason: str) -> None:
+        self.inventory.session_ended(session.node_id, session, reason)
+
+    def _own_shard(self, session: AgentSession, shard_id: str) -> bool:
+        """A node speaks only for the shards placed on it; a report about another node's shard is refused."""
+        owner = self.reconciler.owner(shard_id)
+        if owner is None or owner[1].node_id == session.node_id:
+            return True
+        message = f"shard {shard_id} is placed on node {owner[1].node_id}, not on {session.node_id}"
+        self.agents.refused(REFUSE_FOREIGN, f"node {session.node_id} ({session.peer}): refused: {message}")
+        session.post(wire.ErrorMessage(code=REFUSE_FOREIGN, message=message, about=shard_id))
+        return False
+
+    # -- views for the admin API ---------------------------------------------------------------------------------
+
+    def nodes_json(self) -> list[dict]:
+        nodes = self.inventory.nodes
+        return [self.inventory.node_json(nodes[n], self.reconciler.used_gpus(n, nodes)) for n in sorted(nodes)]
+
+    def replicas_json(self) -> list[dict]:
+        """Every deployed replica: placed ones with their shards, then the ones waiting for a placement."""
+        entries = []
+        seen = set()
+        for assignment in sorted(self.reconciler.assignments.values(), key=lambda a: (a.replica_id, a.generation)):
+            seen.add(assignment.replica_id)
+            entries.append(self._assignment_json(assignment))
+        now = trio.current_time()
+        for replica_id in sorted(set(self.desired) - seen):
+            wanted = self.desired[replica_id]
+            reasons = self.reconciler.unplaced.get(replica_id)
+            if reasons is not None:
+                state, reason = "unplaced", "; ".join(f"{n}: {r}" for n, r in reasons) or "no nodes"
+            elif not self.inventory.nodes:
+                state, reason = "pending", "no node has registered yet"
+            elif now < self.reconciler.place_after:
+                state, reason = "pending", "waiting for agents to report running shards"
+            else:
+                state, reason = "pending", "not placed yet"
+            entries.append({"name": replica_id, "replica_id": replica_id, "model": wanted.model, "url": "",
+                            "state": state, "reason": reason, "profile": wanted.profile.name, "node": None,
+                            "generation": None, "shards": []})
+        return entries
+
+    def _assignment_json(self, assignment: Assignment) -> dict:
+        routed = self.routing.replica(assignment.replica_id, assignment.key)
+        shards = []
+        for slot in assignment.slots:
+            report = self.inventory.shard(slot.node_id, slot.shard_id)
+            node = self.inventory.nodes.get(slot.node_id)
+            shards.append({
+                "shard_id": slot.shard_id, "node": slot.node_id, "rank": slot.rank,
+                "gpu_indices": list(slot.gpu_indices), "gpu_uuids": list(slot.gpu_uuids),
+                "leader_address": assignment.leader_address, "leader_port": assignment.leader_port,
+                "state": report.state.value if report is not None else "unknown",
+                "pid": report.pid if report is not None else 0,
+                "reason": report.reason if report is not None else "not reported yet",
+                "endpoint": report.endpoint if report is not None else "",
+                "restarts": report.restarts if report is not None else 0,
+                "node_state": node.state.value if node is not None else "unknown",
+            })
+        if routed is not None:
+            body = routed.as_json()
+        else:
+            leader = shards[0]
+            state = "retiring" if assignment.retiring else "starting"
+            body = {"name": assignment.replica_id, "model": assignment.model, "url": leader["endpoint"],
+                    "state": state, "reason": assignment.retiring or f"leader shard is {leader['state']}",
+                    "inflight": 0, "inflight_tokens": 0, "served": 0, "consecutive_failures": 0, "labels": {}}
+        body.update({"replica_id": assignment.replica_id, "profile": assignment.profile,
+                     "node": assignment.leader.node_id,
+                     "generation": assignment.generation, "origin": assignment.origin,
+                     "retiring": assignment.retiring, "leader_address": assignment.leader_address,
+                     "shards": shards})
+        return body

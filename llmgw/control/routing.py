@@ -1,0 +1,156 @@
+"""Deployed replicas in the router: in when their rank-0 shard is Ready, out when it is not, drained when retired.
+
+:meth:`DeployedRouting.sync` is called after every reconcile. For each wanted
+assignment it looks at the last report of its leader shard:
+
+- READY with an endpoint: the replica (named after its replica id, serving the
+  profile's ``served_model_name``) is in routing, at that endpoint;
+- any other state (PENDING, STARTING, LOADING, DRAINING, FAILED, STOPPED): out;
+- no report at all (its node is disconnected and said nothing since the
+  control plane started): left as it is. A disconnected node's replicas keep
+  serving while their own health probes pass.
+
+A retiring assignment that is in routing is drained: marked draining (no new
+requests), then removed once its in-flight requests have finished (or after
+``drain_timeout``); only then is it *released* and may its shards be stopped.
+
+Models are configured per served model name with the profile's routing tier;
+a tier that is not installed falls back to ``round_robin`` (logged once).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
+
+import trio
+
+from .. import wire
+from ..plugins_manager import PluginError
+from ..router.replica import Replica
+from .reconciler import Assignment, DesiredReplica
+
+if TYPE_CHECKING:
+    from ..app import Gateway
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Routed:
+    key: str  # the assignment's key: replica id and generation
+    replica: Replica
+    draining: bool = False
+
+
+class DeployedRouting:
+    def __init__(self, gateway: "Gateway", on_released: Callable[[str], None], drain_timeout: float = 600.0):
+        self.gateway = gateway
+        self.on_released = on_released
+        self.drain_timeout = drain_timeout
+        self.routed: dict[str, Routed] = {}  # by replica id
+        self.models: dict[str, tuple[str, dict]] = {}  # served model name -> (tier in use, its options)
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Own the drain and removal tasks."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    # -- models --------------------------------------------------------------------------------------------------
+
+    def configure_models(self, desired: Mapping[str, DesiredReplica], static_models: Iterable[str]) -> None:
+        """One route per served model name of a deployed profile; models nobody deploys any more are removed."""
+        router = self.gateway.router
+        wanted: dict[str, object] = {}
+        for replica in desired.values():
+            wanted.setdefault(replica.model, replica.profile)
+        for model, profile in sorted(wanted.items()):
+            tier = (self._tier_for(model, profile.routing), dict(profile.routing_options))
+            if model not in router.models or self.models.get(model) != tier:
+                router.configure_model(model, tier[0], tier[1], profile)
+                self.models[model] = tier
+        keep = set(wanted) | set(static_models)
+        for model in list(self.models):
+            if model not in keep:
+                log.info("model %s is no longer deployed: new requests for it are refused", model)
+                router.remove_model(model)
+                del self.models[model]
+
+    def _tier_for(self, model: str, tier: str) -> str:
+        try:
+            self.gateway.registry.get("routing_tiers", tier)
+            return tier
+        except PluginError:
+            if model not in self.models or self.models[model][0] != "round_robin":
+                log.warning("model %s: routing tier %r is not installed; routing it round_robin until it is",
+                            model, tier)
+            return "round_robin"
+
+    # -- replicas ------------------------------------------------------------------------------------------------
+
+    def sync(self, assignments: Iterable[Assignment], leader_report: Callable[[Assignment], wire.ShardReport | None],
+             api_key: Callable[[Assignment], str | None]) -> None:
+        for assignment in sorted(assignments, key=lambda a: (a.replica_id, a.generation)):
+            if assignment.retiring:
+                self._retire(assignment)
+                continue
+            report = leader_report(assignment)
+            if report is None:
+                continue
+            current = self.routed.get(assignment.replica_id)
+            if current is not None and current.key != assignment.key:
+                continue  # the previous generation is still draining under this name
+            if report.state is wire.ShardState.READY and report.endpoint:
+                if current is not None and current.replica.url == report.endpoint:
+                    continue
+                if current is not None:
+                    self._remove(current, f"its endpoint moved to {report.endpoint}")
+                self._add(assignment, report, api_key(assignment))
+            elif current is not None:
+                self._remove(current, f"shard {report.shard_id} is {report.state.value}"
+                                      + (f": {report.reason}" if report.reason else ""))
+
+    def _add(self, assignment: Assignment, report: wire.ShardReport, api_key: str | None) -> None:
+        if assignment.model not in self.gateway.router.models:
+            return  # the model was removed by a reload; the assignment is about to retire
+        replica = Replica(name=assignment.replica_id, model=assignment.model, url=report.endpoint, api_key=api_key,
+                          labels={"node": assignment.leader.node_id, "profile": assignment.profile,
+                                  "generation": str(assignment.generation)})
+        self.gateway.add_replica(replica)
+        self.routed[assignment.replica_id] = Routed(assignment.key, replica)
+        log.info("replica %s (%s) enters routing at %s: shard %s is ready", assignment.replica_id, assignment.model,
+                 report.endpoint, report.shard_id)
+
+    def _remove(self, routed: Routed, why: str) -> None:
+        del self.routed[routed.replica.name]
+        log.info("replica %s leaves routing: %s", routed.replica.name, why)
+        self._spawn(self.gateway.remove_replica, routed.replica)
+
+    def _retire(self, assignment: Assignment) -> None:
+        if assignment.released:
+            return
+        current = self.routed.get(assignment.replica_id)
+        if current is None or current.key != assignment.key:
+            self.on_released(assignment.key)
+            return
+        if not current.draining:
+            current.draining = True
+            self._spawn(self._drain, current, assignment.retiring)
+
+    async def _drain(self, routed: Routed, reason: str) -> None:
+        await self.gateway.drain_replica(routed.replica, reason, self.drain_timeout)
+        if self.routed.get(routed.replica.name) is routed:
+            del self.routed[routed.replica.name]
+        self.on_released(routed.key)
+
+    def _spawn(self, fn, *args) -> None:
+        assert self._nursery is not None, "DeployedRouting.run is not running"
+        self._nursery.start_soon(fn, *args)
+
+    def replica(self, replica_id: str, key: str) -> Replica | None:
+        routed = self.routed.get(replica_id)
+        return routed.replica if routed is not None and routed.key == key else None
