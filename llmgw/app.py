@@ -82,6 +82,7 @@ class Gateway:
         self.control = ControlPlane(self, config)
         self._static: dict[str, Replica] = {}  # replicas of the config's `models`, by name
         self._static_models: dict[str, tuple[str, dict]] = {}  # name -> (routing tier, its options)
+        self._static_kv: dict[str, tuple[object, trio.CancelScope]] = {}  # name -> (ExternalKv, its task's scope)
         self._reload_lock = trio.Lock()
 
     async def run(self, listen: tuple[str, int] | None = None, control_listen: tuple[str, int] | None = None, *,
@@ -114,7 +115,8 @@ class Gateway:
         self.embedded_agent = Agent(InProcessConnector(self.control.agents.accept_in_process, f"embedded agent "
                                                        f"{node_id}"), node_id=node_id,
                                     discovery=self.embedded_discovery, state_dir=agents.state_dir,
-                                    address="127.0.0.1", registry=self.registry)
+                                    address="127.0.0.1", registry=self.registry,
+                                    metrics_registry=self.metrics.registry)
         await self.embedded_agent.run(task_status=task_status)
 
     def _configure_static_models(self, config: Config) -> None:
@@ -133,7 +135,8 @@ class Gateway:
             if new is None or (new.model, new.url, new.api_key, new.weight) != (replica.model, replica.url,
                                                                                   replica.api_key, replica.weight):
                 del self._static[name]
-                self._nursery.start_soon(self.drain_replica, replica, "removed from the config", 600.0)
+                self._nursery.start_soon(self.drain_replica, replica, "removed from the config", 600.0,
+                                         new is None)
         for name, replica in wanted.items():
             if name not in self._static:
                 self._static[name] = replica
@@ -142,6 +145,37 @@ class Gateway:
             if model not in self.control.routing.models:  # a deployed profile may serve it too
                 self.router.remove_model(model)
         self._static_models = {m.name: (m.routing, dict(m.routing_options)) for m in config.models}
+        self._follow_static_kv(config)
+
+    def _follow_static_kv(self, config: Config) -> None:
+        """One KV-event subscription per static replica with ``kv_events`` (connect mode), fed into the router's
+        KV index; restarted when its settings change, cancelled when the replica goes."""
+        from .kv.external import ExternalKv
+
+        wanted: dict[str, ExternalKv] = {}
+        for model in config.models:
+            for index, spec in enumerate(model.replicas):
+                name = spec.name or f"{model.name}-{index}"
+                follow = ExternalKv.of(name, spec, model.routing_options)
+                if follow is not None:
+                    wanted[name] = follow
+        for name, (follow, scope) in list(self._static_kv.items()):
+            if wanted.get(name) != follow:
+                scope.cancel()
+                del self._static_kv[name]
+        for name, follow in wanted.items():
+            if name not in self._static_kv:
+                scope = trio.CancelScope()
+                self._static_kv[name] = (follow, scope)
+                self._nursery.start_soon(self._run_static_kv, follow, scope)
+
+    async def _run_static_kv(self, follow, scope: trio.CancelScope) -> None:
+        with scope:
+            try:
+                await follow.run(self.router.kv_index, self.registry, self.metrics.registry)
+            except Exception:
+                log.exception("replica %s: following its KV events at %s failed; it is routed without them",
+                              follow.replica, follow.events)
 
     def add_replica(self, replica: Replica) -> None:
         """Put a replica into routing and start probing it."""
@@ -163,9 +197,9 @@ class Gateway:
         if replica.pool is not None:
             await replica.pool.aclose()
 
-    async def drain_replica(self, replica: Replica, reason: str, timeout: float) -> None:
+    async def drain_replica(self, replica: Replica, reason: str, timeout: float, forget_kv: bool = False) -> None:
         """Take a replica out of routing without cutting a request: no new ones, in-flight ones finish (up to
-        ``timeout``), then it is removed."""
+        ``timeout``), then it is removed (and, with ``forget_kv``, its entries in the router's KV index)."""
         self.health.set_state(replica, ReplicaState.DRAINING, reason)
         with trio.move_on_after(timeout) as waited:
             while replica.inflight > 0:
@@ -174,6 +208,8 @@ class Gateway:
             log.warning("replica %s: %d requests still in flight after %gs of draining; removing it anyway",
                         replica.name, replica.inflight, timeout)
         await self.remove_replica(replica)
+        if forget_kv:
+            self.router.kv_index.remove(replica.name)
 
     async def reload(self) -> list[str]:
         """Re-read the config file and apply it; the errors (nothing is changed then), or [] when applied.

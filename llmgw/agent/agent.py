@@ -14,7 +14,9 @@ them because a connection ended), and a connection loop beside it:
    StopShard and DrainShard (stops and drains run in the agent's nursery, so
    a dropped connection does not interrupt them) under a deadline on every
    receive (the control plane heartbeats too); a writer, the only task that
-   sends; heartbeats; and the shard statuses, forwarded as they change.
+   sends; heartbeats; the shard statuses, forwarded as they change; and the
+   KV-cache changes of shards that publish KV events (:mod:`llmgw.agent.kv`:
+   a full copy first, then net changes, so every reconnect resynchronises).
 
 Statuses are buffered while disconnected, the latest per shard winning; the
 Register of the next connection carries the full current state and replaces
@@ -103,7 +105,10 @@ class Agent:
     def __init__(self, join: str | Connector, *, token: str = "", node_id: str, discovery: str = "auto",
                  state_dir: Path | str | None = None, labels: dict[str, str] | None = None,
                  address: str | None = None, registry: Registry | None = None, host: str | None = None,
-                 announce: Callable[[str], None] | None = None):
+                 announce: Callable[[str], None] | None = None, metrics_registry=None):
+        """``metrics_registry``: where the KV-event series go (the gateway's, for the embedded agent; a private
+        one otherwise)."""
+        from .kv import AgentKv
         from .shards import ShardManager
 
         self.connector: Connector = WebSocketConnector(join) if isinstance(join, str) else join
@@ -120,8 +125,11 @@ class Agent:
         self.heartbeat_interval = 5.0
         self._pending = LatestReports()
         self._nursery: trio.Nursery | None = None
-        self.shards = ShardManager(registry or default_registry(), state_dir=self.state_dir,
+        registry = registry or default_registry()
+        self.shards = ShardManager(registry, state_dir=self.state_dir,
                                    node_address=self.address, host=host or self.address, on_status=self._pending.put)
+        self.kv = AgentKv(registry, node_id, metrics_registry=metrics_registry, ports=self.shards.ports)
+        self.shards.kv = self.kv
 
     # -- lifetime ------------------------------------------------------------------------------------------------
 
@@ -196,6 +204,7 @@ class Agent:
             nursery.start_soon(self._write, channel, outbox_receive)
             nursery.start_soon(self._heartbeats, outbox_send, reply.heartbeat_interval)
             nursery.start_soon(self._forward_statuses, outbox_send)
+            await nursery.start(self.kv.session, outbox_send.send)  # KV changes: a FULL copy, then deltas
             await self._read(channel, outbox_send, reply.heartbeat_interval)
 
     async def _discover(self) -> wire.Register:

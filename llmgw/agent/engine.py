@@ -120,19 +120,37 @@ def openai_server_flags(spec: wire.StartShard, ctx: LaunchContext) -> list[str]:
     return flags
 
 
+KV_HASH_ALGO = "sha256_cbor"  # the engine's --prefix-caching-hash-algo when the agent follows its KV events
+KV_HASH_SEED = "0"  # its PYTHONHASHSEED: with both, the router's `vllm` block keys equal the engine's hashes
+
+
+def wants_kv_events(spec: wire.StartShard, ctx: LaunchContext) -> bool:
+    """The profile asks for KV events and the agent gave this launch a subscriber port."""
+    return bool(spec.profile.kv_events) and ctx.kv_events_port is not None
+
+
 def kv_events_flags(spec: wire.StartShard, ctx: LaunchContext) -> list[str]:
-    """``--kv-events-config`` when the profile wants KV events and the agent gave a subscriber port, else nothing.
+    """``--kv-events-config`` and ``--prefix-caching-hash-algo sha256_cbor`` when the profile wants KV events and
+    the agent gave a subscriber port, else nothing.
 
     The endpoint names a host (no ``*``), so the engine *connects* its PUB
-    socket to the agent's SUB; the replay socket is bound by the engine.
+    socket to the agent's SUB; the replay socket is bound by the engine. The
+    hash algorithm (with ``PYTHONHASHSEED``, :func:`kv_events_env`) makes the
+    engine's block hashes the router's ``vllm`` keys.
     """
-    if not spec.profile.kv_events or ctx.kv_events_port is None:
+    if not wants_kv_events(spec, ctx):
         return []
     config = {"enable_kv_cache_events": True, "publisher": "zmq",
               "endpoint": f"tcp://127.0.0.1:{ctx.kv_events_port}", "topic": "kv"}
     if ctx.kv_replay_port is not None:
         config["replay_endpoint"] = f"tcp://127.0.0.1:{ctx.kv_replay_port}"
-    return ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
+    return ["--kv-events-config", json.dumps(config, separators=(",", ":")), "--prefix-caching-hash-algo",
+            KV_HASH_ALGO]
+
+
+def kv_events_env(spec: wire.StartShard, ctx: LaunchContext) -> dict[str, str]:
+    """``PYTHONHASHSEED`` fixed when the engine publishes KV events (vLLM seeds its block-hash chain with it)."""
+    return {"PYTHONHASHSEED": KV_HASH_SEED} if wants_kv_events(spec, ctx) else {}
 
 
 def gpu_env(spec: wire.StartShard, ctx: LaunchContext) -> dict[str, str]:
@@ -159,5 +177,7 @@ def cpu_threads_env(spec: wire.StartShard) -> dict[str, str]:
 
 def engine_env(spec: wire.StartShard, ctx: LaunchContext) -> dict[str, str]:
     """The environment every engine gets: unbuffered Python output, GPU pinning, thread limits, then the profile's
-    own ``env`` (applied last, as given: it may override any of the others)."""
-    return {"PYTHONUNBUFFERED": "1", **gpu_env(spec, ctx), **cpu_threads_env(spec), **spec.profile.env}
+    own ``env`` (applied last, as given: it may override any of the others), with ``PYTHONHASHSEED`` fixed when
+    the engine publishes KV events."""
+    return {"PYTHONUNBUFFERED": "1", **gpu_env(spec, ctx), **cpu_threads_env(spec), **kv_events_env(spec, ctx),
+            **spec.profile.env}

@@ -16,10 +16,11 @@ StartShard or StopShard for that id clears them). Stopped shards are dropped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import sys
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import trio
 
@@ -29,6 +30,9 @@ from .engine import Engine, LaunchContext
 from .ledger import Ledger, LedgerEntry
 from .ports import PortAllocator
 from .supervisor import ShardSupervisor, SupervisorSettings
+
+if TYPE_CHECKING:
+    from .kv import AgentKv
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +69,8 @@ class ShardManager:
                  host: str = "127.0.0.1", on_status: Callable[[wire.ShardReport], None],
                  ports: PortAllocator | None = None, settings: SupervisorSettings | None = None,
                  ctx_factory: Callable[[wire.StartShard, int], LaunchContext] | None = None,
-                 python: str = sys.executable, replace_drain_timeout: float = 120.0, replace_grace: float = 30.0):
+                 python: str = sys.executable, replace_drain_timeout: float = 120.0, replace_grace: float = 30.0,
+                 kv: "AgentKv | None" = None):
         self.engines = EngineCatalog(engines)
         self.state_dir = Path(state_dir)
         self.node_address = node_address
@@ -77,6 +82,7 @@ class ShardManager:
         self.replace_drain_timeout = replace_drain_timeout
         self.replace_grace = replace_grace
         self._on_status = on_status
+        self.kv = kv  # follows the KV events of shards whose profile has kv_events (llmgw.agent.kv)
         self._ctx_factory = ctx_factory or self.launch_context
         self._shards: dict[str, ShardSupervisor] = {}
         self._tombstones: dict[str, wire.ShardReport] = {}  # FAILED shards without a supervisor
@@ -84,9 +90,13 @@ class ShardManager:
         self._nursery: trio.Nursery | None = None
 
     def launch_context(self, spec: wire.StartShard, http_port: int) -> LaunchContext:
-        """The default context: this manager's addresses and folder, the spec's GPUs, no KV-event ports yet."""
+        """The default context: this manager's addresses and folder, the spec's GPUs, and the KV-event ports of
+        the shard's subscription when it has one."""
+        kv = self.kv.get(spec) if self.kv is not None else None
         return LaunchContext(host=self.host, http_port=http_port, node_address=self.node_address,
-                             state_dir=self.state_dir, gpu_indices=tuple(spec.gpu_indices), python=self.python)
+                             state_dir=self.state_dir, gpu_indices=tuple(spec.gpu_indices), python=self.python,
+                             kv_events_port=kv.events_port if kv is not None else None,
+                             kv_replay_port=kv.replay_port if kv is not None else None)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Adopt what the ledger lists, then supervise until cancelled (engines keep running after that)."""
@@ -188,7 +198,24 @@ class ShardManager:
         await self._run_supervisor(supervisor)
 
     async def _run_supervisor(self, supervisor: ShardSupervisor, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        await supervisor.run(task_status=task_status)
+        from .kv import wants_kv
+
+        spec = supervisor.spec
+        async with trio.open_nursery() as nursery:
+            if self.kv is not None and wants_kv(spec):
+                # The subscription lives as long as the supervisor (across engine restarts), bound before the
+                # engine starts; an adopted engine's ports come from the ledger.
+                adopted = supervisor.adopting
+                try:
+                    kv = await nursery.start(functools.partial(
+                        self.kv.run_shard, spec, events_port=adopted.kv_events_port if adopted else 0,
+                        replay_port=adopted.kv_replay_port if adopted else 0))
+                except Exception:
+                    log.exception("shard %s: cannot follow its KV events; it runs without them", spec.shard_id)
+                else:
+                    supervisor.on_engine_restart = kv.notify_engine_restart
+            await supervisor.run(task_status=task_status)
+            nursery.cancel_scope.cancel()
         self._settle(supervisor)
 
     def _settle(self, supervisor: ShardSupervisor) -> wire.ShardReport:

@@ -242,6 +242,7 @@ class ShardSupervisor:
         self.log = logs or ShardLog(ledger.path.parent, spec.shard_id, max_bytes=self.settings.log_max_bytes,
                                     keep=self.settings.log_keep)
         self._readiness = engine.readiness(spec)
+        self.on_engine_restart: Callable[[], None] | None = None  # e.g. the KV-event subscription's reset
         self.state = State.PENDING
         self.reason = "accepted"
         self.http_port = 0
@@ -265,6 +266,11 @@ class ShardSupervisor:
     @property
     def shard_id(self) -> str:
         return self.spec.shard_id
+
+    @property
+    def adopting(self) -> LedgerEntry | None:
+        """The ledger entry of the engine this supervisor adopts (None: it launches its own)."""
+        return self._adopt
 
     @property
     def pid(self) -> int:
@@ -342,6 +348,11 @@ class ShardSupervisor:
                 self._finish(State.FAILED, outcome.reason)
                 return
             await self._retire(self._proc)
+            if self.on_engine_restart is not None:
+                try:
+                    self.on_engine_restart()
+                except Exception:
+                    log.exception("shard %s: the engine-restart callback failed", self.spec.shard_id)
             with self._interruptible():
                 given_up = await self._wait_before_restart(outcome)
                 if given_up is not None:
@@ -391,7 +402,7 @@ class ShardSupervisor:
         self._ledger.put(LedgerEntry.for_process(
             spec, pid=child.pid, pid_start_time=start_time or 0, pgid=child.pid, http_port=self.http_port,
             endpoint=self.endpoint, model=self._readiness.served_model_name, started_at=self.started_at,
-            restarts=self.restarts))
+            restarts=self.restarts, kv_events_port=ctx.kv_events_port or 0, kv_replay_port=ctx.kv_replay_port or 0))
         self._set(State.STARTING, f"spawned pid {child.pid}" + (f" on port {port}" if port else ""))
         return None
 

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 import trio
 
 from .. import wire
+from ..kv.index import refusal_reason
+from ..kv.metrics import KvMetrics
 from .agent_service import AgentService, AgentSession, SessionSettings
 from .fingerprint import profile_fingerprint
 from .inventory import Inventory
@@ -47,6 +49,8 @@ class ControlPlane:
         self.gateway = gateway
         self.id = uuid.uuid4().hex[:12]
         self.metrics = ControlMetrics(gateway.metrics.registry)
+        self.kv_metrics = KvMetrics.for_registry(gateway.metrics.registry)
+        self._kv_refusals_told: set[tuple[str, str, str]] = set()
         self.inventory = Inventory(on_change=self.request_reconcile, metrics=self.metrics)
         self.agents = AgentService(self.inventory, self, SessionSettings.from_config(config.agents),
                                    metrics=self.metrics, control_plane_id=self.id)
@@ -134,6 +138,10 @@ class ControlPlane:
         return desired.profile.api_key if desired is not None else None
 
     def _released(self, key: str) -> None:
+        assignment = self.reconciler.assignments.get(key)
+        if assignment is not None and not any(a.replica_id == assignment.replica_id and not a.retiring
+                                              for a in self.reconciler.assignments.values()):
+            self.gateway.router.kv_index.remove(assignment.replica_id)  # it left the router for good
         if self.reconciler.release(key):
             self.request_reconcile()
 
@@ -157,8 +165,7 @@ class ControlPlane:
             if self._own_shard(session, message.shard.shard_id):
                 self.inventory.update_shard(session.node_id, message.shard)
         elif isinstance(message, wire.KvChanges):
-            if self._own_shard(session, message.shard_id):
-                self._hand_kv_changes(session, message)
+            self._hand_kv_changes(session, message)
         elif isinstance(message, wire.ErrorMessage):
             log.warning("node %s reports an error (%s) about %s: %s", session.node_id, message.code,
                         message.about or "-", message.message)
@@ -167,19 +174,59 @@ class ControlPlane:
                                                                       "an agent sends"))
 
     def _hand_kv_changes(self, session: AgentSession, changes: wire.KvChanges) -> None:
-        """KV-cache changes of a shard placed on the sender go to its model's KV index, under the replica id
-        the control plane gave it (not the one the message claims)."""
+        """KV-cache changes of a shard placed on the sender go to the router's KV index, under the replica id
+        the control plane gave that shard; any other is refused and counted
+        (``llmgw_kv_changes_refused_total{node,reason}``): ``unknown_replica`` (no such shard is placed),
+        ``foreign_replica`` (placed on another node), ``replica_mismatch`` (the message names another replica).
+        """
         owner = self.reconciler.owner(changes.shard_id)
-        if owner is None:
-            log.debug("KV changes from %s about unknown shard %s: dropped", session.node_id, changes.shard_id)
+        tried = (session.node_id, changes.shard_id, "adopt")
+        if owner is None and tried not in self._kv_refusals_told \
+                and self.inventory.shard(session.node_id, changes.shard_id) is not None:
+            self._kv_refusals_told.add(tried)  # once per session: a stray's changes must not reconcile every 25 ms
+            # A shard the node reported but the reconciler has not adopted yet (right after a control-plane
+            # restart, the agent's FULL copy can arrive before the next reconcile): adopt it now, or the FULL
+            # would be lost and the index would trust the deltas that follow.
+            self.reconcile()
+            owner = self.reconciler.owner(changes.shard_id)
+        placed_on = owner[1].node_id if owner is not None else None
+        reason = refusal_reason(changes, session.node_id, placed_on)
+        if reason is None and changes.replica_id and changes.replica_id != owner[0].replica_id:
+            reason = "replica_mismatch"
+        if reason is not None:
+            self._refuse_kv(session, changes, reason, placed_on)
             return
         assignment = owner[0]
-        route = self.gateway.router.models.get(assignment.model)
-        index = getattr(route.tier, "index", None) if route is not None else None
-        if index is not None:
-            index.apply(assignment.replica_id, changes)
+        if assignment.retiring or changes.data_parallel_rank != 0:
+            # A retiring replica is about to leave the index; other data-parallel ranks are not applied until
+            # the data plane pins requests to a rank (their FULL copies would replace rank 0's keys).
+            return
+        # Applied whatever the model's tier is (the index is cheap to keep): a reload that switches the model to
+        # kv_index then finds it up to date, not stale.
+        self.gateway.router.kv_index.apply(assignment.replica_id, changes)
+
+    def _refuse_kv(self, session: AgentSession, changes: wire.KvChanges, reason: str, placed_on: str | None) -> None:
+        self.kv_metrics.changes_refused.labels(session.node_id, reason).inc()
+        key = (session.node_id, changes.shard_id, reason)
+        if key in self._kv_refusals_told:  # told once per session: the agent sends every 25 ms
+            return
+        self._kv_refusals_told.add(key)
+        where = f"placed on node {placed_on}" if placed_on else "not placed by this control plane"
+        message = (f"KV changes for shard {changes.shard_id} (replica {changes.replica_id or '?'}) refused: "
+                   f"{reason}; the shard is {where}")
+        log.warning("node %s (%s): %s", session.node_id, session.peer, message)
+        session.post(wire.ErrorMessage(code=f"kv_{reason}", message=message, about=changes.shard_id))
 
     def on_end(self, session: AgentSession, reason: str) -> None:
+        node = self.inventory.nodes.get(session.node_id)
+        if node is not None and node.session is session:
+            # The stream that fed this node's replicas' KV index is gone: they stay routable, but their index
+            # is not trusted (the tree routes them) until the agent's FULL copy on reconnect.
+            index = self.gateway.router.kv_index
+            for assignment in self.reconciler.assignments.values():
+                if assignment.leader.node_id == session.node_id:
+                    index.forget(assignment.replica_id)
+        self._kv_refusals_told = {k for k in self._kv_refusals_told if k[0] != session.node_id}
         self.inventory.session_ended(session.node_id, session, reason)
 
     def _own_shard(self, session: AgentSession, shard_id: str) -> bool:

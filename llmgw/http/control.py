@@ -42,6 +42,17 @@ def create_control_app(gateway: "Gateway") -> QuartTrio:
         static = [r.as_json() for r in gateway.router.all_replicas() if id(r) not in deployed]
         return jsonify(static + gateway.control.replicas_json())
 
+    @app.get("/admin/kv")
+    async def kv():
+        """The router's KV index per replica (state, blocks, block size, resets), and the embedded agent's
+        subscriptions (ports, mirrored blocks, last sequence number, resets, hash parity)."""
+        index = gateway.router.kv_index
+        names = sorted(set(index.replicas()) | {r.name for r in gateway.router.all_replicas()})
+        agent = gateway.embedded_agent
+        shards = [shard.describe() for shard in agent.kv.shards.values()] if agent is not None else []
+        return jsonify({"replicas": [{"name": name, **index.describe(name)} for name in names],
+                        "predicted_keys": index.predicted_keys, "agent_subscriptions": shards})
+
     @app.get("/admin/nodes")
     async def nodes():
         return jsonify(gateway.control.nodes_json())

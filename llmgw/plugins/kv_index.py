@@ -182,6 +182,7 @@ class KvEvaluation:
 
 class KvIndexTier:
     name = TIER_NAME
+    wants_usage = True  # the data plane hands finished() each response's usage (cached_tokens: the accuracy)
 
     def __init__(self, model=None, services: TierServices | None = None):
         services = services or TierServices()

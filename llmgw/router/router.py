@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Iterable
 
+from ..kv.index import KvIndex
 from .canonical import estimated_prompt_tokens
 from .replica import Replica
 from .tier import Decision, RouteRequest, RoutingTier, TierServices
@@ -38,6 +40,9 @@ class Router:
         self.registry = registry
         self.metrics = metrics
         self.models: dict[str, ModelRoute] = {}
+        # One KV index for every model (replica names are unique): the control plane applies the agents' KV
+        # changes to it, the kv_index tiers read it (TierServices.kv_index).
+        self.kv_index = KvIndex(clock=time.monotonic)
         self._tier_errors_logged: set[str] = set()
 
     def configure_model(self, name: str, tier_name: str, options: dict | None = None, model_config=None) -> ModelRoute:
@@ -50,7 +55,8 @@ class Router:
         replicas = existing.replicas if existing else []
         if model_config is None:
             model_config = SimpleNamespace(name=name, routing=tier_name, routing_options=dict(options or {}))
-        services = TierServices(registry=self.registry, metrics=self.metrics, replicas=replicas, model=name)
+        services = TierServices(registry=self.registry, metrics=self.metrics, replicas=replicas, model=name,
+                                kv_index=self.kv_index)
         tier = self.registry.get("routing_tiers", tier_name)(model_config, services)
         fallback = self.registry.get("routing_tiers", "round_robin")(model_config, services)
         route = ModelRoute(name, tier_name, tier, fallback, replicas, dict(options or {}))
@@ -69,6 +75,11 @@ class Router:
 
     def remove_model(self, name: str) -> None:
         self.models.pop(name, None)
+
+    def wants_usage(self, model: str) -> bool:
+        """Whether the model's tier wants each response's ``usage`` in :meth:`finished` (``wants_usage``)."""
+        route = self.models.get(model)
+        return route is not None and getattr(route.tier, "wants_usage", False) is True
 
     def all_replicas(self) -> Iterable[Replica]:
         for route in self.models.values():

@@ -54,13 +54,16 @@ class Decision:
 
 @dataclass
 class TierServices:
-    """What the router offers tiers: the plugin registry, metrics, the model's name and replica list, a clock."""
+    """What the router offers tiers: the plugin registry, metrics, the model's name and replica list, a clock,
+    and the router's one KV index (:class:`llmgw.kv.index.KvIndex`, fed by the control plane with the agents'
+    KV changes; None outside a router)."""
 
     registry: Any = None
     metrics: Any = None
     replicas: Sequence[Replica] = ()
     model: str = ""
     clock: Callable[[], float] = time.monotonic
+    kv_index: Any = None
 
 
 class RoutingTier(Protocol):
@@ -76,7 +79,11 @@ class RoutingTier(Protocol):
         """Called once the request was handed to ``decision.replica``."""
 
     def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
-        """Called when the response ended; ``usage`` is the engine's usage block when it was seen."""
+        """Called when the response ended; ``usage`` is the engine's usage block when it was seen.
+
+        The data plane looks for ``usage`` only for tiers that set a class attribute ``wants_usage = True``
+        (the body's ``usage``, or a stream's final usage chunk); for the others it is always None.
+        """
 
     # Optional:
     # async def explain(self, request, candidates) -> dict

@@ -205,14 +205,21 @@ def test_sim_defaults_to_the_agents_interpreter():
     assert SimEngine().command(shard("sim"), ctx).argv[:3] == [sys.executable, "-m", "llmgw"]
 
 
-def test_kv_events_flag_only_with_a_subscriber_port():
+def test_kv_events_flag_only_with_a_subscriber_port(vllm_bin):
     spec = shard(profile={"kv_events": True})
     assert kv_events_flags(spec, CTX) == []
     with_port = dataclasses.replace(CTX, kv_events_port=5557, kv_replay_port=5558)
     assert kv_events_flags(shard(), with_port) == []
     assert kv_events_flags(spec, with_port) == [
         "--kv-events-config", '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:5557",'
-                              '"topic":"kv","replay_endpoint":"tcp://127.0.0.1:5558"}']
+                              '"topic":"kv","replay_endpoint":"tcp://127.0.0.1:5558"}',
+        "--prefix-caching-hash-algo", "sha256_cbor"]
+    assert "PYTHONHASHSEED" not in SimEngine().command(shard("sim", profile={"kv_events": True}), CTX).env
+    for engine, name in ((SimEngine(), "sim"), (VllmEngine(), "vllm")):
+        launch = engine.command(shard(name, engine_bin=vllm_bin if name == "vllm" else None,
+                                      profile={"kv_events": True}), with_port)
+        assert launch.env["PYTHONHASHSEED"] == "0"
+        assert launch.argv[launch.argv.index("--prefix-caching-hash-algo") + 1] == "sha256_cbor"
 
 
 def test_in_flight_gauges_are_summed_over_labels():

@@ -1,0 +1,201 @@
+"""The agent's side of the KV-index tier: one engine subscription and mirror per shard, relayed up every stream.
+
+:class:`AgentKv` belongs to an agent (one per node). For every shard whose
+profile has ``kv_events: true`` (rank 0 of its replica: followers of a
+multi-node replica serve no API and publish nothing the router can use), the
+:class:`~llmgw.agent.shards.ShardManager` runs :meth:`AgentKv.run_shard` in
+the nursery that owns the shard's supervisor, *before* the engine starts:
+
+- an :class:`~llmgw.kv.subscriber.EngineSubscription` binds a loopback SUB
+  (the engine's PUB connects to it: ``LaunchContext.kv_events_port``) and
+  knows the replay port the engine will bind (``kv_replay_port``, taken from
+  the agent's port allocator); it lives as long as the supervisor, across
+  engine restarts (the supervisor calls :meth:`ShardKv.notify_engine_restart`
+  before it relaunches a dead engine), and cancelling it closes the sockets;
+- an :class:`~llmgw.kv.mirror.EngineMirror` keeps the engine's device blocks,
+  checking hash parity with the router's ``vllm`` keys (``sha256_cbor``, seed
+  ``"0"``: what the engine plugins start the engine with).
+
+Per stream connection (:meth:`AgentKv.session`, run in the agent's session
+nursery) one :func:`~llmgw.kv.mirror.flush_loop` per shard sends a FULL copy,
+then net changes every 25 ms; the loops are cancelled when the stream drops
+(or the shard ends), so every reconnect starts with a FULL copy.
+
+Adoption. Engines outlive the agent, and an adopted engine's PUB keeps
+connecting to the port it was started with. So the ports are recorded in the
+ledger entry (``kv_events_port``, ``kv_replay_port``) and a new agent binds
+the *same* SUB port for an adopted engine; the subscription starts with no
+sequence, so the engine's next batch is a gap from 0 that the replay fills
+(vLLM buffers the last batches), or a RESET ``gap`` when it cannot: the index
+re-learns from then on. If the old port cannot be bound any more (taken
+meanwhile), a new one is bound and the replica's index stays empty (the
+engine publishes into the void) until the engine is restarted: logged.
+
+Only data-parallel rank 0 exists so far (profiles have no DP size); the rank
+is carried in every message for when they do.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Awaitable, Callable
+
+import trio
+import zmq
+from prometheus_client import CollectorRegistry
+
+from .. import wire
+from ..kv.keys import VllmBlockKeys
+from ..kv.metrics import KvMetrics
+from ..kv.mirror import EngineMirror, flush_loop
+from ..kv.subscriber import EngineSubscription
+from ..plugins_manager import Registry
+from .engine import KV_HASH_ALGO, KV_HASH_SEED
+from .ports import PortAllocator
+
+log = logging.getLogger(__name__)
+
+FLUSH_INTERVAL = 0.025
+LOOPBACK = "127.0.0.1"
+
+
+def wants_kv(spec: wire.StartShard) -> bool:
+    """Whether the agent follows this shard's KV events: the profile asks, and it is rank 0 of its replica."""
+    return bool(spec.profile.kv_events) and not (spec.node_count > 1 and spec.rank > 0)
+
+
+def _port_of(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+@dataclass
+class ShardKv:
+    """One shard's subscription(s) and mirror(s) (index = data-parallel rank), and the relays of its changes."""
+
+    spec: wire.StartShard
+    events_port: int = 0
+    replay_port: int | None = None
+    subscriptions: list[EngineSubscription] = field(default_factory=list)
+    mirrors: list[EngineMirror] = field(default_factory=list)
+    _relays: set[trio.CancelScope] = field(default_factory=set)
+
+    @property
+    def shard_id(self) -> str:
+        return self.spec.shard_id
+
+    def notify_engine_restart(self) -> None:
+        """The supervisor is about to relaunch the engine: its cache is empty, its sequence starts at 0."""
+        for sub in self.subscriptions:
+            sub.notify_engine_restart()
+
+    def describe(self) -> dict:
+        return {"shard_id": self.shard_id, "replica_id": self.spec.replica_id, "events_port": self.events_port,
+                "replay_port": self.replay_port,
+                "ranks": [{"rank": r, "blocks": len(m), "last_seq": s.last_seq, "resets": dict(s.resets),
+                           "gaps": s.gaps, "parity": m.parity} for r, (s, m) in
+                          enumerate(zip(self.subscriptions, self.mirrors))]}
+
+    async def relay(self, send: Callable[[wire.Message], Awaitable[None]]) -> None:
+        """Send this shard's changes through ``send`` until cancelled (by the stream's end or the shard's)."""
+        with trio.CancelScope() as scope:
+            self._relays.add(scope)
+            try:
+                async with trio.open_nursery() as nursery:
+                    for rank, mirror in enumerate(self.mirrors):
+                        nursery.start_soon(partial(flush_loop, mirror, send, self.shard_id, self.spec.replica_id,
+                                                   rank, interval=FLUSH_INTERVAL))
+            finally:
+                self._relays.discard(scope)
+
+    def stop_relays(self) -> None:
+        for scope in list(self._relays):
+            scope.cancel()
+
+
+class AgentKv:
+    """Every KV-following shard of one agent, and the stream their changes go up (see the module docstring)."""
+
+    def __init__(self, registry: Registry, node_id: str, *, metrics_registry: CollectorRegistry | None = None,
+                 ports: PortAllocator | None = None, idle_probe: float | None = 2.0):
+        self.registry = registry
+        self.node_id = node_id
+        self.metrics = KvMetrics.for_registry(metrics_registry if metrics_registry is not None
+                                              else CollectorRegistry())
+        self.ports = ports if ports is not None else PortAllocator()
+        self.idle_probe = idle_probe
+        self.shards: dict[tuple[str, int], ShardKv] = {}  # by (shard id, generation)
+        self._session: tuple[trio.Nursery, Callable[[wire.Message], Awaitable[None]]] | None = None
+
+    def get(self, spec: wire.StartShard) -> ShardKv | None:
+        return self.shards.get((spec.shard_id, spec.generation))
+
+    # -- one shard -----------------------------------------------------------------------------------------------
+
+    async def run_shard(self, spec: wire.StartShard, *, events_port: int = 0, replay_port: int = 0,
+                        task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Bind the shard's subscription (on ``events_port`` when adopting), report the :class:`ShardKv`, and
+        follow the engine until cancelled (the shard's supervisor ended)."""
+        kv = ShardKv(spec)
+        source = self.metrics.source(self.node_id, spec.replica_id)
+        decoder_factory = self.registry.get("event_decoders", "vllm")
+        if replay_port:
+            self.ports.reserve(replay_port)
+        else:
+            replay_port = self.ports.allocate()
+        kv.replay_port = replay_port
+        rank = 0
+        mirror = EngineMirror(verify_keys=VllmBlockKeys(KV_HASH_ALGO, KV_HASH_SEED), on_ignored=source.ignored,
+                              on_parity=source.parity, name=spec.shard_id)
+
+        def subscription(port: int) -> EngineSubscription:
+            return EngineSubscription(
+                f"tcp://{LOOPBACK}:{port}", replay_endpoint=f"tcp://{LOOPBACK}:{replay_port}", topic=b"kv",
+                data_parallel_rank=rank, decode=decoder_factory(), on_batch=mirror.apply, on_reset=mirror.reset,
+                metrics=source, source=f"{spec.shard_id}/dp{rank}", idle_probe=self.idle_probe)
+
+        key = (spec.shard_id, spec.generation)
+        try:
+            async with trio.open_nursery() as nursery:
+                sub = subscription(events_port)
+                try:
+                    endpoint = await nursery.start(sub.run)
+                except zmq.ZMQError as exc:
+                    if not events_port:
+                        raise
+                    log.warning("shard %s: cannot bind KV-event port %d again (%s): its adopted engine publishes "
+                                "to it, so replica %s's KV index stays empty until the engine restarts",
+                                spec.shard_id, events_port, exc, spec.replica_id)
+                    sub = subscription(0)
+                    endpoint = await nursery.start(sub.run)
+                kv.events_port = _port_of(endpoint)
+                kv.subscriptions.append(sub)
+                kv.mirrors.append(mirror)
+                self.shards[key] = kv
+                if self._session is not None:
+                    session_nursery, send = self._session
+                    session_nursery.start_soon(kv.relay, send)
+                log.debug("shard %s: KV events on %s, replay on port %d", spec.shard_id, endpoint, replay_port)
+                task_status.started(kv)
+                await trio.sleep_forever()
+        finally:
+            kv.stop_relays()
+            if self.shards.get(key) is kv:
+                del self.shards[key]
+            self.ports.release(replay_port)
+
+    # -- one stream ----------------------------------------------------------------------------------------------
+
+    async def session(self, send: Callable[[wire.Message], Awaitable[None]], *,
+                      task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Relay every shard's changes through ``send`` (a FULL copy first) until cancelled (the stream ended)."""
+        async with trio.open_nursery() as nursery:
+            self._session = (nursery, send)
+            try:
+                for kv in list(self.shards.values()):
+                    nursery.start_soon(kv.relay, send)
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                self._session = None

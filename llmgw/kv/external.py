@@ -1,0 +1,82 @@
+"""KV events of static external replicas (``models[].replicas[].kv_events``): the gateway subscribes itself.
+
+An engine llmgw did not start binds its PUB (``tcp://*:5557``) and replay
+sockets; the gateway *connects* to them, one :class:`ExternalKv` task per
+replica in the gateway's root nursery (cancelled when the replica leaves the
+config or its endpoints change). The pipeline is the agent's, minus the
+stream: :class:`~llmgw.kv.subscriber.EngineSubscription` ->
+:class:`~llmgw.kv.mirror.EngineMirror` -> :func:`~llmgw.kv.mirror.flush_loop`
+straight into the router's :class:`~llmgw.kv.index.KvIndex` (a FULL copy
+first). The mirror checks hash parity with the model's ``hash_algo``/``hash_seed``
+routing options (``content`` keys: the mirror re-keys blocks from token ids).
+
+Without ``kv_replay`` lost batches cannot be recovered (RESET ``gap``), and an
+engine restart is seen only when its sequence goes back; see
+``docs/kv-routing.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Mapping
+
+import trio
+
+from .keys import VllmBlockKeys
+from .metrics import KvMetrics
+from .mirror import EngineMirror, flush_loop
+from .subscriber import EngineSubscription
+
+log = logging.getLogger(__name__)
+
+NODE_LABEL = "gateway"  # the `node` label of these replicas' event counters
+
+
+@dataclass(frozen=True)
+class ExternalKv:
+    """What one external replica's subscription needs; equal settings mean the running task is kept."""
+
+    replica: str
+    events: str
+    replay: str | None
+    key_function: str = "vllm"
+    hash_algo: str = "sha256_cbor"
+    hash_seed: str | None = "0"
+
+    @classmethod
+    def of(cls, replica: str, spec: Any, routing_options: Mapping[str, Any] | None) -> "ExternalKv | None":
+        if not getattr(spec, "kv_events", None):
+            return None
+        options = routing_options or {}
+        seed = options.get("hash_seed", "0")
+        return cls(replica, spec.kv_events, getattr(spec, "kv_replay", None) or None,
+                   str(options.get("key_function", "vllm")), str(options.get("hash_algo", "sha256_cbor")),
+                   None if seed is None else str(seed))
+
+    async def run(self, index, registry, metrics_registry, *, interval: float = 0.025) -> None:
+        """Follow the engine into ``index`` until cancelled (the sockets are closed then)."""
+        source = KvMetrics.for_registry(metrics_registry).source(NODE_LABEL, self.replica) \
+            if metrics_registry is not None else None
+        if self.key_function == "content":
+            mirror = EngineMirror(key_mode="content", on_ignored=source and source.ignored, name=self.replica)
+        else:
+            try:
+                verify = VllmBlockKeys(self.hash_algo, self.hash_seed)
+            except ValueError as exc:
+                log.warning("replica %s: hash parity not checked (%s)", self.replica, exc)
+                verify = None
+            mirror = EngineMirror(verify_keys=verify, on_ignored=source and source.ignored,
+                                  on_parity=source and source.parity, name=self.replica)
+        sub = EngineSubscription(self.events, mode="connect", replay_endpoint=self.replay, topic=b"",
+                                 decode=registry.get("event_decoders", "vllm")(), on_batch=mirror.apply,
+                                 on_reset=mirror.reset, metrics=source, source=f"{self.replica}/dp0")
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(sub.run)
+                log.info("replica %s: following its KV events at %s", self.replica, self.events)
+                await nursery.start(partial(flush_loop, mirror, partial(index.apply, self.replica), self.replica,
+                                            self.replica, 0, interval=interval))
+        finally:
+            index.forget(self.replica)  # no stream any more: the tree routes it until a new one sends a FULL
