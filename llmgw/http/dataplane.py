@@ -10,20 +10,20 @@ never after. Every error is answered in OpenAI's JSON error shape.
 from __future__ import annotations
 
 import hmac
+import itertools
 import json
 import logging
+import os
 import time
-import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
-
-import trio
 
 from ..router.replica import Replica
 from ..router.router import Router
 from ..router.tier import Decision, RouteRequest
 from .client import UpstreamError, UpstreamResponse
 from .messages import Request, Response, error_response
+from .usage import STREAM_TAIL_PIECES, usage_of_body, usage_of_stream_tail
 from .server import AbortConnection
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,18 @@ _DROP_RESPONSE_HEADERS = frozenset({b"connection", b"keep-alive", b"transfer-enc
                                     b"server", b"date"})
 _DROP_REQUEST_HEADERS = frozenset({b"authorization", b"x-request-id", b"expect"})
 INLINE_BODY_LIMIT = 1 << 20  # bodies with a known length up to this are relayed in one write
+_now = time.perf_counter  # durations for the metrics; real time, not Trio's clock
+
+
+class _RequestIds:
+    """32 hex digits like a UUID4's: a random per-process prefix and a counter (uuid4() costs microseconds)."""
+
+    def __init__(self) -> None:
+        self._prefix = os.urandom(8).hex()
+        self._count = itertools.count(int.from_bytes(os.urandom(4), "big"))
+
+    def next(self) -> str:
+        return "%s%016x" % (self._prefix, next(self._count))
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,8 @@ class DataPlane:
         self.settings = settings
         self._api_keys = [k.encode() for k in (api_keys or [])]
         self._created = int(time.time())
+        self._ids = _RequestIds()
+        self._replica_names: dict[str, bytes] = {}
 
     # -- entry point -------------------------------------------------------------------------------------------------
 
@@ -103,7 +117,7 @@ class DataPlane:
     # -- the proxy ---------------------------------------------------------------------------------------------------
 
     async def _proxy(self, request: Request) -> Response:
-        started = trio.current_time()
+        started = _now()
         try:
             body = json.loads(request.body)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -119,23 +133,37 @@ class DataPlane:
         if model not in self.router.models:
             return self._count(None, error_response(404, f"the model {model!r} does not exist", param="model",
                                                     code="model_not_found"))
-        request_id = request.header("x-request-id") or uuid.uuid4().hex
+        request_id = None
+        forwarded = []
+        for header in request.headers:  # one pass: find the request id, drop what is not forwarded
+            name = header[0]
+            if name in _DROP_REQUEST_HEADERS:
+                if name == b"x-request-id" and request_id is None:
+                    request_id = header[1].decode("latin-1")
+            else:
+                forwarded.append(header)
+        if not request_id:
+            request_id = self._ids.next()
         route_request = RouteRequest(model, request.path, body, request.headers, request_id)
         id_header = (b"x-request-id", request_id.encode("latin-1"))
-        forwarded = [h for h in request.headers if h[0] not in _DROP_REQUEST_HEADERS]
         forwarded.append(id_header)
 
         tried: list[Replica] = []
         last_error: UpstreamError | None = None
         for attempt in range(1 + self.settings.retries):
-            decision = await self.router.pick(route_request, exclude=tried)
-            if decision is None:
-                break
-            replica = decision.replica
-            tried.append(replica)
-            if attempt:
-                self.metrics.retries.labels(model).inc()
-            outcome = await self._attempt(replica, request, forwarded, is_last=attempt == self.settings.retries)
+            try:
+                decision = await self.router.pick(route_request, exclude=tried)
+                if decision is None:
+                    break
+                replica = decision.replica
+                tried.append(replica)
+                if attempt:
+                    self.metrics.for_model(model).retries.inc()
+                outcome = await self._attempt(replica, request, forwarded, is_last=attempt == self.settings.retries)
+            except BaseException:  # cancelled before any answer: the client went away (or the server stops)
+                self._count(model, None, started, 499)
+                self.metrics.for_model(model).client_disconnects.inc()
+                raise
             if isinstance(outcome, UpstreamError):
                 last_error = outcome
                 if outcome.kind == "timeout":
@@ -171,16 +199,22 @@ class DataPlane:
 
     async def _relay(self, upstream: UpstreamResponse, replica: Replica, decision: Decision,
                      route_request: RouteRequest, started: float, id_header: tuple[bytes, bytes]) -> Response:
-        model = route_request.model
-        self.metrics.ttfb.labels(model).observe(trio.current_time() - started)
+        self.metrics.for_model(route_request.model).ttfb.observe(_now() - started)
         headers = [h for h in upstream.headers if h[0] not in _DROP_RESPONSE_HEADERS]
         headers.append(id_header)
-        headers.append((b"x-llmgw-replica", replica.name.encode()))
+        name = self._replica_names.get(replica.name)
+        if name is None:
+            name = self._replica_names[replica.name] = replica.name.encode()
+        headers.append((b"x-llmgw-replica", name))
         if upstream.status >= 500:
             self._failed(replica, "status_5xx", f"HTTP {upstream.status}")
         else:
             self.health.request_succeeded(replica)
-        length = upstream.header(b"content-length")
+        length = None
+        for header in headers:
+            if header[0] == b"content-length":
+                length = header[1]
+                break
         if length is not None and length.isdigit() and int(length) <= INLINE_BODY_LIMIT:
             try:
                 data = await upstream.read()
@@ -192,8 +226,9 @@ class DataPlane:
             except BaseException:
                 self._finish(replica, decision, route_request, started, 499)
                 raise
-            headers = [h for h in headers if h[0] != b"content-length"]
-            self._finish(replica, decision, route_request, started, upstream.status)
+            usage = usage_of_body(data) if upstream.status == 200 and self.router.wants_usage(
+                route_request.model) else None  # only for tiers that ask (kv_index): no parse otherwise
+            self._finish(replica, decision, route_request, started, upstream.status, usage)
             return Response(upstream.status, headers, data)
         return Response(upstream.status, headers,
                         self._stream(upstream, replica, decision, route_request, started))
@@ -201,8 +236,13 @@ class DataPlane:
     async def _stream(self, upstream: UpstreamResponse, replica: Replica, decision: Decision,
                       route_request: RouteRequest, started: float) -> AsyncIterator[bytes]:
         status = upstream.status
+        recent: list[bytes] | None = [] if status == 200 and self.router.wants_usage(route_request.model) else None
         try:
             while piece := await upstream.receive_piece():
+                if recent is not None:  # the last pieces (references), for the final usage chunk
+                    recent.append(piece)
+                    if len(recent) > STREAM_TAIL_PIECES:
+                        del recent[0]
                 yield piece
         except UpstreamError as exc:
             self._failed(replica, exc.kind, str(exc))
@@ -212,36 +252,38 @@ class DataPlane:
             raise AbortConnection(str(exc)) from None
         except BaseException:
             status = 499
-            self.metrics.client_disconnects.labels(route_request.model).inc()
+            self.metrics.for_model(route_request.model).client_disconnects.inc()
             raise
         finally:
             await upstream.aclose()
-            self._finish(replica, decision, route_request, started, status)
+            usage = usage_of_stream_tail(recent) if recent and status == 200 else None
+            self._finish(replica, decision, route_request, started, status, usage)
 
     # -- bookkeeping -------------------------------------------------------------------------------------------------
 
     def _load(self, replica: Replica, delta: int) -> None:
         replica.inflight += delta
-        self.metrics.for_replica(replica.name).inflight.inc(delta)
+        bound = self.metrics.for_replica(replica.name)
+        if bound.inflight_of is not replica:
+            bound.track_inflight(replica)
 
     def _failed(self, replica: Replica, kind: str, reason: str) -> None:
         self.metrics.upstream_errors.labels(replica.name, kind).inc()
         self.health.request_failed(replica, reason)
 
     def _finish(self, replica: Replica, decision: Decision, route_request: RouteRequest, started: float,
-                status: int) -> None:
+                status: int, usage: dict | None = None) -> None:
         self._load(replica, -1)
         replica.served += 1
         self._count(route_request.model, None, started, status)
-        self.router.finished(route_request, decision, None)
+        self.router.finished(route_request, decision, usage)
 
     def _count(self, model: str | None, response: Response | None, started: float | None = None,
                status: int | None = None) -> Response | None:
-        label = model or "unknown"
-        code = status if status is not None else response.status
-        self.metrics.requests.labels(label, str(code)).inc()
+        bound = self.metrics.for_model(model or "unknown")
+        bound.requests(status if status is not None else response.status).inc()
         if started is not None:
-            self.metrics.request_duration.labels(label).observe(trio.current_time() - started)
+            bound.request_duration.observe(_now() - started)
         return response
 
     def _no_replica_error(self, model: str, last_error: UpstreamError | None, tried: list[Replica]) -> Response:

@@ -2,19 +2,34 @@
 
 It owes what a framework server gives for free: header and body limits,
 timeouts for slow clients (head, body, keep-alive idle, writes), chunked
-request bodies, ``Expect: 100-continue``, keep-alive, sequential handling of
+request bodies, ``Expect: 100-continue``, keep-alive, in-order handling of
 pipelined requests, and cancellation of the handler when the client goes
 away. Errors it produces itself use OpenAI's JSON error shape.
 
-One connection is served by one task: it reads a request, runs the handler
-while a watcher task reads the socket (so EOF cancels the handler and any
-pipelined bytes are kept for the parser), writes the response, and loops.
+The hot path is kept lean, because every Trio primitive costs microseconds
+on the small VMs this runs on (see ``docs/benchmarks.md``):
+
+* A connection is one task that reads a request and answers it. A request
+  that is still in its handler after ``DISCONNECT_WATCH_AFTER`` (a stream, a
+  long generation) starts a second task for the rest of the connection's
+  life: a *reader* that always waits on the socket, so a client that closes
+  cancels the handler (and the upstream request) at once, and pipelined
+  bytes are parsed and queued in order. No task, nursery or cancel scope is
+  created per request; requests are handed over with a bare ``reschedule``.
+* Sockets are plain non-blocking sockets driven with
+  ``trio.lowlevel.wait_readable``/``wait_writable``; a write that the kernel
+  takes whole (the usual case) costs one ``send`` and no scheduling.
+* Timeouts are :mod:`llmgw.http.deadlines` watches, armed only while a task
+  is parked on the socket, not cancel scopes.
+* A response head and a small body go out in one ``send``.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
+import socket
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -22,11 +37,18 @@ from typing import Callable
 import httptools
 import trio
 
+from .deadlines import Alarm, Watch
 from .messages import Handler, Request, Response, error_response
 
 log = logging.getLogger(__name__)
 
 READ_SIZE = 65536
+SMALL_BODY = 16384  # bodies up to this are copied behind the head; larger ones are sent with sendmsg
+MAX_QUEUED_REQUESTS = 8  # complete pipelined requests read ahead of the one being answered
+LINGER_SECONDS = 2.0  # after an error answer, read and drop the client's bytes for this long at most...
+LINGER_BYTES = 1 << 20  # ...and this many bytes at most
+# A request still in its handler after this long gets a task that watches its client (see _Connection).
+DISCONNECT_WATCH_AFTER = 0.02
 STATUS_LINES = {
     code: f"HTTP/1.1 {code} {reason}\r\n".encode("latin-1")
     for code, reason in [
@@ -41,6 +63,8 @@ STATUS_LINES = {
     ]
 }
 _NO_BODY_STATUS = {204, 304}
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_INF = math.inf
 
 
 def status_line(status: int) -> bytes:
@@ -69,7 +93,8 @@ class _ProtocolError(Exception):
 
 
 class _Message:
-    __slots__ = ("method", "url", "headers", "body", "keep_alive", "expect_continue", "version", "body_size")
+    __slots__ = ("method", "url", "headers", "body", "keep_alive", "expect_continue", "continue_sent", "version",
+                 "body_size", "started", "head_done_at")
 
     def __init__(self) -> None:
         self.url = b""
@@ -79,7 +104,10 @@ class _Message:
         self.method = "GET"
         self.keep_alive = True
         self.expect_continue = False
+        self.continue_sent = False
         self.version = "1.1"
+        self.started = _INF  # Trio time of the first byte, stamped only when the request spans reads
+        self.head_done_at = _INF
 
 
 class _RequestReader:
@@ -90,13 +118,12 @@ class _RequestReader:
         self.parser = httptools.HttpRequestParser(self)
         self.current: _Message | None = None
         self.complete: deque[_Message] = deque()
-        self.head_bytes = 0
+        self.head_bytes = 0  # of the current head, counted in the callbacks
+        self.unparsed_head_bytes = 0  # bytes of reads that ended inside a head (httptools holds them)
         self.in_head = False
         self.error: _ProtocolError | None = None
 
     def feed(self, data: bytes) -> None:
-        if not self.current or self.in_head:
-            self.head_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError:
@@ -105,8 +132,15 @@ class _RequestReader:
             raise _ProtocolError(501, "protocol upgrades are not supported") from None
         except httptools.HttpParserError as exc:
             raise _ProtocolError(400, f"malformed HTTP request: {exc}") from None
-        if self.in_head and self.head_bytes > self.limits.max_header_bytes:
-            raise _ProtocolError(431, "request headers are too large")
+        if self.in_head or self.current is None:
+            # A head still open after this read: bound what the parser may be holding for it.
+            self.unparsed_head_bytes += len(data)
+            if self.unparsed_head_bytes > self.limits.max_header_bytes:
+                raise _ProtocolError(431, "request headers are too large")
+
+    def _too_large(self) -> None:
+        self.error = _ProtocolError(431, "request headers are too large")
+        raise self.error
 
     # httptools callbacks
     def on_message_begin(self) -> None:
@@ -116,20 +150,26 @@ class _RequestReader:
 
     def on_url(self, url: bytes) -> None:
         self.current.url += url
+        self.head_bytes += len(url)
+        if self.head_bytes > self.limits.max_header_bytes:
+            self._too_large()
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.current.headers.append((name.lower(), value))
+        self.head_bytes += len(name) + len(value) + 4
+        if self.head_bytes > self.limits.max_header_bytes:
+            self._too_large()
 
     def on_headers_complete(self) -> None:
         msg = self.current
         self.in_head = False
-        msg.method = self.parser.get_method().decode("ascii")
-        msg.keep_alive = self.parser.should_keep_alive()
-        msg.version = self.parser.get_http_version()
+        self.unparsed_head_bytes = 0
+        parser = self.parser
+        msg.method = parser.get_method().decode("ascii")
+        msg.keep_alive = parser.should_keep_alive()
+        msg.version = parser.get_http_version()
         for name, value in msg.headers:
-            if name == b"expect" and value.lower() == b"100-continue":
-                msg.expect_continue = True
-            elif name == b"content-length":
+            if name == b"content-length":
                 try:
                     declared = int(value)
                 except ValueError:
@@ -138,6 +178,8 @@ class _RequestReader:
                     self.error = _ProtocolError(
                         413, f"request body is larger than the limit of {self.limits.max_body_bytes} bytes")
                     raise self.error
+            elif name == b"expect" and value.lower() == b"100-continue":
+                msg.expect_continue = True
 
     def on_body(self, body: bytes) -> None:
         msg = self.current
@@ -162,8 +204,7 @@ class HttpServer:
         self.active_requests = 0
         self.connections = 0
         self._draining = False
-        self._idle = trio.Event()
-        self._idle.set()
+        self._idle: trio.Event | None = None
         self._accepting: trio.CancelScope | None = None
         self._connections_scope: trio.CancelScope | None = None
         self._conn_slots = trio.Semaphore(self.limits.max_connections)
@@ -175,18 +216,25 @@ class HttpServer:
         ``task_status.started((host, port))`` reports the bound address.
         """
         listeners = await trio.open_tcp_listeners(port, host=host)
-        bound = listeners[0].socket.getsockname()
-        async with trio.open_nursery() as connections:
-            self._connections_scope = connections.cancel_scope
-            with trio.CancelScope() as accepting:
-                self._accepting = accepting
-                task_status.started((bound[0], bound[1]))
-                async with trio.open_nursery() as acceptors:
-                    for listener in listeners:
-                        acceptors.start_soon(self._accept_loop, listener, connections)
-            for listener in listeners:
-                await listener.aclose()
-            # Draining: the accept loops are gone; connections finish their current request.
+        socks = []
+        for listener in listeners:  # plain sockets from here on: see the module docstring
+            sock = socket.socket(fileno=listener.socket.detach())
+            sock.setblocking(False)
+            socks.append(sock)
+        bound = socks[0].getsockname()
+        try:
+            async with trio.open_nursery() as connections:
+                self._connections_scope = connections.cancel_scope
+                with trio.CancelScope() as accepting:
+                    self._accepting = accepting
+                    task_status.started((bound[0], bound[1]))
+                    async with trio.open_nursery() as acceptors:
+                        for sock in socks:
+                            acceptors.start_soon(self._accept_loop, sock, connections)
+                _close(socks)
+                # Draining: the accept loops are gone; connections finish their current request.
+        finally:
+            _close(socks)
 
     async def drain(self, grace: float) -> None:
         """Stop accepting, let in-flight requests finish for up to ``grace`` seconds, then cut the rest."""
@@ -195,24 +243,45 @@ class HttpServer:
             self._accepting.cancel()
         with trio.move_on_after(grace):
             while self.active_requests:
+                self._idle = trio.Event()
                 await self._idle.wait()
         if self._connections_scope is not None:
             self._connections_scope.cancel()
 
-    async def _accept_loop(self, listener: trio.SocketListener, connections: trio.Nursery) -> None:
+    async def _accept_loop(self, lsock: socket.socket, connections: trio.Nursery) -> None:
         while True:
             await self._conn_slots.acquire()
             try:
-                stream = await listener.accept()
+                while True:
+                    try:
+                        sock, addr = lsock.accept()
+                        break
+                    except BlockingIOError:
+                        await trio.lowlevel.wait_readable(lsock)
+                    except OSError as exc:
+                        if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                            log.error("cannot accept connections: %s; retrying in 100 ms", exc)
+                            await trio.sleep(0.1)
+                        elif exc.errno not in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.EINTR):
+                            raise
             except BaseException:
                 self._conn_slots.release()
                 raise
-            connections.start_soon(self._connection, stream)
+            try:
+                sock.setblocking(False)
+                if sock.family in (socket.AF_INET, socket.AF_INET6):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:  # the peer is already gone
+                sock.close()
+                self._conn_slots.release()
+                continue
+            connections.start_soon(self._connection, sock, addr)
 
-    async def _connection(self, stream: trio.SocketStream) -> None:
+    async def _connection(self, sock: socket.socket, addr) -> None:
         self.connections += 1
+        conn = _Connection(self, sock, addr)
         try:
-            await _Connection(self, stream).run()
+            await conn.run()
         except Exception as exc:  # one bad connection must never take down the server
             if not is_disconnect(exc):
                 log.exception("HTTP connection failed")
@@ -221,17 +290,22 @@ class HttpServer:
         finally:
             self.connections -= 1
             self._conn_slots.release()
-            await trio.aclose_forcefully(stream)
+            conn.close()
 
     def _request_started(self) -> None:
-        if self.active_requests == 0:
-            self._idle = trio.Event()
         self.active_requests += 1
 
     def _request_finished(self) -> None:
         self.active_requests -= 1
-        if self.active_requests == 0:
+        if self.active_requests == 0 and self._idle is not None:
             self._idle.set()
+
+
+def _close(socks: list[socket.socket]) -> None:
+    for sock in socks:
+        if sock.fileno() >= 0:
+            trio.lowlevel.notify_closing(sock)
+            sock.close()
 
 
 class AbortConnection(Exception):
@@ -254,118 +328,277 @@ async def serve_http(handler: Handler, host: str, port: int, *, limits: ServerLi
     await HttpServer(handler, limits).serve(host, port, task_status=task_status)
 
 
+class _Eof:
+    """Set as the connection's end when the client closed an idle connection (or a deadline passed)."""
+
+
+_EOF = _Eof()
+
+
 class _Connection:
-    def __init__(self, server: HttpServer, stream: trio.SocketStream):
+    """One client connection.
+
+    The connection's own task is the *responder*: it answers requests in order. While it
+    is idle it also reads the socket itself ("inline" mode: no second task, no hand-over).
+    Once one request has been in the handler for ``DISCONNECT_WATCH_AFTER``, an alarm
+    starts a *reader* task that waits on the socket from then on, so that a client going
+    away cancels the handler (and the upstream request) at once, and pipelined bytes are
+    parsed and queued; the responder then only takes requests off the queue. Quick
+    requests never pay for the second task; long ones (streams) are watched.
+    """
+
+    def __init__(self, server: HttpServer, sock: socket.socket, addr):
         self.server = server
         self.limits = server.limits
-        self.stream = stream
+        self.sock = sock
         self.reader = _RequestReader(server.limits)
+        self.client = (addr[0], addr[1]) if isinstance(addr, tuple) and len(addr) >= 2 else None
+        self.read_watch = Watch(sock, "keepalive")
+        self.write_watch = Watch(sock, "write")
+        self.watch_alarm = Alarm(self._start_reader, "disconnect-watch")
         self.client_gone = False
-        self.pending_error: _ProtocolError | None = None
-        try:
-            peer = stream.socket.getpeername()
-            self.client = (peer[0], peer[1])
-        except OSError:
-            self.client = None
+        self.nursery: trio.Nursery | None = None
+        # After the queued requests: a protocol error to answer, or _EOF.
+        self.final: _ProtocolError | _Eof | None = None
+        self.busy = False  # the responder is answering a request (the read deadlines are off)
+        self.reader_running = False
+        self._responder_parked: trio.lowlevel.Task | None = None
+        self._reader_parked: trio.lowlevel.Task | None = None
+
+    def close(self) -> None:
+        self.read_watch.disarm()
+        self.write_watch.disarm()
+        self.watch_alarm.disarm()
+        sock = self.sock
+        if sock.fileno() >= 0:
+            trio.lowlevel.notify_closing(sock)
+            sock.close()
 
     async def run(self) -> None:
-        first = True
-        while not self.server._draining or first:
-            first = False
-            try:
-                msg = await self._read_request()
-            except _ProtocolError as exc:
-                await self._send_simple(error_response(exc.status, exc.message), keep_alive=False)
-                return
-            except trio.TooSlowError:
-                if self.reader.current is not None:
-                    await self._send_simple(error_response(408, "request was not received in time"), keep_alive=False)
-                return
-            if msg is None:
-                return
-            keep_alive = await self._respond(msg)
-            if not keep_alive or self.client_gone:
-                return
+        try:
+            async with trio.open_nursery() as nursery:
+                self.nursery = nursery
+                try:
+                    await self._respond_loop()
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            self.nursery = None
+            self.watch_alarm.disarm()
+        watch = self.read_watch
+        if watch.expired and watch.kind in ("header", "body") and self.reader.current is not None:
+            self._try_send(error_response(408, "request was not received in time"))
 
-    async def _read_request(self) -> _Message | None:
-        """The next complete request, or None when the client closed an idle connection."""
+    # -- reading -----------------------------------------------------------------------------------------------------
+
+    def _feed(self, data: bytes) -> None:
+        """Bytes from the socket (``b""``: the client closed its side)."""
         reader = self.reader
-        if self.pending_error is not None:
-            raise self.pending_error
-        if reader.complete:
-            return reader.complete.popleft()
-        deadline = trio.current_time() + self.limits.keepalive_timeout
-        head_deadline = body_deadline = math.inf
-        continue_sent = False
-        while not reader.complete:
-            current = reader.current
-            if current is not None:
-                if reader.in_head:
-                    if head_deadline == math.inf:
-                        head_deadline = trio.current_time() + self.limits.header_timeout
-                    deadline = head_deadline
-                else:
-                    if body_deadline == math.inf:
-                        body_deadline = trio.current_time() + self.limits.body_timeout
-                    deadline = body_deadline
-                    if current.expect_continue and not continue_sent:
-                        continue_sent = True
-                        await self._send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
-            with trio.CancelScope(deadline=deadline) as scope:
-                data = await self.stream.receive_some(READ_SIZE)
-            if scope.cancelled_caught:
-                raise trio.TooSlowError
-            if not data:
-                if reader.current is not None:
-                    raise _ProtocolError(400, "client closed the connection in the middle of a request")
-                return None
+        if not data:
+            if self.busy or reader.complete:
+                self.client_gone = True  # cancel the handler, and with it the upstream request
+                if self.nursery is not None:
+                    self.nursery.cancel_scope.cancel()
+            elif reader.current is not None:
+                self.final = _ProtocolError(400, "client closed the connection in the middle of a request")
+            else:
+                self.final = _EOF
+            return
+        try:
             reader.feed(data)
-        return reader.complete.popleft()
+        except _ProtocolError as exc:
+            self.final = exc
+
+    async def _read_inline(self) -> None:
+        """Idle responder, no reader task: read the socket until something is queued."""
+        sock = self.sock
+        reader = self.reader
+        while not reader.complete and self.final is None:
+            await self._idle_state_changed()
+            try:
+                await trio.lowlevel.wait_readable(sock)
+            except trio.ClosedResourceError:
+                self.final = _EOF  # a deadline passed (``run`` answers 408 where one is due)
+                return
+            finally:
+                self.read_watch.disarm()
+            try:
+                data = sock.recv(READ_SIZE)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            self._feed(data)
+
+    def _start_reader(self) -> None:
+        """The alarm: the handler has been busy for a while, so watch the client from now on."""
+        if not self.reader_running and self.nursery is not None and self.final is None:
+            self.reader_running = True
+            self.nursery.start_soon(self._read_loop)
+
+    async def _read_loop(self) -> None:
+        sock = self.sock
+        reader = self.reader
+        wait_readable = trio.lowlevel.wait_readable
+        while self.final is None:
+            if len(reader.complete) >= MAX_QUEUED_REQUESTS:
+                await self._park_reader()  # TCP backpressure on a client that pipelines too far ahead
+                continue
+            try:
+                await wait_readable(sock)
+            except trio.ClosedResourceError:
+                # A deadline passed (or the connection is closing): stop the responder if it waits for us.
+                self.final = _EOF
+                self._wake_responder()
+                return
+            try:
+                data = sock.recv(READ_SIZE)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            self._feed(data)
+            if reader.complete or self.final is not None:
+                self._wake_responder()
+            elif not self.busy:
+                await self._idle_state_changed()
+
+    async def _park_reader(self) -> None:
+        def abort(_):
+            self._reader_parked = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        self._reader_parked = trio.lowlevel.current_task()
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+    def _wake_responder(self) -> None:
+        task = self._responder_parked
+        if task is not None:
+            self._responder_parked = None
+            trio.lowlevel.reschedule(task)
+
+    async def _wait_for_reader(self) -> None:
+        """Idle responder with a reader task: park until it queues something; the read deadline runs."""
+        await self._idle_state_changed()
+        if self.reader.complete or self.final is not None:
+            return
+
+        def abort(_):
+            self._responder_parked = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        self._responder_parked = trio.lowlevel.current_task()
+        try:
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        finally:
+            self.read_watch.disarm()
+
+    async def _idle_state_changed(self) -> None:
+        """The responder is idle: (re)arm the read deadline for the parser's state, answer ``Expect``."""
+        current = self.reader.current
+        watch = self.read_watch
+        limits = self.limits
+        if current is None:
+            if watch.kind != "keepalive" or watch.when == _INF:
+                watch.arm(limits.keepalive_timeout, "keepalive")
+            return
+        now = trio.current_time()
+        if self.reader.in_head:
+            if current.started == _INF:
+                current.started = now
+            if watch.kind != "header" or watch.when == _INF:
+                watch.arm_at(current.started + limits.header_timeout, limits.header_timeout, "header")
+            return
+        if current.head_done_at == _INF:
+            current.head_done_at = now
+        if watch.kind != "body" or watch.when == _INF:
+            watch.arm_at(current.head_done_at + limits.body_timeout, limits.body_timeout, "body")
+        if current.expect_continue and not current.continue_sent:
+            current.continue_sent = True
+            await self._send(_CONTINUE)
+
+    # -- answering ---------------------------------------------------------------------------------------------------
+
+    async def _respond_loop(self) -> None:
+        reader = self.reader
+        while True:
+            if reader.complete:
+                msg = reader.complete.popleft()
+                if self._reader_parked is not None:
+                    task, self._reader_parked = self._reader_parked, None
+                    trio.lowlevel.reschedule(task)
+            elif self.final is not None:
+                if isinstance(self.final, _ProtocolError):
+                    await self._send_simple(error_response(self.final.status, self.final.message))
+                    await self._linger()
+                return
+            elif self.reader_running:
+                await self._wait_for_reader()
+                continue
+            else:
+                await self._read_inline()
+                continue
+            if not await self._respond(msg):
+                return
+            if reader.complete:
+                await trio.lowlevel.checkpoint()  # pipelined requests answered back to back: let others run
+
+    async def _linger(self) -> None:
+        """After an error answer: stop sending, and read (and drop) what the client is still sending for a
+        moment before closing, so that closing with unread bytes does not reset the connection and lose the
+        answer (a client uploading a body that is too large must still see its 413)."""
+        try:  # (a reader task, if any, has stopped: it stops at the error it queued)
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            return
+        dropped = 0
+        with trio.move_on_after(LINGER_SECONDS):
+            while dropped < LINGER_BYTES:
+                await trio.lowlevel.wait_readable(self.sock)
+                try:
+                    data = self.sock.recv(READ_SIZE)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    return
+                if not data:
+                    return
+                dropped += len(data)
 
     async def _respond(self, msg: _Message) -> bool:
+        body = msg.body
         request = Request(
             method=msg.method,
             target=msg.url.decode("latin-1"),
             headers=msg.headers,
-            body=b"".join(msg.body) if len(msg.body) != 1 else msg.body[0],
+            body=body[0] if len(body) == 1 else b"".join(body),
             client=self.client,
             http_version=msg.version,
         )
-        keep_alive = msg.keep_alive and not self.server._draining
-        self.server._request_started()
+        server = self.server
+        keep_alive = msg.keep_alive and not server._draining
+        self.busy = True
+        server.active_requests += 1
+        if not self.reader_running:
+            # A coarse tick is enough (it sets the sweeper's resolution): watched within 20-30 ms.
+            self.watch_alarm.arm_at(trio.current_time() + DISCONNECT_WATCH_AFTER, 4 * DISCONNECT_WATCH_AFTER)
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch_client, nursery.cancel_scope)
-                try:
-                    response = await self.server.handler(request)
-                except Exception:
-                    log.exception("handler failed for %s %s", request.method, request.path)
-                    response = error_response(500, "internal error in the gateway")
-                keep_alive = await self._send_response(request, response, keep_alive)
-                nursery.cancel_scope.cancel()
-        finally:
-            self.server._request_finished()
-        return keep_alive and not self.server._draining
-
-    async def _watch_client(self, scope: trio.CancelScope) -> None:
-        """Cancel ``scope`` when the client closes; keep pipelined bytes for the parser."""
-        buffered = 0
-        while buffered < self.limits.max_header_bytes:
-            data = await self.stream.receive_some(READ_SIZE)
-            if not data:
-                self.client_gone = True
-                scope.cancel()
-                return
-            buffered += len(data)
             try:
-                self.reader.feed(data)
-            except _ProtocolError as exc:
-                self.pending_error = exc
-                break
-        # A client that pipelines this much is not read until we answer: TCP backpressure.
-        await trio.sleep_forever()
+                response = await server.handler(request)
+            except Exception:
+                log.exception("handler failed for %s %s", request.method, request.path)
+                response = error_response(500, "internal error in the gateway")
+            keep_alive = await self._send_response(request, response, keep_alive)
+        finally:
+            self.watch_alarm.disarm()
+            self.busy = False
+            server._request_finished()
+        return keep_alive and not server._draining
+
+    # -- writing -----------------------------------------------------------------------------------------------------
 
     async def _send_response(self, request: Request, response: Response, keep_alive: bool) -> bool:
+        keep_alive = keep_alive and not self.server._draining  # a drain may have begun while the handler ran
         status = response.status
         body = response.body
         head = [status_line(status)]
@@ -373,7 +606,7 @@ class _Connection:
         for name, value in response.headers:
             if name == b"content-length":
                 has_length = True
-            head.append(name + b": " + value + b"\r\n")
+            head += (name, b": ", value, b"\r\n")
         head_only = request.method == "HEAD" or status in _NO_BODY_STATUS
         if isinstance(body, (bytes, bytearray, memoryview)):
             if not has_length and status not in _NO_BODY_STATUS:
@@ -381,7 +614,13 @@ class _Connection:
             if not keep_alive:
                 head.append(b"connection: close\r\n")
             head.append(b"\r\n")
-            await self._send_all(b"".join(head) if head_only else b"".join(head) + body)
+            if head_only or not body:
+                await self._send(b"".join(head))
+            elif len(body) <= SMALL_BODY:
+                head.append(body)
+                await self._send(b"".join(head))  # one copy is cheaper than a second system call
+            else:
+                await self._send_parts(b"".join(head), body)
             return keep_alive
         chunked = not has_length and request.http_version == "1.1"
         if chunked:
@@ -394,7 +633,7 @@ class _Connection:
         pending = b"".join(head)
         try:
             if head_only:
-                await self._send_all(pending)
+                await self._send(pending)
                 return keep_alive
             async for piece in body:
                 if not piece:
@@ -403,8 +642,8 @@ class _Connection:
                     piece = b"%x\r\n%b\r\n" % (len(piece), piece)
                 if pending:
                     piece, pending = pending + piece, b""
-                await self._send_all(piece)
-            await self._send_all(pending + (b"0\r\n\r\n" if chunked else b""))
+                await self._send(piece)
+            await self._send(pending + (b"0\r\n\r\n" if chunked else b""))
         finally:
             aclose = getattr(body, "aclose", None)
             if aclose is not None:
@@ -412,12 +651,66 @@ class _Connection:
                     await aclose()
         return keep_alive
 
-    async def _send_simple(self, response: Response, keep_alive: bool) -> None:
-        with trio.move_on_after(self.limits.write_timeout):
-            await self._send_response(Request("GET", "/", []), response, keep_alive)
+    async def _send_simple(self, response: Response) -> None:
+        await self._send_response(Request("GET", "/", []), response, False)
 
-    async def _send_all(self, data: bytes) -> None:
-        with trio.CancelScope(deadline=trio.current_time() + self.limits.write_timeout) as scope:
-            await self.stream.send_all(data)
-        if scope.cancelled_caught:
-            raise trio.TooSlowError
+    def _try_send(self, response: Response) -> None:
+        """Best effort, never waits: for a 408 on a connection whose deadline already passed."""
+        head = [status_line(response.status)]
+        for name, value in response.headers:
+            head += (name, b": ", value, b"\r\n")
+        head.append(b"content-length: %d\r\nconnection: close\r\n\r\n" % len(response.body))
+        head.append(response.body)
+        try:
+            self.sock.send(b"".join(head))
+        except OSError:
+            pass
+
+    async def _send(self, data: bytes) -> None:
+        """Send all of ``data``; a client that takes none of it for ``write_timeout`` is cut off."""
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            raise trio.BrokenResourceError(f"client connection broke: {exc}") from None
+        if sent < len(data):
+            await self._send_slow(memoryview(data)[sent:])
+
+    async def _send_parts(self, head: bytes, body: bytes | bytearray | memoryview) -> None:
+        """Head and body in one ``sendmsg``, without copying the body."""
+        try:
+            sent = self.sock.sendmsg((head, body))
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            raise trio.BrokenResourceError(f"client connection broke: {exc}") from None
+        if sent < len(head):
+            await self._send_slow(memoryview(head)[sent:])
+            sent = len(head)
+        sent -= len(head)
+        if sent < len(body):
+            await self._send_slow(memoryview(body)[sent:])
+
+    async def _send_slow(self, view: memoryview) -> None:
+        sock = self.sock
+        watch = self.write_watch
+        try:
+            while view:
+                watch.arm(self.limits.write_timeout)
+                try:
+                    await trio.lowlevel.wait_writable(sock)
+                except trio.ClosedResourceError:
+                    if watch.expired:
+                        raise trio.TooSlowError("the client did not read its response in time") from None
+                    raise
+                watch.disarm()
+                try:
+                    sent = sock.send(view)
+                except BlockingIOError:
+                    continue
+                except OSError as exc:
+                    raise trio.BrokenResourceError(f"client connection broke: {exc}") from None
+                view = view[sent:]
+        finally:
+            watch.disarm()

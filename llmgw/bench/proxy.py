@@ -1,0 +1,717 @@
+"""Data-plane overhead: llmgw vs the upstream called directly vs the Rust ``vllm-router``.
+
+Measures, with ``wrk`` (one thread) and a Lua POST script, for each target:
+
+* added latency at concurrency 1 (p50/p99 of small non-streaming chat completions,
+  minus the upstream called directly),
+* maximum requests/s at concurrency 32 for small non-streaming POSTs,
+* maximum 50-chunk SSE streams/s at concurrency 32 (and a whole stream's p50 at c=1),
+* the proxy's CPU (µs per request on its one core), and how much of that core other
+  processes took meanwhile (a busy machine shows up there, not silently in the numbers).
+
+Targets: ``direct`` (one fake upstream), ``llmgw`` (``llmgw serve`` with one model,
+two replicas = two fake upstreams, round_robin), ``vllm-router`` 0.1.17
+(``--policy round_robin``, the same two upstreams), and with ``--baseline DIR`` the llmgw
+of another checkout (``git worktree add /tmp/base <commit>``) as ``llmgw-baseline``.
+The proxy under test is pinned to CPU 1; wrk and the upstreams to CPU 0 (``taskset``), as
+in ``shared/reference/python-stack.md``. All targets run at once (idle ones cost nothing)
+and every round measures each scenario on each target in turn, so that whatever else the
+machine does falls on all of them alike; medians over the rounds are reported, and ratios
+are the median of round-by-round ratios. Everything listens on 127.0.0.1 with ephemeral
+ports; every process is started and stopped here (also on Ctrl-C), each run is bounded.
+
+Run: ``python -m llmgw.bench.proxy [--duration 10] [--repeat 3] [--json bench-results/proxy.json]``.
+Needs ``wrk`` and ``taskset`` (Debian: ``apt-get install wrk util-linux``). vllm-router
+is looked up with ``--vllm-router``, on PATH, in ``/tmp/vr`` or ``bench-results/vr-venv``,
+and installed into ``bench-results/vr-venv`` when missing (``--no-install`` to skip it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import http.client
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VLLM_ROUTER_VERSION = "0.1.17"
+PROXY_CPU = 1
+LOAD_CPU = 0
+MODEL = "tiny"
+SMALL_BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+                        separators=(",", ":"))
+STREAM_BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50,
+                          "stream": True}, separators=(",", ":"))
+PATH = "/v1/chat/completions"
+BASELINE = "llmgw-baseline"
+
+LUA = r"""
+wrk.method = "POST"
+wrk.body = %(body)s
+wrk.headers["Content-Type"] = "application/json"
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    'WRKJSON {"requests":%%d,"duration_us":%%d,"bytes":%%d,"connect_errors":%%d,"read_errors":%%d,' ..
+    '"write_errors":%%d,"status_errors":%%d,"timeout_errors":%%d,"lat_mean_us":%%.1f,"lat_max_us":%%d,' ..
+    '"p50_us":%%d,"p90_us":%%d,"p99_us":%%d,"p999_us":%%d}\n',
+    summary.requests, summary.duration, summary.bytes, e.connect, e.read, e.write, e.status, e.timeout,
+    latency.mean, latency.max, latency:percentile(50), latency:percentile(90), latency:percentile(99),
+    latency:percentile(99.9)))
+end
+"""
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+# -- processes ---------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    log: Path
+    popen: subprocess.Popen
+    url: str = ""
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def cpu_seconds(self) -> float:
+        """User+system CPU of the process and its threads (and reaped children), from /proc."""
+        total = 0.0
+        tick = os.sysconf("SC_CLK_TCK")
+        for pid in [self.pid] + _descendants(self.pid):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15)
+        return total
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def _descendants(pid: int) -> list[int]:
+    out = []
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return out
+    for child in children:
+        out.append(int(child))
+        out.extend(_descendants(int(child)))
+    return out
+
+
+class Processes:
+    """Every child we start, each in its own process group; :meth:`stop_all` always runs."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.procs: list[Proc] = []
+
+    def start(self, name: str, argv: list[str], cpu: int | None, env: dict | None = None,
+              cwd: Path | None = None) -> Proc:
+        if cpu is not None:
+            argv = ["taskset", "-c", str(cpu)] + argv
+        log = self.workdir / f"{name}.log"
+        handle = open(log, "wb")
+        popen = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True, env=dict(os.environ, **(env or {})), cwd=cwd)
+        handle.close()
+        proc = Proc(name, argv, log, popen)
+        self.procs.append(proc)
+        return proc
+
+    def wait_for_line(self, proc: Proc, pattern: str, timeout: float) -> re.Match:
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = proc.log.read_text(errors="replace") if proc.log.exists() else ""
+            match = regex.search(text)
+            if match:
+                return match
+            if proc.popen.poll() is not None:
+                raise BenchError(f"{proc.name} exited with code {proc.popen.returncode}:\n{proc.tail()}")
+            time.sleep(0.05)
+        raise BenchError(f"{proc.name} did not print {pattern!r} within {timeout:g}s:\n{proc.tail()}")
+
+    def stop(self, proc: Proc, grace: float = 5.0) -> None:
+        if proc.popen.poll() is None:
+            _killpg(proc.popen.pid, signal.SIGTERM)
+            try:
+                proc.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        if proc.popen.poll() is None:
+            _killpg(proc.popen.pid, signal.SIGKILL)
+            proc.popen.wait()
+        else:
+            _killpg(proc.popen.pid, signal.SIGKILL)  # anything the group leader left behind
+        if proc in self.procs:
+            self.procs.remove(proc)
+
+    def stop_all(self) -> None:
+        for proc in reversed(list(self.procs)):
+            try:
+                self.stop(proc)
+            except Exception as exc:  # keep stopping the others
+                print(f"warning: could not stop {proc.name} (pid {proc.pid}): {exc}", file=sys.stderr)
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_post(url: str, body: str, timeout: float = 5.0) -> tuple[int, bytes, dict]:
+    host, port = url.split("//", 1)[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request("POST", PATH, body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read(), {k.lower(): v for k, v in resp.getheaders()}
+    finally:
+        conn.close()
+
+
+def wait_ready(url: str, timeout: float, proc: Proc | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        if proc is not None and proc.popen.poll() is not None:
+            raise BenchError(f"{proc.name} exited with code {proc.popen.returncode}:\n{proc.tail()}")
+        try:
+            status, body, _ = http_post(url, SMALL_BODY, timeout=2)
+            if status == 200:
+                return
+            last = f"HTTP {status}: {body[:200]!r}"
+        except OSError as exc:
+            last = str(exc)
+        time.sleep(0.2)
+    raise BenchError(f"{url} was not ready within {timeout:g}s (last: {last})"
+                     + (f"\n{proc.tail()}" if proc else ""))
+
+
+def check_target(name: str, url: str) -> dict:
+    """One request of each kind, checked by hand: what wrk will count must be real answers."""
+    status, body, headers = http_post(url, SMALL_BODY)
+    if status != 200 or b'"choices"' not in body:
+        raise BenchError(f"{name}: a non-streaming request got HTTP {status}: {body[:300]!r}")
+    status, body, _ = http_post(url, STREAM_BODY)
+    events = body.count(b"data: ")
+    if status != 200 or not body.rstrip().endswith(b"data: [DONE]"):
+        raise BenchError(f"{name}: a streaming request got HTTP {status} and {events} events: {body[-300:]!r}")
+    return {"stream_events": events, "served_by": headers.get("x-served-by"),
+            "replica_header": headers.get("x-llmgw-replica")}
+
+
+# -- wrk ---------------------------------------------------------------------------------------------------------------
+
+def lua_script(workdir: Path, name: str, body: str) -> Path:
+    path = workdir / f"{name}.lua"
+    path.write_text(LUA % {"body": "[==[" + body + "]==]"})
+    return path
+
+
+@dataclass
+class RunResult:
+    target: str
+    scenario: str
+    connections: int
+    requests: int
+    seconds: float
+    rps: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    p999_ms: float
+    max_ms: float
+    errors: dict
+    proxy_cpu_share: float | None  # of one core, 0..1+
+    proxy_cpu_us_per_request: float | None
+    proxy_core_busy: float | None = None  # share of the proxy's core busy with anything (ours or not)
+    proxy_core_steal: float | None = None  # share of the proxy's core taken by the hypervisor
+    command: list[str] = field(default_factory=list)
+
+    @property
+    def foreign_cpu_share(self) -> float | None:
+        """How much of the proxy's core other processes used during the run (other people's work)."""
+        if self.proxy_core_busy is None or self.proxy_cpu_share is None:
+            return None
+        return max(0.0, self.proxy_core_busy - self.proxy_cpu_share)
+
+    @property
+    def ok(self) -> bool:
+        return not any(self.errors.values()) and self.requests > 0
+
+
+def core_times(cpu: int) -> tuple[float, float, float]:
+    """(busy, steal, total) seconds of one CPU since boot, from /proc/stat."""
+    tick = os.sysconf("SC_CLK_TCK")
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith(f"cpu{cpu} "):
+            v = [int(x) for x in line.split()[1:]]
+            user, nice, system, idle, iowait, irq, softirq, steal = (v + [0] * 8)[:8]
+            busy = user + nice + system + irq + softirq
+            return busy / tick, steal / tick, (busy + idle + iowait + steal) / tick
+    return 0.0, 0.0, 0.0
+
+
+def run_wrk(url: str, script: Path, connections: int, duration: float, proxy: Proc | None,
+            target: str, scenario: str) -> RunResult:
+    duration = max(1, round(duration))  # wrk takes whole seconds
+    argv = ["taskset", "-c", str(LOAD_CPU), "wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--timeout", "5s",
+            "-s", str(script), url + PATH]
+    cpu_before = proxy.cpu_seconds() if proxy else None
+    core_before = core_times(PROXY_CPU)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 30)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"wrk did not finish within {duration + 30:g}s: {shlex.join(argv)}") from None
+    cpu_after = proxy.cpu_seconds() if proxy else None
+    core_after = core_times(PROXY_CPU)
+    core_span = core_after[2] - core_before[2]
+    line = next((l for l in done.stdout.splitlines() if l.startswith("WRKJSON ")), None)
+    if done.returncode != 0 or line is None:
+        raise BenchError(f"wrk failed (code {done.returncode}): {shlex.join(argv)}\n{done.stdout}\n{done.stderr}")
+    data = json.loads(line[len("WRKJSON "):])
+    seconds = data["duration_us"] / 1e6
+    requests = data["requests"]
+    cpu = (cpu_after - cpu_before) if proxy else None
+    errors = {k: data[k] for k in ("connect_errors", "read_errors", "write_errors", "status_errors",
+                                   "timeout_errors")}
+    return RunResult(
+        target=target, scenario=scenario, connections=connections, requests=requests, seconds=seconds,
+        rps=requests / seconds if seconds else 0.0,
+        p50_ms=data["p50_us"] / 1000, p90_ms=data["p90_us"] / 1000, p99_ms=data["p99_us"] / 1000,
+        p999_ms=data["p999_us"] / 1000, max_ms=data["lat_max_us"] / 1000, errors=errors,
+        proxy_cpu_share=(cpu / seconds) if cpu is not None and seconds else None,
+        proxy_cpu_us_per_request=(cpu / requests * 1e6) if cpu is not None and requests else None,
+        proxy_core_busy=(core_after[0] - core_before[0]) / core_span if core_span > 0 else None,
+        proxy_core_steal=(core_after[1] - core_before[1]) / core_span if core_span > 0 else None,
+        command=argv,
+    )
+
+
+SCENARIOS = [
+    # name, body, connections, what it measures
+    ("c1", SMALL_BODY, 1, "non-streaming, c=1: latency"),
+    ("c32", SMALL_BODY, 32, "non-streaming, c=32: max requests/s"),
+    ("stream_c1", STREAM_BODY, 1, "50-chunk stream, c=1: latency of a whole stream"),
+    ("stream_c32", STREAM_BODY, 32, "50-chunk streams, c=32: max streams/s"),
+]
+
+
+@dataclass
+class Target:
+    name: str
+    url: str
+    proc: Proc | None  # None for the upstream called directly
+
+
+def run_interleaved(targets: list[Target], workdir: Path, duration: float, warmup: float,
+                    repeat: int) -> list[RunResult]:
+    """Every scenario on every target, target after target, ``repeat`` rounds.
+
+    Interleaving puts whatever else the machine is doing on all targets alike, instead of
+    on whichever one happened to run while it did.
+    """
+    results = []
+    scripts = {scenario: lua_script(workdir, scenario, body) for scenario, body, _, _ in SCENARIOS}
+    for round_ in range(repeat):
+        for scenario, _, connections, _ in SCENARIOS:
+            for target in targets:
+                if warmup and round_ == 0:
+                    run_wrk(target.url, scripts[scenario], connections, warmup, None, target.name,
+                            scenario + "-warmup")
+                result = run_wrk(target.url, scripts[scenario], connections, duration, target.proc, target.name,
+                                 scenario)
+                flag = "" if result.ok else f"  ERRORS {result.errors}"
+                cpu = ""
+                if result.proxy_cpu_share is not None:
+                    cpu = f"  proxy CPU {result.proxy_cpu_share * 100:3.0f}%"
+                    if result.foreign_cpu_share is not None:
+                        cpu += f" (others on its core {result.foreign_cpu_share * 100:.0f}%)"
+                print(f"  [{round_ + 1}/{repeat}] {target.name:12s} {scenario:10s} {result.rps:9.0f} req/s  "
+                      f"p50 {result.p50_ms:7.3f} ms  p99 {result.p99_ms:7.3f} ms{cpu}{flag}", flush=True)
+                results.append(result)
+    return results
+
+
+# -- targets -----------------------------------------------------------------------------------------------------------
+
+def find_vllm_router(explicit: str | None, install: bool, repo: Path) -> tuple[str | None, str]:
+    """The vllm-router executable and how it was found (installing it when allowed)."""
+    candidates = [explicit] if explicit else []
+    candidates += [shutil.which("vllm-router"), "/tmp/vr/bin/vllm-router", str(repo / "bench-results/vr-venv/bin/vllm-router")]
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate, "found"
+    if explicit:
+        raise BenchError(f"--vllm-router {explicit} is not an executable")
+    if not install:
+        return None, "missing (--no-install)"
+    venv = repo / "bench-results" / "vr-venv"
+    python = shutil.which("python3.11") or sys.executable
+    print(f"vllm-router not found: installing vllm-router=={VLLM_ROUTER_VERSION} into {venv} ...", flush=True)
+    try:
+        subprocess.run([python, "-m", "venv", str(venv)], check=True, timeout=300)
+        subprocess.run([str(venv / "bin/pip"), "install", "-q", f"vllm-router=={VLLM_ROUTER_VERSION}"], check=True,
+                       timeout=900)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        return None, f"install failed: {exc}"
+    return str(venv / "bin/vllm-router"), "installed"
+
+
+def vllm_router_version(executable: str) -> str | None:
+    python = Path(executable).with_name("python")
+    if python.exists():
+        done = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-router'))"],
+                              capture_output=True, text=True, timeout=60)
+        if done.returncode == 0:
+            return done.stdout.strip()
+    return None
+
+
+def llmgw_config(upstreams: list[str]) -> str:
+    replicas = "\n".join(f"      - url: {url}\n        name: up-{i}" for i, url in enumerate(upstreams))
+    return (f"# generated by llmgw.bench.proxy\nlog_level: warning\nmodels:\n  - name: {MODEL}\n"
+            f"    routing: round_robin\n    replicas:\n{replicas}\n")
+
+
+def machine_info() -> dict:
+    info: dict = {"hostname": platform.node(), "kernel": platform.release(), "machine": platform.machine(),
+                  "cpus": os.cpu_count(), "python": platform.python_version()}
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        model = re.search(r"model name\s*:\s*(.+)", cpuinfo)
+        info["cpu_model"] = model.group(1).strip() if model else None
+        mem = re.search(r"MemTotal:\s*(\d+)", Path("/proc/meminfo").read_text())
+        info["memory_gib"] = round(int(mem.group(1)) / 2**20, 1) if mem else None
+    except OSError:
+        pass
+    try:
+        info["virtualization"] = subprocess.run(["systemd-detect-virt"], capture_output=True, text=True,
+                                                timeout=5).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return info
+
+
+def versions(repo: Path) -> dict:
+    from importlib import metadata
+
+    out: dict = {}
+    for dist in ("trio", "httptools", "prometheus-client", "hypercorn", "quart-trio"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "llmgw"], cwd=repo, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        out["llmgw_git"] = head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        out["llmgw_git"] = None
+    wrk = subprocess.run(["wrk", "-v"], capture_output=True, text=True, timeout=10)
+    out["wrk"] = (wrk.stdout + wrk.stderr).strip().splitlines()[0] if (wrk.stdout + wrk.stderr).strip() else None
+    return out
+
+
+# -- report ------------------------------------------------------------------------------------------------------------
+
+def _median(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _runs(results: list[RunResult], target: str, scenario: str) -> list[RunResult]:
+    return [r for r in results if r.target == target and r.scenario == scenario]
+
+
+def summarize(results: list[RunResult], targets: list[str]) -> dict:
+    """Medians over the rounds (and bests), added latency over the direct upstream, and llmgw/vllm-router ratios.
+
+    Ratios are taken round by round (the two proxies ran one after the other, so they shared
+    the machine's conditions) and the median of those is reported.
+    """
+    summary: dict = {}
+    for target in targets:
+        row: dict = {}
+        for scenario, *_ in SCENARIOS:
+            runs = _runs(results, target, scenario)
+            if not runs:
+                continue
+            cell = {
+                "rps": round(_median([r.rps for r in runs]), 1),
+                "rps_best": round(max(r.rps for r in runs), 1),
+                "p50_ms": round(_median([r.p50_ms for r in runs]), 3),
+                "p50_ms_best": round(min(r.p50_ms for r in runs), 3),
+                "p99_ms": round(_median([r.p99_ms for r in runs]), 3),
+                "ok": all(r.ok for r in runs),
+                "rounds": len(runs),
+            }
+            cpu = _median([r.proxy_cpu_share for r in runs])
+            if cpu is not None:
+                cell["proxy_cpu_share"] = round(cpu, 3)
+                cell["proxy_cpu_us_per_request"] = round(_median([r.proxy_cpu_us_per_request for r in runs]), 1)
+                cell["others_on_proxy_core_max"] = round(max(r.foreign_cpu_share or 0.0 for r in runs), 3)
+            direct = _runs(results, "direct", scenario)
+            if target != "direct" and direct:
+                cell["added_p50_ms"] = round(cell["p50_ms"] - _median([r.p50_ms for r in direct]), 3)
+                cell["added_p99_ms"] = round(cell["p99_ms"] - _median([r.p99_ms for r in direct]), 3)
+            row[scenario] = cell
+        summary[target] = row
+    if "llmgw" in summary and "vllm-router" in summary:
+        ratios = _pair_ratios(results, "llmgw", "vllm-router")
+        summary["ratios_llmgw_vs_vllm_router"] = ratios
+        summary["targets_met"] = {
+            "rps_at_least_0.9x": ratios.get("c32_rps_ratio", 0) >= 0.9,
+            "stream_rps_at_least_0.9x": ratios.get("stream_c32_rps_ratio", 0) >= 0.9,
+            "added_p50_at_most_1.2x": ratios.get("c1_added_p50_ratio", 99) <= 1.2,
+        }
+    if "llmgw" in summary and BASELINE in summary:
+        summary["ratios_llmgw_vs_baseline"] = _pair_ratios(results, "llmgw", BASELINE)
+    return summary
+
+
+def _pair_ratios(results: list[RunResult], a: str, b: str) -> dict:
+    """``a`` over ``b``, round by round (requests/s, and added p50 latency over the direct upstream)."""
+    ratios: dict = {}
+    for scenario in ("c32", "stream_c32"):
+        pairs = zip(_runs(results, a, scenario), _runs(results, b, scenario))
+        per_round = [x.rps / y.rps for x, y in pairs if y.rps]
+        if per_round:
+            ratios[f"{scenario}_rps_ratio"] = round(_median(per_round), 3)
+            ratios[f"{scenario}_rps_ratio_rounds"] = [round(r, 3) for r in per_round]
+    for scenario in ("c1", "stream_c1"):
+        triples = zip(_runs(results, a, scenario), _runs(results, b, scenario), _runs(results, "direct", scenario))
+        per_round = [(x.p50_ms - d.p50_ms) / (y.p50_ms - d.p50_ms) for x, y, d in triples if y.p50_ms - d.p50_ms > 0]
+        if per_round:
+            ratios[f"{scenario}_added_p50_ratio"] = round(_median(per_round), 3)
+            ratios[f"{scenario}_added_p50_ratio_rounds"] = [round(r, 3) for r in per_round]
+    return ratios
+
+
+def print_table(summary: dict, targets: list[str]) -> None:
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    cols = ["target", "c=1 p50 ms", "added p50", "c=1 p99 ms", "added p99", "c=32 req/s", "CPU µs/req",
+            "c=32 streams/s", "stream CPU µs", "stream c=1 p50 ms", "others on core"]
+    print()
+    print("medians over the rounds (best c=32 req/s in brackets); proxy CPU is per request on its one core")
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "|".join("-" * (len(c) + 2) for c in cols) + "|")
+    for target in targets:
+        row = summary.get(target, {})
+        c1, c32, s1, s32 = (row.get(k, {}) for k in ("c1", "c32", "stream_c1", "stream_c32"))
+        bad = "" if all(x.get("ok", True) for x in (c1, c32, s1, s32)) else " (errors!)"
+        others = max((x.get("others_on_proxy_core_max") or 0.0) for x in (c1, c32, s1, s32))
+        cells = [
+            target + bad, fmt(c1.get("p50_ms"), ".3f"), fmt(c1.get("added_p50_ms"), "+.3f"),
+            fmt(c1.get("p99_ms"), ".3f"), fmt(c1.get("added_p99_ms"), "+.3f"),
+            f"{fmt(c32.get('rps'), '.0f')} ({fmt(c32.get('rps_best'), '.0f')})",
+            fmt(c32.get("proxy_cpu_us_per_request"), ".0f"), fmt(s32.get("rps"), ".0f"),
+            fmt(s32.get("proxy_cpu_us_per_request"), ".0f"), fmt(s1.get("p50_ms"), ".3f"),
+            "-" if target == "direct" else f"up to {others * 100:.0f}%",
+        ]
+        print("| " + " | ".join(cells) + " |")
+    for key, title, with_targets in (("ratios_llmgw_vs_vllm_router", "llmgw / vllm-router", True),
+                                     ("ratios_llmgw_vs_baseline", f"llmgw / {BASELINE}", False)):
+        ratios = summary.get(key)
+        if not ratios:
+            continue
+
+        def r(name):
+            if name not in ratios:
+                return "n/a"
+            return f"{ratios[name]:.2f}x  (rounds: {', '.join(f'{x:.2f}' for x in ratios[name + '_rounds'])})"
+
+        print()
+        print(f"{title} (median of per-round ratios):")
+        print(f"  requests/s at c=32 (non-streaming): {r('c32_rps_ratio')}" + ("  target >= 0.9x" if with_targets else ""))
+        print(f"  streams/s at c=32 (50 chunks):      {r('stream_c32_rps_ratio')}" + ("  target >= 0.9x" if with_targets else ""))
+        print(f"  added p50 latency at c=1:           {r('c1_added_p50_ratio')}" + ("  target <= 1.2x" if with_targets else ""))
+        print(f"  added p50 of a whole stream at c=1: {r('stream_c1_added_p50_ratio')}")
+
+
+# -- main --------------------------------------------------------------------------------------------------------------
+
+def check_tools() -> None:
+    missing = [tool for tool in ("wrk", "taskset") if shutil.which(tool) is None]
+    if missing:
+        raise BenchError(f"missing tools: {', '.join(missing)}. On Debian/Ubuntu: "
+                         f"sudo apt-get install {' '.join('wrk' if t == 'wrk' else 'util-linux' for t in missing)}")
+    if (os.cpu_count() or 1) < 2:
+        raise BenchError("needs at least 2 CPUs (the proxy on CPU 1, wrk and the upstreams on CPU 0)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llmgw.bench.proxy", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=int, default=10, help="seconds per measured wrk run (default 10)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="seconds of unmeasured load before each scenario in the first round (default 2)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="rounds over all targets and scenarios (interleaved); medians and bests are reported")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here (e.g. bench-results/proxy.json)")
+    parser.add_argument("--targets", default="direct,llmgw,vllm-router",
+                        help="comma-separated subset of direct, llmgw, vllm-router")
+    parser.add_argument("--vllm-router", default=None, help="path of the vllm-router executable")
+    parser.add_argument("--no-install", action="store_true", help="do not install vllm-router when it is missing")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="DIR",
+                        help=f"also measure the llmgw of another checkout (e.g. a git worktree of an older commit), "
+                             f"as target {BASELINE!r}, interleaved with the others")
+    args = parser.parse_args(argv)
+    if not 0 < args.duration <= 300 or not 0 <= args.warmup <= 60 or not 1 <= args.repeat <= 10:
+        parser.error("bounds: 0 < --duration <= 300, 0 <= --warmup <= 60, 1 <= --repeat <= 10")
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    unknown = set(targets) - {"direct", "llmgw", "vllm-router"}
+    if unknown:
+        parser.error(f"unknown targets: {', '.join(sorted(unknown))}")
+    repo = Path(__file__).resolve().parents[2]
+
+    # Ctrl-C and SIGTERM both unwind through the finally below.
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        os.sched_setaffinity(0, {LOAD_CPU})  # this orchestrator stays off the proxy's core
+    except (AttributeError, OSError):
+        pass
+
+    workdir = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
+    procs = Processes(workdir)
+    results: list[RunResult] = []
+    commands: dict[str, list[str]] = {}
+    extra: dict = {}
+    try:
+        check_tools()
+        upstreams = []
+        for name in ("a", "b"):
+            proc = procs.start(f"upstream-{name}", [sys.executable, "-m", "llmgw.bench.fake_upstream", "--port", "0",
+                                                    "--name", name, "--model", MODEL, "--chunks", "50"], LOAD_CPU)
+            proc.url = procs.wait_for_line(proc, r"listening on (http://\S+)", 30).group(1)
+            commands[proc.name] = proc.argv
+            upstreams.append(proc)
+        urls = [p.url for p in upstreams]
+        running: list[Target] = []
+
+        if "direct" in targets:
+            extra["direct"] = check_target("direct", urls[0])
+            running.append(Target("direct", urls[0], None))
+            print(f"direct: {urls[0]}", flush=True)
+
+        config = workdir / "llmgw.yaml"
+        config.write_text(llmgw_config(urls))
+        gateways = [("llmgw", None)] if "llmgw" in targets else []
+        if args.baseline is not None:
+            gateways.append((BASELINE, args.baseline.resolve()))
+            targets.insert(targets.index("llmgw") + 1 if "llmgw" in targets else len(targets), BASELINE)
+        for name, source in gateways:
+            # From another checkout: ``python -m llmgw`` run in its folder imports that folder's llmgw.
+            proc = procs.start(name, [sys.executable, "-m", "llmgw", "serve", "--config", str(config),
+                                      "--listen", "127.0.0.1:0", "--control-listen", "127.0.0.1:0"], PROXY_CPU,
+                               cwd=source)
+            proc.url = procs.wait_for_line(proc, r"llmgw listening on (http://\S+)", 60).group(1)
+            commands[name] = proc.argv + ([f"(in {source})"] if source else [])
+            wait_ready(proc.url, 30, proc)
+            extra[name] = check_target(name, proc.url)
+            running.append(Target(name, proc.url, proc))
+            print(f"{name}: {proc.url} (pid {proc.pid}{f', from {source}' if source else ''})", flush=True)
+        extra["llmgw_config"] = config.read_text()
+
+        if "vllm-router" in targets:
+            executable, how = find_vllm_router(args.vllm_router, not args.no_install, repo)
+            extra["vllm_router_lookup"] = how
+            if executable is None:
+                print(f"vllm-router: skipped ({how})", flush=True)
+                targets.remove("vllm-router")
+            else:
+                port = free_port()
+                argv_vr = [executable, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+                           "--policy", "round_robin", "--prometheus-port", str(free_port()),
+                           "--worker-startup-check-interval", "1", "--log-level", "warning"]
+                proc = procs.start("vllm-router", argv_vr, PROXY_CPU)
+                proc.url = f"http://127.0.0.1:{port}"
+                commands["vllm-router"] = proc.argv
+                extra["vllm_router_version"] = vllm_router_version(executable)
+                wait_ready(proc.url, 60, proc)
+                extra["vllm-router"] = check_target("vllm-router", proc.url)
+                running.append(Target("vllm-router", proc.url, proc))
+                print(f"vllm-router {extra['vllm_router_version']}: {proc.url} (pid {proc.pid})", flush=True)
+
+        extra["loadavg_before"] = Path("/proc/loadavg").read_text().split()[:3]
+        print(f"measuring: {len(SCENARIOS)} scenarios x {len(running)} targets x {args.repeat} rounds of "
+              f"{args.duration:g} s (+{args.warmup:g} s warm-up in round 1)", flush=True)
+        results = run_interleaved(running, workdir, args.duration, args.warmup, args.repeat)
+        extra["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
+    except BenchError as exc:
+        print(f"llmgw.bench.proxy: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping every process", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the clean-up
+        procs.stop_all()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    summary = summarize(results, targets)
+    print_table(summary, targets)
+    if args.json:
+        report = {
+            "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": [sys.executable, "-m", "llmgw.bench.proxy"] + (argv if argv is not None else sys.argv[1:]),
+            "settings": {"duration_s": args.duration, "warmup_s": args.warmup, "repeat": args.repeat,
+                         "proxy_cpu": PROXY_CPU, "load_and_upstream_cpu": LOAD_CPU, "wrk_threads": 1,
+                         "small_body": SMALL_BODY, "stream_body": STREAM_BODY, "path": PATH,
+                         "scenarios": {s: what for s, _, _, what in SCENARIOS}},
+            "machine": machine_info(),
+            "versions": dict(versions(repo), vllm_router=extra.get("vllm_router_version")),
+            "commands": {k: shlex.join(v) for k, v in commands.items()},
+            "checks": extra,
+            "summary": summary,
+            "runs": [vars(r) | {"ok": r.ok, "command": shlex.join(r.command)} for r in results],
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
