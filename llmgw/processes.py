@@ -27,6 +27,7 @@ class Child:
     process: trio.Process
     url: str
     output: list[str] = field(default_factory=list)  # the last lines the child printed
+    control_url: str | None = None  # an ``llmgw serve`` child's control listener (:func:`start_serve`)
 
     @property
     def pid(self) -> int:
@@ -76,6 +77,19 @@ async def run_child(argv: list[str], *, name: str, env: dict[str, str] | None = 
     finally:
         with trio.CancelScope(shield=True):
             await terminate(process, stop_grace)
+
+
+async def start_serve(nursery: trio.Nursery, config_path: str | os.PathLike | None, *extra: str,
+                      env: dict[str, str] | None = None) -> Child:
+    """``llmgw serve`` on ephemeral loopback ports, in ``nursery``; its ``url`` is the OpenAI endpoint and
+    ``control_url`` the control listener (from its banner ``... listening on URL (control: URL)``)."""
+    argv = llmgw_command("serve", "--listen", "127.0.0.1:0", "--control-listen", "127.0.0.1:0", *extra)
+    if config_path is not None:
+        argv += ["--config", str(config_path)]
+    child = await nursery.start(lambda task_status: run_child(argv, name="llmgw", env=env, task_status=task_status))
+    banner = next(line for line in child.output if "(control: " in line)
+    child.control_url = banner.split("(control: ")[1].rstrip(")")
+    return child
 
 
 async def terminate(process: trio.Process, grace: float) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.processes import Child, llmgw_command, run_child
+from llmgw.processes import Child, run_child, start_serve
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,15 +33,10 @@ def start_llmgw(nursery, tmp_path):
     """
 
     async def start(config_text: str | None, *extra: str, env: dict | None = None) -> Child:
-        argv = llmgw_command("serve", "--listen", "127.0.0.1:0", "--control-listen", "127.0.0.1:0", *extra)
+        path = None
         if config_text is not None:
             path = tmp_path / f"llmgw-{len(list(tmp_path.iterdir()))}.yaml"
             path.write_text(config_text)
-            argv += ["--config", str(path)]
-        child = await nursery.start(lambda task_status: run_child(argv, name="llmgw", env=env,
-                                                                   task_status=task_status))
-        banner = next(line for line in child.output if "(control: " in line)
-        child.control_url = banner.split("(control: ")[1].rstrip(")")
-        return child
+        return await start_serve(nursery, path, *extra, env=env)
 
     return start

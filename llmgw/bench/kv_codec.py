@@ -13,19 +13,17 @@ hold even when absolute numbers are noisy.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import platform
 import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import cbor2
 import msgpack
 
+from llmgw.bench.common import bench_parser, write_json
 from llmgw.kv.codec import decode_batch, encode_batch
 from llmgw.kv.events import BlockRemoved, BlockStored, EventBatch
 from llmgw.kv.keys import ContentChainKeys, VllmBlockKeys, none_hash
@@ -191,17 +189,14 @@ def _print_report(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser = bench_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=25, help="repeats per measurement (the minimum is kept)")
     parser.add_argument("--prompts", type=int, default=10, help="prompts per repeat for the key functions")
     args = parser.parse_args(argv)
     report = run(args.repeats, args.prompts)
     _print_report(report)
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
     return 0
 
 

@@ -31,20 +31,19 @@ Ingestion, in block changes per second:
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import trio
 import zmq
 
 from llmgw.http.client import UpstreamPool
 from llmgw.kv import zmq_trio
+from llmgw.bench.common import bench_parser, write_json
 from llmgw.kv.codec import decode_batch, encode_batch
 from llmgw.kv.events import BlockRemoved, BlockStored, EventBatch
 from llmgw.kv.index import KvIndex
@@ -313,16 +312,13 @@ def _print_report(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser = bench_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
     args = parser.parse_args(argv)
     report = trio.run(run, args.quick)
     _print_report(report)
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
     return 0
 
 

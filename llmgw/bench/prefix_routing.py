@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import random
@@ -34,6 +33,7 @@ from ..router.replica import Replica
 from ..router.router import Router
 from ..router.tier import RouteRequest
 from .chat_workloads import percentile, run_multi_turn, run_shared_prefix, summarize, words
+from .common import write_json
 from .sim_cluster import MODEL, gateway_config, start_gateway, start_sims
 
 REPLICAS = 4
@@ -190,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(report)
     print(text)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({**report, "markdown": text}, indent=2) + "\n")
+        write_json(args.json, {**report, "markdown": text})
     return 0
 
 

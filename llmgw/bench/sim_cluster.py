@@ -15,7 +15,7 @@ from typing import Sequence
 
 import trio
 
-from ..processes import Child, llmgw_command, run_child
+from ..processes import Child, llmgw_command, run_child, start_serve
 
 MODEL = "tiny"
 
@@ -54,9 +54,4 @@ async def start_gateway(nursery: trio.Nursery, config_text: str) -> Child:
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as directory:
         path = Path(directory) / "llmgw.yaml"
         path.write_text(config_text)
-        argv = llmgw_command("serve", "--listen", "127.0.0.1:0", "--control-listen", "127.0.0.1:0",
-                             "--config", str(path))
-        child = await nursery.start(lambda task_status: run_child(argv, name="llmgw", task_status=task_status))
-    banner = next(line for line in child.output if "(control: " in line)
-    child.control_url = banner.split("(control: ")[1].rstrip(")")
-    return child
+        return await start_serve(nursery, path)

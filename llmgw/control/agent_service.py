@@ -30,6 +30,7 @@ import trio
 from .. import wire
 from ..agent.channel import Channel, ChannelClosed
 from .inventory import Inventory
+from .tasks import TaskHost
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,9 @@ class AgentSession:
             await trio.sleep(self.service.settings.heartbeat_interval)
 
 
-class AgentService:
+class AgentService(TaskHost):
+    not_running = "the agent service is not running"
+
     def __init__(self, inventory: Inventory, handler: SessionHandler, settings: SessionSettings, *,
                  metrics=None, control_plane_id: str = ""):
         self.inventory = inventory
@@ -180,19 +183,10 @@ class AgentService:
         self.settings = settings
         self.metrics = metrics
         self.control_plane_id = control_plane_id
-        self._nursery: trio.Nursery | None = None
-
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Own the sessions of in-process agents (websocket sessions live in their request handler)."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            await trio.sleep_forever()
 
     async def accept_in_process(self, channel: Channel) -> None:
         """Serve the control plane's end of an in-process channel (the embedded agent), trusted."""
-        assert self._nursery is not None, "the agent service is not running"
-        self._nursery.start_soon(self.serve, channel, True)
+        self.spawn(self.serve, channel, True)  # its run() owns the sessions of in-process agents
 
     async def serve(self, channel: Channel, trusted: bool = False) -> None:
         """Run one connection from its Register to its end."""

@@ -24,12 +24,11 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
-import trio
-
 from .. import wire
 from ..plugins_manager import PluginError
 from ..router.replica import Replica
 from .reconciler import Assignment, DesiredReplica
+from .tasks import TaskHost
 
 if TYPE_CHECKING:
     from ..app import Gateway
@@ -44,21 +43,15 @@ class Routed:
     draining: bool = False
 
 
-class DeployedRouting:
+class DeployedRouting(TaskHost):
+    not_running = "DeployedRouting.run is not running"
+
     def __init__(self, gateway: "Gateway", on_released: Callable[[str], None], drain_timeout: float = 600.0):
         self.gateway = gateway
         self.on_released = on_released
         self.drain_timeout = drain_timeout
         self.routed: dict[str, Routed] = {}  # by replica id
         self.models: dict[str, tuple[str, dict]] = {}  # served model name -> (tier in use, its options)
-        self._nursery: trio.Nursery | None = None
-
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Own the drain and removal tasks."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            await trio.sleep_forever()
 
     # -- models --------------------------------------------------------------------------------------------------
 
@@ -128,7 +121,7 @@ class DeployedRouting:
     def _remove(self, routed: Routed, why: str) -> None:
         del self.routed[routed.replica.name]
         log.info("replica %s leaves routing: %s", routed.replica.name, why)
-        self._spawn(self.gateway.remove_replica, routed.replica)
+        self.spawn(self.gateway.remove_replica, routed.replica)
 
     def _retire(self, assignment: Assignment) -> None:
         if assignment.released:
@@ -139,17 +132,13 @@ class DeployedRouting:
             return
         if not current.draining:
             current.draining = True
-            self._spawn(self._drain, current, assignment.retiring)
+            self.spawn(self._drain, current, assignment.retiring)
 
     async def _drain(self, routed: Routed, reason: str) -> None:
         await self.gateway.drain_replica(routed.replica, reason, self.drain_timeout)
         if self.routed.get(routed.replica.name) is routed:
             del self.routed[routed.replica.name]
         self.on_released(routed.key)
-
-    def _spawn(self, fn, *args) -> None:
-        assert self._nursery is not None, "DeployedRouting.run is not running"
-        self._nursery.start_soon(fn, *args)
 
     def replica(self, replica_id: str, key: str) -> Replica | None:
         routed = self.routed.get(replica_id)

@@ -45,10 +45,10 @@ from ..kv.keys import none_hash
 from ..kv.metrics import KvMetrics
 from ..kv.tokenize import TokenizeError
 from ..plugins_manager import PluginError
-from ..router.canonical import canonical_text
 from ..router.replica import Replica
-from ..router.tier import Decision, RouteRequest, ScoreContext, TierServices
-from .prefix_tree import PrefixTreeTier
+from ..router.tier import Decision, RouteRequest, TierServices
+from .options import count, option_reader
+from .prefix_tree import Choice, PrefixTreeTier
 
 log = logging.getLogger(__name__)
 
@@ -79,26 +79,19 @@ class KvIndexOptions:
     def parse(cls, raw: Mapping[str, Any]) -> tuple["KvIndexOptions", list[str]]:
         options, problems = cls(), []
 
-        def take(key: str, convert) -> None:
-            if key not in raw or raw[key] is None and key not in ("hash_seed", "extra_key_style"):
-                return
-            try:
-                setattr(options, key, None if raw[key] is None else convert(raw[key]))
-            except (TypeError, ValueError) as exc:
-                problems.append(f"{key}: {exc}")
-
+        take = option_reader(options, raw, problems, ("hash_seed", "extra_key_style"))
         take("tokenizer", _name)
         take("tokenize_timeout", _positive_duration)
         take("tokenize_timeout_per_kb", _non_negative_duration)
-        take("tokenize_cache_tokens", _count(0))
+        take("tokenize_cache_tokens", count(0))
         take("key_function", _name)
         take("key_function_options", _mapping)
         take("hash_algo", _name)
         take("hash_seed", str)
         take("extra_key_style", _name)
         take("predicted_ttl", _non_negative_duration)
-        take("min_match_blocks", _count(1))
-        take("max_prompt_tokens", _count(1))
+        take("min_match_blocks", count(1))
+        take("max_prompt_tokens", count(1))
         take("lora_adapters", _lora_map)
         return options, problems
 
@@ -122,14 +115,6 @@ def _lora_map(value: Any) -> dict[str, str]:
     if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise ValueError("expected a mapping of LoRA adapter name to the path the engine loaded it from")
     return dict(value)
-
-
-def _count(minimum: int):
-    def convert(value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"expected an integer >= {minimum}, got {value!r}")
-        return value
-    return convert
 
 
 def _positive_duration(value: Any) -> float:
@@ -170,13 +155,7 @@ class KvEvaluation:
     matched: list[int]  # leading blocks counting predicted entries
     shares: list[float]
     sources: list[str]  # "index" or "tree" per candidate
-    loads: list[float]
-    scores: dict[str, Sequence[float]]
-    combined: list[float]
-    preferred: int
-    chosen: int
-    outcome: str
-    reason: str
+    choice: Choice  # the prefix tier's rule applied to the shares, its reason worded for blocks
     text: str | None  # the canonical text, when the tree was consulted
 
 
@@ -221,7 +200,7 @@ class KvIndexTier:
             self.metrics.track_index(self.index)
             if getattr(self.tokenizer, "observe", False) is None:
                 self.tokenizer.observe = self.metrics.tokenize_seconds.observe
-        self._rng = self.tree._rng
+        self._rng = self.tree.rng
         self._tokenize_turn = 0
         # what finished() saw, for tests and the admin API (the counters carry the same totals)
         self.predicted_cached_total = 0
@@ -260,26 +239,20 @@ class KvIndexTier:
             decision.outcome = result.outcome
             decision.tier = TIER_NAME
             return decision
-        ev = result
-        chosen = candidates[ev.chosen]
-        tree = self.tree
-        if ev.outcome != "hit":
-            tree._cold_serial += 1
-            tree._last_cold[chosen.name] = tree._cold_serial
-        text = ev.text if ev.text is not None else self._text(request)
-        tree.tree.insert(text, chosen.name, now)
-        detail: dict[str, Any] = {"prompt_tokens": ev.prompt_tokens, "source": ev.sources[ev.chosen],
-                                  "share": ev.shares[ev.chosen]}
-        size = ev.block_sizes[ev.chosen]
-        if ev.sources[ev.chosen] == "index" and size:
+        ev, i = result, result.choice.chosen
+        chosen = candidates[i]
+        text = ev.text if ev.text is not None else self.tree.prompt_text(request)
+        self.tree.learn(text, chosen.name, ev.choice.outcome, now)
+        detail: dict[str, Any] = {"prompt_tokens": ev.prompt_tokens, "source": ev.sources[i], "share": ev.shares[i]}
+        size = ev.block_sizes[i]
+        if ev.sources[i] == "index" and size:
             keys = ev.keys[size]
             if self.options.predicted_ttl > 0:
                 self.index.predict(chosen.name, keys, self.options.predicted_ttl)
-            detail.update(block_size=size, blocks=len(keys), matched_blocks=ev.matched[ev.chosen],
-                          confirmed_blocks=ev.confirmed[ev.chosen],
-                          predicted_cached_tokens=predicted_cached_tokens(ev.matched[ev.chosen], size,
-                                                                          ev.prompt_tokens))
-        return Decision(chosen, outcome=ev.outcome, tier=TIER_NAME, detail=detail)
+            detail.update(block_size=size, blocks=len(keys), matched_blocks=ev.matched[i],
+                          confirmed_blocks=ev.confirmed[i],
+                          predicted_cached_tokens=predicted_cached_tokens(ev.matched[i], size, ev.prompt_tokens))
+        return Decision(chosen, outcome=ev.choice.outcome, tier=TIER_NAME, detail=detail)
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         pass  # pick() already recorded the predicted entries and the tree insert, for concurrent requests
@@ -314,19 +287,19 @@ class KvIndexTier:
             for entry in answer.get("replicas", []):
                 entry["index"] = self.index.describe(entry["name"])
             return answer
-        ev = result
+        ev, c = result, result.choice
         replicas = []
         for i, replica in enumerate(candidates):
             replicas.append({
                 "name": replica.name, "candidate": True, "index": self.index.describe(replica.name),
                 "source": ev.sources[i], "block_size": ev.block_sizes[i], "confirmed_blocks": ev.confirmed[i],
-                "matched_blocks": ev.matched[i], "share": ev.shares[i], "load": ev.loads[i],
-                "scores": {name: values[i] for name, values in ev.scores.items()}, "combined": ev.combined[i],
+                "matched_blocks": ev.matched[i], "share": ev.shares[i], "load": c.loads[i],
+                "scores": {name: values[i] for name, values in c.scores.items()}, "combined": c.combined[i],
             })
         o = self.tree.options
         return {
-            "pick": candidates[ev.chosen].name, "outcome": ev.outcome, "reason": ev.reason,
-            "preferred": candidates[ev.preferred].name, "prompt_tokens": ev.prompt_tokens,
+            "pick": candidates[c.chosen].name, "outcome": c.outcome, "reason": c.reason,
+            "preferred": candidates[c.preferred].name, "prompt_tokens": ev.prompt_tokens,
             "blocks": {str(size): len(keys) for size, keys in ev.keys.items()},
             "rule": {"weights": dict(o.scorers), "min_match_blocks": self.options.min_match_blocks,
                      "max_imbalance": o.max_imbalance, "load_sigma_k": o.load_sigma_k},
@@ -334,11 +307,6 @@ class KvIndexTier:
         }
 
     # -- the rule ----------------------------------------------------------------------------------------------------
-
-    def _text(self, request: RouteRequest) -> str:
-        text = canonical_text(request)
-        limit = self.tree.options.max_prefix_chars
-        return text[:limit] if len(text) > limit else text
 
     def _tokenize_replica(self, candidates: Sequence[Replica]) -> Replica:
         """The least loaded candidate (its API server answers soonest); equals in turn."""
@@ -381,12 +349,12 @@ class KvIndexTier:
 
         floor = self.options.min_match_blocks
         text = None
-        tree_held: dict[str, int] = {}
+        tree_held = [0] * len(candidates)
         if not all(healthy):  # some candidates are scored by the tree for this decision
-            text = self._text(request)
-            tree_held = self.tree.tree.match(text, now)
+            text = self.tree.prompt_text(request)
+            tree_held = self.tree.matches(text, candidates, now)
         confirmed, matched, shares, sources = [], [], [], []
-        for replica, ok, size in zip(candidates, healthy, sizes):
+        for replica, ok, size, held in zip(candidates, healthy, sizes, tree_held):
             if ok:
                 total = len(keys.get(size, ())) if size else 0
                 run_confirmed, run = runs.get(replica.name, (0, 0))
@@ -396,21 +364,18 @@ class KvIndexTier:
                 shares.append(run / total if total else 0.0)
                 sources.append("index")
             else:
-                held = tree_held.get(replica.name, 0)
-                held = held if held >= self.tree.options.min_match_chars else 0
                 confirmed.append(0)
                 matched.append(0)
                 shares.append(held / len(text) if text else 0.0)
                 sources.append("tree")
-        ev = _decide(self.tree, request, candidates, shares, now, rng)
-        scores, combined, loads, preferred, chosen, outcome, reason = ev
+        choice = _decide(self.tree, request, candidates, shares, now, rng)
         return KvEvaluation(prompt_tokens, keys, sizes, [s.value for s in states], confirmed, matched, shares,
-                            sources, loads, scores, combined, preferred, chosen, outcome, reason, text)
+                            sources, choice, text)
 
 
 def _decide(tree: PrefixTreeTier, request: RouteRequest, candidates: Sequence[Replica], shares: list[float],
-            now: float, rng: random.Random):
-    """The prefix tier's scorers and load rule applied to ``shares`` (the tail of ``PrefixTreeTier._evaluate``).
+            now: float, rng: random.Random) -> Choice:
+    """The prefix tier's scorers and load rule (:meth:`PrefixTreeTier.decide`) applied to ``shares``.
 
     The prefix share reaches the tree's scorers as ``matched_chars / prompt_chars`` =
     ``round(share * SHARE_SCALE) / SHARE_SCALE``, so the ``prefix`` scorer rates a
@@ -418,36 +383,13 @@ def _decide(tree: PrefixTreeTier, request: RouteRequest, candidates: Sequence[Re
     sees the same loads and in-flight tokens as under ``prefix_tree``.
     """
     matched = [round(share * SHARE_SCALE) for share in shares]
-    loads = [tree._load(r, now) for r in candidates]
-    tokens = [r.inflight_tokens for r in candidates]
-    context = ScoreContext(SHARE_SCALE, matched, loads, tokens, now)
-    scores: dict[str, Sequence[float]] = {}
-    combined = [0.0] * len(candidates)
-    for name, weight, scorer in tree.scorers:
-        values = scorer.score(request, candidates, context)
-        if len(values) != len(candidates):
-            raise ValueError(f"scorer {name!r} returned {len(values)} scores for {len(candidates)} candidates")
-        scores[name] = values
-        if weight:
-            combined = [total + weight * value for total, value in zip(combined, values)]
-
-    def tie_key(i: int) -> tuple:
-        return loads[i], tokens[i], tree._last_cold.get(candidates[i].name, 0)
-
-    best = max(combined)
-    preferred = tree._first(rng, [i for i, s in enumerate(combined) if s == best], tie_key)
-    least = min(loads)
-    reason = tree._overloaded(preferred, loads, least)
-    if reason:
-        chosen = tree._first(rng, [i for i, load in enumerate(loads) if load == least], tie_key)
-        outcome = "load_override"
-    else:
-        chosen = preferred
-        outcome = "hit" if matched[chosen] else "miss"
-        reason = ("holds the longest leading run of blocks" if outcome == "hit" and matched[chosen] == max(matched)
-                  else "best combined score" if outcome == "hit"
-                  else "no candidate holds a leading block of the prompt: spread by load")
-    return scores, combined, loads, preferred, chosen, outcome, reason
+    c = tree.decide(request, candidates, prompt_units=SHARE_SCALE, matched=matched, now=now, rng=rng)
+    if not c.reason:
+        longest = c.outcome == "hit" and matched[c.chosen] == max(matched)
+        c.reason = ("holds the longest leading run of blocks" if longest
+                    else "best combined score" if c.outcome == "hit"
+                    else "no candidate holds a leading block of the prompt: spread by load")
+    return c
 
 
 def predicted_cached_tokens(matched_blocks: int, block_size: int, prompt_tokens: int) -> int:

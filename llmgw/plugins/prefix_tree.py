@@ -43,10 +43,11 @@ from ..router.radix import RadixTree
 from ..router.replica import Replica
 from ..router.tier import Decision, RouteRequest, ScoreContext, TierServices
 from ..router.tree_metrics import track_tree
+from .options import count, option_reader
 from .scorers import register_scorers
 
 # register_scorers is re-exported so that pluggy finds the built-in scorers' hook on this plugin module.
-__all__ = ["PrefixTreeOptions", "PrefixTreeTier", "register_routing_tiers", "register_scorers"]
+__all__ = ["Choice", "PrefixTreeOptions", "PrefixTreeTier", "register_routing_tiers", "register_scorers"]
 
 log = logging.getLogger(__name__)
 
@@ -83,27 +84,20 @@ class PrefixTreeOptions:
         known = set(cls.__dataclass_fields__) | set(scorer_keys)
         unknown = sorted(k for k in raw if k not in known)
 
-        def take(key: str, convert) -> None:
-            if key not in raw or raw[key] is None and key not in _NULLABLE:
-                return
-            try:
-                setattr(options, key, None if raw[key] is None else convert(raw[key]))
-            except (TypeError, ValueError) as exc:
-                problems.append(f"{key}: {exc}")
-
+        take = option_reader(options, raw, problems, _NULLABLE)
         take("scorers", _weights)
-        take("min_match_chars", _count(0))
+        take("min_match_chars", count(0))
         take("max_imbalance", _positive_number)
         take("load_sigma_k", _positive_number)
-        take("load_token_scale", _count(1))
-        take("tree_chars_per_replica", _count(1))
-        take("tree_nodes_per_replica", _count(1))
+        take("load_token_scale", count(1))
+        take("tree_chars_per_replica", count(1))
+        take("tree_nodes_per_replica", count(1))
         take("tree_ttl", _positive_duration)
-        take("max_prefix_chars", _count(1))
+        take("max_prefix_chars", count(1))
         take("engine_metrics_interval", _positive_duration)
         take("engine_metrics_timeout", _positive_duration)
         take("engine_metrics_max_age", _positive_duration)
-        take("seed", _count(0))
+        take("seed", count(0))
         if options.engine_metrics_interval is not None:
             if options.engine_metrics_timeout is None:
                 options.engine_metrics_timeout = min(options.engine_metrics_interval, 1.0)
@@ -113,14 +107,6 @@ class PrefixTreeOptions:
 
 
 _NULLABLE = {"max_imbalance", "load_sigma_k", "engine_metrics_interval", "seed"}
-
-
-def _count(minimum: int):
-    def convert(value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"expected an integer >= {minimum}, got {value!r}")
-        return value
-    return convert
 
 
 def _positive_number(value: Any) -> float:
@@ -149,10 +135,13 @@ def _weights(value: Any) -> dict[str, float]:
 
 
 @dataclass
-class Evaluation:
-    """One request scored against the candidates (what :meth:`PrefixTreeTier.explain` shows)."""
+class Choice:
+    """The tier's rule applied to one request's matches (:meth:`PrefixTreeTier.decide`), aligned with the candidates.
 
-    text: str
+    ``reason`` says why the load guard overrode the preferred replica (outcome
+    ``load_override``), and is '' for ``hit`` and ``miss``: a caller words those.
+    """
+
     matched: list[int]
     loads: list[float]
     tokens: list[int]
@@ -162,6 +151,14 @@ class Evaluation:
     chosen: int
     outcome: str
     reason: str
+
+
+@dataclass
+class Evaluation(Choice):
+    """One request scored against the candidates (what :meth:`PrefixTreeTier.explain` shows); ``reason`` is
+    always worded."""
+
+    text: str
 
 
 class PrefixTreeTier:
@@ -185,7 +182,7 @@ class PrefixTreeTier:
         self.scorers = [(name, weight, factories[name](raw)) for name, weight in options.scorers.items()]
         self.engine_metrics_interval = options.engine_metrics_interval  # read by the gateway to start a scraper
         self.engine_metrics_timeout = options.engine_metrics_timeout
-        self._rng = random.Random(options.seed)
+        self.rng = random.Random(options.seed)  # shared with a kv_index tier built on this one
         self._cold_serial = 0
         self._last_cold: dict[str, int] = {}  # replica -> serial of the last request it got without holding a match
         if services.metrics is not None:
@@ -213,12 +210,9 @@ class PrefixTreeTier:
 
     async def pick(self, request: RouteRequest, candidates: Sequence[Replica]) -> Decision:
         now = self.clock()
-        evaluation = self._evaluate(request, candidates, now, self._rng)
+        evaluation = self._evaluate(request, candidates, now, self.rng)
         chosen = candidates[evaluation.chosen]
-        if evaluation.outcome != "hit":
-            self._cold_serial += 1
-            self._last_cold[chosen.name] = self._cold_serial
-        self.tree.insert(evaluation.text, chosen.name, now)
+        self.learn(evaluation.text, chosen.name, evaluation.outcome, now)
         return Decision(chosen, outcome=evaluation.outcome, tier=TIER_NAME,
                         detail={"matched_chars": evaluation.matched[evaluation.chosen],
                                 "prompt_chars": len(evaluation.text)})
@@ -232,7 +226,7 @@ class PrefixTreeTier:
     def explain(self, request: RouteRequest, candidates: Sequence[Replica]) -> dict:
         """The pick :meth:`pick` would make now (same random draw), with every score; changes nothing."""
         rng = random.Random()
-        rng.setstate(self._rng.getstate())
+        rng.setstate(self.rng.getstate())
         now = self.clock()
         ev = self._evaluate(request, candidates, now, rng)
         o = self.options
@@ -257,18 +251,39 @@ class PrefixTreeTier:
 
     # -- the rule ----------------------------------------------------------------------------------------------------
 
-    def _evaluate(self, request: RouteRequest, candidates: Sequence[Replica], now: float,
-                  rng: random.Random) -> Evaluation:
-        o = self.options
+    def prompt_text(self, request: RouteRequest) -> str:
+        """The request's canonical text, cut to ``max_prefix_chars``: what the tree matches and learns."""
         text = canonical_text(request)
-        if len(text) > o.max_prefix_chars:
-            text = text[:o.max_prefix_chars]
+        limit = self.options.max_prefix_chars
+        return text[:limit] if len(text) > limit else text
+
+    def matches(self, text: str, candidates: Sequence[Replica], now: float) -> list[int]:
+        """Each candidate's characters of ``text`` held in the tree; 0 below ``min_match_chars``."""
         held = self.tree.match(text, now)
-        floor = o.min_match_chars
-        matched = [m if (m := held.get(r.name, 0)) >= floor else 0 for r in candidates]
+        floor = self.options.min_match_chars
+        return [m if (m := held.get(r.name, 0)) >= floor else 0 for r in candidates]
+
+    def learn(self, text: str, replica: str, outcome: str, now: float) -> None:
+        """Record a pick: ``replica`` now holds ``text``; a pick that was not a hit makes it the most recently cold."""
+        if outcome != "hit":
+            self.note_cold(replica)
+        self.tree.insert(text, replica, now)
+
+    def note_cold(self, replica: str) -> None:
+        """``replica`` was just given a request it held nothing of: it loses ties to those given one less recently."""
+        self._cold_serial += 1
+        self._last_cold[replica] = self._cold_serial
+
+    def decide(self, request: RouteRequest, candidates: Sequence[Replica], *, prompt_units: int,
+               matched: list[int], now: float, rng: random.Random) -> Choice:
+        """Rules 2 to 5 (scores, preferred replica, ties, load guard) for ``matched`` of ``prompt_units``.
+
+        ``matched[i]`` is what candidate ``i`` holds (0 for nothing useful), in the same unit as
+        ``prompt_units``; the scorers see them as ``matched_chars`` and ``prompt_chars``. Changes no state.
+        """
         loads = [self._load(r, now) for r in candidates]
         tokens = [r.inflight_tokens for r in candidates]
-        context = ScoreContext(len(text), matched, loads, tokens, now)
+        context = ScoreContext(prompt_units, matched, loads, tokens, now)
         scores: dict[str, Sequence[float]] = {}
         combined = [0.0] * len(candidates)
         for name, weight, scorer in self.scorers:
@@ -292,11 +307,21 @@ class PrefixTreeTier:
         else:
             chosen = preferred
             outcome = "hit" if matched[chosen] else "miss"
+        return Choice(matched, loads, tokens, scores, combined, preferred, chosen, outcome, reason)
+
+    def _evaluate(self, request: RouteRequest, candidates: Sequence[Replica], now: float,
+                  rng: random.Random) -> Evaluation:
+        text = self.prompt_text(request)
+        matched = self.matches(text, candidates, now)
+        c = self.decide(request, candidates, prompt_units=len(text), matched=matched, now=now, rng=rng)
+        reason = c.reason
+        if not reason:
             longest = max(matched)
-            reason = ("holds the longest useful match" if outcome == "hit" and matched[chosen] == longest
+            reason = ("holds the longest useful match" if c.outcome == "hit" and matched[c.chosen] == longest
                       else "best combined score" if longest
-                      else f"no candidate holds {floor}+ characters of the prefix: spread by load")
-        return Evaluation(text, matched, loads, tokens, scores, combined, preferred, chosen, outcome, reason)
+                      else f"no candidate holds {self.options.min_match_chars}+ characters of the prefix: "
+                           "spread by load")
+        return Evaluation(**{**vars(c), "reason": reason}, text=text)
 
     def _overloaded(self, preferred: int, loads: list[float], least: float) -> str:
         """Why the preferred replica is too loaded to take the request, or ''."""

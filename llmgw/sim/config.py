@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass, field
 
 from llmgw.kv.codec import ARRAY_VARIANTS, MAP_VARIANTS
 from llmgw.kv.keys import ALGORITHMS
+from llmgw.kv.subscriber import rank_endpoint
 
 
 class ConfigError(ValueError):
@@ -81,17 +81,13 @@ def binds(endpoint: str) -> bool:
 
 def offset_endpoint(endpoint: str, rank: int) -> str:
     """The endpoint data-parallel rank ``rank`` uses (vLLM's per-rank offset)."""
-    if rank == 0:
-        return endpoint
-    if endpoint.startswith("inproc://"):
-        return f"{endpoint}_dp{rank}"
-    if endpoint.startswith("tcp://"):
-        match = re.fullmatch(r"(tcp://.*):(\d+)", endpoint)
-        if not match:
-            raise ConfigError(f"KV events endpoint {endpoint!r} has no port")
-        port = int(match.group(2))
-        return endpoint if port == 0 else f"{match.group(1)}:{port + rank}"
-    raise ConfigError(f"KV events endpoint {endpoint!r}: only tcp:// and inproc:// support data-parallel ranks > 0")
+    try:
+        return rank_endpoint(endpoint, rank)
+    except ValueError:
+        if endpoint.startswith("tcp://"):
+            raise ConfigError(f"KV events endpoint {endpoint!r} has no port") from None
+        raise ConfigError(f"KV events endpoint {endpoint!r}: only tcp:// and inproc:// support data-parallel "
+                          "ranks > 0") from None
 
 
 @dataclass

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ import trio_websocket
 
 from llmgw import wire
 from llmgw.processes import llmgw_command
+from helpers import free_port, next_error
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "nodes"
@@ -54,12 +54,6 @@ deployments:
   - profile: tiny-sim
     replicas: 2
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -437,15 +431,6 @@ async def test_a_wrong_token_and_reports_about_foreign_shards_are_refused(cluste
     assert replicas["tiny-sim-0"]["shards"][0]["state"] == "ready"
     assert (await cluster.nodes())["crafty"]["shards"] == []
     assert await cluster.chat() == "tiny-sim-0"
-
-
-async def next_error(ws) -> wire.ErrorMessage:
-    """The next ErrorMessage on a raw agent websocket (heartbeats skipped)."""
-    with trio.fail_after(5):
-        while True:
-            message = wire.decode(await ws.get_message())
-            if isinstance(message, wire.ErrorMessage):
-                return message
 
 
 GANG = """

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 
 import httpx
 import openai
 import pytest
 import trio
+
+from helpers import free_port
 
 KEY = "sk-test-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -35,12 +36,6 @@ health:
   failures_to_down: 1
 {extra}
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def stats(upstream) -> dict:

@@ -22,7 +22,8 @@ import trio_websocket
 
 from llmgw import wire
 from llmgw.processes import llmgw_command, run_child
-from test_cluster import AGENTS, TOKEN, all_up, cluster, embedded, engines, free_port  # noqa: F401 (fixtures)
+from helpers import free_port, next_error
+from test_cluster import AGENTS, TOKEN, all_up, cluster, embedded, engines  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow
 
@@ -153,14 +154,6 @@ async def test_kv_events_route_to_the_holder_predict_exactly_and_only_their_owne
     agent = (await cluster.admin("/admin/kv"))["agent_subscriptions"]
     assert {s["replica_id"] for s in agent} == set(replicas)
     assert all(rank["parity"] is not False for s in agent for rank in s["ranks"])
-
-
-async def next_error(ws) -> wire.ErrorMessage:
-    with trio.fail_after(5):
-        while True:
-            message = wire.decode(await ws.get_message())
-            if isinstance(message, wire.ErrorMessage):
-                return message
 
 
 async def test_a_static_replica_with_kv_events_feeds_the_index(nursery, start_llmgw):

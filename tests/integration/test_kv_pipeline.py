@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -34,18 +33,13 @@ from llmgw.router.replica import Replica
 from llmgw.router.router import Router
 from llmgw.router.tier import RouteRequest
 from llmgw.wire import KvChangeKind, KvChanges
+from helpers import free_port
 
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny"
 BLOCK = 16
 KEYS = VllmBlockKeys("sha256_cbor", "0")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -1,0 +1,21 @@
+"""Helpers the benchmarks share."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def write_json(path: str | Path, report: dict) -> None:
+    """Write ``report`` as indented JSON to ``path``, making its folder first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's argument parser: described by the first line of ``doc``, with ``--json PATH``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    return parser
