@@ -457,7 +457,10 @@ async def test_a_two_node_profile_is_placed_as_a_gang_or_not_at_all(cluster):
     assert await cluster.metric("llmgw_placement_failures_total") == 1
 
     await cluster.start_agent("b", "tiny-2gpu-b")
-    replicas = await cluster.replicas_where("the gang up", all_up(1))
+    # The replica routes as soon as rank 0 is Ready; rank 1 (a whole simulator here) may still be loading then.
+    replicas = await cluster.replicas_where(
+        "the gang up with every rank ready",
+        lambda rs: all_up(1)(rs) and all(s["state"] == "ready" for s in rs["tiny-gang-0"]["shards"]))
     gang = replicas["tiny-gang-0"]
     shards = sorted(gang["shards"], key=lambda s: s["rank"])
     assert [(s["rank"], s["node"], s["gpu_indices"], s["state"]) for s in shards] == [
