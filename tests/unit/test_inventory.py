@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 
 import pytest
@@ -196,6 +198,15 @@ async def test_the_in_process_agent_registers_obeys_reports_and_comes_back(servi
     agent = Agent(InProcessConnector(service.accept_in_process), node_id="n", discovery="cpu", state_dir=tmp_path,
                   address="127.0.0.1")
     agent.shards = shards = StubShards()
+    # Discover once, up front: discovery runs in a worker thread, and real time spent in a thread lets the
+    # autojump clock leap past every deadline of this test.
+    from llmgw.agent.discovery import discover
+    discovered = discover("cpu", node_id="n", address="127.0.0.1")
+
+    async def rediscover():
+        return dataclasses.replace(discovered)
+
+    agent._discover = rediscover
     shards.running = [wire.ShardReport(shard_id="kept", state=wire.ShardState.READY, pid=7)]
     await nursery.start(agent.run)
     inventory = service.inventory
