@@ -186,8 +186,18 @@ async def test_cancelling_a_request_closes_its_upstream_connection(upstream):
 
     up = await upstream(never)
     pool = UpstreamPool("127.0.0.1", up.port)
-    with trio.move_on_after(0.2):
-        await call(pool)
+
+    async def cancel_once_the_upstream_has_it(scope):
+        with trio.fail_after(5):
+            while not up.requests:
+                await trio.sleep(0.005)
+        scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        with trio.CancelScope() as request_scope:
+            nursery.start_soon(cancel_once_the_upstream_has_it, request_scope)
+            await call(pool)
+    assert request_scope.cancelled_caught
     with trio.fail_after(1):
         await up.closed_by_peer.wait()
     assert pool.open_connections == 0
