@@ -39,6 +39,7 @@ class Engine:
         self.time_scale = time_scale
         self.data_parallel_rank = data_parallel_rank
         self.events_out = events_out
+        self.batches_published = 0  # batches handed to the publisher: the last one has seq batches_published - 1
         self.batches_dropped = 0  # batches the publisher could not take (queue full)
         self._work = trio.Event()
 
@@ -76,6 +77,7 @@ class Engine:
             return
         try:
             self.events_out.send_nowait(EventBatch(time.time(), events, self.data_parallel_rank))
+            self.batches_published += 1
         except trio.WouldBlock:
             self.batches_dropped += 1
             log.warning("KV event queue is full; dropped a batch of %d events", len(events))

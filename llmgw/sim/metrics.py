@@ -33,6 +33,8 @@ _METRICS = (
     ("llmgw_sim_num_blocks", "gauge", "Usable KV blocks (num_blocks minus vLLM's null block)."),
     ("llmgw_sim_block_size", "gauge", "Tokens per KV block."),
     ("llmgw_sim_engine_steps", "counter", "Engine steps run."),
+    ("llmgw_sim_kv_event_batches", "counter",
+     "KV event batches handed to the publisher (the last one carries sequence number total - 1)."),
     ("llmgw_sim_kv_event_batches_dropped", "counter", "KV event batches lost because the publisher queue was full."),
 )
 
@@ -62,6 +64,7 @@ def render(engine: Engine, model_name: str) -> bytes:
         "llmgw_sim_num_blocks": [("", pool.num_usable_blocks)],
         "llmgw_sim_block_size": [("", pool.block_size)],
         "llmgw_sim_engine_steps": [("", stats.steps)],
+        "llmgw_sim_kv_event_batches": [("", engine.batches_published)],
         "llmgw_sim_kv_event_batches_dropped": [("", engine.batches_dropped)],
     }
     lines = []

@@ -71,9 +71,14 @@ class Engine:
         response = await self.http.post(self.replica.url + "/tokenize", json=body)
         return response.json()["tokens"]
 
-    async def cached_blocks(self) -> int:
+    async def cache_state(self) -> tuple[int, int]:
+        """``llmgw_sim_cached_blocks`` and ``llmgw_sim_kv_event_batches_total``, read in one scrape."""
         text = (await self.http.get(self.replica.url + "/metrics")).text
-        return int(float(re.search(r"^llmgw_sim_cached_blocks(?:\{[^}]*\})? (\S+)$", text, re.M).group(1)))
+
+        def value(name: str) -> int:
+            return int(float(re.search(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M).group(1)))
+
+        return value("llmgw_sim_cached_blocks"), value("llmgw_sim_kv_event_batches_total")
 
 
 class Cluster:
@@ -128,12 +133,18 @@ class Cluster:
             await engine.child.process.wait()
 
     async def settled(self, engine: Engine) -> None:
-        """Wait until the engine's cache, the mirror and the index agree (all sent, all applied)."""
+        """Wait until the engine's cache, the mirror and the index agree (all sent, all applied).
+
+        Equal block counts alone do not show that: with a full cache a step evicts as many blocks as
+        it stores, so the count stays put while that step's batch is still on its way. Every batch the
+        engine has published must have been applied (the last one's seq is the batch count - 1).
+        """
         with trio.fail_after(10):
             while True:
-                physical = await engine.cached_blocks()
+                physical, batches = await engine.cache_state()
                 mirrored = sum(engine.mirror.refcount(k) for k in engine.mirror.keys())
-                if physical == mirrored and not engine.mirror.pending \
+                applied = -1 if engine.sub.last_seq is None else engine.sub.last_seq
+                if applied == batches - 1 and physical == mirrored and not engine.mirror.pending \
                         and self.index.keys(engine.name) == set(engine.mirror.keys()):
                     return
                 await trio.sleep(0.02)
