@@ -27,7 +27,9 @@ from test_cluster import AGENTS, TOKEN, all_up, cluster, embedded, engines  # no
 
 pytestmark = pytest.mark.slow
 
-KV_SIM = """
+def kv_sim(args: str, routing_options: str = "{tokenize_timeout: 2s}") -> str:
+    """A ``sim`` profile with KV events and the ``kv_index`` tier, two replicas; ``args`` go to the engine."""
+    return f"""
 profiles:
   - name: tiny-sim
     engine: sim
@@ -35,13 +37,15 @@ profiles:
     served_model_name: tiny
     kv_events: true
     routing: kv_index
-    routing_options:
-      tokenize_timeout: 2s
-    args: ["--num-blocks", "512", "--time-scale", "0"]
+    routing_options: {routing_options}
+    args: [{args}]
 deployments:
   - profile: tiny-sim
     replicas: 2
 """
+
+
+KV_SIM = kv_sim('"--num-blocks", "512", "--time-scale", "0"')
 BLOCK = 16
 
 

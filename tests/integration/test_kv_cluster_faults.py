@@ -19,26 +19,9 @@ import pytest
 import trio
 
 from test_cluster import all_up, cluster, embedded, engines  # noqa: F401 (fixtures)
-from test_kv_cluster import BLOCK, complete, kv_state, kv_where, text
+from test_kv_cluster import BLOCK, complete, kv_sim, kv_state, kv_where, text
 
 pytestmark = pytest.mark.slow
-
-
-def kv_sim(args: str, routing_options: str = "{tokenize_timeout: 2s}") -> str:
-    return f"""
-profiles:
-  - name: tiny-sim
-    engine: sim
-    model_path: tiny
-    served_model_name: tiny
-    kv_events: true
-    routing: kv_index
-    routing_options: {routing_options}
-    args: [{args}]
-deployments:
-  - profile: tiny-sim
-    replicas: 2
-"""
 
 
 async def start(cluster, profile: str) -> dict[str, dict]:
