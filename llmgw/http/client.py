@@ -99,20 +99,24 @@ class _Connection:
             trio.lowlevel.notify_closing(sock)
             sock.close()
 
+    async def _wait(self, wait, timeout: float, timeout_message: str, before_head: bool) -> None:
+        """``wait(sock)`` (readable or writable) for at most ``timeout`` seconds, as an UpstreamError otherwise."""
+        watch = self.watch
+        watch.arm(timeout)
+        try:
+            await wait(self.sock)
+        except trio.ClosedResourceError:
+            if watch.expired:
+                raise UpstreamError("timeout", timeout_message, before_head=before_head) from None
+            raise UpstreamError("closed", "upstream connection was closed", before_head=before_head) from None
+        finally:
+            watch.disarm()
+
     async def receive(self, timeout: float, timeout_message: str, before_head: bool) -> bytes:
         """Wait (at most ``timeout`` seconds) for bytes; ``b""`` when the upstream closed."""
         sock = self.sock
-        watch = self.watch
         while True:
-            watch.arm(timeout)
-            try:
-                await trio.lowlevel.wait_readable(sock)
-            except trio.ClosedResourceError:
-                if watch.expired:
-                    raise UpstreamError("timeout", timeout_message, before_head=before_head) from None
-                raise UpstreamError("closed", "upstream connection was closed", before_head=before_head) from None
-            finally:
-                watch.disarm()
+            await self._wait(trio.lowlevel.wait_readable, timeout, timeout_message, before_head)
             try:
                 return sock.recv(READ_SIZE)
             except BlockingIOError:
@@ -131,17 +135,9 @@ class _Connection:
         if sent == len(data):
             return
         view = memoryview(data)[sent:]
-        watch = self.watch
         while view:
-            watch.arm(timeout)
-            try:
-                await trio.lowlevel.wait_writable(sock)
-            except trio.ClosedResourceError:
-                if watch.expired:
-                    raise UpstreamError("timeout", f"upstream did not take the request within {timeout:g}s") from None
-                raise UpstreamError("closed", "upstream connection was closed") from None
-            finally:
-                watch.disarm()
+            await self._wait(trio.lowlevel.wait_writable, timeout,
+                             f"upstream did not take the request within {timeout:g}s", before_head=True)
             try:
                 view = view[sock.send(view):]
             except BlockingIOError:

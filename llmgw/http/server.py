@@ -422,13 +422,19 @@ class _Connection:
                 return
             finally:
                 self.read_watch.disarm()
-            try:
-                data = sock.recv(READ_SIZE)
-            except BlockingIOError:
+            data = self._recv_nowait()
+            if data is None:
                 continue
-            except OSError:
-                data = b""
             self._feed(data)
+
+    def _recv_nowait(self) -> bytes | None:
+        """What the client sent so far: None when nothing is there yet, ``b""`` at its end or on a reset."""
+        try:
+            return self.sock.recv(READ_SIZE)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return b""
 
     def _start_reader(self) -> None:
         """The alarm: the handler has been busy for a while, so watch the client from now on."""
@@ -451,12 +457,9 @@ class _Connection:
                 self.final = _EOF
                 self._wake_responder()
                 return
-            try:
-                data = sock.recv(READ_SIZE)
-            except BlockingIOError:
+            data = self._recv_nowait()
+            if data is None:
                 continue
-            except OSError:
-                data = b""
             self._feed(data)
             if reader.complete or self.final is not None:
                 self._wake_responder()
@@ -555,12 +558,9 @@ class _Connection:
         with trio.move_on_after(LINGER_SECONDS):
             while dropped < LINGER_BYTES:
                 await trio.lowlevel.wait_readable(self.sock)
-                try:
-                    data = self.sock.recv(READ_SIZE)
-                except BlockingIOError:
+                data = self._recv_nowait()
+                if data is None:
                     continue
-                except OSError:
-                    return
                 if not data:
                     return
                 dropped += len(data)
