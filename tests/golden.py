@@ -1,4 +1,4 @@
-"""The golden vectors produced by vLLM's own code, read from ``shared/golden`` beside the repo checkout.
+"""The golden vectors produced by vLLM's own code, kept in ``tests/golden_vectors`` (see its README).
 
 Tests import this module (``tests/`` is put on ``sys.path`` by the test module).
 A missing folder or file fails the run loudly: golden tests are never skipped.
@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-GOLDEN_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "golden"
+GOLDEN_DIR = Path(__file__).resolve().parent / "golden_vectors"
 
 
 def golden_dir() -> Path:
-    """``<checkout>/../shared/golden``; fails the test run when it is missing."""
+    """``tests/golden_vectors``; fails the test run when it is missing."""
     path = GOLDEN_DIR.resolve()
     if not path.is_dir():
         pytest.fail(
-            f"golden vectors not found at {path}: the 'shared' folder must sit beside the repo checkout",
+            f"golden vectors not found at {path}",
             pytrace=False,
         )
     return path
