@@ -67,7 +67,7 @@ class Gateway:
         lim = config.limits
         self.dataplane = DataPlane(self.router, self.health, self.metrics, DataPlaneSettings(
             connect_timeout=lim.connect_timeout, first_byte_timeout=lim.first_byte_timeout,
-            idle_timeout=lim.idle_timeout, retries=lim.retries,
+            idle_timeout=lim.idle_timeout, retries=lim.retries, access_log=config.access_log,
         ), api_keys=[k.key for k in config.api_keys])
         self.data_server = HttpServer(self.dataplane.handle, ServerLimits(
             max_header_bytes=lim.max_header_bytes, max_body_bytes=lim.max_body_bytes,
@@ -182,7 +182,7 @@ class Gateway:
         assert self._nursery is not None, "the gateway is not running"
         replica.pool = UpstreamPool(replica.host, replica.port, connect_timeout=self.config.limits.connect_timeout)
         self.router.add_replica(replica)
-        self.metrics.for_replica(replica.name).up.set(1 if replica.routable else 0)
+        self.metrics.for_replica(replica).up.set(1 if replica.routable else 0)
         scope = trio.CancelScope()
         self._probes[replica] = scope
         self._nursery.start_soon(self._probe, replica, scope)
@@ -193,7 +193,7 @@ class Gateway:
         if scope is not None:
             scope.cancel()
         self.health.forget(replica)
-        self.metrics.forget_replica(replica.name)
+        self.metrics.forget_replica(replica)
         if replica.pool is not None:
             await replica.pool.aclose()
 

@@ -11,15 +11,16 @@ take a while with many series.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import trio
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge,
+                               Histogram, disable_created_metrics, generate_latest)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 disable_created_metrics()  # the *_created series double the exposition and nobody alerts on them
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 
 
 class CachedLabels:
@@ -56,11 +57,23 @@ class CachedLabels:
         return getattr(self.metric, name)
 
 
-@dataclass
 class ReplicaMetrics:
-    inflight: Gauge
-    up: Gauge
-    inflight_of: object = None  # the object whose ``inflight`` attribute the gauge reads (see track_inflight)
+    """The per-replica children the data plane touches on every request, bound once per replica."""
+
+    __slots__ = ("inflight", "up", "inflight_of", "ttft", "inter_token", "e2e", "prompt_tokens", "cached_tokens",
+                 "completion_tokens")
+
+    def __init__(self, metrics: "Metrics", replica: str, model: str):
+        values = (model, replica)
+        self.inflight = metrics.inflight.labels(*values)
+        self.up = metrics.replica_up.labels(*values)
+        self.inflight_of: object = None  # the object whose ``inflight`` the gauge reads (see track_inflight)
+        self.ttft = metrics.ttft.labels(*values)
+        self.inter_token = metrics.inter_token.labels(*values)
+        self.e2e = metrics.e2e.labels(*values)
+        self.prompt_tokens = metrics.prompt_tokens.labels(*values)
+        self.cached_tokens = metrics.cached_tokens.labels(*values)
+        self.completion_tokens = metrics.completion_tokens.labels(*values)
 
     def track_inflight(self, source) -> None:
         """Make ``llmgw_inflight_requests`` read ``source.inflight`` when scraped, instead of being
@@ -106,15 +119,33 @@ class Metrics:
             "Time from a request's arrival to the first response byte from the engine.",
             ["model"], buckets=LATENCY_BUCKETS, registry=r))
         self.inflight = CachedLabels(Gauge(
-            "llmgw_inflight_requests", "Requests in flight per replica.", ["replica"], registry=r))
+            "llmgw_inflight_requests", "Requests in flight per replica.", ["model", "replica"], registry=r))
         self.upstream_errors = CachedLabels(Counter(
             "llmgw_upstream_errors", "Failed attempts towards a replica, by kind "
-            "(connect, timeout, closed, protocol, status_5xx).", ["replica", "kind"], registry=r))
+            "(connect, timeout, closed, protocol, status_5xx).", ["model", "replica", "kind"], registry=r))
         self.replica_up = CachedLabels(Gauge(
-            "llmgw_replica_up", "1 when the replica is routable, else 0.", ["replica"], registry=r))
+            "llmgw_replica_up", "1 when the replica is routable, else 0.", ["model", "replica"], registry=r))
         self.decisions = CachedLabels(Counter(
-            "llmgw_prefix_decisions", "Routing decisions by model, tier and outcome.",
+            "llmgw_routing_decisions", "Routing decisions by model, tier and outcome.",
             ["model", "tier", "outcome"], registry=r))
+        self.ttft = CachedLabels(Histogram(
+            "llmgw_time_to_first_token_seconds", "Arrival of a request to its first token: the first SSE event "
+            "carrying output of a stream, or the end of a non-streamed body.", ["model", "replica"],
+            buckets=LATENCY_BUCKETS, registry=r))
+        self.inter_token = CachedLabels(Histogram(
+            "llmgw_inter_token_latency_seconds", "Mean time between output tokens of one streamed response "
+            "(observed once per stream).", ["model", "replica"], buckets=TOKEN_LATENCY_BUCKETS, registry=r))
+        self.e2e = CachedLabels(Histogram(
+            "llmgw_e2e_request_latency_seconds", "Arrival of a request to the end of the response a replica "
+            "served.", ["model", "replica"], buckets=LATENCY_BUCKETS, registry=r))
+        self.prompt_tokens = CachedLabels(Counter(
+            "llmgw_prompt_tokens", "Prompt tokens engines reported in usage.", ["model", "replica"], registry=r))
+        self.cached_tokens = CachedLabels(Counter(
+            "llmgw_cached_tokens", "Prompt tokens engines reported served from their prefix cache "
+            "(usage.prompt_tokens_details.cached_tokens).", ["model", "replica"], registry=r))
+        self.completion_tokens = CachedLabels(Counter(
+            "llmgw_completion_tokens", "Output tokens engines reported in usage.", ["model", "replica"],
+            registry=r))
         self.retries = CachedLabels(Counter(
             "llmgw_retries", "Requests sent again to another replica before the first byte.", ["model"],
             registry=r))
@@ -122,15 +153,18 @@ class Metrics:
             "llmgw_client_disconnects", "Requests whose client went away before the response ended.", ["model"],
             registry=r))
         self.health_probes = CachedLabels(Counter(
-            "llmgw_health_probes", "Active health probes by replica and result.", ["replica", "result"],
+            "llmgw_health_probes", "Active health probes by replica and result.", ["model", "replica", "result"],
             registry=r))
+        for collector in (PROCESS_COLLECTOR, GC_COLLECTOR, PLATFORM_COLLECTOR):  # process_*, python_gc_*, python_info
+            r.register(collector)
         self._replicas: dict[str, ReplicaMetrics] = {}
         self._models: dict[str, ModelMetrics] = {}
 
-    def for_replica(self, name: str) -> ReplicaMetrics:
-        bound = self._replicas.get(name)
+    def for_replica(self, replica) -> ReplicaMetrics:
+        """The children of a replica's series (labelled with its ``name`` and ``model``), bound once."""
+        bound = self._replicas.get(replica.name)
         if bound is None:
-            bound = self._replicas[name] = ReplicaMetrics(self.inflight.labels(name), self.replica_up.labels(name))
+            bound = self._replicas[replica.name] = ReplicaMetrics(self, replica.name, replica.model)
         return bound
 
     def for_model(self, name: str) -> ModelMetrics:
@@ -140,11 +174,12 @@ class Metrics:
             bound = self._models[name] = ModelMetrics(self, name)
         return bound
 
-    def forget_replica(self, name: str) -> None:
-        if self._replicas.pop(name, None) is not None:
+    def forget_replica(self, replica) -> None:
+        """Drop the replica's gauges (its counters and histograms stay: they are totals)."""
+        if self._replicas.pop(replica.name, None) is not None:
             for metric in (self.inflight, self.replica_up):
                 try:
-                    metric.remove(name)
+                    metric.remove(replica.model, replica.name)
                 except KeyError:
                     pass
 

@@ -231,6 +231,7 @@ class Config(Located):
     deployments: list[Deployment] = setting(factory=list)
     metrics: MetricsConfig = setting(factory=MetricsConfig)
     log_level: LogLevel = setting("info")
+    access_log: bool = setting(False)  # one line per relayed request on the "llmgw.access" logger
 
     def model_names(self) -> list[str]:
         """Names clients may ask for: every model under ``models``, then every deployed profile's served name."""

@@ -22,11 +22,13 @@ from ..router.replica import Replica
 from ..router.router import Router
 from ..router.tier import Decision, RouteRequest
 from .client import UpstreamError, UpstreamResponse
+from .latency import StreamWatch
 from .messages import Request, Response, error_response
 from .usage import STREAM_TAIL_PIECES, usage_of_body, usage_of_stream_tail
 from .server import AbortConnection
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("llmgw.access")
 
 PROXIED_POST_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 # Response headers that describe the upstream connection, not the body.
@@ -55,6 +57,7 @@ class DataPlaneSettings:
     idle_timeout: float = 300.0
     retries: int = 2
     retry_after_seconds: int = 1
+    access_log: bool = False  # one INFO line per relayed request on the "llmgw.access" logger
 
 
 class DataPlane:
@@ -226,9 +229,8 @@ class DataPlane:
             except BaseException:
                 self._finish(replica, decision, route_request, started, 499)
                 raise
-            usage = usage_of_body(data) if upstream.status == 200 and self.router.wants_usage(
-                route_request.model) else None  # only for tiers that ask (kv_index): no parse otherwise
-            self._finish(replica, decision, route_request, started, upstream.status, usage)
+            usage = usage_of_body(data) if upstream.status == 200 else None
+            self._finish(replica, decision, route_request, started, upstream.status, usage, first_token_at=_now())
             return Response(upstream.status, headers, data)
         return Response(upstream.status, headers,
                         self._stream(upstream, replica, decision, route_request, started))
@@ -236,13 +238,16 @@ class DataPlane:
     async def _stream(self, upstream: UpstreamResponse, replica: Replica, decision: Decision,
                       route_request: RouteRequest, started: float) -> AsyncIterator[bytes]:
         status = upstream.status
-        recent: list[bytes] | None = [] if status == 200 and self.router.wants_usage(route_request.model) else None
+        recent: list[bytes] | None = [] if status == 200 else None
+        watch = StreamWatch() if status == 200 and _is_event_stream(upstream.headers) else None
         try:
             while piece := await upstream.receive_piece():
                 if recent is not None:  # the last pieces (references), for the final usage chunk
                     recent.append(piece)
                     if len(recent) > STREAM_TAIL_PIECES:
                         del recent[0]
+                if watch is not None:
+                    watch.feed(piece, _now())
                 yield piece
         except UpstreamError as exc:
             self._failed(replica, exc.kind, str(exc))
@@ -257,26 +262,39 @@ class DataPlane:
         finally:
             await upstream.aclose()
             usage = usage_of_stream_tail(recent) if recent and status == 200 else None
-            self._finish(replica, decision, route_request, started, status, usage)
+            self._finish(replica, decision, route_request, started, status, usage, watch=watch)
 
     # -- bookkeeping -------------------------------------------------------------------------------------------------
 
     def _load(self, replica: Replica, delta: int) -> None:
         replica.inflight += delta
-        bound = self.metrics.for_replica(replica.name)
+        bound = self.metrics.for_replica(replica)
         if bound.inflight_of is not replica:
             bound.track_inflight(replica)
 
     def _failed(self, replica: Replica, kind: str, reason: str) -> None:
-        self.metrics.upstream_errors.labels(replica.name, kind).inc()
+        self.metrics.upstream_errors.labels(replica.model, replica.name, kind).inc()
         self.health.request_failed(replica, reason)
 
     def _finish(self, replica: Replica, decision: Decision, route_request: RouteRequest, started: float,
-                status: int, usage: dict | None = None) -> None:
+                status: int, usage: dict | None = None, *, first_token_at: float | None = None,
+                watch: StreamWatch | None = None) -> None:
         self._load(replica, -1)
         replica.served += 1
+        ended = _now()
         self._count(route_request.model, None, started, status)
+        if watch is not None:
+            first_token_at = watch.first_token_at
+        tokens = record_latency(self.metrics.for_replica(replica), started, ended, first_token_at, usage, watch) \
+            if status == 200 else _NO_TOKENS
         self.router.finished(route_request, decision, usage)
+        if self.settings.access_log:
+            access_log.info(
+                "request_id=%s model=%s replica=%s tier=%s outcome=%s status=%d ttft_ms=%s latency_ms=%.1f "
+                "prompt_tokens=%s cached_tokens=%s completion_tokens=%s", route_request.request_id,
+                route_request.model, replica.name, decision.tier or "-", decision.outcome, status,
+                "-" if first_token_at is None else "%.1f" % ((first_token_at - started) * 1000),
+                (ended - started) * 1000, *tokens)
 
     def _count(self, model: str | None, response: Response | None, started: float | None = None,
                status: int | None = None) -> Response | None:
@@ -297,3 +315,41 @@ class DataPlane:
                                        f"last error: {last_error})", code="no_healthy_replica", headers=retry_after)
         return error_response(503, f"no healthy replica of {model!r} is available", code="no_healthy_replica",
                               headers=retry_after)
+
+
+_NO_TOKENS = ("-", "-", "-")
+
+
+def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
+    for name, value in headers:
+        if name == b"content-type":
+            return value.startswith(b"text/event-stream")
+    return False
+
+
+def record_latency(bound, started: float, ended: float, first_token_at: float | None, usage: dict | None,
+                   watch: StreamWatch | None) -> tuple:
+    """Observe a served response's end-to-end latency, time to first token, inter-token latency and usage token
+    counts on its replica's series; the token counts (or "-") for the access log."""
+    bound.e2e.observe(ended - started)
+    if first_token_at is not None:
+        bound.ttft.observe(first_token_at - started)
+    prompt = cached = completion = None
+    if usage is not None:
+        prompt, completion = _count_of(usage, "prompt_tokens"), _count_of(usage, "completion_tokens")
+        details = usage.get("prompt_tokens_details")
+        cached = _count_of(details, "cached_tokens") if isinstance(details, dict) else None
+        for counter, value in ((bound.prompt_tokens, prompt), (bound.cached_tokens, cached),
+                               (bound.completion_tokens, completion)):
+            if value:
+                counter.inc(value)
+    if watch is not None and first_token_at is not None:
+        after_first = watch.tokens_after_first(completion)
+        if after_first > 0:
+            bound.inter_token.observe((ended - first_token_at) / after_first)
+    return tuple("-" if value is None else value for value in (prompt, cached, completion))
+
+
+def _count_of(mapping: dict, key: str) -> int | None:
+    value = mapping.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 40 else None

@@ -2,7 +2,8 @@
 
 A handler is ``async def handler(request: Request) -> Response``. A response
 body is either ``bytes`` (sent with Content-Length) or an async iterator of
-``bytes`` (sent chunked, each piece flushed as it is produced). When the
+``bytes`` (sent chunked, each piece flushed as it is produced; the head goes
+out with the first piece, or at once when the first piece is empty). When the
 client goes away while a handler runs, the server cancels the handler.
 """
 

@@ -636,7 +636,10 @@ class _Connection:
                 await self._send(pending)
                 return keep_alive
             async for piece in body:
-                if not piece:
+                if not piece:  # an empty piece sends the head now (a stream whose first data comes later)
+                    if pending:
+                        await self._send(pending)
+                        pending = b""
                     continue
                 if chunked:
                     piece = b"%x\r\n%b\r\n" % (len(piece), piece)

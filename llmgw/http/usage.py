@@ -1,7 +1,8 @@
-"""The engine's ``usage`` block of a response, found cheaply, for routing tiers that ask for it (``wants_usage``).
+"""The engine's ``usage`` block of a response, found cheaply: token counters, and tiers that ask (``wants_usage``).
 
-The data plane never parses a response for itself; only when the model's tier
-wants usage (the ``kv_index`` tier compares its predicted cached tokens with
+The data plane never parses a response body as a whole; for the token
+counters (``llmgw_prompt_tokens_total`` and its siblings) and for tiers that
+want usage (the ``kv_index`` tier compares its predicted cached tokens with
 ``usage.prompt_tokens_details.cached_tokens``) it hands these functions:
 
 - a whole (non-streamed) body: the last ``"usage"`` key is decoded from there

@@ -47,11 +47,11 @@ class HealthTracker:
         replica.state = state
         replica.reason = reason
         if self.metrics is not None:
-            self.metrics.for_replica(replica.name).up.set(1 if state.routable else 0)
+            self.metrics.for_replica(replica).up.set(1 if state.routable else 0)
 
     def probe_result(self, replica: Replica, ok: bool, reason: str) -> None:
         if self.metrics is not None:
-            self.metrics.health_probes.labels(replica.name, "ok" if ok else "fail").inc()
+            self.metrics.health_probes.labels(replica.model, replica.name, "ok" if ok else "fail").inc()
         if replica.state is ReplicaState.DRAINING:
             return
         if ok:

@@ -76,11 +76,6 @@ class Router:
     def remove_model(self, name: str) -> None:
         self.models.pop(name, None)
 
-    def wants_usage(self, model: str) -> bool:
-        """Whether the model's tier wants each response's ``usage`` in :meth:`finished` (``wants_usage``)."""
-        route = self.models.get(model)
-        return route is not None and getattr(route.tier, "wants_usage", False) is True
-
     def all_replicas(self) -> Iterable[Replica]:
         for route in self.models.values():
             yield from route.replicas
@@ -166,7 +161,8 @@ class Router:
             decision.inflight_tokens = 0
         route = self.models.get(request.model)
         if route is not None:
-            self._notify(route, "finished", request, decision, usage)
+            self._notify(route, "finished", request, decision,
+                         usage if getattr(route.tier, "wants_usage", False) is True else None)
 
     def _notify(self, route: ModelRoute, hook: str, *args) -> None:
         try:

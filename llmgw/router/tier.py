@@ -39,7 +39,7 @@ class RouteRequest:
 
 @dataclass(slots=True)
 class Decision:
-    """A tier's pick. ``outcome`` labels ``llmgw_prefix_decisions_total`` (e.g. hit, miss, load_override).
+    """A tier's pick. ``outcome`` labels ``llmgw_routing_decisions_total`` (e.g. hit, miss, load_override).
 
     ``inflight_tokens`` is what the router added to ``replica.inflight_tokens``
     when the request was routed, and takes off again when it finishes.
@@ -81,8 +81,8 @@ class RoutingTier(Protocol):
     def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
         """Called when the response ended; ``usage`` is the engine's usage block when it was seen.
 
-        The data plane looks for ``usage`` only for tiers that set a class attribute ``wants_usage = True``
-        (the body's ``usage``, or a stream's final usage chunk); for the others it is always None.
+        Tiers that set a class attribute ``wants_usage = True`` get the body's ``usage`` (or a stream's final
+        usage chunk) when the response had one; the others always get None.
         """
 
     # Optional:

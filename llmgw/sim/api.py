@@ -168,6 +168,8 @@ class SimApi:
         self.in_flight += 1
         engine.submit(seq)
         try:
+            if self.sim.config.stream_head_first:
+                yield b""  # the server sends the head now; the first token follows when it is computed
             sent = 0
             while True:
                 await seq.wait_for_tokens(sent)

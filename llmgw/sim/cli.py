@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="range of natural output lengths (ending in EOS) unless ignore_eos or max_tokens")
     sim.add_argument("--drop-event-seqs", default=None, metavar="SEQS",
                      help="test switch: '3,7' or 'every:N' batches kept for replay but not published live")
+    sim.add_argument("--stream-head-first", action="store_true",
+                     help="send a stream's response head at once and its first token when it is computed, as "
+                          "vLLM does (default: head and first token together)")
     sim.add_argument("--log-level", default="INFO")
     return p
 
@@ -134,6 +137,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         event_fields=args.event_fields,
         data_parallel_rank=args.data_parallel_rank,
         drop_event_seqs=args.drop_event_seqs,
+        stream_head_first=args.stream_head_first,
         time_scale=args.time_scale,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         decode_ms_per_step=args.decode_ms_per_step,

@@ -120,6 +120,7 @@ class SimConfig:
     event_fields: int | None = None  # BlockStored field count of the layout; None -> 14 (map) / 11 (array)
     data_parallel_rank: int = 0
     drop_event_seqs: str | None = None
+    stream_head_first: bool = False  # a stream's head goes out before its first token (as vLLM's does)
     time_scale: float = 1.0
     prefill_tokens_per_s: float = 20000.0
     decode_ms_per_step: float = 20.0

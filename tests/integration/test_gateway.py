@@ -327,7 +327,7 @@ def register_routing_tiers():
         served = [(await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})).headers[
             "x-llmgw-replica"] for _ in range(4)]
     assert served == ["b"] * 4
-    assert await metric_value(gw, "llmgw_prefix_decisions_total", 'tier="always_last",outcome="last"') == 4
+    assert await metric_value(gw, "llmgw_routing_decisions_total", 'tier="always_last",outcome="last"') == 4
 
 
 async def test_the_demo_serves_without_a_config(start_llmgw):

@@ -95,7 +95,7 @@ async def test_kv_events_route_to_the_holder_predict_exactly_and_only_their_owne
     chosen, usage = await complete(cluster, long_prompt + " and now a different question")
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert chosen == holder and cached >= (prompt_blocks - 1) * BLOCK
-    assert await cluster.metric("llmgw_prefix_decisions_total", 'tier="kv_index",outcome="hit"') == 1
+    assert await cluster.metric("llmgw_routing_decisions_total", 'tier="kv_index",outcome="hit"') == 1
     predicted = await cluster.metric("llmgw_route_predicted_cached_tokens_total", 'model="tiny"')
     actual = await cluster.metric("llmgw_route_actual_cached_tokens_total", 'model="tiny"')
     assert predicted == actual == cached

@@ -5,7 +5,7 @@ simulator engines started by that agent (a `sim` profile, `kv_events: true`, `ro
   by the agent's subscription through the replay socket the engine plugin configures, and the index stays exact;
 - ``POST /reset_prefix_cache`` on one engine clears that replica's index (reason ``cleared``) and no other;
 - a ``/tokenize`` slower than the tier's ``tokenize_timeout`` and an unindexable request (an image part) each give
-  a tree decision, counted in ``llmgw_prefix_decisions_total{tier="kv_index"}``.
+  a tree decision, counted in ``llmgw_routing_decisions_total{tier="kv_index"}``.
 
 Not here: a gap with replay off. The agent always gives the engine a replay endpoint (``kv_events_flags``) and
 profiles have no switch to drop it; a second ``--kv-events-config`` in the profile's args would win in the
@@ -43,9 +43,9 @@ async def engine_cached_blocks(cluster, url: str) -> int:
 
 
 async def decision_lines(cluster) -> list[str]:
-    """Every ``llmgw_prefix_decisions_total`` series (for failure messages)."""
+    """Every ``llmgw_routing_decisions_total`` series (for failure messages)."""
     body = (await cluster.http.get(cluster.control_url + "/metrics")).text
-    return [line for line in body.splitlines() if line.startswith("llmgw_prefix_decisions_total")]
+    return [line for line in body.splitlines() if line.startswith("llmgw_routing_decisions_total")]
 
 
 async def subscriptions(cluster) -> dict[str, dict]:
@@ -94,7 +94,7 @@ async def test_dropped_event_batches_are_replayed_and_the_index_stays_exact(clus
     chosen, usage = await complete(cluster, prompt + " and a follow-up question")
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert chosen == holders[prompt] and cached >= (len(prompt) // BLOCK - 1) * BLOCK > 0
-    assert await cluster.metric("llmgw_prefix_decisions_total", 'tier="kv_index",outcome="hit"') == 1
+    assert await cluster.metric("llmgw_routing_decisions_total", 'tier="kv_index",outcome="hit"') == 1
     predicted = await cluster.metric("llmgw_route_predicted_cached_tokens_total", 'model="tiny"')
     actual = await cluster.metric("llmgw_route_actual_cached_tokens_total", 'model="tiny"')
     assert predicted == actual == cached
@@ -138,7 +138,7 @@ async def test_a_tokenize_timeout_and_an_unindexable_request_get_counted_tree_de
     with trio.fail_after(30):
         chosen, usage = await complete(cluster, text(300, 250_000))  # routed anyway, by the tree
     assert chosen in replicas and usage["prompt_tokens"] > 0
-    assert await cluster.metric("llmgw_prefix_decisions_total", decisions + '"tokenize_timeout"') == 1, \
+    assert await cluster.metric("llmgw_routing_decisions_total", decisions + '"tokenize_timeout"') == 1, \
         await decision_lines(cluster)
 
     # An image part: not indexable (its hashes need the engine's multimodal processing). The tree routes it;
@@ -148,9 +148,9 @@ async def test_a_tokenize_timeout_and_an_unindexable_request_get_counted_tree_de
     with trio.fail_after(10):
         response = await cluster.http.post(cluster.data_url + "/v1/chat/completions", json=image)
     assert response.headers.get("x-llmgw-replica") in replicas, (response.status_code, response.text)
-    assert await cluster.metric("llmgw_prefix_decisions_total", decisions + '"unindexable"') == 1
+    assert await cluster.metric("llmgw_routing_decisions_total", decisions + '"unindexable"') == 1
 
     # Both were tree decisions: the index decided nothing, and no other kv_index outcome was counted.
     for outcome in ("hit", "miss", "load_override", "tokenize_error", "index_unhealthy"):
-        assert await cluster.metric("llmgw_prefix_decisions_total", decisions + f'"{outcome}"') == 0, outcome
+        assert await cluster.metric("llmgw_routing_decisions_total", decisions + f'"{outcome}"') == 0, outcome
     assert await cluster.metric("llmgw_route_predicted_cached_tokens_total", 'model="tiny"') == 0

@@ -78,7 +78,7 @@ async def test_one_shared_system_prompt_keeps_in_flight_load_within_max_imbalanc
     assert max(inflight) - min(inflight) <= max_imbalance, inflight
     # It was the load guard at work: prefix affinity alone would have put them all on one replica.
     overrides = [line for line in metrics.splitlines()
-                 if line.startswith("llmgw_prefix_decisions_total") and 'outcome="load_override"' in line]
+                 if line.startswith("llmgw_routing_decisions_total") and 'outcome="load_override"' in line]
     assert overrides and float(overrides[0].rsplit(" ", 1)[1]) >= REPLICAS - 1, metrics
 
 

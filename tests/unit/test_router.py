@@ -100,7 +100,7 @@ def test_health_state_machine():
     assert r.state is ReplicaState.UP  # one failed probe is not enough
     tracker.probe_result(r, False, "refused")
     assert r.state is ReplicaState.DOWN and "refused" in r.reason
-    assert metrics.replica_up.labels("r")._value.get() == 0
+    assert metrics.replica_up.labels("m", "r")._value.get() == 0
     tracker.probe_result(r, True, "ok")
     assert r.state is ReplicaState.DOWN  # needs two good probes
     tracker.probe_result(r, True, "ok")

@@ -1,0 +1,103 @@
+"""Latency truth through ``llmgw serve``: time to first token is not time to first byte, token counters match usage.
+
+The simulator runs with ``--stream-head-first``, so its stream head leaves at
+once and the first token only after the modelled prefill (at least
+``PREFILL_SECONDS``), as a real vLLM does. The gateway's time-to-first-byte
+then measures the head and its time-to-first-token the first token; the
+latter lies inside the client's own measurement (the gateway starts its clock
+after the client sent and sees the token before the client does).
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from llmgw.processes import llmgw_command, run_child
+
+pytestmark = pytest.mark.slow
+
+PREFILL_TOKENS_PER_S = 2000.0
+PROMPT = "the quick brown fox jumps over the lazy dog " * 120  # about 1,000 simulator tokens
+PREFILL_SECONDS = 0.4  # below the modelled prefill of PROMPT: the first token cannot come sooner
+
+
+async def start_sim(nursery):
+    argv = llmgw_command("sim", "--port", "0", "--served-model-name", "tiny", "--stream-head-first",
+                         "--prefill-tokens-per-s", str(PREFILL_TOKENS_PER_S), "--decode-ms-per-step", "5",
+                         "--output-tokens", "8:8", "--no-enable-prefix-caching")
+    return await nursery.start(lambda task_status: run_child(argv, name="sim", task_status=task_status))
+
+
+async def scrape(gw) -> dict[str, float]:
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(gw.control_url + "/metrics")).text
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("llmgw_") and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def series(samples: dict[str, float], name: str) -> float:
+    """The sum of every series of ``name`` (all label sets)."""
+    return sum(value for key, value in samples.items() if key == name or key.startswith(name + "{"))
+
+
+async def test_ttft_is_the_first_token_and_tokens_are_counted(nursery, start_llmgw):
+    sim = await start_sim(nursery)
+    gw = await start_llmgw(f"access_log: true\nmodels:\n  - name: tiny\n    replicas:\n      - url: {sim.url}\n")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "stream": True,
+            "stream_options": {"include_usage": True}}
+    usage = None
+    async with httpx.AsyncClient(timeout=30) as client:
+        sent = time.perf_counter()
+        client_ttft = None
+        async with client.stream("POST", gw.url + "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if client_ttft is None and '"content":"' in line and '"content":""' not in line:
+                    client_ttft = time.perf_counter() - sent
+                if '"usage":{' in line:
+                    usage = httpx.Response(200, content=line[len("data: "):]).json()["usage"]
+        streamed = await scrape(gw)
+        plain = await client.post(gw.url + "/v1/chat/completions", json={"model": "tiny", "messages": body["messages"], "max_tokens": 8})
+        assert plain.status_code == 200
+
+    samples = await scrape(gw)
+    assert client_ttft is not None and usage is not None
+    stream_ttft = series(streamed, "llmgw_time_to_first_token_seconds_sum")
+    assert PREFILL_SECONDS <= stream_ttft <= client_ttft
+    # The head came before the first token was computed: time to first byte is no measure of time to first token.
+    assert series(streamed, "llmgw_time_to_first_byte_seconds_sum") < stream_ttft - PREFILL_SECONDS
+    # The plain answer's first token is its whole body, which cannot come before the modelled prefill either.
+    assert series(samples, "llmgw_time_to_first_token_seconds_count") == 2
+    assert series(samples, "llmgw_time_to_first_token_seconds_sum") - stream_ttft >= PREFILL_SECONDS
+    plain_usage = plain.json()["usage"]
+    assert series(samples, "llmgw_prompt_tokens_total") == usage["prompt_tokens"] + plain_usage["prompt_tokens"]
+    assert series(samples, "llmgw_completion_tokens_total") == \
+        usage["completion_tokens"] + plain_usage["completion_tokens"] == 16
+    assert series(samples, "llmgw_inter_token_latency_seconds_count") == 1  # streams only
+    assert series(samples, "llmgw_e2e_request_latency_seconds_count") == 2
+    access = [line for line in gw.output if "request_id=" in line and "llmgw.access" in line]
+    assert len(access) == 2, gw.output
+    assert all("model=tiny" in line and "status=200" in line and "completion_tokens=8" in line for line in access)
+
+
+async def test_ttft_metric_lies_within_the_clients_measurement(nursery, start_llmgw):
+    sim = await start_sim(nursery)
+    gw = await start_llmgw(f"models:\n  - name: tiny\n    replicas:\n      - url: {sim.url}\n")
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "stream": True}
+    async with httpx.AsyncClient(timeout=30) as client:
+        sent = time.perf_counter()
+        client_ttft = None
+        async with client.stream("POST", gw.url + "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if client_ttft is None and '"text":"' in line and '"text":""' not in line:
+                    client_ttft = time.perf_counter() - sent
+    samples = await scrape(gw)
+    gateway_ttft = series(samples, "llmgw_time_to_first_token_seconds_sum")
+    assert PREFILL_SECONDS <= gateway_ttft <= client_ttft
