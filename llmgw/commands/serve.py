@@ -1,8 +1,9 @@
 """``llmgw serve``: run the gateway from a config file, or a self-contained demo without one.
 
 The demo is a cluster of one: an embedded agent (in-process, CPU discovery)
-runs a ``sim`` profile with ``--demo-replicas`` replicas of model ``tiny``, so
-a newcomer gets a working OpenAI endpoint on any laptop. Its state lives in a
+runs a ``sim`` profile with ``--demo-replicas`` replicas of model ``tiny``,
+with KV events and the ``kv_index`` tier, so a newcomer gets a working,
+KV-aware OpenAI endpoint on any laptop. Its state lives in a
 temporary folder and its engines are stopped at exit (a real agent's engines
 outlive it). SIGINT/SIGTERM drain gracefully (a second signal stops at once);
 SIGHUP reloads the config file.
@@ -44,8 +45,23 @@ def demo_config_text(replicas: int, state_dir: str) -> str:
     return (f"# the demo: no config was given, so llmgw runs an embedded agent with {replicas} simulated engines\n"
             f"agents:\n  embedded: true\n  node_id: demo\n  state_dir: {state_dir}\n"
             f"profiles:\n  - name: tiny-sim\n    engine: sim\n    model_path: {DEMO_MODEL}\n"
-            f"    served_model_name: {DEMO_MODEL}\n    routing: round_robin\n"
+            f"    served_model_name: {DEMO_MODEL}\n    kv_events: true\n    routing: kv_index\n"
             f"deployments:\n  - profile: tiny-sim\n    replicas: {replicas}\n")
+
+
+def demo_hints(addresses) -> str:
+    """Three commands that show the demo's KV-aware routing at work."""
+    data, control = addresses.data_url, addresses.control_url
+    return f"""
+Try the KV-aware routing (kv_index: the engines' own cache events tell llmgw where each prefix is):
+  python3 -c 'import json; print(json.dumps({{"model": "{DEMO_MODEL}", "max_tokens": 16, "messages": [{{"role": "user", "content": "Tell me about llamas. " * 300}}]}}))' > /tmp/llmgw-long.json
+  # 1. send it twice: the second lands on the replica that holds its prefix (same x-llmgw-replica), mostly cached
+  curl -s -D- -o /dev/null {data}/v1/chat/completions -H 'content-type: application/json' -d @/tmp/llmgw-long.json | grep -i x-llmgw-replica
+  # 2. why: each replica's cached leading blocks and the pick, without sending the request
+  curl -s {control}/admin/explain -H 'content-type: application/json' -d @/tmp/llmgw-long.json
+  # 3. predicted vs actual cached tokens (the engines' own usage) and decisions by outcome
+  curl -s {control}/metrics | grep -E '^llmgw_(route_(predicted|actual)_cached_tokens|routing_decisions)_total'
+"""
 
 
 def main(argv: list[str]) -> int:
@@ -92,6 +108,8 @@ async def _serve(config, listen, control_listen, demo_replicas: int | None = Non
             gc.collect()
             gc.freeze()
             print(f"llmgw listening on {addresses.data_url} (control: {addresses.control_url})", flush=True)
+            if demo:
+                print(demo_hints(addresses), flush=True)
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     log.info("SIGHUP: reloading %s", config.source)
