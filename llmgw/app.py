@@ -81,7 +81,7 @@ class Gateway:
         self.addresses: Addresses | None = None
         self.control = ControlPlane(self, config)
         self._static: dict[str, Replica] = {}  # replicas of the config's `models`, by name
-        self._static_models: dict[str, tuple[str, dict]] = {}  # name -> (routing tier, its options)
+        self._static_models: dict[str, tuple] = {}  # name -> (routing tier, its options, LoRA adapters)
         self._static_kv: dict[str, tuple[object, trio.CancelScope]] = {}  # name -> (ExternalKv, its task's scope)
         self._reload_lock = trio.Lock()
 
@@ -123,9 +123,10 @@ class Gateway:
         """Make the router's static replicas those of ``config.models`` (replicas no longer listed are drained)."""
         wanted: dict[str, Replica] = {}
         for model in config.models:
-            routing = (model.routing, dict(model.routing_options))
+            routing = (model.routing, dict(model.routing_options), model.lora_adapters)
             if model.name not in self.router.models or self._static_models.get(model.name) != routing:
                 self.router.configure_model(model.name, model.routing, model.routing_options, model)
+            self.router.set_adapters(model.name, [adapter.name for adapter in model.lora_adapters])
             for index, spec in enumerate(model.replicas):
                 name = spec.name or f"{model.name}-{index}"
                 wanted[name] = Replica(name=name, model=model.name, url=spec.url, api_key=spec.api_key,
@@ -144,7 +145,7 @@ class Gateway:
         for model in set(self._static_models) - {m.name for m in config.models}:
             if model not in self.control.routing.models:  # a deployed profile may serve it too
                 self.router.remove_model(model)
-        self._static_models = {m.name: (m.routing, dict(m.routing_options)) for m in config.models}
+        self._static_models = {m.name: (m.routing, dict(m.routing_options), m.lora_adapters) for m in config.models}
         self._follow_static_kv(config)
 
     def _follow_static_kv(self, config: Config) -> None:

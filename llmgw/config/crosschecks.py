@@ -43,6 +43,7 @@ def check_config(draft: Draft) -> None:
             report_duplicates(draft, draft[section], attr, what)
     _check_deployment_profiles(draft)
     _check_model_routing(draft)
+    _check_adapter_names(draft)
     _check_agent_token(draft)
 
 
@@ -91,6 +92,25 @@ def _check_model_routing(draft: Draft) -> None:
         elif obj.routing_options != earlier.routing_options:
             draft.add(issue_at(obj, "routing_options", f"model '{model_name}' is also declared by {where} "
                                                        "with different routing_options"))
+
+
+def _check_adapter_names(draft: Draft) -> None:
+    """A LoRA adapter's name is a model name to clients: it must not be a model's, nor another model's adapter's."""
+    if not draft.known("models", "profiles"):
+        return
+    served = {model.name for model in draft["models"]} | {profile.served_model_name for profile in draft["profiles"]}
+    owners: dict[str, str] = {}
+    for obj, model_name in [(m, m.name) for m in draft["models"]] + [(p, p.served_model_name)
+                                                                       for p in draft["profiles"]]:
+        for adapter in obj.lora_adapters if known(obj.lora_adapters) else ():
+            if not known(adapter.name):
+                continue
+            if adapter.name in served:
+                draft.add(issue_at(adapter, "name", f"LoRA adapter '{adapter.name}' has the name of a model; "
+                                                    "clients could not ask for one or the other"))
+            elif owners.setdefault(adapter.name, model_name) != model_name:
+                draft.add(issue_at(adapter, "name", f"LoRA adapter '{adapter.name}' is also an adapter of model "
+                                                    f"'{owners[adapter.name]}'; one name routes to one model"))
 
 
 def _check_agent_token(draft: Draft) -> None:

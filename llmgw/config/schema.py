@@ -62,6 +62,14 @@ class ExternalReplica(Located):
 
 
 @config_class
+class LoraAdapter(Located):
+    """A LoRA adapter the engine loads next to the base model."""
+
+    name: Text = setting()
+    path: Text = setting()
+
+
+@config_class
 class ModelConfig(Located):
     """A model served by static external replicas."""
 
@@ -70,12 +78,15 @@ class ModelConfig(Located):
     routing_options: dict[str, Any] = setting(factory=dict)  # the tier's own settings
     replicas: Annotated[list[ExternalReplica], non_empty("a model needs at least one replica")] = setting()
     max_model_len: Count | None = setting(None)
+    lora_adapters: list[LoraAdapter] = setting(factory=list)  # adapters every replica serves (--lora-modules)
 
     @classmethod
     def _finish(cls, draft: Draft) -> None:
         if draft.known("replicas"):
             crosschecks.report_duplicates(draft, draft["replicas"], "url", "replica URL")
             crosschecks.report_duplicates(draft, draft["replicas"], "name", "replica name")
+        if draft.known("lora_adapters"):
+            crosschecks.report_duplicates(draft, draft["lora_adapters"], "name", "LoRA adapter name")
 
 
 @config_class
@@ -133,14 +144,6 @@ class AgentsConfig(Located):
             draft.problem("suspect_after", "must be longer than heartbeat_interval")
         if draft.known("suspect_after", "disconnected_after") and draft["disconnected_after"] <= draft["suspect_after"]:
             draft.problem("disconnected_after", "must be longer than suspect_after")
-
-
-@config_class
-class LoraAdapter(Located):
-    """A LoRA adapter the engine loads next to the base model."""
-
-    name: Text = setting()
-    path: Text = setting()
 
 
 @config_class

@@ -51,7 +51,7 @@ class DeployedRouting(TaskHost):
         self.on_released = on_released
         self.drain_timeout = drain_timeout
         self.routed: dict[str, Routed] = {}  # by replica id
-        self.models: dict[str, tuple[str, dict]] = {}  # served model name -> (tier in use, its options)
+        self.models: dict[str, tuple] = {}  # served model name -> (tier in use, its options, LoRA adapters)
 
     # -- models --------------------------------------------------------------------------------------------------
 
@@ -62,10 +62,11 @@ class DeployedRouting(TaskHost):
         for replica in desired.values():
             wanted.setdefault(replica.model, replica.profile)
         for model, profile in sorted(wanted.items()):
-            tier = (self._tier_for(model, profile.routing), dict(profile.routing_options))
+            tier = (self._tier_for(model, profile.routing), dict(profile.routing_options), profile.lora_adapters)
             if model not in router.models or self.models.get(model) != tier:
                 router.configure_model(model, tier[0], tier[1], profile)
                 self.models[model] = tier
+            router.set_adapters(model, [adapter.name for adapter in profile.lora_adapters])
         keep = set(wanted) | set(static_models)
         for model in list(self.models):
             if model not in keep:

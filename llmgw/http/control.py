@@ -84,10 +84,11 @@ def create_control_app(gateway: "Gateway") -> QuartTrio:
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object: an OpenAI request with 'model'", "invalid_json")
         model = body.get("model")
-        if not isinstance(model, str) or model not in gateway.router.models:
+        resolved = gateway.router.resolve(model) if isinstance(model, str) else None
+        if resolved is None:
             return _error(404, f"the model {model!r} does not exist", "model_not_found", param="model")
         path = request.args.get("path") or ("/v1/chat/completions" if "messages" in body else "/v1/completions")
-        return jsonify(await gateway.router.explain(RouteRequest(model, path, body)))
+        return jsonify(await gateway.router.explain(RouteRequest(resolved[0], path, body, adapter=resolved[1])))
 
     @app.errorhandler(404)
     async def not_found(_):

@@ -106,16 +106,22 @@ class DataPlane:
             matched |= hmac.compare_digest(presented, key)
         return matched
 
-    def _model_card(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": self._created, "owned_by": "llmgw"}
+    def _model_card(self, name: str, parent: str | None = None) -> dict:
+        card = {"id": name, "object": "model", "created": self._created, "owned_by": "llmgw"}
+        if parent is not None:
+            card["parent"] = parent  # a LoRA adapter, served by its base model's replicas (as vLLM lists them)
+        return card
 
     def _list_models(self) -> Response:
-        return Response.json({"object": "list", "data": [self._model_card(n) for n in sorted(self.router.models)]})
+        cards = [self._model_card(n) for n in sorted(self.router.models)]
+        cards += [self._model_card(a, m) for a, m in sorted(self.router.adapters.items()) if m in self.router.models]
+        return Response.json({"object": "list", "data": cards})
 
     def _get_model(self, name: str) -> Response:
-        if name not in self.router.models:
+        resolved = self.router.resolve(name)
+        if resolved is None:
             return error_response(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
-        return Response.json(self._model_card(name))
+        return Response.json(self._model_card(name, resolved[0] if resolved[1] else None))
 
     # -- the proxy ---------------------------------------------------------------------------------------------------
 
@@ -133,7 +139,8 @@ class DataPlane:
         if not isinstance(model, str) or not model:
             return self._count(None, error_response(400, "the request needs a 'model' string", param="model",
                                                     code="missing_model"))
-        if model not in self.router.models:
+        resolved = self.router.resolve(model)
+        if resolved is None:
             return self._count(None, error_response(404, f"the model {model!r} does not exist", param="model",
                                                     code="model_not_found"))
         request_id = None
@@ -147,7 +154,8 @@ class DataPlane:
                 forwarded.append(header)
         if not request_id:
             request_id = self._ids.next()
-        route_request = RouteRequest(model, request.path, body, request.headers, request_id)
+        route_request = RouteRequest(resolved[0], request.path, body, request.headers, request_id,
+                                     adapter=resolved[1])
         id_header = (b"x-request-id", request_id.encode("latin-1"))
         forwarded.append(id_header)
 
@@ -202,7 +210,7 @@ class DataPlane:
 
     async def _relay(self, upstream: UpstreamResponse, replica: Replica, decision: Decision,
                      route_request: RouteRequest, started: float, id_header: tuple[bytes, bytes]) -> Response:
-        self.metrics.for_model(route_request.model).ttfb.observe(_now() - started)
+        self.metrics.for_model(route_request.served_name).ttfb.observe(_now() - started)
         headers = [h for h in upstream.headers if h[0] not in _DROP_RESPONSE_HEADERS]
         headers.append(id_header)
         name = self._replica_names.get(replica.name)
@@ -257,7 +265,7 @@ class DataPlane:
             raise AbortConnection(str(exc)) from None
         except BaseException:
             status = 499
-            self.metrics.for_model(route_request.model).client_disconnects.inc()
+            self.metrics.for_model(route_request.served_name).client_disconnects.inc()
             raise
         finally:
             await upstream.aclose()
@@ -282,7 +290,7 @@ class DataPlane:
         self._load(replica, -1)
         replica.served += 1
         ended = _now()
-        self._count(route_request.model, None, started, status)
+        self._count(route_request.served_name, None, started, status)
         if watch is not None:
             first_token_at = watch.first_token_at
         tokens = record_latency(self.metrics.for_replica(replica), started, ended, first_token_at, usage, watch) \
@@ -292,7 +300,7 @@ class DataPlane:
             access_log.info(
                 "request_id=%s model=%s replica=%s tier=%s outcome=%s status=%d ttft_ms=%s latency_ms=%.1f "
                 "prompt_tokens=%s cached_tokens=%s completion_tokens=%s", route_request.request_id,
-                route_request.model, replica.name, decision.tier or "-", decision.outcome, status,
+                route_request.served_name, replica.name, decision.tier or "-", decision.outcome, status,
                 "-" if first_token_at is None else "%.1f" % ((first_token_at - started) * 1000),
                 (ended - started) * 1000, *tokens)
 

@@ -3,8 +3,8 @@
 Two requests whose prompts start the same way render to texts that start the
 same way, without a tokenizer: a chat is ``role\\x1fcontent\\x1e`` per message
 (text parts joined by newlines; other parts as their JSON, so two different
-images differ), preceded by the ``tools`` and the ``cache_salt`` when present
-(both change what the engine caches); a completion is its prompt (the first
+images differ), preceded by the LoRA adapter, the ``tools`` and the
+``cache_salt`` when present (each changes what the engine caches); a completion is its prompt (the first
 one of a batch; token ids written as decimal numbers); an embedding its
 input. The result is cached on the :class:`~llmgw.router.tier.RouteRequest`.
 """
@@ -25,7 +25,7 @@ def canonical_text(request: RouteRequest) -> str:
     """The request's canonical text (computed once per request)."""
     text = request.canonical_text
     if text is None:
-        text = request.canonical_text = render_body(request.body)
+        text = request.canonical_text = render_body(request.body, request.adapter)
     return text
 
 
@@ -34,8 +34,10 @@ def estimated_prompt_tokens(request: RouteRequest) -> int:
     return len(canonical_text(request)) // CHARS_PER_TOKEN + 1
 
 
-def render_body(body: dict[str, Any]) -> str:
+def render_body(body: dict[str, Any], adapter: str | None = None) -> str:
     parts: list[str] = []
+    if adapter:
+        parts.append(f"lora{UNIT}{adapter}{RECORD}")
     salt = body.get("cache_salt")
     if isinstance(salt, str) and salt:
         parts.append(f"salt{UNIT}{salt}{RECORD}")

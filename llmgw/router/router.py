@@ -40,6 +40,7 @@ class Router:
         self.registry = registry
         self.metrics = metrics
         self.models: dict[str, ModelRoute] = {}
+        self.adapters: dict[str, str] = {}  # LoRA adapter name -> the model whose replicas serve it
         # One KV index for every model (replica names are unique): the control plane applies the agents' KV
         # changes to it, the kv_index tiers read it (TierServices.kv_index).
         self.kv_index = KvIndex(clock=time.monotonic)
@@ -75,6 +76,24 @@ class Router:
 
     def remove_model(self, name: str) -> None:
         self.models.pop(name, None)
+        self.set_adapters(name, ())
+
+    def set_adapters(self, model: str, adapters: Iterable[str]) -> None:
+        """The LoRA adapters ``model``'s replicas serve: a request naming one is routed as ``model``."""
+        self.adapters = {a: m for a, m in self.adapters.items() if m != model}
+        for adapter in adapters:
+            if adapter in self.models:
+                log.warning("LoRA adapter %s of model %s has the name of a model; requests go to the model",
+                            adapter, model)
+                continue
+            self.adapters[adapter] = model
+
+    def resolve(self, name: str) -> tuple[str, str | None] | None:
+        """``(model, adapter)`` for a name a client asked for (``adapter`` None for a model), or None."""
+        if name in self.models:
+            return name, None
+        model = self.adapters.get(name)
+        return (model, name) if model is not None and model in self.models else None
 
     def all_replicas(self) -> Iterable[Replica]:
         for route in self.models.values():

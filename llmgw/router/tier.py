@@ -25,6 +25,10 @@ from .replica import Replica
 class RouteRequest:
     """What a tier may look at: the model, the API path and the parsed JSON body.
 
+    A request for a LoRA adapter is routed among its base model's replicas:
+    ``model`` is the base model and ``adapter`` the adapter's name (also the
+    body's ``model``, unchanged, since the engine serves the adapter by name).
+
     ``canonical_text`` caches :func:`llmgw.router.canonical.canonical_text` of the
     body, so the tier and the router's load accounting render it once.
     """
@@ -35,6 +39,12 @@ class RouteRequest:
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     request_id: str = ""
     canonical_text: str | None = None
+    adapter: str | None = None  # the LoRA adapter the body's "model" names; ``model`` is then its base model
+
+    @property
+    def served_name(self) -> str:
+        """The name the client asked for: the adapter's, or the model's."""
+        return self.adapter or self.model
 
 
 @dataclass(slots=True)

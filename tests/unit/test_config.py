@@ -631,3 +631,26 @@ def test_config_objects_are_frozen():
     config = parse_config(STATIC_EXAMPLE)
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.models[0].name = "other"  # type: ignore[misc]
+
+
+def test_lora_adapter_names_are_model_names_to_clients():
+    adapter_is_a_model = only_error("""
+        models:
+          - name: a
+            replicas: [{url: "http://127.0.0.1:9001"}]
+            lora_adapters: [{name: b, path: /x}]
+          - name: b
+            replicas: [{url: "http://127.0.0.1:9002"}]
+        """)
+    assert (adapter_is_a_model.line, adapter_is_a_model.key) == (5, "models[0].lora_adapters[0].name")
+    assert "has the name of a model" in adapter_is_a_model.message
+    two_owners = only_error("""
+        models:
+          - name: a
+            replicas: [{url: "http://127.0.0.1:9001"}]
+            lora_adapters: [{name: sql, path: /x}]
+          - name: b
+            replicas: [{url: "http://127.0.0.1:9002"}]
+            lora_adapters: [{name: sql, path: /y}]
+        """)
+    assert two_owners.key == "models[1].lora_adapters[0].name" and "also an adapter of model 'a'" in two_owners.message

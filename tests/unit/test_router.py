@@ -127,3 +127,19 @@ def test_replica_secrets_stay_out_of_repr():
     r = Replica(name="r", model="m", url="http://127.0.0.1:1", api_key="engine-secret")
     assert "engine-secret" not in repr(r)
     assert "engine-secret" not in str(r.as_json())
+
+
+async def test_lora_adapters_route_as_their_base_model_with_the_adapter_in_the_canonical_text():
+    from llmgw.router.canonical import canonical_text
+
+    router, replicas, _ = make_router()
+    router.set_adapters("m", ["sql-lora"])
+    assert router.resolve("sql-lora") == ("m", "sql-lora") and router.resolve("m") == ("m", None)
+    assert router.resolve("other") is None
+    adapter_request = RouteRequest(model="m", path="/v1/completions", body={"model": "sql-lora", "prompt": "x"},
+                                   adapter="sql-lora")
+    assert (await router.pick(adapter_request)).replica in replicas
+    assert canonical_text(adapter_request) != canonical_text(request())  # the tree keeps them apart
+    assert adapter_request.served_name == "sql-lora"
+    router.remove_model("m")
+    assert router.resolve("sql-lora") is None and router.adapters == {}
