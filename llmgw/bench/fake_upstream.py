@@ -1,7 +1,8 @@
 """A fast fake OpenAI-compatible upstream (asyncio + httptools), for proxy benchmarks and data-plane tests.
 
 It answers ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings``
-with canned JSON, or with ``--chunks`` SSE events when the body says
+with canned JSON (any other POST with the chat answer, ``/v1/audio/*`` with a
+transcript without reading the form), or with ``--chunks`` SSE events when the body says
 ``"stream": true``; ``GET /v1/models``, ``GET /health`` and ``GET /stats``
 (request and aborted-stream counters). Request bodies may steer it:
 ``x_status`` (answer with this HTTP status), ``x_delay_ms`` (wait before the
@@ -113,6 +114,8 @@ class FakeUpstream(asyncio.Protocol):
             if path == "/stats":
                 return self._send(200, json.dumps(vars(stats)).encode())
             return self._send(404, b'{"error":{"message":"not found","type":"not_found_error","param":null,"code":null}}')
+        if path.startswith("/v1/audio/"):  # a multipart upload: not JSON, answered with a transcript
+            return self._send(200, b'{"text":"hello from %s"}' % self.name)
         try:
             body = json.loads(raw) if raw else {}
         except ValueError:

@@ -24,13 +24,21 @@ from ..router.tier import Decision, RouteRequest
 from .client import UpstreamError, UpstreamResponse
 from .latency import StreamWatch
 from .messages import Request, Response, error_response
+from .multipart import FormError, form_field
 from .usage import STREAM_TAIL_PIECES, usage_of_body, usage_of_stream_tail
 from .server import AbortConnection
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("llmgw.access")
 
-PROXIED_POST_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+# What vLLM's OpenAI server answers with a POST naming a model: relayed to a replica of that model.
+PROXIED_POST_PATHS = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/score", "/v1/rerank",
+    "/v1/audio/transcriptions", "/v1/audio/translations",
+    "/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/v2/rerank",
+})
+# Paths whose body may omit "model" (vLLM's tokenizer endpoints): the gateway's only model serves them then.
+MODEL_OPTIONAL_PATHS = frozenset({"/tokenize", "/detokenize"})
 # Response headers that describe the upstream connection, not the body.
 _DROP_RESPONSE_HEADERS = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"trailer", b"upgrade",
                                     b"server", b"date"})
@@ -76,7 +84,7 @@ class DataPlane:
 
     async def handle(self, request: Request) -> Response:
         path = request.path
-        if not path.startswith("/v1/"):
+        if not path.startswith("/v1/") and path not in PROXIED_POST_PATHS:
             if path == "/health" and request.method == "GET":
                 return Response(200, [], b"")
             return error_response(404, f"no route for {request.method} {path}", code="not_found")
@@ -87,10 +95,10 @@ class DataPlane:
             return self._list_models()
         if request.method == "GET" and path.startswith("/v1/models/"):
             return self._get_model(path[len("/v1/models/"):])
-        if request.method != "POST":
-            if path in PROXIED_POST_PATHS:
-                return error_response(405, f"{path} only accepts POST", code="method_not_allowed")
+        if path not in PROXIED_POST_PATHS:
             return error_response(404, f"no route for {request.method} {path}", code="not_found")
+        if request.method != "POST":
+            return error_response(405, f"{path} only accepts POST", code="method_not_allowed")
         return await self._proxy(request)
 
     # -- small endpoints ---------------------------------------------------------------------------------------------
@@ -127,15 +135,12 @@ class DataPlane:
 
     async def _proxy(self, request: Request) -> Response:
         started = _now()
-        try:
-            body = json.loads(request.body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            return self._count(None, error_response(400, f"the request body is not valid JSON: {exc}",
-                                                    code="invalid_json"))
-        if not isinstance(body, dict):
-            return self._count(None, error_response(400, "the request body must be a JSON object",
-                                                    code="invalid_json"))
+        body = self._routing_body(request)
+        if isinstance(body, Response):
+            return self._count(None, body)
         model = body.get("model")
+        if model is None and request.path in MODEL_OPTIONAL_PATHS and len(self.router.models) == 1:
+            model = next(iter(self.router.models))
         if not isinstance(model, str) or not model:
             return self._count(None, error_response(400, "the request needs a 'model' string", param="model",
                                                     code="missing_model"))
@@ -183,6 +188,25 @@ class DataPlane:
             self.router.routed(route_request, decision)
             return await self._relay(outcome, replica, decision, route_request, started, id_header)
         return self._count(model, self._no_replica_error(model, last_error, tried), started)
+
+    @staticmethod
+    def _routing_body(request: Request) -> dict | Response:
+        """What the router looks at: the JSON object of the body, or a form's ``model`` field (audio uploads); the
+        body itself is relayed unchanged either way. An error response when it is neither."""
+        content_type = request.header("content-type") or ""
+        if content_type[:19].lower() == "multipart/form-data":
+            try:
+                model = form_field(request.body, content_type, "model")
+            except FormError as exc:
+                return error_response(400, f"the request body is not a valid form: {exc}", code="invalid_form")
+            return {} if model is None else {"model": model}
+        try:
+            body = json.loads(request.body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return error_response(400, f"the request body is not valid JSON: {exc}", code="invalid_json")
+        if not isinstance(body, dict):
+            return error_response(400, "the request body must be a JSON object", code="invalid_json")
+        return body
 
     async def _attempt(self, replica: Replica, request: Request, headers: list[tuple[bytes, bytes]],
                        is_last: bool) -> UpstreamResponse | UpstreamError:
