@@ -73,7 +73,8 @@ class Simulator:
         cache = KVCacheManager(config.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
                                enable_events=publishing, to_event=to_event)
         scheduler = Scheduler(cache, max_num_seqs=config.max_num_seqs,
-                              max_num_batched_tokens=config.max_num_batched_tokens)
+                              max_num_batched_tokens=config.max_num_batched_tokens,
+                              chunked_prefill=config.enable_chunked_prefill)
         self._events_in = self._events_out = None
         if publishing:
             self._events_in, self._events_out = trio.open_memory_channel(queue_size(events_cfg.max_queue_size))

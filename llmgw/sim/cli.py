@@ -32,7 +32,7 @@ IGNORED_FLAGS = (
     ("--uvicorn-log-level", True), ("--distributed-executor-backend", True), ("--quantization", True),
     ("--enforce-eager", False), ("--trust-remote-code", False), ("--disable-log-requests", False),
     ("--enable-log-requests", False), ("--disable-log-stats", False), ("--enable-lora", False),
-    ("--enable-chunked-prefill", False), ("--enable-prompt-tokens-details", False),
+    ("--enable-prompt-tokens-details", False),
     ("--enable-server-load-tracking", False), ("--disable-uvicorn-access-log", False),
 )
 
@@ -68,7 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--max-model-len", type=int, default=None,
                       help="context length (default 8192, lowered to what the KV cache holds)")
     vllm.add_argument("--max-num-seqs", type=int, default=256, help="running requests per step")
-    vllm.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    vllm.add_argument("--max-num-batched-tokens", type=int, default=None,
+                      help="token budget per step (default 2048; without chunked prefill max(max-model-len, 2048))")
+    vllm.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                      help="split long prefills across steps within the budget, so running requests keep "
+                           "decoding (vLLM V1's default)")
     vllm.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     vllm.add_argument("--prefix-caching-hash-algo", default="sha256",
                       choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"))
@@ -130,6 +134,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         kv_events=args.kv_events_config or KVEventsConfig(),

@@ -112,7 +112,8 @@ class SimConfig:
     num_blocks: int = 1024
     max_model_len: int | None = None  # None -> 8192, lowered to what the cache holds
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None -> 2048, or max(max_model_len, 2048) without chunking
+    enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
@@ -157,6 +158,12 @@ class SimConfig:
                 f"x --block-size {self.block_size} holds ({capacity} tokens; one block is vLLM's null block)")
         if self.max_model_len < 2:
             raise ConfigError("--max-model-len must be at least 2")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(self.max_model_len, 2048)
+        elif not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(  # vLLM refuses the same: a prompt of max_model_len tokens could never be scheduled
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than --max-model-len "
+                f"({self.max_model_len}): without chunked prefill every prompt must fit in one step")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be positive")
         if self.time_scale < 0 or self.prefill_tokens_per_s <= 0 or self.decode_ms_per_step < 0:

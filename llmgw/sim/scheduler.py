@@ -11,7 +11,9 @@ Pure and synchronous (no clock, no I/O), after vLLM v1's scheduler:
 - then, unless something was preempted, waiting requests in arrival order
   while the budget, ``max_num_seqs`` and free blocks allow; each starts with
   its prefix-cache hit and computes the rest (chunked across steps when the
-  budget is short); the first that does not fit stops admission (FCFS);
+  budget is short; without ``chunked_prefill`` only a step with budget for
+  the whole rest admits it); the first that does not fit stops admission
+  (FCFS);
 - after the step, every request whose scheduled tokens reached the end of its
   tokens samples one token; a request finishes at EOS or at its length limit,
   and its blocks are freed (cached blocks stay cached, evictable).
@@ -128,12 +130,14 @@ class SchedulerStats:
 class Scheduler:
     """The waiting queue, the running batch and the KV cache manager."""
 
-    def __init__(self, cache: KVCacheManager, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048):
+    def __init__(self, cache: KVCacheManager, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 chunked_prefill: bool = True):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -222,6 +226,8 @@ class Scheduler:
             hits = cache.computed_blocks(seq)
             num_hit_tokens = len(hits) * size
             num_new = min(len(seq.token_ids) - num_hit_tokens, budget)
+            if not self.chunked_prefill and num_new < len(seq.token_ids) - num_hit_tokens:
+                break  # its prefill must run whole: it waits for a step with budget for all of it
             if not cache.allocate_slots(seq, num_new, hits):
                 break
             waiting.popleft()

@@ -92,3 +92,11 @@ def test_connectable_endpoints():
     assert connectable("tcp://[::]:5557", "h") == "tcp://h:5557"
     assert connectable("tcp://127.0.0.1:5557", "h") == "tcp://127.0.0.1:5557"
     assert connectable("ipc:///tmp/kv", "h") == "ipc:///tmp/kv"
+
+
+def test_chunked_prefill_budget_defaults_as_vllm():
+    assert SimConfig().resolve().max_num_batched_tokens == 2048
+    whole = SimConfig(enable_chunked_prefill=False, max_model_len=4096).resolve()
+    assert whole.max_num_batched_tokens == 4096
+    with pytest.raises(ConfigError, match="without chunked prefill every prompt must fit in one step"):
+        SimConfig(enable_chunked_prefill=False, max_model_len=4096, max_num_batched_tokens=1024).resolve()

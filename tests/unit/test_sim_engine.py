@@ -16,9 +16,9 @@ from llmgw.sim.scheduler import Scheduler, Sequence
 RATE, DECODE_S = 1000.0, 0.010
 
 
-def make_engine(time_scale: float = 1.0, events_out=None, budget: int = 2048) -> Engine:
+def make_engine(time_scale: float = 1.0, events_out=None, budget: int = 2048, chunked: bool = True) -> Engine:
     cache = KVCacheManager(200, 16, to_event=event_int)
-    return Engine(Scheduler(cache, max_num_batched_tokens=budget), prefill_tokens_per_s=RATE,
+    return Engine(Scheduler(cache, max_num_batched_tokens=budget, chunked_prefill=chunked), prefill_tokens_per_s=RATE,
                   decode_ms_per_step=DECODE_S * 1000, time_scale=time_scale, events_out=events_out)
 
 
@@ -61,6 +61,33 @@ async def test_chunked_prefill_takes_several_steps(autojump_clock):
         ttft, _ = await run_one(engine, request(200, 1))
         assert ttft == pytest.approx(200 / RATE + math.ceil(200 / 64) * DECODE_S)
         nursery.cancel_scope.cancel()
+
+
+async def gaps_while_a_long_prefill_arrives(engine: Engine) -> float:
+    """The longest gap between a decoding request's tokens while a 1,024-token prompt is prefilled."""
+    decoding = request(16, 40, start=900, rid="decoding")
+    arrivals = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.run)
+        engine.submit(decoding)
+        seen = 0
+        while not decoding.finished:
+            await decoding.wait_for_tokens(seen)
+            seen = decoding.num_output_tokens
+            arrivals.append(trio.current_time())
+            if seen == 5:
+                engine.submit(request(1024, 1, start=2000, rid="long"))
+        nursery.cancel_scope.cancel()
+    return max(b - a for a, b in zip(arrivals, arrivals[1:]))
+
+
+async def test_chunked_prefill_keeps_running_requests_decoding(autojump_clock):
+    """With chunking a long prompt costs a decoding request at most one budget's worth of prefill per token;
+    without it, the whole prefill at once (vLLM's --no-enable-chunked-prefill)."""
+    chunked = await gaps_while_a_long_prefill_arrives(make_engine(budget=128))
+    assert chunked == pytest.approx((128 - 1) / RATE + DECODE_S)  # the decode token shares the step's budget
+    whole = await gaps_while_a_long_prefill_arrives(make_engine(budget=2048, chunked=False))
+    assert whole == pytest.approx(1024 / RATE + DECODE_S)
 
 
 async def test_time_scale_and_idle_engine_sleeps(autojump_clock):
