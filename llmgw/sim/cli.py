@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="range of natural output lengths (ending in EOS) unless ignore_eos or max_tokens")
     sim.add_argument("--drop-event-seqs", default=None, metavar="SEQS",
                      help="test switch: '3,7' or 'every:N' batches kept for replay but not published live")
+    sim.add_argument("--suppress-events", default="", metavar="TYPES",
+                     help="test switch: comma list of event types never published (BlockStored, BlockRemoved, "
+                          "AllBlocksCleared), as an engine that misses events: no sequence gap reveals it")
     sim.add_argument("--log-level", default="INFO")
     return p
 
@@ -134,6 +137,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         event_fields=args.event_fields,
         data_parallel_rank=args.data_parallel_rank,
         drop_event_seqs=args.drop_event_seqs,
+        suppress_events=tuple(t.strip() for t in args.suppress_events.split(",") if t.strip()),
         time_scale=args.time_scale,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         decode_ms_per_step=args.decode_ms_per_step,
