@@ -135,6 +135,11 @@ async def test_kv_events_route_to_the_holder_predict_exactly_and_only_their_owne
         return actual == predicted == cached
 
     await cluster.wait_for("the streamed usage counted", counted, timeout=5)
+    # Normal operation: every check of a response against the index is a match, none drifted.
+    checks = {r["name"]: r["drift"] for r in (await cluster.admin("/admin/kv"))["replicas"]}
+    assert sum(d["match"] for d in checks.values()) >= 2, checks
+    assert all(d["over"] == d["under"] == 0 and d["resyncs"] == {"full": 0, "reset": 0} for d in checks.values())
+    assert await cluster.metric("llmgw_route_drift_total") == 0
 
     # The other replica learns a prompt sent straight to its engine.
     await complete(cluster, text(2, 1500), url=replicas[other]["url"])
