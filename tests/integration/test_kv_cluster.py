@@ -165,26 +165,32 @@ async def test_kv_events_route_to_the_holder_predict_exactly_and_only_their_owne
     assert all(rank["parity"] is not False for s in agent for rank in s["ranks"])
 
 
-async def test_a_static_replica_with_kv_events_feeds_the_index(nursery, start_llmgw):
-    """An engine llmgw did not start binds its publisher; the gateway connects (``kv_events``/``kv_replay``)."""
+async def static_kv_replica(nursery, start_llmgw, *, engine_args=(), routing_options="tokenize_timeout: 2s"):
+    """A simulator llmgw did not start, binding its publisher, and a gateway following it as static ``ext-0``."""
     events, replay = free_port(), free_port()
     config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
                          "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"})
     argv = llmgw_command("sim", "--port", "0", "--served-model-name", "tiny", "--time-scale", "0",
-                         "--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config", config)
+                         "--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config", config, *engine_args)
     engine = await nursery.start(lambda task_status: run_child(argv, name="sim-ext", env={"PYTHONHASHSEED": "0"},
                                                                 task_status=task_status))
     gateway = await start_llmgw(f"""
 models:
   - name: tiny
     routing: kv_index
-    routing_options: {{tokenize_timeout: 2s}}
+    routing_options: {{{routing_options}}}
     replicas:
       - url: {engine.url}
         name: ext-0
         kv_events: tcp://127.0.0.1:{events}
         kv_replay: tcp://127.0.0.1:{replay}
 """)
+    return engine, gateway
+
+
+async def test_a_static_replica_with_kv_events_feeds_the_index(nursery, start_llmgw):
+    """An engine llmgw did not start binds its publisher; the gateway connects (``kv_events``/``kv_replay``)."""
+    engine, gateway = await static_kv_replica(nursery, start_llmgw)
     async with httpx.AsyncClient(timeout=10) as http:
         async def state():
             return {r["name"]: r for r in (await http.get(gateway.control_url + "/admin/kv")).json()["replicas"]}
@@ -197,6 +203,44 @@ models:
             blocks = answer.json()["usage"]["prompt_tokens"] // BLOCK
             while (await state())["ext-0"]["blocks"] < blocks:  # learnt from the engine's own events
                 await trio.sleep(0.05)
+
+
+async def test_a_static_replicas_drifting_index_resyncs_its_own_subscription(nursery, start_llmgw):
+    """The gateway follows the engine itself: a suspect index's resync goes to that subscription's mirror."""
+    engine, gateway = await static_kv_replica(nursery, start_llmgw, engine_args=(
+        "--suppress-events", "AllBlocksCleared"), routing_options="tokenize_timeout: 2s, drift_suspect_after: 1")
+    prompts = [text(40 + i, 800) for i in range(3)]
+    async with httpx.AsyncClient(timeout=10) as http:
+        async def ext() -> dict:
+            return next(r for r in (await http.get(gateway.control_url + "/admin/kv")).json()["replicas"]
+                        if r["name"] == "ext-0")
+
+        async def until(check) -> dict:
+            with trio.fail_after(20):
+                while not check(entry := await ext()):
+                    await trio.sleep(0.05)
+            return entry
+
+        async def cached(prompt: str, url: str = gateway.url) -> int:
+            answer = await http.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+            return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        for prompt in prompts:
+            await cached(prompt, engine.url)
+        await until(lambda e: e["blocks"] >= 3 * (800 // BLOCK))
+        assert (await http.post(engine.url + "/reset_prefix_cache")).json() == {"success": True}  # unpublished
+
+        assert await cached(prompts[0]) == 0  # the index promised 49 blocks: suspect, a full copy asked
+        entry = await until(lambda e: e["drift"]["resyncs"]["full"] == 1 and e["state"] == "healthy")
+        assert entry["drift"]["over"] == 1 and entry["blocks"] > 0  # the mirror was as stale as the index
+        assert await cached(prompts[1]) == 0  # again: the mirror is dropped
+        entry = await until(lambda e: e["last_reset_reason"] == "resync")
+        assert entry["drift"]["resyncs"] == {"full": 1, "reset": 1} and entry["drift"]["over"] == 2
+        await cached(prompts[2])  # stored again after the reset: learnt from its events
+        await until(lambda e: e["state"] == "healthy" and e["blocks"] > 0)
+        assert await cached(prompts[2]) > 0
+        entry = await until(lambda e: e["drift"]["match"] >= 1)
+        assert entry["drift"]["over"] == 2 and entry["state"] == "healthy"
 
 
 async def test_an_agent_restart_keeps_the_engines_kv_port_and_the_index_is_restored(cluster):
