@@ -92,3 +92,11 @@ def test_connectable_endpoints():
     assert connectable("tcp://[::]:5557", "h") == "tcp://h:5557"
     assert connectable("tcp://127.0.0.1:5557", "h") == "tcp://127.0.0.1:5557"
     assert connectable("ipc:///tmp/kv", "h") == "ipc:///tmp/kv"
+
+
+def test_suppress_events_names_known_event_types_only():
+    args = build_parser().parse_args(["--suppress-events", "AllBlocksCleared, BlockRemoved"])
+    assert config_from_args(args).resolve().suppress_events == ("AllBlocksCleared", "BlockRemoved")
+    assert config_from_args(build_parser().parse_args([])).resolve().suppress_events == ()
+    with pytest.raises(ConfigError, match="BlockEvicted"):
+        config_from_args(build_parser().parse_args(["--suppress-events", "BlockEvicted"])).resolve()
