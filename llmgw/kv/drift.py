@@ -40,7 +40,6 @@ its mirror and relearns from the engine's next events).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 MATCH = "match"
@@ -82,8 +81,3 @@ def classify(actual: int, confirmed: int, predicted: int, block_size: int) -> st
     if actual >= predicted + step:
         return UNDER
     return MATCH
-
-
-def valid_policy(policy: DriftPolicy) -> bool:
-    return policy.suspect_after >= 0 and all(
-        math.isfinite(v) and v > 0 for v in (policy.window, policy.relapse_window, policy.resync_retry))
