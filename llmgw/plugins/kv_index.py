@@ -299,12 +299,15 @@ class KvIndexTier:
     def _check_drift(self, decision: Decision, predicted: int, actual: int) -> None:
         """Classify the response (:func:`llmgw.kv.drift.classify`), count it, and tell the index."""
         detail, name = decision.detail, decision.replica.name
-        size, prompt_tokens, keys = detail["block_size"], detail["prompt_tokens"], detail["block_keys"]
-        # Confirmed blocks: the smaller of the run at the decision and the run now (an eviction's removal that
-        # landed meanwhile explains a shortfall). The walk stops at the decision's run: never longer than that.
-        now_run = self.index.match(keys[:detail["confirmed_blocks"]], [name], predicted=False)[name]
-        confirmed = predicted_cached_tokens(now_run, size, prompt_tokens)
+        size, prompt_tokens, run = detail["block_size"], detail["prompt_tokens"], detail["confirmed_blocks"]
+        confirmed = predicted_cached_tokens(run, size, prompt_tokens)
         result = kv_drift.classify(actual, confirmed, max(predicted, confirmed), size)
+        if result == kv_drift.OVER:
+            # Confirmed blocks: the smaller of the run at the decision and the run now (an eviction whose removal
+            # landed meanwhile explains the shortfall); the walk stops at the decision's run.
+            run = self.index.match(detail["block_keys"][:run], [name], predicted=False)[name]
+            confirmed = predicted_cached_tokens(run, size, prompt_tokens)
+            result = kv_drift.classify(actual, confirmed, max(predicted, confirmed), size)
         if self.metrics is not None:
             self.metrics.drift_checks.labels(self.model, name, result).inc()
             if result != kv_drift.MATCH:
