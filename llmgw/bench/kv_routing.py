@@ -120,7 +120,7 @@ async def bench_decisions(sim_url: str, tokens: int, count: int) -> dict[str, di
     request = lambda body: RouteRequest("tiny", "/v1/completions", body)  # noqa: E731
     warm = [request({"model": "tiny", "prompt": prompt}) for _ in range(count + 5)]
     out["ids_warm"] = _percentiles((await _time_picks(tier, replicas, warm))[5:])
-    # the drift check each response with usage costs (the warm decision: the whole run walked again)
+    # the drift check each response with usage costs: one that matched the prediction
     decision = await tier.pick(warm[0], replicas)
     usage = {"prompt_tokens": tokens, "prompt_tokens_details": {
         "cached_tokens": decision.detail["predicted_cached_tokens"]}}

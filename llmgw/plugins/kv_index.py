@@ -61,6 +61,10 @@ log = logging.getLogger(__name__)
 TIER_NAME = "kv_index"
 SHARE_SCALE = 1 << 20  # shares in [0, 1] handed to the tree's scorers as matched / SHARE_SCALE
 EXTRA_KEY_STYLE = {"vllm": "current", "content": "event"}
+# Request fields with which the engine's cached tokens say nothing about its cache: with `prompt_logprobs` vLLM
+# reads no cached block (it needs every prompt token's logits), `truncate_prompt_tokens` makes it hash another
+# (left-truncated) prompt. Such responses are not drift checks, whatever a client sends.
+NO_DRIFT_CHECK_FIELDS = ("prompt_logprobs", "truncate_prompt_tokens")
 
 
 @dataclass
@@ -269,9 +273,12 @@ class KvIndexTier:
             keys = ev.keys[size]
             if self.options.predicted_ttl > 0:
                 self.index.predict(chosen.name, keys, self.options.predicted_ttl)
+            reads_cache = request.body.get("prompt_logprobs") is None
             detail.update(block_size=size, blocks=len(keys), matched_blocks=ev.matched[i],
                           confirmed_blocks=ev.confirmed[i],
-                          predicted_cached_tokens=predicted_cached_tokens(ev.matched[i], size, ev.prompt_tokens),
+                          predicted_cached_tokens=predicted_cached_tokens(ev.matched[i], size, ev.prompt_tokens)
+                          if reads_cache else 0,
+                          drift_check=not any(request.body.get(f) is not None for f in NO_DRIFT_CHECK_FIELDS),
                           block_keys=keys, index_epoch=self.index.epoch(chosen.name))
         return Decision(chosen, outcome=ev.choice.outcome, tier=TIER_NAME, detail=detail)
 
@@ -294,7 +301,8 @@ class KvIndexTier:
         if self.metrics is not None:
             self.metrics.predicted_cached.labels(self.model).inc(predicted)
             self.metrics.actual_cached.labels(self.model).inc(actual)
-        self._check_drift(decision, predicted, actual)
+        if decision.detail["drift_check"]:
+            self._check_drift(decision, predicted, actual)
 
     def _check_drift(self, decision: Decision, predicted: int, actual: int) -> None:
         """Classify the response (:func:`llmgw.kv.drift.classify`), count it, and tell the index."""

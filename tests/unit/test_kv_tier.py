@@ -390,3 +390,23 @@ def test_drift_options_are_checked():
                                           "drift_relapse_window": "soon", "drift_resync_retry": 0})
     assert len(problems) == 4 and all("drift_" in p for p in problems), problems
     assert KvIndexTier.check_options({"drift_suspect_after": 0, "drift_window": "2m"}) == []
+
+
+async def test_requests_whose_cached_tokens_say_nothing_of_the_cache_are_not_drift_checks():
+    router, tier, _, (a, b, c) = make({"drift_suspect_after": 1})
+    hold(tier, "a", keys_of(TEXT))
+    hold(tier, "b", [])
+    hold(tier, "c", [])
+    # prompt_logprobs: vLLM reads no cached block; the tier predicts 0, as the engine reports
+    request = RouteRequest("m", "/v1/completions", {"model": "m", "prompt": TEXT, "prompt_logprobs": 1})
+    decision = await router.pick(request)
+    assert decision.replica is a and decision.detail["predicted_cached_tokens"] == 0
+    router.finished(request, decision, usage(0))
+    # truncate_prompt_tokens: the engine hashes another prompt
+    request = RouteRequest("m", "/v1/completions", {"model": "m", "prompt": TEXT, "truncate_prompt_tokens": 100})
+    for _ in range(3):
+        decision = await router.pick(request)
+        router.finished(request, decision, usage(0))
+    assert tier.index.state("a").value == "healthy"
+    assert tier.index.describe("a")["drift"] == {**tier.index.describe("a")["drift"], "match": 0, "over": 0}
+    assert (tier.predicted_cached_total, tier.actual_cached_total) == (3 * 304, 0)
