@@ -318,7 +318,10 @@ class KvIndex:
                 log.exception("resync listener %r failed for replica %s", listener, replica.name)
 
     def _drop_predicted(self, bit: int) -> None:
-        """Drop one replica slot's predicted entries (its engine's cache was reset, or it is gone)."""
+        """Drop one replica slot's predicted entries (its engine's cache was reset, or it is gone).
+
+        A scan of every live predicted key (about 15 ms per 400k keys): exact, whatever other replicas predicted
+        for the same keys, and paid only on resets and lost streams."""
         masks = self._pred_mask
         for key in [k for k, mask in masks.items() if mask & bit]:
             mask = masks[key] & ~bit
