@@ -205,42 +205,66 @@ async def test_a_static_replica_with_kv_events_feeds_the_index(nursery, start_ll
                 await trio.sleep(0.05)
 
 
+async def unpublished_reset_heals(http: httpx.AsyncClient, control_url: str, data_url: str, engine_url: str,
+                                  name: str) -> None:
+    """The engine at ``engine_url`` (``--suppress-events AllBlocksCleared``, the replica ``name``'s only engine,
+    ``drift_suspect_after: 1``) drops its cache without telling: the first drift asks for a full copy (which
+    does not help: the mirror is as stale), the relapse for a reset; then the index predicts exactly again."""
+    prompts = [text(40 + i, 800) for i in range(3)]
+
+    async def entry() -> dict:
+        return next(r for r in (await http.get(control_url + "/admin/kv")).json()["replicas"] if r["name"] == name)
+
+    async def until(check) -> dict:
+        with trio.fail_after(20):
+            while not check(state := await entry()):
+                await trio.sleep(0.05)
+        return state
+
+    async def cached(prompt: str, url: str = data_url) -> int:
+        answer = await http.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+        assert answer.status_code == 200, answer.text
+        return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    for prompt in prompts:
+        await cached(prompt, engine_url)
+    await until(lambda e: e["blocks"] >= 3 * (800 // BLOCK))
+    assert (await http.post(engine_url + "/reset_prefix_cache")).json() == {"success": True}  # unpublished
+
+    assert await cached(prompts[0]) == 0  # the index promised 49 blocks: suspect, a full copy asked
+    state = await until(lambda e: e["drift"]["resyncs"]["full"] == 1 and e["state"] == "healthy")
+    assert state["drift"]["over"] == 1 and state["blocks"] > 0  # the mirror was as stale as the index
+    assert await cached(prompts[1]) == 0  # again: the mirror is dropped
+    state = await until(lambda e: e["last_reset_reason"] == "resync")
+    assert state["drift"]["resyncs"] == {"full": 1, "reset": 1} and state["drift"]["over"] == 2
+    await cached(prompts[2])  # stored again after the reset: learnt from its events
+    await until(lambda e: e["state"] == "healthy" and e["blocks"] > 0)
+    assert await cached(prompts[2]) > 0
+    state = await until(lambda e: e["drift"]["match"] >= 1)
+    assert state["drift"]["over"] == 2 and state["state"] == "healthy"
+
+
 async def test_a_static_replicas_drifting_index_resyncs_its_own_subscription(nursery, start_llmgw):
     """The gateway follows the engine itself: a suspect index's resync goes to that subscription's mirror."""
     engine, gateway = await static_kv_replica(nursery, start_llmgw, engine_args=(
         "--suppress-events", "AllBlocksCleared"), routing_options="tokenize_timeout: 2s, drift_suspect_after: 1")
-    prompts = [text(40 + i, 800) for i in range(3)]
     async with httpx.AsyncClient(timeout=10) as http:
-        async def ext() -> dict:
-            return next(r for r in (await http.get(gateway.control_url + "/admin/kv")).json()["replicas"]
-                        if r["name"] == "ext-0")
+        await unpublished_reset_heals(http, gateway.control_url, gateway.url, engine.url, "ext-0")
 
-        async def until(check) -> dict:
-            with trio.fail_after(20):
-                while not check(entry := await ext()):
-                    await trio.sleep(0.05)
-            return entry
 
-        async def cached(prompt: str, url: str = gateway.url) -> int:
-            answer = await http.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
-            return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-        for prompt in prompts:
-            await cached(prompt, engine.url)
-        await until(lambda e: e["blocks"] >= 3 * (800 // BLOCK))
-        assert (await http.post(engine.url + "/reset_prefix_cache")).json() == {"success": True}  # unpublished
-
-        assert await cached(prompts[0]) == 0  # the index promised 49 blocks: suspect, a full copy asked
-        entry = await until(lambda e: e["drift"]["resyncs"]["full"] == 1 and e["state"] == "healthy")
-        assert entry["drift"]["over"] == 1 and entry["blocks"] > 0  # the mirror was as stale as the index
-        assert await cached(prompts[1]) == 0  # again: the mirror is dropped
-        entry = await until(lambda e: e["last_reset_reason"] == "resync")
-        assert entry["drift"]["resyncs"] == {"full": 1, "reset": 1} and entry["drift"]["over"] == 2
-        await cached(prompts[2])  # stored again after the reset: learnt from its events
-        await until(lambda e: e["state"] == "healthy" and e["blocks"] > 0)
-        assert await cached(prompts[2]) > 0
-        entry = await until(lambda e: e["drift"]["match"] >= 1)
-        assert entry["drift"]["over"] == 2 and entry["state"] == "healthy"
+async def test_a_remote_agents_drifting_replica_is_resynced_over_its_websocket(cluster):
+    """A separate `llmgw agent` process: the KvResync requests travel the agent's websocket (encoded)."""
+    cluster.write_config(AGENTS + kv_sim('"--num-blocks", "1024", "--time-scale", "0", "--suppress-events", '
+                                         '"AllBlocksCleared"', "{tokenize_timeout: 2s, drift_suspect_after: 1}")
+                         .replace("replicas: 2", "replicas: 1"))
+    await cluster.start_serve()
+    await cluster.start_agent("a", "tiny-2gpu-a")
+    replicas = await cluster.replicas_where("the replica up", all_up(1))
+    (name,) = replicas
+    await kv_where(cluster, "its index healthy", lambda s: s.get(name, {}).get("state") == "healthy")
+    await unpublished_reset_heals(cluster.http, cluster.control_url, cluster.data_url, replicas[name]["url"], name)
+    assert "asks for a full KV resync" in cluster.agents["a"].output()
+    assert "asks for a reset KV resync" in cluster.agents["a"].output()
 
 
 async def test_an_agent_restart_keeps_the_engines_kv_port_and_the_index_is_restored(cluster):
