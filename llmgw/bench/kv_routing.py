@@ -104,6 +104,20 @@ async def _time_picks(tier, candidates, requests: list[RouteRequest]) -> list[fl
     return samples
 
 
+def _time_drift_checks(tier, request: RouteRequest, decision, cached: int, count: int, result: str) -> dict:
+    """``tier.finished`` of one decision with ``cached`` tokens reported, ``count`` times; each check is ``result``."""
+    usage = {"prompt_tokens_details": {"cached_tokens": cached}}
+    name = decision.replica.name
+    before = tier.index.describe(name)["drift"][result]
+    samples = []
+    for _ in range(count):
+        started = time.perf_counter()
+        tier.finished(request, decision, usage)
+        samples.append(time.perf_counter() - started)
+    assert tier.index.describe(name)["drift"][result] == before + count
+    return _percentiles(samples)
+
+
 def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(16, VOCAB) for _ in range(n)]
 
@@ -122,25 +136,11 @@ async def bench_decisions(sim_url: str, tokens: int, count: int) -> dict[str, di
     out["ids_warm"] = _percentiles((await _time_picks(tier, replicas, warm))[5:])
     # the drift check each response with usage costs: one that matched the prediction
     decision = await tier.pick(warm[0], replicas)
-    usage = {"prompt_tokens": tokens, "prompt_tokens_details": {
-        "cached_tokens": decision.detail["predicted_cached_tokens"]}}
-    checks = []
-    for _ in range(count):
-        started = time.perf_counter()
-        tier.finished(warm[0], decision, usage)
-        checks.append(time.perf_counter() - started)
-    assert tier.index.describe(decision.replica.name)["drift"]["match"] == count
-    out["drift_check"] = _percentiles(checks)
+    out["drift_check"] = _time_drift_checks(tier, warm[0], decision, decision.detail["predicted_cached_tokens"],
+                                            count, "match")
     # ... and of a response that drifted (nothing cached): the confirmed run is walked again to excuse evictions
     tier.drift_policy = DriftPolicy(suspect_after=0)  # counted, never suspect: every sample does the same work
-    usage = {"prompt_tokens": tokens, "prompt_tokens_details": {"cached_tokens": 0}}
-    checks = []
-    for _ in range(count):
-        started = time.perf_counter()
-        tier.finished(warm[0], decision, usage)
-        checks.append(time.perf_counter() - started)
-    assert tier.index.describe(decision.replica.name)["drift"]["over"] == count
-    out["drift_check_over"] = _percentiles(checks)
+    out["drift_check_over"] = _time_drift_checks(tier, warm[0], decision, 0, count, "over")
     # token ids, cold: every prompt new from its first token
     tier, replicas = _tier(sim_url)
     cold = [request({"model": "tiny", "prompt": [16 + i % 200] + prompt[1:]}) for i in range(count)]
