@@ -10,6 +10,8 @@ simulator engines started by that agent (a `sim` profile, `kv_events: true`, `ro
   the agent cannot notice) leaves the index promising blocks the engine dropped; the responses' cached tokens
   drift from the prediction, the replica's index turns suspect, the agent is asked for a full copy and, when that
   does not help (its mirror is as wrong), for a reset: the index heals by itself and predicts exactly again;
+- a burst of concurrent requests sharing a new prefix (routed by predicted entries before any event) counts
+  no ``over`` drift: the rule compares the engine's answer with confirmed blocks only;
 - a ``/tokenize`` slower than the tier's ``tokenize_timeout`` and an unindexable request (an image part) each give
   a tree decision, counted in ``llmgw_prefix_decisions_total{tier="kv_index"}``.
 
