@@ -332,6 +332,19 @@ class KvChanges(Message):
 
 
 @dataclass
+class KvResync(Message):
+    """Control plane -> agent: the router's KV index of this shard's replica contradicts what its engine reports
+    (``llmgw.kv.drift``). ``mode`` ``full``: send a FULL copy of the mirror; ``reset``: drop the mirror and relearn
+    from the engine's next events (an unknown mode is taken as ``full``, which loses nothing)."""
+
+    shard_id: str = ""
+    replica_id: str = ""
+    data_parallel_rank: int = 0
+    mode: str = "full"
+    reason: str = ""
+
+
+@dataclass
 class ErrorMessage(Message):
     """Either way: a request that was refused, with why."""
 

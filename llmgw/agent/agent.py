@@ -247,6 +247,10 @@ class Agent:
             log.info("drain shard %s: %s", message.shard_id, message.reason)
             self._nursery.start_soon(functools.partial(self.shards.drain, message.shard_id, message.timeout,
                                                        message.grace, reason=message.reason))
+        elif isinstance(message, wire.KvResync):
+            if not self.kv.resync(message):
+                self._reply(outbox, wire.ErrorMessage(code="kv_unknown_shard", about=message.shard_id,
+                                                      message="no KV-event subscription for this shard and rank"))
         elif isinstance(message, wire.ErrorMessage):
             log.warning("the control plane refused something (%s) about %s: %s", message.code,
                         message.about or "-", message.message)

@@ -31,6 +31,12 @@ re-learns from then on. If the old port cannot be bound any more (taken
 meanwhile), a new one is bound and the replica's index stays empty (the
 engine publishes into the void) until the engine is restarted: logged.
 
+Resync. When the router's index of a shard's replica drifts from what the
+engine reports, the control plane sends :class:`llmgw.wire.KvResync`
+(:meth:`AgentKv.resync`): ``full`` makes the next flush a FULL copy of the
+mirror, ``reset`` drops the mirror (a RESET ``resync`` goes up) so the index
+relearns from the engine's next events.
+
 Only data-parallel rank 0 exists so far (profiles have no DP size); the rank
 is carried in every message for when they do.
 """
@@ -49,7 +55,7 @@ from prometheus_client import CollectorRegistry
 from .. import wire
 from ..kv.keys import VllmBlockKeys
 from ..kv.metrics import KvMetrics
-from ..kv.mirror import EngineMirror, flush_loop
+from ..kv.mirror import EngineMirror, flush_loop, resync
 from ..kv.subscriber import EngineSubscription
 from ..plugins_manager import Registry
 from .engine import KV_HASH_ALGO, KV_HASH_SEED
@@ -184,6 +190,18 @@ class AgentKv:
             if self.shards.get(key) is kv:
                 del self.shards[key]
             self.ports.release(replay_port)
+
+    def resync(self, request: wire.KvResync) -> bool:
+        """Answer the router's resync request for one of this agent's shards; False when no such shard or rank
+        follows KV events here."""
+        for kv in self.shards.values():
+            rank = request.data_parallel_rank
+            if kv.shard_id == request.shard_id and 0 <= rank < len(kv.mirrors):
+                log.info("shard %s: the router asks for a %s KV resync (%s)", kv.shard_id, request.mode,
+                         request.reason or "drift")
+                resync(request.mode, kv.mirrors[rank], kv.subscriptions[rank])
+                return True
+        return False
 
     # -- one stream ----------------------------------------------------------------------------------------------
 

@@ -14,6 +14,10 @@ tokens (block size 16: 128 and 2048 blocks), as p50/p99 in µs:
   process (another process, on the same 2-core machine) through the tier's
   client; *uncached* makes every prompt new, *cached* repeats one (the
   tokenize LRU answers).
+- *drift check*: ``tier.finished(request, decision, usage)`` of a warm
+  decision (the engine's cached tokens compared with the prediction; a re-walk
+  of the confirmed run only when it drifted, :mod:`llmgw.kv.drift`), per
+  response: one that matched, one that drifted (``over``).
 
 Ingestion, in block changes per second:
 
@@ -46,6 +50,7 @@ from llmgw.kv import zmq_trio
 from llmgw.bench.common import bench_parser, write_json
 from llmgw.kv.codec import decode_batch, encode_batch
 from llmgw.kv.events import BlockRemoved, BlockStored, EventBatch
+from llmgw.kv.drift import DriftPolicy
 from llmgw.kv.index import KvIndex
 from llmgw.kv.keys import VllmBlockKeys
 from llmgw.kv.mirror import EngineMirror
@@ -99,6 +104,20 @@ async def _time_picks(tier, candidates, requests: list[RouteRequest]) -> list[fl
     return samples
 
 
+def _time_drift_checks(tier, request: RouteRequest, decision, cached: int, count: int, result: str) -> dict:
+    """``tier.finished`` of one decision with ``cached`` tokens reported, ``count`` times; each check is ``result``."""
+    usage = {"prompt_tokens_details": {"cached_tokens": cached}}
+    name = decision.replica.name
+    before = tier.index.describe(name)["drift"][result]
+    samples = []
+    for _ in range(count):
+        started = time.perf_counter()
+        tier.finished(request, decision, usage)
+        samples.append(time.perf_counter() - started)
+    assert tier.index.describe(name)["drift"][result] == before + count
+    return _percentiles(samples)
+
+
 def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(16, VOCAB) for _ in range(n)]
 
@@ -115,6 +134,13 @@ async def bench_decisions(sim_url: str, tokens: int, count: int) -> dict[str, di
     request = lambda body: RouteRequest("tiny", "/v1/completions", body)  # noqa: E731
     warm = [request({"model": "tiny", "prompt": prompt}) for _ in range(count + 5)]
     out["ids_warm"] = _percentiles((await _time_picks(tier, replicas, warm))[5:])
+    # the drift check each response with usage costs: one that matched the prediction
+    decision = await tier.pick(warm[0], replicas)
+    out["drift_check"] = _time_drift_checks(tier, warm[0], decision, decision.detail["predicted_cached_tokens"],
+                                            count, "match")
+    # ... and of a response that drifted (nothing cached): the confirmed run is walked again to excuse evictions
+    tier.drift_policy = DriftPolicy(suspect_after=0)  # counted, never suspect: every sample does the same work
+    out["drift_check_over"] = _time_drift_checks(tier, warm[0], decision, 0, count, "over")
     # token ids, cold: every prompt new from its first token
     tier, replicas = _tier(sim_url)
     cold = [request({"model": "tiny", "prompt": [16 + i % 200] + prompt[1:]}) for i in range(count)]
@@ -295,6 +321,8 @@ LABELS = {
     "text_tokenize_cached": "text, tokenize cache hit",
     "tokenize_call_alone": "the /tokenize call alone",
     "canonical_text_ids": "router's canonical text of the ids (in rows 1-2)",
+    "drift_check": "drift check of a warm response (finished())",
+    "drift_check_over": "drift check of a drifted response (run re-walked)",
 }
 
 

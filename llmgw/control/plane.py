@@ -60,6 +60,7 @@ class ControlPlane:
         self.desired: dict[str, DesiredReplica] = {}
         self._wake = trio.Event()
         self._running = False
+        gateway.router.kv_index.add_resync_listener(self._ask_kv_resync)
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
@@ -204,6 +205,20 @@ class ControlPlane:
         # Applied whatever the model's tier is (the index is cheap to keep): a reload that switches the model to
         # kv_index then finds it up to date, not stale.
         self.gateway.router.kv_index.apply(assignment.replica_id, changes)
+
+    def _ask_kv_resync(self, replica_id: str, mode: str, reason: str) -> None:
+        """The router's index of ``replica_id`` drifted (:mod:`llmgw.kv.drift`): ask the agent running its leader
+        shard for a resync (a replica this control plane did not place is not its business: static replicas
+        resync their own subscription)."""
+        for assignment in self.reconciler.assignments.values():
+            if assignment.replica_id == replica_id and not assignment.retiring:
+                leader = assignment.leader
+                node = self.inventory.nodes.get(leader.node_id)
+                message = wire.KvResync(shard_id=leader.shard_id, replica_id=replica_id, mode=mode, reason=reason)
+                if node is None or node.session is None or not node.session.post(message):
+                    log.warning("could not ask node %s for a KV resync of replica %s: its session is gone (its "
+                                "reconnect sends a full copy)", leader.node_id, replica_id)
+                return
 
     def _refuse_kv(self, session: AgentSession, changes: wire.KvChanges, reason: str, placed_on: str | None) -> None:
         self.kv_metrics.changes_refused.labels(session.node_id, reason).inc()

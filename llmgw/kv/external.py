@@ -10,6 +10,10 @@ straight into the router's :class:`~llmgw.kv.index.KvIndex` (a FULL copy
 first). The mirror checks hash parity with the model's ``hash_algo``/``hash_seed``
 routing options (``content`` keys: the mirror re-keys blocks from token ids).
 
+When the router finds the index drifting from what the engine reports
+(:mod:`llmgw.kv.drift`), its resync request reaches the mirror directly (a
+resync listener on the index): a FULL copy at the next flush, or a reset.
+
 Without ``kv_replay`` lost batches cannot be recovered (RESET ``gap``), and an
 engine restart is seen only when its sequence goes back; see
 ``docs/kv-routing.md``.
@@ -26,7 +30,7 @@ import trio
 
 from .keys import VllmBlockKeys
 from .metrics import KvMetrics
-from .mirror import EngineMirror, flush_loop
+from .mirror import EngineMirror, flush_loop, resync
 from .subscriber import EngineSubscription
 
 log = logging.getLogger(__name__)
@@ -72,6 +76,12 @@ class ExternalKv:
         sub = EngineSubscription(self.events, mode="connect", replay_endpoint=self.replay, topic=b"",
                                  decode=registry.get("event_decoders", "vllm")(), on_batch=mirror.apply,
                                  on_reset=mirror.reset, metrics=source, source=f"{self.replica}/dp0")
+        def on_resync(replica: str, mode: str, reason: str) -> None:
+            if replica == self.replica:
+                log.info("replica %s: the router asks for a %s KV resync (%s)", replica, mode, reason)
+                resync(mode, mirror, sub)
+
+        index.add_resync_listener(on_resync)
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(sub.run)
@@ -79,4 +89,5 @@ class ExternalKv:
                 await nursery.start(partial(flush_loop, mirror, partial(index.apply, self.replica), self.replica,
                                             self.replica, 0, interval=interval))
         finally:
+            index.remove_resync_listener(on_resync)
             index.forget(self.replica)  # no stream any more: the tree routes it until a new one sends a FULL

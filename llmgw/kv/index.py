@@ -18,7 +18,12 @@ Per replica a health state:
 - ``healthy``: a FULL copy or a DELTA arrived;
 - ``resetting``: a RESET arrived (engine restart, ``AllBlocksCleared``, a gap
   replay could not fill); ends with the next FULL, the next DELTA storing
-  blocks, or after ``reset_window`` seconds, whichever comes first.
+  blocks, or after ``reset_window`` seconds, whichever comes first;
+- ``suspect``: the engine's reported cached tokens contradicted the index
+  too often (:meth:`KvIndex.observe`, the rule in :mod:`llmgw.kv.drift`);
+  the replica's owner was asked to resync (the resync listeners), again every
+  ``resync_retry`` seconds while no answer came; ends with the next FULL or
+  RESET (the answer), or ``forget``.
 
 *Predicted* entries (:meth:`KvIndex.predict`) record a request just routed,
 for ``ttl`` seconds (default 2), so that a burst of requests sharing a new
@@ -26,18 +31,25 @@ prefix co-locates before the engine's events arrive. They live apart from the
 confirmed entries, never change them, and count in :meth:`KvIndex.match` (not
 in :meth:`KvIndex.blocks` nor the gauges). Approximation, documented: a key
 predicted for several replicas expires for all of them at the latest of their
-expiries.
+expiries. A RESET, a ``forget`` or a ``remove`` drops that replica's predicted
+entries with its confirmed ones (its engine holds none of them any more).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from enum import Enum
 
 from ..wire import KvChangeKind, KvChanges
+from . import drift as drift_rule
+from .drift import DriftPolicy
+
+log = logging.getLogger(__name__)
 
 DEFAULT_RESET_WINDOW = 5.0
 DEFAULT_PREDICTED_TTL = 2.0
@@ -47,11 +59,16 @@ class IndexState(str, Enum):
     NO_EVENTS = "no_events"
     HEALTHY = "healthy"
     RESETTING = "resetting"
+    SUSPECT = "suspect"
+
+
+ResyncListener = Callable[[str, str, str], None]  # (replica id, mode: "full" or "reset", reason)
 
 
 class _Replica:
     __slots__ = ("name", "bit", "keys", "block_size", "state", "reason", "resetting_until", "changes", "resets",
-                 "updated_at")
+                 "updated_at", "epoch", "drift", "over_times", "suspect_reason", "resyncs", "last_resync",
+                 "resync_retry_at", "resync_every")
 
     def __init__(self, name: str, bit: int):
         self.name = name
@@ -64,6 +81,14 @@ class _Replica:
         self.changes = 0  # block changes applied (stored + removed + FULL sizes)
         self.resets = 0
         self.updated_at = 0.0
+        self.epoch = 0  # bumped by every FULL, RESET and forget: drift seen before it is about an older index
+        self.drift = {drift_rule.MATCH: 0, drift_rule.OVER: 0, drift_rule.UNDER: 0}
+        self.over_times: deque[float] = deque()  # when recent `over` drifts were seen (within the policy's window)
+        self.suspect_reason = ""
+        self.resyncs = {mode: 0 for mode in drift_rule.RESYNC_MODES}  # resync requests, by mode
+        self.last_resync: tuple[float, str] | None = None  # (when, mode) of the last resync asked for
+        self.resync_retry_at = 0.0
+        self.resync_every = drift_rule.DEFAULT_RESYNC_RETRY
 
 
 class KvIndex:
@@ -80,6 +105,7 @@ class KvIndex:
         self._pred_expiry: dict[int, float] = {}  # predicted: key -> when the entry expires (latest)
         self._pred_heap: list[tuple[float, int, tuple[int, ...]]] = []
         self._pred_serial = itertools.count()
+        self._resync_listeners: list[ResyncListener] = []
 
     # -- replicas -------------------------------------------------------------------------------------------------
 
@@ -101,6 +127,9 @@ class KvIndex:
             return IndexState.NO_EVENTS
         if replica.state is IndexState.RESETTING and self.clock() >= replica.resetting_until:
             replica.state = IndexState.HEALTHY
+        elif replica.state is IndexState.SUSPECT and self.clock() >= replica.resync_retry_at:
+            self._ask_resync(replica, replica.last_resync[1] if replica.last_resync else drift_rule.RESYNC_FULL,
+                             "no answer to the last resync request", retry=True)
         return replica.state
 
     def healthy(self, replica_id: str) -> bool:
@@ -131,9 +160,23 @@ class KvIndex:
         replica = self._replicas.get(replica_id)
         if replica is None:
             return {"state": IndexState.NO_EVENTS.value, "blocks": 0, "block_size": None}
+        last = replica.last_resync
         return {"state": self.state(replica_id).value, "blocks": len(replica.keys),
                 "block_size": replica.block_size or None, "last_reset_reason": replica.reason or None,
-                "resets": replica.resets, "changes": replica.changes}
+                "resets": replica.resets, "changes": replica.changes,
+                "drift": {**replica.drift, "recent_over": len(replica.over_times),
+                          "suspect_reason": replica.suspect_reason or None, "resyncs": dict(replica.resyncs),
+                          "last_resync": last[1] if last else None,
+                          "last_resync_ago": round(self.clock() - last[0], 3) if last else None}}
+
+    def drift_summary(self) -> dict[str, dict[str, int]]:
+        """``{replica: {mode: resync requests}}`` for the metrics."""
+        return {name: dict(r.resyncs) for name, r in self._replicas.items()}
+
+    def epoch(self, replica_id: str) -> int:
+        """Bumped by every FULL, RESET and forget of the replica: tags a decision with the index it was made on."""
+        replica = self._replicas.get(replica_id)
+        return replica.epoch if replica is not None else 0
 
     def forget(self, replica_id: str) -> None:
         """The agent's stream for this replica was lost: drop what we knew, back to ``no_events``.
@@ -143,7 +186,8 @@ class KvIndex:
         replica = self._replicas.get(replica_id)
         if replica is not None:
             self._clear(replica)
-            replica.state = IndexState.NO_EVENTS
+            self._drop_predicted(replica.bit)
+            self._settle(replica, IndexState.NO_EVENTS)
 
     def remove(self, replica_id: str) -> None:
         """The replica left the router: drop it and free its slot (its predicted entries too)."""
@@ -151,15 +195,8 @@ class KvIndex:
         if replica is None:
             return
         self._clear(replica)
-        bit = replica.bit
-        for key in [k for k, mask in self._pred_mask.items() if mask & bit]:
-            mask = self._pred_mask[key] & ~bit
-            if mask:
-                self._pred_mask[key] = mask
-            else:
-                del self._pred_mask[key]
-                del self._pred_expiry[key]
-        heapq.heappush(self._free_slots, bit.bit_length() - 1)
+        self._drop_predicted(replica.bit)
+        heapq.heappush(self._free_slots, replica.bit.bit_length() - 1)
 
     # -- applying changes -----------------------------------------------------------------------------------------
 
@@ -176,17 +213,18 @@ class KvIndex:
             self._add_keys(replica, changes.stored)
             replica.changes += len(changes.stored) + len(changes.removed)
             if replica.state is IndexState.NO_EVENTS or (replica.state is IndexState.RESETTING and changes.stored):
-                replica.state = IndexState.HEALTHY
+                replica.state = IndexState.HEALTHY  # (a suspect index stays suspect until its FULL or RESET)
         elif kind is KvChangeKind.FULL:
             new = set(changes.stored)
             old = replica.keys
             self._remove_keys(replica, [k for k in old if k not in new])
             self._add_keys(replica, [k for k in new if k not in old])
             replica.changes += len(new)
-            replica.state = IndexState.HEALTHY
+            self._settle(replica, IndexState.HEALTHY)
         else:  # RESET, or an unknown kind (decoded as RESET: forget rather than trust)
             self._clear(replica)
-            replica.state = IndexState.RESETTING
+            self._drop_predicted(replica.bit)
+            self._settle(replica, IndexState.RESETTING)
             replica.reason = changes.reason or "reset"
             replica.resetting_until = now + self.reset_window
             replica.resets += 1
@@ -211,6 +249,87 @@ class KvIndex:
 
     def _clear(self, replica: _Replica) -> None:
         self._remove_keys(replica, list(replica.keys))
+
+    @staticmethod
+    def _settle(replica: _Replica, state: IndexState) -> None:
+        """A FULL, RESET or forget: a new index for this replica (drift seen so far was about the old one)."""
+        replica.state = state
+        replica.epoch += 1
+        replica.over_times.clear()
+        replica.suspect_reason = ""
+
+    # -- drift and resyncs ----------------------------------------------------------------------------------------
+
+    def add_resync_listener(self, listener: ResyncListener) -> None:
+        """``listener(replica_id, mode, reason)`` is called when a replica's index turns suspect (and again
+        every ``resync_retry`` seconds while it stays so); it ignores replicas it does not feed, and must not
+        block (post a message, set a flag)."""
+        self._resync_listeners.append(listener)
+
+    def remove_resync_listener(self, listener: ResyncListener) -> None:
+        if listener in self._resync_listeners:
+            self._resync_listeners.remove(listener)
+
+    def observe(self, replica_id: str, result: str, *, epoch: int, policy: DriftPolicy = DriftPolicy()) -> str | None:
+        """Count one drift check of a response (``match``, ``over`` or ``under``: :func:`llmgw.kv.drift.classify`)
+        for a decision made on ``epoch``; the resync mode asked for when this check made the index suspect.
+
+        Every check is counted; only ``over`` checks of decisions made on the current epoch (after the last
+        FULL, RESET or forget) of a replica healthy now count towards suspect.
+        """
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            return None
+        replica.drift[result] = replica.drift.get(result, 0) + 1
+        if result != drift_rule.OVER or policy.suspect_after <= 0 or replica.epoch != epoch \
+                or self.state(replica_id) is not IndexState.HEALTHY:
+            return None
+        now = self.clock()
+        times = replica.over_times
+        times.append(now)
+        while times and times[0] <= now - policy.window:
+            times.popleft()
+        if len(times) < policy.suspect_after:
+            return None
+        last = replica.last_resync
+        relapse = last is not None and last[1] == drift_rule.RESYNC_FULL and now - last[0] < policy.relapse_window
+        mode = drift_rule.RESYNC_RESET if relapse else drift_rule.RESYNC_FULL
+        replica.state = IndexState.SUSPECT
+        replica.resync_every = policy.resync_retry
+        reason = (f"{len(times)} responses within {policy.window:g}s had fewer cached tokens than the "
+                  "engine's own events promised")
+        replica.suspect_reason = reason + (" (again after a full copy)" if relapse else "")
+        times.clear()
+        self._ask_resync(replica, mode, replica.suspect_reason)
+        return mode
+
+    def _ask_resync(self, replica: _Replica, mode: str, reason: str, *, retry: bool = False) -> None:
+        now = self.clock()
+        replica.resync_retry_at = now + replica.resync_every
+        if not retry:
+            replica.last_resync = (now, mode)
+        replica.resyncs[mode] += 1
+        log.warning("replica %s: KV index suspect (%s): asking its owner for a %s resync", replica.name, reason,
+                    mode)
+        for listener in list(self._resync_listeners):
+            try:
+                listener(replica.name, mode, reason)
+            except Exception:  # one broken listener must not stop the others nor the response's accounting
+                log.exception("resync listener %r failed for replica %s", listener, replica.name)
+
+    def _drop_predicted(self, bit: int) -> None:
+        """Drop one replica slot's predicted entries (its engine's cache was reset, or it is gone).
+
+        A scan of every live predicted key (about 15 ms per 400k keys): exact, whatever other replicas predicted
+        for the same keys, and paid only on resets and lost streams."""
+        masks = self._pred_mask
+        for key in [k for k, mask in masks.items() if mask & bit]:
+            mask = masks[key] & ~bit
+            if mask:
+                masks[key] = mask
+            else:
+                del masks[key]
+                del self._pred_expiry[key]
 
     # -- predicted entries ----------------------------------------------------------------------------------------
 

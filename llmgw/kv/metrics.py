@@ -12,7 +12,10 @@ registers a series twice). Who counts what:
 - the router: ``llmgw_kv_index_blocks`` and ``llmgw_kv_index_state`` (read from
   the tracked :class:`~llmgw.kv.index.KvIndex` at scrape time),
   ``llmgw_kv_tokenize_seconds``, ``llmgw_route_predicted_cached_tokens_total``
-  and ``llmgw_route_actual_cached_tokens_total``.
+  and ``llmgw_route_actual_cached_tokens_total``, the drift checks
+  (``llmgw_route_drift_checks_total``, ``llmgw_route_drift_total``,
+  ``llmgw_route_drift_tokens_total``) and ``llmgw_kv_index_resyncs_total``
+  (read from the index).
 
 In ``llmgw serve`` with the embedded agent all of them land in the one
 registry. Every metric is documented in ``docs/kv-routing.md``.
@@ -24,7 +27,7 @@ import threading
 import weakref
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..metrics import CachedLabels
 
@@ -35,7 +38,8 @@ _lock = threading.Lock()
 
 
 class _IndexCollector:
-    """``llmgw_kv_index_blocks{replica}`` and ``llmgw_kv_index_state{replica,state}``, read at scrape time."""
+    """``llmgw_kv_index_blocks{replica}``, ``llmgw_kv_index_state{replica,state}`` and
+    ``llmgw_kv_index_resyncs_total{replica,mode}``, read at scrape time."""
 
     def __init__(self) -> None:
         self._indexes: list[weakref.ref] = []
@@ -50,14 +54,18 @@ class _IndexCollector:
                                    "replica (confirmed by the engine's events; predicted entries not included).",
                                    labels=["replica"])
         state = GaugeMetricFamily("llmgw_kv_index_state", "1 for the replica's current index state: no_events, "
-                                  "healthy or resetting.", labels=["replica", "state"])
-        return blocks, state
+                                  "healthy, resetting or suspect.", labels=["replica", "state"])
+        resyncs = CounterMetricFamily("llmgw_kv_index_resyncs", "Resyncs the router asked of a replica's owner "
+                                      "because its index turned suspect (drift), by mode: full (a full copy of the "
+                                      "mirror) or reset (drop the mirror, relearn); retries included.",
+                                      labels=["replica", "mode"])
+        return blocks, state, resyncs
 
     def describe(self):
         return self._families()
 
     def collect(self):
-        blocks, state = self._families()
+        blocks, state, resyncs = self._families()
         alive = []
         for ref in self._indexes:
             index = ref()
@@ -67,8 +75,11 @@ class _IndexCollector:
             for replica, (count, current) in sorted(index.summary().items()):
                 blocks.add_metric([replica], count)
                 state.add_metric([replica, current], 1)
+            for replica, modes in sorted(index.drift_summary().items()):
+                for mode, count in sorted(modes.items()):
+                    resyncs.add_metric([replica, mode], count)
         self._indexes = alive
-        return [blocks, state]
+        return [blocks, state, resyncs]
 
 
 class KvMetrics:
@@ -115,6 +126,18 @@ class KvMetrics:
         self.actual_cached = CachedLabels(Counter(
             "llmgw_route_actual_cached_tokens", "Prompt tokens the engine reported as cached "
             "(usage.prompt_tokens_details.cached_tokens) for the same requests.", ["model"], registry=r))
+        self.drift_checks = CachedLabels(Counter(
+            "llmgw_route_drift_checks", "Responses whose engine-reported cached tokens were compared with the "
+            "kv_index tier's prediction, by model, replica and result: match, over (at least one block fewer than "
+            "the engine's own events promised) or under (at least one block more than predicted).",
+            ["model", "replica", "result"], registry=r))
+        self.drift = CachedLabels(Counter(
+            "llmgw_route_drift", "Drifted responses (result over or under of llmgw_route_drift_checks_total), by "
+            "model, replica and direction; over drifts make a replica's index suspect.",
+            ["model", "replica", "direction"], registry=r))
+        self.drift_tokens = CachedLabels(Counter(
+            "llmgw_route_drift_tokens", "Cached tokens by which drifted responses missed: confirmed minus actual "
+            "(over) or actual minus predicted (under).", ["model", "replica", "direction"], registry=r))
         self._index_collector = _IndexCollector()
         r.register(self._index_collector)
 

@@ -15,7 +15,9 @@ What it sends up the agent's stream (:class:`llmgw.wire.KvChanges`):
 - **net changes** (:meth:`take_delta`, :meth:`flush`): what changed since the
   last flush, so a block stored and removed again within one flush window
   (the agent flushes every 20-50 ms) is no change at all;
-- a **full copy** (:meth:`full_messages`) whenever the stream (re)connects;
+- a **full copy** (:meth:`full_messages`) whenever the stream (re)connects,
+  and at the next flush after :meth:`request_full` (the router found the
+  index drifting: :func:`resync`);
 - a **reset** (:meth:`reset`) when the subscription says the engine's cache
   is empty or unknown (restart, ``AllBlocksCleared``, a gap replay could not
   fill); the reset goes out before the changes that followed it.
@@ -51,6 +53,7 @@ from collections.abc import Iterable
 import trio
 
 from ..wire import KvChangeKind, KvChanges
+from .drift import RESYNC_RESET
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent, is_device_medium, \
     is_main_attention
 from .keys import BlockKeyFunction, ContentChainKeys, normalize_hash
@@ -82,6 +85,7 @@ class EngineMirror:
         self._before: dict[int, bool] = {}  # key -> whether it was present at the last flush (touched keys only)
         self._engine_to_key: dict[int, int] = {}  # content mode: engine hash -> content key
         self._pending_reset: str | None = None
+        self._full_requested: str | None = None
         self._main_groups: set[int] = set()  # groups seen as main attention in stores (kv_cache_spec_kind given)
         self._on_ignored = on_ignored  # callable(reason, count), e.g. SourceMetrics.ignored
         self.block_size: int | None = None
@@ -114,7 +118,7 @@ class EngineMirror:
     @property
     def pending(self) -> bool:
         """Something would go out at the next :meth:`flush`."""
-        return self._pending_reset is not None or bool(self._before)
+        return self._pending_reset is not None or self._full_requested is not None or bool(self._before)
 
     # -- applying events ------------------------------------------------------------------------------------------
 
@@ -288,6 +292,10 @@ class EngineMirror:
         self._before.clear()
         return stored, removed
 
+    def request_full(self, reason: str = "resync") -> None:
+        """Send a FULL copy at the next :meth:`flush` instead of the net changes."""
+        self._full_requested = reason
+
     def take_reset(self) -> str | None:
         reason, self._pending_reset = self._pending_reset, None
         return reason
@@ -298,7 +306,11 @@ class EngineMirror:
 
     def flush(self, shard_id: str, replica_id: str, data_parallel_rank: int = 0, *,
               max_keys: int = MAX_KEYS_PER_MESSAGE) -> list[KvChanges]:
-        """The messages to send now, in order: a RESET if one is pending, then the net DELTA (may be none)."""
+        """The messages to send now, in order: a RESET if one is pending, then the net DELTA (may be none); or a
+        FULL copy when one was requested."""
+        if self._full_requested is not None:
+            return self.full_messages(shard_id, replica_id, data_parallel_rank, reason=self._full_requested,
+                                      max_keys=max_keys)
         out = []
         common = dict(shard_id=shard_id, replica_id=replica_id, data_parallel_rank=data_parallel_rank,
                       block_size=self.block_size or 0)
@@ -319,6 +331,7 @@ class EngineMirror:
         """
         self._before.clear()
         self._pending_reset = None
+        self._full_requested = None
         keys = self.full_copy()
         common = dict(shard_id=shard_id, replica_id=replica_id, data_parallel_rank=data_parallel_rank,
                       block_size=self.block_size or 0)
@@ -326,6 +339,16 @@ class EngineMirror:
         for start in range(max_keys, len(keys), max_keys):
             out.append(KvChanges(kind=KvChangeKind.DELTA, stored=keys[start:start + max_keys], **common))
         return out
+
+
+def resync(mode: str, mirror: EngineMirror, subscription) -> None:
+    """Answer the router's resync request for one engine rank (``llmgw.kv.drift``): ``full`` sends a FULL copy
+    of the mirror at the next flush; ``reset`` drops the mirror through the subscription (counted as a reset
+    with reason ``resync``; a RESET goes up) so the index relearns from the engine's next events."""
+    if mode == RESYNC_RESET:
+        subscription.reset("resync")
+    else:
+        mirror.request_full("resync")
 
 
 DEFAULT_FLUSH_INTERVAL = 0.025

@@ -283,6 +283,11 @@ class EngineSubscription:
             for kind, count in kinds.items():
                 self.metrics.event(kind, count)
 
+    def reset(self, reason: str) -> None:
+        """Declare the mirrored cache unknown (e.g. the router asked for a ``resync``): counted, ``on_reset`` called;
+        the sequence is kept (the engine did not restart)."""
+        self._reset(reason)
+
     def _reset(self, reason: str) -> None:
         self.resets[reason] += 1
         if self.metrics is not None:

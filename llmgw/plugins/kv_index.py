@@ -26,6 +26,11 @@ Per request (the rule, also in ``docs/kv-routing.md``):
    blocks x block size, never the last prompt token, as vLLM caps hits),
    compared in :meth:`KvIndexTier.finished` with the engine's
    ``usage.prompt_tokens_details.cached_tokens``.
+8. That comparison is a drift check (:mod:`llmgw.kv.drift`): ``match``,
+   ``over`` (the engine lacks blocks its own events promised) or ``under``;
+   ``drift_suspect_after`` ``over`` checks of one replica within
+   ``drift_window`` make its index suspect (scored by the tree, as an
+   unhealthy index) and ask its owner for a resync.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import Any, Mapping, Sequence
 
 from ..config.units import parse_duration
 from ..hookspecs import hookimpl
+from ..kv import drift as kv_drift
 from ..kv import tokenize as kv_tokenize
 from ..kv.index import IndexState, KvIndex
 from ..kv.keys import none_hash
@@ -55,6 +61,10 @@ log = logging.getLogger(__name__)
 TIER_NAME = "kv_index"
 SHARE_SCALE = 1 << 20  # shares in [0, 1] handed to the tree's scorers as matched / SHARE_SCALE
 EXTRA_KEY_STYLE = {"vllm": "current", "content": "event"}
+# Request fields with which the engine's cached tokens say nothing about its cache: with `prompt_logprobs` vLLM
+# reads no cached block (it needs every prompt token's logits), `truncate_prompt_tokens` makes it hash another
+# (left-truncated) prompt. Such responses are not drift checks, whatever a client sends.
+NO_DRIFT_CHECK_FIELDS = ("prompt_logprobs", "truncate_prompt_tokens")
 
 
 @dataclass
@@ -74,6 +84,15 @@ class KvIndexOptions:
     min_match_blocks: int = 1
     max_prompt_tokens: int = 131072
     lora_adapters: dict[str, str] = field(default_factory=dict)
+    drift_suspect_after: int = kv_drift.DEFAULT_SUSPECT_AFTER
+    drift_window: float = kv_drift.DEFAULT_WINDOW
+    drift_relapse_window: float = kv_drift.DEFAULT_RELAPSE_WINDOW
+    drift_resync_retry: float = kv_drift.DEFAULT_RESYNC_RETRY
+
+    @property
+    def drift_policy(self) -> kv_drift.DriftPolicy:
+        return kv_drift.DriftPolicy(self.drift_suspect_after, self.drift_window, self.drift_relapse_window,
+                                    self.drift_resync_retry)
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> tuple["KvIndexOptions", list[str]]:
@@ -93,6 +112,10 @@ class KvIndexOptions:
         take("min_match_blocks", count(1))
         take("max_prompt_tokens", count(1))
         take("lora_adapters", _lora_map)
+        take("drift_suspect_after", count(0))
+        take("drift_window", _positive_duration)
+        take("drift_relapse_window", _positive_duration)
+        take("drift_resync_retry", _positive_duration)
         return options, problems
 
 
@@ -206,6 +229,7 @@ class KvIndexTier:
         self.predicted_cached_total = 0
         self.actual_cached_total = 0
         self.fallbacks: dict[str, int] = {}
+        self.drift_policy = options.drift_policy
 
     @classmethod
     def check_options(cls, raw: Mapping[str, Any] | None, registry=None) -> list[str]:
@@ -249,9 +273,13 @@ class KvIndexTier:
             keys = ev.keys[size]
             if self.options.predicted_ttl > 0:
                 self.index.predict(chosen.name, keys, self.options.predicted_ttl)
+            reads_cache = request.body.get("prompt_logprobs") is None
             detail.update(block_size=size, blocks=len(keys), matched_blocks=ev.matched[i],
                           confirmed_blocks=ev.confirmed[i],
-                          predicted_cached_tokens=predicted_cached_tokens(ev.matched[i], size, ev.prompt_tokens))
+                          predicted_cached_tokens=predicted_cached_tokens(ev.matched[i], size, ev.prompt_tokens)
+                          if reads_cache else 0,
+                          drift_check=not any(request.body.get(f) is not None for f in NO_DRIFT_CHECK_FIELDS),
+                          block_keys=keys, index_epoch=self.index.epoch(chosen.name))
         return Decision(chosen, outcome=ev.choice.outcome, tier=TIER_NAME, detail=detail)
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
@@ -273,6 +301,28 @@ class KvIndexTier:
         if self.metrics is not None:
             self.metrics.predicted_cached.labels(self.model).inc(predicted)
             self.metrics.actual_cached.labels(self.model).inc(actual)
+        if decision.detail["drift_check"]:
+            self._check_drift(decision, predicted, actual)
+
+    def _check_drift(self, decision: Decision, predicted: int, actual: int) -> None:
+        """Classify the response (:func:`llmgw.kv.drift.classify`), count it, and tell the index."""
+        detail, name = decision.detail, decision.replica.name
+        size, prompt_tokens, run = detail["block_size"], detail["prompt_tokens"], detail["confirmed_blocks"]
+        confirmed = predicted_cached_tokens(run, size, prompt_tokens)
+        result = kv_drift.classify(actual, confirmed, max(predicted, confirmed), size)
+        if result == kv_drift.OVER:
+            # Confirmed blocks: the smaller of the run at the decision and the run now (an eviction whose removal
+            # landed meanwhile explains the shortfall); the walk stops at the decision's run.
+            run = self.index.match(detail["block_keys"][:run], [name], predicted=False)[name]
+            confirmed = predicted_cached_tokens(run, size, prompt_tokens)
+            result = kv_drift.classify(actual, confirmed, max(predicted, confirmed), size)
+        if self.metrics is not None:
+            self.metrics.drift_checks.labels(self.model, name, result).inc()
+            if result != kv_drift.MATCH:
+                self.metrics.drift.labels(self.model, name, result).inc()
+                self.metrics.drift_tokens.labels(self.model, name, result).inc(
+                    confirmed - actual if result == kv_drift.OVER else actual - predicted)
+        self.index.observe(name, result, epoch=detail["index_epoch"], policy=self.drift_policy)
 
     async def explain(self, request: RouteRequest, candidates: Sequence[Replica]) -> dict:
         """The pick :meth:`pick` would make now, with every score; changes no routing state (it may tokenize)."""
@@ -392,11 +442,7 @@ def _decide(tree: PrefixTreeTier, request: RouteRequest, candidates: Sequence[Re
     return c
 
 
-def predicted_cached_tokens(matched_blocks: int, block_size: int, prompt_tokens: int) -> int:
-    """Tokens vLLM will serve from cache: the leading run, capped so the last prompt token is computed."""
-    if prompt_tokens <= 0 or block_size <= 0:
-        return 0
-    return min(matched_blocks, (prompt_tokens - 1) // block_size) * block_size
+predicted_cached_tokens = kv_drift.cached_tokens  # the leading run, capped so the last prompt token is computed
 
 
 @hookimpl

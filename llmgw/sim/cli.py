@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--stream-head-first", action="store_true",
                      help="send a stream's response head at once and its first token when it is computed, as "
                           "vLLM does (default: head and first token together)")
+    sim.add_argument("--suppress-events", default="", metavar="TYPES",
+                     help="test switch: comma list of event types never published (BlockStored, BlockRemoved, "
+                          "AllBlocksCleared), as an engine that misses events: no sequence gap reveals it")
     sim.add_argument("--log-level", default="INFO")
     return p
 
@@ -143,6 +146,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         data_parallel_rank=args.data_parallel_rank,
         drop_event_seqs=args.drop_event_seqs,
         stream_head_first=args.stream_head_first,
+        suppress_events=tuple(t.strip() for t in args.suppress_events.split(",") if t.strip()),
         time_scale=args.time_scale,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         decode_ms_per_step=args.decode_ms_per_step,

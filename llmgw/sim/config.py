@@ -122,6 +122,7 @@ class SimConfig:
     data_parallel_rank: int = 0
     drop_event_seqs: str | None = None
     stream_head_first: bool = False  # a stream's head goes out before its first token (as vLLM's does)
+    suppress_events: tuple[str, ...] = ()  # test switch: event types never published (an engine missing events)
     time_scale: float = 1.0
     prefill_tokens_per_s: float = 20000.0
     decode_ms_per_step: float = 20.0
@@ -174,6 +175,10 @@ class SimConfig:
         self.kv_events.validate()
         if self.drop_event_seqs:
             parse_drop_seqs(self.drop_event_seqs)
+        unknown = set(self.suppress_events) - set(SUPPRESSIBLE_EVENTS)
+        if unknown:
+            raise ConfigError(f"--suppress-events: unknown event type(s) {', '.join(sorted(unknown))}; "
+                              f"one of {', '.join(SUPPRESSIBLE_EVENTS)}")
         return self
 
     @property
@@ -189,6 +194,9 @@ class SimConfig:
     def replay_endpoint(self) -> str | None:
         ep = self.kv_events.replay_endpoint
         return None if ep is None else offset_endpoint(ep, self.data_parallel_rank)
+
+
+SUPPRESSIBLE_EVENTS = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 
 
 def parse_drop_seqs(spec: str):

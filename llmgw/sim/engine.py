@@ -30,7 +30,7 @@ class Engine:
 
     def __init__(self, scheduler: Scheduler, *, prefill_tokens_per_s: float = 20000.0,
                  decode_ms_per_step: float = 20.0, time_scale: float = 1.0, data_parallel_rank: int = 0,
-                 events_out: trio.MemorySendChannel | None = None):
+                 events_out: trio.MemorySendChannel | None = None, suppress_events: frozenset[str] = frozenset()):
         if prefill_tokens_per_s <= 0 or decode_ms_per_step < 0 or time_scale < 0:
             raise ValueError("prefill_tokens_per_s must be > 0; decode_ms_per_step and time_scale >= 0")
         self.scheduler = scheduler
@@ -41,6 +41,9 @@ class Engine:
         self.events_out = events_out
         self.batches_published = 0  # batches handed to the publisher: the last one has seq batches_published - 1
         self.batches_dropped = 0  # batches the publisher could not take (queue full)
+        # test switch: event types never published, as if the engine missed them (no sequence gap shows it)
+        self.suppress_events = suppress_events
+        self.events_suppressed = 0
         self._work = trio.Event()
 
     @property
@@ -73,6 +76,10 @@ class Engine:
         return ok
 
     def _publish(self, events: list[KVEvent]) -> None:
+        if self.suppress_events and events:
+            kept = [ev for ev in events if type(ev).__name__ not in self.suppress_events]
+            self.events_suppressed += len(events) - len(kept)
+            events = kept
         if not events or self.events_out is None:
             return
         try:

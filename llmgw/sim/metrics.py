@@ -36,6 +36,7 @@ _METRICS = (
     ("llmgw_sim_kv_event_batches", "counter",
      "KV event batches handed to the publisher (the last one carries sequence number total - 1)."),
     ("llmgw_sim_kv_event_batches_dropped", "counter", "KV event batches lost because the publisher queue was full."),
+    ("llmgw_sim_kv_events_suppressed", "counter", "KV events never published because of --suppress-events."),
 )
 
 
@@ -66,6 +67,7 @@ def render(engine: Engine, model_name: str) -> bytes:
         "llmgw_sim_engine_steps": [("", stats.steps)],
         "llmgw_sim_kv_event_batches": [("", engine.batches_published)],
         "llmgw_sim_kv_event_batches_dropped": [("", engine.batches_dropped)],
+        "llmgw_sim_kv_events_suppressed": [("", engine.events_suppressed)],
     }
     lines = []
     for name, kind, help_ in _METRICS:

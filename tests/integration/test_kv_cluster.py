@@ -135,6 +135,11 @@ async def test_kv_events_route_to_the_holder_predict_exactly_and_only_their_owne
         return actual == predicted == cached
 
     await cluster.wait_for("the streamed usage counted", counted, timeout=5)
+    # Normal operation: every check of a response against the index is a match, none drifted.
+    checks = {r["name"]: r["drift"] for r in (await cluster.admin("/admin/kv"))["replicas"]}
+    assert sum(d["match"] for d in checks.values()) >= 2, checks
+    assert all(d["over"] == d["under"] == 0 and d["resyncs"] == {"full": 0, "reset": 0} for d in checks.values())
+    assert await cluster.metric("llmgw_route_drift_total") == 0
 
     # The other replica learns a prompt sent straight to its engine.
     await complete(cluster, text(2, 1500), url=replicas[other]["url"])
@@ -160,26 +165,32 @@ async def test_kv_events_route_to_the_holder_predict_exactly_and_only_their_owne
     assert all(rank["parity"] is not False for s in agent for rank in s["ranks"])
 
 
-async def test_a_static_replica_with_kv_events_feeds_the_index(nursery, start_llmgw):
-    """An engine llmgw did not start binds its publisher; the gateway connects (``kv_events``/``kv_replay``)."""
+async def static_kv_replica(nursery, start_llmgw, *, engine_args=(), routing_options="tokenize_timeout: 2s"):
+    """A simulator llmgw did not start, binding its publisher, and a gateway following it as static ``ext-0``."""
     events, replay = free_port(), free_port()
     config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
                          "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"})
     argv = llmgw_command("sim", "--port", "0", "--served-model-name", "tiny", "--time-scale", "0",
-                         "--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config", config)
+                         "--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config", config, *engine_args)
     engine = await nursery.start(lambda task_status: run_child(argv, name="sim-ext", env={"PYTHONHASHSEED": "0"},
                                                                 task_status=task_status))
     gateway = await start_llmgw(f"""
 models:
   - name: tiny
     routing: kv_index
-    routing_options: {{tokenize_timeout: 2s}}
+    routing_options: {{{routing_options}}}
     replicas:
       - url: {engine.url}
         name: ext-0
         kv_events: tcp://127.0.0.1:{events}
         kv_replay: tcp://127.0.0.1:{replay}
 """)
+    return engine, gateway
+
+
+async def test_a_static_replica_with_kv_events_feeds_the_index(nursery, start_llmgw):
+    """An engine llmgw did not start binds its publisher; the gateway connects (``kv_events``/``kv_replay``)."""
+    engine, gateway = await static_kv_replica(nursery, start_llmgw)
     async with httpx.AsyncClient(timeout=10) as http:
         async def state():
             return {r["name"]: r for r in (await http.get(gateway.control_url + "/admin/kv")).json()["replicas"]}
@@ -192,6 +203,68 @@ models:
             blocks = answer.json()["usage"]["prompt_tokens"] // BLOCK
             while (await state())["ext-0"]["blocks"] < blocks:  # learnt from the engine's own events
                 await trio.sleep(0.05)
+
+
+async def unpublished_reset_heals(http: httpx.AsyncClient, control_url: str, data_url: str, engine_url: str,
+                                  name: str) -> None:
+    """The engine at ``engine_url`` (``--suppress-events AllBlocksCleared``, the replica ``name``'s only engine,
+    ``drift_suspect_after: 1``) drops its cache without telling: the first drift asks for a full copy (which
+    does not help: the mirror is as stale), the relapse for a reset; then the index predicts exactly again."""
+    prompts = [text(40 + i, 800) for i in range(3)]
+
+    async def entry() -> dict:
+        return next(r for r in (await http.get(control_url + "/admin/kv")).json()["replicas"] if r["name"] == name)
+
+    async def until(check) -> dict:
+        with trio.fail_after(20):
+            while not check(state := await entry()):
+                await trio.sleep(0.05)
+        return state
+
+    async def cached(prompt: str, url: str = data_url) -> int:
+        answer = await http.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+        assert answer.status_code == 200, answer.text
+        return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    for prompt in prompts:
+        await cached(prompt, engine_url)
+    await until(lambda e: e["blocks"] >= 3 * (800 // BLOCK))
+    assert (await http.post(engine_url + "/reset_prefix_cache")).json() == {"success": True}  # unpublished
+
+    assert await cached(prompts[0]) == 0  # the index promised 49 blocks: suspect, a full copy asked
+    state = await until(lambda e: e["drift"]["resyncs"]["full"] == 1 and e["state"] == "healthy")
+    assert state["drift"]["over"] == 1 and state["blocks"] > 0  # the mirror was as stale as the index
+    assert await cached(prompts[1]) == 0  # again: the mirror is dropped
+    state = await until(lambda e: e["last_reset_reason"] == "resync")
+    assert state["drift"]["resyncs"] == {"full": 1, "reset": 1} and state["drift"]["over"] == 2
+    await cached(prompts[2])  # stored again after the reset: learnt from its events
+    await until(lambda e: e["state"] == "healthy" and e["blocks"] > 0)
+    assert await cached(prompts[2]) > 0
+    state = await until(lambda e: e["drift"]["match"] >= 1)
+    assert state["drift"]["over"] == 2 and state["state"] == "healthy"
+
+
+async def test_a_static_replicas_drifting_index_resyncs_its_own_subscription(nursery, start_llmgw):
+    """The gateway follows the engine itself: a suspect index's resync goes to that subscription's mirror."""
+    engine, gateway = await static_kv_replica(nursery, start_llmgw, engine_args=(
+        "--suppress-events", "AllBlocksCleared"), routing_options="tokenize_timeout: 2s, drift_suspect_after: 1")
+    async with httpx.AsyncClient(timeout=10) as http:
+        await unpublished_reset_heals(http, gateway.control_url, gateway.url, engine.url, "ext-0")
+
+
+async def test_a_remote_agents_drifting_replica_is_resynced_over_its_websocket(cluster):
+    """A separate `llmgw agent` process: the KvResync requests travel the agent's websocket (encoded)."""
+    cluster.write_config(AGENTS + kv_sim('"--num-blocks", "1024", "--time-scale", "0", "--suppress-events", '
+                                         '"AllBlocksCleared"', "{tokenize_timeout: 2s, drift_suspect_after: 1}")
+                         .replace("replicas: 2", "replicas: 1"))
+    await cluster.start_serve()
+    await cluster.start_agent("a", "tiny-2gpu-a")
+    replicas = await cluster.replicas_where("the replica up", all_up(1))
+    (name,) = replicas
+    await kv_where(cluster, "its index healthy", lambda s: s.get(name, {}).get("state") == "healthy")
+    await unpublished_reset_heals(cluster.http, cluster.control_url, cluster.data_url, replicas[name]["url"], name)
+    assert "asks for a full KV resync" in cluster.agents["a"].output()
+    assert "asks for a reset KV resync" in cluster.agents["a"].output()
 
 
 async def test_an_agent_restart_keeps_the_engines_kv_port_and_the_index_is_restored(cluster):

@@ -4,6 +4,14 @@ simulator engines started by that agent (a `sim` profile, `kv_events: true`, `ro
 - batches the engine deliberately leaves off its live stream (the simulator's ``--drop-event-seqs``) are replayed
   by the agent's subscription through the replay socket the engine plugin configures, and the index stays exact;
 - ``POST /reset_prefix_cache`` on one engine clears that replica's index (reason ``cleared``) and no other;
+- after that reset the replica's *predicted* entries are gone too: the next identical request is predicted 0
+  cached tokens, as the engine then reports;
+- an engine that never publishes its ``AllBlocksCleared`` (the simulator's ``--suppress-events``: no sequence gap,
+  the agent cannot notice) leaves the index promising blocks the engine dropped; the responses' cached tokens
+  drift from the prediction, the replica's index turns suspect, the agent is asked for a full copy and, when that
+  does not help (its mirror is as wrong), for a reset: the index heals by itself and predicts exactly again;
+- a burst of concurrent requests sharing a new prefix (routed by predicted entries before any event) counts
+  no ``over`` drift: the rule compares the engine's answer with confirmed blocks only;
 - a ``/tokenize`` slower than the tier's ``tokenize_timeout`` and an unindexable request (an image part) each give
   a tree decision, counted in ``llmgw_routing_decisions_total{tier="kv_index"}``.
 
@@ -154,3 +162,134 @@ async def test_a_tokenize_timeout_and_an_unindexable_request_get_counted_tree_de
     for outcome in ("hit", "miss", "load_override", "tokenize_error", "index_unhealthy"):
         assert await cluster.metric("llmgw_routing_decisions_total", decisions + f'"{outcome}"') == 0, outcome
     assert await cluster.metric("llmgw_route_predicted_cached_tokens_total", 'model="tiny"') == 0
+
+
+async def learn_block_sizes(cluster, replicas: dict[str, dict]) -> None:
+    """One unrelated prompt straight to each engine: its events tell the index the engine's block size."""
+    for seed, name in enumerate(sorted(replicas)):
+        await complete(cluster, text(700 + seed, 200), url=replicas[name]["url"])
+    await kv_where(cluster, "every index knows its block size", lambda s: all(
+        s[name]["block_size"] for name in replicas))
+
+
+async def routed_prediction(cluster) -> tuple[float, float]:
+    """(predicted, actual) cached tokens counted so far by the kv_index tier."""
+    return (await cluster.metric("llmgw_route_predicted_cached_tokens_total", 'model="tiny"'),
+            await cluster.metric("llmgw_route_actual_cached_tokens_total", 'model="tiny"'))
+
+
+async def test_a_prefix_cache_reset_drops_the_replicas_predicted_entries_too(cluster):
+    # Predicted entries live a minute here: without the drop they would outlive the reset for sure.
+    replicas = await start(cluster, kv_sim('"--num-blocks", "512", "--time-scale", "0"',
+                                           "{tokenize_timeout: 2s, predicted_ttl: 60s}"))
+    prompt = text(400, 1200)
+    await learn_block_sizes(cluster, replicas)
+    holder, usage = await complete(cluster, prompt)
+    again, usage = await complete(cluster, prompt)  # routed by the holder's blocks (events or predicted entries)
+    assert again == holder and usage["prompt_tokens_details"]["cached_tokens"] > 0
+    await kv_where(cluster, f"{holder} indexed the prompt", lambda s: s[holder]["blocks"] > 0)
+
+    response = await cluster.http.post(replicas[holder]["url"] + "/reset_prefix_cache")
+    assert response.json() == {"success": True}
+    await kv_where(cluster, f"{holder}'s index cleared", lambda s: s[holder]["last_reset_reason"] == "cleared")
+    # Once the reset window is over the index scores the replica again (and would count predicted entries).
+    await kv_where(cluster, f"{holder} healthy again", lambda s: s[holder]["state"] == "healthy")
+    before = await routed_prediction(cluster)
+    chosen, usage = await complete(cluster, prompt)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    after = await cluster.wait_for("the response's usage counted", lambda: _counted(cluster, before))
+    assert after == before, (chosen, holder, before, after)  # predicted 0, and the engine reported 0
+
+
+async def _counted(cluster, before):
+    """The counters once the third response reached finished() (its drift check is counted then)."""
+    state = await kv_state(cluster)
+    checks = sum(r["drift"][result] for r in state.values() for result in ("match", "over", "under"))
+    return await routed_prediction(cluster) if checks >= 3 else None
+
+
+async def test_drift_from_an_unpublished_reset_makes_the_index_suspect_and_it_heals_itself(cluster):
+    replicas = await start(cluster, kv_sim('"--num-blocks", "2048", "--time-scale", "0", '
+                                           '"--suppress-events", "AllBlocksCleared"',
+                                           "{tokenize_timeout: 2s, drift_suspect_after: 2}"))
+    await learn_block_sizes(cluster, replicas)
+    first = sorted(replicas)[0]
+    url = replicas[first]["url"]
+    prompts = [text(500 + i, 800) for i in range(6)]
+    for prompt in prompts:  # straight to the engine: only its events tell the router
+        await complete(cluster, prompt, url=url)
+    engine_blocks = await engine_cached_blocks(cluster, url)
+    await kv_where(cluster, f"{first} indexed its prompts", lambda s: s[first]["blocks"] == engine_blocks > 0)
+
+    # The engine drops its cache and publishes nothing: the agent's mirror and the index still hold every block.
+    assert (await cluster.http.post(url + "/reset_prefix_cache")).json() == {"success": True}
+    assert await engine_cached_blocks(cluster, url) == 0
+    suppressed = [line for line in (await cluster.http.get(url + "/metrics")).text.splitlines()
+                  if line.startswith("llmgw_sim_kv_events_suppressed_total")]
+    assert suppressed and float(suppressed[0].rsplit(" ", 1)[1]) >= 1
+    assert (await kv_state(cluster))[first]["blocks"] == engine_blocks
+
+    async def drifted(prompt: str, over: int) -> dict:
+        chosen, usage = await complete(cluster, prompt)
+        assert chosen == first and usage["prompt_tokens_details"]["cached_tokens"] == 0  # the index's pick: empty
+        return await kv_where(cluster, f"{over} over drifts on {first}", lambda s: s[first]["drift"]["over"] == over)
+
+    await drifted(prompts[0], 1)
+    state = await drifted(prompts[1], 2)  # two within the window: suspect, the agent is asked for a full copy
+    assert state[first]["drift"]["resyncs"]["full"] == 1
+    # The agent's FULL copy answers (healthy again), but its mirror is as stale as the index was.
+    await kv_where(cluster, f"{first} healthy after the full copy", lambda s: s[first]["state"] == "healthy")
+    await drifted(prompts[2], 3)
+    state = await drifted(prompts[3], 4)  # a relapse: the agent is asked to drop its mirror
+    assert state[first]["drift"]["resyncs"] == {"full": 1, "reset": 1}, state[first]
+    state = await kv_where(cluster, f"{first}'s mirror reset", lambda s: s[first]["last_reset_reason"] == "resync")
+    subs = await subscriptions(cluster)
+    assert subs[first]["resets"].get("resync") == 1, subs[first]
+    assert await cluster.metric("llmgw_kv_index_resyncs_total", f'replica="{first}",mode="reset"') == 1
+    assert await cluster.metric("llmgw_route_drift_total", f'replica="{first}",direction="over"') == 4
+    assert await cluster.metric("llmgw_kv_resets_total", f'replica="{first}",reason="resync"') == 1
+
+    # Healed: a prompt no engine holds is predicted 0 and gets 0; a repeated one is predicted exactly.
+    for prompt in (prompts[4], text(600, 800)):
+        chosen, usage = await complete(cluster, prompt)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+        await kv_where(cluster, "both indexes healthy and holding what was stored", lambda s: all(
+            s[n]["state"] == "healthy" for n in replicas) and s[chosen]["blocks"] > 0)
+        before = await routed_prediction(cluster)
+        again, usage = await complete(cluster, prompt)
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert again == chosen and cached > 0
+        after = await cluster.wait_for("the response's usage counted", lambda: _moved(cluster, before))
+        assert after[0] - before[0] == after[1] - before[1] == cached
+    assert await cluster.metric("llmgw_route_drift_total", f'replica="{first}",direction="over"') == 4
+    assert (await kv_state(cluster))[first]["state"] == "healthy"
+
+
+async def _moved(cluster, before):
+    now = await routed_prediction(cluster)
+    return now if now != before else None
+
+
+async def test_a_burst_of_concurrent_requests_sharing_a_new_prefix_counts_no_over_drift(cluster):
+    # Modelled time (prefill 20k tokens/s, 1 ms per step), 12 requests at once sharing a prefix no engine holds:
+    # most are routed by the predicted entries of the first ones, before any event confirmed a block, and may
+    # reach the engine before or after those blocks are computed (fewer or more cached tokens than predicted).
+    # `over` is about confirmed blocks only: none of that is drift towards suspect (the threshold here is 1).
+    replicas = await start(cluster, kv_sim('"--num-blocks", "2048", "--time-scale", "1", '
+                                           '"--decode-ms-per-step", "1"', "{tokenize_timeout: 2s, drift_suspect_after: 1}"))
+    await learn_block_sizes(cluster, replicas)
+    shared = text(800, 400)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as burst:
+            for i in range(12):
+                burst.start_soon(complete, cluster, shared + f" question {i}")
+
+    async def checked():
+        state = await kv_state(cluster)
+        drift = {name: state[name]["drift"] for name in replicas}
+        return drift if sum(d["match"] + d["over"] + d["under"] for d in drift.values()) >= 12 else None
+
+    drift = await cluster.wait_for("every response checked", checked)
+    assert all(d["over"] == 0 for d in drift.values()), drift
+    assert all(s["state"] == "healthy" for s in (await kv_state(cluster)).values())
+    assert await cluster.metric("llmgw_route_drift_total", 'direction="over"') == 0

@@ -53,6 +53,19 @@ async def test_a_shard_is_relayed_with_a_full_copy_and_an_adopted_one_rebinds_it
             await trio.sleep(0.01)
     assert (sent[0].kind, sent[0].shard_id, sent[0].replica_id) == (wire.KvChangeKind.FULL, "r1-g1-r0", "r1")
 
+    # The router asks for a resync: a full copy through the same relay; an unknown shard or rank is refused.
+    assert kv.resync(wire.KvResync(shard_id="r1-g1-r0", replica_id="r1", mode="full"))
+    with trio.fail_after(2):
+        while not any(m.kind is wire.KvChangeKind.FULL and m.reason == "resync" for m in sent):
+            await trio.sleep(0.01)
+    assert not kv.resync(wire.KvResync(shard_id="other", mode="full"))
+    assert not kv.resync(wire.KvResync(shard_id="r1-g1-r0", data_parallel_rank=1, mode="full"))
+    assert kv.resync(wire.KvResync(shard_id="r1-g1-r0", mode="reset"))
+    with trio.fail_after(2):
+        while not any(m.kind is wire.KvChangeKind.RESET and m.reason == "resync" for m in sent):
+            await trio.sleep(0.01)
+    assert first.subscriptions[0].resets["resync"] == 1
+
     # The shard's supervisor ends: sockets closed, relay stopped, ports given back.
     shard_scope.cancel()
     with trio.fail_after(2):

@@ -5,8 +5,10 @@ from __future__ import annotations
 import random
 
 import trio
+import trio.testing
 from prometheus_client import CollectorRegistry, generate_latest
 
+from llmgw.kv.drift import DriftPolicy
 from llmgw.kv.index import IndexState, KvIndex, refusal_reason
 from llmgw.kv.metrics import KvMetrics
 from llmgw.wire import KvChangeKind, KvChanges
@@ -167,3 +169,124 @@ def test_gauges_read_the_index_at_scrape_time():
     assert 'llmgw_kv_index_blocks{replica="b"} 0.0' in text
     assert 'llmgw_kv_index_state{replica="a",state="healthy"} 1.0' in text
     assert 'llmgw_kv_index_state{replica="b",state="resetting"} 1.0' in text
+
+
+# -- resets drop predicted entries; drift, suspect and resyncs ---------------------------------------------------------
+
+def test_a_reset_or_forget_drops_that_replicas_predicted_entries_only():
+    index = KvIndex()
+    for name in "ab":
+        index.apply(name, full([]))
+        index.predict(name, [1, 2, 3])
+    index.predict("c", [1, 2])
+    assert index.match([1, 2, 3], "abc") == {"a": 3, "b": 3, "c": 2}
+    index.apply("a", reset("cleared"))  # /reset_prefix_cache: AllBlocksCleared
+    assert index.match([1, 2, 3], "abc") == {"a": 0, "b": 3, "c": 2}
+    index.forget("b")  # the stream that fed it is gone
+    assert index.match([1, 2, 3], "abc") == {"a": 0, "b": 0, "c": 2}
+    index.apply("c", reset("engine_restart"))
+    assert index.match([1, 2, 3], "abc") == {"a": 0, "b": 0, "c": 0} and index.predicted_keys == 0
+
+
+def drifting_index(resync_log):
+    clock = trio.testing.MockClock()
+    index = KvIndex(clock=clock.current_time)
+    index.add_resync_listener(lambda *args: resync_log.append(args))
+    index.apply("a", full([1, 2]))
+    index.apply("b", full([1, 2]))
+    return clock, index
+
+
+POLICY = DriftPolicy(suspect_after=3, window=60.0, relapse_window=600.0, resync_retry=30.0)
+
+
+def test_over_drifts_within_the_window_make_only_that_replica_suspect_and_ask_for_a_full_copy():
+    asked = []
+    clock, index = drifting_index(asked)
+    epoch = index.epoch("a")
+    for result in ("over", "over", "match", "under", "under"):
+        assert index.observe("a", result, epoch=epoch, policy=POLICY) is None
+    clock.jump(61)  # the first two have left the window
+    assert index.observe("a", "over", epoch=epoch, policy=POLICY) is None
+    assert index.observe("a", "over", epoch=epoch, policy=POLICY) is None
+    assert index.state("a") is IndexState.HEALTHY and asked == []
+    assert index.observe("a", "over", epoch=epoch, policy=POLICY) == "full"
+    assert index.state("a") is IndexState.SUSPECT and index.state("b") is IndexState.HEALTHY
+    assert asked == [("a", "full", index.describe("a")["drift"]["suspect_reason"])]
+    described = index.describe("a")
+    assert described["state"] == "suspect" and described["blocks"] == 2
+    assert described["drift"]["over"] == 5 and described["drift"]["match"] == 1 and described["drift"]["under"] == 2
+    assert described["drift"]["resyncs"] == {"full": 1, "reset": 0} and described["drift"]["last_resync"] == "full"
+    assert index.drift_summary()["a"] == {"full": 1, "reset": 0}
+    # The FULL copy answers: healthy again, a new epoch; checks of decisions made before it do not count.
+    index.apply("a", full([1, 2]))
+    assert index.state("a") is IndexState.HEALTHY and index.epoch("a") == epoch + 1
+    for _ in range(5):
+        assert index.observe("a", "over", epoch=epoch, policy=POLICY) is None
+    assert index.state("a") is IndexState.HEALTHY and len(asked) == 1
+
+
+def test_a_relapse_after_a_full_copy_asks_for_a_reset_and_the_reset_answers_it():
+    asked = []
+    clock, index = drifting_index(asked)
+    for _ in range(3):
+        index.observe("a", "over", epoch=index.epoch("a"), policy=POLICY)
+    index.apply("a", full([1, 2]))  # the same (wrong) mirror: the engine never published what it dropped
+    clock.jump(100)
+    for _ in range(3):
+        index.observe("a", "over", epoch=index.epoch("a"), policy=POLICY)
+    assert [mode for _, mode, _ in asked] == ["full", "reset"] and "again after a full copy" in asked[1][2]
+    index.apply("a", reset("resync"))  # the agent dropped its mirror
+    assert index.state("a") is IndexState.RESETTING and index.blocks("a") == 0
+    index.apply("a", delta(stored=[7]))
+    assert index.state("a") is IndexState.HEALTHY
+    # Long after (beyond the relapse window) a new suspect episode starts with a full copy again.
+    clock.jump(700)
+    for _ in range(3):
+        index.observe("a", "over", epoch=index.epoch("a"), policy=POLICY)
+    assert [mode for _, mode, _ in asked] == ["full", "reset", "full"]
+
+
+def test_a_suspect_index_asks_again_while_no_answer_comes_and_deltas_do_not_end_it():
+    asked = []
+    clock, index = drifting_index(asked)
+    for _ in range(3):
+        index.observe("a", "over", epoch=index.epoch("a"), policy=POLICY)
+    index.apply("a", delta(stored=[3]))  # ordinary changes keep flowing: not an answer
+    clock.jump(29)
+    assert index.state("a") is IndexState.SUSPECT and len(asked) == 1
+    clock.jump(2)
+    assert index.state("a") is IndexState.SUSPECT and [mode for _, mode, _ in asked] == ["full", "full"]
+    assert index.describe("a")["drift"]["resyncs"]["full"] == 2
+    index.forget("a")  # the stream dropped: its reconnect sends a FULL anyway
+    assert index.state("a") is IndexState.NO_EVENTS
+
+
+def test_suspect_after_zero_never_suspects_and_a_failing_listener_stops_nothing():
+    asked = []
+    clock, index = drifting_index(asked)
+
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    index._resync_listeners.insert(0, broken)
+    for _ in range(10):
+        index.observe("a", "over", epoch=index.epoch("a"), policy=DriftPolicy(suspect_after=0))
+    assert index.state("a") is IndexState.HEALTHY and index.describe("a")["drift"]["over"] == 10
+    for _ in range(3):
+        index.observe("a", "over", epoch=index.epoch("a"), policy=POLICY)
+    assert index.state("a") is IndexState.SUSPECT and len(asked) == 1
+    index.remove_resync_listener(broken)
+    assert index.observe("unknown", "over", epoch=0, policy=POLICY) is None
+
+
+def test_the_state_gauge_shows_suspect_and_the_resync_counter():
+    registry = CollectorRegistry()
+    metrics = KvMetrics.for_registry(registry)
+    clock, index = drifting_index([])
+    metrics.track_index(index)
+    for _ in range(3):
+        index.observe("a", "over", epoch=index.epoch("a"), policy=POLICY)
+    text = generate_latest(registry).decode()
+    assert 'llmgw_kv_index_state{replica="a",state="suspect"} 1.0' in text
+    assert 'llmgw_kv_index_resyncs_total{mode="full",replica="a"} 1.0' in text

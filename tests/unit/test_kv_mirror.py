@@ -6,7 +6,7 @@ import trio
 
 from llmgw.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from llmgw.kv.keys import ContentChainKeys, VllmBlockKeys, request_extra_keys
-from llmgw.kv.mirror import EngineMirror, flush_loop
+from llmgw.kv.mirror import EngineMirror, flush_loop, resync
 from llmgw.wire import KvChangeKind
 
 B = 4
@@ -173,3 +173,31 @@ def test_hash_parity_is_checked_on_chains_from_block_0():
     bad.apply(batch(stored(other_seed, tokens=tokens), stored(other_seed, tokens=tokens)))
     assert bad.parity is False and bad.parity_checked == 1 and results[-1] is False
     assert len(bad) == 3  # still mirrored: the check only reports
+
+
+class RecordingSubscription:
+    def __init__(self, mirror):
+        self.mirror = mirror
+        self.resets = []
+
+    def reset(self, reason):
+        self.resets.append(reason)
+        self.mirror.reset(reason)
+
+
+def test_a_full_resync_makes_the_next_flush_a_full_copy_and_a_reset_resync_drops_the_mirror():
+    mirror = EngineMirror()
+    mirror.apply(batch(stored([1, 2])))
+    mirror.flush("s", "r")
+    assert not mirror.pending
+    subscription = RecordingSubscription(mirror)
+    resync("full", mirror, subscription)
+    assert mirror.pending
+    mirror.apply(batch(stored([3], parent=2)))
+    out = mirror.flush("s", "r")
+    assert [(m.kind, m.stored, m.reason) for m in out] == [(KvChangeKind.FULL, [1, 2, 3], "resync")]
+    assert mirror.flush("s", "r") == [] and subscription.resets == []
+    resync("reset", mirror, subscription)
+    assert subscription.resets == ["resync"] and len(mirror) == 0
+    out = mirror.flush("s", "r")
+    assert [(m.kind, m.reason) for m in out] == [(KvChangeKind.RESET, "resync")]

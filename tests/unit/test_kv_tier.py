@@ -8,6 +8,7 @@ import trio
 from prometheus_client import generate_latest
 
 from llmgw.hookspecs import hookimpl
+from llmgw.kv.drift import classify
 from llmgw.kv.index import KvIndex
 from llmgw.kv.keys import VllmBlockKeys, request_extra_keys
 from llmgw.kv.tokenize import TokenizeError
@@ -312,3 +313,100 @@ async def test_the_replica_tokenizer_reports_its_latency():
     tier = router.configure_model("m", "kv_index", {"tokenize_timeout": "30ms"}).tier
     assert tier.tokenizer.timeout == 0.03 and tier.tokenizer.observe is not None
     assert isinstance(tier.index, KvIndex)
+
+
+def usage(cached: int, prompt_tokens: int = 320) -> dict:
+    return {"prompt_tokens": prompt_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def drift_lines(router) -> list[str]:
+    return [line for line in generate_latest(router.metrics.registry).decode().splitlines()
+            if line.startswith("llmgw_route_drift")]
+
+
+def test_the_drift_rule_counts_whole_blocks_against_confirmed_and_predicted():
+    assert classify(actual=0, confirmed=160, predicted=304, block_size=16) == "over"
+    assert classify(actual=144, confirmed=160, predicted=304, block_size=16) == "over"
+    assert classify(actual=150, confirmed=160, predicted=304, block_size=16) == "match"  # a partial block
+    assert classify(actual=160, confirmed=160, predicted=304, block_size=16) == "match"
+    assert classify(actual=208, confirmed=160, predicted=304, block_size=16) == "match"  # predicted entries: maybe
+    assert classify(actual=320, confirmed=160, predicted=304, block_size=16) == "under"
+    assert classify(actual=0, confirmed=0, predicted=0, block_size=16) == "match"
+
+
+async def test_finished_checks_drift_per_replica_and_excuses_a_removal_seen_before_the_response():
+    router, tier, _, (a, b, c) = make({"drift_suspect_after": 2})
+    keys = keys_of(TEXT)
+    hold(tier, "a", keys)
+    hold(tier, "b", [])
+    hold(tier, "c", [])
+    request = prompt(TEXT)
+    decision = await router.pick(request)
+    assert decision.replica is a and decision.detail["confirmed_blocks"] == 20
+    router.finished(request, decision, usage(304))  # all but the last token's block: exactly as predicted
+    decision = await router.pick(request)
+    # The engine evicted blocks 10.. and its removal reached the index before the response: no drift.
+    tier.index.apply("a", KvChanges(kind=KvChangeKind.DELTA, removed=keys[10:], block_size=16))
+    router.finished(request, decision, usage(160))
+    assert tier.index.state("a").value == "healthy"
+    lines = drift_lines(router)
+    assert 'llmgw_route_drift_checks_total{model="m",replica="a",result="match"} 2.0' in lines
+    assert not any(line.startswith("llmgw_route_drift_total") for line in lines)
+
+    # Twice the engine serves nothing of what its own events confirmed: suspect after the second, tree-scored.
+    decision = await router.pick(request)
+    assert decision.detail["confirmed_blocks"] == 10
+    router.finished(request, decision, usage(0))
+    assert tier.index.state("a").value == "healthy"
+    router.finished(request, decision, usage(0))
+    assert tier.index.state("a").value == "suspect"
+    lines = drift_lines(router)
+    assert 'llmgw_route_drift_total{direction="over",model="m",replica="a"} 2.0' in lines
+    assert 'llmgw_route_drift_tokens_total{direction="over",model="m",replica="a"} 320.0' in lines
+    assert 'llmgw_route_drift_checks_total{model="m",replica="a",result="over"} 2.0' in lines
+    decision = await router.pick(request)
+    assert decision.replica is a and decision.detail["source"] == "tree"  # the tree still knows the prompt
+    assert "predicted_cached_tokens" not in decision.detail
+    answer = await router.explain(request)
+    entry = next(r for r in answer["replicas"] if r["name"] == "a")
+    assert entry["source"] == "tree" and entry["index"]["state"] == "suspect"
+    assert entry["index"]["drift"]["over"] == 2 and entry["index"]["drift"]["resyncs"]["full"] == 1
+
+
+async def test_more_cached_than_predicted_is_counted_under_and_never_makes_a_replica_suspect():
+    router, tier, _, (a, b, c) = make({"drift_suspect_after": 1, "predicted_ttl": 0})  # nothing predicted
+    for name in "abc":
+        hold(tier, name, [])
+    request = prompt(TEXT)
+    for _ in range(3):
+        decision = await router.pick(request)
+        router.finished(request, decision, usage(304))  # e.g. another gateway's request stored the prefix
+        assert tier.index.state(decision.replica.name).value == "healthy"
+    assert sum(tier.index.describe(n)["drift"]["under"] for n in "abc") == 3
+
+
+def test_drift_options_are_checked():
+    problems = KvIndexTier.check_options({"drift_suspect_after": -1, "drift_window": "0s",
+                                          "drift_relapse_window": "soon", "drift_resync_retry": 0})
+    assert len(problems) == 4 and all("drift_" in p for p in problems), problems
+    assert KvIndexTier.check_options({"drift_suspect_after": 0, "drift_window": "2m"}) == []
+
+
+async def test_requests_whose_cached_tokens_say_nothing_of_the_cache_are_not_drift_checks():
+    router, tier, _, (a, b, c) = make({"drift_suspect_after": 1})
+    hold(tier, "a", keys_of(TEXT))
+    hold(tier, "b", [])
+    hold(tier, "c", [])
+    # prompt_logprobs: vLLM reads no cached block; the tier predicts 0, as the engine reports
+    request = RouteRequest("m", "/v1/completions", {"model": "m", "prompt": TEXT, "prompt_logprobs": 1})
+    decision = await router.pick(request)
+    assert decision.replica is a and decision.detail["predicted_cached_tokens"] == 0
+    router.finished(request, decision, usage(0))
+    # truncate_prompt_tokens: the engine hashes another prompt
+    request = RouteRequest("m", "/v1/completions", {"model": "m", "prompt": TEXT, "truncate_prompt_tokens": 100})
+    for _ in range(3):
+        decision = await router.pick(request)
+        router.finished(request, decision, usage(0))
+    assert tier.index.state("a").value == "healthy"
+    assert tier.index.describe("a")["drift"] == {**tier.index.describe("a")["drift"], "match": 0, "over": 0}
+    assert (tier.predicted_cached_total, tier.actual_cached_total) == (3 * 304, 0)

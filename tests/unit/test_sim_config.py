@@ -100,3 +100,11 @@ def test_chunked_prefill_budget_defaults_as_vllm():
     assert whole.max_num_batched_tokens == 4096
     with pytest.raises(ConfigError, match="without chunked prefill every prompt must fit in one step"):
         SimConfig(enable_chunked_prefill=False, max_model_len=4096, max_num_batched_tokens=1024).resolve()
+
+
+def test_suppress_events_names_known_event_types_only():
+    args = build_parser().parse_args(["--suppress-events", "AllBlocksCleared, BlockRemoved"])
+    assert config_from_args(args).resolve().suppress_events == ("AllBlocksCleared", "BlockRemoved")
+    assert config_from_args(build_parser().parse_args([])).resolve().suppress_events == ()
+    with pytest.raises(ConfigError, match="BlockEvicted"):
+        config_from_args(build_parser().parse_args(["--suppress-events", "BlockEvicted"])).resolve()

@@ -121,6 +121,25 @@ async def test_batches_published_after_their_step(autojump_clock):
         nursery.cancel_scope.cancel()
 
 
+async def test_suppressed_event_types_are_never_published_and_spend_no_sequence(autojump_clock):
+    send, receive = trio.open_memory_channel(math.inf)
+    engine = make_engine(events_out=send)
+    engine.suppress_events = frozenset({"AllBlocksCleared"})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.run)
+        await run_one(engine, request(40, 20))
+        published = engine.batches_published
+        assert engine.reset_prefix_cache() and engine.cache.pool.num_cached_blocks == 0
+        assert engine.batches_published == published and engine.events_suppressed == 1
+        while True:
+            try:
+                batch = receive.receive_nowait()
+            except trio.WouldBlock:
+                break
+            assert all(type(ev).__name__ != "AllBlocksCleared" for ev in batch.events)
+        nursery.cancel_scope.cancel()
+
+
 async def test_abort_frees_and_wakes(autojump_clock):
     engine = make_engine()
     async with trio.open_nursery() as nursery:

@@ -43,6 +43,7 @@ SAMPLES = [
     ShardStatus(shard=REPORT),
     KvChanges(shard_id="s", replica_id="r", data_parallel_rank=1, kind=KvChangeKind.FULL, block_size=16,
               stored=[1, 2**64 - 1], removed=[3], reason="reconnect"),
+    wire.KvResync(shard_id="s", replica_id="r", data_parallel_rank=0, mode="reset", reason="drift"),
     wire.ErrorMessage(code="not_yours", message="shard s is placed on node n2", about="s"),
 ]
 
