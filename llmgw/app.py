@@ -157,7 +157,7 @@ class Gateway:
         for model in config.models:
             for index, spec in enumerate(model.replicas):
                 name = spec.name or f"{model.name}-{index}"
-                follow = ExternalKv.of(name, spec, model.routing_options)
+                follow = ExternalKv.of(name, spec, model.routing_options, model.name)
                 if follow is not None:
                     wanted[name] = follow
         for name, (follow, scope) in list(self._static_kv.items()):

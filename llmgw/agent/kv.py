@@ -58,7 +58,7 @@ from ..kv.metrics import KvMetrics
 from ..kv.mirror import EngineMirror, flush_loop, resync
 from ..kv.subscriber import EngineSubscription
 from ..plugins_manager import Registry
-from .engine import KV_HASH_ALGO, KV_HASH_SEED
+from .engine import KV_HASH_ALGO, KV_HASH_SEED, served_name
 from .ports import PortAllocator
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class AgentKv:
         """Bind the shard's subscription (on ``events_port`` when adopting), report the :class:`ShardKv`, and
         follow the engine until cancelled (the shard's supervisor ended)."""
         kv = ShardKv(spec)
-        source = self.metrics.source(self.node_id, spec.replica_id)
+        source = self.metrics.source(self.node_id, spec.replica_id, served_name(spec))
         decoder_factory = self.registry.get("event_decoders", "vllm")
         if replay_port:
             self.ports.reserve(replay_port)

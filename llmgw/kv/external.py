@@ -45,23 +45,25 @@ class ExternalKv:
     replica: str
     events: str
     replay: str | None
+    model: str = ""
     key_function: str = "vllm"
     hash_algo: str = "sha256_cbor"
     hash_seed: str | None = "0"
 
     @classmethod
-    def of(cls, replica: str, spec: Any, routing_options: Mapping[str, Any] | None) -> "ExternalKv | None":
+    def of(cls, replica: str, spec: Any, routing_options: Mapping[str, Any] | None,
+           model: str = "") -> "ExternalKv | None":
         if not getattr(spec, "kv_events", None):
             return None
         options = routing_options or {}
         seed = options.get("hash_seed", "0")
-        return cls(replica, spec.kv_events, getattr(spec, "kv_replay", None) or None,
+        return cls(replica, spec.kv_events, getattr(spec, "kv_replay", None) or None, model,
                    str(options.get("key_function", "vllm")), str(options.get("hash_algo", "sha256_cbor")),
                    None if seed is None else str(seed))
 
     async def run(self, index, registry, metrics_registry, *, interval: float = 0.025) -> None:
         """Follow the engine into ``index`` until cancelled (the sockets are closed then)."""
-        source = KvMetrics.for_registry(metrics_registry).source(NODE_LABEL, self.replica) \
+        source = KvMetrics.for_registry(metrics_registry).source(NODE_LABEL, self.replica, self.model) \
             if metrics_registry is not None else None
         if self.key_function == "content":
             mirror = EngineMirror(key_mode="content", on_ignored=source and source.ignored, name=self.replica)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -38,27 +39,32 @@ _lock = threading.Lock()
 
 
 class _IndexCollector:
-    """``llmgw_kv_index_blocks{replica}``, ``llmgw_kv_index_state{replica,state}`` and
-    ``llmgw_kv_index_resyncs_total{replica,mode}``, read at scrape time."""
+    """``llmgw_kv_index_blocks{model,replica}``, ``llmgw_kv_index_state{model,replica,state}`` and
+    ``llmgw_kv_index_resyncs_total{model,replica,mode}``, read at scrape time (``model`` from the tracker's
+    ``model_of``, "" when it names none)."""
 
     def __init__(self) -> None:
-        self._indexes: list[weakref.ref] = []
+        self._indexes: list[tuple[weakref.ref, Callable[[str], str] | None]] = []
 
-    def track(self, index) -> None:
-        if not any(ref() is index for ref in self._indexes):
-            self._indexes.append(weakref.ref(index))
+    def track(self, index, model_of: Callable[[str], str] | None = None) -> None:
+        for at, (ref, known) in enumerate(self._indexes):
+            if ref() is index:
+                if model_of is not None:
+                    self._indexes[at] = (ref, model_of)
+                return
+        self._indexes.append((weakref.ref(index), model_of))
 
     @staticmethod
     def _families():
         blocks = GaugeMetricFamily("llmgw_kv_index_blocks", "Distinct KV blocks the router's index holds for each "
                                    "replica (confirmed by the engine's events; predicted entries not included).",
-                                   labels=["replica"])
+                                   labels=["model", "replica"])
         state = GaugeMetricFamily("llmgw_kv_index_state", "1 for the replica's current index state: no_events, "
-                                  "healthy, resetting or suspect.", labels=["replica", "state"])
+                                  "healthy, resetting or suspect.", labels=["model", "replica", "state"])
         resyncs = CounterMetricFamily("llmgw_kv_index_resyncs", "Resyncs the router asked of a replica's owner "
                                       "because its index turned suspect (drift), by mode: full (a full copy of the "
                                       "mirror) or reset (drop the mirror, relearn); retries included.",
-                                      labels=["replica", "mode"])
+                                      labels=["model", "replica", "mode"])
         return blocks, state, resyncs
 
     def describe(self):
@@ -67,17 +73,18 @@ class _IndexCollector:
     def collect(self):
         blocks, state, resyncs = self._families()
         alive = []
-        for ref in self._indexes:
+        for ref, model_of in self._indexes:
             index = ref()
             if index is None:
                 continue
-            alive.append(ref)
+            alive.append((ref, model_of))
+            model = model_of or (lambda replica: "")
             for replica, (count, current) in sorted(index.summary().items()):
-                blocks.add_metric([replica], count)
-                state.add_metric([replica, current], 1)
+                blocks.add_metric([model(replica), replica], count)
+                state.add_metric([model(replica), replica, current], 1)
             for replica, modes in sorted(index.drift_summary().items()):
                 for mode, count in sorted(modes.items()):
-                    resyncs.add_metric([replica, mode], count)
+                    resyncs.add_metric([model(replica), replica, mode], count)
         self._indexes = alive
         return [blocks, state, resyncs]
 
@@ -90,10 +97,10 @@ class KvMetrics:
         self.events = CachedLabels(Counter(
             "llmgw_kv_events", "KV events received from engines, by node, replica and event type (BlockStored, "
             "BlockRemoved, AllBlocksCleared, or the tag of an unknown type, which is skipped).",
-            ["node", "replica", "type"], registry=r))
+            ["node", "model", "replica", "type"], registry=r))
         self.gaps = CachedLabels(Counter(
             "llmgw_kv_gaps", "Holes in a replica's event sequence numbers (each one triggers a replay when the "
-            "engine has a replay endpoint).", ["replica"], registry=r))
+            "engine has a replay endpoint).", ["model", "replica"], registry=r))
         self.replays = CachedLabels(Counter(
             "llmgw_kv_replays", "Replay attempts by result: filled (the hole was filled), incomplete (the engine "
             "no longer buffers the missing batches), timeout, disabled (no replay endpoint).", ["result"],
@@ -101,18 +108,19 @@ class KvMetrics:
         self.resets = CachedLabels(Counter(
             "llmgw_kv_resets", "Times a replica's mirrored cache was reset, by reason: gap (a hole replay could "
             "not fill), engine_restart (sequence went backwards), cleared (AllBlocksCleared), decode_error.",
-            ["replica", "reason"], registry=r))
+            ["model", "replica", "reason"], registry=r))
         self.decode_errors = CachedLabels(Counter(
             "llmgw_kv_decode_errors", "Event messages that could not be decoded, by source (the subscription).",
             ["source"], registry=r))
         self.ignored = CachedLabels(Counter(
             "llmgw_kv_ignored", "Blocks in events kept out of the device index, by replica and reason "
             "(medium, group, placeholder, unknown_block, unknown_parent, wrong_rank...).",
-            ["replica", "reason"], registry=r))
+            ["model", "replica", "reason"], registry=r))
         self.parity_checks = CachedLabels(Counter(
             "llmgw_kv_hash_parity_checks", "Stores whose block hashes the agent recomputed with the router's key "
             "function, by replica and result (ok, mismatch: the engine's hash algorithm, PYTHONHASHSEED or block "
-            "size differ from the tier's, so the index can never match).", ["replica", "result"], registry=r))
+            "size differ from the tier's, so the index can never match).", ["model", "replica", "result"],
+            registry=r))
         self.changes_refused = CachedLabels(Counter(
             "llmgw_kv_changes_refused", "KvChanges messages the control plane refused, by sending node and reason "
             "(e.g. foreign_replica: the replica is not placed on that node).", ["node", "reason"], registry=r))
@@ -149,25 +157,27 @@ class KvMetrics:
                 existing = _instances[registry] = cls(registry)
             return existing
 
-    def track_index(self, index) -> None:
-        """Report ``index``'s per-replica sizes and states (a :class:`~llmgw.kv.index.KvIndex`)."""
-        self._index_collector.track(index)
+    def track_index(self, index, model_of: Callable[[str], str] | None = None) -> None:
+        """Report ``index``'s per-replica sizes and states (a :class:`~llmgw.kv.index.KvIndex`), each labelled
+        with ``model_of(replica)`` (the router gives one; tracking again without one keeps it)."""
+        self._index_collector.track(index, model_of)
 
-    def source(self, node: str, replica: str) -> "SourceMetrics":
-        return SourceMetrics(self, node, replica)
+    def source(self, node: str, replica: str, model: str) -> "SourceMetrics":
+        return SourceMetrics(self, node, replica, model)
 
 
 class SourceMetrics:
-    """The agent-side series of one engine subscription (node, replica) bound once."""
+    """The agent-side series of one engine subscription (node, replica of model) bound once."""
 
-    def __init__(self, metrics: KvMetrics, node: str, replica: str):
+    def __init__(self, metrics: KvMetrics, node: str, replica: str, model: str):
         self.metrics = metrics
         self.node = node
         self.replica = replica
-        self._gaps = metrics.gaps.labels(replica)
+        self.model = model
+        self._gaps = metrics.gaps.labels(model, replica)
 
     def event(self, kind: str, count: int = 1) -> None:
-        self.metrics.events.labels(self.node, self.replica, kind).inc(count)
+        self.metrics.events.labels(self.node, self.model, self.replica, kind).inc(count)
 
     def gap(self) -> None:
         self._gaps.inc()
@@ -176,13 +186,13 @@ class SourceMetrics:
         self.metrics.replays.labels(result).inc()
 
     def reset(self, reason: str) -> None:
-        self.metrics.resets.labels(self.replica, reason).inc()
+        self.metrics.resets.labels(self.model, self.replica, reason).inc()
 
     def decode_error(self, source: str) -> None:
         self.metrics.decode_errors.labels(source).inc()
 
     def ignored(self, reason: str, count: int = 1) -> None:
-        self.metrics.ignored.labels(self.replica, reason).inc(count)
+        self.metrics.ignored.labels(self.model, self.replica, reason).inc(count)
 
     def parity(self, ok: bool) -> None:
-        self.metrics.parity_checks.labels(self.replica, "ok" if ok else "mismatch").inc()
+        self.metrics.parity_checks.labels(self.model, self.replica, "ok" if ok else "mismatch").inc()

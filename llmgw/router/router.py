@@ -18,6 +18,7 @@ from types import SimpleNamespace
 from typing import Any, Iterable
 
 from ..kv.index import KvIndex
+from ..kv.metrics import KvMetrics
 from .canonical import estimated_prompt_tokens
 from .replica import Replica
 from .tier import Decision, RouteRequest, RoutingTier, TierServices
@@ -44,6 +45,8 @@ class Router:
         # One KV index for every model (replica names are unique): the control plane applies the agents' KV
         # changes to it, the kv_index tiers read it (TierServices.kv_index).
         self.kv_index = KvIndex(clock=time.monotonic)
+        if metrics is not None and getattr(metrics, "registry", None) is not None:
+            KvMetrics.for_registry(metrics.registry).track_index(self.kv_index, self.model_of_replica)
         self._tier_errors_logged: set[str] = set()
 
     def configure_model(self, name: str, tier_name: str, options: dict | None = None, model_config=None) -> ModelRoute:
@@ -94,6 +97,14 @@ class Router:
             return name, None
         model = self.adapters.get(name)
         return (model, name) if model is not None and model in self.models else None
+
+    def model_of_replica(self, name: str) -> str:
+        """The model replica ``name`` serves ("" when no model has it)."""
+        for route in self.models.values():
+            for replica in route.replicas:
+                if replica.name == name:
+                    return route.name
+        return ""
 
     def all_replicas(self) -> Iterable[Replica]:
         for route in self.models.values():

@@ -165,10 +165,10 @@ def test_gauges_read_the_index_at_scrape_time():
     index.apply("a", full([1, 2, 3]))
     index.apply("b", reset())
     text = generate_latest(registry).decode()
-    assert 'llmgw_kv_index_blocks{replica="a"} 3.0' in text
-    assert 'llmgw_kv_index_blocks{replica="b"} 0.0' in text
-    assert 'llmgw_kv_index_state{replica="a",state="healthy"} 1.0' in text
-    assert 'llmgw_kv_index_state{replica="b",state="resetting"} 1.0' in text
+    assert 'llmgw_kv_index_blocks{model="",replica="a"} 3.0' in text
+    assert 'llmgw_kv_index_blocks{model="",replica="b"} 0.0' in text
+    assert 'llmgw_kv_index_state{model="",replica="a",state="healthy"} 1.0' in text
+    assert 'llmgw_kv_index_state{model="",replica="b",state="resetting"} 1.0' in text
 
 
 # -- resets drop predicted entries; drift, suspect and resyncs ---------------------------------------------------------
@@ -288,5 +288,5 @@ def test_the_state_gauge_shows_suspect_and_the_resync_counter():
     for _ in range(3):
         index.observe("a", "over", epoch=index.epoch("a"), policy=POLICY)
     text = generate_latest(registry).decode()
-    assert 'llmgw_kv_index_state{replica="a",state="suspect"} 1.0' in text
-    assert 'llmgw_kv_index_resyncs_total{mode="full",replica="a"} 1.0' in text
+    assert 'llmgw_kv_index_state{model="",replica="a",state="suspect"} 1.0' in text
+    assert 'llmgw_kv_index_resyncs_total{mode="full",model="",replica="a"} 1.0' in text

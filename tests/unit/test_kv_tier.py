@@ -269,7 +269,7 @@ async def test_finished_counts_predicted_next_to_actual_cached_tokens():
     text = generate_latest(router.metrics.registry).decode()
     assert 'llmgw_route_predicted_cached_tokens_total{model="m"} 304.0' in text
     assert 'llmgw_route_actual_cached_tokens_total{model="m"} 288.0' in text
-    assert 'llmgw_kv_index_blocks{replica="a"} 20.0' in text
+    assert 'llmgw_kv_index_blocks{model="m",replica="a"} 20.0' in text
 
 
 async def test_explain_changes_nothing():
