@@ -20,6 +20,7 @@ from .http.client import UpstreamPool
 from .http.control import create_control_app, serve_control
 from .http.dataplane import DataPlane, DataPlaneSettings
 from .http.server import HttpServer, ServerLimits
+from .listening import host_port, listening_on
 from .metrics import Metrics
 from .plugins_manager import Registry, check_config_plugins, default_registry
 from .router.health import HealthSettings, HealthTracker, probe_forever
@@ -95,9 +96,11 @@ class Gateway:
             self._configure_static_models(self.config)
             await nursery.start(self.control.run)
             nursery.start_soon(scrape_engine_load, self.router)  # for tiers with engine_metrics_interval
-            data = await nursery.start(self.data_server.serve, data_host, data_port)
-            control = await nursery.start(functools.partial(serve_control, create_control_app(self), control_host,
-                                                            control_port, shutdown=self._control_shutdown))
+            with listening_on(host_port(data_host, data_port)):
+                data = await nursery.start(self.data_server.serve, data_host, data_port)
+            with listening_on(host_port(control_host, control_port)):
+                control = await nursery.start(functools.partial(serve_control, create_control_app(self), control_host,
+                                                                control_port, shutdown=self._control_shutdown))
             self.addresses = Addresses(data, control)
             if self.config.agents.embedded:
                 await nursery.start(self._run_embedded_agent)

@@ -20,7 +20,8 @@ import sys
 
 import trio
 
-from .serve import setup_logging
+from .. import listening
+from ..logsetup import add_logging_arguments, setup_logging
 
 log = logging.getLogger("llmgw.agent")
 EXIT_REFUSED = 3
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--address", default=None,
                         help="the address other machines and the router dial this node's engines at "
                              "(default: the local address that reaches the control plane)")
-    parser.add_argument("--log-level", default="info", help="debug, info, warning, error (default info)")
+    add_logging_arguments(parser)
     return parser
 
 
@@ -67,13 +68,15 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         labels = parse_labels(args.label)
+        if args.address is not None:  # the node's engines listen there: it must be an address of this machine
+            listening.check_bindable(args.address)
         agent = Agent(args.join, token=args.token, node_id=args.node_id or socket.gethostname(),
                       discovery=args.discovery, state_dir=args.state_dir, labels=labels, address=args.address,
                       announce=lambda line: print(line, flush=True))
-    except ValueError as exc:
+    except (ValueError, listening.CannotListen) as exc:
         print(f"llmgw agent: {exc}", file=sys.stderr)
         return 2
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     try:
         trio.run(run, agent)
     except BaseExceptionGroup as group:

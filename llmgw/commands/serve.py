@@ -19,7 +19,9 @@ import tempfile
 
 import trio
 
+from .. import listening
 from ..config import ConfigError, HostPort, load_config, parse_config
+from ..logsetup import add_logging_arguments, setup_logging
 
 log = logging.getLogger("llmgw.serve")
 DEMO_MODEL = "tiny"
@@ -31,13 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--listen", help="HOST:PORT of the OpenAI endpoint (overrides the config)")
     parser.add_argument("--control-listen", help="HOST:PORT of /health, /metrics, /admin (overrides the config)")
     parser.add_argument("--demo-replicas", type=int, default=2, help="simulator replicas the demo starts (default 2)")
-    parser.add_argument("--log-level", default=None, help="debug, info, warning, error (default: config or info)")
+    add_logging_arguments(parser, default_level=None, default_format=None, source="the config's, else info/text")
     return parser
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def demo_config_text(replicas: int, state_dir: str) -> str:
@@ -57,12 +54,19 @@ def main(argv: list[str]) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"llmgw serve: {exc}", file=sys.stderr)
         return 2
-    setup_logging(args.log_level or (config.log_level if config else "info"))
+    setup_logging(args.log_level or (config.log_level if config else "info"),
+                  args.log_format or (config.log_format if config else "text"))
     try:
         trio.run(serve, config, listen, control_listen, args.demo_replicas)
     except ConfigError as exc:
         print(f"llmgw serve: {exc}", file=sys.stderr)
         return 2
+    except BaseException as exc:
+        failure = listening.find(exc)
+        if failure is None:
+            raise
+        print(f"llmgw serve: {failure}", file=sys.stderr)
+        return listening.EXIT_CANNOT_LISTEN
     return 0
 
 

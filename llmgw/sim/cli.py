@@ -17,6 +17,8 @@ import sys
 
 import trio
 
+from .. import listening
+from ..logsetup import add_logging_arguments, setup_logging
 from .config import ConfigError, KVEventsConfig, SimConfig, parse_lora_modules
 
 log = logging.getLogger("llmgw.sim")
@@ -92,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="range of natural output lengths (ending in EOS) unless ignore_eos or max_tokens")
     sim.add_argument("--drop-event-seqs", default=None, metavar="SEQS",
                      help="test switch: '3,7' or 'every:N' batches kept for replay but not published live")
-    sim.add_argument("--log-level", default="INFO")
+    add_logging_arguments(sim)
     return p
 
 
@@ -174,8 +176,7 @@ def main(argv: list[str]) -> int:
     kept, ignored = _strip_ignored(list(argv))
     parser = build_parser()
     args = parser.parse_args(kept)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     if ignored:
         log.info("ignoring vLLM flags that do not apply to the simulator: %s", " ".join(ignored))
     try:
@@ -187,4 +188,10 @@ def main(argv: list[str]) -> int:
         trio.run(serve, config)
     except KeyboardInterrupt:
         pass
+    except BaseException as exc:
+        failure = listening.find(exc)
+        if failure is None:
+            raise
+        print(f"llmgw sim: {failure}", file=sys.stderr)
+        return listening.EXIT_CANNOT_LISTEN
     return 0
