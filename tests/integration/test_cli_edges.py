@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +88,12 @@ def test_json_log_format_writes_one_object_per_line(busy_port):
     assert records, result.stderr
     assert {"ts", "level", "logger", "message"} <= set(records[0])
     assert records[0]["logger"] == "llmgw.sim" and "--enforce-eager" in records[0]["message"]
+
+
+def test_dev_keeps_the_callers_working_directory_for_file_arguments(tmp_path):
+    (tmp_path / "llmgw.yaml").write_text(CONFIG)
+    dev = Path(__file__).resolve().parents[2] / "dev"
+    result = subprocess.run([str(dev), "config", "check", "llmgw.yaml"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("llmgw.yaml: ok")
