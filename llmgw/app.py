@@ -15,14 +15,14 @@ from dataclasses import dataclass
 
 import trio
 
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError
 from .http.client import UpstreamPool
 from .http.control import create_control_app, serve_control
 from .http.dataplane import DataPlane, DataPlaneSettings
 from .http.server import HttpServer, ServerLimits
 from .listening import host_port, listening_on
 from .metrics import Metrics
-from .plugins_manager import Registry, check_config_plugins, default_registry
+from .plugins_manager import Registry, check_config_plugins, default_registry, load_checked_config
 from .router.health import HealthSettings, HealthTracker, probe_forever
 from .router.load_scraper import scrape_engine_load
 from .router.replica import Replica, ReplicaState
@@ -225,8 +225,7 @@ class Gateway:
                 log.warning("reload: there is no config file to reload (the demo, or a config given as text)")
                 return ["there is no config file to reload (the demo, or a config given as text)"]
             try:
-                config = await trio.to_thread.run_sync(load_config, self.config.source)
-                check_config_plugins(config, self.registry)
+                config = await trio.to_thread.run_sync(load_checked_config, self.config.source, self.registry)
             except ConfigError as exc:
                 errors = [str(issue) for issue in exc.errors]
                 log.error("reload of %s failed; keeping the running config:\n  %s", self.config.source,

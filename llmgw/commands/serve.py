@@ -20,8 +20,9 @@ import tempfile
 import trio
 
 from .. import listening
-from ..config import ConfigError, HostPort, load_config, parse_config
+from ..config import ConfigError, HostPort, parse_config
 from ..logsetup import add_logging_arguments, setup_logging
+from ..plugins_manager import load_checked_config
 
 log = logging.getLogger("llmgw.serve")
 DEMO_MODEL = "tiny"
@@ -50,7 +51,7 @@ def main(argv: list[str]) -> int:
     try:
         listen = HostPort.parse(args.listen) if args.listen else None
         control_listen = HostPort.parse(args.control_listen) if args.control_listen else None
-        config = load_config(args.config) if args.config else None
+        config = load_checked_config(args.config) if args.config else None
     except (ConfigError, ValueError) as exc:
         print(f"llmgw serve: {exc}", file=sys.stderr)
         return 2
