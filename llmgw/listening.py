@@ -3,9 +3,8 @@
 Listeners are opened inside nurseries, so a busy port surfaces as an
 ``OSError`` several exception groups deep. :func:`listening_on` wraps the
 opening of one listener and turns its ``OSError`` (or ``zmq.ZMQError``) into a
-:class:`CannotListen` naming the address; :func:`find` digs the first one out
-of whatever ``trio.run`` raised, and the command prints it and exits with
-:data:`EXIT_CANNOT_LISTEN`.
+:class:`CannotListen` naming the address, a :class:`~llmgw.usererrors.UserError`
+the command prints as one line (exit code 2).
 """
 
 from __future__ import annotations
@@ -14,10 +13,10 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-EXIT_CANNOT_LISTEN = 2
+from .usererrors import UserError
 
 
-class CannotListen(Exception):
+class CannotListen(UserError):
     """``cannot listen on ADDRESS: REASON``."""
 
     def __init__(self, address: str, reason: str):
@@ -69,15 +68,3 @@ def check_bindable(host: str) -> None:
             sock.bind(sockaddr)
     except OSError as exc:
         raise CannotListen(host, reason_of(exc)) from None
-
-
-def find(exc: BaseException) -> CannotListen | None:
-    """The first :class:`CannotListen` in ``exc`` or the exception groups around it."""
-    if isinstance(exc, CannotListen):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = find(inner)
-            if found is not None:
-                return found
-    return None

@@ -41,6 +41,7 @@ import trio
 from .. import __version__, wire
 from ..plugins_manager import Registry, default_registry
 from .channel import Channel, ChannelClosed, Connector, WebSocketConnector
+from .statelock import StateDirLock
 
 log = logging.getLogger(__name__)
 
@@ -134,13 +135,17 @@ class Agent:
     # -- lifetime ------------------------------------------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Supervise shards and stay connected until cancelled (engines keep running after that)."""
-        await self._discover()  # a bad --discovery fails here, at start, rather than on every reconnect
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            await nursery.start(self.shards.run)
-            task_status.started()
-            await self._connect_forever()
+        """Supervise shards and stay connected until cancelled (engines keep running after that).
+
+        The state dir is locked for the whole run: a second agent on it fails at once with
+        :class:`~llmgw.agent.statelock.StateDirBusy`, naming this process."""
+        with StateDirLock(self.state_dir):
+            await self._discover()  # a bad --discovery fails here, at start, rather than on every reconnect
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await nursery.start(self.shards.run)
+                task_status.started()
+                await self._connect_forever()
 
     async def stop_all_shards(self, grace: float = 5.0) -> None:
         """Stop every shard this agent runs (the demo does this at exit; a real agent never does)."""

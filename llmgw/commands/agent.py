@@ -22,6 +22,7 @@ import trio
 
 from .. import listening
 from ..logsetup import add_logging_arguments, setup_logging
+from ..usererrors import run_reporting
 
 log = logging.getLogger("llmgw.agent")
 EXIT_REFUSED = 3
@@ -78,7 +79,7 @@ def main(argv: list[str]) -> int:
         return 2
     setup_logging(args.log_level, args.log_format)
     try:
-        trio.run(run, agent)
+        return run_reporting("llmgw agent", lambda: trio.run(run, agent))  # a busy state dir: one line, exit 2
     except BaseExceptionGroup as group:
         if group.subgroup(AgentRefused) is not None:
             return EXIT_REFUSED
@@ -87,7 +88,6 @@ def main(argv: list[str]) -> int:
             raise
         print(f"llmgw agent: {bad_discovery.exceptions[0]}", file=sys.stderr)
         return 2
-    return 0
 
 
 async def run(agent) -> None:

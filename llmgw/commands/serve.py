@@ -19,10 +19,10 @@ import tempfile
 
 import trio
 
-from .. import listening
 from ..config import ConfigError, HostPort, parse_config
 from ..logsetup import add_logging_arguments, setup_logging
 from ..plugins_manager import load_checked_config
+from ..usererrors import run_reporting
 
 log = logging.getLogger("llmgw.serve")
 DEMO_MODEL = "tiny"
@@ -58,17 +58,11 @@ def main(argv: list[str]) -> int:
     setup_logging(args.log_level or (config.log_level if config else "info"),
                   args.log_format or (config.log_format if config else "text"))
     try:
-        trio.run(serve, config, listen, control_listen, args.demo_replicas)
+        return run_reporting("llmgw serve", lambda: trio.run(serve, config, listen, control_listen,
+                                                             args.demo_replicas))
     except ConfigError as exc:
         print(f"llmgw serve: {exc}", file=sys.stderr)
         return 2
-    except BaseException as exc:
-        failure = listening.find(exc)
-        if failure is None:
-            raise
-        print(f"llmgw serve: {failure}", file=sys.stderr)
-        return listening.EXIT_CANNOT_LISTEN
-    return 0
 
 
 async def serve(config, listen, control_listen, demo_replicas: int = 2) -> None:

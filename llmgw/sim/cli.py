@@ -17,8 +17,8 @@ import sys
 
 import trio
 
-from .. import listening
 from ..logsetup import add_logging_arguments, setup_logging
+from ..usererrors import run_reporting
 from .config import ConfigError, KVEventsConfig, SimConfig, parse_lora_modules
 
 log = logging.getLogger("llmgw.sim")
@@ -185,13 +185,6 @@ def main(argv: list[str]) -> int:
         print(f"llmgw sim: {exc}", file=sys.stderr)
         return 2
     try:
-        trio.run(serve, config)
+        return run_reporting("llmgw sim", lambda: trio.run(serve, config))
     except KeyboardInterrupt:
-        pass
-    except BaseException as exc:
-        failure = listening.find(exc)
-        if failure is None:
-            raise
-        print(f"llmgw sim: {failure}", file=sys.stderr)
-        return listening.EXIT_CANNOT_LISTEN
-    return 0
+        return 0
