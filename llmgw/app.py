@@ -104,7 +104,7 @@ class Gateway:
             self.addresses = Addresses(data, control)
             if self.config.agents.embedded:
                 await nursery.start(self._run_embedded_agent)
-            log.info("llmgw serving the OpenAI API on %s and the control API on %s",
+            log.debug("llmgw serving the OpenAI API on %s and the control API on %s",
                      self.addresses.data_url, self.addresses.control_url)
             task_status.started(self.addresses)
 
@@ -119,7 +119,8 @@ class Gateway:
                                                        f"{node_id}"), node_id=node_id,
                                     discovery=self.embedded_discovery, state_dir=agents.state_dir,
                                     address="127.0.0.1", registry=self.registry,
-                                    metrics_registry=self.metrics.registry)
+                                    metrics_registry=self.metrics.registry,
+                                    announce=lambda line: log.debug("%s", line))  # the control side logs it
         await self.embedded_agent.run(task_status=task_status)
 
     def _configure_static_models(self, config: Config) -> None:
@@ -248,6 +249,7 @@ class Gateway:
     async def stop_embedded_shards(self, grace: float = 5.0) -> None:
         """Stop the embedded agent's engines (the demo's exit; a real agent's engines outlive it)."""
         if self.embedded_agent is not None:
+            self.control.inventory.closing = True
             self.control.freeze()  # nothing may start them again
             with trio.CancelScope(shield=True), trio.move_on_after(grace + 5.0):
                 await self.embedded_agent.stop_all_shards(grace)
@@ -256,8 +258,10 @@ class Gateway:
         """Stop accepting, let in-flight requests finish for up to ``grace`` seconds, then stop everything."""
         grace = self.config.limits.shutdown_grace if grace is None else grace
         self.draining = True
-        log.info("draining: no new connections; waiting up to %gs for %d in-flight requests", grace,
-                 self.data_server.active_requests)
+        self.control.inventory.closing = True
+        inflight = self.data_server.active_requests
+        log.log(logging.INFO if inflight else logging.DEBUG,
+                "draining: no new connections; waiting up to %gs for %d in-flight requests", grace, inflight)
         await self.data_server.drain(grace)
         if self.stop_engines_on_exit:
             await self.stop_embedded_shards()

@@ -237,7 +237,7 @@ class Agent:
 
     def _handle(self, message, outbox: trio.MemorySendChannel) -> None:
         if isinstance(message, wire.StartShard):
-            log.info("start shard %s (replica %s rank %d, generation %d, GPUs %s)", message.shard_id,
+            log.debug("start shard %s (replica %s rank %d, generation %d, GPUs %s)", message.shard_id,
                      message.replica_id, message.rank, message.generation, message.gpu_indices)
             try:
                 self.shards.start(message)
@@ -245,11 +245,11 @@ class Agent:
                 log.exception("cannot start shard %s", message.shard_id)
                 self._reply(outbox, wire.ErrorMessage(code="start_failed", message=str(exc), about=message.shard_id))
         elif isinstance(message, wire.StopShard):
-            log.info("stop shard %s: %s", message.shard_id, message.reason)
+            log.debug("stop shard %s: %s", message.shard_id, message.reason)
             self._nursery.start_soon(functools.partial(self.shards.stop, message.shard_id, message.grace,
                                                        reason=message.reason))
         elif isinstance(message, wire.DrainShard):
-            log.info("drain shard %s: %s", message.shard_id, message.reason)
+            log.debug("drain shard %s: %s", message.shard_id, message.reason)
             self._nursery.start_soon(functools.partial(self.shards.drain, message.shard_id, message.timeout,
                                                        message.grace, reason=message.reason))
         elif isinstance(message, wire.ErrorMessage):

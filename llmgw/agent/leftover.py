@@ -1,0 +1,88 @@
+"""The engines an agent leaves running when it exits: count them, and stop them for good (``llmgw down``).
+
+An agent's engines outlive it on purpose, so the next agent over the same
+state dir adopts them. :func:`running_engines` says how many are left (from the
+ledger, checking each pid and its start time). :func:`stop_engines` is the way
+to end them without an agent: it takes the state dir's lock (so no agent can
+adopt or restart them meanwhile), sends SIGTERM to each engine's process
+group, waits up to ``grace`` seconds, then SIGKILLs what is left, and removes
+each stopped engine from the ledger.
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import trio
+
+from ..procgroup import process_group_of, signal_group, terminate_group, wait_group_gone
+from .ledger import Ledger, LedgerEntry
+from .shards import LEDGER_FILE
+from .statelock import StateDirLock
+
+POLL = 0.05
+AFTER_KILL = 10.0  # how long a SIGKILLed group may take to be gone (a process stuck in the kernel never goes)
+
+
+@dataclass(frozen=True)
+class Stopped:
+    entry: LedgerEntry
+    outcome: str  # "terminated", "killed", "not running", "left alone: ...", "still there after SIGKILL"
+
+    def describe(self) -> str:
+        return f"shard {self.entry.shard_id} (pid {self.entry.pid}): {self.outcome}"
+
+
+def running_engines(state_dir: Path | str) -> list[LedgerEntry]:
+    """The engines the ledger in ``state_dir`` lists whose process still runs."""
+    path = Path(state_dir) / LEDGER_FILE
+    if not path.exists():
+        return []
+    return [entry for entry in Ledger(path).entries() if Ledger.alive(entry)]
+
+
+async def stop_engines(state_dir: Path | str, grace: float = 30.0,
+                       on_stopped: Callable[[Stopped], None] = lambda stopped: None) -> list[Stopped]:
+    """Stop every engine the ledger in ``state_dir`` lists; :class:`~llmgw.agent.statelock.StateDirBusy` when an
+    agent holds the dir (it would restart them)."""
+    results: list[Stopped] = []
+    with StateDirLock(state_dir):
+        ledger = Ledger(Path(state_dir) / LEDGER_FILE)
+
+        async def stop(entry: LedgerEntry) -> None:
+            stopped = Stopped(entry, await _stop_one(entry, grace))
+            if stopped.outcome in ("terminated", "killed", "not running"):
+                ledger.remove(entry.shard_id, pid=entry.pid)
+            results.append(stopped)
+            on_stopped(stopped)
+
+        async with trio.open_nursery() as nursery:
+            for entry in ledger.entries():
+                nursery.start_soon(stop, entry)
+    return results
+
+
+async def _stop_one(entry: LedgerEntry, grace: float) -> str:
+    if not Ledger.alive(entry):
+        return "not running"
+    if entry.pgid <= 1 or process_group_of(entry.pid) != entry.pgid:
+        return f"left alone: pid {entry.pid} is not the leader of process group {entry.pgid} the ledger names"
+    running = functools.partial(Ledger.alive, entry)
+
+    async def exited() -> None:
+        while running():
+            await trio.sleep(POLL)
+
+    with trio.move_on_after(grace + AFTER_KILL):
+        killed = await terminate_group(entry.pgid, wait=exited, running=running, grace=grace)
+        # The engine's helpers are in its group too: none may outlive it.
+        if not await wait_group_gone(entry.pgid, grace if not killed else AFTER_KILL):
+            signal_group(entry.pgid, signal.SIGKILL)
+            killed = True
+            await wait_group_gone(entry.pgid, AFTER_KILL)
+        return "killed" if killed else "terminated"
+    return "still there after SIGKILL"
