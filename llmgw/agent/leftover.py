@@ -19,7 +19,7 @@ from typing import Callable
 
 import trio
 
-from ..procgroup import process_group_of, signal_group, terminate_group, wait_group_gone
+from ..procgroup import group_has_running_members, process_group_of, signal_group, terminate_group
 from .ledger import Ledger, LedgerEntry
 from .shards import LEDGER_FILE
 from .statelock import StateDirLock
@@ -77,12 +77,20 @@ async def _stop_one(entry: LedgerEntry, grace: float) -> str:
         while running():
             await trio.sleep(POLL)
 
+    async def group_gone(timeout: float) -> bool:
+        with trio.move_on_after(timeout):
+            while group_has_running_members(entry.pgid):
+                await trio.sleep(POLL)
+            return True
+        return False
+
     with trio.move_on_after(grace + AFTER_KILL):
         killed = await terminate_group(entry.pgid, wait=exited, running=running, grace=grace)
         # The engine's helpers are in its group too: none may outlive it.
-        if not await wait_group_gone(entry.pgid, grace if not killed else AFTER_KILL):
+        if not await group_gone(grace if not killed else AFTER_KILL):
             signal_group(entry.pgid, signal.SIGKILL)
             killed = True
-            await wait_group_gone(entry.pgid, AFTER_KILL)
+            if not await group_gone(AFTER_KILL):
+                return "still there after SIGKILL"
         return "killed" if killed else "terminated"
     return "still there after SIGKILL"
