@@ -19,6 +19,7 @@ from ..usererrors import UserError
 
 LOCK_FILE = "agent.lock"
 MAX_HOLDER_BYTES = 4096
+MAX_COMMAND_CHARS = 200  # the file is anyone's to write on this machine: what is quoted from it stays short
 
 
 class StateDirBusy(UserError):
@@ -82,7 +83,7 @@ def _holder(fd: int) -> str:
     """``pid 1234 (llmgw agent --join ...)`` from what the holder wrote, or a plain note when it wrote nothing yet."""
     text = os.pread(fd, MAX_HOLDER_BYTES, 0).decode(errors="replace")
     pid, _, command = text.partition("\n")
-    if not pid.strip().isdigit():
+    if not pid.strip().isdigit() or len(pid.strip()) > 10:
         return "another process"
-    command = command.strip()
+    command = "".join(c for c in command.split("\n", 1)[0] if c.isprintable()).strip()[:MAX_COMMAND_CHARS]
     return f"pid {pid.strip()}" + (f" ({command})" if command else "")

@@ -97,3 +97,16 @@ def test_dev_keeps_the_callers_working_directory_for_file_arguments(tmp_path):
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("llmgw.yaml: ok")
+
+
+async def test_config_log_format_json_makes_serve_log_json(start_llmgw):
+    import trio
+
+    gw = await start_llmgw("log_format: json\nhealth:\n  interval: 0.2s\n  failures_to_down: 1\n"
+                           "models:\n  - name: tiny\n    replicas:\n      - url: http://127.0.0.1:9\n")
+    with trio.fail_after(20):
+        while not any("is now down" in line for line in gw.output):
+            await trio.sleep(0.05)
+    line = next(line for line in gw.output if "is now down" in line)
+    record = json.loads(line)
+    assert record["level"] == "warning" and record["logger"] == "llmgw.router.health"
