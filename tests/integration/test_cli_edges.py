@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import trio
 
 from llmgw.processes import llmgw_command
 
@@ -100,8 +101,6 @@ def test_dev_keeps_the_callers_working_directory_for_file_arguments(tmp_path):
 
 
 async def test_config_log_format_json_makes_serve_log_json(start_llmgw):
-    import trio
-
     gw = await start_llmgw("log_format: json\nhealth:\n  interval: 0.2s\n  failures_to_down: 1\n"
                            "models:\n  - name: tiny\n    replicas:\n      - url: http://127.0.0.1:9\n")
     with trio.fail_after(20):
