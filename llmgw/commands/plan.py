@@ -21,8 +21,8 @@ from typing import Any
 from llmgw import wire
 from llmgw.agent.discovery import DiscoveryError, FixtureProvider, load_fixture
 from llmgw.config import ConfigError
-from llmgw.plugins_manager import load_checked_config
 from llmgw.control.placement import NodeView, PlanResult, ReplicaPlacement, ShardPlacement, plan_all, replica_ids
+from llmgw.plugins_manager import load_checked_config
 
 EXIT_PLACED = 0
 EXIT_USAGE = 2
