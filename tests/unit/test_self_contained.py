@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-OUTSIDE_POINTERS = ("shared/reference", "../shared")
+OUTSIDE_POINTERS = ("shared/reference", "../shared", "/work/shared")
 
 
 def tracked_files() -> list[Path]:
