@@ -42,7 +42,12 @@ def running_engines(state_dir: Path | str) -> list[LedgerEntry]:
     path = Path(state_dir) / LEDGER_FILE
     if not path.exists():
         return []
-    return [entry for entry in Ledger(path).entries() if Ledger.alive(entry)]
+    return [entry for entry in Ledger(path).entries() if _well_formed(entry) and Ledger.alive(entry)]
+
+
+def _well_formed(entry: LedgerEntry) -> bool:
+    """Pids that are ints (the ledger is a file: never pass what it holds to a signal unchecked)."""
+    return all(type(value) is int for value in (entry.pid, entry.pgid, entry.pid_start_time))
 
 
 async def stop_engines(state_dir: Path | str, grace: float = 30.0,
@@ -67,6 +72,8 @@ async def stop_engines(state_dir: Path | str, grace: float = 30.0,
 
 
 async def _stop_one(entry: LedgerEntry, grace: float) -> str:
+    if not _well_formed(entry):
+        return "left alone: its ledger entry does not name a process"
     if not Ledger.alive(entry):
         return "not running"
     if entry.pgid <= 1 or process_group_of(entry.pid) != entry.pgid:
