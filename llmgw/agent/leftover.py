@@ -33,6 +33,15 @@ class Stopped:
     entry: LedgerEntry
     outcome: str  # "terminated", "killed", "not running", "left alone: ...", "still there after SIGKILL"
 
+    @property
+    def stopped_now(self) -> bool:
+        return self.outcome in ("terminated", "killed")
+
+    @property
+    def gone(self) -> bool:
+        """The engine no longer runs (it was stopped now or had exited before)."""
+        return self.stopped_now or self.outcome == "not running"
+
     def describe(self) -> str:
         return f"shard {self.entry.shard_id} (pid {self.entry.pid}): {self.outcome}"
 
@@ -60,7 +69,7 @@ async def stop_engines(state_dir: Path | str, grace: float = 30.0,
 
         async def stop(entry: LedgerEntry) -> None:
             stopped = Stopped(entry, await _stop_one(entry, grace))
-            if stopped.outcome in ("terminated", "killed", "not running"):
+            if stopped.gone:
                 ledger.remove(entry.shard_id, pid=entry.pid)
             results.append(stopped)
             on_stopped(stopped)

@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
     def stop() -> None:
         state_dir = state_dir_of(args.config) if args.config else args.state_dir
         results.extend(trio.run(stop_engines, state_dir, args.grace, lambda done: print(done.describe(), flush=True)))
-        stopped = sum(1 for done in results if done.outcome in ("terminated", "killed"))
+        stopped = sum(1 for done in results if done.stopped_now)
         print(f"llmgw down: {stopped} engine{'' if stopped == 1 else 's'} stopped in {state_dir}", flush=True)
 
     try:
@@ -65,4 +65,4 @@ def main(argv: list[str]) -> int:
         return 2
     if code:
         return code
-    return 1 if any(done.outcome not in ("terminated", "killed", "not running") for done in results) else 0
+    return 0 if all(done.gone for done in results) else 1
