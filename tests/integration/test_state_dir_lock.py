@@ -3,12 +3,15 @@ holder; the lock dies with its holder and is never inherited by the engines an a
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
 import pytest
 import trio
 
+from llmgw import wire
+from llmgw.agent.ledger import LedgerEntry
 from llmgw.agent.statelock import StateDirBusy, StateDirLock
 from llmgw.processes import llmgw_command
 
@@ -86,3 +89,18 @@ def test_a_child_process_does_not_inherit_the_lock(tmp_path):
     finally:
         engine.kill()
         engine.wait()
+
+
+def test_down_exits_1_when_an_entry_names_no_engine_it_may_stop(tmp_path):
+    spec = wire.StartShard(shard_id="s-0", profile=wire.ShardProfile(name="p", engine="sim", model_path="m"))
+    entry = LedgerEntry.for_process(spec, pid=os.getpid(), pid_start_time=0, pgid=0, http_port=1, endpoint="",
+                                    model="m").to_json()
+    entry["pgid"] = "1; rm -rf /"
+    (tmp_path / "shards.json").write_text(json.dumps({"version": 1, "shards": {"s-0": entry}}))
+    result = subprocess.run(llmgw_command("down", "--state-dir", str(tmp_path)), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert result.stdout.splitlines() == [
+        f"shard s-0 (pid {os.getpid()}): left alone: its ledger entry does not name a process",
+        f"llmgw down: 0 engines stopped in {tmp_path}"]
+    assert "s-0" in json.loads((tmp_path / "shards.json").read_text())["shards"]  # kept for a human to look at
