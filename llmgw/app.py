@@ -15,13 +15,14 @@ from dataclasses import dataclass
 
 import trio
 
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError
 from .http.client import UpstreamPool
 from .http.control import create_control_app, serve_control
 from .http.dataplane import DataPlane, DataPlaneSettings
 from .http.server import HttpServer, ServerLimits
+from .listening import host_port, listening_on
 from .metrics import Metrics
-from .plugins_manager import Registry, check_config_plugins, default_registry
+from .plugins_manager import Registry, check_config_plugins, default_registry, load_checked_config
 from .router.health import HealthSettings, HealthTracker, probe_forever
 from .router.load_scraper import scrape_engine_load
 from .router.replica import Replica, ReplicaState
@@ -95,13 +96,15 @@ class Gateway:
             self._configure_static_models(self.config)
             await nursery.start(self.control.run)
             nursery.start_soon(scrape_engine_load, self.router)  # for tiers with engine_metrics_interval
-            data = await nursery.start(self.data_server.serve, data_host, data_port)
-            control = await nursery.start(functools.partial(serve_control, create_control_app(self), control_host,
-                                                            control_port, shutdown=self._control_shutdown))
+            with listening_on(host_port(data_host, data_port)):
+                data = await nursery.start(self.data_server.serve, data_host, data_port)
+            with listening_on(host_port(control_host, control_port)):
+                control = await nursery.start(functools.partial(serve_control, create_control_app(self), control_host,
+                                                                control_port, shutdown=self._control_shutdown))
             self.addresses = Addresses(data, control)
             if self.config.agents.embedded:
                 await nursery.start(self._run_embedded_agent)
-            log.info("llmgw serving the OpenAI API on %s and the control API on %s",
+            log.debug("llmgw serving the OpenAI API on %s and the control API on %s",
                      self.addresses.data_url, self.addresses.control_url)
             task_status.started(self.addresses)
 
@@ -116,7 +119,8 @@ class Gateway:
                                                        f"{node_id}"), node_id=node_id,
                                     discovery=self.embedded_discovery, state_dir=agents.state_dir,
                                     address="127.0.0.1", registry=self.registry,
-                                    metrics_registry=self.metrics.registry)
+                                    metrics_registry=self.metrics.registry,
+                                    announce=lambda line: log.debug("%s", line))  # the control side logs it
         await self.embedded_agent.run(task_status=task_status)
 
     def _configure_static_models(self, config: Config) -> None:
@@ -223,8 +227,7 @@ class Gateway:
                 log.warning("reload: there is no config file to reload (the demo, or a config given as text)")
                 return ["there is no config file to reload (the demo, or a config given as text)"]
             try:
-                config = await trio.to_thread.run_sync(load_config, self.config.source)
-                check_config_plugins(config, self.registry)
+                config = await trio.to_thread.run_sync(load_checked_config, self.config.source, self.registry)
             except ConfigError as exc:
                 errors = [str(issue) for issue in exc.errors]
                 log.error("reload of %s failed; keeping the running config:\n  %s", self.config.source,
@@ -247,6 +250,7 @@ class Gateway:
     async def stop_embedded_shards(self, grace: float = 5.0) -> None:
         """Stop the embedded agent's engines (the demo's exit; a real agent's engines outlive it)."""
         if self.embedded_agent is not None:
+            self.control.inventory.closing = True
             self.control.freeze()  # nothing may start them again
             with trio.CancelScope(shield=True), trio.move_on_after(grace + 5.0):
                 await self.embedded_agent.stop_all_shards(grace)
@@ -255,8 +259,10 @@ class Gateway:
         """Stop accepting, let in-flight requests finish for up to ``grace`` seconds, then stop everything."""
         grace = self.config.limits.shutdown_grace if grace is None else grace
         self.draining = True
-        log.info("draining: no new connections; waiting up to %gs for %d in-flight requests", grace,
-                 self.data_server.active_requests)
+        self.control.inventory.closing = True
+        inflight = self.data_server.active_requests
+        log.log(logging.INFO if inflight else logging.DEBUG,
+                "draining: no new connections; waiting up to %gs for %d in-flight requests", grace, inflight)
         await self.data_server.drain(grace)
         if self.stop_engines_on_exit:
             await self.stop_embedded_shards()

@@ -87,28 +87,58 @@ def default_registry() -> Registry:
     return _default
 
 
-def check_config_plugins(config, registry: Registry) -> None:
-    """Every plugin the config names must be installed; raises ConfigError pointing at the config lines.
+def plugin_issues(objects, registry: Registry) -> list:
+    """The config problems plugins find in ``objects`` (the models and profiles among them).
 
-    A tier class may also vet its ``routing_options`` with a
-    ``check_options(options, registry) -> list[str]`` class method; its
-    problems are reported for models and for profiles (a profile whose tier is
-    not installed is routed round_robin by the control plane, so only models
-    must name an installed tier).
+    Every model and profile must name an installed routing tier, and every profile an installed engine.
+    A tier class may also vet its ``routing_options`` with a ``check_options(options, registry) ->
+    list[str]`` class method. Values the loader already found invalid are skipped (reported once).
     """
-    from .config import ConfigError, issue_at
+    from .config import ModelConfig, Profile, issue_at
+    from .config.fields import known
 
     issues = []
-    for owner in [*config.models, *getattr(config, "profiles", ())]:
+    for owner in objects:
+        if not isinstance(owner, (ModelConfig, Profile)):
+            continue
+        if isinstance(owner, Profile) and known(owner.engine):
+            try:
+                registry.get("engines", owner.engine)
+            except PluginError as exc:
+                issues.append(issue_at(owner, "engine", str(exc)))
+        if not known(owner.routing):
+            continue
         try:
             tier = registry.get("routing_tiers", owner.routing)
         except PluginError as exc:
-            if owner in config.models:
-                issues.append(issue_at(owner, "routing", str(exc)))
+            issues.append(issue_at(owner, "routing", str(exc)))
             continue
         check_options = getattr(tier, "check_options", None)
-        if check_options is not None:
+        if check_options is not None and known(owner.routing_options):
             for problem in check_options(owner.routing_options, registry):
                 issues.append(issue_at(owner, "routing_options", problem))
+    return issues
+
+
+def check_config_plugins(config, registry: Registry) -> None:
+    """Raise ConfigError, pointing at the config lines, when a plugin the config names is missing or refuses its
+    options (:func:`plugin_issues`)."""
+    from .config import ConfigError
+
+    issues = plugin_issues([*config.models, *config.profiles], registry)
     if issues:
         raise ConfigError(issues)
+
+
+def load_checked_config(path, registry: Registry | None = None):
+    """:func:`llmgw.config.load_config` and the plugin checks in one pass: one ConfigError lists the problems of
+    both (an unknown tier is reported next to a bad key, not after it is fixed)."""
+    from .config import ConfigError, load_config
+
+    registry = registry or default_registry()
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        raise ConfigError(exc.errors + plugin_issues(exc.objects, registry)) from None
+    check_config_plugins(config, registry)
+    return config

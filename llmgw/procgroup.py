@@ -66,6 +66,25 @@ async def wait_group_gone(pgid: int, timeout: float, poll: float = 0.05) -> bool
     return False
 
 
+def group_has_running_members(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies, which only wait to be reaped, do not count).
+
+    Unlike :func:`group_exists` this holds for processes that are not our children, whose zombies someone
+    else reaps (or, when they are ours, that nobody reaps yet)."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
+
+
 def process_start_time(pid: int) -> int | None:
     """When ``pid`` started, in clock ticks since boot (``/proc/PID/stat`` field 22).
 

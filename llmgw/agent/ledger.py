@@ -85,6 +85,11 @@ class Ledger:
         self.path = Path(path)
         self._entries: dict[str, LedgerEntry] = self._load()
 
+    def reload(self) -> None:
+        """Read the file again (the agent does once it holds the state dir's lock: until then another agent
+        may have been writing it)."""
+        self._entries = self._load()
+
     def entries(self) -> list[LedgerEntry]:
         return list(self._entries.values())
 

@@ -100,6 +100,7 @@ class ShardManager:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Adopt what the ledger lists, then supervise until cancelled (engines keep running after that)."""
+        self.ledger.reload()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             try:

@@ -53,6 +53,9 @@ from .ports import NoFreePort, PortAllocator
 log = logging.getLogger(__name__)
 
 State = wire.ShardState
+# Steps on the way (pending, loading, draining) are debug; a spawned process, readiness and the end are news.
+_LOG_LEVELS = {State.PENDING: logging.DEBUG, State.LOADING: logging.DEBUG, State.DRAINING: logging.DEBUG,
+               State.FAILED: logging.WARNING}
 
 
 @dataclass(frozen=True)
@@ -646,9 +649,8 @@ class ShardSupervisor:
         self.state = state
         self.reason = reason
         self._log_tail = self.log.tail(self.settings.log_tail_lines) if tail else []
-        level = logging.WARNING if state is State.FAILED else logging.INFO
-        log.log(level, "shard %s (generation %d) is %s: %s", self.spec.shard_id, self.spec.generation,
-                state.value, reason)
+        log.log(_LOG_LEVELS.get(state, logging.INFO), "shard %s (generation %d) is %s: %s", self.spec.shard_id,
+                self.spec.generation, state.value, reason)
         try:
             self._on_status(self.report())
         except Exception:  # a broken listener must not leave the engine unsupervised

@@ -14,7 +14,7 @@ two replicas = two fake upstreams, round_robin), ``vllm-router`` 0.1.17
 (``--policy round_robin``, the same two upstreams), and with ``--baseline DIR`` the llmgw
 of another checkout (``git worktree add /tmp/base <commit>``) as ``llmgw-baseline``.
 The proxy under test is pinned to CPU 1; wrk and the upstreams to CPU 0 (``taskset``), as
-in ``shared/reference/python-stack.md``. All targets run at once (idle ones cost nothing)
+in ``docs/vllm-notes.md`` section 6. All targets run at once (idle ones cost nothing)
 and every round measures each scenario on each target in turn, so that whatever else the
 machine does falls on all of them alike; medians over the rounds are reported, and ratios
 are the median of round-by-round ratios. Everything listens on 127.0.0.1 with ephemeral

@@ -20,7 +20,9 @@ import sys
 
 import trio
 
-from .serve import setup_logging
+from .. import listening
+from ..logsetup import add_logging_arguments, setup_logging
+from ..usererrors import run_reporting
 
 log = logging.getLogger("llmgw.agent")
 EXIT_REFUSED = 3
@@ -43,7 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--address", default=None,
                         help="the address other machines and the router dial this node's engines at "
                              "(default: the local address that reaches the control plane)")
-    parser.add_argument("--log-level", default="info", help="debug, info, warning, error (default info)")
+    parser.add_argument("--stop-engines", action="store_true",
+                        help="stop this node's engines when the agent exits (by default they keep running, to be "
+                             "adopted by the next agent on the state dir; 'llmgw down --state-dir DIR' stops them)")
+    add_logging_arguments(parser)
     return parser
 
 
@@ -67,15 +72,17 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         labels = parse_labels(args.label)
+        if args.address is not None:  # the node's engines listen there: it must be an address of this machine
+            listening.check_bindable(args.address)
         agent = Agent(args.join, token=args.token, node_id=args.node_id or socket.gethostname(),
                       discovery=args.discovery, state_dir=args.state_dir, labels=labels, address=args.address,
                       announce=lambda line: print(line, flush=True))
-    except ValueError as exc:
+    except (ValueError, listening.CannotListen) as exc:
         print(f"llmgw agent: {exc}", file=sys.stderr)
         return 2
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     try:
-        trio.run(run, agent)
+        return run_reporting("llmgw agent", lambda: trio.run(run, agent, args.stop_engines))  # busy state dir: exit 2
     except BaseExceptionGroup as group:
         if group.subgroup(AgentRefused) is not None:
             return EXIT_REFUSED
@@ -84,16 +91,27 @@ def main(argv: list[str]) -> int:
             raise
         print(f"llmgw agent: {bad_discovery.exceptions[0]}", file=sys.stderr)
         return 2
-    return 0
 
 
-async def run(agent) -> None:
+async def run(agent, stop_engines: bool = False) -> None:
+    from ..agent.leftover import running_engines, stop_engines as stop_left_engines
+
     async with trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             await nursery.start(agent.run)
             print(f"llmgw-agent {agent.node_id} started: joining {agent.connector.url} as {agent.address}, "
                   f"state in {agent.state_dir}", flush=True)
             async for signum in signals:
-                log.info("%s: stopping the agent; its engines keep running", signal.Signals(signum).name)
+                log.debug("%s: stopping the agent", signal.Signals(signum).name)
                 break
         nursery.cancel_scope.cancel()
+    # The agent is gone (and with it the state dir's lock): no one restarts the engines from here on.
+    if stop_engines:
+        await stop_left_engines(agent.state_dir, on_stopped=lambda done: log.info("%s", done.describe()))
+    left = len(running_engines(agent.state_dir))
+    if left:
+        print(f"llmgw-agent {agent.node_id} stopped; {left} engine{'s keep' if left > 1 else ' keeps'} running for "
+              f"the next 'llmgw agent --state-dir {agent.state_dir}' to adopt; stop {'them' if left > 1 else 'it'} "
+              f"with: llmgw down --state-dir {agent.state_dir}", flush=True)
+    else:
+        print(f"llmgw-agent {agent.node_id} stopped", flush=True)

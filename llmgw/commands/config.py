@@ -1,7 +1,9 @@
 """``llmgw config check FILE...``: validate config files, print a summary or every error.
 
 A good file prints ``FILE: ok`` and a short summary (exit 0); a bad one prints
-each problem on its own line as ``FILE:LINE: KEY: message`` (exit 1).
+each problem on its own line as ``FILE:LINE: KEY: message`` (exit 1): structural
+errors and plugin errors (unknown engine or routing tier, bad ``routing_options``)
+together, in one pass.
 """
 
 from __future__ import annotations
@@ -9,8 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmgw.config import Config, ConfigError, load_config
-from llmgw.plugins_manager import check_config_plugins, default_registry
+from llmgw.config import Config, ConfigError
+from llmgw.plugins_manager import load_checked_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,8 +55,7 @@ def check(files: list[str]) -> int:
     failed = False
     for filename in files:
         try:
-            config = load_config(filename)
-            check_config_plugins(config, default_registry())
+            config = load_checked_config(filename)
         except ConfigError as exc:
             failed = True
             for issue in exc.errors:

@@ -20,8 +20,9 @@ from typing import Any
 
 from llmgw import wire
 from llmgw.agent.discovery import DiscoveryError, FixtureProvider, load_fixture
-from llmgw.config import ConfigError, load_config
+from llmgw.config import ConfigError
 from llmgw.control.placement import NodeView, PlanResult, ReplicaPlacement, ShardPlacement, plan_all, replica_ids
+from llmgw.plugins_manager import load_checked_config
 
 EXIT_PLACED = 0
 EXIT_USAGE = 2
@@ -182,7 +183,7 @@ def main(argv: list[str]) -> int:
     except SystemExit as exc:  # --help (0) or a usage error (2)
         return int(exc.code or 0)
     try:
-        config = load_config(args.config)
+        config = load_checked_config(args.config)
     except ConfigError as exc:
         for issue in exc.errors:
             print(issue, file=sys.stderr)

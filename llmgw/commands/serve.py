@@ -20,7 +20,10 @@ import tempfile
 
 import trio
 
-from ..config import ConfigError, HostPort, load_config, parse_config
+from ..config import ConfigError, HostPort, parse_config
+from ..logsetup import add_logging_arguments, setup_logging
+from ..plugins_manager import load_checked_config
+from ..usererrors import run_reporting
 
 log = logging.getLogger("llmgw.serve")
 DEMO_MODEL = "tiny"
@@ -32,13 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--listen", help="HOST:PORT of the OpenAI endpoint (overrides the config)")
     parser.add_argument("--control-listen", help="HOST:PORT of /health, /metrics, /admin (overrides the config)")
     parser.add_argument("--demo-replicas", type=int, default=2, help="simulator replicas the demo starts (default 2)")
-    parser.add_argument("--log-level", default=None, help="debug, info, warning, error (default: config or info)")
+    parser.add_argument("--stop-engines", action="store_true",
+                        help="stop the embedded agent's engines at exit (by default they keep running, to be adopted "
+                             "by the next start; 'llmgw down --config FILE' stops them later)")
+    add_logging_arguments(parser, default_level=None, default_format=None, source="the config's, else info/text")
     return parser
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def demo_config_text(replicas: int, state_dir: str) -> str:
@@ -69,34 +70,38 @@ def main(argv: list[str]) -> int:
     try:
         listen = HostPort.parse(args.listen) if args.listen else None
         control_listen = HostPort.parse(args.control_listen) if args.control_listen else None
-        config = load_config(args.config) if args.config else None
+        config = load_checked_config(args.config) if args.config else None
     except (ConfigError, ValueError) as exc:
         print(f"llmgw serve: {exc}", file=sys.stderr)
         return 2
-    setup_logging(args.log_level or (config.log_level if config else "info"))
+    setup_logging(args.log_level or (config.log_level if config else "info"),
+                  args.log_format or (config.log_format if config else "text"))
     try:
-        trio.run(serve, config, listen, control_listen, args.demo_replicas)
+        return run_reporting("llmgw serve", lambda: trio.run(serve, config, listen, control_listen,
+                                                             args.demo_replicas, args.stop_engines))
     except ConfigError as exc:
         print(f"llmgw serve: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
-async def serve(config, listen, control_listen, demo_replicas: int = 2) -> None:
+async def serve(config, listen, control_listen, demo_replicas: int = 2, stop_engines: bool = False) -> None:
     if config is not None:
-        await _serve(config, listen, control_listen)
+        gateway = await _serve(config, listen, control_listen, stop_engines=stop_engines)
+        _say_what_keeps_running(gateway)
         return
     with tempfile.TemporaryDirectory(prefix="llmgw-demo-") as state_dir:
         text = demo_config_text(demo_replicas, state_dir)
-        log.info("demo mode:\n%s", text)
+        log.info("demo: %d simulated engines of model %r on an embedded agent (state in %s)", demo_replicas,
+                 DEMO_MODEL, state_dir)
+        log.debug("the demo's config:\n%s", text)
         await _serve(parse_config(text, filename="<demo>"), listen, control_listen, demo_replicas=demo_replicas)
 
 
-async def _serve(config, listen, control_listen, demo_replicas: int | None = None) -> None:
+async def _serve(config, listen, control_listen, demo_replicas: int | None = None, stop_engines: bool = False):
     from ..app import Gateway
 
     demo = demo_replicas is not None
-    gateway = Gateway(config, embedded_discovery="cpu" if demo else "auto", stop_engines_on_exit=demo)
+    gateway = Gateway(config, embedded_discovery="cpu" if demo else "auto", stop_engines_on_exit=demo or stop_engines)
     async with trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
             addresses = await nursery.start(gateway.run, listen and (listen.host, listen.port),
@@ -123,6 +128,20 @@ async def _serve(config, listen, control_listen, demo_replicas: int | None = Non
         if gateway.stop_engines_on_exit:  # stopping at once: the demo still leaves no engine behind
             await gateway.stop_embedded_shards()
         nursery.cancel_scope.cancel()
+    return gateway
+
+
+def _say_what_keeps_running(gateway) -> None:
+    """At exit: the embedded agent's engines that keep running (for the next start to adopt), and how to stop them."""
+    from ..agent.leftover import running_engines
+
+    if gateway.embedded_agent is None:
+        return
+    left = len(running_engines(gateway.embedded_agent.state_dir))
+    if left:
+        print(f"llmgw serve stopped; {left} engine{'s keep' if left > 1 else ' keeps'} running for the next "
+              f"'llmgw serve --config {gateway.config.source}' to adopt; stop "
+              f"{'them' if left > 1 else 'it'} with: llmgw down --config {gateway.config.source}", flush=True)
 
 
 async def _wait_for_replicas(gateway, count: int, timeout: float = 30.0) -> None:

@@ -33,10 +33,15 @@ class ConfigIssue:
 
 
 class ConfigError(Exception):
-    """A config file is invalid; ``errors`` lists every problem found, in file order."""
+    """A config file is invalid; ``errors`` lists every problem found, in file order.
 
-    def __init__(self, errors: list[ConfigIssue]):
-        self.errors = sorted(errors, key=lambda issue: issue.line)
+    ``objects`` are the config objects (models, profiles...) that could still be read, so that a later
+    stage (the plugin checks) can report its problems in the same pass.
+    """
+
+    def __init__(self, errors: list[ConfigIssue], objects: tuple = ()):
+        self.errors = sorted(dict.fromkeys(errors), key=lambda issue: issue.line)
+        self.objects = tuple(objects)
         super().__init__("\n".join(map(str, self.errors)))
 
 

@@ -36,5 +36,5 @@ def parse_config(text: str, filename: str = "<string>", *, env: Mapping[str, str
     config = reader.read_document(Config, root)
     issues += reader.issues
     if issues:
-        raise ConfigError(issues)
+        raise ConfigError(issues, reader.built)
     return config

@@ -95,6 +95,7 @@ class Reader:
         self.filename = filename
         self.env = env
         self.issues: list[ConfigIssue] = []
+        self.built: list[Any] = []  # every config object read, also those inside invalid lists (for later checks)
         self._yaml = yaml.SafeLoader("")  # used only to resolve and construct scalars
         self._scalars: dict[int, _Resolved | Any] = {}
 
@@ -135,7 +136,9 @@ class Reader:
         finish = getattr(cls, "_finish", None)
         if finish is not None:
             finish(draft)
-        return cls(**draft.values, _where=where)
+        built = cls(**draft.values, _where=where)
+        self.built.append(built)
+        return built
 
     def _report_unknown_keys(self, node: Mapping, fields: dict[str, Field], key: str) -> None:
         for name, entry in node.entries.items():

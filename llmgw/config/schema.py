@@ -35,6 +35,7 @@ ProfileName = Annotated[str, matches(r"[A-Za-z0-9][A-Za-z0-9_.-]*",
                                      "a name of letters, digits, '_', '.' and '-' (not starting with a symbol)")]
 EnvName = Annotated[str, matches(r"[A-Za-z_][A-Za-z0-9_]*", "a valid environment variable name")]
 LogLevel = Annotated[str, one_of("debug", "info", "warning", "error", "critical")]
+LogFormat = Annotated[str, one_of("text", "json")]
 
 
 @config_class
@@ -235,6 +236,7 @@ class Config(Located):
     metrics: MetricsConfig = setting(factory=MetricsConfig)
     log_level: LogLevel = setting("info")
     access_log: bool = setting(False)  # one line per relayed request on the "llmgw.access" logger
+    log_format: LogFormat = setting("text")
 
     def model_names(self) -> list[str]:
         """Names clients may ask for: every model under ``models``, then every deployed profile's served name."""

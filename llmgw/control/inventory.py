@@ -65,6 +65,7 @@ class Inventory:
         self._on_change = on_change or (lambda: None)
         self._metrics = metrics
         self._serial = 0
+        self.closing = False  # the gateway is stopping: sessions that end now are no news
 
     # -- sessions ------------------------------------------------------------------------------------------------
 
@@ -114,7 +115,8 @@ class Inventory:
 
     def _set_state(self, node: NodeRecord, state: NodeState, reason: str) -> None:
         if node.state is not state or not node.state_reason:
-            level = logging.WARNING if state is not NodeState.CONNECTED else logging.INFO
+            # The agent service logs each registration and session end; warn only about what goes wrong.
+            level = logging.DEBUG if state is NodeState.CONNECTED or self.closing else logging.WARNING
             log.log(level, "node %s is %s: %s", node.node_id, state.value, reason)
         node.state = state
         node.state_reason = reason
@@ -127,8 +129,8 @@ class Inventory:
         node = self.nodes[node_id]
         before = node.shards.get(report.shard_id)
         node.shards[report.shard_id] = report
-        if before is None or before.state is not report.state:
-            log.info("shard %s on %s is %s%s", report.shard_id, node_id, report.state.value,
+        if before is None or before.state is not report.state:  # the agent that runs it logs it (once)
+            log.debug("shard %s on %s is %s%s", report.shard_id, node_id, report.state.value,
                      f": {report.reason}" if report.reason else "")
         self._changed()
 

@@ -121,7 +121,9 @@ class ControlPlane:
                 self.metrics.placement_failures.inc()
             log.warning("%s", action.describe())
             return
-        log.info("%s", action.describe())
+        # A StartShard carries out the Place or Adopt just logged; the agent logs the engine it spawns.
+        starts = isinstance(action, Command) and isinstance(action.message, wire.StartShard)
+        log.log(logging.DEBUG if starts else logging.INFO, "%s", action.describe())
         if isinstance(action, Command):
             node = self.inventory.nodes.get(action.node_id)
             if node is None or node.session is None or not node.session.post(action.message):

@@ -1,6 +1,6 @@
 """vLLM KV-event payloads and ZMQ frames: decode every release's layout, encode any of them byte-exactly.
 
-Payload (``shared/reference/vllm-kv-events.md`` section 2): a msgpack array
+Payload (``docs/vllm-notes.md`` section 2): a msgpack array
 ``[ts, events]`` (0.9.0) or ``[ts, events, dp_rank]`` (0.9.1+). Events are
 arrays ``[tag, field1, ...]`` with every declared field present up to 0.23,
 and maps ``{"type": tag, ...}`` omitting None optional fields from 0.24.

@@ -3,8 +3,8 @@
 Field names and order are vLLM's (``vllm/distributed/kv_events.py``); fields a
 release did not have are None. Hashes stay exactly as they came off the wire
 (unsigned int, signed int or raw digest bytes): normalise them with
-:func:`llmgw.kv.keys.normalize_hash`. Semantics: ``shared/reference/vllm-kv-events.md``
-section 4.
+:func:`llmgw.kv.keys.normalize_hash`. Semantics: ``docs/vllm-notes.md``
+section 3.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ vLLM (0.10.2+) hashes a request's tokens block by block::
 
 where ``H`` is a serialiser (canonical CBOR or pickle protocol 5) followed by a
 digest (SHA-256 or XXH3-128), and KV events carry the low 64 bits of ``h_i``.
-See ``shared/reference/vllm-kv-events.md`` section 3 and ``docs/kv.md``.
+See ``docs/kv.md`` and ``docs/vllm-notes.md`` section 4.
 
 Two :class:`BlockKeyFunction` implementations turn token ids into one unsigned
 64-bit key per full block:

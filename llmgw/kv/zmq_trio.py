@@ -1,6 +1,6 @@
 """pyzmq sockets under Trio: wait on ``ZMQ_FD``, trust ``ZMQ_EVENTS``, drain until ``zmq.Again``.
 
-Rules (see shared/reference/python-stack.md, section 1): one task owns a socket
+Rules (see docs/vllm-notes.md, "pyzmq under Trio"): one task owns a socket
 (POLLIN and POLLOUT share one FD, and Trio allows one waiter per FD); always
 check ``EVENTS`` before sleeping on the edge-triggered FD; call
 :func:`close` (which notifies Trio first) instead of ``socket.close``.

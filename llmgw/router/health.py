@@ -42,7 +42,8 @@ class HealthTracker:
         if replica.state is state:
             replica.reason = reason
             return
-        level = logging.WARNING if state is ReplicaState.DOWN else logging.INFO
+        first_up = replica.state is ReplicaState.UNKNOWN and state is ReplicaState.UP  # expected: no news
+        level = logging.WARNING if state is ReplicaState.DOWN else logging.DEBUG if first_up else logging.INFO
         log.log(level, "replica %s (%s) is now %s: %s", replica.name, replica.url, state.value, reason)
         replica.state = state
         replica.reason = reason

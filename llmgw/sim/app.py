@@ -19,6 +19,7 @@ import trio
 import zmq
 
 from llmgw.http.server import serve_http
+from llmgw.listening import host_port, listening_on
 
 from .api import SimApi
 from .blockhash import BlockHashing, event_hash_converter, none_hash_seed
@@ -113,10 +114,12 @@ class Simulator:
                         replay_endpoint=config.replay_endpoint, layout=config.event_layout,
                         fields=config.event_fields, drop=drop,
                         advertise_host=advertised_host(config.host, self.environ))
-                    self.endpoints = await nursery.start(self.publisher.serve, self._events_out)
+                    with listening_on(" and ".join(filter(None, (config.pub_endpoint, config.replay_endpoint)))):
+                        self.endpoints = await nursery.start(self.publisher.serve, self._events_out)
                 nursery.start_soon(self.engine.run)
-                host, port = await nursery.start(functools.partial(serve_http, SimApi(self).handle,
-                                                                   config.host, config.port))
+                with listening_on(host_port(config.host, config.port)):
+                    host, port = await nursery.start(functools.partial(serve_http, SimApi(self).handle,
+                                                                       config.host, config.port))
                 self.addresses = SimAddresses(
                     host, port, self.endpoints.pub if self.endpoints else None,
                     self.endpoints.replay if self.endpoints else None)

@@ -17,6 +17,8 @@ import sys
 
 import trio
 
+from ..logsetup import add_logging_arguments, setup_logging
+from ..usererrors import run_reporting
 from .config import ConfigError, KVEventsConfig, SimConfig, parse_lora_modules
 
 log = logging.getLogger("llmgw.sim")
@@ -102,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--suppress-events", default="", metavar="TYPES",
                      help="test switch: comma list of event types never published (BlockStored, BlockRemoved, "
                           "AllBlocksCleared), as an engine that misses events: no sequence gap reveals it")
-    sim.add_argument("--log-level", default="INFO")
+    add_logging_arguments(sim)
     return p
 
 
@@ -187,8 +189,7 @@ def main(argv: list[str]) -> int:
     kept, ignored = _strip_ignored(list(argv))
     parser = build_parser()
     args = parser.parse_args(kept)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     if ignored:
         log.info("ignoring vLLM flags that do not apply to the simulator: %s", " ".join(ignored))
     try:
@@ -197,7 +198,6 @@ def main(argv: list[str]) -> int:
         print(f"llmgw sim: {exc}", file=sys.stderr)
         return 2
     try:
-        trio.run(serve, config)
+        return run_reporting("llmgw sim", lambda: trio.run(serve, config))
     except KeyboardInterrupt:
-        pass
-    return 0
+        return 0

@@ -4,11 +4,11 @@ One function turns a completion prompt into ids and one turns chat messages into
 ids; ``/tokenize`` and generation both call them, so the ids a router gets from
 ``/tokenize`` are exactly the prompt the engine caches and hashes.
 
-Ids follow the tiny Llama of ``reference/vllm-cpu-recipe.sh`` for the special
+Ids follow the tiny Llama of the vLLM CPU tests (``docs/vllm-notes.md`` section 5) for the special
 tokens (``<unk>``=0, ``<s>``=1, ``</s>``=2, ``<|user|>``=3, ``<|assistant|>``=4,
 ``<|system|>``=5, ``<|end|>``=6); every byte ``b`` of UTF-8 text is the id
 ``BYTE_OFFSET + b``. Special-token strings inside text become their single id,
-as with a Hugging Face tokenizer. The chat template is the recipe's:
+as with a Hugging Face tokenizer. The chat template is that model's:
 ``<|role|>content<|end|>\\n`` per message, then ``<|assistant|>`` when a
 generation prompt is asked for.
 """
@@ -49,7 +49,7 @@ _TOKEN_STRS = list(SPECIAL_TOKENS) + [f"<reserved_{i}>" for i in range(len(SPECI
 
 
 def encode(text: str, *, add_special_tokens: bool) -> list[int]:
-    """Token ids of ``text``; ``add_special_tokens`` prepends BOS like the recipe's post-processor."""
+    """Token ids of ``text``; ``add_special_tokens`` prepends BOS like the tiny model's post-processor."""
     ids = [BOS_ID] if add_special_tokens else []
     if "<" not in text:  # fast path: no special token can occur
         ids.extend(map(_byte_to_id, text.encode("utf-8")))
@@ -123,7 +123,7 @@ def message_text(message: Any) -> tuple[str, str]:
 
 def render_chat(messages: Any, *, add_generation_prompt: bool = True,
                 continue_final_message: bool = False) -> str:
-    """The chat template applied to ``messages`` (the recipe's tiny-model template)."""
+    """The chat template applied to ``messages`` (the tiny test model's template)."""
     if add_generation_prompt and continue_final_message:
         raise TokenizerError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
     if not isinstance(messages, list) or not messages:

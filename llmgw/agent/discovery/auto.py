@@ -14,6 +14,7 @@ from .nvml import NvmlProvider, load_pynvml
 from .provider import HostSource, NvmlUnavailable
 
 log = logging.getLogger(__name__)
+_reasons_told: set[str] = set()  # discovery runs on every (re)connect: say why there are no GPUs once per process
 
 
 class AutoProvider:
@@ -31,5 +32,7 @@ class AutoProvider:
             nvml = self.nvml if self.nvml is not None else load_pynvml()
             return NvmlProvider(nvml=nvml, host=self.host).discover(**arguments)
         except NvmlUnavailable as exc:
-            log.info("no NVIDIA GPUs discovered (%s): describing a CPU-only node", exc)
+            level = logging.DEBUG if str(exc) in _reasons_told else logging.INFO
+            _reasons_told.add(str(exc))
+            log.log(level, "no NVIDIA GPUs discovered (%s): describing a CPU-only node", exc)
         return CpuProvider(self.host).discover(**arguments)

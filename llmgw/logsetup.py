@@ -1,0 +1,55 @@
+"""Logging for the long-running commands (``serve``, ``agent``, ``sim``): validated levels, text or JSON lines.
+
+``text`` is ``TIME LEVEL LOGGER: message``; ``json`` is one object per line
+(``ts``, ``level``, ``logger``, ``message``, and ``exc`` with the traceback
+when there is one) for log shippers. Both go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+LEVELS = ("debug", "info", "warning", "error", "critical")
+FORMATS = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def level_name(text: str) -> str:
+    """argparse ``type``: level names in any case (``INFO`` as vLLM spells it), checked against :data:`LEVELS`."""
+    return text.lower()
+
+
+def add_logging_arguments(parser: argparse.ArgumentParser, *, default_level: str | None = "info",
+                          default_format: str | None = "text", source: str = "") -> None:
+    """``--log-level`` and ``--log-format``; ``source`` names where the default comes from when it is None."""
+    parser.add_argument("--log-level", type=level_name, choices=LEVELS, default=default_level,
+                        help=f"{', '.join(LEVELS)} (default: {source or default_level})")
+    parser.add_argument("--log-format", choices=FORMATS, default=default_format,
+                        help=f"text, or json: one object per line (default: {source or default_format})")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: ``ts`` (UTC, ISO 8601 with milliseconds), ``level``, ``logger``, ``message``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        entry = {"ts": f"{stamp}.{int(record.msecs):03d}Z", "level": record.levelname.lower(),
+                 "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def setup_logging(level: str = "info", fmt: str = "text") -> None:
+    """Configure the root logger once for this process (a second call replaces the handler)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(getattr(logging, level.upper()))
