@@ -105,3 +105,25 @@ async def test_abort_frees_and_wakes(autojump_clock):
         await seq.wait_finished()
         assert seq.finish_reason == "abort" and engine.cache.usage == 0.0
         nursery.cancel_scope.cancel()
+
+
+async def test_a_request_whose_step_raises_fails_alone_and_the_engine_keeps_running(autojump_clock):
+    """A salt CBOR cannot encode (a lone surrogate) raises while block 0 is hashed, inside the engine loop."""
+    engine = make_engine()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.run)
+        neighbour = request(40, 30, rid="neighbour")
+        engine.submit(neighbour)
+        await neighbour.wait_for_tokens(1)
+        poison = Sequence("poison", list(range(20, 30)), list(range(50, 60)),
+                          hashes=BlockHashing(16, "sha256_cbor", "0", event_int).for_request(cache_salt="\ud800"))
+        engine.submit(poison)  # 10 prompt tokens: block 0 is hashed when decoding fills it, in a step
+        await poison.wait_finished()
+        assert poison.finish_reason == "error" and "UnicodeEncodeError" in poison.error
+        assert engine.scheduler.stats.failed == 1
+        assert poison not in engine.scheduler.running and not poison.blocks
+        await neighbour.wait_finished()
+        assert neighbour.finish_reason == "length" and len(neighbour.output_ids) == 30
+        _, _ = await run_one(engine, request(50, 3, rid="after"))  # the loop still runs
+        assert engine.cache.usage == 0.0
+        nursery.cancel_scope.cancel()
