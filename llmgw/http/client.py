@@ -8,9 +8,19 @@ only when its response was read to the end and both sides allow keep-alive;
 :meth:`UpstreamResponse.aclose` closes it otherwise, which is how a cancelled
 client request cancels the upstream request.
 
-Errors are :class:`UpstreamError` with a ``kind`` (``connect``, ``timeout``,
-``protocol``, ``closed``) and ``before_head``: whether the upstream can have
-seen none of the request's effects (it never got a response head from us).
+Errors are :class:`UpstreamError` with a ``kind`` and ``before_head`` (no
+response head had arrived). The kinds say how far the request got, which is
+what decides whether the request itself may have caused the failure:
+
+- ``connect``: no connection (refused, unreachable, too slow to connect);
+- ``closed_before_request``: the connection failed on the first write, before
+  the upstream accepted any byte of the request;
+- ``closed_after_request``: the upstream took (some of) the request, then
+  closed or reset the connection without a response head;
+- ``timeout``: no response head within ``first_byte_timeout``, or silence
+  mid-body past ``idle_timeout``;
+- ``protocol``: a malformed response;
+- ``closed``: the connection dropped mid-body, after the head.
 
 Like :mod:`llmgw.http.server`, the hot path uses plain non-blocking sockets
 with ``trio.lowlevel.wait_readable`` and :mod:`llmgw.http.deadlines` watches
@@ -34,6 +44,7 @@ from .deadlines import Watch
 READ_SIZE = 65536
 INLINE_SEND = 65536  # request bodies below this are sent in the same write as the head
 YIELD_EVERY = 8  # pieces read without waiting before a stream gives other tasks a turn
+_STALE_KINDS = frozenset({"closed_before_request", "closed_after_request"})  # what an idle-closed connection gives
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
     b"transfer-encoding", b"upgrade", b"content-length", b"host",
@@ -124,26 +135,37 @@ class _Connection:
             except OSError as exc:
                 raise UpstreamError("closed", f"upstream connection broke: {exc}", before_head=before_head) from None
 
-    async def send_all(self, data, timeout: float) -> None:
+    async def send_all(self, data, timeout: float, *, first: bool) -> None:
+        """Send ``data``; ``first``: it starts the request (a failure before any byte went out says the
+        connection was dead before the upstream could see anything of the request)."""
         sock = self.sock
         try:
             sent = sock.send(data)
         except BlockingIOError:
             sent = 0
         except OSError as exc:
-            raise UpstreamError("closed", f"could not send to upstream: {exc}") from None
+            raise _send_error(exc, untouched=first) from None
         if sent == len(data):
             return
         view = memoryview(data)[sent:]
+        untouched = first and sent == 0
         while view:
             await self._wait(trio.lowlevel.wait_writable, timeout,
                              f"upstream did not take the request within {timeout:g}s", before_head=True)
             try:
                 view = view[sock.send(view):]
+                untouched = False
             except BlockingIOError:
                 continue
             except OSError as exc:
-                raise UpstreamError("closed", f"could not send to upstream: {exc}") from None
+                raise _send_error(exc, untouched=untouched) from None
+
+
+def _send_error(exc: OSError, *, untouched: bool) -> UpstreamError:
+    if untouched:
+        return UpstreamError("closed_before_request", f"upstream connection was closed before it took any byte of "
+                                                      f"the request: {exc}")
+    return UpstreamError("closed_after_request", f"upstream connection broke while the request was being sent: {exc}")
 
 
 class UpstreamResponse:
@@ -273,19 +295,30 @@ class UpstreamPool:
         """Send a request and wait for the response head.
 
         A pooled connection that turns out to be closed by the upstream before
-        any response byte is retried once on a fresh connection.
+        any response byte is retried once on a fresh connection (the upstream
+        may have closed it as idle while the request was on its way). When
+        the request had reached the upstream, a failure of that second try
+        (the upstream is gone) is reported as the first failure: the request
+        may have caused both.
         """
         head = self._encode_head(method, target, headers, len(body))
         if len(body) < INLINE_SEND:
             head, body = head + body, b""
+        first_error: UpstreamError | None = None
         for attempt in (0, 1):
-            conn = await self._acquire()
+            try:
+                conn = await self._acquire()
+            except UpstreamError:
+                if first_error is not None and first_error.kind == "closed_after_request":
+                    raise first_error from None
+                raise
             reused = conn.uses > 0
             try:
                 return await self._exchange(conn, method, head, body, first_byte_timeout, idle_timeout)
             except UpstreamError as exc:
                 self._discard_now(conn)
-                if reused and exc.kind == "closed" and attempt == 0:
+                if reused and exc.kind in _STALE_KINDS and attempt == 0:
+                    first_error = exc
                     continue
                 raise
             except BaseException:
@@ -296,9 +329,9 @@ class UpstreamPool:
     async def _exchange(self, conn: _Connection, method: str, head: bytes, body: bytes,
                         first_byte_timeout: float, idle_timeout: float) -> UpstreamResponse:
         conn.uses += 1
-        await conn.send_all(head, first_byte_timeout)
+        await conn.send_all(head, first_byte_timeout, first=True)
         if body:
-            await conn.send_all(body, first_byte_timeout)
+            await conn.send_all(body, first_byte_timeout, first=False)
         parser = conn.parser
         if parser is None:
             parser = conn.parser = _ResponseParser()
@@ -307,9 +340,15 @@ class UpstreamPool:
         feed = parser.parser.feed_data
         message = f"no response head from upstream within {first_byte_timeout:g}s"
         while not parser.head_done:
-            data = await conn.receive(first_byte_timeout, message, before_head=True)
+            try:
+                data = await conn.receive(first_byte_timeout, message, before_head=True)
+            except UpstreamError as exc:
+                if exc.kind == "closed":
+                    raise UpstreamError("closed_after_request", f"after taking the request, {exc}") from None
+                raise
             if not data:
-                raise UpstreamError("closed", "upstream closed the connection without answering")
+                raise UpstreamError("closed_after_request", "upstream closed the connection after taking the "
+                                                            "request, without answering")
             try:
                 feed(data)
             except httptools.HttpParserError as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import socket
+import struct
 
 import httptools
 import pytest
@@ -225,8 +226,56 @@ async def test_a_fresh_connection_closed_without_an_answer_is_an_error_not_a_ret
     pool = UpstreamPool("127.0.0.1", up.port)
     with trio.fail_after(5), pytest.raises(UpstreamError) as info:
         await call(pool)
-    assert info.value.kind == "closed" and info.value.before_head
+    assert info.value.kind == "closed_after_request" and info.value.before_head
     assert up.connections == 1
+
+
+async def test_a_stale_retry_that_finds_the_upstream_gone_reports_the_close_after_the_request(nursery):
+    """The upstream read the request, closed, and is gone: maybe the request killed it. Not a connect error."""
+    scope = trio.CancelScope()
+
+    async def answer_then_vanish(up, stream, n):
+        if n == 1:
+            await stream.send_all(answer())
+            return None
+        scope.cancel()  # listener and connection close: the process "died" on request 2
+        return "close"
+
+    up = Upstream(answer_then_vanish)
+
+    async def serve(task_status):
+        with scope:
+            await trio.serve_tcp(up.handle, 0, host="127.0.0.1", task_status=task_status)
+
+    up.port = (await nursery.start(serve))[0].socket.getsockname()[1]
+    pool = UpstreamPool("127.0.0.1", up.port)
+    with trio.fail_after(5):
+        assert await (await call(pool)).read() == OK_BODY
+        with pytest.raises(UpstreamError) as info:
+            await call(pool)
+    assert info.value.kind == "closed_after_request"
+    assert len(up.requests) == 2
+
+
+async def test_a_connection_reset_before_the_first_byte_is_closed_before_request():
+    """The first write fails: the upstream cannot have seen any of the request."""
+    from llmgw.http.client import _Connection
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        client = socket.create_connection(listener.getsockname())
+        peer, _ = listener.accept()
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        peer.close()  # linger 0: a reset, not a FIN
+        client.setblocking(False)
+        conn = _Connection(client)
+        with trio.fail_after(5):
+            await trio.lowlevel.wait_readable(client)  # the reset has arrived
+            with pytest.raises(UpstreamError) as info:
+                await conn.send_all(b"POST / HTTP/1.1\r\n\r\n", 1.0, first=True)
+        conn.close()
+    assert info.value.kind == "closed_before_request"
 
 
 # -- errors and timeouts -----------------------------------------------------------------------------------------------
