@@ -44,7 +44,6 @@ from .deadlines import Watch
 READ_SIZE = 65536
 INLINE_SEND = 65536  # request bodies below this are sent in the same write as the head
 YIELD_EVERY = 8  # pieces read without waiting before a stream gives other tasks a turn
-_STALE_KINDS = frozenset({"closed_before_request", "closed_after_request"})  # what an idle-closed connection gives
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
     b"transfer-encoding", b"upgrade", b"content-length", b"host",
@@ -159,6 +158,18 @@ class _Connection:
                 continue
             except OSError as exc:
                 raise _send_error(exc, untouched=untouched) from None
+
+
+def _still_open(sock: socket.socket) -> bool:
+    """An idle connection has nothing to read: anything readable (an end, a reset, stray bytes) means the upstream
+    closed it or died meanwhile, which must not pass for a close after our next request (one non-blocking peek)."""
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return True
+    except OSError:
+        pass
+    return False
 
 
 def _send_error(exc: OSError, *, untouched: bool) -> UpstreamError:
@@ -294,31 +305,22 @@ class UpstreamPool:
                       first_byte_timeout: float, idle_timeout: float) -> UpstreamResponse:
         """Send a request and wait for the response head.
 
-        A pooled connection that turns out to be closed by the upstream before
-        any response byte is retried once on a fresh connection (the upstream
-        may have closed it as idle while the request was on its way). When
-        the request had reached the upstream, a failure of that second try
-        (the upstream is gone) is reported as the first failure: the request
-        may have caused both.
+        An idle connection the upstream closed meanwhile is never used (see
+        :func:`_still_open`); a pooled connection that fails on the first
+        write is retried once on a fresh one. A request the upstream took is
+        never sent again: a close after it may be the request's own doing.
         """
         head = self._encode_head(method, target, headers, len(body))
         if len(body) < INLINE_SEND:
             head, body = head + body, b""
-        first_error: UpstreamError | None = None
         for attempt in (0, 1):
-            try:
-                conn = await self._acquire()
-            except UpstreamError:
-                if first_error is not None and first_error.kind == "closed_after_request":
-                    raise first_error from None
-                raise
+            conn = await self._acquire()
             reused = conn.uses > 0
             try:
                 return await self._exchange(conn, method, head, body, first_byte_timeout, idle_timeout)
             except UpstreamError as exc:
                 self._discard_now(conn)
-                if reused and exc.kind in _STALE_KINDS and attempt == 0:
-                    first_error = exc
+                if reused and exc.kind == "closed_before_request" and attempt == 0:
                     continue
                 raise
             except BaseException:
@@ -372,7 +374,7 @@ class UpstreamPool:
             now = time.monotonic()
             while idle:
                 conn = idle.pop()
-                if now - conn.idle_since < self.idle_expiry and conn.sock.fileno() >= 0:
+                if now - conn.idle_since < self.idle_expiry and conn.sock.fileno() >= 0 and _still_open(conn.sock):
                     return conn
                 self._discard_now(conn)
         try:

@@ -204,7 +204,7 @@ async def test_cancelling_a_request_closes_its_upstream_connection(upstream):
     assert pool.open_connections == 0
 
 
-async def test_a_pooled_connection_the_upstream_closed_is_retried_once_on_a_fresh_one(upstream):
+async def test_a_pooled_connection_the_upstream_closed_is_not_reused(upstream):
     async def answer_then_close(up, stream, n):
         await stream.send_all(answer())  # keep-alive as far as the client knows...
         return "close"  # ...but the upstream closes it (as idle servers do)
@@ -214,7 +214,7 @@ async def test_a_pooled_connection_the_upstream_closed_is_retried_once_on_a_fres
     with trio.fail_after(5):
         assert await (await call(pool)).read() == OK_BODY
         await trio.sleep(0.05)
-        assert await (await call(pool)).read() == OK_BODY  # no error: retried on a new connection
+        assert await (await call(pool)).read() == OK_BODY  # no error: the closed one was seen and dropped
     assert up.connections == 2 and len(up.requests) == 2
 
 
@@ -230,31 +230,22 @@ async def test_a_fresh_connection_closed_without_an_answer_is_an_error_not_a_ret
     assert up.connections == 1
 
 
-async def test_a_stale_retry_that_finds_the_upstream_gone_reports_the_close_after_the_request(nursery):
-    """The upstream read the request, closed, and is gone: maybe the request killed it. Not a connect error."""
-    scope = trio.CancelScope()
-
-    async def answer_then_vanish(up, stream, n):
+async def test_a_request_the_upstream_took_is_never_sent_again(upstream):
+    """The upstream read request 2 and closed: maybe the request made it fail. The pool does not resend it."""
+    async def answer_then_close_on_the_next(up, stream, n):
         if n == 1:
             await stream.send_all(answer())
             return None
-        scope.cancel()  # listener and connection close: the process "died" on request 2
         return "close"
 
-    up = Upstream(answer_then_vanish)
-
-    async def serve(task_status):
-        with scope:
-            await trio.serve_tcp(up.handle, 0, host="127.0.0.1", task_status=task_status)
-
-    up.port = (await nursery.start(serve))[0].socket.getsockname()[1]
+    up = await upstream(answer_then_close_on_the_next)
     pool = UpstreamPool("127.0.0.1", up.port)
     with trio.fail_after(5):
         assert await (await call(pool)).read() == OK_BODY
         with pytest.raises(UpstreamError) as info:
             await call(pool)
     assert info.value.kind == "closed_after_request"
-    assert len(up.requests) == 2
+    assert len(up.requests) == 2 and up.connections == 1
 
 
 async def test_a_connection_reset_before_the_first_byte_is_closed_before_request():
