@@ -89,9 +89,13 @@ class DataPlane:
         if request.method == "POST" and path.startswith("/v1/") and (not self._api_keys or self._authorized(request)):
             return await self._proxy(request)  # sets x-request-id on every answer
         response = self._answer_locally(request, path)
-        response.headers.append((b"x-request-id", (request.header("x-request-id") or self._ids.next()).encode(
-            "latin-1")))
+        response.headers += self.error_headers(request)
         return response
+
+    def error_headers(self, request: Request | None) -> list[tuple[bytes, bytes]]:
+        """``x-request-id`` for an answer made without an upstream: the client's, or a new one."""
+        given = request.header("x-request-id") if request is not None else None
+        return [(b"x-request-id", (given or self._ids.next()).encode("latin-1"))]
 
     def _answer_locally(self, request: Request, path: str) -> Response:
         if not path.startswith("/v1/"):

@@ -163,7 +163,7 @@ async def _all_up(gw) -> bool:
 
 async def test_gateway_made_answers_carry_a_request_id(start_fake_upstream, start_llmgw):
     a = await start_fake_upstream("a")
-    gw = await start_llmgw(fake_config(("a", a.url)) + "api_keys:\n  - key: sk-1\n")
+    gw = await start_llmgw(fake_config(("a", a.url)) + "api_keys:\n  - key: sk-1\nlimits:\n  max_body_bytes: 64KiB\n")
     auth = {"Authorization": "Bearer sk-1"}
     async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
         answers = [
@@ -175,9 +175,13 @@ async def test_gateway_made_answers_carry_a_request_id(start_fake_upstream, star
             await client.get("/v1/nothing", headers=auth),
             await client.get("/v1/models", headers=auth),
             await client.get("/health"),
+            await client.post(CHAT, content=b"x" * 70_000, headers=auth),  # refused by the HTTP server itself
         ]
+        # Whatever the answer to JSON nested beyond the parser (another layer's limit), it has an id too.
+        deep = await client.post(CHAT, content=b'{"model":' + b"[" * 20_000 + b"]" * 20_000 + b"}", headers=auth)
+        assert deep.headers["x-request-id"]
         echoed = await client.post(CHAT, json={"model": "nope"}, headers={**auth, "x-request-id": "mine-7"})
-    assert [r.status_code for r in answers] == [404, 400, 400, 401, 405, 404, 200, 200]
+    assert [r.status_code for r in answers] == [404, 400, 400, 401, 405, 404, 200, 200, 413]
     ids = [r.headers.get("x-request-id") for r in answers]
     assert all(ids) and len(set(ids)) == len(ids), ids
     assert echoed.headers["x-request-id"] == "mine-7"
