@@ -110,10 +110,6 @@ class Metrics:
         self.upstream_errors = CachedLabels(Counter(
             "llmgw_upstream_errors", "Failed attempts towards a replica, by kind "
             "(connect, timeout, closed, protocol, status_5xx).", ["replica", "kind"], registry=r))
-        self.request_caused_failures = CachedLabels(Counter(
-            "llmgw_upstream_request_failures", "Failed attempts the request itself may have caused, by replica "
-            "and reason; answered to the client, never retried elsewhere nor counted against the replica's health.",
-            ["replica", "reason"], registry=r))
         self.replica_up = CachedLabels(Gauge(
             "llmgw_replica_up", "1 when the replica is routable, else 0.", ["replica"], registry=r))
         self.decisions = CachedLabels(Counter(
@@ -128,6 +124,10 @@ class Metrics:
         self.health_probes = CachedLabels(Counter(
             "llmgw_health_probes", "Active health probes by replica and result.", ["replica", "result"],
             registry=r))
+        self.request_caused_failures = CachedLabels(Counter(
+            "llmgw_upstream_request_failures", "Failed attempts the request itself may have caused, by reason; "
+            "answered to the client, never retried elsewhere nor counted against the replica's health.",
+            ["model", "replica", "reason"], registry=r))
         self._replicas: dict[str, ReplicaMetrics] = {}
         self._models: dict[str, ModelMetrics] = {}
 

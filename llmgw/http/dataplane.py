@@ -85,10 +85,10 @@ class DataPlane:
     # -- entry point -------------------------------------------------------------------------------------------------
 
     async def handle(self, request: Request) -> Response:
-        path = request.path
-        if request.method == "POST" and path.startswith("/v1/") and (not self._api_keys or self._authorized(request)):
-            return await self._proxy(request)  # sets x-request-id on every answer
-        response = self._answer_locally(request, path)
+        response = await self._route(request)
+        for name, _ in response.headers:  # relayed answers have it already; answers made here get it now
+            if name == b"x-request-id":
+                return response
         response.headers += self.error_headers(request)
         return response
 
@@ -97,7 +97,8 @@ class DataPlane:
         given = request.header("x-request-id") if request is not None else None
         return [(b"x-request-id", (given or self._ids.next()).encode("latin-1"))]
 
-    def _answer_locally(self, request: Request, path: str) -> Response:
+    async def _route(self, request: Request) -> Response:
+        path = request.path
         if not path.startswith("/v1/"):
             if path == "/health" and request.method == "GET":
                 return Response(200, [], b"")
@@ -109,9 +110,11 @@ class DataPlane:
             return self._list_models()
         if request.method == "GET" and path.startswith("/v1/models/"):
             return self._get_model(path[len("/v1/models/"):])
-        if path in PROXIED_POST_PATHS:
-            return error_response(405, f"{path} only accepts POST", code="method_not_allowed")
-        return error_response(404, f"no route for {request.method} {path}", code="not_found")
+        if request.method != "POST":
+            if path in PROXIED_POST_PATHS:
+                return error_response(405, f"{path} only accepts POST", code="method_not_allowed")
+            return error_response(404, f"no route for {request.method} {path}", code="not_found")
+        return await self._proxy(request)
 
     # -- small endpoints ---------------------------------------------------------------------------------------------
 
@@ -141,6 +144,21 @@ class DataPlane:
 
     async def _proxy(self, request: Request) -> Response:
         started = _now()
+        try:
+            body = json.loads(request.body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return self._count(None, error_response(400, f"the request body is not valid JSON: {exc}",
+                                                    code="invalid_json"))
+        if not isinstance(body, dict):
+            return self._count(None, error_response(400, "the request body must be a JSON object",
+                                                    code="invalid_json"))
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            return self._count(None, error_response(400, "the request needs a 'model' string", param="model",
+                                                    code="missing_model"))
+        if model not in self.router.models:
+            return self._count(None, error_response(404, f"the model {model!r} does not exist", param="model",
+                                                    code="model_not_found"))
         request_id = None
         forwarded = []
         for header in request.headers:  # one pass: find the request id, drop what is not forwarded
@@ -152,24 +170,9 @@ class DataPlane:
                 forwarded.append(header)
         if not request_id:
             request_id = self._ids.next()
+        route_request = RouteRequest(model, request.path, body, request.headers, request_id)
         id_header = (b"x-request-id", request_id.encode("latin-1"))
         forwarded.append(id_header)
-        try:
-            body = json.loads(request.body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            return self._count(None, error_response(400, f"the request body is not valid JSON: {exc}",
-                                                    code="invalid_json", headers=[id_header]))
-        if not isinstance(body, dict):
-            return self._count(None, error_response(400, "the request body must be a JSON object",
-                                                    code="invalid_json", headers=[id_header]))
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            return self._count(None, error_response(400, "the request needs a 'model' string", param="model",
-                                                    code="missing_model", headers=[id_header]))
-        if model not in self.router.models:
-            return self._count(None, error_response(404, f"the model {model!r} does not exist", param="model",
-                                                    code="model_not_found", headers=[id_header]))
-        route_request = RouteRequest(model, request.path, body, request.headers, request_id)
 
         tried: list[Replica] = []
         failures: list[str] = []  # "<replica>: <why>", one per failed attempt
@@ -225,7 +228,7 @@ class DataPlane:
             raise
         if upstream.status in UNWELL_STATUSES and not is_last:
             self._load(replica, -1)
-            self._failed(replica, "status_5xx", f"HTTP {upstream.status}", unwell=True)
+            self._failed(replica, "status_5xx", f"HTTP {upstream.status}")
             # Its body is kept for the client only if it came with the head: no waiting on an unwell replica.
             body = await upstream.read() if upstream.complete else b""
             await upstream.aclose()
@@ -241,9 +244,10 @@ class DataPlane:
         if name is None:
             name = self._replica_names[replica.name] = replica.name.encode()
         headers.append((b"x-llmgw-replica", name))
-        if upstream.status >= 500:
-            self._failed(replica, "status_5xx", f"HTTP {upstream.status}", unwell=upstream.status in UNWELL_STATUSES,
-                         reason_label=f"status_{upstream.status}")
+        if upstream.status in UNWELL_STATUSES:
+            self._failed(replica, "status_5xx", f"HTTP {upstream.status}")
+        elif upstream.status >= 500:
+            self._request_caused(replica, f"status_{upstream.status}")
         else:
             self.health.request_succeeded(replica)
         length = None
@@ -303,16 +307,9 @@ class DataPlane:
         if bound.inflight_of is not replica:
             bound.track_inflight(replica)
 
-    def _upstream_error(self, replica: Replica, exc: UpstreamError) -> None:
-        self._failed(replica, exc.kind, str(exc), unwell=exc.kind in UNWELL_KINDS)
-
-    def _failed(self, replica: Replica, kind: str, reason: str, *, unwell: bool, reason_label: str | None = None) -> None:
-        """Count a failed attempt; only what says the replica is unwell counts against its health."""
+    def _failed(self, replica: Replica, kind: str, reason: str) -> None:
         self.metrics.upstream_errors.labels(replica.name, kind).inc()
-        if unwell:
-            self.health.request_failed(replica, reason)
-        else:
-            self.metrics.request_caused_failures.labels(replica.name, reason_label or kind).inc()
+        self.health.request_failed(replica, reason)
 
     def _finish(self, replica: Replica, decision: Decision, route_request: RouteRequest, started: float,
                 status: int, usage: dict | None = None) -> None:
@@ -328,6 +325,16 @@ class DataPlane:
         if started is not None:
             bound.request_duration.observe(_now() - started)
         return response
+
+    def _upstream_error(self, replica: Replica, exc: UpstreamError) -> None:
+        if exc.kind in UNWELL_KINDS:
+            self._failed(replica, exc.kind, str(exc))
+        else:
+            self._request_caused(replica, exc.kind)
+
+    def _request_caused(self, replica: Replica, reason: str) -> None:
+        """A failure the request itself may have caused: counted apart, never against the replica's health."""
+        self.metrics.request_caused_failures.labels(replica.model, replica.name, reason).inc()
 
     def _kept_answer(self, replica: Replica, status: int, headers: list[tuple[bytes, bytes]], body: bytes,
                      id_header: tuple[bytes, bytes]) -> Response:
@@ -345,9 +352,9 @@ class DataPlane:
             return error_response(502, f"replica {tried[-1].name} failed after it took the request: {last_error}; "
                                        "not sent to another replica, as the request itself may have caused this",
                                   code="upstream_error", headers=[id_header])
-        headers = [id_header, (b"retry-after", str(self.settings.retry_after_seconds).encode())]
+        retry_after = [id_header, (b"retry-after", str(self.settings.retry_after_seconds).encode())]
         if failures:
             return error_response(503, f"no replica of {model!r} could take the request; tried "
-                                       f"{'; '.join(failures)}", code="no_healthy_replica", headers=headers)
+                                       f"{'; '.join(failures)}", code="no_healthy_replica", headers=retry_after)
         return error_response(503, f"no healthy replica of {model!r} is available", code="no_healthy_replica",
-                              headers=headers)
+                              headers=retry_after)
