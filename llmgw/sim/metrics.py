@@ -33,11 +33,11 @@ _METRICS = (
     ("llmgw_sim_num_blocks", "gauge", "Usable KV blocks (num_blocks minus vLLM's null block)."),
     ("llmgw_sim_block_size", "gauge", "Tokens per KV block."),
     ("llmgw_sim_engine_steps", "counter", "Engine steps run."),
+    ("llmgw_sim_request_failures", "counter",
+     "Requests the engine failed (answered 500) because their step raised; the engine kept running."),
     ("llmgw_sim_kv_event_batches", "counter",
      "KV event batches handed to the publisher (the last one carries sequence number total - 1)."),
     ("llmgw_sim_kv_event_batches_dropped", "counter", "KV event batches lost because the publisher queue was full."),
-    ("llmgw_sim_request_failures", "counter",
-     "Requests the engine failed (answered 500) because their step raised; the engine kept running."),
 )
 
 
@@ -66,9 +66,9 @@ def render(engine: Engine, model_name: str) -> bytes:
         "llmgw_sim_num_blocks": [("", pool.num_usable_blocks)],
         "llmgw_sim_block_size": [("", pool.block_size)],
         "llmgw_sim_engine_steps": [("", stats.steps)],
+        "llmgw_sim_request_failures": [("", stats.failed)],
         "llmgw_sim_kv_event_batches": [("", engine.batches_published)],
         "llmgw_sim_kv_event_batches_dropped": [("", engine.batches_dropped)],
-        "llmgw_sim_request_failures": [("", stats.failed)],
     }
     lines = []
     for name, kind, help_ in _METRICS:
