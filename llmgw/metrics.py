@@ -152,6 +152,10 @@ class Metrics:
         self.client_disconnects = CachedLabels(Counter(
             "llmgw_client_disconnects", "Requests whose client went away before the response ended.", ["model"],
             registry=r))
+        self.request_caused_failures = CachedLabels(Counter(
+            "llmgw_upstream_request_failures", "Failed attempts the request itself may have caused, by reason; "
+            "answered to the client, never retried elsewhere nor counted against the replica's health.",
+            ["model", "replica", "reason"], registry=r))
         self.health_probes = CachedLabels(Counter(
             "llmgw_health_probes", "Active health probes by replica and result.", ["model", "replica", "result"],
             registry=r))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 
+import httpx
 import trio
 
 from llmgw import wire
@@ -23,3 +24,44 @@ async def next_error(ws) -> wire.ErrorMessage:
             message = wire.decode(await ws.get_message())
             if isinstance(message, wire.ErrorMessage):
                 return message
+
+
+async def stats(upstream) -> dict:
+    """A fake upstream's ``/stats`` (request counters by path)."""
+    async with httpx.AsyncClient() as client:
+        return (await client.get(upstream.url + "/stats")).json()
+
+
+async def replicas(gw) -> dict[str, dict]:
+    """The gateway's replicas by name, from its control API."""
+    async with httpx.AsyncClient() as client:
+        return {r["name"]: r for r in (await client.get(gw.control_url + "/admin/replicas")).json()}
+
+
+async def metric_value(gw, name: str, labels: str) -> float | None:
+    """The value of the first ``name`` sample whose labels contain every comma-separated part of ``labels``."""
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(gw.control_url + "/metrics")).text
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{") and all(part in line for part in labels.split(",")):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
+    """Poll the async ``predicate`` until it returns something true (its result), at most ``timeout`` s."""
+    with trio.fail_after(timeout):
+        while not (result := await predicate()):
+            await trio.sleep(interval)
+        return result
+
+
+def assert_openai_error(response: httpx.Response, status: int, code: str | None = None) -> dict:
+    """An OpenAI-shaped error with this status (and code); its `error` object."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if code is not None:
+        assert error["code"] == code
+    return error

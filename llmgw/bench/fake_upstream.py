@@ -5,8 +5,9 @@ with canned JSON (any other POST with the chat answer, ``/v1/audio/*`` with a
 transcript without reading the form), or with ``--chunks`` SSE events when the body says
 ``"stream": true``; ``GET /v1/models``, ``GET /health`` and ``GET /stats``
 (request and aborted-stream counters). Request bodies may steer it:
-``x_status`` (answer with this HTTP status), ``x_delay_ms`` (wait before the
-head), ``x_chunk_delay_ms`` (pace stream events), ``x_chunks`` (events per
+``x_status`` (answer with this HTTP status and an OpenAI-shaped JSON error),
+``x_close`` (read the request, then close the connection without answering, as
+an engine that dies on it), ``x_delay_ms`` (wait before the head), ``x_chunk_delay_ms`` (pace stream events), ``x_chunks`` (events per
 stream), ``x_break_after`` (drop the connection after this many events).
 ``--status`` makes every POST fail with that status. Every response names
 the server in ``x-served-by``.
@@ -29,7 +30,7 @@ import httptools
 CHUNK = ('data: {"id":"chatcmpl-fake","object":"chat.completion.chunk","created":0,"model":"%s",'
          '"choices":[{"index":0,"delta":{"content":"tok%d "},"finish_reason":null}]}\n\n')
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 500: "Internal Server Error",
-           502: "Bad Gateway", 503: "Service Unavailable"}
+           502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout"}
 
 
 class Stats:
@@ -124,6 +125,9 @@ class FakeUpstream(asyncio.Protocol):
             await asyncio.sleep(body["x_delay_ms"] / 1000)
             if self.closed:
                 return
+        if body.get("x_close"):
+            self.transport.close()
+            return
         status = int(body.get("x_status", self.status))
         if status != 200:
             return self._send(status, b'{"error":{"message":"forced by x_status","type":"server_error","param":null,"code":null}}')

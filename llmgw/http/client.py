@@ -8,9 +8,19 @@ only when its response was read to the end and both sides allow keep-alive;
 :meth:`UpstreamResponse.aclose` closes it otherwise, which is how a cancelled
 client request cancels the upstream request.
 
-Errors are :class:`UpstreamError` with a ``kind`` (``connect``, ``timeout``,
-``protocol``, ``closed``) and ``before_head``: whether the upstream can have
-seen none of the request's effects (it never got a response head from us).
+Errors are :class:`UpstreamError` with a ``kind`` and ``before_head`` (no
+response head had arrived). The kinds say how far the request got, which is
+what decides whether the request itself may have caused the failure:
+
+- ``connect``: no connection (refused, unreachable, too slow to connect);
+- ``closed_before_request``: the connection failed on the first write, before
+  the upstream accepted any byte of the request;
+- ``closed_after_request``: the upstream took (some of) the request, then
+  closed or reset the connection without a response head;
+- ``timeout``: no response head within ``first_byte_timeout``, or silence
+  mid-body past ``idle_timeout``;
+- ``protocol``: a malformed response;
+- ``closed``: the connection dropped mid-body, after the head.
 
 Like :mod:`llmgw.http.server`, the hot path uses plain non-blocking sockets
 with ``trio.lowlevel.wait_readable`` and :mod:`llmgw.http.deadlines` watches
@@ -124,26 +134,49 @@ class _Connection:
             except OSError as exc:
                 raise UpstreamError("closed", f"upstream connection broke: {exc}", before_head=before_head) from None
 
-    async def send_all(self, data, timeout: float) -> None:
+    async def send_all(self, data, timeout: float, *, first: bool) -> None:
+        """Send ``data``; ``first``: it starts the request (a failure before any byte went out says the
+        connection was dead before the upstream could see anything of the request)."""
         sock = self.sock
         try:
             sent = sock.send(data)
         except BlockingIOError:
             sent = 0
         except OSError as exc:
-            raise UpstreamError("closed", f"could not send to upstream: {exc}") from None
+            raise _send_error(exc, untouched=first) from None
         if sent == len(data):
             return
         view = memoryview(data)[sent:]
+        untouched = first and sent == 0
         while view:
             await self._wait(trio.lowlevel.wait_writable, timeout,
                              f"upstream did not take the request within {timeout:g}s", before_head=True)
             try:
                 view = view[sock.send(view):]
+                untouched = False
             except BlockingIOError:
                 continue
             except OSError as exc:
-                raise UpstreamError("closed", f"could not send to upstream: {exc}") from None
+                raise _send_error(exc, untouched=untouched) from None
+
+
+def _still_open(sock: socket.socket) -> bool:
+    """An idle connection has nothing to read: anything readable (an end, a reset, stray bytes) means the upstream
+    closed it or died meanwhile, which must not pass for a close after our next request (one non-blocking peek)."""
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return True
+    except OSError:
+        pass
+    return False
+
+
+def _send_error(exc: OSError, *, untouched: bool) -> UpstreamError:
+    if untouched:
+        return UpstreamError("closed_before_request", f"upstream connection was closed before it took any byte of "
+                                                      f"the request: {exc}")
+    return UpstreamError("closed_after_request", f"upstream connection broke while the request was being sent: {exc}")
 
 
 class UpstreamResponse:
@@ -272,8 +305,10 @@ class UpstreamPool:
                       first_byte_timeout: float, idle_timeout: float) -> UpstreamResponse:
         """Send a request and wait for the response head.
 
-        A pooled connection that turns out to be closed by the upstream before
-        any response byte is retried once on a fresh connection.
+        An idle connection the upstream closed meanwhile is never used (see
+        :func:`_still_open`); a pooled connection that fails on the first
+        write is retried once on a fresh one. A request the upstream took is
+        never sent again: a close after it may be the request's own doing.
         """
         head = self._encode_head(method, target, headers, len(body))
         if len(body) < INLINE_SEND:
@@ -285,7 +320,7 @@ class UpstreamPool:
                 return await self._exchange(conn, method, head, body, first_byte_timeout, idle_timeout)
             except UpstreamError as exc:
                 self._discard_now(conn)
-                if reused and exc.kind == "closed" and attempt == 0:
+                if reused and exc.kind == "closed_before_request" and attempt == 0:
                     continue
                 raise
             except BaseException:
@@ -296,9 +331,9 @@ class UpstreamPool:
     async def _exchange(self, conn: _Connection, method: str, head: bytes, body: bytes,
                         first_byte_timeout: float, idle_timeout: float) -> UpstreamResponse:
         conn.uses += 1
-        await conn.send_all(head, first_byte_timeout)
+        await conn.send_all(head, first_byte_timeout, first=True)
         if body:
-            await conn.send_all(body, first_byte_timeout)
+            await conn.send_all(body, first_byte_timeout, first=False)
         parser = conn.parser
         if parser is None:
             parser = conn.parser = _ResponseParser()
@@ -307,9 +342,15 @@ class UpstreamPool:
         feed = parser.parser.feed_data
         message = f"no response head from upstream within {first_byte_timeout:g}s"
         while not parser.head_done:
-            data = await conn.receive(first_byte_timeout, message, before_head=True)
+            try:
+                data = await conn.receive(first_byte_timeout, message, before_head=True)
+            except UpstreamError as exc:
+                if exc.kind == "closed":
+                    raise UpstreamError("closed_after_request", f"after taking the request, {exc}") from None
+                raise
             if not data:
-                raise UpstreamError("closed", "upstream closed the connection without answering")
+                raise UpstreamError("closed_after_request", "upstream closed the connection after taking the "
+                                                            "request, without answering")
             try:
                 feed(data)
             except httptools.HttpParserError as exc:
@@ -333,7 +374,7 @@ class UpstreamPool:
             now = time.monotonic()
             while idle:
                 conn = idle.pop()
-                if now - conn.idle_since < self.idle_expiry and conn.sock.fileno() >= 0:
+                if now - conn.idle_since < self.idle_expiry and conn.sock.fileno() >= 0 and _still_open(conn.sock):
                     return conn
                 self._discard_now(conn)
         try:

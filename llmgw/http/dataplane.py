@@ -2,9 +2,17 @@
 
 Per request: check the API key (constant time), read ``model`` from the JSON
 body, ask the router for a replica, forward the original body bytes, and
-relay the response as it arrives. Connect failures and 5xx answers are
-retried on another replica *before* the first response byte is relayed,
-never after. Every error is answered in OpenAI's JSON error shape.
+relay the response as it arrives. Every response, relayed or made here,
+carries ``x-request-id``; every error made here is in OpenAI's JSON shape.
+
+An attempt is retried on another replica only when nothing of the request
+reached the replica (no connection; the first write failed) or the replica
+answered 502/503/504, and never after the first byte was relayed. A failure
+the request itself may have caused (an engine 500 or other 5xx, the
+connection closed after the request was sent, a malformed answer) is
+answered at once with the upstream's own status and body, or a 502 naming
+the replica, and is never counted against the replica's health
+(``docs/routing.md``, "Retries and passive health").
 """
 
 from __future__ import annotations
@@ -44,6 +52,11 @@ _DROP_RESPONSE_HEADERS = frozenset({b"connection", b"keep-alive", b"transfer-enc
                                     b"server", b"date"})
 _DROP_REQUEST_HEADERS = frozenset({b"authorization", b"x-request-id", b"expect"})
 INLINE_BODY_LIMIT = 1 << 20  # bodies with a known length up to this are relayed in one write
+# What says a replica is unwell (counted by passive health); anything else the request may have caused.
+UNWELL_KINDS = frozenset({"connect", "closed_before_request", "timeout"})
+UNWELL_STATUSES = frozenset({502, 503, 504})
+# Failures after which the request is sent to another replica: none of it reached this one.
+RETRY_KINDS = frozenset({"connect", "closed_before_request"})
 _now = time.perf_counter  # durations for the metrics; real time, not Trio's clock
 
 
@@ -83,6 +96,19 @@ class DataPlane:
     # -- entry point -------------------------------------------------------------------------------------------------
 
     async def handle(self, request: Request) -> Response:
+        response = await self._route(request)
+        for name, _ in response.headers:  # relayed answers have it already; answers made here get it now
+            if name == b"x-request-id":
+                return response
+        response.headers += self.error_headers(request)
+        return response
+
+    def error_headers(self, request: Request | None) -> list[tuple[bytes, bytes]]:
+        """``x-request-id`` for an answer made without an upstream: the client's, or a new one."""
+        given = request.header("x-request-id") if request is not None else None
+        return [(b"x-request-id", (given or self._ids.next()).encode("latin-1"))]
+
+    async def _route(self, request: Request) -> Response:
         path = request.path
         if not path.startswith("/v1/") and path not in PROXIED_POST_PATHS:
             if path == "/health" and request.method == "GET":
@@ -165,7 +191,9 @@ class DataPlane:
         forwarded.append(id_header)
 
         tried: list[Replica] = []
+        failures: list[str] = []  # "<replica>: <why>", one per failed attempt
         last_error: UpstreamError | None = None
+        kept: tuple[Replica, int, list[tuple[bytes, bytes]], bytes] | None = None  # an unwell replica's answer
         for attempt in range(1 + self.settings.retries):
             try:
                 decision = await self.router.pick(route_request, exclude=tried)
@@ -182,12 +210,19 @@ class DataPlane:
                 raise
             if isinstance(outcome, UpstreamError):
                 last_error = outcome
-                if outcome.kind == "timeout":
-                    break  # the engine may still be working on it: sending it again would double the work
+                failures.append(f"{replica.name}: {outcome}")
+                if outcome.kind in RETRY_KINDS:
+                    continue
+                break  # it reached the engine: sending it again could repeat its work, or its harm
+            if isinstance(outcome, tuple):  # an unwell replica's answer (502/503/504), retried elsewhere
+                kept = (replica, *outcome)
+                failures.append(f"{replica.name}: HTTP {outcome[0]}")
                 continue
             self.router.routed(route_request, decision)
             return await self._relay(outcome, replica, decision, route_request, started, id_header)
-        return self._count(model, self._no_replica_error(model, last_error, tried), started)
+        if kept is not None and (last_error is None or last_error.kind in RETRY_KINDS):
+            return self._count(model, self._kept_answer(*kept, id_header), started)
+        return self._count(model, self._no_replica_error(model, last_error, tried, failures, id_header), started)
 
     @staticmethod
     def _routing_body(request: Request) -> dict | Response:
@@ -209,8 +244,9 @@ class DataPlane:
         return body
 
     async def _attempt(self, replica: Replica, request: Request, headers: list[tuple[bytes, bytes]],
-                       is_last: bool) -> UpstreamResponse | UpstreamError:
-        """Send the request to one replica; an error or a retryable 5xx comes back as an UpstreamError."""
+                       is_last: bool) -> UpstreamResponse | UpstreamError | tuple[int, list, bytes]:
+        """Send the request to one replica. An error comes back as an UpstreamError; a 502/503/504 answer
+        (unless this is the last attempt) as ``(status, headers, body)``, its connection closed."""
         if replica.auth_header is not None:
             headers = headers + [replica.auth_header]
         self._load(replica, +1)
@@ -220,16 +256,18 @@ class DataPlane:
                 first_byte_timeout=self.settings.first_byte_timeout, idle_timeout=self.settings.idle_timeout)
         except UpstreamError as exc:
             self._load(replica, -1)
-            self._failed(replica, exc.kind, str(exc))
+            self._upstream_error(replica, exc)
             return exc
         except BaseException:
             self._load(replica, -1)
             raise
-        if upstream.status >= 500 and not is_last:
+        if upstream.status in UNWELL_STATUSES and not is_last:
             self._load(replica, -1)
-            await upstream.aclose()
             self._failed(replica, "status_5xx", f"HTTP {upstream.status}")
-            return UpstreamError("status_5xx", f"replica {replica.name} answered HTTP {upstream.status}")
+            # Its body is kept for the client only if it came with the head: no waiting on an unwell replica.
+            body = await upstream.read() if upstream.complete else b""
+            await upstream.aclose()
+            return upstream.status, upstream.headers, body
         return upstream
 
     async def _relay(self, upstream: UpstreamResponse, replica: Replica, decision: Decision,
@@ -241,8 +279,10 @@ class DataPlane:
         if name is None:
             name = self._replica_names[replica.name] = replica.name.encode()
         headers.append((b"x-llmgw-replica", name))
-        if upstream.status >= 500:
+        if upstream.status in UNWELL_STATUSES:
             self._failed(replica, "status_5xx", f"HTTP {upstream.status}")
+        elif upstream.status >= 500:
+            self._request_caused(replica, f"status_{upstream.status}")
         else:
             self.health.request_succeeded(replica)
         length = None
@@ -254,7 +294,7 @@ class DataPlane:
             try:
                 data = await upstream.read()
             except UpstreamError as exc:
-                self._failed(replica, exc.kind, str(exc))
+                self._upstream_error(replica, exc)
                 self._finish(replica, decision, route_request, started, 502)
                 return error_response(502, f"replica {replica.name} failed while sending its answer: {exc}",
                                       headers=[id_header])
@@ -282,7 +322,7 @@ class DataPlane:
                     watch.feed(piece, _now())
                 yield piece
         except UpstreamError as exc:
-            self._failed(replica, exc.kind, str(exc))
+            self._upstream_error(replica, exc)
             log.warning("replica %s broke off a streamed answer (request %s): %s", replica.name,
                         route_request.request_id, exc)
             status = 502
@@ -336,15 +376,36 @@ class DataPlane:
             bound.request_duration.observe(_now() - started)
         return response
 
-    def _no_replica_error(self, model: str, last_error: UpstreamError | None, tried: list[Replica]) -> Response:
+    def _upstream_error(self, replica: Replica, exc: UpstreamError) -> None:
+        if exc.kind in UNWELL_KINDS:
+            self._failed(replica, exc.kind, str(exc))
+        else:
+            self._request_caused(replica, exc.kind)
+
+    def _request_caused(self, replica: Replica, reason: str) -> None:
+        """A failure the request itself may have caused: counted apart, never against the replica's health."""
+        self.metrics.request_caused_failures.labels(replica.model, replica.name, reason).inc()
+
+    def _kept_answer(self, replica: Replica, status: int, headers: list[tuple[bytes, bytes]], body: bytes,
+                     id_header: tuple[bytes, bytes]) -> Response:
+        """The last unwell replica's own answer, when no other replica could serve."""
+        headers = [h for h in headers if h[0] not in _DROP_RESPONSE_HEADERS and h[0] != b"content-length"]
+        headers += [id_header, (b"x-llmgw-replica", replica.name.encode())]
+        return Response(status, headers, body)
+
+    def _no_replica_error(self, model: str, last_error: UpstreamError | None, tried: list[Replica],
+                          failures: list[str], id_header: tuple[bytes, bytes]) -> Response:
         if last_error is not None and last_error.kind == "timeout":
             return error_response(504, f"replica {tried[-1].name} did not answer in time: {last_error}",
-                                  code="upstream_timeout")
-        retry_after = [(b"retry-after", str(self.settings.retry_after_seconds).encode())]
-        if last_error is not None:
-            names = ", ".join(r.name for r in tried)
-            return error_response(503, f"no replica of {model!r} could take the request (tried {names}; "
-                                       f"last error: {last_error})", code="no_healthy_replica", headers=retry_after)
+                                  code="upstream_timeout", headers=[id_header])
+        if last_error is not None and last_error.kind not in RETRY_KINDS:
+            return error_response(502, f"replica {tried[-1].name} failed after it took the request: {last_error}; "
+                                       "not sent to another replica, as the request itself may have caused this",
+                                  code="upstream_error", headers=[id_header])
+        retry_after = [id_header, (b"retry-after", str(self.settings.retry_after_seconds).encode())]
+        if failures:
+            return error_response(503, f"no replica of {model!r} could take the request; tried "
+                                       f"{'; '.join(failures)}", code="no_healthy_replica", headers=retry_after)
         return error_response(503, f"no healthy replica of {model!r} is available", code="no_healthy_replica",
                               headers=retry_after)
 

@@ -198,8 +198,12 @@ class HttpServer:
     """Serves one handler on one or more listeners; :meth:`drain` stops it gracefully."""
 
     def __init__(self, handler: Handler, limits: ServerLimits | None = None,
-                 on_error: Callable[[BaseException], None] | None = None):
+                 on_error: Callable[[BaseException], None] | None = None,
+                 error_headers: Callable[[Request | None], list[tuple[bytes, bytes]]] | None = None):
+        """``error_headers(request or None)``: headers for the answers the server makes itself (a request it
+        refused or could not read, a handler that raised), e.g. the data plane's ``x-request-id``."""
         self.handler = handler
+        self.error_headers = error_headers
         self.limits = limits or ServerLimits()
         self.active_requests = 0
         self.connections = 0
@@ -209,6 +213,11 @@ class HttpServer:
         self._connections_scope: trio.CancelScope | None = None
         self._conn_slots = trio.Semaphore(self.limits.max_connections)
         self._on_error = on_error
+
+    def error(self, status: int, message: str, request: Request | None = None) -> Response:
+        """An error answer made by the server itself."""
+        headers = self.error_headers(request) if self.error_headers is not None else None
+        return error_response(status, message, headers=headers)
 
     async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Listen on ``host:port`` (port 0 picks a free one) and serve until cancelled or drained.
@@ -387,7 +396,7 @@ class _Connection:
             self.watch_alarm.disarm()
         watch = self.read_watch
         if watch.expired and watch.kind in ("header", "body") and self.reader.current is not None:
-            self._try_send(error_response(408, "request was not received in time"))
+            self._try_send(self.server.error(408, "request was not received in time"))
 
     # -- reading -----------------------------------------------------------------------------------------------------
 
@@ -532,7 +541,7 @@ class _Connection:
                     trio.lowlevel.reschedule(task)
             elif self.final is not None:
                 if isinstance(self.final, _ProtocolError):
-                    await self._send_simple(error_response(self.final.status, self.final.message))
+                    await self._send_simple(self.server.error(self.final.status, self.final.message))
                     await self._linger()
                 return
             elif self.reader_running:
@@ -587,7 +596,7 @@ class _Connection:
                 response = await server.handler(request)
             except Exception:
                 log.exception("handler failed for %s %s", request.method, request.path)
-                response = error_response(500, "internal error in the gateway")
+                response = server.error(500, "internal error in the gateway", request)
             keep_alive = await self._send_response(request, response, keep_alive)
         finally:
             self.watch_alarm.disarm()

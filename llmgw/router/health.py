@@ -2,8 +2,12 @@
 
 A replica goes down after ``failures_to_down`` failed probes in a row, or
 ``passive_failures_to_down`` failed requests in a row; it comes back after
-``successes_to_up`` good probes. Every change is logged with its reason and
-shown in ``llmgw_replica_up``.
+``successes_to_up`` good probes. Only failures that say the replica is unwell
+are passive failures (the data plane decides which). Passive failures alone
+never keep a replica whose probe passes out for longer than one probe
+interval: going down on them wakes its prober at once, and the first probe
+that passes brings it back. Every change is logged with its reason and shown
+in ``llmgw_replica_up``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ class HealthTracker:
         self.metrics = metrics
         self._probe_failures: dict[Replica, int] = {}
         self._probe_successes: dict[Replica, int] = {}
+        self._passively_down: set[Replica] = set()  # down on request failures, not (yet) on a failed probe
+        self._wakeups: dict[Replica, trio.Event] = {}  # set to probe a replica now instead of after the interval
 
     def set_state(self, replica: Replica, state: ReplicaState, reason: str) -> None:
         if replica.state is state:
@@ -59,10 +65,15 @@ class HealthTracker:
             self._probe_failures[replica] = 0
             successes = self._probe_successes.get(replica, 0) + 1
             self._probe_successes[replica] = successes
-            if replica.state is not ReplicaState.UP and successes >= self.settings.successes_to_up:
+            if replica in self._passively_down:
+                self._passively_down.discard(replica)
+                replica.consecutive_failures = 0
+                self.set_state(replica, ReplicaState.UP, "health probe passed after request failures")
+            elif replica.state is not ReplicaState.UP and successes >= self.settings.successes_to_up:
                 replica.consecutive_failures = 0
                 self.set_state(replica, ReplicaState.UP, "health probe passed")
         else:
+            self._passively_down.discard(replica)  # from now on it needs successes_to_up good probes
             self._probe_successes[replica] = 0
             failures = self._probe_failures.get(replica, 0) + 1
             self._probe_failures[replica] = failures
@@ -76,6 +87,10 @@ class HealthTracker:
             self.set_state(replica, ReplicaState.DOWN,
                            f"{replica.consecutive_failures} requests failed in a row, last: {reason}")
             self._probe_successes[replica] = 0
+            self._passively_down.add(replica)
+            wakeup = self._wakeups.get(replica)
+            if wakeup is not None:
+                wakeup.set()
 
     def request_succeeded(self, replica: Replica) -> None:
         replica.consecutive_failures = 0
@@ -83,6 +98,14 @@ class HealthTracker:
     def forget(self, replica: Replica) -> None:
         self._probe_failures.pop(replica, None)
         self._probe_successes.pop(replica, None)
+        self._passively_down.discard(replica)
+        self._wakeups.pop(replica, None)
+
+    async def wait_for_next_probe(self, replica: Replica) -> None:
+        """Sleep one interval, or less when request failures took ``replica`` down meanwhile."""
+        wakeup = self._wakeups[replica] = trio.Event()
+        with trio.move_on_after(self.settings.interval):
+            await wakeup.wait()
 
 
 async def probe_once(replica: Replica, settings: HealthSettings) -> tuple[bool, str]:
@@ -110,4 +133,4 @@ async def probe_forever(replica: Replica, tracker: HealthTracker) -> None:
     while True:
         ok, reason = await probe_once(replica, settings)
         tracker.probe_result(replica, ok, reason)
-        await trio.sleep(settings.interval)
+        await tracker.wait_for_next_probe(replica)

@@ -11,7 +11,6 @@ are freed; cached blocks stay cached).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -90,13 +89,7 @@ class SimApi:
 
     @staticmethod
     def _body(request: Request) -> dict:
-        try:
-            body = json.loads(request.body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad_request(f"request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise bad_request("request body must be a JSON object")
-        return body
+        return protocol.parse_body(request.body)
 
     def _model(self, body: dict):
         """``(name to echo, LoRA module or None)``; an unknown model is a 404 like vLLM's."""
@@ -154,6 +147,8 @@ class SimApi:
         finally:
             self.in_flight -= 1
             engine.abort(seq)
+        if seq.error is not None:
+            return _error(protocol.engine_error(seq.error))
         output = seq.output_ids
         text = tokenizer.decode(output, skip_special_tokens=True)
         usage = protocol.usage(seq.prompt_len, len(output), seq.num_cached_tokens)
@@ -180,6 +175,9 @@ class SimApi:
                 done = seq.finished
                 if seq.finish_reason == "abort":
                     return
+                if seq.error is not None:  # vLLM's mid-stream error: an error event, then [DONE]
+                    yield ChunkWriter.error(protocol.engine_error(seq.error))
+                    break
                 usage = None
                 if options.continuous_usage:
                     usage = protocol.usage(seq.prompt_len, sent, max(seq.num_cached_tokens, 0))
@@ -187,7 +185,7 @@ class SimApi:
                                    seq.finish_reason if done else None, usage)
                 if done:
                     break
-            if options.include_usage:
+            if options.include_usage and seq.error is None:
                 yield writer.usage(protocol.usage(seq.prompt_len, sent, seq.num_cached_tokens))
             yield ChunkWriter.DONE
         finally:

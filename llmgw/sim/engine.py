@@ -8,6 +8,10 @@ its tokens. Tokens sampled by a step are delivered when the step ends; the
 step's KV events go to the publisher as one batch at the same moment, as vLLM
 publishes after the step ran. With nothing to do the loop sleeps on an event:
 no polling, no CPU.
+
+No request can stop the loop: the scheduler fails a request whose own step work
+raises, and anything else a step raises fails the requests of that step (500s
+for them, ``llmgw_sim_request_failures_total``), never the engine.
 """
 
 from __future__ import annotations
@@ -97,7 +101,11 @@ class Engine:
                 await self._work.wait()
                 continue
             started = trio.current_time()
-            step = scheduler.schedule()
+            try:
+                step = scheduler.schedule()
+            except Exception as exc:  # not one request's own failure (those are failed inside): fail the batch
+                self._fail_all(list(scheduler.running) + list(scheduler.waiting)[:1], exc)
+                continue
             if not step.scheduled:
                 # Nothing fits (cannot happen with a sane config); wait for a submission or an abort.
                 self._publish(step.events)
@@ -109,9 +117,19 @@ class Engine:
                 await trio.sleep_until(started + seconds)
             else:
                 await trio.lowlevel.checkpoint()
-            for seq in scheduler.update(step):
+            try:
+                progressed = scheduler.update(step)
+            except Exception as exc:
+                self._fail_all([seq for seq, _ in step.scheduled], exc)
+                progressed = []
+            for seq in progressed:
                 seq.notify()
             self._publish(step.events)
+
+    def _fail_all(self, seqs: list[Sequence], exc: Exception) -> None:
+        log.error("an engine step failed; failing its %d requests, the engine keeps running", len(seqs))
+        for seq in seqs:
+            self.scheduler.fail(seq, exc)
 
 
 def queue_size(max_queue_size: int | None) -> float:

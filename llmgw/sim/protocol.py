@@ -9,7 +9,10 @@ pre-rendered JSON around the text, so each token costs one small ``json.dumps``.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
+
+from llmgw.http.messages import error_body
 
 from . import tokenizer
 from .sampler import SamplingParams
@@ -30,6 +33,43 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, type_="BadRequestError")
+
+
+# A lone surrogate can only come from a \uD800-\uDFFF escape (raw surrogate bytes are not UTF-8).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request body as vLLM's FastAPI layer would accept it, else the 400 vLLM answers.
+
+    Invalid JSON and JSON nested too deep for the parser are 400s (FastAPI: "There
+    was an error parsing the body"). A string holding a lone surrogate (legal JSON,
+    ``"\\ud800"``) is a 400 too: vLLM passes it on until its tokenizer or its engine
+    request encoder raises ``UnicodeEncodeError`` (a ``ValueError``, which vLLM's
+    serving layer answers with 400); the simulator refuses it before anything else
+    touches it, so no later step can fail on it.
+    """
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("There was an error parsing the body: JSON nested too deep") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):  # rare: only then pay for a full check
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError as exc:
+            raise bad_request(str(exc)) from None
+        except RecursionError:
+            raise bad_request("There was an error parsing the body: JSON nested too deep") from None
+    return body
+
+
+def engine_error(reason: str) -> ApiError:
+    """The 500 a request gets when a step failed on it (the engine keeps running)."""
+    return ApiError(500, f"the engine failed on this request: {reason}", type_="InternalServerError")
 
 
 def _int_field(body: dict, name: str, default: int | None, *, minimum: int) -> int | None:
@@ -208,5 +248,11 @@ class ChunkWriter:
 
     def usage(self, usage_: dict) -> bytes:
         return (self._head + f'[],"usage":{_dumps(usage_)}}}\n\n').encode()
+
+    @staticmethod
+    def error(exc: ApiError) -> bytes:
+        """An error event in a stream whose head was sent (vLLM's streaming error shape)."""
+        return b"data: " + error_body(exc.status, exc.message, param=exc.param, code=exc.status,
+                                      type_=exc.type_) + b"\n\n"
 
     DONE = b"data: [DONE]\n\n"

@@ -17,11 +17,16 @@ Pure and synchronous (no clock, no I/O), after vLLM v1's scheduler:
 - after the step, every request whose scheduled tokens reached the end of its
   tokens samples one token; a request finishes at EOS or at its length limit,
   and its blocks are freed (cached blocks stay cached, evictable).
+
+A request whose own step work raises (hashing its blocks, sampling its token)
+is failed alone: it leaves the queues with its error and its blocks freed; the
+other requests and the engine carry on.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -32,6 +37,8 @@ from llmgw.kv.events import KVEvent
 from .blockhash import SequenceHashes
 from .cache import Block, KVCacheManager
 from .tokenizer import EOS_ID
+
+log = logging.getLogger(__name__)
 
 
 class Status(enum.Enum):
@@ -50,7 +57,7 @@ class Sequence:
 
     __slots__ = ("request_id", "prompt_len", "token_ids", "planned_output", "num_computed_tokens", "hashes",
                  "blocks", "num_cached_blocks", "lora_id", "lora_name", "num_cached_tokens", "status",
-                 "finish_reason", "num_preemptions", "_changed")
+                 "finish_reason", "num_preemptions", "error", "_changed")
 
     def __init__(self, request_id: str, prompt_ids: list[int], planned_output: list[int], *,
                  hashes: SequenceHashes | None = None, lora_id: int | None = None, lora_name: str | None = None):
@@ -70,8 +77,9 @@ class Sequence:
         self.lora_name = lora_name
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache, set when first scheduled
         self.status = Status.WAITING
-        self.finish_reason: str | None = None  # "stop", "length" or "abort"
+        self.finish_reason: str | None = None  # "stop", "length", "abort" or "error"
         self.num_preemptions = 0
+        self.error: str | None = None  # why the engine failed on this request
         self._changed = trio.Event()
         if hashes is not None:
             hashes.extend(self.token_ids)
@@ -125,6 +133,7 @@ class SchedulerStats:
     preemptions: int = 0
     finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
     steps: int = 0
+    failed: int = 0  # requests failed by an error in their step work (finish_reason "error")
 
 
 class Scheduler:
@@ -151,6 +160,29 @@ class Scheduler:
 
     def abort(self, seq: Sequence) -> None:
         """Finish ``seq`` now (client went away); its blocks are freed at once."""
+        if self._remove(seq):
+            self._finish(seq, "abort")
+
+    def fail(self, seq: Sequence, exc: BaseException) -> None:
+        """Finish ``seq`` with an error that its own step work raised; nothing else is touched."""
+        log.error("request %s failed in the engine, which keeps running: %r", seq.request_id, exc,
+                  exc_info=exc)
+        if seq.status is Status.FINISHED:
+            return
+        try:
+            self._remove(seq)
+        except Exception:  # the queues or blocks were mid-change: drop what is left of it
+            log.exception("freeing request %s after its failure failed too", seq.request_id)
+            if seq in self.running:
+                self.running.remove(seq)
+        seq.error = f"{type(exc).__name__}: {exc}"
+        seq.status = Status.FINISHED
+        seq.finish_reason = "error"
+        self.stats.failed += 1
+        seq.notify()
+
+    def _remove(self, seq: Sequence) -> bool:
+        """Take an unfinished ``seq`` out of its queue and free its blocks; False if it was finished."""
         if seq.status is Status.WAITING:
             try:
                 self.waiting.remove(seq)
@@ -158,10 +190,10 @@ class Scheduler:
                 pass
         elif seq.status is Status.RUNNING:
             self.running.remove(seq)
-            self.cache.free(seq)
         else:
-            return
-        self._finish(seq, "abort")
+            return False
+        self.cache.free(seq)  # a waiting request holds blocks only if its admission failed half way
+        return True
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
@@ -194,18 +226,21 @@ class Scheduler:
         while i < len(running) and budget > 0:
             seq = running[i]
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            while not cache.allocate_slots(seq, num_new):
+            fits = self._allocate(seq, num_new)
+            while fits is False:
                 victim = running.pop()
                 self._preempt(victim)
                 step.preempted += 1
                 if victim is seq:
                     break
-            else:
-                scheduled.append((seq, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            break
+                fits = self._allocate(seq, num_new)
+            if fits is None:
+                continue  # failed and removed: the next request is at index i now
+            if not fits:
+                break  # it preempted itself
+            scheduled.append((seq, num_new))
+            budget -= num_new
+            i += 1
         if not step.preempted:
             self._admit(step, budget)
         for seq, num_new in scheduled:
@@ -216,6 +251,14 @@ class Scheduler:
         step.events = cache.pool.take_events()
         return step
 
+    def _allocate(self, seq: Sequence, num_new: int, hits: list[Block] = ()) -> bool | None:
+        """``allocate_slots``; None when it raised on this request (which is then failed)."""
+        try:
+            return self.cache.allocate_slots(seq, num_new, hits)
+        except Exception as exc:
+            self.fail(seq, exc)
+            return None
+
     def _admit(self, step: Step, budget: int) -> None:
         cache = self.cache
         size = cache.block_size
@@ -223,12 +266,19 @@ class Scheduler:
         stats = self.stats
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             seq = waiting[0]
-            hits = cache.computed_blocks(seq)
+            try:
+                hits = cache.computed_blocks(seq)
+            except Exception as exc:
+                self.fail(seq, exc)
+                continue
             num_hit_tokens = len(hits) * size
             num_new = min(len(seq.token_ids) - num_hit_tokens, budget)
             if not self.chunked_prefill and num_new < len(seq.token_ids) - num_hit_tokens:
                 break  # its prefill must run whole: it waits for a step with budget for all of it
-            if not cache.allocate_slots(seq, num_new, hits):
+            fits = self._allocate(seq, num_new, hits)
+            if fits is None:
+                continue
+            if not fits:
                 break
             waiting.popleft()
             seq.status = Status.RUNNING
@@ -249,20 +299,28 @@ class Scheduler:
         stats = self.stats
         stats.steps += 1
         for seq, num_new in step.scheduled:
-            if seq.status is not Status.RUNNING:  # aborted while the step ran
+            if seq.status is not Status.RUNNING:  # aborted (or failed) while the step ran
                 continue
-            seq.num_computed_tokens += num_new
-            if seq.num_computed_tokens < len(seq.token_ids):
-                continue  # a prefill chunk: no token yet
-            produced = seq.num_output_tokens
-            token = seq.planned_output[produced]
-            seq.token_ids.append(token)
-            stats.generation_tokens += 1
-            progressed.append(seq)
-            if produced + 1 == len(seq.planned_output):
-                self.cache.free(seq)
-                self._finish(seq, "stop" if token == EOS_ID else "length")
-                finished_any = True
+            try:
+                finished_any |= self._advance(seq, num_new, progressed)
+            except Exception as exc:
+                self.fail(seq, exc)
         if finished_any:
             self.running = [s for s in self.running if s.status is Status.RUNNING]
         return progressed
+
+    def _advance(self, seq: Sequence, num_new: int, progressed: list[Sequence]) -> bool:
+        """Apply ``num_new`` computed tokens to ``seq``; True when it finished."""
+        seq.num_computed_tokens += num_new
+        if seq.num_computed_tokens < len(seq.token_ids):
+            return False  # a prefill chunk: no token yet
+        produced = seq.num_output_tokens
+        token = seq.planned_output[produced]
+        seq.token_ids.append(token)
+        self.stats.generation_tokens += 1
+        progressed.append(seq)
+        if produced + 1 == len(seq.planned_output):
+            self.cache.free(seq)
+            self._finish(seq, "stop" if token == EOS_ID else "length")
+            return True
+        return False

@@ -12,7 +12,7 @@ import openai
 import pytest
 import trio
 
-from helpers import free_port
+from helpers import assert_openai_error, free_port, metric_value, replicas, stats, wait_for
 
 KEY = "sk-test-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -36,42 +36,6 @@ health:
   failures_to_down: 1
 {extra}
 """
-
-
-async def stats(upstream) -> dict:
-    async with httpx.AsyncClient() as client:
-        return (await client.get(upstream.url + "/stats")).json()
-
-
-async def replicas(gw) -> dict[str, dict]:
-    async with httpx.AsyncClient() as client:
-        return {r["name"]: r for r in (await client.get(gw.control_url + "/admin/replicas")).json()}
-
-
-async def metric_value(gw, name: str, labels: str) -> float | None:
-    async with httpx.AsyncClient() as client:
-        text = (await client.get(gw.control_url + "/metrics")).text
-    for line in text.splitlines():
-        if line.startswith(f"{name}{{") and all(part in line for part in labels.split(",")):
-            return float(line.rsplit(" ", 1)[1])
-    return None
-
-
-async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
-    with trio.fail_after(timeout):
-        while not (result := await predicate()):
-            await trio.sleep(interval)
-        return result
-
-
-def assert_openai_error(response: httpx.Response, status: int, code: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["message"]
-    if code is not None:
-        assert error["code"] == code
-    return error
 
 
 async def test_openai_client_through_llmgw(start_fake_upstream, start_llmgw):
@@ -143,8 +107,8 @@ async def _state(gw, name: str, state: str) -> bool:
     return (await replicas(gw))[name]["state"] == state
 
 
-async def test_5xx_is_retried_on_another_replica_before_the_first_byte(start_fake_upstream, start_llmgw):
-    a = await start_fake_upstream("a", status=500)
+async def test_a_503_is_retried_on_another_replica_before_the_first_byte(start_fake_upstream, start_llmgw):
+    a = await start_fake_upstream("a", status=503)
     b = await start_fake_upstream("b")
     gw = await start_llmgw(two_replica_config(a.url, b.url))
     async with httpx.AsyncClient(base_url=gw.url, headers=AUTH) as client:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import socket
+import struct
 
 import httptools
 import pytest
@@ -203,7 +204,7 @@ async def test_cancelling_a_request_closes_its_upstream_connection(upstream):
     assert pool.open_connections == 0
 
 
-async def test_a_pooled_connection_the_upstream_closed_is_retried_once_on_a_fresh_one(upstream):
+async def test_a_pooled_connection_the_upstream_closed_is_not_reused(upstream):
     async def answer_then_close(up, stream, n):
         await stream.send_all(answer())  # keep-alive as far as the client knows...
         return "close"  # ...but the upstream closes it (as idle servers do)
@@ -213,7 +214,7 @@ async def test_a_pooled_connection_the_upstream_closed_is_retried_once_on_a_fres
     with trio.fail_after(5):
         assert await (await call(pool)).read() == OK_BODY
         await trio.sleep(0.05)
-        assert await (await call(pool)).read() == OK_BODY  # no error: retried on a new connection
+        assert await (await call(pool)).read() == OK_BODY  # no error: the closed one was seen and dropped
     assert up.connections == 2 and len(up.requests) == 2
 
 
@@ -225,8 +226,47 @@ async def test_a_fresh_connection_closed_without_an_answer_is_an_error_not_a_ret
     pool = UpstreamPool("127.0.0.1", up.port)
     with trio.fail_after(5), pytest.raises(UpstreamError) as info:
         await call(pool)
-    assert info.value.kind == "closed" and info.value.before_head
+    assert info.value.kind == "closed_after_request" and info.value.before_head
     assert up.connections == 1
+
+
+async def test_a_request_the_upstream_took_is_never_sent_again(upstream):
+    """The upstream read request 2 and closed: maybe the request made it fail. The pool does not resend it."""
+    async def answer_then_close_on_the_next(up, stream, n):
+        if n == 1:
+            await stream.send_all(answer())
+            return None
+        return "close"
+
+    up = await upstream(answer_then_close_on_the_next)
+    pool = UpstreamPool("127.0.0.1", up.port)
+    with trio.fail_after(5):
+        assert await (await call(pool)).read() == OK_BODY
+        with pytest.raises(UpstreamError) as info:
+            await call(pool)
+    assert info.value.kind == "closed_after_request"
+    assert len(up.requests) == 2 and up.connections == 1
+
+
+async def test_a_connection_reset_before_the_first_byte_is_closed_before_request():
+    """The first write fails: the upstream cannot have seen any of the request."""
+    from llmgw.http.client import _Connection
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        client = socket.create_connection(listener.getsockname())
+        peer, _ = listener.accept()
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        peer.close()  # linger 0: a reset, not a FIN
+        client.setblocking(False)
+        conn = _Connection(client)
+        with trio.fail_after(5):
+            await trio.lowlevel.wait_readable(client)  # the reset has arrived
+            with pytest.raises(UpstreamError) as info:
+                await conn.send_all(b"POST / HTTP/1.1\r\n\r\n", 1.0, first=True)
+        conn.close()
+    assert info.value.kind == "closed_before_request"
 
 
 # -- errors and timeouts -----------------------------------------------------------------------------------------------

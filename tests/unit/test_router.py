@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import trio
 
 from llmgw.metrics import Metrics
 from llmgw.plugins_manager import PluginError, build_registry, make_plugin_manager
@@ -113,6 +114,42 @@ def test_health_state_machine():
     for _ in range(2):
         tracker.request_failed(r, "HTTP 500")
     assert r.state is ReplicaState.DOWN and "3 requests failed" in r.reason
+
+
+def test_passive_failures_keep_a_replica_whose_probe_passes_out_only_until_the_next_probe():
+    tracker = HealthTracker(HealthSettings(successes_to_up=3, passive_failures_to_down=2))
+    r = Replica(name="r", model="m", url="http://127.0.0.1:1")
+    for _ in range(3):
+        tracker.probe_result(r, True, "ok")
+    for _ in range(2):
+        tracker.request_failed(r, "HTTP 503")
+    assert r.state is ReplicaState.DOWN
+    tracker.probe_result(r, True, "ok")
+    assert r.state is ReplicaState.UP and r.consecutive_failures == 0  # one passing probe, not successes_to_up
+    for _ in range(2):
+        tracker.request_failed(r, "HTTP 503")
+    tracker.probe_result(r, False, "HTTP 503")  # the probe agrees it is unwell: the usual way back
+    tracker.probe_result(r, True, "ok")
+    assert r.state is ReplicaState.DOWN
+
+
+async def test_going_down_on_request_failures_wakes_the_prober_at_once(autojump_clock):
+    tracker = HealthTracker(HealthSettings(interval=60.0, passive_failures_to_down=1))
+    r = Replica(name="r", model="m", url="http://127.0.0.1:1")
+    async with trio.open_nursery() as nursery:
+        waited = []
+
+        async def wait():
+            start = trio.current_time()
+            await tracker.wait_for_next_probe(r)
+            waited.append(trio.current_time() - start)
+
+        nursery.start_soon(wait)
+        await trio.sleep(5)
+        tracker.request_failed(r, "connect refused")
+    assert waited == [5]  # not the 60 s interval
+    await wait()
+    assert waited[1] == 60  # nothing failed: the full interval
 
 
 def test_an_unprobed_replica_that_fails_its_first_probe_is_down_at_once():

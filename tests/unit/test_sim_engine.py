@@ -151,3 +151,55 @@ async def test_abort_frees_and_wakes(autojump_clock):
         await seq.wait_finished()
         assert seq.finish_reason == "abort" and engine.cache.usage == 0.0
         nursery.cancel_scope.cancel()
+
+
+async def test_a_request_whose_step_raises_fails_alone_and_the_engine_keeps_running(autojump_clock):
+    """A salt CBOR cannot encode (a lone surrogate) raises while block 0 is hashed, inside the engine loop."""
+    engine = make_engine()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.run)
+        neighbour = request(40, 30, rid="neighbour")
+        engine.submit(neighbour)
+        await neighbour.wait_for_tokens(1)
+        poison = Sequence("poison", list(range(20, 30)), list(range(50, 60)),
+                          hashes=BlockHashing(16, "sha256_cbor", "0", event_int).for_request(cache_salt="\ud800"))
+        engine.submit(poison)  # 10 prompt tokens: block 0 is hashed when decoding fills it, in a step
+        await poison.wait_finished()
+        assert poison.finish_reason == "error" and "UnicodeEncodeError" in poison.error
+        assert engine.scheduler.stats.failed == 1
+        assert poison not in engine.scheduler.running and not poison.blocks
+        await neighbour.wait_finished()
+        assert neighbour.finish_reason == "length" and len(neighbour.output_ids) == 30
+        _, _ = await run_one(engine, request(50, 3, rid="after"))  # the loop still runs
+        assert engine.cache.usage == 0.0
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_api_answers_an_engine_failure_with_a_500_and_a_stream_with_an_error_event(autojump_clock):
+    """Past the HTTP layer's checks (called in-process), a salt CBOR cannot encode fails in the engine."""
+    import json
+
+    from llmgw.sim.api import SimApi
+    from llmgw.sim.app import Simulator
+    from llmgw.sim.config import SimConfig
+
+    sim = Simulator(SimConfig(served_model_names=["tiny"], prefix_caching_hash_algo="sha256_cbor", num_blocks=64,
+                              output_tokens=(30, 30)), environ={})
+    api = SimApi(sim)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "cache_salt": "\ud800",
+            "max_tokens": 30}
+    prompt = [20, 21, 22]  # shorter than a block: block 0 is hashed inside a step, once decoding fills it
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sim.engine.run)
+        answer = await api._generate(dict(body), "tiny", None, prompt, chat=True)
+        assert answer.status == 500
+        error = json.loads(answer.body)["error"]
+        assert error["type"] == "InternalServerError" and "UnicodeEncodeError" in error["message"]
+        streamed = await api._generate({**body, "stream": True}, "tiny", None, prompt, chat=True)
+        chunks = [chunk async for chunk in streamed.body]
+        assert chunks[-1] == b"data: [DONE]\n\n"
+        assert json.loads(chunks[-2][len(b"data: "):])["error"]["code"] == 500
+        assert sim.engine.scheduler.stats.failed == 2
+        fine = await api._generate({"model": "tiny", "messages": []}, "tiny", None, prompt, chat=True)
+        assert fine.status == 200  # the engine still runs
+        nursery.cancel_scope.cancel()
