@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from llmgw import wire
 from llmgw.agent.channel import ChannelClosed, memory_channel_pair
 from llmgw.control.agent_service import AgentService, SessionSettings
+from llmgw.control.identity import NodeIdentities
 from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.metrics import ControlMetrics
 
@@ -38,10 +39,11 @@ class RecordingHandler:
 
 
 @pytest.fixture
-async def service(nursery):
+async def service(nursery, tmp_path):
     metrics = ControlMetrics(CollectorRegistry())
     inventory = Inventory(metrics=metrics)
-    service = AgentService(inventory, RecordingHandler(inventory), SETTINGS, metrics=metrics)
+    service = AgentService(inventory, RecordingHandler(inventory), SETTINGS, metrics=metrics,
+                           identities=NodeIdentities(tmp_path))
     await nursery.start(service.run)
     return service
 
@@ -122,9 +124,10 @@ async def test_without_a_token_only_the_in_process_agent_is_admitted(service, nu
 
 
 async def test_a_second_connection_of_a_node_replaces_the_first(service, nursery, autojump_clock):
-    first, _ = await connect(service, nursery, wire.Register(node_id="a", token=TOKEN))
-    second, reply = await connect(service, nursery, wire.Register(node_id="a", token=TOKEN))
-    assert reply.accepted
+    first, joined = await connect(service, nursery, wire.Register(node_id="a", token=TOKEN))
+    second, reply = await connect(service, nursery, wire.Register(node_id="a", token=TOKEN,
+                                                                    node_secret=joined.node_secret))
+    assert reply.accepted and not reply.node_secret  # the node proved the secret it was issued: not a new one
     await until_closed(first)  # the first session was closed...
     await trio.sleep(1)
     node = service.inventory.nodes["a"]
