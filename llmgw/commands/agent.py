@@ -7,6 +7,12 @@ control plane's: stopping the agent (SIGINT/SIGTERM) leaves its engines
 running for the next agent to adopt. It prints one line per connection
 change: ``llmgw-agent NODE connected to URL``, ``... disconnected ...``,
 ``... refused ...`` (exit code 3).
+
+On its first join the control plane issues the node a secret, kept in
+``STATE_DIR/node-secret``: later connections prove it, and the join token
+alone no longer opens this node id. ``--join wss://...`` dials over TLS,
+trusting the control plane's certificate as ``--ca-file`` (default: the
+system store), with ``--client-cert``/``--client-key`` for mutual TLS.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import sys
 
 import trio
 
+from ..agent.channel import WebSocketConnector
+from ..tls import TlsClientOptions
 from .serve import setup_logging
 
 log = logging.getLogger("llmgw.agent")
@@ -43,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--address", default=None,
                         help="the address other machines and the router dial this node's engines at "
                              "(default: the local address that reaches the control plane)")
+    parser.add_argument("--ca-file", default=None,
+                        help="wss:// only: the CA bundle that signed the control plane's certificate "
+                             "(default: the system trust store)")
+    parser.add_argument("--client-cert", default=None, help="wss:// only: a client certificate (PEM) for mutual TLS")
+    parser.add_argument("--client-key", default=None, help="wss:// only: the client certificate's key (PEM)")
+    parser.add_argument("--insecure-skip-verify", action="store_true",
+                        help="wss:// only: do not verify the control plane's certificate (anyone on the path can "
+                             "then read the join token, the node secret and every shard's secrets)")
     parser.add_argument("--log-level", default="info", help="debug, info, warning, error (default info)")
     return parser
 
@@ -67,13 +83,17 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         labels = parse_labels(args.label)
-        agent = Agent(args.join, token=args.token, node_id=args.node_id or socket.gethostname(),
+        connector = WebSocketConnector(args.join, tls=tls_options(args))
+        agent = Agent(connector, token=args.token, node_id=args.node_id or socket.gethostname(),
                       discovery=args.discovery, state_dir=args.state_dir, labels=labels, address=args.address,
                       announce=lambda line: print(line, flush=True))
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # ssl.SSLError is an OSError
         print(f"llmgw agent: {exc}", file=sys.stderr)
         return 2
     setup_logging(args.log_level)
+    if args.insecure_skip_verify:
+        log.warning("--insecure-skip-verify: the control plane's certificate is NOT verified; anyone on the path "
+                    "can impersonate it and read the join token, this node's secret and its shards' secrets")
     try:
         trio.run(run, agent)
     except BaseExceptionGroup as group:
@@ -85,6 +105,16 @@ def main(argv: list[str]) -> int:
         print(f"llmgw agent: {bad_discovery.exceptions[0]}", file=sys.stderr)
         return 2
     return 0
+
+
+def tls_options(args: argparse.Namespace) -> TlsClientOptions | None:
+    """The agent link's TLS trust options, or None when none was given."""
+    if args.client_key and not args.client_cert:
+        raise ValueError("--client-key needs --client-cert")
+    if not (args.ca_file or args.client_cert or args.insecure_skip_verify):
+        return None
+    return TlsClientOptions(ca_file=args.ca_file, cert_file=args.client_cert, key_file=args.client_key,
+                            verify=not args.insecure_skip_verify)
 
 
 async def run(agent) -> None:
