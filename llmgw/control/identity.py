@@ -123,13 +123,13 @@ class NodeIdentities:
 
     def _load(self) -> None:
         try:
-            text = self.path.read_text(encoding="utf-8")
+            data = self.path.read_bytes()
         except FileNotFoundError:
             return
         except OSError as exc:
             raise IdentityStoreError(f"{self.path}: {exc}") from None
         try:
-            raw = json.loads(text)
+            raw = json.loads(data.decode("utf-8"))
             if raw.get("version") != STORE_VERSION:
                 raise ValueError(f"version {raw.get('version')!r} is not {STORE_VERSION}")
             key = raw.get("placement_key")
