@@ -20,6 +20,7 @@ import tempfile
 import trio
 
 from ..config import ConfigError, HostPort, load_config, parse_config
+from ..control.identity import IdentityStoreError
 
 log = logging.getLogger("llmgw.serve")
 DEMO_MODEL = "tiny"
@@ -60,7 +61,7 @@ def main(argv: list[str]) -> int:
     setup_logging(args.log_level or (config.log_level if config else "info"))
     try:
         trio.run(serve, config, listen, control_listen, args.demo_replicas)
-    except ConfigError as exc:
+    except (ConfigError, IdentityStoreError) as exc:
         print(f"llmgw serve: {exc}", file=sys.stderr)
         return 2
     return 0
