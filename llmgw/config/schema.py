@@ -129,6 +129,13 @@ class AgentsConfig(Located):
     tokens: list[Text] = setting(factory=list, secret=True)  # more join tokens accepted (rotation)
     control_state_dir: Text | None = setting(None)  # node identities; default $XDG_STATE_HOME/llmgw/control
 
+    @property
+    def embedded_node_id(self) -> str:
+        """The embedded agent's node id: ``node_id``, or this machine's hostname."""
+        import socket
+
+        return self.node_id or socket.gethostname()
+
     @classmethod
     def _finish(cls, draft: Draft) -> None:
         if draft.known("heartbeat_interval", "suspect_after") and draft["suspect_after"] <= draft["heartbeat_interval"]:

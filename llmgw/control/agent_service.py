@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import socket
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -63,7 +62,7 @@ class SessionSettings:
 
     @classmethod
     def from_config(cls, agents) -> "SessionSettings":
-        reserved = frozenset([agents.node_id or socket.gethostname()]) if agents.embedded else frozenset()
+        reserved = frozenset([agents.embedded_node_id]) if agents.embedded else frozenset()
         return cls(token=agents.token, tokens=tuple(agents.tokens), reserved_node_ids=reserved,
                    heartbeat_interval=agents.heartbeat_interval, suspect_after=agents.suspect_after,
                    disconnected_after=agents.disconnected_after)

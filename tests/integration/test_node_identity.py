@@ -14,7 +14,6 @@ import os
 import signal
 import stat
 
-import pytest
 import trio
 import trio_websocket
 

@@ -18,22 +18,9 @@ from llmgw.control.identity import NodeIdentities
 from llmgw.control.inventory import Inventory
 from llmgw.control.metrics import ControlMetrics
 from llmgw.tls import TlsClientOptions
+from helpers import RecordingHandler
 
 TOKEN = "join-me"
-
-
-class Recorder:
-    def __init__(self, inventory):
-        self.inventory = inventory
-
-    def on_register(self, session, register):
-        return self.inventory.register(register, session)
-
-    def on_message(self, session, message):
-        pass
-
-    def on_end(self, session, reason):
-        self.inventory.session_ended(session.node_id, session, reason)
 
 
 @pytest.fixture
@@ -45,7 +32,7 @@ def ca():
 async def wss_control_plane(nursery, tmp_path, ca):
     """A TLS websocket server on 127.0.0.1 whose connections are served by a real AgentService; its wss URL."""
     inventory = Inventory()
-    service = AgentService(inventory, Recorder(inventory), SessionSettings(token=TOKEN),
+    service = AgentService(inventory, RecordingHandler(inventory), SessionSettings(token=TOKEN),
                            identities=NodeIdentities(tmp_path / "control"), metrics=ControlMetrics(CollectorRegistry()))
     await nursery.start(service.run)
     server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)

@@ -17,6 +17,7 @@ from llmgw.control.agent_service import AgentService, SessionSettings
 from llmgw.control.identity import IdentityStoreError, NodeIdentities, new_secret
 from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.metrics import ControlMetrics
+from helpers import RecordingHandler
 
 TOKEN = "join-t0ken"
 
@@ -82,24 +83,10 @@ def test_any_store_file_loads_or_raises_identity_store_error(tmp_path_factory, t
 # -- admission --------------------------------------------------------------------------------------------------------
 
 
-class Recorder:
-    def __init__(self, inventory):
-        self.inventory = inventory
-
-    def on_register(self, session, register):
-        return self.inventory.register(register, session)
-
-    def on_message(self, session, message):
-        pass
-
-    def on_end(self, session, reason):
-        self.inventory.session_ended(session.node_id, session, reason)
-
-
 @pytest.fixture
 async def service(nursery, tmp_path):
     inventory = Inventory()
-    service = AgentService(inventory, Recorder(inventory),
+    service = AgentService(inventory, RecordingHandler(inventory),
                            SessionSettings(token=TOKEN, reserved_node_ids=frozenset({"local"})),
                            identities=NodeIdentities(tmp_path), metrics=ControlMetrics(CollectorRegistry()))
     await nursery.start(service.run)

@@ -16,26 +16,10 @@ from llmgw.control.agent_service import AgentService, SessionSettings
 from llmgw.control.identity import NodeIdentities
 from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.metrics import ControlMetrics
+from helpers import RecordingHandler
 
 TOKEN = "t0p-s3cret"
 SETTINGS = SessionSettings(token=TOKEN, heartbeat_interval=5.0, suspect_after=15.0, disconnected_after=60.0)
-
-
-class RecordingHandler:
-    """The control plane's part, reduced to recording in the inventory."""
-
-    def __init__(self, inventory: Inventory):
-        self.inventory = inventory
-        self.messages: list[wire.Message] = []
-
-    def on_register(self, session, register):
-        return self.inventory.register(register, session)
-
-    def on_message(self, session, message):
-        self.messages.append(message)
-
-    def on_end(self, session, reason):
-        self.inventory.session_ended(session.node_id, session, reason)
 
 
 @pytest.fixture
