@@ -34,7 +34,7 @@ import trio
 
 from .. import wire
 from ..agent.channel import Channel, ChannelClosed
-from .identity import NodeIdentities, new_secret
+from .identity import MAX_NODE_ID, NodeIdentities, new_secret
 from .inventory import Inventory
 from .tasks import TaskHost
 
@@ -46,6 +46,7 @@ REFUSE_PROTOCOL = "protocol"
 REFUSE_TIMEOUT = "register_timeout"
 REFUSE_BAD_SECRET = "bad_node_secret"
 REFUSE_RESERVED = "reserved_node_id"
+REFUSE_NODE_LIMIT = "node_limit"
 
 
 @dataclass(frozen=True)
@@ -289,6 +290,11 @@ class AgentService(TaskHost):
                 self.joined(joining)  # the same agent again: it kept the secret
                 return None, ""
             return (REFUSE_BAD_SECRET, f"node id {node_id} is joining on another connection"), ""
+        if len(node_id) > MAX_NODE_ID or not node_id.isprintable():
+            return (REFUSE_PROTOCOL, f"a node id is at most {MAX_NODE_ID} printable characters"), ""
+        if self.identities.full or len(self._joining) >= self.identities.max_nodes:
+            return (REFUSE_NODE_LIMIT, f"{self.identities.max_nodes} node identities are stored already: forget retired nodes "
+                                       "(POST /admin/nodes/ID/forget)"), ""
         matched = False
         for token in settings.join_tokens:  # every one compared, in constant time
             matched |= hmac.compare_digest(register.token.encode(), token.encode())

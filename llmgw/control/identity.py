@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 STORE_VERSION = 1
 STORE_NAME = "nodes.json"
+MAX_NODES = 10_000  # identities kept: a join-token holder cannot grow the file (and its rewrites) without bound
+MAX_NODE_ID = 253  # characters (a DNS name's)
 
 
 class IdentityStoreError(Exception):
@@ -69,8 +71,9 @@ class Identity:
 class NodeIdentities:
     """The node id -> secret bindings and the placement key, persisted in ``directory/nodes.json``."""
 
-    def __init__(self, directory: Path | str):
+    def __init__(self, directory: Path | str, max_nodes: int = MAX_NODES):
         self.path = Path(directory) / STORE_NAME
+        self.max_nodes = max_nodes
         self._nodes: dict[str, Identity] = {}
         self._placement_key: bytes | None = None
         self._load()
@@ -82,6 +85,10 @@ class NodeIdentities:
 
     def node_ids(self) -> list[str]:
         return sorted(self._nodes)
+
+    @property
+    def full(self) -> bool:
+        return len(self._nodes) >= self.max_nodes
 
     def verify(self, node_id: str, secret: str) -> bool:
         """``secret`` is the one issued to ``node_id`` (constant time; False for an unknown node)."""

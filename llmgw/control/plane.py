@@ -59,6 +59,7 @@ class ControlPlane:
         self.metrics = ControlMetrics(gateway.metrics.registry)
         self.kv_metrics = KvMetrics.for_registry(gateway.metrics.registry)
         self._kv_refusals_told: set[tuple[str, str, str]] = set()
+        self._unproven_told: set[tuple[str, str]] = set()  # (node, shard): logged and told once per session
         self.inventory = Inventory(on_change=self.request_reconcile, metrics=self.metrics)
         self.identities = NodeIdentities(config.agents.control_state_dir or default_control_state_dir())
         self.agents = AgentService(self.inventory, self, SessionSettings.from_config(config.agents),
@@ -242,6 +243,7 @@ class ControlPlane:
                 if assignment.leader.node_id == session.node_id:
                     index.forget(assignment.replica_id)
         self._kv_refusals_told = {k for k in self._kv_refusals_told if k[0] != session.node_id}
+        self._unproven_told = {k for k in self._unproven_told if k[0] != session.node_id}
         self.inventory.session_ended(session.node_id, session, reason)
 
     def _own_shard(self, session: AgentSession, shard_id: str) -> bool:
@@ -262,10 +264,13 @@ class ControlPlane:
                 or self.identities.proven(session.node_id, report):
             return True
         if report.state.alive:
-            message = (f"shard {report.shard_id} (replica {report.replica_id or '?'}) has no valid placement proof "
-                       f"for node {session.node_id}: it is not adopted")
-            self.agents.refused(REFUSE_UNPROVEN, f"node {session.node_id} ({session.peer}): refused: {message}")
-            session.post(wire.ErrorMessage(code=REFUSE_UNPROVEN, message=message, about=report.shard_id))
+            self.metrics.agent_refused.labels(REFUSE_UNPROVEN).inc()
+            if (session.node_id, report.shard_id) not in self._unproven_told:  # a node may repeat it every status
+                self._unproven_told.add((session.node_id, report.shard_id))
+                message = (f"shard {report.shard_id} (replica {report.replica_id or '?'}) has no valid placement "
+                           f"proof for node {session.node_id}: it is not adopted")
+                log.warning("node %s (%s): refused: %s", session.node_id, session.peer, message)
+                session.post(wire.ErrorMessage(code=REFUSE_UNPROVEN, message=message, about=report.shard_id))
         return False
 
     # -- views for the admin API ---------------------------------------------------------------------------------

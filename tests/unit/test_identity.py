@@ -198,3 +198,16 @@ async def test_forgetting_a_node_closes_its_session_and_lets_a_new_machine_take_
     _, reply = await connect(service, nursery, wire.Register(node_id="a", token=TOKEN))
     assert reply.accepted and reply.node_secret != secret
     assert not service.forget("nobody")
+
+
+async def test_node_ids_are_bounded_in_length_and_in_number(service, nursery, autojump_clock):
+    _, reply = await connect(service, nursery, wire.Register(node_id="n" * 254, token=TOKEN))
+    assert not reply.accepted and reply.reason.startswith("protocol")
+    _, reply = await connect(service, nursery, wire.Register(node_id="bad\nid", token=TOKEN))
+    assert not reply.accepted and reply.reason.startswith("protocol")
+    service.identities.max_nodes = 2
+    await join(service, nursery, "one")
+    await join(service, nursery, "two")
+    _, reply = await connect(service, nursery, wire.Register(node_id="three", token=TOKEN))
+    assert not reply.accepted and reply.reason.startswith("node_limit")
+    assert refused(service, "node_limit") == 1
