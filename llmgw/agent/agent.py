@@ -34,6 +34,7 @@ import functools
 import logging
 import os
 import socket
+import ssl
 import time
 from pathlib import Path
 from typing import Callable
@@ -184,8 +185,9 @@ class Agent:
         if self.connected:
             self.announce(f"llmgw-agent {self.node_id} disconnected from {self.connector.url}: {why}; "
                           "reconnecting (engines keep running)")
-        else:
-            log.info("cannot reach %s (%s); retrying in %.2gs", self.connector.url, why, delay)
+        else:  # a certificate problem needs a human: said louder than a control plane not up yet
+            level = logging.WARNING if isinstance(error, ssl.SSLError) else logging.INFO
+            log.log(level, "cannot reach %s (%s); retrying in %.2gs", self.connector.url, why, delay)
         self.connected = False
 
     # -- one connection ------------------------------------------------------------------------------------------
