@@ -273,6 +273,8 @@ class AgentService(TaskHost):
         node_id = register.node_id
         if not settings.join_tokens:
             return (REFUSE_NO_TOKEN, "this control plane admits no remote agents (agents.token is not set)"), ""
+        if len(node_id) > MAX_NODE_ID or not node_id.isprintable():
+            return (REFUSE_PROTOCOL, f"a node id is at most {MAX_NODE_ID} printable characters"), ""
         node = self.inventory.nodes.get(node_id)
         if node_id in settings.reserved_node_ids or (node is not None and node.session is not None
                                                      and node.session.trusted):
@@ -290,11 +292,9 @@ class AgentService(TaskHost):
                 self.joined(joining)  # the same agent again: it kept the secret
                 return None, ""
             return (REFUSE_BAD_SECRET, f"node id {node_id} is joining on another connection"), ""
-        if len(node_id) > MAX_NODE_ID or not node_id.isprintable():
-            return (REFUSE_PROTOCOL, f"a node id is at most {MAX_NODE_ID} printable characters"), ""
         if self.identities.full or len(self._joining) >= self.identities.max_nodes:
-            return (REFUSE_NODE_LIMIT, f"{self.identities.max_nodes} node identities are stored already: forget retired nodes "
-                                       "(POST /admin/nodes/ID/forget)"), ""
+            return (REFUSE_NODE_LIMIT, f"{self.identities.max_nodes} node identities are stored already: forget "
+                                       "retired nodes (POST /admin/nodes/ID/forget)"), ""
         matched = False
         for token in settings.join_tokens:  # every one compared, in constant time
             matched |= hmac.compare_digest(register.token.encode(), token.encode())

@@ -115,7 +115,11 @@ class NodeIdentities:
         """The proof that ``shard`` (its id, replica, rank, generation, fingerprint) was placed on ``node_id``."""
         if self._placement_key is None:
             self._placement_key = secrets.token_bytes(32)
-            self._save()
+            try:
+                self._save()
+            except OSError as exc:  # proofs still work until a restart; engines are then restarted, not adopted
+                log.error("cannot store the placement key in %s (%s): after a restart of the control plane, the "
+                          "engines it starts now cannot be adopted", self.path, exc)
         fields = (node_id, shard.shard_id, shard.replica_id, str(shard.rank), str(shard.generation),
                   shard.fingerprint)
         return hmac.new(self._placement_key, "\0".join(fields).encode(), hashlib.sha256).hexdigest()

@@ -74,7 +74,8 @@ class ControlPlane:
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        grace = 0.0 if not SessionSettings.from_config(self.config.agents).join_tokens else self.config.agents.heartbeat_interval + 1.0
+        remote = bool(SessionSettings.from_config(self.config.agents).join_tokens)
+        grace = self.config.agents.heartbeat_interval + 1.0 if remote else 0.0
         self.reconciler.place_after = trio.current_time() + grace
         async with trio.open_nursery() as nursery:
             await nursery.start(self.agents.run)
@@ -133,7 +134,8 @@ class ControlPlane:
         log.info("%s", action.describe())
         if isinstance(action, Command):
             node = self.inventory.nodes.get(action.node_id)
-            if node is None or node.session is None or not node.session.post(self._with_proof(node, action.message)):
+            session = node.session if node is not None else None
+            if session is None or not session.post(self._with_proof(node, action.message)):
                 log.warning("could not send %s to %s: its session is gone (it is sent again when it reconnects)",
                             action.kind, action.node_id)
 

@@ -1,4 +1,4 @@
-"""Hostile agents: `llmgw serve` and real `llmgw agent` processes, and impostors holding the join token on raw websockets.
+"""Hostile agents: `llmgw serve`, real `llmgw agent` processes, and impostors with the join token on raw websockets.
 
 An impostor can neither take over a node (its session, its StartShard secrets)
 nor get a replica routed to its endpoint by a forged report; a real agent

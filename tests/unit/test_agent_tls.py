@@ -1,4 +1,4 @@
-"""The agent link over TLS: ``wss://`` to a real trio-websocket TLS server running the agent service (test CA: trustme)."""
+"""The agent link over TLS: ``wss://`` to a real trio-websocket TLS server running the agent service (CA: trustme)."""
 
 from __future__ import annotations
 
