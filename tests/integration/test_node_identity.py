@@ -3,7 +3,9 @@
 An impostor can neither take over a node (its session, its StartShard secrets)
 nor get a replica routed to its endpoint by a forged report; a real agent
 reconnects with its node secret, across a control-plane restart and a join
-token rotation, without its engine being restarted.
+token rotation, without its engine being restarted; and it joins over
+``wss://`` trusting only its CA file (through a TLS terminator in front of the
+control listener).
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import functools
 import json
 import os
 import signal
+import ssl
 import stat
 
 import trio
 import trio_websocket
+import trustme
 
 from llmgw import wire
 from llmgw.agent.discovery import discover
@@ -249,3 +253,58 @@ async def test_identities_survive_a_restart_and_a_token_rotation_keeps_sessions_
     await cluster.start_agent("b", "tiny-2gpu-b", token="n3w-token", state_dir=rebuilt)
     assert await cluster.node_is("b", "connected")
     assert (await cluster.http.post(cluster.control_url + "/admin/nodes/nobody/forget")).status_code == 404
+
+
+async def start_tls_proxy(nursery: trio.Nursery, server_context, target_port: int) -> int:
+    """A TLS terminator on 127.0.0.1 in front of the plain control listener (as a TLS load balancer would be)."""
+
+    async def pump(source, sink):
+        try:
+            while data := await source.receive_some(65536):
+                await sink.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            await sink.aclose()
+
+    async def handler(client):
+        try:
+            async with client, await trio.open_tcp_stream("127.0.0.1", target_port) as upstream:
+                async with trio.open_nursery() as pumps:
+                    pumps.start_soon(pump, client, upstream)
+                    pumps.start_soon(pump, upstream, client)
+        except (trio.BrokenResourceError, OSError):
+            pass  # a client that failed its handshake
+
+    listeners = await nursery.start(functools.partial(trio.serve_ssl_over_tcp, handler, 0, server_context,
+                                                      host="127.0.0.1"))
+    return listeners[0].transport_listener.socket.getsockname()[1]
+
+
+async def test_a_real_agent_joins_over_wss_trusting_only_its_ca_file(cluster, nursery):
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_context)
+    ca_file = cluster.tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    cluster.write_config(AGENTS)
+    await cluster.start_serve()
+    port = await start_tls_proxy(nursery, server_context, int(cluster.control_url.rsplit(":", 1)[1]))
+    wss = f"wss://127.0.0.1:{port}"
+
+    joined = await cluster.start_agent("a", "tiny-2gpu-a", join=wss, extra=["--ca-file", str(ca_file)])
+    assert any(f"connected to {wss}/agent" in line for line in joined.lines)
+    assert await cluster.node_is("a", "connected")
+    assert (cluster.tmp_path / "agent-a" / "node-secret").exists()
+
+    # Without the CA file the system store does not vouch for the certificate: it never registers, and says why.
+    untrusting = await cluster.start_agent("b", "tiny-2gpu-b", join=wss, ready="certificate verification failed")
+    assert "b" not in await cluster.nodes()
+    untrusting.kill()
+
+    insecure = await cluster.start_agent("c", "tiny-2gpu-b", join=wss, extra=["--insecure-skip-verify"])
+    assert any("--insecure-skip-verify" in line and "NOT verified" in line for line in insecure.lines)
+
+    bad = await cluster.start_agent("d", "tiny-2gpu-b", join="ws://127.0.0.1:1", extra=["--ca-file", str(ca_file)],
+                                    ready="llmgw agent: ")
+    assert await bad.wait_exit() == 2 and "need a wss://" in bad.output()
