@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import socket
 from dataclasses import dataclass
 
 import trio
@@ -114,7 +113,7 @@ class Gateway:
         from .agent.channel import InProcessConnector
 
         agents = self.config.agents
-        node_id = agents.node_id or socket.gethostname()
+        node_id = agents.embedded_node_id
         self.embedded_agent = Agent(InProcessConnector(self.control.agents.accept_in_process, f"embedded agent "
                                                        f"{node_id}"), node_id=node_id,
                                     discovery=self.embedded_discovery, state_dir=agents.state_dir,

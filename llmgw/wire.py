@@ -212,6 +212,7 @@ class ShardReport:
     model: str = ""  # served model name
     started_at: float = 0.0
     log_tail: list[str] = field(default_factory=list)
+    placement_proof: str = field(default="", repr=False)  # from the StartShard: see llmgw.control.identity
 
 
 # -- messages ---------------------------------------------------------------------------------------------------------
@@ -247,6 +248,7 @@ class Register(Message):
     storage: list[StorageInfo] = field(default_factory=list)
     local_weights: list[LocalWeights] = field(default_factory=list)
     shards: list[ShardReport] = field(default_factory=list)
+    node_secret: str = field(default="", repr=False)  # issued at the first join; proves the node id after it
 
 
 @dataclass
@@ -258,6 +260,7 @@ class Registered(Message):
     node_id: str = ""
     heartbeat_interval: float = 5.0
     control_plane_id: str = ""
+    node_secret: str = field(default="", repr=False)  # set on a node's first join: the agent keeps it
 
 
 @dataclass
@@ -291,6 +294,7 @@ class StartShard(Message):
     generation: int = 0
     engine_api_key: str = field(default="", repr=False)
     cpu_threads: int = 0
+    placement_proof: str = field(default="", repr=False)  # reported back with the shard, for adoption
 
 
 @dataclass

@@ -12,6 +12,13 @@ from llmgw.processes import Child, run_child, start_serve
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def private_state_home(tmp_path, monkeypatch):
+    """Default state folders (the control plane's node identities, agents' ledgers) in the test's own tmp_path,
+    never the user's home, and never shared between tests (node ids repeat across tests)."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg-state"))
+
+
 @pytest.fixture
 def start_fake_upstream(nursery):
     """``await start_fake_upstream(name, port=0, chunks=50)`` -> a running fake OpenAI upstream (a Child)."""

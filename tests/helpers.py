@@ -65,3 +65,18 @@ def assert_openai_error(response: httpx.Response, status: int, code: str | None 
     if code is not None:
         assert error["code"] == code
     return error
+class RecordingHandler:
+    """The control plane's part of an agent service, reduced to recording in the inventory."""
+
+    def __init__(self, inventory):
+        self.inventory = inventory
+        self.messages: list[wire.Message] = []
+
+    def on_register(self, session, register):
+        return self.inventory.register(register, session)
+
+    def on_message(self, session, message):
+        self.messages.append(message)
+
+    def on_end(self, session, reason):
+        self.inventory.session_ended(session.node_id, session, reason)

@@ -8,8 +8,11 @@ them because a connection ended), and a connection loop beside it:
    for the embedded agent: same code, see :mod:`llmgw.agent.channel`);
 2. send Register: discovery, the join token, and every shard it runs
    (``ShardManager.reports()``), so they can be adopted;
-3. wait for Registered (refused for a bad token: the agent stops, since
-   retrying cannot help);
+3. wait for Registered (refused for a bad token or node secret: the agent
+   stops, since retrying cannot help). On the node's first join, Registered
+   carries the node's secret: it is written to ``STATE_DIR/node-secret``
+   (mode 0600) before anything else is sent, and presented in every later
+   Register (see :mod:`llmgw.control.identity`);
 4. then, in a session nursery: a reader that carries out StartShard,
    StopShard and DrainShard (stops and drains run in the agent's nursery, so
    a dropped connection does not interrupt them) under a deadline on every
@@ -31,6 +34,7 @@ import functools
 import logging
 import os
 import socket
+import ssl
 import time
 from pathlib import Path
 from typing import Callable
@@ -49,6 +53,7 @@ BACKOFF_FIRST = 0.05
 BACKOFF_CAP = 5.0
 REGISTER_TIMEOUT = 10.0
 OUTBOX_SIZE = 256
+SECRET_FILE = "node-secret"
 
 
 class AgentRefused(Exception):
@@ -185,8 +190,9 @@ class Agent:
         if self.connected:
             self.announce(f"llmgw-agent {self.node_id} disconnected from {self.connector.url}: {why}; "
                           "reconnecting (engines keep running)")
-        else:
-            log.info("cannot reach %s (%s); retrying in %.2gs", self.connector.url, why, delay)
+        else:  # a certificate problem needs a human: said louder than a control plane not up yet
+            level = logging.WARNING if isinstance(error, ssl.SSLError) else logging.INFO
+            log.log(level, "cannot reach %s (%s); retrying in %.2gs", self.connector.url, why, delay)
         self.connected = False
 
     # -- one connection ------------------------------------------------------------------------------------------
@@ -199,6 +205,8 @@ class Agent:
             raise wire.WireError(f"expected Registered, got {type(reply).__name__}")
         if not reply.accepted:
             raise AgentRefused(reply.reason or "no reason given")
+        if reply.node_secret:
+            self._save_secret(reply.node_secret)  # before any other message: that one tells it was kept
         self.heartbeat_interval = reply.heartbeat_interval
         self.connected = True
         self.sessions += 1
@@ -221,10 +229,23 @@ class Agent:
     async def _register_message(self) -> wire.Register:
         register = await self._discover()
         register.token = self.token
+        register.node_secret = self._load_secret()
         register.agent_version = register.agent_version or __version__
         self._pending.clear()  # the Register carries the current state of every shard
         register.shards = self.shards.reports()
         return register
+
+    def _load_secret(self) -> str:
+        try:
+            return (self.state_dir / SECRET_FILE).read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            return ""
+
+    def _save_secret(self, secret: str) -> None:
+        from ..private_file import write_private
+
+        write_private(self.state_dir / SECRET_FILE, secret.encode() + b"\n")
+        log.info("node %s joined: its node secret is in %s", self.node_id, self.state_dir / SECRET_FILE)
 
     async def _read(self, channel: Channel, outbox: trio.MemorySendChannel, interval: float) -> None:
         silence_limit = max(3 * interval, interval + 5.0)

@@ -17,7 +17,8 @@ under a deadline by the caller, and a lost peer shows up as
 :class:`ChannelClosed` from either call.
 
 An agent reaches the control plane through a *connector*:
-:class:`WebSocketConnector` dials ``ws://HOST:PORT/agent``;
+:class:`WebSocketConnector` dials ``ws://HOST:PORT/agent`` (or ``wss://``,
+trusting the server as :class:`llmgw.tls.TlsClientOptions` say);
 :class:`InProcessConnector` hands a fresh memory channel pair to the in-process
 agent service.
 """
@@ -26,13 +27,15 @@ from __future__ import annotations
 
 import copy
 import logging
-from contextlib import asynccontextmanager
+import ssl
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import AsyncIterator, Awaitable, Callable, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 import trio
 
 from .. import wire
+from ..tls import TlsClientOptions, client_context, describe_tls_error
 
 log = logging.getLogger(__name__)
 
@@ -176,19 +179,45 @@ def agent_url(join: str) -> str:
 
 
 class WebSocketConnector:
-    """Dials the control plane's agent websocket."""
+    """Dials the control plane's agent websocket; over TLS for a ``wss://`` (or ``https://``) URL."""
 
-    def __init__(self, join: str, connect_timeout: float = 10.0):
+    def __init__(self, join: str, connect_timeout: float = 10.0, tls: TlsClientOptions | None = None):
         self.url = agent_url(join)
         self.connect_timeout = connect_timeout
+        self.ssl_context = None
+        if self.url.startswith("wss://"):
+            self.ssl_context = client_context(tls)  # OSError/ssl.SSLError: a CA or key file that cannot be used
+        elif tls is not None:
+            raise ValueError(f"TLS options need a wss:// (or https://) control-plane URL, not {self.url}")
 
     @asynccontextmanager
     async def connect(self) -> AsyncIterator[Channel]:
-        from trio_websocket import open_websocket_url
+        from trio_websocket import ConnectionTimeout, open_websocket_url
 
-        async with open_websocket_url(self.url, connect_timeout=self.connect_timeout, disconnect_timeout=2.0,
-                                      max_message_size=MAX_FRAME_BYTES) as ws:
+        async with AsyncExitStack() as stack:
+            try:
+                ws = await stack.enter_async_context(open_websocket_url(
+                    self.url, ssl_context=self.ssl_context, connect_timeout=self.connect_timeout,
+                    disconnect_timeout=2.0, max_message_size=MAX_FRAME_BYTES))
+            except ConnectionTimeout:
+                if self.ssl_context is not None:
+                    await self._diagnose_tls()
+                raise
             yield websocket_channel(ws, f"control plane {self.url}")
+
+    async def _diagnose_tls(self) -> None:
+        """trio-websocket reports a failed TLS handshake as a timeout: try one to say what is wrong (a certificate
+        the CA file does not vouch for, most often)."""
+        parts = urlsplit(self.url)
+        with trio.move_on_after(self.connect_timeout):
+            try:
+                stream = await trio.open_ssl_over_tcp_stream(parts.hostname, parts.port or 443,
+                                                             ssl_context=self.ssl_context)
+                async with stream:
+                    await stream.do_handshake()
+            except (OSError, trio.BrokenResourceError) as exc:
+                cause = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) and exc.__cause__ else exc
+                raise ssl.SSLError(f"{self.url}: {describe_tls_error(cause)}") from cause
 
 
 class InProcessConnector:

@@ -28,6 +28,7 @@ from pathlib import Path
 import msgpack
 
 from .. import wire
+from ..private_file import write_private
 from ..procgroup import process_start_time
 
 log = logging.getLogger(__name__)
@@ -144,17 +145,4 @@ class Ledger:
 
     def _save(self) -> None:
         body = {"version": LEDGER_VERSION, "shards": {sid: e.to_json() for sid, e in self._entries.items()}}
-        data = json.dumps(body, indent=1, sort_keys=True).encode()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with open(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, self.path)
-        directory = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        write_private(self.path, json.dumps(body, indent=1, sort_keys=True).encode())

@@ -291,7 +291,7 @@ class ShardSupervisor:
             state=self.state, reason=self.reason, pid=self.pid, http_port=self.http_port, endpoint=self.endpoint,
             fingerprint=spec.fingerprint, generation=spec.generation, gpu_indices=list(spec.gpu_indices),
             restarts=self.restarts, model=self._readiness.served_model_name, started_at=self.started_at,
-            log_tail=list(self._log_tail))
+            log_tail=list(self._log_tail), placement_proof=spec.placement_proof)
 
     # -- commands ------------------------------------------------------------------------------------------------
 

@@ -7,6 +7,12 @@ control plane's: stopping the agent (SIGINT/SIGTERM) leaves its engines
 running for the next agent to adopt. It prints one line per connection
 change: ``llmgw-agent NODE connected to URL``, ``... disconnected ...``,
 ``... refused ...`` (exit code 3).
+
+On its first join the control plane issues the node a secret, kept in
+``STATE_DIR/node-secret``: later connections prove it, and the join token
+alone no longer opens this node id. ``--join wss://...`` dials over TLS,
+trusting the control plane's certificate as ``--ca-file`` (default: the
+system store), with ``--client-cert``/``--client-key`` for mutual TLS.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import trio
 from .. import listening
 from ..logsetup import add_logging_arguments, setup_logging
 from ..usererrors import run_reporting
+from ..agent.channel import WebSocketConnector
+from ..tls import TlsClientOptions
 
 log = logging.getLogger("llmgw.agent")
 EXIT_REFUSED = 3
@@ -49,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stop this node's engines when the agent exits (by default they keep running, to be "
                              "adopted by the next agent on the state dir; 'llmgw down --state-dir DIR' stops them)")
     add_logging_arguments(parser)
+    parser.add_argument("--ca-file", default=None,
+                        help="wss:// only: the CA bundle that signed the control plane's certificate "
+                             "(default: the system trust store)")
+    parser.add_argument("--client-cert", default=None, help="wss:// only: a client certificate (PEM) for mutual TLS")
+    parser.add_argument("--client-key", default=None, help="wss:// only: the client certificate's key (PEM)")
+    parser.add_argument("--insecure-skip-verify", action="store_true",
+                        help="wss:// only: do not verify the control plane's certificate (anyone on the path can "
+                             "then read the join token, the node secret and every shard's secrets)")
     return parser
 
 
@@ -74,13 +90,17 @@ def main(argv: list[str]) -> int:
         labels = parse_labels(args.label)
         if args.address is not None:  # the node's engines listen there: it must be an address of this machine
             listening.check_bindable(args.address)
-        agent = Agent(args.join, token=args.token, node_id=args.node_id or socket.gethostname(),
+        connector = WebSocketConnector(args.join, tls=tls_options(args))
+        agent = Agent(connector, token=args.token, node_id=args.node_id or socket.gethostname(),
                       discovery=args.discovery, state_dir=args.state_dir, labels=labels, address=args.address,
                       announce=lambda line: print(line, flush=True))
-    except (ValueError, listening.CannotListen) as exc:
+    except (ValueError, OSError, listening.CannotListen) as exc:  # ssl.SSLError is an OSError
         print(f"llmgw agent: {exc}", file=sys.stderr)
         return 2
     setup_logging(args.log_level, args.log_format)
+    if args.insecure_skip_verify:
+        log.warning("--insecure-skip-verify: the control plane's certificate is NOT verified; anyone on the path "
+                    "can impersonate it and read the join token, this node's secret and its shards' secrets")
     try:
         return run_reporting("llmgw agent", lambda: trio.run(run, agent, args.stop_engines))  # busy state dir: exit 2
     except BaseExceptionGroup as group:
@@ -91,6 +111,16 @@ def main(argv: list[str]) -> int:
             raise
         print(f"llmgw agent: {bad_discovery.exceptions[0]}", file=sys.stderr)
         return 2
+
+
+def tls_options(args: argparse.Namespace) -> TlsClientOptions | None:
+    """The agent link's TLS trust options, or None when none was given."""
+    if args.client_key and not args.client_cert:
+        raise ValueError("--client-key needs --client-cert")
+    if not (args.ca_file or args.client_cert or args.insecure_skip_verify):
+        return None
+    return TlsClientOptions(ca_file=args.ca_file, cert_file=args.client_cert, key_file=args.client_key,
+                            verify=not args.insecure_skip_verify)
 
 
 async def run(agent, stop_engines: bool = False) -> None:

@@ -24,6 +24,7 @@ from ..config import ConfigError, HostPort, parse_config
 from ..logsetup import add_logging_arguments, setup_logging
 from ..plugins_manager import load_checked_config
 from ..usererrors import run_reporting
+from ..control.identity import IdentityStoreError
 
 log = logging.getLogger("llmgw.serve")
 DEMO_MODEL = "tiny"
@@ -79,7 +80,7 @@ def main(argv: list[str]) -> int:
     try:
         return run_reporting("llmgw serve", lambda: trio.run(serve, config, listen, control_listen,
                                                              args.demo_replicas, args.stop_engines))
-    except ConfigError as exc:
+    except (ConfigError, IdentityStoreError) as exc:
         print(f"llmgw serve: {exc}", file=sys.stderr)
         return 2
 

@@ -117,7 +117,8 @@ def _check_agent_token(draft: Draft) -> None:
     if not draft.known("deployments", "agents") or not draft["deployments"]:
         return
     agents = draft["agents"]
-    if not known(agents.embedded, agents.token) or agents.embedded or agents.token is not None:
+    if not known(agents.embedded, agents.token, agents.tokens) or agents.embedded or agents.token is not None \
+            or agents.tokens:
         return
     message = ("agents.token is required for remote agents (deployments run on agents); "
                "set one, or set agents.embedded: true to run them on this machine only")

@@ -138,6 +138,15 @@ class AgentsConfig(Located):
     disconnected_after: PositiveDuration = setting(60.0)
     node_id: Text | None = setting(None)
     state_dir: Text | None = setting(None)
+    tokens: list[Text] = setting(factory=list, secret=True)  # more join tokens accepted (rotation)
+    control_state_dir: Text | None = setting(None)  # node identities; default $XDG_STATE_HOME/llmgw/control
+
+    @property
+    def embedded_node_id(self) -> str:
+        """The embedded agent's node id: ``node_id``, or this machine's hostname."""
+        import socket
+
+        return self.node_id or socket.gethostname()
 
     @classmethod
     def _finish(cls, draft: Draft) -> None:

@@ -1,17 +1,22 @@
 """The agent service: admits agents on ``/agent`` (or in-process) and owns one session per connected agent.
 
-A connection's first message must be a Register carrying the join token
-(``agents.token``, compared in constant time); anything else is answered with
-``Registered(accepted=False)`` and closed, counted in
-``llmgw_agent_refused_total{reason}`` and logged without the token. The
-embedded agent's in-process channel is trusted (it is this process).
+A connection's first message must be a Register. A node id that has joined
+before must prove its node secret (:mod:`llmgw.control.identity`); a new one
+must carry a join token (``agents.token`` or one of ``agents.tokens``,
+compared in constant time), and is issued its node secret in the answer. Its
+binding is stored once the agent speaks again (so a reply lost on the way does
+not lock the node out); meanwhile nobody else can take that id. Anything else
+is answered with ``Registered(accepted=False)`` and closed, counted in
+``llmgw_agent_refused_total{reason}`` and logged with the peer's address and
+without the token or secret. The embedded agent's in-process channel is
+trusted (it is this process), and no remote agent can take its node id.
 
 An :class:`AgentSession` owns, in its own nursery, a reader (every receive under
 a deadline: silence past ``suspect_after`` makes the node suspect, past
 ``disconnected_after`` ends the session), a writer (the only task that sends,
 fed through a bounded memory channel, so no send is ever cancelled mid-frame
 by a producer) and a heartbeat. A second connection with the same node id
-replaces the first, which is closed.
+(which proved the node's secret) replaces the first, which is closed.
 
 What the messages *mean* (shard reports, KV changes) is the business of the
 ``handler`` (the control plane); this module only moves them.
@@ -29,6 +34,7 @@ import trio
 
 from .. import wire
 from ..agent.channel import Channel, ChannelClosed
+from .identity import MAX_NODE_ID, NodeIdentities, new_secret
 from .inventory import Inventory
 from .tasks import TaskHost
 
@@ -38,11 +44,16 @@ REFUSE_BAD_TOKEN = "bad_token"
 REFUSE_NO_TOKEN = "no_token_configured"
 REFUSE_PROTOCOL = "protocol"
 REFUSE_TIMEOUT = "register_timeout"
+REFUSE_BAD_SECRET = "bad_node_secret"
+REFUSE_RESERVED = "reserved_node_id"
+REFUSE_NODE_LIMIT = "node_limit"
 
 
 @dataclass(frozen=True)
 class SessionSettings:
     token: str | None = None
+    tokens: tuple[str, ...] = ()  # more join tokens accepted beside ``token`` (rotation)
+    reserved_node_ids: frozenset[str] = frozenset()  # the embedded agent's: never admitted from a remote session
     heartbeat_interval: float = 5.0
     suspect_after: float = 15.0
     disconnected_after: float = 60.0
@@ -52,8 +63,14 @@ class SessionSettings:
 
     @classmethod
     def from_config(cls, agents) -> "SessionSettings":
-        return cls(token=agents.token, heartbeat_interval=agents.heartbeat_interval,
-                   suspect_after=agents.suspect_after, disconnected_after=agents.disconnected_after)
+        reserved = frozenset([agents.embedded_node_id]) if agents.embedded else frozenset()
+        return cls(token=agents.token, tokens=tuple(agents.tokens), reserved_node_ids=reserved,
+                   heartbeat_interval=agents.heartbeat_interval, suspect_after=agents.suspect_after,
+                   disconnected_after=agents.disconnected_after)
+
+    @property
+    def join_tokens(self) -> tuple[str, ...]:
+        return ((self.token,) if self.token is not None else ()) + self.tokens
 
 
 class SessionHandler(Protocol):
@@ -79,6 +96,7 @@ class AgentSession:
         self.trusted = trusted
         self.peer = channel.peer
         self.end_reason = ""
+        self.pending_secret = ""  # issued to a new node, bound once it speaks again
         self._scope = trio.CancelScope()
         self._outbox_send, self._outbox_receive = trio.open_memory_channel(service.settings.outbox_size)
         self._last_heard = trio.current_time()
@@ -135,6 +153,8 @@ class AgentSession:
                 continue
             self._last_heard = trio.current_time()
             self._suspect = False
+            if self.pending_secret:
+                self.service.joined(self)
             inventory.heard_from(self.node_id, self)
             if not isinstance(message, wire.WireError):
                 self._dispatch(message)
@@ -177,12 +197,14 @@ class AgentService(TaskHost):
     not_running = "the agent service is not running"
 
     def __init__(self, inventory: Inventory, handler: SessionHandler, settings: SessionSettings, *,
-                 metrics=None, control_plane_id: str = ""):
+                 identities: NodeIdentities, metrics=None, control_plane_id: str = ""):
         self.inventory = inventory
         self.handler = handler
         self.settings = settings
+        self.identities = identities
         self.metrics = metrics
         self.control_plane_id = control_plane_id
+        self._joining: dict[str, AgentSession] = {}  # new node id -> the session its secret was issued on
 
     async def accept_in_process(self, channel: Channel) -> None:
         """Serve the control plane's end of an in-process channel (the embedded agent), trusted."""
@@ -197,6 +219,8 @@ class AgentService(TaskHost):
             try:
                 await session.run()
             finally:
+                if self._joining.get(session.node_id) is session:
+                    del self._joining[session.node_id]
                 reason = session.end_reason or "connection closed"
                 log.info("session of node %s (%s) ended: %s", session.node_id, session.peer, reason)
                 self.handler.on_end(session, reason)
@@ -220,24 +244,89 @@ class AgentService(TaskHost):
         if not isinstance(first, wire.Register) or not first.node_id:
             await self._refuse(channel, REFUSE_PROTOCOL, "the first message must be a Register with a node id")
             return None
+        issued = ""
         if not trusted:
-            if settings.token is None:
-                await self._refuse(channel, REFUSE_NO_TOKEN, "this control plane admits no remote agents "
-                                   "(agents.token is not set)", first.node_id)
-                return None
-            if not hmac.compare_digest(first.token.encode(), settings.token.encode()):
-                await self._refuse(channel, REFUSE_BAD_TOKEN, "wrong join token", first.node_id)
+            refusal, issued = self._authenticate(first)
+            if refusal is not None:
+                await self._refuse(channel, refusal[0], refusal[1], first.node_id)
                 return None
         session = AgentSession(self, channel, first.node_id, trusted)
+        if issued:
+            session.pending_secret = issued
+            self._joining[first.node_id] = session
+            log.info("node %s joins for the first time from %s with a join token: issued its node secret",
+                     first.node_id, channel.peer)
         session.post(wire.Registered(accepted=True, node_id=first.node_id,
                                      heartbeat_interval=settings.heartbeat_interval,
-                                     control_plane_id=self.control_plane_id))
+                                     control_plane_id=self.control_plane_id, node_secret=issued))
         log.info("node %s registered from %s (%d GPUs, %d running shards)", first.node_id, channel.peer,
                  len(first.gpus), len(first.shards))
         previous = self.handler.on_register(session, first)  # may queue refusals: after Registered
         if previous is not None and previous is not session:
             previous.close(f"replaced by a new connection from {channel.peer}")
         return session
+
+    def _authenticate(self, register: wire.Register) -> tuple[tuple[str, str] | None, str]:
+        """``(None, secret to issue or "")`` for a remote Register that may open a session, else
+        ``((reason, message), "")``."""
+        settings = self.settings
+        node_id = register.node_id
+        if not settings.join_tokens:
+            return (REFUSE_NO_TOKEN, "this control plane admits no remote agents (agents.token is not set)"), ""
+        if len(node_id) > MAX_NODE_ID or not node_id.isprintable():
+            return (REFUSE_PROTOCOL, f"a node id is at most {MAX_NODE_ID} printable characters"), ""
+        node = self.inventory.nodes.get(node_id)
+        if node_id in settings.reserved_node_ids or (node is not None and node.session is not None
+                                                     and node.session.trusted):
+            return (REFUSE_RESERVED, f"node id {node_id} is this control plane's embedded agent"), ""
+        if self.identities.known(node_id):
+            if self.identities.verify(node_id, register.node_secret):
+                return None, ""
+            return (REFUSE_BAD_SECRET, f"node id {node_id} has joined before and this agent does not prove its node "
+                                       "secret (the node-secret file of its state dir); to give the id to a new "
+                                       f"machine, forget it first: POST /admin/nodes/{node_id}/forget"), ""
+        joining = self._joining.get(node_id)
+        if joining is not None:
+            if register.node_secret and hmac.compare_digest(register.node_secret.encode(),
+                                                            joining.pending_secret.encode()):
+                self.joined(joining)  # the same agent again: it kept the secret
+                return None, ""
+            return (REFUSE_BAD_SECRET, f"node id {node_id} is joining on another connection"), ""
+        if self.identities.full or len(self._joining) >= self.identities.max_nodes:
+            return (REFUSE_NODE_LIMIT, f"{self.identities.max_nodes} node identities are stored already: forget "
+                                       "retired nodes (POST /admin/nodes/ID/forget)"), ""
+        matched = False
+        for token in settings.join_tokens:  # every one compared, in constant time
+            matched |= hmac.compare_digest(register.token.encode(), token.encode())
+        if not matched:
+            return (REFUSE_BAD_TOKEN, "wrong join token"), ""
+        return None, new_secret()
+
+    def joined(self, session: AgentSession) -> None:
+        """A new node's agent spoke after it was issued its secret (so it kept it): bind its id to it."""
+        secret, session.pending_secret = session.pending_secret, ""
+        if self._joining.get(session.node_id) is session:
+            del self._joining[session.node_id]
+        try:
+            self.identities.bind(session.node_id, secret, session.peer)
+        except OSError as exc:
+            log.error("cannot store the identity of node %s in %s (%s): it joins again with the join token "
+                      "next time", session.node_id, self.identities.path, exc)
+            return
+        log.info("node %s (%s) is bound to its node secret", session.node_id, session.peer)
+
+    def forget(self, node_id: str) -> bool:
+        """Drop a node's identity (its id may join again with a join token) and close its remote session."""
+        forgotten = self.identities.forget(node_id)
+        joining = self._joining.pop(node_id, None)
+        node = self.inventory.nodes.get(node_id)
+        for session in (joining, node.session if node is not None else None):
+            if session is not None and not session.trusted:
+                session.close("its identity was forgotten (POST /admin/nodes/ID/forget)")
+                forgotten = True
+        if forgotten:
+            log.warning("node %s: identity forgotten; the next agent with a join token takes the id", node_id)
+        return forgotten
 
     async def _refuse(self, channel: Channel, reason: str, message: str, node_id: str = "") -> None:
         self.refused(reason, f"refused {'node ' + node_id if node_id else 'a connection'} from {channel.peer}: "

@@ -48,6 +48,7 @@ class NodeRecord:
     session: Any = None  # the live session (an AgentSession), None when disconnected
     session_serial: int = 0  # increases with every new session of this node
     shards: dict[str, wire.ShardReport] = field(default_factory=dict)
+    unproven: set[str] = field(default_factory=set)  # reported shards without a valid placement proof: not adopted
 
     @property
     def reachable(self) -> bool:
@@ -69,9 +70,10 @@ class Inventory:
 
     # -- sessions ------------------------------------------------------------------------------------------------
 
-    def register(self, register: wire.Register, session: Any) -> Any:
-        """Record a (re)registration on ``session``; returns the node's previous live session, if any."""
-        register = replace(register, token="")
+    def register(self, register: wire.Register, session: Any, unproven: Iterable[str] = ()) -> Any:
+        """Record a (re)registration on ``session``; returns the node's previous live session, if any.
+        ``unproven``: the ids of reported shards whose placement proof did not check out."""
+        register = replace(register, token="", node_secret="")
         self._serial += 1
         node = self.nodes.get(register.node_id)
         previous = node.session if node is not None else None
@@ -81,6 +83,7 @@ class Inventory:
         node.session = session
         node.session_serial = self._serial
         node.shards = {report.shard_id: report for report in register.shards}
+        node.unproven = set(unproven)
         node.register.shards = []  # the shards live in node.shards from now on
         node.last_seen = trio.current_time()
         node.registered_at = time.time()
@@ -125,10 +128,14 @@ class Inventory:
 
     # -- shards --------------------------------------------------------------------------------------------------
 
-    def update_shard(self, node_id: str, report: wire.ShardReport) -> None:
+    def update_shard(self, node_id: str, report: wire.ShardReport, proven: bool = True) -> None:
         node = self.nodes[node_id]
         before = node.shards.get(report.shard_id)
         node.shards[report.shard_id] = report
+        if proven:
+            node.unproven.discard(report.shard_id)
+        else:
+            node.unproven.add(report.shard_id)
         if before is None or before.state is not report.state:  # the agent that runs it logs it (once)
             log.debug("shard %s on %s is %s%s", report.shard_id, node_id, report.state.value,
                      f": {report.reason}" if report.reason else "")
@@ -140,6 +147,7 @@ class Inventory:
             return
         for shard_id in shard_ids:
             node.shards.pop(shard_id, None)
+            node.unproven.discard(shard_id)
         self._update_shard_metrics()
 
     def shard(self, node_id: str, shard_id: str) -> wire.ShardReport | None:
@@ -157,7 +165,10 @@ class Inventory:
         """``wire`` Register fields (no token) plus ``state``, ``state_reason``, ``used_gpus``, ``last_seen_s``."""
         body = wire._to_plain(node.register)
         body.pop("token", None)
+        body.pop("node_secret", None)
         body["shards"] = [wire._to_plain(report) for report in node.shards.values()]
+        for shard in body["shards"]:
+            shard.pop("placement_proof", None)
         body["state"] = node.state.value
         body["state_reason"] = node.state_reason
         body["used_gpus"] = sorted(set(used_gpus))

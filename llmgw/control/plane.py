@@ -11,6 +11,12 @@ After a start, nothing new is placed for ``heartbeat_interval + 1`` seconds
 (agents reconnect at least that often), so the engines that survived a
 control-plane restart are adopted rather than started twice. Without a join
 token only the embedded agent can join, and there is no such wait.
+
+Nodes prove who they are (:mod:`llmgw.control.identity`): every StartShard to
+a remote node carries a placement proof for that node, and a report of a
+shard no assignment owns (one to adopt) is recorded as *unproven*, never
+adopted and stopped, unless its proof checks out for the node reporting it
+(refusals counted in ``llmgw_agent_refused_total{reason="unproven_shard"}``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from ..kv.index import refusal_reason
 from ..kv.metrics import KvMetrics
 from .agent_service import AgentService, AgentSession, SessionSettings
 from .fingerprint import profile_fingerprint
+from .identity import NodeIdentities, default_control_state_dir
 from .inventory import Inventory
 from .metrics import ControlMetrics
 from .reconciler import (Action, Assignment, Command, DesiredReplica, Reconciler, Unplaceable,
@@ -42,6 +49,7 @@ log = logging.getLogger(__name__)
 
 RECONCILE_INTERVAL = 5.0
 REFUSE_FOREIGN = "foreign_shard"
+REFUSE_UNPROVEN = "unproven_shard"
 
 
 class ControlPlane:
@@ -51,9 +59,11 @@ class ControlPlane:
         self.metrics = ControlMetrics(gateway.metrics.registry)
         self.kv_metrics = KvMetrics.for_registry(gateway.metrics.registry)
         self._kv_refusals_told: set[tuple[str, str, str]] = set()
+        self._unproven_told: set[tuple[str, str]] = set()  # (node, shard): logged and told once per session
         self.inventory = Inventory(on_change=self.request_reconcile, metrics=self.metrics)
+        self.identities = NodeIdentities(config.agents.control_state_dir or default_control_state_dir())
         self.agents = AgentService(self.inventory, self, SessionSettings.from_config(config.agents),
-                                   metrics=self.metrics, control_plane_id=self.id)
+                                   identities=self.identities, metrics=self.metrics, control_plane_id=self.id)
         self.reconciler = Reconciler(place_with_plan_all)
         self.routing = DeployedRouting(gateway, self._released)
         self.config = config
@@ -65,7 +75,8 @@ class ControlPlane:
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        grace = 0.0 if self.config.agents.token is None else self.config.agents.heartbeat_interval + 1.0
+        remote = bool(SessionSettings.from_config(self.config.agents).join_tokens)
+        grace = self.config.agents.heartbeat_interval + 1.0 if remote else 0.0
         self.reconciler.place_after = trio.current_time() + grace
         async with trio.open_nursery() as nursery:
             await nursery.start(self.agents.run)
@@ -126,9 +137,16 @@ class ControlPlane:
         log.log(logging.DEBUG if starts else logging.INFO, "%s", action.describe())
         if isinstance(action, Command):
             node = self.inventory.nodes.get(action.node_id)
-            if node is None or node.session is None or not node.session.post(action.message):
+            session = node.session if node is not None else None
+            if session is None or not session.post(self._with_proof(node, action.message)):
                 log.warning("could not send %s to %s: its session is gone (it is sent again when it reconnects)",
                             action.kind, action.node_id)
+
+    def _with_proof(self, node, message: wire.Message) -> wire.Message:
+        """A StartShard for a remote node carries the proof that it was placed there (for its adoption later)."""
+        if not isinstance(message, wire.StartShard) or node.session.trusted:
+            return message
+        return dataclasses.replace(message, placement_proof=self.identities.placement_proof(node.node_id, message))
 
     def _sync_routing(self) -> None:
         self.routing.sync(list(self.reconciler.assignments.values()), self._leader_report, self._api_key)
@@ -159,14 +177,14 @@ class ControlPlane:
     # -- the agent service's handler -----------------------------------------------------------------------------
 
     def on_register(self, session: AgentSession, register: wire.Register) -> AgentSession | None:
-        register = dataclasses.replace(register, shards=[r for r in register.shards
-                                                         if self._own_shard(session, r.shard_id)])
-        return self.inventory.register(register, session)
+        reports = [r for r in register.shards if self._own_shard(session, r.shard_id)]
+        unproven = [r.shard_id for r in reports if not self._proven(session, r)]
+        return self.inventory.register(dataclasses.replace(register, shards=reports), session, unproven)
 
     def on_message(self, session: AgentSession, message: wire.Message) -> None:
         if isinstance(message, wire.ShardStatus):
             if self._own_shard(session, message.shard.shard_id):
-                self.inventory.update_shard(session.node_id, message.shard)
+                self.inventory.update_shard(session.node_id, message.shard, self._proven(session, message.shard))
         elif isinstance(message, wire.KvChanges):
             self._hand_kv_changes(session, message)
         elif isinstance(message, wire.ErrorMessage):
@@ -244,6 +262,7 @@ class ControlPlane:
                 if assignment.leader.node_id == session.node_id:
                     index.forget(assignment.replica_id)
         self._kv_refusals_told = {k for k in self._kv_refusals_told if k[0] != session.node_id}
+        self._unproven_told = {k for k in self._unproven_told if k[0] != session.node_id}
         self.inventory.session_ended(session.node_id, session, reason)
 
     def _own_shard(self, session: AgentSession, shard_id: str) -> bool:
@@ -254,6 +273,23 @@ class ControlPlane:
         message = f"shard {shard_id} is placed on node {owner[1].node_id}, not on {session.node_id}"
         self.agents.refused(REFUSE_FOREIGN, f"node {session.node_id} ({session.peer}): refused: {message}")
         session.post(wire.ErrorMessage(code=REFUSE_FOREIGN, message=message, about=shard_id))
+        return False
+
+    def _proven(self, session: AgentSession, report: wire.ShardReport) -> bool:
+        """A report may be adopted: the shard is placed on this node, the node is this process's own, or the
+        report's placement proof checks out for this node. Otherwise it is recorded as unproven (not adopted,
+        stopped) and the refusal counted and told, for a live shard."""
+        if session.trusted or self.reconciler.owner(report.shard_id) is not None \
+                or self.identities.proven(session.node_id, report):
+            return True
+        if report.state.alive:
+            self.metrics.agent_refused.labels(REFUSE_UNPROVEN).inc()
+            if (session.node_id, report.shard_id) not in self._unproven_told:  # a node may repeat it every status
+                self._unproven_told.add((session.node_id, report.shard_id))
+                message = (f"shard {report.shard_id} (replica {report.replica_id or '?'}) has no valid placement "
+                           f"proof for node {session.node_id}: it is not adopted")
+                log.warning("node %s (%s): refused: %s", session.node_id, session.peer, message)
+                session.post(wire.ErrorMessage(code=REFUSE_UNPROVEN, message=message, about=report.shard_id))
         return False
 
     # -- views for the admin API ---------------------------------------------------------------------------------

@@ -17,9 +17,13 @@ The rules, in order:
    served).
 2. A desired replica without an assignment *adopts* a complete gang of
    reported shards with its profile fingerprint, on the nodes and GPUs they
-   run on (no restart). A replica whose own assignment is not serving yet
-   gives way to a reported copy that is (the control plane restarted and
-   placed it before the node holding it reconnected).
+   run on (no restart). A replica whose own assignment has never served
+   gives way to a reported copy that is serving (the control plane restarted
+   and placed it before the node holding it reconnected); one that has served
+   never does: a report cannot re-point a replica to another node's endpoint
+   when its engine crashes. Shards whose placement the control plane could
+   not verify (``NodeRecord.unproven``, see :mod:`llmgw.control.identity`) are
+   never adopted.
 3. The rest are *placed* (``placement.plan_all``, existing placements kept),
    but only ``place_after`` (the start-up grace, so agents can reconnect and
    report what runs before anything new is started).
@@ -114,6 +118,7 @@ class Assignment:
     retiring: str = ""  # why it is being taken down; "" while it is wanted
     drain: bool = True  # retire by DrainShard (it served) rather than StopShard
     released: bool = False  # the router let go of it: its shards may be told to stop
+    served: bool = False  # its leader was Ready once: no reported copy replaces it
 
     @property
     def key(self) -> str:
@@ -254,6 +259,7 @@ class Reconciler:
     def plan(self, desired: Mapping[str, DesiredReplica], nodes: Mapping[str, NodeRecord], *, now: float,
              wall_ms: int) -> list[Action]:
         actions: list[Action] = []
+        self._note_served(nodes)
         self._retire_unwanted(desired, actions)
         self._adopt(desired, nodes, actions)
         if now >= self.place_after:
@@ -268,6 +274,11 @@ class Reconciler:
         assignment.retiring = reason
         assignment.drain = drain
         actions.append(Retire(reason, assignment))
+
+    def _note_served(self, nodes: Mapping[str, NodeRecord]) -> None:
+        for assignment in self.assignments.values():
+            if not assignment.served and self._leader_state(assignment, nodes) is wire.ShardState.READY:
+                assignment.served = True
 
     def _retire_unwanted(self, desired: Mapping[str, DesiredReplica], actions: list[Action]) -> None:
         for assignment in self._sorted(self.assignments.values()):
@@ -291,7 +302,7 @@ class Reconciler:
             best = max(candidates, key=lambda g: (_leader_ready(g), g[0][1].generation))
             current = self.active().get(replica_id)
             if current is not None:
-                if not _leader_ready(best) or self._leader_state(current, nodes) is wire.ShardState.READY:
+                if not _leader_ready(best) or current.served:
                     continue
                 self._retire(current, f"a serving copy (generation {best[0][1].generation}) was reported: "
                                       "adopting it instead", actions, drain=False)
@@ -309,7 +320,8 @@ class Reconciler:
             if not node.reachable:
                 continue
             for report in node.shards.values():
-                if report.shard_id in owned or not report.state.alive or report.state is wire.ShardState.DRAINING:
+                if report.shard_id in owned or not report.state.alive or report.state is wire.ShardState.DRAINING \
+                        or report.shard_id in node.unproven:
                     continue
                 groups.setdefault((report.replica_id, report.generation), []).append((node_id, report))
         gangs: dict[str, list[list[tuple[str, wire.ShardReport]]]] = {}
@@ -425,7 +437,9 @@ class Reconciler:
                 if shard_id in owned or report.state is wire.ShardState.STOPPED:
                     continue
                 if self._once(shard_id, "stop", node.session_serial):
-                    why = _why_stray(report, desired.get(report.replica_id), active.get(report.replica_id))
+                    why = ("its placement is not proven (not started by this control plane's StartShard)"
+                           if shard_id in node.unproven
+                           else _why_stray(report, desired.get(report.replica_id), active.get(report.replica_id)))
                     actions.append(Command(why, node_id, wire.StopShard(shard_id, why, STOP_GRACE)))
 
     def _forget_finished(self, nodes: Mapping[str, NodeRecord]) -> None:

@@ -57,6 +57,13 @@ def create_control_app(gateway: "Gateway") -> QuartTrio:
     async def nodes():
         return jsonify(gateway.control.nodes_json())
 
+    @app.post("/admin/nodes/<node_id>/forget")
+    async def forget_node(node_id: str):
+        """Drop a node's identity: its id can join again with a join token (a rebuilt or replaced machine)."""
+        if not gateway.control.agents.forget(node_id):
+            return _error(404, f"no node {node_id!r} is known", "node_not_found")
+        return jsonify({"forgotten": node_id})
+
     @app.post("/admin/reload")
     async def reload():
         errors = await gateway.reload()

@@ -154,10 +154,12 @@ class Cluster:
         return await self.spawn("llmgw serve", argv, "llmgw listening on ")
 
     async def start_agent(self, node_id: str, fixture: str, *, token: str = TOKEN, ready: str = " connected to ",
-                          timeout: float = 20.0) -> Proc:
-        argv = llmgw_command("agent", "--join", self.control_url, "--token", token, "--node-id", node_id,
-                             "--state-dir", str(self.tmp_path / f"agent-{node_id}"), "--address", "127.0.0.1",
-                             "--discovery", f"fixture:{FIXTURES / fixture}.json", "--log-level", "debug")
+                          timeout: float = 20.0, state_dir: Path | None = None, join: str | None = None,
+                          extra: tuple[str, ...] | list[str] = ()) -> Proc:
+        state_dir = state_dir or self.tmp_path / f"agent-{node_id}"
+        argv = llmgw_command("agent", "--join", join or self.control_url, "--token", token, "--node-id", node_id,
+                             "--state-dir", str(state_dir), "--address", "127.0.0.1",
+                             "--discovery", f"fixture:{FIXTURES / fixture}.json", "--log-level", "debug", *extra)
         proc = self.agents[node_id] = await self.spawn(f"agent {node_id}", argv, ready, timeout)
         return proc
 

@@ -13,35 +13,21 @@ from prometheus_client import CollectorRegistry
 from llmgw import wire
 from llmgw.agent.channel import ChannelClosed, memory_channel_pair
 from llmgw.control.agent_service import AgentService, SessionSettings
+from llmgw.control.identity import NodeIdentities
 from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.metrics import ControlMetrics
+from helpers import RecordingHandler
 
 TOKEN = "t0p-s3cret"
 SETTINGS = SessionSettings(token=TOKEN, heartbeat_interval=5.0, suspect_after=15.0, disconnected_after=60.0)
 
 
-class RecordingHandler:
-    """The control plane's part, reduced to recording in the inventory."""
-
-    def __init__(self, inventory: Inventory):
-        self.inventory = inventory
-        self.messages: list[wire.Message] = []
-
-    def on_register(self, session, register):
-        return self.inventory.register(register, session)
-
-    def on_message(self, session, message):
-        self.messages.append(message)
-
-    def on_end(self, session, reason):
-        self.inventory.session_ended(session.node_id, session, reason)
-
-
 @pytest.fixture
-async def service(nursery):
+async def service(nursery, tmp_path):
     metrics = ControlMetrics(CollectorRegistry())
     inventory = Inventory(metrics=metrics)
-    service = AgentService(inventory, RecordingHandler(inventory), SETTINGS, metrics=metrics)
+    service = AgentService(inventory, RecordingHandler(inventory), SETTINGS, metrics=metrics,
+                           identities=NodeIdentities(tmp_path))
     await nursery.start(service.run)
     return service
 
@@ -122,9 +108,10 @@ async def test_without_a_token_only_the_in_process_agent_is_admitted(service, nu
 
 
 async def test_a_second_connection_of_a_node_replaces_the_first(service, nursery, autojump_clock):
-    first, _ = await connect(service, nursery, wire.Register(node_id="a", token=TOKEN))
-    second, reply = await connect(service, nursery, wire.Register(node_id="a", token=TOKEN))
-    assert reply.accepted
+    first, joined = await connect(service, nursery, wire.Register(node_id="a", token=TOKEN))
+    second, reply = await connect(service, nursery, wire.Register(node_id="a", token=TOKEN,
+                                                                    node_secret=joined.node_secret))
+    assert reply.accepted and not reply.node_secret  # the node proved the secret it was issued: not a new one
     await until_closed(first)  # the first session was closed...
     await trio.sleep(1)
     node = service.inventory.nodes["a"]

@@ -243,3 +243,38 @@ def test_owner_names_the_node_a_shard_was_placed_on():
     assignment, slot = reconciler.owner(command.message.shard_id)
     assert slot.node_id == command.node_id and assignment.replica_id == "sim-0"
     assert reconciler.owner("nobody-g1-r0") is None
+
+
+def test_a_replica_that_served_is_never_re_pointed_to_a_copy_reported_by_another_node():
+    cfg = config(replicas=1)
+    nodes = nodes_of(node("a"), node("b", "tiny-2gpu-b"))
+    reconciler, desired, actions = run_cluster(cfg, nodes)
+    (command,) = starts(actions)
+    owner_node, start = command.node_id, command.message
+    other = "b" if owner_node == "a" else "a"
+    assert reconciler.plan(desired, nodes, now=1.0, wall_ms=WALL_MS + 1) == []  # its leader was Ready: it served
+    # Another node reports a Ready copy of the same replica (same fingerprint, a newer generation)...
+    copy = dataclasses.replace(report_for(start), shard_id="sim-0-g99999999-r0", generation=99_999_999,
+                               endpoint="http://10.6.6.6:8000")
+    nodes[other].shards[copy.shard_id] = copy
+    # ...and the real engine crashes: the replica waits for its own engine; the copy is stopped as a stray.
+    nodes[owner_node].shards[start.shard_id] = report_for(start, wire.ShardState.FAILED)
+    later = reconciler.plan(desired, nodes, now=2.0, wall_ms=WALL_MS + 2)
+    assert not [a for a in later if a.kind in ("adopt", "retire")]
+    (assignment,) = reconciler.assignments.values()
+    assert assignment.node_ids == [owner_node] and assignment.leader.shard_id == start.shard_id
+    assert ("stop", other, copy.shard_id) in [(a.kind, a.node_id, a.message.shard_id) for a in later
+                                                if isinstance(a, Command)]
+
+
+def test_an_unproven_report_is_never_adopted_and_is_stopped_on_its_node():
+    cfg = config(replicas=1)
+    nodes = nodes_of(node("a"))
+    _, desired, _ = run_cluster(cfg, nodes)
+    nodes["a"].unproven = set(nodes["a"].shards)  # the control plane could not verify their placement proofs
+    fresh = Reconciler(place_with_plan_all)
+    actions = fresh.plan(desired, nodes, now=0.0, wall_ms=WALL_MS + 10_000)
+    assert "adopt" not in [a.kind for a in actions]
+    stops = [a for a in actions if isinstance(a, Command) and isinstance(a.message, wire.StopShard)]
+    assert [(s.node_id, s.message.shard_id) for s in stops] == [("a", sid) for sid in nodes["a"].shards]
+    assert "placement is not proven" in stops[0].reason

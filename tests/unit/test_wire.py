@@ -108,3 +108,16 @@ def test_fuzzed_frames_decode_or_raise_wire_error(payload, type_name):
     except WireError:
         return
     assert dataclasses.is_dataclass(decoded)
+
+
+def test_node_secrets_and_placement_proofs_round_trip_and_stay_out_of_repr():
+    report = ShardReport(shard_id="s", placement_proof="proof-1")
+    messages = [Register(node_id="n", node_secret="secret-1", shards=[report]),
+                wire.Registered(node_id="n", node_secret="secret-2"),
+                StartShard(shard_id="s", placement_proof="proof-2"), ShardStatus(shard=report)]
+    for message in messages:
+        assert wire.decode(wire.encode(message)) == message
+        assert "secret-" not in repr(message) and "proof-" not in repr(message)
+    older = wire.encode(Register(node_id="n"))  # an agent from before node identities: no secret, no proof
+    assert wire.decode(older).node_secret == ""
+    assert wire.decode(wire.encode(ShardStatus(shard=ShardReport()))).shard.placement_proof == ""
