@@ -27,8 +27,9 @@ from test_cluster import AGENTS, TOKEN, all_up, cluster, embedded, engines  # no
 
 pytestmark = pytest.mark.slow
 
-def kv_sim(args: str, routing_options: str = "{tokenize_timeout: 2s}") -> str:
-    """A ``sim`` profile with KV events and the ``kv_index`` tier, two replicas; ``args`` go to the engine."""
+def kv_sim(args: str, routing_options: str = "{tokenize_timeout: 2s}", extra: str = "") -> str:
+    """A ``sim`` profile with KV events and the ``kv_index`` tier, two replicas; ``args`` go to the engine,
+    ``extra`` (indented YAML lines) to the profile."""
     return f"""
 profiles:
   - name: tiny-sim
@@ -38,7 +39,7 @@ profiles:
     kv_events: true
     routing: kv_index
     routing_options: {routing_options}
-    args: [{args}]
+{extra}    args: [{args}]
 deployments:
   - profile: tiny-sim
     replicas: 2

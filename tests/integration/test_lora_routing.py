@@ -8,26 +8,12 @@ from __future__ import annotations
 import pytest
 
 from test_cluster import all_up, cluster, embedded, engines  # noqa: F401 (fixtures)
-from test_kv_cluster import BLOCK, kv_where, text
+from test_kv_cluster import BLOCK, kv_sim, kv_where, text
 
 pytestmark = pytest.mark.slow
 
-LORA_SIM = """
-profiles:
-  - name: tiny-sim
-    engine: sim
-    model_path: tiny
-    served_model_name: tiny
-    kv_events: true
-    routing: kv_index
-    routing_options: {tokenize_timeout: 2s}
-    lora_adapters:
-      - {name: sql-lora, path: /adapters/sql}
-    args: ["--num-blocks", "512", "--time-scale", "0"]
-deployments:
-  - profile: tiny-sim
-    replicas: 2
-"""
+LORA_SIM = kv_sim('"--num-blocks", "512", "--time-scale", "0"',
+                  extra="    lora_adapters:\n      - {name: sql-lora, path: /adapters/sql}\n")
 
 
 async def complete(cluster, model: str, prompt: str) -> tuple[str, dict]:
