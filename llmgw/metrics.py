@@ -121,8 +121,8 @@ class Metrics:
         self.inflight = CachedLabels(Gauge(
             "llmgw_inflight_requests", "Requests in flight per replica.", ["model", "replica"], registry=r))
         self.upstream_errors = CachedLabels(Counter(
-            "llmgw_upstream_errors", "Failed attempts towards a replica, by kind "
-            "(connect, timeout, closed, protocol, status_5xx).", ["model", "replica", "kind"], registry=r))
+            "llmgw_upstream_errors", "Failed attempts that say a replica is unwell, by kind "
+            "(connect, closed_before_request, tls, timeout, status_5xx: a 502, 503 or 504).", ["model", "replica", "kind"], registry=r))
         self.replica_up = CachedLabels(Gauge(
             "llmgw_replica_up", "1 when the replica is routable, else 0.", ["model", "replica"], registry=r))
         self.decisions = CachedLabels(Counter(
