@@ -20,7 +20,9 @@ A connection refused (or reset before the request was sent) is *not started*:
 the worker counts it in ``not_started_retries`` and sends the same request
 again after ``retry_backoff`` seconds, as a client would.
 
-Outcomes are counted per ``phase`` (the label current when the request started).
+Outcomes are counted per ``phase``: the label current when the request ended
+(a request broken by a kill counts in the phase of the kill, even if it started
+before), and each retry in the phase current when it was retried.
 """
 
 from __future__ import annotations
@@ -124,12 +126,12 @@ class SteadyLoad:
             next_at = max(next_at + period, trio.current_time())
             number = next(self._numbers)
             stream = bool(s.stream_every) and number % s.stream_every == s.stream_every - 1
-            counts = self.phases[self.phase]
             self.inflight += 1
             try:
-                outcome, started = await self._one(number, stream, counts)
+                outcome, started = await self._one(number, stream)
             finally:
                 self.inflight -= 1
+            counts = self.phases[self.phase]
             counts.outcomes["stream" if stream else "plain"][outcome] += 1
             self.finished += 1
             if outcome in ("in_flight", "stream_cut"):
@@ -144,7 +146,7 @@ class SteadyLoad:
                 "ignore_eos": True}
         return body | {"stream": True} if stream else body
 
-    async def _one(self, number: int, stream: bool, counts: PhaseCounts) -> tuple[str, float]:
+    async def _one(self, number: int, stream: bool) -> tuple[str, float]:
         """Send one request until it started; its outcome and when its last attempt started."""
         s = self.settings
         body = self.body(number, stream)
@@ -156,7 +158,7 @@ class SteadyLoad:
             except (httpx.ConnectError, httpx.WriteError):  # refused, or reset before the request was sent
                 if time.monotonic() > give_up:
                     return "gave_up", started
-                counts.not_started_retries += 1
+                self.phases[self.phase].not_started_retries += 1
                 await trio.sleep(s.retry_backoff)
             except httpx.TimeoutException:
                 return "timeout", started

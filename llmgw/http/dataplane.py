@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from ..router.replica import Replica
 from ..router.router import Router
@@ -68,6 +68,9 @@ class DataPlane:
         self._created = int(time.time())
         self._ids = _RequestIds()
         self._replica_names: dict[str, bytes] = {}
+        # ``await wait_for_replica(model)``: True once a request that found no routable replica may look again
+        # (the control plane's adoption window after a start); None: answer 503 at once.
+        self.wait_for_replica: Callable[[str], Awaitable[bool]] | None = None
 
     # -- entry point -------------------------------------------------------------------------------------------------
 
@@ -153,6 +156,9 @@ class DataPlane:
         for attempt in range(1 + self.settings.retries):
             try:
                 decision = await self.router.pick(route_request, exclude=tried)
+                if decision is None and not tried and self.wait_for_replica is not None \
+                        and await self.wait_for_replica(model):
+                    decision = await self.router.pick(route_request, exclude=tried)
                 if decision is None:
                     break
                 replica = decision.replica
