@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("llmgw.commands.status", "nodes, replicas and shards of a running llmgw serve, as tables"),
     "sim": ("llmgw.sim.cli", "run the vLLM-like simulator engine"),
     "plan": ("llmgw.commands.plan", "print where a config's replicas would be placed, and why: llmgw plan --config FILE"),
+    "bench": ("llmgw.commands.bench", "run a benchmark and print its table: llmgw bench fault [--json FILE]"),
 }
 
 

@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import socket
-
 import trio
 
 from llmgw import wire
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a child that must be told its port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from llmgw.processes import free_port  # noqa: F401 (the tests' import of it)
 
 
 async def next_error(ws) -> wire.ErrorMessage:
