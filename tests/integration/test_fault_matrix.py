@@ -18,12 +18,10 @@ import signal
 import time
 
 import pytest
-import trio
 
 from llmgw.bench.fault_load import LoadSettings, SteadyLoad
 from llmgw.bench.kv_truth import check_kv_truth
-from test_cluster import AGENTS, all_up, cluster, engines, shard_pids  # noqa: F401 (fixtures)
-from test_kv_cluster import kv_sim
+from helpers import AGENTS, all_up, kv_sim, shard_pids
 
 pytestmark = pytest.mark.slow
 
