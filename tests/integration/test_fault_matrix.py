@@ -9,6 +9,9 @@ Each test asserts, for the requests of the fault's window (the load driver is :m
   client; every request accepted after the restart succeeded (no HTTP error at all);
 - the engines are adopted with the same pids and no restart where adoption applies;
 - once settled, the kv_index tier predicts exactly the cached tokens each engine then serves.
+
+Right after a restart the agents have not reconnected yet: a request then waits for them (the adoption window)
+rather than getting a 503; the last test shows the bound of that wait when no agent comes back.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import pytest
 
 from llmgw.bench.fault_load import LoadSettings, SteadyLoad
 from llmgw.bench.kv_truth import check_kv_truth
-from helpers import AGENTS, all_up, kv_sim, shard_pids
+from helpers import AGENTS, TOKEN, all_up, kv_sim, shard_pids
 
 pytestmark = pytest.mark.slow
 
@@ -120,3 +123,18 @@ async def test_the_control_plane_killed_and_restarted_under_load_loses_only_requ
     assert counts.not_started_retries > 0 and counts.outcomes["plain"]["ok"] + counts.outcomes["stream"]["ok"] >= AFTER
     assert shard_pids(replicas) == pids and restarts(replicas) == before
     await assert_kv_truth(cluster, replicas, "control")
+
+
+async def test_a_request_held_at_start_gets_a_503_when_no_agent_came_back(cluster):
+    # Default agent timing: the adoption window is heartbeat_interval + 1 = 6 s. No agent ever joins.
+    cluster.write_config(f"agents:\n  token: {TOKEN}\n" + kv_sim('"--num-blocks", "64"'))
+    await cluster.start_serve()
+    body = {"model": "tiny", "prompt": "anyone there?", "max_tokens": 1}
+    held = await cluster.http.post(cluster.data_url + "/v1/completions", json=body, timeout=30)
+    assert held.status_code == 503 and held.json()["error"]["code"] == "no_healthy_replica"
+    assert await cluster.metric("llmgw_requests_held_at_start_total", 'result="none"') == 1
+    assert await cluster.metric("llmgw_requests_held_at_start_total", 'result="routed"') == 0
+    # After the window nothing is held: the answer is the 503 at once, and nothing more is counted.
+    after = await cluster.http.post(cluster.data_url + "/v1/completions", json=body)
+    assert after.status_code == 503
+    assert await cluster.metric("llmgw_requests_held_at_start_total", 'result="none"') == 1
