@@ -18,6 +18,7 @@ import trio
 
 from llmgw import wire
 from llmgw.bench.common import metric_value
+from llmgw.bench.sim_cluster import kv_sim_profile as kv_sim  # noqa: F401 (the tests' import of it)
 from llmgw.processes import free_port, llmgw_command
 
 
@@ -77,7 +78,6 @@ def kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-
 
 
 class Cluster:
@@ -230,23 +230,6 @@ def embedded(state_dir: Path, token: bool = False) -> str:
                if token else "")
             + "health:\n  interval: 0.2s\n  failures_to_down: 1\n")
 
-
-def kv_sim(args: str, routing_options: str = "{tokenize_timeout: 2s}") -> str:
-    """A ``sim`` profile with KV events and the ``kv_index`` tier, two replicas; ``args`` go to the engine."""
-    return f"""
-profiles:
-  - name: tiny-sim
-    engine: sim
-    model_path: tiny
-    served_model_name: tiny
-    kv_events: true
-    routing: kv_index
-    routing_options: {routing_options}
-    args: [{args}]
-deployments:
-  - profile: tiny-sim
-    replicas: 2
-"""
 
 
 BLOCK = 16

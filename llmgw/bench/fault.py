@@ -48,10 +48,11 @@ from ..procgroup import signal_group, wait_group_gone
 from .common import bench_parser, write_json
 from .fault_load import LoadSettings, SteadyLoad
 from .kv_truth import check_kv_truth
+from .sim_cluster import kv_sim_profile
 
 TOKEN = "bench-fault-token"
 NODE = "bench"
-AGENT_READY = re.compile(rb"llmgw-agent \S+ (connected) to ")
+AGENT_READY = re.compile(rb"llmgw-agent \S+ connected to (\S+)")
 
 
 def cluster_config(data_port: int, control_port: int, replicas: int) -> str:
@@ -66,19 +67,7 @@ agents:
 health:
   interval: 0.5s
   failures_to_down: 1
-profiles:
-  - name: tiny-sim
-    engine: sim
-    model_path: tiny
-    served_model_name: tiny
-    kv_events: true
-    routing: kv_index
-    routing_options: {{tokenize_timeout: 2s}}
-    args: ["--num-blocks", "2048"]
-deployments:
-  - profile: tiny-sim
-    replicas: {replicas}
-"""
+""" + kv_sim_profile('"--num-blocks", "2048"', replicas=replicas)
 
 
 @dataclass

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from ..cli import table_usage
+
 BENCHES: dict[str, tuple[str, str]] = {
     "fault": ("llmgw.bench.fault", "kill an engine, the agent and the control plane under a steady load: "
                                    "failed requests by kind, time to routable again, engine restarts"),
@@ -16,11 +18,7 @@ BENCHES: dict[str, tuple[str, str]] = {
 
 
 def usage() -> str:
-    width = max(map(len, BENCHES))
-    lines = ["usage: llmgw bench NAME [options]", "", "benchmarks:"]
-    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in BENCHES.items()]
-    lines += ["", "Run 'llmgw bench NAME --help' for a benchmark's options."]
-    return "\n".join(lines)
+    return table_usage("llmgw bench", "benchmark", BENCHES)
 
 
 def main(argv: list[str]) -> int:

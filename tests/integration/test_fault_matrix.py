@@ -16,6 +16,7 @@ rather than getting a 503; the last test shows the bound of that wait when no ag
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -42,6 +43,17 @@ async def start(cluster) -> dict[str, dict]:
     return await cluster.settled(2)
 
 
+@contextlib.asynccontextmanager
+async def fault_window(cluster):
+    """A steady load; the body runs the fault, and its window ends once ``AFTER`` more requests ended."""
+    async with SteadyLoad(cluster.data_url, LOAD).running() as load:
+        await load.wait_finished(AFTER)
+        load.phase = "fault"
+        yield load
+        await load.wait_finished(AFTER)
+        await load.pause()
+
+
 async def assert_kv_truth(cluster, replicas: dict[str, dict], tag: str) -> None:
     engines = {name: r["url"] for name, r in replicas.items()}
     checks = await check_kv_truth(cluster.http, cluster.data_url, cluster.control_url, engines, tag=tag)
@@ -56,9 +68,7 @@ async def test_an_engine_killed_under_load_fails_no_request_that_had_not_started
     replicas = await start(cluster)
     victim, other = sorted(replicas)
     pids = shard_pids(replicas)
-    async with SteadyLoad(cluster.data_url, LOAD).running() as load:
-        await load.wait_finished(AFTER)
-        load.phase = "fault"
+    async with fault_window(cluster) as load:
         # Killed while it works on requests: each must be retried on the other replica, or be a stream cut.
         await cluster.replicas_where(f"{victim} busy", lambda rs: rs[victim]["inflight"] >= 2, timeout=30)
         retries = await cluster.metric("llmgw_retries_total")
@@ -66,8 +76,6 @@ async def test_an_engine_killed_under_load_fails_no_request_that_had_not_started
         os.kill(pids[victim], signal.SIGKILL)
         replicas = await cluster.replicas_where(f"{victim} back on a new engine", lambda rs: all_up(2)(rs) and (
             rs[victim]["shards"][0]["pid"] not in (0, pids[victim])), timeout=60)
-        await load.wait_finished(AFTER)
-        await load.pause()
     counts = load.phases["fault"]
     assert counts.failed("plain") == {}, counts.as_dict()
     assert set(counts.failed("stream")) <= {"stream_cut"}, counts.as_dict()  # only streams on the killed engine
@@ -82,9 +90,7 @@ async def test_an_engine_killed_under_load_fails_no_request_that_had_not_started
 async def test_an_agent_killed_and_restarted_under_load_fails_nothing_and_adopts_its_engines(cluster):
     replicas = await start(cluster)
     pids, before = shard_pids(replicas), restarts(replicas)
-    async with SteadyLoad(cluster.data_url, LOAD).running() as load:
-        await load.wait_finished(AFTER)
-        load.phase = "fault"
+    async with fault_window(cluster) as load:
         cluster.agents["a"].kill()
         await cluster.agents["a"].wait_exit()
         await cluster.wait_for("node a disconnected", lambda: cluster.node_is("a", "disconnected"), timeout=30)
@@ -92,8 +98,6 @@ async def test_an_agent_killed_and_restarted_under_load_fails_nothing_and_adopts
         await cluster.start_agent("a", "tiny-2gpu-a")
         replicas = await cluster.replicas_where("both engines adopted", lambda rs: all_up(2)(rs) and all(
             "adopted" in r["shards"][0]["reason"] for r in rs.values()), timeout=60)
-        await load.wait_finished(AFTER)
-        await load.pause()
     counts = load.phases["fault"]
     assert counts.failed("plain") == {} and counts.failed("stream") == {}, counts.as_dict()
     assert counts.not_started_retries == 0
@@ -104,23 +108,20 @@ async def test_an_agent_killed_and_restarted_under_load_fails_nothing_and_adopts
 async def test_the_control_plane_killed_and_restarted_under_load_loses_only_requests_in_flight(cluster):
     replicas = await start(cluster)
     pids, before = shard_pids(replicas), restarts(replicas)
-    async with SteadyLoad(cluster.data_url, LOAD).running() as load:
-        await load.wait_finished(AFTER)
-        load.phase = "fault"
+    async with fault_window(cluster) as load:
         cluster.serve.kill()
         await cluster.serve.wait_exit()
         gone_at = time.monotonic()  # a connection made before this may have been accepted by the dying process
         await cluster.start_serve()
         replicas = await cluster.replicas_where("both engines adopted", lambda rs: all_up(2)(rs) and (
             {r["origin"] for r in rs.values()} == {"adopted"}), timeout=60)
-        await load.wait_finished(AFTER)
-        await load.pause()
     counts = load.phases["fault"]
     # Lost: only requests the killed process had accepted. Refused while it was down: retried, then served.
     assert set(counts.failed("plain")) <= {"in_flight"}, counts.as_dict()
     assert set(counts.failed("stream")) <= {"in_flight", "stream_cut"}, counts.as_dict()
     assert all(started < gone_at for started in counts.lost_started_at)
-    assert counts.not_started_retries > 0 and counts.outcomes["plain"]["ok"] + counts.outcomes["stream"]["ok"] >= AFTER
+    assert counts.not_started_retries > 0
+    assert counts.outcomes["plain"]["ok"] + counts.outcomes["stream"]["ok"] >= AFTER  # served after the restart
     assert shard_pids(replicas) == pids and restarts(replicas) == before
     await assert_kv_truth(cluster, replicas, "control")
 
