@@ -90,6 +90,7 @@ class Cluster:
         self.control_url = f"http://127.0.0.1:{free_port()}"
         self.http = httpx.AsyncClient(timeout=10)
         self.agents: dict[str, Proc] = {}
+        self.serve: Proc | None = None  # the last `llmgw serve` started
 
     def write_config(self, text: str) -> None:
         listen = f"listen: {self.data_url[7:]}\ncontrol_listen: {self.control_url[7:]}\n"
@@ -131,7 +132,8 @@ class Cluster:
 
     async def start_serve(self) -> Proc:
         argv = llmgw_command("serve", "--config", str(self.config_path), "--log-level", "debug")
-        return await self.spawn("llmgw serve", argv, "llmgw listening on ")
+        self.serve = await self.spawn("llmgw serve", argv, "llmgw listening on ")
+        return self.serve
 
     async def start_agent(self, node_id: str, fixture: str, *, token: str = TOKEN, ready: str = " connected to ",
                           timeout: float = 20.0) -> Proc:

@@ -29,6 +29,7 @@ the engines' own for a repeated prefix on every replica
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -86,9 +87,30 @@ class FaultResult:
 
 
 class FaultCluster:
-    """``llmgw serve`` and one ``llmgw agent`` as children of ``nursery``, killable and restartable."""
+    """``llmgw serve`` and one ``llmgw agent`` as children of ``nursery``, killable and restartable.
 
-    def __init__(self, nursery: trio.Nursery | None, workdir: Path, replicas: int):
+    ``async with FaultCluster.open(workdir, replicas) as cluster`` owns the nursery; at its end the
+    children stop, and so do the engines (which outlive agents by design).
+    """
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, workdir: Path, replicas: int):
+        cluster = None
+        try:
+            async with trio.open_nursery() as nursery:
+                cluster = cls(nursery, workdir, replicas)
+                try:
+                    yield cluster
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            if cluster is not None:  # its children stopped: now their engines
+                with trio.CancelScope(shield=True):
+                    await cluster.http.aclose()
+                cluster.reap_engines()
+
+    def __init__(self, nursery: trio.Nursery, workdir: Path, replicas: int):
         self.nursery = nursery
         self.workdir = workdir
         self.replicas_wanted = replicas
@@ -195,7 +217,6 @@ class AgentFault:
     name = "agent"
 
     def __init__(self, before: dict[str, dict], down: float):
-        self.before = before
         self.down = down
 
     async def kill(self, cluster: FaultCluster) -> None:
@@ -207,14 +228,20 @@ class AgentFault:
         return await cluster.replicas_where(lambda rs: all("adopted" in r["shards"][0]["reason"]
                                                            for r in rs.values()))
 
-    def kept(self, before: dict[str, dict], after: dict[str, dict]) -> bool:
+    @staticmethod
+    def kept(before: dict[str, dict], after: dict[str, dict]) -> bool:
+        """Every engine kept its pid."""
         return pids(after) == pids(before)
 
 
-class ControlPlaneFault(AgentFault):
+class ControlPlaneFault:
     """``llmgw serve`` killed and started again at once; the agent reconnects and its engines are adopted."""
 
     name = "control plane"
+    kept = staticmethod(AgentFault.kept)
+
+    def __init__(self, before: dict[str, dict]):
+        pass
 
     async def kill(self, cluster: FaultCluster) -> None:
         await cluster.kill(cluster.serve)
@@ -273,27 +300,19 @@ def print_table(results: list[FaultResult]) -> None:
 async def run(args) -> dict:
     settings = LoadSettings(concurrency=args.concurrency, rate=args.rate, stream_every=args.stream_every,
                             max_tokens=args.max_tokens)
-    faults = [EngineFault, lambda before: AgentFault(before, args.agent_down),
-              lambda before: ControlPlaneFault(before, 0.0)]
+    faults = [EngineFault, lambda before: AgentFault(before, args.agent_down), ControlPlaneFault]
     results: list[FaultResult] = []
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-fault-") as workdir:
-        cluster = FaultCluster(None, Path(workdir), args.replicas)
-        try:
-            async with trio.open_nursery() as nursery:
-                cluster.nursery = nursery
-                await cluster.start_serve()
-                await cluster.start_agent()
-                await cluster.replicas_where(lambda rs: True)
-                load = SteadyLoad(cluster.data_url, settings)
-                async with load.running():
-                    await trio.sleep(args.duration / 2)  # warm-up
-                    for make_fault in faults:
-                        results.append(await run_fault(make_fault, cluster, load, args.duration))
-                        print(f"  {results[-1].fault}: done", flush=True)
-                nursery.cancel_scope.cancel()
-        finally:
-            await cluster.http.aclose()
-            cluster.reap_engines()
+        async with FaultCluster.open(Path(workdir), args.replicas) as cluster:
+            await cluster.start_serve()
+            await cluster.start_agent()
+            await cluster.replicas_where(lambda rs: True)
+            load = SteadyLoad(cluster.data_url, settings)
+            async with load.running():
+                await trio.sleep(args.duration / 2)  # warm-up
+                for make_fault in faults:
+                    results.append(await run_fault(make_fault, cluster, load, args.duration))
+                    print(f"  {results[-1].fault}: done", flush=True)
     return {"settings": asdict(settings) | {"duration_s": args.duration, "replicas": args.replicas,
                                             "agent_down_s": args.agent_down},
             "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "load_average":

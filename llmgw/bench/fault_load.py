@@ -121,8 +121,8 @@ class SteadyLoad:
         period = s.concurrency / s.rate
         next_at = trio.current_time() + period * worker / s.concurrency
         while True:
-            await self._running.wait()
             await trio.sleep_until(next_at)
+            await self._running.wait()  # after the sleep: nothing starts once pause() returned
             next_at = max(next_at + period, trio.current_time())
             number = next(self._numbers)
             stream = bool(s.stream_every) and number % s.stream_every == s.stream_every - 1

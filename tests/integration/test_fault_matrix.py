@@ -38,7 +38,7 @@ AFTER = 24  # requests that must end after recovery, within the fault's window
 async def start(cluster) -> dict[str, dict]:
     """`llmgw serve` and one agent (a 2-GPU fixture node) running both replicas; their indexes healthy."""
     cluster.write_config(CONFIG)
-    cluster.serve = await cluster.start_serve()
+    await cluster.start_serve()
     await cluster.start_agent("a", "tiny-2gpu-a")
     return await cluster.settled(2)
 
