@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from llmgw.bench.kv_truth import engine_cached_blocks
+from llmgw.bench import kv_truth
 from helpers import BLOCK, all_up, complete, embedded, kv_sim, kv_state, kv_where, text
 
 pytestmark = pytest.mark.slow
@@ -32,6 +32,11 @@ async def start(cluster, profile: str) -> dict[str, dict]:
     await kv_where(cluster, "both indexes healthy", lambda s: all(
         s.get(name, {}).get("state") == "healthy" for name in replicas))
     return replicas
+
+
+async def engine_cached_blocks(cluster, url: str) -> int:
+    """The engine's own count of blocks holding a hash (``llmgw_sim_cached_blocks`` on its /metrics)."""
+    return await kv_truth.engine_cached_blocks(cluster.http, url)
 
 
 async def decision_lines(cluster) -> list[str]:
@@ -64,7 +69,7 @@ async def test_dropped_event_batches_are_replayed_and_the_index_stays_exact(clus
     async def exact():
         state, subs = await kv_state(cluster), await subscriptions(cluster)
         counts = {name: (state[name]["blocks"], subs[name]["blocks"],
-                         await engine_cached_blocks(cluster.http, replicas[name]["url"])) for name in replicas}
+                         await engine_cached_blocks(cluster, replicas[name]["url"])) for name in replicas}
         ok = all(index == mirror == engine > 0 for index, mirror, engine in counts.values())
         return (state, subs, counts) if ok else None
 
@@ -108,11 +113,11 @@ async def test_a_prefix_cache_reset_clears_that_replicas_index_only(cluster):
     assert state[second]["blocks"] == before[second]["blocks"] and state[second]["resets"] == 0
     assert await cluster.metric("llmgw_kv_resets_total", f'replica="{first}",reason="cleared"') == 1
     assert await cluster.metric("llmgw_kv_resets_total", f'replica="{second}"') == 0
-    assert await engine_cached_blocks(cluster.http, replicas[first]["url"]) == 0
+    assert await engine_cached_blocks(cluster, replicas[first]["url"]) == 0
 
     # Fresh stores after the reset: the replica is healthy again and indexes exactly what its engine holds.
     await complete(cluster, text(202, 1500), url=replicas[first]["url"])
-    engine_blocks = await engine_cached_blocks(cluster.http, replicas[first]["url"])
+    engine_blocks = await engine_cached_blocks(cluster, replicas[first]["url"])
     state = await kv_where(cluster, f"{first} relearns", lambda s: s[first]["state"] == "healthy"
                            and s[first]["blocks"] == engine_blocks > 0)
     assert state[second]["blocks"] == before[second]["blocks"] and state[second]["resets"] == 0
