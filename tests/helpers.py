@@ -1,12 +1,13 @@
 """Helpers the tests share (``tests`` is on ``pythonpath``: ``from helpers import free_port``).
 
 :class:`Cluster` runs ``llmgw serve`` and ``llmgw agent`` as real processes (the
-``cluster`` fixture in ``integration/conftest.py``); the ``kv_*`` helpers read
-the KV index of such a cluster.
+``cluster`` fixture, with ``engines`` that reaps their engines; ``integration/conftest.py``
+offers both); the ``kv_*`` helpers read the KV index of such a cluster.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 
 from llmgw import wire
@@ -259,3 +261,22 @@ async def complete(cluster, prompt: str, url: str | None = None) -> tuple[str, d
     response = await cluster.http.post((url or cluster.data_url) + "/v1/completions", json=body)
     assert response.status_code == 200, response.text
     return response.headers.get("x-llmgw-replica", ""), response.json()["usage"]
+
+
+@pytest.fixture
+def engines(tmp_path):
+    """Pids of engines to reap after the test (after every async fixture, the cluster's processes included)."""
+    pids: set[int] = set()
+    yield pids
+    for ledger in tmp_path.rglob("shards.json"):
+        for entry in json.loads(ledger.read_text()).get("shards", {}).values():
+            pids.add(entry.get("pgid") or entry.get("pid") or 0)
+    for pid in pids - {0}:
+        kill_group(pid)
+
+
+@pytest.fixture
+async def cluster(engines, nursery, tmp_path):
+    c = Cluster(nursery, tmp_path, engines)
+    yield c
+    await c.http.aclose()

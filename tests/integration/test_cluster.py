@@ -16,6 +16,7 @@ import trio_websocket
 
 from llmgw import wire
 from helpers import AGENTS, CHAT, TOKEN, all_up, alive, embedded, environ_of, next_error, shard_pids
+from helpers import cluster, engines  # noqa: F401 (fixtures; other modules import them from here too)
 
 TINY_SIM = """
 profiles:
