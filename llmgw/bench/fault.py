@@ -46,7 +46,7 @@ import trio
 
 from ..processes import Child, free_port, llmgw_command, run_child
 from ..procgroup import signal_group, wait_group_gone
-from .common import bench_parser, write_json
+from .common import bench_parser, metric_value, write_json
 from .fault_load import LoadSettings, SteadyLoad
 from .kv_truth import check_kv_truth
 from .sim_cluster import kv_sim_profile
@@ -77,6 +77,7 @@ class FaultResult:
     sent: int
     failed: dict[str, int]  # "plain http_503", "stream stream_cut", ...
     not_started_retries: int
+    gateway_retries: int | None  # sent again to another replica by the gateway (None: its counters restarted)
     lost_before_gone: bool  # every in_flight/stream_cut request started before the killed process was gone
     routable_s: float  # from the kill until a request sent after it was answered 200
     replicas_up_s: float  # from the kill until every replica was up on its engine again
@@ -157,6 +158,9 @@ class FaultCluster:
                 except (httpx.HTTPError, ValueError, KeyError, IndexError):
                     pass
                 await trio.sleep(0.05)
+
+    async def metric(self, name: str) -> float:
+        return metric_value((await self.http.get(self.control_url + "/metrics")).text, name)
 
     async def routable(self, since: float, timeout: float = 120.0) -> float:
         """Seconds from ``since`` until a small request sent now or later is answered 200."""
@@ -254,6 +258,7 @@ class ControlPlaneFault:
 async def run_fault(make_fault, cluster: FaultCluster, load: SteadyLoad, duration: float) -> FaultResult:
     before = await cluster.replicas_where(lambda rs: True)
     fault = make_fault(before)
+    retries = await cluster.metric("llmgw_retries_total")
     load.phase = fault.name
     await trio.sleep(duration / 2)
     routable: list[float] = []
@@ -271,6 +276,8 @@ async def run_fault(make_fault, cluster: FaultCluster, load: SteadyLoad, duratio
     await trio.sleep(duration / 2)
     await load.pause()
     counts = load.phases[fault.name]
+    restarted = isinstance(fault, ControlPlaneFault)
+    gateway_retries = None if restarted else int(await cluster.metric("llmgw_retries_total") - retries)
     engines = {name: r["url"] for name, r in after.items()}
     checks = await check_kv_truth(cluster.http, cluster.data_url, cluster.control_url, engines,
                                   tag=fault.name.replace(" ", ""))
@@ -278,7 +285,7 @@ async def run_fault(make_fault, cluster: FaultCluster, load: SteadyLoad, duratio
     return FaultResult(
         fault=fault.name, sent=counts.sent(),
         failed={f"{kind} {outcome}": n for kind in ("plain", "stream") for outcome, n in counts.failed(kind).items()},
-        not_started_retries=counts.not_started_retries,
+        not_started_retries=counts.not_started_retries, gateway_retries=gateway_retries,
         lost_before_gone=all(t <= gone_at for t in counts.lost_started_at),
         routable_s=round(routable[0], 3), replicas_up_s=round(replicas_up_s, 3),
         engine_restarts=restarts(after) - restarts(before), same_pids=fault.kept(before, after),
@@ -287,12 +294,14 @@ async def run_fault(make_fault, cluster: FaultCluster, load: SteadyLoad, duratio
 
 def print_table(results: list[FaultResult]) -> None:
     print("| fault | requests | failed (by kind) | lost ones in flight at the kill | not started, retried "
-          "| routable again | all replicas up | engine restarts | same pids | predicted == actual |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| retried by the gateway | routable again | all replicas up | engine restarts | same pids "
+          "| predicted == actual |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         failed = ", ".join(f"{n} {kind}" for kind, n in sorted(r.failed.items())) or "0"
         print(f"| {r.fault} | {r.sent} | {failed} | {'yes' if r.lost_before_gone else 'no'} "
-              f"| {r.not_started_retries} | {r.routable_s:.2f} s "
+              f"| {r.not_started_retries} | {'n/a' if r.gateway_retries is None else r.gateway_retries} "
+              f"| {r.routable_s:.2f} s "
               f"| {r.replicas_up_s:.2f} s | {r.engine_restarts} | {'yes' if r.same_pids else 'no'} "
               f"| {'yes' if r.kv_exact else 'no'} |")
 
