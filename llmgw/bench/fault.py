@@ -19,7 +19,8 @@ after the cluster recovered:
 Per fault the table shows the requests that ended in its window and how they
 failed (by HTTP status, ``in_flight``: lost inside a killed ``llmgw serve``,
 ``stream_cut``: a stream broken off after its first bytes), connections refused
-while nothing listened (not started, retried by the client), the time from the
+while nothing listened (not started, retried by the client), requests the
+gateway sent again to another replica (``llmgw_retries_total``), the time from the
 kill until a request is answered again (*routable*) and until every replica is
 up on its engine again, engine restarts, whether the engines kept their pids,
 and whether, once settled, the kv_index tier's predicted cached tokens equal
