@@ -15,8 +15,9 @@ import trio
 import trio_websocket
 
 from llmgw import wire
-from helpers import AGENTS, CHAT, TOKEN, all_up, alive, embedded, environ_of, next_error, shard_pids
-from helpers import cluster, engines  # noqa: F401 (fixtures; other modules import them from here too)
+from cluster_helpers import AGENTS, CHAT, TOKEN, all_up, alive, embedded, environ_of, shard_pids
+from cluster_helpers import cluster, engines  # noqa: F401 (fixtures; other modules import them from here too)
+from helpers import next_error
 
 TINY_SIM = """
 profiles:

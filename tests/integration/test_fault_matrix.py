@@ -25,7 +25,7 @@ import pytest
 
 from llmgw.bench.fault_load import LoadSettings, SteadyLoad
 from llmgw.bench.kv_truth import check_kv_truth
-from helpers import AGENTS, TOKEN, all_up, kv_sim, shard_pids
+from cluster_helpers import AGENTS, TOKEN, all_up, kv_sim, shard_pids
 
 pytestmark = pytest.mark.slow
 

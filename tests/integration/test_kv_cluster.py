@@ -22,8 +22,8 @@ import trio_websocket
 
 from llmgw import wire
 from llmgw.processes import llmgw_command, run_child
-from helpers import (AGENTS, BLOCK, TOKEN, all_up, complete, embedded, free_port, kv_sim, kv_state, kv_where,
-                     next_error, text)
+from cluster_helpers import AGENTS, BLOCK, TOKEN, all_up, complete, embedded, kv_sim, kv_state, kv_where, text
+from helpers import free_port, next_error
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from llmgw.bench import kv_truth
-from helpers import BLOCK, all_up, complete, embedded, kv_sim, kv_state, kv_where, text
+from cluster_helpers import BLOCK, all_up, complete, embedded, kv_sim, kv_state, kv_where, text
 
 pytestmark = pytest.mark.slow
 
