@@ -80,6 +80,7 @@ class Gateway:
         self._control_shutdown = trio.Event()
         self.addresses: Addresses | None = None
         self.control = ControlPlane(self, config)
+        self.dataplane.wait_for_replica = self.control.wait_for_replica
         self._static: dict[str, Replica] = {}  # replicas of the config's `models`, by name
         self._static_models: dict[str, tuple] = {}  # name -> (routing tier, its options, LoRA adapters)
         self._static_kv: dict[str, tuple[object, trio.CancelScope]] = {}  # name -> (ExternalKv, its task's scope)

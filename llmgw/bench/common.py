@@ -19,3 +19,12 @@ def bench_parser(doc: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     return parser
+
+
+def metric_value(text: str, name: str, labels: str = "") -> float:
+    """The first sample of ``name`` in Prometheus ``text`` whose line holds every comma-separated part of
+    ``labels`` (e.g. ``'model="tiny"'``); 0.0 when there is none."""
+    for line in text.splitlines():
+        if line.startswith(name) and all(part in line for part in labels.split(",") if part):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0

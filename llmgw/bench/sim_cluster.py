@@ -1,7 +1,8 @@
 """A gateway in front of simulator replicas, all child processes on loopback, for tests and benchmarks.
 
 :func:`sim_command` is how a simulator replica is started, :func:`gateway_config`
-the YAML of a gateway routing one model over replicas with a given tier, and
+the YAML of a gateway routing one model over replicas with a given tier,
+:func:`kv_sim_profile` that of a ``sim`` profile deployed by agents, and
 :func:`start_sims` / :func:`start_gateway` start them in the caller's nursery
 (via :func:`llmgw.processes.run_child`, so cancelling the nursery stops them).
 """
@@ -33,6 +34,26 @@ def gateway_config(urls: Sequence[str], *, routing: str, routing_options: dict |
     return (f"models:\n  - name: {model}\n    routing: {routing}\n"
             f"    routing_options: {json.dumps(routing_options or {})}\n    replicas:\n{replicas}"
             "health:\n  interval: 1s\nlog_level: warning\n")
+
+
+def kv_sim_profile(args: str, routing_options: str = "{tokenize_timeout: 2s}", replicas: int = 2,
+                   extra: str = "") -> str:
+    """Config YAML: a ``sim`` profile with KV events and the ``kv_index`` tier, deployed ``replicas`` times;
+    ``args`` (a YAML flow list's items) go to the engine, ``extra`` (indented YAML lines) to the profile."""
+    return f"""
+profiles:
+  - name: tiny-sim
+    engine: sim
+    model_path: tiny
+    served_model_name: {MODEL}
+    kv_events: true
+    routing: kv_index
+    routing_options: {routing_options}
+{extra}    args: [{args}]
+deployments:
+  - profile: tiny-sim
+    replicas: {replicas}
+"""
 
 
 async def start_sims(nursery: trio.Nursery, count: int, **sim_options) -> list[Child]:

@@ -25,6 +25,11 @@ class ControlMetrics:
                                          "(start, adopt, drain, stop, retire).", ["action"], registry=registry)
         self.placement_failures = Counter("llmgw_placement_failures", "Replicas that could not be placed "
                                           "(counted when a replica becomes unplaceable).", registry=registry)
+        self.requests_held = Counter("llmgw_requests_held_at_start", "Requests that found no routable replica "
+                                     "of their model during the adoption window after a start, and waited for "
+                                     "the agents to report their running engines, by model and result "
+                                     "(routed, none: answered 503 when the window ended).", ["model", "result"],
+                                     registry=registry)
         for state in NODE_STATES:
             self.nodes.labels(state).set(0)
         for shard_state in wire.ShardState:

@@ -9,8 +9,10 @@ the router in step (:class:`~llmgw.control.routing.DeployedRouting`).
 
 After a start, nothing new is placed for ``heartbeat_interval + 1`` seconds
 (agents reconnect at least that often), so the engines that survived a
-control-plane restart are adopted rather than started twice. Without a join
-token only the embedded agent can join, and there is no such wait.
+control-plane restart are adopted rather than started twice; during that
+window a request that finds no routable replica of its model waits for one
+(:meth:`ControlPlane.wait_for_replica`) instead of being refused. Without a
+join token only the embedded agent can join, and there is no such wait.
 
 Nodes prove who they are (:mod:`llmgw.control.identity`): every StartShard to
 a remote node carries a placement proof for that node, and a report of a
@@ -73,6 +75,22 @@ class ControlPlane:
         gateway.router.kv_index.add_resync_listener(self._ask_kv_resync)
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
+
+    async def wait_for_replica(self, model: str, poll: float = 0.05) -> bool:
+        """Whether a routable replica of ``model`` appeared, waiting at most until the adoption window ends.
+
+        The data plane calls it for a request that found none: right after a restart the engines still run,
+        but their agents have not reconnected yet, so the request waits for them rather than getting a 503.
+        """
+        if trio.current_time() >= self.reconciler.place_after:
+            return False
+        found = False
+        with trio.move_on_at(self.reconciler.place_after):
+            while not self.gateway.router.candidates(model):
+                await trio.sleep(poll)
+            found = True
+        self.metrics.requests_held.labels(model, "routed" if found else "none").inc()
+        return found
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         remote = bool(SessionSettings.from_config(self.config.agents).join_tokens)

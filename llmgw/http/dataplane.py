@@ -24,7 +24,9 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
+
+import trio
 
 from ..router.replica import Replica
 from ..router.router import Router
@@ -92,6 +94,9 @@ class DataPlane:
         self._created = int(time.time())
         self._ids = _RequestIds()
         self._replica_names: dict[str, bytes] = {}
+        # ``await wait_for_replica(model)``: True once a request that found no routable replica may look again
+        # (the control plane's adoption window after a start); None: answer 503 at once.
+        self.wait_for_replica: Callable[[str], Awaitable[bool]] | None = None
 
     # -- entry point -------------------------------------------------------------------------------------------------
 
@@ -194,9 +199,13 @@ class DataPlane:
         failures: list[str] = []  # "<replica>: <why>", one per failed attempt
         last_error: UpstreamError | None = None
         kept: tuple[Replica, int, list[tuple[bytes, bytes]], bytes] | None = None  # an unwell replica's answer
+        resent = False  # sent on once after its engine went away with it
         for attempt in range(1 + self.settings.retries):
             try:
                 decision = await self.router.pick(route_request, exclude=tried)
+                if decision is None and not tried and self.wait_for_replica is not None \
+                        and await self.wait_for_replica(model):
+                    decision = await self.router.pick(route_request, exclude=tried)
                 if decision is None:
                     break
                 replica = decision.replica
@@ -213,6 +222,14 @@ class DataPlane:
                 failures.append(f"{replica.name}: {outcome}")
                 if outcome.kind in RETRY_KINDS:
                     continue
+                if outcome.kind == "closed_after_request" and not resent and await self._engine_gone(replica):
+                    # Its engine died with the request in it (killed, out of memory): sent on once, so a request
+                    # that kills its engine can take at most one more with it.
+                    resent = True
+                    self._failed(replica, "connect", "its engine went away (connection refused)")
+                    log.warning("replica %s went away with request %s before answering; sending it to another "
+                                "replica once", replica.name, request_id)
+                    continue
                 break  # it reached the engine: sending it again could repeat its work, or its harm
             if isinstance(outcome, tuple):  # an unwell replica's answer (502/503/504), retried elsewhere
                 kept = (replica, *outcome)
@@ -223,6 +240,20 @@ class DataPlane:
         if kept is not None and (last_error is None or last_error.kind in RETRY_KINDS):
             return self._count(model, self._kept_answer(*kept, id_header), started)
         return self._count(model, self._no_replica_error(model, last_error, tried, failures, id_header), started)
+
+    async def _engine_gone(self, replica: Replica) -> bool:
+        """Whether nothing listens at the replica's address any more (its engine process is gone): a connection
+        attempt refused within ``connect_timeout``."""
+        pool = replica.pool
+        if pool is None:
+            return False
+        with trio.move_on_after(self.settings.connect_timeout):
+            try:
+                stream = await trio.open_tcp_stream(pool.host, pool.port)
+            except OSError:
+                return True
+            await stream.aclose()
+        return False
 
     @staticmethod
     def _routing_body(request: Request) -> dict | Response:

@@ -15,7 +15,7 @@ import trio
 from llmgw.agent.leftover import running_engines
 from llmgw.procgroup import process_start_time
 from llmgw.processes import llmgw_command
-from test_cluster import AGENTS, TOKEN, cluster, embedded, engines, shard_pids  # noqa: F401 (fixtures)
+from cluster_helpers import AGENTS, TOKEN, embedded, shard_pids
 
 pytestmark = pytest.mark.slow
 STATE_LINE = re.compile(r"shard (\S+) (?:\(generation \d+\)|on \S+) is (\w+):")

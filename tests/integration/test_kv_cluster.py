@@ -22,56 +22,12 @@ import trio_websocket
 
 from llmgw import wire
 from llmgw.processes import llmgw_command, run_child
+from cluster_helpers import AGENTS, BLOCK, TOKEN, all_up, complete, embedded, kv_sim, kv_state, kv_where, text
 from helpers import free_port, next_error
-from test_cluster import AGENTS, TOKEN, all_up, cluster, embedded, engines  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow
 
-def kv_sim(args: str, routing_options: str = "{tokenize_timeout: 2s}", extra: str = "") -> str:
-    """A ``sim`` profile with KV events and the ``kv_index`` tier, two replicas; ``args`` go to the engine,
-    ``extra`` (indented YAML lines) to the profile."""
-    return f"""
-profiles:
-  - name: tiny-sim
-    engine: sim
-    model_path: tiny
-    served_model_name: tiny
-    kv_events: true
-    routing: kv_index
-    routing_options: {routing_options}
-{extra}    args: [{args}]
-deployments:
-  - profile: tiny-sim
-    replicas: 2
-"""
-
-
 KV_SIM = kv_sim('"--num-blocks", "512", "--time-scale", "0"')
-BLOCK = 16
-
-
-def text(seed: int, chars: int) -> str:
-    return " ".join(f"w{seed}x{i}" for i in range(chars // 4 + 1))[:chars]
-
-
-async def kv_state(cluster) -> dict[str, dict]:
-    return {r["name"]: r for r in (await cluster.admin("/admin/kv"))["replicas"]}
-
-
-async def kv_where(cluster, what: str, check, timeout: float = 20.0) -> dict[str, dict]:
-    async def predicate():
-        state = await kv_state(cluster)
-        return state if check(state) else None
-
-    return await cluster.wait_for(what, predicate, timeout)
-
-
-async def complete(cluster, prompt: str, url: str | None = None) -> tuple[str, dict]:
-    """A completion through the gateway (or straight to an engine at ``url``): (replica, usage)."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
-    response = await cluster.http.post((url or cluster.data_url) + "/v1/completions", json=body)
-    assert response.status_code == 200, response.text
-    return response.headers.get("x-llmgw-replica", ""), response.json()["usage"]
 
 
 async def test_kv_events_route_to_the_holder_predict_exactly_and_only_their_owner_changes_them(cluster):

@@ -26,8 +26,8 @@ from __future__ import annotations
 import pytest
 import trio
 
-from test_cluster import all_up, cluster, embedded, engines  # noqa: F401 (fixtures)
-from test_kv_cluster import BLOCK, complete, kv_sim, kv_state, kv_where, text
+from llmgw.bench import kv_truth
+from cluster_helpers import BLOCK, all_up, complete, embedded, kv_sim, kv_state, kv_where, text
 
 pytestmark = pytest.mark.slow
 
@@ -44,10 +44,7 @@ async def start(cluster, profile: str) -> dict[str, dict]:
 
 async def engine_cached_blocks(cluster, url: str) -> int:
     """The engine's own count of blocks holding a hash (``llmgw_sim_cached_blocks`` on its /metrics)."""
-    for line in (await cluster.http.get(url + "/metrics")).text.splitlines():
-        if line.startswith("llmgw_sim_cached_blocks"):
-            return int(float(line.rsplit(" ", 1)[1]))
-    raise AssertionError(f"no llmgw_sim_cached_blocks at {url}/metrics")
+    return await kv_truth.engine_cached_blocks(cluster.http, url)
 
 
 async def decision_lines(cluster) -> list[str]:

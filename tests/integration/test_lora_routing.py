@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_cluster import all_up, cluster, embedded, engines  # noqa: F401 (fixtures)
-from test_kv_cluster import BLOCK, kv_sim, kv_where, text
+from cluster_helpers import BLOCK, all_up, embedded, kv_sim, kv_where, text
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ import trustme
 
 from llmgw import wire
 from llmgw.agent.discovery import discover
-from test_cluster import AGENTS, FIXTURES, TOKEN, alive, all_up, cluster, engines, environ_of  # noqa: F401
+from cluster_helpers import AGENTS, FIXTURES, TOKEN, alive, all_up, environ_of
 
 API_KEY = "engine-k3y-for-a-only"
 ENV_SECRET = "env-s3cret-for-a-only"

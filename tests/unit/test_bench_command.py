@@ -1,0 +1,24 @@
+"""``llmgw bench``: a table of benchmark names to modules, listed by ``llmgw bench``, dispatched by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw import cli
+from llmgw.commands.bench import BENCHES
+
+
+def test_llmgw_bench_lists_its_benchmarks_and_refuses_an_unknown_one(capsys):
+    assert cli.main(["bench"]) == 0
+    listing = capsys.readouterr().out
+    assert all(f"  {name}  " in listing for name in BENCHES) and "fault" in BENCHES
+    assert cli.main(["bench", "nope"]) == 2
+    assert "unknown benchmark 'nope'" in capsys.readouterr().err
+
+
+def test_llmgw_bench_fault_dispatches_to_its_module(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "fault", "--help"])
+    assert exit_.value.code == 0
+    help_text = capsys.readouterr().out
+    assert help_text.startswith("usage: llmgw bench fault") and "--json" in help_text and "--duration" in help_text
