@@ -68,6 +68,7 @@ class Gateway:
         self.dataplane = DataPlane(self.router, self.health, self.metrics, DataPlaneSettings(
             connect_timeout=lim.connect_timeout, first_byte_timeout=lim.first_byte_timeout,
             idle_timeout=lim.idle_timeout, retries=lim.retries,
+            max_json_depth=lim.max_json_depth, max_json_values=lim.max_json_values,
         ), api_keys=[k.key for k in config.api_keys])
         self.data_server = HttpServer(self.dataplane.handle, ServerLimits(
             max_header_bytes=lim.max_header_bytes, max_body_bytes=lim.max_body_bytes,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hmac
 import itertools
-import json
 import logging
 import os
 import time
@@ -22,6 +21,7 @@ from ..router.replica import Replica
 from ..router.router import Router
 from ..router.tier import Decision, RouteRequest
 from .client import UpstreamError, UpstreamResponse
+from .jsonbody import DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES, BodyError, parse_json_body
 from .messages import Request, Response, error_response
 from .usage import STREAM_TAIL_PIECES, usage_of_body, usage_of_stream_tail
 from .server import AbortConnection
@@ -55,6 +55,8 @@ class DataPlaneSettings:
     idle_timeout: float = 300.0
     retries: int = 2
     retry_after_seconds: int = 1
+    max_json_depth: int = DEFAULT_MAX_DEPTH
+    max_json_values: int = DEFAULT_MAX_VALUES
 
 
 class DataPlane:
@@ -119,10 +121,10 @@ class DataPlane:
     async def _proxy(self, request: Request) -> Response:
         started = _now()
         try:
-            body = json.loads(request.body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            return self._count(None, error_response(400, f"the request body is not valid JSON: {exc}",
-                                                    code="invalid_json"))
+            body = parse_json_body(request.body, max_depth=self.settings.max_json_depth,
+                                   max_values=self.settings.max_json_values)
+        except BodyError as exc:
+            return self._count(None, error_response(exc.status, str(exc), code=exc.code))
         if not isinstance(body, dict):
             return self._count(None, error_response(400, "the request body must be a JSON object",
                                                     code="invalid_json"))
