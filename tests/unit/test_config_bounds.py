@@ -1,0 +1,170 @@
+"""Hostile config files are bounded: alias bombs, deep nesting, huge files and huge numbers are errors naming
+file, line and key, found fast and in little memory; never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from llmgw.config import ConfigError, load_config, parse_config
+from llmgw.config.loading import MAX_FILE_BYTES
+from llmgw.config.yamlpos import MAX_ALIAS_NODES, MAX_DEPTH
+
+LLMGW = Path(sys.executable).parent / "llmgw"
+
+BILLION_LAUGHS = """\
+listen: 127.0.0.1:8000
+a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]
+b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]
+c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]
+d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]
+e: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]
+f: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]
+g: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f]
+h: &h [*g,*g,*g,*g,*g,*g,*g,*g,*g]
+i: &i [*h,*h,*h,*h,*h,*h,*h,*h,*h]
+"""
+
+
+def only_issue(exc: pytest.ExceptionInfo[ConfigError]):
+    assert len(exc.value.errors) == 1, exc.value.errors
+    return exc.value.errors[0]
+
+
+def test_alias_bomb_is_refused_in_little_memory(tmp_path):
+    path = tmp_path / "lol.yaml"
+    path.write_text(BILLION_LAUGHS)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ConfigError) as exc:
+            load_config(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    issue = only_issue(exc)
+    assert issue.file == str(path)
+    assert issue.line == 6  # the first mapping whose expansion passes the budget: "e: [*d, ...]" (9^4 > 10,000)
+    assert issue.key.startswith("e[")
+    assert f"more than {MAX_ALIAS_NODES} nodes" in issue.message
+    assert peak < 50 * 1024 * 1024, f"refusing the bomb took {peak} bytes"
+
+
+def test_aliases_within_the_budget_still_work():
+    text = """\
+models:
+  - name: a
+    replicas: &replicas
+      - url: http://127.0.0.1:9001
+      - url: http://127.0.0.1:9002
+  - name: b
+    replicas: *replicas
+"""
+    config = parse_config(text)
+    assert [r.url for r in config.models[1].replicas] == ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+
+
+@pytest.mark.parametrize("opening, closing", [("[", "]"), ("{a: ", "}")])
+def test_5000_deep_flow_nesting_is_a_config_error(opening, closing):
+    text = "listen: 127.0.0.1:8000\nmodels: " + opening * 5000 + "1" + closing * 5000 + "\n"
+    with pytest.raises(ConfigError) as exc:
+        parse_config(text, "deep.yaml")
+    issue = only_issue(exc)
+    assert (issue.file, issue.line) == ("deep.yaml", 2)
+    assert issue.key.startswith("models")
+    assert f"nested deeper than {MAX_DEPTH} levels" in issue.message
+
+
+def test_deep_block_nesting_names_the_key():
+    lines = ["models:", "  - name: m", "    routing_options:"]
+    lines += ["      " + "  " * depth + f"k{depth}:" for depth in range(MAX_DEPTH + 2)]
+    with pytest.raises(ConfigError) as exc:
+        parse_config("\n".join(lines) + " 1\n", "block.yaml")
+    issue = only_issue(exc)
+    assert issue.key.startswith("models[0].routing_options.k0.k1.k2")
+    # root, models, models[0], then routing_options (line 4, k0) at depth 4: the mapping at depth MAX_DEPTH + 1
+    # starts on line MAX_DEPTH + 1, under key k<MAX_DEPTH - 4>
+    assert issue.line == MAX_DEPTH + 1
+    assert issue.key.endswith(f".k{MAX_DEPTH - 4}")
+
+
+def test_nesting_at_the_bound_is_read():
+    depth = MAX_DEPTH - 4  # root mapping, models list, model mapping, routing_options
+    options = "{a: " * depth + "1" + "}" * depth
+    config = parse_config(f"models:\n  - name: m\n    routing_options: {options}\n"
+                          "    replicas: [{url: 'http://127.0.0.1:9001'}]\n")
+    value = config.models[0].routing_options
+    for _ in range(depth - 1):
+        value = value["a"]
+    assert value == {"a": 1}
+
+
+def test_a_file_above_the_size_bound_is_not_parsed(tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_text("# padding\n" * (MAX_FILE_BYTES // 10 + 1))
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    issue = only_issue(exc)
+    assert issue.file == str(path)
+    assert f"larger than {MAX_FILE_BYTES} bytes" in issue.message
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("limits.retries", "1" + "0" * 35, "must be at most 10"),
+    ("limits.retries", "11", "must be at most 10"),
+    ("limits.connect_timeout", "2000000", "must be at most 1 day"),
+    ("limits.shutdown_grace", "25h", "must be at most 1 day"),
+    ("limits.max_body_bytes", "1TiB", "must be at most 256MiB"),
+    ("limits.max_header_bytes", "2MiB", "must be at most 1MiB"),
+    ("limits.max_connections", "10000001", "must be at most 1000000"),
+    ("limits.max_json_depth", "501", "must be at most 500"),
+    ("health.failures_to_down", "1001", "must be at most 1000"),
+    ("agents.heartbeat_interval", "48h", "must be at most 1 day"),
+])
+def test_every_numeric_key_has_an_upper_bound(key, value, message):
+    section, name = key.split(".")
+    with pytest.raises(ConfigError) as exc:
+        parse_config(f"{section}:\n  {name}: {value}\n", "bounds.yaml")
+    issue = only_issue(exc)
+    assert (issue.file, issue.line, issue.key, issue.message) == ("bounds.yaml", 2, key, message)
+
+
+def test_bounds_of_list_items_name_the_item():
+    text = """\
+models:
+  - name: m
+    max_model_len: 1000000000
+    replicas:
+      - url: http://127.0.0.1:9001
+        weight: 100000
+profiles:
+  - {name: p, engine: sim, model_path: x, tp: 4096, cpu_threads: 100000}
+deployments:
+  - {profile: p, replicas: 20000}
+"""
+    with pytest.raises(ConfigError) as exc:
+        parse_config(text, "items.yaml")
+    found = {(issue.line, issue.key, issue.message) for issue in exc.value.errors}
+    assert {
+        (3, "models[0].max_model_len", "must be at most 100000000"),
+        (6, "models[0].replicas[0].weight", "must be at most 1000"),
+        (8, "profiles[0].tp", "must be at most 1024"),
+        (8, "profiles[0].cpu_threads", "must be at most 4096"),
+        (10, "deployments[0].replicas", "must be at most 10000"),
+    } <= found
+
+
+def test_config_check_reports_an_alias_bomb_without_a_traceback(tmp_path):
+    path = tmp_path / "lol.yaml"
+    path.write_text(BILLION_LAUGHS)
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("models: " + "[" * 5000 + "]" * 5000 + "\n")
+    for bad, line in ((path, 6), (deep, 1)):
+        result = subprocess.run([str(LLMGW), "config", "check", str(bad)], capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode != 0
+        assert "Traceback" not in result.stderr + result.stdout
+        assert f"{bad}:{line}:" in result.stderr + result.stdout
