@@ -59,10 +59,11 @@ STATUS_LINES = {
         (415, "Unsupported Media Type"), (422, "Unprocessable Entity"), (429, "Too Many Requests"),
         (431, "Request Header Fields Too Large"), (499, "Client Closed Request"),
         (500, "Internal Server Error"), (501, "Not Implemented"), (502, "Bad Gateway"),
-        (503, "Service Unavailable"), (504, "Gateway Timeout"),
+        (503, "Service Unavailable"), (504, "Gateway Timeout"), (505, "HTTP Version Not Supported"),
     ]
 }
 _NO_BODY_STATUS = {204, 304}
+_VERSIONS = ("1.1", "1.0")  # HTTP/0.9 (a bare request line) and anything newer are answered 505
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _INF = math.inf
 
@@ -139,7 +140,11 @@ class _RequestReader:
                 raise _ProtocolError(431, "request headers are too large")
 
     def _too_large(self) -> None:
-        self.error = _ProtocolError(431, "request headers are too large")
+        self._refuse(431, "request headers are too large")
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Stop parsing: the connection answers ``status`` and closes."""
+        self.error = _ProtocolError(status, message)
         raise self.error
 
     # httptools callbacks
@@ -168,18 +173,28 @@ class _RequestReader:
         msg.method = parser.get_method().decode("ascii")
         msg.keep_alive = parser.should_keep_alive()
         msg.version = parser.get_http_version()
+        if msg.version not in _VERSIONS:
+            self._refuse(505, f"HTTP/{msg.version} is not supported: send HTTP/1.1 (or HTTP/1.0)")
+        hosts = 0
         for name, value in msg.headers:
-            if name == b"content-length":
+            if name == b"host":
+                hosts += 1
+            elif name == b"transfer-encoding":
+                for coding in value.split(b","):
+                    if coding.strip().lower() != b"chunked":
+                        self._refuse(501, f"the transfer coding {coding.strip().decode('latin-1')!r} is not "
+                                          "supported (only chunked)")
+            elif name == b"content-length":
                 try:
                     declared = int(value)
                 except ValueError:
                     declared = 0
                 if declared > self.limits.max_body_bytes:
-                    self.error = _ProtocolError(
-                        413, f"request body is larger than the limit of {self.limits.max_body_bytes} bytes")
-                    raise self.error
+                    self._refuse(413, f"request body is larger than the limit of {self.limits.max_body_bytes} bytes")
             elif name == b"expect" and value.lower() == b"100-continue":
                 msg.expect_continue = True
+        if hosts > 1 or (hosts == 0 and msg.version == "1.1"):
+            self._refuse(400, f"an HTTP/1.1 request needs exactly one Host header, not {hosts}")
 
     def on_body(self, body: bytes) -> None:
         msg = self.current
