@@ -124,6 +124,9 @@ class Metrics:
         self.health_probes = CachedLabels(Counter(
             "llmgw_health_probes", "Active health probes by replica and result.", ["replica", "result"],
             registry=r))
+        self.rejected_bodies = CachedLabels(Counter(
+            "llmgw_rejected_bodies", "Request bodies refused before routing, by reason "
+            "(not_json, too_deep, too_many_values).", ["reason"], registry=r))
         self._replicas: dict[str, ReplicaMetrics] = {}
         self._models: dict[str, ModelMetrics] = {}
 

@@ -124,6 +124,7 @@ class DataPlane:
             body = parse_json_body(request.body, max_depth=self.settings.max_json_depth,
                                    max_values=self.settings.max_json_values)
         except BodyError as exc:
+            self.metrics.rejected_bodies.labels(exc.reason).inc()
             return self._count(None, error_response(exc.status, str(exc), code=exc.code))
         if not isinstance(body, dict):
             return self._count(None, error_response(400, "the request body must be a JSON object",

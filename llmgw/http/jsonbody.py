@@ -24,12 +24,14 @@ DEFAULT_MAX_VALUES = 200_000
 
 
 class BodyError(ValueError):
-    """The body cannot be taken: ``status`` (400 or 413) and ``code`` for the OpenAI error."""
+    """The body cannot be taken: ``status`` (400 or 413) and ``code`` for the OpenAI error, ``reason`` for the
+    metric (``not_json``, ``too_deep``, ``too_many_values``)."""
 
-    def __init__(self, status: int, code: str, message: str):
+    def __init__(self, status: int, code: str, reason: str, message: str):
         super().__init__(message)
         self.status = status
         self.code = code
+        self.reason = reason
 
 
 def parse_json_body(body: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH,
@@ -37,21 +39,21 @@ def parse_json_body(body: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH,
     """The JSON value of ``body``; :class:`BodyError` when it is not JSON or is beyond a bound."""
     brackets = body.count(b"[") + body.count(b"{")
     if brackets + body.count(b",") > max_values:
-        raise BodyError(413, "request_too_complex",
+        raise BodyError(413, "request_too_complex", "too_many_values",
                         f"the request body has more than {max_values} JSON values (the limit)")
     try:
         value = json.loads(body)
     except RecursionError:
         raise _too_deep(max_depth) from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise BodyError(400, "invalid_json", f"the request body is not valid JSON: {exc}") from None
+        raise BodyError(400, "invalid_json", "not_json", f"the request body is not valid JSON: {exc}") from None
     if brackets > max_depth and _deeper_than(value, max_depth):
         raise _too_deep(max_depth)
     return value
 
 
 def _too_deep(max_depth: int) -> BodyError:
-    return BodyError(400, "invalid_json", f"the request body nests JSON deeper than {max_depth} levels (the limit)")
+    return BodyError(400, "invalid_json", "too_deep", f"the request body nests JSON deeper than {max_depth} levels (the limit)")
 
 
 def _deeper_than(value: Any, max_depth: int) -> bool:

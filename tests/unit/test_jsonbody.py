@@ -1,0 +1,78 @@
+"""Request-body JSON within bounds (``llmgw.http.jsonbody``): depth, number of values, typed errors only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from llmgw.http.jsonbody import BodyError, parse_json_body
+
+
+def nested(depth: int, opening: bytes = b"[", closing: bytes = b"]", inside: bytes = b"") -> bytes:
+    return opening * depth + inside + closing * depth
+
+
+def test_small_bodies_parse():
+    assert parse_json_body(b'{"model": "m", "messages": [{"role": "user", "content": "[[{{"}]}') == {
+        "model": "m", "messages": [{"role": "user", "content": "[[{{"}]}
+
+
+@pytest.mark.parametrize("depth", [11, 500, 5000, 200_000])
+def test_nesting_beyond_the_bound_is_a_400(depth):
+    with pytest.raises(BodyError) as exc:
+        parse_json_body(b'{"model":"m","x":' + nested(depth) + b"}", max_depth=10, max_values=10**6)
+    assert (exc.value.status, exc.value.code) == (400, "invalid_json")
+    assert "deeper than 10 levels" in str(exc.value)
+
+
+def test_nesting_at_the_bound_is_taken():
+    body = b'{"x":' + nested(9, b'{"a":', b"}", b"1") + b"}"  # the outer object, then 9 more: depth 10
+    assert parse_json_body(body, max_depth=10)["x"]["a"]["a"] is not None
+    with pytest.raises(BodyError):
+        parse_json_body(b'{"x":' + nested(10, b'{"a":', b"}", b"1") + b"}", max_depth=10)
+
+
+def test_brackets_inside_strings_do_not_count_as_depth():
+    body = json.dumps({"model": "m", "prompt": "[" * 5000}).encode()
+    assert parse_json_body(body, max_depth=10)["prompt"] == "[" * 5000
+
+
+def test_more_values_than_the_bound_is_a_413_without_parsing():
+    body = b'{"model":"m","prompt":[' + b",".join([b"1"] * 1001) + b"]}"
+    with pytest.raises(BodyError) as exc:
+        parse_json_body(body, max_values=1000)
+    assert (exc.value.status, exc.value.code) == (413, "request_too_complex")
+    assert parse_json_body(body, max_values=1003)["prompt"][-1] == 1
+
+
+@pytest.mark.parametrize("body", [b"", b"{", b"\xff\xfe", b'{"a": 1}}', b"NaN-ish", b'"\\ud800"x'])
+def test_what_is_not_json_is_a_400(body):
+    with pytest.raises(BodyError) as exc:
+        parse_json_body(body)
+    assert (exc.value.status, exc.value.code) == (400, "invalid_json")
+
+
+json_ish = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=5), children, max_size=4),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(
+    st.binary(max_size=200),
+    json_ish.map(lambda value: json.dumps(value).encode()),
+    st.tuples(st.integers(0, 3000), st.sampled_from([b"[", b"{", b'{"a":', b"[1,"])).map(lambda t: t[1] * t[0]),
+    st.tuples(json_ish, st.integers(0, 50), st.binary(max_size=5)).map(
+        lambda t: json.dumps(t[0]).encode()[: t[1]] + t[2]),
+))
+def test_any_bytes_give_a_value_or_a_typed_error(body):
+    try:
+        value = parse_json_body(body, max_depth=20, max_values=500)
+    except BodyError as exc:
+        assert exc.status in (400, 413) and exc.code in ("invalid_json", "request_too_complex")
+    else:
+        assert value == json.loads(body) or value != value  # NaN is not equal to itself
