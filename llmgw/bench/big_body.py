@@ -3,8 +3,9 @@
 Starts two fake upstreams and ``llmgw serve`` routing model ``tiny`` to one and
 model ``big`` to the other (so the upstream parsing a big body never delays a
 small request). One client sends small chat completions back to back on one
-keep-alive connection and records each latency; another client sends big
-bodies of one kind after another. For each kind the report gives the small
+keep-alive connection and records each latency; another client, in a process
+of its own (so that building and sending 15 MiB does not delay the measuring
+client), sends big bodies of one kind after another. For each kind the report gives the small
 requests' p50, p99 and max latency, minus the same numbers with no big body in
 flight (``added_*``), and the big requests' status and duration.
 
@@ -19,6 +20,7 @@ Run: ``python -m llmgw.bench.big_body [--seconds 4] [--json bench-results/big_bo
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -88,16 +90,23 @@ async def small_latencies(host: str, port: int, seconds: float) -> list[float]:
     return latencies
 
 
-async def big_requests(host: str, port: int, body: bytes, stop: trio.Event, results: list[tuple[int, float]]) -> None:
-    """Big requests one after another (a new connection each, as an error may close it) until ``stop``."""
-    data = request_bytes(host, "/v1/completions", body)
-    while not stop.is_set():
-        started = time.perf_counter()
-        with trio.fail_after(60):
-            stream = await trio.open_tcp_stream(host, port)
-            async with stream:
-                status = await exchange(stream, data)
-        results.append((status, time.perf_counter() - started))
+def send_big_bodies(host: str, port: int, kind: str, size: int, seconds: float) -> list[tuple[int, float]]:
+    """Big requests one after another (a new connection each, as an error may close it) for ``seconds``."""
+    data = request_bytes(host, "/v1/completions", big_bodies(size)[kind])
+    results = []
+
+    async def loop() -> None:
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            started = time.perf_counter()
+            with trio.fail_after(60):
+                stream = await trio.open_tcp_stream(host, port)
+                async with stream:
+                    status = await exchange(stream, data)
+            results.append((status, time.perf_counter() - started))
+
+    trio.run(loop)
+    return results
 
 
 def summary(latencies: list[float]) -> dict:
@@ -122,15 +131,19 @@ async def measure(seconds: float, size: int, kinds: list[str]) -> dict:
         await small_latencies(host, port, 0.5)  # warm up
         baseline = summary(await small_latencies(host, port, seconds))
         report["baseline"] = baseline
-        bodies = big_bodies(size)
         for kind in kinds:
-            results: list[tuple[int, float]] = []
-            stop = trio.Event()
+            sender = [sys.executable, "-m", "llmgw.bench.big_body", "--send", kind, "--size", str(size),
+                      "--seconds", str(seconds + 1.0), "--target", f"{host}:{port}"]
             async with trio.open_nursery() as load:
-                load.start_soon(big_requests, host, port, bodies[kind], stop, results)
-                await trio.sleep(0.2)
+                sent: list = []
+
+                async def run_sender() -> None:
+                    sent.append(await trio.run_process(sender, capture_stdout=True))
+
+                load.start_soon(run_sender)
+                await trio.sleep(0.5)  # the sender builds its body and starts
                 latencies = await small_latencies(host, port, seconds)
-                stop.set()
+            results = json.loads(sent[0].stdout)
             row = summary(latencies)
             row.update({f"added_{k}": row[k] - baseline[k] for k in ("p50_ms", "p99_ms", "max_ms")})
             row["big_statuses"] = sorted({status for status, _ in results})
@@ -146,7 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=4.0, help="small-request measuring time per kind")
     parser.add_argument("--size", type=int, default=15 * MiB, help="bytes of each big body")
     parser.add_argument("--kinds", default="text,escaped,token_ids,containers,deep")
+    parser.add_argument("--send", metavar="KIND", help=argparse.SUPPRESS)  # the big-body sender's process
+    parser.add_argument("--target", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.send:
+        host, port = args.target.rsplit(":", 1)
+        print(json.dumps(send_big_bodies(host, int(port), args.send, args.size, args.seconds)))
+        return 0
     report = trio.run(measure, args.seconds, args.size, args.kinds.split(","))
     base = report["baseline"]
     print(f"no big body: small request p50 {base['p50_ms']:.1f} ms, p99 {base['p99_ms']:.1f} ms, "

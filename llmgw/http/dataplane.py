@@ -21,7 +21,7 @@ from ..router.replica import Replica
 from ..router.router import Router
 from ..router.tier import Decision, RouteRequest
 from .client import UpstreamError, UpstreamResponse
-from .jsonbody import DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES, BodyError, parse_json_body
+from .jsonbody import DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES, BodyError, read_json_body
 from .messages import Request, Response, error_response
 from .usage import STREAM_TAIL_PIECES, usage_of_body, usage_of_stream_tail
 from .server import AbortConnection
@@ -121,7 +121,7 @@ class DataPlane:
     async def _proxy(self, request: Request) -> Response:
         started = _now()
         try:
-            body = parse_json_body(request.body, max_depth=self.settings.max_json_depth,
+            body = await read_json_body(request.body, max_depth=self.settings.max_json_depth,
                                    max_values=self.settings.max_json_values)
         except BodyError as exc:
             self.metrics.rejected_bodies.labels(exc.reason).inc()

@@ -7,7 +7,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from llmgw.http.jsonbody import BodyError, parse_json_body
+from llmgw.http.jsonbody import SLICE_BYTES, BodyError, parse_json_body, read_json_body
 
 
 def nested(depth: int, opening: bytes = b"[", closing: bytes = b"]", inside: bytes = b"") -> bytes:
@@ -76,3 +76,26 @@ def test_any_bytes_give_a_value_or_a_typed_error(body):
         assert exc.status in (400, 413) and exc.code in ("invalid_json", "request_too_complex")
     else:
         assert value == json.loads(body) or value != value  # NaN is not equal to itself
+
+
+def test_escapes_count_against_the_value_bound():
+    body = json.dumps({"prompt": "é" * 1001}).encode()  # json.dumps escapes each as \u00e9
+    with pytest.raises(BodyError) as exc:
+        parse_json_body(body, max_values=1000)
+    assert exc.value.reason == "too_many_values"
+
+
+async def test_a_big_body_is_counted_in_slices_with_the_same_result():
+    prompt = list(range(100)) + ["x" * (2 * SLICE_BYTES)]
+    body = json.dumps({"model": "m", "prompt": prompt, "x": [[[1]]]}).encode()
+    assert await read_json_body(body, max_values=200) == json.loads(body)
+    with pytest.raises(BodyError) as exc:
+        await read_json_body(body, max_values=50)
+    assert exc.value.status == 413
+    with pytest.raises(BodyError) as exc:
+        await read_json_body(body, max_depth=3)
+    assert exc.value.reason == "too_deep"
+    bad = body[:-1] + b" garbage"
+    with pytest.raises(BodyError) as exc:
+        await read_json_body(bad)
+    assert exc.value.reason == "not_json"
