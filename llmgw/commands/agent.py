@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--address", default=None,
                         help="the address other machines and the router dial this node's engines at "
                              "(default: the local address that reaches the control plane)")
+    parser.add_argument("--kv-max-message-size", default=None, metavar="SIZE",
+                        help="largest KV-event message taken from an engine, e.g. 64MiB (default 32MiB); a peer "
+                             "sending a larger one is disconnected")
     parser.add_argument("--log-level", default="info", help="debug, info, warning, error (default info)")
     return parser
 
@@ -57,6 +60,17 @@ def parse_labels(items: list[str]) -> dict[str, str]:
     return labels
 
 
+def parse_kv_message_size(text: str | None) -> int | None:
+    from ..kv.subscriber import message_size_setting
+
+    if text is None:
+        return None
+    try:
+        return message_size_setting(text)
+    except ValueError as exc:
+        raise ValueError(f"--kv-max-message-size {text!r}: {exc}") from None
+
+
 def main(argv: list[str]) -> int:
     from ..agent.agent import Agent, AgentRefused
     from ..agent.discovery import DiscoveryError
@@ -67,9 +81,10 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         labels = parse_labels(args.label)
+        kv_max_message_bytes = parse_kv_message_size(args.kv_max_message_size)
         agent = Agent(args.join, token=args.token, node_id=args.node_id or socket.gethostname(),
                       discovery=args.discovery, state_dir=args.state_dir, labels=labels, address=args.address,
-                      announce=lambda line: print(line, flush=True))
+                      announce=lambda line: print(line, flush=True), kv_max_message_bytes=kv_max_message_bytes)
     except ValueError as exc:
         print(f"llmgw agent: {exc}", file=sys.stderr)
         return 2

@@ -43,6 +43,7 @@ from ..kv import tokenize as kv_tokenize
 from ..kv.index import IndexState, KvIndex
 from ..kv.keys import none_hash
 from ..kv.metrics import KvMetrics
+from ..kv.subscriber import DEFAULT_MAX_MESSAGE_BYTES, message_size_setting
 from ..kv.tokenize import TokenizeError
 from ..plugins_manager import PluginError
 from ..router.replica import Replica
@@ -74,6 +75,7 @@ class KvIndexOptions:
     min_match_blocks: int = 1
     max_prompt_tokens: int = 131072
     lora_adapters: dict[str, str] = field(default_factory=dict)
+    max_event_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # ZMQ_MAXMSGSIZE of external replicas' subscriptions
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> tuple["KvIndexOptions", list[str]]:
@@ -93,6 +95,7 @@ class KvIndexOptions:
         take("min_match_blocks", count(1))
         take("max_prompt_tokens", count(1))
         take("lora_adapters", _lora_map)
+        take("max_event_message_bytes", message_size_setting)
         return options, problems
 
 
