@@ -19,6 +19,7 @@ from .config import Config, ConfigError, load_config
 from .http.client import UpstreamPool
 from .http.control import create_control_app, serve_control
 from .http.dataplane import DataPlane, DataPlaneSettings
+from .http.jsonbody import JsonLimits
 from .http.server import HttpServer, ServerLimits
 from .metrics import Metrics
 from .plugins_manager import Registry, check_config_plugins, default_registry
@@ -68,7 +69,7 @@ class Gateway:
         self.dataplane = DataPlane(self.router, self.health, self.metrics, DataPlaneSettings(
             connect_timeout=lim.connect_timeout, first_byte_timeout=lim.first_byte_timeout,
             idle_timeout=lim.idle_timeout, retries=lim.retries,
-            max_json_depth=lim.max_json_depth, max_json_values=lim.max_json_values,
+            json_limits=JsonLimits(lim.max_json_depth, lim.max_json_values, lim.max_json_containers),
         ), api_keys=[k.key for k in config.api_keys])
         self.data_server = HttpServer(self.dataplane.handle, ServerLimits(
             max_header_bytes=lim.max_header_bytes, max_body_bytes=lim.max_body_bytes,

@@ -126,7 +126,7 @@ class Metrics:
             registry=r))
         self.rejected_bodies = CachedLabels(Counter(
             "llmgw_rejected_bodies", "Request bodies refused before routing, by reason "
-            "(not_json, too_deep, too_many_values).", ["reason"], registry=r))
+            "(not_json, too_deep, too_many_values, too_many_containers).", ["reason"], registry=r))
         self._replicas: dict[str, ReplicaMetrics] = {}
         self._models: dict[str, ModelMetrics] = {}
 

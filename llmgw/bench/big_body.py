@@ -13,7 +13,9 @@ Kinds of big body (all about ``--size`` bytes, default 15 MiB, under the 16 MiB
 body limit): ``text`` (one long ASCII prompt), ``escaped`` (a prompt of
 non-ASCII text, JSON-escaped), ``token_ids`` (a completions prompt of token ids),
 ``containers`` (a list of small arrays: the most objects per byte) and ``deep``
-(nesting 100,000 deep).
+(nesting 90,000 deep) and ``at_bound`` (just under the default bound on JSON
+containers: 100,000 empty arrays, then a long prompt: about the costliest body
+accepted).
 
 Run: ``python -m llmgw.bench.big_body [--seconds 4] [--json bench-results/big_body.json]``.
 """
@@ -29,6 +31,7 @@ import time
 import trio
 
 from ..processes import run_child
+from ..http.jsonbody import DEFAULT_MAX_CONTAINERS
 from .common import bench_parser, write_json
 from .sim_cluster import start_gateway
 
@@ -39,12 +42,15 @@ SMALL = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "h
 def big_bodies(size: int) -> dict[str, bytes]:
     """One body of each kind, each close to ``size`` bytes."""
     head = b'{"model":"big","max_tokens":1,'
+    just_below_bound = b",".join([b"[]"] * (DEFAULT_MAX_CONTAINERS - 10))
     return {
         "text": head + b'"messages":[{"role":"user","content":"' + b"x" * (size - 80) + b'"}]}',
         "escaped": head + b'"prompt":"' + b"\\u00e9\\n" * ((size - 60) // 8) + b'"}',
         "token_ids": head + b'"prompt":[' + b",".join([b"1234"] * ((size - 60) // 5)) + b"]}",
         "containers": head + b'"x":[' + b",".join([b"[]"] * ((size - 60) // 3)) + b"]}",
-        "deep": head + b'"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        "deep": head + b'"x":' + b"[" * 90_000 + b"]" * 90_000 + b"}",
+        "at_bound": head + b'"x":[' + just_below_bound + b'],"prompt":"' + b"x" * (size - len(just_below_bound) - 80)
+                    + b'"}',
     }
 
 
@@ -158,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__)
     parser.add_argument("--seconds", type=float, default=4.0, help="small-request measuring time per kind")
     parser.add_argument("--size", type=int, default=15 * MiB, help="bytes of each big body")
-    parser.add_argument("--kinds", default="text,escaped,token_ids,containers,deep")
+    parser.add_argument("--kinds", default="text,escaped,token_ids,containers,deep,at_bound")
     parser.add_argument("--send", metavar="KIND", help=argparse.SUPPRESS)  # the big-body sender's process
     parser.add_argument("--target", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -16,7 +16,7 @@ from .addresses import HostPort, parse_http_url, parse_tcp_endpoint, url_host_po
 from .fields import (Check, Located, Parse, at_least, at_most, config_class, matches, non_empty, one_of, positive,
                      setting)
 from .reader import Draft
-from ..http.jsonbody import DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
+from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
 from .units import parse_duration, parse_size
 
 KiB = 1024
@@ -112,7 +112,8 @@ class Limits(Located):
     shutdown_grace: Duration = setting(30.0)
     max_connections: Count = setting(10000)
     max_json_depth: bounded(Count, 500) = setting(DEFAULT_MAX_DEPTH)  # nesting of a request body
-    max_json_values: Count = setting(DEFAULT_MAX_VALUES)  # commas and brackets of a request body
+    max_json_values: Count = setting(DEFAULT_MAX_VALUES)  # commas, brackets and escapes of a request body
+    max_json_containers: Count = setting(DEFAULT_MAX_CONTAINERS)  # brackets of a request body
 
 
 @config_class

@@ -21,7 +21,7 @@ from ..router.replica import Replica
 from ..router.router import Router
 from ..router.tier import Decision, RouteRequest
 from .client import UpstreamError, UpstreamResponse
-from .jsonbody import DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES, BodyError, read_json_body
+from .jsonbody import BodyError, JsonLimits, read_json_body
 from .messages import Request, Response, error_response
 from .usage import STREAM_TAIL_PIECES, usage_of_body, usage_of_stream_tail
 from .server import AbortConnection
@@ -55,8 +55,7 @@ class DataPlaneSettings:
     idle_timeout: float = 300.0
     retries: int = 2
     retry_after_seconds: int = 1
-    max_json_depth: int = DEFAULT_MAX_DEPTH
-    max_json_values: int = DEFAULT_MAX_VALUES
+    json_limits: JsonLimits = JsonLimits()
 
 
 class DataPlane:
@@ -121,8 +120,7 @@ class DataPlane:
     async def _proxy(self, request: Request) -> Response:
         started = _now()
         try:
-            body = await read_json_body(request.body, max_depth=self.settings.max_json_depth,
-                                   max_values=self.settings.max_json_values)
+            body = await read_json_body(request.body, self.settings.json_limits)
         except BodyError as exc:
             self.metrics.rejected_bodies.labels(exc.reason).inc()
             return self._count(None, error_response(exc.status, str(exc), code=exc.code))

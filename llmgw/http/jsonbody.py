@@ -1,41 +1,54 @@
-"""A client's JSON request body, parsed within bounds on nesting depth and on the number of values.
+"""A client's JSON request body, parsed within bounds on nesting depth, values and containers.
 
 ``json.loads`` runs in C and holds the GIL: however it is scheduled (a worker
 thread included: measured in ``docs/benchmarks.md``, the event loop then
 stalls exactly as long as the parse), the loop waits until it returns, and
-its cost grows with the number of values and escapes, not with the bytes
-(15 MiB of small arrays took 2 s, 15 MiB of plain text 23 ms). So the cost
-is bounded before parsing: an upper bound of the values is counted at C
-speed, ``,`` ``[`` ``{`` and ``\\`` (every value but the first of a container
-follows a comma; an escape costs about what a small value does), and a body
-above ``max_values`` is refused unparsed. The count of a big body is done in
+its cost grows with the number of values, escapes and above all containers
+(each one is also scanned by the cyclic garbage collector while it lives),
+not with the bytes: 15 MiB of small arrays took 2 s, 15 MiB of plain text
+23 ms. So the cost is bounded before parsing, by upper bounds counted at C
+speed: containers (``[`` and ``{``) and values and escapes (those, ``,`` and
+``\\``: every value but the first of a container follows a comma; an escape
+costs about what a small value does). A body above ``max_containers`` or
+``max_values`` is refused unparsed. The count of a big body is done in
 slices with a checkpoint between them (:func:`read_json_body`), and the parse
 runs with the cyclic garbage collector paused, which otherwise re-scans the
 young containers again and again (six times the parse itself for millions of
-small lists).
+small lists); it then scans them once.
 
-Depth is checked after the parse only when the body has more brackets than
-``max_depth`` (a common small request has a handful), by an iterative walk
-over the containers that the value bound keeps short; nesting deep enough to
-exhaust the parser's recursion limit is caught as such.
+Depth is checked after the parse only when the body has more containers than
+``max_depth`` (a common small request has a handful), level by level over the
+containers, which their bound keeps few; nesting deep enough to exhaust the
+parser's recursion limit is caught as such.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import trio
 
 DEFAULT_MAX_DEPTH = 100
 DEFAULT_MAX_VALUES = 500_000
+DEFAULT_MAX_CONTAINERS = 100_000
 SLICE_BYTES = 1 << 20  # a big body is counted this much at a time (about 3 ms), with a checkpoint between
+
+
+@dataclass(frozen=True)
+class JsonLimits:
+    """The bounds on a body (``limits.max_json_depth``, ``max_json_values``, ``max_json_containers``)."""
+
+    max_depth: int = DEFAULT_MAX_DEPTH
+    max_values: int = DEFAULT_MAX_VALUES
+    max_containers: int = DEFAULT_MAX_CONTAINERS
 
 
 class BodyError(ValueError):
     """The body cannot be taken: ``status`` (400 or 413) and ``code`` for the OpenAI error, ``reason`` for the
-    metric (``not_json``, ``too_deep``, ``too_many_values``)."""
+    metric (``not_json``, ``too_deep``, ``too_many_values``, ``too_many_containers``)."""
 
     def __init__(self, status: int, code: str, reason: str, message: str):
         super().__init__(message)
@@ -45,63 +58,62 @@ class BodyError(ValueError):
 
 
 class Counts:
-    """What :func:`count` found in a body: ``brackets`` (``[`` and ``{``), and ``values``, an upper bound of the
-    JSON values and escapes (brackets, ``,`` and ``\\``)."""
+    """Upper bounds found at C speed in a body: ``containers`` (its ``[`` and ``{``) and ``values`` (values and
+    escapes: its ``[``, ``{``, ``,`` and ``\\``)."""
 
-    __slots__ = ("brackets", "values")
+    __slots__ = ("containers", "values")
 
     def __init__(self) -> None:
-        self.brackets = self.values = 0
+        self.containers = self.values = 0
 
     def add(self, body: bytes, start: int = 0, end: int | None = None) -> "Counts":
         end = len(body) if end is None else end
-        brackets = body.count(b"[", start, end) + body.count(b"{", start, end)
-        self.brackets += brackets
-        self.values += brackets + body.count(b",", start, end) + body.count(b"\\", start, end)
+        containers = body.count(b"[", start, end) + body.count(b"{", start, end)
+        self.containers += containers
+        self.values += containers + body.count(b",", start, end) + body.count(b"\\", start, end)
         return self
 
+    def check(self, limits: JsonLimits) -> None:
+        if self.values > limits.max_values:
+            raise BodyError(413, "request_too_complex", "too_many_values", "the request body has more than "
+                            f"{limits.max_values} JSON values and escapes (the limit)")
+        if self.containers > limits.max_containers:
+            raise BodyError(413, "request_too_complex", "too_many_containers", "the request body has more than "
+                            f"{limits.max_containers} JSON arrays and objects (the limit)")
 
-async def read_json_body(body: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH,
-                         max_values: int = DEFAULT_MAX_VALUES) -> Any:
+
+async def read_json_body(body: bytes, limits: JsonLimits = JsonLimits()) -> Any:
     """:func:`parse_json_body`, counting a body above :data:`SLICE_BYTES` a slice at a time between checkpoints."""
     if len(body) <= SLICE_BYTES:
-        return parse_json_body(body, max_depth=max_depth, max_values=max_values)
+        return parse_json_body(body, limits)
     counts = Counts()
     for start in range(0, len(body), SLICE_BYTES):
         await trio.lowlevel.checkpoint()
-        if counts.add(body, start, start + SLICE_BYTES).values > max_values:
-            raise _too_many(max_values)
-    return parse_json_body(body, max_depth=max_depth, max_values=max_values, counts=counts)
+        counts.add(body, start, start + SLICE_BYTES).check(limits)
+    return parse_json_body(body, limits, counts)
 
 
-def parse_json_body(body: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH, max_values: int = DEFAULT_MAX_VALUES,
-                    counts: Counts | None = None) -> Any:
+def parse_json_body(body: bytes, limits: JsonLimits = JsonLimits(), counts: Counts | None = None) -> Any:
     """The JSON value of ``body``; :class:`BodyError` when it is not JSON or is beyond a bound.
 
     ``counts`` are the body's :class:`Counts` when the caller counted already.
     """
     counts = counts or Counts().add(body)
-    if counts.values > max_values:
-        raise _too_many(max_values)
+    counts.check(limits)
     collecting = gc.isenabled()
     gc.disable()
     try:
         value = json.loads(body)
     except RecursionError:
-        raise _too_deep(max_depth) from None
+        raise _too_deep(limits.max_depth) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise BodyError(400, "invalid_json", "not_json", f"the request body is not valid JSON: {exc}") from None
     finally:
         if collecting:
             gc.enable()
-    if counts.brackets > max_depth and _deeper_than(value, max_depth):
-        raise _too_deep(max_depth)
+    if counts.containers > limits.max_depth and _deeper_than(value, limits.max_depth):
+        raise _too_deep(limits.max_depth)
     return value
-
-
-def _too_many(max_values: int) -> BodyError:
-    return BodyError(413, "request_too_complex", "too_many_values",
-                     f"the request body has more than {max_values} JSON values and escapes (the limit)")
 
 
 def _too_deep(max_depth: int) -> BodyError:
@@ -110,16 +122,13 @@ def _too_deep(max_depth: int) -> BodyError:
 
 
 def _deeper_than(value: Any, max_depth: int) -> bool:
-    """Whether ``value`` has containers nested more than ``max_depth`` deep, without recursion."""
-    if not isinstance(value, (dict, list)):
-        return False
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
+    """Whether ``value`` has containers nested more than ``max_depth`` deep: level by level, without recursion."""
+    level = [value] if type(value) is dict or type(value) is list else []
+    depth = 0
+    while level:
+        depth += 1
         if depth > max_depth:
             return True
-        children = node.values() if isinstance(node, dict) else node
-        for child in children:
-            if isinstance(child, (dict, list)):
-                stack.append((child, depth + 1))
+        level = [child for node in level for child in (node.values() if type(node) is dict else node)
+                 if type(child) is list or type(child) is dict]
     return False

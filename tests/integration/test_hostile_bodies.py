@@ -9,7 +9,7 @@ import httpx
 import trio
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from llmgw.http.jsonbody import DEFAULT_MAX_VALUES
+from llmgw.http.jsonbody import DEFAULT_MAX_CONTAINERS
 
 CHAT = "/v1/chat/completions"
 
@@ -48,7 +48,7 @@ async def test_deep_json_is_a_400_in_openai_shape_not_a_500(start_fake_upstream,
     upstream = await start_fake_upstream("a")
     gw = await start_llmgw(config(upstream.url))
     async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
-        for depth in (101, 2_000, 150_000):  # past the bound, past Python's recursion limit, and far past
+        for depth in (101, 2_000, 90_000):  # past the bound, past Python's recursion limit, and far past
             body = b'{"model":"tiny","messages":' + b"[" * depth + b"]" * depth + b"}"
             message = assert_openai_error(await client.post(CHAT, content=body), 400, "invalid_json")
             assert "deeper than 100 levels" in message
@@ -60,25 +60,30 @@ async def test_deep_json_is_a_400_in_openai_shape_not_a_500(start_fake_upstream,
 
 async def test_bounds_follow_the_limits_keys(start_fake_upstream, start_llmgw):
     upstream = await start_fake_upstream("a")
-    gw = await start_llmgw(config(upstream.url, "limits:\n  max_json_depth: 5\n  max_json_values: 50\n"))
+    gw = await start_llmgw(config(upstream.url, "limits:\n  max_json_depth: 5\n  max_json_values: 50\n"
+                                                "  max_json_containers: 8\n"))
     async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
         deep = {"model": "tiny", "x": [[[[[1]]]]]}  # 6 levels with the outer object
         assert_openai_error(await client.post(CHAT, json=deep), 400, "invalid_json")
         wide = {"model": "tiny", "prompt": list(range(60))}
         message = assert_openai_error(await client.post("/v1/completions", json=wide), 413, "request_too_complex")
         assert "more than 50 JSON values" in message
+        many = {"model": "tiny", "x": [[], [], [], [], [], [], [], []]}
+        message = assert_openai_error(await client.post(CHAT, json=many), 413, "request_too_complex")
+        assert "more than 8 JSON arrays and objects" in message
         fits = {"model": "tiny", "prompt": list(range(40)), "x": [[[1]]]}
         assert (await client.post("/v1/completions", json=fits)).status_code == 200
     assert await rejected(gw, "too_many_values") == 1
+    assert await rejected(gw, "too_many_containers") == 1
 
 
 async def test_a_body_of_many_small_values_is_refused_before_it_is_parsed(start_fake_upstream, start_llmgw):
     upstream = await start_fake_upstream("a")
     gw = await start_llmgw(config(upstream.url))
-    body = b'{"model":"tiny","x":[' + b",".join([b"[]"] * (DEFAULT_MAX_VALUES + 1)) + b"]}"
+    body = b'{"model":"tiny","x":[' + b",".join([b"[]"] * DEFAULT_MAX_CONTAINERS) + b"]}"
     async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
         assert_openai_error(await client.post(CHAT, content=body), 413, "request_too_complex")
-    assert await rejected(gw, "too_many_values") == 1
+    assert await rejected(gw, "too_many_containers") == 1
 
 
 # -- fuzzing ----------------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from llmgw.http.jsonbody import SLICE_BYTES, BodyError, parse_json_body, read_json_body
+from llmgw.http.jsonbody import SLICE_BYTES, BodyError, JsonLimits, parse_json_body, read_json_body
 
 
 def nested(depth: int, opening: bytes = b"[", closing: bytes = b"]", inside: bytes = b"") -> bytes:
@@ -22,29 +22,30 @@ def test_small_bodies_parse():
 @pytest.mark.parametrize("depth", [11, 500, 5000, 200_000])
 def test_nesting_beyond_the_bound_is_a_400(depth):
     with pytest.raises(BodyError) as exc:
-        parse_json_body(b'{"model":"m","x":' + nested(depth) + b"}", max_depth=10, max_values=10**6)
+        parse_json_body(b'{"model":"m","x":' + nested(depth) + b"}",
+                        JsonLimits(max_depth=10, max_values=10**6, max_containers=10**6))
     assert (exc.value.status, exc.value.code) == (400, "invalid_json")
     assert "deeper than 10 levels" in str(exc.value)
 
 
 def test_nesting_at_the_bound_is_taken():
     body = b'{"x":' + nested(9, b'{"a":', b"}", b"1") + b"}"  # the outer object, then 9 more: depth 10
-    assert parse_json_body(body, max_depth=10)["x"]["a"]["a"] is not None
+    assert parse_json_body(body, JsonLimits(max_depth=10))["x"]["a"]["a"] is not None
     with pytest.raises(BodyError):
-        parse_json_body(b'{"x":' + nested(10, b'{"a":', b"}", b"1") + b"}", max_depth=10)
+        parse_json_body(b'{"x":' + nested(10, b'{"a":', b"}", b"1") + b"}", JsonLimits(max_depth=10))
 
 
 def test_brackets_inside_strings_do_not_count_as_depth():
     body = json.dumps({"model": "m", "prompt": "[" * 5000}).encode()
-    assert parse_json_body(body, max_depth=10)["prompt"] == "[" * 5000
+    assert parse_json_body(body, JsonLimits(max_depth=10))["prompt"] == "[" * 5000
 
 
 def test_more_values_than_the_bound_is_a_413_without_parsing():
     body = b'{"model":"m","prompt":[' + b",".join([b"1"] * 1001) + b"]}"
     with pytest.raises(BodyError) as exc:
-        parse_json_body(body, max_values=1000)
+        parse_json_body(body, JsonLimits(max_values=1000))
     assert (exc.value.status, exc.value.code) == (413, "request_too_complex")
-    assert parse_json_body(body, max_values=1003)["prompt"][-1] == 1
+    assert parse_json_body(body, JsonLimits(max_values=1003))["prompt"][-1] == 1
 
 
 @pytest.mark.parametrize("body", [b"", b"{", b"\xff\xfe", b'{"a": 1}}', b"NaN-ish", b'"\\ud800"x'])
@@ -71,9 +72,11 @@ json_ish = st.recursive(
 ))
 def test_any_bytes_give_a_value_or_a_typed_error(body):
     try:
-        value = parse_json_body(body, max_depth=20, max_values=500)
+        value = parse_json_body(body, JsonLimits(max_depth=20, max_values=500, max_containers=200))
     except BodyError as exc:
-        assert exc.status in (400, 413) and exc.code in ("invalid_json", "request_too_complex")
+        assert (exc.status, exc.code, exc.reason) in {
+            (400, "invalid_json", "not_json"), (400, "invalid_json", "too_deep"),
+            (413, "request_too_complex", "too_many_values"), (413, "request_too_complex", "too_many_containers")}
     else:
         assert value == json.loads(body) or value != value  # NaN is not equal to itself
 
@@ -81,21 +84,30 @@ def test_any_bytes_give_a_value_or_a_typed_error(body):
 def test_escapes_count_against_the_value_bound():
     body = json.dumps({"prompt": "é" * 1001}).encode()  # json.dumps escapes each as \u00e9
     with pytest.raises(BodyError) as exc:
-        parse_json_body(body, max_values=1000)
+        parse_json_body(body, JsonLimits(max_values=1000))
     assert exc.value.reason == "too_many_values"
 
 
 async def test_a_big_body_is_counted_in_slices_with_the_same_result():
     prompt = list(range(100)) + ["x" * (2 * SLICE_BYTES)]
     body = json.dumps({"model": "m", "prompt": prompt, "x": [[[1]]]}).encode()
-    assert await read_json_body(body, max_values=200) == json.loads(body)
+    assert await read_json_body(body, JsonLimits(max_values=200)) == json.loads(body)
     with pytest.raises(BodyError) as exc:
-        await read_json_body(body, max_values=50)
+        await read_json_body(body, JsonLimits(max_values=50))
     assert exc.value.status == 413
     with pytest.raises(BodyError) as exc:
-        await read_json_body(body, max_depth=3)
+        await read_json_body(body, JsonLimits(max_depth=3))
     assert exc.value.reason == "too_deep"
     bad = body[:-1] + b" garbage"
     with pytest.raises(BodyError) as exc:
         await read_json_body(bad)
     assert exc.value.reason == "not_json"
+
+
+def test_more_containers_than_the_bound_is_a_413_without_parsing():
+    body = b'{"model":"m","x":[' + b",".join([b"{}"] * 100) + b"]}"
+    with pytest.raises(BodyError) as exc:
+        parse_json_body(body, JsonLimits(max_containers=100))
+    assert (exc.value.status, exc.value.reason) == (413, "too_many_containers")
+    assert "more than 100 JSON arrays and objects" in str(exc.value)
+    assert len(parse_json_body(body, JsonLimits(max_containers=102))["x"]) == 100
