@@ -75,7 +75,7 @@ class Gateway:
             max_header_bytes=lim.max_header_bytes, max_body_bytes=lim.max_body_bytes,
             header_timeout=lim.client_header_timeout, body_timeout=lim.client_body_timeout,
             keepalive_timeout=lim.keepalive_timeout, max_connections=lim.max_connections,
-        ))
+        ), on_refused=lambda status: self.metrics.refused_requests.labels(str(status)).inc())
         self.draining = False
         self._nursery: trio.Nursery | None = None
         self._probes: dict[Replica, trio.CancelScope] = {}

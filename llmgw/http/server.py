@@ -213,7 +213,10 @@ class HttpServer:
     """Serves one handler on one or more listeners; :meth:`drain` stops it gracefully."""
 
     def __init__(self, handler: Handler, limits: ServerLimits | None = None,
-                 on_error: Callable[[BaseException], None] | None = None):
+                 on_error: Callable[[BaseException], None] | None = None,
+                 on_refused: Callable[[int], None] | None = None):
+        """``on_refused(status)`` is called for every request the server itself answers with an error
+        (malformed, too large, too slow, unsupported): the handler never saw it."""
         self.handler = handler
         self.limits = limits or ServerLimits()
         self.active_requests = 0
@@ -224,6 +227,7 @@ class HttpServer:
         self._connections_scope: trio.CancelScope | None = None
         self._conn_slots = trio.Semaphore(self.limits.max_connections)
         self._on_error = on_error
+        self._on_refused = on_refused
 
     async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Listen on ``host:port`` (port 0 picks a free one) and serve until cancelled or drained.
@@ -402,6 +406,8 @@ class _Connection:
             self.watch_alarm.disarm()
         watch = self.read_watch
         if watch.expired and watch.kind in ("header", "body") and self.reader.current is not None:
+            if self.server._on_refused is not None:
+                self.server._on_refused(408)
             self._try_send(error_response(408, "request was not received in time"))
 
     # -- reading -----------------------------------------------------------------------------------------------------
@@ -547,6 +553,8 @@ class _Connection:
                     trio.lowlevel.reschedule(task)
             elif self.final is not None:
                 if isinstance(self.final, _ProtocolError):
+                    if self.server._on_refused is not None:
+                        self.server._on_refused(self.final.status)
                     await self._send_simple(error_response(self.final.status, self.final.message))
                     await self._linger()
                 return

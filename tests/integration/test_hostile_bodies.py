@@ -143,3 +143,23 @@ async def test_fuzzed_bodies_get_typed_answers_and_the_gateway_lives(start_fake_
     async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
         ok = await client.post(CHAT, json={"model": "tree", "messages": [{"role": "user", "content": "hi"}]})
         assert ok.status_code == 200
+
+
+async def test_requests_the_http_server_refuses_are_counted(start_fake_upstream, start_llmgw):
+    upstream = await start_fake_upstream("a")
+    gw = await start_llmgw(config(upstream.url))
+    host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+    for raw in (b"GET /health HTTP/1.1\r\n\r\n", b"GET /health\r\n\r\n",
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n"):
+        with trio.fail_after(10):
+            stream = await trio.open_tcp_stream(host, int(port))
+            async with stream:
+                await stream.send_all(raw)
+                answer = b""
+                while chunk := await stream.receive_some(65536):
+                    answer += chunk
+        assert answer.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 505 ", b"HTTP/1.1 501 ")), answer
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(gw.control_url + "/metrics")).text
+    for code in ("400", "501", "505"):
+        assert f'llmgw_http_refused_requests_total{{code="{code}"}} 1.0' in text

@@ -522,3 +522,16 @@ async def test_drain_lets_in_flight_requests_finish_and_stops_accepting(nursery)
         await served.wait()
     with pytest.raises(OSError):
         await trio.open_tcp_stream("127.0.0.1", port)
+
+
+async def test_requests_the_server_refuses_are_reported_by_status(nursery):
+    refused: list[int] = []
+    server = HttpServer(echo, ServerLimits(), on_refused=refused.append)
+    _, port = await nursery.start(server.serve, "127.0.0.1", 0)
+    for request_bytes in (b"GET / HTTP/1.1\r\n\r\n", b"GET /\r\n\r\n", get("/ok")):
+        with trio.fail_after(5):
+            client = await connect(port)
+            await client.send(request_bytes)
+            await client.reply()
+            await client.aclose()
+    assert refused == [400, 505]
