@@ -168,3 +168,24 @@ def test_config_check_reports_an_alias_bomb_without_a_traceback(tmp_path):
         assert result.returncode != 0
         assert "Traceback" not in result.stderr + result.stdout
         assert f"{bad}:{line}:" in result.stderr + result.stdout
+
+
+async def test_serve_and_reload_refuse_an_alias_bomb_and_keep_serving(start_llmgw, tmp_path):
+    import httpx
+
+    gw = await start_llmgw("log_level: warning\n")
+    path = next(tmp_path.glob("llmgw-*.yaml"))
+    path.write_text(BILLION_LAUGHS)
+    async with httpx.AsyncClient(base_url=gw.control_url, timeout=30) as client:
+        answer = await client.post("/admin/reload")
+        assert answer.status_code == 400
+        assert answer.json()["errors"] == [f"{path}:6: e[0][2][0][6][7]: aliases expand to more than "
+                                           f"{MAX_ALIAS_NODES} nodes: write the values out, or use fewer aliases"]
+        assert (await client.get("/health")).status_code == 200
+    assert gw.process.returncode is None
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(BILLION_LAUGHS)
+    result = subprocess.run([str(LLMGW), "serve", "--config", str(bomb)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert f"{bomb}:6: e[" in result.stderr + result.stdout
