@@ -31,13 +31,11 @@ Per request (the rule, also in ``docs/kv-routing.md``):
 from __future__ import annotations
 
 import logging
-import math
 import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
 
-from ..config.units import parse_duration
 from ..hookspecs import hookimpl
 from ..kv import tokenize as kv_tokenize
 from ..kv.index import IndexState, KvIndex
@@ -48,7 +46,7 @@ from ..kv.tokenize import TokenizeError
 from ..plugins_manager import PluginError
 from ..router.replica import Replica
 from ..router.tier import Decision, RouteRequest, TierServices
-from .options import count, option_reader
+from .options import count, duration, option_reader
 from .prefix_tree import Choice, PrefixTreeTier
 
 log = logging.getLogger(__name__)
@@ -120,18 +118,8 @@ def _lora_map(value: Any) -> dict[str, str]:
     return dict(value)
 
 
-def _positive_duration(value: Any) -> float:
-    seconds = parse_duration(value)
-    if not seconds > 0 or not math.isfinite(seconds):
-        raise ValueError("must be greater than 0")
-    return seconds
-
-
-def _non_negative_duration(value: Any) -> float:
-    seconds = parse_duration(value)
-    if not seconds >= 0 or not math.isfinite(seconds):
-        raise ValueError("must be 0 or more")
-    return seconds
+_positive_duration = duration()
+_non_negative_duration = duration(allow_zero=True)
 
 
 def split_options(raw: Mapping[str, Any] | None) -> tuple[dict, dict]:
