@@ -9,6 +9,7 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from llmgw.config import ConfigError, load_config, parse_config
 from llmgw.config.loading import MAX_FILE_BYTES
@@ -189,3 +190,48 @@ async def test_serve_and_reload_refuse_an_alias_bomb_and_keep_serving(start_llmg
                             timeout=60)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert f"{bomb}:6: e[" in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("value, message", [
+    ("1" * 5000, "cannot read the value: Exceeds the limit (4300 digits) for integer string conversion"),
+    ("1.0e+999", "a duration must be a finite number"),
+    (".nan", "a duration must be a finite number"),
+])
+def test_numbers_python_cannot_take_are_config_errors(value, message):
+    key = "limits.retries" if "e" not in value and "nan" not in value else "limits.connect_timeout"
+    with pytest.raises(ConfigError) as exc:
+        parse_config(f"limits:\n  {key.split('.')[1]}: {value}\n", "n.yaml")
+    issue = only_issue(exc)
+    assert (issue.file, issue.line, issue.key) == ("n.yaml", 2, key)
+    assert issue.message.startswith(message)
+
+
+_yaml_keys = st.sampled_from(["listen", "models", "limits", "retries", "name", "replicas", "url", "routing_options",
+                              "profiles", "deployments", "tp", "<<", "a", "x y", ""])
+_yaml_scalars = st.one_of(
+    st.sampled_from(["1", "-1", "1e35", "1" * 4400, ".inf", ".nan", "~", "yes", "${HOME}", "${X:-2}", "$${",
+                     "'quoted'", "\"q\\u0000\"", "[", "]", "{", "}", "&a 1", "*a", "*b", "!!binary AAAA",
+                     "!!python/object:os.system", "16MiB", "1h30m", "http://127.0.0.1:9001", "127.0.0.1:8000"]),
+    st.text(max_size=12))
+
+
+@st.composite
+def yaml_documents(draw, depth: int = 0) -> str:
+    if depth > 3 or draw(st.integers(0, 3)) == 0:
+        return draw(_yaml_scalars)
+    if draw(st.booleans()):
+        items = draw(st.lists(yaml_documents(depth + 1), max_size=3))
+        return "[" + ", ".join(items) + "]"
+    pairs = draw(st.lists(st.tuples(_yaml_keys, yaml_documents(depth + 1)), max_size=3))
+    return "{" + ", ".join(f"{key}: {value}" for key, value in pairs) + "}"
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.one_of(yaml_documents(), st.text(max_size=200),
+                 st.lists(st.tuples(_yaml_keys, yaml_documents()), max_size=4).map(
+                     lambda pairs: "".join(f"{key}: {value}\n" for key, value in pairs))))
+def test_fuzzed_config_text_is_a_config_or_config_errors(text):
+    try:
+        parse_config(text, "fuzz.yaml", env={"X": "3"})
+    except ConfigError as exc:
+        assert exc.errors and all(issue.file == "fuzz.yaml" and issue.message for issue in exc.errors)
