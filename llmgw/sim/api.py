@@ -11,12 +11,12 @@ are freed; cached blocks stay cached).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
+from llmgw.http.jsonbody import BodyError, parse_json_body
 from llmgw.http.messages import Request, Response, error_response
 
 from . import metrics, protocol, tokenizer
@@ -91,9 +91,9 @@ class SimApi:
     @staticmethod
     def _body(request: Request) -> dict:
         try:
-            body = json.loads(request.body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad_request(f"request body is not valid JSON: {exc}") from None
+            body = parse_json_body(request.body)  # bounded depth and size: deep JSON is a 400, not a 500
+        except BodyError as exc:
+            raise bad_request(str(exc)) from None
         if not isinstance(body, dict):
             raise bad_request("request body must be a JSON object")
         return body
