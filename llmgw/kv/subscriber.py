@@ -189,6 +189,7 @@ class EngineSubscription:
                 await self._receive(sub)
         finally:
             if monitor is not None:
+                sub.disable_monitor()
                 zmq_trio.close(monitor)
             zmq_trio.close(sub)
             self._close_dealer()
