@@ -29,7 +29,7 @@ STR_TAG = "tag:yaml.org,2002:str"
 MERGE_TAG = "tag:yaml.org,2002:merge"
 BROKEN_TAG = "tag:llmgw,broken"  # stands in for a value already reported (a recursive alias)
 MAX_DEPTH = 64  # lists and mappings inside each other; a real configuration nests fewer than 10
-MAX_ALIAS_NODES = 10_000  # nodes produced by re-using anchored values; real files use a few hundred at most
+MAX_ALIAS_NODES = 100_000  # nodes produced by re-using anchored values: room for fleets of merged defaults
 
 
 class _Refused(Exception):
