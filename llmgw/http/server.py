@@ -190,11 +190,14 @@ class _RequestReader:
                 except ValueError:
                     declared = 0
                 if declared > self.limits.max_body_bytes:
-                    self._refuse(413, f"request body is larger than the limit of {self.limits.max_body_bytes} bytes")
+                    self._refuse(413, "request body is larger than the limit of "
+                                      f"{self.limits.max_body_bytes} bytes")
             elif name == b"expect" and value.lower() == b"100-continue":
                 msg.expect_continue = True
-        if hosts > 1 or (hosts == 0 and msg.version == "1.1"):
+        if msg.version == "1.1" and hosts != 1:
             self._refuse(400, f"an HTTP/1.1 request needs exactly one Host header, not {hosts}")
+        if hosts > 1:
+            self._refuse(400, f"an HTTP/1.0 request may carry one Host header at most, not {hosts}")
 
     def on_body(self, body: bytes) -> None:
         msg = self.current
