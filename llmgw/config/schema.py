@@ -28,7 +28,7 @@ MAX_COUNT = 1_000_000  # the bound of a count with no tighter one of its own (do
 # Value types shared by several keys.
 Duration = Annotated[float, Parse(parse_duration), at_most(DAY, "1 day")]  # seconds; "500ms", "5s", "2m" or a number
 PositiveDuration = Annotated[float, Parse(parse_duration), positive(), at_most(DAY, "1 day")]
-Size = Annotated[int, Parse(parse_size), positive(), at_most(GiB, "1GiB")]  # bytes; "64KiB", "16MiB", "1GB" or an integer
+Size = Annotated[int, Parse(parse_size), positive(), at_most(GiB, "1GiB")]  # bytes; "64KiB", "16MiB", "1GB"
 Address = Annotated[HostPort, Parse(HostPort.parse)]
 HttpUrl = Annotated[str, Parse(parse_http_url)]
 ZmqEndpoint = Annotated[str, Parse(parse_tcp_endpoint)]
