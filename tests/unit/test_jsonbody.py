@@ -111,3 +111,28 @@ def test_more_containers_than_the_bound_is_a_413_without_parsing():
     assert (exc.value.status, exc.value.reason) == (413, "too_many_containers")
     assert "more than 100 JSON arrays and objects" in str(exc.value)
     assert len(parse_json_body(body, JsonLimits(max_containers=102))["x"]) == 100
+
+
+async def test_other_tasks_run_between_the_steps_of_a_big_body():
+    import trio
+
+    from llmgw.http.jsonbody import WALK_STEP
+
+    body = json.dumps({"x": [[] for _ in range(3 * WALK_STEP)], "p": "y" * (3 * SLICE_BYTES)}).encode()
+    turns = 0
+
+    async def other() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other)
+        await trio.lowlevel.checkpoint()
+        before = turns
+        value = await read_json_body(body)
+        during = turns - before
+        nursery.cancel_scope.cancel()
+    assert len(value["x"]) == 3 * WALK_STEP
+    assert during >= 3 + 3  # at least one turn per MiB counted and per WALK_STEP containers walked
