@@ -7,7 +7,11 @@ keep-alive connection and records each latency; another client, in a process
 of its own (so that building and sending 15 MiB does not delay the measuring
 client), sends big bodies of one kind after another. For each kind the report gives the small
 requests' p50, p99 and max latency, minus the same numbers with no big body in
-flight (``added_*``), and the big requests' status and duration.
+flight (``added_*``), and the big requests' status and duration. Then, in this
+process, for each kind the event loop's longest gap (a 1 ms ticker task) while
+the body is parsed as the data plane did before (``json.loads``) and as it
+does now (:func:`~llmgw.http.jsonbody.read_json_body`): the part of the stall
+that is the parser's, without the noise of other processes.
 
 Kinds of big body (all about ``--size`` bytes, default 15 MiB, under the 16 MiB
 body limit): ``text`` (one long ASCII prompt), ``escaped`` (a prompt of
@@ -31,7 +35,7 @@ import time
 import trio
 
 from ..processes import run_child
-from ..http.jsonbody import DEFAULT_MAX_CONTAINERS
+from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, BodyError, read_json_body
 from .common import bench_parser, write_json
 from .sim_cluster import start_gateway
 
@@ -115,6 +119,49 @@ def send_big_bodies(host: str, port: int, kind: str, size: int, seconds: float) 
     return results
 
 
+async def longest_gap(parse, body: bytes) -> tuple[float, str]:
+    """The longest time a 1 ms ticker task waited while ``parse(body)`` ran in the same loop, and its outcome."""
+    gaps = []
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while True:
+            await trio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        await trio.sleep(0.02)
+        try:
+            result = parse(body)
+            if hasattr(result, "__await__"):
+                await result
+            outcome = "parsed"
+        except BodyError as exc:
+            outcome = f"{exc.status} {exc.reason}"
+        except (ValueError, RecursionError) as exc:
+            outcome = type(exc).__name__
+        await trio.sleep(0.05)  # what the parse left to the garbage collector lands here
+        nursery.cancel_scope.cancel()
+    return max(gaps) - 0.001, outcome
+
+
+async def loop_gaps(size: int, kinds: list[str], repeat: int) -> dict:
+    """Per kind: the event loop's longest gap with the body parsed as before (``json.loads`` inline) and as now
+    (:func:`read_json_body`), the best of ``repeat`` tries each (the least disturbed by other processes)."""
+    bodies = big_bodies(size)
+    report = {}
+    for kind in kinds:
+        row = {}
+        for name, parse in (("json_loads", json.loads), ("read_json_body", read_json_body)):
+            tries = [await longest_gap(parse, bodies[kind]) for _ in range(repeat)]
+            row[name] = {"gap_ms": 1000 * min(gap for gap, _ in tries), "outcome": tries[0][1]}
+        report[kind] = row
+    return report
+
+
 def summary(latencies: list[float]) -> dict:
     ordered = sorted(latencies)
     return {"requests": len(ordered), "p50_ms": 1000 * statistics.median(ordered),
@@ -165,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=4.0, help="small-request measuring time per kind")
     parser.add_argument("--size", type=int, default=15 * MiB, help="bytes of each big body")
     parser.add_argument("--kinds", default="text,escaped,token_ids,containers,deep,at_bound")
+    parser.add_argument("--loop-gaps", type=int, default=3, metavar="N",
+                        help="also time the event loop's longest gap while parsing each body in process, as before "
+                             "and as now, best of N (0: skip)")
     parser.add_argument("--send", metavar="KIND", help=argparse.SUPPRESS)  # the big-body sender's process
     parser.add_argument("--target", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -181,6 +231,14 @@ def main(argv: list[str] | None = None) -> int:
         big = f"{row['big_median_s']:.2f}" if row["big_median_s"] is not None else "-"
         print(f"{kind:<11} {','.join(map(str, row['big_statuses'])):<10} {big:>6} {row['p50_ms']:>10.1f} "
               f"{row['added_p99_ms']:>8.1f} {row['added_max_ms']:>8.1f}")
+    if args.loop_gaps:
+        report["loop_gaps"] = trio.run(loop_gaps, args.size, args.kinds.split(","), args.loop_gaps)
+        print(f"\nlongest event-loop gap while parsing in process (best of {args.loop_gaps}):")
+        print(f"{'big body':<11} {'json.loads':>18} {'read_json_body':>28}")
+        for kind, row in report["loop_gaps"].items():
+            before, after = row["json_loads"], row["read_json_body"]
+            print(f"{kind:<11} {before['gap_ms']:>8.1f} ms {before['outcome']:<9} {after['gap_ms']:>8.1f} ms "
+                  f"{after['outcome']}")
     if args.json:
         write_json(args.json, report)
     return 0
