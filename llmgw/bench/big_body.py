@@ -21,7 +21,7 @@ non-ASCII text, JSON-escaped), ``token_ids`` (a completions prompt of token ids)
 containers: 100,000 empty arrays, then a long prompt: about the costliest body
 accepted).
 
-Run: ``python -m llmgw.bench.big_body [--seconds 4] [--json bench-results/big_body.json]``.
+Run: ``python -m llmgw.bench.big_body [--seconds 4] [--loop-gaps 5] [--json bench-results/big_body.json]``.
 """
 
 from __future__ import annotations
