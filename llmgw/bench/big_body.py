@@ -36,7 +36,7 @@ import trio
 
 from ..processes import run_child
 from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, BodyError, read_json_body
-from .common import bench_parser, write_json
+from .common import bench_parser, finish
 from .sim_cluster import start_gateway
 
 MiB = 1024 * 1024
@@ -239,9 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             before, after = row["json_loads"], row["read_json_body"]
             print(f"{kind:<11} {before['gap_ms']:>8.1f} ms {before['outcome']:<9} {after['gap_ms']:>8.1f} ms "
                   f"{after['outcome']}")
-    if args.json:
-        write_json(args.json, report)
-    return 0
+    return finish(args, report)
 
 
 if __name__ == "__main__":

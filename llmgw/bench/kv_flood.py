@@ -23,7 +23,7 @@ import trio
 import zmq
 
 from ..kv.subscriber import DEFAULT_MAX_MESSAGE_BYTES, EngineSubscription
-from .common import bench_parser, write_json
+from .common import bench_parser, finish
 
 
 def rss_mb() -> float:
@@ -87,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{report['max_message_bytes']}) in {report['seconds']:.1f} s: received {report['received']}, "
           f"peers cut off {report['peer_disconnects']}, RSS {report['rss_before_mb']:.0f} MB before, "
           f"{report['rss_peak_mb']:.0f} MB at peak")
-    if args.json:
-        write_json(args.json, report)
-    return 0
+    return finish(args, report)
 
 
 if __name__ == "__main__":
