@@ -18,6 +18,7 @@ from .config import Config, ConfigError
 from .http.client import UpstreamPool
 from .http.control import create_control_app, serve_control
 from .http.dataplane import DataPlane, DataPlaneSettings
+from .http.jsonbody import JsonLimits
 from .http.server import HttpServer, ServerLimits
 from .listening import host_port, listening_on
 from .metrics import Metrics
@@ -68,12 +69,14 @@ class Gateway:
         self.dataplane = DataPlane(self.router, self.health, self.metrics, DataPlaneSettings(
             connect_timeout=lim.connect_timeout, first_byte_timeout=lim.first_byte_timeout,
             idle_timeout=lim.idle_timeout, retries=lim.retries, access_log=config.access_log,
+            json_limits=JsonLimits(lim.max_json_depth, lim.max_json_values, lim.max_json_containers),
         ), api_keys=[k.key for k in config.api_keys])
         self.data_server = HttpServer(self.dataplane.handle, ServerLimits(
             max_header_bytes=lim.max_header_bytes, max_body_bytes=lim.max_body_bytes,
             header_timeout=lim.client_header_timeout, body_timeout=lim.client_body_timeout,
             keepalive_timeout=lim.keepalive_timeout, max_connections=lim.max_connections,
-        ), error_headers=self.dataplane.error_headers)
+        ), error_headers=self.dataplane.error_headers,
+           on_refused=lambda status: self.metrics.refused_requests.labels(str(status)).inc())
         self.draining = False
         self._nursery: trio.Nursery | None = None
         self._probes: dict[Replica, trio.CancelScope] = {}

@@ -159,6 +159,13 @@ class Metrics:
         self.health_probes = CachedLabels(Counter(
             "llmgw_health_probes", "Active health probes by replica and result.", ["model", "replica", "result"],
             registry=r))
+        self.rejected_bodies = CachedLabels(Counter(
+            "llmgw_rejected_bodies", "Request bodies refused before routing, by reason "
+            "(not_json, too_deep, too_many_values, too_many_containers).", ["reason"], registry=r))
+        self.refused_requests = CachedLabels(Counter(
+            "llmgw_http_refused_requests", "Requests the data plane's HTTP server answered itself with an error, "
+            "by status (400 malformed, no or two Host headers; 408 too slow; 413, 431 too large; 501 transfer "
+            "coding or upgrade; 505 HTTP version).", ["code"], registry=r))
         for collector in (PROCESS_COLLECTOR, GC_COLLECTOR, PLATFORM_COLLECTOR):  # process_*, python_gc_*, python_info
             r.register(collector)
         self._replicas: dict[str, ReplicaMetrics] = {}

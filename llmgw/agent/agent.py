@@ -111,9 +111,10 @@ class Agent:
     def __init__(self, join: str | Connector, *, token: str = "", node_id: str, discovery: str = "auto",
                  state_dir: Path | str | None = None, labels: dict[str, str] | None = None,
                  address: str | None = None, registry: Registry | None = None, host: str | None = None,
-                 announce: Callable[[str], None] | None = None, metrics_registry=None):
+                 announce: Callable[[str], None] | None = None, metrics_registry=None,
+                 kv_max_message_bytes: int | None = None):
         """``metrics_registry``: where the KV-event series go (the gateway's, for the embedded agent; a private
-        one otherwise)."""
+        one otherwise). ``kv_max_message_bytes``: the KV-event subscriptions' ZMQ_MAXMSGSIZE (default 32 MiB)."""
         from .kv import AgentKv
         from .shards import ShardManager
 
@@ -134,7 +135,8 @@ class Agent:
         registry = registry or default_registry()
         self.shards = ShardManager(registry, state_dir=self.state_dir,
                                    node_address=self.address, host=host or self.address, on_status=self._pending.put)
-        self.kv = AgentKv(registry, node_id, metrics_registry=metrics_registry, ports=self.shards.ports)
+        self.kv = AgentKv(registry, node_id, metrics_registry=metrics_registry, ports=self.shards.ports,
+                          **({"max_message_bytes": kv_max_message_bytes} if kv_max_message_bytes else {}))
         self.shards.kv = self.kv
 
     # -- lifetime ------------------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ from .. import wire
 from ..kv.keys import VllmBlockKeys
 from ..kv.metrics import KvMetrics
 from ..kv.mirror import EngineMirror, flush_loop, resync
-from ..kv.subscriber import EngineSubscription
+from ..kv.subscriber import DEFAULT_MAX_MESSAGE_BYTES, EngineSubscription
 from ..plugins_manager import Registry
 from .engine import KV_HASH_ALGO, KV_HASH_SEED, served_name
 from .ports import PortAllocator
@@ -124,13 +124,15 @@ class AgentKv:
     """Every KV-following shard of one agent, and the stream their changes go up (see the module docstring)."""
 
     def __init__(self, registry: Registry, node_id: str, *, metrics_registry: CollectorRegistry | None = None,
-                 ports: PortAllocator | None = None, idle_probe: float | None = 2.0):
+                 ports: PortAllocator | None = None, idle_probe: float | None = 2.0,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         self.registry = registry
         self.node_id = node_id
         self.metrics = KvMetrics.for_registry(metrics_registry if metrics_registry is not None
                                               else CollectorRegistry())
         self.ports = ports if ports is not None else PortAllocator()
         self.idle_probe = idle_probe
+        self.max_message_bytes = max_message_bytes
         self.shards: dict[tuple[str, int], ShardKv] = {}  # by (shard id, generation)
         self._session: tuple[trio.Nursery, Callable[[wire.Message], Awaitable[None]]] | None = None
 
@@ -159,7 +161,8 @@ class AgentKv:
             return EngineSubscription(
                 f"tcp://{LOOPBACK}:{port}", replay_endpoint=f"tcp://{LOOPBACK}:{replay_port}", topic=b"kv",
                 data_parallel_rank=rank, decode=decoder_factory(), on_batch=mirror.apply, on_reset=mirror.reset,
-                metrics=source, source=f"{spec.shard_id}/dp{rank}", idle_probe=self.idle_probe)
+                metrics=source, source=f"{spec.shard_id}/dp{rank}", idle_probe=self.idle_probe,
+                max_message_bytes=self.max_message_bytes)
 
         key = (spec.shard_id, spec.generation)
         try:

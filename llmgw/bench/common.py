@@ -14,6 +14,13 @@ def write_json(path: str | Path, report: dict) -> None:
     path.write_text(json.dumps(report, indent=2) + "\n")
 
 
+def finish(args: argparse.Namespace, report: dict) -> int:
+    """Write ``report`` where ``--json`` says (if it does); the exit code."""
+    if args.json:
+        write_json(args.json, report)
+    return 0
+
+
 def bench_parser(doc: str) -> argparse.ArgumentParser:
     """A benchmark's argument parser: described by the first line of ``doc``, with ``--json PATH``."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--insecure-skip-verify", action="store_true",
                         help="wss:// only: do not verify the control plane's certificate (anyone on the path can "
                              "then read the join token, the node secret and every shard's secrets)")
+    parser.add_argument("--kv-max-message-size", default=None, metavar="SIZE",
+                        help="largest KV-event message taken from an engine, e.g. 64MiB (default 32MiB); a peer "
+                             "sending a larger one is disconnected")
     return parser
 
 
@@ -76,6 +79,17 @@ def parse_labels(items: list[str]) -> dict[str, str]:
             raise ValueError(f"--label {item!r}: expected KEY=VALUE")
         labels[key.strip()] = value.strip()
     return labels
+
+
+def parse_kv_message_size(text: str | None) -> int | None:
+    from ..kv.subscriber import message_size_setting
+
+    if text is None:
+        return None
+    try:
+        return message_size_setting(text)
+    except ValueError as exc:
+        raise ValueError(f"--kv-max-message-size {text!r}: {exc}") from None
 
 
 def main(argv: list[str]) -> int:
@@ -90,10 +104,11 @@ def main(argv: list[str]) -> int:
         labels = parse_labels(args.label)
         if args.address is not None:  # the node's engines listen there: it must be an address of this machine
             listening.check_bindable(args.address)
+        kv_max_message_bytes = parse_kv_message_size(args.kv_max_message_size)
         connector = WebSocketConnector(args.join, tls=tls_options(args))
         agent = Agent(connector, token=args.token, node_id=args.node_id or socket.gethostname(),
                       discovery=args.discovery, state_dir=args.state_dir, labels=labels, address=args.address,
-                      announce=lambda line: print(line, flush=True))
+                      announce=lambda line: print(line, flush=True), kv_max_message_bytes=kv_max_message_bytes)
     except (ValueError, OSError, listening.CannotListen) as exc:  # ssl.SSLError is an OSError
         print(f"llmgw agent: {exc}", file=sys.stderr)
         return 2

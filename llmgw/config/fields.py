@@ -58,6 +58,12 @@ def at_least(lowest: int) -> Check:
     return Check(lambda value: None if value >= lowest else f"must be at least {lowest}")
 
 
+def at_most(highest: int | float, shown: str | None = None) -> Check:
+    """No more than ``highest`` (written in messages as ``shown``, e.g. ``"1d"``)."""
+    text = shown or f"{highest}"
+    return Check(lambda value: None if value <= highest else f"must be at most {text}")
+
+
 def positive() -> Check:
     return Check(lambda value: None if value > 0 else "must be greater than 0")
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 
 from .issues import ConfigError, ConfigIssue
 from .reader import Reader
 from .schema import Config
 from .yamlpos import parse_yaml
+
+MAX_FILE_BYTES = 1 << 20  # a real configuration is a few KiB; this bounds what parsing may cost
 
 
 def load_config(path: str | os.PathLike[str], *, env: Mapping[str, str] | None = None) -> Config:
@@ -19,7 +20,11 @@ def load_config(path: str | os.PathLike[str], *, env: Mapping[str, str] | None =
     """
     filename = os.fspath(path)
     try:
-        text = Path(filename).read_text(encoding="utf-8")
+        with open(filename, "rb") as file:
+            data = file.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise ConfigError([ConfigIssue(filename, 0, "", f"the file is larger than {MAX_FILE_BYTES} bytes")])
+        text = data.decode("utf-8")
     except OSError as exc:
         raise ConfigError([ConfigIssue(filename, 0, "", f"cannot read the file: {exc.strerror or exc}")]) from None
     except UnicodeDecodeError as exc:

@@ -288,6 +288,9 @@ class Reader:
         except yaml.YAMLError:
             self.report(node.line, key, f"cannot read a value tagged {tag}")
             return INVALID
+        except ValueError as exc:  # e.g. an integer of more digits than Python converts (4300)
+            self.report(node.line, key, f"cannot read the value: {str(exc).split(';')[0]}")
+            return INVALID
         return _Resolved(text, value, from_env)
 
     def _describe(self, node: Node, key: str, secret: bool) -> str:

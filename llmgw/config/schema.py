@@ -13,22 +13,27 @@ from typing import Annotated, Any
 
 from . import crosschecks
 from .addresses import HostPort, parse_http_url, parse_tcp_endpoint, url_host_port
-from .fields import Check, Located, Parse, at_least, config_class, matches, non_empty, one_of, positive, setting
+from .fields import (Check, Located, Parse, at_least, at_most, config_class, matches, non_empty, one_of, positive,
+                     setting)
 from .reader import Draft
+from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
 from .units import parse_duration, parse_size
 
 KiB = 1024
 MiB = 1024 * KiB
+GiB = 1024 * MiB
+DAY = 24 * 3600.0
+MAX_COUNT = 1_000_000  # the bound of a count with no tighter one of its own (docs/configuration.md)
 
 # Value types shared by several keys.
-Duration = Annotated[float, Parse(parse_duration)]  # seconds; "500ms", "5s", "2m" or a number
-PositiveDuration = Annotated[float, Parse(parse_duration), positive()]
-Size = Annotated[int, Parse(parse_size), positive()]  # bytes; "64KiB", "16MiB", "1GB" or an integer
+Duration = Annotated[float, Parse(parse_duration), at_most(DAY, "1 day")]  # seconds; "500ms", "5s", "2m" or a number
+PositiveDuration = Annotated[float, Parse(parse_duration), positive(), at_most(DAY, "1 day")]
+Size = Annotated[int, Parse(parse_size), positive(), at_most(GiB, "1GiB")]  # bytes; "64KiB", "16MiB", "1GB"
 Address = Annotated[HostPort, Parse(HostPort.parse)]
 HttpUrl = Annotated[str, Parse(parse_http_url)]
 ZmqEndpoint = Annotated[str, Parse(parse_tcp_endpoint)]
-Count = Annotated[int, at_least(1)]
-NonNegative = Annotated[int, at_least(0)]
+Count = Annotated[int, at_least(1), at_most(MAX_COUNT)]
+NonNegative = Annotated[int, at_least(0), at_most(MAX_COUNT)]
 Text = Annotated[str, Check(lambda value: None if value.strip() else "must not be empty")]
 Identifier = Annotated[str, matches(r"[A-Za-z_][A-Za-z0-9_.-]*", "a name of letters, digits, '_', '.' and '-'")]
 ProfileName = Annotated[str, matches(r"[A-Za-z0-9][A-Za-z0-9_.-]*",
@@ -36,6 +41,11 @@ ProfileName = Annotated[str, matches(r"[A-Za-z0-9][A-Za-z0-9_.-]*",
 EnvName = Annotated[str, matches(r"[A-Za-z_][A-Za-z0-9_]*", "a valid environment variable name")]
 LogLevel = Annotated[str, one_of("debug", "info", "warning", "error", "critical")]
 LogFormat = Annotated[str, one_of("text", "json")]
+
+
+def bounded(tp: Any, highest: int, shown: str | None = None) -> Any:
+    """``tp`` with a tighter upper bound of its own (checked first, so that it is the one reported)."""
+    return Annotated[(tp.__origin__, at_most(highest, shown), *tp.__metadata__)]
 
 
 @config_class
@@ -47,7 +57,7 @@ class ExternalReplica(Located):
     name: Text | None = setting(None)  # default: "host:port" of the URL
     kv_events: ZmqEndpoint | None = setting(None)  # the engine's KV-event PUB socket
     kv_replay: ZmqEndpoint | None = setting(None)  # its replay socket
-    weight: Count = setting(1)
+    weight: bounded(Count, 1000) = setting(1)
 
     @property
     def address(self) -> HostPort:
@@ -78,7 +88,7 @@ class ModelConfig(Located):
     routing: Identifier = setting("round_robin")  # a routing tier plugin's name
     routing_options: dict[str, Any] = setting(factory=dict)  # the tier's own settings
     replicas: Annotated[list[ExternalReplica], non_empty("a model needs at least one replica")] = setting()
-    max_model_len: Count | None = setting(None)
+    max_model_len: bounded(Count, 100_000_000) | None = setting(None)
     lora_adapters: list[LoraAdapter] = setting(factory=list)  # adapters every replica serves (--lora-modules)
 
     @classmethod
@@ -102,17 +112,20 @@ class ApiKey(Located):
 class Limits(Located):
     """Request limits and timeouts of the data plane."""
 
-    max_body_bytes: Size = setting(16 * MiB)
-    max_header_bytes: Size = setting(64 * KiB)
+    max_body_bytes: bounded(Size, 256 * MiB, "256MiB") = setting(16 * MiB)
+    max_header_bytes: bounded(Size, 1 * MiB, "1MiB") = setting(64 * KiB)
     client_header_timeout: PositiveDuration = setting(10.0)
     client_body_timeout: PositiveDuration = setting(30.0)
     keepalive_timeout: PositiveDuration = setting(75.0)
     connect_timeout: PositiveDuration = setting(3.0)
     first_byte_timeout: PositiveDuration = setting(600.0)
     idle_timeout: PositiveDuration = setting(300.0)
-    retries: NonNegative = setting(2)
+    retries: bounded(NonNegative, 10) = setting(2)
     shutdown_grace: Duration = setting(30.0)
     max_connections: Count = setting(10000)
+    max_json_depth: bounded(Count, 500) = setting(DEFAULT_MAX_DEPTH)  # nesting of a request body
+    max_json_values: Count = setting(DEFAULT_MAX_VALUES)  # commas, brackets and escapes of a request body
+    max_json_containers: Count = setting(DEFAULT_MAX_CONTAINERS)  # brackets of a request body
 
 
 @config_class
@@ -121,9 +134,9 @@ class HealthConfig(Located):
 
     interval: PositiveDuration = setting(2.0)
     timeout: PositiveDuration = setting(2.0)
-    failures_to_down: Count = setting(2)
-    successes_to_up: Count = setting(1)
-    passive_failures_to_down: Count = setting(3)
+    failures_to_down: bounded(Count, 1000) = setting(2)
+    successes_to_up: bounded(Count, 1000) = setting(1)
+    passive_failures_to_down: bounded(Count, 1000) = setting(3)
     path: Annotated[str, matches(r"/\S*", "a path starting with '/'")] = setting("/health")
 
 
@@ -165,10 +178,10 @@ class Profile(Located):
     model_path: Text = setting()
     served_model_name: Text = setting(None)  # default: name
     gpu_class: Text | None = setting(None)
-    tp: Count = setting(1)
-    pp: Count = setting(1)
-    nodes: Count = setting(1)
-    gpus_per_node: Count | None = setting(None)  # default: tp * pp / nodes
+    tp: bounded(Count, 1024) = setting(1)
+    pp: bounded(Count, 1024) = setting(1)
+    nodes: bounded(Count, 1024) = setting(1)
+    gpus_per_node: bounded(Count, 1024) | None = setting(None)  # default: tp * pp / nodes
     args: list[str] = setting(factory=list)
     env: dict[EnvName, str] = setting(factory=dict, secret=True)  # often holds tokens
     lora_adapters: list[LoraAdapter] = setting(factory=list)
@@ -178,7 +191,7 @@ class Profile(Located):
     engine_bin: Text | None = setting(None)
     startup_timeout: PositiveDuration = setting(600.0)
     labels: dict[str, str] = setting(factory=dict)
-    cpu_threads: Count | None = setting(None)
+    cpu_threads: bounded(Count, 4096) | None = setting(None)
     api_key: Text | None = setting(None, secret=True)
 
     @property
@@ -216,7 +229,7 @@ class Deployment(Located):
     """A number of replicas of one profile, kept running by the control plane."""
 
     profile: Text = setting()
-    replicas: NonNegative = setting(1)
+    replicas: bounded(NonNegative, 10_000) = setting(1)
     pool: Text | None = setting(None)
     placement: Placement = setting(factory=Placement)
 

@@ -31,7 +31,9 @@ def parse_duration(value: object) -> float:
     if isinstance(value, bool):
         raise ValueError(_DURATION_HELP)
     if isinstance(value, (int, float)):
-        if not math.isfinite(value) or value < 0:
+        if not math.isfinite(value):
+            raise ValueError("a duration must be a finite number")
+        if value < 0:
             raise ValueError("a duration must not be negative")
         return float(value)
     if not isinstance(value, str):

@@ -7,6 +7,13 @@ duplicate keys, non-string keys and recursive aliases, and applying merge
 keys (``<<: *anchor``, where keys written in the mapping itself win). Scalars
 keep their source text and resolved tag; turning them into Python values is
 left to the reader, which interpolates environment variables first.
+
+Hostile files are bounded: nesting deeper than :data:`MAX_DEPTH` is refused
+while composing (PyYAML's composer recurses, so a 5,000-deep flow list would
+otherwise end in a ``RecursionError``), and an alias re-used so often that its
+copies would pass :data:`MAX_ALIAS_NODES` nodes is refused while converting (a
+"billion laughs" file of a few hundred bytes expands to 10^9 nodes). Either is
+one issue naming the line and key, and no tree.
 """
 
 from __future__ import annotations
@@ -21,6 +28,41 @@ NULL_TAG = "tag:yaml.org,2002:null"
 STR_TAG = "tag:yaml.org,2002:str"
 MERGE_TAG = "tag:yaml.org,2002:merge"
 BROKEN_TAG = "tag:llmgw,broken"  # stands in for a value already reported (a recursive alias)
+MAX_DEPTH = 64  # lists and mappings inside each other; a real configuration nests fewer than 10
+MAX_ALIAS_NODES = 100_000  # nodes produced by re-using anchored values: room for fleets of merged defaults
+
+
+class _Refused(Exception):
+    """A file beyond a bound: reported as one issue, and nothing of the file is read."""
+
+    def __init__(self, line: int, key: str, message: str):
+        super().__init__(message)
+        self.line, self.key, self.message = line, key, message
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """The safe loader, refusing collections nested deeper than :data:`MAX_DEPTH` before it recurses into them."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._paths = [""]  # the key path of each collection being composed
+
+    def compose_node(self, parent, index):
+        if not (self.check_event(yaml.SequenceStartEvent) or self.check_event(yaml.MappingStartEvent)):
+            return super().compose_node(parent, index)
+        path = self._paths[-1]
+        if isinstance(index, yaml.ScalarNode):
+            path = join_key(path, index.value)
+        elif isinstance(index, int):
+            path = join_index(path, index)
+        if len(self._paths) > MAX_DEPTH:
+            line = self.peek_event().start_mark.line + 1
+            raise _Refused(line, path, f"lists and mappings are nested deeper than {MAX_DEPTH} levels")
+        self._paths.append(path)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._paths.pop()
 
 
 # Every node's ``line`` is 1-based: for a value in a mapping, the line of its
@@ -75,15 +117,17 @@ def parse_yaml(text: str, filename: str) -> tuple[Node | None, list[ConfigIssue]
     A syntax error yields no tree and a single issue carrying its line.
     """
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=_BoundedLoader)
+        if root is None:
+            return None, []
+        converter = _Converter(filename)
+        return converter.convert(root, ""), converter.issues
+    except _Refused as exc:
+        return None, [ConfigIssue(filename, exc.line, exc.key, exc.message)]
     except yaml.MarkedYAMLError as exc:
         return None, [_syntax_issue(exc, filename, len(text))]
     except yaml.YAMLError as exc:  # e.g. a reader error without a mark
         return None, [ConfigIssue(filename, 0, "", f"invalid YAML: {exc}")]
-    if root is None:
-        return None, []
-    converter = _Converter(filename)
-    return converter.convert(root, ""), converter.issues
 
 
 def _syntax_issue(exc: yaml.MarkedYAMLError, filename: str, text_length: int) -> ConfigIssue:
@@ -114,24 +158,39 @@ class _Converter:
         self.filename = filename
         self.issues: list[ConfigIssue] = []
         self._open: set[int] = set()  # ids of nodes being converted (recursive aliases)
+        self._seen: set[int] = set()  # ids of nodes converted at least once
+        self._alias_nodes = 0  # conversions of nodes seen before: the copies that aliases make
+        self._written_lines = [1]  # lines of the collections being converted that are not copies
 
     def report(self, line: int, key: str, message: str) -> None:
         self.issues.append(ConfigIssue(self.filename, line, key, message))
 
     def convert(self, node: yaml.Node, path: str) -> Node:
         line = node.start_mark.line + 1
+        copy = id(node) in self._seen
+        if copy:
+            self._alias_nodes += 1
+            if self._alias_nodes > MAX_ALIAS_NODES:
+                raise _Refused(self._written_lines[-1], path, f"aliases expand to more than {MAX_ALIAS_NODES} "
+                                                              "nodes: write the values out, or use fewer aliases")
+        else:
+            self._seen.add(id(node))
         if isinstance(node, yaml.ScalarNode):
             return Scalar(line, node.value, node.tag, node.style is None)
         if id(node) in self._open:
             self.report(line, path, "recursive alias")
             return Scalar(line, "", BROKEN_TAG, True)
         self._open.add(id(node))
+        if not copy:
+            self._written_lines.append(line)
         try:
             if isinstance(node, yaml.SequenceNode):
                 return Sequence(line, [self.convert(item, join_index(path, i)) for i, item in enumerate(node.value)])
             return self._mapping(node, path)
         finally:
             self._open.discard(id(node))
+            if not copy:
+                self._written_lines.pop()
 
     def _mapping(self, node: yaml.MappingNode, path: str) -> Mapping:
         entries: dict[str, Entry] = {}

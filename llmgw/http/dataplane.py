@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hmac
 import itertools
-import json
 import logging
 import os
 import time
@@ -33,6 +32,7 @@ from ..router.router import Router
 from ..router.tier import Decision, RouteRequest
 from .client import UpstreamError, UpstreamResponse
 from .latency import StreamWatch
+from .jsonbody import BodyError, JsonLimits, read_json_body
 from .messages import Request, Response, error_response
 from .multipart import FormError, form_field
 from .usage import STREAM_TAIL_PIECES, usage_of_body, usage_of_stream_tail
@@ -81,6 +81,7 @@ class DataPlaneSettings:
     retries: int = 2
     retry_after_seconds: int = 1
     access_log: bool = False  # one INFO line per relayed request on the "llmgw.access" logger
+    json_limits: JsonLimits = JsonLimits()
 
 
 class DataPlane:
@@ -166,7 +167,7 @@ class DataPlane:
 
     async def _proxy(self, request: Request) -> Response:
         started = _now()
-        body = self._routing_body(request)
+        body = await self._routing_body(request)
         if isinstance(body, Response):
             return self._count(None, body)
         model = body.get("model")
@@ -255,10 +256,10 @@ class DataPlane:
             await stream.aclose()
         return False
 
-    @staticmethod
-    def _routing_body(request: Request) -> dict | Response:
-        """What the router looks at: the JSON object of the body, or a form's ``model`` field (audio uploads); the
-        body itself is relayed unchanged either way. An error response when it is neither."""
+    async def _routing_body(self, request: Request) -> dict | Response:
+        """What the router looks at: the JSON object of the body (parsed within ``json_limits``), or a form's
+        ``model`` field (audio uploads); the body itself is relayed unchanged either way. An error response when
+        it is neither."""
         content_type = request.header("content-type") or ""
         if content_type[:19].lower() == "multipart/form-data":
             try:
@@ -267,9 +268,10 @@ class DataPlane:
                 return error_response(400, f"the request body is not a valid form: {exc}", code="invalid_form")
             return {} if model is None else {"model": model}
         try:
-            body = json.loads(request.body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            return error_response(400, f"the request body is not valid JSON: {exc}", code="invalid_json")
+            body = await read_json_body(request.body, self.settings.json_limits)
+        except BodyError as exc:
+            self.metrics.rejected_bodies.labels(exc.reason).inc()
+            return error_response(exc.status, str(exc), code=exc.code)
         if not isinstance(body, dict):
             return error_response(400, "the request body must be a JSON object", code="invalid_json")
         return body

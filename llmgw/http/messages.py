@@ -75,9 +75,11 @@ ERROR_TYPES = {
     429: "rate_limit_error",
     431: "invalid_request_error",
     500: "server_error",
+    501: "invalid_request_error",
     502: "upstream_error",
     503: "service_unavailable",
     504: "timeout_error",
+    505: "invalid_request_error",
 }
 
 

@@ -59,10 +59,11 @@ STATUS_LINES = {
         (415, "Unsupported Media Type"), (422, "Unprocessable Entity"), (429, "Too Many Requests"),
         (431, "Request Header Fields Too Large"), (499, "Client Closed Request"),
         (500, "Internal Server Error"), (501, "Not Implemented"), (502, "Bad Gateway"),
-        (503, "Service Unavailable"), (504, "Gateway Timeout"),
+        (503, "Service Unavailable"), (504, "Gateway Timeout"), (505, "HTTP Version Not Supported"),
     ]
 }
 _NO_BODY_STATUS = {204, 304}
+_VERSIONS = ("1.1", "1.0")  # HTTP/0.9 (a bare request line) and anything newer are answered 505
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _INF = math.inf
 
@@ -139,7 +140,11 @@ class _RequestReader:
                 raise _ProtocolError(431, "request headers are too large")
 
     def _too_large(self) -> None:
-        self.error = _ProtocolError(431, "request headers are too large")
+        self._refuse(431, "request headers are too large")
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Stop parsing: the connection answers ``status`` and closes."""
+        self.error = _ProtocolError(status, message)
         raise self.error
 
     # httptools callbacks
@@ -168,18 +173,31 @@ class _RequestReader:
         msg.method = parser.get_method().decode("ascii")
         msg.keep_alive = parser.should_keep_alive()
         msg.version = parser.get_http_version()
+        if msg.version not in _VERSIONS:
+            self._refuse(505, f"HTTP/{msg.version} is not supported: send HTTP/1.1 (or HTTP/1.0)")
+        hosts = 0
         for name, value in msg.headers:
-            if name == b"content-length":
+            if name == b"host":
+                hosts += 1
+            elif name == b"transfer-encoding":
+                for coding in value.split(b","):
+                    if coding.strip().lower() != b"chunked":
+                        self._refuse(501, f"the transfer coding {coding.strip().decode('latin-1')!r} is not "
+                                          "supported (only chunked)")
+            elif name == b"content-length":
                 try:
                     declared = int(value)
                 except ValueError:
                     declared = 0
                 if declared > self.limits.max_body_bytes:
-                    self.error = _ProtocolError(
-                        413, f"request body is larger than the limit of {self.limits.max_body_bytes} bytes")
-                    raise self.error
+                    self._refuse(413, "request body is larger than the limit of "
+                                      f"{self.limits.max_body_bytes} bytes")
             elif name == b"expect" and value.lower() == b"100-continue":
                 msg.expect_continue = True
+        if msg.version == "1.1" and hosts != 1:
+            self._refuse(400, f"an HTTP/1.1 request needs exactly one Host header, not {hosts}")
+        if hosts > 1:
+            self._refuse(400, f"an HTTP/1.0 request may carry one Host header at most, not {hosts}")
 
     def on_body(self, body: bytes) -> None:
         msg = self.current
@@ -199,9 +217,12 @@ class HttpServer:
 
     def __init__(self, handler: Handler, limits: ServerLimits | None = None,
                  on_error: Callable[[BaseException], None] | None = None,
-                 error_headers: Callable[[Request | None], list[tuple[bytes, bytes]]] | None = None):
+                 error_headers: Callable[[Request | None], list[tuple[bytes, bytes]]] | None = None,
+                 on_refused: Callable[[int], None] | None = None):
         """``error_headers(request or None)``: headers for the answers the server makes itself (a request it
-        refused or could not read, a handler that raised), e.g. the data plane's ``x-request-id``."""
+        refused or could not read, a handler that raised), e.g. the data plane's ``x-request-id``.
+        ``on_refused(status)`` is called for every request the server itself answers with an error
+        (malformed, too large, too slow, unsupported): the handler never saw it."""
         self.handler = handler
         self.error_headers = error_headers
         self.limits = limits or ServerLimits()
@@ -213,6 +234,7 @@ class HttpServer:
         self._connections_scope: trio.CancelScope | None = None
         self._conn_slots = trio.Semaphore(self.limits.max_connections)
         self._on_error = on_error
+        self._on_refused = on_refused
 
     def error(self, status: int, message: str, request: Request | None = None) -> Response:
         """An error answer made by the server itself."""
@@ -396,6 +418,8 @@ class _Connection:
             self.watch_alarm.disarm()
         watch = self.read_watch
         if watch.expired and watch.kind in ("header", "body") and self.reader.current is not None:
+            if self.server._on_refused is not None:
+                self.server._on_refused(408)
             self._try_send(self.server.error(408, "request was not received in time"))
 
     # -- reading -----------------------------------------------------------------------------------------------------
@@ -541,6 +565,8 @@ class _Connection:
                     trio.lowlevel.reschedule(task)
             elif self.final is not None:
                 if isinstance(self.final, _ProtocolError):
+                    if self.server._on_refused is not None:
+                        self.server._on_refused(self.final.status)
                     await self._send_simple(self.server.error(self.final.status, self.final.message))
                     await self._linger()
                 return

@@ -31,7 +31,7 @@ import trio
 from .keys import VllmBlockKeys
 from .metrics import KvMetrics
 from .mirror import EngineMirror, flush_loop, resync
-from .subscriber import EngineSubscription
+from .subscriber import DEFAULT_MAX_MESSAGE_BYTES, EngineSubscription, message_size_setting
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ class ExternalKv:
     key_function: str = "vllm"
     hash_algo: str = "sha256_cbor"
     hash_seed: str | None = "0"
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
     @classmethod
     def of(cls, replica: str, spec: Any, routing_options: Mapping[str, Any] | None,
@@ -59,7 +60,8 @@ class ExternalKv:
         seed = options.get("hash_seed", "0")
         return cls(replica, spec.kv_events, getattr(spec, "kv_replay", None) or None, model,
                    str(options.get("key_function", "vllm")), str(options.get("hash_algo", "sha256_cbor")),
-                   None if seed is None else str(seed))
+                   None if seed is None else str(seed),
+                   message_size_setting(options.get("max_event_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)))
 
     async def run(self, index, registry, metrics_registry, *, interval: float = 0.025) -> None:
         """Follow the engine into ``index`` until cancelled (the sockets are closed then)."""
@@ -77,7 +79,8 @@ class ExternalKv:
                                   on_parity=source and source.parity, name=self.replica)
         sub = EngineSubscription(self.events, mode="connect", replay_endpoint=self.replay, topic=b"",
                                  decode=registry.get("event_decoders", "vllm")(), on_batch=mirror.apply,
-                                 on_reset=mirror.reset, metrics=source, source=f"{self.replica}/dp0")
+                                 on_reset=mirror.reset, metrics=source, source=f"{self.replica}/dp0",
+                                 max_message_bytes=self.max_message_bytes)
         def on_resync(replica: str, mode: str, reason: str) -> None:
             if replica == self.replica:
                 log.info("replica %s: the router asks for a %s KV resync (%s)", replica, mode, reason)

@@ -6,7 +6,7 @@ registers a series twice). Who counts what:
 
 - the agent (per engine subscription and mirror): ``llmgw_kv_events_total``,
   ``llmgw_kv_gaps_total``, ``llmgw_kv_replays_total``, ``llmgw_kv_resets_total``,
-  ``llmgw_kv_decode_errors_total``, ``llmgw_kv_ignored_total``,
+  ``llmgw_kv_decode_errors_total``, ``llmgw_kv_peer_disconnects_total``, ``llmgw_kv_ignored_total``,
   ``llmgw_kv_hash_parity_checks_total``;
 - the control plane: ``llmgw_kv_changes_refused_total``;
 - the router: ``llmgw_kv_index_blocks`` and ``llmgw_kv_index_state`` (read from
@@ -112,6 +112,10 @@ class KvMetrics:
         self.decode_errors = CachedLabels(Counter(
             "llmgw_kv_decode_errors", "Event messages that could not be decoded, by source (the subscription).",
             ["source"], registry=r))
+        self.peer_disconnects = CachedLabels(Counter(
+            "llmgw_kv_peer_disconnects", "Peers of a KV-event subscription that were disconnected, by source: a "
+            "message over the subscription's maximum message size, or an engine that went away.", ["source"],
+            registry=r))
         self.ignored = CachedLabels(Counter(
             "llmgw_kv_ignored", "Blocks in events kept out of the device index, by replica and reason "
             "(medium, group, placeholder, unknown_block, unknown_parent, wrong_rank...).",
@@ -190,6 +194,9 @@ class SourceMetrics:
 
     def decode_error(self, source: str) -> None:
         self.metrics.decode_errors.labels(source).inc()
+
+    def peer_disconnect(self, source: str) -> None:
+        self.metrics.peer_disconnects.labels(source).inc()
 
     def ignored(self, reason: str, count: int = 1) -> None:
         self.metrics.ignored.labels(self.model, self.replica, reason).inc(count)

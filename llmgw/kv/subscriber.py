@@ -44,6 +44,15 @@ reason ``cleared`` at its place in the batch. A message that cannot be
 decoded is counted and logged once per subscription, and, since its events
 are lost, resets with reason ``decode_error``; it never stops the task.
 
+Size. Both sockets set ``ZMQ_MAXMSGSIZE`` (``max_message_bytes``, default
+:data:`DEFAULT_MAX_MESSAGE_BYTES`): any process on the host can connect to a
+bound SUB, and without a bound one message may be as large as it likes. A peer
+sending a larger frame is disconnected by libzmq before the frame is buffered
+(a real engine's PUB reconnects at once, and the lost batch is a gap that
+replay fills). A monitor socket, read by a second task, counts those
+disconnections (``disconnects``, ``llmgw_kv_peer_disconnects_total``) and logs
+the first: engines that go away are counted too.
+
 Callbacks are synchronous and run in this task: ``on_batch(batch)`` with an
 :class:`~llmgw.kv.events.EventBatch` of events to apply (typically
 ``EngineMirror.apply``), ``on_reset(reason)`` (typically ``EngineMirror.reset``).
@@ -70,6 +79,22 @@ MODES = ("bind", "connect")
 DEFAULT_REPLAY_TIMEOUT = 2.0
 DEFAULT_IDLE_PROBE = 2.0  # seconds of silence before asking the replay socket whether a batch was lost
 DEFAULT_RCVHWM = 100_000  # as vLLM's PUB send HWM: a slow agent loses batches only past this many
+# The largest real batch is one scheduler step: BlockStored events with every token of every block the step
+# completed (up to max_num_batched_tokens, 5 bytes per token id in msgpack, per KV-cache group), their hashes
+# (34 bytes each as bin) and as many BlockRemoved events (about 80 bytes each in the map layout). At 1M tokens in
+# one step that is about 13 MB per group; 32 MiB leaves room for two groups at that size (docs/kv-routing.md).
+DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+MAX_MESSAGE_BYTES_LIMIT = 1024 * 1024 * 1024  # what the setting itself may be raised to
+
+
+def message_size_setting(value: object) -> int:
+    """A ``max_message_bytes`` setting from a size (``64MiB`` or bytes): 1 KiB to 1 GiB; ``ValueError`` otherwise."""
+    from ..config.units import parse_size
+
+    size = parse_size(value)
+    if not 1024 <= size <= MAX_MESSAGE_BYTES_LIMIT:
+        raise ValueError("must be from 1KiB to 1GiB")
+    return size
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:
@@ -92,7 +117,7 @@ class EngineSubscription:
                  mode: str = "bind", replay_endpoint: str | None = None, topic: bytes = b"",
                  data_parallel_rank: int = 0, decode: Callable[[bytes], EventBatch] = decode_batch,
                  replay_timeout: float = DEFAULT_REPLAY_TIMEOUT, idle_probe: float | None = DEFAULT_IDLE_PROBE,
-                 rcvhwm: int = DEFAULT_RCVHWM,
+                 rcvhwm: int = DEFAULT_RCVHWM, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  source: str | None = None, metrics=None, context: zmq.Context | None = None,
                  clock: Callable[[], float] | None = None):
         if mode not in MODES:
@@ -108,6 +133,7 @@ class EngineSubscription:
         self.replay_timeout = replay_timeout
         self.idle_probe = idle_probe
         self.rcvhwm = rcvhwm
+        self.max_message_bytes = max_message_bytes
         self.source = source or endpoint
         self.metrics = metrics  # a llmgw.kv.metrics.SourceMetrics, or None
         self._context = context
@@ -129,6 +155,7 @@ class EngineSubscription:
         self.resets: Counter[str] = Counter()
         self.decode_errors = 0
         self.wrong_rank = 0
+        self.disconnects = 0  # peers libzmq cut off: a message over max_message_bytes, or an engine gone
         self.duplicates = 0
         self.last_batch_at: float | None = None
         self._arrived = trio.Event()
@@ -140,9 +167,11 @@ class EngineSubscription:
         own_context = self._context is None
         ctx = self._ctx = zmq.Context() if own_context else self._context
         sub = ctx.socket(zmq.SUB)
+        monitor = None
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+            sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
             if "[" in self.endpoint or "::" in self.endpoint:
                 sub.setsockopt(zmq.IPV6, 1)
@@ -152,27 +181,49 @@ class EngineSubscription:
             else:
                 sub.connect(self.endpoint)
                 self.bound_endpoint = self.endpoint
+            monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sub.getsockopt(zmq.EVENTS)  # let libzmq process pending commands now (an idle SUB subscribes to nobody)
-            task_status.started(self.bound_endpoint)
-            while True:
-                messages = zmq_trio.drain(sub)
-                if not messages:
-                    # Wait outside the drain, so a deadline can never drop messages already taken off the socket.
-                    with trio.move_on_after(math.inf if self.idle_probe is None else self.idle_probe):
-                        await zmq_trio.wait_for(sub, zmq.POLLIN)
-                    messages = zmq_trio.drain(sub)
-                    if not messages:
-                        await self._probe()
-                        continue
-                for frames in messages:
-                    await self._on_live(frames)
-                await trio.lowlevel.checkpoint()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._count_disconnects, monitor)
+                task_status.started(self.bound_endpoint)
+                await self._receive(sub)
         finally:
+            if monitor is not None:
+                sub.disable_monitor()
+                zmq_trio.close(monitor)
             zmq_trio.close(sub)
             self._close_dealer()
             if own_context:
                 ctx.term()
             self._ctx = None
+
+    async def _receive(self, sub: zmq.Socket) -> None:
+        while True:
+            messages = zmq_trio.drain(sub)
+            if not messages:
+                # Wait outside the drain, so a deadline can never drop messages already taken off the socket.
+                with trio.move_on_after(math.inf if self.idle_probe is None else self.idle_probe):
+                    await zmq_trio.wait_for(sub, zmq.POLLIN)
+                messages = zmq_trio.drain(sub)
+                if not messages:
+                    await self._probe()
+                    continue
+            for frames in messages:
+                await self._on_live(frames)
+            await trio.lowlevel.checkpoint()
+
+    async def _count_disconnects(self, monitor: zmq.Socket) -> None:
+        """Count the SUB's peers that libzmq disconnected (the monitor reports nothing else)."""
+        while True:
+            await zmq_trio.recv_multipart(monitor)
+            self.disconnects += 1
+            if self.metrics is not None:
+                self.metrics.peer_disconnect(self.source)
+            if self.disconnects == 1:
+                log.warning("%s: a KV-event peer was disconnected: it sent a message over %d bytes "
+                            "(max_message_bytes), or the engine went away; further ones are counted in "
+                            "llmgw_kv_peer_disconnects_total", self.source, self.max_message_bytes)
+            self._arrived.set()
 
     async def wait_for(self, predicate: Callable[["EngineSubscription"], bool]) -> None:
         """Wait until ``predicate(self)`` holds, re-checked after every message (for tests and the agent)."""
@@ -390,6 +441,7 @@ class EngineSubscription:
         if self._dealer is None:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             if "[" in self.replay_endpoint or "::" in self.replay_endpoint:
                 dealer.setsockopt(zmq.IPV6, 1)
             dealer.connect(self.replay_endpoint)

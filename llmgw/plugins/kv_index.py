@@ -36,24 +36,23 @@ Per request (the rule, also in ``docs/kv-routing.md``):
 from __future__ import annotations
 
 import logging
-import math
 import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
 
-from ..config.units import parse_duration
 from ..hookspecs import hookimpl
 from ..kv import drift as kv_drift
 from ..kv import tokenize as kv_tokenize
 from ..kv.index import IndexState, KvIndex
 from ..kv.keys import none_hash
 from ..kv.metrics import KvMetrics
+from ..kv.subscriber import DEFAULT_MAX_MESSAGE_BYTES, message_size_setting
 from ..kv.tokenize import TokenizeError
 from ..plugins_manager import PluginError
 from ..router.replica import Replica
 from ..router.tier import Decision, RouteRequest, TierServices
-from .options import count, option_reader
+from .options import count, duration, option_reader
 from .prefix_tree import Choice, PrefixTreeTier
 
 log = logging.getLogger(__name__)
@@ -88,6 +87,7 @@ class KvIndexOptions:
     drift_window: float = kv_drift.DEFAULT_WINDOW
     drift_relapse_window: float = kv_drift.DEFAULT_RELAPSE_WINDOW
     drift_resync_retry: float = kv_drift.DEFAULT_RESYNC_RETRY
+    max_event_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # ZMQ_MAXMSGSIZE of external replicas' subscriptions
 
     @property
     def drift_policy(self) -> kv_drift.DriftPolicy:
@@ -116,6 +116,7 @@ class KvIndexOptions:
         take("drift_window", _positive_duration)
         take("drift_relapse_window", _positive_duration)
         take("drift_resync_retry", _positive_duration)
+        take("max_event_message_bytes", message_size_setting)
         return options, problems
 
 
@@ -140,18 +141,8 @@ def _lora_map(value: Any) -> dict[str, str]:
     return dict(value)
 
 
-def _positive_duration(value: Any) -> float:
-    seconds = parse_duration(value)
-    if not seconds > 0 or not math.isfinite(seconds):
-        raise ValueError("must be greater than 0")
-    return seconds
-
-
-def _non_negative_duration(value: Any) -> float:
-    seconds = parse_duration(value)
-    if not seconds >= 0 or not math.isfinite(seconds):
-        raise ValueError("must be 0 or more")
-    return seconds
+_positive_duration = duration()
+_non_negative_duration = duration(allow_zero=True)
 
 
 def split_options(raw: Mapping[str, Any] | None) -> tuple[dict, dict]:

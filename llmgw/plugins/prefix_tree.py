@@ -35,7 +35,6 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ..config.units import parse_duration
 from ..hookspecs import hookimpl
 from ..plugins_manager import PluginError, default_registry
 from ..router.canonical import canonical_text, estimated_prompt_tokens
@@ -43,7 +42,7 @@ from ..router.radix import RadixTree
 from ..router.replica import Replica
 from ..router.tier import Decision, RouteRequest, ScoreContext, TierServices
 from ..router.tree_metrics import track_tree
-from .options import count, option_reader
+from .options import MAX_NUMBER, count, duration, option_reader
 from .scorers import register_scorers
 
 # register_scorers is re-exported so that pluggy finds the built-in scorers' hook on this plugin module.
@@ -97,7 +96,7 @@ class PrefixTreeOptions:
         take("engine_metrics_interval", _positive_duration)
         take("engine_metrics_timeout", _positive_duration)
         take("engine_metrics_max_age", _positive_duration)
-        take("seed", count(0))
+        take("seed", count(0, 2**64 - 1))
         if options.engine_metrics_interval is not None:
             if options.engine_metrics_timeout is None:
                 options.engine_metrics_timeout = min(options.engine_metrics_interval, 1.0)
@@ -112,14 +111,12 @@ _NULLABLE = {"max_imbalance", "load_sigma_k", "engine_metrics_interval", "seed"}
 def _positive_number(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
         raise ValueError(f"expected a number > 0 (or null to turn it off), got {value!r}")
+    if value > MAX_NUMBER:
+        raise ValueError(f"must be at most {MAX_NUMBER:g}, got {value!r}")
     return value
 
 
-def _positive_duration(value: Any) -> float:
-    seconds = parse_duration(value)
-    if not seconds > 0:
-        raise ValueError("must be greater than 0")
-    return seconds
+_positive_duration = duration()
 
 
 def _weights(value: Any) -> dict[str, float]:

@@ -12,6 +12,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from llmgw.http.jsonbody import BodyError, parse_json_body
 from llmgw.http.messages import error_body
 
 from . import tokenizer
@@ -50,11 +51,9 @@ def parse_body(raw: bytes) -> dict:
     touches it, so no later step can fail on it.
     """
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise bad_request("There was an error parsing the body: JSON nested too deep") from None
+        body = parse_json_body(raw)  # bounded depth and size: deep JSON is a 400, not a 500
+    except BodyError as exc:
+        raise bad_request(str(exc)) from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     if _SURROGATE_ESCAPE.search(raw):  # rare: only then pay for a full check

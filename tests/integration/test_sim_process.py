@@ -419,6 +419,8 @@ async def test_tokenize_and_api_shapes():
 
             await error("/v1/completions", 404, json={"model": "nope", "prompt": "x"})
             await error("/v1/completions", 400, content=b"{not json")
+            deep = await error("/v1/completions", 400, content=b'{"prompt":' + b"[" * 5000 + b"]" * 5000 + b"}")
+            assert "deeper than 100 levels" in deep["message"]
             await error("/v1/completions", 400, json={"prompt": "x" * 600})
             await error("/v1/completions", 400, json={"prompt": "x" * 500, "max_tokens": 100})
             await error("/v1/completions", 400, json={"prompt": "x", "n": 2})

@@ -326,7 +326,8 @@ def test_every_error_is_reported_in_file_order():
         "conf.yaml:7: limits.retries: must be at least 0",
         "conf.yaml:8: limits.bogus: unknown key (expected one of: max_body_bytes, max_header_bytes, "
         "client_header_timeout, client_body_timeout, keepalive_timeout, connect_timeout, first_byte_timeout, "
-        "idle_timeout, retries, shutdown_grace, max_connections)",
+        "idle_timeout, retries, shutdown_grace, max_connections, max_json_depth, max_json_values, "
+        "max_json_containers)",
         "conf.yaml:9: log_level: must be one of: debug, info, warning, error, critical",
     ]
 

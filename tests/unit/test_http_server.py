@@ -241,6 +241,15 @@ async def test_head_and_204_answers_carry_no_body(serve):
      + b"a" * 64 + b"\r\n0\r\n\r\n", {"max_body_bytes": 100}, 413),
     (b"GARBAGE\r\n\r\n", {}, 400),
     (b"GET / HTTP/1.1\r\nHost: t\r\nContent-Length: nope\r\n\r\n", {}, 400),
+    (b"GET / HTTP/1.1\r\n\r\n", {}, 400),  # no Host
+    (b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", {}, 400),
+    (b"GET / HTTP/1.0\r\nHost: a\r\nHost: a\r\n\r\n", {}, 400),
+    (b"GET /\r\n\r\n", {}, 505),  # HTTP/0.9
+    (b"GET / HTTP/0.9\r\nHost: t\r\n\r\n", {}, 505),
+    (b"GET / HTTP/2.0\r\nHost: t\r\n\r\n", {}, 505),
+    (b"POST /x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n", {}, 501),
+    (b"POST /x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: identity\r\nTransfer-Encoding: chunked\r\n\r\n"
+     b"3\r\nabc\r\n0\r\n\r\n", {}, 501),
 ])
 async def test_limits_and_malformed_requests_are_answered_in_openai_shape_then_closed(serve, request_bytes, limits,
                                                                                         status):
@@ -254,6 +263,27 @@ async def test_limits_and_malformed_requests_are_answered_in_openai_shape_then_c
         assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
         assert reply.headers[b"connection"] == b"close"
         assert await client.read_until_eof() == b""
+
+
+async def test_host_version_and_transfer_coding_errors_say_what_is_wrong(serve):
+    _, port = await serve(echo)
+    cases = [
+        (b"GET / HTTP/1.0\r\n\r\n", 200, None),  # HTTP/1.0 may omit Host
+        (b"GET / HTTP/1.1\r\nHost: a\r\nhost: b\r\n\r\n", 400, "exactly one Host header, not 2"),
+        (b"GET /\r\n\r\n", 505, "HTTP/0.9 is not supported"),
+        (b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", 501,
+         "transfer coding 'gzip' is not supported"),
+    ]
+    for request_bytes, status, message in cases:
+        with trio.fail_after(5):
+            client = await connect(port)
+            await client.send(request_bytes)
+            reply = await client.reply()
+            await client.aclose()
+        assert reply.status == status
+        if message:
+            assert message in reply.json()["error"]["message"]
+            assert reply.json()["error"]["type"] == "invalid_request_error"
 
 
 # -- slow clients ------------------------------------------------------------------------------------------------------
@@ -492,3 +522,16 @@ async def test_drain_lets_in_flight_requests_finish_and_stops_accepting(nursery)
         await served.wait()
     with pytest.raises(OSError):
         await trio.open_tcp_stream("127.0.0.1", port)
+
+
+async def test_requests_the_server_refuses_are_reported_by_status(nursery):
+    refused: list[int] = []
+    server = HttpServer(echo, ServerLimits(), on_refused=refused.append)
+    _, port = await nursery.start(server.serve, "127.0.0.1", 0)
+    for request_bytes in (b"GET / HTTP/1.1\r\n\r\n", b"GET /\r\n\r\n", get("/ok")):
+        with trio.fail_after(5):
+            client = await connect(port)
+            await client.send(request_bytes)
+            await client.reply()
+            await client.aclose()
+    assert refused == [400, 505]

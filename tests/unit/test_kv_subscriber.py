@@ -311,3 +311,57 @@ def test_rank_endpoints_follow_vllm():
     assert rank_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
     with pytest.raises(ValueError):
         rank_endpoint("ipc:///tmp/kv", 1)
+
+
+async def test_an_oversized_message_cuts_off_its_sender_and_the_stream_goes_on(rig):
+    from prometheus_client import CollectorRegistry
+
+    from llmgw.kv.metrics import KvMetrics
+
+    registry = CollectorRegistry()
+    sub, engine, rec = await rig(max_message_bytes=64 * 1024, metrics=KvMetrics(registry).source("n", "r"),
+                                 source="r/dp0")
+    await engine.publish(0)
+    await wait(sub, lambda s: s.batches == 1)
+    hostile = engine.ctx.socket(zmq.XPUB)  # any local process may connect to the bound SUB
+    hostile.setsockopt(zmq.LINGER, 0)
+    try:
+        hostile.connect(sub.bound_endpoint)
+        with trio.fail_after(5):
+            await zmq_trio.recv_multipart(hostile)  # subscribed: the next message is delivered, or refused
+        await zmq_trio.send_multipart(hostile, [TOPIC, (1).to_bytes(8, "big"), b"\x00" * (8 * 1024 * 1024)])
+        await wait(sub, lambda s: s.disconnects == 1)
+    finally:
+        zmq_trio.close(hostile)
+    for seq in (1, 2):
+        await engine.publish(seq)
+    await wait(sub, lambda s: s.batches == 3)
+    assert rec.seqs() == [0, 1, 2] and not sub.resets and sub.decode_errors == 0
+    assert registry.get_sample_value("llmgw_kv_peer_disconnects_total", {"source": "r/dp0"}) == 1
+
+
+async def test_a_message_within_the_bound_is_taken(rig):
+    sub, engine, rec = await rig(max_message_bytes=64 * 1024)
+    big = payload(0, BlockStored(list(range(1, 400)), None, list(range(400 * 16)), 16, medium="GPU"))
+    assert 16 * 1024 < len(big) < 64 * 1024
+    await engine.publish(0, big)
+    await wait(sub, lambda s: s.batches == 1)
+    assert sub.disconnects == 0 and sub.events == {"BlockStored": 1}
+
+
+def test_the_message_size_is_a_routing_option_and_an_agent_flag():
+    from types import SimpleNamespace
+
+    from llmgw.commands.agent import parse_kv_message_size
+    from llmgw.kv.external import ExternalKv
+    from llmgw.kv.subscriber import DEFAULT_MAX_MESSAGE_BYTES
+    from llmgw.plugins.kv_index import KvIndexOptions
+
+    spec = SimpleNamespace(kv_events="tcp://127.0.0.1:5557", kv_replay=None)
+    assert ExternalKv.of("r", spec, {}).max_message_bytes == DEFAULT_MAX_MESSAGE_BYTES == 32 * 1024 * 1024
+    assert ExternalKv.of("r", spec, {"max_event_message_bytes": "64MiB"}).max_message_bytes == 64 * 1024 * 1024
+    assert KvIndexOptions.parse({"max_event_message_bytes": "2GiB"})[1] == [
+        "max_event_message_bytes: must be from 1KiB to 1GiB"]
+    assert parse_kv_message_size("1MiB") == 1024 * 1024
+    with pytest.raises(ValueError, match="--kv-max-message-size '2GiB': must be from 1KiB to 1GiB"):
+        parse_kv_message_size("2GiB")
