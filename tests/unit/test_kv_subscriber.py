@@ -319,7 +319,7 @@ async def test_an_oversized_message_cuts_off_its_sender_and_the_stream_goes_on(r
     from llmgw.kv.metrics import KvMetrics
 
     registry = CollectorRegistry()
-    sub, engine, rec = await rig(max_message_bytes=64 * 1024, metrics=KvMetrics(registry).source("n", "r"),
+    sub, engine, rec = await rig(max_message_bytes=64 * 1024, metrics=KvMetrics(registry).source("n", "r", "m"),
                                  source="r/dp0")
     await engine.publish(0)
     await wait(sub, lambda s: s.batches == 1)
