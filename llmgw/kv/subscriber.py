@@ -219,10 +219,10 @@ class EngineSubscription:
             self.disconnects += 1
             if self.metrics is not None:
                 self.metrics.peer_disconnect(self.source)
-            if self.disconnects == 1:
-                log.warning("%s: a KV-event peer was disconnected: it sent a message over %d bytes "
-                            "(max_message_bytes), or the engine went away; further ones are counted in "
-                            "llmgw_kv_peer_disconnects_total", self.source, self.max_message_bytes)
+            if self.disconnects == 1:  # at info: an engine that stops or restarts does this too, in every clean stop
+                log.info("%s: a KV-event peer was disconnected: the engine went away, or it sent a message over %d "
+                         "bytes (max_message_bytes); further ones are counted in llmgw_kv_peer_disconnects_total",
+                         self.source, self.max_message_bytes)
             self._arrived.set()
 
     async def wait_for(self, predicate: Callable[["EngineSubscription"], bool]) -> None:
