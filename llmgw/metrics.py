@@ -109,7 +109,7 @@ class Metrics:
             "llmgw_inflight_requests", "Requests in flight per replica.", ["replica"], registry=r))
         self.upstream_errors = CachedLabels(Counter(
             "llmgw_upstream_errors", "Failed attempts towards a replica, by kind "
-            "(connect, timeout, closed, protocol, status_5xx).", ["replica", "kind"], registry=r))
+            "(connect, tls, timeout, closed, protocol, status_5xx).", ["replica", "kind"], registry=r))
         self.replica_up = CachedLabels(Gauge(
             "llmgw_replica_up", "1 when the replica is routable, else 0.", ["replica"], registry=r))
         self.decisions = CachedLabels(Counter(
@@ -124,6 +124,9 @@ class Metrics:
         self.health_probes = CachedLabels(Counter(
             "llmgw_health_probes", "Active health probes by replica and result.", ["replica", "result"],
             registry=r))
+        self.tls_handshake_failures = CachedLabels(Counter(
+            "llmgw_tls_handshake_failures", "Client connections closed because their TLS handshake failed or "
+            "timed out, by listener.", ["listener"], registry=r))
         self._replicas: dict[str, ReplicaMetrics] = {}
         self._models: dict[str, ModelMetrics] = {}
 

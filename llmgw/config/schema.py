@@ -15,6 +15,7 @@ from . import crosschecks
 from .addresses import HostPort, parse_http_url, parse_tcp_endpoint, url_host_port
 from .fields import Check, Located, Parse, at_least, config_class, matches, non_empty, one_of, positive, setting
 from .reader import Draft
+from .tls import ListenerTls, TlsFile, UpstreamTls, check_replica_tls
 from .units import parse_duration, parse_size
 
 KiB = 1024
@@ -47,6 +48,10 @@ class ExternalReplica(Located):
     kv_events: ZmqEndpoint | None = setting(None)  # the engine's KV-event PUB socket
     kv_replay: ZmqEndpoint | None = setting(None)  # its replay socket
     weight: Count = setting(1)
+    tls_ca_file: TlsFile | None = setting(None)  # https:// only; default: upstream_tls.ca_file
+    tls_cert_file: TlsFile | None = setting(None)  # client certificate for mutual TLS
+    tls_key_file: TlsFile | None = setting(None)
+    tls_verify: bool | None = setting(None)  # default: upstream_tls.verify
 
     @property
     def address(self) -> HostPort:
@@ -59,6 +64,7 @@ class ExternalReplica(Located):
             draft.set("name", str(url_host_port(draft["url"])))
         if draft.known("kv_replay", "kv_events") and draft["kv_replay"] and not draft["kv_events"]:
             draft.problem("kv_replay", "needs kv_events: replay fills gaps in an event stream")
+        check_replica_tls(draft)
 
 
 @config_class
@@ -222,6 +228,8 @@ class Config(Located):
     source: str = setting("", internal=True)  # the file it was read from
     listen: Address = setting(HostPort("127.0.0.1", 8000))
     control_listen: Address = setting(HostPort("127.0.0.1", 8001))
+    data_tls: ListenerTls | None = setting(None)  # HTTPS on `listen`
+    upstream_tls: UpstreamTls = setting(factory=UpstreamTls)  # default trust for https:// replicas
     models: list[ModelConfig] = setting(factory=list)
     api_keys: list[ApiKey] = setting(factory=list)
     limits: Limits = setting(factory=Limits)

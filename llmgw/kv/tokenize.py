@@ -281,7 +281,7 @@ class TokenizeClient:
             return pool
         pool = self._pools.get(replica)
         if pool is None:
-            pool = self._pools[replica] = UpstreamPool(replica.host, replica.port, connect_timeout=self.timeout)
+            pool = self._pools[replica] = replica.open_pool(self.timeout)
         return pool
 
     async def tokenize(self, replica, body: bytes) -> list[int]:
