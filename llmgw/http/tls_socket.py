@@ -13,6 +13,10 @@ What makes that sound:
   it returns. No plaintext is ever left inside the TLS object while the
   caller waits for the kernel socket to become readable (that would hang).
   What is left is at most a partial record, which needs more bytes anyway.
+  It takes no more ciphertext than ``size`` so that, like a plain ``recv``,
+  it returns at most ``size`` bytes. The one exception to "nothing left
+  inside" is a handshake's last read, which may carry the peer's first bytes:
+  a server takes them with a ``recv`` right after the handshake.
   It raises ``BlockingIOError`` when no application data is ready (also when
   the bytes read were only TLS housekeeping, such as session tickets), and
   returns ``b""`` at the peer's end (``close_notify`` or a TCP close without
@@ -36,7 +40,6 @@ import ssl
 import trio
 
 RAW_READ = 65536
-MAX_RAW_READS = 4  # kernel reads per recv: what is left keeps the socket readable, so nobody waits for it
 MAX_PLAINTEXT_PER_SEND = 262144  # bounds the encrypted bytes one send may queue
 
 
@@ -76,23 +79,21 @@ class TlsSocket:
     def getpeercert(self) -> dict | None:
         return self._tls.getpeercert()
 
-    def recv(self, _size: int = RAW_READ) -> bytes:
-        """Application bytes that arrived (as many as are there); ``BlockingIOError`` when none are."""
-        sock = self.sock
+    def recv(self, size: int = RAW_READ) -> bytes:
+        """Application bytes that arrived, at most ``size`` (at least 32 KiB: a record is up to 16 KiB);
+        ``BlockingIOError`` when none are."""
         incoming = self._incoming
-        if not self._eof:
-            for _ in range(MAX_RAW_READS):
-                try:
-                    raw = sock.recv(RAW_READ)
-                except BlockingIOError:
-                    break
-                if not raw:
-                    incoming.write_eof()
-                    self._eof = True
-                    break
+        want = size - incoming.pending  # so that what is decrypted fits in ``size`` like a plain recv
+        if not self._eof and want > 0:
+            try:
+                raw = self.sock.recv(want)
+            except BlockingIOError:
+                raw = None
+            if raw:
                 incoming.write(raw)
-                if len(raw) < RAW_READ:
-                    break
+            elif raw is not None:
+                incoming.write_eof()
+                self._eof = True
         parts = []
         ended = False
         read = self._tls.read
@@ -168,6 +169,12 @@ class TlsSocket:
             except ssl.SSLWantReadError:
                 await self._drain_outgoing()
                 await self._read_more()
+            except ssl.SSLError:
+                try:
+                    self._flush()  # the alert that tells the peer why, if the kernel takes it at once
+                except OSError:
+                    pass
+                raise
         await self._drain_outgoing()
 
     async def _drain_outgoing(self) -> None:
