@@ -110,7 +110,10 @@ class TlsSocket:
                 break
             parts.append(data)
         if self._outgoing.pending:  # an alert or a post-handshake message of ours
-            self._flush()
+            try:
+                self._flush()
+            except OSError:
+                pass  # the peer is gone: what it sent is still worth reading, and the next send says so
         if parts:
             return parts[0] if len(parts) == 1 else b"".join(parts)
         if ended or self._eof:
