@@ -357,7 +357,7 @@ class UpstreamPool:
                 if now - conn.idle_since < self.idle_expiry and conn.sock.fileno() >= 0:
                     return conn
                 self._discard_now(conn)
-        with trio.move_on_after(self.connect_timeout) as deadline:
+        with trio.move_on_after(self.connect_timeout):
             try:
                 stream = await trio.open_tcp_stream(self.host, self.port)
             except OSError as exc:

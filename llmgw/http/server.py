@@ -298,10 +298,6 @@ class HttpServer:
             if stream is None:
                 return
             conn = _Connection(self, stream, addr)
-            if stream is not sock:
-                # A request sent right behind the client's last handshake message was read with it: take it
-                # now, as the socket will not become readable for it again.
-                conn.feed_waiting()
             await conn.run()
         except Exception as exc:  # one bad connection must never take down the server
             if not is_disconnect(exc):
@@ -467,12 +463,6 @@ class _Connection:
             data = self._recv_nowait()
             if data is None:
                 continue
-            self._feed(data)
-
-    def feed_waiting(self) -> None:
-        """Parse what has arrived without waiting for the socket."""
-        data = self._recv_nowait()
-        if data is not None:
             self._feed(data)
 
     def _recv_nowait(self) -> bytes | None:

@@ -14,9 +14,9 @@ What makes that sound:
   caller waits for the kernel socket to become readable (that would hang).
   What is left is at most a partial record, which needs more bytes anyway.
   It takes no more ciphertext than ``size`` so that, like a plain ``recv``,
-  it returns at most ``size`` bytes. The one exception to "nothing left
-  inside" is a handshake's last read, which may carry the peer's first bytes:
-  a server takes them with a ``recv`` right after the handshake.
+  it returns at most ``size`` bytes. The handshake reads record by record
+  for the same reason: what the peer sends right behind it stays in the
+  kernel.
   It raises ``BlockingIOError`` when no application data is ready (also when
   the bytes read were only TLS housekeeping, such as session tickets), and
   returns ``b""`` at the peer's end (``close_notify`` or a TCP close without
@@ -171,7 +171,7 @@ class TlsSocket:
                 break
             except ssl.SSLWantReadError:
                 await self._drain_outgoing()
-                await self._read_more()
+                await self._read_record()
             except ssl.SSLError:
                 try:
                     self._flush()  # the alert that tells the peer why, if the kernel takes it at once
@@ -184,16 +184,28 @@ class TlsSocket:
         while not self._flush():
             await trio.lowlevel.wait_writable(self.sock)
 
-    async def _read_more(self) -> None:
-        while True:
+    async def _read_record(self) -> None:
+        """Feed the TLS object one more record from the kernel, and not a byte past it.
+
+        The handshake reads record by record so that whatever the peer sent behind its last handshake
+        message (a request, pipelined at once) stays in the kernel, where ``wait_readable`` sees it.
+        """
+        header = await self._receive_exactly(5)
+        if len(header) == 5:
+            header += await self._receive_exactly(int.from_bytes(header[3:5], "big"))
+        self._incoming.write(header)
+        if self._eof:
+            self._incoming.write_eof()
+
+    async def _receive_exactly(self, size: int) -> bytes:
+        data = b""
+        while len(data) < size and not self._eof:
             try:
-                raw = self.sock.recv(RAW_READ)
+                raw = self.sock.recv(size - len(data))
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(self.sock)
                 continue
-            if raw:
-                self._incoming.write(raw)
-            else:
-                self._incoming.write_eof()
+            if not raw:
                 self._eof = True
-            return
+            data += raw
+        return data

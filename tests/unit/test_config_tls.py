@@ -36,6 +36,12 @@ def load(text: str):
     return parse_config(textwrap.dedent(text), "conf.yaml", env={})
 
 
+def one_replica(keys: str = "", top: str = "", url: str = "https://127.0.0.1:9001") -> str:
+    """A config whose first lines are ``top`` and whose one replica has ``url`` and ``keys`` (one per line)."""
+    replica = "".join(f"\n    {line}" for line in keys.splitlines())
+    return f"{top}models:\n- name: m\n  replicas:\n  - url: {url}{replica}\n"
+
+
 def errors(text: str) -> list[str]:
     with pytest.raises(ConfigError) as caught:
         load(text)
@@ -72,62 +78,31 @@ def test_defaults_verify_against_the_system_store():
 
 def test_a_missing_file_names_file_line_and_key(tmp_path):
     missing = tmp_path / "nope.pem"
-    assert errors(f"""\
-        models:
-          - name: m
-            replicas:
-              - url: https://127.0.0.1:9001
-                tls_ca_file: {missing}
-    """) == [f"conf.yaml:5: models[0].replicas[0].tls_ca_file: no such file: {missing} (relative paths start in "
-             "the directory llmgw runs in)"]
+    assert errors(one_replica(f"tls_ca_file: {missing}")) == [
+        f"conf.yaml:5: models[0].replicas[0].tls_ca_file: no such file: {missing} (relative paths start in the "
+        "directory llmgw runs in)"]
 
 
 def test_tls_keys_on_a_plain_http_url_are_an_error(pem):
-    assert errors(f"""\
-        models:
-          - name: m
-            replicas:
-              - url: http://127.0.0.1:9001
-                tls_verify: false
-    """) == ["conf.yaml:5: models[0].replicas[0].tls_verify: only applies to an https:// url"]
+    assert errors(one_replica("tls_verify: false", url="http://127.0.0.1:9001")) == [
+        "conf.yaml:5: models[0].replicas[0].tls_verify: only applies to an https:// url"]
 
 
 def test_a_key_without_a_certificate_is_an_error(pem):
-    assert errors(f"""\
-        upstream_tls:
-          key_file: {pem['client.key']}
-        models:
-          - name: m
-            replicas:
-              - url: https://127.0.0.1:9001
-                tls_key_file: {pem['client.key']}
-    """) == ["conf.yaml:2: upstream_tls.key_file: needs cert_file: the key belongs to a client certificate",
-             "conf.yaml:7: models[0].replicas[0].tls_key_file: needs tls_cert_file: the key belongs to a client "
-             "certificate"]
+    top = f"upstream_tls:\n  key_file: {pem['client.key']}\n"
+    assert errors(one_replica(f"tls_key_file: {pem['client.key']}", top)) == [
+        "conf.yaml:2: upstream_tls.key_file: needs cert_file: the key belongs to a client certificate",
+        "conf.yaml:7: models[0].replicas[0].tls_key_file: needs tls_cert_file: the key belongs to a client certificate"]
 
 
 def test_a_key_that_does_not_match_its_certificate_is_found_at_check_time(pem):
-    (problem,) = errors(f"""\
-        models:
-          - name: m
-            replicas:
-              - url: https://127.0.0.1:9001
-                tls_cert_file: {pem['client.crt']}
-                tls_key_file: {pem['other.key']}
-    """)
+    (problem,) = errors(one_replica(f"tls_cert_file: {pem['client.crt']}\ntls_key_file: {pem['other.key']}"))
     assert problem.startswith("conf.yaml:5: models[0].replicas[0].tls_cert_file: cannot be used for TLS: ")
     assert "KEY_VALUES_MISMATCH" in problem.upper()
 
 
 def test_a_ca_file_that_is_not_pem_is_reported_at_upstream_tls(pem):
-    (problem,) = errors(f"""\
-        upstream_tls:
-          ca_file: {pem['garbage']}
-        models:
-          - name: m
-            replicas:
-              - url: https://127.0.0.1:9001
-    """)
+    (problem,) = errors(one_replica(top=f"upstream_tls:\n  ca_file: {pem['garbage']}\n"))
     assert problem.startswith("conf.yaml:2: upstream_tls.ca_file: cannot be used for TLS: ")
 
 

@@ -16,10 +16,13 @@ import ssl
 import pytest
 import trio
 import trustme
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmgw.http.client import UpstreamError, UpstreamPool
 from llmgw.http.messages import Response
 from llmgw.http.server import HttpServer, ServerLimits
+from llmgw.http.tls_socket import TlsSocket
 from llmgw.tls import TlsClientOptions, client_context, server_context
 
 BIG = bytes(range(256)) * 12_000  # ~3 MB: many records, several socket buffers
@@ -220,3 +223,78 @@ async def test_a_client_certificate_is_sent_when_the_server_requires_one(nursery
     with pytest.raises(UpstreamError) as caught:
         await call(without, body=b"x")
     assert caught.value.kind == "tls" and "CERTIFICATE_REQUIRED" in str(caught.value).upper()
+
+
+# -- the adapter itself, under any pattern of writes -------------------------------------------------------------------
+
+def _payload(size: int, seed: int) -> bytes:
+    return bytes((seed + i * 7) & 0xFF for i in range(size)) if size < 4096 else (bytes([seed & 0xFF]) * size)
+
+
+async def _send_all(sock: TlsSocket, data: bytes) -> None:
+    """The loop the server and the client use: send what the socket takes, wait for writability, send the rest."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[sock.send(view):]
+        except BlockingIOError:
+            pass
+        if view:
+            await trio.lowlevel.wait_writable(sock)
+
+
+async def _receive_exactly(sock: TlsSocket, size: int) -> bytes:
+    received = bytearray()
+    while len(received) < size:
+        await trio.lowlevel.wait_readable(sock)
+        try:
+            data = sock.recv(65536)
+        except BlockingIOError:
+            continue
+        assert data, "the peer's stream ended early"
+        received += data
+    return bytes(received)
+
+
+async def _duplex(files, client_sizes: list[int], server_sizes: list[int]) -> None:
+    a, b = socket.socketpair()
+    for sock in (a, b):
+        sock.setblocking(False)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # partial writes all the time
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    client = TlsSocket(a, client_context(TlsClientOptions(ca_file=str(files / "ca.pem"))), server_side=False,
+                       server_hostname="127.0.0.1")
+    server = TlsSocket(b, server_context(str(files / "server.pem")), server_side=True)
+    client_data = b"".join(_payload(size, i) for i, size in enumerate(client_sizes))
+    server_data = b"".join(_payload(size, i + 99) for i, size in enumerate(server_sizes))
+    got: dict[str, bytes] = {}
+    try:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client.handshake)
+                nursery.start_soon(server.handshake)
+
+            async def side(name, sock, sizes, seed, expect):
+                async def receive():
+                    got[name] = await _receive_exactly(sock, expect)
+
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(receive)
+                    for i, size in enumerate(sizes):
+                        await _send_all(sock, _payload(size, i + seed))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(side, "server", server, server_sizes, 99, len(client_data))
+                nursery.start_soon(side, "client", client, client_sizes, 0, len(server_data))
+    finally:
+        a.close()
+        b.close()
+    assert got["server"] == client_data
+    assert got["client"] == server_data
+
+
+@settings(max_examples=25, deadline=None)
+@given(client_sizes=st.lists(st.integers(0, 200_000), max_size=6),
+       server_sizes=st.lists(st.integers(0, 200_000), max_size=6))
+def test_any_pattern_of_writes_arrives_whole_and_in_order_both_ways(files, client_sizes, server_sizes):
+    trio.run(_duplex, files, client_sizes, server_sizes)
