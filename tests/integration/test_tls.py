@@ -205,13 +205,31 @@ upstream_tls:
         assert secret not in sent
 
 
-async def test_tls_verify_false_accepts_any_certificate_and_says_so(nursery, pki, start_fake_upstream, start_llmgw):
+async def test_tls_verify_false_accepts_any_certificate_says_so_and_reloads(nursery, pki, tmp_path,
+                                                                           start_fake_upstream, start_llmgw):
     untrusted = await https_upstream(start_fake_upstream, "untrusted", pki / "untrusted.pem")
-    gw = await start_llmgw(config(model("tiny", untrusted.url, "        tls_verify: false")))
+    path = tmp_path / "verify-off.yaml"
+    path.write_text(config(model("tiny", untrusted.url, "        tls_verify: false")))
+    gw = await start_llmgw(None, "--config", str(path))
     text, pieces = await trio.to_thread.run_sync(chat, gw.url, "tiny")
     assert text == "hello from untrusted" and len(pieces) == 5
-    warnings = [line for line in gw.output if "verification is OFF" in line]
-    assert len(warnings) == 1 and "WARNING" in warnings[0] and "replica tiny" in warnings[0]
+
+    def warnings():
+        return [line for line in gw.output if "verification is OFF" in line]
+
+    async def warned(times: int) -> bool:
+        return len(warnings()) == times
+
+    assert len(warnings()) == 1 and "WARNING" in warnings()[0] and "replica tiny" in warnings()[0]
+    async with httpx.AsyncClient() as client:
+        assert (await client.post(gw.control_url + "/admin/reload")).json()["reloaded"]
+        await wait_for(lambda: warned(2))  # said again at every reload
+
+        path.write_text(config(model("tiny", untrusted.url)))  # verification back on: the replica is replaced
+        assert (await client.post(gw.control_url + "/admin/reload")).json()["reloaded"]
+    down = await down_reasons(gw, "tiny")
+    assert "unable to get local issuer certificate" in down["tiny"]
+    assert len(warnings()) == 2
 
 
 async def test_mutual_tls_with_and_without_a_client_certificate(nursery, pki, start_fake_upstream, start_llmgw):
