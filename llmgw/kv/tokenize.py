@@ -320,7 +320,7 @@ class TokenizeClient:
             except UpstreamError as exc:
                 if exc.kind == "timeout":
                     raise TokenizeError("timeout", str(exc)) from None
-                raise TokenizeError("connect" if exc.kind == "connect" else "protocol", str(exc)) from None
+                raise TokenizeError("connect" if exc.kind in ("connect", "tls") else "protocol", str(exc)) from None
             answer = (response.status, payload)
         if answer is None:
             raise TokenizeError("timeout", f"/tokenize on {getattr(replica, 'name', '?')} took longer than "
