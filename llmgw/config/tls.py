@@ -41,6 +41,8 @@ def _problem_with(build) -> str | None:
     try:
         build()
     except ssl.SSLError as exc:
+        if exc.reason is None and "PEM lib" in str(exc):  # OpenSSL's only word for "no usable cert and key"
+            return "cannot be used for TLS: no PEM certificate with its private key could be read from it"
         return f"cannot be used for TLS: {describe_tls_error(exc)}"
     except OSError as exc:
         return f"cannot be used for TLS: {exc.strerror or exc}"
@@ -110,6 +112,8 @@ def check_upstream_tls(draft: Draft) -> None:
     if not draft.known("models", "upstream_tls"):
         return
     defaults = draft["upstream_tls"]
+    if not known(defaults.ca_file, defaults.cert_file, defaults.key_file, defaults.verify):
+        return  # a file of upstream_tls is reported already
     checked: dict[TlsClientOptions, str | None] = {}
     for model in draft["models"]:
         if not isinstance(model, Located) or not known(model.replicas):

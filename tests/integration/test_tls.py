@@ -249,9 +249,3 @@ upstream_tls:
     assert "CERTIFICATE_REQUIRED" in reason.upper() or "may require a client certificate (tls_cert_file)" in reason
     await refusal(gw, "without-cert")
 
-
-def test_the_test_ca_is_not_in_the_system_store(pki):
-    """The refusals above are only meaningful if the system store does not trust our test CA."""
-    context = ssl.create_default_context()
-    subjects = {dict(x[0] for x in cert["subject"]).get("organizationName") for cert in context.get_ca_certs()}
-    assert "trustme" not in {s.split(" ")[0] if s else s for s in subjects}

@@ -111,5 +111,14 @@ def test_data_tls(pem):
     assert config.data_tls.cert_file == pem["server"] and config.data_tls.key_file is None
     config.data_tls.context()  # builds
     (problem,) = errors(f"data_tls:\n  cert_file: {pem['client.crt']}\n")  # no key anywhere
-    assert problem.startswith("conf.yaml:2: data_tls.cert_file: cannot be used for TLS: ")
+    assert problem == ("conf.yaml:2: data_tls.cert_file: cannot be used for TLS: no PEM certificate with its "
+                       "private key could be read from it")
     assert errors("data_tls: {}\n") == ["conf.yaml:1: data_tls.cert_file: missing required key"]
+
+
+def test_every_mistake_is_reported_once_and_none_breaks_the_check(tmp_path, pem):
+    missing = tmp_path / "nope.pem"
+    top = f"upstream_tls:\n  ca_file: {missing}\ndata_tls:\n  cert_file: {pem['garbage']}\n"
+    found = errors(one_replica(f"tls_key_file: {pem['client.key']}", top))
+    assert [problem.split(": ")[1] for problem in found] == [
+        "upstream_tls.ca_file", "data_tls.cert_file", "models[0].replicas[0].tls_key_file"]
