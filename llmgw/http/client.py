@@ -306,8 +306,9 @@ class UpstreamPool:
                 if not reused and exc.kind == "closed" and self.tls is not None:
                     # TLS 1.3 servers check a client certificate after our handshake is done; many then drop
                     # the connection with our request unread, and their alert is lost in the reset.
-                    raise UpstreamError("tls", f"{exc} right after the TLS handshake: the upstream may require "
-                                               "a client certificate (tls_cert_file) or refuse the one sent") from None
+                    raise UpstreamError("closed", f"{exc} (on a new TLS connection; an upstream that requires a "
+                                                  "client certificate does this when it gets none or refuses it: "
+                                                  "see tls_cert_file)", before_head=exc.before_head) from None
                 raise
             except BaseException:
                 self._discard_now(conn)

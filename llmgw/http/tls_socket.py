@@ -40,6 +40,8 @@ import ssl
 import trio
 
 RAW_READ = 65536
+_RECORD_TYPES = frozenset((20, 21, 22, 23, 24))  # change_cipher_spec, alert, handshake, application_data, heartbeat
+MAX_RECORD = 16384 + 2048  # the largest record TLS allows (RFC 5246 6.2.3), header excluded
 MAX_PLAINTEXT_PER_SEND = 262144  # bounds the encrypted bytes one send may queue
 
 
@@ -191,8 +193,10 @@ class TlsSocket:
         message (a request, pipelined at once) stays in the kernel, where ``wait_readable`` sees it.
         """
         header = await self._receive_exactly(5)
-        if len(header) == 5:
-            header += await self._receive_exactly(int.from_bytes(header[3:5], "big"))
+        length = int.from_bytes(header[3:5], "big")
+        if len(header) == 5 and header[0] in _RECORD_TYPES and header[1] == 3 and length <= MAX_RECORD:
+            header += await self._receive_exactly(length)
+        # else not TLS (say, plain HTTP): OpenSSL names the problem at once from what is there
         self._incoming.write(header)
         if self._eof:
             self._incoming.write_eof()

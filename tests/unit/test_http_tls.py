@@ -117,6 +117,17 @@ async def test_concurrent_requests_over_separate_tls_connections(nursery, files)
     await pool.aclose()
 
 
+async def test_an_error_answer_reaches_a_client_that_is_still_uploading(nursery, files):
+    """A body over the limit: the 413 goes out, close_notify follows, and the rest of the upload is drained."""
+    _, port = await start_server(nursery, files, max_body_bytes=100_000)
+    pool = tls_pool(files, port)
+    with trio.fail_after(30):
+        response = await call(pool, body=BIG[:600_000])  # within what the server drains after answering
+        assert response.status == 413
+        assert b"larger than the limit" in await response.read()
+    await pool.aclose()
+
+
 async def test_an_untrusted_certificate_is_refused_naming_the_problem(nursery, files):
     _, port = await start_server(nursery, files)
     pool = UpstreamPool("127.0.0.1", port, tls=client_context(), connect_timeout=5.0)  # system store only
@@ -186,11 +197,11 @@ async def test_a_failed_handshake_closes_only_that_connection_and_is_counted(nur
         plain = await trio.open_tcp_stream("127.0.0.1", port)  # plaintext HTTP on the TLS port
         await plain.send_all(b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")
         silent = await trio.open_tcp_stream("127.0.0.1", port)  # never starts a handshake
-        for stream in (plain, silent):
-            answered = b""
-            while data := await receive_or_reset(stream):
-                answered += data
-            assert b"HTTP/1.1" not in answered  # at most a TLS alert, then the server closed it
+        answered = b""
+        while data := await receive_or_reset(plain):
+            answered += data
+        assert b"HTTP/1.1" not in answered  # at most a TLS alert, then the server closed it
+        assert await receive_or_reset(silent) == b""  # closed when the handshake timeout passed
     assert server.tls_failures == 2 and len(failures) == 2
     again = await call(pool, body=b"after")  # the kept-alive connection still works
     assert await again.read() == b"after"
@@ -198,6 +209,22 @@ async def test_a_failed_handshake_closes_only_that_connection_and_is_counted(nur
     await pool.aclose()
     await plain.aclose()
     await silent.aclose()
+
+
+async def test_a_plaintext_client_fails_the_handshake_with_a_tls_error_not_a_wait(files):
+    """Plain HTTP is not a record header to wait 8 KiB behind (b"GET /" would announce 0x202f bytes)."""
+    a, b = socket.socketpair()
+    for sock in (a, b):
+        sock.setblocking(False)
+    server = TlsSocket(b, server_context(str(files / "server.pem")), server_side=True)
+    a.send(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+    try:
+        with trio.fail_after(10), pytest.raises(ssl.SSLError) as caught:
+            await server.handshake()
+    finally:
+        a.close()
+        b.close()
+    assert "HTTP_REQUEST" in str(caught.value).upper() or "WRONG_VERSION" in str(caught.value).upper()
 
 
 async def receive_or_reset(stream) -> bytes:
