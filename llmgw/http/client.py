@@ -300,20 +300,25 @@ class UpstreamPool:
             try:
                 return await self._exchange(conn, method, head, body, first_byte_timeout, idle_timeout)
             except UpstreamError as exc:
+                self._explain(exc, reused)
                 self._discard_now(conn)
                 if reused and exc.kind == "closed" and attempt == 0:
                     continue
-                if not reused and exc.kind == "closed" and self.tls is not None:
-                    # TLS 1.3 servers check a client certificate after our handshake is done; many then drop
-                    # the connection with our request unread, and their alert is lost in the reset.
-                    raise UpstreamError("closed", f"{exc} (on a new TLS connection; an upstream that requires a "
-                                                  "client certificate does this when it gets none or refuses it: "
-                                                  "see tls_cert_file)", before_head=exc.before_head) from None
                 raise
             except BaseException:
                 self._discard_now(conn)
                 raise
         raise AssertionError("unreachable")
+
+    def _explain(self, exc: UpstreamError, reused: bool) -> None:
+        """Add what a broken new TLS connection often means to its message.
+
+        TLS 1.3 servers check a client certificate after our side of the handshake is done; many (uvicorn,
+        hence vLLM) then drop the connection with our request unread, and their alert is lost in the reset.
+        """
+        if not reused and self.tls is not None and exc.kind.startswith("closed"):
+            exc.args = (f"{exc} (on a new TLS connection; an upstream that requires a client certificate does "
+                        "this when it gets none or refuses it: see tls_cert_file)",)
 
     async def _exchange(self, conn: _Connection, method: str, head: bytes, body: bytes,
                         first_byte_timeout: float, idle_timeout: float) -> UpstreamResponse:

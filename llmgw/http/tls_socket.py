@@ -81,9 +81,12 @@ class TlsSocket:
     def getpeercert(self) -> dict | None:
         return self._tls.getpeercert()
 
-    def recv(self, size: int = RAW_READ) -> bytes:
+    def recv(self, size: int = RAW_READ, flags: int = 0) -> bytes:
         """Application bytes that arrived, at most ``size`` (at least 32 KiB: a record is up to 16 KiB);
-        ``BlockingIOError`` when none are."""
+        ``BlockingIOError`` when none are. With ``flags`` (``MSG_PEEK``): the kernel socket's own answer,
+        which says whether anything, or the end, is waiting (nothing decrypted is ever held back)."""
+        if flags:
+            return self.sock.recv(size, flags)
         incoming = self._incoming
         want = size - incoming.pending  # so that what is decrypted fits in ``size`` like a plain recv
         if not self._eof and want > 0:

@@ -87,6 +87,22 @@ async def test_large_bodies_both_ways_and_keep_alive_over_tls(nursery, files):
     await pool.aclose()
 
 
+async def test_an_idle_tls_connection_has_nothing_waiting_and_a_peek_sees_its_end(nursery, files):
+    """What a pool may check before reusing a connection (``recv(1, MSG_PEEK)``): the session tickets a TLS 1.3
+    server sends after the handshake were read with the first answer, and a closed connection shows its end."""
+    server, port = await start_server(nursery, files, keepalive_timeout=1.0)
+    pool = tls_pool(files, port)
+    response = await call(pool, body=b"x")
+    assert await response.read() == b"x"
+    (idle,) = pool._idle
+    with pytest.raises(BlockingIOError):
+        idle.sock.recv(1, socket.MSG_PEEK)
+    with trio.fail_after(10):
+        await trio.lowlevel.wait_readable(idle.sock)  # the server closes it after its keep-alive timeout
+    assert idle.sock.recv(1, socket.MSG_PEEK) in (b"", b"\x15")  # the end, or the close_notify alert before it
+    await pool.aclose()
+
+
 async def test_a_stream_arrives_in_pieces_over_tls(nursery, files):
     _, port = await start_server(nursery, files)
     pool = tls_pool(files, port)
