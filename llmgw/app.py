@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import ssl
 from dataclasses import dataclass
 
 import trio
 
 from .config import Config, ConfigError
-from .http.client import UpstreamPool
+from .config.tls import replica_tls_options
 from .http.control import create_control_app, serve_control
 from .http.dataplane import DataPlane, DataPlaneSettings
 from .http.jsonbody import JsonLimits
@@ -27,6 +28,7 @@ from .router.health import HealthSettings, HealthTracker, probe_forever
 from .router.load_scraper import scrape_engine_load
 from .router.replica import Replica, ReplicaState
 from .router.router import Router
+from .tls import describe_tls_error
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +37,11 @@ log = logging.getLogger(__name__)
 class Addresses:
     data: tuple[str, int]
     control: tuple[str, int]
+    data_scheme: str = "http"
 
     @property
     def data_url(self) -> str:
-        return f"http://{self.data[0]}:{self.data[1]}"
+        return f"{self.data_scheme}://{self.data[0]}:{self.data[1]}"
 
     @property
     def control_url(self) -> str:
@@ -76,7 +79,9 @@ class Gateway:
             header_timeout=lim.client_header_timeout, body_timeout=lim.client_body_timeout,
             keepalive_timeout=lim.keepalive_timeout, max_connections=lim.max_connections,
         ), error_headers=self.dataplane.error_headers,
-           on_refused=lambda status: self.metrics.refused_requests.labels(str(status)).inc())
+           on_refused=lambda status: self.metrics.refused_requests.labels(str(status)).inc(),
+           tls=config.data_tls.context() if config.data_tls else None,
+           on_tls_failure=self.metrics.tls_handshake_failures.labels("data").inc)
         self.draining = False
         self._nursery: trio.Nursery | None = None
         self._probes: dict[Replica, trio.CancelScope] = {}
@@ -104,7 +109,7 @@ class Gateway:
             with listening_on(host_port(control_host, control_port)):
                 control = await nursery.start(functools.partial(serve_control, create_control_app(self), control_host,
                                                                 control_port, shutdown=self._control_shutdown))
-            self.addresses = Addresses(data, control)
+            self.addresses = Addresses(data, control, "https" if self.config.data_tls else "http")
             if self.config.agents.embedded:
                 await nursery.start(self._run_embedded_agent)
             log.debug("llmgw serving the OpenAI API on %s and the control API on %s",
@@ -137,18 +142,21 @@ class Gateway:
             for index, spec in enumerate(model.replicas):
                 name = spec.name or f"{model.name}-{index}"
                 wanted[name] = Replica(name=name, model=model.name, url=spec.url, api_key=spec.api_key,
-                                       weight=spec.weight)
+                                       weight=spec.weight, tls=replica_tls_options(spec, config.upstream_tls))
+                if wanted[name].uses_tls and not wanted[name].tls.verify:
+                    log.warning("replica %s (%s): TLS certificate and host name verification is OFF "
+                                "(tls_verify: false); anyone on the path can read and change its traffic, "
+                                "API key included", name, spec.url)
         for name, replica in list(self._static.items()):
             new = wanted.get(name)
-            if new is None or (new.model, new.url, new.api_key, new.weight) != (replica.model, replica.url,
-                                                                                  replica.api_key, replica.weight):
+            if new is None or (new.model, new.url, new.api_key, new.weight, new.tls) != (
+                    replica.model, replica.url, replica.api_key, replica.weight, replica.tls):
                 del self._static[name]
                 self._nursery.start_soon(self.drain_replica, replica, "removed from the config", 600.0,
                                          new is None)
         for name, replica in wanted.items():
-            if name not in self._static:
+            if name not in self._static and self.add_replica(replica):
                 self._static[name] = replica
-                self.add_replica(replica)
         for model in set(self._static_models) - {m.name for m in config.models}:
             if model not in self.control.routing.models:  # a deployed profile may serve it too
                 self.router.remove_model(model)
@@ -185,15 +193,21 @@ class Gateway:
                 log.exception("replica %s: following its KV events at %s failed; it is routed without them",
                               follow.replica, follow.events)
 
-    def add_replica(self, replica: Replica) -> None:
-        """Put a replica into routing and start probing it."""
+    def add_replica(self, replica: Replica) -> bool:
+        """Put a replica into routing and start probing it; False (logged) when its TLS files cannot be used."""
         assert self._nursery is not None, "the gateway is not running"
-        replica.pool = UpstreamPool(replica.host, replica.port, connect_timeout=self.config.limits.connect_timeout)
+        try:
+            replica.pool = replica.open_pool(self.config.limits.connect_timeout)
+        except (OSError, ssl.SSLError) as exc:  # the files changed since the config was checked
+            log.error("replica %s (%s) is not routed: its TLS settings cannot be used: %s", replica.name,
+                      replica.url, describe_tls_error(exc))
+            return False
         self.router.add_replica(replica)
         self.metrics.for_replica(replica).up.set(1 if replica.routable else 0)
         scope = trio.CancelScope()
         self._probes[replica] = scope
         self._nursery.start_soon(self._probe, replica, scope)
+        return True
 
     async def remove_replica(self, replica: Replica) -> None:
         self.router.remove_replica(replica)
@@ -236,7 +250,7 @@ class Gateway:
                 log.error("reload of %s failed; keeping the running config:\n  %s", self.config.source,
                           "\n  ".join(errors))
                 return errors
-            for key in ("listen", "control_listen", "limits", "api_keys", "health"):
+            for key in ("listen", "control_listen", "limits", "api_keys", "health", "data_tls"):
                 if getattr(config, key) != getattr(self.config, key):
                     log.warning("reload: %s changed; that takes a restart", key)
             self.config = config

@@ -168,6 +168,9 @@ class Metrics:
             "coding or upgrade; 505 HTTP version).", ["code"], registry=r))
         for collector in (PROCESS_COLLECTOR, GC_COLLECTOR, PLATFORM_COLLECTOR):  # process_*, python_gc_*, python_info
             r.register(collector)
+        self.tls_handshake_failures = CachedLabels(Counter(
+            "llmgw_tls_handshake_failures", "Client connections closed because their TLS handshake failed or "
+            "timed out, by listener.", ["listener"], registry=r))
         self._replicas: dict[str, ReplicaMetrics] = {}
         self._models: dict[str, ModelMetrics] = {}
 

@@ -42,6 +42,7 @@ def server_context(cert_file: str, key_file: str | None = None, client_ca_file: 
     """A context for a listener; with ``client_ca_file`` every client must present a certificate it signed."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.options |= ssl.OP_NO_RENEGOTIATION  # a client must not make the server redo handshakes (CPU)
     context.load_cert_chain(cert_file, key_file)
     if client_ca_file:
         context.load_verify_locations(cafile=client_ca_file)

@@ -21,11 +21,13 @@ def private_state_home(tmp_path, monkeypatch):
 
 @pytest.fixture
 def start_fake_upstream(nursery):
-    """``await start_fake_upstream(name, port=0, chunks=50)`` -> a running fake OpenAI upstream (a Child)."""
+    """``await start_fake_upstream(name, port=0, chunks=50)`` -> a running fake OpenAI upstream (a Child);
+    ``extra``: more of its options (``--tls-cert``...)."""
 
-    async def start(name: str, port: int = 0, chunks: int = 50, model: str = "tiny", status: int = 200) -> Child:
+    async def start(name: str, port: int = 0, chunks: int = 50, model: str = "tiny", status: int = 200,
+                    extra: tuple[str, ...] = ()) -> Child:
         argv = [sys.executable, "-m", "llmgw.bench.fake_upstream", "--name", name, "--port", str(port),
-                "--chunks", str(chunks), "--model", model, "--status", str(status)]
+                "--chunks", str(chunks), "--model", model, "--status", str(status), *extra]
         return await nursery.start(lambda task_status: run_child(argv, name=f"fake-{name}", task_status=task_status))
 
     return start

@@ -13,7 +13,9 @@ stream), ``x_break_after`` (drop the connection after this many events).
 the server in ``x-served-by``.
 
 Run: ``python -m llmgw.bench.fake_upstream --port 0 --name a`` (prints
-``fake-upstream listening on http://HOST:PORT``).
+``fake-upstream listening on http://HOST:PORT``). With ``--tls-cert`` (and
+``--tls-key``) it serves HTTPS instead; ``--tls-client-ca`` then requires a
+client certificate signed by that CA (mutual TLS).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import sys
 import time
 
 import httptools
+
+from llmgw.tls import server_context
 
 CHUNK = ('data: {"id":"chatcmpl-fake","object":"chat.completion.chunk","created":0,"model":"%s",'
          '"choices":[{"index":0,"delta":{"content":"tok%d "},"finish_reason":null}]}\n\n')
@@ -175,12 +179,16 @@ class FakeUpstream(asyncio.Protocol):
             stats.active_streams -= 1
 
 
-async def serve(host: str, port: int, name: str, model: str, chunks: int, status: int = 200) -> None:
+async def serve(host: str, port: int, name: str, model: str, chunks: int, status: int = 200,
+                tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None) -> None:
     loop = asyncio.get_running_loop()
     stats = Stats()
-    server = await loop.create_server(lambda: FakeUpstream(name, model, chunks, stats, status), host, port, backlog=1024)
+    context = server_context(tls_cert, tls_key, client_ca_file=tls_client_ca) if tls_cert else None
+    server = await loop.create_server(lambda: FakeUpstream(name, model, chunks, stats, status), host, port, backlog=1024,
+                                      ssl=context)
     bound = server.sockets[0].getsockname()
-    print(f"fake-upstream {name} listening on http://{bound[0]}:{bound[1]}", flush=True)
+    scheme = "https" if context else "http"
+    print(f"fake-upstream {name} listening on {scheme}://{bound[0]}:{bound[1]}", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -196,8 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--chunks", type=int, default=50, help="SSE events per streamed answer (default 50)")
     parser.add_argument("--status", type=int, default=200, help="answer every POST with this status (default 200)")
+    parser.add_argument("--tls-cert", help="serve HTTPS with this PEM certificate chain")
+    parser.add_argument("--tls-key", help="its private key (default: in --tls-cert)")
+    parser.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
     args = parser.parse_args(argv)
-    asyncio.run(serve(args.host, args.port, args.name, args.model, args.chunks, args.status))
+    asyncio.run(serve(args.host, args.port, args.name, args.model, args.chunks, args.status, args.tls_cert,
+                      args.tls_key, args.tls_client_ca))
     return 0
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .fields import Located, issue_at, known
 from .issues import ConfigIssue
+from .tls import check_upstream_tls
 
 if TYPE_CHECKING:
     from .reader import Draft
@@ -45,6 +46,7 @@ def check_config(draft: Draft) -> None:
     _check_model_routing(draft)
     _check_adapter_names(draft)
     _check_agent_token(draft)
+    check_upstream_tls(draft)
 
 
 def _check_listeners(draft: Draft) -> None:

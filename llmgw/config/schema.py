@@ -17,6 +17,7 @@ from .fields import (Check, Located, Parse, at_least, at_most, config_class, mat
                      setting)
 from .reader import Draft
 from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
+from .tls import ListenerTls, TlsFile, UpstreamTls, check_replica_tls
 from .units import parse_duration, parse_size
 
 KiB = 1024
@@ -58,6 +59,10 @@ class ExternalReplica(Located):
     kv_events: ZmqEndpoint | None = setting(None)  # the engine's KV-event PUB socket
     kv_replay: ZmqEndpoint | None = setting(None)  # its replay socket
     weight: bounded(Count, 1000) = setting(1)
+    tls_ca_file: TlsFile | None = setting(None)  # https:// only; default: upstream_tls.ca_file
+    tls_cert_file: TlsFile | None = setting(None)  # client certificate for mutual TLS
+    tls_key_file: TlsFile | None = setting(None)
+    tls_verify: bool | None = setting(None)  # default: upstream_tls.verify
 
     @property
     def address(self) -> HostPort:
@@ -70,6 +75,7 @@ class ExternalReplica(Located):
             draft.set("name", str(url_host_port(draft["url"])))
         if draft.known("kv_replay", "kv_events") and draft["kv_replay"] and not draft["kv_events"]:
             draft.problem("kv_replay", "needs kv_events: replay fills gaps in an event stream")
+        check_replica_tls(draft)
 
 
 @config_class
@@ -248,6 +254,8 @@ class Config(Located):
     source: str = setting("", internal=True)  # the file it was read from
     listen: Address = setting(HostPort("127.0.0.1", 8000))
     control_listen: Address = setting(HostPort("127.0.0.1", 8001))
+    data_tls: ListenerTls | None = setting(None)  # HTTPS on `listen`
+    upstream_tls: UpstreamTls = setting(factory=UpstreamTls)  # default trust for https:// replicas
     models: list[ModelConfig] = setting(factory=list)
     api_keys: list[ApiKey] = setting(factory=list)
     limits: Limits = setting(factory=Limits)

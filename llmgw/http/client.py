@@ -13,6 +13,8 @@ response head had arrived). The kinds say how far the request got, which is
 what decides whether the request itself may have caused the failure:
 
 - ``connect``: no connection (refused, unreachable, too slow to connect);
+- ``tls``: the TLS handshake with an ``https://`` upstream failed (an untrusted
+  certificate, a host name mismatch): like ``connect``, nothing was sent;
 - ``closed_before_request``: the connection failed on the first write, before
   the upstream accepted any byte of the request;
 - ``closed_after_request``: the upstream took (some of) the request, then
@@ -21,6 +23,12 @@ what decides whether the request itself may have caused the failure:
   mid-body past ``idle_timeout``;
 - ``protocol``: a malformed response;
 - ``closed``: the connection dropped mid-body, after the head.
+
+With an ``ssl.SSLContext`` (an ``https://`` replica) every new connection is a
+:class:`~llmgw.http.tls_socket.TlsSocket` whose handshake completes, within
+the connect timeout, before any request byte is written: a certificate the
+context does not trust fails as ``kind="tls"`` naming the problem, like a
+refused connection (retried on another replica, counted against health).
 
 Like :mod:`llmgw.http.server`, the hot path uses plain non-blocking sockets
 with ``trio.lowlevel.wait_readable`` and :mod:`llmgw.http.deadlines` watches
@@ -33,13 +41,16 @@ from __future__ import annotations
 
 import errno
 import socket
+import ssl
 import time
 from collections import deque
 
 import httptools
 import trio
 
+from ..tls import describe_tls_error
 from .deadlines import Watch
+from .tls_socket import TlsSocket
 
 READ_SIZE = 65536
 INLINE_SEND = 65536  # request bodies below this are sent in the same write as the head
@@ -95,7 +106,7 @@ class _ResponseParser:
 class _Connection:
     __slots__ = ("sock", "watch", "idle_since", "uses", "parser")
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket | TlsSocket):
         self.sock = sock
         self.watch = Watch(sock, "upstream")
         self.idle_since = 0.0
@@ -131,6 +142,8 @@ class _Connection:
                 return sock.recv(READ_SIZE)
             except BlockingIOError:
                 continue
+            except ssl.SSLError as exc:  # e.g. an mTLS upstream's alert that it wants our certificate
+                raise UpstreamError("tls", describe_tls_error(exc), before_head=before_head) from None
             except OSError as exc:
                 raise UpstreamError("closed", f"upstream connection broke: {exc}", before_head=before_head) from None
 
@@ -287,13 +300,18 @@ class UpstreamResponse:
 
 
 class UpstreamPool:
-    """Keep-alive connections to one upstream ``host:port``."""
+    """Keep-alive connections to one upstream ``host:port``, over TLS when given an ``ssl.SSLContext``.
+
+    ``server_hostname`` is the name the upstream's certificate must carry (default: ``host``).
+    """
 
     def __init__(self, host: str, port: int, *, connect_timeout: float = 3.0, max_idle: int = 128,
-                 idle_expiry: float = 4.0):
+                 idle_expiry: float = 4.0, tls: ssl.SSLContext | None = None, server_hostname: str | None = None):
         self.host = host
         self.port = port
         self.connect_timeout = connect_timeout
+        self.tls = tls
+        self.server_hostname = server_hostname or host
         self.max_idle = max_idle
         # Upstream servers close idle keep-alive connections (uvicorn after 5 s); reuse only fresher ones.
         self.idle_expiry = idle_expiry
@@ -319,6 +337,7 @@ class UpstreamPool:
             try:
                 return await self._exchange(conn, method, head, body, first_byte_timeout, idle_timeout)
             except UpstreamError as exc:
+                self._explain(exc, reused)
                 self._discard_now(conn)
                 if reused and exc.kind == "closed_before_request" and attempt == 0:
                     continue
@@ -327,6 +346,16 @@ class UpstreamPool:
                 self._discard_now(conn)
                 raise
         raise AssertionError("unreachable")
+
+    def _explain(self, exc: UpstreamError, reused: bool) -> None:
+        """Add what a broken new TLS connection often means to its message.
+
+        TLS 1.3 servers check a client certificate after our side of the handshake is done; many (uvicorn,
+        hence vLLM) then drop the connection with our request unread, and their alert is lost in the reset.
+        """
+        if not reused and self.tls is not None and exc.kind.startswith("closed"):
+            exc.args = (f"{exc} (on a new TLS connection; an upstream that requires a client certificate does "
+                        "this when it gets none or refuses it: see tls_cert_file)",)
 
     async def _exchange(self, conn: _Connection, method: str, head: bytes, body: bytes,
                         first_byte_timeout: float, idle_timeout: float) -> UpstreamResponse:
@@ -377,20 +406,39 @@ class UpstreamPool:
                 if now - conn.idle_since < self.idle_expiry and conn.sock.fileno() >= 0 and _still_open(conn.sock):
                     return conn
                 self._discard_now(conn)
-        try:
-            with trio.fail_after(self.connect_timeout):
+        with trio.move_on_after(self.connect_timeout):
+            try:
                 stream = await trio.open_tcp_stream(self.host, self.port)
-        except trio.TooSlowError:
-            raise UpstreamError("connect", f"connecting to {self.host}:{self.port} took longer than "
-                                           f"{self.connect_timeout:g}s") from None
-        except OSError as exc:
-            reason = errno.errorcode.get(exc.errno or 0, "") or str(exc)
-            raise UpstreamError("connect", f"cannot connect to {self.host}:{self.port}: {reason}") from None
-        # From here on a plain non-blocking socket (TCP_NODELAY was set by trio).
-        sock = socket.socket(fileno=stream.socket.detach())
-        sock.setblocking(False)
-        self.open_connections += 1
-        return _Connection(sock)
+            except OSError as exc:
+                reason = errno.errorcode.get(exc.errno or 0, "") or str(exc)
+                raise UpstreamError("connect", f"cannot connect to {self.host}:{self.port}: {reason}") from None
+            # From here on a plain non-blocking socket (TCP_NODELAY was set by trio).
+            sock = socket.socket(fileno=stream.socket.detach())
+            sock.setblocking(False)
+            if self.tls is not None:
+                sock = await self._handshake(sock)
+            self.open_connections += 1
+            return _Connection(sock)
+        raise UpstreamError("connect", f"connecting to {self.host}:{self.port} "
+                                       f"{'with TLS ' if self.tls else ''}took longer than "
+                                       f"{self.connect_timeout:g}s")
+
+    async def _handshake(self, sock: socket.socket) -> TlsSocket:
+        """TLS before any request byte (the caller's connect deadline bounds it); the socket is closed on failure."""
+        tls_sock = TlsSocket(sock, self.tls, server_side=False, server_hostname=self.server_hostname)
+        try:
+            await tls_sock.handshake()
+        except BaseException as exc:
+            trio.lowlevel.notify_closing(sock)
+            sock.close()
+            if isinstance(exc, ssl.SSLError):
+                raise UpstreamError("tls", f"TLS handshake with {self.host}:{self.port} failed: "
+                                           f"{describe_tls_error(exc)}") from None
+            if isinstance(exc, OSError):
+                raise UpstreamError("connect", f"connection to {self.host}:{self.port} broke during the TLS "
+                                               f"handshake: {exc}") from None
+            raise
+        return tls_sock
 
     def _release(self, conn: _Connection) -> None:
         if len(self._idle) >= self.max_idle:

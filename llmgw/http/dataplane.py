@@ -55,10 +55,10 @@ _DROP_RESPONSE_HEADERS = frozenset({b"connection", b"keep-alive", b"transfer-enc
 _DROP_REQUEST_HEADERS = frozenset({b"authorization", b"x-request-id", b"expect"})
 INLINE_BODY_LIMIT = 1 << 20  # bodies with a known length up to this are relayed in one write
 # What says a replica is unwell (counted by passive health); anything else the request may have caused.
-UNWELL_KINDS = frozenset({"connect", "closed_before_request", "timeout"})
+UNWELL_KINDS = frozenset({"connect", "tls", "closed_before_request", "timeout"})
 UNWELL_STATUSES = frozenset({502, 503, 504})
 # Failures after which the request is sent to another replica: none of it reached this one.
-RETRY_KINDS = frozenset({"connect", "closed_before_request"})
+RETRY_KINDS = frozenset({"connect", "tls", "closed_before_request"})
 _now = time.perf_counter  # durations for the metrics; real time, not Trio's clock
 
 

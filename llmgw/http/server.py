@@ -22,6 +22,12 @@ on the small VMs this runs on (see ``docs/benchmarks.md``):
 * Timeouts are :mod:`llmgw.http.deadlines` watches, armed only while a task
   is parked on the socket, not cancel scopes.
 * A response head and a small body go out in one ``send``.
+
+With an ``ssl.SSLContext`` the server speaks HTTPS only: each accepted socket
+becomes a :class:`~llmgw.http.tls_socket.TlsSocket` (the same non-blocking
+socket interface, so everything above holds), after a handshake bounded by
+``header_timeout``. A client whose handshake fails or stalls loses its own
+connection and nothing else; ``on_tls_failure`` counts it.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import errno
 import logging
 import math
 import socket
+import ssl
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -37,8 +44,10 @@ from typing import Callable
 import httptools
 import trio
 
+from ..tls import describe_tls_error
 from .deadlines import Alarm, Watch
 from .messages import Handler, Request, Response, error_response
+from .tls_socket import TlsSocket
 
 log = logging.getLogger(__name__)
 
@@ -218,13 +227,17 @@ class HttpServer:
     def __init__(self, handler: Handler, limits: ServerLimits | None = None,
                  on_error: Callable[[BaseException], None] | None = None,
                  error_headers: Callable[[Request | None], list[tuple[bytes, bytes]]] | None = None,
-                 on_refused: Callable[[int], None] | None = None):
+                 on_refused: Callable[[int], None] | None = None, tls: ssl.SSLContext | None = None,
+                 on_tls_failure: Callable[[], None] | None = None):
         """``error_headers(request or None)``: headers for the answers the server makes itself (a request it
         refused or could not read, a handler that raised), e.g. the data plane's ``x-request-id``.
         ``on_refused(status)`` is called for every request the server itself answers with an error
         (malformed, too large, too slow, unsupported): the handler never saw it."""
         self.handler = handler
         self.error_headers = error_headers
+        self.tls = tls
+        self.tls_failures = 0
+        self._on_tls_failure = on_tls_failure
         self.limits = limits or ServerLimits()
         self.active_requests = 0
         self.connections = 0
@@ -310,8 +323,12 @@ class HttpServer:
 
     async def _connection(self, sock: socket.socket, addr) -> None:
         self.connections += 1
-        conn = _Connection(self, sock, addr)
+        conn = None
         try:
+            stream = sock if self.tls is None else await self._handshake(sock, addr)
+            if stream is None:
+                return
+            conn = _Connection(self, stream, addr)
             await conn.run()
         except Exception as exc:  # one bad connection must never take down the server
             if not is_disconnect(exc):
@@ -321,7 +338,28 @@ class HttpServer:
         finally:
             self.connections -= 1
             self._conn_slots.release()
-            conn.close()
+            if conn is not None:
+                conn.close()
+            elif sock.fileno() >= 0:
+                trio.lowlevel.notify_closing(sock)
+                sock.close()
+
+    async def _handshake(self, sock: socket.socket, addr) -> TlsSocket | None:
+        """The TLS handshake of a new client within ``header_timeout``; None (counted) when it failed."""
+        tls_sock = TlsSocket(sock, self.tls, server_side=True)
+        with trio.move_on_after(self.limits.header_timeout) as deadline:
+            try:
+                await tls_sock.handshake()
+                return tls_sock
+            except (ssl.SSLError, OSError) as exc:
+                reason = describe_tls_error(exc)
+        if deadline.cancelled_caught:
+            reason = f"no handshake within {self.limits.header_timeout:g}s"
+        self.tls_failures += 1
+        if self._on_tls_failure is not None:
+            self._on_tls_failure()
+        log.debug("TLS handshake with %s failed: %s", addr, reason)
+        return None
 
     def _request_started(self) -> None:
         self.active_requests += 1

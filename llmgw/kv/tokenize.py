@@ -281,7 +281,7 @@ class TokenizeClient:
             return pool
         pool = self._pools.get(replica)
         if pool is None:
-            pool = self._pools[replica] = UpstreamPool(replica.host, replica.port, connect_timeout=self.timeout)
+            pool = self._pools[replica] = replica.open_pool(self.timeout)
         return pool
 
     async def tokenize(self, replica, body: bytes) -> list[int]:
@@ -320,7 +320,7 @@ class TokenizeClient:
             except UpstreamError as exc:
                 if exc.kind == "timeout":
                     raise TokenizeError("timeout", str(exc)) from None
-                raise TokenizeError("connect" if exc.kind == "connect" else "protocol", str(exc)) from None
+                raise TokenizeError("connect" if exc.kind in ("connect", "tls") else "protocol", str(exc)) from None
             answer = (response.status, payload)
         if answer is None:
             raise TokenizeError("timeout", f"/tokenize on {getattr(replica, 'name', '?')} took longer than "

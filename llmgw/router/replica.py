@@ -6,6 +6,12 @@ health prober and passive failure counting say; ``inflight`` and
 ``inflight_tokens`` are the router's own load counters; ``engine_load`` is
 what the engine's own ``/metrics`` said last, when a tier asked for it to be
 scraped (:mod:`llmgw.router.load_scraper`).
+
+Every connection to a replica (requests, health probes, ``/metrics`` scrapes,
+``/tokenize`` calls) goes through the pool :meth:`Replica.open_pool` makes,
+so an ``https://`` replica is always spoken to over TLS with its ``tls``
+trust options (certificate and host name verified against the system store
+by default).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from enum import Enum
 from urllib.parse import urlsplit
 
 from ..http.client import UpstreamPool
+from ..tls import TlsClientOptions, client_context
 
 
 class ReplicaState(str, Enum):
@@ -57,11 +64,13 @@ class Replica:
     engine_load: EngineLoad | None = None
     pool: UpstreamPool | None = field(default=None, repr=False)
     labels: dict[str, str] = field(default_factory=dict)
+    tls: TlsClientOptions = field(default_factory=TlsClientOptions)  # used when the URL is https://
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
         self.host = parts.hostname or "127.0.0.1"
-        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.uses_tls = parts.scheme == "https"
+        self.port = parts.port or (443 if self.uses_tls else 80)
         self.base_path = parts.path.rstrip("/")
         if self.api_key:
             self.auth_header: tuple[bytes, bytes] | None = (b"authorization", b"Bearer " + self.api_key.encode())
@@ -71,6 +80,15 @@ class Replica:
     @property
     def routable(self) -> bool:
         return self.state.routable
+
+    def open_pool(self, connect_timeout: float) -> UpstreamPool:
+        """A connection pool to this replica: TLS with its trust options when the URL is ``https://``.
+
+        ``OSError``/``ssl.SSLError`` when a CA, certificate or key file cannot be used.
+        """
+        context = client_context(self.tls) if self.uses_tls else None
+        return UpstreamPool(self.host, self.port, connect_timeout=connect_timeout, tls=context,
+                            server_hostname=self.host)
 
     def as_json(self) -> dict:
         return {
