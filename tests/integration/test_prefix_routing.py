@@ -48,7 +48,10 @@ async def test_multi_turn_chat_gets_more_engine_cache_hits_than_round_robin(nurs
 
 async def test_one_shared_system_prompt_keeps_in_flight_load_within_max_imbalance(nursery, start_llmgw):
     max_imbalance = 3
-    sims = await start_sims(nursery, REPLICAS, num_blocks=1024, time_scale=1, seed=0)
+    # Every answer is 400 tokens long (no early EOS): each request stays in flight for 8 s of 20 ms decode steps,
+    # however slowly a loaded machine gets to the measurement.
+    sims = await start_sims(nursery, REPLICAS, num_blocks=1024, time_scale=1, seed=0,
+                            extra=("--output-tokens", "400:400"))
     gateway = await start_llmgw(gateway_config([s.url for s in sims], routing="prefix_tree",
                                                routing_options={"max_imbalance": max_imbalance, "seed": 1}))
     requests = 40
@@ -64,9 +67,8 @@ async def test_one_shared_system_prompt_keeps_in_flight_load_within_max_imbalanc
 
     async with new_client(requests) as client, trio.open_nursery() as burst:
         for i in range(requests):
-            # 60 decode steps of 20 ms: each request stays in flight for more than a second
             burst.start_soon(send_chat, client, gateway.url, MODEL,
-                             [system, {"role": "user", "content": f"question {i}"}], 60, head_received)
+                             [system, {"role": "user", "content": f"question {i}"}], 400, head_received)
         with trio.fail_after(10):
             await all_started.wait()
         replicas = (await client.get(gateway.control_url + "/admin/replicas")).json()
