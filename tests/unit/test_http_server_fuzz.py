@@ -14,7 +14,7 @@ import socket
 
 import httptools
 import trio
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from llmgw.http.messages import Request, Response
 from llmgw.http.server import HttpServer, ServerLimits
@@ -118,6 +118,9 @@ async def test_fuzzed_requests_get_well_formed_answers_and_the_server_lives(nurs
 
     @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
     @given(requests())
+    @example(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n\r\nhello")  # 200
+    @example(b"GET / HTTP/1.1\r\n\r\n")  # 400: no Host
+    @example(b"GET / HTTP/2.0\r\nHost: t\r\n\r\n")  # 505
     def fuzz(data: bytes) -> None:
         examples.append(data)
         seen.update(check_responses(exchange(port, data)))
