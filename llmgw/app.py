@@ -11,13 +11,17 @@ from __future__ import annotations
 import functools
 import logging
 import socket
+import ssl
 from dataclasses import dataclass
 
 import trio
 
 from .config import Config, ConfigError, load_config
+from .config.fields import issue_at
 from .http.client import UpstreamPool
-from .http.control import create_control_app, serve_control
+from .http.control import create_control_app
+from .http.control_guard import exposure_problem
+from .http.control_server import ControlServer, ControlServerMetrics
 from .http.dataplane import DataPlane, DataPlaneSettings
 from .http.server import HttpServer, ServerLimits
 from .metrics import Metrics
@@ -26,6 +30,7 @@ from .router.health import HealthSettings, HealthTracker, probe_forever
 from .router.load_scraper import scrape_engine_load
 from .router.replica import Replica, ReplicaState
 from .router.router import Router
+from .tls import describe_tls_error, server_context
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +39,7 @@ log = logging.getLogger(__name__)
 class Addresses:
     data: tuple[str, int]
     control: tuple[str, int]
+    control_scheme: str = "http"
 
     @property
     def data_url(self) -> str:
@@ -41,7 +47,7 @@ class Addresses:
 
     @property
     def control_url(self) -> str:
-        return f"http://{self.control[0]}:{self.control[1]}"
+        return f"{self.control_scheme}://{self.control[0]}:{self.control[1]}"
 
 
 class Gateway:
@@ -78,6 +84,7 @@ class Gateway:
         self._nursery: trio.Nursery | None = None
         self._probes: dict[Replica, trio.CancelScope] = {}
         self._control_shutdown = trio.Event()
+        self.control_metrics = ControlServerMetrics(self.metrics.registry)
         self.addresses: Addresses | None = None
         self.control = ControlPlane(self, config)
         self._static: dict[str, Replica] = {}  # replicas of the config's `models`, by name
@@ -90,20 +97,35 @@ class Gateway:
         data_host, data_port = listen or (self.config.listen.host, self.config.listen.port)
         control_host, control_port = control_listen or (self.config.control_listen.host,
                                                         self.config.control_listen.port)
+        problem = exposure_problem(control_host, self.config)
+        if problem:
+            raise ConfigError([issue_at(self.config, "control_listen", problem)])
+        control_server = ControlServer(create_control_app(self, self.control_metrics),
+                                       self.control_metrics, ssl_context=self._control_tls_context())
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self._configure_static_models(self.config)
             await nursery.start(self.control.run)
             nursery.start_soon(scrape_engine_load, self.router)  # for tiers with engine_metrics_interval
             data = await nursery.start(self.data_server.serve, data_host, data_port)
-            control = await nursery.start(functools.partial(serve_control, create_control_app(self), control_host,
-                                                            control_port, shutdown=self._control_shutdown))
-            self.addresses = Addresses(data, control)
+            control = await nursery.start(functools.partial(control_server.serve, control_host, control_port,
+                                                            shutdown=self._control_shutdown))
+            self.addresses = Addresses(data, control, control_scheme="https" if self.config.control_tls else "http")
             if self.config.agents.embedded:
                 await nursery.start(self._run_embedded_agent)
             log.info("llmgw serving the OpenAI API on %s and the control API on %s",
                      self.addresses.data_url, self.addresses.control_url)
             task_status.started(self.addresses)
+
+    def _control_tls_context(self):
+        """The control listener's server context (``control_tls``), or None for plain HTTP."""
+        tls = self.config.control_tls
+        if tls is None:
+            return None
+        try:
+            return server_context(tls.cert_file, tls.key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError([issue_at(tls, "cert_file", f"cannot be used: {describe_tls_error(exc)}")]) from None
 
     async def _run_embedded_agent(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """This machine's agent, in-process: the same Agent and session code as a remote one."""

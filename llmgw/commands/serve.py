@@ -58,12 +58,19 @@ def main(argv: list[str]) -> int:
         print(f"llmgw serve: {exc}", file=sys.stderr)
         return 2
     setup_logging(args.log_level or (config.log_level if config else "info"))
+    refused = []
     try:
         trio.run(serve, config, listen, control_listen, args.demo_replicas)
-    except ConfigError as exc:
+    except* ConfigError as group:  # raised by the gateway's start-up, perhaps inside a nursery's group
+        refused = list(_leaves(group))
+    for exc in refused:
         print(f"llmgw serve: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return 2 if refused else 0
+
+
+def _leaves(group: BaseExceptionGroup):
+    for exc in group.exceptions:
+        yield from _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
 
 
 async def serve(config, listen, control_listen, demo_replicas: int = 2) -> None:

@@ -38,7 +38,7 @@ def check_config(draft: Draft) -> None:
     """Every whole-file rule, each reporting into ``draft``."""
     _check_listeners(draft)
     for section, attr, what in (("models", "name", "model name"), ("profiles", "name", "profile name"),
-                                ("api_keys", "key", "API key")):
+                                ("api_keys", "key", "API key"), ("admin_tokens", "token", "admin token")):
         if draft.known(section):
             report_duplicates(draft, draft[section], attr, what)
     _check_deployment_profiles(draft)

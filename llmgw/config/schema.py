@@ -87,6 +87,22 @@ class ApiKey(Located):
 
 
 @config_class
+class AdminToken(Located):
+    """A token accepted on the control port's ``/admin/*`` (as "Authorization: Bearer TOKEN")."""
+
+    token: Text = setting(secret=True)
+    name: Text | None = setting(None)  # who holds it; safe to log
+
+
+@config_class
+class ListenerTls(Located):
+    """A listener's certificate: it then serves HTTPS (and WSS) only."""
+
+    cert_file: Text = setting()  # PEM certificate chain, the server's own certificate first
+    key_file: Text | None = setting(None)  # its private key (default: in cert_file)
+
+
+@config_class
 class Limits(Located):
     """Request limits and timeouts of the data plane."""
 
@@ -213,6 +229,7 @@ class MetricsConfig(Located):
     """The Prometheus endpoint on the control listener."""
 
     enabled: bool = setting(True)
+    require_auth: bool = setting(False)  # true: /metrics needs an admin token like /admin/*
 
 
 @config_class
@@ -224,6 +241,9 @@ class Config(Located):
     control_listen: Address = setting(HostPort("127.0.0.1", 8001))
     models: list[ModelConfig] = setting(factory=list)
     api_keys: list[ApiKey] = setting(factory=list)
+    admin_tokens: list[AdminToken] = setting(factory=list)  # empty: /admin/* is open (loopback only)
+    allow_unauthenticated_admin: bool = setting(False)  # true: serve /admin/* without tokens on any address
+    control_tls: ListenerTls | None = setting(None)  # HTTPS/WSS on control_listen
     limits: Limits = setting(factory=Limits)
     health: HealthConfig = setting(factory=HealthConfig)
     agents: AgentsConfig = setting(factory=AgentsConfig)

@@ -9,7 +9,6 @@ never after. Every error is answered in OpenAI's JSON error shape.
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import json
 import logging
@@ -21,6 +20,7 @@ from typing import AsyncIterator
 from ..router.replica import Replica
 from ..router.router import Router
 from ..router.tier import Decision, RouteRequest
+from .bearer import BearerTokens
 from .client import UpstreamError, UpstreamResponse
 from .messages import Request, Response, error_response
 from .usage import STREAM_TAIL_PIECES, usage_of_body, usage_of_stream_tail
@@ -64,7 +64,7 @@ class DataPlane:
         self.health = health
         self.metrics = metrics
         self.settings = settings
-        self._api_keys = [k.encode() for k in (api_keys or [])]
+        self._api_keys = BearerTokens(api_keys or [])
         self._created = int(time.time())
         self._ids = _RequestIds()
         self._replica_names: dict[str, bytes] = {}
@@ -93,15 +93,7 @@ class DataPlane:
     # -- small endpoints ---------------------------------------------------------------------------------------------
 
     def _authorized(self, request: Request) -> bool:
-        value = request.header("authorization") or ""
-        scheme, _, token = value.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            return False
-        presented = token.strip().encode()
-        matched = False
-        for key in self._api_keys:  # no early exit: the time taken does not depend on which key matched
-            matched |= hmac.compare_digest(presented, key)
-        return matched
+        return self._api_keys.accepts(request.header("authorization"))
 
     def _model_card(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": self._created, "owned_by": "llmgw"}
