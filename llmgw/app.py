@@ -84,6 +84,7 @@ class Gateway:
         self._nursery: trio.Nursery | None = None
         self._probes: dict[Replica, trio.CancelScope] = {}
         self._control_shutdown = trio.Event()
+        self._control_host = config.control_listen.host  # the one served (run's control_listen may override it)
         self.control_metrics = ControlServerMetrics(self.metrics.registry)
         self.addresses: Addresses | None = None
         self.control = ControlPlane(self, config)
@@ -97,6 +98,7 @@ class Gateway:
         data_host, data_port = listen or (self.config.listen.host, self.config.listen.port)
         control_host, control_port = control_listen or (self.config.control_listen.host,
                                                         self.config.control_listen.port)
+        self._control_host = control_host
         problem = exposure_problem(control_host, self.config)
         if problem:
             raise ConfigError([issue_at(self.config, "control_listen", problem)])
@@ -236,8 +238,9 @@ class Gateway:
     async def reload(self) -> list[str]:
         """Re-read the config file and apply it; the errors (nothing is changed then), or [] when applied.
 
-        Listeners, limits and API keys need a restart; profiles, deployments, static models and agent settings
-        (token, heartbeats) apply at once.
+        Listeners, limits and API keys need a restart; profiles, deployments, static models, admin tokens and
+        agent settings (token, heartbeats) apply at once. A config that would leave a non-loopback control port
+        without admin tokens is refused.
         """
         async with self._reload_lock:
             if not self.config.source or self.config.source.startswith("<"):
@@ -251,7 +254,11 @@ class Gateway:
                 log.error("reload of %s failed; keeping the running config:\n  %s", self.config.source,
                           "\n  ".join(errors))
                 return errors
-            for key in ("listen", "control_listen", "limits", "api_keys", "health"):
+            refused = exposure_problem(self._control_host, config)
+            if refused:
+                log.error("reload of %s refused; keeping the running config: %s", self.config.source, refused)
+                return [refused]
+            for key in ("listen", "control_listen", "limits", "api_keys", "health", "control_tls"):
                 if getattr(config, key) != getattr(self.config, key):
                     log.warning("reload: %s changed; that takes a restart", key)
             self.config = config

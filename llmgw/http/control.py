@@ -35,10 +35,10 @@ log = logging.getLogger(__name__)
 MAX_JSON_DEPTH = 64  # nesting of an /admin/explain body (an OpenAI request needs about 6)
 
 
-def create_control_app(gateway: "Gateway", metrics: ControlServerMetrics) -> QuartTrio:
+def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics) -> QuartTrio:
     app = QuartTrio("llmgw.control")
     app.config["RESPONSE_TIMEOUT"] = None
-    guard = AdminGuard(lambda: gateway.config, lambda reason: metrics.auth_failures.labels(reason).inc())
+    guard = AdminGuard(lambda: gateway.config, lambda reason: server_metrics.auth_failures.labels(reason).inc())
 
     @app.before_request
     async def authenticate():
