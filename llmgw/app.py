@@ -102,7 +102,7 @@ class Gateway:
         problem = exposure_problem(control_host, self.config)
         if problem:
             raise ConfigError([issue_at(self.config, "control_listen", problem)])
-        control_server = ControlServer(create_control_app(self, self.control_metrics),
+        control_server = ControlServer(functools.partial(create_control_app, self, self.control_metrics),
                                        self.control_metrics, ssl_context=self._control_tls_context())
         async with trio.open_nursery() as nursery:
             self._nursery = nursery

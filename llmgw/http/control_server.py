@@ -64,10 +64,12 @@ def hypercorn_config() -> HypercornConfig:
 class ControlServer:
     """Serves one ASGI app on listeners it owns; see the module docstring for what is contained and how."""
 
-    def __init__(self, app, metrics: ControlServerMetrics, *, ssl_context: ssl.SSLContext | None = None,
+    def __init__(self, app_factory, metrics: ControlServerMetrics, *, ssl_context: ssl.SSLContext | None = None,
                  backoff: tuple[float, float] = (0.1, 5.0), healthy_after: float = 30.0):
+        """``app_factory()`` makes the ASGI app: each life of the server gets a fresh one, so a restart never
+        inherits the state a failure left behind."""
         self.config = hypercorn_config()
-        self.app = wrap_app(app, self.config.wsgi_max_body_size, None)
+        self.app_factory = app_factory
         self.metrics = metrics
         self.ssl_context = ssl_context
         self.backoff = backoff
@@ -104,15 +106,16 @@ class ControlServer:
     async def _run_once(self, listeners, shutdown: trio.Event) -> None:
         """One life of the server: Hypercorn's lifespan, then accepting until ``shutdown``, then a graceful close
         (the same steps as ``hypercorn.trio.run.worker_serve``, with contained connections)."""
+        app = wrap_app(self.app_factory(), self.config.wsgi_max_body_size, None)
         lifespan_state: dict = {}
-        lifespan = Lifespan(self.app, self.config, lifespan_state)
+        lifespan = Lifespan(app, self.config, lifespan_state)
         context = WorkerContext(None)
         async with trio.open_nursery() as lifespan_nursery:
             await lifespan_nursery.start(lifespan.handle_lifespan)
             await lifespan.wait_for_startup()
             async with trio.open_nursery() as connections:
                 async def handle(stream) -> None:
-                    await self._connection(stream, context, lifespan_state)
+                    await self._connection(app, stream, context, lifespan_state)
 
                 async with trio.open_nursery() as accepting:
                     for listener in listeners:
@@ -137,16 +140,16 @@ class ControlServer:
                 continue
             connections.start_soon(handle, stream)
 
-    async def _connection(self, stream, context: WorkerContext, lifespan_state: dict) -> None:
+    async def _connection(self, app, stream, context: WorkerContext, lifespan_state: dict) -> None:
         try:
-            await TCPServer(self.app, self.config, context, ConnectionState(lifespan_state.copy()), stream)
+            await TCPServer(app, self.config, context, ConnectionState(lifespan_state.copy()), stream)
         except Exception as exc:  # noqa: BLE001 - one connection's failure stays with it
             self.metrics.connection_failures.inc()
             log.warning("control port: a connection failed inside the server and was closed (%s)", _describe(exc))
             log.debug("control port: connection failure", exc_info=exc)
+        finally:  # Hypercorn's own close awaits before closing, so a cancelled connection would stay open
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
-
 
 def _describe(exc: BaseException) -> str:
     """``Type: message`` of the first real error inside (nested) exception groups."""
