@@ -200,7 +200,7 @@ ERROR_CASES = {
     "unknown key with suggestion": ("limits:\n  retires: 3\n", 2, "limits.retires",
                                     "unknown key (did you mean 'retries'?)"),
     "unknown key listing choices": ("metrics:\n  colour: red\n", 2, "metrics.colour",
-                                    "unknown key (expected one of: enabled)"),
+                                    "unknown key (expected one of: enabled, require_auth)"),
     "missing required key": ("models:\n  - name: a\n", 2, "models[0].replicas", "missing required key"),
     "required key set to null": ("profiles:\n  - name: p\n    engine:\n    model_path: m\n", 3,
                                  "profiles[0].engine", "must have a value"),
