@@ -227,3 +227,13 @@ async def test_the_control_listener_serves_tls(start_llmgw, tmp_path):
         await ws.send_message(wire.encode(wire.Register(node_id="secure", token=JOIN, address="127.0.0.1")))
         assert wire.decode(await ws.get_message()).accepted
     assert gw.process.returncode is None
+
+
+async def test_an_unusable_control_certificate_stops_the_start_with_one_line(tmp_path):
+    (tmp_path / "bad.pem").write_text("not a certificate\n")
+    path = tmp_path / "tls.yaml"
+    path.write_text(f"models: []\ncontrol_tls:\n  cert_file: {tmp_path / 'bad.pem'}\n")
+    code, out, err = await run_cli("serve", "--config", str(path), "--listen", "127.0.0.1:0",
+                                   "--control-listen", "127.0.0.1:0")
+    assert code == 2 and "listening on" not in out
+    assert err.count("\n") == 1 and f"{path}:3: control_tls.cert_file: cannot be used" in err
