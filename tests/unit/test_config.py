@@ -199,6 +199,8 @@ ERROR_CASES = {
                       3, "models[0].name", "duplicate key (first set on line 2)"),
     "unknown key with suggestion": ("limits:\n  retires: 3\n", 2, "limits.retires",
                                     "unknown key (did you mean 'retries'?)"),
+    "metrics auth without tokens": ("metrics:\n  require_auth: true\n", 2, "metrics.require_auth",
+                                    "needs admin_tokens"),
     "unknown key listing choices": ("metrics:\n  colour: red\n", 2, "metrics.colour",
                                     "unknown key (expected one of: enabled, require_auth)"),
     "missing required key": ("models:\n  - name: a\n", 2, "models[0].replicas", "missing required key"),
