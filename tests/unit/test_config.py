@@ -626,7 +626,8 @@ def test_docs_show_both_examples_and_they_load():
     for block in re.findall(r"```yaml\n(.*?)```", docs, re.S):
         if "tiny-sm" in block:  # the documented bad example
             continue
-        parse_config(block, "docs", env={"LLMGW_CLIENT_KEY": "k", "LLMGW_AGENT_TOKEN": "t", "HF_TOKEN": "h"})
+        parse_config(block, "docs", env={"LLMGW_CLIENT_KEY": "k", "LLMGW_AGENT_TOKEN": "t", "HF_TOKEN": "h",
+                                             "LLMGW_ADMIN_TOKEN": "a"})
 
 
 def test_config_objects_are_frozen():
