@@ -44,7 +44,8 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
     async def authenticate():
         refused = guard.refusal(request.path, request.headers.get("authorization"))
         if refused is not None:
-            return _error(401, refused, "invalid_admin_token", headers={"WWW-Authenticate": 'Bearer realm="llmgw admin"'})
+            return _error(401, refused, "invalid_admin_token",
+                          headers={"WWW-Authenticate": 'Bearer realm="llmgw admin"'})
         return None
 
     @app.get("/health")

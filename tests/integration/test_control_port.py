@@ -18,6 +18,8 @@ from llmgw.processes import llmgw_command
 ADMIN = "adm-0123456789abcdef"
 JOIN = "join-secret-123"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
+NEW_TOKEN = "adm-new-token-0001"
+NEW = {"Authorization": f"Bearer {NEW_TOKEN}"}
 
 
 def config(extra: str = "", tokens: tuple[str, ...] = (ADMIN,)) -> str:
@@ -132,13 +134,13 @@ async def test_metrics_need_the_token_when_asked(start_llmgw):
 async def test_a_reload_rotates_the_admin_tokens(start_llmgw, tmp_path):
     gw = await start_llmgw(config())
     path = next(tmp_path.glob("llmgw-*.yaml"))
-    path.write_text(config(tokens=("adm-new-token-0001", ADMIN)))
+    path.write_text(config(tokens=(NEW_TOKEN, ADMIN)))
     assert (await post(gw.control_url + "/admin/reload", headers=AUTH)).json()["reloaded"] is True
-    assert (await get(gw.control_url + "/admin/nodes", {"Authorization": "Bearer adm-new-token-0001"})).status_code == 200
-    path.write_text(config(tokens=("adm-new-token-0001",)))
+    assert (await get(gw.control_url + "/admin/nodes", NEW)).status_code == 200
+    path.write_text(config(tokens=(NEW_TOKEN,)))
     assert (await post(gw.control_url + "/admin/reload", headers=AUTH)).json()["reloaded"] is True
     assert_openai_error(await get(gw.control_url + "/admin/nodes", AUTH), 401)  # the old token is gone at once
-    assert (await get(gw.control_url + "/admin/nodes", {"Authorization": "Bearer adm-new-token-0001"})).status_code == 200
+    assert (await get(gw.control_url + "/admin/nodes", NEW)).status_code == 200
 
 
 @pytest.mark.parametrize("body, fragment", [
