@@ -16,8 +16,11 @@ from dataclasses import dataclass
 import trio
 
 from .config import Config, ConfigError
+from .config.fields import issue_at
 from .config.tls import replica_tls_options
-from .http.control import create_control_app, serve_control
+from .http.control import create_control_app
+from .http.control_guard import exposure_problem
+from .http.control_server import ControlServer, ControlServerMetrics
 from .http.dataplane import DataPlane, DataPlaneSettings
 from .http.jsonbody import JsonLimits
 from .http.server import HttpServer, ServerLimits
@@ -38,6 +41,7 @@ class Addresses:
     data: tuple[str, int]
     control: tuple[str, int]
     data_scheme: str = "http"
+    control_scheme: str = "http"
 
     @property
     def data_url(self) -> str:
@@ -45,7 +49,7 @@ class Addresses:
 
     @property
     def control_url(self) -> str:
-        return f"http://{self.control[0]}:{self.control[1]}"
+        return f"{self.control_scheme}://{self.control[0]}:{self.control[1]}"
 
 
 class Gateway:
@@ -86,6 +90,8 @@ class Gateway:
         self._nursery: trio.Nursery | None = None
         self._probes: dict[Replica, trio.CancelScope] = {}
         self._control_shutdown = trio.Event()
+        self._control_host = config.control_listen.host  # the one served (run's control_listen may override it)
+        self.control_metrics = ControlServerMetrics(self.metrics.registry)
         self.addresses: Addresses | None = None
         self.control = ControlPlane(self, config)
         self.dataplane.wait_for_replica = self.control.wait_for_replica
@@ -99,6 +105,12 @@ class Gateway:
         data_host, data_port = listen or (self.config.listen.host, self.config.listen.port)
         control_host, control_port = control_listen or (self.config.control_listen.host,
                                                         self.config.control_listen.port)
+        self._control_host = control_host
+        problem = exposure_problem(control_host, self.config)
+        if problem:
+            raise ConfigError([issue_at(self.config, "control_listen", problem)])
+        control_server = ControlServer(functools.partial(create_control_app, self, self.control_metrics),
+                                       self.control_metrics, ssl_context=self._control_tls_context())
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self._configure_static_models(self.config)
@@ -107,14 +119,25 @@ class Gateway:
             with listening_on(host_port(data_host, data_port)):
                 data = await nursery.start(self.data_server.serve, data_host, data_port)
             with listening_on(host_port(control_host, control_port)):
-                control = await nursery.start(functools.partial(serve_control, create_control_app(self), control_host,
-                                                                control_port, shutdown=self._control_shutdown))
-            self.addresses = Addresses(data, control, "https" if self.config.data_tls else "http")
+                control = await nursery.start(functools.partial(control_server.serve, control_host, control_port,
+                                                                shutdown=self._control_shutdown))
+            self.addresses = Addresses(data, control, "https" if self.config.data_tls else "http",
+                                       "https" if self.config.control_tls else "http")
             if self.config.agents.embedded:
                 await nursery.start(self._run_embedded_agent)
             log.debug("llmgw serving the OpenAI API on %s and the control API on %s",
                      self.addresses.data_url, self.addresses.control_url)
             task_status.started(self.addresses)
+
+    def _control_tls_context(self):
+        """The control listener's server context (``control_tls``), or None for plain HTTP."""
+        tls = self.config.control_tls
+        if tls is None:
+            return None
+        try:
+            return tls.context()
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError([issue_at(tls, "cert_file", f"cannot be used: {describe_tls_error(exc)}")]) from None
 
     async def _run_embedded_agent(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """This machine's agent, in-process: the same Agent and session code as a remote one."""
@@ -236,8 +259,9 @@ class Gateway:
     async def reload(self) -> list[str]:
         """Re-read the config file and apply it; the errors (nothing is changed then), or [] when applied.
 
-        Listeners, limits and API keys need a restart; profiles, deployments, static models and agent settings
-        (token, heartbeats) apply at once.
+        Listeners, limits and API keys need a restart; profiles, deployments, static models, admin tokens and
+        agent settings (token, heartbeats) apply at once. A config that would leave a non-loopback control port
+        without admin tokens is refused.
         """
         async with self._reload_lock:
             if not self.config.source or self.config.source.startswith("<"):
@@ -250,7 +274,11 @@ class Gateway:
                 log.error("reload of %s failed; keeping the running config:\n  %s", self.config.source,
                           "\n  ".join(errors))
                 return errors
-            for key in ("listen", "control_listen", "limits", "api_keys", "health", "data_tls"):
+            refused = exposure_problem(self._control_host, config)
+            if refused:
+                log.error("reload of %s refused; keeping the running config: %s", self.config.source, refused)
+                return [refused]
+            for key in ("listen", "control_listen", "limits", "api_keys", "health", "data_tls", "control_tls"):
                 if getattr(config, key) != getattr(self.config, key):
                     log.warning("reload: %s changed; that takes a restart", key)
             self.config = config

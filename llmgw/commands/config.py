@@ -12,6 +12,8 @@ import argparse
 import sys
 
 from llmgw.config import Config, ConfigError
+from llmgw.config.fields import issue_at
+from llmgw.http.control_guard import exposure_problem
 from llmgw.plugins_manager import load_checked_config
 
 
@@ -47,7 +49,7 @@ def summary(config: Config) -> list[str]:
         f"deployments: {len(config.deployments)}"
         + _names([f"{d.profile} x{d.replicas}" for d in config.deployments]),
         f"served model names: {', '.join(config.model_names()) or 'none'}",
-        f"api keys: {len(config.api_keys)}; agents: {agents}",
+        f"api keys: {len(config.api_keys)}; admin tokens: {len(config.admin_tokens)}; agents: {agents}",
     ]
 
 
@@ -56,6 +58,9 @@ def check(files: list[str]) -> int:
     for filename in files:
         try:
             config = load_checked_config(filename)
+            refused = exposure_problem(config.control_listen.host, config)  # llmgw serve would refuse to start
+            if refused:
+                raise ConfigError([issue_at(config, "control_listen", refused)])
         except ConfigError as exc:
             failed = True
             for issue in exc.errors:

@@ -13,14 +13,13 @@ import argparse
 import dataclasses
 import json
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Iterable
 from typing import Any
 
 from llmgw import wire
 from llmgw.agent.discovery import DiscoveryError, FixtureProvider, load_fixture
 from llmgw.config import ConfigError
+from llmgw.commands.control_api import ControlApiError, add_arguments, get_json
 from llmgw.control.placement import NodeView, PlanResult, ReplicaPlacement, ShardPlacement, plan_all, replica_ids
 from llmgw.plugins_manager import load_checked_config
 
@@ -42,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--control", metavar="URL", help="a running control listener, e.g. http://127.0.0.1:8001")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for --control (default 10)")
+    add_arguments(parser)
     return parser
 
 
@@ -63,12 +63,11 @@ def nodes_from_fixtures(paths: Iterable[str]) -> list[NodeView]:
     return list(nodes.values())
 
 
-def _get_json(url: str, timeout: float) -> Any:
+def _get_json(url: str, args: argparse.Namespace) -> Any:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return json.load(response)
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise UsageError(f"GET {url}: {exc}") from None
+        return get_json(url, args, args.timeout)
+    except ControlApiError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def node_from_admin(item: dict[str, Any]) -> NodeView:
@@ -109,14 +108,14 @@ def placement_from_admin(item: dict[str, Any], nodes: dict[str, NodeView]) -> Re
     return ReplicaPlacement(replica_id=replica_id, profile=profile, shards=placed)
 
 
-def state_from_control(url: str, timeout: float) -> tuple[list[NodeView], dict[str, ReplicaPlacement]]:
+def state_from_control(url: str, args: argparse.Namespace) -> tuple[list[NodeView], dict[str, ReplicaPlacement]]:
     base = url.rstrip("/")
-    items = _get_json(f"{base}/admin/nodes", timeout)
+    items = _get_json(f"{base}/admin/nodes", args)
     if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
         raise UsageError(f"GET {base}/admin/nodes: expected a JSON list of nodes")
     nodes = [node_from_admin(item) for item in items]
     by_id = {node.node_id: node for node in nodes}
-    replicas = _get_json(f"{base}/admin/replicas", timeout)
+    replicas = _get_json(f"{base}/admin/replicas", args)
     existing = {}
     for item in replicas if isinstance(replicas, list) else []:
         placement = placement_from_admin(item, by_id) if isinstance(item, dict) else None
@@ -194,7 +193,7 @@ def main(argv: list[str]) -> int:
         nodes = nodes_from_fixtures(args.nodes)
         existing: dict[str, ReplicaPlacement] = {}
         if args.control:
-            remote, existing = state_from_control(args.control, args.timeout)
+            remote, existing = state_from_control(args.control, args)
             clash = {node.node_id for node in nodes} & {node.node_id for node in remote}
             if clash:
                 raise UsageError(f"node ids both in fixtures and at {args.control}: {', '.join(sorted(clash))}")

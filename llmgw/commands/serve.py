@@ -77,12 +77,21 @@ def main(argv: list[str]) -> int:
         return 2
     setup_logging(args.log_level or (config.log_level if config else "info"),
                   args.log_format or (config.log_format if config else "text"))
+    refused: list[BaseException] = []
+    code = 0
     try:
-        return run_reporting("llmgw serve", lambda: trio.run(serve, config, listen, control_listen,
+        code = run_reporting("llmgw serve", lambda: trio.run(serve, config, listen, control_listen,
                                                              args.demo_replicas, args.stop_engines))
-    except (ConfigError, IdentityStoreError) as exc:
+    except* (ConfigError, IdentityStoreError) as group:  # raised at start-up, perhaps inside a nursery's group
+        refused = list(_leaves(group))
+    for exc in refused:
         print(f"llmgw serve: {exc}", file=sys.stderr)
-        return 2
+    return 2 if refused else code
+
+
+def _leaves(group: BaseExceptionGroup):
+    for exc in group.exceptions:
+        yield from _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
 
 
 async def serve(config, listen, control_listen, demo_replicas: int = 2, stop_engines: bool = False) -> None:

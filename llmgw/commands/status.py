@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import urllib.error
-import urllib.request
 from typing import Any, Iterable, Sequence
+
+from .control_api import ControlApiError, add_arguments, get_json
 
 DEFAULT_CONTROL = "http://127.0.0.1:8001"
 
@@ -23,12 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"the control listener of llmgw serve (default {DEFAULT_CONTROL})")
     parser.add_argument("--json", action="store_true", help="print the admin API's JSON instead of tables")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)")
+    add_arguments(parser)
     return parser
-
-
-def fetch(url: str, timeout: float) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return json.load(response)
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
@@ -81,9 +77,9 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     base = args.control.rstrip("/")
     try:
-        nodes = fetch(f"{base}/admin/nodes", args.timeout)
-        replicas = fetch(f"{base}/admin/replicas", args.timeout)
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+        nodes = get_json(f"{base}/admin/nodes", args, args.timeout)
+        replicas = get_json(f"{base}/admin/replicas", args, args.timeout)
+    except ControlApiError as exc:
         print(f"llmgw status: cannot read {base}/admin: {exc}", file=sys.stderr)
         return 1
     if args.json:

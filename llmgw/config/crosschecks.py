@@ -39,7 +39,7 @@ def check_config(draft: Draft) -> None:
     """Every whole-file rule, each reporting into ``draft``."""
     _check_listeners(draft)
     for section, attr, what in (("models", "name", "model name"), ("profiles", "name", "profile name"),
-                                ("api_keys", "key", "API key")):
+                                ("api_keys", "key", "API key"), ("admin_tokens", "token", "admin token")):
         if draft.known(section):
             report_duplicates(draft, draft[section], attr, what)
     _check_deployment_profiles(draft)
@@ -47,6 +47,7 @@ def check_config(draft: Draft) -> None:
     _check_adapter_names(draft)
     _check_agent_token(draft)
     check_upstream_tls(draft)
+    _check_metrics_auth(draft)
 
 
 def _check_listeners(draft: Draft) -> None:
@@ -126,3 +127,12 @@ def _check_agent_token(draft: Draft) -> None:
                "set one, or set agents.embedded: true to run them on this machine only")
     line = agents.line_of() if draft.was_written("agents") else draft.line_of("deployments")
     draft.add(ConfigIssue(draft.where.file, line, agents.key_of("token"), message))
+
+
+def _check_metrics_auth(draft: Draft) -> None:
+    if not draft.known("metrics", "admin_tokens") or draft["admin_tokens"]:
+        return
+    metrics = draft["metrics"]
+    if known(metrics.require_auth) and metrics.require_auth:
+        draft.add(issue_at(metrics, "require_auth", "needs admin_tokens: /metrics would ask for a token that "
+                                                    "nobody can have"))

@@ -115,6 +115,14 @@ class ApiKey(Located):
 
 
 @config_class
+class AdminToken(Located):
+    """A token accepted on the control port's ``/admin/*`` (as "Authorization: Bearer TOKEN")."""
+
+    token: Text = setting(secret=True)
+    name: Text | None = setting(None)  # who holds it; safe to log
+
+
+@config_class
 class Limits(Located):
     """Request limits and timeouts of the data plane."""
 
@@ -245,6 +253,7 @@ class MetricsConfig(Located):
     """The Prometheus endpoint on the control listener."""
 
     enabled: bool = setting(True)
+    require_auth: bool = setting(False)  # true: /metrics needs an admin token like /admin/*
 
 
 @config_class
@@ -258,6 +267,9 @@ class Config(Located):
     upstream_tls: UpstreamTls = setting(factory=UpstreamTls)  # default trust for https:// replicas
     models: list[ModelConfig] = setting(factory=list)
     api_keys: list[ApiKey] = setting(factory=list)
+    admin_tokens: list[AdminToken] = setting(factory=list)  # empty: /admin/* is open (loopback only)
+    allow_unauthenticated_admin: bool = setting(False)  # true: serve /admin/* without tokens on any address
+    control_tls: ListenerTls | None = setting(None)  # HTTPS/WSS on control_listen
     limits: Limits = setting(factory=Limits)
     health: HealthConfig = setting(factory=HealthConfig)
     agents: AgentsConfig = setting(factory=AgentsConfig)

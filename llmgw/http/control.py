@@ -1,31 +1,52 @@
 """The control-side app (Quart-Trio on Hypercorn): ``/health``, ``/metrics``, the admin JSON API and ``/agent``.
 
-It serves operators (``/admin/*``) and agents (the ``/agent`` websocket, one
-session per agent, see :mod:`llmgw.control.agent_service`); it is not on the
-request hot path (that is :mod:`llmgw.http.dataplane` on the thin server).
+It serves operators (``/admin/*``, behind admin tokens: :mod:`llmgw.http.control_guard`)
+and agents (the ``/agent`` websocket, one session per agent, see
+:mod:`llmgw.control.agent_service`); it is not on the request hot path (that is
+:mod:`llmgw.http.dataplane` on the thin server). Every error, including a
+failure inside a handler, is answered in OpenAI's JSON error shape. It runs on
+:class:`llmgw.http.control_server.ControlServer`, which contains failures per
+connection.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+import logging
+from typing import TYPE_CHECKING, Any
 
-import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 from quart import Response, jsonify, request, websocket
 from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
 
 from ..agent.channel import quart_channel
 from ..metrics import render
 from ..router.tier import RouteRequest
+from .control_guard import AdminGuard
+from .control_server import ControlServerMetrics
+from .messages import error_body
 
 if TYPE_CHECKING:
     from ..app import Gateway
 
 
-def create_control_app(gateway: "Gateway") -> QuartTrio:
+log = logging.getLogger(__name__)
+
+MAX_JSON_DEPTH = 64  # nesting of an /admin/explain body (an OpenAI request needs about 6)
+
+
+def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics) -> QuartTrio:
     app = QuartTrio("llmgw.control")
     app.config["RESPONSE_TIMEOUT"] = None
+    guard = AdminGuard(lambda: gateway.config, lambda reason: server_metrics.auth_failures.labels(reason).inc())
+
+    @app.before_request
+    async def authenticate():
+        refused = guard.refusal(request.path, request.headers.get("authorization"))
+        if refused is not None:
+            return _error(401, refused, "invalid_admin_token",
+                          headers={"WWW-Authenticate": 'Bearer realm="llmgw admin"'})
+        return None
 
     @app.get("/health")
     async def health():
@@ -87,9 +108,9 @@ def create_control_app(gateway: "Gateway") -> QuartTrio:
     @app.post("/admin/explain")
     async def explain():
         """For an OpenAI request body: each replica's scores and the pick, without sending or learning it."""
-        body = await request.get_json(force=True, silent=True)
-        if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object: an OpenAI request with 'model'", "invalid_json")
+        body = _json_object(await request.get_data(cache=False))
+        if isinstance(body, str):
+            return _error(400, body, "invalid_json")
         model = body.get("model")
         resolved = gateway.router.resolve(model) if isinstance(model, str) else None
         if resolved is None:
@@ -99,30 +120,50 @@ def create_control_app(gateway: "Gateway") -> QuartTrio:
 
     @app.errorhandler(404)
     async def not_found(_):
-        return jsonify({"error": {"message": "no such control endpoint", "type": "not_found_error",
-                                  "param": None, "code": "not_found"}}), 404
+        return _error(404, "no such control endpoint", "not_found")
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException):
+        code = (exc.name or "error").lower().replace(" ", "_")
+        return _error(exc.code or 500, exc.description or exc.name or "error", code)
+
+    @app.errorhandler(Exception)
+    async def failure(exc: Exception):
+        log.exception("control API: %s %s failed", request.method, request.path)
+        return _error(500, f"the control API failed on this request ({type(exc).__name__}); see the gateway's log",
+                      "internal_error")
 
     return app
 
 
-def _error(status: int, message: str, code: str, param: str | None = None):
-    return jsonify({"error": {"message": message, "type": "invalid_request_error", "param": param,
-                              "code": code}}), status
+def _error(status: int, message: str, code: str, param: str | None = None, headers: dict | None = None) -> Response:
+    return Response(error_body(status, message, param=param, code=code), status=status,
+                    content_type="application/json", headers=headers)
 
 
-async def serve_control(app: QuartTrio, host: str, port: int, *, shutdown: trio.Event,
-                        task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve the control app on Hypercorn; ``task_status.started((host, port))`` with the bound port."""
-    config = HypercornConfig()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    config.accesslog = None
-    config.errorlog = None
-    config.graceful_timeout = 1.0
-    config.websocket_ping_interval = 5.0
+def _json_object(raw: bytes) -> dict | str:
+    """The body as a JSON object, or why it is not one (bad UTF-8, bad JSON, too deep, not an object)."""
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        return f"the body is not valid UTF-8: {exc.reason} at byte {exc.start}"
+    except RecursionError:
+        return f"the body is nested deeper than {MAX_JSON_DEPTH} levels"
+    except ValueError as exc:
+        return f"the body is not valid JSON: {exc}"
+    if _depth(value) > MAX_JSON_DEPTH:
+        return f"the body is nested deeper than {MAX_JSON_DEPTH} levels"
+    if not isinstance(value, dict):
+        return "the body must be a JSON object: an OpenAI request with 'model'"
+    return value
 
-    async def run(task_status=trio.TASK_STATUS_IGNORED):
-        await hypercorn_serve(app, config, shutdown_trigger=shutdown.wait, task_status=task_status)
 
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(run)
-        task_status.started((host, int(binds[0].rsplit(":", 1)[1])))
+def _depth(value: Any) -> int:
+    """How deeply arrays and objects nest in a parsed JSON value (iteratively: no recursion limit to hit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest

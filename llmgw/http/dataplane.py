@@ -17,7 +17,6 @@ the replica, and is never counted against the replica's health
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import logging
 import os
@@ -30,6 +29,7 @@ import trio
 from ..router.replica import Replica
 from ..router.router import Router
 from ..router.tier import Decision, RouteRequest
+from .bearer import BearerTokens
 from .client import UpstreamError, UpstreamResponse
 from .latency import StreamWatch
 from .jsonbody import BodyError, JsonLimits, read_json_body
@@ -91,7 +91,7 @@ class DataPlane:
         self.health = health
         self.metrics = metrics
         self.settings = settings
-        self._api_keys = [k.encode() for k in (api_keys or [])]
+        self._api_keys = BearerTokens(api_keys or [])
         self._created = int(time.time())
         self._ids = _RequestIds()
         self._replica_names: dict[str, bytes] = {}
@@ -136,15 +136,7 @@ class DataPlane:
     # -- small endpoints ---------------------------------------------------------------------------------------------
 
     def _authorized(self, request: Request) -> bool:
-        value = request.header("authorization") or ""
-        scheme, _, token = value.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            return False
-        presented = token.strip().encode()
-        matched = False
-        for key in self._api_keys:  # no early exit: the time taken does not depend on which key matched
-            matched |= hmac.compare_digest(presented, key)
-        return matched
+        return self._api_keys.accepts(request.header("authorization"))
 
     def _model_card(self, name: str, parent: str | None = None) -> dict:
         card = {"id": name, "object": "model", "created": self._created, "owned_by": "llmgw"}

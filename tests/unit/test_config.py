@@ -199,8 +199,10 @@ ERROR_CASES = {
                       3, "models[0].name", "duplicate key (first set on line 2)"),
     "unknown key with suggestion": ("limits:\n  retires: 3\n", 2, "limits.retires",
                                     "unknown key (did you mean 'retries'?)"),
+    "metrics auth without tokens": ("metrics:\n  require_auth: true\n", 2, "metrics.require_auth",
+                                    "needs admin_tokens"),
     "unknown key listing choices": ("metrics:\n  colour: red\n", 2, "metrics.colour",
-                                    "unknown key (expected one of: enabled)"),
+                                    "unknown key (expected one of: enabled, require_auth)"),
     "missing required key": ("models:\n  - name: a\n", 2, "models[0].replicas", "missing required key"),
     "required key set to null": ("profiles:\n  - name: p\n    engine:\n    model_path: m\n", 3,
                                  "profiles[0].engine", "must have a value"),
@@ -625,7 +627,8 @@ def test_docs_show_both_examples_and_they_load():
     for block in re.findall(r"```yaml\n(.*?)```", docs, re.S):
         if "tiny-sm" in block:  # the documented bad example
             continue
-        parse_config(block, "docs", env={"LLMGW_CLIENT_KEY": "k", "LLMGW_AGENT_TOKEN": "t", "HF_TOKEN": "h"})
+        parse_config(block, "docs", env={"LLMGW_CLIENT_KEY": "k", "LLMGW_AGENT_TOKEN": "t", "HF_TOKEN": "h",
+                                             "LLMGW_ADMIN_TOKEN": "a"})
 
 
 def test_config_objects_are_frozen():
