@@ -323,10 +323,11 @@ class DataPlane:
         if self.settings.access_log:
             access_log.info(
                 "request_id=%s model=%s replica=%s tier=%s outcome=%s status=%d ttft_ms=%s latency_ms=%.1f "
-                "prompt_tokens=%s cached_tokens=%s completion_tokens=%s", route_request.request_id,
-                route_request.served_name, replica.name, decision.tier or "-", decision.outcome, status,
+                "prompt_tokens=%s cached_tokens=%s completion_tokens=%s predicted_cached_tokens=%s",
+                route_request.request_id, route_request.served_name, replica.name, decision.tier or "-",
+                decision.outcome, status,
                 "-" if first_token_at is None else "%.1f" % ((first_token_at - started) * 1000),
-                (ended - started) * 1000, *tokens)
+                (ended - started) * 1000, *tokens, decision.detail.get("predicted_cached_tokens", "-"))
 
     def _count(self, model: str | None, response: Response | None, started: float | None = None,
                status: int | None = None) -> Response | None:
