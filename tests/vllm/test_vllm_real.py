@@ -101,14 +101,22 @@ def explained_pick(gateway: Gateway, kind: str, body: dict) -> str:
 def predictions(gateway: Gateway, sent: list[Sent]) -> list[tuple[Sent, int | None]]:
     """Each request with the cached tokens the tier predicted for it (its access-log line; the gateway writes a
     streamed request's line once the stream ends, so wait for all of them)."""
-    lines = gateway.wait_for("every request's access-log line", lambda: (
-        lines if all(s.request_id in (lines := gateway.access()) for s in sent) else None), timeout=30)
+    lines = access_lines(gateway, [s.request_id for s in sent])
     out = []
     for s in sent:
         predicted = lines[s.request_id].number("predicted_cached_tokens")
         assert lines[s.request_id].number("cached_tokens") == s.cached_tokens
         out.append((s, None if predicted is None else int(predicted)))
     return out
+
+
+def access_lines(gateway: Gateway, request_ids: list[str]) -> dict:
+    """The gateway's access-log lines of ``request_ids`` (a streamed request's line comes once its stream ends)."""
+    def complete():
+        lines = gateway.access()
+        return lines if all(i in lines for i in request_ids) else None
+
+    return gateway.wait_for("every request's access-log line", complete, timeout=30)
 
 
 def report(title: str, pairs: list[tuple[Sent, int | None]]) -> float:
@@ -155,6 +163,10 @@ def engine_url(gateway: Gateway, replica: str) -> str:
     return gateway.replicas()[replica]["url"]
 
 
+def indexed(kv: dict[str, dict]) -> dict[str, dict] | None:
+    return kv if any(r["blocks"] for r in kv.values()) else None
+
+
 # -- the tests, in order -----------------------------------------------------------------------------------------
 
 
@@ -165,8 +177,7 @@ def test_the_sdk_gets_chat_and_completions_streamed_and_not_and_the_index_learns
         s = send(client, kind, body_of(kind, 1000, 0))
         assert s.prompt_tokens > 2 * BLOCK_SIZE and s.replica in vllm_cluster.replicas()
     # The CPU build forces blocks of 32 tokens; the agent learnt that from the engine's own events.
-    kv = vllm_cluster.wait_for("blocks indexed", lambda: (k if any(r["blocks"] for r in (k := vllm_cluster.kv())
-                                                                   .values()) else None))
+    kv = vllm_cluster.wait_for("blocks indexed", lambda: indexed(vllm_cluster.kv()))
     assert {r["block_size"] for r in kv.values() if r["blocks"]} == {BLOCK_SIZE}
     parity = vllm_cluster.metric("llmgw_kv_hash_parity_checks_total", 'result="ok"')
     assert parity > 0 and vllm_cluster.metric("llmgw_kv_hash_parity_checks_total", 'result="mismatch"') == 0
@@ -222,8 +233,7 @@ def test_ttft_is_the_first_token_and_the_head_comes_before_it(vllm_cluster):
                     first = time.perf_counter() - started
             client_ttft.append(first)
             gateway_ids.append(response.headers["x-request-id"])
-    lines = vllm_cluster.wait_for("the access-log lines", lambda: (
-        lines if all(i in (lines := vllm_cluster.access()) for i in gateway_ids) else None), timeout=30)
+    lines = access_lines(vllm_cluster, gateway_ids)
     gateway_ttft = [lines[i].number("ttft_ms") / 1000 for i in gateway_ids]
     ms = lambda values: round(statistics.median(values) * 1000, 2)  # noqa: E731
     diffs = [c - g for c, g in zip(client_ttft, gateway_ttft)]
@@ -316,13 +326,18 @@ def test_a_restarted_agent_adopts_the_engines_and_the_index_is_restored(vllm_clu
 
     vllm_cluster.kill()
     vllm_cluster.start()
-    vllm_cluster.wait_for("the engines adopted", lambda: (
-        len(rs := vllm_cluster.replicas()) == 2 and all(r["state"] == "up" and r["origin"] == "adopted"
-                                                         for r in rs.values())), timeout=300, interval=0.5)
+    def adopted():
+        replicas = vllm_cluster.replicas()
+        return len(replicas) == 2 and all(r["state"] == "up" and r["origin"] == "adopted" for r in replicas.values())
+
+    vllm_cluster.wait_for("the engines adopted", adopted, timeout=300, interval=0.5)
     assert {n: r["shards"][0]["pid"] for n, r in vllm_cluster.replicas().items()} == before_pids
-    restored = vllm_cluster.wait_for("the indexes restored", lambda: (
-        kv if all(r["state"] == "healthy" for r in (kv := vllm_cluster.kv()).values())
-        and {n: r["blocks"] for n, r in kv.items()} == before_blocks else None), timeout=120)
+    def restored_index():
+        kv = vllm_cluster.kv()
+        healthy = all(r["state"] == "healthy" for r in kv.values())
+        return kv if healthy and {n: r["blocks"] for n, r in kv.items()} == before_blocks else None
+
+    restored = vllm_cluster.wait_for("the indexes restored", restored_index, timeout=120)
     print(f"\nafter the agent's restart: same pids {before_pids}, blocks {before_blocks} restored "
           f"({[r['last_reset_reason'] for r in restored.values()]})")
     again = run(vllm_cluster, [("chat", 6000, 1), ("completion", 6001, 1)])
