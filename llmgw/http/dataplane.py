@@ -288,8 +288,9 @@ class DataPlane:
             status = 502
             raise AbortConnection(str(exc)) from None
         except BaseException:
-            status = 499
-            self.metrics.for_model(route_request.served_name).client_disconnects.inc()
+            if not (recent and _relayed_stream_end(recent)):  # a client may hang up once it has read [DONE]
+                status = 499
+                self.metrics.for_model(route_request.served_name).client_disconnects.inc()
             raise
         finally:
             await upstream.aclose()
@@ -351,6 +352,12 @@ class DataPlane:
 
 
 _NO_TOKENS = ("-", "-", "-")
+
+
+def _relayed_stream_end(recent: list[bytes]) -> bool:
+    """The last relayed pieces end with the SSE stream's ``data: [DONE]``: the client has the whole answer (an
+    OpenAI SDK closes there, before the upstream's chunked terminator reaches the gateway)."""
+    return b"".join(recent[-2:]).rstrip().endswith(b"data: [DONE]")
 
 
 def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
