@@ -273,6 +273,8 @@ class DataPlane:
         recent: list[bytes] | None = [] if status == 200 else None
         watch = StreamWatch() if status == 200 and _is_event_stream(upstream.headers) else None
         try:
+            if not upstream.piece_ready:
+                yield b""  # the head goes out now, as the engine sent it; its first token may be long in coming
             while piece := await upstream.receive_piece():
                 if recent is not None:  # the last pieces (references), for the final usage chunk
                     recent.append(piece)
