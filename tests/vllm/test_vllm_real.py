@@ -266,7 +266,7 @@ def test_a_prefix_cache_reset_leaves_no_stale_prediction(vllm_cluster):
     replica = sent[0].replica
     url = engine_url(vllm_cluster, replica)
     held = vllm_cluster.wait_for(f"{replica}'s blocks indexed", lambda: vllm_cluster.kv()[replica]["blocks"])
-    cleared_before = vllm_cluster.metric("llmgw_kv_resets_total", f'replica="{replica}",reason="cleared"')
+    resets_before = vllm_cluster.kv()[replica]["resets"]
 
     assert httpx.post(url + "/reset_prefix_cache", timeout=30).json() == {"success": True}
     # vLLM queues AllBlocksCleared and publishes it on its next step: with no request, the index still holds them.
@@ -274,9 +274,9 @@ def test_a_prefix_cache_reset_leaves_no_stale_prediction(vllm_cluster):
     assert vllm_cluster.kv()[replica]["blocks"] == held
     # One step (a request straight to the engine, sharing nothing) publishes it: the index drops every block.
     httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x = 1", "max_tokens": 1}, timeout=60)
-    vllm_cluster.wait_for("AllBlocksCleared applied", lambda: vllm_cluster.metric(
-        "llmgw_kv_resets_total", f'replica="{replica}",reason="cleared"') > cleared_before, timeout=30)
-    assert vllm_cluster.kv()[replica]["blocks"] < held
+    cleared = vllm_cluster.wait_for("AllBlocksCleared applied to the router's index", lambda: (
+        entry if (entry := vllm_cluster.kv()[replica])["resets"] > resets_before else None), timeout=30)
+    assert cleared["blocks"] == 0 and cleared["last_reset_reason"] == "cleared", cleared
     # The same prompts again: nothing from before the reset is predicted, and vLLM serves nothing from cache.
     again = run(vllm_cluster, plan)
     pairs = predictions(vllm_cluster, again)
