@@ -243,7 +243,7 @@ def test_ttft_is_the_first_token_and_the_head_comes_before_it(vllm_cluster):
     """llmgw's TTFT (its access log, per request) against the client's own, for streamed chats."""
     client = sdk(vllm_cluster)
     ttfb, client_ttft, gateway_ids = [], [], []
-    for i in range(30):
+    for i in range(40):
         body = {"model": MODEL, "max_tokens": 8, "stream": True,
                 "messages": [{"role": "user", "content": prefix(3000 + i)}]}  # no cache hit: a full prefill
         started = time.perf_counter()
@@ -266,7 +266,10 @@ def test_ttft_is_the_first_token_and_the_head_comes_before_it(vllm_cluster):
 
     print(f"  session means: llmgw_time_to_first_token_seconds {mean('llmgw_time_to_first_token_seconds'):.1f} ms, "
           f"llmgw_time_to_first_byte_seconds {mean('llmgw_time_to_first_byte_seconds'):.1f} ms")
-    assert abs(statistics.median(client_ttft) - statistics.median(gateway_ttft)) <= 0.010
+    # Agreement per request (the pairs share the engine's prefill and the machine's noise; the medians of two
+    # noisy samples of 20-500 ms differ by more than the measure itself): the client sees llmgw's TTFT plus its
+    # own path to and from the gateway.
+    assert 0 <= statistics.median(diffs) <= 0.010
     assert statistics.median(ttfb) < statistics.median(client_ttft)
 
 
