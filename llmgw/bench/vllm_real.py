@@ -228,8 +228,8 @@ def start_cluster(folder: Path, *, data_port: int, control_port: int, replicas: 
 
 
 def chat_of(tokens: int, seed: int) -> list[dict]:
-    """A chat of about ``tokens`` tokens for the tiny model's tokenizer (Python-like words, ~2 tokens each)."""
-    words = " ".join(f"def f{seed}_{i}(x): return x" for i in range(tokens // 9 + 1))
+    """A chat of about ``tokens`` tokens for the tiny model's tokenizer (each ``def`` line is about 12.5)."""
+    words = " ".join(f"def f{seed}_{i}(x): return x" for i in range(max(1, round(tokens / 12.5))))
     return [{"role": "system", "content": "You answer questions about Python."}, {"role": "user", "content": words}]
 
 
@@ -270,8 +270,10 @@ def added_latency(gateway: Gateway, samples: int) -> dict:
         via.append(through)
         direct.append(straight)
         diffs.append(through - straight)
+    tokenize_ms = gateway.metric("llmgw_kv_tokenize_seconds_sum") / gateway.metric("llmgw_kv_tokenize_seconds_count")
     return {"gateway_p50_ms": round(statistics.median(via), 2), "direct_p50_ms": round(statistics.median(direct), 2),
-            "added_p50_ms": round(statistics.median(diffs), 2), "added_p90_ms": round(percentile(diffs, 0.9), 2)}
+            "added_p50_ms": round(statistics.median(diffs), 2), "added_p90_ms": round(percentile(diffs, 0.9), 2),
+            "routing_tokenize_mean_ms": round(tokenize_ms * 1000, 2)}
 
 
 def measure(gateway: Gateway, samples: int) -> dict:
