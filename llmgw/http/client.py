@@ -221,6 +221,11 @@ class UpstreamResponse:
         """The whole body has arrived (it may not all have been taken with :meth:`receive_piece` yet)."""
         return self._parser.done
 
+    @property
+    def piece_ready(self) -> bool:
+        """:meth:`receive_piece` will answer without waiting (a piece, or the end, came with what was read)."""
+        return bool(self._parser.pieces) or self._parser.done
+
     async def receive_piece(self) -> bytes:
         """The next body piece as it arrives (de-chunked; what arrived in one read comes as one piece);
         ``b""`` at the end, after which the connection is back in the pool."""

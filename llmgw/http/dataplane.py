@@ -338,6 +338,8 @@ class DataPlane:
         recent: list[bytes] | None = [] if status == 200 else None
         watch = StreamWatch() if status == 200 and _is_event_stream(upstream.headers) else None
         try:
+            if not upstream.piece_ready:
+                yield b""  # the head goes out now, as the engine sent it; its first token may be long in coming
             while piece := await upstream.receive_piece():
                 if recent is not None:  # the last pieces (references), for the final usage chunk
                     recent.append(piece)
@@ -353,8 +355,9 @@ class DataPlane:
             status = 502
             raise AbortConnection(str(exc)) from None
         except BaseException:
-            status = 499
-            self.metrics.for_model(route_request.served_name).client_disconnects.inc()
+            if not (recent and _relayed_stream_end(recent)):  # a client may hang up once it has read [DONE]
+                status = 499
+                self.metrics.for_model(route_request.served_name).client_disconnects.inc()
             raise
         finally:
             await upstream.aclose()
@@ -388,10 +391,11 @@ class DataPlane:
         if self.settings.access_log:
             access_log.info(
                 "request_id=%s model=%s replica=%s tier=%s outcome=%s status=%d ttft_ms=%s latency_ms=%.1f "
-                "prompt_tokens=%s cached_tokens=%s completion_tokens=%s", route_request.request_id,
-                route_request.served_name, replica.name, decision.tier or "-", decision.outcome, status,
+                "prompt_tokens=%s cached_tokens=%s completion_tokens=%s predicted_cached_tokens=%s",
+                route_request.request_id, route_request.served_name, replica.name, decision.tier or "-",
+                decision.outcome, status,
                 "-" if first_token_at is None else "%.1f" % ((first_token_at - started) * 1000),
-                (ended - started) * 1000, *tokens)
+                (ended - started) * 1000, *tokens, decision.detail.get("predicted_cached_tokens", "-"))
 
     def _count(self, model: str | None, response: Response | None, started: float | None = None,
                status: int | None = None) -> Response | None:
@@ -436,6 +440,12 @@ class DataPlane:
 
 
 _NO_TOKENS = ("-", "-", "-")
+
+
+def _relayed_stream_end(recent: list[bytes]) -> bool:
+    """The last relayed pieces end with the SSE stream's ``data: [DONE]``: the client has the whole answer (an
+    OpenAI SDK closes there, before the upstream's chunked terminator reaches the gateway)."""
+    return b"".join(recent[-2:]).rstrip().endswith(b"data: [DONE]")
 
 
 def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:

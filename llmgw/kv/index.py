@@ -32,7 +32,10 @@ confirmed entries, never change them, and count in :meth:`KvIndex.match` (not
 in :meth:`KvIndex.blocks` nor the gauges). Approximation, documented: a key
 predicted for several replicas expires for all of them at the latest of their
 expiries. A RESET, a ``forget`` or a ``remove`` drops that replica's predicted
-entries with its confirmed ones (its engine holds none of them any more).
+entries with its confirmed ones (its engine holds none of them any more), and
+a block the engine reports removed (an eviction) drops that replica's
+predicted entry for it: the removal is newer than the prediction, and a
+prediction outliving it would promise a cache that is gone.
 """
 
 from __future__ import annotations
@@ -238,7 +241,10 @@ class KvIndex:
 
     def _remove_keys(self, replica: _Replica, keys: Iterable[int]) -> None:
         holders, bit, mine = self._holders, replica.bit, replica.keys
+        predicted = self._pred_mask
         for key in keys:
+            if predicted and predicted.get(key, 0) & bit:
+                self._unpredict(key, bit)
             if key in mine:
                 mine.discard(key)
                 mask = holders[key] & ~bit
@@ -322,14 +328,17 @@ class KvIndex:
 
         A scan of every live predicted key (about 15 ms per 400k keys): exact, whatever other replicas predicted
         for the same keys, and paid only on resets and lost streams."""
-        masks = self._pred_mask
-        for key in [k for k, mask in masks.items() if mask & bit]:
-            mask = masks[key] & ~bit
-            if mask:
-                masks[key] = mask
-            else:
-                del masks[key]
-                del self._pred_expiry[key]
+        for key in [k for k, mask in self._pred_mask.items() if mask & bit]:
+            self._unpredict(key, bit)
+
+    def _unpredict(self, key: int, bit: int) -> None:
+        """Drop one replica slot's predicted entry for ``key`` (it has one)."""
+        mask = self._pred_mask[key] & ~bit
+        if mask:
+            self._pred_mask[key] = mask
+        else:
+            del self._pred_mask[key]
+            del self._pred_expiry[key]
 
     # -- predicted entries ----------------------------------------------------------------------------------------
 

@@ -135,6 +135,54 @@ async def test_a_stream_broken_after_its_first_byte_is_not_retried(start_fake_up
     assert sorted(posts) == [0, 1]
 
 
+async def test_a_streams_head_is_relayed_when_it_comes_not_with_the_first_event(start_fake_upstream, start_llmgw):
+    """vLLM sends a stream's head at once and its first token after the prefill: so does the gateway."""
+    a = await start_fake_upstream("a")
+    gw = await start_llmgw(f"models:\n  - name: tiny\n    replicas:\n      - url: {a.url}\n")
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        started = time.monotonic()
+        body = {"model": "tiny", "stream": True, "x_chunks": 1, "x_chunk_delay_ms": 1500}
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            head = time.monotonic() - started
+            lines = [line async for line in response.aiter_lines() if line]
+            first_event = time.monotonic() - started
+    assert lines[-1] == "data: [DONE]" and first_event >= 1.5
+    assert head < first_event - 0.75, (head, first_event)
+
+
+async def test_a_client_closing_after_done_is_a_finished_request_not_a_disconnect(start_fake_upstream, start_llmgw):
+    """An OpenAI SDK closes the stream when it reads ``data: [DONE]``; vLLM's chunked terminator comes in a write
+    of its own, after it. The request still finished (status 200, usage kept), it was no client disconnect."""
+    a = await start_fake_upstream("a")
+    gw = await start_llmgw(f"access_log: true\nmodels:\n  - name: tiny\n    replicas:\n      - url: {a.url}\n")
+    statuses = {}
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        for end_delay in (0, 500):
+            body = {"model": "tiny", "stream": True, "x_chunks": 3, "x_end_delay_ms": end_delay}
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line == "data: [DONE]":
+                        break
+            statuses[response.headers["x-request-id"]] = "status=200"
+        # A client leaving before [DONE] is a disconnect.
+        async with client.stream("POST", "/v1/chat/completions", json={
+                "model": "tiny", "stream": True, "x_chunks": 50, "x_chunk_delay_ms": 20}) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    break
+        statuses[response.headers["x-request-id"]] = "status=499"
+
+    def logged() -> dict[str, str]:
+        return {request_id: line for line in gw.output if "llmgw.access" in line
+                for request_id in statuses if f"request_id={request_id} " in line}
+
+    with trio.fail_after(10):
+        while len(access := logged()) < 3:
+            await trio.sleep(0.05)
+    assert all(status in access[request_id] for request_id, status in statuses.items()), access
+    assert await metric_value(gw, "llmgw_client_disconnects_total", 'model="tiny"') == 1
+
+
 async def test_error_cases_answer_in_openai_shape(start_fake_upstream, start_llmgw):
     a = await start_fake_upstream("a")
     dead = f"http://127.0.0.1:{free_port()}"

@@ -188,6 +188,26 @@ def test_a_reset_or_forget_drops_that_replicas_predicted_entries_only():
     assert index.match([1, 2, 3], "abc") == {"a": 0, "b": 0, "c": 0} and index.predicted_keys == 0
 
 
+def test_an_evicted_block_drops_that_replicas_prediction_of_it():
+    """Seen with vLLM evicting: a request's blocks predicted, stored, then evicted by a later request must not
+    be promised again by the prediction (for up to predicted_ttl) once the engine said they are gone."""
+    index = KvIndex()
+    for name in "ab":
+        index.apply(name, full([]))
+        index.predict(name, [1, 2, 3, 4])
+    index.apply("a", delta(stored=[1, 2, 3, 4]))
+    index.apply("a", delta(removed=[4, 3]))  # evicted, tail first
+    assert index.match([1, 2, 3, 4], "ab") == {"a": 2, "b": 4}
+    index.apply("b", delta(removed=[2]))  # a removal of a block only predicted there
+    assert index.match([1, 2, 3, 4], "ab") == {"a": 2, "b": 1}
+    index.apply("a", delta(stored=[3]))  # stored again: confirmed
+    assert index.match([1, 2, 3, 4], "ab") == {"a": 3, "b": 1}
+    index.apply("b", full([1]))  # a FULL copy without 3 and 4 keeps the predictions it does not contradict
+    assert index.match([1, 2, 3, 4], "ab") == {"a": 3, "b": 1}
+    index.apply("b", delta(removed=[4]))
+    assert index.predicted_keys == 3  # 1 (a and b), 2 (a), 3 (b); 4 is predicted by nobody now
+
+
 def drifting_index(resync_log):
     clock = trio.testing.MockClock()
     index = KvIndex(clock=clock.current_time)

