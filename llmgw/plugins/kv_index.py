@@ -268,6 +268,7 @@ class KvIndexTier:
         text = ev.text if ev.text is not None else self.tree.prompt_text(request)
         self.tree.learn(text, chosen.name, ev.choice.outcome, now)
         detail: dict[str, Any] = {"prompt_tokens": ev.prompt_tokens, "source": ev.sources[i], "share": ev.shares[i]}
+        self.tree.note_cost(detail, ev.choice, i)
         size = ev.block_sizes[i]
         if ev.sources[i] == "index" and size:
             keys = ev.keys[size]
@@ -283,10 +284,16 @@ class KvIndexTier:
         return Decision(chosen, outcome=ev.choice.outcome, tier=TIER_NAME, detail=detail)
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
-        pass  # pick() already recorded the predicted entries and the tree insert, for concurrent requests
+        """Queue its prefill in the cost model (pick() already recorded the predicted entries and the tree insert,
+        for concurrent requests)."""
+        self.tree.routed(request, decision)
+
+    def first_token(self, request: RouteRequest, decision: Decision, ttft: float) -> None:
+        self.tree.first_token(request, decision, ttft)
 
     def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
         """Count predicted next to actual cached tokens, for decisions the index made and responses with usage."""
+        self.tree.finished(request, decision, usage)
         if decision.tier != TIER_NAME or not isinstance(usage, dict):
             return
         predicted = decision.detail.get("predicted_cached_tokens")
@@ -344,15 +351,13 @@ class KvIndexTier:
                 "name": replica.name, "candidate": True, "index": self.index.describe(replica.name),
                 "source": ev.sources[i], "block_size": ev.block_sizes[i], "confirmed_blocks": ev.confirmed[i],
                 "matched_blocks": ev.matched[i], "share": ev.shares[i], "load": c.loads[i],
-                "scores": {name: values[i] for name, values in c.scores.items()}, "combined": c.combined[i],
+                **self.tree.explain_cost(c, i, replica.name),
             })
-        o = self.tree.options
         return {
             "pick": candidates[c.chosen].name, "outcome": c.outcome, "reason": c.reason,
             "preferred": candidates[c.preferred].name, "prompt_tokens": ev.prompt_tokens,
             "blocks": {str(size): len(keys) for size, keys in ev.keys.items()},
-            "rule": {"weights": dict(o.scorers), "min_match_blocks": self.options.min_match_blocks,
-                     "max_imbalance": o.max_imbalance, "load_sigma_k": o.load_sigma_k},
+            "rule": {**self.tree.explain_rule(), "min_match_blocks": self.options.min_match_blocks},
             "replicas": replicas,
         }
 
@@ -418,22 +423,26 @@ class KvIndexTier:
                 matched.append(0)
                 shares.append(held / len(text) if text else 0.0)
                 sources.append("tree")
-        choice = _decide(self.tree, request, candidates, shares, now, rng)
+        cached = [predicted_cached_tokens(run, size, prompt_tokens) if source == "index" and size
+                  else int(share * prompt_tokens) for run, size, source, share in zip(matched, sizes, sources, shares)]
+        choice = _decide(self.tree, request, candidates, shares, now, rng, prompt_tokens, cached)
         return KvEvaluation(prompt_tokens, keys, sizes, [s.value for s in states], confirmed, matched, shares,
                             sources, choice, text)
 
 
 def _decide(tree: PrefixTreeTier, request: RouteRequest, candidates: Sequence[Replica], shares: list[float],
-            now: float, rng: random.Random) -> Choice:
+            now: float, rng: random.Random, prompt_tokens: int, cached_tokens: list[int]) -> Choice:
     """The prefix tier's scorers and load rule (:meth:`PrefixTreeTier.decide`) applied to ``shares``.
 
     The prefix share reaches the tree's scorers as ``matched_chars / prompt_chars`` =
     ``round(share * SHARE_SCALE) / SHARE_SCALE``, so the ``prefix`` scorer rates a
     candidate by its share, and every other scorer (``load``, third-party ones)
-    sees the same loads and in-flight tokens as under ``prefix_tree``.
+    sees the same loads and in-flight tokens as under ``prefix_tree``. The cost model gets the exact
+    ``prompt_tokens`` and each candidate's ``cached_tokens``.
     """
     matched = [round(share * SHARE_SCALE) for share in shares]
-    c = tree.decide(request, candidates, prompt_units=SHARE_SCALE, matched=matched, now=now, rng=rng)
+    c = tree.decide(request, candidates, prompt_units=SHARE_SCALE, matched=matched, now=now, rng=rng,
+                    prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
     if not c.reason:
         longest = c.outcome == "hit" and matched[c.chosen] == max(matched)
         c.reason = ("holds the longest leading run of blocks" if longest

@@ -125,8 +125,8 @@ async def test_blocks_held_but_not_from_block_0_do_not_count():
     assert decision.replica is a and decision.outcome == "miss" and decision.detail["matched_blocks"] == 0
 
 
-async def test_misses_spread_by_load_and_a_loaded_holder_is_overridden():
-    router, tier, _, (a, b, c) = make()
+async def test_misses_spread_by_load_and_a_loaded_holder_is_overridden_by_the_count_guard():
+    router, tier, _, (a, b, c) = make({"max_imbalance": 4})
     for name in "abc":
         hold(tier, name, [])
     a.inflight, b.inflight, c.inflight = 2, 0, 1
