@@ -388,13 +388,14 @@ class PrefixTreeTier:
                         tokens: list[int], prompt_tokens: int, cached_tokens: Sequence[int], now: float,
                         rng: random.Random, tie_key) -> Choice:
         """The smallest estimated time to first token (:mod:`llmgw.router.cost`); estimates within
-        ``COST_TIE_FRACTION`` (or ``COST_TIE_SECONDS``) of it tie, and ties go to the longest match, then the
-        usual tie-breaks. Choosing a replica holding less than the longest match is outcome ``cost_override``."""
+        ``COST_TIE_FRACTION`` of it, ``COST_TIE_SECONDS`` or the noise of its replica's observed TTFTs tie, and
+        ties go to the longest match, then the usual tie-breaks. Choosing a replica holding less than the longest match is outcome ``cost_override``."""
         waiting = [self._engine_waiting(r, now) for r in candidates]
         estimates = self.cost.estimate([r.name for r in candidates], prompt_tokens, cached_tokens, waiting)
         ttfts = [e.ttft for e in estimates]
         best = min(ttfts)
-        near = [i for i, t in enumerate(ttfts) if t <= best + max(best * COST_TIE_FRACTION, COST_TIE_SECONDS)]
+        noise = max(e.noise for e, t in zip(estimates, ttfts) if t == best)
+        near = [i for i, t in enumerate(ttfts) if t <= best + max(best * COST_TIE_FRACTION, COST_TIE_SECONDS, noise)]
         chosen = self._first(rng, near, lambda i: (-matched[i], *tie_key(i)))
         longest = max(matched)
         preferred = self._first(rng, [i for i, m in enumerate(matched) if m == longest], tie_key) \

@@ -20,6 +20,7 @@ them after a few requests, and older data fades (``decay`` per observation).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -31,6 +32,8 @@ PRIOR_WEIGHT = 1.0  # each prior point's weight (data weighs up to 1 / (1 - deca
 MIN_THROUGHPUT, MAX_THROUGHPUT = 50.0, 1e8
 MAX_STEP = 30.0
 MAX_OBSERVED_TTFT = 600.0
+MIN_NOISE_OBSERVATIONS = 3
+SHRINK_WEIGHT = 10.0  # a replica's own line counts half once its observations weigh this much
 
 
 @dataclass
@@ -42,6 +45,7 @@ class Fit:
     y: float = 0.0
     xx: float = 0.0
     xy: float = 0.0
+    yy: float = 0.0
 
     def add(self, x: float, y: float, weight: float = 1.0, decay: float = 1.0) -> None:
         self.w = self.w * decay + weight
@@ -49,45 +53,64 @@ class Fit:
         self.y = self.y * decay + weight * y
         self.xx = self.xx * decay + weight * x * x
         self.xy = self.xy * decay + weight * x * y
+        self.yy = self.yy * decay + weight * y * y
+
+    def residual(self, slope: float, step: float) -> float:
+        """The weighted RMS of ``y - (step + slope x)`` over the observations (0 without any)."""
+        if self.w <= 0:
+            return 0.0
+        sse = (self.yy - 2 * step * self.y - 2 * slope * self.xy + step * step * self.w
+               + 2 * step * slope * self.x + slope * slope * self.xx)
+        return math.sqrt(max(sse, 0.0) / self.w)
+
+
+def fit_line(prior: tuple[float, float], data: Fit, observations: int) -> tuple[float, float, float]:
+    """``(seconds per token, step seconds, noise seconds)`` of ``data`` with two prior points on the line
+    ``prior = (seconds per token, step)``, within sane bounds; noise is 0 below MIN_NOISE_OBSERVATIONS."""
+    prior_slope, prior_step = prior
+    fit = Fit()
+    weight = PRIOR_WEIGHT / (1.0 + data.w)  # the prior points' leverage fades as data comes in
+    fit.add(0.0, prior_step, weight)
+    fit.add(PRIOR_TOKENS, prior_step + PRIOR_TOKENS * prior_slope, weight)
+    w, sx, sy = fit.w + data.w, fit.x + data.x, fit.y + data.y
+    sxx, sxy = fit.xx + data.xx, fit.xy + data.xy
+    var = sxx - sx * sx / w
+    slope = (sxy - sx * sy / w) / var if var > 0 else prior_slope
+    slope = min(max(slope, 1.0 / MAX_THROUGHPUT), 1.0 / MIN_THROUGHPUT)
+    step = min(max((sy - slope * sx) / w, 0.0), MAX_STEP)
+    noise = data.residual(slope, step) if observations >= MIN_NOISE_OBSERVATIONS else 0.0
+    return slope, step, noise
 
 
 @dataclass
 class ReplicaCost:
-    """One replica's learnt prefill throughput and step time, and the prefill work routed to it but not started."""
+    """One replica's observations of its speed, and the prefill work routed to it but not started."""
 
-    prior_throughput: float
-    prior_step: float
+    model: "CostModel"
     data: Fit = field(default_factory=Fit)
     pending_tokens: int = 0  # new (uncached) prompt tokens of requests routed to it without a first token yet
     pending_requests: int = 0
     observations: int = 0
     mean_new_tokens: float = 0.0  # EWMA of the new tokens of a request routed to it
-    _line: tuple[float, float] | None = None
+    _line: tuple[float, float, float] | None = None
+    _generation: int = -1
 
     def observe(self, queued_and_new_tokens: float, ttft: float, decay: float) -> None:
         """One request's first token came ``ttft`` seconds after it arrived, with this much prefill before it."""
-        if not 0 <= ttft <= MAX_OBSERVED_TTFT or not queued_and_new_tokens >= 0:
-            return
         self.data.add(float(queued_and_new_tokens), ttft, decay=decay)
         self.observations += 1
-        self._line = None
 
-    def line(self) -> tuple[float, float]:
-        """``(seconds per token, step seconds)``: the fitted line, priors included, within sane bounds."""
-        if self._line is not None:
-            return self._line
-        prior_slope = 1.0 / self.prior_throughput
-        fit = Fit()
-        fit.add(0.0, self.prior_step, PRIOR_WEIGHT)
-        fit.add(PRIOR_TOKENS, self.prior_step + PRIOR_TOKENS * prior_slope, PRIOR_WEIGHT)
-        d = self.data
-        w, sx, sy = fit.w + d.w, fit.x + d.x, fit.y + d.y
-        sxx, sxy = fit.xx + d.xx, fit.xy + d.xy
-        var = sxx - sx * sx / w
-        slope = (sxy - sx * sy / w) / var if var > 0 else prior_slope
-        slope = min(max(slope, 1.0 / MAX_THROUGHPUT), 1.0 / MIN_THROUGHPUT)
-        step = min(max((sy - slope * sx) / w, 0.0), MAX_STEP)
-        self._line = (slope, step)
+    def line(self) -> tuple[float, float, float]:
+        """``(seconds per token, step seconds, noise seconds)``: the line of the model's replicas together
+        (:meth:`CostModel.pooled_line`), moved toward the line of its own observations as they add up (weight
+        ``w / (w + SHRINK_WEIGHT)``), so a replica that has seen little looks like its peers."""
+        model = self.model
+        if self._line is None or self._generation != model.generation:
+            pooled = model.pooled_line()
+            own = fit_line(pooled[:2], self.data, self.observations)
+            trust = self.data.w / (self.data.w + SHRINK_WEIGHT)
+            self._line = tuple(p + trust * (o - p) for p, o in zip(pooled, own))
+            self._generation = model.generation
         return self._line
 
     @property
@@ -97,6 +120,12 @@ class ReplicaCost:
     @property
     def step(self) -> float:
         return self.line()[1]
+
+    @property
+    def noise(self) -> float:
+        """How far its observed TTFTs stray from its line (weighted RMS, seconds): estimates closer than this
+        cannot be told apart."""
+        return self.line()[2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +137,7 @@ class Estimate:
     queued_tokens: int
     throughput: float
     step: float
+    noise: float = 0.0  # the replica's observed TTFTs' RMS distance from its line
 
     @property
     def ttft(self) -> float:
@@ -124,23 +154,35 @@ class CostModel:
 
     def __init__(self, prior_throughput: float = DEFAULT_PRIOR_THROUGHPUT, prior_step: float = DEFAULT_PRIOR_STEP,
                  decay: float = DEFAULT_DECAY):
-        self.prior_throughput = prior_throughput
-        self.prior_step = prior_step
+        self.prior = (1.0 / prior_throughput, prior_step)
         self.decay = decay
         self.replicas: dict[str, ReplicaCost] = {}
+        self.pooled = Fit()  # every replica's observations
+        self.observations = 0
+        self.generation = 0  # bumped by every observation: the replicas' fitted lines are then stale
+        self._pooled_line: tuple[float, float, float] | None = None
 
     def replica(self, name: str) -> ReplicaCost:
         cost = self.replicas.get(name)
         if cost is None:
-            cost = self.replicas[name] = ReplicaCost(*self._priors())
+            cost = self.replicas[name] = ReplicaCost(self)
         return cost
 
-    def _priors(self) -> tuple[float, float]:
-        """A new replica's priors: the mean of the model's replicas that have learnt, else the configured ones."""
-        learnt = [c for c in self.replicas.values() if c.observations]
-        if not learnt:
-            return self.prior_throughput, self.prior_step
-        return (sum(c.throughput for c in learnt) / len(learnt), sum(c.step for c in learnt) / len(learnt))
+    def pooled_line(self) -> tuple[float, float, float]:
+        """The line of all the model's observations on the configured priors."""
+        if self._pooled_line is None:
+            self._pooled_line = fit_line(self.prior, self.pooled, self.observations)
+        return self._pooled_line
+
+    def observe(self, name: str, queued_and_new_tokens: float, ttft: float) -> None:
+        if not 0 <= ttft <= MAX_OBSERVED_TTFT or not 0 <= queued_and_new_tokens < 1 << 40:
+            return
+        self.replica(name).observe(queued_and_new_tokens, ttft, self.decay)
+        # The pool decays per observation of any replica, so it spans about as many requests as one replica's.
+        self.pooled.add(float(queued_and_new_tokens), ttft, decay=self.decay)
+        self.observations += 1
+        self.generation += 1
+        self._pooled_line = None
 
     def estimate(self, names: Sequence[str], prompt_tokens: int, cached_tokens: Sequence[int],
                  engine_waiting: Sequence[float | None] = ()) -> list[Estimate]:
@@ -158,8 +200,8 @@ class CostModel:
             waiting = engine_waiting[i] if i < len(engine_waiting) else None
             if waiting is not None and waiting > cost.pending_requests:
                 queued += int((waiting - cost.pending_requests) * (cost.mean_new_tokens or prompt_tokens))
-            slope, step = cost.line()
-            estimates.append(Estimate(cached, prompt_tokens - cached, queued, 1.0 / slope, step))
+            slope, step, noise = cost.line()
+            estimates.append(Estimate(cached, prompt_tokens - cached, queued, 1.0 / slope, step, noise))
         return estimates
 
     # -- bookkeeping: the tier calls these from its routed / first_token / finished hooks --------------------------
@@ -181,7 +223,7 @@ class CostModel:
         cost.pending_tokens = max(0, cost.pending_tokens - int(estimate_of.get("new_tokens", 0)))
         cost.pending_requests = max(0, cost.pending_requests - 1)
         if ttft is not None:
-            cost.observe(estimate_of.get("queued_tokens", 0) + estimate_of.get("new_tokens", 0), ttft, self.decay)
+            self.observe(name, estimate_of.get("queued_tokens", 0) + estimate_of.get("new_tokens", 0), ttft)
 
     def forget(self, name: str) -> None:
         self.replicas.pop(name, None)
@@ -189,5 +231,5 @@ class CostModel:
     def describe(self, name: str) -> dict:
         cost = self.replica(name)
         return {"prefill_tokens_per_s": round(cost.throughput, 1), "step_s": round(cost.step, 4),
-                "observations": cost.observations, "pending_tokens": cost.pending_tokens,
+                "noise_s": round(cost.noise, 4), "observations": cost.observations, "pending_tokens": cost.pending_tokens,
                 "pending_requests": cost.pending_requests}
