@@ -4,8 +4,9 @@
 
 For each workload (a multi-turn chat, and independent questions under one
 shared system prompt) and each arm (``round_robin``; ``prefix_tree`` with
-its defaults; ``prefix_tree`` without the load guard, i.e. prefix affinity
-alone), fresh simulator replicas and a fresh gateway are started, the same
+its defaults, the cost model; ``prefix_tree`` with the weighted scores and
+the count guard ``max_imbalance: 4``, the defaults before the cost model;
+``prefix_tree`` without the load guard, i.e. prefix affinity alone), fresh simulator replicas and a fresh gateway are started, the same
 seeded workload is run through the gateway, and the engines' reported cache
 hit rate, TTFT p50/p90 and per-replica request counts are recorded. The
 decision cost is measured in-process: ``Router.pick`` on realistic chat
@@ -39,7 +40,8 @@ from .sim_cluster import MODEL, gateway_config, start_gateway, start_sims
 REPLICAS = 4
 ARMS = {
     "round_robin": ("round_robin", {}),
-    "prefix_tree": ("prefix_tree", {"seed": 1}),
+    "prefix_tree": ("prefix_tree", {"seed": 1}),  # rule cost, no count guard: the defaults
+    "prefix_tree, scores + max_imbalance 4": ("prefix_tree", {"seed": 1, "rule": "scores", "max_imbalance": 4}),
     "prefix_tree, no load guard": ("prefix_tree", {"seed": 1, "max_imbalance": None, "scorers": {"prefix": 1.0}}),
 }
 

@@ -59,6 +59,7 @@ from .prefix_tree import Choice, PrefixTreeTier
 log = logging.getLogger(__name__)
 
 TIER_NAME = "kv_index"
+VLLM_DEFAULT_BLOCK_SIZE = 16  # vLLM's --block-size default on GPUs (and the simulator's)
 SHARE_SCALE = 1 << 20  # shares in [0, 1] handed to the tree's scorers as matched / SHARE_SCALE
 EXTRA_KEY_STYLE = {"vllm": "current", "content": "event"}
 # Request fields with which the engine's cached tokens say nothing about its cache: with `prompt_logprobs` vLLM
@@ -81,6 +82,7 @@ class KvIndexOptions:
     hash_seed: str | None = "0"
     extra_key_style: str | None = None  # default: "current" for vllm keys, "event" for content keys
     predicted_ttl: float = 2.0
+    block_size: int | None = None  # a replica's until its own events say: default, see KvIndexTier.block_size_of
     min_match_blocks: int = 1
     max_prompt_tokens: int = 131072
     lora_adapters: dict[str, str] = field(default_factory=dict)
@@ -98,7 +100,7 @@ class KvIndexOptions:
     def parse(cls, raw: Mapping[str, Any]) -> tuple["KvIndexOptions", list[str]]:
         options, problems = cls(), []
 
-        take = option_reader(options, raw, problems, ("hash_seed", "extra_key_style"))
+        take = option_reader(options, raw, problems, ("hash_seed", "extra_key_style", "block_size"))
         take("tokenizer", _name)
         take("tokenize_timeout", _positive_duration)
         take("tokenize_timeout_per_kb", _non_negative_duration)
@@ -109,6 +111,7 @@ class KvIndexOptions:
         take("hash_seed", str)
         take("extra_key_style", _name)
         take("predicted_ttl", _non_negative_duration)
+        take("block_size", count(1))
         take("min_match_blocks", count(1))
         take("max_prompt_tokens", count(1))
         take("lora_adapters", _lora_map)
@@ -217,6 +220,7 @@ class KvIndexTier:
                  if getattr(a, "name", None) and getattr(a, "path", None)}
         loras.update(options.lora_adapters)
         self.loras = loras
+        self.configured_block_size = options.block_size or block_size_arg(getattr(model, "args", None))
         self.metrics: KvMetrics | None = None
         if services.metrics is not None and getattr(services.metrics, "registry", None) is not None:
             self.metrics = KvMetrics.for_registry(services.metrics.registry)
@@ -345,11 +349,14 @@ class KvIndexTier:
                 entry["index"] = self.index.describe(entry["name"])
             return answer
         ev, c = result, result.choice
+        own_sizes = [self.index.block_size(r.name) for r in candidates]
         replicas = []
         for i, replica in enumerate(candidates):
             replicas.append({
                 "name": replica.name, "candidate": True, "index": self.index.describe(replica.name),
-                "source": ev.sources[i], "block_size": ev.block_sizes[i], "confirmed_blocks": ev.confirmed[i],
+                "source": ev.sources[i], "block_size": ev.block_sizes[i],
+                "block_size_from": self._block_size_from(replica, own_sizes),
+                "confirmed_blocks": ev.confirmed[i],
                 "matched_blocks": ev.matched[i], "share": ev.shares[i], "load": c.loads[i],
                 **self.tree.explain_cost(c, i, replica.name),
             })
@@ -362,6 +369,34 @@ class KvIndexTier:
         }
 
     # -- the rule ----------------------------------------------------------------------------------------------------
+
+    def block_sizes(self, candidates: Sequence[Replica], healthy: Sequence[bool]) -> list[int | None]:
+        """Each healthy candidate's block size: its own events', else :meth:`assumed_block_size` (so that a fresh
+        engine, whose first FULL copy is empty and sizeless, gets predicted entries from its first request)."""
+        own = [self.index.block_size(r.name) if ok else None for r, ok in zip(candidates, healthy)]
+        if all(size or not ok for size, ok in zip(own, healthy)):
+            return own
+        return [size or (self.assumed_block_size(replica, own)[0] if ok else None)
+                for replica, size, ok in zip(candidates, own, healthy)]
+
+    def _block_size_from(self, replica: Replica, sizes: Sequence[int | None]) -> str | None:
+        if self.index.block_size(replica.name):
+            return "events"
+        return self.assumed_block_size(replica, sizes)[1] if self.index.healthy(replica.name) else None
+
+    def assumed_block_size(self, replica: Replica, known: Sequence[int | None] = ()) -> tuple[int, str]:
+        """``(block size, where from)`` of a replica whose events have not said yet: the ``block_size`` option or
+        the profile's ``--block-size``, the engine's reported ``vllm:cache_config_info``, the most common size of
+        the model's other replicas, else vLLM's default."""
+        if self.configured_block_size:
+            return self.configured_block_size, "config"
+        engine = replica.engine_load
+        if engine is not None and engine.block_size:
+            return engine.block_size, "engine"
+        peers = [size for size in known if size]
+        if peers:
+            return max(set(peers), key=peers.count), "peers"
+        return VLLM_DEFAULT_BLOCK_SIZE, "default"
 
     def _tokenize_replica(self, candidates: Sequence[Replica]) -> Replica:
         """The least loaded candidate (its API server answers soonest); equals in turn."""
@@ -393,7 +428,7 @@ class KvIndexTier:
             tokens = tokens[:self.options.max_prompt_tokens]
 
         healthy = [s is IndexState.HEALTHY for s in states]
-        sizes = [index.block_size(r.name) if ok else None for r, ok in zip(candidates, healthy)]
+        sizes = self.block_sizes(candidates, healthy)
         keys: dict[int, list[int]] = {}
         runs: dict[str, tuple[int, int]] = {}
         for size in {s for s in sizes if s}:
@@ -449,6 +484,21 @@ def _decide(tree: PrefixTreeTier, request: RouteRequest, candidates: Sequence[Re
                     else "best combined score" if c.outcome == "hit"
                     else "no candidate holds a leading block of the prompt: spread by load")
     return c
+
+
+def block_size_arg(args) -> int | None:
+    """The ``--block-size`` an engine's command line sets (``--block-size N`` or ``--block-size=N``), or None."""
+    if not isinstance(args, (list, tuple)):
+        return None
+    for i, arg in enumerate(args):
+        value = None
+        if arg == "--block-size" and i + 1 < len(args):
+            value = args[i + 1]
+        elif isinstance(arg, str) and arg.startswith("--block-size="):
+            value = arg.partition("=")[2]
+        if isinstance(value, str) and value.isdigit() and 0 < int(value) <= 1 << 16:
+            return int(value)
+    return None
 
 
 predicted_cached_tokens = kv_drift.cached_tokens  # the leading run, capped so the last prompt token is computed

@@ -262,7 +262,7 @@ class PrefixTreeTier:
         bookkeeping of :meth:`routed`, :meth:`first_token` and :meth:`finished` reads it."""
         if choice.estimates is not None:
             e = choice.estimates[chosen]
-            detail["cost"] = {"new_tokens": e.new_tokens, "queued_tokens": e.queued_tokens,
+            detail["cost"] = {"new_tokens": e.new_tokens, "queued_tokens": e.queued_tokens, "requests": e.requests,
                               "estimated_ttft_s": round(e.ttft, 4)}
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
@@ -391,7 +391,7 @@ class PrefixTreeTier:
         ``COST_TIE_FRACTION`` of it, ``COST_TIE_SECONDS`` or the noise of its replica's observed TTFTs tie, and
         ties go to the longest match, then the usual tie-breaks. Choosing a replica holding less than the longest match is outcome ``cost_override``."""
         waiting = [self._engine_waiting(r, now) for r in candidates]
-        estimates = self.cost.estimate([r.name for r in candidates], prompt_tokens, cached_tokens, waiting)
+        estimates = self.cost.estimate([r.name for r in candidates], prompt_tokens, cached_tokens, loads, waiting)
         ttfts = [e.ttft for e in estimates]
         best = min(ttfts)
         noise = max(e.noise for e, t in zip(estimates, ttfts) if t == best)
@@ -407,8 +407,8 @@ class PrefixTreeTier:
             p, c = estimates[preferred], estimates[chosen]
             choice.outcome = "cost_override"
             choice.reason = (f"{candidates[preferred].name} holds more of the prompt ({p.cached_tokens} tokens) but "
-                             f"its queue ({p.queued_tokens} tokens) makes it slower: est. TTFT {p.ttft * 1000:.0f} ms "
-                             f"vs {c.ttft * 1000:.0f} ms")
+                             f"its queue ({p.queued_tokens} prefill tokens, {p.requests:g} requests) makes it slower: "
+                             f"est. TTFT {p.ttft * 1000:.0f} ms vs {c.ttft * 1000:.0f} ms")
         return choice
 
     def _guard(self, preferred: int, chosen: int, matched: list[int], loads: list[float], tokens: list[int],

@@ -410,3 +410,39 @@ async def test_requests_whose_cached_tokens_say_nothing_of_the_cache_are_not_dri
     assert tier.index.state("a").value == "healthy"
     assert tier.index.describe("a")["drift"] == {**tier.index.describe("a")["drift"], "match": 0, "over": 0}
     assert (tier.predicted_cached_total, tier.actual_cached_total) == (3 * 304, 0)
+
+
+async def test_fresh_engines_co_locate_from_the_first_request_before_their_events_say_a_block_size():
+    router, tier, _, (a, b, c) = make()
+    for name in "abc":  # what fresh engines' first FULL copies say: nothing held, no block size yet
+        tier.index.apply(name, KvChanges(kind=KvChangeKind.FULL, stored=[], block_size=0))
+    first = await router.pick(prompt(TEXT))
+    assert first.outcome == "miss" and first.detail["block_size"] == 16  # vLLM's default, assumed
+    assert tier.index.predicted_keys == 20  # its blocks are predicted at once
+    for i in range(5):  # the rest of the wave follows it
+        decision = await router.pick(prompt(TEXT + f" question {i}"))
+        assert decision.replica is first.replica and decision.outcome == "hit"
+        assert decision.detail["matched_blocks"] == 20
+    explained = await router.explain(prompt(TEXT))
+    assert {e["block_size_from"] for e in explained["replicas"]} == {"default"}
+
+
+async def test_an_assumed_block_size_comes_from_config_the_engine_or_the_peers():
+    from llmgw.plugins.kv_index import block_size_arg
+    from llmgw.router.replica import EngineLoad
+
+    assert block_size_arg(["--block-size", "32"]) == 32 and block_size_arg(["--block-size=64"]) == 64
+    assert block_size_arg(["--block-size", "x"]) is None and block_size_arg(None) is None
+    router, tier, _, (a, b, c) = make({"block_size": 32})
+    assert tier.assumed_block_size(a, [16]) == (32, "config")
+    router, tier, _, (a, b, c) = make()
+    b.engine_load = EngineLoad(0, 0, 0.0, block_size=64)
+    assert tier.assumed_block_size(b, [16, 16]) == (64, "engine")
+    assert tier.assumed_block_size(a, [None, 32, 16, 32]) == (32, "peers")
+    hold(tier, "a", [], block_size=0)
+    hold(tier, "b", keys_of(TEXT, 32)[:3], block_size=32)
+    hold(tier, "c", [], block_size=0)
+    decision = await router.pick(prompt(TEXT))  # b holds 3 blocks of 32; a and c assume b's size
+    assert decision.replica is b and decision.outcome == "hit"
+    decision = await router.pick(prompt("x" * 200))
+    assert decision.detail["block_size"] == 32
