@@ -111,13 +111,13 @@ async def test_an_idle_cold_replica_beats_a_cached_one_whose_queue_is_longer_tha
     idle = next(r for r in replicas if r is not owner)
     owner.inflight = 10
     tier.cost.replica(owner.name).pending_tokens = 6000  # long prompts of other conversations being prefilled
+    explained = await router.explain(chat("second question"))
+    assert explained["outcome"] == "cost_override" and explained["preferred"] == owner.name
+    assert "6000 prefill tokens, 10 requests" in explained["reason"]
     decision = await router.pick(chat("second question"))
     # owner: 40 ms + 6,010 / 10k + 10 x 15 ms = ~791 ms; idle: ~241 ms
     assert decision.replica is idle and decision.outcome == "cost_override"
     assert 0.2 < decision.detail["cost"]["estimated_ttft_s"] < 0.3
-    explained = await router.explain(chat("third question"))
-    assert explained["outcome"] == "cost_override" and explained["preferred"] == owner.name
-    assert "6000 prefill tokens, 10 requests" in explained["reason"]
     assert router.metrics.decisions.labels("m", "prefix_tree", "cost_override")._value.get() == 1
 
 
