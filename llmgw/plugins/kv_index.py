@@ -72,7 +72,8 @@ NO_DRIFT_CHECK_FIELDS = ("prompt_logprobs", "truncate_prompt_tokens")
 class KvIndexOptions:
     """The tier's own ``routing_options`` (the others are the ``prefix_tree`` tier's, for scoring and fallback)."""
 
-    tokenizer: str = "replica"
+    tokenizer: str = "auto"
+    tokenizer_path: str | None = None  # the model's tokenizer files (default: the profile's model_path)
     tokenize_timeout: float = kv_tokenize.DEFAULT_TOKENIZE_TIMEOUT
     tokenize_timeout_per_kb: float = kv_tokenize.DEFAULT_TOKENIZE_TIMEOUT_PER_KB
     tokenize_cache_tokens: int = kv_tokenize.DEFAULT_CACHE_TOKENS
@@ -100,8 +101,9 @@ class KvIndexOptions:
     def parse(cls, raw: Mapping[str, Any]) -> tuple["KvIndexOptions", list[str]]:
         options, problems = cls(), []
 
-        take = option_reader(options, raw, problems, ("hash_seed", "extra_key_style", "block_size"))
+        take = option_reader(options, raw, problems, ("hash_seed", "extra_key_style", "block_size", "tokenizer_path"))
         take("tokenizer", _name)
+        take("tokenizer_path", _name)
         take("tokenize_timeout", _positive_duration)
         take("tokenize_timeout_per_kb", _non_negative_duration)
         take("tokenize_cache_tokens", count(0))
@@ -206,16 +208,17 @@ class KvIndexTier:
         if registry is None:
             from ..plugins_manager import default_registry
             registry = default_registry()
+        self.base_models = frozenset({self.model, getattr(model, "name", self.model)})
         self.tokenizer = registry.get("tokenizer_sources", options.tokenizer)(
             {"tokenize_timeout": options.tokenize_timeout, "tokenize_timeout_per_kb": options.tokenize_timeout_per_kb,
-             "tokenize_cache_tokens": options.tokenize_cache_tokens})
+             "tokenize_cache_tokens": options.tokenize_cache_tokens, "base_models": self.base_models,
+             "tokenizer_path": options.tokenizer_path or _local_dir(getattr(model, "model_path", None))})
         key_options = dict(options.key_function_options)
         if options.key_function == "vllm":
             key_options.setdefault("algo", options.hash_algo)
             key_options.setdefault("seed", options.hash_seed)
         self.keys = registry.get("block_key_functions", options.key_function)(**key_options)
         self.extra_key_style = options.extra_key_style or EXTRA_KEY_STYLE.get(options.key_function, "current")
-        self.base_models = frozenset({self.model, getattr(model, "name", self.model)})
         loras = {a.name: a.path for a in getattr(model, "lora_adapters", None) or ()
                  if getattr(a, "name", None) and getattr(a, "path", None)}
         loras.update(options.lora_adapters)
@@ -227,6 +230,9 @@ class KvIndexTier:
             self.metrics.track_index(self.index)
             if getattr(self.tokenizer, "observe", False) is None:
                 self.tokenizer.observe = self.metrics.tokenize_seconds.observe
+            if getattr(self.tokenizer, "count_source", False) is None:
+                counter, model_name = self.metrics.tokenize_source, self.model
+                self.tokenizer.count_source = lambda source: counter.labels(model_name, source).inc()
         self._rng = self.tree.rng
         self._tokenize_turn = 0
         # what finished() saw, for tests and the admin API (the counters carry the same totals)
@@ -484,6 +490,12 @@ def _decide(tree: PrefixTreeTier, request: RouteRequest, candidates: Sequence[Re
                     else "best combined score" if c.outcome == "hit"
                     else "no candidate holds a leading block of the prompt: spread by load")
     return c
+
+
+def _local_dir(path) -> str | None:
+    """``path`` when it is a directory on this machine (a profile's ``model_path`` may name a hub id instead)."""
+    import os
+    return path if isinstance(path, str) and path and os.path.isdir(path) else None
 
 
 def block_size_arg(args) -> int | None:

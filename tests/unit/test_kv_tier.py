@@ -310,8 +310,11 @@ def test_options_are_checked():
 
 async def test_the_replica_tokenizer_reports_its_latency():
     router = Router(build_registry(make_plugin_manager()), Metrics())
-    tier = router.configure_model("m", "kv_index", {"tokenize_timeout": "30ms"}).tier
+    tier = router.configure_model("m", "kv_index", {"tokenize_timeout": "30ms", "tokenizer": "replica"}).tier
     assert tier.tokenizer.timeout == 0.03 and tier.tokenizer.observe is not None
+    tier = router.configure_model("m", "kv_index", {"tokenize_timeout": "30ms"}).tier  # auto: /tokenize without files
+    assert tier.tokenizer.local is None and tier.tokenizer.replica.timeout == 0.03
+    assert tier.tokenizer.observe is not None and tier.tokenizer.count_source is not None
     assert isinstance(tier.index, KvIndex)
 
 
