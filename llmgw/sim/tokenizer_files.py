@@ -7,7 +7,6 @@ yields exactly :func:`llmgw.sim.tokenizer.encode`'s ids (byte-level, special
 tokens as single ids, BOS prepended with ``add_special_tokens``), and the
 ``chat_template`` of ``tokenizer_config.json`` renders what
 :func:`llmgw.sim.tokenizer.render_chat` renders for string contents.
-``llmgw sim --write-tokenizer DIR`` writes them.
 """
 
 from __future__ import annotations
