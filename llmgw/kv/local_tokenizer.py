@@ -91,6 +91,7 @@ class LocalTokenizer:
                                if (text := _token_text(config.get(key))) is not None}
         source = _chat_template(config)
         self.template = _compile(source) if source else None
+        self.segments = SegmentMemo(self.tokenizer)
 
     def ids(self, body: bytes | Mapping[str, Any]) -> list[int] | None:
         """The prompt ids of a ``/tokenize`` body, or None when only the engine can say them exactly."""
@@ -101,14 +102,14 @@ class LocalTokenizer:
             prompt, special = request.get("prompt"), request.get("add_special_tokens", True)
             if not isinstance(prompt, str) or not isinstance(special, bool):
                 return None
-            return self.tokenizer.encode(prompt, add_special_tokens=special).ids
+            return self.segments.encode(prompt, special)
         text = self.render_chat(request)
         if text is None:
             return None
         special = request.get("add_special_tokens", False)
         if not isinstance(special, bool):
             return None
-        return self.tokenizer.encode(text, add_special_tokens=special).ids
+        return self.segments.encode(text, special)
 
     def render_chat(self, request: Mapping[str, Any]) -> str | None:
         """The chat template applied to a chat ``/tokenize`` body, or None when it cannot be done exactly here."""
@@ -131,6 +132,70 @@ class LocalTokenizer:
         except Exception as exc:  # a template's raise_exception, or any error in it: the engine would answer 400
             log.debug("the local chat template failed (%s); asking a replica", exc)
             return None
+
+
+class SegmentMemo:
+    """Encoding with a memo of the text between added tokens: a shared system prompt is tokenized once.
+
+    The ``tokenizers`` library splits its input on added tokens (``<|end|>``,
+    ``<|im_start|>``...) before normalizing and pre-tokenizing each piece on its
+    own, so the ids of a text are its pieces' ids one after the other, and the
+    pieces of a chat (a system prompt, earlier turns) recur from request to
+    request. Used only when that holds for this tokenizer: every added token
+    matched verbatim (no ``lstrip``/``rstrip``/``single_word``, not
+    normalized), and probe texts encode the same both ways (a pre-tokenizer
+    that treats the start of the input apart, such as Metaspace's
+    ``prepend_scheme: first``, fails that check); with ``add_special_tokens``
+    (a post-processor adds BOS) the text is encoded whole. Bounded by
+    ``max_tokens`` ids held, least recently used first out.
+    """
+
+    def __init__(self, tokenizer, max_tokens: int = 2_000_000):
+        import re
+        from collections import OrderedDict
+
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._memo: "OrderedDict[str, list[int]]" = OrderedDict()
+        added = tokenizer.get_added_tokens_decoder()
+        self.ids_of = {token.content: i for i, token in added.items()}
+        verbatim = all(not (t.lstrip or t.rstrip or t.single_word or t.normalized) for t in added.values())
+        self.split = None
+        if added and verbatim:
+            contents = sorted(self.ids_of, key=len, reverse=True)  # leftmost-longest, as the library matches
+            self.split = re.compile("(" + "|".join(map(re.escape, contents)) + ")").split
+            if not self._agrees(contents):
+                self.split = None
+
+    def _agrees(self, contents: list[str]) -> bool:
+        probes = [f"{c}Hello world{d}\n  more text é{c} end " for c in contents[:4] for d in contents[:2]]
+        probes += [f" leading{contents[0]}\nnext", f"x{contents[-1]}{contents[0]} y"]
+        return all(self._pieces(p) == self.tokenizer.encode(p, add_special_tokens=False).ids for p in probes)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if add_special_tokens or self.split is None:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._pieces(text)
+
+    def _pieces(self, text: str) -> list[int]:
+        ids: list[int] = []
+        memo = self._memo
+        for i, piece in enumerate(self.split(text)):
+            if i % 2:
+                ids.append(self.ids_of[piece])
+            elif piece:
+                known = memo.get(piece)
+                if known is None:
+                    known = self.tokenizer.encode(piece, add_special_tokens=False).ids
+                    memo[piece] = known
+                    self.tokens += len(known)
+                    while self.tokens > self.max_tokens and memo:
+                        self.tokens -= len(memo.popitem(last=False)[1])
+                else:
+                    memo.move_to_end(piece)
+                ids.extend(known)
+        return ids
 
 
 def _compile(source: str):
