@@ -85,7 +85,8 @@ class Cluster:
     def __init__(self, nursery: trio.Nursery):
         self.nursery = nursery
         self.router = Router(build_registry(make_plugin_manager()), Metrics())
-        self.route = self.router.configure_model(MODEL, "kv_index", {"tokenize_timeout": "2s", "seed": 3})
+        self.route = self.router.configure_model(MODEL, "kv_index", {"tokenize_timeout": "2s", "seed": 3,
+                                                                     "tokenizer": "replica"})
         self.tier = self.route.tier
         self.index: KvIndex = self.tier.index
         self.engines: dict[str, Engine] = {}
