@@ -97,15 +97,14 @@ def _config(engines, options: dict) -> str:
             f"    replicas:\n{replicas}health:\n  interval: 1s\nlog_level: warning\n")
 
 
-def _samples(text: str, name: str) -> dict[str, float]:
-    """``{label values joined by ',': value}`` of one metric in Prometheus text."""
+def _samples(text: str, name: str, label: str) -> dict[str, float]:
+    """``{value of label: sample}`` of one metric in Prometheus text (one model)."""
     out = {}
     for line in text.splitlines():
         if line.startswith(name + "{"):
             labels, value = line[len(name) + 1:].rsplit("} ", 1)
-            key = ",".join(part.split("=", 1)[1].strip('"') for part in labels.split(",")
-                           if not part.startswith("model="))
-            out[key] = float(value)
+            pairs = dict(part.split("=", 1) for part in labels.split(","))
+            out[pairs[label].strip('"')] = float(value)
     return out
 
 
@@ -141,8 +140,8 @@ async def run_arm(options: dict, concurrency: int, s: Settings, tokenizer_dir: s
         nursery.cancel_scope.cancel()
     summary = summarize(results)
     summary.update(wall_s=round(wall, 2), output_tokens_per_s=round(s.requests * s.max_tokens / wall, 1),
-                   decisions=_samples(metrics, "llmgw_routing_decisions_total"),
-                   tokenize_sources=_samples(metrics, "llmgw_kv_tokenize_source_total"))
+                   decisions=_samples(metrics, "llmgw_routing_decisions_total", "outcome"),
+                   tokenize_sources=_samples(metrics, "llmgw_kv_tokenize_source_total", "source"))
     return summary
 
 
@@ -163,8 +162,8 @@ def markdown(report: dict) -> str:
     for key, r in report["runs"].items():
         concurrency, arm = key.split(" | ", 1)
         decisions = r["decisions"]
-        outcomes = ", ".join(f"{k.split(',')[-1]} {v:g}" for k, v in sorted(decisions.items()) if v)
-        fallbacks = sum(v for k, v in decisions.items() if k.endswith(("tokenize_timeout", "tokenize_error")))
+        outcomes = ", ".join(f"{k} {v:g}" for k, v in sorted(decisions.items()) if v)
+        fallbacks = sum(v for k, v in decisions.items() if k in ("tokenize_timeout", "tokenize_error"))
         counts = "/".join(str(n) for n in r["per_replica"].values())
         lines.append(f"| {concurrency[2:]} | {arm} | {r['hit_rate']:.3f} | {r['ttft_p50_ms']:.0f} | "
                      f"{r['ttft_p90_ms']:.0f} | {r['output_tokens_per_s']:.0f} | {counts} | {outcomes} | "

@@ -112,11 +112,13 @@ class LocalFirstTokenizer:
         return ids
 
     async def _verify(self, replica, body: bytes, ids: list[int]) -> list[int]:
+        self.verify_left -= 1  # taken now: concurrent requests meanwhile use the local answer
         try:
             remote = await self.replica.tokenize(replica, body)
         except TokenizeError:
+            self.verify_left += 1  # not verified this time
             self._count("local")
-            return ids  # not verified this time
+            return ids
         self._count("replica")
         if remote != ids:
             self.mismatches += 1
@@ -125,8 +127,6 @@ class LocalFirstTokenizer:
             log.warning("the local tokenizer (%s) disagreed with %s's /tokenize (%d vs %d ids, first difference at "
                         "%d): routing tokenizes with /tokenize from now on", self._describe(), replica.name,
                         len(ids), len(remote), _first_difference(ids, remote))
-        else:
-            self.verify_left -= 1
         return remote
 
     def _describe(self) -> str:
