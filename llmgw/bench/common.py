@@ -19,3 +19,11 @@ def bench_parser(doc: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     return parser
+
+
+def print_and_save(report: dict, markdown: str, json_path: str | Path | None) -> int:
+    """Print a benchmark's Markdown table and, with ``--json``, write the report with it; the exit status."""
+    print(markdown)
+    if json_path:
+        write_json(json_path, {**report, "markdown": markdown})
+    return 0

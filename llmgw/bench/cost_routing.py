@@ -31,7 +31,7 @@ import trio
 from ..processes import llmgw_command, run_child
 from ..sim.tokenizer_files import write_tokenizer_files
 from .chat_workloads import _run_limited, new_client, send_chat, summarize, words
-from .common import bench_parser, write_json
+from .common import bench_parser, print_and_save
 from .sim_cluster import MODEL, start_gateway
 
 REPLICAS = 4
@@ -176,11 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer requests, C=24 only (a smoke run)")
     args = parser.parse_args(argv)
     report = trio.run(run, Settings.quick() if args.quick else Settings())
-    text = markdown(report)
-    print(text)
-    if args.json:
-        write_json(args.json, {**report, "markdown": text})
-    return 0
+    return print_and_save(report, markdown(report), args.json)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from ..router.replica import Replica
 from ..router.router import Router
 from ..router.tier import RouteRequest
 from .chat_workloads import percentile, run_multi_turn, run_shared_prefix, summarize, words
-from .common import write_json
+from .common import print_and_save
 from .sim_cluster import MODEL, gateway_config, start_gateway, start_sims
 
 REPLICAS = 4
@@ -189,11 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     report = trio.run(run, settings)
     report["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(),
                          "load_average": os.getloadavg(), "platform": platform.platform()}
-    text = markdown(report)
-    print(text)
-    if args.json:
-        write_json(args.json, {**report, "markdown": text})
-    return 0
+    return print_and_save(report, markdown(report), args.json)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ from ..plugins_manager import PluginError
 from ..router.replica import Replica
 from ..router.tier import Decision, RouteRequest, TierServices
 from .options import count, option_reader
-from .prefix_tree import Choice, PrefixTreeTier
+from .prefix_tree import Choice, PrefixTreeTier, _non_negative_duration
 
 log = logging.getLogger(__name__)
 
@@ -149,13 +149,6 @@ def _positive_duration(value: Any) -> float:
     seconds = parse_duration(value)
     if not seconds > 0 or not math.isfinite(seconds):
         raise ValueError("must be greater than 0")
-    return seconds
-
-
-def _non_negative_duration(value: Any) -> float:
-    seconds = parse_duration(value)
-    if not seconds >= 0 or not math.isfinite(seconds):
-        raise ValueError("must be 0 or more")
     return seconds
 
 

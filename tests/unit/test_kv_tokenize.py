@@ -148,14 +148,19 @@ async def test_client_reports_errors_by_kind(sim):
     assert info.value.kind == "connect"
 
 
-async def test_a_slow_tokenize_times_out_at_the_deadline(nursery):
+@pytest.fixture
+async def slow(nursery) -> Replica:
+    """A replica that reads the request and never answers."""
     async def slow_server(stream):
         await stream.receive_some(65536)
         await trio.sleep(10)
 
     listeners = await nursery.start(partial(trio.serve_tcp, slow_server, 0, host="127.0.0.1"))
-    port = listeners[0].socket.getsockname()[1]
-    replica = Replica(name="slow", model="tiny", url=f"http://127.0.0.1:{port}")
+    return Replica(name="slow", model="tiny", url=f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+
+
+async def test_a_slow_tokenize_times_out_at_the_deadline(slow):
+    replica = slow
     observed = []
     client = TokenizeClient(timeout=0.05, observe=observed.append)
     started = trio.current_time()
@@ -186,18 +191,11 @@ async def test_the_deadline_adapts_to_the_observed_latency(sim):
     assert fast.deadline(small) == 0.05  # never shorter than the configured one
 
 
-async def test_timeouts_lengthen_the_next_deadlines(nursery, monkeypatch):
+async def test_timeouts_lengthen_the_next_deadlines(slow, monkeypatch):
     from llmgw.kv import tokenize as tokenize_module
 
     monkeypatch.setattr(tokenize_module, "ADAPTIVE_MIN_CALLS", 2)
-
-    async def slow_server(stream):
-        await stream.receive_some(65536)
-        await trio.sleep(10)
-
-    listeners = await nursery.start(partial(trio.serve_tcp, slow_server, 0, host="127.0.0.1"))
-    port = listeners[0].socket.getsockname()[1]
-    replica = Replica(name="slow", model="tiny", url=f"http://127.0.0.1:{port}")
+    replica = slow
     client = TokenizeClient(timeout=0.02, timeout_per_kb=0.0)
     for i in range(2):
         with pytest.raises(TokenizeError):
