@@ -137,11 +137,14 @@ async def run_arm(options: dict, concurrency: int, s: Settings, tokenizer_dir: s
         wall = time.perf_counter() - started
         async with httpx.AsyncClient(timeout=10) as http:
             metrics = (await http.get(gateway.control_url + "/metrics")).text
+            explained = (await http.post(gateway.control_url + "/admin/explain",
+                                         json={"model": MODEL, "messages": bodies[0]})).json()
         nursery.cancel_scope.cancel()
     summary = summarize(results)
     summary.update(wall_s=round(wall, 2), output_tokens_per_s=round(s.requests * s.max_tokens / wall, 1),
                    decisions=_samples(metrics, "llmgw_routing_decisions_total", "outcome"),
-                   tokenize_sources=_samples(metrics, "llmgw_kv_tokenize_source_total", "source"))
+                   tokenize_sources=_samples(metrics, "llmgw_kv_tokenize_source_total", "source"),
+                   learnt={r["name"]: r["cost"]["learnt"] for r in explained.get("replicas", []) if "cost" in r})
     return summary
 
 
@@ -174,8 +177,12 @@ def markdown(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer requests, C=24 only (a smoke run)")
+    parser.add_argument("--concurrency", type=int, nargs="+", help="the concurrencies to run (default: 8 24)")
     args = parser.parse_args(argv)
-    report = trio.run(run, Settings.quick() if args.quick else Settings())
+    settings = Settings.quick() if args.quick else Settings()
+    if args.concurrency:
+        settings.concurrency = tuple(args.concurrency)
+    report = trio.run(run, settings)
     return print_and_save(report, markdown(report), args.json)
 
 

@@ -123,6 +123,7 @@ RULES = ("cost", "scores")
 DEFAULT_SCORES_MAX_IMBALANCE = 4
 COST_TIE_FRACTION = 0.05  # estimated TTFTs within 5% (or 2 ms) of the smallest tie
 COST_TIE_SECONDS = 0.002
+COST_TIE_NOISE = 0.5  # ... or half the noise of the best replica's observed TTFTs around its fit
 _NULLABLE = {"max_imbalance", "load_sigma_k", "engine_metrics_interval", "seed"}
 
 
@@ -388,13 +389,13 @@ class PrefixTreeTier:
                         tokens: list[int], prompt_tokens: int, cached_tokens: Sequence[int], now: float,
                         rng: random.Random, tie_key) -> Choice:
         """The smallest estimated time to first token (:mod:`llmgw.router.cost`); estimates within
-        ``COST_TIE_FRACTION`` of it, ``COST_TIE_SECONDS`` or the noise of its replica's observed TTFTs tie, and
+        ``COST_TIE_FRACTION`` of it, ``COST_TIE_SECONDS`` or half the noise of its replica's observed TTFTs tie, and
         ties go to the longest match, then the usual tie-breaks. Choosing a replica holding less than the longest match is outcome ``cost_override``."""
         waiting = [self._engine_waiting(r, now) for r in candidates]
         estimates = self.cost.estimate([r.name for r in candidates], prompt_tokens, cached_tokens, loads, waiting)
         ttfts = [e.ttft for e in estimates]
         best = min(ttfts)
-        noise = max(e.noise for e, t in zip(estimates, ttfts) if t == best)
+        noise = COST_TIE_NOISE * max(e.noise for e, t in zip(estimates, ttfts) if t == best)
         near = [i for i, t in enumerate(ttfts) if t <= best + max(best * COST_TIE_FRACTION, COST_TIE_SECONDS, noise)]
         chosen = self._first(rng, near, lambda i: (-matched[i], *tie_key(i)))
         longest = max(matched)
