@@ -6,20 +6,24 @@ Per request (the rule, also in ``docs/kv-routing.md``):
    if not, the prefix tree decides (outcome ``unindexable``).
 2. If no candidate's index is healthy (no events yet, or resetting after a
    reset), the prefix tree decides (``index_unhealthy``) without tokenizing.
-3. The prompt ids come from a replica's ``/tokenize`` (the least loaded
-   candidate; answers cached by body) or from the request itself (token-id
-   prompts). Too slow: the tree decides (``tokenize_timeout``); an error:
+3. The prompt ids come from the tokenizer source (by default the model's
+   ``tokenizer.json`` in the router when it is there, else a replica's
+   ``/tokenize``: the least loaded candidate's; answers cached by body) or
+   from the request itself (token-id prompts). Too slow: the tree decides (``tokenize_timeout``); an error:
    the tree decides (``tokenize_error``).
 4. The ids are hashed into block keys with the block size each candidate's
-   events reported (once per distinct size), with vLLM's extra keys
+   events reported, or an assumed one until they do (:meth:`KvIndexTier.assumed_block_size`)
+   (once per distinct size), with vLLM's extra keys
    (``cache_salt`` on block 0, a LoRA adapter on every block).
 5. Each healthy candidate's share is the fraction of the prompt's blocks it
    holds as a leading run (contiguous from block 0; predicted entries of
    requests just routed count); a candidate whose index is not healthy gets
    the tree's share instead, for this decision.
-6. The shares go through the ``prefix_tree`` tier's own scorers and load rule
-   (weights, ties, ``max_imbalance``/``load_sigma_k`` override): outcome
-   ``hit``, ``miss`` or ``load_override``.
+6. The ``prefix_tree`` tier's rule decides: the cost model with each
+   candidate's cached tokens (leading run x block size) and the exact prompt
+   tokens, or the scorers with the shares (weights, ties,
+   ``max_imbalance``/``load_sigma_k`` override): outcome ``hit``, ``miss``,
+   ``cost_override`` or ``load_override``.
 7. The chosen replica is predicted to hold the prompt's blocks for
    ``predicted_ttl`` and is inserted into the tree (which stays warm for the
    fallbacks); the decision records its predicted cached tokens (leading

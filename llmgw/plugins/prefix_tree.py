@@ -7,18 +7,25 @@ decisions (no engine help). Per request (the rule, also in
 
 1. Each candidate's *match* is the characters of the request's canonical text
    it holds in the tree; a match shorter than ``min_match_chars`` counts as 0.
-2. Each scorer named in ``scorers`` rates each candidate in [0, 1]; the
-   combined score is their weighted sum (default ``prefix: 1.0, load: 0.5``).
-3. The *preferred* replica has the highest combined score; ties go to the
-   lower load, then fewer in-flight prompt tokens, then the one least recently
-   given a request it held nothing of, then at random (never "the first").
-4. *Load guard*: if sending it to the preferred replica would put it more than
-   ``max_imbalance`` in-flight requests above the least loaded candidate (or,
-   with ``load_sigma_k`` set, its load exceeds mean + k·σ of the candidates'),
-   the request goes to the least loaded candidate instead (same tie-breaks):
-   outcome ``load_override``.
-5. Otherwise it goes to the preferred replica: outcome ``hit`` when that
-   replica holds a match, ``miss`` when not.
+2. ``rule: cost`` (the default): each candidate's estimated time to first
+   token (:mod:`llmgw.router.cost`: its uncached prompt tokens and the prefill
+   queued on it over its learnt throughput, plus its step time and a learnt
+   cost per request in flight) and the smallest wins; estimates within 5 %,
+   2 ms or half the observed noise tie. ``rule: scores``: each scorer named in
+   ``scorers`` rates each candidate in [0, 1], the combined score is their
+   weighted sum (default ``prefix: 1.0, load: 0.5``), and the highest wins.
+3. Ties go to the longer match (rule ``cost``), the lower load, then fewer
+   in-flight prompt tokens, then the one least recently given a request it
+   held nothing of, then at random (never "the first").
+4. *Load guard* (off by default under ``rule: cost``; ``max_imbalance: 4``
+   under ``rule: scores``): if sending it to the chosen replica would put it
+   more than ``max_imbalance`` in-flight requests above the least loaded
+   candidate (or, with ``load_sigma_k`` set, its load exceeds mean + k·σ of
+   the candidates'), the request goes to the least loaded candidate instead
+   (same tie-breaks): outcome ``load_override``.
+5. Otherwise: outcome ``hit`` when the chosen replica holds a match, ``miss``
+   when not, and under ``rule: cost`` ``cost_override`` when it holds less
+   than the longest match (that replica's queue made it slower).
 
 The chosen replica is inserted into the tree at once, so concurrent requests
 that share a new prefix find it. *Load* is the router's in-flight requests
