@@ -44,6 +44,7 @@ answers in an LRU cache keyed by the body bytes, bounded by total tokens.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from array import array
 from collections import OrderedDict, deque
@@ -56,6 +57,8 @@ import trio
 
 from ..http.client import UpstreamError, UpstreamPool
 from .keys import request_extra_keys
+
+log = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -282,6 +285,7 @@ class TokenizeClient:
         self._latencies: deque[float] = deque(maxlen=ADAPTIVE_WINDOW)  # seconds per KiB (at least 1 KiB) of body
         self._since_update = 0
         self._p99_per_kib: float | None = None
+        self._adapted = False  # whether the observed latency sets the deadline (logged when it changes)
 
     def deadline(self, body: bytes) -> float:
         """Seconds a ``/tokenize`` call with this body may take: the configured deadline, or
@@ -302,6 +306,12 @@ class TokenizeClient:
             self._since_update = 0
             ordered = sorted(self._latencies)
             self._p99_per_kib = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+            adapted = ADAPTIVE_FACTOR * self._p99_per_kib > self.timeout + self.timeout_per_kb
+            if adapted != self._adapted:
+                self._adapted = adapted
+                log.info("/tokenize deadline for routing: %s (p99 of the last %d calls: %.1f ms per KiB)",
+                         "twice the observed p99, above the configured one" if adapted else "the configured one",
+                         len(ordered), self._p99_per_kib * 1000)
 
     def _pool(self, replica) -> UpstreamPool:
         pool = getattr(replica, "pool", None)

@@ -221,6 +221,7 @@ class KvIndexTier:
         loras.update(options.lora_adapters)
         self.loras = loras
         self.configured_block_size = options.block_size or block_size_arg(getattr(model, "args", None))
+        self._assumed: dict[str, tuple[int, str]] = {}  # replica -> (block size, where from) while assumed
         self.metrics: KvMetrics | None = None
         if services.metrics is not None and getattr(services.metrics, "registry", None) is not None:
             self.metrics = KvMetrics.for_registry(services.metrics.registry)
@@ -377,10 +378,30 @@ class KvIndexTier:
         """Each healthy candidate's block size: its own events', else :meth:`assumed_block_size` (so that a fresh
         engine, whose first FULL copy is empty and sizeless, gets predicted entries from its first request)."""
         own = [self.index.block_size(r.name) if ok else None for r, ok in zip(candidates, healthy)]
+        if self._assumed:
+            self._check_assumed(candidates, own)
         if all(size or not ok for size, ok in zip(own, healthy)):
             return own
-        return [size or (self.assumed_block_size(replica, own)[0] if ok else None)
-                for replica, size, ok in zip(candidates, own, healthy)]
+        sizes = []
+        for replica, size, ok in zip(candidates, own, healthy):
+            if not size and ok:
+                size, source = self.assumed_block_size(replica, own)
+                if self._assumed.setdefault(replica.name, (size, source)) != (size, source):
+                    self._assumed[replica.name] = (size, source)
+            sizes.append(size)
+        return sizes
+
+    def _check_assumed(self, candidates: Sequence[Replica], own: Sequence[int | None]) -> None:
+        """Once a replica's events say its block size, say so if it was assumed otherwise (its predictions were
+        keyed for the wrong size until then)."""
+        for replica, size in zip(candidates, own):
+            assumed = self._assumed.get(replica.name) if size else None
+            if assumed is not None:
+                del self._assumed[replica.name]
+                if assumed[0] != size:
+                    log.warning("replica %s of model %r reports KV blocks of %d tokens; %d was assumed (%s) until "
+                                "its first event, so its first requests could not co-locate: set routing_options "
+                                "block_size: %d", replica.name, self.model, size, assumed[0], assumed[1], size)
 
     def _block_size_from(self, replica: Replica, sizes: Sequence[int | None]) -> str | None:
         if self.index.block_size(replica.name):

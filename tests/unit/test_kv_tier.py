@@ -449,3 +449,18 @@ async def test_an_assumed_block_size_comes_from_config_the_engine_or_the_peers()
     assert decision.replica is b and decision.outcome == "hit"
     decision = await router.pick(prompt("x" * 200))
     assert decision.detail["block_size"] == 32
+
+
+async def test_a_wrongly_assumed_block_size_is_logged_once_the_events_say(caplog):
+    import logging
+
+    router, tier, _, (a, b, c) = make()
+    for name in "abc":
+        hold(tier, name, [], block_size=0)
+    await router.pick(prompt(TEXT))  # 16 assumed for all
+    hold(tier, "a", keys_of(TEXT, 32)[:2], block_size=32)
+    with caplog.at_level(logging.WARNING, logger="llmgw.plugins.kv_index"):
+        await router.pick(prompt(TEXT))
+        await router.pick(prompt(TEXT))
+    warnings = [r.getMessage() for r in caplog.records if "was assumed" in r.getMessage()]
+    assert len(warnings) == 1 and "replica a " in warnings[0] and "block_size: 32" in warnings[0]

@@ -171,7 +171,7 @@ async def test_a_slow_tokenize_times_out_at_the_deadline(slow):
     assert 0.04 <= elapsed < 0.5 and observed[0] >= 0.04
 
 
-async def test_the_deadline_adapts_to_the_observed_latency(sim):
+async def test_the_deadline_adapts_to_the_observed_latency(sim, caplog):
     import itertools
 
     from llmgw.kv import tokenize as tokenize_module
@@ -180,9 +180,11 @@ async def test_the_deadline_adapts_to_the_observed_latency(sim):
     client = TokenizeClient(timeout=0.05, timeout_per_kb=0.0, clock=lambda: next(ticks))
     small = b'{"prompt":"x"}'
     assert client.deadline(small) == 0.05  # nothing observed: the configured deadline
-    for i in range(tokenize_module.ADAPTIVE_MIN_CALLS):
-        await client.tokenize(sim, json.dumps({"model": "tiny", "prompt": f"call {i}"}).encode())
+    with caplog.at_level("INFO", logger="llmgw.kv.tokenize"):
+        for i in range(tokenize_module.ADAPTIVE_MIN_CALLS):
+            await client.tokenize(sim, json.dumps({"model": "tiny", "prompt": f"call {i}"}).encode())
     assert client.deadline(small) == pytest.approx(2 * 0.08)  # twice the p99 of what was observed
+    assert "twice the observed p99" in caplog.text  # said once, when it took over
     large = json.dumps({"prompt": "y" * 64 * 1024}).encode()
     assert client.deadline(large) == tokenize_module.ADAPTIVE_CEILING  # 64 KiB x 160 ms: capped
     fast = TokenizeClient(timeout=0.05, timeout_per_kb=0.0, clock=lambda: 0.0)
