@@ -41,6 +41,7 @@ MIN_THROUGHPUT, MAX_THROUGHPUT = 50.0, 1e8
 MAX_STEP = 30.0
 MAX_PER_REQUEST = 30.0
 MAX_OBSERVED_TTFT = 600.0
+MAX_FORGOTTEN = 64  # replicas kept beyond twice the candidates before the ones gone are dropped
 
 Line = tuple[float, float, float, float]  # (step s, s per prefill token, s per in-flight request, noise s)
 
@@ -231,6 +232,8 @@ class CostModel:
         unknown): those beyond the router's own pending requests (sent by other gateways) count as that many
         requests of the replica's mean size.
         """
+        if len(self.replicas) > MAX_FORGOTTEN + 2 * len(names):
+            self._forget_others(names)
         estimates = []
         for i, name in enumerate(names):
             cost = self.replica(name)
@@ -243,6 +246,12 @@ class CostModel:
             estimates.append(Estimate(cached, prompt_tokens - cached, queued, requests[i], step, 1.0 / slope,
                                       per_request, noise))
         return estimates
+
+    def _forget_others(self, names: Sequence[str]) -> None:
+        """Drop replicas that are no longer candidates and have nothing pending (replicas come and go)."""
+        keep = set(names)
+        for name in [n for n, c in self.replicas.items() if n not in keep and not c.pending_requests]:
+            del self.replicas[name]
 
     # -- bookkeeping: the tier calls these from its routed / first_token / finished hooks --------------------------
 

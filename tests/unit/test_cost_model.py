@@ -164,3 +164,12 @@ async def test_the_router_hooks_keep_the_queue_and_teach_the_model():
     router.finished(request, decision, None)
     queued = tier.cost.replica(decision.replica.name)
     assert queued.pending_requests == 0 and queued.pending_tokens == 0
+
+
+def test_replicas_that_left_are_forgotten():
+    model = CostModel()
+    for i in range(200):
+        model.estimate([f"gone-{i}"], 100, [0], [0])
+    model.routed("busy", {"new_tokens": 10})
+    model.estimate(["a", "b"], 100, [0, 0], [0, 0])
+    assert len(model.replicas) <= 64 + 2 * 2 + 3 and "busy" in model.replicas  # pending work is kept
