@@ -9,7 +9,8 @@ Per request (the rule, also in ``docs/kv-routing.md``):
 3. The prompt ids come from the tokenizer source (by default the model's
    ``tokenizer.json`` in the router when it is there, else a replica's
    ``/tokenize``: the least loaded candidate's; answers cached by body) or
-   from the request itself (token-id prompts). Too slow: the tree decides (``tokenize_timeout``); an error:
+   from the request itself (token-id prompts). Too slow: the tree decides
+   (``tokenize_timeout``); an error:
    the tree decides (``tokenize_error``).
 4. The ids are hashed into block keys with the block size each candidate's
    events reported, or an assumed one until they do (:meth:`KvIndexTier.assumed_block_size`)
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -87,7 +89,7 @@ class KvIndexOptions:
     hash_seed: str | None = "0"
     extra_key_style: str | None = None  # default: "current" for vllm keys, "event" for content keys
     predicted_ttl: float = 2.0
-    block_size: int | None = None  # a replica's until its own events say: default, see KvIndexTier.block_size_of
+    block_size: int | None = None  # a replica's until its own events say (KvIndexTier.assumed_block_size)
     min_match_blocks: int = 1
     max_prompt_tokens: int = 131072
     lora_adapters: dict[str, str] = field(default_factory=dict)
@@ -105,7 +107,8 @@ class KvIndexOptions:
     def parse(cls, raw: Mapping[str, Any]) -> tuple["KvIndexOptions", list[str]]:
         options, problems = cls(), []
 
-        take = option_reader(options, raw, problems, ("hash_seed", "extra_key_style", "block_size", "tokenizer_path"))
+        take = option_reader(options, raw, problems,
+                             ("hash_seed", "extra_key_style", "block_size", "tokenizer_path"))
         take("tokenizer", _name)
         take("tokenizer_path", _name)
         take("tokenize_timeout", _positive_duration)
@@ -385,9 +388,8 @@ class KvIndexTier:
         sizes = []
         for replica, size, ok in zip(candidates, own, healthy):
             if not size and ok:
-                size, source = self.assumed_block_size(replica, own)
-                if self._assumed.setdefault(replica.name, (size, source)) != (size, source):
-                    self._assumed[replica.name] = (size, source)
+                self._assumed[replica.name] = assumed = self.assumed_block_size(replica, own)
+                size = assumed[0]
             sizes.append(size)
         return sizes
 
@@ -512,7 +514,6 @@ def _decide(tree: PrefixTreeTier, request: RouteRequest, candidates: Sequence[Re
 
 def _local_dir(path) -> str | None:
     """``path`` when it is a directory on this machine (a profile's ``model_path`` may name a hub id instead)."""
-    import os
     return path if isinstance(path, str) and path and os.path.isdir(path) else None
 
 

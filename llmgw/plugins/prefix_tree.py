@@ -395,9 +395,12 @@ class PrefixTreeTier:
     def _decide_by_cost(self, candidates: Sequence[Replica], matched: list[int], loads: list[float],
                         tokens: list[int], prompt_tokens: int, cached_tokens: Sequence[int], now: float,
                         rng: random.Random, tie_key) -> Choice:
-        """The smallest estimated time to first token (:mod:`llmgw.router.cost`); estimates within
-        ``COST_TIE_FRACTION`` of it, ``COST_TIE_SECONDS`` or half the noise of its replica's observed TTFTs tie, and
-        ties go to the longest match, then the usual tie-breaks. Choosing a replica holding less than the longest match is outcome ``cost_override``."""
+        """The smallest estimated time to first token (:mod:`llmgw.router.cost`).
+
+        Estimates within ``COST_TIE_FRACTION`` of it, ``COST_TIE_SECONDS`` or half the noise of its replica's
+        observed TTFTs tie, and ties go to the longest match, then the usual tie-breaks. Choosing a replica that
+        holds less than the longest match is outcome ``cost_override``.
+        """
         waiting = [self._engine_waiting(r, now) for r in candidates]
         estimates = self.cost.estimate([r.name for r in candidates], prompt_tokens, cached_tokens, loads, waiting)
         ttfts = [e.ttft for e in estimates]
