@@ -9,8 +9,9 @@ the count guard ``max_imbalance: 4``, the defaults before the cost model;
 ``prefix_tree`` without the load guard, i.e. prefix affinity alone), fresh
 simulator replicas and a fresh gateway are started, the same seeded workload
 is run through the gateway, and the engines' reported cache hit rate, TTFT
-p50/p90 and per-replica request counts are recorded. The decision cost is measured in-process: ``Router.pick`` on realistic chat
-bodies, against a small tree and a tree filled to its default size limits.
+p50/p90 and per-replica request counts are recorded. The decision cost is
+measured in-process: ``Router.pick`` on realistic chat bodies, against a small
+tree and a tree filled to its default size limits.
 Prints a Markdown table; ``--json`` writes everything.
 """
 
