@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Mapping
@@ -147,7 +148,8 @@ class SegmentMemo:
     that treats the start of the input apart, such as Metaspace's
     ``prepend_scheme: first``, fails that check); with ``add_special_tokens``
     (a post-processor adds BOS) the text is encoded whole. Bounded by
-    ``max_tokens`` ids held, least recently used first out.
+    ``max_tokens`` ids held, least recently used first out; safe to use from the
+    event loop and one worker thread at once.
     """
 
     def __init__(self, tokenizer, max_tokens: int = 2_000_000):
@@ -158,6 +160,7 @@ class SegmentMemo:
         self.max_tokens = max_tokens
         self.tokens = 0
         self._memo: "OrderedDict[str, list[int]]" = OrderedDict()
+        self._lock = threading.Lock()  # large bodies are tokenized in a worker thread, small ones inline
         added = tokenizer.get_added_tokens_decoder()
         self.ids_of = {token.content: i for i, token in added.items()}
         verbatim = all(not (t.lstrip or t.rstrip or t.single_word or t.normalized) for t in added.values())
@@ -180,20 +183,23 @@ class SegmentMemo:
 
     def _pieces(self, text: str) -> list[int]:
         ids: list[int] = []
-        memo = self._memo
+        memo, lock = self._memo, self._lock
         for i, piece in enumerate(self.split(text)):
             if i % 2:
                 ids.append(self.ids_of[piece])
             elif piece:
-                known = memo.get(piece)
+                with lock:
+                    known = memo.get(piece)
+                    if known is not None:
+                        memo.move_to_end(piece)
                 if known is None:
                     known = self.tokenizer.encode(piece, add_special_tokens=False).ids
-                    memo[piece] = known
-                    self.tokens += len(known)
-                    while self.tokens > self.max_tokens and memo:
-                        self.tokens -= len(memo.popitem(last=False)[1])
-                else:
-                    memo.move_to_end(piece)
+                    with lock:
+                        if piece not in memo:
+                            memo[piece] = known
+                            self.tokens += len(known)
+                        while self.tokens > self.max_tokens and memo:
+                            self.tokens -= len(memo.popitem(last=False)[1])
                 ids.extend(known)
         return ids
 

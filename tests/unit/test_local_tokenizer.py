@@ -170,3 +170,16 @@ def test_the_kv_tier_finds_the_tokenizer_in_the_profiles_model_path(files, tmp_p
     assert router.configure_model("tiny", "kv_index", model_config=hub_id).tier.tokenizer.local is None
     explicit = {"tokenizer_path": str(files), "tokenizer": "local"}
     assert router.configure_model("tiny", "kv_index", explicit).tier.tokenizer.local is not None
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                      max_size=4), max_leaves=20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=st.dictionaries(st.sampled_from(["messages", "prompt", "add_special_tokens", "add_generation_prompt",
+                                             "tools", "continue_final_message", "model"]), json_values, max_size=5))
+def test_any_body_gives_ids_or_none_never_an_error(files, body):
+    ids = LocalTokenizer(files).ids(json.dumps(body).encode())
+    assert ids is None or all(type(t) is int for t in ids)
