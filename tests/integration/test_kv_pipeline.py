@@ -364,6 +364,13 @@ async def test_fresh_engines_co_locate_a_burst_from_the_first_request_tokenized_
     owner = decisions[0].replica
     assert decisions[0].outcome == "miss" and decisions[0].detail["block_size"] == BLOCK  # assumed: vLLM's default
     assert all(d.replica is owner and d.outcome == "hit" for d in decisions[1:]), [d.outcome for d in decisions]
+    explained = await cluster.tier.explain(RouteRequest(MODEL, "/v1/chat/completions", {"model": MODEL, **bodies[0]}),
+                                           [a.replica, b.replica])
+    entries = {e["name"]: e for e in explained["replicas"]}
+    assert entries[owner.name]["block_size_from"] == "default" and explained["pick"] == owner.name
+    held = entries[owner.name]["cost"]  # the burst's blocks, predicted: what the owner would not compute again
+    assert held["cached_tokens"] > 1900 and held["new_tokens"] < 100
+    assert held["estimated_ttft_s"] == min(e["cost"]["estimated_ttft_s"] for e in entries.values())
     engine = cluster.engines[owner.name]
     await engine.chat(bodies[0])
     await cluster.settled(engine)
