@@ -173,3 +173,21 @@ def test_replicas_that_left_are_forgotten():
     model.routed("busy", {"new_tokens": 10})
     model.estimate(["a", "b"], 100, [0, 0], [0, 0])
     assert len(model.replicas) <= 64 + 2 * 2 + 3 and "busy" in model.replicas  # pending work is kept
+
+
+async def test_a_burst_under_a_new_prompt_spills_once_the_holders_queue_outweighs_a_cold_prefill():
+    router, tier, (a, b) = make()
+    picks = []
+    for i in range(6):  # all routed, none has its first token yet
+        request = chat(f"question {i}")
+        decision = await router.pick(request)
+        router.routed(request, decision)
+        decision.replica.inflight += 1  # as the data plane counts it
+        picks.append((decision.replica.name, decision.outcome))
+    owner = picks[0][0]
+    other = "b" if owner == "a" else "a"
+    # The first prefill (~2,000 tokens) is queued on the owner, with the request itself in flight: the second
+    # would wait longer there than the other replica takes to compute the whole prompt.
+    assert picks[0] == (owner, "miss") and picks[1] == (other, "cost_override")
+    assert all(outcome == "hit" for _, outcome in picks[2:])  # both hold it now and share the rest
+    assert {name for name, _ in picks[2:]} == {owner, other}
