@@ -191,3 +191,19 @@ async def test_a_burst_under_a_new_prompt_spills_once_the_holders_queue_outweigh
     assert picks[0] == (owner, "miss") and picks[1] == (other, "cost_override")
     assert all(outcome == "hit" for _, outcome in picks[2:])  # both hold it now and share the rest
     assert {name for name, _ in picks[2:]} == {owner, other}
+
+
+def test_the_cost_options_are_checked_and_naming_scorers_selects_the_scores_rule():
+    from llmgw.plugins.prefix_tree import PrefixTreeOptions, PrefixTreeTier
+
+    problems = PrefixTreeTier.check_options({"rule": "fastest", "cost_decay": 0, "cost_prefill_tokens_per_s": -1,
+                                             "cost_step_time": "soon"})
+    text = "; ".join(problems)
+    for key in ("rule", "cost_decay", "cost_prefill_tokens_per_s", "cost_step_time"):
+        assert key in text, text
+    defaults = PrefixTreeOptions.parse({})[0]
+    assert defaults.rule == "cost" and defaults.max_imbalance is None  # the count guard is off by default
+    scored = PrefixTreeOptions.parse({"scorers": {"prefix": 1.0}})[0]
+    assert scored.rule == "scores" and scored.max_imbalance == 4  # the scores rule keeps its guard
+    explicit = PrefixTreeOptions.parse({"rule": "cost", "max_imbalance": 8, "cost_step_time": "50ms"})[0]
+    assert explicit.max_imbalance == 8 and explicit.cost_step_time == 0.05
