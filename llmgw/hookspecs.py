@@ -31,7 +31,7 @@ def register_routing_tiers():
     :class:`llmgw.router.tier.TierServices` the router offers (registry,
     metrics, the model's name and replica list, a clock). The instance
     implements :class:`llmgw.router.tier.RoutingTier` (optionally its
-    ``explain``).
+    ``explain`` and ``first_token``).
     """
 
 
@@ -73,6 +73,8 @@ def register_tokenizer_sources():
 
     ``factory(options)`` builds an object whose ``async tokenize(replica,
     body)`` returns the token ids a replica would compute for a request.
+    ``options`` is the model's ``routing_options`` with ``tokenizer_path``
+    (the model's tokenizer files, when known) and ``base_models`` added.
     """
 
 

@@ -35,3 +35,11 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
         if line.startswith(name) and all(part in line for part in labels.split(",") if part):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def print_and_save(report: dict, markdown: str, json_path: str | Path | None) -> int:
+    """Print a benchmark's Markdown table and, with ``--json``, write the report with it; the exit status."""
+    print(markdown)
+    if json_path:
+        write_json(json_path, {**report, "markdown": markdown})
+    return 0

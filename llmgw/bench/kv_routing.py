@@ -14,6 +14,11 @@ tokens (block size 16: 128 and 2048 blocks), as p50/p99 in µs:
   process (another process, on the same 2-core machine) through the tier's
   client; *uncached* makes every prompt new, *cached* repeats one (the
   tokenize LRU answers).
+- *chat*: a chat of a system prompt and a new question each, tokenized in the
+  router by the local tokenizer source (the simulator's ``tokenizer.json``
+  and chat template, :mod:`llmgw.kv.local_tokenizer`) or by ``/tokenize``;
+  *memo warm* shares the system prompt (its block keys are memoised), *new
+  from its first token* does not.
 - *drift check*: ``tier.finished(request, decision, usage)`` of a warm
   decision (the engine's cached tokens compared with the prediction; a re-walk
   of the confirmed run only when it drifted, :mod:`llmgw.kv.drift`), per
@@ -40,6 +45,7 @@ import platform
 import random
 import statistics
 import sys
+import tempfile
 import time
 
 import trio
@@ -62,6 +68,7 @@ from llmgw.router.canonical import render_body
 from llmgw.router.replica import Replica
 from llmgw.router.router import Router
 from llmgw.router.tier import RouteRequest
+from llmgw.sim.tokenizer_files import write_tokenizer_files
 from llmgw.wire import KvChangeKind, KvChanges
 
 BLOCK = 16
@@ -77,10 +84,10 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
             "n": len(ordered)}
 
 
-def _tier(sim_url: str | None):
+def _tier(sim_url: str | None, **options):
     router = Router(default_registry(), Metrics())
     route = router.configure_model("tiny", "kv_index", {"tokenize_timeout": "5s", "tokenize_cache_tokens": 4_000_000,
-                                                        "seed": 1})
+                                                        "seed": 1, "tokenizer": "replica", **options})
     replicas = []
     for i in range(REPLICAS):
         url = sim_url or f"http://127.0.0.1:{9000 + i}"
@@ -161,6 +168,28 @@ async def bench_decisions(sim_url: str, tokens: int, count: int) -> dict[str, di
         render_body({"prompt": [16 + i % 200] + prompt[1:]})
         renders.append(time.perf_counter() - started)
     out["canonical_text_ids"] = _percentiles(renders)
+    # chats: a system prompt of about `tokens` tokens and a new question each (the key memo holds the prefix's
+    # blocks), tokenized in the router from the sim's tokenizer files, or by the sim's /tokenize; and chats new
+    # from their first token (nothing memoised)
+    system = "".join(chr(97 + rng.randrange(26)) for _ in range(tokens - 60))
+    def chat(i: int, new_system: bool = False) -> RouteRequest:
+        prefix = f"{i:06d}" if new_system else "000000"
+        return RouteRequest("tiny", "/v1/chat/completions", {"model": "tiny", "messages": [
+            {"role": "system", "content": prefix + system[6:]},
+            {"role": "user", "content": f"Question {i:06d}: what does it say?"}]})
+    with tempfile.TemporaryDirectory() as directory:
+        write_tokenizer_files(directory)
+        for key, options, new_system in (("chat_local_warm", {"tokenizer": "local"}, False),
+                                         ("chat_local_cold", {"tokenizer": "local"}, True),
+                                         ("chat_tokenize_warm", {"tokenizer": "replica"}, False)):
+            chat_tier, chat_replicas = _tier(sim_url, tokenizer_path=directory, **options)
+            # the first 5 are not timed (the local source checks its first answers against /tokenize)
+            samples = await _time_picks(chat_tier, chat_replicas, [chat(i, new_system) for i in range(count + 5)])
+            out[key] = _percentiles(samples[5:])
+            if options["tokenizer"] == "local":
+                assert chat_tier.tokenizer.local is not None and chat_tier.tokenizer.mismatches == 0
+            for replica in chat_replicas:
+                await replica.pool.aclose()
     # the /tokenize call alone, for reference
     calls = []
     for i in range(count):
@@ -320,6 +349,9 @@ LABELS = {
     "text_tokenize_uncached": "text + /tokenize to a local sim, new prompt",
     "text_tokenize_cached": "text, tokenize cache hit",
     "tokenize_call_alone": "the /tokenize call alone",
+    "chat_local_warm": "chat, local tokenizer, shared system prompt (memo warm)",
+    "chat_local_cold": "chat, local tokenizer, new from its first token",
+    "chat_tokenize_warm": "chat, /tokenize, shared system prompt (memo warm)",
     "canonical_text_ids": "router's canonical text of the ids (in rows 1-2)",
     "drift_check": "drift check of a warm response (finished())",
     "drift_check_over": "drift check of a drifted response (run re-walked)",

@@ -4,12 +4,14 @@
 
 For each workload (a multi-turn chat, and independent questions under one
 shared system prompt) and each arm (``round_robin``; ``prefix_tree`` with
-its defaults; ``prefix_tree`` without the load guard, i.e. prefix affinity
-alone), fresh simulator replicas and a fresh gateway are started, the same
-seeded workload is run through the gateway, and the engines' reported cache
-hit rate, TTFT p50/p90 and per-replica request counts are recorded. The
-decision cost is measured in-process: ``Router.pick`` on realistic chat
-bodies, against a small tree and a tree filled to its default size limits.
+its defaults, the cost model; ``prefix_tree`` with the weighted scores and
+the count guard ``max_imbalance: 4``, the defaults before the cost model;
+``prefix_tree`` without the load guard, i.e. prefix affinity alone), fresh
+simulator replicas and a fresh gateway are started, the same seeded workload
+is run through the gateway, and the engines' reported cache hit rate, TTFT
+p50/p90 and per-replica request counts are recorded. The decision cost is
+measured in-process: ``Router.pick`` on realistic chat bodies, against a small
+tree and a tree filled to its default size limits.
 Prints a Markdown table; ``--json`` writes everything.
 """
 
@@ -33,13 +35,14 @@ from ..router.replica import Replica
 from ..router.router import Router
 from ..router.tier import RouteRequest
 from .chat_workloads import percentile, run_multi_turn, run_shared_prefix, summarize, words
-from .common import write_json
+from .common import print_and_save
 from .sim_cluster import MODEL, gateway_config, start_gateway, start_sims
 
 REPLICAS = 4
 ARMS = {
     "round_robin": ("round_robin", {}),
-    "prefix_tree": ("prefix_tree", {"seed": 1}),
+    "prefix_tree": ("prefix_tree", {"seed": 1}),  # rule cost, no count guard: the defaults
+    "prefix_tree, scores + max_imbalance 4": ("prefix_tree", {"seed": 1, "rule": "scores", "max_imbalance": 4}),
     "prefix_tree, no load guard": ("prefix_tree", {"seed": 1, "max_imbalance": None, "scorers": {"prefix": 1.0}}),
 }
 
@@ -187,11 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     report = trio.run(run, settings)
     report["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(),
                          "load_average": os.getloadavg(), "platform": platform.platform()}
-    text = markdown(report)
-    print(text)
-    if args.json:
-        write_json(args.json, {**report, "markdown": text})
-    return 0
+    return print_and_save(report, markdown(report), args.json)
 
 
 if __name__ == "__main__":

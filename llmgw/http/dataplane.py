@@ -194,6 +194,7 @@ class DataPlane:
         kept: tuple[Replica, int, list[tuple[bytes, bytes]], bytes] | None = None  # an unwell replica's answer
         resent = False  # sent on once after its engine went away with it
         for attempt in range(1 + self.settings.retries):
+            decision = None
             try:
                 decision = await self.router.pick(route_request, exclude=tried)
                 if decision is None and not tried and self.wait_for_replica is not None \
@@ -205,11 +206,17 @@ class DataPlane:
                 tried.append(replica)
                 if attempt:
                     self.metrics.for_model(model).retries.inc()
+                # Routed as it is handed to the replica: its prefill counts as in flight from now on.
+                self.router.routed(route_request, decision)
                 outcome = await self._attempt(replica, request, forwarded, is_last=attempt == self.settings.retries)
             except BaseException:  # cancelled before any answer: the client went away (or the server stops)
+                if decision is not None:
+                    self.router.finished(route_request, decision, None)
                 self._count(model, None, started, 499)
                 self.metrics.for_model(model).client_disconnects.inc()
                 raise
+            if isinstance(outcome, (UpstreamError, tuple)):  # this attempt failed: its decision ends here
+                self.router.finished(route_request, decision, None)
             if isinstance(outcome, UpstreamError):
                 last_error = outcome
                 failures.append(f"{replica.name}: {outcome}")
@@ -228,7 +235,6 @@ class DataPlane:
                 kept = (replica, *outcome)
                 failures.append(f"{replica.name}: HTTP {outcome[0]}")
                 continue
-            self.router.routed(route_request, decision)
             return await self._relay(outcome, replica, decision, route_request, started, id_header)
         if kept is not None and (last_error is None or last_error.kind in RETRY_KINDS):
             return self._count(model, self._kept_answer(*kept, id_header), started)
@@ -347,6 +353,8 @@ class DataPlane:
                         del recent[0]
                 if watch is not None:
                     watch.feed(piece, _now())
+                    if watch.first_token_at is not None and decision.ttft is None:
+                        self.router.first_token(route_request, decision, watch.first_token_at - started)
                 yield piece
         except UpstreamError as exc:
             self._upstream_error(replica, exc)
@@ -387,6 +395,10 @@ class DataPlane:
             first_token_at = watch.first_token_at
         tokens = record_latency(self.metrics.for_replica(replica), started, ended, first_token_at, usage, watch) \
             if status == 200 else _NO_TOKENS
+        if status == 200 and watch is None and first_token_at is not None and usage is not None \
+                and _count_of(usage, "completion_tokens") == 1:
+            # A whole body's arrival is its first token's only when it holds one token: else decoding is in it.
+            self.router.first_token(route_request, decision, first_token_at - started)
         self.router.finished(route_request, decision, usage)
         if self.settings.access_log:
             access_log.info(

@@ -131,6 +131,11 @@ class KvMetrics:
         self.tokenize_seconds = Histogram(
             "llmgw_kv_tokenize_seconds", "Time of /tokenize calls made for routing (cache hits excluded; "
             "timeouts observed at the timeout).", buckets=TOKENIZE_BUCKETS, registry=r)
+        self.tokenize_source = CachedLabels(Counter(
+            "llmgw_kv_tokenize_source", "Prompts the kv_index tier tokenized, by model and where the ids came from: "
+            "local (the model's tokenizer.json in the router), replica (a replica's /tokenize), cache (the LRU of "
+            "earlier answers), local_mismatch (the local tokenizer disagreed with /tokenize and was turned off).",
+            ["model", "source"], registry=r))
         self.predicted_cached = CachedLabels(Counter(
             "llmgw_route_predicted_cached_tokens", "Prompt tokens the kv_index tier predicted the chosen replica "
             "would serve from its prefix cache (counted when the response's usage arrives).", ["model"],

@@ -44,9 +44,10 @@ answers in an LRU cache keyed by the body bytes, bounded by total tokens.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,8 @@ import trio
 from ..http.client import UpstreamError, UpstreamPool
 from .keys import request_extra_keys
 
+log = logging.getLogger(__name__)
+
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_FIELDS = ("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template",
@@ -64,6 +67,11 @@ CHAT_FIELDS = ("messages", "tools", "add_generation_prompt", "continue_final_mes
 TEXT_PART_TYPES = frozenset({"text", "input_text"})
 DEFAULT_TOKENIZE_TIMEOUT = 0.05
 DEFAULT_TOKENIZE_TIMEOUT_PER_KB = 0.002
+ADAPTIVE_FACTOR = 2.0  # the deadline grows to twice the p99 of the recent calls' latency (per KiB of body)
+ADAPTIVE_CEILING = 0.5  # seconds: never longer than this, whatever was observed
+ADAPTIVE_WINDOW = 256  # the recent calls
+ADAPTIVE_MIN_CALLS = 16  # observed before the p99 is used; recomputed every ADAPTIVE_UPDATE_EVERY calls
+ADAPTIVE_UPDATE_EVERY = 16
 DEFAULT_CACHE_TOKENS = 4_000_000  # about 16 MB of ids (4 bytes each) plus the bodies
 _U32 = next(code for code in "IL" if array(code).itemsize == 4)
 
@@ -251,7 +259,11 @@ class TokenizeClient:
     cache, and its ``/tokenize`` alone takes 8-16 ms at the median and up to
     60 ms at p99 on a busy machine (the simulator, ``docs/kv-routing.md``;
     vLLM's fast tokenizers are in the same range) plus the API server's
-    queueing.
+    queueing. The deadline adapts to what is observed (:meth:`deadline`): when
+    twice the p99 of the last 256 calls' latency (scaled by body size) is
+    longer than the configured one, that is used instead, up to 500 ms; a
+    timeout counts as a call that took its deadline, so a run of them
+    lengthens the next deadlines.
     """
 
     def __init__(self, options: Mapping[str, Any] | None = None, *, timeout: float | None = None,
@@ -270,10 +282,36 @@ class TokenizeClient:
         self.timeouts = 0
         self.errors = 0
         self._pools: "WeakKeyDictionary[object, UpstreamPool]" = WeakKeyDictionary()
+        self._latencies: deque[float] = deque(maxlen=ADAPTIVE_WINDOW)  # seconds per KiB (at least 1 KiB) of body
+        self._since_update = 0
+        self._p99_per_kib: float | None = None
+        self._adapted = False  # whether the observed latency sets the deadline (logged when it changes)
 
     def deadline(self, body: bytes) -> float:
-        """Seconds a ``/tokenize`` call with this body may take."""
-        return self.timeout + self.timeout_per_kb * len(body) / 1024
+        """Seconds a ``/tokenize`` call with this body may take: the configured deadline, or
+        ``ADAPTIVE_FACTOR`` x the p99 of the recent calls' seconds per KiB x this body's KiB when that is longer
+        (at most ``ADAPTIVE_CEILING``)."""
+        kib = max(len(body), 1024) / 1024
+        configured = self.timeout + self.timeout_per_kb * len(body) / 1024
+        if self._p99_per_kib is None:
+            return configured
+        return max(configured, min(ADAPTIVE_FACTOR * self._p99_per_kib * kib, ADAPTIVE_CEILING))
+
+    def _learn_latency(self, seconds: float, body: bytes) -> None:
+        """One call's latency (a timeout counts as its deadline, so a run of timeouts lengthens the next ones)."""
+        self._latencies.append(seconds / (max(len(body), 1024) / 1024))
+        self._since_update += 1
+        if self._since_update >= ADAPTIVE_UPDATE_EVERY or self._p99_per_kib is None \
+                and len(self._latencies) >= ADAPTIVE_MIN_CALLS:
+            self._since_update = 0
+            ordered = sorted(self._latencies)
+            self._p99_per_kib = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+            adapted = ADAPTIVE_FACTOR * self._p99_per_kib > self.timeout + self.timeout_per_kb
+            if adapted != self._adapted:
+                self._adapted = adapted
+                log.info("/tokenize deadline for routing: %s (p99 of the last %d calls: %.1f ms per KiB)",
+                         "twice the observed p99, above the configured one" if adapted else "the configured one",
+                         len(ordered), self._p99_per_kib * 1000)
 
     def _pool(self, replica) -> UpstreamPool:
         pool = getattr(replica, "pool", None)
@@ -295,9 +333,12 @@ class TokenizeClient:
         except TokenizeError as exc:
             if exc.kind == "timeout":
                 self.timeouts += 1
+                self._learn_latency(self.deadline(body), body)
             else:
                 self.errors += 1
             raise
+        else:
+            self._learn_latency(self.clock() - started, body)
         finally:
             if self.observe is not None:
                 self.observe(self.clock() - started)

@@ -6,20 +6,25 @@ Per request (the rule, also in ``docs/kv-routing.md``):
    if not, the prefix tree decides (outcome ``unindexable``).
 2. If no candidate's index is healthy (no events yet, or resetting after a
    reset), the prefix tree decides (``index_unhealthy``) without tokenizing.
-3. The prompt ids come from a replica's ``/tokenize`` (the least loaded
-   candidate; answers cached by body) or from the request itself (token-id
-   prompts). Too slow: the tree decides (``tokenize_timeout``); an error:
+3. The prompt ids come from the tokenizer source (by default the model's
+   ``tokenizer.json`` in the router when it is there, else a replica's
+   ``/tokenize``: the least loaded candidate's; answers cached by body) or
+   from the request itself (token-id prompts). Too slow: the tree decides
+   (``tokenize_timeout``); an error:
    the tree decides (``tokenize_error``).
 4. The ids are hashed into block keys with the block size each candidate's
-   events reported (once per distinct size), with vLLM's extra keys
+   events reported, or an assumed one until they do (:meth:`KvIndexTier.assumed_block_size`)
+   (once per distinct size), with vLLM's extra keys
    (``cache_salt`` on block 0, a LoRA adapter on every block).
 5. Each healthy candidate's share is the fraction of the prompt's blocks it
    holds as a leading run (contiguous from block 0; predicted entries of
    requests just routed count); a candidate whose index is not healthy gets
    the tree's share instead, for this decision.
-6. The shares go through the ``prefix_tree`` tier's own scorers and load rule
-   (weights, ties, ``max_imbalance``/``load_sigma_k`` override): outcome
-   ``hit``, ``miss`` or ``load_override``.
+6. The ``prefix_tree`` tier's rule decides: the cost model with each
+   candidate's cached tokens (leading run x block size) and the exact prompt
+   tokens, or the scorers with the shares (weights, ties,
+   ``max_imbalance``/``load_sigma_k`` override): outcome ``hit``, ``miss``,
+   ``cost_override`` or ``load_override``.
 7. The chosen replica is predicted to hold the prompt's blocks for
    ``predicted_ttl`` and is inserted into the tree (which stays warm for the
    fallbacks); the decision records its predicted cached tokens (leading
@@ -36,6 +41,7 @@ Per request (the rule, also in ``docs/kv-routing.md``):
 from __future__ import annotations
 
 import logging
+import os
 import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -58,6 +64,7 @@ from .prefix_tree import Choice, PrefixTreeTier
 log = logging.getLogger(__name__)
 
 TIER_NAME = "kv_index"
+VLLM_DEFAULT_BLOCK_SIZE = 16  # vLLM's --block-size default on GPUs (and the simulator's)
 SHARE_SCALE = 1 << 20  # shares in [0, 1] handed to the tree's scorers as matched / SHARE_SCALE
 EXTRA_KEY_STYLE = {"vllm": "current", "content": "event"}
 # Request fields with which the engine's cached tokens say nothing about its cache: with `prompt_logprobs` vLLM
@@ -70,7 +77,8 @@ NO_DRIFT_CHECK_FIELDS = ("prompt_logprobs", "truncate_prompt_tokens")
 class KvIndexOptions:
     """The tier's own ``routing_options`` (the others are the ``prefix_tree`` tier's, for scoring and fallback)."""
 
-    tokenizer: str = "replica"
+    tokenizer: str = "auto"
+    tokenizer_path: str | None = None  # the model's tokenizer files (default: the profile's model_path)
     tokenize_timeout: float = kv_tokenize.DEFAULT_TOKENIZE_TIMEOUT
     tokenize_timeout_per_kb: float = kv_tokenize.DEFAULT_TOKENIZE_TIMEOUT_PER_KB
     tokenize_cache_tokens: int = kv_tokenize.DEFAULT_CACHE_TOKENS
@@ -80,6 +88,7 @@ class KvIndexOptions:
     hash_seed: str | None = "0"
     extra_key_style: str | None = None  # default: "current" for vllm keys, "event" for content keys
     predicted_ttl: float = 2.0
+    block_size: int | None = None  # a replica's until its own events say (KvIndexTier.assumed_block_size)
     min_match_blocks: int = 1
     max_prompt_tokens: int = 131072
     lora_adapters: dict[str, str] = field(default_factory=dict)
@@ -98,8 +107,10 @@ class KvIndexOptions:
     def parse(cls, raw: Mapping[str, Any]) -> tuple["KvIndexOptions", list[str]]:
         options, problems = cls(), []
 
-        take = option_reader(options, raw, problems, ("hash_seed", "extra_key_style"))
+        take = option_reader(options, raw, problems,
+                             ("hash_seed", "extra_key_style", "block_size", "tokenizer_path"))
         take("tokenizer", _name)
+        take("tokenizer_path", _name)
         take("tokenize_timeout", _positive_duration)
         take("tokenize_timeout_per_kb", _non_negative_duration)
         take("tokenize_cache_tokens", count(0))
@@ -109,6 +120,7 @@ class KvIndexOptions:
         take("hash_seed", str)
         take("extra_key_style", _name)
         take("predicted_ttl", _non_negative_duration)
+        take("block_size", count(1))
         take("min_match_blocks", count(1))
         take("max_prompt_tokens", count(1))
         take("lora_adapters", _lora_map)
@@ -194,26 +206,32 @@ class KvIndexTier:
         if registry is None:
             from ..plugins_manager import default_registry
             registry = default_registry()
+        self.base_models = frozenset({self.model, getattr(model, "name", self.model)})
         self.tokenizer = registry.get("tokenizer_sources", options.tokenizer)(
             {"tokenize_timeout": options.tokenize_timeout, "tokenize_timeout_per_kb": options.tokenize_timeout_per_kb,
-             "tokenize_cache_tokens": options.tokenize_cache_tokens})
+             "tokenize_cache_tokens": options.tokenize_cache_tokens, "base_models": self.base_models,
+             "tokenizer_path": options.tokenizer_path or _local_dir(getattr(model, "model_path", None))})
         key_options = dict(options.key_function_options)
         if options.key_function == "vllm":
             key_options.setdefault("algo", options.hash_algo)
             key_options.setdefault("seed", options.hash_seed)
         self.keys = registry.get("block_key_functions", options.key_function)(**key_options)
         self.extra_key_style = options.extra_key_style or EXTRA_KEY_STYLE.get(options.key_function, "current")
-        self.base_models = frozenset({self.model, getattr(model, "name", self.model)})
         loras = {a.name: a.path for a in getattr(model, "lora_adapters", None) or ()
                  if getattr(a, "name", None) and getattr(a, "path", None)}
         loras.update(options.lora_adapters)
         self.loras = loras
+        self.configured_block_size = options.block_size or block_size_arg(getattr(model, "args", None))
+        self._assumed: dict[str, tuple[int, str]] = {}  # replica -> (block size, where from) while assumed
         self.metrics: KvMetrics | None = None
         if services.metrics is not None and getattr(services.metrics, "registry", None) is not None:
             self.metrics = KvMetrics.for_registry(services.metrics.registry)
             self.metrics.track_index(self.index)
             if getattr(self.tokenizer, "observe", False) is None:
                 self.tokenizer.observe = self.metrics.tokenize_seconds.observe
+            if getattr(self.tokenizer, "count_source", False) is None:
+                counter, model_name = self.metrics.tokenize_source, self.model
+                self.tokenizer.count_source = lambda source: counter.labels(model_name, source).inc()
         self._rng = self.tree.rng
         self._tokenize_turn = 0
         # what finished() saw, for tests and the admin API (the counters carry the same totals)
@@ -259,6 +277,7 @@ class KvIndexTier:
         text = ev.text if ev.text is not None else self.tree.prompt_text(request)
         self.tree.learn(text, chosen.name, ev.choice.outcome, now)
         detail: dict[str, Any] = {"prompt_tokens": ev.prompt_tokens, "source": ev.sources[i], "share": ev.shares[i]}
+        self.tree.note_cost(detail, ev.choice, i)
         size = ev.block_sizes[i]
         if ev.sources[i] == "index" and size:
             keys = ev.keys[size]
@@ -274,10 +293,16 @@ class KvIndexTier:
         return Decision(chosen, outcome=ev.choice.outcome, tier=TIER_NAME, detail=detail)
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
-        pass  # pick() already recorded the predicted entries and the tree insert, for concurrent requests
+        """Queue its prefill in the cost model (pick() already recorded the predicted entries and the tree insert,
+        for concurrent requests)."""
+        self.tree.routed(request, decision)
+
+    def first_token(self, request: RouteRequest, decision: Decision, ttft: float) -> None:
+        self.tree.first_token(request, decision, ttft)
 
     def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
         """Count predicted next to actual cached tokens, for decisions the index made and responses with usage."""
+        self.tree.finished(request, decision, usage)
         if decision.tier != TIER_NAME or not isinstance(usage, dict):
             return
         predicted = decision.detail.get("predicted_cached_tokens")
@@ -329,25 +354,73 @@ class KvIndexTier:
                 entry["index"] = self.index.describe(entry["name"])
             return answer
         ev, c = result, result.choice
+        own_sizes = [self.index.block_size(r.name) for r in candidates]
         replicas = []
         for i, replica in enumerate(candidates):
             replicas.append({
                 "name": replica.name, "candidate": True, "index": self.index.describe(replica.name),
-                "source": ev.sources[i], "block_size": ev.block_sizes[i], "confirmed_blocks": ev.confirmed[i],
+                "source": ev.sources[i], "block_size": ev.block_sizes[i],
+                "block_size_from": self._block_size_from(replica, own_sizes),
+                "confirmed_blocks": ev.confirmed[i],
                 "matched_blocks": ev.matched[i], "share": ev.shares[i], "load": c.loads[i],
-                "scores": {name: values[i] for name, values in c.scores.items()}, "combined": c.combined[i],
+                **self.tree.explain_cost(c, i, replica.name),
             })
-        o = self.tree.options
         return {
             "pick": candidates[c.chosen].name, "outcome": c.outcome, "reason": c.reason,
             "preferred": candidates[c.preferred].name, "prompt_tokens": ev.prompt_tokens,
             "blocks": {str(size): len(keys) for size, keys in ev.keys.items()},
-            "rule": {"weights": dict(o.scorers), "min_match_blocks": self.options.min_match_blocks,
-                     "max_imbalance": o.max_imbalance, "load_sigma_k": o.load_sigma_k},
+            "rule": {**self.tree.explain_rule(), "min_match_blocks": self.options.min_match_blocks},
             "replicas": replicas,
         }
 
     # -- the rule ----------------------------------------------------------------------------------------------------
+
+    def block_sizes(self, candidates: Sequence[Replica], healthy: Sequence[bool]) -> list[int | None]:
+        """Each healthy candidate's block size: its own events', else :meth:`assumed_block_size` (so that a fresh
+        engine, whose first FULL copy is empty and sizeless, gets predicted entries from its first request)."""
+        own = [self.index.block_size(r.name) if ok else None for r, ok in zip(candidates, healthy)]
+        if self._assumed:
+            self._check_assumed(candidates, own)
+        if all(size or not ok for size, ok in zip(own, healthy)):
+            return own
+        sizes = []
+        for replica, size, ok in zip(candidates, own, healthy):
+            if not size and ok:
+                self._assumed[replica.name] = assumed = self.assumed_block_size(replica, own)
+                size = assumed[0]
+            sizes.append(size)
+        return sizes
+
+    def _check_assumed(self, candidates: Sequence[Replica], own: Sequence[int | None]) -> None:
+        """Once a replica's events say its block size, say so if it was assumed otherwise (its predictions were
+        keyed for the wrong size until then)."""
+        for replica, size in zip(candidates, own):
+            assumed = self._assumed.get(replica.name) if size else None
+            if assumed is not None:
+                del self._assumed[replica.name]
+                if assumed[0] != size:
+                    log.warning("replica %s of model %r reports KV blocks of %d tokens; %d was assumed (%s) until "
+                                "its first event, so its first requests could not co-locate: set routing_options "
+                                "block_size: %d", replica.name, self.model, size, assumed[0], assumed[1], size)
+
+    def _block_size_from(self, replica: Replica, sizes: Sequence[int | None]) -> str | None:
+        if self.index.block_size(replica.name):
+            return "events"
+        return self.assumed_block_size(replica, sizes)[1] if self.index.healthy(replica.name) else None
+
+    def assumed_block_size(self, replica: Replica, known: Sequence[int | None] = ()) -> tuple[int, str]:
+        """``(block size, where from)`` of a replica whose events have not said yet: the ``block_size`` option or
+        the profile's ``--block-size``, the engine's reported ``vllm:cache_config_info``, the most common size of
+        the model's other replicas, else vLLM's default."""
+        if self.configured_block_size:
+            return self.configured_block_size, "config"
+        engine = replica.engine_load
+        if engine is not None and engine.block_size:
+            return engine.block_size, "engine"
+        peers = [size for size in known if size]
+        if peers:
+            return max(set(peers), key=peers.count), "peers"
+        return VLLM_DEFAULT_BLOCK_SIZE, "default"
 
     def _tokenize_replica(self, candidates: Sequence[Replica]) -> Replica:
         """The least loaded candidate (its API server answers soonest); equals in turn."""
@@ -379,7 +452,7 @@ class KvIndexTier:
             tokens = tokens[:self.options.max_prompt_tokens]
 
         healthy = [s is IndexState.HEALTHY for s in states]
-        sizes = [index.block_size(r.name) if ok else None for r, ok in zip(candidates, healthy)]
+        sizes = self.block_sizes(candidates, healthy)
         keys: dict[int, list[int]] = {}
         runs: dict[str, tuple[int, int]] = {}
         for size in {s for s in sizes if s}:
@@ -409,28 +482,52 @@ class KvIndexTier:
                 matched.append(0)
                 shares.append(held / len(text) if text else 0.0)
                 sources.append("tree")
-        choice = _decide(self.tree, request, candidates, shares, now, rng)
+        cached = [predicted_cached_tokens(run, size, prompt_tokens) if source == "index" and size
+                  else int(share * prompt_tokens) for run, size, source, share in zip(matched, sizes, sources, shares)]
+        choice = _decide(self.tree, request, candidates, shares, now, rng, prompt_tokens, cached)
         return KvEvaluation(prompt_tokens, keys, sizes, [s.value for s in states], confirmed, matched, shares,
                             sources, choice, text)
 
 
 def _decide(tree: PrefixTreeTier, request: RouteRequest, candidates: Sequence[Replica], shares: list[float],
-            now: float, rng: random.Random) -> Choice:
+            now: float, rng: random.Random, prompt_tokens: int, cached_tokens: list[int]) -> Choice:
     """The prefix tier's scorers and load rule (:meth:`PrefixTreeTier.decide`) applied to ``shares``.
 
     The prefix share reaches the tree's scorers as ``matched_chars / prompt_chars`` =
     ``round(share * SHARE_SCALE) / SHARE_SCALE``, so the ``prefix`` scorer rates a
     candidate by its share, and every other scorer (``load``, third-party ones)
-    sees the same loads and in-flight tokens as under ``prefix_tree``.
+    sees the same loads and in-flight tokens as under ``prefix_tree``. The cost model gets the exact
+    ``prompt_tokens`` and each candidate's ``cached_tokens``.
     """
     matched = [round(share * SHARE_SCALE) for share in shares]
-    c = tree.decide(request, candidates, prompt_units=SHARE_SCALE, matched=matched, now=now, rng=rng)
+    c = tree.decide(request, candidates, prompt_units=SHARE_SCALE, matched=matched, now=now, rng=rng,
+                    prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
     if not c.reason:
         longest = c.outcome == "hit" and matched[c.chosen] == max(matched)
         c.reason = ("holds the longest leading run of blocks" if longest
                     else "best combined score" if c.outcome == "hit"
                     else "no candidate holds a leading block of the prompt: spread by load")
     return c
+
+
+def _local_dir(path) -> str | None:
+    """``path`` when it is a directory on this machine (a profile's ``model_path`` may name a hub id instead)."""
+    return path if isinstance(path, str) and path and os.path.isdir(path) else None
+
+
+def block_size_arg(args) -> int | None:
+    """The ``--block-size`` an engine's command line sets (``--block-size N`` or ``--block-size=N``), or None."""
+    if not isinstance(args, (list, tuple)):
+        return None
+    for i, arg in enumerate(args):
+        value = None
+        if arg == "--block-size" and i + 1 < len(args):
+            value = args[i + 1]
+        elif isinstance(arg, str) and arg.startswith("--block-size="):
+            value = arg.partition("=")[2]
+        if isinstance(value, str) and value.isdigit() and 0 < int(value) <= 1 << 16:
+            return int(value)
+    return None
 
 
 predicted_cached_tokens = kv_drift.cached_tokens  # the leading run, capped so the last prompt token is computed

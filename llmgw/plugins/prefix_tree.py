@@ -7,18 +7,25 @@ decisions (no engine help). Per request (the rule, also in
 
 1. Each candidate's *match* is the characters of the request's canonical text
    it holds in the tree; a match shorter than ``min_match_chars`` counts as 0.
-2. Each scorer named in ``scorers`` rates each candidate in [0, 1]; the
-   combined score is their weighted sum (default ``prefix: 1.0, load: 0.5``).
-3. The *preferred* replica has the highest combined score; ties go to the
-   lower load, then fewer in-flight prompt tokens, then the one least recently
-   given a request it held nothing of, then at random (never "the first").
-4. *Load guard*: if sending it to the preferred replica would put it more than
-   ``max_imbalance`` in-flight requests above the least loaded candidate (or,
-   with ``load_sigma_k`` set, its load exceeds mean + k·σ of the candidates'),
-   the request goes to the least loaded candidate instead (same tie-breaks):
-   outcome ``load_override``.
-5. Otherwise it goes to the preferred replica: outcome ``hit`` when that
-   replica holds a match, ``miss`` when not.
+2. ``rule: cost`` (the default): each candidate's estimated time to first
+   token (:mod:`llmgw.router.cost`: its uncached prompt tokens and the prefill
+   queued on it over its learnt throughput, plus its step time and a learnt
+   cost per request in flight) and the smallest wins; estimates within 5 %,
+   2 ms or half the observed noise tie. ``rule: scores``: each scorer named in
+   ``scorers`` rates each candidate in [0, 1], the combined score is their
+   weighted sum (default ``prefix: 1.0, load: 0.5``), and the highest wins.
+3. Ties go to the longer match (rule ``cost``), the lower load, then fewer
+   in-flight prompt tokens, then the one least recently given a request it
+   held nothing of, then at random (never "the first").
+4. *Load guard* (off by default under ``rule: cost``; ``max_imbalance: 4``
+   under ``rule: scores``): if sending it to the chosen replica would put it
+   more than ``max_imbalance`` in-flight requests above the least loaded
+   candidate (or, with ``load_sigma_k`` set, its load exceeds mean + k·σ of
+   the candidates'), the request goes to the least loaded candidate instead
+   (same tie-breaks): outcome ``load_override``.
+5. Otherwise: outcome ``hit`` when the chosen replica holds a match, ``miss``
+   when not, and under ``rule: cost`` ``cost_override`` when it holds less
+   than the longest match (that replica's queue made it slower).
 
 The chosen replica is inserted into the tree at once, so concurrent requests
 that share a new prefix find it. *Load* is the router's in-flight requests
@@ -37,7 +44,8 @@ from typing import Any, Mapping, Sequence
 
 from ..hookspecs import hookimpl
 from ..plugins_manager import PluginError, default_registry
-from ..router.canonical import canonical_text, estimated_prompt_tokens
+from ..router import cost as cost_model
+from ..router.canonical import CHARS_PER_TOKEN, canonical_text, estimated_prompt_tokens
 from ..router.radix import RadixTree
 from ..router.replica import Replica
 from ..router.tier import Decision, RouteRequest, ScoreContext, TierServices
@@ -57,9 +65,10 @@ TIER_NAME = "prefix_tree"
 class PrefixTreeOptions:
     """The tier's ``routing_options``, with their defaults (units in the names or the docs)."""
 
+    rule: str = "cost"  # "cost": the smallest estimated time to first token; "scores": the weighted scorers
     scorers: dict[str, float] = field(default_factory=lambda: {"prefix": 1.0, "load": 0.5})
     min_match_chars: int = 256
-    max_imbalance: float | None = 4
+    max_imbalance: float | None = None  # default: off under rule "cost", 4 under rule "scores"
     load_sigma_k: float | None = None
     load_token_scale: int = 8192
     tree_chars_per_replica: int = 2_000_000
@@ -70,6 +79,9 @@ class PrefixTreeOptions:
     engine_metrics_timeout: float | None = None  # default: the interval, at most 1 s
     engine_metrics_max_age: float | None = None  # default: 3 intervals
     seed: int | None = None
+    cost_prefill_tokens_per_s: float = cost_model.DEFAULT_PRIOR_THROUGHPUT
+    cost_step_time: float = cost_model.DEFAULT_PRIOR_STEP
+    cost_decay: float = cost_model.DEFAULT_DECAY
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | None, scorer_keys: set[str] = frozenset()
@@ -84,6 +96,7 @@ class PrefixTreeOptions:
         unknown = sorted(k for k in raw if k not in known)
 
         take = option_reader(options, raw, problems, _NULLABLE)
+        take("rule", _rule)
         take("scorers", _weights)
         take("min_match_chars", count(0))
         take("max_imbalance", _positive_number)
@@ -97,6 +110,13 @@ class PrefixTreeOptions:
         take("engine_metrics_timeout", _positive_duration)
         take("engine_metrics_max_age", _positive_duration)
         take("seed", count(0, 2**64 - 1))
+        take("cost_prefill_tokens_per_s", _positive_number)
+        take("cost_step_time", _non_negative_duration)
+        take("cost_decay", _fraction)
+        if "rule" not in raw and "scorers" in raw:  # naming scorers asks for them
+            options.rule = "scores"
+        if "max_imbalance" not in raw and options.rule == "scores":
+            options.max_imbalance = DEFAULT_SCORES_MAX_IMBALANCE
         if options.engine_metrics_interval is not None:
             if options.engine_metrics_timeout is None:
                 options.engine_metrics_timeout = min(options.engine_metrics_interval, 1.0)
@@ -105,6 +125,11 @@ class PrefixTreeOptions:
         return options, problems, unknown
 
 
+RULES = ("cost", "scores")
+DEFAULT_SCORES_MAX_IMBALANCE = 4
+COST_TIE_FRACTION = 0.05  # estimated TTFTs within 5% (or 2 ms) of the smallest tie
+COST_TIE_SECONDS = 0.002
+COST_TIE_NOISE = 0.5  # ... or half the noise of the best replica's observed TTFTs around its fit
 _NULLABLE = {"max_imbalance", "load_sigma_k", "engine_metrics_interval", "seed"}
 
 
@@ -117,6 +142,19 @@ def _positive_number(value: Any) -> float:
 
 
 _positive_duration = duration()
+_non_negative_duration = duration(allow_zero=True)
+
+
+def _rule(value: Any) -> str:
+    if value not in RULES:
+        raise ValueError(f"expected one of {', '.join(RULES)}, got {value!r}")
+    return value
+
+
+def _fraction(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"expected a number in (0, 1], got {value!r}")
+    return float(value)
 
 
 def _weights(value: Any) -> dict[str, float]:
@@ -148,6 +186,7 @@ class Choice:
     chosen: int
     outcome: str
     reason: str
+    estimates: list[cost_model.Estimate] | None = None  # under rule "cost", per candidate
 
 
 @dataclass
@@ -155,7 +194,7 @@ class Evaluation(Choice):
     """One request scored against the candidates (what :meth:`PrefixTreeTier.explain` shows); ``reason`` is
     always worded."""
 
-    text: str
+    text: str = ""
 
 
 class PrefixTreeTier:
@@ -182,6 +221,8 @@ class PrefixTreeTier:
         self.rng = random.Random(options.seed)  # shared with a kv_index tier built on this one
         self._cold_serial = 0
         self._last_cold: dict[str, int] = {}  # replica -> serial of the last request it got without holding a match
+        self.cost = cost_model.CostModel(options.cost_prefill_tokens_per_s, options.cost_step_time,
+                                         options.cost_decay)  # shared with a kv_index tier built on this one
         if services.metrics is not None:
             track_tree(services.metrics.registry, self.model, self.tree)
 
@@ -210,15 +251,36 @@ class PrefixTreeTier:
         evaluation = self._evaluate(request, candidates, now, self.rng)
         chosen = candidates[evaluation.chosen]
         self.learn(evaluation.text, chosen.name, evaluation.outcome, now)
-        return Decision(chosen, outcome=evaluation.outcome, tier=TIER_NAME,
-                        detail={"matched_chars": evaluation.matched[evaluation.chosen],
-                                "prompt_chars": len(evaluation.text)})
+        detail = {"matched_chars": evaluation.matched[evaluation.chosen], "prompt_chars": len(evaluation.text)}
+        self.note_cost(detail, evaluation, evaluation.chosen)
+        return Decision(chosen, outcome=evaluation.outcome, tier=TIER_NAME, detail=detail)
+
+    @staticmethod
+    def note_cost(detail: dict, choice: Choice, chosen: int) -> None:
+        """Put the chosen candidate's estimate in a decision's ``detail["cost"]`` (under rule ``cost``): the
+        bookkeeping of :meth:`routed`, :meth:`first_token` and :meth:`finished` reads it."""
+        if choice.estimates is not None:
+            e = choice.estimates[chosen]
+            detail["cost"] = {"new_tokens": e.new_tokens, "queued_tokens": e.queued_tokens, "requests": e.requests,
+                              "estimated_ttft_s": round(e.ttft, 4)}
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
-        pass  # the tree learnt the decision in pick(), so concurrent requests with a new prefix find it
+        """The request's prefill is queued on the replica (the tree learnt the decision in pick() already, so
+        concurrent requests with a new prefix find it)."""
+        cost = decision.detail.get("cost")
+        if cost is not None:
+            self.cost.routed(decision.replica.name, cost)
+
+    def first_token(self, request: RouteRequest, decision: Decision, ttft: float) -> None:
+        """Its prefill is done: off the replica's queue, and one observation of the replica's speed."""
+        cost = decision.detail.get("cost")
+        if cost is not None:
+            self.cost.started(decision.replica.name, cost, ttft)
 
     def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
-        pass
+        cost = decision.detail.get("cost")
+        if cost is not None:  # ended without a first token (an error, a disconnect): off the queue all the same
+            self.cost.started(decision.replica.name, cost, None)
 
     def explain(self, request: RouteRequest, candidates: Sequence[Replica]) -> dict:
         """The pick :meth:`pick` would make now (same random draw), with every score; changes nothing."""
@@ -234,17 +296,29 @@ class PrefixTreeTier:
                 "name": replica.name, "candidate": True, "matched_chars": ev.matched[i], "load": ev.loads[i],
                 "engine_load": None if engine is None else {"running": engine.running, "waiting": engine.waiting,
                                                             "age_s": round(now - engine.at, 3)},
-                "scores": {name: values[i] for name, values in ev.scores.items()}, "combined": ev.combined[i],
+                **self.explain_cost(ev, i, replica.name),
             })
         return {
             "pick": candidates[ev.chosen].name, "outcome": ev.outcome, "reason": ev.reason,
             "preferred": candidates[ev.preferred].name, "prompt_chars": len(ev.text),
             "prompt_tokens_estimate": estimated_prompt_tokens(request),
-            "rule": {"weights": dict(o.scorers), "min_match_chars": o.min_match_chars,
-                     "max_imbalance": o.max_imbalance, "load_sigma_k": o.load_sigma_k},
+            "rule": {**self.explain_rule(), "min_match_chars": o.min_match_chars},
             "tree": {"nodes": self.tree.node_count, "chars": self.tree.char_count},
             "replicas": replicas,
         }
+
+    def explain_cost(self, choice: Choice, i: int, name: str) -> dict:
+        """Candidate ``i``'s part of an explanation: its estimate and learnt speed (rule ``cost``) or its scores."""
+        if choice.estimates is not None:
+            return {"cost": {**choice.estimates[i].as_json(), "learnt": self.cost.describe(name)}}
+        return {"scores": {key: values[i] for key, values in choice.scores.items()}, "combined": choice.combined[i]}
+
+    def explain_rule(self) -> dict:
+        o = self.options
+        rule = {"rule": o.rule, "max_imbalance": o.max_imbalance, "load_sigma_k": o.load_sigma_k}
+        if o.rule == "scores":
+            rule["weights"] = dict(o.scorers)
+        return rule
 
     # -- the rule ----------------------------------------------------------------------------------------------------
 
@@ -272,14 +346,28 @@ class PrefixTreeTier:
         self._last_cold[replica] = self._cold_serial
 
     def decide(self, request: RouteRequest, candidates: Sequence[Replica], *, prompt_units: int,
-               matched: list[int], now: float, rng: random.Random) -> Choice:
-        """Rules 2 to 5 (scores, preferred replica, ties, load guard) for ``matched`` of ``prompt_units``.
+               matched: list[int], now: float, rng: random.Random, prompt_tokens: int | None = None,
+               cached_tokens: Sequence[int] | None = None) -> Choice:
+        """Rules 2 to 5 (the cost model or the scores, preferred replica, ties, load guard) for ``matched`` of
+        ``prompt_units``.
 
         ``matched[i]`` is what candidate ``i`` holds (0 for nothing useful), in the same unit as
-        ``prompt_units``; the scorers see them as ``matched_chars`` and ``prompt_chars``. Changes no state.
+        ``prompt_units``; the scorers see them as ``matched_chars`` and ``prompt_chars``. The cost model works
+        in tokens: ``prompt_tokens`` and ``cached_tokens`` (default: characters / 4). Changes no state.
         """
         loads = [self._load(r, now) for r in candidates]
         tokens = [r.inflight_tokens for r in candidates]
+
+        def tie_key(i: int) -> tuple:
+            return loads[i], tokens[i], self._last_cold.get(candidates[i].name, 0)
+
+        if self.options.rule == "cost":
+            if prompt_tokens is None:
+                prompt_tokens = prompt_units // CHARS_PER_TOKEN + 1
+            if cached_tokens is None:
+                cached_tokens = [m // CHARS_PER_TOKEN for m in matched]
+            return self._decide_by_cost(candidates, matched, loads, tokens, prompt_tokens, cached_tokens, now,
+                                        rng, tie_key)
         context = ScoreContext(prompt_units, matched, loads, tokens, now)
         scores: dict[str, Sequence[float]] = {}
         combined = [0.0] * len(candidates)
@@ -291,18 +379,50 @@ class PrefixTreeTier:
             if weight:
                 combined = [total + weight * value for total, value in zip(combined, values)]
 
-        def tie_key(i: int) -> tuple:
-            return loads[i], tokens[i], self._last_cold.get(candidates[i].name, 0)
-
         best = max(combined)
         preferred = self._first(rng, [i for i, s in enumerate(combined) if s == best], tie_key)
+        return self._guard(preferred, preferred, matched, loads, tokens, scores, combined, rng, tie_key)
+
+    def _decide_by_cost(self, candidates: Sequence[Replica], matched: list[int], loads: list[float],
+                        tokens: list[int], prompt_tokens: int, cached_tokens: Sequence[int], now: float,
+                        rng: random.Random, tie_key) -> Choice:
+        """The smallest estimated time to first token (:mod:`llmgw.router.cost`).
+
+        Estimates within ``COST_TIE_FRACTION`` of it, ``COST_TIE_SECONDS`` or half the noise of its replica's
+        observed TTFTs tie, and ties go to the longest match, then the usual tie-breaks. Choosing a replica that
+        holds less than the longest match is outcome ``cost_override``.
+        """
+        waiting = [self._engine_waiting(r, now) for r in candidates]
+        estimates = self.cost.estimate([r.name for r in candidates], prompt_tokens, cached_tokens, loads, waiting)
+        ttfts = [e.ttft for e in estimates]
+        best = min(ttfts)
+        noise = COST_TIE_NOISE * max(e.noise for e, t in zip(estimates, ttfts) if t == best)
+        near = [i for i, t in enumerate(ttfts) if t <= best + max(best * COST_TIE_FRACTION, COST_TIE_SECONDS, noise)]
+        chosen = self._first(rng, near, lambda i: (-matched[i], *tie_key(i)))
+        longest = max(matched)
+        preferred = self._first(rng, [i for i, m in enumerate(matched) if m == longest], tie_key) \
+            if longest else chosen
+        combined = [-t for t in ttfts]
+        choice = self._guard(preferred, chosen, matched, loads, tokens, {}, combined, rng, tie_key)
+        choice.estimates = estimates
+        if choice.outcome == "hit" and matched[chosen] < longest or choice.outcome == "miss" and longest:
+            p, c = estimates[preferred], estimates[chosen]
+            choice.outcome = "cost_override"
+            choice.reason = (f"{candidates[preferred].name} holds more of the prompt ({p.cached_tokens} tokens) but "
+                             f"its queue ({p.queued_tokens} prefill tokens, {p.requests:g} requests) makes it slower: "
+                             f"est. TTFT {p.ttft * 1000:.0f} ms vs {c.ttft * 1000:.0f} ms")
+        return choice
+
+    def _guard(self, preferred: int, chosen: int, matched: list[int], loads: list[float], tokens: list[int],
+               scores: dict, combined: list[float], rng: random.Random, tie_key) -> Choice:
+        """The load guard (``max_imbalance``, ``load_sigma_k``) applied to ``chosen``: outcome ``load_override``,
+        else ``hit`` or ``miss``."""
         least = min(loads)
-        reason = self._overloaded(preferred, loads, least)
+        reason = self._overloaded(chosen, loads, least)
         if reason:
             chosen = self._first(rng, [i for i, load in enumerate(loads) if load == least], tie_key)
             outcome = "load_override"
         else:
-            chosen = preferred
             outcome = "hit" if matched[chosen] else "miss"
         return Choice(matched, loads, tokens, scores, combined, preferred, chosen, outcome, reason)
 
@@ -317,7 +437,7 @@ class PrefixTreeTier:
             reason = ("holds the longest useful match" if c.outcome == "hit" and matched[c.chosen] == longest
                       else "best combined score" if longest
                       else f"no candidate holds {self.options.min_match_chars}+ characters of the prefix: "
-                           "spread by load")
+                           + ("the smallest estimated TTFT" if c.estimates is not None else "spread by load"))
         return Evaluation(**{**vars(c), "reason": reason}, text=text)
 
     def _overloaded(self, preferred: int, loads: list[float], least: float) -> str:
@@ -345,12 +465,20 @@ class PrefixTreeTier:
         tied = [i for i, k in zip(indices, keys) if k == smallest]
         return tied[0] if len(tied) == 1 else rng.choice(tied)
 
-    def _load(self, replica: Replica, now: float) -> float:
+    def _fresh_engine_load(self, replica: Replica, now: float):
         engine = replica.engine_load
         if engine is not None and self.options.engine_metrics_max_age is not None \
                 and now - engine.at <= self.options.engine_metrics_max_age:
-            return max(replica.inflight, engine.requests)
-        return replica.inflight
+            return engine
+        return None
+
+    def _load(self, replica: Replica, now: float) -> float:
+        engine = self._fresh_engine_load(replica, now)
+        return replica.inflight if engine is None else max(replica.inflight, engine.requests)
+
+    def _engine_waiting(self, replica: Replica, now: float) -> float | None:
+        engine = self._fresh_engine_load(replica, now)
+        return None if engine is None else engine.waiting
 
 
 def _declared_keys(scorer_factories) -> set[str]:

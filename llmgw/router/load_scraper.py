@@ -1,7 +1,8 @@
 """Scrape each replica's queue gauges from its ``/metrics`` on an interval, for load-aware tiers.
 
 vLLM exposes ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``
-(one sample per engine; summed here). :func:`scrape_engine_load` runs as one
+(one sample per engine; summed here), and its cache configuration as labels of
+``vllm:cache_config_info`` (the block size is kept, for the ``kv_index`` tier). :func:`scrape_engine_load` runs as one
 task in the gateway's nursery and scrapes the replicas of the models whose
 tier asks for it (``engine_metrics_interval`` on the tier); every request has
 a deadline, replicas are scraped concurrently, and a failed scrape leaves the
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
+CACHE_CONFIG = "vllm:cache_config_info"
 
 
 def parse_gauge_sum(text: str, name: str) -> float | None:
@@ -54,6 +56,31 @@ def parse_gauge_sum(text: str, name: str) -> float | None:
     return total if found else None
 
 
+def parse_label(text: str, name: str, label: str, limit: int = 64) -> str | None:
+    """The value of ``label`` on the first sample of metric ``name`` (e.g. an ``_info`` gauge), or None."""
+    start = 0
+    while (at := text.find(name + "{", start)) != -1:
+        start = at + len(name) + 1
+        if at and text[at - 1] != "\n":
+            continue
+        end = text.find("}", start)
+        labels = text[start:end if end != -1 else len(text)]
+        key = f'{label}="'
+        found = labels.find(key)
+        if found == -1 or (found and labels[found - 1] not in ", "):
+            return None
+        value_start = found + len(key)
+        value_end = labels.find('"', value_start)
+        return labels[value_start:value_end][:limit] if value_end != -1 else None
+    return None
+
+
+def parse_block_size(text: str) -> int | None:
+    """The engine's KV block size from ``vllm:cache_config_info``, or None."""
+    value = parse_label(text, CACHE_CONFIG, "block_size")
+    return int(value) if value is not None and value.isdigit() and 0 < int(value) <= 1 << 16 else None
+
+
 async def scrape_once(replica: Replica, timeout: float, path: str = "/metrics",
                       clock: Callable[[], float] = time.monotonic) -> EngineLoad | None:
     """One ``GET /metrics`` through the replica's pool, within ``timeout``; None when it failed."""
@@ -74,7 +101,7 @@ async def scrape_once(replica: Replica, timeout: float, path: str = "/metrics",
     running, waiting = parse_gauge_sum(text, RUNNING), parse_gauge_sum(text, WAITING)
     if running is None and waiting is None:
         return None
-    return EngineLoad(running or 0.0, waiting or 0.0, clock())
+    return EngineLoad(running or 0.0, waiting or 0.0, clock(), parse_block_size(text))
 
 
 async def scrape_engine_load(router, clock: Callable[[], float] = time.monotonic, idle_check: float = 1.0) -> None:

@@ -42,6 +42,7 @@ class EngineLoad:
     running: float
     waiting: float
     at: float  # time.monotonic() of the scrape (the clock tiers get in TierServices)
+    block_size: int | None = None  # vllm:cache_config_info's block_size label, when the engine exports it
 
     @property
     def requests(self) -> float:

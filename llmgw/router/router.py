@@ -184,6 +184,16 @@ class Router:
         if route is not None:
             self._notify(route, "routed", request, decision)
 
+    def first_token(self, request: RouteRequest, decision: Decision, ttft: float) -> None:
+        """The response's first output token arrived ``ttft`` seconds after the request did (once per decision;
+        later calls are ignored). Tiers with a ``first_token`` method learn from it (the cost model)."""
+        if decision.ttft is not None:
+            return
+        decision.ttft = ttft
+        route = self.models.get(request.model)
+        if route is not None and hasattr(route.tier, "first_token"):
+            self._notify(route, "first_token", request, decision, ttft)
+
     def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
         if decision.inflight_tokens:  # taken off once, however often this is called
             replica = decision.replica

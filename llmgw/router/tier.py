@@ -53,6 +53,7 @@ class Decision:
 
     ``inflight_tokens`` is what the router added to ``replica.inflight_tokens``
     when the request was routed, and takes off again when it finishes.
+    ``ttft`` is set by :meth:`llmgw.router.router.Router.first_token`.
     """
 
     replica: Replica
@@ -60,6 +61,7 @@ class Decision:
     tier: str = ""
     detail: dict[str, Any] = field(default_factory=dict)
     inflight_tokens: int = 0
+    ttft: float | None = None  # seconds from the request's arrival to its first output token, once seen
 
 
 @dataclass
@@ -86,7 +88,8 @@ class RoutingTier(Protocol):
         """
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
-        """Called once the request was handed to ``decision.replica``."""
+        """Called once, just before the request is sent to ``decision.replica``. Every routed decision is
+        :meth:`finished` exactly once, also when the attempt fails and the request is retried elsewhere."""
 
     def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
         """Called when the response ended; ``usage`` is the engine's usage block when it was seen.
@@ -96,6 +99,10 @@ class RoutingTier(Protocol):
         """
 
     # Optional:
+    # def first_token(self, request, decision, ttft) -> None
+    #     The response's first output token arrived ``ttft`` seconds after the request reached the gateway
+    #     (a stream: its first data event with output; otherwise the whole body). At most once per decision,
+    #     between routed() and finished(); never for a response without output (an error).
     # async def explain(self, request, candidates) -> dict
     #     The pick this tier would make for ``request`` and why, as JSON-able data, changing no state
     #     (no tree insert, no round-robin step). A plain ``def`` is accepted too. Keys the

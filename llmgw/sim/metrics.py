@@ -27,6 +27,7 @@ _METRICS = (
     ("vllm:prompt_tokens", "counter", "Number of prefill tokens processed."),
     ("vllm:generation_tokens", "counter", "Number of generation tokens processed."),
     ("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine."),
+    ("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig"),
     ("vllm:request_success", "counter", "Count of successfully processed requests."),
     ("llmgw_sim_cached_blocks", "gauge",
      "Physical KV blocks holding a cached hash (BlockStored minus BlockRemoved blocks)."),
@@ -61,6 +62,8 @@ def render(engine: Engine, model_name: str) -> bytes:
         "vllm:prompt_tokens": [("", stats.prompt_tokens)],
         "vllm:generation_tokens": [("", stats.generation_tokens)],
         "vllm:num_preemptions": [("", stats.preemptions)],
+        "vllm:cache_config_info": [(f',block_size="{pool.block_size}",enable_prefix_caching="True",'
+                                    f'num_gpu_blocks="{pool.num_usable_blocks + 1}"', 1)],
         "vllm:request_success": [(f',finished_reason="{reason}"', count)
                                  for reason, count in stats.finished.items()],
         "llmgw_sim_cached_blocks": [("", pool.num_cached_blocks)],

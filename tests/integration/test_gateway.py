@@ -355,3 +355,20 @@ async def test_the_demo_serves_without_a_config(start_llmgw):
             assert response.json()["choices"][0]["message"]["role"] == "assistant"
             served.add(response.headers["x-llmgw-replica"])
     assert len(served) == 2
+
+
+async def test_in_flight_prompt_tokens_count_from_the_send_and_a_failed_attempt_releases_them(
+        start_fake_upstream, start_llmgw):
+    a = await start_fake_upstream("a", status=503)  # every attempt on a fails: retried on b
+    b = await start_fake_upstream("b")
+    gw = await start_llmgw(two_replica_config(a.url, b.url))
+    body = {"model": "tiny", "prompt": "p" * 4000, "x_delay_ms": 1500}  # b answers its head after 1.5 s
+    async with httpx.AsyncClient(base_url=gw.url, headers=AUTH, timeout=10) as client:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: client.post("/v1/completions", json=body))
+            with trio.fail_after(5):  # non-streamed, no head yet: its prompt (about 1,000 tokens) is in flight
+                while (await replicas(gw))["b"]["inflight_tokens"] < 1000:
+                    await trio.sleep(0.05)
+            assert (await replicas(gw))["a"]["inflight_tokens"] == 0  # the failed attempt gave them back
+    final = await replicas(gw)
+    assert final["a"]["inflight_tokens"] == final["b"]["inflight_tokens"] == 0

@@ -85,7 +85,8 @@ class Cluster:
     def __init__(self, nursery: trio.Nursery):
         self.nursery = nursery
         self.router = Router(build_registry(make_plugin_manager()), Metrics())
-        self.route = self.router.configure_model(MODEL, "kv_index", {"tokenize_timeout": "2s", "seed": 3})
+        self.route = self.router.configure_model(MODEL, "kv_index", {"tokenize_timeout": "2s", "seed": 3,
+                                                                     "tokenizer": "replica"})
         self.tier = self.route.tier
         self.index: KvIndex = self.tier.index
         self.engines: dict[str, Engine] = {}
@@ -341,3 +342,41 @@ async def test_a_slow_tokenize_and_an_unindexable_request_get_tree_decisions(clu
     assert counter.labels(MODEL, "kv_index", "tokenize_timeout")._value.get() == 1
     assert counter.labels(MODEL, "kv_index", "unindexable")._value.get() == 1
     assert cluster.tier.fallbacks == {"tokenize_timeout": 1, "unindexable": 1}
+
+
+async def test_fresh_engines_co_locate_a_burst_from_the_first_request_tokenized_in_the_router(cluster, tmp_path):
+    from llmgw.sim.tokenizer_files import write_tokenizer_files
+
+    # The router tokenizes with the engines' own tokenizer files (as a profile's model_path provides them).
+    cluster.route = cluster.router.configure_model(MODEL, "kv_index", {
+        "tokenize_timeout": "2s", "seed": 3, "tokenizer_path": str(write_tokenizer_files(tmp_path))})
+    cluster.tier = cluster.route.tier
+    a = await cluster.add("a")
+    b = await cluster.add("b")
+    with trio.fail_after(10):  # the fresh engines' first copies: healthy, nothing held, no block size yet
+        while not (cluster.index.healthy("a") and cluster.index.healthy("b")):
+            await trio.sleep(0.02)
+    assert cluster.index.block_size("a") is None and cluster.index.block_size("b") is None
+    system = {"role": "system", "content": text(7, 2000)}
+    bodies = [{"messages": [system, {"role": "user", "content": f"question {i}"}], "max_tokens": 2}
+              for i in range(6)]
+    decisions = [(await cluster.pick("/v1/chat/completions", body))[1] for body in bodies]  # a burst: none sent yet
+    owner = decisions[0].replica
+    assert decisions[0].outcome == "miss" and decisions[0].detail["block_size"] == BLOCK  # assumed: vLLM's default
+    assert all(d.replica is owner and d.outcome == "hit" for d in decisions[1:]), [d.outcome for d in decisions]
+    explained = await cluster.tier.explain(RouteRequest(MODEL, "/v1/chat/completions", {"model": MODEL, **bodies[0]}),
+                                           [a.replica, b.replica])
+    entries = {e["name"]: e for e in explained["replicas"]}
+    assert entries[owner.name]["block_size_from"] == "default" and explained["pick"] == owner.name
+    held = entries[owner.name]["cost"]  # the burst's blocks, predicted: what the owner would not compute again
+    assert held["cached_tokens"] > 1900 and held["new_tokens"] < 100
+    assert held["estimated_ttft_s"] == min(e["cost"]["estimated_ttft_s"] for e in entries.values())
+    engine = cluster.engines[owner.name]
+    await engine.chat(bodies[0])
+    await cluster.settled(engine)
+    for body, decision in zip(bodies[1:], decisions[1:]):
+        answer = await engine.chat(body)  # the engine's cached tokens are what the burst's decisions predicted
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == decision.detail["predicted_cached_tokens"]
+    source = cluster.tier.tokenizer
+    assert source.local is not None and source.mismatches == 0 and source.verify_left == 0
+    assert source.replica.calls == 3  # only the first answers were checked against /tokenize

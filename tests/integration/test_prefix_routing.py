@@ -84,7 +84,7 @@ async def test_one_shared_system_prompt_keeps_in_flight_load_within_max_imbalanc
     assert overrides and float(overrides[0].rsplit(" ", 1)[1]) >= REPLICAS - 1, metrics
 
 
-async def test_explain_shows_scores_engine_load_and_the_pick_without_routing(nursery, start_llmgw):
+async def test_explain_shows_the_cost_engine_load_and_the_pick_without_routing(nursery, start_llmgw):
     sims = await start_sims(nursery, 2, num_blocks=256, time_scale=0, seed=0)
     gateway = await start_llmgw(gateway_config([s.url for s in sims], routing="prefix_tree",
                                                routing_options={"seed": 3, "engine_metrics_interval": "100ms"}))
@@ -107,7 +107,11 @@ async def test_explain_shows_scores_engine_load_and_the_pick_without_routing(nur
     assert explained["pick"] == first.replica and explained["outcome"] == "hit"
     by_name = {r["name"]: r for r in explained["replicas"]}
     assert set(by_name) == {"sim-0", "sim-1"}
-    assert by_name[first.replica]["scores"]["prefix"] > 0.5 and "load" in by_name[first.replica]["scores"]
+    cost = by_name[first.replica]["cost"]  # the estimates of the cost model, the default rule
+    assert cost["cached_tokens"] > 100 and cost["queued_tokens"] == 0
+    assert cost["estimated_ttft_s"] == min(r["cost"]["estimated_ttft_s"] for r in explained["replicas"])
+    assert cost["learnt"]["observations"] == 1  # the first answer's time to first token, learnt from its stream
+    assert cost["learnt"]["pending_requests"] == 0  # and off its queue since
     assert by_name[first.replica]["state"] in ("up", "unknown")
     assert sum(r["served"] for r in replicas) == 1
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"

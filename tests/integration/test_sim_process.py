@@ -24,6 +24,8 @@ import pytest
 import trio
 import zmq
 
+from llmgw.router.load_scraper import parse_block_size
+
 pytestmark = pytest.mark.slow
 
 READY = "llmgw-sim listening on "
@@ -367,6 +369,7 @@ async def test_usage_counts_blocks_of_running_requests():
                     pass
         metrics = (await http.get("/metrics")).text
         assert f'vllm:kv_cache_usage_perc{{engine="0",model_name="sim"}} 0.0' in metrics
+        assert parse_block_size(metrics) == 16  # vllm:cache_config_info's block_size label, as vLLM exports it
 
 
 async def test_tokenize_and_api_shapes():

@@ -125,8 +125,8 @@ async def test_blocks_held_but_not_from_block_0_do_not_count():
     assert decision.replica is a and decision.outcome == "miss" and decision.detail["matched_blocks"] == 0
 
 
-async def test_misses_spread_by_load_and_a_loaded_holder_is_overridden():
-    router, tier, _, (a, b, c) = make()
+async def test_misses_spread_by_load_and_a_loaded_holder_is_overridden_by_the_count_guard():
+    router, tier, _, (a, b, c) = make({"max_imbalance": 4})
     for name in "abc":
         hold(tier, name, [])
     a.inflight, b.inflight, c.inflight = 2, 0, 1
@@ -310,8 +310,11 @@ def test_options_are_checked():
 
 async def test_the_replica_tokenizer_reports_its_latency():
     router = Router(build_registry(make_plugin_manager()), Metrics())
-    tier = router.configure_model("m", "kv_index", {"tokenize_timeout": "30ms"}).tier
+    tier = router.configure_model("m", "kv_index", {"tokenize_timeout": "30ms", "tokenizer": "replica"}).tier
     assert tier.tokenizer.timeout == 0.03 and tier.tokenizer.observe is not None
+    tier = router.configure_model("m", "kv_index", {"tokenize_timeout": "30ms"}).tier  # auto: /tokenize without files
+    assert tier.tokenizer.local is None and tier.tokenizer.replica.timeout == 0.03
+    assert tier.tokenizer.observe is not None and tier.tokenizer.count_source is not None
     assert isinstance(tier.index, KvIndex)
 
 
@@ -410,3 +413,54 @@ async def test_requests_whose_cached_tokens_say_nothing_of_the_cache_are_not_dri
     assert tier.index.state("a").value == "healthy"
     assert tier.index.describe("a")["drift"] == {**tier.index.describe("a")["drift"], "match": 0, "over": 0}
     assert (tier.predicted_cached_total, tier.actual_cached_total) == (3 * 304, 0)
+
+
+async def test_fresh_engines_co_locate_from_the_first_request_before_their_events_say_a_block_size():
+    router, tier, _, (a, b, c) = make()
+    for name in "abc":  # what fresh engines' first FULL copies say: nothing held, no block size yet
+        tier.index.apply(name, KvChanges(kind=KvChangeKind.FULL, stored=[], block_size=0))
+    first = await router.pick(prompt(TEXT))
+    assert first.outcome == "miss" and first.detail["block_size"] == 16  # vLLM's default, assumed
+    assert tier.index.predicted_keys == 20  # its blocks are predicted at once
+    for i in range(5):  # the rest of the wave follows it
+        decision = await router.pick(prompt(TEXT + f" question {i}"))
+        assert decision.replica is first.replica and decision.outcome == "hit"
+        assert decision.detail["matched_blocks"] == 20
+    explained = await router.explain(prompt(TEXT))
+    assert {e["block_size_from"] for e in explained["replicas"]} == {"default"}
+
+
+async def test_an_assumed_block_size_comes_from_config_the_engine_or_the_peers():
+    from llmgw.plugins.kv_index import block_size_arg
+    from llmgw.router.replica import EngineLoad
+
+    assert block_size_arg(["--block-size", "32"]) == 32 and block_size_arg(["--block-size=64"]) == 64
+    assert block_size_arg(["--block-size", "x"]) is None and block_size_arg(None) is None
+    router, tier, _, (a, b, c) = make({"block_size": 32})
+    assert tier.assumed_block_size(a, [16]) == (32, "config")
+    router, tier, _, (a, b, c) = make()
+    b.engine_load = EngineLoad(0, 0, 0.0, block_size=64)
+    assert tier.assumed_block_size(b, [16, 16]) == (64, "engine")
+    assert tier.assumed_block_size(a, [None, 32, 16, 32]) == (32, "peers")
+    hold(tier, "a", [], block_size=0)
+    hold(tier, "b", keys_of(TEXT, 32)[:3], block_size=32)
+    hold(tier, "c", [], block_size=0)
+    decision = await router.pick(prompt(TEXT))  # b holds 3 blocks of 32; a and c assume b's size
+    assert decision.replica is b and decision.outcome == "hit"
+    decision = await router.pick(prompt("x" * 200))
+    assert decision.detail["block_size"] == 32
+
+
+async def test_a_wrongly_assumed_block_size_is_logged_once_the_events_say(caplog):
+    import logging
+
+    router, tier, _, (a, b, c) = make()
+    for name in "abc":
+        hold(tier, name, [], block_size=0)
+    await router.pick(prompt(TEXT))  # 16 assumed for all
+    hold(tier, "a", keys_of(TEXT, 32)[:2], block_size=32)
+    with caplog.at_level(logging.WARNING, logger="llmgw.plugins.kv_index"):
+        await router.pick(prompt(TEXT))
+        await router.pick(prompt(TEXT))
+    warnings = [r.getMessage() for r in caplog.records if "was assumed" in r.getMessage()]
+    assert len(warnings) == 1 and "replica a " in warnings[0] and "block_size: 32" in warnings[0]

@@ -148,14 +148,19 @@ async def test_client_reports_errors_by_kind(sim):
     assert info.value.kind == "connect"
 
 
-async def test_a_slow_tokenize_times_out_at_the_deadline(nursery):
+@pytest.fixture
+async def slow(nursery) -> Replica:
+    """A replica that reads the request and never answers."""
     async def slow_server(stream):
         await stream.receive_some(65536)
         await trio.sleep(10)
 
     listeners = await nursery.start(partial(trio.serve_tcp, slow_server, 0, host="127.0.0.1"))
-    port = listeners[0].socket.getsockname()[1]
-    replica = Replica(name="slow", model="tiny", url=f"http://127.0.0.1:{port}")
+    return Replica(name="slow", model="tiny", url=f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+
+
+async def test_a_slow_tokenize_times_out_at_the_deadline(slow):
+    replica = slow
     observed = []
     client = TokenizeClient(timeout=0.05, observe=observed.append)
     started = trio.current_time()
@@ -164,3 +169,37 @@ async def test_a_slow_tokenize_times_out_at_the_deadline(nursery):
     elapsed = trio.current_time() - started
     assert info.value.kind == "timeout" and client.timeouts == 1
     assert 0.04 <= elapsed < 0.5 and observed[0] >= 0.04
+
+
+async def test_the_deadline_adapts_to_the_observed_latency(sim, caplog):
+    import itertools
+
+    from llmgw.kv import tokenize as tokenize_module
+
+    ticks = itertools.count(step=0.08)  # on this clock every call takes 80 ms (the sim answers at once)
+    client = TokenizeClient(timeout=0.05, timeout_per_kb=0.0, clock=lambda: next(ticks))
+    small = b'{"prompt":"x"}'
+    assert client.deadline(small) == 0.05  # nothing observed: the configured deadline
+    with caplog.at_level("INFO", logger="llmgw.kv.tokenize"):
+        for i in range(tokenize_module.ADAPTIVE_MIN_CALLS):
+            await client.tokenize(sim, json.dumps({"model": "tiny", "prompt": f"call {i}"}).encode())
+    assert client.deadline(small) == pytest.approx(2 * 0.08)  # twice the p99 of what was observed
+    assert "twice the observed p99" in caplog.text  # said once, when it took over
+    large = json.dumps({"prompt": "y" * 64 * 1024}).encode()
+    assert client.deadline(large) == tokenize_module.ADAPTIVE_CEILING  # 64 KiB x 160 ms: capped
+    fast = TokenizeClient(timeout=0.05, timeout_per_kb=0.0, clock=lambda: 0.0)
+    for i in range(tokenize_module.ADAPTIVE_MIN_CALLS):
+        await fast.tokenize(sim, json.dumps({"model": "tiny", "prompt": f"call {i}"}).encode())
+    assert fast.deadline(small) == 0.05  # never shorter than the configured one
+
+
+async def test_timeouts_lengthen_the_next_deadlines(slow, monkeypatch):
+    from llmgw.kv import tokenize as tokenize_module
+
+    monkeypatch.setattr(tokenize_module, "ADAPTIVE_MIN_CALLS", 2)
+    replica = slow
+    client = TokenizeClient(timeout=0.02, timeout_per_kb=0.0)
+    for i in range(2):
+        with pytest.raises(TokenizeError):
+            await client.tokenize(replica, b'{"prompt": "%d"}' % i)
+    assert client.deadline(b'{"prompt": "x"}') == pytest.approx(0.04)  # a timeout counts as its deadline

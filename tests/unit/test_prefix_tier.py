@@ -122,7 +122,7 @@ async def test_one_shared_system_prompt_does_not_pile_every_request_onto_one_rep
 
 
 async def test_engine_reported_queues_count_as_load_when_fresh():
-    router, (a, b, c, d) = make_router({"engine_metrics_interval": "250ms", "max_imbalance": 4})
+    router, (a, b, c, d) = make_router({"rule": "scores", "engine_metrics_interval": "250ms", "max_imbalance": 4})
     owner = (await router.pick(chat("long running conversation"))).replica
     tier = router.models["m"].tier
     owner.engine_load = EngineLoad(running=8, waiting=3, at=tier.clock() - 10)  # stale (max age 0.75 s): ignored
@@ -205,8 +205,9 @@ async def test_explain_changes_nothing_and_predicts_the_next_pick():
     entries = {e["name"]: e for e in explained["replicas"]}
     assert set(entries) == {"a", "b", "c", "d"}
     pick = entries[explained["pick"]]
-    assert pick["matched_chars"] > 0 and set(pick["scores"]) == {"prefix", "load"}
-    assert pick["combined"] == max(e["combined"] for e in entries.values())
+    assert pick["matched_chars"] > 0 and explained["rule"]["rule"] == "cost"
+    assert pick["cost"]["cached_tokens"] > 0
+    assert pick["cost"]["estimated_ttft_s"] == min(e["cost"]["estimated_ttft_s"] for e in entries.values())
     assert (await router.pick(request)).replica.name == explained["pick"]
     # Misses too: the random tie-break is replayed, not consumed.
     fresh = chat("x", system="never seen " * 50)

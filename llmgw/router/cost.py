@@ -1,0 +1,284 @@
+"""The routing cost model: each candidate's expected time to first token, learnt online per replica.
+
+For one request and one candidate replica (the rule, also in ``docs/routing.md``)::
+
+    new_tokens    = prompt_tokens - cached_tokens       what it would have to prefill
+    queued_tokens = the new tokens of the requests routed to it that have no first token yet (the router's
+                    own accounting) + the waiting requests its engine reports beyond those, at its mean size
+    requests      = its in-flight requests (the router's, or the engine's running + waiting when fresh and more)
+    estimated TTFT = step + (queued_tokens + new_tokens) / prefill_throughput + requests x per_request
+
+``step`` (one engine step and the network), ``prefill_throughput`` (prompt
+tokens per second) and ``per_request`` (what each request already in flight
+adds: a decode step's share, a wait for a free slot) are learnt per replica
+by an exponentially weighted least-squares fit of the observed TTFTs (at the
+gateway: arrival to the first output token) against ``queued + new`` tokens
+and ``requests`` at the time each request was routed. Priors keep the fit sane
+before data arrives and when the data cannot tell the terms apart (every
+request the same size): ``prior_throughput``, ``prior_step`` and no
+per-request cost, as a ridge whose weight fades as data comes in. A replica's
+own fit is shrunk toward the fit of all the model's replicas together, by
+``w / (w + SHRINK_WEIGHT)`` for ``w`` its observations' weight, so a replica
+that has seen little looks like its peers. Older data fades (``decay`` per
+observation).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+DEFAULT_PRIOR_THROUGHPUT = 20_000.0  # prompt tokens / s: a small model on one GPU (and the simulator's default)
+DEFAULT_PRIOR_STEP = 0.02  # s: one decode step
+DEFAULT_DECAY = 0.97  # per observation: about the last 33 requests count
+PRIOR_TOKENS = 512.0  # the scale at which the prior on the throughput weighs as one observation
+PRIOR_REQUESTS = 4.0  # the scale at which the prior on the per-request cost weighs as one observation
+PRIOR_WEIGHT = 1.0  # the priors weigh PRIOR_WEIGHT / (1 + w) observations, w the data's weight
+SHRINK_WEIGHT = 10.0  # a replica's own fit counts half once its observations weigh this much
+MIN_NOISE_OBSERVATIONS = 3
+MIN_THROUGHPUT, MAX_THROUGHPUT = 50.0, 1e8
+MAX_STEP = 30.0
+MAX_PER_REQUEST = 30.0
+MAX_OBSERVED_TTFT = 600.0
+MAX_FORGOTTEN = 64  # replicas kept beyond twice the candidates before the ones gone are dropped
+
+Line = tuple[float, float, float, float]  # (step s, s per prefill token, s per in-flight request, noise s)
+
+
+class Fit:
+    """Decayed weighted sums of observations ``y ~ step + slope x + per_request r`` for least squares."""
+
+    __slots__ = ("w", "s", "sy", "yy")
+
+    def __init__(self) -> None:
+        self.w = 0.0
+        self.s = [[0.0] * 3 for _ in range(3)]  # sums of f f^T, f = (1, x, r)
+        self.sy = [0.0] * 3  # sums of f y
+        self.yy = 0.0
+
+    def add(self, x: float, r: float, y: float, decay: float) -> None:
+        f = (1.0, x, r)
+        self.w = self.w * decay + 1.0
+        for i in range(3):
+            row = self.s[i]
+            for j in range(3):
+                row[j] = row[j] * decay + f[i] * f[j]
+            self.sy[i] = self.sy[i] * decay + f[i] * y
+        self.yy = self.yy * decay + y * y
+
+    def solve(self, prior: Sequence[float], prior_weight: float) -> tuple[float, float, float]:
+        """The ridge solution: the data's least squares pulled toward ``prior`` with ``prior_weight``
+        observations' worth (at the scales ``1``, ``PRIOR_TOKENS``, ``PRIOR_REQUESTS``), within bounds."""
+        scales = (1.0, PRIOR_TOKENS, PRIOR_REQUESTS)
+        a = [row[:] for row in self.s]
+        b = self.sy[:]
+        for i in range(3):
+            ridge = prior_weight * scales[i] * scales[i]
+            a[i][i] += ridge
+            b[i] += ridge * prior[i]
+        theta = _solve3(a, b) or tuple(prior)
+        step = min(max(theta[0], 0.0), MAX_STEP)
+        slope = min(max(theta[1], 1.0 / MAX_THROUGHPUT), 1.0 / MIN_THROUGHPUT)
+        per_request = min(max(theta[2], 0.0), MAX_PER_REQUEST)
+        return step, slope, per_request
+
+    def residual(self, theta: Sequence[float]) -> float:
+        """The weighted RMS of ``y - theta . f`` over the observations (0 without any)."""
+        if self.w <= 0:
+            return 0.0
+        sse = self.yy - 2 * sum(t * s for t, s in zip(theta, self.sy))
+        sse += sum(theta[i] * theta[j] * self.s[i][j] for i in range(3) for j in range(3))
+        return math.sqrt(max(sse, 0.0) / self.w)
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float] | None:
+    """``a x = b`` for a 3x3 system by Cramer's rule; None when (nearly) singular."""
+    def det(m):
+        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+    d = det(a)
+    scale = abs(a[0][0] * a[1][1] * a[2][2]) or 1.0
+    if not math.isfinite(d) or abs(d) <= 1e-12 * scale:
+        return None
+    out = []
+    for k in range(3):
+        m = [row[:] for row in a]
+        for i in range(3):
+            m[i][k] = b[i]
+        out.append(det(m) / d)
+    return out[0], out[1], out[2]
+
+
+def fit_line(prior: Sequence[float], data: Fit, observations: int) -> Line:
+    """``data`` fitted on ``prior`` = (step, seconds per token, seconds per request), with its noise (0 below
+    MIN_NOISE_OBSERVATIONS observations)."""
+    theta = data.solve(prior, PRIOR_WEIGHT / (1.0 + data.w))
+    noise = data.residual(theta) if observations >= MIN_NOISE_OBSERVATIONS else 0.0
+    return (*theta, noise)
+
+
+@dataclass
+class ReplicaCost:
+    """One replica's observations of its speed, and the prefill work routed to it but not started."""
+
+    model: "CostModel"
+    data: Fit = field(default_factory=Fit)
+    pending_tokens: int = 0  # new (uncached) prompt tokens of requests routed to it without a first token yet
+    pending_requests: int = 0
+    observations: int = 0
+    mean_new_tokens: float = 0.0  # EWMA of the new tokens of a request routed to it
+    _line: Line | None = None
+    _generation: int = -1
+
+    def line(self) -> Line:
+        """The fit of all the model's replicas (:meth:`CostModel.pooled_line`), moved toward the fit of its own
+        observations as they add up."""
+        model = self.model
+        if self._line is None or self._generation != model.generation:
+            pooled = model.pooled_line()
+            own = fit_line(pooled[:3], self.data, self.observations)
+            trust = self.data.w / (self.data.w + SHRINK_WEIGHT)
+            self._line = tuple(p + trust * (o - p) for p, o in zip(pooled, own))
+            self._generation = model.generation
+        return self._line
+
+    @property
+    def step(self) -> float:
+        return self.line()[0]
+
+    @property
+    def throughput(self) -> float:
+        return 1.0 / self.line()[1]
+
+    @property
+    def per_request(self) -> float:
+        return self.line()[2]
+
+    @property
+    def noise(self) -> float:
+        """How far observed TTFTs stray from the fit (weighted RMS, seconds): closer estimates cannot be told
+        apart."""
+        return self.line()[3]
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """One candidate's expected time to first token and what it is made of."""
+
+    cached_tokens: int
+    new_tokens: int
+    queued_tokens: int
+    requests: float
+    step: float
+    throughput: float
+    per_request: float
+    noise: float = 0.0
+
+    @property
+    def ttft(self) -> float:
+        return self.step + (self.queued_tokens + self.new_tokens) / self.throughput + self.requests * self.per_request
+
+    def as_json(self) -> dict:
+        return {"cached_tokens": self.cached_tokens, "new_tokens": self.new_tokens,
+                "queued_tokens": self.queued_tokens, "requests": self.requests,
+                "estimated_ttft_s": round(self.ttft, 4)}
+
+
+class CostModel:
+    """Per model: every replica's :class:`ReplicaCost`, the estimates for a request, and the bookkeeping hooks."""
+
+    def __init__(self, prior_throughput: float = DEFAULT_PRIOR_THROUGHPUT, prior_step: float = DEFAULT_PRIOR_STEP,
+                 decay: float = DEFAULT_DECAY):
+        self.prior = (prior_step, 1.0 / prior_throughput, 0.0)
+        self.decay = decay
+        self.replicas: dict[str, ReplicaCost] = {}
+        self.pooled = Fit()  # every replica's observations
+        self.observations = 0
+        self.generation = 0  # bumped by every observation: the replicas' fitted lines are then stale
+        self._pooled_line: Line | None = None
+
+    def replica(self, name: str) -> ReplicaCost:
+        cost = self.replicas.get(name)
+        if cost is None:
+            cost = self.replicas[name] = ReplicaCost(self)
+        return cost
+
+    def pooled_line(self) -> Line:
+        """The fit of all the model's observations on the configured priors."""
+        if self._pooled_line is None:
+            self._pooled_line = fit_line(self.prior, self.pooled, self.observations)
+        return self._pooled_line
+
+    def observe(self, name: str, tokens: float, requests: float, ttft: float) -> None:
+        """A request routed to ``name`` with ``tokens`` of prefill up to its own and ``requests`` in flight ahead
+        of it had its first token after ``ttft`` seconds."""
+        if not 0 <= ttft <= MAX_OBSERVED_TTFT or not 0 <= tokens < 1 << 40 or not 0 <= requests < 1 << 20:
+            return
+        cost = self.replica(name)
+        cost.data.add(tokens, requests, ttft, self.decay)
+        cost.observations += 1
+        self.pooled.add(tokens, requests, ttft, self.decay)
+        self.observations += 1
+        self.generation += 1
+        self._pooled_line = None
+
+    def estimate(self, names: Sequence[str], prompt_tokens: int, cached_tokens: Sequence[int],
+                 requests: Sequence[float], engine_waiting: Sequence[float | None] = ()) -> list[Estimate]:
+        """Each replica's :class:`Estimate` for a prompt of ``prompt_tokens`` of which it holds ``cached_tokens``,
+        with ``requests[i]`` in flight to it.
+
+        ``engine_waiting[i]`` is the waiting requests replica ``i``'s engine reported in a fresh scrape (None when
+        unknown): those beyond the router's own pending requests (sent by other gateways) count as that many
+        requests of the replica's mean size.
+        """
+        if len(self.replicas) > MAX_FORGOTTEN + 2 * len(names):
+            self._forget_others(names)
+        estimates = []
+        for i, name in enumerate(names):
+            cost = self.replica(name)
+            cached = min(max(cached_tokens[i], 0), max(prompt_tokens - 1, 0))
+            queued = cost.pending_tokens
+            waiting = engine_waiting[i] if i < len(engine_waiting) else None
+            if waiting is not None and waiting > cost.pending_requests:
+                queued += int((waiting - cost.pending_requests) * (cost.mean_new_tokens or prompt_tokens))
+            step, slope, per_request, noise = cost.line()
+            estimates.append(Estimate(cached, prompt_tokens - cached, queued, requests[i], step, 1.0 / slope,
+                                      per_request, noise))
+        return estimates
+
+    def _forget_others(self, names: Sequence[str]) -> None:
+        """Drop replicas that are no longer candidates and have nothing pending (replicas come and go)."""
+        keep = set(names)
+        for name in [n for n, c in self.replicas.items() if n not in keep and not c.pending_requests]:
+            del self.replicas[name]
+
+    # -- bookkeeping: the tier calls these from its routed / first_token / finished hooks --------------------------
+
+    def routed(self, name: str, estimate_of: dict) -> None:
+        """A request with ``estimate_of`` (a decision's ``cost`` detail) was handed to replica ``name``."""
+        cost = self.replica(name)
+        new = int(estimate_of.get("new_tokens", 0))
+        cost.pending_tokens += new
+        cost.pending_requests += 1
+        cost.mean_new_tokens = new if not cost.mean_new_tokens else 0.9 * cost.mean_new_tokens + 0.1 * new
+        estimate_of["pending"] = True
+
+    def started(self, name: str, estimate_of: dict, ttft: float | None) -> None:
+        """The request's first token arrived after ``ttft`` seconds (None: it ended without one); once per request."""
+        if not estimate_of.pop("pending", False):
+            return
+        cost = self.replica(name)
+        cost.pending_tokens = max(0, cost.pending_tokens - int(estimate_of.get("new_tokens", 0)))
+        cost.pending_requests = max(0, cost.pending_requests - 1)
+        if ttft is not None:
+            self.observe(name, estimate_of.get("queued_tokens", 0) + estimate_of.get("new_tokens", 0),
+                         estimate_of.get("requests", 0), ttft)
+
+    def describe(self, name: str) -> dict:
+        cost = self.replica(name)
+        step, slope, per_request, noise = cost.line()
+        return {"step_s": round(step, 4), "prefill_tokens_per_s": round(1.0 / slope, 1),
+                "per_request_s": round(per_request, 4), "noise_s": round(noise, 4),
+                "observations": cost.observations, "pending_tokens": cost.pending_tokens,
+                "pending_requests": cost.pending_requests}

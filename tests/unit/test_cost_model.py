@@ -1,0 +1,209 @@
+"""The cost model (llmgw.router.cost) and the cost rule of the prefix_tree and kv_index tiers, on constructed cases."""
+
+from __future__ import annotations
+
+import random
+
+from llmgw.metrics import Metrics
+from llmgw.plugins_manager import build_registry, make_plugin_manager
+from llmgw.router.cost import CostModel
+from llmgw.router.replica import EngineLoad, Replica
+from llmgw.router.router import Router
+from llmgw.router.tier import RouteRequest
+
+# The "hardware" the tests' observations come from: 40 ms per step, 10,000 prompt tokens/s, 15 ms per request
+# already in flight.
+STEP, THROUGHPUT, PER_REQUEST = 0.04, 10_000.0, 0.015
+
+
+def true_ttft(tokens: float, requests: float) -> float:
+    return STEP + tokens / THROUGHPUT + requests * PER_REQUEST
+
+
+def teach(model: CostModel, names, count: int = 200, seed: int = 1, noise: float = 0.0) -> None:
+    rng = random.Random(seed)
+    for i in range(count):
+        tokens, requests = rng.randint(50, 4000), rng.randint(0, 12)
+        model.observe(names[i % len(names)], tokens, requests, true_ttft(tokens, requests) + rng.gauss(0, noise))
+
+
+def test_throughput_step_and_per_request_cost_are_learnt_from_observed_ttfts():
+    model = CostModel()  # priors: 20,000 tokens/s, 20 ms, nothing per request
+    teach(model, ["a", "b"], noise=0.002)
+    for name in ("a", "b"):
+        learnt = model.replica(name)
+        assert abs(learnt.throughput - THROUGHPUT) / THROUGHPUT < 0.05, model.describe(name)
+        assert abs(learnt.step - STEP) < 0.01 and abs(learnt.per_request - PER_REQUEST) < 0.002
+        assert 0.001 < learnt.noise < 0.004
+    # A replica that has seen nothing looks like its peers, not like the priors.
+    fresh = model.replica("c")
+    assert abs(fresh.throughput - THROUGHPUT) / THROUGHPUT < 0.05 and fresh.observations == 0
+
+
+def test_the_priors_hold_before_any_observation_and_when_the_data_cannot_tell_the_terms_apart():
+    model = CostModel(prior_throughput=5000, prior_step=0.05)
+    assert model.replica("a").throughput == 5000 and model.replica("a").step == 0.05
+    for _ in range(50):  # every request the same size, nothing in flight: only the sum is known
+        model.observe("a", 1000, 0, 0.25)
+    (estimate,) = model.estimate(["a"], 1000, [0], [0])
+    assert abs(estimate.ttft - 0.25) < 0.01  # what was seen is predicted
+    assert 50 <= model.replica("a").throughput <= 1e8 and model.replica("a").step >= 0
+
+
+def test_observations_outside_sane_bounds_are_ignored():
+    model = CostModel()
+    for ttft in (-1.0, float("nan"), 1e9):
+        model.observe("a", 100, 0, ttft)
+    model.observe("a", -5, 0, 0.1)
+    assert model.replica("a").observations == 0
+
+
+def make(options=None, names=("a", "b")):
+    router = Router(build_registry(make_plugin_manager(())), Metrics())
+    route = router.configure_model("m", "prefix_tree", {"seed": 3, **(options or {})})
+    replicas = [Replica(name=n, model="m", url=f"http://127.0.0.1:{9000 + i}") for i, n in enumerate(names)]
+    for replica in replicas:
+        router.add_replica(replica)
+    teach(route.tier.cost, names)
+    return router, route.tier, replicas
+
+
+SYSTEM = "You are the support assistant of a large company; follow these rules. " * 115  # ~8,000 chars, ~2,000 tokens
+
+
+def chat(question: str, system: str = SYSTEM) -> RouteRequest:
+    return RouteRequest("m", "/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": question}]})
+
+
+async def owner_of_the_prompt(router) -> Replica:
+    decision = await router.pick(chat("first question"))
+    assert decision.outcome == "miss"
+    return decision.replica
+
+
+async def test_a_long_cached_prefix_on_a_busy_replica_beats_an_idle_cold_one():
+    router, tier, replicas = make()
+    owner = await owner_of_the_prompt(router)
+    idle = next(r for r in replicas if r is not owner)
+    owner.inflight = 6  # six requests in flight, their prefills done but a few hundred tokens
+    tier.cost.replica(owner.name).pending_tokens = 300
+    decision = await router.pick(chat("second question"))
+    # owner: 40 ms + (300 + ~10) / 10k + 6 x 15 ms = ~161 ms; idle: 40 ms + ~2,010 / 10k = ~241 ms
+    assert decision.replica is owner and decision.outcome == "hit"
+    assert 0.12 < decision.detail["cost"]["estimated_ttft_s"] < 0.2
+    explained = await router.explain(chat("second question"))
+    costs = {e["name"]: e["cost"] for e in explained["replicas"]}
+    assert costs[owner.name]["cached_tokens"] > 1900 and costs[owner.name]["queued_tokens"] == 300
+    assert costs[idle.name]["cached_tokens"] == 0 and costs[idle.name]["new_tokens"] > 1900
+    assert costs[idle.name]["estimated_ttft_s"] > costs[owner.name]["estimated_ttft_s"]
+    # What the count guard did instead: 6 + 1 - 0 > 4 in-flight requests, so a cold 2,000-token prefill.
+    router, tier, replicas = make({"rule": "scores", "max_imbalance": 4})
+    owner = await owner_of_the_prompt(router)
+    owner.inflight = 6
+    decision = await router.pick(chat("second question"))
+    assert decision.outcome == "load_override" and decision.replica is not owner
+
+
+async def test_an_idle_cold_replica_beats_a_cached_one_whose_queue_is_longer_than_the_prefill():
+    router, tier, replicas = make()
+    owner = await owner_of_the_prompt(router)
+    idle = next(r for r in replicas if r is not owner)
+    owner.inflight = 10
+    tier.cost.replica(owner.name).pending_tokens = 6000  # long prompts of other conversations being prefilled
+    explained = await router.explain(chat("second question"))
+    assert explained["outcome"] == "cost_override" and explained["preferred"] == owner.name
+    assert "6000 prefill tokens, 10 requests" in explained["reason"]
+    decision = await router.pick(chat("second question"))
+    # owner: 40 ms + 6,010 / 10k + 10 x 15 ms = ~791 ms; idle: ~241 ms
+    assert decision.replica is idle and decision.outcome == "cost_override"
+    assert 0.2 < decision.detail["cost"]["estimated_ttft_s"] < 0.3
+    assert router.metrics.decisions.labels("m", "prefix_tree", "cost_override")._value.get() == 1
+
+
+async def test_a_short_prompt_is_worth_less_queueing_than_a_long_one():
+    router, tier, replicas = make()
+    short = "Be brief. " * 30  # ~75 tokens: a cold prefill costs ~8 ms, less than one request in flight
+    owner = (await router.pick(chat("q", system=short))).replica
+    owner.inflight = 2
+    decision = await router.pick(chat("q2", system=short))
+    assert decision.replica is not owner and decision.outcome == "cost_override"
+    # With the long prompt the same queue is worth waiting for.
+    owner = await owner_of_the_prompt(router)
+    owner.inflight = 2
+    assert (await router.pick(chat("again"))).replica is owner
+
+
+async def test_waiting_requests_of_other_gateways_count_as_queued_prefill():
+    router, tier, replicas = make({"engine_metrics_interval": "250ms"})
+    owner = await owner_of_the_prompt(router)
+    tier.cost.replica(owner.name).mean_new_tokens = 2000
+    owner.engine_load = EngineLoad(running=1, waiting=5, at=tier.clock())  # 5 x 2,000 tokens to prefill first
+    decision = await router.pick(chat("second question"))
+    assert decision.replica is not owner and decision.outcome == "cost_override"
+    assert decision.detail["cost"]["queued_tokens"] == 0
+
+
+async def test_the_router_hooks_keep_the_queue_and_teach_the_model():
+    router, tier, (a, b) = make()
+    request = chat("first question")
+    decision = await router.pick(request)
+    router.routed(request, decision)
+    queued = tier.cost.replica(decision.replica.name)
+    assert queued.pending_requests == 1 and queued.pending_tokens == decision.detail["cost"]["new_tokens"] > 1900
+    seen = queued.observations
+    router.first_token(request, decision, 0.25)
+    router.first_token(request, decision, 9.0)  # once only
+    assert queued.pending_requests == 0 and queued.pending_tokens == 0 and queued.observations == seen + 1
+    router.finished(request, decision, None)
+    assert queued.pending_requests == 0 and queued.observations == seen + 1
+    # A request that ends without a first token (an error) leaves the queue and teaches nothing.
+    request = chat("another")
+    decision = await router.pick(request)
+    router.routed(request, decision)
+    router.finished(request, decision, None)
+    queued = tier.cost.replica(decision.replica.name)
+    assert queued.pending_requests == 0 and queued.pending_tokens == 0
+
+
+def test_replicas_that_left_are_forgotten():
+    model = CostModel()
+    for i in range(200):
+        model.estimate([f"gone-{i}"], 100, [0], [0])
+    model.routed("busy", {"new_tokens": 10})
+    model.estimate(["a", "b"], 100, [0, 0], [0, 0])
+    assert len(model.replicas) <= 64 + 2 * 2 + 3 and "busy" in model.replicas  # pending work is kept
+
+
+async def test_a_burst_under_a_new_prompt_spills_once_the_holders_queue_outweighs_a_cold_prefill():
+    router, tier, (a, b) = make()
+    picks = []
+    for i in range(6):  # all routed, none has its first token yet
+        request = chat(f"question {i}")
+        decision = await router.pick(request)
+        router.routed(request, decision)
+        decision.replica.inflight += 1  # as the data plane counts it
+        picks.append((decision.replica.name, decision.outcome))
+    owner = picks[0][0]
+    other = "b" if owner == "a" else "a"
+    # The first prefill (~2,000 tokens) is queued on the owner, with the request itself in flight: the second
+    # would wait longer there than the other replica takes to compute the whole prompt.
+    assert picks[0] == (owner, "miss") and picks[1] == (other, "cost_override")
+    assert all(outcome == "hit" for _, outcome in picks[2:])  # both hold it now and share the rest
+    assert {name for name, _ in picks[2:]} == {owner, other}
+
+
+def test_the_cost_options_are_checked_and_naming_scorers_selects_the_scores_rule():
+    from llmgw.plugins.prefix_tree import PrefixTreeOptions, PrefixTreeTier
+
+    problems = PrefixTreeTier.check_options({"rule": "fastest", "cost_decay": 0, "cost_prefill_tokens_per_s": -1,
+                                             "cost_step_time": "soon"})
+    text = "; ".join(problems)
+    for key in ("rule", "cost_decay", "cost_prefill_tokens_per_s", "cost_step_time"):
+        assert key in text, text
+    defaults = PrefixTreeOptions.parse({})[0]
+    assert defaults.rule == "cost" and defaults.max_imbalance is None  # the count guard is off by default
+    scored = PrefixTreeOptions.parse({"scorers": {"prefix": 1.0}})[0]
+    assert scored.rule == "scores" and scored.max_imbalance == 4  # the scores rule keeps its guard
+    explicit = PrefixTreeOptions.parse({"rule": "cost", "max_imbalance": 8, "cost_step_time": "50ms"})[0]
+    assert explicit.max_imbalance == 8 and explicit.cost_step_time == 0.05
