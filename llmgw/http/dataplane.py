@@ -230,6 +230,8 @@ class DataPlane:
                     log.warning("replica %s went away with request %s before answering; sending it to another "
                                 "replica once", replica.name, request_id)
                     continue
+                log.info("request %s: replica %s failed after taking it (%s); answered as it is, not sent on",
+                         request_id, replica.name, outcome)
                 break  # it reached the engine: sending it again could repeat its work, or its harm
             if isinstance(outcome, tuple):  # an unwell replica's answer (502/503/504), retried elsewhere
                 kept = (replica, *outcome)
