@@ -205,6 +205,7 @@ class UpstreamResponse:
         self.status = parser.status
         self.headers = parser.headers
         self.head_only = head_only
+        self._read_ahead: bytes | None = None  # the whole body, when read_ahead() took it
         if head_only:
             parser.done = True
             parser.pieces = []
@@ -243,8 +244,16 @@ class UpstreamResponse:
         parser.pieces = []
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
+    async def read_ahead(self) -> None:
+        """Read the whole body now, so that :meth:`read` returns it at once; ``UpstreamError`` when the upstream
+        fails before it ends."""
+        self._read_ahead = await self.read()
+
     async def read(self) -> bytes:
         """The whole body."""
+        if self._read_ahead is not None:
+            data, self._read_ahead = self._read_ahead, None
+            return data
         parser = self._parser
         if parser.done:  # it came with the head: the usual case for small answers
             pieces = parser.pieces

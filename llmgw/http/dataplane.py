@@ -222,7 +222,8 @@ class DataPlane:
                 failures.append(f"{replica.name}: {outcome}")
                 if outcome.kind in RETRY_KINDS:
                     continue
-                if outcome.kind == "closed_after_request" and not resent and await self._engine_gone(replica):
+                if outcome.kind in ("closed_after_request", "closed") and not resent \
+                        and await self._engine_gone(replica):
                     # Its engine died with the request in it (killed, out of memory): sent on once, so a request
                     # that kills its engine can take at most one more with it.
                     resent = True
@@ -301,6 +302,18 @@ class DataPlane:
             body = await upstream.read() if upstream.complete else b""
             await upstream.aclose()
             return upstream.status, upstream.headers, body
+        if not upstream.complete and _inline_length(upstream.headers) is not None:
+            # A small answer whose body did not come with its head: read here, so that an engine dying before it
+            # ends fails this attempt, while nothing was relayed yet, rather than the client's answer.
+            try:
+                await upstream.read_ahead()
+            except UpstreamError as exc:
+                self._load(replica, -1)
+                self._upstream_error(replica, exc)
+                return exc
+            except BaseException:
+                self._load(replica, -1)
+                raise
         return upstream
 
     async def _relay(self, upstream: UpstreamResponse, replica: Replica, decision: Decision,
@@ -318,12 +331,7 @@ class DataPlane:
             self._request_caused(replica, f"status_{upstream.status}")
         else:
             self.health.request_succeeded(replica)
-        length = None
-        for header in headers:
-            if header[0] == b"content-length":
-                length = header[1]
-                break
-        if length is not None and length.isdigit() and int(length) <= INLINE_BODY_LIMIT:
+        if _inline_length(headers) is not None:
             try:
                 data = await upstream.read()
             except UpstreamError as exc:
@@ -454,6 +462,14 @@ class DataPlane:
 
 
 _NO_TOKENS = ("-", "-", "-")
+
+
+def _inline_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The body's length when the answer announces one up to :data:`INLINE_BODY_LIMIT` (relayed in one write)."""
+    for name, value in headers:
+        if name == b"content-length":
+            return int(value) if value.isdigit() and int(value) <= INLINE_BODY_LIMIT else None
+    return None
 
 
 def _relayed_stream_end(recent: list[bytes]) -> bool:

@@ -77,7 +77,8 @@ async def test_an_engine_killed_under_load_fails_no_request_that_had_not_started
         replicas = await cluster.replicas_where(f"{victim} back on a new engine", lambda rs: all_up(2)(rs) and (
             rs[victim]["shards"][0]["pid"] not in (0, pids[victim])), timeout=60)
     counts = load.phases["fault"]
-    said = [line for line in cluster.serve.lines if "failed after taking it" in line or "went away" in line]
+    said = [line for line in cluster.serve.lines if "failed after taking it" in line or "went away" in line
+            or "is now down" in line or "leaves routing" in line]
     assert counts.failed("plain") == {}, (counts.as_dict(), said)
     assert set(counts.failed("stream")) <= {"stream_cut"}, counts.as_dict()  # only streams on the killed engine
     assert all(started < killed_at for started in counts.lost_started_at)
