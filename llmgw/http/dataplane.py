@@ -284,17 +284,11 @@ class DataPlane:
         if replica.auth_header is not None:
             headers = headers + [replica.auth_header]
         self._load(replica, +1)
-        try:
-            upstream = await replica.pool.request(
-                request.method, replica.base_path + request.target, headers, request.body,
-                first_byte_timeout=self.settings.first_byte_timeout, idle_timeout=self.settings.idle_timeout)
-        except UpstreamError as exc:
-            self._load(replica, -1)
-            self._upstream_error(replica, exc)
-            return exc
-        except BaseException:
-            self._load(replica, -1)
-            raise
+        upstream = await self._step(replica, lambda: replica.pool.request(
+            request.method, replica.base_path + request.target, headers, request.body,
+            first_byte_timeout=self.settings.first_byte_timeout, idle_timeout=self.settings.idle_timeout))
+        if isinstance(upstream, UpstreamError):
+            return upstream
         if upstream.status in UNWELL_STATUSES and not is_last:
             self._load(replica, -1)
             self._failed(replica, "status_5xx", f"HTTP {upstream.status}")
@@ -305,16 +299,23 @@ class DataPlane:
         if not upstream.complete and _inline_length(upstream.headers) is not None:
             # A small answer whose body did not come with its head: read here, so that an engine dying before it
             # ends fails this attempt, while nothing was relayed yet, rather than the client's answer.
-            try:
-                await upstream.read_ahead()
-            except UpstreamError as exc:
-                self._load(replica, -1)
-                self._upstream_error(replica, exc)
-                return exc
-            except BaseException:
-                self._load(replica, -1)
-                raise
+            failed = await self._step(replica, upstream.read_ahead)
+            if isinstance(failed, UpstreamError):
+                return failed
         return upstream
+
+    async def _step(self, replica: Replica, step):
+        """``await step()`` of an attempt; its ``UpstreamError`` is returned, counted, and the replica's load given
+        back (also when cancelled)."""
+        try:
+            return await step()
+        except UpstreamError as exc:
+            self._load(replica, -1)
+            self._upstream_error(replica, exc)
+            return exc
+        except BaseException:
+            self._load(replica, -1)
+            raise
 
     async def _relay(self, upstream: UpstreamResponse, replica: Replica, decision: Decision,
                      route_request: RouteRequest, started: float, id_header: tuple[bytes, bytes]) -> Response:
