@@ -637,24 +637,21 @@ def test_config_objects_are_frozen():
         config.models[0].name = "other"  # type: ignore[misc]
 
 
-def test_lora_adapter_names_are_model_names_to_clients():
-    adapter_is_a_model = only_error("""
-        models:
-          - name: a
-            replicas: [{url: "http://127.0.0.1:9001"}]
-            lora_adapters: [{name: b, path: /x}]
-          - name: b
-            replicas: [{url: "http://127.0.0.1:9002"}]
-        """)
-    assert (adapter_is_a_model.line, adapter_is_a_model.key) == (5, "models[0].lora_adapters[0].name")
-    assert "has the name of a model" in adapter_is_a_model.message
-    two_owners = only_error("""
-        models:
-          - name: a
-            replicas: [{url: "http://127.0.0.1:9001"}]
-            lora_adapters: [{name: sql, path: /x}]
-          - name: b
-            replicas: [{url: "http://127.0.0.1:9002"}]
-            lora_adapters: [{name: sql, path: /y}]
-        """)
-    assert two_owners.key == "models[1].lora_adapters[0].name" and "also an adapter of model 'a'" in two_owners.message
+TWO_MODELS = """
+    models:
+      - name: a
+        replicas: [{url: "http://127.0.0.1:9001"}]
+        lora_adapters: [{name: %s, path: /x}]
+      - name: b
+        replicas: [{url: "http://127.0.0.1:9002"}]
+        lora_adapters: [%s]
+    """
+
+
+@pytest.mark.parametrize("first, second, line, key, message", [
+    ("b", "", 5, "models[0].lora_adapters[0].name", "has the name of a model"),
+    ("sql", "{name: sql, path: /y}", 8, "models[1].lora_adapters[0].name", "also an adapter of model 'a'"),
+], ids=["adapter named as a model", "adapter of two models"])
+def test_lora_adapter_names_are_model_names_to_clients(first, second, line, key, message):
+    error = only_error(TWO_MODELS % (first, second))
+    assert (error.line, error.key) == (line, key) and message in error.message
