@@ -17,15 +17,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("llmgw.sim.cli", "run the vLLM-like simulator engine"),
     "down": ("llmgw.commands.down", "stop the engines a stopped serve or agent left running: llmgw down --config FILE"),
     "plan": ("llmgw.commands.plan", "print where a config's replicas would be placed, and why: llmgw plan --config FILE"),
+    "bench": ("llmgw.commands.bench", "run a benchmark and print its table: llmgw bench routing [--json FILE]"),
 }
 
 
-def usage() -> str:
-    width = max(map(len, COMMANDS))
-    lines = ["usage: llmgw COMMAND [options]", "", "commands:"]
-    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "Run 'llmgw COMMAND --help' for a command's options."]
+def table_usage(command: str, kind: str, table: dict[str, tuple[str, str]]) -> str:
+    """The help of a command dispatching to a ``table`` of NAME -> (module, help): ``llmgw``, ``llmgw bench``."""
+    width = max(map(len, table))
+    lines = [f"usage: {command} {kind.upper()} [options]", "", f"{kind}s:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in table.items()]
+    lines += ["", f"Run '{command} {kind.upper()} --help' for a {kind}'s options."]
     return "\n".join(lines)
+
+
+def usage() -> str:
+    return table_usage("llmgw", "command", COMMANDS)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -34,13 +35,22 @@ class Child:
         return self.process.pid
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a child that must be told its port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def llmgw_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "llmgw", *args]
 
 
 async def run_child(argv: list[str], *, name: str, env: dict[str, str] | None = None, startup_timeout: float = 30.0,
-                    stop_grace: float = 5.0, keep_lines: int = 50, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Run ``argv`` until cancelled; ``task_status.started(Child)`` once it printed its URL."""
+                    stop_grace: float = 5.0, keep_lines: int = 50, ready: re.Pattern[bytes] = LISTENING,
+                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run ``argv`` until cancelled; ``task_status.started(Child)`` once it printed a line matching ``ready``
+    (whose first group is the child's URL)."""
     full_env = dict(os.environ, **(env or {}))
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     process = await trio.lowlevel.open_process(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -60,7 +70,7 @@ async def run_child(argv: list[str], *, name: str, env: dict[str, str] | None = 
                 *complete, buffer = buffer.split(b"\n")
                 for raw in complete:
                     lines.append(raw.decode(errors="replace"))
-                    match = LISTENING.search(raw)
+                    match = ready.search(raw)
                     if match and child is None:
                         child = Child(process, match.group(1).decode().rstrip("/"), lines)
         task_status.started(child)

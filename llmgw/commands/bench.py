@@ -1,0 +1,32 @@
+"""``llmgw bench NAME [options]``: run one of llmgw's benchmarks (a table of names to modules under llmgw.bench).
+
+Each benchmark module exposes ``main(argv) -> int``, prints a table and
+writes JSON with ``--json FILE``; ``llmgw bench NAME --help`` shows its options.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from ..cli import table_usage
+
+BENCHES: dict[str, tuple[str, str]] = {
+    "routing": ("llmgw.bench.routing", "routing tiers, an oracle and vllm-router on the same simulators: "
+                                       "engine-reported cache hits, TTFT p90, output tokens/s, the load knee"),
+}
+
+
+def usage() -> str:
+    return table_usage("llmgw bench", "benchmark", BENCHES)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in BENCHES:
+        print(f"llmgw bench: unknown benchmark {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(BENCHES[name][0]).main(rest) or 0)
