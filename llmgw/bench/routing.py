@@ -53,7 +53,7 @@ from .routing_workloads import Session, TraceError, build
 
 DEFAULT_ARMS = ("round_robin", "prefix_tree", "kv_index", "oracle", "vllm-router-round_robin",
                 "vllm-router-cache_aware", "vllm-router-kv_aware")
-QUICK_ARMS = ("round_robin", "kv_index", "oracle", "vllm-router-cache_aware")
+QUICK_ARMS = ("round_robin", "prefix_tree", "kv_index", "oracle", "vllm-router-cache_aware")
 KNEE_P90_GROWTH = 2.0
 KNEE_THROUGHPUT_GROWTH = 1.10
 
