@@ -64,6 +64,7 @@ class SimApi:
         }
         if sim.config.debug_routes:
             self._routes[("POST", "/debug/prefix_hit")] = self.debug_prefix_hit
+            log.info("test switch --debug-routes: POST /debug/prefix_hit shows the cache and queues to anyone")
         self._paths = {path for _, path in self._routes}
 
     async def handle(self, request: Request) -> Response:
