@@ -381,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
+def _plan(args: argparse.Namespace) -> Plan:
     names = args.arms.split(",") if args.arms else list(QUICK_ARMS if args.quick else DEFAULT_ARMS)
     unknown = [n for n in names if n not in ARMS]
     if unknown:
@@ -397,12 +397,12 @@ def _plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
         raise SystemExit("llmgw bench routing: concurrency, --repeats and --replicas must be at least 1")
     spec = SimSpec(replicas=args.replicas, num_blocks=args.num_blocks, time_scale=args.time_scale)
     repeats = 1 if args.quick and args.repeats == 3 else args.repeats
-    return Plan(args.workload.split(","), arms, levels, repeats, args.seed, args.quick, spec), names
+    return Plan(args.workload.split(","), arms, levels, repeats, args.seed, args.quick, spec)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    plan, _ = _plan(args)
+    plan = _plan(args)
     skipped = {}
     executable = None
     if any(arm.kind == "vllm-router" for arm in plan.arms):

@@ -102,7 +102,7 @@ def test_llmgw_bench_lists_routing_and_its_help_names_the_options(capsys):
 def test_arm_options_reach_only_llmgw_arms_and_bad_ones_are_refused():
     args = routing.build_parser().parse_args(["--arms", "kv_index,oracle", "--arm-options",
                                               'kv_index={"predicted_ttl": "1s"}'])
-    plan, _ = routing._plan(args)
+    plan = routing._plan(args)
     assert [(a.name, a.options) for a in plan.arms] == [("kv_index", {"predicted_ttl": "1s"}), ("oracle", {})]
     for bad in ("oracle={}", "kv_index=[1]", "kv_index={nope", "nope={}"):
         with pytest.raises(SystemExit, match="--arm-options"):
