@@ -45,7 +45,7 @@ import httpx
 import trio
 
 from ..sim import tokenizer
-from .chat_workloads import new_client, percentile
+from .chat_workloads import ChatResult, new_client, percentile
 from .common import write_json
 from .proxy import find_vllm_router, process_cpu_seconds, vllm_router_version
 from .routing_arms import ARMS, Arm, SimSpec, Target, block_keys, leading, open_arm
@@ -139,7 +139,11 @@ async def run_sessions(target: Target, sessions: list[Session], concurrency: int
                 ideal_hit = ideal.lookup(prompt_ids)
                 ideal.add(prompt_ids)
                 digest = hashlib.sha256(json.dumps([messages, turn.max_tokens], sort_keys=True).encode()).hexdigest()
-                result = await target.send(client, messages, turn.max_tokens)
+                try:
+                    result = await target.send(client, messages, turn.max_tokens)
+                except (httpx.HTTPError, ValueError) as exc:  # an error of this request, counted; the run goes on
+                    print(f"\n{turn.id}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                    result = ChatResult("", 0, 0, 0, 0.0, 0.0, "")
                 ideal.add(prompt_ids + tokenizer.encode(result.reply, add_special_tokens=False))
                 records.append(Record(turn.id, digest[:16], result.replica, result.status, result.prompt_tokens,
                                       result.cached_tokens, result.completion_tokens, 1000 * result.ttft,
