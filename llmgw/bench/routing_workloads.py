@@ -20,6 +20,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..sim import tokenizer
 from .chat_workloads import words
 
 MAX_TRACE_LINES = 100_000
@@ -127,6 +128,10 @@ def load_trace(path: str | Path, *, max_tokens: int = 64) -> list[Session]:
             if not isinstance(item, dict) or not isinstance(item.get("messages"), list) or not item["messages"] \
                     or not all(isinstance(m, dict) for m in item["messages"]):
                 raise TraceError(f"{path}, line {number}: needs 'messages', a non-empty list of objects")
+            try:
+                tokenizer.encode_chat(item["messages"])
+            except tokenizer.TokenizerError as exc:
+                raise TraceError(f"{path}, line {number}: 'messages': {exc}") from None
             limit = item.get("max_tokens", max_tokens)
             if type(limit) is not int or not 1 <= limit <= 65536:
                 raise TraceError(f"{path}, line {number}: 'max_tokens' must be an integer in 1..65536")
