@@ -9,7 +9,6 @@ engines' own, and only a router process has a CPU time.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
