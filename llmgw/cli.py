@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("llmgw.sim.cli", "run the vLLM-like simulator engine"),
     "down": ("llmgw.commands.down", "stop the engines a stopped serve or agent left running: llmgw down --config FILE"),
     "plan": ("llmgw.commands.plan", "print where a config's replicas would be placed, and why: llmgw plan --config FILE"),
-    "bench": ("llmgw.commands.bench", "run a benchmark and print its table: llmgw bench routing [--json FILE]"),
+    "bench": ("llmgw.commands.bench", "run a benchmark and print its table: llmgw bench fault [--json FILE]"),
 }
 
 

@@ -38,6 +38,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -45,8 +46,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from llmgw.processes import free_port
 
 VLLM_ROUTER_VERSION = "0.1.17"
 PROXY_CPU = 1
@@ -190,6 +189,12 @@ def _killpg(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def http_post(url: str, body: str, timeout: float = 5.0) -> tuple[int, bytes, dict]:

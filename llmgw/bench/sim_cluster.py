@@ -40,10 +40,10 @@ def gateway_config(urls: Sequence[str], *, routing: str, routing_options: dict |
             "health:\n  interval: 1s\nlog_level: warning\n")
 
 
-async def start_sims(nursery: trio.Nursery, count: int, *, env: dict[str, str] | None = None,
-                     **sim_options) -> list[Child]:
-    """Start ``count`` simulators at once (``env`` added to their environment); their Children in index order."""
+async def start_sims(nursery: trio.Nursery, count: int, **sim_options) -> list[Child]:
+    """Start ``count`` simulators at once; their Children in index order."""
     children: list[Child | None] = [None] * count
+    env = sim_options.pop("env", None)  # added to the simulators' environment (e.g. PYTHONHASHSEED)
 
     async def start(i: int) -> None:
         children[i] = await nursery.start(lambda task_status: run_child(
