@@ -43,6 +43,7 @@ class ChatResult:
     ttft: float  # seconds to the first content chunk
     latency: float  # seconds to the end of the stream
     reply: str
+    completion_tokens: int = 0  # engine-reported output tokens
 
 
 def words(rng: random.Random, count: int) -> str:
@@ -85,7 +86,7 @@ async def send_chat(client: httpx.AsyncClient, url: str, model: str, messages: l
     latency = time.perf_counter() - started
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return ChatResult(replica, 200, usage.get("prompt_tokens", 0), cached, latency if ttft is None else ttft,
-                      latency, "".join(reply))
+                      latency, "".join(reply), usage.get("completion_tokens", 0))
 
 
 async def _run_limited(jobs: list[Callable], concurrency: int) -> None:

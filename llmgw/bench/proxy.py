@@ -104,22 +104,26 @@ class Proc:
         return self.popen.pid
 
     def cpu_seconds(self) -> float:
-        """User+system CPU of the process and its threads (and reaped children), from /proc."""
-        total = 0.0
-        tick = os.sysconf("SC_CLK_TCK")
-        for pid in [self.pid] + _descendants(self.pid):
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15)
-        return total
+        return process_cpu_seconds(self.pid)
 
     def tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User+system CPU of process ``pid``, its threads and descendants (and their reaped children), from /proc."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for one in [pid] + _descendants(pid):
+        try:
+            fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15)
+    return total
 
 
 def _descendants(pid: int) -> list[int]:

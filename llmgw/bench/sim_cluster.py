@@ -29,8 +29,13 @@ def sim_command(*, model: str = MODEL, num_blocks: int, block_size: int = 16, ti
 
 
 def gateway_config(urls: Sequence[str], *, routing: str, routing_options: dict | None = None,
-                   model: str = MODEL) -> str:
+                   model: str = MODEL, kv_sources: Sequence[tuple[str, str]] | None = None) -> str:
+    """``kv_sources``: each replica's (events, replay) ZMQ endpoints, for a gateway that follows their events."""
     replicas = "".join(f"      - url: {url}\n        name: sim-{i}\n" for i, url in enumerate(urls))
+    if kv_sources is not None:
+        replicas = "".join(f"      - url: {url}\n        name: sim-{i}\n        kv_events: {events}\n"
+                           f"        kv_replay: {replay}\n" for i, (url, (events, replay)) in
+                           enumerate(zip(urls, kv_sources, strict=True)))
     return (f"models:\n  - name: {model}\n    routing: {routing}\n"
             f"    routing_options: {json.dumps(routing_options or {})}\n    replicas:\n{replicas}"
             "health:\n  interval: 1s\nlog_level: warning\n")
@@ -59,10 +64,11 @@ deployments:
 async def start_sims(nursery: trio.Nursery, count: int, **sim_options) -> list[Child]:
     """Start ``count`` simulators at once; their Children in index order."""
     children: list[Child | None] = [None] * count
+    env = sim_options.pop("env", None)  # added to the simulators' environment (e.g. PYTHONHASHSEED)
 
     async def start(i: int) -> None:
         children[i] = await nursery.start(lambda task_status: run_child(
-            sim_command(**sim_options), name=f"sim-{i}", task_status=task_status))
+            sim_command(**sim_options), name=f"sim-{i}", env=env, task_status=task_status))
 
     async with trio.open_nursery() as starting:
         for i in range(count):

@@ -14,6 +14,8 @@ from ..cli import table_usage
 BENCHES: dict[str, tuple[str, str]] = {
     "fault": ("llmgw.bench.fault", "kill an engine, the agent and the control plane under a steady load: "
                                    "failed requests by kind, time to routable again, engine restarts"),
+    "routing": ("llmgw.bench.routing", "routing tiers, an oracle and vllm-router on the same simulators: "
+                                       "engine-reported cache hits, TTFT p90, output tokens/s, the load knee"),
 }
 
 

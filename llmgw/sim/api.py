@@ -3,7 +3,8 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming and
 not), ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``,
 ``GET /health``, ``GET /ping``, ``GET /version``, ``GET /load``, ``GET /metrics``,
-``POST /reset_prefix_cache``, ``GET /kv_event_sources``. With ``--api-key``,
+``POST /reset_prefix_cache``, ``GET /kv_event_sources``, and with the test switch
+``--debug-routes`` ``POST /debug/prefix_hit``. With ``--api-key``,
 paths under ``/v1`` need ``Authorization: Bearer KEY`` (vLLM protects exactly
 those). A request whose client goes away is aborted in the engine (its blocks
 are freed; cached blocks stay cached).
@@ -61,6 +62,9 @@ class SimApi:
             ("POST", "/reset_prefix_cache"): self.reset_prefix_cache,
             ("GET", "/kv_event_sources"): self.kv_event_sources,
         }
+        if sim.config.debug_routes:
+            self._routes[("POST", "/debug/prefix_hit")] = self.debug_prefix_hit
+            log.info("test switch --debug-routes: POST /debug/prefix_hit shows the cache and queues to anyone")
         self._paths = {path for _, path in self._routes}
 
     async def handle(self, request: Request) -> Response:
@@ -222,6 +226,33 @@ class SimApi:
             raise bad_request(str(exc), "tokens") from None
         return Response.json({"prompt": tokenizer.decode(ids, skip_special_tokens=False)})
 
+    async def debug_prefix_hit(self, request: Request) -> Response:
+        """What the engine would serve from its cache for this request now, and its queues (test switch).
+
+        The body is a chat (``messages``) or completion (``prompt``) request; nothing is submitted and
+        the cache's LRU order is not touched. ``pending_prefill_tokens`` are the prompt tokens the
+        queued and running requests still have to compute (their own cache hits deducted).
+        """
+        body = self._body(request)
+        _, lora = self._model(body)
+        prompt_ids = protocol.chat_prompt_ids(body) if "messages" in body else protocol.completion_prompt_ids(body)
+        cache, scheduler = self.engine.cache, self.engine.scheduler
+        hashing = self.sim.hashing
+        cached = 0
+        if hashing is not None:
+            hashes = hashing.for_request((lora.name, lora.path) if lora else None, protocol.cache_salt(body))
+            hashes.extend(prompt_ids)
+            cached = len(cache.computed_blocks(_Probe(prompt_ids, hashes))) * cache.block_size
+        pending = sum(max(0, seq.prompt_len - seq.num_computed_tokens) for seq in scheduler.running)
+        pending += sum(len(seq.token_ids) - len(cache.computed_blocks(seq)) * cache.block_size
+                       for seq in scheduler.waiting)
+        return Response.json({"prompt_tokens": len(prompt_ids), "cached_tokens": cached,
+                              "running": len(scheduler.running), "waiting": len(scheduler.waiting),
+                              "pending_prefill_tokens": pending, "block_size": cache.block_size,
+                              "prefill_tokens_per_s": self.engine.prefill_tokens_per_s,
+                              "decode_ms_per_step": self.engine.decode_s_per_step * 1000.0,
+                              "max_num_batched_tokens": scheduler.max_num_batched_tokens})
+
     # ------------------------------------------------------------------ server endpoints
 
     async def health(self, request: Request) -> Response:
@@ -266,3 +297,13 @@ class SimApi:
 
     async def kv_event_sources(self, request: Request) -> Response:
         return Response.json(self.sim.kv_event_sources())
+
+
+class _Probe:
+    """A prompt as the cache manager sees a request (token ids and block hashes), for a lookup only."""
+
+    __slots__ = ("token_ids", "hashes")
+
+    def __init__(self, token_ids: list[int], hashes):
+        self.token_ids = token_ids
+        self.hashes = hashes

@@ -123,6 +123,7 @@ class SimConfig:
     drop_event_seqs: str | None = None
     stream_head_first: bool = False  # a stream's head goes out before its first token (as vLLM's does)
     suppress_events: tuple[str, ...] = ()  # test switch: event types never published (an engine missing events)
+    debug_routes: bool = False  # test switch: POST /debug/prefix_hit (the routing benchmark's oracle)
     time_scale: float = 1.0
     prefill_tokens_per_s: float = 20000.0
     decode_ms_per_step: float = 20.0

@@ -514,3 +514,27 @@ async def test_client_disconnect_aborts_the_request():
         assert samples[f"vllm:kv_cache_usage_perc{labels}"] == 0.0
         assert samples[f'vllm:request_success_total{{engine="0",model_name="sim",finished_reason="abort"}}'] == 1
         assert samples[f"vllm:generation_tokens_total{labels}"] < 100
+
+
+async def test_debug_prefix_hit_reports_the_cached_prefix_and_queues_only_with_the_test_switch():
+    """``--debug-routes``: what the next request would find cached (as its usage then reports), and the queues."""
+    chat = {"model": "sim", "messages": [{"role": "system", "content": text(700, "shared")},
+                                         {"role": "user", "content": "first"}], "max_tokens": 4}
+    other = dict(chat, messages=[chat["messages"][0], {"role": "user", "content": "second question"}])
+    async with sim_process("--time-scale", "0") as sim, httpx.AsyncClient(base_url=sim.base_url, timeout=30) as http:
+        assert (await http.post("/debug/prefix_hit", json=chat)).status_code == 404  # off by default
+    async with sim_process("--time-scale", "0", "--debug-routes") as sim, \
+            httpx.AsyncClient(base_url=sim.base_url, timeout=30) as http:
+        with trio.fail_after(20):
+            cold = (await http.post("/debug/prefix_hit", json=chat)).json()
+            prompt = (await http.post("/tokenize", json=chat)).json()["count"]
+            assert cold["prompt_tokens"] == prompt and cold["cached_tokens"] == 0
+            assert cold["running"] == cold["waiting"] == cold["pending_prefill_tokens"] == 0
+            assert (await http.post("/v1/chat/completions", json=chat)).status_code == 200
+            probe = (await http.post("/debug/prefix_hit", json=other)).json()
+            served = (await http.post("/v1/chat/completions", json=other)).json()["usage"]
+        assert probe["cached_tokens"] == served["prompt_tokens_details"]["cached_tokens"] > 700
+        assert probe["prompt_tokens"] == served["prompt_tokens"]
+        assert probe["block_size"] == 16 and probe["cached_tokens"] % 16 == 0
+        bad = await http.post("/debug/prefix_hit", json={"model": "sim"})
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"

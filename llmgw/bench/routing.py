@@ -1,0 +1,444 @@
+"""Routing judged on the engines: llmgw's tiers, an oracle and vllm-router on the same simulators and requests.
+
+``llmgw bench routing [--workload grouped] [--arms ...] [--concurrency 8,24] [--repeats 3] [--quick]
+[--json FILE] [--markdown FILE] [--plots DIR]``
+
+For every workload, concurrency C, repeat and arm (:mod:`llmgw.bench.routing_arms`), fresh
+simulators (N replicas whose working set exceeds one replica's KV cache) and a fresh router are
+started, and the workload's sessions (:mod:`llmgw.bench.routing_workloads`) are sent by C
+closed-loop clients; each repeat runs the arms in a rotated order, so a busy machine falls on all
+of them alike. Every number comes from the client or the engines, never from a router:
+
+- *hit rate*: sum of the engines' ``usage.prompt_tokens_details.cached_tokens`` over the sum of
+  their ``prompt_tokens``; *ideal*: the same with, in place of the cached tokens, the leading
+  prompt blocks some earlier request of the run had already computed (prompt and reply), on any
+  replica: what an infinite cache routed perfectly could have served;
+- *cold requests*: requests served with nothing cached although an earlier request had computed
+  at least their first block;
+- *TTFT*: the client's time from sending the request to its first content chunk (p50, p90, mean);
+- *output tokens/s*: the engines' ``completion_tokens`` over the run's wall time;
+- *per replica*: the simulators' own ``vllm:request_success_total``;
+- *router CPU*: user+system CPU seconds of the router process (llmgw or vllm-router) during the
+  load, from ``/proc`` (none for the oracle, which runs in the benchmark's process);
+- *knee*: along the concurrencies measured, the last C before a step on which TTFT p90 more than
+  doubles while output tokens/s grows less than 10% (the largest C when no step does).
+
+Reported per arm and C: medians over the repeats. Output: a Markdown table (printed, and written
+with ``--markdown``), everything with ``--json`` (per-request records included), PNG plots of
+TTFT p90 against C per arm with ``--plots`` (needs matplotlib: ``pip install llmgw[bench]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import httpx
+import trio
+
+from ..sim import tokenizer
+from .chat_workloads import ChatResult, new_client, percentile
+from .common import write_json
+from .proxy import find_vllm_router, process_cpu_seconds, vllm_router_version
+from .routing_arms import ARMS, Arm, SimSpec, Target, block_keys, leading, open_arm
+from .routing_workloads import Session, TraceError, build
+
+DEFAULT_ARMS = ("round_robin", "prefix_tree", "kv_index", "oracle", "vllm-router-round_robin",
+                "vllm-router-cache_aware", "vllm-router-kv_aware")
+QUICK_ARMS = ("round_robin", "prefix_tree", "kv_index", "oracle", "vllm-router-cache_aware")
+KNEE_P90_GROWTH = 2.0
+KNEE_THROUGHPUT_GROWTH = 1.10
+
+
+@dataclass
+class Record:
+    """One request as the client saw it and the engine reported it."""
+
+    id: str
+    digest: str  # of the body sent: the same for every arm when the requests are the same
+    replica: str
+    status: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_ms: float
+    latency_ms: float
+    ideal_cached_tokens: int  # leading prompt tokens some earlier request had computed (see the module doc)
+
+
+class Progress:
+    """A one-line progress bar on stderr (one line per run when stderr is not a terminal)."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.done = 0
+        self.label = ""
+        self.tty = sys.stderr.isatty()
+        self.started = time.monotonic()
+
+    def begin(self, label: str) -> None:
+        self.label = label
+        if not self.tty:
+            print(f"[{self.done}/{self.total}] {label}", file=sys.stderr, flush=True)
+        self.draw()
+
+    def step(self) -> None:
+        self.done += 1
+        self.draw()
+
+    def draw(self) -> None:
+        if self.tty:
+            width = 30
+            filled = width * self.done // max(1, self.total)
+            elapsed = time.monotonic() - self.started
+            print(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} requests, "
+                  f"{elapsed:4.0f} s  {self.label:<40.40}", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=sys.stderr, flush=True)
+
+
+class IdealCache:
+    """Leading blocks of prompts (and replies) already computed somewhere in the run: an infinite shared cache."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.seen: set[int] = set()
+
+    def lookup(self, prompt_ids: list[int]) -> int:
+        """Cached leading tokens, capped as an engine caps them (the last prompt token is always computed)."""
+        keys = block_keys(prompt_ids, self.block_size)[:(len(prompt_ids) - 1) // self.block_size]
+        return leading(keys, self.seen) * self.block_size
+
+    def add(self, ids: list[int]) -> None:
+        self.seen.update(block_keys(ids, self.block_size))
+
+
+async def run_sessions(target: Target, sessions: list[Session], concurrency: int, block_size: int,
+                       progress: Progress | None = None) -> list[Record]:
+    """The sessions through ``target`` by ``concurrency`` closed-loop clients, in order of the list."""
+    records: list[Record] = []
+    ideal = IdealCache(block_size)
+    queue = iter(sessions)
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        for session in queue:
+            history: list[dict] = []
+            for turn in session.turns:
+                messages = history + turn.messages if session.carry else turn.messages
+                prompt_ids = tokenizer.encode_chat(messages)
+                ideal_hit = ideal.lookup(prompt_ids)
+                ideal.add(prompt_ids)
+                digest = hashlib.sha256(json.dumps([messages, turn.max_tokens], sort_keys=True).encode()).hexdigest()
+                try:
+                    result = await target.send(client, messages, turn.max_tokens)
+                except (httpx.HTTPError, ValueError) as exc:  # an error of this request, counted; the run goes on
+                    print(f"\n{turn.id}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                    result = ChatResult("", 0, 0, 0, 0.0, 0.0, "")
+                ideal.add(prompt_ids + tokenizer.encode(result.reply, add_special_tokens=False))
+                records.append(Record(turn.id, digest[:16], result.replica, result.status, result.prompt_tokens,
+                                      result.cached_tokens, result.completion_tokens, 1000 * result.ttft,
+                                      1000 * result.latency, ideal_hit))
+                if session.carry:
+                    history = messages + [{"role": "assistant", "content": result.reply}]
+                if progress is not None:
+                    progress.step()
+
+    async with new_client(concurrency) as client, trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(client_loop, client)
+    records.sort(key=lambda r: r.id)
+    return records
+
+
+def summarize(records: list[Record], wall_s: float) -> dict:
+    ok = [r for r in records if r.status == 200]
+    prompt = sum(r.prompt_tokens for r in ok)
+    ttfts = [r.ttft_ms for r in ok]
+    return {
+        "requests": len(records),
+        "errors": len(records) - len(ok),
+        "prompt_tokens": prompt,
+        "cached_tokens": sum(r.cached_tokens for r in ok),
+        "hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        "ideal_hit_rate": sum(min(r.ideal_cached_tokens, r.prompt_tokens) for r in ok) / prompt if prompt else 0.0,
+        "cold_requests": sum(1 for r in ok if r.cached_tokens == 0 and r.ideal_cached_tokens > 0),
+        "ttft_p50_ms": percentile(ttfts, 0.5),
+        "ttft_p90_ms": percentile(ttfts, 0.9),
+        "ttft_mean_ms": statistics.fmean(ttfts) if ttfts else 0.0,
+        "output_tokens": sum(r.completion_tokens for r in ok),
+        "output_tokens_per_s": sum(r.completion_tokens for r in ok) / wall_s if wall_s else 0.0,
+        "wall_s": wall_s,
+        "requests_digest": hashlib.sha256("".join(f"{r.id}={r.digest};" for r in records).encode()).hexdigest()[:16],
+    }
+
+
+async def served_per_replica(http: httpx.AsyncClient, urls: list[str]) -> list[int]:
+    """Each simulator's ``vllm:request_success_total`` (all finish reasons)."""
+    counts = []
+    for url in urls:
+        text = (await http.get(url + "/metrics")).text
+        counts.append(round(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                                if line.startswith("vllm:request_success_total"))))
+    return counts
+
+
+async def run_once(arm: Arm, spec: SimSpec, sessions: list[Session], concurrency: int, vllm_router: str | None,
+                   progress: Progress | None = None) -> dict:
+    """One arm at one concurrency on fresh simulators: its summary and per-request records."""
+    async with trio.open_nursery() as nursery:
+        target = await open_arm(nursery, arm, spec, vllm_router)
+        cpu_before = process_cpu_seconds(target.router_pid) if target.router_pid else None
+        started = time.perf_counter()
+        records = await run_sessions(target, sessions, concurrency, spec.block_size, progress)
+        wall = time.perf_counter() - started
+        cpu = process_cpu_seconds(target.router_pid) - cpu_before if target.router_pid else None
+        async with httpx.AsyncClient(timeout=10) as http:
+            per_replica = await served_per_replica(http, target.sim_urls)
+        nursery.cancel_scope.cancel()
+    summary = summarize(records, wall)
+    summary.update(per_replica=per_replica, router_cpu_s=cpu,
+                   router_cpu_percent=None if cpu is None else 100 * cpu / wall,
+                   router_cpu_ms_per_request=None if cpu is None else 1000 * cpu / max(1, len(records)))
+    return {"summary": summary, "records": [list(asdict(r).values()) for r in records]}
+
+
+RECORD_FIELDS = [f.name for f in fields(Record)]  # the order of a record's values in the JSON
+
+
+MEDIAN_KEYS = ("hit_rate", "ideal_hit_rate", "cold_requests", "ttft_p50_ms", "ttft_p90_ms", "ttft_mean_ms",
+               "output_tokens_per_s", "errors", "router_cpu_s", "router_cpu_percent", "router_cpu_ms_per_request",
+               "wall_s")
+
+
+def medians(runs: list[dict]) -> dict:
+    out = {}
+    for key in MEDIAN_KEYS:
+        values = [run["summary"][key] for run in runs if run["summary"][key] is not None]
+        out[key] = statistics.median(values) if values else None
+    out["per_replica"] = runs[0]["summary"]["per_replica"] if len(runs) == 1 else \
+        [statistics.median(v) for v in zip(*(run["summary"]["per_replica"] for run in runs))]
+    out["repeats"] = len(runs)
+    return out
+
+
+def knee(points: dict[int, dict]) -> dict:
+    """The last concurrency before TTFT p90 more than doubles while output tokens/s grows less than 10%."""
+    levels = sorted(points)
+    for low, high in zip(levels, levels[1:]):
+        a, b = points[low], points[high]
+        if a["ttft_p90_ms"] and b["ttft_p90_ms"] > KNEE_P90_GROWTH * a["ttft_p90_ms"] \
+                and b["output_tokens_per_s"] < KNEE_THROUGHPUT_GROWTH * a["output_tokens_per_s"]:
+            return {"concurrency": low, "reached": True, "output_tokens_per_s": a["output_tokens_per_s"]}
+    top = levels[-1]
+    return {"concurrency": top, "reached": False, "output_tokens_per_s": points[top]["output_tokens_per_s"]}
+
+
+@dataclass
+class Plan:
+    workloads: list[str]
+    arms: list[Arm]
+    concurrencies: list[int]
+    repeats: int
+    seed: int
+    quick: bool
+    spec: SimSpec
+
+
+async def run(plan: Plan, vllm_router: str | None) -> dict:
+    report: dict = {"record_fields": RECORD_FIELDS, "workloads": {}}
+    loads = {name: build(name, plan.seed, quick=plan.quick) for name in plan.workloads}
+    per_run = {name: sum(len(s.turns) for s in sessions) for name, sessions in loads.items()}
+    progress = Progress(sum(per_run.values()) * len(plan.arms) * len(plan.concurrencies) * plan.repeats)
+    try:
+        for name, sessions in loads.items():
+            runs: dict[str, dict[int, list]] = {arm.name: {c: [] for c in plan.concurrencies} for arm in plan.arms}
+            for concurrency in plan.concurrencies:
+                for repeat in range(plan.repeats):
+                    shift = repeat % len(plan.arms)  # a rotated order: slow moments of the machine hit every arm
+                    for arm in plan.arms[shift:] + plan.arms[:shift]:
+                        progress.begin(f"{name} C={concurrency} #{repeat + 1} {arm.label}")
+                        runs[arm.name][concurrency].append(
+                            await run_once(arm, plan.spec, sessions, concurrency, vllm_router, progress))
+            arms = {}
+            for arm in plan.arms:
+                points = {c: medians(runs[arm.name][c]) for c in plan.concurrencies}
+                arms[arm.name] = {"label": arm.label, "kind": arm.kind, "policy": arm.policy, "options": arm.options,
+                                  "by_concurrency": {str(c): p for c, p in points.items()}, "knee": knee(points),
+                                  "runs": {str(c): runs[arm.name][c] for c in plan.concurrencies}}
+            report["workloads"][name] = {"requests": per_run[name], "arms": arms}
+    finally:
+        progress.close()
+    return report
+
+
+def _cell(value, spec: str, none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def markdown(report: dict) -> str:
+    lines = []
+    for name, workload in report["workloads"].items():
+        arms = workload["arms"]
+        levels = list(next(iter(arms.values()))["by_concurrency"])
+        head = ["arm"] + [f"C={c} {what}" for c in levels for what in ("hit", "TTFT p90", "out tok/s")] + ["knee C"]
+        lines += [f"**{name}** ({workload['requests']} requests per run; medians of "
+                  f"{next(iter(arms.values()))['by_concurrency'][levels[0]]['repeats']} repeats)", "",
+                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for arm in arms.values():
+            cells = [arm["label"]]
+            for c in levels:
+                p = arm["by_concurrency"][c]
+                cells += [f"{p['hit_rate']:.3f}", f"{p['ttft_p90_ms'] / 1000:.2f} s", f"{p['output_tokens_per_s']:.0f}"]
+            k = arm["knee"]
+            cells.append(f"{k['concurrency']}" + ("" if k["reached"] else "+"))
+            lines.append("| " + " | ".join(cells) + " |")
+        lines += ["", "| arm | C | ideal hit | TTFT p50 | TTFT mean | cold | errors | requests per replica | "
+                      "router CPU (% of a core) |", "|---|---|---|---|---|---|---|---|---|"]
+        for arm in arms.values():
+            for c in levels:
+                p = arm["by_concurrency"][c]
+                replicas = "/".join(f"{n:g}" for n in p["per_replica"])
+                lines.append(f"| {arm['label']} | {c} | {p['ideal_hit_rate']:.3f} | {p['ttft_p50_ms'] / 1000:.2f} s | "
+                             f"{p['ttft_mean_ms'] / 1000:.2f} s | {p['cold_requests']:g} | {p['errors']:g} | "
+                             f"{replicas} | {_cell(p['router_cpu_percent'], '.1f', 'in-process')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: dict, directory: Path) -> list[str]:
+    """One PNG per workload: TTFT p90 against concurrency, one line per arm."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plots skipped: matplotlib is not installed (pip install 'llmgw[bench]')", file=sys.stderr)
+        return []
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, workload in report["workloads"].items():
+        figure, axes = plt.subplots(figsize=(7, 4.5))
+        for arm in workload["arms"].values():
+            levels = [int(c) for c in arm["by_concurrency"]]
+            axes.plot(levels, [arm["by_concurrency"][str(c)]["ttft_p90_ms"] / 1000 for c in levels], marker="o",
+                      label=arm["label"])
+        axes.set(xlabel="concurrency (closed-loop clients)", ylabel="TTFT p90 (s)", title=f"routing: {name}")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8)
+        path = directory / f"routing-{name.replace(':', '-').replace('/', '_')}.png"
+        figure.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(figure)
+        written.append(str(path))
+    return written
+
+
+def _arm_options(values: list[str]) -> dict[str, dict]:
+    options = {}
+    for value in values:
+        name, _, text = value.partition("=")
+        try:
+            parsed = json.loads(text)
+        except ValueError as exc:
+            raise SystemExit(f"--arm-options {value!r}: not JSON after '=': {exc}") from None
+        if name not in ARMS or ARMS[name].kind != "llmgw" or not isinstance(parsed, dict):
+            raise SystemExit(f"--arm-options {value!r}: expected LLMGW_ARM={{json object}} with LLMGW_ARM one of "
+                             + ", ".join(n for n, a in ARMS.items() if a.kind == "llmgw"))
+        options[name] = parsed
+    return options
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmgw bench routing", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default="grouped",
+                        help="comma list of grouped, multiturn, zipf, low-sharing, trace:FILE (default grouped)")
+    parser.add_argument("--arms", default=None, help=f"comma list of {', '.join(ARMS)} (default: all; "
+                                                     "vllm-router arms are skipped when it is not installed)")
+    parser.add_argument("--arm-options", action="append", default=[], metavar="ARM=JSON",
+                        help="routing_options of an llmgw arm, e.g. 'kv_index={\"predicted_ttl\": \"1s\"}' "
+                             "(repeatable)")
+    parser.add_argument("--concurrency", default="8,24", help="comma list of closed-loop client counts: the "
+                                                              "load sweep (default 8,24)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per arm and concurrency (default 3)")
+    parser.add_argument("--replicas", type=int, default=4, help="simulator replicas (default 4)")
+    parser.add_argument("--num-blocks", type=int, default=SimSpec.num_blocks,
+                        help="KV cache of each simulator, in 16-token blocks (default 2861: 45,760 tokens)")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="the simulators' --time-scale (default 1)")
+    parser.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"small workloads, arms {','.join(QUICK_ARMS)}, C=8, 1 repeat (under 3 minutes)")
+    parser.add_argument("--vllm-router", default=None, help="the vllm-router executable (default: looked up)")
+    parser.add_argument("--install-vllm-router", action="store_true",
+                        help="install vllm-router 0.1.17 into bench-results/vr-venv when it is missing")
+    parser.add_argument("--json", metavar="FILE", help="write everything (per-request records included) here")
+    parser.add_argument("--markdown", metavar="FILE", help="write the table here too")
+    parser.add_argument("--plots", metavar="DIR", help="write PNG plots (TTFT p90 against concurrency) here")
+    return parser
+
+
+def _plan(args: argparse.Namespace) -> Plan:
+    names = args.arms.split(",") if args.arms else list(QUICK_ARMS if args.quick else DEFAULT_ARMS)
+    unknown = [n for n in names if n not in ARMS]
+    if unknown:
+        raise SystemExit(f"llmgw bench routing: unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
+    options = _arm_options(args.arm_options)
+    arms = [replace(ARMS[n], options=options.get(n, {})) for n in names]
+    concurrencies = ["8"] if args.quick and args.concurrency == "8,24" else args.concurrency.split(",")
+    try:
+        levels = sorted({int(c) for c in concurrencies})
+    except ValueError:
+        raise SystemExit(f"llmgw bench routing: --concurrency {args.concurrency!r} is not a list of integers") from None
+    if not levels or levels[0] < 1 or args.repeats < 1 or args.replicas < 1:
+        raise SystemExit("llmgw bench routing: concurrency, --repeats and --replicas must be at least 1")
+    spec = SimSpec(replicas=args.replicas, num_blocks=args.num_blocks, time_scale=args.time_scale)
+    repeats = 1 if args.quick and args.repeats == 3 else args.repeats
+    return Plan(args.workload.split(","), arms, levels, repeats, args.seed, args.quick, spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    plan = _plan(args)
+    skipped = {}
+    executable = None
+    if any(arm.kind == "vllm-router" for arm in plan.arms):
+        executable, how = find_vllm_router(args.vllm_router, args.install_vllm_router, Path.cwd())
+        if executable is None:
+            skipped = {arm.name: f"vllm-router {how}" for arm in plan.arms if arm.kind == "vllm-router"}
+            plan.arms = [arm for arm in plan.arms if arm.kind != "vllm-router"]
+            print(f"vllm-router arms skipped: {how} (pip install 'llmgw[bench]', or --install-vllm-router)",
+                  file=sys.stderr)
+    try:
+        report = trio.run(run, plan, executable)
+    except TraceError as exc:
+        print(f"llmgw bench routing: {exc}", file=sys.stderr)
+        return 2
+    report["settings"] = {"workloads": plan.workloads, "arms": [a.name for a in plan.arms], "skipped_arms": skipped,
+                          "concurrency": plan.concurrencies, "repeats": plan.repeats, "seed": plan.seed,
+                          "quick": plan.quick, "simulators": asdict(plan.spec),
+                          "vllm_router": executable and vllm_router_version(executable),
+                          "command": "llmgw bench routing " + " ".join(argv if argv is not None else sys.argv[1:])}
+    report["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(),
+                         "load_average": os.getloadavg(), "platform": platform.platform()}
+    text = markdown(report)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(text + "\n")
+    if args.plots:
+        report["plots"] = plot(report, Path(args.plots))
+    if args.json:
+        write_json(args.json, {**report, "markdown": text})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

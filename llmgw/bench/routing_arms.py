@@ -1,0 +1,247 @@
+"""The routers the routing benchmark compares, each started in front of the same fresh simulators.
+
+An :class:`Arm` is llmgw with one routing tier (``round_robin``, ``prefix_tree``, ``kv_index``;
+options per arm), the Rust ``vllm-router`` with one policy, or the oracle. :func:`open_arm`
+starts the simulators (KV events on the empty topic, ``--debug-routes``) and the router in the
+caller's nursery and returns a :class:`Target`: how to send one chat request through it, and the
+router's process id (for its CPU time).
+
+The oracle is no process: for each request it asks every simulator ``POST /debug/prefix_hit``
+(the prompt's cached leading tokens and the engine's queues, read from the engine itself) and
+sends the request straight to the simulator whose estimated time to first token is the least:
+``T / prefill_rate + (1 + T / step_budget) x step_time`` with ``T`` the prefill tokens queued
+ahead plus this prompt's uncached tokens. A prompt's cached tokens on a simulator are the
+engine's answer or, when longer, the leading blocks the prompts it sent there and that are still
+in flight will have computed (it tokenizes with the simulators' own tokenizer); the prefill queued
+is the engine's or, when larger, the uncached tokens of the requests it sent there that have not
+had their first token yet. So it knows each cache and queue exactly at decision time, and its own
+decisions on their way; estimates within one engine step of each other are a tie, won by the
+longer cached prefix, then the shorter queue. Its decision is free (the time to first token is
+measured from the send to the chosen simulator).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import httpx
+import trio
+
+from ..processes import free_port, run_child
+from ..sim import tokenizer
+from .chat_workloads import ChatResult, send_chat
+from .sim_cluster import MODEL, gateway_config, start_gateway, start_sims
+
+EVENTS = re.compile(r"llmgw-sim kv-events on (tcp://\S+)")
+REPLAY = re.compile(r"llmgw-sim kv-replay on (tcp://\S+)")
+VLLM_ROUTER_READY = re.compile(rb"Starting server on (\S+)")
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    kind: str  # "llmgw", "vllm-router" or "oracle"
+    policy: str = ""  # the llmgw tier or the vllm-router policy
+    options: dict = field(default_factory=dict)  # llmgw routing_options
+
+    @property
+    def label(self) -> str:
+        return f"vllm-router {self.policy}" if self.kind == "vllm-router" else self.name
+
+
+ARMS = {arm.name: arm for arm in (
+    Arm("round_robin", "llmgw", "round_robin"),
+    Arm("prefix_tree", "llmgw", "prefix_tree"),
+    Arm("kv_index", "llmgw", "kv_index"),
+    Arm("oracle", "oracle"),
+    Arm("vllm-router-round_robin", "vllm-router", "round_robin"),
+    Arm("vllm-router-cache_aware", "vllm-router", "cache_aware"),
+    Arm("vllm-router-kv_aware", "vllm-router", "kv_aware"),
+)}
+
+
+@dataclass
+class SimSpec:
+    """The simulators every arm runs on (the issue's cluster by default)."""
+
+    replicas: int = 4
+    num_blocks: int = 2861  # 2,860 usable blocks of 16 tokens: 45,760 tokens of KV cache each
+    block_size: int = 16
+    prefill_tokens_per_s: float = 8000.0
+    decode_ms_per_step: float = 30.0
+    max_model_len: int = 16384
+    time_scale: float = 1.0
+    seed: int = 0
+
+    def extra(self) -> list[str]:
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
+                  "replay_endpoint": "tcp://*:0", "topic": ""}  # vllm-router 0.1.17 takes only the empty topic
+        return ["--prefill-tokens-per-s", str(self.prefill_tokens_per_s), "--decode-ms-per-step",
+                str(self.decode_ms_per_step), "--max-model-len", str(self.max_model_len),
+                "--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config", json.dumps(events),
+                "--debug-routes"]
+
+
+Send = Callable[[httpx.AsyncClient, list[dict], int], Awaitable[ChatResult]]
+
+
+@dataclass
+class Target:
+    send: Send
+    sim_urls: list[str]
+    router_pid: int | None  # None: the router runs in the benchmark's own process (the oracle)
+
+
+async def open_arm(nursery: trio.Nursery, arm: Arm, spec: SimSpec, vllm_router: str | None) -> Target:
+    """Fresh simulators and ``arm``'s router, in ``nursery`` (cancel it to stop them)."""
+    sims = await start_sims(nursery, spec.replicas, env={"PYTHONHASHSEED": "0"}, num_blocks=spec.num_blocks,
+                            block_size=spec.block_size, time_scale=spec.time_scale, seed=spec.seed,
+                            extra=spec.extra())
+    urls = [sim.url for sim in sims]
+    sources = [(_endpoint(EVENTS, sim.output), _endpoint(REPLAY, sim.output)) for sim in sims]
+    if arm.kind == "oracle":
+        return Target(Oracle(urls, spec.block_size).send, urls, None)
+    if arm.kind == "vllm-router":
+        if vllm_router is None:
+            raise RuntimeError("vllm-router is not installed")
+        url, pid = await _start_vllm_router(nursery, vllm_router, arm.policy, urls, sources, spec.block_size)
+        return Target(_through(url), urls, pid)
+    config = gateway_config(urls, routing=arm.policy, routing_options=arm.options,
+                            kv_sources=sources if arm.policy == "kv_index" else None)
+    gateway = await start_gateway(nursery, config)
+    await _gateway_ready(gateway.control_url, spec.replicas, kv=arm.policy == "kv_index")
+    return Target(_through(gateway.url), urls, gateway.pid)
+
+
+def _endpoint(pattern: re.Pattern, lines: list[str]) -> str:
+    for line in lines:
+        match = pattern.search(line)
+        if match:
+            return match.group(1)
+    raise RuntimeError(f"a simulator did not print its {pattern.pattern!r} line")
+
+
+def _through(url: str) -> Send:
+    async def send(client: httpx.AsyncClient, messages: list[dict], max_tokens: int) -> ChatResult:
+        return await send_chat(client, url, MODEL, messages, max_tokens)
+    return send
+
+
+async def _gateway_ready(control_url: str, replicas: int, *, kv: bool, timeout: float = 60.0) -> None:
+    """Every replica routable (and with ``kv``, every replica's index fed by its events)."""
+    async with httpx.AsyncClient(timeout=5) as http:
+        with trio.fail_after(timeout):
+            while True:
+                models = (await http.get(control_url + "/admin/models")).json()
+                ready = models and models[0]["routable"] == replicas
+                if ready and kv:
+                    states = [r["state"] for r in (await http.get(control_url + "/admin/kv")).json()["replicas"]]
+                    ready = states.count("healthy") == replicas
+                if ready:
+                    return
+                await trio.sleep(0.1)
+
+
+async def _start_vllm_router(nursery: trio.Nursery, executable: str, policy: str, urls: list[str],
+                             sources: list[tuple[str, str]], block_size: int) -> tuple[str, int]:
+    port = free_port()
+    argv = [executable, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", policy,
+            "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1", "--log-level", "info"]
+    if policy == "kv_aware":
+        for url, (events, replay) in zip(urls, sources):
+            argv += ["--kv-event-source", f"{url}={events}", "--kv-event-replay-source", f"{url}={replay}"]
+        argv += ["--kv-event-block-size", str(block_size), "--kv-event-model", MODEL]
+    child = await nursery.start(lambda task_status: run_child(argv, name=f"vllm-router {policy}", startup_timeout=60,
+                                                              ready=VLLM_ROUTER_READY, task_status=task_status))
+    return f"http://127.0.0.1:{port}", child.pid
+
+
+def block_keys(ids: list[int], block_size: int) -> list[int]:
+    """Chained keys of the full blocks of ``ids``: equal keys, equal prefixes up to that block."""
+    keys, parent = [], 0
+    for b in range(len(ids) // block_size):
+        parent = hash((parent, tuple(ids[b * block_size:(b + 1) * block_size])))
+        keys.append(parent)
+    return keys
+
+
+def leading(keys: list[int], held) -> int:
+    """How many of ``keys`` from the first are in ``held``."""
+    count = 0
+    for key in keys:
+        if key not in held:
+            break
+        count += 1
+    return count
+
+
+class Oracle:
+    """Sends each request to the simulator with the least estimated time to first token, read from the engines."""
+
+    def __init__(self, urls: list[str], block_size: int):
+        self.urls = urls
+        self.block_size = block_size
+        self.turn = 0  # rotates ties
+        self.in_flight: list[Counter] = [Counter() for _ in urls]  # block keys of prompts sent, not yet answered
+        self.prefilling = [0] * len(urls)  # uncached prompt tokens of requests sent, before their first token
+        self.deciding = trio.Lock()
+
+    async def pick(self, client: httpx.AsyncClient, body: dict, keys: list[int]) -> tuple[int, int]:
+        """The simulator to send ``body`` to, and the prompt tokens it will compute."""
+        states: list[dict] = [{}] * len(self.urls)
+
+        async def ask(i: int) -> None:
+            response = await client.post(self.urls[i] + "/debug/prefix_hit", json=body)
+            response.raise_for_status()
+            states[i] = response.json()
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(self.urls)):
+                nursery.start_soon(ask, i)
+        self.turn += 1
+        for i, state in enumerate(states):
+            usable = keys[:(state["prompt_tokens"] - 1) // state["block_size"]]  # the last token is computed
+            coming = leading(usable, self.in_flight[i]) * state["block_size"]
+            state["cached_tokens"] = max(state["cached_tokens"], coming)
+            state["pending_prefill_tokens"] = max(state["pending_prefill_tokens"], self.prefilling[i])
+        # estimates within one engine step of each other are a tie: the longer cached prefix wins it, then
+        # the shorter queue (the cache it builds serves the requests that follow)
+        estimates = [self.estimate(s) for s in states]
+        near = min(estimates) + states[0]["decode_ms_per_step"] / 1000.0
+        best = min((-s["cached_tokens"], s["running"] + s["waiting"], (i - self.turn) % len(states), i)
+                   for i, s in enumerate(states) if estimates[i] <= near)[-1]
+        return best, states[best]["prompt_tokens"] - states[best]["cached_tokens"]
+
+    @staticmethod
+    def estimate(state: dict) -> float:
+        """Seconds to this request's first token: the prefill ahead of it and its own, in steps."""
+        tokens = state["pending_prefill_tokens"] + state["prompt_tokens"] - state["cached_tokens"]
+        steps = 1 + tokens / state["max_num_batched_tokens"]  # not rounded: a ceil would split near-equal costs
+        return tokens / state["prefill_tokens_per_s"] + steps * state["decode_ms_per_step"] / 1000.0
+
+    async def send(self, client: httpx.AsyncClient, messages: list[dict], max_tokens: int) -> ChatResult:
+        keys = block_keys(tokenizer.encode_chat(messages), self.block_size)
+        async with self.deciding:  # one decision at a time, each seeing the ones before it
+            chosen, uncached = await self.pick(client, {"model": MODEL, "messages": messages}, keys)
+            self.in_flight[chosen].update(keys)
+            self.prefilling[chosen] += uncached
+        prefilled = False
+
+        def first_token() -> None:  # the response head leaves the simulator with the first token
+            nonlocal prefilled
+            if not prefilled:
+                prefilled = True
+                self.prefilling[chosen] -= uncached
+
+        try:
+            result = await send_chat(client, self.urls[chosen], MODEL, messages, max_tokens, on_head=first_token)
+        finally:
+            first_token()
+            self.in_flight[chosen].subtract(keys)
+            self.in_flight[chosen] += Counter()  # drops the keys no request in flight holds any more
+        result.replica = f"sim-{chosen}"
+        return result

@@ -1,0 +1,77 @@
+"""``llmgw bench routing`` as a real command on real simulators: the report's shape and where its numbers come from.
+
+No routing claim is asserted (those are the benchmark's, measured with repeats on a quiet machine); the
+structural facts are: every arm and repeat sent the same requests (ids and bodies), hit rates are the
+engines' cached over prompt tokens from the per-request usage, request counts per replica are the
+engines' own, and only a router process has a CPU time.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import trio
+
+from llmgw.sim import tokenizer
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = "You answer questions about the shared handbook. " + "the quick brown fox jumps over the lazy dog " * 20
+
+
+def write_trace(path) -> list[dict]:
+    lines = []
+    for s in range(2):
+        for t in range(2):
+            lines.append({"id": f"s{s}-t{t}", "session": f"s{s}", "max_tokens": 8,
+                          "messages": [{"role": "system", "content": SYSTEM},
+                                       {"role": "user", "content": f"session {s} question {t}"}]})
+    lines.append({"id": "alone", "messages": [{"role": "user", "content": "a question of its own"}]})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return lines
+
+
+async def test_every_arm_sends_the_same_requests_and_hit_rates_come_from_engine_usage(tmp_path):
+    trace = write_trace(tmp_path / "trace.jsonl")
+    out = tmp_path / "routing.json"
+    argv = [sys.executable, "-m", "llmgw", "bench", "routing", "--workload", f"trace:{tmp_path / 'trace.jsonl'}",
+            "--arms", "round_robin,kv_index,oracle", "--concurrency", "2", "--repeats", "2", "--replicas", "2",
+            "--time-scale", "0.05", "--json", str(out), "--markdown", str(tmp_path / "routing.md")]
+    with trio.fail_after(240):
+        done = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    report = json.loads(out.read_text())
+    fields = report["record_fields"]
+    workload = report["workloads"][f"trace:{tmp_path / 'trace.jsonl'}"]
+    assert workload["requests"] == len(trace)
+    assert set(workload["arms"]) == {"round_robin", "kv_index", "oracle"}
+
+    sent = set()
+    prompt_lengths = {line["id"]: len(tokenizer.encode_chat(line["messages"])) for line in trace}
+    for name, arm in workload["arms"].items():
+        runs = arm["runs"]["2"]
+        assert len(runs) == 2
+        for run in runs:
+            records = [dict(zip(fields, values)) for values in run["records"]]
+            assert sorted(r["id"] for r in records) == sorted(prompt_lengths)
+            sent.add(tuple((r["id"], r["digest"]) for r in records))
+            summary = run["summary"]
+            assert summary["errors"] == 0 and all(r["status"] == 200 for r in records)
+            # the engines' usage: prompt_tokens as the simulator tokenizes, hit rate = cached / prompt
+            assert all(r["prompt_tokens"] == prompt_lengths[r["id"]] for r in records)
+            assert summary["hit_rate"] == pytest.approx(sum(r["cached_tokens"] for r in records)
+                                                        / sum(r["prompt_tokens"] for r in records))
+            assert summary["output_tokens"] == sum(r["completion_tokens"] for r in records) > 0
+            assert sum(summary["per_replica"]) == len(records)  # the simulators' own request counters
+            # the second turn of a session repeats the first's system prompt: an infinite cache holds it
+            assert all(r["ideal_cached_tokens"] > 0 for r in records if r["id"].endswith("-t1"))
+            assert (summary["router_cpu_s"] is None) == (name == "oracle")
+        point = arm["by_concurrency"]["2"]
+        assert point["repeats"] == 2 and point["hit_rate"] is not None and point["ttft_p90_ms"] > 0
+        assert arm["knee"] == {"concurrency": 2, "reached": False,
+                               "output_tokens_per_s": point["output_tokens_per_s"]}
+    assert len(sent) == 1  # every arm and repeat: the same ids and the same bodies
+    table = (tmp_path / "routing.md").read_text()
+    assert all(f"| {label} |" in table for label in ("round_robin", "kv_index", "oracle"))
