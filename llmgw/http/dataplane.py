@@ -60,6 +60,7 @@ UNWELL_STATUSES = frozenset({502, 503, 504})
 # Failures after which the request is sent to another replica: none of it reached this one.
 RETRY_KINDS = frozenset({"connect", "tls", "closed_before_request"})
 _now = time.perf_counter  # durations for the metrics; real time, not Trio's clock
+ENGINE_GONE_TIMEOUT = 1.0  # seconds a replica that broke off a request has to answer /health to count as alive
 
 
 class _RequestIds:
@@ -227,7 +228,7 @@ class DataPlane:
                     # Its engine died with the request in it (killed, out of memory): sent on once, so a request
                     # that kills its engine can take at most one more with it.
                     resent = True
-                    self._failed(replica, "connect", "its engine went away (connection refused)")
+                    self._failed(replica, "connect", "its engine went away (no answer to /health)")
                     log.warning("replica %s went away with request %s before answering; sending it to another "
                                 "replica once", replica.name, request_id)
                     continue
@@ -244,17 +245,19 @@ class DataPlane:
         return self._count(model, self._no_replica_error(model, last_error, tried, failures, id_header), started)
 
     async def _engine_gone(self, replica: Replica) -> bool:
-        """Whether nothing listens at the replica's address any more (its engine process is gone): a connection
-        attempt refused within ``connect_timeout``."""
+        """Whether the replica's engine is gone: its ``/health`` gets no answer within ``ENGINE_GONE_TIMEOUT``
+        (refused, reset, or silent). A bare connection would not tell: a killed server's listening socket can
+        outlive it for a moment, or for good in a child process that inherited it (vLLM's engine core)."""
         pool = replica.pool
         if pool is None:
             return False
-        with trio.move_on_after(self.settings.connect_timeout):
-            try:
-                stream = await trio.open_tcp_stream(pool.host, pool.port)
-            except OSError:
-                return True
-            await stream.aclose()
+        try:
+            with trio.fail_after(ENGINE_GONE_TIMEOUT):
+                answer = await pool.request("GET", replica.base_path + "/health", [(b"host", b"llmgw")], b"",
+                                            first_byte_timeout=ENGINE_GONE_TIMEOUT, idle_timeout=ENGINE_GONE_TIMEOUT)
+                await answer.aclose()
+        except (UpstreamError, trio.TooSlowError):
+            return True
         return False
 
     async def _routing_body(self, request: Request) -> dict | Response:
