@@ -295,7 +295,12 @@ def test_a_prefix_cache_reset_leaves_no_stale_prediction(vllm_cluster):
     sent = run(vllm_cluster, plan)
     replica = sent[0].replica
     url = engine_url(vllm_cluster, replica)
-    held = vllm_cluster.wait_for(f"{replica}'s blocks indexed", lambda: vllm_cluster.kv()[replica]["blocks"])
+    def settled_blocks() -> int:  # indexed, and no event still on its way (two equal readings 0.5 s apart)
+        before = vllm_cluster.kv()[replica]["blocks"]
+        time.sleep(0.5)
+        return before if before and vllm_cluster.kv()[replica]["blocks"] == before else 0
+
+    held = vllm_cluster.wait_for(f"{replica}'s blocks indexed and settled", settled_blocks)
     resets_before = vllm_cluster.kv()[replica]["resets"]
 
     assert httpx.post(url + "/reset_prefix_cache", timeout=30).json() == {"success": True}
