@@ -44,7 +44,7 @@ import trio
 
 from .. import __version__, wire
 from ..plugins_manager import Registry, default_registry
-from .channel import Channel, ChannelClosed, Connector, WebSocketConnector
+from ..wire.channel import Channel, ChannelClosed, Connector, WebSocketConnector
 from .statelock import StateDirLock
 
 log = logging.getLogger(__name__)

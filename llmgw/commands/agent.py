@@ -29,7 +29,7 @@ import trio
 from .. import listening
 from ..logsetup import add_logging_arguments, setup_logging
 from ..usererrors import run_reporting
-from ..agent.channel import WebSocketConnector
+from ..wire.channel import WebSocketConnector
 from ..tls import TlsClientOptions
 
 log = logging.getLogger("llmgw.agent")

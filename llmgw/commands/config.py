@@ -13,7 +13,7 @@ import sys
 
 from llmgw.config import Config, ConfigError
 from llmgw.config.fields import issue_at
-from llmgw.http.control_guard import exposure_problem
+from llmgw.gateway.admin_guard import exposure_problem
 from llmgw.plugins_manager import load_checked_config
 
 

@@ -73,7 +73,7 @@ def _get_json(url: str, args: argparse.Namespace) -> Any:
 def node_from_admin(item: dict[str, Any]) -> NodeView:
     """A ``GET /admin/nodes`` entry: a Register as plain values, plus ``state`` and ``used_gpus``."""
     try:
-        register = wire._from_plain(wire.Register, item, "node")
+        register = wire.from_plain(wire.Register, item, "node")
     except wire.WireError as exc:
         raise UsageError(f"/admin/nodes: {exc}") from None
     state = str(item.get("state") or "connected")

@@ -108,7 +108,7 @@ async def serve(config, listen, control_listen, demo_replicas: int = 2, stop_eng
 
 
 async def _serve(config, listen, control_listen, demo_replicas: int | None = None, stop_engines: bool = False):
-    from ..app import Gateway
+    from ..gateway.app import Gateway
 
     demo = demo_replicas is not None
     gateway = Gateway(config, embedded_discovery="cpu" if demo else "auto", stop_engines_on_exit=demo or stop_engines)

@@ -33,7 +33,7 @@ from typing import Callable, Protocol
 import trio
 
 from .. import wire
-from ..agent.channel import Channel, ChannelClosed
+from ..wire.channel import Channel, ChannelClosed
 from .identity import MAX_NODE_ID, NodeIdentities, new_secret
 from .inventory import Inventory
 from .tasks import TaskHost

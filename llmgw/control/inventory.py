@@ -163,10 +163,10 @@ class Inventory:
 
     def node_json(self, node: NodeRecord, used_gpus: Iterable[int]) -> dict:
         """``wire`` Register fields (no token) plus ``state``, ``state_reason``, ``used_gpus``, ``last_seen_s``."""
-        body = wire._to_plain(node.register)
+        body = wire.to_plain(node.register)
         body.pop("token", None)
         body.pop("node_secret", None)
-        body["shards"] = [wire._to_plain(report) for report in node.shards.values()]
+        body["shards"] = [wire.to_plain(report) for report in node.shards.values()]
         for shard in body["shards"]:
             shard.pop("placement_proof", None)
         body["state"] = node.state.value

@@ -44,7 +44,7 @@ from .reconciler import (Action, Assignment, Command, DesiredReplica, Reconciler
 from .routing import DeployedRouting
 
 if TYPE_CHECKING:
-    from ..app import Gateway
+    from ..gateway.app import Gateway
     from ..config import Config
 
 log = logging.getLogger(__name__)

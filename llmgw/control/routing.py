@@ -31,7 +31,7 @@ from .reconciler import Assignment, DesiredReplica
 from .tasks import TaskHost
 
 if TYPE_CHECKING:
-    from ..app import Gateway
+    from ..gateway.app import Gateway
 
 log = logging.getLogger(__name__)
 

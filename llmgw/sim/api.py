@@ -42,7 +42,7 @@ class SimApi:
     def __init__(self, sim: "Simulator"):
         self.sim = sim
         self.config = sim.config
-        self.engine = sim.engine
+        self.core = sim.core
         self.in_flight = 0
         self._id_prefix = os.urandom(6).hex()
         self._next_id = 0
@@ -143,7 +143,7 @@ class SimApi:
         if options.stream:
             return Response(200, [(b"content-type", b"text/event-stream; charset=utf-8")],
                             self._stream(seq, request_id, created, model, options, chat=chat))
-        engine = self.engine
+        engine = self.core
         self.in_flight += 1
         engine.submit(seq)
         try:
@@ -162,7 +162,7 @@ class SimApi:
     async def _stream(self, seq: Sequence, request_id: str, created: int, model: str,
                       options: protocol.StreamOptions, *, chat: bool) -> AsyncIterator[bytes]:
         """SSE chunks as the engine produces tokens; the request is submitted when streaming starts."""
-        engine = self.engine
+        engine = self.core
         writer = ChunkWriter(request_id, created, model, chat=chat, continuous_usage=options.continuous_usage)
         self.in_flight += 1
         engine.submit(seq)
@@ -236,7 +236,7 @@ class SimApi:
         body = self._body(request)
         _, lora = self._model(body)
         prompt_ids = protocol.chat_prompt_ids(body) if "messages" in body else protocol.completion_prompt_ids(body)
-        cache, scheduler = self.engine.cache, self.engine.scheduler
+        cache, scheduler = self.core.cache, self.core.scheduler
         hashing = self.sim.hashing
         cached = 0
         if hashing is not None:
@@ -249,8 +249,8 @@ class SimApi:
         return Response.json({"prompt_tokens": len(prompt_ids), "cached_tokens": cached,
                               "running": len(scheduler.running), "waiting": len(scheduler.waiting),
                               "pending_prefill_tokens": pending, "block_size": cache.block_size,
-                              "prefill_tokens_per_s": self.engine.prefill_tokens_per_s,
-                              "decode_ms_per_step": self.engine.decode_s_per_step * 1000.0,
+                              "prefill_tokens_per_s": self.core.prefill_tokens_per_s,
+                              "decode_ms_per_step": self.core.decode_s_per_step * 1000.0,
                               "max_num_batched_tokens": scheduler.max_num_batched_tokens})
 
     # ------------------------------------------------------------------ server endpoints
@@ -266,7 +266,7 @@ class SimApi:
 
     async def metrics(self, request: Request) -> Response:
         return Response(200, [(b"content-type", metrics.CONTENT_TYPE)],
-                        metrics.render(self.engine, self.config.model_name))
+                        metrics.render(self.core, self.config.model_name))
 
     async def models(self, request: Request) -> Response:
         created = self.sim.created

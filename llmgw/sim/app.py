@@ -25,7 +25,7 @@ from .api import SimApi
 from .blockhash import BlockHashing, event_hash_converter, none_hash_seed
 from .cache import KVCacheManager
 from .config import SimConfig, parse_drop_seqs
-from .engine import Engine, queue_size
+from .core import StepLoop, queue_size
 from .publisher import EventPublisher, PublisherEndpoints
 from .scheduler import Scheduler
 
@@ -79,7 +79,7 @@ class Simulator:
         self._events_in = self._events_out = None
         if publishing:
             self._events_in, self._events_out = trio.open_memory_channel(queue_size(events_cfg.max_queue_size))
-        self.engine = Engine(scheduler, prefill_tokens_per_s=config.prefill_tokens_per_s,
+        self.core = StepLoop(scheduler, prefill_tokens_per_s=config.prefill_tokens_per_s,
                              decode_ms_per_step=config.decode_ms_per_step, time_scale=config.time_scale,
                              data_parallel_rank=config.data_parallel_rank, events_out=self._events_in,
                              suppress_events=frozenset(config.suppress_events))
@@ -91,7 +91,7 @@ class Simulator:
         self.addresses: SimAddresses | None = None
 
     def reset_prefix_cache(self, *, reset_running_requests: bool = False) -> bool:
-        return self.engine.reset_prefix_cache(reset_running_requests=reset_running_requests)
+        return self.core.reset_prefix_cache(reset_running_requests=reset_running_requests)
 
     def kv_event_sources(self) -> dict:
         """vLLM 0.31+'s ``/kv_event_sources``: ``{rank: resolved events config}``, empty when off."""
@@ -116,7 +116,7 @@ class Simulator:
                         advertise_host=advertised_host(config.host, self.environ))
                     with listening_on(" and ".join(filter(None, (config.pub_endpoint, config.replay_endpoint)))):
                         self.endpoints = await nursery.start(self.publisher.serve, self._events_out)
-                nursery.start_soon(self.engine.run)
+                nursery.start_soon(self.core.run)
                 with listening_on(host_port(config.host, config.port)):
                     host, port = await nursery.start(functools.partial(serve_http, SimApi(self).handle,
                                                                        config.host, config.port))

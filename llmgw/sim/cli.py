@@ -19,7 +19,7 @@ import trio
 
 from ..logsetup import add_logging_arguments, setup_logging
 from ..usererrors import run_reporting
-from .config import ConfigError, KVEventsConfig, SimConfig, parse_lora_modules
+from .config import SimArgumentError, KVEventsConfig, SimConfig, parse_lora_modules
 
 log = logging.getLogger("llmgw.sim")
 
@@ -50,7 +50,7 @@ def _output_range(text: str) -> tuple[int, int]:
 def _kv_events_config(text: str) -> KVEventsConfig:
     try:
         return KVEventsConfig.from_json(text)
-    except ConfigError as exc:
+    except SimArgumentError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
@@ -198,7 +198,7 @@ def main(argv: list[str]) -> int:
         log.info("ignoring vLLM flags that do not apply to the simulator: %s", " ".join(ignored))
     try:
         config = config_from_args(args).resolve()
-    except ConfigError as exc:
+    except SimArgumentError as exc:
         print(f"llmgw sim: {exc}", file=sys.stderr)
         return 2
     try:

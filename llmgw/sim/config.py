@@ -20,7 +20,7 @@ from llmgw.kv.keys import ALGORITHMS
 from llmgw.kv.subscriber import rank_endpoint
 
 
-class ConfigError(ValueError):
+class SimArgumentError(ValueError):
     """A setting the simulator cannot run with."""
 
 
@@ -42,13 +42,13 @@ class KVEventsConfig:
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"--kv-events-config is not valid JSON: {exc}") from None
+            raise SimArgumentError(f"--kv-events-config is not valid JSON: {exc}") from None
         if not isinstance(raw, dict):
-            raise ConfigError("--kv-events-config must be a JSON object")
+            raise SimArgumentError("--kv-events-config must be a JSON object")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ConfigError(f"--kv-events-config: unknown field(s) {', '.join(unknown)} "
+            raise SimArgumentError(f"--kv-events-config: unknown field(s) {', '.join(unknown)} "
                               f"(known: {', '.join(sorted(known))})")
         config = cls(**raw)
         config.validate()
@@ -58,13 +58,13 @@ class KVEventsConfig:
         if self.publisher is None:
             self.publisher = "zmq" if self.enable_kv_cache_events else "null"
         if self.publisher not in ("zmq", "null"):
-            raise ConfigError(f"--kv-events-config: publisher must be 'zmq' or 'null', not {self.publisher!r}")
+            raise SimArgumentError(f"--kv-events-config: publisher must be 'zmq' or 'null', not {self.publisher!r}")
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
-                raise ConfigError(f"--kv-events-config: {name} must be a non-negative integer")
+                raise SimArgumentError(f"--kv-events-config: {name} must be a non-negative integer")
         if not isinstance(self.topic, str):
-            raise ConfigError("--kv-events-config: topic must be a string")
+            raise SimArgumentError("--kv-events-config: topic must be a string")
 
     @property
     def publishing(self) -> bool:
@@ -85,8 +85,8 @@ def offset_endpoint(endpoint: str, rank: int) -> str:
         return rank_endpoint(endpoint, rank)
     except ValueError:
         if endpoint.startswith("tcp://"):
-            raise ConfigError(f"KV events endpoint {endpoint!r} has no port") from None
-        raise ConfigError(f"KV events endpoint {endpoint!r}: only tcp:// and inproc:// support data-parallel "
+            raise SimArgumentError(f"KV events endpoint {endpoint!r} has no port") from None
+        raise SimArgumentError(f"KV events endpoint {endpoint!r}: only tcp:// and inproc:// support data-parallel "
                           "ranks > 0") from None
 
 
@@ -138,47 +138,47 @@ class SimConfig:
         if not self.served_model_names:
             self.served_model_names = [self.model]
         if self.block_size < 1:
-            raise ConfigError("--block-size must be positive")
+            raise SimArgumentError("--block-size must be positive")
         if self.num_blocks < 2:
-            raise ConfigError("--num-blocks must be at least 2 (vLLM reserves one null block)")
+            raise SimArgumentError("--num-blocks must be at least 2 (vLLM reserves one null block)")
         if self.prefix_caching_hash_algo not in ALGORITHMS:
-            raise ConfigError(f"--prefix-caching-hash-algo must be one of {', '.join(ALGORITHMS)}")
+            raise SimArgumentError(f"--prefix-caching-hash-algo must be one of {', '.join(ALGORITHMS)}")
         if self.event_layout not in ("map", "array"):
-            raise ConfigError("--event-layout must be 'map' or 'array'")
+            raise SimArgumentError("--event-layout must be 'map' or 'array'")
         if self.event_fields is None:
             self.event_fields = 14 if self.event_layout == "map" else 11
         variants = MAP_VARIANTS if self.event_layout == "map" else ARRAY_VARIANTS
         if self.event_fields not in variants:
-            raise ConfigError(f"--event-fields for the {self.event_layout} layout must be one of "
+            raise SimArgumentError(f"--event-fields for the {self.event_layout} layout must be one of "
                               f"{', '.join(map(str, sorted(variants)))}")
         capacity = (self.num_blocks - 1) * self.block_size
         if self.max_model_len is None:
             self.max_model_len = min(self.DEFAULT_MAX_MODEL_LEN, capacity)
         elif self.max_model_len > capacity:
-            raise ConfigError(
+            raise SimArgumentError(
                 f"--max-model-len {self.max_model_len} needs more KV cache than --num-blocks {self.num_blocks} "
                 f"x --block-size {self.block_size} holds ({capacity} tokens; one block is vLLM's null block)")
         if self.max_model_len < 2:
-            raise ConfigError("--max-model-len must be at least 2")
+            raise SimArgumentError("--max-model-len must be at least 2")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(self.max_model_len, 2048)
         elif not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(  # vLLM refuses the same: a prompt of max_model_len tokens could never be scheduled
+            raise SimArgumentError(  # vLLM refuses the same: a prompt of max_model_len tokens could never be scheduled
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than --max-model-len "
                 f"({self.max_model_len}): without chunked prefill every prompt must fit in one step")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be positive")
+            raise SimArgumentError("--max-num-seqs and --max-num-batched-tokens must be positive")
         if self.time_scale < 0 or self.prefill_tokens_per_s <= 0 or self.decode_ms_per_step < 0:
-            raise ConfigError("--time-scale and --decode-ms-per-step must be >= 0, --prefill-tokens-per-s > 0")
+            raise SimArgumentError("--time-scale and --decode-ms-per-step must be >= 0, --prefill-tokens-per-s > 0")
         low, high = self.output_tokens
         if not 1 <= low <= high:
-            raise ConfigError("--output-tokens must be MIN:MAX with 1 <= MIN <= MAX")
+            raise SimArgumentError("--output-tokens must be MIN:MAX with 1 <= MIN <= MAX")
         self.kv_events.validate()
         if self.drop_event_seqs:
             parse_drop_seqs(self.drop_event_seqs)
         unknown = set(self.suppress_events) - set(SUPPRESSIBLE_EVENTS)
         if unknown:
-            raise ConfigError(f"--suppress-events: unknown event type(s) {', '.join(sorted(unknown))}; "
+            raise SimArgumentError(f"--suppress-events: unknown event type(s) {', '.join(sorted(unknown))}; "
                               f"one of {', '.join(SUPPRESSIBLE_EVENTS)}")
         return self
 
@@ -209,12 +209,12 @@ def parse_drop_seqs(spec: str):
         except ValueError:
             every = 0
         if every < 1:
-            raise ConfigError("--drop-event-seqs every:N needs N >= 1")
+            raise SimArgumentError("--drop-event-seqs every:N needs N >= 1")
         return lambda seq: seq > 0 and seq % every == 0
     try:
         seqs = frozenset(int(part) for part in spec.split(",") if part.strip())
     except ValueError:
-        raise ConfigError("--drop-event-seqs must be a comma list of sequence numbers or every:N") from None
+        raise SimArgumentError("--drop-event-seqs must be a comma list of sequence numbers or every:N") from None
     return seqs.__contains__
 
 
@@ -227,10 +227,10 @@ def parse_lora_modules(values: list[str]) -> list[LoraModule]:
                 raw = json.loads(value)
                 name, path = raw["name"], raw["path"]
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise ConfigError(f"--lora-modules: bad JSON item {value!r}") from None
+                raise SimArgumentError(f"--lora-modules: bad JSON item {value!r}") from None
         elif "=" in value:
             name, path = value.split("=", 1)
         else:
-            raise ConfigError(f"--lora-modules items are name=path or JSON, got {value!r}")
+            raise SimArgumentError(f"--lora-modules items are name=path or JSON, got {value!r}")
         out.append(LoraModule(name, path, len(out) + 1))
     return out

@@ -12,7 +12,7 @@ The text is built by hand: a few dozen lines, cheap enough for the event loop.
 
 from __future__ import annotations
 
-from .engine import Engine
+from .core import StepLoop
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
@@ -47,7 +47,7 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def render(engine: Engine, model_name: str) -> bytes:
+def render(engine: StepLoop, model_name: str) -> bytes:
     """The exposition text for one engine."""
     scheduler = engine.scheduler
     stats = scheduler.stats

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from llmgw.http.dataplane import PROXIED_POST_PATHS
+from llmgw.gateway.dataplane import PROXIED_POST_PATHS
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from trio_websocket import serve_websocket
 
 from llmgw import wire
-from llmgw.agent.channel import WebSocketConnector, websocket_channel
+from llmgw.wire.channel import WebSocketConnector, websocket_channel
 from llmgw.commands.agent import build_parser, tls_options
 from llmgw.control.agent_service import AgentService, SessionSettings
 from llmgw.control.identity import NodeIdentities

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 
 from llmgw import wire
-from llmgw.agent.channel import ChannelClosed, memory_channel_pair
+from llmgw.wire.channel import ChannelClosed, memory_channel_pair
 from llmgw.control.agent_service import AgentService, SessionSettings
 from llmgw.control.identity import IdentityStoreError, NodeIdentities, new_secret
 from llmgw.control.inventory import Inventory, NodeState

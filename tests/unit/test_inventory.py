@@ -11,7 +11,7 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from llmgw import wire
-from llmgw.agent.channel import ChannelClosed, memory_channel_pair
+from llmgw.wire.channel import ChannelClosed, memory_channel_pair
 from llmgw.control.agent_service import AgentService, SessionSettings
 from llmgw.control.identity import NodeIdentities
 from llmgw.control.inventory import Inventory, NodeState
@@ -180,7 +180,7 @@ async def until(predicate, timeout: float = 30.0):
 async def test_the_in_process_agent_registers_obeys_reports_and_comes_back(service, nursery, tmp_path,
                                                                            autojump_clock):
     from llmgw.agent.agent import Agent
-    from llmgw.agent.channel import InProcessConnector
+    from llmgw.wire.channel import InProcessConnector
 
     agent = Agent(InProcessConnector(service.accept_in_process), node_id="n", discovery="cpu", state_dir=tmp_path,
                   address="127.0.0.1")

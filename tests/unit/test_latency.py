@@ -7,7 +7,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.http.latency import StreamWatch, carries_output
+from llmgw.gateway.latency import StreamWatch, carries_output
 
 
 def event(obj) -> bytes:

@@ -592,7 +592,7 @@ class AdminServer:
 
 def admin_node(name: str, state: str, used: list[int]) -> dict:
     register = discover(f"fixture:{FIXTURES / name}.json", node_id=name, address=f"10.1.1.{len(name)}")
-    return {**wire._to_plain(register), "state": state, "used_gpus": used, "something_new": {"ignored": True}}
+    return {**wire.to_plain(register), "state": state, "used_gpus": used, "something_new": {"ignored": True}}
 
 
 def test_plan_from_a_running_control_plane(tmp_path):

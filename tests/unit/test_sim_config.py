@@ -8,7 +8,7 @@ import pytest
 from llmgw.kv.codec import encode_batch
 from llmgw.kv.events import BlockRemoved, BlockStored, EventBatch
 from llmgw.sim.cli import _strip_ignored, build_parser, config_from_args
-from llmgw.sim.config import ConfigError, KVEventsConfig, SimConfig, binds, offset_endpoint, parse_drop_seqs
+from llmgw.sim.config import SimArgumentError, KVEventsConfig, SimConfig, binds, offset_endpoint, parse_drop_seqs
 from llmgw.sim.publisher import connectable, layout_trimmer
 
 
@@ -18,7 +18,7 @@ def test_kv_events_config_defaults_and_publisher_resolution():
         ("zmq", "tcp://*:5557", None, 10000, 100000, "")
     assert KVEventsConfig.from_json("{}").publisher == "null"
     for bad in ("[]", "{", '{"bogus": 1}', '{"publisher": "kafka"}', '{"hwm": -1}'):
-        with pytest.raises(ConfigError):
+        with pytest.raises(SimArgumentError):
             KVEventsConfig.from_json(bad)
 
 
@@ -34,7 +34,7 @@ def test_data_parallel_offsets():
     assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
     assert offset_endpoint("tcp://*:0", 3) == "tcp://*:0"
     assert offset_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
-    with pytest.raises(ConfigError):
+    with pytest.raises(SimArgumentError):
         offset_endpoint("ipc:///tmp/kv", 1)
 
 
@@ -44,14 +44,14 @@ def test_drop_seqs():
     listed = parse_drop_seqs("1, 4")
     assert [s for s in range(10) if listed(s)] == [1, 4]
     for bad in ("every:0", "x"):
-        with pytest.raises(ConfigError):
+        with pytest.raises(SimArgumentError):
             parse_drop_seqs(bad)
 
 
 def test_max_model_len_follows_the_cache():
     assert SimConfig(num_blocks=65, block_size=16).resolve().max_model_len == 1024
     assert SimConfig().resolve().max_model_len == 8192
-    with pytest.raises(ConfigError):
+    with pytest.raises(SimArgumentError):
         SimConfig(num_blocks=65, max_model_len=2048).resolve()
 
 
@@ -83,7 +83,7 @@ def test_older_array_layouts_publish_only_their_fields(layout, fields, stored_le
 
 
 def test_bad_event_fields():
-    with pytest.raises(ConfigError):
+    with pytest.raises(SimArgumentError):
         SimConfig(event_layout="map", event_fields=9).resolve()
 
 
@@ -98,7 +98,7 @@ def test_chunked_prefill_budget_defaults_as_vllm():
     assert SimConfig().resolve().max_num_batched_tokens == 2048
     whole = SimConfig(enable_chunked_prefill=False, max_model_len=4096).resolve()
     assert whole.max_num_batched_tokens == 4096
-    with pytest.raises(ConfigError, match="without chunked prefill every prompt must fit in one step"):
+    with pytest.raises(SimArgumentError, match="without chunked prefill every prompt must fit in one step"):
         SimConfig(enable_chunked_prefill=False, max_model_len=4096, max_num_batched_tokens=1024).resolve()
 
 
@@ -106,5 +106,5 @@ def test_suppress_events_names_known_event_types_only():
     args = build_parser().parse_args(["--suppress-events", "AllBlocksCleared, BlockRemoved"])
     assert config_from_args(args).resolve().suppress_events == ("AllBlocksCleared", "BlockRemoved")
     assert config_from_args(build_parser().parse_args([])).resolve().suppress_events == ()
-    with pytest.raises(ConfigError, match="BlockEvicted"):
+    with pytest.raises(SimArgumentError, match="BlockEvicted"):
         config_from_args(build_parser().parse_args(["--suppress-events", "BlockEvicted"])).resolve()

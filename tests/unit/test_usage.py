@@ -1,6 +1,6 @@
 """The data plane's cheap usage lookups, for tiers that want each response's usage (``wants_usage``)."""
 
-from llmgw.http.usage import usage_of_body, usage_of_stream_tail
+from llmgw.gateway.usage import usage_of_body, usage_of_stream_tail
 
 USAGE = {"prompt_tokens": 40, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 32}}
 

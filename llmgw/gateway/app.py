@@ -15,23 +15,23 @@ from dataclasses import dataclass
 
 import trio
 
-from .config import Config, ConfigError
-from .config.fields import issue_at
-from .config.tls import replica_tls_options
-from .http.control import create_control_app
-from .http.control_guard import exposure_problem
-from .http.control_server import ControlServer, ControlServerMetrics
-from .http.dataplane import DataPlane, DataPlaneSettings
-from .http.jsonbody import JsonLimits
-from .http.server import HttpServer, ServerLimits
-from .listening import host_port, listening_on
-from .metrics import Metrics
-from .plugins_manager import Registry, check_config_plugins, default_registry, load_checked_config
-from .router.health import HealthSettings, HealthTracker, probe_forever
-from .router.load_scraper import scrape_engine_load
-from .router.replica import Replica, ReplicaState
-from .router.router import Router
-from .tls import describe_tls_error
+from ..config import Config, ConfigError
+from ..config.fields import issue_at
+from ..config.tls import replica_tls_options
+from .admin import create_control_app
+from .admin_guard import exposure_problem
+from ..http.control_server import ControlServer, ControlServerMetrics
+from .dataplane import DataPlane, DataPlaneSettings
+from ..http.jsonbody import JsonLimits
+from ..http.server import HttpServer, ServerLimits
+from ..listening import host_port, listening_on
+from ..metrics import Metrics
+from ..plugins_manager import Registry, check_config_plugins, default_registry, load_checked_config
+from ..router.health import HealthSettings, HealthTracker, probe_forever
+from ..router.load_scraper import scrape_engine_load
+from ..router.replica import Replica, ReplicaState
+from ..router.router import Router
+from ..tls import describe_tls_error
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Gateway:
                  stop_engines_on_exit: bool = False):
         """``stop_engines_on_exit``: the embedded agent's engines stop with the gateway (the demo); by default
         they outlive it, to be adopted by the next start."""
-        from .control.plane import ControlPlane
+        from ..control.plane import ControlPlane
 
         self.config = config
         self.embedded_discovery = embedded_discovery
@@ -141,8 +141,8 @@ class Gateway:
 
     async def _run_embedded_agent(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """This machine's agent, in-process: the same Agent and session code as a remote one."""
-        from .agent.agent import Agent
-        from .agent.channel import InProcessConnector
+        from ..agent.agent import Agent
+        from ..wire.channel import InProcessConnector
 
         agents = self.config.agents
         node_id = agents.embedded_node_id
@@ -189,7 +189,7 @@ class Gateway:
     def _follow_static_kv(self, config: Config) -> None:
         """One KV-event subscription per static replica with ``kv_events`` (connect mode), fed into the router's
         KV index; restarted when its settings change, cancelled when the replica goes."""
-        from .kv.external import ExternalKv
+        from ..kv.external import ExternalKv
 
         wanted: dict[str, ExternalKv] = {}
         for model in config.models:

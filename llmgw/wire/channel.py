@@ -34,7 +34,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import trio
 
-from .. import wire
+from . import messages as wire
 from ..tls import TlsClientOptions, client_context, describe_tls_error
 
 log = logging.getLogger(__name__)

@@ -28,6 +28,14 @@ from typing import Any, ClassVar
 
 import msgpack
 
+__all__ = [
+    "PROTOCOL_VERSION", "WireError", "ShardState", "KvChangeKind", "HostInfo", "GpuFabric", "GpuHealth",
+    "MigInfo", "NicPath", "GpuInfo", "ImexInfo", "Hca", "FabricInfo", "StorageInfo", "LocalWeights",
+    "LoraModule", "ShardProfile", "ShardReport", "Message", "Register", "Registered", "Heartbeat",
+    "StartShard", "StopShard", "DrainShard", "ShardStatus", "KvChanges", "KvResync", "ErrorMessage",
+    "UnknownMessage", "encode", "decode", "to_plain", "from_plain",
+]
+
 PROTOCOL_VERSION = 1
 
 
@@ -368,20 +376,20 @@ class UnknownMessage:
 # -- encoding ---------------------------------------------------------------------------------------------------------
 
 
-def _to_plain(value: Any) -> Any:
+def to_plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
-        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, (list, tuple)):
-        return [_to_plain(v) for v in value]
+        return [to_plain(v) for v in value]
     if isinstance(value, dict):
-        return {k: _to_plain(v) for k, v in value.items()}
+        return {k: to_plain(v) for k, v in value.items()}
     return value
 
 
 def encode(message: Message) -> bytes:
-    body = _to_plain(message)
+    body = to_plain(message)
     return msgpack.packb({"v": PROTOCOL_VERSION, "t": type(message).__name__, **body}, use_bin_type=True)
 
 
@@ -399,7 +407,7 @@ def decode(frame: bytes) -> Message | UnknownMessage:
     cls = Message.TYPES.get(type_name) if isinstance(type_name, str) else None
     if cls is None:
         return UnknownMessage(str(type_name), raw)
-    return _from_plain(cls, raw, type_name)
+    return from_plain(cls, raw, type_name)
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
@@ -412,7 +420,7 @@ def _hints(cls: type) -> dict[str, Any]:
     return hints
 
 
-def _from_plain(cls: type, raw: Any, where: str):
+def from_plain(cls: type, raw: Any, where: str):
     if not isinstance(raw, dict):
         raise WireError(f"{where}: expected a map, got {type(raw).__name__}")
     hints = _hints(cls)
@@ -441,7 +449,7 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return hint(value)
     if dataclasses.is_dataclass(hint):
-        return _from_plain(hint, value, where)
+        return from_plain(hint, value, where)
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise WireError(f"{where}: expected a number, got {type(value).__name__}")

@@ -29,7 +29,7 @@ from .scheduler import Scheduler, Sequence, Step
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class StepLoop:
     """Owns the scheduler; one task runs :meth:`run`."""
 
     def __init__(self, scheduler: Scheduler, *, prefill_tokens_per_s: float = 20000.0,

@@ -10,15 +10,15 @@ import trio
 from llmgw.kv.keys import event_int
 from llmgw.sim.blockhash import BlockHashing
 from llmgw.sim.cache import KVCacheManager
-from llmgw.sim.engine import Engine
+from llmgw.sim.core import StepLoop
 from llmgw.sim.scheduler import Scheduler, Sequence
 
 RATE, DECODE_S = 1000.0, 0.010
 
 
-def make_engine(time_scale: float = 1.0, events_out=None, budget: int = 2048, chunked: bool = True) -> Engine:
+def make_engine(time_scale: float = 1.0, events_out=None, budget: int = 2048, chunked: bool = True) -> StepLoop:
     cache = KVCacheManager(200, 16, to_event=event_int)
-    return Engine(Scheduler(cache, max_num_batched_tokens=budget, chunked_prefill=chunked), prefill_tokens_per_s=RATE,
+    return StepLoop(Scheduler(cache, max_num_batched_tokens=budget, chunked_prefill=chunked), prefill_tokens_per_s=RATE,
                   decode_ms_per_step=DECODE_S * 1000, time_scale=time_scale, events_out=events_out)
 
 
@@ -30,7 +30,7 @@ def request(n_prompt: int, n_out: int, start: int = 20, rid: str = "r") -> Seque
                     hashes=HASHING.for_request())
 
 
-async def run_one(engine: Engine, seq: Sequence) -> tuple[float, float]:
+async def run_one(engine: StepLoop, seq: Sequence) -> tuple[float, float]:
     """(time to first token, time to finish) of ``seq``."""
     t0 = trio.current_time()
     engine.submit(seq)
@@ -63,7 +63,7 @@ async def test_chunked_prefill_takes_several_steps(autojump_clock):
         nursery.cancel_scope.cancel()
 
 
-async def gaps_while_a_long_prefill_arrives(engine: Engine) -> float:
+async def gaps_while_a_long_prefill_arrives(engine: StepLoop) -> float:
     """The longest gap between a decoding request's tokens while a 1,024-token prompt is prefilled."""
     decoding = request(16, 40, start=900, rid="decoding")
     arrivals = []
@@ -190,7 +190,7 @@ async def test_the_api_answers_an_engine_failure_with_a_500_and_a_stream_with_an
             "max_tokens": 30}
     prompt = [20, 21, 22]  # shorter than a block: block 0 is hashed inside a step, once decoding fills it
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(sim.engine.run)
+        nursery.start_soon(sim.core.run)
         answer = await api._generate(dict(body), "tiny", None, prompt, chat=True)
         assert answer.status == 500
         error = json.loads(answer.body)["error"]
@@ -199,7 +199,7 @@ async def test_the_api_answers_an_engine_failure_with_a_500_and_a_stream_with_an
         chunks = [chunk async for chunk in streamed.body]
         assert chunks[-1] == b"data: [DONE]\n\n"
         assert json.loads(chunks[-2][len(b"data: "):])["error"]["code"] == 500
-        assert sim.engine.scheduler.stats.failed == 2
+        assert sim.core.scheduler.stats.failed == 2
         fine = await api._generate({"model": "tiny", "messages": []}, "tiny", None, prompt, chat=True)
         assert fine.status == 200  # the engine still runs
         nursery.cancel_scope.cancel()

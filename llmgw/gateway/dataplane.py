@@ -30,13 +30,13 @@ from ..router.replica import Replica
 from ..router.router import Router
 from ..router.tier import Decision, RouteRequest
 from .bearer import BearerTokens
-from .client import UpstreamError, UpstreamResponse
+from ..http.client import UpstreamError, UpstreamResponse
 from .latency import StreamWatch
-from .jsonbody import BodyError, JsonLimits, read_json_body
-from .messages import Request, Response, error_response
-from .multipart import FormError, form_field
+from ..http.jsonbody import BodyError, JsonLimits, read_json_body
+from ..http.messages import Request, Response, error_response
+from ..http.multipart import FormError, form_field
 from .usage import STREAM_TAIL_PIECES, usage_of_body, usage_of_stream_tail
-from .server import AbortConnection
+from ..http.server import AbortConnection
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("llmgw.access")

@@ -3,7 +3,7 @@
 It serves operators (``/admin/*``, behind admin tokens: :mod:`llmgw.http.control_guard`)
 and agents (the ``/agent`` websocket, one session per agent, see
 :mod:`llmgw.control.agent_service`); it is not on the request hot path (that is
-:mod:`llmgw.http.dataplane` on the thin server). Every error, including a
+:mod:`llmgw.gateway.dataplane` on the thin server). Every error, including a
 failure inside a handler, is answered in OpenAI's JSON error shape. It runs on
 :class:`llmgw.http.control_server.ControlServer`, which contains failures per
 connection.
@@ -19,15 +19,15 @@ from quart import Response, jsonify, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from ..agent.channel import quart_channel
+from ..wire.channel import quart_channel
 from ..metrics import render
 from ..router.tier import RouteRequest
-from .control_guard import AdminGuard
-from .control_server import ControlServerMetrics
-from .messages import error_body
+from .admin_guard import AdminGuard
+from ..http.control_server import ControlServerMetrics
+from ..http.messages import error_body
 
 if TYPE_CHECKING:
-    from ..app import Gateway
+    from .app import Gateway
 
 
 log = logging.getLogger(__name__)
