@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from .. import wire
 from ..plugins_manager import PluginError
+from ..router.model import TierModel
 from ..router.replica import Replica
 from .reconciler import Assignment, DesiredReplica
 from .tasks import TaskHost
@@ -64,7 +65,9 @@ class DeployedRouting(TaskHost):
         for model, profile in sorted(wanted.items()):
             tier = (self._tier_for(model, profile.routing), dict(profile.routing_options), profile.lora_adapters)
             if model not in router.models or self.models.get(model) != tier:
-                router.configure_model(model, tier[0], tier[1], profile)
+                router.configure_model(model, tier[0], tier[1], TierModel.of(
+                    model, tier[0], tier[1], model_path=profile.model_path, lora_adapters=profile.lora_adapters,
+                    engine_args=profile.args))
                 self.models[model] = tier
             router.set_adapters(model, [adapter.name for adapter in profile.lora_adapters])
         keep = set(wanted) | set(static_models)

@@ -29,6 +29,7 @@ from ..metrics import Metrics
 from ..plugins_manager import Registry, check_config_plugins, default_registry, load_checked_config
 from ..router.health import HealthSettings, HealthTracker, probe_forever
 from ..router.load_scraper import scrape_engine_load
+from ..router.model import TierModel
 from ..router.replica import Replica, ReplicaState
 from ..router.router import Router
 from ..tls import describe_tls_error
@@ -160,7 +161,9 @@ class Gateway:
         for model in config.models:
             routing = (model.routing, dict(model.routing_options), model.lora_adapters)
             if model.name not in self.router.models or self._static_models.get(model.name) != routing:
-                self.router.configure_model(model.name, model.routing, model.routing_options, model)
+                self.router.configure_model(model.name, model.routing, model.routing_options,
+                                            TierModel.of(model.name, model.routing, model.routing_options,
+                                                         lora_adapters=model.lora_adapters))
             self.router.set_adapters(model.name, [adapter.name for adapter in model.lora_adapters])
             for index, spec in enumerate(model.replicas):
                 name = spec.name or f"{model.name}-{index}"

@@ -44,7 +44,6 @@ import logging
 import os
 import random
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
 
 from ..hookspecs import hookimpl
@@ -56,6 +55,7 @@ from ..kv.metrics import KvMetrics
 from ..kv.subscriber import DEFAULT_MAX_MESSAGE_BYTES, message_size_setting
 from ..kv.tokenize import TokenizeError
 from ..plugins_manager import PluginError
+from ..router.model import TierModel
 from ..router.replica import Replica
 from ..router.tier import Decision, RouteRequest, TierServices
 from .options import count, duration, option_reader
@@ -198,7 +198,7 @@ class KvIndexTier:
             raise ValueError(f"routing_options of model {self.model!r}: " + "; ".join(problems))
         self.options = options
         self.clock = services.clock
-        tree_model = SimpleNamespace(name=self.model, routing="prefix_tree", routing_options=tree_raw)
+        tree_model = TierModel(name=self.model, routing="prefix_tree", routing_options=tree_raw)
         self.tree = PrefixTreeTier(tree_model, services)  # the fallback, and the scorers and load rule
         index = getattr(services, "kv_index", None)
         self.index: KvIndex = index if index is not None else KvIndex(clock=self.clock)
@@ -221,7 +221,7 @@ class KvIndexTier:
                  if getattr(a, "name", None) and getattr(a, "path", None)}
         loras.update(options.lora_adapters)
         self.loras = loras
-        self.configured_block_size = options.block_size or block_size_arg(getattr(model, "args", None))
+        self.configured_block_size = options.block_size or block_size_arg(getattr(model, "engine_args", None))
         self._assumed: dict[str, tuple[int, str]] = {}  # replica -> (block size, where from) while assumed
         self.metrics: KvMetrics | None = None
         if services.metrics is not None and getattr(services.metrics, "registry", None) is not None:

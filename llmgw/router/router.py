@@ -14,12 +14,12 @@ import inspect
 import logging
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Iterable
 
 from ..kv.index import KvIndex
 from ..kv.metrics import KvMetrics
 from .canonical import estimated_prompt_tokens
+from .model import TierModel
 from .replica import Replica
 from .tier import Decision, RouteRequest, RoutingTier, TierServices
 
@@ -49,16 +49,19 @@ class Router:
             KvMetrics.for_registry(metrics.registry).track_index(self.kv_index, self.model_of_replica)
         self._tier_errors_logged: set[str] = set()
 
-    def configure_model(self, name: str, tier_name: str, options: dict | None = None, model_config=None) -> ModelRoute:
+    def configure_model(self, name: str, tier_name: str, options: dict | None = None,
+                        model: TierModel | None = None) -> ModelRoute:
         """Create or re-tier a model; its replicas are kept.
 
-        Without a ``model_config`` the tier gets a stand-in with ``name``,
-        ``routing`` and ``routing_options`` (= ``options``).
+        The tier is built with ``model`` (its ``routing`` and ``routing_options`` replaced by ``tier_name`` and
+        ``options``), or a plain :class:`TierModel` of ``name`` without one.
         """
         existing = self.models.get(name)
         replicas = existing.replicas if existing else []
-        if model_config is None:
-            model_config = SimpleNamespace(name=name, routing=tier_name, routing_options=dict(options or {}))
+        base = model or TierModel(name)
+        model_config = TierModel(name=name, routing=tier_name, routing_options=dict(options or {}),
+                                 model_path=base.model_path, lora_adapters=base.lora_adapters,
+                                 engine_args=base.engine_args)
         services = TierServices(registry=self.registry, metrics=self.metrics, replicas=replicas, model=name,
                                 kv_index=self.kv_index)
         tier = self.registry.get("routing_tiers", tier_name)(model_config, services)

@@ -156,18 +156,17 @@ async def test_a_lora_request_is_tokenized_by_the_engine(files):
 
 
 def test_the_kv_tier_finds_the_tokenizer_in_the_profiles_model_path(files, tmp_path):
-    from types import SimpleNamespace
-
     from llmgw.metrics import Metrics
     from llmgw.plugins_manager import build_registry, make_plugin_manager
+    from llmgw.router.model import TierModel
     from llmgw.router.router import Router
 
     router = Router(build_registry(make_plugin_manager()), Metrics())
-    profile = SimpleNamespace(name="tiny", routing="kv_index", routing_options={}, model_path=str(files), args=[])
-    tier = router.configure_model("tiny", "kv_index", model_config=profile).tier
+    profile = TierModel("tiny", "kv_index", model_path=str(files))
+    tier = router.configure_model("tiny", "kv_index", model=profile).tier
     assert tier.tokenizer.local is not None and tier.tokenizer.base_models == BASE
-    hub_id = SimpleNamespace(name="tiny", routing="kv_index", routing_options={}, model_path="org/model")
-    assert router.configure_model("tiny", "kv_index", model_config=hub_id).tier.tokenizer.local is None
+    hub_id = TierModel("tiny", "kv_index", model_path="org/model")
+    assert router.configure_model("tiny", "kv_index", model=hub_id).tier.tokenizer.local is None
     explicit = {"tokenizer_path": str(files), "tokenizer": "local"}
     assert router.configure_model("tiny", "kv_index", explicit).tier.tokenizer.local is not None
 
