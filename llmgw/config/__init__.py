@@ -26,7 +26,7 @@ from .schema import (
     Placement,
     Profile,
 )
-from .units import parse_duration, parse_size
+from ..units import parse_duration, parse_size
 
 __all__ = [
     "AgentsConfig", "ApiKey", "Config", "ConfigError", "ConfigIssue", "Deployment", "ExternalReplica",

@@ -18,7 +18,7 @@ from .fields import (Check, Located, Parse, at_least, at_most, config_class, mat
 from .reader import Draft
 from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
 from .tls import ListenerTls, TlsFile, UpstreamTls, check_replica_tls
-from .units import parse_duration, parse_size
+from ..units import parse_duration, parse_size
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -91,8 +91,7 @@ class ExternalKv:
             async with trio.open_nursery() as nursery:
                 await nursery.start(sub.run)
                 log.info("replica %s: following its KV events at %s", self.replica, self.events)
-                await nursery.start(partial(flush_loop, mirror, partial(index.apply, self.replica), self.replica,
-                                            self.replica, 0, interval=interval))
+                await nursery.start(partial(flush_loop, mirror, partial(index.apply, self.replica), interval=interval))
         finally:
             index.remove_resync_listener(on_resync)
             index.forget(self.replica)  # no stream any more: the tree routes it until a new one sends a FULL

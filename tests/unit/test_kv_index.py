@@ -11,19 +11,19 @@ from prometheus_client import CollectorRegistry, generate_latest
 from llmgw.kv.drift import DriftPolicy
 from llmgw.kv.index import IndexState, KvIndex, refusal_reason
 from llmgw.kv.metrics import KvMetrics
-from llmgw.wire import KvChangeKind, KvChanges
+from llmgw.kv.changes import BlockChanges, KvChangeKind
 
 
 def delta(stored=(), removed=(), block_size=16):
-    return KvChanges(kind=KvChangeKind.DELTA, stored=list(stored), removed=list(removed), block_size=block_size)
+    return BlockChanges(kind=KvChangeKind.DELTA, stored=list(stored), removed=list(removed), block_size=block_size)
 
 
 def full(stored=(), block_size=16):
-    return KvChanges(kind=KvChangeKind.FULL, stored=list(stored), block_size=block_size)
+    return BlockChanges(kind=KvChangeKind.FULL, stored=list(stored), block_size=block_size)
 
 
 def reset(reason="gap"):
-    return KvChanges(kind=KvChangeKind.RESET, reason=reason)
+    return BlockChanges(kind=KvChangeKind.RESET, reason=reason)
 
 
 def test_match_counts_leading_blocks_only():
