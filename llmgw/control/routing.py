@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from .. import wire
+from ..engines.probe import VLLM_GAUGES, EngineGauges, engine_gauges
 from ..plugins_manager import PluginError
 from ..router.model import TierModel
 from ..router.replica import Replica
@@ -53,6 +54,7 @@ class DeployedRouting(TaskHost):
         self.drain_timeout = drain_timeout
         self.routed: dict[str, Routed] = {}  # by replica id
         self.models: dict[str, tuple] = {}  # served model name -> (tier in use, its options, LoRA adapters)
+        self.gauges: dict[str, EngineGauges] = {}  # served model name -> its engine plugin's load gauges
 
     # -- models --------------------------------------------------------------------------------------------------
 
@@ -70,12 +72,14 @@ class DeployedRouting(TaskHost):
                     engine_args=profile.args))
                 self.models[model] = tier
             router.set_adapters(model, [adapter.name for adapter in profile.lora_adapters])
+            self.gauges[model] = engine_gauges(self.gateway.registry, profile.engine)
         keep = set(wanted) | set(static_models)
         for model in list(self.models):
             if model not in keep:
                 log.info("model %s is no longer deployed: new requests for it are refused", model)
                 router.remove_model(model)
                 del self.models[model]
+                self.gauges.pop(model, None)
 
     def _tier_for(self, model: str, tier: str) -> str:
         try:
@@ -115,6 +119,7 @@ class DeployedRouting(TaskHost):
         if assignment.model not in self.gateway.router.models:
             return  # the model was removed by a reload; the assignment is about to retire
         replica = Replica(name=assignment.replica_id, model=assignment.model, url=report.endpoint, api_key=api_key,
+                          gauges=self.gauges.get(assignment.model, VLLM_GAUGES),
                           labels={"node": assignment.leader.node_id, "profile": assignment.profile,
                                   "generation": str(assignment.generation)})
         self.gateway.add_replica(replica)
