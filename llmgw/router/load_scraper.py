@@ -6,10 +6,10 @@ a static replica. vLLM exposes ``vllm:num_requests_running`` and
 configuration as labels of ``vllm:cache_config_info`` (the block size is kept,
 for the ``kv_index`` tier); :mod:`llmgw.engines.probe` reads them.
 :func:`scrape_engine_load` runs as one task in the gateway's nursery and
-scrapes the replicas of the models whose tier asks for it (``engine_metrics_interval`` on the tier); every request has
-a deadline, replicas are scraped concurrently, and a failed scrape leaves the
-last value to age out (tiers ignore values older than their
-``engine_metrics_max_age``).
+scrapes the replicas of the models whose tier asks for it
+(``engine_metrics_interval`` on the tier); every request has a deadline,
+replicas are scraped concurrently, and a failed scrape leaves the last value
+to age out (tiers ignore values older than their ``engine_metrics_max_age``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import trio
 from ..engines import probe
 from ..engines.probe import EngineLoad
 from .replica import Replica
+
 
 async def scrape_once(replica: Replica, timeout: float, path: str = "/metrics",
                       clock: Callable[[], float] = time.monotonic) -> EngineLoad | None:
