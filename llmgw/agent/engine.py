@@ -5,9 +5,9 @@ into a :class:`Launch` (argv and the environment variables it adds), says how
 to tell that the shard is ready (:class:`Readiness`) and which of its
 ``/metrics`` gauges count running and waiting requests
 (:class:`~llmgw.engines.probe.EngineGauges`: the supervisor waits for them to
-reach 0 when draining, the router's load-aware tiers read them). It never spawns or
-watches processes itself: the shard supervisor does that, the same way for
-every engine.
+reach 0 when draining, the router's load-aware tiers read them). It never
+spawns or watches processes itself: the shard supervisor does that, the same
+way for every engine.
 
 ``vllm`` and ``sim`` both speak vLLM's flags, so :func:`openai_server_flags`
 builds the part of the command line they have in common.
