@@ -29,7 +29,8 @@ from .. import wire
 from ..plugins_manager import PluginError
 from ..router.model import TierModel
 from ..router.replica import Replica
-from ..router.replicas import DEPLOYED, ReplicaSet
+from ..router.replicas import DEPLOYED
+from .interfaces import ReplicaTable
 from .reconciler import Assignment, DesiredReplica
 from .tasks import TaskHost
 
@@ -46,7 +47,7 @@ class Routed:
 class DeployedReplicas(TaskHost):
     not_running = "DeployedReplicas.run is not running"
 
-    def __init__(self, replicas: ReplicaSet, registry, on_released: Callable[[str], None],
+    def __init__(self, replicas: ReplicaTable, registry, on_released: Callable[[str], None],
                  drain_timeout: float = 600.0):
         """``registry``: the plugin registry (is a profile's routing tier installed?); ``on_released(key)``: a
         retired assignment left the set (its shards may be stopped)."""

@@ -8,9 +8,11 @@ the actions out (commands to agents' sessions, log lines, metrics) and keeps
 the replica set in step (:class:`~llmgw.control.deployed.DeployedReplicas`).
 
 It is built from narrow parts, never the gateway: the
-:class:`~llmgw.router.replicas.ReplicaSet` its deployed replicas go into, the
-:class:`~llmgw.kv.index.KvIndex` the agents' KV changes go into, the plugin
-registry and the metrics registry.
+:class:`~llmgw.control.interfaces.ReplicaTable` its deployed replicas go into
+(the router's :class:`~llmgw.router.replicas.ReplicaSet`), the
+:class:`~llmgw.control.interfaces.KvWriter` the agents' KV changes go into (the
+router's :class:`~llmgw.kv.index.KvIndex`), the plugin registry and the
+metrics registry.
 
 After a start, nothing new is placed for ``heartbeat_interval + 1`` seconds
 (agents reconnect at least that often), so the engines that survived a
@@ -51,9 +53,8 @@ from .deployed import DeployedReplicas
 
 if TYPE_CHECKING:
     from ..config import Config
-    from ..kv.index import KvIndex
-    from ..router.replicas import ReplicaSet
     from ..wire.channel import Channel
+    from .interfaces import KvWriter, ReplicaTable
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ REFUSE_UNPROVEN = "unproven_shard"
 
 
 class ControlPlane:
-    def __init__(self, replicas: "ReplicaSet", kv_index: "KvIndex", registry, metrics_registry, config: "Config"):
+    def __init__(self, replicas: "ReplicaTable", kv_index: "KvWriter", registry, metrics_registry, config: "Config"):
         self.replicas = replicas
         self.kv_index = kv_index
         self.id = uuid.uuid4().hex[:12]

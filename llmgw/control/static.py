@@ -20,12 +20,12 @@ from ..config.tls import replica_tls_options
 from ..kv.external import ExternalKv
 from ..router.model import TierModel
 from ..router.replica import Replica
-from ..router.replicas import STATIC, ReplicaSet
+from ..router.replicas import STATIC
+from .interfaces import KvWriter, ReplicaTable
 from .tasks import TaskHost
 
 if TYPE_CHECKING:
     from ..config import Config
-    from ..kv.index import KvIndex
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ DRAIN_TIMEOUT = 600.0
 class StaticReplicas(TaskHost):
     not_running = "StaticReplicas.run is not running"
 
-    def __init__(self, replicas: ReplicaSet, kv_index: "KvIndex", registry, metrics_registry):
+    def __init__(self, replicas: ReplicaTable, kv_index: KvWriter, registry, metrics_registry):
         self.replicas = replicas
         self.kv_index = kv_index
         self.registry = registry

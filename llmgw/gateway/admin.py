@@ -70,8 +70,8 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
     async def kv():
         """The router's KV index per replica (state, blocks, block size, resets), and the embedded agent's
         subscriptions (ports, mirrored blocks, last sequence number, resets, hash parity)."""
-        index = gateway.router.kv_index
-        names = sorted(set(index.replicas()) | {r.name for r in gateway.router.all_replicas()})
+        index = gateway.kv_index
+        names = sorted(set(index.replicas()) | {r.name for r in gateway.replicas})
         agent = gateway.embedded_agent
         shards = [shard.describe() for shard in agent.kv.shards.values()] if agent is not None else []
         return jsonify({"replicas": [{"name": name, **index.describe(name)} for name in names],
