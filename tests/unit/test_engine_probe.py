@@ -3,7 +3,6 @@ plugin gives, health checks against real servers on 127.0.0.1, and the router's 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import trio
 from hypothesis import given
@@ -13,7 +12,7 @@ from llmgw import wire
 from llmgw.config import parse_config
 from llmgw.control.fingerprint import profile_fingerprint
 from llmgw.control.reconciler import Assignment, ShardSlot, desired_replicas
-from llmgw.control.routing import DeployedRouting
+from llmgw.control.deployed import DeployedReplicas
 from llmgw.engines import probe
 from llmgw.engines.probe import (NO_GAUGES, VLLM_GAUGES, EngineGauges, engine_gauges, parse_block_size,
                                  parse_gauge_sum, parse_load)
@@ -27,6 +26,7 @@ from llmgw.plugins_manager import build_registry, make_plugin_manager
 from llmgw.router.health import HealthSettings, probe_once
 from llmgw.router.load_scraper import scrape_once
 from llmgw.router.replica import Replica
+from llmgw.router.replicas import ReplicaSet
 from llmgw.router.router import Router
 from helpers import free_port
 
@@ -145,11 +145,11 @@ deployments:
   - {profile: odd, replicas: 1}
   - {profile: sim, replicas: 1}
 """)
-    added: list[Replica] = []
-    gateway = SimpleNamespace(router=Router(registry, Metrics()), registry=registry, add_replica=added.append)
-    routing = DeployedRouting(gateway, on_released=lambda key: None)
+    replicas = ReplicaSet()
+    Router(registry, Metrics(), replicas)
+    routing = DeployedReplicas(replicas, registry, on_released=lambda key: None)
     desired = desired_replicas(config, profile_fingerprint)
-    routing.configure_models(desired, [])
+    routing.configure_models(desired)
 
     def assignment(replica) -> Assignment:
         shard = f"{replica.replica_id}-g1-r0"
@@ -161,7 +161,7 @@ deployments:
                                 endpoint="http://127.0.0.1:9", generation=1)
 
     routing.sync([assignment(r) for r in desired.values()], ready, lambda a: None)
-    assert {r.model: r.gauges for r in added} == {"tiny-odd": ODD, "tiny-sim": VLLM_GAUGES}
+    assert {r.model: r.gauges for r in replicas} == {"tiny-odd": ODD, "tiny-sim": VLLM_GAUGES}
 
 
 # -- asking real servers ----------------------------------------------------------------------------------------------
