@@ -14,8 +14,9 @@ A retiring assignment that is in routing is drained: marked draining (no new
 requests), then removed once its in-flight requests have finished (or after
 ``drain_timeout``); only then is it *released* and may its shards be stopped.
 
-Models are configured per served model name with the profile's routing tier;
-a tier that is not installed falls back to ``round_robin`` (logged once).
+Models are configured per served model name with the profile's routing tier
+(its name was checked with the config, like a static model's: an unknown one
+never gets here).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from .. import wire
-from ..plugins_manager import PluginError
 from ..router.model import TierModel
 from ..router.replica import Replica
 from .reconciler import Assignment, DesiredReplica
@@ -63,7 +63,7 @@ class DeployedRouting(TaskHost):
         for replica in desired.values():
             wanted.setdefault(replica.model, replica.profile)
         for model, profile in sorted(wanted.items()):
-            tier = (self._tier_for(model, profile.routing), dict(profile.routing_options), profile.lora_adapters)
+            tier = (profile.routing, dict(profile.routing_options), profile.lora_adapters)
             if model not in router.models or self.models.get(model) != tier:
                 router.configure_model(model, tier[0], tier[1], TierModel.of(
                     model, tier[0], tier[1], model_path=profile.model_path, lora_adapters=profile.lora_adapters,
@@ -76,16 +76,6 @@ class DeployedRouting(TaskHost):
                 log.info("model %s is no longer deployed: new requests for it are refused", model)
                 router.remove_model(model)
                 del self.models[model]
-
-    def _tier_for(self, model: str, tier: str) -> str:
-        try:
-            self.gateway.registry.get("routing_tiers", tier)
-            return tier
-        except PluginError:
-            if model not in self.models or self.models[model][0] != "round_robin":
-                log.warning("model %s: routing tier %r is not installed; routing it round_robin until it is",
-                            model, tier)
-            return "round_robin"
 
     # -- replicas ------------------------------------------------------------------------------------------------
 

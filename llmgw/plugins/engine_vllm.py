@@ -10,10 +10,9 @@ last, as given, so they can override anything before them.
 
 from __future__ import annotations
 
-from ..agent.engine import (Launch, LaunchContext, Readiness, engine_env, is_follower, kv_events_flags,
-                            openai_server_flags, resolve_executable, served_name)
-from ..hookspecs import hookimpl
-from ..wire import StartShard
+from ..agent.engine import (engine_env, is_follower, kv_events_flags, openai_server_flags, resolve_executable,
+                            served_name)
+from ..plugin import Launch, LaunchContext, Readiness, StartShard, hookimpl
 
 INFLIGHT_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 

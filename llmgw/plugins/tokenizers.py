@@ -24,9 +24,9 @@ from typing import Any, Callable, Mapping
 
 import trio
 
-from ..hookspecs import hookimpl
 from ..kv.local_tokenizer import LocalTokenizer, LocalTokenizerError, has_tokenizer_files
-from ..kv.tokenize import TokenizeClient, TokenizeError
+from ..kv.tokenize import TokenizeClient
+from ..plugin import TokenizeError, hookimpl
 
 log = logging.getLogger(__name__)
 
