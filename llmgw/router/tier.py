@@ -243,6 +243,8 @@ class _DuckTier(RoutingTier):
         self.tier = tier
         self.name = getattr(tier, "name", "") or type(tier).__name__
         self.wants_usage = getattr(tier, "wants_usage", False) is True
+        for setting in ("engine_metrics_interval", "engine_metrics_timeout"):  # the base class's would hide them
+            setattr(self, setting, getattr(tier, setting, None))
         for hook in _OPTIONAL_HOOKS:
             method = getattr(tier, hook, None)
             if callable(method):
