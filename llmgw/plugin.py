@@ -9,7 +9,8 @@ tier (package, entry point, test) is in ``docs/plugins.md``.
 Routing tiers (hook ``register_routing_tiers``): ``factory(model, services)``
 
 - :class:`TierModel` ``model``: the model the tier routes (name, ``routing_options``, LoRA adapters...);
-- :class:`TierServices` ``services``: the plugin registry, metrics, the model's replicas, a clock, the KV index;
+- :class:`TierServices` ``services``: the plugin registry, :class:`Metrics`, the model's replicas, a clock, the
+  router's :class:`KvIndex`;
 - builds a :class:`RoutingTier`. Subclass it: ``pick`` is the one method to write, and every other hook
   (``routed``, ``first_token``, ``attempt_failed``, ``finished``, ``explain``, ``check_options``) has a
   no-op default. A duck-typed class with ``name`` and ``pick`` (:class:`TierProtocol`) works too.
@@ -35,8 +36,10 @@ from .agent.engine import Engine, EngineError, Launch, LaunchContext, Readiness
 from .hookspecs import hookimpl
 from .kv.codec import EventDecodeError
 from .kv.events import EventBatch
+from .kv.index import IndexState, KvIndex
 from .kv.keys import BlockKeyFunction, ExtraKeys
 from .kv.tokenize import TokenizeError
+from .metrics import Metrics
 from .plugins_manager import PluginError, Registry
 from .router.model import LoraRef, TierModel
 from .router.replica import EngineLoad, ReplicaState
@@ -56,6 +59,10 @@ class TokenizerSource(Protocol):
     ``body`` is the ``/tokenize`` JSON (bytes) :func:`llmgw.kv.tokenize.plan` built for the request;
     ``replica`` the candidate to ask when the source asks engines (the least loaded one). Raises
     :class:`TokenizeError` (``kind`` ``timeout`` when too slow): the tier then routes by its prefix tree.
+
+    Optional: a source with attributes ``observe`` and ``count_source`` set to None gets them set by the tier,
+    to ``observe(seconds)`` of each ``/tokenize`` call and ``count_source(name)`` of where each answer came from
+    (``llmgw_kv_tokenize_seconds``, ``llmgw_kv_tokenize_source_total``).
     """
 
     async def tokenize(self, replica: Replica, body: bytes) -> Sequence[int]: ...
@@ -63,7 +70,7 @@ class TokenizerSource(Protocol):
 
 __all__ = [
     "BlockKeyFunction", "Decision", "Engine", "EngineError", "EngineLoad", "EventBatch", "EventDecodeError",
-    "EventDecoder", "Explanation", "ExtraKeys", "Launch", "LaunchContext", "LoraRef", "PluginError", "Readiness",
-    "Registry", "Replica", "ReplicaState", "RouteRequest", "RoutingTier", "ScoreContext", "Scorer", "StartShard",
+    "EventDecoder", "Explanation", "ExtraKeys", "IndexState", "KvIndex", "Launch", "LaunchContext", "LoraRef",
+    "Metrics", "PluginError", "Readiness", "Registry", "Replica", "ReplicaState", "RouteRequest", "RoutingTier", "ScoreContext", "Scorer", "StartShard",
     "TierModel", "TierProtocol", "TierServices", "TokenizeError", "TokenizerSource", "hookimpl",
 ]

@@ -48,12 +48,11 @@ from typing import Any, Mapping, Sequence
 
 from ..kv import drift as kv_drift
 from ..kv import tokenize as kv_tokenize
-from ..kv.index import IndexState, KvIndex
 from ..kv.keys import none_hash
 from ..kv.metrics import KvMetrics
 from ..kv.subscriber import DEFAULT_MAX_MESSAGE_BYTES, message_size_setting
-from ..plugin import (Decision, PluginError, Registry, Replica, RouteRequest, RoutingTier, TierModel, TierServices,
-                      TokenizeError, hookimpl)
+from ..plugin import (Decision, IndexState, KvIndex, PluginError, Registry, Replica, RouteRequest, RoutingTier,
+                      TierModel, TierServices, TokenizeError, hookimpl)
 from .options import count, duration, option_reader
 from .prefix_tree import Choice, PrefixTreeTier
 
