@@ -220,34 +220,30 @@ class DataPlane:
                 raise
             if isinstance(outcome, UpstreamResponse):
                 return await self._relay(outcome, replica, decision, route_request, started, id_header)
-            retry = False
-            if isinstance(outcome, UpstreamError):
-                last_error = outcome
-                failures.append(f"{replica.name}: {outcome}")
-                reason = outcome.kind
-                if outcome.kind in RETRY_KINDS:
-                    retry = True
-                elif outcome.kind in ("closed_after_request", "closed") and not resent \
-                        and await self._engine_gone(replica):
-                    # Its engine died with the request in it (killed, out of memory): sent on once, so a request
-                    # that kills its engine can take at most one more with it.
-                    resent = retry = True
-                    reason = "engine_gone"
-                    self._failed(replica, "connect", "its engine went away (no answer to /health)")
-                    log.warning("replica %s went away with request %s before answering; sending it to another "
-                                "replica once", replica.name, request_id)
-                else:
-                    log.info("request %s: replica %s failed after taking it (%s); answered as it is, not sent on",
-                             request_id, replica.name, outcome)
-            else:  # an unwell replica's answer (502/503/504), retried elsewhere
-                kept = (replica, *outcome)
-                failures.append(f"{replica.name}: HTTP {outcome[0]}")
-                reason, retry = f"status_{outcome[0]}", True
-            # This attempt failed before any answer was relayed: its decision ends here.
+            # This attempt failed before any answer was relayed: its decision ends here, before anything is awaited.
+            reason = outcome.kind if isinstance(outcome, UpstreamError) else f"status_{outcome[0]}"
             self.router.attempt_failed(route_request, decision, reason)
             self.router.finished(route_request, decision, None)
-            if not retry:
-                break  # it reached the engine: sending it again could repeat its work, or its harm
+            if isinstance(outcome, tuple):  # an unwell replica's answer (502/503/504), retried elsewhere
+                kept = (replica, *outcome)
+                failures.append(f"{replica.name}: HTTP {outcome[0]}")
+                continue
+            last_error = outcome
+            failures.append(f"{replica.name}: {outcome}")
+            if outcome.kind in RETRY_KINDS:
+                continue
+            if outcome.kind in ("closed_after_request", "closed") and not resent \
+                    and await self._engine_gone(replica):
+                # Its engine died with the request in it (killed, out of memory): sent on once, so a request
+                # that kills its engine can take at most one more with it.
+                resent = True
+                self._failed(replica, "connect", "its engine went away (no answer to /health)")
+                log.warning("replica %s went away with request %s before answering; sending it to another "
+                            "replica once", replica.name, request_id)
+                continue
+            log.info("request %s: replica %s failed after taking it (%s); answered as it is, not sent on",
+                     request_id, replica.name, outcome)
+            break  # it reached the engine: sending it again could repeat its work, or its harm
         if kept is not None and (last_error is None or last_error.kind in RETRY_KINDS):
             return self._count(model, self._kept_answer(*kept, id_header), started)
         return self._count(model, self._no_replica_error(model, last_error, tried, failures, id_header), started)

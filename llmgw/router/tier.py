@@ -202,11 +202,12 @@ class RoutingTier(abc.ABC):
         attempt, between :meth:`routed` and :meth:`finished`; never for an answer without output."""
 
     def attempt_failed(self, request: RouteRequest, decision: Decision, reason: str) -> None:
-        """The attempt failed before any of its answer reached the client; the request may be sent to another
-        replica (the next :meth:`pick` excludes this one). ``reason`` is one of ``connect``, ``tls``,
-        ``closed_before_request`` (nothing reached the engine), ``status_502``/``status_503``/``status_504``,
-        ``engine_gone``, or a failure after the engine took the request (``closed_after_request``,
-        ``timeout``, ``protocol``...: not retried). :meth:`finished` follows."""
+        """The attempt failed before any of its answer reached the client, and the request may be sent to
+        another replica (then :meth:`pick` is called again, without this one). ``reason`` is the failure's kind:
+        ``connect``, ``tls``, ``closed_before_request`` (nothing reached the engine) and
+        ``status_502``/``status_503``/``status_504`` are retried; after ``closed_after_request`` the request is
+        sent on once only when the replica's engine is gone; after anything else (``timeout``, ``protocol``...)
+        it is answered with the error. :meth:`finished` follows at once."""
 
     def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
         """The attempt ended: its answer was relayed (or broke off), it failed, or the client went away.
