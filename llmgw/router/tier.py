@@ -166,7 +166,8 @@ class RoutingTier(abc.ABC):
 
     Class attributes:
 
-    - ``name``: the tier's name (labels its decisions when ``Decision.tier`` is empty);
+    - ``name``: the tier's name, as registered (decisions are labelled with ``Decision.tier``, or the name the
+      config gave when that is empty);
     - ``wants_usage``: True to get the response's ``usage`` in :meth:`finished` (else always None);
     - ``engine_metrics_interval`` / ``engine_metrics_timeout``: seconds; set the interval to have the gateway
       scrape each replica's ``/metrics`` into ``replica.engine_load``.
