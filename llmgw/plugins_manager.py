@@ -90,9 +90,12 @@ def default_registry() -> Registry:
 def plugin_issues(objects, registry: Registry) -> list:
     """The config problems plugins find in ``objects`` (the models and profiles among them).
 
-    Every model and profile must name an installed routing tier, and every profile an installed engine.
-    A tier class may also vet its ``routing_options`` with a ``check_options(options, registry) ->
-    list[str]`` class method. Values the loader already found invalid are skipped (reported once).
+    Every model and every profile (deployed or not) must name an installed routing tier, checked alike, and
+    every profile an installed engine: a name no plugin registers is an error at its line, listing the known
+    names, never a round-robin fallback at run time. A tier class vets its ``routing_options`` with its
+    ``check_options(options, registry) -> list[str]`` class method (:class:`llmgw.plugin.RoutingTier`'s finds
+    nothing; a factory without one is not asked). Values the loader already found invalid are skipped (reported
+    once).
     """
     from .config import ModelConfig, Profile, issue_at
     from .config.fields import known

@@ -15,8 +15,9 @@ A retiring assignment that is in routing is drained: marked draining (no new
 requests), then removed once its in-flight requests have finished (or after
 ``drain_timeout``); only then is it *released* and may its shards be stopped.
 
-Models are declared per served model name with the profile's routing tier;
-a tier that is not installed falls back to ``round_robin`` (logged once).
+Models are configured per served model name with the profile's routing tier
+(its name was checked with the config, like a static model's: an unknown one
+never gets here).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from typing import Callable, Iterable, Mapping
 
 from .. import wire
 from ..engines.probe import VLLM_GAUGES, EngineGauges, engine_gauges
-from ..plugins_manager import PluginError
 from ..router.model import TierModel
 from ..router.replica import Replica
 from ..router.replicas import DEPLOYED
@@ -69,7 +69,7 @@ class DeployedReplicas(TaskHost):
         for replica in desired.values():
             wanted.setdefault(replica.model, replica.profile)
         for model, profile in sorted(wanted.items()):
-            tier = self._tier_for(model, profile.routing)
+            tier = profile.routing
             self.replicas.declare_model(DEPLOYED, TierModel.of(
                 model, tier, profile.routing_options, model_path=profile.model_path,
                 lora_adapters=profile.lora_adapters, engine_args=profile.args))
@@ -81,16 +81,6 @@ class DeployedReplicas(TaskHost):
                 self.gauges.pop(model, None)
                 if self.replicas.withdraw_model(DEPLOYED, model):
                     log.info("model %s is no longer deployed: new requests for it are refused", model)
-
-    def _tier_for(self, model: str, tier: str) -> str:
-        try:
-            self.registry.get("routing_tiers", tier)
-            return tier
-        except PluginError:
-            if self.models.get(model) != "round_robin":
-                log.warning("model %s: routing tier %r is not installed; routing it round_robin until it is",
-                            model, tier)
-            return "round_robin"
 
     # -- replicas ------------------------------------------------------------------------------------------------
 

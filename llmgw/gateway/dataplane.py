@@ -206,7 +206,9 @@ class DataPlane:
                 tried.append(replica)
                 if attempt:
                     self.metrics.for_model(model).retries.inc()
-                # Routed as it is handed to the replica: its prefill counts as in flight from now on.
+                # Routed as it is handed to the replica, before any answer: from now on it counts in the
+                # replica's inflight and inflight_tokens, streamed or not.
+                self._load(replica, +1)
                 self.router.routed(route_request, decision)
                 outcome = await self._attempt(replica, request, forwarded, is_last=attempt == self.settings.retries)
             except BaseException:  # cancelled before any answer: the client went away (or the server stops)
@@ -215,30 +217,32 @@ class DataPlane:
                 self._count(model, None, started, 499)
                 self.metrics.for_model(model).client_disconnects.inc()
                 raise
-            if isinstance(outcome, (UpstreamError, tuple)):  # this attempt failed: its decision ends here
-                self.router.finished(route_request, decision, None)
-            if isinstance(outcome, UpstreamError):
-                last_error = outcome
-                failures.append(f"{replica.name}: {outcome}")
-                if outcome.kind in RETRY_KINDS:
-                    continue
-                if outcome.kind in ("closed_after_request", "closed") and not resent \
-                        and await self._engine_gone(replica):
-                    # Its engine died with the request in it (killed, out of memory): sent on once, so a request
-                    # that kills its engine can take at most one more with it.
-                    resent = True
-                    self._failed(replica, "connect", "its engine went away (no answer to /health)")
-                    log.warning("replica %s went away with request %s before answering; sending it to another "
-                                "replica once", replica.name, request_id)
-                    continue
-                log.info("request %s: replica %s failed after taking it (%s); answered as it is, not sent on",
-                         request_id, replica.name, outcome)
-                break  # it reached the engine: sending it again could repeat its work, or its harm
+            if isinstance(outcome, UpstreamResponse):
+                return await self._relay(outcome, replica, decision, route_request, started, id_header)
+            # This attempt failed before any answer was relayed: its decision ends here, before anything is awaited.
+            reason = outcome.kind if isinstance(outcome, UpstreamError) else f"status_{outcome[0]}"
+            self.router.attempt_failed(route_request, decision, reason)
+            self.router.finished(route_request, decision, None)
             if isinstance(outcome, tuple):  # an unwell replica's answer (502/503/504), retried elsewhere
                 kept = (replica, *outcome)
                 failures.append(f"{replica.name}: HTTP {outcome[0]}")
                 continue
-            return await self._relay(outcome, replica, decision, route_request, started, id_header)
+            last_error = outcome
+            failures.append(f"{replica.name}: {outcome}")
+            if outcome.kind in RETRY_KINDS:
+                continue
+            if outcome.kind in ("closed_after_request", "closed") and not resent \
+                    and await self._engine_gone(replica):
+                # Its engine died with the request in it (killed, out of memory): sent on once, so a request
+                # that kills its engine can take at most one more with it.
+                resent = True
+                self._failed(replica, "connect", "its engine went away (no answer to /health)")
+                log.warning("replica %s went away with request %s before answering; sending it to another "
+                            "replica once", replica.name, request_id)
+                continue
+            log.info("request %s: replica %s failed after taking it (%s); answered as it is, not sent on",
+                     request_id, replica.name, outcome)
+            break  # it reached the engine: sending it again could repeat its work, or its harm
         if kept is not None and (last_error is None or last_error.kind in RETRY_KINDS):
             return self._count(model, self._kept_answer(*kept, id_header), started)
         return self._count(model, self._no_replica_error(model, last_error, tried, failures, id_header), started)
@@ -275,11 +279,11 @@ class DataPlane:
 
     async def _attempt(self, replica: Replica, request: Request, headers: list[tuple[bytes, bytes]],
                        is_last: bool) -> UpstreamResponse | UpstreamError | tuple[int, list, bytes]:
-        """Send the request to one replica. An error comes back as an UpstreamError; a 502/503/504 answer
-        (unless this is the last attempt) as ``(status, headers, body)``, its connection closed."""
+        """Send the request to one replica (already counted in its load). An error comes back as an UpstreamError,
+        the load given back; a 502/503/504 answer (unless this is the last attempt) as ``(status, headers, body)``,
+        its connection closed."""
         if replica.auth_header is not None:
             headers = headers + [replica.auth_header]
-        self._load(replica, +1)
         upstream = await self._step(replica, lambda: replica.pool.request(
             request.method, replica.base_path + request.target, headers, request.body,
             first_byte_timeout=self.settings.first_byte_timeout, idle_timeout=self.settings.idle_timeout))

@@ -8,11 +8,8 @@ mode, and only rank 0's endpoint is routed to anyway.
 
 from __future__ import annotations
 
-from ..agent.engine import (Launch, LaunchContext, Readiness, engine_env, kv_events_flags, openai_server_flags,
-                            resolve_executable, served_name)
-from ..engines.probe import VLLM_GAUGES, EngineGauges
-from ..hookspecs import hookimpl
-from ..wire import StartShard
+from ..agent.engine import engine_env, kv_events_flags, openai_server_flags, resolve_executable, served_name
+from ..plugin import VLLM_GAUGES, EngineGauges, Launch, LaunchContext, Readiness, StartShard, hookimpl
 
 
 class SimEngine:

@@ -10,11 +10,9 @@ last, as given, so they can override anything before them.
 
 from __future__ import annotations
 
-from ..agent.engine import (Launch, LaunchContext, Readiness, engine_env, is_follower, kv_events_flags,
-                            openai_server_flags, resolve_executable, served_name)
-from ..engines.probe import VLLM_GAUGES, EngineGauges
-from ..hookspecs import hookimpl
-from ..wire import StartShard
+from ..agent.engine import (engine_env, is_follower, kv_events_flags, openai_server_flags, resolve_executable,
+                            served_name)
+from ..plugin import VLLM_GAUGES, EngineGauges, Launch, LaunchContext, Readiness, StartShard, hookimpl
 
 
 def multi_node_flags(spec: StartShard) -> list[str]:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from llmgw.hookspecs import hookimpl
 from llmgw.kv.codec import decode_batch
-from llmgw.kv.events import EventBatch
 from llmgw.kv.keys import ContentChainKeys, VllmBlockKeys
+from llmgw.plugin import EventBatch, hookimpl
 
 
 @hookimpl

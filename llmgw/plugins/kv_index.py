@@ -46,18 +46,13 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ..hookspecs import hookimpl
 from ..kv import drift as kv_drift
 from ..kv import tokenize as kv_tokenize
-from ..kv.index import IndexState, KvIndex
 from ..kv.keys import none_hash
 from ..kv.metrics import KvMetrics
 from ..kv.subscriber import DEFAULT_MAX_MESSAGE_BYTES, message_size_setting
-from ..kv.tokenize import TokenizeError
-from ..plugins_manager import PluginError
-from ..router.model import TierModel
-from ..router.replica import Replica
-from ..router.tier import Decision, RouteRequest, TierServices
+from ..plugin import (Decision, IndexState, KvIndex, PluginError, Registry, Replica, RouteRequest, RoutingTier,
+                      TierModel, TierServices, TokenizeError, hookimpl)
 from .options import count, duration, option_reader
 from .prefix_tree import Choice, PrefixTreeTier
 
@@ -185,46 +180,43 @@ class KvEvaluation:
     text: str | None  # the canonical text, when the tree was consulted
 
 
-class KvIndexTier:
+class KvIndexTier(RoutingTier):
     name = TIER_NAME
     wants_usage = True  # the data plane hands finished() each response's usage (cached_tokens: the accuracy)
 
-    def __init__(self, model=None, services: TierServices | None = None):
+    def __init__(self, model: TierModel | None = None, services: TierServices | None = None):
         services = services or TierServices()
-        kv_raw, tree_raw = split_options(getattr(model, "routing_options", None))
+        model = model or TierModel("")
+        kv_raw, tree_raw = split_options(model.routing_options)
         options, problems = KvIndexOptions.parse(kv_raw)
-        self.model = services.model or getattr(model, "name", "")
+        self.model = services.model or model.name
         if problems:
             raise ValueError(f"routing_options of model {self.model!r}: " + "; ".join(problems))
         self.options = options
         self.clock = services.clock
         tree_model = TierModel(name=self.model, routing="prefix_tree", routing_options=tree_raw)
         self.tree = PrefixTreeTier(tree_model, services)  # the fallback, and the scorers and load rule
-        index = getattr(services, "kv_index", None)
+        index = services.kv_index
         self.index: KvIndex = index if index is not None else KvIndex(clock=self.clock)
         registry = services.registry
-        if registry is None:
-            from ..plugins_manager import default_registry
-            registry = default_registry()
-        self.base_models = frozenset({self.model, getattr(model, "name", self.model)})
+        self.base_models = frozenset({self.model, model.name or self.model})
         self.tokenizer = registry.get("tokenizer_sources", options.tokenizer)(
             {"tokenize_timeout": options.tokenize_timeout, "tokenize_timeout_per_kb": options.tokenize_timeout_per_kb,
              "tokenize_cache_tokens": options.tokenize_cache_tokens, "base_models": self.base_models,
-             "tokenizer_path": options.tokenizer_path or _local_dir(getattr(model, "model_path", None))})
+             "tokenizer_path": options.tokenizer_path or _local_dir(model.model_path)})
         key_options = dict(options.key_function_options)
         if options.key_function == "vllm":
             key_options.setdefault("algo", options.hash_algo)
             key_options.setdefault("seed", options.hash_seed)
         self.keys = registry.get("block_key_functions", options.key_function)(**key_options)
         self.extra_key_style = options.extra_key_style or EXTRA_KEY_STYLE.get(options.key_function, "current")
-        loras = {a.name: a.path for a in getattr(model, "lora_adapters", None) or ()
-                 if getattr(a, "name", None) and getattr(a, "path", None)}
+        loras = {a.name: a.path for a in model.lora_adapters if a.name and a.path}
         loras.update(options.lora_adapters)
         self.loras = loras
-        self.configured_block_size = options.block_size or block_size_arg(getattr(model, "engine_args", None))
+        self.configured_block_size = options.block_size or block_size_arg(model.engine_args)
         self._assumed: dict[str, tuple[int, str]] = {}  # replica -> (block size, where from) while assumed
         self.metrics: KvMetrics | None = None
-        if services.metrics is not None and getattr(services.metrics, "registry", None) is not None:
+        if services.metrics is not None:
             self.metrics = KvMetrics.for_registry(services.metrics.registry)
             self.metrics.track_index(self.index)
             if getattr(self.tokenizer, "observe", False) is None:
@@ -241,7 +233,7 @@ class KvIndexTier:
         self.drift_policy = options.drift_policy
 
     @classmethod
-    def check_options(cls, raw: Mapping[str, Any] | None, registry=None) -> list[str]:
+    def check_options(cls, raw: Mapping[str, Any] | None, registry: Registry | None = None) -> list[str]:
         kv_raw, tree_raw = split_options(raw)
         options, problems = KvIndexOptions.parse(kv_raw)
         problems += PrefixTreeTier.check_options(tree_raw, registry)

@@ -42,13 +42,12 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ..hookspecs import hookimpl
-from ..plugins_manager import PluginError, default_registry
+from ..plugin import (Decision, PluginError, Registry, Replica, RouteRequest, RoutingTier, ScoreContext, TierModel,
+                      TierServices, hookimpl)
+from ..plugins_manager import default_registry
 from ..router import cost as cost_model
 from ..router.canonical import CHARS_PER_TOKEN, canonical_text, estimated_prompt_tokens
 from ..router.radix import RadixTree
-from ..router.replica import Replica
-from ..router.tier import Decision, RouteRequest, ScoreContext, TierServices
 from ..router.tree_metrics import track_tree
 from .options import MAX_NUMBER, count, duration, option_reader
 from .scorers import register_scorers
@@ -197,14 +196,14 @@ class Evaluation(Choice):
     text: str = ""
 
 
-class PrefixTreeTier:
+class PrefixTreeTier(RoutingTier):
     name = TIER_NAME
 
-    def __init__(self, model=None, services: TierServices | None = None):
+    def __init__(self, model: TierModel | None = None, services: TierServices | None = None):
         services = services or TierServices()
-        registry = services.registry or default_registry()
-        raw = getattr(model, "routing_options", None) or {}
-        self.model = services.model or getattr(model, "name", "")
+        registry = services.registry
+        raw = model.routing_options if model is not None else {}
+        self.model = services.model or (model.name if model is not None else "")
         options, problems, _ = PrefixTreeOptions.parse(raw)
         if problems:
             raise ValueError(f"routing_options of model {self.model!r}: " + "; ".join(problems))
@@ -227,7 +226,7 @@ class PrefixTreeTier:
             track_tree(services.metrics.registry, self.model, self.tree)
 
     @classmethod
-    def check_options(cls, raw: Mapping[str, Any] | None, registry=None) -> list[str]:
+    def check_options(cls, raw: Mapping[str, Any] | None, registry: Registry | None = None) -> list[str]:
         """Problems with ``routing_options`` for this tier (used by ``llmgw config check`` and ``serve``)."""
         registry = registry or default_registry()
         options, problems, _ = PrefixTreeOptions.parse(raw)

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..hookspecs import hookimpl
-from ..router.replica import Replica
-from ..router.tier import Decision, RouteRequest
+from ..plugin import Decision, Replica, RouteRequest, RoutingTier, TierModel, TierServices, hookimpl
 
 
-class RoundRobinTier:
+class RoundRobinTier(RoutingTier):
     name = "round_robin"
 
-    def __init__(self, model=None, services=None):
+    def __init__(self, model: TierModel | None = None, services: TierServices | None = None):
         self._next = 0
 
     async def pick(self, request: RouteRequest, candidates: Sequence[Replica]) -> Decision:
@@ -24,12 +22,6 @@ class RoundRobinTier:
         """The replica the next pick would take, without taking the turn."""
         return {"pick": candidates[self._next % len(candidates)].name, "outcome": "pick",
                 "reason": "next in turn", "replicas": [{"name": r.name, "candidate": True} for r in candidates]}
-
-    def routed(self, request: RouteRequest, decision: Decision) -> None:
-        pass
-
-    def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
-        pass
 
 
 @hookimpl

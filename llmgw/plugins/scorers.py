@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from ..hookspecs import hookimpl
-from ..router.replica import Replica
-from ..router.tier import RouteRequest, ScoreContext
+from ..plugin import Replica, RouteRequest, ScoreContext, hookimpl
 
 DEFAULT_MAX_IMBALANCE = 4
 DEFAULT_LOAD_TOKEN_SCALE = 8192

@@ -24,9 +24,8 @@ from typing import Any, Callable, Mapping
 
 import trio
 
-from ..hookspecs import hookimpl
 from ..kv.local_tokenizer import LocalTokenizer, LocalTokenizerError, has_tokenizer_files
-from ..kv.tokenize import TokenizeError
+from ..plugin import TokenizeError, hookimpl
 from .replica_tokenizer import TokenizeClient
 
 log = logging.getLogger(__name__)

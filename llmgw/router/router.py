@@ -25,7 +25,7 @@ from .canonical import estimated_prompt_tokens
 from .model import TierModel
 from .replica import Replica
 from .replicas import STATIC, ReplicaSet
-from .tier import Decision, RouteRequest, RoutingTier, TierServices
+from .tier import Decision, RouteRequest, RoutingTier, TierServices, as_routing_tier
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,8 @@ class Router:
                                  engine_args=base.engine_args)
         services = TierServices(registry=self.registry, metrics=self.metrics, replicas=replicas, model=name,
                                 kv_index=self.kv_index)
-        tier = self.registry.get("routing_tiers", tier_name)(model_config, services)
-        fallback = self.registry.get("routing_tiers", "round_robin")(model_config, services)
+        tier = as_routing_tier(self.registry.get("routing_tiers", tier_name)(model_config, services))
+        fallback = as_routing_tier(self.registry.get("routing_tiers", "round_robin")(model_config, services))
         route = ModelRoute(name, tier_name, tier, fallback, replicas, dict(options or {}))
         self.models[name] = route
         return route
@@ -158,29 +158,30 @@ class Router:
     async def explain(self, request: RouteRequest) -> dict:
         """What the model's tier would do with ``request`` and why, changing no state.
 
-        Tiers with an ``explain(request, candidates)`` method answer for
+        Tiers whose ``explain(request, candidates)`` answers (not None) speak for
         themselves; for others only the replicas and their load are known,
         since asking such a tier to pick would change its state.
         """
         route = self.models[request.model]
         candidates = self.candidates(request.model)
         answer: dict[str, Any] = {"model": route.name, "tier": route.tier_name, "pick": None, "outcome": None}
-        explain = getattr(route.tier, "explain", None)
         if not candidates:
             answer["outcome"] = "no_replica"
-        elif explain is None:
-            answer["outcome"] = "not_explainable"
-            answer["note"] = (f"routing tier {route.tier_name!r} has no explain(); its pick cannot be shown "
-                              "without routing the request")
         else:
             try:
-                result = explain(request, candidates)
+                result = route.tier.explain(request, candidates)
                 if inspect.isawaitable(result):
                     result = await result
-                answer.update(result)
             except Exception as exc:  # an operator tool: show the failure rather than a bare 500
                 log.exception("routing tier %r failed to explain a request", route.tier_name)
                 answer.update(outcome="error", error=f"{type(exc).__name__}: {exc}")
+            else:
+                if result is None:
+                    answer["outcome"] = "not_explainable"
+                    answer["note"] = (f"routing tier {route.tier_name!r} has no explain(); its pick cannot be "
+                                      "shown without routing the request")
+                else:
+                    answer.update(result)
         answer.setdefault("replicas", [])
         explained = {entry.get("name") for entry in answer["replicas"]}
         for replica in route.replicas:  # every replica appears, with why it is not a candidate
@@ -194,37 +195,53 @@ class Router:
                              inflight_tokens=replica.inflight_tokens)
         return answer
 
+    # -- one attempt's hooks (the data plane calls them; docs/plugins.md, "Hook order") ------------------------------
+
     def routed(self, request: RouteRequest, decision: Decision) -> None:
+        """The request is being handed to ``decision.replica``: its prompt tokens count in the replica's
+        ``inflight_tokens`` from now on, and the tier learns of it."""
         if not decision.inflight_tokens:
             decision.inflight_tokens = estimated_prompt_tokens(request)
             decision.replica.inflight_tokens += decision.inflight_tokens
         route = self.models.get(request.model)
         if route is not None:
-            self._notify(route, "routed", request, decision)
+            self._notify(route, "routed", route.tier.routed, request, decision)
 
     def first_token(self, request: RouteRequest, decision: Decision, ttft: float) -> None:
         """The response's first output token arrived ``ttft`` seconds after the request did (once per decision;
-        later calls are ignored). Tiers with a ``first_token`` method learn from it (the cost model)."""
-        if decision.ttft is not None:
+        later calls are ignored)."""
+        if decision.ttft is not None or decision.ended:
             return
         decision.ttft = ttft
         route = self.models.get(request.model)
-        if route is not None and hasattr(route.tier, "first_token"):
-            self._notify(route, "first_token", request, decision, ttft)
+        if route is not None:
+            self._notify(route, "first_token", route.tier.first_token, request, decision, ttft)
+
+    def attempt_failed(self, request: RouteRequest, decision: Decision, reason: str) -> None:
+        """The attempt failed before any of its answer was relayed (``reason``: the failure's kind); the data
+        plane may pick again without this replica. :meth:`finished` must still follow."""
+        route = self.models.get(request.model)
+        if route is not None and not decision.ended:
+            self._notify(route, "attempt_failed", route.tier.attempt_failed, request, decision, reason)
 
     def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
-        if decision.inflight_tokens:  # taken off once, however often this is called
+        """The attempt ended (answered, failed or abandoned): its tokens leave the replica's ``inflight_tokens``
+        and the tier is told, once however often this is called."""
+        if decision.ended:
+            return
+        decision.ended = True
+        if decision.inflight_tokens:
             replica = decision.replica
             replica.inflight_tokens = max(0, replica.inflight_tokens - decision.inflight_tokens)
             decision.inflight_tokens = 0
         route = self.models.get(request.model)
         if route is not None:
-            self._notify(route, "finished", request, decision,
-                         usage if getattr(route.tier, "wants_usage", False) is True else None)
+            self._notify(route, "finished", route.tier.finished, request, decision,
+                         usage if route.tier.wants_usage is True else None)
 
-    def _notify(self, route: ModelRoute, hook: str, *args) -> None:
+    def _notify(self, route: ModelRoute, hook: str, method, *args) -> None:
         try:
-            getattr(route.tier, hook)(*args)
+            method(*args)
         except Exception:
             key = f"{route.tier_name}.{hook}"
             if key not in self._tier_errors_logged:

@@ -1,11 +1,25 @@
-"""What a routing tier is: the interface every tier plugin implements, and the scorers scoring tiers combine.
+"""What a routing tier is: the interface every tier plugin implements, what it is given, and the scorers scoring tiers combine.
 
 A tier is built per model by the factory its plugin registers
-(``register_routing_tiers``) and asked, per request, to pick one of the
-model's routable replicas. Tiers may keep state (a prefix tree, a KV index)
-and learn from :meth:`RoutingTier.routed` and :meth:`RoutingTier.finished`.
+(``register_routing_tiers``): ``factory(model: TierModel, services: TierServices)``.
+Per request the router asks it to :meth:`~RoutingTier.pick` one of the
+model's routable replicas, then tells it what became of that *attempt*, in
+this order:
+
+- :meth:`~RoutingTier.routed`: the request is being handed to the replica (before any of its answer);
+- :meth:`~RoutingTier.first_token`: at most once, when the first output token arrived;
+- :meth:`~RoutingTier.attempt_failed`: the attempt failed before any of its answer was relayed, and the
+  request may be sent to another replica (the router then calls ``pick`` again, without this one);
+- :meth:`~RoutingTier.finished`: exactly once per routed attempt, failed ones included.
+
 A tier may also :meth:`~RoutingTier.explain` the pick it would make, without
 making it (``POST /admin/explain``).
+
+Plugins subclass :class:`RoutingTier` (through :mod:`llmgw.plugin`) and get
+every optional part as a no-op default. A tier that does not subclass it
+(duck-typed, :class:`TierProtocol`) still works: :func:`as_routing_tier` wraps
+it once, when the model is configured, so the router never looks a method up
+per request.
 
 A :class:`Scorer` (``register_scorers``) rates each candidate replica in
 [0, 1]; scoring tiers such as ``prefix_tree`` weight scorers by name from
@@ -14,11 +28,55 @@ their ``routing_options``, so a third party can add one.
 
 from __future__ import annotations
 
+import abc
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
-from .replica import Replica
+from .replica import EngineLoad, ReplicaState
+
+if TYPE_CHECKING:
+    from ..kv.index import KvIndex
+    from ..metrics import Metrics
+    from ..plugins_manager import Registry
+
+
+@runtime_checkable
+class ReplicaView(Protocol):
+    """What a tier may read of a replica (``llmgw.plugin.Replica``); a tier never changes one.
+
+    ``inflight`` counts the requests the router has handed to the replica and
+    not yet finished (streamed or not; counted from :meth:`RoutingTier.routed`),
+    ``inflight_tokens`` the router's estimate of their prompt tokens (canonical
+    characters / 4 + 1 each), for every tier. ``engine_load`` is the engine's
+    own queue gauges from its last ``/metrics`` scrape (only when a tier asked
+    for scrapes with ``engine_metrics_interval``), else None.
+    """
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def url(self) -> str: ...
+    @property
+    def routable(self) -> bool: ...
+    @property
+    def state(self) -> ReplicaState: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def weight(self) -> int: ...
+    @property
+    def inflight(self) -> int: ...
+    @property
+    def inflight_tokens(self) -> int: ...
+    @property
+    def served(self) -> int: ...
+    @property
+    def engine_load(self) -> EngineLoad | None: ...
+    @property
+    def labels(self) -> Mapping[str, str]: ...
 
 
 @dataclass(slots=True)
@@ -51,63 +109,161 @@ class RouteRequest:
 class Decision:
     """A tier's pick. ``outcome`` labels ``llmgw_routing_decisions_total`` (e.g. hit, miss, load_override).
 
+    ``replica`` must be one of the candidates the tier was given. ``detail`` is
+    the tier's own (it sees the same object in the later hooks).
     ``inflight_tokens`` is what the router added to ``replica.inflight_tokens``
     when the request was routed, and takes off again when it finishes.
     ``ttft`` is set by :meth:`llmgw.router.router.Router.first_token`.
     """
 
-    replica: Replica
+    replica: ReplicaView
     outcome: str = "pick"
     tier: str = ""
     detail: dict[str, Any] = field(default_factory=dict)
     inflight_tokens: int = 0
     ttft: float | None = None  # seconds from the request's arrival to its first output token, once seen
+    ended: bool = field(default=False, repr=False)  # set by the router once the tier was told it finished
+
+
+def _installed_plugins() -> "Registry":
+    from ..plugins_manager import default_registry
+
+    return default_registry()
 
 
 @dataclass
 class TierServices:
-    """What the router offers tiers: the plugin registry, metrics, the model's name and replica list, a clock,
-    and the router's one KV index (:class:`llmgw.kv.index.KvIndex`, fed by the control plane with the agents'
-    KV changes; None outside a router)."""
+    """What the router offers a tier.
 
-    registry: Any = None
-    metrics: Any = None
-    replicas: Sequence[Replica] = ()
+    - ``registry``: the plugin registry (``registry.get("scorers", name)``...); outside a router, the installed
+      plugins';
+    - ``metrics``: the gateway's metrics (``metrics.registry`` is the Prometheus registry a tier adds its own
+      series to), None outside a gateway;
+    - ``replicas``: the model's replicas (live: the router adds and removes them);
+    - ``model``: the model's name; ``clock``: the monotonic clock ``EngineLoad.at`` is on;
+    - ``kv_index``: the router's one KV index (:class:`llmgw.kv.index.KvIndex`, fed by the control plane with
+      the agents' KV changes); None outside a router.
+    """
+
+    registry: "Registry" = field(default_factory=_installed_plugins)
+    metrics: "Metrics | None" = None
+    replicas: Sequence[ReplicaView] = ()
     model: str = ""
     clock: Callable[[], float] = time.monotonic
-    kv_index: Any = None
+    kv_index: "KvIndex | None" = None
 
 
-class RoutingTier(Protocol):
-    name: str
+Explanation = Mapping[str, Any]
 
-    async def pick(self, request: RouteRequest, candidates: Sequence[Replica]) -> Decision | None:
+
+class RoutingTier(abc.ABC):
+    """The base class of routing tiers: :meth:`pick` is required, everything else has a default.
+
+    A base class rather than only a Protocol, because the defaults are behaviour a tier inherits (no-op hooks,
+    no usage, no option checks, not explainable) and one the router can then call without asking first.
+    A tier that cannot subclass it may still implement :class:`TierProtocol`: :func:`as_routing_tier` adds the
+    same defaults around it.
+
+    Class attributes:
+
+    - ``name``: the tier's name, as registered (decisions are labelled with ``Decision.tier``, or the name the
+      config gave when that is empty);
+    - ``wants_usage``: True to get the response's ``usage`` in :meth:`finished` (else always None);
+    - ``engine_metrics_interval`` / ``engine_metrics_timeout``: seconds; set the interval to have the gateway
+      scrape each replica's ``/metrics`` into ``replica.engine_load``.
+    """
+
+    name: str = ""
+    wants_usage: bool = False
+    engine_metrics_interval: float | None = None
+    engine_metrics_timeout: float | None = None
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any], registry: "Registry | None" = None) -> list[str]:
+        """Problems with a model's ``routing_options`` for this tier, one message each (``llmgw config check``,
+        ``serve`` and reloads report them with the config line). Default: none."""
+        return []
+
+    @abc.abstractmethod
+    async def pick(self, request: RouteRequest, candidates: Sequence[ReplicaView]) -> Decision | None:
         """Pick one of ``candidates`` (routable, not yet tried for this request; never empty).
 
-        Return None to defer to the next tier of the fallback chain.
+        Return None to defer to the fallback (``round_robin``). Runs on the request path: keep it to
+        microseconds; it may ``await`` (with a deadline), but the replica loads it reads may change meanwhile.
         """
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
-        """Called once, just before the request is sent to ``decision.replica``. Every routed decision is
-        :meth:`finished` exactly once, also when the attempt fails and the request is retried elsewhere."""
+        """The request is being handed to ``decision.replica``, before any of its answer (streamed or not).
+
+        Once per attempt. The replica's ``inflight`` and ``inflight_tokens`` already count it."""
+
+    def first_token(self, request: RouteRequest, decision: Decision, ttft: float) -> None:
+        """The first output token arrived ``ttft`` seconds after the request reached the gateway (a stream: its
+        first data event with output; otherwise the whole body, when it held one token). At most once per
+        attempt, between :meth:`routed` and :meth:`finished`; never for an answer without output."""
+
+    def attempt_failed(self, request: RouteRequest, decision: Decision, reason: str) -> None:
+        """The attempt failed before any of its answer reached the client, and the request may be sent to
+        another replica (then :meth:`pick` is called again, without this one). ``reason`` is the failure's kind:
+        ``connect``, ``tls``, ``closed_before_request`` (nothing reached the engine) and
+        ``status_502``/``status_503``/``status_504`` are retried; after ``closed_after_request`` the request is
+        sent on once only when the replica's engine is gone; after anything else (``timeout``, ``protocol``...)
+        it is answered with the error. :meth:`finished` follows at once."""
 
     def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
-        """Called when the response ended; ``usage`` is the engine's usage block when it was seen.
+        """The attempt ended: its answer was relayed (or broke off), it failed, or the client went away.
+        Exactly once per :meth:`routed` attempt. ``usage`` is the engine's usage block when the tier
+        ``wants_usage`` and the answer had one, else None."""
 
-        Tiers that set a class attribute ``wants_usage = True`` get the body's ``usage`` (or a stream's final
-        usage chunk) when the response had one; the others always get None.
-        """
+    def explain(self, request: RouteRequest, candidates: Sequence[ReplicaView]
+                ) -> Explanation | None | Awaitable[Explanation | None]:
+        """The pick this tier would make for ``request`` and why, as JSON-able data, changing no state (no
+        learning, no round-robin step); plain or ``async``. Keys the control API relies on: ``pick`` (a replica
+        name or None) and ``outcome``; scoring tiers add ``replicas``: one entry per candidate with its
+        ``scores``. None (the default): not explainable."""
+        return None
 
-    # Optional:
-    # def first_token(self, request, decision, ttft) -> None
-    #     The response's first output token arrived ``ttft`` seconds after the request reached the gateway
-    #     (a stream: its first data event with output; otherwise the whole body). At most once per decision,
-    #     between routed() and finished(); never for a response without output (an error).
-    # async def explain(self, request, candidates) -> dict
-    #     The pick this tier would make for ``request`` and why, as JSON-able data, changing no state
-    #     (no tree insert, no round-robin step). A plain ``def`` is accepted too. Keys the
-    #     control API relies on: ``pick`` (a replica name or None) and ``outcome``; scoring tiers
-    #     add ``replicas``: one entry per candidate with its ``scores``. See ``docs/routing.md``.
+
+@runtime_checkable
+class TierProtocol(Protocol):
+    """The least a tier must have when it does not subclass :class:`RoutingTier`: a name and ``pick``. Any of
+    ``routed``, ``first_token``, ``attempt_failed``, ``finished``, ``explain``, ``wants_usage`` it has are used."""
+
+    name: str
+
+    async def pick(self, request: RouteRequest, candidates: Sequence[ReplicaView]) -> Decision | None: ...
+
+
+_OPTIONAL_HOOKS = ("routed", "first_token", "attempt_failed", "finished", "explain")
+
+
+class _DuckTier(RoutingTier):
+    """A tier that does not subclass :class:`RoutingTier`: its own hooks where it has them, the defaults
+    elsewhere (looked up once); any other attribute (``tree``, ``engine_metrics_interval``...) is the tier's."""
+
+    def __init__(self, tier: TierProtocol):
+        self.tier = tier
+        self.name = getattr(tier, "name", "") or type(tier).__name__
+        self.wants_usage = getattr(tier, "wants_usage", False) is True
+        for setting in ("engine_metrics_interval", "engine_metrics_timeout"):  # the base class's would hide them
+            setattr(self, setting, getattr(tier, setting, None))
+        for hook in _OPTIONAL_HOOKS:
+            method = getattr(tier, hook, None)
+            if callable(method):
+                setattr(self, hook, method)
+
+    async def pick(self, request: RouteRequest, candidates: Sequence[ReplicaView]) -> Decision | None:
+        return await self.tier.pick(request, candidates)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "tier":  # not set yet (a copy being made)
+            raise AttributeError(name)
+        return getattr(self.tier, name)
+
+
+def as_routing_tier(tier: RoutingTier | TierProtocol) -> RoutingTier:
+    """``tier`` itself when it subclasses :class:`RoutingTier`, else wrapped with its defaults."""
+    return tier if isinstance(tier, RoutingTier) else _DuckTier(tier)
 
 
 @dataclass(slots=True)
@@ -141,5 +297,6 @@ class Scorer(Protocol):
     name: str
     option_keys: Sequence[str] = ()
 
-    def score(self, request: RouteRequest, candidates: Sequence[Replica], context: ScoreContext) -> Sequence[float]:
+    def score(self, request: RouteRequest, candidates: Sequence[ReplicaView], context: ScoreContext
+              ) -> Sequence[float]:
         ...

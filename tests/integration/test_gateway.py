@@ -308,17 +308,13 @@ last = "llmgw_last_tier"
 import pluggy
 hookimpl = pluggy.HookimplMarker("llmgw")
 
-class AlwaysLast:
+class AlwaysLast:  # duck-typed: no RoutingTier base class, no hook but pick
     name = "always_last"
     def __init__(self, model, services):
         pass
     async def pick(self, request, candidates):
-        from llmgw.router.tier import Decision
+        from llmgw.plugin import Decision
         return Decision(candidates[-1], outcome="last", tier=self.name)
-    def routed(self, request, decision):
-        pass
-    def finished(self, request, decision, usage):
-        pass
 
 @hookimpl
 def register_routing_tiers():

@@ -11,7 +11,7 @@ from llmgw.hookspecs import hookimpl
 from llmgw.router.health import HealthSettings, HealthTracker
 from llmgw.router.replica import Replica, ReplicaState
 from llmgw.router.router import Router
-from llmgw.router.tier import Decision, RouteRequest
+from llmgw.router.tier import Decision, RouteRequest, RoutingTier
 
 
 def make_router(*plugins, model="m", tier="round_robin", replicas=("a", "b", "c")):
@@ -180,3 +180,78 @@ async def test_lora_adapters_route_as_their_base_model_with_the_adapter_in_the_c
     assert adapter_request.served_name == "sql-lora"
     router.remove_model("m")
     assert router.resolve("sql-lora") is None and router.adapters == {}
+
+
+class PickOnly:  # a third-party tier that does not subclass RoutingTier and has no hook but pick
+    name = "pick_only"
+    engine_metrics_interval = 5.0
+
+    def __init__(self, model, services):
+        self.picks = 0
+
+    async def pick(self, request, candidates):
+        self.picks += 1
+        return Decision(candidates[-1], outcome="last", tier=self.name)
+
+
+class PickOnlyPlugin:
+    @hookimpl
+    def register_routing_tiers(self):
+        return {"pick_only": PickOnly}
+
+
+async def test_a_tier_with_only_pick_gets_the_default_hooks_and_keeps_its_own_attributes():
+    router, (a, b, c), metrics = make_router(PickOnlyPlugin(), tier="pick_only")
+    decision = await router.pick(request())
+    assert decision.replica is c and decision.outcome == "last"
+    router.routed(request(), decision)
+    router.first_token(request(), decision, 0.1)
+    router.attempt_failed(request(), decision, "connect")
+    router.finished(request(), decision, {"prompt_tokens": 1})
+    assert c.inflight_tokens == 0
+    tier = router.models["m"].tier
+    assert tier.picks == 1 and tier.engine_metrics_interval == 5.0 and tier.wants_usage is False
+    explained = await router.explain(request())
+    assert explained["outcome"] == "not_explainable" and explained["pick"] is None
+    assert metrics.decisions.labels("m", "pick_only", "last")._value.get() == 1
+
+
+class Counting(RoutingTier):
+    name = "counting"
+    wants_usage = True
+
+    def __init__(self, model, services):
+        self.heard: list[tuple] = []
+
+    async def pick(self, request, candidates):
+        return Decision(candidates[0], tier=self.name)
+
+    def attempt_failed(self, request, decision, reason):
+        self.heard.append(("attempt_failed", reason))
+
+    def first_token(self, request, decision, ttft):
+        self.heard.append(("first_token", ttft))
+
+    def finished(self, request, decision, usage):
+        self.heard.append(("finished", usage))
+
+
+class CountingPlugin:
+    @hookimpl
+    def register_routing_tiers(self):
+        return {"counting": Counting}
+
+
+async def test_a_tier_hears_finished_once_per_attempt_and_nothing_of_it_after():
+    router, (a, b, c), _ = make_router(CountingPlugin(), tier="counting")
+    decision = await router.pick(request())
+    router.routed(request(), decision)
+    assert a.inflight_tokens == decision.inflight_tokens > 0
+    router.first_token(request(), decision, 0.2)
+    router.first_token(request(), decision, 0.3)
+    router.finished(request(), decision, {"completion_tokens": 1})
+    router.finished(request(), decision, None)
+    router.attempt_failed(request(), decision, "connect")
+    router.first_token(request(), decision, 0.4)
+    assert router.models["m"].tier.heard == [("first_token", 0.2), ("finished", {"completion_tokens": 1})]
+    assert a.inflight_tokens == 0
