@@ -53,7 +53,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmgw.processes import free_port
+from llmgw.testing.processes import free_port
 
 VLLM_ROUTER_VERSION = "0.1.17"
 PROXY_CPU = 1
@@ -698,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
             urls = []
             for name in ("a", "b"):
                 proc = procs.start(f"upstream-{name}{suffix}", [
-                    sys.executable, "-m", "llmgw.bench.fake_upstream", "--port", "0", "--name", name,
+                    sys.executable, "-m", "llmgw.testing.fake_upstream", "--port", "0", "--name", name,
                     "--model", MODEL, "--chunks", "50", *tls], LOAD_CPU)
                 proc.url = procs.wait_for_line(proc, r"listening on (https?://\S+)", 30).group(1)
                 commands[proc.name] = proc.argv

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import httpx
 
-from ..processes import llmgw_command
+from ..testing.metrics import series_sum
+from ..testing.processes import free_port, llmgw_command
 from .common import bench_parser, write_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -191,12 +192,7 @@ class Gateway:
 
     def metric(self, name: str, labels: str = "") -> float:
         """The sum of the samples of ``name`` whose labels contain every ``k="v"`` of ``labels``."""
-        total = 0.0
-        for line in self.http.get(self.control_url + "/metrics").text.splitlines():
-            head, _, value = line.rpartition(" ")
-            if (head == name or head.startswith(name + "{")) and all(p in head for p in labels.split(",") if p):
-                total += float(value)
-        return total
+        return series_sum(self.http.get(self.control_url + "/metrics").text, name, labels)
 
     def access(self) -> dict[str, Access]:
         """Every access-log line so far, by request id."""
@@ -287,8 +283,6 @@ def measure(gateway: Gateway, samples: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     import tempfile
-
-    from .proxy import free_port
 
     parser = bench_parser(__doc__)
     parser.add_argument("--samples", type=int, default=200)

@@ -13,7 +13,7 @@ import trio
 from llmgw import wire
 from llmgw.agent.ledger import LedgerEntry
 from llmgw.agent.statelock import StateDirBusy, StateDirLock
-from llmgw.processes import llmgw_command
+from llmgw.testing.processes import llmgw_command
 
 
 
