@@ -236,7 +236,8 @@ async def _healthy(child: Child, url: str) -> bool:
 
 
 async def stop(process: trio.Process, grace: float) -> None:
-    """Stop the child's process group: SIGTERM, then SIGKILL if it still runs ``grace`` seconds later."""
+    """Stop the child's process group: SIGTERM, then SIGKILL if it still runs ``grace`` seconds later; then
+    SIGKILL what is left of the group once the child has exited."""
     if grace <= 0:
         if process.returncode is None:
             signal_group(process.pid, signal.SIGKILL)
@@ -244,6 +245,7 @@ async def stop(process: trio.Process, grace: float) -> None:
     else:
         await terminate_group(process.pid, wait=process.wait, running=lambda: process.returncode is None,
                               grace=grace)
+    signal_group(process.pid, signal.SIGKILL)  # whatever the leader left behind in its group
     if process.stdout is not None:
         await process.stdout.aclose()
 
