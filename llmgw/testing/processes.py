@@ -34,7 +34,7 @@ SERVE_READY = re.compile(r"llmgw listening on (https?://\S+) \(control: (https?:
 
 
 class ChildFailed(RuntimeError):
-    """A child exited, or did not get ready in time, before it was ready; the message has its last lines."""
+    """A child exited before it was ready, or was not ready in time; the message has its last lines."""
 
 
 @dataclass(eq=False)
