@@ -590,9 +590,14 @@ def check_tools() -> None:
 async def start_and_measure(args: argparse.Namespace, targets: list[str], workdir: Path, repo: Path,
                             results: list[RunResult], commands: dict[str, list[str]], extra: dict) -> None:
     """Start every target in one nursery (stopped, each process group, when it ends: at the end, on an error,
-    on Ctrl-C or SIGTERM), check each answers, then measure them in a worker thread."""
+    on Ctrl-C or SIGTERM), check each answers, then measure them.
+
+    The checks and the measurement block the event loop on purpose: nothing else runs in this process
+    meanwhile (the children write their output to files), and Ctrl-C raises KeyboardInterrupt right in them,
+    which kills a wrk under way, as SIGTERM does too (it gets the handler trio gave SIGINT)."""
+    on_interrupt = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGTERM, lambda signum, frame: on_interrupt(signal.SIGINT, frame))
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_interrupt_on_sigterm)
         pki = BenchPki.create(workdir) if {DIRECT_TLS, *TLS_TARGETS} & set(targets) else None
 
         async def start_upstreams(suffix: str = "", tls: tuple[str, ...] = ()) -> list[str]:
@@ -610,11 +615,11 @@ async def start_and_measure(args: argparse.Namespace, targets: list[str], workdi
         running: list[Target] = []
 
         if "direct" in targets:
-            extra["direct"] = await in_thread(check_target, "direct", urls[0])
+            extra["direct"] = check_target("direct", urls[0])
             running.append(Target("direct", urls[0], None))
             print(f"direct: {urls[0]}", flush=True)
         if DIRECT_TLS in targets:
-            extra[DIRECT_TLS] = await in_thread(check_target, DIRECT_TLS, tls_urls[0], pki.client_context())
+            extra[DIRECT_TLS] = check_target(DIRECT_TLS, tls_urls[0], pki.client_context())
             running.append(Target(DIRECT_TLS, tls_urls[0], None))
             print(f"{DIRECT_TLS}: {tls_urls[0]}", flush=True)
 
@@ -637,14 +642,14 @@ async def start_and_measure(args: argparse.Namespace, targets: list[str], workdi
                 "--control-listen", "127.0.0.1:0"], PROXY_CPU, GATEWAY_READY, 60, cwd=source)
             commands[name] = proc.argv + ([f"(in {source})"] if source else [])
             client_tls = pki.client_context() if pki and proc.url.startswith("https://") else None
-            await in_thread(wait_ready, proc.url, 30, proc, client_tls)
-            extra[name] = await in_thread(check_target, name, proc.url, client_tls)
+            wait_ready(proc.url, 30, proc, client_tls)
+            extra[name] = check_target(name, proc.url, client_tls)
             running.append(Target(name, proc.url, proc))
             print(f"{name}: {proc.url} (pid {proc.pid}{f', from {source}' if source else ''})", flush=True)
         extra["llmgw_config"] = config.read_text()
 
         if "vllm-router" in targets:
-            executable, how = await in_thread(find_vllm_router, args.vllm_router, not args.no_install, repo)
+            executable, how = find_vllm_router(args.vllm_router, not args.no_install, repo)
             extra["vllm_router_lookup"] = how
             if executable is None:
                 print(f"vllm-router: skipped ({how})", flush=True)
@@ -657,30 +662,18 @@ async def start_and_measure(args: argparse.Namespace, targets: list[str], workdi
                 proc = await start(nursery, workdir, "vllm-router", argv_vr, PROXY_CPU, None, 60)
                 proc.url = f"http://127.0.0.1:{port}"
                 commands["vllm-router"] = proc.argv
-                extra["vllm_router_version"] = await in_thread(vllm_router_version, executable)
-                await in_thread(wait_ready, proc.url, 60, proc)
-                extra["vllm-router"] = await in_thread(check_target, "vllm-router", proc.url)
+                extra["vllm_router_version"] = vllm_router_version(executable)
+                wait_ready(proc.url, 60, proc)
+                extra["vllm-router"] = check_target("vllm-router", proc.url)
                 running.append(Target("vllm-router", proc.url, proc))
                 print(f"vllm-router {extra['vllm_router_version']}: {proc.url} (pid {proc.pid})", flush=True)
 
         extra["loadavg_before"] = Path("/proc/loadavg").read_text().split()[:3]
         print(f"measuring: {len(SCENARIOS)} scenarios x {len(running)} targets x {args.repeat} rounds of "
               f"{args.duration:g} s (+{args.warmup:g} s warm-up in round 1)", flush=True)
-        results.extend(await in_thread(run_interleaved, running, workdir, args.duration, args.warmup, args.repeat))
+        results.extend(run_interleaved(running, workdir, args.duration, args.warmup, args.repeat))
         extra["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
         nursery.cancel_scope.cancel()
-
-
-async def in_thread(function, *args):
-    """``function(*args)`` in a worker thread (blocking HTTP, wrk); on Ctrl-C the nursery stops the children
-    without waiting for it (a wrk under way ends by its own ``-d``)."""
-    return await trio.to_thread.run_sync(partial(function, *args), abandon_on_cancel=True)
-
-
-async def _interrupt_on_sigterm() -> None:
-    with trio.open_signal_receiver(signal.SIGTERM) as signals:
-        async for _ in signals:
-            raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
