@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+from ..testing.cluster import EngineReaper
 from ..testing.metrics import series_sum
 from ..testing.processes import free_port, llmgw_command
 from .common import bench_parser, write_json
@@ -137,19 +138,8 @@ class Gateway:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
                 self.kill()
-        for pgid in self.engine_groups():
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        EngineReaper(self.state_dir).reap()
         self.http.close()
-
-    def engine_groups(self) -> set[int]:
-        ledger = self.state_dir / "shards.json"
-        if not ledger.exists():
-            return set()
-        entries = json.loads(ledger.read_text()).get("shards", {}).values()
-        return {e.get("pgid") or e.get("pid") for e in entries} - {None, 0}
 
     # -- waiting and reading ---------------------------------------------------------------------------------------
 
