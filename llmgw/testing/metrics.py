@@ -7,7 +7,10 @@ up, and :func:`scrape` / :func:`scrape_value` fetch ``URL/metrics`` first.
 
 from __future__ import annotations
 
-import httpx
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import httpx
 
 
 def samples(text: str) -> dict[str, float]:
@@ -51,6 +54,8 @@ async def scrape(url: str, client: httpx.AsyncClient | None = None) -> str:
     """The Prometheus text at ``url`` + ``/metrics`` (``url`` is a gateway's control URL or an engine's URL)."""
     if client is not None:
         return (await client.get(url + "/metrics")).text
+    import httpx  # the test extra's; the text functions above need nothing
+
     async with httpx.AsyncClient(timeout=10) as own:
         return (await own.get(url + "/metrics")).text
 
