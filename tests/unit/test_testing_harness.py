@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import trio
@@ -123,3 +125,14 @@ async def test_the_in_process_gateway_serves_requests_in_the_tests_own_nursery(n
     assert await gw.metric("llmgw_requests_total", 'model="tiny",code="200"') == 1
     assert [r["name"] for r in (await gw.admin("/admin/replicas")).json()] == ["a"]
     assert "tiny" in gw.gateway.router.models  # the gateway's own objects, in this process
+
+
+def test_no_test_module_imports_from_another_test_module_or_a_conftest():
+    tests = Path(__file__).resolve().parents[1]
+    modules = {path.stem for path in tests.rglob("*.py")}
+    test_modules = {name for name in modules if name.startswith("test_")} | {"conftest"}
+    offenders = [f"{path.relative_to(tests)}: {line.strip()}" for path in tests.rglob("*.py")
+                 for line in path.read_text().splitlines()
+                 if (match := re.match(r"\s*(?:from|import)\s+([\w.]+)", line))
+                 and match.group(1).split(".")[-1] in test_modules]
+    assert not offenders, "fixtures belong in conftest.py files:\n" + "\n".join(offenders)
