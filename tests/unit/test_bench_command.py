@@ -27,7 +27,8 @@ def test_llmgw_bench_fault_dispatches_to_its_module(capsys):
 
 
 def test_llmgw_bench_without_the_benchmarks_says_how_to_get_them(capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "llmgw.bench", None)  # as installed from the wheel, which leaves them out
+    for name in ["llmgw.bench", *(module for module, _ in BENCHES.values())]:  # as from the wheel, without them
+        monkeypatch.setitem(sys.modules, name, None)  # (also when another test imported them already)
     assert cli.main(["bench", "routing", "--quick"]) == 2
     said = capsys.readouterr().err
     assert "the benchmarks are not in this installation of llmgw" in said
