@@ -1,6 +1,6 @@
 """Process groups and process identity: signal a whole group, stop it gracefully, tell a live pid from a reused one.
 
-Shared by :mod:`llmgw.processes` (llmgw's own short-lived children) and the
+Shared by :mod:`llmgw.testing.processes` (the children of tests and benchmarks) and the
 agent's shard supervisor (engines that must outlive the agent). Every child
 started here runs in its own session (``start_new_session=True``), so its pid
 is also its process-group id and a signal to the group reaches the engine's

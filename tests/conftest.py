@@ -1,13 +1,14 @@
-"""Shared fixtures: real child processes on 127.0.0.1 with ephemeral ports, owned by the test's nursery."""
+"""Fixtures of every test: real child processes on 127.0.0.1 with ephemeral ports, owned by the test's nursery
+(started with :mod:`llmgw.testing`), and a gateway run in the test's own nursery."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from llmgw.processes import Child, run_child, start_serve
+from llmgw.testing.processes import Child, start_serve
+from llmgw.testing.sims import start_fake_upstream as start_fake_upstream_in
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,9 +27,8 @@ def start_fake_upstream(nursery):
 
     async def start(name: str, port: int = 0, chunks: int = 50, model: str = "tiny", status: int = 200,
                     extra: tuple[str, ...] = ()) -> Child:
-        argv = [sys.executable, "-m", "llmgw.bench.fake_upstream", "--name", name, "--port", str(port),
-                "--chunks", str(chunks), "--model", model, "--status", str(status), *extra]
-        return await nursery.start(lambda task_status: run_child(argv, name=f"fake-{name}", task_status=task_status))
+        return await start_fake_upstream_in(nursery, name, port=port, chunks=chunks, model=model, status=status,
+                                            extra=extra)
 
     return start
 
@@ -47,5 +47,20 @@ def start_llmgw(nursery, tmp_path):
             path = tmp_path / f"llmgw-{len(list(tmp_path.iterdir()))}.yaml"
             path.write_text(config_text)
         return await start_serve(nursery, path, *extra, env=env)
+
+    return start
+
+
+@pytest.fixture
+def gateway_in_process(nursery, tmp_path):
+    """``await gateway_in_process(config_text, **options)`` -> an :class:`~llmgw.testing.gateway.InProcessGateway`:
+    a Gateway run in the test's nursery on ephemeral 127.0.0.1 ports (``options``: those of
+    :func:`~llmgw.testing.gateway.start_gateway_in_process`)."""
+    from llmgw.testing.gateway import start_gateway_in_process
+
+    async def start(config_text: str, **options):
+        directory = tmp_path / f"gateway-{len(list(tmp_path.glob('gateway-*')))}"
+        directory.mkdir()
+        return await start_gateway_in_process(nursery, config_text, directory, **options)
 
     return start

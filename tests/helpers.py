@@ -1,20 +1,12 @@
-"""Helpers the tests share (``tests`` is on ``pythonpath``: ``from helpers import free_port``)."""
+"""Small helpers the tests share that are not fixtures (``tests`` is on ``pythonpath``: ``from helpers import
+wait_for``); starting processes and reading metrics is :mod:`llmgw.testing`'s."""
 
 from __future__ import annotations
-
-import socket
 
 import httpx
 import trio
 
 from llmgw import wire
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a child that must be told its port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def next_error(ws) -> wire.ErrorMessage:
@@ -38,16 +30,6 @@ async def replicas(gw) -> dict[str, dict]:
         return {r["name"]: r for r in (await client.get(gw.control_url + "/admin/replicas")).json()}
 
 
-async def metric_value(gw, name: str, labels: str) -> float | None:
-    """The value of the first ``name`` sample whose labels contain every comma-separated part of ``labels``."""
-    async with httpx.AsyncClient() as client:
-        text = (await client.get(gw.control_url + "/metrics")).text
-    for line in text.splitlines():
-        if line.startswith(f"{name}{{") and all(part in line for part in labels.split(",")):
-            return float(line.rsplit(" ", 1)[1])
-    return None
-
-
 async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
     """Poll the async ``predicate`` until it returns something true (its result), at most ``timeout`` s."""
     with trio.fail_after(timeout):
@@ -65,6 +47,8 @@ def assert_openai_error(response: httpx.Response, status: int, code: str | None 
     if code is not None:
         assert error["code"] == code
     return error
+
+
 class RecordingHandler:
     """The control plane's part of an agent service, reduced to recording in the inventory."""
 

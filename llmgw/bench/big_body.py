@@ -34,10 +34,9 @@ import time
 
 import trio
 
-from ..processes import run_child
 from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, BodyError, read_json_body
 from .common import bench_parser, finish
-from .sim_cluster import start_gateway
+from ..testing.sims import start_fake_upstream, start_gateway
 
 MiB = 1024 * 1024
 SMALL = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}).encode()
@@ -173,9 +172,7 @@ async def measure(seconds: float, size: int, kinds: list[str]) -> dict:
     async with trio.open_nursery() as nursery:
         upstreams = []
         for name in ("small", "big"):
-            argv = [sys.executable, "-m", "llmgw.bench.fake_upstream", "--name", name, "--port", "0"]
-            upstreams.append(await nursery.start(lambda task_status, argv=argv, name=name: run_child(
-                argv, name=f"fake-{name}", task_status=task_status)))
+            upstreams.append(await start_fake_upstream(nursery, name))
         config = (f"models:\n  - name: tiny\n    replicas: [{{url: {upstreams[0].url}}}]\n"
                   f"  - name: big\n    replicas: [{{url: {upstreams[1].url}}}]\nlog_level: warning\n")
         gateway = await start_gateway(nursery, config)

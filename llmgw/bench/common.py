@@ -28,15 +28,6 @@ def bench_parser(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
-def metric_value(text: str, name: str, labels: str = "") -> float:
-    """The first sample of ``name`` in Prometheus ``text`` whose line holds every comma-separated part of
-    ``labels`` (e.g. ``'model="tiny"'``); 0.0 when there is none."""
-    for line in text.splitlines():
-        if line.startswith(name) and all(part in line for part in labels.split(",") if part):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 def print_and_save(report: dict, markdown: str, json_path: str | Path | None) -> int:
     """Print a benchmark's Markdown table and, with ``--json``, write the report with it; the exit status."""
     print(markdown)

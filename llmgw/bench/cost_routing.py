@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import httpx
 import trio
 
-from ..processes import llmgw_command, run_child
+from ..testing.processes import llmgw_command, start_child
 from ..sim.tokenizer_files import write_tokenizer_files
 from .chat_workloads import _run_limited, new_client, send_chat, summarize, words
 from .common import bench_parser, print_and_save
-from .sim_cluster import MODEL, start_gateway
+from ..testing.sims import MODEL, start_gateway
 
 REPLICAS = 4
 ARMS = {
@@ -79,8 +79,7 @@ async def _start_engines(nursery: trio.Nursery, s: Settings) -> list[tuple[str, 
                              "--num-blocks", str(s.num_blocks), "--max-num-seqs", str(s.max_num_seqs),
                              "--seed", "0", "--prefix-caching-hash-algo", "sha256_cbor", "--log-level", "WARNING",
                              "--kv-events-config", config)
-        child = await nursery.start(lambda task_status: run_child(argv, name=f"sim-{i}", env={"PYTHONHASHSEED": "0"},
-                                                                  task_status=task_status))
+        child = await start_child(nursery, argv, name=f"sim-{i}", env={"PYTHONHASHSEED": "0"})
         out[i] = (child.url, events, replay)
 
     async with trio.open_nursery() as starting:

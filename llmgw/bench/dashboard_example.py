@@ -28,7 +28,7 @@ import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..processes import start_serve
+from ..testing.processes import start_serve
 from .chat_workloads import run_multi_turn
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -45,12 +45,13 @@ from pathlib import Path
 import httpx
 import trio
 
-from ..processes import Child, free_port, llmgw_command, run_child
+from ..testing.metrics import metric_value, scrape
+from ..testing.processes import Child, free_port, llmgw_command, start_child
 from ..procgroup import signal_group, wait_group_gone
-from .common import bench_parser, metric_value, write_json
+from .common import bench_parser, write_json
 from .fault_load import LoadSettings, SteadyLoad
 from .kv_truth import check_kv_truth
-from .sim_cluster import kv_sim_profile
+from ..testing.sims import kv_sim_profile
 
 TOKEN = "bench-fault-token"
 NODE = "bench"
@@ -127,15 +128,13 @@ class FaultCluster:
 
     async def start_serve(self) -> None:
         argv = llmgw_command("serve", "--config", str(self.config))
-        self.serve = await self.nursery.start(lambda task_status: run_child(argv, name="llmgw serve",
-                                                                           task_status=task_status))
+        self.serve = await start_child(self.nursery, argv, name="llmgw serve")
 
     async def start_agent(self) -> None:
         argv = llmgw_command("agent", "--join", self.control_url, "--token", TOKEN, "--node-id", NODE,
                              "--state-dir", str(self.workdir / "agent"), "--address", "127.0.0.1",
                              "--discovery", "cpu", "--log-level", "warning")
-        self.agent = await self.nursery.start(lambda task_status: run_child(
-            argv, name="llmgw agent", ready=AGENT_READY, task_status=task_status))
+        self.agent = await start_child(self.nursery, argv, name="llmgw agent", ready=AGENT_READY)
 
     @staticmethod
     async def kill(child: Child) -> None:
@@ -161,7 +160,7 @@ class FaultCluster:
                 await trio.sleep(0.05)
 
     async def metric(self, name: str) -> float:
-        return metric_value((await self.http.get(self.control_url + "/metrics")).text, name)
+        return metric_value(await scrape(self.control_url, self.http), name)
 
     async def routable(self, since: float, timeout: float = 120.0) -> float:
         """Seconds from ``since`` until a small request sent now or later is answered 200."""

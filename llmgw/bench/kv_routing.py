@@ -63,7 +63,7 @@ from llmgw.kv.mirror import EngineMirror
 from llmgw.kv.subscriber import EngineSubscription
 from llmgw.metrics import Metrics
 from llmgw.plugins_manager import default_registry
-from llmgw.processes import llmgw_command, run_child
+from llmgw.testing.processes import llmgw_command, start_child
 from llmgw.router.canonical import render_body
 from llmgw.router.replica import Replica
 from llmgw.router.router import Router
@@ -333,7 +333,7 @@ async def run(quick: bool = False) -> dict:
     argv = llmgw_command("sim", "--port", "0", "--served-model-name", "tiny", "--time-scale", "0",
                          "--max-model-len", "40000", "--num-blocks", "4096")
     async with trio.open_nursery() as nursery:
-        child = await nursery.start(lambda task_status: run_child(argv, name="sim", task_status=task_status))
+        child = await start_child(nursery, argv, name="sim")
         for tokens, count in ((2048, 60 if quick else 300), (32768, 15 if quick else 80)):
             report["decisions"][f"{tokens}_tokens"] = await bench_decisions(child.url, tokens, count)
         nursery.cancel_scope.cancel()

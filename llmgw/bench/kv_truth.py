@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import httpx
 import trio
 
-from .common import metric_value
+from ..testing.metrics import metric_value
 
 MODEL = "tiny"
 

@@ -36,7 +36,7 @@ from ..router.router import Router
 from ..router.tier import RouteRequest
 from .chat_workloads import percentile, run_multi_turn, run_shared_prefix, summarize, words
 from .common import print_and_save
-from .sim_cluster import MODEL, gateway_config, start_gateway, start_sims
+from ..testing.sims import MODEL, gateway_config, start_gateway, start_sims
 
 REPLICAS = 4
 ARMS = {

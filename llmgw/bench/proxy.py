@@ -51,9 +51,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
-from llmgw.processes import free_port
+import trio
+
+from llmgw.testing.processes import Child, ChildFailed, free_port, start_child
 
 VLLM_ROUTER_VERSION = "0.1.17"
 PROXY_CPU = 1
@@ -90,28 +93,8 @@ class BenchError(RuntimeError):
 
 
 # -- processes ---------------------------------------------------------------------------------------------------------
-
-@dataclass
-class Proc:
-    name: str
-    argv: list[str]
-    log: Path
-    popen: subprocess.Popen
-    url: str = ""
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def cpu_seconds(self) -> float:
-        return process_cpu_seconds(self.pid)
-
-    def tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
+# Children run under llmgw.testing's runner with their output in a file of the work dir (nothing of theirs passes
+# through this process while wrk measures); each is in its own process group, stopped when the nursery ends.
 
 def process_cpu_seconds(pid: int) -> float:
     """User+system CPU of process ``pid``, its threads and descendants (and their reaped children), from /proc."""
@@ -138,67 +121,20 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-class Processes:
-    """Every child we start, each in its own process group; :meth:`stop_all` always runs."""
-
-    def __init__(self, workdir: Path):
-        self.workdir = workdir
-        self.procs: list[Proc] = []
-
-    def start(self, name: str, argv: list[str], cpu: int | None, env: dict | None = None,
-              cwd: Path | None = None) -> Proc:
-        if cpu is not None:
-            argv = ["taskset", "-c", str(cpu)] + argv
-        log = self.workdir / f"{name}.log"
-        handle = open(log, "wb")
-        popen = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True, env=dict(os.environ, **(env or {})), cwd=cwd)
-        handle.close()
-        proc = Proc(name, argv, log, popen)
-        self.procs.append(proc)
-        return proc
-
-    def wait_for_line(self, proc: Proc, pattern: str, timeout: float) -> re.Match:
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = proc.log.read_text(errors="replace") if proc.log.exists() else ""
-            match = regex.search(text)
-            if match:
-                return match
-            if proc.popen.poll() is not None:
-                raise BenchError(f"{proc.name} exited with code {proc.popen.returncode}:\n{proc.tail()}")
-            time.sleep(0.05)
-        raise BenchError(f"{proc.name} did not print {pattern!r} within {timeout:g}s:\n{proc.tail()}")
-
-    def stop(self, proc: Proc, grace: float = 5.0) -> None:
-        if proc.popen.poll() is None:
-            _killpg(proc.popen.pid, signal.SIGTERM)
-            try:
-                proc.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
-        if proc.popen.poll() is None:
-            _killpg(proc.popen.pid, signal.SIGKILL)
-            proc.popen.wait()
-        else:
-            _killpg(proc.popen.pid, signal.SIGKILL)  # anything the group leader left behind
-        if proc in self.procs:
-            self.procs.remove(proc)
-
-    def stop_all(self) -> None:
-        for proc in reversed(list(self.procs)):
-            try:
-                self.stop(proc)
-            except Exception as exc:  # keep stopping the others
-                print(f"warning: could not stop {proc.name} (pid {proc.pid}): {exc}", file=sys.stderr)
-
-
-def _killpg(pgid: int, sig: int) -> None:
+async def start(nursery: trio.Nursery, workdir: Path, name: str, argv: list[str], cpu: int | None,
+                ready: re.Pattern | None, timeout: float, cwd: Path | None = None) -> Child:
+    """``argv`` pinned to ``cpu`` (``taskset``), its output in ``workdir/NAME.log``, once it printed ``ready``."""
+    if cpu is not None:
+        argv = ["taskset", "-c", str(cpu)] + argv
     try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+        return await start_child(nursery, argv, name=name, ready=ready, startup_timeout=timeout, cwd=cwd,
+                                 output_file=workdir / f"{name}.log")
+    except ChildFailed as exc:
+        raise BenchError(str(exc)) from None
+
+
+UPSTREAM_READY = re.compile(r"listening on (https?://\S+)")
+GATEWAY_READY = re.compile(r"llmgw listening on (https?://\S+)")
 
 
 def http_post(url: str, body: str, timeout: float = 5.0,
@@ -216,12 +152,12 @@ def http_post(url: str, body: str, timeout: float = 5.0,
         conn.close()
 
 
-def wait_ready(url: str, timeout: float, proc: Proc | None = None, tls: ssl.SSLContext | None = None) -> None:
+def wait_ready(url: str, timeout: float, proc: Child | None = None, tls: ssl.SSLContext | None = None) -> None:
     deadline = time.monotonic() + timeout
     last = ""
     while time.monotonic() < deadline:
-        if proc is not None and proc.popen.poll() is not None:
-            raise BenchError(f"{proc.name} exited with code {proc.popen.returncode}:\n{proc.tail()}")
+        if proc is not None and proc.returncode is not None:
+            raise BenchError(f"{proc.name} exited with code {proc.returncode}:\n{proc.output(30)}")
         try:
             status, body, _ = http_post(url, SMALL_BODY, timeout=2, tls=tls)
             if status == 200:
@@ -231,7 +167,7 @@ def wait_ready(url: str, timeout: float, proc: Proc | None = None, tls: ssl.SSLC
             last = str(exc)
         time.sleep(0.2)
     raise BenchError(f"{url} was not ready within {timeout:g}s (last: {last})"
-                     + (f"\n{proc.tail()}" if proc else ""))
+                     + (f"\n{proc.output(30)}" if proc else ""))
 
 
 def check_target(name: str, url: str, tls: ssl.SSLContext | None = None) -> dict:
@@ -299,18 +235,18 @@ def core_times(cpu: int) -> tuple[float, float, float]:
     return 0.0, 0.0, 0.0
 
 
-def run_wrk(url: str, script: Path, connections: int, duration: float, proxy: Proc | None,
+def run_wrk(url: str, script: Path, connections: int, duration: float, proxy: Child | None,
             target: str, scenario: str) -> RunResult:
     duration = max(1, round(duration))  # wrk takes whole seconds
     argv = ["taskset", "-c", str(LOAD_CPU), "wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--timeout", "5s",
             "-s", str(script), url + PATH]
-    cpu_before = proxy.cpu_seconds() if proxy else None
+    cpu_before = process_cpu_seconds(proxy.pid) if proxy else None
     core_before = core_times(PROXY_CPU)
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 30)
     except subprocess.TimeoutExpired:
         raise BenchError(f"wrk did not finish within {duration + 30:g}s: {shlex.join(argv)}") from None
-    cpu_after = proxy.cpu_seconds() if proxy else None
+    cpu_after = process_cpu_seconds(proxy.pid) if proxy else None
     core_after = core_times(PROXY_CPU)
     core_span = core_after[2] - core_before[2]
     line = next((l for l in done.stdout.splitlines() if l.startswith("WRKJSON ")), None)
@@ -348,7 +284,7 @@ SCENARIOS = [
 class Target:
     name: str
     url: str
-    proc: Proc | None  # None for the upstream called directly
+    proc: Child | None  # None for the upstream called directly
 
 
 def run_interleaved(targets: list[Target], workdir: Path, duration: float, warmup: float,
@@ -651,62 +587,31 @@ def check_tools() -> None:
         raise BenchError("needs at least 2 CPUs (the proxy on CPU 1, wrk and the upstreams on CPU 0)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llmgw.bench.proxy", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration", type=int, default=10, help="seconds per measured wrk run (default 10)")
-    parser.add_argument("--warmup", type=int, default=2,
-                        help="seconds of unmeasured load before each scenario in the first round (default 2)")
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="rounds over all targets and scenarios (interleaved); medians and bests are reported")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here (e.g. bench-results/proxy.json)")
-    parser.add_argument("--targets", default="direct,llmgw,vllm-router",
-                        help="comma-separated subset of direct, llmgw, vllm-router, direct-tls, llmgw-tls, "
-                             "llmgw-https")
-    parser.add_argument("--vllm-router", default=None, help="path of the vllm-router executable")
-    parser.add_argument("--no-install", action="store_true", help="do not install vllm-router when it is missing")
-    parser.add_argument("--baseline", type=Path, default=None, metavar="DIR",
-                        help=f"also measure the llmgw of another checkout (e.g. a git worktree of an older commit), "
-                             f"as target {BASELINE!r}, interleaved with the others")
-    args = parser.parse_args(argv)
-    if not 0 < args.duration <= 300 or not 0 <= args.warmup <= 60 or not 1 <= args.repeat <= 10:
-        parser.error("bounds: 0 < --duration <= 300, 0 <= --warmup <= 60, 1 <= --repeat <= 10")
-    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    unknown = set(targets) - {"direct", "llmgw", "vllm-router", DIRECT_TLS, *TLS_TARGETS}
-    if unknown:
-        parser.error(f"unknown targets: {', '.join(sorted(unknown))}")
-    repo = Path(__file__).resolve().parents[2]
+async def start_and_measure(args: argparse.Namespace, targets: list[str], workdir: Path, repo: Path,
+                            results: list[RunResult], commands: dict[str, list[str]], extra: dict) -> None:
+    """Start every target in one nursery (stopped, each process group, when it ends: at the end, on an error,
+    on Ctrl-C or SIGTERM), check each answers, then measure them.
 
-    # Ctrl-C and SIGTERM both unwind through the finally below.
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, on_term)
-    try:
-        os.sched_setaffinity(0, {LOAD_CPU})  # this orchestrator stays off the proxy's core
-    except (AttributeError, OSError):
-        pass
-
-    workdir = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
-    procs = Processes(workdir)
-    results: list[RunResult] = []
-    commands: dict[str, list[str]] = {}
-    extra: dict = {}
-    try:
-        check_tools()
+    The checks and the measurement block the event loop on purpose: nothing else runs in this process
+    meanwhile (the children write their output to files), and Ctrl-C raises KeyboardInterrupt right in them,
+    which kills a wrk under way, as SIGTERM does too (it gets the handler trio gave SIGINT)."""
+    on_interrupt = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGTERM, lambda signum, frame: on_interrupt(signal.SIGINT, frame))
+    async with trio.open_nursery() as nursery:
         pki = BenchPki.create(workdir) if {DIRECT_TLS, *TLS_TARGETS} & set(targets) else None
 
-        def start_upstreams(suffix: str = "", tls: tuple[str, ...] = ()) -> list[str]:
+        async def start_upstreams(suffix: str = "", tls: tuple[str, ...] = ()) -> list[str]:
             urls = []
             for name in ("a", "b"):
-                proc = procs.start(f"upstream-{name}{suffix}", [
-                    sys.executable, "-m", "llmgw.bench.fake_upstream", "--port", "0", "--name", name,
-                    "--model", MODEL, "--chunks", "50", *tls], LOAD_CPU)
-                proc.url = procs.wait_for_line(proc, r"listening on (https?://\S+)", 30).group(1)
+                proc = await start(nursery, workdir, f"upstream-{name}{suffix}", [
+                    sys.executable, "-m", "llmgw.testing.fake_upstream", "--port", "0", "--name", name,
+                    "--model", MODEL, "--chunks", "50", *tls], LOAD_CPU, UPSTREAM_READY, 30)
                 commands[proc.name] = proc.argv
                 urls.append(proc.url)
             return urls
 
-        urls = start_upstreams()
-        tls_urls = start_upstreams("-tls", ("--tls-cert", str(pki.server))) if pki else []
+        urls = await start_upstreams()
+        tls_urls = await start_upstreams("-tls", ("--tls-cert", str(pki.server))) if pki else []
         running: list[Target] = []
 
         if "direct" in targets:
@@ -732,10 +637,9 @@ def main(argv: list[str] | None = None) -> int:
                 gateways.append((name, None, tls_config))
         for name, source, config_path in gateways:
             # From another checkout: ``python -m llmgw`` run in its folder imports that folder's llmgw.
-            proc = procs.start(name, [sys.executable, "-m", "llmgw", "serve", "--config", str(config_path),
-                                      "--listen", "127.0.0.1:0", "--control-listen", "127.0.0.1:0"], PROXY_CPU,
-                               cwd=source)
-            proc.url = procs.wait_for_line(proc, r"llmgw listening on (https?://\S+)", 60).group(1)
+            proc = await start(nursery, workdir, name, [
+                sys.executable, "-m", "llmgw", "serve", "--config", str(config_path), "--listen", "127.0.0.1:0",
+                "--control-listen", "127.0.0.1:0"], PROXY_CPU, GATEWAY_READY, 60, cwd=source)
             commands[name] = proc.argv + ([f"(in {source})"] if source else [])
             client_tls = pki.client_context() if pki and proc.url.startswith("https://") else None
             wait_ready(proc.url, 30, proc, client_tls)
@@ -755,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
                 argv_vr = [executable, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
                            "--policy", "round_robin", "--prometheus-port", str(free_port()),
                            "--worker-startup-check-interval", "1", "--log-level", "warning"]
-                proc = procs.start("vllm-router", argv_vr, PROXY_CPU)
+                proc = await start(nursery, workdir, "vllm-router", argv_vr, PROXY_CPU, None, 60)
                 proc.url = f"http://127.0.0.1:{port}"
                 commands["vllm-router"] = proc.argv
                 extra["vllm_router_version"] = vllm_router_version(executable)
@@ -767,19 +671,59 @@ def main(argv: list[str] | None = None) -> int:
         extra["loadavg_before"] = Path("/proc/loadavg").read_text().split()[:3]
         print(f"measuring: {len(SCENARIOS)} scenarios x {len(running)} targets x {args.repeat} rounds of "
               f"{args.duration:g} s (+{args.warmup:g} s warm-up in round 1)", flush=True)
-        results = run_interleaved(running, workdir, args.duration, args.warmup, args.repeat)
+        results.extend(run_interleaved(running, workdir, args.duration, args.warmup, args.repeat))
         extra["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
-    except BenchError as exc:
-        print(f"llmgw.bench.proxy: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\ninterrupted: stopping every process", file=sys.stderr)
-        return 130
+        nursery.cancel_scope.cancel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llmgw.bench.proxy", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=int, default=10, help="seconds per measured wrk run (default 10)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="seconds of unmeasured load before each scenario in the first round (default 2)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="rounds over all targets and scenarios (interleaved); medians and bests are reported")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here (e.g. bench-results/proxy.json)")
+    parser.add_argument("--targets", default="direct,llmgw,vllm-router",
+                        help="comma-separated subset of direct, llmgw, vllm-router, direct-tls, llmgw-tls, "
+                             "llmgw-https")
+    parser.add_argument("--vllm-router", default=None, help="path of the vllm-router executable")
+    parser.add_argument("--no-install", action="store_true", help="do not install vllm-router when it is missing")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="DIR",
+                        help=f"also measure the llmgw of another checkout (e.g. a git worktree of an older commit), "
+                             f"as target {BASELINE!r}, interleaved with the others")
+    args = parser.parse_args(argv)
+    if not 0 < args.duration <= 300 or not 0 <= args.warmup <= 60 or not 1 <= args.repeat <= 10:
+        parser.error("bounds: 0 < --duration <= 300, 0 <= --warmup <= 60, 1 <= --repeat <= 10")
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    unknown = set(targets) - {"direct", "llmgw", "vllm-router", DIRECT_TLS, *TLS_TARGETS}
+    if unknown:
+        parser.error(f"unknown targets: {', '.join(sorted(unknown))}")
+    repo = Path(__file__).resolve().parents[2]
+
+    try:
+        os.sched_setaffinity(0, {LOAD_CPU})  # this orchestrator stays off the proxy's core
+    except (AttributeError, OSError):
+        pass
+
+    workdir = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
+    results: list[RunResult] = []
+    commands: dict[str, list[str]] = {}
+    extra: dict = {}
+    code = 0
+    try:
+        check_tools()
+        trio.run(partial(start_and_measure, args, targets, workdir, repo, results, commands, extra))
+    except* BenchError as group:
+        print(f"llmgw.bench.proxy: {group.exceptions[0]}", file=sys.stderr)
+        code = 2
+    except* KeyboardInterrupt:  # Ctrl-C, or SIGTERM (start_and_measure): every process is stopped by now
+        print("\ninterrupted: every process stopped", file=sys.stderr)
+        code = 130
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the clean-up
-        procs.stop_all()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         shutil.rmtree(workdir, ignore_errors=True)
+    if code:
+        return code
 
     summary = summarize(results, targets)
     print_table(summary, targets)

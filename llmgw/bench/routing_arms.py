@@ -31,10 +31,10 @@ from typing import Awaitable, Callable
 import httpx
 import trio
 
-from ..processes import free_port, run_child
+from ..testing.processes import free_port, start_child
 from ..sim import tokenizer
 from .chat_workloads import ChatResult, send_chat
-from .sim_cluster import MODEL, gateway_config, start_gateway, start_sims
+from ..testing.sims import MODEL, gateway_config, start_gateway, start_sims
 
 EVENTS = re.compile(r"llmgw-sim kv-events on (tcp://\S+)")
 REPLAY = re.compile(r"llmgw-sim kv-replay on (tcp://\S+)")
@@ -102,7 +102,7 @@ async def open_arm(nursery: trio.Nursery, arm: Arm, spec: SimSpec, vllm_router: 
                             block_size=spec.block_size, time_scale=spec.time_scale, seed=spec.seed,
                             extra=spec.extra())
     urls = [sim.url for sim in sims]
-    sources = [(_endpoint(EVENTS, sim.output), _endpoint(REPLAY, sim.output)) for sim in sims]
+    sources = [(_endpoint(EVENTS, sim.lines), _endpoint(REPLAY, sim.lines)) for sim in sims]
     if arm.kind == "oracle":
         return Target(Oracle(urls, spec.block_size).send, urls, None)
     if arm.kind == "vllm-router":
@@ -155,8 +155,8 @@ async def _start_vllm_router(nursery: trio.Nursery, executable: str, policy: str
         for url, (events, replay) in zip(urls, sources):
             argv += ["--kv-event-source", f"{url}={events}", "--kv-event-replay-source", f"{url}={replay}"]
         argv += ["--kv-event-block-size", str(block_size), "--kv-event-model", MODEL]
-    child = await nursery.start(lambda task_status: run_child(argv, name=f"vllm-router {policy}", startup_timeout=60,
-                                                              ready=VLLM_ROUTER_READY, task_status=task_status))
+    child = await start_child(nursery, argv, name=f"vllm-router {policy}", startup_timeout=60,
+                              ready=VLLM_ROUTER_READY)
     return f"http://127.0.0.1:{port}", child.pid
 
 

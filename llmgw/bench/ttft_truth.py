@@ -26,19 +26,19 @@ from pathlib import Path
 import httpx
 import trio
 
-from ..processes import llmgw_command, run_child, start_serve
+from ..testing.processes import llmgw_command, start_child, start_serve
 from .common import print_and_save
-from .sim_cluster import MODEL
+from ..testing.sims import MODEL
 
 TTFT_LINE = re.compile(r"request_id=(\S+) .* ttft_ms=([\d.]+)")
 
 
 async def measure(requests: int) -> dict:
     async with trio.open_nursery() as nursery:
-        sim = await nursery.start(lambda task_status: run_child(llmgw_command(
+        sim = await start_child(nursery, llmgw_command(
             "sim", "--port", "0", "--served-model-name", MODEL, "--stream-head-first", "--prefill-tokens-per-s",
             "4000", "--decode-ms-per-step", "10", "--output-tokens", "16:16", "--no-enable-prefix-caching",
-            "--log-level", "WARNING"), name="sim", task_status=task_status, keep_lines=10))
+            "--log-level", "WARNING"), name="sim", keep_lines=10)
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "llmgw.yaml"
             path.write_text(f"access_log: true\nmodels:\n  - name: {MODEL}\n    replicas:\n      - url: {sim.url}\n")
@@ -55,9 +55,9 @@ async def measure(requests: int) -> dict:
                     async for line in response.aiter_lines():
                         if first is None and '"content":"' in line and '"content":""' not in line:
                             first = time.perf_counter() - sent
-                rows.append((response.headers["x-request-id"], head, first))  # gateway.output: its access log
+                rows.append((response.headers["x-request-id"], head, first))  # gateway.lines: its access log
         await trio.sleep(0.2)  # the last access line
-        logged = {m.group(1): float(m.group(2)) / 1000 for line in gateway.output
+        logged = {m.group(1): float(m.group(2)) / 1000 for line in gateway.lines
                   if (m := TTFT_LINE.search(line))}
         nursery.cancel_scope.cancel()
     pairs = [(head, first, logged[rid]) for rid, head, first in rows if rid in logged and first is not None]

@@ -34,7 +34,9 @@ from pathlib import Path
 
 import httpx
 
-from ..processes import llmgw_command
+from ..testing.cluster import EngineReaper
+from ..testing.metrics import series_sum
+from ..testing.processes import free_port, llmgw_command
 from .common import bench_parser, write_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,19 +138,8 @@ class Gateway:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
                 self.kill()
-        for pgid in self.engine_groups():
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        EngineReaper(self.state_dir).reap()
         self.http.close()
-
-    def engine_groups(self) -> set[int]:
-        ledger = self.state_dir / "shards.json"
-        if not ledger.exists():
-            return set()
-        entries = json.loads(ledger.read_text()).get("shards", {}).values()
-        return {e.get("pgid") or e.get("pid") for e in entries} - {None, 0}
 
     # -- waiting and reading ---------------------------------------------------------------------------------------
 
@@ -191,12 +182,7 @@ class Gateway:
 
     def metric(self, name: str, labels: str = "") -> float:
         """The sum of the samples of ``name`` whose labels contain every ``k="v"`` of ``labels``."""
-        total = 0.0
-        for line in self.http.get(self.control_url + "/metrics").text.splitlines():
-            head, _, value = line.rpartition(" ")
-            if (head == name or head.startswith(name + "{")) and all(p in head for p in labels.split(",") if p):
-                total += float(value)
-        return total
+        return series_sum(self.http.get(self.control_url + "/metrics").text, name, labels)
 
     def access(self) -> dict[str, Access]:
         """Every access-log line so far, by request id."""
@@ -287,8 +273,6 @@ def measure(gateway: Gateway, samples: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     import tempfile
-
-    from .proxy import free_port
 
     parser = bench_parser(__doc__)
     parser.add_argument("--samples", type=int, default=200)

@@ -2,6 +2,8 @@
 
 Each benchmark module exposes ``main(argv) -> int``, prints a table and
 writes JSON with ``--json FILE``; ``llmgw bench NAME --help`` shows its options.
+The benchmarks live in the source tree only (the wheel leaves ``llmgw/bench`` out):
+installed from a wheel, the command says how to get them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
+NOT_INSTALLED = """llmgw bench: the benchmarks are not in this installation of llmgw: they live in the source tree
+(llmgw/bench/), which the wheel leaves out. Run them from a checkout of the llmgw repository:
+    pip install -e '.[bench]'    # in the checkout (or ./dev, which makes .venv)
+    llmgw bench {name} --help"""
+
+
 def usage() -> str:
     return table_usage("llmgw bench", "benchmark", BENCHES)
 
@@ -31,4 +39,11 @@ def main(argv: list[str]) -> int:
     if name not in BENCHES:
         print(f"llmgw bench: unknown benchmark {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    return int(importlib.import_module(BENCHES[name][0]).main(rest) or 0)
+    try:
+        module = importlib.import_module(BENCHES[name][0])
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("llmgw.bench", BENCHES[name][0]):
+            raise  # a dependency of the benchmark itself is missing: its own message says which
+        print(NOT_INSTALLED.format(name=name), file=sys.stderr)
+        return 2
+    return int(module.main(rest) or 0)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from llmgw.processes import llmgw_command
+from llmgw.testing.processes import llmgw_command
 
 CONFIG = "log_level: info\n"  # nothing to probe: stderr holds only what the command says
 
@@ -104,8 +104,8 @@ async def test_config_log_format_json_makes_serve_log_json(start_llmgw):
     gw = await start_llmgw("log_format: json\nhealth:\n  interval: 0.2s\n  failures_to_down: 1\n"
                            "models:\n  - name: tiny\n    replicas:\n      - url: http://127.0.0.1:9\n")
     with trio.fail_after(20):
-        while not any("is now down" in line for line in gw.output):
+        while not any("is now down" in line for line in gw.lines):
             await trio.sleep(0.05)
-    line = next(line for line in gw.output if "is now down" in line)
+    line = next(line for line in gw.lines if "is now down" in line)
     record = json.loads(line)
     assert record["level"] == "warning" and record["logger"] == "llmgw.router.health"

@@ -15,7 +15,7 @@ import trio
 import trio_websocket
 
 from llmgw import wire
-from cluster_helpers import AGENTS, CHAT, TOKEN, all_up, alive, embedded, environ_of, shard_pids
+from llmgw.testing.cluster import AGENTS, CHAT, TOKEN, all_up, alive, embedded, environ_of, shard_pids
 from helpers import next_error
 
 TINY_SIM = """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import textwrap
 
-from llmgw.processes import llmgw_command
+from llmgw.testing.processes import llmgw_command
 
 ALL_WRONG = textwrap.dedent("""\
     listen: 127.0.0.1:99999

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmgw.processes import llmgw_command
+from llmgw.testing.processes import llmgw_command
 
 ADMIN = "adm-fuzz-0123456789"
 PATHS = ["/health", "/metrics", "/admin/replicas", "/admin/nodes", "/admin/kv", "/admin/models", "/admin/explain",

@@ -13,7 +13,7 @@ import trio
 import trio_websocket
 
 from llmgw import wire
-from llmgw.processes import llmgw_command
+from llmgw.testing.processes import llmgw_command
 
 ADMIN = "adm-0123456789abcdef"
 JOIN = "join-secret-123"
@@ -121,7 +121,7 @@ async def test_admin_needs_a_token_health_and_metrics_stay_open(start_llmgw):
     assert_openai_error(await get(gw.control_url + "/admin/no-such-thing", AUTH), 404, "not_found")
     assert (await get(gw.control_url + "/health")).status_code == 200
     assert (await get(gw.control_url + "/metrics")).status_code == 200
-    assert ADMIN not in "\n".join(gw.output)  # a token is never logged
+    assert ADMIN not in "\n".join(gw.lines)  # a token is never logged
 
 
 async def test_metrics_need_the_token_when_asked(start_llmgw):

@@ -25,7 +25,8 @@ import pytest
 
 from llmgw.bench.fault_load import LoadSettings, SteadyLoad
 from llmgw.bench.kv_truth import check_kv_truth
-from cluster_helpers import AGENTS, TOKEN, all_up, kv_sim, shard_pids
+from llmgw.testing.cluster import AGENTS, TOKEN, all_up, shard_pids
+from llmgw.testing.sims import kv_sim_profile as kv_sim
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,9 @@ import openai
 import pytest
 import trio
 
-from helpers import assert_openai_error, free_port, metric_value, replicas, stats, wait_for
+from llmgw.testing.metrics import scrape_value
+from llmgw.testing.processes import free_port
+from helpers import assert_openai_error, replicas, stats, wait_for
 
 KEY = "sk-test-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -93,12 +95,12 @@ async def test_killed_upstream_is_retried_marked_down_and_rejoins(start_fake_ups
             response = await client.post("/v1/chat/completions", json=body)
             assert response.status_code == 200, response.text
         assert (await wait_for(lambda: _state(gw, "a", "down")))
-        assert await metric_value(gw, "llmgw_replica_up", 'replica="a"') == 0.0
-        assert await metric_value(gw, "llmgw_replica_up", 'replica="b"') == 1.0
+        assert await scrape_value(gw.control_url, "llmgw_replica_up", 'replica="a"') == 0.0
+        assert await scrape_value(gw.control_url, "llmgw_replica_up", 'replica="b"') == 1.0
 
         await start_fake_upstream("a", port=port)
         await wait_for(lambda: _state(gw, "a", "up"))
-        assert await metric_value(gw, "llmgw_replica_up", 'replica="a"') == 1.0
+        assert await scrape_value(gw.control_url, "llmgw_replica_up", 'replica="a"') == 1.0
         served = {(await client.post("/v1/chat/completions", json=body)).headers["x-llmgw-replica"] for _ in range(4)}
         assert served == {"a", "b"}
 
@@ -117,7 +119,7 @@ async def test_a_503_is_retried_on_another_replica_before_the_first_byte(start_f
             assert response.status_code == 200
             assert response.headers["x-llmgw-replica"] == "b"
     assert (await stats(a))["by_path"].get("/v1/completions", 0) >= 1
-    assert await metric_value(gw, "llmgw_upstream_errors_total", 'replica="a",kind="status_5xx"') >= 1
+    assert await scrape_value(gw.control_url, "llmgw_upstream_errors_total", 'replica="a",kind="status_5xx"') >= 1
 
 
 async def test_a_stream_broken_after_its_first_byte_is_not_retried(start_fake_upstream, start_llmgw):
@@ -173,14 +175,14 @@ async def test_a_client_closing_after_done_is_a_finished_request_not_a_disconnec
         statuses[response.headers["x-request-id"]] = "status=499"
 
     def logged() -> dict[str, str]:
-        return {request_id: line for line in gw.output if "llmgw.access" in line
+        return {request_id: line for line in gw.lines if "llmgw.access" in line
                 for request_id in statuses if f"request_id={request_id} " in line}
 
     with trio.fail_after(10):
         while len(access := logged()) < 3:
             await trio.sleep(0.05)
     assert all(status in access[request_id] for request_id, status in statuses.items()), access
-    assert await metric_value(gw, "llmgw_client_disconnects_total", 'model="tiny"') == 1
+    assert await scrape_value(gw.control_url, "llmgw_client_disconnects_total", 'model="tiny"') == 1
 
 
 async def test_error_cases_answer_in_openai_shape(start_fake_upstream, start_llmgw):
@@ -224,8 +226,8 @@ health:
         assert_openai_error(slow, 504, "upstream_timeout")
         assert_openai_error(await client.get("/v1/chat/completions"), 405)
         assert_openai_error(await client.get("/v1/nothing-here"), 404)
-    assert await metric_value(gw, "llmgw_requests_total", 'code="404"') >= 1
-    assert await metric_value(gw, "llmgw_requests_total", 'code="504"') == 1
+    assert await scrape_value(gw.control_url, "llmgw_requests_total", 'code="404"') >= 1
+    assert await scrape_value(gw.control_url, "llmgw_requests_total", 'code="504"') == 1
 
 
 async def test_request_id_is_propagated_or_generated(start_fake_upstream, start_llmgw):
@@ -263,8 +265,8 @@ async def test_client_going_away_cancels_the_upstream_stream(start_fake_upstream
     noticed = (await wait_for(aborted, timeout=5))[0]
     # The upstream notices at its next write, at most one 10 ms pacing interval after the cancel.
     assert noticed - closed_at < 0.1 + 0.01
-    assert await metric_value(gw, "llmgw_inflight_requests", 'replica="a"') == 0
-    assert await metric_value(gw, "llmgw_inflight_requests", 'replica="b"') == 0
+    assert await scrape_value(gw.control_url, "llmgw_inflight_requests", 'replica="a"') == 0
+    assert await scrape_value(gw.control_url, "llmgw_inflight_requests", 'replica="b"') == 0
 
 
 async def test_sigterm_drains_in_flight_requests_then_exits_zero(start_fake_upstream, start_llmgw):
@@ -335,7 +337,7 @@ def register_routing_tiers():
         served = [(await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})).headers[
             "x-llmgw-replica"] for _ in range(4)]
     assert served == ["b"] * 4
-    assert await metric_value(gw, "llmgw_routing_decisions_total", 'tier="always_last",outcome="last"') == 4
+    assert await scrape_value(gw.control_url, "llmgw_routing_decisions_total", 'tier="always_last",outcome="last"') == 4
 
 
 async def test_the_demo_serves_without_a_config(start_llmgw):

@@ -21,9 +21,10 @@ import trio
 import trio_websocket
 
 from llmgw import wire
-from llmgw.processes import llmgw_command, run_child
-from cluster_helpers import AGENTS, BLOCK, TOKEN, all_up, complete, embedded, kv_sim, kv_state, kv_where, text
-from helpers import free_port, next_error
+from llmgw.testing.cluster import AGENTS, BLOCK, TOKEN, all_up, complete, embedded, kv_state, kv_where, text
+from llmgw.testing.processes import free_port, llmgw_command, start_child
+from llmgw.testing.sims import kv_sim_profile as kv_sim
+from helpers import next_error
 
 pytestmark = pytest.mark.slow
 
@@ -129,8 +130,7 @@ async def static_kv_replica(nursery, start_llmgw, *, engine_args=(), routing_opt
                          "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"})
     argv = llmgw_command("sim", "--port", "0", "--served-model-name", "tiny", "--time-scale", "0",
                          "--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config", config, *engine_args)
-    engine = await nursery.start(lambda task_status: run_child(argv, name="sim-ext", env={"PYTHONHASHSEED": "0"},
-                                                                task_status=task_status))
+    engine = await start_child(nursery, argv, name="sim-ext", env={"PYTHONHASHSEED": "0"})
     gateway = await start_llmgw(f"""
 models:
   - name: tiny

@@ -27,7 +27,8 @@ import pytest
 import trio
 
 from llmgw.bench import kv_truth
-from cluster_helpers import BLOCK, all_up, complete, embedded, kv_sim, kv_state, kv_where, text
+from llmgw.testing.cluster import BLOCK, all_up, complete, embedded, kv_state, kv_where, text
+from llmgw.testing.sims import kv_sim_profile as kv_sim
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,6 @@ physical blocks) against the mirror's reference counts.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -28,12 +27,12 @@ from llmgw.kv.mirror import EngineMirror, flush_loop
 from llmgw.kv.subscriber import EngineSubscription
 from llmgw.metrics import Metrics
 from llmgw.plugins_manager import build_registry, make_plugin_manager
-from llmgw.processes import Child, llmgw_command, run_child
 from llmgw.router.replica import Replica
 from llmgw.router.router import Router
 from llmgw.router.tier import RouteRequest
+from llmgw.testing.metrics import metric_value, scrape
+from llmgw.testing.processes import Child, free_port, llmgw_command, start_child
 from llmgw.wire import KvChangeKind, KvChanges
-from helpers import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +53,6 @@ class Engine:
     sim_args: tuple[str, ...]
     replica: Replica | None = None
     child: Child | None = None
-    scope: trio.CancelScope | None = None
     http: httpx.AsyncClient = field(default_factory=lambda: httpx.AsyncClient(timeout=10))
 
     async def complete(self, body: dict) -> dict:
@@ -73,12 +71,9 @@ class Engine:
 
     async def cache_state(self) -> tuple[int, int]:
         """``llmgw_sim_cached_blocks`` and ``llmgw_sim_kv_event_batches_total``, read in one scrape."""
-        text = (await self.http.get(self.replica.url + "/metrics")).text
-
-        def value(name: str) -> int:
-            return int(float(re.search(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M).group(1)))
-
-        return value("llmgw_sim_cached_blocks"), value("llmgw_sim_kv_event_batches_total")
+        text = await scrape(self.replica.url, self.http)
+        return (int(metric_value(text, "llmgw_sim_cached_blocks", default=None)),
+                int(metric_value(text, "llmgw_sim_kv_event_batches_total", default=None)))
 
 
 class Cluster:
@@ -112,14 +107,7 @@ class Cluster:
         argv = llmgw_command("sim", "--port", "0", "--served-model-name", MODEL, "--time-scale", "0",
                              "--block-size", str(BLOCK), "--prefix-caching-hash-algo", "sha256_cbor",
                              "--output-tokens", "1:4", "--kv-events-config", json.dumps(config), *engine.sim_args)
-
-        async def run(task_status=trio.TASK_STATUS_IGNORED):
-            with trio.CancelScope() as scope:
-                engine.scope = scope
-                await run_child(argv, name=f"sim-{engine.name}", env={"PYTHONHASHSEED": "0"},
-                                task_status=task_status)
-
-        engine.child = await self.nursery.start(run)
+        engine.child = await start_child(self.nursery, argv, name=f"sim-{engine.name}", env={"PYTHONHASHSEED": "0"})
         if engine.replica is not None:
             self.router.remove_replica(engine.replica)
         replica = Replica(name=engine.name, model=MODEL, url=engine.child.url)
@@ -128,9 +116,7 @@ class Cluster:
         self.router.add_replica(replica)
 
     async def stop_process(self, engine: Engine) -> None:
-        engine.scope.cancel()
-        with trio.fail_after(10):
-            await engine.child.process.wait()
+        await engine.child.stop(timeout=10)
 
     async def settled(self, engine: Engine) -> None:
         """Wait until the engine's cache, the mirror and the index agree (all sent, all applied).

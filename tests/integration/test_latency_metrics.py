@@ -15,7 +15,8 @@ import time
 import httpx
 import pytest
 
-from llmgw.processes import llmgw_command, run_child
+from llmgw.testing.metrics import samples as parse_samples, scrape, series_sum
+from llmgw.testing.processes import llmgw_command, start_child
 
 pytestmark = pytest.mark.slow
 
@@ -28,23 +29,11 @@ async def start_sim(nursery):
     argv = llmgw_command("sim", "--port", "0", "--served-model-name", "tiny", "--stream-head-first",
                          "--prefill-tokens-per-s", str(PREFILL_TOKENS_PER_S), "--decode-ms-per-step", "5",
                          "--output-tokens", "8:8", "--no-enable-prefix-caching")
-    return await nursery.start(lambda task_status: run_child(argv, name="sim", task_status=task_status))
+    return await start_child(nursery, argv, name="sim")
 
 
-async def scrape(gw) -> dict[str, float]:
-    async with httpx.AsyncClient() as client:
-        text = (await client.get(gw.control_url + "/metrics")).text
-    samples = {}
-    for line in text.splitlines():
-        if line.startswith("llmgw_") and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
-
-
-def series(samples: dict[str, float], name: str) -> float:
-    """The sum of every series of ``name`` (all label sets)."""
-    return sum(value for key, value in samples.items() if key == name or key.startswith(name + "{"))
+async def scrape_samples(gw) -> dict[str, float]:
+    return parse_samples(await scrape(gw.control_url))
 
 
 async def test_ttft_is_the_first_token_and_tokens_are_counted(nursery, start_llmgw):
@@ -63,27 +52,27 @@ async def test_ttft_is_the_first_token_and_tokens_are_counted(nursery, start_llm
                     client_ttft = time.perf_counter() - sent
                 if '"usage":{' in line:
                     usage = httpx.Response(200, content=line[len("data: "):]).json()["usage"]
-        streamed = await scrape(gw)
+        streamed = await scrape_samples(gw)
         plain = await client.post(gw.url + "/v1/chat/completions", json={"model": "tiny", "messages": body["messages"], "max_tokens": 8})
         assert plain.status_code == 200
 
-    samples = await scrape(gw)
+    samples = await scrape_samples(gw)
     assert client_ttft is not None and usage is not None
-    stream_ttft = series(streamed, "llmgw_time_to_first_token_seconds_sum")
+    stream_ttft = series_sum(streamed, "llmgw_time_to_first_token_seconds_sum")
     assert PREFILL_SECONDS <= stream_ttft <= client_ttft
     # The head came before the first token was computed: time to first byte is no measure of time to first token.
-    assert series(streamed, "llmgw_time_to_first_byte_seconds_sum") < stream_ttft - PREFILL_SECONDS
+    assert series_sum(streamed, "llmgw_time_to_first_byte_seconds_sum") < stream_ttft - PREFILL_SECONDS
     # The plain answer's first token is its whole body, which cannot come before the modelled prefill either.
-    assert series(samples, "llmgw_time_to_first_token_seconds_count") == 2
-    assert series(samples, "llmgw_time_to_first_token_seconds_sum") - stream_ttft >= PREFILL_SECONDS
+    assert series_sum(samples, "llmgw_time_to_first_token_seconds_count") == 2
+    assert series_sum(samples, "llmgw_time_to_first_token_seconds_sum") - stream_ttft >= PREFILL_SECONDS
     plain_usage = plain.json()["usage"]
-    assert series(samples, "llmgw_prompt_tokens_total") == usage["prompt_tokens"] + plain_usage["prompt_tokens"]
-    assert series(samples, "llmgw_completion_tokens_total") == \
+    assert series_sum(samples, "llmgw_prompt_tokens_total") == usage["prompt_tokens"] + plain_usage["prompt_tokens"]
+    assert series_sum(samples, "llmgw_completion_tokens_total") == \
         usage["completion_tokens"] + plain_usage["completion_tokens"] == 16
-    assert series(samples, "llmgw_inter_token_latency_seconds_count") == 1  # streams only
-    assert series(samples, "llmgw_e2e_request_latency_seconds_count") == 2
-    access = [line for line in gw.output if "request_id=" in line and "llmgw.access" in line]
-    assert len(access) == 2, gw.output
+    assert series_sum(samples, "llmgw_inter_token_latency_seconds_count") == 1  # streams only
+    assert series_sum(samples, "llmgw_e2e_request_latency_seconds_count") == 2
+    access = [line for line in gw.lines if "request_id=" in line and "llmgw.access" in line]
+    assert len(access) == 2, gw.lines
     assert all("model=tiny" in line and "status=200" in line and "completion_tokens=8" in line for line in access)
 
 
@@ -98,6 +87,6 @@ async def test_ttft_metric_lies_within_the_clients_measurement(nursery, start_ll
             async for line in response.aiter_lines():
                 if client_ttft is None and '"text":"' in line and '"text":""' not in line:
                     client_ttft = time.perf_counter() - sent
-    samples = await scrape(gw)
-    gateway_ttft = series(samples, "llmgw_time_to_first_token_seconds_sum")
+    samples = await scrape_samples(gw)
+    gateway_ttft = series_sum(samples, "llmgw_time_to_first_token_seconds_sum")
     assert PREFILL_SECONDS <= gateway_ttft <= client_ttft

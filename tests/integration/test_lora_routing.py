@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster_helpers import BLOCK, all_up, embedded, kv_sim, kv_where, text
+from llmgw.testing.cluster import BLOCK, all_up, embedded, kv_where, text
+from llmgw.testing.sims import kv_sim_profile as kv_sim
 
 pytestmark = pytest.mark.slow
 

@@ -16,6 +16,7 @@ import os
 import signal
 import ssl
 import stat
+from pathlib import Path
 
 import trio
 import trio_websocket
@@ -23,8 +24,9 @@ import trustme
 
 from llmgw import wire
 from llmgw.agent.discovery import discover
-from cluster_helpers import AGENTS, FIXTURES, TOKEN, alive, all_up, environ_of
+from llmgw.testing.cluster import AGENTS, TOKEN, alive, all_up, environ_of
 
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nodes"  # the fake nodes (their GPUs)
 API_KEY = "engine-k3y-for-a-only"
 ENV_SECRET = "env-s3cret-for-a-only"
 
@@ -40,6 +42,7 @@ deployments:
   - profile: tiny-sim
     replicas: 1
 """
+
 
 
 class RawAgent:

@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import trio
 
-from helpers import metric_value
-from llmgw.bench.sim_cluster import MODEL, gateway_config, start_sims
-from llmgw.processes import llmgw_command
+from llmgw.testing.metrics import scrape_value
+from llmgw.testing.sims import MODEL, gateway_config, start_sims
+from llmgw.testing.processes import llmgw_command
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
 MARKED_BLOCK = re.compile(r"<!-- walkthrough-file: (\S+) -->\n```\w*\n(.*?)\n```\n", re.S)
@@ -92,7 +92,7 @@ async def test_the_walkthrough_tier_installs_passes_its_test_and_sees_non_stream
         async with trio.open_nursery() as burst:
             for i in range(REQUESTS):
                 burst.start_soon(ask, client, i)
-    ties = await metric_value(gateway, "llmgw_routing_decisions_total", 'tier="least_tokens",outcome="tie"')
-    least = await metric_value(gateway, "llmgw_routing_decisions_total", 'tier="least_tokens",outcome="least"')
+    ties = await scrape_value(gateway.control_url, "llmgw_routing_decisions_total", 'tier="least_tokens",outcome="tie"')
+    least = await scrape_value(gateway.control_url, "llmgw_routing_decisions_total", 'tier="least_tokens",outcome="least"')
     assert (ties, least) == (1, REQUESTS - 1), (ties, least)
     assert sorted(set(served)) == ["sim-0", "sim-1"]

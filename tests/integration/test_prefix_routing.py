@@ -13,7 +13,7 @@ import httpx
 import trio
 
 from llmgw.bench.chat_workloads import new_client, run_multi_turn, send_chat, summarize, words
-from llmgw.bench.sim_cluster import MODEL, gateway_config, start_sims
+from llmgw.testing.sims import MODEL, gateway_config, start_sims
 
 REPLICAS = 4
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import httpx
 
-from helpers import assert_openai_error, metric_value, replicas, stats, wait_for
-from llmgw.bench.sim_cluster import gateway_config, start_sims
+from helpers import assert_openai_error, replicas, stats, wait_for
+from llmgw.testing.metrics import scrape_value
+from llmgw.testing.sims import gateway_config, start_sims
 
 CHAT = "/v1/chat/completions"
 POISON_SALT = b'{"model":"tiny","messages":[{"role":"user","content":"hi"}],"cache_salt":"\\ud800","max_tokens":40}'
@@ -52,8 +53,8 @@ async def test_a_lone_surrogate_salt_is_a_400_from_the_sim_kills_no_sim_and_is_n
             metrics = (await client.get(sim.url + "/metrics")).text.splitlines()
             failures = [line for line in metrics if line.startswith("llmgw_sim_request_failures_total{")]
             assert len(failures) == 1 and failures[0].endswith(" 0.0")  # refused at the door, not failed inside
-    assert await metric_value(gw, "llmgw_retries_total", 'model="tiny"') in (None, 0.0)
-    assert await metric_value(gw, "llmgw_requests_total", 'model="tiny",code="400"') == 8
+    assert await scrape_value(gw.control_url, "llmgw_retries_total", 'model="tiny"') in (None, 0.0)
+    assert await scrape_value(gw.control_url, "llmgw_requests_total", 'model="tiny",code="400"') == 8
     assert {r["state"] for r in (await replicas(gw)).values()} <= {"up", "unknown"}
 
 
@@ -88,8 +89,8 @@ async def test_an_engine_500_is_relayed_as_is_not_retried_and_does_not_count_aga
         good = {(await client.post(CHAT, json={"model": "tiny"})).headers["x-llmgw-replica"] for _ in range(4)}
         assert good == {"a", "b"}  # both still routable
     assert await posts(a, b) == 12 + 4  # each bad request went to one replica, once
-    assert await metric_value(gw, "llmgw_retries_total", 'model="tiny"') in (None, 0.0)
-    caused = [await metric_value(gw, "llmgw_upstream_request_failures_total", f'replica="{n}",reason="status_500"')
+    assert await scrape_value(gw.control_url, "llmgw_retries_total", 'model="tiny"') in (None, 0.0)
+    caused = [await scrape_value(gw.control_url, "llmgw_upstream_request_failures_total", f'replica="{n}",reason="status_500"')
               for n in ("a", "b")]
     assert sum(v or 0 for v in caused) == 8
 
@@ -106,7 +107,7 @@ async def test_a_replica_that_closes_after_taking_the_request_is_not_retried_nor
             assert "after it took the request" in error["message"] and response.headers["x-request-id"]
         assert {r["state"] for r in (await replicas(gw)).values()} == {"up"}
     assert await posts(a, b) == 6
-    caused = [await metric_value(gw, "llmgw_upstream_request_failures_total",
+    caused = [await scrape_value(gw.control_url, "llmgw_upstream_request_failures_total",
                                  f'replica="{n}",reason="closed_after_request"') for n in ("a", "b")]
     assert sum(v or 0 for v in caused) == 6
 
@@ -127,7 +128,7 @@ async def test_an_unwell_503_is_retried_counted_and_a_passing_probe_brings_the_r
             response = await client.post(CHAT, json={"model": "tiny"})
             assert response.status_code == 200 and response.headers["x-llmgw-replica"] == "b"
         assert (await stats(sick))["by_path"].get(CHAT, 0) >= 1
-        assert await metric_value(gw, "llmgw_upstream_errors_total", 'replica="sick",kind="status_5xx"') >= 1
+        assert await scrape_value(gw.control_url, "llmgw_upstream_errors_total", 'replica="sick",kind="status_5xx"') >= 1
         # Down on the 503, its probe (which passes) runs at once: back long before the 30 s interval.
         await wait_for(lambda: _state(gw, "sick", "up"), timeout=10)
         # No other replica: the client gets the upstream's own 503 and body.

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import time
-import signal
-import subprocess
+import re
 import sys
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -25,10 +23,11 @@ import trio
 import zmq
 
 from llmgw.engines.probe import parse_block_size
+from llmgw.testing.processes import start_child
 
 pytestmark = pytest.mark.slow
 
-READY = "llmgw-sim listening on "
+READY = re.compile(r"^llmgw-sim listening on (\S+)")
 
 
 @dataclass
@@ -41,40 +40,17 @@ class SimProcess:
 
 @asynccontextmanager
 async def sim_process(*args: str, env: dict[str, str] | None = None, startup_timeout: float = 30.0):
-    """Run ``llmgw sim --port 0 ARGS``; yields a :class:`SimProcess`; SIGTERM on exit (must exit 0)."""
-    full_env = {**os.environ, "PYTHONHASHSEED": "0", **(env or {})}
+    """Run ``llmgw sim --port 0 ARGS``; yields a :class:`SimProcess`; SIGTERM on exit (must exit 0 within 10 s)."""
     command = [sys.executable, "-m", "llmgw.cli", "sim", "--host", "127.0.0.1", "--port", "0", *args]
-    proc = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, env=full_env)
-    try:
-        lines: dict[str, str] = {}
-        buffer = b""
-        with trio.fail_after(startup_timeout):
-            while READY not in lines.get("ready", ""):
-                chunk = await proc.stdout.receive_some(4096)
-                if not chunk:
-                    raise RuntimeError(f"llmgw sim exited during startup (rc={await proc.wait()})")
-                buffer += chunk
-                *complete, buffer = buffer.split(b"\n")
-                for raw in complete:
-                    line = raw.decode()
-                    if line.startswith(READY):
-                        lines["ready"] = line
-                    elif line.startswith("llmgw-sim kv-events on "):
-                        lines["events"] = line.rsplit(" ", 1)[1]
-                    elif line.startswith("llmgw-sim kv-replay on "):
-                        lines["replay"] = line.rsplit(" ", 1)[1]
-        yield SimProcess(lines["ready"][len(READY):], lines.get("events"), lines.get("replay"), proc)
-    finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            with trio.move_on_after(10):
-                await proc.wait()
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-                raise AssertionError("llmgw sim did not exit within 10 s of SIGTERM")
-        await proc.stdout.aclose()
-    assert proc.returncode == 0, f"llmgw sim exited with {proc.returncode}"
+    async with trio.open_nursery() as nursery:
+        child = await start_child(nursery, command, name="llmgw sim", ready=READY, startup_timeout=startup_timeout,
+                                  env={"PYTHONHASHSEED": "0", **(env or {})}, stop_grace=10)
+        said = {prefix: line.rsplit(" ", 1)[1] for line in child.lines
+                for prefix in ("llmgw-sim kv-events on ", "llmgw-sim kv-replay on ") if line.startswith(prefix)}
+        yield SimProcess(child.url, said.get("llmgw-sim kv-events on "), said.get("llmgw-sim kv-replay on "),
+                         child.process)
+        code = await child.stop()  # SIGTERM, SIGKILL 10 s later
+    assert code == 0, f"llmgw sim exited with {code} (-9: not within 10 s of SIGTERM)"
 
 
 async def zmq_recv(sock: zmq.Socket) -> list[bytes]:

@@ -13,32 +13,20 @@ import trio
 from llmgw import wire
 from llmgw.agent.ledger import LedgerEntry
 from llmgw.agent.statelock import StateDirBusy, StateDirLock
-from llmgw.processes import llmgw_command
+from llmgw.testing.processes import llmgw_command, start_child
 
 
 
-async def start_agent(nursery, state_dir) -> object:
+async def start_agent(nursery, state_dir) -> trio.Process:
     """A real ``llmgw agent`` that holds ``state_dir`` (its control plane is unreachable: it keeps retrying)."""
     argv = llmgw_command("agent", "--join", "http://127.0.0.1:9", "--token", "secret-token", "--node-id", "node-a",
                          "--state-dir", str(state_dir), "--discovery", "cpu")
-    return await nursery.start(lambda task_status: _run_until_started(argv, state_dir, task_status))
-
-
-async def _run_until_started(argv, state_dir, task_status):
-    process = await trio.lowlevel.open_process(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                               start_new_session=True)
+    child = await start_child(nursery, argv, name="agent node-a", ready=None)
     lock_file = state_dir / "agent.lock"
-    try:
-        with trio.fail_after(30):
-            while not lock_file.exists() or lock_file.read_text().split("\n")[0] != str(process.pid):
-                await trio.sleep(0.05)
-        task_status.started(process)
-        await process.wait()
-    finally:
-        with trio.CancelScope(shield=True):
-            if process.returncode is None:
-                process.terminate()
-                await process.wait()
+    with trio.fail_after(30):
+        while not lock_file.exists() or lock_file.read_text().split("\n")[0] != str(child.pid):
+            await trio.sleep(0.05)
+    return child.process
 
 
 async def test_a_second_agent_on_the_same_state_dir_fails_naming_the_first(nursery, tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from helpers import free_port
+from llmgw.testing.processes import free_port
 from llmgw.gateway.dataplane import DataPlane, DataPlaneSettings
 from llmgw.http.messages import Request
 from llmgw.metrics import Metrics

@@ -18,7 +18,8 @@ import pytest
 import trio
 import trustme
 
-from test_gateway import metric_value, wait_for
+from llmgw.testing.metrics import scrape_value
+from helpers import wait_for
 
 KEY = "sk-client"
 UPSTREAM_SECRET = "sk-upstream-secret"
@@ -158,7 +159,7 @@ data_tls:
         text, pieces = await trio.to_thread.run_sync(functools.partial(chat, gw.url, "tiny", http_client=http))
     assert text == "hello from trusted"
     assert pieces == [f"tok{i} " for i in range(5)]
-    up = await wait_for(lambda: metric_value(gw, "llmgw_replica_up", 'replica="tiny"'))
+    up = await wait_for(lambda: scrape_value(gw.control_url, "llmgw_replica_up", 'replica="tiny"'))
     assert up == 1  # the health probes pass over TLS too
 
     # A client that speaks plain HTTP to the HTTPS listener gets nothing and costs only its own connection.
@@ -172,7 +173,8 @@ data_tls:
         except trio.BrokenResourceError:
             pass
     assert b"HTTP/1.1" not in answer
-    assert await wait_for(lambda: metric_value(gw, "llmgw_tls_handshake_failures_total", 'listener="data"')) == 1
+    assert await wait_for(lambda: scrape_value(gw.control_url, "llmgw_tls_handshake_failures_total",
+                                               'listener="data"')) == 1
     with httpx.Client(verify=ssl.create_default_context(cafile=str(pki / "ca.pem"))) as http:
         assert await trio.to_thread.run_sync(functools.partial(chat, gw.url, "tiny", http_client=http))
 
@@ -192,7 +194,7 @@ upstream_tls:
     assert "certificate verification failed: unable to get local issuer certificate" in down["untrusted"]
     assert "certificate verification failed" in down["misnamed"]
     assert "mismatch" in down["misnamed"] and "127.0.0.1" in down["misnamed"]
-    assert any("is now down" in line and "unable to get local issuer certificate" in line for line in gw.output)
+    assert any("is now down" in line and "unable to get local issuer certificate" in line for line in gw.lines)
     for name in ("untrusted", "misnamed"):
         await refusal(gw, name)
 
@@ -215,7 +217,7 @@ async def test_tls_verify_false_accepts_any_certificate_says_so_and_reloads(nurs
     assert text == "hello from untrusted" and len(pieces) == 5
 
     def warnings():
-        return [line for line in gw.output if "verification is OFF" in line]
+        return [line for line in gw.lines if "verification is OFF" in line]
 
     async def warned(times: int) -> bool:
         return len(warnings()) == times

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from llmgw import cli
@@ -22,3 +24,12 @@ def test_llmgw_bench_fault_dispatches_to_its_module(capsys):
     assert exit_.value.code == 0
     help_text = capsys.readouterr().out
     assert help_text.startswith("usage: llmgw bench fault") and "--json" in help_text and "--duration" in help_text
+
+
+def test_llmgw_bench_without_the_benchmarks_says_how_to_get_them(capsys, monkeypatch):
+    for name in ["llmgw.bench", *(module for module, _ in BENCHES.values())]:  # as from the wheel, without them
+        monkeypatch.setitem(sys.modules, name, None)  # (also when another test imported them already)
+    assert cli.main(["bench", "routing", "--quick"]) == 2
+    said = capsys.readouterr().err
+    assert "the benchmarks are not in this installation of llmgw" in said
+    assert "pip install -e '.[bench]'" in said and "llmgw bench routing --help" in said

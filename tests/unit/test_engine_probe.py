@@ -28,7 +28,7 @@ from llmgw.router.load_scraper import scrape_once
 from llmgw.router.replica import Replica
 from llmgw.router.replicas import ReplicaSet
 from llmgw.router.router import Router
-from helpers import free_port
+from llmgw.testing.processes import free_port
 
 RUNNING, WAITING = VLLM_GAUGES.running, VLLM_GAUGES.waiting
 

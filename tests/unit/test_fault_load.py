@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from llmgw.bench.fault_load import LoadSettings, SteadyLoad
-from llmgw.processes import free_port
+from llmgw.testing.processes import free_port
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}"
 UNAVAILABLE = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}"

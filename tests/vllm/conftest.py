@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.bench.proxy import free_port
+from llmgw.testing.processes import free_port
 from llmgw.bench.vllm_real import Gateway, install, start_cluster
 
 

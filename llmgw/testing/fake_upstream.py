@@ -13,7 +13,7 @@ between ``data: [DONE]`` and the chunked body's terminator).
 ``--status`` makes every POST fail with that status. Every response names
 the server in ``x-served-by``.
 
-Run: ``python -m llmgw.bench.fake_upstream --port 0 --name a`` (prints
+Run: ``python -m llmgw.testing.fake_upstream --port 0 --name a`` (prints
 ``fake-upstream listening on http://HOST:PORT``). With ``--tls-cert`` (and
 ``--tls-key``) it serves HTTPS instead; ``--tls-client-ca`` then requires a
 client certificate signed by that CA (mutual TLS).
@@ -203,8 +203,16 @@ async def serve(host: str, port: int, name: str, model: str, chunks: int, status
         await stop.wait()
 
 
+def command(name: str = "fake", *, port: int = 0, chunks: int = 50, model: str = "tiny", status: int = 200,
+            extra: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """The argv that starts this fake upstream in a child process (``extra``: more options, ``--tls-cert``...)."""
+    return [sys.executable, "-m", "llmgw.testing.fake_upstream",
+            "--name", name, "--port", str(port), "--chunks", str(chunks), "--model", model, "--status", str(status),
+            *extra]
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llmgw.bench.fake_upstream", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m llmgw.testing.fake_upstream", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--name", default="fake")

@@ -1,10 +1,11 @@
-"""A cluster on loopback for the integration tests: ``llmgw serve`` and ``llmgw agent`` as real processes.
+"""A cluster on loopback: ``llmgw serve`` and ``llmgw agent`` as real processes, simulator engines on fixture GPUs.
 
-:class:`Cluster` starts them, kills them and reads their admin API; the
-``cluster`` fixture gives one per test, with ``engines``, which reaps the
-engines at the end (they outlive agents and the control plane by design;
-``integration/conftest.py`` offers both fixtures). The ``kv_*`` helpers read the
-KV index of such a cluster.
+:class:`Cluster` starts them in the caller's nursery, kills them and reads
+their admin API. Engines outlive agents and the control plane by design, so
+an :class:`EngineReaper` kills every engine the test started when it ends,
+whether it passed or failed: the pids the admin API showed and those in the
+agents' ledgers (``shards.json``) under the test's folder. The ``kv_*``
+helpers read the KV index of such a cluster.
 """
 
 from __future__ import annotations
@@ -12,23 +13,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import pytest
 import trio
 
-from llmgw.bench.common import metric_value
-from llmgw.bench.sim_cluster import kv_sim_profile as kv_sim  # noqa: F401 (the tests' import of it)
-from llmgw.processes import free_port, llmgw_command
+from .metrics import metric_value, scrape
+from .processes import Child, free_port, llmgw_command, start_child
 
-
-REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO / "tests" / "fixtures" / "nodes"
 TOKEN = "s3cret"
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+BLOCK = 16
 
 AGENTS = f"""
 agents:
@@ -42,29 +37,30 @@ health:
 """
 
 
-@dataclass
-class Proc:
-    """A child process whose output is collected line by line (stdout and stderr together)."""
+class EngineReaper:
+    """Engines to kill when the test ends: pids seen, and every shard in the ledgers under ``root``."""
 
-    name: str
-    process: trio.Process
-    lines: list[str] = field(default_factory=list)
-    exited: trio.Event = field(default_factory=trio.Event)
+    def __init__(self, root: Path):
+        self.root = root
+        self.pids: set[int] = set()
 
-    @property
-    def pid(self) -> int:
-        return self.process.pid
+    def add(self, pid: int) -> None:
+        self.pids.add(pid)
 
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        os.kill(self.pid, sig)
+    def update(self, pids) -> None:
+        self.pids.update(pids)
 
-    async def wait_exit(self, timeout: float = 10.0) -> int:
-        with trio.fail_after(timeout):
-            await self.exited.wait()
-        return self.process.returncode
-
-    def output(self) -> str:
-        return "\n".join(self.lines[-60:])
+    def reap(self) -> None:
+        """SIGKILL the process group of every engine seen or in a ledger (an engine's pid is its group's id)."""
+        for ledger in self.root.rglob("shards.json"):
+            try:
+                entries = json.loads(ledger.read_text()).get("shards", {}).values()
+            except (OSError, ValueError):
+                continue
+            for entry in entries:
+                self.pids.add(entry.get("pgid") or entry.get("pid") or 0)
+        for pid in self.pids - {0}:
+            kill_group(pid)
 
 
 def kill_group(pid: int) -> None:
@@ -75,67 +71,48 @@ def kill_group(pid: int) -> None:
 
 
 class Cluster:
-    def __init__(self, nursery: trio.Nursery, tmp_path: Path, engines: set[int]):
+    """``llmgw serve`` on fixed loopback ports (from :meth:`write_config`) and agents joining it.
+
+    ``fixtures``: the folder of the agents' discovery fixtures (``NAME.json``, fake GPUs);
+    ``cwd``: where the children run (a source checkout, so ``python -m llmgw`` imports it)."""
+
+    def __init__(self, nursery: trio.Nursery, tmp_path: Path, engines: EngineReaper, *, fixtures: Path,
+                 cwd: Path | None = None):
         self.nursery = nursery
         self.tmp_path = tmp_path
         self.engines = engines
+        self.fixtures = fixtures
+        self.cwd = cwd
         self.config_path = tmp_path / "llmgw.yaml"
         self.data_url = f"http://127.0.0.1:{free_port()}"
         self.control_url = f"http://127.0.0.1:{free_port()}"
         self.http = httpx.AsyncClient(timeout=10)
-        self.agents: dict[str, Proc] = {}
-        self.serve: Proc | None = None  # the last `llmgw serve` started
+        self.agents: dict[str, Child] = {}
+        self.serve: Child | None = None  # the last `llmgw serve` started
 
     def write_config(self, text: str) -> None:
         listen = f"listen: {self.data_url[7:]}\ncontrol_listen: {self.control_url[7:]}\n"
         self.config_path.write_text(listen + text)
 
-    async def spawn(self, name: str, argv: list[str], ready: str, timeout: float = 20.0) -> Proc:
-        process = await trio.lowlevel.open_process(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                   start_new_session=True, cwd=REPO,
-                                                   env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        proc = Proc(name, process)
-        seen = trio.Event()
-        self.nursery.start_soon(self._pump, proc, ready, seen)
-        with trio.fail_after(timeout):
-            await seen.wait()
-        if not any(ready in line for line in proc.lines):
-            raise AssertionError(f"{name} exited with {process.returncode} before printing {ready!r}:\n"
-                                 f"{proc.output()}")
-        return proc
+    async def spawn(self, name: str, argv: list[str], ready: str, timeout: float = 20.0) -> Child:
+        """Start ``argv`` in the cluster's nursery, ready once it printed a line holding ``ready``; killed (its
+        group, at once) when the test ends. An agent's engines are in groups of their own: the reaper's."""
+        return await start_child(self.nursery, argv, name=name, ready=ready, startup_timeout=timeout,
+                                 stop_grace=0, cwd=self.cwd)
 
-    async def _pump(self, proc: Proc, ready: str, seen: trio.Event) -> None:
-        buffer = b""
-        try:
-            async for chunk in proc.process.stdout:
-                buffer += chunk
-                *complete, buffer = buffer.split(b"\n")
-                for raw in complete:
-                    line = raw.decode(errors="replace")
-                    proc.lines.append(line)
-                    if ready in line:
-                        seen.set()
-            await proc.process.wait()
-        finally:
-            seen.set()
-            proc.exited.set()
-            with trio.CancelScope(shield=True):
-                if proc.process.returncode is None:
-                    kill_group(proc.pid)  # an agent's engines are in groups of their own: reaped by `engines`
-                    await proc.process.wait()
-
-    async def start_serve(self) -> Proc:
+    async def start_serve(self) -> Child:
         argv = llmgw_command("serve", "--config", str(self.config_path), "--log-level", "debug")
         self.serve = await self.spawn("llmgw serve", argv, "llmgw listening on ")
         return self.serve
 
     async def start_agent(self, node_id: str, fixture: str, *, token: str = TOKEN, ready: str = " connected to ",
                           timeout: float = 20.0, state_dir: Path | None = None, join: str | None = None,
-                          extra: tuple[str, ...] | list[str] = ()) -> Proc:
+                          extra: tuple[str, ...] | list[str] = ()) -> Child:
         state_dir = state_dir or self.tmp_path / f"agent-{node_id}"
         argv = llmgw_command("agent", "--join", join or self.control_url, "--token", token, "--node-id", node_id,
                              "--state-dir", str(state_dir), "--address", "127.0.0.1",
-                             "--discovery", f"fixture:{FIXTURES / fixture}.json", "--log-level", "debug", *extra)
+                             "--discovery", f"fixture:{self.fixtures / fixture}.json", "--log-level", "debug",
+                             *extra)
         proc = self.agents[node_id] = await self.spawn(f"agent {node_id}", argv, ready, timeout)
         return proc
 
@@ -198,7 +175,7 @@ class Cluster:
         return response.headers["x-llmgw-replica"]
 
     async def metric(self, name: str, labels: str = "") -> float:
-        return metric_value((await self.http.get(self.control_url + "/metrics")).text, name, labels)
+        return metric_value(await scrape(self.control_url, self.http), name, labels)
 
 
 def all_up(count: int):
@@ -223,25 +200,23 @@ def alive(pid: int) -> bool:
 
 
 def embedded(state_dir: Path, token: bool = False) -> str:
+    """Config YAML of an embedded agent (node ``local``) keeping its state in ``state_dir``."""
     return (f"agents:\n  embedded: true\n  node_id: local\n  state_dir: {state_dir}\n"
             + (f"  token: {TOKEN}\n  heartbeat_interval: 0.5s\n  suspect_after: 1.5s\n  disconnected_after: 3s\n"
                if token else "")
             + "health:\n  interval: 0.2s\n  failures_to_down: 1\n")
 
 
-
-BLOCK = 16
-
-
 def text(seed: int, chars: int) -> str:
+    """A prompt of about ``chars`` characters whose words depend on ``seed``."""
     return " ".join(f"w{seed}x{i}" for i in range(chars // 4 + 1))[:chars]
 
 
-async def kv_state(cluster) -> dict[str, dict]:
+async def kv_state(cluster: Cluster) -> dict[str, dict]:
     return {r["name"]: r for r in (await cluster.admin("/admin/kv"))["replicas"]}
 
 
-async def kv_where(cluster, what: str, check, timeout: float = 20.0) -> dict[str, dict]:
+async def kv_where(cluster: Cluster, what: str, check, timeout: float = 20.0) -> dict[str, dict]:
     async def predicate():
         state = await kv_state(cluster)
         return state if check(state) else None
@@ -249,28 +224,9 @@ async def kv_where(cluster, what: str, check, timeout: float = 20.0) -> dict[str
     return await cluster.wait_for(what, predicate, timeout)
 
 
-async def complete(cluster, prompt: str, url: str | None = None) -> tuple[str, dict]:
+async def complete(cluster: Cluster, prompt: str, url: str | None = None) -> tuple[str, dict]:
     """A completion through the gateway (or straight to an engine at ``url``): (replica, usage)."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
     response = await cluster.http.post((url or cluster.data_url) + "/v1/completions", json=body)
     assert response.status_code == 200, response.text
     return response.headers.get("x-llmgw-replica", ""), response.json()["usage"]
-
-
-@pytest.fixture
-def engines(tmp_path):
-    """Pids of engines to reap after the test (after every async fixture, the cluster's processes included)."""
-    pids: set[int] = set()
-    yield pids
-    for ledger in tmp_path.rglob("shards.json"):
-        for entry in json.loads(ledger.read_text()).get("shards", {}).values():
-            pids.add(entry.get("pgid") or entry.get("pid") or 0)
-    for pid in pids - {0}:
-        kill_group(pid)
-
-
-@pytest.fixture
-async def cluster(engines, nursery, tmp_path):
-    c = Cluster(nursery, tmp_path, engines)
-    yield c
-    await c.http.aclose()

@@ -1,10 +1,10 @@
-"""A gateway in front of simulator replicas, all child processes on loopback, for tests and benchmarks.
+"""Stand-in engines (simulators, fake upstreams) and a gateway in front of them: child processes on loopback.
 
 :func:`sim_command` is how a simulator replica is started, :func:`gateway_config`
 the YAML of a gateway routing one model over replicas with a given tier,
 :func:`kv_sim_profile` that of a ``sim`` profile deployed by agents, and
-:func:`start_sims` / :func:`start_gateway` start them in the caller's nursery
-(via :func:`llmgw.processes.run_child`, so cancelling the nursery stops them).
+:func:`start_sims` / :func:`start_fake_upstream` / :func:`start_gateway` start them in the caller's nursery
+(via :func:`llmgw.testing.processes.run_child`, so cancelling the nursery stops them).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Sequence
 
 import trio
 
-from ..processes import Child, llmgw_command, run_child, start_serve
+from . import fake_upstream
+from .processes import Child, llmgw_command, start_child, start_serve
 
 MODEL = "tiny"
 
@@ -67,13 +68,19 @@ async def start_sims(nursery: trio.Nursery, count: int, **sim_options) -> list[C
     env = sim_options.pop("env", None)  # added to the simulators' environment (e.g. PYTHONHASHSEED)
 
     async def start(i: int) -> None:
-        children[i] = await nursery.start(lambda task_status: run_child(
-            sim_command(**sim_options), name=f"sim-{i}", env=env, task_status=task_status))
+        children[i] = await start_child(nursery, sim_command(**sim_options), name=f"sim-{i}", env=env)
 
     async with trio.open_nursery() as starting:
         for i in range(count):
             starting.start_soon(start, i)
     return children  # type: ignore[return-value]
+
+
+async def start_fake_upstream(nursery: trio.Nursery, name: str, *, port: int = 0, chunks: int = 50,
+                              model: str = MODEL, status: int = 200, extra: Sequence[str] = ()) -> Child:
+    """A running :mod:`llmgw.testing.fake_upstream` (``extra``: more of its options, ``--tls-cert``...)."""
+    argv = fake_upstream.command(name, port=port, chunks=chunks, model=model, status=status, extra=tuple(extra))
+    return await start_child(nursery, argv, name=f"fake-{name}")
 
 
 async def start_gateway(nursery: trio.Nursery, config_text: str) -> Child:
