@@ -22,59 +22,34 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import struct
 import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from functools import lru_cache
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import cbor2
 import xxhash
 
+from .block_messages import (
+    PICKLE_PROTOCOL,
+    BlockMessages,
+    CborBlockMessages,
+    PickleBlockMessages,
+    cbor_block_triple,
+    extra_cbor,
+    pickle_block_triple,
+)
+
 ALGORITHMS = ("sha256_cbor", "sha256", "xxhash", "xxhash_cbor")
 DEFAULT_SEED_STRING = "vllm-none-hash"  # vLLM >= 0.29, sha256*/sha256_cbor with PYTHONHASHSEED unset
-PICKLE_PROTOCOL = 5  # pickle.HIGHEST_PROTOCOL on every CPython vLLM supports
 U64_MASK = 0xFFFF_FFFF_FFFF_FFFF
 
 ExtraKeys = Sequence[tuple | None]
 
 
 # --------------------------------------------------------------------------- serialisation
-
-
-def _cbor_head(major: int, length: int) -> bytes:
-    """A canonical (shortest-form) CBOR item head."""
-    if length < 24:
-        return bytes((major << 5 | length,))
-    for info, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
-        if length < 1 << (8 * size):
-            return bytes((major << 5 | info,)) + length.to_bytes(size, "big")
-    raise ValueError(f"CBOR length {length} does not fit in 64 bits")
-
-
-_CBOR_TRIPLE = b"\x83"  # array of 3 items
-_CBOR_NONE = b"\xf6"
-_PARENT_HEADS = {16: _cbor_head(2, 16), 32: _cbor_head(2, 32)}
-
-
-def cbor_block_triple(parent: bytes, tokens: Sequence[int], extra: tuple | None) -> bytes:
-    """``cbor2.dumps((parent, tuple(tokens), extra), canonical=True)``, about 1.2x faster.
-
-    cbor2's C encoder does the per-token work (so integer semantics stay
-    cbor2's own, bignums included); only the fixed framing around it is written
-    here. CBOR has no context, so encoding the parts separately is
-    byte-identical to encoding the triple (property-tested in
-    ``tests/unit/test_block_keys.py``).
-    """
-    head = _PARENT_HEADS.get(len(parent)) or _cbor_head(2, len(parent))
-    tail = _CBOR_NONE if extra is None else cbor2.dumps(extra, canonical=True)
-    return b"".join((_CBOR_TRIPLE, head, parent, cbor2.dumps(tokens, canonical=True), tail))
-
-
-def pickle_block_triple(parent: bytes, tokens: Sequence[int], extra: tuple | None) -> bytes:
-    """What vLLM's ``sha256``/``xxhash`` algorithms digest: the triple pickled with protocol 5."""
-    return pickle.dumps((parent, tuple(tokens), extra), protocol=PICKLE_PROTOCOL)
 
 
 def _sha256(data: bytes) -> bytes:
@@ -324,16 +299,6 @@ def request_extra_keys(
 # --------------------------------------------------------------------------- compact block bytes
 
 
-@lru_cache(maxsize=4096)
-def _extra_bytes(extra: tuple) -> bytes:
-    return cbor2.dumps(extra, canonical=True)
-
-
-@lru_cache(maxsize=4096)
-def _extra_tail(extra: tuple) -> bytes:
-    return b"\xff" + _extra_bytes(extra)
-
-
 # Unsigned 32-bit little-endian token ids; unsigned typecodes convert lists twice as fast as signed ones.
 _U32 = next(code for code in "IL" if array(code).itemsize == 4)
 
@@ -362,23 +327,32 @@ class BlockKeyFunction(Protocol):
         ...
 
 
+_MESSAGES: dict[str, Callable[[], BlockMessages]] = {
+    "sha256_cbor": CborBlockMessages,
+    "xxhash_cbor": CborBlockMessages,
+    "sha256": PickleBlockMessages,
+    "xxhash": PickleBlockMessages,
+}
+
+
 class VllmBlockKeys:
     """vLLM's own chain; the keys equal the int hashes in the engine's KV events.
 
     Needs the engine's ``--prefix-caching-hash-algo``, its ``PYTHONHASHSEED``
-    (``seed``; None means unset) and block size. ``sha256_cbor`` uses the
-    cbor2-on-the-token-tuple fast path (:func:`cbor_block_triple`).
+    (``seed``; None means unset) and block size. Each block's serialised
+    triple is built by :mod:`llmgw.kv.block_messages` (a few C-level passes
+    over the prompt, then one concatenation and one digest per block).
 
-    The memo maps ``(block size, parent digest, block tokens, extra)`` to
-    ``(digest, key)`` and is an **LRU** bounded by ``memo_size`` entries (0
-    disables it). LRU rather than clear-when-full because the entries worth
-    keeping (shared system prompts, earlier turns of a chat) are exactly the
-    recently used ones, while most prompt tails are unique: clearing would
-    periodically drop the hot prefixes together with the junk. A hit costs
-    about 0.6 µs per block against 2.5 µs for hashing; a miss adds about
-    0.9 µs (insertion, LRU bookkeeping). About 380 bytes per entry with
-    16-token blocks (24 MiB at the default size). Not thread-safe: use one
-    instance per thread.
+    The memo maps a block's serialised triple (the digest's whole input, so
+    parent, tokens, block size and extra are all in it) to its digest and is
+    an **LRU** bounded by ``memo_size`` entries (0 disables it). LRU rather
+    than clear-when-full because the entries worth keeping (shared system
+    prompts, earlier turns of a chat) are exactly the recently used ones, while
+    most prompt tails are unique: clearing would periodically drop the hot
+    prefixes together with the junk. Lookups stop at the first miss (its
+    successors have a new parent). About 250 bytes per entry with 16-token
+    blocks (16 MiB at the default size); keys and values are flat bytes,
+    invisible to the cyclic GC. Not thread-safe: use one instance per thread.
     """
 
     name = "vllm"
@@ -390,14 +364,18 @@ class VllmBlockKeys:
         self.seed = seed
         self.none_hash = none_hash(algo, seed)
         self.memo_size = memo_size
-        self._hash_block = block_hasher(algo)
-        self._memo: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()
+        self._hash_block = _DIGEST[algo]  # a block's serialised triple -> its digest
+        self._messages = _MESSAGES[algo]()
+        size = len(self.none_hash)
+        self._event_ints = struct.Struct(f">{size - 8}xQ")  # the digest's last 8 bytes, big-endian
+        self._memo: OrderedDict[bytes, bytes] = OrderedDict()
 
     def __repr__(self) -> str:
         return f"VllmBlockKeys(algo={self.algo!r}, seed={self.seed!r}, memo_size={self.memo_size})"
 
     def keys(self, token_ids: Sequence[int], block_size: int, extra_keys: ExtraKeys | None = None) -> list[int]:
-        return [key for _, key in self._chain(token_ids, block_size, extra_keys, self.none_hash, 0)]
+        digests = self._chain(token_ids, block_size, extra_keys, self.none_hash, 0)
+        return [key for (key,) in self._event_ints.iter_unpack(b"".join(digests))]
 
     def digests(
         self,
@@ -409,8 +387,7 @@ class VllmBlockKeys:
         lookahead: int = 0,
     ) -> list[bytes]:
         """Full digests (as :func:`block_digests`), memoised; ``parent`` continues a chain."""
-        root = self.none_hash if parent is None else parent
-        return [digest for digest, _ in self._chain(token_ids, block_size, extra_keys, root, lookahead)]
+        return self._chain(token_ids, block_size, extra_keys, self.none_hash if parent is None else parent, lookahead)
 
     @property
     def memo_entries(self) -> int:
@@ -421,53 +398,38 @@ class VllmBlockKeys:
 
     def _chain(
         self, token_ids: Sequence[int], block_size: int, extra_keys: ExtraKeys | None, parent: bytes, lookahead: int
-    ) -> list[tuple[bytes, int]]:
+    ) -> list[bytes]:
         tokens = _as_int_list(token_ids)
         count = hashable_block_count(len(tokens), block_size, lookahead)
-        extras = _extras_for(extra_keys, count)
-        if self.memo_size and len(parent) == len(self.none_hash):
-            try:
-                packed = _pack_u32le(tokens[: count * block_size])
-            except ValueError:
-                pass  # ids outside uint32 (never from a tokenizer): hash without the memo
+        extras = None if extra_keys is None else _extras_for(extra_keys, count)
+        messages = self._messages
+        payloads = messages.payloads(tokens, count, block_size, extras)
+        heads = messages.heads(len(self.none_hash), payloads)
+        memo, limit, digest, reference = self._memo, self.memo_size, self._hash_block, messages.reference
+        looking = limit > 0  # after a miss the rest of the chain misses too (new parents): no more lookups
+        out = []
+        for i, (head, payload) in enumerate(zip(heads, payloads)):
+            if i == 0 and payload is not None and len(parent) != len(self.none_hash):
+                head = messages.head(len(parent), payload)
+            if head is None or payload is None:
+                message = reference(parent, tokens[i * block_size : (i + 1) * block_size],
+                                    None if extras is None else extras[i])
             else:
-                return self._memoised_chain(tokens, packed, block_size, extras, parent, count)
-        hash_block = self._hash_block
-        out = []
-        for i in range(count):
-            parent = hash_block(parent, tokens[i * block_size : (i + 1) * block_size], extras[i])
-            out.append((parent, int.from_bytes(parent[-8:], "big")))
-        return out
-
-    def _memoised_chain(
-        self, tokens: Sequence[int], packed: bytes, block_size: int, extras: Sequence, parent: bytes, count: int
-    ) -> list[tuple[bytes, int]]:
-        # Memo keys are flat bytes, not tuples: bytes are invisible to the cyclic GC, which
-        # otherwise re-scans a large memo of tuples and doubles the cost of a miss. The key is
-        # block size + parent + uint32 tokens [+ 0xff + CBOR of the extra]: unambiguous, since
-        # every parent here has the digest's length.
-        memo, limit, hash_block = self._memo, self.memo_size, self._hash_block
-        size_prefix = block_size.to_bytes(4, "little")
-        stride = 4 * block_size
-        out = []
-        hit = None
-        for i in range(count):
-            extra = extras[i]
-            extra_tail = b"" if extra is None else _extra_tail(extra)
-            memo_key = b"".join((size_prefix, parent, packed[i * stride : (i + 1) * stride], extra_tail))
-            # After a miss the rest of the chain almost surely misses too (its parents are new):
-            # skip the lookups. Recomputing a block that was in the memo after all is still correct.
-            hit = memo.get(memo_key) if i == 0 or hit is not None else None
-            if hit is None:
-                digest = hash_block(parent, tokens[i * block_size : (i + 1) * block_size], extra)
-                memo[memo_key] = entry = (digest, int.from_bytes(digest[-8:], "big"))
+                message = head + parent + payload
+            if looking:
+                hit = memo.get(message)
+                if hit is not None:
+                    memo.move_to_end(message)
+                    out.append(hit)
+                    parent = hit
+                    continue
+                looking = False
+            parent = digest(message)
+            out.append(parent)
+            if limit:
+                memo[message] = parent
                 if len(memo) > limit:
                     memo.popitem(last=False)
-            else:
-                memo.move_to_end(memo_key)
-                entry = hit
-            out.append(entry)
-            parent = entry[0]
         return out
 
 
@@ -511,7 +473,7 @@ class ContentChainKeys:
         for i in range(count):
             data = packed[i * stride : (i + 1) * stride]
             if extras[i] is not None:
-                data += _extra_bytes(extras[i])
+                data += extra_cbor(extras[i])
             key = digest(data, key)
             out.append(key)
         return out
