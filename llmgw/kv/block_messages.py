@@ -129,7 +129,7 @@ def extra_cbor(extra: tuple) -> bytes:
     return data
 
 
-def _per_block(extras: Sequence[tuple | None], count: int, encode: Callable[[tuple], bytes | None],
+def per_block(extras: Sequence[tuple | None], count: int, encode: Callable[[tuple], bytes | None],
                none: bytes | None) -> list[bytes | None]:
     """``encode(extra)`` of each block's extra (``none`` for None), once per run of the same extra object."""
     out: list[bytes | None] = []
@@ -175,7 +175,7 @@ class CborBlockMessages(BlockMessages):
 
     def payloads(self, tokens, count, block_size, extras):
         items = map(self.tokens.__getitem__, islice(tokens, count * block_size))
-        tails = repeat(_CBOR_NONE, count) if extras is None else _per_block(extras, count, extra_cbor, _CBOR_NONE)
+        tails = repeat(_CBOR_NONE, count) if extras is None else per_block(extras, count, extra_cbor, _CBOR_NONE)
         return list(map(b"".join, zip(repeat(_cbor_head(4, block_size)), *[items] * block_size, tails)))
 
     def head(self, parent_size, payload):

@@ -27,6 +27,9 @@ import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from functools import lru_cache
+from itertools import repeat
+from operator import itemgetter
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import cbor2
@@ -39,6 +42,7 @@ from .block_messages import (
     PickleBlockMessages,
     cbor_block_triple,
     extra_cbor,
+    per_block,
     pickle_block_triple,
 )
 
@@ -402,12 +406,42 @@ class VllmBlockKeys:
         tokens = _as_int_list(token_ids)
         count = hashable_block_count(len(tokens), block_size, lookahead)
         extras = None if extra_keys is None else _extras_for(extra_keys, count)
+        memo_keys = None
+        if self.memo_size and len(parent) == len(self.none_hash):
+            try:
+                memo_keys = _memo_key_starts(tokens, block_size, extras, count)
+            except ValueError:
+                pass  # ids outside uint32 (never from a tokenizer): hash without the memo
+        out = [] if memo_keys is None else self._memo_hits(memo_keys, parent)
+        if len(out) < count:
+            self._hash_blocks(out, tokens, block_size, extras, out[-1] if out else parent, count, memo_keys)
+        return out
+
+    def _memo_hits(self, memo_keys: list[bytes], parent: bytes) -> list[bytes]:
+        """The digests of the chain's leading blocks found in the memo (marked most recently used)."""
+        memo = self._memo
+        out = []
+        for key_start in memo_keys:
+            key = key_start + parent
+            hit = memo.get(key)
+            if hit is None:
+                break
+            memo.move_to_end(key)
+            out.append(hit)
+            parent = hit
+        return out
+
+    def _hash_blocks(self, out: list[bytes], tokens: Sequence[int], block_size: int, extras: ExtraKeys | None,
+                     parent: bytes, count: int, memo_keys: list[bytes] | None) -> None:
+        """Hashes blocks ``len(out)`` to ``count - 1`` (after ``parent``) onto ``out``, and memoises them."""
+        first = len(out)
+        if first:
+            tokens = tokens[first * block_size : count * block_size]
+            extras = None if extras is None else extras[first:count]
         messages = self._messages
-        payloads = messages.payloads(tokens, count, block_size, extras)
+        payloads = messages.payloads(tokens, count - first, block_size, extras)
         heads = messages.heads(len(self.none_hash), payloads)
         memo, limit, digest, reference = self._memo, self.memo_size, self._hash_block, messages.reference
-        looking = limit > 0  # after a miss the rest of the chain misses too (new parents): no more lookups
-        out = []
         for i, (head, payload) in enumerate(zip(heads, payloads)):
             if i == 0 and payload is not None and len(parent) != len(self.none_hash):
                 head = messages.head(len(parent), payload)
@@ -416,21 +450,34 @@ class VllmBlockKeys:
                                     None if extras is None else extras[i])
             else:
                 message = head + parent + payload
-            if looking:
-                hit = memo.get(message)
-                if hit is not None:
-                    memo.move_to_end(message)
-                    out.append(hit)
-                    parent = hit
-                    continue
-                looking = False
-            parent = digest(message)
+            if memo_keys is None:
+                parent = digest(message)
+            else:
+                memo[memo_keys[first + i] + parent] = parent = digest(message)
             out.append(parent)
-            if limit:
-                memo[message] = parent
-                if len(memo) > limit:
-                    memo.popitem(last=False)
-        return out
+        if memo_keys is not None:
+            for _ in range(len(memo) - limit):  # the least recently used out (as if evicted one by one)
+                memo.popitem(last=False)
+
+
+def _memo_key_starts(tokens: Sequence[int], block_size: int, extras: ExtraKeys | None, count: int) -> list[bytes]:
+    """Each block's memo key but the parent: block size + uint32 tokens [+ 0xff + CBOR of the extra].
+
+    The key is that + the parent digest: flat bytes (invisible to the cyclic GC, which otherwise re-scans a large
+    memo of tuples), unambiguous (the block size says where the tokens end; every parent here has the digest's
+    length), and cheaper to build than the block's serialised triple, so a memo hit costs no serialising. Built
+    for all blocks at once; ValueError for ids outside uint32.
+    """
+    stride = 4 * block_size
+    chunks = map(itemgetter(0), _chunks(stride).iter_unpack(_pack_u32le(tokens[: count * block_size])))
+    tails = repeat(b"", count) if extras is None else \
+        per_block(extras, count, lambda e: b"\xff" + extra_cbor(e), b"")
+    return list(map(b"".join, zip(repeat(block_size.to_bytes(4, "little")), chunks, tails)))
+
+
+@lru_cache(maxsize=64)
+def _chunks(size: int) -> struct.Struct:
+    return struct.Struct(f"{size}s")
 
 
 class ContentChainKeys:
