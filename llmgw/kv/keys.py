@@ -370,8 +370,6 @@ class VllmBlockKeys:
         self.memo_size = memo_size
         self._hash_block = _DIGEST[algo]  # a block's serialised triple -> its digest
         self._messages = _MESSAGES[algo]()
-        size = len(self.none_hash)
-        self._event_ints = struct.Struct(f">{size - 8}xQ")  # the digest's last 8 bytes, big-endian
         self._memo: OrderedDict[bytes, bytes] = OrderedDict()
 
     def __repr__(self) -> str:
@@ -379,7 +377,7 @@ class VllmBlockKeys:
 
     def keys(self, token_ids: Sequence[int], block_size: int, extra_keys: ExtraKeys | None = None) -> list[int]:
         digests = self._chain(token_ids, block_size, extra_keys, self.none_hash, 0)
-        return [key for (key,) in self._event_ints.iter_unpack(b"".join(digests))]
+        return _event_ints(digests, len(self.none_hash))
 
     def digests(
         self,
@@ -478,6 +476,19 @@ def _memo_key_starts(tokens: Sequence[int], block_size: int, extras: ExtraKeys |
 @lru_cache(maxsize=64)
 def _chunks(size: int) -> struct.Struct:
     return struct.Struct(f"{size}s")
+
+
+def _event_ints(digests: list[bytes], digest_size: int) -> list[int]:
+    """:func:`event_int` of each digest, in one or a few C calls."""
+    joined = b"".join(digests)
+    if len(digests) <= 256:
+        return list(_digest_tails(digest_size, len(digests)).unpack(joined))
+    return [key for (key,) in _digest_tails(digest_size, 1).iter_unpack(joined)]
+
+
+@lru_cache(maxsize=128)
+def _digest_tails(digest_size: int, count: int) -> struct.Struct:
+    return struct.Struct(">" + f"{digest_size - 8}xQ" * count)
 
 
 class ContentChainKeys:

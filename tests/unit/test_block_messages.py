@@ -142,3 +142,13 @@ def test_extra_cbor_tells_equal_values_of_other_types_apart():
 def test_a_bool_token_counts_as_its_int():
     key_function = VllmBlockKeys(memo_size=0)
     assert key_function.keys([True, False] * 8, 16) == key_function.keys([1, 0] * 8, 16)
+
+
+@pytest.mark.parametrize("algo", ["sha256_cbor", "xxhash"])
+def test_long_prompts_give_every_blocks_event_int(algo):
+    tokens = [(i * 7919) % 150_000 for i in range(300 * 4 + 3)]  # 300 blocks: the ints are unpacked in chunks
+    expected = [event_int(d) for d in reference_chain(algo, none_hash(algo, "0"), tokens, 4, None)]
+    key_function = VllmBlockKeys(algo)
+    assert key_function.keys(tokens, 4) == expected
+    assert key_function.keys(tokens[:256 * 4], 4) == expected[:256]
+    assert key_function.keys(tokens, 4) == expected  # from the memo
