@@ -95,6 +95,13 @@ class _TokenBytes(dict):
             self[token] = data
         return data
 
+    def join_blocks(self, tokens: Sequence[int], count: int, block_size: int, before: bytes,
+                    after: bytes | list[bytes]) -> list[bytes]:
+        """``before + encoded tokens of block i + after`` (or ``after[i]``) for each of the first ``count`` blocks."""
+        items = map(self.__getitem__, islice(tokens, count * block_size))
+        afters = repeat(after, count) if isinstance(after, bytes) else after
+        return list(map(b"".join, zip(repeat(before, count), *[items] * block_size, afters)))
+
 
 def _cbor_int(token: int) -> bytes:
     return cbor2.dumps(token, canonical=True)
@@ -106,6 +113,8 @@ def _pickle_int(token: int) -> bytes:
     return data[9:] if data[:1] == pickle.FRAME else data
 
 
+_CBOR_TOKENS = _TokenBytes(_cbor_int)
+_PICKLE_TOKENS = _TokenBytes(_pickle_int)
 _EXTRA_CBOR: dict[bytes, bytes] = {}
 
 
@@ -149,8 +158,8 @@ def per_block(extras: Sequence[tuple | None], count: int, encode: Callable[[tupl
 class BlockMessages:
     """Builds the serialised triple of every block: ``head(len(parent), payload) + parent + payload``."""
 
-    def __init__(self, reference: Callable[[bytes, Sequence[int], tuple | None], bytes]):
-        self.reference = reference  # the per-block serialiser, for the blocks :meth:`payloads` leaves as None
+    reference: Callable[[bytes, Sequence[int], tuple | None], bytes]  # for the blocks left as None
+    tokens: _TokenBytes  # shared by every instance: the bytes of an id never change
 
     def payloads(self, tokens: Sequence[int], count: int, block_size: int,
                  extras: Sequence[tuple | None] | None) -> list[bytes | None]:
@@ -169,14 +178,12 @@ class BlockMessages:
 class CborBlockMessages(BlockMessages):
     """``cbor2.dumps((parent, tuple(tokens), extra), canonical=True)`` of each block."""
 
-    def __init__(self) -> None:
-        super().__init__(cbor_block_triple)
-        self.tokens = _TokenBytes(_cbor_int)
+    reference = staticmethod(cbor_block_triple)
+    tokens = _CBOR_TOKENS
 
     def payloads(self, tokens, count, block_size, extras):
-        items = map(self.tokens.__getitem__, islice(tokens, count * block_size))
-        tails = repeat(_CBOR_NONE, count) if extras is None else per_block(extras, count, extra_cbor, _CBOR_NONE)
-        return list(map(b"".join, zip(repeat(_cbor_head(4, block_size)), *[items] * block_size, tails)))
+        tails = _CBOR_NONE if extras is None else per_block(extras, count, extra_cbor, _CBOR_NONE)
+        return self.tokens.join_blocks(tokens, count, block_size, _cbor_head(4, block_size), tails)
 
     def head(self, parent_size, payload):
         return _CBOR_TRIPLE + _cbor_head(2, parent_size)
@@ -193,16 +200,13 @@ _PICKLE_END_NONE = pickle.TUPLE + pickle.MEMOIZE + pickle.NONE + pickle.TUPLE3 +
 class PickleBlockMessages(BlockMessages):
     """``pickle.dumps((parent, tuple(tokens), extra), protocol=5)`` of each block."""
 
-    def __init__(self) -> None:
-        super().__init__(pickle_block_triple)
-        self.tokens = _TokenBytes(_pickle_int)
+    reference = staticmethod(pickle_block_triple)
+    tokens = _PICKLE_TOKENS
 
     def payloads(self, tokens, count, block_size, extras):
         if block_size < 4:  # TUPLE1-TUPLE3 instead of MARK ... TUPLE
             return [None] * count
-        items = map(self.tokens.__getitem__, islice(tokens, count * block_size))
-        blocks = list(map(b"".join, zip(repeat(_PICKLE_PARENT_END, count), *[items] * block_size,
-                                        repeat(_PICKLE_END_NONE))))
+        blocks = self.tokens.join_blocks(tokens, count, block_size, _PICKLE_PARENT_END, _PICKLE_END_NONE)
         if extras is not None:
             blocks = [block if extra is None else None for block, extra in zip(blocks, extras)]
         return blocks
