@@ -1,29 +1,21 @@
 """The bytes vLLM digests for each block, ``serialise((parent, tuple(tokens), extra))``, built fast.
 
-vLLM's ``sha256_cbor``/``xxhash_cbor`` digest ``cbor2.dumps(triple, canonical=True)``
-and ``sha256``/``xxhash`` digest ``pickle.dumps(triple, protocol=5)``. Calling
-the encoder once per block costs more than the digest itself, so
-:meth:`BlockMessages.payloads` builds every block's part after the parent in a
-few C-level passes over the whole prompt: each token id's encoded bytes come
-from a table filled on first use by the reference encoder itself, and are
-joined with the fixed framing around them. Only the part before the parent
-(:meth:`BlockMessages.head`) and the parent digest are added per block, in the
-chain. The framing is simple because both formats are plain for these values:
+vLLM's ``sha256_cbor``/``xxhash_cbor`` digest ``cbor2.dumps(triple, canonical=True)``.
+Calling cbor2 once per block costs more than the digest itself (it builds an
+encoder each call), so :meth:`CborBlockMessages.payloads` builds every block's
+part after the parent in a few C-level passes over the whole prompt: each token
+id's CBOR item comes from a table filled on first use by cbor2 itself, and the
+items are joined with the fixed framing around them. Only the part before the
+parent (:meth:`BlockMessages.head`) and the parent digest are added per block,
+in the chain. The triple is ``0x83`` (array of 3), the parent as a byte
+string, an array of the token items, the extra (``0xf6`` for None); CBOR has
+no context, so the parts encoded apart are byte-identical to the triple encoded
+at once (property-tested in ``tests/unit/test_block_messages.py``). Token ids
+are ints (a bool counts as its int value).
 
-- CBOR: ``0x83`` (array of 3), the parent as a byte string, an array of the
-  token items, the extra (``0xf6`` for None). CBOR has no context, so the
-  parts encoded apart are byte-identical to the triple encoded at once.
-- pickle: ``PROTO 5``, one ``FRAME`` (the length of the rest), the parent as
-  ``SHORT_BINBYTES`` then ``MEMOIZE``, ``MARK`` + the ints + ``TUPLE`` +
-  ``MEMOIZE``, ``NONE``, ``TUPLE3``, ``MEMOIZE``, ``STOP``. Ints are never
-  memoised, so each id's opcode bytes are context-free. A block with an extra
-  (whose strings pickle memoises, by identity), of fewer than 4 tokens
-  (``TUPLE1``-``TUPLE3``), with a parent of 256 bytes or more, or too large
-  for one frame is serialised by :func:`pickle_block_triple` instead.
-
-Both are property-tested against the reference serialisers
-(``tests/unit/test_block_messages.py``). Token ids are ints (a bool counts as
-its int value).
+``sha256``/``xxhash`` digest ``pickle.dumps(triple, protocol=5)``, whose C
+pickler is already cheaper per block than any framing written here:
+:class:`PickleBlockMessages` leaves every block to it.
 """
 
 from __future__ import annotations
@@ -39,7 +31,6 @@ import cbor2
 PICKLE_PROTOCOL = 5  # pickle.HIGHEST_PROTOCOL on every CPython vLLM supports
 TOKEN_TABLE_LIMIT = 1 << 18  # ids remembered per table (about 100 bytes each); later ones are encoded on each use
 EXTRA_CACHE_LIMIT = 4096
-FRAME_SIZE_TARGET = 64 * 1024  # pickle ends a frame once it reaches this many bytes (pickle._FRAME_SIZE_TARGET)
 
 _CBOR_TRIPLE = b"\x83"  # array of 3 items
 _CBOR_NONE = b"\xf6"
@@ -107,14 +98,7 @@ def _cbor_int(token: int) -> bytes:
     return cbor2.dumps(token, canonical=True)
 
 
-def _pickle_int(token: int) -> bytes:
-    """An int's opcode bytes inside a pickle: the dump of the int alone minus PROTO, any FRAME header and STOP."""
-    data = pickle.dumps(token, protocol=PICKLE_PROTOCOL)[2:-1]
-    return data[9:] if data[:1] == pickle.FRAME else data
-
-
 _CBOR_TOKENS = _TokenBytes(_cbor_int)
-_PICKLE_TOKENS = _TokenBytes(_pickle_int)
 _EXTRA_CBOR: dict[bytes, bytes] = {}
 
 
@@ -159,7 +143,6 @@ class BlockMessages:
     """Builds the serialised triple of every block: ``head(len(parent), payload) + parent + payload``."""
 
     reference: Callable[[bytes, Sequence[int], tuple | None], bytes]  # for the blocks left as None
-    tokens: _TokenBytes  # shared by every instance: the bytes of an id never change
 
     def payloads(self, tokens: Sequence[int], count: int, block_size: int,
                  extras: Sequence[tuple | None] | None) -> list[bytes | None]:
@@ -179,7 +162,7 @@ class CborBlockMessages(BlockMessages):
     """``cbor2.dumps((parent, tuple(tokens), extra), canonical=True)`` of each block."""
 
     reference = staticmethod(cbor_block_triple)
-    tokens = _CBOR_TOKENS
+    tokens = _CBOR_TOKENS  # shared by every instance: the bytes of an id never change
 
     def payloads(self, tokens, count, block_size, extras):
         tails = _CBOR_NONE if extras is None else per_block(extras, count, extra_cbor, _CBOR_NONE)
@@ -192,41 +175,16 @@ class CborBlockMessages(BlockMessages):
         return repeat(self.head(parent_size, b""))
 
 
-_PICKLE_START = pickle.PROTO + bytes((PICKLE_PROTOCOL,)) + pickle.FRAME
-_PICKLE_PARENT_END = pickle.MEMOIZE + pickle.MARK  # after the parent's bytes, the token tuple begins
-_PICKLE_END_NONE = pickle.TUPLE + pickle.MEMOIZE + pickle.NONE + pickle.TUPLE3 + pickle.MEMOIZE + pickle.STOP
-
-
 class PickleBlockMessages(BlockMessages):
-    """``pickle.dumps((parent, tuple(tokens), extra), protocol=5)`` of each block."""
+    """``pickle.dumps((parent, tuple(tokens), extra), protocol=5)`` of each block, by the pickler itself."""
 
     reference = staticmethod(pickle_block_triple)
-    tokens = _PICKLE_TOKENS
 
     def payloads(self, tokens, count, block_size, extras):
-        if block_size < 4:  # TUPLE1-TUPLE3 instead of MARK ... TUPLE
-            return [None] * count
-        blocks = self.tokens.join_blocks(tokens, count, block_size, _PICKLE_PARENT_END, _PICKLE_END_NONE)
-        if extras is not None:
-            blocks = [block if extra is None else None for block, extra in zip(blocks, extras)]
-        return blocks
+        return [None] * count
 
     def head(self, parent_size, payload):
-        size = 2 + parent_size + len(payload)  # SHORT_BINBYTES, its length byte, the parent, the rest
-        if parent_size > 255 or size >= FRAME_SIZE_TARGET:
-            return None
-        return b"".join((_PICKLE_START, size.to_bytes(8, "little"), pickle.SHORT_BINBYTES, bytes((parent_size,))))
+        return None
 
     def heads(self, parent_size, payloads):
-        cache: dict[int, bytes | None] = {}
-        out = []
-        for payload in payloads:
-            if payload is None:
-                out.append(None)
-                continue
-            size = len(payload)
-            head = cache.get(size, b"")
-            if head == b"":
-                head = cache[size] = self.head(parent_size, payload)
-            out.append(head)
-        return out
+        return repeat(None)
