@@ -348,14 +348,14 @@ class VllmBlockKeys:
     over the prompt, then one concatenation and one digest per block).
 
     The memo maps ``(block size, uint32 tokens, extra, parent digest)`` of a
-    block (flat bytes: :func:`_memo_key_starts`) to its digest and is an
+    block (flat bytes: :func:`_memo_key_starts`) to ``(digest, event int)`` and is an
     **LRU** bounded by ``memo_size`` entries (0 disables it). LRU rather than
     clear-when-full because the entries worth keeping (shared system prompts,
     earlier turns of a chat) are exactly the recently used ones, while most
     prompt tails are unique: clearing would periodically drop the hot prefixes
     together with the junk. Lookups stop at the first miss (its successors have
-    a new parent); a hit serialises nothing. About 270 bytes per entry with
-    16-token blocks (17 MiB at the default size), plus the token tables shared
+    a new parent); a hit serialises nothing. About 360 bytes per entry with
+    16-token blocks (23 MiB at the default size), plus the token tables shared
     by every instance (about 100 bytes per distinct id). Not thread-safe: use
     one instance per thread.
     """
