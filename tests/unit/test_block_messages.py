@@ -136,3 +136,13 @@ def test_long_prompts_give_every_blocks_event_int(algo):
     assert key_function.keys(tokens, 4) == expected
     assert key_function.keys(tokens[:256 * 4], 4) == expected[:256]
     assert key_function.keys(tokens, 4) == expected  # from the memo
+
+
+def test_the_memos_event_ints_follow_its_evictions():
+    key_function = VllmBlockKeys(memo_size=3)
+    for start in range(0, 200, 7):
+        tokens = list(range(start, start + 40))
+        assert key_function.keys(tokens, 8) == key_function.keys(tokens, 8)  # the second from the memo
+        assert len(key_function._event_ints) == key_function.memo_entries <= 3
+    key_function.clear_memo()
+    assert not key_function._event_ints
