@@ -354,8 +354,8 @@ class VllmBlockKeys:
     earlier turns of a chat) are exactly the recently used ones, while most
     prompt tails are unique: clearing would periodically drop the hot prefixes
     together with the junk. Lookups stop at the first miss (its successors have
-    a new parent); a hit serialises nothing. About 360 bytes per entry with
-    16-token blocks (23 MiB at the default size), plus the token tables shared
+    a new parent); a hit serialises nothing. About 340 bytes per entry with
+    16-token blocks (21 MiB at the default size), plus the token tables shared
     by every instance (about 100 bytes per distinct id). Not thread-safe: use
     one instance per thread.
     """
