@@ -1,6 +1,7 @@
 """Benchmark of the kv_index tier: decision cost, and event ingestion from engine batches to the router's index.
 
-Run: ``python -m llmgw.bench.kv_routing [--json out.json] [--quick]``.
+Run: ``python -m llmgw.bench.kv_routing [--json out.json] [--quick] [--tokens N ...] [--decisions-only]``
+(``--tokens 2048 --decisions-only``: the 2k-token decision rows alone, in about a minute).
 
 Decision cost: ``await tier.pick(request, candidates)`` of a ``kv_index`` tier
 with 4 candidates whose index holds 50k blocks each, at 2k and 32k prompt
@@ -327,16 +328,22 @@ async def bench_zmq(count: int = 20000) -> dict:
     return {"block_changes_per_s": round(_changes(batches) / elapsed), "batches_per_s": round(count / elapsed)}
 
 
-async def run(quick: bool = False) -> dict:
+DECISION_SIZES = {2048: (300, 60), 32768: (80, 15)}  # prompt tokens -> decision samples (full, --quick)
+
+
+async def run(quick: bool = False, sizes: list[int] | None = None, ingestion: bool = True) -> dict:
     report: dict = {"machine": {"python": platform.python_version(), "platform": platform.platform()},
                     "decisions": {}, "ingestion": {}}
     argv = llmgw_command("sim", "--port", "0", "--served-model-name", "tiny", "--time-scale", "0",
                          "--max-model-len", "40000", "--num-blocks", "4096")
     async with trio.open_nursery() as nursery:
         child = await start_child(nursery, argv, name="sim")
-        for tokens, count in ((2048, 60 if quick else 300), (32768, 15 if quick else 80)):
-            report["decisions"][f"{tokens}_tokens"] = await bench_decisions(child.url, tokens, count)
+        for tokens in sizes or DECISION_SIZES:
+            full, smoke = DECISION_SIZES.get(tokens, (80, 15))
+            report["decisions"][f"{tokens}_tokens"] = await bench_decisions(child.url, tokens, smoke if quick else full)
         nursery.cancel_scope.cancel()
+    if not ingestion:
+        return report
     report["ingestion"]["index_apply"] = bench_index_apply(500 if quick else 2000)
     report["ingestion"].update(bench_mirror(5000 if quick else 20000))
     report["ingestion"]["over_zmq"] = await bench_zmq(5000 if quick else 20000)
@@ -360,11 +367,13 @@ LABELS = {
 
 def _print_report(report: dict) -> None:
     print("decision cost, µs (p50 / p99), 4 candidates, block size 16")
-    print(f"| {'path':<52} | {'2k tokens':>17} | {'32k tokens':>19} |")
-    small, large = report["decisions"]["2048_tokens"], report["decisions"]["32768_tokens"]
+    sizes = list(report["decisions"])
+    print(f"| {'path':<56} |" + "".join(f" {size.replace('_', ' '):>19} |" for size in sizes))
     for key, label in LABELS.items():
-        a, b = small[key], large[key]
-        print(f"| {label:<52} | {a['p50_us']:>7} / {a['p99_us']:>7} | {b['p50_us']:>8} / {b['p99_us']:>8} |")
+        cells = (report["decisions"][size][key] for size in sizes)
+        print(f"| {label:<56} |" + "".join(f" {c['p50_us']:>8} / {c['p99_us']:>8} |" for c in cells))
+    if not report["ingestion"]:
+        return
     print()
     print("ingestion, block changes/s")
     for key, value in report["ingestion"].items():
@@ -374,8 +383,11 @@ def _print_report(report: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
+    parser.add_argument("--tokens", type=int, action="append", metavar="N",
+                        help="prompt tokens of the decision rows (repeatable; default: 2048 and 32768)")
+    parser.add_argument("--decisions-only", action="store_true", help="skip the ingestion rows")
     args = parser.parse_args(argv)
-    report = trio.run(run, args.quick)
+    report = trio.run(run, args.quick, args.tokens, not args.decisions_only)
     _print_report(report)
     if args.json:
         write_json(args.json, report)

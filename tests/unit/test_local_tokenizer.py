@@ -49,6 +49,35 @@ def test_completion_prompts_tokenize_like_the_simulator(files, text, special):
         text, add_special_tokens=special)
 
 
+@settings(max_examples=150, deadline=None)
+@given(text=texts, special=st.booleans())
+def test_the_offset_free_encoding_gives_encodes_ids(files, text, special):
+    segments = LocalTokenizer(files).segments
+    assert segments.ids != segments._encode_ids  # encode_batch_fast is in use
+    assert segments.ids(text, special) == segments.tokenizer.encode(text, add_special_tokens=special).ids
+
+
+def test_an_offset_free_encoding_that_disagrees_is_not_used(files):
+    from tokenizers import Tokenizer
+
+    class Disagreeing:
+        def __init__(self):
+            self.real = Tokenizer.from_file(str(files / "tokenizer.json"))
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+        def encode_batch_fast(self, texts, add_special_tokens):
+            return [self.real.encode(text + "x", add_special_tokens=add_special_tokens) for text in texts]
+
+    from llmgw.kv.local_tokenizer import SegmentMemo
+
+    segments = SegmentMemo(Disagreeing())
+    assert segments.ids == segments._encode_ids and segments.split is not None
+    assert segments.encode("<|user|>hi", False) == segments.tokenizer.encode("<|user|>hi",
+                                                                             add_special_tokens=False).ids
+
+
 roles = st.sampled_from(["system", "user", "assistant", "tool"])
 
 
