@@ -24,7 +24,6 @@ from llmgw.bench.common import metric_value
 from llmgw.bench.sim_cluster import kv_sim_profile as kv_sim  # noqa: F401 (the tests' import of it)
 from llmgw.processes import free_port, llmgw_command
 
-
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "nodes"
 TOKEN = "s3cret"

@@ -34,8 +34,8 @@ import time
 
 import trio
 
-from ..processes import run_child
 from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, BodyError, read_json_body
+from ..processes import run_child
 from .common import bench_parser, finish
 from .sim_cluster import start_gateway
 

@@ -177,7 +177,8 @@ async def main_async(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llmgw.bench.dashboard_example", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m llmgw.bench.dashboard_example",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="docs/grafana/example.png", help="the PNG to write (JSON beside it)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     parser.add_argument("--interval", type=float, default=3.0, help="seconds between scrapes")

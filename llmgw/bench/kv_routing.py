@@ -51,12 +51,12 @@ import time
 import trio
 import zmq
 
+from llmgw.bench.common import bench_parser, write_json
 from llmgw.http.client import UpstreamPool
 from llmgw.kv import zmq_trio
-from llmgw.bench.common import bench_parser, write_json
 from llmgw.kv.codec import decode_batch, encode_batch
-from llmgw.kv.events import BlockRemoved, BlockStored, EventBatch
 from llmgw.kv.drift import DriftPolicy
+from llmgw.kv.events import BlockRemoved, BlockStored, EventBatch
 from llmgw.kv.index import KvIndex
 from llmgw.kv.keys import VllmBlockKeys
 from llmgw.kv.mirror import EngineMirror

@@ -313,7 +313,7 @@ def run_wrk(url: str, script: Path, connections: int, duration: float, proxy: Pr
     cpu_after = proxy.cpu_seconds() if proxy else None
     core_after = core_times(PROXY_CPU)
     core_span = core_after[2] - core_before[2]
-    line = next((l for l in done.stdout.splitlines() if l.startswith("WRKJSON ")), None)
+    line = next((out for out in done.stdout.splitlines() if out.startswith("WRKJSON ")), None)
     if done.returncode != 0 or line is None:
         raise BenchError(f"wrk failed (code {done.returncode}): {shlex.join(argv)}\n{done.stdout}\n{done.stderr}")
     data = json.loads(line[len("WRKJSON "):])
@@ -385,7 +385,8 @@ def run_interleaved(targets: list[Target], workdir: Path, duration: float, warmu
 def find_vllm_router(explicit: str | None, install: bool, repo: Path) -> tuple[str | None, str]:
     """The vllm-router executable and how it was found (installing it when allowed)."""
     candidates = [explicit] if explicit else []
-    candidates += [shutil.which("vllm-router"), "/tmp/vr/bin/vllm-router", str(repo / "bench-results/vr-venv/bin/vllm-router")]
+    candidates += [shutil.which("vllm-router"), "/tmp/vr/bin/vllm-router",
+                   str(repo / "bench-results/vr-venv/bin/vllm-router")]
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK):
             return candidate, "found"
@@ -625,9 +626,10 @@ def print_table(summary: dict, targets: list[str]) -> None:
 
         print()
         print(f"{title} (median of per-round ratios):")
-        print(f"  requests/s at c=32 (non-streaming): {r('c32_rps_ratio')}" + ("  target >= 0.9x" if with_targets else ""))
-        print(f"  streams/s at c=32 (50 chunks):      {r('stream_c32_rps_ratio')}" + ("  target >= 0.9x" if with_targets else ""))
-        print(f"  added p50 latency at c=1:           {r('c1_added_p50_ratio')}" + ("  target <= 1.2x" if with_targets else ""))
+        at_least, at_most = ("  target >= 0.9x", "  target <= 1.2x") if with_targets else ("", "")
+        print(f"  requests/s at c=32 (non-streaming): {r('c32_rps_ratio')}{at_least}")
+        print(f"  streams/s at c=32 (50 chunks):      {r('stream_c32_rps_ratio')}{at_least}")
+        print(f"  added p50 latency at c=1:           {r('c1_added_p50_ratio')}{at_most}")
         print(f"  added p50 of a whole stream at c=1: {r('stream_c1_added_p50_ratio')}")
     for target, overhead in summary.get("tls_overhead", {}).items():
         print()
@@ -658,7 +660,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds of unmeasured load before each scenario in the first round (default 2)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="rounds over all targets and scenarios (interleaved); medians and bests are reported")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here (e.g. bench-results/proxy.json)")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="write the results here (e.g. bench-results/proxy.json)")
     parser.add_argument("--targets", default="direct,llmgw,vllm-router",
                         help="comma-separated subset of direct, llmgw, vllm-router, direct-tls, llmgw-tls, "
                              "llmgw-https")

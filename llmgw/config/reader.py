@@ -294,7 +294,7 @@ class Reader:
         return _Resolved(text, value, from_env)
 
     def _describe(self, node: Node, key: str, secret: bool) -> str:
-        """``a list``, ``a mapping``, ``null``, ``a string 'abc'``: never the value of a secret or of an env variable."""
+        """``a list``, ``a mapping``, ``null``, ``a string 'abc'``: never the value of a secret or an env variable."""
         if isinstance(node, Mapping):
             return "a mapping"
         if isinstance(node, Sequence):

@@ -11,12 +11,23 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
 from . import crosschecks
 from .addresses import HostPort, parse_http_url, parse_tcp_endpoint, url_host_port
-from .fields import (Check, Located, Parse, at_least, at_most, config_class, matches, non_empty, one_of, positive,
-                     setting)
+from .fields import (
+    Check,
+    Located,
+    Parse,
+    at_least,
+    at_most,
+    config_class,
+    matches,
+    non_empty,
+    one_of,
+    positive,
+    setting,
+)
 from .reader import Draft
-from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
 from .tls import ListenerTls, TlsFile, UpstreamTls, check_replica_tls
 from .units import parse_duration, parse_size
 

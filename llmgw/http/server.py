@@ -212,7 +212,8 @@ class _RequestReader:
         msg = self.current
         msg.body_size += len(body)
         if msg.body_size > self.limits.max_body_bytes:
-            self.error = _ProtocolError(413, f"request body is larger than the limit of {self.limits.max_body_bytes} bytes")
+            limit = self.limits.max_body_bytes
+            self.error = _ProtocolError(413, f"request body is larger than the limit of {limit} bytes")
             raise self.error
         msg.body.append(body)
 

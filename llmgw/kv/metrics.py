@@ -47,7 +47,7 @@ class _IndexCollector:
         self._indexes: list[tuple[weakref.ref, Callable[[str], str] | None]] = []
 
     def track(self, index, model_of: Callable[[str], str] | None = None) -> None:
-        for at, (ref, known) in enumerate(self._indexes):
+        for at, (ref, _model_of) in enumerate(self._indexes):
             if ref() is index:
                 if model_of is not None:
                     self._indexes[at] = (ref, model_of)

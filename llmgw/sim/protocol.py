@@ -239,7 +239,8 @@ class ChunkWriter:
         reason = "null" if finish_reason is None else f'"{finish_reason}"'
         stop = ',"stop_reason":null' if finish_reason is not None or not self._chat else ""
         if self._chat:
-            choice = f'[{{"index":0,"delta":{{"content":{_dumps(text)}}},"logprobs":null,"finish_reason":{reason}{stop}}}]'
+            choice = (f'[{{"index":0,"delta":{{"content":{_dumps(text)}}},"logprobs":null,'
+                      f'"finish_reason":{reason}{stop}}}]')
         else:
             choice = f'[{{"index":0,"text":{_dumps(text)},"logprobs":null,"finish_reason":{reason}{stop}}}]'
         tail = f',"usage":{_dumps(usage_)}}}\n\n' if self._continuous and usage_ is not None else "}\n\n"

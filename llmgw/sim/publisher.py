@@ -30,8 +30,14 @@ import trio
 import zmq
 
 from llmgw.kv import zmq_trio
-from llmgw.kv.codec import (ARRAY_VARIANTS, BLOCK_REMOVED_FIELDS, BLOCK_STORED_FIELDS, END_SEQ_BYTES, MAP_VARIANTS,
-                            encode_batch)
+from llmgw.kv.codec import (
+    ARRAY_VARIANTS,
+    BLOCK_REMOVED_FIELDS,
+    BLOCK_STORED_FIELDS,
+    END_SEQ_BYTES,
+    MAP_VARIANTS,
+    encode_batch,
+)
 from llmgw.kv.events import BlockRemoved, BlockStored, EventBatch
 
 from .config import KVEventsConfig, binds

@@ -34,8 +34,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import trio
 
-from . import messages as wire
 from ..tls import TlsClientOptions, client_context, describe_tls_error
+from . import messages as wire
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from collections import Counter
 import pytest
 import trio
 
-from llmgw.agent.leftover import running_engines
-from llmgw.procgroup import process_start_time
-from llmgw.processes import llmgw_command
 from cluster_helpers import AGENTS, TOKEN, embedded, shard_pids
+from llmgw.agent.leftover import running_engines
+from llmgw.processes import llmgw_command
+from llmgw.procgroup import process_start_time
 
 pytestmark = pytest.mark.slow
 STATE_LINE = re.compile(r"shard (\S+) (?:\(generation \d+\)|on \S+) is (\w+):")

@@ -23,9 +23,9 @@ import time
 
 import pytest
 
+from cluster_helpers import AGENTS, TOKEN, all_up, kv_sim, shard_pids
 from llmgw.bench.fault_load import LoadSettings, SteadyLoad
 from llmgw.bench.kv_truth import check_kv_truth
-from cluster_helpers import AGENTS, TOKEN, all_up, kv_sim, shard_pids
 
 pytestmark = pytest.mark.slow
 

@@ -20,10 +20,10 @@ import pytest
 import trio
 import trio_websocket
 
-from llmgw import wire
-from llmgw.processes import llmgw_command, run_child
 from cluster_helpers import AGENTS, BLOCK, TOKEN, all_up, complete, embedded, kv_sim, kv_state, kv_where, text
 from helpers import free_port, next_error
+from llmgw import wire
+from llmgw.processes import llmgw_command, run_child
 
 pytestmark = pytest.mark.slow
 

@@ -21,6 +21,7 @@ import httpx
 import pytest
 import trio
 
+from helpers import free_port
 from llmgw.http.client import UpstreamPool
 from llmgw.kv.index import IndexState, KvIndex
 from llmgw.kv.keys import VllmBlockKeys
@@ -33,7 +34,6 @@ from llmgw.router.replica import Replica
 from llmgw.router.router import Router
 from llmgw.router.tier import RouteRequest
 from llmgw.wire import KvChangeKind, KvChanges
-from helpers import free_port
 
 pytestmark = pytest.mark.slow
 

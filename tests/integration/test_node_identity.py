@@ -21,9 +21,9 @@ import trio
 import trio_websocket
 import trustme
 
+from cluster_helpers import AGENTS, FIXTURES, TOKEN, alive, all_up, environ_of
 from llmgw import wire
 from llmgw.agent.discovery import discover
-from cluster_helpers import AGENTS, FIXTURES, TOKEN, alive, all_up, environ_of
 
 API_KEY = "engine-k3y-for-a-only"
 ENV_SECRET = "env-s3cret-for-a-only"

@@ -42,10 +42,13 @@ async def test_a_lone_surrogate_salt_is_a_400_from_the_sim_kills_no_sim_and_is_n
             body = b'{"model":"tiny","messages":[{%s%s}]}' % (
                 field, b',"content":"hi"' if b"role" in field else b',"role":"user"')
             assert_openai_error(await client.post(CHAT, content=body), 400)
-        for sim in sims:  # every sim still serves, in the same process
+        served = set()
+        for _ in sims:  # every sim still serves, in the same process (round robin: one request each)
             ok = await client.post(CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                                                "max_tokens": 3})
             assert ok.status_code == 200, ok.text
+            served.add(ok.headers["x-llmgw-replica"])
+        assert len(served) == len(sims)
     assert [s.pid for s in sims] == pids and all(s.process.returncode is None for s in sims)
     async with httpx.AsyncClient(timeout=10) as client:
         for sim in sims:

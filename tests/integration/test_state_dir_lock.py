@@ -16,7 +16,6 @@ from llmgw.agent.statelock import StateDirBusy, StateDirLock
 from llmgw.processes import llmgw_command
 
 
-
 async def start_agent(nursery, state_dir) -> object:
     """A real ``llmgw agent`` that holds ``state_dir`` (its control plane is unreachable: it keeps retrying)."""
     argv = llmgw_command("agent", "--join", "http://127.0.0.1:9", "--token", "secret-token", "--node-id", "node-a",

@@ -17,7 +17,6 @@ import openai
 import pytest
 import trio
 import trustme
-
 from test_gateway import metric_value, wait_for
 
 KEY = "sk-client"

@@ -10,7 +10,7 @@ import trio
 
 from llmgw.http.client import UpstreamPool
 from llmgw.kv.keys import VllmBlockKeys, request_extra_keys
-from llmgw.kv.tokenize import (CHAT_PATH, COMPLETIONS_PATH, TokenizeCache, TokenizeClient, TokenizeError, plan)
+from llmgw.kv.tokenize import CHAT_PATH, COMPLETIONS_PATH, TokenizeCache, TokenizeClient, TokenizeError, plan
 from llmgw.router.replica import Replica
 from llmgw.sim.app import Simulator
 from llmgw.sim.config import SimConfig

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from llmgw.router.load_scraper import RUNNING, WAITING, parse_block_size, parse_gauge_sum
 

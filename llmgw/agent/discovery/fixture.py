@@ -67,7 +67,8 @@ class FabricInfoRecord:
     """Stands for pynvml's ``c_nvmlGpuFabricInfoV_t``: the structure the fabric call fills."""
 
     def __init__(self):
-        self.version, self.clusterUuid, self.status, self.cliqueId, self.state, self.healthMask = 0, bytes(16), 0, 0, 0, 0
+        self.version, self.clusterUuid, self.status = 0, bytes(16), 0
+        self.cliqueId, self.state, self.healthMask = 0, 0, 0
 
 
 @dataclass(eq=False)
