@@ -11,6 +11,8 @@ take a while with many series.
 
 from __future__ import annotations
 
+from typing import Any, Generic, TypeVar
+
 import trio
 from prometheus_client import (
     GC_COLLECTOR,
@@ -24,6 +26,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics import MetricWrapperBase
 
 disable_created_metrics()  # the *_created series double the exposition and nobody alerts on them
 
@@ -31,7 +34,10 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 
 
-class CachedLabels:
+_Metric = TypeVar("_Metric", bound=MetricWrapperBase)
+
+
+class CachedLabels(Generic[_Metric]):
     """A labelled metric whose children are kept per label values: ``.labels(*values)`` is a dict lookup.
 
     Anything else (``collect``, ``describe``, ...) is the wrapped metric's; ``remove`` and
@@ -40,11 +46,11 @@ class CachedLabels:
 
     __slots__ = ("metric", "_children")
 
-    def __init__(self, metric):
+    def __init__(self, metric: _Metric):
         self.metric = metric
-        self._children: dict[tuple, object] = {}
+        self._children: dict[tuple[Any, ...], _Metric] = {}
 
-    def labels(self, *values, **labelkwargs):
+    def labels(self, *values: Any, **labelkwargs: Any) -> _Metric:
         if labelkwargs:
             return self.metric.labels(*values, **labelkwargs)
         child = self._children.get(values)
@@ -52,7 +58,7 @@ class CachedLabels:
             child = self._children[values] = self.metric.labels(*values)
         return child
 
-    def remove(self, *values) -> None:
+    def remove(self, *values: Any) -> None:
         wanted = tuple(str(v) for v in values)
         self._children = {k: v for k, v in self._children.items() if tuple(str(x) for x in k) != wanted}
         self.metric.remove(*values)
@@ -61,7 +67,7 @@ class CachedLabels:
         self._children.clear()
         self.metric.clear()
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.metric, name)
 
 

@@ -24,14 +24,19 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import trio
+from prometheus_client import CollectorRegistry
 
 from .keys import VllmBlockKeys
 from .metrics import KvMetrics
 from .mirror import EngineMirror, flush_loop, resync
 from .subscriber import DEFAULT_MAX_MESSAGE_BYTES, EngineSubscription, message_size_setting
+
+if TYPE_CHECKING:
+    from ..plugins_manager import Registry
+    from .index import KvIndex
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +68,8 @@ class ExternalKv:
                    None if seed is None else str(seed),
                    message_size_setting(options.get("max_event_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)))
 
-    async def run(self, index, registry, metrics_registry, *, interval: float = 0.025) -> None:
+    async def run(self, index: KvIndex, registry: Registry, metrics_registry: CollectorRegistry | None, *,
+                  interval: float = 0.025) -> None:
         """Follow the engine into ``index`` until cancelled (the sockets are closed then)."""
         source = KvMetrics.for_registry(metrics_registry).source(NODE_LABEL, self.replica, self.model) \
             if metrics_registry is not None else None
