@@ -65,7 +65,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 import zmq
@@ -122,7 +122,8 @@ class EngineSubscription:
                  data_parallel_rank: int = 0, decode: Callable[[bytes], EventBatch] = decode_batch,
                  replay_timeout: float = DEFAULT_REPLAY_TIMEOUT, idle_probe: float | None = DEFAULT_IDLE_PROBE,
                  rcvhwm: int = DEFAULT_RCVHWM, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 source: str | None = None, metrics: SourceMetrics | None = None, context: zmq.Context[zmq.Socket[bytes]] | None = None,
+                 source: str | None = None, metrics: SourceMetrics | None = None,
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None,
                  clock: Callable[[], float] | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be 'bind' or 'connect', not {mode!r}")
