@@ -83,7 +83,7 @@ ERROR_TYPES = {
 }
 
 
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
+def error_body(status: int, message: str, *, param: str | None = None, code: str | int | None = None,
                type_: str | None = None) -> bytes:
     """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
     return json.dumps(
@@ -93,7 +93,7 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
     ).encode()
 
 
-def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
+def error_response(status: int, message: str, *, param: str | None = None, code: str | int | None = None,
                    type_: str | None = None, headers: list[tuple[bytes, bytes]] | None = None) -> Response:
     return Response(status, [(b"content-type", b"application/json")] + (headers or []),
                     error_body(status, message, param=param, code=code, type_=type_))

@@ -164,7 +164,7 @@ def sampling_params(body: dict, prompt_len: int, max_model_len: int, *, chat: bo
         raise bad_request("'seed' must be an integer", "seed")
     return SamplingParams(
         max_tokens=max_tokens,
-        min_tokens=min(_int_field(body, "min_tokens", 0, minimum=0), max_tokens),
+        min_tokens=min(_int_field(body, "min_tokens", 0, minimum=0) or 0, max_tokens),
         ignore_eos=_bool_field(body, "ignore_eos", False),
         seed=seed,
     )

@@ -140,11 +140,11 @@ class FakeNvml:
 
     def nvmlSystemGetDriverVersion(self) -> str:
         self._check("nvmlSystemGetDriverVersion")
-        return self.document.get("driver_version", "")
+        return (self.document or {}).get("driver_version", "")
 
     def nvmlSystemGetCudaDriverVersion(self) -> int:
         self._check("nvmlSystemGetCudaDriverVersion")
-        return int(self.document.get("cuda_driver_version", 0))
+        return int((self.document or {}).get("cuda_driver_version", 0))
 
     def nvmlDeviceGetCount(self) -> int:
         self._check("nvmlDeviceGetCount")
