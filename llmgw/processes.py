@@ -55,13 +55,15 @@ async def run_child(argv: list[str], *, name: str, env: dict[str, str] | None = 
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     process = await trio.lowlevel.open_process(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                env=full_env, start_new_session=True)
+    stdout = process.stdout
+    assert stdout is not None  # opened with stdout=PIPE
     child: Child | None = None
     lines: list[str] = []
     try:
         buffer = b""
         with trio.fail_after(startup_timeout):
             while child is None:
-                data = await process.stdout.receive_some(65536)
+                data = await stdout.receive_some(65536)
                 if not data:
                     await process.wait()
                     raise RuntimeError(f"{name} exited with code {process.returncode} before it was ready:\n"
@@ -75,7 +77,7 @@ async def run_child(argv: list[str], *, name: str, env: dict[str, str] | None = 
                         child = Child(process, match.group(1).decode().rstrip("/"), lines)
         task_status.started(child)
         while True:  # keep draining its output so it never blocks on a full pipe
-            data = await process.stdout.receive_some(65536)
+            data = await stdout.receive_some(65536)
             if not data:
                 break
             buffer += data

@@ -85,8 +85,8 @@ def main(argv: list[str]) -> int:
                                                              args.demo_replicas, args.stop_engines))
     except* (ConfigError, IdentityStoreError) as group:  # raised at start-up, perhaps inside a nursery's group
         refused = list(_leaves(group))
-    for exc in refused:
-        print(f"llmgw serve: {exc}", file=sys.stderr)
+    for error in refused:
+        print(f"llmgw serve: {error}", file=sys.stderr)
     return 2 if refused else code
 
 
@@ -117,7 +117,7 @@ async def _serve(config, listen, control_listen, demo_replicas: int | None = Non
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
             addresses = await nursery.start(gateway.run, listen and (listen.host, listen.port),
                                             control_listen and (control_listen.host, control_listen.port))
-            if demo:
+            if demo_replicas is not None:
                 await _wait_for_replicas(gateway, demo_replicas)
             # Start-up objects live for the whole run: keep the collector from walking them again and again
             # (full collections took 40-70 ms here and showed up in request p99).
