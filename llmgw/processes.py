@@ -28,7 +28,7 @@ class Child:
     process: trio.Process
     url: str
     output: list[str] = field(default_factory=list)  # the last lines the child printed
-    control_url: str | None = None  # an ``llmgw serve`` child's control listener (:func:`start_serve`)
+    control_url: str = ""  # an ``llmgw serve`` child's control listener (:func:`start_serve`)
 
     @property
     def pid(self) -> int:

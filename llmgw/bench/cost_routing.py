@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import trio
@@ -35,7 +36,7 @@ from .common import bench_parser, print_and_save
 from .sim_cluster import MODEL, start_gateway
 
 REPLICAS = 4
-ARMS = {
+ARMS: dict[str, dict[str, Any]] = {
     "kv_index, cost (default)": {},
     "kv_index, scores + max_imbalance 4 (before)": {"rule": "scores", "max_imbalance": 4},
     "kv_index, scores + max_imbalance 8": {"rule": "scores", "max_imbalance": 8},

@@ -61,7 +61,7 @@ class FakeUpstream(asyncio.Protocol):
         self.chunks = chunks
         self.stats = stats
         self.parser = httptools.HttpRequestParser(self)
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport  # set by connection_made, before any data arrives
         self.url = b""
         self.body: list[bytes] = []
         self.closed = False

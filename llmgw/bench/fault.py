@@ -225,6 +225,7 @@ class AgentFault:
         self.down = down
 
     async def kill(self, cluster: FaultCluster) -> None:
+        assert cluster.agent is not None  # started before any fault
         await cluster.kill(cluster.agent)
 
     async def recover(self, cluster: FaultCluster) -> dict[str, dict]:
@@ -249,6 +250,7 @@ class ControlPlaneFault:
         pass
 
     async def kill(self, cluster: FaultCluster) -> None:
+        assert cluster.serve is not None  # started before any fault
         await cluster.kill(cluster.serve)
 
     async def recover(self, cluster: FaultCluster) -> dict[str, dict]:

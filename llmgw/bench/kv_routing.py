@@ -98,7 +98,7 @@ def _tier(sim_url: str | None, **options):
     rng = random.Random(9)
     for replica in replicas:
         background = [rng.getrandbits(64) for _ in range(BACKGROUND_BLOCKS)]
-        route.tier.index.apply(replica.name, KvChanges(kind=KvChangeKind.FULL, stored=background, block_size=BLOCK))
+        router.kv_index.apply(replica.name, KvChanges(kind=KvChangeKind.FULL, stored=background, block_size=BLOCK))
     return route.tier, replicas
 
 
@@ -209,11 +209,11 @@ async def bench_decisions(sim_url: str, tokens: int, count: int) -> dict[str, di
 def engine_stream(count: int, seed: int = 3) -> list[EventBatch]:
     """Batches of a full cache: each step stores 1-4 new blocks (chained) and evicts as many of the oldest."""
     rng = random.Random(seed)
-    live: list[int] = [rng.getrandbits(64) for _ in range(4096)]
+    live: list[int | bytes] = [rng.getrandbits(64) for _ in range(4096)]
     batches = []
     for step in range(count):
         n = rng.randint(1, 4)
-        new = [rng.getrandbits(64) for _ in range(n)]
+        new: list[int | bytes] = [rng.getrandbits(64) for _ in range(n)]
         stored = BlockStored(block_hashes=new, parent_block_hash=rng.getrandbits(64),
                              token_ids=[rng.randrange(VOCAB) for _ in range(n * BLOCK)], block_size=BLOCK,
                              medium="GPU", extra_keys=[None] * n, group_idx=0, kv_cache_spec_kind="full_attention")
@@ -233,7 +233,7 @@ def _prefill_mirror(batches: list[EventBatch]) -> EngineMirror:
 
 
 def _changes(batches: list[EventBatch]) -> int:
-    return sum(len(e.block_hashes) for b in batches for e in b.events)
+    return sum(len(e.block_hashes) for b in batches for e in b.events if isinstance(e, (BlockStored, BlockRemoved)))
 
 
 def bench_index_apply(rounds: int = 2000) -> dict:

@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -39,7 +40,7 @@ from .common import print_and_save
 from .sim_cluster import MODEL, gateway_config, start_gateway, start_sims
 
 REPLICAS = 4
-ARMS = {
+ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "round_robin": ("round_robin", {}),
     "prefix_tree": ("prefix_tree", {"seed": 1}),  # rule cost, no count guard: the defaults
     "prefix_tree, scores + max_imbalance 4": ("prefix_tree", {"seed": 1, "rule": "scores", "max_imbalance": 4}),
@@ -138,7 +139,7 @@ async def decision_cost(tier: str, conversations: int, fill_chars: int, decision
         await router.pick(request)
         wall.append(time.perf_counter() - started)
         cpu.append(time.thread_time() - started_cpu)
-    result = {"decisions": decisions}
+    result: dict[str, float] = {"decisions": decisions}
     for name, timings in (("", wall), ("cpu_", cpu)):  # CPU time leaves out time the OS ran something else
         for q in (50, 90, 99):
             result[f"{name}p{q}_us"] = 1e6 * percentile(timings, q / 100)

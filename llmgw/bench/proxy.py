@@ -127,7 +127,7 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 def _descendants(pid: int) -> list[int]:
-    out = []
+    out: list[int] = []
     try:
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     except OSError:
@@ -204,6 +204,7 @@ def _killpg(pgid: int, sig: int) -> None:
 def http_post(url: str, body: str, timeout: float = 5.0,
               tls: ssl.SSLContext | None = None) -> tuple[int, bytes, dict]:
     host, port = url.split("//", 1)[1].split(":")
+    conn: http.client.HTTPConnection
     if url.startswith("https://"):
         conn = http.client.HTTPSConnection(host, int(port), timeout=timeout, context=tls)
     else:
@@ -319,7 +320,7 @@ def run_wrk(url: str, script: Path, connections: int, duration: float, proxy: Pr
     data = json.loads(line[len("WRKJSON "):])
     seconds = data["duration_us"] / 1e6
     requests = data["requests"]
-    cpu = (cpu_after - cpu_before) if proxy else None
+    cpu = (cpu_after - cpu_before) if cpu_after is not None and cpu_before is not None else None
     errors = {k: data[k] for k in ("connect_errors", "read_errors", "write_errors", "status_errors",
                                    "timeout_errors")}
     return RunResult(
@@ -384,7 +385,7 @@ def run_interleaved(targets: list[Target], workdir: Path, duration: float, warmu
 
 def find_vllm_router(explicit: str | None, install: bool, repo: Path) -> tuple[str | None, str]:
     """The vllm-router executable and how it was found (installing it when allowed)."""
-    candidates = [explicit] if explicit else []
+    candidates: list[str | None] = [explicit] if explicit else []
     candidates += [shutil.which("vllm-router"), "/tmp/vr/bin/vllm-router",
                    str(repo / "bench-results/vr-venv/bin/vllm-router")]
     for candidate in candidates:
@@ -493,9 +494,14 @@ def versions(repo: Path) -> dict:
 
 # -- report ------------------------------------------------------------------------------------------------------------
 
-def _median(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _median_known(values: list[float | None]) -> float | None:
+    """The median of the values that are known; None when none is."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def _runs(results: list[RunResult], target: str, scenario: str) -> list[RunResult]:
@@ -524,10 +530,11 @@ def summarize(results: list[RunResult], targets: list[str]) -> dict:
                 "ok": all(r.ok for r in runs),
                 "rounds": len(runs),
             }
-            cpu = _median([r.proxy_cpu_share for r in runs])
-            if cpu is not None:
+            cpu = _median_known([r.proxy_cpu_share for r in runs])
+            per_request = _median_known([r.proxy_cpu_us_per_request for r in runs])
+            if cpu is not None and per_request is not None:
                 cell["proxy_cpu_share"] = round(cpu, 3)
-                cell["proxy_cpu_us_per_request"] = round(_median([r.proxy_cpu_us_per_request for r in runs]), 1)
+                cell["proxy_cpu_us_per_request"] = round(per_request, 1)
                 cell["others_on_proxy_core_max"] = round(max(r.foreign_cpu_share or 0.0 for r in runs), 3)
             direct = _runs(results, "direct", scenario)
             if target != "direct" and direct:
@@ -717,6 +724,7 @@ def main(argv: list[str] | None = None) -> int:
             running.append(Target("direct", urls[0], None))
             print(f"direct: {urls[0]}", flush=True)
         if DIRECT_TLS in targets:
+            assert pki is not None  # made for the TLS targets
             extra[DIRECT_TLS] = check_target(DIRECT_TLS, tls_urls[0], pki.client_context())
             running.append(Target(DIRECT_TLS, tls_urls[0], None))
             print(f"{DIRECT_TLS}: {tls_urls[0]}", flush=True)
