@@ -39,13 +39,21 @@ from .fingerprint import profile_fingerprint
 from .identity import NodeIdentities, default_control_state_dir
 from .inventory import Inventory
 from .metrics import ControlMetrics
-from .reconciler import (Action, Assignment, Command, DesiredReplica, Reconciler, Unplaceable,
-                         desired_replicas, place_with_plan_all)
+from .reconciler import (
+    Action,
+    Assignment,
+    Command,
+    DesiredReplica,
+    Reconciler,
+    Unplaceable,
+    desired_replicas,
+    place_with_plan_all,
+)
 from .routing import DeployedRouting
 
 if TYPE_CHECKING:
-    from ..gateway.app import Gateway
     from ..config import Config
+    from ..gateway.app import Gateway
 
 log = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ from quart import Response, jsonify, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from ..wire.channel import quart_channel
-from ..metrics import render
-from ..router.tier import RouteRequest
-from .admin_guard import AdminGuard
 from ..http.control_server import ControlServerMetrics
 from ..http.messages import error_body
+from ..metrics import render
+from ..router.tier import RouteRequest
+from ..wire.channel import quart_channel
+from .admin_guard import AdminGuard
 
 if TYPE_CHECKING:
     from .app import Gateway

@@ -18,10 +18,7 @@ import trio
 from ..config import Config, ConfigError
 from ..config.fields import issue_at
 from ..config.tls import replica_tls_options
-from .admin import create_control_app
-from .admin_guard import exposure_problem
 from ..http.control_server import ControlServer, ControlServerMetrics
-from .dataplane import DataPlane, DataPlaneSettings
 from ..http.jsonbody import JsonLimits
 from ..http.server import HttpServer, ServerLimits
 from ..listening import host_port, listening_on
@@ -33,6 +30,9 @@ from ..router.model import TierModel
 from ..router.replica import Replica, ReplicaState
 from ..router.router import Router
 from ..tls import describe_tls_error
+from .admin import create_control_app
+from .admin_guard import exposure_problem
+from .dataplane import DataPlane, DataPlaneSettings
 
 log = logging.getLogger(__name__)
 

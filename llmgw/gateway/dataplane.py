@@ -26,17 +26,17 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import trio
 
+from ..http.client import UpstreamError, UpstreamResponse
+from ..http.jsonbody import BodyError, JsonLimits, read_json_body
+from ..http.messages import Request, Response, error_response
+from ..http.multipart import FormError, form_field
+from ..http.server import AbortConnection
 from ..router.replica import Replica
 from ..router.router import Router
 from ..router.tier import Decision, RouteRequest
 from .bearer import BearerTokens
-from ..http.client import UpstreamError, UpstreamResponse
 from .latency import StreamWatch
-from ..http.jsonbody import BodyError, JsonLimits, read_json_body
-from ..http.messages import Request, Response, error_response
-from ..http.multipart import FormError, form_field
 from .usage import STREAM_TAIL_PIECES, usage_of_body, usage_of_stream_tail
-from ..http.server import AbortConnection
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("llmgw.access")

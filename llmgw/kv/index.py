@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_RESET_WINDOW = 5.0
 DEFAULT_PREDICTED_TTL = 2.0
+DEFAULT_DRIFT_POLICY = DriftPolicy()
 
 
 class IndexState(str, Enum):
@@ -276,7 +277,8 @@ class KvIndex:
         if listener in self._resync_listeners:
             self._resync_listeners.remove(listener)
 
-    def observe(self, replica_id: str, result: str, *, epoch: int, policy: DriftPolicy = DriftPolicy()) -> str | None:
+    def observe(self, replica_id: str, result: str, *, epoch: int,
+                policy: DriftPolicy = DEFAULT_DRIFT_POLICY) -> str | None:
         """Count one drift check of a response (``match``, ``over`` or ``under``: :func:`llmgw.kv.drift.classify`)
         for a decision made on ``epoch``; the resync mode asked for when this check made the index suspect.
 

@@ -54,8 +54,15 @@ import trio
 
 from ..wire import KvChangeKind, KvChanges
 from .drift import RESYNC_RESET
-from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent, is_device_medium, \
-    is_main_attention
+from .events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    is_device_medium,
+    is_main_attention,
+)
 from .keys import BlockKeyFunction, ContentChainKeys, normalize_hash
 
 log = logging.getLogger(__name__)

@@ -8,8 +8,16 @@ mode, and only rank 0's endpoint is routed to anyway.
 
 from __future__ import annotations
 
-from ..agent.engine import (Launch, LaunchContext, Readiness, engine_env, kv_events_flags, openai_server_flags,
-                            resolve_executable, served_name)
+from ..agent.engine import (
+    Launch,
+    LaunchContext,
+    Readiness,
+    engine_env,
+    kv_events_flags,
+    openai_server_flags,
+    resolve_executable,
+    served_name,
+)
 from ..hookspecs import hookimpl
 from ..wire import StartShard
 

@@ -10,8 +10,17 @@ last, as given, so they can override anything before them.
 
 from __future__ import annotations
 
-from ..agent.engine import (Launch, LaunchContext, Readiness, engine_env, is_follower, kv_events_flags,
-                            openai_server_flags, resolve_executable, served_name)
+from ..agent.engine import (
+    Launch,
+    LaunchContext,
+    Readiness,
+    engine_env,
+    is_follower,
+    kv_events_flags,
+    openai_server_flags,
+    resolve_executable,
+    served_name,
+)
 from ..hookspecs import hookimpl
 from ..wire import StartShard
 

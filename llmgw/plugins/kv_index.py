@@ -47,8 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from ..hookspecs import hookimpl
-from ..kv import drift as kv_drift
-from ..kv import tokenize as kv_tokenize
+from ..kv import drift as kv_drift, tokenize as kv_tokenize
 from ..kv.index import IndexState, KvIndex
 from ..kv.keys import none_hash
 from ..kv.metrics import KvMetrics
