@@ -47,6 +47,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from enum import Enum
+from typing import Any
 
 from ..wire import KvChangeKind, KvChanges
 from . import drift as drift_rule
@@ -159,7 +160,7 @@ class KvIndex:
         """``{replica: (blocks, state)}`` for the gauges."""
         return {name: (len(r.keys), self.state(name).value) for name, r in self._replicas.items()}
 
-    def describe(self, replica_id: str) -> dict:
+    def describe(self, replica_id: str) -> dict[str, Any]:
         """What the index knows of one replica, as JSON-able data (for explain and the admin API)."""
         replica = self._replicas.get(replica_id)
         if replica is None:

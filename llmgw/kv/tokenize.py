@@ -48,7 +48,7 @@ import logging
 import time
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -94,7 +94,8 @@ class Plan:
     def indexable(self) -> bool:
         return not self.reason
 
-    def extra_keys(self, num_tokens: int, block_size: int, *, style: str = "current") -> list[tuple | None] | None:
+    def extra_keys(self, num_tokens: int, block_size: int, *,
+                   style: str = "current") -> list[tuple[object, ...] | None] | None:
         """The per-block extra-key items vLLM hashes for this request (None when there are none)."""
         if self.cache_salt is None and self.lora is None:
             return None
@@ -105,7 +106,7 @@ def _refuse(reason: str) -> Plan:
     return Plan(reason=reason)
 
 
-def _canonical(body: dict) -> bytes:
+def _canonical(body: dict[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
@@ -136,7 +137,7 @@ def plan(path: str, body: Mapping[str, Any], *, base_models: frozenset[str] | se
     return _refuse("path")
 
 
-def _chat_plan(body: Mapping[str, Any], model, salt, lora) -> Plan:
+def _chat_plan(body: Mapping[str, Any], model: Any, salt: str | None, lora: tuple[str, str] | None) -> Plan:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return _refuse("bad_body")
@@ -162,7 +163,7 @@ def _chat_plan(body: Mapping[str, Any], model, salt, lora) -> Plan:
     return Plan(body=_canonical(tokenize_body), cache_salt=salt, lora=lora)
 
 
-def _token_ids(value: list) -> bool:
+def _token_ids(value: list[Any]) -> bool:
     """A non-empty list of ints, checked at C speed (32k ids in about 0.5 ms).
 
     Values are not range-checked: the engine refuses ids outside its vocabulary
@@ -171,7 +172,8 @@ def _token_ids(value: list) -> bool:
     return bool(value) and set(map(type, value)) == {int}
 
 
-def _completion_plan(body: Mapping[str, Any], model, salt, lora) -> Plan:
+def _completion_plan(body: Mapping[str, Any], model: Any, salt: str | None,
+                     lora: tuple[str, str] | None) -> Plan:
     if body.get("prompt_embeds") is not None:
         return _refuse("prompt_embeds")
     prompt = body.get("prompt")
@@ -213,7 +215,7 @@ class TokenizeCache:
 
     def __init__(self, max_tokens: int = DEFAULT_CACHE_TOKENS):
         self.max_tokens = max_tokens
-        self._entries: OrderedDict[bytes, array] = OrderedDict()
+        self._entries: OrderedDict[bytes, array[int]] = OrderedDict()
         self.tokens = 0
         self.hits = 0
         self.misses = 0
@@ -267,8 +269,8 @@ class TokenizeClient:
     """
 
     def __init__(self, options: Mapping[str, Any] | None = None, *, timeout: float | None = None,
-                 timeout_per_kb: float | None = None, cache_tokens: int | None = None, observe=None,
-                 clock=time.perf_counter):
+                 timeout_per_kb: float | None = None, cache_tokens: int | None = None,
+                 observe: Callable[[float], None] | None = None, clock: Callable[[], float] = time.perf_counter):
         options = options or {}
         self.timeout = float(timeout if timeout is not None else options.get("tokenize_timeout",
                                                                             DEFAULT_TOKENIZE_TIMEOUT))
@@ -313,8 +315,8 @@ class TokenizeClient:
                          "twice the observed p99, above the configured one" if adapted else "the configured one",
                          len(ordered), self._p99_per_kib * 1000)
 
-    def _pool(self, replica) -> UpstreamPool:
-        pool = getattr(replica, "pool", None)
+    def _pool(self, replica: Any) -> UpstreamPool:  # a llmgw.router.replica.Replica
+        pool: UpstreamPool | None = getattr(replica, "pool", None)
         if pool is not None:
             return pool
         pool = self._pools.get(replica)
@@ -322,7 +324,7 @@ class TokenizeClient:
             pool = self._pools[replica] = replica.open_pool(self.timeout)
         return pool
 
-    async def tokenize(self, replica, body: bytes) -> list[int]:
+    async def tokenize(self, replica: Any, body: bytes) -> list[int]:
         cached = self.cache.get(body)
         if cached is not None:
             return cached
@@ -345,7 +347,7 @@ class TokenizeClient:
         self.cache.put(body, ids)
         return ids
 
-    async def _call(self, replica, body: bytes) -> list[int]:
+    async def _call(self, replica: Any, body: bytes) -> list[int]:
         headers = [(b"content-type", b"application/json")]
         auth = getattr(replica, "auth_header", None)
         if auth is not None:

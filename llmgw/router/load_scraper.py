@@ -16,12 +16,15 @@ import logging
 import math
 import time
 import weakref
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import trio
 
 from ..http.client import UpstreamError
 from .replica import EngineLoad, Replica
+
+if TYPE_CHECKING:
+    from .router import Router
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +107,8 @@ async def scrape_once(replica: Replica, timeout: float, path: str = "/metrics",
     return EngineLoad(running or 0.0, waiting or 0.0, clock(), parse_block_size(text))
 
 
-async def scrape_engine_load(router, clock: Callable[[], float] = time.monotonic, idle_check: float = 1.0) -> None:
+async def scrape_engine_load(router: Router, clock: Callable[[], float] = time.monotonic,
+                             idle_check: float = 1.0) -> None:
     """Until cancelled: scrape the routable replicas of every model whose tier asks for it, each on its interval.
 
     A tier asks with an ``engine_metrics_interval`` attribute (seconds; None or

@@ -14,7 +14,7 @@ import inspect
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from ..kv.index import KvIndex
 from ..kv.metrics import KvMetrics
@@ -22,6 +22,10 @@ from .canonical import estimated_prompt_tokens
 from .model import TierModel
 from .replica import Replica
 from .tier import Decision, RouteRequest, RoutingTier, TierServices
+
+if TYPE_CHECKING:
+    from ..metrics import Metrics
+    from ..plugins_manager import Registry
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +41,7 @@ class ModelRoute:
 
 
 class Router:
-    def __init__(self, registry, metrics=None):
+    def __init__(self, registry: Registry, metrics: Metrics | None = None) -> None:
         self.registry = registry
         self.metrics = metrics
         self.models: dict[str, ModelRoute] = {}
@@ -49,7 +53,7 @@ class Router:
             KvMetrics.for_registry(metrics.registry).track_index(self.kv_index, self.model_of_replica)
         self._tier_errors_logged: set[str] = set()
 
-    def configure_model(self, name: str, tier_name: str, options: dict | None = None,
+    def configure_model(self, name: str, tier_name: str, options: dict[str, Any] | None = None,
                         model: TierModel | None = None) -> ModelRoute:
         """Create or re-tier a model; its replicas are kept.
 
@@ -135,12 +139,13 @@ class Router:
                 self.metrics.decisions.labels(request.model, route.tier_name, "error").inc()
         if decision is None or decision.replica not in candidates:
             decision = await route.fallback.pick(request, candidates)
+            assert decision is not None  # the fallback (round robin) always picks one of the candidates
             decision.outcome = "fallback"
         if self.metrics is not None:
             self.metrics.decisions.labels(request.model, decision.tier or route.tier_name, decision.outcome).inc()
         return decision
 
-    async def explain(self, request: RouteRequest) -> dict:
+    async def explain(self, request: RouteRequest) -> dict[str, Any]:
         """What the model's tier would do with ``request`` and why, changing no state.
 
         Tiers with an ``explain(request, candidates)`` method answer for
@@ -173,10 +178,9 @@ class Router:
                 answer["replicas"].append({"name": replica.name, "candidate": replica in candidates})
         by_name = {r.name: r for r in route.replicas}
         for entry in answer["replicas"]:
-            replica = by_name.get(entry.get("name"))
-            if replica is not None:
-                entry.update(state=replica.state.value, inflight=replica.inflight,
-                             inflight_tokens=replica.inflight_tokens)
+            known = by_name.get(entry.get("name"))
+            if known is not None:
+                entry.update(state=known.state.value, inflight=known.inflight, inflight_tokens=known.inflight_tokens)
         return answer
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
@@ -197,7 +201,7 @@ class Router:
         if route is not None and hasattr(route.tier, "first_token"):
             self._notify(route, "first_token", request, decision, ttft)
 
-    def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
+    def finished(self, request: RouteRequest, decision: Decision, usage: dict[str, Any] | None) -> None:
         if decision.inflight_tokens:  # taken off once, however often this is called
             replica = decision.replica
             replica.inflight_tokens = max(0, replica.inflight_tokens - decision.inflight_tokens)
@@ -207,7 +211,7 @@ class Router:
             self._notify(route, "finished", request, decision,
                          usage if getattr(route.tier, "wants_usage", False) is True else None)
 
-    def _notify(self, route: ModelRoute, hook: str, *args) -> None:
+    def _notify(self, route: ModelRoute, hook: str, *args: Any) -> None:
         try:
             getattr(route.tier, hook)(*args)
         except Exception:

@@ -91,7 +91,7 @@ class RoutingTier(Protocol):
         """Called once, just before the request is sent to ``decision.replica``. Every routed decision is
         :meth:`finished` exactly once, also when the attempt fails and the request is retried elsewhere."""
 
-    def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
+    def finished(self, request: RouteRequest, decision: Decision, usage: dict[str, Any] | None) -> None:
         """Called when the response ended; ``usage`` is the engine's usage block when it was seen.
 
         Tiers that set a class attribute ``wants_usage = True`` get the body's ``usage`` (or a stream's final
