@@ -74,15 +74,16 @@ class ExternalKv:
         source = KvMetrics.for_registry(metrics_registry).source(NODE_LABEL, self.replica, self.model) \
             if metrics_registry is not None else None
         if self.key_function == "content":
-            mirror = EngineMirror(key_mode="content", on_ignored=source and source.ignored, name=self.replica)
+            mirror = EngineMirror(key_mode="content", on_ignored=source.ignored if source else None,
+                                  name=self.replica)
         else:
             try:
                 verify = VllmBlockKeys(self.hash_algo, self.hash_seed)
             except ValueError as exc:
                 log.warning("replica %s: hash parity not checked (%s)", self.replica, exc)
                 verify = None
-            mirror = EngineMirror(verify_keys=verify, on_ignored=source and source.ignored,
-                                  on_parity=source and source.parity, name=self.replica)
+            mirror = EngineMirror(verify_keys=verify, on_ignored=source.ignored if source else None,
+                                  on_parity=source.parity if source else None, name=self.replica)
         sub = EngineSubscription(self.events, mode="connect", replay_endpoint=self.replay, topic=b"",
                                  decode=registry.get("event_decoders", "vllm")(), on_batch=mirror.apply,
                                  on_reset=mirror.reset, metrics=source, source=f"{self.replica}/dp0",
