@@ -164,6 +164,7 @@ class ControlPlane:
         if isinstance(action, Command):
             node = self.inventory.nodes.get(action.node_id)
             session = node.session if node is not None else None
+            assert action.message is not None
             if session is None or not session.post(self._with_proof(node, action.message)):
                 log.warning("could not send %s to %s: its session is gone (it is sent again when it reconnects)",
                             action.kind, action.node_id)
@@ -238,10 +239,10 @@ class ControlPlane:
             owner = self.reconciler.owner(changes.shard_id)
         placed_on = owner[1].node_id if owner is not None else None
         reason = refusal_reason(changes, session.node_id, placed_on)
-        if reason is None and changes.replica_id and changes.replica_id != owner[0].replica_id:
+        if reason is None and owner is not None and changes.replica_id and changes.replica_id != owner[0].replica_id:
             reason = "replica_mismatch"
-        if reason is not None:
-            self._refuse_kv(session, changes, reason, placed_on)
+        if reason is not None or owner is None:  # refusal_reason refuses what is placed nowhere
+            self._refuse_kv(session, changes, reason or "unknown_replica", placed_on)
             return
         assignment = owner[0]
         if assignment.retiring or changes.data_parallel_rank != 0:

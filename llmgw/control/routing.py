@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from .. import wire
 from ..plugins_manager import PluginError
@@ -59,7 +59,7 @@ class DeployedRouting(TaskHost):
     def configure_models(self, desired: Mapping[str, DesiredReplica], static_models: Iterable[str]) -> None:
         """One route per served model name of a deployed profile; models nobody deploys any more are removed."""
         router = self.gateway.router
-        wanted: dict[str, object] = {}
+        wanted: dict[str, Any] = {}  # model -> the llmgw.config.Profile that serves it
         for replica in desired.values():
             wanted.setdefault(replica.model, replica.profile)
         for model, profile in sorted(wanted.items()):
