@@ -12,6 +12,7 @@ import functools
 import logging
 import ssl
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -33,6 +34,9 @@ from ..tls import describe_tls_error
 from .admin import create_control_app
 from .admin_guard import exposure_problem
 from .dataplane import DataPlane, DataPlaneSettings
+
+if TYPE_CHECKING:
+    from ..agent.agent import Agent
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +67,7 @@ class Gateway:
         self.config = config
         self.embedded_discovery = embedded_discovery
         self.stop_engines_on_exit = stop_engines_on_exit
-        self.embedded_agent = None
+        self.embedded_agent: Agent | None = None
         self.registry = registry or default_registry()
         check_config_plugins(config, self.registry)
         self.metrics = Metrics()
@@ -147,13 +151,13 @@ class Gateway:
 
         agents = self.config.agents
         node_id = agents.embedded_node_id
-        self.embedded_agent = Agent(InProcessConnector(self.control.agents.accept_in_process, f"embedded agent "
+        self.embedded_agent = agent = Agent(InProcessConnector(self.control.agents.accept_in_process, f"embedded agent "
                                                        f"{node_id}"), node_id=node_id,
                                     discovery=self.embedded_discovery, state_dir=agents.state_dir,
                                     address="127.0.0.1", registry=self.registry,
                                     metrics_registry=self.metrics.registry,
                                     announce=lambda line: log.debug("%s", line))  # the control side logs it
-        await self.embedded_agent.run(task_status=task_status)
+        await agent.run(task_status=task_status)
 
     def _configure_static_models(self, config: Config) -> None:
         """Make the router's static replicas those of ``config.models`` (replicas no longer listed are drained)."""
@@ -178,14 +182,15 @@ class Gateway:
             if new is None or (new.model, new.url, new.api_key, new.weight, new.tls) != (
                     replica.model, replica.url, replica.api_key, replica.weight, replica.tls):
                 del self._static[name]
+                assert self._nursery is not None, "the gateway is not running"
                 self._nursery.start_soon(self.drain_replica, replica, "removed from the config", 600.0,
                                          new is None)
         for name, replica in wanted.items():
             if name not in self._static and self.add_replica(replica):
                 self._static[name] = replica
-        for model in set(self._static_models) - {m.name for m in config.models}:
-            if model not in self.control.routing.models:  # a deployed profile may serve it too
-                self.router.remove_model(model)
+        for gone in set(self._static_models) - {m.name for m in config.models}:
+            if gone not in self.control.routing.models:  # a deployed profile may serve it too
+                self.router.remove_model(gone)
         self._static_models = {m.name: (m.routing, dict(m.routing_options), m.lora_adapters) for m in config.models}
         self._follow_static_kv(config)
 
@@ -201,14 +206,15 @@ class Gateway:
                 follow = ExternalKv.of(name, spec, model.routing_options, model.name)
                 if follow is not None:
                     wanted[name] = follow
-        for name, (follow, scope) in list(self._static_kv.items()):
-            if wanted.get(name) != follow:
+        for name, (running, scope) in list(self._static_kv.items()):
+            if wanted.get(name) != running:
                 scope.cancel()
                 del self._static_kv[name]
         for name, follow in wanted.items():
             if name not in self._static_kv:
                 scope = trio.CancelScope()
                 self._static_kv[name] = (follow, scope)
+                assert self._nursery is not None, "the gateway is not running"
                 self._nursery.start_soon(self._run_static_kv, follow, scope)
 
     async def _run_static_kv(self, follow, scope: trio.CancelScope) -> None:

@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 import trio
 
@@ -39,6 +39,7 @@ from .latency import StreamWatch
 from .usage import STREAM_TAIL_PIECES, usage_of_body, usage_of_stream_tail
 
 log = logging.getLogger(__name__)
+_Answer = TypeVar("_Answer", Response, None)  # what DataPlane._count passes through
 access_log = logging.getLogger("llmgw.access")
 
 # What vLLM's OpenAI server answers with a POST naming a model: relayed to a replica of that model.
@@ -287,7 +288,9 @@ class DataPlane:
         if replica.auth_header is not None:
             headers = headers + [replica.auth_header]
         self._load(replica, +1)
-        upstream = await self._step(replica, lambda: replica.pool.request(
+        pool = replica.pool
+        assert pool is not None  # a routable replica has its connection pool
+        upstream = await self._step(replica, lambda: pool.request(
             request.method, replica.base_path + request.target, headers, request.body,
             first_byte_timeout=self.settings.first_byte_timeout, idle_timeout=self.settings.idle_timeout))
         if isinstance(upstream, UpstreamError):
@@ -423,10 +426,14 @@ class DataPlane:
                 "-" if first_token_at is None else "%.1f" % ((first_token_at - started) * 1000),
                 (ended - started) * 1000, *tokens, decision.detail.get("predicted_cached_tokens", "-"))
 
-    def _count(self, model: str | None, response: Response | None, started: float | None = None,
-               status: int | None = None) -> Response | None:
+    def _count(self, model: str | None, response: _Answer, started: float | None = None,
+               status: int | None = None) -> _Answer:
+        """Count a request of ``model`` answered with ``status``, or ``response``'s; ``response`` is returned."""
+        if status is None:
+            assert response is not None  # without a response, the caller says the status
+            status = response.status
         bound = self.metrics.for_model(model or "unknown")
-        bound.requests(status if status is not None else response.status).inc()
+        bound.requests(status).inc()
         if started is not None:
             bound.request_duration.observe(_now() - started)
         return response

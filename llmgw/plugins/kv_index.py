@@ -104,7 +104,7 @@ class KvIndexOptions:
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> tuple["KvIndexOptions", list[str]]:
-        options, problems = cls(), []
+        options, problems = cls(), list[str]()
 
         take = option_reader(options, raw, problems,
                              ("hash_seed", "extra_key_style", "block_size", "tokenizer_path"))
@@ -454,11 +454,11 @@ class KvIndexTier:
         sizes = self.block_sizes(candidates, healthy)
         keys: dict[int, list[int]] = {}
         runs: dict[str, tuple[int, int]] = {}
-        for size in {s for s in sizes if s}:
-            extras = plan.extra_keys(len(tokens), size, style=self.extra_key_style)
-            keys[size] = self.keys.keys(tokens, size, extras)
-            names = [r.name for r, s in zip(candidates, sizes) if s == size]
-            runs.update(index.match_detail(keys[size], names))
+        for block_size in {s for s in sizes if s}:
+            extras = plan.extra_keys(len(tokens), block_size, style=self.extra_key_style)
+            keys[block_size] = self.keys.keys(tokens, block_size, extras)
+            names = [r.name for r, s in zip(candidates, sizes) if s == block_size]
+            runs.update(index.match_detail(keys[block_size], names))
 
         floor = self.options.min_match_blocks
         text = None
