@@ -56,7 +56,7 @@ LogFormat = Annotated[str, one_of("text", "json")]
 
 
 # Numbers with an upper bound of their own in place of MAX_COUNT or 1GiB (docs/configuration.md, "Upper bounds").
-Weight = Annotated[int, at_least(1), at_most(1000)]  # a replica's weight; the health thresholds
+SmallCount = Annotated[int, at_least(1), at_most(1000)]  # a replica's weight, the health thresholds
 GpuCount = Annotated[int, at_least(1), at_most(1024)]  # tp, pp, nodes, GPUs per node
 
 
@@ -69,7 +69,7 @@ class ExternalReplica(Located):
     name: Text | None = setting(None)  # default: "host:port" of the URL
     kv_events: ZmqEndpoint | None = setting(None)  # the engine's KV-event PUB socket
     kv_replay: ZmqEndpoint | None = setting(None)  # its replay socket
-    weight: Weight = setting(1)
+    weight: SmallCount = setting(1)
     tls_ca_file: TlsFile | None = setting(None)  # https:// only; default: upstream_tls.ca_file
     tls_cert_file: TlsFile | None = setting(None)  # client certificate for mutual TLS
     tls_key_file: TlsFile | None = setting(None)
@@ -159,9 +159,9 @@ class HealthConfig(Located):
 
     interval: PositiveDuration = setting(2.0)
     timeout: PositiveDuration = setting(2.0)
-    failures_to_down: Weight = setting(2)
-    successes_to_up: Weight = setting(1)
-    passive_failures_to_down: Weight = setting(3)
+    failures_to_down: SmallCount = setting(2)
+    successes_to_up: SmallCount = setting(1)
+    passive_failures_to_down: SmallCount = setting(3)
     path: Annotated[str, matches(r"/\S*", "a path starting with '/'")] = setting("/health")
 
 
