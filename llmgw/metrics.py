@@ -11,8 +11,6 @@ take a while with many series.
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
-
 import trio
 from prometheus_client import (
     GC_COLLECTOR,
@@ -26,49 +24,13 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics import MetricWrapperBase
+
+from .cached_labels import CachedLabels
 
 disable_created_metrics()  # the *_created series double the exposition and nobody alerts on them
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
-
-
-_Metric = TypeVar("_Metric", bound=MetricWrapperBase)
-
-
-class CachedLabels(Generic[_Metric]):
-    """A labelled metric whose children are kept per label values: ``.labels(*values)`` is a dict lookup.
-
-    Anything else (``collect``, ``describe``, ...) is the wrapped metric's; ``remove`` and
-    ``clear`` also forget the cached children. The wrapped metric is ``.metric``.
-    """
-
-    __slots__ = ("metric", "_children")
-
-    def __init__(self, metric: _Metric):
-        self.metric = metric
-        self._children: dict[tuple[Any, ...], _Metric] = {}
-
-    def labels(self, *values: Any, **labelkwargs: Any) -> _Metric:
-        if labelkwargs:
-            return self.metric.labels(*values, **labelkwargs)
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = self.metric.labels(*values)
-        return child
-
-    def remove(self, *values: Any) -> None:
-        wanted = tuple(str(v) for v in values)
-        self._children = {k: v for k, v in self._children.items() if tuple(str(x) for x in k) != wanted}
-        self.metric.remove(*values)
-
-    def clear(self) -> None:
-        self._children.clear()
-        self.metric.clear()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.metric, name)
 
 
 class ReplicaMetrics:

@@ -3,9 +3,11 @@
 An engine plugin (hook ``register_engines``) turns a :class:`~llmgw.wire.StartShard`
 into a :class:`Launch` (argv and the environment variables it adds), says how
 to tell that the shard is ready (:class:`Readiness`) and which of its
-``/metrics`` gauges count in-flight requests (for drain). It never spawns or
-watches processes itself: the shard supervisor does that, the same way for
-every engine.
+``/metrics`` gauges count running and waiting requests
+(:class:`~llmgw.engines.probe.EngineGauges`: the supervisor waits for them to
+reach 0 when draining, the router's load-aware tiers read them). It never
+spawns or watches processes itself: the shard supervisor does that, the same
+way for every engine.
 
 ``vllm`` and ``sim`` both speak vLLM's flags, so :func:`openai_server_flags`
 builds the part of the command line they have in common.
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
 
 from .. import wire
+from ..engines.probe import EngineGauges
 
 
 class EngineError(Exception):
@@ -74,8 +77,10 @@ class Engine(Protocol):
     def readiness(self, spec: wire.StartShard) -> Readiness:
         """How to probe this shard."""
 
-    def inflight_metric_names(self) -> tuple[str, ...]:
-        """Gauges on the engine's ``/metrics`` whose sum is the number of requests still in flight."""
+    def load_gauges(self) -> EngineGauges:
+        """The engine's ``/metrics`` gauges of running and waiting requests and of its cache configuration
+        (:data:`~llmgw.engines.probe.VLLM_GAUGES` for vLLM's; :data:`~llmgw.engines.probe.NO_GAUGES` when it has
+        none: a drain then waits for nothing)."""
 
 
 # -- helpers for engine plugins ---------------------------------------------------------------------------------------

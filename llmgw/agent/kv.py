@@ -53,6 +53,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from .. import wire
+from ..kv.changes import BlockChanges
 from ..kv.keys import VllmBlockKeys
 from ..kv.metrics import KvMetrics
 from ..kv.mirror import EngineMirror, flush_loop, resync
@@ -110,10 +111,17 @@ class ShardKv:
             try:
                 async with trio.open_nursery() as nursery:
                     for rank, mirror in enumerate(self.mirrors):
-                        nursery.start_soon(partial(flush_loop, mirror, send, self.shard_id, self.spec.replica_id,
-                                                   rank, interval=FLUSH_INTERVAL))
+                        nursery.start_soon(partial(flush_loop, mirror, partial(self._send_changes, send, rank),
+                                                   interval=FLUSH_INTERVAL))
             finally:
                 self._relays.discard(scope)
+
+    async def _send_changes(self, send: Callable[[wire.Message], Awaitable[None]], rank: int,
+                            changes: BlockChanges) -> None:
+        """One rank's changes up the stream, as the wire message naming this shard and replica."""
+        await send(wire.KvChanges(shard_id=self.shard_id, replica_id=self.spec.replica_id, data_parallel_rank=rank,
+                                  kind=changes.kind, block_size=changes.block_size, stored=changes.stored,
+                                  removed=changes.removed, reason=changes.reason))
 
     def stop_relays(self) -> None:
         for scope in list(self._relays):

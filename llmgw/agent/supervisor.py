@@ -43,6 +43,7 @@ from typing import Callable
 import trio
 
 from .. import wire
+from ..engines import probe
 from ..http.client import UpstreamError, UpstreamPool
 from ..procgroup import process_group_of, process_start_time, signal_group, terminate_group, wait_group_gone
 from .engine import Engine, EngineError, LaunchContext, Readiness
@@ -145,7 +146,8 @@ async def _wait_for_foreign_exit(pid: int, start_time: int | None) -> None:
 
 
 class _Prober:
-    """HTTP probes of one engine through one pooled connection: readiness, health, in-flight requests."""
+    """Probes of one engine through one pooled connection (:mod:`llmgw.engines.probe`): readiness, health,
+    in-flight requests."""
 
     def __init__(self, host: str, port: int, readiness: Readiness, timeout: float):
         self.readiness = readiness
@@ -153,23 +155,11 @@ class _Prober:
         self.pool = UpstreamPool(host, port, connect_timeout=timeout)
         self._auth = [(b"authorization", f"Bearer {readiness.api_key}".encode())] if readiness.api_key else []
 
-    async def get(self, path: str, headers=()) -> tuple[int, bytes]:
-        with trio.fail_after(self.timeout):
-            response = await self.pool.request("GET", path, list(headers), b"", first_byte_timeout=self.timeout,
-                                               idle_timeout=self.timeout)
-            return response.status, await response.read()
-
     async def health(self) -> tuple[bool, str, bool]:
         """(healthy, why, definite): ``definite`` failures (refused, 5xx) can restart an engine; timeouts cannot."""
-        try:
-            status, _ = await self.get(self.readiness.health_path)
-        except trio.TooSlowError:
-            return False, f"{self.readiness.health_path}: no answer within {self.timeout:g}s", False
-        except UpstreamError as exc:
-            return False, f"{self.readiness.health_path}: {exc}", exc.kind != "timeout"
-        if status != 200:
-            return False, f"{self.readiness.health_path}: HTTP {status}", status >= 500
-        return True, f"{self.readiness.health_path} 200", False
+        path = self.readiness.health_path
+        health = await probe.check_health(self.pool, path, self.timeout)
+        return health.ok, f"{path} 200" if health.ok else f"{path}: {health.reason}", health.definite
 
     async def ready(self) -> tuple[bool, str]:
         healthy, why, _ = await self.health()
@@ -177,7 +167,7 @@ class _Prober:
             return False, why
         name, path = self.readiness.served_model_name, self.readiness.models_path
         try:
-            status, body = await self.get(path, self._auth)
+            status, body = await probe.get(self.pool, path, self.timeout, self._auth)
         except trio.TooSlowError:
             return False, f"{path}: no answer within {self.timeout:g}s"
         except UpstreamError as exc:
@@ -194,36 +184,13 @@ class _Prober:
 
     async def inflight(self, names: tuple[str, ...]) -> int | None:
         """The sum of the engine's in-flight gauges, or None when ``/metrics`` cannot be read."""
-        try:
-            status, body = await self.get(self.readiness.metrics_path)
-        except (trio.TooSlowError, UpstreamError):
+        text = await probe.read_metrics(self.pool, self.readiness.metrics_path, self.timeout)
+        if text is None:
             return None
-        if status != 200:
-            return None
-        return sum_gauges(body.decode("utf-8", errors="replace"), names)
+        return int(probe.parse_gauge_sum(text, names) or 0)
 
     async def aclose(self) -> None:
         await self.pool.aclose()
-
-
-def sum_gauges(text: str, names: tuple[str, ...]) -> int:
-    """The sum over every sample (any labels) of the named metrics in Prometheus text exposition."""
-    wanted = set(names)
-    total = 0.0
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        if "{" in line:
-            name, _, rest = line.partition("{")
-            rest = rest.rpartition("}")[2]
-        else:
-            name, _, rest = line.partition(" ")
-        if name.strip() in wanted:
-            try:
-                total += float(rest.split()[0])
-            except (IndexError, ValueError):
-                continue
-    return int(total)
 
 
 class ShardSupervisor:
@@ -560,7 +527,7 @@ class ShardSupervisor:
 
     async def _wait_until_idle(self, proc: EngineProcess, timeout: float) -> str:
         """Wait until the engine's in-flight gauges read 0 twice in a row, it exits, or ``timeout``; says which."""
-        names = self.engine.inflight_metric_names()
+        names = self.engine.load_gauges().inflight
         if not names:
             return "the engine exposes no in-flight gauges"
         zero_reads = unreadable = 0

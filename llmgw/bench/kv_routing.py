@@ -270,7 +270,7 @@ def bench_mirror(count: int = 20000) -> dict:
     for i, batch in enumerate(batches):
         mirror.apply(batch)
         if i % 256 == 255:
-            mirror.flush("s", "r")
+            mirror.flush()
     elapsed = time.perf_counter() - started
     out["mirror_apply"] = {"block_changes_per_s": round(changes / elapsed), "batches_per_s": round(count / elapsed)}
     mirror = _prefill_mirror(batches)
@@ -278,21 +278,21 @@ def bench_mirror(count: int = 20000) -> dict:
     for i, payload in enumerate(payloads):
         mirror.apply(decode_batch(payload))
         if i % 256 == 255:
-            mirror.flush("s", "r")
+            mirror.flush()
     elapsed = time.perf_counter() - started
     out["decode_and_mirror"] = {"block_changes_per_s": round(changes / elapsed),
                                 "batches_per_s": round(count / elapsed)}
     mirror = _prefill_mirror(batches)
     index = KvIndex()
-    for message in mirror.full_messages("s", "r"):
+    for message in mirror.full_messages():
         index.apply("r", message)
     started = time.perf_counter()
     for i, payload in enumerate(payloads):
         mirror.apply(decode_batch(payload))
         if i % 256 == 255:
-            for message in mirror.flush("s", "r"):
+            for message in mirror.flush():
                 index.apply("r", message)
-    for message in mirror.flush("s", "r"):
+    for message in mirror.flush():
         index.apply("r", message)
     elapsed = time.perf_counter() - started
     assert index.keys("r") == set(mirror.keys())

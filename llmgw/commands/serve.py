@@ -158,7 +158,7 @@ def _say_what_keeps_running(gateway) -> None:
 async def _wait_for_replicas(gateway, count: int, timeout: float = 30.0) -> None:
     """Until ``count`` replicas of the demo model are routable (a newcomer's first request then succeeds)."""
     with trio.move_on_after(timeout):
-        while sum(1 for r in gateway.router.all_replicas() if r.model == DEMO_MODEL and r.routable) < count:
+        while sum(1 for r in gateway.replicas.members(DEMO_MODEL) if r.routable) < count:
             await trio.sleep(0.05)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
+from ..units import parse_duration, parse_size
 from . import crosschecks
 from .addresses import HostPort, parse_http_url, parse_tcp_endpoint, url_host_port
 from .fields import (
@@ -29,7 +30,6 @@ from .fields import (
 )
 from .reader import Draft
 from .tls import ListenerTls, TlsFile, UpstreamTls, check_replica_tls
-from .units import parse_duration, parse_size
 
 KiB = 1024
 MiB = 1024 * KiB

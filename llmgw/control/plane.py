@@ -1,11 +1,18 @@
-"""The control plane of one gateway: inventory, agent service, reconciler and deployed routing, wired together.
+"""The control plane of one gateway: inventory, agent service, reconciler and deployed replicas, wired together.
 
 :class:`ControlPlane` is the agent service's session handler: it records what
 agents register and report (refusing reports about shards placed on another
 node), and reconciles after every change and every ``RECONCILE_INTERVAL``:
 the :class:`~llmgw.control.reconciler.Reconciler` decides, this class carries
 the actions out (commands to agents' sessions, log lines, metrics) and keeps
-the router in step (:class:`~llmgw.control.routing.DeployedRouting`).
+the replica set in step (:class:`~llmgw.control.deployed.DeployedReplicas`).
+
+It is built from narrow parts, never the gateway: the
+:class:`~llmgw.control.interfaces.ReplicaTable` its deployed replicas go into
+(the router's :class:`~llmgw.router.replicas.ReplicaSet`), the
+:class:`~llmgw.control.interfaces.KvWriter` the agents' KV changes go into (the
+router's :class:`~llmgw.kv.index.KvIndex`), the plugin registry and the
+metrics registry.
 
 After a start, nothing new is placed for ``heartbeat_interval + 1`` seconds
 (agents reconnect at least that often), so the engines that survived a
@@ -34,7 +41,9 @@ import trio
 from .. import wire
 from ..kv.index import refusal_reason
 from ..kv.metrics import KvMetrics
+from ..router.replicas import DEPLOYED
 from .agent_service import AgentService, AgentSession, SessionSettings
+from .deployed import DeployedReplicas
 from .fingerprint import profile_fingerprint
 from .identity import NodeIdentities, default_control_state_dir
 from .inventory import Inventory
@@ -49,11 +58,11 @@ from .reconciler import (
     desired_replicas,
     place_with_plan_all,
 )
-from .routing import DeployedRouting
 
 if TYPE_CHECKING:
     from ..config import Config
-    from ..gateway.app import Gateway
+    from ..wire.channel import Channel
+    from .interfaces import KvWriter, ReplicaTable
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +72,12 @@ REFUSE_UNPROVEN = "unproven_shard"
 
 
 class ControlPlane:
-    def __init__(self, gateway: "Gateway", config: "Config"):
-        self.gateway = gateway
+    def __init__(self, replicas: "ReplicaTable", kv_index: "KvWriter", registry, metrics_registry, config: "Config"):
+        self.replicas = replicas
+        self.kv_index = kv_index
         self.id = uuid.uuid4().hex[:12]
-        self.metrics = ControlMetrics(gateway.metrics.registry)
-        self.kv_metrics = KvMetrics.for_registry(gateway.metrics.registry)
+        self.metrics = ControlMetrics(metrics_registry)
+        self.kv_metrics = KvMetrics.for_registry(metrics_registry)
         self._kv_refusals_told: set[tuple[str, str, str]] = set()
         self._unproven_told: set[tuple[str, str]] = set()  # (node, shard): logged and told once per session
         self.inventory = Inventory(on_change=self.request_reconcile, metrics=self.metrics)
@@ -75,12 +85,12 @@ class ControlPlane:
         self.agents = AgentService(self.inventory, self, SessionSettings.from_config(config.agents),
                                    identities=self.identities, metrics=self.metrics, control_plane_id=self.id)
         self.reconciler = Reconciler(place_with_plan_all)
-        self.routing = DeployedRouting(gateway, self._released)
+        self.deployed = DeployedReplicas(replicas, registry, self._released)
         self.config = config
         self.desired: dict[str, DesiredReplica] = {}
         self._wake = trio.Event()
         self._running = False
-        gateway.router.kv_index.add_resync_listener(self._ask_kv_resync)
+        kv_index.add_resync_listener(self._ask_kv_resync)
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
@@ -94,7 +104,7 @@ class ControlPlane:
             return False
         found = False
         with trio.move_on_at(self.reconciler.place_after):
-            while not self.gateway.router.candidates(model):
+            while not any(replica.routable for replica in self.replicas.members(model)):
                 await trio.sleep(poll)
             found = True
         self.metrics.requests_held.labels(model, "routed" if found else "none").inc()
@@ -106,7 +116,7 @@ class ControlPlane:
         self.reconciler.place_after = trio.current_time() + grace
         async with trio.open_nursery() as nursery:
             await nursery.start(self.agents.run)
-            await nursery.start(self.routing.run)
+            await nursery.start(self.deployed.run)
             self._running = True
             self.apply_config(self.config)
             task_status.started()
@@ -128,12 +138,30 @@ class ControlPlane:
         self.config = config
         self.agents.settings = SessionSettings.from_config(config.agents)
         self.desired = desired_replicas(config, profile_fingerprint)
-        self.routing.configure_models(self.desired, [model.name for model in config.models])
+        self.deployed.configure_models(self.desired)
         self.request_reconcile()
 
     def freeze(self) -> None:
         """Stop reconciling (the gateway is stopping its embedded engines on exit)."""
         self._running = False
+
+    def closing(self) -> None:
+        """The gateway is stopping: sessions that end from now on are no news (logged quietly)."""
+        self.inventory.closing = True
+
+    # -- agents' connections -------------------------------------------------------------------------------------
+
+    async def accept_in_process(self, channel: "Channel") -> None:
+        """Serve an in-process agent's channel (the embedded agent: trusted)."""
+        await self.agents.accept_in_process(channel)
+
+    async def serve_agent(self, channel: "Channel") -> None:
+        """Serve one remote agent's connection (``/agent``) until it ends."""
+        await self.agents.serve(channel)
+
+    def forget_node(self, node_id: str) -> bool:
+        """Drop a node's identity (``POST /admin/nodes/ID/forget``); False when no such node is known."""
+        return self.agents.forget(node_id)
 
     def request_reconcile(self) -> None:
         self._wake.set()
@@ -176,7 +204,7 @@ class ControlPlane:
         return dataclasses.replace(message, placement_proof=self.identities.placement_proof(node.node_id, message))
 
     def _sync_routing(self) -> None:
-        self.routing.sync(list(self.reconciler.assignments.values()), self._leader_report, self._api_key)
+        self.deployed.sync(list(self.reconciler.assignments.values()), self._leader_report, self._api_key)
 
     def _leader_report(self, assignment: Assignment) -> wire.ShardReport | None:
         return self.inventory.shard(assignment.leader.node_id, assignment.leader.shard_id)
@@ -189,7 +217,7 @@ class ControlPlane:
         assignment = self.reconciler.assignments.get(key)
         if assignment is not None and not any(a.replica_id == assignment.replica_id and not a.retiring
                                               for a in self.reconciler.assignments.values()):
-            self.gateway.router.kv_index.remove(assignment.replica_id)  # it left the router for good
+            self.kv_index.remove(assignment.replica_id)  # it left the replica set for good
         if self.reconciler.release(key):
             self.request_reconcile()
 
@@ -251,7 +279,7 @@ class ControlPlane:
             return
         # Applied whatever the model's tier is (the index is cheap to keep): a reload that switches the model to
         # kv_index then finds it up to date, not stale.
-        self.gateway.router.kv_index.apply(assignment.replica_id, changes)
+        self.kv_index.apply(assignment.replica_id, changes)
 
     def _ask_kv_resync(self, replica_id: str, mode: str, reason: str) -> None:
         """The router's index of ``replica_id`` drifted (:mod:`llmgw.kv.drift`): ask the agent running its leader
@@ -284,10 +312,9 @@ class ControlPlane:
         if node is not None and node.session is session:
             # The stream that fed this node's replicas' KV index is gone: they stay routable, but their index
             # is not trusted (the tree routes them) until the agent's FULL copy on reconnect.
-            index = self.gateway.router.kv_index
             for assignment in self.reconciler.assignments.values():
                 if assignment.leader.node_id == session.node_id:
-                    index.forget(assignment.replica_id)
+                    self.kv_index.forget(assignment.replica_id)
         self._kv_refusals_told = {k for k in self._kv_refusals_told if k[0] != session.node_id}
         self._unproven_told = {k for k in self._unproven_told if k[0] != session.node_id}
         self.inventory.session_ended(session.node_id, session, reason)
@@ -345,12 +372,12 @@ class ControlPlane:
             else:
                 state, reason = "pending", "not placed yet"
             entries.append({"name": replica_id, "replica_id": replica_id, "model": wanted.model, "url": "",
-                            "state": state, "reason": reason, "profile": wanted.profile.name, "node": None,
-                            "generation": None, "shards": []})
+                            "source": DEPLOYED, "state": state, "reason": reason, "profile": wanted.profile.name,
+                            "node": None, "generation": None, "shards": []})
         return entries
 
     def _assignment_json(self, assignment: Assignment) -> dict:
-        routed = self.routing.replica(assignment.replica_id, assignment.key)
+        routed = self.deployed.replica(assignment.replica_id, assignment.key)
         shards = []
         for slot in assignment.slots:
             report = self.inventory.shard(slot.node_id, slot.shard_id)
@@ -367,13 +394,14 @@ class ControlPlane:
                 "node_state": node.state.value if node is not None else "unknown",
             })
         if routed is not None:
-            body = routed.as_json()
+            body = self.replicas.describe(routed)
         else:
             leader = shards[0]
             state = "retiring" if assignment.retiring else "starting"
             body = {"name": assignment.replica_id, "model": assignment.model, "url": leader["endpoint"],
-                    "state": state, "reason": assignment.retiring or f"leader shard is {leader['state']}",
-                    "inflight": 0, "inflight_tokens": 0, "served": 0, "consecutive_failures": 0, "labels": {}}
+                    "source": DEPLOYED, "state": state,
+                    "reason": assignment.retiring or f"leader shard is {leader['state']}", "inflight": 0,
+                    "inflight_tokens": 0, "served": 0, "consecutive_failures": 0, "labels": {}}
         body.update({"replica_id": assignment.replica_id, "profile": assignment.profile,
                      "node": assignment.leader.node_id,
                      "generation": assignment.generation, "origin": assignment.origin,

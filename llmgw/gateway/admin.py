@@ -22,6 +22,7 @@ from werkzeug.exceptions import HTTPException
 from ..http.control_server import ControlServerMetrics
 from ..http.messages import error_body
 from ..metrics import render
+from ..router.replicas import STATIC
 from ..router.tier import RouteRequest
 from ..wire.channel import quart_channel
 from .admin_guard import AdminGuard
@@ -59,16 +60,18 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
 
     @app.get("/admin/replicas")
     async def replicas():
-        deployed = {id(routed.replica) for routed in gateway.control.routing.routed.values()}
-        static = [r.as_json() for r in gateway.router.all_replicas() if id(r) not in deployed]
+        """Every replica with its ``source``: the config's (static) ones, then the deployed ones (placed, with
+        their shards, or waiting for a placement)."""
+        replicas = gateway.replicas
+        static = [replicas.describe(replica) for replica in replicas.of_source(STATIC)]
         return jsonify(static + gateway.control.replicas_json())
 
     @app.get("/admin/kv")
     async def kv():
         """The router's KV index per replica (state, blocks, block size, resets), and the embedded agent's
         subscriptions (ports, mirrored blocks, last sequence number, resets, hash parity)."""
-        index = gateway.router.kv_index
-        names = sorted(set(index.replicas()) | {r.name for r in gateway.router.all_replicas()})
+        index = gateway.kv_index
+        names = sorted(set(index.replicas()) | {r.name for r in gateway.replicas})
         agent = gateway.embedded_agent
         shards: list[dict[str, Any]] = [s.describe() for s in agent.kv.shards.values()] if agent is not None else []
         return jsonify({"replicas": [{"name": name, **index.describe(name)} for name in names],
@@ -81,7 +84,7 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
     @app.post("/admin/nodes/<node_id>/forget")
     async def forget_node(node_id: str):
         """Drop a node's identity: its id can join again with a join token (a rebuilt or replaced machine)."""
-        if not gateway.control.agents.forget(node_id):
+        if not gateway.control.forget_node(node_id):
             return _error(404, f"no node {node_id!r} is known", "node_not_found")
         return jsonify({"forgotten": node_id})
 
@@ -97,7 +100,7 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
         peer = f"{websocket.remote_addr or '?'}"
         # quart's websocket is a context-local proxy: hand the session the object behind it
         ws = websocket._get_current_object()  # type: ignore[attr-defined]
-        await gateway.control.agents.serve(quart_channel(ws, f"agent at {peer}"))
+        await gateway.control.serve_agent(quart_channel(ws, f"agent at {peer}"))
 
     @app.get("/admin/models")
     async def models():

@@ -1,5 +1,11 @@
-"""The gateway process: one root nursery owning the data plane, the control app, health probes, the router,
-the control plane and, when configured, the embedded agent.
+"""The gateway process: the composition of its parts, in one root nursery.
+
+The parts: the :class:`~llmgw.router.replicas.ReplicaSet` (every replica, with its
+pool and health prober) fed by two sources, the config's static models
+(:class:`~llmgw.control.static.StaticReplicas`) and the control plane's deployed
+replicas (:class:`~llmgw.control.plane.ControlPlane`); the router and the KV
+index reading it; the data plane, the control app and, when configured, the
+embedded agent.
 
 :class:`Gateway` is built from a :class:`llmgw.config.Config`; :meth:`Gateway.run`
 serves until cancelled or until :meth:`Gateway.shutdown` has drained it;
@@ -11,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import ssl
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,17 +25,18 @@ import trio
 
 from ..config import Config, ConfigError
 from ..config.fields import issue_at
-from ..config.tls import replica_tls_options
+from ..control.plane import ControlPlane
+from ..control.static import StaticReplicas
 from ..http.control_server import ControlServer, ControlServerMetrics
 from ..http.jsonbody import JsonLimits
 from ..http.server import HttpServer, ServerLimits
+from ..kv.index import KvIndex
 from ..listening import host_port, listening_on
 from ..metrics import Metrics
 from ..plugins_manager import Registry, check_config_plugins, default_registry, load_checked_config
-from ..router.health import HealthSettings, HealthTracker, probe_forever
+from ..router.health import HealthSettings, HealthTracker
 from ..router.load_scraper import scrape_engine_load
-from ..router.model import TierModel
-from ..router.replica import Replica, ReplicaState
+from ..router.replicas import ReplicaSet
 from ..router.router import Router
 from ..tls import describe_tls_error
 from .admin import create_control_app
@@ -62,8 +70,6 @@ class Gateway:
                  stop_engines_on_exit: bool = False):
         """``stop_engines_on_exit``: the embedded agent's engines stop with the gateway (the demo); by default
         they outlive it, to be adopted by the next start."""
-        from ..control.plane import ControlPlane
-
         self.config = config
         self.embedded_discovery = embedded_discovery
         self.stop_engines_on_exit = stop_engines_on_exit
@@ -71,13 +77,16 @@ class Gateway:
         self.registry = registry or default_registry()
         check_config_plugins(config, self.registry)
         self.metrics = Metrics()
-        self.router = Router(self.registry, self.metrics)
         h = config.health
         self.health = HealthTracker(HealthSettings(
             interval=h.interval, timeout=h.timeout, failures_to_down=h.failures_to_down,
             successes_to_up=h.successes_to_up, passive_failures_to_down=h.passive_failures_to_down, path=h.path,
         ), self.metrics)
         lim = config.limits
+        self.replicas = ReplicaSet(self.health, self.metrics, lim.connect_timeout)
+        self.kv_index = KvIndex(clock=time.monotonic)
+        self.router = Router(self.registry, self.metrics, self.replicas, self.kv_index)
+        self.static = StaticReplicas(self.replicas, self.kv_index, self.registry, self.metrics.registry)
         self.dataplane = DataPlane(self.router, self.health, self.metrics, DataPlaneSettings(
             connect_timeout=lim.connect_timeout, first_byte_timeout=lim.first_byte_timeout,
             idle_timeout=lim.idle_timeout, retries=lim.retries, access_log=config.access_log,
@@ -93,16 +102,12 @@ class Gateway:
            on_tls_failure=self.metrics.tls_handshake_failures.labels("data").inc)
         self.draining = False
         self._nursery: trio.Nursery | None = None
-        self._probes: dict[Replica, trio.CancelScope] = {}
         self._control_shutdown = trio.Event()
         self._control_host = config.control_listen.host  # the one served (run's control_listen may override it)
         self.control_metrics = ControlServerMetrics(self.metrics.registry)
         self.addresses: Addresses | None = None
-        self.control = ControlPlane(self, config)
+        self.control = ControlPlane(self.replicas, self.kv_index, self.registry, self.metrics.registry, config)
         self.dataplane.wait_for_replica = self.control.wait_for_replica
-        self._static: dict[str, Replica] = {}  # replicas of the config's `models`, by name
-        self._static_models: dict[str, tuple] = {}  # name -> (routing tier, its options, LoRA adapters)
-        self._static_kv: dict[str, tuple[object, trio.CancelScope]] = {}  # name -> (ExternalKv, its task's scope)
         self._reload_lock = trio.Lock()
 
     async def run(self, listen: tuple[str, int] | None = None, control_listen: tuple[str, int] | None = None, *,
@@ -118,7 +123,9 @@ class Gateway:
                                        self.control_metrics, ssl_context=self._control_tls_context())
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            self._configure_static_models(self.config)
+            await nursery.start(self.replicas.run)
+            await nursery.start(self.static.run)
+            self.static.apply(self.config)
             await nursery.start(self.control.run)
             nursery.start_soon(scrape_engine_load, self.router)  # for tiers with engine_metrics_interval
             with listening_on(host_port(data_host, data_port)):
@@ -151,119 +158,12 @@ class Gateway:
 
         agents = self.config.agents
         node_id = agents.embedded_node_id
-        self.embedded_agent = agent = Agent(InProcessConnector(self.control.agents.accept_in_process, f"embedded agent "
-                                                       f"{node_id}"), node_id=node_id,
-                                    discovery=self.embedded_discovery, state_dir=agents.state_dir,
-                                    address="127.0.0.1", registry=self.registry,
-                                    metrics_registry=self.metrics.registry,
-                                    announce=lambda line: log.debug("%s", line))  # the control side logs it
+        connector = InProcessConnector(self.control.accept_in_process, f"embedded agent {node_id}")
+        self.embedded_agent = agent = Agent(connector, node_id=node_id, discovery=self.embedded_discovery,
+                                            state_dir=agents.state_dir, address="127.0.0.1", registry=self.registry,
+                                            metrics_registry=self.metrics.registry,
+                                            announce=lambda line: log.debug("%s", line))  # the control side logs it
         await agent.run(task_status=task_status)
-
-    def _configure_static_models(self, config: Config) -> None:
-        """Make the router's static replicas those of ``config.models`` (replicas no longer listed are drained)."""
-        wanted: dict[str, Replica] = {}
-        for model in config.models:
-            routing = (model.routing, dict(model.routing_options), model.lora_adapters)
-            if model.name not in self.router.models or self._static_models.get(model.name) != routing:
-                self.router.configure_model(model.name, model.routing, model.routing_options,
-                                            TierModel.of(model.name, model.routing, model.routing_options,
-                                                         lora_adapters=model.lora_adapters))
-            self.router.set_adapters(model.name, [adapter.name for adapter in model.lora_adapters])
-            for index, spec in enumerate(model.replicas):
-                name = spec.name or f"{model.name}-{index}"
-                wanted[name] = Replica(name=name, model=model.name, url=spec.url, api_key=spec.api_key,
-                                       weight=spec.weight, tls=replica_tls_options(spec, config.upstream_tls))
-                if wanted[name].uses_tls and not wanted[name].tls.verify:
-                    log.warning("replica %s (%s): TLS certificate and host name verification is OFF "
-                                "(tls_verify: false); anyone on the path can read and change its traffic, "
-                                "API key included", name, spec.url)
-        for name, replica in list(self._static.items()):
-            new = wanted.get(name)
-            if new is None or (new.model, new.url, new.api_key, new.weight, new.tls) != (
-                    replica.model, replica.url, replica.api_key, replica.weight, replica.tls):
-                del self._static[name]
-                assert self._nursery is not None, "the gateway is not running"
-                self._nursery.start_soon(self.drain_replica, replica, "removed from the config", 600.0,
-                                         new is None)
-        for name, replica in wanted.items():
-            if name not in self._static and self.add_replica(replica):
-                self._static[name] = replica
-        for gone in set(self._static_models) - {m.name for m in config.models}:
-            if gone not in self.control.routing.models:  # a deployed profile may serve it too
-                self.router.remove_model(gone)
-        self._static_models = {m.name: (m.routing, dict(m.routing_options), m.lora_adapters) for m in config.models}
-        self._follow_static_kv(config)
-
-    def _follow_static_kv(self, config: Config) -> None:
-        """One KV-event subscription per static replica with ``kv_events`` (connect mode), fed into the router's
-        KV index; restarted when its settings change, cancelled when the replica goes."""
-        from ..kv.external import ExternalKv
-
-        wanted: dict[str, ExternalKv] = {}
-        for model in config.models:
-            for index, spec in enumerate(model.replicas):
-                name = spec.name or f"{model.name}-{index}"
-                follow = ExternalKv.of(name, spec, model.routing_options, model.name)
-                if follow is not None:
-                    wanted[name] = follow
-        for name, (running, scope) in list(self._static_kv.items()):
-            if wanted.get(name) != running:
-                scope.cancel()
-                del self._static_kv[name]
-        for name, follow in wanted.items():
-            if name not in self._static_kv:
-                scope = trio.CancelScope()
-                self._static_kv[name] = (follow, scope)
-                assert self._nursery is not None, "the gateway is not running"
-                self._nursery.start_soon(self._run_static_kv, follow, scope)
-
-    async def _run_static_kv(self, follow, scope: trio.CancelScope) -> None:
-        with scope:
-            try:
-                await follow.run(self.router.kv_index, self.registry, self.metrics.registry)
-            except Exception:
-                log.exception("replica %s: following its KV events at %s failed; it is routed without them",
-                              follow.replica, follow.events)
-
-    def add_replica(self, replica: Replica) -> bool:
-        """Put a replica into routing and start probing it; False (logged) when its TLS files cannot be used."""
-        assert self._nursery is not None, "the gateway is not running"
-        try:
-            replica.pool = replica.open_pool(self.config.limits.connect_timeout)
-        except (OSError, ssl.SSLError) as exc:  # the files changed since the config was checked
-            log.error("replica %s (%s) is not routed: its TLS settings cannot be used: %s", replica.name,
-                      replica.url, describe_tls_error(exc))
-            return False
-        self.router.add_replica(replica)
-        self.metrics.for_replica(replica).up.set(1 if replica.routable else 0)
-        scope = trio.CancelScope()
-        self._probes[replica] = scope
-        self._nursery.start_soon(self._probe, replica, scope)
-        return True
-
-    async def remove_replica(self, replica: Replica) -> None:
-        self.router.remove_replica(replica)
-        scope = self._probes.pop(replica, None)
-        if scope is not None:
-            scope.cancel()
-        self.health.forget(replica)
-        self.metrics.forget_replica(replica)
-        if replica.pool is not None:
-            await replica.pool.aclose()
-
-    async def drain_replica(self, replica: Replica, reason: str, timeout: float, forget_kv: bool = False) -> None:
-        """Take a replica out of routing without cutting a request: no new ones, in-flight ones finish (up to
-        ``timeout``), then it is removed (and, with ``forget_kv``, its entries in the router's KV index)."""
-        self.health.set_state(replica, ReplicaState.DRAINING, reason)
-        with trio.move_on_after(timeout) as waited:
-            while replica.inflight > 0:
-                await trio.sleep(0.05)
-        if waited.cancelled_caught:
-            log.warning("replica %s: %d requests still in flight after %gs of draining; removing it anyway",
-                        replica.name, replica.inflight, timeout)
-        await self.remove_replica(replica)
-        if forget_kv:
-            self.router.kv_index.remove(replica.name)
 
     async def reload(self) -> list[str]:
         """Re-read the config file and apply it; the errors (nothing is changed then), or [] when applied.
@@ -291,20 +191,16 @@ class Gateway:
                 if getattr(config, key) != getattr(self.config, key):
                     log.warning("reload: %s changed; that takes a restart", key)
             self.config = config
-            self._configure_static_models(config)
+            self.static.apply(config)
             self.control.apply_config(config)
             log.info("reloaded %s: %d models, %d deployments", config.source, len(config.models),
                      len(config.deployments))
             return []
 
-    async def _probe(self, replica: Replica, scope: trio.CancelScope) -> None:
-        with scope:
-            await probe_forever(replica, self.health)
-
     async def stop_embedded_shards(self, grace: float = 5.0) -> None:
         """Stop the embedded agent's engines (the demo's exit; a real agent's engines outlive it)."""
         if self.embedded_agent is not None:
-            self.control.inventory.closing = True
+            self.control.closing()
             self.control.freeze()  # nothing may start them again
             with trio.CancelScope(shield=True), trio.move_on_after(grace + 5.0):
                 await self.embedded_agent.stop_all_shards(grace)
@@ -313,7 +209,7 @@ class Gateway:
         """Stop accepting, let in-flight requests finish for up to ``grace`` seconds, then stop everything."""
         grace = self.config.limits.shutdown_grace if grace is None else grace
         self.draining = True
-        self.control.inventory.closing = True
+        self.control.closing()
         inflight = self.data_server.active_requests
         log.log(logging.INFO if inflight else logging.DEBUG,
                 "draining: no new connections; waiting up to %gs for %d in-flight requests", grace, inflight)

@@ -24,8 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
-import trio
-
+from ..engines import probe
 from ..http.client import UpstreamError, UpstreamResponse
 from ..http.jsonbody import BodyError, JsonLimits, read_json_body
 from ..http.messages import Request, Response, error_response
@@ -249,17 +248,11 @@ class DataPlane:
         """Whether the replica's engine is gone: its ``/health`` gets no answer within ``ENGINE_GONE_TIMEOUT``
         (refused, reset, or silent). A bare connection would not tell: a killed server's listening socket can
         outlive it for a moment, or for good in a child process that inherited it (vLLM's engine core)."""
-        pool = replica.pool
-        if pool is None:
+        if replica.pool is None:
             return False
-        try:
-            with trio.fail_after(ENGINE_GONE_TIMEOUT):
-                answer = await pool.request("GET", replica.base_path + "/health", [(b"host", b"llmgw")], b"",
-                                            first_byte_timeout=ENGINE_GONE_TIMEOUT, idle_timeout=ENGINE_GONE_TIMEOUT)
-                await answer.aclose()
-        except (UpstreamError, trio.TooSlowError):
-            return True
-        return False
+        health = await probe.check_health(replica.pool, replica.base_path + "/health", ENGINE_GONE_TIMEOUT,
+                                          [(b"host", b"llmgw")])
+        return not health.answered
 
     async def _routing_body(self, request: Request) -> dict | Response:
         """What the router looks at: the JSON object of the body (parsed within ``json_limits``), or a form's

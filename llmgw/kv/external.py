@@ -24,21 +24,36 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import trio
 from prometheus_client import CollectorRegistry
 
+from .changes import ChangesFields
 from .keys import VllmBlockKeys
 from .metrics import KvMetrics
 from .mirror import EngineMirror, flush_loop, resync
 from .subscriber import DEFAULT_MAX_MESSAGE_BYTES, EngineSubscription, message_size_setting
 
-if TYPE_CHECKING:
-    from ..plugins_manager import Registry
-    from .index import KvIndex
-
 log = logging.getLogger(__name__)
+
+
+class KvSink(Protocol):
+    """Where the changes go: the router's :class:`~llmgw.kv.index.KvIndex` (or what stands for it)."""
+
+    def apply(self, replica_id: str, changes: ChangesFields) -> None: ...
+
+    def forget(self, replica_id: str) -> None: ...
+
+    def add_resync_listener(self, listener: Callable[[str, str, str], None]) -> None: ...
+
+    def remove_resync_listener(self, listener: Callable[[str, str, str], None]) -> None: ...
+
+
+class Plugins(Protocol):
+    """Where the event decoder comes from: the plugin registry (``llmgw.plugins_manager.Registry``)."""
+
+    def get(self, kind: str, name: str) -> Callable[..., Any]: ...
 
 NODE_LABEL = "gateway"  # the `node` label of these replicas' event counters
 
@@ -68,7 +83,7 @@ class ExternalKv:
                    None if seed is None else str(seed),
                    message_size_setting(options.get("max_event_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)))
 
-    async def run(self, index: KvIndex, registry: Registry, metrics_registry: CollectorRegistry | None, *,
+    async def run(self, index: KvSink, registry: Plugins, metrics_registry: CollectorRegistry | None, *,
                   interval: float = 0.025) -> None:
         """Follow the engine into ``index`` until cancelled (the sockets are closed then)."""
         source = KvMetrics.for_registry(metrics_registry).source(NODE_LABEL, self.replica, self.model) \
@@ -98,8 +113,7 @@ class ExternalKv:
             async with trio.open_nursery() as nursery:
                 await nursery.start(sub.run)
                 log.info("replica %s: following its KV events at %s", self.replica, self.events)
-                await nursery.start(partial(flush_loop, mirror, partial(index.apply, self.replica), self.replica,
-                                            self.replica, 0, interval=interval))
+                await nursery.start(partial(flush_loop, mirror, partial(index.apply, self.replica), interval=interval))
         finally:
             index.remove_resync_listener(on_resync)
             index.forget(self.replica)  # no stream any more: the tree routes it until a new one sends a FULL

@@ -1,7 +1,7 @@
 """The router's KV index: which block keys each replica's engine holds, and how many leading blocks of a prompt.
 
-One :class:`KvIndex` per router, fed with :class:`llmgw.wire.KvChanges` by the
-control plane (``apply``), read by the ``kv_index`` tier (``match``).
+One :class:`KvIndex` per router, fed with :class:`~llmgw.kv.changes.BlockChanges` (the control plane's
+:class:`llmgw.wire.KvChanges` have the same fields) by ``apply``, read by the ``kv_index`` tier (``match``).
 
 Layout: one dict ``key -> bitmask of replica slots`` for every confirmed
 block, plus per replica the set of its keys (for FULL replacement, RESET and
@@ -49,8 +49,8 @@ from collections.abc import Callable, Iterable, Sequence
 from enum import Enum
 from typing import Any
 
-from ..wire import KvChangeKind, KvChanges
 from . import drift as drift_rule
+from .changes import ChangesFields, KvChangeKind
 from .drift import DriftPolicy
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ class KvIndex:
 
     # -- applying changes -----------------------------------------------------------------------------------------
 
-    def apply(self, replica_id: str, changes: KvChanges) -> None:
+    def apply(self, replica_id: str, changes: ChangesFields) -> None:
         """DELTA adds and removes keys, FULL replaces the replica's keys, RESET clears that replica only."""
         replica = self._replica(replica_id)
         now = self.clock()
@@ -440,7 +440,7 @@ class KvIndex:
         return {rid: (confirmed[rid], total[rid]) for rid in ids}
 
 
-def refusal_reason(changes: KvChanges, sender_node: str, placed_on: str | None) -> str | None:
+def refusal_reason(changes: object, sender_node: str, placed_on: str | None) -> str | None:
     """Why the control plane must refuse ``changes`` from ``sender_node``, or None to accept them.
 
     ``placed_on`` is the node the control plane placed ``changes.replica_id``'s

@@ -31,7 +31,7 @@ from typing import Callable, Protocol
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..metrics import CachedLabels
+from ..cached_labels import CachedLabels
 
 TOKENIZE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 

@@ -10,7 +10,8 @@ reaches zero. Only blocks a prefix index can use enter the set: device medium
 in :attr:`EngineMirror.ignored`, as are removals of blocks the mirror never
 saw.
 
-What it sends up the agent's stream (:class:`llmgw.wire.KvChanges`):
+What it emits (:class:`~llmgw.kv.changes.BlockChanges`; the agent sends them up its stream as
+:class:`llmgw.wire.KvChanges`, a static replica's subscription applies them to the router's index):
 
 - **net changes** (:meth:`take_delta`, :meth:`flush`): what changed since the
   last flush, so a block stored and removed again within one flush window
@@ -53,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..wire import KvChangeKind, KvChanges
+from .changes import BlockChanges, KvChangeKind
 from .drift import RESYNC_RESET
 from .events import (
     AllBlocksCleared,
@@ -318,27 +319,24 @@ class EngineMirror:
         """Every key held now (sorted); reading it changes nothing."""
         return sorted(self._counts)
 
-    def flush(self, shard_id: str, replica_id: str, data_parallel_rank: int = 0, *,
-              max_keys: int = MAX_KEYS_PER_MESSAGE) -> list[KvChanges]:
-        """The messages to send now, in order: a RESET if one is pending, then the net DELTA (may be none); or a
+    def flush(self, *, max_keys: int = MAX_KEYS_PER_MESSAGE) -> list[BlockChanges]:
+        """The changes to send now, in order: a RESET if one is pending, then the net DELTA (may be none); or a
         FULL copy when one was requested."""
         if self._full_requested is not None:
-            return self.full_messages(shard_id, replica_id, data_parallel_rank, reason=self._full_requested,
-                                      max_keys=max_keys)
-        out: list[KvChanges] = []
-        common: dict[str, Any] = dict(shard_id=shard_id, replica_id=replica_id,
-                                      data_parallel_rank=data_parallel_rank, block_size=self.block_size or 0)
+            return self.full_messages(reason=self._full_requested, max_keys=max_keys)
+        out = []
+        block_size = self.block_size or 0
         reason = self.take_reset()
         if reason is not None:
-            out.append(KvChanges(kind=KvChangeKind.RESET, reason=reason, **common))
+            out.append(BlockChanges(KvChangeKind.RESET, block_size, reason=reason))
         stored, removed = self.take_delta()
         for start in range(0, max(len(stored), len(removed)), max_keys):
-            out.append(KvChanges(kind=KvChangeKind.DELTA, stored=stored[start:start + max_keys],
-                                 removed=removed[start:start + max_keys], **common))
+            out.append(BlockChanges(KvChangeKind.DELTA, block_size, stored[start:start + max_keys],
+                                    removed[start:start + max_keys]))
         return out
 
-    def full_messages(self, shard_id: str, replica_id: str, data_parallel_rank: int = 0, *,
-                      reason: str = "connect", max_keys: int = MAX_KEYS_PER_MESSAGE) -> list[KvChanges]:
+    def full_messages(self, *, reason: str = "connect",
+                      max_keys: int = MAX_KEYS_PER_MESSAGE) -> list[BlockChanges]:
         """A FULL copy for a (re)connected stream: supersedes any pending delta or reset.
 
         More than ``max_keys`` keys go as one FULL followed by DELTAs storing the rest.
@@ -347,11 +345,10 @@ class EngineMirror:
         self._pending_reset = None
         self._full_requested = None
         keys = self.full_copy()
-        common: dict[str, Any] = dict(shard_id=shard_id, replica_id=replica_id,
-                                      data_parallel_rank=data_parallel_rank, block_size=self.block_size or 0)
-        out = [KvChanges(kind=KvChangeKind.FULL, stored=keys[:max_keys], reason=reason, **common)]
+        block_size = self.block_size or 0
+        out = [BlockChanges(KvChangeKind.FULL, block_size, keys[:max_keys], reason=reason)]
         for start in range(max_keys, len(keys), max_keys):
-            out.append(KvChanges(kind=KvChangeKind.DELTA, stored=keys[start:start + max_keys], **common))
+            out.append(BlockChanges(KvChangeKind.DELTA, block_size, keys[start:start + max_keys]))
         return out
 
 
@@ -368,26 +365,26 @@ def resync(mode: str, mirror: EngineMirror, subscription: EngineSubscription) ->
 DEFAULT_FLUSH_INTERVAL = 0.025
 
 
-async def flush_loop(mirror: EngineMirror, send: Callable[[KvChanges], Awaitable[None] | None], shard_id: str,
-                     replica_id: str, data_parallel_rank: int = 0, *, interval: float = DEFAULT_FLUSH_INTERVAL,
-                     full_first: bool = True, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    """Send the mirror's changes every ``interval`` seconds through ``send(message)`` (sync or async), forever.
+async def flush_loop(mirror: EngineMirror, send: Callable[[BlockChanges], Awaitable[None] | None], *,
+                     interval: float = DEFAULT_FLUSH_INTERVAL, full_first: bool = True,
+                     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Send the mirror's changes every ``interval`` seconds through ``send(changes)`` (sync or async), forever.
 
     With ``full_first`` a FULL copy goes first: run one of these per stream
     connection (cancel it when the stream drops, start a new one when it is
     back), so every (re)connect starts with a full copy. Nothing is sent when
     nothing changed.
     """
-    async def deliver(messages: list[KvChanges]) -> None:
-        for message in messages:
-            result = send(message)
+    async def deliver(batch: list[BlockChanges]) -> None:
+        for changes in batch:
+            result = send(changes)
             if inspect.isawaitable(result):
                 await result
 
     if full_first:
-        await deliver(mirror.full_messages(shard_id, replica_id, data_parallel_rank))
+        await deliver(mirror.full_messages())
     task_status.started()
     while True:
         await trio.sleep(interval)
         if mirror.pending:
-            await deliver(mirror.flush(shard_id, replica_id, data_parallel_rank))
+            await deliver(mirror.flush())

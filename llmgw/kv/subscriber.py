@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING
 import trio
 import zmq
 
+from ..units import parse_size
 from . import zmq_trio
 from .codec import EventDecodeError, decode_batch, parse_frames, parse_replay_reply, replay_request
 from .events import AllBlocksCleared, EventBatch
@@ -93,8 +94,6 @@ MAX_MESSAGE_BYTES_LIMIT = 1024 * 1024 * 1024  # what the setting itself may be r
 
 def message_size_setting(value: object) -> int:
     """A ``max_message_bytes`` setting from a size (``64MiB`` or bytes): 1 KiB to 1 GiB; ``ValueError`` otherwise."""
-    from ..config.units import parse_size
-
     size = parse_size(value)
     if not 1024 <= size <= MAX_MESSAGE_BYTES_LIMIT:
         raise ValueError("must be from 1KiB to 1GiB")

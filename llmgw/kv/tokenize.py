@@ -1,4 +1,4 @@
-"""Which requests the KV index can route, the ``/tokenize`` body that reproduces their prompt ids, and the client.
+"""Which requests the KV index can route, the ``/tokenize`` body that reproduces their prompt ids, and their cache.
 
 :func:`plan` looks at a request once and says either how to get its prompt
 token ids (a ``/tokenize`` body, or the ids themselves) with the extra keys
@@ -36,29 +36,23 @@ only when its path is known (from the profile's ``lora_adapters`` or the
 tier's ``lora_adapters`` option): vLLM hashes the path, which the request
 does not carry.
 
-:class:`TokenizeClient` calls a replica's ``/tokenize`` through its pooled
-connection (``replica.pool``) with its API key and a deadline, and keeps the
-answers in an LRU cache keyed by the body bytes, bounded by total tokens.
+:class:`TokenizeCache` keeps the ids of ``/tokenize`` bodies in an LRU keyed
+by the body bytes, bounded by total tokens. The client that calls a
+replica's ``/tokenize`` is the ``replica`` tokenizer source
+(:class:`llmgw.plugins.replica_tokenizer.TokenizeClient`): this module makes
+no calls and depends on nothing above ``llmgw.kv``.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import time
 from array import array
-from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from weakref import WeakKeyDictionary
 
-import trio
-
-from ..http.client import UpstreamError, UpstreamPool
 from .keys import request_extra_keys
-
-log = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -67,11 +61,6 @@ CHAT_FIELDS = ("messages", "tools", "add_generation_prompt", "continue_final_mes
 TEXT_PART_TYPES = frozenset({"text", "input_text"})
 DEFAULT_TOKENIZE_TIMEOUT = 0.05
 DEFAULT_TOKENIZE_TIMEOUT_PER_KB = 0.002
-ADAPTIVE_FACTOR = 2.0  # the deadline grows to twice the p99 of the recent calls' latency (per KiB of body)
-ADAPTIVE_CEILING = 0.5  # seconds: never longer than this, whatever was observed
-ADAPTIVE_WINDOW = 256  # the recent calls
-ADAPTIVE_MIN_CALLS = 16  # observed before the p99 is used; recomputed every ADAPTIVE_UPDATE_EVERY calls
-ADAPTIVE_UPDATE_EVERY = 16
 DEFAULT_CACHE_TOKENS = 4_000_000  # about 16 MB of ids (4 bytes each) plus the bodies
 _U32 = next(code for code in "IL" if array(code).itemsize == 4)
 
@@ -199,7 +188,7 @@ def _completion_plan(body: Mapping[str, Any], model: Any, salt: str | None,
     return _refuse("bad_body")
 
 
-# --------------------------------------------------------------------------- the client
+# --------------------------------------------------------------------------- the error and the cache
 
 
 class TokenizeError(Exception):
@@ -247,134 +236,3 @@ class TokenizeCache:
         while self.tokens > self.max_tokens:
             _, evicted = self._entries.popitem(last=False)
             self.tokens -= len(evicted)
-
-
-class TokenizeClient:
-    """``await client.tokenize(replica, body)`` -> the prompt ids ``replica`` computes for a ``/tokenize`` body.
-
-    The deadline bounds the whole call (connection, request, answer) and
-    grows with the body: ``timeout + timeout_per_kb x KiB of body``; a slow
-    replica raises :class:`TokenizeError` ``timeout`` and the tier routes as
-    the prefix tree would. Defaults 50 ms + 2 ms/KiB: a short chat must not
-    wait long (a hit saves little on it), while a 32k-token prompt (about
-    128 KiB of text: 306 ms) saves seconds of prefill when routed to its
-    cache, and its ``/tokenize`` alone takes 8-16 ms at the median and up to
-    60 ms at p99 on a busy machine (the simulator, ``docs/kv-routing.md``;
-    vLLM's fast tokenizers are in the same range) plus the API server's
-    queueing. The deadline adapts to what is observed (:meth:`deadline`): when
-    twice the p99 of the last 256 calls' latency (scaled by body size) is
-    longer than the configured one, that is used instead, up to 500 ms; a
-    timeout counts as a call that took its deadline, so a run of them
-    lengthens the next deadlines.
-    """
-
-    def __init__(self, options: Mapping[str, Any] | None = None, *, timeout: float | None = None,
-                 timeout_per_kb: float | None = None, cache_tokens: int | None = None,
-                 observe: Callable[[float], None] | None = None, clock: Callable[[], float] = time.perf_counter):
-        options = options or {}
-        self.timeout = float(timeout if timeout is not None else options.get("tokenize_timeout",
-                                                                            DEFAULT_TOKENIZE_TIMEOUT))
-        self.timeout_per_kb = float(timeout_per_kb if timeout_per_kb is not None
-                                    else options.get("tokenize_timeout_per_kb", DEFAULT_TOKENIZE_TIMEOUT_PER_KB))
-        self.cache = TokenizeCache(int(cache_tokens if cache_tokens is not None
-                                       else options.get("tokenize_cache_tokens", DEFAULT_CACHE_TOKENS)))
-        self.observe = observe  # callable(seconds) for llmgw_kv_tokenize_seconds
-        self.clock = clock
-        self.calls = 0
-        self.timeouts = 0
-        self.errors = 0
-        self._pools: "WeakKeyDictionary[object, UpstreamPool]" = WeakKeyDictionary()
-        self._latencies: deque[float] = deque(maxlen=ADAPTIVE_WINDOW)  # seconds per KiB (at least 1 KiB) of body
-        self._since_update = 0
-        self._p99_per_kib: float | None = None
-        self._adapted = False  # whether the observed latency sets the deadline (logged when it changes)
-
-    def deadline(self, body: bytes) -> float:
-        """Seconds a ``/tokenize`` call with this body may take: the configured deadline, or
-        ``ADAPTIVE_FACTOR`` x the p99 of the recent calls' seconds per KiB x this body's KiB when that is longer
-        (at most ``ADAPTIVE_CEILING``)."""
-        kib = max(len(body), 1024) / 1024
-        configured = self.timeout + self.timeout_per_kb * len(body) / 1024
-        if self._p99_per_kib is None:
-            return configured
-        return max(configured, min(ADAPTIVE_FACTOR * self._p99_per_kib * kib, ADAPTIVE_CEILING))
-
-    def _learn_latency(self, seconds: float, body: bytes) -> None:
-        """One call's latency (a timeout counts as its deadline, so a run of timeouts lengthens the next ones)."""
-        self._latencies.append(seconds / (max(len(body), 1024) / 1024))
-        self._since_update += 1
-        if self._since_update >= ADAPTIVE_UPDATE_EVERY or self._p99_per_kib is None \
-                and len(self._latencies) >= ADAPTIVE_MIN_CALLS:
-            self._since_update = 0
-            ordered = sorted(self._latencies)
-            self._p99_per_kib = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-            adapted = ADAPTIVE_FACTOR * self._p99_per_kib > self.timeout + self.timeout_per_kb
-            if adapted != self._adapted:
-                self._adapted = adapted
-                log.info("/tokenize deadline for routing: %s (p99 of the last %d calls: %.1f ms per KiB)",
-                         "twice the observed p99, above the configured one" if adapted else "the configured one",
-                         len(ordered), self._p99_per_kib * 1000)
-
-    def _pool(self, replica: Any) -> UpstreamPool:  # a llmgw.router.replica.Replica
-        pool: UpstreamPool | None = getattr(replica, "pool", None)
-        if pool is not None:
-            return pool
-        pool = self._pools.get(replica)
-        if pool is None:
-            pool = self._pools[replica] = replica.open_pool(self.timeout)
-        return pool
-
-    async def tokenize(self, replica: Any, body: bytes) -> list[int]:
-        cached = self.cache.get(body)
-        if cached is not None:
-            return cached
-        self.calls += 1
-        started = self.clock()
-        try:
-            ids = await self._call(replica, body)
-        except TokenizeError as exc:
-            if exc.kind == "timeout":
-                self.timeouts += 1
-                self._learn_latency(self.deadline(body), body)
-            else:
-                self.errors += 1
-            raise
-        else:
-            self._learn_latency(self.clock() - started, body)
-        finally:
-            if self.observe is not None:
-                self.observe(self.clock() - started)
-        self.cache.put(body, ids)
-        return ids
-
-    async def _call(self, replica: Any, body: bytes) -> list[int]:
-        headers = [(b"content-type", b"application/json")]
-        auth = getattr(replica, "auth_header", None)
-        if auth is not None:
-            headers.append(auth)
-        target = getattr(replica, "base_path", "") + "/tokenize"
-        timeout = self.deadline(body)
-        answer = None
-        with trio.move_on_after(timeout):
-            try:
-                response = await self._pool(replica).request("POST", target, headers, body,
-                                                             first_byte_timeout=timeout, idle_timeout=timeout)
-                payload = await response.read()
-            except UpstreamError as exc:
-                if exc.kind == "timeout":
-                    raise TokenizeError("timeout", str(exc)) from None
-                raise TokenizeError("connect" if exc.kind in ("connect", "tls") else "protocol", str(exc)) from None
-            answer = (response.status, payload)
-        if answer is None:
-            raise TokenizeError("timeout", f"/tokenize on {getattr(replica, 'name', '?')} took longer than "
-                                           f"{timeout * 1000:g} ms")
-        status, payload = answer
-        if status != 200:
-            raise TokenizeError("status", f"/tokenize answered {status}: {payload[:200]!r}")
-        try:
-            tokens = json.loads(payload)["tokens"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise TokenizeError("answer", f"/tokenize answer without tokens: {exc}") from None
-        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-            raise TokenizeError("answer", "/tokenize answer: tokens is not a list of ints")
-        return tokens

@@ -18,10 +18,9 @@ from ..agent.engine import (
     resolve_executable,
     served_name,
 )
+from ..engines.probe import VLLM_GAUGES, EngineGauges
 from ..hookspecs import hookimpl
 from ..wire import StartShard
-
-INFLIGHT_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 class SimEngine:
@@ -39,8 +38,8 @@ class SimEngine:
     def readiness(self, spec: StartShard) -> Readiness:
         return Readiness(served_model_name=served_name(spec), api_key=spec.engine_api_key)
 
-    def inflight_metric_names(self) -> tuple[str, ...]:
-        return INFLIGHT_METRICS
+    def load_gauges(self) -> EngineGauges:
+        return VLLM_GAUGES
 
 
 @hookimpl

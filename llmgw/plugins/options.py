@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Collection, Mapping
 
-from ..config.units import parse_duration
+from ..units import parse_duration
 
 MAX_COUNT = 1_000_000_000  # the upper bound of an integer option with no tighter one
 MAX_DURATION = 24 * 3600.0  # of a duration option: a day

@@ -9,7 +9,7 @@ names the base model is served under) and answers
 built for the request. It raises :class:`llmgw.kv.tokenize.TokenizeError`
 (kind ``timeout`` when too slow).
 
-- ``replica``: a replica's own ``/tokenize`` (:class:`llmgw.kv.tokenize.TokenizeClient`);
+- ``replica``: a replica's own ``/tokenize`` (:class:`llmgw.plugins.replica_tokenizer.TokenizeClient`);
 - ``auto``: :class:`LocalFirstTokenizer`, the model's ``tokenizer.json`` in the
   router when the files are there, ``/tokenize`` otherwise (and for what the
   local tokenizer cannot reproduce exactly);
@@ -26,7 +26,8 @@ import trio
 
 from ..hookspecs import hookimpl
 from ..kv.local_tokenizer import LocalTokenizer, LocalTokenizerError, has_tokenizer_files
-from ..kv.tokenize import TokenizeClient, TokenizeError
+from ..kv.tokenize import TokenizeError
+from .replica_tokenizer import TokenizeClient
 
 log = logging.getLogger(__name__)
 

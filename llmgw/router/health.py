@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ..http.client import UpstreamError
+from ..engines import probe
 from .replica import Replica, ReplicaState
 
 if TYPE_CHECKING:
@@ -116,19 +116,8 @@ async def probe_once(replica: Replica, settings: HealthSettings) -> tuple[bool, 
     """One ``GET /health`` through the replica's connection pool; (ok, reason)."""
     assert replica.pool is not None
     headers = [replica.auth_header] if replica.auth_header else []
-    try:
-        with trio.fail_after(settings.timeout):
-            response = await replica.pool.request("GET", replica.base_path + settings.path, headers, b"",
-                                                  first_byte_timeout=settings.timeout,
-                                                  idle_timeout=settings.timeout)
-            await response.read()
-    except UpstreamError as exc:
-        return False, str(exc)
-    except trio.TooSlowError:
-        return False, f"no answer within {settings.timeout:g}s"
-    if response.status != 200:
-        return False, f"HTTP {response.status}"
-    return True, "ok"
+    health = await probe.check_health(replica.pool, replica.base_path + settings.path, settings.timeout, headers)
+    return health.ok, "ok" if health.ok else health.reason
 
 
 async def probe_forever(replica: Replica, tracker: HealthTracker) -> None:

@@ -5,7 +5,8 @@ multi-node engines, the rank-0 shard's HTTP endpoint). Its state is what the
 health prober and passive failure counting say; ``inflight`` and
 ``inflight_tokens`` are the router's own load counters; ``engine_load`` is
 what the engine's own ``/metrics`` said last, when a tier asked for it to be
-scraped (:mod:`llmgw.router.load_scraper`).
+scraped (:mod:`llmgw.router.load_scraper`), read with ``gauges``: the names
+its engine plugin gives, vLLM's for a static replica.
 
 Every connection to a replica (requests, health probes, ``/metrics`` scrapes,
 ``/tokenize`` calls) goes through the pool :meth:`Replica.open_pool` makes,
@@ -21,6 +22,7 @@ from enum import Enum
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..engines.probe import VLLM_GAUGES, EngineGauges, EngineLoad
 from ..http.client import UpstreamPool
 from ..tls import TlsClientOptions, client_context
 
@@ -34,20 +36,6 @@ class ReplicaState(str, Enum):
     @property
     def routable(self) -> bool:
         return self in (ReplicaState.UP, ReplicaState.UNKNOWN)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """The engine's own queue gauges (vLLM ``num_requests_running``/``num_requests_waiting``) at ``at``."""
-
-    running: float
-    waiting: float
-    at: float  # time.monotonic() of the scrape (the clock tiers get in TierServices)
-    block_size: int | None = None  # vllm:cache_config_info's block_size label, when the engine exports it
-
-    @property
-    def requests(self) -> float:
-        return self.running + self.waiting
 
 
 @dataclass(eq=False)
@@ -67,6 +55,7 @@ class Replica:
     pool: UpstreamPool | None = field(default=None, repr=False)
     labels: dict[str, str] = field(default_factory=dict)
     tls: TlsClientOptions = field(default_factory=TlsClientOptions)  # used when the URL is https://
+    gauges: EngineGauges = field(default=VLLM_GAUGES, repr=False)  # its engine plugin's; vLLM's for static ones
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)

@@ -1,6 +1,9 @@
-"""The router: per model, the replicas and the routing tier that picks among them.
+"""The router: per model, the routing tier that picks among the model's replicas.
 
-Tiers are built from plugin factories once, when a model is configured. A
+The replicas live in a :class:`~llmgw.router.replicas.ReplicaSet`; the router
+builds a route for every model declared there (and keeps it in step with the
+declarations), each route reading its replicas from the set. Tiers are built
+from plugin factories once, when a model is configured. A
 tier that defers (returns None) or fails falls back to round-robin, so a
 broken third-party tier never stops traffic. The router keeps every
 replica's ``inflight_tokens`` (an estimate of the prompt tokens of its routed,
@@ -14,13 +17,14 @@ import inspect
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from ..kv.index import KvIndex
 from ..kv.metrics import KvMetrics
 from .canonical import estimated_prompt_tokens
 from .model import TierModel
 from .replica import Replica
+from .replicas import STATIC, ReplicaSet
 from .tier import Decision, RouteRequest, RoutingTier, TierServices
 
 if TYPE_CHECKING:
@@ -36,32 +40,51 @@ class ModelRoute:
     tier_name: str
     tier: RoutingTier
     fallback: RoutingTier
-    replicas: list[Replica] = field(default_factory=list)
+    replicas: list[Replica] = field(default_factory=list)  # the ReplicaSet's live list of the model
     options: dict[str, Any] = field(default_factory=dict)
+    declared: TierModel | None = None  # the ReplicaSet declaration it was built with (None: configured directly)
 
 
 class Router:
-    def __init__(self, registry: Registry, metrics: Metrics | None = None) -> None:
+    def __init__(self, registry: Registry, metrics: Metrics | None = None, replicas: ReplicaSet | None = None,
+                 kv_index: KvIndex | None = None) -> None:
+        """``replicas``: the set whose models and replicas are routed (a bare table by default);
+        ``kv_index``: the KV index the kv_index tiers read (a new one by default)."""
         self.registry = registry
         self.metrics = metrics
+        self.replicas = replicas if replicas is not None else ReplicaSet()
         self.models: dict[str, ModelRoute] = {}
         self.adapters: dict[str, str] = {}  # LoRA adapter name -> the model whose replicas serve it
         # One KV index for every model (replica names are unique): the control plane applies the agents' KV
         # changes to it, the kv_index tiers read it (TierServices.kv_index).
-        self.kv_index = KvIndex(clock=time.monotonic)
+        self.kv_index = kv_index if kv_index is not None else KvIndex(clock=time.monotonic)
         if metrics is not None and getattr(metrics, "registry", None) is not None:
             KvMetrics.for_registry(metrics.registry).track_index(self.kv_index, self.model_of_replica)
         self._tier_errors_logged: set[str] = set()
+        self.replicas.watch_models(self._declaration_changed)
+        for name in self.replicas.declared_models():
+            self._declaration_changed(name)
 
-    def configure_model(self, name: str, tier_name: str, options: dict[str, Any] | None = None,
+    def _declaration_changed(self, name: str) -> None:
+        """Follow the replica set's declarations of ``name``: build or rebuild its route, or remove it."""
+        declared = self.replicas.model(name)
+        if declared is None:
+            self.remove_model(name)
+            return
+        route = self.models.get(name)
+        if route is None or route.declared != declared:
+            route = self.configure_model(name, declared.routing, declared.routing_options, declared)
+            route.declared = declared
+        self.set_adapters(name, self.replicas.adapters(name))
+
+    def configure_model(self, name: str, tier_name: str, options: Mapping[str, Any] | None = None,
                         model: TierModel | None = None) -> ModelRoute:
         """Create or re-tier a model; its replicas are kept.
 
         The tier is built with ``model`` (its ``routing`` and ``routing_options`` replaced by ``tier_name`` and
         ``options``), or a plain :class:`TierModel` of ``name`` without one.
         """
-        existing = self.models.get(name)
-        replicas = existing.replicas if existing else []
+        replicas = self.replicas.members(name)
         base = model or TierModel(name)
         model_config = TierModel(name=name, routing=tier_name, routing_options=dict(options or {}),
                                  model_path=base.model_path, lora_adapters=base.lora_adapters,
@@ -75,14 +98,12 @@ class Router:
         return route
 
     def add_replica(self, replica: Replica) -> None:
-        route = self.models[replica.model]
-        if replica not in route.replicas:
-            route.replicas.append(replica)
+        """Put ``replica`` into the router's set (a static one; the gateway's sources use the set directly)."""
+        if replica not in self.replicas:
+            self.replicas.add(replica, STATIC)
 
     def remove_replica(self, replica: Replica) -> None:
-        route = self.models.get(replica.model)
-        if route and replica in route.replicas:
-            route.replicas.remove(replica)
+        self.replicas.discard(replica)
 
     def remove_model(self, name: str) -> None:
         self.models.pop(name, None)
@@ -107,15 +128,10 @@ class Router:
 
     def model_of_replica(self, name: str) -> str:
         """The model replica ``name`` serves ("" when no model has it)."""
-        for route in self.models.values():
-            for replica in route.replicas:
-                if replica.name == name:
-                    return route.name
-        return ""
+        return self.replicas.model_of(name)
 
     def all_replicas(self) -> Iterable[Replica]:
-        for route in self.models.values():
-            yield from route.replicas
+        return iter(self.replicas)
 
     def candidates(self, model: str, exclude: Iterable[Replica] = ()) -> list[Replica]:
         route = self.models[model]

@@ -28,6 +28,8 @@ from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
+from ..kv.changes import KvChangeKind
+
 __all__ = [
     "PROTOCOL_VERSION", "WireError", "ShardState", "KvChangeKind", "HostInfo", "GpuFabric", "GpuHealth",
     "MigInfo", "NicPath", "GpuInfo", "ImexInfo", "Hca", "FabricInfo", "StorageInfo", "LocalWeights",
@@ -60,16 +62,6 @@ class ShardState(str, enum.Enum):
     def alive(self) -> bool:
         return self in (ShardState.PENDING, ShardState.STARTING, ShardState.LOADING, ShardState.READY,
                         ShardState.DRAINING)
-
-
-class KvChangeKind(str, enum.Enum):
-    DELTA = "delta"  # net stored/removed blocks since the last message
-    FULL = "full"  # the whole mirror: replaces what the control plane knew
-    RESET = "reset"  # the engine's cache is empty (restart, AllBlocksCleared, unfillable gap)
-
-    @classmethod
-    def _missing_(cls, value: object) -> KvChangeKind:
-        return cls.RESET  # unknown: forget what we knew rather than trust it
 
 
 # -- records nested in messages ---------------------------------------------------------------------------------------

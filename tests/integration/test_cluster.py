@@ -129,6 +129,8 @@ async def test_a_removed_deployment_drains_without_cutting_a_stream(cluster, sta
     cluster.write_config(base + static + FAST_AND_SLOW + "  - profile: slow\n    replicas: 1\n")
     serve = await cluster.start_serve()
     replicas = await cluster.replicas_where("ext, fast and slow up", all_up(3))
+    assert {name: r["source"] for name, r in replicas.items()} == {"ext-0": "static", "fast-0": "deployed",
+                                                                   "slow-0": "deployed"}
     fast_pid, slow_pid = replicas["fast-0"]["shards"][0]["pid"], replicas["slow-0"]["shards"][0]["pid"]
 
     # A config with an error is not applied.

@@ -100,8 +100,7 @@ class Cluster:
         endpoint = await self.nursery.start(sub.run)  # bound and receiving before the engine exists
         engine = Engine(name, sub, mirror, endpoint, replay_port, sim_args)
         self.engines[name] = engine
-        await self.nursery.start(partial(flush_loop, mirror, partial(self.index.apply, name), f"{name}-0", name,
-                                         interval=0.02))
+        await self.nursery.start(partial(flush_loop, mirror, partial(self.index.apply, name), interval=0.02))
         await self.start_process(engine)
         return engine
 

@@ -24,7 +24,7 @@ import pytest
 import trio
 import zmq
 
-from llmgw.router.load_scraper import parse_block_size
+from llmgw.engines.probe import parse_block_size
 
 pytestmark = pytest.mark.slow
 

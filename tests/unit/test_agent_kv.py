@@ -51,7 +51,9 @@ async def test_a_shard_is_relayed_with_a_full_copy_and_an_adopted_one_rebinds_it
     with trio.fail_after(2):
         while not sent:
             await trio.sleep(0.01)
-    assert (sent[0].kind, sent[0].shard_id, sent[0].replica_id) == (wire.KvChangeKind.FULL, "r1-g1-r0", "r1")
+    assert (sent[0].kind, sent[0].shard_id, sent[0].replica_id, sent[0].data_parallel_rank) == (
+        wire.KvChangeKind.FULL, "r1-g1-r0", "r1", 0)
+    assert isinstance(sent[0], wire.KvChanges)  # the mirror's changes go up as the wire message
 
     # The router asks for a resync: a full copy through the same relay; an unknown shard or rank is refused.
     assert kv.resync(wire.KvResync(shard_id="r1-g1-r0", replica_id="r1", mode="full"))

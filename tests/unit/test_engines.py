@@ -17,7 +17,7 @@ import pytest
 from llmgw import wire
 from llmgw.agent.engine import Engine, EngineError, LaunchContext, kv_events_flags
 from llmgw.agent.logs import redact_argv
-from llmgw.agent.supervisor import sum_gauges
+from llmgw.engines.probe import VLLM_GAUGES
 from llmgw.plugins.engine_sim import SimEngine
 from llmgw.plugins.engine_vllm import VllmEngine
 from llmgw.plugins_manager import default_registry
@@ -57,7 +57,8 @@ def test_both_plugins_are_registered_through_entry_points():
         engine = registry.get("engines", name)()
         assert isinstance(engine, Engine)
         assert engine.name == name
-        assert engine.inflight_metric_names() == ("vllm:num_requests_running", "vllm:num_requests_waiting")
+        assert engine.load_gauges() == VLLM_GAUGES  # the simulator exposes vLLM's gauges
+    assert VLLM_GAUGES.inflight == ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 def test_vllm_single_node_command_line(vllm_bin):
@@ -220,17 +221,3 @@ def test_kv_events_flag_only_with_a_subscriber_port(vllm_bin):
                                       profile={"kv_events": True}), with_port)
         assert launch.env["PYTHONHASHSEED"] == "0"
         assert launch.argv[launch.argv.index("--prefix-caching-hash-algo") + 1] == "sha256_cbor"
-
-
-def test_in_flight_gauges_are_summed_over_labels():
-    text = "\n".join([
-        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
-        "# TYPE vllm:num_requests_running gauge",
-        'vllm:num_requests_running{engine="0",model_name="tiny"} 2.0',
-        'vllm:num_requests_running{engine="1",model_name="a {weird} name"} 1.0',
-        'vllm:num_requests_waiting{engine="0",model_name="tiny"} 3.0 1700000000000',
-        "vllm:num_requests_waiting_by_reason 7.0",
-        "vllm:kv_cache_usage_perc 0.5",
-    ])
-    assert sum_gauges(text, ("vllm:num_requests_running", "vllm:num_requests_waiting")) == 6
-    assert sum_gauges("", ("vllm:num_requests_running",)) == 0

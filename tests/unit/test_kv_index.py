@@ -8,22 +8,22 @@ import trio
 import trio.testing
 from prometheus_client import CollectorRegistry, generate_latest
 
+from llmgw.kv.changes import BlockChanges, KvChangeKind
 from llmgw.kv.drift import DriftPolicy
 from llmgw.kv.index import IndexState, KvIndex, refusal_reason
 from llmgw.kv.metrics import KvMetrics
-from llmgw.wire import KvChangeKind, KvChanges
 
 
 def delta(stored=(), removed=(), block_size=16):
-    return KvChanges(kind=KvChangeKind.DELTA, stored=list(stored), removed=list(removed), block_size=block_size)
+    return BlockChanges(kind=KvChangeKind.DELTA, stored=list(stored), removed=list(removed), block_size=block_size)
 
 
 def full(stored=(), block_size=16):
-    return KvChanges(kind=KvChangeKind.FULL, stored=list(stored), block_size=block_size)
+    return BlockChanges(kind=KvChangeKind.FULL, stored=list(stored), block_size=block_size)
 
 
 def reset(reason="gap"):
-    return KvChanges(kind=KvChangeKind.RESET, reason=reason)
+    return BlockChanges(kind=KvChangeKind.RESET, reason=reason)
 
 
 def test_match_counts_leading_blocks_only():

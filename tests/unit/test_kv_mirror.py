@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import trio
 
+from llmgw.kv.changes import KvChangeKind
 from llmgw.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from llmgw.kv.keys import ContentChainKeys, VllmBlockKeys, request_extra_keys
 from llmgw.kv.mirror import EngineMirror, flush_loop, resync
-from llmgw.wire import KvChangeKind
 
 B = 4
 
@@ -83,7 +83,7 @@ def test_block_size_is_learnt_from_stores():
     assert mirror.block_size is None
     mirror.apply(batch(stored([1], block_size=16, tokens=list(range(16)))))
     assert mirror.block_size == 16
-    assert mirror.full_messages("s", "r")[0].block_size == 16
+    assert mirror.full_messages()[0].block_size == 16
 
 
 def test_flush_sends_reset_before_the_changes_that_followed_it():
@@ -92,11 +92,10 @@ def test_flush_sends_reset_before_the_changes_that_followed_it():
     mirror.take_delta()
     mirror.reset("gap")
     mirror.apply(batch(stored([3])))
-    messages = mirror.flush("shard-1", "rep-1", 2)
+    messages = mirror.flush()
     assert [(m.kind, m.reason, m.stored, m.removed) for m in messages] == [
         (KvChangeKind.RESET, "gap", [], []), (KvChangeKind.DELTA, "", [3], [])]
-    assert all(m.shard_id == "shard-1" and m.replica_id == "rep-1" and m.data_parallel_rank == 2 for m in messages)
-    assert mirror.flush("shard-1", "rep-1", 2) == []
+    assert mirror.flush() == []
     assert mirror.resets == {"gap": 1}
 
 
@@ -104,7 +103,7 @@ def test_all_blocks_cleared_resets_in_order():
     mirror = EngineMirror()
     mirror.apply(batch(stored([1]), AllBlocksCleared(), stored([2])))
     assert mirror.full_copy() == [2]
-    assert [m.kind for m in mirror.flush("s", "r")] == [KvChangeKind.RESET, KvChangeKind.DELTA]
+    assert [m.kind for m in mirror.flush()] == [KvChangeKind.RESET, KvChangeKind.DELTA]
     assert mirror.resets == {"cleared": 1}
 
 
@@ -113,12 +112,12 @@ def test_full_copy_supersedes_pending_changes_and_is_chunked():
     mirror.apply(batch(stored(list(range(10)))))
     mirror.reset("engine_restart")
     mirror.apply(batch(stored(list(range(100, 105)))))
-    messages = mirror.full_messages("s", "r", max_keys=2)
+    messages = mirror.full_messages(max_keys=2)
     assert [m.kind for m in messages] == [KvChangeKind.FULL, KvChangeKind.DELTA, KvChangeKind.DELTA]
     assert sum((m.stored for m in messages), []) == list(range(100, 105))
-    assert not mirror.pending and mirror.flush("s", "r") == []
+    assert not mirror.pending and mirror.flush() == []
     mirror.apply(batch(stored(list(range(200, 205)))))
-    deltas = mirror.flush("s", "r", max_keys=2)
+    deltas = mirror.flush(max_keys=2)
     assert [len(m.stored) for m in deltas] == [2, 2, 1]
 
 
@@ -149,7 +148,7 @@ async def test_flush_loop_sends_a_full_copy_then_net_changes(autojump_clock):
     mirror.apply(batch(stored([1, 2])))
     sent = []
     async with trio.open_nursery() as nursery:
-        await nursery.start(flush_loop, mirror, sent.append, "s", "r")
+        await nursery.start(flush_loop, mirror, sent.append)
         assert [(m.kind, m.stored) for m in sent] == [(KvChangeKind.FULL, [1, 2])]
         await trio.sleep(0.1)
         assert len(sent) == 1  # nothing changed: nothing sent
@@ -188,16 +187,16 @@ class RecordingSubscription:
 def test_a_full_resync_makes_the_next_flush_a_full_copy_and_a_reset_resync_drops_the_mirror():
     mirror = EngineMirror()
     mirror.apply(batch(stored([1, 2])))
-    mirror.flush("s", "r")
+    mirror.flush()
     assert not mirror.pending
     subscription = RecordingSubscription(mirror)
     resync("full", mirror, subscription)
     assert mirror.pending
     mirror.apply(batch(stored([3], parent=2)))
-    out = mirror.flush("s", "r")
+    out = mirror.flush()
     assert [(m.kind, m.stored, m.reason) for m in out] == [(KvChangeKind.FULL, [1, 2, 3], "resync")]
-    assert mirror.flush("s", "r") == [] and subscription.resets == []
+    assert mirror.flush() == [] and subscription.resets == []
     resync("reset", mirror, subscription)
     assert subscription.resets == ["resync"] and len(mirror) == 0
-    out = mirror.flush("s", "r")
+    out = mirror.flush()
     assert [(m.kind, m.reason) for m in out] == [(KvChangeKind.RESET, "resync")]

@@ -10,7 +10,8 @@ import trio
 
 from llmgw.http.client import UpstreamPool
 from llmgw.kv.keys import VllmBlockKeys, request_extra_keys
-from llmgw.kv.tokenize import CHAT_PATH, COMPLETIONS_PATH, TokenizeCache, TokenizeClient, TokenizeError, plan
+from llmgw.kv.tokenize import CHAT_PATH, COMPLETIONS_PATH, TokenizeCache, TokenizeError, plan
+from llmgw.plugins.replica_tokenizer import TokenizeClient
 from llmgw.router.replica import Replica
 from llmgw.sim.app import Simulator
 from llmgw.sim.config import SimConfig
@@ -174,13 +175,13 @@ async def test_a_slow_tokenize_times_out_at_the_deadline(slow):
 async def test_the_deadline_adapts_to_the_observed_latency(sim, caplog):
     import itertools
 
-    from llmgw.kv import tokenize as tokenize_module
+    from llmgw.plugins import replica_tokenizer as tokenize_module
 
     ticks = itertools.count(step=0.08)  # on this clock every call takes 80 ms (the sim answers at once)
     client = TokenizeClient(timeout=0.05, timeout_per_kb=0.0, clock=lambda: next(ticks))
     small = b'{"prompt":"x"}'
     assert client.deadline(small) == 0.05  # nothing observed: the configured deadline
-    with caplog.at_level("INFO", logger="llmgw.kv.tokenize"):
+    with caplog.at_level("INFO", logger="llmgw.plugins.replica_tokenizer"):
         for i in range(tokenize_module.ADAPTIVE_MIN_CALLS):
             await client.tokenize(sim, json.dumps({"model": "tiny", "prompt": f"call {i}"}).encode())
     assert client.deadline(small) == pytest.approx(2 * 0.08)  # twice the p99 of what was observed
@@ -194,7 +195,7 @@ async def test_the_deadline_adapts_to_the_observed_latency(sim, caplog):
 
 
 async def test_timeouts_lengthen_the_next_deadlines(slow, monkeypatch):
-    from llmgw.kv import tokenize as tokenize_module
+    from llmgw.plugins import replica_tokenizer as tokenize_module
 
     monkeypatch.setattr(tokenize_module, "ADAPTIVE_MIN_CALLS", 2)
     replica = slow

@@ -10,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 
 from llmgw.http.client import UpstreamPool
 from llmgw.kv.local_tokenizer import LocalTokenizer, LocalTokenizerError
-from llmgw.kv.tokenize import CHAT_PATH, COMPLETIONS_PATH, TokenizeClient, plan
+from llmgw.kv.tokenize import CHAT_PATH, COMPLETIONS_PATH, plan
+from llmgw.plugins.replica_tokenizer import TokenizeClient
 from llmgw.plugins.tokenizers import VERIFY_ANSWERS, LocalFirstTokenizer
 from llmgw.router.replica import Replica
 from llmgw.sim import tokenizer as sim_tokenizer

@@ -14,7 +14,8 @@ import trustme
 
 from llmgw.http.messages import Response
 from llmgw.http.server import HttpServer
-from llmgw.kv.tokenize import TokenizeClient, TokenizeError
+from llmgw.kv.tokenize import TokenizeError
+from llmgw.plugins.replica_tokenizer import TokenizeClient
 from llmgw.router.health import HealthSettings, probe_once
 from llmgw.router.load_scraper import scrape_once
 from llmgw.router.replica import Replica

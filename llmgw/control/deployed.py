@@ -1,6 +1,7 @@
-"""Deployed replicas in the router: in when their rank-0 shard is Ready, out when it is not, drained when retired.
+"""Deployed replicas in the replica set: in when their rank-0 shard is Ready, out when it is not, drained when retired.
 
-:meth:`DeployedRouting.sync` is called after every reconcile. For each wanted
+The ``deployed`` source of the :class:`~llmgw.router.replicas.ReplicaSet`.
+:meth:`DeployedReplicas.sync` is called after every reconcile. For each wanted
 assignment it looks at the last report of its leader shard:
 
 - READY with an endpoint: the replica (named after its replica id, serving the
@@ -14,7 +15,7 @@ A retiring assignment that is in routing is drained: marked draining (no new
 requests), then removed once its in-flight requests have finished (or after
 ``drain_timeout``); only then is it *released* and may its shards be stopped.
 
-Models are configured per served model name with the profile's routing tier;
+Models are declared per served model name with the profile's routing tier;
 a tier that is not installed falls back to ``round_robin`` (logged once).
 """
 
@@ -22,17 +23,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from .. import wire
+from ..engines.probe import VLLM_GAUGES, EngineGauges, engine_gauges
 from ..plugins_manager import PluginError
 from ..router.model import TierModel
 from ..router.replica import Replica
+from ..router.replicas import DEPLOYED
+from .interfaces import ReplicaTable
 from .reconciler import Assignment, DesiredReplica
 from .tasks import TaskHost
-
-if TYPE_CHECKING:
-    from ..gateway.app import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -44,45 +45,49 @@ class Routed:
     draining: bool = False
 
 
-class DeployedRouting(TaskHost):
-    not_running = "DeployedRouting.run is not running"
+class DeployedReplicas(TaskHost):
+    not_running = "DeployedReplicas.run is not running"
 
-    def __init__(self, gateway: "Gateway", on_released: Callable[[str], None], drain_timeout: float = 600.0):
-        self.gateway = gateway
+    def __init__(self, replicas: ReplicaTable, registry, on_released: Callable[[str], None],
+                 drain_timeout: float = 600.0):
+        """``registry``: the plugin registry (is a profile's routing tier installed?); ``on_released(key)``: a
+        retired assignment left the set (its shards may be stopped)."""
+        self.replicas = replicas
+        self.registry = registry
         self.on_released = on_released
         self.drain_timeout = drain_timeout
         self.routed: dict[str, Routed] = {}  # by replica id
-        self.models: dict[str, tuple] = {}  # served model name -> (tier in use, its options, LoRA adapters)
+        self.models: dict[str, str] = {}  # served model name -> the tier it is declared with
+        self.gauges: dict[str, EngineGauges] = {}  # served model name -> its engine plugin's load gauges
 
     # -- models --------------------------------------------------------------------------------------------------
 
-    def configure_models(self, desired: Mapping[str, DesiredReplica], static_models: Iterable[str]) -> None:
-        """One route per served model name of a deployed profile; models nobody deploys any more are removed."""
-        router = self.gateway.router
+    def configure_models(self, desired: Mapping[str, DesiredReplica]) -> None:
+        """Declare one model per served model name of a deployed profile; withdraw those nobody deploys any more
+        (a model the config's ``models`` list too keeps its route)."""
         wanted: dict[str, Any] = {}  # model -> the llmgw.config.Profile that serves it
         for replica in desired.values():
             wanted.setdefault(replica.model, replica.profile)
         for model, profile in sorted(wanted.items()):
-            tier = (self._tier_for(model, profile.routing), dict(profile.routing_options), profile.lora_adapters)
-            if model not in router.models or self.models.get(model) != tier:
-                router.configure_model(model, tier[0], tier[1], TierModel.of(
-                    model, tier[0], tier[1], model_path=profile.model_path, lora_adapters=profile.lora_adapters,
-                    engine_args=profile.args))
-                self.models[model] = tier
-            router.set_adapters(model, [adapter.name for adapter in profile.lora_adapters])
-        keep = set(wanted) | set(static_models)
+            tier = self._tier_for(model, profile.routing)
+            self.replicas.declare_model(DEPLOYED, TierModel.of(
+                model, tier, profile.routing_options, model_path=profile.model_path,
+                lora_adapters=profile.lora_adapters, engine_args=profile.args))
+            self.models[model] = tier
+            self.gauges[model] = engine_gauges(self.registry, profile.engine)
         for model in list(self.models):
-            if model not in keep:
-                log.info("model %s is no longer deployed: new requests for it are refused", model)
-                router.remove_model(model)
+            if model not in wanted:
                 del self.models[model]
+                self.gauges.pop(model, None)
+                if self.replicas.withdraw_model(DEPLOYED, model):
+                    log.info("model %s is no longer deployed: new requests for it are refused", model)
 
     def _tier_for(self, model: str, tier: str) -> str:
         try:
-            self.gateway.registry.get("routing_tiers", tier)
+            self.registry.get("routing_tiers", tier)
             return tier
         except PluginError:
-            if model not in self.models or self.models[model][0] != "round_robin":
+            if self.models.get(model) != "round_robin":
                 log.warning("model %s: routing tier %r is not installed; routing it round_robin until it is",
                             model, tier)
             return "round_robin"
@@ -112,12 +117,13 @@ class DeployedRouting(TaskHost):
                                       + (f": {report.reason}" if report.reason else ""))
 
     def _add(self, assignment: Assignment, report: wire.ShardReport, api_key: str | None) -> None:
-        if assignment.model not in self.gateway.router.models:
+        if self.replicas.model(assignment.model) is None:
             return  # the model was removed by a reload; the assignment is about to retire
         replica = Replica(name=assignment.replica_id, model=assignment.model, url=report.endpoint, api_key=api_key,
+                          gauges=self.gauges.get(assignment.model, VLLM_GAUGES),
                           labels={"node": assignment.leader.node_id, "profile": assignment.profile,
                                   "generation": str(assignment.generation)})
-        self.gateway.add_replica(replica)
+        self.replicas.add(replica, DEPLOYED)  # plain HTTP: no TLS files that could fail
         self.routed[assignment.replica_id] = Routed(assignment.key, replica)
         log.info("replica %s (%s) enters routing at %s: shard %s is ready", assignment.replica_id, assignment.model,
                  report.endpoint, report.shard_id)
@@ -125,7 +131,7 @@ class DeployedRouting(TaskHost):
     def _remove(self, routed: Routed, why: str) -> None:
         del self.routed[routed.replica.name]
         log.info("replica %s leaves routing: %s", routed.replica.name, why)
-        self.spawn(self.gateway.remove_replica, routed.replica)
+        self.spawn(self.replicas.remove, routed.replica)
 
     def _retire(self, assignment: Assignment) -> None:
         if assignment.released:
@@ -139,7 +145,7 @@ class DeployedRouting(TaskHost):
             self.spawn(self._drain, current, assignment.retiring)
 
     async def _drain(self, routed: Routed, reason: str) -> None:
-        await self.gateway.drain_replica(routed.replica, reason, self.drain_timeout)
+        await self.replicas.drain(routed.replica, reason, self.drain_timeout)
         if self.routed.get(routed.replica.name) is routed:
             del self.routed[routed.replica.name]
         self.on_released(routed.key)

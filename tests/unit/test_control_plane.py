@@ -1,0 +1,251 @@
+"""The control plane in-process: a real ReplicaSet, KvIndex, Router and static source, agents scripted over memory
+channels (the same AgentService path the embedded agent takes). No Gateway, no subprocess."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+import trio.testing
+
+from llmgw import wire
+from llmgw.agent.discovery import discover
+from llmgw.config import parse_config
+from llmgw.control.plane import ControlPlane
+from llmgw.control.static import StaticReplicas
+from llmgw.kv.index import KvIndex
+from llmgw.metrics import Metrics
+from llmgw.plugins_manager import build_registry, make_plugin_manager
+from llmgw.router.health import HealthSettings, HealthTracker
+from llmgw.router.replicas import DEPLOYED, STATIC, ReplicaSet
+from llmgw.router.router import Router
+from llmgw.wire.channel import memory_channel_pair
+
+NODES = Path(__file__).resolve().parents[1] / "fixtures" / "nodes"
+UNUSED = "http://127.0.0.1:9"  # the discard port: nothing listens, so probes fail fast (health is not under test)
+
+STATIC_TINY = """
+models:
+  - name: tiny
+    routing: round_robin
+    replicas:
+      - url: http://127.0.0.1:9
+        name: ext-0
+"""
+
+DEPLOYED_TINY = """
+profiles:
+  - name: sim
+    engine: sim
+    model_path: tiny
+    served_model_name: tiny
+    routing: round_robin
+deployments:
+  - profile: sim
+    replicas: 1
+"""
+
+
+def config(*parts: str):
+    return parse_config("agents: {embedded: true}\n" + "".join(parts))
+
+
+@dataclass
+class Parts:
+    replicas: ReplicaSet
+    kv_index: KvIndex
+    router: Router
+    static: StaticReplicas
+    plane: ControlPlane
+    metrics: Metrics
+
+    def apply(self, cfg) -> None:
+        """What Gateway.reload does with a new config."""
+        self.static.apply(cfg)
+        self.plane.apply_config(cfg)
+
+    def refused(self, node: str, reason: str) -> float:
+        return self.metrics.registry.get_sample_value("llmgw_kv_changes_refused_total",
+                                                      {"node": node, "reason": reason}) or 0.0
+
+
+@asynccontextmanager
+async def control_plane(cfg):
+    registry = build_registry(make_plugin_manager())
+    metrics = Metrics()
+    replicas = ReplicaSet(HealthTracker(HealthSettings(interval=60.0, timeout=1.0), metrics), metrics,
+                          connect_timeout=1.0)
+    kv_index = KvIndex()
+    parts = Parts(replicas, kv_index, Router(registry, metrics, replicas, kv_index),
+                  StaticReplicas(replicas, kv_index, registry, metrics.registry),
+                  ControlPlane(replicas, kv_index, registry, metrics.registry, cfg), metrics)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(replicas.run)
+        await nursery.start(parts.static.run)
+        parts.static.apply(cfg)
+        await nursery.start(parts.plane.run)
+        yield parts
+        nursery.cancel_scope.cancel()
+
+
+async def settled() -> None:
+    """Every task (sessions, reconciler, drains) has done what the last message asked and waits again."""
+    await trio.testing.wait_all_tasks_blocked()
+
+
+class Agent:
+    """One node's agent, scripted: registers, reads what the control plane sends, reports shards, sends KV changes."""
+
+    def __init__(self, node_id: str, fixture: str):
+        self.node_id = node_id
+        self.register = discover(f"fixture:{NODES / fixture}.json", node_id=node_id, address="127.0.0.1")
+        self.channel = None
+        self.errors: list[wire.ErrorMessage] = []
+
+    async def connect(self, plane: ControlPlane) -> None:
+        self.channel, control_end = memory_channel_pair(f"agent {self.node_id}")
+        await plane.accept_in_process(control_end)
+        await self.channel.send(self.register)
+        assert (await self.next(wire.Registered)).accepted
+
+    async def next(self, kind: type):
+        """The next message of ``kind`` (heartbeats skipped, errors kept in ``errors``)."""
+        with trio.fail_after(5):
+            while True:
+                message = await self.channel.receive()
+                if isinstance(message, kind):
+                    return message
+                if isinstance(message, wire.ErrorMessage):
+                    self.errors.append(message)
+
+    async def start_ready(self) -> wire.StartShard:
+        """Take the next StartShard and report its shard Ready (at an address nothing listens on)."""
+        start = await self.next(wire.StartShard)
+        await self.report(start, wire.ShardState.READY)
+        return start
+
+    async def drained(self, start: wire.StartShard) -> None:
+        """Take the DrainShard of the shard ``start`` started and report it stopped."""
+        assert (await self.next(wire.DrainShard)).shard_id == start.shard_id
+        await self.report(start, wire.ShardState.STOPPED)
+
+    async def report(self, start: wire.StartShard, state: wire.ShardState) -> None:
+        await self.channel.send(wire.ShardStatus(shard=wire.ShardReport(
+            shard_id=start.shard_id, replica_id=start.replica_id, rank=start.rank, node_count=start.node_count,
+            state=state, pid=4242, fingerprint=start.fingerprint, generation=start.generation,
+            gpu_indices=list(start.gpu_indices), endpoint=UNUSED, model=start.profile.served_model_name)))
+        await settled()
+
+    async def kv(self, shard_id: str, replica_id: str, *keys: int) -> None:
+        await self.channel.send(wire.KvChanges(shard_id=shard_id, replica_id=replica_id, kind=wire.KvChangeKind.FULL,
+                                               block_size=16, stored=list(keys)))
+        await settled()
+
+    async def error(self) -> wire.ErrorMessage:
+        return self.errors.pop(0) if self.errors else await self.next(wire.ErrorMessage)
+
+
+async def test_a_placed_replica_enters_the_set_as_deployed_and_only_its_node_feeds_its_kv_index():
+    async with control_plane(config(DEPLOYED_TINY)) as parts:
+        a, b = Agent("a", "tiny-2gpu-a"), Agent("b", "tiny-2gpu-b")
+        await a.connect(parts.plane)
+        start = await a.start_ready()
+
+        replica = parts.replicas.get(start.replica_id)
+        assert replica is not None and replica.url == UNUSED and replica.model == "tiny"
+        assert parts.replicas.source_of(replica) == DEPLOYED
+        assert parts.router.models["tiny"].replicas == [replica]  # the route reads the set
+        assert [r["source"] for r in parts.plane.replicas_json()] == [DEPLOYED]
+
+        await a.kv(start.shard_id, start.replica_id, 1, 2, 3)
+        assert parts.kv_index.keys(start.replica_id) == {1, 2, 3}
+
+        # Another node speaking for a shard placed on a: refused, counted, told; the index unchanged.
+        await b.connect(parts.plane)
+        await b.kv(start.shard_id, start.replica_id, 7)
+        assert parts.kv_index.keys(start.replica_id) == {1, 2, 3}
+        assert parts.refused("b", "foreign_replica") == 1
+        assert (await b.error()).code == "kv_foreign_replica"
+
+
+async def test_a_static_replica_is_never_touched_by_the_control_plane():
+    async with control_plane(config(STATIC_TINY, DEPLOYED_TINY)) as parts:
+        static = parts.replicas.get("ext-0")
+        assert parts.replicas.source_of(static) == STATIC
+        parts.kv_index.apply("ext-0", wire.KvChanges(kind=wire.KvChangeKind.FULL, block_size=16, stored=[5]))
+
+        a = Agent("a", "tiny-2gpu-a")
+        await a.connect(parts.plane)
+        start = await a.start_ready()
+        assert parts.router.models["tiny"].replicas == [static, parts.replicas.get(start.replica_id)]
+
+        # KV changes naming the static replica come from no shard the control plane placed: refused.
+        await a.kv(start.shard_id, start.replica_id, 1)
+        await a.kv("ext-0", "ext-0", 6)
+        assert parts.refused("a", "unknown_replica") == 1
+        assert (await a.error()).code == "kv_unknown_replica"
+        assert parts.kv_index.keys("ext-0") == {5}
+
+        # The deployment goes: its replica drains out and is released; the static one stays, routed.
+        parts.apply(config(STATIC_TINY, DEPLOYED_TINY.replace("replicas: 1", "replicas: 0")))
+        await settled()
+        assert parts.replicas.get(start.replica_id) is None
+        assert list(parts.replicas) == [static] and parts.router.models["tiny"].replicas == [static]
+        assert start.replica_id not in parts.kv_index.replicas() and parts.kv_index.keys("ext-0") == {5}
+        await a.drained(start)
+        assert parts.plane.replicas_json() == []
+
+
+async def test_an_agent_session_ending_leaves_static_replicas_and_their_index_alone():
+    async with control_plane(config(STATIC_TINY, DEPLOYED_TINY)) as parts:
+        parts.kv_index.apply("ext-0", wire.KvChanges(kind=wire.KvChangeKind.FULL, block_size=16, stored=[5]))
+        a = Agent("a", "tiny-2gpu-a")
+        await a.connect(parts.plane)
+        start = await a.start_ready()
+        await a.kv(start.shard_id, start.replica_id, 1)
+        assert parts.kv_index.healthy(start.replica_id)
+
+        # The stream that fed the deployed replica's index is gone: that index is no longer trusted, the static
+        # replica's is untouched; both stay routed.
+        await a.channel.aclose()
+        await settled()
+        assert not parts.kv_index.healthy(start.replica_id) and parts.kv_index.keys(start.replica_id) == set()
+        assert parts.kv_index.healthy("ext-0") and parts.kv_index.keys("ext-0") == {5}
+        assert [parts.replicas.source_of(r) for r in parts.router.models["tiny"].replicas] == [STATIC, DEPLOYED]
+
+
+async def test_a_reload_moves_a_model_between_sources():
+    async with control_plane(config(STATIC_TINY)) as parts:
+        static = parts.replicas.get("ext-0")
+        assert parts.router.models["tiny"].declared.model_path is None
+        a = Agent("a", "tiny-2gpu-a")
+        await a.connect(parts.plane)
+
+        # Static -> deployed: the static replica drains out (its index with it), a deployed one comes in.
+        parts.kv_index.apply("ext-0", wire.KvChanges(kind=wire.KvChangeKind.FULL, block_size=16, stored=[5]))
+        parts.apply(config(DEPLOYED_TINY))
+        start = await a.start_ready()
+        deployed = parts.replicas.get(start.replica_id)
+        assert static not in parts.replicas and parts.replicas.get("ext-0") is None
+        assert "ext-0" not in parts.kv_index.replicas()
+        assert parts.replicas.source_of(deployed) == DEPLOYED
+        route = parts.router.models["tiny"]
+        assert route.replicas == [deployed] and route.declared.model_path == "tiny"  # built from the profile
+
+        # Deployed -> static: the deployed replica drains out and is released; the route stays, now static's.
+        parts.apply(config(STATIC_TINY))
+        await settled()
+        again = parts.replicas.get("ext-0")
+        assert again is not None and again is not static and parts.replicas.source_of(again) == STATIC
+        assert deployed not in parts.replicas and start.replica_id not in parts.kv_index.replicas()
+        route = parts.router.models["tiny"]
+        assert route.replicas == [again] and route.declared.model_path is None
+        await a.drained(start)
+        assert parts.plane.replicas_json() == []
+
+        # Neither source: the model is gone.
+        parts.apply(config())
+        await settled()
+        assert "tiny" not in parts.router.models and list(parts.replicas) == []
