@@ -10,13 +10,15 @@ import importlib
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("llmgw.commands.serve", "run the gateway (control plane, router, OpenAI endpoint); a demo without --config"),
+    "serve": ("llmgw.commands.serve",
+              "run the gateway (control plane, router, OpenAI endpoint); a demo without --config"),
     "config": ("llmgw.commands.config", "check a config file: llmgw config check FILE"),
     "agent": ("llmgw.commands.agent", "join a control plane and run its shards here: llmgw agent --join URL --token T"),
     "status": ("llmgw.commands.status", "nodes, replicas and shards of a running llmgw serve, as tables"),
     "sim": ("llmgw.sim.cli", "run the vLLM-like simulator engine"),
     "down": ("llmgw.commands.down", "stop the engines a stopped serve or agent left running: llmgw down --config FILE"),
-    "plan": ("llmgw.commands.plan", "print where a config's replicas would be placed, and why: llmgw plan --config FILE"),
+    "plan": ("llmgw.commands.plan",
+             "print where a config's replicas would be placed, and why: llmgw plan --config FILE"),
     "bench": ("llmgw.commands.bench", "run a benchmark and print its table: llmgw bench fault [--json FILE]"),
 }
 

@@ -23,8 +23,9 @@ def level_name(text: str) -> str:
     return text.lower()
 
 
-def add_logging_arguments(parser: argparse.ArgumentParser, *, default_level: str | None = "info",
-                          default_format: str | None = "text", source: str = "") -> None:
+def add_logging_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *,
+                          default_level: str | None = "info", default_format: str | None = "text",
+                          source: str = "") -> None:
     """``--log-level`` and ``--log-format``; ``source`` names where the default comes from when it is None."""
     parser.add_argument("--log-level", type=level_name, choices=LEVELS, default=default_level,
                         help=f"{', '.join(LEVELS)} (default: {source or default_level})")

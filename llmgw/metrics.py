@@ -11,10 +11,18 @@ take a while with many series.
 
 from __future__ import annotations
 
-
 import trio
-from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge,
-                               Histogram, disable_created_metrics, generate_latest)
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .cached_labels import CachedLabels
@@ -90,7 +98,8 @@ class Metrics:
             "llmgw_inflight_requests", "Requests in flight per replica.", ["model", "replica"], registry=r))
         self.upstream_errors = CachedLabels(Counter(
             "llmgw_upstream_errors", "Failed attempts that say a replica is unwell, by kind "
-            "(connect, closed_before_request, tls, timeout, status_5xx: a 502, 503 or 504).", ["model", "replica", "kind"], registry=r))
+            "(connect, closed_before_request, tls, timeout, status_5xx: a 502, 503 or 504).",
+            ["model", "replica", "kind"], registry=r))
         self.replica_up = CachedLabels(Gauge(
             "llmgw_replica_up", "1 when the replica is routable, else 0.", ["model", "replica"], registry=r))
         self.decisions = CachedLabels(Counter(

@@ -44,9 +44,17 @@ from .metrics import Metrics
 from .plugins_manager import PluginError, Registry
 from .router.model import LoraRef, TierModel
 from .router.replica import EngineLoad, ReplicaState
-from .router.tier import (Decision, Explanation, RouteRequest, RoutingTier, ScoreContext, Scorer, TierProtocol,
-                          TierServices)
-from .router.tier import ReplicaView as Replica
+from .router.tier import (
+    Decision,
+    Explanation,
+    ReplicaView as Replica,
+    RouteRequest,
+    RoutingTier,
+    ScoreContext,
+    Scorer,
+    TierProtocol,
+    TierServices,
+)
 from .wire import StartShard
 
 EventDecoder = Callable[[bytes], EventBatch]
@@ -70,8 +78,9 @@ class TokenizerSource(Protocol):
 
 
 __all__ = [
-    "BlockKeyFunction", "Decision", "Engine", "EngineError", "EngineGauges", "EngineLoad", "EventBatch", "EventDecodeError",
-    "EventDecoder", "Explanation", "ExtraKeys", "IndexState", "KvIndex", "Launch", "LaunchContext", "LoraRef",
-    "Metrics", "PluginError", "Readiness", "Registry", "Replica", "ReplicaState", "RouteRequest", "RoutingTier", "ScoreContext", "Scorer", "StartShard",
-    "TierModel", "TierProtocol", "TierServices", "TokenizeError", "TokenizerSource", "VLLM_GAUGES", "hookimpl",
+    "BlockKeyFunction", "Decision", "Engine", "EngineError", "EngineGauges", "EngineLoad", "EventBatch",
+    "EventDecodeError", "EventDecoder", "Explanation", "ExtraKeys", "IndexState", "KvIndex", "Launch",
+    "LaunchContext", "LoraRef", "Metrics", "PluginError", "Readiness", "Registry", "Replica", "ReplicaState",
+    "RouteRequest", "RoutingTier", "ScoreContext", "Scorer", "StartShard", "TierModel", "TierProtocol",
+    "TierServices", "TokenizeError", "TokenizerSource", "VLLM_GAUGES", "hookimpl",
 ]

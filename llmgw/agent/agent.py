@@ -259,6 +259,8 @@ class Agent:
             raise ConnectionLost(f"the control plane said nothing for {silence_limit:g}s")
 
     def _handle(self, message, outbox: trio.MemorySendChannel) -> None:
+        nursery = self._nursery
+        assert nursery is not None  # run() opened it before connecting
         if isinstance(message, wire.StartShard):
             log.debug("start shard %s (replica %s rank %d, generation %d, GPUs %s)", message.shard_id,
                      message.replica_id, message.rank, message.generation, message.gpu_indices)
@@ -269,11 +271,11 @@ class Agent:
                 self._reply(outbox, wire.ErrorMessage(code="start_failed", message=str(exc), about=message.shard_id))
         elif isinstance(message, wire.StopShard):
             log.debug("stop shard %s: %s", message.shard_id, message.reason)
-            self._nursery.start_soon(functools.partial(self.shards.stop, message.shard_id, message.grace,
+            nursery.start_soon(functools.partial(self.shards.stop, message.shard_id, message.grace,
                                                        reason=message.reason))
         elif isinstance(message, wire.DrainShard):
             log.debug("drain shard %s: %s", message.shard_id, message.reason)
-            self._nursery.start_soon(functools.partial(self.shards.drain, message.shard_id, message.timeout,
+            nursery.start_soon(functools.partial(self.shards.drain, message.shard_id, message.timeout,
                                                        message.grace, reason=message.reason))
         elif isinstance(message, wire.KvResync):
             if not self.kv.resync(message):

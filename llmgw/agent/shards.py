@@ -20,7 +20,7 @@ import functools
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import trio
 
@@ -48,19 +48,21 @@ class EngineCatalog:
         self._built: dict[str, Engine] = {}
 
     def get(self, name: str) -> Engine:
-        engine = self._built.get(name)
-        if engine is None:
-            if isinstance(self._source, Registry):
-                factory = self._source.get("engines", name)
-            else:
-                try:
-                    factory = self._source[name]
-                except KeyError:
-                    known = ", ".join(sorted(self._source)) or "none"
-                    raise PluginError(f"no engine named {name!r} (known: {known})") from None
-            is_engine = not isinstance(factory, type) and hasattr(factory, "command")
-            engine = factory if is_engine else factory()
-            self._built[name] = engine
+        built = self._built.get(name)
+        if built is not None:
+            return built
+        factory: Any  # an engine, or what makes one
+        if isinstance(self._source, Registry):
+            factory = self._source.get("engines", name)
+        else:
+            try:
+                factory = self._source[name]
+            except KeyError:
+                known = ", ".join(sorted(self._source)) or "none"
+                raise PluginError(f"no engine named {name!r} (known: {known})") from None
+        is_engine = not isinstance(factory, type) and hasattr(factory, "command")
+        engine: Engine = factory if is_engine else factory()
+        self._built[name] = engine
         return engine
 
 
@@ -105,13 +107,13 @@ class ShardManager:
             self._nursery = nursery
             try:
                 for entry in self.ledger.entries():
-                    await self._adopt(entry)
+                    await self._adopt(entry, nursery)
                 task_status.started()
                 await trio.sleep_forever()
             finally:
                 self._nursery = None
 
-    async def _adopt(self, entry: LedgerEntry) -> None:
+    async def _adopt(self, entry: LedgerEntry, nursery: trio.Nursery) -> None:
         if not self.ledger.alive(entry):
             self._bury(entry.spec, f"exited while the agent was away (pid {entry.pid} is gone or is another "
                                    f"process now)")
@@ -125,7 +127,7 @@ class ShardManager:
             return
         supervisor = self._supervisor(entry.spec, engine, adopt=entry)
         self._shards[entry.shard_id] = supervisor
-        await self._nursery.start(self._run_supervisor, supervisor)
+        await nursery.start(self._run_supervisor, supervisor)
 
     def start(self, spec: wire.StartShard) -> None:
         """Run a shard (see the module docstring for repeated and newer StartShards)."""

@@ -310,6 +310,7 @@ class ShardSupervisor:
                 if self._proc is None:
                     outcome = await self._launch()
                 if outcome is None:
+                    assert self._proc is not None  # launched, or adopted
                     outcome = await self._supervise(self._proc)
             if self._stop is not None:
                 break
@@ -367,6 +368,7 @@ class ShardSupervisor:
         # No checkpoint from here to the ledger write: a stop or cancel must not lose track of the child.
         start_time = process_start_time(child.pid)
         self._proc = EngineProcess(child.pid, child.pid, start_time, child)
+        assert self._nursery is not None  # run() opened it
         self._nursery.start_soon(self._proc.watch)
         self.started_at = time.time()
         self._ledger.put(LedgerEntry.for_process(
@@ -386,6 +388,7 @@ class ShardSupervisor:
         self._use_endpoint(self._ctx_factory(self.spec, entry.http_port))
         self._proc = EngineProcess(entry.pid, entry.pgid or process_group_of(entry.pid) or entry.pid,
                                    entry.pid_start_time)
+        assert self._nursery is not None  # run() opened it
         self._nursery.start_soon(self._proc.watch)
         self.log.write_header(f"agent pid {os.getpid()} adopted engine pid {entry.pid}")
         adopted = f"adopted running engine pid {entry.pid} from the ledger"
@@ -440,6 +443,7 @@ class ShardSupervisor:
             if self.state is State.STARTING:
                 self._set(State.LOADING, f"pid {proc.pid} is running; waiting for {self._readiness.health_path}")
             if not ready:
+                assert self._prober is not None  # set with the endpoint, before supervising
                 ready, why = await self._prober.ready()
                 if ready:
                     self._set(State.READY, why)
@@ -447,6 +451,7 @@ class ShardSupervisor:
                     return _Outcome(f"startup timeout: not ready {timeout:g}s after the start (last probe: {why})",
                                     failed=True)
                 continue
+            assert self._prober is not None  # set with the endpoint, before supervising
             healthy, why, definite = await self._prober.health()
             if healthy:
                 failures = definite_failures = 0
@@ -492,12 +497,13 @@ class ShardSupervisor:
 
     async def _shut_down(self) -> None:
         """Carry out the stop request: drain if asked and the engine was serving, then terminate."""
+        request = self._stop
+        assert request is not None  # called to carry one out
         proc = self._proc
         if proc is None or not proc.running:
-            self._finish(State.STOPPED, f"{self._stop.reason}; no engine process was running")
+            self._finish(State.STOPPED, f"{request.reason}; no engine process was running")
             return
         was_serving = self.state in (State.READY, State.LOADING)
-        request = self._stop
         if request.drain_timeout is not None and was_serving and self._readiness.serves_http:
             self._set(State.DRAINING, f"{request.reason}; waiting up to {request.drain_timeout:g}s "
                                       f"for in-flight requests")
@@ -506,6 +512,7 @@ class ShardSupervisor:
                 self._finish(State.FAILED, f"{proc.describe_exit()} while draining", tail=True)
                 return
             request = self._stop  # a stop may have cut the drain short
+            assert request is not None
             how = f"{waited}; "
         else:
             self._set(State.DRAINING, f"{request.reason}; stopping")
@@ -529,6 +536,7 @@ class ShardSupervisor:
             self._idle_wait = cut_short
             try:
                 while proc.running:
+                    assert self._prober is not None  # set with the endpoint, before supervising
                     last = await self._prober.inflight(names)
                     if last is None:
                         unreadable += 1
@@ -602,6 +610,7 @@ class ShardSupervisor:
         self.endpoint = f"http://{address}:{ctx.http_port}"
         if self._prober is None or self._prober.pool.port != ctx.http_port:
             if self._prober is not None:
+                assert self._nursery is not None  # run() opened it
                 self._nursery.start_soon(self._prober.aclose)
             probe_host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(ctx.host, ctx.host)
             self._prober = _Prober(probe_host, ctx.http_port, self._readiness, self.settings.probe_timeout)

@@ -35,8 +35,8 @@ import time
 import trio
 
 from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, BodyError, read_json_body
-from .common import bench_parser, finish
 from ..testing.sims import start_fake_upstream, start_gateway
+from .common import bench_parser, finish
 
 MiB = 1024 * 1024
 SMALL = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}).encode()
@@ -176,8 +176,8 @@ async def measure(seconds: float, size: int, kinds: list[str]) -> dict:
         config = (f"models:\n  - name: tiny\n    replicas: [{{url: {upstreams[0].url}}}]\n"
                   f"  - name: big\n    replicas: [{{url: {upstreams[1].url}}}]\nlog_level: warning\n")
         gateway = await start_gateway(nursery, config)
-        host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
-        port = int(port)
+        host, port_text = gateway.url.removeprefix("http://").rsplit(":", 1)
+        port = int(port_text)
         await small_latencies(host, port, 0.5)  # warm up
         baseline = summary(await small_latencies(host, port, seconds))
         report["baseline"] = baseline

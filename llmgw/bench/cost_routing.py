@@ -24,18 +24,19 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import trio
 
-from ..testing.processes import llmgw_command, start_child
 from ..sim.tokenizer_files import write_tokenizer_files
+from ..testing.processes import llmgw_command, start_child
+from ..testing.sims import MODEL, start_gateway
 from .chat_workloads import _run_limited, new_client, send_chat, summarize, words
 from .common import bench_parser, print_and_save
-from ..testing.sims import MODEL, start_gateway
 
 REPLICAS = 4
-ARMS = {
+ARMS: dict[str, dict[str, Any]] = {
     "kv_index, cost (default)": {},
     "kv_index, scores + max_imbalance 4 (before)": {"rule": "scores", "max_imbalance": 4},
     "kv_index, scores + max_imbalance 8": {"rule": "scores", "max_imbalance": 8},

@@ -114,9 +114,9 @@ def panels(scrapes: list[tuple[float, Samples]]) -> dict[str, dict[str, list]]:
         for label, name, q in (("TTFT p50", "llmgw_time_to_first_token_seconds", 0.5),
                                ("TTFT p90", "llmgw_time_to_first_token_seconds", 0.9),
                                ("first byte p90", "llmgw_time_to_first_byte_seconds", 0.9)):
-            value = quantile(before, after, name, q)
-            if value is not None:
-                out["Time to first token (s)"][label].append((t, value))
+            seconds = quantile(before, after, name, q)
+            if seconds is not None:
+                out["Time to first token (s)"][label].append((t, seconds))
         prompt = rate("llmgw_prompt_tokens_total")
         if prompt > 0:
             out["Prefix cache hit rate"]["actual (engines)"].append((t, rate("llmgw_cached_tokens_total") / prompt))
@@ -177,7 +177,8 @@ async def main_async(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llmgw.bench.dashboard_example", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m llmgw.bench.dashboard_example",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="docs/grafana/example.png", help="the PNG to write (JSON beside it)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     parser.add_argument("--interval", type=float, default=3.0, help="seconds between scrapes")

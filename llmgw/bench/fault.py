@@ -45,13 +45,13 @@ from pathlib import Path
 import httpx
 import trio
 
+from ..procgroup import signal_group, wait_group_gone
 from ..testing.metrics import metric_value, scrape
 from ..testing.processes import Child, free_port, llmgw_command, start_child
-from ..procgroup import signal_group, wait_group_gone
+from ..testing.sims import kv_sim_profile
 from .common import bench_parser, write_json
 from .fault_load import LoadSettings, SteadyLoad
 from .kv_truth import check_kv_truth
-from ..testing.sims import kv_sim_profile
 
 TOKEN = "bench-fault-token"
 NODE = "bench"
@@ -224,6 +224,7 @@ class AgentFault:
         self.down = down
 
     async def kill(self, cluster: FaultCluster) -> None:
+        assert cluster.agent is not None  # started before any fault
         await cluster.kill(cluster.agent)
 
     async def recover(self, cluster: FaultCluster) -> dict[str, dict]:
@@ -248,6 +249,7 @@ class ControlPlaneFault:
         pass
 
     async def kill(self, cluster: FaultCluster) -> None:
+        assert cluster.serve is not None  # started before any fault
         await cluster.kill(cluster.serve)
 
     async def recover(self, cluster: FaultCluster) -> dict[str, dict]:

@@ -52,24 +52,24 @@ import time
 import trio
 import zmq
 
+from llmgw.bench.common import bench_parser, write_json
 from llmgw.http.client import UpstreamPool
 from llmgw.kv import zmq_trio
-from llmgw.bench.common import bench_parser, write_json
 from llmgw.kv.codec import decode_batch, encode_batch
-from llmgw.kv.events import BlockRemoved, BlockStored, EventBatch
 from llmgw.kv.drift import DriftPolicy
+from llmgw.kv.events import BlockRemoved, BlockStored, EventBatch
 from llmgw.kv.index import KvIndex
 from llmgw.kv.keys import VllmBlockKeys
 from llmgw.kv.mirror import EngineMirror
 from llmgw.kv.subscriber import EngineSubscription
 from llmgw.metrics import Metrics
 from llmgw.plugins_manager import default_registry
-from llmgw.testing.processes import llmgw_command, start_child
 from llmgw.router.canonical import render_body
 from llmgw.router.replica import Replica
 from llmgw.router.router import Router
 from llmgw.router.tier import RouteRequest
 from llmgw.sim.tokenizer_files import write_tokenizer_files
+from llmgw.testing.processes import llmgw_command, start_child
 from llmgw.wire import KvChangeKind, KvChanges
 
 BLOCK = 16
@@ -99,7 +99,7 @@ def _tier(sim_url: str | None, **options):
     rng = random.Random(9)
     for replica in replicas:
         background = [rng.getrandbits(64) for _ in range(BACKGROUND_BLOCKS)]
-        route.tier.index.apply(replica.name, KvChanges(kind=KvChangeKind.FULL, stored=background, block_size=BLOCK))
+        router.kv_index.apply(replica.name, KvChanges(kind=KvChangeKind.FULL, stored=background, block_size=BLOCK))
     return route.tier, replicas
 
 
@@ -210,11 +210,11 @@ async def bench_decisions(sim_url: str, tokens: int, count: int) -> dict[str, di
 def engine_stream(count: int, seed: int = 3) -> list[EventBatch]:
     """Batches of a full cache: each step stores 1-4 new blocks (chained) and evicts as many of the oldest."""
     rng = random.Random(seed)
-    live: list[int] = [rng.getrandbits(64) for _ in range(4096)]
+    live: list[int | bytes] = [rng.getrandbits(64) for _ in range(4096)]
     batches = []
     for step in range(count):
         n = rng.randint(1, 4)
-        new = [rng.getrandbits(64) for _ in range(n)]
+        new: list[int | bytes] = [rng.getrandbits(64) for _ in range(n)]
         stored = BlockStored(block_hashes=new, parent_block_hash=rng.getrandbits(64),
                              token_ids=[rng.randrange(VOCAB) for _ in range(n * BLOCK)], block_size=BLOCK,
                              medium="GPU", extra_keys=[None] * n, group_idx=0, kv_cache_spec_kind="full_attention")
@@ -234,7 +234,7 @@ def _prefill_mirror(batches: list[EventBatch]) -> EngineMirror:
 
 
 def _changes(batches: list[EventBatch]) -> int:
-    return sum(len(e.block_hashes) for b in batches for e in b.events)
+    return sum(len(e.block_hashes) for b in batches for e in b.events if isinstance(e, (BlockStored, BlockRemoved)))
 
 
 def bench_index_apply(rounds: int = 2000) -> dict:

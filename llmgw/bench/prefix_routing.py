@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -34,12 +35,12 @@ from ..plugins_manager import default_registry
 from ..router.replica import Replica
 from ..router.router import Router
 from ..router.tier import RouteRequest
+from ..testing.sims import MODEL, gateway_config, start_gateway, start_sims
 from .chat_workloads import percentile, run_multi_turn, run_shared_prefix, summarize, words
 from .common import print_and_save
-from ..testing.sims import MODEL, gateway_config, start_gateway, start_sims
 
 REPLICAS = 4
-ARMS = {
+ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "round_robin": ("round_robin", {}),
     "prefix_tree": ("prefix_tree", {"seed": 1}),  # rule cost, no count guard: the defaults
     "prefix_tree, scores + max_imbalance 4": ("prefix_tree", {"seed": 1, "rule": "scores", "max_imbalance": 4}),
@@ -138,7 +139,7 @@ async def decision_cost(tier: str, conversations: int, fill_chars: int, decision
         await router.pick(request)
         wall.append(time.perf_counter() - started)
         cpu.append(time.thread_time() - started_cpu)
-    result = {"decisions": decisions}
+    result: dict[str, float] = {"decisions": decisions}
     for name, timings in (("", wall), ("cpu_", cpu)):  # CPU time leaves out time the OS ran something else
         for q in (50, 90, 99):
             result[f"{name}p{q}_us"] = 1e6 * percentile(timings, q / 100)

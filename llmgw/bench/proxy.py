@@ -110,7 +110,7 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 def _descendants(pid: int) -> list[int]:
-    out = []
+    out: list[int] = []
     try:
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     except OSError:
@@ -140,6 +140,7 @@ GATEWAY_READY = re.compile(r"llmgw listening on (https?://\S+)")
 def http_post(url: str, body: str, timeout: float = 5.0,
               tls: ssl.SSLContext | None = None) -> tuple[int, bytes, dict]:
     host, port = url.split("//", 1)[1].split(":")
+    conn: http.client.HTTPConnection
     if url.startswith("https://"):
         conn = http.client.HTTPSConnection(host, int(port), timeout=timeout, context=tls)
     else:
@@ -249,13 +250,13 @@ def run_wrk(url: str, script: Path, connections: int, duration: float, proxy: Ch
     cpu_after = process_cpu_seconds(proxy.pid) if proxy else None
     core_after = core_times(PROXY_CPU)
     core_span = core_after[2] - core_before[2]
-    line = next((l for l in done.stdout.splitlines() if l.startswith("WRKJSON ")), None)
+    line = next((out for out in done.stdout.splitlines() if out.startswith("WRKJSON ")), None)
     if done.returncode != 0 or line is None:
         raise BenchError(f"wrk failed (code {done.returncode}): {shlex.join(argv)}\n{done.stdout}\n{done.stderr}")
     data = json.loads(line[len("WRKJSON "):])
     seconds = data["duration_us"] / 1e6
     requests = data["requests"]
-    cpu = (cpu_after - cpu_before) if proxy else None
+    cpu = (cpu_after - cpu_before) if cpu_after is not None and cpu_before is not None else None
     errors = {k: data[k] for k in ("connect_errors", "read_errors", "write_errors", "status_errors",
                                    "timeout_errors")}
     return RunResult(
@@ -320,8 +321,9 @@ def run_interleaved(targets: list[Target], workdir: Path, duration: float, warmu
 
 def find_vllm_router(explicit: str | None, install: bool, repo: Path) -> tuple[str | None, str]:
     """The vllm-router executable and how it was found (installing it when allowed)."""
-    candidates = [explicit] if explicit else []
-    candidates += [shutil.which("vllm-router"), "/tmp/vr/bin/vllm-router", str(repo / "bench-results/vr-venv/bin/vllm-router")]
+    candidates: list[str | None] = [explicit] if explicit else []
+    candidates += [shutil.which("vllm-router"), "/tmp/vr/bin/vllm-router",
+                   str(repo / "bench-results/vr-venv/bin/vllm-router")]
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK):
             return candidate, "found"
@@ -428,9 +430,14 @@ def versions(repo: Path) -> dict:
 
 # -- report ------------------------------------------------------------------------------------------------------------
 
-def _median(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _median_known(values: list[float | None]) -> float | None:
+    """The median of the values that are known; None when none is."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def _runs(results: list[RunResult], target: str, scenario: str) -> list[RunResult]:
@@ -459,10 +466,11 @@ def summarize(results: list[RunResult], targets: list[str]) -> dict:
                 "ok": all(r.ok for r in runs),
                 "rounds": len(runs),
             }
-            cpu = _median([r.proxy_cpu_share for r in runs])
-            if cpu is not None:
+            cpu = _median_known([r.proxy_cpu_share for r in runs])
+            per_request = _median_known([r.proxy_cpu_us_per_request for r in runs])
+            if cpu is not None and per_request is not None:
                 cell["proxy_cpu_share"] = round(cpu, 3)
-                cell["proxy_cpu_us_per_request"] = round(_median([r.proxy_cpu_us_per_request for r in runs]), 1)
+                cell["proxy_cpu_us_per_request"] = round(per_request, 1)
                 cell["others_on_proxy_core_max"] = round(max(r.foreign_cpu_share or 0.0 for r in runs), 3)
             direct = _runs(results, "direct", scenario)
             if target != "direct" and direct:
@@ -561,9 +569,10 @@ def print_table(summary: dict, targets: list[str]) -> None:
 
         print()
         print(f"{title} (median of per-round ratios):")
-        print(f"  requests/s at c=32 (non-streaming): {r('c32_rps_ratio')}" + ("  target >= 0.9x" if with_targets else ""))
-        print(f"  streams/s at c=32 (50 chunks):      {r('stream_c32_rps_ratio')}" + ("  target >= 0.9x" if with_targets else ""))
-        print(f"  added p50 latency at c=1:           {r('c1_added_p50_ratio')}" + ("  target <= 1.2x" if with_targets else ""))
+        at_least, at_most = ("  target >= 0.9x", "  target <= 1.2x") if with_targets else ("", "")
+        print(f"  requests/s at c=32 (non-streaming): {r('c32_rps_ratio')}{at_least}")
+        print(f"  streams/s at c=32 (50 chunks):      {r('stream_c32_rps_ratio')}{at_least}")
+        print(f"  added p50 latency at c=1:           {r('c1_added_p50_ratio')}{at_most}")
         print(f"  added p50 of a whole stream at c=1: {r('stream_c1_added_p50_ratio')}")
     for target, overhead in summary.get("tls_overhead", {}).items():
         print()
@@ -619,6 +628,7 @@ async def start_and_measure(args: argparse.Namespace, targets: list[str], workdi
             running.append(Target("direct", urls[0], None))
             print(f"direct: {urls[0]}", flush=True)
         if DIRECT_TLS in targets:
+            assert pki is not None  # made for the TLS targets
             extra[DIRECT_TLS] = check_target(DIRECT_TLS, tls_urls[0], pki.client_context())
             running.append(Target(DIRECT_TLS, tls_urls[0], None))
             print(f"{DIRECT_TLS}: {tls_urls[0]}", flush=True)
@@ -660,7 +670,7 @@ async def start_and_measure(args: argparse.Namespace, targets: list[str], workdi
                            "--policy", "round_robin", "--prometheus-port", str(free_port()),
                            "--worker-startup-check-interval", "1", "--log-level", "warning"]
                 proc = await start(nursery, workdir, "vllm-router", argv_vr, PROXY_CPU, None, 60)
-                proc.url = f"http://127.0.0.1:{port}"
+                proc.announced_url = f"http://127.0.0.1:{port}"
                 commands["vllm-router"] = proc.argv
                 extra["vllm_router_version"] = vllm_router_version(executable)
                 wait_ready(proc.url, 60, proc)
@@ -683,7 +693,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds of unmeasured load before each scenario in the first round (default 2)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="rounds over all targets and scenarios (interleaved); medians and bests are reported")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here (e.g. bench-results/proxy.json)")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="write the results here (e.g. bench-results/proxy.json)")
     parser.add_argument("--targets", default="direct,llmgw,vllm-router",
                         help="comma-separated subset of direct, llmgw, vllm-router, direct-tls, llmgw-tls, "
                              "llmgw-https")

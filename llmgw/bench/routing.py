@@ -201,7 +201,8 @@ async def run_once(arm: Arm, spec: SimSpec, sessions: list[Session], concurrency
         started = time.perf_counter()
         records = await run_sessions(target, sessions, concurrency, spec.block_size, progress)
         wall = time.perf_counter() - started
-        cpu = process_cpu_seconds(target.router_pid) - cpu_before if target.router_pid else None
+        cpu = (process_cpu_seconds(target.router_pid) - cpu_before
+               if target.router_pid and cpu_before is not None else None)
         async with httpx.AsyncClient(timeout=10) as http:
             per_replica = await served_per_replica(http, target.sim_urls)
         nursery.cancel_scope.cancel()

@@ -31,10 +31,10 @@ from typing import Awaitable, Callable
 import httpx
 import trio
 
-from ..testing.processes import free_port, start_child
 from ..sim import tokenizer
-from .chat_workloads import ChatResult, send_chat
+from ..testing.processes import free_port, start_child
 from ..testing.sims import MODEL, gateway_config, start_gateway, start_sims
+from .chat_workloads import ChatResult, send_chat
 
 EVENTS = re.compile(r"llmgw-sim kv-events on (tcp://\S+)")
 REPLAY = re.compile(r"llmgw-sim kv-replay on (tcp://\S+)")

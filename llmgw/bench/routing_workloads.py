@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,7 +148,7 @@ def load_trace(path: str | Path, *, max_tokens: int = 64) -> list[Session]:
 
 
 # name -> (builder, its sizes for --quick)
-WORKLOADS = {
+WORKLOADS: dict[str, tuple[Callable[..., list[Session]], dict[str, int]]] = {
     "grouped": (grouped, {"groups": 4, "users": 2, "turns": 2}),
     "multiturn": (multiturn, {"conversations": 6, "turns": 3}),
     "zipf": (zipf, {"requests": 24}),

@@ -27,8 +27,8 @@ import httpx
 import trio
 
 from ..testing.processes import llmgw_command, start_child, start_serve
-from .common import print_and_save
 from ..testing.sims import MODEL
+from .common import print_and_save
 
 TTFT_LINE = re.compile(r"request_id=(\S+) .* ttft_ms=([\d.]+)")
 

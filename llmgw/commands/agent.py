@@ -28,9 +28,9 @@ import trio
 
 from .. import listening
 from ..logsetup import add_logging_arguments, setup_logging
+from ..tls import TlsClientOptions
 from ..usererrors import run_reporting
 from ..wire.channel import WebSocketConnector
-from ..tls import TlsClientOptions
 
 log = logging.getLogger("llmgw.agent")
 EXIT_REFUSED = 3

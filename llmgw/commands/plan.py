@@ -18,9 +18,17 @@ from typing import Any
 
 from llmgw import wire
 from llmgw.agent.discovery import DiscoveryError, FixtureProvider, load_fixture
-from llmgw.config import ConfigError
 from llmgw.commands.control_api import ControlApiError, add_arguments, get_json
-from llmgw.control.placement import NodeView, PlanResult, ReplicaPlacement, ShardPlacement, plan_all, replica_ids
+from llmgw.config import ConfigError
+from llmgw.control.placement import (
+    NodeView,
+    PlanResult,
+    ReplicaPlacement,
+    ShardPlacement,
+    Unplaced,
+    plan_all,
+    replica_ids,
+)
 from llmgw.plugins_manager import load_checked_config
 
 EXIT_PLACED = 0
@@ -140,10 +148,12 @@ def _headline(placement: ReplicaPlacement, kept: bool) -> str:
 def render_text(result: PlanResult, nodes: list[NodeView], order: list[str]) -> list[str]:
     """Per replica, in ``order`` (replica ids): its shards, or each node's reason for refusing it."""
     total = len(result.placed) + len(result.unplaced)
-    lines = [f"{total} replica{'' if total == 1 else 's'}: {len(result.placed)} placed, {len(result.unplaced)} not placed "
-             f"(nodes: {', '.join(sorted(node.node_id for node in nodes)) or 'none'})"]
+    names = ", ".join(sorted(node.node_id for node in nodes)) or "none"
+    lines = [f"{total} replica{'' if total == 1 else 's'}: {len(result.placed)} placed, "
+             f"{len(result.unplaced)} not placed (nodes: {names})"]
     position = {replica_id: i for i, replica_id in enumerate(order)}
-    outcomes = sorted([*result.placed, *result.unplaced], key=lambda o: (position.get(o.replica_id, total), o.replica_id))
+    outcomes: list[ReplicaPlacement | Unplaced] = [*result.placed, *result.unplaced]
+    outcomes.sort(key=lambda o: (position.get(o.replica_id, total), o.replica_id))
     for outcome in outcomes:
         lines.append("")
         if isinstance(outcome, ReplicaPlacement):

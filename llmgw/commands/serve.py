@@ -21,10 +21,10 @@ import tempfile
 import trio
 
 from ..config import ConfigError, HostPort, parse_config
+from ..control.identity import IdentityStoreError
 from ..logsetup import add_logging_arguments, setup_logging
 from ..plugins_manager import load_checked_config
 from ..usererrors import run_reporting
-from ..control.identity import IdentityStoreError
 
 log = logging.getLogger("llmgw.serve")
 DEMO_MODEL = "tiny"
@@ -54,6 +54,7 @@ def demo_config_text(replicas: int, state_dir: str) -> str:
 def demo_hints(addresses) -> str:
     """Three commands that show the demo's KV-aware routing at work."""
     data, control = addresses.data_url, addresses.control_url
+    # Each command stays on one line, to be copied as it is.
     return f"""
 Try the KV-aware routing (kv_index: the engines' own cache events tell llmgw where each prefix is):
   python3 -c 'import json; print(json.dumps({{"model": "{DEMO_MODEL}", "max_tokens": 16, "messages": [{{"role": "user", "content": "Tell me about llamas. " * 300}}]}}))' > /tmp/llmgw-long.json
@@ -63,7 +64,7 @@ Try the KV-aware routing (kv_index: the engines' own cache events tell llmgw whe
   curl -s {control}/admin/explain -H 'content-type: application/json' -d @/tmp/llmgw-long.json
   # 3. predicted vs actual cached tokens (the engines' own usage) and decisions by outcome
   curl -s {control}/metrics | grep -E '^llmgw_(route_(predicted|actual)_cached_tokens|routing_decisions)_total'
-"""
+"""  # noqa: E501
 
 
 def main(argv: list[str]) -> int:
@@ -84,8 +85,8 @@ def main(argv: list[str]) -> int:
                                                              args.demo_replicas, args.stop_engines))
     except* (ConfigError, IdentityStoreError) as group:  # raised at start-up, perhaps inside a nursery's group
         refused = list(_leaves(group))
-    for exc in refused:
-        print(f"llmgw serve: {exc}", file=sys.stderr)
+    for error in refused:
+        print(f"llmgw serve: {error}", file=sys.stderr)
     return 2 if refused else code
 
 
@@ -116,7 +117,7 @@ async def _serve(config, listen, control_listen, demo_replicas: int | None = Non
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
             addresses = await nursery.start(gateway.run, listen and (listen.host, listen.port),
                                             control_listen and (control_listen.host, control_listen.port))
-            if demo:
+            if demo_replicas is not None:
                 await _wait_for_replicas(gateway, demo_replicas)
             # Start-up objects live for the whole run: keep the collector from walking them again and again
             # (full collections took 40-70 ms here and showed up in request p99).

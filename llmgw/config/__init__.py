@@ -8,6 +8,7 @@ the same way with :func:`issue_at`. Keys are documented in
 ``docs/configuration.md``.
 """
 
+from ..units import parse_duration, parse_size
 from .addresses import HostPort
 from .fields import Located, issue_at
 from .issues import ConfigError, ConfigIssue
@@ -26,7 +27,6 @@ from .schema import (
     Placement,
     Profile,
 )
-from ..units import parse_duration, parse_size
 
 __all__ = [
     "AgentsConfig", "ApiKey", "Config", "ConfigError", "ConfigIssue", "Deployment", "ExternalReplica",

@@ -78,7 +78,7 @@ def _check_model_routing(draft: Draft) -> None:
         return
     declarations = [(model, "name", model.name) for model in draft["models"]]
     declarations += [(profile, "served_model_name", profile.served_model_name) for profile in draft["profiles"]]
-    first: dict[str, tuple[Located, str]] = {}
+    first: dict[str, tuple[Any, str]] = {}  # a ModelConfig or a Profile, as far as it was read
     for obj, name_attr, model_name in declarations:
         if not known(model_name, obj.routing, obj.routing_options):
             continue

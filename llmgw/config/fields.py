@@ -18,7 +18,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, dataclass_transform
 
 from .issues import ConfigIssue, join_key
 
@@ -130,7 +130,11 @@ def issue_at(obj: Located, name: str | None, message: str) -> ConfigIssue:
     return ConfigIssue(obj._where.file, obj.line_of(name), obj.key_of(name), message)
 
 
-def config_class(cls: type) -> type:
+_Config = TypeVar("_Config", bound=Located)
+
+
+@dataclass_transform(kw_only_default=True, frozen_default=True, field_specifiers=(setting,))
+def config_class(cls: type[_Config]) -> type[_Config]:
     """Make ``cls`` a config class: a frozen, slotted, keyword-only dataclass with a ``_where``."""
     cls.__annotations__["_where"] = Where
     cls._where = field(default=NOWHERE, repr=False, compare=False, metadata={"internal": True})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
@@ -39,7 +40,7 @@ class ConfigError(Exception):
     stage (the plugin checks) can report its problems in the same pass.
     """
 
-    def __init__(self, errors: list[ConfigIssue], objects: tuple = ()):
+    def __init__(self, errors: list[ConfigIssue], objects: Iterable[object] = ()):
         self.errors = sorted(dict.fromkeys(errors), key=lambda issue: issue.line)
         self.objects = tuple(objects)
         super().__init__("\n".join(map(str, self.errors)))

@@ -149,12 +149,16 @@ class Reader:
             self.report(entry.key_line, join_key(key, name), f"unknown key ({hint})")
 
     def _default(self, field_: Field, tp: Any, line: int, key: str, *, written: bool) -> Any:
-        if field_.default is MISSING and field_.default_factory is MISSING:
+        default, factory = field_.default, field_.default_factory
+        if default is MISSING and factory is MISSING:
             self.report(line, key, "must have a value" if written else "missing required key")
             return INVALID
         if is_config_class(tp):  # build it from an empty mapping so it knows its key and line
             return self.read_object(tp, Mapping(line, {}), key)
-        return field_.default if field_.default is not MISSING else field_.default_factory()
+        if default is not MISSING:
+            return default
+        assert factory is not MISSING
+        return factory()
 
     # -- values ------------------------------------------------------------------
 
@@ -294,7 +298,7 @@ class Reader:
         return _Resolved(text, value, from_env)
 
     def _describe(self, node: Node, key: str, secret: bool) -> str:
-        """``a list``, ``a mapping``, ``null``, ``a string 'abc'``: never the value of a secret or of an env variable."""
+        """``a list``, ``a mapping``, ``null``, ``a string 'abc'``: never the value of a secret or an env variable."""
         if isinstance(node, Mapping):
             return "a mapping"
         if isinstance(node, Sequence):

@@ -11,14 +11,25 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
+from ..units import parse_duration, parse_size
 from . import crosschecks
 from .addresses import HostPort, parse_http_url, parse_tcp_endpoint, url_host_port
-from .fields import (Check, Located, Parse, at_least, at_most, config_class, matches, non_empty, one_of, positive,
-                     setting)
+from .fields import (
+    Check,
+    Located,
+    Parse,
+    at_least,
+    at_most,
+    config_class,
+    matches,
+    non_empty,
+    one_of,
+    positive,
+    setting,
+)
 from .reader import Draft
-from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
 from .tls import ListenerTls, TlsFile, UpstreamTls, check_replica_tls
-from ..units import parse_duration, parse_size
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -44,9 +55,9 @@ LogLevel = Annotated[str, one_of("debug", "info", "warning", "error", "critical"
 LogFormat = Annotated[str, one_of("text", "json")]
 
 
-def bounded(tp: Any, highest: int, shown: str | None = None) -> Any:
-    """``tp`` with a tighter upper bound of its own (checked first, so that it is the one reported)."""
-    return Annotated[(tp.__origin__, at_most(highest, shown), *tp.__metadata__)]
+# Numbers with an upper bound of their own in place of MAX_COUNT or 1GiB (docs/configuration.md, "Upper bounds").
+SmallCount = Annotated[int, at_least(1), at_most(1000)]  # a replica's weight, the health thresholds
+GpuCount = Annotated[int, at_least(1), at_most(1024)]  # tp, pp, nodes, GPUs per node
 
 
 @config_class
@@ -58,7 +69,7 @@ class ExternalReplica(Located):
     name: Text | None = setting(None)  # default: "host:port" of the URL
     kv_events: ZmqEndpoint | None = setting(None)  # the engine's KV-event PUB socket
     kv_replay: ZmqEndpoint | None = setting(None)  # its replay socket
-    weight: bounded(Count, 1000) = setting(1)
+    weight: SmallCount = setting(1)
     tls_ca_file: TlsFile | None = setting(None)  # https:// only; default: upstream_tls.ca_file
     tls_cert_file: TlsFile | None = setting(None)  # client certificate for mutual TLS
     tls_key_file: TlsFile | None = setting(None)
@@ -94,7 +105,7 @@ class ModelConfig(Located):
     routing: Identifier = setting("round_robin")  # a routing tier plugin's name
     routing_options: dict[str, Any] = setting(factory=dict)  # the tier's own settings
     replicas: Annotated[list[ExternalReplica], non_empty("a model needs at least one replica")] = setting()
-    max_model_len: bounded(Count, 100_000_000) | None = setting(None)
+    max_model_len: Annotated[int, at_least(1), at_most(100_000_000)] | None = setting(None)
     lora_adapters: list[LoraAdapter] = setting(factory=list)  # adapters every replica serves (--lora-modules)
 
     @classmethod
@@ -126,18 +137,18 @@ class AdminToken(Located):
 class Limits(Located):
     """Request limits and timeouts of the data plane."""
 
-    max_body_bytes: bounded(Size, 256 * MiB, "256MiB") = setting(16 * MiB)
-    max_header_bytes: bounded(Size, 1 * MiB, "1MiB") = setting(64 * KiB)
+    max_body_bytes: Annotated[int, Parse(parse_size), positive(), at_most(256 * MiB, "256MiB")] = setting(16 * MiB)
+    max_header_bytes: Annotated[int, Parse(parse_size), positive(), at_most(1 * MiB, "1MiB")] = setting(64 * KiB)
     client_header_timeout: PositiveDuration = setting(10.0)
     client_body_timeout: PositiveDuration = setting(30.0)
     keepalive_timeout: PositiveDuration = setting(75.0)
     connect_timeout: PositiveDuration = setting(3.0)
     first_byte_timeout: PositiveDuration = setting(600.0)
     idle_timeout: PositiveDuration = setting(300.0)
-    retries: bounded(NonNegative, 10) = setting(2)
+    retries: Annotated[int, at_least(0), at_most(10)] = setting(2)
     shutdown_grace: Duration = setting(30.0)
     max_connections: Count = setting(10000)
-    max_json_depth: bounded(Count, 500) = setting(DEFAULT_MAX_DEPTH)  # nesting of a request body
+    max_json_depth: Annotated[int, at_least(1), at_most(500)] = setting(DEFAULT_MAX_DEPTH)  # nesting of a request body
     max_json_values: Count = setting(DEFAULT_MAX_VALUES)  # commas, brackets and escapes of a request body
     max_json_containers: Count = setting(DEFAULT_MAX_CONTAINERS)  # brackets of a request body
 
@@ -148,9 +159,9 @@ class HealthConfig(Located):
 
     interval: PositiveDuration = setting(2.0)
     timeout: PositiveDuration = setting(2.0)
-    failures_to_down: bounded(Count, 1000) = setting(2)
-    successes_to_up: bounded(Count, 1000) = setting(1)
-    passive_failures_to_down: bounded(Count, 1000) = setting(3)
+    failures_to_down: SmallCount = setting(2)
+    successes_to_up: SmallCount = setting(1)
+    passive_failures_to_down: SmallCount = setting(3)
     path: Annotated[str, matches(r"/\S*", "a path starting with '/'")] = setting("/health")
 
 
@@ -192,10 +203,10 @@ class Profile(Located):
     model_path: Text = setting()
     served_model_name: Text = setting(None)  # default: name
     gpu_class: Text | None = setting(None)
-    tp: bounded(Count, 1024) = setting(1)
-    pp: bounded(Count, 1024) = setting(1)
-    nodes: bounded(Count, 1024) = setting(1)
-    gpus_per_node: bounded(Count, 1024) | None = setting(None)  # default: tp * pp / nodes
+    tp: GpuCount = setting(1)
+    pp: GpuCount = setting(1)
+    nodes: GpuCount = setting(1)
+    gpus_per_node: GpuCount | None = setting(None)  # default: tp * pp / nodes
     args: list[str] = setting(factory=list)
     env: dict[EnvName, str] = setting(factory=dict, secret=True)  # often holds tokens
     lora_adapters: list[LoraAdapter] = setting(factory=list)
@@ -205,7 +216,7 @@ class Profile(Located):
     engine_bin: Text | None = setting(None)
     startup_timeout: PositiveDuration = setting(600.0)
     labels: dict[str, str] = setting(factory=dict)
-    cpu_threads: bounded(Count, 4096) | None = setting(None)
+    cpu_threads: Annotated[int, at_least(1), at_most(4096)] | None = setting(None)
     api_key: Text | None = setting(None, secret=True)
 
     @property
@@ -243,7 +254,7 @@ class Deployment(Located):
     """A number of replicas of one profile, kept running by the control plane."""
 
     profile: Text = setting()
-    replicas: bounded(NonNegative, 10_000) = setting(1)
+    replicas: Annotated[int, at_least(0), at_most(10_000)] = setting(1)
     pool: Text | None = setting(None)
     placement: Placement = setting(factory=Placement)
 

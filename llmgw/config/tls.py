@@ -109,6 +109,8 @@ def check_replica_tls(draft: Draft) -> None:
 
 def check_upstream_tls(draft: Draft) -> None:
     """Build the TLS context every ``https://`` replica will use, reporting files that do not make one."""
+    from .schema import ExternalReplica, ModelConfig  # the schema imports this module
+
     if not draft.known("models", "upstream_tls"):
         return
     defaults = draft["upstream_tls"]
@@ -116,10 +118,10 @@ def check_upstream_tls(draft: Draft) -> None:
         return  # a file of upstream_tls is reported already
     checked: dict[TlsClientOptions, str | None] = {}
     for model in draft["models"]:
-        if not isinstance(model, Located) or not known(model.replicas):
+        if not isinstance(model, ModelConfig) or not known(model.replicas):
             continue
         for replica in model.replicas:
-            if not isinstance(replica, Located) or not known(replica.url, *(getattr(replica, name) for name in
+            if not isinstance(replica, ExternalReplica) or not known(replica.url, *(getattr(replica, name) for name in
                                                                            REPLICA_TLS_KEYS)):
                 continue
             if not replica.url.startswith("https://"):

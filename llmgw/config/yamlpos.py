@@ -186,6 +186,7 @@ class _Converter:
         try:
             if isinstance(node, yaml.SequenceNode):
                 return Sequence(line, [self.convert(item, join_index(path, i)) for i, item in enumerate(node.value)])
+            assert isinstance(node, yaml.MappingNode)  # the composer makes scalars, sequences and mappings only
             return self._mapping(node, path)
         finally:
             self._open.discard(id(node))

@@ -135,7 +135,7 @@ class AgentSession:
                 self.close(f"silent for {trio.current_time() - self._last_heard:.1f}s "
                            f"(agents.disconnected_after is {settings.disconnected_after:g}s)")
                 return
-            message = None
+            message: wire.Message | wire.UnknownMessage | wire.WireError | None = None
             with trio.move_on_at(disconnect_at if self._suspect else self._last_heard + settings.suspect_after):
                 try:
                     message = await self.channel.receive()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from .. import wire
 from ..engines.probe import VLLM_GAUGES, EngineGauges, engine_gauges
@@ -65,7 +65,7 @@ class DeployedReplicas(TaskHost):
     def configure_models(self, desired: Mapping[str, DesiredReplica]) -> None:
         """Declare one model per served model name of a deployed profile; withdraw those nobody deploys any more
         (a model the config's ``models`` list too keeps its route)."""
-        wanted: dict[str, object] = {}
+        wanted: dict[str, Any] = {}  # model -> the llmgw.config.Profile that serves it
         for replica in desired.values():
             wanted.setdefault(replica.model, replica.profile)
         for model, profile in sorted(wanted.items()):

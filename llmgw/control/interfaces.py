@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol
 
-from .. import wire
+from ..kv.changes import ChangesFields
 from ..router.model import TierModel
 from ..router.replica import Replica
 
@@ -50,7 +50,7 @@ class ReplicaTable(Protocol):
 
 
 class KvWriter(Protocol):
-    def apply(self, replica_id: str, changes: wire.KvChanges) -> None:
+    def apply(self, replica_id: str, changes: ChangesFields) -> None:
         """An engine's KV-cache changes (DELTA, FULL or RESET) for the replica it serves."""
 
     def forget(self, replica_id: str) -> None:

@@ -491,17 +491,21 @@ def plan_all(profiles: Sequence[Profile], deployments: Sequence[Deployment], nod
     for _, (deployment, replica_id) in sorted(enumerate(wanted), key=size):
         if replica_id in decided:
             continue
-        profile = by_name.get(deployment.profile)
-        if profile is None:
+        wanted_profile = by_name.get(deployment.profile)
+        if wanted_profile is None:
             decided[replica_id] = Unplaced(replica_id, deployment.profile,
                                            {REPLICA_WIDE: f"no profile named {deployment.profile}"})
             continue
-        outcome = place(profile, deployment, replica_id, list(views.values()), demand=demand_of(profile))
+        outcome = place(wanted_profile, deployment, replica_id, list(views.values()),
+                        demand=demand_of(wanted_profile))
         if isinstance(outcome, ReplicaPlacement):
             _claim(views, outcome)
         decided[replica_id] = outcome
 
     for _, replica_id in wanted:
         outcome = decided[replica_id]
-        (result.placed if isinstance(outcome, ReplicaPlacement) else result.unplaced).append(outcome)
+        if isinstance(outcome, ReplicaPlacement):
+            result.placed.append(outcome)
+        else:
+            result.unplaced.append(outcome)
     return result

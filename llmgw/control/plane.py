@@ -43,13 +43,21 @@ from ..kv.index import refusal_reason
 from ..kv.metrics import KvMetrics
 from ..router.replicas import DEPLOYED
 from .agent_service import AgentService, AgentSession, SessionSettings
+from .deployed import DeployedReplicas
 from .fingerprint import profile_fingerprint
 from .identity import NodeIdentities, default_control_state_dir
 from .inventory import Inventory
 from .metrics import ControlMetrics
-from .reconciler import (Action, Assignment, Command, DesiredReplica, Reconciler, Unplaceable,
-                         desired_replicas, place_with_plan_all)
-from .deployed import DeployedReplicas
+from .reconciler import (
+    Action,
+    Assignment,
+    Command,
+    DesiredReplica,
+    Reconciler,
+    Unplaceable,
+    desired_replicas,
+    place_with_plan_all,
+)
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -184,6 +192,7 @@ class ControlPlane:
         if isinstance(action, Command):
             node = self.inventory.nodes.get(action.node_id)
             session = node.session if node is not None else None
+            assert action.message is not None
             if session is None or not session.post(self._with_proof(node, action.message)):
                 log.warning("could not send %s to %s: its session is gone (it is sent again when it reconnects)",
                             action.kind, action.node_id)
@@ -258,10 +267,10 @@ class ControlPlane:
             owner = self.reconciler.owner(changes.shard_id)
         placed_on = owner[1].node_id if owner is not None else None
         reason = refusal_reason(changes, session.node_id, placed_on)
-        if reason is None and changes.replica_id and changes.replica_id != owner[0].replica_id:
+        if reason is None and owner is not None and changes.replica_id and changes.replica_id != owner[0].replica_id:
             reason = "replica_mismatch"
-        if reason is not None:
-            self._refuse_kv(session, changes, reason, placed_on)
+        if reason is not None or owner is None:  # refusal_reason refuses what is placed nowhere
+            self._refuse_kv(session, changes, reason or "unknown_replica", placed_on)
             return
         assignment = owner[0]
         if assignment.retiring or changes.data_parallel_rank != 0:
@@ -363,8 +372,8 @@ class ControlPlane:
             else:
                 state, reason = "pending", "not placed yet"
             entries.append({"name": replica_id, "replica_id": replica_id, "model": wanted.model, "url": "",
-                            "source": DEPLOYED, "state": state, "reason": reason, "profile": wanted.profile.name, "node": None,
-                            "generation": None, "shards": []})
+                            "source": DEPLOYED, "state": state, "reason": reason, "profile": wanted.profile.name,
+                            "node": None, "generation": None, "shards": []})
         return entries
 
     def _assignment_json(self, assignment: Assignment) -> dict:
@@ -390,8 +399,9 @@ class ControlPlane:
             leader = shards[0]
             state = "retiring" if assignment.retiring else "starting"
             body = {"name": assignment.replica_id, "model": assignment.model, "url": leader["endpoint"],
-                    "source": DEPLOYED, "state": state, "reason": assignment.retiring or f"leader shard is {leader['state']}",
-                    "inflight": 0, "inflight_tokens": 0, "served": 0, "consecutive_failures": 0, "labels": {}}
+                    "source": DEPLOYED, "state": state,
+                    "reason": assignment.retiring or f"leader shard is {leader['state']}", "inflight": 0,
+                    "inflight_tokens": 0, "served": 0, "consecutive_failures": 0, "labels": {}}
         body.update({"replica_id": assignment.replica_id, "profile": assignment.profile,
                      "node": assignment.leader.node_id,
                      "generation": assignment.generation, "origin": assignment.origin,

@@ -150,13 +150,14 @@ class Command(Action):
     """Send ``message`` (StartShard, StopShard or DrainShard) to ``node_id``."""
 
     node_id: str = ""
-    message: wire.Message | None = None
+    message: wire.StartShard | wire.StopShard | wire.DrainShard | None = None
 
     @property
     def kind(self) -> str:  # type: ignore[override]
         return {wire.StartShard: "start", wire.StopShard: "stop", wire.DrainShard: "drain"}[type(self.message)]
 
     def describe(self) -> str:
+        assert self.message is not None  # every command carries one (the default only orders the fields)
         extra = ""
         if isinstance(self.message, wire.StartShard):
             extra = f" on GPUs {list(self.message.gpu_indices)}"
@@ -170,6 +171,7 @@ class Place(Action):
 
     def describe(self) -> str:
         a = self.assignment
+        assert a is not None  # always given (the default only orders the fields)
         where = ", ".join(f"r{s.rank}@{s.node_id}{list(s.gpu_indices)}" for s in a.slots)
         return f"place replica {a.replica_id} (generation {a.generation}) on {where}: {self.reason}"
 
@@ -181,6 +183,7 @@ class Adopt(Action):
 
     def describe(self) -> str:
         a = self.assignment
+        assert a is not None  # always given (the default only orders the fields)
         return (f"adopt replica {a.replica_id} (generation {a.generation}) running on {', '.join(a.node_ids)}: "
                 f"{self.reason}")
 
@@ -192,6 +195,7 @@ class Retire(Action):
 
     def describe(self) -> str:
         a = self.assignment
+        assert a is not None  # always given (the default only orders the fields)
         how = "drain" if a.drain else "stop"
         return f"retire replica {a.replica_id} (generation {a.generation}, then {how} its shards): {self.reason}"
 

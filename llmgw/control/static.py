@@ -67,9 +67,9 @@ class StaticReplicas(TaskHost):
             if name not in self._static and self.replicas.add(replica, STATIC):
                 self._static[name] = replica
         listed = {model.name for model in config.models}
-        for model in self.replicas.declared_models():
-            if model not in listed:
-                self.replicas.withdraw_model(STATIC, model)
+        for declared in self.replicas.declared_models():
+            if declared not in listed:
+                self.replicas.withdraw_model(STATIC, declared)
         self._follow_kv(config)
 
     async def _drain(self, replica: Replica, reason: str, forget_kv: bool) -> None:

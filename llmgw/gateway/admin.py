@@ -19,13 +19,13 @@ from quart import Response, jsonify, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from ..wire.channel import quart_channel
+from ..http.control_server import ControlServerMetrics
+from ..http.messages import error_body
 from ..metrics import render
 from ..router.replicas import STATIC
 from ..router.tier import RouteRequest
+from ..wire.channel import quart_channel
 from .admin_guard import AdminGuard
-from ..http.control_server import ControlServerMetrics
-from ..http.messages import error_body
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -73,7 +73,7 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
         index = gateway.kv_index
         names = sorted(set(index.replicas()) | {r.name for r in gateway.replicas})
         agent = gateway.embedded_agent
-        shards = [shard.describe() for shard in agent.kv.shards.values()] if agent is not None else []
+        shards: list[dict[str, Any]] = [s.describe() for s in agent.kv.shards.values()] if agent is not None else []
         return jsonify({"replicas": [{"name": name, **index.describe(name)} for name in names],
                         "predicted_keys": index.predicted_keys, "agent_subscriptions": shards})
 
@@ -98,7 +98,9 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
     @app.websocket("/agent")
     async def agent():
         peer = f"{websocket.remote_addr or '?'}"
-        await gateway.control.serve_agent(quart_channel(websocket._get_current_object(), f"agent at {peer}"))
+        # quart's websocket is a context-local proxy: hand the session the object behind it
+        ws = websocket._get_current_object()  # type: ignore[attr-defined]
+        await gateway.control.serve_agent(quart_channel(ws, f"agent at {peer}"))
 
     @app.get("/admin/models")
     async def models():
@@ -144,10 +146,10 @@ def _error(status: int, message: str, code: str, param: str | None = None, heade
                     content_type="application/json", headers=headers)
 
 
-def _json_object(raw: bytes) -> dict | str:
+def _json_object(raw: bytes | str) -> dict | str:
     """The body as a JSON object, or why it is not one (bad UTF-8, bad JSON, too deep, not an object)."""
     try:
-        value = json.loads(raw.decode("utf-8"))
+        value = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
     except UnicodeDecodeError as exc:
         return f"the body is not valid UTF-8: {exc.reason} at byte {exc.start}"
     except RecursionError:

@@ -19,6 +19,7 @@ import logging
 import ssl
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -26,13 +27,10 @@ from ..config import Config, ConfigError
 from ..config.fields import issue_at
 from ..control.plane import ControlPlane
 from ..control.static import StaticReplicas
-from ..kv.index import KvIndex
-from .admin import create_control_app
-from .admin_guard import exposure_problem
 from ..http.control_server import ControlServer, ControlServerMetrics
-from .dataplane import DataPlane, DataPlaneSettings
 from ..http.jsonbody import JsonLimits
 from ..http.server import HttpServer, ServerLimits
+from ..kv.index import KvIndex
 from ..listening import host_port, listening_on
 from ..metrics import Metrics
 from ..plugins_manager import Registry, check_config_plugins, default_registry, load_checked_config
@@ -41,6 +39,12 @@ from ..router.load_scraper import scrape_engine_load
 from ..router.replicas import ReplicaSet
 from ..router.router import Router
 from ..tls import describe_tls_error
+from .admin import create_control_app
+from .admin_guard import exposure_problem
+from .dataplane import DataPlane, DataPlaneSettings
+
+if TYPE_CHECKING:
+    from ..agent.agent import Agent
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +73,7 @@ class Gateway:
         self.config = config
         self.embedded_discovery = embedded_discovery
         self.stop_engines_on_exit = stop_engines_on_exit
-        self.embedded_agent = None
+        self.embedded_agent: Agent | None = None
         self.registry = registry or default_registry()
         check_config_plugins(config, self.registry)
         self.metrics = Metrics()
@@ -154,13 +158,12 @@ class Gateway:
 
         agents = self.config.agents
         node_id = agents.embedded_node_id
-        self.embedded_agent = Agent(InProcessConnector(self.control.accept_in_process, f"embedded agent {node_id}"),
-                                    node_id=node_id,
-                                    discovery=self.embedded_discovery, state_dir=agents.state_dir,
-                                    address="127.0.0.1", registry=self.registry,
-                                    metrics_registry=self.metrics.registry,
-                                    announce=lambda line: log.debug("%s", line))  # the control side logs it
-        await self.embedded_agent.run(task_status=task_status)
+        connector = InProcessConnector(self.control.accept_in_process, f"embedded agent {node_id}")
+        self.embedded_agent = agent = Agent(connector, node_id=node_id, discovery=self.embedded_discovery,
+                                            state_dir=agents.state_dir, address="127.0.0.1", registry=self.registry,
+                                            metrics_registry=self.metrics.registry,
+                                            announce=lambda line: log.debug("%s", line))  # the control side logs it
+        await agent.run(task_status=task_status)
 
     async def reload(self) -> list[str]:
         """Re-read the config file and apply it; the errors (nothing is changed then), or [] when applied.

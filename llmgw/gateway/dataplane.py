@@ -22,22 +22,23 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from ..engines import probe
+from ..http.client import UpstreamError, UpstreamResponse
+from ..http.jsonbody import BodyError, JsonLimits, read_json_body
+from ..http.messages import Request, Response, error_response
+from ..http.multipart import FormError, form_field
+from ..http.server import AbortConnection
 from ..router.replica import Replica
 from ..router.router import Router
 from ..router.tier import Decision, RouteRequest
 from .bearer import BearerTokens
-from ..http.client import UpstreamError, UpstreamResponse
 from .latency import StreamWatch
-from ..http.jsonbody import BodyError, JsonLimits, read_json_body
-from ..http.messages import Request, Response, error_response
-from ..http.multipart import FormError, form_field
 from .usage import STREAM_TAIL_PIECES, usage_of_body, usage_of_stream_tail
-from ..http.server import AbortConnection
 
 log = logging.getLogger(__name__)
+_Answer = TypeVar("_Answer", Response, None)  # what DataPlane._count passes through
 access_log = logging.getLogger("llmgw.access")
 
 # What vLLM's OpenAI server answers with a POST naming a model: relayed to a replica of that model.
@@ -420,10 +421,14 @@ class DataPlane:
                 "-" if first_token_at is None else "%.1f" % ((first_token_at - started) * 1000),
                 (ended - started) * 1000, *tokens, decision.detail.get("predicted_cached_tokens", "-"))
 
-    def _count(self, model: str | None, response: Response | None, started: float | None = None,
-               status: int | None = None) -> Response | None:
+    def _count(self, model: str | None, response: _Answer, started: float | None = None,
+               status: int | None = None) -> _Answer:
+        """Count a request of ``model`` answered with ``status``, or ``response``'s; ``response`` is returned."""
+        if status is None:
+            assert response is not None  # without a response, the caller says the status
+            status = response.status
         bound = self.metrics.for_model(model or "unknown")
-        bound.requests(status if status is not None else response.status).inc()
+        bound.requests(status).inc()
         if started is not None:
             bound.request_duration.observe(_now() - started)
         return response

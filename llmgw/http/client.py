@@ -44,13 +44,14 @@ import socket
 import ssl
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 
 import httptools
 import trio
 
 from ..tls import describe_tls_error
 from .deadlines import Watch
-from .tls_socket import TlsSocket
+from .tls_socket import Stream, TlsSocket
 
 READ_SIZE = 65536
 INLINE_SEND = 65536  # request bodies below this are sent in the same write as the head
@@ -106,7 +107,7 @@ class _ResponseParser:
 class _Connection:
     __slots__ = ("sock", "watch", "idle_since", "uses", "parser")
 
-    def __init__(self, sock: socket.socket | TlsSocket):
+    def __init__(self, sock: Stream):
         self.sock = sock
         self.watch = Watch(sock, "upstream")
         self.idle_since = 0.0
@@ -120,7 +121,8 @@ class _Connection:
             trio.lowlevel.notify_closing(sock)
             sock.close()
 
-    async def _wait(self, wait, timeout: float, timeout_message: str, before_head: bool) -> None:
+    async def _wait(self, wait: Callable[[Stream], Awaitable[None]], timeout: float, timeout_message: str,
+                    before_head: bool) -> None:
         """``wait(sock)`` (readable or writable) for at most ``timeout`` seconds, as an UpstreamError otherwise."""
         watch = self.watch
         watch.arm(timeout)
@@ -147,7 +149,7 @@ class _Connection:
             except OSError as exc:
                 raise UpstreamError("closed", f"upstream connection broke: {exc}", before_head=before_head) from None
 
-    async def send_all(self, data, timeout: float, *, first: bool) -> None:
+    async def send_all(self, data: bytes | memoryview, timeout: float, *, first: bool) -> None:
         """Send ``data``; ``first``: it starts the request (a failure before any byte went out says the
         connection was dead before the upstream could see anything of the request)."""
         sock = self.sock
@@ -173,7 +175,7 @@ class _Connection:
                 raise _send_error(exc, untouched=untouched) from None
 
 
-def _still_open(sock: socket.socket) -> bool:
+def _still_open(sock: Stream) -> bool:
     """An idle connection has nothing to read: anything readable (an end, a reset, stray bytes) means the upstream
     closed it or died meanwhile, which must not pass for a close after our next request (one non-blocking peek)."""
     try:
@@ -427,19 +429,18 @@ class UpstreamPool:
                 reason = errno.errorcode.get(exc.errno or 0, "") or str(exc)
                 raise UpstreamError("connect", f"cannot connect to {self.host}:{self.port}: {reason}") from None
             # From here on a plain non-blocking socket (TCP_NODELAY was set by trio).
-            sock = socket.socket(fileno=stream.socket.detach())
-            sock.setblocking(False)
-            if self.tls is not None:
-                sock = await self._handshake(sock)
+            plain = socket.socket(fileno=stream.socket.detach())
+            plain.setblocking(False)
+            sock: Stream = plain if self.tls is None else await self._handshake(plain, self.tls)
             self.open_connections += 1
             return _Connection(sock)
         raise UpstreamError("connect", f"connecting to {self.host}:{self.port} "
                                        f"{'with TLS ' if self.tls else ''}took longer than "
                                        f"{self.connect_timeout:g}s")
 
-    async def _handshake(self, sock: socket.socket) -> TlsSocket:
+    async def _handshake(self, sock: socket.socket, tls: ssl.SSLContext) -> TlsSocket:
         """TLS before any request byte (the caller's connect deadline bounds it); the socket is closed on failure."""
-        tls_sock = TlsSocket(sock, self.tls, server_side=False, server_hostname=self.server_hostname)
+        tls_sock = TlsSocket(sock, tls, server_side=False, server_hostname=self.server_hostname)
         try:
             await tls_sock.handshake()
         except BaseException as exc:

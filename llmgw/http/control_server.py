@@ -20,17 +20,22 @@ from __future__ import annotations
 import errno
 import logging
 import ssl
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
-from hypercorn.typing import ConnectionState
+from hypercorn.typing import AppWrapper, ConnectionState, Framework
 from hypercorn.utils import wrap_app
 from prometheus_client import CollectorRegistry, Counter
 
 log = logging.getLogger(__name__)
+
+_Listener = trio.SocketListener | trio.SSLListener[trio.SocketStream]
+_Stream = trio.SocketStream | trio.SSLStream[trio.SocketStream]
 
 # accept() errors that mean "too many open files / no memory": wait and retry instead of giving up the port
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
@@ -64,7 +69,8 @@ def hypercorn_config() -> HypercornConfig:
 class ControlServer:
     """Serves one ASGI app on listeners it owns; see the module docstring for what is contained and how."""
 
-    def __init__(self, app_factory, metrics: ControlServerMetrics, *, ssl_context: ssl.SSLContext | None = None,
+    def __init__(self, app_factory: Callable[[], Framework], metrics: ControlServerMetrics, *,
+                 ssl_context: ssl.SSLContext | None = None,
                  backoff: tuple[float, float] = (0.1, 5.0), healthy_after: float = 30.0):
         """``app_factory()`` makes the ASGI app: each life of the server gets a fresh one, so a restart never
         inherits the state a failure left behind."""
@@ -76,12 +82,12 @@ class ControlServer:
         self.healthy_after = healthy_after  # a run this long resets the back-off
 
     async def serve(self, host: str, port: int, *, shutdown: trio.Event,
-                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+                    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED) -> None:
         """Bind ``host:port`` and serve until ``shutdown`` is set (or cancelled);
         ``task_status.started((host, bound_port))``."""
         sockets = await trio.open_tcp_listeners(port, host=host)
-        listeners = [trio.SSLListener(s, self.ssl_context, https_compatible=True) if self.ssl_context else s
-                     for s in sockets]
+        listeners: list[_Listener] = [
+            trio.SSLListener(s, self.ssl_context, https_compatible=True) if self.ssl_context else s for s in sockets]
         try:
             task_status.started((host, sockets[0].socket.getsockname()[1]))
             delay = self.backoff[0]
@@ -103,18 +109,18 @@ class ControlServer:
                 for sock in sockets:
                     await sock.aclose()
 
-    async def _run_once(self, listeners, shutdown: trio.Event) -> None:
+    async def _run_once(self, listeners: list[_Listener], shutdown: trio.Event) -> None:
         """One life of the server: Hypercorn's lifespan, then accepting until ``shutdown``, then a graceful close
         (the same steps as ``hypercorn.trio.run.worker_serve``, with contained connections)."""
         app = wrap_app(self.app_factory(), self.config.wsgi_max_body_size, None)
-        lifespan_state: dict = {}
+        lifespan_state: dict[str, Any] = {}
         lifespan = Lifespan(app, self.config, lifespan_state)
         context = WorkerContext(None)
         async with trio.open_nursery() as lifespan_nursery:
             await lifespan_nursery.start(lifespan.handle_lifespan)
             await lifespan.wait_for_startup()
             async with trio.open_nursery() as connections:
-                async def handle(stream) -> None:
+                async def handle(stream: _Stream) -> None:
                     await self._connection(app, stream, context, lifespan_state)
 
                 async with trio.open_nursery() as accepting:
@@ -128,7 +134,8 @@ class ControlServer:
             lifespan_nursery.cancel_scope.cancel()
 
     @staticmethod
-    async def _accept(listener, connections: trio.Nursery, handle) -> None:
+    async def _accept(listener: _Listener, connections: trio.Nursery,
+                      handle: Callable[[_Stream], Awaitable[None]]) -> None:
         while True:
             try:
                 stream = await listener.accept()
@@ -140,9 +147,12 @@ class ControlServer:
                 continue
             connections.start_soon(handle, stream)
 
-    async def _connection(self, app, stream, context: WorkerContext, lifespan_state: dict) -> None:
+    async def _connection(self, app: AppWrapper, stream: _Stream, context: WorkerContext,
+                          lifespan_state: dict[str, Any]) -> None:
         try:
-            await TCPServer(app, self.config, context, ConnectionState(lifespan_state.copy()), stream)
+            # TCPServer is annotated with SSL streams only; it serves plain ones alike (hypercorn's own serve does)
+            await TCPServer(app, self.config, context, ConnectionState(lifespan_state.copy()),
+                            stream)  # type: ignore[arg-type]
         except Exception as exc:  # noqa: BLE001 - one connection's failure stays with it
             self.metrics.connection_failures.inc()
             log.warning("control port: a connection failed inside the server and was closed (%s)", _describe(exc))

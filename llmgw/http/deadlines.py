@@ -29,10 +29,12 @@ import heapq
 import itertools
 import logging
 import math
-import socket
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import trio
+
+if TYPE_CHECKING:
+    from .tls_socket import Stream
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +112,7 @@ class Watch:
 
     __slots__ = ("sock", "kind", "when", "expired", "heap_when", "_sweeper")
 
-    def __init__(self, sock: socket.socket | None, kind: str = "") -> None:
+    def __init__(self, sock: Stream | None, kind: str = "") -> None:
         self.sock = sock
         self.kind = kind
         self.when = _INF

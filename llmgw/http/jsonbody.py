@@ -143,10 +143,10 @@ def _deeper_than(value: Any, max_depth: int) -> Generator[object, None, bool]:
         depth += 1
         if depth > max_depth:
             return True
-        below: list = []
+        below: list[Any] = []
         seen = 0
         for node in level:
-            items = node if type(node) is list else list(node.values())
+            items = node if isinstance(node, list) else list(node.values())
             for start in range(0, max(len(items), 1), WALK_STEP):  # an empty node is one (empty) chunk
                 chunk = items[start:start + WALK_STEP]
                 below += [item for item in chunk if type(item) is list or type(item) is dict]

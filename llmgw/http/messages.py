@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Union
 
 Body = Union[bytes, AsyncIterator[bytes]]
 
@@ -41,7 +41,7 @@ class Request:
                 return v.decode("latin-1")
         return default
 
-    def json(self):
+    def json(self) -> Any:
         return json.loads(self.body)
 
 
@@ -52,7 +52,7 @@ class Response:
     body: Body = b""
 
     @classmethod
-    def json(cls, obj, status: int = 200, headers: list[tuple[bytes, bytes]] | None = None) -> "Response":
+    def json(cls, obj: Any, status: int = 200, headers: list[tuple[bytes, bytes]] | None = None) -> "Response":
         payload = json.dumps(obj, separators=(",", ":")).encode()
         return cls(status, [(b"content-type", b"application/json")] + (headers or []), payload)
 
@@ -83,7 +83,7 @@ ERROR_TYPES = {
 }
 
 
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
+def error_body(status: int, message: str, *, param: str | None = None, code: str | int | None = None,
                type_: str | None = None) -> bytes:
     """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
     return json.dumps(
@@ -93,7 +93,7 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
     ).encode()
 
 
-def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
+def error_response(status: int, message: str, *, param: str | None = None, code: str | int | None = None,
                    type_: str | None = None, headers: list[tuple[bytes, bytes]] | None = None) -> Response:
     return Response(status, [(b"content-type", b"application/json")] + (headers or []),
                     error_body(status, message, param=param, code=code, type_=type_))

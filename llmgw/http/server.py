@@ -39,7 +39,7 @@ import socket
 import ssl
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import httptools
 import trio
@@ -47,7 +47,7 @@ import trio
 from ..tls import describe_tls_error
 from .deadlines import Alarm, Watch
 from .messages import Handler, Request, Response, error_response
-from .tls_socket import TlsSocket
+from .tls_socket import Stream, TlsSocket
 
 log = logging.getLogger(__name__)
 
@@ -162,13 +162,16 @@ class _RequestReader:
         self.in_head = True
         self.head_bytes = 0
 
+    # httptools calls on_message_begin first: the callbacks below always have a current message
     def on_url(self, url: bytes) -> None:
+        assert self.current is not None
         self.current.url += url
         self.head_bytes += len(url)
         if self.head_bytes > self.limits.max_header_bytes:
             self._too_large()
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.current is not None
         self.current.headers.append((name.lower(), value))
         self.head_bytes += len(name) + len(value) + 4
         if self.head_bytes > self.limits.max_header_bytes:
@@ -176,6 +179,7 @@ class _RequestReader:
 
     def on_headers_complete(self) -> None:
         msg = self.current
+        assert msg is not None
         self.in_head = False
         self.unparsed_head_bytes = 0
         parser = self.parser
@@ -210,13 +214,16 @@ class _RequestReader:
 
     def on_body(self, body: bytes) -> None:
         msg = self.current
+        assert msg is not None
         msg.body_size += len(body)
         if msg.body_size > self.limits.max_body_bytes:
-            self.error = _ProtocolError(413, f"request body is larger than the limit of {self.limits.max_body_bytes} bytes")
+            limit = self.limits.max_body_bytes
+            self.error = _ProtocolError(413, f"request body is larger than the limit of {limit} bytes")
             raise self.error
         msg.body.append(body)
 
     def on_message_complete(self) -> None:
+        assert self.current is not None
         self.complete.append(self.current)
         self.current = None
 
@@ -254,7 +261,8 @@ class HttpServer:
         headers = self.error_headers(request) if self.error_headers is not None else None
         return error_response(status, message, headers=headers)
 
-    async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, host: str, port: int, *,
+                    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on ``host:port`` (port 0 picks a free one) and serve until cancelled or drained.
 
         ``task_status.started((host, port))`` reports the bound address.
@@ -321,11 +329,11 @@ class HttpServer:
                 continue
             connections.start_soon(self._connection, sock, addr)
 
-    async def _connection(self, sock: socket.socket, addr) -> None:
+    async def _connection(self, sock: socket.socket, addr: Any) -> None:
         self.connections += 1
         conn = None
         try:
-            stream = sock if self.tls is None else await self._handshake(sock, addr)
+            stream = sock if self.tls is None else await self._handshake(sock, addr, self.tls)
             if stream is None:
                 return
             conn = _Connection(self, stream, addr)
@@ -344,9 +352,9 @@ class HttpServer:
                 trio.lowlevel.notify_closing(sock)
                 sock.close()
 
-    async def _handshake(self, sock: socket.socket, addr) -> TlsSocket | None:
+    async def _handshake(self, sock: socket.socket, addr: Any, tls: ssl.SSLContext) -> TlsSocket | None:
         """The TLS handshake of a new client within ``header_timeout``; None (counted) when it failed."""
-        tls_sock = TlsSocket(sock, self.tls, server_side=True)
+        tls_sock = TlsSocket(sock, tls, server_side=True)
         with trio.move_on_after(self.limits.header_timeout) as deadline:
             try:
                 await tls_sock.handshake()
@@ -392,7 +400,7 @@ def is_disconnect(exc: BaseException) -> bool:
 
 
 async def serve_http(handler: Handler, host: str, port: int, *, limits: ServerLimits | None = None,
-                     task_status=trio.TASK_STATUS_IGNORED) -> None:
+                     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``handler`` on ``host:port`` until cancelled; reports ``(host, bound_port)`` when listening."""
     await HttpServer(handler, limits).serve(host, port, task_status=task_status)
 
@@ -416,7 +424,7 @@ class _Connection:
     requests never pay for the second task; long ones (streams) are watched.
     """
 
-    def __init__(self, server: HttpServer, sock: socket.socket, addr):
+    def __init__(self, server: HttpServer, sock: Stream, addr: Any):
         self.server = server
         self.limits = server.limits
         self.sock = sock
@@ -538,7 +546,7 @@ class _Connection:
                 await self._idle_state_changed()
 
     async def _park_reader(self) -> None:
-        def abort(_):
+        def abort(_: object) -> trio.lowlevel.Abort:
             self._reader_parked = None
             return trio.lowlevel.Abort.SUCCEEDED
 
@@ -557,7 +565,7 @@ class _Connection:
         if self.reader.complete or self.final is not None:
             return
 
-        def abort(_):
+        def abort(_: object) -> trio.lowlevel.Abort:
             self._responder_parked = None
             return trio.lowlevel.Abort.SUCCEEDED
 
@@ -735,8 +743,10 @@ class _Connection:
         head = [status_line(response.status)]
         for name, value in response.headers:
             head += (name, b": ", value, b"\r\n")
-        head.append(b"content-length: %d\r\nconnection: close\r\n\r\n" % len(response.body))
-        head.append(response.body)
+        body = response.body
+        assert isinstance(body, bytes)  # the server's own answers are whole
+        head.append(b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+        head.append(body)
         try:
             self.sock.send(b"".join(head))
         except OSError:

@@ -36,10 +36,13 @@ from __future__ import annotations
 
 import socket
 import ssl
+from collections.abc import Iterable
+from typing import Any
 
 import trio
 
 RAW_READ = 65536
+_Bytes = bytes | bytearray | memoryview
 _RECORD_TYPES = frozenset((20, 21, 22, 23, 24))  # change_cipher_spec, alert, handshake, application_data, heartbeat
 MAX_RECORD = 16384 + 2048  # the largest record TLS allows (RFC 5246 6.2.3), header excluded
 MAX_PLAINTEXT_PER_SEND = 262144  # bounds the encrypted bytes one send may queue
@@ -78,7 +81,7 @@ class TlsSocket:
             self._flush()
         self.sock.shutdown(how)
 
-    def getpeercert(self) -> dict | None:
+    def getpeercert(self) -> dict[str, Any] | None:
         return self._tls.getpeercert()
 
     def recv(self, size: int = RAW_READ, flags: int = 0) -> bytes:
@@ -125,7 +128,7 @@ class TlsSocket:
             return b""
         raise BlockingIOError(11, "no TLS application data yet")
 
-    def send(self, data) -> int:
+    def send(self, data: _Bytes) -> int:
         """Encrypt and send from ``data``; the number of its bytes taken (``BlockingIOError``: none yet)."""
         if self._pending and not self._flush():
             raise BlockingIOError(11, "earlier TLS records are still waiting for the socket")
@@ -137,10 +140,10 @@ class TlsSocket:
             return owed + self._encrypt_and_send(memoryview(data)[owed:])
         return self._encrypt_and_send(data)
 
-    def sendmsg(self, buffers) -> int:
+    def sendmsg(self, buffers: Iterable[_Bytes]) -> int:
         return self.send(b"".join(buffers))
 
-    def _encrypt_and_send(self, data) -> int:
+    def _encrypt_and_send(self, data: _Bytes) -> int:
         if not data:
             return 0
         taken = min(len(data), MAX_PLAINTEXT_PER_SEND)
@@ -216,3 +219,6 @@ class TlsSocket:
                 self._eof = True
             data += raw
         return data
+
+
+Stream = socket.socket | TlsSocket  # a connection's socket, plain or with TLS: the HTTP layer uses either alike

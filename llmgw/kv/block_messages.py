@@ -146,7 +146,8 @@ class BlockMessages:
 
     def payloads(self, tokens: Sequence[int], count: int, block_size: int,
                  extras: Sequence[tuple | None] | None) -> list[bytes | None]:
-        """Each of the first ``count`` blocks' bytes after the parent, or None where :attr:`reference` must serialise."""
+        """Each of the first ``count`` blocks' bytes after the parent, or None where :attr:`reference` must
+        serialise."""
         raise NotImplementedError
 
     def head(self, parent_size: int, payload: bytes) -> bytes | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 class KvChangeKind(str, enum.Enum):
@@ -20,7 +21,7 @@ class KvChangeKind(str, enum.Enum):
     RESET = "reset"  # the engine's cache is empty (restart, AllBlocksCleared, unfillable gap)
 
     @classmethod
-    def _missing_(cls, value):
+    def _missing_(cls, value: object) -> KvChangeKind:
         return cls.RESET  # unknown: forget what we knew rather than trust it
 
 
@@ -34,3 +35,14 @@ class BlockChanges:
     stored: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
     reason: str = ""
+
+
+class ChangesFields(Protocol):
+    """What :meth:`KvIndex.apply <llmgw.kv.index.KvIndex.apply>` reads: a :class:`BlockChanges`, or the wire's
+    ``KvChanges`` (the same fields)."""
+
+    kind: KvChangeKind
+    block_size: int
+    stored: list[int]
+    removed: list[int]
+    reason: str

@@ -18,6 +18,7 @@ as a DEALER receives them are ``[b"", seq, payload]`` (0.9-0.25) or
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgpack
 
@@ -59,7 +60,7 @@ class EventDecodeError(ValueError):
 
 # --------------------------------------------------------------------------- decoding
 
-_NONE = type(None)
+_NONE: type = type(None)
 _INT_ONLY = frozenset({int})
 _HASH_TYPES = frozenset({int, bytes})
 _OPT_HASH = frozenset({int, bytes, _NONE})
@@ -84,15 +85,18 @@ def _is_opt_int_lists(value: object) -> bool:
     return value is None or (type(value) is list and all(map(_is_int_list, value)))
 
 
-def _type_rule(allowed: frozenset, expected: str) -> tuple:
+_Rule = tuple[Callable[[object], bool], str]
+
+
+def _type_rule(allowed: frozenset[type], expected: str) -> _Rule:
     return (lambda value: type(value) in allowed, expected)
 
 
 # Per declared field: (is the value valid?, what it should have been). Only used to name the culprit.
-_HASHES_RULE = (_is_hash_list, "a list of int or bytes hashes")
+_HASHES_RULE: _Rule = (_is_hash_list, "a list of int or bytes hashes")
 _OPT_INT_RULE = _type_rule(_OPT_INT, "an int or nil")
 _OPT_STR_RULE = _type_rule(_OPT_STR, "a string or nil")
-_STORED_RULES = (
+_STORED_RULES: tuple[_Rule, ...] = (
     _HASHES_RULE,
     _type_rule(_OPT_HASH, "an int or bytes hash or nil"),
     (_is_int_list, "a list of ints"),
@@ -109,10 +113,10 @@ _STORED_RULES = (
     _OPT_STR_RULE,  # session_id
     (_is_opt_int_lists, "nil or a list of lists of ints"),
 )
-_REMOVED_RULES = (_HASHES_RULE, _OPT_STR_RULE, _OPT_INT_RULE, _OPT_STR_RULE, _OPT_STR_RULE)
+_REMOVED_RULES: tuple[_Rule, ...] = (_HASHES_RULE, _OPT_STR_RULE, _OPT_INT_RULE, _OPT_STR_RULE, _OPT_STR_RULE)
 
 
-def _field_error(values: list, rules: tuple, names: tuple[str, ...], index: int) -> EventDecodeError:
+def _field_error(values: list[Any], rules: tuple[_Rule, ...], names: tuple[str, ...], index: int) -> EventDecodeError:
     tag = "BlockStored" if names is BLOCK_STORED_FIELDS else "BlockRemoved"
     for (valid, expected), value, name in zip(rules, values, names):
         if not valid(value):
@@ -120,7 +124,7 @@ def _field_error(values: list, rules: tuple, names: tuple[str, ...], index: int)
     raise AssertionError("no invalid field found")  # pragma: no cover - callers found one
 
 
-def _stored_from_values(v: list, index: int) -> BlockStored:
+def _stored_from_values(v: list[Any], index: int) -> BlockStored:
     # One fused check on the hot path; _field_error names the culprit only when it fails.
     if (
         _is_hash_list(v[0])
@@ -136,18 +140,18 @@ def _stored_from_values(v: list, index: int) -> BlockStored:
     raise _field_error(v, _STORED_RULES, BLOCK_STORED_FIELDS, index)
 
 
-def _removed_from_values(v: list, index: int) -> BlockRemoved:
+def _removed_from_values(v: list[Any], index: int) -> BlockRemoved:
     if _is_hash_list(v[0]) and type(v[2]) in _OPT_INT and {type(v[1]), type(v[3]), type(v[4])} <= _OPT_STR:
         return BlockRemoved(*v)
     raise _field_error(v, _REMOVED_RULES, BLOCK_REMOVED_FIELDS, index)
 
 
-def _cleared_from_values(v: list, index: int) -> AllBlocksCleared:
+def _cleared_from_values(v: list[Any], index: int) -> AllBlocksCleared:
     return AllBlocksCleared()
 
 
 # tag -> (declared fields, builder)
-_EVENT_TYPES = {
+_EVENT_TYPES: dict[str, tuple[tuple[str, ...], Callable[[list[Any], int], KVEvent]]] = {
     "BlockStored": (BLOCK_STORED_FIELDS, _stored_from_values),
     "BlockRemoved": (BLOCK_REMOVED_FIELDS, _removed_from_values),
     "AllBlocksCleared": ((), _cleared_from_values),
@@ -273,11 +277,12 @@ def _map_head(entries: int, declared: int) -> bytes:
     return b"\xde" + entries.to_bytes(2, "big")
 
 
-def _event_fields(event: KVEvent, stored_count: int, removed_count: int) -> tuple[str, tuple[str, ...], list]:
+def _event_fields(event: KVEvent, stored_count: int, removed_count: int) -> tuple[str, tuple[str, ...], list[Any]]:
     """The event's tag, its declared field names in this variant, and their values."""
     tag = _TAGS.get(type(event))
     if tag is None:
         raise TypeError(f"cannot encode {type(event).__name__} as a KV event")
+    all_names: tuple[str, ...]
     if isinstance(event, BlockStored):
         all_names, count = BLOCK_STORED_FIELDS, stored_count
     elif isinstance(event, BlockRemoved):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Container
 from dataclasses import dataclass, field
+from typing import Any
 
 BlockHash = int | bytes
 
@@ -29,7 +30,7 @@ class BlockStored:
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: list[list | None] | None = None
+    extra_keys: list[list[Any] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None

@@ -24,16 +24,36 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import trio
+from prometheus_client import CollectorRegistry
 
+from .changes import ChangesFields
 from .keys import VllmBlockKeys
 from .metrics import KvMetrics
 from .mirror import EngineMirror, flush_loop, resync
 from .subscriber import DEFAULT_MAX_MESSAGE_BYTES, EngineSubscription, message_size_setting
 
 log = logging.getLogger(__name__)
+
+
+class KvSink(Protocol):
+    """Where the changes go: the router's :class:`~llmgw.kv.index.KvIndex` (or what stands for it)."""
+
+    def apply(self, replica_id: str, changes: ChangesFields) -> None: ...
+
+    def forget(self, replica_id: str) -> None: ...
+
+    def add_resync_listener(self, listener: Callable[[str, str, str], None]) -> None: ...
+
+    def remove_resync_listener(self, listener: Callable[[str, str, str], None]) -> None: ...
+
+
+class Plugins(Protocol):
+    """Where the event decoder comes from: the plugin registry (``llmgw.plugins_manager.Registry``)."""
+
+    def get(self, kind: str, name: str) -> Callable[..., Any]: ...
 
 NODE_LABEL = "gateway"  # the `node` label of these replicas' event counters
 
@@ -63,20 +83,22 @@ class ExternalKv:
                    None if seed is None else str(seed),
                    message_size_setting(options.get("max_event_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)))
 
-    async def run(self, index, registry, metrics_registry, *, interval: float = 0.025) -> None:
+    async def run(self, index: KvSink, registry: Plugins, metrics_registry: CollectorRegistry | None, *,
+                  interval: float = 0.025) -> None:
         """Follow the engine into ``index`` until cancelled (the sockets are closed then)."""
         source = KvMetrics.for_registry(metrics_registry).source(NODE_LABEL, self.replica, self.model) \
             if metrics_registry is not None else None
         if self.key_function == "content":
-            mirror = EngineMirror(key_mode="content", on_ignored=source and source.ignored, name=self.replica)
+            mirror = EngineMirror(key_mode="content", on_ignored=source.ignored if source else None,
+                                  name=self.replica)
         else:
             try:
                 verify = VllmBlockKeys(self.hash_algo, self.hash_seed)
             except ValueError as exc:
                 log.warning("replica %s: hash parity not checked (%s)", self.replica, exc)
                 verify = None
-            mirror = EngineMirror(verify_keys=verify, on_ignored=source and source.ignored,
-                                  on_parity=source and source.parity, name=self.replica)
+            mirror = EngineMirror(verify_keys=verify, on_ignored=source.ignored if source else None,
+                                  on_parity=source.parity if source else None, name=self.replica)
         sub = EngineSubscription(self.events, mode="connect", replay_endpoint=self.replay, topic=b"",
                                  decode=registry.get("event_decoders", "vllm")(), on_batch=mirror.apply,
                                  on_reset=mirror.reset, metrics=source, source=f"{self.replica}/dp0",

@@ -47,15 +47,17 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from enum import Enum
+from typing import Any
 
 from . import drift as drift_rule
-from .changes import BlockChanges, KvChangeKind
+from .changes import ChangesFields, KvChangeKind
 from .drift import DriftPolicy
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RESET_WINDOW = 5.0
 DEFAULT_PREDICTED_TTL = 2.0
+DEFAULT_DRIFT_POLICY = DriftPolicy()
 
 
 class IndexState(str, Enum):
@@ -158,7 +160,7 @@ class KvIndex:
         """``{replica: (blocks, state)}`` for the gauges."""
         return {name: (len(r.keys), self.state(name).value) for name, r in self._replicas.items()}
 
-    def describe(self, replica_id: str) -> dict:
+    def describe(self, replica_id: str) -> dict[str, Any]:
         """What the index knows of one replica, as JSON-able data (for explain and the admin API)."""
         replica = self._replicas.get(replica_id)
         if replica is None:
@@ -203,7 +205,7 @@ class KvIndex:
 
     # -- applying changes -----------------------------------------------------------------------------------------
 
-    def apply(self, replica_id: str, changes: BlockChanges) -> None:
+    def apply(self, replica_id: str, changes: ChangesFields) -> None:
         """DELTA adds and removes keys, FULL replaces the replica's keys, RESET clears that replica only."""
         replica = self._replica(replica_id)
         now = self.clock()
@@ -276,7 +278,8 @@ class KvIndex:
         if listener in self._resync_listeners:
             self._resync_listeners.remove(listener)
 
-    def observe(self, replica_id: str, result: str, *, epoch: int, policy: DriftPolicy = DriftPolicy()) -> str | None:
+    def observe(self, replica_id: str, result: str, *, epoch: int,
+                policy: DriftPolicy = DEFAULT_DRIFT_POLICY) -> str | None:
         """Count one drift check of a response (``match``, ``over`` or ``under``: :func:`llmgw.kv.drift.classify`)
         for a decision made on ``epoch``; the resync mode asked for when this check made the index suspect.
 
@@ -437,7 +440,7 @@ class KvIndex:
         return {rid: (confirmed[rid], total[rid]) for rid in ids}
 
 
-def refusal_reason(changes, sender_node: str, placed_on: str | None) -> str | None:
+def refusal_reason(changes: object, sender_node: str, placed_on: str | None) -> str | None:
     """Why the control plane must refuse ``changes`` from ``sender_node``, or None to accept them.
 
     ``placed_on`` is the node the control plane placed ``changes.replica_id``'s

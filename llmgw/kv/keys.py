@@ -50,7 +50,7 @@ ALGORITHMS = ("sha256_cbor", "sha256", "xxhash", "xxhash_cbor")
 DEFAULT_SEED_STRING = "vllm-none-hash"  # vLLM >= 0.29, sha256*/sha256_cbor with PYTHONHASHSEED unset
 U64_MASK = 0xFFFF_FFFF_FFFF_FFFF
 
-ExtraKeys = Sequence[tuple | None]
+ExtraKeys = Sequence[tuple[object, ...] | None]
 
 
 # --------------------------------------------------------------------------- serialisation
@@ -91,12 +91,12 @@ def hash_object(algo: str, obj: object) -> bytes:
     return _DIGEST[algo](_SERIALISE_OBJECT[algo](obj))
 
 
-def block_hasher(algo: str) -> Callable[[bytes, Sequence[int], tuple | None], bytes]:
+def block_hasher(algo: str) -> Callable[[bytes, Sequence[int], tuple[object, ...] | None], bytes]:
     """``hash_block(parent, tokens, extra) -> digest`` for ``algo``."""
     _check_algo(algo)
     serialise, digest = _SERIALISE_TRIPLE[algo], _DIGEST[algo]
 
-    def hash_block(parent: bytes, tokens: Sequence[int], extra: tuple | None) -> bytes:
+    def hash_block(parent: bytes, tokens: Sequence[int], extra: tuple[object, ...] | None) -> bytes:
         return digest(serialise(parent, tokens, extra))
 
     return hash_block
@@ -135,7 +135,7 @@ def hashable_block_count(num_tokens: int, block_size: int, lookahead: int = 0) -
     return max(num_tokens - lookahead, 0) // block_size
 
 
-def _extras_for(extra_keys: ExtraKeys | None, count: int) -> Sequence[tuple | None]:
+def _extras_for(extra_keys: ExtraKeys | None, count: int) -> Sequence[tuple[object, ...] | None]:
     """One extra-key item per block; items must be None or tuples (pickle tells a list from a tuple)."""
     if extra_keys is None:
         return (None,) * count
@@ -246,7 +246,7 @@ def request_extra_keys(
     lora_int_id: int | None = None,
     lookahead: int = 0,
     token_ids: Sequence[int] | None = None,
-) -> list[tuple | None]:
+) -> list[tuple[object, ...] | None]:
     """The extra-key item of each hashable block of a request, in vLLM's order.
 
     Per block: LoRA (every block), each multimodal item overlapping the block
@@ -274,13 +274,14 @@ def request_extra_keys(
     if appends_lookahead:
         if token_ids is None or len(token_ids) != num_tokens:
             raise ValueError("lookahead hashing needs the request's token_ids (num_tokens of them)")
+    following: Sequence[int] = token_ids if token_ids is not None else ()
     items = [MultiModalItem(*item) for item in mm_items]
     lora_piece = _lora_piece(style, lora, lora_int_id)
     salt_piece = None
     if cache_salt is not None:
         salt_piece = ("cache_salt", cache_salt) if style == "current" else cache_salt
 
-    out: list[tuple | None] = []
+    out: list[tuple[object, ...] | None] = []
     for index in range(hashable_block_count(num_tokens, block_size, lookahead)):
         start = index * block_size
         end = start + block_size
@@ -295,7 +296,7 @@ def request_extra_keys(
             pieces.append(salt_piece)
         extra = tuple(pieces) if pieces else None
         if appends_lookahead:
-            extra = (extra, *token_ids[end:window_end])
+            extra = (extra, *following[end:window_end])
         out.append(extra)
     return out
 
@@ -390,7 +391,8 @@ class VllmBlockKeys:
         lookahead: int = 0,
     ) -> list[bytes]:
         """Full digests (as :func:`block_digests`), memoised; ``parent`` continues a chain."""
-        return self._chain(token_ids, block_size, extra_keys, self.none_hash if parent is None else parent, lookahead)[0]
+        start = self.none_hash if parent is None else parent
+        return self._chain(token_ids, block_size, extra_keys, start, lookahead)[0]
 
     @property
     def memo_entries(self) -> int:

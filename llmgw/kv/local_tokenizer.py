@@ -30,7 +30,11 @@ import logging
 import threading
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn
+
+if TYPE_CHECKING:
+    from jinja2 import Template
+    from tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +49,14 @@ class LocalTokenizerError(Exception):
 
 
 def has_tokenizer_files(directory: str | Path | None) -> bool:
-    return bool(directory) and (Path(directory) / TOKENIZER_FILE).is_file()
+    return directory is not None and str(directory) != "" and (Path(directory) / TOKENIZER_FILE).is_file()
 
 
 def _token_text(value: Any) -> str | None:
     if isinstance(value, str):
         return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
+    content = value.get("content") if isinstance(value, Mapping) else None
+    return content if isinstance(content, str) else None
 
 
 def _chat_template(config: Mapping[str, Any]) -> str | None:
@@ -78,7 +81,7 @@ class LocalTokenizer:
             self.tokenizer = Tokenizer.from_file(str(directory / TOKENIZER_FILE))
         except Exception as exc:  # the library raises plain Exceptions for missing or malformed files
             raise LocalTokenizerError(f"cannot load {directory / TOKENIZER_FILE}: {exc}") from exc
-        config: dict = {}
+        config: dict[str, Any] = {}
         config_path = directory / CONFIG_FILE
         if config_path.is_file():
             try:
@@ -128,11 +131,12 @@ class LocalTokenizer:
                     or not isinstance(message.get("content"), str) or set(message) - {"role", "content"}:
                 return None
         try:
-            return self.template.render(messages=messages, add_generation_prompt=generation, tools=None,
+            text: str = self.template.render(messages=messages, add_generation_prompt=generation, tools=None,
                                         documents=None, **self.special_tokens)
         except Exception as exc:  # a template's raise_exception, or any error in it: the engine would answer 400
             log.debug("the local chat template failed (%s); asking a replica", exc)
             return None
+        return text
 
 
 class SegmentMemo:
@@ -157,7 +161,7 @@ class SegmentMemo:
     ``encode``'s ids on the probe texts (else ``encode``).
     """
 
-    def __init__(self, tokenizer, max_tokens: int = 2_000_000):
+    def __init__(self, tokenizer: Tokenizer, max_tokens: int = 2_000_000):
         import re
         from collections import OrderedDict
 
@@ -173,7 +177,7 @@ class SegmentMemo:
         added = tokenizer.get_added_tokens_decoder()
         self.ids_of = {token.content: i for i, token in added.items()}
         verbatim = all(not (t.lstrip or t.rstrip or t.single_word or t.normalized) for t in added.values())
-        self.split = None
+        self.split: Callable[[str], list[str]] | None = None
         if added and verbatim:
             contents = sorted(self.ids_of, key=len, reverse=True)  # leftmost-longest, as the library matches
             self.split = re.compile("(" + "|".join(map(re.escape, contents)) + ")").split
@@ -201,8 +205,9 @@ class SegmentMemo:
 
     def _pieces(self, text: str) -> list[int]:
         ids: list[int] = []
-        memo, lock = self._memo, self._lock
-        for i, piece in enumerate(self.split(text)):
+        memo, lock, split = self._memo, self._lock, self.split
+        assert split is not None  # only with a split: see encode and _agrees
+        for i, piece in enumerate(split(text)):
             if i % 2:
                 ids.append(self.ids_of[piece])
             elif piece:
@@ -222,16 +227,17 @@ class SegmentMemo:
         return ids
 
 
-def _compile(source: str):
+def _compile(source: str) -> Template:
     """The template compiled like Hugging Face's ``apply_chat_template`` compiles it."""
     from jinja2 import TemplateError
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def raise_exception(message):
+    def raise_exception(message: str) -> NoReturn:
         raise TemplateError(message)
 
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 

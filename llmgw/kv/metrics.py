@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Callable
+from collections.abc import Iterable
+from typing import Callable, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..cached_labels import CachedLabels
 
@@ -38,16 +39,24 @@ _instances: "weakref.WeakKeyDictionary[CollectorRegistry, KvMetrics]" = weakref.
 _lock = threading.Lock()
 
 
+class _Summarized(Protocol):
+    """What the collector reads of a :class:`~llmgw.kv.index.KvIndex`."""
+
+    def summary(self) -> dict[str, tuple[int, str]]: ...
+
+    def drift_summary(self) -> dict[str, dict[str, int]]: ...
+
+
 class _IndexCollector:
     """``llmgw_kv_index_blocks{model,replica}``, ``llmgw_kv_index_state{model,replica,state}`` and
     ``llmgw_kv_index_resyncs_total{model,replica,mode}``, read at scrape time (``model`` from the tracker's
     ``model_of``, "" when it names none)."""
 
     def __init__(self) -> None:
-        self._indexes: list[tuple[weakref.ref, Callable[[str], str] | None]] = []
+        self._indexes: list[tuple[weakref.ref[_Summarized], Callable[[str], str] | None]] = []
 
-    def track(self, index, model_of: Callable[[str], str] | None = None) -> None:
-        for at, (ref, known) in enumerate(self._indexes):
+    def track(self, index: _Summarized, model_of: Callable[[str], str] | None = None) -> None:
+        for at, (ref, _model_of) in enumerate(self._indexes):
             if ref() is index:
                 if model_of is not None:
                     self._indexes[at] = (ref, model_of)
@@ -55,7 +64,7 @@ class _IndexCollector:
         self._indexes.append((weakref.ref(index), model_of))
 
     @staticmethod
-    def _families():
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily]:
         blocks = GaugeMetricFamily("llmgw_kv_index_blocks", "Distinct KV blocks the router's index holds for each "
                                    "replica (confirmed by the engine's events; predicted entries not included).",
                                    labels=["model", "replica"])
@@ -67,10 +76,10 @@ class _IndexCollector:
                                       labels=["model", "replica", "mode"])
         return blocks, state, resyncs
 
-    def describe(self):
+    def describe(self) -> Iterable[Metric]:
         return self._families()
 
-    def collect(self):
+    def collect(self) -> Iterable[Metric]:
         blocks, state, resyncs = self._families()
         alive = []
         for ref, model_of in self._indexes:
@@ -166,7 +175,7 @@ class KvMetrics:
                 existing = _instances[registry] = cls(registry)
             return existing
 
-    def track_index(self, index, model_of: Callable[[str], str] | None = None) -> None:
+    def track_index(self, index: _Summarized, model_of: Callable[[str], str] | None = None) -> None:
         """Report ``index``'s per-replica sizes and states (a :class:`~llmgw.kv.index.KvIndex`), each labelled
         with ``model_of(replica)`` (the router gives one; tracking again without one keeps it)."""
         self._index_collector.track(index, model_of)

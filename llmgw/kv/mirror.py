@@ -49,15 +49,26 @@ from __future__ import annotations
 import inspect
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from .changes import BlockChanges, KvChangeKind
 from .drift import RESYNC_RESET
-from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent, is_device_medium, \
-    is_main_attention
+from .events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    is_device_medium,
+    is_main_attention,
+)
 from .keys import BlockKeyFunction, ContentChainKeys, normalize_hash
+
+if TYPE_CHECKING:
+    from .subscriber import EngineSubscription
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +87,8 @@ class EngineMirror:
     """Reference-counted device blocks of one engine rank, with net-change tracking. Not thread-safe."""
 
     def __init__(self, *, key_mode: str = "engine", content_keys: ContentChainKeys | None = None,
-                 on_ignored=None, verify_keys: BlockKeyFunction | None = None, verify_samples: int = 8,
-                 on_parity=None, name: str = "") -> None:
+                 on_ignored: Callable[[str, int], None] | None = None, verify_keys: BlockKeyFunction | None = None,
+                 verify_samples: int = 8, on_parity: Callable[[bool], None] | None = None, name: str = "") -> None:
         if key_mode not in KEY_MODES:
             raise ValueError(f"key_mode must be one of {', '.join(KEY_MODES)}, not {key_mode!r}")
         self.key_mode = key_mode
@@ -169,9 +180,10 @@ class EngineMirror:
             if self._verify is not None and self._verify_left > 0 and ev.parent_block_hash is None:
                 self._check_parity(ev, keys)
         else:
-            keys = self._content_keys(ev)
-            if keys is None:
+            content_keys = self._content_keys(ev)
+            if content_keys is None:
                 return
+            keys = content_keys
         counts, before = self._counts, self._before
         for key in keys:
             count = counts.get(key, 0)
@@ -199,6 +211,7 @@ class EngineMirror:
             return
         if ev.lookahead_token_ids or len(ev.token_ids) != len(keys) * ev.block_size:
             return
+        assert self._verify is not None  # checked only with a key function to check against
         self._verify_left -= 1
         self.parity_checked += 1
         try:
@@ -216,6 +229,7 @@ class EngineMirror:
                             "tier's hash_algo/hash_seed (or use content keys)", self.name or "engine", self._verify)
 
     def _content_keys(self, ev: BlockStored) -> list[int] | None:
+        assert self._content is not None  # content key mode
         hashes, size = ev.block_hashes, ev.block_size
         if len(ev.token_ids) != len(hashes) * size:
             self._ignore("token_mismatch", len(hashes))  # e.g. sliding-window groups skipping null blocks
@@ -226,7 +240,7 @@ class EngineMirror:
             if parent is None:
                 self._ignore("unknown_parent", len(hashes))
                 return None
-        extras = None
+        extras: list[Any] | None = None
         if ev.extra_keys is not None:
             extras = [None if item is None else _tupled(item) for item in ev.extra_keys]
             if len(extras) < len(hashes):
@@ -256,7 +270,7 @@ class EngineMirror:
             engine_hash = normalize_hash(raw)
             key = engine_hash if table is None else table.get(engine_hash)
             count = counts.get(key, 0) if key is not None else 0
-            if not count:
+            if key is None or not count:
                 unknown += 1
                 continue
             if count == 1:
@@ -338,7 +352,7 @@ class EngineMirror:
         return out
 
 
-def resync(mode: str, mirror: EngineMirror, subscription) -> None:
+def resync(mode: str, mirror: EngineMirror, subscription: EngineSubscription) -> None:
     """Answer the router's resync request for one engine rank (``llmgw.kv.drift``): ``full`` sends a FULL copy
     of the mirror at the next flush; ``reset`` drops the mirror through the subscription (counted as a reset
     with reason ``resync``; a RESET goes up) so the index relearns from the engine's next events."""
@@ -351,8 +365,9 @@ def resync(mode: str, mirror: EngineMirror, subscription) -> None:
 DEFAULT_FLUSH_INTERVAL = 0.025
 
 
-async def flush_loop(mirror: EngineMirror, send, *, interval: float = DEFAULT_FLUSH_INTERVAL,
-                     full_first: bool = True, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def flush_loop(mirror: EngineMirror, send: Callable[[BlockChanges], Awaitable[None] | None], *,
+                     interval: float = DEFAULT_FLUSH_INTERVAL, full_first: bool = True,
+                     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Send the mirror's changes every ``interval`` seconds through ``send(changes)`` (sync or async), forever.
 
     With ``full_first`` a FULL copy goes first: run one of these per stream

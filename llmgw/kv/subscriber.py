@@ -65,6 +65,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
 import zmq
@@ -73,6 +74,9 @@ from ..units import parse_size
 from . import zmq_trio
 from .codec import EventDecodeError, decode_batch, parse_frames, parse_replay_reply, replay_request
 from .events import AllBlocksCleared, EventBatch
+
+if TYPE_CHECKING:
+    from .metrics import SourceMetrics
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +121,8 @@ class EngineSubscription:
                  data_parallel_rank: int = 0, decode: Callable[[bytes], EventBatch] = decode_batch,
                  replay_timeout: float = DEFAULT_REPLAY_TIMEOUT, idle_probe: float | None = DEFAULT_IDLE_PROBE,
                  rcvhwm: int = DEFAULT_RCVHWM, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 source: str | None = None, metrics=None, context: zmq.Context | None = None,
+                 source: str | None = None, metrics: SourceMetrics | None = None,
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None,
                  clock: Callable[[], float] | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be 'bind' or 'connect', not {mode!r}")
@@ -134,15 +139,15 @@ class EngineSubscription:
         self.rcvhwm = rcvhwm
         self.max_message_bytes = max_message_bytes
         self.source = source or endpoint
-        self.metrics = metrics  # a llmgw.kv.metrics.SourceMetrics, or None
+        self.metrics = metrics
         self._context = context
         self.clock = clock or trio.current_time
         self.bound_endpoint: str | None = None
         # sequence state
         self.last_seq: int | None = None  # last batch applied (live or replayed)
         self.live_seq: int | None = None  # last seq seen on the live stream (strictly increasing per engine run)
-        self._dealer: zmq.Socket | None = None
-        self._ctx: zmq.Context | None = None
+        self._dealer: zmq.Socket[bytes] | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._decode_error_logged = False
         self._apply_error_logged = False
         self._last_digest: int | None = None
@@ -161,10 +166,10 @@ class EngineSubscription:
 
     # -- the task ---------------------------------------------------------------------------------------------------
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[str | None] = trio.TASK_STATUS_IGNORED) -> None:
         """Open the sockets, report the endpoint (resolved when bound), then receive until cancelled."""
         own_context = self._context is None
-        ctx = self._ctx = zmq.Context() if own_context else self._context
+        ctx = self._ctx = self._context if self._context is not None else zmq.Context()
         sub = ctx.socket(zmq.SUB)
         monitor = None
         try:
@@ -176,7 +181,7 @@ class EngineSubscription:
                 sub.setsockopt(zmq.IPV6, 1)
             if self.mode == "bind":
                 sub.bind(self.endpoint)
-                self.bound_endpoint = sub.getsockopt(zmq.LAST_ENDPOINT).decode()
+                self.bound_endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:
                 sub.connect(self.endpoint)
                 self.bound_endpoint = self.endpoint
@@ -196,7 +201,7 @@ class EngineSubscription:
                 ctx.term()
             self._ctx = None
 
-    async def _receive(self, sub: zmq.Socket) -> None:
+    async def _receive(self, sub: zmq.Socket[bytes]) -> None:
         while True:
             messages = zmq_trio.drain(sub)
             if not messages:
@@ -211,7 +216,7 @@ class EngineSubscription:
                 await self._on_live(frames)
             await trio.lowlevel.checkpoint()
 
-    async def _count_disconnects(self, monitor: zmq.Socket) -> None:
+    async def _count_disconnects(self, monitor: zmq.Socket[bytes]) -> None:
         """Count the SUB's peers that libzmq disconnected (the monitor reports nothing else)."""
         while True:
             await zmq_trio.recv_multipart(monitor)
@@ -456,7 +461,7 @@ class EngineSubscription:
                 except EventDecodeError as exc:
                     self._decode_error(exc)
                     continue
-                if reply[0] == "end":
+                if len(reply) == 1:  # ("end",)
                     return "ok", replies
                 replies.append((reply[1], reply[2]))
         self._close_dealer()

@@ -83,7 +83,8 @@ class Plan:
     def indexable(self) -> bool:
         return not self.reason
 
-    def extra_keys(self, num_tokens: int, block_size: int, *, style: str = "current") -> list[tuple | None] | None:
+    def extra_keys(self, num_tokens: int, block_size: int, *,
+                   style: str = "current") -> list[tuple[object, ...] | None] | None:
         """The per-block extra-key items vLLM hashes for this request (None when there are none)."""
         if self.cache_salt is None and self.lora is None:
             return None
@@ -94,7 +95,7 @@ def _refuse(reason: str) -> Plan:
     return Plan(reason=reason)
 
 
-def _canonical(body: dict) -> bytes:
+def _canonical(body: dict[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
@@ -125,7 +126,7 @@ def plan(path: str, body: Mapping[str, Any], *, base_models: frozenset[str] | se
     return _refuse("path")
 
 
-def _chat_plan(body: Mapping[str, Any], model, salt, lora) -> Plan:
+def _chat_plan(body: Mapping[str, Any], model: Any, salt: str | None, lora: tuple[str, str] | None) -> Plan:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return _refuse("bad_body")
@@ -151,7 +152,7 @@ def _chat_plan(body: Mapping[str, Any], model, salt, lora) -> Plan:
     return Plan(body=_canonical(tokenize_body), cache_salt=salt, lora=lora)
 
 
-def _token_ids(value: list) -> bool:
+def _token_ids(value: list[Any]) -> bool:
     """A non-empty list of ints, checked at C speed (32k ids in about 0.5 ms).
 
     Values are not range-checked: the engine refuses ids outside its vocabulary
@@ -160,7 +161,8 @@ def _token_ids(value: list) -> bool:
     return bool(value) and set(map(type, value)) == {int}
 
 
-def _completion_plan(body: Mapping[str, Any], model, salt, lora) -> Plan:
+def _completion_plan(body: Mapping[str, Any], model: Any, salt: str | None,
+                     lora: tuple[str, str] | None) -> Plan:
     if body.get("prompt_embeds") is not None:
         return _refuse("prompt_embeds")
     prompt = body.get("prompt")
@@ -202,7 +204,7 @@ class TokenizeCache:
 
     def __init__(self, max_tokens: int = DEFAULT_CACHE_TOKENS):
         self.max_tokens = max_tokens
-        self._entries: OrderedDict[bytes, array] = OrderedDict()
+        self._entries: OrderedDict[bytes, array[int]] = OrderedDict()
         self.tokens = 0
         self.hits = 0
         self.misses = 0

@@ -12,14 +12,20 @@ import trio
 import zmq
 
 
-async def wait_for(sock: zmq.Socket, flag: int) -> None:
+def _int_option(sock: zmq.Socket[bytes], option: int) -> int:
+    value = sock.getsockopt(option)
+    assert isinstance(value, int)  # FD and EVENTS are int options (only identities and the like are bytes)
+    return value
+
+
+async def wait_for(sock: zmq.Socket[bytes], flag: int) -> None:
     """Wait until ``sock`` is ready for ``flag`` (``zmq.POLLIN`` or ``zmq.POLLOUT``)."""
-    fd = sock.getsockopt(zmq.FD)
-    while not (sock.getsockopt(zmq.EVENTS) & flag):
+    fd = _int_option(sock, zmq.FD)
+    while not (_int_option(sock, zmq.EVENTS) & flag):
         await trio.lowlevel.wait_readable(fd)
 
 
-async def recv_multipart(sock: zmq.Socket) -> list[bytes]:
+async def recv_multipart(sock: zmq.Socket[bytes]) -> list[bytes]:
     """Receive one multipart message without blocking the Trio loop."""
     while True:
         try:
@@ -31,7 +37,7 @@ async def recv_multipart(sock: zmq.Socket) -> list[bytes]:
             return msg
 
 
-def drain(sock: zmq.Socket, limit: int = 256) -> list[list[bytes]]:
+def drain(sock: zmq.Socket[bytes], limit: int = 256) -> list[list[bytes]]:
     """Every message already queued on ``sock`` (up to ``limit``), without waiting."""
     out: list[list[bytes]] = []
     while len(out) < limit:
@@ -42,7 +48,7 @@ def drain(sock: zmq.Socket, limit: int = 256) -> list[list[bytes]]:
     return out
 
 
-async def recv_batch(sock: zmq.Socket, limit: int = 256) -> list[list[bytes]]:
+async def recv_batch(sock: zmq.Socket[bytes], limit: int = 256) -> list[list[bytes]]:
     """Wait for at least one message, then return all queued ones (up to ``limit``)."""
     while True:
         batch = drain(sock, limit)
@@ -52,7 +58,7 @@ async def recv_batch(sock: zmq.Socket, limit: int = 256) -> list[list[bytes]]:
         await wait_for(sock, zmq.POLLIN)
 
 
-async def send_multipart(sock: zmq.Socket, frames: list[bytes]) -> None:
+async def send_multipart(sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
     """Send one multipart message; waits while the high-water mark is reached."""
     while True:
         try:
@@ -64,9 +70,9 @@ async def send_multipart(sock: zmq.Socket, frames: list[bytes]) -> None:
             return
 
 
-def close(sock: zmq.Socket) -> None:
+def close(sock: zmq.Socket[bytes]) -> None:
     """Wake any Trio task waiting on the socket, then close it without lingering."""
     if sock.closed:
         return
-    trio.lowlevel.notify_closing(sock.getsockopt(zmq.FD))
+    trio.lowlevel.notify_closing(_int_option(sock, zmq.FD))
     sock.close(linger=0)

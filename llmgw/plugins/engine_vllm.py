@@ -10,8 +10,14 @@ last, as given, so they can override anything before them.
 
 from __future__ import annotations
 
-from ..agent.engine import (engine_env, is_follower, kv_events_flags, openai_server_flags, resolve_executable,
-                            served_name)
+from ..agent.engine import (
+    engine_env,
+    is_follower,
+    kv_events_flags,
+    openai_server_flags,
+    resolve_executable,
+    served_name,
+)
 from ..plugin import VLLM_GAUGES, EngineGauges, Launch, LaunchContext, Readiness, StartShard, hookimpl
 
 

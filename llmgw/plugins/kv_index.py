@@ -46,13 +46,24 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ..kv import drift as kv_drift
-from ..kv import tokenize as kv_tokenize
+from ..kv import drift as kv_drift, tokenize as kv_tokenize
 from ..kv.keys import none_hash
 from ..kv.metrics import KvMetrics
 from ..kv.subscriber import DEFAULT_MAX_MESSAGE_BYTES, message_size_setting
-from ..plugin import (Decision, IndexState, KvIndex, PluginError, Registry, Replica, RouteRequest, RoutingTier,
-                      TierModel, TierServices, TokenizeError, hookimpl)
+from ..plugin import (
+    Decision,
+    IndexState,
+    KvIndex,
+    PluginError,
+    Registry,
+    Replica,
+    RouteRequest,
+    RoutingTier,
+    TierModel,
+    TierServices,
+    TokenizeError,
+    hookimpl,
+)
 from .options import count, duration, option_reader
 from .prefix_tree import Choice, PrefixTreeTier
 
@@ -100,7 +111,7 @@ class KvIndexOptions:
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> tuple["KvIndexOptions", list[str]]:
-        options, problems = cls(), []
+        options, problems = cls(), list[str]()
 
         take = option_reader(options, raw, problems,
                              ("hash_seed", "extra_key_style", "block_size", "tokenizer_path"))
@@ -447,11 +458,11 @@ class KvIndexTier(RoutingTier):
         sizes = self.block_sizes(candidates, healthy)
         keys: dict[int, list[int]] = {}
         runs: dict[str, tuple[int, int]] = {}
-        for size in {s for s in sizes if s}:
-            extras = plan.extra_keys(len(tokens), size, style=self.extra_key_style)
-            keys[size] = self.keys.keys(tokens, size, extras)
-            names = [r.name for r, s in zip(candidates, sizes) if s == size]
-            runs.update(index.match_detail(keys[size], names))
+        for block_size in {s for s in sizes if s}:
+            extras = plan.extra_keys(len(tokens), block_size, style=self.extra_key_style)
+            keys[block_size] = self.keys.keys(tokens, block_size, extras)
+            names = [r.name for r, s in zip(candidates, sizes) if s == block_size]
+            runs.update(index.match_detail(keys[block_size], names))
 
         floor = self.options.min_match_blocks
         text = None

@@ -40,10 +40,20 @@ import logging
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import AbstractSet, Any, Mapping, Sequence
 
-from ..plugin import (Decision, PluginError, Registry, Replica, RouteRequest, RoutingTier, ScoreContext, TierModel,
-                      TierServices, hookimpl)
+from ..plugin import (
+    Decision,
+    PluginError,
+    Registry,
+    Replica,
+    RouteRequest,
+    RoutingTier,
+    ScoreContext,
+    TierModel,
+    TierServices,
+    hookimpl,
+)
 from ..plugins_manager import default_registry
 from ..router import cost as cost_model
 from ..router.canonical import CHARS_PER_TOKEN, canonical_text, estimated_prompt_tokens
@@ -83,13 +93,13 @@ class PrefixTreeOptions:
     cost_decay: float = cost_model.DEFAULT_DECAY
 
     @classmethod
-    def parse(cls, raw: Mapping[str, Any] | None, scorer_keys: set[str] = frozenset()
+    def parse(cls, raw: Mapping[str, Any] | None, scorer_keys: AbstractSet[str] = frozenset()
               ) -> tuple["PrefixTreeOptions", list[str], list[str]]:
         """``(options, problems, unknown keys)``; a key with a problem keeps its default.
 
         ``scorer_keys`` are the keys the configured scorers declare (``option_keys``): not unknown.
         """
-        options, problems = cls(), []
+        options, problems = cls(), list[str]()
         raw = dict(raw or {})
         known = set(cls.__dataclass_fields__) | set(scorer_keys)
         unknown = sorted(k for k in raw if k not in known)
@@ -312,9 +322,9 @@ class PrefixTreeTier(RoutingTier):
             return {"cost": {**choice.estimates[i].as_json(), "learnt": self.cost.describe(name)}}
         return {"scores": {key: values[i] for key, values in choice.scores.items()}, "combined": choice.combined[i]}
 
-    def explain_rule(self) -> dict:
+    def explain_rule(self) -> dict[str, Any]:
         o = self.options
-        rule = {"rule": o.rule, "max_imbalance": o.max_imbalance, "load_sigma_k": o.load_sigma_k}
+        rule: dict[str, Any] = {"rule": o.rule, "max_imbalance": o.max_imbalance, "load_sigma_k": o.load_sigma_k}
         if o.rule == "scores":
             rule["weights"] = dict(o.scorers)
         return rule

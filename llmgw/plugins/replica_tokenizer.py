@@ -21,8 +21,7 @@ from weakref import WeakKeyDictionary
 import trio
 
 from ..http.client import UpstreamError, UpstreamPool
-from ..kv.tokenize import (DEFAULT_CACHE_TOKENS, DEFAULT_TOKENIZE_TIMEOUT, DEFAULT_TOKENIZE_TIMEOUT_PER_KB,
-                           TokenizeCache)
+from ..kv.tokenize import DEFAULT_CACHE_TOKENS, DEFAULT_TOKENIZE_TIMEOUT, DEFAULT_TOKENIZE_TIMEOUT_PER_KB, TokenizeCache
 from ..plugin import TokenizeError
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 DEFAULT_PRIOR_THROUGHPUT = 20_000.0  # prompt tokens / s: a small model on one GPU (and the simulator's default)
 DEFAULT_PRIOR_STEP = 0.02  # s: one decode step
@@ -94,7 +94,7 @@ class Fit:
 
 def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float] | None:
     """``a x = b`` for a 3x3 system by Cramer's rule; None when (nearly) singular."""
-    def det(m):
+    def det(m: list[list[float]]) -> float:
         return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
                 + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
     d = det(a)
@@ -139,7 +139,8 @@ class ReplicaCost:
             pooled = model.pooled_line()
             own = fit_line(pooled[:3], self.data, self.observations)
             trust = self.data.w / (self.data.w + SHRINK_WEIGHT)
-            self._line = tuple(p + trust * (o - p) for p, o in zip(pooled, own))
+            step, slope, per_request, noise = (p + trust * (o - p) for p, o in zip(pooled, own))
+            self._line = (step, slope, per_request, noise)
             self._generation = model.generation
         return self._line
 
@@ -179,7 +180,7 @@ class Estimate:
     def ttft(self) -> float:
         return self.step + (self.queued_tokens + self.new_tokens) / self.throughput + self.requests * self.per_request
 
-    def as_json(self) -> dict:
+    def as_json(self) -> dict[str, Any]:
         return {"cached_tokens": self.cached_tokens, "new_tokens": self.new_tokens,
                 "queued_tokens": self.queued_tokens, "requests": self.requests,
                 "estimated_ttft_s": round(self.ttft, 4)}
@@ -255,7 +256,7 @@ class CostModel:
 
     # -- bookkeeping: the tier calls these from its routed / first_token / finished hooks --------------------------
 
-    def routed(self, name: str, estimate_of: dict) -> None:
+    def routed(self, name: str, estimate_of: dict[str, Any]) -> None:
         """A request with ``estimate_of`` (a decision's ``cost`` detail) was handed to replica ``name``."""
         cost = self.replica(name)
         new = int(estimate_of.get("new_tokens", 0))
@@ -264,7 +265,7 @@ class CostModel:
         cost.mean_new_tokens = new if not cost.mean_new_tokens else 0.9 * cost.mean_new_tokens + 0.1 * new
         estimate_of["pending"] = True
 
-    def started(self, name: str, estimate_of: dict, ttft: float | None) -> None:
+    def started(self, name: str, estimate_of: dict[str, Any], ttft: float | None) -> None:
         """The request's first token arrived after ``ttft`` seconds (None: it ended without one); once per request."""
         if not estimate_of.pop("pending", False):
             return
@@ -275,7 +276,7 @@ class CostModel:
             self.observe(name, estimate_of.get("queued_tokens", 0) + estimate_of.get("new_tokens", 0),
                          estimate_of.get("requests", 0), ttft)
 
-    def describe(self, name: str) -> dict:
+    def describe(self, name: str) -> dict[str, Any]:
         cost = self.replica(name)
         step, slope, per_request, noise = cost.line()
         return {"step_s": round(step, 4), "prefill_tokens_per_s": round(1.0 / slope, 1),

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
 from ..engines import probe
 from .replica import Replica, ReplicaState
+
+if TYPE_CHECKING:
+    from ..metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +40,7 @@ class HealthSettings:
 class HealthTracker:
     """Turns probe and request outcomes into replica states."""
 
-    def __init__(self, settings: HealthSettings, metrics=None):
+    def __init__(self, settings: HealthSettings, metrics: Metrics | None = None):
         self.settings = settings
         self.metrics = metrics
         self._probe_failures: dict[Replica, int] = {}

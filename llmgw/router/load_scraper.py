@@ -17,13 +17,16 @@ from __future__ import annotations
 import math
 import time
 import weakref
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import trio
 
 from ..engines import probe
 from ..engines.probe import EngineLoad
 from .replica import Replica
+
+if TYPE_CHECKING:
+    from .router import Router
 
 
 async def scrape_once(replica: Replica, timeout: float, path: str = "/metrics",
@@ -39,7 +42,8 @@ async def scrape_once(replica: Replica, timeout: float, path: str = "/metrics",
     return probe.parse_load(text, replica.gauges, clock())
 
 
-async def scrape_engine_load(router, clock: Callable[[], float] = time.monotonic, idle_check: float = 1.0) -> None:
+async def scrape_engine_load(router: Router, clock: Callable[[], float] = time.monotonic,
+                             idle_check: float = 1.0) -> None:
     """Until cancelled: scrape the routable replicas of every model whose tier asks for it, each on its interval.
 
     A tier asks with an ``engine_metrics_interval`` attribute (seconds; None or

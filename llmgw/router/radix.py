@@ -152,6 +152,7 @@ class RadixTree:
     def _split(self, child: Node, at: int) -> Node:
         """Cut ``child``'s edge after ``at`` characters; the new upper node is returned."""
         parent = child.parent
+        assert parent is not None  # the root is never split
         upper = Node(child.key[:at], parent)
         upper.owners = dict(child.owners)
         child.key = child.key[at:]
@@ -199,7 +200,7 @@ class RadixTree:
         self.replica_chars.pop(name, None)
         self.replica_nodes.pop(name, None)
 
-    def _evict_oldest(self, replica: str, heap: list, *, for_age: bool) -> None:
+    def _evict_oldest(self, replica: str, heap: list[tuple[float, int, Node]], *, for_age: bool) -> None:
         last, _, node = heapq.heappop(heap)
         if node.owners.get(replica) != last:
             return  # stale: refreshed since, or already evicted
@@ -214,6 +215,7 @@ class RadixTree:
         else:
             self.evicted_for_size += 1
         parent = node.parent
+        assert parent is not None  # an entry still owned is attached, and the root is never in a heap
         if not node.owners and not node.children:
             del parent.children[node.key[0]]
             node.parent = None

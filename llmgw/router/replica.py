@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 from urllib.parse import urlsplit
 
 from ..engines.probe import VLLM_GAUGES, EngineGauges, EngineLoad
@@ -80,7 +81,7 @@ class Replica:
         return UpstreamPool(self.host, self.port, connect_timeout=connect_timeout, tls=context,
                             server_hostname=self.host)
 
-    def as_json(self) -> dict:
+    def as_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "model": self.model,

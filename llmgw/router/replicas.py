@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import ssl
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import trio
 
@@ -30,6 +30,9 @@ from ..tls import describe_tls_error
 from .health import HealthTracker, probe_forever
 from .model import TierModel
 from .replica import Replica, ReplicaState
+
+if TYPE_CHECKING:
+    from ..metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,8 @@ class ReplicaSet:
     the table: adding opens no pool and starts no prober.
     """
 
-    def __init__(self, health: HealthTracker | None = None, metrics=None, connect_timeout: float | None = None):
+    def __init__(self, health: HealthTracker | None = None, metrics: Metrics | None = None,
+                 connect_timeout: float | None = None):
         self.health = health
         self.metrics = metrics
         self.connect_timeout = connect_timeout
@@ -63,7 +67,7 @@ class ReplicaSet:
         self._watchers: list[Callable[[str], None]] = []
         self._nursery: trio.Nursery | None = None
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the probers of the replicas added while it runs."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -148,7 +152,7 @@ class ReplicaSet:
     def of_source(self, source: str) -> list[Replica]:
         return [m.replica for m in self._members.values() if m.source == source]
 
-    def describe(self, replica: Replica) -> dict:
+    def describe(self, replica: Replica) -> dict[str, Any]:
         """The replica's JSON for ``/admin/replicas``, with its ``source``."""
         return {**replica.as_json(), "source": self.source_of(replica)}
 
@@ -174,7 +178,7 @@ class ReplicaSet:
         if self.health is not None:
             assert self._nursery is not None, "ReplicaSet.run is not running"
             member.probe = trio.CancelScope()
-            self._nursery.start_soon(self._probe, replica, member.probe)
+            self._nursery.start_soon(self._probe, replica, self.health, member.probe)
         return True
 
     def discard(self, replica: Replica) -> None:
@@ -211,6 +215,6 @@ class ReplicaSet:
                         replica.name, replica.inflight, timeout)
         await self.remove(replica)
 
-    async def _probe(self, replica: Replica, scope: trio.CancelScope) -> None:
+    async def _probe(self, replica: Replica, health: HealthTracker, scope: trio.CancelScope) -> None:
         with scope:
-            await probe_forever(replica, self.health)
+            await probe_forever(replica, health)

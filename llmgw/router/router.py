@@ -17,7 +17,7 @@ import inspect
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from ..kv.index import KvIndex
 from ..kv.metrics import KvMetrics
@@ -26,6 +26,10 @@ from .model import TierModel
 from .replica import Replica
 from .replicas import STATIC, ReplicaSet
 from .tier import Decision, RouteRequest, RoutingTier, TierServices, as_routing_tier
+
+if TYPE_CHECKING:
+    from ..metrics import Metrics
+    from ..plugins_manager import Registry
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +46,8 @@ class ModelRoute:
 
 
 class Router:
-    def __init__(self, registry, metrics=None, replicas: ReplicaSet | None = None, kv_index: KvIndex | None = None):
+    def __init__(self, registry: Registry, metrics: Metrics | None = None, replicas: ReplicaSet | None = None,
+                 kv_index: KvIndex | None = None) -> None:
         """``replicas``: the set whose models and replicas are routed (a bare table by default);
         ``kv_index``: the KV index the kv_index tiers read (a new one by default)."""
         self.registry = registry
@@ -72,7 +77,7 @@ class Router:
             route.declared = declared
         self.set_adapters(name, self.replicas.adapters(name))
 
-    def configure_model(self, name: str, tier_name: str, options: dict | None = None,
+    def configure_model(self, name: str, tier_name: str, options: Mapping[str, Any] | None = None,
                         model: TierModel | None = None) -> ModelRoute:
         """Create or re-tier a model; its replicas are kept.
 
@@ -150,12 +155,13 @@ class Router:
                 self.metrics.decisions.labels(request.model, route.tier_name, "error").inc()
         if decision is None or decision.replica not in candidates:
             decision = await route.fallback.pick(request, candidates)
+            assert decision is not None  # the fallback (round robin) always picks one of the candidates
             decision.outcome = "fallback"
         if self.metrics is not None:
             self.metrics.decisions.labels(request.model, decision.tier or route.tier_name, decision.outcome).inc()
         return decision
 
-    async def explain(self, request: RouteRequest) -> dict:
+    async def explain(self, request: RouteRequest) -> dict[str, Any]:
         """What the model's tier would do with ``request`` and why, changing no state.
 
         Tiers whose ``explain(request, candidates)`` answers (not None) speak for
@@ -189,10 +195,9 @@ class Router:
                 answer["replicas"].append({"name": replica.name, "candidate": replica in candidates})
         by_name = {r.name: r for r in route.replicas}
         for entry in answer["replicas"]:
-            replica = by_name.get(entry.get("name"))
-            if replica is not None:
-                entry.update(state=replica.state.value, inflight=replica.inflight,
-                             inflight_tokens=replica.inflight_tokens)
+            known = by_name.get(entry.get("name"))
+            if known is not None:
+                entry.update(state=known.state.value, inflight=known.inflight, inflight_tokens=known.inflight_tokens)
         return answer
 
     # -- one attempt's hooks (the data plane calls them; docs/plugins.md, "Hook order") ------------------------------

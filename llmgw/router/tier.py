@@ -1,4 +1,5 @@
-"""What a routing tier is: the interface every tier plugin implements, what it is given, and the scorers scoring tiers combine.
+"""What a routing tier is: the interface every tier plugin implements, what it is given, and the scorers
+scoring tiers combine.
 
 A tier is built per model by the factory its plugin registers
 (``register_routing_tiers``): ``factory(model: TierModel, services: TierServices)``.
@@ -192,17 +193,17 @@ class RoutingTier(abc.ABC):
         microseconds; it may ``await`` (with a deadline), but the replica loads it reads may change meanwhile.
         """
 
-    def routed(self, request: RouteRequest, decision: Decision) -> None:
+    def routed(self, request: RouteRequest, decision: Decision) -> None:  # noqa: B027 (a no-op default: tiers override what they use)
         """The request is being handed to ``decision.replica``, before any of its answer (streamed or not).
 
         Once per attempt. The replica's ``inflight`` and ``inflight_tokens`` already count it."""
 
-    def first_token(self, request: RouteRequest, decision: Decision, ttft: float) -> None:
+    def first_token(self, request: RouteRequest, decision: Decision, ttft: float) -> None:  # noqa: B027 (a no-op default: tiers override what they use)
         """The first output token arrived ``ttft`` seconds after the request reached the gateway (a stream: its
         first data event with output; otherwise the whole body, when it held one token). At most once per
         attempt, between :meth:`routed` and :meth:`finished`; never for an answer without output."""
 
-    def attempt_failed(self, request: RouteRequest, decision: Decision, reason: str) -> None:
+    def attempt_failed(self, request: RouteRequest, decision: Decision, reason: str) -> None:  # noqa: B027 (a no-op default: tiers override what they use)
         """The attempt failed before any of its answer reached the client, and the request may be sent to
         another replica (then :meth:`pick` is called again, without this one). ``reason`` is the failure's kind:
         ``connect``, ``tls``, ``closed_before_request`` (nothing reached the engine) and
@@ -210,7 +211,7 @@ class RoutingTier(abc.ABC):
         sent on once only when the replica's engine is gone; after anything else (``timeout``, ``protocol``...)
         it is answered with the error. :meth:`finished` follows at once."""
 
-    def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
+    def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:  # noqa: B027 (a no-op default: tiers override what they use)
         """The attempt ended: its answer was relayed (or broke off), it failed, or the client went away.
         Exactly once per :meth:`routed` attempt. ``usage`` is the engine's usage block when the tier
         ``wants_usage`` and the answer had one, else None."""

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .radix import RadixTree
 
-_collectors: "weakref.WeakKeyDictionary[object, PrefixTreeCollector]" = weakref.WeakKeyDictionary()
+_collectors: "weakref.WeakKeyDictionary[CollectorRegistry, PrefixTreeCollector]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -27,7 +29,7 @@ class PrefixTreeCollector:
     def track(self, model: str, tree: RadixTree) -> None:
         self._trees[model] = weakref.ref(tree)
 
-    def _families(self):
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily]:
         nodes = GaugeMetricFamily("llmgw_prefix_tree_nodes", "Nodes of the model's prefix tree.", labels=["model"])
         chars = GaugeMetricFamily("llmgw_prefix_tree_chars", "Characters stored on the edges of the model's "
                                   "prefix tree.", labels=["model"])
@@ -39,10 +41,10 @@ class PrefixTreeCollector:
                                         "TTL).", labels=["model", "reason"])
         return nodes, chars, replica_chars, evictions
 
-    def describe(self):
+    def describe(self) -> Iterable[Metric]:
         return self._families()
 
-    def collect(self):
+    def collect(self) -> Iterable[Metric]:
         nodes, chars, replica_chars, evictions = self._families()
         for model, ref in list(self._trees.items()):
             tree = ref()
@@ -59,8 +61,8 @@ class PrefixTreeCollector:
         return [nodes, chars, replica_chars, evictions]
 
 
-def track_tree(registry, model: str, tree: RadixTree) -> None:
-    """Report ``tree`` as model ``model``'s prefix tree in ``registry`` (a prometheus CollectorRegistry)."""
+def track_tree(registry: CollectorRegistry, model: str, tree: RadixTree) -> None:
+    """Report ``tree`` as model ``model``'s prefix tree in ``registry``."""
     with _lock:
         collector = _collectors.get(registry)
         if collector is None:

@@ -125,6 +125,7 @@ class SimApi:
 
     def _sequence(self, body: dict, lora, prompt_ids: list[int], *, chat: bool) -> Sequence:
         config = self.config
+        assert config.max_model_len is not None  # SimConfig.resolve() filled it
         params = protocol.sampling_params(body, len(prompt_ids), config.max_model_len, chat=chat)
         salt = protocol.cache_salt(body)
         planned = output_tokens(prompt_ids, params, engine_seed=config.seed, output_range=config.output_tokens)

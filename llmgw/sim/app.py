@@ -73,6 +73,7 @@ class Simulator:
         publishing = events_cfg.publishing
         cache = KVCacheManager(config.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
                                enable_events=publishing, to_event=to_event)
+        assert config.max_num_batched_tokens is not None  # resolve() filled it
         scheduler = Scheduler(cache, max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens,
                               chunked_prefill=config.enable_chunked_prefill)

@@ -77,11 +77,10 @@ class SequenceHashes:
         extras = self._hash_extras
         return None if extras is None else extras[min(index, 1)]
 
-    def event_extra(self, index: int) -> list | None:
+    def event_extra(self, index: int) -> list[object] | None:
         extras = self._event_extras
-        if extras is None or extras[min(index, 1)] is None:
-            return None
-        return list(extras[min(index, 1)])
+        extra = None if extras is None else extras[min(index, 1)]
+        return None if extra is None else list(extra)
 
     def extend(self, token_ids: list[int]) -> None:
         """Hash every block of ``token_ids`` that became full since the last call."""

@@ -26,6 +26,7 @@ Events accumulate in :attr:`BlockPool.events` until the engine takes them.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Callable, Protocol
 
 from llmgw.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -100,7 +101,7 @@ class BlockPool:
         blocks = self.cached.get(digest)
         return next(iter(blocks.values())) if blocks else None
 
-    def touch(self, blocks: list[Block]) -> None:
+    def touch(self, blocks: Sequence[Block]) -> None:
         """Take a reference on hit blocks (removing free ones from the free queue)."""
         free = self.free
         for block in blocks:
@@ -124,6 +125,7 @@ class BlockPool:
 
     def _evict(self, block: Block) -> None:
         digest = block.block_hash
+        assert digest is not None  # only cached blocks are evicted
         same = self.cached[digest]
         del same[block.block_id]
         if not same:
@@ -201,7 +203,7 @@ class KVCacheManager:
         return hits
 
     def allocate_slots(self, seq: CachedSequence, num_new_tokens: int,
-                       new_computed_blocks: list[Block] = ()) -> bool:
+                       new_computed_blocks: Sequence[Block] = ()) -> bool:
         """Blocks for ``num_new_tokens`` more tokens of ``seq`` (after its hits); False when they do not fit.
 
         On success, full blocks up to the scheduled tokens are cached (events).
@@ -221,15 +223,14 @@ class KVCacheManager:
         if needed > 0:
             seq.blocks.extend(pool.allocate(needed))
         if self.enable_caching and seq.hashes is not None:
-            self._cache_full_blocks(seq, min(total, len(seq.token_ids)))
+            self._cache_full_blocks(seq, seq.hashes, min(total, len(seq.token_ids)))
         return True
 
-    def _cache_full_blocks(self, seq: CachedSequence, num_tokens: int) -> None:
+    def _cache_full_blocks(self, seq: CachedSequence, hashes: SequenceHashes, num_tokens: int) -> None:
         size = self.block_size
         start, end = seq.num_cached_blocks, num_tokens // size
         if end <= start:
             return
-        hashes = seq.hashes
         hashes.extend(seq.token_ids)
         digests = hashes.digests[start:end]
         pool = self.pool

@@ -19,7 +19,7 @@ import trio
 
 from ..logsetup import add_logging_arguments, setup_logging
 from ..usererrors import run_reporting
-from .config import SimArgumentError, KVEventsConfig, SimConfig, parse_lora_modules
+from .config import KVEventsConfig, SimArgumentError, SimConfig, parse_lora_modules
 
 log = logging.getLogger("llmgw.sim")
 
@@ -91,8 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--event-fields", type=int, default=None,
                      help="BlockStored fields the layout declares (map 11-15, default 14 = vLLM 0.30-0.32; "
                           "array 5-11, default 11)")
-    sim.add_argument("--time-scale", type=float, default=1.0, help="1 = modelled real time, 0.01 = 100x faster, 0 = no waiting")
-    sim.add_argument("--prefill-tokens-per-s", type=float, default=20000.0, help="prefill throughput of uncached tokens")
+    sim.add_argument("--time-scale", type=float, default=1.0,
+                     help="1 = modelled real time, 0.01 = 100x faster, 0 = no waiting")
+    sim.add_argument("--prefill-tokens-per-s", type=float, default=20000.0,
+                     help="prefill throughput of uncached tokens")
     sim.add_argument("--decode-ms-per-step", type=float, default=20.0, help="fixed cost of every engine step")
     sim.add_argument("--output-tokens", type=_output_range, default=(16, 128), metavar="MIN:MAX",
                      help="range of natural output lengths (ending in EOS) unless ignore_eos or max_tokens")

@@ -220,7 +220,7 @@ def parse_drop_seqs(spec: str):
 
 def parse_lora_modules(values: list[str]) -> list[LoraModule]:
     """vLLM's ``--lora-modules`` items: ``name=path`` or JSON ``{"name": .., "path": ..}``."""
-    out = []
+    out: list[LoraModule] = []
     for value in values:
         if value.lstrip().startswith("{"):
             try:

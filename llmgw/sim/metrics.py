@@ -53,7 +53,7 @@ def render(engine: StepLoop, model_name: str) -> bytes:
     stats = scheduler.stats
     pool = scheduler.cache.pool
     labels = f'engine="{engine.data_parallel_rank}",model_name="{_escape(model_name)}"'
-    values = {
+    values: dict[str, list[tuple[str, float]]] = {
         "vllm:num_requests_running": [("", len(scheduler.running))],
         "vllm:num_requests_waiting": [("", len(scheduler.waiting))],
         "vllm:kv_cache_usage_perc": [("", pool.usage)],

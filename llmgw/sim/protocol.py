@@ -164,7 +164,7 @@ def sampling_params(body: dict, prompt_len: int, max_model_len: int, *, chat: bo
         raise bad_request("'seed' must be an integer", "seed")
     return SamplingParams(
         max_tokens=max_tokens,
-        min_tokens=min(_int_field(body, "min_tokens", 0, minimum=0), max_tokens),
+        min_tokens=min(_int_field(body, "min_tokens", 0, minimum=0) or 0, max_tokens),
         ignore_eos=_bool_field(body, "ignore_eos", False),
         seed=seed,
     )
@@ -239,7 +239,8 @@ class ChunkWriter:
         reason = "null" if finish_reason is None else f'"{finish_reason}"'
         stop = ',"stop_reason":null' if finish_reason is not None or not self._chat else ""
         if self._chat:
-            choice = f'[{{"index":0,"delta":{{"content":{_dumps(text)}}},"logprobs":null,"finish_reason":{reason}{stop}}}]'
+            choice = (f'[{{"index":0,"delta":{{"content":{_dumps(text)}}},"logprobs":null,'
+                      f'"finish_reason":{reason}{stop}}}]')
         else:
             choice = f'[{{"index":0,"text":{_dumps(text)},"logprobs":null,"finish_reason":{reason}{stop}}}]'
         tail = f',"usage":{_dumps(usage_)}}}\n\n' if self._continuous and usage_ is not None else "}\n\n"

@@ -24,14 +24,20 @@ import logging
 import re
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import trio
 import zmq
 
 from llmgw.kv import zmq_trio
-from llmgw.kv.codec import (ARRAY_VARIANTS, BLOCK_REMOVED_FIELDS, BLOCK_STORED_FIELDS, END_SEQ_BYTES, MAP_VARIANTS,
-                            encode_batch)
+from llmgw.kv.codec import (
+    ARRAY_VARIANTS,
+    BLOCK_REMOVED_FIELDS,
+    BLOCK_STORED_FIELDS,
+    END_SEQ_BYTES,
+    MAP_VARIANTS,
+    encode_batch,
+)
 from llmgw.kv.events import BlockRemoved, BlockStored, EventBatch
 
 from .config import KVEventsConfig, binds
@@ -48,8 +54,8 @@ def layout_trimmer(layout: str, fields: int | None) -> Callable[[EventBatch], Ev
     variants = ARRAY_VARIANTS if layout == "array" else MAP_VARIANTS
     stored_count = fields or max(variants)
     removed_count = variants[stored_count]
-    stored_drop = {name: None for name in BLOCK_STORED_FIELDS[stored_count:]}
-    removed_drop = {name: None for name in BLOCK_REMOVED_FIELDS[removed_count:]}
+    stored_drop: dict[str, Any] = {name: None for name in BLOCK_STORED_FIELDS[stored_count:]}
+    removed_drop: dict[str, Any] = {name: None for name in BLOCK_REMOVED_FIELDS[removed_count:]}
     if stored_count >= 10 and removed_count >= 3:
         return None
 

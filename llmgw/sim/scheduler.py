@@ -251,10 +251,10 @@ class Scheduler:
         step.events = cache.pool.take_events()
         return step
 
-    def _allocate(self, seq: Sequence, num_new: int, hits: list[Block] = ()) -> bool | None:
+    def _allocate(self, seq: Sequence, num_new: int, hits: list[Block] | None = None) -> bool | None:
         """``allocate_slots``; None when it raised on this request (which is then failed)."""
         try:
-            return self.cache.allocate_slots(seq, num_new, hits)
+            return self.cache.allocate_slots(seq, num_new, hits or [])
         except Exception as exc:
             self.fail(seq, exc)
             return None
@@ -294,7 +294,7 @@ class Scheduler:
 
     def update(self, step: Step) -> list[Sequence]:
         """Apply a computed step: sample tokens, finish requests. Returns the requests that progressed."""
-        progressed = []
+        progressed: list[Sequence] = []
         finished_any = False
         stats = self.stats
         stats.steps += 1

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .tokenizer import BOS_ID, EOS_ID, SPECIAL_TOKENS, _TOKEN_STRS
+from .tokenizer import _TOKEN_STRS, BOS_ID, EOS_ID, SPECIAL_TOKENS
 
 CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")

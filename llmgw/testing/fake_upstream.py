@@ -7,9 +7,9 @@ transcript without reading the form), or with ``--chunks`` SSE events when the b
 (request and aborted-stream counters). Request bodies may steer it:
 ``x_status`` (answer with this HTTP status and an OpenAI-shaped JSON error),
 ``x_close`` (read the request, then close the connection without answering, as
-an engine that dies on it), ``x_delay_ms`` (wait before the head), ``x_chunk_delay_ms`` (pace stream events), ``x_chunks`` (events per
-stream), ``x_break_after`` (drop the connection after this many events), ``x_end_delay_ms`` (wait
-between ``data: [DONE]`` and the chunked body's terminator).
+an engine that dies on it), ``x_delay_ms`` (wait before the head), ``x_chunk_delay_ms`` (pace stream events),
+``x_chunks`` (events per stream), ``x_break_after`` (drop the connection after this many events),
+``x_end_delay_ms`` (wait between ``data: [DONE]`` and the chunked body's terminator).
 ``--status`` makes every POST fail with that status. Every response names
 the server in ``x-served-by``.
 
@@ -38,6 +38,11 @@ REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 500: "Internal Serve
            502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout"}
 
 
+def _error(message: bytes, kind: bytes) -> bytes:
+    """An OpenAI-shaped JSON error body."""
+    return b'{"error":{"message":"%s","type":"%s","param":null,"code":null}}' % (message, kind)
+
+
 class Stats:
     def __init__(self) -> None:
         self.requests = 0
@@ -56,7 +61,7 @@ class FakeUpstream(asyncio.Protocol):
         self.chunks = chunks
         self.stats = stats
         self.parser = httptools.HttpRequestParser(self)
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport  # set by connection_made, before any data arrives
         self.url = b""
         self.body: list[bytes] = []
         self.closed = False
@@ -119,13 +124,13 @@ class FakeUpstream(asyncio.Protocol):
                     {"id": self.model, "object": "model", "created": 0, "owned_by": "fake"}]}).encode())
             if path == "/stats":
                 return self._send(200, json.dumps(vars(stats)).encode())
-            return self._send(404, b'{"error":{"message":"not found","type":"not_found_error","param":null,"code":null}}')
+            return self._send(404, _error(b"not found", b"not_found_error"))
         if path.startswith("/v1/audio/"):  # a multipart upload: not JSON, answered with a transcript
             return self._send(200, b'{"text":"hello from %s"}' % self.name)
         try:
             body = json.loads(raw) if raw else {}
         except ValueError:
-            return self._send(400, b'{"error":{"message":"bad json","type":"invalid_request_error","param":null,"code":null}}')
+            return self._send(400, _error(b"bad json", b"invalid_request_error"))
         if body.get("x_delay_ms"):
             await asyncio.sleep(body["x_delay_ms"] / 1000)
             if self.closed:
@@ -135,16 +140,17 @@ class FakeUpstream(asyncio.Protocol):
             return
         status = int(body.get("x_status", self.status))
         if status != 200:
-            return self._send(status, b'{"error":{"message":"forced by x_status","type":"server_error","param":null,"code":null}}')
+            return self._send(status, _error(b"forced by x_status", b"server_error"))
         if body.get("stream"):
             return await self._stream(body)
         if path == "/v1/embeddings":
-            return self._send(200, b'{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.1,0.2,0.3]}],'
+            return self._send(200, b'{"object":"list","data":'
+                                   b'[{"object":"embedding","index":0,"embedding":[0.1,0.2,0.3]}],'
                                    b'"model":"%s","usage":{"prompt_tokens":3,"total_tokens":3}}' % self.model.encode())
         if path == "/v1/completions":
             return self._send(200, b'{"id":"cmpl-fake","object":"text_completion","created":%d,"model":"%s","choices":'
-                                   b'[{"index":0,"text":"hello from %s","finish_reason":"stop","logprobs":null}],"usage":'
-                                   b'{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8}}'
+                                   b'[{"index":0,"text":"hello from %s","finish_reason":"stop","logprobs":null}],'
+                                   b'"usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8}}'
                                    % (int(time.time()), self.model.encode(), self.name))
         return self._send(200, b'{"id":"chatcmpl-fake","object":"chat.completion","created":%d,"model":"%s","choices":'
                                b'[{"index":0,"message":{"role":"assistant","content":"hello from %s"},"finish_reason":'
@@ -191,8 +197,8 @@ async def serve(host: str, port: int, name: str, model: str, chunks: int, status
     loop = asyncio.get_running_loop()
     stats = Stats()
     context = server_context(tls_cert, tls_key, client_ca_file=tls_client_ca) if tls_cert else None
-    server = await loop.create_server(lambda: FakeUpstream(name, model, chunks, stats, status), host, port, backlog=1024,
-                                      ssl=context)
+    server = await loop.create_server(lambda: FakeUpstream(name, model, chunks, stats, status), host, port,
+                                      backlog=1024, ssl=context)
     bound = server.sockets[0].getsockname()
     scheme = "https" if context else "http"
     print(f"fake-upstream {name} listening on {scheme}://{bound[0]}:{bound[1]}", flush=True)

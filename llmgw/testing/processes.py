@@ -45,11 +45,25 @@ class Child:
     argv: list[str]
     process: trio.Process
     lines: list[str] = field(default_factory=list)  # its output so far, line by line (the last ``keep_lines``)
-    url: str | None = None  # the ready line's first group (e.g. ``http://127.0.0.1:PORT``)
-    control_url: str | None = None  # an ``llmgw serve`` child's control listener (:func:`start_serve`)
+    announced_url: str | None = None  # the ready line's first group (e.g. ``http://127.0.0.1:PORT``), if any
+    announced_control_url: str | None = None  # an ``llmgw serve`` child's control listener (:func:`start_serve`)
     output_file: Path | None = None  # where its output goes instead of ``lines`` (see :func:`run_child`)
     exited: trio.Event = field(default_factory=trio.Event)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope, repr=False)  # cancelled by :meth:`stop`
+
+    @property
+    def url(self) -> str:
+        """The URL its ready line announced (an error if it announced none)."""
+        if self.announced_url is None:
+            raise RuntimeError(f"{self.name} announced no URL on its ready line")
+        return self.announced_url
+
+    @property
+    def control_url(self) -> str:
+        """An ``llmgw serve`` child's control listener (an error for any other child)."""
+        if self.announced_control_url is None:
+            raise RuntimeError(f"{self.name} announced no control URL")
+        return self.announced_control_url
 
     @property
     def pid(self) -> int:
@@ -215,9 +229,9 @@ async def _follow_file(child: Child, matches, is_ready: trio.Event) -> None:
 
 def _ready(child: Child, match) -> None:
     if isinstance(match, re.Match) and match.re.groups >= 1:
-        child.url = match.group(1).rstrip("/")
+        child.announced_url = match.group(1).rstrip("/")
         if match.re.groups >= 2:
-            child.control_url = match.group(2).rstrip("/")
+            child.announced_control_url = match.group(2).rstrip("/")
 
 
 async def _healthy(child: Child, url: str) -> bool:

@@ -28,14 +28,14 @@ from __future__ import annotations
 import copy
 import logging
 import ssl
-from contextlib import AsyncExitStack, asynccontextmanager
-from typing import AsyncIterator, Awaitable, Callable, Protocol
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 import trio
 
-from . import messages as wire
 from ..tls import TlsClientOptions, client_context, describe_tls_error
+from . import messages as wire
 
 log = logging.getLogger(__name__)
 
@@ -98,14 +98,14 @@ class FrameChannel:
             log.debug("closing the channel to %s: %r", self.peer, exc)
 
 
-def websocket_channel(ws, peer: str) -> FrameChannel:
+def websocket_channel(ws: Any, peer: str) -> FrameChannel:
     """A channel over a trio-websocket connection (the agent's side)."""
     from trio_websocket import ConnectionClosed
 
     return FrameChannel(ws.send_message, ws.get_message, ws.aclose, peer, (ConnectionClosed,))
 
 
-def quart_channel(websocket, peer: str) -> FrameChannel:
+def quart_channel(websocket: Any, peer: str) -> FrameChannel:
     """A channel over a Quart websocket (the control plane's side).
 
     Quart cancels the handler when the client disconnects; a send after that
@@ -121,7 +121,8 @@ def quart_channel(websocket, peer: str) -> FrameChannel:
 class MemoryChannel:
     """One end of an in-process channel: message objects over trio memory channels."""
 
-    def __init__(self, send_channel: trio.MemorySendChannel, receive_channel: trio.MemoryReceiveChannel, peer: str):
+    def __init__(self, send_channel: trio.MemorySendChannel[wire.Message],
+                 receive_channel: trio.MemoryReceiveChannel[wire.Message], peer: str):
         self.peer = peer
         self._send = send_channel
         self._receive = receive_channel
@@ -145,8 +146,8 @@ class MemoryChannel:
 
 def memory_channel_pair(agent_name: str = "embedded agent", buffer: int = 64) -> tuple[MemoryChannel, MemoryChannel]:
     """``(agent_end, control_plane_end)`` of a new in-process channel."""
-    to_control_send, to_control_receive = trio.open_memory_channel(buffer)
-    to_agent_send, to_agent_receive = trio.open_memory_channel(buffer)
+    to_control_send, to_control_receive = trio.open_memory_channel[wire.Message](buffer)
+    to_agent_send, to_agent_receive = trio.open_memory_channel[wire.Message](buffer)
     return (MemoryChannel(to_control_send, to_agent_receive, "control plane (in-process)"),
             MemoryChannel(to_agent_send, to_control_receive, agent_name))
 
@@ -157,7 +158,7 @@ def memory_channel_pair(agent_name: str = "embedded agent", buffer: int = 64) ->
 class Connector(Protocol):
     url: str  # where it connects, for logs
 
-    def connect(self) -> AsyncIterator[Channel]:
+    def connect(self) -> AbstractAsyncContextManager[Channel]:
         """An async context manager yielding a fresh channel to the control plane."""
 
 
@@ -184,7 +185,7 @@ class WebSocketConnector:
     def __init__(self, join: str, connect_timeout: float = 10.0, tls: TlsClientOptions | None = None):
         self.url = agent_url(join)
         self.connect_timeout = connect_timeout
-        self.ssl_context = None
+        self.ssl_context: ssl.SSLContext | None = None
         if self.url.startswith("wss://"):
             self.ssl_context = client_context(tls)  # OSError/ssl.SSLError: a CA or key file that cannot be used
         elif tls is not None:
@@ -211,7 +212,7 @@ class WebSocketConnector:
         parts = urlsplit(self.url)
         with trio.move_on_after(self.connect_timeout):
             try:
-                stream = await trio.open_ssl_over_tcp_stream(parts.hostname, parts.port or 443,
+                stream = await trio.open_ssl_over_tcp_stream(parts.hostname or "", parts.port or 443,
                                                              ssl_context=self.ssl_context)
                 async with stream:
                     await stream.do_handshake()

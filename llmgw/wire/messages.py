@@ -24,7 +24,7 @@ import enum
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
@@ -55,7 +55,7 @@ class ShardState(str, enum.Enum):
     FAILED = "failed"
 
     @classmethod
-    def _missing_(cls, value):
+    def _missing_(cls, value: object) -> ShardState:
         return cls.FAILED  # an unknown state read off the wire is never taken as Ready
 
     @property
@@ -222,7 +222,7 @@ class ShardReport:
 class Message:
     TYPES: ClassVar[dict[str, type["Message"]]] = {}
 
-    def __init_subclass__(cls, **kwargs):
+    def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         Message.TYPES[cls.__name__] = cls
 
@@ -382,7 +382,8 @@ def to_plain(value: Any) -> Any:
 
 def encode(message: Message) -> bytes:
     body = to_plain(message)
-    return msgpack.packb({"v": PROTOCOL_VERSION, "t": type(message).__name__, **body}, use_bin_type=True)
+    frame: bytes = msgpack.packb({"v": PROTOCOL_VERSION, "t": type(message).__name__, **body}, use_bin_type=True)
+    return frame
 
 
 def decode(frame: bytes) -> Message | UnknownMessage:
@@ -412,12 +413,15 @@ def _hints(cls: type) -> dict[str, Any]:
     return hints
 
 
-def from_plain(cls: type, raw: Any, where: str):
+_T = TypeVar("_T")
+
+
+def from_plain(cls: type[_T], raw: Any, where: str) -> _T:
     if not isinstance(raw, dict):
         raise WireError(f"{where}: expected a map, got {type(raw).__name__}")
     hints = _hints(cls)
     kwargs = {}
-    for f in dataclasses.fields(cls):
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # every class decoded here is a dataclass
         if f.name in raw and raw[f.name] is not None:
             kwargs[f.name] = _convert(hints[f.name], raw[f.name], f"{where}.{f.name}")
     return cls(**kwargs)
@@ -440,7 +444,7 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
         return {_convert(key_type, k, where): _convert(value_type, v, f"{where}[{k!r}]") for k, v in value.items()}
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return hint(value)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return from_plain(hint, value, where)
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):

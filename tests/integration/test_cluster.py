@@ -14,9 +14,9 @@ import openai
 import trio
 import trio_websocket
 
-from llmgw import wire
-from llmgw.testing.cluster import AGENTS, CHAT, TOKEN, all_up, alive, embedded, environ_of, shard_pids
 from helpers import next_error
+from llmgw import wire
+from llmgw.testing.cluster import AGENTS, CHAT, TOKEN, alive, all_up, embedded, environ_of, shard_pids
 
 TINY_SIM = """
 profiles:

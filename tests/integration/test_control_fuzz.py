@@ -9,8 +9,7 @@ import subprocess
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from llmgw.testing.processes import llmgw_command
 

@@ -84,7 +84,7 @@ async def provoke_and_survive(gw) -> None:
         assert wire.decode(await ws.get_message()).accepted
 
         # Before containment one such request in a few ended `llmgw serve` (BusyResourceError out of Hypercorn).
-        for attempt in range(300):
+        for _ in range(300):
             await half_closed_short_body(gw.control_url)
             if await metric(gw, "llmgw_control_connection_failures_total") >= 3:
                 break

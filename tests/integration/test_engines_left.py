@@ -14,8 +14,8 @@ import trio
 
 from llmgw.agent.leftover import running_engines
 from llmgw.procgroup import process_start_time
-from llmgw.testing.processes import llmgw_command
 from llmgw.testing.cluster import AGENTS, TOKEN, embedded, shard_pids
+from llmgw.testing.processes import llmgw_command
 
 pytestmark = pytest.mark.slow
 STATE_LINE = re.compile(r"shard (\S+) (?:\(generation \d+\)|on \S+) is (\w+):")

@@ -12,9 +12,9 @@ import openai
 import pytest
 import trio
 
+from helpers import assert_openai_error, replicas, stats, wait_for
 from llmgw.testing.metrics import scrape_value
 from llmgw.testing.processes import free_port
-from helpers import assert_openai_error, replicas, stats, wait_for
 
 KEY = "sk-test-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}

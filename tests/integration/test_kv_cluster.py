@@ -20,11 +20,11 @@ import pytest
 import trio
 import trio_websocket
 
+from helpers import next_error
 from llmgw import wire
 from llmgw.testing.cluster import AGENTS, BLOCK, TOKEN, all_up, complete, embedded, kv_state, kv_where, text
 from llmgw.testing.processes import free_port, llmgw_command, start_child
 from llmgw.testing.sims import kv_sim_profile as kv_sim
-from helpers import next_error
 
 pytestmark = pytest.mark.slow
 

@@ -273,8 +273,8 @@ async def test_a_burst_of_concurrent_requests_sharing_a_new_prefix_counts_no_ove
     # most are routed by the predicted entries of the first ones, before any event confirmed a block, and may
     # reach the engine before or after those blocks are computed (fewer or more cached tokens than predicted).
     # `over` is about confirmed blocks only: none of that is drift towards suspect (the threshold here is 1).
-    replicas = await start(cluster, kv_sim('"--num-blocks", "2048", "--time-scale", "1", '
-                                           '"--decode-ms-per-step", "1"', "{tokenize_timeout: 2s, drift_suspect_after: 1}"))
+    replicas = await start(cluster, kv_sim('"--num-blocks", "2048", "--time-scale", "1", "--decode-ms-per-step", "1"',
+                                           "{tokenize_timeout: 2s, drift_suspect_after: 1}"))
     await learn_block_sizes(cluster, replicas)
     shared = text(800, 400)
     with trio.fail_after(60):

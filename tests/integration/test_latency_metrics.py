@@ -53,7 +53,8 @@ async def test_ttft_is_the_first_token_and_tokens_are_counted(nursery, start_llm
                 if '"usage":{' in line:
                     usage = httpx.Response(200, content=line[len("data: "):]).json()["usage"]
         streamed = await scrape_samples(gw)
-        plain = await client.post(gw.url + "/v1/chat/completions", json={"model": "tiny", "messages": body["messages"], "max_tokens": 8})
+        plain = await client.post(gw.url + "/v1/chat/completions", json={"model": "tiny", "messages": body["messages"],
+                                                                       "max_tokens": 8})
         assert plain.status_code == 200
 
     samples = await scrape_samples(gw)

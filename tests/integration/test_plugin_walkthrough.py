@@ -18,8 +18,8 @@ import httpx
 import trio
 
 from llmgw.testing.metrics import scrape_value
-from llmgw.testing.sims import MODEL, gateway_config, start_sims
 from llmgw.testing.processes import llmgw_command
+from llmgw.testing.sims import MODEL, gateway_config, start_sims
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
 MARKED_BLOCK = re.compile(r"<!-- walkthrough-file: (\S+) -->\n```\w*\n(.*?)\n```\n", re.S)
@@ -93,6 +93,7 @@ async def test_the_walkthrough_tier_installs_passes_its_test_and_sees_non_stream
             for i in range(REQUESTS):
                 burst.start_soon(ask, client, i)
     ties = await scrape_value(gateway.control_url, "llmgw_routing_decisions_total", 'tier="least_tokens",outcome="tie"')
-    least = await scrape_value(gateway.control_url, "llmgw_routing_decisions_total", 'tier="least_tokens",outcome="least"')
+    least = await scrape_value(gateway.control_url, "llmgw_routing_decisions_total",
+                               'tier="least_tokens",outcome="least"')
     assert (ties, least) == (1, REQUESTS - 1), (ties, least)
     assert sorted(set(served)) == ["sim-0", "sim-1"]

@@ -28,7 +28,8 @@ async def test_vllm_paths_are_relayed_by_model(start_fake_upstream, start_llmgw)
         # vLLM's tokenizer endpoints may omit the model: the gateway's only model serves them.
         assert (await client.post("/tokenize", json={"prompt": "hi"})).status_code == 200
         for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
-            response = await client.post(path, data={"model": "tiny"}, files={"file": ("a.wav", b"RIFF....", "audio/wav")})
+            response = await client.post(path, data={"model": "tiny"},
+                                         files={"file": ("a.wav", b"RIFF....", "audio/wav")})
             assert response.status_code == 200 and response.json()["text"] == "hello from a", response.text
         no_model = await client.post("/v1/audio/transcriptions", data={"language": "en"},
                                      files={"file": ("a.wav", b"RIFF", "audio/wav")})

@@ -43,10 +43,13 @@ async def test_a_lone_surrogate_salt_is_a_400_from_the_sim_kills_no_sim_and_is_n
             body = b'{"model":"tiny","messages":[{%s%s}]}' % (
                 field, b',"content":"hi"' if b"role" in field else b',"role":"user"')
             assert_openai_error(await client.post(CHAT, content=body), 400)
-        for sim in sims:  # every sim still serves, in the same process
+        served = set()
+        for _ in sims:  # every sim still serves, in the same process (round robin: one request each)
             ok = await client.post(CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                                                "max_tokens": 3})
             assert ok.status_code == 200, ok.text
+            served.add(ok.headers["x-llmgw-replica"])
+        assert len(served) == len(sims)
     assert [s.pid for s in sims] == pids and all(s.process.returncode is None for s in sims)
     async with httpx.AsyncClient(timeout=10) as client:
         for sim in sims:
@@ -90,7 +93,8 @@ async def test_an_engine_500_is_relayed_as_is_not_retried_and_does_not_count_aga
         assert good == {"a", "b"}  # both still routable
     assert await posts(a, b) == 12 + 4  # each bad request went to one replica, once
     assert await scrape_value(gw.control_url, "llmgw_retries_total", 'model="tiny"') in (None, 0.0)
-    caused = [await scrape_value(gw.control_url, "llmgw_upstream_request_failures_total", f'replica="{n}",reason="status_500"')
+    failures = "llmgw_upstream_request_failures_total"
+    caused = [await scrape_value(gw.control_url, failures, f'replica="{n}",reason="status_500"')
               for n in ("a", "b")]
     assert sum(v or 0 for v in caused) == 8
 
@@ -128,7 +132,8 @@ async def test_an_unwell_503_is_retried_counted_and_a_passing_probe_brings_the_r
             response = await client.post(CHAT, json={"model": "tiny"})
             assert response.status_code == 200 and response.headers["x-llmgw-replica"] == "b"
         assert (await stats(sick))["by_path"].get(CHAT, 0) >= 1
-        assert await scrape_value(gw.control_url, "llmgw_upstream_errors_total", 'replica="sick",kind="status_5xx"') >= 1
+        errors = await scrape_value(gw.control_url, "llmgw_upstream_errors_total", 'replica="sick",kind="status_5xx"')
+        assert errors is not None and errors >= 1
         # Down on the 503, its probe (which passes) runs at once: back long before the 30 s interval.
         await wait_for(lambda: _state(gw, "sick", "up"), timeout=10)
         # No other replica: the client gets the upstream's own 503 and body.

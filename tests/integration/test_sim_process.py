@@ -257,7 +257,7 @@ async def test_events_hashes_gaps_replay_and_usage():
             stored = removed = 0
             kinds = set()
             single_store_seen = False
-            for _, seq, payload in replayed:
+            for _, _seq, payload in replayed:
                 assert payload[0] == 0x93 and payload[1] == 0xCB
                 ts, events, rank = decode(payload)
                 assert rank == 0 and abs(ts - time.time()) < 120
@@ -341,10 +341,10 @@ async def test_usage_counts_blocks_of_running_requests():
                 assert used in (4, 5)  # 4 full blocks (+ the block decode is filling)
                 assert float(samples[f"vllm:num_requests_running{labels}"]) == 1.0
                 assert float(samples[f"llmgw_sim_cached_blocks{labels}"]) == 4.0
-                async for line in lines:
+                async for _line in lines:
                     pass
         metrics = (await http.get("/metrics")).text
-        assert f'vllm:kv_cache_usage_perc{{engine="0",model_name="sim"}} 0.0' in metrics
+        assert 'vllm:kv_cache_usage_perc{engine="0",model_name="sim"} 0.0' in metrics
         assert parse_block_size(metrics) == 16  # vllm:cache_config_info's block_size label, as vLLM exports it
 
 
@@ -488,7 +488,7 @@ async def test_client_disconnect_aborts_the_request():
                     break
                 await trio.sleep(0.05)
         assert samples[f"vllm:kv_cache_usage_perc{labels}"] == 0.0
-        assert samples[f'vllm:request_success_total{{engine="0",model_name="sim",finished_reason="abort"}}'] == 1
+        assert samples['vllm:request_success_total{engine="0",model_name="sim",finished_reason="abort"}'] == 1
         assert samples[f"vllm:generation_tokens_total{labels}"] < 100
 
 

@@ -16,7 +16,6 @@ from llmgw.agent.statelock import StateDirBusy, StateDirLock
 from llmgw.testing.processes import llmgw_command, start_child
 
 
-
 async def start_agent(nursery, state_dir) -> trio.Process:
     """A real ``llmgw agent`` that holds ``state_dir`` (its control plane is unreachable: it keeps retrying)."""
     argv = llmgw_command("agent", "--join", "http://127.0.0.1:9", "--token", "secret-token", "--node-id", "node-a",

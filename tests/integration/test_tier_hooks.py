@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-from llmgw.testing.processes import free_port
 from llmgw.gateway.dataplane import DataPlane, DataPlaneSettings
 from llmgw.http.messages import Request
 from llmgw.metrics import Metrics
@@ -19,6 +18,7 @@ from llmgw.router.health import HealthSettings, HealthTracker
 from llmgw.router.replica import Replica
 from llmgw.router.router import Router
 from llmgw.testing.plugins import registry_with
+from llmgw.testing.processes import free_port
 
 
 class Recording(RoutingTier):

@@ -18,8 +18,8 @@ import pytest
 import trio
 import trustme
 
-from llmgw.testing.metrics import scrape_value
 from helpers import wait_for
+from llmgw.testing.metrics import scrape_value
 
 KEY = "sk-client"
 UPSTREAM_SECRET = "sk-upstream-secret"

@@ -10,15 +10,15 @@ import trustme
 from prometheus_client import CollectorRegistry
 from trio_websocket import serve_websocket
 
+from helpers import RecordingHandler
 from llmgw import wire
-from llmgw.wire.channel import WebSocketConnector, websocket_channel
 from llmgw.commands.agent import build_parser, tls_options
 from llmgw.control.agent_service import AgentService, SessionSettings
 from llmgw.control.identity import NodeIdentities
 from llmgw.control.inventory import Inventory
 from llmgw.control.metrics import ControlMetrics
 from llmgw.tls import TlsClientOptions
-from helpers import RecordingHandler
+from llmgw.wire.channel import WebSocketConnector, websocket_channel
 
 TOKEN = "join-me"
 

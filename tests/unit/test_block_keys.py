@@ -8,9 +8,9 @@ import random
 
 import cbor2
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
+from golden import from_json, load_golden
 from llmgw.kv.keys import (
     BlockKeyFunction,
     ContentChainKeys,
@@ -25,8 +25,6 @@ from llmgw.kv.keys import (
     request_extra_keys,
 )
 from llmgw.plugins import kv_builtin
-
-from golden import from_json, load_golden
 
 GOLDEN = load_golden("vllm_block_hashes.json")
 CASES = GOLDEN["cases"]

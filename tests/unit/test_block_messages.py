@@ -14,8 +14,7 @@ import pickle
 import cbor2
 import pytest
 import xxhash
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from llmgw.kv.block_messages import CborBlockMessages, extra_cbor
 from llmgw.kv.keys import (
@@ -81,7 +80,8 @@ def requests(draw, tokens=any_tokens):
 
 @pytest.mark.parametrize("algo", ALGORITHMS)
 @settings(max_examples=150, deadline=None)
-@given(request=requests(), memo_size=st.sampled_from([0, 2, 65536]), parent=st.one_of(st.none(), st.binary(max_size=40)))
+@given(request=requests(), memo_size=st.sampled_from([0, 2, 65536]),
+       parent=st.one_of(st.none(), st.binary(max_size=40)))
 def test_chain_equals_vllms_formula(algo, request, memo_size, parent):
     tokens, block_size, extras, lookahead = request
     key_function = VllmBlockKeys(algo, seed="0", memo_size=memo_size)

@@ -151,7 +151,8 @@ def test_load_config_on_a_missing_file(tmp_path):
 
 @pytest.mark.parametrize("example", [STATIC_EXAMPLE, CLUSTER_EXAMPLE])
 def test_secrets_never_appear_in_repr_or_str(example):
-    text = example + "profiles:\n  - {name: p, engine: vllm, model_path: m, api_key: eng-key-1, env: {HF_TOKEN: hf-42}}\n"
+    text = example + ("profiles:\n"
+                      "  - {name: p, engine: vllm, model_path: m, api_key: eng-key-1, env: {HF_TOKEN: hf-42}}\n")
     if "profiles:" in example:  # the cluster example already has a profile list
         text = example.replace("    env: {}", "    env: {HF_TOKEN: hf-42}\n    api_key: eng-key-1")
     config = parse_config(text)
@@ -206,9 +207,12 @@ ERROR_CASES = {
     "missing required key": ("models:\n  - name: a\n", 2, "models[0].replicas", "missing required key"),
     "required key set to null": ("profiles:\n  - name: p\n    engine:\n    model_path: m\n", 3,
                                  "profiles[0].engine", "must have a value"),
-    "integer expected": ("limits:\n  retries: three\n", 2, "limits.retries", "expected an integer, got a string 'three'"),
-    "boolean is not an integer": ("limits:\n  retries: true\n", 2, "limits.retries", "expected an integer, got a boolean"),
-    "boolean expected": ("metrics:\n  enabled: 1\n", 2, "metrics.enabled", "expected true or false, got an integer '1'"),
+    "integer expected": ("limits:\n  retries: three\n", 2, "limits.retries",
+                         "expected an integer, got a string 'three'"),
+    "boolean is not an integer": ("limits:\n  retries: true\n", 2, "limits.retries",
+                                  "expected an integer, got a boolean"),
+    "boolean expected": ("metrics:\n  enabled: 1\n", 2, "metrics.enabled",
+                         "expected true or false, got an integer '1'"),
     "list expected": ("models:\n  name: a\n", 1, "models", "expected a list, got a mapping"),
     "mapping expected": ("health: [1]\n", 1, "health", "expected a mapping, got a list"),
     "scalar expected": ("profiles:\n  - {name: p, engine: sim, model_path: m, args: [[1]]}\n", 2,
@@ -228,7 +232,8 @@ ERROR_CASES = {
     "no replicas": ("models:\n  - name: a\n    replicas: []\n", 3, "models[0].replicas",
                     "a model needs at least one replica"),
     "duplicate replica url": ("models:\n  - name: a\n    replicas:\n      - url: http://h:1\n      - url: http://h:1/\n",
-                              5, "models[0].replicas[1].url", "duplicate replica URL: same as models[0].replicas[0].url on line 4"),
+                              5, "models[0].replicas[1].url",
+                              "duplicate replica URL: same as models[0].replicas[0].url on line 4"),
     "kv_replay without kv_events": ("models:\n  - name: a\n    replicas:\n      - url: http://h:1\n"
                                     "        kv_replay: tcp://h:5558\n", 5, "models[0].replicas[0].kv_replay",
                                     "needs kv_events"),
@@ -259,11 +264,13 @@ ERROR_CASES = {
                        "      - {name: a, path: /x}\n      - {name: a, path: /y}\n", 7,
                        "profiles[0].lora_adapters[1].name", "duplicate LoRA adapter name"),
     "duplicate profile": ("profiles:\n  - {name: p, engine: sim, model_path: m}\n"
-                          "  - {name: p, engine: sim, model_path: m}\n", 3, "profiles[1].name", "duplicate profile name"),
+                          "  - {name: p, engine: sim, model_path: m}\n", 3, "profiles[1].name",
+                          "duplicate profile name"),
     "odd label key path": ("profiles:\n  - name: p\n    engine: sim\n    model_path: m\n    labels:\n"
                            "      gpu.example.com/class: [a]\n", 6, 'profiles[0].labels["gpu.example.com/class"]',
                            "expected a single value, got a list"),
-    "unknown deployment profile": ("agents: {embedded: true}\nprofiles:\n  - {name: tiny-sim, engine: sim, model_path: m}\n"
+    "unknown deployment profile": ("agents: {embedded: true}\n"
+                                   "profiles:\n  - {name: tiny-sim, engine: sim, model_path: m}\n"
                                    "deployments:\n  - profile: tiny-sm\n", 5, "deployments[0].profile",
                                    "no profile named 'tiny-sm' (did you mean 'tiny-sim'?)"),
     "negative replicas": ("agents: {embedded: true}\nprofiles:\n  - {name: p, engine: sim, model_path: m}\n"
@@ -271,14 +278,17 @@ ERROR_CASES = {
                           "must be at least 0"),
     "routing differs between model and profile": (
         "agents: {embedded: true}\nmodels:\n  - {name: tiny, replicas: [{url: 'http://h:1'}]}\n"
-        "profiles:\n  - name: p\n    engine: sim\n    model_path: m\n    served_model_name: tiny\n    routing: kv_index\n",
-        9, "profiles[0].routing", "model 'tiny' is also declared by models[0].name on line 3 with routing 'round_robin'"),
+        "profiles:\n  - name: p\n    engine: sim\n    model_path: m\n    served_model_name: tiny\n"
+        "    routing: kv_index\n",
+        9, "profiles[0].routing",
+        "model 'tiny' is also declared by models[0].name on line 3 with routing 'round_robin'"),
     "routing options differ": (
         "profiles:\n  - {name: a, engine: sim, model_path: m, served_model_name: x, routing_options: {k: 1}}\n"
         "  - {name: b, engine: sim, model_path: m, served_model_name: x, routing_options: {k: 2}}\n",
         3, "profiles[1].routing_options", "with different routing_options"),
     "agent token required (agents written)": (
-        "agents:\n  embedded: false\nprofiles:\n  - {name: p, engine: sim, model_path: m}\ndeployments:\n  - profile: p\n",
+        "agents:\n  embedded: false\nprofiles:\n  - {name: p, engine: sim, model_path: m}\n"
+        "deployments:\n  - profile: p\n",
         1, "agents.token", "agents.token is required for remote agents"),
     "agent token required (no agents section)": (
         "profiles:\n  - {name: p, engine: sim, model_path: m}\ndeployments:\n  - profile: p\n",
@@ -459,7 +469,8 @@ def test_strings_take_any_scalar_as_written():
 
 
 def test_null_takes_the_default():
-    config = parse_config("listen:\nlimits:\n  retries: ~\nmodels:\n  - name: a\n    replicas: [{url: 'http://h:1', api_key: null}]\n")
+    config = parse_config("listen:\nlimits:\n  retries: ~\n"
+                          "models:\n  - name: a\n    replicas: [{url: 'http://h:1', api_key: null}]\n")
     assert config.listen == HostPort("127.0.0.1", 8000) and config.limits.retries == 2
     assert config.models[0].replicas[0].api_key is None
 
@@ -591,7 +602,8 @@ def test_cli_usage_errors(tmp_path):
     assert run_cli(cwd=tmp_path).returncode == 2
     assert run_cli("check", cwd=tmp_path).returncode == 2
     missing = run_cli("check", "missing.yaml", cwd=tmp_path)
-    assert missing.returncode == 1 and missing.stderr.strip() == "missing.yaml: cannot read the file: No such file or directory"
+    assert missing.returncode == 1
+    assert missing.stderr.strip() == "missing.yaml: cannot read the file: No such file or directory"
 
 
 # -- the documentation -------------------------------------------------------------------

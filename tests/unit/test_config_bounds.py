@@ -158,6 +158,13 @@ deployments:
     } <= found
 
 
+def test_a_key_with_a_bound_of_its_own_takes_values_up_to_it():
+    # max_model_len's bound (100000000) is above MAX_COUNT: it replaces that bound, it does not add to it.
+    config = parse_config("models:\n  - name: m\n    max_model_len: 10000000\n"
+                          "    replicas: [{url: 'http://127.0.0.1:9001'}]\n")
+    assert config.models[0].max_model_len == 10_000_000
+
+
 def test_config_check_reports_an_alias_bomb_without_a_traceback(tmp_path):
     path = tmp_path / "lol.yaml"
     path.write_text(BILLION_LAUGHS)

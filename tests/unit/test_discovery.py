@@ -382,7 +382,8 @@ def test_system_host_reads_infiniband_imex_and_pci_from_sysfs(tmp_path):
                  subnet_prefix="fe80:0000:0000:0001", pci_bus_id="0000:19:00.0", numa_node=1)]
     assert host.imex_channels() == [0, 3]
     assert host.pci_numa_node("00000000:18:00.0") == 1
-    assert host.pci_path("0000:18:00.0") == "/sys/devices/pci0000:15/0000:15:01.0/0000:16:00.0/0000:17:00.0/0000:18:00.0"
+    assert host.pci_path("0000:18:00.0") == (
+        "/sys/devices/pci0000:15/0000:15:01.0/0000:16:00.0/0000:17:00.0/0000:18:00.0")
     assert host.pci_numa_node("0000:99:00.0") == -1 and host.pci_path("0000:99:00.0") == ""
 
 

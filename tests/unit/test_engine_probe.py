@@ -3,19 +3,24 @@ plugin gives, health checks against real servers on 127.0.0.1, and the router's 
 
 from __future__ import annotations
 
-
 import trio
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from llmgw import wire
 from llmgw.config import parse_config
+from llmgw.control.deployed import DeployedReplicas
 from llmgw.control.fingerprint import profile_fingerprint
 from llmgw.control.reconciler import Assignment, ShardSlot, desired_replicas
-from llmgw.control.deployed import DeployedReplicas
 from llmgw.engines import probe
-from llmgw.engines.probe import (NO_GAUGES, VLLM_GAUGES, EngineGauges, engine_gauges, parse_block_size,
-                                 parse_gauge_sum, parse_load)
+from llmgw.engines.probe import (
+    NO_GAUGES,
+    VLLM_GAUGES,
+    EngineGauges,
+    engine_gauges,
+    parse_block_size,
+    parse_gauge_sum,
+    parse_load,
+)
 from llmgw.hookspecs import hookimpl
 from llmgw.http.client import UpstreamPool
 from llmgw.http.messages import Response

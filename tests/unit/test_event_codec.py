@@ -6,9 +6,9 @@ import dataclasses
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
+from golden import from_json_lists, load_golden
 from llmgw.kv.codec import (
     ARRAY_VARIANTS,
     BLOCK_REMOVED_FIELDS,
@@ -34,8 +34,6 @@ from llmgw.kv.events import (
 )
 from llmgw.kv.keys import normalize_hash
 from llmgw.plugins import kv_builtin
-
-from golden import from_json_lists, load_golden
 
 GOLDEN = load_golden("vllm_kv_event_frames.json")
 VARIANTS = GOLDEN["variants"]

@@ -18,7 +18,6 @@ import trio
 from llmgw.http.messages import Request, Response
 from llmgw.http.server import AbortConnection, HttpServer, ServerLimits
 
-
 # -- helpers -----------------------------------------------------------------------------------------------------------
 
 class Reply:

@@ -16,8 +16,7 @@ import ssl
 import pytest
 import trio
 import trustme
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from llmgw.http.client import UpstreamError, UpstreamPool
 from llmgw.http.messages import Response

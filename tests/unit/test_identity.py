@@ -11,13 +11,13 @@ import trio
 from hypothesis import given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 
+from helpers import RecordingHandler
 from llmgw import wire
-from llmgw.wire.channel import ChannelClosed, memory_channel_pair
 from llmgw.control.agent_service import AgentService, SessionSettings
 from llmgw.control.identity import IdentityStoreError, NodeIdentities, new_secret
 from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.metrics import ControlMetrics
-from helpers import RecordingHandler
+from llmgw.wire.channel import ChannelClosed, memory_channel_pair
 
 TOKEN = "join-t0ken"
 

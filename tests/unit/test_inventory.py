@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 
 import pytest
 import trio
 from prometheus_client import CollectorRegistry
 
+from helpers import RecordingHandler
 from llmgw import wire
-from llmgw.wire.channel import ChannelClosed, memory_channel_pair
 from llmgw.control.agent_service import AgentService, SessionSettings
 from llmgw.control.identity import NodeIdentities
 from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.metrics import ControlMetrics
-from helpers import RecordingHandler
+from llmgw.wire.channel import ChannelClosed, memory_channel_pair
 
 TOKEN = "t0p-s3cret"
 SETTINGS = SessionSettings(token=TOKEN, heartbeat_interval=5.0, suspect_after=15.0, disconnected_after=60.0)

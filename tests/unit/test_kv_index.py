@@ -8,10 +8,10 @@ import trio
 import trio.testing
 from prometheus_client import CollectorRegistry, generate_latest
 
+from llmgw.kv.changes import BlockChanges, KvChangeKind
 from llmgw.kv.drift import DriftPolicy
 from llmgw.kv.index import IndexState, KvIndex, refusal_reason
 from llmgw.kv.metrics import KvMetrics
-from llmgw.kv.changes import BlockChanges, KvChangeKind
 
 
 def delta(stored=(), removed=(), block_size=16):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import trio
 
+from llmgw.kv.changes import KvChangeKind
 from llmgw.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from llmgw.kv.keys import ContentChainKeys, VllmBlockKeys, request_extra_keys
 from llmgw.kv.mirror import EngineMirror, flush_loop, resync
-from llmgw.kv.changes import KvChangeKind
 
 B = 4
 

@@ -6,8 +6,7 @@ import json
 import logging
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from llmgw.http.client import UpstreamPool
 from llmgw.kv.local_tokenizer import LocalTokenizer, LocalTokenizerError

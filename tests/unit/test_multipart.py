@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from llmgw.http.multipart import FormError, boundary_of, form_field
 

@@ -10,8 +10,16 @@ from llmgw.agent.discovery import discover
 from llmgw.config import parse_config
 from llmgw.control.fingerprint import profile_fingerprint
 from llmgw.control.inventory import NodeRecord, NodeState
-from llmgw.control.reconciler import (Adopt, Command, Place, Reconciler, Retire, Unplaceable, desired_replicas,
-                                      place_with_plan_all)
+from llmgw.control.reconciler import (
+    Adopt,
+    Command,
+    Place,
+    Reconciler,
+    Retire,
+    Unplaceable,
+    desired_replicas,
+    place_with_plan_all,
+)
 
 NODES = Path(__file__).resolve().parents[1] / "fixtures" / "nodes"
 WALL_MS = 1_000_000

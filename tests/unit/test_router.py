@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import trio
 
+from llmgw.hookspecs import hookimpl
 from llmgw.metrics import Metrics
 from llmgw.plugins_manager import PluginError, build_registry, make_plugin_manager
-from llmgw.hookspecs import hookimpl
 from llmgw.router.health import HealthSettings, HealthTracker
 from llmgw.router.replica import Replica, ReplicaState
 from llmgw.router.router import Router

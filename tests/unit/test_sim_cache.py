@@ -252,7 +252,7 @@ def test_scheduler_waits_when_cache_full_and_preempts():
     step = sched.schedule()
     assert len(step.scheduled) == 2  # 2 blocks each
     sched.update(step)
-    steps = run_to_completion(sched)
+    run_to_completion(sched)
     assert sched.stats.preemptions >= 1
     assert a.output_ids == list(range(60, 66)) and b.output_ids == list(range(60, 66))
     assert cache.usage == 0.0

@@ -8,7 +8,7 @@ import pytest
 from llmgw.kv.codec import encode_batch
 from llmgw.kv.events import BlockRemoved, BlockStored, EventBatch
 from llmgw.sim.cli import _strip_ignored, build_parser, config_from_args
-from llmgw.sim.config import SimArgumentError, KVEventsConfig, SimConfig, binds, offset_endpoint, parse_drop_seqs
+from llmgw.sim.config import KVEventsConfig, SimArgumentError, SimConfig, binds, offset_endpoint, parse_drop_seqs
 from llmgw.sim.publisher import connectable, layout_trimmer
 
 

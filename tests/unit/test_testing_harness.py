@@ -70,12 +70,12 @@ async def test_a_child_not_ready_by_its_deadline_fails_and_is_stopped(nursery):
 async def test_ready_can_be_a_plain_substring_or_a_health_url(nursery):
     said = await start_child(nursery, python("print('all set'); import time; time.sleep(60)"), name="said",
                              ready="all set")
-    assert said.url is None and said.lines == ["all set"]
+    assert said.announced_url is None and said.lines == ["all set"]
     port = free_port()
     argv = [sys.executable, "-m", "llmgw.testing.fake_upstream", "--port", str(port), "--name", "h"]
     healthy = await start_child(nursery, argv, name="healthy", ready=None,
                                 health_url=f"http://127.0.0.1:{port}/health")
-    assert healthy.returncode is None and healthy.url is None
+    assert healthy.returncode is None and healthy.announced_url is None
 
 
 async def test_output_can_go_to_a_file_that_the_ready_line_is_read_from(nursery, tmp_path):

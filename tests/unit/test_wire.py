@@ -10,8 +10,25 @@ from hypothesis import given, settings, strategies as st
 
 from llmgw import wire
 from llmgw.wire import (
-    GpuFabric, GpuHealth, GpuInfo, Hca, FabricInfo, ImexInfo, KvChangeKind, KvChanges, LoraModule, MigInfo, NicPath,
-    Register, ShardProfile, ShardReport, ShardState, ShardStatus, StartShard, UnknownMessage, WireError,
+    FabricInfo,
+    GpuFabric,
+    GpuHealth,
+    GpuInfo,
+    Hca,
+    ImexInfo,
+    KvChangeKind,
+    KvChanges,
+    LoraModule,
+    MigInfo,
+    NicPath,
+    Register,
+    ShardProfile,
+    ShardReport,
+    ShardState,
+    ShardStatus,
+    StartShard,
+    UnknownMessage,
+    WireError,
 )
 
 REPORT = ShardReport(shard_id="r1/0", replica_id="r1", rank=0, node_count=2, state=ShardState.READY, reason="ok",
@@ -27,7 +44,8 @@ SAMPLES = [
                            nic_paths=[NicPath("mlx5_0", "PIX")],
                            fabric=GpuFabric("completed", "success", "uuid", 7, 900.0),
                            health=GpuHealth(0, 41.0, []), mig=MigInfo("GPU-P", "1g.10gb", 1, 0))],
-             imex=ImexInfo("ready", [0]), fabrics=[FabricInfo("infiniband", "ib0", [Hca("mlx5_0", 1, "ACTIVE", 400.0)])],
+             imex=ImexInfo("ready", [0]),
+             fabrics=[FabricInfo("infiniband", "ib0", [Hca("mlx5_0", 1, "ACTIVE", 400.0)])],
              storage=[wire.StorageInfo("/", 100, 50)], local_weights=[wire.LocalWeights("/m", "m", 10)],
              shards=[REPORT]),
     wire.Registered(accepted=False, reason="bad token", node_id="n1", heartbeat_interval=5.0),
@@ -97,7 +115,8 @@ def test_secrets_stay_out_of_repr():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=False) | st.text() | st.binary(),
+@given(st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=False)
+                    | st.text() | st.binary(),
                     lambda children: st.lists(children) | st.dictionaries(st.text(), children), max_leaves=20),
        st.sampled_from(sorted(wire.Message.TYPES)))
 def test_fuzzed_frames_decode_or_raise_wire_error(payload, type_name):

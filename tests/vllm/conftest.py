@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.testing.processes import free_port
 from llmgw.bench.vllm_real import Gateway, install, start_cluster
+from llmgw.testing.processes import free_port
 
 
 @pytest.fixture(scope="session")

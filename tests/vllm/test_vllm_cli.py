@@ -31,7 +31,8 @@ def shard(**overrides) -> StartShard:
     profile = ShardProfile(name="p", engine="vllm", engine_bin="/usr/bin/true", model_path="/models/tiny-llama",
                            served_model_name="tiny", tp=overrides.pop("tp", 1), pp=overrides.pop("pp", 1),
                            args=overrides.pop("args", ["--max-model-len", "512", "--enforce-eager"]),
-                           lora_adapters=overrides.pop("lora_adapters", []), kv_events=overrides.pop("kv_events", False))
+                           lora_adapters=overrides.pop("lora_adapters", []),
+                           kv_events=overrides.pop("kv_events", False))
     return StartShard(shard_id="p-0/0", replica_id="p-0", profile=profile, **overrides)
 
 

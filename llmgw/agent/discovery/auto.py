@@ -26,8 +26,8 @@ class AutoProvider:
 
     def discover(self, *, node_id: str, address: str, labels: dict[str, str] | None = None,
                  weight_roots: Sequence[str] = (), storage_paths: Sequence[str] = ()) -> wire.Register:
-        arguments = dict(node_id=node_id, address=address, labels=labels, weight_roots=weight_roots,
-                         storage_paths=storage_paths)
+        arguments: dict[str, Any] = dict(node_id=node_id, address=address, labels=labels,
+                                         weight_roots=weight_roots, storage_paths=storage_paths)
         try:
             nvml = self.nvml if self.nvml is not None else load_pynvml()
             return NvmlProvider(nvml=nvml, host=self.host).discover(**arguments)

@@ -67,7 +67,8 @@ class FabricInfoRecord:
     """Stands for pynvml's ``c_nvmlGpuFabricInfoV_t``: the structure the fabric call fills."""
 
     def __init__(self):
-        self.version, self.clusterUuid, self.status, self.cliqueId, self.state, self.healthMask = 0, bytes(16), 0, 0, 0, 0
+        self.version, self.clusterUuid, self.status = 0, bytes(16), 0
+        self.cliqueId, self.state, self.healthMask = 0, 0, 0
 
 
 @dataclass(eq=False)
@@ -139,11 +140,11 @@ class FakeNvml:
 
     def nvmlSystemGetDriverVersion(self) -> str:
         self._check("nvmlSystemGetDriverVersion")
-        return self.document.get("driver_version", "")
+        return (self.document or {}).get("driver_version", "")
 
     def nvmlSystemGetCudaDriverVersion(self) -> int:
         self._check("nvmlSystemGetCudaDriverVersion")
-        return int(self.document.get("cuda_driver_version", 0))
+        return int((self.document or {}).get("cuda_driver_version", 0))
 
     def nvmlDeviceGetCount(self) -> int:
         self._check("nvmlDeviceGetCount")

@@ -79,7 +79,7 @@ class SystemHost:
         return platform.system()
 
     def _cpuinfo(self) -> tuple[str, list[str]]:
-        model, flags = "", []
+        model, flags = "", list[str]()
         for line in self._read("/proc/cpuinfo").splitlines():
             key, _, value = line.partition(":")
             key = key.strip()

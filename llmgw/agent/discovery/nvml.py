@@ -25,8 +25,16 @@ from llmgw import wire
 from .cpu import host_register
 from .host import SystemHost
 from .provider import HostSource, NvmlUnavailable
-from .topology import NvlinkEnds, fabric_clique, fabrics_of, imex_of, nic_paths, normalize_bus_id, \
-    nvlink_bandwidth_gbps, nvlink_peers
+from .topology import (
+    NvlinkEnds,
+    fabric_clique,
+    fabrics_of,
+    imex_of,
+    nic_paths,
+    normalize_bus_id,
+    nvlink_bandwidth_gbps,
+    nvlink_peers,
+)
 
 log = logging.getLogger(__name__)
 
