@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
 from .agent.engine import Engine, EngineError, Launch, LaunchContext, Readiness
-from .engines.probe import VLLM_GAUGES, EngineGauges
+from .engines.probe import VLLM_GAUGES, EngineGauges, EngineLoad
 from .hookspecs import hookimpl
 from .kv.codec import EventDecodeError
 from .kv.events import EventBatch
@@ -43,7 +43,7 @@ from .kv.tokenize import TokenizeError
 from .metrics import Metrics
 from .plugins_manager import PluginError, Registry
 from .router.model import LoraRef, TierModel
-from .router.replica import EngineLoad, ReplicaState
+from .router.replica import ReplicaState
 from .router.tier import (
     Decision,
     Explanation,

@@ -605,7 +605,13 @@ async def start_and_measure(args: argparse.Namespace, targets: list[str], workdi
     meanwhile (the children write their output to files), and Ctrl-C raises KeyboardInterrupt right in them,
     which kills a wrk under way, as SIGTERM does too (it gets the handler trio gave SIGINT)."""
     on_interrupt = signal.getsignal(signal.SIGINT)
-    signal.signal(signal.SIGTERM, lambda signum, frame: on_interrupt(signal.SIGINT, frame))
+
+    def interrupt(signum: int, frame: object) -> None:
+        if not callable(on_interrupt):  # SIG_DFL or SIG_IGN: no trio handler to pass it to
+            raise KeyboardInterrupt
+        on_interrupt(signal.SIGINT, frame)  # type: ignore[arg-type]  # (typeshed: frame is FrameType | None)
+
+    signal.signal(signal.SIGTERM, interrupt)
     async with trio.open_nursery() as nursery:
         pki = BenchPki.create(workdir) if {DIRECT_TLS, *TLS_TARGETS} & set(targets) else None
 

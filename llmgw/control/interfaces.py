@@ -5,7 +5,7 @@
 :class:`llmgw.kv.index.KvIndex`. A version backed by a shared store (several
 gateways sharing one replica table and one KV index) implements the same
 methods: membership and declarations written to the store, each process's
-pools, probers and tiers built from what it reads back (docs/state.md).
+pools, probers and tiers built from what it reads back (docs/architecture.md, "Where state lives").
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from ..http.messages import Request, Response, error_response
 from ..http.multipart import FormError, form_field
 from ..http.server import AbortConnection
 from ..router.replica import Replica
-from ..router.router import Router
+from ..router.router import Router, replica_of
 from ..router.tier import Decision, RouteRequest
 from .bearer import BearerTokens
 from .latency import StreamWatch
@@ -203,7 +203,7 @@ class DataPlane:
                     decision = await self.router.pick(route_request, exclude=tried)
                 if decision is None:
                     break
-                replica = decision.replica
+                replica = replica_of(decision)
                 tried.append(replica)
                 if attempt:
                     self.metrics.for_model(model).retries.inc()
@@ -285,7 +285,9 @@ class DataPlane:
         its connection closed."""
         if replica.auth_header is not None:
             headers = headers + [replica.auth_header]
-        upstream = await self._step(replica, lambda: replica.pool.request(
+        pool = replica.pool
+        assert pool is not None, "a replica in routing has its pool (opened when it entered the replica set)"
+        upstream = await self._step(replica, lambda: pool.request(
             request.method, replica.base_path + request.target, headers, request.body,
             first_byte_timeout=self.settings.first_byte_timeout, idle_timeout=self.settings.idle_timeout))
         if isinstance(upstream, UpstreamError):

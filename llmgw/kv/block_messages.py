@@ -25,6 +25,7 @@ import operator
 import pickle
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice, repeat
+from typing import Any, cast
 
 import cbor2
 
@@ -49,7 +50,7 @@ def _cbor_head(major: int, length: int) -> bytes:
 _PARENT_HEADS = {16: _cbor_head(2, 16), 32: _cbor_head(2, 32)}
 
 
-def cbor_block_triple(parent: bytes, tokens: Sequence[int], extra: tuple | None) -> bytes:
+def cbor_block_triple(parent: bytes, tokens: Sequence[int], extra: tuple[Any, ...] | None) -> bytes:
     """``cbor2.dumps((parent, tuple(tokens), extra), canonical=True)``, about 1.2x faster.
 
     cbor2's C encoder does the per-token work (so integer semantics stay
@@ -63,7 +64,7 @@ def cbor_block_triple(parent: bytes, tokens: Sequence[int], extra: tuple | None)
     return b"".join((_CBOR_TRIPLE, head, parent, cbor2.dumps(tokens, canonical=True), tail))
 
 
-def pickle_block_triple(parent: bytes, tokens: Sequence[int], extra: tuple | None) -> bytes:
+def pickle_block_triple(parent: bytes, tokens: Sequence[int], extra: tuple[Any, ...] | None) -> bytes:
     """What vLLM's ``sha256``/``xxhash`` algorithms digest: the triple pickled with protocol 5."""
     return pickle.dumps((parent, tuple(tokens), extra), protocol=PICKLE_PROTOCOL)
 
@@ -71,7 +72,7 @@ def pickle_block_triple(parent: bytes, tokens: Sequence[int], extra: tuple | Non
 # --------------------------------------------------------------------------- per-token and per-extra bytes
 
 
-class _TokenBytes(dict):
+class _TokenBytes(dict[int, bytes]):
     """Token id -> its encoded bytes, computed by ``encode`` on first use and kept for ``limit`` ids."""
 
     def __init__(self, encode: Callable[[int], bytes], limit: int = TOKEN_TABLE_LIMIT):
@@ -79,7 +80,7 @@ class _TokenBytes(dict):
         self.encode = encode
         self.limit = limit
 
-    def __missing__(self, token) -> bytes:
+    def __missing__(self, token: int) -> bytes:
         token = operator.index(token)  # a bool is its int (a later lookup of the int finds it anyway)
         data = self.encode(token)
         if len(self) < self.limit:
@@ -87,7 +88,7 @@ class _TokenBytes(dict):
         return data
 
     def join_blocks(self, tokens: Sequence[int], count: int, block_size: int, before: bytes,
-                    after: bytes | list[bytes]) -> list[bytes]:
+                    after: bytes | Sequence[bytes | None]) -> list[bytes]:
         """``before + encoded tokens of block i + after`` (or ``after[i]``) for each of the first ``count`` blocks."""
         items = map(self.__getitem__, islice(tokens, count * block_size))
         afters = repeat(after, count) if isinstance(after, bytes) else after
@@ -102,7 +103,7 @@ _CBOR_TOKENS = _TokenBytes(_cbor_int)
 _EXTRA_CBOR: dict[bytes, bytes] = {}
 
 
-def extra_cbor(extra: tuple) -> bytes:
+def extra_cbor(extra: tuple[Any, ...]) -> bytes:
     """``cbor2.dumps(extra, canonical=True)``, cached by the extra's exact value.
 
     The cache key is the extra's ``marshal`` form, which tells ``1`` from
@@ -122,7 +123,7 @@ def extra_cbor(extra: tuple) -> bytes:
     return data
 
 
-def per_block(extras: Sequence[tuple | None], count: int, encode: Callable[[tuple], bytes | None],
+def per_block(extras: Sequence[tuple[Any, ...] | None], count: int, encode: Callable[[tuple[Any, ...]], bytes | None],
                none: bytes | None) -> list[bytes | None]:
     """``encode(extra)`` of each block's extra (``none`` for None), once per run of the same extra object."""
     out: list[bytes | None] = []
@@ -142,10 +143,10 @@ def per_block(extras: Sequence[tuple | None], count: int, encode: Callable[[tupl
 class BlockMessages:
     """Builds the serialised triple of every block: ``head(len(parent), payload) + parent + payload``."""
 
-    reference: Callable[[bytes, Sequence[int], tuple | None], bytes]  # for the blocks left as None
+    reference: Callable[[bytes, Sequence[int], tuple[Any, ...] | None], bytes]  # for the blocks left as None
 
     def payloads(self, tokens: Sequence[int], count: int, block_size: int,
-                 extras: Sequence[tuple | None] | None) -> list[bytes | None]:
+                 extras: Sequence[tuple[Any, ...] | None] | None) -> list[bytes | None]:
         """Each of the first ``count`` blocks' bytes after the parent, or None where :attr:`reference` must
         serialise."""
         raise NotImplementedError
@@ -165,14 +166,17 @@ class CborBlockMessages(BlockMessages):
     reference = staticmethod(cbor_block_triple)
     tokens = _CBOR_TOKENS  # shared by every instance: the bytes of an id never change
 
-    def payloads(self, tokens, count, block_size, extras):
-        tails = _CBOR_NONE if extras is None else per_block(extras, count, extra_cbor, _CBOR_NONE)
-        return self.tokens.join_blocks(tokens, count, block_size, _cbor_head(4, block_size), tails)
+    def payloads(self, tokens: Sequence[int], count: int, block_size: int,
+                 extras: Sequence[tuple[Any, ...] | None] | None) -> list[bytes | None]:
+        tails: bytes | list[bytes | None] = (_CBOR_NONE if extras is None
+                                             else per_block(extras, count, extra_cbor, _CBOR_NONE))
+        payloads = self.tokens.join_blocks(tokens, count, block_size, _cbor_head(4, block_size), tails)
+        return cast("list[bytes | None]", payloads)  # every block has its bytes (list is invariant)
 
-    def head(self, parent_size, payload):
+    def head(self, parent_size: int, payload: bytes) -> bytes:
         return _CBOR_TRIPLE + _cbor_head(2, parent_size)
 
-    def heads(self, parent_size, payloads):
+    def heads(self, parent_size: int, payloads: Iterable[bytes | None]) -> Iterable[bytes | None]:
         return repeat(self.head(parent_size, b""))
 
 
@@ -181,11 +185,12 @@ class PickleBlockMessages(BlockMessages):
 
     reference = staticmethod(pickle_block_triple)
 
-    def payloads(self, tokens, count, block_size, extras):
+    def payloads(self, tokens: Sequence[int], count: int, block_size: int,
+                 extras: Sequence[tuple[Any, ...] | None] | None) -> list[bytes | None]:
         return [None] * count
 
-    def head(self, parent_size, payload):
+    def head(self, parent_size: int, payload: bytes) -> None:
         return None
 
-    def heads(self, parent_size, payloads):
+    def heads(self, parent_size: int, payloads: Iterable[bytes | None]) -> Iterable[bytes | None]:
         return repeat(None)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from functools import lru_cache
 from itertools import repeat
 from operator import itemgetter
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, cast, runtime_checkable
 
 import cbor2
 import xxhash
@@ -488,7 +488,7 @@ def _memo_key_starts(tokens: Sequence[int], block_size: int, extras: ExtraKeys |
     stride = 4 * block_size
     chunks = map(itemgetter(0), _chunks(stride).iter_unpack(_pack_u32le(tokens[: count * block_size])))
     tails = repeat(b"", count) if extras is None else \
-        per_block(extras, count, lambda e: b"\xff" + extra_cbor(e), b"")
+        cast("list[bytes]", per_block(extras, count, lambda e: b"\xff" + extra_cbor(e), b""))  # none=b"": no None
     return list(map(b"".join, zip(repeat(block_size.to_bytes(4, "little")), chunks, tails)))
 
 
@@ -549,8 +549,9 @@ class ContentChainKeys:
         out = []
         for i in range(count):
             data = packed[i * stride : (i + 1) * stride]
-            if extras[i] is not None:
-                data += extra_cbor(extras[i])
+            extra = extras[i]
+            if extra is not None:
+                data += extra_cbor(extra)
             key = digest(data, key)
             out.append(key)
         return out

@@ -170,7 +170,7 @@ class SegmentMemo:
         self.tokens = 0
         self._memo: "OrderedDict[str, list[int]]" = OrderedDict()
         self._lock = threading.Lock()  # large bodies are tokenized in a worker thread, small ones inline
-        self.ids = self._encode_ids
+        self.ids: Callable[[str, bool], list[int]] = self._encode_ids
         fast = getattr(tokenizer, "encode_batch_fast", None)
         if fast is not None and self._fast_agrees(fast):
             self.ids = lambda text, special: fast([text], add_special_tokens=special)[0].ids
@@ -187,7 +187,7 @@ class SegmentMemo:
     def _encode_ids(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def _fast_agrees(self, fast) -> bool:
+    def _fast_agrees(self, fast: Callable[..., Any]) -> bool:
         added = [token.content for token in self.tokenizer.get_added_tokens_decoder().values()][:4]
         probes = ["Hello world\n  more text é ", " leading", "x", *(f"{c} a{c}\nb " for c in added)]
         return all(fast([p], add_special_tokens=special)[0].ids == self._encode_ids(p, special)

@@ -14,7 +14,7 @@ draining marks it draining, waits for its in-flight requests, then removes it.
 
 Membership (which replicas and models exist, and their source) is what several
 gateways would share; the handles and health are each process's own (see
-docs/state.md).
+docs/architecture.md, "Where state lives").
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import inspect
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, cast
 
 from ..kv.index import KvIndex
 from ..kv.metrics import KvMetrics
@@ -43,6 +43,12 @@ class ModelRoute:
     replicas: list[Replica] = field(default_factory=list)  # the ReplicaSet's live list of the model
     options: dict[str, Any] = field(default_factory=dict)
     declared: TierModel | None = None  # the ReplicaSet declaration it was built with (None: configured directly)
+
+
+def replica_of(decision: Decision) -> Replica:
+    """The router's own :class:`Replica` behind a decision's read-only view: tiers pick among the replicas the
+    router gave them, so it is always one."""
+    return cast(Replica, decision.replica)
 
 
 class Router:
@@ -207,7 +213,7 @@ class Router:
         ``inflight_tokens`` from now on, and the tier learns of it."""
         if not decision.inflight_tokens:
             decision.inflight_tokens = estimated_prompt_tokens(request)
-            decision.replica.inflight_tokens += decision.inflight_tokens
+            replica_of(decision).inflight_tokens += decision.inflight_tokens
         route = self.models.get(request.model)
         if route is not None:
             self._notify(route, "routed", route.tier.routed, request, decision)
@@ -229,14 +235,14 @@ class Router:
         if route is not None and not decision.ended:
             self._notify(route, "attempt_failed", route.tier.attempt_failed, request, decision, reason)
 
-    def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
+    def finished(self, request: RouteRequest, decision: Decision, usage: dict[str, Any] | None) -> None:
         """The attempt ended (answered, failed or abandoned): its tokens leave the replica's ``inflight_tokens``
         and the tier is told, once however often this is called."""
         if decision.ended:
             return
         decision.ended = True
         if decision.inflight_tokens:
-            replica = decision.replica
+            replica = replica_of(decision)
             replica.inflight_tokens = max(0, replica.inflight_tokens - decision.inflight_tokens)
             decision.inflight_tokens = 0
         route = self.models.get(request.model)
@@ -244,7 +250,7 @@ class Router:
             self._notify(route, "finished", route.tier.finished, request, decision,
                          usage if route.tier.wants_usage is True else None)
 
-    def _notify(self, route: ModelRoute, hook: str, method, *args) -> None:
+    def _notify(self, route: ModelRoute, hook: str, method: Callable[..., object], *args: object) -> None:
         try:
             method(*args)
         except Exception:

@@ -34,7 +34,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
-from .replica import EngineLoad, ReplicaState
+from ..engines.probe import EngineLoad
+from .replica import ReplicaState
 
 if TYPE_CHECKING:
     from ..kv.index import KvIndex
@@ -211,7 +212,7 @@ class RoutingTier(abc.ABC):
         sent on once only when the replica's engine is gone; after anything else (``timeout``, ``protocol``...)
         it is answered with the error. :meth:`finished` follows at once."""
 
-    def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:  # noqa: B027 (a no-op default: tiers override what they use)
+    def finished(self, request: RouteRequest, decision: Decision, usage: dict[str, Any] | None) -> None:  # noqa: B027 (a no-op default: tiers override what they use)
         """The attempt ended: its answer was relayed (or broke off), it failed, or the client went away.
         Exactly once per :meth:`routed` attempt. ``usage`` is the engine's usage block when the tier
         ``wants_usage`` and the answer had one, else None."""

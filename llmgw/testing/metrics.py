@@ -7,7 +7,7 @@ up, and :func:`scrape` / :func:`scrape_value` fetch ``URL/metrics`` first.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 if TYPE_CHECKING:
     import httpx
@@ -26,6 +26,14 @@ def samples(text: str) -> dict[str, float]:
 def _name_and_labels(key: str) -> tuple[str, str]:
     name, _, labels = key.partition("{")
     return name, labels
+
+
+@overload
+def metric_value(text: str, name: str, labels: str = "", default: float = 0.0) -> float: ...
+@overload
+def metric_value(text: str, name: str, labels: str, default: None) -> float | None: ...
+@overload
+def metric_value(text: str, name: str, labels: str = "", *, default: None) -> float | None: ...
 
 
 def metric_value(text: str, name: str, labels: str = "", default: float | None = 0.0) -> float | None:

@@ -24,7 +24,7 @@ from ..metrics import Metrics
 from ..plugins_manager import Registry, build_registry, make_plugin_manager
 from ..router.model import TierModel
 from ..router.replica import Replica
-from ..router.router import Router
+from ..router.router import Router, replica_of
 from ..router.tier import Decision, RouteRequest, RoutingTier
 
 __all__ = ["TierHarness", "registry_with"]
@@ -78,7 +78,7 @@ class TierHarness:
         if decision is None:
             return None
         self._requests[id(decision)] = request
-        decision.replica.inflight += 1
+        replica_of(decision).inflight += 1
         self.router.routed(request, decision)
         return decision
 
@@ -116,5 +116,5 @@ class TierHarness:
         request = self._requests.pop(id(decision), None)
         if request is None:
             raise ValueError("this decision was not routed by this harness, or has ended already")
-        decision.replica.inflight -= 1
+        replica_of(decision).inflight -= 1
         return request

@@ -87,7 +87,9 @@ class Child:
         """Its exit code, once it exited (at most ``timeout`` seconds from now)."""
         with trio.fail_after(timeout):
             await self.exited.wait()
-        return self.process.returncode
+        code = self.process.returncode
+        assert code is not None, "exited is set once the process was waited for"
+        return code
 
     def output(self, last: int = 60) -> str:
         """Its last ``last`` lines as one text."""
@@ -135,14 +137,15 @@ async def run_child(argv: list[str], *, name: str, ready: str | re.Pattern | Non
     full_env = dict(os.environ, **(env or {}))
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     log_path = Path(output_file) if output_file is not None else None
-    output = open(log_path, "wb") if log_path is not None else subprocess.PIPE
+    log_file = open(log_path, "wb") if log_path is not None else None
+    output = log_file if log_file is not None else subprocess.PIPE
     try:
         process = await trio.lowlevel.open_process(argv, stdout=output, stderr=subprocess.STDOUT,
                                                    stdin=subprocess.DEVNULL, env=full_env, cwd=cwd,
                                                    start_new_session=True)
     finally:
-        if log_path is not None:
-            output.close()
+        if log_file is not None:
+            log_file.close()
     child = Child(name, list(argv), process, output_file=log_path)
     matches = _matcher(ready)
     is_ready = trio.Event()
@@ -199,6 +202,7 @@ async def _follow(child: Child, matches, is_ready: trio.Event, keep_lines: int) 
             await _follow_file(child, matches, is_ready)
         else:
             buffer = b""
+            assert child.process.stdout is not None, "started with stdout=PIPE when there is no output file"
             async for data in child.process.stdout:
                 buffer += data
                 *complete, buffer = buffer.split(b"\n")
@@ -218,6 +222,7 @@ async def _follow(child: Child, matches, is_ready: trio.Event, keep_lines: int) 
 
 async def _follow_file(child: Child, matches, is_ready: trio.Event) -> None:
     """Until the ready line: re-read the log file as it grows (the child writes it itself)."""
+    assert child.output_file is not None
     while not is_ready.is_set() and child.process.returncode is None:
         for line in child.output_file.read_text(errors="replace").splitlines():
             if match := matches(line):
