@@ -13,6 +13,7 @@ answers :meth:`Router.explain` for ``POST /admin/explain``.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import time
@@ -91,15 +92,14 @@ class Router:
         ``options``), or a plain :class:`TierModel` of ``name`` without one.
         """
         replicas = self.replicas.members(name)
-        base = model or TierModel(name)
-        model_config = TierModel(name=name, routing=tier_name, routing_options=dict(options or {}),
-                                 model_path=base.model_path, lora_adapters=base.lora_adapters,
-                                 engine_args=base.engine_args)
+        routing_options = dict(options or {})
+        model_config = dataclasses.replace(model or TierModel(name), name=name, routing=tier_name,
+                                           routing_options=routing_options)
         services = TierServices(registry=self.registry, metrics=self.metrics, replicas=replicas, model=name,
                                 kv_index=self.kv_index)
         tier = as_routing_tier(self.registry.get("routing_tiers", tier_name)(model_config, services))
         fallback = as_routing_tier(self.registry.get("routing_tiers", "round_robin")(model_config, services))
-        route = ModelRoute(name, tier_name, tier, fallback, replicas, dict(options or {}))
+        route = ModelRoute(name, tier_name, tier, fallback, replicas, routing_options)
         self.models[name] = route
         return route
 
