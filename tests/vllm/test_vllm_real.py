@@ -350,7 +350,7 @@ def test_a_killed_vllm_is_restarted_its_index_reset_and_relearnt_and_no_request_
     # The relearnt index draws the first request to the restarted engine, with its blocks served from cache. The
     # second may go elsewhere: the cost rule weighs the restarted engine's first (warm-up) TTFT against the
     # cached tokens (docs/routing.md); wherever it goes, it goes where /admin/explain said and is predicted exactly.
-    assert after[0].replica == victim and after[0].cached_tokens >= 8 * BLOCK_SIZE
+    assert after[0].replica == victim and after[0].cached_tokens >= 8 * BLOCK_SIZE, (victim, after)
     assert all(s.replica == s.explained_pick for s in after)
     assert all(p == s.cached_tokens for s, p in pairs)
 
