@@ -42,6 +42,7 @@ class Sent:
     prompt_tokens: int
     cached_tokens: int
     explained_pick: str | None = None
+    explanation: dict | None = None  # the whole /admin/explain answer just before it was sent
 
 
 def sdk(gateway: Gateway) -> openai.OpenAI:
@@ -87,15 +88,15 @@ def send(client: openai.OpenAI, kind: str, body: dict) -> Sent:
                 usage.prompt_tokens_details.cached_tokens or 0)
 
 
-def explained_pick(gateway: Gateway, kind: str, body: dict) -> str:
-    """The replica the kv_index tier would pick for ``body`` now (``POST /admin/explain``: no state changed)."""
+def explain(gateway: Gateway, kind: str, body: dict) -> dict:
+    """What the kv_index tier would do with ``body`` now (``POST /admin/explain``: no state changed)."""
     path = "/v1/chat/completions" if kind.startswith("chat") else "/v1/completions"
     answer = gateway.http.post(gateway.control_url + "/admin/explain", params={"path": path}, json=body)
     answer.raise_for_status()
     explained = answer.json()
     assert explained["tier"] == "kv_index" and explained.get("outcome") not in (
         "unindexable", "index_unhealthy", "tokenize_timeout", "tokenize_error"), explained
-    return explained["pick"]
+    return explained
 
 
 def predictions(gateway: Gateway, sent: list[Sent]) -> list[tuple[Sent, int | None]]:
@@ -152,9 +153,9 @@ def run(gateway: Gateway, plan, model: str = MODEL, think_time: float = 0.0) -> 
     sent = []
     for kind, group, number in plan:
         body = body_of(kind, group, number, model)
-        pick = explained_pick(gateway, kind, body)
+        explained = explain(gateway, kind, body)
         s = send(client, kind, body)
-        s.explained_pick = pick
+        s.explained_pick, s.explanation = explained["pick"], explained
         sent.append(s)
         time.sleep(think_time)
     return sent
@@ -350,7 +351,7 @@ def test_a_killed_vllm_is_restarted_its_index_reset_and_relearnt_and_no_request_
     # The relearnt index draws the first request to the restarted engine, with its blocks served from cache. The
     # second may go elsewhere: the cost rule weighs the restarted engine's first (warm-up) TTFT against the
     # cached tokens (docs/routing.md); wherever it goes, it goes where /admin/explain said and is predicted exactly.
-    assert after[0].replica == victim and after[0].cached_tokens >= 8 * BLOCK_SIZE, (victim, after)
+    assert after[0].replica == victim and after[0].cached_tokens >= 8 * BLOCK_SIZE, (victim, after[0])
     assert all(s.replica == s.explained_pick for s in after)
     assert all(p == s.cached_tokens for s, p in pairs)
 
