@@ -25,17 +25,27 @@ Per replica a health state:
   ``resync_retry`` seconds while no answer came; ends with the next FULL or
   RESET (the answer), or ``forget``.
 
-*Predicted* entries (:meth:`KvIndex.predict`) record a request just routed,
-for ``ttl`` seconds (default 2), so that a burst of requests sharing a new
-prefix co-locates before the engine's events arrive. They live apart from the
+*Predicted* entries (:meth:`KvIndex.predict`) record a request just routed
+(a :class:`Prediction`), so that a burst of requests sharing a new prefix
+co-locates before the engine's events arrive. They live apart from the
 confirmed entries, never change them, and count in :meth:`KvIndex.match` (not
-in :meth:`KvIndex.blocks` nor the gauges). Approximation, documented: a key
-predicted for several replicas expires for all of them at the latest of their
-expiries. A RESET, a ``forget`` or a ``remove`` drops that replica's predicted
-entries with its confirmed ones (its engine holds none of them any more), and
-a block the engine reports removed (an eviction) drops that replica's
-predicted entry for it: the removal is newer than the prediction, and a
-prediction outliving it would promise a cache that is gone.
+in :meth:`KvIndex.blocks` nor the gauges). Each lasts ``ttl`` seconds (default
+2) unless dropped earlier (:meth:`KvIndex.unpredict`: the attempt failed).
+
+A removal the engine reports for a predicted block is ambiguous while the
+request is *unsettled*: the engine may have evicted the block before it
+admitted the request (it recomputes and stores it again, and that store is
+still on its way), or after (the cache is gone). So a removal drops a
+replica's predicted entry only when no unsettled prediction holds it. A
+prediction settles when a store of one of its blocks arrives (its prefill's
+events are in: later removals are newer), or when the response showed every
+predicted block served from cache (:meth:`KvIndex.settle`: nothing of it will
+be stored again). Without that, a request routed right after another one
+whose eviction and re-store were in flight was predicted fewer blocks than
+the engine held (seen with vLLM, back to back requests).
+
+A RESET, a ``forget`` or a ``remove`` drops that replica's predicted entries
+with its confirmed ones (its engine holds none of them any more).
 """
 
 from __future__ import annotations
@@ -73,7 +83,7 @@ ResyncListener = Callable[[str, str, str], None]  # (replica id, mode: "full" or
 class _Replica:
     __slots__ = ("name", "bit", "keys", "block_size", "state", "reason", "resetting_until", "changes", "resets",
                  "updated_at", "epoch", "drift", "over_times", "suspect_reason", "resyncs", "last_resync",
-                 "resync_retry_at", "resync_every")
+                 "resync_retry_at", "resync_every", "predicted", "unsettled")
 
     def __init__(self, name: str, bit: int):
         self.name = name
@@ -94,6 +104,34 @@ class _Replica:
         self.last_resync: tuple[float, str] | None = None  # (when, mode) of the last resync asked for
         self.resync_retry_at = 0.0
         self.resync_every = drift_rule.DEFAULT_RESYNC_RETRY
+        self.predicted: dict[int, list[int]] = {}  # key -> [live predictions holding it, unsettled ones]
+        self.unsettled: dict[int, Prediction] = {}  # serial -> live predictions not settled yet
+
+
+HOLDS, UNSETTLED = 0, 1  # a predicted entry: [live predictions holding the key, how many of them unsettled]
+
+
+class Prediction:
+    """A request routed to a replica, its block keys counted as held there until it expires or is dropped.
+
+    Returned by :meth:`KvIndex.predict`; the tier passes it back to :meth:`KvIndex.settle` and
+    :meth:`KvIndex.unpredict`.
+    """
+
+    __slots__ = ("replica", "serial", "expiry", "keys", "entries", "settled", "live")
+
+    def __init__(self, replica: _Replica, serial: int, expiry: float, keys: Sequence[int],
+                 entries: list[list[int]]):
+        self.replica = replica
+        self.serial = serial
+        self.expiry = expiry
+        self.keys = frozenset(keys)
+        self.entries = list(zip(keys, entries))  # (key, the entry it counted in)
+        self.settled = False
+        self.live = True
+
+    def __lt__(self, other: "Prediction") -> bool:  # heap order after the expiry
+        return self.serial < other.serial
 
 
 class KvIndex:
@@ -106,9 +144,8 @@ class KvIndex:
         self._replicas: dict[str, _Replica] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
-        self._pred_mask: dict[int, int] = {}  # predicted: key -> bitmask
-        self._pred_expiry: dict[int, float] = {}  # predicted: key -> when the entry expires (latest)
-        self._pred_heap: list[tuple[float, int, tuple[int, ...]]] = []
+        self._pred_mask: dict[int, int] = {}  # predicted: key -> bitmask of the replica slots predicting it
+        self._pred_heap: list[tuple[float, Prediction]] = []  # live predictions by expiry
         self._pred_serial = itertools.count()
         self._resync_listeners: list[ResyncListener] = []
 
@@ -191,7 +228,7 @@ class KvIndex:
         replica = self._replicas.get(replica_id)
         if replica is not None:
             self._clear(replica)
-            self._drop_predicted(replica.bit)
+            self._drop_predicted(replica)
             self._settle(replica, IndexState.NO_EVENTS)
 
     def remove(self, replica_id: str) -> None:
@@ -200,7 +237,7 @@ class KvIndex:
         if replica is None:
             return
         self._clear(replica)
-        self._drop_predicted(replica.bit)
+        self._drop_predicted(replica)
         heapq.heappush(self._free_slots, replica.bit.bit_length() - 1)
 
     # -- applying changes -----------------------------------------------------------------------------------------
@@ -214,6 +251,8 @@ class KvIndex:
             replica.block_size = changes.block_size
         kind = changes.kind
         if kind is KvChangeKind.DELTA:
+            if changes.stored and replica.unsettled:
+                self._settle_by_stores(replica, changes.stored)
             self._remove_keys(replica, changes.removed)
             self._add_keys(replica, changes.stored)
             replica.changes += len(changes.stored) + len(changes.removed)
@@ -228,7 +267,7 @@ class KvIndex:
             self._settle(replica, IndexState.HEALTHY)
         else:  # RESET, or an unknown kind (decoded as RESET: forget rather than trust)
             self._clear(replica)
-            self._drop_predicted(replica.bit)
+            self._drop_predicted(replica)
             self._settle(replica, IndexState.RESETTING)
             replica.reason = changes.reason or "reset"
             replica.resetting_until = now + self.reset_window
@@ -243,10 +282,12 @@ class KvIndex:
 
     def _remove_keys(self, replica: _Replica, keys: Iterable[int]) -> None:
         holders, bit, mine = self._holders, replica.bit, replica.keys
-        predicted = self._pred_mask
+        predicted = replica.predicted
         for key in keys:
-            if predicted and predicted.get(key, 0) & bit:
-                self._unpredict(key, bit)
+            if predicted:
+                entry = predicted.get(key)
+                if entry is not None and not entry[UNSETTLED]:  # no request that may store it again is pending
+                    self._drop_entry(replica, key)
             if key in mine:
                 mine.discard(key)
                 mask = holders[key] & ~bit
@@ -326,55 +367,97 @@ class KvIndex:
             except Exception:  # one broken listener must not stop the others nor the response's accounting
                 log.exception("resync listener %r failed for replica %s", listener, replica.name)
 
-    def _drop_predicted(self, bit: int) -> None:
-        """Drop one replica slot's predicted entries (its engine's cache was reset, or it is gone).
+    # -- predicted entries ----------------------------------------------------------------------------------------
 
-        A scan of every live predicted key (about 15 ms per 400k keys): exact, whatever other replicas predicted
-        for the same keys, and paid only on resets and lost streams."""
-        for key in [k for k, mask in self._pred_mask.items() if mask & bit]:
-            self._unpredict(key, bit)
+    def predict(self, replica_id: str, keys: Sequence[int], ttl: float | None = None) -> Prediction | None:
+        """``replica_id`` was just sent a request with these block keys: count them as held there for ``ttl``
+        seconds (unsettled: see the module's docstring). None when there is nothing to predict."""
+        if not keys:
+            return None
+        now = self.clock()
+        self._expire(now)
+        replica = self._replica(replica_id)
+        bit, masks, predicted = replica.bit, self._pred_mask, replica.predicted
+        entries: list[list[int]] = []
+        for key in keys:
+            entry = predicted.get(key)
+            if entry is None:
+                entry = predicted[key] = [1, 1]
+                masks[key] = masks.get(key, 0) | bit
+            else:
+                entry[HOLDS] += 1
+                entry[UNSETTLED] += 1
+            entries.append(entry)
+        expiry = now + (self.predicted_ttl if ttl is None else ttl)
+        prediction = Prediction(replica, next(self._pred_serial), expiry, keys, entries)
+        replica.unsettled[prediction.serial] = prediction
+        heapq.heappush(self._pred_heap, (expiry, prediction))
+        return prediction
 
-    def _unpredict(self, key: int, bit: int) -> None:
-        """Drop one replica slot's predicted entry for ``key`` (it has one)."""
-        mask = self._pred_mask[key] & ~bit
+    def settle(self, prediction: Prediction | None) -> None:
+        """The engine served every block of ``prediction`` it was predicted to hold from its cache: none of them
+        will be stored again, so a removal reported from now on is an eviction (it drops the entry)."""
+        if prediction is None or prediction.settled or not prediction.live:
+            return
+        prediction.settled = True
+        del prediction.replica.unsettled[prediction.serial]
+        current = prediction.replica.predicted
+        for key, entry in prediction.entries:
+            if current.get(key) is entry:
+                entry[UNSETTLED] -= 1
+
+    def unpredict(self, prediction: Prediction | None) -> None:
+        """Drop ``prediction`` now (the attempt failed: the engine may never see the request)."""
+        if prediction is not None and prediction.live:
+            self._release(prediction)
+
+    def _settle_by_stores(self, replica: _Replica, stored: Sequence[int]) -> None:
+        """A store of any of an unsettled prediction's keys: its prefill's events are in, it settles."""
+        stored_set = set(stored)
+        for prediction in [p for p in replica.unsettled.values() if not p.keys.isdisjoint(stored_set)]:
+            self.settle(prediction)
+
+    def _release(self, prediction: Prediction) -> None:
+        prediction.live = False
+        replica = prediction.replica
+        if not prediction.settled:
+            replica.unsettled.pop(prediction.serial, None)
+        current = replica.predicted
+        for key, entry in prediction.entries:
+            if current.get(key) is entry:
+                entry[HOLDS] -= 1
+                if not prediction.settled:
+                    entry[UNSETTLED] -= 1
+                if not entry[HOLDS]:
+                    self._drop_entry(replica, key)
+
+    def _drop_entry(self, replica: _Replica, key: int) -> None:
+        """Drop one replica's predicted entry for ``key`` (it has one); the predictions holding it let it go."""
+        del replica.predicted[key]
+        mask = self._pred_mask[key] & ~replica.bit
         if mask:
             self._pred_mask[key] = mask
         else:
             del self._pred_mask[key]
-            del self._pred_expiry[key]
 
-    # -- predicted entries ----------------------------------------------------------------------------------------
-
-    def predict(self, replica_id: str, keys: Sequence[int], ttl: float | None = None) -> None:
-        """``replica_id`` was just sent a request with these block keys: count them as held for ``ttl`` seconds."""
-        if not keys:
-            return
-        now = self.clock()
-        self._expire(now)
-        expiry = now + (self.predicted_ttl if ttl is None else ttl)
-        bit = self._replica(replica_id).bit
-        masks, expiries = self._pred_mask, self._pred_expiry
-        for key in keys:
-            masks[key] = masks.get(key, 0) | bit
-            if expiries.get(key, 0.0) < expiry:
-                expiries[key] = expiry
-        heapq.heappush(self._pred_heap, (expiry, next(self._pred_serial), tuple(keys)))
+    def _drop_predicted(self, replica: _Replica) -> None:
+        """Drop every predicted entry of one replica (its engine's cache was reset, or it is gone)."""
+        for key in list(replica.predicted):
+            self._drop_entry(replica, key)
+        for prediction in replica.unsettled.values():
+            prediction.settled = True  # its entries are gone: nothing left to count
+        replica.unsettled.clear()
 
     def _expire(self, now: float) -> None:
         heap = self._pred_heap
-        if not heap or heap[0][0] > now:
-            return
-        masks, expiries = self._pred_mask, self._pred_expiry
         while heap and heap[0][0] <= now:
-            _, _, keys = heapq.heappop(heap)
-            for key in keys:
-                expiry = expiries.get(key)
-                if expiry is not None and expiry <= now:
-                    del expiries[key]
-                    del masks[key]
+            _, prediction = heapq.heappop(heap)
+            if prediction.live:
+                self._release(prediction)
 
     @property
     def predicted_keys(self) -> int:
+        """Keys some replica has a live predicted entry for."""
         self._expire(self.clock())
         return len(self._pred_mask)
 

@@ -26,7 +26,9 @@ Per request (the rule, also in ``docs/kv-routing.md``):
    ``max_imbalance``/``load_sigma_k`` override): outcome ``hit``, ``miss``,
    ``cost_override`` or ``load_override``.
 7. The chosen replica is predicted to hold the prompt's blocks for
-   ``predicted_ttl`` and is inserted into the tree (which stays warm for the
+   ``predicted_ttl`` (dropped at once if the attempt fails before the engine
+   took it; settled when the response shows every predicted block was a hit:
+   :mod:`llmgw.kv.index`) and is inserted into the tree (which stays warm for the
    fallbacks); the decision records its predicted cached tokens (leading
    blocks x block size, never the last prompt token, as vLLM caps hits),
    compared in :meth:`KvIndexTier.finished` with the engine's
@@ -77,6 +79,8 @@ EXTRA_KEY_STYLE = {"vllm": "current", "content": "event"}
 # reads no cached block (it needs every prompt token's logits), `truncate_prompt_tokens` makes it hash another
 # (left-truncated) prompt. Such responses are not drift checks, whatever a client sends.
 NO_DRIFT_CHECK_FIELDS = ("prompt_logprobs", "truncate_prompt_tokens")
+# Attempt failures after which the engine holds nothing of the request (llmgw.router.tier.RoutingTier.attempt_failed)
+NEVER_TAKEN = frozenset({"connect", "tls", "closed_before_request", "status_502", "status_503", "status_504"})
 
 
 @dataclass
@@ -285,7 +289,7 @@ class KvIndexTier(RoutingTier):
         if ev.sources[i] == "index" and size:
             keys = ev.keys[size]
             if self.options.predicted_ttl > 0:
-                self.index.predict(chosen.name, keys, self.options.predicted_ttl)
+                detail["prediction"] = self.index.predict(chosen.name, keys, self.options.predicted_ttl)
             reads_cache = request.body.get("prompt_logprobs") is None
             detail.update(block_size=size, blocks=len(keys), matched_blocks=ev.matched[i],
                           confirmed_blocks=ev.confirmed[i],
@@ -303,6 +307,11 @@ class KvIndexTier(RoutingTier):
     def first_token(self, request: RouteRequest, decision: Decision, ttft: float) -> None:
         self.tree.first_token(request, decision, ttft)
 
+    def attempt_failed(self, request: RouteRequest, decision: Decision, reason: str) -> None:
+        """An attempt the engine never took (or refused) stores nothing: its predicted entries go at once."""
+        if reason in NEVER_TAKEN:
+            self.index.unpredict(decision.detail.get("prediction"))
+
     def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
         """Count predicted next to actual cached tokens, for decisions the index made and responses with usage."""
         self.tree.finished(request, decision, usage)
@@ -315,6 +324,8 @@ class KvIndexTier(RoutingTier):
         actual = details.get("cached_tokens") if isinstance(details, dict) else None
         if type(actual) is not int:
             return
+        if actual >= predicted:  # every predicted block was a hit: none of them is stored again
+            self.index.settle(decision.detail.get("prediction"))
         self.predicted_cached_total += predicted
         self.actual_cached_total += actual
         if self.metrics is not None:

@@ -6,6 +6,8 @@ import random
 
 import trio
 import trio.testing
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from prometheus_client import CollectorRegistry, generate_latest
 
 from llmgw.kv.changes import BlockChanges, KvChangeKind
@@ -188,24 +190,97 @@ def test_a_reset_or_forget_drops_that_replicas_predicted_entries_only():
     assert index.match([1, 2, 3], "abc") == {"a": 0, "b": 0, "c": 0} and index.predicted_keys == 0
 
 
-def test_an_evicted_block_drops_that_replicas_prediction_of_it():
+def test_an_eviction_reported_after_the_requests_own_store_drops_its_prediction():
     """Seen with vLLM evicting: a request's blocks predicted, stored, then evicted by a later request must not
     be promised again by the prediction (for up to predicted_ttl) once the engine said they are gone."""
     index = KvIndex()
     for name in "ab":
         index.apply(name, full([]))
         index.predict(name, [1, 2, 3, 4])
-    index.apply("a", delta(stored=[1, 2, 3, 4]))
+    index.apply("a", delta(stored=[1, 2, 3, 4]))  # its prefill's events: the prediction settles
     index.apply("a", delta(removed=[4, 3]))  # evicted, tail first
     assert index.match([1, 2, 3, 4], "ab") == {"a": 2, "b": 4}
-    index.apply("b", delta(removed=[2]))  # a removal of a block only predicted there
-    assert index.match([1, 2, 3, 4], "ab") == {"a": 2, "b": 1}
     index.apply("a", delta(stored=[3]))  # stored again: confirmed
-    assert index.match([1, 2, 3, 4], "ab") == {"a": 3, "b": 1}
-    index.apply("b", full([1]))  # a FULL copy without 3 and 4 keeps the predictions it does not contradict
-    assert index.match([1, 2, 3, 4], "ab") == {"a": 3, "b": 1}
-    index.apply("b", delta(removed=[4]))
-    assert index.predicted_keys == 3  # 1 (a and b), 2 (a), 3 (b); 4 is predicted by nobody now
+    assert index.match([1, 2, 3, 4], "ab") == {"a": 3, "b": 4}
+    index.apply("b", full([1]))  # a FULL copy keeps the predictions of a request whose events are not in yet
+    assert index.match([1, 2, 3, 4], "ab") == {"a": 3, "b": 4}
+    assert index.predicted_keys == 4
+
+
+def test_an_eviction_reported_before_the_requests_own_store_keeps_its_prediction():
+    """Seen with vLLM, back to back requests: block 3 was evicted before the engine took request A (A recomputes
+    and stores it); the removal reaches the index after A was routed, the store after B was. B is predicted what
+    the engine holds when B arrives: the block A stored again."""
+    index = KvIndex()
+    index.apply("a", full([1, 2, 3]))
+    index.predict("a", [1, 2, 3, 4])  # request A: 3 blocks held as far as the index knows
+    index.apply("a", delta(removed=[3]))  # an eviction from before A: the engine recomputes block 3 for A
+    assert index.match([1, 2, 3, 4], ["a"]) == {"a": 4}  # request B, routed now
+    assert index.match_detail([1, 2, 3, 4], ["a"]) == {"a": (2, 4)}
+    index.apply("a", delta(stored=[3, 4]))  # A's prefill: confirmed, and A settles
+    index.apply("a", delta(removed=[4]))  # an eviction after A: the cache is gone
+    assert index.match_detail([1, 2, 3, 4], ["a"]) == {"a": (3, 3)}
+
+
+def test_a_removal_in_the_same_delta_as_the_settling_store_is_an_eviction():
+    index = KvIndex()
+    index.apply("a", full([1, 2]))
+    index.predict("a", [1, 2, 3])
+    index.apply("a", delta(stored=[3], removed=[1]))  # a removal and a store within one flush
+    assert index.match([1, 2, 3], ["a"]) == {"a": 0}
+
+
+def test_a_settled_prediction_lets_a_removal_drop_its_entry():
+    """The response showed every predicted block served from cache: nothing of it is stored again, so a removal
+    reported now is an eviction."""
+    index = KvIndex()
+    index.apply("a", full([1, 2, 3]))
+    unsettled = index.predict("a", [1, 2, 3])
+    settled = index.predict("a", [1, 2])
+    index.settle(settled)
+    index.apply("a", delta(removed=[2]))
+    assert index.match([1, 2, 3], ["a"]) == {"a": 3}  # the first request's events are not in yet
+    index.settle(unsettled)
+    index.apply("a", delta(removed=[3]))
+    assert index.match([1, 2, 3], ["a"]) == {"a": 2}  # 2 stays predicted: the removal came before it settled
+    index.settle(unsettled)  # again: nothing
+    assert index.match([1, 2, 3], ["a"]) == {"a": 2}
+
+
+def test_unpredict_drops_one_requests_prediction_and_keeps_the_others():
+    index = KvIndex()
+    index.apply("a", full([]))
+    first = index.predict("a", [1, 2, 3])
+    index.predict("a", [1, 2])
+    index.unpredict(first)  # its attempt failed before the engine took it
+    assert index.match([1, 2, 3], ["a"]) == {"a": 2}
+    index.unpredict(first)
+    index.unpredict(None)
+    assert index.match([1, 2, 3], ["a"]) == {"a": 2} and index.predicted_keys == 2
+
+
+async def test_predictions_of_one_key_on_two_replicas_expire_each_on_its_own(autojump_clock):
+    index = KvIndex(clock=trio.current_time, predicted_ttl=2.0)
+    index.predict("a", [1, 2])
+    await trio.sleep(1.5)
+    index.predict("b", [1, 2])
+    await trio.sleep(1.0)
+    assert index.match([1, 2], "ab") == {"a": 0, "b": 2}
+
+
+def test_a_reset_drops_the_predictions_and_their_later_settle_or_unpredict_is_harmless():
+    index = KvIndex()
+    index.apply("a", full([]))
+    old = index.predict("a", [1, 2])
+    index.apply("a", reset("cleared"))
+    new = index.predict("a", [1])
+    index.settle(old)
+    index.unpredict(old)
+    assert index.match([1, 2], ["a"]) == {"a": 1}
+    index.apply("a", delta(removed=[1]))  # the new prediction is unsettled: kept
+    assert index.match([1, 2], ["a"]) == {"a": 1}
+    index.unpredict(new)
+    assert index.predicted_keys == 0
 
 
 def drifting_index(resync_log):
@@ -310,3 +385,86 @@ def test_the_state_gauge_shows_suspect_and_the_resync_counter():
     text = generate_latest(registry).decode()
     assert 'llmgw_kv_index_state{model="",replica="a",state="suspect"} 1.0' in text
     assert 'llmgw_kv_index_resyncs_total{mode="full",model="",replica="a"} 1.0' in text
+
+
+# -- predicted entries against a model of their rule ------------------------------------------------------------------
+
+KEYS = st.lists(st.integers(1, 6), min_size=1, max_size=4, unique=True)
+REPLICA = st.sampled_from("ab")
+
+
+class PredictionRule(RuleBasedStateMachine):
+    """The index's predicted entries against the rule in :mod:`llmgw.kv.index`, written plainly: a prediction holds
+    its keys until it expires or is dropped; a removal of a key takes it from every prediction holding it on that
+    replica when all of them are settled; a store of any of its keys settles it; a reset takes everything."""
+
+    def __init__(self):
+        super().__init__()
+        self.now = 0.0
+        self.index = KvIndex(clock=lambda: self.now, predicted_ttl=2.0)
+        self.confirmed: dict[str, set[int]] = {"a": set(), "b": set()}
+        self.predictions: list[dict] = []  # replica, keys, held, expiry, settled, live, handle
+
+    def live(self, replica=None):
+        return [p for p in self.predictions if p["live"] and p["expiry"] > self.now
+                and (replica is None or p["replica"] == replica)]
+
+    @rule(replica=REPLICA, keys=KEYS)
+    def predict(self, replica, keys):
+        handle = self.index.predict(replica, keys)
+        self.predictions.append({"replica": replica, "keys": set(keys), "held": set(keys), "expiry": self.now + 2.0,
+                                 "settled": False, "live": True, "handle": handle})
+
+    @rule(replica=REPLICA, stored=st.lists(st.integers(1, 6), max_size=3, unique=True),
+          removed=st.lists(st.integers(1, 6), max_size=3, unique=True))
+    def delta(self, replica, stored, removed):
+        removed = [k for k in removed if k not in stored]  # the mirror nets a key out of one of the two lists
+        self.index.apply(replica, delta(stored, removed))
+        mine = self.live(replica)
+        for p in mine:
+            if p["keys"] & set(stored):
+                p["settled"] = True
+        for key in removed:
+            holding = [p for p in mine if key in p["held"]]
+            if all(p["settled"] for p in holding):
+                for p in holding:
+                    p["held"].discard(key)
+        self.confirmed[replica] -= set(removed)
+        self.confirmed[replica] |= set(stored)
+
+    @rule(replica=REPLICA)
+    def reset(self, replica):
+        self.index.apply(replica, reset("cleared"))
+        self.confirmed[replica].clear()
+        for p in self.live(replica):
+            p["held"].clear()
+            p["settled"] = True
+
+    @precondition(lambda self: self.predictions)
+    @rule(data=st.data(), settle=st.booleans())
+    def settle_or_drop(self, data, settle):
+        p = data.draw(st.sampled_from(self.predictions))
+        if settle:
+            self.index.settle(p["handle"])
+            if p["live"] and p["expiry"] > self.now:
+                p["settled"] = True
+        else:
+            self.index.unpredict(p["handle"])
+            p["live"] = False
+
+    @rule(seconds=st.sampled_from([0.5, 1.0, 2.5]))
+    def wait(self, seconds):
+        self.now += seconds
+
+    @invariant()
+    def matches_the_rule(self):
+        for replica in "ab":
+            predicted = set().union(*(p["held"] for p in self.live(replica)))
+            for key in range(1, 7):
+                held = key in self.confirmed[replica] or key in predicted
+                assert self.index.match([key], [replica])[replica] == int(held), (replica, key)
+        assert self.index.predicted_keys == len(set().union(*(p["held"] for p in self.live())))
+
+
+TestPredictionRule = PredictionRule.TestCase
+TestPredictionRule.settings = settings(max_examples=300, stateful_step_count=30, deadline=None)

@@ -229,6 +229,31 @@ async def test_a_burst_of_a_new_prefix_co_locates_before_events_arrive(autojump_
     assert explained["outcome"] == "miss"
 
 
+async def test_an_attempt_the_engine_never_took_drops_its_prediction_and_a_full_hit_settles_it():
+    router, tier, _, (a, b, c) = make()
+    for name in "abc":
+        hold(tier, name, [])
+    request = prompt(TEXT + " question 1")
+    failed = await router.pick(request)
+    router.attempt_failed(request, failed, "connect")
+    router.finished(request, failed, None)
+    assert tier.index.predicted_keys == 0  # the next request is not drawn to a replica that never saw this one
+    timed_out = await router.pick(request)
+    router.attempt_failed(request, timed_out, "timeout")  # the engine may have taken it: kept
+    router.finished(request, timed_out, None)
+    assert tier.index.predicted_keys == 20
+    name = timed_out.replica.name
+    hold(tier, name, keys_of(TEXT))
+    served = await router.pick(prompt(TEXT + " question 2"))
+    assert served.replica.name == name and served.detail["predicted_cached_tokens"] == 320
+    tier.index.apply(name, KvChanges(kind=KvChangeKind.DELTA, removed=[keys_of(TEXT)[19]], block_size=16))
+    assert tier.index.match(keys_of(TEXT), [name]) == {name: 20}  # both requests unsettled: an ambiguous removal
+    router.finished(request, served, usage(320))  # every predicted block was a hit: settled
+    tier.index.unpredict(timed_out.detail["prediction"])  # (the other one's TTL, early)
+    tier.index.apply(name, KvChanges(kind=KvChangeKind.DELTA, removed=[keys_of(TEXT)[18]], block_size=16))
+    assert tier.index.match(keys_of(TEXT), [name]) == {name: 18}  # settled by its response: an eviction
+
+
 async def test_cache_salt_separates_tenants():
     router, tier, _, (a, b) = make(names=("a", "b"))
     hold(tier, "a", keys_of(TEXT, salt="tenant-1"))

@@ -219,7 +219,9 @@ def test_a_shared_prefix_workload_that_evicts_is_routed_and_predicted_exactly(vl
 
 def test_back_to_back_requests_are_mispredicted_only_by_evictions_still_in_flight(vllm_cluster):
     """No think time: a request may be routed before the events of the previous one's evictions reach the index
-    (engine -> agent -> 25 ms flush -> router). Such a request is over-predicted, never under-predicted."""
+    (engine -> agent -> 25 ms flush -> router). Such a request is over-predicted, never under-predicted: a block
+    evicted and stored again by the previous request stays predicted between the two events (the settle rule,
+    llmgw.kv.index)."""
     rate, pairs, _ = check_workload(vllm_cluster, "shared-prefix workload, back to back", think_time=0, seed=8)
     assert all(p > s.cached_tokens for s, p in pairs if p != s.cached_tokens)
     assert rate >= 0.9
