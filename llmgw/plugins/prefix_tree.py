@@ -10,8 +10,9 @@ decisions (no engine help). Per request (the rule, also in
 2. ``rule: cost`` (the default): each candidate's estimated time to first
    token (:mod:`llmgw.router.cost`: its uncached prompt tokens and the prefill
    queued on it over its learnt throughput, plus its step time and a learnt
-   cost per request in flight) and the smallest wins; estimates within 5 %,
-   2 ms or half the observed noise tie. ``rule: scores``: each scorer named in
+   cost per request in flight) and the smallest wins; an estimate within 5 %,
+   2 ms or half the observed noise (the noisier of its replica's and the
+   smallest's) of the smallest ties. ``rule: scores``: each scorer named in
    ``scorers`` rates each candidate in [0, 1], the combined score is their
    weighted sum (default ``prefix: 1.0, load: 0.5``), and the highest wins.
 3. Ties go to the longer match (rule ``cost``), the lower load, then fewer
@@ -138,7 +139,7 @@ RULES = ("cost", "scores")
 DEFAULT_SCORES_MAX_IMBALANCE = 4
 COST_TIE_FRACTION = 0.05  # estimated TTFTs within 5% (or 2 ms) of the smallest tie
 COST_TIE_SECONDS = 0.002
-COST_TIE_NOISE = 0.5  # ... or half the noise of the best replica's observed TTFTs around its fit
+COST_TIE_NOISE = 0.5  # ... or half the noise of the observed TTFTs around the fits (the noisier of the two replicas')
 _NULLABLE = {"max_imbalance", "load_sigma_k", "engine_metrics_interval", "seed"}
 
 
@@ -397,16 +398,19 @@ class PrefixTreeTier(RoutingTier):
                         rng: random.Random, tie_key) -> Choice:
         """The smallest estimated time to first token (:mod:`llmgw.router.cost`).
 
-        Estimates within ``COST_TIE_FRACTION`` of it, ``COST_TIE_SECONDS`` or half the noise of its replica's
-        observed TTFTs tie, and ties go to the longest match, then the usual tie-breaks. Choosing a replica that
+        An estimate within ``COST_TIE_FRACTION`` of it, ``COST_TIE_SECONDS`` or half the noise of the observed
+        TTFTs (the noisier of its replica's and the smallest's: a difference smaller than that cannot be told
+        from chance) ties, and ties go to the longest match, then the usual tie-breaks. Choosing a replica that
         holds less than the longest match is outcome ``cost_override``.
         """
         waiting = [self._engine_waiting(r, now) for r in candidates]
         estimates = self.cost.estimate([r.name for r in candidates], prompt_tokens, cached_tokens, loads, waiting)
         ttfts = [e.ttft for e in estimates]
         best = min(ttfts)
-        noise = COST_TIE_NOISE * max(e.noise for e, t in zip(estimates, ttfts) if t == best)
-        near = [i for i, t in enumerate(ttfts) if t <= best + max(best * COST_TIE_FRACTION, COST_TIE_SECONDS, noise)]
+        best_noise = max(e.noise for e, t in zip(estimates, ttfts) if t == best)
+        margin = max(best * COST_TIE_FRACTION, COST_TIE_SECONDS)
+        near = [i for i, (e, t) in enumerate(zip(estimates, ttfts))
+                if t <= best + max(margin, COST_TIE_NOISE * max(best_noise, e.noise))]
         chosen = self._first(rng, near, lambda i: (-matched[i], *tie_key(i)))
         longest = max(matched)
         preferred = self._first(rng, [i for i, m in enumerate(matched) if m == longest], tie_key) \

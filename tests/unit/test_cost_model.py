@@ -121,6 +121,30 @@ async def test_an_idle_cold_replica_beats_a_cached_one_whose_queue_is_longer_tha
     assert router.metrics.decisions.labels("m", "prefix_tree", "cost_override")._value.get() == 1
 
 
+async def test_a_difference_within_the_noisier_replicas_noise_is_a_tie_and_the_cached_one_wins():
+    """Seen with two real vLLM replicas on one CPU: fits of 112 and 212 ms steps, noise 174 and 294 ms; the one
+    holding 288 cached tokens lost on a difference its own noise could not tell from chance."""
+    router = Router(build_registry(make_plugin_manager(())), Metrics())
+    tier = router.configure_model("m", "prefix_tree", {"seed": 3}).tier
+    quiet, noisy = (Replica(name=n, model="m", url=f"http://127.0.0.1:{9000 + i}") for i, n in enumerate("qn"))
+    for replica in (quiet, noisy):
+        router.add_replica(replica)
+    rng = random.Random(5)
+    for _ in range(60):  # a tiny model: the prefill is lost in the noise, the fits find it free
+        tier.cost.observe("q", rng.randint(50, 4000), 0, 0.10 + rng.gauss(0, 0.02))
+        tier.cost.observe("n", rng.randint(50, 4000), 0, max(0.0, 0.16 + rng.gauss(0, 0.15)))
+    tier.cost.replica("q").pending_tokens = 100_000  # busy for a moment: the prompt's first request goes to n
+    assert (await router.pick(chat("first question"))).replica is noisy
+    tier.cost.replica("q").pending_tokens = 0
+    explained = {e["name"]: e["cost"] for e in (await router.explain(chat("asked again")))["replicas"]}
+    q, n = (explained[name]["estimated_ttft_s"] for name in "qn")
+    q_noise, n_noise = (explained[name]["learnt"]["noise_s"] for name in "qn")
+    # q's estimate is the smaller by more than half q's noise (which alone made q the pick), by less than half n's
+    assert q_noise / 2 < n - q < n_noise / 2, explained
+    decision = await router.pick(chat("asked again"))
+    assert decision.replica is noisy and decision.outcome == "hit"
+
+
 async def test_a_short_prompt_is_worth_less_queueing_than_a_long_one():
     router, tier, replicas = make()
     short = "Be brief. " * 30  # ~75 tokens: a cold prefill costs ~8 ms, less than one request in flight

@@ -350,6 +350,12 @@ def test_a_killed_vllm_is_restarted_its_index_reset_and_relearnt_and_no_request_
     after = run(vllm_cluster, [("completion", 5100, 1), ("completion-stream", 5100, 2)])
     pairs = predictions(vllm_cluster, after)
     report("after kill -9", pairs)
+    for entry in after[0].explanation["replicas"]:
+        cost, learnt = entry["cost"], entry["cost"]["learnt"]
+        print(f"  first request, {entry['name']}: cached {cost['cached_tokens']}, est. TTFT "
+              f"{cost['estimated_ttft_s'] * 1000:.1f} ms (step {learnt['step_s'] * 1000:.1f} ms, "
+              f"{learnt['prefill_tokens_per_s']:.0f} tokens/s, noise {learnt['noise_s'] * 1000:.1f} ms, "
+              f"{learnt['observations']} observations)")
     # The relearnt index draws the first request to the restarted engine, with its blocks served from cache. The
     # second may go elsewhere: the cost rule weighs the restarted engine's first (warm-up) TTFT against the
     # cached tokens (docs/routing.md); wherever it goes, it goes where /admin/explain said and is predicted exactly.
