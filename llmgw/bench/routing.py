@@ -343,6 +343,12 @@ def plot(report: dict, directory: Path) -> list[str]:
     return written
 
 
+def _known_arm(name: str) -> bool:
+    """One of :data:`ARMS`, or ``NAME@LABEL``: a variant of an llmgw arm (its own ``--arm-options``)."""
+    base, at, label = name.partition("@")
+    return base in ARMS and (not at or bool(label) and ARMS[base].kind == "llmgw")
+
+
 def _arm_options(values: list[str]) -> dict[str, dict]:
     options = {}
     for value in values:
@@ -351,9 +357,11 @@ def _arm_options(values: list[str]) -> dict[str, dict]:
             parsed = json.loads(text)
         except ValueError as exc:
             raise SystemExit(f"--arm-options {value!r}: not JSON after '=': {exc}") from None
-        if name not in ARMS or ARMS[name].kind != "llmgw" or not isinstance(parsed, dict):
+        base = ARMS.get(name.partition("@")[0])
+        if base is None or base.kind != "llmgw" or not isinstance(parsed, dict):
             raise SystemExit(f"--arm-options {value!r}: expected LLMGW_ARM={{json object}} with LLMGW_ARM one of "
-                             + ", ".join(n for n, a in ARMS.items() if a.kind == "llmgw"))
+                             + ", ".join(n for n, a in ARMS.items() if a.kind == "llmgw")
+                             + " (or a variant of one: NAME@LABEL)")
         options[name] = parsed
     return options
 
@@ -363,7 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workload", default="grouped",
                         help="comma list of grouped, multiturn, zipf, low-sharing, trace:FILE (default grouped)")
     parser.add_argument("--arms", default=None, help=f"comma list of {', '.join(ARMS)} (default: all; "
-                                                     "vllm-router arms are skipped when it is not installed)")
+                                                     "vllm-router arms are skipped when it is not installed), or "
+                                                     "NAME@LABEL: a variant of an llmgw arm, e.g. kv_index@greedy "
+                                                     "with --arm-options 'kv_index@greedy={...}'")
     parser.add_argument("--arm-options", action="append", default=[], metavar="ARM=JSON",
                         help="routing_options of an llmgw arm, e.g. 'kv_index={\"predicted_ttl\": \"1s\"}' "
                              "(repeatable)")
@@ -388,11 +398,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _plan(args: argparse.Namespace) -> Plan:
     names = args.arms.split(",") if args.arms else list(QUICK_ARMS if args.quick else DEFAULT_ARMS)
-    unknown = [n for n in names if n not in ARMS]
-    if unknown:
-        raise SystemExit(f"llmgw bench routing: unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
+    unknown = [n for n in names if not _known_arm(n)]
+    if unknown or len(set(names)) < len(names):
+        raise SystemExit(f"llmgw bench routing: unknown or repeated arm(s) {', '.join(unknown or names)}; choose from "
+                         f"{', '.join(ARMS)}, or NAME@LABEL for a variant of an llmgw arm (with --arm-options)")
     options = _arm_options(args.arm_options)
-    arms = [replace(ARMS[n], options=options.get(n, {})) for n in names]
+    arms = [replace(ARMS[n.partition("@")[0]], name=n, options=options.get(n, {})) for n in names]
     concurrencies = ["8"] if args.quick and args.concurrency == "8,24" else args.concurrency.split(",")
     try:
         levels = sorted({int(c) for c in concurrencies})

@@ -10,7 +10,8 @@ decisions (no engine help). Per request (the rule, also in
 2. ``rule: cost`` (the default): each candidate's estimated time to first
    token (:mod:`llmgw.router.cost`: its uncached prompt tokens and the prefill
    queued on it over its learnt throughput, plus its step time and a learnt
-   cost per request in flight) and the smallest wins; an estimate within 5 %,
+   cost per request in flight) plus the delay its prefill adds to the requests
+   in flight there (``cost_others_weight``), and the smallest wins; an estimate within 5 %,
    2 ms or half the observed noise (the noisier of its replica's and the
    smallest's) of the smallest ties. ``rule: scores``: each scorer named in
    ``scorers`` rates each candidate in [0, 1], the combined score is their
@@ -92,6 +93,7 @@ class PrefixTreeOptions:
     cost_prefill_tokens_per_s: float = cost_model.DEFAULT_PRIOR_THROUGHPUT
     cost_step_time: float = cost_model.DEFAULT_PRIOR_STEP
     cost_decay: float = cost_model.DEFAULT_DECAY
+    cost_others_weight: float = cost_model.DEFAULT_OTHERS_WEIGHT
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | None, scorer_keys: AbstractSet[str] = frozenset()
@@ -123,6 +125,7 @@ class PrefixTreeOptions:
         take("cost_prefill_tokens_per_s", _positive_number)
         take("cost_step_time", _non_negative_duration)
         take("cost_decay", _fraction)
+        take("cost_others_weight", _non_negative_number)
         if "rule" not in raw and "scorers" in raw:  # naming scorers asks for them
             options.rule = "scores"
         if "max_imbalance" not in raw and options.rule == "scores":
@@ -149,6 +152,13 @@ def _positive_number(value: Any) -> float:
     if value > MAX_NUMBER:
         raise ValueError(f"must be at most {MAX_NUMBER:g}, got {value!r}")
     return value
+
+
+def _non_negative_number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_NUMBER \
+            or not math.isfinite(value):
+        raise ValueError(f"expected a number from 0 to {MAX_NUMBER:g}, got {value!r}")
+    return float(value)
 
 
 _positive_duration = duration()
@@ -231,8 +241,8 @@ class PrefixTreeTier(RoutingTier):
         self.rng = random.Random(options.seed)  # shared with a kv_index tier built on this one
         self._cold_serial = 0
         self._last_cold: dict[str, int] = {}  # replica -> serial of the last request it got without holding a match
-        self.cost = cost_model.CostModel(options.cost_prefill_tokens_per_s, options.cost_step_time,
-                                         options.cost_decay)  # shared with a kv_index tier built on this one
+        self.cost = cost_model.CostModel(  # shared with a kv_index tier built on this one
+            options.cost_prefill_tokens_per_s, options.cost_step_time, options.cost_decay, options.cost_others_weight)
         if services.metrics is not None:
             track_tree(services.metrics.registry, self.model, self.tree)
 
@@ -405,7 +415,7 @@ class PrefixTreeTier(RoutingTier):
         """
         waiting = [self._engine_waiting(r, now) for r in candidates]
         estimates = self.cost.estimate([r.name for r in candidates], prompt_tokens, cached_tokens, loads, waiting)
-        ttfts = [e.ttft for e in estimates]
+        ttfts = [e.cost for e in estimates]
         best = min(ttfts)
         best_noise = max(e.noise for e, t in zip(estimates, ttfts) if t == best)
         margin = max(best * COST_TIE_FRACTION, COST_TIE_SECONDS)
@@ -423,7 +433,8 @@ class PrefixTreeTier(RoutingTier):
             choice.outcome = "cost_override"
             choice.reason = (f"{candidates[preferred].name} holds more of the prompt ({p.cached_tokens} tokens) but "
                              f"its queue ({p.queued_tokens} prefill tokens, {p.requests:g} requests) makes it slower: "
-                             f"est. TTFT {p.ttft * 1000:.0f} ms vs {c.ttft * 1000:.0f} ms")
+                             f"est. TTFT {p.ttft * 1000:.0f} ms vs {c.ttft * 1000:.0f} ms, with the delay to the "
+                             f"requests on it {p.cost * 1000:.0f} ms vs {c.cost * 1000:.0f} ms")
         return choice
 
     def _guard(self, preferred: int, chosen: int, matched: list[int], loads: list[float], tokens: list[int],

@@ -7,6 +7,17 @@ For one request and one candidate replica (the rule, also in ``docs/routing.md``
                     own accounting) + the waiting requests its engine reports beyond those, at its mean size
     requests      = its in-flight requests (the router's, or the engine's running + waiting when fresh and more)
     estimated TTFT = step + (queued_tokens + new_tokens) / prefill_throughput + requests x per_request
+    delay to others = others_weight x requests x new_tokens / prefill_throughput
+    cost           = estimated TTFT + delay to others          (the router picks the smallest)
+
+The *delay to others* is what the request's own prefill costs the requests on
+that replica (each one's next tokens wait while it is computed; in a closed
+loop they stand for the traffic that will queue behind it). A greedy rule that
+minimises only the request's own TTFT moves requests of a popular prompt off
+its busy holder onto a replica that must compute the whole prompt again: that
+request gains a little and everyone on the other replica pays for the
+recompute (measured: ``docs/benchmarks.md``). ``others_weight`` 0 is the greedy
+rule.
 
 ``step`` (one engine step and the network), ``prefill_throughput`` (prompt
 tokens per second) and ``per_request`` (what each request already in flight
@@ -32,6 +43,7 @@ from typing import Any, Sequence
 DEFAULT_PRIOR_THROUGHPUT = 20_000.0  # prompt tokens / s: a small model on one GPU (and the simulator's default)
 DEFAULT_PRIOR_STEP = 0.02  # s: one decode step
 DEFAULT_DECAY = 0.97  # per observation: about the last 33 requests count
+DEFAULT_OTHERS_WEIGHT = 1.0  # how much the delay a request's prefill adds to the others on its replica counts
 PRIOR_TOKENS = 512.0  # the scale at which the prior on the throughput weighs as one observation
 PRIOR_REQUESTS = 4.0  # the scale at which the prior on the per-request cost weighs as one observation
 PRIOR_WEIGHT = 1.0  # the priors weigh PRIOR_WEIGHT / (1 + w) observations, w the data's weight
@@ -175,24 +187,36 @@ class Estimate:
     throughput: float
     per_request: float
     noise: float = 0.0
+    others_weight: float = 0.0
 
     @property
     def ttft(self) -> float:
         return self.step + (self.queued_tokens + self.new_tokens) / self.throughput + self.requests * self.per_request
 
+    @property
+    def delay_to_others(self) -> float:
+        """What computing this request's new tokens costs the requests in flight on the replica (weighted)."""
+        return self.others_weight * self.requests * self.new_tokens / self.throughput
+
+    @property
+    def cost(self) -> float:
+        return self.ttft + self.delay_to_others
+
     def as_json(self) -> dict[str, Any]:
         return {"cached_tokens": self.cached_tokens, "new_tokens": self.new_tokens,
                 "queued_tokens": self.queued_tokens, "requests": self.requests,
-                "estimated_ttft_s": round(self.ttft, 4)}
+                "estimated_ttft_s": round(self.ttft, 4), "delay_to_others_s": round(self.delay_to_others, 4),
+                "cost_s": round(self.cost, 4)}
 
 
 class CostModel:
     """Per model: every replica's :class:`ReplicaCost`, the estimates for a request, and the bookkeeping hooks."""
 
     def __init__(self, prior_throughput: float = DEFAULT_PRIOR_THROUGHPUT, prior_step: float = DEFAULT_PRIOR_STEP,
-                 decay: float = DEFAULT_DECAY):
+                 decay: float = DEFAULT_DECAY, others_weight: float = DEFAULT_OTHERS_WEIGHT):
         self.prior = (prior_step, 1.0 / prior_throughput, 0.0)
         self.decay = decay
+        self.others_weight = others_weight
         self.replicas: dict[str, ReplicaCost] = {}
         self.pooled = Fit()  # every replica's observations
         self.observations = 0
@@ -245,7 +269,7 @@ class CostModel:
                 queued += int((waiting - cost.pending_requests) * (cost.mean_new_tokens or prompt_tokens))
             step, slope, per_request, noise = cost.line()
             estimates.append(Estimate(cached, prompt_tokens - cached, queued, requests[i], step, 1.0 / slope,
-                                      per_request, noise))
+                                      per_request, noise, self.others_weight))
         return estimates
 
     def _forget_others(self, names: Sequence[str]) -> None:

@@ -107,5 +107,16 @@ def test_arm_options_reach_only_llmgw_arms_and_bad_ones_are_refused():
     for bad in ("oracle={}", "kv_index=[1]", "kv_index={nope", "nope={}"):
         with pytest.raises(SystemExit, match="--arm-options"):
             routing._plan(routing.build_parser().parse_args(["--arm-options", bad]))
-    with pytest.raises(SystemExit, match="unknown arm"):
+    with pytest.raises(SystemExit, match="unknown or repeated arm"):
         routing._plan(routing.build_parser().parse_args(["--arms", "best"]))
+
+
+def test_a_variant_of_an_llmgw_arm_runs_beside_it_with_its_own_options():
+    args = routing.build_parser().parse_args(["--arms", "kv_index,kv_index@greedy", "--arm-options",
+                                              'kv_index@greedy={"cost_others_weight": 0}'])
+    plan = routing._plan(args)
+    assert [(a.name, a.policy, a.options) for a in plan.arms] == [
+        ("kv_index", "kv_index", {}), ("kv_index@greedy", "kv_index", {"cost_others_weight": 0})]
+    for arms in ("kv_index@", "oracle@x", "vllm-router-cache_aware@x", "kv_index,kv_index"):
+        with pytest.raises(SystemExit, match="unknown or repeated arm"):
+            routing._plan(routing.build_parser().parse_args(["--arms", arms]))

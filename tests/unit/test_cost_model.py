@@ -145,6 +145,27 @@ async def test_a_difference_within_the_noisier_replicas_noise_is_a_tie_and_the_c
     assert decision.replica is noisy and decision.outcome == "hit"
 
 
+async def test_a_cold_prefill_is_charged_the_delay_it_adds_to_the_requests_running_there():
+    """The holder's queue costs this request 200 ms more than a cold prefill elsewhere, but there four requests are
+    running and each would wait the 200 ms the prefill takes: the request stays with its cache. An idle replica
+    pays nobody's delay, and the greedy rule (cost_others_weight 0) moves it in both cases."""
+    for weight, running_elsewhere, stays in ((1.0, 4, True), (1.0, 0, False), (0.0, 4, False)):
+        router, tier, replicas = make({"cost_others_weight": weight})
+        owner = await owner_of_the_prompt(router)
+        other = next(r for r in replicas if r is not owner)
+        owner.inflight, other.inflight = 10, running_elsewhere
+        tier.cost.replica(owner.name).pending_tokens = 3000
+        # owner: 40 ms + 3,010 / 10k + 10 x 15 ms = ~491 ms (+ 10 x ~1 ms of others' delay);
+        # other: 40 ms + 2,010 / 10k + 4 x 15 ms = ~301 ms, + 4 x 201 ms of others' delay
+        explained = {e["name"]: e["cost"] for e in (await router.explain(chat("second question")))["replicas"]}
+        delay = explained[other.name]["delay_to_others_s"]
+        assert abs(delay - weight * running_elsewhere * 0.201) < 0.01, explained
+        assert abs(explained[other.name]["cost_s"] - explained[other.name]["estimated_ttft_s"] - delay) < 2e-4
+        decision = await router.pick(chat("second question"))
+        assert (decision.replica is owner) == stays, (weight, running_elsewhere, decision.detail)
+        assert decision.outcome == ("hit" if stays else "cost_override")
+
+
 async def test_a_short_prompt_is_worth_less_queueing_than_a_long_one():
     router, tier, replicas = make()
     short = "Be brief. " * 30  # ~75 tokens: a cold prefill costs ~8 ms, less than one request in flight
@@ -221,10 +242,13 @@ def test_the_cost_options_are_checked_and_naming_scorers_selects_the_scores_rule
     from llmgw.plugins.prefix_tree import PrefixTreeOptions, PrefixTreeTier
 
     problems = PrefixTreeTier.check_options({"rule": "fastest", "cost_decay": 0, "cost_prefill_tokens_per_s": -1,
-                                             "cost_step_time": "soon"})
+                                             "cost_step_time": "soon", "cost_others_weight": -1})
     text = "; ".join(problems)
-    for key in ("rule", "cost_decay", "cost_prefill_tokens_per_s", "cost_step_time"):
+    for key in ("rule", "cost_decay", "cost_prefill_tokens_per_s", "cost_step_time", "cost_others_weight"):
         assert key in text, text
+    for bad in (True, "1", float("inf"), 1e12):
+        assert PrefixTreeTier.check_options({"cost_others_weight": bad}), bad
+    assert PrefixTreeOptions.parse({"cost_others_weight": 0})[0].cost_others_weight == 0.0
     defaults = PrefixTreeOptions.parse({})[0]
     assert defaults.rule == "cost" and defaults.max_imbalance is None  # the count guard is off by default
     scored = PrefixTreeOptions.parse({"scorers": {"prefix": 1.0}})[0]
