@@ -50,6 +50,37 @@ def test_the_priors_hold_before_any_observation_and_when_the_data_cannot_tell_th
     assert 50 <= model.replica("a").throughput <= 1e8 and model.replica("a").step >= 0
 
 
+def steady(model: CostModel, names, count: int, ttft: float = 0.03, seed: int = 1) -> None:
+    rng = random.Random(seed)
+    for _ in range(count):
+        for name in names:
+            model.observe(name, 300, 0, ttft + rng.gauss(0, ttft / 10))
+
+
+def test_one_slow_first_token_does_not_make_a_replica_look_slow():
+    """An engine's warm-up, an adapter's first load, a neighbour's burst: one TTFT of 5 s among 30 ms ones."""
+    model = CostModel()
+    steady(model, "ab", 60)
+    model.observe("a", 300, 0, 5.0)
+    (a, b) = model.estimate(["a", "b"], 300, [0, 0], [0, 0])
+    assert a.ttft < 0.06 and abs(b.ttft - 0.03) < 0.005, (a, b)  # unclipped, a's estimate would be ~0.2 s
+    assert model.describe("a")["clipped_observations"] == 1 and model.describe("b")["clipped_observations"] == 0
+
+
+def test_a_replica_that_really_turns_slower_is_learnt_within_forty_observations():
+    model = CostModel()
+    steady(model, "ab", 100)
+    rng = random.Random(2)
+    learnt_after = None
+    for seen in range(1, 41):
+        model.observe("a", 300, 0, 0.3 + rng.gauss(0, 0.03))  # ten times slower from now on
+        model.observe("b", 300, 0, 0.03 + rng.gauss(0, 0.003))
+        if model.estimate(["a"], 300, [0], [0])[0].ttft > 0.15:
+            learnt_after = seen
+            break
+    assert learnt_after is not None, model.describe("a")
+
+
 def test_observations_outside_sane_bounds_are_ignored():
     model = CostModel()
     for ttft in (-1.0, float("nan"), 1e9):
