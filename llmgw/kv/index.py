@@ -121,12 +121,12 @@ class Prediction:
     __slots__ = ("replica", "serial", "expiry", "keys", "entries", "settled", "live")
 
     def __init__(self, replica: _Replica, serial: int, expiry: float, keys: Sequence[int],
-                 entries: list[list[int]]):
+                 entries: list[tuple[int, list[int]]]):
         self.replica = replica
         self.serial = serial
         self.expiry = expiry
         self.keys = frozenset(keys)
-        self.entries = list(zip(keys, entries))  # (key, the entry it counted in)
+        self.entries = entries  # (key, the entry it counted in)
         self.settled = False
         self.live = True
 
@@ -378,7 +378,7 @@ class KvIndex:
         self._expire(now)
         replica = self._replica(replica_id)
         bit, masks, predicted = replica.bit, self._pred_mask, replica.predicted
-        entries: list[list[int]] = []
+        entries: list[tuple[int, list[int]]] = []
         for key in keys:
             entry = predicted.get(key)
             if entry is None:
@@ -387,7 +387,7 @@ class KvIndex:
             else:
                 entry[HOLDS] += 1
                 entry[UNSETTLED] += 1
-            entries.append(entry)
+            entries.append((key, entry))
         expiry = now + (self.predicted_ttl if ttl is None else ttl)
         prediction = Prediction(replica, next(self._pred_serial), expiry, keys, entries)
         replica.unsettled[prediction.serial] = prediction

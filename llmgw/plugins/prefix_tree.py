@@ -406,7 +406,7 @@ class PrefixTreeTier(RoutingTier):
     def _decide_by_cost(self, candidates: Sequence[Replica], matched: list[int], loads: list[float],
                         tokens: list[int], prompt_tokens: int, cached_tokens: Sequence[int], now: float,
                         rng: random.Random, tie_key) -> Choice:
-        """The smallest estimated time to first token (:mod:`llmgw.router.cost`).
+        """The smallest cost: estimated time to first token plus the delay to others (:mod:`llmgw.router.cost`).
 
         An estimate within ``COST_TIE_FRACTION`` of it, ``COST_TIE_SECONDS`` or half the noise of the observed
         TTFTs (the noisier of its replica's and the smallest's: a difference smaller than that cannot be told
@@ -415,17 +415,17 @@ class PrefixTreeTier(RoutingTier):
         """
         waiting = [self._engine_waiting(r, now) for r in candidates]
         estimates = self.cost.estimate([r.name for r in candidates], prompt_tokens, cached_tokens, loads, waiting)
-        ttfts = [e.cost for e in estimates]
-        best = min(ttfts)
-        best_noise = max(e.noise for e, t in zip(estimates, ttfts) if t == best)
+        costs = [e.cost for e in estimates]
+        best = min(costs)
+        best_noise = max(e.noise for e, t in zip(estimates, costs) if t == best)
         margin = max(best * COST_TIE_FRACTION, COST_TIE_SECONDS)
-        near = [i for i, (e, t) in enumerate(zip(estimates, ttfts))
+        near = [i for i, (e, t) in enumerate(zip(estimates, costs))
                 if t <= best + max(margin, COST_TIE_NOISE * max(best_noise, e.noise))]
         chosen = self._first(rng, near, lambda i: (-matched[i], *tie_key(i)))
         longest = max(matched)
         preferred = self._first(rng, [i for i, m in enumerate(matched) if m == longest], tie_key) \
             if longest else chosen
-        combined = [-t for t in ttfts]
+        combined = [-t for t in costs]
         choice = self._guard(preferred, chosen, matched, loads, tokens, {}, combined, rng, tie_key)
         choice.estimates = estimates
         if choice.outcome == "hit" and matched[chosen] < longest or choice.outcome == "miss" and longest:
@@ -434,7 +434,7 @@ class PrefixTreeTier(RoutingTier):
             choice.reason = (f"{candidates[preferred].name} holds more of the prompt ({p.cached_tokens} tokens) but "
                              f"its queue ({p.queued_tokens} prefill tokens, {p.requests:g} requests) makes it slower: "
                              f"est. TTFT {p.ttft * 1000:.0f} ms vs {c.ttft * 1000:.0f} ms, with the delay to the "
-                             f"requests on it {p.cost * 1000:.0f} ms vs {c.cost * 1000:.0f} ms")
+                             f"requests on each {p.cost * 1000:.0f} ms vs {c.cost * 1000:.0f} ms")
         return choice
 
     def _guard(self, preferred: int, chosen: int, matched: list[int], loads: list[float], tokens: list[int],
