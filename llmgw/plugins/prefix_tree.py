@@ -414,6 +414,7 @@ class PrefixTreeTier(RoutingTier):
         holds less than the longest match is outcome ``cost_override``.
         """
         waiting = [self._engine_waiting(r, now) for r in candidates]
+        self.cost.follow(candidates)
         estimates = self.cost.estimate([r.name for r in candidates], prompt_tokens, cached_tokens, loads, waiting)
         costs = [e.cost for e in estimates]
         best = min(costs)

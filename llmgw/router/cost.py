@@ -41,11 +41,17 @@ TTFTs of two real vLLM replicas sharing a CPU (an engine's warm-up, a LoRA
 adapter's first load, the other engine's burst), the clip cut the median error
 of the next estimate from 24 to 8 ms; a replica that really turns ten times
 slower is learnt in about 29 observations instead of 20.
+
+A fit describes one engine: when a replica's name comes back on another
+replica object (its engine was restarted or replaced and it re-entered
+routing), :meth:`CostModel.follow` drops the replica's own observations, so
+it starts again from its peers' fit instead of the old process's history.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -152,8 +158,16 @@ class ReplicaCost:
     observations: int = 0
     clipped: int = 0  # observations counted lower (outliers: OUTLIER_NOISES)
     mean_new_tokens: float = 0.0  # EWMA of the new tokens of a request routed to it
+    engine: "weakref.ref[Any] | None" = None  # the replica object its observations are of (CostModel.follow)
     _line: Line | None = None
     _generation: int = -1
+
+    def forget_observations(self) -> None:
+        """Its own fit starts again from nothing (the pooled fit keeps what it learnt)."""
+        self.data = Fit()
+        self.observations = 0
+        self.clipped = 0
+        self._line = None
 
     def line(self) -> Line:
         """The fit of all the model's replicas (:meth:`CostModel.pooled_line`), moved toward the fit of its own
@@ -240,6 +254,17 @@ class CostModel:
         if cost is None:
             cost = self.replicas[name] = ReplicaCost(self)
         return cost
+
+    def follow(self, replicas: Sequence[Any]) -> None:
+        """Note which replica object each name is: a name now on another object (a restarted or replaced
+        engine that re-entered routing) forgets its own observations."""
+        for replica in replicas:
+            cost = self.replica(replica.name)
+            engine = cost.engine() if cost.engine is not None else None
+            if engine is not replica:
+                if cost.engine is not None:
+                    cost.forget_observations()
+                cost.engine = weakref.ref(replica)
 
     def pooled_line(self) -> Line:
         """The fit of all the model's observations on the configured priors."""

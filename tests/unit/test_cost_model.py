@@ -81,6 +81,26 @@ def test_a_replica_that_really_turns_slower_is_learnt_within_forty_observations(
     assert learnt_after is not None, model.describe("a")
 
 
+async def test_a_replica_back_on_a_new_engine_starts_again_from_its_peers_fit():
+    """Its engine was killed and restarted: the replica left routing and came back as a new object under its
+    name. What was learnt of the old process is dropped; the pooled fit (and the other replica's) is kept."""
+    router, tier, (a, b) = make()
+    await router.pick(chat("q"))  # the tier meets both replicas
+    before = tier.cost.describe("b")
+    pooled = tier.cost.pooled_line()
+    assert tier.cost.describe("a")["observations"] == 100
+    router.remove_replica(a)
+    restarted = Replica(name="a", model="m", url=a.url)
+    router.add_replica(restarted)
+    await router.pick(chat("q2"))
+    assert tier.cost.describe("a")["observations"] == 0 and tier.cost.describe("b") == before
+    assert tier.cost.replica("a").line() == tier.cost.pooled_line() == pooled
+    await router.pick(chat("q3"))  # the same object again: nothing more is forgotten
+    tier.cost.observe("a", 300, 0, 0.07)
+    await router.pick(chat("q4"))
+    assert tier.cost.describe("a")["observations"] == 1
+
+
 def test_observations_outside_sane_bounds_are_ignored():
     model = CostModel()
     for ttft in (-1.0, float("nan"), 1e9):
