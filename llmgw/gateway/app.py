@@ -128,6 +128,7 @@ class Gateway:
             self.static.apply(self.config)
             await nursery.start(self.control.run)
             nursery.start_soon(scrape_engine_load, self.router)  # for tiers with engine_metrics_interval
+            nursery.start_soon(self.kv_index.maintain)  # resync retries, reset windows, predictions' expiry
             with listening_on(host_port(data_host, data_port)):
                 data = await nursery.start(self.data_server.serve, data_host, data_port)
             with listening_on(host_port(control_host, control_port)):

@@ -22,8 +22,23 @@ Per replica a health state:
 - ``suspect``: the engine's reported cached tokens contradicted the index
   too often (:meth:`KvIndex.observe`, the rule in :mod:`llmgw.kv.drift`);
   the replica's owner was asked to resync (the resync listeners), again every
-  ``resync_retry`` seconds while no answer came; ends with the next FULL or
-  RESET (the answer), or ``forget``.
+  ``resync_retry`` seconds while no answer came (by :meth:`KvIndex.tick`);
+  ends with the next FULL or RESET (the answer), or ``forget``.
+
+Threads: the readers (``state``, ``healthy``, ``summary``, ``describe``,
+``drift_summary``, ``predicted_keys``, ``blocks``, ``keys``...) never write:
+the Prometheus collector calls ``summary`` and ``drift_summary`` from the
+worker thread that renders ``/metrics``, while the Trio thread writes. Only
+the Trio thread writes (``apply``, ``observe``, ``forget``, ``remove``,
+``predict``, ``settle``, ``unpredict``, ``match``, which drops expired
+predictions, and ``tick``), and only a writer calls the resync listeners. So
+what changes with time alone is *reported* by the readers (a ``resetting``
+replica whose window passed reads as ``healthy``) and *done* by
+:meth:`KvIndex.tick`: it folds that ``resetting`` into ``healthy``, asks
+again for the resyncs of suspect replicas whose retry is due, and expires
+predictions. :meth:`KvIndex.maintain` runs it every 0.25 s in the gateway's
+root nursery; without it (a unit test) a retry happens when ``tick`` is
+called.
 
 *Predicted* entries (:meth:`KvIndex.predict`) record a request just routed
 (a :class:`Prediction`), so that a burst of requests sharing a new prefix
@@ -58,6 +73,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from enum import Enum
 from typing import Any
+
+import trio
 
 from . import drift as drift_rule
 from .changes import ChangesFields, KvChangeKind
@@ -164,14 +181,16 @@ class KvIndex:
         return list(self._replicas)
 
     def state(self, replica_id: str) -> IndexState:
+        """The replica's state now; changes nothing (any thread may read it: the module's docstring)."""
         replica = self._replicas.get(replica_id)
-        if replica is None:
-            return IndexState.NO_EVENTS
-        if replica.state is IndexState.RESETTING and self.clock() >= replica.resetting_until:
-            replica.state = IndexState.HEALTHY
-        elif replica.state is IndexState.SUSPECT and self.clock() >= replica.resync_retry_at:
-            self._ask_resync(replica, replica.last_resync[1] if replica.last_resync else drift_rule.RESYNC_FULL,
-                             "no answer to the last resync request", retry=True)
+        return IndexState.NO_EVENTS if replica is None else self._state_at(replica, self.clock())
+
+    @staticmethod
+    def _state_at(replica: _Replica, now: float) -> IndexState:
+        """A RESETTING index whose window has passed is HEALTHY (an empty cache is a known state) even before
+        :meth:`tick` stores that."""
+        if replica.state is IndexState.RESETTING and now >= replica.resetting_until:
+            return IndexState.HEALTHY
         return replica.state
 
     def healthy(self, replica_id: str) -> bool:
@@ -194,8 +213,10 @@ class KvIndex:
         return set(replica.keys) if replica is not None else set()
 
     def summary(self) -> dict[str, tuple[int, str]]:
-        """``{replica: (blocks, state)}`` for the gauges."""
-        return {name: (len(r.keys), self.state(name).value) for name, r in self._replicas.items()}
+        """``{replica: (blocks, state)}`` for the gauges (read from the scrape's worker thread: the replicas are
+        copied in one step, so the Trio thread adding one meanwhile does not break the iteration)."""
+        now = self.clock()
+        return {name: (len(r.keys), self._state_at(r, now).value) for name, r in list(self._replicas.items())}
 
     def describe(self, replica_id: str) -> dict[str, Any]:
         """What the index knows of one replica, as JSON-able data (for explain and the admin API)."""
@@ -212,8 +233,8 @@ class KvIndex:
                           "last_resync_ago": round(self.clock() - last[0], 3) if last else None}}
 
     def drift_summary(self) -> dict[str, dict[str, int]]:
-        """``{replica: {mode: resync requests}}`` for the metrics."""
-        return {name: dict(r.resyncs) for name, r in self._replicas.items()}
+        """``{replica: {mode: resync requests}}`` for the metrics (copied as :meth:`summary` does)."""
+        return {name: dict(r.resyncs) for name, r in list(self._replicas.items())}
 
     def epoch(self, replica_id: str) -> int:
         """Bumped by every FULL, RESET and forget of the replica: tags a decision with the index it was made on."""
@@ -239,6 +260,28 @@ class KvIndex:
         self._clear(replica)
         self._drop_predicted(replica)
         heapq.heappush(self._free_slots, replica.bit.bit_length() - 1)
+
+    # -- maintenance ----------------------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """What time alone changes, done (from the Trio thread only; the readers just report it): a RESETTING
+        index whose window passed becomes HEALTHY, a suspect replica whose resync had no answer within its
+        ``resync_retry`` is asked again, and expired predictions are dropped."""
+        now = self.clock()
+        for replica in list(self._replicas.values()):  # a listener may forget or remove a replica
+            if replica.state is IndexState.RESETTING and now >= replica.resetting_until:
+                replica.state = IndexState.HEALTHY
+            elif replica.state is IndexState.SUSPECT and now >= replica.resync_retry_at:
+                self._ask_resync(replica, replica.last_resync[1] if replica.last_resync else drift_rule.RESYNC_FULL,
+                                 "no answer to the last resync request", retry=True)
+        self._expire(now)
+
+    async def maintain(self, interval: float = 0.25) -> None:
+        """:meth:`tick` every ``interval`` seconds, forever (the gateway runs it in its root nursery): a retry is
+        at most that late, which is nothing against ``resync_retry`` (30 s by default)."""
+        while True:
+            self.tick()
+            await trio.sleep(interval)
 
     # -- applying changes -----------------------------------------------------------------------------------------
 
@@ -310,9 +353,9 @@ class KvIndex:
     # -- drift and resyncs ----------------------------------------------------------------------------------------
 
     def add_resync_listener(self, listener: ResyncListener) -> None:
-        """``listener(replica_id, mode, reason)`` is called when a replica's index turns suspect (and again
-        every ``resync_retry`` seconds while it stays so); it ignores replicas it does not feed, and must not
-        block (post a message, set a flag)."""
+        """``listener(replica_id, mode, reason)`` is called when a replica's index turns suspect (and again,
+        by :meth:`tick`, every ``resync_retry`` seconds while it stays so), always from the Trio thread; it
+        ignores replicas it does not feed, and must not block (post a message, set a flag)."""
         self._resync_listeners.append(listener)
 
     def remove_resync_listener(self, listener: ResyncListener) -> None:
@@ -457,9 +500,17 @@ class KvIndex:
 
     @property
     def predicted_keys(self) -> int:
-        """Keys some replica has a live predicted entry for."""
-        self._expire(self.clock())
-        return len(self._pred_mask)
+        """Keys some replica has a live predicted entry for: held by a prediction not expired yet.
+
+        A reader: it leaves expired predictions to the next writer, so it counts them out instead.
+        """
+        now = self.clock()
+        held: set[int] = set()
+        for expiry, prediction in self._pred_heap:
+            if prediction.live and expiry > now:
+                current = prediction.replica.predicted
+                held.update(key for key, entry in prediction.entries if current.get(key) is entry)
+        return len(held)
 
     # -- matching -------------------------------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import trio
 import trio.testing
@@ -349,12 +350,107 @@ def test_a_suspect_index_asks_again_while_no_answer_comes_and_deltas_do_not_end_
         index.observe("a", "over", epoch=index.epoch("a"), policy=POLICY)
     index.apply("a", delta(stored=[3]))  # ordinary changes keep flowing: not an answer
     clock.jump(29)
+    index.tick()
     assert index.state("a") is IndexState.SUSPECT and len(asked) == 1
     clock.jump(2)
+    index.tick()  # the gateway's maintenance task: reading the state asks nothing
     assert index.state("a") is IndexState.SUSPECT and [mode for _, mode, _ in asked] == ["full", "full"]
     assert index.describe("a")["drift"]["resyncs"]["full"] == 2
     index.forget("a")  # the stream dropped: its reconnect sends a FULL anyway
     assert index.state("a") is IndexState.NO_EVENTS
+
+
+def suspect_and_resetting(asked):
+    """``a`` suspect with its retry due, ``b`` resetting with its window over; nothing ticked since."""
+    clock, index = drifting_index(asked)
+    for _ in range(3):
+        index.observe("a", "over", epoch=index.epoch("a"), policy=POLICY)
+    index.apply("b", reset("cleared"))
+    clock.jump(31)  # past a's resync_retry (30 s) and b's reset_window (5 s)
+    return clock, index
+
+
+def read_everything(index):
+    return (index.state("a"), index.state("b"), index.healthy("a"), index.healthy("b"), index.summary(),
+            index.describe("a"), index.describe("b"), index.drift_summary(), index.predicted_keys)
+
+
+def test_readers_never_ask_for_a_resync_nor_change_what_they_read_next():
+    asked = []
+    _, index = suspect_and_resetting(asked)
+    first = read_everything(index)
+    for _ in range(3):
+        assert read_everything(index) == first
+    assert len(asked) == 1 and first[5]["drift"]["resyncs"] == {"full": 1, "reset": 0}
+    assert first[:2] == (IndexState.SUSPECT, IndexState.HEALTHY)  # b's window is over: reported, not stored
+
+
+def test_tick_asks_again_for_each_due_resync_in_its_mode_and_ends_reset_windows():
+    asked = []
+    clock, index = suspect_and_resetting(asked)
+    assert index._replicas["b"].state is IndexState.RESETTING
+    index.tick()
+    index.tick()  # one retry per retry period, however often it ticks
+    assert asked[1:] == [("a", "full", "no answer to the last resync request")]
+    assert index._replicas["b"].state is IndexState.HEALTHY and index.state("b") is IndexState.HEALTHY
+    assert index.describe("a")["drift"]["resyncs"] == {"full": 2, "reset": 0}
+    index.apply("a", full([1, 2]))  # the answer; then a relapse asks for a reset, retried as a reset
+    for _ in range(3):
+        index.observe("a", "over", epoch=index.epoch("a"), policy=POLICY)
+    clock.jump(29)
+    index.tick()
+    assert [mode for _, mode, _ in asked] == ["full", "full", "reset"]
+    clock.jump(1)
+    index.tick()
+    assert asked[3:] == [("a", "reset", "no answer to the last resync request")]
+
+
+def test_tick_drops_expired_predictions():
+    clock, index = drifting_index([])
+    index.predict("a", [7, 8], ttl=1.0)
+    clock.jump(2)
+    assert index.predicted_keys == 0 and len(index._pred_heap) == 1  # counted out by the reader, still there
+    index.tick()
+    assert index._pred_heap == [] and index._pred_mask == {} and index.keys("a") == {1, 2}
+
+
+async def test_a_scrape_in_a_worker_thread_while_a_resync_is_due_asks_nothing_and_tick_then_does():
+    asked = []
+    clock, index = suspect_and_resetting(asked)
+    threads = []
+    index.add_resync_listener(lambda *args: threads.append(threading.get_ident()))
+    registry = CollectorRegistry()
+    KvMetrics.for_registry(registry).track_index(index)
+    summary = await trio.to_thread.run_sync(index.summary)
+    text = (await trio.to_thread.run_sync(generate_latest, registry)).decode()
+    assert summary == {"a": (2, "suspect"), "b": (0, "healthy")} and len(asked) == 1 and threads == []
+    assert 'llmgw_kv_index_resyncs_total{mode="full",model="",replica="a"} 1.0' in text
+    index.tick()
+    assert len(asked) == 2 and threads == [threading.get_ident()]
+
+
+async def test_maintain_ticks_until_cancelled(autojump_clock):
+    asked = []
+    index = KvIndex(clock=trio.current_time)
+    index.add_resync_listener(lambda *args: asked.append(args))
+    index.apply("a", full([1]))
+    for _ in range(3):
+        index.observe("a", "over", epoch=index.epoch("a"), policy=POLICY)
+    with trio.move_on_after(95):
+        await index.maintain(interval=0.25)
+    assert [mode for _, mode, _ in asked] == ["full"] * 4  # asked at 0, retried at 30, 60 and 90 s
+
+
+async def test_the_gateway_runs_the_index_maintenance(gateway_in_process):
+    gw = await gateway_in_process("models: []\n")
+    index, asked = gw.gateway.kv_index, []
+    index.add_resync_listener(lambda *args: asked.append(args))
+    index.apply("x", full([1]))
+    index.observe("x", "over", epoch=index.epoch("x"), policy=DriftPolicy(suspect_after=1, resync_retry=0.05))
+    with trio.fail_after(5):  # real time: the gateway's index runs on time.monotonic
+        while len(asked) < 2:
+            await trio.sleep(0.05)
+    assert asked[1] == ("x", "full", "no answer to the last resync request")
 
 
 def test_suspect_after_zero_never_suspects_and_a_failing_listener_stops_nothing():
