@@ -43,7 +43,7 @@ class ReplicaMetrics:
         values = (model, replica)
         self.inflight = metrics.inflight.labels(*values)
         self.up = metrics.replica_up.labels(*values)
-        self.inflight_of: object = None  # the object whose ``inflight`` the gauge reads (see track_inflight)
+        self.inflight_of: object = None  # the object whose ``local_inflight`` the gauge reads (see track_inflight)
         self.ttft = metrics.ttft.labels(*values)
         self.inter_token = metrics.inter_token.labels(*values)
         self.e2e = metrics.e2e.labels(*values)
@@ -52,10 +52,13 @@ class ReplicaMetrics:
         self.completion_tokens = metrics.completion_tokens.labels(*values)
 
     def track_inflight(self, source) -> None:
-        """Make ``llmgw_inflight_requests`` read ``source.inflight`` when scraped, instead of being
-        incremented and decremented per request (two locked updates saved per request)."""
+        """Make ``llmgw_inflight_requests`` read ``source.local_inflight`` when scraped, instead of being
+        incremented and decremented per request (two locked updates saved per request).
+
+        This process's own count, not the cluster's ``inflight``: every gateway exports its own series, and
+        summing them in Prometheus gives the cluster's (adding peers' figures here would count them twice)."""
         self.inflight_of = source
-        self.inflight.set_function(lambda: source.inflight)
+        self.inflight.set_function(lambda: source.local_inflight)
 
 
 class ModelMetrics:
@@ -95,7 +98,8 @@ class Metrics:
             "Time from a request's arrival to the first response byte from the engine.",
             ["model"], buckets=LATENCY_BUCKETS, registry=r))
         self.inflight = CachedLabels(Gauge(
-            "llmgw_inflight_requests", "Requests in flight per replica.", ["model", "replica"], registry=r))
+            "llmgw_inflight_requests", "Requests this gateway has in flight per replica.", ["model", "replica"],
+            registry=r))
         self.upstream_errors = CachedLabels(Counter(
             "llmgw_upstream_errors", "Failed attempts that say a replica is unwell, by kind "
             "(connect, closed_before_request, tls, timeout, status_5xx: a 502, 503 or 504).",

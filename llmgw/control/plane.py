@@ -401,7 +401,8 @@ class ControlPlane:
             body = {"name": assignment.replica_id, "model": assignment.model, "url": leader["endpoint"],
                     "source": DEPLOYED, "state": state,
                     "reason": assignment.retiring or f"leader shard is {leader['state']}", "inflight": 0,
-                    "inflight_tokens": 0, "served": 0, "consecutive_failures": 0, "labels": {}}
+                    "inflight_tokens": 0, "local_inflight": 0, "local_inflight_tokens": 0, "peer_inflight": 0,
+                    "peer_inflight_tokens": 0, "served": 0, "consecutive_failures": 0, "labels": {}}
         body.update({"replica_id": assignment.replica_id, "profile": assignment.profile,
                      "node": assignment.leader.node_id,
                      "generation": assignment.generation, "origin": assignment.origin,

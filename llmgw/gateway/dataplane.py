@@ -208,7 +208,7 @@ class DataPlane:
                 if attempt:
                     self.metrics.for_model(model).retries.inc()
                 # Routed as it is handed to the replica, before any answer: from now on it counts in the
-                # replica's inflight and inflight_tokens, streamed or not.
+                # replica's local_inflight and local_inflight_tokens (so in what tiers read), streamed or not.
                 self._load(replica, +1)
                 self.router.routed(route_request, decision)
                 outcome = await self._attempt(replica, request, forwarded, is_last=attempt == self.settings.retries)
@@ -389,7 +389,7 @@ class DataPlane:
     # -- bookkeeping -------------------------------------------------------------------------------------------------
 
     def _load(self, replica: Replica, delta: int) -> None:
-        replica.inflight += delta
+        replica.local_inflight += delta  # this process's own count; peers' requests are not ours to count
         bound = self.metrics.for_replica(replica)
         if bound.inflight_of is not replica:
             bound.track_inflight(replica)

@@ -498,6 +498,7 @@ class PrefixTreeTier(RoutingTier):
         return None
 
     def _load(self, replica: Replica, now: float) -> float:
+        # The cluster's count (ours plus the other gateways' latest), like the engine's gauges, which see them all.
         engine = self._fresh_engine_load(replica, now)
         return replica.inflight if engine is None else max(replica.inflight, engine.requests)
 

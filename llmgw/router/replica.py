@@ -2,11 +2,27 @@
 
 A replica is one engine endpoint serving one model (for multi-GPU or
 multi-node engines, the rank-0 shard's HTTP endpoint). Its state is what the
-health prober and passive failure counting say; ``inflight`` and
-``inflight_tokens`` are the router's own load counters; ``engine_load`` is
-what the engine's own ``/metrics`` said last, when a tier asked for it to be
-scraped (:mod:`llmgw.router.load_scraper`), read with ``gauges``: the names
-its engine plugin gives, vLLM's for a static replica.
+health prober and passive failure counting say; ``engine_load`` is what the
+engine's own ``/metrics`` said last, when a tier asked for it to be scraped
+(:mod:`llmgw.router.load_scraper`), read with ``gauges``: the names its engine
+plugin gives, vLLM's for a static replica.
+
+Its load is counted in two halves, because several gateways may route to the
+same replica as one cluster (docs/scaling.md) and each must see the others'
+requests too:
+
+- ``local_inflight`` (requests this process handed to the replica and not yet
+  finished; the data plane counts them) and ``local_inflight_tokens`` (the
+  router's estimate of their prompt tokens) are this process's exact counts,
+  and the only load figures anything here increments or decrements;
+- ``peer_inflight`` and ``peer_inflight_tokens`` are the other gateways'
+  latest figures, 0 alone: the cluster-sharing code replaces them whole (one
+  assignment each), never adds to them.
+
+``inflight`` and ``inflight_tokens`` (read-only) are the sums: what tiers,
+``explain`` and scorers see. Readers that mean this process alone (the
+``llmgw_inflight_requests`` metric: each gateway exports its own) read the
+``local_`` fields.
 
 Every connection to a replica (requests, health probes, ``/metrics`` scrapes,
 ``/tokenize`` calls) goes through the pool :meth:`Replica.open_pool` makes,
@@ -47,8 +63,10 @@ class Replica:
     weight: int = 1
     state: ReplicaState = ReplicaState.UNKNOWN
     reason: str = ""
-    inflight: int = 0
-    inflight_tokens: int = 0
+    local_inflight: int = 0  # this process's requests to it, not finished (the data plane counts them)
+    local_inflight_tokens: int = 0  # the router's estimate of their prompt tokens
+    peer_inflight: int = 0  # the other gateways' latest figures (assigned whole by the cluster-sharing code)
+    peer_inflight_tokens: int = 0
     consecutive_failures: int = 0
     served: int = 0
     engine_load: EngineLoad | None = None
@@ -72,6 +90,16 @@ class Replica:
     def routable(self) -> bool:
         return self.state.routable
 
+    @property
+    def inflight(self) -> int:
+        """Requests in flight to it from the whole cluster: this process's exact count plus its peers' latest."""
+        return self.local_inflight + self.peer_inflight
+
+    @property
+    def inflight_tokens(self) -> int:
+        """Their estimated prompt tokens, this process's plus its peers' latest."""
+        return self.local_inflight_tokens + self.peer_inflight_tokens
+
     def open_pool(self, connect_timeout: float) -> UpstreamPool:
         """A connection pool to this replica: TLS with its trust options when the URL is ``https://``.
 
@@ -90,6 +118,10 @@ class Replica:
             "reason": self.reason,
             "inflight": self.inflight,
             "inflight_tokens": self.inflight_tokens,
+            "local_inflight": self.local_inflight,
+            "local_inflight_tokens": self.local_inflight_tokens,
+            "peer_inflight": self.peer_inflight,
+            "peer_inflight_tokens": self.peer_inflight_tokens,
             "served": self.served,
             "engine_load": None if self.engine_load is None else {
                 "running": self.engine_load.running, "waiting": self.engine_load.waiting},

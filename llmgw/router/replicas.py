@@ -202,17 +202,21 @@ class ReplicaSet:
 
     async def drain(self, replica: Replica, reason: str, timeout: float) -> None:
         """Take a replica out of routing without cutting a request: no new ones, in-flight ones finish (up to
-        ``timeout``), then it is removed."""
+        ``timeout``), then it is removed.
+
+        It waits for the cluster's ``inflight``, not only this process's: other gateways may still have
+        requests there. A peer's figure may be stale (a gateway that died keeps its last one until the sharing
+        code expires it), which ``timeout`` bounds like any other wait."""
         if self.health is not None:
             self.health.set_state(replica, ReplicaState.DRAINING, reason)
         else:
             replica.state, replica.reason = ReplicaState.DRAINING, reason
         with trio.move_on_after(timeout) as waited:
-            while replica.inflight > 0:
+            while replica.inflight > 0:  # ours plus the peers' latest
                 await trio.sleep(0.05)
         if waited.cancelled_caught:
-            log.warning("replica %s: %d requests still in flight after %gs of draining; removing it anyway",
-                        replica.name, replica.inflight, timeout)
+            log.warning("replica %s: %d requests still in flight (%d of them from other gateways) after %gs of "
+                        "draining; removing it anyway", replica.name, replica.inflight, replica.peer_inflight, timeout)
         await self.remove(replica)
 
     async def _probe(self, replica: Replica, health: HealthTracker, scope: trio.CancelScope) -> None:

@@ -6,9 +6,11 @@ declarations), each route reading its replicas from the set. Tiers are built
 from plugin factories once, when a model is configured. A
 tier that defers (returns None) or fails falls back to round-robin, so a
 broken third-party tier never stops traffic. The router keeps every
-replica's ``inflight_tokens`` (an estimate of the prompt tokens of its routed,
-unfinished requests: canonical characters / 4) whatever the tier, and
-answers :meth:`Router.explain` for ``POST /admin/explain``.
+replica's ``local_inflight_tokens`` (an estimate of the prompt tokens of the
+requests this process routed there and has not finished: canonical characters
+/ 4) whatever the tier; tiers read ``inflight_tokens``, ours plus the other
+gateways' latest. It also answers :meth:`Router.explain` for
+``POST /admin/explain``.
 """
 
 from __future__ import annotations
@@ -202,7 +204,7 @@ class Router:
         by_name = {r.name: r for r in route.replicas}
         for entry in answer["replicas"]:
             known = by_name.get(entry.get("name"))
-            if known is not None:
+            if known is not None:  # the totals the tier reads: ours plus the other gateways' latest
                 entry.update(state=known.state.value, inflight=known.inflight, inflight_tokens=known.inflight_tokens)
         return answer
 
@@ -210,10 +212,10 @@ class Router:
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         """The request is being handed to ``decision.replica``: its prompt tokens count in the replica's
-        ``inflight_tokens`` from now on, and the tier learns of it."""
+        ``local_inflight_tokens`` (hence ``inflight_tokens``) from now on, and the tier learns of it."""
         if not decision.inflight_tokens:
             decision.inflight_tokens = estimated_prompt_tokens(request)
-            replica_of(decision).inflight_tokens += decision.inflight_tokens
+            replica_of(decision).local_inflight_tokens += decision.inflight_tokens
         route = self.models.get(request.model)
         if route is not None:
             self._notify(route, "routed", route.tier.routed, request, decision)
@@ -236,14 +238,14 @@ class Router:
             self._notify(route, "attempt_failed", route.tier.attempt_failed, request, decision, reason)
 
     def finished(self, request: RouteRequest, decision: Decision, usage: dict[str, Any] | None) -> None:
-        """The attempt ended (answered, failed or abandoned): its tokens leave the replica's ``inflight_tokens``
-        and the tier is told, once however often this is called."""
+        """The attempt ended (answered, failed or abandoned): its tokens leave the replica's
+        ``local_inflight_tokens`` and the tier is told, once however often this is called."""
         if decision.ended:
             return
         decision.ended = True
         if decision.inflight_tokens:
             replica = replica_of(decision)
-            replica.inflight_tokens = max(0, replica.inflight_tokens - decision.inflight_tokens)
+            replica.local_inflight_tokens = max(0, replica.local_inflight_tokens - decision.inflight_tokens)
             decision.inflight_tokens = 0
         route = self.models.get(request.model)
         if route is not None:

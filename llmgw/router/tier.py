@@ -47,12 +47,15 @@ if TYPE_CHECKING:
 class ReplicaView(Protocol):
     """What a tier may read of a replica (``llmgw.plugin.Replica``); a tier never changes one.
 
-    ``inflight`` counts the requests the router has handed to the replica and
-    not yet finished (streamed or not; counted from :meth:`RoutingTier.routed`),
+    ``inflight`` counts the requests handed to the replica and not yet finished
+    (streamed or not; counted from :meth:`RoutingTier.routed`),
     ``inflight_tokens`` the router's estimate of their prompt tokens (canonical
-    characters / 4 + 1 each), for every tier. ``engine_load`` is the engine's
-    own queue gauges from its last ``/metrics`` scrape (only when a tier asked
-    for scrapes with ``engine_metrics_interval``), else None.
+    characters / 4 + 1 each), for every tier. Both are this gateway's own exact
+    count plus the other gateways' latest figures when several route as one
+    cluster (docs/scaling.md), so a tier balances the cluster's load, not only
+    its own share. ``engine_load`` is the engine's own queue gauges from its
+    last ``/metrics`` scrape (only when a tier asked for scrapes with
+    ``engine_metrics_interval``), else None.
     """
 
     @property
@@ -113,8 +116,9 @@ class Decision:
 
     ``replica`` must be one of the candidates the tier was given. ``detail`` is
     the tier's own (it sees the same object in the later hooks).
-    ``inflight_tokens`` is what the router added to ``replica.inflight_tokens``
-    when the request was routed, and takes off again when it finishes.
+    ``inflight_tokens`` is what the router added to the replica's
+    ``local_inflight_tokens`` when the request was routed, and takes off again
+    when it finishes.
     ``ttft`` is set by :meth:`llmgw.router.router.Router.first_token`.
     """
 
@@ -277,7 +281,8 @@ class ScoreContext:
     the tier has no prefix view);
     ``loads[i]`` its effective in-flight requests (router-side, or the engine's
     running + waiting when a fresh scrape says more); ``inflight_tokens[i]``
-    the router's estimate of prompt tokens in flight to it.
+    the router's estimate of prompt tokens in flight to it (both the cluster's:
+    this gateway's plus the other gateways' latest, as :class:`ReplicaView`).
     """
 
     prompt_chars: int

@@ -3,9 +3,11 @@
 The harness builds llmgw's real :class:`~llmgw.router.router.Router` with the
 installed plugins plus yours, gives the model real replicas, and plays each
 attempt in the data plane's order: ``pick`` -> the replica's ``inflight`` and
-``inflight_tokens`` count it -> ``routed`` -> (``first_token``) ->
-(``attempt_failed``) -> ``finished`` -> the counts are given back. So a tier
-tested here sees what it will see behind ``llmgw serve``::
+``inflight_tokens`` count it (through this process's ``local_`` counters; set
+``peer_inflight``/``peer_inflight_tokens`` to play other gateways' load) ->
+``routed`` -> (``first_token``) -> (``attempt_failed``) -> ``finished`` -> the
+counts are given back. So a tier tested here sees what it will see behind
+``llmgw serve``::
 
     from llmgw.testing.plugins import TierHarness
     import my_tier_plugin
@@ -78,7 +80,7 @@ class TierHarness:
         if decision is None:
             return None
         self._requests[id(decision)] = request
-        replica_of(decision).inflight += 1
+        replica_of(decision).local_inflight += 1
         self.router.routed(request, decision)
         return decision
 
@@ -116,5 +118,5 @@ class TierHarness:
         request = self._requests.pop(id(decision), None)
         if request is None:
             raise ValueError("this decision was not routed by this harness, or has ended already")
-        replica_of(decision).inflight -= 1
+        replica_of(decision).local_inflight -= 1
         return request

@@ -311,12 +311,12 @@ async def test_a_slow_tokenize_and_an_unindexable_request_get_tree_decisions(clu
     cluster.router.add_replica(slow)
     cluster.index.apply("slow", KvChanges(kind=KvChangeKind.FULL, block_size=BLOCK))  # healthy, holds nothing
     cluster.tier.tokenizer.timeout = 0.1
-    a.replica.inflight = 1  # the idle "slow" replica is asked to tokenize
+    a.replica.local_inflight = 1  # the idle "slow" replica is asked to tokenize
     started = trio.current_time()
     request, decision = await cluster.pick("/v1/completions", {"prompt": text(40, 400)})
     assert trio.current_time() - started < 1.0  # the request waited for the deadline, not for the replica
     assert decision.outcome == "tokenize_timeout" and decision.tier == "kv_index"
-    a.replica.inflight = 0
+    a.replica.local_inflight = 0
 
     image = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                                        {"type": "image_url", "image_url": {"url": "x"}}]}]}

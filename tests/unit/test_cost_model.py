@@ -137,7 +137,7 @@ async def test_a_long_cached_prefix_on_a_busy_replica_beats_an_idle_cold_one():
     router, tier, replicas = make()
     owner = await owner_of_the_prompt(router)
     idle = next(r for r in replicas if r is not owner)
-    owner.inflight = 6  # six requests in flight, their prefills done but a few hundred tokens
+    owner.local_inflight = 6  # six requests in flight, their prefills done but a few hundred tokens
     tier.cost.replica(owner.name).pending_tokens = 300
     decision = await router.pick(chat("second question"))
     # owner: 40 ms + (300 + ~10) / 10k + 6 x 15 ms = ~161 ms; idle: 40 ms + ~2,010 / 10k = ~241 ms
@@ -151,7 +151,7 @@ async def test_a_long_cached_prefix_on_a_busy_replica_beats_an_idle_cold_one():
     # What the count guard did instead: 6 + 1 - 0 > 4 in-flight requests, so a cold 2,000-token prefill.
     router, tier, replicas = make({"rule": "scores", "max_imbalance": 4})
     owner = await owner_of_the_prompt(router)
-    owner.inflight = 6
+    owner.local_inflight = 6
     decision = await router.pick(chat("second question"))
     assert decision.outcome == "load_override" and decision.replica is not owner
 
@@ -160,7 +160,7 @@ async def test_an_idle_cold_replica_beats_a_cached_one_whose_queue_is_longer_tha
     router, tier, replicas = make()
     owner = await owner_of_the_prompt(router)
     idle = next(r for r in replicas if r is not owner)
-    owner.inflight = 10
+    owner.local_inflight = 10
     tier.cost.replica(owner.name).pending_tokens = 6000  # long prompts of other conversations being prefilled
     explained = await router.explain(chat("second question"))
     assert explained["outcome"] == "cost_override" and explained["preferred"] == owner.name
@@ -204,7 +204,7 @@ async def test_a_cold_prefill_is_charged_the_delay_it_adds_to_the_requests_runni
         router, tier, replicas = make({"cost_others_weight": weight})
         owner = await owner_of_the_prompt(router)
         other = next(r for r in replicas if r is not owner)
-        owner.inflight, other.inflight = 10, running_elsewhere
+        owner.local_inflight, other.local_inflight = 10, running_elsewhere
         tier.cost.replica(owner.name).pending_tokens = 3000
         # owner: 40 ms + 3,010 / 10k + 10 x 15 ms = ~491 ms (+ 10 x ~1 ms of others' delay);
         # other: 40 ms + 2,010 / 10k + 4 x 15 ms = ~301 ms, + 4 x 201 ms of others' delay
@@ -221,12 +221,12 @@ async def test_a_short_prompt_is_worth_less_queueing_than_a_long_one():
     router, tier, replicas = make()
     short = "Be brief. " * 30  # ~75 tokens: a cold prefill costs ~8 ms, less than one request in flight
     owner = (await router.pick(chat("q", system=short))).replica
-    owner.inflight = 2
+    owner.local_inflight = 2
     decision = await router.pick(chat("q2", system=short))
     assert decision.replica is not owner and decision.outcome == "cost_override"
     # With the long prompt the same queue is worth waiting for.
     owner = await owner_of_the_prompt(router)
-    owner.inflight = 2
+    owner.local_inflight = 2
     assert (await router.pick(chat("again"))).replica is owner
 
 
@@ -278,7 +278,7 @@ async def test_a_burst_under_a_new_prompt_spills_once_the_holders_queue_outweigh
         request = chat(f"question {i}")
         decision = await router.pick(request)
         router.routed(request, decision)
-        decision.replica.inflight += 1  # as the data plane counts it
+        decision.replica.local_inflight += 1  # as the data plane counts it
         picks.append((decision.replica.name, decision.outcome))
     owner = picks[0][0]
     other = "b" if owner == "a" else "a"

@@ -120,7 +120,7 @@ async def test_blocks_held_but_not_from_block_0_do_not_count():
     hold(tier, "a", keys[1:])
     hold(tier, "b", [])
     hold(tier, "c", [])
-    b.inflight = c.inflight = 1
+    b.local_inflight = c.local_inflight = 1
     decision = await router.pick(prompt(TEXT))
     assert decision.replica is a and decision.outcome == "miss" and decision.detail["matched_blocks"] == 0
 
@@ -129,11 +129,11 @@ async def test_misses_spread_by_load_and_a_loaded_holder_is_overridden_by_the_co
     router, tier, _, (a, b, c) = make({"max_imbalance": 4})
     for name in "abc":
         hold(tier, name, [])
-    a.inflight, b.inflight, c.inflight = 2, 0, 1
+    a.local_inflight, b.local_inflight, c.local_inflight = 2, 0, 1
     decision = await router.pick(prompt("a brand new prompt " * 10))
     assert decision.replica is b and decision.outcome == "miss"
     hold(tier, "a", keys_of(TEXT))
-    a.inflight, b.inflight, c.inflight = 6, 0, 1  # 7 in flight after this one, 4 is the max imbalance
+    a.local_inflight, b.local_inflight, c.local_inflight = 6, 0, 1  # 7 in flight after this one, 4 is the max imbalance
     decision = await router.pick(prompt(TEXT))
     assert decision.replica is b and decision.outcome == "load_override"
     assert outcomes(router) == {"miss": 1, "load_override": 1}
@@ -219,11 +219,11 @@ async def test_a_burst_of_a_new_prefix_co_locates_before_events_arrive(autojump_
         hold(tier, name, [])
     first = await router.pick(prompt(TEXT + " question 1"))
     assert first.outcome == "miss"
-    first.replica.inflight += 1  # still running
+    first.replica.local_inflight += 1  # still running
     second = await router.pick(prompt(TEXT + " question 2"))
     assert second.replica is first.replica and second.outcome == "hit"
     assert second.detail["confirmed_blocks"] == 0 and second.detail["matched_blocks"] == 20
-    first.replica.inflight -= 1
+    first.replica.local_inflight -= 1
     await trio.sleep(2.1)  # the predictions expired and no event confirmed them
     explained = await tier.explain(prompt(TEXT + " question 3"), replicas)
     assert explained["outcome"] == "miss"
@@ -316,7 +316,7 @@ async def test_tokenize_goes_to_the_least_loaded_candidate():
     router, tier, tokenizer, (a, b, c) = make()
     for name in "abc":
         hold(tier, name, [])
-    a.inflight, b.inflight, c.inflight = 3, 1, 2
+    a.local_inflight, b.local_inflight, c.local_inflight = 3, 1, 2
     await tier.pick(prompt("x" * 100), [a, b, c])
     assert tokenizer.calls == ["b"]
 

@@ -66,7 +66,7 @@ async def test_misses_spread_over_the_least_loaded_replicas_evenly():
     assert picks == {"a": 3, "b": 3, "c": 3, "d": 3}  # the least recently given a new prefix goes next
 
     a, b, c, d = replicas
-    a.inflight, b.inflight, c.inflight, d.inflight = 2, 0, 3, 1
+    a.local_inflight, b.local_inflight, c.local_inflight, d.local_inflight = 2, 0, 3, 1
     decision = await router.pick(chat("new", system="another fresh prompt " * 30))
     assert decision.outcome == "miss" and decision.replica is b
 
@@ -85,11 +85,11 @@ async def test_an_overloaded_best_match_loses_to_the_least_loaded_beyond_max_imb
     owner = (await router.pick(chat("the conversation so far"))).replica
     others = [r for r in (a, b, c, d) if r is not owner]
     for r in others:
-        r.inflight = 1
-    owner.inflight = 4  # taking the request puts it 4 above the least loaded: allowed
+        r.local_inflight = 1
+    owner.local_inflight = 4  # taking the request puts it 4 above the least loaded: allowed
     decision = await router.pick(chat("the conversation so far", "and more"))
     assert decision.outcome == "hit" and decision.replica is owner
-    owner.inflight = 5  # would be 5 above: the guard routes by load
+    owner.local_inflight = 5  # would be 5 above: the guard routes by load
     decision = await router.pick(chat("the conversation so far", "and more", "still more"))
     assert decision.outcome == "load_override" and decision.replica in others
 
@@ -98,8 +98,8 @@ async def test_the_sigma_rule_overrides_a_best_match_far_above_the_mean():
     router, (a, b, c, d) = make_router({"max_imbalance": None, "load_sigma_k": 1.0})
     owner = (await router.pick(chat("shared"))).replica
     for r in (a, b, c, d):
-        r.inflight = 3
-    owner.inflight = 4  # mean 3.25, sigma 0.43: 4 > 3.68
+        r.local_inflight = 3
+    owner.local_inflight = 4  # mean 3.25, sigma 0.43: 4 > 3.68
     decision = await router.pick(chat("shared", "more"))
     assert decision.outcome == "load_override" and decision.replica is not owner
 
@@ -109,7 +109,7 @@ async def test_one_shared_system_prompt_does_not_pile_every_request_onto_one_rep
         router, replicas = make_router(options)
         for i in range(40):  # all in flight at once: nobody finishes
             decision = await router.pick(chat(f"user question number {i}"))
-            decision.replica.inflight += 1
+            decision.replica.local_inflight += 1
             spread = max(r.inflight for r in replicas) - min(r.inflight for r in replicas)
             assert options.get("max_imbalance") is None or spread <= options["max_imbalance"]
         return Counter({r.name: r.inflight for r in replicas}), outcomes(router)["load_override"]
@@ -161,7 +161,7 @@ async def test_a_third_party_scorer_is_registered_by_a_plugin_and_weighted_by_na
     owner = (await router.pick(chat("first turn"))).replica
     assert owner is c
     d.labels["pin"] = "yes"
-    c.inflight = 1
+    c.local_inflight = 1
     decision = await router.pick(chat("first turn", "second"))
     assert decision.replica is c  # the prefix weight keeps it on c
     decision = await router.pick(chat("unrelated", system="different prompt " * 40))

@@ -70,15 +70,39 @@ async def test_add_opens_a_pool_and_probes_remove_releases_them_drain_waits_for_
         await trio.testing.wait_all_tasks_blocked()
         assert replica.state is ReplicaState.DOWN and up() == 0
 
-        replica.inflight = 1
+        replica.local_inflight = 1
         with trio.fail_after(5):
             async with trio.open_nursery() as draining:
                 draining.start_soon(replicas.drain, replica, "going", 60.0)
                 await trio.testing.wait_all_tasks_blocked()
                 assert replica.state is ReplicaState.DRAINING and replicas.members("m") == [replica]
-                replica.inflight = 0  # the last request finished: the drain ends
+                replica.local_inflight = 0  # the last request finished: the drain ends
         assert replica not in replicas and replicas.members("m") == [] and up() is None  # its gauge went too
         nursery.cancel_scope.cancel()
+
+
+async def test_drain_waits_for_the_other_gateways_in_flight_requests_too():
+    replicas = ReplicaSet()  # no health tracker, no pools: only the table
+    replica = Replica("a", "m", "http://127.0.0.1:9", peer_inflight=1)  # another gateway still has one there
+    assert replicas.add(replica, STATIC)
+    with trio.fail_after(5):
+        async with trio.open_nursery() as draining:
+            draining.start_soon(replicas.drain, replica, "going", 3.0)
+            await trio.sleep(0.3)  # several of the drain's looks: this process has nothing in flight there
+            assert replica.state is ReplicaState.DRAINING and replica in replicas
+            replica.peer_inflight = 0  # the other gateway's request finished
+            ended = trio.current_time()
+        assert trio.current_time() - ended < 1.0  # the drain saw it, not its timeout
+    assert replica not in replicas and replicas.members("m") == []
+
+
+async def test_a_stale_peer_figure_holds_a_drain_no_longer_than_its_timeout():
+    replicas = ReplicaSet()
+    replica = Replica("a", "m", "http://127.0.0.1:9", peer_inflight=2)  # a gateway that died said so last
+    assert replicas.add(replica, STATIC)
+    with trio.fail_after(5):
+        await replicas.drain(replica, "going", 0.2)
+    assert replica not in replicas
 
 
 def test_a_replica_whose_tls_files_cannot_be_used_is_not_added():
