@@ -54,3 +54,6 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(getattr(logging, level.upper()))
+    # The Redis client narrates every reconnect attempt at INFO; llmgw.cluster.link says once per transition
+    # what an operator needs (degraded, healthy again). Its own lines stay visible at debug.
+    logging.getLogger("coredis").setLevel(logging.DEBUG if level.lower() == "debug" else logging.WARNING)

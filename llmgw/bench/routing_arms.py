@@ -22,7 +22,6 @@ measured from the send to the chosen simulator).
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,11 +32,9 @@ import trio
 
 from ..sim import tokenizer
 from ..testing.processes import free_port, start_child
-from ..testing.sims import MODEL, gateway_config, start_gateway, start_sims
+from ..testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, MODEL, gateway_config, kv_sources, start_gateway, start_sims
 from .chat_workloads import ChatResult, send_chat
 
-EVENTS = re.compile(r"llmgw-sim kv-events on (tcp://\S+)")
-REPLAY = re.compile(r"llmgw-sim kv-replay on (tcp://\S+)")
 VLLM_ROUTER_READY = re.compile(rb"Starting server on (\S+)")
 
 
@@ -78,11 +75,9 @@ class SimSpec:
     seed: int = 0
 
     def extra(self) -> list[str]:
-        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
-                  "replay_endpoint": "tcp://*:0", "topic": ""}  # vllm-router 0.1.17 takes only the empty topic
+        # (KV_SIM_EXTRA's empty topic: vllm-router 0.1.17 takes only that one)
         return ["--prefill-tokens-per-s", str(self.prefill_tokens_per_s), "--decode-ms-per-step",
-                str(self.decode_ms_per_step), "--max-model-len", str(self.max_model_len),
-                "--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config", json.dumps(events),
+                str(self.decode_ms_per_step), "--max-model-len", str(self.max_model_len), *KV_SIM_EXTRA,
                 "--debug-routes"]
 
 
@@ -98,11 +93,11 @@ class Target:
 
 async def open_arm(nursery: trio.Nursery, arm: Arm, spec: SimSpec, vllm_router: str | None) -> Target:
     """Fresh simulators and ``arm``'s router, in ``nursery`` (cancel it to stop them)."""
-    sims = await start_sims(nursery, spec.replicas, env={"PYTHONHASHSEED": "0"}, num_blocks=spec.num_blocks,
+    sims = await start_sims(nursery, spec.replicas, env=KV_SIM_ENV, num_blocks=spec.num_blocks,
                             block_size=spec.block_size, time_scale=spec.time_scale, seed=spec.seed,
                             extra=spec.extra())
     urls = [sim.url for sim in sims]
-    sources = [(_endpoint(EVENTS, sim.lines), _endpoint(REPLAY, sim.lines)) for sim in sims]
+    sources = [kv_sources(sim) for sim in sims]
     if arm.kind == "oracle":
         return Target(Oracle(urls, spec.block_size).send, urls, None)
     if arm.kind == "vllm-router":
@@ -115,14 +110,6 @@ async def open_arm(nursery: trio.Nursery, arm: Arm, spec: SimSpec, vllm_router: 
     gateway = await start_gateway(nursery, config)
     await _gateway_ready(gateway.control_url, spec.replicas, kv=arm.policy == "kv_index")
     return Target(_through(gateway.url), urls, gateway.pid)
-
-
-def _endpoint(pattern: re.Pattern, lines: list[str]) -> str:
-    for line in lines:
-        match = pattern.search(line)
-        if match:
-            return match.group(1)
-    raise RuntimeError(f"a simulator did not print its {pattern.pattern!r} line")
 
 
 def _through(url: str) -> Send:

@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", "-c", help="YAML config file (without it: the demo)")
     parser.add_argument("--listen", help="HOST:PORT of the OpenAI endpoint (overrides the config)")
     parser.add_argument("--control-listen", help="HOST:PORT of /health, /metrics, /admin (overrides the config)")
+    parser.add_argument("--role", choices=("control", "gateway"), default="control",
+                        help="with state.backend redis: 'control' (the default) runs the control plane and writes the "
+                             "cluster's shared state, 'gateway' only serves requests and follows it (docs/scaling.md)")
     parser.add_argument("--demo-replicas", type=int, default=2, help="simulator replicas the demo starts (default 2)")
     parser.add_argument("--stop-engines", action="store_true",
                         help="stop the embedded agent's engines at exit (by default they keep running, to be adopted "
@@ -82,7 +85,7 @@ def main(argv: list[str]) -> int:
     code = 0
     try:
         code = run_reporting("llmgw serve", lambda: trio.run(serve, config, listen, control_listen,
-                                                             args.demo_replicas, args.stop_engines))
+                                                             args.demo_replicas, args.stop_engines, args.role))
     except* (ConfigError, IdentityStoreError) as group:  # raised at start-up, perhaps inside a nursery's group
         refused = list(_leaves(group))
     for error in refused:
@@ -95,9 +98,10 @@ def _leaves(group: BaseExceptionGroup):
         yield from _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
 
 
-async def serve(config, listen, control_listen, demo_replicas: int = 2, stop_engines: bool = False) -> None:
+async def serve(config, listen, control_listen, demo_replicas: int = 2, stop_engines: bool = False,
+                role: str = "control") -> None:
     if config is not None:
-        gateway = await _serve(config, listen, control_listen, stop_engines=stop_engines)
+        gateway = await _serve(config, listen, control_listen, stop_engines=stop_engines, role=role)
         _say_what_keeps_running(gateway)
         return
     with tempfile.TemporaryDirectory(prefix="llmgw-demo-") as state_dir:
@@ -108,11 +112,13 @@ async def serve(config, listen, control_listen, demo_replicas: int = 2, stop_eng
         await _serve(parse_config(text, filename="<demo>"), listen, control_listen, demo_replicas=demo_replicas)
 
 
-async def _serve(config, listen, control_listen, demo_replicas: int | None = None, stop_engines: bool = False):
+async def _serve(config, listen, control_listen, demo_replicas: int | None = None, stop_engines: bool = False,
+                 role: str = "control"):
     from ..gateway.app import Gateway
 
     demo = demo_replicas is not None
-    gateway = Gateway(config, embedded_discovery="cpu" if demo else "auto", stop_engines_on_exit=demo or stop_engines)
+    gateway = Gateway(config, embedded_discovery="cpu" if demo else "auto", stop_engines_on_exit=demo or stop_engines,
+                      role=role)
     async with trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
             addresses = await nursery.start(gateway.run, listen and (listen.host, listen.port),

@@ -77,6 +77,47 @@ def parse_http_url(value: object) -> str:
     return f"{parts.scheme.lower()}://{netloc}{path}"
 
 
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def parse_redis_url(value: object) -> str:
+    """A Redis URL: ``redis://HOST[:PORT][/DB]``, ``rediss://`` (TLS) or ``unix:///PATH[?db=N]``.
+
+    Credentials are refused in the URL (they would be in the file): the password comes from the environment
+    (``state.password_env``). The URL is never quoted back in errors.
+    """
+    if not isinstance(value, str):
+        raise ValueError("expected a URL such as redis://127.0.0.1:6379/0")
+    parts = urlsplit(value.strip())
+    scheme = parts.scheme.lower()
+    if scheme not in REDIS_SCHEMES:
+        raise ValueError("the URL must start with redis://, rediss:// or unix://")
+    if parts.password is not None:
+        raise ValueError("put the password in the environment (state.password_env), not in the URL")
+    if parts.username is not None:
+        raise ValueError("put the user name in state.username, not in the URL")
+    if parts.fragment:
+        raise ValueError("the URL must not have a fragment")
+    if scheme == "unix":
+        if parts.netloc or not parts.path.startswith("/"):
+            raise ValueError("write a Unix socket as unix:///absolute/path/to/redis.sock")
+        return f"unix://{parts.path}" + (f"?{parts.query}" if parts.query else "")
+    if not parts.hostname:
+        raise ValueError("the URL has no host")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError("the URL's port must be a number from 1 to 65535") from None
+    if port == 0:
+        raise ValueError("the URL's port must be a number from 1 to 65535")
+    database = parts.path.strip("/")
+    if database and not (database.isdigit() and int(database) < 16384):
+        raise ValueError("the URL's path is the database number, e.g. redis://127.0.0.1:6379/0")
+    host = parts.hostname
+    netloc = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{netloc}:{port or 6379}/{int(database or 0)}"
+
+
 def url_host_port(url: str) -> HostPort:
     """The host and port (explicit or the scheme's default) of a normalised URL."""
     parts = urlsplit(url)

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
 from ..units import parse_duration, parse_size
 from . import crosschecks
-from .addresses import HostPort, parse_http_url, parse_tcp_endpoint, url_host_port
+from .addresses import HostPort, parse_http_url, parse_redis_url, parse_tcp_endpoint, url_host_port
 from .fields import (
     Check,
     Located,
@@ -268,6 +268,34 @@ class MetricsConfig(Located):
 
 
 @config_class
+class StateConfig(Located):
+    """Where the state that several gateways share lives (docs/scaling.md): this process (``local``), or Redis."""
+
+    backend: Annotated[str, one_of("local", "redis")] = setting("local")
+    url: Annotated[str, Parse(parse_redis_url)] | None = setting(None)  # redis://, rediss:// or unix://
+    cluster: ProfileName = setting("llmgw")  # gateways with the same Redis and cluster name route as one
+    username: Text | None = setting(None)  # Redis ACL user
+    password_env: EnvName | None = setting(None)  # the environment variable holding the password
+    tls: UpstreamTls = setting(factory=UpstreamTls)  # rediss:// only: the CA, client certificate, verify
+    timeout: PositiveDuration = setting(2.0)  # every Redis call
+    load_interval: Annotated[float, Parse(parse_duration), at_least(0.005), at_most(5.0)] = setting(0.05)
+    load_ttl: Annotated[float, Parse(parse_duration), at_least(0.1), at_most(600.0)] = setting(2.0)
+    snapshot_interval: Annotated[float, Parse(parse_duration), at_least(0.1), at_most(3600.0)] = setting(10.0)
+    stream_length: Annotated[int, at_least(1000), at_most(10_000_000)] = setting(100_000)  # entries kept per stream
+
+    @property
+    def shared(self) -> bool:
+        return self.backend == "redis"
+
+    @classmethod
+    def _finish(cls, draft: Draft) -> None:
+        if draft.known("backend", "url") and draft["backend"] == "redis" and not draft["url"]:
+            draft.problem("url", "backend redis needs the server's URL, e.g. redis://127.0.0.1:6379/0")
+        if draft.known("load_interval", "load_ttl") and draft["load_ttl"] < 4 * draft["load_interval"]:
+            draft.problem("load_ttl", "must be at least 4 x load_interval: a live gateway's load must not expire")
+
+
+@config_class
 class Config(Located):
     """A whole configuration file."""
 
@@ -290,6 +318,7 @@ class Config(Located):
     log_level: LogLevel = setting("info")
     access_log: bool = setting(False)  # one line per relayed request on the "llmgw.access" logger
     log_format: LogFormat = setting("text")
+    state: StateConfig = setting(factory=StateConfig)  # shared by several gateways: docs/scaling.md
 
     def model_names(self) -> list[str]:
         """Names clients may ask for: every model under ``models``, then every deployed profile's served name."""

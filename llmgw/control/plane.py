@@ -352,6 +352,11 @@ class ControlPlane:
         nodes = self.inventory.nodes
         return [self.inventory.node_json(nodes[n], self.reconciler.used_gpus(n, nodes)) for n in sorted(nodes)]
 
+    def kv_fed(self) -> list[str]:
+        """The deployed replicas in routing whose profile has KV events (their agents relay them)."""
+        return [replica_id for replica_id in self.deployed.routed
+                if replica_id in self.desired and self.desired[replica_id].profile.kv_events]
+
     def replicas_json(self) -> list[dict]:
         """Every deployed replica: placed ones with their shards, then the ones waiting for a placement."""
         entries = []

@@ -72,6 +72,10 @@ class StaticReplicas(TaskHost):
                 self.replicas.withdraw_model(STATIC, declared)
         self._follow_kv(config)
 
+    def kv_fed(self) -> list[str]:
+        """The static replicas whose KV events this process follows."""
+        return list(self._kv)
+
     async def _drain(self, replica: Replica, reason: str, forget_kv: bool) -> None:
         await self.replicas.drain(replica, reason, DRAIN_TIMEOUT)
         if forget_kv:

@@ -51,7 +51,14 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
 
     @app.get("/health")
     async def health():
-        return jsonify({"status": "ok", "draining": gateway.draining})
+        answer: dict[str, Any] = {"status": "ok", "draining": gateway.draining}
+        if gateway.shared is not None:  # liveness stays ok: a degraded shared state is routed on, not fatal
+            answer["state"] = {key: value for key, value in gateway.shared.describe().items() if key != "peers"}
+        return jsonify(answer)
+
+    def without_control_plane():
+        return _error(404, "this gateway runs with --role gateway: the control plane (nodes, agents) is in its "
+                      "cluster's control process", "no_control_plane")
 
     @app.get("/metrics")
     async def metrics():
@@ -63,8 +70,17 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
         """Every replica with its ``source``: the config's (static) ones, then the deployed ones (placed, with
         their shards, or waiting for a placement)."""
         replicas = gateway.replicas
+        if gateway.control is None:  # a follower: the replicas the cluster's control process published
+            return jsonify([replicas.describe(replica) for replica in replicas])
         static = [replicas.describe(replica) for replica in replicas.of_source(STATIC)]
         return jsonify(static + gateway.control.replicas_json())
+
+    @app.get("/admin/cluster")
+    async def cluster():
+        """The shared state: role, Redis, degraded or not, the log position and the other gateways' load."""
+        if gateway.shared is None:
+            return jsonify({"backend": "local", "role": gateway.role})
+        return jsonify(gateway.shared.describe())
 
     @app.get("/admin/kv")
     async def kv():
@@ -79,11 +95,15 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
 
     @app.get("/admin/nodes")
     async def nodes():
+        if gateway.control is None:
+            return without_control_plane()
         return jsonify(gateway.control.nodes_json())
 
     @app.post("/admin/nodes/<node_id>/forget")
     async def forget_node(node_id: str):
         """Drop a node's identity: its id can join again with a join token (a rebuilt or replaced machine)."""
+        if gateway.control is None:
+            return without_control_plane()
         if not gateway.control.forget_node(node_id):
             return _error(404, f"no node {node_id!r} is known", "node_not_found")
         return jsonify({"forgotten": node_id})
@@ -100,6 +120,9 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
         peer = f"{websocket.remote_addr or '?'}"
         # quart's websocket is a context-local proxy: hand the session the object behind it
         ws = websocket._get_current_object()  # type: ignore[attr-defined]
+        if gateway.control is None:
+            await ws.close(1008, "this gateway runs no control plane (--role gateway): join its control process")
+            return
         await gateway.control.serve_agent(quart_channel(ws, f"agent at {peer}"))
 
     @app.get("/admin/models")

@@ -23,14 +23,16 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from ..cluster.state import CONTROL, SharedState
 from ..config import Config, ConfigError
 from ..config.fields import issue_at
+from ..control.interfaces import KvWriter, ReplicaTable
 from ..control.plane import ControlPlane
 from ..control.static import StaticReplicas
 from ..http.control_server import ControlServer, ControlServerMetrics
 from ..http.jsonbody import JsonLimits
 from ..http.server import HttpServer, ServerLimits
-from ..kv.index import KvIndex
+from ..kv.index import IndexState, KvIndex
 from ..listening import host_port, listening_on
 from ..metrics import Metrics
 from ..plugins_manager import Registry, check_config_plugins, default_registry, load_checked_config
@@ -47,6 +49,8 @@ if TYPE_CHECKING:
     from ..agent.agent import Agent
 
 log = logging.getLogger(__name__)
+SETTLE_SECONDS = 2.0  # the least a control process waits after its start before it publishes the shared state
+KV_SETTLE_SECONDS = 10.0  # the most it waits for its KV feeds' first copies
 
 
 @dataclass(frozen=True)
@@ -67,9 +71,11 @@ class Addresses:
 
 class Gateway:
     def __init__(self, config: Config, registry: Registry | None = None, *, embedded_discovery: str = "auto",
-                 stop_engines_on_exit: bool = False):
+                 stop_engines_on_exit: bool = False, role: str = CONTROL):
         """``stop_engines_on_exit``: the embedded agent's engines stop with the gateway (the demo); by default
-        they outlive it, to be adopted by the next start."""
+        they outlive it, to be adopted by the next start. ``role``: ``control`` runs the control plane (and, with
+        a shared state backend, writes the cluster's state); ``gateway`` only follows a cluster's shared state
+        (docs/scaling.md)."""
         self.config = config
         self.embedded_discovery = embedded_discovery
         self.stop_engines_on_exit = stop_engines_on_exit
@@ -86,7 +92,6 @@ class Gateway:
         self.replicas = ReplicaSet(self.health, self.metrics, lim.connect_timeout)
         self.kv_index = KvIndex(clock=time.monotonic)
         self.router = Router(self.registry, self.metrics, self.replicas, self.kv_index)
-        self.static = StaticReplicas(self.replicas, self.kv_index, self.registry, self.metrics.registry)
         self.dataplane = DataPlane(self.router, self.health, self.metrics, DataPlaneSettings(
             connect_timeout=lim.connect_timeout, first_byte_timeout=lim.first_byte_timeout,
             idle_timeout=lim.idle_timeout, retries=lim.retries, access_log=config.access_log,
@@ -106,8 +111,26 @@ class Gateway:
         self._control_host = config.control_listen.host  # the one served (run's control_listen may override it)
         self.control_metrics = ControlServerMetrics(self.metrics.registry)
         self.addresses: Addresses | None = None
-        self.control = ControlPlane(self.replicas, self.kv_index, self.registry, self.metrics.registry, config)
-        self.dataplane.wait_for_replica = self.control.wait_for_replica
+        self.role = role
+        self.shared: SharedState | None = None
+        table: ReplicaTable = self.replicas
+        kv: KvWriter = self.kv_index
+        if config.state.shared:
+            self.shared = SharedState(config, role, self.replicas, self.kv_index, self.registry,
+                                      self.metrics.registry)
+            table, kv = self.shared.table, self.shared.kv
+        elif role != CONTROL:
+            raise ConfigError([issue_at(config.state, "backend", "--role gateway follows a cluster's shared state: "
+                                        "it needs backend: redis")])
+        self.static: StaticReplicas | None = None
+        self.control: ControlPlane | None = None
+        if role == CONTROL:
+            self.static = StaticReplicas(table, kv, self.registry, self.metrics.registry)
+            self.control = ControlPlane(table, kv, self.registry, self.metrics.registry, config)
+            self.dataplane.wait_for_replica = self.control.wait_for_replica
+        else:
+            assert self.shared is not None
+            self.dataplane.wait_for_replica = self.shared.wait_for_replica
         self._reload_lock = trio.Lock()
 
     async def run(self, listen: tuple[str, int] | None = None, control_listen: tuple[str, int] | None = None, *,
@@ -121,12 +144,17 @@ class Gateway:
             raise ConfigError([issue_at(self.config, "control_listen", problem)])
         control_server = ControlServer(functools.partial(create_control_app, self, self.control_metrics),
                                        self.control_metrics, ssl_context=self._control_tls_context())
+        self._started_at = trio.current_time()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.replicas.run)
-            await nursery.start(self.static.run)
-            self.static.apply(self.config)
-            await nursery.start(self.control.run)
+            if self.shared is not None:
+                await nursery.start(self.shared.run, self._settled)
+            if self.static is not None:
+                await nursery.start(self.static.run)
+                self.static.apply(self.config)
+            if self.control is not None:
+                await nursery.start(self.control.run)
             nursery.start_soon(scrape_engine_load, self.router)  # for tiers with engine_metrics_interval
             nursery.start_soon(self.kv_index.maintain)  # resync retries, reset windows, predictions' expiry
             with listening_on(host_port(data_host, data_port)):
@@ -136,11 +164,25 @@ class Gateway:
                                                                 shutdown=self._control_shutdown))
             self.addresses = Addresses(data, control, "https" if self.config.data_tls else "http",
                                        "https" if self.config.control_tls else "http")
-            if self.config.agents.embedded:
+            if self.config.agents.embedded and self.control is not None:
                 await nursery.start(self._run_embedded_agent)
+            elif self.config.agents.embedded:
+                log.info("--role gateway: the config's embedded agent runs in the control-plane process only")
             log.debug("llmgw serving the OpenAI API on %s and the control API on %s",
                      self.addresses.data_url, self.addresses.control_url)
             task_status.started(self.addresses)
+
+    def _settled(self) -> bool:
+        """What this control process knows is worth publishing (followers keep their last view until then): its
+        adoption window is over, and the replicas whose KV events it follows have sent their first copy (or
+        ``KV_SETTLE_SECONDS`` passed), so a restart never shows the cluster an empty index."""
+        assert self.control is not None and self.static is not None
+        now = trio.current_time()
+        if now < max(self.control.reconciler.place_after, self._started_at + SETTLE_SECONDS):
+            return False
+        fed = [*self.static.kv_fed(), *self.control.kv_fed()]
+        return now >= self._started_at + KV_SETTLE_SECONDS or all(
+            self.kv_index.state(name) is not IndexState.NO_EVENTS for name in fed)
 
     def _control_tls_context(self):
         """The control listener's server context (``control_tls``), or None for plain HTTP."""
@@ -159,6 +201,7 @@ class Gateway:
 
         agents = self.config.agents
         node_id = agents.embedded_node_id
+        assert self.control is not None
         connector = InProcessConnector(self.control.accept_in_process, f"embedded agent {node_id}")
         self.embedded_agent = agent = Agent(connector, node_id=node_id, discovery=self.embedded_discovery,
                                             state_dir=agents.state_dir, address="127.0.0.1", registry=self.registry,
@@ -192,15 +235,19 @@ class Gateway:
                 if getattr(config, key) != getattr(self.config, key):
                     log.warning("reload: %s changed; that takes a restart", key)
             self.config = config
-            self.static.apply(config)
-            self.control.apply_config(config)
+            if self.shared is not None:
+                self.shared.apply_config(config)
+            if self.static is not None:
+                self.static.apply(config)
+            if self.control is not None:
+                self.control.apply_config(config)
             log.info("reloaded %s: %d models, %d deployments", config.source, len(config.models),
                      len(config.deployments))
             return []
 
     async def stop_embedded_shards(self, grace: float = 5.0) -> None:
         """Stop the embedded agent's engines (the demo's exit; a real agent's engines outlive it)."""
-        if self.embedded_agent is not None:
+        if self.embedded_agent is not None and self.control is not None:
             self.control.closing()
             self.control.freeze()  # nothing may start them again
             with trio.CancelScope(shield=True), trio.move_on_after(grace + 5.0):
@@ -210,7 +257,8 @@ class Gateway:
         """Stop accepting, let in-flight requests finish for up to ``grace`` seconds, then stop everything."""
         grace = self.config.limits.shutdown_grace if grace is None else grace
         self.draining = True
-        self.control.closing()
+        if self.control is not None:
+            self.control.closing()
         inflight = self.data_server.active_requests
         log.log(logging.INFO if inflight else logging.DEBUG,
                 "draining: no new connections; waiting up to %gs for %d in-flight requests", grace, inflight)

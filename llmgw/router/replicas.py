@@ -116,6 +116,10 @@ class ReplicaSet:
     def declared_models(self) -> list[str]:
         return list(self._declared)
 
+    def declarations(self) -> list[tuple[str, TierModel]]:
+        """Every ``(source, model)`` declaration (what a snapshot of the shared state holds)."""
+        return [(source, model) for declared in self._declared.values() for source, model in declared.items()]
+
     def _changed(self, name: str) -> None:
         for watcher in self._watchers:
             watcher(name)

@@ -10,6 +10,7 @@ the YAML of a gateway routing one model over replicas with a given tier,
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from pathlib import Path
 from typing import Sequence
@@ -20,6 +21,14 @@ from . import fake_upstream
 from .processes import Child, llmgw_command, start_child, start_serve
 
 MODEL = "tiny"
+EVENTS = re.compile(r"llmgw-sim kv-events on (tcp://\S+)")
+REPLAY = re.compile(r"llmgw-sim kv-replay on (tcp://\S+)")
+# A simulator's flags for KV events a gateway can follow: bound PUB and replay sockets on ephemeral ports, announced
+# on its output (read them with kv_sources), and vLLM's hashing with PYTHONHASHSEED=0 (KV_SIM_ENV).
+KV_SIM_EXTRA = ("--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config",
+                json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
+                            "replay_endpoint": "tcp://*:0", "topic": ""}))
+KV_SIM_ENV = {"PYTHONHASHSEED": "0"}
 
 
 def sim_command(*, model: str = MODEL, num_blocks: int, block_size: int = 16, time_scale: float = 1.0,
@@ -60,6 +69,19 @@ deployments:
   - profile: tiny-sim
     replicas: {replicas}
 """
+
+
+def kv_sources(sim: Child) -> tuple[str, str]:
+    """A simulator's (events, replay) ZMQ endpoints, from its output (started with :data:`KV_SIM_EXTRA`)."""
+    return _announced(EVENTS, sim), _announced(REPLAY, sim)
+
+
+def _announced(pattern: re.Pattern, sim: Child) -> str:
+    for line in sim.lines:
+        match = pattern.search(line)
+        if match:
+            return match.group(1)
+    raise RuntimeError(f"{sim.name} did not print its {pattern.pattern!r} line")
 
 
 async def start_sims(nursery: trio.Nursery, count: int, **sim_options) -> list[Child]:

@@ -1,0 +1,298 @@
+"""A gateway's side of the shared state: its replica table and KV index follow the control plane's, through Redis.
+
+:class:`LogFollower` loads the newest snapshot, then applies the log's
+batches after it as they come (a blocking stream read: a change is visible
+here a few milliseconds after the control plane wrote it). It loads the
+snapshot again when the batches jump (a batch was lost, or the stream was
+trimmed past what it read), when another writer appears (the control plane
+restarted: its first snapshot comes before its first batch), or after Redis
+failed. While Redis is away it keeps everything as it is: requests are routed
+on the last known table and index (fail-static).
+
+:class:`FollowedReplicas` is the replica source that the log drives: it
+declares models and adds, drains and removes replicas in this process's
+:class:`~llmgw.router.replicas.ReplicaSet` under the source the control plane
+gave them (``static`` or ``deployed``). Secrets never travel through Redis: a
+replica's API key and TLS settings come from this gateway's own config (the
+static replica of that name, or the deployed replica's profile).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import trio
+
+from ..kv.changes import BlockChanges, KvChangeKind
+from ..router.model import TierModel
+from ..router.replica import Replica, ReplicaState
+from . import records
+from .link import BLOCK_MS, RedisLink, Unavailable
+from .records import Keys, RecordError, ReplicaRecord
+
+if TYPE_CHECKING:
+    from ..kv.index import KvIndex
+    from ..router.replicas import ReplicaSet
+    from .metrics import ClusterMetrics
+
+log = logging.getLogger(__name__)
+
+DRAIN_TIMEOUT = 600.0
+BATCHES_PER_READ = 256
+ReplicaFactory = Callable[[ReplicaRecord], Replica]
+
+
+class FollowedReplicas:
+    """The replicas and models the control plane published, kept in this process's replica set."""
+
+    def __init__(self, replicas: "ReplicaSet", make_replica: ReplicaFactory):
+        self.replicas = replicas
+        self.make_replica = make_replica
+        self.followed: dict[str, tuple[ReplicaRecord, Replica]] = {}  # by name
+        self.declared: dict[tuple[str, str], TierModel] = {}  # (source, model name) -> declaration
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    def declare(self, source: str, model: TierModel) -> None:
+        self.declared[(source, model.name)] = model
+        self.replicas.declare_model(source, model)
+
+    def withdraw(self, source: str, name: str) -> None:
+        if self.declared.pop((source, name), None) is not None:
+            self.replicas.withdraw_model(source, name)
+
+    def add(self, record: ReplicaRecord) -> None:
+        current = self.followed.get(record.name)
+        if current is not None:
+            if current[0] == record:
+                return
+            self.remove(record.name, "it changed")
+        replica = self.make_replica(record)
+        if self.replicas.add(replica, record.source):
+            self.followed[record.name] = (record, replica)
+            log.info("replica %s (%s) enters routing at %s (from the cluster's control plane)", record.name,
+                     record.model, record.url)
+
+    def drain(self, name: str, reason: str) -> None:
+        """No new requests to it; it leaves when the control plane removes it."""
+        current = self.followed.get(name)
+        if current is not None:
+            replica = current[1]
+            health = self.replicas.health
+            if health is not None:
+                health.set_state(replica, ReplicaState.DRAINING, reason)
+            else:
+                replica.state, replica.reason = ReplicaState.DRAINING, reason
+
+    def remove(self, name: str, why: str = "the control plane removed it") -> None:
+        """Out of routing; the requests this gateway still has there finish first (up to ``DRAIN_TIMEOUT``)."""
+        current = self.followed.pop(name, None)
+        if current is None:
+            return
+        replica = current[1]
+        log.info("replica %s leaves routing: %s", name, why)
+        assert self._nursery is not None, "FollowedReplicas.run is not running"
+        if replica.local_inflight:
+            self._nursery.start_soon(self.replicas.drain, replica, why, DRAIN_TIMEOUT)
+        else:
+            self._nursery.start_soon(self.replicas.remove, replica)
+
+    def replace(self, models: list[tuple[str, TierModel]], members: list[tuple[ReplicaRecord, bool, str]]) -> None:
+        """Make the followed state exactly a snapshot's; replicas that did not change keep their pools and health."""
+        wanted_models = {(source, model.name): model for source, model in models}
+        for source, model in models:
+            if self.declared.get((source, model.name)) != model:
+                self.declare(source, model)
+        for source, name in list(self.declared):
+            if (source, name) not in wanted_models:
+                self.withdraw(source, name)
+        wanted = {record.name: (record, draining, reason) for record, draining, reason in members}
+        for name in list(self.followed):
+            if name not in wanted:
+                self.remove(name, "it is not in the control plane's snapshot")
+        for record, draining, reason in wanted.values():
+            self.add(record)
+            if draining:
+                self.drain(record.name, reason)
+
+
+class LogFollower:
+    """Keeps a :class:`FollowedReplicas` and a :class:`KvIndex` equal to the control plane's, from Redis."""
+
+    def __init__(self, link: RedisLink, keys: Keys, followed: FollowedReplicas, kv_index: "KvIndex",
+                 metrics: "ClusterMetrics"):
+        self.link = link
+        self.keys = keys
+        self.followed = followed
+        self.kv_index = kv_index
+        self.metrics = metrics
+        self.writer: str | None = None  # the writer whose snapshot and batches we follow
+        self.seq = 0  # its last batch applied
+        self.stream_id = b"0-0"
+        self.loaded = trio.Event()  # set once a first snapshot has been applied
+        self.snapshot_reason = "start"
+        # The snapshot a jump in the log calls for: (writer, at least this batch). The batch is in the log before
+        # the snapshot that points at it is, so an older snapshot must not be taken for it.
+        self.wanted: tuple[str, int] | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        failures = 0
+        while True:
+            try:
+                if self.snapshot_reason:
+                    if not await self._load_snapshot():
+                        await trio.sleep(0.2)  # none yet (a new cluster, or its writer has not settled)
+                        continue
+                await self._read()
+                failures = 0
+            except Unavailable:
+                failures += 1
+                self.snapshot_reason = self.snapshot_reason or "redis_outage"
+                await self.link.backoff(failures)
+
+    async def wait_loaded(self, timeout: float) -> bool:
+        """Whether a first snapshot was applied within ``timeout`` seconds (a request at start waits for it)."""
+        with trio.move_on_after(timeout):
+            await self.loaded.wait()
+        return self.loaded.is_set()
+
+    # -- the snapshot ----------------------------------------------------------------------------------------------
+
+    async def _load_snapshot(self) -> bool:
+        keys = self.keys
+        raw = await self.link.call("snapshot_read", lambda client: client.get(keys.snapshot))
+        if raw is None:
+            return False
+        try:
+            pointer = records.unpack(raw)
+            if self.snapshot_reason == "redis_outage" and pointer["writer"] == self.writer \
+                    and pointer["seq"] <= self.seq:
+                self.snapshot_reason = ""  # nothing was lost: go on reading after what we have
+                return True
+            if self.wanted is not None and (pointer["writer"] != self.wanted[0] or pointer["seq"] < self.wanted[1]):
+                return False  # the snapshot the log calls for is not written yet
+            meta_raw = await self.link.call("snapshot_read", lambda client: client.get(pointer["meta"]))
+            if meta_raw is None:
+                return False  # replaced in between: read the pointer again
+            meta = records.unpack(meta_raw)
+            part_keys = meta["parts"]
+            names = list(part_keys)
+            raws = await self.link.call("snapshot_read", lambda client: client.mget([part_keys[n] for n in names]))
+            if any(part is None for part in raws):
+                return False
+            parts = {name: records.decode_keys(part) for name, part in zip(names, raws)}
+            models = []
+            for entry in meta["models"]:
+                decoded = records.decode_entry(entry)
+                models.append((decoded[1], decoded[2]))
+            members = [(ReplicaRecord.from_array(item[0]), bool(item[1]), str(item[2])) for item in meta["replicas"]]
+            kv_states = {name: (str(state), int(block_size)) for name, (state, block_size) in meta["kv"].items()}
+            writer, seq, stream_id = str(meta["writer"]), int(meta["seq"]), str(meta["stream_id"]).encode()
+        except (RecordError, KeyError, TypeError, ValueError, IndexError) as exc:
+            self.metrics.bad_records.labels("snapshot").inc()
+            log.error("cluster state: the snapshot in Redis cannot be read (%s); keeping the current state and "
+                      "trying again", exc)
+            await trio.sleep(1.0)
+            return False
+        self.followed.replace(models, members)
+        self._replace_kv(kv_states, parts)
+        self.writer, self.seq, self.stream_id = writer, seq, stream_id
+        self.wanted = None
+        self.metrics.snapshots.labels("loaded", self.snapshot_reason).inc()
+        log.info("cluster state: snapshot %d of control plane %s loaded (%s): %d models, %d replicas, %d blocks",
+                 seq, writer, self.snapshot_reason, len(models), len(members), sum(len(p) for p in parts.values()))
+        self.snapshot_reason = ""
+        self.loaded.set()
+        return True
+
+    def _replace_kv(self, states: dict[str, tuple[str, int]], parts: dict[str, list[int]]) -> None:
+        index = self.kv_index
+        for name in index.replicas():
+            if name not in states:
+                index.remove(name)
+        for name, (state, block_size) in states.items():
+            if state == "no_events":
+                index.forget(name)
+            elif state == "resetting":
+                index.apply(name, BlockChanges(KvChangeKind.RESET, block_size, reason="reset (from the snapshot)"))
+            else:  # healthy, or suspect on the control plane (its owner is resyncing it)
+                index.apply(name, BlockChanges(KvChangeKind.FULL, block_size, parts.get(name, [])))
+
+    # -- the log ---------------------------------------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        log_key = self.keys.log
+        stream_id = self.stream_id
+        answer = await self.link.call(
+            "log_read", lambda client: client.xread({log_key: stream_id}, count=BATCHES_PER_READ, block=BLOCK_MS),
+            timeout=self.link.settings.timeout + BLOCK_MS / 1000)
+        if not answer:
+            return
+        for _, entries in answer.items():
+            for entry in entries:
+                if not self._apply_batch(records.entry_id(entry.identifier), entry.field_values):
+                    return
+
+    def _apply_batch(self, identifier: bytes, fields: Any) -> bool:
+        """Apply one log batch; False when the follower must load a snapshot first."""
+        values = dict(records.iter_fields(fields))
+        try:
+            writer = values["w"].decode()
+            seq = int(values["n"])
+            written_ms = int(values.get("t", b"0"))
+        except (KeyError, ValueError, AttributeError):
+            self.metrics.bad_records.labels("log").inc()
+            self.stream_id = identifier  # not a batch of ours at all: step over it
+            return True
+        if writer != self.writer:
+            self.snapshot_reason, self.wanted = "new_writer", (writer, 0)
+            return False
+        if seq <= self.seq:
+            self.stream_id = identifier  # already in the snapshot we loaded
+            return True
+        if seq != self.seq + 1:
+            self.snapshot_reason, self.wanted = "gap", (writer, seq - 1)  # one that covers the lost batches
+            return False
+        try:
+            batch = records.decode_batch(values.get("e"))
+        except RecordError as exc:
+            self.metrics.bad_records.labels("log").inc()
+            log.error("cluster state: log batch %d cannot be read (%s); loading the snapshot", seq, exc)
+            self.snapshot_reason, self.wanted = "bad_batch", (writer, seq)
+            return False
+        for entry in batch:
+            self._apply(entry)
+        self.seq, self.stream_id = seq, identifier
+        self.metrics.batches.labels("applied").inc()
+        if written_ms:
+            self.metrics.log_delay.observe(max(0.0, time.time() - written_ms / 1000))
+        return True
+
+    def _apply(self, entry: list[Any]) -> None:
+        kind = entry[0]
+        self.metrics.entries.labels("applied", kind).inc()
+        followed, index = self.followed, self.kv_index
+        if kind == records.KV:
+            index.apply(entry[1], entry[2])
+        elif kind == records.MODEL:
+            followed.declare(entry[1], entry[2])
+        elif kind == records.UNMODEL:
+            followed.withdraw(entry[1], entry[2])
+        elif kind == records.ADD:
+            followed.add(entry[1])
+        elif kind == records.DRAIN:
+            followed.drain(entry[1], entry[2])
+        elif kind == records.REMOVE:
+            followed.remove(entry[1])
+        elif kind == records.KV_FORGET:
+            index.forget(entry[1])
+        elif kind == records.KV_DROP:
+            index.remove(entry[1])

@@ -1,0 +1,171 @@
+"""One gateway's connection to the cluster's Redis, and whether it is healthy or degraded.
+
+:class:`RedisLink` keeps one coredis client open for the process's life
+(:meth:`RedisLink.run`, in the gateway's nursery; the client's connection
+pool lives in it). Every call goes through :meth:`RedisLink.call`, with a
+deadline; a failure of any call marks the link *degraded* (one WARNING line,
+``llmgw_cluster_backend_up`` 0, ``/health`` says why) and raises
+:class:`Unavailable` to the caller, which keeps working on what it has (the
+hot path never calls Redis at all). The first call that succeeds again marks
+it healthy (one INFO line). Callers retry with :meth:`RedisLink.backoff`.
+
+coredis survives a Redis restart by itself (a failed command's connection is
+dropped, the next one reconnects), so nothing here rebuilds the client
+unless its own task group fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, TypeVar
+from urllib.parse import parse_qs, urlsplit
+
+import trio
+
+from ..tls import TlsClientOptions, client_context
+
+if TYPE_CHECKING:
+    import coredis
+
+    from ..config.schema import StateConfig
+    from .metrics import ClusterMetrics
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Unavailable(Exception):
+    """Redis did not answer (or answered with an error); the link is degraded."""
+
+
+def client_options(settings: "StateConfig", environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """coredis.Redis keyword arguments for ``settings.url`` (host/port/db or a Unix socket, password, TLS)."""
+    environ = os.environ if environ is None else environ
+    url = settings.url or ""
+    parts = urlsplit(url)
+    options: dict[str, Any] = {"decode_responses": False, "connect_timeout": settings.timeout,
+                               "stream_timeout": settings.timeout + BLOCK_MS / 1000}
+    if parts.scheme == "unix":
+        options["unix_socket_path"] = parts.path
+        options["db"] = int(parse_qs(parts.query).get("db", ["0"])[0])
+    else:
+        options.update(host=parts.hostname, port=parts.port or 6379, db=int(parts.path.strip("/") or 0))
+    if settings.username:
+        options["username"] = settings.username
+    if settings.password_env:
+        password = environ.get(settings.password_env)
+        if password is None:
+            raise ValueError(f"state.password_env names {settings.password_env}, which is not set")
+        options["password"] = password
+    if parts.scheme == "rediss":
+        tls = settings.tls
+        options["ssl_context"] = client_context(TlsClientOptions(tls.ca_file, tls.cert_file, tls.key_file,
+                                                                 tls.verify))
+    return options
+
+
+BLOCK_MS = 1000  # how long a blocking stream read waits for news before it asks again
+
+
+class RedisLink:
+    def __init__(self, settings: "StateConfig", metrics: "ClusterMetrics",
+                 factory: Callable[..., "coredis.Redis[bytes]"] | None = None):
+        self.settings = settings
+        self.metrics = metrics
+        self._factory = factory
+        self._client: coredis.Redis[bytes] | None = None
+        self.healthy = False
+        self.reason = "not connected yet"
+        self.changed = trio.Event()  # set (and replaced) at every transition
+        self._ready = trio.Event()
+
+    @property
+    def address(self) -> str:
+        """Where Redis is, without credentials (they are never in the URL)."""
+        return self.settings.url or "?"
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the client (and its connection pool) until cancelled; rebuild it if its task group fails."""
+        import coredis
+
+        factory = self._factory or coredis.Redis
+        started = False
+        delay = 0.2
+        while True:
+            try:
+                async with factory(**client_options(self.settings)) as client:
+                    self._client = client
+                    self._ready.set()
+                    if not started:
+                        started = True
+                        task_status.started()
+                    await trio.sleep_forever()
+            except (ssl.SSLError, OSError, Exception) as exc:  # the pool's task group failed: start a new one
+                self._client = None
+                self._ready = trio.Event()
+                self.mark_down(f"{type(exc).__name__}: {exc}")
+                if not started:
+                    started = True
+                    task_status.started()
+            await trio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    async def call(self, operation: str, command: Callable[["coredis.Redis[bytes]"], Awaitable[T]],
+                   timeout: float | None = None) -> T:
+        """``await command(client)`` within ``timeout`` (the configured one by default); :class:`Unavailable`
+        when it fails, which marks the link degraded. ``operation`` labels the error counter."""
+        deadline = self.settings.timeout if timeout is None else timeout
+        with trio.move_on_after(deadline) as scope:
+            await self._ready.wait()
+        if scope.cancelled_caught or self._client is None:
+            self.metrics.errors.labels(operation).inc()
+            self.mark_down("no connection")
+            raise Unavailable("no connection")
+        try:
+            with trio.fail_after(deadline):
+                result = await command(self._client)
+        except trio.TooSlowError:
+            self._failed(operation, f"no answer within {deadline:g}s")
+        except Exception as exc:  # coredis' errors, OSError, and whatever else a broken connection raises
+            self._failed(operation, _describe(exc))
+        self.mark_up()
+        return result
+
+    def _failed(self, operation: str, why: str) -> None:
+        self.metrics.errors.labels(operation).inc()
+        self.mark_down(why)
+        raise Unavailable(why)
+
+    def mark_up(self) -> None:
+        if not self.healthy:
+            self.healthy, self.reason = True, ""
+            self.metrics.up.set(1)
+            log.info("cluster state: Redis at %s is reachable; shared state is live", self.address)
+            self._transition()
+
+    def mark_down(self, why: str) -> None:
+        if self.healthy or self.reason == "not connected yet":
+            log.warning("cluster state degraded: Redis at %s failed (%s); routing goes on with the last known "
+                        "state and recovers by itself when Redis is back", self.address, why)
+        if self.healthy or self.reason != why:
+            self.healthy, self.reason = False, why
+            self.metrics.up.set(0)
+            self._transition()
+
+    def _transition(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    @staticmethod
+    async def backoff(attempt: int) -> None:
+        """Sleep before retry number ``attempt`` (0.1 s doubling to 2 s): Redis's return is noticed quickly."""
+        await trio.sleep(min(0.1 * (2 ** min(attempt, 5)), 2.0))
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        return _describe(exc.exceptions[0])
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"[:300]

@@ -1,0 +1,189 @@
+"""Load shared between the gateways of a cluster: each one's own in-flight requests, seen by all the others.
+
+Every gateway reports its own load per replica (``local_inflight``,
+``local_inflight_tokens``: the requests it handed there and their estimated
+prompt tokens) to the cluster's ``load`` stream: every ``load_interval``
+(50 ms by default) while it changes, and every quarter of ``load_ttl`` when it
+does not (a heartbeat). A report is the origin's whole load (a replica not in
+it has none from there) and lives ``load_ttl`` seconds (2 by default) after it
+arrived, so a gateway that died stops counting within that time.
+
+Each gateway sums the others' latest live reports into each replica's
+``peer_inflight``/``peer_inflight_tokens``; what its tiers read
+(``inflight``, ``inflight_tokens``) is its own exact count plus those. The hot
+path reads only these numbers: nothing on it waits for Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from . import records
+from .link import BLOCK_MS, RedisLink, Unavailable
+from .records import Keys, RecordError
+
+if TYPE_CHECKING:
+    from ..config.schema import StateConfig
+    from ..router.replicas import ReplicaSet
+    from .metrics import ClusterMetrics
+
+log = logging.getLogger(__name__)
+
+LOAD_STREAM_LENGTH = 10_000
+MAX_REPLICAS_PER_REPORT = 100_000
+
+
+class PeerReport:
+    __slots__ = ("expires", "load")
+
+    def __init__(self, expires: float, load: dict[str, tuple[int, int]]):
+        self.expires = expires
+        self.load = load
+
+
+class LoadSharing:
+    def __init__(self, link: RedisLink, keys: Keys, settings: "StateConfig", replicas: "ReplicaSet",
+                 metrics: "ClusterMetrics", origin: str):
+        self.link = link
+        self.keys = keys
+        self.settings = settings
+        self.replicas = replicas
+        self.metrics = metrics
+        self.origin = origin
+        self.peers: dict[str, PeerReport] = {}
+        self._applied: set[str] = set()  # replicas whose peer figures are non-zero
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._publish)
+            nursery.start_soon(self._receive)
+            nursery.start_soon(self._expire)
+            task_status.started()
+
+    # -- this gateway's load ---------------------------------------------------------------------------------------
+
+    def own_load(self) -> dict[str, tuple[int, int]]:
+        load: dict[str, tuple[int, int]] = {}
+        for replica in self.replicas:
+            if replica.local_inflight or replica.local_inflight_tokens:
+                count, tokens = load.get(replica.name, (0, 0))
+                load[replica.name] = (count + replica.local_inflight, tokens + replica.local_inflight_tokens)
+        return load
+
+    async def _publish(self) -> None:
+        settings = self.settings
+        heartbeat = settings.load_ttl / 4
+        last: dict[str, tuple[int, int]] | None = None
+        sent_at = -1e9
+        failures = 0
+        while True:
+            load = self.own_load()
+            now = trio.current_time()
+            if load != last or now - sent_at >= heartbeat:
+                try:
+                    await self._send(load)
+                except Unavailable:
+                    failures += 1
+                    await self.link.backoff(failures)
+                    continue
+                failures = 0
+                last, sent_at = load, now
+            await trio.sleep(settings.load_interval)
+
+    async def _send(self, load: dict[str, tuple[int, int]]) -> None:
+        fields = {b"o": self.origin.encode(), b"x": str(int(self.settings.load_ttl * 1000)).encode(),
+                  b"l": records.pack([[name, count, tokens] for name, (count, tokens) in load.items()])}
+        key = self.keys.load
+
+        async def add(client: Any) -> Any:
+            from coredis.tokens import PureToken
+            return await client.xadd(key, fields, trim_strategy=PureToken.MAXLEN, threshold=LOAD_STREAM_LENGTH,
+                                     trim_operator=PureToken.APPROXIMATELY)
+
+        await self.link.call("load_report", add)
+        self.metrics.load_reports.labels("sent").inc()
+
+    # -- the others' load ------------------------------------------------------------------------------------------
+
+    async def _receive(self) -> None:
+        stream_id = b"$"
+        failures = 0
+        key = self.keys.load
+        while True:
+            since = stream_id
+            try:
+                answer = await self.link.call(
+                    "load_read", lambda client: client.xread({key: since}, count=1000, block=BLOCK_MS),
+                    timeout=self.settings.timeout + BLOCK_MS / 1000)
+            except Unavailable:
+                failures += 1
+                stream_id = b"$"  # after an outage only what is new counts
+                await self.link.backoff(failures)
+                continue
+            failures = 0
+            changed = False
+            for _, entries in (answer or {}).items():
+                for entry in entries:
+                    stream_id = records.entry_id(entry.identifier)
+                    changed |= self.take_report(dict(records.iter_fields(entry.field_values)))
+            if changed:
+                self.apply()
+
+    def take_report(self, fields: dict[str, Any]) -> bool:
+        """Record one report from the stream; True when it is another gateway's."""
+        try:
+            origin = fields["o"].decode()
+            ttl = min(int(fields["x"]) / 1000, 600.0)
+            items = records.unpack(fields["l"])
+            if not isinstance(items, list) or len(items) > MAX_REPLICAS_PER_REPORT:
+                raise RecordError("a load report is an array of at most 100000 replicas")
+            load: dict[str, tuple[int, int]] = {}
+            for item in items:
+                name, count, tokens = item
+                if not isinstance(name, str) or type(count) is not int or type(tokens) is not int:
+                    raise RecordError("a load entry is [name, requests, tokens]")
+                load[name] = (max(0, min(count, 1 << 31)), max(0, min(tokens, 1 << 40)))
+        except (KeyError, ValueError, TypeError, AttributeError, RecordError):
+            self.metrics.bad_records.labels("load").inc()
+            return False
+        if origin == self.origin:
+            return False
+        self.metrics.load_reports.labels("received").inc()
+        self.peers[origin] = PeerReport(trio.current_time() + ttl, load)
+        return True
+
+    async def _expire(self) -> None:
+        while True:
+            await trio.sleep(min(0.1, self.settings.load_ttl / 4))
+            now = trio.current_time()
+            dead = [origin for origin, report in self.peers.items() if report.expires <= now]
+            for origin in dead:
+                del self.peers[origin]
+                log.info("cluster state: gateway %s sent no load report for %gs; its load no longer counts",
+                         origin, self.settings.load_ttl)
+            if dead:
+                self.apply()
+
+    def apply(self) -> None:
+        """Set every replica's peer figures to the sum of the live reports."""
+        totals: dict[str, list[int]] = {}
+        for report in self.peers.values():
+            for name, (count, tokens) in report.load.items():
+                total = totals.setdefault(name, [0, 0])
+                total[0] += count
+                total[1] += tokens
+        for replica in self.replicas:
+            if replica.name in totals or replica.name in self._applied:
+                count, tokens = totals.get(replica.name, (0, 0))
+                replica.peer_inflight, replica.peer_inflight_tokens = count, tokens
+        self._applied = set(totals)
+        self.metrics.peers.set(len(self.peers))
+
+    def describe(self) -> dict[str, Any]:
+        now = trio.current_time()
+        return {origin: {"expires_in_s": round(report.expires - now, 3),
+                         "inflight": {name: count for name, (count, _) in report.load.items()}}
+                for origin, report in self.peers.items()}

@@ -1,0 +1,38 @@
+"""The shared state's metrics (``llmgw_cluster_*``), on the gateway's registry (docs/metrics.md, "Cluster")."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+DELAY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class ClusterMetrics:
+    def __init__(self, registry: CollectorRegistry | None, role: str, cluster: str, origin: str):
+        self.up = Gauge("llmgw_cluster_backend_up", "1 while Redis answers, 0 while the shared state is degraded "
+                        "(routing goes on with the last known state).", registry=registry)
+        self.info = Gauge("llmgw_cluster_info", "This process in its gateway cluster: its role (control: runs the "
+                          "control plane and writes the shared state; gateway: follows it), always 1.",
+                          ["role", "cluster", "origin"], registry=registry)
+        self.info.labels(role, cluster, origin).set(1)
+        self.errors = Counter("llmgw_cluster_redis_errors", "Redis calls that failed or timed out, by operation.",
+                              ["operation"], registry=registry)
+        self.batches = Counter("llmgw_cluster_log_batches", "Batches of shared-state changes written to (control) "
+                               "or applied from (gateway) the cluster's log.", ["direction"], registry=registry)
+        self.entries = Counter("llmgw_cluster_log_entries", "Shared-state changes written or applied, by "
+                               "direction and kind (model, add, drain, remove, kv, ...).", ["direction", "kind"],
+                               registry=registry)
+        self.snapshots = Counter("llmgw_cluster_snapshots", "Snapshots of the shared state written (control) or "
+                                 "loaded (gateway: at start, after a gap, a new writer or a Redis outage), by "
+                                 "direction and reason.", ["direction", "reason"], registry=registry)
+        self.bad_records = Counter("llmgw_cluster_bad_records", "Records read from Redis that this version cannot "
+                                   "decode (skipped; a bad log batch makes the gateway re-read the snapshot).",
+                                   ["stream"], registry=registry)
+        self.log_delay = Histogram("llmgw_cluster_log_delay_seconds", "From the control plane writing a change to "
+                                   "this gateway applying it (wall clocks of two processes: same host, or NTP).",
+                                   buckets=DELAY_BUCKETS, registry=registry)
+        self.peers = Gauge("llmgw_cluster_peers", "Other gateways whose load reports are live (not expired).",
+                           registry=registry)
+        self.load_reports = Counter("llmgw_cluster_load_reports", "Load reports sent (this gateway's own) and "
+                                    "received (the others').", ["direction"], registry=registry)
+        self.up.set(0)

@@ -1,0 +1,236 @@
+"""What the gateways of one cluster keep in Redis, and how each record is encoded (msgpack, checked on the way in).
+
+Keys, all under ``llmgw:{cluster}:`` (:class:`Keys`):
+
+- ``log``: a stream of *batches* of the shared truth's changes, written by the
+  control plane alone. Each stream entry has the writer's id (``w``, new at
+  every start), a batch number (``n``, one more than the writer's previous
+  batch: a follower that sees a jump or another writer re-reads the snapshot),
+  the writer's wall clock in ms (``t``, for the event-to-visible delay) and
+  the batch (``e``: a msgpack array of entries, below).
+- ``snapshot``: a pointer (``{writer, seq, meta}``) to the newest snapshot;
+  its ``meta`` key holds the declarations, the replicas and, per replica, its
+  KV state and the key of the part holding its block keys. A follower starts
+  from the snapshot and reads the log after the snapshot's stream id.
+- ``load``: a stream of each gateway's own in-flight load (``o`` origin,
+  ``x`` its time to live in ms, ``l`` the load), the newest per origin wins.
+- ``requests``: a stream of the gateways' asks to the control plane (a KV
+  resync of a replica whose index drifted).
+
+Entries of a batch (msgpack arrays, the kind first):
+
+``["model", source, name, routing, routing_options, model_path, [[adapter, path]...], [engine args]]``,
+``["unmodel", source, name]``, ``["add", replica]`` (a :class:`ReplicaRecord` as an array),
+``["drain", name, reason]``, ``["remove", name]``,
+``["kv", replica, kind, block_size, [stored...], [removed...], reason]``, ``["kv_forget", replica]``,
+``["kv_drop", replica]``.
+
+Redis is trusted with the cluster's routing state (it holds no secret: API
+keys and TLS files stay in each gateway's own config), but what comes back
+is still checked: sizes are bounded by the decoder, types by :func:`decode_entry`,
+and a record that fails is a :class:`RecordError` (counted and skipped, or a
+snapshot re-read), never an exception that stops a gateway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import msgpack
+
+from ..kv.changes import BlockChanges, KvChangeKind
+from ..router.model import LoraRef, TierModel
+
+MODEL, UNMODEL, ADD, DRAIN, REMOVE = "model", "unmodel", "add", "drain", "remove"
+KV, KV_FORGET, KV_DROP = "kv", "kv_forget", "kv_drop"
+ENTRY_KINDS = (MODEL, UNMODEL, ADD, DRAIN, REMOVE, KV, KV_FORGET, KV_DROP)
+
+MAX_RECORD_BYTES = 512 * 1024 * 1024  # Redis's own limit of one value
+MAX_ARRAY = 50_000_000  # block keys of one replica's snapshot part, or of one batch
+MAX_NAME = 1024  # replica, model and source names, reasons
+INT64 = (-(1 << 63), (1 << 64) - 1)  # block keys are signed or unsigned 64-bit ints
+
+
+class RecordError(ValueError):
+    """A record read from Redis that is not what a gateway of this version writes."""
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The Redis keys of one cluster."""
+
+    cluster: str
+
+    @property
+    def prefix(self) -> str:
+        return f"llmgw:{self.cluster}:"
+
+    @property
+    def log(self) -> str:
+        return self.prefix + "log"
+
+    @property
+    def snapshot(self) -> str:
+        return self.prefix + "snapshot"
+
+    @property
+    def load(self) -> str:
+        return self.prefix + "load"
+
+    @property
+    def requests(self) -> str:
+        return self.prefix + "requests"
+
+    def snapshot_part(self, writer: str, seq: int, part: str) -> str:
+        return f"{self.prefix}snap:{writer}:{seq}:{part}"
+
+
+@dataclass(frozen=True)
+class ReplicaRecord:
+    """A replica as the cluster knows it: no secret (its API key and TLS come from each gateway's config)."""
+
+    name: str
+    model: str
+    url: str
+    source: str
+    weight: int = 1
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def as_array(self) -> list[Any]:
+        return [self.name, self.model, self.url, self.source, self.weight, self.labels]
+
+    @classmethod
+    def from_array(cls, value: Any) -> "ReplicaRecord":
+        items = _array(value, 6, "replica")
+        labels = items[5]
+        if not isinstance(labels, dict) or len(labels) > 64 or not all(
+                isinstance(k, str) and isinstance(v, str) and len(k) <= MAX_NAME and len(v) <= MAX_NAME
+                for k, v in labels.items()):
+            raise RecordError("replica labels must be a map of at most 64 short strings")
+        weight = items[4]
+        if not isinstance(weight, int) or isinstance(weight, bool) or not 1 <= weight <= 1000:
+            raise RecordError("replica weight must be an int from 1 to 1000")
+        return cls(_name(items[0]), _name(items[1]), _text(items[2], 4096), _name(items[3]), weight, dict(labels))
+
+
+# -- encoding -------------------------------------------------------------------------------------------------------
+
+def pack(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def unpack(raw: object) -> Any:
+    """Decode one msgpack value within the size bounds; :class:`RecordError` for anything else."""
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise RecordError(f"expected bytes, got {type(raw).__name__}")
+    if len(raw) > MAX_RECORD_BYTES:
+        raise RecordError("record too large")
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False,
+                               max_str_len=1 << 20, max_bin_len=1 << 20, max_array_len=MAX_ARRAY,
+                               max_map_len=1 << 20, max_ext_len=0)
+    except Exception as exc:  # msgpack raises several types for malformed input
+        raise RecordError(f"not a msgpack record: {type(exc).__name__}") from None
+
+
+def model_entry(source: str, model: TierModel) -> list[Any]:
+    return [MODEL, source, model.name, model.routing, dict(model.routing_options), model.model_path,
+            [[a.name, a.path] for a in model.lora_adapters], list(model.engine_args)]
+
+
+def kv_entry(replica_id: str, changes: Any) -> list[Any]:
+    """``changes``: anything with :class:`~llmgw.kv.changes.ChangesFields`."""
+    return [KV, replica_id, changes.kind.value, changes.block_size, list(changes.stored), list(changes.removed),
+            changes.reason or ""]
+
+
+# -- decoding -------------------------------------------------------------------------------------------------------
+
+def decode_batch(raw: object) -> list[list[Any]]:
+    """A log batch's entries, each checked by :func:`decode_entry` (the first bad one raises)."""
+    value = unpack(raw)
+    if not isinstance(value, list):
+        raise RecordError("a batch must be an array of entries")
+    return [decode_entry(entry) for entry in value]
+
+
+def decode_entry(value: Any) -> list[Any]:
+    """One entry checked and normalised: names are short strings, block keys 64-bit ints, models TierModels."""
+    if not isinstance(value, list) or not value or value[0] not in ENTRY_KINDS:
+        raise RecordError("an entry must be an array starting with a known kind")
+    kind = value[0]
+    if kind == MODEL:
+        items = _array(value, 8, kind)
+        options = items[4]
+        if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+            raise RecordError("routing_options must be a map with string keys")
+        adapters = items[6]
+        if not isinstance(adapters, list) or len(adapters) > 10_000:
+            raise RecordError("lora adapters must be an array")
+        lora = tuple(LoraRef(_name(a[0]), _text(a[1], 4096)) for a in (_array(a, 2, "adapter") for a in adapters))
+        args = items[7]
+        if not isinstance(args, list) or len(args) > 10_000 or not all(isinstance(a, str) for a in args):
+            raise RecordError("engine args must be an array of strings")
+        path = items[5]
+        if path is not None:
+            path = _text(path, 4096)
+        return [MODEL, _name(items[1]), TierModel(_name(items[2]), _name(items[3]), options, path, lora, tuple(args))]
+    if kind == UNMODEL:
+        items = _array(value, 3, kind)
+        return [kind, _name(items[1]), _name(items[2])]
+    if kind == ADD:
+        return [kind, ReplicaRecord.from_array(_array(value, 2, kind)[1])]
+    if kind == DRAIN:
+        items = _array(value, 3, kind)
+        return [kind, _name(items[1]), _text(items[2], MAX_NAME)]
+    if kind in (REMOVE, KV_FORGET, KV_DROP):
+        return [kind, _name(_array(value, 2, kind)[1])]
+    items = _array(value, 7, kind)  # KV
+    block_size = items[3]
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or not 0 <= block_size <= 1 << 20:
+        raise RecordError("block_size must be an int from 0 to 2**20")
+    return [kind, _name(items[1]), BlockChanges(KvChangeKind(_name(items[2])), block_size, _keys(items[4]),
+                                                _keys(items[5]), _text(items[6], MAX_NAME))]
+
+
+def _array(value: Any, length: int, what: str) -> list[Any]:
+    if not isinstance(value, list) or len(value) != length:
+        raise RecordError(f"{what}: expected an array of {length}")
+    return value
+
+
+def _text(value: Any, limit: int) -> str:
+    if not isinstance(value, str) or len(value) > limit:
+        raise RecordError(f"expected a string of at most {limit} characters")
+    return value
+
+
+def _name(value: Any) -> str:
+    return _text(value, MAX_NAME)
+
+
+def _keys(value: Any) -> list[int]:
+    if not isinstance(value, list):
+        raise RecordError("block keys must be an array")
+    low, high = INT64
+    for key in value:
+        if type(key) is not int or not low <= key <= high:
+            raise RecordError("block keys must be 64-bit ints")
+    return value
+
+
+def decode_keys(raw: object) -> list[int]:
+    """A snapshot part: one replica's block keys."""
+    return _keys(unpack(raw))
+
+
+def entry_id(identifier: str | bytes) -> bytes:
+    """A stream entry's id as bytes, whichever way the client decoded it."""
+    return identifier.encode() if isinstance(identifier, str) else identifier
+
+
+def iter_fields(fields: Any) -> Iterator[tuple[str, bytes]]:
+    """A stream entry's fields as ``(name, value)`` (coredis gives bytes names with ``decode_responses=False``)."""
+    for name, value in fields.items():
+        yield (name.decode("latin-1") if isinstance(name, bytes) else str(name)), value

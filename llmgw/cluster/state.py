@@ -1,0 +1,225 @@
+"""The shared state of one gateway process, by role: what it writes to Redis, what it follows, what it shares.
+
+With ``state.backend: redis`` every ``llmgw serve`` of a cluster runs one
+:class:`SharedState` in its root nursery:
+
+- the **control** process (started without ``--role gateway``: exactly one per
+  cluster for now) runs the control plane; its replica sources and KV feeds
+  write through :attr:`SharedState.table` and :attr:`SharedState.kv`, which
+  apply every change locally and record it for the :class:`~.writer.LogWriter`;
+  it also answers the other gateways' resync asks;
+- a **gateway** process (``--role gateway``) runs no control plane: its replica
+  table and KV index follow the control process's (:class:`~.follower.LogFollower`),
+  and a drifted index asks the control process for a resync through Redis;
+- both publish their own in-flight load and read the others'
+  (:class:`~.load.LoadSharing`).
+
+The hot path reads only this process's copies; Redis failing degrades the
+shared state (metric, ``/health``, one log line) and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any, Callable
+
+import trio
+
+from ..config.tls import replica_tls_options
+from ..engines.probe import VLLM_GAUGES, engine_gauges
+from ..router.replica import Replica
+from ..router.replicas import DEPLOYED, STATIC
+from . import records
+from .follower import FollowedReplicas, LogFollower
+from .link import BLOCK_MS, RedisLink, Unavailable
+from .load import LoadSharing
+from .metrics import ClusterMetrics
+from .records import Keys, ReplicaRecord
+from .writer import LogWriter, PublishedKv, PublishedReplicaTable
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from ..config import Config
+    from ..kv.index import KvIndex
+    from ..plugins_manager import Registry
+    from ..router.replicas import ReplicaSet
+
+log = logging.getLogger(__name__)
+
+CONTROL = "control"
+GATEWAY = "gateway"
+ROLES = (CONTROL, GATEWAY)
+MAX_ASKS = 10_000  # the requests stream's length
+
+
+class SharedState:
+    def __init__(self, config: "Config", role: str, replicas: "ReplicaSet", kv_index: "KvIndex",
+                 registry: "Registry", metrics_registry: "CollectorRegistry | None"):
+        assert role in ROLES
+        self.config = config
+        self.role = role
+        self.settings = config.state
+        self.origin = uuid.uuid4().hex[:12]
+        self.keys = Keys(self.settings.cluster)
+        self.metrics = ClusterMetrics(metrics_registry, role, self.settings.cluster, self.origin)
+        self.link = RedisLink(self.settings, self.metrics)
+        self.replicas = replicas
+        self.kv_index = kv_index
+        self.load = LoadSharing(self.link, self.keys, self.settings, replicas, self.metrics, self.origin)
+        self.writer: LogWriter | None = None
+        self.follower: LogFollower | None = None
+        self.followed: FollowedReplicas | None = None
+        self.table: Any = replicas  # what the control plane's sources write to
+        self.kv: Any = kv_index
+        if role == CONTROL:
+            self.writer = LogWriter(self.link, self.keys, self.settings, replicas, kv_index, self.metrics,
+                                    self.origin)
+            self.table = PublishedReplicaTable(replicas, self.writer)
+            self.kv = PublishedKv(kv_index, self.writer)
+        else:
+            self.followed = FollowedReplicas(replicas, ReplicaBuilder(lambda: self.config, registry))
+            self.follower = LogFollower(self.link, self.keys, self.followed, kv_index, self.metrics)
+            kv_index.add_resync_listener(self._ask_resync)
+        self._asks: list[tuple[str, str, str]] = []
+        self._ask_wake = trio.Event()
+
+    async def run(self, settled: Callable[[], bool] | None = None, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run until cancelled; ``settled``: the control plane's adoption window is over (control role)."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.link.run)
+            await nursery.start(self.load.run)
+            if self.writer is not None:
+                await nursery.start(self.writer.run, settled or (lambda: True))
+                nursery.start_soon(self._answer_asks)
+            else:
+                assert self.followed is not None and self.follower is not None
+                await nursery.start(self.followed.run)
+                await nursery.start(self.follower.run)
+                nursery.start_soon(self._send_asks)
+            log.info("cluster state: %s %s of cluster %r on Redis at %s", self.role, self.origin,
+                     self.settings.cluster, self.link.address)
+            task_status.started()
+
+    def apply_config(self, config: "Config") -> None:
+        """A reload: secrets of followed replicas are looked up in the new config from now on."""
+        self.config = config
+
+    async def wait_for_replica(self, model: str, poll: float = 0.05) -> bool:
+        """A request that found no replica at start waits for the first snapshot (gateway role)."""
+        if self.follower is None or self.follower.loaded.is_set():
+            return False
+        if not await self.follower.wait_loaded(self.config.agents.heartbeat_interval + 1.0):
+            return False
+        return any(replica.routable for replica in self.replicas.members(model))
+
+    def describe(self) -> dict[str, Any]:
+        """For ``/health`` and ``/admin/cluster``."""
+        answer: dict[str, Any] = {"backend": "redis", "role": self.role, "cluster": self.settings.cluster,
+                                  "origin": self.origin, "redis": self.link.address, "degraded": not self.link.healthy,
+                                  "reason": self.link.reason or None, "peers": self.load.describe()}
+        if self.writer is not None:
+            answer["log"] = {"writer": self.writer.writer_id, "seq": self.writer.seq,
+                             "published": self.writer.published}
+        if self.follower is not None:
+            answer["log"] = {"writer": self.follower.writer, "seq": self.follower.seq,
+                             "loaded": self.follower.loaded.is_set()}
+        return answer
+
+    # -- resync asks: a follower's drifted index, answered by the control plane's agents ---------------------------
+
+    def _ask_resync(self, replica_id: str, mode: str, reason: str) -> None:
+        if len(self._asks) < 1000:
+            self._asks.append((replica_id, mode, reason))
+            self._ask_wake.set()
+
+    async def _send_asks(self) -> None:
+        key = self.keys.requests
+        while True:
+            await self._ask_wake.wait()
+            self._ask_wake = trio.Event()
+            asks, self._asks = self._asks, []
+            try:
+                for replica_id, mode, reason in asks:
+                    fields = {b"o": self.origin.encode(), b"a": records.pack(["resync", replica_id, mode, reason])}
+                    await self.link.call("ask", lambda client: client.xadd(key, fields))
+            except Unavailable:
+                pass  # the index asks again every resync_retry seconds while it stays suspect
+
+    async def _answer_asks(self) -> None:
+        key = self.keys.requests
+        stream_id = b"$"
+        failures = 0
+        assert isinstance(self.kv, PublishedKv)
+        while True:
+            since = stream_id
+            try:
+                answer = await self.link.call(
+                    "ask_read", lambda client: client.xread({key: since}, count=100, block=BLOCK_MS),
+                    timeout=self.settings.timeout + BLOCK_MS / 1000)
+            except Unavailable:
+                failures += 1
+                await self.link.backoff(failures)
+                continue
+            failures = 0
+            for _, entries in (answer or {}).items():
+                for entry in entries:
+                    stream_id = records.entry_id(entry.identifier)
+                    self._answer(dict(records.iter_fields(entry.field_values)))
+
+    def _answer(self, fields: dict[str, Any]) -> None:
+        try:
+            origin = fields["o"].decode()[:64]
+            kind, replica_id, mode, reason = records.unpack(fields["a"])
+            if kind != "resync" or mode not in ("full", "reset") or not isinstance(replica_id, str):
+                raise records.RecordError("not a resync ask")
+        except (KeyError, ValueError, TypeError, AttributeError, records.RecordError):
+            self.metrics.bad_records.labels("requests").inc()
+            return
+        assert isinstance(self.kv, PublishedKv)
+        self.kv.remote_resync(replica_id, mode, f"{str(reason)[:300]} (seen by gateway {origin})")
+
+
+class ReplicaBuilder:
+    """A followed replica as this gateway routes to it: the record's address, this gateway's own secrets.
+
+    A static replica must be in this gateway's config under the same name and URL (its API key and TLS come
+    from there; a record that points it elsewhere is refused, so Redis can never send a key to another
+    address). A deployed replica gets its profile's API key and its engine's load gauges.
+    """
+
+    def __init__(self, config: Callable[[], "Config"], registry: "Registry"):
+        self.config = config
+        self.registry = registry
+
+    def __call__(self, record: ReplicaRecord) -> Replica:
+        config = self.config()
+        labels = dict(record.labels)
+        if record.source == STATIC:
+            for model in config.models:
+                for index, spec in enumerate(model.replicas):
+                    if (spec.name or f"{model.name}-{index}") == record.name:
+                        if spec.url != record.url:
+                            raise RefusedRecord(f"replica {record.name} is at {spec.url} in this gateway's config, "
+                                                f"not where the cluster says")
+                        return Replica(name=record.name, model=record.model, url=spec.url, api_key=spec.api_key,
+                                       weight=spec.weight, labels=labels,
+                                       tls=replica_tls_options(spec, config.upstream_tls))
+            raise RefusedRecord(f"static replica {record.name} is not in this gateway's config")
+        api_key, gauges = None, VLLM_GAUGES
+        if record.source == DEPLOYED:
+            try:
+                profile = config.profile(labels.get("profile", ""))
+            except KeyError:
+                log.warning("replica %s: profile %r is not in this gateway's config: routed without its API key",
+                            record.name, labels.get("profile"))
+            else:
+                api_key, gauges = profile.api_key, engine_gauges(self.registry, profile.engine)
+        return Replica(name=record.name, model=record.model, url=record.url, api_key=api_key,
+                       weight=record.weight, labels=labels, gauges=gauges)
+
+
+class RefusedRecord(ValueError):
+    """A replica record this gateway will not route to (logged; the replica stays out)."""

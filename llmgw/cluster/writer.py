@@ -1,0 +1,289 @@
+"""The control plane's side of the shared state: what its sources write locally is also written to Redis.
+
+The replica sources (the config's static models, the deployed replicas) and
+the KV feeds (agents' ``KvChanges``, static replicas' subscriptions) write
+through :class:`PublishedReplicaTable` and :class:`PublishedKv`: the same
+:class:`~llmgw.control.interfaces.ReplicaTable` and
+:class:`~llmgw.control.interfaces.KvWriter` interfaces, each call applied to
+this process's own table and index first (its routing never waits), then
+recorded for :class:`LogWriter`.
+
+:class:`LogWriter` writes the records to the cluster's log stream in batches
+(as soon as there are any), and a snapshot of the whole state: first once the
+control plane has settled after its start (agents reconnected and reported
+their engines, so followers never see an empty table from a restart), then
+every ``snapshot_interval`` while something changed, and at once after Redis
+failed (a batch that could not be written leaves a gap, which sends the
+followers to the snapshot). Snapshots live until the next one plus a grace
+(``SNAPSHOT_GRACE``), so a follower reading one never finds it gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import trio
+
+from ..kv.changes import ChangesFields
+from ..router.model import TierModel
+from ..router.replica import Replica, ReplicaState
+from . import records
+from .link import RedisLink, Unavailable
+from .records import Keys, ReplicaRecord
+
+if TYPE_CHECKING:
+    from ..config.schema import StateConfig
+    from ..kv.index import KvIndex
+    from ..router.replicas import ReplicaSet
+    from .metrics import ClusterMetrics
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_GRACE = 60.0  # seconds a superseded snapshot stays readable
+MAX_BATCH = 4096  # entries per log batch
+
+
+def replica_record(replica: Replica, source: str) -> ReplicaRecord:
+    return ReplicaRecord(replica.name, replica.model, replica.url, source, replica.weight, dict(replica.labels))
+
+
+class LogWriter:
+    """Batches of records to the log stream, and snapshots; the one writer of a cluster's shared truth."""
+
+    def __init__(self, link: RedisLink, keys: Keys, settings: "StateConfig", replicas: "ReplicaSet",
+                 kv_index: "KvIndex", metrics: "ClusterMetrics", writer_id: str):
+        self.link = link
+        self.keys = keys
+        self.settings = settings
+        self.replicas = replicas
+        self.kv_index = kv_index
+        self.metrics = metrics
+        self.writer_id = writer_id
+        self.seq = 0  # the last batch number given out
+        self.stream_id: bytes | None = None  # the log id of the last batch written
+        self.pending: list[list[Any]] = []
+        self.published = False  # the first snapshot is out: from then on records go to the log
+        self.need_snapshot = True
+        self.dirty = False
+        self._wake = trio.Event()
+        self._snapshot_keys: list[str] = []  # the current snapshot's keys (expired when the next one is out)
+
+    def record(self, entry: list[Any]) -> None:
+        """One change of the shared truth, already applied locally."""
+        if not self.published:
+            return  # the first snapshot will hold it
+        self.pending.append(entry)
+        self.dirty = True
+        self._wake.set()
+
+    async def run(self, settled: Callable[[], bool], *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Write until cancelled. Nothing is written before ``settled()`` (the control plane's adoption window)."""
+        task_status.started()
+        while not settled():
+            await trio.sleep(0.05)
+        failures = 0
+        last_snapshot = -1e9
+        while True:
+            due = trio.current_time() >= last_snapshot + self.settings.snapshot_interval
+            try:
+                if self.need_snapshot or (due and self.dirty):
+                    await self.write_snapshot("start" if not self.published else
+                                              "recovery" if self.need_snapshot else "interval")
+                    last_snapshot = trio.current_time()
+                elif self.pending:
+                    await self._flush()
+                failures = 0
+            except Unavailable:
+                self.need_snapshot = True
+                failures += 1
+                await self.link.backoff(failures)
+                continue
+            if not self.pending and not self.need_snapshot:
+                self._wake = trio.Event()
+                with trio.move_on_at(last_snapshot + self.settings.snapshot_interval):
+                    await self._wake.wait()
+
+    async def _flush(self) -> None:
+        while self.pending:
+            batch, self.pending = self.pending[:MAX_BATCH], self.pending[MAX_BATCH:]
+            try:
+                await self._append(batch)
+            except Unavailable:
+                self.pending = []  # lost: the gap sends the followers to the next snapshot
+                raise
+
+    async def _append(self, batch: list[list[Any]]) -> None:
+        self.seq += 1
+        seq = self.seq
+        fields = {b"w": self.writer_id.encode(), b"n": str(seq).encode(),
+                  b"t": str(int(time.time() * 1000)).encode(), b"e": records.pack(batch)}
+        length = self.settings.stream_length
+        log_key = self.keys.log
+
+        async def add(client: Any) -> Any:
+            from coredis.tokens import PureToken
+            return await client.xadd(log_key, fields, trim_strategy=PureToken.MAXLEN, threshold=length,
+                                     trim_operator=PureToken.APPROXIMATELY)
+
+        self.stream_id = await self.link.call("log_append", add)
+        self.metrics.batches.labels("written").inc()
+        for entry in batch:
+            self.metrics.entries.labels("written", entry[0]).inc()
+
+    def build_snapshot(self) -> tuple[dict[str, Any], dict[str, list[int]]]:
+        """The whole shared truth as it is now: ``(meta, {replica: block keys})`` (synchronous: consistent)."""
+        table = self.replicas
+        models = [records.model_entry(source, model) for source, model in table.declarations()]
+        members = []
+        for replica in table:
+            source = table.source_of(replica)
+            if source is not None:
+                members.append([replica_record(replica, source).as_array(),
+                                replica.state is ReplicaState.DRAINING, replica.reason])
+        index = self.kv_index
+        kv_states: dict[str, list[Any]] = {}
+        parts: dict[str, list[int]] = {}
+        for name in index.replicas():
+            kv_states[name] = [index.state(name).value, index.block_size(name) or 0]
+            parts[name] = list(index.keys(name))
+        return {"writer": self.writer_id, "models": models, "replicas": members, "kv": kv_states}, parts
+
+    async def write_snapshot(self, reason: str) -> None:
+        """Flush what is pending and the state it leads to in one step, then write that state as the snapshot."""
+        batch, self.pending = self.pending, []
+        meta, parts = self.build_snapshot()  # the state after `batch`, taken with no await in between
+        self.dirty = False
+        self.need_snapshot = True  # until this one is out
+        await self._append(batch)  # possibly empty: the snapshot always points at a batch of this writer
+        seq, stream_id = self.seq, self.stream_id
+        assert stream_id is not None
+        keys = self.keys
+        names = sorted(parts)
+        part_keys = {name: keys.snapshot_part(self.writer_id, seq, f"kv:{i}") for i, name in enumerate(names)}
+        meta.update(seq=seq, stream_id=stream_id.decode(), parts=part_keys)
+        meta_key = keys.snapshot_part(self.writer_id, seq, "meta")
+        pointer = records.pack({"writer": self.writer_id, "seq": seq, "meta": meta_key})
+        previous = self._snapshot_keys or await self._previous_snapshot_keys()
+        grace_ms = int(SNAPSHOT_GRACE * 1000)
+
+        async def store(client: Any) -> None:
+            async with client.pipeline(transaction=False) as pipe:
+                for name in names:
+                    pipe.set(part_keys[name], records.pack(parts[name]))
+                pipe.set(meta_key, records.pack(meta))
+                pipe.set(keys.snapshot, pointer)
+                for key in previous:
+                    pipe.pexpire(key, grace_ms)
+
+        await self.link.call("snapshot_write", store, timeout=self.settings.timeout + len(names) * 0.01)
+        self._snapshot_keys = [*part_keys.values(), meta_key]
+        self.published = True
+        self.need_snapshot = False
+        self.metrics.snapshots.labels("written", reason).inc()
+        log.log(logging.INFO if reason != "interval" else logging.DEBUG,
+                "cluster state: snapshot %d written (%s): %d models, %d replicas, %d blocks", seq, reason,
+                len(meta["models"]), len(meta["replicas"]), sum(len(p) for p in parts.values()))
+
+    async def _previous_snapshot_keys(self) -> list[str]:
+        """The keys of the snapshot a previous writer left (a restart): they expire once ours is out."""
+        raw = await self.link.call("snapshot_read", lambda client: client.get(self.keys.snapshot))
+        if raw is None:
+            return []
+        try:
+            pointer = records.unpack(raw)
+            meta = records.unpack(await self.link.call("snapshot_read", lambda client: client.get(pointer["meta"])))
+            return [*meta["parts"].values(), pointer["meta"]]
+        except (records.RecordError, KeyError, TypeError):
+            return []
+
+
+class PublishedReplicaTable:
+    """A :class:`~llmgw.control.interfaces.ReplicaTable`: the local :class:`ReplicaSet`, each change recorded."""
+
+    def __init__(self, inner: "ReplicaSet", writer: LogWriter):
+        self.inner = inner
+        self.writer = writer
+
+    def declare_model(self, source: str, model: TierModel) -> None:
+        self.inner.declare_model(source, model)
+        self.writer.record(records.model_entry(source, model))
+
+    def withdraw_model(self, source: str, name: str) -> bool:
+        gone = self.inner.withdraw_model(source, name)
+        self.writer.record([records.UNMODEL, source, name])
+        return gone
+
+    def model(self, name: str) -> TierModel | None:
+        return self.inner.model(name)
+
+    def declared_models(self) -> list[str]:
+        return self.inner.declared_models()
+
+    def add(self, replica: Replica, source: str) -> bool:
+        added = self.inner.add(replica, source)
+        if added:
+            self.writer.record([records.ADD, replica_record(replica, source).as_array()])
+        return added
+
+    async def remove(self, replica: Replica) -> None:
+        self.writer.record([records.REMOVE, replica.name])
+        await self.inner.remove(replica)
+
+    async def drain(self, replica: Replica, reason: str, timeout: float) -> None:
+        self.writer.record([records.DRAIN, replica.name, reason])
+        await self.inner.drain(replica, reason, timeout)
+        if self.inner.get(replica.name) is None:
+            self.writer.record([records.REMOVE, replica.name])
+
+    def members(self, model: str) -> list[Replica]:
+        return self.inner.members(model)
+
+    def source_of(self, replica: Replica) -> str | None:
+        return self.inner.source_of(replica)
+
+    def describe(self, replica: Replica) -> dict[str, Any]:
+        return self.inner.describe(replica)
+
+
+class PublishedKv:
+    """A :class:`~llmgw.control.interfaces.KvWriter`: the local :class:`KvIndex`, each change recorded.
+
+    Resync listeners registered here also hear the other gateways' asks (:meth:`remote_resync`): a follower's
+    index that drifted asks the control plane, which owns the agents' streams.
+    """
+
+    def __init__(self, inner: "KvIndex", writer: LogWriter):
+        self.inner = inner
+        self.writer = writer
+        self._listeners: list[Callable[[str, str, str], None]] = []
+
+    def apply(self, replica_id: str, changes: ChangesFields) -> None:
+        self.inner.apply(replica_id, changes)
+        self.writer.record(records.kv_entry(replica_id, changes))
+
+    def forget(self, replica_id: str) -> None:
+        self.inner.forget(replica_id)
+        self.writer.record([records.KV_FORGET, replica_id])
+
+    def remove(self, replica_id: str) -> None:
+        self.inner.remove(replica_id)
+        self.writer.record([records.KV_DROP, replica_id])
+
+    def add_resync_listener(self, listener: Callable[[str, str, str], None]) -> None:
+        self._listeners.append(listener)
+        self.inner.add_resync_listener(listener)
+
+    def remove_resync_listener(self, listener: Callable[[str, str, str], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+        self.inner.remove_resync_listener(listener)
+
+    def remote_resync(self, replica_id: str, mode: str, reason: str) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(replica_id, mode, reason)
+            except Exception:
+                log.exception("resync listener %r failed for replica %s", listener, replica_id)

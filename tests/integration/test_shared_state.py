@@ -1,0 +1,187 @@
+"""Several gateways, one view: a control process and ``--role gateway`` processes sharing state through Redis.
+
+Real processes on loopback: ``llmgw sim`` replicas with KV events, a control ``llmgw serve`` following their
+events (static replicas with ``kv_events``), ``--role gateway`` followers, and a real ``redis-server``.
+What is checked is what a user sees: ``/admin/explain``, ``/admin/kv``, ``/admin/cluster``, ``/health``,
+and the engines' own reported cached tokens.
+"""
+
+from __future__ import annotations
+
+from random import Random
+
+import httpx
+import trio
+
+from llmgw.bench.chat_workloads import words
+from llmgw.testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, MODEL, gateway_config, kv_sources, start_sims
+
+pytestmark = __import__("pytest").mark.slow
+
+
+def cluster_config(sims, redis_url: str, cluster: str, routing: str = "kv_index") -> str:
+    return gateway_config([s.url for s in sims], routing=routing, routing_options={"tokenize_timeout": "2s"},
+                          kv_sources=[kv_sources(s) for s in sims] if routing == "kv_index" else None) + (
+        f"state:\n  backend: redis\n  url: {redis_url}\n  cluster: {cluster}\n  snapshot_interval: 1s\n")
+
+
+async def start_cluster(nursery, start_llmgw, redis_url: str, cluster: str, followers: int = 1, sims: int = 2,
+                        sim_extra: tuple[str, ...] = ()):
+    engines = await start_sims(nursery, sims, env=KV_SIM_ENV, num_blocks=512, block_size=16, time_scale=0, seed=0,
+                               extra=KV_SIM_EXTRA + sim_extra)
+    config = cluster_config(engines, redis_url, cluster)
+    control = await start_llmgw(config)
+    gateways = [await start_llmgw(config, "--role", "gateway") for _ in range(followers)]
+    for gateway in [control, *gateways]:
+        await wait_kv_healthy(gateway.control_url, sims)
+    return engines, control, gateways
+
+
+async def wait_kv_healthy(control_url: str, replicas: int, timeout: float = 20.0) -> None:
+    async with httpx.AsyncClient(timeout=5) as http:
+        with trio.fail_after(timeout):
+            while True:
+                kv = (await http.get(control_url + "/admin/kv")).json()["replicas"]
+                listed = (await http.get(control_url + "/admin/replicas")).json()
+                if len(listed) == replicas and sum(r["state"] == "healthy" for r in kv) == replicas:
+                    return
+                await trio.sleep(0.1)
+
+
+def long_prompt(seed: int) -> dict:
+    return {"model": MODEL, "max_tokens": 4,
+            "messages": [{"role": "user", "content": words(Random(seed), 400)}]}
+
+
+async def explain(http: httpx.AsyncClient, control_url: str, body: dict) -> dict:
+    answer = (await http.post(control_url + "/admin/explain", json=body)).json()
+    return answer
+
+
+def cached_blocks(answer: dict) -> dict[str, int]:
+    return {r["name"]: r.get("confirmed_blocks", r.get("cached_blocks", 0)) for r in answer["replicas"]}
+
+
+async def test_a_follower_sees_the_engines_cached_blocks_and_routes_to_the_holder(nursery, start_llmgw, redis_url,
+                                                                                 cluster_name):
+    engines, control, (follower,) = await start_cluster(nursery, start_llmgw, redis_url, cluster_name)
+    body = long_prompt(1)
+    async with httpx.AsyncClient(timeout=30) as http:
+        first = await http.post(control.url + "/v1/chat/completions", json=body)
+        assert first.status_code == 200, first.text
+        holder = first.headers["x-llmgw-replica"]
+        # The engine's BlockStored reaches the control process, then Redis, then the follower's own index.
+        with trio.fail_after(10):
+            while True:
+                answer = await explain(http, follower.control_url, body)
+                if answer["pick"] == holder and answer.get("outcome") == "hit":
+                    break
+                await trio.sleep(0.05)
+        second = await http.post(follower.url + "/v1/chat/completions", json=body)
+        assert second.status_code == 200, second.text
+        assert second.headers["x-llmgw-replica"] == holder
+        cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached > 0
+        # Both gateways hold the same blocks per replica: the engines' truth.
+        control_kv = {r["name"]: r["blocks"] for r in (await http.get(control.control_url + "/admin/kv")).json()[
+            "replicas"]}
+        with trio.fail_after(5):
+            while True:
+                follower_kv = {r["name"]: r["blocks"] for r in
+                               (await http.get(follower.control_url + "/admin/kv")).json()["replicas"]}
+                if follower_kv == control_kv:
+                    break
+                await trio.sleep(0.05)
+                control_kv = {r["name"]: r["blocks"] for r in
+                              (await http.get(control.control_url + "/admin/kv")).json()["replicas"]}
+        assert control_kv[holder] > 0
+        cluster = (await http.get(follower.control_url + "/admin/cluster")).json()
+        assert cluster["role"] == "gateway" and cluster["degraded"] is False and cluster["log"]["loaded"] is True
+
+
+async def test_each_gateway_counts_the_others_load_and_a_killed_gateways_load_expires(nursery, start_llmgw,
+                                                                                     redis_url, cluster_name):
+    # 200 output tokens at 20 ms a step: each stream stays in flight for about 4 s.
+    engines = await start_sims(nursery, 2, env=KV_SIM_ENV, num_blocks=512, block_size=16, time_scale=1, seed=0,
+                               extra=KV_SIM_EXTRA + ("--output-tokens", "200:200"))
+    config = cluster_config(engines, redis_url, cluster_name, routing="prefix_tree")
+    control = await start_llmgw(config)
+    busy = await start_llmgw(config, "--role", "gateway")
+    for gateway in (control, busy):
+        await wait_replicas(gateway.control_url, 2)
+    started = 0
+
+    async def stream(http: httpx.AsyncClient, seed: int) -> None:
+        nonlocal started
+        try:
+            async with http.stream("POST", busy.url + "/v1/chat/completions",
+                                   json={**long_prompt(seed), "max_tokens": 200, "stream": True}) as response:
+                started += 1
+                async for _ in response.aiter_raw():
+                    pass
+        except httpx.HTTPError:
+            pass  # the gateway is killed under it
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        async with trio.open_nursery() as streams:
+            for seed in range(4):
+                streams.start_soon(stream, http, seed)
+            with trio.fail_after(10):
+                while True:  # the control process sees the follower's 4 requests as its peers' load
+                    listed = (await http.get(control.control_url + "/admin/replicas")).json()
+                    if sum(r["peer_inflight"] for r in listed) == 4:
+                        break
+                    await trio.sleep(0.02)
+            assert sum(r["local_inflight"] for r in listed) == 0
+            explained = await explain(http, control.control_url, long_prompt(99))
+            assert sum(r["inflight"] for r in explained["replicas"]) == 4  # what its tier weighs
+            busy.kill()  # SIGKILL: no goodbye; its reports stop
+            killed_at = trio.current_time()
+            with trio.fail_after(5):
+                while True:
+                    listed = (await http.get(control.control_url + "/admin/replicas")).json()
+                    if sum(r["peer_inflight"] for r in listed) == 0:
+                        break
+                    await trio.sleep(0.05)
+            assert trio.current_time() - killed_at <= 3.0  # load_ttl (2 s) and one expiry tick
+            streams.cancel_scope.cancel()
+
+
+async def wait_replicas(control_url: str, count: int, timeout: float = 20.0) -> None:
+    async with httpx.AsyncClient(timeout=5) as http:
+        with trio.fail_after(timeout):
+            while len((await http.get(control_url + "/admin/replicas")).json()) < count:
+                await trio.sleep(0.1)
+
+
+async def test_redis_down_keeps_every_gateway_routing_then_they_heal(nursery, start_llmgw, private_redis,
+                                                                    cluster_name):
+    engines, control, (follower,) = await start_cluster(nursery, start_llmgw, private_redis.url, cluster_name)
+    async with httpx.AsyncClient(timeout=30) as http:
+        await private_redis.kill()
+        with trio.fail_after(10):
+            while not (await http.get(follower.control_url + "/health")).json()["state"]["degraded"]:
+                await trio.sleep(0.1)
+        health = (await http.get(follower.control_url + "/health")).json()
+        assert health["status"] == "ok" and health["state"]["reason"]
+        for seed in range(6):  # routed on the last known table and index, by both
+            for gateway in (control, follower):
+                response = await http.post(gateway.url + "/v1/chat/completions", json=long_prompt(seed))
+                assert response.status_code == 200, response.text
+        await private_redis.restart()
+        returned = trio.current_time()
+        with trio.fail_after(10):
+            while True:
+                states = [(await http.get(g.control_url + "/health")).json()["state"] for g in (control, follower)]
+                control_kv = {r["name"]: r["blocks"] for r in
+                              (await http.get(control.control_url + "/admin/kv")).json()["replicas"]}
+                follower_kv = {r["name"]: r["blocks"] for r in
+                               (await http.get(follower.control_url + "/admin/kv")).json()["replicas"]}
+                if not any(s["degraded"] for s in states) and follower_kv == control_kv:
+                    break
+                await trio.sleep(0.1)
+        assert trio.current_time() - returned <= 5.0
+        # What the engines stored while Redis was away (6 prompts) is in the follower's index now.
+        assert sum(follower_kv.values()) > 0
+        for process in (control, follower):
+            assert process.returncode is None

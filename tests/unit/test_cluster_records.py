@@ -1,0 +1,87 @@
+"""The shared state's records: what the control process writes decodes to the same thing, and anything else read
+from Redis is a RecordError (never another exception, never a crash)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmgw.cluster import records
+from llmgw.cluster.records import RecordError, ReplicaRecord
+from llmgw.kv.changes import BlockChanges, KvChangeKind
+from llmgw.router.model import LoraRef, TierModel
+
+names = st.text(min_size=1, max_size=40)
+keys = st.lists(st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1), max_size=50)
+
+
+@given(name=names, source=st.sampled_from(["static", "deployed"]), routing=names,
+       adapters=st.lists(st.tuples(names, names), max_size=3), args=st.lists(st.text(max_size=20), max_size=5))
+def test_a_model_declaration_round_trips(name, source, routing, adapters, args):
+    model = TierModel(name, routing, {"seed": 1, "nested": {"a": [1, 2]}}, "/models/x",
+                      tuple(LoraRef(a, p) for a, p in adapters), tuple(args))
+    decoded = records.decode_batch(records.pack([records.model_entry(source, model)]))
+    assert decoded == [[records.MODEL, source, model]]
+
+
+@given(replica=names, kind=st.sampled_from(list(KvChangeKind)), block_size=st.integers(0, 1 << 20), stored=keys,
+       removed=keys, reason=st.text(max_size=50))
+def test_kv_changes_round_trip(replica, kind, block_size, stored, removed, reason):
+    changes = BlockChanges(kind, block_size, stored, removed, reason)
+    [entry] = records.decode_batch(records.pack([records.kv_entry(replica, changes)]))
+    assert entry == [records.KV, replica, changes]
+
+
+@given(name=names, model=names, url=st.text(max_size=100), labels=st.dictionaries(names, names, max_size=5),
+       weight=st.integers(1, 1000))
+def test_a_replica_record_round_trips(name, model, url, labels, weight):
+    record = ReplicaRecord(name, model, url, "deployed", weight, labels)
+    [[kind, decoded]] = records.decode_batch(records.pack([[records.ADD, record.as_array()]]))
+    assert kind == records.ADD and decoded == record
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=200))
+def test_random_bytes_are_a_record_error_or_a_batch(raw):
+    try:
+        batch = records.decode_batch(raw)
+    except RecordError:
+        return
+    assert isinstance(batch, list)
+
+
+plain = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.text(max_size=10)
+                     | st.binary(max_size=10) | st.floats(allow_nan=False),
+                     lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                   max_size=4),
+                     max_leaves=30)
+
+
+@settings(max_examples=500)
+@given(kind=st.sampled_from(records.ENTRY_KINDS), rest=st.lists(plain, max_size=8))
+def test_any_wrongly_shaped_entry_is_a_record_error(kind, rest):
+    try:
+        entry = records.decode_entry([kind, *rest])
+    except RecordError:
+        return
+    assert entry[0] == kind  # it was well-shaped after all
+
+
+def test_block_keys_beyond_64_bits_and_non_ints_are_refused():
+    for bad in ([1 << 64], [-(1 << 63) - 1], [1.5], [True], ["1"]):
+        with pytest.raises(RecordError):
+            records.decode_entry([records.KV, "r", "delta", 16, bad, [], ""])
+
+
+def test_sizes_are_bounded_before_decoding():
+    with pytest.raises(RecordError):
+        records.unpack(msgpack.packb("x" * (2 << 20)))  # a string above the 1 MiB limit
+    with pytest.raises(RecordError):
+        records.unpack("not bytes")
+
+
+def test_an_unknown_change_kind_reads_as_a_reset():
+    [[_, _, changes]] = records.decode_batch(records.pack([[records.KV, "r", "new-kind", 16, [1], [], ""]]))
+    assert changes.kind is KvChangeKind.RESET
