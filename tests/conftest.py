@@ -1,13 +1,17 @@
 """Fixtures of every test: real child processes on 127.0.0.1 with ephemeral ports, owned by the test's nursery
-(started with :mod:`llmgw.testing`), and a gateway run in the test's own nursery."""
+(started with :mod:`llmgw.testing`), a gateway run in the test's own nursery, and real redis-servers."""
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from llmgw.redis_server import RedisServer
 from llmgw.testing.processes import Child, start_serve
+from llmgw.testing.redis import PrivateRedis, start_private_redis, start_session_redis
 from llmgw.testing.sims import start_fake_upstream as start_fake_upstream_in
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,3 +68,33 @@ def gateway_in_process(nursery, tmp_path):
         return await start_gateway_in_process(nursery, config_text, directory, **options)
 
     return start
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory) -> Iterator[RedisServer]:
+    """A redis-server on an ephemeral 127.0.0.1 port for the whole session (started without trio: pytest-trio
+    runs each test in a trio run of its own). Tests share it: each keeps to its own ``cluster_name``."""
+    session = start_session_redis(tmp_path_factory.mktemp("redis"))
+    try:
+        yield session.server
+    finally:
+        session.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The session's redis-server, ``redis://127.0.0.1:PORT``."""
+    return redis_server.url
+
+
+@pytest.fixture
+def cluster_name(request) -> str:
+    """A cluster name of this test's own (llmgw prefixes its Redis keys with it), from the test's node id."""
+    return "test-" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
+
+
+@pytest.fixture
+async def private_redis(nursery, tmp_path) -> PrivateRedis:
+    """A redis-server of this test's own on an ephemeral port, which it may ``await private_redis.kill()`` and
+    ``await private_redis.restart()`` on the same port; stopped when the test ends."""
+    return await start_private_redis(nursery, tmp_path / "redis")
