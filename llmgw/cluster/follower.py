@@ -185,7 +185,8 @@ class LogFollower:
             meta = records.unpack(meta_raw)
             part_keys = meta["parts"]
             names = list(part_keys)
-            raws = await self.link.call("snapshot_read", lambda client: client.mget([part_keys[n] for n in names]))
+            raws = await self.link.call("snapshot_read", lambda client: client.mget([part_keys[n] for n in names])) \
+                if names else []
             if any(part is None for part in raws):
                 return False
             parts = {name: records.decode_keys(part) for name, part in zip(names, raws)}

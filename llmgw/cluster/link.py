@@ -80,6 +80,7 @@ class RedisLink:
         self.reason = "not connected yet"
         self.changed = trio.Event()  # set (and replaced) at every transition
         self._ready = trio.Event()
+        self._refusals_logged: set[str] = set()
 
     @property
     def address(self) -> str:
@@ -129,6 +130,12 @@ class RedisLink:
         except trio.TooSlowError:
             self._failed(operation, f"no answer within {deadline:g}s")
         except Exception as exc:  # coredis' errors, OSError, and whatever else a broken connection raises
+            if _is_refusal(exc):  # Redis answered, with an error: it is up, this call is wrong (logged once)
+                self.metrics.errors.labels(operation).inc()
+                if operation not in self._refusals_logged:
+                    self._refusals_logged.add(operation)
+                    log.error("cluster state: Redis refused %s: %s (logged once)", operation, _describe(exc))
+                raise Unavailable(_describe(exc)) from None
             self._failed(operation, _describe(exc))
         self.mark_up()
         return result
@@ -162,6 +169,13 @@ class RedisLink:
     async def backoff(attempt: int) -> None:
         """Sleep before retry number ``attempt`` (0.1 s doubling to 2 s): Redis's return is noticed quickly."""
         await trio.sleep(min(0.1 * (2 ** min(attempt, 5)), 2.0))
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """An error answer from Redis (a wrong command, a full memory, a missing permission), not a lost connection."""
+    from coredis.exceptions import ResponseError
+
+    return isinstance(exc, ResponseError)
 
 
 def _describe(exc: BaseException) -> str:

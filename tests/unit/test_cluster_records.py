@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from llmgw.cluster import records
 from llmgw.cluster.records import RecordError, ReplicaRecord
