@@ -3,6 +3,7 @@
 The rules and why: docs/development.md, "Layers". In short:
 
 - ``llmgw.gateway`` (and the commands, the benchmarks, the CLI) may import anything;
+- ``cluster`` (the shared state) may import the middle layers and what they may, never ``gateway``;
 - ``control``, ``router``, ``agent`` and ``sim`` may import ``kv``, ``http``, ``wire``, ``engines``, ``config``
   and the base modules, never ``gateway``, and not each other except as ALLOWED says;
 - ``kv``, ``http``, ``wire`` and ``engines`` import none of the layers above them, and ``kv`` none of the other
@@ -28,6 +29,7 @@ PACKAGE = Path(llmgw.__file__).parent
 # Top-level modules every layer may use: no state of a layer, no import of one.
 BASE = {"metrics", "tls", "usererrors", "listening", "logsetup", "procgroup", "private_file", "plugins_manager",
         "hookspecs", "plugin", "cached_labels", "units", "redis_server"}
+UPPER = {"cluster"}  # between the gateway and the middle: the shared state writes and follows the router's parts
 MIDDLE = {"control", "router", "agent", "sim"}
 BOTTOM = {"kv", "http", "wire", "engines"}  # the libraries the middle layers share
 # What a middle layer may import besides itself and the base modules.
@@ -101,6 +103,9 @@ def broken_rule(imp: Import) -> str | None:
         return "the core never imports llmgw.plugins (plugins are loaded through entry points)"
     if src == dst or dst == "" or dst in BASE:
         return None
+    if src in UPPER and dst not in MIDDLE | MIDDLE_MAY_USE:
+        return (f"llmgw.{src} may import the middle layers, kv, http, wire, config and the base modules"
+                + (", never the gateway" if dst == "gateway" else ""))
     if src in MIDDLE and dst not in MIDDLE_MAY_USE:
         return (f"llmgw.{src} may import kv, http, wire, config and the base modules only"
                 + (", never the gateway" if dst == "gateway" else ""))
@@ -147,6 +152,8 @@ def test_the_rules_catch_each_kind_of_wrong_import():
         return broken_rule(Import(importer, imported, "x.py:1"))
 
     assert "never the gateway" in rule("llmgw.control.plane", "llmgw.gateway.app")
+    assert "never the gateway" in rule("llmgw.cluster.state", "llmgw.gateway.app")
+    assert rule("llmgw.router.replicas", "llmgw.cluster.state") is not None  # the middle never sees the cluster
     assert rule("llmgw.router.tier", "llmgw.agent.supervisor") is not None
     assert rule("llmgw.agent.agent", "llmgw.control.plane") is not None
     assert rule("llmgw.sim.core", "llmgw.router.radix") is not None
@@ -158,7 +165,8 @@ def test_the_rules_catch_each_kind_of_wrong_import():
     for fine in [("llmgw.gateway.app", "llmgw.control.plane"), ("llmgw.router.tier", "llmgw.kv.index"),
                  ("llmgw.agent.kv", "llmgw.wire.messages"), ("llmgw.sim.app", "llmgw.http.server"),
                  ("llmgw.control.plane", "llmgw.metrics"), ("llmgw.plugins.kv_index", "llmgw.router.tier"),
-                 ("llmgw.commands.serve", "llmgw.gateway.app"), ("llmgw.kv.index", "llmgw.config.fields")]:
+                 ("llmgw.commands.serve", "llmgw.gateway.app"), ("llmgw.kv.index", "llmgw.config.fields"),
+                 ("llmgw.cluster.state", "llmgw.router.replicas"), ("llmgw.gateway.app", "llmgw.cluster.state")]:
         assert rule(*fine) is None, fine
 
 
