@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from ..cluster.link import client_options
 from ..cluster.state import CONTROL, SharedState
 from ..config import Config, ConfigError
 from ..config.fields import issue_at
@@ -116,6 +117,7 @@ class Gateway:
         table: ReplicaTable = self.replicas
         kv: KvWriter = self.kv_index
         if config.state.shared:
+            self._check_state_settings(config)
             self.shared = SharedState(config, role, self.replicas, self.kv_index, self.registry,
                                       self.metrics.registry)
             table, kv = self.shared.table, self.shared.kv
@@ -183,6 +185,16 @@ class Gateway:
         fed = [*self.static.kv_fed(), *self.control.kv_fed()]
         return now >= self._started_at + KV_SETTLE_SECONDS or all(
             self.kv_index.state(name) is not IndexState.NO_EVENTS for name in fed)
+
+    @staticmethod
+    def _check_state_settings(config: Config) -> None:
+        """The Redis password's variable is set and the TLS files can be used: found at start, not as an outage."""
+        try:
+            client_options(config.state)
+        except ValueError as exc:
+            raise ConfigError([issue_at(config.state, "password_env", str(exc))]) from None
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError([issue_at(config.state, "tls", f"cannot be used: {describe_tls_error(exc)}")]) from None
 
     def _control_tls_context(self):
         """The control listener's server context (``control_tls``), or None for plain HTTP."""

@@ -109,3 +109,22 @@ async def test_config_log_format_json_makes_serve_log_json(start_llmgw):
     line = next(line for line in gw.lines if "is now down" in line)
     record = json.loads(line)
     assert record["level"] == "warning" and record["logger"] == "llmgw.router.health"
+
+
+def test_a_redis_password_variable_that_is_not_set_stops_the_start_naming_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("LLMGW_TEST_REDIS_PW", raising=False)
+    (tmp_path / "llmgw.yaml").write_text(CONFIG + "state:\n  backend: redis\n  url: redis://127.0.0.1:1\n"
+                                         "  password_env: LLMGW_TEST_REDIS_PW\n")
+    result = run("serve", "--config", str(tmp_path / "llmgw.yaml"), "--listen", "127.0.0.1:0",
+                 "--control-listen", "127.0.0.1:0")
+    assert result.returncode == 2
+    assert one_line(result.stderr).endswith(
+        "llmgw.yaml:5: state.password_env: state.password_env names LLMGW_TEST_REDIS_PW, which is not set")
+
+
+def test_role_gateway_without_a_shared_state_backend_is_refused(tmp_path):
+    (tmp_path / "llmgw.yaml").write_text(CONFIG)
+    result = run("serve", "--config", str(tmp_path / "llmgw.yaml"), "--role", "gateway", "--listen", "127.0.0.1:0",
+                 "--control-listen", "127.0.0.1:0")
+    assert result.returncode == 2
+    assert "--role gateway follows a cluster's shared state: it needs backend: redis" in one_line(result.stderr)

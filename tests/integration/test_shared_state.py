@@ -10,13 +10,17 @@ from __future__ import annotations
 
 from random import Random
 
+import coredis
 import httpx
+import pytest
 import trio
 
 from llmgw.bench.chat_workloads import words
+from llmgw.cluster.records import Keys
+from llmgw.testing.metrics import scrape_value
 from llmgw.testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, MODEL, gateway_config, kv_sources, start_sims
 
-pytestmark = __import__("pytest").mark.slow
+pytestmark = pytest.mark.slow
 
 
 def cluster_config(sims, redis_url: str, cluster: str, routing: str = "kv_index") -> str:
@@ -187,3 +191,37 @@ async def test_redis_down_keeps_every_gateway_routing_then_they_heal(nursery, st
         assert sum(follower_kv.values()) > 0
         for process in (control, follower):
             assert process.returncode is None
+
+
+async def test_garbage_in_the_clusters_redis_is_counted_and_skipped(nursery, start_llmgw, redis_url, cluster_name):
+
+    engines, control, (follower,) = await start_cluster(nursery, start_llmgw, redis_url, cluster_name)
+    keys = Keys(cluster_name)
+    host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
+    async with coredis.Redis(host=host, port=int(port), decode_responses=False) as redis:
+        await redis.xadd(keys.load, {b"o": b"intruder", b"x": b"2000", b"l": b"\xc1\xff not msgpack"})
+        await redis.xadd(keys.load, {b"o": b"intruder", b"x": b"2000", b"l": b"\x92\x01\x02"})  # not [[name, n, t]]
+        await redis.xadd(keys.requests, {b"o": b"intruder", b"a": b"\x00"})
+        await redis.xadd(keys.log, {b"junk": b"1"})  # no writer, no batch number: stepped over
+    async with httpx.AsyncClient(timeout=30) as http:
+        with trio.fail_after(10):
+            while True:
+                follower_bad = await scrape_value(follower.control_url, "llmgw_cluster_bad_records_total",
+                                                  'stream="load"', default=0.0, client=http)
+                control_bad = await scrape_value(control.control_url, "llmgw_cluster_bad_records_total",
+                                                 'stream="requests"', default=0.0, client=http)
+                if follower_bad == 2 and control_bad == 1:
+                    break
+                await trio.sleep(0.1)
+        body = long_prompt(7)
+        for gateway in (control, follower):
+            response = await http.post(gateway.url + "/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+        # The follower still follows: the control process's next changes (this prompt's blocks) reach it.
+        holder = response.headers["x-llmgw-replica"]
+        with trio.fail_after(10):
+            while cached_blocks(await explain(http, follower.control_url, body))[holder] == 0:
+                await trio.sleep(0.05)
+        for process in (control, follower):
+            assert process.returncode is None
+            assert (await http.get(process.control_url + "/health")).json()["state"]["degraded"] is False
