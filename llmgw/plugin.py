@@ -37,7 +37,7 @@ from .engines.probe import VLLM_GAUGES, EngineGauges, EngineLoad
 from .hookspecs import hookimpl
 from .kv.codec import EventDecodeError
 from .kv.events import EventBatch
-from .kv.index import IndexState, KvIndex
+from .kv.index import IndexState, KvIndex, KvIndexView
 from .kv.keys import BlockKeyFunction, ExtraKeys
 from .kv.tokenize import TokenizeError
 from .metrics import Metrics
@@ -79,7 +79,7 @@ class TokenizerSource(Protocol):
 
 __all__ = [
     "BlockKeyFunction", "Decision", "Engine", "EngineError", "EngineGauges", "EngineLoad", "EventBatch",
-    "EventDecodeError", "EventDecoder", "Explanation", "ExtraKeys", "IndexState", "KvIndex", "Launch",
+    "EventDecodeError", "EventDecoder", "Explanation", "ExtraKeys", "IndexState", "KvIndex", "KvIndexView", "Launch",
     "LaunchContext", "LoraRef", "Metrics", "PluginError", "Readiness", "Registry", "Replica", "ReplicaState",
     "RouteRequest", "RoutingTier", "ScoreContext", "Scorer", "StartShard", "TierModel", "TierProtocol",
     "TierServices", "TokenizeError", "TokenizerSource", "VLLM_GAUGES", "hookimpl",

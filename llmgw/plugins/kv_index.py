@@ -56,6 +56,7 @@ from ..plugin import (
     Decision,
     IndexState,
     KvIndex,
+    KvIndexView,
     PluginError,
     Registry,
     Replica,
@@ -212,7 +213,7 @@ class KvIndexTier(RoutingTier):
         tree_model = TierModel(name=self.model, routing="prefix_tree", routing_options=tree_raw)
         self.tree = PrefixTreeTier(tree_model, services)  # the fallback, and the scorers and load rule
         index = services.kv_index
-        self.index: KvIndex = index if index is not None else KvIndex(clock=self.clock)
+        self.index: KvIndexView = index if index is not None else KvIndex(clock=self.clock)
         registry = services.registry
         self.base_models = frozenset({self.model, model.name or self.model})
         self.tokenizer = registry.get("tokenizer_sources", options.tokenizer)(

@@ -38,7 +38,7 @@ from ..engines.probe import EngineLoad
 from .replica import ReplicaState
 
 if TYPE_CHECKING:
-    from ..kv.index import KvIndex
+    from ..kv.index import KvIndexView
     from ..metrics import Metrics
     from ..plugins_manager import Registry
 
@@ -147,8 +147,9 @@ class TierServices:
       series to), None outside a gateway;
     - ``replicas``: the model's replicas (live: the router adds and removes them);
     - ``model``: the model's name; ``clock``: the monotonic clock ``EngineLoad.at`` is on;
-    - ``kv_index``: the router's one KV index (:class:`llmgw.kv.index.KvIndex`, fed by the control plane with
-      the agents' KV changes); None outside a router.
+    - ``kv_index``: the router's one KV index, as a tier may use it (:class:`llmgw.kv.index.KvIndexView`: read,
+      predict, observe; its confirmed blocks come from the engines' events, written by the control plane or a
+      follower of the cluster's shared state); None outside a router.
     """
 
     registry: "Registry" = field(default_factory=_installed_plugins)
@@ -156,7 +157,7 @@ class TierServices:
     replicas: Sequence[ReplicaView] = ()
     model: str = ""
     clock: Callable[[], float] = time.monotonic
-    kv_index: "KvIndex | None" = None
+    kv_index: "KvIndexView | None" = None
 
 
 Explanation = Mapping[str, Any]
