@@ -2,15 +2,16 @@
 
 Every gateway reports its own load per replica (``local_inflight``,
 ``local_inflight_tokens``: the requests it handed there and their estimated
-prompt tokens) to the cluster's ``load`` stream: every ``load_interval``
+prompt tokens; ``local_queued_tokens``, ``local_queued_requests``: the prefill
+it queued there, requests without a first token yet) to the cluster's ``load`` stream: every ``load_interval``
 (50 ms by default) while it changes, and every quarter of ``load_ttl`` when it
 does not (a heartbeat). A report is the origin's whole load (a replica not in
 it has none from there) and lives ``load_ttl`` seconds (2 by default) after it
 arrived, so a gateway that died stops counting within that time.
 
 Each gateway sums the others' latest live reports into each replica's
-``peer_inflight``/``peer_inflight_tokens``; what its tiers read
-(``inflight``, ``inflight_tokens``) is its own exact count plus those. The hot
+``peer_*`` figures; what its tiers read (``inflight``, ``inflight_tokens``,
+``queued_tokens``, ``queued_requests``) is its own exact count plus those. The hot
 path reads only these numbers: nothing on it waits for Redis.
 """
 
@@ -23,7 +24,7 @@ import trio
 
 from . import records
 from .link import BLOCK_MS, RedisLink, Unavailable
-from .records import Keys, RecordError
+from .records import LOAD_FIGURES as FIGURES, Keys, Load, RecordError
 
 if TYPE_CHECKING:
     from ..config.schema import StateConfig
@@ -33,13 +34,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOAD_STREAM_LENGTH = 10_000
-MAX_REPLICAS_PER_REPORT = 100_000
 
 
 class PeerReport:
     __slots__ = ("expires", "load")
 
-    def __init__(self, expires: float, load: dict[str, tuple[int, int]]):
+    def __init__(self, expires: float, load: Load):
         self.expires = expires
         self.load = load
 
@@ -65,18 +65,20 @@ class LoadSharing:
 
     # -- this gateway's load ---------------------------------------------------------------------------------------
 
-    def own_load(self) -> dict[str, tuple[int, int]]:
-        load: dict[str, tuple[int, int]] = {}
+    def own_load(self) -> Load:
+        load: Load = {}
         for replica in self.replicas:
-            if replica.local_inflight or replica.local_inflight_tokens:
-                count, tokens = load.get(replica.name, (0, 0))
-                load[replica.name] = (count + replica.local_inflight, tokens + replica.local_inflight_tokens)
+            figures = (replica.local_inflight, replica.local_inflight_tokens, replica.local_queued_tokens,
+                       replica.local_queued_requests)
+            if any(figures):
+                before = load.get(replica.name)  # two objects of one name while the old one drains
+                load[replica.name] = figures if before is None else tuple(a + b for a, b in zip(before, figures))
         return load
 
     async def _publish(self) -> None:
         settings = self.settings
         heartbeat = settings.load_ttl / 4
-        last: dict[str, tuple[int, int]] | None = None
+        last: Load | None = None
         sent_at = -1e9
         failures = 0
         while True:
@@ -93,9 +95,9 @@ class LoadSharing:
                 last, sent_at = load, now
             await trio.sleep(settings.load_interval)
 
-    async def _send(self, load: dict[str, tuple[int, int]]) -> None:
+    async def _send(self, load: Load) -> None:
         fields = {b"o": self.origin.encode(), b"x": str(int(self.settings.load_ttl * 1000)).encode(),
-                  b"l": records.pack([[name, count, tokens] for name, (count, tokens) in load.items()])}
+                  b"l": records.pack([[name, *figures] for name, figures in load.items()])}
         key = self.keys.load
 
         async def add(client: Any) -> Any:
@@ -135,18 +137,8 @@ class LoadSharing:
     def take_report(self, fields: dict[str, Any]) -> bool:
         """Record one report from the stream; True when it is another gateway's."""
         try:
-            origin = fields["o"].decode()
-            ttl = min(int(fields["x"]) / 1000, 600.0)
-            items = records.unpack(fields["l"])
-            if not isinstance(items, list) or len(items) > MAX_REPLICAS_PER_REPORT:
-                raise RecordError("a load report is an array of at most 100000 replicas")
-            load: dict[str, tuple[int, int]] = {}
-            for item in items:
-                name, count, tokens = item
-                if not isinstance(name, str) or type(count) is not int or type(tokens) is not int:
-                    raise RecordError("a load entry is [name, requests, tokens]")
-                load[name] = (max(0, min(count, 1 << 31)), max(0, min(tokens, 1 << 40)))
-        except (KeyError, ValueError, TypeError, AttributeError, RecordError):
+            origin, ttl, load = records.decode_load_report(fields)
+        except RecordError:
             self.metrics.bad_records.labels("load").inc()
             return False
         if origin == self.origin:
@@ -171,19 +163,20 @@ class LoadSharing:
         """Set every replica's peer figures to the sum of the live reports."""
         totals: dict[str, list[int]] = {}
         for report in self.peers.values():
-            for name, (count, tokens) in report.load.items():
-                total = totals.setdefault(name, [0, 0])
-                total[0] += count
-                total[1] += tokens
+            for name, figures in report.load.items():
+                total = totals.setdefault(name, [0] * FIGURES)
+                for i, n in enumerate(figures):
+                    total[i] += n
         for replica in self.replicas:
             if replica.name in totals or replica.name in self._applied:
-                count, tokens = totals.get(replica.name, (0, 0))
-                replica.peer_inflight, replica.peer_inflight_tokens = count, tokens
+                (replica.peer_inflight, replica.peer_inflight_tokens, replica.peer_queued_tokens,
+                 replica.peer_queued_requests) = totals.get(replica.name, [0] * FIGURES)
         self._applied = set(totals)
         self.metrics.peers.set(len(self.peers))
 
     def describe(self) -> dict[str, Any]:
         now = trio.current_time()
         return {origin: {"expires_in_s": round(report.expires - now, 3),
-                         "inflight": {name: count for name, (count, _) in report.load.items()}}
+                         "inflight": {name: figures[0] for name, figures in report.load.items()},
+                         "queued_tokens": {name: figures[2] for name, figures in report.load.items() if figures[2]}}
                 for origin, report in self.peers.items()}

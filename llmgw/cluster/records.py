@@ -225,6 +225,31 @@ def decode_keys(raw: object) -> list[int]:
     return _keys(unpack(raw))
 
 
+LOAD_FIGURES = 4  # per replica: in-flight requests, their prompt tokens, queued prefill tokens, queued requests
+MAX_REPLICAS_PER_REPORT = 100_000
+Load = dict[str, tuple[int, ...]]
+
+
+def decode_load_report(fields: dict[str, Any]) -> tuple[str, float, Load]:
+    """A ``load`` stream entry's ``(origin, ttl in s, {replica: figures})``: ``o`` the origin, ``x`` its time to
+    live in ms (at most 600 s), ``l`` an array of ``[name, requests, tokens, queued tokens, queued requests]``."""
+    try:
+        origin = fields["o"].decode()[:64]
+        ttl = min(max(int(fields["x"]), 0) / 1000, 600.0)
+    except (KeyError, ValueError, TypeError, AttributeError, UnicodeDecodeError):
+        raise RecordError("a load report needs an origin (o) and a time to live in ms (x)") from None
+    items = unpack(fields.get("l"))
+    if not isinstance(items, list) or len(items) > MAX_REPLICAS_PER_REPORT:
+        raise RecordError(f"a load report is an array of at most {MAX_REPLICAS_PER_REPORT} replicas")
+    load: Load = {}
+    for item in items:
+        if not isinstance(item, list) or len(item) != 1 + LOAD_FIGURES or not isinstance(item[0], str) \
+                or len(item[0]) > MAX_NAME or not all(type(n) is int for n in item[1:]):
+            raise RecordError("a load entry is [name, requests, tokens, queued tokens, queued requests]")
+        load[item[0]] = tuple(max(0, min(n, 1 << 40)) for n in item[1:])
+    return origin, ttl, load
+
+
 def entry_id(identifier: str | bytes) -> bytes:
     """A stream entry's id as bytes, whichever way the client decoded it."""
     return identifier.encode() if isinstance(identifier, str) else identifier

@@ -68,7 +68,7 @@ from ..plugin import (
     hookimpl,
 )
 from .options import count, duration, option_reader
-from .prefix_tree import Choice, PrefixTreeTier
+from .prefix_tree import Choice, PrefixTreeTier, prefill_tokens
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +298,8 @@ class KvIndexTier(RoutingTier):
                           if reads_cache else 0,
                           drift_check=not any(request.body.get(f) is not None for f in NO_DRIFT_CHECK_FIELDS),
                           block_keys=keys, index_epoch=self.index.epoch(chosen.name))
-        return Decision(chosen, outcome=ev.choice.outcome, tier=TIER_NAME, detail=detail)
+        return Decision(chosen, outcome=ev.choice.outcome, tier=TIER_NAME, detail=detail,
+                        prefill_tokens=prefill_tokens(detail))
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         """Queue its prefill in the cost model (pick() already recorded the predicted entries and the tree insert,

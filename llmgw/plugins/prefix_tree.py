@@ -273,7 +273,8 @@ class PrefixTreeTier(RoutingTier):
         self.learn(evaluation.text, chosen.name, evaluation.outcome, now)
         detail = {"matched_chars": evaluation.matched[evaluation.chosen], "prompt_chars": len(evaluation.text)}
         self.note_cost(detail, evaluation, evaluation.chosen)
-        return Decision(chosen, outcome=evaluation.outcome, tier=TIER_NAME, detail=detail)
+        return Decision(chosen, outcome=evaluation.outcome, tier=TIER_NAME, detail=detail,
+                        prefill_tokens=prefill_tokens(detail))
 
     @staticmethod
     def note_cost(detail: dict, choice: Choice, chosen: int) -> None:
@@ -285,8 +286,8 @@ class PrefixTreeTier(RoutingTier):
                               "estimated_ttft_s": round(e.ttft, 4)}
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
-        """The request's prefill is queued on the replica (the tree learnt the decision in pick() already, so
-        concurrent requests with a new prefix find it)."""
+        """The request's prefill is queued on the replica (the router counts ``prefill_tokens`` there; the tree
+        learnt the decision in pick() already, so concurrent requests with a new prefix find it)."""
         cost = decision.detail.get("cost")
         if cost is not None:
             self.cost.routed(decision.replica.name, cost)
@@ -415,7 +416,8 @@ class PrefixTreeTier(RoutingTier):
         """
         waiting = [self._engine_waiting(r, now) for r in candidates]
         self.cost.follow(candidates)
-        estimates = self.cost.estimate([r.name for r in candidates], prompt_tokens, cached_tokens, loads, waiting)
+        estimates = self.cost.estimate([r.name for r in candidates], prompt_tokens, cached_tokens, loads, waiting,
+                                       [(r.queued_tokens, r.queued_requests) for r in candidates])
         costs = [e.cost for e in estimates]
         best = min(costs)
         best_noise = max(e.noise for e, t in zip(estimates, costs) if t == best)
@@ -505,6 +507,13 @@ class PrefixTreeTier(RoutingTier):
     def _engine_waiting(self, replica: Replica, now: float) -> float | None:
         engine = self._fresh_engine_load(replica, now)
         return None if engine is None else engine.waiting
+
+
+def prefill_tokens(detail: dict) -> int:
+    """The prompt tokens a decision expects its replica to compute: its cost estimate's new tokens (the router
+    counts them as the replica's queued prefill until the first token); 0 when the rule made no estimate."""
+    cost = detail.get("cost")
+    return int(cost["new_tokens"]) if cost is not None else 0
 
 
 def _declared_keys(scorer_factories) -> set[str]:

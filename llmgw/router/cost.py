@@ -3,8 +3,9 @@
 For one request and one candidate replica (the rule, also in ``docs/routing.md``)::
 
     new_tokens    = prompt_tokens - cached_tokens       what it would have to prefill
-    queued_tokens = the new tokens of the requests routed to it that have no first token yet (the router's
-                    own accounting) + the waiting requests its engine reports beyond those, at its mean size
+    queued_tokens = the new tokens of the requests routed to it that have no first token yet (the replica's
+                    ledger: this gateway's and, in a cluster, the others') + the waiting requests its engine
+                    reports beyond those, at its mean size
     requests      = its in-flight requests (the router's, or the engine's running + waiting when fresh and more)
     estimated TTFT = step + (queued_tokens + new_tokens) / prefill_throughput + requests x per_request
     delay to others = others_weight x requests x new_tokens / prefill_throughput
@@ -149,12 +150,12 @@ def fit_line(prior: Sequence[float], data: Fit, observations: int) -> Line:
 
 @dataclass
 class ReplicaCost:
-    """One replica's observations of its speed, and the prefill work routed to it but not started."""
+    """One replica's observations of its speed (its queued prefill is the replica's own ledger:
+    ``Replica.queued_tokens``, counted by the router, shared by a cluster's gateways)."""
 
     model: "CostModel"
     data: Fit = field(default_factory=Fit)
-    pending_tokens: int = 0  # new (uncached) prompt tokens of requests routed to it without a first token yet
-    pending_requests: int = 0
+    awaiting: int = 0  # requests this model routed there whose first token is still to be observed
     observations: int = 0
     clipped: int = 0  # observations counted lower (outliers: OUTLIER_NOISES)
     mean_new_tokens: float = 0.0  # EWMA of the new tokens of a request routed to it
@@ -293,13 +294,15 @@ class CostModel:
         self._pooled_line = None
 
     def estimate(self, names: Sequence[str], prompt_tokens: int, cached_tokens: Sequence[int],
-                 requests: Sequence[float], engine_waiting: Sequence[float | None] = ()) -> list[Estimate]:
+                 requests: Sequence[float], engine_waiting: Sequence[float | None] = (),
+                 queued: Sequence[tuple[int, int]] = ()) -> list[Estimate]:
         """Each replica's :class:`Estimate` for a prompt of ``prompt_tokens`` of which it holds ``cached_tokens``,
-        with ``requests[i]`` in flight to it.
+        with ``requests[i]`` in flight to it and ``queued[i]`` = (tokens, requests) of prefill queued there (the
+        replica's ledger; none when not given).
 
         ``engine_waiting[i]`` is the waiting requests replica ``i``'s engine reported in a fresh scrape (None when
-        unknown): those beyond the router's own pending requests (sent by other gateways) count as that many
-        requests of the replica's mean size.
+        unknown): those beyond the queued requests the ledger knows (sent by gateways outside the cluster, or
+        before a report arrived) count as that many requests of the replica's mean size.
         """
         if len(self.replicas) > MAX_FORGOTTEN + 2 * len(names):
             self._forget_others(names)
@@ -307,19 +310,19 @@ class CostModel:
         for i, name in enumerate(names):
             cost = self.replica(name)
             cached = min(max(cached_tokens[i], 0), max(prompt_tokens - 1, 0))
-            queued = cost.pending_tokens
+            queued_tokens, queued_requests = queued[i] if i < len(queued) else (0, 0)
             waiting = engine_waiting[i] if i < len(engine_waiting) else None
-            if waiting is not None and waiting > cost.pending_requests:
-                queued += int((waiting - cost.pending_requests) * (cost.mean_new_tokens or prompt_tokens))
+            if waiting is not None and waiting > queued_requests:
+                queued_tokens += int((waiting - queued_requests) * (cost.mean_new_tokens or prompt_tokens))
             step, slope, per_request, noise = cost.line()
-            estimates.append(Estimate(cached, prompt_tokens - cached, queued, requests[i], step, 1.0 / slope,
+            estimates.append(Estimate(cached, prompt_tokens - cached, queued_tokens, requests[i], step, 1.0 / slope,
                                       per_request, noise, self.others_weight))
         return estimates
 
     def _forget_others(self, names: Sequence[str]) -> None:
-        """Drop replicas that are no longer candidates and have nothing pending (replicas come and go)."""
+        """Drop replicas that are no longer candidates and await no first token (replicas come and go)."""
         keep = set(names)
-        for name in [n for n, c in self.replicas.items() if n not in keep and not c.pending_requests]:
+        for name in [n for n, c in self.replicas.items() if n not in keep and not c.awaiting]:
             del self.replicas[name]
 
     # -- bookkeeping: the tier calls these from its routed / first_token / finished hooks --------------------------
@@ -328,8 +331,7 @@ class CostModel:
         """A request with ``estimate_of`` (a decision's ``cost`` detail) was handed to replica ``name``."""
         cost = self.replica(name)
         new = int(estimate_of.get("new_tokens", 0))
-        cost.pending_tokens += new
-        cost.pending_requests += 1
+        cost.awaiting += 1
         cost.mean_new_tokens = new if not cost.mean_new_tokens else 0.9 * cost.mean_new_tokens + 0.1 * new
         estimate_of["pending"] = True
 
@@ -338,8 +340,7 @@ class CostModel:
         if not estimate_of.pop("pending", False):
             return
         cost = self.replica(name)
-        cost.pending_tokens = max(0, cost.pending_tokens - int(estimate_of.get("new_tokens", 0)))
-        cost.pending_requests = max(0, cost.pending_requests - 1)
+        cost.awaiting = max(0, cost.awaiting - 1)
         if ttft is not None:
             self.observe(name, estimate_of.get("queued_tokens", 0) + estimate_of.get("new_tokens", 0),
                          estimate_of.get("requests", 0), ttft)
@@ -350,5 +351,4 @@ class CostModel:
         return {"step_s": round(step, 4), "prefill_tokens_per_s": round(1.0 / slope, 1),
                 "per_request_s": round(per_request, 4), "noise_s": round(noise, 4),
                 "observations": cost.observations, "clipped_observations": cost.clipped,
-                "pending_tokens": cost.pending_tokens,
-                "pending_requests": cost.pending_requests}
+                "awaiting_first_token": cost.awaiting}

@@ -67,6 +67,10 @@ class Replica:
     local_inflight_tokens: int = 0  # the router's estimate of their prompt tokens
     peer_inflight: int = 0  # the other gateways' latest figures (assigned whole by the cluster-sharing code)
     peer_inflight_tokens: int = 0
+    local_queued_tokens: int = 0  # new (uncached) prompt tokens of this process's requests there without a first token
+    local_queued_requests: int = 0  # those requests (the router counts what a tier's Decision.prefill_tokens said)
+    peer_queued_tokens: int = 0  # the other gateways' latest figures of the same
+    peer_queued_requests: int = 0
     consecutive_failures: int = 0
     served: int = 0
     engine_load: EngineLoad | None = None
@@ -100,6 +104,17 @@ class Replica:
         """Their estimated prompt tokens, this process's plus its peers' latest."""
         return self.local_inflight_tokens + self.peer_inflight_tokens
 
+    @property
+    def queued_tokens(self) -> int:
+        """Prefill queued there: the new prompt tokens of requests without a first token yet, this process's
+        plus its peers' latest."""
+        return self.local_queued_tokens + self.peer_queued_tokens
+
+    @property
+    def queued_requests(self) -> int:
+        """The requests those tokens belong to."""
+        return self.local_queued_requests + self.peer_queued_requests
+
     def open_pool(self, connect_timeout: float) -> UpstreamPool:
         """A connection pool to this replica: TLS with its trust options when the URL is ``https://``.
 
@@ -122,6 +137,10 @@ class Replica:
             "local_inflight_tokens": self.local_inflight_tokens,
             "peer_inflight": self.peer_inflight,
             "peer_inflight_tokens": self.peer_inflight_tokens,
+            "queued_tokens": self.queued_tokens,
+            "queued_requests": self.queued_requests,
+            "local_queued_tokens": self.local_queued_tokens,
+            "peer_queued_tokens": self.peer_queued_tokens,
             "served": self.served,
             "engine_load": None if self.engine_load is None else {
                 "running": self.engine_load.running, "waiting": self.engine_load.waiting},

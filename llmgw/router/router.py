@@ -216,6 +216,11 @@ class Router:
         if not decision.inflight_tokens:
             decision.inflight_tokens = estimated_prompt_tokens(request)
             replica_of(decision).local_inflight_tokens += decision.inflight_tokens
+        if decision.prefill_tokens > 0 and not decision.queued:
+            decision.queued = True
+            replica = replica_of(decision)
+            replica.local_queued_tokens += decision.prefill_tokens
+            replica.local_queued_requests += 1
         route = self.models.get(request.model)
         if route is not None:
             self._notify(route, "routed", route.tier.routed, request, decision)
@@ -226,6 +231,7 @@ class Router:
         if decision.ttft is not None or decision.ended:
             return
         decision.ttft = ttft
+        self._unqueue(decision)
         route = self.models.get(request.model)
         if route is not None:
             self._notify(route, "first_token", route.tier.first_token, request, decision, ttft)
@@ -243,6 +249,7 @@ class Router:
         if decision.ended:
             return
         decision.ended = True
+        self._unqueue(decision)
         if decision.inflight_tokens:
             replica = replica_of(decision)
             replica.local_inflight_tokens = max(0, replica.local_inflight_tokens - decision.inflight_tokens)
@@ -251,6 +258,15 @@ class Router:
         if route is not None:
             self._notify(route, "finished", route.tier.finished, request, decision,
                          usage if route.tier.wants_usage is True else None)
+
+    @staticmethod
+    def _unqueue(decision: Decision) -> None:
+        """Its prefill is done (a first token) or will never be (the attempt ended): off the replica's queue."""
+        if decision.queued:
+            decision.queued = False
+            replica = replica_of(decision)
+            replica.local_queued_tokens = max(0, replica.local_queued_tokens - decision.prefill_tokens)
+            replica.local_queued_requests = max(0, replica.local_queued_requests - 1)
 
     def _notify(self, route: ModelRoute, hook: str, method: Callable[..., object], *args: object) -> None:
         try:

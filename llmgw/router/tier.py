@@ -50,7 +50,9 @@ class ReplicaView(Protocol):
     ``inflight`` counts the requests handed to the replica and not yet finished
     (streamed or not; counted from :meth:`RoutingTier.routed`),
     ``inflight_tokens`` the router's estimate of their prompt tokens (canonical
-    characters / 4 + 1 each), for every tier. Both are this gateway's own exact
+    characters / 4 + 1 each), for every tier; ``queued_tokens`` and
+    ``queued_requests`` the prefill queued there (the ``Decision.prefill_tokens``
+    of requests without a first token yet). All are this gateway's own exact
     count plus the other gateways' latest figures when several route as one
     cluster (docs/scaling.md), so a tier balances the cluster's load, not only
     its own share. ``engine_load`` is the engine's own queue gauges from its
@@ -76,6 +78,10 @@ class ReplicaView(Protocol):
     def inflight(self) -> int: ...
     @property
     def inflight_tokens(self) -> int: ...
+    @property
+    def queued_tokens(self) -> int: ...
+    @property
+    def queued_requests(self) -> int: ...
     @property
     def served(self) -> int: ...
     @property
@@ -119,6 +125,10 @@ class Decision:
     ``inflight_tokens`` is what the router added to the replica's
     ``local_inflight_tokens`` when the request was routed, and takes off again
     when it finishes.
+    ``prefill_tokens``, when the tier sets it, is what the router counts in the
+    replica's ``local_queued_tokens`` from the moment the request is routed to its
+    first token (or its end): the one ledger of queued prefill, shared with the
+    other gateways of a cluster.
     ``ttft`` is set by :meth:`llmgw.router.router.Router.first_token`.
     """
 
@@ -127,6 +137,8 @@ class Decision:
     tier: str = ""
     detail: dict[str, Any] = field(default_factory=dict)
     inflight_tokens: int = 0
+    prefill_tokens: int = 0  # the tier's estimate of the prompt tokens the replica must compute (not cached)
+    queued: bool = field(default=False, repr=False)  # set by the router while prefill_tokens count as queued there
     ttft: float | None = None  # seconds from the request's arrival to its first output token, once seen
     ended: bool = field(default=False, repr=False)  # set by the router once the tier was told it finished
 

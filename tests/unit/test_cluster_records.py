@@ -84,3 +84,25 @@ def test_sizes_are_bounded_before_decoding():
 def test_an_unknown_change_kind_reads_as_a_reset():
     [[_, _, changes]] = records.decode_batch(records.pack([[records.KV, "r", "new-kind", 16, [1], [], ""]]))
     assert changes.kind is KvChangeKind.RESET
+
+
+def test_a_load_report_round_trips_and_clamps_its_figures():
+    fields = {"o": b"gw-1", "x": b"2000", "l": records.pack([["r1", 3, 900, 600, 2], ["r2", -5, 1 << 50, 0, 0]])}
+    origin, ttl, load = records.decode_load_report(fields)
+    assert (origin, ttl) == ("gw-1", 2.0)
+    assert load == {"r1": (3, 900, 600, 2), "r2": (0, 1 << 40, 0, 0)}
+
+
+packable = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.text(max_size=10)
+                        | st.binary(max_size=10), lambda inner: st.lists(inner, max_size=6), max_leaves=30)
+
+
+@settings(max_examples=300)
+@given(origin=st.binary(max_size=20), ttl=st.binary(max_size=8),
+       load=st.one_of(st.binary(max_size=60), packable.map(records.pack)))
+def test_any_load_report_decodes_or_is_a_record_error(origin, ttl, load):
+    try:
+        _, seconds, figures = records.decode_load_report({"o": origin, "x": ttl, "l": load})
+    except RecordError:
+        return
+    assert 0 <= seconds <= 600 and all(len(f) == records.LOAD_FIGURES for f in figures.values())

@@ -138,7 +138,7 @@ async def test_a_long_cached_prefix_on_a_busy_replica_beats_an_idle_cold_one():
     owner = await owner_of_the_prompt(router)
     idle = next(r for r in replicas if r is not owner)
     owner.local_inflight = 6  # six requests in flight, their prefills done but a few hundred tokens
-    tier.cost.replica(owner.name).pending_tokens = 300
+    owner.local_queued_tokens = 300
     decision = await router.pick(chat("second question"))
     # owner: 40 ms + (300 + ~10) / 10k + 6 x 15 ms = ~161 ms; idle: 40 ms + ~2,010 / 10k = ~241 ms
     assert decision.replica is owner and decision.outcome == "hit"
@@ -161,7 +161,7 @@ async def test_an_idle_cold_replica_beats_a_cached_one_whose_queue_is_longer_tha
     owner = await owner_of_the_prompt(router)
     idle = next(r for r in replicas if r is not owner)
     owner.local_inflight = 10
-    tier.cost.replica(owner.name).pending_tokens = 6000  # long prompts of other conversations being prefilled
+    owner.local_queued_tokens = 6000  # long prompts of other conversations being prefilled
     explained = await router.explain(chat("second question"))
     assert explained["outcome"] == "cost_override" and explained["preferred"] == owner.name
     assert "6000 prefill tokens, 10 requests" in explained["reason"]
@@ -184,9 +184,9 @@ async def test_a_difference_within_the_noisier_replicas_noise_is_a_tie_and_the_c
     for _ in range(60):  # a tiny model: the prefill is lost in the noise, the fits find it free
         tier.cost.observe("q", rng.randint(50, 4000), 0, 0.10 + rng.gauss(0, 0.02))
         tier.cost.observe("n", rng.randint(50, 4000), 0, max(0.0, 0.16 + rng.gauss(0, 0.15)))
-    tier.cost.replica("q").pending_tokens = 100_000  # busy for a moment: the prompt's first request goes to n
+    quiet.local_queued_tokens = 100_000  # busy for a moment: the prompt's first request goes to n
     assert (await router.pick(chat("first question"))).replica is noisy
-    tier.cost.replica("q").pending_tokens = 0
+    quiet.local_queued_tokens = 0
     explained = {e["name"]: e["cost"] for e in (await router.explain(chat("asked again")))["replicas"]}
     q, n = (explained[name]["estimated_ttft_s"] for name in "qn")
     q_noise, n_noise = (explained[name]["learnt"]["noise_s"] for name in "qn")
@@ -205,7 +205,7 @@ async def test_a_cold_prefill_is_charged_the_delay_it_adds_to_the_requests_runni
         owner = await owner_of_the_prompt(router)
         other = next(r for r in replicas if r is not owner)
         owner.local_inflight, other.local_inflight = 10, running_elsewhere
-        tier.cost.replica(owner.name).pending_tokens = 3000
+        owner.local_queued_tokens = 3000
         # owner: 40 ms + 3,010 / 10k + 10 x 15 ms = ~491 ms (+ 10 x ~1 ms of others' delay);
         # other: 40 ms + 2,010 / 10k + 4 x 15 ms = ~301 ms, + 4 x 201 ms of others' delay
         explained = {e["name"]: e["cost"] for e in (await router.explain(chat("second question")))["replicas"]}
@@ -245,21 +245,25 @@ async def test_the_router_hooks_keep_the_queue_and_teach_the_model():
     request = chat("first question")
     decision = await router.pick(request)
     router.routed(request, decision)
-    queued = tier.cost.replica(decision.replica.name)
-    assert queued.pending_requests == 1 and queued.pending_tokens == decision.detail["cost"]["new_tokens"] > 1900
-    seen = queued.observations
+    replica = decision.replica  # the queue is the replica's own ledger (shared with a cluster's other gateways)
+    learnt = tier.cost.replica(replica.name)
+    assert decision.prefill_tokens == decision.detail["cost"]["new_tokens"] > 1900
+    assert (replica.local_queued_requests, replica.local_queued_tokens) == (1, decision.prefill_tokens)
+    assert (replica.queued_requests, replica.queued_tokens) == (1, decision.prefill_tokens)
+    seen = learnt.observations
     router.first_token(request, decision, 0.25)
     router.first_token(request, decision, 9.0)  # once only
-    assert queued.pending_requests == 0 and queued.pending_tokens == 0 and queued.observations == seen + 1
+    assert replica.local_queued_requests == 0 and replica.local_queued_tokens == 0
+    assert learnt.observations == seen + 1 and learnt.awaiting == 0
     router.finished(request, decision, None)
-    assert queued.pending_requests == 0 and queued.observations == seen + 1
+    assert replica.local_queued_requests == 0 and learnt.observations == seen + 1
     # A request that ends without a first token (an error) leaves the queue and teaches nothing.
     request = chat("another")
     decision = await router.pick(request)
     router.routed(request, decision)
     router.finished(request, decision, None)
-    queued = tier.cost.replica(decision.replica.name)
-    assert queued.pending_requests == 0 and queued.pending_tokens == 0
+    assert decision.replica.local_queued_requests == 0 and decision.replica.local_queued_tokens == 0
+    assert tier.cost.replica(decision.replica.name).awaiting == 0
 
 
 def test_replicas_that_left_are_forgotten():
@@ -268,7 +272,7 @@ def test_replicas_that_left_are_forgotten():
         model.estimate([f"gone-{i}"], 100, [0], [0])
     model.routed("busy", {"new_tokens": 10})
     model.estimate(["a", "b"], 100, [0, 0], [0, 0])
-    assert len(model.replicas) <= 64 + 2 * 2 + 3 and "busy" in model.replicas  # pending work is kept
+    assert len(model.replicas) <= 64 + 2 * 2 + 3 and "busy" in model.replicas  # awaiting a first token: kept
 
 
 async def test_a_burst_under_a_new_prompt_spills_once_the_holders_queue_outweighs_a_cold_prefill():
@@ -306,3 +310,15 @@ def test_the_cost_options_are_checked_and_naming_scorers_selects_the_scores_rule
     assert scored.rule == "scores" and scored.max_imbalance == 4  # the scores rule keeps its guard
     explicit = PrefixTreeOptions.parse({"rule": "cost", "max_imbalance": 8, "cost_step_time": "50ms"})[0]
     assert explicit.max_imbalance == 8 and explicit.cost_step_time == 0.05
+
+
+async def test_prefill_queued_by_the_other_gateways_of_a_cluster_counts_as_much_as_this_ones():
+    router, tier, replicas = make()
+    owner = await owner_of_the_prompt(router)
+    owner.local_inflight, owner.peer_inflight = 2, 8
+    owner.peer_queued_tokens, owner.peer_queued_requests = 6000, 3  # another gateway's long prefills there
+    explained = await router.explain(chat("second question"))
+    assert explained["outcome"] == "cost_override" and explained["preferred"] == owner.name
+    assert {e["name"]: e["cost"]["queued_tokens"] for e in explained["replicas"]}[owner.name] == 6000
+    owner.peer_queued_tokens = owner.peer_queued_requests = owner.peer_inflight = 0  # their report expired
+    assert (await router.explain(chat("second question")))["outcome"] == "hit"
