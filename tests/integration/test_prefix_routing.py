@@ -111,7 +111,8 @@ async def test_explain_shows_the_cost_engine_load_and_the_pick_without_routing(n
     assert cost["cached_tokens"] > 100 and cost["queued_tokens"] == 0
     assert cost["estimated_ttft_s"] == min(r["cost"]["estimated_ttft_s"] for r in explained["replicas"])
     assert cost["learnt"]["observations"] == 1  # the first answer's time to first token, learnt from its stream
-    assert cost["learnt"]["pending_requests"] == 0  # and off its queue since
+    assert cost["learnt"]["awaiting_first_token"] == 0  # and off its queue since
+    assert {r["name"]: r for r in replicas}[first.replica]["queued_requests"] == 0
     assert by_name[first.replica]["state"] in ("up", "unknown")
     assert sum(r["served"] for r in replicas) == 1
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
