@@ -96,13 +96,14 @@ class ReplicaRecord:
     source: str
     weight: int = 1
     labels: dict[str, str] = field(default_factory=dict)
+    engine_id: str = ""  # the engine behind it (Replica.engine_id): learnt speed and shared observations key on it
 
     def as_array(self) -> list[Any]:
-        return [self.name, self.model, self.url, self.source, self.weight, self.labels]
+        return [self.name, self.model, self.url, self.source, self.weight, self.labels, self.engine_id]
 
     @classmethod
     def from_array(cls, value: Any) -> "ReplicaRecord":
-        items = _array(value, 6, "replica")
+        items = _array(value, 7, "replica")
         labels = items[5]
         if not isinstance(labels, dict) or len(labels) > 64 or not all(
                 isinstance(k, str) and isinstance(v, str) and len(k) <= MAX_NAME and len(v) <= MAX_NAME
@@ -111,7 +112,8 @@ class ReplicaRecord:
         weight = items[4]
         if not isinstance(weight, int) or isinstance(weight, bool) or not 1 <= weight <= 1000:
             raise RecordError("replica weight must be an int from 1 to 1000")
-        return cls(_name(items[0]), _name(items[1]), _text(items[2], 4096), _name(items[3]), weight, dict(labels))
+        return cls(_name(items[0]), _name(items[1]), _text(items[2], 4096), _name(items[3]), weight, dict(labels),
+                   _name(items[6]))
 
 
 # -- encoding -------------------------------------------------------------------------------------------------------

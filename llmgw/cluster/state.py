@@ -205,7 +205,7 @@ class ReplicaBuilder:
                             raise RefusedRecord(f"replica {record.name} is at {spec.url} in this gateway's config, "
                                                 f"not where the cluster says")
                         return Replica(name=record.name, model=record.model, url=spec.url, api_key=spec.api_key,
-                                       weight=spec.weight, labels=labels,
+                                       weight=spec.weight, labels=labels, engine_id=record.engine_id,
                                        tls=replica_tls_options(spec, config.upstream_tls))
             raise RefusedRecord(f"static replica {record.name} is not in this gateway's config")
         api_key, gauges = None, VLLM_GAUGES
@@ -218,7 +218,7 @@ class ReplicaBuilder:
             else:
                 api_key, gauges = profile.api_key, engine_gauges(self.registry, profile.engine)
         return Replica(name=record.name, model=record.model, url=record.url, api_key=api_key,
-                       weight=record.weight, labels=labels, gauges=gauges)
+                       weight=record.weight, labels=labels, gauges=gauges, engine_id=record.engine_id)
 
 
 class RefusedRecord(ValueError):

@@ -46,7 +46,8 @@ MAX_BATCH = 4096  # entries per log batch
 
 
 def replica_record(replica: Replica, source: str) -> ReplicaRecord:
-    return ReplicaRecord(replica.name, replica.model, replica.url, source, replica.weight, dict(replica.labels))
+    return ReplicaRecord(replica.name, replica.model, replica.url, source, replica.weight, dict(replica.labels),
+                         replica.engine_id)
 
 
 class LogWriter:

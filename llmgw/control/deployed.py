@@ -112,7 +112,9 @@ class DeployedReplicas(TaskHost):
         replica = Replica(name=assignment.replica_id, model=assignment.model, url=report.endpoint, api_key=api_key,
                           gauges=self.gauges.get(assignment.model, VLLM_GAUGES),
                           labels={"node": assignment.leader.node_id, "profile": assignment.profile,
-                                  "generation": str(assignment.generation)})
+                                  "generation": str(assignment.generation)},
+                          engine_id=f"{assignment.replica_id}/g{assignment.generation}/pid{report.pid}"
+                                    f"/{report.started_at:.3f}")
         self.replicas.add(replica, DEPLOYED)  # plain HTTP: no TLS files that could fail
         self.routed[assignment.replica_id] = Routed(assignment.key, replica)
         log.info("replica %s (%s) enters routing at %s: shard %s is ready", assignment.replica_id, assignment.model,

@@ -44,15 +44,15 @@ of the next estimate from 24 to 8 ms; a replica that really turns ten times
 slower is learnt in about 29 observations instead of 20.
 
 A fit describes one engine: when a replica's name comes back on another
-replica object (its engine was restarted or replaced and it re-entered
-routing), :meth:`CostModel.follow` drops the replica's own observations, so
-it starts again from its peers' fit instead of the old process's history.
+engine (``Replica.engine_id``: its engine was restarted or replaced and it
+re-entered routing), :meth:`CostModel.follow` drops the replica's own
+observations, so it starts again from its peers' fit instead of the old
+process's history.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -159,7 +159,7 @@ class ReplicaCost:
     observations: int = 0
     clipped: int = 0  # observations counted lower (outliers: OUTLIER_NOISES)
     mean_new_tokens: float = 0.0  # EWMA of the new tokens of a request routed to it
-    engine: "weakref.ref[Any] | None" = None  # the replica object its observations are of (CostModel.follow)
+    engine: str | None = None  # the engine id its observations are of (CostModel.follow)
     _line: Line | None = None
     _generation: int = -1
 
@@ -257,15 +257,15 @@ class CostModel:
         return cost
 
     def follow(self, replicas: Sequence[Any]) -> None:
-        """Note which replica object each name is: a name now on another object (a restarted or replaced
-        engine that re-entered routing) forgets its own observations."""
+        """Note which engine each name is on (``replica.engine_id``): a name now on another engine (restarted or
+        replaced) forgets its own observations. The same engine on a new replica object (re-adopted after a
+        control-plane restart, followed by another gateway) keeps them."""
         for replica in replicas:
             cost = self.replica(replica.name)
-            engine = cost.engine() if cost.engine is not None else None
-            if engine is not replica:
+            if cost.engine != replica.engine_id:
                 if cost.engine is not None:
                     cost.forget_observations()
-                cost.engine = weakref.ref(replica)
+                cost.engine = replica.engine_id
 
     def pooled_line(self) -> Line:
         """The fit of all the model's observations on the configured priors."""

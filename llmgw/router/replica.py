@@ -78,8 +78,14 @@ class Replica:
     labels: dict[str, str] = field(default_factory=dict)
     tls: TlsClientOptions = field(default_factory=TlsClientOptions)  # used when the URL is https://
     gauges: EngineGauges = field(default=VLLM_GAUGES, repr=False)  # its engine plugin's; vLLM's for static ones
+    # The engine behind it, the same in every gateway of a cluster and new when the engine is (a restart, a new
+    # placement): what is learnt of its speed belongs to it. Deployed replicas get replica/generation/pid/start
+    # from the control plane; by default, name@url (a static replica's engine is not llmgw's to know).
+    engine_id: str = ""
 
     def __post_init__(self) -> None:
+        if not self.engine_id:
+            self.engine_id = f"{self.name}@{self.url}"
         parts = urlsplit(self.url)
         self.host = parts.hostname or "127.0.0.1"
         self.uses_tls = parts.scheme == "https"
@@ -146,4 +152,5 @@ class Replica:
                 "running": self.engine_load.running, "waiting": self.engine_load.waiting},
             "consecutive_failures": self.consecutive_failures,
             "labels": self.labels,
+            "engine_id": self.engine_id,
         }

@@ -90,14 +90,20 @@ async def test_a_replica_back_on_a_new_engine_starts_again_from_its_peers_fit():
     pooled = tier.cost.pooled_line()
     assert tier.cost.describe("a")["observations"] == 100
     router.remove_replica(a)
-    restarted = Replica(name="a", model="m", url=a.url)
+    restarted = Replica(name="a", model="m", url=a.url, engine_id="a/g1/pid4242/17.000")  # as deployed.py names it
     router.add_replica(restarted)
     await router.pick(chat("q2"))
     assert tier.cost.describe("a")["observations"] == 0 and tier.cost.describe("b") == before
     assert tier.cost.replica("a").line() == tier.cost.pooled_line() == pooled
-    await router.pick(chat("q3"))  # the same object again: nothing more is forgotten
+    await router.pick(chat("q3"))  # the same engine again: nothing more is forgotten
     tier.cost.observe("a", 300, 0, 0.07)
     await router.pick(chat("q4"))
+    assert tier.cost.describe("a")["observations"] == 1
+    # The same engine on a new object (the control plane re-adopted it after its restart; another gateway follows
+    # it) keeps what was learnt of it.
+    router.remove_replica(restarted)
+    router.add_replica(Replica(name="a", model="m", url=a.url, engine_id="a/g1/pid4242/17.000"))
+    await router.pick(chat("q5"))
     assert tier.cost.describe("a")["observations"] == 1
 
 
