@@ -322,7 +322,8 @@ def run_interleaved(targets: list[Target], workdir: Path, duration: float, warmu
 def find_vllm_router(explicit: str | None, install: bool, repo: Path) -> tuple[str | None, str]:
     """The vllm-router executable and how it was found (installing it when allowed)."""
     candidates: list[str | None] = [explicit] if explicit else []
-    candidates += [shutil.which("vllm-router"), "/tmp/vr/bin/vllm-router",
+    candidates += [shutil.which("vllm-router"), str(Path(sys.executable).with_name("vllm-router")),
+                   "/tmp/vr/bin/vllm-router",
                    str(repo / "bench-results/vr-venv/bin/vllm-router")]
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK):

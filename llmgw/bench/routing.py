@@ -1,7 +1,7 @@
 """Routing judged on the engines: llmgw's tiers, an oracle and vllm-router on the same simulators and requests.
 
-``llmgw bench routing [--workload grouped] [--arms ...] [--concurrency 8,24] [--repeats 3] [--quick]
-[--json FILE] [--markdown FILE] [--plots DIR]``
+``llmgw bench routing [--workload grouped] [--arms ...] [--concurrency 8,24] [--gateways 1,4] [--repeats 3]
+[--quick] [--json FILE] [--markdown FILE] [--plots DIR]``
 
 For every workload, concurrency C, repeat and arm (:mod:`llmgw.bench.routing_arms`), fresh
 simulators (N replicas whose working set exceeds one replica's KV cache) and a fresh router are
@@ -18,12 +18,23 @@ of them alike. Every number comes from the client or the engines, never from a r
 - *TTFT*: the client's time from sending the request to its first content chunk (p50, p90, mean);
 - *output tokens/s*: the engines' ``completion_tokens`` over the run's wall time;
 - *per replica*: the simulators' own ``vllm:request_success_total``;
-- *router CPU*: user+system CPU seconds of the router process (llmgw or vllm-router) during the
-  load, from ``/proc`` (none for the oracle, which runs in the benchmark's process);
+- *load CoV*: the coefficient of variation (population standard deviation over mean) across the
+  replicas of the requests each engine served (``vllm:request_success_total``); *prefill CoV*: the
+  same of the prompt tokens each engine computed (``vllm:prompt_tokens_total`` minus
+  ``vllm:prefix_cache_hits_total``): 0 is an even split;
+- *router CPU*: user+system CPU seconds of the router processes (llmgw or vllm-router, all N of
+  them, and the llmgw cluster's redis-server) during the load, from ``/proc`` (none for the
+  oracle, which runs in the benchmark's process);
 - *knee*: along the concurrencies measured, the last C before a step on which TTFT p90 more than
   doubles while output tokens/s grows less than 10% (the largest C when no step does).
 
-Reported per arm and C: medians over the repeats. Output: a Markdown table (printed, and written
+With ``--gateways 1,4`` every arm also runs as N routers over the same simulators
+(:mod:`llmgw.bench.routing_arms`: llmgw as one cluster sharing its state through a private Redis,
+vllm-router as N independent instances), the clients' requests spread over them round-robin as an
+L4 balancer would (request *i* to gateway *i mod N*); each N is a row of its own and a table puts
+every N beside N=1 (hit rate and TTFT p90 as ratios of N=1's).
+
+Reported per arm, N and C: medians over the repeats. Output: a Markdown table (printed, and written
 with ``--markdown``), everything with ``--json`` (per-request records included), PNG plots of
 TTFT p90 against C per arm with ``--plots`` (needs matplotlib: ``pip install llmgw[bench]``).
 """
@@ -38,7 +49,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import httpx
@@ -54,6 +65,9 @@ from .routing_workloads import Session, TraceError, build
 DEFAULT_ARMS = ("round_robin", "prefix_tree", "kv_index", "oracle", "vllm-router-round_robin",
                 "vllm-router-cache_aware", "vllm-router-kv_aware")
 QUICK_ARMS = ("round_robin", "prefix_tree", "kv_index", "oracle", "vllm-router-cache_aware")
+# with --gateways beyond 1: llmgw's tiers on the shared state, vllm-router's cache policies as independent instances
+GATEWAY_ARMS = ("round_robin", "prefix_tree", "kv_index", "vllm-router-cache_aware", "vllm-router-kv_aware")
+MAX_GATEWAYS = 32
 KNEE_P90_GROWTH = 2.0
 KNEE_THROUGHPUT_GROWTH = 1.10
 
@@ -72,6 +86,7 @@ class Record:
     ttft_ms: float
     latency_ms: float
     ideal_cached_tokens: int  # leading prompt tokens some earlier request had computed (see the module doc)
+    gateway: int = 0  # which of the arm's N gateways it was sent through
 
 
 class Progress:
@@ -139,15 +154,16 @@ async def run_sessions(target: Target, sessions: list[Session], concurrency: int
                 ideal_hit = ideal.lookup(prompt_ids)
                 ideal.add(prompt_ids)
                 digest = hashlib.sha256(json.dumps([messages, turn.max_tokens], sort_keys=True).encode()).hexdigest()
+                gateway = target.spread.next()
                 try:
-                    result = await target.send(client, messages, turn.max_tokens)
+                    result = await target.sends[gateway](client, messages, turn.max_tokens)
                 except (httpx.HTTPError, ValueError) as exc:  # an error of this request, counted; the run goes on
                     print(f"\n{turn.id}: {type(exc).__name__}: {exc}", file=sys.stderr)
                     result = ChatResult("", 0, 0, 0, 0.0, 0.0, "")
                 ideal.add(prompt_ids + tokenizer.encode(result.reply, add_special_tokens=False))
                 records.append(Record(turn.id, digest[:16], result.replica, result.status, result.prompt_tokens,
                                       result.cached_tokens, result.completion_tokens, 1000 * result.ttft,
-                                      1000 * result.latency, ideal_hit))
+                                      1000 * result.latency, ideal_hit, gateway))
                 if session.carry:
                     history = messages + [{"role": "assistant", "content": result.reply}]
                 if progress is not None:
@@ -160,8 +176,19 @@ async def run_sessions(target: Target, sessions: list[Session], concurrency: int
     return records
 
 
-def summarize(records: list[Record], wall_s: float) -> dict:
+def cov(values: list[float] | list[int]) -> float | None:
+    """Coefficient of variation: population standard deviation over the mean (0: all equal; None: no mean)."""
+    if not values:
+        return None
+    mean = statistics.fmean(values)
+    return statistics.pstdev(values) / mean if mean else None
+
+
+def summarize(records: list[Record], wall_s: float, gateways: int = 1) -> dict:
     ok = [r for r in records if r.status == 200]
+    per_gateway = [0] * gateways
+    for r in records:
+        per_gateway[r.gateway] += 1
     prompt = sum(r.prompt_tokens for r in ok)
     ttfts = [r.ttft_ms for r in ok]
     return {
@@ -179,35 +206,54 @@ def summarize(records: list[Record], wall_s: float) -> dict:
         "output_tokens_per_s": sum(r.completion_tokens for r in ok) / wall_s if wall_s else 0.0,
         "wall_s": wall_s,
         "requests_digest": hashlib.sha256("".join(f"{r.id}={r.digest};" for r in records).encode()).hexdigest()[:16],
+        "per_gateway": per_gateway,
     }
 
 
-async def served_per_replica(http: httpx.AsyncClient, urls: list[str]) -> list[int]:
-    """Each simulator's ``vllm:request_success_total`` (all finish reasons)."""
-    counts = []
+def counter(text: str, name: str) -> int:
+    """The sum of a counter's samples (every label set) in Prometheus text."""
+    return round(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith(name + "{") or line.startswith(name + " ")))
+
+
+async def engine_counts(http: httpx.AsyncClient, urls: list[str]) -> dict[str, list[int]]:
+    """Per simulator: requests served (``vllm:request_success_total``, all finish reasons) and prompt tokens
+    computed (``vllm:prompt_tokens_total`` minus ``vllm:prefix_cache_hits_total``)."""
+    served, computed = [], []
     for url in urls:
         text = (await http.get(url + "/metrics")).text
-        counts.append(round(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                                if line.startswith("vllm:request_success_total"))))
-    return counts
+        served.append(counter(text, "vllm:request_success_total"))
+        computed.append(counter(text, "vllm:prompt_tokens_total") - counter(text, "vllm:prefix_cache_hits_total"))
+    return {"per_replica": served, "prefill_per_replica": computed}
+
+
+def load_balance(counts: dict[str, list[int]]) -> dict:
+    """The engines' counts and their coefficients of variation across the replicas."""
+    return {**counts, "load_cov": cov(counts["per_replica"]), "prefill_cov": cov(counts["prefill_per_replica"])}
+
+
+def routers_cpu_seconds(pids: list[int]) -> float | None:
+    """The CPU seconds of all these processes together (None: no process, a router in the benchmark's own)."""
+    return sum(process_cpu_seconds(pid) for pid in pids) if pids else None
 
 
 async def run_once(arm: Arm, spec: SimSpec, sessions: list[Session], concurrency: int, vllm_router: str | None,
-                   progress: Progress | None = None) -> dict:
-    """One arm at one concurrency on fresh simulators: its summary and per-request records."""
+                   progress: Progress | None = None, gateways: int = 1) -> dict:
+    """One arm (as ``gateways`` routers) at one concurrency on fresh simulators: its summary and per-request
+    records."""
     async with trio.open_nursery() as nursery:
-        target = await open_arm(nursery, arm, spec, vllm_router)
-        cpu_before = process_cpu_seconds(target.router_pid) if target.router_pid else None
+        target = await open_arm(nursery, arm, spec, vllm_router, gateways)
+        cpu_before = routers_cpu_seconds(target.router_pids)
         started = time.perf_counter()
         records = await run_sessions(target, sessions, concurrency, spec.block_size, progress)
         wall = time.perf_counter() - started
-        cpu = (process_cpu_seconds(target.router_pid) - cpu_before
-               if target.router_pid and cpu_before is not None else None)
+        cpu_after = routers_cpu_seconds(target.router_pids)
+        cpu = cpu_after - cpu_before if cpu_after is not None and cpu_before is not None else None
         async with httpx.AsyncClient(timeout=10) as http:
-            per_replica = await served_per_replica(http, target.sim_urls)
+            counts = await engine_counts(http, target.sim_urls)
         nursery.cancel_scope.cancel()
-    summary = summarize(records, wall)
-    summary.update(per_replica=per_replica, router_cpu_s=cpu,
+    summary = summarize(records, wall, gateways)
+    summary.update(load_balance(counts), gateways=gateways, router_cpu_s=cpu,
                    router_cpu_percent=None if cpu is None else 100 * cpu / wall,
                    router_cpu_ms_per_request=None if cpu is None else 1000 * cpu / max(1, len(records)))
     return {"summary": summary, "records": [list(asdict(r).values()) for r in records]}
@@ -217,17 +263,19 @@ RECORD_FIELDS = [f.name for f in fields(Record)]  # the order of a record's valu
 
 
 MEDIAN_KEYS = ("hit_rate", "ideal_hit_rate", "cold_requests", "ttft_p50_ms", "ttft_p90_ms", "ttft_mean_ms",
-               "output_tokens_per_s", "errors", "router_cpu_s", "router_cpu_percent", "router_cpu_ms_per_request",
-               "wall_s")
+               "output_tokens_per_s", "errors", "load_cov", "prefill_cov", "router_cpu_s", "router_cpu_percent",
+               "router_cpu_ms_per_request", "wall_s")
 
 
 def medians(runs: list[dict]) -> dict:
     out = {}
     for key in MEDIAN_KEYS:
-        values = [run["summary"][key] for run in runs if run["summary"][key] is not None]
+        values = [run["summary"][key] for run in runs if run["summary"].get(key) is not None]
         out[key] = statistics.median(values) if values else None
-    out["per_replica"] = runs[0]["summary"]["per_replica"] if len(runs) == 1 else \
-        [statistics.median(v) for v in zip(*(run["summary"]["per_replica"] for run in runs))]
+    for key in ("per_replica", "prefill_per_replica", "per_gateway"):
+        lists = [run["summary"][key] for run in runs if key in run["summary"]]
+        if lists:
+            out[key] = lists[0] if len(lists) == 1 else [statistics.median(v) for v in zip(*lists)]
     out["repeats"] = len(runs)
     return out
 
@@ -253,29 +301,45 @@ class Plan:
     seed: int
     quick: bool
     spec: SimSpec
+    gateways: list[int] = field(default_factory=lambda: [1])  # N: routers per arm, the clients spread over them
+
+    def units(self) -> list[tuple[Arm, int]]:
+        """Every (arm, N) the plan runs, each N of an arm beside the others (so they share the machine's moments)."""
+        return [(arm, n) for arm in self.arms for n in self.gateways]
+
+    def key(self, arm: Arm, gateways: int) -> str:
+        """The report's name for ``arm`` as ``gateways`` routers: the arm's name when the plan has only N=1."""
+        return arm.name if self.gateways == [1] else f"{arm.name} N={gateways}"
+
+    def label(self, arm: Arm, gateways: int) -> str:
+        return arm.label if self.gateways == [1] else f"{arm.label}, N={gateways}"
 
 
 async def run(plan: Plan, vllm_router: str | None) -> dict:
     report: dict = {"record_fields": RECORD_FIELDS, "workloads": {}}
     loads = {name: build(name, plan.seed, quick=plan.quick) for name in plan.workloads}
     per_run = {name: sum(len(s.turns) for s in sessions) for name, sessions in loads.items()}
-    progress = Progress(sum(per_run.values()) * len(plan.arms) * len(plan.concurrencies) * plan.repeats)
+    units = plan.units()
+    progress = Progress(sum(per_run.values()) * len(units) * len(plan.concurrencies) * plan.repeats)
     try:
         for name, sessions in loads.items():
-            runs: dict[str, dict[int, list]] = {arm.name: {c: [] for c in plan.concurrencies} for arm in plan.arms}
+            runs: dict[str, dict[int, list]] = {plan.key(arm, n): {c: [] for c in plan.concurrencies}
+                                                for arm, n in units}
             for concurrency in plan.concurrencies:
                 for repeat in range(plan.repeats):
-                    shift = repeat % len(plan.arms)  # a rotated order: slow moments of the machine hit every arm
-                    for arm in plan.arms[shift:] + plan.arms[:shift]:
-                        progress.begin(f"{name} C={concurrency} #{repeat + 1} {arm.label}")
-                        runs[arm.name][concurrency].append(
-                            await run_once(arm, plan.spec, sessions, concurrency, vllm_router, progress))
+                    shift = repeat % len(units)  # a rotated order: slow moments of the machine hit every arm
+                    for arm, n in units[shift:] + units[:shift]:
+                        progress.begin(f"{name} C={concurrency} #{repeat + 1} {plan.label(arm, n)}")
+                        runs[plan.key(arm, n)][concurrency].append(
+                            await run_once(arm, plan.spec, sessions, concurrency, vllm_router, progress, n))
             arms = {}
-            for arm in plan.arms:
-                points = {c: medians(runs[arm.name][c]) for c in plan.concurrencies}
-                arms[arm.name] = {"label": arm.label, "kind": arm.kind, "policy": arm.policy, "options": arm.options,
-                                  "by_concurrency": {str(c): p for c, p in points.items()}, "knee": knee(points),
-                                  "runs": {str(c): runs[arm.name][c] for c in plan.concurrencies}}
+            for arm, n in units:
+                key = plan.key(arm, n)
+                points = {c: medians(runs[key][c]) for c in plan.concurrencies}
+                arms[key] = {"label": plan.label(arm, n), "arm": arm.name, "arm_label": arm.label, "gateways": n,
+                             "kind": arm.kind, "policy": arm.policy, "options": arm.options,
+                             "by_concurrency": {str(c): p for c, p in points.items()}, "knee": knee(points),
+                             "runs": {str(c): runs[key][c] for c in plan.concurrencies}}
             report["workloads"][name] = {"requests": per_run[name], "arms": arms}
     finally:
         progress.close()
@@ -284,6 +348,10 @@ async def run(plan: Plan, vllm_router: str | None) -> dict:
 
 def _cell(value, spec: str, none: str = "-") -> str:
     return none if value is None else format(value, spec)
+
+
+def _ratio(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec) + "x"
 
 
 def markdown(report: dict) -> str:
@@ -304,16 +372,43 @@ def markdown(report: dict) -> str:
             cells.append(f"{k['concurrency']}" + ("" if k["reached"] else "+"))
             lines.append("| " + " | ".join(cells) + " |")
         lines += ["", "| arm | C | ideal hit | TTFT p50 | TTFT mean | cold | errors | requests per replica | "
-                      "router CPU (% of a core) |", "|---|---|---|---|---|---|---|---|---|"]
+                      "load CoV | router CPU (% of a core) |", "|---|---|---|---|---|---|---|---|---|---|"]
         for arm in arms.values():
             for c in levels:
                 p = arm["by_concurrency"][c]
                 replicas = "/".join(f"{n:g}" for n in p["per_replica"])
                 lines.append(f"| {arm['label']} | {c} | {p['ideal_hit_rate']:.3f} | {p['ttft_p50_ms'] / 1000:.2f} s | "
                              f"{p['ttft_mean_ms'] / 1000:.2f} s | {p['cold_requests']:g} | {p['errors']:g} | "
-                             f"{replicas} | {_cell(p['router_cpu_percent'], '.1f', 'in-process')} |")
+                             f"{replicas} | {_cell(p.get('load_cov'), '.3f')} | "
+                             f"{_cell(p['router_cpu_percent'], '.1f', 'in-process')} |")
         lines.append("")
+        if any(arm.get("gateways", 1) != 1 for arm in arms.values()):
+            lines += gateways_table(arms, levels)
     return "\n".join(lines)
+
+
+def gateways_table(arms: dict, levels: list[str]) -> list[str]:
+    """Each arm at every N beside itself at N=1: hit rate and TTFT p90 as ratios of N=1's, the load's balance."""
+    lines = ["Several gateways (N routers, requests spread round-robin; ratios: of the same arm at N=1; "
+             "load CoV: of requests per replica, prefill CoV: of prompt tokens computed per replica)", "",
+             "| arm | C | N | hit | TTFT p50 | TTFT p90 | out tok/s | load CoV | prefill CoV | hit / N=1 | "
+             "TTFT p90 / N=1 | requests per gateway |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    alone = {(arm["arm"], c): arm["by_concurrency"][c] for arm in arms.values() if arm.get("gateways", 1) == 1
+             for c in levels}
+    for arm in arms.values():  # in the plan's order: the Ns of an arm together
+        for c in levels:
+            p = arm["by_concurrency"][c]
+            base = alone.get((arm.get("arm", ""), c))
+            hit_ratio = p["hit_rate"] / base["hit_rate"] if base and base["hit_rate"] else None
+            p90_ratio = p["ttft_p90_ms"] / base["ttft_p90_ms"] if base and base["ttft_p90_ms"] else None
+            spread = "/".join(f"{n:g}" for n in p.get("per_gateway", []))
+            lines.append(f"| {arm.get('arm_label', arm['label'])} | {c} | {arm.get('gateways', 1)} | "
+                         f"{p['hit_rate']:.3f} | {p['ttft_p50_ms'] / 1000:.2f} s | {p['ttft_p90_ms'] / 1000:.2f} s | "
+                         f"{p['output_tokens_per_s']:.0f} | {_cell(p.get('load_cov'), '.3f')} | "
+                         f"{_cell(p.get('prefill_cov'), '.3f')} | {_ratio(hit_ratio, '.3f')} | "
+                         f"{_ratio(p90_ratio, '.2f')} | {spread} |")
+    lines.append("")
+    return lines
 
 
 def plot(report: dict, directory: Path) -> list[str]:
@@ -379,6 +474,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "(repeatable)")
     parser.add_argument("--concurrency", default="8,24", help="comma list of closed-loop client counts: the "
                                                               "load sweep (default 8,24)")
+    parser.add_argument("--gateways", default="1", metavar="N[,N...]",
+                        help="comma list of router counts per arm, e.g. 1,4: N gateways over the same simulators, "
+                             "request i sent through gateway i mod N (an L4 balancer); llmgw arms as one cluster "
+                             "sharing its state through a private Redis, vllm-router as N independent instances "
+                             f"(default 1; with more, the default arms are {','.join(GATEWAY_ARMS)})")
     parser.add_argument("--repeats", type=int, default=3, help="runs per arm and concurrency (default 3)")
     parser.add_argument("--replicas", type=int, default=4, help="simulator replicas (default 4)")
     parser.add_argument("--num-blocks", type=int, default=SimSpec.num_blocks,
@@ -397,7 +497,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _plan(args: argparse.Namespace) -> Plan:
-    names = args.arms.split(",") if args.arms else list(QUICK_ARMS if args.quick else DEFAULT_ARMS)
+    try:
+        gateways = sorted({int(n) for n in args.gateways.split(",")})
+    except ValueError:
+        raise SystemExit(f"llmgw bench routing: --gateways {args.gateways!r} is not a list of integers") from None
+    if not gateways or gateways[0] < 1 or gateways[-1] > MAX_GATEWAYS:
+        raise SystemExit(f"llmgw bench routing: --gateways must be between 1 and {MAX_GATEWAYS}")
+    defaults = GATEWAY_ARMS if gateways != [1] else QUICK_ARMS if args.quick else DEFAULT_ARMS
+    names = args.arms.split(",") if args.arms else list(defaults)
     unknown = [n for n in names if not _known_arm(n)]
     if unknown or len(set(names)) < len(names):
         raise SystemExit(f"llmgw bench routing: unknown or repeated arm(s) {', '.join(unknown or names)}; choose from "
@@ -413,7 +520,7 @@ def _plan(args: argparse.Namespace) -> Plan:
         raise SystemExit("llmgw bench routing: concurrency, --repeats and --replicas must be at least 1")
     spec = SimSpec(replicas=args.replicas, num_blocks=args.num_blocks, time_scale=args.time_scale)
     repeats = 1 if args.quick and args.repeats == 3 else args.repeats
-    return Plan(args.workload.split(","), arms, levels, repeats, args.seed, args.quick, spec)
+    return Plan(args.workload.split(","), arms, levels, repeats, args.seed, args.quick, spec, gateways)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -434,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llmgw bench routing: {exc}", file=sys.stderr)
         return 2
     report["settings"] = {"workloads": plan.workloads, "arms": [a.name for a in plan.arms], "skipped_arms": skipped,
-                          "concurrency": plan.concurrencies, "repeats": plan.repeats, "seed": plan.seed,
+                          "concurrency": plan.concurrencies, "gateways": plan.gateways, "repeats": plan.repeats,
+                          "seed": plan.seed,
                           "quick": plan.quick, "simulators": asdict(plan.spec),
                           "vllm_router": executable and vllm_router_version(executable),
                           "command": "llmgw bench routing " + " ".join(argv if argv is not None else sys.argv[1:])}

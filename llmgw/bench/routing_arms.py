@@ -3,8 +3,23 @@
 An :class:`Arm` is llmgw with one routing tier (``round_robin``, ``prefix_tree``, ``kv_index``;
 options per arm), the Rust ``vllm-router`` with one policy, or the oracle. :func:`open_arm`
 starts the simulators (KV events on the empty topic, ``--debug-routes``) and the router in the
-caller's nursery and returns a :class:`Target`: how to send one chat request through it, and the
-router's process id (for its CPU time).
+caller's nursery and returns a :class:`Target`: how to send one chat request through each of its
+gateways, which gateway takes the next request, and the routers' process ids (for their CPU time).
+
+With ``gateways`` N > 1 an arm is N routers in front of the same simulators, as behind an L4
+balancer: request *i* (in the order the clients send them) goes to gateway *i mod N*
+(:class:`Spread`), so the turns of one conversation land on different gateways as new connections
+through such a balancer would. The routers, by kind:
+
+- llmgw: one cluster sharing its state through a private ``redis-server`` (``state.backend:
+  redis``, a cluster of its own per run): one control process (it follows the engines' KV events
+  and writes the replica table and the KV index's changes to Redis) and N-1 ``llmgw serve --role
+  gateway`` processes following it; every process shares its in-flight load per replica with the
+  others. Whatever else the cluster shares (in a later llmgw) it shares here too;
+- vllm-router: N independent instances, each with the same worker list (for ``kv_aware`` each
+  subscribes to the simulators' KV events itself): its only multi-instance mode;
+- the oracle: N independent oracles, each reading the engines exactly but knowing only its own
+  decisions in flight.
 
 The oracle is no process: for each request it asks every simulator ``POST /debug/prefix_hit``
 (the prompt's cached leading tokens and the engine's queues, read from the engine itself) and
@@ -23,16 +38,21 @@ measured from the send to the chosen simulator).
 from __future__ import annotations
 
 import re
+import shutil
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
 from typing import Awaitable, Callable
 
 import httpx
 import trio
 
 from ..sim import tokenizer
-from ..testing.processes import free_port, start_child
-from ..testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, MODEL, gateway_config, kv_sources, start_gateway, start_sims
+from ..testing.processes import free_port, start_child, start_serve
+from ..testing.redis import start_private_redis
+from ..testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, MODEL, gateway_config, kv_sources, start_sims
 from .chat_workloads import ChatResult, send_chat
 
 VLLM_ROUTER_READY = re.compile(rb"Starting server on (\S+)")
@@ -84,32 +104,92 @@ class SimSpec:
 Send = Callable[[httpx.AsyncClient, list[dict], int], Awaitable[ChatResult]]
 
 
+class Spread:
+    """Which of N gateways takes the next request: request *i* in sending order goes to gateway *i mod N*
+    (an L4 balancer's round robin over new connections, whatever conversation the request belongs to)."""
+
+    def __init__(self, gateways: int):
+        if gateways < 1:
+            raise ValueError("at least one gateway")
+        self.gateways = gateways
+        self.sent = 0
+
+    def next(self) -> int:
+        gateway = self.sent % self.gateways
+        self.sent += 1
+        return gateway
+
+
 @dataclass
 class Target:
-    send: Send
+    sends: list[Send]  # one per gateway: a chat request through it
     sim_urls: list[str]
-    router_pid: int | None  # None: the router runs in the benchmark's own process (the oracle)
+    router_pids: list[int]  # every router process (and the cluster's redis-server); empty: the oracle (in-process)
+    spread: Spread = field(init=False)  # which gateway takes the next request
+
+    def __post_init__(self) -> None:
+        self.spread = Spread(len(self.sends))
 
 
-async def open_arm(nursery: trio.Nursery, arm: Arm, spec: SimSpec, vllm_router: str | None) -> Target:
-    """Fresh simulators and ``arm``'s router, in ``nursery`` (cancel it to stop them)."""
+async def open_arm(nursery: trio.Nursery, arm: Arm, spec: SimSpec, vllm_router: str | None,
+                   gateways: int = 1) -> Target:
+    """Fresh simulators and ``arm``'s ``gateways`` routers, in ``nursery`` (cancel it to stop them)."""
     sims = await start_sims(nursery, spec.replicas, env=KV_SIM_ENV, num_blocks=spec.num_blocks,
                             block_size=spec.block_size, time_scale=spec.time_scale, seed=spec.seed,
                             extra=spec.extra())
     urls = [sim.url for sim in sims]
     sources = [kv_sources(sim) for sim in sims]
     if arm.kind == "oracle":
-        return Target(Oracle(urls, spec.block_size).send, urls, None)
+        return Target([Oracle(urls, spec.block_size).send for _ in range(gateways)], urls, [])
     if arm.kind == "vllm-router":
         if vllm_router is None:
             raise RuntimeError("vllm-router is not installed")
-        url, pid = await _start_vllm_router(nursery, vllm_router, arm.policy, urls, sources, spec.block_size)
-        return Target(_through(url), urls, pid)
+        routers: list[tuple[str, int]] = [("", 0)] * gateways
+
+        async def start(i: int) -> None:
+            routers[i] = await _start_vllm_router(nursery, vllm_router, arm.policy, urls, sources, spec.block_size)
+
+        async with trio.open_nursery() as starting:
+            for i in range(gateways):
+                starting.start_soon(start, i)
+        return Target([_through(url) for url, _ in routers], urls, [pid for _, pid in routers])
     config = gateway_config(urls, routing=arm.policy, routing_options=arm.options,
                             kv_sources=sources if arm.policy == "kv_index" else None)
-    gateway = await start_gateway(nursery, config)
-    await _gateway_ready(gateway.control_url, spec.replicas, kv=arm.policy == "kv_index")
-    return Target(_through(gateway.url), urls, gateway.pid)
+    kv = arm.policy == "kv_index"
+    directory = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))  # the config, and the redis-server's folder
+    nursery.start_soon(_remove_when_cancelled, directory)
+    pids = []
+    if gateways > 1:
+        redis = await start_private_redis(nursery, directory)
+        config += cluster_state(redis.url, "bench")
+        pids.append(redis.pid)
+    path = directory / "llmgw.yaml"
+    path.write_text(config)
+    control = await start_serve(nursery, path)  # the control process first: the others follow its log
+    followers = []
+    async with trio.open_nursery() as starting:
+        async def follower() -> None:
+            followers.append(await start_serve(nursery, path, "--role", "gateway"))
+
+        for _ in range(gateways - 1):
+            starting.start_soon(follower)
+    processes = [control, *followers]
+    async with trio.open_nursery() as waiting:
+        for process in processes:
+            waiting.start_soon(partial(_gateway_ready, replicas=spec.replicas, kv=kv), process.control_url)
+    return Target([_through(p.url) for p in processes], urls, [p.pid for p in processes] + pids)
+
+
+async def _remove_when_cancelled(directory: Path) -> None:
+    try:
+        await trio.sleep_forever()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def cluster_state(redis_url: str, cluster: str) -> str:
+    """The config lines of a gateway sharing its state with the others of ``cluster`` through Redis."""
+    return f"state:\n  backend: redis\n  url: {redis_url}\n  cluster: {cluster}\n"
 
 
 def _through(url: str) -> Send:

@@ -9,6 +9,7 @@ engines' own, and only a router process has a CPU time.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 
 import pytest
@@ -75,3 +76,32 @@ async def test_every_arm_sends_the_same_requests_and_hit_rates_come_from_engine_
     assert len(sent) == 1  # every arm and repeat: the same ids and the same bodies
     table = (tmp_path / "routing.md").read_text()
     assert all(f"| {label} |" in table for label in ("round_robin", "kv_index", "oracle"))
+
+
+async def test_several_gateways_share_the_requests_round_robin_and_the_load_balance_is_reported(tmp_path):
+    trace = write_trace(tmp_path / "trace.jsonl")
+    out = tmp_path / "gateways.json"
+    argv = [sys.executable, "-m", "llmgw", "bench", "routing", "--workload", f"trace:{tmp_path / 'trace.jsonl'}",
+            "--arms", "kv_index", "--gateways", "1,2", "--concurrency", "2", "--repeats", "1", "--replicas", "2",
+            "--time-scale", "0.05", "--json", str(out)]
+    with trio.fail_after(120):
+        done = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    report = json.loads(out.read_text())
+    assert report["settings"]["gateways"] == [1, 2]
+    arms = report["workloads"][f"trace:{tmp_path / 'trace.jsonl'}"]["arms"]
+    assert set(arms) == {"kv_index N=1", "kv_index N=2"}
+    fields = report["record_fields"]
+    for n in (1, 2):
+        (run,) = arms[f"kv_index N={n}"]["runs"]["2"]
+        records = [dict(zip(fields, values)) for values in run["records"]]
+        summary = run["summary"]
+        assert summary["errors"] == 0 and summary["gateways"] == n
+        # request i through gateway i mod N: with 5 requests, 3 and 2 (every gateway served, the followers too)
+        assert summary["per_gateway"] == ([len(trace)] if n == 1 else [3, 2])
+        assert sorted(r["gateway"] for r in records) == sorted(i % n for i in range(len(trace)))
+        assert sum(summary["per_replica"]) == len(trace)  # the engines' own counts, whichever gateway sent them
+        assert summary["load_cov"] == pytest.approx(statistics.pstdev(summary["per_replica"])
+                                                    / statistics.fmean(summary["per_replica"]))
+        assert summary["router_cpu_s"] is not None  # every gateway (and the cluster's redis-server)
+    assert "| kv_index | 2 | 2 |" in done.stdout.decode()  # the table of N beside N=1

@@ -1,16 +1,19 @@
-"""The routing benchmark's pure parts: its knee rule, trace parser, ideal cache, workloads and command line."""
+"""The routing benchmark's pure parts: its knee rule, trace parser, ideal cache, workloads, command line, the
+spreading of requests over several gateways and the load balance's coefficient of variation."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import trio
 from hypothesis import given, settings, strategies as st
 
 from llmgw import cli
 from llmgw.bench import routing
-from llmgw.bench.routing_arms import Oracle
-from llmgw.bench.routing_workloads import TraceError, build, load_trace
+from llmgw.bench.chat_workloads import ChatResult
+from llmgw.bench.routing_arms import Oracle, Spread, Target
+from llmgw.bench.routing_workloads import Session, TraceError, Turn, build, load_trace
 
 
 def point(p90: float, tok_s: float) -> dict:
@@ -95,8 +98,8 @@ def test_llmgw_bench_lists_routing_and_its_help_names_the_options(capsys):
     assert exit_.value.code == 0
     text = capsys.readouterr().out
     assert text.startswith("usage: llmgw bench routing")
-    assert all(flag in text for flag in ("--workload", "--arms", "--arm-options", "--concurrency", "--repeats",
-                                         "--quick", "--json", "--plots", "--seed", "--replicas"))
+    assert all(flag in text for flag in ("--workload", "--arms", "--arm-options", "--concurrency", "--gateways",
+                                         "--repeats", "--quick", "--json", "--plots", "--seed", "--replicas"))
 
 
 def test_arm_options_reach_only_llmgw_arms_and_bad_ones_are_refused():
@@ -120,3 +123,69 @@ def test_a_variant_of_an_llmgw_arm_runs_beside_it_with_its_own_options():
     for arms in ("kv_index@", "oracle@x", "vllm-router-cache_aware@x", "kv_index,kv_index"):
         with pytest.raises(SystemExit, match="unknown or repeated arm"):
             routing._plan(routing.build_parser().parse_args(["--arms", arms]))
+
+
+def test_requests_spread_over_gateways_round_robin_in_sending_order_whatever_their_conversation():
+    spread = Spread(3)
+    assert [spread.next() for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert [Spread(1).next() for _ in range(3)] == [0, 0, 0]
+    with pytest.raises(ValueError):
+        Spread(0)
+
+
+async def test_run_sessions_sends_request_i_through_gateway_i_mod_n_and_records_it():
+    sent: list[tuple[int, str]] = []
+
+    def through(gateway: int):
+        async def send(client, messages, max_tokens):
+            sent.append((gateway, messages[-1]["content"]))
+            await trio.sleep(0)
+            return ChatResult(f"sim-{gateway}", 200, 10, 0, 0.01, 0.02, "ok", 1)
+        return send
+
+    target = Target([through(g) for g in range(3)], [], [])
+    sessions = [Session([Turn(f"s{s}-t{t}", [{"role": "user", "content": f"s{s} t{t}"}], 4) for t in range(3)])
+                for s in range(2)]
+    records = await routing.run_sessions(target, sessions, 2, 16)
+    assert [g for g, _ in sent] == [0, 1, 2, 0, 1, 2]  # by sending order: the turns of a session move around
+    assert {r.id: r.gateway for r in records} == {f"s{content[1]}-t{content[4]}": g for g, content in sent}
+    assert routing.summarize(records, 1.0, 3)["per_gateway"] == [2, 2, 2]
+
+
+def test_load_balance_is_the_coefficient_of_variation_of_the_engines_counts_across_replicas():
+    assert routing.cov([25, 25, 25, 25]) == 0.0
+    assert routing.cov([30, 20, 30, 20]) == pytest.approx(0.2)  # population sd 5 over mean 25
+    assert routing.cov([0, 0]) is None and routing.cov([]) is None
+    metrics = ('vllm:request_success_total{engine="0",model_name="tiny",finished_reason="length"} 7.0\n'
+               'vllm:request_success_total{engine="0",model_name="tiny",finished_reason="stop"} 3.0\n'
+               'vllm:prompt_tokens_total{engine="0",model_name="tiny"} 900.0\n'
+               'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 400.0\n')
+    assert routing.counter(metrics, "vllm:request_success_total") == 10
+    assert routing.counter(metrics, "vllm:prompt_tokens_total") == 900
+    balance = routing.load_balance({"per_replica": [10, 30], "prefill_per_replica": [500, 500]})
+    assert balance["load_cov"] == pytest.approx(0.5) and balance["prefill_cov"] == 0.0
+
+
+def test_gateways_n_are_rows_of_their_own_beside_n_1_with_ratios():
+    plan = routing._plan(routing.build_parser().parse_args(["--gateways", "4,1", "--arms", "kv_index"]))
+    assert plan.gateways == [1, 4] and [(a.name, n) for a, n in plan.units()] == [("kv_index", 1), ("kv_index", 4)]
+    assert plan.key(plan.arms[0], 4) == "kv_index N=4"
+    default = routing._plan(routing.build_parser().parse_args(["--gateways", "1,4"]))
+    assert [a.name for a in default.arms] == list(routing.GATEWAY_ARMS)
+    alone = routing._plan(routing.build_parser().parse_args(["--arms", "kv_index"]))
+    assert alone.gateways == [1] and alone.key(alone.arms[0], 1) == "kv_index"  # the report as before
+    for bad in ("0", "x", "1,99"):
+        with pytest.raises(SystemExit, match="--gateways"):
+            routing._plan(routing.build_parser().parse_args(["--gateways", bad]))
+
+    def row(n: int, hit: float, p90: float) -> dict:
+        return {"arm": "kv_index", "arm_label": "kv_index", "label": f"kv_index, N={n}", "gateways": n,
+                "knee": {"concurrency": 8, "reached": False},
+                "by_concurrency": {"8": {"hit_rate": hit, "ideal_hit_rate": 0.9, "ttft_p50_ms": 50, "ttft_p90_ms": p90,
+                                         "ttft_mean_ms": 60, "output_tokens_per_s": 200, "cold_requests": 0,
+                                         "errors": 0, "per_replica": [8, 8], "load_cov": 0.0, "prefill_cov": 0.05,
+                                         "per_gateway": [16] if n == 1 else [4] * n, "router_cpu_percent": 3.0,
+                                         "repeats": 1}}}
+    text = routing.markdown({"workloads": {"zipf": {"requests": 16, "arms": {
+        "kv_index N=1": row(1, 0.8, 100), "kv_index N=4": row(4, 0.76, 110)}}}})
+    assert "| kv_index | 8 | 4 | 0.760 | 0.05 s | 0.11 s | 200 | 0.000 | 0.050 | 0.950x | 1.10x | 4/4/4/4 |" in text
