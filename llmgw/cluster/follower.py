@@ -127,8 +127,9 @@ class LogFollower:
     """Keeps a :class:`FollowedReplicas` and a :class:`KvIndex` equal to the control plane's, from Redis."""
 
     def __init__(self, link: RedisLink, keys: Keys, followed: FollowedReplicas, kv_index: "KvIndex",
-                 metrics: "ClusterMetrics"):
+                 metrics: "ClusterMetrics", signer: records.Signer | None = None):
         self.link = link
+        self.signer = signer or records.Signer(None)
         self.keys = keys
         self.followed = followed
         self.kv_index = kv_index
@@ -141,6 +142,7 @@ class LogFollower:
         # The snapshot a jump in the log calls for: (writer, at least this batch). The batch is in the log before
         # the snapshot that points at it is, so an older snapshot must not be taken for it.
         self.wanted: tuple[str, int] | None = None
+        self._unsigned_told = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -182,13 +184,18 @@ class LogFollower:
             meta_raw = await self.link.call("snapshot_read", lambda client: client.get(pointer["meta"]))
             if meta_raw is None:
                 return False  # replaced in between: read the pointer again
+            if not self.signer.valid(pointer.get("sig"), meta_raw):
+                raise RecordError("the snapshot's signature is not the cluster secret's")
             meta = records.unpack(meta_raw)
-            part_keys = meta["parts"]
+            part_keys, digests = meta["parts"], meta.get("digests", {})
             names = list(part_keys)
             raws = await self.link.call("snapshot_read", lambda client: client.mget([part_keys[n] for n in names])) \
                 if names else []
             if any(part is None for part in raws):
                 return False
+            if self.signer.secret is not None and any(records.part_digest(raw or b"") != digests.get(name)
+                                                      for name, raw in zip(names, raws)):
+                raise RecordError("a snapshot part is not the one its signed meta names")
             parts = {name: records.decode_keys(part) for name, part in zip(names, raws)}
             models = []
             for entry in meta["models"]:
@@ -197,7 +204,7 @@ class LogFollower:
             members = [(ReplicaRecord.from_array(item[0]), bool(item[1]), str(item[2])) for item in meta["replicas"]]
             kv_states = {name: (str(state), int(block_size)) for name, (state, block_size) in meta["kv"].items()}
             writer, seq, stream_id = str(meta["writer"]), int(meta["seq"]), str(meta["stream_id"]).encode()
-        except (RecordError, KeyError, TypeError, ValueError, IndexError) as exc:
+        except (RecordError, KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             self.metrics.bad_records.labels("snapshot").inc()
             log.error("cluster state: the snapshot in Redis cannot be read (%s); keeping the current state and "
                       "trying again", exc)
@@ -252,6 +259,14 @@ class LogFollower:
         except (KeyError, ValueError, AttributeError):
             self.metrics.bad_records.labels("log").inc()
             self.stream_id = identifier  # not a batch of ours at all: step over it
+            return True
+        if not self.signer.valid(values.get("s"), values["w"], values["n"], values.get("t", b""), values.get("e", b"")):
+            self.metrics.bad_records.labels("log").inc()
+            if not self._unsigned_told:
+                self._unsigned_told = True
+                log.warning("cluster state: a log entry without the cluster secret's signature was skipped: "
+                            "someone else writes to this cluster's Redis keys (logged once)")
+            self.stream_id = identifier  # not the writer's: step over it
             return True
         if writer != self.writer:
             self.snapshot_reason, self.wanted = "new_writer", (writer, 0)

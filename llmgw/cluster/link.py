@@ -66,6 +66,22 @@ def client_options(settings: "StateConfig", environ: Mapping[str, str] | None = 
     return options
 
 
+MIN_SECRET_BYTES = 16
+
+
+def cluster_secret(settings: "StateConfig", environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The secret that signs the cluster's records (``state.secret_env``), or None when none is configured."""
+    if not settings.secret_env:
+        return None
+    environ = os.environ if environ is None else environ
+    value = environ.get(settings.secret_env)
+    if value is None:
+        raise ValueError(f"state.secret_env names {settings.secret_env}, which is not set")
+    if len(value.encode()) < MIN_SECRET_BYTES:
+        raise ValueError(f"the cluster secret in {settings.secret_env} must be at least {MIN_SECRET_BYTES} bytes")
+    return value.encode()
+
+
 BLOCK_MS = 1000  # how long a blocking stream read waits for news before it asks again
 
 

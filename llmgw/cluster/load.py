@@ -46,8 +46,9 @@ class PeerReport:
 
 class LoadSharing:
     def __init__(self, link: RedisLink, keys: Keys, settings: "StateConfig", replicas: "ReplicaSet",
-                 metrics: "ClusterMetrics", origin: str):
+                 metrics: "ClusterMetrics", origin: str, signer: records.Signer | None = None):
         self.link = link
+        self.signer = signer or records.Signer(None)
         self.keys = keys
         self.settings = settings
         self.replicas = replicas
@@ -98,6 +99,7 @@ class LoadSharing:
     async def _send(self, load: Load) -> None:
         fields = {b"o": self.origin.encode(), b"x": str(int(self.settings.load_ttl * 1000)).encode(),
                   b"l": records.pack([[name, *figures] for name, figures in load.items()])}
+        fields[b"s"] = self.signer.sign(fields[b"o"], fields[b"x"], fields[b"l"])
         key = self.keys.load
 
         async def add(client: Any) -> Any:
@@ -137,6 +139,8 @@ class LoadSharing:
     def take_report(self, fields: dict[str, Any]) -> bool:
         """Record one report from the stream; True when it is another gateway's."""
         try:
+            if not self.signer.valid(fields.get("s"), fields.get("o", b""), fields.get("x", b""), fields.get("l", b"")):
+                raise RecordError("not signed with the cluster secret")
             origin, ttl, load = records.decode_load_report(fields)
         except RecordError:
             self.metrics.bad_records.labels("load").inc()

@@ -25,15 +25,22 @@ Entries of a batch (msgpack arrays, the kind first):
 ``["kv", replica, kind, block_size, [stored...], [removed...], reason]``, ``["kv_forget", replica]``,
 ``["kv_drop", replica]``.
 
-Redis is trusted with the cluster's routing state (it holds no secret: API
-keys and TLS files stay in each gateway's own config), but what comes back
-is still checked: sizes are bounded by the decoder, types by :func:`decode_entry`,
-and a record that fails is a :class:`RecordError` (counted and skipped, or a
-snapshot re-read), never an exception that stops a gateway.
+With a cluster secret (``state.secret_env``) every record is signed (HMAC-SHA256:
+a log batch, a load report, an ask, a snapshot's meta, whose parts are named by
+their SHA-256) and a gateway applies only what carries the right signature,
+so whoever can write to Redis can no longer steer routing or point a replica
+(and its API key) elsewhere. Without one Redis is trusted with the cluster's
+routing state (it holds no secret: API keys and TLS files stay in each
+gateway's own config). Either way what comes back is checked: sizes are
+bounded by the decoder, types by :func:`decode_entry`, and a record that fails
+is a :class:`RecordError` (counted and skipped, or a snapshot re-read), never
+an exception that stops a gateway.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -250,6 +257,32 @@ def decode_load_report(fields: dict[str, Any]) -> tuple[str, float, Load]:
             raise RecordError("a load entry is [name, requests, tokens, queued tokens, queued requests]")
         load[item[0]] = tuple(max(0, min(n, 1 << 40)) for n in item[1:])
     return origin, ttl, load
+
+
+class Signer:
+    """Signs and checks records with the cluster secret; without one, signs with nothing and accepts all."""
+
+    def __init__(self, secret: bytes | None):
+        self.secret = secret or None
+
+    def sign(self, *parts: bytes) -> bytes:
+        if self.secret is None:
+            return b""
+        digest = hmac.new(self.secret, digestmod=hashlib.sha256)
+        for part in parts:
+            digest.update(len(part).to_bytes(8, "big"))  # lengths first: no two splits of the bytes sign alike
+            digest.update(part)
+        return digest.digest()
+
+    def valid(self, signature: object, *parts: bytes) -> bool:
+        if self.secret is None:
+            return True
+        return isinstance(signature, bytes) and hmac.compare_digest(signature, self.sign(*parts))
+
+
+def part_digest(raw: bytes) -> str:
+    """How a snapshot's meta names a part's content."""
+    return hashlib.sha256(raw).hexdigest()
 
 
 def entry_id(identifier: str | bytes) -> bytes:

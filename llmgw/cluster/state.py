@@ -32,7 +32,7 @@ from ..router.replica import Replica
 from ..router.replicas import DEPLOYED, STATIC
 from . import records
 from .follower import FollowedReplicas, LogFollower
-from .link import BLOCK_MS, RedisLink, Unavailable
+from .link import BLOCK_MS, RedisLink, Unavailable, cluster_secret
 from .load import LoadSharing
 from .metrics import ClusterMetrics
 from .records import Keys, ReplicaRecord
@@ -65,9 +65,10 @@ class SharedState:
         self.keys = Keys(self.settings.cluster)
         self.metrics = ClusterMetrics(metrics_registry, role, self.settings.cluster, self.origin)
         self.link = RedisLink(self.settings, self.metrics)
+        self.signer = records.Signer(cluster_secret(self.settings))
         self.replicas = replicas
         self.kv_index = kv_index
-        self.load = LoadSharing(self.link, self.keys, self.settings, replicas, self.metrics, self.origin)
+        self.load = LoadSharing(self.link, self.keys, self.settings, replicas, self.metrics, self.origin, self.signer)
         self.writer: LogWriter | None = None
         self.follower: LogFollower | None = None
         self.followed: FollowedReplicas | None = None
@@ -75,12 +76,12 @@ class SharedState:
         self.kv: Any = kv_index
         if role == CONTROL:
             self.writer = LogWriter(self.link, self.keys, self.settings, replicas, kv_index, self.metrics,
-                                    self.origin)
+                                    self.origin, self.signer)
             self.table = PublishedReplicaTable(replicas, self.writer)
             self.kv = PublishedKv(kv_index, self.writer)
         else:
             self.followed = FollowedReplicas(replicas, ReplicaBuilder(lambda: self.config, registry))
-            self.follower = LogFollower(self.link, self.keys, self.followed, kv_index, self.metrics)
+            self.follower = LogFollower(self.link, self.keys, self.followed, kv_index, self.metrics, self.signer)
             kv_index.add_resync_listener(self._ask_resync)
         self._asks: list[tuple[str, str, str]] = []
         self._ask_wake = trio.Event()
@@ -144,6 +145,7 @@ class SharedState:
             try:
                 for replica_id, mode, reason in asks:
                     fields = {b"o": self.origin.encode(), b"a": records.pack(["resync", replica_id, mode, reason])}
+                    fields[b"s"] = self.signer.sign(fields[b"o"], fields[b"a"])
                     await self.link.call("ask", lambda client: client.xadd(key, fields))
             except Unavailable:
                 pass  # the index asks again every resync_retry seconds while it stays suspect
@@ -171,6 +173,8 @@ class SharedState:
 
     def _answer(self, fields: dict[str, Any]) -> None:
         try:
+            if not self.signer.valid(fields.get("s"), fields.get("o", b""), fields.get("a", b"")):
+                raise records.RecordError("not signed with the cluster secret")
             origin = fields["o"].decode()[:64]
             kind, replica_id, mode, reason = records.unpack(fields["a"])
             if kind != "resync" or mode not in ("full", "reset") or not isinstance(replica_id, str):

@@ -54,8 +54,10 @@ class LogWriter:
     """Batches of records to the log stream, and snapshots; the one writer of a cluster's shared truth."""
 
     def __init__(self, link: RedisLink, keys: Keys, settings: "StateConfig", replicas: "ReplicaSet",
-                 kv_index: "KvIndex", metrics: "ClusterMetrics", writer_id: str):
+                 kv_index: "KvIndex", metrics: "ClusterMetrics", writer_id: str,
+                 signer: records.Signer | None = None):
         self.link = link
+        self.signer = signer or records.Signer(None)
         self.keys = keys
         self.settings = settings
         self.replicas = replicas
@@ -121,6 +123,7 @@ class LogWriter:
         seq = self.seq
         fields = {b"w": self.writer_id.encode(), b"n": str(seq).encode(),
                   b"t": str(int(time.time() * 1000)).encode(), b"e": records.pack(batch)}
+        fields[b"s"] = self.signer.sign(fields[b"w"], fields[b"n"], fields[b"t"], fields[b"e"])
         length = self.settings.stream_length
         log_key = self.keys.log
 
@@ -164,17 +167,21 @@ class LogWriter:
         keys = self.keys
         names = sorted(parts)
         part_keys = {name: keys.snapshot_part(self.writer_id, seq, f"kv:{i}") for i, name in enumerate(names)}
-        meta.update(seq=seq, stream_id=stream_id.decode(), parts=part_keys)
+        raw_parts = {name: records.pack(parts[name]) for name in names}
+        meta.update(seq=seq, stream_id=stream_id.decode(), parts=part_keys,
+                    digests={name: records.part_digest(raw) for name, raw in raw_parts.items()})
         meta_key = keys.snapshot_part(self.writer_id, seq, "meta")
-        pointer = records.pack({"writer": self.writer_id, "seq": seq, "meta": meta_key})
+        raw_meta = records.pack(meta)
+        pointer = records.pack({"writer": self.writer_id, "seq": seq, "meta": meta_key,
+                                "sig": self.signer.sign(raw_meta)})
         previous = self._snapshot_keys or await self._previous_snapshot_keys()
         grace_ms = int(SNAPSHOT_GRACE * 1000)
 
         async def store(client: Any) -> None:
             async with client.pipeline(transaction=False) as pipe:
                 for name in names:
-                    pipe.set(part_keys[name], records.pack(parts[name]))
-                pipe.set(meta_key, records.pack(meta))
+                    pipe.set(part_keys[name], raw_parts[name])
+                pipe.set(meta_key, raw_meta)
                 pipe.set(keys.snapshot, pointer)
                 for key in previous:
                     pipe.pexpire(key, grace_ms)

@@ -276,6 +276,7 @@ class StateConfig(Located):
     cluster: ProfileName = setting("llmgw")  # gateways with the same Redis and cluster name route as one
     username: Text | None = setting(None)  # Redis ACL user
     password_env: EnvName | None = setting(None)  # the environment variable holding the password
+    secret_env: EnvName | None = setting(None)  # a variable holding the cluster secret that signs every record
     tls: UpstreamTls = setting(factory=UpstreamTls)  # rediss:// only: the CA, client certificate, verify
     timeout: PositiveDuration = setting(2.0)  # every Redis call
     load_interval: Annotated[float, Parse(parse_duration), at_least(0.005), at_most(5.0)] = setting(0.05)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ..cluster.link import client_options
+from ..cluster.link import client_options, cluster_secret
 from ..cluster.state import CONTROL, SharedState
 from ..config import Config, ConfigError
 from ..config.fields import issue_at
@@ -193,6 +193,10 @@ class Gateway:
             client_options(config.state)
         except ValueError as exc:
             raise ConfigError([issue_at(config.state, "password_env", str(exc))]) from None
+        try:
+            cluster_secret(config.state)
+        except ValueError as exc:
+            raise ConfigError([issue_at(config.state, "secret_env", str(exc))]) from None
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError([issue_at(config.state, "tls", f"cannot be used: {describe_tls_error(exc)}")]) from None
 

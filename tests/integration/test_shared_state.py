@@ -16,6 +16,7 @@ import pytest
 import trio
 
 from llmgw.bench.chat_workloads import words
+from llmgw.cluster import records
 from llmgw.cluster.records import Keys
 from llmgw.testing.metrics import scrape_value
 from llmgw.testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, MODEL, gateway_config, kv_sources, start_sims
@@ -31,12 +32,12 @@ def cluster_config(sims, redis_url: str, cluster: str, routing: str = "kv_index"
 
 
 async def start_cluster(nursery, start_llmgw, redis_url: str, cluster: str, followers: int = 1, sims: int = 2,
-                        sim_extra: tuple[str, ...] = ()):
+                        sim_extra: tuple[str, ...] = (), extra_state: str = "", env: dict | None = None):
     engines = await start_sims(nursery, sims, env=KV_SIM_ENV, num_blocks=512, block_size=16, time_scale=0, seed=0,
                                extra=KV_SIM_EXTRA + sim_extra)
-    config = cluster_config(engines, redis_url, cluster)
-    control = await start_llmgw(config)
-    gateways = [await start_llmgw(config, "--role", "gateway") for _ in range(followers)]
+    config = cluster_config(engines, redis_url, cluster) + extra_state
+    control = await start_llmgw(config, env=env)
+    gateways = [await start_llmgw(config, "--role", "gateway", env=env) for _ in range(followers)]
     for gateway in [control, *gateways]:
         await wait_kv_healthy(gateway.control_url, sims)
     return engines, control, gateways
@@ -225,3 +226,38 @@ async def test_garbage_in_the_clusters_redis_is_counted_and_skipped(nursery, sta
         for process in (control, follower):
             assert process.returncode is None
             assert (await http.get(process.control_url + "/health")).json()["state"]["degraded"] is False
+
+
+async def test_with_a_cluster_secret_records_not_signed_with_it_are_skipped(nursery, start_llmgw, redis_url,
+                                                                          cluster_name):
+    secret = {"LLMGW_TEST_CLUSTER_SECRET": "a secret of the cluster, 32 bytes"}
+    engines, control, (follower,) = await start_cluster(nursery, start_llmgw, redis_url, cluster_name,
+                                                        extra_state="  secret_env: LLMGW_TEST_CLUSTER_SECRET\n",
+                                                        env=secret)
+    keys = Keys(cluster_name)
+    host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
+    async with httpx.AsyncClient(timeout=30) as http:
+        position = (await http.get(follower.control_url + "/admin/cluster")).json()["log"]
+        forged_replica = ["evil", MODEL, "http://127.0.0.1:1", "deployed", 1, {"profile": "p"}, "evil@1"]
+        async with coredis.Redis(host=host, port=int(port), decode_responses=False) as redis:
+            # The writer's id and its next batch number, a well-formed batch: only the signature is missing.
+            await redis.xadd(keys.log, {b"w": position["writer"].encode(), b"n": str(position["seq"] + 1).encode(),
+                                        b"t": b"0", b"e": records.pack([[records.ADD, forged_replica]])})
+            await redis.xadd(keys.load, {b"o": b"intruder", b"x": b"60000",
+                                         b"l": records.pack([["sim-0", 500, 10**6, 10**6, 500]])})
+        with trio.fail_after(10):
+            while await scrape_value(follower.control_url, "llmgw_cluster_bad_records_total", 'stream="load"',
+                                     default=0.0, client=http) < 1:
+                await trio.sleep(0.1)
+        # The signed changes that follow the forged batch still arrive: a new prompt's blocks reach the follower.
+        body = long_prompt(11)
+        response = await http.post(control.url + "/v1/chat/completions", json=body)
+        holder = response.headers["x-llmgw-replica"]
+        with trio.fail_after(10):
+            while cached_blocks(await explain(http, follower.control_url, body))[holder] == 0:
+                await trio.sleep(0.05)
+        listed = (await http.get(follower.control_url + "/admin/replicas")).json()
+        assert {r["name"] for r in listed} == {"sim-0", "sim-1"}  # no "evil"
+        assert all(r["peer_inflight"] == 0 for r in listed)  # the intruder's load does not count
+        assert await scrape_value(follower.control_url, "llmgw_cluster_bad_records_total", 'stream="log"',
+                                  default=0.0, client=http) >= 1

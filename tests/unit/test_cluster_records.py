@@ -106,3 +106,15 @@ def test_any_load_report_decodes_or_is_a_record_error(origin, ttl, load):
     except RecordError:
         return
     assert 0 <= seconds <= 600 and all(len(f) == records.LOAD_FIGURES for f in figures.values())
+
+
+def test_records_signed_with_the_cluster_secret_check_out_and_nothing_else_does():
+    signer, other = records.Signer(b"k" * 32), records.Signer(b"x" * 32)
+    signature = signer.sign(b"w1", b"7", b"batch")
+    assert signer.valid(signature, b"w1", b"7", b"batch")
+    assert not signer.valid(signature, b"w1", b"8", b"batch")
+    assert not signer.valid(signature, b"w17", b"", b"batch")  # the same bytes split otherwise
+    assert not other.valid(signature, b"w1", b"7", b"batch")
+    assert not signer.valid(b"", b"w1", b"7", b"batch") and not signer.valid(None, b"w1", b"7", b"batch")
+    unsigned = records.Signer(None)  # no secret configured: Redis is trusted, nothing is signed or refused
+    assert unsigned.sign(b"a") == b"" and unsigned.valid(None, b"a")
