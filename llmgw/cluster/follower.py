@@ -62,7 +62,11 @@ class FollowedReplicas:
 
     def declare(self, source: str, model: TierModel) -> None:
         self.declared[(source, model.name)] = model
-        self.replicas.declare_model(source, model)
+        try:
+            self.replicas.declare_model(source, model)
+        except Exception as exc:  # e.g. a routing tier whose plugin is not installed in this gateway
+            log.error("model %s from the cluster's control plane cannot be routed here: %s: %s", model.name,
+                      type(exc).__name__, exc)
 
     def withdraw(self, source: str, name: str) -> None:
         if self.declared.pop((source, name), None) is not None:
@@ -74,7 +78,11 @@ class FollowedReplicas:
             if current[0] == record:
                 return
             self.remove(record.name, "it changed")
-        replica = self.make_replica(record)
+        try:
+            replica = self.make_replica(record)
+        except ValueError as exc:  # refused by this gateway's config, or an address that cannot be dialled
+            log.error("replica %s from the cluster's control plane is not routed here: %s", record.name, exc)
+            return
         if self.replicas.add(replica, record.source):
             self.followed[record.name] = (record, replica)
             log.info("replica %s (%s) enters routing at %s (from the cluster's control plane)", record.name,
@@ -129,6 +137,7 @@ class LogFollower:
     def __init__(self, link: RedisLink, keys: Keys, followed: FollowedReplicas, kv_index: "KvIndex",
                  metrics: "ClusterMetrics", signer: records.Signer | None = None):
         self.link = link
+        self.snapshot_interval = link.settings.snapshot_interval
         self.signer = signer or records.Signer(None)
         self.keys = keys
         self.followed = followed
@@ -142,6 +151,7 @@ class LogFollower:
         # The snapshot a jump in the log calls for: (writer, at least this batch). The batch is in the log before
         # the snapshot that points at it is, so an older snapshot must not be taken for it.
         self.wanted: tuple[str, int] | None = None
+        self.wanted_until = 0.0
         self._unsigned_told = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -180,7 +190,11 @@ class LogFollower:
                 self.snapshot_reason = ""  # nothing was lost: go on reading after what we have
                 return True
             if self.wanted is not None and (pointer["writer"] != self.wanted[0] or pointer["seq"] < self.wanted[1]):
-                return False  # the snapshot the log calls for is not written yet
+                if trio.current_time() < self.wanted_until:
+                    return False  # the snapshot the log calls for is not written yet
+                log.warning("cluster state: no snapshot of writer %s at batch %d came; loading the newest there is "
+                            "(the log held an entry that was not the control plane's)", *self.wanted)
+                self.wanted = None
             meta_raw = await self.link.call("snapshot_read", lambda client: client.get(pointer["meta"]))
             if meta_raw is None:
                 return False  # replaced in between: read the pointer again
@@ -269,28 +283,38 @@ class LogFollower:
             self.stream_id = identifier  # not the writer's: step over it
             return True
         if writer != self.writer:
-            self.snapshot_reason, self.wanted = "new_writer", (writer, 0)
+            self._want("new_writer", writer, 0)
             return False
         if seq <= self.seq:
             self.stream_id = identifier  # already in the snapshot we loaded
             return True
         if seq != self.seq + 1:
-            self.snapshot_reason, self.wanted = "gap", (writer, seq - 1)  # one that covers the lost batches
+            self._want("gap", writer, seq - 1)  # one that covers the lost batches
             return False
         try:
             batch = records.decode_batch(values.get("e"))
         except RecordError as exc:
             self.metrics.bad_records.labels("log").inc()
             log.error("cluster state: log batch %d cannot be read (%s); loading the snapshot", seq, exc)
-            self.snapshot_reason, self.wanted = "bad_batch", (writer, seq)
+            self._want("bad_batch", writer, seq)
             return False
         for entry in batch:
-            self._apply(entry)
+            try:
+                self._apply(entry)
+            except Exception:  # one entry this gateway cannot apply must not stop it following the others
+                self.metrics.bad_records.labels("log").inc()
+                log.exception("cluster state: a %s change of batch %d could not be applied; skipped", entry[0], seq)
         self.seq, self.stream_id = seq, identifier
         self.metrics.batches.labels("applied").inc()
         if written_ms:
             self.metrics.log_delay.observe(max(0.0, time.time() - written_ms / 1000))
         return True
+
+    def _want(self, reason: str, writer: str, seq: int) -> None:
+        """Load the snapshot of ``writer`` at ``seq`` or later next; should none come within a few snapshot
+        intervals (the entry was not the writer's: a stale or foreign one), the newest one there is."""
+        self.snapshot_reason, self.wanted = reason, (writer, seq)
+        self.wanted_until = trio.current_time() + max(3 * self.snapshot_interval, 5.0)
 
     def _apply(self, entry: list[Any]) -> None:
         kind = entry[0]
