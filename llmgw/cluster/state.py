@@ -12,7 +12,9 @@ With ``state.backend: redis`` every ``llmgw serve`` of a cluster runs one
   table and KV index follow the control process's (:class:`~.follower.LogFollower`),
   and a drifted index asks the control process for a resync through Redis;
 - both publish their own in-flight load and read the others'
-  (:class:`~.load.LoadSharing`).
+  (:class:`~.load.LoadSharing`), and, with ``share_predictions`` (the default),
+  the predictions their ``kv_index`` tiers make and apply the others'
+  (:class:`~.learn.PredictionSharing`).
 
 The hot path reads only this process's copies; Redis failing degrades the
 shared state (metric, ``/health``, one log line) and nothing else.
@@ -32,6 +34,7 @@ from ..router.replica import Replica
 from ..router.replicas import DEPLOYED, STATIC
 from . import records
 from .follower import FollowedReplicas, LogFollower
+from .learn import PredictionSharing
 from .link import BLOCK_MS, RedisLink, Unavailable
 from .load import LoadSharing
 from .metrics import ClusterMetrics
@@ -68,6 +71,8 @@ class SharedState:
         self.replicas = replicas
         self.kv_index = kv_index
         self.load = LoadSharing(self.link, self.keys, self.settings, replicas, self.metrics, self.origin)
+        self.learn = PredictionSharing(self.link, self.keys, replicas, kv_index, self.metrics, self.origin) \
+            if self.settings.share_predictions else None
         self.writer: LogWriter | None = None
         self.follower: LogFollower | None = None
         self.followed: FollowedReplicas | None = None
@@ -91,6 +96,8 @@ class SharedState:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.link.run)
             await nursery.start(self.load.run)
+            if self.learn is not None:
+                await nursery.start(self.learn.run)
             if self.writer is not None:
                 await nursery.start(self.writer.run, settled or (lambda: True))
                 nursery.start_soon(self._answer_asks)
@@ -119,7 +126,8 @@ class SharedState:
         """For ``/health`` and ``/admin/cluster``."""
         answer: dict[str, Any] = {"backend": "redis", "role": self.role, "cluster": self.settings.cluster,
                                   "origin": self.origin, "redis": self.link.address, "degraded": not self.link.healthy,
-                                  "reason": self.link.reason or None, "peers": self.load.describe()}
+                                  "reason": self.link.reason or None, "peers": self.load.describe(),
+                                  "share_predictions": self.learn is not None}
         if self.writer is not None:
             answer["log"] = {"writer": self.writer.writer_id, "seq": self.writer.seq,
                              "published": self.writer.published}
