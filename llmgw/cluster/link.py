@@ -8,6 +8,8 @@ deadline; a failure of any call marks the link *degraded* (one WARNING line,
 :class:`Unavailable` to the caller, which keeps working on what it has (the
 hot path never calls Redis at all). The first call that succeeds again marks
 it healthy (one INFO line). Callers retry with :meth:`RedisLink.backoff`.
+:meth:`RedisLink.add_to_stream` and :meth:`RedisLink.follow_stream` are the
+writes and blocking reads of the short-lived streams (load, predictions).
 
 coredis survives a Redis restart by itself (a failed command's connection is
 dropped, the next one reconnects), so nothing here rebuilds the client
@@ -25,6 +27,7 @@ from urllib.parse import parse_qs, urlsplit
 import trio
 
 from ..tls import TlsClientOptions, client_context
+from . import records
 
 if TYPE_CHECKING:
     import coredis
@@ -180,6 +183,43 @@ class RedisLink:
     def _transition(self) -> None:
         self.changed.set()
         self.changed = trio.Event()
+
+    async def add_to_stream(self, operation: str, key: str, fields: dict[bytes, bytes], length: int) -> Any:
+        """``XADD`` one entry to stream ``key``, trimmed to about ``length`` entries; its id. :meth:`call`'s rules."""
+
+        async def add(client: Any) -> Any:
+            from coredis.tokens import PureToken
+            return await client.xadd(key, fields, trim_strategy=PureToken.MAXLEN, threshold=length,
+                                     trim_operator=PureToken.APPROXIMATELY)
+
+        return await self.call(operation, add)
+
+    async def follow_stream(self, operation: str, key: str, take: Callable[[list[dict[str, Any]]], None],
+                            count: int = 1000) -> None:
+        """Forever: hand ``take`` the fields of each read's entries (at most ``count``) added to stream ``key`` from
+        now on (blocking reads, each with a deadline). After a failure, and the backoff, only what is new again
+        counts: what these streams carry is short-lived."""
+        stream_id = b"$"
+        failures = 0
+        while True:
+            since = stream_id
+            try:
+                answer = await self.call(operation, lambda client: client.xread({key: since}, count=count,
+                                                                                block=BLOCK_MS),
+                                         timeout=self.settings.timeout + BLOCK_MS / 1000)
+            except Unavailable:
+                failures += 1
+                stream_id = b"$"
+                await self.backoff(failures)
+                continue
+            failures = 0
+            batch = []
+            for _, entries in (answer or {}).items():
+                for entry in entries:
+                    stream_id = records.entry_id(entry.identifier)
+                    batch.append(dict(records.iter_fields(entry.field_values)))
+            if batch:
+                take(batch)
 
     @staticmethod
     async def backoff(attempt: int) -> None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from . import records
-from .link import BLOCK_MS, RedisLink, Unavailable
+from .link import RedisLink, Unavailable
 from .records import LOAD_FIGURES as FIGURES, Keys, Load, RecordError
 
 if TYPE_CHECKING:
@@ -100,41 +100,21 @@ class LoadSharing:
         fields = {b"o": self.origin.encode(), b"x": str(int(self.settings.load_ttl * 1000)).encode(),
                   b"l": records.pack([[name, *figures] for name, figures in load.items()])}
         fields[b"s"] = self.signer.sign(fields[b"o"], fields[b"x"], fields[b"l"])
-        key = self.keys.load
-
-        async def add(client: Any) -> Any:
-            from coredis.tokens import PureToken
-            return await client.xadd(key, fields, trim_strategy=PureToken.MAXLEN, threshold=LOAD_STREAM_LENGTH,
-                                     trim_operator=PureToken.APPROXIMATELY)
-
-        await self.link.call("load_report", add)
+        await self.link.add_to_stream("load_report", self.keys.load, fields, LOAD_STREAM_LENGTH)
         self.metrics.load_reports.labels("sent").inc()
 
     # -- the others' load ------------------------------------------------------------------------------------------
 
     async def _receive(self) -> None:
-        stream_id = b"$"
-        failures = 0
-        key = self.keys.load
-        while True:
-            since = stream_id
-            try:
-                answer = await self.link.call(
-                    "load_read", lambda client: client.xread({key: since}, count=1000, block=BLOCK_MS),
-                    timeout=self.settings.timeout + BLOCK_MS / 1000)
-            except Unavailable:
-                failures += 1
-                stream_id = b"$"  # after an outage only what is new counts
-                await self.link.backoff(failures)
-                continue
-            failures = 0
-            changed = False
-            for _, entries in (answer or {}).items():
-                for entry in entries:
-                    stream_id = records.entry_id(entry.identifier)
-                    changed |= self.take_report(dict(records.iter_fields(entry.field_values)))
-            if changed:
-                self.apply()
+        await self.link.follow_stream("load_read", self.keys.load, self.take_reports)
+
+    def take_reports(self, reports: list[dict[str, Any]]) -> None:
+        """One read's reports: recorded, and applied when another gateway's were among them."""
+        changed = False
+        for fields in reports:
+            changed |= self.take_report(fields)
+        if changed:
+            self.apply()
 
     def take_report(self, fields: dict[str, Any]) -> bool:
         """Record one report from the stream; True when it is another gateway's."""

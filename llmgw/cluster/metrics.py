@@ -35,4 +35,9 @@ class ClusterMetrics:
                            registry=registry)
         self.load_reports = Counter("llmgw_cluster_load_reports", "Load reports sent (this gateway's own) and "
                                     "received (the others').", ["direction"], registry=registry)
+        self.predictions = Counter("llmgw_cluster_predictions", "Routing predictions shared: sent (this process's "
+                                   "own, to Redis), received (the others', applied to this process's KV index), "
+                                   "dropped (own ones not sent: buffer full, expired waiting, Redis failed), "
+                                   "ignored (others' not applied: expired on arrival, or for a replica this "
+                                   "process does not route to).", ["direction"], registry=registry)
         self.up.set(0)

@@ -16,6 +16,9 @@ Keys, all under ``llmgw:{cluster}:`` (:class:`Keys`):
   ``x`` its time to live in ms, ``l`` the load), the newest per origin wins.
 - ``requests``: a stream of the gateways' asks to the control plane (a KV
   resync of a replica whose index drifted).
+- ``learn``: a stream of the predictions each gateway's tiers make (``o``
+  origin, ``e`` a batch: an array of ``[replica, made_ms, ttl_ms, [keys...]]``,
+  ``made_ms`` the origin's wall clock when it predicted; :func:`decode_learn_batch`).
 
 Entries of a batch (msgpack arrays, the kind first):
 
@@ -42,7 +45,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import msgpack
 
@@ -56,6 +59,9 @@ ENTRY_KINDS = (MODEL, UNMODEL, ADD, DRAIN, REMOVE, KV, KV_FORGET, KV_DROP)
 MAX_RECORD_BYTES = 512 * 1024 * 1024  # Redis's own limit of one value
 MAX_ARRAY = 50_000_000  # block keys of one replica's snapshot part, or of one batch
 MAX_NAME = 1024  # replica, model and source names, reasons
+MAX_LEARNED = 100_000  # predictions in one learn batch
+MAX_LEARNED_TTL_MS = 600_000  # a prediction's time to live, at most
+MAX_WALL_MS = 1 << 53  # a wall clock in ms (year 287 396)
 INT64 = (-(1 << 63), (1 << 64) - 1)  # block keys are signed or unsigned 64-bit ints
 
 
@@ -88,6 +94,10 @@ class Keys:
     @property
     def requests(self) -> str:
         return self.prefix + "requests"
+
+    @property
+    def learn(self) -> str:
+        return self.prefix + "learn"
 
     def snapshot_part(self, writer: str, seq: int, part: str) -> str:
         return f"{self.prefix}snap:{writer}:{seq}:{part}"
@@ -226,6 +236,40 @@ def _keys(value: Any) -> list[int]:
     for key in value:
         if type(key) is not int or not low <= key <= high:
             raise RecordError("block keys must be 64-bit ints")
+    return value
+
+
+class LearnedPrediction(NamedTuple):
+    """One prediction of another gateway: ``replica`` holds ``keys`` for ``ttl_ms`` from ``made_ms`` (its clock)."""
+
+    replica: str
+    made_ms: int
+    ttl_ms: int
+    keys: list[int]
+
+
+def learn_item(replica_id: str, made_ms: int, ttl_ms: int, keys: Sequence[int]) -> list[Any]:
+    """One prediction of a learn batch, as :func:`decode_learn_batch` reads it back."""
+    return [replica_id, made_ms, ttl_ms, keys if isinstance(keys, list) else list(keys)]
+
+
+def decode_learn_batch(raw: object) -> list[LearnedPrediction]:
+    """A learn batch (``pack([learn_item(...), ...])``) checked: names short strings, times bounded ints, block
+    keys 64-bit ints; :class:`RecordError` for anything else."""
+    value = unpack(raw)
+    if not isinstance(value, list) or len(value) > MAX_LEARNED:
+        raise RecordError(f"a learn batch must be an array of at most {MAX_LEARNED} predictions")
+    predictions = []
+    for item in value:
+        replica, made_ms, ttl_ms, keys = _array(item, 4, "prediction")
+        predictions.append(LearnedPrediction(_name(replica), _int(made_ms, 0, MAX_WALL_MS),
+                                             _int(ttl_ms, 0, MAX_LEARNED_TTL_MS), _keys(keys)))
+    return predictions
+
+
+def _int(value: Any, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise RecordError(f"expected an int from {low} to {high}")
     return value
 
 

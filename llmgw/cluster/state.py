@@ -12,7 +12,9 @@ With ``state.backend: redis`` every ``llmgw serve`` of a cluster runs one
   table and KV index follow the control process's (:class:`~.follower.LogFollower`),
   and a drifted index asks the control process for a resync through Redis;
 - both publish their own in-flight load and read the others'
-  (:class:`~.load.LoadSharing`).
+  (:class:`~.load.LoadSharing`), and, with ``share_predictions`` (the default),
+  the predictions their ``kv_index`` tiers make and apply the others'
+  (:class:`~.learn.PredictionSharing`).
 
 The hot path reads only this process's copies; Redis failing degrades the
 shared state (metric, ``/health``, one log line) and nothing else.
@@ -32,7 +34,8 @@ from ..router.replica import Replica
 from ..router.replicas import DEPLOYED, STATIC
 from . import records
 from .follower import FollowedReplicas, LogFollower
-from .link import BLOCK_MS, RedisLink, Unavailable, cluster_secret
+from .learn import PredictionSharing
+from .link import RedisLink, Unavailable, cluster_secret
 from .load import LoadSharing
 from .metrics import ClusterMetrics
 from .records import Keys, ReplicaRecord
@@ -69,6 +72,8 @@ class SharedState:
         self.replicas = replicas
         self.kv_index = kv_index
         self.load = LoadSharing(self.link, self.keys, self.settings, replicas, self.metrics, self.origin, self.signer)
+        self.learn = PredictionSharing(self.link, self.keys, replicas, kv_index, self.metrics, self.origin,
+                                       self.signer) if self.settings.share_predictions else None
         self.writer: LogWriter | None = None
         self.follower: LogFollower | None = None
         self.followed: FollowedReplicas | None = None
@@ -92,6 +97,8 @@ class SharedState:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.link.run)
             await nursery.start(self.load.run)
+            if self.learn is not None:
+                await nursery.start(self.learn.run)
             if self.writer is not None:
                 await nursery.start(self.writer.run, settled or (lambda: True))
                 nursery.start_soon(self._answer_asks)
@@ -120,7 +127,8 @@ class SharedState:
         """For ``/health`` and ``/admin/cluster``."""
         answer: dict[str, Any] = {"backend": "redis", "role": self.role, "cluster": self.settings.cluster,
                                   "origin": self.origin, "redis": self.link.address, "degraded": not self.link.healthy,
-                                  "reason": self.link.reason or None, "peers": self.load.describe()}
+                                  "reason": self.link.reason or None, "peers": self.load.describe(),
+                                  "share_predictions": self.learn is not None}
         if self.writer is not None:
             answer["log"] = {"writer": self.writer.writer_id, "seq": self.writer.seq,
                              "published": self.writer.published}
@@ -137,7 +145,6 @@ class SharedState:
             self._ask_wake.set()
 
     async def _send_asks(self) -> None:
-        key = self.keys.requests
         while True:
             await self._ask_wake.wait()
             self._ask_wake = trio.Event()
@@ -146,30 +153,16 @@ class SharedState:
                 for replica_id, mode, reason in asks:
                     fields = {b"o": self.origin.encode(), b"a": records.pack(["resync", replica_id, mode, reason])}
                     fields[b"s"] = self.signer.sign(fields[b"o"], fields[b"a"])
-                    await self.link.call("ask", lambda client: client.xadd(key, fields))
+                    await self.link.add_to_stream("ask", self.keys.requests, fields, MAX_ASKS)
             except Unavailable:
                 pass  # the index asks again every resync_retry seconds while it stays suspect
 
     async def _answer_asks(self) -> None:
-        key = self.keys.requests
-        stream_id = b"$"
-        failures = 0
-        assert isinstance(self.kv, PublishedKv)
-        while True:
-            since = stream_id
-            try:
-                answer = await self.link.call(
-                    "ask_read", lambda client: client.xread({key: since}, count=100, block=BLOCK_MS),
-                    timeout=self.settings.timeout + BLOCK_MS / 1000)
-            except Unavailable:
-                failures += 1
-                await self.link.backoff(failures)
-                continue
-            failures = 0
-            for _, entries in (answer or {}).items():
-                for entry in entries:
-                    stream_id = records.entry_id(entry.identifier)
-                    self._answer(dict(records.iter_fields(entry.field_values)))
+        await self.link.follow_stream("ask_read", self.keys.requests, self._answer_all, count=100)
+
+    def _answer_all(self, asks: list[dict[str, Any]]) -> None:
+        for fields in asks:
+            self._answer(fields)
 
     def _answer(self, fields: dict[str, Any]) -> None:
         try:

@@ -127,15 +127,8 @@ class LogWriter:
         fields = {b"w": self.writer_id.encode(), b"n": str(seq).encode(),
                   b"t": str(int(time.time() * 1000)).encode(), b"e": records.pack(batch)}
         fields[b"s"] = self.signer.sign(fields[b"w"], fields[b"n"], fields[b"t"], fields[b"e"])
-        length = self.settings.stream_length
-        log_key = self.keys.log
-
-        async def add(client: Any) -> Any:
-            from coredis.tokens import PureToken
-            return await client.xadd(log_key, fields, trim_strategy=PureToken.MAXLEN, threshold=length,
-                                     trim_operator=PureToken.APPROXIMATELY)
-
-        self.stream_id = await self.link.call("log_append", add)
+        self.stream_id = records.entry_id(
+            await self.link.add_to_stream("log_append", self.keys.log, fields, self.settings.stream_length))
         self.metrics.batches.labels("written").inc()
         for entry in batch:
             self.metrics.entries.labels("written", entry[0]).inc()

@@ -61,6 +61,13 @@ the engine held (seen with vLLM, back to back requests).
 
 A RESET, a ``forget`` or a ``remove`` drops that replica's predicted entries
 with its confirmed ones (its engine holds none of them any more).
+
+Prediction listeners (:meth:`KvIndex.add_prediction_listener`) hear every
+prediction this process's tiers make, so that other gateway processes can
+apply it too (:mod:`llmgw.cluster.learn`). Those processes' predictions come
+back through ``predict(..., remote=True)``: they count and end like local
+ones, but no listener hears them (no echo), and they never create a replica
+the index does not know.
 """
 
 from __future__ import annotations
@@ -95,6 +102,7 @@ class IndexState(str, Enum):
 
 
 ResyncListener = Callable[[str, str, str], None]  # (replica id, mode: "full" or "reset", reason)
+PredictionListener = Callable[[str, Sequence[int], float], None]  # (replica id, block keys, ttl in seconds)
 
 
 class _Replica:
@@ -190,6 +198,7 @@ class KvIndex:
         self._pred_heap: list[tuple[float, Prediction]] = []  # live predictions by expiry
         self._pred_serial = itertools.count()
         self._resync_listeners: list[ResyncListener] = []
+        self._prediction_listeners: list[PredictionListener] = []
 
     # -- replicas -------------------------------------------------------------------------------------------------
 
@@ -437,11 +446,39 @@ class KvIndex:
 
     # -- predicted entries ----------------------------------------------------------------------------------------
 
-    def predict(self, replica_id: str, keys: Sequence[int], ttl: float | None = None) -> Prediction | None:
+    def add_prediction_listener(self, listener: PredictionListener) -> None:
+        """``listener(replica_id, keys, ttl)`` is called by :meth:`predict` for every prediction of this process
+        (not the ``remote`` ones), with its resolved ``ttl`` in seconds. It runs on the routing path, from the
+        Trio thread: it must only record (an append to a bounded buffer), and must neither change ``keys`` nor
+        expect them to stay alive beyond that buffer. An exception it raises is logged and routing goes on."""
+        self._prediction_listeners.append(listener)
+
+    def remove_prediction_listener(self, listener: PredictionListener) -> None:
+        if listener in self._prediction_listeners:
+            self._prediction_listeners.remove(listener)
+
+    def predict(self, replica_id: str, keys: Sequence[int], ttl: float | None = None, *,
+                remote: bool = False) -> Prediction | None:
         """``replica_id`` was just sent a request with these block keys: count them as held there for ``ttl``
-        seconds (unsettled: see the module's docstring). None when there is nothing to predict."""
+        seconds (unsettled: see the module's docstring). None when there is nothing to predict.
+
+        ``remote``: another gateway process made this prediction (:mod:`llmgw.cluster.learn`): the prediction
+        listeners do not hear it, and a replica the index does not know is refused (None) rather than given a
+        slot (that replica is not this process's to add: its slot would outlive it, and the control process
+        would publish it).
+        """
         if not keys:
             return None
+        if remote:
+            if replica_id not in self._replicas:
+                return None
+        elif self._prediction_listeners:
+            ttl = self.predicted_ttl if ttl is None else ttl
+            for listener in self._prediction_listeners:
+                try:
+                    listener(replica_id, keys, ttl)
+                except Exception:  # sharing a prediction must never fail the request that made it
+                    log.exception("prediction listener %r failed for replica %s", listener, replica_id)
         now = self.clock()
         self._expire(now)
         replica = self._replica(replica_id)

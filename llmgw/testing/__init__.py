@@ -8,6 +8,7 @@
 - :mod:`.gateway`: a :class:`~llmgw.gateway.app.Gateway` in the test's own nursery (:func:`start_gateway_in_process`).
 - :mod:`.metrics`: the one Prometheus text reader (:func:`metric_value`, :func:`scrape`).
 - :mod:`.redis`: real redis-servers for tests, one per session or one a test may kill and restart.
+- :mod:`.shared_state`: gateway processes sharing state through Redis (a control process and followers).
 
 Only the names below are imported here; the in-process gateway and the cluster are imported from their modules
 (they pull in the whole gateway).

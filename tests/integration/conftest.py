@@ -1,5 +1,6 @@
-"""Fixtures of the cluster tests: ``engines`` (an :class:`~llmgw.testing.cluster.EngineReaper`) and ``cluster``
-(a :class:`~llmgw.testing.cluster.Cluster` of real ``llmgw serve`` and ``llmgw agent`` processes)."""
+"""Fixtures of the cluster tests: ``engines`` (an :class:`~llmgw.testing.cluster.EngineReaper`), ``cluster``
+(a :class:`~llmgw.testing.cluster.Cluster` of real ``llmgw serve`` and ``llmgw agent`` processes) and
+``shared_cluster`` (gateway processes sharing state through Redis: :mod:`llmgw.testing.shared_state`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.testing.cluster import Cluster, EngineReaper
+from llmgw.testing.shared_state import start_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "nodes"
@@ -32,3 +34,17 @@ async def cluster(engines, nursery, tmp_path):
         yield c
     finally:
         await c.http.aclose()
+
+
+@pytest.fixture
+def shared_cluster(nursery, start_llmgw, redis_url, cluster_name):
+    """``await shared_cluster(redis_url=None, **options)`` -> ``(simulators, control, followers)``: a control
+    ``llmgw serve`` and ``--role gateway`` followers of the test's own cluster, on the session's redis-server unless
+    ``redis_url`` says otherwise (``options``: those of :func:`llmgw.testing.shared_state.start_cluster`)."""
+
+    session_url = redis_url
+
+    async def start(redis_url: str | None = None, **options):
+        return await start_cluster(nursery, start_llmgw, redis_url or session_url, cluster_name, **options)
+
+    return start

@@ -118,3 +118,57 @@ def test_records_signed_with_the_cluster_secret_check_out_and_nothing_else_does(
     assert not signer.valid(b"", b"w1", b"7", b"batch") and not signer.valid(None, b"w1", b"7", b"batch")
     unsigned = records.Signer(None)  # no secret configured: Redis is trusted, nothing is signed or refused
     assert unsigned.sign(b"a") == b"" and unsigned.valid(None, b"a")
+
+
+learned = st.tuples(names, st.integers(0, records.MAX_WALL_MS), st.integers(0, records.MAX_LEARNED_TTL_MS), keys)
+
+
+@given(items=st.lists(learned, max_size=5))
+def test_a_learn_batch_round_trips(items):
+    batch = records.decode_learn_batch(records.pack([records.learn_item(*item) for item in items]))
+    assert [tuple(p) for p in batch] == [tuple(item) for item in items]
+    assert all(isinstance(p, records.LearnedPrediction) for p in batch)
+
+
+def test_a_learn_item_takes_any_sequence_of_keys():
+    [prediction] = records.decode_learn_batch(records.pack([records.learn_item("r", 5, 2000, (1, 2))]))
+    assert prediction == records.LearnedPrediction("r", 5, 2000, [1, 2])
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=200))
+def test_random_bytes_are_a_record_error_or_a_learn_batch(raw):
+    try:
+        batch = records.decode_learn_batch(raw)
+    except RecordError:
+        return
+    assert isinstance(batch, list)
+
+
+packable = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.text(max_size=10)
+                       | st.binary(max_size=10) | st.floats(allow_nan=False),
+                       lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                     max_size=4),
+                       max_leaves=30)
+
+
+@settings(max_examples=500)
+@given(st.lists(st.lists(packable, min_size=3, max_size=5) | packable, max_size=4))
+def test_any_wrongly_shaped_learn_batch_is_a_record_error(value):
+    try:
+        batch = records.decode_learn_batch(records.pack(value))
+    except RecordError:
+        return
+    for prediction in batch:  # it was well-shaped after all
+        assert isinstance(prediction.replica, str) and type(prediction.made_ms) is int
+        assert 0 <= prediction.ttl_ms <= records.MAX_LEARNED_TTL_MS
+        assert all(type(key) is int for key in prediction.keys)
+
+
+def test_learn_batches_refuse_out_of_range_times_and_keys():
+    for bad in (["r", -1, 10, [1]], ["r", 1, records.MAX_LEARNED_TTL_MS + 1, [1]], ["r", 1, 10, [1.5]],
+                ["r", 1.0, 10, [1]], ["r", 1, True, [1]], ["r", 1, 10, "keys"], [1, 1, 10, [1]], ["r", 1, 10]):
+        with pytest.raises(RecordError):
+            records.decode_learn_batch(records.pack([bad]))
+    with pytest.raises(RecordError):
+        records.decode_learn_batch(records.pack([["r", 1, 10, [1]]] * (records.MAX_LEARNED + 1)))

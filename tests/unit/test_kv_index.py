@@ -564,3 +564,58 @@ class PredictionRule(RuleBasedStateMachine):
 
 TestPredictionRule = PredictionRule.TestCase
 TestPredictionRule.settings = settings(max_examples=300, stateful_step_count=30, deadline=None)
+
+
+def test_prediction_listeners_hear_local_predictions_only():
+    index = KvIndex(predicted_ttl=3.0)
+    index.apply("a", full([1]))
+    heard = []
+    index.add_prediction_listener(lambda *args: heard.append(args))
+    index.predict("a", [1, 2, 3])
+    index.predict("a", [4], ttl=0.5)
+    index.predict("a", [])  # nothing to predict: nothing to share
+    assert heard == [("a", [1, 2, 3], 3.0), ("a", [4], 0.5)]
+    assert index.predict("a", [7, 8], ttl=1.0, remote=True) is not None  # another process's: no echo
+    assert len(heard) == 2 and index.match([7, 8], ["a"]) == {"a": 2}
+
+
+def test_a_failing_prediction_listener_fails_no_prediction():
+    index = KvIndex()
+    heard = []
+
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    index.add_prediction_listener(broken)
+    index.add_prediction_listener(lambda *args: heard.append(args))
+    assert index.predict("a", [1, 2]) is not None and len(heard) == 1
+    index.remove_prediction_listener(broken)
+    index.predict("a", [3])
+    assert len(heard) == 2
+
+
+def test_a_remote_prediction_for_an_unknown_replica_creates_no_slot():
+    index = KvIndex()
+    assert index.predict("ghost", [1, 2], ttl=2.0, remote=True) is None
+    assert index.replicas() == [] and index.predicted_keys == 0
+    index.predict("local", [1, 2], ttl=2.0)  # a local one does (the tier predicts for replicas it routes to)
+    assert index.replicas() == ["local"]
+
+
+async def test_a_remote_prediction_expires_settles_and_resets_as_a_local_one_and_never_touches_confirmed(
+        autojump_clock):
+    index = KvIndex(clock=trio.current_time)
+    index.apply("a", full([1, 2]))
+    index.apply("b", full([]))
+    index.predict("b", [1, 2, 3], ttl=1.0, remote=True)
+    assert index.match_detail([1, 2, 3], ["a", "b"]) == {"a": (2, 2), "b": (0, 3)}
+    await trio.sleep(1.01)
+    assert index.match([1, 2, 3], ["b"]) == {"b": 0} and index.keys("a") == {1, 2} and index.blocks("b") == 0
+    remote = index.predict("b", [5, 6], ttl=5.0, remote=True)
+    index.apply("b", delta(stored=[5]))  # its prefill's events are in: settled, so a removal now drops it
+    assert remote is not None and remote.settled
+    index.apply("b", delta(removed=[6]))
+    assert index.match([5, 6], ["b"]) == {"b": 1}
+    index.predict("b", [8, 9], ttl=5.0, remote=True)
+    index.apply("b", reset())
+    assert index.match([8, 9], ["b"]) == {"b": 0} and index.predicted_keys == 0

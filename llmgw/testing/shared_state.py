@@ -1,0 +1,61 @@
+"""Gateways sharing state through Redis, as child processes: a control ``llmgw serve`` and ``--role gateway`` followers
+routing one model with the ``kv_index`` tier over simulators with KV events (docs/testing.md)."""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable, Sequence
+
+import httpx
+import trio
+
+from .processes import Child
+from .sims import KV_SIM_ENV, KV_SIM_EXTRA, gateway_config, kv_sources, start_sims
+
+StartServe = Callable[..., Awaitable[Child]]  # (config text, *extra argv) -> a running `llmgw serve`
+
+
+def cluster_config(sims: Sequence[Child], redis_url: str, cluster: str, routing: str = "kv_index",
+                   state: str = "") -> str:
+    """The config every process of the cluster runs; ``state``: more ``state:`` keys (YAML lines indented by 2)."""
+    options = {"tokenize_timeout": "2s"} if routing == "kv_index" else {}
+    return gateway_config([s.url for s in sims], routing=routing, routing_options=options,
+                          kv_sources=[kv_sources(s) for s in sims] if routing == "kv_index" else None) + (
+        f"state:\n  backend: redis\n  url: {redis_url}\n  cluster: {cluster}\n  snapshot_interval: 1s\n{state}")
+
+
+async def start_cluster(nursery: trio.Nursery, start_serve: StartServe, redis_url: str, cluster: str, *,
+                        followers: int = 1, sims: int = 2, time_scale: float = 0, sim_extra: Sequence[str] = (),
+                        state: str = "", env: dict[str, str] | None = None) -> tuple[list[Child], Child, list[Child]]:
+    """``(simulators, control, followers)``, every gateway's KV index healthy for every simulator.
+
+    ``start_serve(config_text, *argv, env=...)`` starts one ``llmgw serve`` (the tests' ``start_llmgw`` fixture);
+    ``env``: added to every gateway's environment (e.g. the variable ``state.secret_env`` names).
+    """
+    engines = await start_sims(nursery, sims, env=KV_SIM_ENV, num_blocks=512, block_size=16, time_scale=time_scale,
+                               seed=0, extra=KV_SIM_EXTRA + tuple(sim_extra))
+    config = cluster_config(engines, redis_url, cluster, state=state)
+    control = await start_serve(config, env=env)
+    gateways = [await start_serve(config, "--role", "gateway", env=env) for _ in range(followers)]
+    for gateway in [control, *gateways]:
+        await wait_kv_healthy(gateway.control_url, sims)
+    return engines, control, gateways
+
+
+async def wait_kv_healthy(control_url: str, replicas: int, timeout: float = 20.0) -> None:
+    """Until the gateway lists ``replicas`` replicas, each with a healthy KV index."""
+    async with httpx.AsyncClient(timeout=5) as http:
+        with trio.fail_after(timeout):
+            while True:
+                kv = (await http.get(control_url + "/admin/kv")).json()["replicas"]
+                listed = (await http.get(control_url + "/admin/replicas")).json()
+                if len(listed) == replicas and sum(r["state"] == "healthy" for r in kv) == replicas:
+                    return
+                await trio.sleep(0.1)
+
+
+async def wait_replicas(control_url: str, count: int, timeout: float = 20.0) -> None:
+    """Until the gateway lists at least ``count`` replicas."""
+    async with httpx.AsyncClient(timeout=5) as http:
+        with trio.fail_after(timeout):
+            while len((await http.get(control_url + "/admin/replicas")).json()) < count:
+                await trio.sleep(0.1)

@@ -1,0 +1,122 @@
+"""What routing learns is shared: a burst sharing a new prefix, entering three gateway processes, co-locates.
+
+Real processes on loopback: three ``llmgw sim`` engines with KV events and a modelled prefill (2000 prompt
+tokens/s: the first request's blocks are stored, and their events seen by the gateways, some 0.4 s after it was
+routed), a control ``llmgw serve`` and two ``--role gateway`` followers, a real ``redis-server``. A burst of
+requests sharing a 600-word system prompt no engine holds (one every 50 ms, round robin over the three
+gateways, all in flight together) is routed before any event says where the prefix is: only the predictions
+the gateways share through Redis can bring them together. What is checked is what the engines answered: the
+replica (``x-llmgw-replica``) and ``usage.prompt_tokens_details.cached_tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from random import Random
+
+import httpx
+import pytest
+import trio
+
+from llmgw.bench.chat_workloads import words
+from llmgw.testing.metrics import metric_value, scrape
+from llmgw.testing.processes import Child
+from llmgw.testing.sims import MODEL
+
+pytestmark = pytest.mark.slow
+
+GATEWAYS = 3
+PER_GATEWAY = 2
+# Between two requests of the burst: above the time a prediction takes to reach the other gateways (a few ms) and
+# another gateway's load report (at most load_interval, 50 ms), far below the time the engines take to prefill
+# the shared prefix and report it (1.6 s).
+STAGGER = 0.1
+SLOW_PREFILL = ("--prefill-tokens-per-s", "2000")
+
+
+@dataclass
+class Answer:
+    order: int
+    gateway: int
+    replica: str
+    cached_tokens: int
+    prompt_tokens: int
+
+
+async def burst(gateways: list[Child], seed: int) -> list[Answer]:
+    """``GATEWAYS x PER_GATEWAY`` chats sharing a new system prompt, sent round robin every ``STAGGER`` seconds."""
+    system = {"role": "system", "content": words(Random(seed), 600)}  # about 3250 tokens
+    answers: list[Answer] = []
+
+    async def ask(http: httpx.AsyncClient, order: int) -> None:
+        gateway = order % len(gateways)
+        body = {"model": MODEL, "max_tokens": 4,
+                "messages": [system, {"role": "user", "content": f"question {order}?"}]}
+        response = await http.post(gateways[gateway].url + "/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        answers.append(Answer(order, gateway, response.headers["x-llmgw-replica"],
+                              usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]))
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as requests:
+                for order in range(GATEWAYS * PER_GATEWAY):
+                    requests.start_soon(ask, http, order)
+                    await trio.sleep(STAGGER)
+    return sorted(answers, key=lambda a: a.order)
+
+
+def cold(answers: list[Answer]) -> list[Answer]:
+    """The requests the engines prefilled from scratch."""
+    return [a for a in answers if a.cached_tokens == 0]
+
+
+async def counted_cached_tokens(gateway: Child, served: int) -> tuple[float, float]:
+    """A gateway's ``(predicted, actual)`` cached tokens, once its actual count is ``served`` (each response's usage
+    is counted as it ends, just after the client has it)."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        with trio.fail_after(5):
+            while True:
+                text = await scrape(gateway.control_url, http)
+                actual = metric_value(text, "llmgw_route_actual_cached_tokens_total", f'model="{MODEL}"')
+                if actual >= served:
+                    return metric_value(text, "llmgw_route_predicted_cached_tokens_total", f'model="{MODEL}"'), actual
+                await trio.sleep(0.05)
+
+
+async def shared_predictions(gateway: Child) -> dict[str, float]:
+    text = await scrape(gateway.control_url)
+    return {direction: metric_value(text, "llmgw_cluster_predictions_total", f'direction="{direction}"')
+            for direction in ("sent", "received", "dropped", "ignored")}
+
+
+async def test_a_burst_sharing_a_new_prefix_across_three_gateways_co_locates_and_is_predicted_exactly(
+        shared_cluster):
+    engines, control, followers = await shared_cluster(followers=2, sims=3, time_scale=1, sim_extra=SLOW_PREFILL)
+    gateways = [control, *followers]
+    answers = await burst(gateways, seed=1)
+    first = answers[0]
+    # Only the very first was prefilled from scratch: every other gateway's first request went where the first
+    # one's gateway had predicted its blocks, 1.5 s before the engine reported them.
+    assert cold(answers) == [first], answers
+    assert {a.replica for a in answers} == {first.replica}, answers
+    assert all(a.cached_tokens >= first.prompt_tokens - 64 for a in answers[1:]), answers
+    # What each gateway predicted the engine would serve from its cache is what it served, for the followers'
+    # requests routed on another gateway's prediction too.
+    for i, gateway in enumerate(gateways):
+        served = sum(a.cached_tokens for a in answers if a.gateway == i)
+        assert await counted_cached_tokens(gateway, served) == (served, served), gateway.name
+        assert await shared_predictions(gateway) == {"sent": PER_GATEWAY, "received": (GATEWAYS - 1) * PER_GATEWAY,
+                                                     "dropped": 0, "ignored": 0}, gateway.name
+
+
+async def test_without_shared_predictions_the_same_burst_scatters(shared_cluster):
+    engines, control, followers = await shared_cluster(followers=2, sims=3, time_scale=1, sim_extra=SLOW_PREFILL,
+                                                       state="  share_predictions: false\n")
+    answers = await burst([control, *followers], seed=1)
+    # Each gateway's first request was routed knowing nothing of the prefix, away from the others' load: each
+    # engine prefilled it from scratch; each gateway's next request went where its own first one went.
+    assert len(cold(answers)) == GATEWAYS and len({a.replica for a in answers}) == GATEWAYS, answers
+    assert all(a.cached_tokens > 0 for a in answers[GATEWAYS:]), answers
+    assert (await shared_predictions(control))["sent"] == 0
