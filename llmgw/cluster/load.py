@@ -18,6 +18,7 @@ path reads only these numbers: nothing on it waits for Redis.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -36,10 +37,18 @@ log = logging.getLogger(__name__)
 LOAD_STREAM_LENGTH = 10_000
 
 
-class PeerReport:
-    __slots__ = ("expires", "load")
+def combined(reports: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """Several reports' figures for one replica: the counts added, the oldest queued request's age kept."""
+    if not reports:
+        return (0,) * FIGURES
+    return (*(sum(r[i] for r in reports) for i in range(FIGURES - 1)), max(r[FIGURES - 1] for r in reports))
 
-    def __init__(self, expires: float, load: Load):
+
+class PeerReport:
+    __slots__ = ("received", "expires", "load")
+
+    def __init__(self, received: float, expires: float, load: Load):
+        self.received = received  # time.monotonic() when it arrived: the clock of Replica.queued_since
         self.expires = expires
         self.load = load
 
@@ -67,13 +76,16 @@ class LoadSharing:
     # -- this gateway's load ---------------------------------------------------------------------------------------
 
     def own_load(self) -> Load:
+        """This process's figures per replica (:data:`~.records.LOAD_FIGURES`); replicas without any are left out."""
         load: Load = {}
+        now = time.monotonic()  # the router's clock for the queue (Router.routed)
         for replica in self.replicas:
+            since = replica.local_queued_since
             figures = (replica.local_inflight, replica.local_inflight_tokens, replica.local_queued_tokens,
-                       replica.local_queued_requests)
+                       replica.local_queued_requests, 0 if since is None else int((now - since) * 1000))
             if any(figures):
                 before = load.get(replica.name)  # two objects of one name while the old one drains
-                load[replica.name] = figures if before is None else tuple(a + b for a, b in zip(before, figures))
+                load[replica.name] = figures if before is None else combined([before, figures])
         return load
 
     async def _publish(self) -> None:
@@ -128,7 +140,7 @@ class LoadSharing:
         if origin == self.origin:
             return False
         self.metrics.load_reports.labels("received").inc()
-        self.peers[origin] = PeerReport(trio.current_time() + ttl, load)
+        self.peers[origin] = PeerReport(time.monotonic(), trio.current_time() + ttl, load)
         return True
 
     async def _expire(self) -> None:
@@ -144,18 +156,22 @@ class LoadSharing:
                 self.apply()
 
     def apply(self) -> None:
-        """Set every replica's peer figures to the sum of the live reports."""
-        totals: dict[str, list[int]] = {}
+        """Set every replica's peer figures from the live reports: their sums, and their oldest queued request."""
+        by_name: dict[str, list[tuple[int, ...]]] = {}
+        oldest: dict[str, float] = {}
         for report in self.peers.values():
             for name, figures in report.load.items():
-                total = totals.setdefault(name, [0] * FIGURES)
-                for i, n in enumerate(figures):
-                    total[i] += n
+                by_name.setdefault(name, []).append(figures)
+                if figures[3]:  # queued requests: the age of their oldest is meaningful
+                    since = report.received - figures[4] / 1000
+                    oldest[name] = min(since, oldest.get(name, since))
         for replica in self.replicas:
-            if replica.name in totals or replica.name in self._applied:
+            if replica.name in by_name or replica.name in self._applied:
+                total = combined(by_name.get(replica.name, []))
                 (replica.peer_inflight, replica.peer_inflight_tokens, replica.peer_queued_tokens,
-                 replica.peer_queued_requests) = totals.get(replica.name, [0] * FIGURES)
-        self._applied = set(totals)
+                 replica.peer_queued_requests) = total[:4]
+                replica.peer_queued_since = oldest.get(replica.name)
+        self._applied = set(by_name)
         self.metrics.peers.set(len(self.peers))
 
     def describe(self) -> dict[str, Any]:

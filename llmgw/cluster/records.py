@@ -278,14 +278,17 @@ def decode_keys(raw: object) -> list[int]:
     return _keys(unpack(raw))
 
 
-LOAD_FIGURES = 4  # per replica: in-flight requests, their prompt tokens, queued prefill tokens, queued requests
+# Per replica: in-flight requests, their prompt tokens, queued prefill tokens, queued requests, and how long ago (ms)
+# the oldest of those was routed.
+LOAD_FIGURES = 5
 MAX_REPLICAS_PER_REPORT = 100_000
 Load = dict[str, tuple[int, ...]]
 
 
 def decode_load_report(fields: dict[str, Any]) -> tuple[str, float, Load]:
     """A ``load`` stream entry's ``(origin, ttl in s, {replica: figures})``: ``o`` the origin, ``x`` its time to
-    live in ms (at most 600 s), ``l`` an array of ``[name, requests, tokens, queued tokens, queued requests]``."""
+    live in ms (at most 600 s), ``l`` an array of ``[name, requests, tokens, queued tokens, queued requests,
+    ms since the oldest queued request was routed]``."""
     try:
         origin = fields["o"].decode()[:64]
         ttl = min(max(int(fields["x"]), 0) / 1000, 600.0)
@@ -298,7 +301,7 @@ def decode_load_report(fields: dict[str, Any]) -> tuple[str, float, Load]:
     for item in items:
         if not isinstance(item, list) or len(item) != 1 + LOAD_FIGURES or not isinstance(item[0], str) \
                 or len(item[0]) > MAX_NAME or not all(type(n) is int for n in item[1:]):
-            raise RecordError("a load entry is [name, requests, tokens, queued tokens, queued requests]")
+            raise RecordError("a load entry is [name, requests, tokens, queued tokens, queued requests, queued ms]")
         load[item[0]] = tuple(max(0, min(n, 1 << 40)) for n in item[1:])
     return origin, ttl, load
 

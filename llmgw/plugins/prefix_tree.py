@@ -417,7 +417,8 @@ class PrefixTreeTier(RoutingTier):
         waiting = [self._engine_waiting(r, now) for r in candidates]
         self.cost.follow(candidates)
         estimates = self.cost.estimate([r.name for r in candidates], prompt_tokens, cached_tokens, loads, waiting,
-                                       [(r.queued_tokens, r.queued_requests) for r in candidates])
+                                       [(r.queued_tokens, r.queued_requests, _seconds_since(r.queued_since, now))
+                                        for r in candidates])
         costs = [e.cost for e in estimates]
         best = min(costs)
         best_noise = max(e.noise for e, t in zip(estimates, costs) if t == best)
@@ -507,6 +508,10 @@ class PrefixTreeTier(RoutingTier):
     def _engine_waiting(self, replica: Replica, now: float) -> float | None:
         engine = self._fresh_engine_load(replica, now)
         return None if engine is None else engine.waiting
+
+
+def _seconds_since(moment: float | None, now: float) -> float:
+    return 0.0 if moment is None else max(0.0, now - moment)
 
 
 def prefill_tokens(detail: dict) -> int:

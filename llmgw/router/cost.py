@@ -4,7 +4,8 @@ For one request and one candidate replica (the rule, also in ``docs/routing.md``
 
     new_tokens    = prompt_tokens - cached_tokens       what it would have to prefill
     queued_tokens = the new tokens of the requests routed to it that have no first token yet (the replica's
-                    ledger: this gateway's and, in a cluster, the others') + the waiting requests its engine
+                    ledger: this gateway's and, in a cluster, the others'), less what its prefill throughput has
+                    worked through since the oldest of them was routed, + the waiting requests its engine
                     reports beyond those, at its mean size
     requests      = its in-flight requests (the router's, or the engine's running + waiting when fresh and more)
     estimated TTFT = step + (queued_tokens + new_tokens) / prefill_throughput + requests x per_request
@@ -295,10 +296,11 @@ class CostModel:
 
     def estimate(self, names: Sequence[str], prompt_tokens: int, cached_tokens: Sequence[int],
                  requests: Sequence[float], engine_waiting: Sequence[float | None] = (),
-                 queued: Sequence[tuple[int, int]] = ()) -> list[Estimate]:
+                 queued: Sequence[tuple[int, int, float]] = ()) -> list[Estimate]:
         """Each replica's :class:`Estimate` for a prompt of ``prompt_tokens`` of which it holds ``cached_tokens``,
-        with ``requests[i]`` in flight to it and ``queued[i]`` = (tokens, requests) of prefill queued there (the
-        replica's ledger; none when not given).
+        with ``requests[i]`` in flight to it and ``queued[i]`` = (tokens, requests, seconds since the oldest of
+        them was routed) of prefill queued there (the replica's ledger; none when not given). What the engine has
+        worked through since then, at the replica's fitted throughput, is no longer ahead of this request.
 
         ``engine_waiting[i]`` is the waiting requests replica ``i``'s engine reported in a fresh scrape (None when
         unknown): those beyond the queued requests the ledger knows (sent by gateways outside the cluster, or
@@ -310,11 +312,12 @@ class CostModel:
         for i, name in enumerate(names):
             cost = self.replica(name)
             cached = min(max(cached_tokens[i], 0), max(prompt_tokens - 1, 0))
-            queued_tokens, queued_requests = queued[i] if i < len(queued) else (0, 0)
+            queued_tokens, queued_requests, queued_for = queued[i] if i < len(queued) else (0, 0, 0.0)
+            step, slope, per_request, noise = cost.line()
+            queued_tokens = max(0, queued_tokens - int(max(queued_for, 0.0) / slope))
             waiting = engine_waiting[i] if i < len(engine_waiting) else None
             if waiting is not None and waiting > queued_requests:
                 queued_tokens += int((waiting - queued_requests) * (cost.mean_new_tokens or prompt_tokens))
-            step, slope, per_request, noise = cost.line()
             estimates.append(Estimate(cached, prompt_tokens - cached, queued_tokens, requests[i], step, 1.0 / slope,
                                       per_request, noise, self.others_weight))
         return estimates

@@ -71,6 +71,8 @@ class Replica:
     local_queued_requests: int = 0  # those requests (the router counts what a tier's Decision.prefill_tokens said)
     peer_queued_tokens: int = 0  # the other gateways' latest figures of the same
     peer_queued_requests: int = 0
+    peer_queued_since: float | None = None  # when the oldest of theirs was routed (this process's monotonic clock)
+    _queued_at: dict[int, float] = field(default_factory=dict, repr=False)  # this process's queue: ticket -> routed
     consecutive_failures: int = 0
     served: int = 0
     engine_load: EngineLoad | None = None
@@ -120,6 +122,30 @@ class Replica:
     def queued_requests(self) -> int:
         """The requests those tokens belong to."""
         return self.local_queued_requests + self.peer_queued_requests
+
+    @property
+    def local_queued_since(self) -> float | None:
+        """When the oldest request of this process's queue there was routed (monotonic), None when it is empty."""
+        return min(self._queued_at.values()) if self._queued_at else None
+
+    @property
+    def queued_since(self) -> float | None:
+        """When the oldest queued request there, this process's or a peer's, was routed: the engine has been
+        working through the queue at least since then (a cost model counts only what is left of it)."""
+        times = [t for t in (self.local_queued_since, self.peer_queued_since) if t is not None]
+        return min(times) if times else None
+
+    def queue_prefill(self, ticket: int, tokens: int, now: float) -> None:
+        """A request with ``tokens`` to prefill was routed here at ``now`` (``ticket``: its id until unqueued)."""
+        self.local_queued_tokens += tokens
+        self.local_queued_requests += 1
+        self._queued_at[ticket] = now
+
+    def unqueue_prefill(self, ticket: int, tokens: int) -> None:
+        """Its first token came, or it ended: its prefill is off the queue."""
+        self.local_queued_tokens = max(0, self.local_queued_tokens - tokens)
+        self.local_queued_requests = max(0, self.local_queued_requests - 1)
+        self._queued_at.pop(ticket, None)
 
     def open_pool(self, connect_timeout: float) -> UpstreamPool:
         """A connection pool to this replica: TLS with its trust options when the URL is ``https://``.

@@ -218,9 +218,7 @@ class Router:
             replica_of(decision).local_inflight_tokens += decision.inflight_tokens
         if decision.prefill_tokens > 0 and not decision.queued:
             decision.queued = True
-            replica = replica_of(decision)
-            replica.local_queued_tokens += decision.prefill_tokens
-            replica.local_queued_requests += 1
+            replica_of(decision).queue_prefill(id(decision), decision.prefill_tokens, time.monotonic())
         route = self.models.get(request.model)
         if route is not None:
             self._notify(route, "routed", route.tier.routed, request, decision)
@@ -264,9 +262,7 @@ class Router:
         """Its prefill is done (a first token) or will never be (the attempt ended): off the replica's queue."""
         if decision.queued:
             decision.queued = False
-            replica = replica_of(decision)
-            replica.local_queued_tokens = max(0, replica.local_queued_tokens - decision.prefill_tokens)
-            replica.local_queued_requests = max(0, replica.local_queued_requests - 1)
+            replica_of(decision).unqueue_prefill(id(decision), decision.prefill_tokens)
 
     def _notify(self, route: ModelRoute, hook: str, method: Callable[..., object], *args: object) -> None:
         try:

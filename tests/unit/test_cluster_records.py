@@ -87,10 +87,11 @@ def test_an_unknown_change_kind_reads_as_a_reset():
 
 
 def test_a_load_report_round_trips_and_clamps_its_figures():
-    fields = {"o": b"gw-1", "x": b"2000", "l": records.pack([["r1", 3, 900, 600, 2], ["r2", -5, 1 << 50, 0, 0]])}
+    fields = {"o": b"gw-1", "x": b"2000",
+              "l": records.pack([["r1", 3, 900, 600, 2, 120], ["r2", -5, 1 << 50, 0, 0, 0]])}
     origin, ttl, load = records.decode_load_report(fields)
     assert (origin, ttl) == ("gw-1", 2.0)
-    assert load == {"r1": (3, 900, 600, 2), "r2": (0, 1 << 40, 0, 0)}
+    assert load == {"r1": (3, 900, 600, 2, 120), "r2": (0, 1 << 40, 0, 0, 0)}
 
 
 packable = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.text(max_size=10)

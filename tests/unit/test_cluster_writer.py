@@ -9,6 +9,7 @@ import contextlib
 import trio
 
 from llmgw.cluster import records
+from llmgw.cluster.link import RedisLink
 from llmgw.cluster.metrics import ClusterMetrics
 from llmgw.cluster.records import Keys
 from llmgw.cluster.writer import LogWriter
@@ -48,6 +49,8 @@ class FakeLink:
 
     async def call(self, operation, command, timeout=None):
         return await command(self.client)
+
+    add_to_stream = RedisLink.add_to_stream  # the real one, over call()
 
     @staticmethod
     async def backoff(attempt):

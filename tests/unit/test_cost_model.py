@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 from llmgw.metrics import Metrics
 from llmgw.plugins_manager import build_registry, make_plugin_manager
@@ -328,3 +329,20 @@ async def test_prefill_queued_by_the_other_gateways_of_a_cluster_counts_as_much_
     assert {e["name"]: e["cost"]["queued_tokens"] for e in explained["replicas"]}[owner.name] == 6000
     owner.peer_queued_tokens = owner.peer_queued_requests = owner.peer_inflight = 0  # their report expired
     assert (await router.explain(chat("second question")))["outcome"] == "hit"
+
+
+async def test_only_what_is_left_of_the_queue_counts_once_the_engine_has_worked_on_it():
+    """6,000 tokens were queued on the holder 0.6 s ago; at its 10k tokens/s the engine is through them: the
+    request waits for nothing but its own few new tokens there, and stays with its cache."""
+    router, tier, replicas = make()
+    owner = await owner_of_the_prompt(router)
+    owner.local_inflight = 10
+    owner.queue_prefill(1, 6000, time.monotonic())
+    assert (await router.explain(chat("second question")))["outcome"] == "cost_override"  # all of it ahead
+    owner.unqueue_prefill(1, 6000)
+    owner.queue_prefill(2, 6000, time.monotonic() - 0.6)
+    explained = await router.explain(chat("second question"))
+    assert explained["outcome"] == "hit", explained["reason"]
+    assert {e["name"]: e["cost"]["queued_tokens"] for e in explained["replicas"]}[owner.name] < 300
+    owner.unqueue_prefill(2, 6000)
+    assert owner.queued_since is None and owner.queued_tokens == 0
