@@ -2,6 +2,9 @@
 
 ``llmgw bench fault [--duration 6] [--rate 20] [--concurrency 4] [--json bench-results/fault.json]``
 
+With ``--gateways N`` (N >= 2) it measures a cluster of gateways sharing state through Redis instead
+(a follower gateway killed, then Redis killed and started again): :mod:`llmgw.bench.fault_cluster`.
+
 Real processes on loopback: ``llmgw serve`` (control plane and data plane in
 one process, on fixed ports so a restart binds them again), one ``llmgw agent``
 (CPU discovery) running ``--replicas`` simulator engines of a ``kv_index``
@@ -49,7 +52,8 @@ from ..procgroup import signal_group, wait_group_gone
 from ..testing.metrics import metric_value, scrape
 from ..testing.processes import Child, free_port, llmgw_command, start_child
 from ..testing.sims import kv_sim_profile
-from .common import bench_parser, write_json
+from . import fault_cluster
+from .common import bench_parser, print_and_save, write_json
 from .fault_load import LoadSettings, SteadyLoad
 from .kv_truth import check_kv_truth
 
@@ -341,7 +345,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
     parser.add_argument("--replicas", type=int, default=2, help="simulator replicas (default 2)")
     parser.add_argument("--agent-down", type=float, default=2.0, help="seconds the agent stays dead (default 2)")
+    cluster = parser.add_argument_group("several gateways (--gateways N >= 2: llmgw.bench.fault_cluster)")
+    cluster.add_argument("--gateways", type=int, default=1,
+                         help="1 (default): one llmgw serve with an agent, faults engine, agent, control plane; "
+                              "N >= 2: a control process and N-1 --role gateway processes sharing state through a "
+                              "private redis-server, faults: a gateway, then redis")
+    cluster.add_argument("--redis-down", type=float, default=10.0,
+                         help="seconds redis-server stays dead (default 10)")
+    cluster.add_argument("--load-ttl", type=float, default=2.0,
+                         help="state.load_ttl of the gateways, seconds (default 2)")
     args = parser.parse_args(argv)
+    if not (1 <= args.gateways <= 8 and 0 < args.duration <= 120 and 0 < args.rate <= 200
+            and 1 <= args.concurrency <= 64 and 0 <= args.redis_down <= 120 and 0.1 <= args.load_ttl <= 60):
+        parser.error("bounds: 1 <= --gateways <= 8, 0 < --duration <= 120, 0 < --rate <= 200, "
+                     "1 <= --concurrency <= 64, 0 <= --redis-down <= 120, 0.1 <= --load-ttl <= 60")
+    if args.gateways > 1:
+        report = trio.run(fault_cluster.run, args)
+        results = [fault_cluster.result_from_dict(r) for r in report["results"]]
+        return print_and_save(report, fault_cluster.markdown(results), args.json)
     report = trio.run(run, args)
     print_table([FaultResult(**r) for r in report["results"]])
     if args.json:

@@ -20,6 +20,13 @@ A connection refused (or reset before the request was sent) is *not started*:
 the worker counts it in ``not_started_retries`` and sends the same request
 again after ``retry_backoff`` seconds, as a client would.
 
+Given several data planes (``SteadyLoad([url, ...])``: the gateways of a
+cluster), request number *n* goes to ``urls[n % len(urls)]`` (round robin), and a
+request not started on one is sent again to the next, as a load balancer
+would; each outcome is also counted for the data plane of the last attempt
+(``by_target``), and each refused connection for the one that refused it
+(``refused_by_target``).
+
 Outcomes are counted per ``phase``: the label current when the request ended
 (a request broken by a kill counts in the phase of the kill, even if it started
 before), and each retry in the phase current when it was retried.
@@ -31,6 +38,7 @@ import collections
 import contextlib
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -59,6 +67,10 @@ class PhaseCounts:
         default_factory=lambda: {"plain": collections.Counter(), "stream": collections.Counter()})
     not_started_retries: int = 0
     lost_started_at: list[float] = field(default_factory=list)  # monotonic start of each in_flight/stream_cut
+    # by data plane (the last attempt's): outcome -> count, kinds together; connections each one refused
+    by_target: dict[str, collections.Counter] = field(
+        default_factory=lambda: collections.defaultdict(collections.Counter))
+    refused_by_target: collections.Counter = field(default_factory=collections.Counter)
     first_ok_at: float | None = None  # monotonic end of the phase's first successful request
 
     def failed(self, kind: str) -> dict[str, int]:
@@ -69,14 +81,18 @@ class PhaseCounts:
 
     def as_dict(self) -> dict:
         return {"sent": self.sent(), "plain": dict(self.outcomes["plain"]), "stream": dict(self.outcomes["stream"]),
-                "not_started_retries": self.not_started_retries}
+                "not_started_retries": self.not_started_retries,
+                "by_target": {url: dict(c) for url, c in self.by_target.items()},
+                "refused_by_target": dict(self.refused_by_target)}
 
 
 class SteadyLoad:
     """``async with load.running():`` runs the workers; :attr:`phase` labels what they send from now on."""
 
-    def __init__(self, data_url: str, settings: LoadSettings | None = None):
-        self.data_url = data_url
+    def __init__(self, data_url: str | Sequence[str], settings: LoadSettings | None = None):
+        self.data_urls = [data_url] if isinstance(data_url, str) else list(data_url)
+        assert self.data_urls, "at least one data plane"
+        self.data_url = self.data_urls[0]
         self.settings = settings or LoadSettings()
         self.phase = "warmup"
         self.phases: dict[str, PhaseCounts] = collections.defaultdict(PhaseCounts)
@@ -128,11 +144,12 @@ class SteadyLoad:
             stream = bool(s.stream_every) and number % s.stream_every == s.stream_every - 1
             self.inflight += 1
             try:
-                outcome, started = await self._one(number, stream)
+                outcome, started, target = await self._one(number, stream)
             finally:
                 self.inflight -= 1
             counts = self.phases[self.phase]
             counts.outcomes["stream" if stream else "plain"][outcome] += 1
+            counts.by_target[target][outcome] += 1
             self.finished += 1
             if outcome in ("in_flight", "stream_cut"):
                 counts.lost_started_at.append(started)
@@ -146,25 +163,32 @@ class SteadyLoad:
                 "ignore_eos": True}
         return body | {"stream": True} if stream else body
 
-    async def _one(self, number: int, stream: bool) -> tuple[str, float]:
-        """Send one request until it started; its outcome and when its last attempt started."""
+    async def _one(self, number: int, stream: bool) -> tuple[str, float, str]:
+        """Send one request until it started (on the next data plane after a refusal); its outcome, when its
+        last attempt started, and the data plane of that attempt."""
         s = self.settings
         body = self.body(number, stream)
         give_up = time.monotonic() + s.retry_deadline
+        urls = self.data_urls
+        attempt = number % len(urls)
         while True:
             started = time.monotonic()
+            target = urls[attempt % len(urls)]
             try:
-                return await self._send(body, stream), started
+                return await self._send(target, body, stream), started, target
             except (httpx.ConnectError, httpx.WriteError):  # refused, or reset before the request was sent
                 if time.monotonic() > give_up:
-                    return "gave_up", started
-                self.phases[self.phase].not_started_retries += 1
+                    return "gave_up", started, target
+                counts = self.phases[self.phase]
+                counts.not_started_retries += 1
+                counts.refused_by_target[target] += 1
+                attempt += 1
                 await trio.sleep(s.retry_backoff)
             except httpx.TimeoutException:
-                return "timeout", started
+                return "timeout", started, target
 
-    async def _send(self, body: dict, stream: bool) -> str:
-        url = self.data_url + "/v1/completions"
+    async def _send(self, data_url: str, body: dict, stream: bool) -> str:
+        url = data_url + "/v1/completions"
         if not stream:
             try:
                 response = await self._http.post(url, json=body)

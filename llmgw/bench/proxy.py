@@ -19,6 +19,11 @@ against a test CA), ``llmgw-https`` also serves HTTPS itself (``data_tls``; wrk 
 TLS); their cost over plain ``llmgw`` is reported as ``tls_overhead``. ``direct-tls`` is
 one HTTPS upstream called directly (what the upstream side of TLS costs on its own). They need the
 ``trustme`` package (the test extra) for the certificates.
+Opt-in ``llmgw-redis``: the same llmgw config with ``state: backend: redis`` on a private
+``redis-server`` (on the upstreams' CPU): one control process that still publishes its load every
+50 ms and runs the log writer. Its CPU per request and added p50 over plain ``llmgw`` (round by
+round) are reported as ``ratios_llmgw_redis_vs_llmgw``, with the targets (<= 1.1x, <= 1.05x);
+the server's own CPU over the measurement is in ``checks.redis_cpu_s``.
 The proxy under test is pinned to CPU 1; wrk and the upstreams to CPU 0 (``taskset``), as
 in ``docs/vllm-notes.md`` section 6. All targets run at once (idle ones cost nothing)
 and every round measures each scenario on each target in turn, so that whatever else the
@@ -56,7 +61,10 @@ from pathlib import Path
 
 import trio
 
-from llmgw.testing.processes import Child, ChildFailed, free_port, start_child
+from llmgw.testing.processes import SERVE_READY, Child, ChildFailed, free_port, start_child
+from llmgw.testing.redis import start_private_redis
+
+from .cluster_rig import state_section
 
 VLLM_ROUTER_VERSION = "0.1.17"
 PROXY_CPU = 1
@@ -69,6 +77,8 @@ STREAM_BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content
 PATH = "/v1/chat/completions"
 BASELINE = "llmgw-baseline"
 TLS_TARGETS = ("llmgw-tls", "llmgw-https")  # llmgw over TLS, compared with plain llmgw
+REDIS_TARGET = "llmgw-redis"  # llmgw with its state on Redis, compared with plain llmgw (state: local)
+REDIS_CPU_TARGET, REDIS_P50_TARGET = 1.1, 1.05
 DIRECT_TLS = "direct-tls"
 
 LUA = r"""
@@ -182,6 +192,24 @@ def check_target(name: str, url: str, tls: ssl.SSLContext | None = None) -> dict
         raise BenchError(f"{name}: a streaming request got HTTP {status} and {events} events: {body[-300:]!r}")
     return {"stream_events": events, "served_by": headers.get("x-served-by"),
             "replica_header": headers.get("x-llmgw-replica")}
+
+
+def check_shared_state(control_url: str, timeout: float = 15.0) -> dict:
+    """``/admin/cluster`` of a gateway on Redis, once its shared state is live (not degraded)."""
+    host, port = control_url.split("//", 1)[1].split(":")
+    deadline = time.monotonic() + timeout
+    while True:
+        conn = http.client.HTTPConnection(host, int(port), timeout=5)
+        try:
+            conn.request("GET", "/admin/cluster")
+            state = json.loads(conn.getresponse().read())
+        finally:
+            conn.close()
+        if state.get("backend") == "redis" and not state.get("degraded"):
+            return {k: state.get(k) for k in ("backend", "role", "degraded", "log", "redis")}
+        if time.monotonic() > deadline:
+            raise BenchError(f"{control_url}/admin/cluster: the shared state is not live: {state}")
+        time.sleep(0.1)
 
 
 # -- wrk ---------------------------------------------------------------------------------------------------------------
@@ -489,6 +517,13 @@ def summarize(results: list[RunResult], targets: list[str]) -> dict:
         }
     if "llmgw" in summary and BASELINE in summary:
         summary["ratios_llmgw_vs_baseline"] = _pair_ratios(results, "llmgw", BASELINE)
+    if "llmgw" in summary and REDIS_TARGET in summary:
+        ratios = _pair_ratios(results, REDIS_TARGET, "llmgw") | _cpu_ratios(results, REDIS_TARGET, "llmgw")
+        summary["ratios_llmgw_redis_vs_llmgw"] = ratios
+        summary["redis_targets_met"] = {
+            f"cpu_per_request_at_most_{REDIS_CPU_TARGET}x": ratios.get("c32_cpu_ratio", 99) <= REDIS_CPU_TARGET,
+            f"added_p50_at_most_{REDIS_P50_TARGET}x": ratios.get("c1_added_p50_ratio", 99) <= REDIS_P50_TARGET,
+        }
     overhead = {target: tls_overhead(summary, results, target) for target in TLS_TARGETS
                 if target in summary and "llmgw" in summary}
     if overhead:
@@ -530,6 +565,19 @@ def _pair_ratios(results: list[RunResult], a: str, b: str) -> dict:
         if per_round:
             ratios[f"{scenario}_added_p50_ratio"] = round(_median(per_round), 3)
             ratios[f"{scenario}_added_p50_ratio_rounds"] = [round(r, 3) for r in per_round]
+    return ratios
+
+
+def _cpu_ratios(results: list[RunResult], a: str, b: str) -> dict:
+    """``a``'s proxy CPU per request over ``b``'s, round by round, per scenario."""
+    ratios: dict = {}
+    for scenario, *_ in SCENARIOS:
+        pairs = zip(_runs(results, a, scenario), _runs(results, b, scenario))
+        per_round = [x.proxy_cpu_us_per_request / y.proxy_cpu_us_per_request for x, y in pairs
+                     if x.proxy_cpu_us_per_request is not None and y.proxy_cpu_us_per_request]
+        if per_round:
+            ratios[f"{scenario}_cpu_ratio"] = round(_median(per_round), 3)
+            ratios[f"{scenario}_cpu_ratio_rounds"] = [round(r, 3) for r in per_round]
     return ratios
 
 
@@ -575,6 +623,22 @@ def print_table(summary: dict, targets: list[str]) -> None:
         print(f"  streams/s at c=32 (50 chunks):      {r('stream_c32_rps_ratio')}{at_least}")
         print(f"  added p50 latency at c=1:           {r('c1_added_p50_ratio')}{at_most}")
         print(f"  added p50 of a whole stream at c=1: {r('stream_c1_added_p50_ratio')}")
+    redis_ratios: dict = summary.get("ratios_llmgw_redis_vs_llmgw") or {}
+    if redis_ratios:
+        def rr(name):
+            if name not in redis_ratios:
+                return "n/a"
+            rounds = ", ".join(f"{x:.2f}" for x in redis_ratios[name + "_rounds"])
+            return f"{redis_ratios[name]:.3f}x  (rounds: {rounds})"
+
+        print()
+        print(f"{REDIS_TARGET} / llmgw (state on Redis over state: local; median of per-round ratios):")
+        print(f"  proxy CPU per request, c=32:        {rr('c32_cpu_ratio')}  target <= {REDIS_CPU_TARGET}x")
+        print(f"  proxy CPU per request, c=1:         {rr('c1_cpu_ratio')}")
+        print(f"  proxy CPU per stream, c=32:         {rr('stream_c32_cpu_ratio')}")
+        print(f"  added p50 latency at c=1:           {rr('c1_added_p50_ratio')}  target <= {REDIS_P50_TARGET}x")
+        print(f"  added p50 of a whole stream at c=1: {rr('stream_c1_added_p50_ratio')}")
+        print(f"  requests/s at c=32:                 {rr('c32_rps_ratio')}")
     for target, overhead in summary.get("tls_overhead", {}).items():
         print()
         print(f"{target} over plain llmgw (what TLS costs):")
@@ -664,6 +728,24 @@ async def start_and_measure(args: argparse.Namespace, targets: list[str], workdi
             running.append(Target(name, proc.url, proc))
             print(f"{name}: {proc.url} (pid {proc.pid}{f', from {source}' if source else ''})", flush=True)
         extra["llmgw_config"] = config.read_text()
+        redis = None
+        if REDIS_TARGET in targets:
+            # on the load CPU: this process's affinity (main) is the redis-server's too
+            redis = await start_private_redis(nursery, workdir / "redis")
+            redis_config = workdir / f"{REDIS_TARGET}.yaml"
+            redis_config.write_text(llmgw_config(urls) + state_section(redis.url, cluster="bench-proxy"))
+            extra[f"{REDIS_TARGET}_config"] = redis_config.read_text()
+            proc = await start(nursery, workdir, REDIS_TARGET, [
+                sys.executable, "-m", "llmgw", "serve", "--config", str(redis_config), "--listen", "127.0.0.1:0",
+                "--control-listen", "127.0.0.1:0"], PROXY_CPU, SERVE_READY, 60)
+            commands[REDIS_TARGET] = proc.argv
+            wait_ready(proc.url, 30, proc)
+            extra[REDIS_TARGET] = check_target(REDIS_TARGET, proc.url) | {
+                "cluster": check_shared_state(proc.control_url)}
+            running.insert(next((i + 1 for i, t in enumerate(running) if t.name == "llmgw"), len(running)),
+                           Target(REDIS_TARGET, proc.url, proc))
+            print(f"{REDIS_TARGET}: {proc.url} (pid {proc.pid}, redis-server pid {redis.pid} at {redis.url})",
+                  flush=True)
 
         if "vllm-router" in targets:
             executable, how = find_vllm_router(args.vllm_router, not args.no_install, repo)
@@ -688,8 +770,13 @@ async def start_and_measure(args: argparse.Namespace, targets: list[str], workdi
         extra["loadavg_before"] = Path("/proc/loadavg").read_text().split()[:3]
         print(f"measuring: {len(SCENARIOS)} scenarios x {len(running)} targets x {args.repeat} rounds of "
               f"{args.duration:g} s (+{args.warmup:g} s warm-up in round 1)", flush=True)
+        redis_cpu = process_cpu_seconds(redis.pid) if redis is not None else 0.0
         results.extend(run_interleaved(running, workdir, args.duration, args.warmup, args.repeat))
         extra["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
+        if redis is not None:
+            extra["redis_cpu_s"] = round(process_cpu_seconds(redis.pid) - redis_cpu, 3)
+            extra[REDIS_TARGET]["cluster_after"] = check_shared_state(
+                next(t.proc for t in running if t.name == REDIS_TARGET).control_url)  # type: ignore[union-attr]
         nursery.cancel_scope.cancel()
 
 
@@ -704,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the results here (e.g. bench-results/proxy.json)")
     parser.add_argument("--targets", default="direct,llmgw,vllm-router",
                         help="comma-separated subset of direct, llmgw, vllm-router, direct-tls, llmgw-tls, "
-                             "llmgw-https")
+                             f"llmgw-https, {REDIS_TARGET} (e.g. direct,llmgw,{REDIS_TARGET})")
     parser.add_argument("--vllm-router", default=None, help="path of the vllm-router executable")
     parser.add_argument("--no-install", action="store_true", help="do not install vllm-router when it is missing")
     parser.add_argument("--baseline", type=Path, default=None, metavar="DIR",
@@ -714,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.duration <= 300 or not 0 <= args.warmup <= 60 or not 1 <= args.repeat <= 10:
         parser.error("bounds: 0 < --duration <= 300, 0 <= --warmup <= 60, 1 <= --repeat <= 10")
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    unknown = set(targets) - {"direct", "llmgw", "vllm-router", DIRECT_TLS, *TLS_TARGETS}
+    unknown = set(targets) - {"direct", "llmgw", "vllm-router", DIRECT_TLS, *TLS_TARGETS, REDIS_TARGET}
     if unknown:
         parser.error(f"unknown targets: {', '.join(sorted(unknown))}")
     repo = Path(__file__).resolve().parents[2]

@@ -14,8 +14,11 @@ import sys
 from ..cli import table_usage
 
 BENCHES: dict[str, tuple[str, str]] = {
+    "cluster-events": ("llmgw.bench.cluster_events", "several gateways on Redis: from an engine's BlockStored to "
+                                                     "every gateway's index holding the blocks, p50/p99"),
     "fault": ("llmgw.bench.fault", "kill an engine, the agent and the control plane under a steady load: "
-                                   "failed requests by kind, time to routable again, engine restarts"),
+                                   "failed requests by kind, time to routable again, engine restarts "
+                                   "(--gateways N: a gateway, then Redis, in a cluster)"),
     "routing": ("llmgw.bench.routing", "routing tiers, an oracle and vllm-router on the same simulators: "
                                        "engine-reported cache hits, TTFT p90, output tokens/s, the load knee"),
 }

@@ -77,3 +77,19 @@ async def test_a_refused_connection_is_a_request_not_started_and_is_sent_again(n
     counts = await one_request_of_each_kind(port, "ok")
     assert set(counts["plain"]) == set(counts["stream"]) == {"ok"}
     assert counts["not_started_retries"] >= 1
+
+
+async def test_several_data_planes_take_turns_and_a_refused_request_goes_to_the_next(nursery):
+    live, dead = free_port(), free_port()  # nothing listens on `dead`: its connections are refused
+    await nursery.start(serve, live, "ok")
+    urls = [f"http://127.0.0.1:{dead}", f"http://127.0.0.1:{live}"]
+    load = SteadyLoad(urls, LoadSettings(concurrency=1, rate=50, stream_every=2, retry_backoff=0.01,
+                                         request_timeout=5))
+    async with load.running():
+        await load.wait_finished(4)
+        await load.pause()
+    counts = load.phases["warmup"]
+    assert counts.failed("plain") == counts.failed("stream") == {}
+    assert set(counts.by_target) == {urls[1]}  # every request ended on the live one
+    assert counts.refused_by_target[urls[0]] >= 2 and urls[1] not in counts.refused_by_target
+    assert counts.as_dict()["by_target"][urls[1]]["ok"] == counts.sent()

@@ -1,0 +1,150 @@
+"""Several gateways on loopback for the cluster benchmarks: a private redis-server, simulators, a control
+``llmgw serve`` and ``--role gateway`` followers, all children of one nursery.
+
+:meth:`ClusterRig.open` starts them: ``sims`` simulators with KV events (:data:`~llmgw.testing.sims.KV_SIM_EXTRA`),
+one private ``redis-server`` (:func:`~llmgw.testing.redis.start_private_redis`, which can be killed and started
+again on its port), then the control process and the followers, each on fixed ports of its own (so a killed one
+can be started again where the load generator sends), with the same config: the simulators as static replicas
+whose events the control process follows (``kv_index``), and a ``state:`` section on the private Redis
+(:func:`state_section`). It returns once every gateway routes to every replica with a healthy KV index.
+Leaving the block stops everything (each child's process group).
+
+Used by ``llmgw bench cluster-events`` (:mod:`.cluster_events`) and ``llmgw bench fault --gateways N``
+(:mod:`.fault_cluster`); what they read is what an operator sees: ``/admin/kv``, ``/admin/explain``,
+``/admin/cluster``, ``/health`` and ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import trio
+
+from ..testing.processes import SERVE_READY, Child, free_port, llmgw_command, start_child
+from ..testing.redis import PrivateRedis, start_private_redis
+from ..testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, gateway_config, kv_sources, start_sims
+
+CLUSTER = "bench"
+CONTROL, GATEWAY = "control", "gateway"
+
+
+def state_section(redis_url: str, *, cluster: str = CLUSTER, snapshot_interval: str = "1s",
+                  load_ttl: str = "2s") -> str:
+    """The config's ``state:`` section for gateways sharing state through the Redis at ``redis_url``."""
+    return (f"state:\n  backend: redis\n  url: {redis_url}\n  cluster: {cluster}\n"
+            f"  snapshot_interval: {snapshot_interval}\n  load_ttl: {load_ttl}\n")
+
+
+def cluster_config(sims: list[Child], redis_url: str, **state_options: str) -> str:
+    """One model over ``sims`` (``kv_index``, following their KV events) and the shared state on ``redis_url``."""
+    return gateway_config([s.url for s in sims], routing="kv_index", routing_options={"tokenize_timeout": "2s"},
+                          kv_sources=[kv_sources(s) for s in sims]) + state_section(redis_url, **state_options)
+
+
+@dataclass(eq=False)
+class GatewayProcess:
+    """One ``llmgw serve`` of the cluster on its own fixed loopback ports; :meth:`start` may run again after a
+    kill (same ports, same config, same role)."""
+
+    name: str
+    role: str
+    config: Path
+    data_port: int = field(default_factory=free_port)
+    control_port: int = field(default_factory=free_port)
+    child: Child | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.data_port}"
+
+    @property
+    def control_url(self) -> str:
+        return f"http://127.0.0.1:{self.control_port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.child is not None, "start() it first"
+        return self.child.pid
+
+    async def start(self, nursery: trio.Nursery) -> Child:
+        argv = llmgw_command("serve", "--config", str(self.config), "--listen", f"127.0.0.1:{self.data_port}",
+                             "--control-listen", f"127.0.0.1:{self.control_port}", "--role", self.role)
+        self.child = await start_child(nursery, argv, name=self.name, ready=SERVE_READY, startup_timeout=60,
+                                       stop_grace=2)
+        return self.child
+
+    async def kill(self, timeout: float = 30.0) -> None:
+        """SIGKILL the process itself (no goodbye to Redis or its clients); once it is gone."""
+        assert self.child is not None, "start() it first"
+        os.kill(self.child.pid, signal.SIGKILL)
+        with trio.fail_after(timeout):
+            await self.child.process.wait()
+
+
+@dataclass(eq=False)
+class ClusterRig:
+    nursery: trio.Nursery
+    workdir: Path
+    redis: PrivateRedis
+    sims: list[Child]
+    control: GatewayProcess
+    followers: list[GatewayProcess]
+    http: httpx.AsyncClient
+
+    @property
+    def gateways(self) -> list[GatewayProcess]:
+        return [self.control, *self.followers]
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, workdir: Path, *, followers: int, sims: int = 2, num_blocks: int = 2048,
+                   time_scale: float = 0.0, sim_extra: tuple[str, ...] = (),
+                   **state_options: str) -> AsyncIterator["ClusterRig"]:
+        """Everything started and ready (see the module's docstring); stopped when the block ends."""
+        async with httpx.AsyncClient(timeout=10) as http, trio.open_nursery() as nursery:
+            redis = await start_private_redis(nursery, workdir / "redis")
+            engines = await start_sims(nursery, sims, env=KV_SIM_ENV, num_blocks=num_blocks, block_size=16,
+                                       time_scale=time_scale, seed=0, extra=KV_SIM_EXTRA + sim_extra)
+            config = workdir / "llmgw.yaml"
+            config.write_text(cluster_config(engines, redis.url, **state_options))
+            control = GatewayProcess("llmgw control", CONTROL, config)
+            await control.start(nursery)
+            rig = cls(nursery, workdir, redis, engines, control,
+                      [GatewayProcess(f"llmgw gateway-{i + 1}", GATEWAY, config) for i in range(followers)], http)
+            for follower in rig.followers:
+                await follower.start(nursery)
+            for gateway in rig.gateways:
+                await rig.wait_kv_healthy(gateway)
+            try:
+                yield rig
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def wait_kv_healthy(self, gateway: GatewayProcess, timeout: float = 60.0) -> None:
+        """Until ``gateway`` lists every replica and its KV index of each is healthy."""
+        with trio.fail_after(timeout):
+            while True:
+                try:
+                    kv = (await self.http.get(gateway.control_url + "/admin/kv")).json()["replicas"]
+                    listed = (await self.http.get(gateway.control_url + "/admin/replicas")).json()
+                    if len(listed) == len(self.sims) and \
+                            sum(r["state"] == "healthy" for r in kv) == len(self.sims):
+                        return
+                except (httpx.HTTPError, ValueError, KeyError):
+                    pass
+                await trio.sleep(0.1)
+
+    async def kv_blocks(self, gateway: GatewayProcess) -> dict[str, int]:
+        """Blocks per replica in ``gateway``'s KV index (``/admin/kv``)."""
+        return {r["name"]: r["blocks"] for r in
+                (await self.http.get(gateway.control_url + "/admin/kv")).json()["replicas"]}
+
+    async def cluster_view(self, gateway: GatewayProcess) -> dict:
+        """``gateway``'s ``/admin/cluster``: role, origin, degraded, log position, the peers' load."""
+        return (await self.http.get(gateway.control_url + "/admin/cluster")).json()

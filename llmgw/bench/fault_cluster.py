@@ -1,0 +1,293 @@
+"""``llmgw bench fault --gateways N``: several gateways sharing state through Redis, a steady load spread over them,
+while a follower gateway and then Redis itself are killed.
+
+Real processes on loopback (:mod:`.cluster_rig`): two simulators with KV events, a
+private ``redis-server``, a control ``llmgw serve`` and ``N - 1`` ``--role gateway``
+followers (``state.load_ttl`` ``--load-ttl``). The load of :mod:`.fault_load` runs
+throughout, request *n* sent to gateway *n mod N* (a connection refused is sent again
+to the next gateway, as a load balancer would). Each fault gets ``--duration``
+seconds of load, half before the ``SIGKILL`` and half after the recovery:
+
+- **gateway**: the last follower is killed. Requests in flight inside it fail
+  (counted on its row, and all must have started before it was gone); the other
+  gateways must fail none. *Load gone*: from the kill until that gateway's load
+  reports expired in each survivor's view (its origin left ``/admin/cluster``
+  ``peers``, so its requests no longer count in their ``peer_inflight``). It is
+  then started again on its ports, and *back* is when it routes with an index
+  equal to the control process's.
+- **redis**: ``redis-server`` killed, started again on the same port
+  ``--redis-down`` seconds later. No request may fail anywhere (routing never
+  waits for Redis). Per gateway: when ``/health`` said ``state.degraded`` (from
+  the kill) and for how long, when it was live again (from Redis's return), and
+  for each follower, when its ``/admin/kv`` blocks per replica equal the control
+  process's again (from Redis's return; read between two reads of the control's,
+  as the load keeps changing them). That they differed just before Redis came
+  back (the follower kept its last state while the engines went on storing) is
+  recorded too.
+
+Prints a Markdown table; ``--json`` writes it all.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import platform
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import trio
+
+from .cluster_rig import ClusterRig, GatewayProcess
+from .fault_load import LoadSettings, PhaseCounts, SteadyLoad
+
+LOAD_GONE_TARGET_S = 2.0
+INDEX_EQUAL_TARGET_S = 5.0
+POLL = 0.02
+
+
+@dataclass
+class GatewayOutcome:
+    gateway: str
+    role: str
+    requests: int  # ended with their last attempt on this gateway
+    failed: dict[str, int]  # outcome -> count (in_flight, stream_cut, http_503, ...)
+    refused: int  # connections this gateway refused (sent on to the next one)
+    load_gone_s: float | None = None  # gateway fault, survivors: kill -> the victim's reports expired here
+    degraded_after_s: float | None = None  # redis fault: kill -> /health said degraded
+    degraded_for_s: float | None = None  # redis fault: how long it said so
+    live_after_return_s: float | None = None  # redis fault: Redis back -> /health not degraded
+    index_equal_after_return_s: float | None = None  # redis fault, followers: Redis back -> /admin/kv == control's
+    index_differed_before_return: bool | None = None  # redis fault, followers: it did differ while Redis was away
+
+
+@dataclass
+class ClusterFaultResult:
+    fault: str
+    victim: str | None
+    sent: int
+    lost_before_gone: bool  # every in_flight/stream_cut request started before the killed process was gone
+    victim_inflight_at_kill: int | None  # gateway fault: its requests in flight, as the survivors last saw them
+    back_s: float | None  # gateway fault: kill -> started again, routing with the control's index
+    down_s: float | None  # redis fault: how long Redis was away
+    gateways: list[GatewayOutcome] = field(default_factory=list)
+
+    def failed_elsewhere(self) -> int:
+        return sum(sum(g.failed.values()) for g in self.gateways if g.gateway != self.victim)
+
+
+def outcomes(rig: ClusterRig, counts: PhaseCounts) -> list[GatewayOutcome]:
+    rows = []
+    for gateway in rig.gateways:
+        by_outcome = counts.by_target.get(gateway.url) or collections.Counter()
+        rows.append(GatewayOutcome(gateway.name, gateway.role, sum(by_outcome.values()),
+                                   {k: n for k, n in by_outcome.items() if k != "ok"},
+                                   counts.refused_by_target.get(gateway.url, 0)))
+    return rows
+
+
+async def poll_until(what: str, check, timeout: float, interval: float = POLL):
+    """``await check()`` until it returns something other than None (HTTP errors count as not yet)."""
+    with trio.fail_after(timeout):
+        while True:
+            try:
+                value = await check()
+            except (httpx.HTTPError, ValueError, KeyError):
+                value = None
+            if value is not None:
+                return value
+            await trio.sleep(interval)
+
+
+async def index_equal(rig: ClusterRig, follower: GatewayProcess) -> bool:
+    """The follower's blocks per replica equal the control's, read just before or just after."""
+    before = await rig.kv_blocks(rig.control)
+    own = await rig.kv_blocks(follower)
+    return own == before or own == await rig.kv_blocks(rig.control)
+
+
+async def gateway_fault(rig: ClusterRig, load: SteadyLoad, duration: float) -> ClusterFaultResult:
+    victim = rig.followers[-1]
+    survivors = [g for g in rig.gateways if g is not victim]
+    load.phase = "gateway"
+    await trio.sleep(duration / 2)
+    origin = (await rig.cluster_view(victim))["origin"]
+    seen = [(await rig.cluster_view(g))["peers"].get(origin, {}).get("inflight", {}) for g in survivors]
+    inflight = max(sum(view.values()) for view in seen)
+    gone: dict[str, float] = {}
+
+    async def load_gone(gateway: GatewayProcess) -> None:
+        async def check():
+            return True if origin not in (await rig.cluster_view(gateway))["peers"] else None
+        await poll_until(f"{victim.name}'s load gone from {gateway.name}'s view", check, 30)
+        gone[gateway.name] = time.monotonic() - killed_at
+
+    killed_at = time.monotonic()
+    await victim.kill()
+    gone_at = time.monotonic()
+    async with trio.open_nursery() as nursery:
+        for gateway in survivors:
+            nursery.start_soon(load_gone, gateway)
+    await victim.start(rig.nursery)
+    await rig.wait_kv_healthy(victim)
+
+    async def caught_up():
+        return True if await index_equal(rig, victim) else None
+
+    await poll_until(f"{victim.name} back with the control's index", caught_up, 60)
+    back_s = time.monotonic() - killed_at
+    await trio.sleep(duration / 2)
+    await load.pause()
+    counts = load.phases["gateway"]
+    load.resume()
+    rows = outcomes(rig, counts)
+    for row in rows:
+        row.load_gone_s = round(gone[row.gateway], 3) if row.gateway in gone else None
+    return ClusterFaultResult("gateway", victim.name, counts.sent(),
+                              all(t <= gone_at for t in counts.lost_started_at), inflight, round(back_s, 3), None,
+                              rows)
+
+
+@dataclass
+class HealthWatch:
+    """``/health``'s ``state.degraded`` of one gateway, polled: when it first said so and when it stopped."""
+
+    degraded_at: float | None = None
+    live_at: float | None = None
+
+
+async def watch_health(rig: ClusterRig, gateway: GatewayProcess, watch: HealthWatch) -> None:
+    while True:
+        try:
+            state = (await rig.http.get(gateway.control_url + "/health")).json()["state"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            state = None
+        now = time.monotonic()
+        if state is not None:
+            if state["degraded"] and watch.degraded_at is None:
+                watch.degraded_at = now
+            elif not state["degraded"] and watch.degraded_at is not None and watch.live_at is None:
+                watch.live_at = now
+        await trio.sleep(POLL)
+
+
+async def redis_fault(rig: ClusterRig, load: SteadyLoad, duration: float, down: float) -> ClusterFaultResult:
+    load.phase = "redis"
+    await trio.sleep(duration / 2)
+    watches = {g.name: HealthWatch() for g in rig.gateways}
+    equal_after: dict[str, float] = {}
+    async with trio.open_nursery() as nursery:
+        for gateway in rig.gateways:
+            nursery.start_soon(watch_health, rig, gateway, watches[gateway.name])
+        killed_at = time.monotonic()
+        await rig.redis.kill()
+        await trio.sleep(down)
+        differed = {f.name: not await index_equal(rig, f) for f in rig.followers}  # fail-static meanwhile
+        await rig.redis.restart()
+        returned_at = time.monotonic()
+
+        async def follower_equal(follower: GatewayProcess) -> None:
+            async def check():
+                return True if await index_equal(rig, follower) else None
+            await poll_until(f"{follower.name}'s index equal to the control's", check, 60)
+            equal_after[follower.name] = time.monotonic() - returned_at
+
+        async with trio.open_nursery() as followers:
+            for follower in rig.followers:
+                followers.start_soon(follower_equal, follower)
+
+        async def all_live():
+            return True if all(w.live_at is not None for w in watches.values()) else None
+
+        await poll_until("every gateway live again", all_live, 60)
+        nursery.cancel_scope.cancel()
+    await trio.sleep(duration / 2)
+    await load.pause()
+    counts = load.phases["redis"]
+    load.resume()
+    rows = outcomes(rig, counts)
+    for row in rows:
+        watch = watches[row.gateway]
+        if watch.degraded_at is not None:
+            row.degraded_after_s = round(watch.degraded_at - killed_at, 3)
+            if watch.live_at is not None:
+                row.degraded_for_s = round(watch.live_at - watch.degraded_at, 3)
+        if watch.live_at is not None:
+            row.live_after_return_s = round(max(0.0, watch.live_at - returned_at), 3)
+        if row.gateway in equal_after:
+            row.index_equal_after_return_s = round(equal_after[row.gateway], 3)
+            row.index_differed_before_return = differed[row.gateway]
+    return ClusterFaultResult("redis", None, counts.sent(), all(t <= killed_at for t in counts.lost_started_at),
+                              None, None, round(returned_at - killed_at, 3), rows)
+
+
+def markdown(results: list[ClusterFaultResult]) -> str:
+    def s(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f} s"
+
+    lines = ["| fault | gateway | requests | failed | refused, sent to the next | killed one's load gone from its view "
+             "| degraded: seen after / for | live again after Redis is back | index == control's after Redis is back |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for result in results:
+        fault = f"kill -9 {result.victim}" if result.fault == "gateway" else f"kill -9 redis ({s(result.down_s)} down)"
+        for g in result.gateways:
+            failed = ", ".join(f"{n} {kind}" for kind, n in sorted(g.failed.items())) or "0"
+            degraded = "-" if g.degraded_after_s is None else f"{s(g.degraded_after_s)} / {s(g.degraded_for_s)}"
+            equal_cell = s(g.index_equal_after_return_s) + (" (had differed)" if g.index_differed_before_return else "")
+            name = f"{g.gateway} (killed)" if g.gateway == result.victim else g.gateway
+            lines.append(f"| {fault} | {name} | {g.requests} | {failed} | {g.refused} | {s(g.load_gone_s)} "
+                         f"| {degraded} | {s(g.live_after_return_s)} | {equal_cell} |")
+    lines.append("")
+    for result in results:
+        if result.fault == "gateway":
+            gone = max((g.load_gone_s for g in result.gateways if g.load_gone_s is not None), default=None)
+            lost = sum(sum(g.failed.values()) for g in result.gateways if g.gateway == result.victim)
+            lines.append(
+                f"- kill -9 of {result.victim} ({result.victim_inflight_at_kill} requests in flight there, as its "
+                f"peers last saw): {result.failed_elsewhere()} failed on the other gateways (target 0); {lost} lost "
+                f"in flight on it ({'all' if result.lost_before_gone else 'NOT all'} started before it was gone); "
+                f"its load left every survivor's view after {s(gone)} at most (target <= {LOAD_GONE_TARGET_S:g} s); "
+                f"started again and caught up after {s(result.back_s)}")
+        else:
+            failed_anywhere = sum(sum(g.failed.values()) for g in result.gateways)
+            equal = max((g.index_equal_after_return_s for g in result.gateways
+                         if g.index_equal_after_return_s is not None), default=None)
+            lines.append(f"- kill -9 of redis, back after {s(result.down_s)}: {failed_anywhere} failed on every "
+                         f"gateway (target 0); every follower's index equal to the control's {s(equal)} after Redis "
+                         f"was back at most (target <= {INDEX_EQUAL_TARGET_S:g} s)")
+    return "\n".join(lines)
+
+
+async def run(args) -> dict:
+    settings = LoadSettings(concurrency=args.concurrency, rate=args.rate, stream_every=args.stream_every,
+                            max_tokens=args.max_tokens)
+    load_before = os.getloadavg()
+    results: list[ClusterFaultResult] = []
+    with tempfile.TemporaryDirectory(prefix="llmgw-bench-fault-cluster-") as workdir:
+        async with ClusterRig.open(Path(workdir), followers=args.gateways - 1, sims=args.replicas,
+                                   time_scale=1.0, load_ttl=f"{args.load_ttl:g}s") as rig:
+            load = SteadyLoad([g.url for g in rig.gateways], settings)
+            async with load.running():
+                await trio.sleep(args.duration / 2)  # warm-up
+                results.append(await gateway_fault(rig, load, args.duration))
+                print("  gateway: done", flush=True)
+                results.append(await redis_fault(rig, load, args.duration, args.redis_down))
+                print("  redis: done", flush=True)
+            gateways = {g.name: {"role": g.role, "url": g.url, "control_url": g.control_url} for g in rig.gateways}
+    return {"mode": "cluster",
+            "settings": asdict(settings) | {"duration_s": args.duration, "replicas": args.replicas,
+                                            "gateways": args.gateways, "redis_down_s": args.redis_down,
+                                            "load_ttl_s": args.load_ttl},
+            "targets": {"failed_elsewhere": 0, "load_gone_s": LOAD_GONE_TARGET_S,
+                        "index_equal_after_return_s": INDEX_EQUAL_TARGET_S},
+            "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                        "load_average_before": load_before, "load_average_after": os.getloadavg()},
+            "gateways": gateways,
+            "results": [asdict(r) for r in results]}
+
+
+def result_from_dict(data: dict) -> ClusterFaultResult:
+    return ClusterFaultResult(**{**data, "gateways": [GatewayOutcome(**g) for g in data["gateways"]]})

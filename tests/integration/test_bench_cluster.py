@@ -1,0 +1,58 @@
+"""The benchmarks of several gateways as real commands, briefly: the reports' shape and where their numbers come from.
+
+No latency or timing claim is asserted (those are the benchmarks' own, measured on a quiet machine); what is
+checked: every sample was seen by every gateway and timed from the engine's own event, the followers' log-delay
+histograms counted batches, and the fault run's rows name every gateway with what each fault measures.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import trio
+
+pytestmark = pytest.mark.slow
+
+
+async def bench(tmp_path, *argv: str) -> dict:
+    out = tmp_path / "report.json"
+    command = [sys.executable, "-m", "llmgw", "bench", *argv, "--json", str(out)]
+    with trio.fail_after(120):
+        done = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr).decode()[-3000:]
+    report = json.loads(out.read_text())
+    assert report["markdown"] in done.stdout.decode()
+    return report
+
+
+async def test_cluster_events_times_every_sample_on_every_gateway_from_the_engines_event(tmp_path):
+    report = await bench(tmp_path, "cluster-events", "--followers", "1", "--duration", "2", "--rate", "4")
+    samples = report["samples"]
+    assert samples and report["event_decode_errors"] == 0
+    for sample in samples:
+        assert sample["event_ts"] is not None and sample["stored"] >= 1 and sample["blocks"] >= 1
+        assert set(sample["seen"]) == {"llmgw control", "llmgw gateway-1"}
+        assert all(seen["at"] is not None for seen in sample["seen"].values())
+    control, follower = report["summary"]["gateways"]
+    assert (control["role"], follower["role"]) == ("control", "gateway")
+    assert control["samples"] == follower["samples"] == len(samples) and follower["missed"] == 0
+    assert "log_delay" not in control and follower["log_delay"]["batches"] >= 1
+
+
+async def test_fault_with_several_gateways_kills_one_then_redis_and_reports_each_gateway(tmp_path):
+    report = await bench(tmp_path, "fault", "--gateways", "3", "--duration", "2", "--redis-down", "1",
+                         "--rate", "10")
+    gateway, redis = report["results"]
+    names = {"llmgw control", "llmgw gateway-1", "llmgw gateway-2"}
+    assert gateway["fault"] == "gateway" and gateway["victim"] == "llmgw gateway-2"
+    assert {row["gateway"] for row in gateway["gateways"]} == names
+    for row in gateway["gateways"]:
+        # each survivor saw the killed gateway's load reports expire
+        assert (row["load_gone_s"] is None) == (row["gateway"] == gateway["victim"])
+    assert gateway["back_s"] is not None and gateway["lost_before_gone"]
+    assert redis["fault"] == "redis" and redis["down_s"] >= 1
+    for row in redis["gateways"]:
+        assert row["degraded_after_s"] is not None and row["live_after_return_s"] is not None
+        assert (row["index_equal_after_return_s"] is None) == (row["role"] == "control")
