@@ -40,4 +40,9 @@ class ClusterMetrics:
                                    "dropped (own ones not sent: buffer full, expired waiting, Redis failed), "
                                    "ignored (others' not applied: expired on arrival, or for a replica this "
                                    "process does not route to).", ["direction"], registry=registry)
+        self.tier_learning = Counter("llmgw_cluster_tier_learning", "What routing tiers learnt, shared (the prefix "
+                                     "tree's routed prefixes, the cost model's observations): sent, received "
+                                     "(applied by this process's tiers), dropped (own items not sent: buffer full, "
+                                     "Redis failed), ignored (others' items no tier here takes).", ["direction"],
+                                     registry=registry)
         self.up.set(0)

@@ -96,6 +96,10 @@ class Keys:
         return self.prefix + "requests"
 
     @property
+    def tiers(self) -> str:
+        return self.prefix + "tiers"
+
+    @property
     def learn(self) -> str:
         return self.prefix + "learn"
 
@@ -265,6 +269,28 @@ def decode_learn_batch(raw: object) -> list[LearnedPrediction]:
         predictions.append(LearnedPrediction(_name(replica), _int(made_ms, 0, MAX_WALL_MS),
                                              _int(ttl_ms, 0, MAX_LEARNED_TTL_MS), _keys(keys)))
     return predictions
+
+
+MAX_TIER_ITEMS = 10_000  # tier learning items in one batch
+MAX_TIER_TEXT = 65_536  # characters of one string in a tier's payload (a routed prompt prefix)
+MAX_TIER_PAYLOAD = 16  # values in one payload
+
+
+def decode_tier_batch(raw: object) -> list[tuple[str, str, list[Any]]]:
+    """A tiers batch: ``[[model, kind, payload], ...]`` with payloads of at most ``MAX_TIER_PAYLOAD`` scalars
+    (strings of at most ``MAX_TIER_TEXT`` characters, ints, floats, booleans, None); :class:`RecordError` else."""
+    value = unpack(raw)
+    if not isinstance(value, list) or len(value) > MAX_TIER_ITEMS:
+        raise RecordError(f"a tiers batch must be an array of at most {MAX_TIER_ITEMS} items")
+    items = []
+    for item in value:
+        model, kind, payload = _array(item, 3, "tier item")
+        if not isinstance(payload, list) or len(payload) > MAX_TIER_PAYLOAD or not all(
+                x is None or isinstance(x, (bool, int, float)) or (isinstance(x, str) and len(x) <= MAX_TIER_TEXT)
+                for x in payload):
+            raise RecordError("a tier payload is an array of a few scalars")
+        items.append((_name(model), _name(kind), payload))
+    return items
 
 
 def _int(value: Any, low: int, high: int) -> int:

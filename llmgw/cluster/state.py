@@ -12,7 +12,7 @@ With ``state.backend: redis`` every ``llmgw serve`` of a cluster runs one
   table and KV index follow the control process's (:class:`~.follower.LogFollower`),
   and a drifted index asks the control process for a resync through Redis;
 - both publish their own in-flight load and read the others'
-  (:class:`~.load.LoadSharing`), and, with ``share_predictions`` (the default),
+  (:class:`~.load.LoadSharing`), and, with ``share_learning`` (the default),
   the predictions their ``kv_index`` tiers make and apply the others'
   (:class:`~.learn.PredictionSharing`).
 
@@ -39,6 +39,7 @@ from .link import RedisLink, Unavailable, cluster_secret
 from .load import LoadSharing
 from .metrics import ClusterMetrics
 from .records import Keys, ReplicaRecord
+from .tier_learning import TierLearning
 from .writer import LogWriter, PublishedKv, PublishedReplicaTable
 
 if TYPE_CHECKING:
@@ -73,7 +74,9 @@ class SharedState:
         self.kv_index = kv_index
         self.load = LoadSharing(self.link, self.keys, self.settings, replicas, self.metrics, self.origin, self.signer)
         self.learn = PredictionSharing(self.link, self.keys, replicas, kv_index, self.metrics, self.origin,
-                                       self.signer) if self.settings.share_predictions else None
+                                       self.signer) if self.settings.share_learning else None
+        self.tier_learning = TierLearning(self.link, self.keys, self.metrics, self.origin, self.signer) \
+            if self.settings.share_learning else None
         self.writer: LogWriter | None = None
         self.follower: LogFollower | None = None
         self.followed: FollowedReplicas | None = None
@@ -99,6 +102,8 @@ class SharedState:
             await nursery.start(self.load.run)
             if self.learn is not None:
                 await nursery.start(self.learn.run)
+            if self.tier_learning is not None:
+                await nursery.start(self.tier_learning.run)
             if self.writer is not None:
                 await nursery.start(self.writer.run, settled or (lambda: True))
                 nursery.start_soon(self._answer_asks)
@@ -128,7 +133,7 @@ class SharedState:
         answer: dict[str, Any] = {"backend": "redis", "role": self.role, "cluster": self.settings.cluster,
                                   "origin": self.origin, "redis": self.link.address, "degraded": not self.link.healthy,
                                   "reason": self.link.reason or None, "peers": self.load.describe(),
-                                  "share_predictions": self.learn is not None}
+                                  "share_learning": self.learn is not None}
         if self.writer is not None:
             answer["log"] = {"writer": self.writer.writer_id, "seq": self.writer.seq,
                              "published": self.writer.published}

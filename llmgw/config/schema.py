@@ -283,7 +283,7 @@ class StateConfig(Located):
     load_ttl: Annotated[float, Parse(parse_duration), at_least(0.1), at_most(600.0)] = setting(2.0)
     snapshot_interval: Annotated[float, Parse(parse_duration), at_least(0.1), at_most(3600.0)] = setting(10.0)
     stream_length: Annotated[int, at_least(1000), at_most(10_000_000)] = setting(20_000)  # log batches kept
-    share_predictions: bool = setting(True)  # the kv_index tier's predictions count in every gateway's index
+    share_learning: bool = setting(True)  # predictions, prefix-tree routes, cost observations: every gateway's
 
     @property
     def shared(self) -> bool:

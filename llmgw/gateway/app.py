@@ -121,6 +121,7 @@ class Gateway:
             self.shared = SharedState(config, role, self.replicas, self.kv_index, self.registry,
                                       self.metrics.registry)
             table, kv = self.shared.table, self.shared.kv
+            self.router.learning = self.shared.tier_learning  # before any model is declared
         elif role != CONTROL:
             raise ConfigError([issue_at(config.state, "backend", "--role gateway follows a cluster's shared state: "
                                         "it needs backend: redis")])

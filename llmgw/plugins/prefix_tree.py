@@ -140,6 +140,9 @@ class PrefixTreeOptions:
 
 RULES = ("cost", "scores")
 DEFAULT_SCORES_MAX_IMBALANCE = 4
+SHARED_ROUTE = "route"  # what a cluster's tiers share: a routed prefix and its replica...
+SHARED_TTFT = "ttft"  # ... and an observed time to first token: [engine id, replica, tokens, requests, seconds]
+SHARED_TEXT_CHARS = 16_384  # a routed prefix is shared up to this many characters (~4k tokens: Redis traffic)
 COST_TIE_FRACTION = 0.05  # estimated TTFTs within 5% (or 2 ms) of the smallest tie
 COST_TIE_SECONDS = 0.002
 COST_TIE_NOISE = 0.5  # ... or half the noise of the observed TTFTs around the fits (the noisier of the two replicas')
@@ -245,6 +248,10 @@ class PrefixTreeTier(RoutingTier):
             options.cost_prefill_tokens_per_s, options.cost_step_time, options.cost_decay, options.cost_others_weight)
         if services.metrics is not None:
             track_tree(services.metrics.registry, self.model, self.tree)
+        self.learning = services.learning  # the other gateways' tiers of this model, in a cluster
+        if self.learning is not None:
+            self.learning.subscribe(SHARED_ROUTE, self._learn_shared_route)
+            self.learning.subscribe(SHARED_TTFT, self._learn_shared_ttft)
 
     @classmethod
     def check_options(cls, raw: Mapping[str, Any] | None, registry: Registry | None = None) -> list[str]:
@@ -293,10 +300,13 @@ class PrefixTreeTier(RoutingTier):
             self.cost.routed(decision.replica.name, cost)
 
     def first_token(self, request: RouteRequest, decision: Decision, ttft: float) -> None:
-        """Its prefill is done: off the replica's queue, and one observation of the replica's speed."""
+        """Its prefill is done: off the replica's queue, and one observation of the replica's speed (shared with
+        the other gateways of a cluster, for the same engine)."""
         cost = decision.detail.get("cost")
         if cost is not None:
-            self.cost.started(decision.replica.name, cost, ttft)
+            observed = self.cost.started(decision.replica.name, cost, ttft)
+            if observed is not None and self.learning is not None:
+                self.learning.publish(SHARED_TTFT, [decision.replica.engine_id, decision.replica.name, *observed])
 
     def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
         cost = decision.detail.get("cost")
@@ -356,10 +366,25 @@ class PrefixTreeTier(RoutingTier):
         return [m if (m := held.get(r.name, 0)) >= floor else 0 for r in candidates]
 
     def learn(self, text: str, replica: str, outcome: str, now: float) -> None:
-        """Record a pick: ``replica`` now holds ``text``; a pick that was not a hit makes it the most recently cold."""
+        """Record a pick: ``replica`` now holds ``text``; a pick that was not a hit makes it the most recently cold.
+        In a cluster the other gateways' trees learn it too (its first ``SHARED_TEXT_CHARS`` characters)."""
         if outcome != "hit":
             self.note_cold(replica)
         self.tree.insert(text, replica, now)
+        if self.learning is not None:
+            self.learning.publish(SHARED_ROUTE, [text[:SHARED_TEXT_CHARS], replica])
+
+    def _learn_shared_route(self, payload: list) -> None:
+        """Another gateway sent ``text`` to ``replica``: this tree learns it too (as routed, not as a cold pick)."""
+        text, replica = payload
+        if isinstance(text, str) and isinstance(replica, str):
+            self.tree.insert(text, replica, self.clock())
+
+    def _learn_shared_ttft(self, payload: list) -> None:
+        """Another gateway observed an engine's time to first token: it counts here when the replica of that name
+        is on the same engine."""
+        engine_id, replica, tokens, requests, ttft = payload
+        self.cost.observe_engine(str(engine_id), str(replica), float(tokens), float(requests), float(ttft))
 
     def note_cold(self, replica: str) -> None:
         """``replica`` was just given a request it held nothing of: it loses ties to those given one less recently."""

@@ -338,15 +338,27 @@ class CostModel:
         cost.mean_new_tokens = new if not cost.mean_new_tokens else 0.9 * cost.mean_new_tokens + 0.1 * new
         estimate_of["pending"] = True
 
-    def started(self, name: str, estimate_of: dict[str, Any], ttft: float | None) -> None:
-        """The request's first token arrived after ``ttft`` seconds (None: it ended without one); once per request."""
+    def started(self, name: str, estimate_of: dict[str, Any],
+                ttft: float | None) -> tuple[float, float, float] | None:
+        """The request's first token arrived after ``ttft`` seconds (None: it ended without one); once per request.
+        The observation ``(tokens, requests, ttft)`` it made, or None."""
         if not estimate_of.pop("pending", False):
-            return
+            return None
         cost = self.replica(name)
         cost.awaiting = max(0, cost.awaiting - 1)
-        if ttft is not None:
-            self.observe(name, estimate_of.get("queued_tokens", 0) + estimate_of.get("new_tokens", 0),
-                         estimate_of.get("requests", 0), ttft)
+        if ttft is None:
+            return None
+        observed = (float(estimate_of.get("queued_tokens", 0) + estimate_of.get("new_tokens", 0)),
+                    float(estimate_of.get("requests", 0)), ttft)
+        self.observe(name, *observed)
+        return observed
+
+    def observe_engine(self, engine_id: str, name: str, tokens: float, requests: float, ttft: float) -> None:
+        """An observation another gateway made of engine ``engine_id``: counted for ``name`` when that is the
+        engine it is on here (ignored for an engine this model does not route to, or no longer)."""
+        cost = self.replicas.get(name)
+        if cost is not None and cost.engine == engine_id:
+            self.observe(name, tokens, requests, ttft)
 
     def describe(self, name: str) -> dict[str, Any]:
         cost = self.replica(name)

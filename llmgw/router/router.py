@@ -20,7 +20,7 @@ import inspect
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, cast
 
 from ..kv.index import KvIndex
 from ..kv.metrics import KvMetrics
@@ -28,7 +28,7 @@ from .canonical import estimated_prompt_tokens
 from .model import TierModel
 from .replica import Replica
 from .replicas import STATIC, ReplicaSet
-from .tier import Decision, RouteRequest, RoutingTier, TierServices, as_routing_tier
+from .tier import Decision, RouteRequest, RoutingTier, SharedLearning, TierServices, as_routing_tier
 
 if TYPE_CHECKING:
     from ..metrics import Metrics
@@ -46,6 +46,12 @@ class ModelRoute:
     replicas: list[Replica] = field(default_factory=list)  # the ReplicaSet's live list of the model
     options: dict[str, Any] = field(default_factory=dict)
     declared: TierModel | None = None  # the ReplicaSet declaration it was built with (None: configured directly)
+
+
+class LearningBus(Protocol):
+    """Where each model's :class:`~llmgw.router.tier.SharedLearning` comes from (llmgw.cluster's tier learning)."""
+
+    def for_model(self, model: str) -> SharedLearning: ...
 
 
 def replica_of(decision: Decision) -> Replica:
@@ -70,6 +76,7 @@ class Router:
         if metrics is not None and getattr(metrics, "registry", None) is not None:
             KvMetrics.for_registry(metrics.registry).track_index(self.kv_index, self.model_of_replica)
         self._tier_errors_logged: set[str] = set()
+        self.learning: LearningBus | None = None  # set by a cluster's shared state before any model is declared
         self.replicas.watch_models(self._declaration_changed)
         for name in self.replicas.declared_models():
             self._declaration_changed(name)
@@ -98,7 +105,8 @@ class Router:
         model_config = dataclasses.replace(model or TierModel(name), name=name, routing=tier_name,
                                            routing_options=routing_options)
         services = TierServices(registry=self.registry, metrics=self.metrics, replicas=replicas, model=name,
-                                kv_index=self.kv_index)
+                                kv_index=self.kv_index,
+                                learning=self.learning.for_model(name) if self.learning is not None else None)
         tier = as_routing_tier(self.registry.get("routing_tiers", tier_name)(model_config, services))
         fallback = as_routing_tier(self.registry.get("routing_tiers", "round_robin")(model_config, services))
         route = ModelRoute(name, tier_name, tier, fallback, replicas, routing_options)

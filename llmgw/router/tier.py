@@ -165,7 +165,9 @@ class TierServices:
     - ``model``: the model's name; ``clock``: the monotonic clock ``EngineLoad.at`` is on;
     - ``kv_index``: the router's one KV index, as a tier may use it (:class:`llmgw.kv.index.KvIndexView`: read,
       predict, observe; its confirmed blocks come from the engines' events, written by the control plane or a
-      follower of the cluster's shared state); None outside a router.
+      follower of the cluster's shared state); None outside a router;
+    - ``learning``: with several gateways in one cluster, what this tier learns and shares with the same model's
+      tiers in the other processes (:class:`SharedLearning`); None when the process routes alone.
     """
 
     registry: "Registry" = field(default_factory=_installed_plugins)
@@ -174,9 +176,20 @@ class TierServices:
     model: str = ""
     clock: Callable[[], float] = time.monotonic
     kv_index: "KvIndexView | None" = None
+    learning: "SharedLearning | None" = None
 
 
 Explanation = Mapping[str, Any]
+
+
+class SharedLearning(Protocol):
+    """A model's channel to its tiers in the other gateway processes of a cluster (docs/scaling.md)."""
+
+    def publish(self, kind: str, payload: list[Any]) -> None:
+        """Share ``payload`` (a few msgpack-able scalars) under ``kind``; never blocks, may be dropped."""
+
+    def subscribe(self, kind: str, handler: Callable[[list[Any]], None]) -> None:
+        """``handler(payload)`` for every ``kind`` payload the other processes publish for this model."""
 
 
 class RoutingTier(abc.ABC):

@@ -25,7 +25,8 @@ def cluster_config(sims: Sequence[Child], redis_url: str, cluster: str, routing:
 
 async def start_cluster(nursery: trio.Nursery, start_serve: StartServe, redis_url: str, cluster: str, *,
                         followers: int = 1, sims: int = 2, time_scale: float = 0, sim_extra: Sequence[str] = (),
-                        state: str = "", env: dict[str, str] | None = None) -> tuple[list[Child], Child, list[Child]]:
+                        state: str = "", env: dict[str, str] | None = None,
+                        routing: str = "kv_index") -> tuple[list[Child], Child, list[Child]]:
     """``(simulators, control, followers)``, every gateway's KV index healthy for every simulator.
 
     ``start_serve(config_text, *argv, env=...)`` starts one ``llmgw serve`` (the tests' ``start_llmgw`` fixture);
@@ -33,11 +34,14 @@ async def start_cluster(nursery: trio.Nursery, start_serve: StartServe, redis_ur
     """
     engines = await start_sims(nursery, sims, env=KV_SIM_ENV, num_blocks=512, block_size=16, time_scale=time_scale,
                                seed=0, extra=KV_SIM_EXTRA + tuple(sim_extra))
-    config = cluster_config(engines, redis_url, cluster, state=state)
+    config = cluster_config(engines, redis_url, cluster, routing=routing, state=state)
     control = await start_serve(config, env=env)
     gateways = [await start_serve(config, "--role", "gateway", env=env) for _ in range(followers)]
     for gateway in [control, *gateways]:
-        await wait_kv_healthy(gateway.control_url, sims)
+        if routing == "kv_index":
+            await wait_kv_healthy(gateway.control_url, sims)
+        else:
+            await wait_replicas(gateway.control_url, sims)
     return engines, control, gateways
 
 

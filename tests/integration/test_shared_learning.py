@@ -113,10 +113,29 @@ async def test_a_burst_sharing_a_new_prefix_across_three_gateways_co_locates_and
 
 async def test_without_shared_predictions_the_same_burst_scatters(shared_cluster):
     engines, control, followers = await shared_cluster(followers=2, sims=3, time_scale=1, sim_extra=SLOW_PREFILL,
-                                                       state="  share_predictions: false\n")
+                                                       state="  share_learning: false\n")
     answers = await burst([control, *followers], seed=1)
     # Each gateway's first request was routed knowing nothing of the prefix, away from the others' load: each
     # engine prefilled it from scratch; each gateway's next request went where its own first one went.
     assert len(cold(answers)) == GATEWAYS and len({a.replica for a in answers}) == GATEWAYS, answers
     assert all(a.cached_tokens > 0 for a in answers[GATEWAYS:]), answers
     assert (await shared_predictions(control))["sent"] == 0
+
+
+async def test_a_prefix_routed_by_one_gateways_tree_is_known_to_the_others(shared_cluster):
+    """prefix_tree learns only from what it routed (no engine events): shared, the second request of a prompt
+    finds the first one's replica whichever gateway it enters, and the engine serves it from its cache."""
+    engines, control, (follower,) = await shared_cluster(routing="prefix_tree", sims=4)
+    async with httpx.AsyncClient(timeout=30) as http:
+        for seed in range(3):
+            body = {"model": MODEL, "max_tokens": 4,
+                    "messages": [{"role": "user", "content": words(Random(100 + seed), 400)}]}
+            first = await http.post(control.url + "/v1/chat/completions", json=body)
+            assert first.status_code == 200, first.text
+            holder = first.headers["x-llmgw-replica"]
+            with trio.fail_after(5):
+                while (await http.post(follower.control_url + "/admin/explain", json=body)).json()["pick"] != holder:
+                    await trio.sleep(0.02)
+            second = await http.post(follower.url + "/v1/chat/completions", json=body)
+            assert second.headers["x-llmgw-replica"] == holder
+            assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

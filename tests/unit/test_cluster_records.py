@@ -173,3 +173,22 @@ def test_learn_batches_refuse_out_of_range_times_and_keys():
             records.decode_learn_batch(records.pack([bad]))
     with pytest.raises(RecordError):
         records.decode_learn_batch(records.pack([["r", 1, 10, [1]]] * (records.MAX_LEARNED + 1)))
+
+
+def test_a_tiers_batch_round_trips_and_only_small_scalar_payloads_pass():
+    items = [["tiny", "route", ["a prompt", "sim-0"]], ["tiny", "ttft", ["sim-0@x", "sim-0", 2048.0, 3.0, 0.12]]]
+    assert records.decode_tier_batch(records.pack(items)) == [(m, k, p) for m, k, p in items]
+    for bad in ([["tiny", "route", [["nested"]]]], [["tiny", "route", ["x" * 70_000]]], [["tiny", "route"]],
+                [["tiny", 5, []]], [["tiny", "route", list(range(17))]]):
+        with pytest.raises(RecordError):
+            records.decode_tier_batch(records.pack(bad))
+
+
+@settings(max_examples=300)
+@given(st.one_of(st.binary(max_size=80), packable.map(records.pack)))
+def test_any_tiers_batch_decodes_or_is_a_record_error(raw):
+    try:
+        items = records.decode_tier_batch(raw)
+    except RecordError:
+        return
+    assert all(isinstance(payload, list) for _, _, payload in items)

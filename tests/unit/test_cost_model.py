@@ -346,3 +346,12 @@ async def test_only_what_is_left_of_the_queue_counts_once_the_engine_has_worked_
     assert {e["name"]: e["cost"]["queued_tokens"] for e in explained["replicas"]}[owner.name] < 300
     owner.unqueue_prefill(2, 6000)
     assert owner.queued_since is None and owner.queued_tokens == 0
+
+
+def test_another_gateways_observation_counts_only_for_the_engine_it_was_made_of():
+    model = CostModel()
+    model.follow([Replica(name="a", model="m", url="http://127.0.0.1:1", engine_id="a/g1/pid7/1.0")])
+    model.observe_engine("a/g1/pid7/1.0", "a", 2000, 1, 0.2)
+    model.observe_engine("a/g1/pid6/0.5", "a", 2000, 1, 9.0)  # the engine before a restart: not this one
+    model.observe_engine("b/g1/pid3/1.0", "b", 2000, 1, 9.0)  # a replica this model does not route to
+    assert model.replica("a").observations == 1 and model.observations == 1

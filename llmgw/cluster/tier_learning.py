@@ -1,0 +1,133 @@
+"""What routing tiers learn, shared between the gateway processes of a cluster (the tiers' side of it).
+
+A tier gets a :class:`ModelLearning` through ``TierServices.learning`` (None
+when the process is alone): it :meth:`~ModelLearning.publish` es what it
+learnt (a kind and a small msgpack-able payload: the prefix tree's routed
+text and replica, a cost model's observation of an engine's time to first
+token) and :meth:`~ModelLearning.subscribe` s a handler per kind for what the
+other processes learnt about the same model. Publishing only appends to a
+bounded buffer (a full one drops, counted): the routing path never waits.
+:class:`TierLearning` sends the buffer as one signed entry of the cluster's
+``tiers`` stream as soon as there is something, and hands every other
+process's items to the handlers of their model and kind (a handler that
+fails is logged once, and the others still run).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable
+
+import trio
+
+from . import records
+from .link import RedisLink, Unavailable
+from .records import Keys, RecordError
+
+if TYPE_CHECKING:
+    from .metrics import ClusterMetrics
+
+log = logging.getLogger(__name__)
+
+TIERS_STREAM_LENGTH = 10_000
+MAX_PENDING = 4096  # items waiting to be sent
+Handler = Callable[[list[Any]], None]
+
+
+class ModelLearning:
+    """One model's view of the shared learning: what its tier publishes and which handlers hear the others."""
+
+    def __init__(self, bus: "TierLearning", model: str):
+        self.bus = bus
+        self.model = model
+
+    def publish(self, kind: str, payload: list[Any]) -> None:
+        """Share ``payload`` (msgpack-able, small) with the other processes' tiers of this model; never blocks."""
+        self.bus.put([self.model, kind, payload])
+
+    def subscribe(self, kind: str, handler: Handler) -> None:
+        """``handler(payload)`` for every ``kind`` item another process publishes for this model (the last
+        handler subscribed per model and kind: a rebuilt tier replaces its predecessor)."""
+        self.bus.handlers[(self.model, kind)] = handler
+
+
+class TierLearning:
+    def __init__(self, link: RedisLink, keys: Keys, metrics: "ClusterMetrics", origin: str,
+                 signer: records.Signer | None = None):
+        self.link = link
+        self.keys = keys
+        self.origin = origin
+        self.signer = signer or records.Signer(None)
+        self.handlers: dict[tuple[str, str], Handler] = {}
+        self._pending: list[list[Any]] = []
+        self._wake = trio.Event()
+        self._failed: set[tuple[str, str]] = set()
+        self._counted = {direction: metrics.tier_learning.labels(direction)
+                         for direction in ("sent", "received", "dropped", "ignored")}
+
+    def for_model(self, model: str) -> ModelLearning:
+        return ModelLearning(self, model)
+
+    def put(self, item: list[Any]) -> None:
+        if len(self._pending) >= MAX_PENDING:
+            self._counted["dropped"].inc()
+            return
+        self._pending.append(item)
+        self._wake.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._publish)
+            nursery.start_soon(self.link.follow_stream, "tiers_read", self.keys.tiers, self.take_batches)
+            task_status.started()
+
+    async def _publish(self) -> None:
+        failures = 0
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            items, self._pending = self._pending, []
+            if not items:
+                continue
+            fields = {b"o": self.origin.encode(), b"e": records.pack(items)}
+            fields[b"s"] = self.signer.sign(fields[b"o"], fields[b"e"])
+            try:
+                await self.link.add_to_stream("tiers_send", self.keys.tiers, fields, TIERS_STREAM_LENGTH)
+            except Unavailable:
+                self._counted["dropped"].inc(len(items))
+                failures += 1
+                await self.link.backoff(failures)
+                continue
+            failures = 0
+            self._counted["sent"].inc(len(items))
+
+    def take_batches(self, batches: list[dict[str, Any]]) -> None:
+        for fields in batches:
+            self.take_batch(fields)
+
+    def take_batch(self, fields: dict[str, Any]) -> None:
+        """Hand another process's items to the handlers of their model and kind."""
+        try:
+            if fields["o"].decode() == self.origin:
+                return
+            if not self.signer.valid(fields.get("s"), fields["o"], fields["e"]):
+                raise RecordError("not signed with the cluster secret")
+            items = records.decode_tier_batch(fields["e"])
+        except (KeyError, ValueError, AttributeError, RecordError):
+            self.link.metrics.bad_records.labels("tiers").inc()
+            return
+        for model, kind, payload in items:
+            handler = self.handlers.get((model, kind))
+            if handler is None:
+                self._counted["ignored"].inc()
+                continue
+            try:
+                handler(payload)
+            except Exception:  # a payload a tier cannot use: logged once per model and kind, the rest go on
+                self._counted["ignored"].inc()
+                if (model, kind) not in self._failed:
+                    self._failed.add((model, kind))
+                    log.exception("cluster state: the %s tier learning of model %s could not be applied "
+                                  "(logged once)", kind, model)
+                continue
+            self._counted["received"].inc()
