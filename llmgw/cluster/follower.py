@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import trio
 
+from ..control.tasks import TaskHost
 from ..kv.changes import BlockChanges, KvChangeKind
 from ..router.model import TierModel
 from ..router.replica import Replica, ReplicaState
@@ -44,21 +45,16 @@ BATCHES_PER_READ = 256
 ReplicaFactory = Callable[[ReplicaRecord], Replica]
 
 
-class FollowedReplicas:
+class FollowedReplicas(TaskHost):
     """The replicas and models the control plane published, kept in this process's replica set."""
+
+    not_running = "FollowedReplicas.run is not running"
 
     def __init__(self, replicas: "ReplicaSet", make_replica: ReplicaFactory):
         self.replicas = replicas
         self.make_replica = make_replica
         self.followed: dict[str, tuple[ReplicaRecord, Replica]] = {}  # by name
         self.declared: dict[tuple[str, str], TierModel] = {}  # (source, model name) -> declaration
-        self._nursery: trio.Nursery | None = None
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            await trio.sleep_forever()
 
     def declare(self, source: str, model: TierModel) -> None:
         self.declared[(source, model.name)] = model
@@ -106,11 +102,10 @@ class FollowedReplicas:
             return
         replica = current[1]
         log.info("replica %s leaves routing: %s", name, why)
-        assert self._nursery is not None, "FollowedReplicas.run is not running"
         if replica.local_inflight:
-            self._nursery.start_soon(self.replicas.drain, replica, why, DRAIN_TIMEOUT)
+            self.spawn(self.replicas.drain, replica, why, DRAIN_TIMEOUT)
         else:
-            self._nursery.start_soon(self.replicas.remove, replica)
+            self.spawn(self.replicas.remove, replica)
 
     def replace(self, models: list[tuple[str, TierModel]], members: list[tuple[ReplicaRecord, bool, str]]) -> None:
         """Make the followed state exactly a snapshot's; replicas that did not change keep their pools and health."""

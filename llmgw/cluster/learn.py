@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import trio
 
 from . import records
-from .link import RedisLink, Unavailable
+from .link import RedisLink
+from .outbox import Outbox, received_batch
 from .records import Keys, RecordError
 
 if TYPE_CHECKING:
@@ -64,14 +65,15 @@ class PredictionSharing:
         self.wall_clock = wall_clock
         self._pending: list[tuple[str, int, int, Sequence[int]]] = []
         self._pending_keys = 0
-        self._wake = trio.Event()
         self._counted = {direction: metrics.predictions.labels(direction)
                          for direction in ("sent", "received", "dropped", "ignored")}
+        self.outbox = Outbox(link, keys.learn, "learn_send", LEARN_STREAM_LENGTH, origin, self.signer,
+                             self.take_pending, self._counted["sent"].inc, self._counted["dropped"].inc)
         kv_index.add_prediction_listener(self.heard)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._publish)
+            nursery.start_soon(self.outbox.run)
             nursery.start_soon(self._receive)
             task_status.started()
 
@@ -85,7 +87,7 @@ class PredictionSharing:
         ttl_ms = min(int(ttl * 1000), records.MAX_LEARNED_TTL_MS)
         self._pending.append((replica_id, int(self.wall_clock() * 1000), ttl_ms, keys))
         self._pending_keys += len(keys)
-        self._wake.set()
+        self.outbox.ready()
 
     def take_pending(self) -> list[list[Any]]:
         """What accumulated, as learn items, and an empty buffer; those that expired waiting are dropped."""
@@ -96,29 +98,6 @@ class PredictionSharing:
         if len(items) < len(pending):
             self._counted["dropped"].inc(len(pending) - len(items))
         return items
-
-    async def _publish(self) -> None:
-        failures = 0
-        while True:
-            await self._wake.wait()
-            self._wake = trio.Event()
-            items = self.take_pending()
-            if not items:
-                continue
-            try:
-                await self._send(items)
-            except Unavailable:
-                self._counted["dropped"].inc(len(items))
-                failures += 1
-                await self.link.backoff(failures)  # what comes meanwhile waits (or expires) in the buffer
-                continue
-            failures = 0
-
-    async def _send(self, items: list[list[Any]]) -> None:
-        fields = {b"o": self.origin.encode(), b"e": records.pack(items)}
-        fields[b"s"] = self.signer.sign(fields[b"o"], fields[b"e"])
-        await self.link.add_to_stream("learn_send", self.keys.learn, fields, LEARN_STREAM_LENGTH)
-        self._counted["sent"].inc(len(items))
 
     # -- the others' predictions -----------------------------------------------------------------------------------
 
@@ -132,11 +111,10 @@ class PredictionSharing:
     def take_batch(self, fields: dict[str, Any]) -> int:
         """Apply one stream entry's predictions if another process made them; how many were applied."""
         try:
-            if fields["o"].decode() == self.origin:
+            batch = received_batch(fields, self.origin, self.signer)
+            if batch is None:
                 return 0
-            if not self.signer.valid(fields.get("s"), fields["o"], fields["e"]):
-                raise RecordError("not signed with the cluster secret")
-            predictions = records.decode_learn_batch(fields["e"])
+            predictions = records.decode_learn_batch(batch)
         except (KeyError, ValueError, AttributeError, RecordError):
             self.metrics.bad_records.labels("learn").inc()
             return 0

@@ -8,7 +8,7 @@ token) and :meth:`~ModelLearning.subscribe` s a handler per kind for what the
 other processes learnt about the same model. Publishing only appends to a
 bounded buffer (a full one drops, counted): the routing path never waits.
 :class:`TierLearning` sends the buffer as one signed entry of the cluster's
-``tiers`` stream as soon as there is something, and hands every other
+``tiers`` stream as soon as there is something (:class:`~.outbox.Outbox`), and hands every other
 process's items to the handlers of their model and kind (a handler that
 fails is logged once, and the others still run).
 """
@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import trio
 
 from . import records
-from .link import RedisLink, Unavailable
+from .link import RedisLink
+from .outbox import Outbox, received_batch
 from .records import Keys, RecordError
 
 if TYPE_CHECKING:
@@ -60,10 +61,11 @@ class TierLearning:
         self.signer = signer or records.Signer(None)
         self.handlers: dict[tuple[str, str], Handler] = {}
         self._pending: list[list[Any]] = []
-        self._wake = trio.Event()
         self._failed: set[tuple[str, str]] = set()
         self._counted = {direction: metrics.tier_learning.labels(direction)
                          for direction in ("sent", "received", "dropped", "ignored")}
+        self.outbox = Outbox(link, keys.tiers, "tiers_send", TIERS_STREAM_LENGTH, origin, self.signer, self._take,
+                             self._counted["sent"].inc, self._counted["dropped"].inc)
 
     def for_model(self, model: str) -> ModelLearning:
         return ModelLearning(self, model)
@@ -73,33 +75,17 @@ class TierLearning:
             self._counted["dropped"].inc()
             return
         self._pending.append(item)
-        self._wake.set()
+        self.outbox.ready()
+
+    def _take(self) -> list[list[Any]]:
+        items, self._pending = self._pending, []
+        return items
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._publish)
+            nursery.start_soon(self.outbox.run)
             nursery.start_soon(self.link.follow_stream, "tiers_read", self.keys.tiers, self.take_batches)
             task_status.started()
-
-    async def _publish(self) -> None:
-        failures = 0
-        while True:
-            await self._wake.wait()
-            self._wake = trio.Event()
-            items, self._pending = self._pending, []
-            if not items:
-                continue
-            fields = {b"o": self.origin.encode(), b"e": records.pack(items)}
-            fields[b"s"] = self.signer.sign(fields[b"o"], fields[b"e"])
-            try:
-                await self.link.add_to_stream("tiers_send", self.keys.tiers, fields, TIERS_STREAM_LENGTH)
-            except Unavailable:
-                self._counted["dropped"].inc(len(items))
-                failures += 1
-                await self.link.backoff(failures)
-                continue
-            failures = 0
-            self._counted["sent"].inc(len(items))
 
     def take_batches(self, batches: list[dict[str, Any]]) -> None:
         for fields in batches:
@@ -108,11 +94,10 @@ class TierLearning:
     def take_batch(self, fields: dict[str, Any]) -> None:
         """Hand another process's items to the handlers of their model and kind."""
         try:
-            if fields["o"].decode() == self.origin:
+            batch = received_batch(fields, self.origin, self.signer)
+            if batch is None:
                 return
-            if not self.signer.valid(fields.get("s"), fields["o"], fields["e"]):
-                raise RecordError("not signed with the cluster secret")
-            items = records.decode_tier_batch(fields["e"])
+            items = records.decode_tier_batch(batch)
         except (KeyError, ValueError, AttributeError, RecordError):
             self.link.metrics.bad_records.labels("tiers").inc()
             return

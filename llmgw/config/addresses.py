@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 _PORT = re.compile(r"\d{1,5}")
 _HOSTPORT_HELP = "expected HOST:PORT, e.g. 127.0.0.1:8000 or \"[::1]:8000\""
@@ -45,6 +45,17 @@ def _parse_port(text: str, *, allow_zero: bool) -> int:
     return int(text)
 
 
+def _url_port(parts: SplitResult) -> int | None:
+    """A URL's port (None when it names none); ``ValueError`` unless from 1 to 65535."""
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError("the URL's port must be a number from 1 to 65535") from None
+    if port == 0:
+        raise ValueError("the URL's port must be a number from 1 to 65535")
+    return port
+
+
 def parse_http_url(value: object) -> str:
     """A replica base URL, normalised: lower-case scheme and host, no trailing slash.
 
@@ -61,12 +72,7 @@ def parse_http_url(value: object) -> str:
         raise ValueError("the URL has no host")
     if parts.query or parts.fragment:
         raise ValueError("the URL must not have a query or a fragment")
-    try:
-        port = parts.port
-    except ValueError:
-        raise ValueError("the URL's port must be a number from 1 to 65535") from None
-    if port == 0:
-        raise ValueError("the URL's port must be a number from 1 to 65535")
+    port = _url_port(parts)
     path = parts.path.rstrip("/")
     if path.endswith("/v1"):
         raise ValueError("leave /v1 out of the URL: llmgw appends the request path (/v1/chat/completions...)")
@@ -104,12 +110,7 @@ def parse_redis_url(value: object) -> str:
         return f"unix://{parts.path}" + (f"?{parts.query}" if parts.query else "")
     if not parts.hostname:
         raise ValueError("the URL has no host")
-    try:
-        port = parts.port
-    except ValueError:
-        raise ValueError("the URL's port must be a number from 1 to 65535") from None
-    if port == 0:
-        raise ValueError("the URL's port must be a number from 1 to 65535")
+    port = _url_port(parts)
     database = parts.path.strip("/")
     if database and not (database.isdigit() and int(database) < 16384):
         raise ValueError("the URL's path is the database number, e.g. redis://127.0.0.1:6379/0")

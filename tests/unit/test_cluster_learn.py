@@ -48,7 +48,7 @@ def test_the_routing_path_only_buffers_what_the_index_predicts():
     shared, index, clock, registry = sharing()
     index.predict("a", [1, 2, 3])
     index.predict("b", [4], ttl=0.5)
-    assert shared._wake.is_set()
+    assert shared.outbox._wake.is_set()  # the sender is woken
     assert shared.take_pending() == [["a", 1_000_000, 2000, [1, 2, 3]], ["b", 1_000_000, 500, [4]]]
     assert shared.take_pending() == []
 
