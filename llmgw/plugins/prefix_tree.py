@@ -38,6 +38,7 @@ to the replica, or the engine's running + waiting requests when
 from __future__ import annotations
 
 import difflib
+import hashlib
 import logging
 import math
 import random
@@ -413,7 +414,7 @@ class PrefixTreeTier(RoutingTier):
             if cached_tokens is None:
                 cached_tokens = [m // CHARS_PER_TOKEN for m in matched]
             return self._decide_by_cost(candidates, matched, loads, tokens, prompt_tokens, cached_tokens, now,
-                                        rng, tie_key)
+                                        rng, tie_key, request)
         context = ScoreContext(prompt_units, matched, loads, tokens, now)
         scores: dict[str, Sequence[float]] = {}
         combined = [0.0] * len(candidates)
@@ -431,7 +432,7 @@ class PrefixTreeTier(RoutingTier):
 
     def _decide_by_cost(self, candidates: Sequence[Replica], matched: list[int], loads: list[float],
                         tokens: list[int], prompt_tokens: int, cached_tokens: Sequence[int], now: float,
-                        rng: random.Random, tie_key) -> Choice:
+                        rng: random.Random, tie_key, request: RouteRequest | None = None) -> Choice:
         """The smallest cost: estimated time to first token plus the delay to others (:mod:`llmgw.router.cost`).
 
         An estimate within ``COST_TIE_FRACTION`` of it, ``COST_TIE_SECONDS`` or half the noise of the observed
@@ -450,8 +451,11 @@ class PrefixTreeTier(RoutingTier):
         margin = max(best * COST_TIE_FRACTION, COST_TIE_SECONDS)
         near = [i for i, (e, t) in enumerate(zip(estimates, costs))
                 if t <= best + max(margin, COST_TIE_NOISE * max(best_noise, e.noise))]
-        chosen = self._first(rng, near, lambda i: (-matched[i], *tie_key(i)))
         longest = max(matched)
+        if not longest and len(near) > 1 and self.learning is not None and request is not None:
+            chosen = self._rendezvous(request, candidates, near)
+        else:
+            chosen = self._first(rng, near, lambda i: (-matched[i], *tie_key(i)))
         preferred = self._first(rng, [i for i, m in enumerate(matched) if m == longest], tie_key) \
             if longest else chosen
         combined = [-t for t in costs]
@@ -507,6 +511,17 @@ class PrefixTreeTier(RoutingTier):
                 return (f"preferred replica's load {load:g} exceeds mean + {o.load_sigma_k:g}σ "
                         f"(mean {mean:.3g}, σ {sigma:.3g})")
         return ""
+
+    def _rendezvous(self, request: RouteRequest, candidates: Sequence[Replica], indices: list[int]) -> int:
+        """Among equally good candidates for a prompt no replica holds, the one its first characters hash to
+        highest with (rendezvous hashing): every gateway of a cluster that sees the same new prefix at the same
+        moment picks the same replica, before any of them could learn of the others' pick."""
+        head = canonical_text(request)[:max(self.options.min_match_chars, 64)].encode()
+
+        def weight(i: int) -> bytes:
+            return hashlib.blake2b(head, digest_size=8, key=candidates[i].name.encode()[:64]).digest()
+
+        return max(indices, key=weight)
 
     @staticmethod
     def _first(rng: random.Random, indices: list[int], key) -> int:

@@ -355,3 +355,42 @@ def test_another_gateways_observation_counts_only_for_the_engine_it_was_made_of(
     model.observe_engine("a/g1/pid6/0.5", "a", 2000, 1, 9.0)  # the engine before a restart: not this one
     model.observe_engine("b/g1/pid3/1.0", "b", 2000, 1, 9.0)  # a replica this model does not route to
     assert model.replica("a").observations == 1 and model.observations == 1
+
+
+class QuietLearning:
+    """A cluster's tier learning that carries nothing: only that the tier is in a cluster."""
+
+    def publish(self, kind, payload):
+        pass
+
+    def subscribe(self, kind, handler):
+        pass
+
+
+def gateway_of_a_cluster(seed: int):
+    router = Router(build_registry(make_plugin_manager(())), Metrics())
+    router.learning = type("Bus", (), {"for_model": lambda self, model: QuietLearning()})()
+    tier = router.configure_model("m", "prefix_tree", {"seed": seed}).tier
+    replicas = [Replica(name=n, model="m", url=f"http://127.0.0.1:{9000 + i}") for i, n in enumerate("abcd")]
+    for replica in replicas:
+        router.add_replica(replica)
+    teach(tier.cost, "abcd")
+    return router
+
+
+async def test_gateways_of_a_cluster_send_a_new_prefix_to_the_same_replica_without_hearing_of_each_other():
+    """Two gateways (different random seeds, nothing shared yet) meet the same new prompts at the same moment:
+    each prompt goes to the same replica through both, and different prompts spread over the replicas."""
+    first, second = gateway_of_a_cluster(1), gateway_of_a_cluster(2)
+    picks = set()
+    for group in range(12):
+        system = f"Group {group}: you answer questions about product number {group * 7919}. " * 40
+        one = await first.explain(chat("q", system=system))
+        other = await second.explain(chat("another q", system=system))
+        assert one["outcome"] == other["outcome"] == "miss"
+        assert one["pick"] == other["pick"], group
+        picks.add(one["pick"])
+    assert len(picks) >= 3  # hashed, not piled up
+    # Alone (no cluster), a gateway breaks such ties by its own load and its random draw, as before.
+    alone = [await make(names=tuple("abcd"), options={"seed": s})[0].explain(chat("q")) for s in range(8)]
+    assert len({answer["pick"] for answer in alone}) > 1
