@@ -27,7 +27,7 @@ PACKAGE = Path(llmgw.__file__).parent
 
 # Top-level modules every layer may use: no state of a layer, no import of one.
 BASE = {"metrics", "tls", "usererrors", "listening", "logsetup", "procgroup", "private_file", "plugins_manager",
-        "hookspecs", "plugin", "cached_labels", "units", "redis_server"}
+        "hookspecs", "plugin", "cached_labels", "units", "redis_server", "backoff"}
 MIDDLE = {"control", "router", "agent", "sim"}
 BOTTOM = {"kv", "http", "wire", "engines"}  # the libraries the middle layers share
 # What a middle layer may import besides itself and the base modules.
