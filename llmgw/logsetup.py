@@ -2,7 +2,9 @@
 
 ``text`` is ``TIME LEVEL LOGGER: message``; ``json`` is one object per line
 (``ts``, ``level``, ``logger``, ``message``, and ``exc`` with the traceback
-when there is one) for log shippers. Both go to stderr.
+when there is one) for log shippers. Both go to stderr. A worker of
+``llmgw serve --workers`` says which it is: ``TIME LEVEL [worker 1] LOGGER: message``,
+``"worker": 1``.
 """
 
 from __future__ import annotations
@@ -34,21 +36,30 @@ def add_logging_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGr
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per record: ``ts`` (UTC, ISO 8601 with milliseconds), ``level``, ``logger``, ``message``."""
+    """One JSON object per record: ``ts`` (UTC, ISO 8601 with milliseconds), ``level``, ``logger``, ``message``
+    (and ``worker``, the index of a worker of ``llmgw serve --workers``)."""
+
+    def __init__(self, worker: int | None = None):
+        super().__init__()
+        self.worker = worker
 
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        entry = {"ts": f"{stamp}.{int(record.msecs):03d}Z", "level": record.levelname.lower(),
-                 "logger": record.name, "message": record.getMessage()}
+        entry: dict[str, object] = {"ts": f"{stamp}.{int(record.msecs):03d}Z", "level": record.levelname.lower(),
+                                    "logger": record.name, "message": record.getMessage()}
+        if self.worker is not None:
+            entry["worker"] = self.worker
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)
 
 
-def setup_logging(level: str = "info", fmt: str = "text") -> None:
-    """Configure the root logger once for this process (a second call replaces the handler)."""
+def setup_logging(level: str = "info", fmt: str = "text", worker: int | None = None) -> None:
+    """Configure the root logger once for this process (a second call replaces the handler); ``worker``: this
+    process is that worker of ``llmgw serve --workers``, and its lines say so."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    text_format = TEXT_FORMAT if worker is None else TEXT_FORMAT.replace("%(name)s", f"[worker {worker}] %(name)s")
+    handler.setFormatter(JsonFormatter(worker) if fmt == "json" else logging.Formatter(text_format))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import trio
 
+from .backoff import RestartBackoff
 from .procgroup import signal_group, terminate_group
 from .usererrors import UserError
 
@@ -80,12 +81,13 @@ class RedisServer:
             return ""
 
 
-def find_redis_server(directories: Iterable[str | os.PathLike[str]] = SEARCH_DIRECTORIES) -> str:
-    """The redis-server executable: from ``PATH``, else from ``directories``; a :class:`UserError` when absent."""
+def find_redis_server(directories: Iterable[str | os.PathLike[str]] | None = None) -> str:
+    """The redis-server executable: from ``PATH``, else from ``directories`` (default :data:`SEARCH_DIRECTORIES`,
+    read at each call); a :class:`UserError` when absent."""
     found = shutil.which("redis-server")
     if found is not None:
         return found
-    for directory in directories:
+    for directory in SEARCH_DIRECTORIES if directories is None else directories:
         candidate = Path(directory) / "redis-server"
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
@@ -241,8 +243,7 @@ async def supervise_redis_server(directory: Path, *, unix_socket: Path,
     exited one's, with its ``returncode``), ``server.restarts`` counts them. Between restarts the supervisor waits
     ``restart_backoff[0]`` seconds, doubled after each restart up to ``restart_backoff[1]``, and from the start
     again once a server ran for a minute. Each exit is logged at WARNING with its code."""
-    first_delay, longest_delay = restart_backoff
-    delay = first_delay
+    backoff = RestartBackoff(*restart_backoff, stable_after=STABLE_AFTER)
     restarts = _Restarts(task_status)
     while True:
         began = trio.current_time()
@@ -252,13 +253,12 @@ async def supervise_redis_server(directory: Path, *, unix_socket: Path,
         except RedisServerFailed as failure:
             if restarts.server is None:
                 raise
+            delay = backoff.next_delay(None)
             log.error("redis-server did not start again (next try in %g s): %s", delay, failure)
         else:
             assert restarts.server is not None and restarts.current is not None, "it returns once it started"
             restarts.server.returncode = restarts.current.returncode
-            if trio.current_time() - began >= STABLE_AFTER:
-                delay = first_delay
+            delay = backoff.next_delay(trio.current_time() - began)
             log.warning("redis-server (pid %d) exited with code %s; starting it again in %g s",
                         restarts.current.pid, restarts.current.returncode, delay)
         await trio.sleep(delay)
-        delay = min(delay * 2, longest_delay)

@@ -33,11 +33,12 @@ class StateDirBusy(UserError):
 
 
 class StateDirLock:
-    """``with StateDirLock(dir):`` holds the dir's lock, or raises :class:`StateDirBusy` at once."""
+    """``with StateDirLock(dir):`` holds the dir's lock, or raises :class:`StateDirBusy` at once. ``lock_file``:
+    the lock's name in the dir (the supervisor of ``llmgw serve --workers`` holds ``workers.lock`` in its own)."""
 
-    def __init__(self, state_dir: Path | str):
+    def __init__(self, state_dir: Path | str, lock_file: str = LOCK_FILE):
         self.state_dir = Path(state_dir)
-        self.path = self.state_dir / LOCK_FILE
+        self.path = self.state_dir / lock_file
         self._fd: int | None = None
 
     def acquire(self) -> None:

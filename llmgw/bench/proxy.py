@@ -120,12 +120,19 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 def _descendants(pid: int) -> list[int]:
+    """Every descendant of ``pid``: the children of each of its threads (trio starts processes from a worker
+    thread, under whose ``children`` they are listed while that thread lives), and theirs."""
     out: list[int] = []
+    children: list[str] = []
     try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                children += (task / "children").read_text().split()
+            except OSError:
+                continue  # a thread that just exited
     except OSError:
         return out
-    for child in children:
+    for child in dict.fromkeys(children):
         out.append(int(child))
         out.extend(_descendants(int(child)))
     return out

@@ -7,6 +7,9 @@ KV-aware OpenAI endpoint on any laptop. Its state lives in a
 temporary folder and its engines are stopped at exit (a real agent's engines
 outlive it). SIGINT/SIGTERM drain gracefully (a second signal stops at once);
 SIGHUP reloads the config file.
+
+With ``--workers N`` (N > 1) this process becomes the supervisor of N such processes sharing the data port
+(:mod:`llmgw.workers`); each of them is an ``llmgw serve`` started with the internal ``--worker`` flags.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 import signal
 import sys
 import tempfile
+from functools import partial
 
 import trio
 
@@ -25,6 +29,7 @@ from ..control.identity import IdentityStoreError
 from ..logsetup import add_logging_arguments, setup_logging
 from ..plugins_manager import load_checked_config
 from ..usererrors import run_reporting
+from ..workers.plan import add_worker_arguments
 
 log = logging.getLogger("llmgw.serve")
 DEMO_MODEL = "tiny"
@@ -42,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stop-engines", action="store_true",
                         help="stop the embedded agent's engines at exit (by default they keep running, to be adopted "
                              "by the next start; 'llmgw down --config FILE' stops them later)")
+    add_worker_arguments(parser)
     add_logging_arguments(parser, default_level=None, default_format=None, source="the config's, else info/text")
     return parser
 
@@ -72,25 +78,46 @@ Try the KV-aware routing (kv_index: the engines' own cache events tell llmgw whe
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.workers > 1 and not args.config:
+        print("llmgw serve: --workers needs --config (the demo runs as one process)", file=sys.stderr)
+        return 2
+    adjust_config = None
     try:
         listen = HostPort.parse(args.listen) if args.listen else None
         control_listen = HostPort.parse(args.control_listen) if args.control_listen else None
         config = load_checked_config(args.config) if args.config else None
+        if config is not None and args.worker_state:  # a worker of --workers: the supervisor's private Redis
+            from ..workers.worker import with_private_state
+
+            adjust_config = partial(with_private_state, url=args.worker_state)
+            config = adjust_config(config)
     except (ConfigError, ValueError) as exc:
         print(f"llmgw serve: {exc}", file=sys.stderr)
         return 2
     setup_logging(args.log_level or (config.log_level if config else "info"),
-                  args.log_format or (config.log_format if config else "text"))
+                  args.log_format or (config.log_format if config else "text"), worker=args.worker)
     refused: list[BaseException] = []
     code = 0
+
+    def run() -> int:
+        if args.workers == 1:
+            trio.run(partial(serve, config, listen, control_listen, args.demo_replicas, args.stop_engines, args.role,
+                             worker=args.worker, adjust_config=adjust_config))
+            return 0
+        from ..workers.supervisor import run_workers
+
+        assert config is not None, "--workers needs --config (checked above)"
+        return run_workers(config, args.workers, listen, control_listen, args.role, args.state_dir,
+                           args.stop_engines, args.log_level, args.log_format)
+
+    codes: list[int] = []
     try:
-        code = run_reporting("llmgw serve", lambda: trio.run(serve, config, listen, control_listen,
-                                                             args.demo_replicas, args.stop_engines, args.role))
+        code = run_reporting("llmgw serve", lambda: codes.append(run()))
     except* (ConfigError, IdentityStoreError) as group:  # raised at start-up, perhaps inside a nursery's group
         refused = list(_leaves(group))
     for error in refused:
         print(f"llmgw serve: {error}", file=sys.stderr)
-    return 2 if refused else code
+    return 2 if refused else code or (codes[0] if codes else 0)
 
 
 def _leaves(group: BaseExceptionGroup):
@@ -99,9 +126,12 @@ def _leaves(group: BaseExceptionGroup):
 
 
 async def serve(config, listen, control_listen, demo_replicas: int = 2, stop_engines: bool = False,
-                role: str = "control") -> None:
+                role: str = "control", worker: int | None = None, adjust_config=None) -> None:
+    """``worker``: this process is that worker of an ``llmgw serve --workers`` supervisor (:mod:`llmgw.workers`);
+    ``adjust_config``: applied to the config at each reload, as it was to ``config``."""
     if config is not None:
-        gateway = await _serve(config, listen, control_listen, stop_engines=stop_engines, role=role)
+        gateway = await _serve(config, listen, control_listen, stop_engines=stop_engines, role=role, worker=worker,
+                               adjust_config=adjust_config)
         _say_what_keeps_running(gateway)
         return
     with tempfile.TemporaryDirectory(prefix="llmgw-demo-") as state_dir:
@@ -113,18 +143,26 @@ async def serve(config, listen, control_listen, demo_replicas: int = 2, stop_eng
 
 
 async def _serve(config, listen, control_listen, demo_replicas: int | None = None, stop_engines: bool = False,
-                 role: str = "control"):
+                 role: str = "control", worker: int | None = None, adjust_config=None):
     from ..gateway.app import Gateway
 
     demo = demo_replicas is not None
     gateway = Gateway(config, embedded_discovery="cpu" if demo else "auto", stop_engines_on_exit=demo or stop_engines,
-                      role=role)
+                      role=role, adjust_config=adjust_config)
     async with trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
-            addresses = await nursery.start(gateway.run, listen and (listen.host, listen.port),
-                                            control_listen and (control_listen.host, control_listen.port))
+            addresses = await nursery.start(partial(gateway.run, listen and (listen.host, listen.port),
+                                                    control_listen and (control_listen.host, control_listen.port),
+                                                    reuse_port=worker is not None))
             if demo_replicas is not None:
                 await _wait_for_replicas(gateway, demo_replicas)
+            if worker is not None:
+                from ..workers.worker import wait_until_following
+
+                # Worker 0 runs the control plane: the last one needing the private Redis (if any) at the end.
+                private_redis = gateway.config.state.url if worker == 0 and adjust_config is not None else None
+                nursery.start_soon(_drain_when_orphaned, gateway, nursery, private_redis)
+                await wait_until_following(gateway)
             # Start-up objects live for the whole run: keep the collector from walking them again and again
             # (full collections took 40-70 ms here and showed up in request p99).
             gc.collect()
@@ -166,6 +204,21 @@ async def _wait_for_replicas(gateway, count: int, timeout: float = 30.0) -> None
     with trio.move_on_after(timeout):
         while sum(1 for r in gateway.replicas.members(DEMO_MODEL) if r.routable) < count:
             await trio.sleep(0.05)
+
+
+async def _drain_when_orphaned(gateway, nursery: trio.Nursery, private_redis: str | None) -> None:
+    """A worker: drain and exit once the supervisor is gone (its lifeline, stdin, ended); ``private_redis``: the
+    supervisor's redis-server, to stop then (worker 0's job)."""
+    from ..workers.worker import stop_private_redis, watch_lifeline
+
+    await watch_lifeline()
+    if gateway.draining:
+        return
+    log.warning("the --workers supervisor is gone: draining")
+    await gateway.shutdown()
+    if private_redis is not None:
+        await stop_private_redis(private_redis)
+    nursery.cancel_scope.cancel()
 
 
 async def _shutdown(gateway, nursery: trio.Nursery) -> None:

@@ -19,7 +19,7 @@ import logging
 import ssl
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import trio
 
@@ -72,12 +72,15 @@ class Addresses:
 
 class Gateway:
     def __init__(self, config: Config, registry: Registry | None = None, *, embedded_discovery: str = "auto",
-                 stop_engines_on_exit: bool = False, role: str = CONTROL):
+                 stop_engines_on_exit: bool = False, role: str = CONTROL,
+                 adjust_config: Callable[[Config], Config] | None = None):
         """``stop_engines_on_exit``: the embedded agent's engines stop with the gateway (the demo); by default
         they outlive it, to be adopted by the next start. ``role``: ``control`` runs the control plane (and, with
         a shared state backend, writes the cluster's state); ``gateway`` only follows a cluster's shared state
-        (docs/scaling.md)."""
+        (docs/scaling.md). ``adjust_config``: applied to the config each :meth:`reload` reads, as it was to
+        ``config`` (a worker of ``llmgw serve --workers`` puts its supervisor's private Redis in ``state``)."""
         self.config = config
+        self.adjust_config = adjust_config
         self.embedded_discovery = embedded_discovery
         self.stop_engines_on_exit = stop_engines_on_exit
         self.embedded_agent: Agent | None = None
@@ -137,7 +140,9 @@ class Gateway:
         self._reload_lock = trio.Lock()
 
     async def run(self, listen: tuple[str, int] | None = None, control_listen: tuple[str, int] | None = None, *,
-                  task_status=trio.TASK_STATUS_IGNORED) -> None:
+                  reuse_port: bool = False, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled or shut down; ``reuse_port``: the data listener shares its address with other
+        processes (``SO_REUSEPORT``: the workers of ``llmgw serve --workers``)."""
         data_host, data_port = listen or (self.config.listen.host, self.config.listen.port)
         control_host, control_port = control_listen or (self.config.control_listen.host,
                                                         self.config.control_listen.port)
@@ -161,7 +166,8 @@ class Gateway:
             nursery.start_soon(scrape_engine_load, self.router)  # for tiers with engine_metrics_interval
             nursery.start_soon(self.kv_index.maintain)  # resync retries, reset windows, predictions' expiry
             with listening_on(host_port(data_host, data_port)):
-                data = await nursery.start(self.data_server.serve, data_host, data_port)
+                data = await nursery.start(functools.partial(self.data_server.serve, data_host, data_port,
+                                                             reuse_port=reuse_port))
             with listening_on(host_port(control_host, control_port)):
                 control = await nursery.start(functools.partial(control_server.serve, control_host, control_port,
                                                                 shutdown=self._control_shutdown))
@@ -239,6 +245,8 @@ class Gateway:
                 return ["there is no config file to reload (the demo, or a config given as text)"]
             try:
                 config = await trio.to_thread.run_sync(load_checked_config, self.config.source, self.registry)
+                if self.adjust_config is not None:
+                    config = self.adjust_config(config)
             except ConfigError as exc:
                 errors = [str(issue) for issue in exc.errors]
                 log.error("reload of %s failed; keeping the running config:\n  %s", self.config.source,

@@ -46,6 +46,7 @@ import trio
 
 from ..tls import describe_tls_error
 from .deadlines import Alarm, Watch
+from .listeners import bind_tcp
 from .messages import Handler, Request, Response, error_response
 from .tls_socket import Stream, TlsSocket
 
@@ -261,18 +262,15 @@ class HttpServer:
         headers = self.error_headers(request) if self.error_headers is not None else None
         return error_response(status, message, headers=headers)
 
-    async def serve(self, host: str, port: int, *,
+    async def serve(self, host: str, port: int, *, reuse_port: bool = False,
                     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on ``host:port`` (port 0 picks a free one) and serve until cancelled or drained.
 
+        ``reuse_port``: bind with ``SO_REUSEPORT``, sharing the address with other processes that do (the workers
+        of ``llmgw serve --workers``; the kernel spreads new connections across them).
         ``task_status.started((host, port))`` reports the bound address.
         """
-        listeners = await trio.open_tcp_listeners(port, host=host)
-        socks = []
-        for listener in listeners:  # plain sockets from here on: see the module docstring
-            sock = socket.socket(fileno=listener.socket.detach())
-            sock.setblocking(False)
-            socks.append(sock)
+        socks = await bind_tcp(host, port, reuse_port=reuse_port)  # plain sockets: see the module docstring
         bound = socks[0].getsockname()
         try:
             async with trio.open_nursery() as connections:

@@ -18,3 +18,23 @@ def test_json_log_lines_carry_the_traceback():
     entry = json.loads(JsonFormatter().format(record))
     assert entry["level"] == "error" and entry["logger"] == "llmgw.x" and entry["message"] == "failed: it"
     assert entry["ts"].endswith("Z") and "ValueError: boom" in entry["exc"]
+
+
+def test_a_workers_lines_say_which_worker_it_is(capsys):
+    from llmgw.logsetup import setup_logging
+
+    record = logging.LogRecord("llmgw.x", logging.INFO, __file__, 1, "hello", (), None)
+    assert json.loads(JsonFormatter(worker=2).format(record))["worker"] == 2
+    assert "worker" not in json.loads(JsonFormatter().format(record))
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        setup_logging("info", "text", worker=1)
+        logging.getLogger("llmgw.x").info("hello")
+        assert capsys.readouterr().err.rstrip().endswith("INFO [worker 1] llmgw.x: hello")
+    finally:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(level)
