@@ -21,6 +21,7 @@ followers to the snapshot). Snapshots live until the next one plus a grace
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -102,8 +103,10 @@ class LogWriter:
                 await self.link.backoff(failures)
                 continue
             if not self.pending and not self.need_snapshot:
+                # Until the next snapshot is due while something changed; with nothing changed, until a change
+                # (a deadline already past would make this loop spin).
                 self._wake = trio.Event()
-                with trio.move_on_at(last_snapshot + self.settings.snapshot_interval):
+                with trio.move_on_at(last_snapshot + self.settings.snapshot_interval if self.dirty else math.inf):
                     await self._wake.wait()
 
     async def _flush(self) -> None:
