@@ -104,7 +104,7 @@ def main(argv: list[str]) -> int:
             trio.run(partial(serve, config, listen, control_listen, args.demo_replicas, args.stop_engines, args.role,
                              worker=args.worker, adjust_config=adjust_config))
             return 0
-        from ..workers.supervisor import run_workers
+        from ..workers.command import run_workers
 
         assert config is not None, "--workers needs --config (checked above)"
         return run_workers(config, args.workers, listen, control_listen, args.role, args.state_dir,

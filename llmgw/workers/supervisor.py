@@ -1,22 +1,16 @@
 """The supervisor of ``llmgw serve --workers N``: it serves no request; it keeps N worker processes serving.
 
-:func:`run_workers` (from ``llmgw serve``) does, in one Trio nursery:
+:class:`Supervisor` (run by :mod:`.command`, which holds the data port and the state dir first):
 
-1. holds the data address: a socket bound with ``SO_REUSEPORT`` that never listens takes no connection but
-   keeps the port from other programs, so port 0 becomes one concrete port that every worker (and every
-   restarted one) binds too;
-2. locks its state dir (``workers.lock``; one per port by default) and, without ``state.backend: redis`` in the
-   config, runs a private redis-server on ``STATE_DIR/redis.sock``
-   (:func:`~llmgw.redis_server.supervise_redis_server`), which the workers get with ``--worker-state``;
-3. starts worker 0 (the control process), once it is ready the others (followers), and prints the banner
+1. starts worker 0 (the control process), once it is ready the others (followers), and prints the banner
    ``llmgw listening on URL (control: URL)`` when all are; before it, and at each restart, a line per worker
    on stdout: ``llmgw worker I (pid P, role R) ready: control URL`` (its own /metrics and /admin);
-4. restarts a worker that exits (WARNING with its exit code; 0.5 s backoff doubling to 10 s, from 0.5 s again
+2. restarts a worker that exits (WARNING with its exit code; 0.5 s backoff doubling to 10 s, from 0.5 s again
    after a minute of running). If worker 0's very first start fails, everything stops and the supervisor
    exits with its code;
-5. passes SIGINT/SIGTERM on to every worker (they drain, as a lone ``llmgw serve`` does; a second signal, passed
-   on too, stops them at once) and waits for them, then stops the private redis-server; SIGHUP is passed on
-   to the workers that serve (each reloads the config file).
+3. passes SIGINT/SIGTERM on to every worker (they drain, as a lone ``llmgw serve`` does; a second signal, passed
+   on too, stops them at once) and waits for them (at most ``shutdown_grace`` + 10 s); SIGHUP is passed on to
+   the workers that serve (each reloads the config file).
 
 Workers run in their own process groups (a Ctrl-C in the terminal reaches the supervisor alone, which passes
 it on once), with stdin a pipe only the supervisor holds (:func:`~llmgw.workers.worker.watch_lifeline`),
@@ -29,23 +23,15 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import signal
 import subprocess
-from dataclasses import dataclass, field, replace
-from functools import partial
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import trio
 
-from ..agent.statelock import StateDirLock
 from ..backoff import RestartBackoff
-from ..config import Config, HostPort
-from ..http.listeners import bind_tcp, bound_port
-from ..listening import host_port, listening_on
-from ..procgroup import process_start_time, signal_group, terminate_group
-from ..redis_server import LOG_NAME, RedisServer, answering_pid, find_redis_server, supervise_redis_server
-from .plan import LOCK_NAME, Plan, check_roles, default_state_dir, redis_socket
+from ..procgroup import signal_group, terminate_group
+from .plan import Plan
 
 log = logging.getLogger("llmgw.workers")
 BANNER = re.compile(r"^llmgw listening on (\S+) \(control: (\S+)\)$")
@@ -66,7 +52,6 @@ class Worker:
     serving: bool = False  # this process printed its banner (its signal handlers are in place)
     data_url: str | None = None
     control_url: str | None = None
-    starts: int = 0
     ready: trio.Event = field(default_factory=trio.Event)  # set at the first banner of any of its processes
 
     @property
@@ -152,7 +137,7 @@ class Supervisor:
         Cancelled, it stops the process's group (SIGTERM, then SIGKILL)."""
         process = await trio.lowlevel.open_process(worker.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                    start_new_session=True)
-        worker.process, worker.serving, worker.starts = process, False, worker.starts + 1
+        worker.process, worker.serving = process, False
         log.debug("worker %d (pid %d): %s", worker.index, process.pid, " ".join(worker.argv))
         try:
             if self.stopping.is_set():  # a stop signal came while it was being started
@@ -251,81 +236,3 @@ async def _stop(process: trio.Process) -> None:
     for pipe in (process.stdin, process.stdout):
         if pipe is not None:
             await pipe.aclose()
-
-
-# -- the command ------------------------------------------------------------------------------------------------------
-
-async def supervise(config: Config, count: int, listen: HostPort | None, control_listen: HostPort | None,
-                    role: str, state_dir: Path | None, stop_engines: bool = False, log_level: str | None = None,
-                    log_format: str | None = None) -> int:
-    """``llmgw serve --workers COUNT``: hold the data port and the state dir, run the private Redis if needed, run
-    the workers; the exit code."""
-    check_roles(role, config.state.shared)
-    if not config.state.shared:
-        find_redis_server()  # missing: one line naming the package, before anything starts
-    data = listen or config.listen
-    with trio.open_signal_receiver(*STOP_SIGNALS, signal.SIGHUP) as signals:
-        with listening_on(host_port(data.host, data.port)):
-            reservation = await bind_tcp(data.host, data.port, reuse_port=True, listen=False)
-        try:
-            plan = Plan(count=count, config_path=str(Path(config.source).absolute()),
-                        listen=HostPort(data.host, bound_port(reservation)), control_listen=control_listen,
-                        role=role, redis_url=None, stop_engines=stop_engines, log_level=log_level,
-                        log_format=log_format)
-            directory = state_dir or default_state_dir(plan.listen.port)
-            socket_path = None if config.state.shared else redis_socket(directory)
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            # One supervisor per state dir, hence per port by default: SO_REUSEPORT would let a second one of the
-            # same user share the port silently.
-            with StateDirLock(directory, LOCK_NAME):
-                if socket_path is None:
-                    log.info("%d workers on %s, sharing the state in the config's Redis", count, plan.listen)
-                    code = await Supervisor(plan, config.limits.shutdown_grace, signals).run()
-                else:
-                    code = await _with_private_redis(plan, directory, socket_path, config.limits.shutdown_grace,
-                                                     signals)
-                if state_dir is None and data.port == 0 and code == 0:
-                    # Named after a port picked for this run only: runs on port 0 (tests) would leave one each.
-                    shutil.rmtree(directory, ignore_errors=True)
-            return code
-        finally:
-            for sock in reservation:
-                sock.close()
-
-
-async def _with_private_redis(plan: Plan, state_dir: Path, socket_path: Path, shutdown_grace: float,
-                              signals) -> int:
-    await _stop_leftover_redis(socket_path)
-    async with trio.open_nursery() as nursery:
-        redis = await nursery.start(partial(supervise_redis_server, state_dir, unix_socket=socket_path))
-        print(f"llmgw workers on {plan.listen} share their state in a private redis-server (pid {redis.pid}) "
-              f"at {redis.url}", flush=True)
-        code = await Supervisor(replace(plan, redis_url=redis.url), shutdown_grace, signals).run()
-        nursery.cancel_scope.cancel()
-    return code
-
-
-async def _stop_leftover_redis(socket_path: Path) -> None:
-    """A redis-server answering on our socket while we hold the state dir's lock was left by a supervisor that
-    was killed (SIGKILL leaves its children running; the workers stop on their own, see :mod:`.worker`): stop
-    it, SIGTERM then SIGKILL, before starting ours."""
-    pid = await answering_pid(RedisServer(0, None, socket_path, socket_path.with_name(LOG_NAME)))
-    if pid is None:
-        return
-    log.warning("stopping the redis-server (pid %d) a killed supervisor left on %s", pid, socket_path)
-    await terminate_group(pid, wait=partial(_until_gone, pid), running=lambda: process_start_time(pid) is not None,
-                          grace=KILL_GRACE)
-
-
-async def _until_gone(pid: int) -> None:
-    """Until ``pid`` (not our child: init reaps it) has exited."""
-    with trio.move_on_after(KILL_GRACE + 5):
-        while process_start_time(pid) is not None:
-            await trio.sleep(0.05)
-
-
-def run_workers(config: Config, count: int, listen: HostPort | None, control_listen: HostPort | None, role: str,
-                state_dir: Path | None, stop_engines: bool, log_level: str | None, log_format: str | None) -> int:
-    """Run :func:`supervise`; its exit code (a :class:`~llmgw.usererrors.UserError` is the caller's to report)."""
-    return trio.run(partial(supervise, config, count, listen, control_listen, role, state_dir,
-                            stop_engines=stop_engines, log_level=log_level, log_format=log_format))
