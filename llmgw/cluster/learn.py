@@ -35,8 +35,8 @@ import trio
 
 from . import records
 from .link import RedisLink
-from .outbox import Outbox, received_batch
-from .records import Keys, RecordError
+from .outbox import Outbox, opened
+from .records import Keys
 
 if TYPE_CHECKING:
     from ..kv.index import KvIndex
@@ -110,13 +110,9 @@ class PredictionSharing:
 
     def take_batch(self, fields: dict[str, Any]) -> int:
         """Apply one stream entry's predictions if another process made them; how many were applied."""
-        try:
-            batch = received_batch(fields, self.origin, self.signer)
-            if batch is None:
-                return 0
-            predictions = records.decode_learn_batch(batch)
-        except (KeyError, ValueError, AttributeError, RecordError):
-            self.metrics.bad_records.labels("learn").inc()
+        predictions = opened(fields, self.origin, self.signer, records.decode_learn_batch,
+                             self.metrics.bad_records.labels("learn").inc)
+        if not predictions:
             return 0
         now_ms = int(self.wall_clock() * 1000)
         routed = {replica.name for replica in self.replicas} if predictions else set()

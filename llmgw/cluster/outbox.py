@@ -11,12 +11,14 @@ short-lived, and the next one is newer.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import trio
 
 from . import records
 from .link import RedisLink, Unavailable
+
+T = TypeVar("T")
 
 
 class Outbox:
@@ -70,3 +72,15 @@ def received_batch(fields: dict[str, Any], origin: str, signer: records.Signer) 
     if not signer.valid(fields.get("s"), sender, batch):
         raise records.RecordError("not signed with the cluster secret")
     return batch
+
+
+def opened(fields: dict[str, Any], origin: str, signer: records.Signer, decode: Callable[[bytes], T],
+           bad: Callable[[], None]) -> T | None:
+    """Another process's outbox entry, decoded with ``decode``; None for this process's own entries and for
+    anything that is not a signed, well-formed entry (then ``bad()`` counts it)."""
+    try:
+        batch = received_batch(fields, origin, signer)
+        return None if batch is None else decode(batch)
+    except (KeyError, ValueError, AttributeError, records.RecordError):
+        bad()
+        return None

@@ -22,8 +22,8 @@ import trio
 
 from . import records
 from .link import RedisLink
-from .outbox import Outbox, received_batch
-from .records import Keys, RecordError
+from .outbox import Outbox, opened
+from .records import Keys
 
 if TYPE_CHECKING:
     from .metrics import ClusterMetrics
@@ -93,13 +93,9 @@ class TierLearning:
 
     def take_batch(self, fields: dict[str, Any]) -> None:
         """Hand another process's items to the handlers of their model and kind."""
-        try:
-            batch = received_batch(fields, self.origin, self.signer)
-            if batch is None:
-                return
-            items = records.decode_tier_batch(batch)
-        except (KeyError, ValueError, AttributeError, RecordError):
-            self.link.metrics.bad_records.labels("tiers").inc()
+        items = opened(fields, self.origin, self.signer, records.decode_tier_batch,
+                       self.link.metrics.bad_records.labels("tiers").inc)
+        if items is None:
             return
         for model, kind, payload in items:
             handler = self.handlers.get((model, kind))
