@@ -15,6 +15,8 @@ import logging
 import sys
 import time
 
+from llmgw.logfields import FIELDS_ATTRIBUTE
+
 LEVELS = ("debug", "info", "warning", "error", "critical")
 FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -37,7 +39,8 @@ def add_logging_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGr
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: ``ts`` (UTC, ISO 8601 with milliseconds), ``level``, ``logger``, ``message``
-    (and ``worker``, the index of a worker of ``llmgw serve --workers``)."""
+    (and ``worker``, the index of a worker of ``llmgw serve --workers``), and a record's fields
+    (:mod:`llmgw.logfields`, e.g. the access log's) as keys of their own, never replacing those."""
 
     def __init__(self, worker: int | None = None):
         super().__init__()
@@ -49,6 +52,8 @@ class JsonFormatter(logging.Formatter):
                                     "logger": record.name, "message": record.getMessage()}
         if self.worker is not None:
             entry["worker"] = self.worker
+        for key, value in getattr(record, FIELDS_ATTRIBUTE, {}).items():
+            entry.setdefault(key, value)
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)

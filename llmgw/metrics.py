@@ -147,6 +147,9 @@ class Metrics:
             "llmgw_http_refused_requests", "Requests the data plane's HTTP server answered itself with an error, "
             "by status (400 malformed, no or two Host headers; 408 too slow; 413, 431 too large; 501 transfer "
             "coding or upgrade; 505 HTTP version).", ["code"], registry=r))
+        self.replaced_request_ids = Counter(
+            "llmgw_replaced_request_ids", "Client x-request-id values not kept (more than 128 characters, or a "
+            "space, control or non-ASCII byte): the request got an id of the gateway's own.", registry=r)
         for collector in (PROCESS_COLLECTOR, GC_COLLECTOR, PLATFORM_COLLECTOR):  # process_*, python_gc_*, python_info
             r.register(collector)
         self.tls_handshake_failures = CachedLabels(Counter(

@@ -17,9 +17,7 @@ the replica, and is never counted against the replica's health
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
@@ -30,11 +28,13 @@ from ..http.jsonbody import BodyError, JsonLimits, read_json_body
 from ..http.messages import Request, Response, error_response
 from ..http.multipart import FormError, form_field
 from ..http.server import AbortConnection
+from ..logfields import fields_extra, logfmt
 from ..router.replica import Replica
 from ..router.router import Router, replica_of
 from ..router.tier import Decision, RouteRequest
 from .bearer import BearerTokens
 from .latency import StreamWatch
+from .request_ids import RequestIds, accepted_client_id
 from .usage import STREAM_TAIL_PIECES, usage_of_body, usage_of_stream_tail
 
 log = logging.getLogger(__name__)
@@ -63,17 +63,6 @@ _now = time.perf_counter  # durations for the metrics; real time, not Trio's clo
 ENGINE_GONE_TIMEOUT = 1.0  # seconds a replica that broke off a request has to answer /health to count as alive
 
 
-class _RequestIds:
-    """32 hex digits like a UUID4's: a random per-process prefix and a counter (uuid4() costs microseconds)."""
-
-    def __init__(self) -> None:
-        self._prefix = os.urandom(8).hex()
-        self._count = itertools.count(int.from_bytes(os.urandom(4), "big"))
-
-    def next(self) -> str:
-        return "%s%016x" % (self._prefix, next(self._count))
-
-
 @dataclass(frozen=True)
 class DataPlaneSettings:
     connect_timeout: float = 3.0
@@ -94,7 +83,7 @@ class DataPlane:
         self.settings = settings
         self._api_keys = BearerTokens(api_keys or [])
         self._created = int(time.time())
-        self._ids = _RequestIds()
+        self._ids = RequestIds()
         self._replica_names: dict[str, bytes] = {}
         # ``await wait_for_replica(model)``: True once a request that found no routable replica may look again
         # (the control plane's adoption window after a start); None: answer 503 at once.
@@ -112,8 +101,20 @@ class DataPlane:
 
     def error_headers(self, request: Request | None) -> list[tuple[bytes, bytes]]:
         """``x-request-id`` for an answer made without an upstream: the client's, or a new one."""
-        given = request.header("x-request-id") if request is not None else None
-        return [(b"x-request-id", (given or self._ids.next()).encode("latin-1"))]
+        given = None
+        if request is not None:
+            for name, value in request.headers:
+                if name == b"x-request-id":
+                    given = self._client_id(value)
+                    break
+        return [(b"x-request-id", (given or self._ids.next()).encode("ascii"))]
+
+    def _client_id(self, value: bytes) -> str | None:
+        """The client's ``x-request-id`` when it may be kept (:mod:`.request_ids`); a refused one is counted."""
+        accepted = accepted_client_id(value)
+        if accepted is None:
+            self.metrics.replaced_request_ids.inc()
+        return accepted
 
     async def _route(self, request: Request) -> Response:
         path = request.path
@@ -174,19 +175,21 @@ class DataPlane:
             return self._count(None, error_response(404, f"the model {model!r} does not exist", param="model",
                                                     code="model_not_found"))
         request_id = None
+        seen_id = False
         forwarded = []
         for header in request.headers:  # one pass: find the request id, drop what is not forwarded
             name = header[0]
             if name in _DROP_REQUEST_HEADERS:
-                if name == b"x-request-id" and request_id is None:
-                    request_id = header[1].decode("latin-1")
+                if name == b"x-request-id" and not seen_id:
+                    seen_id = True
+                    request_id = self._client_id(header[1])
             else:
                 forwarded.append(header)
-        if not request_id:
+        if request_id is None:
             request_id = self._ids.next()
         route_request = RouteRequest(resolved[0], request.path, body, request.headers, request_id,
                                      adapter=resolved[1])
-        id_header = (b"x-request-id", request_id.encode("latin-1"))
+        id_header = (b"x-request-id", request_id.encode("ascii"))
         forwarded.append(id_header)
 
         tried: list[Replica] = []
@@ -415,13 +418,16 @@ class DataPlane:
             self.router.first_token(route_request, decision, first_token_at - started)
         self.router.finished(route_request, decision, usage)
         if self.settings.access_log:
-            access_log.info(
-                "request_id=%s model=%s replica=%s tier=%s outcome=%s status=%d ttft_ms=%s latency_ms=%.1f "
-                "prompt_tokens=%s cached_tokens=%s completion_tokens=%s predicted_cached_tokens=%s",
-                route_request.request_id, route_request.served_name, replica.name, decision.tier or "-",
-                decision.outcome, status,
-                "-" if first_token_at is None else "%.1f" % ((first_token_at - started) * 1000),
-                (ended - started) * 1000, *tokens, decision.detail.get("predicted_cached_tokens", "-"))
+            prompt_tokens, cached_tokens, completion_tokens = tokens
+            fields = {
+                "request_id": route_request.request_id, "model": route_request.served_name,
+                "replica": replica.name, "tier": decision.tier or None, "outcome": decision.outcome,
+                "status": status,
+                "ttft_ms": None if first_token_at is None else round((first_token_at - started) * 1000, 1),
+                "latency_ms": round((ended - started) * 1000, 1), "prompt_tokens": prompt_tokens,
+                "cached_tokens": cached_tokens, "completion_tokens": completion_tokens,
+                "predicted_cached_tokens": decision.detail.get("predicted_cached_tokens")}
+            access_log.info("%s", logfmt(fields), extra=fields_extra(fields))
 
     def _count(self, model: str | None, response: _Answer, started: float | None = None,
                status: int | None = None) -> _Answer:
@@ -469,7 +475,7 @@ class DataPlane:
                               headers=retry_after)
 
 
-_NO_TOKENS = ("-", "-", "-")
+_NO_TOKENS = (None, None, None)
 
 
 def _inline_length(headers: list[tuple[bytes, bytes]]) -> int | None:
@@ -494,9 +500,9 @@ def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
 
 
 def record_latency(bound, started: float, ended: float, first_token_at: float | None, usage: dict | None,
-                   watch: StreamWatch | None) -> tuple:
+                   watch: StreamWatch | None) -> tuple[int | None, int | None, int | None]:
     """Observe a served response's end-to-end latency, time to first token, inter-token latency and usage token
-    counts on its replica's series; the token counts (or "-") for the access log."""
+    counts on its replica's series; the token counts (None where unknown) for the access log."""
     bound.e2e.observe(ended - started)
     if first_token_at is not None:
         bound.ttft.observe(first_token_at - started)
@@ -513,7 +519,7 @@ def record_latency(bound, started: float, ended: float, first_token_at: float | 
         after_first = watch.tokens_after_first(completion)
         if after_first > 0:
             bound.inter_token.observe((ended - first_token_at) / after_first)
-    return tuple("-" if value is None else value for value in (prompt, cached, completion))
+    return prompt, cached, completion
 
 
 def _count_of(mapping: dict, key: str) -> int | None:

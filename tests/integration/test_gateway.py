@@ -243,6 +243,50 @@ async def test_request_id_is_propagated_or_generated(start_fake_upstream, start_
         assert generated.headers["x-request-id"] != "req-42"
 
 
+@pytest.mark.parametrize("log_format", ["text", "json"])
+async def test_a_hostile_request_id_is_replaced_and_forges_no_access_log_field(start_fake_upstream, start_llmgw,
+                                                                                log_format):
+    """Ids with spaces and ``key=value``, C1 controls, non-ASCII or 8,000 bytes are not kept: the request gets
+    an id of the gateway's own, the original is never logged, and every access-log field is the real one."""
+    a = await start_fake_upstream("a")
+    gw = await start_llmgw(f"access_log: true\nmodels:\n  - name: tiny\n    replicas:\n      - url: {a.url}\n"
+                           "        name: a\n", "--log-format", log_format)
+    hostile = [b"FAKE model=secret replica=evil status=200", b"id\x85\x9b31m", b"\xe9t\xe9", b"L" * 8000]
+    given_ids = []
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        for value in hostile:
+            response = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"},
+                                         headers=[(b"x-request-id", value)])
+            assert response.status_code == 200
+            given_ids.append(response.headers["x-request-id"])
+        kept = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"},
+                                 headers={"x-request-id": "trace-7/ok:1"})
+        assert kept.headers["x-request-id"] == "trace-7/ok:1"
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in given_ids), given_ids
+
+    def access_lines() -> list[str]:
+        return [line for line in gw.lines if "llmgw.access" in line]
+
+    async def all_logged() -> bool:
+        return len(access_lines()) >= len(hostile) + 1
+
+    await wait_for(all_logged)
+    for line in access_lines():
+        if log_format == "json":
+            entry = json.loads(line)
+            assert (entry["model"], entry["replica"], entry["status"]) == ("tiny", "a", 200), entry
+            assert entry["request_id"] in given_ids + ["trace-7/ok:1"]
+        else:
+            message = line.split("llmgw.access: ", 1)[1]
+            fields = [part.split("=", 1)[0] for part in message.split(" ")]
+            assert len(fields) == len(set(fields)), line  # no field appears twice
+            assert " model=tiny " in message and " replica=a " in message and " status=200 " in message
+    logged = "\n".join(gw.lines)
+    for value in (b"FAKE", b"secret", b"evil", b"\x85", b"L" * 100):
+        assert value.decode("latin-1") not in logged
+    assert await scrape_value(gw.control_url, "llmgw_replaced_request_ids_total") == len(hostile)
+
+
 async def test_client_going_away_cancels_the_upstream_stream(start_fake_upstream, start_llmgw):
     a = await start_fake_upstream("a")
     b = await start_fake_upstream("b")
