@@ -21,7 +21,7 @@ import shutil
 import signal
 import socket
 import subprocess
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,10 +94,14 @@ def find_redis_server(directories: Iterable[str | os.PathLike[str]] | None = Non
     raise UserError(MISSING)
 
 
-def redis_argv(binary: str, directory: Path, *, port: int = 0, unix_socket: Path | None = None) -> list[str]:
-    """redis-server's command line: every option of the servers llmgw runs, in this one place."""
-    argv = [binary, "--save", "", "--appendonly", "no", "--dir", str(directory), "--port", str(port),
-            "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"]
+def redis_argv(binary: str, directory: Path, *, port: int = 0, unix_socket: Path | None = None,
+               config_file: Path | None = None, extra: Sequence[str] = ()) -> list[str]:
+    """redis-server's command line: every option of the servers llmgw runs, in this one place; ``config_file``
+    (first, as redis-server wants it) and ``extra`` for the tests' replicas and sentinels
+    (``--replicaof HOST PORT``, ``--sentinel`` with a writable file of ``sentinel monitor`` lines)."""
+    argv = [binary, *([str(config_file)] if config_file is not None else []),
+            "--save", "", "--appendonly", "no", "--dir", str(directory), "--port", str(port),
+            "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning", *extra]
     if port:
         argv += ["--bind", "127.0.0.1"]
     if unix_socket is not None:
@@ -124,12 +128,19 @@ async def answering_pid(server: RedisServer) -> int | None:
             async with stream:
                 await stream.send_all(PROBE)
                 reply = b""
-                while data := await stream.receive_some():  # until QUIT closes the connection
-                    reply += data
+                while not _has_info_reply(reply) and (data := await stream.receive_some()):
+                    reply += data  # until the INFO answer is whole (a sentinel does not close on QUIT)
     except (OSError, trio.TooSlowError, trio.BrokenResourceError):
         return None
     found = re.search(rb"^process_id:(\d+)\r?$", reply, re.MULTILINE)
     return int(found.group(1)) if reply.startswith(b"+PONG\r\n") and found else None
+
+
+def _has_info_reply(reply: bytes) -> bool:
+    """True once ``reply`` holds the answers to PING and the whole of INFO's bulk string."""
+    head, sep, rest = reply.partition(b"\r\n")  # "+PONG"
+    length, sep2, body = rest.partition(b"\r\n")  # "$N"
+    return bool(sep and sep2) and length.startswith(b"$") and length[1:].isdigit() and len(body) >= int(length[1:])
 
 
 async def wait_until_ready(server: RedisServer, returncode: Callable[[], int | None],
@@ -153,6 +164,7 @@ async def wait_until_ready(server: RedisServer, returncode: Callable[[], int | N
 
 async def run_redis_server(directory: Path, *, unix_socket: Path | None = None, port: int | None = None,
                            startup_timeout: float = STARTUP_TIMEOUT, stop_grace: float = STOP_GRACE,
+                           config_file: Path | None = None, extra: Sequence[str] = (),
                            task_status: trio.TaskStatus[RedisServer] = trio.TASK_STATUS_IGNORED) -> None:
     """Run redis-server in ``directory`` until cancelled; ``task_status.started(RedisServer)`` once it answers.
 
@@ -172,14 +184,16 @@ async def run_redis_server(directory: Path, *, unix_socket: Path | None = None, 
     for attempt in range(1, BIND_ATTEMPTS + 1):
         chosen = _free_port() if port == 0 else port
         try:
-            return await _run_once(binary, directory, unix_socket, chosen, startup_timeout, stop_grace, task_status)
+            argv = redis_argv(binary, directory, port=chosen or 0, unix_socket=unix_socket, config_file=config_file,
+                              extra=extra)
+            return await _run_once(argv, directory, unix_socket, chosen, startup_timeout, stop_grace, task_status)
         except RedisPortTaken:
             if port != 0 or attempt == BIND_ATTEMPTS:
                 raise
             log.info("redis-server could not bind port %d (taken meanwhile): trying another", chosen)
 
 
-async def _run_once(binary: str, directory: Path, unix_socket: Path | None, port: int | None,
+async def _run_once(argv: list[str], directory: Path, unix_socket: Path | None, port: int | None,
                     startup_timeout: float, stop_grace: float, task_status: trio.TaskStatus[RedisServer]) -> None:
     if unix_socket is not None:
         unix_socket.parent.mkdir(parents=True, exist_ok=True)
@@ -187,10 +201,8 @@ async def _run_once(binary: str, directory: Path, unix_socket: Path | None, port
     log_path = directory / LOG_NAME
     # Its log on stdout, with stderr: a bad option is reported on stderr, before any log file would be opened.
     with open(log_path, "ab") as output:
-        process = await trio.lowlevel.open_process(redis_argv(binary, directory, port=port or 0,
-                                                              unix_socket=unix_socket),
-                                                   stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
-                                                   cwd=directory, start_new_session=True)
+        process = await trio.lowlevel.open_process(argv, stdin=subprocess.DEVNULL, stdout=output,
+                                                   stderr=subprocess.STDOUT, cwd=directory, start_new_session=True)
     server = RedisServer(process.pid, port, unix_socket, log_path)
     try:
         await wait_until_ready(server, lambda: process.returncode, startup_timeout)

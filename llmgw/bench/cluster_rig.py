@@ -27,7 +27,8 @@ import httpx
 import trio
 
 from ..testing.processes import SERVE_READY, Child, free_port, llmgw_command, start_child
-from ..testing.redis import PrivateRedis, start_private_redis
+from ..testing.redis import PrivateRedis, SentinelGroup, start_private_redis, start_sentinel_group
+from ..testing.shared_state import state_section as shared_state_section
 from ..testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, gateway_config, kv_sources, start_sims
 
 CLUSTER = "bench"
@@ -36,9 +37,8 @@ CONTROL, GATEWAY = "control", "gateway"
 
 def state_section(redis_url: str, *, cluster: str = CLUSTER, snapshot_interval: str = "1s",
                   load_ttl: str = "2s") -> str:
-    """The config's ``state:`` section for gateways sharing state through the Redis at ``redis_url``."""
-    return (f"state:\n  backend: redis\n  url: {redis_url}\n  cluster: {cluster}\n"
-            f"  snapshot_interval: {snapshot_interval}\n  load_ttl: {load_ttl}\n")
+    """The ``state:`` section of the benchmarks' gateways (:func:`llmgw.testing.shared_state.state_section`)."""
+    return shared_state_section(redis_url, cluster, snapshot_interval=snapshot_interval, load_ttl=load_ttl)
 
 
 def cluster_config(sims: list[Child], redis_url: str, **state_options: str) -> str:
@@ -96,6 +96,7 @@ class ClusterRig:
     control: GatewayProcess
     followers: list[GatewayProcess]
     http: httpx.AsyncClient
+    sentinel: SentinelGroup | None = None  # with sentinel=True: ``redis`` is the primary the rig started with
 
     @property
     def gateways(self) -> list[GatewayProcess]:
@@ -104,19 +105,23 @@ class ClusterRig:
     @classmethod
     @contextlib.asynccontextmanager
     async def open(cls, workdir: Path, *, followers: int, sims: int = 2, num_blocks: int = 2048,
-                   time_scale: float = 0.0, sim_extra: tuple[str, ...] = (),
+                   time_scale: float = 0.0, sim_extra: tuple[str, ...] = (), sentinel: bool = False,
                    **state_options: str) -> AsyncIterator["ClusterRig"]:
-        """Everything started and ready (see the module's docstring); stopped when the block ends."""
+        """Everything started and ready (see the module's docstring); stopped when the block ends. ``sentinel``:
+        a primary, its replica and a sentinel instead of one server, the gateways configured with
+        ``state.sentinel``."""
         async with httpx.AsyncClient(timeout=10) as http, trio.open_nursery() as nursery:
-            redis = await start_private_redis(nursery, workdir / "redis")
+            group = await start_sentinel_group(nursery, workdir / "redis") if sentinel else None
+            redis = group.servers[0] if group else await start_private_redis(nursery, workdir / "redis")
             engines = await start_sims(nursery, sims, env=KV_SIM_ENV, num_blocks=num_blocks, block_size=16,
                                        time_scale=time_scale, seed=0, extra=KV_SIM_EXTRA + sim_extra)
             config = workdir / "llmgw.yaml"
-            config.write_text(cluster_config(engines, redis.url, **state_options))
+            config.write_text(cluster_config(engines, group.url if group else redis.url, **state_options))
             control = GatewayProcess("llmgw control", CONTROL, config)
             await control.start(nursery)
             rig = cls(nursery, workdir, redis, engines, control,
-                      [GatewayProcess(f"llmgw gateway-{i + 1}", GATEWAY, config) for i in range(followers)], http)
+                      [GatewayProcess(f"llmgw gateway-{i + 1}", GATEWAY, config) for i in range(followers)], http,
+                      group)
             for follower in rig.followers:
                 await follower.start(nursery)
             for gateway in rig.gateways:

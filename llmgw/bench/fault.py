@@ -352,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
                               "private redis-server, faults: a gateway, then redis")
     cluster.add_argument("--redis-down", type=float, default=10.0,
                          help="seconds redis-server stays dead (default 10)")
+    cluster.add_argument("--redis", choices=("server", "sentinel"), default="server",
+                         help="server (default): one redis-server, killed and started again; sentinel: a primary, "
+                              "its replica and a sentinel (state.sentinel), the primary killed and not started "
+                              "again")
     cluster.add_argument("--load-ttl", type=float, default=2.0,
                          help="state.load_ttl of the gateways, seconds (default 2)")
     args = parser.parse_args(argv)

@@ -15,6 +15,10 @@ seconds of load, half before the ``SIGKILL`` and half after the recovery:
   ``peers``, so its requests no longer count in their ``peer_inflight``). It is
   then started again on its ports, and *back* is when it routes with an index
   equal to the control process's.
+- **primary** (``--redis sentinel``, instead of **redis**): the gateways use
+  ``state.sentinel``; the primary is killed and not started again: Redis is
+  back when the sentinel names its replica as the new primary. Measured as
+  **redis**.
 - **redis**: ``redis-server`` killed, started again on the same port
   ``--redis-down`` seconds later. No request may fail anywhere (routing never
   waits for Redis). Per gateway: when ``/health`` said ``state.degraded`` (from
@@ -35,6 +39,7 @@ import os
 import platform
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -175,7 +180,41 @@ async def watch_health(rig: ClusterRig, gateway: GatewayProcess, watch: HealthWa
 
 
 async def redis_fault(rig: ClusterRig, load: SteadyLoad, duration: float, down: float) -> ClusterFaultResult:
-    load.phase = "redis"
+    """``redis-server`` killed, and started again on its port ``down`` seconds later."""
+    async def outage() -> dict[str, bool]:
+        await rig.redis.kill()
+        await trio.sleep(down)
+        differed = {f.name: not await index_equal(rig, f) for f in rig.followers}  # fail-static meanwhile
+        await rig.redis.restart()
+        return differed
+
+    return await _outage(rig, load, duration, "redis", outage)
+
+
+async def primary_fault(rig: ClusterRig, load: SteadyLoad, duration: float) -> ClusterFaultResult:
+    """The Redis primary killed behind Sentinel: over when the sentinel names its replica as the new primary."""
+    group = rig.sentinel
+    assert group is not None, "a rig opened with sentinel=True"
+
+    async def outage() -> dict[str, bool]:
+        old = await group.primary_port()
+        await group.server_on(old).kill()
+
+        async def promoted():
+            return True if await group.primary_port() != old else None
+
+        await poll_until("the sentinel promotes the replica", promoted, 60, interval=0.05)
+        return {}
+
+    return await _outage(rig, load, duration, "primary", outage)
+
+
+async def _outage(rig: ClusterRig, load: SteadyLoad, duration: float, fault: str,
+                  outage: Callable[[], Awaitable[dict[str, bool]]]) -> ClusterFaultResult:
+    """Load for ``duration / 2``, then ``outage()`` (Redis gone, until it is back; it says which followers'
+    indexes differed from the control's meanwhile), each gateway's health and each follower's index watched until
+    all are live and equal again, then ``duration / 2`` more."""
+    load.phase = fault
     await trio.sleep(duration / 2)
     watches = {g.name: HealthWatch() for g in rig.gateways}
     equal_after: dict[str, float] = {}
@@ -183,10 +222,7 @@ async def redis_fault(rig: ClusterRig, load: SteadyLoad, duration: float, down: 
         for gateway in rig.gateways:
             nursery.start_soon(watch_health, rig, gateway, watches[gateway.name])
         killed_at = time.monotonic()
-        await rig.redis.kill()
-        await trio.sleep(down)
-        differed = {f.name: not await index_equal(rig, f) for f in rig.followers}  # fail-static meanwhile
-        await rig.redis.restart()
+        differed = await outage()
         returned_at = time.monotonic()
 
         async def follower_equal(follower: GatewayProcess) -> None:
@@ -200,13 +236,13 @@ async def redis_fault(rig: ClusterRig, load: SteadyLoad, duration: float, down: 
                 followers.start_soon(follower_equal, follower)
 
         async def all_live():
-            return True if all(w.live_at is not None for w in watches.values()) else None
+            return True if all(w.live_at is not None or w.degraded_at is None for w in watches.values()) else None
 
         await poll_until("every gateway live again", all_live, 60)
         nursery.cancel_scope.cancel()
     await trio.sleep(duration / 2)
     await load.pause()
-    counts = load.phases["redis"]
+    counts = load.phases[fault]
     load.resume()
     rows = outcomes(rig, counts)
     for row in rows:
@@ -219,8 +255,8 @@ async def redis_fault(rig: ClusterRig, load: SteadyLoad, duration: float, down: 
             row.live_after_return_s = round(max(0.0, watch.live_at - returned_at), 3)
         if row.gateway in equal_after:
             row.index_equal_after_return_s = round(equal_after[row.gateway], 3)
-            row.index_differed_before_return = differed[row.gateway]
-    return ClusterFaultResult("redis", None, counts.sent(), all(t <= killed_at for t in counts.lost_started_at),
+            row.index_differed_before_return = differed.get(row.gateway)
+    return ClusterFaultResult(fault, None, counts.sent(), all(t <= killed_at for t in counts.lost_started_at),
                               None, None, round(returned_at - killed_at, 3), rows)
 
 
@@ -232,7 +268,8 @@ def markdown(results: list[ClusterFaultResult]) -> str:
              "| degraded: seen after / for | live again after Redis is back | index == control's after Redis is back |",
              "|---|---|---|---|---|---|---|---|---|"]
     for result in results:
-        fault = f"kill -9 {result.victim}" if result.fault == "gateway" else f"kill -9 redis ({s(result.down_s)} down)"
+        fault = {"gateway": f"kill -9 {result.victim}", "redis": f"kill -9 redis ({s(result.down_s)} down)",
+                 "primary": f"kill -9 redis primary (promoted after {s(result.down_s)})"}[result.fault]
         for g in result.gateways:
             failed = ", ".join(f"{n} {kind}" for kind, n in sorted(g.failed.items())) or "0"
             degraded = "-" if g.degraded_after_s is None else f"{s(g.degraded_after_s)} / {s(g.degraded_for_s)}"
@@ -255,7 +292,9 @@ def markdown(results: list[ClusterFaultResult]) -> str:
             failed_anywhere = sum(sum(g.failed.values()) for g in result.gateways)
             equal = max((g.index_equal_after_return_s for g in result.gateways
                          if g.index_equal_after_return_s is not None), default=None)
-            lines.append(f"- kill -9 of redis, back after {s(result.down_s)}: {failed_anywhere} failed on every "
+            what = ("of redis, back" if result.fault == "redis"
+                    else "of the redis primary, its replica promoted by the sentinel")
+            lines.append(f"- kill -9 {what} after {s(result.down_s)}: {failed_anywhere} failed on every "
                          f"gateway (target 0); every follower's index equal to the control's {s(equal)} after Redis "
                          f"was back at most (target <= {INDEX_EQUAL_TARGET_S:g} s)")
     return "\n".join(lines)
@@ -268,18 +307,24 @@ async def run(args) -> dict:
     results: list[ClusterFaultResult] = []
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-fault-cluster-") as workdir:
         async with ClusterRig.open(Path(workdir), followers=args.gateways - 1, sims=args.replicas,
-                                   time_scale=1.0, load_ttl=f"{args.load_ttl:g}s") as rig:
+                                   time_scale=1.0, sentinel=args.redis == "sentinel",
+                                   load_ttl=f"{args.load_ttl:g}s") as rig:
             load = SteadyLoad([g.url for g in rig.gateways], settings)
             async with load.running():
                 await trio.sleep(args.duration / 2)  # warm-up
                 results.append(await gateway_fault(rig, load, args.duration))
                 print("  gateway: done", flush=True)
-                results.append(await redis_fault(rig, load, args.duration, args.redis_down))
-                print("  redis: done", flush=True)
+                if rig.sentinel is not None:
+                    results.append(await primary_fault(rig, load, args.duration))
+                    print("  redis primary: done", flush=True)
+                else:
+                    results.append(await redis_fault(rig, load, args.duration, args.redis_down))
+                    print("  redis: done", flush=True)
             gateways = {g.name: {"role": g.role, "url": g.url, "control_url": g.control_url} for g in rig.gateways}
     return {"mode": "cluster",
             "settings": asdict(settings) | {"duration_s": args.duration, "replicas": args.replicas,
-                                            "gateways": args.gateways, "redis_down_s": args.redis_down,
+                                            "gateways": args.gateways, "redis": args.redis,
+                                            "redis_down_s": args.redis_down,
                                             "load_ttl_s": args.load_ttl},
             "targets": {"failed_elsewhere": 0, "load_gone_s": LOAD_GONE_TARGET_S,
                         "index_equal_after_return_s": INDEX_EQUAL_TARGET_S},

@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import ssl
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, TypeVar
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Mapping, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 import trio
@@ -44,29 +45,84 @@ class Unavailable(Exception):
 
 
 def client_options(settings: "StateConfig", environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """coredis.Redis keyword arguments for ``settings.url`` (host/port/db or a Unix socket, password, TLS)."""
+    """coredis.Redis keyword arguments for the data connections: to ``settings.url`` (host/port/db or a Unix
+    socket), or, with ``settings.sentinel``, to whichever primary the sentinels name (db only); the password
+    and TLS either way."""
     environ = os.environ if environ is None else environ
-    url = settings.url or ""
-    parts = urlsplit(url)
     options: dict[str, Any] = {"decode_responses": False, "connect_timeout": settings.timeout,
                                "stream_timeout": settings.timeout + BLOCK_MS / 1000}
-    if parts.scheme == "unix":
-        options["unix_socket_path"] = parts.path
-        options["db"] = int(parse_qs(parts.query).get("db", ["0"])[0])
+    if settings.sentinel is not None:
+        options["db"] = settings.sentinel.database
+        use_tls = settings.sentinel.tls
     else:
-        options.update(host=parts.hostname, port=parts.port or 6379, db=int(parts.path.strip("/") or 0))
-    if settings.username:
-        options["username"] = settings.username
-    if settings.password_env:
-        password = environ.get(settings.password_env)
-        if password is None:
-            raise ValueError(f"state.password_env names {settings.password_env}, which is not set")
-        options["password"] = password
-    if parts.scheme == "rediss":
-        tls = settings.tls
-        options["ssl_context"] = client_context(TlsClientOptions(tls.ca_file, tls.cert_file, tls.key_file,
-                                                                 tls.verify))
+        parts = urlsplit(settings.url or "")
+        if parts.scheme == "unix":
+            options["unix_socket_path"] = parts.path
+            options["db"] = int(parse_qs(parts.query).get("db", ["0"])[0])
+        else:
+            options.update(host=parts.hostname, port=parts.port or 6379, db=int(parts.path.strip("/") or 0))
+        use_tls = parts.scheme == "rediss"
+    options.update(_credentials(settings.username, settings.password_env, "state.password_env", environ))
+    if use_tls:
+        options["ssl_context"] = _tls_context(settings)
     return options
+
+
+def sentinel_options(settings: "StateConfig", environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The keyword arguments of the connections to the sentinels themselves (``settings.sentinel`` is set)."""
+    sentinel = settings.sentinel
+    assert sentinel is not None, "only with state.sentinel"
+    environ = os.environ if environ is None else environ
+    options: dict[str, Any] = {"connect_timeout": settings.timeout, "stream_timeout": settings.timeout}
+    options.update(_credentials(sentinel.username, sentinel.password_env, "state.sentinel.password_env", environ))
+    if sentinel.tls:
+        options["ssl_context"] = _tls_context(settings)
+    return options
+
+
+def _credentials(username: str | None, password_env: str | None, key: str,
+                 environ: Mapping[str, str]) -> dict[str, str]:
+    options = {"username": username} if username else {}
+    if password_env:
+        password = environ.get(password_env)
+        if password is None:
+            raise ValueError(f"{key} names {password_env}, which is not set")
+        options["password"] = password
+    return options
+
+
+def _tls_context(settings: "StateConfig") -> ssl.SSLContext:
+    tls = settings.tls
+    return client_context(TlsClientOptions(tls.ca_file, tls.cert_file, tls.key_file, tls.verify))
+
+
+@asynccontextmanager
+async def open_client(settings: "StateConfig", factory: Callable[..., "coredis.Redis[bytes]"] | None = None
+                      ) -> AsyncIterator["coredis.Redis[bytes]"]:
+    """A coredis client to the cluster's Redis, its connection pool open while in the block. With
+    ``state.sentinel`` it asks the sentinels for the primary before each new connection, so that after a
+    failover (the old primary closes its clients when it is demoted) the next connection reaches the new one."""
+    import coredis
+
+    if settings.sentinel is None:
+        async with (factory or coredis.Redis)(**client_options(settings)) as client:
+            yield client
+        return
+    from coredis.connection import TCPLocation
+
+    sentinels = coredis.Sentinel([TCPLocation(a.host, a.port) for a in settings.sentinel.addresses],
+                                 sentinel_kwargs=sentinel_options(settings), **client_options(settings))
+    primary: coredis.Redis[bytes] = sentinels.primary_for(settings.sentinel.service)
+    async with sentinels, primary:
+        yield primary
+
+
+def describe_backend(settings: "StateConfig") -> str:
+    """Where Redis is, for logs and /admin/cluster, without credentials (they are never in the config)."""
+    if settings.sentinel is not None:
+        return (f"sentinel service {settings.sentinel.service} via "
+                + ",".join(str(a) for a in settings.sentinel.addresses))
+    return settings.url or "?"
 
 
 MIN_SECRET_BYTES = 16
@@ -104,18 +160,15 @@ class RedisLink:
     @property
     def address(self) -> str:
         """Where Redis is, without credentials (they are never in the URL)."""
-        return self.settings.url or "?"
+        return describe_backend(self.settings)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the client (and its connection pool) until cancelled; rebuild it if its task group fails."""
-        import coredis
-
-        factory = self._factory or coredis.Redis
         started = False
         delay = 0.2
         while True:
             try:
-                async with factory(**client_options(self.settings)) as client:
+                async with open_client(self.settings, self._factory) as client:
                     self._client = client
                     self._ready.set()
                     if not started:

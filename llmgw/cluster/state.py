@@ -122,11 +122,15 @@ class SharedState:
 
     async def wait_for_replica(self, model: str, poll: float = 0.05) -> bool:
         """A request that found no replica at start waits for the first snapshot (gateway role)."""
+        return bool(await self.wait_for_models()) and any(
+            replica.routable for replica in self.replicas.members(model))
+
+    async def wait_for_models(self) -> bool | None:
+        """Before the first snapshot (gateway role), the models are not known yet: wait for it. None when nothing
+        is pending (the control role, or loaded already), else whether it came in time."""
         if self.follower is None or self.follower.loaded.is_set():
-            return False
-        if not await self.follower.wait_loaded(self.config.agents.heartbeat_interval + 1.0):
-            return False
-        return any(replica.routable for replica in self.replicas.members(model))
+            return None
+        return await self.follower.wait_loaded(self.config.agents.heartbeat_interval + 1.0)
 
     def describe(self) -> dict[str, Any]:
         """For ``/health`` and ``/admin/cluster``."""

@@ -82,6 +82,10 @@ def non_empty(message: str = "must not be empty") -> Check:
     return Check(lambda value: None if len(value) else message)
 
 
+def at_most_items(highest: int) -> Check:
+    return Check(lambda value: None if len(value) <= highest else f"must have at most {highest} entries")
+
+
 def setting(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING,
             secret: bool = False, internal: bool = False) -> Any:
     """A config key: no default and no factory means the key is required.

@@ -21,6 +21,7 @@ from .fields import (
     Parse,
     at_least,
     at_most,
+    at_most_items,
     config_class,
     matches,
     non_empty,
@@ -268,11 +269,27 @@ class MetricsConfig(Located):
 
 
 @config_class
+class SentinelConfig(Located):
+    """Redis Sentinel: ask these sentinels where the primary of ``service`` is, and again after a failover."""
+
+    service: ProfileName = setting()  # the name the sentinels monitor (`sentinel monitor <service> ...`)
+    addresses: Annotated[list[Address], non_empty("name at least one sentinel, e.g. 10.0.0.1:26379"),
+                         at_most_items(16),
+                         Check(lambda value: None if all(a.port for a in value) else "a sentinel's port is not 0")
+                         ] = setting()
+    username: Text | None = setting(None)  # the sentinels' ACL user (the primary's is state.username)
+    password_env: EnvName | None = setting(None)  # the variable holding the sentinels' password
+    database: Annotated[int, at_least(0), at_most(16383)] = setting(0)
+    tls: bool = setting(False)  # TLS to the sentinels and the primary, with state.tls's files
+
+
+@config_class
 class StateConfig(Located):
     """Where the state that several gateways share lives (docs/scaling.md): this process (``local``), or Redis."""
 
     backend: Annotated[str, one_of("local", "redis")] = setting("local")
     url: Annotated[str, Parse(parse_redis_url)] | None = setting(None)  # redis://, rediss:// or unix://
+    sentinel: SentinelConfig | None = setting(None)  # instead of url: find the primary through Redis Sentinel
     cluster: ProfileName = setting("llmgw")  # gateways with the same Redis and cluster name route as one
     username: Text | None = setting(None)  # Redis ACL user
     password_env: EnvName | None = setting(None)  # the environment variable holding the password
@@ -291,8 +308,13 @@ class StateConfig(Located):
 
     @classmethod
     def _finish(cls, draft: Draft) -> None:
-        if draft.known("backend", "url") and draft["backend"] == "redis" and not draft["url"]:
-            draft.problem("url", "backend redis needs the server's URL, e.g. redis://127.0.0.1:6379/0")
+        if draft.known("backend", "url", "sentinel") and draft["backend"] == "redis" and not draft["url"] \
+                and not draft["sentinel"]:
+            draft.problem("url", "backend redis needs the server's URL, e.g. redis://127.0.0.1:6379/0 "
+                                 "(or state.sentinel)")
+        if draft.known("url", "sentinel") and draft["url"] and draft["sentinel"]:
+            draft.problem("sentinel", "give either url or sentinel: with sentinel, the sentinels say where "
+                                      "the primary is")
         if draft.known("load_interval", "load_ttl") and draft["load_ttl"] < 4 * draft["load_interval"]:
             draft.problem("load_ttl", "must be at least 4 x load_interval: a live gateway's load must not expire")
 

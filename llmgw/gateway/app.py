@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Callable
 
 import trio
 
-from ..cluster.link import client_options, cluster_secret
+from ..cluster.link import client_options, cluster_secret, sentinel_options
 from ..cluster.state import CONTROL, SharedState
 from ..config import Config, ConfigError
-from ..config.fields import issue_at
+from ..config.fields import Located, issue_at
 from ..control.interfaces import KvWriter, ReplicaTable
 from ..control.plane import ControlPlane
 from ..control.static import StaticReplicas
@@ -137,6 +137,7 @@ class Gateway:
         else:
             assert self.shared is not None
             self.dataplane.wait_for_replica = self.shared.wait_for_replica
+            self.dataplane.wait_for_models = self.shared.wait_for_models
         self._reload_lock = trio.Lock()
 
     async def run(self, listen: tuple[str, int] | None = None, control_listen: tuple[str, int] | None = None, *,
@@ -196,16 +197,22 @@ class Gateway:
     @staticmethod
     def _check_state_settings(config: Config) -> None:
         """The Redis password's variable is set and the TLS files can be used: found at start, not as an outage."""
-        try:
-            client_options(config.state)
-        except ValueError as exc:
-            raise ConfigError([issue_at(config.state, "password_env", str(exc))]) from None
+        sentinel = config.state.sentinel
+        checks: list[tuple[Located, str, Callable[..., object]]] = [(config.state, "password_env", client_options)]
+        if sentinel is not None:
+            checks.append((sentinel, "password_env", sentinel_options))
+        for where, key, check in checks:
+            try:
+                check(config.state)
+            except ValueError as exc:
+                raise ConfigError([issue_at(where, key, str(exc))]) from None
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError([issue_at(config.state, "tls",
+                                            f"cannot be used: {describe_tls_error(exc)}")]) from None
         try:
             cluster_secret(config.state)
         except ValueError as exc:
             raise ConfigError([issue_at(config.state, "secret_env", str(exc))]) from None
-        except (OSError, ssl.SSLError) as exc:
-            raise ConfigError([issue_at(config.state, "tls", f"cannot be used: {describe_tls_error(exc)}")]) from None
 
     def _control_tls_context(self):
         """The control listener's server context (``control_tls``), or None for plain HTTP."""

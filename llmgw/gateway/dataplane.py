@@ -88,6 +88,9 @@ class DataPlane:
         # ``await wait_for_replica(model)``: True once a request that found no routable replica may look again
         # (the control plane's adoption window after a start); None: answer 503 at once.
         self.wait_for_replica: Callable[[str], Awaitable[bool]] | None = None
+        # ``await wait_for_models()``: a gateway that follows the cluster's state knows no model before its first
+        # snapshot; None when nothing is pending, else whether the models came in time (no: 503, not 404).
+        self.wait_for_models: Callable[[], Awaitable[bool | None]] | None = None
 
     # -- entry point -------------------------------------------------------------------------------------------------
 
@@ -171,6 +174,15 @@ class DataPlane:
             return self._count(None, error_response(400, "the request needs a 'model' string", param="model",
                                                     code="missing_model"))
         resolved = self.router.resolve(model)
+        if resolved is None and self.wait_for_models is not None:
+            loaded = await self.wait_for_models()
+            if loaded is False:
+                return self._count(None, error_response(
+                    503, "this gateway has not loaded the cluster's models from the shared state yet; "
+                    "try again or another gateway", code="state_not_loaded",
+                    headers=[(b"retry-after", str(self.settings.retry_after_seconds).encode())]))
+            if loaded:
+                resolved = self.router.resolve(model)
         if resolved is None:
             return self._count(None, error_response(404, f"the model {model!r} does not exist", param="model",
                                                     code="model_not_found"))

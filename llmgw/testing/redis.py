@@ -13,6 +13,7 @@ import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -88,6 +89,8 @@ class PrivateRedis:
 
     nursery: trio.Nursery
     directory: Path
+    config_file: Path | None = None  # and extra: see run_redis_server (a replica's or a sentinel's options)
+    extra: tuple[str, ...] = ()
     server: RedisServer | None = None
     _scope: trio.CancelScope | None = None
     _exited: trio.Event | None = None
@@ -120,7 +123,8 @@ class PrivateRedis:
         exited = self._exited = trio.Event()
         try:
             with trio.CancelScope() as self._scope:
-                await run_redis_server(self.directory, port=port, task_status=task_status)
+                await run_redis_server(self.directory, port=port, config_file=self.config_file, extra=self.extra,
+                                       task_status=task_status)
         finally:
             exited.set()
 
@@ -152,3 +156,80 @@ async def start_private_redis(nursery: trio.Nursery, directory: Path) -> Private
     redis = PrivateRedis(nursery, directory)
     await redis.start()
     return redis
+
+
+SENTINEL_SERVICE = "llmgw"
+
+
+@dataclass(eq=False)
+class SentinelGroup:
+    """A primary, its replica and one sentinel watching them (quorum 1), each a :class:`PrivateRedis` of the test:
+    what ``state.sentinel`` talks to. :meth:`failover` swaps the roles as a real failover does."""
+
+    servers: list[PrivateRedis]  # the primary first, as started
+    sentinel: PrivateRedis
+    service: str = SENTINEL_SERVICE
+
+    @property
+    def url(self) -> str:
+        """What :func:`llmgw.testing.shared_state.cluster_config` takes for a cluster behind this sentinel."""
+        return f"sentinel:{self.sentinel.port}"
+
+    def server_on(self, port: int) -> PrivateRedis:
+        return next(server for server in self.servers if server.port == port)
+
+    def _sentinel_client(self) -> Any:
+        import coredis
+
+        return coredis.Redis("127.0.0.1", self.sentinel.port, decode_responses=True, connect_timeout=2,
+                             stream_timeout=5)
+
+    async def primary_port(self) -> int:
+        """The port of the server the sentinel names as the primary now."""
+        async with self._sentinel_client() as client:
+            _host, port = await client.sentinel_get_master_addr_by_name(self.service)
+        return int(port)
+
+    async def wait_replica_known(self, timeout: float = 15.0) -> None:
+        """Until the sentinel lists a replica it could promote (connected, in sync, not down)."""
+        with trio.fail_after(timeout):
+            while True:
+                async with self._sentinel_client() as client:
+                    replicas = await client.sentinel_replicas(self.service)
+                if any(entry.get("flags") == "slave" and entry.get("master-link-status") == "ok"
+                       for entry in replicas):
+                    return
+                await trio.sleep(0.1)
+
+    async def failover(self, timeout: float = 20.0) -> int:
+        """Ask the sentinel for a failover and wait until it names the other server, and that one is a primary
+        that accepts writes; its port."""
+        before = await self.primary_port()
+        await self.wait_replica_known()
+        async with self._sentinel_client() as client:
+            await client.sentinel_failover(self.service)
+        with trio.fail_after(timeout):
+            while (after := await self.primary_port()) == before:
+                await trio.sleep(0.1)
+        return after
+
+
+async def start_sentinel_group(nursery: trio.Nursery, directory: Path,
+                               down_after_ms: int = 1000) -> SentinelGroup:
+    """:class:`SentinelGroup` in ``directory`` (a folder per server), started on ephemeral ports; once the sentinel
+    knows the replica."""
+    primary = await start_private_redis(nursery, directory / "primary")
+    replica = PrivateRedis(nursery, directory / "replica", extra=("--replicaof", "127.0.0.1", str(primary.port)))
+    await replica.start()
+    sentinel_directory = directory / "sentinel"
+    sentinel_directory.mkdir(parents=True, exist_ok=True)
+    config_file = sentinel_directory / "sentinel.conf"  # the sentinel rewrites it: its own copy, writable
+    config_file.write_text(
+        f"sentinel monitor {SENTINEL_SERVICE} 127.0.0.1 {primary.port} 1\n"
+        f"sentinel down-after-milliseconds {SENTINEL_SERVICE} {down_after_ms}\n"
+        f"sentinel failover-timeout {SENTINEL_SERVICE} 10000\n")
+    sentinel = PrivateRedis(nursery, sentinel_directory, config_file=config_file, extra=("--sentinel",))
+    await sentinel.start()
+    group = SentinelGroup([primary, replica], sentinel)
+    await group.wait_replica_known()
+    return group

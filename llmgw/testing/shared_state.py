@@ -9,18 +9,33 @@ import httpx
 import trio
 
 from .processes import Child
+from .redis import SENTINEL_SERVICE
 from .sims import KV_SIM_ENV, KV_SIM_EXTRA, gateway_config, kv_sources, start_sims
 
 StartServe = Callable[..., Awaitable[Child]]  # (config text, *extra argv) -> a running `llmgw serve`
 
 
+def state_section(redis_url: str, cluster: str, **options: str) -> str:
+    """The config's ``state:`` section for gateways of ``cluster`` sharing state through the Redis at
+    ``redis_url``, or behind the sentinel of a :class:`~.redis.SentinelGroup` (its ``url``, ``sentinel:PORT``);
+    ``options``: more ``state`` keys (``snapshot_interval="1s"``...)."""
+    if redis_url.startswith("sentinel:"):
+        where = (f"  sentinel:\n    service: {SENTINEL_SERVICE}\n"
+                 f"    addresses: [\"127.0.0.1:{redis_url.removeprefix('sentinel:')}\"]\n")
+    else:
+        where = f"  url: {redis_url}\n"
+    return f"state:\n  backend: redis\n{where}  cluster: {cluster}\n" + "".join(
+        f"  {key}: {value}\n" for key, value in options.items())
+
+
 def cluster_config(sims: Sequence[Child], redis_url: str, cluster: str, routing: str = "kv_index",
                    state: str = "") -> str:
-    """The config every process of the cluster runs; ``state``: more ``state:`` keys (YAML lines indented by 2)."""
+    """The config every process of the cluster runs (:func:`state_section`'s ``redis_url``); ``state``: more
+    ``state:`` keys (YAML lines indented by 2)."""
     options = {"tokenize_timeout": "2s"} if routing == "kv_index" else {}
     return gateway_config([s.url for s in sims], routing=routing, routing_options=options,
                           kv_sources=[kv_sources(s) for s in sims] if routing == "kv_index" else None) + (
-        f"state:\n  backend: redis\n  url: {redis_url}\n  cluster: {cluster}\n  snapshot_interval: 1s\n{state}")
+        state_section(redis_url, cluster, snapshot_interval="1s") + state)
 
 
 async def start_cluster(nursery: trio.Nursery, start_serve: StartServe, redis_url: str, cluster: str, *,

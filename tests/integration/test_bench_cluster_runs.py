@@ -56,3 +56,14 @@ async def test_fault_with_several_gateways_kills_one_then_redis_and_reports_each
     for row in redis["gateways"]:
         assert row["degraded_after_s"] is not None and row["live_after_return_s"] is not None
         assert (row["index_equal_after_return_s"] is None) == (row["role"] == "control")
+
+
+async def test_fault_behind_sentinel_kills_the_primary_and_reports_the_promotion(tmp_path):
+    report = await bench(tmp_path, "fault", "--gateways", "2", "--redis", "sentinel", "--duration", "2",
+                         "--rate", "10")
+    _gateway, primary = report["results"]
+    assert report["settings"]["redis"] == "sentinel"
+    assert primary["fault"] == "primary" and primary["down_s"] > 0  # kill -> the sentinel named the replica
+    for row in primary["gateways"]:
+        assert row["failed"] == {}, row
+        assert (row["index_equal_after_return_s"] is None) == (row["role"] == "control")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from llmgw.cluster.link import client_options
+from llmgw.cluster.link import client_options, describe_backend, sentinel_options
 from llmgw.config import ConfigError, parse_config
 from llmgw.config.addresses import parse_redis_url
 
@@ -52,7 +52,8 @@ def test_bad_redis_urls_name_the_key_and_never_echo_the_url(url, message):
 
 def test_redis_needs_a_url_and_load_reports_must_outlive_their_interval():
     assert errors("  backend: redis\n") == [
-        "llmgw.yaml:1: state.url: backend redis needs the server's URL, e.g. redis://127.0.0.1:6379/0"]
+        "llmgw.yaml:1: state.url: backend redis needs the server's URL, e.g. redis://127.0.0.1:6379/0 "
+        "(or state.sentinel)"]
     assert errors("  load_interval: 1s\n  load_ttl: 2s\n") == [
         "llmgw.yaml:3: state.load_ttl: must be at least 4 x load_interval: a live gateway's load must not expire"]
 
@@ -75,3 +76,31 @@ def test_client_options_take_the_password_from_the_environment_and_the_socket_fr
         client_options(settings, {})
     tcp = client_options(state("  backend: redis\n  url: redis://h:7000/2\n"), {})
     assert (tcp["host"], tcp["port"], tcp["db"]) == ("h", 7000, 2) and "password" not in tcp
+
+
+SENTINEL = "  backend: redis\n  sentinel:\n    service: main\n    addresses: [\"10.0.0.1:26379\", \"[::1]:26380\"]\n"
+
+
+def test_a_sentinel_section_replaces_the_url():
+    settings = state(SENTINEL + "    database: 4\n    password_env: SPW\n  password_env: PW\n")
+    assert settings.sentinel.service == "main" and [str(a) for a in settings.sentinel.addresses] == [
+        "10.0.0.1:26379", "[::1]:26380"]
+    primary = client_options(settings, {"PW": "p", "SPW": "s"})
+    assert primary["db"] == 4 and primary["password"] == "p" and "host" not in primary
+    assert sentinel_options(settings, {"PW": "p", "SPW": "s"})["password"] == "s"
+    with pytest.raises(ValueError, match="state.sentinel.password_env names SPW, which is not set"):
+        sentinel_options(settings, {"PW": "p"})
+    assert describe_backend(settings) == "sentinel service main via 10.0.0.1:26379,[::1]:26380"
+
+
+def test_sentinel_errors_name_the_key():
+    assert errors(SENTINEL + "  url: redis://h:1\n") == [
+        "llmgw.yaml:3: state.sentinel: give either url or sentinel: with sentinel, the sentinels say where the "
+        "primary is"]
+    assert errors("  backend: redis\n  sentinel:\n    service: main\n    addresses: [\"h:0\"]\n") == [
+        "llmgw.yaml:5: state.sentinel.addresses: a sentinel's port is not 0"]
+    many = ", ".join(f'"h:{port}"' for port in range(1, 18))
+    assert errors(f"  backend: redis\n  sentinel:\n    service: main\n    addresses: [{many}]\n") == [
+        "llmgw.yaml:5: state.sentinel.addresses: must have at most 16 entries"]
+    assert errors("  backend: redis\n  sentinel:\n    service: main\n    addresses: []\n") == [
+        "llmgw.yaml:5: state.sentinel.addresses: name at least one sentinel, e.g. 10.0.0.1:26379"]
