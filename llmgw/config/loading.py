@@ -48,7 +48,7 @@ def read_config_text(path: str | os.PathLike[str]) -> str:
 def is_blank(text: str) -> bool:
     """Whether ``text`` holds no YAML document: nothing but blank lines and comments (an empty file, or one being
     written). It parses as a config with every default: no models, no deployments, no tokens."""
-    return all(not line.strip() or line.lstrip().startswith("#") for line in text.splitlines())
+    return all(not line.strip(" \t") or line.lstrip(" \t").startswith("#") for line in text.splitlines())
 
 
 def parse_config(text: str, filename: str = "<string>", *, env: Mapping[str, str] | None = None) -> Config:
