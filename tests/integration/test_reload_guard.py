@@ -16,22 +16,10 @@ from llmgw.testing.processes import llmgw_command
 ADMIN = "adm-reload-0123456789"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 TOKENS = f"admin_tokens:\n  - token: {ADMIN}\n    name: ops\n"
-SIM = """
-profiles:
-  - name: tiny-sim
-    engine: sim
-    model_path: tiny
-    served_model_name: tiny
-  - name: other-sim
-    engine: sim
-    model_path: other
-    served_model_name: other
-deployments:
-  - profile: tiny-sim
-    replicas: 1
-  - profile: other-sim
-    replicas: 1
-"""
+MODELS = ("tiny", "other")
+SIM = ("profiles:\n" + "".join(f"  - name: {m}-sim\n    engine: sim\n    model_path: {m}\n    served_model_name: {m}\n"
+                               for m in MODELS)
+       + "deployments:\n" + "".join(f"  - profile: {m}-sim\n    replicas: 1\n" for m in MODELS))
 CHAT_OTHER = {"model": "other", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
 
@@ -51,7 +39,7 @@ async def assert_unchanged(cluster, before: dict[str, dict]) -> None:
     assert all_up(2)(after) and shard_pids(after) == shard_pids(before)
     assert {n: r["generation"] for n, r in after.items()} == {n: r["generation"] for n, r in before.items()}
     models = (await cluster.http.get(cluster.data_url + "/v1/models")).json()["data"]
-    assert sorted(m["id"] for m in models) == ["other", "tiny"]
+    assert sorted(m["id"] for m in models) == sorted(MODELS)
     async with httpx.AsyncClient(timeout=10) as anonymous:
         assert (await anonymous.get(cluster.control_url + "/admin/nodes")).status_code == 401
     assert {await cluster.chat(), await cluster.chat(CHAT_OTHER)} == {"tiny-sim-0", "other-sim-0"}
