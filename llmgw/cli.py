@@ -15,6 +15,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("llmgw.commands.config", "check a config file: llmgw config check FILE"),
     "agent": ("llmgw.commands.agent", "join a control plane and run its shards here: llmgw agent --join URL --token T"),
     "status": ("llmgw.commands.status", "nodes, replicas and shards of a running llmgw serve, as tables"),
+    "reload": ("llmgw.commands.reload",
+               "make a running llmgw serve re-read its config file: llmgw reload [--allow-empty]"),
     "sim": ("llmgw.sim.cli", "run the vLLM-like simulator engine"),
     "down": ("llmgw.commands.down", "stop the engines a stopped serve or agent left running: llmgw down --config FILE"),
     "plan": ("llmgw.commands.plan",

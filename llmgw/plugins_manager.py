@@ -133,14 +133,15 @@ def check_config_plugins(config, registry: Registry) -> None:
         raise ConfigError(issues)
 
 
-def load_checked_config(path, registry: Registry | None = None):
+def load_checked_config(path, registry: Registry | None = None, *, text: str | None = None):
     """:func:`llmgw.config.load_config` and the plugin checks in one pass: one ConfigError lists the problems of
-    both (an unknown tier is reported next to a bad key, not after it is fixed)."""
-    from .config import ConfigError, load_config
+    both (an unknown tier is reported next to a bad key, not after it is fixed). ``text``: the file's content, when
+    the caller already read it (a reload parses the bytes it read once); ``path`` then only names it."""
+    from .config import ConfigError, load_config, parse_config
 
     registry = registry or default_registry()
     try:
-        config = load_config(path)
+        config = load_config(path) if text is None else parse_config(text, str(path))
     except ConfigError as exc:
         raise ConfigError(exc.errors + plugin_issues(exc.objects, registry)) from None
     check_config_plugins(config, registry)

@@ -1,6 +1,6 @@
-"""The CLI side of the control API: GET a JSON document from ``llmgw serve``'s control listener.
+"""The CLI side of the control API: GET (or POST) a JSON document from ``llmgw serve``'s control listener.
 
-Commands that read ``/admin/*`` (``llmgw status``, ``llmgw plan --control``)
+Commands that use ``/admin/*`` (``llmgw status``, ``llmgw plan --control``, ``llmgw reload``)
 take the admin token from ``--admin-token`` or, better (a flag shows in
 ``ps``), the ``LLMGW_ADMIN_TOKEN`` environment variable, and trust an
 ``https://`` control listener through the system store or ``--control-ca``.
@@ -19,6 +19,7 @@ from typing import Any
 from ..tls import TlsClientOptions, client_context, describe_tls_error
 
 ADMIN_TOKEN_ENV = "LLMGW_ADMIN_TOKEN"
+DEFAULT_CONTROL = "http://127.0.0.1:8001"
 
 
 class ControlApiError(Exception):
@@ -36,8 +37,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def get_json(url: str, args: argparse.Namespace, timeout: float) -> Any:
     """``GET url`` with the token and trust of ``args``; :class:`ControlApiError` with a one-line reason."""
+    return request_json("GET", url, args, timeout)
+
+
+def request_json(method: str, url: str, args: argparse.Namespace, timeout: float) -> Any:
+    """``method url`` (a POST with an empty body) as :func:`get_json`."""
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {},
+                                     method=method, data=b"" if method == "POST" else None)
     try:
         context = client_context(TlsClientOptions(ca_file=args.control_ca)) if url.startswith("https:") else None
         with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
@@ -46,14 +53,14 @@ def get_json(url: str, args: argparse.Namespace, timeout: float) -> Any:
         if exc.code == 401:
             hint = ("the admin token was refused" if token else
                     f"the control API needs an admin token: pass --admin-token or set {ADMIN_TOKEN_ENV}")
-            raise ControlApiError(f"GET {url}: 401 Unauthorized: {hint}") from None
-        raise ControlApiError(f"GET {url}: {exc.code} {_error_message(exc)}") from None
+            raise ControlApiError(f"{method} {url}: 401 Unauthorized: {hint}") from None
+        raise ControlApiError(f"{method} {url}: {exc.code} {_error_message(exc)}") from None
     except (ssl.SSLError, urllib.error.URLError) as exc:
         reason = getattr(exc, "reason", exc)
         detail = describe_tls_error(reason) if isinstance(reason, ssl.SSLError) else str(reason)
-        raise ControlApiError(f"GET {url}: {detail}") from None
+        raise ControlApiError(f"{method} {url}: {detail}") from None
     except (OSError, ValueError) as exc:
-        raise ControlApiError(f"GET {url}: {exc}") from None
+        raise ControlApiError(f"{method} {url}: {exc}") from None
 
 
 def _error_message(exc: urllib.error.HTTPError) -> str:

@@ -6,7 +6,8 @@ with KV events and the ``kv_index`` tier, so a newcomer gets a working,
 KV-aware OpenAI endpoint on any laptop. Its state lives in a
 temporary folder and its engines are stopped at exit (a real agent's engines
 outlive it). SIGINT/SIGTERM drain gracefully (a second signal stops at once);
-SIGHUP reloads the config file.
+SIGHUP reloads the config file (never confirming a reload that removes everything: see
+:mod:`llmgw.gateway.reload_guard`).
 
 With ``--workers N`` (N > 1) this process becomes the supervisor of N such processes sharing the data port
 (:mod:`llmgw.workers`); each of them is an ``llmgw serve`` started with the internal ``--worker`` flags.

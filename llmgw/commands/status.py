@@ -12,9 +12,7 @@ import json
 import sys
 from typing import Any, Iterable, Sequence
 
-from .control_api import ControlApiError, add_arguments, get_json
-
-DEFAULT_CONTROL = "http://127.0.0.1:8001"
+from .control_api import DEFAULT_CONTROL, ControlApiError, add_arguments, get_json
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 
 from .issues import ConfigError, ConfigIssue
@@ -18,18 +19,36 @@ def load_config(path: str | os.PathLike[str], *, env: Mapping[str, str] | None =
 
     ``env`` (default ``os.environ``) supplies ``${NAME}`` references.
     """
+    return parse_config(read_config_text(path), os.fspath(path), env=env)
+
+
+def read_config_text(path: str | os.PathLike[str]) -> str:
+    """The text of file ``path``, read once (a reload parses exactly these bytes: it never opens the file again);
+    :class:`ConfigError` when it cannot be read, is too large, is not UTF-8, or changed while it was read (a
+    writer in the middle of it: replace the file by a rename instead)."""
     filename = os.fspath(path)
     try:
         with open(filename, "rb") as file:
+            before = os.fstat(file.fileno())
             data = file.read(MAX_FILE_BYTES + 1)
+            after = os.fstat(file.fileno())
         if len(data) > MAX_FILE_BYTES:
             raise ConfigError([ConfigIssue(filename, 0, "", f"the file is larger than {MAX_FILE_BYTES} bytes")])
-        text = data.decode("utf-8")
+        torn = (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) or len(data) != after.st_size
+        if torn and stat.S_ISREG(after.st_mode):  # a pipe (config check <(...)) has no size to compare
+            raise ConfigError([ConfigIssue(filename, 0, "", "the file changed while it was read (being written?): "
+                                           "write a temporary file and rename it over this one")])
+        return data.decode("utf-8")
     except OSError as exc:
         raise ConfigError([ConfigIssue(filename, 0, "", f"cannot read the file: {exc.strerror or exc}")]) from None
     except UnicodeDecodeError as exc:
         raise ConfigError([ConfigIssue(filename, 0, "", f"the file is not UTF-8 text ({exc.reason})")]) from None
-    return parse_config(text, filename, env=env)
+
+
+def is_blank(text: str) -> bool:
+    """Whether ``text`` holds no YAML document: nothing but blank lines and comments (an empty file, or one being
+    written). It parses as a config with every default: no models, no deployments, no tokens."""
+    return all(not line.strip(" \t") or line.lstrip(" \t").startswith("#") for line in text.splitlines())
 
 
 def parse_config(text: str, filename: str = "<string>", *, env: Mapping[str, str] | None = None) -> Config:

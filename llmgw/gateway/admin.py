@@ -110,10 +110,18 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
 
     @app.post("/admin/reload")
     async def reload():
-        errors = await gateway.reload()
-        if errors:
-            return jsonify({"reloaded": False, "errors": errors}), 400
-        return jsonify({"reloaded": True, "errors": []})
+        """Re-read the config file; ``?allow_empty=true`` confirms a file with no YAML document or one that
+        removes every model and deployment (docs/cluster.md#reload). A refusal is an OpenAI error (409, or 422
+        for an invalid file) with the outcome."""
+        allow_empty = request.args.get("allow_empty", "false").lower()
+        if allow_empty not in ("true", "false"):
+            return _error(400, "allow_empty must be true or false", "invalid_parameter", param="allow_empty")
+        outcome = await gateway.reload(allow_empty=allow_empty == "true")
+        if outcome.refusal is None:
+            return jsonify(outcome.to_json())
+        error = json.loads(error_body(outcome.refusal.status, outcome.refusal.message, code=outcome.refusal.code,
+                                      type_="invalid_request_error"))
+        return jsonify(error | outcome.to_json()), outcome.refusal.status
 
     @app.websocket("/agent")
     async def agent():

@@ -27,6 +27,7 @@ from ..cluster.link import client_options, cluster_secret, sentinel_options
 from ..cluster.state import CONTROL, SharedState
 from ..config import Config, ConfigError
 from ..config.fields import Located, issue_at
+from ..config.loading import is_blank, read_config_text
 from ..control.interfaces import KvWriter, ReplicaTable
 from ..control.plane import ControlPlane
 from ..control.static import StaticReplicas
@@ -45,6 +46,7 @@ from ..tls import describe_tls_error
 from .admin import create_control_app
 from .admin_guard import exposure_problem
 from .dataplane import DataPlane, DataPlaneSettings
+from .reload_guard import APPLIED, Refusal, ReloadMetrics, ReloadOutcome, refusal, summarize
 
 if TYPE_CHECKING:
     from ..agent.agent import Agent
@@ -139,6 +141,7 @@ class Gateway:
             self.dataplane.wait_for_replica = self.shared.wait_for_replica
             self.dataplane.wait_for_models = self.shared.wait_for_models
         self._reload_lock = trio.Lock()
+        self._reload_metrics = ReloadMetrics(self.metrics.registry)
 
     async def run(self, listen: tuple[str, int] | None = None, control_listen: tuple[str, int] | None = None, *,
                   reuse_port: bool = False, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -239,43 +242,59 @@ class Gateway:
                                             announce=lambda line: log.debug("%s", line))  # the control side logs it
         await agent.run(task_status=task_status)
 
-    async def reload(self) -> list[str]:
-        """Re-read the config file and apply it; the errors (nothing is changed then), or [] when applied.
+    async def reload(self, *, allow_empty: bool = False) -> ReloadOutcome:
+        """Re-read the config file and apply all of it, or nothing (the outcome says which, and why).
 
         Listeners, limits and API keys need a restart; profiles, deployments, static models, admin tokens and
-        agent settings (token, heartbeats) apply at once. A config that would leave a non-loopback control port
-        without admin tokens is refused.
+        agent settings (token, heartbeats) apply at once. The file is read once and those bytes parsed (write it
+        with an atomic rename). Refused (:mod:`.reload_guard`): an invalid config; unless ``allow_empty``, a file
+        with no YAML document or one removing every model and deployment; always, one
+        that empties ``admin_tokens`` or leaves a non-loopback control port without tokens.
         """
         async with self._reload_lock:
-            if not self.config.source or self.config.source.startswith("<"):
-                log.warning("reload: there is no config file to reload (the demo, or a config given as text)")
-                return ["there is no config file to reload (the demo, or a config given as text)"]
-            try:
-                config = await trio.to_thread.run_sync(load_checked_config, self.config.source, self.registry)
-                if self.adjust_config is not None:
-                    config = self.adjust_config(config)
-            except ConfigError as exc:
-                errors = [str(issue) for issue in exc.errors]
-                log.error("reload of %s failed; keeping the running config:\n  %s", self.config.source,
-                          "\n  ".join(errors))
-                return errors
-            refused = exposure_problem(self._control_host, config)
-            if refused:
-                log.error("reload of %s refused; keeping the running config: %s", self.config.source, refused)
-                return [refused]
-            for key in ("listen", "control_listen", "limits", "api_keys", "health", "data_tls", "control_tls"):
-                if getattr(config, key) != getattr(self.config, key):
-                    log.warning("reload: %s changed; that takes a restart", key)
-            self.config = config
-            if self.shared is not None:
-                self.shared.apply_config(config)
-            if self.static is not None:
-                self.static.apply(config)
-            if self.control is not None:
-                self.control.apply_config(config)
-            log.info("reloaded %s: %d models, %d deployments", config.source, len(config.models),
-                     len(config.deployments))
-            return []
+            outcome = await self._reload(allow_empty)
+            self._reload_metrics.count(outcome.refusal.code if outcome.refusal else APPLIED)
+            return outcome
+
+    async def _reload(self, allow_empty: bool) -> ReloadOutcome:
+        source = self.config.source
+        if not source or source.startswith("<"):
+            log.warning("reload: there is no config file to reload (the demo, or a config given as text)")
+            return ReloadOutcome(refusal=Refusal(409, "no_config_file", (
+                "there is no config file to reload (the demo, or a config given as text)",)))
+        try:
+            text = await trio.to_thread.run_sync(read_config_text, source)
+            config = await trio.to_thread.run_sync(
+                functools.partial(load_checked_config, source, self.registry, text=text))
+            if self.adjust_config is not None:
+                config = self.adjust_config(config)
+        except ConfigError as exc:
+            errors = tuple(str(issue) for issue in exc.errors)
+            log.error("reload of %s failed; keeping the running config:\n  %s", source, "\n  ".join(errors))
+            return ReloadOutcome(refusal=Refusal(422, "invalid", errors))
+        summary = summarize(self.config, config)
+        refused = refusal(self.config, config, summary, blank=is_blank(text), allow_empty=allow_empty,
+                          control_host=self._control_host)
+        if refused:
+            log.error("reload of %s refused; keeping the running config: %s (it would change %s)", source,
+                      refused.message, summary.describe())
+            return ReloadOutcome(summary, refused)
+        for key in ("listen", "control_listen", "limits", "api_keys", "health", "data_tls", "control_tls"):
+            if getattr(config, key) != getattr(self.config, key):
+                log.warning("reload: %s changed; that takes a restart", key)
+        if summary.join_tokens[0] and not summary.join_tokens[1]:
+            log.warning("reload: agents.token and agents.tokens are now empty: no new node can join (nodes that "
+                        "joined keep their identity)")
+        self.config = config
+        if self.shared is not None:
+            self.shared.apply_config(config)
+        if self.static is not None:
+            self.static.apply(config)
+        if self.control is not None:
+            self.control.apply_config(config)
+        log.info("reloaded %s: %d models, %d deployments (%s)%s", source, len(config.models),
+                 len(config.deployments), summary.describe(), " (confirmed with allow_empty)" if allow_empty else "")
+        return ReloadOutcome(summary)
 
     async def stop_embedded_shards(self, grace: float = 5.0) -> None:
         """Stop the embedded agent's engines (the demo's exit; a real agent's engines outlive it)."""

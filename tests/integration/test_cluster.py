@@ -43,7 +43,9 @@ async def test_two_agents_run_a_deployment_and_keep_it_through_restarts(cluster)
         starting.start_soon(cluster.start_agent, "a", "tiny-2gpu-a")
         starting.start_soon(cluster.start_agent, "b", "tiny-2gpu-b")
     cluster.write_config(AGENTS + TINY_SIM)
-    assert (await cluster.http.post(cluster.control_url + "/admin/reload")).json() == {"reloaded": True, "errors": []}
+    reloaded = (await cluster.http.post(cluster.control_url + "/admin/reload")).json()
+    assert (reloaded["reloaded"], reloaded["errors"]) == (True, [])
+    assert reloaded["summary"]["deployments"] == {"added": [], "removed": [], "changed": ["tiny-sim"]}
     replicas = await cluster.settled(2)
 
     # Placed one per node, on GPU 0, pinned by UUID in the engine's environment.
@@ -136,7 +138,8 @@ async def test_a_removed_deployment_drains_without_cutting_a_stream(cluster, sta
     # A config with an error is not applied.
     cluster.config_path.write_text(cluster.config_path.read_text().replace("replicas: 1", "replicas: many", 1))
     refused = await cluster.http.post(cluster.control_url + "/admin/reload")
-    assert refused.status_code == 400 and "replicas" in refused.json()["errors"][0]
+    assert refused.status_code == 422 and "replicas" in refused.json()["errors"][0]
+    assert refused.json()["error"]["code"] == "invalid"
     assert set(await cluster.replicas()) == {"ext-0", "fast-0", "slow-0"}
 
     body = {"model": "slow", "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 30,

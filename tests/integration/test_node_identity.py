@@ -221,10 +221,10 @@ async def test_identities_survive_a_restart_and_a_token_rotation_keeps_sessions_
     # Rotation, step 1: the new token beside the old one; step 2: the new one only. Reloaded, not restarted.
     rotating = AGENTS.replace(f"  token: {TOKEN}\n", f"  token: {TOKEN}\n  tokens: [n3w-token]\n")
     rotated = AGENTS.replace(f"  token: {TOKEN}\n", "  token: n3w-token\n")
-    for text in (rotating, rotated):
+    for text, join_tokens in ((rotating, {"before": 1, "after": 2}), (rotated, {"before": 2, "after": 1})):
         cluster.write_config(text + SECRET_PROFILE)
-        reload = await cluster.http.post(cluster.control_url + "/admin/reload")
-        assert reload.json() == {"reloaded": True, "errors": []}
+        reload = (await cluster.http.post(cluster.control_url + "/admin/reload")).json()
+        assert (reload["reloaded"], reload["errors"], reload["summary"]["join_tokens"]) == (True, [], join_tokens)
     old = await cluster.start_agent("old-token", "tiny-2gpu-b", ready=" refused by ")
     assert await old.wait_exit() == 3 and "bad_token" in old.output()
     await cluster.start_agent("b", "tiny-2gpu-b", token="n3w-token")

@@ -240,6 +240,6 @@ async def test_a_workers_reload_keeps_it_on_the_private_redis(nursery, tmp_path,
     gateway = Gateway(adjust(parse_config(path.read_text(), filename=str(path))), adjust_config=adjust)
     await nursery.start(gateway.run, ("127.0.0.1", 0), ("127.0.0.1", 0))
     path.write_text("log_level: info\n")
-    assert await gateway.reload() == []
+    assert (await gateway.reload()).applied
     assert gateway.config.log_level == "info"  # the file was read again...
     assert gateway.config.state == adjust(gateway.config).state and gateway.config.state.shared  # ...and adjusted

@@ -186,7 +186,7 @@ async def test_serve_and_reload_refuse_an_alias_bomb_and_keep_serving(start_llmg
     path.write_text(BILLION_LAUGHS)
     async with httpx.AsyncClient(base_url=gw.control_url, timeout=30) as client:
         answer = await client.post("/admin/reload")
-        assert answer.status_code == 400
+        assert answer.status_code == 422
         (error,) = answer.json()["errors"]
         assert error.startswith(f"{path}:7: f[")
         assert error.endswith(f": aliases expand to more than {MAX_ALIAS_NODES} nodes: write the values out, "
