@@ -207,10 +207,10 @@ def _content_chars(content: Any) -> int:
     return 0
 
 
-def _cut_messages(messages: list[dict], max_chars: int) -> tuple[list[dict], int]:
+def _cut_messages(messages: list[dict[str, Any]], max_chars: int) -> tuple[list[dict[str, Any]], int]:
     """The messages up to the one holding the ``max_chars``-th character of content, that one's content cut
     there (:func:`cut_at`); and the characters of content kept."""
-    kept: list[dict] = []
+    kept: list[dict[str, Any]] = []
     left = max_chars
     for message in messages:
         content = message.get("content")
@@ -223,7 +223,7 @@ def _cut_messages(messages: list[dict], max_chars: int) -> tuple[list[dict], int
             cut = cut_at(content, left)
             kept.append({**message, "content": content[:cut]})
             left -= cut
-        else:
+        elif isinstance(content, list):  # a size above 0: a str or a list of text parts (checked by the plan)
             parts: list[Any] = []
             for part in content:
                 text = part if isinstance(part, str) else part["text"]
