@@ -21,7 +21,16 @@ non-ASCII text, JSON-escaped), ``token_ids`` (a completions prompt of token ids)
 containers: 100,000 empty arrays, then a long prompt: about the costliest body
 accepted).
 
-Run: ``python -m llmgw.bench.big_body [--seconds 4] [--loop-gaps 5] [--json bench-results/big_body.json]``.
+With ``--routing kv_index`` model ``big`` is a simulator (``llmgw sim``, its KV
+events followed by the gateway) routed by the ``kv_index`` tier, so each big
+body is also planned, cut, tokenized through the simulator's ``/tokenize`` and
+hashed before it is forwarded (kinds ``text``: a chat, ``escaped``: a completion
+prompt, ``token_ids``: ids hashed without ``/tokenize``); the simulator answers
+400 (the prompt is longer than its context), after the routing work this
+measures.
+
+Run: ``python -m llmgw.bench.big_body [--seconds 4] [--loop-gaps 5] [--routing kv_index]
+[--json bench-results/big_body.json]``.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import time
 import trio
 
 from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, BodyError, read_json_body
+from ..testing.processes import free_port, llmgw_command, start_child
 from ..testing.sims import start_fake_upstream, start_gateway
 from .common import bench_parser, finish
 
@@ -64,6 +74,11 @@ def request_bytes(host: str, path: str, body: bytes) -> bytes:
 
 async def exchange(stream: trio.SocketStream, data: bytes) -> int:
     """Send one request and read its whole (content-length) answer; the status code."""
+    return (await answer_of(stream, data))[0]
+
+
+async def answer_of(stream: trio.SocketStream, data: bytes) -> tuple[int, bytes]:
+    """Send one request and read its whole (content-length) answer: the status code and the body."""
     await stream.send_all(data)
     buffer = b""
     while b"\r\n\r\n" not in buffer:
@@ -79,7 +94,7 @@ async def exchange(stream: trio.SocketStream, data: bytes) -> int:
         if not chunk:
             raise ConnectionError("the gateway closed the connection mid-answer")
         rest += chunk
-    return int(lines[0].split()[1])
+    return int(lines[0].split()[1]), rest
 
 
 async def small_latencies(host: str, port: int, seconds: float) -> list[float]:
@@ -101,7 +116,9 @@ async def small_latencies(host: str, port: int, seconds: float) -> list[float]:
 
 def send_big_bodies(host: str, port: int, kind: str, size: int, seconds: float) -> list[tuple[int, float]]:
     """Big requests one after another (a new connection each, as an error may close it) for ``seconds``."""
-    data = request_bytes(host, "/v1/completions", big_bodies(size)[kind])
+    body = big_bodies(size)[kind]
+    path = "/v1/chat/completions" if b'"messages":' in body[:64] else "/v1/completions"
+    data = request_bytes(host, path, body)
     results = []
 
     async def loop() -> None:
@@ -167,15 +184,57 @@ def summary(latencies: list[float]) -> dict:
             "p99_ms": 1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], "max_ms": 1000 * ordered[-1]}
 
 
-async def measure(seconds: float, size: int, kinds: list[str]) -> dict:
-    report: dict = {"size_bytes": size, "seconds_per_kind": seconds, "kinds": {}}
+async def kv_index_model(nursery: trio.Nursery) -> str:
+    """A simulator serving ``big`` with KV events, and the config lines of model ``big`` routed by ``kv_index``."""
+    events, replay = free_port(), free_port()
+    events_config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
+                                "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"})
+    argv = llmgw_command("sim", "--port", "0", "--served-model-name", "big", "--time-scale", "0",
+                         "--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config", events_config)
+    engine = await start_child(nursery, argv, name="sim-big", env={"PYTHONHASHSEED": "0"})
+    return (f"  - name: big\n    routing: kv_index\n    routing_options: {{tokenize_timeout: 5s}}\n"
+            f"    replicas:\n      - {{url: {engine.url}, name: big-0, kv_events: 'tcp://127.0.0.1:{events}', "
+            f"kv_replay: 'tcp://127.0.0.1:{replay}'}}\n")
+
+
+async def control_get(control_url: str, path: str) -> bytes:
+    host, port = control_url.removeprefix("http://").rsplit(":", 1)
+    async with await trio.open_tcp_stream(host, int(port)) as stream:
+        return (await answer_of(stream, f"GET {path} HTTP/1.1\r\nhost: {host}\r\n\r\n".encode()))[1]
+
+
+async def routing_outcomes(control_url: str) -> dict[str, float]:
+    """``llmgw_routing_decisions_total`` of model ``big`` by outcome (to show the big bodies were routed by the
+    tier, not by a fallback)."""
+    outcomes = {}
+    for line in (await control_get(control_url, "/metrics")).decode().splitlines():
+        if line.startswith("llmgw_routing_decisions_total{") and 'model="big"' in line:
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            outcomes[outcome] = float(line.rsplit(" ", 1)[1])
+    return outcomes
+
+
+async def index_healthy(control_url: str) -> None:
+    """Wait until the gateway's KV index of ``big-0`` is healthy (its first copy of the engine's cache came)."""
+    with trio.fail_after(30):
+        while True:
+            if b'"healthy"' in await control_get(control_url, "/admin/kv"):
+                return
+            await trio.sleep(0.1)
+
+
+async def measure(seconds: float, size: int, kinds: list[str], routing: str = "proxy") -> dict:
+    report: dict = {"size_bytes": size, "seconds_per_kind": seconds, "routing": routing, "kinds": {}}
     async with trio.open_nursery() as nursery:
         upstreams = []
         for name in ("small", "big"):
             upstreams.append(await start_fake_upstream(nursery, name))
-        config = (f"models:\n  - name: tiny\n    replicas: [{{url: {upstreams[0].url}}}]\n"
-                  f"  - name: big\n    replicas: [{{url: {upstreams[1].url}}}]\nlog_level: warning\n")
+        big = (await kv_index_model(nursery) if routing == "kv_index"
+               else f"  - name: big\n    replicas: [{{url: {upstreams[1].url}}}]\n")
+        config = f"models:\n  - name: tiny\n    replicas: [{{url: {upstreams[0].url}}}]\n{big}log_level: warning\n"
         gateway = await start_gateway(nursery, config)
+        if routing == "kv_index":
+            await index_healthy(gateway.control_url)
         host, port_text = gateway.url.removeprefix("http://").rsplit(":", 1)
         port = int(port_text)
         await small_latencies(host, port, 0.5)  # warm up
@@ -200,6 +259,8 @@ async def measure(seconds: float, size: int, kinds: list[str]) -> dict:
             row["big_requests"] = len(results)
             row["big_median_s"] = statistics.median(d for _, d in results) if results else None
             report["kinds"][kind] = row
+        if routing == "kv_index":
+            report["big_routing_outcomes"] = await routing_outcomes(gateway.control_url)
         nursery.cancel_scope.cancel()
     return report
 
@@ -208,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__)
     parser.add_argument("--seconds", type=float, default=4.0, help="small-request measuring time per kind")
     parser.add_argument("--size", type=int, default=15 * MiB, help="bytes of each big body")
-    parser.add_argument("--kinds", default="text,escaped,token_ids,containers,deep,at_bound")
+    parser.add_argument("--kinds", help="default: text,escaped,token_ids,containers,deep,at_bound "
+                                         "(with --routing kv_index: text,escaped,token_ids)")
+    parser.add_argument("--routing", choices=("proxy", "kv_index"), default="proxy",
+                        help="model big: a fake upstream (proxy) or a simulator routed by kv_index")
     parser.add_argument("--loop-gaps", type=int, default=3, metavar="N",
                         help="also time the event loop's longest gap while parsing each body in process, as before "
                              "and as now, best of N (0: skip)")
@@ -219,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         host, port = args.target.rsplit(":", 1)
         print(json.dumps(send_big_bodies(host, int(port), args.send, args.size, args.seconds)))
         return 0
-    report = trio.run(measure, args.seconds, args.size, args.kinds.split(","))
+    kinds = (args.kinds or ("text,escaped,token_ids" if args.routing == "kv_index"
+                            else "text,escaped,token_ids,containers,deep,at_bound")).split(",")
+    report = trio.run(measure, args.seconds, args.size, kinds, args.routing)
     base = report["baseline"]
     print(f"no big body: small request p50 {base['p50_ms']:.1f} ms, p99 {base['p99_ms']:.1f} ms, "
           f"max {base['max_ms']:.1f} ms ({base['requests']} requests)")
@@ -228,8 +294,10 @@ def main(argv: list[str] | None = None) -> int:
         big = f"{row['big_median_s']:.2f}" if row["big_median_s"] is not None else "-"
         print(f"{kind:<11} {','.join(map(str, row['big_statuses'])):<10} {big:>6} {row['p50_ms']:>10.1f} "
               f"{row['added_p99_ms']:>8.1f} {row['added_max_ms']:>8.1f}")
+    if "big_routing_outcomes" in report:
+        print(f"model big, routing decisions by outcome: {report['big_routing_outcomes']}")
     if args.loop_gaps:
-        report["loop_gaps"] = trio.run(loop_gaps, args.size, args.kinds.split(","), args.loop_gaps)
+        report["loop_gaps"] = trio.run(loop_gaps, args.size, kinds, args.loop_gaps)
         print(f"\nlongest event-loop gap while parsing in process (best of {args.loop_gaps}):")
         print(f"{'big body':<11} {'json.loads':>18} {'read_json_body':>28}")
         for kind, row in report["loop_gaps"].items():

@@ -381,6 +381,15 @@ class VllmBlockKeys:
     def keys(self, token_ids: Sequence[int], block_size: int, extra_keys: ExtraKeys | None = None) -> list[int]:
         return self._chain(token_ids, block_size, extra_keys, self.none_hash, 0)[1]
 
+    def keys_after(self, token_ids: Sequence[int], block_size: int, extra_keys: ExtraKeys | None = None, *,
+                   parent: bytes | None = None) -> tuple[list[int], bytes | None]:
+        """The keys of ``token_ids``' full blocks continuing the chain after the digest ``parent`` (None: the
+        chain's start), and the last block's digest (the next slice's ``parent``): a long prompt hashed in
+        slices gets the keys :meth:`keys` gives it whole."""
+        digests, ints = self._chain(token_ids, block_size, extra_keys, self.none_hash if parent is None else parent,
+                                    0)
+        return ints, digests[-1] if digests else parent
+
     def digests(
         self,
         token_ids: Sequence[int],

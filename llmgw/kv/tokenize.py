@@ -29,6 +29,24 @@ generation prompt on, no BOS added). A completion's string prompt is sent
 with its ``add_special_tokens`` (default true, BOS added). A completion whose
 prompt is token ids needs no ``/tokenize`` call at all.
 
+Bounded: a prompt longer than ``max_chars`` characters (the tier's
+``max_tokenize_chars``) is cut before it is sent: a completion's prompt to its
+first ``max_chars`` characters, a chat's messages up to the one holding the
+``max_chars``-th character of content, whose content is cut there (the later
+messages dropped). The cut goes back to a whitespace when one is near
+(:func:`cut_at`). The ids of the cut body equal the full prompt's up to a few
+tokens before the cut: what the template appends after the cut message and the
+tokens of the word at the cut differ, so the tier drops the last
+``CUT_MARGIN_TOKENS`` ids of a cut body's answer (and hashes full blocks only).
+A template that renders early messages differently when later ones are there
+(one that moves the system prompt to the last user turn) gets other ids for a
+cut prompt: such prompts then miss in the index, nothing worse.
+
+Lone surrogates (``"\ud800"``, legal JSON) cannot be encoded as UTF-8: the
+``/tokenize`` body carries U+FFFD in their place, so routing tokenizes the
+prompt rather than failing (the engine itself refuses such a request with a
+400, wherever it is routed).
+
 Extra keys: ``cache_salt`` goes on block 0 and a LoRA adapter's ``("lora",
 name, path)`` on every block, as vLLM 0.31+ hashes them
 (:func:`llmgw.kv.keys.request_extra_keys`). A LoRA adapter is indexable
@@ -46,6 +64,7 @@ no calls and depends on nothing above ``llmgw.kv``.
 from __future__ import annotations
 
 import json
+import re
 from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -62,6 +81,9 @@ TEXT_PART_TYPES = frozenset({"text", "input_text"})
 DEFAULT_TOKENIZE_TIMEOUT = 0.05
 DEFAULT_TOKENIZE_TIMEOUT_PER_KB = 0.002
 DEFAULT_CACHE_TOKENS = 4_000_000  # about 16 MB of ids (4 bytes each) plus the bodies
+CUT_MARGIN_TOKENS = 64  # ids dropped from the end of a cut prompt's answer (the template's suffix, the cut word)
+CUT_LOOKBACK_CHARS = 64  # a cut moves back at most this far to a whitespace
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _U32 = next(code for code in "IL" if array(code).itemsize == 4)
 
 
@@ -78,6 +100,8 @@ class Plan:
     token_ids: Sequence[int] | None = None  # the request's own list (not copied: never mutate it)
     cache_salt: str | None = None
     lora: tuple[str, str] | None = None
+    prompt_chars: int = 0  # characters of prompt text (a completion's prompt, a chat's contents)
+    cut_chars: int = 0  # when the body was cut (max_chars): the characters of prompt text it kept; 0 when whole
 
     @property
     def indexable(self) -> bool:
@@ -96,16 +120,33 @@ def _refuse(reason: str) -> Plan:
 
 
 def _canonical(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:  # a lone surrogate: U+FFFD in its place (the module's docstring)
+        return _SURROGATE.sub("\ufffd", text).encode()
+
+
+def cut_at(text: str, limit: int) -> int:
+    """Where to cut ``text`` to at most ``limit`` characters: just after the last whitespace within
+    ``CUT_LOOKBACK_CHARS`` of the limit (a word is not split), else at the limit."""
+    if len(text) <= limit:
+        return len(text)
+    window_start = max(0, limit - CUT_LOOKBACK_CHARS)
+    for i in range(limit, window_start, -1):
+        if text[i - 1].isspace():
+            return i
+    return limit
 
 
 def plan(path: str, body: Mapping[str, Any], *, base_models: frozenset[str] | set[str] = frozenset(),
-         loras: Mapping[str, str] | None = None) -> Plan:
+         loras: Mapping[str, str] | None = None, max_chars: int | None = None) -> Plan:
     """Whether and how to index a request to ``path`` with JSON ``body`` (see the module docstring).
 
     ``base_models`` are the names the replicas serve the base model under (a
     request without ``model`` is the base model); ``loras`` maps LoRA adapter
-    names to the paths the engine loaded them from.
+    names to the paths the engine loaded them from; a prompt of more than
+    ``max_chars`` characters is cut to that (None: never).
     """
     if not isinstance(body, Mapping):
         return _refuse("bad_body")
@@ -120,13 +161,14 @@ def plan(path: str, body: Mapping[str, Any], *, base_models: frozenset[str] | se
     if salt is not None and (not isinstance(salt, str) or not salt):
         return _refuse("bad_cache_salt")
     if path == CHAT_PATH:
-        return _chat_plan(body, model, salt, lora)
+        return _chat_plan(body, model, salt, lora, max_chars)
     if path == COMPLETIONS_PATH:
-        return _completion_plan(body, model, salt, lora)
+        return _completion_plan(body, model, salt, lora, max_chars)
     return _refuse("path")
 
 
-def _chat_plan(body: Mapping[str, Any], model: Any, salt: str | None, lora: tuple[str, str] | None) -> Plan:
+def _chat_plan(body: Mapping[str, Any], model: Any, salt: str | None, lora: tuple[str, str] | None,
+               max_chars: int | None) -> Plan:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return _refuse("bad_body")
@@ -147,9 +189,54 @@ def _chat_plan(body: Mapping[str, Any], model: Any, salt: str | None, lora: tupl
     if body.get("add_generation_prompt", True) is True and body.get("continue_final_message") is True:
         return _refuse("both_prompt_flags")
     tokenize_body = {name: body[name] for name in CHAT_FIELDS if name in body}
+    chars = sum(_content_chars(m.get("content")) for m in messages)
+    kept = chars
+    if max_chars is not None and chars > max_chars:
+        tokenize_body["messages"], kept = _cut_messages(messages, max_chars)
     if model is not None:
         tokenize_body["model"] = model
-    return Plan(body=_canonical(tokenize_body), cache_salt=salt, lora=lora)
+    return Plan(body=_canonical(tokenize_body), cache_salt=salt, lora=lora, prompt_chars=chars,
+                cut_chars=kept if kept < chars else 0)
+
+
+def _content_chars(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(part if isinstance(part, str) else part["text"]) for part in content)
+    return 0
+
+
+def _cut_messages(messages: list[dict[str, Any]], max_chars: int) -> tuple[list[dict[str, Any]], int]:
+    """The messages up to the one holding the ``max_chars``-th character of content, that one's content cut
+    there (:func:`cut_at`); and the characters of content kept."""
+    kept: list[dict[str, Any]] = []
+    left = max_chars
+    for message in messages:
+        content = message.get("content")
+        size = _content_chars(content)
+        if size <= left:
+            kept.append(message)
+            left -= size
+            continue
+        if isinstance(content, str):
+            cut = cut_at(content, left)
+            kept.append({**message, "content": content[:cut]})
+            left -= cut
+        elif isinstance(content, list):  # a size above 0: a str or a list of text parts (checked by the plan)
+            parts: list[Any] = []
+            for part in content:
+                text = part if isinstance(part, str) else part["text"]
+                if len(text) > left:
+                    cut = cut_at(text, left)
+                    parts.append(text[:cut] if isinstance(part, str) else {**part, "text": text[:cut]})
+                    left -= cut
+                    break
+                parts.append(part)
+                left -= len(text)
+            kept.append({**message, "content": parts})
+        break
+    return kept, max_chars - left
 
 
 def _token_ids(value: list[Any]) -> bool:
@@ -162,7 +249,7 @@ def _token_ids(value: list[Any]) -> bool:
 
 
 def _completion_plan(body: Mapping[str, Any], model: Any, salt: str | None,
-                     lora: tuple[str, str] | None) -> Plan:
+                     lora: tuple[str, str] | None, max_chars: int | None) -> Plan:
     if body.get("prompt_embeds") is not None:
         return _refuse("prompt_embeds")
     prompt = body.get("prompt")
@@ -176,10 +263,12 @@ def _completion_plan(body: Mapping[str, Any], model: Any, salt: str | None,
         add_special = body.get("add_special_tokens", True)
         if not isinstance(add_special, bool):
             return _refuse("bad_body")
-        tokenize_body = {"prompt": prompt, "add_special_tokens": add_special}
+        cut = cut_at(prompt, max_chars) if max_chars is not None else len(prompt)
+        tokenize_body = {"prompt": prompt[:cut] if cut < len(prompt) else prompt, "add_special_tokens": add_special}
         if model is not None:
             tokenize_body["model"] = model
-        return Plan(body=_canonical(tokenize_body), cache_salt=salt, lora=lora)
+        return Plan(body=_canonical(tokenize_body), cache_salt=salt, lora=lora, prompt_chars=len(prompt),
+                    cut_chars=cut if cut < len(prompt) else 0)
     if isinstance(prompt, list):
         if not prompt:
             return _refuse("empty_prompt")

@@ -8,10 +8,17 @@ Per request (the rule, also in ``docs/kv-routing.md``):
    reset), the prefix tree decides (``index_unhealthy``) without tokenizing.
 3. The prompt ids come from the tokenizer source (by default the model's
    ``tokenizer.json`` in the router when it is there, else a replica's
-   ``/tokenize``: the least loaded candidate's; answers cached by body) or
+   ``/tokenize``: the candidate the request most likely goes to (the one
+   holding the longest match of it in the tree, else the least loaded), so a
+   prompt reaches no replica but one it may be routed to; answers cached by
+   body) or
    from the request itself (token-id prompts). Too slow: the tree decides
    (``tokenize_timeout``); an error:
-   the tree decides (``tokenize_error``).
+   the tree decides (``tokenize_error``). Bounded: a prompt of more than
+   ``max_tokenize_chars`` characters is cut to that before it is tokenized
+   (the last ``CUT_MARGIN_TOKENS`` ids of its answer dropped), an answer is
+   read up to ``max_prompt_tokens`` (plus that margin) ids, and a long
+   prompt's blocks are hashed in slices with a checkpoint between them.
 4. The ids are hashed into block keys with the block size each candidate's
    events reported, or an assumed one until they do (:meth:`KvIndexTier.assumed_block_size`)
    (once per distinct size), with vLLM's extra keys
@@ -48,6 +55,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+import trio
+
 from ..kv import drift as kv_drift, tokenize as kv_tokenize
 from ..kv.keys import none_hash
 from ..kv.metrics import KvMetrics
@@ -82,6 +91,8 @@ EXTRA_KEY_STYLE = {"vllm": "current", "content": "event"}
 NO_DRIFT_CHECK_FIELDS = ("prompt_logprobs", "truncate_prompt_tokens")
 # Attempt failures after which the engine holds nothing of the request (llmgw.router.tier.RoutingTier.attempt_failed)
 NEVER_TAKEN = frozenset({"connect", "tls", "closed_before_request", "status_502", "status_503", "status_504"})
+TOKENIZE_CHARS_PER_TOKEN = 6  # max_tokenize_chars defaults to this x max_prompt_tokens (English: ~4 per token)
+HASH_SLICE_BLOCKS = 1024  # a long prompt's blocks are hashed this many at a time, other tasks running between
 
 
 @dataclass
@@ -102,6 +113,7 @@ class KvIndexOptions:
     block_size: int | None = None  # a replica's until its own events say (KvIndexTier.assumed_block_size)
     min_match_blocks: int = 1
     max_prompt_tokens: int = 131072
+    max_tokenize_chars: int | None = None  # default: TOKENIZE_CHARS_PER_TOKEN x max_prompt_tokens
     lora_adapters: dict[str, str] = field(default_factory=dict)
     drift_suspect_after: int = kv_drift.DEFAULT_SUSPECT_AFTER
     drift_window: float = kv_drift.DEFAULT_WINDOW
@@ -119,7 +131,8 @@ class KvIndexOptions:
         options, problems = cls(), list[str]()
 
         take = option_reader(options, raw, problems,
-                             ("hash_seed", "extra_key_style", "block_size", "tokenizer_path"))
+                             ("hash_seed", "extra_key_style", "block_size", "tokenizer_path",
+                              "max_tokenize_chars"))
         take("tokenizer", _name)
         take("tokenizer_path", _name)
         take("tokenize_timeout", _positive_duration)
@@ -134,6 +147,7 @@ class KvIndexOptions:
         take("block_size", count(1))
         take("min_match_blocks", count(1))
         take("max_prompt_tokens", count(1))
+        take("max_tokenize_chars", count(1))
         take("lora_adapters", _lora_map)
         take("drift_suspect_after", count(0))
         take("drift_window", _positive_duration)
@@ -141,6 +155,10 @@ class KvIndexOptions:
         take("drift_resync_retry", _positive_duration)
         take("max_event_message_bytes", message_size_setting)
         return options, problems
+
+    @property
+    def tokenize_chars(self) -> int:
+        return self.max_tokenize_chars or TOKENIZE_CHARS_PER_TOKEN * self.max_prompt_tokens
 
 
 KV_KEYS = frozenset(KvIndexOptions.__dataclass_fields__)
@@ -219,6 +237,7 @@ class KvIndexTier(RoutingTier):
         self.tokenizer = registry.get("tokenizer_sources", options.tokenizer)(
             {"tokenize_timeout": options.tokenize_timeout, "tokenize_timeout_per_kb": options.tokenize_timeout_per_kb,
              "tokenize_cache_tokens": options.tokenize_cache_tokens, "base_models": self.base_models,
+             "max_ids": options.max_prompt_tokens + kv_tokenize.CUT_MARGIN_TOKENS,
              "tokenizer_path": options.tokenizer_path or _local_dir(model.model_path)})
         key_options = dict(options.key_function_options)
         if options.key_function == "vllm":
@@ -438,17 +457,61 @@ class KvIndexTier(RoutingTier):
             return max(set(peers), key=peers.count), "peers"
         return VLLM_DEFAULT_BLOCK_SIZE, "default"
 
-    def _tokenize_replica(self, candidates: Sequence[Replica]) -> Replica:
-        """The least loaded candidate (its API server answers soonest); equals in turn."""
-        least = min(r.inflight for r in candidates)
-        idle = [r for r in candidates if r.inflight == least]
-        replica = idle[self._tokenize_turn % len(idle)]
+    def _tokenize_replica(self, request: RouteRequest, candidates: Sequence[Replica], now: float) -> Replica:
+        """The candidate the request most likely goes to: the one holding the longest match of it in the tree
+        (which learns every decision), else the least loaded (the tier spreads a prompt no one holds by load);
+        equals in turn. Never a replica the request could not be routed to."""
+        held = self.tree.matches(self.tree.prompt_text(request), candidates, now)
+        longest = max(held)
+        if longest:
+            pool = [r for r, m in zip(candidates, held) if m == longest]
+        else:
+            least = min(r.inflight for r in candidates)
+            pool = [r for r in candidates if r.inflight == least]
+        replica = pool[self._tokenize_turn % len(pool)]
         self._tokenize_turn += 1
         return replica
 
+    async def _prompt_ids(self, plan: kv_tokenize.Plan, request: RouteRequest, candidates: Sequence[Replica],
+                          now: float) -> tuple[Sequence[int], int] | Fallback:
+        """The ids routing hashes (at most ``max_prompt_tokens``, those of a cut prompt that equal the whole
+        prompt's) and the prompt's length in tokens (estimated when not all of it was tokenized)."""
+        limit = self.options.max_prompt_tokens
+        if plan.token_ids is not None:
+            return plan.token_ids[:limit], len(plan.token_ids)
+        try:
+            ids = await self.tokenizer.tokenize(self._tokenize_replica(request, candidates, now), plan.body)
+        except TokenizeError as exc:
+            return Fallback("tokenize_timeout" if exc.kind == "timeout" else "tokenize_error", str(exc))
+        got = len(ids)
+        if not plan.cut_chars:
+            return ids[:limit], got  # at least: an answer is read up to the limit (and the margin)
+        usable = min(limit, got - kv_tokenize.CUT_MARGIN_TOKENS)
+        # At least the ids per character of what was tokenized (fewer ids were read than the cut body has when
+        # the answer hit the limit), over the whole prompt.
+        return ids[:max(usable, 0)], max(got, _scaled(got, plan.prompt_chars, plan.cut_chars))
+
+    async def _block_keys(self, tokens: Sequence[int], block_size: int, extras) -> list[int]:
+        """The block keys of ``tokens``; a long prompt's in slices of ``HASH_SLICE_BLOCKS`` blocks with a
+        checkpoint between them (for key functions that can continue a chain: ``keys_after``)."""
+        after = getattr(self.keys, "keys_after", None)
+        step = HASH_SLICE_BLOCKS * block_size
+        if after is None or len(tokens) <= step:
+            return self.keys.keys(tokens, block_size, extras)
+        keys: list[int] = []
+        parent = None
+        for start in range(0, len(tokens) - len(tokens) % block_size, step):
+            first = start // block_size
+            more, parent = after(tokens[start:start + step], block_size,
+                                 None if extras is None else extras[first:first + HASH_SLICE_BLOCKS], parent=parent)
+            keys += more
+            await trio.lowlevel.checkpoint()
+        return keys
+
     async def _evaluate(self, request: RouteRequest, candidates: Sequence[Replica], now: float,
                         rng: random.Random) -> KvEvaluation | Fallback:
-        plan = kv_tokenize.plan(request.path, request.body, base_models=self.base_models, loras=self.loras)
+        plan = kv_tokenize.plan(request.path, request.body, base_models=self.base_models, loras=self.loras,
+                                max_chars=self.options.tokenize_chars)
         if not plan.indexable:
             return Fallback("unindexable", plan.reason)
         index = self.index
@@ -456,16 +519,10 @@ class KvIndexTier(RoutingTier):
         if IndexState.HEALTHY not in states:
             return Fallback("index_unhealthy", "no candidate's KV index is healthy: "
                             + ", ".join(f"{r.name}={s.value}" for r, s in zip(candidates, states)))
-        if plan.token_ids is not None:
-            tokens = plan.token_ids
-        else:
-            try:
-                tokens = await self.tokenizer.tokenize(self._tokenize_replica(candidates), plan.body)
-            except TokenizeError as exc:
-                return Fallback("tokenize_timeout" if exc.kind == "timeout" else "tokenize_error", str(exc))
-        prompt_tokens = len(tokens)
-        if prompt_tokens > self.options.max_prompt_tokens:
-            tokens = tokens[:self.options.max_prompt_tokens]
+        ids = await self._prompt_ids(plan, request, candidates, now)
+        if isinstance(ids, Fallback):
+            return ids
+        tokens, prompt_tokens = ids
 
         healthy = [s is IndexState.HEALTHY for s in states]
         sizes = self.block_sizes(candidates, healthy)
@@ -473,7 +530,7 @@ class KvIndexTier(RoutingTier):
         runs: dict[str, tuple[int, int]] = {}
         for block_size in {s for s in sizes if s}:
             extras = plan.extra_keys(len(tokens), block_size, style=self.extra_key_style)
-            keys[block_size] = self.keys.keys(tokens, block_size, extras)
+            keys[block_size] = await self._block_keys(tokens, block_size, extras)
             names = [r.name for r, s in zip(candidates, sizes) if s == block_size]
             runs.update(index.match_detail(keys[block_size], names))
 
@@ -524,6 +581,11 @@ def _decide(tree: PrefixTreeTier, request: RouteRequest, candidates: Sequence[Re
                     else "best combined score" if c.outcome == "hit"
                     else "no candidate holds a leading block of the prompt: spread by load")
     return c
+
+
+def _scaled(ids: int, prompt_chars: int, chars: int) -> int:
+    """``ids`` for ``chars`` characters, scaled to ``prompt_chars``."""
+    return ids * prompt_chars // chars if chars else ids
 
 
 def _local_dir(path) -> str | None:

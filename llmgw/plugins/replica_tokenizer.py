@@ -3,14 +3,15 @@
 :class:`TokenizeClient` posts the ``/tokenize`` body that
 :func:`llmgw.kv.tokenize.plan` built to the replica (``replica.pool``, with
 its API key) within a deadline that grows with the body and adapts to the
-latency observed, and keeps the answers in a
-:class:`~llmgw.kv.tokenize.TokenizeCache`. Failures raise
-:class:`~llmgw.kv.tokenize.TokenizeError`.
+latency observed, reads the answer as it arrives and only up to ``max_ids``
+ids (:class:`~llmgw.kv.tokenize_answer.TokenizeAnswerReader`: the rest of a
+long prompt's answer is never read, the connection is closed instead), and
+keeps the answers in a :class:`~llmgw.kv.tokenize.TokenizeCache`. Failures
+raise :class:`~llmgw.kv.tokenize.TokenizeError`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import deque
@@ -22,6 +23,7 @@ import trio
 
 from ..http.client import UpstreamError, UpstreamPool
 from ..kv.tokenize import DEFAULT_CACHE_TOKENS, DEFAULT_TOKENIZE_TIMEOUT, DEFAULT_TOKENIZE_TIMEOUT_PER_KB, TokenizeCache
+from ..kv.tokenize_answer import TokenizeAnswerReader
 from ..plugin import TokenizeError
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,8 @@ ADAPTIVE_CEILING = 0.5  # seconds: never longer than this, whatever was observed
 ADAPTIVE_WINDOW = 256  # the recent calls
 ADAPTIVE_MIN_CALLS = 16  # observed before the p99 is used; recomputed every ADAPTIVE_UPDATE_EVERY calls
 ADAPTIVE_UPDATE_EVERY = 16
+DEFAULT_MAX_IDS = 131072 + 64  # the kv_index tier passes its max_prompt_tokens plus the cut margin
+MAX_ERROR_BYTES = 4096  # of an answer that is not a 200, read for the error message
 
 
 class TokenizeClient:
@@ -63,6 +67,8 @@ class TokenizeClient:
         self.cache = TokenizeCache(int(cache_tokens if cache_tokens is not None
                                        else options.get("tokenize_cache_tokens", DEFAULT_CACHE_TOKENS)))
         self.observe = observe  # callable(seconds) for llmgw_kv_tokenize_seconds
+        self.max_ids = int(options.get("max_ids", DEFAULT_MAX_IDS))  # ids read from an answer, at most
+        self.answer_bytes = 0  # answer bytes read, in all (the bound is visible in tests)
         self.clock = clock
         self.calls = 0
         self.timeouts = 0
@@ -138,27 +144,36 @@ class TokenizeClient:
             headers.append(auth)
         target = getattr(replica, "base_path", "") + "/tokenize"
         timeout = self.deadline(body)
-        answer = None
+        ids = None
         with trio.move_on_after(timeout):
             try:
                 response = await self._pool(replica).request("POST", target, headers, body,
                                                              first_byte_timeout=timeout, idle_timeout=timeout)
-                payload = await response.read()
+                try:
+                    ids = await self._read_ids(response)
+                finally:
+                    await response.aclose()  # closes the connection when the answer was not read to its end
             except UpstreamError as exc:
                 if exc.kind == "timeout":
                     raise TokenizeError("timeout", str(exc)) from None
                 raise TokenizeError("connect" if exc.kind in ("connect", "tls") else "protocol", str(exc)) from None
-            answer = (response.status, payload)
-        if answer is None:
+        if ids is None:
             raise TokenizeError("timeout", f"/tokenize on {getattr(replica, 'name', '?')} took longer than "
                                            f"{timeout * 1000:g} ms")
-        status, payload = answer
-        if status != 200:
-            raise TokenizeError("status", f"/tokenize answered {status}: {payload[:200]!r}")
+        return ids
+
+    async def _read_ids(self, response) -> list[int]:
+        """The answer's ids, read piece by piece and no further than ``max_ids`` ids."""
+        if response.status != 200:
+            payload = b""
+            while len(payload) < MAX_ERROR_BYTES and (piece := await response.receive_piece()):
+                payload += piece
+            raise TokenizeError("status", f"/tokenize answered {response.status}: {payload[:200]!r}")
+        reader = TokenizeAnswerReader(self.max_ids)
         try:
-            tokens = json.loads(payload)["tokens"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise TokenizeError("answer", f"/tokenize answer without tokens: {exc}") from None
-        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-            raise TokenizeError("answer", "/tokenize answer: tokens is not a list of ints")
-        return tokens
+            while piece := await response.receive_piece():
+                if reader.feed(piece):
+                    return reader.ids
+            return reader.finish()
+        finally:
+            self.answer_bytes += reader.bytes_read

@@ -48,6 +48,7 @@ class LocalFirstTokenizer:
         self.replica = TokenizeClient(options)
         self.cache = self.replica.cache
         self.base_models = frozenset(options.get("base_models") or ())
+        self.max_ids = self.replica.max_ids  # as many ids as a /tokenize answer gives, to compare and cache alike
         self.count_source: Callable[[str], None] | None = None  # set by the tier: llmgw_kv_tokenize_source_total
         self.local: LocalTokenizer | None = None
         self.verify_left = VERIFY_ANSWERS
@@ -89,6 +90,7 @@ class LocalFirstTokenizer:
             ids = self._local_ids(local, body)
         if ids is None:
             return await self._remote(replica, body)
+        ids = ids[:self.max_ids]
         if self.verify_left > 0:
             return await self._verify(replica, body, ids)
         self.cache.put(body, ids)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import trio
 from prometheus_client import generate_latest
 
 from llmgw.hookspecs import hookimpl
+from llmgw.http.client import UpstreamPool
 from llmgw.kv.drift import classify
 from llmgw.kv.index import KvIndex
 from llmgw.kv.keys import VllmBlockKeys, request_extra_keys
-from llmgw.kv.tokenize import TokenizeError
+from llmgw.kv.tokenize import CUT_MARGIN_TOKENS, TokenizeError
+from llmgw.kv.tokenize_answer import default_max_bytes
 from llmgw.metrics import Metrics
 from llmgw.plugins.kv_index import KvIndexTier, predicted_cached_tokens
 from llmgw.plugins_manager import build_registry, make_plugin_manager
@@ -489,3 +492,116 @@ async def test_a_wrongly_assumed_block_size_is_logged_once_the_events_say(caplog
         await router.pick(prompt(TEXT))
     warnings = [r.getMessage() for r in caplog.records if "was assumed" in r.getMessage()]
     assert len(warnings) == 1 and "replica a " in warnings[0] and "block_size: 32" in warnings[0]
+
+
+# -- bounded work per prompt, lone surrogates, where /tokenize goes -------------------------------------------
+
+ANSWER_IDS = 12_000_000
+
+
+class HugeTokenizer:
+    """A /tokenize server answering every request with ``ANSWER_IDS`` ids, sent as fast as they are taken."""
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+        self.sent = 0
+
+    async def serve(self, stream: trio.SocketStream) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += await stream.receive_some(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
+        while len(body) < length:
+            body += await stream.receive_some(1 << 20)
+        self.bodies.append(json.loads(body))
+        opening = b'{"tokens":['
+        piece = b"1234," * 13107
+        pieces = ANSWER_IDS // 13107
+        total = len(opening) + pieces * len(piece) + len(b"1234]}")
+        try:
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                                  % total + opening)
+            for _ in range(pieces):
+                await stream.send_all(piece)
+                self.sent += len(piece)
+            await stream.send_all(b"1234]}")
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+
+async def huge_replica(nursery, name: str = "r") -> tuple[HugeTokenizer, Replica]:
+    server = HugeTokenizer()
+    listeners = await nursery.start(partial(trio.serve_tcp, server.serve, 0, host="127.0.0.1"))
+    replica = Replica(name=name, model="m", url=f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+    replica.pool = UpstreamPool(replica.host, replica.port)
+    return server, replica
+
+
+async def test_a_huge_prompt_is_cut_before_tokenizing_and_its_answer_read_only_up_to_the_cap(nursery):
+    server, replica = await huge_replica(nursery)
+    router = Router(build_registry(make_plugin_manager()), Metrics())
+    route = router.configure_model("m", "kv_index", {"tokenizer": "replica", "tokenize_timeout": "5s",
+                                                     "max_prompt_tokens": 1000})  # max_tokenize_chars: 6000
+    router.add_replica(replica)
+    route.tier.index.apply("r", KvChanges(kind=KvChangeKind.FULL, stored=[], block_size=16))
+    words = "word " * 200_000  # a million characters
+    for request in (prompt(words), RouteRequest("m", "/v1/chat/completions", {
+            "model": "m", "messages": [{"role": "system", "content": "be brief"},
+                                       {"role": "user", "content": words}, {"role": "user", "content": "and?"}]})):
+        decision = await router.pick(request)
+        assert decision.tier == "kv_index" and decision.outcome in ("hit", "miss"), decision.detail
+        # the ids of the cut prompt but its last CUT_MARGIN_TOKENS, at most max_prompt_tokens: 62 full blocks
+        assert decision.detail["blocks"] == 1000 // 16
+        assert decision.detail["prompt_tokens"] >= 1000 + CUT_MARGIN_TOKENS
+    completion, chat = server.bodies
+    assert len(completion["prompt"]) <= 6000 and completion["prompt"].endswith("word ")
+    assert [m["content"] for m in chat["messages"]][:1] == ["be brief"] and len(chat["messages"]) == 2
+    assert len(chat["messages"][1]["content"]) <= 6000 - len("be brief")
+    client = route.tier.tokenizer
+    assert client.answer_bytes <= 2 * default_max_bytes(1000 + CUT_MARGIN_TOKENS)
+    assert server.sent < ANSWER_IDS * 5 // 2  # the connection was closed long before the answer's end
+
+
+async def test_a_lone_surrogate_routes_through_the_tier():
+    router, tier, tokenizer, replicas = make()
+    for name in "abc":
+        hold(tier, name, keys_of(TEXT) if name == "b" else [])
+    decision = await router.pick(prompt(TEXT + "\ud800 and more"))
+    assert (decision.tier, decision.outcome, decision.replica.name) == ("kv_index", "hit", "b")
+    chat = RouteRequest("m", "/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "user", "content": TEXT + "\udfff"}]})
+    decision = await router.pick(chat)
+    assert decision.tier == "kv_index" and decision.outcome == "hit"
+    assert tier.fallbacks == {}
+
+
+async def test_tokenize_goes_to_the_candidate_the_prompt_is_routed_to():
+    router, tier, tokenizer, (a, b, c) = make()
+    for name in "abc":
+        hold(tier, name, [])
+    prompts = [f"{i} " + TEXT for i in range(6)]
+    for round in range(3):
+        for text in prompts:
+            # a new prompt is tokenized on the least loaded candidate; then where it went, however loaded
+            decision = await tier.pick(prompt(text), [a, b, c])
+            assert round == 0 or tokenizer.calls[-1] == decision.replica.name, (text, tokenizer.calls)
+            tier.index.apply(decision.replica.name, KvChanges(kind=KvChangeKind.DELTA, stored=keys_of(text)))
+            decision.replica.local_inflight += 1
+
+
+async def test_a_prompt_of_one_model_is_never_tokenized_on_another_models_replica():
+    router, tier, tokenizer, replicas = make(names=("a1", "a2"))
+    other = router.configure_model("other", "round_robin", {})
+    b = Replica(name="b1", model="other", url="http://127.0.0.1:9100")
+    router.add_replica(b)
+    for name in ("a1", "a2"):
+        hold(tier, name, [])
+    assert other.replicas and b not in router.candidates("m")
+    for i in range(8):
+        await router.pick(prompt(f"{i} " + TEXT))
+        excluded = replicas[i % 2]  # a retry without the replica that failed: not a candidate any more
+        retry = await router.pick(prompt(f"{i} " + TEXT), exclude=[excluded])
+        assert tokenizer.calls[-1] == retry.replica.name != excluded.name
+    assert set(tokenizer.calls) == {"a1", "a2"} and len(tokenizer.calls) == 16
