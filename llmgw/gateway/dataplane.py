@@ -34,6 +34,7 @@ from ..router.replica import Replica
 from ..router.router import Router, replica_of
 from ..router.tier import Decision, RouteRequest
 from .bearer import BearerTokens
+from .hops import HopGuard
 from .latency import StreamWatch
 from .usage import STREAM_TAIL_PIECES, usage_of_body, usage_of_stream_tail
 
@@ -87,7 +88,7 @@ class DataPlaneSettings:
 
 class DataPlane:
     def __init__(self, router: Router, health, metrics, settings: DataPlaneSettings,
-                 api_keys: list[str] | None = None):
+                 api_keys: list[str] | None = None, hops: HopGuard | None = None):
         self.router = router
         self.health = health
         self.metrics = metrics
@@ -96,6 +97,7 @@ class DataPlane:
         self._created = int(time.time())
         self._ids = _RequestIds()
         self._replica_names: dict[str, bytes] = {}
+        self.hops = hops or HopGuard()
         # ``await wait_for_replica(model)``: True once a request that found no routable replica may look again
         # (the control plane's adoption window after a start); None: answer 503 at once.
         self.wait_for_replica: Callable[[str], Awaitable[bool]] | None = None
@@ -160,6 +162,9 @@ class DataPlane:
 
     async def _proxy(self, request: Request) -> Response:
         started = _now()
+        if self.hops.looped(request.headers):
+            self.metrics.loops_detected.inc()
+            return self._count(None, self.hops.refusal())
         body = await self._routing_body(request)
         if isinstance(body, Response):
             return self._count(None, body)
@@ -188,6 +193,7 @@ class DataPlane:
                                      adapter=resolved[1])
         id_header = (b"x-request-id", request_id.encode("latin-1"))
         forwarded.append(id_header)
+        forwarded.append(self.hops.header)
 
         tried: list[Replica] = []
         failures: list[str] = []  # "<replica>: <why>", one per failed attempt
