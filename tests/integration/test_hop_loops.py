@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import trio
 
-from llmgw.testing.metrics import scrape, metric_value
+from llmgw.testing.metrics import metric_value, scrape
 from llmgw.testing.processes import free_port
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
