@@ -313,16 +313,7 @@ async def test_a_real_agent_joins_over_wss_trusting_only_its_ca_file(cluster, nu
     assert await bad.wait_exit() == 2 and "need a wss://" in bad.output()
 
 
-HOSTILE_PROFILE = """
-profiles:
-  - name: tiny-sim
-    engine: sim
-    model_path: tiny
-    served_model_name: tiny
-deployments:
-  - profile: tiny-sim
-    replicas: 3
-"""
+HOSTILE_PROFILE = SECRET_PROFILE.replace("replicas: 1", "replicas: 3")  # a: two of them, the impostor: one
 
 
 def ready_report(start: wire.StartShard, endpoint: str) -> wire.ShardReport:
