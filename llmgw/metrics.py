@@ -143,6 +143,9 @@ class Metrics:
         self.rejected_bodies = CachedLabels(Counter(
             "llmgw_rejected_bodies", "Request bodies refused before routing, by reason "
             "(not_json, too_deep, too_many_values, too_many_containers).", ["reason"], registry=r))
+        self.loops_detected = Counter("llmgw_loops_detected", "Requests answered 508 Loop Detected: they came back "
+                                      "to this gateway (their llmgw-hop header holds its instance id; a replica URL "
+                                      "leads back to it) or passed through too many gateways.", registry=r)
         self.refused_requests = CachedLabels(Counter(
             "llmgw_http_refused_requests", "Requests the data plane's HTTP server answered itself with an error, "
             "by status (400 malformed, no or two Host headers; 408 too slow; 413, 431 too large; 501 transfer "

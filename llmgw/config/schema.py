@@ -29,6 +29,7 @@ from .fields import (
     positive,
     setting,
 )
+from .names import name_problem
 from .reader import Draft
 from .tls import ListenerTls, TlsFile, UpstreamTls, check_replica_tls
 
@@ -49,6 +50,7 @@ Count = Annotated[int, at_least(1), at_most(MAX_COUNT)]
 NonNegative = Annotated[int, at_least(0), at_most(MAX_COUNT)]
 Text = Annotated[str, Check(lambda value: None if value.strip() else "must not be empty")]
 Identifier = Annotated[str, matches(r"[A-Za-z_][A-Za-z0-9_.-]*", "a name of letters, digits, '_', '.' and '-'")]
+EngineName = Annotated[str, Check(name_problem)]  # on an engine's command line: llmgw.config.names
 ProfileName = Annotated[str, matches(r"[A-Za-z0-9][A-Za-z0-9_.-]*",
                                      "a name of letters, digits, '_', '.' and '-' (not starting with a symbol)")]
 EnvName = Annotated[str, matches(r"[A-Za-z_][A-Za-z0-9_]*", "a valid environment variable name")]
@@ -94,7 +96,7 @@ class ExternalReplica(Located):
 class LoraAdapter(Located):
     """A LoRA adapter the engine loads next to the base model."""
 
-    name: Text = setting()
+    name: EngineName = setting()
     path: Text = setting()
 
 
@@ -102,7 +104,7 @@ class LoraAdapter(Located):
 class ModelConfig(Located):
     """A model served by static external replicas."""
 
-    name: Text = setting()
+    name: EngineName = setting()
     routing: Identifier = setting("round_robin")  # a routing tier plugin's name
     routing_options: dict[str, Any] = setting(factory=dict)  # the tier's own settings
     replicas: Annotated[list[ExternalReplica], non_empty("a model needs at least one replica")] = setting()
@@ -202,7 +204,7 @@ class Profile(Located):
     name: ProfileName = setting()
     engine: Identifier = setting()  # an engine plugin's name: vllm, sim
     model_path: Text = setting()
-    served_model_name: Text = setting(None)  # default: name
+    served_model_name: EngineName = setting(None)  # default: name
     gpu_class: Text | None = setting(None)
     tp: GpuCount = setting(1)
     pp: GpuCount = setting(1)
@@ -254,7 +256,7 @@ class Placement(Located):
 class Deployment(Located):
     """A number of replicas of one profile, kept running by the control plane."""
 
-    profile: Text = setting()
+    profile: ProfileName = setting()
     replicas: Annotated[int, at_least(0), at_most(10_000)] = setting(1)
     pool: Text | None = setting(None)
     placement: Placement = setting(factory=Placement)

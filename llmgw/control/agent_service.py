@@ -36,6 +36,7 @@ from .. import wire
 from ..wire.channel import Channel, ChannelClosed
 from .identity import MAX_NODE_ID, NodeIdentities, new_secret
 from .inventory import Inventory
+from .report_check import REFUSE_INVALID, ReportCheck
 from .tasks import TaskHost
 
 log = logging.getLogger(__name__)
@@ -197,13 +198,15 @@ class AgentService(TaskHost):
     not_running = "the agent service is not running"
 
     def __init__(self, inventory: Inventory, handler: SessionHandler, settings: SessionSettings, *,
-                 identities: NodeIdentities, metrics=None, control_plane_id: str = ""):
+                 identities: NodeIdentities, metrics=None, control_plane_id: str = "",
+                 reports: ReportCheck | None = None):
         self.inventory = inventory
         self.handler = handler
         self.settings = settings
         self.identities = identities
         self.metrics = metrics
         self.control_plane_id = control_plane_id
+        self.reports = reports or ReportCheck()
         self._joining: dict[str, AgentSession] = {}  # new node id -> the session its secret was issued on
 
     async def accept_in_process(self, channel: Channel) -> None:
@@ -250,6 +253,10 @@ class AgentService(TaskHost):
             if refusal is not None:
                 await self._refuse(channel, refusal[0], refusal[1], first.node_id)
                 return None
+        problem = self.reports.register_problem(first)
+        if problem is not None:
+            await self._refuse(channel, REFUSE_INVALID, problem, first.node_id)
+            return None
         session = AgentSession(self, channel, first.node_id, trusted)
         if issued:
             session.pending_secret = issued

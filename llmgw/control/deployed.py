@@ -49,13 +49,16 @@ class DeployedReplicas(TaskHost):
     not_running = "DeployedReplicas.run is not running"
 
     def __init__(self, replicas: ReplicaTable, registry, on_released: Callable[[str], None],
-                 drain_timeout: float = 600.0):
+                 drain_timeout: float = 600.0, on_failure: Callable[[], None] = lambda: None):
         """``registry``: the plugin registry (is a profile's routing tier installed?); ``on_released(key)``: a
-        retired assignment left the set (its shards may be stopped)."""
+        retired assignment left the set (its shards may be stopped); ``on_failure()``: an assignment could not be
+        applied (counted)."""
         self.replicas = replicas
         self.registry = registry
         self.on_released = on_released
         self.drain_timeout = drain_timeout
+        self.on_failure = on_failure
+        self._failures: dict[str, str] = {}  # replica id -> the failure last logged for it
         self.routed: dict[str, Routed] = {}  # by replica id
         self.models: dict[str, str] = {}  # served model name -> the tier it is declared with
         self.gauges: dict[str, EngineGauges] = {}  # served model name -> its engine plugin's load gauges
@@ -86,25 +89,46 @@ class DeployedReplicas(TaskHost):
 
     def sync(self, assignments: Iterable[Assignment], leader_report: Callable[[Assignment], wire.ShardReport | None],
              api_key: Callable[[Assignment], str | None]) -> None:
+        """Bring the replica set in step with the assignments. A failure to apply one assignment (an exception
+        building its replica) is contained: logged once, counted through ``on_failure``, and the others synced."""
         for assignment in sorted(assignments, key=lambda a: (a.replica_id, a.generation)):
-            if assignment.retiring:
-                self._retire(assignment)
-                continue
-            report = leader_report(assignment)
-            if report is None:
-                continue
-            current = self.routed.get(assignment.replica_id)
-            if current is not None and current.key != assignment.key:
-                continue  # the previous generation is still draining under this name
-            if report.state is wire.ShardState.READY and report.endpoint:
-                if current is not None and current.replica.url == report.endpoint:
-                    continue
-                if current is not None:
-                    self._remove(current, f"its endpoint moved to {report.endpoint}")
-                self._add(assignment, report, api_key(assignment))
-            elif current is not None:
-                self._remove(current, f"shard {report.shard_id} is {report.state.value}"
-                                      + (f": {report.reason}" if report.reason else ""))
+            try:
+                self._sync_one(assignment, leader_report, api_key)
+            except Exception as exc:
+                self._failed(assignment, exc)
+            else:
+                self._failures.pop(assignment.replica_id, None)
+
+    def _sync_one(self, assignment: Assignment, leader_report: Callable[[Assignment], wire.ShardReport | None],
+                  api_key: Callable[[Assignment], str | None]) -> None:
+        if assignment.retiring:
+            self._retire(assignment)
+            return
+        report = leader_report(assignment)
+        if report is None:
+            return
+        current = self.routed.get(assignment.replica_id)
+        if current is not None and current.key != assignment.key:
+            return  # the previous generation is still draining under this name
+        if report.state is wire.ShardState.READY and report.endpoint:
+            if current is not None and current.replica.url == report.endpoint:
+                return
+            if current is not None:
+                self._remove(current, f"its endpoint moved to {report.endpoint}")
+            self._add(assignment, report, api_key(assignment))
+        elif current is not None:
+            self._remove(current, f"shard {report.shard_id} is {report.state.value}"
+                                  + (f": {report.reason}" if report.reason else ""))
+
+    def _failed(self, assignment: Assignment, exc: Exception) -> None:
+        failure = f"{type(exc).__name__}: {exc}"[:500]
+        if self._failures.get(assignment.replica_id) == failure:
+            return  # logged and counted once; every reconcile pass would repeat it
+        self._failures[assignment.replica_id] = failure
+        self.on_failure()
+        log.error("replica %s (%s, generation %d) could not be put in routing: %s; it stays out of routing until "
+                  "its node reports it again, the other replicas are unaffected", assignment.replica_id,
+                  assignment.model, assignment.generation, failure, exc_info=exc)
 
     def _add(self, assignment: Assignment, report: wire.ShardReport, api_key: str | None) -> None:
         if self.replicas.model(assignment.model) is None:

@@ -25,6 +25,13 @@ class ControlMetrics:
                                          "(start, adopt, drain, stop, retire).", ["action"], registry=registry)
         self.placement_failures = Counter("llmgw_placement_failures", "Replicas that could not be placed "
                                           "(counted when a replica becomes unplaceable).", registry=registry)
+        self.replica_build_failures = Counter("llmgw_replica_build_failures", "Deployed replicas that could not be "
+                                              "built from their leader shard's report (an exception, logged once "
+                                              "with its traceback): that replica stays out of routing, the others "
+                                              "are unaffected.", registry=registry)
+        self.reconcile_failures = Counter("llmgw_reconcile_failures", "Reconcile passes that raised (logged with "
+                                          "the traceback); the control plane carries on with the next pass.",
+                                          registry=registry)
         self.requests_held = Counter("llmgw_requests_held_at_start", "Requests that found no routable replica "
                                      "of their model during the adoption window after a start, and waited for "
                                      "the agents to report their running engines, by model and result "

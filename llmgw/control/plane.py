@@ -42,10 +42,10 @@ from .. import wire
 from ..kv.index import refusal_reason
 from ..kv.metrics import KvMetrics
 from ..router.replicas import DEPLOYED
-from .agent_service import AgentService, AgentSession, SessionSettings
+from .agent_service import AgentService, AgentSession, SessionSettings, send_error
 from .deployed import DeployedReplicas
 from .fingerprint import profile_fingerprint
-from .identity import NodeIdentities, default_control_state_dir
+from .identity import MAX_NODE_ID, NodeIdentities, default_control_state_dir
 from .inventory import Inventory
 from .metrics import ControlMetrics
 from .reconciler import (
@@ -58,6 +58,7 @@ from .reconciler import (
     desired_replicas,
     place_with_plan_all,
 )
+from .report_check import REFUSE_INVALID, ReportCheck
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -80,12 +81,16 @@ class ControlPlane:
         self.kv_metrics = KvMetrics.for_registry(metrics_registry)
         self._kv_refusals_told: set[tuple[str, str, str]] = set()
         self._unproven_told: set[tuple[str, str]] = set()  # (node, shard): logged and told once per session
+        self._invalid_told: set[tuple[str, str]] = set()  # (node, problem): logged and told once per session
+        self.reports = ReportCheck(own_ports=(config.listen.port, config.control_listen.port))
         self.inventory = Inventory(on_change=self.request_reconcile, metrics=self.metrics)
         self.identities = NodeIdentities(config.agents.control_state_dir or default_control_state_dir())
         self.agents = AgentService(self.inventory, self, SessionSettings.from_config(config.agents),
-                                   identities=self.identities, metrics=self.metrics, control_plane_id=self.id)
+                                   identities=self.identities, metrics=self.metrics, control_plane_id=self.id,
+                                   reports=self.reports)
         self.reconciler = Reconciler(place_with_plan_all)
-        self.deployed = DeployedReplicas(replicas, registry, self._released)
+        self.deployed = DeployedReplicas(replicas, registry, self._released,
+                                         on_failure=self.metrics.replica_build_failures.inc)
         self.config = config
         self.desired: dict[str, DesiredReplica] = {}
         self._wake = trio.Event()
@@ -127,7 +132,11 @@ class ControlPlane:
                 with trio.move_on_after(RECONCILE_INTERVAL):
                     await self._wake.wait()
                 self._wake = trio.Event()
-                self.reconcile()
+                try:
+                    self.reconcile()
+                except Exception:  # a bug in one pass must not stop the gateway: the next pass tries again
+                    self.metrics.reconcile_failures.inc()
+                    log.exception("a reconcile pass failed; the control plane carries on")
 
     async def _wake_at(self, deadline: float) -> None:
         await trio.sleep_until(deadline)
@@ -232,13 +241,16 @@ class ControlPlane:
     # -- the agent service's handler -----------------------------------------------------------------------------
 
     def on_register(self, session: AgentSession, register: wire.Register) -> AgentSession | None:
-        reports = [r for r in register.shards if self._own_shard(session, r.shard_id)]
+        reports = [r for r in register.shards
+                   if self._valid_report(session, register.address, r) and self._own_shard(session, r.shard_id)]
         unproven = [r.shard_id for r in reports if not self._proven(session, r)]
         return self.inventory.register(dataclasses.replace(register, shards=reports), session, unproven)
 
     def on_message(self, session: AgentSession, message: wire.Message) -> None:
         if isinstance(message, wire.ShardStatus):
-            if self._own_shard(session, message.shard.shard_id):
+            node = self.inventory.nodes.get(session.node_id)
+            if node is not None and self._valid_report(session, node.address, message.shard) \
+                    and self._own_shard(session, message.shard.shard_id):
                 self.inventory.update_shard(session.node_id, message.shard, self._proven(session, message.shard))
         elif isinstance(message, wire.KvChanges):
             self._hand_kv_changes(session, message)
@@ -317,7 +329,25 @@ class ControlPlane:
                     self.kv_index.forget(assignment.replica_id)
         self._kv_refusals_told = {k for k in self._kv_refusals_told if k[0] != session.node_id}
         self._unproven_told = {k for k in self._unproven_told if k[0] != session.node_id}
+        self._invalid_told = {k for k in self._invalid_told if k[0] != session.node_id}
         self.inventory.session_ended(session.node_id, session, reason)
+
+    def _valid_report(self, session: AgentSession, node_address: str, report: wire.ShardReport) -> bool:
+        """A shard report passes :mod:`llmgw.control.report_check` before it is recorded (so before anything is
+        built from it); one that does not is refused: counted in ``llmgw_agent_refused_total{reason=
+        "invalid_report"}``, logged and told to the node once per session and problem."""
+        problem = self.reports.shard_problem(report, node_address)
+        if problem is None:
+            return True
+        message = f"shard report refused: {problem}"
+        about = report.shard_id[:MAX_NODE_ID]
+        if (session.node_id, problem) in self._invalid_told:
+            self.metrics.agent_refused.labels(REFUSE_INVALID).inc()
+        else:
+            self._invalid_told.add((session.node_id, problem))
+            send_error(session, REFUSE_INVALID, message, about, count=lambda code, text: self.agents.refused(
+                code, f"{text} ({session.peer})"))
+        return False
 
     def _own_shard(self, session: AgentSession, shard_id: str) -> bool:
         """A node speaks only for the shards placed on it; a report about another node's shard is refused."""

@@ -175,6 +175,8 @@ class Gateway:
             with listening_on(host_port(control_host, control_port)):
                 control = await nursery.start(functools.partial(control_server.serve, control_host, control_port,
                                                                 shutdown=self._control_shutdown))
+            if self.control is not None:
+                self.control.reports.listening([data, control])  # a node's endpoint there would loop
             self.addresses = Addresses(data, control, "https" if self.config.data_tls else "http",
                                        "https" if self.config.control_tls else "http")
             if self.config.agents.embedded and self.control is not None:

@@ -33,6 +33,7 @@ from ..router.replica import Replica
 from ..router.router import Router, replica_of
 from ..router.tier import Decision, RouteRequest
 from .bearer import BearerTokens
+from .hops import HopGuard
 from .latency import StreamWatch
 from .request_ids import RequestIds, accepted_client_id
 from .usage import STREAM_TAIL_PIECES, usage_of_body, usage_of_stream_tail
@@ -76,7 +77,7 @@ class DataPlaneSettings:
 
 class DataPlane:
     def __init__(self, router: Router, health, metrics, settings: DataPlaneSettings,
-                 api_keys: list[str] | None = None):
+                 api_keys: list[str] | None = None, hops: HopGuard | None = None):
         self.router = router
         self.health = health
         self.metrics = metrics
@@ -85,6 +86,7 @@ class DataPlane:
         self._created = int(time.time())
         self._ids = RequestIds()
         self._replica_names: dict[str, bytes] = {}
+        self.hops = hops or HopGuard()
         # ``await wait_for_replica(model)``: True once a request that found no routable replica may look again
         # (the control plane's adoption window after a start); None: answer 503 at once.
         self.wait_for_replica: Callable[[str], Awaitable[bool]] | None = None
@@ -164,6 +166,9 @@ class DataPlane:
 
     async def _proxy(self, request: Request) -> Response:
         started = _now()
+        if self.hops.looped(request.headers):
+            self.metrics.loops_detected.inc()
+            return self._count(None, self.hops.refusal())
         body = await self._routing_body(request)
         if isinstance(body, Response):
             return self._count(None, body)
@@ -203,6 +208,7 @@ class DataPlane:
                                      adapter=resolved[1])
         id_header = (b"x-request-id", request_id.encode("ascii"))
         forwarded.append(id_header)
+        forwarded.append(self.hops.header)
 
         tried: list[Replica] = []
         failures: list[str] = []  # "<replica>: <why>", one per failed attempt

@@ -70,6 +70,7 @@ STATUS_LINES = {
         (431, "Request Header Fields Too Large"), (499, "Client Closed Request"),
         (500, "Internal Server Error"), (501, "Not Implemented"), (502, "Bad Gateway"),
         (503, "Service Unavailable"), (504, "Gateway Timeout"), (505, "HTTP Version Not Supported"),
+        (508, "Loop Detected"),
     ]
 }
 _NO_BODY_STATUS = {204, 304}

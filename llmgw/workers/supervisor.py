@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ..backoff import RestartBackoff
+from ..gateway.hops import INSTANCE_ENV, new_instance_id
 from ..procgroup import signal_group, terminate_group
 from .plan import Plan
 
@@ -76,6 +77,8 @@ class Supervisor:
         self.workers = [Worker(i, plan.role_of(i), plan.argv(i)) for i in range(plan.count)]
         self.stopping = trio.Event()
         self.stop_signals = 0
+        # One gateway to the requests' hop headers (llmgw.gateway.hops), however many workers serve its port.
+        self._environment = {**os.environ, INSTANCE_ENV: os.environ.get(INSTANCE_ENV) or new_instance_id()}
         self.failure: int | None = None  # worker 0's exit code when its first start failed
         self._workers_scope = trio.CancelScope()
 
@@ -136,7 +139,7 @@ class Supervisor:
         """Start ``worker``'s process and follow it until it exits; its exit code (``-N``: killed by signal N).
         Cancelled, it stops the process's group (SIGTERM, then SIGKILL)."""
         process = await trio.lowlevel.open_process(worker.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                                   start_new_session=True)
+                                                   start_new_session=True, env=self._environment)
         worker.process, worker.serving = process, False
         log.debug("worker %d (pid %d): %s", worker.index, process.pid, " ".join(worker.argv))
         try:

@@ -311,3 +311,74 @@ async def test_a_real_agent_joins_over_wss_trusting_only_its_ca_file(cluster, nu
     bad = await cluster.start_agent("d", "tiny-2gpu-b", join="ws://127.0.0.1:1", extra=["--ca-file", str(ca_file)],
                                     ready="llmgw agent: ")
     assert await bad.wait_exit() == 2 and "need a wss://" in bad.output()
+
+
+HOSTILE_PROFILE = SECRET_PROFILE.replace("replicas: 1", "replicas: 3")  # a: two of them, the impostor: one
+
+
+def ready_report(start: wire.StartShard, endpoint: str) -> wire.ShardReport:
+    """What an agent says when its engine for ``start`` is Ready at ``endpoint`` (the placement proof and all)."""
+    return wire.ShardReport(shard_id=start.shard_id, replica_id=start.replica_id, rank=start.rank,
+                            node_count=start.node_count, state=wire.ShardState.READY, pid=4242, http_port=8000,
+                            endpoint=endpoint, fingerprint=start.fingerprint, generation=start.generation,
+                            gpu_indices=list(start.gpu_indices), model="tiny", started_at=1.0,
+                            placement_proof=start.placement_proof)
+
+
+async def test_a_node_reporting_a_bad_endpoint_is_refused_and_the_gateway_keeps_serving(cluster, nursery):
+    cluster.write_config(AGENTS + HOSTILE_PROFILE)
+    serve = await cluster.start_serve()
+    await cluster.start_agent("a", "tiny-2gpu-a")  # two GPUs: two of the three replicas
+    await cluster.replicas_where("a's two replicas up", lambda rs: sum(r["state"] == "up" for r in rs.values()) == 2)
+    healthy = {name for name, r in (await cluster.replicas()).items() if r["state"] == "up"}
+
+    evil = await RawAgent.join(nursery, cluster.control_url, impostor_register("evil"))
+    assert evil.reply.accepted
+
+    async def placed_on_evil():
+        return evil.of_type(wire.StartShard)
+
+    (start,) = await cluster.wait_for("the third replica placed on evil", placed_on_evil)
+    data_port = int(cluster.data_url.rsplit(":", 1)[1])
+    control_port = int(cluster.control_url.rsplit(":", 1)[1])
+    bad_endpoints = ["http://127.0.0.1:99999", "http://[::1", "http://h:abc", "http://10.9.9.9:8000",
+                     f"http://127.0.0.1:{data_port}", f"http://127.0.0.1:{control_port}", "http://127.0.0.1:0"]
+    for count, endpoint in enumerate(bad_endpoints, 1):
+        await evil.send(wire.ShardStatus(shard=ready_report(start, endpoint)))
+
+        async def refused():
+            errors = [m for m in evil.of_type(wire.ErrorMessage) if m.code == "invalid_report"]
+            return len(errors) >= count and errors[-1]
+
+        error = await cluster.wait_for(f"{endpoint} refused", refused)
+        assert error.about == start.shard_id and "endpoint" in error.message, error
+        if endpoint.endswith(f":{data_port}") or endpoint.endswith(f":{control_port}"):
+            assert "this gateway's own listeners" in error.message, error
+        assert serve.process.returncode is None, endpoint  # the gateway is still up...
+        assert (await cluster.http.get(cluster.data_url + "/health")).status_code == 200
+        replicas = await cluster.replicas()
+        assert replicas[start.replica_id]["state"] != "up" and replicas[start.replica_id]["url"] == ""
+        for _ in range(4):  # ...and the healthy replicas keep serving
+            assert await cluster.chat() in healthy
+    assert await cluster.metric("llmgw_agent_refused_total", 'reason="invalid_report"') == len(bad_endpoints)
+
+    # After a restart of its agent, the node registers again with the shard in its Register: refused the same.
+    evil.close()
+    again = await RawAgent.join(nursery, cluster.control_url, impostor_register(
+        "evil", node_secret=evil.reply.node_secret, shards=[ready_report(start, "http://127.0.0.1:99999")]))
+    assert again.reply.accepted
+
+    async def refused_again():
+        return await cluster.metric("llmgw_agent_refused_total", 'reason="invalid_report"') > len(bad_endpoints)
+
+    await cluster.wait_for("the Register's shard refused", refused_again)
+    await trio.sleep(0.5)  # a reconcile pass or two
+    assert serve.process.returncode is None
+    assert await cluster.chat() in healthy
+    assert [m.about for m in again.of_type(wire.ErrorMessage) if m.code == "invalid_report"] == [start.shard_id]
+
+    # A Register whose address is not a host is refused before it opens a session.
+    bad_address = await RawAgent.join(nursery, cluster.control_url, impostor_register("bad-address",
+                                                                                      address="h:abc/x"))
+    assert not bad_address.reply.accepted and bad_address.reply.reason.startswith("invalid_report")
+    again.close()

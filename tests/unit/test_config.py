@@ -667,3 +667,36 @@ TWO_MODELS = """
 def test_lora_adapter_names_are_model_names_to_clients(first, second, line, key, message):
     error = only_error(TWO_MODELS % (first, second))
     assert (error.line, error.key) == (line, key) and message in error.message
+
+
+ENGINE_NAMES = """
+    models:
+      - name: %s
+        replicas: [{url: "http://127.0.0.1:9001"}]
+        lora_adapters: [{name: %s, path: /x}]
+    profiles:
+      - {name: p, engine: sim, model_path: m, served_model_name: %s, lora_adapters: [{name: %s, path: /y}]}
+    deployments:
+      - profile: %s
+    agents: {embedded: true}
+    """
+GOOD_NAMES = ("tiny", "sql-lora", "org/Model-7B_v1.5", "p", "p")
+
+
+@pytest.mark.parametrize("position, bad, line, key", [
+    (0, '"my model"', 3, "models[0].name"),
+    (1, "--served-model-name", 5, "models[0].lora_adapters[0].name"),
+    (2, '"a=b"', 7, "profiles[0].served_model_name"),
+    (3, '"sql\\tlora"', 7, "profiles[0].lora_adapters[0].name"),
+    (3, '"-x"', 7, "profiles[0].lora_adapters[0].name"),
+], ids=["space", "a flag", "equals", "control character", "leading dash"])
+def test_names_that_would_break_an_engine_command_line_are_refused(position, bad, line, key):
+    names = list(GOOD_NAMES)
+    names[position] = bad
+    errors = errors_of(ENGINE_NAMES % tuple(names))
+    assert any((issue.file, issue.line, issue.key) == ("conf.yaml", line, key) and "command line" in issue.message
+               for issue in errors), "\n".join(map(str, errors))
+
+
+def test_engine_safe_names_pass():
+    parse_config(textwrap.dedent(ENGINE_NAMES % GOOD_NAMES), "conf.yaml", env={})

@@ -249,3 +249,59 @@ async def test_a_reload_moves_a_model_between_sources():
         parts.apply(config())
         await settled()
         assert "tiny" not in parts.router.models and list(parts.replicas) == []
+
+
+async def test_a_replica_whose_build_raises_stays_out_and_the_others_keep_routing():
+    two = DEPLOYED_TINY.replace("replicas: 1", "replicas: 2")
+    async with control_plane(config(two)) as parts:
+        a = Agent("a", "tiny-2gpu-a")
+        await a.connect(parts.plane)
+        first, second = await a.start_ready(), await a.next(wire.StartShard)
+        healthy = parts.replicas.get(first.replica_id)
+        assert healthy is not None
+
+        # A report that never passed the node-report check (put straight into the inventory): building its
+        # replica raises (port out of range). Contained: counted, the healthy replica untouched, the loop alive.
+        parts.plane.inventory.update_shard("a", wire.ShardReport(
+            shard_id=second.shard_id, replica_id=second.replica_id, state=wire.ShardState.READY, pid=1,
+            fingerprint=second.fingerprint, generation=second.generation, gpu_indices=list(second.gpu_indices),
+            endpoint="http://127.0.0.1:99999", model="tiny"))
+        await settled()
+        samples = parts.metrics.registry.get_sample_value
+        assert samples("llmgw_replica_build_failures_total") == 1
+        assert parts.replicas.get(second.replica_id) is None
+        assert parts.replicas.get(first.replica_id) is healthy and parts.router.models["tiny"].replicas == [healthy]
+
+        # A pass that raises as a whole (a bug anywhere in it) is counted, and the next pass runs.
+        plan = parts.plane.reconciler.plan
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("a bug in one pass")
+
+        parts.plane.reconciler.plan = broken  # type: ignore[method-assign]
+        parts.plane.request_reconcile()
+        await settled()
+        assert samples("llmgw_reconcile_failures_total") == 1
+        parts.plane.reconciler.plan = plan  # type: ignore[method-assign]
+        await a.report(second, wire.ShardState.READY)  # its real report: it enters routing
+        assert {r.name for r in parts.router.models["tiny"].replicas} == {first.replica_id, second.replica_id}
+        assert samples("llmgw_replica_build_failures_total") == 1
+
+
+async def test_a_shard_report_that_fails_the_check_is_refused_and_told():
+    async with control_plane(config(DEPLOYED_TINY)) as parts:
+        a = Agent("a", "tiny-2gpu-a")
+        await a.connect(parts.plane)
+        start = await a.next(wire.StartShard)
+        for endpoint in ("http://127.0.0.1:99999", "http://[::1", "http://h:abc", "http://10.0.0.9:8000"):
+            await a.channel.send(wire.ShardStatus(shard=wire.ShardReport(
+                shard_id=start.shard_id, replica_id=start.replica_id, state=wire.ShardState.READY, pid=1,
+                fingerprint=start.fingerprint, generation=start.generation, gpu_indices=list(start.gpu_indices),
+                endpoint=endpoint, model="tiny")))
+            await settled()
+            error = await a.error()
+            assert error.code == "invalid_report" and error.about == start.shard_id and "endpoint" in error.message
+            assert parts.replicas.get(start.replica_id) is None
+            assert parts.plane.inventory.shard("a", start.shard_id) is None  # never recorded
+        assert parts.metrics.registry.get_sample_value("llmgw_agent_refused_total",
+                                                       {"reason": "invalid_report"}) == 4
