@@ -174,6 +174,8 @@ class TokenizeClient:
             while piece := await response.receive_piece():
                 if reader.feed(piece):
                     return reader.ids
+                # pieces already buffered come back without a yield: let the other requests run between them
+                await trio.lowlevel.checkpoint()
             return reader.finish()
         finally:
             self.answer_bytes += reader.bytes_read
