@@ -172,8 +172,8 @@ class ControlServer:
             plain, self.ssl_context, server_side=True, https_compatible=True)
         guarded = _ReadDeadlines(stream, self.limits)
         try:
-            server = TCPServer(app, self.config, context, ConnectionState(lifespan_state.copy()),
-                               guarded)  # type: ignore[arg-type]  # (annotated with SSL streams; serves any)
+            server = _TCPServer(app, self.config, context, ConnectionState(lifespan_state.copy()),
+                                guarded)  # type: ignore[arg-type]  # (annotated with SSL streams; serves any)
             guarded.server = server
             await server
         except Exception as exc:  # noqa: BLE001 - one connection's failure stays with it
@@ -187,6 +187,17 @@ class ControlServer:
                 self.slots.timed_out(guarded.expired)
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
+
+
+class _TCPServer(TCPServer):
+    """Hypercorn's connection, ended as soon as its reading ends: Hypercorn's own waits for its idle timer
+    (``keep_alive_timeout``) first, holding the socket of a client that left or timed out that long."""
+
+    async def _read_data(self) -> None:
+        try:
+            await super()._read_data()
+        finally:
+            await self.idle_task.stop()
 
 
 class _ReadDeadlines:
