@@ -1,5 +1,6 @@
 """ControlServer over real sockets: a server that fails as a whole is started again on the same port; every
-connection has read deadlines (but a websocket), the port has a connection cap, and HTTP versions but 1.0/1.1 get 505."""
+connection has read deadlines (but a websocket), the port has a connection cap, and versions but HTTP/1.0 and 1.1
+get 505."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ async def test_a_failed_server_is_restarted_on_the_same_port_and_counted(nursery
     shutdown.set()
 
 
-# -- deadlines, the connection cap and the HTTP version ------------------------------------------------------------------
+# -- deadlines, the connection cap and the HTTP version ----------------------------------------------------------------
 
 def plain_app() -> QuartTrio:
     """``/health``, a ``POST /admin/reload`` that reads its body, and a websocket that echoes."""
