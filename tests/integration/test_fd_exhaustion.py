@@ -13,6 +13,7 @@ import re
 import httpx
 import trio
 
+from helpers import read_to_eof
 from llmgw.testing.processes import SERVE_READY, llmgw_command, start_child
 from llmgw.testing.sims import MODEL, start_sims
 
@@ -35,14 +36,8 @@ async def open_idle(url: str, count: int) -> list[trio.SocketStream]:
 
 async def answer_of(stream: trio.SocketStream) -> bytes:
     """What the gateway sends an idle connection before it closes it (b"" for a quiet close)."""
-    out = b""
-    try:
-        while data := await stream.receive_some(65536):
-            out += data
-    except trio.BrokenResourceError:
-        pass
-    await stream.aclose()
-    return out
+    async with stream:
+        return await read_to_eof(stream)
 
 
 async def chat(client: httpx.AsyncClient, url: str) -> httpx.Response:

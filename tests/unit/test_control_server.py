@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from quart import request, websocket
 from quart_trio import QuartTrio
 
+from helpers import read_to_eof
 from llmgw.http.connslots import ConnectionMetrics
 from llmgw.http.control_server import ControlServer, ControlServerMetrics
 from llmgw.http.server import ServerLimits
@@ -97,22 +98,12 @@ async def control(nursery):
         shutdown.set()
 
 
-async def read_all(stream: trio.SocketStream) -> bytes:
-    out = b""
-    try:
-        while data := await stream.receive_some(65536):
-            out += data
-    except trio.BrokenResourceError:
-        pass
-    return out
-
-
 async def test_a_control_head_whose_body_never_comes_gets_408_after_the_body_timeout(control):
     server, port = await control(body_timeout=0.5, header_timeout=5, keepalive_timeout=60)
     with trio.fail_after(10):  # held forever without a body deadline
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         await stream.send_all(b"POST /admin/reload HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc")
-        raw = await read_all(stream)
+        raw = await read_to_eof(stream)
         while server.slots.open:
             await trio.sleep(0.01)
     assert raw.startswith(b"HTTP/1.1 408 "), raw[:80]
@@ -124,11 +115,11 @@ async def test_a_control_connection_that_sends_nothing_is_closed_after_the_heade
     server, port = await control(header_timeout=0.5, keepalive_timeout=60)
     with trio.fail_after(10):  # held for Hypercorn's keep-alive timeout (60 s) without a header deadline
         stream = await trio.open_tcp_stream("127.0.0.1", port)
-        assert await read_all(stream) == b""
+        assert await read_to_eof(stream) == b""
     with trio.fail_after(10):  # a head begun and never ended: 408
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         await stream.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-        assert (await read_all(stream)).startswith(b"HTTP/1.1 408 ")
+        assert (await read_to_eof(stream)).startswith(b"HTTP/1.1 408 ")
 
 
 async def test_a_websocket_is_not_cut_by_the_read_deadlines(control):
@@ -147,7 +138,7 @@ async def test_a_control_port_at_its_cap_answers_503_and_serves_again_once_a_slo
         while server.slots.open < 2:
             await trio.sleep(0.01)
         third = await trio.open_tcp_stream("127.0.0.1", port)
-        raw = await read_all(third)
+        raw = await read_to_eof(third)
         assert raw.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in raw
         await held[0].aclose()
         while server.slots.open > 1:
@@ -164,6 +155,6 @@ async def test_the_control_port_answers_505_to_http_versions_other_than_1_0_and_
     with trio.fail_after(10):
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         await stream.send_all(f"GET /health HTTP/{version}\r\nHost: x\r\n\r\n".encode())
-        raw = await read_all(stream)
+        raw = await read_to_eof(stream)
     assert raw.startswith(b"HTTP/1.1 505 "), raw[:80]
     assert b"is not supported" in raw

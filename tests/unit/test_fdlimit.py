@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import resource
 
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from llmgw.fdlimit import FIXED_RESERVE, connection_budget, raise_open_files_limit
 
