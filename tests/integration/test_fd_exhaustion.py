@@ -1,9 +1,10 @@
 """Idle sockets cannot starve ``llmgw serve`` of file descriptors.
 
-A real gateway runs with ``RLIMIT_NOFILE`` soft = hard = 256 (``prlimit``), in front of a simulator replica.
-More idle connections than it can hold are opened to both ports: the ones over each port's cap are answered
-503 at once, the others are closed after the header timeout; meanwhile a keep-alive connection opened before
-still gets its requests through to the engine, and once the idle ones are gone a new connection does too.
+A real gateway starts with ``RLIMIT_NOFILE`` soft 200, hard 256 (``prlimit``; it raises the soft one to 256 and
+says so), in front of a simulator replica. More idle connections than it can hold are opened to both ports: the
+ones over each port's cap are answered 503 at once, the others are closed after the header timeout; meanwhile a
+keep-alive connection opened before still gets its requests through to the engine, and once the idle ones are
+gone a new connection does too.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from helpers import read_to_eof
 from llmgw.testing.processes import SERVE_READY, llmgw_command, start_child
 from llmgw.testing.sims import MODEL, start_sims
 
-LIMIT = 256
+LIMIT = 256  # the hard limit; the soft one starts lower and llmgw raises it
+SOFT = 200
 IDLE_PER_PORT = 120  # the two ports together hold far fewer (48 + 16 at 256 open files)
 HEADER_TIMEOUT = 2.0
 CHAT = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hello there"}]}
@@ -55,11 +57,11 @@ async def test_idle_sockets_on_both_ports_neither_starve_engines_nor_outlast_the
     (sim,) = await start_sims(nursery, 1, num_blocks=256)
     path = tmp_path / "llmgw.yaml"
     path.write_text(config(sim.url))
-    argv = ["prlimit", f"--nofile={LIMIT}:{LIMIT}", *llmgw_command(
+    argv = ["prlimit", f"--nofile={SOFT}:{LIMIT}", *llmgw_command(
         "serve", "--listen", "127.0.0.1:0", "--control-listen", "127.0.0.1:0", "--config", str(path))]
     gw = await start_child(nursery, argv, name="llmgw", ready=SERVE_READY)
     output = gw.output()
-    assert f"open files: soft limit {LIMIT} (hard limit {LIMIT})" in output, output
+    assert f"open files: raised the soft limit from {SOFT} to {LIMIT} (hard limit {LIMIT})" in output, output
     caps = re.search(r"connection caps: data port (\d+) .*control port (\d+) .*of the (\d+) open files", output)
     assert caps is not None, output
     data_cap, control_cap = int(caps.group(1)), int(caps.group(2))
