@@ -64,3 +64,14 @@ class RecordingHandler:
 
     def on_end(self, session, reason):
         self.inventory.session_ended(session.node_id, session, reason)
+
+
+async def read_to_eof(stream: trio.abc.ReceiveStream) -> bytes:
+    """Everything a server sends on a raw connection until it closes it (a reset ends it too)."""
+    out = b""
+    try:
+        while data := await stream.receive_some(65536):
+            out += data
+    except trio.BrokenResourceError:
+        pass
+    return out

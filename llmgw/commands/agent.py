@@ -27,6 +27,7 @@ import sys
 import trio
 
 from .. import listening
+from ..fdlimit import raise_open_files_limit
 from ..logsetup import add_logging_arguments, setup_logging
 from ..tls import TlsClientOptions
 from ..usererrors import run_reporting
@@ -141,11 +142,13 @@ def tls_options(args: argparse.Namespace) -> TlsClientOptions | None:
 async def run(agent, stop_engines: bool = False) -> None:
     from ..agent.leftover import running_engines, stop_engines as stop_left_engines
 
+    open_files = raise_open_files_limit()
     async with trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             await nursery.start(agent.run)
             print(f"llmgw-agent {agent.node_id} started: joining {agent.connector.url} as {agent.address}, "
                   f"state in {agent.state_dir}", flush=True)
+            log.info("%s", open_files.describe())
             async for signum in signals:
                 log.debug("%s: stopping the agent", signal.Signals(signum).name)
                 break

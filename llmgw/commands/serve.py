@@ -27,6 +27,7 @@ import trio
 
 from ..config import ConfigError, HostPort, parse_config
 from ..control.identity import IdentityStoreError
+from ..fdlimit import raise_open_files_limit
 from ..logsetup import add_logging_arguments, setup_logging
 from ..plugins_manager import load_checked_config
 from ..usererrors import run_reporting
@@ -148,6 +149,7 @@ async def _serve(config, listen, control_listen, demo_replicas: int | None = Non
     from ..gateway.app import Gateway
 
     demo = demo_replicas is not None
+    open_files = raise_open_files_limit()  # before the gateway sizes its connection caps from it
     gateway = Gateway(config, embedded_discovery="cpu" if demo else "auto", stop_engines_on_exit=demo or stop_engines,
                       role=role, adjust_config=adjust_config)
     async with trio.open_nursery() as nursery:
@@ -155,6 +157,7 @@ async def _serve(config, listen, control_listen, demo_replicas: int | None = Non
             addresses = await nursery.start(partial(gateway.run, listen and (listen.host, listen.port),
                                                     control_listen and (control_listen.host, control_listen.port),
                                                     reuse_port=worker is not None))
+            log.info("%s", open_files.describe())
             if demo_replicas is not None:
                 await _wait_for_replicas(gateway, demo_replicas)
             if worker is not None:

@@ -151,6 +151,7 @@ class Limits(Located):
     retries: Annotated[int, at_least(0), at_most(10)] = setting(2)
     shutdown_grace: Duration = setting(30.0)
     max_connections: Count = setting(10000)
+    control_max_connections: Count = setting(1000)
     max_json_depth: Annotated[int, at_least(1), at_most(500)] = setting(DEFAULT_MAX_DEPTH)  # nesting of a request body
     max_json_values: Count = setting(DEFAULT_MAX_VALUES)  # commas, brackets and escapes of a request body
     max_json_containers: Count = setting(DEFAULT_MAX_CONTAINERS)  # brackets of a request body

@@ -31,6 +31,8 @@ from ..config.loading import is_blank, read_config_text
 from ..control.interfaces import KvWriter, ReplicaTable
 from ..control.plane import ControlPlane
 from ..control.static import StaticReplicas
+from ..fdlimit import connection_budget, current_soft_limit
+from ..http.connslots import ConnectionMetrics
 from ..http.control_server import ControlServer, ControlServerMetrics
 from ..http.jsonbody import JsonLimits
 from ..http.server import HttpServer, ServerLimits
@@ -103,14 +105,15 @@ class Gateway:
             idle_timeout=lim.idle_timeout, retries=lim.retries, access_log=config.access_log,
             json_limits=JsonLimits(lim.max_json_depth, lim.max_json_values, lim.max_json_containers),
         ), api_keys=[k.key for k in config.api_keys])
-        self.data_server = HttpServer(self.dataplane.handle, ServerLimits(
-            max_header_bytes=lim.max_header_bytes, max_body_bytes=lim.max_body_bytes,
-            header_timeout=lim.client_header_timeout, body_timeout=lim.client_body_timeout,
-            keepalive_timeout=lim.keepalive_timeout, max_connections=lim.max_connections,
-        ), error_headers=self.dataplane.error_headers,
-           on_refused=lambda status: self.metrics.refused_requests.labels(str(status)).inc(),
-           tls=config.data_tls.context() if config.data_tls else None,
-           on_tls_failure=self.metrics.tls_handshake_failures.labels("data").inc)
+        self.connection_budget = connection_budget(current_soft_limit(), lim.max_connections,
+                                                   lim.control_max_connections)
+        self.connection_metrics = ConnectionMetrics(self.metrics.registry)
+        self.data_server = HttpServer(self.dataplane.handle, self._server_limits(self.connection_budget.data),
+                                      error_headers=self.dataplane.error_headers,
+                                      on_refused=lambda status: self.metrics.refused_requests.labels(str(status)).inc(),
+                                      tls=config.data_tls.context() if config.data_tls else None,
+                                      on_tls_failure=self.metrics.tls_handshake_failures.labels("data").inc,
+                                      connection_metrics=self.connection_metrics)
         self.draining = False
         self._nursery: trio.Nursery | None = None
         self._control_shutdown = trio.Event()
@@ -155,7 +158,13 @@ class Gateway:
         if problem:
             raise ConfigError([issue_at(self.config, "control_listen", problem)])
         control_server = ControlServer(functools.partial(create_control_app, self, self.control_metrics),
-                                       self.control_metrics, ssl_context=self._control_tls_context())
+                                       self.control_metrics, ssl_context=self._control_tls_context(),
+                                       limits=self._server_limits(self.connection_budget.control),
+                                       connection_metrics=self.connection_metrics)
+        budget = self.connection_budget
+        (log.warning if budget.too_low else log.info)("%s%s", budget.describe(), " (too few open files: raise the "
+                                                      "hard limit, docs/security.md#sockets)" if budget.too_low
+                                                      else "")
         self._started_at = trio.current_time()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -186,6 +195,13 @@ class Gateway:
             log.debug("llmgw serving the OpenAI API on %s and the control API on %s",
                      self.addresses.data_url, self.addresses.control_url)
             task_status.started(self.addresses)
+
+    def _server_limits(self, max_connections: int) -> ServerLimits:
+        """The client limits of ``config.limits`` for one port (both ports take the same, but for the cap)."""
+        lim = self.config.limits
+        return ServerLimits(max_header_bytes=lim.max_header_bytes, max_body_bytes=lim.max_body_bytes,
+                            header_timeout=lim.client_header_timeout, body_timeout=lim.client_body_timeout,
+                            keepalive_timeout=lim.keepalive_timeout, max_connections=max_connections)
 
     def _settled(self) -> bool:
         """What this control process knows is worth publishing (followers keep their last view until then): its

@@ -63,3 +63,11 @@ def bound_port(sockets: list[socket.socket]) -> int:
     """The port ``sockets`` (from :func:`bind_tcp`) are bound to."""
     port: int = sockets[0].getsockname()[1]
     return port
+
+
+def close_sockets(sockets: list[socket.socket]) -> None:
+    """Close ``sockets`` (from :func:`bind_tcp`), waking any task that waits on one."""
+    for sock in sockets:
+        if sock.fileno() >= 0:
+            trio.lowlevel.notify_closing(sock)
+            sock.close()

@@ -32,7 +32,7 @@ connection and nothing else; ``on_tls_failure`` counts it.
 
 from __future__ import annotations
 
-import errno
+import functools
 import logging
 import math
 import socket
@@ -44,13 +44,16 @@ from typing import Any, Callable
 import httptools
 import trio
 
+from ..lograte import RepeatLimitedLog
 from ..tls import describe_tls_error
+from .connslots import ConnectionMetrics, ConnectionSlots, accept_connections
 from .deadlines import Alarm, Watch
-from .listeners import bind_tcp
+from .listeners import bind_tcp, close_sockets
 from .messages import Handler, Request, Response, error_response
 from .tls_socket import Stream, TlsSocket
 
 log = logging.getLogger(__name__)
+repeats = RepeatLimitedLog(log)
 
 READ_SIZE = 65536
 SMALL_BODY = 16384  # bodies up to this are copied behind the head; larger ones are sent with sendmsg
@@ -75,6 +78,7 @@ STATUS_LINES = {
 }
 _NO_BODY_STATUS = {204, 304}
 _VERSIONS = ("1.1", "1.0")  # HTTP/0.9 (a bare request line) and anything newer are answered 505
+_UNSUPPORTED_VERSION = "Invalid HTTP version"  # llhttp's message for a version it does not speak (HTTP/1.2, 9.9)
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _INF = math.inf
 
@@ -90,11 +94,11 @@ class ServerLimits:
 
     max_header_bytes: int = 64 * 1024
     max_body_bytes: int = 16 * 1024 * 1024
-    header_timeout: float = 10.0  # from the first byte of a request to the end of its head
+    header_timeout: float = 10.0  # from the first byte of a request (from accept, for the first) to its head's end
     body_timeout: float = 30.0  # from the end of the head to the end of the body
     keepalive_timeout: float = 75.0  # idle time allowed between requests on one connection
     write_timeout: float = 60.0  # one write to a client that does not read
-    max_connections: int = 10000
+    max_connections: int = 10000  # open client connections; one more is answered 503 and closed
 
 
 class _ProtocolError(Exception):
@@ -143,6 +147,8 @@ class _RequestReader:
         except httptools.HttpParserUpgrade:
             raise _ProtocolError(501, "protocol upgrades are not supported") from None
         except httptools.HttpParserError as exc:
+            if str(exc) == _UNSUPPORTED_VERSION:  # a well-formed HTTP/x.y that llhttp does not speak (HTTP/9.9)
+                raise _ProtocolError(505, "this HTTP version is not supported: send HTTP/1.1 (or HTTP/1.0)") from None
             raise _ProtocolError(400, f"malformed HTTP request: {exc}") from None
         if self.in_head or self.current is None:
             # A head still open after this read: bound what the parser may be holding for it.
@@ -237,11 +243,13 @@ class HttpServer:
                  on_error: Callable[[BaseException], None] | None = None,
                  error_headers: Callable[[Request | None], list[tuple[bytes, bytes]]] | None = None,
                  on_refused: Callable[[int], None] | None = None, tls: ssl.SSLContext | None = None,
-                 on_tls_failure: Callable[[], None] | None = None):
+                 on_tls_failure: Callable[[], None] | None = None,
+                 connection_metrics: ConnectionMetrics | None = None, port: str = "data"):
         """``error_headers(request or None)``: headers for the answers the server makes itself (a request it
         refused or could not read, a handler that raised), e.g. the data plane's ``x-request-id``.
         ``on_refused(status)`` is called for every request the server itself answers with an error
-        (malformed, too large, too slow, unsupported): the handler never saw it."""
+        (malformed, too large, too slow, unsupported): the handler never saw it. ``connection_metrics``: where
+        the ``port``'s open, refused and timed-out connections are counted."""
         self.handler = handler
         self.error_headers = error_headers
         self.tls = tls
@@ -249,12 +257,11 @@ class HttpServer:
         self._on_tls_failure = on_tls_failure
         self.limits = limits or ServerLimits()
         self.active_requests = 0
-        self.connections = 0
         self._draining = False
         self._idle: trio.Event | None = None
         self._accepting: trio.CancelScope | None = None
         self._connections_scope: trio.CancelScope | None = None
-        self._conn_slots = trio.Semaphore(self.limits.max_connections)
+        self.slots = ConnectionSlots(port, self.limits.max_connections, connection_metrics)
         self._on_error = on_error
         self._on_refused = on_refused
 
@@ -281,11 +288,14 @@ class HttpServer:
                     task_status.started((bound[0], bound[1]))
                     async with trio.open_nursery() as acceptors:
                         for sock in socks:
-                            acceptors.start_soon(self._accept_loop, sock, connections)
-                _close(socks)
+                            acceptors.start_soon(functools.partial(
+                                accept_connections, sock, self.slots,
+                                lambda sock, addr: connections.start_soon(self._connection, sock, addr),
+                                answer_refused=self.tls is None))
+                close_sockets(socks)
                 # Draining: the accept loops are gone; connections finish their current request.
         finally:
-            _close(socks)
+            close_sockets(socks)
 
     async def drain(self, grace: float) -> None:
         """Stop accepting, let in-flight requests finish for up to ``grace`` seconds, then cut the rest."""
@@ -299,52 +309,28 @@ class HttpServer:
         if self._connections_scope is not None:
             self._connections_scope.cancel()
 
-    async def _accept_loop(self, lsock: socket.socket, connections: trio.Nursery) -> None:
-        while True:
-            await self._conn_slots.acquire()
-            try:
-                while True:
-                    try:
-                        sock, addr = lsock.accept()
-                        break
-                    except BlockingIOError:
-                        await trio.lowlevel.wait_readable(lsock)
-                    except OSError as exc:
-                        if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                            log.error("cannot accept connections: %s; retrying in 100 ms", exc)
-                            await trio.sleep(0.1)
-                        elif exc.errno not in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.EINTR):
-                            raise
-            except BaseException:
-                self._conn_slots.release()
-                raise
-            try:
-                sock.setblocking(False)
-                if sock.family in (socket.AF_INET, socket.AF_INET6):
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:  # the peer is already gone
-                sock.close()
-                self._conn_slots.release()
-                continue
-            connections.start_soon(self._connection, sock, addr)
+    @property
+    def connections(self) -> int:
+        """Client connections open now."""
+        return self.slots.open
 
     async def _connection(self, sock: socket.socket, addr: Any) -> None:
-        self.connections += 1
+        accepted_at = trio.current_time()
         conn = None
         try:
             stream = sock if self.tls is None else await self._handshake(sock, addr, self.tls)
             if stream is None:
                 return
-            conn = _Connection(self, stream, addr)
+            conn = _Connection(self, stream, addr, accepted_at)
             await conn.run()
         except Exception as exc:  # one bad connection must never take down the server
             if not is_disconnect(exc):
-                log.exception("HTTP connection failed")
+                repeats.error("%s port: an HTTP connection failed: %s: %s", self.slots.port, type(exc).__name__, exc,
+                              exc_info=exc)
                 if self._on_error:
                     self._on_error(exc)
         finally:
-            self.connections -= 1
-            self._conn_slots.release()
+            self.slots.release()
             if conn is not None:
                 conn.close()
             elif sock.fileno() >= 0:
@@ -375,13 +361,6 @@ class HttpServer:
         self.active_requests -= 1
         if self.active_requests == 0 and self._idle is not None:
             self._idle.set()
-
-
-def _close(socks: list[socket.socket]) -> None:
-    for sock in socks:
-        if sock.fileno() >= 0:
-            trio.lowlevel.notify_closing(sock)
-            sock.close()
 
 
 class AbortConnection(Exception):
@@ -423,8 +402,9 @@ class _Connection:
     requests never pay for the second task; long ones (streams) are watched.
     """
 
-    def __init__(self, server: HttpServer, sock: Stream, addr: Any):
+    def __init__(self, server: HttpServer, sock: Stream, addr: Any, accepted_at: float):
         self.server = server
+        self.accepted_at: float | None = accepted_at  # until the first request is read: its head counts from here
         self.limits = server.limits
         self.sock = sock
         self.reader = _RequestReader(server.limits)
@@ -462,6 +442,8 @@ class _Connection:
             self.nursery = None
             self.watch_alarm.disarm()
         watch = self.read_watch
+        if watch.expired:
+            self.server.slots.timed_out(watch.kind)
         if watch.expired and watch.kind in ("header", "body") and self.reader.current is not None:
             if self.server._on_refused is not None:
                 self.server._on_refused(408)
@@ -580,13 +562,16 @@ class _Connection:
         watch = self.read_watch
         limits = self.limits
         if current is None:
-            if watch.kind != "keepalive" or watch.when == _INF:
+            if self.accepted_at is not None:  # a new connection that sent nothing yet: it has the header timeout
+                if watch.kind != "header" or watch.when == _INF:
+                    watch.arm_at(self.accepted_at + limits.header_timeout, limits.header_timeout, "header")
+            elif watch.kind != "keepalive" or watch.when == _INF:
                 watch.arm(limits.keepalive_timeout, "keepalive")
             return
         now = trio.current_time()
         if self.reader.in_head:
             if current.started == _INF:
-                current.started = now
+                current.started = now if self.accepted_at is None else self.accepted_at
             if watch.kind != "header" or watch.when == _INF:
                 watch.arm_at(current.started + limits.header_timeout, limits.header_timeout, "header")
             return
@@ -605,6 +590,7 @@ class _Connection:
         while True:
             if reader.complete:
                 msg = reader.complete.popleft()
+                self.accepted_at = None  # the next request's head counts from its own first byte
                 if self._reader_parked is not None:
                     task, self._reader_parked = self._reader_parked, None
                     trio.lowlevel.reschedule(task)

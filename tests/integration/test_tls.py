@@ -18,7 +18,7 @@ import pytest
 import trio
 import trustme
 
-from helpers import wait_for
+from helpers import read_to_eof, wait_for
 from llmgw.testing.metrics import scrape_value
 
 KEY = "sk-client"
@@ -166,12 +166,7 @@ data_tls:
     with trio.fail_after(10):
         plain = await trio.open_tcp_stream("127.0.0.1", int(gw.url.rsplit(":", 1)[1]))
         await plain.send_all(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
-        answer = b""
-        try:
-            while data := await plain.receive_some(65536):
-                answer += data
-        except trio.BrokenResourceError:
-            pass
+        answer = await read_to_eof(plain)
     assert b"HTTP/1.1" not in answer
     assert await wait_for(lambda: scrape_value(gw.control_url, "llmgw_tls_handshake_failures_total",
                                                'listener="data"')) == 1

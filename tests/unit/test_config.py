@@ -119,7 +119,7 @@ def test_defaults_of_an_empty_file():
     assert config.limits == Limits(
         max_body_bytes=16 * 1024 * 1024, max_header_bytes=64 * 1024, client_header_timeout=10.0,
         client_body_timeout=30.0, keepalive_timeout=75.0, connect_timeout=3.0, first_byte_timeout=600.0,
-        idle_timeout=300.0, retries=2, shutdown_grace=30.0, max_connections=10000,
+        idle_timeout=300.0, retries=2, shutdown_grace=30.0, max_connections=10000, control_max_connections=1000,
     )
     health = config.health
     assert (health.interval, health.timeout, health.failures_to_down, health.successes_to_up,
@@ -338,8 +338,8 @@ def test_every_error_is_reported_in_file_order():
         "conf.yaml:7: limits.retries: must be at least 0",
         "conf.yaml:8: limits.bogus: unknown key (expected one of: max_body_bytes, max_header_bytes, "
         "client_header_timeout, client_body_timeout, keepalive_timeout, connect_timeout, first_byte_timeout, "
-        "idle_timeout, retries, shutdown_grace, max_connections, max_json_depth, max_json_values, "
-        "max_json_containers)",
+        "idle_timeout, retries, shutdown_grace, max_connections, control_max_connections, max_json_depth, "
+        "max_json_values, max_json_containers)",
         "conf.yaml:9: log_level: must be one of: debug, info, warning, error, critical",
     ]
 

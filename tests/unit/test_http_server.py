@@ -338,6 +338,59 @@ async def test_an_idle_keep_alive_connection_is_closed_quietly(serve):
             await trio.sleep(0.01)
 
 
+async def test_a_connection_that_sends_nothing_gets_the_header_timeout_not_keep_alives(serve):
+    server, port = await serve(echo, header_timeout=0.3, keepalive_timeout=60)
+    with trio.fail_after(10):  # held for the 60 s keep-alive timeout, this fails
+        client = await connect(port)
+        assert await client.read_until_eof() == b""  # closed without a word: there was no request to answer
+        while server.connections:
+            await trio.sleep(0.01)
+
+
+async def test_the_first_heads_time_counts_from_the_accept(serve):
+    _, port = await serve(echo, header_timeout=1.0, keepalive_timeout=60)
+    with trio.fail_after(10):
+        client = await connect(port)
+        connected = trio.current_time()
+        await trio.sleep(0.8)  # silent for most of the header timeout, then a head that never ends
+        await client.send(b"GET /late HTTP/1.1\r\nHost: t\r\n")
+        raw = await client.read_until_eof()
+    assert raw.startswith(b"HTTP/1.1 408 ")
+    assert trio.current_time() - connected < 1.6  # 1 s from the accept, not from the first byte (1.8 s)
+
+
+async def test_a_port_at_its_connection_cap_answers_503_at_once_and_keeps_serving_the_others(nursery):
+    server = HttpServer(echo, ServerLimits(max_connections=2, header_timeout=30))
+    _, port = await nursery.start(server.serve, "127.0.0.1", 0)
+    with trio.fail_after(10):  # without a refusal the third connection waits in the backlog
+        held = [await connect(port), await connect(port)]
+        while server.connections < 2:
+            await trio.sleep(0.01)
+        third = await connect(port)
+        await third.send(get("/over"))
+        raw = await third.read_until_eof()
+        assert raw.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in raw
+        assert server.slots.refused == 1
+        await held[0].send(get("/still"))  # the connections held go on
+        assert (await held[0].reply()).status == 200
+        await held[1].aclose()
+        while server.connections > 1:
+            await trio.sleep(0.01)
+        fourth = await connect(port)  # a slot is free again
+        await fourth.send(get("/again"))
+        assert (await fourth.reply()).status == 200
+
+
+@pytest.mark.parametrize("version", ["9.9", "1.2", "2.0", "3.0"])
+async def test_an_http_version_other_than_1_0_and_1_1_is_answered_505(serve, version):
+    _, port = await serve(echo)
+    with trio.fail_after(5):
+        client = await connect(port)
+        await client.send(get("/health", version=version))
+        raw = await client.read_until_eof()
+    assert raw.startswith(b"HTTP/1.1 505 "), raw[:60]
+
+
 async def test_a_client_that_does_not_read_its_response_is_cut_off(serve):
     body_closed = trio.Event()
     produced = 0

@@ -131,3 +131,16 @@ async def test_fuzzed_requests_get_well_formed_answers_and_the_server_lives(nurs
     assert not failures, failures
     ok = await trio.to_thread.run_sync(exchange, port, b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
     assert check_responses(ok) == [200]
+
+
+@given(major=st.integers(0, 9), minor=st.integers(0, 9), method=st.sampled_from(["GET", "POST", "HEAD"]))
+def test_every_http_version_but_1_0_and_1_1_is_refused_505_by_the_parser(major, minor, method):
+    from llmgw.http.server import _ProtocolError, _RequestReader
+
+    reader = _RequestReader(ServerLimits())
+    try:
+        reader.feed(f"{method} /health HTTP/{major}.{minor}\r\nHost: x\r\nContent-Length: 0\r\n\r\n".encode())
+    except _ProtocolError as exc:
+        assert (major, minor) not in ((1, 0), (1, 1)) and exc.status == 505, (major, minor, exc.status)
+    else:
+        assert (major, minor) in ((1, 0), (1, 1)) and len(reader.complete) == 1
