@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
+import stat
+from pathlib import Path
 
 import httpx
 import pytest
@@ -224,8 +225,9 @@ async def test_a_remote_agents_drifting_replica_is_resynced_over_its_websocket(c
     assert "asks for a reset KV resync" in cluster.agents["a"].output()
 
 
-async def test_an_agent_restart_keeps_the_engines_kv_port_and_the_index_is_restored(cluster):
-    """The ledger keeps the engine's KV-event port: a new agent binds it again, and replay restores the index."""
+async def test_an_agent_restart_keeps_the_engines_kv_sockets_and_the_index_is_restored(cluster):
+    """The ledger keeps the engine's KV-event sockets: a new agent connects to them, and replay restores the
+    index."""
     cluster.write_config(AGENTS + KV_SIM.replace("replicas: 2", "replicas: 1"))
     await cluster.start_serve()
     await cluster.start_agent("a", "tiny-2gpu-a")
@@ -241,15 +243,15 @@ async def test_an_agent_restart_keeps_the_engines_kv_port_and_the_index_is_resto
     await kv_where(cluster, "the index forgotten", lambda s: s[name]["state"] == "no_events" and not s[name]["blocks"])
     assert (await cluster.replicas())[name]["state"] == "up"  # still routed
 
-    # A new agent adopts the engine, binds the port the engine publishes to, and replay fills its new mirror.
+    # A new agent adopts the engine, connects to the sockets the engine bound, and replay fills its new mirror.
     await cluster.start_agent("a", "tiny-2gpu-a")
     await cluster.replicas_where("the engine adopted", lambda rs: "adopted" in rs[name]["shards"][0]["reason"])
     await kv_where(cluster, "the index restored", lambda s: s[name]["state"] == "healthy"
                    and s[name]["blocks"] == held[name]["blocks"])
     (entry,) = json.loads((cluster.tmp_path / "agent-a" / "shards.json").read_text())["shards"].values()
-    assert entry["kv_events_port"] and entry["kv_replay_port"]
-    with socket.socket() as probe, pytest.raises(OSError):  # the new agent listens there again
-        probe.bind(("127.0.0.1", entry["kv_events_port"]))
+    sockets = [Path(entry[key].removeprefix("ipc://")) for key in ("kv_events_endpoint", "kv_replay_endpoint")]
+    assert all(stat.S_ISSOCK(path.stat().st_mode) for path in sockets)
+    assert sockets[0].parent == cluster.tmp_path / "agent-a" / "kv"
     chosen, usage = await complete(cluster, long_prompt + " again")
     assert chosen == name and usage["prompt_tokens_details"]["cached_tokens"] > 0
     assert await cluster.metric("llmgw_route_predicted_cached_tokens_total", 'model="tiny"') == \
