@@ -24,7 +24,7 @@ import trio_websocket
 from helpers import next_error
 from llmgw import wire
 from llmgw.testing.cluster import AGENTS, BLOCK, TOKEN, all_up, complete, embedded, kv_state, kv_where, text
-from llmgw.testing.processes import free_port, llmgw_command, start_child
+from llmgw.testing.processes import llmgw_command, start_child
 from llmgw.testing.sims import kv_sim_profile as kv_sim
 
 pytestmark = pytest.mark.slow
@@ -124,11 +124,14 @@ async def test_kv_events_route_to_the_holder_predict_exactly_and_only_their_owne
     assert all(rank["parity"] is not False for s in agent for rank in s["ranks"])
 
 
-async def static_kv_replica(nursery, start_llmgw, *, engine_args=(), routing_options="tokenize_timeout: 2s"):
-    """A simulator llmgw did not start, binding its publisher, and a gateway following it as static ``ext-0``."""
-    events, replay = free_port(), free_port()
-    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
-                         "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"})
+async def static_kv_replica(nursery, start_llmgw, folder: Path, *, engine_args=(),
+                            routing_options="tokenize_timeout: 2s"):
+    """A simulator llmgw did not start, binding its publisher, and a gateway following it as static ``ext-0``:
+    over unix sockets in a folder only this user can open (as docs/security.md advises)."""
+    folder.mkdir(mode=0o700)
+    events, replay = f"ipc://{folder}/ext-0.ev", f"ipc://{folder}/ext-0.rp"
+    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
+                         "replay_endpoint": replay, "topic": "kv"})
     argv = llmgw_command("sim", "--port", "0", "--served-model-name", "tiny", "--time-scale", "0",
                          "--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config", config, *engine_args)
     engine = await start_child(nursery, argv, name="sim-ext", env={"PYTHONHASHSEED": "0"})
@@ -140,15 +143,15 @@ models:
     replicas:
       - url: {engine.url}
         name: ext-0
-        kv_events: tcp://127.0.0.1:{events}
-        kv_replay: tcp://127.0.0.1:{replay}
+        kv_events: {events}
+        kv_replay: {replay}
 """)
     return engine, gateway
 
 
-async def test_a_static_replica_with_kv_events_feeds_the_index(nursery, start_llmgw):
+async def test_a_static_replica_with_kv_events_feeds_the_index(nursery, start_llmgw, tmp_path):
     """An engine llmgw did not start binds its publisher; the gateway connects (``kv_events``/``kv_replay``)."""
-    engine, gateway = await static_kv_replica(nursery, start_llmgw)
+    engine, gateway = await static_kv_replica(nursery, start_llmgw, tmp_path / "kv")
     async with httpx.AsyncClient(timeout=10) as http:
         async def state():
             return {r["name"]: r for r in (await http.get(gateway.control_url + "/admin/kv")).json()["replicas"]}
@@ -202,9 +205,9 @@ async def unpublished_reset_heals(http: httpx.AsyncClient, control_url: str, dat
     assert state["drift"]["over"] == 2 and state["state"] == "healthy"
 
 
-async def test_a_static_replicas_drifting_index_resyncs_its_own_subscription(nursery, start_llmgw):
+async def test_a_static_replicas_drifting_index_resyncs_its_own_subscription(nursery, start_llmgw, tmp_path):
     """The gateway follows the engine itself: a suspect index's resync goes to that subscription's mirror."""
-    engine, gateway = await static_kv_replica(nursery, start_llmgw, engine_args=(
+    engine, gateway = await static_kv_replica(nursery, start_llmgw, tmp_path / "kv", engine_args=(
         "--suppress-events", "AllBlocksCleared"), routing_options="tokenize_timeout: 2s, drift_suspect_after: 1")
     async with httpx.AsyncClient(timeout=10) as http:
         await unpublished_reset_heals(http, gateway.control_url, gateway.url, engine.url, "ext-0")
