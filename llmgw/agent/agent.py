@@ -116,6 +116,7 @@ class Agent:
         """``metrics_registry``: where the KV-event series go (the gateway's, for the embedded agent; a private
         one otherwise). ``kv_max_message_bytes``: the KV-event subscriptions' ZMQ_MAXMSGSIZE (default 32 MiB)."""
         from .kv import AgentKv
+        from .kv_sockets import KV_SOCKET_DIR, KvSocketDir
         from .shards import ShardManager
 
         self.connector: Connector = WebSocketConnector(join) if isinstance(join, str) else join
@@ -135,7 +136,8 @@ class Agent:
         registry = registry or default_registry()
         self.shards = ShardManager(registry, state_dir=self.state_dir,
                                    node_address=self.address, host=host or self.address, on_status=self._pending.put)
-        self.kv = AgentKv(registry, node_id, metrics_registry=metrics_registry, ports=self.shards.ports,
+        self.kv = AgentKv(registry, node_id, sockets=KvSocketDir(self.state_dir / KV_SOCKET_DIR),
+                          metrics_registry=metrics_registry,
                           **({"max_message_bytes": kv_max_message_bytes} if kv_max_message_bytes else {}))
         self.shards.kv = self.kv
 

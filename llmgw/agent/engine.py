@@ -40,17 +40,20 @@ class LaunchContext:
     node_address: str  # how other machines dial this node (the endpoint's host)
     state_dir: Path
     gpu_indices: Sequence[int] = ()
-    kv_events_port: int | None = None  # loopback port the agent's KV-event subscriber listens on ([E])
-    kv_replay_port: int | None = None  # port the engine binds its replay socket to ([E])
+    kv_events_endpoint: str | None = None  # the ipc:// endpoint the engine binds its KV-event PUB to
+    kv_replay_endpoint: str | None = None  # the one it binds its replay socket to
     python: str = sys.executable  # the interpreter for Python-module engines (sim)
 
 
 @dataclass(frozen=True)
 class Launch:
-    """A command line and the environment variables it sets on top of the agent's own environment."""
+    """A command line and the environment variables it sets on top of the agent's own environment.
+
+    Secrets go in ``env`` (never logged, readable only by the engine's user in ``/proc/PID/environ``), never
+    in ``argv`` (``/proc/PID/cmdline`` and ``ps`` show it to every local user)."""
 
     argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,8 @@ def is_follower(spec: wire.StartShard) -> bool:
 
 
 def openai_server_flags(spec: wire.StartShard, ctx: LaunchContext) -> list[str]:
-    """vLLM's flags for address, names, parallelism, LoRA adapters and API key (shared by ``vllm`` and ``sim``)."""
+    """vLLM's flags for address, names, parallelism and LoRA adapters (shared by ``vllm`` and ``sim``); the API
+    key is not one of them: it goes in the environment (:func:`api_key_env`)."""
     profile = spec.profile
     if not profile.model_path:
         raise EngineError(f"engine {profile.engine or '?'}: profile {profile.name!r} has no model_path")
@@ -120,9 +124,15 @@ def openai_server_flags(spec: wire.StartShard, ctx: LaunchContext) -> list[str]:
              "--tensor-parallel-size", str(profile.tp), "--pipeline-parallel-size", str(profile.pp)]
     if profile.lora_adapters:
         flags += ["--enable-lora", "--lora-modules", *(f"{lora.name}={lora.path}" for lora in profile.lora_adapters)]
-    if spec.engine_api_key:
-        flags += ["--api-key", spec.engine_api_key]
     return flags
+
+
+API_KEY_ENV = "VLLM_API_KEY"  # vLLM's API server (and the simulator) read it when there is no --api-key
+
+
+def api_key_env(spec: wire.StartShard) -> dict[str, str]:
+    """The engine API key as ``VLLM_API_KEY`` (nothing when the profile sets none)."""
+    return {API_KEY_ENV: spec.engine_api_key} if spec.engine_api_key else {}
 
 
 KV_HASH_ALGO = "sha256_cbor"  # the engine's --prefix-caching-hash-algo when the agent follows its KV events
@@ -130,25 +140,26 @@ KV_HASH_SEED = "0"  # its PYTHONHASHSEED: with both, the router's `vllm` block k
 
 
 def wants_kv_events(spec: wire.StartShard, ctx: LaunchContext) -> bool:
-    """The profile asks for KV events and the agent gave this launch a subscriber port."""
-    return bool(spec.profile.kv_events) and ctx.kv_events_port is not None
+    """The profile asks for KV events and the agent gave this launch its endpoints."""
+    return bool(spec.profile.kv_events) and ctx.kv_events_endpoint is not None
 
 
 def kv_events_flags(spec: wire.StartShard, ctx: LaunchContext) -> list[str]:
     """``--kv-events-config`` and ``--prefix-caching-hash-algo sha256_cbor`` when the profile wants KV events and
-    the agent gave a subscriber port, else nothing.
+    the agent gave their endpoints, else nothing.
 
-    The endpoint names a host (no ``*``), so the engine *connects* its PUB
-    socket to the agent's SUB; the replay socket is bound by the engine. The
-    hash algorithm (with ``PYTHONHASHSEED``, :func:`kv_events_env`) makes the
-    engine's block hashes the router's ``vllm`` keys.
+    The endpoints are ``ipc://`` paths in the agent's private socket
+    directory (:mod:`llmgw.agent.kv_sockets`): the engine binds both its PUB
+    (vLLM binds an ``ipc://`` endpoint) and its replay socket there, and the
+    agent connects. The hash algorithm (with ``PYTHONHASHSEED``,
+    :func:`kv_events_env`) makes the engine's block hashes the router's
+    ``vllm`` keys.
     """
     if not wants_kv_events(spec, ctx):
         return []
-    config = {"enable_kv_cache_events": True, "publisher": "zmq",
-              "endpoint": f"tcp://127.0.0.1:{ctx.kv_events_port}", "topic": "kv"}
-    if ctx.kv_replay_port is not None:
-        config["replay_endpoint"] = f"tcp://127.0.0.1:{ctx.kv_replay_port}"
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": ctx.kv_events_endpoint, "topic": "kv"}
+    if ctx.kv_replay_endpoint is not None:
+        config["replay_endpoint"] = ctx.kv_replay_endpoint
     return ["--kv-events-config", json.dumps(config, separators=(",", ":")), "--prefix-caching-hash-algo",
             KV_HASH_ALGO]
 
@@ -182,7 +193,7 @@ def cpu_threads_env(spec: wire.StartShard) -> dict[str, str]:
 
 def engine_env(spec: wire.StartShard, ctx: LaunchContext) -> dict[str, str]:
     """The environment every engine gets: unbuffered Python output, GPU pinning, thread limits, then the profile's
-    own ``env`` (applied last, as given: it may override any of the others), with ``PYTHONHASHSEED`` fixed when
-    the engine publishes KV events."""
+    own ``env`` (it may override any of those), with ``PYTHONHASHSEED`` fixed when the engine publishes KV
+    events; and last the engine API key (the one the probes and the router send)."""
     return {"PYTHONUNBUFFERED": "1", **gpu_env(spec, ctx), **cpu_threads_env(spec), **kv_events_env(spec, ctx),
-            **spec.profile.env}
+            **spec.profile.env, **api_key_env(spec)}

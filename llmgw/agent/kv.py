@@ -6,12 +6,13 @@ multi-node replica serve no API and publish nothing the router can use), the
 :class:`~llmgw.agent.shards.ShardManager` runs :meth:`AgentKv.run_shard` in
 the nursery that owns the shard's supervisor, *before* the engine starts:
 
-- an :class:`~llmgw.kv.subscriber.EngineSubscription` binds a loopback SUB
-  (the engine's PUB connects to it: ``LaunchContext.kv_events_port``) and
-  knows the replay port the engine will bind (``kv_replay_port``, taken from
-  the agent's port allocator); it lives as long as the supervisor, across
-  engine restarts (the supervisor calls :meth:`ShardKv.notify_engine_restart`
-  before it relaunches a dead engine), and cancelling it closes the sockets;
+- an :class:`~llmgw.kv.subscriber.EngineSubscription` connects to the
+  engine's ``ipc://`` sockets in the agent's private socket directory
+  (:mod:`llmgw.agent.kv_sockets`: the engine binds them, the launch gets them
+  as ``LaunchContext.kv_events_endpoint`` / ``kv_replay_endpoint``); it lives
+  as long as the supervisor, across engine restarts (the supervisor calls
+  :meth:`ShardKv.notify_engine_restart` before it relaunches a dead engine),
+  and cancelling it closes the sockets;
 - an :class:`~llmgw.kv.mirror.EngineMirror` keeps the engine's device blocks,
   checking hash parity with the router's ``vllm`` keys (``sha256_cbor``, seed
   ``"0"``: what the engine plugins start the engine with).
@@ -21,15 +22,14 @@ nursery) one :func:`~llmgw.kv.mirror.flush_loop` per shard sends a FULL copy,
 then net changes every 25 ms; the loops are cancelled when the stream drops
 (or the shard ends), so every reconnect starts with a FULL copy.
 
-Adoption. Engines outlive the agent, and an adopted engine's PUB keeps
-connecting to the port it was started with. So the ports are recorded in the
-ledger entry (``kv_events_port``, ``kv_replay_port``) and a new agent binds
-the *same* SUB port for an adopted engine; the subscription starts with no
-sequence, so the engine's next batch is a gap from 0 that the replay fills
-(vLLM buffers the last batches), or a RESET ``gap`` when it cannot: the index
-re-learns from then on. If the old port cannot be bound any more (taken
-meanwhile), a new one is bound and the replica's index stays empty (the
-engine publishes into the void) until the engine is restarted: logged.
+Adoption. Engines outlive the agent, and an adopted engine keeps its
+sockets. So the endpoints are recorded in the ledger entry
+(``kv_events_endpoint``, ``kv_replay_endpoint``) and a new agent connects to
+the *same* ones; the subscription starts with no sequence, so the engine's
+next batch is a gap from 0 that the replay fills (vLLM buffers the last
+batches), or a RESET ``gap`` when it cannot: the index re-learns from then
+on. An engine an older agent started with loopback TCP endpoints (a ledger
+entry without them) is not followed until it restarts: logged.
 
 Resync. When the router's index of a shard's replica drifts from what the
 engine reports, the control plane sends :class:`llmgw.wire.KvResync`
@@ -49,7 +49,6 @@ from functools import partial
 from typing import Awaitable, Callable
 
 import trio
-import zmq
 from prometheus_client import CollectorRegistry
 
 from .. import wire
@@ -60,12 +59,11 @@ from ..kv.mirror import EngineMirror, flush_loop, resync
 from ..kv.subscriber import DEFAULT_MAX_MESSAGE_BYTES, EngineSubscription
 from ..plugins_manager import Registry
 from .engine import KV_HASH_ALGO, KV_HASH_SEED, served_name
-from .ports import PortAllocator
+from .kv_sockets import KvEndpoints, KvSocketDir
 
 log = logging.getLogger(__name__)
 
 FLUSH_INTERVAL = 0.025
-LOOPBACK = "127.0.0.1"
 
 
 def wants_kv(spec: wire.StartShard) -> bool:
@@ -73,17 +71,12 @@ def wants_kv(spec: wire.StartShard) -> bool:
     return bool(spec.profile.kv_events) and not (spec.node_count > 1 and spec.rank > 0)
 
 
-def _port_of(endpoint: str) -> int:
-    return int(endpoint.rsplit(":", 1)[1])
-
-
 @dataclass
 class ShardKv:
     """One shard's subscription(s) and mirror(s) (index = data-parallel rank), and the relays of its changes."""
 
     spec: wire.StartShard
-    events_port: int = 0
-    replay_port: int | None = None
+    endpoints: KvEndpoints
     subscriptions: list[EngineSubscription] = field(default_factory=list)
     mirrors: list[EngineMirror] = field(default_factory=list)
     _relays: set[trio.CancelScope] = field(default_factory=set)
@@ -98,8 +91,8 @@ class ShardKv:
             sub.notify_engine_restart()
 
     def describe(self) -> dict:
-        return {"shard_id": self.shard_id, "replica_id": self.spec.replica_id, "events_port": self.events_port,
-                "replay_port": self.replay_port,
+        return {"shard_id": self.shard_id, "replica_id": self.spec.replica_id,
+                "events_endpoint": self.endpoints.events, "replay_endpoint": self.endpoints.replay,
                 "ranks": [{"rank": r, "blocks": len(m), "last_seq": s.last_seq, "resets": dict(s.resets),
                            "gaps": s.gaps, "parity": m.parity} for r, (s, m) in
                           enumerate(zip(self.subscriptions, self.mirrors))]}
@@ -131,14 +124,14 @@ class ShardKv:
 class AgentKv:
     """Every KV-following shard of one agent, and the stream their changes go up (see the module docstring)."""
 
-    def __init__(self, registry: Registry, node_id: str, *, metrics_registry: CollectorRegistry | None = None,
-                 ports: PortAllocator | None = None, idle_probe: float | None = 2.0,
+    def __init__(self, registry: Registry, node_id: str, *, sockets: KvSocketDir,
+                 metrics_registry: CollectorRegistry | None = None, idle_probe: float | None = 2.0,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         self.registry = registry
         self.node_id = node_id
+        self.sockets = sockets
         self.metrics = KvMetrics.for_registry(metrics_registry if metrics_registry is not None
                                               else CollectorRegistry())
-        self.ports = ports if ports is not None else PortAllocator()
         self.idle_probe = idle_probe
         self.max_message_bytes = max_message_bytes
         self.shards: dict[tuple[str, int], ShardKv] = {}  # by (shard id, generation)
@@ -149,58 +142,39 @@ class AgentKv:
 
     # -- one shard -----------------------------------------------------------------------------------------------
 
-    async def run_shard(self, spec: wire.StartShard, *, events_port: int = 0, replay_port: int = 0,
+    async def run_shard(self, spec: wire.StartShard, *, endpoints: KvEndpoints | None = None,
                         task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Bind the shard's subscription (on ``events_port`` when adopting), report the :class:`ShardKv`, and
-        follow the engine until cancelled (the shard's supervisor ended)."""
-        kv = ShardKv(spec)
+        """Connect the shard's subscription (to ``endpoints`` when adopting, else to new ones in the private socket
+        directory), report the :class:`ShardKv`, and follow the engine until cancelled (the shard's supervisor
+        ended)."""
+        kv = ShardKv(spec, endpoints or self.sockets.endpoints(spec))
         source = self.metrics.source(self.node_id, spec.replica_id, served_name(spec))
-        decoder_factory = self.registry.get("event_decoders", "vllm")
-        if replay_port:
-            self.ports.reserve(replay_port)
-        else:
-            replay_port = self.ports.allocate()
-        kv.replay_port = replay_port
         rank = 0
         mirror = EngineMirror(verify_keys=VllmBlockKeys(KV_HASH_ALGO, KV_HASH_SEED), on_ignored=source.ignored,
                               on_parity=source.parity, name=spec.shard_id)
-
-        def subscription(port: int) -> EngineSubscription:
-            return EngineSubscription(
-                f"tcp://{LOOPBACK}:{port}", replay_endpoint=f"tcp://{LOOPBACK}:{replay_port}", topic=b"kv",
-                data_parallel_rank=rank, decode=decoder_factory(), on_batch=mirror.apply, on_reset=mirror.reset,
-                metrics=source, source=f"{spec.shard_id}/dp{rank}", idle_probe=self.idle_probe,
-                max_message_bytes=self.max_message_bytes)
-
+        sub = EngineSubscription(
+            kv.endpoints.events, mode="connect", replay_endpoint=kv.endpoints.replay, topic=b"kv",
+            data_parallel_rank=rank, decode=self.registry.get("event_decoders", "vllm")(), on_batch=mirror.apply,
+            on_reset=mirror.reset, metrics=source, source=f"{spec.shard_id}/dp{rank}", idle_probe=self.idle_probe,
+            max_message_bytes=self.max_message_bytes)
         key = (spec.shard_id, spec.generation)
         try:
             async with trio.open_nursery() as nursery:
-                sub = subscription(events_port)
-                try:
-                    endpoint = await nursery.start(sub.run)
-                except zmq.ZMQError as exc:
-                    if not events_port:
-                        raise
-                    log.warning("shard %s: cannot bind KV-event port %d again (%s): its adopted engine publishes "
-                                "to it, so replica %s's KV index stays empty until the engine restarts",
-                                spec.shard_id, events_port, exc, spec.replica_id)
-                    sub = subscription(0)
-                    endpoint = await nursery.start(sub.run)
-                kv.events_port = _port_of(endpoint)
+                await nursery.start(sub.run)
                 kv.subscriptions.append(sub)
                 kv.mirrors.append(mirror)
                 self.shards[key] = kv
                 if self._session is not None:
                     session_nursery, send = self._session
                     session_nursery.start_soon(kv.relay, send)
-                log.debug("shard %s: KV events on %s, replay on port %d", spec.shard_id, endpoint, replay_port)
+                log.debug("shard %s: KV events from %s, replay from %s", spec.shard_id, kv.endpoints.events,
+                          kv.endpoints.replay)
                 task_status.started(kv)
                 await trio.sleep_forever()
         finally:
             kv.stop_relays()
             if self.shards.get(key) is kv:
                 del self.shards[key]
-            self.ports.release(replay_port)
 
     def resync(self, request: wire.KvResync) -> bool:
         """Answer the router's resync request for one of this agent's shards; False when no such shard or rank

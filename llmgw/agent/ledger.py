@@ -53,18 +53,18 @@ class LedgerEntry:
     generation: int = 0
     gpu_indices: list[int] = field(default_factory=list)
     model: str = ""
-    kv_events_port: int = 0  # the agent's KV-event SUB port the engine's PUB connects to (0: none)
-    kv_replay_port: int = 0  # the port the engine binds its replay socket to (0: none)
+    kv_events_endpoint: str = ""  # the ipc:// endpoint the engine's KV-event PUB is bound to ("": none)
+    kv_replay_endpoint: str = ""  # the one its replay socket is bound to ("": none)
 
     @classmethod
     def for_process(cls, spec: wire.StartShard, *, pid: int, pid_start_time: int, pgid: int, http_port: int,
                     endpoint: str, model: str, started_at: float | None = None, restarts: int = 0,
-                    kv_events_port: int = 0, kv_replay_port: int = 0) -> "LedgerEntry":
+                    kv_events_endpoint: str = "", kv_replay_endpoint: str = "") -> "LedgerEntry":
         return cls(shard_id=spec.shard_id, pid=pid, pid_start_time=pid_start_time, pgid=pgid, spec=spec,
                    http_port=http_port, endpoint=endpoint, started_at=time.time() if started_at is None else started_at,
                    restarts=restarts, replica_id=spec.replica_id, rank=spec.rank, fingerprint=spec.fingerprint,
                    generation=spec.generation, gpu_indices=list(spec.gpu_indices), model=model,
-                   kv_events_port=kv_events_port, kv_replay_port=kv_replay_port)
+                   kv_events_endpoint=kv_events_endpoint, kv_replay_endpoint=kv_replay_endpoint)
 
     def to_json(self) -> dict:
         plain = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "spec"}

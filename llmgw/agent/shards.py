@@ -27,6 +27,7 @@ import trio
 from .. import wire
 from ..plugins_manager import PluginError, Registry
 from .engine import Engine, LaunchContext
+from .kv_sockets import KvEndpoints
 from .ledger import Ledger, LedgerEntry
 from .ports import PortAllocator
 from .supervisor import ShardSupervisor, SupervisorSettings
@@ -92,13 +93,13 @@ class ShardManager:
         self._nursery: trio.Nursery | None = None
 
     def launch_context(self, spec: wire.StartShard, http_port: int) -> LaunchContext:
-        """The default context: this manager's addresses and folder, the spec's GPUs, and the KV-event ports of
-        the shard's subscription when it has one."""
+        """The default context: this manager's addresses and folder, the spec's GPUs, and the KV-event endpoints
+        of the shard's subscription when it has one."""
         kv = self.kv.get(spec) if self.kv is not None else None
         return LaunchContext(host=self.host, http_port=http_port, node_address=self.node_address,
                              state_dir=self.state_dir, gpu_indices=tuple(spec.gpu_indices), python=self.python,
-                             kv_events_port=kv.events_port if kv is not None else None,
-                             kv_replay_port=kv.replay_port if kv is not None else None)
+                             kv_events_endpoint=kv.endpoints.events if kv is not None else None,
+                             kv_replay_endpoint=kv.endpoints.replay if kv is not None else None)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Adopt what the ledger lists, then supervise until cancelled (engines keep running after that)."""
@@ -204,22 +205,38 @@ class ShardManager:
         from .kv import wants_kv
 
         spec = supervisor.spec
+        kv = None
         async with trio.open_nursery() as nursery:
             if self.kv is not None and wants_kv(spec):
-                # The subscription lives as long as the supervisor (across engine restarts), bound before the
-                # engine starts; an adopted engine's ports come from the ledger.
-                adopted = supervisor.adopting
+                # The subscription lives as long as the supervisor (across engine restarts), connected before the
+                # engine starts; an adopted engine's endpoints come from the ledger.
                 try:
-                    kv = await nursery.start(functools.partial(
-                        self.kv.run_shard, spec, events_port=adopted.kv_events_port if adopted else 0,
-                        replay_port=adopted.kv_replay_port if adopted else 0))
+                    kv = await nursery.start(functools.partial(self.kv.run_shard, spec,
+                                                               endpoints=self._adopted_kv_endpoints(supervisor)))
                 except Exception:
                     log.exception("shard %s: cannot follow its KV events; it runs without them", spec.shard_id)
                 else:
                     supervisor.on_engine_restart = kv.notify_engine_restart
             await supervisor.run(task_status=task_status)
             nursery.cancel_scope.cancel()
+        # Here only when the shard ended (stopped, or failed for good): an agent that leaves is cancelled above,
+        # and its engines keep their sockets for the next agent.
+        if kv is not None and self.kv is not None:
+            self.kv.sockets.remove(kv.endpoints)
         self._settle(supervisor)
+
+    @staticmethod
+    def _adopted_kv_endpoints(supervisor: ShardSupervisor) -> KvEndpoints | None:
+        """The KV-event endpoints the ledger recorded for an adopted engine (None: a launch makes new ones)."""
+        adopted = supervisor.adopting
+        if adopted is None:
+            return None
+        if not adopted.kv_events_endpoint:
+            log.warning("shard %s: engine pid %d was started without private KV-event sockets (by an older llmgw, "
+                        "over loopback TCP): replica %s's KV index stays empty until the engine restarts",
+                        supervisor.shard_id, adopted.pid, supervisor.spec.replica_id)
+            return None
+        return KvEndpoints(adopted.kv_events_endpoint, adopted.kv_replay_endpoint)
 
     def _settle(self, supervisor: ShardSupervisor) -> wire.ShardReport:
         """Forget a supervisor whose shard stopped (a failed one stays, for reports)."""

@@ -374,7 +374,8 @@ class ShardSupervisor:
         self._ledger.put(LedgerEntry.for_process(
             spec, pid=child.pid, pid_start_time=start_time or 0, pgid=child.pid, http_port=self.http_port,
             endpoint=self.endpoint, model=self._readiness.served_model_name, started_at=self.started_at,
-            restarts=self.restarts, kv_events_port=ctx.kv_events_port or 0, kv_replay_port=ctx.kv_replay_port or 0))
+            restarts=self.restarts, kv_events_endpoint=ctx.kv_events_endpoint or "",
+            kv_replay_endpoint=ctx.kv_replay_endpoint or ""))
         self._set(State.STARTING, f"spawned pid {child.pid}" + (f" on port {port}" if port else ""))
         return None
 

@@ -125,9 +125,22 @@ def url_host_port(url: str) -> HostPort:
     return HostPort(parts.hostname or "", parts.port or DEFAULT_PORTS[parts.scheme])
 
 
-def parse_tcp_endpoint(value: object) -> str:
-    """A ZMQ endpoint to connect to: ``tcp://HOST:PORT`` with a concrete host and a non-zero port."""
-    help_ = "expected a ZMQ endpoint such as tcp://127.0.0.1:5557"
+IPC_PATH_MAX = 107  # bytes of a unix socket path on Linux (sun_path less its NUL)
+
+
+def parse_zmq_endpoint(value: object) -> str:
+    """A ZMQ endpoint to connect to: ``tcp://HOST:PORT`` with a concrete host and a non-zero port, or
+    ``ipc:///ABSOLUTE/PATH`` (a unix socket, best in a directory only llmgw's user can open)."""
+    help_ = "expected a ZMQ endpoint such as tcp://127.0.0.1:5557 or ipc:///run/llmgw/engine.ev"
+    if isinstance(value, str) and value.startswith("ipc://"):
+        path = value[len("ipc://"):]
+        if not path.startswith("/"):
+            raise ValueError(f"{help_} (an ipc:// path must be absolute)")
+        if not path.isprintable():
+            raise ValueError(f"{help_} (the ipc:// path has a control character)")
+        if len(path.encode("utf-8", "surrogatepass")) > IPC_PATH_MAX:
+            raise ValueError(f"{help_} (an ipc:// path is at most {IPC_PATH_MAX} bytes)")
+        return value
     if not isinstance(value, str) or not value.startswith("tcp://"):
         raise ValueError(help_)
     try:

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
 from ..units import parse_duration, parse_size
 from . import crosschecks
-from .addresses import HostPort, parse_http_url, parse_redis_url, parse_tcp_endpoint, url_host_port
+from .addresses import HostPort, parse_http_url, parse_redis_url, parse_zmq_endpoint, url_host_port
 from .fields import (
     Check,
     Located,
@@ -45,7 +45,7 @@ PositiveDuration = Annotated[float, Parse(parse_duration), positive(), at_most(D
 Size = Annotated[int, Parse(parse_size), positive(), at_most(GiB, "1GiB")]  # bytes; "64KiB", "16MiB", "1GB"
 Address = Annotated[HostPort, Parse(HostPort.parse)]
 HttpUrl = Annotated[str, Parse(parse_http_url)]
-ZmqEndpoint = Annotated[str, Parse(parse_tcp_endpoint)]
+ZmqEndpoint = Annotated[str, Parse(parse_zmq_endpoint)]
 Count = Annotated[int, at_least(1), at_most(MAX_COUNT)]
 NonNegative = Annotated[int, at_least(0), at_most(MAX_COUNT)]
 Text = Annotated[str, Check(lambda value: None if value.strip() else "must not be empty")]

@@ -7,13 +7,16 @@ the two sockets are never waited on at once). Cancelling that task closes
 both sockets (``notify_closing`` first, ``linger=0``) and terminates the
 context.
 
-Modes. ``mode="bind"`` (the agent's): the SUB binds a loopback endpoint and
-the engine's PUB connects to it (vLLM connects when its endpoint has no
-``*``), so the agent can allocate the port before the engine starts and hear
-it from its first batch; bind ``tcp://127.0.0.1:0`` and the resolved
-endpoint is what ``nursery.start`` returns. ``mode="connect"`` dials an
-engine that binds its PUB (static external replicas with ``kv_events:
-tcp://host:port``). One subscription per data-parallel rank: vLLM offsets the
+Modes. ``mode="connect"`` dials an engine that binds its PUB: the agent's
+engines, on ``ipc://`` sockets in its private directory
+(:mod:`llmgw.agent.kv_sockets`: vLLM binds an ``ipc://`` endpoint, and only
+the agent's user can open the directory), and static external replicas
+(``kv_events: ipc://PATH`` or ``tcp://host:port``); the connection is retried
+until the engine has bound it. ``mode="bind"``: the SUB binds and the
+engine's PUB connects to it (vLLM connects when a tcp endpoint has no ``*``);
+bind ``tcp://127.0.0.1:0`` and the resolved endpoint is what
+``nursery.start`` returns. A bound loopback SUB accepts any local publisher,
+which is why the agent no longer uses it. One subscription per data-parallel rank: vLLM offsets the
 port of rank ``r`` by ``r`` (:func:`rank_endpoint`), and a batch whose
 ``data_parallel_rank`` is not the expected one is counted and dropped.
 
@@ -45,8 +48,9 @@ decoded is counted and logged once per subscription, and, since its events
 are lost, resets with reason ``decode_error``; it never stops the task.
 
 Size. Both sockets set ``ZMQ_MAXMSGSIZE`` (``max_message_bytes``, default
-:data:`DEFAULT_MAX_MESSAGE_BYTES`): any process on the host can connect to a
-bound SUB, and without a bound one message may be as large as it likes. A peer
+:data:`DEFAULT_MAX_MESSAGE_BYTES`): any process that can reach the socket (on
+tcp, any on the host) can send to it, and without a bound one message may be
+as large as it likes. A peer
 sending a larger frame is disconnected by libzmq before the frame is buffered
 (a real engine's PUB reconnects at once, and the lost batch is a gap that
 replay fills). A monitor socket, read by a second task, counts those

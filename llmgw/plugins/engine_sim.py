@@ -3,7 +3,8 @@
 It runs ``PYTHON -m llmgw sim`` with the agent's interpreter, or ``ENGINE_BIN
 sim`` when the profile sets ``engine_bin`` (an ``llmgw`` executable). Every rank
 of a multi-node replica runs a whole simulator: the simulator has no headless
-mode, and only rank 0's endpoint is routed to anyway.
+mode, and only rank 0's endpoint is routed to anyway. Like vLLM, it reads the
+engine API key from ``VLLM_API_KEY`` and binds its ``ipc://`` KV-event sockets.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""The ``vllm`` engine: ``vllm serve MODEL`` with the shard's address, parallelism, ranks, adapters and key.
+"""The ``vllm`` engine: ``vllm serve MODEL`` with the shard's address, parallelism, ranks and adapters.
+
+The engine API key is not on the command line (every local user can read
+``/proc/PID/cmdline``): it is ``VLLM_API_KEY`` in the engine's environment,
+which vLLM's API server reads when there is no ``--api-key``. KV events go to
+``ipc://`` sockets in the agent's private directory, which vLLM binds.
 
 Single-node replicas get ``--tensor-parallel-size``/``--pipeline-parallel-size``;
 a replica spread over ``node_count`` nodes adds vLLM's multiprocessing

@@ -4,8 +4,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming and
 not), ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``,
 ``GET /health``, ``GET /ping``, ``GET /version``, ``GET /load``, ``GET /metrics``,
 ``POST /reset_prefix_cache``, ``GET /kv_event_sources``, and with the test switch
-``--debug-routes`` ``POST /debug/prefix_hit``. With ``--api-key``,
-paths under ``/v1`` need ``Authorization: Bearer KEY`` (vLLM protects exactly
+``--debug-routes`` ``POST /debug/prefix_hit``. With ``--api-key`` (or
+``VLLM_API_KEY`` in the environment), paths under ``/v1`` need ``Authorization: Bearer KEY`` (vLLM protects exactly
 those). A request whose client goes away is aborted in the engine (its blocks
 are freed; cached blocks stay cached).
 """

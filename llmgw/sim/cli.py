@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -22,6 +23,8 @@ from ..usererrors import run_reporting
 from .config import KVEventsConfig, SimArgumentError, SimConfig, parse_lora_modules
 
 log = logging.getLogger("llmgw.sim")
+
+API_KEY_ENV = "VLLM_API_KEY"  # vLLM's API server reads the key from it when there is no --api-key
 
 READY_PREFIX = "llmgw-sim listening on "
 
@@ -63,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use; default: the model")
     vllm.add_argument("--host", default="127.0.0.1")
     vllm.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on stdout)")
-    vllm.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (as vLLM)")
+    vllm.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (as vLLM); without it, the "
+                                        f"environment variable {API_KEY_ENV} (as vLLM)")
     vllm.add_argument("--block-size", type=int, default=16)
     vllm.add_argument("--num-gpu-blocks-override", "--num-blocks", dest="num_blocks", type=int, default=1024,
                       help="KV cache size in blocks, including vLLM's reserved null block (default 1024)")
@@ -138,7 +142,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         served_model_names=list(args.served_model_name or []),
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         max_model_len=args.max_model_len,

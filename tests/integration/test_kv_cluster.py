@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
+import stat
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,7 +24,7 @@ import trio_websocket
 from helpers import next_error
 from llmgw import wire
 from llmgw.testing.cluster import AGENTS, BLOCK, TOKEN, all_up, complete, embedded, kv_state, kv_where, text
-from llmgw.testing.processes import free_port, llmgw_command, start_child
+from llmgw.testing.processes import llmgw_command, start_child
 from llmgw.testing.sims import kv_sim_profile as kv_sim
 
 pytestmark = pytest.mark.slow
@@ -123,11 +124,14 @@ async def test_kv_events_route_to_the_holder_predict_exactly_and_only_their_owne
     assert all(rank["parity"] is not False for s in agent for rank in s["ranks"])
 
 
-async def static_kv_replica(nursery, start_llmgw, *, engine_args=(), routing_options="tokenize_timeout: 2s"):
-    """A simulator llmgw did not start, binding its publisher, and a gateway following it as static ``ext-0``."""
-    events, replay = free_port(), free_port()
-    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
-                         "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"})
+async def static_kv_replica(nursery, start_llmgw, folder: Path, *, engine_args=(),
+                            routing_options="tokenize_timeout: 2s"):
+    """A simulator llmgw did not start, binding its publisher, and a gateway following it as static ``ext-0``:
+    over unix sockets in a folder only this user can open (as docs/security.md advises)."""
+    folder.mkdir(mode=0o700)
+    events, replay = f"ipc://{folder}/ext-0.ev", f"ipc://{folder}/ext-0.rp"
+    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
+                         "replay_endpoint": replay, "topic": "kv"})
     argv = llmgw_command("sim", "--port", "0", "--served-model-name", "tiny", "--time-scale", "0",
                          "--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config", config, *engine_args)
     engine = await start_child(nursery, argv, name="sim-ext", env={"PYTHONHASHSEED": "0"})
@@ -139,15 +143,15 @@ models:
     replicas:
       - url: {engine.url}
         name: ext-0
-        kv_events: tcp://127.0.0.1:{events}
-        kv_replay: tcp://127.0.0.1:{replay}
+        kv_events: {events}
+        kv_replay: {replay}
 """)
     return engine, gateway
 
 
-async def test_a_static_replica_with_kv_events_feeds_the_index(nursery, start_llmgw):
+async def test_a_static_replica_with_kv_events_feeds_the_index(nursery, start_llmgw, tmp_path):
     """An engine llmgw did not start binds its publisher; the gateway connects (``kv_events``/``kv_replay``)."""
-    engine, gateway = await static_kv_replica(nursery, start_llmgw)
+    engine, gateway = await static_kv_replica(nursery, start_llmgw, tmp_path / "kv")
     async with httpx.AsyncClient(timeout=10) as http:
         async def state():
             return {r["name"]: r for r in (await http.get(gateway.control_url + "/admin/kv")).json()["replicas"]}
@@ -201,9 +205,9 @@ async def unpublished_reset_heals(http: httpx.AsyncClient, control_url: str, dat
     assert state["drift"]["over"] == 2 and state["state"] == "healthy"
 
 
-async def test_a_static_replicas_drifting_index_resyncs_its_own_subscription(nursery, start_llmgw):
+async def test_a_static_replicas_drifting_index_resyncs_its_own_subscription(nursery, start_llmgw, tmp_path):
     """The gateway follows the engine itself: a suspect index's resync goes to that subscription's mirror."""
-    engine, gateway = await static_kv_replica(nursery, start_llmgw, engine_args=(
+    engine, gateway = await static_kv_replica(nursery, start_llmgw, tmp_path / "kv", engine_args=(
         "--suppress-events", "AllBlocksCleared"), routing_options="tokenize_timeout: 2s, drift_suspect_after: 1")
     async with httpx.AsyncClient(timeout=10) as http:
         await unpublished_reset_heals(http, gateway.control_url, gateway.url, engine.url, "ext-0")
@@ -224,8 +228,9 @@ async def test_a_remote_agents_drifting_replica_is_resynced_over_its_websocket(c
     assert "asks for a reset KV resync" in cluster.agents["a"].output()
 
 
-async def test_an_agent_restart_keeps_the_engines_kv_port_and_the_index_is_restored(cluster):
-    """The ledger keeps the engine's KV-event port: a new agent binds it again, and replay restores the index."""
+async def test_an_agent_restart_keeps_the_engines_kv_sockets_and_the_index_is_restored(cluster):
+    """The ledger keeps the engine's KV-event sockets: a new agent connects to them, and replay restores the
+    index."""
     cluster.write_config(AGENTS + KV_SIM.replace("replicas: 2", "replicas: 1"))
     await cluster.start_serve()
     await cluster.start_agent("a", "tiny-2gpu-a")
@@ -241,15 +246,15 @@ async def test_an_agent_restart_keeps_the_engines_kv_port_and_the_index_is_resto
     await kv_where(cluster, "the index forgotten", lambda s: s[name]["state"] == "no_events" and not s[name]["blocks"])
     assert (await cluster.replicas())[name]["state"] == "up"  # still routed
 
-    # A new agent adopts the engine, binds the port the engine publishes to, and replay fills its new mirror.
+    # A new agent adopts the engine, connects to the sockets the engine bound, and replay fills its new mirror.
     await cluster.start_agent("a", "tiny-2gpu-a")
     await cluster.replicas_where("the engine adopted", lambda rs: "adopted" in rs[name]["shards"][0]["reason"])
     await kv_where(cluster, "the index restored", lambda s: s[name]["state"] == "healthy"
                    and s[name]["blocks"] == held[name]["blocks"])
     (entry,) = json.loads((cluster.tmp_path / "agent-a" / "shards.json").read_text())["shards"].values()
-    assert entry["kv_events_port"] and entry["kv_replay_port"]
-    with socket.socket() as probe, pytest.raises(OSError):  # the new agent listens there again
-        probe.bind(("127.0.0.1", entry["kv_events_port"]))
+    sockets = [Path(entry[key].removeprefix("ipc://")) for key in ("kv_events_endpoint", "kv_replay_endpoint")]
+    assert all(stat.S_ISSOCK(path.stat().st_mode) for path in sockets)
+    assert sockets[0].parent == cluster.tmp_path / "agent-a" / "kv"
     chosen, usage = await complete(cluster, long_prompt + " again")
     assert chosen == name and usage["prompt_tokens_details"]["cached_tokens"] > 0
     assert await cluster.metric("llmgw_route_predicted_cached_tokens_total", 'model="tiny"') == \

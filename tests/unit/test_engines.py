@@ -104,11 +104,18 @@ def test_vllm_lora_adapters(vllm_bin):
     assert argv[i + 1:i + 3] == ["sql=/loras/sql", "chat=/loras/chat"]
 
 
-def test_vllm_api_key_is_passed_and_used_by_the_probe(vllm_bin):
-    spec = shard(engine_bin=vllm_bin, engine_api_key="k-123")
-    assert flag(VllmEngine().command(spec, CTX).argv, "--api-key") == "k-123"
-    assert VllmEngine().readiness(spec).api_key == "k-123"
-    assert "--api-key" not in VllmEngine().command(shard(engine_bin=vllm_bin), CTX).argv
+def test_the_api_key_goes_in_the_environment_never_on_the_command_line(vllm_bin):
+    """``/proc/PID/cmdline`` is world-readable; vLLM reads ``VLLM_API_KEY`` when there is no ``--api-key``."""
+    for engine in (VllmEngine(), SimEngine()):
+        spec = shard(engine.name, engine_bin=vllm_bin if engine.name == "vllm" else None, engine_api_key="k-123",
+                     profile={"env": {"VLLM_API_KEY": "from-the-profile"}})
+        launch = engine.command(spec, CTX)
+        assert not any("k-123" in arg for arg in launch.argv) and "--api-key" not in launch.argv
+        assert launch.env["VLLM_API_KEY"] == "k-123"  # the key the probes and the router send wins
+        assert "k-123" not in repr(launch)
+        assert engine.readiness(spec).api_key == "k-123"
+        assert "VLLM_API_KEY" not in engine.command(shard(engine.name, engine_bin=spec.profile.engine_bin),
+                                                    CTX).env
     assert redact_argv(["vllm", "--api-key", "k-123", "--api-key=k-123"]) == ["vllm", "--api-key", "***",
                                                                                 "--api-key=***"]
 
@@ -190,8 +197,8 @@ def test_sim_command_line_uses_the_same_flags():
     launch = SimEngine().command(spec, CTX)
     assert launch.argv == ["/opt/py/bin/python", "-m", "llmgw", "sim", "--model", "tiny", "--host", "127.0.0.1",
                            "--port", "21000", "--served-model-name", "tiny", "--tensor-parallel-size", "1",
-                           "--pipeline-parallel-size", "1", "--api-key", "k", "--num-blocks", "256"]
-    assert launch.env["CUDA_VISIBLE_DEVICES"] == "2,3"
+                           "--pipeline-parallel-size", "1", "--num-blocks", "256"]
+    assert launch.env["CUDA_VISIBLE_DEVICES"] == "2,3" and launch.env["VLLM_API_KEY"] == "k"
     assert SimEngine().readiness(spec).served_model_name == "tiny"
 
 
@@ -206,14 +213,14 @@ def test_sim_defaults_to_the_agents_interpreter():
     assert SimEngine().command(shard("sim"), ctx).argv[:3] == [sys.executable, "-m", "llmgw"]
 
 
-def test_kv_events_flag_only_with_a_subscriber_port(vllm_bin):
+def test_kv_events_flag_only_with_the_agents_endpoints(vllm_bin):
     spec = shard(profile={"kv_events": True})
     assert kv_events_flags(spec, CTX) == []
-    with_port = dataclasses.replace(CTX, kv_events_port=5557, kv_replay_port=5558)
+    with_port = dataclasses.replace(CTX, kv_events_endpoint="ipc:///s/kv/a.ev", kv_replay_endpoint="ipc:///s/kv/a.rp")
     assert kv_events_flags(shard(), with_port) == []
     assert kv_events_flags(spec, with_port) == [
-        "--kv-events-config", '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:5557",'
-                              '"topic":"kv","replay_endpoint":"tcp://127.0.0.1:5558"}',
+        "--kv-events-config", '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"ipc:///s/kv/a.ev",'
+                              '"topic":"kv","replay_endpoint":"ipc:///s/kv/a.rp"}',
         "--prefix-caching-hash-algo", "sha256_cbor"]
     assert "PYTHONHASHSEED" not in SimEngine().command(shard("sim", profile={"kv_events": True}), CTX).env
     for engine, name in ((SimEngine(), "sim"), (VllmEngine(), "vllm")):

@@ -52,7 +52,8 @@ CASES = {
                                   gpu_indices=[0, 1]), {"http_port": 0}),
     "LoRA and API key": (shard(lora_adapters=[LoraModule("sql", "/adapters/sql"), LoraModule("fr", "/adapters/fr")],
                                engine_api_key="engine-secret"), {}),
-    "KV events": (shard(kv_events=True), {"kv_events_port": 5557, "kv_replay_port": 5558}),
+    "KV events": (shard(kv_events=True), {"kv_events_endpoint": "ipc:///tmp/llmgw-kv-x/0123456789abcdef.ev",
+                                          "kv_replay_endpoint": "ipc:///tmp/llmgw-kv-x/0123456789abcdef.rp"}),
 }
 
 
