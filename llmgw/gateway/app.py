@@ -156,6 +156,7 @@ class Gateway:
             raise ConfigError([issue_at(self.config, "control_listen", problem)])
         control_server = ControlServer(functools.partial(create_control_app, self, self.control_metrics),
                                        self.control_metrics, ssl_context=self._control_tls_context())
+        control_server.config.websocket_max_message_size = self.config.agents.max_message_bytes
         self._started_at = trio.current_time()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
