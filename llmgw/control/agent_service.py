@@ -64,8 +64,8 @@ REFUSE_RESERVED = "reserved_node_id"
 REFUSE_NODE_LIMIT = "node_limit"
 REFUSE_FRAME_TOO_LARGE = "frame_too_large"
 # Reasons an upgrade to /agent is refused (llmgw_agent_upgrades_refused_total{reason}).
-UPGRADE_NO_CREDENTIALS = "no_credentials"
-UPGRADE_BAD_CREDENTIALS = "bad_credentials"
+UPGRADE_NO_CREDENTIALS = "missing_token"
+UPGRADE_BAD_CREDENTIALS = "bad_token"
 UPGRADE_NO_TOKEN = "no_token_configured"
 UPGRADE_SESSION_LIMIT = "session_limit"
 

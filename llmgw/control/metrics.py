@@ -23,8 +23,8 @@ class ControlMetrics:
                                      "(bad_token, foreign_shard, protocol, ...).", ["reason"], registry=registry)
         self.agent_upgrades_refused = Counter(
             "llmgw_agent_upgrades_refused", "Websocket upgrades to /agent refused before any frame was read, by "
-            "reason (no_credentials, bad_credentials, no_token_configured, session_limit).", ["reason"],
-            registry=registry)
+            "reason (missing_token, bad_token: a wrong token or node secret, no_token_configured, session_limit).",
+            ["reason"], registry=registry)
         self.agent_websockets = Gauge("llmgw_agent_websockets", "Remote agent websockets open (admitted at the "
                                       "upgrade, registered or still registering); at most agents.max_sessions.",
                                       registry=registry)

@@ -318,10 +318,11 @@ class InProcessConnector:
 
 
 def _refusal_message(body: bytes | None) -> str:
-    """The message of a refused upgrade's answer (an OpenAI-style JSON error), or its first 300 characters."""
+    """``code: message`` of a refused upgrade's answer (an OpenAI-style JSON error), or its first 300 characters."""
     text = (body or b"").decode("utf-8", "replace")
     try:
-        message = json.loads(text)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
+        error = json.loads(text)["error"]
+        message = f"{error['code']}: {error['message']}" if error.get("code") else str(error["message"])
+    except (ValueError, KeyError, TypeError, AttributeError):
         message = text
-    return str(message)[:300] or "no reason given"
+    return message[:300] or "no reason given"
