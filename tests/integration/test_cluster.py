@@ -187,7 +187,8 @@ async def test_a_wrong_token_and_reports_about_foreign_shards_are_refused(cluste
 
     intruder = await cluster.start_agent("intruder", "tiny-2gpu-b", token="guess", ready=" refused by ")
     assert await intruder.wait_exit() == 3
-    assert await cluster.metric("llmgw_agent_refused_total", 'reason="bad_token"') == 1
+    # refused at the websocket upgrade: its Register is never read
+    assert await cluster.metric("llmgw_agent_upgrades_refused_total", 'reason="bad_token"') == 1
     assert "guess" not in intruder.output().replace("--token guess", "")
 
     # A node with the right token speaks only for its own shards: it can neither claim nor change local's.
