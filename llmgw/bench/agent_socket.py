@@ -29,7 +29,7 @@ import msgpack
 import trio
 import trio_websocket
 
-from llmgw.bench.common import bench_parser, write_json
+from llmgw.bench.common import bench_parser, finish
 from llmgw.testing.processes import start_serve
 from llmgw.units import parse_size
 
@@ -146,11 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="2MiB", help="bytes of each frame (default 2MiB)")
     args = parser.parse_args(argv)
     report = trio.run(run, args.frames, parse_size(args.size))
-    for name, value in report.items():
-        print(f"{name}: {value}")
-    if args.json:
-        write_json(args.json, report)
-    return 0
+    print("\n".join(f"{name}: {value}" for name, value in report.items()))
+    return finish(args, report)
 
 
 if __name__ == "__main__":
