@@ -60,19 +60,23 @@ def rss_bytes(pid: int) -> int:
 
 async def send_hostile(url: str, frame: bytes, headers: list[tuple[bytes, bytes]]) -> str:
     """Open ``/agent`` and send ``frame`` first; what happened: ``refused <status>`` at the upgrade, or the
-    answer to the frame (``registered``, ``refused: <reason>``, ``closed``)."""
+    answer to the frame (``registered``, ``refused: <reason>``, ``closed``). The socket is dropped, not closed
+    (trio-websocket's close fails on a ping that crosses it, which a gateway busy decoding sends)."""
+    outcome = f"no answer in {ANSWER_TIMEOUT:g}s"
     try:
-        async with trio_websocket.open_websocket_url(url, extra_headers=headers,
-                                                     max_message_size=1 << 20) as ws:
+        async with trio.open_nursery() as nursery:
+            ws = await trio_websocket.connect_websocket_url(nursery, url, extra_headers=headers,
+                                                            max_message_size=1 << 20)
             await ws.send_message(frame)
             with trio.move_on_after(ANSWER_TIMEOUT):
                 answer = msgpack.unpackb(await ws.get_message())
-                return "registered" if answer.get("accepted") else f"refused: {str(answer.get('reason'))[:60]}"
-            return f"no answer in {ANSWER_TIMEOUT:g}s"
-    except trio_websocket.ConnectionRejected as exc:
-        return f"refused {exc.status_code} at the upgrade"
-    except (trio_websocket.ConnectionClosed, trio_websocket.HandshakeError):
-        return "closed"
+                outcome = "registered" if answer.get("accepted") else f"refused: {str(answer.get('reason'))[:60]}"
+            nursery.cancel_scope.cancel()
+    except* trio_websocket.ConnectionRejected as group:
+        outcome = f"refused {getattr(group.exceptions[0], 'status_code', '?')} at the upgrade"
+    except* (trio_websocket.ConnectionClosed, trio_websocket.HandshakeError):
+        outcome = "closed"
+    return outcome
 
 
 async def health_latencies(url: str, until: trio.Event, pause: float = 0.01) -> list[float]:
