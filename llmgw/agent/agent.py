@@ -4,10 +4,13 @@
 nursery (it adopts the engines its ledger lists at start, and never stops
 them because a connection ended), and a connection loop beside it:
 
-1. connect (a websocket to ``ws://HOST:PORT/agent``, or an in-process channel
-   for the embedded agent: same code, see :mod:`llmgw.agent.channel`);
+1. connect (a websocket to ``ws://HOST:PORT/agent``, proving the join token
+   and the node secret in the upgrade request's headers, or an in-process
+   channel for the embedded agent: same code, see :mod:`llmgw.wire.channel`);
+   an upgrade refused with 401 or 403 stops the agent, as a refused Register does;
 2. send Register: discovery, the join token, and every shard it runs
-   (``ShardManager.reports()``), so they can be adopted;
+   (``ShardManager.reports()``), so they can be adopted (without their log
+   tails if it would exceed the control plane's first-frame limit);
 3. wait for Registered (refused for a bad token or node secret: the agent
    stops, since retrying cannot help). On the node's first join, Registered
    carries the node's secret: it is written to ``STATE_DIR/node-secret``
@@ -30,6 +33,7 @@ connection error leads to a reconnect after a capped exponential backoff
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -44,7 +48,15 @@ import trio
 
 from .. import __version__, wire
 from ..plugins_manager import Registry, default_registry
-from ..wire.channel import Channel, ChannelClosed, Connector, WebSocketConnector
+from ..wire.channel import (
+    MAX_REGISTER_BYTES,
+    AgentCredentials,
+    Channel,
+    ChannelClosed,
+    Connector,
+    UpgradeRefused,
+    WebSocketConnector,
+)
 from .statelock import StateDirLock
 
 log = logging.getLogger(__name__)
@@ -166,14 +178,19 @@ class Agent:
         from trio_websocket import HandshakeError
 
         lost = (ChannelClosed, ConnectionLost, HandshakeError, OSError, trio.BrokenResourceError, trio.TooSlowError,
-                wire.WireError)
+                wire.WireError, UpgradeRefused)
         delay = BACKOFF_FIRST
         while True:
             sessions = self.sessions
             try:
                 register = await self._register_message()  # before dialling: the control plane waits for it
-                async with self.connector.connect() as channel:
-                    await self._session(channel, register)
+                try:
+                    async with self.connector.connect(AgentCredentials.of(register)) as channel:
+                        await self._session(channel, register)
+                except UpgradeRefused as refused:
+                    if refused.final:
+                        raise AgentRefused(refused.message) from None
+                    raise
             except* AgentRefused as group:  # a wrong token does not heal by retrying: the agent stops
                 self.announce(f"llmgw-agent {self.node_id} refused by {self.connector.url}: {group.exceptions[0]}")
                 raise
@@ -237,7 +254,17 @@ class Agent:
         register.agent_version = register.agent_version or __version__
         self._pending.clear()  # the Register carries the current state of every shard
         register.shards = self.shards.reports()
-        return register
+        return self._fitted(register)
+
+    def _fitted(self, register: wire.Register) -> wire.Register:
+        """``register``, without its shards' log tails if it would be larger than a first frame may be."""
+        size = len(wire.encode(register))
+        if size <= MAX_REGISTER_BYTES:
+            return register
+        log.warning("the Register of node %s is %d bytes, more than the %d a first frame may be: its shards' log "
+                    "tails are left out", self.node_id, size, MAX_REGISTER_BYTES)
+        return dataclasses.replace(register, shards=[dataclasses.replace(report, log_tail=[])
+                                                     for report in register.shards])
 
     def _load_secret(self) -> str:
         try:

@@ -61,6 +61,10 @@ LogFormat = Annotated[str, one_of("text", "json")]
 # Numbers with an upper bound of their own in place of MAX_COUNT or 1GiB (docs/configuration.md, "Upper bounds").
 SmallCount = Annotated[int, at_least(1), at_most(1000)]  # a replica's weight, the health thresholds
 GpuCount = Annotated[int, at_least(1), at_most(1024)]  # tp, pp, nodes, GPUs per node
+# An agent's frames: never below the largest Register (llmgw.wire.channel.MAX_REGISTER_BYTES, 256KiB).
+AgentFrameSize = Annotated[int, Parse(parse_size), Check(lambda value: None if value >= 256 * KiB else
+                                                         "must be at least 256KiB (the largest Register)"),
+                           at_most(GiB, "1GiB")]
 
 
 @config_class
@@ -182,6 +186,9 @@ class AgentsConfig(Located):
     state_dir: Text | None = setting(None)
     tokens: list[Text] = setting(factory=list, secret=True)  # more join tokens accepted (rotation)
     control_state_dir: Text | None = setting(None)  # node identities; default $XDG_STATE_HOME/llmgw/control
+    max_sessions: Count = setting(1024)  # remote agent websockets open at once (503 past it)
+    register_timeout: PositiveDuration = setting(5.0)  # from the upgrade to the Register; then closed
+    max_message_bytes: AgentFrameSize = setting(16 * MiB)  # a registered agent's largest frame (Hypercorn's too)
 
     @property
     def embedded_node_id(self) -> str:

@@ -1,5 +1,17 @@
 """The agent service: admits agents on ``/agent`` (or in-process) and owns one session per connected agent.
 
+A remote agent is checked twice. First at the websocket upgrade, before any
+frame is read (:meth:`AgentService.upgrade`): its request must prove a join
+token (``Authorization: Bearer``) or the node secret of a node that joined
+before (``X-Llmgw-Node-Id`` and ``X-Llmgw-Node-Secret``), compared in constant
+time, and fewer than ``agents.max_sessions`` websockets may be open; otherwise
+it is answered 401, 403 or 503 with why, counted in
+``llmgw_agent_upgrades_refused_total{reason}`` and logged (at most one line a
+reason every 10 s). Then its first frame must be a Register of at most
+:data:`~llmgw.wire.channel.MAX_REGISTER_BYTES`, within
+``agents.register_timeout``; only then may frames be as large as
+``agents.max_message_bytes``.
+
 A connection's first message must be a Register. A node id that has joined
 before must prove its node secret (:mod:`llmgw.control.identity`); a new one
 must carry a join token (``agents.token`` or one of ``agents.tokens``,
@@ -27,17 +39,19 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 import trio
 
-from .. import wire
-from ..wire.channel import Channel, ChannelClosed
+from .. import __version__, wire
+from ..wire.channel import MAX_FRAME_BYTES, AgentCredentials, Channel, ChannelClosed, FrameTooLarge
 from .identity import MAX_NODE_ID, NodeIdentities, new_secret
 from .inventory import Inventory
 from .report_check import REFUSE_INVALID, ReportCheck
 from .tasks import TaskHost
+from .throttled_log import ThrottledLog
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +62,12 @@ REFUSE_TIMEOUT = "register_timeout"
 REFUSE_BAD_SECRET = "bad_node_secret"
 REFUSE_RESERVED = "reserved_node_id"
 REFUSE_NODE_LIMIT = "node_limit"
+REFUSE_FRAME_TOO_LARGE = "frame_too_large"
+# Reasons an upgrade to /agent is refused (llmgw_agent_upgrades_refused_total{reason}).
+UPGRADE_NO_CREDENTIALS = "missing_token"
+UPGRADE_BAD_CREDENTIALS = "bad_token"
+UPGRADE_NO_TOKEN = "no_token_configured"
+UPGRADE_SESSION_LIMIT = "session_limit"
 
 
 @dataclass(frozen=True)
@@ -58,20 +78,40 @@ class SessionSettings:
     heartbeat_interval: float = 5.0
     suspect_after: float = 15.0
     disconnected_after: float = 60.0
-    register_timeout: float = 10.0
+    register_timeout: float = 5.0
     close_timeout: float = 2.0
     outbox_size: int = 1024
+    max_sessions: int = 1024  # remote agent websockets open at once
+    max_message_bytes: int = MAX_FRAME_BYTES  # the largest frame after the Register
 
     @classmethod
     def from_config(cls, agents) -> "SessionSettings":
         reserved = frozenset([agents.embedded_node_id]) if agents.embedded else frozenset()
         return cls(token=agents.token, tokens=tuple(agents.tokens), reserved_node_ids=reserved,
                    heartbeat_interval=agents.heartbeat_interval, suspect_after=agents.suspect_after,
-                   disconnected_after=agents.disconnected_after)
+                   disconnected_after=agents.disconnected_after, register_timeout=agents.register_timeout,
+                   max_sessions=agents.max_sessions, max_message_bytes=agents.max_message_bytes)
 
     @property
     def join_tokens(self) -> tuple[str, ...]:
         return ((self.token,) if self.token is not None else ()) + self.tokens
+
+
+@dataclass(frozen=True)
+class UpgradeRefusal:
+    """Why an upgrade to ``/agent`` is refused: the HTTP status, the metric's reason, and what the agent reads."""
+
+    status: int
+    reason: str
+    message: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        if self.status == 401:
+            return {"WWW-Authenticate": 'Bearer realm="llmgw agents"'}
+        if self.status == 503:
+            return {"Retry-After": "5"}
+        return {}
 
 
 class SessionHandler(Protocol):
@@ -144,7 +184,8 @@ class AgentSession:
                     self.close(f"connection closed ({exc})")
                     return
                 except wire.WireError as exc:
-                    self.service.refused(REFUSE_PROTOCOL, f"node {self.node_id}: undecodable frame skipped: {exc}")
+                    reason = REFUSE_FRAME_TOO_LARGE if isinstance(exc, FrameTooLarge) else REFUSE_PROTOCOL
+                    self.service.refused(reason, f"node {self.node_id}: undecodable frame skipped: {exc}")
                     message = exc
             if message is None:
                 if not self._suspect:
@@ -208,6 +249,60 @@ class AgentService(TaskHost):
         self.control_plane_id = control_plane_id
         self.reports = reports or ReportCheck()
         self._joining: dict[str, AgentSession] = {}  # new node id -> the session its secret was issued on
+        self.websockets = 0  # remote agent websockets open (admitted by upgrade(), until they end)
+        self._warnings = ThrottledLog(log)
+
+    @contextmanager
+    def upgrade(self, credentials: AgentCredentials, peer: str) -> Iterator[UpgradeRefusal | None]:
+        """Decide on a websocket upgrade to ``/agent`` before it is accepted: yields ``None`` (serve it inside the
+        block: it holds one of ``agents.max_sessions``) or the refusal to answer with (counted and logged)."""
+        refusal = self._check_credentials(credentials)
+        if refusal is None and self.websockets >= self.settings.max_sessions:
+            refusal = UpgradeRefusal(503, UPGRADE_SESSION_LIMIT, f"{self.websockets} agent sessions are open, the "
+                                     "most this control plane takes (agents.max_sessions): retry later")
+        if refusal is not None:
+            if self.metrics is not None:
+                self.metrics.agent_upgrades_refused.labels(refusal.reason).inc()
+            self._warnings.warning(f"upgrade {refusal.reason}", f"refused an agent's websocket upgrade from {peer} "
+                                   f"(HTTP {refusal.status}, before reading any frame): {refusal.message}")
+            yield refusal
+            return
+        self._count_websockets(+1)
+        try:
+            yield None
+        finally:
+            self._count_websockets(-1)
+
+    def _count_websockets(self, change: int) -> None:
+        self.websockets += change
+        if self.metrics is not None:
+            self.metrics.agent_websockets.set(self.websockets)
+
+    def _check_credentials(self, credentials: AgentCredentials) -> UpgradeRefusal | None:
+        """The upgrade proves a join token, or the secret of a node that joined (or is joining); in constant time
+        over every token. Which node id it may take is the Register's check (:meth:`_authenticate`)."""
+        settings = self.settings
+        if not settings.join_tokens:
+            return UpgradeRefusal(403, UPGRADE_NO_TOKEN, "this control plane admits no remote agents "
+                                  "(agents.token is not set)")
+        if not credentials.present:
+            return UpgradeRefusal(401, UPGRADE_NO_CREDENTIALS, "an agent proves its join token in the websocket "
+                                  "upgrade (Authorization: Bearer TOKEN) since this version: upgrade llmgw-agent "
+                                  f"to {__version__}, the control plane's")
+        token_matched = False
+        for token in settings.join_tokens:  # every one compared, in constant time
+            token_matched |= hmac.compare_digest(credentials.token, token.encode())
+        if token_matched or self._proves_secret(credentials):
+            return None
+        return UpgradeRefusal(401, UPGRADE_BAD_CREDENTIALS, "wrong join token (or node secret)")
+
+    def _proves_secret(self, credentials: AgentCredentials) -> bool:
+        if not credentials.node_secret:
+            return False
+        joining = self._joining.get(credentials.node_id)
+        if joining is not None:
+            return hmac.compare_digest(credentials.node_secret, joining.pending_secret.encode())
+        return self.identities.verify(credentials.node_id, credentials.node_secret.decode("utf-8", "replace"))
 
     async def accept_in_process(self, channel: Channel) -> None:
         """Serve the control plane's end of an in-process channel (the embedded agent), trusted."""
@@ -241,6 +336,9 @@ class AgentService(TaskHost):
             return None
         except ChannelClosed:
             return None
+        except FrameTooLarge as exc:
+            await self._refuse(channel, REFUSE_FRAME_TOO_LARGE, f"the first frame is too large for a Register: {exc}")
+            return None
         except wire.WireError as exc:
             await self._refuse(channel, REFUSE_PROTOCOL, f"the first frame is not a message: {exc}")
             return None
@@ -258,6 +356,7 @@ class AgentService(TaskHost):
             await self._refuse(channel, REFUSE_INVALID, problem, first.node_id)
             return None
         session = AgentSession(self, channel, first.node_id, trusted)
+        channel.max_frame_bytes = settings.max_message_bytes
         if issued:
             session.pending_secret = issued
             self._joining[first.node_id] = session
@@ -345,8 +444,8 @@ class AgentService(TaskHost):
             pass
 
     def refused(self, reason: str, message: str) -> None:
-        """Count and log a refusal (never with the token)."""
-        log.warning("%s", message)
+        """Count and log a refusal (never with the token; at most one line a reason every 10 s)."""
+        self._warnings.warning(reason, message)
         if self.metrics is not None:
             self.metrics.agent_refused.labels(reason).inc()
 

@@ -21,6 +21,13 @@ class ControlMetrics:
                                       ["node", "type"], registry=registry)
         self.agent_refused = Counter("llmgw_agent_refused", "Agent connections or messages refused, by reason "
                                      "(bad_token, foreign_shard, protocol, ...).", ["reason"], registry=registry)
+        self.agent_upgrades_refused = Counter(
+            "llmgw_agent_upgrades_refused", "Websocket upgrades to /agent refused before any frame was read, by "
+            "reason (missing_token, bad_token: a wrong token or node secret, no_token_configured, session_limit).",
+            ["reason"], registry=registry)
+        self.agent_websockets = Gauge("llmgw_agent_websockets", "Remote agent websockets open (admitted at the "
+                                      "upgrade, registered or still registering); at most agents.max_sessions.",
+                                      registry=registry)
         self.reconcile_actions = Counter("llmgw_reconcile_actions", "Actions the reconciler took, by kind "
                                          "(start, adopt, drain, stop, retire).", ["action"], registry=registry)
         self.placement_failures = Counter("llmgw_placement_failures", "Replicas that could not be placed "

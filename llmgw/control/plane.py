@@ -164,10 +164,6 @@ class ControlPlane:
         """Serve an in-process agent's channel (the embedded agent: trusted)."""
         await self.agents.accept_in_process(channel)
 
-    async def serve_agent(self, channel: "Channel") -> None:
-        """Serve one remote agent's connection (``/agent``) until it ends."""
-        await self.agents.serve(channel)
-
     def forget_node(self, node_id: str) -> bool:
         """Drop a node's identity (``POST /admin/nodes/ID/forget``); False when no such node is known."""
         return self.agents.forget(node_id)

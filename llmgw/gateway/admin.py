@@ -15,7 +15,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-from quart import Response, jsonify, request, websocket
+from quart import Response, has_websocket_context, jsonify, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -24,7 +24,7 @@ from ..http.messages import error_body
 from ..metrics import render
 from ..router.replicas import STATIC
 from ..router.tier import RouteRequest
-from ..wire.channel import quart_channel
+from ..wire.channel import AgentCredentials, quart_channel
 from .admin_guard import AdminGuard
 
 if TYPE_CHECKING:
@@ -125,13 +125,20 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
 
     @app.websocket("/agent")
     async def agent():
+        """An agent's session. Its upgrade request is judged before it is accepted, so a refused one (no or a
+        wrong credential, too many sessions) gets an HTTP answer and no frame of it is ever read."""
         peer = f"{websocket.remote_addr or '?'}"
         # quart's websocket is a context-local proxy: hand the session the object behind it
         ws = websocket._get_current_object()  # type: ignore[attr-defined]
         if gateway.control is None:
-            await ws.close(1008, "this gateway runs no control plane (--role gateway): join its control process")
-            return
-        await gateway.control.serve_agent(quart_channel(ws, f"agent at {peer}"))
+            return without_control_plane()
+        agents = gateway.control.agents
+        with agents.upgrade(AgentCredentials.from_headers(ws.headers), peer) as refusal:
+            if refusal is not None:
+                return _error(refusal.status, refusal.message, refusal.reason, headers=refusal.headers)
+            await ws.accept()
+            await agents.serve(quart_channel(ws, f"agent at {peer}"))
+        return None
 
     @app.get("/admin/models")
     async def models():
@@ -165,7 +172,9 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
 
     @app.errorhandler(Exception)
     async def failure(exc: Exception):
-        log.exception("control API: %s %s failed", request.method, request.path)
+        # a websocket's failure lands here too, where there is no request to name
+        where = f"websocket {websocket.path}" if has_websocket_context() else f"{request.method} {request.path}"
+        log.exception("control API: %s failed", where)
         return _error(500, f"the control API failed on this request ({type(exc).__name__}); see the gateway's log",
                       "internal_error")
 

@@ -161,6 +161,7 @@ class Gateway:
                                        self.control_metrics, ssl_context=self._control_tls_context(),
                                        limits=self._server_limits(self.connection_budget.control),
                                        connection_metrics=self.connection_metrics)
+        control_server.config.websocket_max_message_size = self.config.agents.max_message_bytes
         budget = self.connection_budget
         (log.warning if budget.too_low else log.info)("%s%s", budget.describe(), " (too few open files: raise the "
                                                       "hard limit, docs/security.md#sockets)" if budget.too_low

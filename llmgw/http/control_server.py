@@ -85,6 +85,9 @@ def hypercorn_config() -> HypercornConfig:
     config.errorlog = None
     config.graceful_timeout = 1.0
     config.websocket_ping_interval = 5.0
+    # the largest agent frame, at the transport (the gateway sets it to agents.max_message_bytes; the agent
+    # service refuses frames above 256KiB before a Register is accepted)
+    config.websocket_max_message_size = 16 * 1024 * 1024
     config.ssl_handshake_timeout = 10.0
     return config
 

@@ -18,18 +18,25 @@ under a deadline by the caller, and a lost peer shows up as
 
 An agent reaches the control plane through a *connector*:
 :class:`WebSocketConnector` dials ``ws://HOST:PORT/agent`` (or ``wss://``,
-trusting the server as :class:`llmgw.tls.TlsClientOptions` say);
-:class:`InProcessConnector` hands a fresh memory channel pair to the in-process
-agent service.
+trusting the server as :class:`llmgw.tls.TlsClientOptions` say), proving its
+:class:`AgentCredentials` in the upgrade request's headers, so that the control
+plane reads no frame of a peer it does not know; :class:`InProcessConnector`
+hands a fresh memory channel pair to the in-process agent service.
+
+A frame channel refuses a frame above its ``max_frame_bytes`` without decoding
+it: the control plane keeps that at :data:`MAX_REGISTER_BYTES` until the
+agent's Register is accepted, then raises it to ``agents.max_message_bytes``.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import ssl
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 import trio
@@ -40,15 +47,76 @@ from . import messages as wire
 log = logging.getLogger(__name__)
 
 AGENT_PATH = "/agent"
-MAX_FRAME_BYTES = 16 * 1024 * 1024  # a full KV mirror can be large; Hypercorn's default limit is the same
+MAX_FRAME_BYTES = 16 * 1024 * 1024  # a full KV mirror can be large (agents.max_message_bytes, its default)
+# The largest first frame (the Register) of an agent: a 16-GPU node's Register is 19 KiB, with 112 running
+# shards 67 KiB; the agent leaves its shards' log tails out of a Register that would be larger.
+MAX_REGISTER_BYTES = 256 * 1024
+
+NODE_ID_HEADER = "X-Llmgw-Node-Id"
+NODE_SECRET_HEADER = "X-Llmgw-Node-Secret"
 
 
 class ChannelClosed(Exception):
     """The peer went away (or the channel was closed on this side)."""
 
 
+class FrameTooLarge(wire.WireError):
+    """A frame above the channel's ``max_frame_bytes``: refused unread."""
+
+
+class UpgradeRefused(Exception):
+    """The control plane refused the websocket upgrade: its HTTP ``status`` and message. 401 and 403 are final
+    (the credentials, or this control plane, will not change by retrying); others (503: too many sessions) pass."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+    @property
+    def final(self) -> bool:
+        return self.status in (401, 403)
+
+
+@dataclass(frozen=True)
+class AgentCredentials:
+    """What an agent proves in its websocket upgrade: the join token (``Authorization: Bearer``) and, once the
+    node has joined, its node id and secret (``X-Llmgw-Node-Id``, ``X-Llmgw-Node-Secret``). Values are compared
+    as the bytes sent (UTF-8)."""
+
+    token: bytes = field(default=b"", repr=False)
+    node_id: str = ""
+    node_secret: bytes = field(default=b"", repr=False)
+
+    @classmethod
+    def of(cls, register: wire.Register) -> "AgentCredentials":
+        return cls(register.token.encode(), register.node_id, register.node_secret.encode())
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        headers = []
+        if self.token:
+            headers.append((b"authorization", b"Bearer " + self.token))
+        if self.node_secret:
+            headers += [(NODE_ID_HEADER.lower().encode(), self.node_id.encode()),
+                        (NODE_SECRET_HEADER.lower().encode(), self.node_secret)]
+        return headers
+
+    @classmethod
+    def from_headers(cls, headers: Mapping[str, str]) -> "AgentCredentials":
+        """From an upgrade request's headers, as the server decoded them (Latin-1: back to the bytes sent)."""
+        scheme, _, token = (headers.get("authorization") or "").strip().partition(" ")
+        node_id = (headers.get(NODE_ID_HEADER) or "").encode("latin-1", "replace").decode("utf-8", "replace")
+        return cls(token.strip().encode("latin-1", "replace") if scheme.lower() == "bearer" else b"", node_id,
+                   (headers.get(NODE_SECRET_HEADER) or "").strip().encode("latin-1", "replace"))
+
+    @property
+    def present(self) -> bool:
+        return bool(self.token or self.node_secret)
+
+
 class Channel(Protocol):
     peer: str  # who is at the other end, for logs
+    max_frame_bytes: int  # the largest frame receive takes (frame channels; in-process ones carry no frames)
 
     async def send(self, message: wire.Message) -> None:
         """Send one message; raises :class:`ChannelClosed` when the peer is gone."""
@@ -64,8 +132,10 @@ class FrameChannel:
     """Messages as msgpack websocket frames, over any transport that moves whole frames."""
 
     def __init__(self, send_frame: Callable[[bytes], Awaitable[None]], receive_frame: Callable[[], Awaitable[object]],
-                 close: Callable[[], Awaitable[None]], peer: str, closed_errors: tuple[type[BaseException], ...]):
+                 close: Callable[[], Awaitable[None]], peer: str, closed_errors: tuple[type[BaseException], ...],
+                 max_frame_bytes: int = MAX_FRAME_BYTES):
         self.peer = peer
+        self.max_frame_bytes = max_frame_bytes
         self._send_frame = send_frame
         self._receive_frame = receive_frame
         self._close = close
@@ -86,6 +156,8 @@ class FrameChannel:
             raise ChannelClosed(f"{self.peer}: {exc or type(exc).__name__}") from None
         if not isinstance(frame, (bytes, bytearray)):
             raise wire.WireError("a text frame: agent messages are binary msgpack frames")
+        if len(frame) > self.max_frame_bytes:
+            raise FrameTooLarge(f"a frame of {len(frame)} bytes (at most {self.max_frame_bytes} here)")
         return wire.decode(bytes(frame))
 
     async def aclose(self) -> None:
@@ -106,7 +178,8 @@ def websocket_channel(ws: Any, peer: str) -> FrameChannel:
 
 
 def quart_channel(websocket: Any, peer: str) -> FrameChannel:
-    """A channel over a Quart websocket (the control plane's side).
+    """A channel over a Quart websocket (the control plane's side), taking frames up to
+    :data:`MAX_REGISTER_BYTES` until its owner raises ``max_frame_bytes``.
 
     Quart cancels the handler when the client disconnects; a send after that
     fails with a transport error, reported as :class:`ChannelClosed`.
@@ -115,7 +188,8 @@ def quart_channel(websocket: Any, peer: str) -> FrameChannel:
     async def close() -> None:
         await websocket.close(1000)
 
-    return FrameChannel(websocket.send, websocket.receive, close, peer, (ConnectionError, RuntimeError))
+    return FrameChannel(websocket.send, websocket.receive, close, peer, (ConnectionError, RuntimeError),
+                        max_frame_bytes=MAX_REGISTER_BYTES)
 
 
 class MemoryChannel:
@@ -124,6 +198,7 @@ class MemoryChannel:
     def __init__(self, send_channel: trio.MemorySendChannel[wire.Message],
                  receive_channel: trio.MemoryReceiveChannel[wire.Message], peer: str):
         self.peer = peer
+        self.max_frame_bytes = MAX_FRAME_BYTES  # not enforced: objects, not frames, cross an in-process channel
         self._send = send_channel
         self._receive = receive_channel
 
@@ -158,8 +233,9 @@ def memory_channel_pair(agent_name: str = "embedded agent", buffer: int = 64) ->
 class Connector(Protocol):
     url: str  # where it connects, for logs
 
-    def connect(self) -> AbstractAsyncContextManager[Channel]:
-        """An async context manager yielding a fresh channel to the control plane."""
+    def connect(self, credentials: AgentCredentials) -> AbstractAsyncContextManager[Channel]:
+        """An async context manager yielding a fresh channel to the control plane (:class:`UpgradeRefused` when
+        it refuses ``credentials`` at the door)."""
 
 
 def agent_url(join: str) -> str:
@@ -192,18 +268,20 @@ class WebSocketConnector:
             raise ValueError(f"TLS options need a wss:// (or https://) control-plane URL, not {self.url}")
 
     @asynccontextmanager
-    async def connect(self) -> AsyncIterator[Channel]:
-        from trio_websocket import ConnectionTimeout, open_websocket_url
+    async def connect(self, credentials: AgentCredentials) -> AsyncIterator[Channel]:
+        from trio_websocket import ConnectionRejected, ConnectionTimeout, open_websocket_url
 
         async with AsyncExitStack() as stack:
             try:
                 ws = await stack.enter_async_context(open_websocket_url(
                     self.url, ssl_context=self.ssl_context, connect_timeout=self.connect_timeout,
-                    disconnect_timeout=2.0, max_message_size=MAX_FRAME_BYTES))
+                    disconnect_timeout=2.0, max_message_size=MAX_FRAME_BYTES, extra_headers=credentials.headers()))
             except ConnectionTimeout:
                 if self.ssl_context is not None:
                     await self._diagnose_tls()
                 raise
+            except ConnectionRejected as exc:
+                raise UpgradeRefused(exc.status_code, _refusal_message(exc.body)) from None
             yield websocket_channel(ws, f"control plane {self.url}")
 
     async def _diagnose_tls(self) -> None:
@@ -230,10 +308,21 @@ class InProcessConnector:
         self._agent_name = agent_name
 
     @asynccontextmanager
-    async def connect(self) -> AsyncIterator[Channel]:
+    async def connect(self, credentials: AgentCredentials) -> AsyncIterator[Channel]:
         agent_end, control_end = memory_channel_pair(self._agent_name)
         await self._accept(control_end)
         try:
             yield agent_end
         finally:
             await agent_end.aclose()
+
+
+def _refusal_message(body: bytes | None) -> str:
+    """``code: message`` of a refused upgrade's answer (an OpenAI-style JSON error), or its first 300 characters."""
+    text = (body or b"").decode("utf-8", "replace")
+    try:
+        error = json.loads(text)["error"]
+        message = f"{error['code']}: {error['message']}" if error.get("code") else str(error["message"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        message = text
+    return message[:300] or "no reason given"

@@ -386,9 +386,51 @@ def encode(message: Message) -> bytes:
     return frame
 
 
+# Bounds of a decode (see :func:`decode`): a map is a message, a record or a small table (labels, env, the GPU
+# figures of a heartbeat), never more entries than this; maps and arrays together number at most
+# ``CONTAINERS_BASE + len(frame) // BYTES_PER_CONTAINER`` (a real message spends 25 bytes or more on each of
+# its containers past a handful: a 16-GPU Register ~50, a KvChanges three in all).
+MAX_MAP_ENTRIES = 4096
+CONTAINERS_BASE = 64
+BYTES_PER_CONTAINER = 32
+
+
+class _Spent(Exception):
+    """A frame's container budget ran out while msgpack built it."""
+
+
+class _ContainerBudget:
+    """Counts the maps and arrays msgpack builds for one frame, and stops the decode past the budget."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, frame_bytes: int):
+        self.left = CONTAINERS_BASE + frame_bytes // BYTES_PER_CONTAINER
+
+    def spend(self, container: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise _Spent
+        return container
+
+
 def decode(frame: bytes) -> Message | UnknownMessage:
+    """The message in ``frame``, at a cost bounded by its size; :class:`WireError` for anything else.
+
+    msgpack (in C) is told the longest string, array and map the frame may hold and refuses extension types;
+    every map and array it builds is counted, and the decode stops once they exceed the frame's budget. So a
+    frame of N bytes builds at most ``CONTAINERS_BASE + N / BYTES_PER_CONTAINER`` containers and records (an
+    empty map in a list of records used to become a whole default record: ~560 bytes of memory per byte of
+    frame), and a few dozen bytes of objects per byte otherwise (``tests/unit/test_wire_bounds.py``)."""
+    size = len(frame)
+    budget = _ContainerBudget(size)
     try:
-        raw = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+        raw = msgpack.unpackb(frame, raw=False, strict_map_key=False, max_str_len=size, max_bin_len=size,
+                              max_array_len=size, max_map_len=min(size, MAX_MAP_ENTRIES), max_ext_len=0,
+                              list_hook=budget.spend, object_hook=budget.spend)
+    except _Spent:
+        raise WireError(f"a frame of {size} bytes holds more than {size // BYTES_PER_CONTAINER + CONTAINERS_BASE} "
+                        "maps and arrays") from None
     except Exception as exc:  # msgpack raises several types for garbage
         raise WireError(f"not a msgpack frame: {exc}") from None
     if not isinstance(raw, dict):
@@ -416,42 +458,82 @@ def _hints(cls: type) -> dict[str, Any]:
 _T = TypeVar("_T")
 
 
+class _Misfit(Exception):
+    """A value of the wrong type, with the path to it from the record being decoded (built on the way out, so
+    that a good value costs no path)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+        self.path = ""
+
+    def at(self, piece: str) -> "_Misfit":
+        self.path = piece + self.path
+        return self
+
+
 def from_plain(cls: type[_T], raw: Any, where: str) -> _T:
+    """``cls`` from its plain form (maps, lists, scalars); :class:`WireError` naming the field that is wrong."""
+    try:
+        return _record(cls, raw)
+    except _Misfit as exc:
+        raise WireError(f"{where}{exc.path}: {exc.message}") from None
+
+
+def _record(cls: type[_T], raw: Any) -> _T:
     if not isinstance(raw, dict):
-        raise WireError(f"{where}: expected a map, got {type(raw).__name__}")
+        raise _Misfit(f"expected a map, got {type(raw).__name__}")
     hints = _hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # every class decoded here is a dataclass
         if f.name in raw and raw[f.name] is not None:
-            kwargs[f.name] = _convert(hints[f.name], raw[f.name], f"{where}.{f.name}")
+            try:
+                kwargs[f.name] = _convert(hints[f.name], raw[f.name])
+            except _Misfit as exc:
+                raise exc.at(f".{f.name}") from None
     return cls(**kwargs)
 
 
-def _convert(hint: Any, value: Any, where: str) -> Any:
+def _convert(hint: Any, value: Any) -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _convert(options[0], value, where)
+        return _convert(options[0], value)
     if origin is list:
         if not isinstance(value, list):
-            raise WireError(f"{where}: expected a list, got {type(value).__name__}")
+            raise _Misfit(f"expected a list, got {type(value).__name__}")
         (item,) = typing.get_args(hint)
-        return [_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        if item in (int, str) and all(type(v) is item for v in value):  # the common case, at C speed
+            return value
+        converted = []
+        for i, v in enumerate(value):
+            try:
+                converted.append(_convert(item, v))
+            except _Misfit as exc:
+                raise exc.at(f"[{i}]") from None
+        return converted
     if origin is dict:
         if not isinstance(value, dict):
-            raise WireError(f"{where}: expected a map, got {type(value).__name__}")
+            raise _Misfit(f"expected a map, got {type(value).__name__}")
         key_type, value_type = typing.get_args(hint)
-        return {_convert(key_type, k, where): _convert(value_type, v, f"{where}[{k!r}]") for k, v in value.items()}
+        converted_map = {}
+        for k, v in value.items():
+            key = _convert(key_type, k)
+            try:
+                converted_map[key] = _convert(value_type, v)
+            except _Misfit as exc:
+                raise exc.at(f"[{k!r}]") from None
+        return converted_map
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return hint(value)
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return from_plain(hint, value, where)
+        return _record(hint, value)
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise WireError(f"{where}: expected a number, got {type(value).__name__}")
+            raise _Misfit(f"expected a number, got {type(value).__name__}")
         return float(value)
     if hint is Any:
         return value
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise WireError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+        raise _Misfit(f"expected {hint.__name__}, got {type(value).__name__}")
     return value

@@ -17,6 +17,7 @@ import trio_websocket
 from helpers import next_error
 from llmgw import wire
 from llmgw.testing.cluster import AGENTS, CHAT, TOKEN, alive, all_up, embedded, environ_of, shard_pids
+from llmgw.wire.channel import AgentCredentials
 
 TINY_SIM = """
 profiles:
@@ -186,14 +187,16 @@ async def test_a_wrong_token_and_reports_about_foreign_shards_are_refused(cluste
 
     intruder = await cluster.start_agent("intruder", "tiny-2gpu-b", token="guess", ready=" refused by ")
     assert await intruder.wait_exit() == 3
-    assert await cluster.metric("llmgw_agent_refused_total", 'reason="bad_token"') == 1
+    # refused at the websocket upgrade: its Register is never read
+    assert await cluster.metric("llmgw_agent_upgrades_refused_total", 'reason="bad_token"') == 1
     assert "guess" not in intruder.output().replace("--token guess", "")
 
     # A node with the right token speaks only for its own shards: it can neither claim nor change local's.
     foreign = wire.ShardReport(shard_id=shard["shard_id"], replica_id="tiny-sim-0", state=wire.ShardState.READY,
                                endpoint="http://127.0.0.1:9", fingerprint="x", pid=1)
     url = cluster.control_url.replace("http://", "ws://") + "/agent"
-    async with trio_websocket.open_websocket_url(url) as ws:
+    async with trio_websocket.open_websocket_url(url, extra_headers=AgentCredentials(TOKEN.encode()).headers()) \
+            as ws:
         await ws.send_message(wire.encode(wire.Register(node_id="crafty", token=TOKEN, address="127.0.0.1",
                                                         shards=[foreign])))
         assert wire.decode(await ws.get_message()).accepted

@@ -14,6 +14,7 @@ import trio_websocket
 
 from llmgw import wire
 from llmgw.testing.processes import llmgw_command
+from llmgw.wire.channel import AgentCredentials
 
 ADMIN = "adm-0123456789abcdef"
 JOIN = "join-secret-123"
@@ -79,7 +80,7 @@ async def test_half_closed_short_bodies_end_neither_the_process_nor_an_agent_ses
 
 async def provoke_and_survive(gw) -> None:
     url = gw.control_url.replace("http://", "ws://") + "/agent"
-    async with trio_websocket.open_websocket_url(url) as ws:
+    async with trio_websocket.open_websocket_url(url, extra_headers=AgentCredentials(JOIN.encode()).headers()) as ws:
         await ws.send_message(wire.encode(wire.Register(node_id="bystander", token=JOIN, address="127.0.0.1")))
         assert wire.decode(await ws.get_message()).accepted
 
@@ -225,7 +226,8 @@ async def test_the_control_listener_serves_tls(start_llmgw, tmp_path):
 
     # An agent joins over wss:// (the websocket shares the listener).
     url = gw.control_url.replace("https://", "wss://") + "/agent"
-    async with trio_websocket.open_websocket_url(url, ssl_context=trusted) as ws:
+    async with trio_websocket.open_websocket_url(url, ssl_context=trusted,
+                                                 extra_headers=AgentCredentials(JOIN.encode()).headers()) as ws:
         await ws.send_message(wire.encode(wire.Register(node_id="secure", token=JOIN, address="127.0.0.1")))
         assert wire.decode(await ws.get_message()).accepted
     assert gw.process.returncode is None

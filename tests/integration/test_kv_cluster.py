@@ -26,6 +26,7 @@ from llmgw import wire
 from llmgw.testing.cluster import AGENTS, BLOCK, TOKEN, all_up, complete, embedded, kv_state, kv_where, text
 from llmgw.testing.processes import llmgw_command, start_child
 from llmgw.testing.sims import kv_sim_profile as kv_sim
+from llmgw.wire.channel import AgentCredentials
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +66,8 @@ async def test_kv_events_route_to_the_holder_predict_exactly_and_only_their_owne
     held = state[holder]["blocks"]
     shard_id = replicas[holder]["shards"][0]["shard_id"]
     url = cluster.control_url.replace("http://", "ws://") + "/agent"
-    async with trio_websocket.open_websocket_url(url) as ws:
+    async with trio_websocket.open_websocket_url(url, extra_headers=AgentCredentials(TOKEN.encode()).headers()) \
+            as ws:
         await ws.send_message(wire.encode(wire.Register(node_id="crafty", token=TOKEN, address="127.0.0.1")))
         assert wire.decode(await ws.get_message()).accepted
         for shard, replica in ((shard_id, holder), ("nowhere-g1-r0", "nowhere")):

@@ -25,6 +25,7 @@ import trustme
 from llmgw import wire
 from llmgw.agent.discovery import discover
 from llmgw.testing.cluster import AGENTS, TOKEN, alive, all_up, environ_of
+from llmgw.wire.channel import AgentCredentials
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nodes"  # the fake nodes (their GPUs)
 API_KEY = "engine-k3y-for-a-only"
@@ -64,7 +65,8 @@ class RawAgent:
     async def _run(self, url: str, register: wire.Register, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with self._scope:
             try:
-                async with trio_websocket.open_websocket_url(url) as ws:
+                async with trio_websocket.open_websocket_url(
+                        url, extra_headers=AgentCredentials.of(register).headers()) as ws:
                     self._ws = ws
                     await ws.send_message(wire.encode(register))
                     with trio.fail_after(10):

@@ -18,7 +18,7 @@ from llmgw.control.identity import NodeIdentities
 from llmgw.control.inventory import Inventory
 from llmgw.control.metrics import ControlMetrics
 from llmgw.tls import TlsClientOptions
-from llmgw.wire.channel import WebSocketConnector, websocket_channel
+from llmgw.wire.channel import AgentCredentials, WebSocketConnector, websocket_channel
 
 TOKEN = "join-me"
 
@@ -47,7 +47,7 @@ async def wss_control_plane(nursery, tmp_path, ca):
 
 
 async def register_over(connector: WebSocketConnector, node_id: str) -> wire.Registered:
-    async with connector.connect() as channel:
+    async with connector.connect(AgentCredentials(TOKEN.encode())) as channel:
         await channel.send(wire.Register(node_id=node_id, token=TOKEN))
         with trio.fail_after(10):
             return await channel.receive()
