@@ -24,6 +24,7 @@ from dataclasses import dataclass
 @dataclass
 class _Seen:
     written_at: float  # when the message was last written
+    text: str  # what was written then
     held_back: int = 0  # repeats since then that were not written
 
 
@@ -38,12 +39,15 @@ class RepeatLimitedLog:
         self.clock = clock
         self._seen: OrderedDict[tuple[int, str], _Seen] = OrderedDict()
 
-    def log(self, level: int, msg: str, *args: object, exc_info: BaseException | None = None) -> bool:
-        """Write ``msg % args`` at ``level`` unless it was written less than ``interval`` ago; True if written."""
+    def log(self, level: int, msg: str, *args: object, exc_info: BaseException | None = None,
+            kind: str | None = None) -> bool:
+        """Write ``msg % args`` at ``level`` unless it was written less than ``interval`` ago; True if written.
+        ``kind``: lines of one kind count as the same message whatever their text (e.g. refusals that name the
+        peer: one line per kind and interval, not per peer)."""
         if not self.logger.isEnabledFor(level):
             return False
         text = msg % args if args else msg
-        key = (level, text)
+        key = (level, text if kind is None else "\0" + kind)
         now = self.clock()
         seen = self._seen.get(key)
         if seen is not None and now - seen.written_at < self.interval:
@@ -52,24 +56,25 @@ class RepeatLimitedLog:
         if seen is not None:
             self._seen.move_to_end(key)
             text += self._summary(seen, now)
-            seen.written_at, seen.held_back = now, 0
+            seen.written_at, seen.text, seen.held_back = now, text, 0
         else:
-            self._seen[key] = _Seen(now)
+            self._seen[key] = _Seen(now, text)
             self._forget_oldest(now)
         self.logger.log(level, "%s", text, exc_info=exc_info)
         return True
 
-    def error(self, msg: str, *args: object, exc_info: BaseException | None = None) -> bool:
-        return self.log(logging.ERROR, msg, *args, exc_info=exc_info)
+    def error(self, msg: str, *args: object, exc_info: BaseException | None = None, kind: str | None = None) -> bool:
+        return self.log(logging.ERROR, msg, *args, exc_info=exc_info, kind=kind)
 
-    def warning(self, msg: str, *args: object, exc_info: BaseException | None = None) -> bool:
-        return self.log(logging.WARNING, msg, *args, exc_info=exc_info)
+    def warning(self, msg: str, *args: object, exc_info: BaseException | None = None,
+                kind: str | None = None) -> bool:
+        return self.log(logging.WARNING, msg, *args, exc_info=exc_info, kind=kind)
 
     def _forget_oldest(self, now: float) -> None:
         while len(self._seen) > self.max_messages:
-            (level, text), seen = self._seen.popitem(last=False)
+            (level, _), seen = self._seen.popitem(last=False)
             if seen.held_back:
-                self.logger.log(level, "%s", text + self._summary(seen, now))
+                self.logger.log(level, "%s", seen.text + self._summary(seen, now))
 
     @staticmethod
     def _summary(seen: _Seen, now: float) -> str:

@@ -46,12 +46,12 @@ from typing import Callable, Iterator, Protocol
 import trio
 
 from .. import __version__, wire
+from ..lograte import RepeatLimitedLog
 from ..wire.channel import MAX_FRAME_BYTES, AgentCredentials, Channel, ChannelClosed, FrameTooLarge
 from .identity import MAX_NODE_ID, NodeIdentities, new_secret
 from .inventory import Inventory
 from .report_check import REFUSE_INVALID, ReportCheck
 from .tasks import TaskHost
-from .throttled_log import ThrottledLog
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ class AgentService(TaskHost):
         self.reports = reports or ReportCheck()
         self._joining: dict[str, AgentSession] = {}  # new node id -> the session its secret was issued on
         self.websockets = 0  # remote agent websockets open (admitted by upgrade(), until they end)
-        self._warnings = ThrottledLog(log)
+        self._warnings = RepeatLimitedLog(log)
 
     @contextmanager
     def upgrade(self, credentials: AgentCredentials, peer: str) -> Iterator[UpgradeRefusal | None]:
@@ -263,8 +263,8 @@ class AgentService(TaskHost):
         if refusal is not None:
             if self.metrics is not None:
                 self.metrics.agent_upgrades_refused.labels(refusal.reason).inc()
-            self._warnings.warning(f"upgrade {refusal.reason}", f"refused an agent's websocket upgrade from {peer} "
-                                   f"(HTTP {refusal.status}, before reading any frame): {refusal.message}")
+            self._warnings.warning(f"refused an agent's websocket upgrade from {peer} (HTTP {refusal.status}, before "
+                                   f"reading any frame): {refusal.message}", kind=f"upgrade {refusal.reason}")
             yield refusal
             return
         self._count_websockets(+1)
@@ -445,7 +445,7 @@ class AgentService(TaskHost):
 
     def refused(self, reason: str, message: str) -> None:
         """Count and log a refusal (never with the token; at most one line a reason every 10 s)."""
-        self._warnings.warning(reason, message)
+        self._warnings.warning(message, kind=reason)
         if self.metrics is not None:
             self.metrics.agent_refused.labels(reason).inc()
 

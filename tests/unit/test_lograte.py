@@ -67,3 +67,15 @@ def test_a_disabled_level_costs_nothing_and_is_not_counted(limited, caplog):
     assert not log.warning("quiet")
     assert log.error("loud")
     assert lines(caplog) == ["loud"]
+
+
+def test_lines_of_one_kind_count_as_one_message_whatever_they_name(limited, caplog):
+    log, clock = limited
+    assert log.warning("refused 10.0.0.1: bad token", kind="bad_token")
+    for peer in range(2, 50):
+        assert not log.warning(f"refused 10.0.0.{peer}: bad token", kind="bad_token")
+    assert log.warning("refused 10.0.0.9: no token", kind="missing_token")  # another kind: a line of its own
+    clock.now += 11
+    assert log.warning("refused 10.0.0.77: bad token", kind="bad_token")
+    assert lines(caplog) == ["refused 10.0.0.1: bad token", "refused 10.0.0.9: no token",
+                             "refused 10.0.0.77: bad token (and 48 more like it in the last 11s)"]
