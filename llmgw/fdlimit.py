@@ -36,9 +36,13 @@ class OpenFilesLimit:
     soft: int  # the soft limit now
     hard: int  # the hard limit (resource.RLIM_INFINITY: unlimited)
 
+    @property
+    def raised(self) -> bool:
+        return self.soft > self.before
+
     def describe(self) -> str:
         hard = "unlimited" if self.hard == resource.RLIM_INFINITY else str(self.hard)
-        if self.soft > self.before:
+        if self.raised:
             return f"open files: raised the soft limit from {self.before} to {self.soft} (hard limit {hard})"
         return f"open files: soft limit {self.soft} (hard limit {hard})"
 

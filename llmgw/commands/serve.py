@@ -157,7 +157,8 @@ async def _serve(config, listen, control_listen, demo_replicas: int | None = Non
             addresses = await nursery.start(partial(gateway.run, listen and (listen.host, listen.port),
                                                     control_listen and (control_listen.host, control_listen.port),
                                                     reuse_port=worker is not None))
-            log.info("%s", open_files.describe())
+            # the gateway's connection-caps line gives the figure; a raise is worth a line of its own
+            (log.info if open_files.raised else log.debug)("%s", open_files.describe())
             if demo_replicas is not None:
                 await _wait_for_replicas(gateway, demo_replicas)
             if worker is not None:

@@ -83,6 +83,7 @@ if TYPE_CHECKING:
     from .metrics import SourceMetrics
 
 log = logging.getLogger(__name__)
+DISCONNECT_NOTE_DELAY = 2.0  # seconds a subscription must outlive its first disconnect to log it
 
 MODES = ("bind", "connect")
 DEFAULT_REPLAY_TIMEOUT = 2.0
@@ -227,11 +228,14 @@ class EngineSubscription:
             self.disconnects += 1
             if self.metrics is not None:
                 self.metrics.peer_disconnect(self.source)
-            if self.disconnects == 1:  # at info: an engine that stops or restarts does this too, in every clean stop
+            self._arrived.set()
+            if self.disconnects == 1:
+                # An engine stopped on purpose disconnects too, and its subscription is cancelled within moments:
+                # say it only when the subscription outlives the disconnect (the others are counted meanwhile).
+                await trio.sleep(DISCONNECT_NOTE_DELAY)
                 log.info("%s: a KV-event peer was disconnected: the engine went away, or it sent a message over %d "
                          "bytes (max_message_bytes); further ones are counted in llmgw_kv_peer_disconnects_total",
                          self.source, self.max_message_bytes)
-            self._arrived.set()
 
     async def wait_for(self, predicate: Callable[["EngineSubscription"], bool]) -> None:
         """Wait until ``predicate(self)`` holds, re-checked after every message (for tests and the agent)."""
