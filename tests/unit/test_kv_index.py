@@ -388,11 +388,11 @@ def test_readers_never_ask_for_a_resync_nor_change_what_they_read_next():
 def test_tick_asks_again_for_each_due_resync_in_its_mode_and_ends_reset_windows():
     asked = []
     clock, index = suspect_and_resetting(asked)
-    assert index._replicas["b"].state is IndexState.RESETTING
+    assert index.health._replicas["b"].state is IndexState.RESETTING
     index.tick()
     index.tick()  # one retry per retry period, however often it ticks
     assert asked[1:] == [("a", "full", "no answer to the last resync request")]
-    assert index._replicas["b"].state is IndexState.HEALTHY and index.state("b") is IndexState.HEALTHY
+    assert index.health._replicas["b"].state is IndexState.HEALTHY and index.state("b") is IndexState.HEALTHY
     assert index.describe("a")["drift"]["resyncs"] == {"full": 2, "reset": 0}
     index.apply("a", full([1, 2]))  # the answer; then a relapse asks for a reset, retried as a reset
     for _ in range(3):
@@ -409,9 +409,9 @@ def test_tick_drops_expired_predictions():
     clock, index = drifting_index([])
     index.predict("a", [7, 8], ttl=1.0)
     clock.jump(2)
-    assert index.predicted_keys == 0 and len(index._pred_heap) == 1  # counted out by the reader, still there
+    assert index.predicted_keys == 0 and len(index.predictions._heap) == 1  # counted out by the reader, still there
     index.tick()
-    assert index._pred_heap == [] and index._pred_mask == {} and index.keys("a") == {1, 2}
+    assert index.predictions._heap == [] and index.predictions.masks == {} and index.keys("a") == {1, 2}
 
 
 async def test_a_scrape_in_a_worker_thread_while_a_resync_is_due_asks_nothing_and_tick_then_does():
@@ -460,7 +460,7 @@ def test_suspect_after_zero_never_suspects_and_a_failing_listener_stops_nothing(
     def broken(*args):
         raise RuntimeError("boom")
 
-    index._resync_listeners.insert(0, broken)
+    index.health._listeners.insert(0, broken)
     for _ in range(10):
         index.observe("a", "over", epoch=index.epoch("a"), policy=DriftPolicy(suspect_after=0))
     assert index.state("a") is IndexState.HEALTHY and index.describe("a")["drift"]["over"] == 10
