@@ -1,7 +1,10 @@
 """Micro-benchmark of the KV index's two hot paths: ``match``/``match_detail`` and ``apply``.
 
-Run: ``python -m llmgw.bench.kv_index_ops [--replicas 4 8] [--blocks 100000] [--rounds 15] [--json PATH]``
-(about 30 s on this machine at the defaults).
+Run: ``python -m llmgw.bench.kv_index_ops [--replicas 4 8] [--blocks 100000] [--rounds 15] [--baseline INDEX_PY]
+[--json PATH]`` (about 5 s on this machine at the defaults; twice that with ``--baseline``). ``--baseline`` times
+another version of ``llmgw/kv/index.py`` too (``git show main:llmgw/kv/index.py > /tmp/index_main.py``), built
+with the same keys, its rounds alternating with this version's: a before/after on the same machine at the same
+moment.
 
 Per replica count, a :class:`~llmgw.kv.index.KvIndex` whose replicas hold ``--blocks`` block keys each (FULL
 copies), then, each as the fastest of ``--rounds`` rounds, in µs per call:
@@ -17,7 +20,9 @@ copies), then, each as the fastest of ``--rounds`` rounds, in µs per call:
 from __future__ import annotations
 
 import gc
+import importlib.util
 import random
+import sys
 import time
 from collections.abc import Callable
 
@@ -30,73 +35,93 @@ BATCH_KEYS = 1000
 BLOCK = 16
 
 
-def _best_us(call: Callable[[], object], calls: int, rounds: int) -> float:
-    """µs per call in the fastest of ``rounds`` rounds of ``calls`` calls (the least disturbed by the other
-    processes sharing the cores, as ``timeit`` advises)."""
-    times = []
+def _best_us(calls: dict[str, Callable[[], object]], count: int, rounds: int) -> dict[str, float]:
+    """Per label, µs per call in the fastest of ``rounds`` rounds of ``count`` calls (the least disturbed by the
+    other processes sharing the cores, as ``timeit`` advises); the labels' rounds alternate."""
+    times: dict[str, list[float]] = {label: [] for label in calls}
     for _ in range(rounds):
-        started = time.perf_counter()
-        for _ in range(calls):
-            call()
-        times.append((time.perf_counter() - started) / calls * 1e6)
-    return round(min(times), 2)
+        for label, call in calls.items():
+            started = time.perf_counter()
+            for _ in range(count):
+                call()
+            times[label].append((time.perf_counter() - started) / count * 1e6)
+    return {label: round(min(values), 2) for label, values in times.items()}
 
 
-def _index(replicas: int, blocks: int,
-           rng: random.Random) -> tuple[KvIndex, list[str], list[int], dict[str, list[int]]]:
-    index = KvIndex(clock=lambda: 0.0, predicted_ttl=1e9)  # a frozen clock: predictions stay live
-    names = [f"r{i}" for i in range(replicas)]
-    prompt = [rng.getrandbits(64) for _ in range(PROMPT_KEYS)]
-    held = {}
-    for i, name in enumerate(names):
-        leading = prompt if i == 0 else prompt[:PROMPT_KEYS // 2]
-        held[name] = leading + [rng.getrandbits(64) for _ in range(blocks - len(leading))]
-        index.apply(name, BlockChanges(KvChangeKind.FULL, BLOCK, held[name]))
-    return index, names, prompt, held
+class Setup:
+    """One index class's index, filled with the same keys as every other's (one seed)."""
+
+    def __init__(self, index_class: type, replicas: int, blocks: int):
+        self.rng = random.Random(replicas)
+        self.index = index_class(clock=lambda: 0.0, predicted_ttl=1e9)  # a frozen clock: predictions stay live
+        self.names = [f"r{i}" for i in range(replicas)]
+        self.prompt = [self.rng.getrandbits(64) for _ in range(PROMPT_KEYS)]
+        self.miss = [self.prompt[0] ^ 1] + self.prompt[1:]
+        self.held = {}
+        for i, name in enumerate(self.names):
+            leading = self.prompt if i == 0 else self.prompt[:PROMPT_KEYS // 2]
+            self.held[name] = leading + [self.rng.getrandbits(64) for _ in range(blocks - len(leading))]
+            self.index.apply(name, BlockChanges(KvChangeKind.FULL, BLOCK, self.held[name]))
+
+    def add_predictions(self) -> None:
+        """1,000 live predictions of 2,000 keys, none on the prompt's keys."""
+        for i in range(BATCH_KEYS // 2):
+            self.index.predict(self.names[i % len(self.names)], [self.rng.getrandbits(64) for _ in range(2)])
+
+    def deltas(self, name: str, count: int, predicted: bool) -> Callable[[], None]:
+        """The next of ``count`` 1,000-key DELTAs of ``name``, applied; with ``predicted``, 100 of each one's
+        removed keys are first predicted (unsettled) there."""
+        held, batches = self.held[name], []
+        for _ in range(count):
+            removed = held[-BATCH_KEYS // 2:]
+            del held[-BATCH_KEYS // 2:]
+            stored = [self.rng.getrandbits(64) for _ in range(BATCH_KEYS // 2)]
+            held[:0] = stored
+            batches.append(BlockChanges(KvChangeKind.DELTA, BLOCK, stored, removed))
+        if predicted:
+            for batch in batches:
+                self.index.predict(name, batch.removed[:100])
+        it = iter(batches)
+        return lambda: self.index.apply(name, next(it))
 
 
-def bench_match(index: KvIndex, names: list[str], prompt: list[int], rounds: int) -> dict[str, float]:
-    miss = [prompt[0] ^ 1] + prompt[1:]
-    return {"match_hit_us": _best_us(lambda: index.match(prompt, names), 50, rounds),
-            "match_detail_hit_us": _best_us(lambda: index.match_detail(prompt, names), 50, rounds),
-            "match_miss_us": _best_us(lambda: index.match(miss, names), 5000, rounds)}
-
-
-def bench_apply(index: KvIndex, name: str, held: list[int], rng: random.Random, rounds: int,
-                predicted: bool) -> float:
-    """µs per 1,000-key DELTA; with ``predicted``, each removed key is first predicted (unsettled) there."""
-    batches = []
-    for _ in range(rounds * 10):
-        removed = held[-BATCH_KEYS // 2:]
-        del held[-BATCH_KEYS // 2:]
-        stored = [rng.getrandbits(64) for _ in range(BATCH_KEYS // 2)]
-        held[:0] = stored
-        batches.append(BlockChanges(KvChangeKind.DELTA, BLOCK, stored, removed))
-    if predicted:
-        for batch in batches:
-            index.predict(name, batch.removed[:100])
-    it = iter(batches)
-    return _best_us(lambda: index.apply(name, next(it)), 10, rounds)
-
-
-def run(replica_counts: list[int], blocks: int, rounds: int) -> dict:
+def run(replica_counts: list[int], blocks: int, rounds: int, index_classes: dict[str, type]) -> dict:
     report: dict = {"blocks_per_replica": blocks, "prompt_keys": PROMPT_KEYS, "batch_keys": BATCH_KEYS,
-                    "rounds": rounds, "results": {}}
+                    "rounds": rounds, "results": {label: {} for label in index_classes}}
     for replicas in replica_counts:
-        rng = random.Random(replicas)
-        index, names, prompt, held = _index(replicas, blocks, rng)
+        setups = {label: Setup(index_class, replicas, blocks) for label, index_class in index_classes.items()}
+        rows: dict[str, dict[str, float]] = {label: {} for label in setups}
         gc.collect()
-        row = bench_match(index, names, prompt, rounds)
-        for i in range(BATCH_KEYS // 2):  # 1,000 live predictions of 2,000 keys, none on the prompt's keys
-            index.predict(names[i % replicas], [rng.getrandbits(64) for _ in range(2)])
-        with_predictions = bench_match(index, names, prompt, rounds)
-        row.update({f"{key[:-3]}_predicted_us": value for key, value in with_predictions.items()})
-        row["apply_us"] = bench_apply(index, names[1], held[names[1]], rng, rounds, predicted=False)
-        row["apply_predicted_us"] = bench_apply(index, names[2 % replicas], held[names[2 % replicas]], rng, rounds,
-                                                predicted=True)
-        report["results"][str(replicas)] = row
-        print(f"{replicas} replicas x {blocks:,} blocks: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+
+        def measure(name: str, count: int, call: Callable[[Setup], Callable[[], object]]) -> None:
+            for label, value in _best_us({label: call(s) for label, s in setups.items()}, count, rounds).items():
+                rows[label][name] = value
+
+        for suffix in ("", "_predicted"):
+            measure(f"match_hit{suffix}_us", 50, lambda s: lambda: s.index.match(s.prompt, s.names))
+            measure(f"match_detail_hit{suffix}_us", 50, lambda s: lambda: s.index.match_detail(s.prompt, s.names))
+            measure(f"match_miss{suffix}_us", 5000, lambda s: lambda: s.index.match(s.miss, s.names))
+            if not suffix:
+                for setup in setups.values():
+                    setup.add_predictions()
+        measure("apply_us", 10, lambda s: s.deltas(s.names[1], rounds * 10, predicted=False))
+        measure("apply_predicted_us", 10, lambda s: s.deltas(s.names[2 % replicas], rounds * 10, predicted=True))
+        for label, row in rows.items():
+            report["results"][label][str(replicas)] = row
+            print(f"{label}: {replicas} replicas x {blocks:,} blocks: " + ", ".join(f"{k} {v}" for k, v in row.items()),
+                  flush=True)
     return report
+
+
+def load_baseline(path: str) -> type:
+    """The ``KvIndex`` class of another version of ``llmgw/kv/index.py`` (e.g. ``git show main:llmgw/kv/index.py``),
+    loaded as a module of ``llmgw.kv`` so that its relative imports resolve."""
+    spec = importlib.util.spec_from_file_location("llmgw.kv._baseline_index", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.KvIndex
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,8 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--blocks", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--baseline", metavar="INDEX_PY",
+                        help="also time the KvIndex of this file (another version of llmgw/kv/index.py), its rounds "
+                             "alternating with this one's: a before/after in one process")
     args = parser.parse_args(argv)
-    return finish(args, run(args.replicas, args.blocks, args.rounds))
+    classes: dict[str, type] = {"current": KvIndex}
+    if args.baseline:
+        classes = {"baseline": load_baseline(args.baseline), **classes}
+    return finish(args, run(args.replicas, args.blocks, args.rounds, classes))
 
 
 if __name__ == "__main__":

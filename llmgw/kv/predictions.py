@@ -191,11 +191,10 @@ class PredictionOverlay:
         if replica is None:
             return
         predicted = replica.entries
-        for key in keys:
-            if not predicted:
-                return
-            entry = predicted.get(key)
-            if entry is not None and not entry[UNSETTLED]:
+        if not predicted:
+            return
+        for key in filter(predicted.__contains__, keys):  # most removed keys were never predicted: skipped in C
+            if not predicted[key][UNSETTLED]:
                 self._drop_entry(replica, key)
 
     def drop(self, replica_id: str) -> None:
