@@ -7,6 +7,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from llmgw.kv.predictions import PredictionOverlay
+from llmgw.testing.prediction_model import PredictionModel
 
 A, B = 1, 2  # the slot bits the block index would give replicas a and b
 
@@ -110,62 +111,44 @@ BITS = {"a": A, "b": B}
 
 class OverlayModel(RuleBasedStateMachine):
     """After any sequence of predict, settle, unpredict, stored, evicted, drop and time passing, the overlay's
-    count and masks are what a plain model says: a prediction holds its keys until it expires or is dropped; a
-    removal takes a key from every live prediction holding it on that replica when all of them are settled; a store
-    of any of its keys settles it; a drop takes everything of the replica."""
+    count and masks are what the rule written plainly says
+    (:class:`~llmgw.testing.prediction_model.PredictionModel`)."""
 
     def __init__(self):
         super().__init__()
         self.clock = Clock()
         self.overlay = PredictionOverlay(clock=self.clock, ttl=2.0)
-        self.predictions: list[dict] = []  # replica, keys, held, expiry, settled, live, handle
-
-    def live(self, replica=None):
-        return [p for p in self.predictions if p["live"] and p["expiry"] > self.clock.now
-                and (replica is None or p["replica"] == replica)]
+        self.model = PredictionModel(ttl=2.0)
 
     @rule(replica=REPLICA, keys=KEYS, ttl=st.sampled_from([None, 1.0, 3.0]))
     def predict(self, replica, keys, ttl):
-        handle = self.overlay.predict(replica, BITS[replica], keys, ttl)
-        self.predictions.append({"replica": replica, "keys": set(keys), "held": set(keys), "settled": False,
-                                 "expiry": self.clock.now + (2.0 if ttl is None else ttl), "live": True,
-                                 "handle": handle})
+        self.model.predict(replica, keys, self.clock.now, ttl, self.overlay.predict(replica, BITS[replica], keys, ttl))
 
     @rule(replica=REPLICA, keys=st.lists(st.integers(1, 6), max_size=3, unique=True))
     def stored(self, replica, keys):
         self.overlay.stored(replica, keys)
-        for p in self.live(replica):
-            if p["keys"] & set(keys):
-                p["settled"] = True
+        self.model.stored(replica, keys, self.clock.now)
 
     @rule(replica=REPLICA, keys=st.lists(st.integers(1, 6), max_size=3, unique=True))
     def evicted(self, replica, keys):
         self.overlay.evicted(replica, keys)
-        mine = self.live(replica)
-        for key in keys:
-            holding = [p for p in mine if key in p["held"]]
-            if all(p["settled"] for p in holding):
-                for p in holding:
-                    p["held"].discard(key)
+        self.model.evicted(replica, keys, self.clock.now)
 
     @rule(replica=REPLICA)
     def drop(self, replica):
         self.overlay.drop(replica)
-        for p in self.live(replica):
-            p["held"].clear()
-            p["settled"] = True
+        self.model.drop(replica, self.clock.now)
 
-    @precondition(lambda self: self.predictions)
+    @precondition(lambda self: self.model.predictions)
     @rule(data=st.data(), settle=st.booleans())
     def settle_or_unpredict(self, data, settle):
-        p = data.draw(st.sampled_from(self.predictions))
+        p = data.draw(st.sampled_from(self.model.predictions))
         if settle:
-            self.overlay.settle(p["handle"])
-            if p["live"] and p["expiry"] > self.clock.now:
-                p["settled"] = True
+            self.overlay.settle(p.handle)
+            self.model.settle(p, self.clock.now)
         else:
-            self.overlay.unpredict(p["handle"])
-            p["live"] = False
+            self.overlay.unpredict(p.handle)
+            self.model.unpredict(p)
 
     @rule(seconds=st.sampled_from([0.5, 1.0, 2.5]))
     def wait(self, seconds):
@@ -173,12 +156,13 @@ class OverlayModel(RuleBasedStateMachine):
 
     @invariant()
     def count_and_masks_follow_the_model(self):
-        assert self.overlay.predicted_keys == len(set().union(*(p["held"] for p in self.live())))
+        now = self.clock.now
+        assert self.overlay.predicted_keys == len(self.model.held(now))
         self.overlay.expire()  # what the next writer does first; then the masks hold only live entries
-        masks: dict[int, int] = {}
-        for p in self.live():
-            for key in p["held"]:
-                masks[key] = masks.get(key, 0) | BITS[p["replica"]]
+        masks = {key: 0 for key in self.model.held(now)}
+        for replica, bit in BITS.items():
+            for key in self.model.held(now, replica):
+                masks[key] |= bit
         assert dict(self.overlay.masks) == masks
 
 
