@@ -15,6 +15,7 @@ from llmgw.kv.changes import BlockChanges, KvChangeKind
 from llmgw.kv.drift import DriftPolicy
 from llmgw.kv.index import IndexState, KvIndex, refusal_reason
 from llmgw.kv.metrics import KvMetrics
+from llmgw.testing.prediction_model import PredictionModel
 
 
 def delta(stored=(), removed=(), block_size=16):
@@ -388,11 +389,11 @@ def test_readers_never_ask_for_a_resync_nor_change_what_they_read_next():
 def test_tick_asks_again_for_each_due_resync_in_its_mode_and_ends_reset_windows():
     asked = []
     clock, index = suspect_and_resetting(asked)
-    assert index._replicas["b"].state is IndexState.RESETTING
+    assert index.health._replicas["b"].state is IndexState.RESETTING
     index.tick()
     index.tick()  # one retry per retry period, however often it ticks
     assert asked[1:] == [("a", "full", "no answer to the last resync request")]
-    assert index._replicas["b"].state is IndexState.HEALTHY and index.state("b") is IndexState.HEALTHY
+    assert index.health._replicas["b"].state is IndexState.HEALTHY and index.state("b") is IndexState.HEALTHY
     assert index.describe("a")["drift"]["resyncs"] == {"full": 2, "reset": 0}
     index.apply("a", full([1, 2]))  # the answer; then a relapse asks for a reset, retried as a reset
     for _ in range(3):
@@ -409,9 +410,9 @@ def test_tick_drops_expired_predictions():
     clock, index = drifting_index([])
     index.predict("a", [7, 8], ttl=1.0)
     clock.jump(2)
-    assert index.predicted_keys == 0 and len(index._pred_heap) == 1  # counted out by the reader, still there
+    assert index.predicted_keys == 0 and len(index.predictions._heap) == 1  # counted out by the reader, still there
     index.tick()
-    assert index._pred_heap == [] and index._pred_mask == {} and index.keys("a") == {1, 2}
+    assert index.predictions._heap == [] and index.predictions.masks == {} and index.keys("a") == {1, 2}
 
 
 async def test_a_scrape_in_a_worker_thread_while_a_resync_is_due_asks_nothing_and_tick_then_does():
@@ -460,7 +461,7 @@ def test_suspect_after_zero_never_suspects_and_a_failing_listener_stops_nothing(
     def broken(*args):
         raise RuntimeError("boom")
 
-    index._resync_listeners.insert(0, broken)
+    index.health._listeners.insert(0, broken)
     for _ in range(10):
         index.observe("a", "over", epoch=index.epoch("a"), policy=DriftPolicy(suspect_after=0))
     assert index.state("a") is IndexState.HEALTHY and index.describe("a")["drift"]["over"] == 10
@@ -490,41 +491,28 @@ REPLICA = st.sampled_from("ab")
 
 
 class PredictionRule(RuleBasedStateMachine):
-    """The index's predicted entries against the rule in :mod:`llmgw.kv.index`, written plainly: a prediction holds
-    its keys until it expires or is dropped; a removal of a key takes it from every prediction holding it on that
-    replica when all of them are settled; a store of any of its keys settles it; a reset takes everything."""
+    """The index's predicted entries against the rule (:mod:`llmgw.kv.predictions`) written plainly
+    (:class:`~llmgw.testing.prediction_model.PredictionModel`), through the index: a DELTA's stores and removals,
+    a RESET, and ``match``."""
 
     def __init__(self):
         super().__init__()
         self.now = 0.0
         self.index = KvIndex(clock=lambda: self.now, predicted_ttl=2.0)
         self.confirmed: dict[str, set[int]] = {"a": set(), "b": set()}
-        self.predictions: list[dict] = []  # replica, keys, held, expiry, settled, live, handle
-
-    def live(self, replica=None):
-        return [p for p in self.predictions if p["live"] and p["expiry"] > self.now
-                and (replica is None or p["replica"] == replica)]
+        self.model = PredictionModel(ttl=2.0)
 
     @rule(replica=REPLICA, keys=KEYS)
     def predict(self, replica, keys):
-        handle = self.index.predict(replica, keys)
-        self.predictions.append({"replica": replica, "keys": set(keys), "held": set(keys), "expiry": self.now + 2.0,
-                                 "settled": False, "live": True, "handle": handle})
+        self.model.predict(replica, keys, self.now, None, self.index.predict(replica, keys))
 
     @rule(replica=REPLICA, stored=st.lists(st.integers(1, 6), max_size=3, unique=True),
           removed=st.lists(st.integers(1, 6), max_size=3, unique=True))
     def delta(self, replica, stored, removed):
         removed = [k for k in removed if k not in stored]  # the mirror nets a key out of one of the two lists
         self.index.apply(replica, delta(stored, removed))
-        mine = self.live(replica)
-        for p in mine:
-            if p["keys"] & set(stored):
-                p["settled"] = True
-        for key in removed:
-            holding = [p for p in mine if key in p["held"]]
-            if all(p["settled"] for p in holding):
-                for p in holding:
-                    p["held"].discard(key)
+        self.model.stored(replica, stored, self.now)
+        self.model.evicted(replica, removed, self.now)
         self.confirmed[replica] -= set(removed)
         self.confirmed[replica] |= set(stored)
 
@@ -532,21 +520,18 @@ class PredictionRule(RuleBasedStateMachine):
     def reset(self, replica):
         self.index.apply(replica, reset("cleared"))
         self.confirmed[replica].clear()
-        for p in self.live(replica):
-            p["held"].clear()
-            p["settled"] = True
+        self.model.drop(replica, self.now)
 
-    @precondition(lambda self: self.predictions)
+    @precondition(lambda self: self.model.predictions)
     @rule(data=st.data(), settle=st.booleans())
     def settle_or_drop(self, data, settle):
-        p = data.draw(st.sampled_from(self.predictions))
+        p = data.draw(st.sampled_from(self.model.predictions))
         if settle:
-            self.index.settle(p["handle"])
-            if p["live"] and p["expiry"] > self.now:
-                p["settled"] = True
+            self.index.settle(p.handle)
+            self.model.settle(p, self.now)
         else:
-            self.index.unpredict(p["handle"])
-            p["live"] = False
+            self.index.unpredict(p.handle)
+            self.model.unpredict(p)
 
     @rule(seconds=st.sampled_from([0.5, 1.0, 2.5]))
     def wait(self, seconds):
@@ -555,11 +540,11 @@ class PredictionRule(RuleBasedStateMachine):
     @invariant()
     def matches_the_rule(self):
         for replica in "ab":
-            predicted = set().union(*(p["held"] for p in self.live(replica)))
+            predicted = self.model.held(self.now, replica)
             for key in range(1, 7):
                 held = key in self.confirmed[replica] or key in predicted
                 assert self.index.match([key], [replica])[replica] == int(held), (replica, key)
-        assert self.index.predicted_keys == len(set().union(*(p["held"] for p in self.live())))
+        assert self.index.predicted_keys == len(self.model.held(self.now))
 
 
 TestPredictionRule = PredictionRule.TestCase
