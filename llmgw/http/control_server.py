@@ -250,14 +250,20 @@ class _ReadDeadlines:
         state = connection.their_state
         if state is h11.IDLE:
             self._body_from = None
-            if self._head_from is None and connection.trailing_data[0]:  # the next request's first bytes
-                self._head_from = self._last_data_at
+            if connection.trailing_data[0]:  # a head begun: from its first bytes (the first request's: the accept)
+                if self._head_from is None:
+                    self._head_from = self._last_data_at
+            elif self._last_data_at != math.inf:
+                # Between requests (a request read in one piece leaves no other state to see): Hypercorn's idle
+                # timer governs the connection until the next head begins.
+                self._head_from = None
             return "header", self._header_deadline()
         self._head_from = None
         if state is h11.SEND_BODY:
             if self._body_from is None:
                 self._body_from = self._last_data_at  # the read that ended the head
             return "body", self._body_from + self.limits.body_timeout
+        self._body_from = None
         return "answering", math.inf
 
     def _header_deadline(self) -> float:

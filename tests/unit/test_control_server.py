@@ -122,6 +122,40 @@ async def test_a_control_connection_that_sends_nothing_is_closed_after_the_heade
         assert (await read_to_eof(stream)).startswith(b"HTTP/1.1 408 ")
 
 
+async def test_the_deadlines_of_a_kept_alive_connection_count_from_each_request_not_an_earlier_one(control):
+    """Hypercorn reads on while it answers, so the next request can arrive on a read begun for the previous one:
+    its head and body deadlines count from its own bytes, never from an earlier request's (a body that came in two
+    pieces once must not make every later one late)."""
+    _, port = await control(header_timeout=0.5, body_timeout=0.5, keepalive_timeout=60)
+
+    async def answer(stream: trio.SocketStream, end: bytes) -> bytes:
+        received = b""
+        while end not in received:
+            piece = await stream.receive_some()
+            assert piece, received
+            received += piece
+        return received
+
+    async def post_in_two_pieces(stream: trio.SocketStream) -> bytes:
+        await stream.send_all(b"POST /admin/reload HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nabc")
+        await trio.sleep(0.2)
+        await stream.send_all(b"def")
+        return await answer(stream, b'"read":6}')
+
+    with trio.fail_after(15):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        assert (await post_in_two_pieces(stream)).startswith(b"HTTP/1.1 200 ")
+        for _ in range(12):  # 1.2 s of requests on the same connection: more than both timeouts
+            await stream.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await answer(stream, b'"ok"}')).startswith(b"HTTP/1.1 200 ")
+            await trio.sleep(0.1)
+        assert (await post_in_two_pieces(stream)).startswith(b"HTTP/1.1 200 ")
+        await stream.send_all(b"GET /health HTTP/1.1\r\n")  # and a head in two pieces
+        await trio.sleep(0.2)
+        await stream.send_all(b"Host: x\r\n\r\n")
+        assert (await answer(stream, b'"ok"}')).startswith(b"HTTP/1.1 200 ")
+
+
 async def test_a_websocket_is_not_cut_by_the_read_deadlines(control):
     _, port = await control(header_timeout=0.3, body_timeout=0.3, keepalive_timeout=0.3)
     with trio.fail_after(10):
