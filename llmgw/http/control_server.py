@@ -211,7 +211,11 @@ class _ReadDeadlines:
     first byte), a head read and its body not (``body``: ``body_timeout`` after the head), a request being
     answered or an idle connection between requests (no read deadline here: Hypercorn's own idle timer closes a
     connection idle for ``keep_alive_timeout``), a websocket (none: its heartbeat governs it). A deadline that
-    passes answers 408 when a request was begun and nothing was answered yet, and ends the connection."""
+    passes answers 408 when a request was begun and nothing was answered yet, and ends the connection.
+
+    Hypercorn reads on while it answers, so the next request may arrive on a read begun for the previous one,
+    with no idle state seen in between: what is not the next read's phase is forgotten at every read, so that a
+    deadline always counts from its own request's bytes."""
 
     def __init__(self, stream: _Stream, limits: ServerLimits):
         self.stream = stream
