@@ -33,7 +33,8 @@ class GpuSpec:
     link_bytes_per_s: float  # one direction of the GPU-to-GPU link (NVLink, or PCIe without it)
     bandwidth_efficiency: float  # share of the bandwidth a decode step's reads reach
     flops_efficiency: float  # share of the FLOPs a prefill's matrix products reach
-    step_overhead_ms: float  # per engine step: scheduling, kernel launches, sampling
+    step_overhead_ms: float  # per engine step: scheduling, kernel launches
+    seq_overhead_us: float  # per request in a step: input preparation, sampling, output processing (host CPU)
     request_overhead_ms: float  # per request before it reaches the scheduler: HTTP, tokenization
     allreduce_latency_us: float = 10.0  # fixed cost of one all-reduce (tensor parallel only)
 
@@ -65,20 +66,20 @@ class ModelSpec:
 
 GPUS: dict[str, GpuSpec] = {gpu.name: gpu for gpu in (
     # H100 SXM5 80GB: 3.35 TB/s HBM3, 989 TFLOPs dense BF16, NVLink 4 900 GB/s (450 each way)
-    GpuSpec("h100", 79.1, 3.35e12, 989e12, 450e9, bandwidth_efficiency=0.80, flops_efficiency=0.55,
-            step_overhead_ms=1.5, request_overhead_ms=8.0),
+    GpuSpec("h100", 79.1, 3.35e12, 989e12, 450e9, bandwidth_efficiency=0.80, flops_efficiency=0.60,
+            step_overhead_ms=0.5, seq_overhead_us=20.0, request_overhead_ms=8.0),
     # A100 SXM4 40GB: 1.555 TB/s HBM2, 312 TFLOPs dense BF16, NVLink 3 600 GB/s (300 each way)
-    GpuSpec("a100-40gb", 39.4, 1.555e12, 312e12, 300e9, bandwidth_efficiency=0.82, flops_efficiency=0.60,
-            step_overhead_ms=1.5, request_overhead_ms=8.0),
+    GpuSpec("a100-40gb", 39.4, 1.555e12, 312e12, 300e9, bandwidth_efficiency=0.80, flops_efficiency=0.75,
+            step_overhead_ms=0.5, seq_overhead_us=20.0, request_overhead_ms=8.0),
     # A100 SXM4 80GB: 2.039 TB/s HBM2e
-    GpuSpec("a100-80gb", 79.2, 2.039e12, 312e12, 300e9, bandwidth_efficiency=0.82, flops_efficiency=0.60,
-            step_overhead_ms=1.5, request_overhead_ms=8.0),
+    GpuSpec("a100-80gb", 79.2, 2.039e12, 312e12, 300e9, bandwidth_efficiency=0.80, flops_efficiency=0.75,
+            step_overhead_ms=0.5, seq_overhead_us=20.0, request_overhead_ms=8.0),
     # L4 24GB: 300 GB/s GDDR6, 121 TFLOPs dense BF16 (242 is with sparsity), PCIe Gen4 x16 (32 GB/s each way)
-    GpuSpec("l4", 22.0, 300e9, 121e12, 32e9, bandwidth_efficiency=0.80, flops_efficiency=0.50,
-            step_overhead_ms=1.0, request_overhead_ms=15.0, allreduce_latency_us=30.0),
+    GpuSpec("l4", 22.0, 300e9, 121e12, 32e9, bandwidth_efficiency=0.80, flops_efficiency=0.40,
+            step_overhead_ms=0.8, seq_overhead_us=50.0, request_overhead_ms=20.0, allreduce_latency_us=30.0),
     # MI300X 192GB: 5.3 TB/s HBM3, 1307 TFLOPs dense BF16, Infinity Fabric 64 GB/s per link x 7
     GpuSpec("mi300x", 191.5, 5.3e12, 1307e12, 448e9, bandwidth_efficiency=0.70, flops_efficiency=0.45,
-            step_overhead_ms=2.0, request_overhead_ms=8.0),
+            step_overhead_ms=1.0, seq_overhead_us=20.0, request_overhead_ms=8.0),
 )}
 
 MODELS: dict[str, ModelSpec] = {model.name: model for model in (

@@ -126,7 +126,8 @@ class Step:
 
     @property
     def work(self) -> StepWork:
-        return StepWork(self.prefill_tokens, self.decode_requests, self.context_tokens, self.attention_pairs)
+        return StepWork(self.prefill_tokens, self.decode_requests, self.context_tokens, self.attention_pairs,
+                        len(self.scheduled))
 
 
 @dataclass(slots=True)

@@ -18,7 +18,9 @@ tensor-parallel group (weights, KV cache, FLOPs and bandwidth all split over
 - tensor parallelism adds two all-reduces per layer of the step's
   activations (ring: 2 (tp-1)/tp of the bytes over the link, plus a fixed
   latency each);
-- a fixed overhead per step (scheduling, launches, sampling).
+- a fixed overhead per step (scheduling, launches) and one per scheduled
+  request (input preparation, sampling, output processing: CPU work that
+  grows with the batch and shows most on small models).
 
 Bandwidth and FLOPs are the datasheet's times an achieved fraction
 (:mod:`llmgw.sim.profiles`). A request also waits the frontend's
@@ -41,6 +43,7 @@ class StepWork:
     decode_tokens: int = 0  # one per decoding request
     context_tokens: int = 0  # KV entries read: every scheduled sequence's context, its new tokens included
     attention_pairs: int = 0  # (query, key) pairs: new tokens x the context they attend to
+    sequences: int = 0  # requests scheduled in the step
 
 
 class Timing(Protocol):
@@ -97,6 +100,7 @@ class GpuTiming:
         self.linear_s_per_token = 2.0 * model.parameters / tp / flops
         self.attention_s_per_pair = 4.0 * model.layers * model.attention_heads * model.head_dim / tp / flops
         self.overhead_s = gpu.step_overhead_ms / 1000.0
+        self.seq_overhead_s = gpu.seq_overhead_us / 1e6
         self.request_overhead_s = gpu.request_overhead_ms / 1000.0
         self.allreduce_fixed_s = self.allreduce_s_per_token = 0.0
         if tp > 1:
@@ -112,7 +116,7 @@ class GpuTiming:
         linear = max(self.weights_s, tokens * self.linear_s_per_token)
         attention = work.context_tokens * self.kv_s_per_token + work.attention_pairs * self.attention_s_per_pair
         allreduce = self.allreduce_fixed_s + tokens * self.allreduce_s_per_token if self.profile.tp > 1 else 0.0
-        return self.overhead_s + linear + attention + allreduce
+        return self.overhead_s + work.sequences * self.seq_overhead_s + linear + attention + allreduce
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -120,7 +124,7 @@ class GpuTiming:
 
     @property
     def decode_ms_per_step(self) -> float:
-        return self.step_seconds(StepWork(decode_tokens=1, context_tokens=1)) * 1000.0
+        return self.step_seconds(StepWork(decode_tokens=1, context_tokens=1, sequences=1)) * 1000.0
 
 
 def causal_attention_pairs(context_before: int, new_tokens: int) -> int:
