@@ -147,7 +147,8 @@ def simulate(ref: Reference, concurrency: int, requests_per_client: int = REQUES
 
 
 def calibrate(references: tuple[Reference, ...] = REFERENCES) -> dict:
-    rows = []
+    rows: list[dict] = []
+    errors: list[float] = []
     for ref in references:
         runs: dict[int, SweepResult] = {}
 
@@ -162,11 +163,12 @@ def calibrate(references: tuple[Reference, ...] = REFERENCES) -> dict:
             else:
                 simulated = run_at(point.concurrency).metric(point.metric)
             error = simulated / point.value - 1.0
+            errors.append(error)
             rows.append({"reference": ref.name, "profile": ref.profile, "concurrency": point.concurrency,
                          "metric": point.metric, "published": point.value, "simulated": round(simulated, 2),
                          "error": round(error, 3), "within_target": abs(error) <= TARGET,
                          "preemptions": run_at(point.concurrency).preemptions})
-    worst = max(abs(row["error"]) for row in rows)
+    worst = round(max(abs(error) for error in errors), 3)
     return {"target": TARGET, "rows": rows, "worst_error": worst, "all_within_target": worst <= TARGET,
             "references": [asdict(ref) for ref in references]}
 
