@@ -21,6 +21,8 @@ BENCHES: dict[str, tuple[str, str]] = {
                                    "(--gateways N: a gateway, then Redis, in a cluster)"),
     "routing": ("llmgw.bench.routing", "routing tiers, an oracle and vllm-router on the same simulators: "
                                        "engine-reported cache hits, TTFT p90, output tokens/s, the load knee"),
+    "sim-calibration": ("llmgw.bench.sim_calibration", "the simulator's GPU profiles against published vLLM "
+                                                       "sweeps: TTFT and ITL by concurrency, relative error"),
     "workers": ("llmgw.bench.workers", "llmgw serve --workers 2 against one process on one core: CPU per "
                                        "request, added p50 latency, each worker's share and efficiency"),
 }

@@ -146,8 +146,8 @@ class SimApi:
                             self._stream(seq, request_id, created, model, options, chat=chat))
         engine = self.core
         self.in_flight += 1
-        engine.submit(seq)
         try:
+            await engine.arrive(seq)
             await seq.wait_finished()
         finally:
             self.in_flight -= 1
@@ -166,8 +166,8 @@ class SimApi:
         engine = self.core
         writer = ChunkWriter(request_id, created, model, chat=chat, continuous_usage=options.continuous_usage)
         self.in_flight += 1
-        engine.submit(seq)
         try:
+            await engine.arrive(seq)
             if self.sim.config.stream_head_first:
                 yield b""  # the server sends the head now; the first token follows when it is computed
             sent = 0
@@ -250,8 +250,8 @@ class SimApi:
         return Response.json({"prompt_tokens": len(prompt_ids), "cached_tokens": cached,
                               "running": len(scheduler.running), "waiting": len(scheduler.waiting),
                               "pending_prefill_tokens": pending, "block_size": cache.block_size,
-                              "prefill_tokens_per_s": self.core.prefill_tokens_per_s,
-                              "decode_ms_per_step": self.core.decode_s_per_step * 1000.0,
+                              "prefill_tokens_per_s": self.core.timing.prefill_tokens_per_s,
+                              "decode_ms_per_step": self.core.timing.decode_ms_per_step,
                               "max_num_batched_tokens": scheduler.max_num_batched_tokens})
 
     # ------------------------------------------------------------------ server endpoints

@@ -71,6 +71,7 @@ class Simulator:
             self.hashing = BlockHashing(config.block_size, algo, none_hash_seed(algo, env), to_event)
         events_cfg = config.kv_events
         publishing = events_cfg.publishing
+        assert config.num_blocks is not None  # resolve() filled it
         cache = KVCacheManager(config.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
                                enable_events=publishing, to_event=to_event)
         assert config.max_num_batched_tokens is not None  # resolve() filled it
@@ -80,8 +81,7 @@ class Simulator:
         self._events_in = self._events_out = None
         if publishing:
             self._events_in, self._events_out = trio.open_memory_channel(queue_size(events_cfg.max_queue_size))
-        self.core = StepLoop(scheduler, prefill_tokens_per_s=config.prefill_tokens_per_s,
-                             decode_ms_per_step=config.decode_ms_per_step, time_scale=config.time_scale,
+        self.core = StepLoop(scheduler, timing=config.timing(), time_scale=config.time_scale,
                              data_parallel_rank=config.data_parallel_rank, events_out=self._events_in,
                              suppress_events=frozenset(config.suppress_events))
         self.loras = {m.name: m for m in config.lora_modules}

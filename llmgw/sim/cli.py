@@ -21,6 +21,7 @@ import trio
 from ..logsetup import add_logging_arguments, setup_logging
 from ..usererrors import run_reporting
 from .config import KVEventsConfig, SimArgumentError, SimConfig, parse_lora_modules
+from .profiles import CONSTANT, DEFAULT_GPU_MEMORY_UTILIZATION, profile_names
 
 log = logging.getLogger("llmgw.sim")
 
@@ -30,8 +31,8 @@ READY_PREFIX = "llmgw-sim listening on "
 
 # vLLM flags an engine plugin may pass that do not matter to the simulator: (name, takes a value)
 IGNORED_FLAGS = (
-    ("--tensor-parallel-size", True), ("-tp", True), ("--pipeline-parallel-size", True), ("-pp", True),
-    ("--data-parallel-size", True), ("--dtype", True), ("--gpu-memory-utilization", True),
+    ("--pipeline-parallel-size", True), ("-pp", True),
+    ("--data-parallel-size", True), ("--dtype", True),
     ("--kv-cache-memory-bytes", True), ("--swap-space", True), ("--tokenizer", True), ("--revision", True),
     ("--download-dir", True), ("--load-format", True), ("--max-loras", True), ("--max-lora-rank", True),
     ("--uvicorn-log-level", True), ("--distributed-executor-backend", True), ("--quantization", True),
@@ -69,8 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (as vLLM); without it, the "
                                         f"environment variable {API_KEY_ENV} (as vLLM)")
     vllm.add_argument("--block-size", type=int, default=16)
-    vllm.add_argument("--num-gpu-blocks-override", "--num-blocks", dest="num_blocks", type=int, default=1024,
-                      help="KV cache size in blocks, including vLLM's reserved null block (default 1024)")
+    vllm.add_argument("--num-gpu-blocks-override", "--num-blocks", dest="num_blocks", type=int, default=None,
+                      help="KV cache size in blocks, including vLLM's reserved null block (default 1024 with the "
+                           "constant profile; a GPU profile derives it from memory)")
+    vllm.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                      help="GPU profiles: GPUs the model is split over (overrides the profile's -tpN)")
+    vllm.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
+                      help="GPU profiles: share of device memory for weights, activations and KV cache (default 0.9)")
     vllm.add_argument("--max-model-len", type=int, default=None,
                       help="context length (default 8192, lowered to what the KV cache holds)")
     vllm.add_argument("--max-num-seqs", type=int, default=256, help="running requests per step")
@@ -95,11 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--event-fields", type=int, default=None,
                      help="BlockStored fields the layout declares (map 11-15, default 14 = vLLM 0.30-0.32; "
                           "array 5-11, default 11)")
+    sim.add_argument("--profile", default=CONSTANT, metavar="NAME",
+                     help="timing model: 'constant' (the two flags below) or <gpu>-<model>[-tpN], a GPU's roofline: "
+                          + ", ".join(profile_names()[1:]))
     sim.add_argument("--time-scale", type=float, default=1.0,
                      help="1 = modelled real time, 0.01 = 100x faster, 0 = no waiting")
-    sim.add_argument("--prefill-tokens-per-s", type=float, default=20000.0,
-                     help="prefill throughput of uncached tokens")
-    sim.add_argument("--decode-ms-per-step", type=float, default=20.0, help="fixed cost of every engine step")
+    sim.add_argument("--prefill-tokens-per-s", type=float, default=None,
+                     help="constant profile: prefill throughput of uncached tokens (default 20000)")
+    sim.add_argument("--decode-ms-per-step", type=float, default=None,
+                     help="constant profile: fixed cost of every engine step (default 20)")
     sim.add_argument("--output-tokens", type=_output_range, default=(16, 128), metavar="MIN:MAX",
                      help="range of natural output lengths (ending in EOS) unless ignore_eos or max_tokens")
     sim.add_argument("--drop-event-seqs", default=None, metavar="SEQS",
@@ -160,6 +170,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         suppress_events=tuple(t.strip() for t in args.suppress_events.split(",") if t.strip()),
         debug_routes=args.debug_routes,
         time_scale=args.time_scale,
+        profile=args.profile,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         decode_ms_per_step=args.decode_ms_per_step,
         seed=args.seed,
@@ -189,8 +202,9 @@ async def serve(config: SimConfig) -> None:
         if addresses.kv_replay:
             print(f"llmgw-sim kv-replay on {addresses.kv_replay}", flush=True)
         print(f"{READY_PREFIX}{addresses.base_url}", flush=True)
-        log.info("model %s: %d blocks of %d tokens, max_model_len %d, hash %s, events %s",
-                 config.model_name, config.num_blocks, config.block_size, config.max_model_len,
+        log.info("model %s: profile %s, %d blocks of %d tokens, max_model_len %d, hash %s, events %s",
+                 config.model_name, config.gpu_profile.name if config.gpu_profile else CONSTANT, config.num_blocks,
+                 config.block_size, config.max_model_len,
                  config.prefix_caching_hash_algo if config.enable_prefix_caching else "off (no prefix caching)",
                  json.dumps(sim.kv_event_sources()) if addresses.kv_events else "off")
 

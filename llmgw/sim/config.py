@@ -19,6 +19,10 @@ from llmgw.kv.codec import ARRAY_VARIANTS, MAP_VARIANTS
 from llmgw.kv.keys import ALGORITHMS
 from llmgw.kv.subscriber import rank_endpoint
 
+from . import profiles
+from .profiles import CONSTANT, DEFAULT_GPU_MEMORY_UTILIZATION, GpuProfile, ProfileError
+from .timing import ConstantTiming, GpuTiming, Timing
+
 
 class SimArgumentError(ValueError):
     """A setting the simulator cannot run with."""
@@ -109,8 +113,8 @@ class SimConfig:
     port: int = 8000
     api_key: str | None = None
     block_size: int = 16
-    num_blocks: int = 1024
-    max_model_len: int | None = None  # None -> 8192, lowered to what the cache holds
+    num_blocks: int | None = None  # None -> 1024 (constant profile) or what the GPU profile's memory holds
+    max_model_len: int | None = None  # None -> 8192 (the model's for a GPU profile), lowered to what the cache holds
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None -> 2048, or max(max_model_len, 2048) without chunking
     enable_chunked_prefill: bool = True
@@ -125,13 +129,60 @@ class SimConfig:
     suppress_events: tuple[str, ...] = ()  # test switch: event types never published (an engine missing events)
     debug_routes: bool = False  # test switch: POST /debug/prefix_hit (the routing benchmark's oracle)
     time_scale: float = 1.0
-    prefill_tokens_per_s: float = 20000.0
-    decode_ms_per_step: float = 20.0
+    profile: str = CONSTANT  # "constant" or a GPU profile (llmgw.sim.profiles)
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # GPU profiles: vLLM's share of device memory
+    tensor_parallel_size: int | None = None  # GPU profiles: overrides the name's -tpN
+    prefill_tokens_per_s: float | None = None  # constant profile only; None -> 20000
+    decode_ms_per_step: float | None = None  # constant profile only; None -> 20
     seed: int = 0
     output_tokens: tuple[int, int] = (16, 128)
     lora_modules: list[LoraModule] = field(default_factory=list)
 
     DEFAULT_MAX_MODEL_LEN = 8192
+    DEFAULT_NUM_BLOCKS = 1024
+    DEFAULT_PREFILL_TOKENS_PER_S = 20000.0
+    DEFAULT_DECODE_MS_PER_STEP = 20.0
+
+    @property
+    def gpu_profile(self) -> GpuProfile | None:
+        """The GPU profile, or None for the constant model."""
+        if self.profile == CONSTANT:
+            return None
+        try:
+            return profiles.profile(self.profile, self.tensor_parallel_size)
+        except ProfileError as exc:
+            raise SimArgumentError(str(exc)) from None
+
+    def timing(self) -> Timing:
+        gpu = self.gpu_profile
+        if gpu is not None:
+            return GpuTiming(gpu)
+        assert self.prefill_tokens_per_s is not None and self.decode_ms_per_step is not None  # resolve() filled them
+        return ConstantTiming(self.prefill_tokens_per_s, self.decode_ms_per_step)
+
+    def _resolve_profile(self) -> tuple[int, int]:
+        """Fill the timing settings the profile leaves open; returns the default context length and step budget."""
+        gpu = self.gpu_profile
+        if gpu is None:
+            if self.prefill_tokens_per_s is None:
+                self.prefill_tokens_per_s = self.DEFAULT_PREFILL_TOKENS_PER_S
+            if self.decode_ms_per_step is None:
+                self.decode_ms_per_step = self.DEFAULT_DECODE_MS_PER_STEP
+            if self.num_blocks is None:
+                self.num_blocks = self.DEFAULT_NUM_BLOCKS
+            return self.DEFAULT_MAX_MODEL_LEN, 2048
+        if self.prefill_tokens_per_s is not None or self.decode_ms_per_step is not None:
+            raise SimArgumentError(f"--prefill-tokens-per-s and --decode-ms-per-step set the constant model; profile "
+                                   f"{self.profile} derives its timing from the GPU (use --profile constant)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise SimArgumentError("--gpu-memory-utilization must be in (0, 1]")
+        if self.num_blocks is None:
+            try:
+                self.num_blocks = gpu.num_blocks(self.block_size, self.gpu_memory_utilization)
+            except ProfileError as exc:
+                raise SimArgumentError(str(exc)) from None
+        # vLLM V1's API-server default budget: 8192 tokens on GPUs with at least 70 GiB, 2048 below
+        return gpu.model.max_position_embeddings, 8192 if gpu.gpu.memory_gib >= 70 else 2048
 
     def resolve(self) -> "SimConfig":
         """Fill derived defaults and check the combination; returns self."""
@@ -139,6 +190,8 @@ class SimConfig:
             self.served_model_names = [self.model]
         if self.block_size < 1:
             raise SimArgumentError("--block-size must be positive")
+        default_max_model_len, default_budget = self._resolve_profile()
+        assert self.num_blocks is not None
         if self.num_blocks < 2:
             raise SimArgumentError("--num-blocks must be at least 2 (vLLM reserves one null block)")
         if self.prefix_caching_hash_algo not in ALGORITHMS:
@@ -153,7 +206,7 @@ class SimConfig:
                               f"{', '.join(map(str, sorted(variants)))}")
         capacity = (self.num_blocks - 1) * self.block_size
         if self.max_model_len is None:
-            self.max_model_len = min(self.DEFAULT_MAX_MODEL_LEN, capacity)
+            self.max_model_len = min(default_max_model_len, capacity)
         elif self.max_model_len > capacity:
             raise SimArgumentError(
                 f"--max-model-len {self.max_model_len} needs more KV cache than --num-blocks {self.num_blocks} "
@@ -161,14 +214,18 @@ class SimConfig:
         if self.max_model_len < 2:
             raise SimArgumentError("--max-model-len must be at least 2")
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(self.max_model_len, 2048)
+            self.max_num_batched_tokens = (default_budget if self.enable_chunked_prefill
+                                           else max(self.max_model_len, default_budget))
         elif not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise SimArgumentError(  # vLLM refuses the same: a prompt of max_model_len tokens could never be scheduled
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than --max-model-len "
                 f"({self.max_model_len}): without chunked prefill every prompt must fit in one step")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise SimArgumentError("--max-num-seqs and --max-num-batched-tokens must be positive")
-        if self.time_scale < 0 or self.prefill_tokens_per_s <= 0 or self.decode_ms_per_step < 0:
+        constant_rates_bad = self.gpu_profile is None and (
+            self.prefill_tokens_per_s is None or self.prefill_tokens_per_s <= 0
+            or self.decode_ms_per_step is None or self.decode_ms_per_step < 0)
+        if self.time_scale < 0 or constant_rates_bad:
             raise SimArgumentError("--time-scale and --decode-ms-per-step must be >= 0, --prefill-tokens-per-s > 0")
         low, high = self.output_tokens
         if not 1 <= low <= high:

@@ -1,10 +1,12 @@
 """The engine loop: runs scheduler steps on the Trio clock and hands out tokens and event batches.
 
-Timing model: a step lasts ``prefill_tokens / prefill_tokens_per_s +
-decode_ms_per_step / 1000`` seconds of modelled time, times ``time_scale``
-(0 = as fast as possible, still yielding to other tasks between steps).
-Prefix-cache hits are not computed, so a hit saves exactly the prefill time of
-its tokens. Tokens sampled by a step are delivered when the step ends; the
+Timing model (:mod:`llmgw.sim.timing`): a step lasts what the profile's
+model says (constant: ``prefill_tokens / prefill_tokens_per_s +
+decode_ms_per_step / 1000``; a GPU profile: its roofline over the batch),
+times ``time_scale`` (0 = as fast as possible, still yielding to other tasks
+between steps). Prefix-cache hits are not computed, so a hit saves exactly the
+prefill time of its tokens. A request reaches the scheduler after the
+profile's frontend overhead (none in the constant model). Tokens sampled by a step are delivered when the step ends; the
 step's KV events go to the publisher as one batch at the same moment, as vLLM
 publishes after the step ran. With nothing to do the loop sleeps on an event:
 no polling, no CPU.
@@ -25,6 +27,7 @@ import trio
 from llmgw.kv.events import EventBatch, KVEvent
 
 from .scheduler import Scheduler, Sequence, Step
+from .timing import ConstantTiming, Timing
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +36,14 @@ class StepLoop:
     """Owns the scheduler; one task runs :meth:`run`."""
 
     def __init__(self, scheduler: Scheduler, *, prefill_tokens_per_s: float = 20000.0,
-                 decode_ms_per_step: float = 20.0, time_scale: float = 1.0, data_parallel_rank: int = 0,
-                 events_out: trio.MemorySendChannel | None = None, suppress_events: frozenset[str] = frozenset()):
-        if prefill_tokens_per_s <= 0 or decode_ms_per_step < 0 or time_scale < 0:
-            raise ValueError("prefill_tokens_per_s must be > 0; decode_ms_per_step and time_scale >= 0")
+                 decode_ms_per_step: float = 20.0, timing: Timing | None = None, time_scale: float = 1.0,
+                 data_parallel_rank: int = 0, events_out: trio.MemorySendChannel | None = None,
+                 suppress_events: frozenset[str] = frozenset()):
+        """``timing`` defaults to the constant model with ``prefill_tokens_per_s`` and ``decode_ms_per_step``."""
+        if time_scale < 0:
+            raise ValueError("time_scale must be >= 0")
         self.scheduler = scheduler
-        self.prefill_tokens_per_s = prefill_tokens_per_s
-        self.decode_s_per_step = decode_ms_per_step / 1000.0
+        self.timing: Timing = timing or ConstantTiming(prefill_tokens_per_s, decode_ms_per_step)
         self.time_scale = time_scale
         self.data_parallel_rank = data_parallel_rank
         self.events_out = events_out
@@ -56,11 +60,18 @@ class StepLoop:
 
     def step_seconds(self, step: Step) -> float:
         """Wall-clock length of ``step`` under the timing model."""
-        return (step.prefill_tokens / self.prefill_tokens_per_s + self.decode_s_per_step) * self.time_scale
+        return self.timing.step_seconds(step.work) * self.time_scale
 
     def submit(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
         self._work.set()
+
+    async def arrive(self, seq: Sequence) -> None:
+        """Submit ``seq`` after the frontend's overhead (HTTP, tokenization), as a request reaches vLLM's engine."""
+        delay = self.timing.request_overhead_s * self.time_scale
+        if delay > 0:
+            await trio.sleep(delay)
+        self.submit(seq)
 
     def abort(self, seq: Sequence) -> None:
         if not seq.finished:

@@ -36,6 +36,7 @@ from llmgw.kv.events import KVEvent
 
 from .blockhash import SequenceHashes
 from .cache import Block, KVCacheManager
+from .timing import StepWork, causal_attention_pairs
 from .tokenizer import EOS_ID
 
 log = logging.getLogger(__name__)
@@ -118,8 +119,15 @@ class Step:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (request, tokens computed)
     prefill_tokens: int = 0  # tokens computed for prompts (or recomputation), not single decode tokens
     decode_requests: int = 0
+    context_tokens: int = 0  # KV entries the step reads: each scheduled request's context, new tokens included
+    attention_pairs: int = 0  # (query, key) pairs its new tokens attend to
     preempted: int = 0
     events: list[KVEvent] = field(default_factory=list)
+
+    @property
+    def work(self) -> StepWork:
+        return StepWork(self.prefill_tokens, self.decode_requests, self.context_tokens, self.attention_pairs,
+                        len(self.scheduled))
 
 
 @dataclass(slots=True)
@@ -248,6 +256,8 @@ class Scheduler:
                 step.decode_requests += 1
             else:
                 step.prefill_tokens += num_new
+            step.context_tokens += seq.num_computed_tokens + num_new
+            step.attention_pairs += causal_attention_pairs(seq.num_computed_tokens, num_new)
         step.events = cache.pool.take_events()
         return step
 

@@ -23,6 +23,8 @@ import trio
 import zmq
 
 from llmgw.engines.probe import parse_block_size
+from llmgw.sim.profiles import GIB, profile
+from llmgw.testing.metrics import metric_value
 from llmgw.testing.processes import start_child
 
 pytestmark = pytest.mark.slow
@@ -514,3 +516,34 @@ async def test_debug_prefix_hit_reports_the_cached_prefix_and_queues_only_with_t
         assert probe["block_size"] == 16 and probe["cached_tokens"] % 16 == 0
         bad = await http.post("/debug/prefix_hit", json={"model": "sim"})
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"
+
+
+async def test_gpu_profile_derives_its_cache_from_memory_and_preempts_when_it_runs_out():
+    """A GPU profile's KV cache is what its memory holds; requests that outgrow it are preempted (recomputed, as
+    vLLM V1 does), counted in vllm:num_preemptions_total, and still complete."""
+    l4_8b = profile("l4-llama-3.1-8b")
+    block_bytes = l4_8b.model.kv_bytes_per_token * 16
+    reserved = l4_8b.model.weights_bytes + l4_8b.model.activation_gib * GIB
+    utilization = (reserved + 80.5 * block_bytes) / (l4_8b.gpu.memory_gib * GIB)  # memory for 80 blocks
+    async with sim_process("--profile", "l4-llama-3.1-8b", "--gpu-memory-utilization", f"{utilization:.9f}",
+                           "--time-scale", "0") as sim, \
+            httpx.AsyncClient(base_url=sim.base_url, timeout=30) as http:
+        metrics = (await http.get("/metrics")).text
+        assert metric_value(metrics, "llmgw_sim_num_blocks") == 79  # 80 blocks, one of them vLLM's null block
+        results: list[dict] = []
+
+        async def complete(i: int) -> None:  # 300 prompt + 400 output tokens = 44 blocks each; 4 need 176
+            body = {"prompt": text(299, f"request {i}"), "max_tokens": 400, "ignore_eos": True}
+            response = await http.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            results.append(response.json())
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(complete, i)
+        assert [r["usage"]["completion_tokens"] for r in results] == [400] * 4
+        assert all(r["choices"][0]["finish_reason"] == "length" for r in results)
+        metrics = (await http.get("/metrics")).text
+        assert metric_value(metrics, "vllm:num_preemptions_total") >= 1
+        assert metric_value(metrics, "vllm:kv_cache_usage_perc") == 0.0

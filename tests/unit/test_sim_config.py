@@ -61,8 +61,9 @@ def test_cli_flags_and_ignored_vllm_flags():
             "--no-enable-prefix-caching", "--num-gpu-blocks-override", "99", "--lora-modules", "sql=/p/sql",
             "--output-tokens", "2:3", "--engine-id", "1"]
     kept, ignored = _strip_ignored(argv)
-    assert ignored == ["--tensor-parallel-size", "--enforce-eager", "--dtype"]
+    assert ignored == ["--enforce-eager", "--dtype"]  # -tp is read: GPU profiles split the model over it
     config = config_from_args(build_parser().parse_args(kept)).resolve()
+    assert config.tensor_parallel_size == 2 and config.profile == "constant"
     assert config.model == "/models/llama" and config.served_model_names == ["a", "b"]
     assert config.kv_events.publishing and not config.enable_prefix_caching
     assert config.num_blocks == 99 and config.output_tokens == (2, 3) and config.data_parallel_rank == 1
