@@ -22,7 +22,7 @@ import json
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import httpx
@@ -44,6 +44,7 @@ class ChatResult:
     latency: float  # seconds to the end of the stream
     reply: str
     completion_tokens: int = 0  # engine-reported output tokens
+    itl: list[float] = field(default_factory=list)  # seconds between successive content chunks (per token)
 
 
 def words(rng: random.Random, count: int) -> str:
@@ -62,6 +63,8 @@ async def send_chat(client: httpx.AsyncClient, url: str, model: str, messages: l
             "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     ttft = None
+    last = 0.0
+    gaps: list[float] = []
     reply: list[str] = []
     usage: dict = {}
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
@@ -78,15 +81,19 @@ async def send_chat(client: httpx.AsyncClient, url: str, model: str, messages: l
             for choice in chunk.get("choices") or ():
                 content = (choice.get("delta") or {}).get("content")
                 if content:
+                    now = time.perf_counter()
                     if ttft is None:
-                        ttft = time.perf_counter() - started
+                        ttft = now - started
+                    else:
+                        gaps.append(now - last)
+                    last = now
                     reply.append(content)
             if chunk.get("usage"):
                 usage = chunk["usage"]
     latency = time.perf_counter() - started
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return ChatResult(replica, 200, usage.get("prompt_tokens", 0), cached, latency if ttft is None else ttft,
-                      latency, "".join(reply), usage.get("completion_tokens", 0))
+                      latency, "".join(reply), usage.get("completion_tokens", 0), gaps)
 
 
 async def _run_limited(jobs: list[Callable], concurrency: int) -> None:

@@ -1,11 +1,12 @@
 """Routing judged on the engines: llmgw's tiers, an oracle and vllm-router on the same simulators and requests.
 
 ``llmgw bench routing [--workload grouped] [--arms ...] [--concurrency 8,24] [--gateways 1,4] [--repeats 3]
-[--quick] [--json FILE] [--markdown FILE] [--plots DIR]``
+[--sim-profile NAME] [--quick] [--json FILE] [--markdown FILE] [--plots DIR]``
 
 For every workload, concurrency C, repeat and arm (:mod:`llmgw.bench.routing_arms`), fresh
-simulators (N replicas whose working set exceeds one replica's KV cache) and a fresh router are
-started, and the workload's sessions (:mod:`llmgw.bench.routing_workloads`) are sent by C
+simulators (N replicas, every one on ``--sim-profile``'s timing, with what the workload needs: a
+given KV capacity, slower replicas, output lengths) and a fresh router are started, and the
+workload's sessions (:mod:`llmgw.bench.routing_workloads`) are sent by C
 closed-loop clients; each repeat runs the arms in a rotated order, so a busy machine falls on all
 of them alike. Every number comes from the client or the engines, never from a router:
 
@@ -16,6 +17,11 @@ of them alike. Every number comes from the client or the engines, never from a r
 - *cold requests*: requests served with nothing cached although an earlier request had computed
   at least their first block;
 - *TTFT*: the client's time from sending the request to its first content chunk (p50, p90, mean);
+- *ITL*: the client's gaps between successive content chunks of a stream (one token each), pooled
+  over the run's requests as vLLM reports inter-token latency, per token (p50, p90);
+- *goodput*: requests per second of wall time that met the workload's objectives
+  (:class:`~llmgw.bench.routing_workloads.Objectives`, in the engines' modelled time, so times
+  ``--time-scale``): time to first token and mean gap between tokens (vLLM's TPOT) both within them;
 - *output tokens/s*: the engines' ``completion_tokens`` over the run's wall time;
 - *per replica*: the simulators' own ``vllm:request_success_total``;
 - *load CoV*: the coefficient of variation (population standard deviation over mean) across the
@@ -56,11 +62,12 @@ import httpx
 import trio
 
 from ..sim import tokenizer
+from ..sim.profiles import CONSTANT, ProfileError, profile
 from .chat_workloads import ChatResult, new_client, percentile
 from .common import write_json
 from .proxy import find_vllm_router, process_cpu_seconds, vllm_router_version
 from .routing_arms import ARMS, Arm, SimSpec, Target, block_keys, leading, open_arm
-from .routing_workloads import Session, TraceError, build
+from .routing_workloads import WORKLOADS, Needs, Objectives, Session, TraceError, build, needs
 
 DEFAULT_ARMS = ("round_robin", "prefix_tree", "kv_index", "oracle", "vllm-router-round_robin",
                 "vllm-router-cache_aware", "vllm-router-kv_aware")
@@ -87,6 +94,27 @@ class Record:
     latency_ms: float
     ideal_cached_tokens: int  # leading prompt tokens some earlier request had computed (see the module doc)
     gateway: int = 0  # which of the arm's N gateways it was sent through
+    itl_ms: list[float] = field(default_factory=list)  # the stream's gaps between content chunks
+
+
+@dataclass
+class CacheReset:
+    """Replica ``replica``'s prefix cache reset once ``after`` requests are answered (running ones preempted, as
+    vLLM's ``POST /reset_prefix_cache?reset_running_requests=true``): the ``restart`` workload's event."""
+
+    after: int
+    replica: int = 0
+    at_s: float | None = None  # when, from the run's start
+    success: bool | None = None  # the engine's answer
+
+    async def fire(self, url: str, started: float) -> None:
+        self.at_s = time.perf_counter() - started
+        async with httpx.AsyncClient(timeout=10) as http:
+            response = await http.post(url + "/reset_prefix_cache", params={"reset_running_requests": "true"})
+        self.success = response.status_code == 200 and response.json().get("success") is True
+        if not self.success:
+            print(f"\nthe prefix cache reset of replica {self.replica} failed: {response.status_code} {response.text}",
+                  file=sys.stderr)
 
 
 class Progress:
@@ -139,11 +167,13 @@ class IdealCache:
 
 
 async def run_sessions(target: Target, sessions: list[Session], concurrency: int, block_size: int,
-                       progress: Progress | None = None) -> list[Record]:
-    """The sessions through ``target`` by ``concurrency`` closed-loop clients, in order of the list."""
+                       progress: Progress | None = None, reset: CacheReset | None = None) -> list[Record]:
+    """The sessions through ``target`` by ``concurrency`` closed-loop clients, in order of the list (and
+    ``reset`` fired when its count of requests is answered)."""
     records: list[Record] = []
     ideal = IdealCache(block_size)
     queue = iter(sessions)
+    started = time.perf_counter()
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         for session in queue:
@@ -163,7 +193,10 @@ async def run_sessions(target: Target, sessions: list[Session], concurrency: int
                 ideal.add(prompt_ids + tokenizer.encode(result.reply, add_special_tokens=False))
                 records.append(Record(turn.id, digest[:16], result.replica, result.status, result.prompt_tokens,
                                       result.cached_tokens, result.completion_tokens, 1000 * result.ttft,
-                                      1000 * result.latency, ideal_hit, gateway))
+                                      1000 * result.latency, ideal_hit, gateway,
+                                      [round(1000 * gap, 3) for gap in result.itl]))
+                if reset is not None and len(records) == reset.after:
+                    nursery.start_soon(reset.fire, target.sim_urls[reset.replica], started)
                 if session.carry:
                     history = messages + [{"role": "assistant", "content": result.reply}]
                 if progress is not None:
@@ -184,8 +217,20 @@ def cov(values: list[float] | list[int]) -> float | None:
     return statistics.pstdev(values) / mean if mean else None
 
 
-def summarize(records: list[Record], wall_s: float, gateways: int = 1) -> dict:
+def meets(record: Record, objectives: Objectives) -> bool:
+    """Whether a request met the objectives (already in measured time): its TTFT, and its mean gap between
+    tokens (a stream of one token has none)."""
+    gaps = record.itl_ms
+    return record.ttft_ms <= objectives.ttft_ms and (not gaps or sum(gaps) / len(gaps) <= objectives.itl_ms)
+
+
+def summarize(records: list[Record], wall_s: float, gateways: int = 1,
+              objectives: Objectives | None = None) -> dict:
+    """A run's numbers (see the module doc); ``objectives``: goodput's, in measured milliseconds."""
     ok = [r for r in records if r.status == 200]
+    objectives = objectives or Objectives()
+    gaps = [gap for r in ok for gap in r.itl_ms]
+    good = sum(1 for r in ok if meets(r, objectives))
     per_gateway = [0] * gateways
     for r in records:
         per_gateway[r.gateway] += 1
@@ -204,6 +249,12 @@ def summarize(records: list[Record], wall_s: float, gateways: int = 1) -> dict:
         "ttft_mean_ms": statistics.fmean(ttfts) if ttfts else 0.0,
         "output_tokens": sum(r.completion_tokens for r in ok),
         "output_tokens_per_s": sum(r.completion_tokens for r in ok) / wall_s if wall_s else 0.0,
+        "itl_p50_ms": percentile(gaps, 0.5),
+        "itl_p90_ms": percentile(gaps, 0.9),
+        "goodput_requests": good,
+        "goodput_rps": good / wall_s if wall_s else 0.0,
+        "slo_ttft_ms": objectives.ttft_ms,
+        "slo_itl_ms": objectives.itl_ms,
         "wall_s": wall_s,
         "requests_digest": hashlib.sha256("".join(f"{r.id}={r.digest};" for r in records).encode()).hexdigest()[:16],
         "per_gateway": per_gateway,
@@ -238,32 +289,43 @@ def routers_cpu_seconds(pids: list[int]) -> float | None:
 
 
 async def run_once(arm: Arm, spec: SimSpec, sessions: list[Session], concurrency: int, vllm_router: str | None,
-                   progress: Progress | None = None, gateways: int = 1) -> dict:
+                   progress: Progress | None = None, gateways: int = 1, load: Needs | None = None) -> dict:
     """One arm (as ``gateways`` routers) at one concurrency on fresh simulators: its summary and per-request
-    records."""
+    records. ``load``: what the workload asks of the run (its objectives, a cache reset)."""
+    load = load or Needs()
+    requests = sum(len(s.turns) for s in sessions)
+    reset = CacheReset(max(1, round(load.reset_after * requests))) if load.reset_after is not None else None
     async with trio.open_nursery() as nursery:
         target = await open_arm(nursery, arm, spec, vllm_router, gateways)
         cpu_before = routers_cpu_seconds(target.router_pids)
         started = time.perf_counter()
-        records = await run_sessions(target, sessions, concurrency, spec.block_size, progress)
+        records = await run_sessions(target, sessions, concurrency, spec.block_size, progress, reset)
         wall = time.perf_counter() - started
         cpu_after = routers_cpu_seconds(target.router_pids)
         cpu = cpu_after - cpu_before if cpu_after is not None and cpu_before is not None else None
         async with httpx.AsyncClient(timeout=10) as http:
             counts = await engine_counts(http, target.sim_urls)
         nursery.cancel_scope.cancel()
-    summary = summarize(records, wall, gateways)
+    summary = summarize(records, wall, gateways, measured(load.objectives, spec.time_scale))
+    if reset is not None:
+        summary["cache_reset"] = asdict(reset)
     summary.update(load_balance(counts), gateways=gateways, router_cpu_s=cpu,
                    router_cpu_percent=None if cpu is None else 100 * cpu / wall,
                    router_cpu_ms_per_request=None if cpu is None else 1000 * cpu / max(1, len(records)))
     return {"summary": summary, "records": [list(asdict(r).values()) for r in records]}
 
 
+def measured(objectives: Objectives, time_scale: float) -> Objectives:
+    """The objectives in measured time: the engines' modelled milliseconds times the time scale."""
+    return Objectives(objectives.ttft_ms * time_scale, objectives.itl_ms * time_scale)
+
+
 RECORD_FIELDS = [f.name for f in fields(Record)]  # the order of a record's values in the JSON
 
 
 MEDIAN_KEYS = ("hit_rate", "ideal_hit_rate", "cold_requests", "ttft_p50_ms", "ttft_p90_ms", "ttft_mean_ms",
-               "output_tokens_per_s", "errors", "load_cov", "prefill_cov", "router_cpu_s", "router_cpu_percent",
+               "output_tokens_per_s", "itl_p50_ms", "itl_p90_ms", "goodput_rps", "goodput_requests", "errors",
+               "load_cov", "prefill_cov", "router_cpu_s", "router_cpu_percent",
                "router_cpu_ms_per_request", "wall_s")
 
 
@@ -302,6 +364,21 @@ class Plan:
     quick: bool
     spec: SimSpec
     gateways: list[int] = field(default_factory=lambda: [1])  # N: routers per arm, the clients spread over them
+    objectives: Objectives | None = None  # --slo-ttft-ms/--slo-itl-ms over every workload's own (None: theirs)
+
+    def spec_for(self, load: Needs) -> SimSpec:
+        """The simulators of a workload: the plan's, with the capacity, slow replicas and output lengths it needs
+        (a ``--num-blocks`` given wins over the workload's capacity)."""
+        return replace(self.spec, num_blocks=self.spec.num_blocks if self.spec.num_blocks is not None
+                       else load.num_blocks, slow_replicas=load.slow_replicas, output_tokens=load.output_tokens)
+
+    def needs(self, name: str) -> Needs:
+        load = needs(name)
+        return load if self.objectives is None else replace(load, objectives=self.objectives)
+
+    def levels(self, load: Needs) -> list[int]:
+        """The concurrencies a workload runs at: its own when it is defined at one (``burst``), else the plan's."""
+        return [load.concurrency] if load.concurrency is not None else self.concurrencies
 
     def units(self) -> list[tuple[Arm, int]]:
         """Every (arm, N) the plan runs, each N of an arm beside the others (so they share the machine's moments)."""
@@ -317,30 +394,38 @@ class Plan:
 
 async def run(plan: Plan, vllm_router: str | None) -> dict:
     report: dict = {"record_fields": RECORD_FIELDS, "workloads": {}}
-    loads = {name: build(name, plan.seed, quick=plan.quick) for name in plan.workloads}
+    asks = {name: plan.needs(name) for name in plan.workloads}
+    specs = {name: plan.spec_for(load) for name, load in asks.items()}
+    loads = {name: build(name, plan.seed, quick=plan.quick, fleet_tokens=specs[name].fleet_tokens())
+             for name in plan.workloads}
     per_run = {name: sum(len(s.turns) for s in sessions) for name, sessions in loads.items()}
     units = plan.units()
-    progress = Progress(sum(per_run.values()) * len(units) * len(plan.concurrencies) * plan.repeats)
+    progress = Progress(sum(per_run[name] * len(plan.levels(asks[name])) for name in loads) * len(units)
+                        * plan.repeats)
     try:
         for name, sessions in loads.items():
-            runs: dict[str, dict[int, list]] = {plan.key(arm, n): {c: [] for c in plan.concurrencies}
-                                                for arm, n in units}
-            for concurrency in plan.concurrencies:
+            load, spec, levels = asks[name], specs[name], plan.levels(asks[name])
+            runs: dict[str, dict[int, list]] = {plan.key(arm, n): {c: [] for c in levels} for arm, n in units}
+            for concurrency in levels:
                 for repeat in range(plan.repeats):
                     shift = repeat % len(units)  # a rotated order: slow moments of the machine hit every arm
                     for arm, n in units[shift:] + units[:shift]:
                         progress.begin(f"{name} C={concurrency} #{repeat + 1} {plan.label(arm, n)}")
                         runs[plan.key(arm, n)][concurrency].append(
-                            await run_once(arm, plan.spec, sessions, concurrency, vllm_router, progress, n))
+                            await run_once(arm, spec, sessions, concurrency, vllm_router, progress, n, load))
             arms = {}
             for arm, n in units:
                 key = plan.key(arm, n)
-                points = {c: medians(runs[key][c]) for c in plan.concurrencies}
+                points = {c: medians(runs[key][c]) for c in levels}
                 arms[key] = {"label": plan.label(arm, n), "arm": arm.name, "arm_label": arm.label, "gateways": n,
                              "kind": arm.kind, "policy": arm.policy, "options": arm.options,
                              "by_concurrency": {str(c): p for c, p in points.items()}, "knee": knee(points),
-                             "runs": {str(c): runs[key][c] for c in plan.concurrencies}}
-            report["workloads"][name] = {"requests": per_run[name], "arms": arms}
+                             "runs": {str(c): runs[key][c] for c in levels}}
+            report["workloads"][name] = {
+                "requests": per_run[name], "arms": arms, "simulators": asdict(spec),
+                "profiles": [spec.replica_profile(i) for i in range(spec.replicas)],
+                "objectives": {**asdict(load.objectives), "time_scale": spec.time_scale,
+                               "measured": asdict(measured(load.objectives, spec.time_scale))}}
     finally:
         progress.close()
     return report
@@ -382,9 +467,37 @@ def markdown(report: dict) -> str:
                              f"{replicas} | {_cell(p.get('load_cov'), '.3f')} | "
                              f"{_cell(p['router_cpu_percent'], '.1f', 'in-process')} |")
         lines.append("")
+        lines += goodput_table(workload, levels)
         if any(arm.get("gateways", 1) != 1 for arm in arms.values()):
             lines += gateways_table(arms, levels)
     return "\n".join(lines)
+
+
+def goodput_table(workload: dict, levels: list[str]) -> list[str]:
+    """Per arm and C: hit rate, TTFT and per-token ITL percentiles, output tokens/s and goodput, under the
+    workload's objectives."""
+    objectives = workload.get("objectives")
+    head = "Latency and goodput"
+    if objectives:
+        head += (f" (objectives: TTFT <= {objectives['ttft_ms']:g} ms and mean ITL <= {objectives['itl_ms']:g} ms "
+                 f"modelled, x time scale {objectives['time_scale']:g} = {objectives['measured']['ttft_ms']:g} / "
+                 f"{objectives['measured']['itl_ms']:g} ms measured)")
+    profiles = workload.get("profiles")
+    if profiles:
+        head += "; replicas: " + ", ".join(profiles)
+    lines = [head, "", "| arm | C | hit | TTFT p50 | TTFT p90 | ITL p50 | ITL p90 | out tok/s | goodput (req/s) | "
+                       "met |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for arm in workload["arms"].values():
+        for c in levels:
+            p = arm["by_concurrency"][c]
+            met = p.get("goodput_requests")
+            lines.append(f"| {arm['label']} | {c} | {p['hit_rate']:.3f} | {p['ttft_p50_ms']:.1f} ms | "
+                         f"{p['ttft_p90_ms']:.1f} ms | {_cell(p.get('itl_p50_ms'), '.2f')} ms | "
+                         f"{_cell(p.get('itl_p90_ms'), '.2f')} ms | {p['output_tokens_per_s']:.0f} | "
+                         f"{_cell(p.get('goodput_rps'), '.2f')} | "
+                         f"{'-' if met is None else format(met, 'g')}/{workload['requests']} |")
+    lines.append("")
+    return lines
 
 
 def gateways_table(arms: dict, levels: list[str]) -> list[str]:
@@ -464,7 +577,7 @@ def _arm_options(values: list[str]) -> dict[str, dict]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmgw bench routing", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="grouped",
-                        help="comma list of grouped, multiturn, zipf, low-sharing, trace:FILE (default grouped)")
+                        help=f"comma list of {', '.join(WORKLOADS)}, trace:FILE (default grouped)")
     parser.add_argument("--arms", default=None, help=f"comma list of {', '.join(ARMS)} (default: all; "
                                                      "vllm-router arms are skipped when it is not installed), or "
                                                      "NAME@LABEL: a variant of an llmgw arm, e.g. kv_index@greedy "
@@ -481,9 +594,20 @@ def build_parser() -> argparse.ArgumentParser:
                              f"(default 1; with more, the default arms are {','.join(GATEWAY_ARMS)})")
     parser.add_argument("--repeats", type=int, default=3, help="runs per arm and concurrency (default 3)")
     parser.add_argument("--replicas", type=int, default=4, help="simulator replicas (default 4)")
-    parser.add_argument("--num-blocks", type=int, default=SimSpec.num_blocks,
-                        help="KV cache of each simulator, in 16-token blocks (default 2861: 45,760 tokens)")
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="KV cache of each simulator, in 16-token blocks (default: 2861, 45,760 tokens, on the "
+                             "constant profile; what the GPU's memory holds on a GPU profile; a workload that needs "
+                             "a capacity, pressure, sets its own unless this is given)")
+    parser.add_argument("--sim-profile", default=CONSTANT, metavar="NAME",
+                        help="every simulator's --profile: constant (default: 8,000 prefill tokens/s, 30 ms a step, "
+                             "the recorded numbers' settings) or a GPU profile <gpu>-<model>[-tpN], e.g. "
+                             "h100-llama-3.1-8b (the hetero workload's slow replica: the next slower GPU)")
     parser.add_argument("--time-scale", type=float, default=1.0, help="the simulators' --time-scale (default 1)")
+    parser.add_argument("--slo-ttft-ms", type=float, default=None,
+                        help="goodput's TTFT objective in modelled ms, for every workload (default: each its own)")
+    parser.add_argument("--slo-itl-ms", type=float, default=None,
+                        help="goodput's objective on a request's mean inter-token gap in modelled ms, for every "
+                             "workload (default: each its own)")
     parser.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
     parser.add_argument("--quick", action="store_true",
                         help=f"small workloads, arms {','.join(QUICK_ARMS)}, C=8, 1 repeat (under 3 minutes)")
@@ -518,9 +642,27 @@ def _plan(args: argparse.Namespace) -> Plan:
         raise SystemExit(f"llmgw bench routing: --concurrency {args.concurrency!r} is not a list of integers") from None
     if not levels or levels[0] < 1 or args.repeats < 1 or args.replicas < 1:
         raise SystemExit("llmgw bench routing: concurrency, --repeats and --replicas must be at least 1")
-    spec = SimSpec(replicas=args.replicas, num_blocks=args.num_blocks, time_scale=args.time_scale)
+    spec = SimSpec(replicas=args.replicas, num_blocks=args.num_blocks, time_scale=args.time_scale,
+                   profile=args.sim_profile)
+    try:
+        if spec.profile != CONSTANT:
+            profile(spec.profile)
+    except ProfileError as exc:
+        raise SystemExit(f"llmgw bench routing: --sim-profile: {exc}") from None
+    workloads = args.workload.split(",")
+    unknown = [w for w in workloads if w not in WORKLOADS and not w.startswith("trace:")]
+    if unknown:
+        raise SystemExit(f"llmgw bench routing: unknown workload(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(WORKLOADS)} or trace:FILE")
+    objectives = None
+    if args.slo_ttft_ms is not None or args.slo_itl_ms is not None:
+        base = Objectives()
+        objectives = Objectives(base.ttft_ms if args.slo_ttft_ms is None else args.slo_ttft_ms,
+                                base.itl_ms if args.slo_itl_ms is None else args.slo_itl_ms)
+        if objectives.ttft_ms <= 0 or objectives.itl_ms <= 0:
+            raise SystemExit("llmgw bench routing: --slo-ttft-ms and --slo-itl-ms must be positive")
     repeats = 1 if args.quick and args.repeats == 3 else args.repeats
-    return Plan(args.workload.split(","), arms, levels, repeats, args.seed, args.quick, spec, gateways)
+    return Plan(workloads, arms, levels, repeats, args.seed, args.quick, spec, gateways, objectives)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -541,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llmgw bench routing: {exc}", file=sys.stderr)
         return 2
     report["settings"] = {"workloads": plan.workloads, "arms": [a.name for a in plan.arms], "skipped_arms": skipped,
+                          "sim_profile": plan.spec.profile,
                           "concurrency": plan.concurrencies, "gateways": plan.gateways, "repeats": plan.repeats,
                           "seed": plan.seed,
                           "quick": plan.quick, "simulators": asdict(plan.spec),

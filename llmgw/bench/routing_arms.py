@@ -24,8 +24,11 @@ through such a balancer would. The routers, by kind:
 The oracle is no process: for each request it asks every simulator ``POST /debug/prefix_hit``
 (the prompt's cached leading tokens and the engine's queues, read from the engine itself) and
 sends the request straight to the simulator whose estimated time to first token is the least:
-``T / prefill_rate + (1 + T / step_budget) x step_time`` with ``T`` the prefill tokens queued
-ahead plus this prompt's uncached tokens. A prompt's cached tokens on a simulator are the
+``overhead + (1 + T / step_budget) x step(T / steps prefilled beside the running batch)`` with
+``T`` the prefill tokens queued ahead plus this prompt's uncached tokens and ``step`` the
+replica's own step model (:mod:`llmgw.sim.timing`, from the profile it runs: on a GPU profile
+the step grows with the running batch and the context it reads; on the constant model this is
+``T / prefill_rate + steps x step_time``). A prompt's cached tokens on a simulator are the
 engine's answer or, when longer, the leading blocks the prompts it sent there and that are still
 in flight will have computed (it tokenizes with the simulators' own tokenizer); the prefill queued
 is the engine's or, when larger, the uncached tokens of the requests it sent there that have not
@@ -50,6 +53,8 @@ import httpx
 import trio
 
 from ..sim import tokenizer
+from ..sim.profiles import CONSTANT, DEFAULT_GPU_MEMORY_UTILIZATION, ProfileError, profile
+from ..sim.timing import ConstantTiming, GpuTiming, StepWork, Timing, causal_attention_pairs
 from ..testing.processes import free_port, start_child, start_serve
 from ..testing.redis import start_private_redis
 from ..testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, MODEL, gateway_config, kv_sources, start_sims
@@ -81,24 +86,86 @@ ARMS = {arm.name: arm for arm in (
 )}
 
 
+# a slower kind of GPU for the slow replicas of ``hetero`` (the first whose memory holds the model)
+SLOWER_GPUS = {"h100": ("a100-40gb", "a100-80gb"), "a100-80gb": ("a100-40gb", "l4"), "a100-40gb": ("l4",),
+               "mi300x": ("a100-80gb", "a100-40gb"), "l4": ()}
+CONSTANT_SLOWDOWN = 2.0  # a slow replica on the constant model: half the prefill rate, twice the step
+
+
 @dataclass
 class SimSpec:
-    """The simulators every arm runs on (the issue's cluster by default)."""
+    """The simulators every arm runs on (the issue's cluster by default: the constant model)."""
 
     replicas: int = 4
-    num_blocks: int = 2861  # 2,860 usable blocks of 16 tokens: 45,760 tokens of KV cache each
+    num_blocks: int | None = None  # None: 2861 on the constant model (2,860 usable blocks of 16 tokens: 45,760
+    # tokens each), what the GPU's memory holds on a GPU profile
     block_size: int = 16
-    prefill_tokens_per_s: float = 8000.0
+    prefill_tokens_per_s: float = 8000.0  # the constant model's rates
     decode_ms_per_step: float = 30.0
     max_model_len: int = 16384
     time_scale: float = 1.0
     seed: int = 0
+    profile: str = CONSTANT  # every replica's ``--profile``
+    slow_replicas: int = 0  # the first N replicas run a slower GPU (on the constant model: slower rates)
+    output_tokens: tuple[int, int] | None = None  # the simulators' natural output lengths (None: theirs)
 
-    def extra(self) -> list[str]:
+    CONSTANT_NUM_BLOCKS = 2861
+
+    def replica_profile(self, i: int) -> str:
+        """Replica ``i``'s ``--profile``: the run's, or for a slow replica the next slower GPU that holds the model."""
+        if i >= self.slow_replicas or self.profile == CONSTANT:
+            return self.profile
+        gpu = profile(self.profile)
+        suffix = self.profile[len(gpu.gpu.name):]
+        for slower in SLOWER_GPUS.get(gpu.gpu.name, ()):
+            try:
+                profile(slower + suffix).num_blocks(self.block_size, DEFAULT_GPU_MEMORY_UTILIZATION)
+            except ProfileError:
+                continue
+            return slower + suffix
+        raise ProfileError(f"no slower GPU than {gpu.gpu.name} holds {gpu.model.name} for a slow replica")
+
+    def _slowdown(self, i: int) -> float:
+        return CONSTANT_SLOWDOWN if i < self.slow_replicas else 1.0
+
+    def timing(self, i: int) -> Timing:
+        """Replica ``i``'s step model, as its simulator computes it."""
+        name = self.replica_profile(i)
+        if name == CONSTANT:
+            return ConstantTiming(self.prefill_tokens_per_s / self._slowdown(i),
+                                  self.decode_ms_per_step * self._slowdown(i))
+        return GpuTiming(profile(name))
+
+    def blocks(self, i: int) -> int:
+        """Replica ``i``'s KV cache in blocks, its null block included (as ``--num-blocks`` counts it)."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        name = self.replica_profile(i)
+        if name == CONSTANT:
+            return self.CONSTANT_NUM_BLOCKS
+        return profile(name).num_blocks(self.block_size, DEFAULT_GPU_MEMORY_UTILIZATION)
+
+    def explicit_blocks(self, i: int) -> int | None:
+        """``--num-blocks`` for replica ``i``: a given capacity, or None where its GPU's memory decides."""
+        return self.num_blocks if self.num_blocks is not None or self.replica_profile(i) != CONSTANT \
+            else self.CONSTANT_NUM_BLOCKS
+
+    def fleet_tokens(self) -> int:
+        """The KV cache of all the replicas together, in tokens."""
+        return sum((self.blocks(i) - 1) * self.block_size for i in range(self.replicas))
+
+    def extra(self, i: int = 0) -> list[str]:
+        """Replica ``i``'s simulator flags beyond :func:`llmgw.testing.sims.sim_command`'s."""
+        name = self.replica_profile(i)
+        if name == CONSTANT:
+            timing = ["--prefill-tokens-per-s", str(self.prefill_tokens_per_s / self._slowdown(i)),
+                      "--decode-ms-per-step", str(self.decode_ms_per_step * self._slowdown(i))]
+        else:
+            timing = ["--profile", name]
+        if self.output_tokens is not None:
+            timing += ["--output-tokens", f"{self.output_tokens[0]}:{self.output_tokens[1]}"]
         # (KV_SIM_EXTRA's empty topic: vllm-router 0.1.17 takes only that one)
-        return ["--prefill-tokens-per-s", str(self.prefill_tokens_per_s), "--decode-ms-per-step",
-                str(self.decode_ms_per_step), "--max-model-len", str(self.max_model_len), *KV_SIM_EXTRA,
-                "--debug-routes"]
+        return [*timing, "--max-model-len", str(self.max_model_len), *KV_SIM_EXTRA, "--debug-routes"]
 
 
 Send = Callable[[httpx.AsyncClient, list[dict], int], Awaitable[ChatResult]]
@@ -134,13 +201,14 @@ class Target:
 async def open_arm(nursery: trio.Nursery, arm: Arm, spec: SimSpec, vllm_router: str | None,
                    gateways: int = 1) -> Target:
     """Fresh simulators and ``arm``'s ``gateways`` routers, in ``nursery`` (cancel it to stop them)."""
-    sims = await start_sims(nursery, spec.replicas, env=KV_SIM_ENV, num_blocks=spec.num_blocks,
-                            block_size=spec.block_size, time_scale=spec.time_scale, seed=spec.seed,
-                            extra=spec.extra())
+    sims = await start_sims(nursery, spec.replicas, env=KV_SIM_ENV, block_size=spec.block_size,
+                            time_scale=spec.time_scale, seed=spec.seed,
+                            per_replica=lambda i: {"num_blocks": spec.explicit_blocks(i), "extra": spec.extra(i)})
     urls = [sim.url for sim in sims]
     sources = [kv_sources(sim) for sim in sims]
     if arm.kind == "oracle":
-        return Target([Oracle(urls, spec.block_size).send for _ in range(gateways)], urls, [])
+        timings = [spec.timing(i) for i in range(spec.replicas)]
+        return Target([Oracle(urls, spec.block_size, timings).send for _ in range(gateways)], urls, [])
     if arm.kind == "vllm-router":
         if vllm_router is None:
             raise RuntimeError("vllm-router is not installed")
@@ -249,9 +317,10 @@ def leading(keys: list[int], held) -> int:
 class Oracle:
     """Sends each request to the simulator with the least estimated time to first token, read from the engines."""
 
-    def __init__(self, urls: list[str], block_size: int):
+    def __init__(self, urls: list[str], block_size: int, timings: list[Timing]):
         self.urls = urls
         self.block_size = block_size
+        self.timings = timings  # each replica's step model (the simulators' own, from their profiles)
         self.turn = 0  # rotates ties
         self.in_flight: list[Counter] = [Counter() for _ in urls]  # block keys of prompts sent, not yet answered
         self.prefilling = [0] * len(urls)  # uncached prompt tokens of requests sent, before their first token
@@ -277,18 +346,26 @@ class Oracle:
             state["pending_prefill_tokens"] = max(state["pending_prefill_tokens"], self.prefilling[i])
         # estimates within one engine step of each other are a tie: the longer cached prefix wins it, then
         # the shorter queue (the cache it builds serves the requests that follow)
-        estimates = [self.estimate(s) for s in states]
+        estimates = [self.estimate(s, timing) for s, timing in zip(states, self.timings)]
         near = min(estimates) + states[0]["decode_ms_per_step"] / 1000.0
         best = min((-s["cached_tokens"], s["running"] + s["waiting"], (i - self.turn) % len(states), i)
                    for i, s in enumerate(states) if estimates[i] <= near)[-1]
         return best, states[best]["prompt_tokens"] - states[best]["cached_tokens"]
 
     @staticmethod
-    def estimate(state: dict) -> float:
-        """Seconds to this request's first token: the prefill ahead of it and its own, in steps."""
+    def estimate(state: dict, timing: Timing) -> float:
+        """Seconds to this request's first token on a replica with step model ``timing``: the prefill ahead of
+        it and its own, in steps that each also decode the running batch (on a GPU profile a step grows with
+        that batch and the context it reads), plus the frontend's overhead."""
         tokens = state["pending_prefill_tokens"] + state["prompt_tokens"] - state["cached_tokens"]
         steps = 1 + tokens / state["max_num_batched_tokens"]  # not rounded: a ceil would split near-equal costs
-        return tokens / state["prefill_tokens_per_s"] + steps * state["decode_ms_per_step"] / 1000.0
+        chunk = round(tokens / steps)
+        running = state["running"]
+        step = timing.step_seconds(StepWork(
+            prefill_tokens=chunk, decode_tokens=running,
+            context_tokens=state.get("running_context_tokens", 0) + state["cached_tokens"] + chunk,
+            attention_pairs=causal_attention_pairs(state["cached_tokens"], chunk), sequences=running + 1))
+        return timing.request_overhead_s + steps * step
 
     async def send(self, client: httpx.AsyncClient, messages: list[dict], max_tokens: int) -> ChatResult:
         keys = block_keys(tokenizer.encode_chat(messages), self.block_size)

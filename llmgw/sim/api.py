@@ -232,7 +232,8 @@ class SimApi:
 
         The body is a chat (``messages``) or completion (``prompt``) request; nothing is submitted and
         the cache's LRU order is not touched. ``pending_prefill_tokens`` are the prompt tokens the
-        queued and running requests still have to compute (their own cache hits deducted).
+        queued and running requests still have to compute (their own cache hits deducted);
+        ``running_context_tokens`` the tokens the running requests hold (what each decode step reads).
         """
         body = self._body(request)
         _, lora = self._model(body)
@@ -249,6 +250,7 @@ class SimApi:
                        for seq in scheduler.waiting)
         return Response.json({"prompt_tokens": len(prompt_ids), "cached_tokens": cached,
                               "running": len(scheduler.running), "waiting": len(scheduler.waiting),
+                              "running_context_tokens": sum(len(seq.token_ids) for seq in scheduler.running),
                               "pending_prefill_tokens": pending, "block_size": cache.block_size,
                               "prefill_tokens_per_s": self.core.timing.prefill_tokens_per_s,
                               "decode_ms_per_step": self.core.timing.decode_ms_per_step,

@@ -13,7 +13,7 @@ import json
 import re
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import trio
 
@@ -31,9 +31,11 @@ KV_SIM_EXTRA = ("--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config
 KV_SIM_ENV = {"PYTHONHASHSEED": "0"}
 
 
-def sim_command(*, model: str = MODEL, num_blocks: int, block_size: int = 16, time_scale: float = 1.0,
+def sim_command(*, model: str = MODEL, num_blocks: int | None, block_size: int = 16, time_scale: float = 1.0,
                 seed: int = 0, extra: Sequence[str] = ()) -> list[str]:
-    return llmgw_command("sim", "--port", "0", "--served-model-name", model, "--num-blocks", str(num_blocks),
+    """``num_blocks`` None: the simulator's own (what a GPU profile's memory holds)."""
+    blocks = [] if num_blocks is None else ["--num-blocks", str(num_blocks)]
+    return llmgw_command("sim", "--port", "0", "--served-model-name", model, *blocks,
                          "--block-size", str(block_size), "--time-scale", str(time_scale), "--seed", str(seed),
                          "--log-level", "WARNING", *extra)
 
@@ -84,13 +86,16 @@ def _announced(pattern: re.Pattern, sim: Child) -> str:
     raise RuntimeError(f"{sim.name} did not print its {pattern.pattern!r} line")
 
 
-async def start_sims(nursery: trio.Nursery, count: int, **sim_options) -> list[Child]:
-    """Start ``count`` simulators at once; their Children in index order."""
+async def start_sims(nursery: trio.Nursery, count: int, *,
+                     per_replica: Callable[[int], dict] | None = None, **sim_options) -> list[Child]:
+    """Start ``count`` simulators at once; their Children in index order. ``per_replica(i)``: :func:`sim_command`
+    options of replica ``i`` beside the common ``sim_options`` (replicas of different sizes or profiles)."""
     children: list[Child | None] = [None] * count
     env = sim_options.pop("env", None)  # added to the simulators' environment (e.g. PYTHONHASHSEED)
 
     async def start(i: int) -> None:
-        children[i] = await start_child(nursery, sim_command(**sim_options), name=f"sim-{i}", env=env)
+        options = {**sim_options, **(per_replica(i) if per_replica is not None else {})}
+        children[i] = await start_child(nursery, sim_command(**options), name=f"sim-{i}", env=env)
 
     async with trio.open_nursery() as starting:
         for i in range(count):
