@@ -196,7 +196,7 @@ def hetero(seed: int, *, groups: int = 8, users: int = 4, turns: int = 3, max_to
 
 
 def long_output(seed: int, *, groups: int = 4, requests: int = 24, max_tokens: int = 4096,
-                system_chars: tuple[int, int] = (1000, 2000)) -> list[Session]:
+                system_chars: tuple[int, int] = (400, 800)) -> list[Session]:
     """Decode-dominated: one-turn questions under a few system prompts, answers of 1k-4k tokens.
 
     The simulators draw each answer's length in :attr:`Needs.output_tokens`. Nearly all the time is

@@ -105,3 +105,43 @@ async def test_several_gateways_share_the_requests_round_robin_and_the_load_bala
                                                     / statistics.fmean(summary["per_replica"]))
         assert summary["router_cpu_s"] is not None  # every gateway (and the cluster's redis-server)
     assert "| kv_index | 2 | 2 |" in done.stdout.decode()  # the table of N beside N=1
+
+
+async def test_a_new_workload_on_a_gpu_profile_reports_itl_goodput_and_its_cache_reset(tmp_path):
+    out = tmp_path / "restart.json"
+    argv = [sys.executable, "-m", "llmgw", "bench", "routing", "--workload", "restart", "--quick",
+            "--arms", "kv_index,oracle", "--replicas", "2", "--sim-profile", "h100-llama-3.1-8b",
+            "--time-scale", "0.05", "--json", str(out)]
+    with trio.fail_after(240):
+        done = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    report = json.loads(out.read_text())
+    assert report["settings"]["sim_profile"] == "h100-llama-3.1-8b"
+    workload = report["workloads"]["restart"]
+    assert workload["profiles"] == ["h100-llama-3.1-8b"] * 2
+    assert workload["simulators"]["num_blocks"] is None  # the GPU's memory: restart needs no given capacity
+    assert workload["objectives"]["measured"] == {"ttft_ms": pytest.approx(1000 * 0.05),
+                                                  "itl_ms": pytest.approx(50 * 0.05)}
+    fields = report["record_fields"]
+    requests = workload["requests"]
+    for arm in workload["arms"].values():
+        (run,) = arm["runs"]["8"]
+        summary = run["summary"]
+        records = [dict(zip(fields, values)) for values in run["records"]]
+        assert summary["errors"] == 0 and len(records) == requests
+        # replica 0's prefix cache was reset once, 40% of the way through, and the engine accepted it
+        reset = summary["cache_reset"]
+        assert reset["after"] == round(0.4 * requests) and reset["replica"] == 0 and reset["success"] is True
+        assert 0 < reset["at_s"] < summary["wall_s"]
+        # ITL: every stream's gaps between its content chunks, at most one per token after the first
+        assert all(len(r["itl_ms"]) <= r["completion_tokens"] - 1 for r in records)
+        assert all(r["ttft_ms"] + sum(r["itl_ms"]) <= r["latency_ms"] + 1e-6 for r in records)
+        gaps = sorted(g for r in records for g in r["itl_ms"])
+        assert gaps and summary["itl_p50_ms"] in gaps and summary["itl_p90_ms"] in gaps
+        good = sum(1 for r in records if r["ttft_ms"] <= summary["slo_ttft_ms"]
+                   and (not r["itl_ms"] or sum(r["itl_ms"]) / len(r["itl_ms"]) <= summary["slo_itl_ms"]))
+        assert summary["goodput_requests"] == good
+        assert summary["goodput_rps"] == pytest.approx(good / summary["wall_s"])
+        point = arm["by_concurrency"]["8"]
+        assert {"itl_p50_ms", "itl_p90_ms", "goodput_rps", "hit_rate", "ttft_p90_ms"} <= set(point)
+    assert "Latency and goodput (objectives: TTFT <= 1000 ms and mean ITL <= 50 ms modelled" in done.stdout.decode()

@@ -13,6 +13,7 @@ from llmgw import cli
 from llmgw.bench import routing
 from llmgw.bench.chat_workloads import ChatResult
 from llmgw.bench.routing_arms import Oracle, Spread, Target
+from llmgw.sim.timing import ConstantTiming
 from llmgw.bench.routing_workloads import Session, TraceError, Turn, build, load_trace
 
 
@@ -52,9 +53,10 @@ def test_workloads_are_the_same_for_a_seed_and_ids_are_unique():
 
 
 def test_the_oracle_estimates_prefill_ahead_plus_its_own_in_engine_steps():
-    state = {"pending_prefill_tokens": 2048, "prompt_tokens": 4096, "cached_tokens": 2048,
+    state = {"pending_prefill_tokens": 2048, "prompt_tokens": 4096, "cached_tokens": 2048, "running": 0,
              "max_num_batched_tokens": 2048, "prefill_tokens_per_s": 8000.0, "decode_ms_per_step": 30.0}
-    assert Oracle.estimate(state) == pytest.approx(4096 / 8000 + 3 * 0.030)
+    # the constant model: 4096 tokens in 3 steps (not rounded) of a 1365-token chunk and the fixed step cost
+    assert Oracle.estimate(state, ConstantTiming(8000.0, 30.0)) == pytest.approx(3 * (1365 / 8000 + 0.030))
 
 
 def test_a_trace_keeps_sessions_in_file_order_and_errors_name_the_line(tmp_path):
