@@ -13,8 +13,8 @@ from llmgw import cli
 from llmgw.bench import routing
 from llmgw.bench.chat_workloads import ChatResult
 from llmgw.bench.routing_arms import Oracle, Spread, Target
-from llmgw.sim.timing import ConstantTiming
 from llmgw.bench.routing_workloads import Session, TraceError, Turn, build, load_trace
+from llmgw.sim.timing import ConstantTiming
 
 
 def point(p90: float, tok_s: float) -> dict:
