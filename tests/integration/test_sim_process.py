@@ -518,6 +518,22 @@ async def test_debug_prefix_hit_reports_the_cached_prefix_and_queues_only_with_t
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"
 
 
+async def test_debug_prefix_hit_reports_the_context_the_running_requests_hold():
+    """``running_context_tokens``: what a decode step reads (the oracle's batch cost on a GPU profile)."""
+    body = {"model": "sim", "prompt": text(300, "long"), "max_tokens": 400, "ignore_eos": True, "stream": True}
+    async with sim_process("--decode-ms-per-step", "20", "--debug-routes") as sim, \
+            httpx.AsyncClient(base_url=sim.base_url, timeout=30) as http:
+        with trio.fail_after(20):
+            prompt = (await http.post("/tokenize", json={"model": "sim", "prompt": body["prompt"]})).json()["count"]
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):  # decoding: the request runs, holding its prompt and output
+                        break
+                probe = (await http.post("/debug/prefix_hit", json={"model": "sim", "prompt": "x"})).json()
+        assert probe["running"] == 1
+        assert prompt < probe["running_context_tokens"] < prompt + 400
+
+
 async def test_gpu_profile_derives_its_cache_from_memory_and_preempts_when_it_runs_out():
     """A GPU profile's KV cache is what its memory holds; requests that outgrow it are preempted (recomputed, as
     vLLM V1 does), counted in vllm:num_preemptions_total, and still complete."""
