@@ -41,11 +41,11 @@ def add_observations(histogram: Histogram, counts: list[int], total: float) -> N
 
     prometheus-client has no public call for this; its ``observe`` adds to ``_sum`` and to one of ``_buckets``
     (not cumulative: the exposition adds them up), which is what this does ``counts[i]`` at a time."""
-    buckets = histogram._buckets  # type: ignore[attr-defined]
+    buckets = histogram._buckets
     for bucket, count in zip(buckets, counts):
         if count:
             bucket.inc(count)
-    histogram._sum.inc(total)  # type: ignore[attr-defined]
+    histogram._sum.inc(total)
 
 
 class ReplicaMetrics:
