@@ -39,6 +39,7 @@ from collections.abc import Sequence
 
 MAX_UNPARSED_BYTES = 1 << 20  # a first event longer than this is not looked into: the first token is then unknown
 HELD_PIECES = 2  # the usage chunk and [DONE] may each come in a piece of their own
+_LINE_END = b"\n"  # the tail of a piece that ended a line
 _TOKEN_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\{')  # a chunk with a choice in it (a usage chunk has none)
 
 
@@ -65,14 +66,23 @@ def events_after_last_token(tail: list[bytes]) -> int:
 
     A chunk with a choice is a token, even with empty content: vLLM's last chunk (the finish reason, with the
     end-of-sequence token's empty text) is a step of its own, which it observes."""
-    found = 0
-    for line in reversed(b"".join(tail).split(b"\n")):
-        if not line.startswith(b"data:"):
-            continue
-        if _TOKEN_CHOICES.search(line, 5) is not None:
-            break
-        found += 1
-    return found
+    for pieces in range(1, len(tail) + 1):  # the last piece alone nearly always holds the answer
+        text = tail[-1] if pieces == 1 else b"".join(tail[-pieces:])
+        found, end = 0, len(text)
+        while True:  # data line by data line from the end: only the last few are looked at
+            start = text.rfind(b"\ndata:", 0, end) + 1
+            if start == 0:
+                if pieces < len(tail):
+                    break  # the line may begin in the piece before: look again with it
+                if not text.startswith(b"data:"):
+                    return found
+            if _TOKEN_CHOICES.search(text, start + 5, end) is not None:
+                return found
+            found += 1
+            if start == 0:
+                return found
+            end = start
+    return 0
 
 
 class StreamWatch:
@@ -88,15 +98,19 @@ class StreamWatch:
         self.counts: list[int] = []  # gaps per bucket, once the first token came
         self._bounds = bounds
         self._pending: bytes | None = b""  # the start of a line the next piece completes (None: gave up)
-        self._tail = b""  # the last bytes of the previous piece: a "\ndata:" cut in two is counted once
+        self._tail = _LINE_END  # the last bytes of the stream so far, for a "\ndata:" cut between two pieces
         self._older_at = self._newer_at = 0.0  # the pieces held back: arrival and data lines
         self._older_n = self._newer_n = 0
 
     def feed(self, piece: bytes, now: float) -> None:
         if self.first_token_at is not None:
-            seen = self._tail + piece
-            self._tail = seen[-5:]  # shorter than "\ndata:": never counted twice
-            events = seen.count(b"\ndata:")
+            events = piece.count(b"\ndata:")
+            tail = self._tail
+            if tail is _LINE_END:  # the last piece ended a line, as pieces nearly always do: no copy
+                events += piece.startswith(b"data:")
+            else:  # what the last piece's end and this one's start spell together ("\nda" + "ta:")
+                events += (tail + piece[:5]).count(b"\ndata:")
+            self._tail = _LINE_END if piece.endswith(b"\n") else (tail + piece)[-5:]  # shorter than "\ndata:"
             if events:  # hold this piece back; account the one held before the last (inlined: the hot path)
                 older = self._older_n
                 if older:
@@ -118,7 +132,7 @@ class StreamWatch:
             self.first_token_at = self.last_token_at = now
             self.counts = [0] * len(self._bounds)
             self._pending = b""
-            self._tail = (b"\n" + pending)[-5:]
+            self._tail = _LINE_END if not pending else (b"\n" + pending)[-5:]
             self._newer_at = now
             self._newer_n = sum(1 for later in lines[at + 1:] if later.startswith(b"data:")) \
                 + pending.startswith(b"data:")

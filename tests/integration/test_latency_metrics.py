@@ -79,6 +79,7 @@ async def test_ttft_is_the_first_token_and_tokens_are_counted(nursery, start_llm
     access = [line for line in gw.lines if "request_id=" in line and "llmgw.access" in line]
     assert len(access) == 2, gw.lines
     assert all("model=tiny" in line and "status=200" in line and "completion_tokens=8" in line for line in access)
+    assert "ttft_ms=-" not in access[0] and "ttft_ms=-" in access[1]  # the plain body is no first token
 
 
 async def test_ttft_metric_lies_within_the_clients_measurement(nursery, start_llmgw):
