@@ -13,9 +13,10 @@ the inter-token latency as vLLM does: one gap per token. vLLM
 ``vllm:inter_token_latency_seconds`` once per engine step that gives a running
 request new tokens: the time since that request's previous step. It sends one
 SSE event per such step, so here each event after the first token is one
-token, and a piece that brings ``n`` events at once (they were sent at
-different steps but arrived together) counts as ``n`` tokens that split the
-gap since the previous token-bearing piece evenly. The gaps' count is the
+token, stamped with the arrival of the piece that brings its ``data:``; a
+piece that brings ``n`` events at once (they were sent at different steps but
+arrived together) counts as ``n`` tokens that split the gap since the
+previous token-bearing piece evenly. The gaps' count is the
 tokens after the first and their sum the time from the first token to the
 last, whatever the pieces. An event that carries several tokens (speculative
 decoding; vLLM merging steps while the HTTP writer lags) counts as one, as
@@ -26,8 +27,9 @@ piece) and added to the shared histogram once, when the stream ends
 (:func:`llmgw.metrics.add_observations`): the same counts as one ``observe``
 per token, at a fraction of the cost on the hot path. The events after the
 last token (the usage chunk, ``[DONE]``) are no tokens: the last
-:data:`HELD_PIECES` pieces are held back until the end, when
-:func:`events_after_last_token` tells them apart from the stream's tail.
+:data:`HELD_PIECES` pieces that brought events are held back until the end,
+when :func:`events_after_last_token` tells them apart from the stream's last
+pieces (the data plane's tail, which it also reads ``usage`` from).
 """
 
 from __future__ import annotations
