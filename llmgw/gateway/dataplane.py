@@ -29,12 +29,13 @@ from ..http.messages import Request, Response, error_response
 from ..http.multipart import FormError, form_field
 from ..http.server import AbortConnection
 from ..logfields import fields_extra, logfmt
+from ..metrics import TOKEN_LATENCY_BOUNDS, add_observations
 from ..router.replica import Replica
 from ..router.router import Router, replica_of
 from ..router.tier import Decision, RouteRequest
 from .bearer import BearerTokens
 from .hops import HopGuard
-from .latency import StreamWatch
+from .latency import StreamWatch, events_after_last_token
 from .request_ids import RequestIds, accepted_client_id
 from .usage import STREAM_TAIL_PIECES, usage_of_body, usage_of_stream_tail
 
@@ -368,7 +369,7 @@ class DataPlane:
                 self._finish(replica, decision, route_request, started, 499)
                 raise
             usage = usage_of_body(data) if upstream.status == 200 else None
-            self._finish(replica, decision, route_request, started, upstream.status, usage, first_token_at=_now())
+            self._finish(replica, decision, route_request, started, upstream.status, usage, body_at=_now())
             return Response(upstream.status, headers, data)
         return Response(upstream.status, headers,
                         self._stream(upstream, replica, decision, route_request, started))
@@ -377,7 +378,7 @@ class DataPlane:
                       route_request: RouteRequest, started: float) -> AsyncIterator[bytes]:
         status = upstream.status
         recent: list[bytes] | None = [] if status == 200 else None
-        watch = StreamWatch() if status == 200 and _is_event_stream(upstream.headers) else None
+        watch = StreamWatch(TOKEN_LATENCY_BOUNDS) if status == 200 and _is_event_stream(upstream.headers) else None
         try:
             if not upstream.piece_ready:
                 yield b""  # the head goes out now, as the engine sent it; its first token may be long in coming
@@ -405,7 +406,7 @@ class DataPlane:
         finally:
             await upstream.aclose()
             usage = usage_of_stream_tail(recent) if recent and status == 200 else None
-            self._finish(replica, decision, route_request, started, status, usage, watch=watch)
+            self._finish(replica, decision, route_request, started, status, usage, watch=watch, tail=recent)
 
     # -- bookkeeping -------------------------------------------------------------------------------------------------
 
@@ -420,19 +421,18 @@ class DataPlane:
         self.health.request_failed(replica, reason)
 
     def _finish(self, replica: Replica, decision: Decision, route_request: RouteRequest, started: float,
-                status: int, usage: dict | None = None, *, first_token_at: float | None = None,
-                watch: StreamWatch | None = None) -> None:
+                status: int, usage: dict | None = None, *, body_at: float | None = None,
+                watch: StreamWatch | None = None, tail: list[bytes] | None = None) -> None:
+        """Account a response that ended: ``body_at`` is when a non-streamed body arrived, ``watch`` a stream's
+        token timings and ``tail`` its last pieces."""
         self._load(replica, -1)
         replica.served += 1
         ended = _now()
         self._count(route_request.served_name, None, started, status)
-        if watch is not None:
-            first_token_at = watch.first_token_at
-        tokens = record_latency(self.metrics.for_replica(replica), started, ended, first_token_at, usage, watch) \
-            if status == 200 else _NO_TOKENS
-        if status == 200 and watch is None and first_token_at is not None and usage is not None \
-                and _count_of(usage, "completion_tokens") == 1:
-            # A whole body's arrival is its first token's only when it holds one token: else decoding is in it.
+        first_token_at = watch.first_token_at if watch is not None else _first_token_of_body(body_at, usage)
+        tokens = record_latency(self.metrics.for_replica(replica), started, ended, first_token_at, usage, watch,
+                                tail) if status == 200 else _NO_TOKENS
+        if status == 200 and watch is None and first_token_at is not None:
             self.router.first_token(route_request, decision, first_token_at - started)
         self.router.finished(route_request, decision, usage)
         if self.settings.access_log:
@@ -517,10 +517,20 @@ def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
     return False
 
 
+def _first_token_of_body(body_at: float | None, usage: dict | None) -> float | None:
+    """When a non-streamed answer's first token arrived: its body's arrival when it holds one output token (usage
+    says so), else unknown, as decoding the others is in that time too."""
+    if body_at is not None and usage is not None and _count_of(usage, "completion_tokens") == 1:
+        return body_at
+    return None
+
+
 def record_latency(bound, started: float, ended: float, first_token_at: float | None, usage: dict | None,
-                   watch: StreamWatch | None) -> tuple[int | None, int | None, int | None]:
-    """Observe a served response's end-to-end latency, time to first token, inter-token latency and usage token
-    counts on its replica's series; the token counts (None where unknown) for the access log."""
+                   watch: StreamWatch | None, tail: list[bytes] | None) -> tuple[int | None, int | None, int | None]:
+    """Observe a served response's end-to-end latency, time to first token (the same the router learns from:
+    a stream's first token, a one-token body), the gaps before a stream's later tokens (``tail``: its last
+    pieces) and usage token counts on its replica's series; the token counts (None where unknown) for the
+    access log."""
     bound.e2e.observe(ended - started)
     if first_token_at is not None:
         bound.ttft.observe(first_token_at - started)
@@ -533,10 +543,10 @@ def record_latency(bound, started: float, ended: float, first_token_at: float | 
                                (bound.completion_tokens, completion)):
             if value:
                 counter.inc(value)
-    if watch is not None and first_token_at is not None:
-        after_first = watch.tokens_after_first(completion)
-        if after_first > 0:
-            bound.inter_token.observe((ended - first_token_at) / after_first)
+    if watch is not None and watch.first_token_at is not None:
+        watch.close(events_after_last_token(tail or []))
+        assert watch.last_token_at is not None  # set with the first token
+        add_observations(bound.inter_token, watch.counts, watch.last_token_at - watch.first_token_at)
     return prompt, cached, completion
 
 
