@@ -36,12 +36,12 @@ def parse_port_range(text: str) -> tuple[int, int]:
     """``LOW-HIGH`` (``21000-21099``; one port is ``N-N``) as ``(LOW, HIGH)``, or a ValueError saying what is wrong."""
     match = _RANGE.fullmatch(text.strip())
     if match is None:
-        raise ValueError(f"{text!r} is not a port range LOW-HIGH, e.g. 21000-21999")
+        raise ValueError("not a port range LOW-HIGH, e.g. 21000-21999")
     low, high = int(match[1]), int(match[2])
     if not 1 <= low <= 65535 or not 1 <= high <= 65535:
-        raise ValueError(f"{text!r}: ports are 1 to 65535")
+        raise ValueError("ports are 1 to 65535")
     if low > high:
-        raise ValueError(f"{text!r}: the low port is above the high one")
+        raise ValueError("the low port is above the high one")
     return low, high
 
 

@@ -23,10 +23,12 @@ import os
 import signal
 import socket
 import sys
+from typing import Callable, TypeVar
 
 import trio
 
 from .. import listening
+from ..agent.ports import parse_port_range
 from ..fdlimit import raise_open_files_limit
 from ..logsetup import add_logging_arguments, setup_logging
 from ..tls import TlsClientOptions
@@ -34,6 +36,7 @@ from ..usererrors import run_reporting
 from ..wire.channel import WebSocketConnector
 
 log = logging.getLogger("llmgw.agent")
+T = TypeVar("T")
 EXIT_REFUSED = 3
 
 
@@ -85,26 +88,20 @@ def parse_labels(items: list[str]) -> dict[str, str]:
     return labels
 
 
+def optional_flag(flag: str, text: str | None, parse: Callable[[str], T]) -> T | None:
+    """``parse(text)``, or None when the flag was not given; a ValueError names the flag and its value."""
+    if text is None:
+        return None
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag} {text!r}: {exc}") from None
+
+
 def parse_kv_message_size(text: str | None) -> int | None:
     from ..kv.subscriber import message_size_setting
 
-    if text is None:
-        return None
-    try:
-        return message_size_setting(text)
-    except ValueError as exc:
-        raise ValueError(f"--kv-max-message-size {text!r}: {exc}") from None
-
-
-def parse_engine_ports(text: str | None) -> tuple[int, int] | None:
-    from ..agent.ports import parse_port_range
-
-    if text is None:
-        return None
-    try:
-        return parse_port_range(text)
-    except ValueError as exc:
-        raise ValueError(f"--engine-ports {exc}") from None
+    return optional_flag("--kv-max-message-size", text, message_size_setting)
 
 
 def warn_if_ephemeral(engine_ports: tuple[int, int] | None) -> None:
@@ -132,7 +129,7 @@ def main(argv: list[str]) -> int:
         if args.address is not None:  # the node's engines listen there: it must be an address of this machine
             listening.check_bindable(args.address)
         kv_max_message_bytes = parse_kv_message_size(args.kv_max_message_size)
-        engine_ports = parse_engine_ports(args.engine_ports)
+        engine_ports = optional_flag("--engine-ports", args.engine_ports, parse_port_range)
         connector = WebSocketConnector(args.join, tls=tls_options(args))
         agent = Agent(connector, token=args.token, node_id=args.node_id or socket.gethostname(),
                       discovery=args.discovery, state_dir=args.state_dir, labels=labels, address=args.address,
