@@ -45,11 +45,12 @@ def parse_port_range(text: str) -> tuple[int, int]:
     return low, high
 
 
-def ephemeral_overlap(low: int, high: int, range_file: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int] | None:
-    """The kernel's ephemeral port range when ``low-high`` overlaps it (outgoing connections may then take an
-    engine's port for a while), else None; None too when the kernel does not say (not Linux)."""
+def ephemeral_overlap(low: int, high: int, range_file: Path | None = None) -> tuple[int, int] | None:
+    """The kernel's ephemeral port range (``range_file``, default :data:`EPHEMERAL_RANGE_FILE`) when ``low-high``
+    overlaps it (outgoing connections may then take an engine's port for a while), else None; None too when the
+    kernel does not say (not Linux)."""
     try:
-        first, last = (int(part) for part in range_file.read_text().split()[:2])
+        first, last = (int(part) for part in (range_file or EPHEMERAL_RANGE_FILE).read_text().split()[:2])
     except (OSError, ValueError):
         return None
     return (first, last) if low <= last and first <= high else None

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from hypothesis import given, strategies as st
 
+from llmgw.agent import ports as ports_module
 from llmgw.agent.agent import Agent
 from llmgw.agent.ports import DEFAULT_ENGINE_PORTS, ephemeral_overlap, parse_port_range
 from llmgw.commands import agent as agent_command
@@ -66,3 +69,17 @@ def test_a_bad_engine_ports_flag_exits_2_naming_it(capsys, tmp_path):
                                "--engine-ports", "9000-8000"])
     assert code == 2
     assert "llmgw agent: --engine-ports '9000-8000': the low port is above the high one" in capsys.readouterr().err
+
+
+def test_an_overlap_with_the_ephemeral_range_is_logged_once_with_the_fix(tmp_path, monkeypatch, caplog):
+    proc = tmp_path / "ip_local_port_range"
+    proc.write_text("32768 60999\n")
+    monkeypatch.setattr(ports_module, "EPHEMERAL_RANGE_FILE", proc)
+    with caplog.at_level(logging.WARNING, logger="llmgw.agent"):
+        agent_command.warn_if_ephemeral(None)
+        agent_command.warn_if_ephemeral((21000, 21999))
+        assert caplog.messages == []
+        agent_command.warn_if_ephemeral((30000, 40000))
+    (message,) = caplog.messages
+    assert "--engine-ports 30000-40000 overlaps the kernel's ephemeral ports 32768-60999" in message
+    assert "choose a range outside it" in message
