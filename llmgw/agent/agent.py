@@ -124,11 +124,13 @@ class Agent:
                  state_dir: Path | str | None = None, labels: dict[str, str] | None = None,
                  address: str | None = None, registry: Registry | None = None, host: str | None = None,
                  announce: Callable[[str], None] | None = None, metrics_registry=None,
-                 kv_max_message_bytes: int | None = None):
+                 kv_max_message_bytes: int | None = None, engine_ports: tuple[int, int] | None = None):
         """``metrics_registry``: where the KV-event series go (the gateway's, for the embedded agent; a private
-        one otherwise). ``kv_max_message_bytes``: the KV-event subscriptions' ZMQ_MAXMSGSIZE (default 32 MiB)."""
+        one otherwise). ``kv_max_message_bytes``: the KV-event subscriptions' ZMQ_MAXMSGSIZE (default 32 MiB).
+        ``engine_ports``: the (low, high) range engines' HTTP ports are taken from (default 20000-32000)."""
         from .kv import AgentKv
         from .kv_sockets import KV_SOCKET_DIR, KvSocketDir
+        from .ports import DEFAULT_ENGINE_PORTS, PortAllocator
         from .shards import ShardManager
 
         self.connector: Connector = WebSocketConnector(join) if isinstance(join, str) else join
@@ -146,8 +148,10 @@ class Agent:
         self._pending = LatestReports()
         self._nursery: trio.Nursery | None = None
         registry = registry or default_registry()
-        self.shards = ShardManager(registry, state_dir=self.state_dir,
-                                   node_address=self.address, host=host or self.address, on_status=self._pending.put)
+        host = host or self.address
+        self.shards = ShardManager(registry, state_dir=self.state_dir, node_address=self.address, host=host,
+                                   on_status=self._pending.put,
+                                   ports=PortAllocator(host, *(engine_ports or DEFAULT_ENGINE_PORTS)))
         self.kv = AgentKv(registry, node_id, sockets=KvSocketDir(self.state_dir / KV_SOCKET_DIR),
                           metrics_registry=metrics_registry,
                           **({"max_message_bytes": kv_max_message_bytes} if kv_max_message_bytes else {}))

@@ -9,20 +9,56 @@ reach a different engine there. The cursor starts at a random place, so that
 two agents on one machine (tests, a serve with an embedded agent next to a
 remote agent) rarely test the same port at the same time: between the test
 and the engine's own bind, only this allocator knows the port is taken.
+
+``llmgw agent --engine-ports LOW-HIGH`` moves the range (a firewall or a
+container's published ports may allow only some): :func:`parse_port_range`
+reads and checks it, :func:`ephemeral_overlap` says when it overlaps the
+kernel's ephemeral range.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import socket
+from pathlib import Path
+
+DEFAULT_ENGINE_PORTS = (20000, 32000)
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_RANGE = re.compile(r"(\d{1,5})-(\d{1,5})")
 
 
 class NoFreePort(Exception):
     """Every port of the range is reserved or in use."""
 
 
+def parse_port_range(text: str) -> tuple[int, int]:
+    """``LOW-HIGH`` (``21000-21099``; one port is ``N-N``) as ``(LOW, HIGH)``, or a ValueError saying what is wrong."""
+    match = _RANGE.fullmatch(text.strip())
+    if match is None:
+        raise ValueError("not a port range LOW-HIGH, e.g. 21000-21999")
+    low, high = int(match[1]), int(match[2])
+    if not 1 <= low <= 65535 or not 1 <= high <= 65535:
+        raise ValueError("ports are 1 to 65535")
+    if low > high:
+        raise ValueError("the low port is above the high one")
+    return low, high
+
+
+def ephemeral_overlap(low: int, high: int, range_file: Path | None = None) -> tuple[int, int] | None:
+    """The kernel's ephemeral port range (``range_file``, default :data:`EPHEMERAL_RANGE_FILE`) when ``low-high``
+    overlaps it (outgoing connections may then take an engine's port for a while), else None; None too when the
+    kernel does not say (not Linux)."""
+    try:
+        first, last = (int(part) for part in (range_file or EPHEMERAL_RANGE_FILE).read_text().split()[:2])
+    except (OSError, ValueError):
+        return None
+    return (first, last) if low <= last and first <= high else None
+
+
 class PortAllocator:
-    def __init__(self, host: str = "127.0.0.1", start: int = 20000, end: int = 32000):
+    def __init__(self, host: str = "127.0.0.1", start: int = DEFAULT_ENGINE_PORTS[0],
+                 end: int = DEFAULT_ENGINE_PORTS[1]):
         if not 0 < start <= end < 65536:
             raise ValueError(f"bad port range {start}-{end}")
         self.host = host

@@ -23,10 +23,12 @@ import os
 import signal
 import socket
 import sys
+from typing import Callable, TypeVar
 
 import trio
 
 from .. import listening
+from ..agent.ports import parse_port_range
 from ..fdlimit import raise_open_files_limit
 from ..logsetup import add_logging_arguments, setup_logging
 from ..tls import TlsClientOptions
@@ -34,6 +36,7 @@ from ..usererrors import run_reporting
 from ..wire.channel import WebSocketConnector
 
 log = logging.getLogger("llmgw.agent")
+T = TypeVar("T")
 EXIT_REFUSED = 3
 
 
@@ -54,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--address", default=None,
                         help="the address other machines and the router dial this node's engines at "
                              "(default: the local address that reaches the control plane)")
+    parser.add_argument("--engine-ports", default=None, metavar="LOW-HIGH",
+                        help="the range engines' HTTP ports are taken from, e.g. 21000-21999 (default 20000-32000; "
+                             "keep it out of the kernel's ephemeral range, net.ipv4.ip_local_port_range)")
     parser.add_argument("--stop-engines", action="store_true",
                         help="stop this node's engines when the agent exits (by default they keep running, to be "
                              "adopted by the next agent on the state dir; 'llmgw down --state-dir DIR' stops them)")
@@ -82,15 +88,32 @@ def parse_labels(items: list[str]) -> dict[str, str]:
     return labels
 
 
-def parse_kv_message_size(text: str | None) -> int | None:
-    from ..kv.subscriber import message_size_setting
-
+def optional_flag(flag: str, text: str | None, parse: Callable[[str], T]) -> T | None:
+    """``parse(text)``, or None when the flag was not given; a ValueError names the flag and its value."""
     if text is None:
         return None
     try:
-        return message_size_setting(text)
+        return parse(text)
     except ValueError as exc:
-        raise ValueError(f"--kv-max-message-size {text!r}: {exc}") from None
+        raise ValueError(f"{flag} {text!r}: {exc}") from None
+
+
+def parse_kv_message_size(text: str | None) -> int | None:
+    from ..kv.subscriber import message_size_setting
+
+    return optional_flag("--kv-max-message-size", text, message_size_setting)
+
+
+def warn_if_ephemeral(engine_ports: tuple[int, int] | None) -> None:
+    """One WARNING when the engines' ports overlap the ports the kernel gives outgoing connections."""
+    from ..agent.ports import DEFAULT_ENGINE_PORTS, ephemeral_overlap
+
+    low, high = engine_ports or DEFAULT_ENGINE_PORTS
+    overlap = ephemeral_overlap(low, high)
+    if overlap is not None:
+        log.warning("--engine-ports %d-%d overlaps the kernel's ephemeral ports %d-%d: an outgoing connection can "
+                    "hold a port an engine needs (its start then fails and is retried on another port); choose a "
+                    "range outside it, or narrow net.ipv4.ip_local_port_range", low, high, *overlap)
 
 
 def main(argv: list[str]) -> int:
@@ -106,14 +129,17 @@ def main(argv: list[str]) -> int:
         if args.address is not None:  # the node's engines listen there: it must be an address of this machine
             listening.check_bindable(args.address)
         kv_max_message_bytes = parse_kv_message_size(args.kv_max_message_size)
+        engine_ports = optional_flag("--engine-ports", args.engine_ports, parse_port_range)
         connector = WebSocketConnector(args.join, tls=tls_options(args))
         agent = Agent(connector, token=args.token, node_id=args.node_id or socket.gethostname(),
                       discovery=args.discovery, state_dir=args.state_dir, labels=labels, address=args.address,
-                      announce=lambda line: print(line, flush=True), kv_max_message_bytes=kv_max_message_bytes)
+                      announce=lambda line: print(line, flush=True), kv_max_message_bytes=kv_max_message_bytes,
+                      engine_ports=engine_ports)
     except (ValueError, OSError, listening.CannotListen) as exc:  # ssl.SSLError is an OSError
         print(f"llmgw agent: {exc}", file=sys.stderr)
         return 2
     setup_logging(args.log_level, args.log_format)
+    warn_if_ephemeral(engine_ports)
     if args.insecure_skip_verify:
         log.warning("--insecure-skip-verify: the control plane's certificate is NOT verified; anyone on the path "
                     "can impersonate it and read the join token, this node's secret and its shards' secrets")

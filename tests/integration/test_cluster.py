@@ -17,6 +17,7 @@ import trio_websocket
 from helpers import next_error
 from llmgw import wire
 from llmgw.testing.cluster import AGENTS, CHAT, TOKEN, alive, all_up, embedded, environ_of, shard_pids
+from llmgw.testing.processes import free_port
 from llmgw.wire.channel import AgentCredentials
 
 TINY_SIM = """
@@ -106,6 +107,15 @@ async def test_two_agents_run_a_deployment_and_keep_it_through_restarts(cluster)
     assert shard_pids(replicas) == pids
     assert (await cluster.nodes())[agent_node]["state"] == "connected"
 
+
+async def test_an_agent_starts_its_engines_on_the_ports_of_engine_ports(cluster):
+    port = free_port()
+    cluster.write_config(AGENTS + TINY_SIM.replace("replicas: 2", "replicas: 1"))
+    await cluster.start_serve()
+    await cluster.start_agent("a", "tiny-2gpu-a", extra=["--engine-ports", f"{port}-{port}"])
+    (replica,) = (await cluster.settled(1)).values()
+    assert replica["url"] == f"http://127.0.0.1:{port}"
+    assert await cluster.chat() == replica["name"]
 
 
 FAST_AND_SLOW = """
