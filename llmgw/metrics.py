@@ -32,7 +32,22 @@ disable_created_metrics()  # the *_created series double the exposition and nobo
 ANSWERED = "answered"  # llmgw_requests_total's outcome: the answer ended as its status says
 STREAM_ERROR = "stream_error"  # a 200 stream the upstream broke off: the client read an error event (or a cut)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5, 10)
+TOKEN_LATENCY_BOUNDS = (*TOKEN_LATENCY_BUCKETS, float("inf"))  # a histogram's upper bounds, +Inf last
+
+
+def add_observations(histogram: Histogram, counts: list[int], total: float) -> None:
+    """Add to a histogram child, at once, observations already counted into its buckets: ``counts[i]`` of them
+    in bucket ``i`` of its upper bounds (the first bound at least the value, as ``observe`` picks; +Inf last),
+    summing to ``total``. The same series as one ``observe`` per value, for one lock per bucket touched.
+
+    prometheus-client has no public call for this; its ``observe`` adds to ``_sum`` and to one of ``_buckets``
+    (not cumulative: the exposition adds them up), which is what this does ``counts[i]`` at a time."""
+    buckets = histogram._buckets
+    for bucket, count in zip(buckets, counts):
+        if count:
+            bucket.inc(count)
+    histogram._sum.inc(total)
 
 
 class ReplicaMetrics:
@@ -119,11 +134,12 @@ class Metrics:
             ["model", "tier", "outcome"], registry=r))
         self.ttft = CachedLabels(Histogram(
             "llmgw_time_to_first_token_seconds", "Arrival of a request to its first token: the first SSE event "
-            "carrying output of a stream, or the end of a non-streamed body.", ["model", "replica"],
-            buckets=LATENCY_BUCKETS, registry=r))
+            "carrying output of a stream (or a non-streamed body of one output token; other non-streamed answers "
+            "are not observed here).", ["model", "replica"], buckets=LATENCY_BUCKETS, registry=r))
         self.inter_token = CachedLabels(Histogram(
-            "llmgw_inter_token_latency_seconds", "Mean time between output tokens of one streamed response "
-            "(observed once per stream).", ["model", "replica"], buckets=TOKEN_LATENCY_BUCKETS, registry=r))
+            "llmgw_inter_token_latency_seconds", "Time before each output token after the first of a streamed "
+            "response, one observation per token (as vllm:inter_token_latency_seconds); tokens that arrive "
+            "together share the gap.", ["model", "replica"], buckets=TOKEN_LATENCY_BUCKETS, registry=r))
         self.e2e = CachedLabels(Histogram(
             "llmgw_e2e_request_latency_seconds", "Arrival of a request to the end of the response a replica "
             "served.", ["model", "replica"], buckets=LATENCY_BUCKETS, registry=r))

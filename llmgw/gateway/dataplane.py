@@ -34,13 +34,13 @@ from ..http.messages import Request, Response, error_body, error_response
 from ..http.multipart import FormError, form_field
 from ..http.server import AbortConnection
 from ..logfields import FieldValue, fields_extra, logfmt
-from ..metrics import ANSWERED, STREAM_ERROR
+from ..metrics import ANSWERED, STREAM_ERROR, TOKEN_LATENCY_BOUNDS, add_observations
 from ..router.replica import Replica
 from ..router.router import Router, replica_of
 from ..router.tier import Decision, RouteRequest
 from .bearer import BearerTokens
 from .hops import HopGuard
-from .latency import StreamWatch
+from .latency import StreamWatch, events_after_last_token
 from .readiness import Readiness
 from .request_ids import RequestIds, accepted_client_id
 from .usage import STREAM_TAIL_PIECES, usage_of_body, usage_of_stream_tail
@@ -432,7 +432,7 @@ class DataPlane:
                 self._finish(replica, decision, route_request, exchange, 499)
                 raise
             usage = usage_of_body(data) if upstream.status == 200 else None
-            self._finish(replica, decision, route_request, exchange, upstream.status, usage, first_token_at=_now())
+            self._finish(replica, decision, route_request, exchange, upstream.status, usage, body_at=_now())
             return Response(upstream.status, headers, data)
         return Response(upstream.status, headers,
                         self._stream(upstream, replica, decision, route_request, exchange))
@@ -443,7 +443,7 @@ class DataPlane:
         status = upstream.status
         outcome = ANSWERED
         recent: list[bytes] | None = [] if status == 200 else None
-        watch = StreamWatch() if status == 200 and _is_event_stream(upstream.headers) else None
+        watch = StreamWatch(TOKEN_LATENCY_BOUNDS) if status == 200 and _is_event_stream(upstream.headers) else None
         try:
             if not upstream.piece_ready:
                 yield b""  # the head goes out now, as the engine sent it; its first token may be long in coming
@@ -480,7 +480,8 @@ class DataPlane:
         finally:
             await upstream.aclose()
             usage = usage_of_stream_tail(recent) if recent and status == 200 and outcome == ANSWERED else None
-            self._finish(replica, decision, route_request, exchange, status, usage, watch=watch, outcome=outcome)
+            self._finish(replica, decision, route_request, exchange, status, usage, watch=watch, tail=recent,
+                         outcome=outcome)
 
     # -- bookkeeping -------------------------------------------------------------------------------------------------
 
@@ -495,20 +496,19 @@ class DataPlane:
         self.health.request_failed(replica, reason)
 
     def _finish(self, replica: Replica, decision: Decision, route_request: RouteRequest, exchange: Exchange,
-                status: int, usage: dict | None = None, *, first_token_at: float | None = None,
-                watch: StreamWatch | None = None, outcome: str = ANSWERED) -> None:
+                status: int, usage: dict | None = None, *, body_at: float | None = None,
+                watch: StreamWatch | None = None, tail: list[bytes] | None = None, outcome: str = ANSWERED) -> None:
+        """Account a response that ended: ``body_at`` is when a non-streamed body arrived, ``watch`` a stream's
+        token timings and ``tail`` its last pieces; ``outcome``: :data:`STREAM_ERROR` for a stream broken off."""
         started = exchange.started
         self._load(replica, -1)
         replica.served += 1
         ended = _now()
         self._count(route_request.served_name, None, started, status, outcome)
-        if watch is not None:
-            first_token_at = watch.first_token_at
-        tokens = record_latency(self.metrics.for_replica(replica), started, ended, first_token_at, usage, watch) \
-            if status == 200 else _NO_TOKENS
-        if status == 200 and watch is None and first_token_at is not None and usage is not None \
-                and _count_of(usage, "completion_tokens") == 1:
-            # A whole body's arrival is its first token's only when it holds one token: else decoding is in it.
+        first_token_at = watch.first_token_at if watch is not None else _first_token_of_body(body_at, usage)
+        tokens = record_latency(self.metrics.for_replica(replica), started, ended, first_token_at, usage, watch,
+                                tail) if status == 200 else _NO_TOKENS
+        if status == 200 and watch is None and first_token_at is not None:
             self.router.first_token(route_request, decision, first_token_at - started)
         self.router.finished(route_request, decision, usage)
         self._answered(exchange, status, route_request.request_id, replica, decision, ended, first_token_at, tokens,
@@ -622,10 +622,20 @@ def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
     return False
 
 
+def _first_token_of_body(body_at: float | None, usage: dict | None) -> float | None:
+    """When a non-streamed answer's first token arrived: its body's arrival when it holds one output token (usage
+    says so), else unknown, as decoding the others is in that time too."""
+    if body_at is not None and usage is not None and _count_of(usage, "completion_tokens") == 1:
+        return body_at
+    return None
+
+
 def record_latency(bound, started: float, ended: float, first_token_at: float | None, usage: dict | None,
-                   watch: StreamWatch | None) -> tuple[int | None, int | None, int | None]:
-    """Observe a served response's end-to-end latency, time to first token, inter-token latency and usage token
-    counts on its replica's series; the token counts (None where unknown) for the access log."""
+                   watch: StreamWatch | None, tail: list[bytes] | None) -> tuple[int | None, int | None, int | None]:
+    """Observe a served response's end-to-end latency, time to first token (the same the router learns from:
+    a stream's first token, a one-token body), the gaps before a stream's later tokens (``tail``: its last
+    pieces) and usage token counts on its replica's series; the token counts (None where unknown) for the
+    access log."""
     bound.e2e.observe(ended - started)
     if first_token_at is not None:
         bound.ttft.observe(first_token_at - started)
@@ -638,10 +648,10 @@ def record_latency(bound, started: float, ended: float, first_token_at: float | 
                                (bound.completion_tokens, completion)):
             if value:
                 counter.inc(value)
-    if watch is not None and first_token_at is not None:
-        after_first = watch.tokens_after_first(completion)
-        if after_first > 0:
-            bound.inter_token.observe((ended - first_token_at) / after_first)
+    if watch is not None and watch.first_token_at is not None:
+        watch.close(events_after_last_token(tail or []))
+        assert watch.last_token_at is not None  # set with the first token
+        add_observations(bound.inter_token, watch.counts, watch.last_token_at - watch.first_token_at)
     return prompt, cached, completion
 
 

@@ -1,25 +1,48 @@
-"""Latency truth for one relayed response: when its first token arrived, and how fast the rest followed.
+"""Latency truth for one relayed stream: when its first token arrived, and the gap before each token after it.
 
 Engines such as vLLM send a streamed response's head at once and its first
 token later, so the head (``llmgw_time_to_first_byte_seconds``) says nothing
 about the time to first token. :class:`StreamWatch` reads a server-sent-event
 stream piece by piece until the first ``data:`` event that carries output (a
 non-empty ``text``, ``delta.content``, reasoning content or tool calls): that
-instant is the time to first token. From then on it only counts ``data:``
-events, without parsing them. A non-streamed response's first token is its
-whole body.
+instant is the time to first token.
 
-The mean inter-token latency of a stream is the time from its first token to
-its end over the tokens after the first: usage's ``completion_tokens`` when
-the stream reports usage, otherwise the events counted (one token each, as
-vLLM sends them by default), less the closing ``[DONE]``.
+From then on it only counts ``data:`` lines, without parsing them, to observe
+the inter-token latency as vLLM does: one gap per token. vLLM
+(``vllm/v1/metrics/stats.py``, ``IterationStats.update_from_output``) observes
+``vllm:inter_token_latency_seconds`` once per engine step that gives a running
+request new tokens: the time since that request's previous step. It sends one
+SSE event per such step, so here each event after the first token is one
+token, stamped with the arrival of the piece that brings its ``data:``; a
+piece that brings ``n`` events at once (they were sent at different steps but
+arrived together) counts as ``n`` tokens that split the gap since the
+previous token-bearing piece evenly. The gaps' count is the
+tokens after the first and their sum the time from the first token to the
+last, whatever the pieces. An event that carries several tokens (speculative
+decoding; vLLM merging steps while the HTTP writer lags) counts as one, as
+vLLM's own histogram does for a speculative step.
+
+The gaps are counted into the histogram's buckets locally (an integer add per
+piece) and added to the shared histogram once, when the stream ends
+(:func:`llmgw.metrics.add_observations`): the same counts as one ``observe``
+per token, at a fraction of the cost on the hot path. The events after the
+last token (the usage chunk, ``[DONE]``) are no tokens: the last
+:data:`HELD_PIECES` pieces that brought events are held back until the end,
+when :func:`events_after_last_token` tells them apart from the stream's last
+pieces (the data plane's tail, which it also reads ``usage`` from).
 """
 
 from __future__ import annotations
 
 import json
+import re
+from bisect import bisect_left
+from collections.abc import Sequence
 
 MAX_UNPARSED_BYTES = 1 << 20  # a first event longer than this is not looked into: the first token is then unknown
+HELD_PIECES = 2  # the usage chunk and [DONE] may each come in a piece of their own
+_LINE_END = b"\n"  # the tail of a piece that ended a line
+_TOKEN_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\{')  # a chunk with a choice in it (a usage chunk has none)
 
 
 def carries_output(chunk: object) -> bool:
@@ -39,22 +62,67 @@ def carries_output(chunk: object) -> bool:
     return False
 
 
+def events_after_last_token(tail: list[bytes]) -> int:
+    """How many ``data:`` lines end a stream after its last token-bearing one (``[DONE]``, a usage chunk without
+    choices, an error event), read from its last pieces.
+
+    A chunk with a choice is a token, even with empty content: vLLM's last chunk (the finish reason, with the
+    end-of-sequence token's empty text) is a step of its own, which it observes."""
+    for pieces in range(1, len(tail) + 1):  # the last piece alone nearly always holds the answer
+        text = tail[-1] if pieces == 1 else b"".join(tail[-pieces:])
+        found, end = 0, len(text)
+        while True:  # data line by data line from the end: only the last few are looked at
+            start = text.rfind(b"\ndata:", 0, end) + 1
+            if start == 0:
+                if pieces < len(tail):
+                    break  # the line may begin in the piece before: look again with it
+                if not text.startswith(b"data:"):
+                    return found
+            if _TOKEN_CHOICES.search(text, start + 5, end) is not None:
+                return found
+            found += 1
+            if start == 0:
+                return found
+            end = start
+    return 0
+
+
 class StreamWatch:
-    """Fed every piece of one SSE response with the time it arrived; knows when the first token came."""
+    """Fed every piece of one SSE response with the time it arrived; knows when the first token came and counts
+    the gaps before the later ones into ``counts`` (one slot per bucket of ``bounds``, the last ``inf``)."""
 
-    __slots__ = ("first_token_at", "events_after_first", "_pending", "_tail")
+    __slots__ = ("first_token_at", "last_token_at", "counts", "_bounds", "_pending", "_tail",
+                 "_older_at", "_older_n", "_newer_at", "_newer_n")
 
-    def __init__(self) -> None:
+    def __init__(self, bounds: Sequence[float]) -> None:
         self.first_token_at: float | None = None
-        self.events_after_first = 0  # data: events after the one with the first token ([DONE] included)
+        self.last_token_at: float | None = None  # the last token-bearing piece accounted (see close)
+        self.counts: list[int] = []  # gaps per bucket, once the first token came
+        self._bounds = bounds
         self._pending: bytes | None = b""  # the start of a line the next piece completes (None: gave up)
-        self._tail = b""  # the last bytes of the previous piece: a "data:" cut in two is counted once
+        self._tail = _LINE_END  # the last bytes of the stream so far, for a "\ndata:" cut between two pieces
+        self._older_at = self._newer_at = 0.0  # the pieces held back: arrival and data lines
+        self._older_n = self._newer_n = 0
 
     def feed(self, piece: bytes, now: float) -> None:
         if self.first_token_at is not None:
-            seen = self._tail + piece
-            self.events_after_first += seen.count(b"data:")
-            self._tail = seen[-4:]  # shorter than "data:": never counted twice
+            events = piece.count(b"\ndata:")
+            tail = self._tail
+            if tail is _LINE_END:  # the last piece ended a line, as pieces nearly always do: no copy
+                events += piece.startswith(b"data:")
+            else:  # what the last piece's end and this one's start spell together ("\nda" + "ta:")
+                events += (tail + piece[:5]).count(b"\ndata:")
+            self._tail = _LINE_END if piece.endswith(b"\n") else (tail + piece)[-5:]  # shorter than "\ndata:"
+            if events:  # hold this piece back; account the one held before the last (inlined: the hot path)
+                older = self._older_n
+                if older:
+                    at = self._older_at
+                    self.counts[bisect_left(self._bounds, (at - self.last_token_at) / older)] += older  # type: ignore[operator]
+                    self.last_token_at = at
+                self._older_at = self._newer_at
+                self._older_n = self._newer_n
+                self._newer_at = now
+                self._newer_n = events
             return
         if self._pending is None:  # gave up on an oversized first event
             return
@@ -63,13 +131,31 @@ class StreamWatch:
         for at, line in enumerate(lines):
             if not line.startswith(b"data:") or not self._has_output(line[5:]):
                 continue
-            self.first_token_at = now
-            rest = lines[at + 1:]
-            self.events_after_first = sum(1 for later in rest if later.startswith(b"data:")) + pending.count(b"data:")
+            self.first_token_at = self.last_token_at = now
+            self.counts = [0] * len(self._bounds)
             self._pending = b""
-            self._tail = pending[-4:]
+            self._tail = _LINE_END if not pending else (b"\n" + pending)[-5:]
+            self._newer_at = now
+            self._newer_n = sum(1 for later in lines[at + 1:] if later.startswith(b"data:")) \
+                + pending.startswith(b"data:")
             return
         self._pending = pending if len(pending) <= MAX_UNPARSED_BYTES else None
+
+    def _account(self, at: float, events: int) -> None:
+        """``events`` tokens that arrived at ``at``: each waited an equal share of the time since the last."""
+        assert self.last_token_at is not None  # set with the first token, before any piece is held
+        self.counts[bisect_left(self._bounds, (at - self.last_token_at) / events)] += events
+        self.last_token_at = at
+
+    def close(self, trailing: int) -> None:
+        """The stream ended and its last ``trailing`` data lines were no tokens: account the pieces held back."""
+        dropped = min(trailing, self._newer_n)
+        self._newer_n -= dropped
+        self._older_n -= min(trailing - dropped, self._older_n)
+        for at, events in ((self._older_at, self._older_n), (self._newer_at, self._newer_n)):
+            if events:
+                self._account(at, events)
+        self._older_n = self._newer_n = 0
 
     @staticmethod
     def _has_output(payload: bytes) -> bool:
@@ -80,9 +166,3 @@ class StreamWatch:
             return carries_output(json.loads(payload))
         except (ValueError, UnicodeDecodeError, RecursionError):
             return False
-
-    def tokens_after_first(self, completion_tokens: int | None) -> int:
-        """Output tokens after the first: from usage when known, else the data events less ``[DONE]``."""
-        if completion_tokens is not None:
-            return completion_tokens - 1
-        return self.events_after_first - 1

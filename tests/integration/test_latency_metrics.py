@@ -63,18 +63,23 @@ async def test_ttft_is_the_first_token_and_tokens_are_counted(nursery, start_llm
     assert PREFILL_SECONDS <= stream_ttft <= client_ttft
     # The head came before the first token was computed: time to first byte is no measure of time to first token.
     assert series_sum(streamed, "llmgw_time_to_first_byte_seconds_sum") < stream_ttft - PREFILL_SECONDS
-    # The plain answer's first token is its whole body, which cannot come before the modelled prefill either.
-    assert series_sum(samples, "llmgw_time_to_first_token_seconds_count") == 2
-    assert series_sum(samples, "llmgw_time_to_first_token_seconds_sum") - stream_ttft >= PREFILL_SECONDS
+    # The plain answer's body is no first token: eight tokens were decoded before it came.
+    assert series_sum(samples, "llmgw_time_to_first_token_seconds_count") == 1
+    assert series_sum(samples, "llmgw_time_to_first_token_seconds_sum") == stream_ttft
     plain_usage = plain.json()["usage"]
     assert series_sum(samples, "llmgw_prompt_tokens_total") == usage["prompt_tokens"] + plain_usage["prompt_tokens"]
     assert series_sum(samples, "llmgw_completion_tokens_total") == \
         usage["completion_tokens"] + plain_usage["completion_tokens"] == 16
-    assert series_sum(samples, "llmgw_inter_token_latency_seconds_count") == 1  # streams only
+    # One gap per token after the first (the usage chunk and [DONE] are none), streams only: vLLM's count.
+    assert series_sum(samples, "llmgw_inter_token_latency_seconds_count") == usage["completion_tokens"] - 1 == 7
+    stream_gaps = series_sum(streamed, "llmgw_inter_token_latency_seconds_sum")
+    assert 0 < stream_gaps == series_sum(samples, "llmgw_inter_token_latency_seconds_sum")
+    assert stream_gaps < series_sum(streamed, "llmgw_e2e_request_latency_seconds_sum") - stream_ttft
     assert series_sum(samples, "llmgw_e2e_request_latency_seconds_count") == 2
     access = [line for line in gw.lines if "request_id=" in line and "llmgw.access" in line]
     assert len(access) == 2, gw.lines
     assert all("model=tiny" in line and "status=200" in line and "completion_tokens=8" in line for line in access)
+    assert "ttft_ms=-" not in access[0] and "ttft_ms=-" in access[1]  # the plain body is no first token
 
 
 async def test_ttft_metric_lies_within_the_clients_measurement(nursery, start_llmgw):
@@ -91,3 +96,40 @@ async def test_ttft_metric_lies_within_the_clients_measurement(nursery, start_ll
     samples = await scrape_samples(gw)
     gateway_ttft = series_sum(samples, "llmgw_time_to_first_token_seconds_sum")
     assert PREFILL_SECONDS <= gateway_ttft <= client_ttft
+
+
+async def test_a_one_token_body_is_its_first_token(nursery, start_llmgw):
+    """A non-streamed answer of one output token arrives with it: observed as the router learns it."""
+    sim = await start_sim(nursery)
+    gw = await start_llmgw(f"models:\n  - name: tiny\n    replicas:\n      - url: {sim.url}\n")
+    async with httpx.AsyncClient(timeout=30) as client:
+        plain = await client.post(gw.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT,
+                                                                   "max_tokens": 1})
+    assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 1
+    samples = await scrape_samples(gw)
+    assert series_sum(samples, "llmgw_time_to_first_token_seconds_count") == 1
+    assert series_sum(samples, "llmgw_time_to_first_token_seconds_sum") >= PREFILL_SECONDS
+    assert series_sum(samples, "llmgw_inter_token_latency_seconds_count") == 0
+
+
+async def test_every_gap_of_a_paced_stream_is_observed(nursery, start_fake_upstream, start_llmgw):
+    """An upstream that sends its events ``DELAY`` apart: one observation per token after the first, adding up
+    to the time from the first token to the last: not one mean per stream."""
+    upstream = await start_fake_upstream("paced")
+    gw = await start_llmgw(f"models:\n  - name: tiny\n    replicas:\n      - url: {upstream.url}\n")
+    events, delay = 6, 0.06
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "x_chunks": events, "x_chunk_delay_ms": delay * 1000}
+    async with httpx.AsyncClient(timeout=30) as client:
+        arrivals = []
+        async with client.stream("POST", gw.url + "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.perf_counter())
+    assert len(arrivals) == events
+    samples = await scrape_samples(gw)
+    assert series_sum(samples, "llmgw_inter_token_latency_seconds_count") == events - 1
+    gaps = series_sum(samples, "llmgw_inter_token_latency_seconds_sum")
+    # The upstream sleeps DELAY before each event; the gateway's first read may come late, its last not early.
+    assert (events - 2) * delay <= gaps <= arrivals[-1] - arrivals[0] + delay
