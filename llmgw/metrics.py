@@ -29,6 +29,8 @@ from .cached_labels import CachedLabels
 
 disable_created_metrics()  # the *_created series double the exposition and nobody alerts on them
 
+ANSWERED = "answered"  # llmgw_requests_total's outcome: the answer ended as its status says
+STREAM_ERROR = "stream_error"  # a 200 stream the upstream broke off: the client read an error event (or a cut)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5, 10)
 TOKEN_LATENCY_BOUNDS = (*TOKEN_LATENCY_BUCKETS, float("inf"))  # a histogram's upper bounds, +Inf last
@@ -84,17 +86,18 @@ class ModelMetrics:
     def __init__(self, metrics: "Metrics", model: str):
         self.model = model
         self._requests = metrics.requests
-        self._by_code: dict[int, Counter] = {}
+        self._by_code: dict[tuple[int, str], Counter] = {}
         self.request_duration = metrics.request_duration.labels(model)
         self.ttfb = metrics.ttfb.labels(model)
         self.retries = metrics.retries.labels(model)
         self.client_disconnects = metrics.client_disconnects.labels(model)
 
-    def requests(self, code: int) -> Counter:
-        """The ``llmgw_requests_total{model,code}`` child for HTTP status ``code``."""
-        child = self._by_code.get(code)
+    def requests(self, code: int, outcome: str = ANSWERED) -> Counter:
+        """The ``llmgw_requests_total{model,code,outcome}`` child for HTTP status ``code`` and ``outcome``
+        (:data:`ANSWERED`, or :data:`STREAM_ERROR`: a stream the upstream broke off after its head)."""
+        child = self._by_code.get((code, outcome))
         if child is None:
-            child = self._by_code[code] = self._requests.labels(self.model, str(code))
+            child = self._by_code[(code, outcome)] = self._requests.labels(self.model, str(code), outcome)
         return child
 
 
@@ -103,8 +106,13 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = CachedLabels(Counter(
-            "llmgw_requests", "Requests answered on the OpenAI endpoint, by model and HTTP status.",
-            ["model", "code"], registry=r))
+            "llmgw_requests", "Requests answered on the OpenAI endpoint, by model, the HTTP status the client saw, "
+            "and outcome: answered, or stream_error (the upstream broke off a stream after its head).",
+            ["model", "code", "outcome"], registry=r))
+        self.requests_by_key = CachedLabels(Counter(
+            "llmgw_requests_by_key", "Every answer of the data plane (but /health and /ready), by the name of the "
+            "API key it carried (none: no valid key, or no api_keys) and HTTP status.", ["key", "code"],
+            registry=r))
         self.request_duration = CachedLabels(Histogram(
             "llmgw_request_duration_seconds", "Time from a request's arrival to the end of its response.",
             ["model"], buckets=LATENCY_BUCKETS, registry=r))

@@ -6,6 +6,7 @@ not be read are skipped, so one mistake is not reported twice.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -38,8 +39,10 @@ def report_duplicates(draft: Draft, items: Iterable[Located], attr: str, what: s
 def check_config(draft: Draft) -> None:
     """Every whole-file rule, each reporting into ``draft``."""
     _check_listeners(draft)
+    name_api_keys(draft)
     for section, attr, what in (("models", "name", "model name"), ("profiles", "name", "profile name"),
-                                ("api_keys", "key", "API key"), ("admin_tokens", "token", "admin token")):
+                                ("api_keys", "key", "API key"), ("api_keys", "name", "API key name"),
+                                ("admin_tokens", "token", "admin token")):
         if draft.known(section):
             report_duplicates(draft, draft[section], attr, what)
     _check_deployment_profiles(draft)
@@ -48,6 +51,14 @@ def check_config(draft: Draft) -> None:
     _check_agent_token(draft)
     check_upstream_tls(draft)
     _check_metrics_auth(draft)
+
+
+def name_api_keys(draft: Draft) -> None:
+    """Give every API key without a ``name`` the name ``key-N`` (N: its place in the list, from 1): stable while
+    the list keeps its order, and nothing of the key itself."""
+    if draft.known("api_keys"):
+        draft.set("api_keys", [key if key.name is not None else dataclasses.replace(key, name=f"key-{n}")
+                               for n, key in enumerate(draft["api_keys"], 1)])
 
 
 def _check_listeners(draft: Draft) -> None:

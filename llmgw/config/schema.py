@@ -54,6 +54,11 @@ EngineName = Annotated[str, Check(name_problem)]  # on an engine's command line:
 ProfileName = Annotated[str, matches(r"[A-Za-z0-9][A-Za-z0-9_.-]*",
                                      "a name of letters, digits, '_', '.' and '-' (not starting with a symbol)")]
 EnvName = Annotated[str, matches(r"[A-Za-z_][A-Za-z0-9_]*", "a valid environment variable name")]
+# An API key's name: a log field and a metric label ("none" stands for requests without a valid key).
+KeyName = Annotated[str, matches(r"[A-Za-z0-9][A-Za-z0-9_.@:/+-]{0,63}",
+                                 "a name of up to 64 letters, digits and '_.@:/+-' (not starting with a symbol)"),
+                    Check(lambda value: "'none' stands for requests without a valid key: choose another name"
+                          if value == "none" else None)]
 LogLevel = Annotated[str, one_of("debug", "info", "warning", "error", "critical")]
 LogFormat = Annotated[str, one_of("text", "json")]
 
@@ -126,10 +131,12 @@ class ModelConfig(Located):
 
 @config_class
 class ApiKey(Located):
-    """A client API key accepted on /v1 (as "Authorization: Bearer KEY")."""
+    """A client API key accepted on /v1 (as "Authorization: Bearer KEY"). ``name`` says who holds it, in the
+    access log and the ``key`` label of the metrics; left out, it is ``key-N`` (N: the key's place in the list,
+    from 1), filled in by :func:`llmgw.config.crosschecks.name_api_keys`."""
 
     key: Text = setting(secret=True)
-    name: Text | None = setting(None)  # who holds it; safe to log
+    name: KeyName | None = setting(None)  # who holds it; safe to log
 
 
 @config_class

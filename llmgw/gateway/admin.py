@@ -56,6 +56,12 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
             answer["state"] = {key: value for key, value in gateway.shared.describe().items() if key != "peers"}
         return jsonify(answer)
 
+    @app.get("/ready")
+    async def ready():
+        """Readiness for load balancers and orchestrators (:mod:`.readiness`): 200, or 503 with the reasons."""
+        status, body = gateway.readiness.answer(request.query_string.decode("latin-1"))
+        return jsonify(body), status
+
     def without_control_plane():
         return _error(404, "this gateway runs with --role gateway: the control plane (nodes, agents) is in its "
                       "cluster's control process", "no_control_plane")

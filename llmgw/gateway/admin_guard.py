@@ -53,7 +53,8 @@ class AdminGuard:
     def tokens(self) -> BearerTokens:
         config = self._current_config()
         if config is not self._config:  # a reload put a new config in place: its tokens from now on
-            self._config, self._tokens = config, BearerTokens(t.token for t in config.admin_tokens)
+            self._config, self._tokens = config, BearerTokens(
+                (t.name or f"token-{n}", t.token) for n, t in enumerate(config.admin_tokens, 1))
         return self._tokens
 
     def needs_token(self, path: str) -> bool:

@@ -48,7 +48,8 @@ from ..tls import describe_tls_error
 from .admin import create_control_app
 from .admin_guard import exposure_problem
 from .dataplane import DataPlane, DataPlaneSettings
-from .reload_guard import APPLIED, Refusal, ReloadMetrics, ReloadOutcome, refusal, summarize
+from .readiness import Readiness
+from .reload_guard import Refusal, ReloadMetrics, ReloadOutcome, refusal, restart_required, summarize
 
 if TYPE_CHECKING:
     from ..agent.agent import Agent
@@ -56,6 +57,20 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SETTLE_SECONDS = 2.0  # the least a control process waits after its start before it publishes the shared state
 KV_SETTLE_SECONDS = 10.0  # the most it waits for its KV feeds' first copies
+
+
+def dataplane_settings(config: Config) -> DataPlaneSettings:
+    """The data plane's settings in ``config`` (applied at start and by every reload)."""
+    lim = config.limits
+    return DataPlaneSettings(
+        connect_timeout=lim.connect_timeout, first_byte_timeout=lim.first_byte_timeout,
+        idle_timeout=lim.idle_timeout, retries=lim.retries, access_log=config.access_log,
+        json_limits=JsonLimits(lim.max_json_depth, lim.max_json_values, lim.max_json_containers))
+
+
+def api_key_pairs(config: Config) -> list[tuple[str, str]]:
+    """``(name, key)`` of each API key (the config names every key: ``key-N`` when it says no name)."""
+    return [(key.name or f"key-{n}", key.key) for n, key in enumerate(config.api_keys, 1)]
 
 
 @dataclass(frozen=True)
@@ -84,6 +99,7 @@ class Gateway:
         (docs/scaling.md). ``adjust_config``: applied to the config each :meth:`reload` reads, as it was to
         ``config`` (a worker of ``llmgw serve --workers`` puts its supervisor's private Redis in ``state``)."""
         self.config = config
+        self.started_config = config  # what a restart would change from: reload_guard.restart_required
         self.adjust_config = adjust_config
         self.embedded_discovery = embedded_discovery
         self.stop_engines_on_exit = stop_engines_on_exit
@@ -100,17 +116,14 @@ class Gateway:
         self.replicas = ReplicaSet(self.health, self.metrics, lim.connect_timeout)
         self.kv_index = KvIndex(clock=time.monotonic)
         self.router = Router(self.registry, self.metrics, self.replicas, self.kv_index)
-        self.dataplane = DataPlane(self.router, self.health, self.metrics, DataPlaneSettings(
-            connect_timeout=lim.connect_timeout, first_byte_timeout=lim.first_byte_timeout,
-            idle_timeout=lim.idle_timeout, retries=lim.retries, access_log=config.access_log,
-            json_limits=JsonLimits(lim.max_json_depth, lim.max_json_values, lim.max_json_containers),
-        ), api_keys=[k.key for k in config.api_keys])
+        self.dataplane = DataPlane(self.router, self.health, self.metrics, dataplane_settings(config),
+                                   api_keys=api_key_pairs(config))
         self.connection_budget = connection_budget(current_soft_limit(), lim.max_connections,
                                                    lim.control_max_connections)
         self.connection_metrics = ConnectionMetrics(self.metrics.registry)
         self.data_server = HttpServer(self.dataplane.handle, self._server_limits(self.connection_budget.data),
                                       error_headers=self.dataplane.error_headers,
-                                      on_refused=lambda status: self.metrics.refused_requests.labels(str(status)).inc(),
+                                      on_refused=self.dataplane.refused,
                                       tls=config.data_tls.context() if config.data_tls else None,
                                       on_tls_failure=self.metrics.tls_handshake_failures.labels("data").inc,
                                       connection_metrics=self.connection_metrics)
@@ -145,6 +158,14 @@ class Gateway:
             self.dataplane.wait_for_models = self.shared.wait_for_models
         self._reload_lock = trio.Lock()
         self._reload_metrics = ReloadMetrics(self.metrics.registry)
+        self.readiness = self.dataplane.readiness = Readiness(self.router, lambda: self.draining,
+                                                              self._state_loaded)
+
+    def _state_loaded(self) -> bool:
+        """Whether this process knows the cluster's models: always, but for a ``--role gateway`` process before
+        its first copy of the shared state."""
+        follower = self.shared.follower if self.shared is not None else None
+        return follower is None or follower.loaded.is_set()
 
     async def run(self, listen: tuple[str, int] | None = None, control_listen: tuple[str, int] | None = None, *,
                   reuse_port: bool = False, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -264,15 +285,18 @@ class Gateway:
     async def reload(self, *, allow_empty: bool = False) -> ReloadOutcome:
         """Re-read the config file and apply all of it, or nothing (the outcome says which, and why).
 
-        Listeners, limits and API keys need a restart; profiles, deployments, static models, admin tokens and
-        agent settings (token, heartbeats) apply at once. The file is read once and those bytes parsed (write it
-        with an atomic rename). Refused (:mod:`.reload_guard`): an invalid config; unless ``allow_empty``, a file
-        with no YAML document or one removing every model and deployment; always, one
-        that empties ``admin_tokens`` or leaves a non-loopback control port without tokens.
+        API keys, the data plane's timeouts and retries, ``access_log``, profiles, deployments, static models,
+        admin tokens and agent settings (token, heartbeats) apply at once; the settings of
+        :data:`.reload_guard.RESTART_KEYS` (listeners, the server's limits, health probing...) wait for a restart,
+        and the outcome's ``restart_required`` names them, on this reload and every later one until a restart.
+        The file is read once and those bytes parsed (write it with an atomic rename). Refused
+        (:mod:`.reload_guard`): an invalid config; unless ``allow_empty``, a file with no YAML document or one
+        removing every model and deployment; always, one that empties ``admin_tokens`` or leaves a non-loopback
+        control port without tokens.
         """
         async with self._reload_lock:
             outcome = await self._reload(allow_empty)
-            self._reload_metrics.count(outcome.refusal.code if outcome.refusal else APPLIED)
+            self._reload_metrics.count(outcome)
             return outcome
 
     async def _reload(self, allow_empty: bool) -> ReloadOutcome:
@@ -290,21 +314,23 @@ class Gateway:
         except ConfigError as exc:
             errors = tuple(str(issue) for issue in exc.errors)
             log.error("reload of %s failed; keeping the running config:\n  %s", source, "\n  ".join(errors))
-            return ReloadOutcome(refusal=Refusal(422, "invalid", errors))
+            return ReloadOutcome(refusal=Refusal(422, "invalid", errors), restart_required=self._waiting(self.config))
         summary = summarize(self.config, config)
         refused = refusal(self.config, config, summary, blank=is_blank(text), allow_empty=allow_empty,
                           control_host=self._control_host)
         if refused:
             log.error("reload of %s refused; keeping the running config: %s (it would change %s)", source,
                       refused.message, summary.describe())
-            return ReloadOutcome(summary, refused)
-        for key in ("listen", "control_listen", "limits", "api_keys", "health", "data_tls", "control_tls"):
-            if getattr(config, key) != getattr(self.config, key):
-                log.warning("reload: %s changed; that takes a restart", key)
+            return ReloadOutcome(summary, refused, self._waiting(self.config))
+        waiting = self._waiting(config)
+        if waiting:
+            log.warning("reload of %s: %s changed since this process started; that takes a restart (applied: "
+                        "everything else)", source, ", ".join(waiting))
         if summary.join_tokens[0] and not summary.join_tokens[1]:
             log.warning("reload: agents.token and agents.tokens are now empty: no new node can join (nodes that "
                         "joined keep their identity)")
         self.config = config
+        self.dataplane.apply(dataplane_settings(config), api_key_pairs(config))
         if self.shared is not None:
             self.shared.apply_config(config)
         if self.static is not None:
@@ -313,7 +339,11 @@ class Gateway:
             self.control.apply_config(config)
         log.info("reloaded %s: %d models, %d deployments (%s)%s", source, len(config.models),
                  len(config.deployments), summary.describe(), " (confirmed with allow_empty)" if allow_empty else "")
-        return ReloadOutcome(summary)
+        return ReloadOutcome(summary, restart_required=waiting)
+
+    def _waiting(self, config: Config) -> tuple[str, ...]:
+        """The settings of ``config`` that differ from the started config's: applied only by a restart."""
+        return restart_required(self.started_config, config)
 
     async def stop_embedded_shards(self, grace: float = 5.0) -> None:
         """Stop the embedded agent's engines (the demo's exit; a real agent's engines outlive it)."""

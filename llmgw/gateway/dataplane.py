@@ -12,7 +12,12 @@ the request itself may have caused (an engine 500 or other 5xx, the
 connection closed after the request was sent, a malformed answer) is
 answered at once with the upstream's own status and body, or a 502 naming
 the replica, and is never counted against the replica's health
-(``docs/routing.md``, "Retries and passive health").
+(``docs/routing.md``, "Retries and passive health"). An event stream the
+upstream breaks off after its head ends with an OpenAI-shaped error event and
+``data: [DONE]``, as vLLM ends a stream that fails (:func:`stream_error_event`).
+
+Every answer but the probes' (``/health``, ``/ready``) is counted by API key name
+and, with ``access_log``, written as one access line by :meth:`DataPlane._answered`.
 """
 
 from __future__ import annotations
@@ -25,17 +30,18 @@ from typing import AsyncIterator, Awaitable, Callable, TypeVar
 from ..engines import probe
 from ..http.client import UpstreamError, UpstreamResponse
 from ..http.jsonbody import BodyError, JsonLimits, read_json_body
-from ..http.messages import Request, Response, error_response
+from ..http.messages import Request, Response, error_body, error_response
 from ..http.multipart import FormError, form_field
 from ..http.server import AbortConnection
-from ..logfields import fields_extra, logfmt
-from ..metrics import TOKEN_LATENCY_BOUNDS, add_observations
+from ..logfields import FieldValue, fields_extra, logfmt
+from ..metrics import ANSWERED, STREAM_ERROR, TOKEN_LATENCY_BOUNDS, add_observations
 from ..router.replica import Replica
 from ..router.router import Router, replica_of
 from ..router.tier import Decision, RouteRequest
 from .bearer import BearerTokens
 from .hops import HopGuard
 from .latency import StreamWatch, events_after_last_token
+from .readiness import Readiness
 from .request_ids import RequestIds, accepted_client_id
 from .usage import STREAM_TAIL_PIECES, usage_of_body, usage_of_stream_tail
 
@@ -63,6 +69,19 @@ UNWELL_STATUSES = frozenset({502, 503, 504})
 RETRY_KINDS = frozenset({"connect", "tls", "closed_before_request"})
 _now = time.perf_counter  # durations for the metrics; real time, not Trio's clock
 ENGINE_GONE_TIMEOUT = 1.0  # seconds a replica that broke off a request has to answer /health to count as alive
+NO_KEY = "none"  # the key name of a request without a valid API key (or of any request without api_keys)
+PROBE_PATHS = frozenset({"/health", "/ready"})  # answered without an access line: load balancers poll them
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One request as the access log and the per-key count see it, filled in as the data plane learns it."""
+
+    started: float
+    key: str = NO_KEY  # the name of the API key it carried
+    model: str | None = None
+    relayed: bool = False  # an upstream's answer: its access line is written when its body has been relayed
 
 
 @dataclass(frozen=True)
@@ -72,18 +91,20 @@ class DataPlaneSettings:
     idle_timeout: float = 300.0
     retries: int = 2
     retry_after_seconds: int = 1
-    access_log: bool = False  # one INFO line per relayed request on the "llmgw.access" logger
+    access_log: bool = False  # one INFO line per answer on the "llmgw.access" logger
     json_limits: JsonLimits = JsonLimits()
 
 
 class DataPlane:
     def __init__(self, router: Router, health, metrics, settings: DataPlaneSettings,
-                 api_keys: list[str] | None = None, hops: HopGuard | None = None):
+                 api_keys: list[tuple[str, str]] | None = None, hops: HopGuard | None = None):
+        """``api_keys``: ``(name, key)`` pairs."""
         self.router = router
         self.health = health
         self.metrics = metrics
         self.settings = settings
         self._api_keys = BearerTokens(api_keys or [])
+        self.readiness: Readiness | None = None  # answers /ready (set by the gateway); None: /ready is a 404
         self._created = int(time.time())
         self._ids = RequestIds()
         self._replica_names: dict[str, bytes] = {}
@@ -95,15 +116,54 @@ class DataPlane:
         # snapshot; None when nothing is pending, else whether the models came in time (no: 503, not 404).
         self.wait_for_models: Callable[[], Awaitable[bool | None]] | None = None
 
+    def apply(self, settings: DataPlaneSettings, api_keys: list[tuple[str, str]]) -> None:
+        """A reload's settings and API keys, from the next request on. Each is one object swapped whole, and a
+        request reads the keys once: it is checked against the old set or the new, never a mix."""
+        self.settings = settings
+        self._api_keys = BearerTokens(api_keys)
+
     # -- entry point -------------------------------------------------------------------------------------------------
 
     async def handle(self, request: Request) -> Response:
-        response = await self._route(request)
-        for name, _ in response.headers:  # relayed answers have it already; answers made here get it now
+        if request.path in PROBE_PATHS and request.method == "GET":
+            response = self._probe(request)
+            response.headers += self.error_headers(request)
+            return response
+        exchange = Exchange(_now())
+        try:
+            response = await self._route(request, exchange)
+        except BaseException:  # the client went away (or the server stops) before an answer
+            if not exchange.relayed:
+                self._answered(exchange, 499, None)
+            raise
+        request_id = None
+        for name, value in response.headers:  # relayed answers have it already; answers made here get it now
             if name == b"x-request-id":
-                return response
-        response.headers += self.error_headers(request)
+                request_id = value
+                break
+        else:
+            added = self.error_headers(request)
+            response.headers += added
+            request_id = added[0][1]
+        if not exchange.relayed:
+            self._answered(exchange, response.status, request_id.decode("ascii"))
         return response
+
+    def refused(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """A request the HTTP server answered itself (malformed, too large, too slow): counted, and logged with
+        the ``x-request-id`` of its answer (``headers``)."""
+        self.metrics.refused_requests.labels(str(status)).inc()
+        request_id = next((value.decode("ascii") for name, value in headers if name == b"x-request-id"), None)
+        self._answered(Exchange(_now()), status, request_id)
+
+    def _probe(self, request: Request) -> Response:
+        """``/health`` (liveness: the process answers) and ``/ready`` (readiness: :mod:`.readiness`)."""
+        if request.path == "/health":
+            return Response(200, [], b"")
+        if self.readiness is None:
+            return error_response(404, "no route for GET /ready", code="not_found")
+        status, body = self.readiness.answer(request.query)
+        return Response.json(body, status)
 
     def error_headers(self, request: Request | None) -> list[tuple[bytes, bytes]]:
         """``x-request-id`` for an answer made without an upstream: the client's, or a new one."""
@@ -122,15 +182,17 @@ class DataPlane:
             self.metrics.replaced_request_ids.inc()
         return accepted
 
-    async def _route(self, request: Request) -> Response:
+    async def _route(self, request: Request, exchange: Exchange) -> Response:
         path = request.path
         if not path.startswith("/v1/") and path not in PROXIED_POST_PATHS:
-            if path == "/health" and request.method == "GET":
-                return Response(200, [], b"")
             return error_response(404, f"no route for {request.method} {path}", code="not_found")
-        if self._api_keys and not self._authorized(request):
-            return error_response(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                                  code="invalid_api_key")
+        keys = self._api_keys  # read once: a reload swaps the whole set
+        if keys:
+            holder = keys.holder(request.header("authorization"))
+            if holder is None:
+                return error_response(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                                      code="invalid_api_key")
+            exchange.key = holder
         if request.method == "GET" and path == "/v1/models":
             return self._list_models()
         if request.method == "GET" and path.startswith("/v1/models/"):
@@ -139,12 +201,9 @@ class DataPlane:
             return error_response(404, f"no route for {request.method} {path}", code="not_found")
         if request.method != "POST":
             return error_response(405, f"{path} only accepts POST", code="method_not_allowed")
-        return await self._proxy(request)
+        return await self._proxy(request, exchange)
 
     # -- small endpoints ---------------------------------------------------------------------------------------------
-
-    def _authorized(self, request: Request) -> bool:
-        return self._api_keys.accepts(request.header("authorization"))
 
     def _model_card(self, name: str, parent: str | None = None) -> dict:
         card = {"id": name, "object": "model", "created": self._created, "owned_by": "llmgw"}
@@ -165,8 +224,8 @@ class DataPlane:
 
     # -- the proxy ---------------------------------------------------------------------------------------------------
 
-    async def _proxy(self, request: Request) -> Response:
-        started = _now()
+    async def _proxy(self, request: Request, exchange: Exchange) -> Response:
+        started = exchange.started
         if self.hops.looped(request.headers):
             self.metrics.loops_detected.inc()
             return self._count(None, self.hops.refusal())
@@ -189,6 +248,7 @@ class DataPlane:
                     headers=[(b"retry-after", str(self.settings.retry_after_seconds).encode())]))
             if loaded:
                 resolved = self.router.resolve(model)
+        exchange.model = model
         if resolved is None:
             return self._count(None, error_response(404, f"the model {model!r} does not exist", param="model",
                                                     code="model_not_found"))
@@ -216,7 +276,8 @@ class DataPlane:
         last_error: UpstreamError | None = None
         kept: tuple[Replica, int, list[tuple[bytes, bytes]], bytes] | None = None  # an unwell replica's answer
         resent = False  # sent on once after its engine went away with it
-        for attempt in range(1 + self.settings.retries):
+        retries = self.settings.retries  # read once: a reload may replace the settings meanwhile
+        for attempt in range(1 + retries):
             decision = None
             try:
                 decision = await self.router.pick(route_request, exclude=tried)
@@ -233,7 +294,7 @@ class DataPlane:
                 # replica's local_inflight and local_inflight_tokens (so in what tiers read), streamed or not.
                 self._load(replica, +1)
                 self.router.routed(route_request, decision)
-                outcome = await self._attempt(replica, request, forwarded, is_last=attempt == self.settings.retries)
+                outcome = await self._attempt(replica, request, forwarded, is_last=attempt == retries)
             except BaseException:  # cancelled before any answer: the client went away (or the server stops)
                 if decision is not None:
                     self.router.finished(route_request, decision, None)
@@ -241,7 +302,8 @@ class DataPlane:
                 self.metrics.for_model(model).client_disconnects.inc()
                 raise
             if isinstance(outcome, UpstreamResponse):
-                return await self._relay(outcome, replica, decision, route_request, started, id_header)
+                exchange.relayed = True
+                return await self._relay(outcome, replica, decision, route_request, exchange, id_header)
             # This attempt failed before any answer was relayed: its decision ends here, before anything is awaited.
             reason = outcome.kind if isinstance(outcome, UpstreamError) else f"status_{outcome[0]}"
             self.router.attempt_failed(route_request, decision, reason)
@@ -343,7 +405,8 @@ class DataPlane:
             raise
 
     async def _relay(self, upstream: UpstreamResponse, replica: Replica, decision: Decision,
-                     route_request: RouteRequest, started: float, id_header: tuple[bytes, bytes]) -> Response:
+                     route_request: RouteRequest, exchange: Exchange, id_header: tuple[bytes, bytes]) -> Response:
+        started = exchange.started
         self.metrics.for_model(route_request.served_name).ttfb.observe(_now() - started)
         headers = [h for h in upstream.headers if h[0] not in _DROP_RESPONSE_HEADERS]
         headers.append(id_header)
@@ -362,21 +425,23 @@ class DataPlane:
                 data = await upstream.read()
             except UpstreamError as exc:
                 self._upstream_error(replica, exc)
-                self._finish(replica, decision, route_request, started, 502)
+                self._finish(replica, decision, route_request, exchange, 502)
                 return error_response(502, f"replica {replica.name} failed while sending its answer: {exc}",
                                       headers=[id_header])
             except BaseException:
-                self._finish(replica, decision, route_request, started, 499)
+                self._finish(replica, decision, route_request, exchange, 499)
                 raise
             usage = usage_of_body(data) if upstream.status == 200 else None
-            self._finish(replica, decision, route_request, started, upstream.status, usage, body_at=_now())
+            self._finish(replica, decision, route_request, exchange, upstream.status, usage, body_at=_now())
             return Response(upstream.status, headers, data)
         return Response(upstream.status, headers,
-                        self._stream(upstream, replica, decision, route_request, started))
+                        self._stream(upstream, replica, decision, route_request, exchange))
 
     async def _stream(self, upstream: UpstreamResponse, replica: Replica, decision: Decision,
-                      route_request: RouteRequest, started: float) -> AsyncIterator[bytes]:
+                      route_request: RouteRequest, exchange: Exchange) -> AsyncIterator[bytes]:
+        started = exchange.started
         status = upstream.status
+        outcome = ANSWERED
         recent: list[bytes] | None = [] if status == 200 else None
         watch = StreamWatch(TOKEN_LATENCY_BOUNDS) if status == 200 and _is_event_stream(upstream.headers) else None
         try:
@@ -394,10 +459,19 @@ class DataPlane:
                 yield piece
         except UpstreamError as exc:
             self._upstream_error(replica, exc)
-            log.warning("replica %s broke off a streamed answer (request %s): %s", replica.name,
-                        route_request.request_id, exc)
-            status = 502
-            raise AbortConnection(str(exc)) from None
+            # An event stream told so at an event's end: the client read a 200 head and then this error event.
+            told = watch is not None and recent is not None and _at_event_end(recent)
+            log.warning("replica %s broke off a streamed answer (request %s): %s; %s", replica.name,
+                        route_request.request_id, exc, "the client gets an error event" if told else
+                        "the connection is closed" + (" (in the middle of an event)" if watch is not None else ""))
+            if status == 200:
+                outcome = STREAM_ERROR  # counted under the 200 the client saw
+            else:
+                status = 502
+            if not told:
+                raise AbortConnection(str(exc)) from None
+            yield stream_error_event(f"replica {replica.name} broke off this answer: {exc}",
+                                     504 if exc.kind == "timeout" else 502)
         except BaseException:
             if not (recent and _relayed_stream_end(recent)):  # a client may hang up once it has read [DONE]
                 status = 499
@@ -405,8 +479,9 @@ class DataPlane:
             raise
         finally:
             await upstream.aclose()
-            usage = usage_of_stream_tail(recent) if recent and status == 200 else None
-            self._finish(replica, decision, route_request, started, status, usage, watch=watch, tail=recent)
+            usage = usage_of_stream_tail(recent) if recent and status == 200 and outcome == ANSWERED else None
+            self._finish(replica, decision, route_request, exchange, status, usage, watch=watch, tail=recent,
+                         outcome=outcome)
 
     # -- bookkeeping -------------------------------------------------------------------------------------------------
 
@@ -420,41 +495,59 @@ class DataPlane:
         self.metrics.upstream_errors.labels(replica.model, replica.name, kind).inc()
         self.health.request_failed(replica, reason)
 
-    def _finish(self, replica: Replica, decision: Decision, route_request: RouteRequest, started: float,
+    def _finish(self, replica: Replica, decision: Decision, route_request: RouteRequest, exchange: Exchange,
                 status: int, usage: dict | None = None, *, body_at: float | None = None,
-                watch: StreamWatch | None = None, tail: list[bytes] | None = None) -> None:
+                watch: StreamWatch | None = None, tail: list[bytes] | None = None, outcome: str = ANSWERED) -> None:
         """Account a response that ended: ``body_at`` is when a non-streamed body arrived, ``watch`` a stream's
-        token timings and ``tail`` its last pieces."""
+        token timings and ``tail`` its last pieces; ``outcome``: :data:`STREAM_ERROR` for a stream broken off."""
+        started = exchange.started
         self._load(replica, -1)
         replica.served += 1
         ended = _now()
-        self._count(route_request.served_name, None, started, status)
+        self._count(route_request.served_name, None, started, status, outcome)
         first_token_at = watch.first_token_at if watch is not None else _first_token_of_body(body_at, usage)
         tokens = record_latency(self.metrics.for_replica(replica), started, ended, first_token_at, usage, watch,
                                 tail) if status == 200 else _NO_TOKENS
         if status == 200 and watch is None and first_token_at is not None:
             self.router.first_token(route_request, decision, first_token_at - started)
         self.router.finished(route_request, decision, usage)
-        if self.settings.access_log:
-            prompt_tokens, cached_tokens, completion_tokens = tokens
-            fields = {
-                "request_id": route_request.request_id, "model": route_request.served_name,
-                "replica": replica.name, "tier": decision.tier or None, "outcome": decision.outcome,
-                "status": status,
-                "ttft_ms": None if first_token_at is None else round((first_token_at - started) * 1000, 1),
-                "latency_ms": round((ended - started) * 1000, 1), "prompt_tokens": prompt_tokens,
-                "cached_tokens": cached_tokens, "completion_tokens": completion_tokens,
-                "predicted_cached_tokens": decision.detail.get("predicted_cached_tokens")}
-            access_log.info("%s", logfmt(fields), extra=fields_extra(fields))
+        self._answered(exchange, status, route_request.request_id, replica, decision, ended, first_token_at, tokens,
+                       outcome)
+
+    def _answered(self, exchange: Exchange, status: int, request_id: str | None, replica: Replica | None = None,
+                  decision: Decision | None = None, ended: float | None = None, first_token_at: float | None = None,
+                  tokens: tuple[int | None, int | None, int | None] = (None, None, None),
+                  outcome: str = ANSWERED) -> None:
+        """The one place every answer of the data plane (but the probes') is counted by key and, with
+        ``access_log``, written as an access line; ``replica`` and ``decision`` when an upstream answered."""
+        self.metrics.requests_by_key.labels(exchange.key, str(status)).inc()
+        if not self.settings.access_log:
+            return
+        started = exchange.started
+        ended = _now() if ended is None else ended
+        prompt_tokens, cached_tokens, completion_tokens = tokens
+        fields: dict[str, FieldValue] = {
+            "request_id": request_id, "key": exchange.key,
+            "model": exchange.model,
+            "replica": replica.name if replica is not None else None,
+            "tier": (decision.tier or None) if decision is not None else None,
+            "outcome": decision.outcome if decision is not None else None,
+            "status": status, "stream_error": 1 if outcome == STREAM_ERROR else None,
+            "ttft_ms": None if first_token_at is None else round((first_token_at - started) * 1000, 1),
+            "latency_ms": round((ended - started) * 1000, 1), "prompt_tokens": prompt_tokens,
+            "cached_tokens": cached_tokens, "completion_tokens": completion_tokens,
+            "predicted_cached_tokens": decision.detail.get("predicted_cached_tokens") if decision is not None
+            else None}
+        access_log.info("%s", logfmt(fields), extra=fields_extra(fields))
 
     def _count(self, model: str | None, response: _Answer, started: float | None = None,
-               status: int | None = None) -> _Answer:
+               status: int | None = None, outcome: str = ANSWERED) -> _Answer:
         """Count a request of ``model`` answered with ``status``, or ``response``'s; ``response`` is returned."""
         if status is None:
             assert response is not None  # without a response, the caller says the status
             status = response.status
         bound = self.metrics.for_model(model or "unknown")
-        bound.requests(status).inc()
+        bound.requests(status, outcome).inc()
         if started is not None:
             bound.request_duration.observe(_now() - started)
         return response
@@ -508,6 +601,18 @@ def _relayed_stream_end(recent: list[bytes]) -> bool:
     """The last relayed pieces end with the SSE stream's ``data: [DONE]``: the client has the whole answer (an
     OpenAI SDK closes there, before the upstream's chunked terminator reaches the gateway)."""
     return b"".join(recent[-2:]).rstrip().endswith(b"data: [DONE]")
+
+
+def _at_event_end(recent: list[bytes]) -> bool:
+    """The relayed pieces (the last ones, or none yet) end where an SSE event ends: an event written now stands
+    alone, rather than completing one the client has half read."""
+    return not recent or b"".join(recent[-2:]).endswith(_EVENT_ENDS)
+
+
+def stream_error_event(message: str, status: int) -> bytes:
+    """The end of an event stream that failed, as vLLM ends one: ``data: {"error": {...}}`` (OpenAI's error
+    object, its ``code`` the status the answer would have had) and ``data: [DONE]``."""
+    return b"data: " + error_body(status, message, code=status) + b"\n\ndata: [DONE]\n\n"
 
 
 def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:

@@ -10,19 +10,36 @@ them. Refused always: a config that empties
 ``admin_tokens`` while the running one has some (opening ``/admin`` takes a
 restart with ``allow_unauthenticated_admin``), or that leaves a non-loopback
 control port without tokens. docs/cluster.md#reload describes the rules.
+
+An applied reload applies every setting that can change in a running process
+(``api_keys`` and ``access_log`` included); :func:`restart_required` names the
+settings (:data:`RESTART_KEYS`) whose new value waits for a restart, compared
+with the config the process started with, so every later reload names them
+again until a restart (or the file going back) clears them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ..cached_labels import CachedLabels
 from ..config import Config
 from .admin_guard import exposure_problem
 
+# Settings read once, when the process starts (listeners, the server's limits, the health prober, logging, the
+# shared state, the embedded agent): a reload that changes one says so in ``restart_required``.
+RESTART_KEYS = (
+    "listen", "control_listen", "data_tls", "control_tls", "state", "health", "log_level", "log_format",
+    "limits.max_body_bytes", "limits.max_header_bytes", "limits.client_header_timeout", "limits.client_body_timeout",
+    "limits.keepalive_timeout", "limits.max_connections", "limits.control_max_connections",
+    "limits.connect_timeout", "agents.embedded", "agents.node_id", "agents.state_dir", "agents.control_state_dir",
+    "agents.max_message_bytes",
+)
+_RESTART_VALUES = tuple(attrgetter(key) for key in RESTART_KEYS)
 CONFIRM_HINT = "POST /admin/reload?allow_empty=true (or llmgw reload --allow-empty)"
 APPLIED = "applied"
 
@@ -97,6 +114,7 @@ class ReloadOutcome:
 
     summary: ReloadSummary | None = None
     refusal: Refusal | None = None
+    restart_required: tuple[str, ...] = ()  # settings whose value in the file waits for a restart
 
     @property
     def applied(self) -> bool:
@@ -109,7 +127,8 @@ class ReloadOutcome:
     def to_json(self) -> dict[str, Any]:
         """``POST /admin/reload``'s answer, less the OpenAI ``error`` object a refusal adds."""
         return {"reloaded": self.applied, "errors": self.errors,
-                "summary": self.summary.to_json() if self.summary else None}
+                "summary": self.summary.to_json() if self.summary else None,
+                "restart_required": list(self.restart_required)}
 
 
 def _changes(old: dict[str, Any], new: dict[str, Any]) -> Changes:
@@ -146,6 +165,12 @@ def summarize(old: Config, new: Config) -> ReloadSummary:
         join_tokens=(_join_tokens(old), _join_tokens(new)))
 
 
+def restart_required(started: Config, new: Config) -> tuple[str, ...]:
+    """The keys of :data:`RESTART_KEYS` whose value in ``new`` differs from the config the process ``started``
+    with: what a reload of ``new`` leaves waiting for a restart."""
+    return tuple(key for key, value in zip(RESTART_KEYS, _RESTART_VALUES) if value(started) != value(new))
+
+
 def refusal(old: Config, new: Config, summary: ReloadSummary, *, blank: bool, allow_empty: bool,
             control_host: str) -> Refusal | None:
     """Why ``new`` (read from a file that was ``blank`` or not) must not replace ``old``, or None to apply it.
@@ -170,13 +195,19 @@ def refusal(old: Config, new: Config, summary: ReloadSummary, *, blank: bool, al
 
 
 class ReloadMetrics:
-    """``llmgw_config_reloads_total{outcome}``: ``applied``, or the refusal's code."""
+    """``llmgw_config_reloads_total{outcome}``: ``applied``, or the refusal's code; and
+    ``llmgw_config_restart_required``: how many settings of the config file wait for a restart."""
 
     def __init__(self, registry: CollectorRegistry):
         self.reloads = CachedLabels(Counter(
             "llmgw_config_reloads", "Config reloads (SIGHUP, POST /admin/reload) by outcome: applied, or why "
             "refused (invalid, no_config_file, empty_file, removes_admin_tokens, exposes_admin, "
             "removes_everything).", ["outcome"], registry=registry))
+        self.restart_required = Gauge(
+            "llmgw_config_restart_required", "Settings the last reload read that this process applies only at a "
+            "restart (listed in the reload's restart_required); 0 when the running process is the file's.",
+            registry=registry)
 
-    def count(self, outcome: str) -> None:
-        self.reloads.labels(outcome).inc()
+    def count(self, outcome: ReloadOutcome) -> None:
+        self.reloads.labels(outcome.refusal.code if outcome.refusal else APPLIED).inc()
+        self.restart_required.set(len(outcome.restart_required))

@@ -242,14 +242,15 @@ class HttpServer:
     def __init__(self, handler: Handler, limits: ServerLimits | None = None,
                  on_error: Callable[[BaseException], None] | None = None,
                  error_headers: Callable[[Request | None], list[tuple[bytes, bytes]]] | None = None,
-                 on_refused: Callable[[int], None] | None = None, tls: ssl.SSLContext | None = None,
+                 on_refused: Callable[[int, list[tuple[bytes, bytes]]], None] | None = None,
+                 tls: ssl.SSLContext | None = None,
                  on_tls_failure: Callable[[], None] | None = None,
                  connection_metrics: ConnectionMetrics | None = None, port: str = "data"):
         """``error_headers(request or None)``: headers for the answers the server makes itself (a request it
         refused or could not read, a handler that raised), e.g. the data plane's ``x-request-id``.
-        ``on_refused(status)`` is called for every request the server itself answers with an error
-        (malformed, too large, too slow, unsupported): the handler never saw it. ``connection_metrics``: where
-        the ``port``'s open, refused and timed-out connections are counted."""
+        ``on_refused(status, headers)`` is called for every request the server itself answers with an error
+        (malformed, too large, too slow, unsupported), with the answer's headers: the handler never saw it.
+        ``connection_metrics``: where the ``port``'s open, refused and timed-out connections are counted."""
         self.handler = handler
         self.error_headers = error_headers
         self.tls = tls
@@ -269,6 +270,13 @@ class HttpServer:
         """An error answer made by the server itself."""
         headers = self.error_headers(request) if self.error_headers is not None else None
         return error_response(status, message, headers=headers)
+
+    def refuse(self, status: int, message: str) -> Response:
+        """The error answer to a request the server refuses itself, reported to ``on_refused``."""
+        response = self.error(status, message)
+        if self._on_refused is not None:
+            self._on_refused(status, response.headers)
+        return response
 
     async def serve(self, host: str, port: int, *, reuse_port: bool = False,
                     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED) -> None:
@@ -445,9 +453,7 @@ class _Connection:
         if watch.expired:
             self.server.slots.timed_out(watch.kind)
         if watch.expired and watch.kind in ("header", "body") and self.reader.current is not None:
-            if self.server._on_refused is not None:
-                self.server._on_refused(408)
-            self._try_send(self.server.error(408, "request was not received in time"))
+            self._try_send(self.server.refuse(408, "request was not received in time"))
 
     # -- reading -----------------------------------------------------------------------------------------------------
 
@@ -596,9 +602,7 @@ class _Connection:
                     trio.lowlevel.reschedule(task)
             elif self.final is not None:
                 if isinstance(self.final, _ProtocolError):
-                    if self.server._on_refused is not None:
-                        self.server._on_refused(self.final.status)
-                    await self._send_simple(self.server.error(self.final.status, self.final.message))
+                    await self._send_simple(self.server.refuse(self.final.status, self.final.message))
                     await self._linger()
                 return
             elif self.reader_running:

@@ -530,14 +530,15 @@ def test_placement():
 def test_environment_interpolation():
     config = parse_config(
         "listen: ${HOST:-127.0.0.1}:${PORT}\n"
-        "api_keys:\n  - key: ${CLIENT_KEY}\n    name: 'price: $$5 and $${literal}'\n"
+        "api_keys:\n  - key: ${CLIENT_KEY}\n"
+        "admin_tokens:\n  - token: t\n    name: 'price: $$5 and $${literal}'\n"
         "limits: {retries: \"${RETRIES:-1}\", first_byte_timeout: '${FBT:-2m}'}\n"
         "agents:\n  token: ${EMPTY:-fallback}\n  node_id: ${UNSET:-}\n",
         env={"PORT": "9000", "CLIENT_KEY": "from-env", "EMPTY": ""},
     )
     assert config.listen == HostPort("127.0.0.1", 9000)
     assert config.api_keys[0].key == "from-env"
-    assert config.api_keys[0].name == "price: $$5 and ${literal}"
+    assert config.admin_tokens[0].name == "price: $$5 and ${literal}"
     assert config.limits.retries == 1 and config.limits.first_byte_timeout == 120.0
     assert config.agents.token == "fallback" and config.agents.node_id is None
 

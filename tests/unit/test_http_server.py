@@ -578,7 +578,7 @@ async def test_drain_lets_in_flight_requests_finish_and_stops_accepting(nursery)
 
 async def test_requests_the_server_refuses_are_reported_by_status(nursery):
     refused: list[int] = []
-    server = HttpServer(echo, ServerLimits(), on_refused=refused.append)
+    server = HttpServer(echo, ServerLimits(), on_refused=lambda status, _headers: refused.append(status))
     _, port = await nursery.start(server.serve, "127.0.0.1", 0)
     for request_bytes in (b"GET / HTTP/1.1\r\n\r\n", b"GET /\r\n\r\n", get("/ok")):
         with trio.fail_after(5):
