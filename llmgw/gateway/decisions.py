@@ -1,10 +1,10 @@
 """The last routing decisions this process's data plane finished, with their explanation (``GET /admin/decisions``).
 
 A ring of the last :data:`RECENT_DECISIONS` answered attempts, newest first
-when read. Recording costs O(1) on the data plane's finish path: a tuple
-appended to a bounded deque, with a shallow copy of the tier's ``detail``
-limited to :data:`DETAIL_KEYS` plain entries, so the ring never holds a
-request's block keys or other large values. Rendering (for the status page,
+when read. Recording costs O(1) on the data plane's finish path (about 1 µs):
+a tuple appended to a bounded deque, with a shallow copy of the tier's
+``detail`` limited to :data:`DETAIL_KEYS` plain entries, so that the ring never
+holds a request's block keys (a list the size of its prompt) or other large values. Rendering (for the status page,
 ``/ui``) does the rest: wall-clock times, milliseconds, strings cut to
 :data:`MAX_TEXT` characters.
 """
@@ -23,7 +23,9 @@ RECENT_DECISIONS = 100
 DETAIL_KEYS = 32  # the most entries of a tier's detail kept per decision
 MAX_TEXT = 200  # characters kept of a string value
 _PLAIN = (str, int, float, bool, type(None))
-_KEPT = (*_PLAIN, dict)  # dict values (e.g. the cost estimate) are read one level deep when rendered
+# What record() keeps of a detail, by exact type (cheaper than isinstance): dicts (e.g. the cost estimate) are read
+# one level deep when rendered; lists (block keys) and objects (a prediction) are left out.
+_KEPT = frozenset((*_PLAIN, dict))
 _now = time.perf_counter  # the data plane's clock for started/ended
 
 
@@ -42,7 +44,9 @@ class DecisionLog:
     def record(self, request: RouteRequest, decision: Decision, status: int, started: float, ended: float,
                first_token_at: float | None) -> None:
         """One answered attempt: ``started``, ``ended`` and ``first_token_at`` on :func:`time.perf_counter`."""
-        detail = {k: v for k, v in itertools.islice(decision.detail.items(), DETAIL_KEYS) if isinstance(v, _KEPT)}
+        detail = decision.detail
+        items = detail.items() if len(detail) <= DETAIL_KEYS else itertools.islice(detail.items(), DETAIL_KEYS)
+        detail = {k: v for k, v in items if type(v) in _KEPT}
         self._ring.append((ended, request.request_id, request.served_name, decision.replica.name, decision.tier,
                            decision.outcome, status, started, first_token_at, detail))
 

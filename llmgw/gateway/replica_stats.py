@@ -25,7 +25,7 @@ def replica_stats(metrics: Metrics) -> list[dict[str, Any]]:
         key = (model, replica)
         prompt_tokens, cached_tokens = prompt.get(key, 0), cached.get(key, 0)
         entries.append({
-            "model": model, "replica": replica, "requests": latency[key].count if key in latency else 0,
+            "model": model, "replica": replica, "requests": int(latency[key].count) if key in latency else 0,
             "ttft": _summary(ttft.get(key)), "latency": _summary(latency.get(key)),
             "prompt_tokens": int(prompt_tokens), "cached_tokens": int(cached_tokens),
             "hit_rate": round(cached_tokens / prompt_tokens, 4) if prompt_tokens else None})
@@ -63,7 +63,7 @@ class Histogram:
 def _summary(histogram: Histogram | None) -> dict[str, float | None] | None:
     if histogram is None or not histogram.count:
         return None
-    summary: dict[str, float | None] = {"count": histogram.count,
+    summary: dict[str, float | None] = {"count": int(histogram.count),
                                         "mean_ms": round(histogram.sum / histogram.count * 1000, 1)}
     for q in QUANTILES:
         value = histogram.quantile(q)

@@ -10,8 +10,7 @@ import json
 import math
 import re
 
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from llmgw.gateway.decisions import DETAIL_KEYS, MAX_TEXT, DecisionLog
 from llmgw.gateway.replica_stats import replica_stats
