@@ -4,7 +4,8 @@ The gateway runs an embedded agent with two simulators publishing KV events and 
 admin token. With the token (given once in the URL's fragment) the page shows the replicas, their KV index, the
 nodes and shards, and the routing decisions as they happen, with no console error and no Content-Security-Policy
 violation; a value a client chose is shown as text, never run. Without the token it shows only the login prompt.
-The JSON endpoints the page reads (``/admin/stats``, ``/admin/decisions``) agree with ``/metrics``.
+The JSON endpoints the page reads (``/admin/stats``, ``/admin/decisions``) agree with ``/metrics``. The demo (no
+admin tokens) shows its status with no login at all.
 """
 
 from __future__ import annotations
@@ -149,3 +150,16 @@ async def test_the_pages_endpoints_need_the_token_and_agree_with_the_metrics(nur
         assert entry["ttft"]["count"] == metric_value(metrics, "llmgw_time_to_first_token_seconds_count", labels)
         assert 0 < entry["ttft"]["p50_ms"] <= entry["ttft"]["p90_ms"]
     assert sum(entry["cached_tokens"] for entry in stats) > 0
+
+
+async def test_the_demo_without_admin_tokens_shows_its_status_with_no_login(nursery, start_llmgw, tmp_path):
+    gw = await start_llmgw(None)  # the demo: an embedded agent, two simulators, kv_index, no admin tokens
+    browser = await start_chromium(nursery, tmp_path / "chromium")
+    async with open_page(browser) as tab:
+        await tab.navigate(f"{gw.control_url}/ui")
+        await tab.wait_for("both demo replicas up", f"{ROW_TEXTS.format('replicas')}"
+                           ".filter((r) => r.includes('up')).length === 2", timeout=90)
+        await complete(gw, text(1, 400))
+        await tab.wait_for("the decision", f"{ROW_TEXTS.format('decisions')}.some((r) => r.includes('kv_index'))")
+        assert await tab.evaluate("document.getElementById('login').hidden")
+        assert tab.errors == []
