@@ -49,10 +49,11 @@ async def start_cluster(start_llmgw, engines, tmp_path) -> tuple[object, list[st
 
 
 async def complete(gw, prompt: str, request_id: str | None = None) -> httpx.Response:
+    """One completion of one token (so that its body's arrival is its first token's: it has a TTFT)."""
     headers = {"x-request-id": request_id} if request_id else {}
     async with httpx.AsyncClient(timeout=30) as client:
         answer = await client.post(gw.url + "/v1/completions", headers=headers,
-                                   json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
+                                   json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
     assert answer.status_code == 200, answer.text
     return answer
 
