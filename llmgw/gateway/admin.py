@@ -1,4 +1,5 @@
-"""The control-side app (Quart-Trio on Hypercorn): ``/health``, ``/metrics``, the admin JSON API and ``/agent``.
+"""The control-side app (Quart-Trio on Hypercorn): ``/health``, ``/metrics``, the admin JSON API, the status page
+(``/ui``) and ``/agent``.
 
 It serves operators (``/admin/*``, behind admin tokens: :mod:`llmgw.http.control_guard`)
 and agents (the ``/agent`` websocket, one session per agent, see
@@ -26,6 +27,8 @@ from ..router.replicas import STATIC
 from ..router.tier import RouteRequest
 from ..wire.channel import AgentCredentials, quart_channel
 from .admin_guard import AdminGuard
+from .replica_stats import replica_stats
+from .ui import status_page
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -98,6 +101,23 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
         shards: list[dict[str, Any]] = [s.describe() for s in agent.kv.shards.values()] if agent is not None else []
         return jsonify({"replicas": [{"name": name, **index.describe(name)} for name in names],
                         "predicted_keys": index.predicted_keys, "agent_subscriptions": shards})
+
+    @app.get("/admin/stats")
+    async def stats():
+        """Per replica: requests, TTFT and latency quantiles and the prefix-cache hit rate of this process."""
+        return jsonify({"replicas": replica_stats(gateway.metrics)})
+
+    @app.get("/admin/decisions")
+    async def decisions():
+        """The last routing decisions this process's data plane finished, newest first, with the tier's detail."""
+        log_ = gateway.dataplane.decisions
+        return jsonify({"capacity": log_.capacity, "decisions": log_.to_json()})
+
+    @app.get("/ui")
+    async def ui():
+        """The status page: no data in it, only code that reads the endpoints above with the admin token."""
+        page = status_page()
+        return Response(page.body, content_type="text/html; charset=utf-8", headers=page.headers)
 
     @app.get("/admin/nodes")
     async def nodes():

@@ -2,8 +2,9 @@
 
 ``/admin/*`` (and ``/metrics`` with ``metrics.require_auth``) needs
 ``Authorization: Bearer <one of admin_tokens>`` when tokens are configured;
-``/health`` stays open and ``/agent`` is authenticated by the agents' join
-token, not here. Tokens are read from the gateway's current config at each
+``/health`` stays open, and so does ``/ui`` (the status page holds no data: its
+scripts send the token to ``/admin/*``); ``/agent`` is authenticated by the
+agents' join token, not here. Tokens are read from the gateway's current config at each
 request, so ``POST /admin/reload`` (or SIGHUP) rotates them. Without tokens the
 port may only listen on loopback, unless ``allow_unauthenticated_admin``.
 """

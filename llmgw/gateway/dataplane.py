@@ -39,6 +39,7 @@ from ..router.replica import Replica
 from ..router.router import Router, replica_of
 from ..router.tier import Decision, RouteRequest
 from .bearer import BearerTokens
+from .decisions import DecisionLog
 from .hops import HopGuard
 from .latency import StreamWatch, events_after_last_token
 from .readiness import Readiness
@@ -108,6 +109,7 @@ class DataPlane:
         self._created = int(time.time())
         self._ids = RequestIds()
         self._replica_names: dict[str, bytes] = {}
+        self.decisions = DecisionLog()  # the last answered attempts, for /admin/decisions and the status page
         self.hops = hops or HopGuard()
         # ``await wait_for_replica(model)``: True once a request that found no routable replica may look again
         # (the control plane's adoption window after a start); None: answer 503 at once.
@@ -511,6 +513,7 @@ class DataPlane:
         if status == 200 and watch is None and first_token_at is not None:
             self.router.first_token(route_request, decision, first_token_at - started)
         self.router.finished(route_request, decision, usage)
+        self.decisions.record(route_request, decision, status, started, ended, first_token_at)
         self._answered(exchange, status, route_request.request_id, replica, decision, ended, first_token_at, tokens,
                        outcome)
 

@@ -15,7 +15,8 @@ from llmgw.testing.processes import llmgw_command
 
 ADMIN = "adm-fuzz-0123456789"
 PATHS = ["/health", "/metrics", "/admin/replicas", "/admin/nodes", "/admin/kv", "/admin/models", "/admin/explain",
-         "/admin/reload", "/admin/whatever", "/agent", "/", "*", "/admin/%ff", "//admin/nodes", "/admin/explain?path=x"]
+         "/admin/reload", "/admin/whatever", "/agent", "/", "*", "/admin/%ff", "//admin/nodes", "/admin/explain?path=x",
+         "/ui", "/ui?token=x", "/admin/stats", "/admin/decisions"]
 METHODS = ["GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH", "CONNECT", "G\x00T", ""]
 
 

@@ -1,4 +1,5 @@
-"""The wheel ships ``llmgw.testing`` (plugin authors test with it) and leaves the benchmarks (``llmgw/bench``) out."""
+"""The wheel ships ``llmgw.testing`` (plugin authors test with it) and the status page, and leaves the benchmarks
+(``llmgw/bench``) out."""
 
 from __future__ import annotations
 
@@ -25,5 +26,6 @@ def test_the_wheel_ships_the_testing_package_and_not_the_benchmarks(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("llmgw-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "llmgw/testing/__init__.py" in names and "llmgw/testing/fake_upstream.py" in names
+    assert "llmgw/gateway/status.html" in names  # the status page, GET /ui (package data)
     assert "llmgw/commands/bench.py" in names  # the command stays: it says how to get the benchmarks
     assert not [name for name in names if name.startswith("llmgw/bench/")]
