@@ -9,17 +9,25 @@ For one request and one candidate replica (the rule, also in ``docs/routing.md``
                     reports beyond those, at its mean size
     requests      = its in-flight requests (the router's, or the engine's running + waiting when fresh and more)
     estimated TTFT = step + (queued_tokens + new_tokens) / prefill_throughput + requests x per_request
-    delay to others = others_weight x requests x new_tokens / prefill_throughput
+    delay to others = others_weight x (requests + 1) x new_tokens / prefill_throughput
     cost           = estimated TTFT + delay to others          (the router picks the smallest)
 
 The *delay to others* is what the request's own prefill costs the requests on
 that replica (each one's next tokens wait while it is computed; in a closed
-loop they stand for the traffic that will queue behind it). A greedy rule that
-minimises only the request's own TTFT moves requests of a popular prompt off
-its busy holder onto a replica that must compute the whole prompt again: that
-request gains a little and everyone on the other replica pays for the
-recompute (measured: ``docs/benchmarks.md``). ``others_weight`` 0 is the greedy
-rule.
+loop they stand for the traffic that will queue behind it), and the next
+request to come there (the ``+ 1``): the GPU time a prefill takes is never
+free, even on a replica idle at this moment, since whatever is routed there
+next waits behind it. A greedy rule that minimises only the request's own TTFT
+moves requests of a popular prompt off its busy holder onto a replica that
+must compute the whole prompt again: that request gains a little and everyone
+on the other replica pays for the recompute (measured: ``docs/benchmarks.md``).
+Without the ``+ 1``, a replica that *looks* idle paid nothing for a recompute,
+so the second request of a new prompt, whose first prefill was still queued on
+its holder, went to compute it all again on any replica that looked idle: a
+near-tie in TTFT won at the price of a whole prefill, and, with several
+gateways whose views of each other's load are a few tens of ms old in a burst,
+a replica looks idle far more often than it is (``docs/scaling.md``).
+``others_weight`` 0 is the greedy rule.
 
 ``step`` (one engine step and the network), ``prefill_throughput`` (prompt
 tokens per second) and ``per_request`` (what each request already in flight
@@ -223,8 +231,9 @@ class Estimate:
 
     @property
     def delay_to_others(self) -> float:
-        """What computing this request's new tokens costs the requests in flight on the replica (weighted)."""
-        return self.others_weight * self.requests * self.new_tokens / self.throughput
+        """What computing this request's new tokens costs the requests in flight on the replica and the next one
+        to come there (weighted)."""
+        return self.others_weight * (self.requests + 1) * self.new_tokens / self.throughput
 
     @property
     def cost(self) -> float:
