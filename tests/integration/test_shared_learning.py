@@ -122,6 +122,41 @@ async def test_without_shared_predictions_the_same_burst_scatters(shared_cluster
     assert (await shared_predictions(control))["sent"] == 0
 
 
+async def test_the_first_turns_of_a_new_prompt_entering_two_gateways_within_milliseconds_share_one_prefill(
+        shared_cluster):
+    """Four chats under one new system prompt, through two gateways alternately, 20 ms apart (far less than a
+    gateway's load report interval): the first with a long question, so that its prefill queued on the holder is
+    a little longer than the others' whole prompt. Each gateway's second request sees that queue (its own, or the
+    other's once reported) and replicas that look idle: waiting for the prefill under way answers it about as
+    soon as computing the whole prompt elsewhere and saves that prefill, so every one goes to the holder and the
+    engine prefills the prompt once. (Before the cost model charged a recompute the GPU time it takes, a replica
+    that looked idle won that near-tie: a second copy of the prompt, prefilled from scratch.)"""
+    engines, control, (follower,) = await shared_cluster(followers=1, sims=4, time_scale=1, sim_extra=SLOW_PREFILL)
+    gateways = [control, follower]
+    system = {"role": "system", "content": words(Random(7), 600)}  # about 3250 tokens
+    answers: list[Answer] = []
+
+    async def ask(http: httpx.AsyncClient, order: int) -> None:
+        question = words(Random(order), 300 if order == 0 else 4)
+        body = {"model": MODEL, "max_tokens": 4,
+                "messages": [system, {"role": "user", "content": question}]}
+        response = await http.post(gateways[order % 2].url + "/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        answers.append(Answer(order, order % 2, response.headers["x-llmgw-replica"],
+                              usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]))
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as requests:
+                for order in range(4):
+                    requests.start_soon(ask, http, order)
+                    await trio.sleep(0.02)
+    answers.sort(key=lambda a: a.order)
+    assert cold(answers) == [answers[0]], answers
+    assert {a.replica for a in answers} == {answers[0].replica}, answers
+
+
 async def test_a_prefix_routed_by_one_gateways_tree_is_known_to_the_others(shared_cluster):
     """prefix_tree learns only from what it routed (no engine events): shared, the second request of a prompt
     finds the first one's replica whichever gateway it enters, and the engine serves it from its cache."""

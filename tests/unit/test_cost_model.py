@@ -191,7 +191,7 @@ async def test_a_difference_within_the_noisier_replicas_noise_is_a_tie_and_the_c
     for _ in range(60):  # a tiny model: the prefill is lost in the noise, the fits find it free
         tier.cost.observe("q", rng.randint(50, 4000), 0, 0.10 + rng.gauss(0, 0.02))
         tier.cost.observe("n", rng.randint(50, 4000), 0, max(0.0, 0.16 + rng.gauss(0, 0.15)))
-    quiet.local_queued_tokens = 200_000  # busy for a moment: the prompt's first request goes to n
+    quiet.local_queued_tokens = 100_000  # busy for a moment: the prompt's first request goes to n
     assert (await router.pick(chat("first question"))).replica is noisy
     quiet.local_queued_tokens = 0
     explained = {e["name"]: e["cost"] for e in (await router.explain(chat("asked again")))["replicas"]}
@@ -205,9 +205,9 @@ async def test_a_difference_within_the_noisier_replicas_noise_is_a_tie_and_the_c
 
 async def test_a_cold_prefill_is_charged_the_delay_it_adds_to_the_requests_running_there():
     """The holder's queue costs this request 200 ms more than a cold prefill elsewhere, but there four requests are
-    running and each would wait the 200 ms the prefill takes, as would the next to come: the request stays with
-    its cache. An idle replica pays only the prefill's own time (the next request's wait), which is less than the
-    200 ms gained here, and the greedy rule (cost_others_weight 0) moves it in both cases."""
+    running and each would wait the 200 ms the prefill takes, as would the next to come while it recomputes what
+    the holder has: the request stays with its cache. An idle replica pays only the recompute's own time, less
+    than the 200 ms gained here, and the greedy rule (cost_others_weight 0) moves it in both cases."""
     for weight, running_elsewhere, stays in ((1.0, 4, True), (1.0, 0, False), (0.0, 4, False)):
         router, tier, replicas = make({"cost_others_weight": weight})
         owner = await owner_of_the_prompt(router)
@@ -215,7 +215,7 @@ async def test_a_cold_prefill_is_charged_the_delay_it_adds_to_the_requests_runni
         owner.local_inflight, other.local_inflight = 10, running_elsewhere
         owner.local_queued_tokens = 3000
         # owner: 40 ms + 3,010 / 10k + 10 x 15 ms = ~491 ms (+ 10 x ~1 ms of others' delay);
-        # other: 40 ms + 2,010 / 10k + 4 x 15 ms = ~301 ms, + (4 + 1) x 201 ms of others' delay
+        # other: 40 ms + 2,010 / 10k + 4 x 15 ms = ~301 ms, + 4 x 201 ms of others' delay + ~201 ms of recompute
         explained = {e["name"]: e["cost"] for e in (await router.explain(chat("second question")))["replicas"]}
         delay = explained[other.name]["delay_to_others_s"]
         assert abs(delay - weight * (running_elsewhere + 1) * 0.201) < 0.01, explained
@@ -419,3 +419,15 @@ async def test_gateways_of_a_cluster_send_a_new_prefix_to_the_same_replica_witho
     # Alone (no cluster), a gateway breaks such ties by its own load and its random draw, as before.
     alone = [await make(names=tuple("abcd"), options={"seed": s})[0].explain(chat("q")) for s in range(8)]
     assert len({answer["pick"] for answer in alone}) > 1
+
+
+def test_only_a_recompute_of_what_another_candidate_holds_is_charged_beyond_the_requests_in_flight():
+    """A prompt nobody holds costs each replica what it did before the recompute term (so new prompts spread as
+    before); one a candidate holds charges every other candidate the GPU time of computing that part again."""
+    model = CostModel(prior_throughput=10_000, prior_step=0.04)
+    fresh = model.estimate(["a", "b"], 2000, [0, 0], [0, 3])
+    assert [e.recomputed for e in fresh] == [0, 0]
+    assert [round(e.delay_to_others, 4) for e in fresh] == [0.0, round(3 * 2000 / 10_000, 4)]
+    held = model.estimate(["a", "b", "c"], 2000, [1600, 400, 0], [1, 0, 0])
+    assert [e.recomputed for e in held] == [0, 1200, 1600]
+    assert [round(e.delay_to_others, 4) for e in held] == [0.04, 0.12, 0.16]
