@@ -9,17 +9,27 @@ For one request and one candidate replica (the rule, also in ``docs/routing.md``
                     reports beyond those, at its mean size
     requests      = its in-flight requests (the router's, or the engine's running + waiting when fresh and more)
     estimated TTFT = step + (queued_tokens + new_tokens) / prefill_throughput + requests x per_request
-    delay to others = others_weight x requests x new_tokens / prefill_throughput
+    recomputed    = the most tokens any candidate holds of the prompt - cached_tokens: what it would compute again
+    delay to others = others_weight x (requests x new_tokens + recomputed) / prefill_throughput
     cost           = estimated TTFT + delay to others          (the router picks the smallest)
 
 The *delay to others* is what the request's own prefill costs the requests on
 that replica (each one's next tokens wait while it is computed; in a closed
-loop they stand for the traffic that will queue behind it). A greedy rule that
-minimises only the request's own TTFT moves requests of a popular prompt off
-its busy holder onto a replica that must compute the whole prompt again: that
-request gains a little and everyone on the other replica pays for the
-recompute (measured: ``docs/benchmarks.md``). ``others_weight`` 0 is the greedy
-rule.
+loop they stand for the traffic that will queue behind it), plus the GPU
+time of whatever it would compute again that another candidate already holds:
+a recompute is never free, even on a replica idle at this moment, since
+whatever is routed there next waits behind it, and it is work the cluster
+need not do at all. A greedy rule that minimises only the request's own TTFT
+moves requests of a popular prompt off its busy holder onto a replica that
+must compute the whole prompt again: that request gains a little and everyone
+on the other replica pays for the recompute (measured: ``docs/benchmarks.md``).
+Without that recompute term, a replica that *looks* idle paid nothing for it,
+so the second request of a new prompt, whose first prefill was still queued on
+its holder, went to compute it all again on any replica that looked idle: a
+near-tie in TTFT won at the price of a whole prefill, and, with several
+gateways whose views of each other's load are a few tens of ms old in a burst,
+a replica looks idle far more often than it is (``docs/scaling.md``).
+``others_weight`` 0 is the greedy rule.
 
 ``step`` (one engine step and the network), ``prefill_throughput`` (prompt
 tokens per second) and ``per_request`` (what each request already in flight
@@ -216,6 +226,7 @@ class Estimate:
     per_request: float
     noise: float = 0.0
     others_weight: float = 0.0
+    recomputed: int = 0  # tokens it would compute that another candidate holds
 
     @property
     def ttft(self) -> float:
@@ -223,8 +234,9 @@ class Estimate:
 
     @property
     def delay_to_others(self) -> float:
-        """What computing this request's new tokens costs the requests in flight on the replica (weighted)."""
-        return self.others_weight * self.requests * self.new_tokens / self.throughput
+        """What computing this request's new tokens costs the requests in flight on the replica, and computing again
+        what another replica holds costs whatever comes to it next (weighted)."""
+        return self.others_weight * (self.requests * self.new_tokens + self.recomputed) / self.throughput
 
     @property
     def cost(self) -> float:
@@ -232,7 +244,7 @@ class Estimate:
 
     def as_json(self) -> dict[str, Any]:
         return {"cached_tokens": self.cached_tokens, "new_tokens": self.new_tokens,
-                "queued_tokens": self.queued_tokens, "requests": self.requests,
+                "queued_tokens": self.queued_tokens, "requests": self.requests, "recomputed_tokens": self.recomputed,
                 "estimated_ttft_s": round(self.ttft, 4), "delay_to_others_s": round(self.delay_to_others, 4),
                 "cost_s": round(self.cost, 4)}
 
@@ -309,9 +321,11 @@ class CostModel:
         if len(self.replicas) > MAX_FORGOTTEN + 2 * len(names):
             self._forget_others(names)
         estimates = []
+        held = [min(max(c, 0), max(prompt_tokens - 1, 0)) for c in cached_tokens[:len(names)]]
+        most = max(held, default=0)
         for i, name in enumerate(names):
             cost = self.replica(name)
-            cached = min(max(cached_tokens[i], 0), max(prompt_tokens - 1, 0))
+            cached = held[i]
             queued_tokens, queued_requests, queued_for = queued[i] if i < len(queued) else (0, 0, 0.0)
             step, slope, per_request, noise = cost.line()
             queued_tokens = max(0, queued_tokens - int(max(queued_for, 0.0) / slope))
@@ -319,7 +333,7 @@ class CostModel:
             if waiting is not None and waiting > queued_requests:
                 queued_tokens += int((waiting - queued_requests) * (cost.mean_new_tokens or prompt_tokens))
             estimates.append(Estimate(cached, prompt_tokens - cached, queued_tokens, requests[i], step, 1.0 / slope,
-                                      per_request, noise, self.others_weight))
+                                      per_request, noise, self.others_weight, most - cached))
         return estimates
 
     def _forget_others(self, names: Sequence[str]) -> None:

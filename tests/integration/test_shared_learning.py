@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from random import Random
+from typing import Callable
 
 import httpx
 import pytest
@@ -43,15 +44,17 @@ class Answer:
     prompt_tokens: int
 
 
-async def burst(gateways: list[Child], seed: int) -> list[Answer]:
-    """``GATEWAYS x PER_GATEWAY`` chats sharing a new system prompt, sent round robin every ``STAGGER`` seconds."""
+async def burst(gateways: list[Child], seed: int, count: int = GATEWAYS * PER_GATEWAY, stagger: float = STAGGER,
+                question: Callable[[int], str] = "question {}?".format) -> list[Answer]:
+    """``count`` chats sharing a new system prompt, sent round robin every ``stagger`` seconds, the ``i``-th asking
+    ``question(i)``."""
     system = {"role": "system", "content": words(Random(seed), 600)}  # about 3250 tokens
     answers: list[Answer] = []
 
     async def ask(http: httpx.AsyncClient, order: int) -> None:
         gateway = order % len(gateways)
         body = {"model": MODEL, "max_tokens": 4,
-                "messages": [system, {"role": "user", "content": f"question {order}?"}]}
+                "messages": [system, {"role": "user", "content": question(order)}]}
         response = await http.post(gateways[gateway].url + "/v1/chat/completions", json=body)
         assert response.status_code == 200, response.text
         usage = response.json()["usage"]
@@ -61,9 +64,9 @@ async def burst(gateways: list[Child], seed: int) -> list[Answer]:
     async with httpx.AsyncClient(timeout=30) as http:
         with trio.fail_after(60):
             async with trio.open_nursery() as requests:
-                for order in range(GATEWAYS * PER_GATEWAY):
+                for order in range(count):
                     requests.start_soon(ask, http, order)
-                    await trio.sleep(STAGGER)
+                    await trio.sleep(stagger)
     return sorted(answers, key=lambda a: a.order)
 
 
@@ -120,6 +123,22 @@ async def test_without_shared_predictions_the_same_burst_scatters(shared_cluster
     assert len(cold(answers)) == GATEWAYS and len({a.replica for a in answers}) == GATEWAYS, answers
     assert all(a.cached_tokens > 0 for a in answers[GATEWAYS:]), answers
     assert (await shared_predictions(control))["sent"] == 0
+
+
+async def test_the_first_turns_of_a_new_prompt_entering_two_gateways_within_milliseconds_share_one_prefill(
+        shared_cluster):
+    """Four chats under one new system prompt, through two gateways alternately, 20 ms apart (far less than a
+    gateway's load report interval): the first with a long question, so that its prefill queued on the holder is
+    a little longer than the others' whole prompt. Each gateway's second request sees that queue (its own, or the
+    other's once reported) and replicas that look idle: waiting for the prefill under way answers it about as
+    soon as computing the whole prompt elsewhere and saves that prefill, so every one goes to the holder and the
+    engine prefills the prompt once. (Before the cost model charged a recompute the GPU time it takes, a replica
+    that looked idle won that near-tie: a second copy of the prompt, prefilled from scratch.)"""
+    engines, control, (follower,) = await shared_cluster(followers=1, sims=4, time_scale=1, sim_extra=SLOW_PREFILL)
+    answers = await burst([control, follower], seed=7, count=4, stagger=0.02,
+                          question=lambda order: words(Random(order), 300 if order == 0 else 4))
+    assert cold(answers) == [answers[0]], answers
+    assert {a.replica for a in answers} == {answers[0].replica}, answers
 
 
 async def test_a_prefix_routed_by_one_gateways_tree_is_known_to_the_others(shared_cluster):

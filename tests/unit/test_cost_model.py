@@ -205,8 +205,9 @@ async def test_a_difference_within_the_noisier_replicas_noise_is_a_tie_and_the_c
 
 async def test_a_cold_prefill_is_charged_the_delay_it_adds_to_the_requests_running_there():
     """The holder's queue costs this request 200 ms more than a cold prefill elsewhere, but there four requests are
-    running and each would wait the 200 ms the prefill takes: the request stays with its cache. An idle replica
-    pays nobody's delay, and the greedy rule (cost_others_weight 0) moves it in both cases."""
+    running and each would wait the 200 ms the prefill takes, as would the next to come while it recomputes what
+    the holder has: the request stays with its cache. An idle replica pays only the recompute's own time, less
+    than the 200 ms gained here, and the greedy rule (cost_others_weight 0) moves it in both cases."""
     for weight, running_elsewhere, stays in ((1.0, 4, True), (1.0, 0, False), (0.0, 4, False)):
         router, tier, replicas = make({"cost_others_weight": weight})
         owner = await owner_of_the_prompt(router)
@@ -214,10 +215,10 @@ async def test_a_cold_prefill_is_charged_the_delay_it_adds_to_the_requests_runni
         owner.local_inflight, other.local_inflight = 10, running_elsewhere
         owner.local_queued_tokens = 3000
         # owner: 40 ms + 3,010 / 10k + 10 x 15 ms = ~491 ms (+ 10 x ~1 ms of others' delay);
-        # other: 40 ms + 2,010 / 10k + 4 x 15 ms = ~301 ms, + 4 x 201 ms of others' delay
+        # other: 40 ms + 2,010 / 10k + 4 x 15 ms = ~301 ms, + 4 x 201 ms of others' delay + ~201 ms of recompute
         explained = {e["name"]: e["cost"] for e in (await router.explain(chat("second question")))["replicas"]}
         delay = explained[other.name]["delay_to_others_s"]
-        assert abs(delay - weight * running_elsewhere * 0.201) < 0.01, explained
+        assert abs(delay - weight * (running_elsewhere + 1) * 0.201) < 0.01, explained
         assert abs(explained[other.name]["cost_s"] - explained[other.name]["estimated_ttft_s"] - delay) < 2e-4
         decision = await router.pick(chat("second question"))
         assert (decision.replica is owner) == stays, (weight, running_elsewhere, decision.detail)
@@ -282,7 +283,11 @@ def test_replicas_that_left_are_forgotten():
     assert len(model.replicas) <= 64 + 2 * 2 + 3 and "busy" in model.replicas  # awaiting a first token: kept
 
 
-async def test_a_burst_under_a_new_prompt_spills_once_the_holders_queue_outweighs_a_cold_prefill():
+async def test_a_burst_under_a_new_prompt_waits_for_its_first_prefill_and_spills_once_the_queue_outweighs_two():
+    """The first request of a new ~2,000-token prompt is prefilled on its holder; the next ones wait for that
+    prefill there rather than compute the whole prompt again on the idle replica (which would answer them about as
+    soon, and take 200 ms of its GPU from whatever comes to it next). Once the holder's queue outweighs a cold
+    prefill and the GPU time it takes (here: other conversations' prompts queued on it), the next one spills."""
     router, tier, (a, b) = make()
     picks = []
     for i in range(6):  # all routed, none has its first token yet
@@ -290,14 +295,34 @@ async def test_a_burst_under_a_new_prompt_spills_once_the_holders_queue_outweigh
         decision = await router.pick(request)
         router.routed(request, decision)
         decision.replica.local_inflight += 1  # as the data plane counts it
-        picks.append((decision.replica.name, decision.outcome))
+        picks.append((decision.replica, decision.outcome))
     owner = picks[0][0]
-    other = "b" if owner == "a" else "a"
-    # The first prefill (~2,000 tokens) is queued on the owner, with the request itself in flight: the second
-    # would wait longer there than the other replica takes to compute the whole prompt.
-    assert picks[0] == (owner, "miss") and picks[1] == (other, "cost_override")
-    assert all(outcome == "hit" for _, outcome in picks[2:])  # both hold it now and share the rest
-    assert {name for name, _ in picks[2:]} == {owner, other}
+    other = b if owner is a else a
+    assert picks[0] == (owner, "miss") and picks[1:] == [(owner, "hit")] * 5
+    owner.local_queued_tokens += 2500  # two other conversations' long prompts, queued behind the burst
+    decision = await router.pick(chat("question 6"))
+    assert decision.replica is other and decision.outcome == "cost_override"
+
+
+async def test_a_replica_that_looks_idle_does_not_take_the_second_request_of_a_prompt_being_prefilled():
+    """What a gateway of a cluster sees in a burst: its own first request of a new prompt queued on the holder, the
+    other replicas idle as far as it knows (the other gateways' load reports are a few tens of ms old). Waiting
+    there for the prefill under way costs the second request about what computing the whole prompt elsewhere
+    would (~2 ms more here), and saves a whole prefill of GPU time: it stays, and the engine serves it from the
+    blocks the first one computes."""
+    router, tier, replicas = make(names="abcd")
+    first = chat("first question")
+    decision = await router.pick(first)
+    router.routed(first, decision)
+    owner = decision.replica
+    owner.local_inflight = 1
+    explained = await router.explain(chat("second question"))
+    costs = {e["name"]: e["cost"] for e in explained["replicas"]}
+    idle = [name for name in costs if name != owner.name]
+    # owner: 40 ms + (~2,020 queued + 5 new) / 10k + 15 ms = ~257 ms; idle: 40 ms + 2,020 / 10k = ~242 ms
+    assert all(costs[name]["estimated_ttft_s"] < costs[owner.name]["estimated_ttft_s"] for name in idle), costs
+    decision = await router.pick(chat("second question"))
+    assert decision.replica is owner and decision.outcome == "hit"
 
 
 def test_the_cost_options_are_checked_and_naming_scorers_selects_the_scores_rule():
@@ -394,3 +419,15 @@ async def test_gateways_of_a_cluster_send_a_new_prefix_to_the_same_replica_witho
     # Alone (no cluster), a gateway breaks such ties by its own load and its random draw, as before.
     alone = [await make(names=tuple("abcd"), options={"seed": s})[0].explain(chat("q")) for s in range(8)]
     assert len({answer["pick"] for answer in alone}) > 1
+
+
+def test_only_a_recompute_of_what_another_candidate_holds_is_charged_beyond_the_requests_in_flight():
+    """A prompt nobody holds costs each replica what it did before the recompute term (so new prompts spread as
+    before); one a candidate holds charges every other candidate the GPU time of computing that part again."""
+    model = CostModel(prior_throughput=10_000, prior_step=0.04)
+    fresh = model.estimate(["a", "b"], 2000, [0, 0], [0, 3])
+    assert [e.recomputed for e in fresh] == [0, 0]
+    assert [round(e.delay_to_others, 4) for e in fresh] == [0.0, round(3 * 2000 / 10_000, 4)]
+    held = model.estimate(["a", "b", "c"], 2000, [1600, 400, 0], [1, 0, 0])
+    assert [e.recomputed for e in held] == [0, 1200, 1600]
+    assert [round(e.delay_to_others, 4) for e in held] == [0.04, 0.12, 0.16]
