@@ -11,7 +11,7 @@ remote agent) rarely test the same port at the same time: between the test
 and the engine's own bind, only this allocator knows the port is taken.
 
 ``llmgw agent --engine-ports LOW-HIGH`` moves the range (a firewall or a
-container's published ports may allow only some): :func:`parse_port_range`
+container's published ports may allow only some): :func:`llmgw.config.addresses.parse_port_range`
 reads and checks it, :func:`ephemeral_overlap` says when it overlaps the
 kernel's ephemeral range.
 """
@@ -19,30 +19,15 @@ kernel's ephemeral range.
 from __future__ import annotations
 
 import random
-import re
 import socket
 from pathlib import Path
 
 DEFAULT_ENGINE_PORTS = (20000, 32000)
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-_RANGE = re.compile(r"(\d{1,5})-(\d{1,5})")
 
 
 class NoFreePort(Exception):
     """Every port of the range is reserved or in use."""
-
-
-def parse_port_range(text: str) -> tuple[int, int]:
-    """``LOW-HIGH`` (``21000-21099``; one port is ``N-N``) as ``(LOW, HIGH)``, or a ValueError saying what is wrong."""
-    match = _RANGE.fullmatch(text.strip())
-    if match is None:
-        raise ValueError("not a port range LOW-HIGH, e.g. 21000-21999")
-    low, high = int(match[1]), int(match[2])
-    if not 1 <= low <= 65535 or not 1 <= high <= 65535:
-        raise ValueError("ports are 1 to 65535")
-    if low > high:
-        raise ValueError("the low port is above the high one")
-    return low, high
 
 
 def ephemeral_overlap(low: int, high: int, range_file: Path | None = None) -> tuple[int, int] | None:

@@ -28,7 +28,7 @@ from typing import Callable, TypeVar
 import trio
 
 from .. import listening
-from ..agent.ports import parse_port_range
+from ..config.addresses import parse_port_range
 from ..fdlimit import raise_open_files_limit
 from ..logsetup import add_logging_arguments, setup_logging
 from ..tls import TlsClientOptions

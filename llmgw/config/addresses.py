@@ -150,3 +150,19 @@ def parse_zmq_endpoint(value: object) -> str:
     if address.host == "*" or address.port == 0:
         raise ValueError(f"{help_} (llmgw connects to it, so the host cannot be '*' and the port not 0)")
     return f"tcp://{address}"
+
+
+_PORT_RANGE = re.compile(r"(\d{1,5})-(\d{1,5})")
+
+
+def parse_port_range(text: object) -> tuple[int, int]:
+    """``LOW-HIGH`` (``21000-21099``; one port is ``N-N``) as ``(LOW, HIGH)``, or a ValueError saying what is wrong."""
+    match = _PORT_RANGE.fullmatch(text.strip()) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError("not a port range LOW-HIGH, e.g. 21000-21999")
+    low, high = int(match[1]), int(match[2])
+    if not 1 <= low <= 65535 or not 1 <= high <= 65535:
+        raise ValueError("ports are 1 to 65535")
+    if low > high:
+        raise ValueError("the low port is above the high one")
+    return low, high

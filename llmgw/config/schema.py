@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
 from ..units import parse_duration, parse_size
 from . import crosschecks
-from .addresses import HostPort, parse_http_url, parse_redis_url, parse_zmq_endpoint, url_host_port
+from .addresses import HostPort, parse_http_url, parse_port_range, parse_redis_url, parse_zmq_endpoint, url_host_port
 from .fields import (
     Check,
     Located,
@@ -196,6 +196,7 @@ class AgentsConfig(Located):
     max_sessions: Count = setting(1024)  # remote agent websockets open at once (503 past it)
     register_timeout: PositiveDuration = setting(5.0)  # from the upgrade to the Register; then closed
     max_message_bytes: AgentFrameSize = setting(16 * MiB)  # a registered agent's largest frame (Hypercorn's too)
+    engine_ports: Annotated[tuple[int, int], Parse(parse_port_range)] | None = setting(None)  # embedded agent
 
     @property
     def embedded_node_id(self) -> str:

@@ -278,7 +278,7 @@ class Gateway:
         connector = InProcessConnector(self.control.accept_in_process, f"embedded agent {node_id}")
         self.embedded_agent = agent = Agent(connector, node_id=node_id, discovery=self.embedded_discovery,
                                             state_dir=agents.state_dir, address="127.0.0.1", registry=self.registry,
-                                            metrics_registry=self.metrics.registry,
+                                            metrics_registry=self.metrics.registry, engine_ports=agents.engine_ports,
                                             announce=lambda line: log.debug("%s", line))  # the control side logs it
         await agent.run(task_status=task_status)
 

@@ -118,6 +118,16 @@ async def test_an_agent_starts_its_engines_on_the_ports_of_engine_ports(cluster)
     assert await cluster.chat() == replica["name"]
 
 
+async def test_the_embedded_agent_starts_its_engines_on_the_ports_of_agents_engine_ports(cluster):
+    port = free_port()
+    base = embedded(cluster.tmp_path / "local").replace("agents:\n", f"agents:\n  engine_ports: {port}-{port}\n", 1)
+    cluster.write_config(base + TINY_SIM.replace("replicas: 2", "replicas: 1"))
+    await cluster.start_serve()
+    (replica,) = (await cluster.settled(1)).values()
+    assert replica["url"] == f"http://127.0.0.1:{port}"
+    assert await cluster.chat() == replica["name"]
+
+
 FAST_AND_SLOW = """
 profiles:
   - name: fast

@@ -9,8 +9,9 @@ from hypothesis import given, strategies as st
 
 from llmgw.agent import ports as ports_module
 from llmgw.agent.agent import Agent
-from llmgw.agent.ports import DEFAULT_ENGINE_PORTS, ephemeral_overlap, parse_port_range
+from llmgw.agent.ports import DEFAULT_ENGINE_PORTS, ephemeral_overlap
 from llmgw.commands import agent as agent_command
+from llmgw.config.addresses import parse_port_range
 
 ports = st.integers(1, 65535)
 
@@ -83,3 +84,15 @@ def test_an_overlap_with_the_ephemeral_range_is_logged_once_with_the_fix(tmp_pat
     (message,) = caplog.messages
     assert "--engine-ports 30000-40000 overlaps the kernel's ephemeral ports 32768-60999" in message
     assert "choose a range outside it" in message
+
+
+def test_the_embedded_agents_range_is_a_config_key_whose_errors_name_file_line_and_key():
+    from llmgw.config import ConfigError, parse_config
+
+    assert parse_config("agents:\n  engine_ports: 21000-21099\n", filename="llmgw.yaml").agents.engine_ports == (
+        21000, 21099)
+    assert parse_config("{}", filename="llmgw.yaml").agents.engine_ports is None
+    with pytest.raises(ConfigError) as caught:
+        parse_config("agents:\n  engine_ports: 9000-8000\n", filename="llmgw.yaml")
+    assert [str(issue) for issue in caught.value.errors] == [
+        "llmgw.yaml:2: agents.engine_ports: the low port is above the high one"]
