@@ -161,6 +161,11 @@ async def test_garbage_in_the_clusters_redis_is_counted_and_skipped(shared_clust
 
     engines, control, (follower,) = await shared_cluster()
     keys = Keys(cluster_name)
+    async with httpx.AsyncClient(timeout=30) as http:  # each reads the others' load reports: its readers follow
+        with trio.fail_after(20):
+            for gateway in (control, follower):
+                while not (await http.get(gateway.control_url + "/admin/cluster")).json()["peers"]:
+                    await trio.sleep(0.1)
     host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
     async with coredis.Redis(host=host, port=int(port), decode_responses=False) as redis:
         await redis.xadd(keys.load, {b"o": b"intruder", b"x": b"2000", b"l": b"\xc1\xff not msgpack"})
