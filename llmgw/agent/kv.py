@@ -14,7 +14,9 @@ the nursery that owns the shard's supervisor, *before* the engine starts:
   :meth:`ShardKv.notify_engine_restart` before it relaunches a dead engine),
   and cancelling it closes the sockets;
 - an :class:`~llmgw.kv.mirror.EngineMirror` keeps the engine's device blocks,
-  checking hash parity with the router's ``vllm`` keys (``sha256_cbor``, seed
+  keyed as the profile's ``kv_key_mode`` says (from the model's
+  ``key_function``): by content (the default), or by the engine's hashes,
+  checking their parity with the router's ``vllm`` keys (``sha256_cbor``, seed
   ``"0"``: what the engine plugins start the engine with).
 
 Per stream connection (:meth:`AgentKv.session`, run in the agent's session
@@ -55,7 +57,7 @@ from .. import wire
 from ..kv.changes import BlockChanges
 from ..kv.keys import VllmBlockKeys
 from ..kv.metrics import KvMetrics
-from ..kv.mirror import EngineMirror, flush_loop, resync
+from ..kv.mirror import DEFAULT_KEY_MODE, KEY_MODES, EngineMirror, flush_loop, resync
 from ..kv.subscriber import DEFAULT_MAX_MESSAGE_BYTES, EngineSubscription
 from ..plugins_manager import Registry
 from .engine import KV_HASH_ALGO, KV_HASH_SEED, served_name
@@ -94,7 +96,8 @@ class ShardKv:
         return {"shard_id": self.shard_id, "replica_id": self.spec.replica_id,
                 "events_endpoint": self.endpoints.events, "replay_endpoint": self.endpoints.replay,
                 "ranks": [{"rank": r, "blocks": len(m), "last_seq": s.last_seq, "resets": dict(s.resets),
-                           "gaps": s.gaps, "parity": m.parity} for r, (s, m) in
+                           "gaps": s.gaps, "key_mode": m.key_mode, "parity": m.parity, "problem": m.problem}
+                          for r, (s, m) in
                           enumerate(zip(self.subscriptions, self.mirrors))]}
 
     async def relay(self, send: Callable[[wire.Message], Awaitable[None]]) -> None:
@@ -150,8 +153,9 @@ class AgentKv:
         kv = ShardKv(spec, endpoints or self.sockets.endpoints(spec))
         source = self.metrics.source(self.node_id, spec.replica_id, served_name(spec))
         rank = 0
-        mirror = EngineMirror(verify_keys=VllmBlockKeys(KV_HASH_ALGO, KV_HASH_SEED), on_ignored=source.ignored,
-                              on_parity=source.parity, name=spec.shard_id)
+        mode = spec.profile.kv_key_mode if spec.profile.kv_key_mode in KEY_MODES else DEFAULT_KEY_MODE
+        mirror = EngineMirror(key_mode=mode, verify_keys=VllmBlockKeys(KV_HASH_ALGO, KV_HASH_SEED),
+                              on_ignored=source.ignored, on_parity=source.parity, name=spec.shard_id)
         sub = EngineSubscription(
             kv.endpoints.events, mode="connect", replay_endpoint=kv.endpoints.replay, topic=b"kv",
             data_parallel_rank=rank, decode=self.registry.get("event_decoders", "vllm")(), on_batch=mirror.apply,

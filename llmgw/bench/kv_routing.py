@@ -225,7 +225,7 @@ def engine_stream(count: int, seed: int = 3) -> list[EventBatch]:
 
 
 def _prefill_mirror(batches: list[EventBatch]) -> EngineMirror:
-    mirror = EngineMirror()
+    mirror = EngineMirror(key_mode="engine")  # the batches' random hashes have no parents a content mirror knows
     rng = random.Random(3)
     mirror.apply(EventBatch(0.0, [BlockStored([rng.getrandbits(64) for _ in range(4096)], None,
                                               [0] * 4096 * BLOCK, BLOCK, medium="GPU")], 0))

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import trio
 
 from ..control.tasks import TaskHost
-from ..kv.changes import BlockChanges, KvChangeKind
+from ..kv.changes import BlockChanges, KvChangeKind, unusable_keys_reason
 from ..router.model import TierModel
 from ..router.replica import Replica, ReplicaState
 from . import records
@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT = 600.0
 BATCHES_PER_READ = 256
+SNAPSHOT_UNUSABLE_KEYS = ("the engine's block keys cannot match the router's (read from the cluster's snapshot; "
+                          "the control plane's /admin/kv says why and the fix)")
 ReplicaFactory = Callable[[ReplicaRecord], Replica]
 
 
@@ -240,6 +242,9 @@ class LogFollower:
                 index.forget(name)
             elif state == "resetting":
                 index.apply(name, BlockChanges(KvChangeKind.RESET, block_size, reason="reset (from the snapshot)"))
+            elif state == "unusable_keys":  # the snapshot keeps no problem text: the control plane's has it
+                index.apply(name, BlockChanges(KvChangeKind.FULL, block_size, parts.get(name, []),
+                                               reason=unusable_keys_reason(SNAPSHOT_UNUSABLE_KEYS)))
             else:  # healthy, or suspect on the control plane (its owner is resyncing it)
                 index.apply(name, BlockChanges(KvChangeKind.FULL, block_size, parts.get(name, [])))
 

@@ -1,8 +1,10 @@
 """``llmgw status``: the cluster as tables, from a running control plane's admin API.
 
 Nodes (state, GPUs used/total, shards, last heard from), replicas (model,
-state, node, endpoint) and shards (node, rank, GPUs, state, pid, restarts,
-reason), read from ``GET /admin/nodes`` and ``GET /admin/replicas``.
+state, node, endpoint), shards (node, rank, GPUs, state, pid, restarts,
+reason) and the router's KV index per replica (state, blocks, block size, and
+for an ``unusable_keys`` index why and the fix), read from ``GET
+/admin/nodes``, ``GET /admin/replicas`` and ``GET /admin/kv``.
 """
 
 from __future__ import annotations
@@ -60,7 +62,13 @@ def shard_rows(replicas: list[dict]) -> list[list]:
     return rows
 
 
-def render(nodes: list[dict], replicas: list[dict]) -> str:
+def kv_rows(kv: dict) -> list[list]:
+    """The KV index's replicas (``/admin/kv``): state, blocks, block size, and the problem of unusable keys."""
+    return [[r.get("name"), r.get("state"), r.get("blocks", 0), r.get("block_size"),
+             r.get("problem") or r.get("drift", {}).get("suspect_reason")] for r in kv.get("replicas") or []]
+
+
+def render(nodes: list[dict], replicas: list[dict], kv: dict | None = None) -> str:
     lines = [f"NODES ({len(nodes)})"]
     lines += table(["NODE", "STATE", "ADDRESS", "GPUS USED", "SHARDS", "LAST HEARD", "WHY"], node_rows(nodes))
     lines += ["", f"REPLICAS ({len(replicas)})"]
@@ -68,6 +76,10 @@ def render(nodes: list[dict], replicas: list[dict]) -> str:
     shards = shard_rows(replicas)
     lines += ["", f"SHARDS ({len(shards)})"]
     lines += table(["SHARD", "NODE", "RANK", "GPUS", "STATE", "PID", "RESTARTS", "REASON"], shards)
+    rows = kv_rows(kv or {})
+    if rows:
+        lines += ["", f"KV INDEX ({len(rows)})"]
+        lines += table(["REPLICA", "STATE", "BLOCKS", "BLOCK SIZE", "WHY"], rows)
     return "\n".join(lines)
 
 
@@ -77,11 +89,12 @@ def main(argv: list[str]) -> int:
     try:
         nodes = get_json(f"{base}/admin/nodes", args, args.timeout)
         replicas = get_json(f"{base}/admin/replicas", args, args.timeout)
+        kv = get_json(f"{base}/admin/kv", args, args.timeout)
     except ControlApiError as exc:
         print(f"llmgw status: cannot read {base}/admin: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({"nodes": nodes, "replicas": replicas}, indent=2))
+        print(json.dumps({"nodes": nodes, "replicas": replicas, "kv": kv}, indent=2))
     else:
-        print(render(nodes, replicas))
+        print(render(nodes, replicas, kv))
     return 0

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 from .. import wire
+from ..kv.keys import DEFAULT_KEY_FUNCTION
+from ..kv.mirror import key_mode_of
 from .inventory import NodeRecord, NodeState
 
 log = logging.getLogger(__name__)
@@ -81,7 +83,9 @@ def shard_profile(profile) -> wire.ShardProfile:
         name=profile.name, engine=profile.engine, engine_bin=profile.engine_bin, model_path=profile.model_path,
         served_model_name=profile.served_model_name, tp=profile.tp, pp=profile.pp, args=list(profile.args),
         env=dict(profile.env), lora_adapters=[wire.LoraModule(a.name, a.path) for a in profile.lora_adapters],
-        kv_events=profile.kv_events, startup_timeout=profile.startup_timeout)
+        kv_events=profile.kv_events, kv_key_mode=key_mode_of(profile.routing_options.get("key_function",
+                                                                                        DEFAULT_KEY_FUNCTION)),
+        startup_timeout=profile.startup_timeout)
 
 
 # -- assignments ------------------------------------------------------------------------------------------------------

@@ -37,6 +37,22 @@ class BlockChanges:
     reason: str = ""
 
 
+UNUSABLE_KEYS = "unusable keys: "  # the reason of a FULL whose keys cannot match the router's, then what to do
+
+
+def unusable_keys_reason(problem: str) -> str:
+    """The ``reason`` of a FULL copy from a mirror whose keys can never match the router's (a hash-parity
+    failure, or content keys without the events' ``token_ids``): the index state turns ``unusable_keys`` and
+    shows ``problem``, the fix in words. Carried in the reason so that the agent's wire message and the
+    cluster's Redis records pass it on unchanged."""
+    return UNUSABLE_KEYS + problem
+
+
+def unusable_keys_problem(reason: str) -> str | None:
+    """What :func:`unusable_keys_reason` put in a FULL's reason, or None when the copy's keys are usable."""
+    return reason[len(UNUSABLE_KEYS):] if reason.startswith(UNUSABLE_KEYS) else None
+
+
 class ChangesFields(Protocol):
     """What :meth:`KvIndex.apply <llmgw.kv.index.KvIndex.apply>` reads: a :class:`BlockChanges`, or the wire's
     ``KvChanges`` (the same fields)."""

@@ -7,8 +7,12 @@ config or its endpoints change). The pipeline is the agent's, minus the
 stream: :class:`~llmgw.kv.subscriber.EngineSubscription` ->
 :class:`~llmgw.kv.mirror.EngineMirror` -> :func:`~llmgw.kv.mirror.flush_loop`
 straight into the router's :class:`~llmgw.kv.index.KvIndex` (a FULL copy
-first). The mirror checks hash parity with the model's ``hash_algo``/``hash_seed``
-routing options (``content`` keys: the mirror re-keys blocks from token ids).
+first). With ``content`` keys (the default) the mirror re-keys blocks from the
+events' token ids, whatever the engine's hash algorithm and seed; with
+``key_function: vllm`` it forwards the engine's hashes and checks their parity
+with the model's ``hash_algo``/``hash_seed`` routing options. Keys that cannot
+match (parity failed, or no token ids to key by content) turn the replica's
+index state ``unusable_keys``, with the fix (:mod:`llmgw.kv.mirror`).
 
 When the router finds the index drifting from what the engine reports
 (:mod:`llmgw.kv.drift`), its resync request reaches the mirror directly (a
@@ -30,9 +34,9 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from .changes import ChangesFields
-from .keys import VllmBlockKeys
+from .keys import DEFAULT_KEY_FUNCTION, VllmBlockKeys
 from .metrics import KvMetrics
-from .mirror import EngineMirror, flush_loop, resync
+from .mirror import EngineMirror, flush_loop, key_mode_of, resync
 from .subscriber import DEFAULT_MAX_MESSAGE_BYTES, EngineSubscription, message_size_setting
 
 log = logging.getLogger(__name__)
@@ -66,7 +70,7 @@ class ExternalKv:
     events: str
     replay: str | None
     model: str = ""
-    key_function: str = "vllm"
+    key_function: str = DEFAULT_KEY_FUNCTION
     hash_algo: str = "sha256_cbor"
     hash_seed: str | None = "0"
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -79,7 +83,7 @@ class ExternalKv:
         options = routing_options or {}
         seed = options.get("hash_seed", "0")
         return cls(replica, spec.kv_events, getattr(spec, "kv_replay", None) or None, model,
-                   str(options.get("key_function", "vllm")), str(options.get("hash_algo", "sha256_cbor")),
+                   str(options.get("key_function", DEFAULT_KEY_FUNCTION)), str(options.get("hash_algo", "sha256_cbor")),
                    None if seed is None else str(seed),
                    message_size_setting(options.get("max_event_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)))
 
@@ -88,7 +92,7 @@ class ExternalKv:
         """Follow the engine into ``index`` until cancelled (the sockets are closed then)."""
         source = KvMetrics.for_registry(metrics_registry).source(NODE_LABEL, self.replica, self.model) \
             if metrics_registry is not None else None
-        if self.key_function == "content":
+        if key_mode_of(self.key_function) == "content":
             mirror = EngineMirror(key_mode="content", on_ignored=source.ignored if source else None,
                                   name=self.replica)
         else:
@@ -97,7 +101,7 @@ class ExternalKv:
             except ValueError as exc:
                 log.warning("replica %s: hash parity not checked (%s)", self.replica, exc)
                 verify = None
-            mirror = EngineMirror(verify_keys=verify, on_ignored=source.ignored if source else None,
+            mirror = EngineMirror(key_mode="engine", verify_keys=verify, on_ignored=source.ignored if source else None,
                                   on_parity=source.parity if source else None, name=self.replica)
         sub = EngineSubscription(self.events, mode="connect", replay_endpoint=self.replay, topic=b"",
                                  decode=registry.get("event_decoders", "vllm")(), on_batch=mirror.apply,

@@ -15,7 +15,13 @@ checks of responses (:meth:`IndexHealth.observe`), and keeps per replica a state
   too often (:meth:`IndexHealth.observe`, the rule in :mod:`llmgw.kv.drift`);
   the replica's owner was asked to resync (the resync listeners), again every
   ``resync_retry`` seconds while no answer came (by :meth:`IndexHealth.tick`);
-  ends with the next FULL or RESET (the answer), or ``forget``.
+  ends with the next FULL or RESET (the answer), or ``forget``;
+- ``unusable_keys``: a FULL copy said its keys can never match the router's
+  (:func:`~llmgw.kv.changes.unusable_keys_reason`: the engine's block hashes
+  differ from the router's ``vllm`` keys, or content keys are impossible
+  because the events carry no ``token_ids``); ``describe`` gives the fix in
+  words; the tier routes it as the prefix tree would; ends with the next FULL
+  without that reason, a RESET, or ``forget``.
 
 and an *epoch*, bumped by every FULL, RESET and forget: a decision is tagged with the epoch it was made on, and
 drift seen on an older epoch is about an index that is gone.
@@ -39,6 +45,7 @@ from enum import Enum
 from typing import Any
 
 from . import drift as drift_rule
+from .changes import unusable_keys_problem
 from .drift import DriftPolicy
 
 log = logging.getLogger(__name__)
@@ -52,6 +59,7 @@ class IndexState(str, Enum):
     HEALTHY = "healthy"
     RESETTING = "resetting"
     SUSPECT = "suspect"
+    UNUSABLE_KEYS = "unusable_keys"
 
 
 ResyncListener = Callable[[str, str, str], None]  # (replica id, mode: "full" or "reset", reason)
@@ -61,7 +69,7 @@ class _Health:
     """One replica's state, drift counts and resync requests."""
 
     __slots__ = ("state", "reason", "resetting_until", "resets", "epoch", "drift", "over_times", "suspect_reason",
-                 "resyncs", "last_resync", "resync_retry_at", "resync_every")
+                 "resyncs", "last_resync", "resync_retry_at", "resync_every", "problem")
 
     def __init__(self) -> None:
         self.state = IndexState.NO_EVENTS
@@ -76,6 +84,7 @@ class _Health:
         self.last_resync: tuple[float, str] | None = None  # (when, mode) of the last resync asked for
         self.resync_retry_at = 0.0
         self.resync_every = drift_rule.DEFAULT_RESYNC_RETRY
+        self.problem = ""  # unusable_keys: why, and the fix
 
 
 class IndexHealth:
@@ -131,7 +140,8 @@ class IndexHealth:
                 "drift": {**health.drift, "recent_over": len(health.over_times),
                           "suspect_reason": health.suspect_reason or None, "resyncs": dict(health.resyncs),
                           "last_resync": last[1] if last else None,
-                          "last_resync_ago": round(now - last[0], 3) if last else None}}
+                          "last_resync_ago": round(now - last[0], 3) if last else None},
+                "problem": health.problem or None}
 
     # -- what arrived ---------------------------------------------------------------------------------------------
 
@@ -142,9 +152,16 @@ class IndexHealth:
         if health.state is IndexState.NO_EVENTS or (health.state is IndexState.RESETTING and stored):
             health.state = IndexState.HEALTHY
 
-    def full(self, replica_id: str) -> None:
-        """A FULL copy arrived: a new, healthy index."""
-        self._new_index(self._record(replica_id), IndexState.HEALTHY)
+    def full(self, replica_id: str, reason: str = "") -> None:
+        """A FULL copy arrived: a new, healthy index; ``unusable_keys`` when its ``reason`` says its keys cannot
+        match the router's (:func:`~llmgw.kv.changes.unusable_keys_problem`)."""
+        health = self._record(replica_id)
+        problem, before = unusable_keys_problem(reason), health.problem
+        self._new_index(health, IndexState.HEALTHY if problem is None else IndexState.UNUSABLE_KEYS)
+        if problem is not None:
+            if before != problem:
+                log.warning("replica %s: KV index unusable, routed by the prefix tree: %s", replica_id, problem)
+            health.problem = problem
 
     def reset(self, replica_id: str, reason: str) -> None:
         """A RESET arrived: a new, empty index, ``resetting`` for ``reset_window`` seconds."""
@@ -166,6 +183,7 @@ class IndexHealth:
     def _new_index(health: _Health, state: IndexState) -> None:
         """A FULL, RESET or forget: a new index for this replica (drift seen so far was about the old one)."""
         health.state = state
+        health.problem = ""
         health.epoch += 1
         health.over_times.clear()
         health.suspect_reason = ""

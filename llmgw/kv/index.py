@@ -12,7 +12,7 @@ It is the composition of three parts, each with one job and testable alone:
   counted as held for a few seconds before the engine's events arrive (``predict``, ``settle``,
   ``unpredict``), shared with other gateway processes through its listeners;
 - :class:`~llmgw.kv.health.IndexHealth` (``health``): per replica, whether its index can be trusted
-  (``no_events``, ``healthy``, ``resetting``, ``suspect``), its epochs, the drift checks of responses
+  (``no_events``, ``healthy``, ``resetting``, ``suspect``, ``unusable_keys``), its epochs, the drift checks of responses
   (``observe``) and the resyncs they ask for.
 
 This class routes each change to the parts it concerns (a DELTA's stores settle predictions and its removals
@@ -154,7 +154,8 @@ class KvIndex:
         health = self.health.describe(replica_id)
         return {"state": health["state"], "blocks": confirmed.blocks(replica_id),
                 "block_size": confirmed.block_size(replica_id), "last_reset_reason": health["last_reset_reason"],
-                "resets": health["resets"], "changes": confirmed.changes(replica_id), "drift": health["drift"]}
+                "resets": health["resets"], "changes": confirmed.changes(replica_id), "drift": health["drift"],
+                "problem": health["problem"]}
 
     # -- the engines' changes (their owner only) ------------------------------------------------------------------
 
@@ -173,7 +174,7 @@ class KvIndex:
             gone = self.confirmed.replace(replica_id, changes.stored, changes.block_size)
             if gone:
                 self.predictions.evicted(replica_id, gone)
-            self.health.full(replica_id)
+            self.health.full(replica_id, changes.reason)
         else:  # RESET, or an unknown kind (decoded as RESET: forget rather than trust)
             self.confirmed.clear(replica_id, changes.block_size)
             self.predictions.drop(replica_id)

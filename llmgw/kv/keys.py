@@ -47,6 +47,7 @@ from .block_messages import (
 )
 
 ALGORITHMS = ("sha256_cbor", "sha256", "xxhash", "xxhash_cbor")
+DEFAULT_KEY_FUNCTION = "content"  # the router's block keys unless a model's routing_options key_function says
 DEFAULT_SEED_STRING = "vllm-none-hash"  # vLLM >= 0.29, sha256*/sha256_cbor with PYTHONHASHSEED unset
 U64_MASK = 0xFFFF_FFFF_FFFF_FFFF
 

@@ -69,7 +69,8 @@ class _IndexCollector:
                                    "replica (confirmed by the engine's events; predicted entries not included).",
                                    labels=["model", "replica"])
         state = GaugeMetricFamily("llmgw_kv_index_state", "1 for the replica's current index state: no_events, "
-                                  "healthy, resetting or suspect.", labels=["model", "replica", "state"])
+                                  "healthy, resetting, suspect or unusable_keys (/admin/kv says why and the fix).",
+                                  labels=["model", "replica", "state"])
         resyncs = CounterMetricFamily("llmgw_kv_index_resyncs", "Resyncs the router asked of a replica's owner "
                                       "because its index turned suspect (drift), by mode: full (a full copy of the "
                                       "mirror) or reset (drop the mirror, relearn); retries included.",
@@ -127,7 +128,7 @@ class KvMetrics:
             registry=r))
         self.ignored = CachedLabels(Counter(
             "llmgw_kv_ignored", "Blocks in events kept out of the device index, by replica and reason "
-            "(medium, group, placeholder, unknown_block, unknown_parent, wrong_rank...).",
+            "(medium, group, placeholder, no_token_ids, unknown_block, unknown_parent, wrong_rank...).",
             ["model", "replica", "reason"], registry=r))
         self.parity_checks = CachedLabels(Counter(
             "llmgw_kv_hash_parity_checks", "Stores whose block hashes the agent recomputed with the router's key "

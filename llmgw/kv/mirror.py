@@ -23,25 +23,37 @@ What it emits (:class:`~llmgw.kv.changes.BlockChanges`; the agent sends them up 
   is empty or unknown (restart, ``AllBlocksCleared``, a gap replay could not
   fill); the reset goes out before the changes that followed it.
 
-Keys. ``key_mode="engine"`` (the default) forwards the engine's own block
-hashes, normalised to unsigned 64-bit ints: the agent starts vLLM with
-``--prefix-caching-hash-algo sha256_cbor`` and a fixed ``PYTHONHASHSEED``, so
-the router's ``vllm`` key function recomputes exactly these hashes from token
-ids. ``key_mode="content"`` re-keys every stored block with
+Keys. ``key_mode="content"`` (the default) re-keys every stored block with
 :class:`~llmgw.kv.keys.ContentChainKeys` from the event's ``token_ids``
 (chained from the parent block's key, extra keys included in their event
 form), keeping an engine-hash -> key map to apply removals: independent of
-the engine's hash algorithm and seed, and 8x cheaper to compute on the
-router, at the cost of the map (about 100 bytes per block). A store whose
-parent the mirror never saw cannot be re-keyed in that mode and is counted
-as ``unknown_parent``.
+the engine's hash algorithm and seed (a stock vLLM works at its defaults),
+and cheaper to compute on the router, at the cost of the map (about 65 more
+bytes per mirrored block: ``docs/benchmarks.md``). A store whose parent the
+mirror never saw cannot be re-keyed in that mode and is counted as
+``unknown_parent``. ``key_mode="engine"`` forwards the engine's own block
+hashes, normalised to unsigned 64-bit ints, for the router's ``vllm`` key
+function to recompute from token ids: only right when the engine's
+``--prefix-caching-hash-algo``, ``PYTHONHASHSEED`` and block size are the
+ones the router is told (the agent starts vLLM with ``sha256_cbor`` and
+``PYTHONHASHSEED=0``).
 
-Hash parity: with ``verify_keys`` (the router's key function, e.g.
-``VllmBlockKeys("sha256_cbor", "0")``) the mirror recomputes the first
-``verify_samples`` stores that start a chain (parent nil, no extra keys) and
-compares them with the engine's hashes; a mismatch (another algorithm, seed
-or block size: the router would silently never match) is logged once and
-counted (``parity_failed``, ``llmgw_kv_hash_parity_checks_total``).
+Unusable keys, never silent (:attr:`EngineMirror.problem`, set once, kept until the mirror ends):
+
+- hash parity: with ``verify_keys`` (the router's key function, e.g.
+  ``VllmBlockKeys("sha256_cbor", "0")``) an engine-mode mirror recomputes the
+  first ``verify_samples`` stores that start a chain (parent nil, no extra
+  keys) and compares them with the engine's hashes (counted:
+  ``llmgw_kv_hash_parity_checks_total``); a mismatch (another algorithm, seed
+  or block size: the router would never match) is a problem;
+- a content-mode mirror given device stores without ``token_ids`` cannot
+  compute a key (counted as ignored ``no_token_ids``): a problem.
+
+A problem is logged once with its fix and makes every FULL copy (one is sent
+at once, and one replaces each RESET) carry it
+(:func:`~llmgw.kv.changes.unusable_keys_reason`), so the router's index
+state of the replica reads ``unusable_keys``, with the fix, in ``/admin/kv``,
+``llmgw status`` and ``llmgw_kv_index_state``.
 """
 
 from __future__ import annotations
@@ -54,7 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .changes import BlockChanges, KvChangeKind
+from .changes import BlockChanges, KvChangeKind, unusable_keys_reason
 from .drift import RESYNC_RESET
 from .events import (
     AllBlocksCleared,
@@ -72,8 +84,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-KEY_MODES = ("engine", "content")
+KEY_MODES = ("content", "engine")
+DEFAULT_KEY_MODE = "content"
 MAX_KEYS_PER_MESSAGE = 65536  # one KvChanges carries at most this many keys (about 600 KB of msgpack)
+
+
+def key_mode_of(key_function: str) -> str:
+    """The mirror's key mode for the router's block-key function: ``content`` for ``content`` keys, else
+    ``engine`` (the router recomputes the engine's own hashes)."""
+    return "content" if key_function == "content" else "engine"
 
 
 def _tupled(value: object) -> object:
@@ -86,7 +105,7 @@ def _tupled(value: object) -> object:
 class EngineMirror:
     """Reference-counted device blocks of one engine rank, with net-change tracking. Not thread-safe."""
 
-    def __init__(self, *, key_mode: str = "engine", content_keys: ContentChainKeys | None = None,
+    def __init__(self, *, key_mode: str = DEFAULT_KEY_MODE, content_keys: ContentChainKeys | None = None,
                  on_ignored: Callable[[str, int], None] | None = None, verify_keys: BlockKeyFunction | None = None,
                  verify_samples: int = 8, on_parity: Callable[[bool], None] | None = None, name: str = "") -> None:
         if key_mode not in KEY_MODES:
@@ -112,6 +131,7 @@ class EngineMirror:
         self.name = name
         self.parity_checked = 0
         self.parity_failed = 0
+        self.problem: str | None = None  # why this mirror's keys can never match the router's, and the fix
 
     # -- reading --------------------------------------------------------------------------------------------------
 
@@ -165,7 +185,14 @@ class EngineMirror:
             self._ignore("group", len(hashes))
             return
         if not ev.token_ids or ev.block_size <= 0:
-            self._ignore("placeholder", len(hashes))
+            if self._content is not None and ev.block_size > 0 and hashes:
+                self._ignore("no_token_ids", len(hashes))
+                self._unusable("the engine's KV events carry no token_ids, so the router cannot key its blocks "
+                               "by content; fix: set the model's routing_options key_function: vllm with "
+                               "hash_algo and hash_seed equal to the engine's --prefix-caching-hash-algo and "
+                               "PYTHONHASHSEED")
+            else:
+                self._ignore("placeholder", len(hashes))
             return
         if ev.kv_cache_spec_kind is not None and ev.group_idx is not None:
             self._main_groups.add(ev.group_idx)
@@ -223,10 +250,18 @@ class EngineMirror:
             self._on_parity(ok)
         if not ok:
             self.parity_failed += 1
-            if self.parity_failed == 1:
-                log.warning("%s: the engine's block hashes differ from what the router computes with %r: check "
-                            "the engine's --prefix-caching-hash-algo, PYTHONHASHSEED and block size against the "
-                            "tier's hash_algo/hash_seed (or use content keys)", self.name or "engine", self._verify)
+            self._unusable(f"the engine's block hashes differ from the router's {self._verify!r} (another "
+                           "--prefix-caching-hash-algo, PYTHONHASHSEED or block size); fix: drop key_function: "
+                           "vllm from the model's routing_options (content keys, the default, work with any "
+                           "algorithm and seed), or set hash_algo and hash_seed to the engine's")
+
+    def _unusable(self, problem: str) -> None:
+        """This mirror's keys can never match the router's: say so once, and in every FULL copy from now on."""
+        if self.problem is not None:
+            return
+        self.problem = problem
+        log.warning("%s: KV index unusable: %s", self.name or "engine", problem)
+        self.request_full("unusable")
 
     def _content_keys(self, ev: BlockStored) -> list[int] | None:
         assert self._content is not None  # content key mode
@@ -322,8 +357,8 @@ class EngineMirror:
     def flush(self, *, max_keys: int = MAX_KEYS_PER_MESSAGE) -> list[BlockChanges]:
         """The changes to send now, in order: a RESET if one is pending, then the net DELTA (may be none); or a
         FULL copy when one was requested."""
-        if self._full_requested is not None:
-            return self.full_messages(reason=self._full_requested, max_keys=max_keys)
+        if self._full_requested is not None or (self.problem is not None and self._pending_reset is not None):
+            return self.full_messages(reason=self._full_requested or "reset", max_keys=max_keys)
         out = []
         block_size = self.block_size or 0
         reason = self.take_reset()
@@ -339,8 +374,11 @@ class EngineMirror:
                       max_keys: int = MAX_KEYS_PER_MESSAGE) -> list[BlockChanges]:
         """A FULL copy for a (re)connected stream: supersedes any pending delta or reset.
 
-        More than ``max_keys`` keys go as one FULL followed by DELTAs storing the rest.
+        More than ``max_keys`` keys go as one FULL followed by DELTAs storing the rest. With a :attr:`problem`
+        the FULL's reason is that problem (:func:`~llmgw.kv.changes.unusable_keys_reason`).
         """
+        if self.problem is not None:
+            reason = unusable_keys_reason(self.problem)
         self._before.clear()
         self._pending_reset = None
         self._full_requested = None

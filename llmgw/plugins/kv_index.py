@@ -58,7 +58,7 @@ from typing import Any, Mapping, Sequence
 import trio
 
 from ..kv import drift as kv_drift, tokenize as kv_tokenize
-from ..kv.keys import none_hash
+from ..kv.keys import DEFAULT_KEY_FUNCTION, none_hash
 from ..kv.metrics import KvMetrics
 from ..kv.subscriber import DEFAULT_MAX_MESSAGE_BYTES, message_size_setting
 from ..plugin import (
@@ -104,7 +104,7 @@ class KvIndexOptions:
     tokenize_timeout: float = kv_tokenize.DEFAULT_TOKENIZE_TIMEOUT
     tokenize_timeout_per_kb: float = kv_tokenize.DEFAULT_TOKENIZE_TIMEOUT_PER_KB
     tokenize_cache_tokens: int = kv_tokenize.DEFAULT_CACHE_TOKENS
-    key_function: str = "vllm"
+    key_function: str = DEFAULT_KEY_FUNCTION  # content keys: any engine hash algorithm and seed
     key_function_options: dict[str, Any] = field(default_factory=dict)
     hash_algo: str = "sha256_cbor"
     hash_seed: str | None = "0"
@@ -273,11 +273,13 @@ class KvIndexTier(RoutingTier):
         options, problems = KvIndexOptions.parse(kv_raw)
         problems += PrefixTreeTier.check_options(tree_raw, registry)
         problems = [p.replace("routing: prefix_tree", "routing: kv_index (or prefix_tree)") for p in problems]
-        if options.key_function == "vllm":
-            try:
+        try:
+            if options.key_function == "vllm":
                 none_hash(options.hash_algo, options.hash_seed)
-            except (TypeError, ValueError) as exc:
-                problems.append(f"hash_algo/hash_seed: {exc}")
+            else:  # not used by content keys, but a typo is still one
+                none_hash(options.hash_algo, "0")
+        except (TypeError, ValueError) as exc:
+            problems.append(f"hash_algo/hash_seed: {exc}")
         if registry is not None:
             for kind, name in (("tokenizer_sources", options.tokenizer),
                                ("block_key_functions", options.key_function)):

@@ -83,7 +83,8 @@ class Simulator:
             self._events_in, self._events_out = trio.open_memory_channel(queue_size(events_cfg.max_queue_size))
         self.core = StepLoop(scheduler, timing=config.timing(), time_scale=config.time_scale,
                              data_parallel_rank=config.data_parallel_rank, events_out=self._events_in,
-                             suppress_events=frozenset(config.suppress_events))
+                             suppress_events=frozenset(config.suppress_events),
+                             strip_token_ids=config.no_event_token_ids)
         self.loras = {m.name: m for m in config.lora_modules}
         self.created = int(time.time())
         self.vllm_version = VLLM_VERSION if config.event_layout == "map" else "0.23.0"

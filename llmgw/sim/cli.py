@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--suppress-events", default="", metavar="TYPES",
                      help="test switch: comma list of event types never published (BlockStored, BlockRemoved, "
                           "AllBlocksCleared), as an engine that misses events: no sequence gap reveals it")
+    sim.add_argument("--no-event-token-ids", action="store_true",
+                     help="test switch: publish BlockStored events without their token_ids, as an engine whose "
+                          "events lack them (a router cannot key its blocks by content)")
     sim.add_argument("--debug-routes", action="store_true",
                      help="test switch: serve POST /debug/prefix_hit (a prompt's cached leading tokens and the "
                           "queues, read from the engine; for the routing benchmark's oracle)")
@@ -168,6 +171,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         drop_event_seqs=args.drop_event_seqs,
         stream_head_first=args.stream_head_first,
         suppress_events=tuple(t.strip() for t in args.suppress_events.split(",") if t.strip()),
+        no_event_token_ids=args.no_event_token_ids,
         debug_routes=args.debug_routes,
         time_scale=args.time_scale,
         profile=args.profile,

@@ -127,6 +127,7 @@ class SimConfig:
     drop_event_seqs: str | None = None
     stream_head_first: bool = False  # a stream's head goes out before its first token (as vLLM's does)
     suppress_events: tuple[str, ...] = ()  # test switch: event types never published (an engine missing events)
+    no_event_token_ids: bool = False  # test switch: BlockStored published without token_ids
     debug_routes: bool = False  # test switch: POST /debug/prefix_hit (the routing benchmark's oracle)
     time_scale: float = 1.0
     profile: str = CONSTANT  # "constant" or a GPU profile (llmgw.sim.profiles)

@@ -18,13 +18,14 @@ for them, ``llmgw_sim_request_failures_total``), never the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 
 import trio
 
-from llmgw.kv.events import EventBatch, KVEvent
+from llmgw.kv.events import BlockStored, EventBatch, KVEvent
 
 from .scheduler import Scheduler, Sequence, Step
 from .timing import ConstantTiming, Timing
@@ -38,7 +39,7 @@ class StepLoop:
     def __init__(self, scheduler: Scheduler, *, prefill_tokens_per_s: float = 20000.0,
                  decode_ms_per_step: float = 20.0, timing: Timing | None = None, time_scale: float = 1.0,
                  data_parallel_rank: int = 0, events_out: trio.MemorySendChannel | None = None,
-                 suppress_events: frozenset[str] = frozenset()):
+                 suppress_events: frozenset[str] = frozenset(), strip_token_ids: bool = False):
         """``timing`` defaults to the constant model with ``prefill_tokens_per_s`` and ``decode_ms_per_step``."""
         if time_scale < 0:
             raise ValueError("time_scale must be >= 0")
@@ -52,6 +53,7 @@ class StepLoop:
         # test switch: event types never published, as if the engine missed them (no sequence gap shows it)
         self.suppress_events = suppress_events
         self.events_suppressed = 0
+        self.strip_token_ids = strip_token_ids  # test switch: BlockStored without token_ids (content keys impossible)
         self._work = trio.Event()
 
     @property
@@ -95,6 +97,8 @@ class StepLoop:
             kept = [ev for ev in events if type(ev).__name__ not in self.suppress_events]
             self.events_suppressed += len(events) - len(kept)
             events = kept
+        if self.strip_token_ids:
+            events = [dataclasses.replace(ev, token_ids=[]) if isinstance(ev, BlockStored) else ev for ev in events]
         if not events or self.events_out is None:
             return
         try:

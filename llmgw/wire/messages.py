@@ -189,6 +189,7 @@ class ShardProfile:
     env: dict[str, str] = field(default_factory=dict)
     lora_adapters: list[LoraModule] = field(default_factory=list)
     kv_events: bool = False
+    kv_key_mode: str = "content"  # how the agent's mirror keys the engine's blocks: "content" or "engine" (hashes)
     startup_timeout: float = 600.0
 
 

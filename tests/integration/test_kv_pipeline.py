@@ -81,13 +81,14 @@ class Cluster:
         self.nursery = nursery
         self.router = Router(build_registry(make_plugin_manager()), Metrics())
         self.route = self.router.configure_model(MODEL, "kv_index", {"tokenize_timeout": "2s", "seed": 3,
-                                                                     "tokenizer": "replica"})
+                                                                     "tokenizer": "replica", "key_function": "vllm"})
         self.tier = self.route.tier
         self.index: KvIndex = self.tier.index
         self.engines: dict[str, Engine] = {}
 
     async def add(self, name: str, *sim_args: str, replay: bool = True) -> Engine:
-        mirror = EngineMirror(verify_keys=KEYS, name=name)  # the agent checks hash parity on real events
+        # engine hashes (the simulators run sha256_cbor with PYTHONHASHSEED=0), their parity checked on real events
+        mirror = EngineMirror(key_mode="engine", verify_keys=KEYS, name=name)
         replay_port = free_port() if replay else None
         sub = EngineSubscription("tcp://127.0.0.1:0", topic=b"kv", on_batch=mirror.apply, on_reset=mirror.reset,
                                  replay_endpoint=f"tcp://127.0.0.1:{replay_port}" if replay else None,

@@ -35,7 +35,8 @@ def test_a_replica_never_heard_of_reads_as_new():
     assert health.describe("x") == {
         "state": "no_events", "last_reset_reason": None, "resets": 0,
         "drift": {"match": 0, "over": 0, "under": 0, "recent_over": 0, "suspect_reason": None,
-                  "resyncs": {"full": 0, "reset": 0}, "last_resync": None, "last_resync_ago": None}}
+                  "resyncs": {"full": 0, "reset": 0}, "last_resync": None, "last_resync_ago": None},
+        "problem": None}
     health.remove("x")
 
 

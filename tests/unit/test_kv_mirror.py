@@ -29,7 +29,7 @@ def batch(*events):
 
 
 def test_duplicate_physical_blocks_are_reference_counted():
-    mirror = EngineMirror()
+    mirror = EngineMirror(key_mode="engine")
     mirror.apply(batch(stored([1, 2]), stored([1])))  # block 1 computed twice by concurrent requests
     assert mirror.refcount(1) == 2 and 1 in mirror and len(mirror) == 2
     mirror.apply(batch(removed(1)))
@@ -41,7 +41,7 @@ def test_duplicate_physical_blocks_are_reference_counted():
 
 
 def test_deltas_are_net_over_the_flush_window():
-    mirror = EngineMirror()
+    mirror = EngineMirror(key_mode="engine")
     mirror.apply(batch(stored([1, 2, 3])))
     assert mirror.take_delta() == ([1, 2, 3], [])
     mirror.apply(batch(stored([4]), removed(4)))  # stored and removed within the window: no change
@@ -55,7 +55,7 @@ def test_deltas_are_net_over_the_flush_window():
 
 
 def test_hashes_are_normalised_to_unsigned_64_bit_keys():
-    mirror = EngineMirror()
+    mirror = EngineMirror(key_mode="engine")
     mirror.apply(batch(stored([-1, b"\x00" * 24 + (7).to_bytes(8, "big")])))
     assert mirror.full_copy() == [7, 2**64 - 1]
     mirror.apply(batch(removed(2**64 - 1)))  # the same block as -1
@@ -63,7 +63,7 @@ def test_hashes_are_normalised_to_unsigned_64_bit_keys():
 
 
 def test_only_device_main_attention_blocks_with_tokens_are_mirrored():
-    mirror = EngineMirror()
+    mirror = EngineMirror(key_mode="engine")
     mirror.apply(batch(
         stored([1, 2], medium="CPU"),
         stored([3], kind="sliding_window", group_idx=1),
@@ -79,7 +79,7 @@ def test_only_device_main_attention_blocks_with_tokens_are_mirrored():
 
 
 def test_block_size_is_learnt_from_stores():
-    mirror = EngineMirror()
+    mirror = EngineMirror(key_mode="engine")
     assert mirror.block_size is None
     mirror.apply(batch(stored([1], block_size=16, tokens=list(range(16)))))
     assert mirror.block_size == 16
@@ -87,7 +87,7 @@ def test_block_size_is_learnt_from_stores():
 
 
 def test_flush_sends_reset_before_the_changes_that_followed_it():
-    mirror = EngineMirror()
+    mirror = EngineMirror(key_mode="engine")
     mirror.apply(batch(stored([1, 2])))
     mirror.take_delta()
     mirror.reset("gap")
@@ -100,7 +100,7 @@ def test_flush_sends_reset_before_the_changes_that_followed_it():
 
 
 def test_all_blocks_cleared_resets_in_order():
-    mirror = EngineMirror()
+    mirror = EngineMirror(key_mode="engine")
     mirror.apply(batch(stored([1]), AllBlocksCleared(), stored([2])))
     assert mirror.full_copy() == [2]
     assert [m.kind for m in mirror.flush()] == [KvChangeKind.RESET, KvChangeKind.DELTA]
@@ -108,7 +108,7 @@ def test_all_blocks_cleared_resets_in_order():
 
 
 def test_full_copy_supersedes_pending_changes_and_is_chunked():
-    mirror = EngineMirror()
+    mirror = EngineMirror(key_mode="engine")
     mirror.apply(batch(stored(list(range(10)))))
     mirror.reset("engine_restart")
     mirror.apply(batch(stored(list(range(100, 105)))))
@@ -144,7 +144,7 @@ def test_content_mode_rekeys_from_token_ids_and_removes_through_the_map():
 
 
 async def test_flush_loop_sends_a_full_copy_then_net_changes(autojump_clock):
-    mirror = EngineMirror()
+    mirror = EngineMirror(key_mode="engine")
     mirror.apply(batch(stored([1, 2])))
     sent = []
     async with trio.open_nursery() as nursery:
@@ -162,13 +162,14 @@ def test_hash_parity_is_checked_on_chains_from_block_0():
     tokens = list(range(3 * B))
     engine = VllmBlockKeys("sha256_cbor", "0").keys(tokens, B)
     results = []
-    good = EngineMirror(verify_keys=VllmBlockKeys("sha256_cbor", "0"), on_parity=results.append)
+    good = EngineMirror(key_mode="engine", verify_keys=VllmBlockKeys("sha256_cbor", "0"), on_parity=results.append)
     assert good.parity is None
     good.apply(batch(stored(engine[:2], tokens=tokens[:2 * B]), stored(engine[2:], parent=engine[1],
                                                                           tokens=tokens[2 * B:])))
     assert good.parity is True and good.parity_checked == 1 and results == [True]  # only the chain start
     other_seed = VllmBlockKeys("sha256_cbor", None).keys(tokens, B)  # an engine without PYTHONHASHSEED
-    bad = EngineMirror(verify_keys=VllmBlockKeys("sha256_cbor", "0"), verify_samples=1, on_parity=results.append)
+    bad = EngineMirror(key_mode="engine", verify_keys=VllmBlockKeys("sha256_cbor", "0"), verify_samples=1,
+                       on_parity=results.append)
     bad.apply(batch(stored(other_seed, tokens=tokens), stored(other_seed, tokens=tokens)))
     assert bad.parity is False and bad.parity_checked == 1 and results[-1] is False
     assert len(bad) == 3  # still mirrored: the check only reports
@@ -185,7 +186,7 @@ class RecordingSubscription:
 
 
 def test_a_full_resync_makes_the_next_flush_a_full_copy_and_a_reset_resync_drops_the_mirror():
-    mirror = EngineMirror()
+    mirror = EngineMirror(key_mode="engine")
     mirror.apply(batch(stored([1, 2])))
     mirror.flush()
     assert not mirror.pending

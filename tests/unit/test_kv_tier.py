@@ -55,7 +55,8 @@ class FakePlugin:
 def make(options=None, names=("a", "b", "c")):
     plugin = FakePlugin()
     router = Router(build_registry(make_plugin_manager((plugin,))), Metrics())
-    route = router.configure_model("m", "kv_index", {"tokenizer": "fake", "seed": 7, **(options or {})})
+    route = router.configure_model("m", "kv_index", {"tokenizer": "fake", "seed": 7, "key_function": "vllm",
+                                                   **(options or {})})
     replicas = [Replica(name=n, model="m", url=f"http://127.0.0.1:{9000 + i}") for i, n in enumerate(names)]
     for replica in replicas:
         router.add_replica(replica)
@@ -332,7 +333,8 @@ def test_options_are_checked():
     text = "\n".join(problems)
     assert "tokenize_timeout" in text and "min_match_blocks" in text and "max_imbalance" in text
     assert "'bogus'" in text and "nope" in text
-    assert "hash_algo" in "\n".join(KvIndexTier.check_options({"hash_algo": "xxhash", "hash_seed": None}, registry))
+    assert "hash_algo" in "\n".join(KvIndexTier.check_options({"key_function": "vllm", "hash_algo": "xxhash",
+                                                                     "hash_seed": None}, registry))
     assert "hash_algo" in "\n".join(KvIndexTier.check_options({"hash_algo": "md5"}, registry))
 
 
