@@ -135,7 +135,7 @@ def api_key_env(spec: wire.StartShard) -> dict[str, str]:
     return {API_KEY_ENV: spec.engine_api_key} if spec.engine_api_key else {}
 
 
-KV_HASH_ALGO = "sha256_cbor"  # the engine's --prefix-caching-hash-algo when the agent follows its KV events
+KV_HASH_ALGO = "sha256_cbor"  # the engine's --prefix-caching-hash-algo when the router keys by engine hashes
 KV_HASH_SEED = "0"  # its PYTHONHASHSEED: with both, the router's `vllm` block keys equal the engine's hashes
 
 
@@ -144,29 +144,36 @@ def wants_kv_events(spec: wire.StartShard, ctx: LaunchContext) -> bool:
     return bool(spec.profile.kv_events) and ctx.kv_events_endpoint is not None
 
 
+def engine_hash_keys(spec: wire.StartShard, ctx: LaunchContext) -> bool:
+    """KV events followed with the engine's own hashes as keys (the model's ``key_function: vllm``): the engine
+    must then hash as the router does. With content keys (the default) its hashing is left at its defaults."""
+    return wants_kv_events(spec, ctx) and spec.profile.kv_key_mode == "engine"
+
+
 def kv_events_flags(spec: wire.StartShard, ctx: LaunchContext) -> list[str]:
-    """``--kv-events-config`` and ``--prefix-caching-hash-algo sha256_cbor`` when the profile wants KV events and
-    the agent gave their endpoints, else nothing.
+    """``--kv-events-config`` when the profile wants KV events and the agent gave their endpoints (else
+    nothing), and ``--prefix-caching-hash-algo sha256_cbor`` when the router keys by the engine's hashes.
 
     The endpoints are ``ipc://`` paths in the agent's private socket
     directory (:mod:`llmgw.agent.kv_sockets`): the engine binds both its PUB
     (vLLM binds an ``ipc://`` endpoint) and its replay socket there, and the
     agent connects. The hash algorithm (with ``PYTHONHASHSEED``,
     :func:`kv_events_env`) makes the engine's block hashes the router's
-    ``vllm`` keys.
+    ``vllm`` keys; content keys need neither.
     """
     if not wants_kv_events(spec, ctx):
         return []
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": ctx.kv_events_endpoint, "topic": "kv"}
     if ctx.kv_replay_endpoint is not None:
         config["replay_endpoint"] = ctx.kv_replay_endpoint
-    return ["--kv-events-config", json.dumps(config, separators=(",", ":")), "--prefix-caching-hash-algo",
-            KV_HASH_ALGO]
+    flags = ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
+    return flags + ["--prefix-caching-hash-algo", KV_HASH_ALGO] if engine_hash_keys(spec, ctx) else flags
 
 
 def kv_events_env(spec: wire.StartShard, ctx: LaunchContext) -> dict[str, str]:
-    """``PYTHONHASHSEED`` fixed when the engine publishes KV events (vLLM seeds its block-hash chain with it)."""
-    return {"PYTHONHASHSEED": KV_HASH_SEED} if wants_kv_events(spec, ctx) else {}
+    """``PYTHONHASHSEED`` fixed when the router keys by the engine's hashes (vLLM seeds its block-hash chain with
+    it)."""
+    return {"PYTHONHASHSEED": KV_HASH_SEED} if engine_hash_keys(spec, ctx) else {}
 
 
 def gpu_env(spec: wire.StartShard, ctx: LaunchContext) -> dict[str, str]:
@@ -193,7 +200,7 @@ def cpu_threads_env(spec: wire.StartShard) -> dict[str, str]:
 
 def engine_env(spec: wire.StartShard, ctx: LaunchContext) -> dict[str, str]:
     """The environment every engine gets: unbuffered Python output, GPU pinning, thread limits, then the profile's
-    own ``env`` (it may override any of those), with ``PYTHONHASHSEED`` fixed when the engine publishes KV
-    events; and last the engine API key (the one the probes and the router send)."""
+    own ``env`` (it may override any of those), with ``PYTHONHASHSEED`` fixed when the router keys by the
+    engine's hashes; and last the engine API key (the one the probes and the router send)."""
     return {"PYTHONUNBUFFERED": "1", **gpu_env(spec, ctx), **cpu_threads_env(spec), **kv_events_env(spec, ctx),
             **spec.profile.env, **api_key_env(spec)}

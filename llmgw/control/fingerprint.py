@@ -3,9 +3,13 @@
 A running shard is adopted only when the fingerprint it was started with
 equals the fingerprint of its profile now; any change to how the engine is
 started (binary, model, parallelism, arguments, environment, adapters, KV
-events, CPU threads, API key) gives a new fingerprint, and the shard is
-replaced. Settings that do not touch the process (routing, labels, GPU class,
-startup timeout) do not count. The API key enters only as a hash.
+events, CPU threads, API key, and the KV key mode: engine hashes, ``key_function:
+vllm``, start the engine with the router's hash algorithm and seed) gives a new
+fingerprint, and the shard is replaced. Settings that do not touch the process
+(the rest of routing, labels, GPU class, startup timeout) do not count. The API
+key enters only as a hash; the key mode only when it is ``engine`` (profiles
+with content keys, the default, keep the fingerprints they had before it
+counted).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import hashlib
 import json
 
 from llmgw.config.schema import Profile
+from llmgw.kv.keys import DEFAULT_KEY_FUNCTION
+from llmgw.kv.mirror import key_mode_of
 
 FINGERPRINT_VERSION = 1  # bump when the canonical form changes
 FINGERPRINT_LENGTH = 16  # hex digits
@@ -21,7 +27,8 @@ FINGERPRINT_LENGTH = 16  # hex digits
 
 def canonical_profile(profile: Profile) -> dict:
     """The fields of ``profile`` that change the engine process, as plain JSON values."""
-    return {
+    engine_keys = {"kv_key_mode": "engine"} if profile_kv_key_mode(profile) == "engine" else {}
+    return {**engine_keys,
         "v": FINGERPRINT_VERSION,
         "engine": profile.engine,
         "engine_bin": profile.engine_bin,
@@ -38,6 +45,11 @@ def canonical_profile(profile: Profile) -> dict:
         "cpu_threads": profile.cpu_threads,
         "api_key": hashlib.sha256(profile.api_key.encode()).hexdigest() if profile.api_key is not None else None,
     }
+
+
+def profile_kv_key_mode(profile: Profile) -> str:
+    """How the router keys this profile's KV blocks (:func:`llmgw.kv.mirror.key_mode_of` of its ``key_function``)."""
+    return key_mode_of(profile.routing_options.get("key_function", DEFAULT_KEY_FUNCTION))
 
 
 def profile_fingerprint(profile: Profile) -> str:

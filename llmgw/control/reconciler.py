@@ -43,8 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 from .. import wire
-from ..kv.keys import DEFAULT_KEY_FUNCTION
-from ..kv.mirror import key_mode_of
+from .fingerprint import profile_kv_key_mode
 from .inventory import NodeRecord, NodeState
 
 log = logging.getLogger(__name__)
@@ -83,9 +82,7 @@ def shard_profile(profile) -> wire.ShardProfile:
         name=profile.name, engine=profile.engine, engine_bin=profile.engine_bin, model_path=profile.model_path,
         served_model_name=profile.served_model_name, tp=profile.tp, pp=profile.pp, args=list(profile.args),
         env=dict(profile.env), lora_adapters=[wire.LoraModule(a.name, a.path) for a in profile.lora_adapters],
-        kv_events=profile.kv_events, kv_key_mode=key_mode_of(profile.routing_options.get("key_function",
-                                                                                        DEFAULT_KEY_FUNCTION)),
-        startup_timeout=profile.startup_timeout)
+        kv_events=profile.kv_events, kv_key_mode=profile_kv_key_mode(profile), startup_timeout=profile.startup_timeout)
 
 
 # -- assignments ------------------------------------------------------------------------------------------------------

@@ -213,18 +213,24 @@ def test_sim_defaults_to_the_agents_interpreter():
     assert SimEngine().command(shard("sim"), ctx).argv[:3] == [sys.executable, "-m", "llmgw"]
 
 
-def test_kv_events_flag_only_with_the_agents_endpoints(vllm_bin):
+def test_kv_events_flag_only_with_the_agents_endpoints_and_the_hashing_fixed_only_for_engine_keys(vllm_bin):
     spec = shard(profile={"kv_events": True})
     assert kv_events_flags(spec, CTX) == []
     with_port = dataclasses.replace(CTX, kv_events_endpoint="ipc:///s/kv/a.ev", kv_replay_endpoint="ipc:///s/kv/a.rp")
     assert kv_events_flags(shard(), with_port) == []
-    assert kv_events_flags(spec, with_port) == [
-        "--kv-events-config", '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"ipc:///s/kv/a.ev",'
-                              '"topic":"kv","replay_endpoint":"ipc:///s/kv/a.rp"}',
-        "--prefix-caching-hash-algo", "sha256_cbor"]
-    assert "PYTHONHASHSEED" not in SimEngine().command(shard("sim", profile={"kv_events": True}), CTX).env
+    events_config = ["--kv-events-config", '{"enable_kv_cache_events":true,"publisher":"zmq",'
+                     '"endpoint":"ipc:///s/kv/a.ev","topic":"kv","replay_endpoint":"ipc:///s/kv/a.rp"}']
+    # Content keys (the default): the engine hashes as it likes, at its defaults.
+    assert kv_events_flags(spec, with_port) == events_config
+    engine_keys = {"kv_events": True, "kv_key_mode": "engine"}
+    assert kv_events_flags(shard(profile=engine_keys), with_port) == [
+        *events_config, "--prefix-caching-hash-algo", "sha256_cbor"]
+    assert "PYTHONHASHSEED" not in SimEngine().command(shard("sim", profile=engine_keys), CTX).env
     for engine, name in ((SimEngine(), "sim"), (VllmEngine(), "vllm")):
-        launch = engine.command(shard(name, engine_bin=vllm_bin if name == "vllm" else None,
-                                      profile={"kv_events": True}), with_port)
+        bin_ = vllm_bin if name == "vllm" else None
+        launch = engine.command(shard(name, engine_bin=bin_, profile=engine_keys), with_port)
         assert launch.env["PYTHONHASHSEED"] == "0"
         assert launch.argv[launch.argv.index("--prefix-caching-hash-algo") + 1] == "sha256_cbor"
+        stock = engine.command(shard(name, engine_bin=bin_, profile={"kv_events": True}), with_port)
+        assert "PYTHONHASHSEED" not in stock.env and "--prefix-caching-hash-algo" not in stock.argv
+        assert "--kv-events-config" in stock.argv

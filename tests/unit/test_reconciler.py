@@ -8,7 +8,7 @@ from pathlib import Path
 from llmgw import wire
 from llmgw.agent.discovery import discover
 from llmgw.config import parse_config
-from llmgw.control.fingerprint import profile_fingerprint
+from llmgw.control.fingerprint import canonical_profile, profile_fingerprint
 from llmgw.control.inventory import NodeRecord, NodeState
 from llmgw.control.reconciler import (
     Adopt,
@@ -286,3 +286,18 @@ def test_an_unproven_report_is_never_adopted_and_is_stopped_on_its_node():
     stops = [a for a in actions if isinstance(a, Command) and isinstance(a.message, wire.StopShard)]
     assert [(s.node_id, s.message.shard_id) for s in stops] == [("a", sid) for sid in nodes["a"].shards]
     assert "placement is not proven" in stops[0].reason
+
+
+def test_the_start_message_tells_the_agent_how_the_router_keys_kv_blocks():
+    """Content keys unless the profile's kv_index options say ``key_function: vllm`` (engine hashes)."""
+    for options, mode in (("", "content"), ("    routing_options: {key_function: content}\n", "content"),
+                          ("    routing_options: {key_function: vllm}\n", "engine")):
+        cfg = config(1, extra_profile="    kv_events: true\n    routing: kv_index\n" + options)
+        (start,) = starts(run_cluster(cfg, nodes_of(node("a")))[2])
+        assert (start.message.profile.kv_events, start.message.profile.kv_key_mode) == (True, mode)
+    # Engine hashes change how the engine is started (its hash algorithm and seed): a new fingerprint; content keys
+    # keep the fingerprint the profile had before the key mode counted.
+    stock, engine = (config(1, extra_profile="    kv_events: true\n    routing: kv_index\n" + options).profile("sim")
+                     for options in ("", "    routing_options: {key_function: vllm}\n"))
+    assert "kv_key_mode" not in canonical_profile(stock) and canonical_profile(engine)["kv_key_mode"] == "engine"
+    assert profile_fingerprint(stock) != profile_fingerprint(engine)
