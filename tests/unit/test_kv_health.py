@@ -6,6 +6,7 @@ from __future__ import annotations
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from llmgw.kv.changes import unusable_keys_reason
 from llmgw.kv.drift import DriftPolicy
 from llmgw.kv.health import IndexHealth, IndexState
 
@@ -209,3 +210,17 @@ class HealthModel(RuleBasedStateMachine):
 
 TestHealthModel = HealthModel.TestCase
 TestHealthModel.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
+
+
+def test_a_full_copy_of_unusable_keys_makes_the_index_unusable_until_a_usable_copy_or_a_reset():
+    _, health = tracker()
+    health.full("a", unusable_keys_reason("the engine hashes otherwise; fix: this"))
+    assert health.state("a") is IndexState.UNUSABLE_KEYS and not health.healthy("a")
+    assert health.describe("a")["problem"] == "the engine hashes otherwise; fix: this"
+    health.delta("a", stored=True)  # its changes keep coming: still unusable
+    assert health.state("a") is IndexState.UNUSABLE_KEYS
+    health.full("a", "connect")
+    assert health.state("a") is IndexState.HEALTHY and health.describe("a")["problem"] is None
+    health.full("a", unusable_keys_reason("again"))
+    health.forget("a")
+    assert health.state("a") is IndexState.NO_EVENTS and health.describe("a")["problem"] is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import trio
 
-from llmgw.kv.changes import KvChangeKind
+from llmgw.kv.changes import KvChangeKind, unusable_keys_problem
 from llmgw.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from llmgw.kv.keys import ContentChainKeys, VllmBlockKeys, request_extra_keys
 from llmgw.kv.mirror import EngineMirror, flush_loop, resync
@@ -201,3 +201,46 @@ def test_a_full_resync_makes_the_next_flush_a_full_copy_and_a_reset_resync_drops
     assert subscription.resets == ["resync"] and len(mirror) == 0
     out = mirror.flush()
     assert [(m.kind, m.reason) for m in out] == [(KvChangeKind.RESET, "resync")]
+
+
+def test_a_parity_failure_goes_out_in_every_full_copy_with_the_fix():
+    tokens = list(range(2 * B))
+    stock = VllmBlockKeys("sha256", None).keys(tokens, B)  # vLLM's defaults: sha256, no PYTHONHASHSEED
+    mirror = EngineMirror(key_mode="engine", verify_keys=VllmBlockKeys("sha256_cbor", "0"), name="r1")
+    mirror.flush()
+    mirror.apply(batch(stored(stock, tokens=tokens)))
+    assert "differ from the router's" in mirror.problem and "key_function" in mirror.problem
+    (full,) = mirror.flush()  # at once: a FULL copy saying so
+    assert full.kind is KvChangeKind.FULL and full.stored == sorted(stock)
+    assert unusable_keys_problem(full.reason) == mirror.problem
+    mirror.apply(batch(removed(stock[1])))
+    assert [m.kind for m in mirror.flush()] == [KvChangeKind.DELTA]  # deltas as usual
+    mirror.reset("engine_restart")  # a RESET would make the index trust the next keys: a FULL says it again
+    (again,) = mirror.flush()
+    assert (again.kind, again.stored, unusable_keys_problem(again.reason)) == (KvChangeKind.FULL, [], mirror.problem)
+    (reconnect,) = mirror.full_messages()
+    assert unusable_keys_problem(reconnect.reason) == mirror.problem
+
+
+def test_content_keys_need_token_ids_and_say_so():
+    mirror = EngineMirror(key_mode="content", name="r1")
+    mirror.flush()
+    mirror.apply(batch(stored([1, 2], tokens=[])))  # a device store without its tokens
+    assert len(mirror) == 0 and mirror.ignored == {"no_token_ids": 2}
+    assert "no token_ids" in mirror.problem and "key_function: vllm" in mirror.problem
+    (full,) = mirror.flush()
+    assert full.kind is KvChangeKind.FULL and unusable_keys_problem(full.reason) == mirror.problem
+    placeholders = EngineMirror(key_mode="content")  # offload placeholders (no tokens, no block size) are not that
+    placeholders.apply(batch(stored([1], tokens=[], block_size=0)))
+    assert placeholders.problem is None and placeholders.ignored == {"placeholder": 1}
+
+
+def test_content_keys_are_the_same_whatever_the_engines_algorithm_and_seed():
+    tokens = list(range(3 * B))
+    want = ContentChainKeys().keys(tokens, B)
+    for algo, seed in (("sha256", None), ("sha256_cbor", "0"), ("xxhash", "1234"), ("sha256", "42")):
+        hashes = VllmBlockKeys(algo, seed).keys(tokens, B)
+        mirror = EngineMirror()  # content keys by default
+        mirror.apply(batch(stored(hashes[:2], tokens=tokens[:2 * B]), stored(hashes[2:], parent=hashes[1],
+                                                                              tokens=tokens[2 * B:])))
+        assert mirror.key_mode == "content" and mirror.full_copy() == sorted(want) and mirror.problem is None
