@@ -29,10 +29,11 @@ def state_section(redis_url: str, cluster: str, **options: str) -> str:
 
 
 def cluster_config(sims: Sequence[Child], redis_url: str, cluster: str, routing: str = "kv_index",
-                   state: str = "") -> str:
+                   state: str = "", routing_options: dict | None = None) -> str:
     """The config every process of the cluster runs (:func:`state_section`'s ``redis_url``); ``state``: more
-    ``state:`` keys (YAML lines indented by 2)."""
+    ``state:`` keys (YAML lines indented by 2); ``routing_options``: more of the tier's options."""
     options = {"tokenize_timeout": "2s"} if routing == "kv_index" else {}
+    options.update(routing_options or {})
     return gateway_config([s.url for s in sims], routing=routing, routing_options=options,
                           kv_sources=[kv_sources(s) for s in sims] if routing == "kv_index" else None) + (
         state_section(redis_url, cluster, snapshot_interval="1s") + state)
@@ -40,16 +41,19 @@ def cluster_config(sims: Sequence[Child], redis_url: str, cluster: str, routing:
 
 async def start_cluster(nursery: trio.Nursery, start_serve: StartServe, redis_url: str, cluster: str, *,
                         followers: int = 1, sims: int = 2, time_scale: float = 0, sim_extra: Sequence[str] = (),
-                        state: str = "", env: dict[str, str] | None = None,
-                        routing: str = "kv_index") -> tuple[list[Child], Child, list[Child]]:
+                        state: str = "", env: dict[str, str] | None = None, routing: str = "kv_index",
+                        routing_options: dict | None = None,
+                        sim_env: dict[str, str] | None = KV_SIM_ENV) -> tuple[list[Child], Child, list[Child]]:
     """``(simulators, control, followers)``, every gateway's KV index healthy for every simulator.
 
     ``start_serve(config_text, *argv, env=...)`` starts one ``llmgw serve`` (the tests' ``start_llmgw`` fixture);
-    ``env``: added to every gateway's environment (e.g. the variable ``state.secret_env`` names).
+    ``env``: added to every gateway's environment (e.g. the variable ``state.secret_env`` names); ``sim_env``: to
+    the simulators' (None: a stock engine's, no ``PYTHONHASHSEED`` of ours).
     """
-    engines = await start_sims(nursery, sims, env=KV_SIM_ENV, num_blocks=512, block_size=16, time_scale=time_scale,
+    engines = await start_sims(nursery, sims, env=sim_env, num_blocks=512, block_size=16, time_scale=time_scale,
                                seed=0, extra=KV_SIM_EXTRA + tuple(sim_extra))
-    config = cluster_config(engines, redis_url, cluster, routing=routing, state=state)
+    config = cluster_config(engines, redis_url, cluster, routing=routing, state=state,
+                            routing_options=routing_options)
     control = await start_serve(config, env=env)
     gateways = [await start_serve(config, "--role", "gateway", env=env) for _ in range(followers)]
     for gateway in [control, *gateways]:

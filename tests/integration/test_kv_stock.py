@@ -21,6 +21,7 @@ import trio
 
 from llmgw.testing.cluster import BLOCK, text
 from llmgw.testing.metrics import metric_value, scrape
+from llmgw.testing.shared_state import cluster_config
 from llmgw.testing.sims import KV_SIM_EXTRA, gateway_config, kv_sources, start_sims
 
 pytestmark = pytest.mark.slow
@@ -129,3 +130,24 @@ async def test_events_without_token_ids_make_content_keys_loud(stock):
         metrics = await scrape(gateway.control_url, http)
         assert metric_value(metrics, "llmgw_kv_index_state", 'replica="sim-0",state="unusable_keys"') == 1
         assert metric_value(metrics, "llmgw_kv_ignored_total", 'replica="sim-0",reason="no_token_ids"') > 0
+
+
+async def test_through_redis_every_gateway_sees_unusable_keys_live_and_from_the_snapshot(
+        monkeypatch, shared_cluster, start_llmgw, redis_url, cluster_name):
+    """The cluster's shared state carries the state: a follower reading the log gets the control process's problem
+    and fix; one started later reads the state from the snapshot."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    options = {"key_function": "vllm"}
+    engines, control, (follower,) = await shared_cluster(sims=1, sim_env=None, routing_options=options)
+    async with httpx.AsyncClient(timeout=20) as http:
+        await completion(http, engines[0].url, text(40, 800))  # sha256_cbor without a seed: not the tier's "0"
+        problems = []
+        for gateway in (control, follower):
+            entry = (await wait_kv(http, gateway, lambda s: s["sim-0"]["state"] == "unusable_keys"))["sim-0"]
+            problems.append(entry["problem"])
+        assert problems[0] == problems[1] and "hash_seed" in problems[0]
+        await trio.sleep(2.5)  # a snapshot (every 1 s) was written since
+        late = await start_llmgw(cluster_config(engines, redis_url, cluster_name, routing_options=options),
+                                 "--role", "gateway")
+        entry = (await wait_kv(http, late, lambda s: s.get("sim-0", {}).get("state") == "unusable_keys"))["sim-0"]
+        assert "/admin/kv" in entry["problem"]
