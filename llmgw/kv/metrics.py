@@ -128,7 +128,8 @@ class KvMetrics:
             registry=r))
         self.ignored = CachedLabels(Counter(
             "llmgw_kv_ignored", "Blocks in events kept out of the device index, by replica and reason "
-            "(medium, group, placeholder, no_token_ids, unknown_block, unknown_parent, wrong_rank...).",
+            "(medium, group, placeholder, no_token_ids, lora_without_name, unknown_block, unknown_parent, "
+            "wrong_rank...).",
             ["model", "replica", "reason"], registry=r))
         self.parity_checks = CachedLabels(Counter(
             "llmgw_kv_hash_parity_checks", "Stores whose block hashes the agent recomputed with the router's key "

@@ -280,6 +280,11 @@ class EngineMirror:
             extras = [None if item is None else _tupled(item) for item in ev.extra_keys]
             if len(extras) < len(hashes):
                 extras += [None] * (len(hashes) - len(extras))
+        elif ev.lora_name is not None:  # vLLM 0.14-0.16: the adapter's name, before extra_keys carried it
+            extras = [(ev.lora_name,)] * len(hashes)
+        elif ev.lora_id is not None:  # before 0.14: a server-local adapter id, which no request names
+            self._ignore("lora_without_name", len(hashes))
+            return None
         try:
             keys = self._content.keys(ev.token_ids, size, extras, parent=parent)
         except (TypeError, ValueError):

@@ -244,3 +244,15 @@ def test_content_keys_are_the_same_whatever_the_engines_algorithm_and_seed():
         mirror.apply(batch(stored(hashes[:2], tokens=tokens[:2 * B]), stored(hashes[2:], parent=hashes[1],
                                                                               tokens=tokens[2 * B:])))
         assert mirror.key_mode == "content" and mirror.full_copy() == sorted(want) and mirror.problem is None
+
+
+def test_content_keys_of_adapter_blocks_from_releases_before_extra_keys():
+    tokens = list(range(2 * B))
+    router = ContentChainKeys().keys(tokens, B, request_extra_keys(len(tokens), B, lora=("sql", "/a/sql"),
+                                                                   style="event"))
+    named = EngineMirror()  # vLLM 0.14-0.16: lora_name, no extra_keys
+    named.apply(batch(BlockStored([1, 2], None, tokens, B, lora_id=3, medium="GPU", lora_name="sql")))
+    assert named.full_copy() == sorted(router)
+    numbered = EngineMirror()  # before 0.14: only the server's adapter id, which routing cannot know
+    numbered.apply(batch(BlockStored([1, 2], None, tokens, B, lora_id=3)))
+    assert len(numbered) == 0 and numbered.ignored == {"lora_without_name": 2}
