@@ -192,6 +192,7 @@ class Target:
     sends: list[Send]  # one per gateway: a chat request through it
     sim_urls: list[str]
     router_pids: list[int]  # every router process (and the cluster's redis-server); empty: the oracle (in-process)
+    decision_urls: list[str] = field(default_factory=list)  # llmgw: each gateway's control URL (/admin/decisions)
     spread: Spread = field(init=False)  # which gateway takes the next request
 
     def __post_init__(self) -> None:
@@ -245,7 +246,8 @@ async def open_arm(nursery: trio.Nursery, arm: Arm, spec: SimSpec, vllm_router: 
     async with trio.open_nursery() as waiting:
         for process in processes:
             waiting.start_soon(partial(_gateway_ready, replicas=spec.replicas, kv=kv), process.control_url)
-    return Target([_through(p.url) for p in processes], urls, [p.pid for p in processes] + pids)
+    return Target([_through(p.url) for p in processes], urls, [p.pid for p in processes] + pids,
+                  [p.control_url for p in processes])
 
 
 async def _remove_when_cancelled(directory: Path) -> None:

@@ -280,18 +280,23 @@ class PrefixTreeTier(RoutingTier):
         chosen = candidates[evaluation.chosen]
         self.learn(evaluation.text, chosen.name, evaluation.outcome, now)
         detail = {"matched_chars": evaluation.matched[evaluation.chosen], "prompt_chars": len(evaluation.text)}
-        self.note_cost(detail, evaluation, evaluation.chosen)
+        self.note_cost(detail, evaluation, evaluation.chosen, candidates)
         return Decision(chosen, outcome=evaluation.outcome, tier=TIER_NAME, detail=detail,
                         prefill_tokens=prefill_tokens(detail))
 
     @staticmethod
-    def note_cost(detail: dict, choice: Choice, chosen: int) -> None:
+    def note_cost(detail: dict, choice: Choice, chosen: int, candidates: Sequence[Replica]) -> None:
         """Put the chosen candidate's estimate in a decision's ``detail["cost"]`` (under rule ``cost``): the
-        bookkeeping of :meth:`routed`, :meth:`first_token` and :meth:`finished` reads it."""
+        bookkeeping of :meth:`routed`, :meth:`first_token` and :meth:`finished` reads it; with the preferred
+        replica's estimate when it was left, and every candidate's in ``detail["estimates"]`` (for
+        ``/admin/decisions`` and the routing benchmark's calibration)."""
         if choice.estimates is not None:
             e = choice.estimates[chosen]
-            detail["cost"] = {"new_tokens": e.new_tokens, "queued_tokens": e.queued_tokens, "requests": e.requests,
-                              "estimated_ttft_s": round(e.ttft, 4)}
+            detail["cost"] = cost = {"new_tokens": e.new_tokens, "queued_tokens": e.queued_tokens,
+                                     "requests": e.requests, "estimated_ttft_s": round(e.ttft, 4)}
+            if choice.preferred != chosen:
+                cost["preferred_estimated_ttft_s"] = round(choice.estimates[choice.preferred].ttft, 4)
+            detail["estimates"] = {r.name: round(x.ttft, 4) for r, x in zip(candidates, choice.estimates)}
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         """The request's prefill is queued on the replica (the router counts ``prefill_tokens`` there; the tree
