@@ -14,8 +14,8 @@ answered requests, and once at the end), and keeps each decision once.
 and p90 of actual / estimated TTFT (1.0: exact; above: the estimate was
 optimistic), the mean error (actual - estimated, ms) and the mean absolute
 error, and for the decisions that went off the preferred replica (overrides)
-the mean gain the rule expected (the preferred replica's estimate less the
-chosen one's) beside the mean uncertainty it was compared with.
+the mean gain the rule expected (the preferred replica's cost less the
+chosen one's) beside the mean uncertainty of that gain it was compared with.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from .chat_workloads import percentile
 
 POLL_EVERY = 40  # answered requests between two reads of a ring of 100 (the clients in flight finish meanwhile)
 POLL_TIMEOUT = 10.0
-# one decision as the JSON keeps it: [outcome, estimated s, actual s, uncertainty s, the preferred's estimate s]
-DECISION_FIELDS = ["outcome", "estimated_ttft_s", "actual_ttft_s", "uncertainty_s", "preferred_estimated_ttft_s"]
+# one decision as the JSON keeps it; the last two only for a decision that left the preferred replica: the cost
+# it expected to save and the uncertainty of that gain (None before the gate existed)
+DECISION_FIELDS = ["outcome", "estimated_ttft_s", "actual_ttft_s", "gain_uncertainty_s", "expected_gain_s"]
 ALL = "all"
 
 
@@ -95,8 +96,8 @@ def decision_row(decision: dict) -> list | None:
     estimated = cost.get("estimated_ttft_s")
     if not isinstance(estimated, (int, float)):
         return None
-    return [decision.get("outcome", ""), estimated, actual / 1000.0, cost.get("uncertainty_s"),
-            cost.get("preferred_estimated_ttft_s")]
+    return [decision.get("outcome", ""), estimated, actual / 1000.0, cost.get("gain_uncertainty_s"),
+            cost.get("expected_gain_s")]
 
 
 def calibration(rows: Iterable[list]) -> dict[str, dict[str, Any]]:
@@ -111,8 +112,8 @@ def calibration(rows: Iterable[list]) -> dict[str, dict[str, Any]]:
         group = groups[outcome]
         ratios = [actual / estimated for _, estimated, actual, *_ in group if estimated > 0]
         errors = [1000 * (actual - estimated) for _, estimated, actual, *_ in group]
-        gains = [1000 * (preferred - estimated) for _, estimated, _, _, preferred in group if preferred is not None]
-        spreads = [1000 * u for _, _, _, u, preferred in group if preferred is not None and u is not None]
+        gains = [1000 * gain for *_, gain in group if gain is not None]
+        spreads = [1000 * u for _, _, _, u, gain in group if gain is not None and u is not None]
         out[outcome] = {
             "decisions": len(group),
             "ratio_p50": percentile(ratios, 0.5) if ratios else None,
