@@ -96,6 +96,7 @@ class PrefixTreeOptions:
     cost_step_time: float = cost_model.DEFAULT_PRIOR_STEP
     cost_decay: float = cost_model.DEFAULT_DECAY
     cost_others_weight: float = cost_model.DEFAULT_OTHERS_WEIGHT
+    cost_override_sigmas: float = OVERRIDE_SIGMAS  # an override's gain must exceed this many standard errors; 0: off
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | None, scorer_keys: AbstractSet[str] = frozenset()
@@ -128,6 +129,7 @@ class PrefixTreeOptions:
         take("cost_step_time", _non_negative_duration)
         take("cost_decay", _fraction)
         take("cost_others_weight", _non_negative_number)
+        take("cost_override_sigmas", _non_negative_number)
         if "rule" not in raw and "scorers" in raw:  # naming scorers asks for them
             options.rule = "scores"
         if "max_imbalance" not in raw and options.rule == "scores":
@@ -368,7 +370,7 @@ class PrefixTreeTier(RoutingTier):
         o = self.options
         rule: dict[str, Any] = {"rule": o.rule, "max_imbalance": o.max_imbalance, "load_sigma_k": o.load_sigma_k}
         if o.rule == "cost":
-            rule["override_gate_sigmas"] = OVERRIDE_SIGMAS
+            rule["cost_override_sigmas"] = o.cost_override_sigmas
         if o.rule == "scores":
             rule["weights"] = dict(o.scorers)
         return rule
@@ -508,7 +510,7 @@ class PrefixTreeTier(RoutingTier):
         holder = min((i for i, m in enumerate(matched) if m == longest),
                      key=lambda i: (estimates[i].cost, tie_key(i)))
         gain = estimates[holder].cost - estimates[chosen].cost
-        if override_pays(gain, uncertainties[holder], uncertainties[chosen]):
+        if override_pays(gain, uncertainties[holder], uncertainties[chosen], self.options.cost_override_sigmas):
             return ""
         spread = math.hypot(uncertainties[holder], uncertainties[chosen])
         return (f"holds the longest useful match: {candidates[chosen].name} looked {gain * 1000:.0f} ms cheaper, "

@@ -22,7 +22,7 @@ w / (w + SHRINK_WEIGHT)``); its ``M`` is blended the same way.
 
 *The gate*: a request leaves the replica that holds the most of its prompt
 (outcome ``cost_override``) only when the cost it expects to save there is
-larger than ``OVERRIDE_SIGMAS`` times the uncertainty of that difference
+larger than ``cost_override_sigmas`` (default ``OVERRIDE_SIGMAS``) times the uncertainty of that difference
 (``hypot`` of the two estimates'). Otherwise it stays with the cache, which
 is the choice that does not depend on an extrapolation.
 """
@@ -35,6 +35,7 @@ from typing import Sequence
 from .cost import PRIOR_REQUESTS, PRIOR_TOKENS, PRIOR_WEIGHT, SHRINK_WEIGHT, CostModel, Estimate, Fit
 
 OVERRIDE_SIGMAS = 1.0  # an override's expected gain must exceed this many standard errors of the difference
+# (routing option cost_override_sigmas; 0 turns the gate off)
 SCALES = (1.0, PRIOR_TOKENS, PRIOR_REQUESTS)  # the priors' ridge per parameter, as Fit.solve weighs it
 
 Matrix = tuple[tuple[float, float, float], tuple[float, float, float], tuple[float, float, float]]
@@ -106,7 +107,8 @@ class Uncertainty:
         return [self.of(name, e) for name, e in zip(names, estimates)]
 
 
-def override_pays(gain: float, uncertainty_kept: float, uncertainty_taken: float) -> bool:
-    """Whether an expected ``gain`` (seconds of cost) is worth leaving the cache for: larger than
-    ``OVERRIDE_SIGMAS`` standard errors of the difference of the two estimates."""
-    return gain > OVERRIDE_SIGMAS * math.hypot(uncertainty_kept, uncertainty_taken)
+def override_pays(gain: float, uncertainty_kept: float, uncertainty_taken: float,
+                  sigmas: float = OVERRIDE_SIGMAS) -> bool:
+    """Whether an expected ``gain`` (seconds of cost) is worth leaving the cache for: larger than ``sigmas``
+    standard errors of the difference of the two estimates."""
+    return gain > sigmas * math.hypot(uncertainty_kept, uncertainty_taken)

@@ -25,9 +25,9 @@ def teach(model: CostModel, names, most_tokens: int, count: int = 300, seed: int
         model.observe(names[i % len(names)], tokens, requests, max(ttft, 0.0))
 
 
-def make(most_tokens: int):
+def make(most_tokens: int, options: dict | None = None):
     router = Router(build_registry(make_plugin_manager(())), Metrics())
-    tier = router.configure_model("m", "prefix_tree", {"seed": 3}).tier
+    tier = router.configure_model("m", "prefix_tree", {"seed": 3, **(options or {})}).tier
     replicas = [Replica(name=n, model="m", url=f"http://127.0.0.1:{9000 + i}") for i, n in enumerate("ab")]
     for replica in replicas:
         router.add_replica(replica)
@@ -64,12 +64,17 @@ async def test_an_override_that_rests_on_extrapolating_the_prefill_throughput_is
     assert costs[idle.name]["uncertainty_s"] > 3 * costs[owner.name]["uncertainty_s"]  # the extrapolated one
     assert gain < spread, costs
     assert explained["outcome"] == "hit" and explained["pick"] == owner.name
-    assert "within the uncertainty" in explained["reason"] and explained["rule"]["override_gate_sigmas"] == 1.0
+    assert "within the uncertainty" in explained["reason"] and explained["rule"]["cost_override_sigmas"] == 1.0
     decision = await router.pick(chat("second question"))
     assert decision.replica is owner and decision.outcome == "hit"
     assert decision.detail["estimates"][idle.name] < decision.detail["estimates"][owner.name]
     text = router.metrics.registry.get_sample_value("llmgw_cost_overrides_gated_total", {"model": "m"})
     assert text == 1  # the pick counted, the explanation did not
+    # cost_override_sigmas 0 turns the gate off: the rule as it was, which moves the request
+    router, tier, replicas = make(most_tokens=400, options={"cost_override_sigmas": 0})
+    owner, idle = await busy_holder(router, replicas, inflight=8)
+    decision = await router.pick(chat("second question"))
+    assert decision.replica is idle and decision.outcome == "cost_override"
 
 
 async def test_a_gain_larger_than_the_uncertainty_still_overrides():
@@ -86,6 +91,15 @@ async def test_a_gain_larger_than_the_uncertainty_still_overrides():
     assert decision.replica is idle and decision.outcome == "cost_override"
     cost = decision.detail["cost"]
     assert abs(cost["expected_gain_s"] - gain) < 2e-3 and 0 < cost["gain_uncertainty_s"] < cost["expected_gain_s"]
+
+
+def test_the_gate_option_is_checked():
+    from llmgw.plugins.prefix_tree import PrefixTreeOptions, PrefixTreeTier
+
+    for bad in (-1, True, "1", float("nan")):
+        assert "cost_override_sigmas" in "; ".join(PrefixTreeTier.check_options({"cost_override_sigmas": bad}))
+    assert PrefixTreeOptions.parse({})[0].cost_override_sigmas == 1.0
+    assert PrefixTreeOptions.parse({"cost_override_sigmas": 2})[0].cost_override_sigmas == 2.0
 
 
 def test_the_uncertainty_grows_with_the_distance_beyond_the_observed_tokens_and_with_the_noise():
