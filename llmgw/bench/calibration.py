@@ -13,7 +13,9 @@ answered requests, and once at the end), and keeps each decision once.
 ``miss``, ``cost_override``, ...) and for all of them: how many, the median
 and p90 of actual / estimated TTFT (1.0: exact; above: the estimate was
 optimistic), the mean error (actual - estimated, ms) and the mean absolute
-error, and for the decisions that went off the preferred replica (overrides)
+error, the estimates' mean uncertainty (their standard error, the override
+gate's measure: :mod:`llmgw.router.uncertainty`) and the share of them within
+it of the TTFT measured, and for the decisions that went off the preferred replica (overrides)
 the mean gain the rule expected (the preferred replica's cost less the
 chosen one's) beside the mean uncertainty of that gain it was compared with.
 """
@@ -30,9 +32,11 @@ from .chat_workloads import percentile
 
 POLL_EVERY = 40  # answered requests between two reads of a ring of 100 (the clients in flight finish meanwhile)
 POLL_TIMEOUT = 10.0
-# one decision as the JSON keeps it; the last two only for a decision that left the preferred replica: the cost
-# it expected to save and the uncertainty of that gain (None before the gate existed)
-DECISION_FIELDS = ["outcome", "estimated_ttft_s", "actual_ttft_s", "gain_uncertainty_s", "expected_gain_s"]
+# one decision as the JSON keeps it: the chosen replica's estimate and its uncertainty (None before the gate existed),
+# the TTFT measured, and for a decision that left the preferred replica the cost it expected to save and the
+# uncertainty of that gain
+DECISION_FIELDS = ["outcome", "estimated_ttft_s", "actual_ttft_s", "uncertainty_s", "gain_uncertainty_s",
+                   "expected_gain_s"]
 ALL = "all"
 
 
@@ -96,13 +100,14 @@ def decision_row(decision: dict) -> list | None:
     estimated = cost.get("estimated_ttft_s")
     if not isinstance(estimated, (int, float)):
         return None
-    return [decision.get("outcome", ""), estimated, actual / 1000.0, cost.get("gain_uncertainty_s"),
-            cost.get("expected_gain_s")]
+    return [decision.get("outcome", ""), estimated, actual / 1000.0, cost.get("uncertainty_s"),
+            cost.get("gain_uncertainty_s"), cost.get("expected_gain_s")]
 
 
 def calibration(rows: Iterable[list]) -> dict[str, dict[str, Any]]:
     """Per outcome (and ``all``): count, actual/estimated median and p90, mean error and mean absolute error (ms),
-    and where the preferred replica was left, the mean expected gain and mean uncertainty (ms)."""
+    the estimates' mean uncertainty (ms) and how many of them were within it of the TTFT measured, and where the
+    preferred replica was left, the mean expected gain and the mean uncertainty of that gain (ms)."""
     groups: dict[str, list[list]] = {}
     for row in rows:
         groups.setdefault(row[0], []).append(row)
@@ -113,13 +118,16 @@ def calibration(rows: Iterable[list]) -> dict[str, dict[str, Any]]:
         ratios = [actual / estimated for _, estimated, actual, *_ in group if estimated > 0]
         errors = [1000 * (actual - estimated) for _, estimated, actual, *_ in group]
         gains = [1000 * gain for *_, gain in group if gain is not None]
-        spreads = [1000 * u for _, _, _, u, gain in group if gain is not None and u is not None]
+        spreads = [1000 * u for *_, u, gain in group if gain is not None and u is not None]
+        own = [(1000 * u, abs(actual - estimated) <= u) for _, estimated, actual, u, *_ in group if u is not None]
         out[outcome] = {
             "decisions": len(group),
             "ratio_p50": percentile(ratios, 0.5) if ratios else None,
             "ratio_p90": percentile(ratios, 0.9) if ratios else None,
             "mean_error_ms": statistics.fmean(errors),
             "mean_abs_error_ms": statistics.fmean(abs(e) for e in errors),
+            "mean_estimate_uncertainty_ms": statistics.fmean(u for u, _ in own) if own else None,
+            "within_uncertainty": sum(inside for _, inside in own) / len(own) if own else None,
             "mean_expected_gain_ms": statistics.fmean(gains) if gains else None,
             "mean_uncertainty_ms": statistics.fmean(spreads) if spreads else None,
         }
@@ -134,15 +142,18 @@ def calibration_table(workload: dict, levels: list[str]) -> list[str]:
             for outcome, s in arm.get("calibration", {}).get(c, {}).items():
                 rows.append(f"| {arm['label']} | {c} | {outcome} | {s['decisions']} | {_cell(s['ratio_p50'], '.2f')} | "
                             f"{_cell(s['ratio_p90'], '.2f')} | {s['mean_error_ms']:+.1f} | "
-                            f"{s['mean_abs_error_ms']:.1f} | {_cell(s['mean_expected_gain_ms'], '.1f')} | "
+                            f"{s['mean_abs_error_ms']:.1f} | {_cell(s['mean_estimate_uncertainty_ms'], '.1f')} | "
+                            f"{_cell(s['within_uncertainty'], '.2f')} | {_cell(s['mean_expected_gain_ms'], '.1f')} | "
                             f"{_cell(s['mean_uncertainty_ms'], '.1f')} |")
     if not rows:
         return []
     return ["Calibration of the cost estimates (the gateway's measured TTFT against the chosen replica's estimate, "
-            "every decision of the repeats; ratio: actual / estimated; error: actual - estimated; gain and "
-            "uncertainty: of the decisions that left the preferred replica)", "",
+            "every decision of the repeats; ratio: actual / estimated; error: actual - estimated; uncertainty: the "
+            "estimate's standard error, and the share of estimates within it of the TTFT; gain and its uncertainty: "
+            "of the decisions that left the preferred replica)", "",
             "| arm | C | outcome | decisions | ratio p50 | ratio p90 | mean error (ms) | mean abs error (ms) | "
-            "expected gain (ms) | uncertainty (ms) |", "|---|---|---|---|---|---|---|---|---|---|", *rows, ""]
+            "uncertainty (ms) | within it | expected gain (ms) | gain uncertainty (ms) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, ""]
 
 
 def _cell(value: float | None, spec: str) -> str:
