@@ -73,22 +73,32 @@ class Uncertainty:
     def __init__(self, model: CostModel):
         self.model = model
         self._generation = -1
-        self._pooled: Matrix | None = None
+        self._pooled: tuple[int, Matrix] | None = None  # (the model's observations, the pooled fit's M)
+        self._own: dict[str, tuple[Fit, int, Matrix]] = {}  # a replica's (fit, observations, M): its own data's
         self._blended: dict[str, Matrix] = {}
         self.gated = 0  # overrides the gate refused (picks, not explanations): llmgw_cost_overrides_gated_total
 
     def _matrix(self, name: str) -> Matrix:
+        """Replica ``name``'s blended ``M``; each inverse is recomputed only when its own data changed (the pooled
+        one at every observation, a replica's at its own)."""
         model = self.model
         if self._generation != model.generation:
             self._generation = model.generation
-            self._pooled = None
             self._blended.clear()
         m = self._blended.get(name)
         if m is None:
-            pooled = self._pooled = self._pooled or inverse(model.pooled)
-            data = model.replica(name).data
+            if self._pooled is None or self._pooled[0] != model.observations:
+                self._pooled = (model.observations, inverse(model.pooled))
+            pooled = self._pooled[1]
+            cost = model.replica(name)
+            data = cost.data
+            kept = self._own.get(name)
+            if kept is None or kept[0] is not data or kept[1] != cost.observations:
+                if len(self._own) > 2 * len(model.replicas) + 16:  # replicas that left
+                    self._own.clear()
+                kept = self._own[name] = (data, cost.observations, inverse(data))
+            own = kept[2]
             trust = data.w / (data.w + SHRINK_WEIGHT)
-            own = inverse(data)
             rows = [tuple(p + trust * (o - p) for p, o in zip(prow, orow)) for prow, orow in zip(pooled, own)]
             m = self._blended[name] = ((rows[0][0], rows[0][1], rows[0][2]), (rows[1][0], rows[1][1], rows[1][2]),
                                        (rows[2][0], rows[2][1], rows[2][2]))
