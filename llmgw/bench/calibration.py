@@ -34,9 +34,9 @@ POLL_EVERY = 40  # answered requests between two reads of a ring of 100 (the cli
 POLL_TIMEOUT = 10.0
 # one decision as the JSON keeps it: the chosen replica's estimate and its uncertainty (None before the gate existed),
 # the TTFT measured, and for a decision that left the preferred replica the cost it expected to save and the
-# uncertainty of that gain
+# uncertainty of that gain; then every candidate's estimated TTFT ({replica: seconds}) and the replica chosen
 DECISION_FIELDS = ["outcome", "estimated_ttft_s", "actual_ttft_s", "uncertainty_s", "gain_uncertainty_s",
-                   "expected_gain_s"]
+                   "expected_gain_s", "candidates_ttft_s", "replica"]
 ALL = "all"
 
 
@@ -101,7 +101,8 @@ def decision_row(decision: dict) -> list | None:
     if not isinstance(estimated, (int, float)):
         return None
     return [decision.get("outcome", ""), estimated, actual / 1000.0, cost.get("uncertainty_s"),
-            cost.get("gain_uncertainty_s"), cost.get("expected_gain_s")]
+            cost.get("gain_uncertainty_s"), cost.get("expected_gain_s"), decision["detail"].get("estimates"),
+            decision.get("replica")]
 
 
 def calibration(rows: Iterable[list]) -> dict[str, dict[str, Any]]:
@@ -117,8 +118,8 @@ def calibration(rows: Iterable[list]) -> dict[str, dict[str, Any]]:
         group = groups[outcome]
         ratios = [actual / estimated for _, estimated, actual, *_ in group if estimated > 0]
         errors = [1000 * (actual - estimated) for _, estimated, actual, *_ in group]
-        gains = [1000 * gain for *_, gain in group if gain is not None]
-        spreads = [1000 * u for *_, u, gain in group if gain is not None and u is not None]
+        gains = [1000 * row[5] for row in group if row[5] is not None]
+        spreads = [1000 * row[4] for row in group if row[5] is not None and row[4] is not None]
         own = [(1000 * u, abs(actual - estimated) <= u) for _, estimated, actual, u, *_ in group if u is not None]
         out[outcome] = {
             "decisions": len(group),

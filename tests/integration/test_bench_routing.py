@@ -74,6 +74,9 @@ async def test_every_arm_sends_the_same_requests_and_hit_rates_come_from_engine_
             assert len(decisions) == (len(records) if name == "kv_index" else 0)
             assert summary.get("decisions_read") == (None if name == "oracle" else len(decisions))
             assert all(d["estimated_ttft_s"] > 0 and d["actual_ttft_s"] > 0 for d in decisions)
+            # every candidate's estimate, the chosen one's among them
+            assert all(set(d["candidates_ttft_s"]) == {"sim-0", "sim-1"} for d in decisions)
+            assert all(d["candidates_ttft_s"][d["replica"]] == d["estimated_ttft_s"] for d in decisions)
         if name == "kv_index":
             pooled = arm["calibration"]["2"]
             assert pooled["all"]["decisions"] == 2 * len(trace)

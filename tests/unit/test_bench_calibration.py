@@ -23,13 +23,15 @@ def test_decisions_without_an_estimate_or_a_first_token_are_left_out():
     assert decision_row(decision(1, actual_ms=None)) is None  # type: ignore[arg-type]
     assert decision_row({**decision(1), "detail": {"matched_chars": 3}}) is None  # round_robin, rule scores
     assert decision_row({**decision(1), "status": 502}) is None
-    assert decision_row(decision(1, "cost_override", 0.2, 300.0, expected_gain_s=0.05, gain_uncertainty_s=0.02,
-                                 uncertainty_s=0.01)) == ["cost_override", 0.2, 0.3, 0.01, 0.02, 0.05]
+    row = decision(1, "cost_override", 0.2, 300.0, expected_gain_s=0.05, gain_uncertainty_s=0.02, uncertainty_s=0.01)
+    row["detail"]["estimates"] = {"sim-0": 0.2, "sim-1": 0.3}
+    assert decision_row(row) == ["cost_override", 0.2, 0.3, 0.01, 0.02, 0.05, {"sim-0": 0.2, "sim-1": 0.3}, "sim-0"]
 
 
 def test_calibration_by_outcome_with_the_overrides_gain_beside_its_uncertainty():
-    rows = [["hit", 0.1, 0.1 * k, None, None, None] for k in (0.5, 1.0, 1.0, 2.0)]
-    rows += [["cost_override", 0.2, 0.4, 0.1, 0.03, 0.05], ["cost_override", 0.2, 0.2, 0.1, 0.01, 0.03]]
+    rows = [["hit", 0.1, 0.1 * k, None, None, None, None, "a"] for k in (0.5, 1.0, 1.0, 2.0)]
+    rows += [["cost_override", 0.2, 0.4, 0.1, 0.03, 0.05, {}, "b"],
+             ["cost_override", 0.2, 0.2, 0.1, 0.01, 0.03, {}, "b"]]
     summary = calibration(rows)
     assert list(summary) == ["cost_override", "hit", "all"]
     hit = summary["hit"]
