@@ -62,7 +62,7 @@ import httpx
 import trio
 
 from ..sim import tokenizer
-from ..sim.profiles import CONSTANT, ProfileError, profile
+from ..sim.profiles import CONSTANT, DEFAULT_PROFILE, ProfileError, profile
 from .calibration import DECISION_FIELDS, DecisionCollector, calibration, calibration_table
 from .chat_workloads import ChatResult, new_client, percentile
 from .common import write_json
@@ -615,10 +615,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="KV cache of each simulator, in 16-token blocks (default: 2861, 45,760 tokens, on the "
                              "constant profile; what the GPU's memory holds on a GPU profile; a workload that needs "
                              "a capacity, pressure, sets its own unless this is given)")
-    parser.add_argument("--sim-profile", default=CONSTANT, metavar="NAME",
-                        help="every simulator's --profile: constant (default: 8,000 prefill tokens/s, 30 ms a step, "
-                             "the recorded numbers' settings) or a GPU profile <gpu>-<model>[-tpN], e.g. "
-                             "h100-llama-3.1-8b (the hetero workload's slow replica: the next slower GPU)")
+    parser.add_argument("--sim-profile", default=DEFAULT_PROFILE, metavar="NAME",
+                        help=f"every simulator's --profile: a GPU profile <gpu>-<model>[-tpN] (default "
+                             f"{DEFAULT_PROFILE}; the hetero workload's slow replica: the next slower GPU) or constant "
+                             "(8,000 prefill "
+                             "tokens/s, 30 ms a step: the settings of the tables recorded before 2026-12-04)")
     parser.add_argument("--time-scale", type=float, default=1.0, help="the simulators' --time-scale (default 1)")
     parser.add_argument("--slo-ttft-ms", type=float, default=None,
                         help="goodput's TTFT objective in modelled ms, for every workload (default: each its own)")

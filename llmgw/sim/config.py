@@ -129,7 +129,7 @@ class SimConfig:
     suppress_events: tuple[str, ...] = ()  # test switch: event types never published (an engine missing events)
     debug_routes: bool = False  # test switch: POST /debug/prefix_hit (the routing benchmark's oracle)
     time_scale: float = 1.0
-    profile: str = CONSTANT  # "constant" or a GPU profile (llmgw.sim.profiles)
+    profile: str = CONSTANT  # "constant" or a GPU profile (llmgw.sim.profiles); the CLI's default: DEFAULT_PROFILE
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # GPU profiles: vLLM's share of device memory
     tensor_parallel_size: int | None = None  # GPU profiles: overrides the name's -tpN
     prefill_tokens_per_s: float | None = None  # constant profile only; None -> 20000
