@@ -482,9 +482,10 @@ class PrefixTreeTier(RoutingTier):
         uncertainties = self.uncertainty.all([r.name for r in candidates], estimates)
         gated = ""
         if matched[chosen] < longest:
-            gated = self._gate(candidates, matched, estimates, uncertainties, chosen, tie_key)
+            holder = min((i for i, m in enumerate(matched) if m == longest), key=lambda i: (costs[i], tie_key(i)))
+            gated = self._gate(candidates, estimates, uncertainties, chosen, holder)
             if gated:
-                chosen = min((i for i, m in enumerate(matched) if m == longest), key=lambda i: (costs[i], tie_key(i)))
+                chosen = holder
         preferred = self._first(rng, [i for i, m in enumerate(matched) if m == longest], tie_key) \
             if longest else chosen
         combined = [-t for t in costs]
@@ -501,14 +502,11 @@ class PrefixTreeTier(RoutingTier):
                              f"requests on each {p.cost * 1000:.0f} ms vs {c.cost * 1000:.0f} ms")
         return choice
 
-    def _gate(self, candidates: Sequence[Replica], matched: list[int], estimates: list[cost_model.Estimate],
-              uncertainties: list[float], chosen: int, tie_key) -> str:
+    def _gate(self, candidates: Sequence[Replica], estimates: list[cost_model.Estimate], uncertainties: list[float],
+              chosen: int, holder: int) -> str:
         """Why ``chosen``, which holds less than the longest match, must not take the request: its expected gain
-        over the cheapest holder of the longest match is within the uncertainty of the two estimates (the
-        override gate, :mod:`llmgw.router.uncertainty`); '' when the gain pays for the move."""
-        longest = max(matched)
-        holder = min((i for i, m in enumerate(matched) if m == longest),
-                     key=lambda i: (estimates[i].cost, tie_key(i)))
+        over ``holder`` (the cheapest holder of the longest match) is within the uncertainty of the two estimates
+        (the override gate, :mod:`llmgw.router.uncertainty`); '' when the gain pays for the move."""
         gain = estimates[holder].cost - estimates[chosen].cost
         if override_pays(gain, uncertainties[holder], uncertainties[chosen], self.options.cost_override_sigmas):
             return ""

@@ -10,7 +10,9 @@ standard error of a least-squares prediction::
 
     uncertainty = noise x sqrt(g' M g),   M = (F' W F + ridge)^-1
 
-with ``noise`` the weighted RMS of the observed TTFTs around the fit and ``M``
+with ``noise`` the weighted RMS of the observed TTFTs around the fit (pulled
+toward the prior step time as much as one observation weighs: before any data
+the priors are all there is, and they are no certainty) and ``M``
 the inverse of the (decayed) observations' normal matrix plus the priors'
 ridge, both as the fit itself uses them. ``g' M g`` is about ``1 / w`` for a
 request like the ones observed and grows with the square of how far
@@ -104,6 +106,14 @@ class Uncertainty:
                                        (rows[2][0], rows[2][1], rows[2][2]))
         return m
 
+    def noise(self, fitted: float) -> float:
+        """The noise the uncertainty uses: the fit's, pulled toward the prior step time (as much as
+        ``PRIOR_WEIGHT`` observations) so that a model with little data is not taken for a certain one."""
+        model = self.model
+        weight = model.pooled.w
+        prior = model.prior[0]
+        return math.sqrt((weight * fitted * fitted + PRIOR_WEIGHT * prior * prior) / (weight + PRIOR_WEIGHT))
+
     def of(self, name: str, estimate: Estimate) -> float:
         """The standard error of ``estimate.cost`` (seconds) for replica ``name``."""
         slope_factor = (estimate.queued_tokens + estimate.new_tokens
@@ -111,7 +121,7 @@ class Uncertainty:
         g = (1.0, slope_factor, estimate.requests)
         m = self._matrix(name)
         leverage = sum(g[i] * m[i][j] * g[j] for i in range(3) for j in range(3))
-        return estimate.noise * math.sqrt(max(leverage, 0.0))
+        return self.noise(estimate.noise) * math.sqrt(max(leverage, 0.0))
 
     def all(self, names: Sequence[str], estimates: Sequence[Estimate]) -> list[float]:
         return [self.of(name, e) for name, e in zip(names, estimates)]
