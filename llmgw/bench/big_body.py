@@ -189,7 +189,8 @@ async def kv_index_model(nursery: trio.Nursery) -> str:
     events, replay = free_port(), free_port()
     events_config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
                                 "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"})
-    argv = llmgw_command("sim", "--port", "0", "--served-model-name", "big", "--time-scale", "0",
+    argv = llmgw_command("sim", "--port", "0", "--served-model-name", "big", "--profile", "constant",
+                         "--time-scale", "0",
                          "--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config", events_config)
     engine = await start_child(nursery, argv, name="sim-big", env={"PYTHONHASHSEED": "0"})
     return (f"  - name: big\n    routing: kv_index\n    routing_options: {{tokenize_timeout: 5s}}\n"

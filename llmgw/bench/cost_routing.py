@@ -76,7 +76,8 @@ async def _start_engines(nursery: trio.Nursery, s: Settings) -> list[tuple[str, 
         events, replay = _free_port(), _free_port()
         config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
                              "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"})
-        argv = llmgw_command("sim", "--port", "0", "--served-model-name", MODEL, "--time-scale", "1",
+        argv = llmgw_command("sim", "--port", "0", "--served-model-name", MODEL, "--profile", "constant",
+                             "--time-scale", "1",
                              "--num-blocks", str(s.num_blocks), "--max-num-seqs", str(s.max_num_seqs),
                              "--seed", "0", "--prefix-caching-hash-algo", "sha256_cbor", "--log-level", "WARNING",
                              "--kv-events-config", config)

@@ -334,7 +334,8 @@ DECISION_SIZES = {2048: (300, 60), 32768: (80, 15)}  # prompt tokens -> decision
 async def run(quick: bool = False, sizes: list[int] | None = None, ingestion: bool = True) -> dict:
     report: dict = {"machine": {"python": platform.python_version(), "platform": platform.platform()},
                     "decisions": {}, "ingestion": {}}
-    argv = llmgw_command("sim", "--port", "0", "--served-model-name", "tiny", "--time-scale", "0",
+    argv = llmgw_command("sim", "--port", "0", "--served-model-name", "tiny", "--profile", "constant",
+                         "--time-scale", "0",
                          "--max-model-len", "40000", "--num-blocks", "4096")
     async with trio.open_nursery() as nursery:
         child = await start_child(nursery, argv, name="sim")

@@ -62,7 +62,8 @@ import httpx
 import trio
 
 from ..sim import tokenizer
-from ..sim.profiles import CONSTANT, ProfileError, profile
+from ..sim.profiles import CONSTANT, DEFAULT_PROFILE, ProfileError, profile
+from .calibration import DECISION_FIELDS, DecisionCollector, calibration, calibration_table
 from .chat_workloads import ChatResult, new_client, percentile
 from .common import write_json
 from .proxy import find_vllm_router, process_cpu_seconds, vllm_router_version
@@ -167,9 +168,10 @@ class IdealCache:
 
 
 async def run_sessions(target: Target, sessions: list[Session], concurrency: int, block_size: int,
-                       progress: Progress | None = None, reset: CacheReset | None = None) -> list[Record]:
+                       progress: Progress | None = None, reset: CacheReset | None = None,
+                       decisions: DecisionCollector | None = None) -> list[Record]:
     """The sessions through ``target`` by ``concurrency`` closed-loop clients, in order of the list (and
-    ``reset`` fired when its count of requests is answered)."""
+    ``reset`` fired when its count of requests is answered; ``decisions`` told of every answer)."""
     records: list[Record] = []
     ideal = IdealCache(block_size)
     queue = iter(sessions)
@@ -195,6 +197,8 @@ async def run_sessions(target: Target, sessions: list[Session], concurrency: int
                                       result.cached_tokens, result.completion_tokens, 1000 * result.ttft,
                                       1000 * result.latency, ideal_hit, gateway,
                                       [round(1000 * gap, 3) for gap in result.itl]))
+                if decisions is not None:
+                    decisions.answered()
                 if reset is not None and len(records) == reset.after:
                     nursery.start_soon(reset.fire, target.sim_urls[reset.replica], started)
                 if session.carry:
@@ -298,12 +302,17 @@ async def run_once(arm: Arm, spec: SimSpec, sessions: list[Session], concurrency
     async with trio.open_nursery() as nursery:
         target = await open_arm(nursery, arm, spec, vllm_router, gateways)
         cpu_before = routers_cpu_seconds(target.router_pids)
-        started = time.perf_counter()
-        records = await run_sessions(target, sessions, concurrency, spec.block_size, progress, reset)
-        wall = time.perf_counter() - started
-        cpu_after = routers_cpu_seconds(target.router_pids)
+        collector = DecisionCollector(target.decision_urls)
+        async with httpx.AsyncClient(timeout=10) as http, trio.open_nursery() as reading:
+            reading.start_soon(collector.run, http)
+            started = time.perf_counter()
+            records = await run_sessions(target, sessions, concurrency, spec.block_size, progress, reset, collector)
+            wall = time.perf_counter() - started
+            cpu_after = routers_cpu_seconds(target.router_pids)
+            reading.cancel_scope.cancel()
         cpu = cpu_after - cpu_before if cpu_after is not None and cpu_before is not None else None
         async with httpx.AsyncClient(timeout=10) as http:
+            await collector.read(http)
             counts = await engine_counts(http, target.sim_urls)
         nursery.cancel_scope.cancel()
     summary = summarize(records, wall, gateways, measured(load.objectives, spec.time_scale))
@@ -312,7 +321,10 @@ async def run_once(arm: Arm, spec: SimSpec, sessions: list[Session], concurrency
     summary.update(load_balance(counts), gateways=gateways, router_cpu_s=cpu,
                    router_cpu_percent=None if cpu is None else 100 * cpu / wall,
                    router_cpu_ms_per_request=None if cpu is None else 1000 * cpu / max(1, len(records)))
-    return {"summary": summary, "records": [list(asdict(r).values()) for r in records]}
+    if target.decision_urls:
+        summary.update(decisions_read=len(collector.decisions), decision_rings_turned_over=collector.lost)
+    return {"summary": summary, "records": [list(asdict(r).values()) for r in records],
+            "decisions": collector.decisions}
 
 
 def measured(objectives: Objectives, time_scale: float) -> Objectives:
@@ -393,7 +405,7 @@ class Plan:
 
 
 async def run(plan: Plan, vllm_router: str | None) -> dict:
-    report: dict = {"record_fields": RECORD_FIELDS, "workloads": {}}
+    report: dict = {"record_fields": RECORD_FIELDS, "decision_fields": DECISION_FIELDS, "workloads": {}}
     asks = {name: plan.needs(name) for name in plan.workloads}
     specs = {name: plan.spec_for(load) for name, load in asks.items()}
     loads = {name: build(name, plan.seed, quick=plan.quick, fleet_tokens=specs[name].fleet_tokens())
@@ -421,6 +433,10 @@ async def run(plan: Plan, vllm_router: str | None) -> dict:
                              "kind": arm.kind, "policy": arm.policy, "options": arm.options,
                              "by_concurrency": {str(c): p for c, p in points.items()}, "knee": knee(points),
                              "runs": {str(c): runs[key][c] for c in levels}}
+                if arm.kind == "llmgw":
+                    arms[key]["calibration"] = {str(c): calibration(row for run in runs[key][c]
+                                                                    for row in run.get("decisions", []))
+                                                for c in levels}
             report["workloads"][name] = {
                 "requests": per_run[name], "arms": arms, "simulators": asdict(spec),
                 "profiles": [spec.replica_profile(i) for i in range(spec.replicas)],
@@ -468,6 +484,7 @@ def markdown(report: dict) -> str:
                              f"{_cell(p['router_cpu_percent'], '.1f', 'in-process')} |")
         lines.append("")
         lines += goodput_table(workload, levels)
+        lines += calibration_table(workload, levels)
         if any(arm.get("gateways", 1) != 1 for arm in arms.values()):
             lines += gateways_table(arms, levels)
     return "\n".join(lines)
@@ -598,10 +615,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="KV cache of each simulator, in 16-token blocks (default: 2861, 45,760 tokens, on the "
                              "constant profile; what the GPU's memory holds on a GPU profile; a workload that needs "
                              "a capacity, pressure, sets its own unless this is given)")
-    parser.add_argument("--sim-profile", default=CONSTANT, metavar="NAME",
-                        help="every simulator's --profile: constant (default: 8,000 prefill tokens/s, 30 ms a step, "
-                             "the recorded numbers' settings) or a GPU profile <gpu>-<model>[-tpN], e.g. "
-                             "h100-llama-3.1-8b (the hetero workload's slow replica: the next slower GPU)")
+    parser.add_argument("--sim-profile", default=DEFAULT_PROFILE, metavar="NAME",
+                        help=f"every simulator's --profile: a GPU profile <gpu>-<model>[-tpN] (default "
+                             f"{DEFAULT_PROFILE}; the hetero workload's slow replica: the next slower GPU) or constant "
+                             "(8,000 prefill "
+                             "tokens/s, 30 ms a step: the settings of the tables recorded before 2026-12-04)")
     parser.add_argument("--time-scale", type=float, default=1.0, help="the simulators' --time-scale (default 1)")
     parser.add_argument("--slo-ttft-ms", type=float, default=None,
                         help="goodput's TTFT objective in modelled ms, for every workload (default: each its own)")

@@ -53,7 +53,7 @@ import httpx
 import trio
 
 from ..sim import tokenizer
-from ..sim.profiles import CONSTANT, DEFAULT_GPU_MEMORY_UTILIZATION, ProfileError, profile
+from ..sim.profiles import CONSTANT, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_PROFILE, ProfileError, profile
 from ..sim.timing import ConstantTiming, GpuTiming, StepWork, Timing, causal_attention_pairs
 from ..testing.processes import free_port, start_child, start_serve
 from ..testing.redis import start_private_redis
@@ -94,7 +94,7 @@ CONSTANT_SLOWDOWN = 2.0  # a slow replica on the constant model: half the prefil
 
 @dataclass
 class SimSpec:
-    """The simulators every arm runs on (the issue's cluster by default: the constant model)."""
+    """The simulators every arm runs on (by default 4 replicas of ``llmgw sim``'s default GPU profile)."""
 
     replicas: int = 4
     num_blocks: int | None = None  # None: 2861 on the constant model (2,860 usable blocks of 16 tokens: 45,760
@@ -105,7 +105,7 @@ class SimSpec:
     max_model_len: int = 16384
     time_scale: float = 1.0
     seed: int = 0
-    profile: str = CONSTANT  # every replica's ``--profile``
+    profile: str = DEFAULT_PROFILE  # every replica's ``--profile``
     slow_replicas: int = 0  # the first N replicas run a slower GPU (on the constant model: slower rates)
     output_tokens: tuple[int, int] | None = None  # the simulators' natural output lengths (None: theirs)
 
@@ -158,7 +158,8 @@ class SimSpec:
         """Replica ``i``'s simulator flags beyond :func:`llmgw.testing.sims.sim_command`'s."""
         name = self.replica_profile(i)
         if name == CONSTANT:
-            timing = ["--prefill-tokens-per-s", str(self.prefill_tokens_per_s / self._slowdown(i)),
+            timing = ["--profile", CONSTANT,
+                      "--prefill-tokens-per-s", str(self.prefill_tokens_per_s / self._slowdown(i)),
                       "--decode-ms-per-step", str(self.decode_ms_per_step * self._slowdown(i))]
         else:
             timing = ["--profile", name]
@@ -192,6 +193,7 @@ class Target:
     sends: list[Send]  # one per gateway: a chat request through it
     sim_urls: list[str]
     router_pids: list[int]  # every router process (and the cluster's redis-server); empty: the oracle (in-process)
+    decision_urls: list[str] = field(default_factory=list)  # llmgw: each gateway's control URL (/admin/decisions)
     spread: Spread = field(init=False)  # which gateway takes the next request
 
     def __post_init__(self) -> None:
@@ -245,7 +247,8 @@ async def open_arm(nursery: trio.Nursery, arm: Arm, spec: SimSpec, vllm_router: 
     async with trio.open_nursery() as waiting:
         for process in processes:
             waiting.start_soon(partial(_gateway_ready, replicas=spec.replicas, kv=kv), process.control_url)
-    return Target([_through(p.url) for p in processes], urls, [p.pid for p in processes] + pids)
+    return Target([_through(p.url) for p in processes], urls, [p.pid for p in processes] + pids,
+                  [p.control_url for p in processes])
 
 
 async def _remove_when_cancelled(directory: Path) -> None:

@@ -36,7 +36,8 @@ TTFT_LINE = re.compile(r"request_id=(\S+) .* ttft_ms=([\d.]+)")
 async def measure(requests: int) -> dict:
     async with trio.open_nursery() as nursery:
         sim = await start_child(nursery, llmgw_command(
-            "sim", "--port", "0", "--served-model-name", MODEL, "--stream-head-first", "--prefill-tokens-per-s",
+            "sim", "--port", "0", "--served-model-name", MODEL, "--stream-head-first", "--profile", "constant",
+            "--prefill-tokens-per-s",
             "4000", "--decode-ms-per-step", "10", "--output-tokens", "16:16", "--no-enable-prefix-caching",
             "--log-level", "WARNING"), name="sim", keep_lines=10)
         with tempfile.TemporaryDirectory() as folder:

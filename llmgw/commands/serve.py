@@ -30,6 +30,7 @@ from ..control.identity import IdentityStoreError
 from ..fdlimit import raise_open_files_limit
 from ..logsetup import add_logging_arguments, setup_logging
 from ..plugins_manager import load_checked_config
+from ..sim.profiles import DEFAULT_PROFILE
 from ..usererrors import run_reporting
 from ..workers.plan import add_worker_arguments
 
@@ -59,6 +60,7 @@ def demo_config_text(replicas: int, state_dir: str) -> str:
             f"agents:\n  embedded: true\n  node_id: demo\n  state_dir: {state_dir}\n"
             f"profiles:\n  - name: tiny-sim\n    engine: sim\n    model_path: {DEMO_MODEL}\n"
             f"    served_model_name: {DEMO_MODEL}\n    kv_events: true\n    routing: kv_index\n"
+            f"    args: [--profile, {DEFAULT_PROFILE}]  # a GPU: decode cost, KV capacity (constant: fixed rates)\n"
             f"deployments:\n  - profile: tiny-sim\n    replicas: {replicas}\n")
 
 

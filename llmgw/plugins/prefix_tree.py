@@ -62,6 +62,7 @@ from ..router import cost as cost_model
 from ..router.canonical import CHARS_PER_TOKEN, canonical_text, estimated_prompt_tokens
 from ..router.radix import RadixTree
 from ..router.tree_metrics import track_tree
+from ..router.uncertainty import OVERRIDE_SIGMAS, Uncertainty, override_pays
 from .options import MAX_NUMBER, count, duration, option_reader
 from .scorers import register_scorers
 
@@ -95,6 +96,7 @@ class PrefixTreeOptions:
     cost_step_time: float = cost_model.DEFAULT_PRIOR_STEP
     cost_decay: float = cost_model.DEFAULT_DECAY
     cost_others_weight: float = cost_model.DEFAULT_OTHERS_WEIGHT
+    cost_override_sigmas: float = OVERRIDE_SIGMAS  # an override's gain must exceed this many standard errors; 0: off
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | None, scorer_keys: AbstractSet[str] = frozenset()
@@ -127,6 +129,7 @@ class PrefixTreeOptions:
         take("cost_step_time", _non_negative_duration)
         take("cost_decay", _fraction)
         take("cost_others_weight", _non_negative_number)
+        take("cost_override_sigmas", _non_negative_number)
         if "rule" not in raw and "scorers" in raw:  # naming scorers asks for them
             options.rule = "scores"
         if "max_imbalance" not in raw and options.rule == "scores":
@@ -211,6 +214,8 @@ class Choice:
     outcome: str
     reason: str
     estimates: list[cost_model.Estimate] | None = None  # under rule "cost", per candidate
+    uncertainties: list[float] | None = None  # under rule "cost": each estimate's standard error (s)
+    gated: bool = False  # an override the uncertainty gate refused: the request stays on the holder
 
 
 @dataclass
@@ -247,8 +252,9 @@ class PrefixTreeTier(RoutingTier):
         self._last_cold: dict[str, int] = {}  # replica -> serial of the last request it got without holding a match
         self.cost = cost_model.CostModel(  # shared with a kv_index tier built on this one
             options.cost_prefill_tokens_per_s, options.cost_step_time, options.cost_decay, options.cost_others_weight)
+        self.uncertainty = Uncertainty(self.cost)
         if services.metrics is not None:
-            track_tree(services.metrics.registry, self.model, self.tree)
+            track_tree(services.metrics.registry, self.model, self.tree, self.uncertainty)
         self.learning = services.learning  # the other gateways' tiers of this model, in a cluster
         if self.learning is not None:
             self.learning.subscribe(SHARED_ROUTE, self._learn_shared_route)
@@ -279,19 +285,33 @@ class PrefixTreeTier(RoutingTier):
         evaluation = self._evaluate(request, candidates, now, self.rng)
         chosen = candidates[evaluation.chosen]
         self.learn(evaluation.text, chosen.name, evaluation.outcome, now)
+        if evaluation.gated:
+            self.uncertainty.gated += 1
         detail = {"matched_chars": evaluation.matched[evaluation.chosen], "prompt_chars": len(evaluation.text)}
-        self.note_cost(detail, evaluation, evaluation.chosen)
+        self.note_cost(detail, evaluation, evaluation.chosen, candidates)
         return Decision(chosen, outcome=evaluation.outcome, tier=TIER_NAME, detail=detail,
                         prefill_tokens=prefill_tokens(detail))
 
     @staticmethod
-    def note_cost(detail: dict, choice: Choice, chosen: int) -> None:
+    def note_cost(detail: dict, choice: Choice, chosen: int, candidates: Sequence[Replica]) -> None:
         """Put the chosen candidate's estimate in a decision's ``detail["cost"]`` (under rule ``cost``): the
-        bookkeeping of :meth:`routed`, :meth:`first_token` and :meth:`finished` reads it."""
+        bookkeeping of :meth:`routed`, :meth:`first_token` and :meth:`finished` reads it; with the preferred
+        replica's estimate when it was left, and every candidate's in ``detail["estimates"]`` (for
+        ``/admin/decisions`` and the routing benchmark's calibration)."""
         if choice.estimates is not None:
             e = choice.estimates[chosen]
-            detail["cost"] = {"new_tokens": e.new_tokens, "queued_tokens": e.queued_tokens, "requests": e.requests,
-                              "estimated_ttft_s": round(e.ttft, 4)}
+            detail["cost"] = cost = {"new_tokens": e.new_tokens, "queued_tokens": e.queued_tokens,
+                                     "requests": e.requests, "estimated_ttft_s": round(e.ttft, 4)}
+            if choice.uncertainties is not None:
+                cost["uncertainty_s"] = round(choice.uncertainties[chosen], 4)
+            if choice.preferred != chosen:
+                p = choice.estimates[choice.preferred]
+                cost["preferred_estimated_ttft_s"] = round(p.ttft, 4)
+                cost["expected_gain_s"] = round(p.cost - e.cost, 4)
+                if choice.uncertainties is not None:
+                    cost["gain_uncertainty_s"] = round(math.hypot(choice.uncertainties[choice.preferred],
+                                                                  choice.uncertainties[chosen]), 4)
+            detail["estimates"] = {r.name: round(x.ttft, 4) for r, x in zip(candidates, choice.estimates)}
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         """The request's prefill is queued on the replica (the router counts ``prefill_tokens`` there; the tree
@@ -342,12 +362,15 @@ class PrefixTreeTier(RoutingTier):
     def explain_cost(self, choice: Choice, i: int, name: str) -> dict:
         """Candidate ``i``'s part of an explanation: its estimate and learnt speed (rule ``cost``) or its scores."""
         if choice.estimates is not None:
-            return {"cost": {**choice.estimates[i].as_json(), "learnt": self.cost.describe(name)}}
+            spread = {} if choice.uncertainties is None else {"uncertainty_s": round(choice.uncertainties[i], 4)}
+            return {"cost": {**choice.estimates[i].as_json(), **spread, "learnt": self.cost.describe(name)}}
         return {"scores": {key: values[i] for key, values in choice.scores.items()}, "combined": choice.combined[i]}
 
     def explain_rule(self) -> dict[str, Any]:
         o = self.options
         rule: dict[str, Any] = {"rule": o.rule, "max_imbalance": o.max_imbalance, "load_sigma_k": o.load_sigma_k}
+        if o.rule == "cost":
+            rule["cost_override_sigmas"] = o.cost_override_sigmas
         if o.rule == "scores":
             rule["weights"] = dict(o.scorers)
         return rule
@@ -456,11 +479,20 @@ class PrefixTreeTier(RoutingTier):
             chosen = self._rendezvous(request, candidates, near)
         else:
             chosen = self._first(rng, near, lambda i: (-matched[i], *tie_key(i)))
+        uncertainties = self.uncertainty.all([r.name for r in candidates], estimates)
+        gated = ""
+        if matched[chosen] < longest:
+            holder = min((i for i, m in enumerate(matched) if m == longest), key=lambda i: (costs[i], tie_key(i)))
+            gated = self._gate(candidates, estimates, uncertainties, chosen, holder)
+            if gated:
+                chosen = holder
         preferred = self._first(rng, [i for i, m in enumerate(matched) if m == longest], tie_key) \
             if longest else chosen
         combined = [-t for t in costs]
         choice = self._guard(preferred, chosen, matched, loads, tokens, {}, combined, rng, tie_key)
-        choice.estimates = estimates
+        choice.estimates, choice.uncertainties = estimates, uncertainties
+        if gated and choice.outcome == "hit":
+            choice.gated, choice.reason = True, gated
         if choice.outcome == "hit" and matched[chosen] < longest or choice.outcome == "miss" and longest:
             p, c = estimates[preferred], estimates[chosen]
             choice.outcome = "cost_override"
@@ -469,6 +501,19 @@ class PrefixTreeTier(RoutingTier):
                              f"est. TTFT {p.ttft * 1000:.0f} ms vs {c.ttft * 1000:.0f} ms, with the delay to the "
                              f"requests on each {p.cost * 1000:.0f} ms vs {c.cost * 1000:.0f} ms")
         return choice
+
+    def _gate(self, candidates: Sequence[Replica], estimates: list[cost_model.Estimate], uncertainties: list[float],
+              chosen: int, holder: int) -> str:
+        """Why ``chosen``, which holds less than the longest match, must not take the request: its expected gain
+        over ``holder`` (the cheapest holder of the longest match) is within the uncertainty of the two estimates
+        (the override gate, :mod:`llmgw.router.uncertainty`); '' when the gain pays for the move."""
+        gain = estimates[holder].cost - estimates[chosen].cost
+        if override_pays(gain, uncertainties[holder], uncertainties[chosen], self.options.cost_override_sigmas):
+            return ""
+        spread = math.hypot(uncertainties[holder], uncertainties[chosen])
+        return (f"holds the longest useful match: {candidates[chosen].name} looked {gain * 1000:.0f} ms cheaper, "
+                f"within the uncertainty of the two estimates ({spread * 1000:.0f} ms; {estimates[chosen].new_tokens} "
+                f"new tokens there against {estimates[holder].new_tokens} here)")
 
     def _guard(self, preferred: int, chosen: int, matched: list[int], loads: list[float], tokens: list[int],
                scores: dict, combined: list[float], rng: random.Random, tie_key) -> Choice:

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .radix import RadixTree
+from .uncertainty import Uncertainty
 
 _collectors: "weakref.WeakKeyDictionary[CollectorRegistry, PrefixTreeCollector]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -25,11 +26,15 @@ _lock = threading.Lock()
 class PrefixTreeCollector:
     def __init__(self) -> None:
         self._trees: dict[str, weakref.ref[RadixTree]] = {}
+        self._gates: dict[str, weakref.ref[Uncertainty]] = {}
 
-    def track(self, model: str, tree: RadixTree) -> None:
+    def track(self, model: str, tree: RadixTree, gate: Uncertainty | None = None) -> None:
         self._trees[model] = weakref.ref(tree)
+        if gate is not None:
+            self._gates[model] = weakref.ref(gate)
 
-    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily]:
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily,
+                                 CounterMetricFamily]:
         nodes = GaugeMetricFamily("llmgw_prefix_tree_nodes", "Nodes of the model's prefix tree.", labels=["model"])
         chars = GaugeMetricFamily("llmgw_prefix_tree_chars", "Characters stored on the edges of the model's "
                                   "prefix tree.", labels=["model"])
@@ -39,13 +44,16 @@ class PrefixTreeCollector:
         evictions = CounterMetricFamily("llmgw_prefix_tree_evictions", "Tree entries (node, replica) evicted, "
                                         "by reason: size (over the per-replica limits) or age (older than the "
                                         "TTL).", labels=["model", "reason"])
-        return nodes, chars, replica_chars, evictions
+        gated = CounterMetricFamily("llmgw_cost_overrides_gated", "Requests the cost rule would have sent off the "
+                                    "replica holding most of their prompt (cost_override) and kept there, since the "
+                                    "expected gain was within the uncertainty of the estimates.", labels=["model"])
+        return nodes, chars, replica_chars, evictions, gated
 
     def describe(self) -> Iterable[Metric]:
         return self._families()
 
     def collect(self) -> Iterable[Metric]:
-        nodes, chars, replica_chars, evictions = self._families()
+        nodes, chars, replica_chars, evictions, gated = self._families()
         for model, ref in list(self._trees.items()):
             tree = ref()
             if tree is None:
@@ -58,14 +66,20 @@ class PrefixTreeCollector:
                 replica_chars.add_metric([model, replica], count)
             evictions.add_metric([model, "size"], stats.evicted_for_size)
             evictions.add_metric([model, "age"], stats.evicted_for_age)
-        return [nodes, chars, replica_chars, evictions]
+        for model, gate_ref in list(self._gates.items()):
+            gate = gate_ref()
+            if gate is None:
+                self._gates.pop(model, None)
+                continue
+            gated.add_metric([model], gate.gated)
+        return [nodes, chars, replica_chars, evictions, gated]
 
 
-def track_tree(registry: CollectorRegistry, model: str, tree: RadixTree) -> None:
-    """Report ``tree`` as model ``model``'s prefix tree in ``registry``."""
+def track_tree(registry: CollectorRegistry, model: str, tree: RadixTree, gate: Uncertainty | None = None) -> None:
+    """Report ``tree`` as model ``model``'s prefix tree in ``registry`` (and ``gate``'s refused overrides)."""
     with _lock:
         collector = _collectors.get(registry)
         if collector is None:
             collector = _collectors[registry] = PrefixTreeCollector()
             registry.register(collector)
-    collector.track(model, tree)
+    collector.track(model, tree, gate)

@@ -21,7 +21,7 @@ import trio
 from ..logsetup import add_logging_arguments, setup_logging
 from ..usererrors import run_reporting
 from .config import KVEventsConfig, SimArgumentError, SimConfig, parse_lora_modules
-from .profiles import CONSTANT, DEFAULT_GPU_MEMORY_UTILIZATION, profile_names
+from .profiles import CONSTANT, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_PROFILE, profile_names
 
 log = logging.getLogger("llmgw.sim")
 
@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         f"environment variable {API_KEY_ENV} (as vLLM)")
     vllm.add_argument("--block-size", type=int, default=16)
     vllm.add_argument("--num-gpu-blocks-override", "--num-blocks", dest="num_blocks", type=int, default=None,
-                      help="KV cache size in blocks, including vLLM's reserved null block (default 1024 with the "
-                           "constant profile; a GPU profile derives it from memory)")
+                      help="KV cache size in blocks, including vLLM's reserved null block (default: a GPU profile "
+                           "derives it from memory; 1024 with the constant profile)")
     vllm.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                       help="GPU profiles: GPUs the model is split over (overrides the profile's -tpN)")
     vllm.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -101,15 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--event-fields", type=int, default=None,
                      help="BlockStored fields the layout declares (map 11-15, default 14 = vLLM 0.30-0.32; "
                           "array 5-11, default 11)")
-    sim.add_argument("--profile", default=CONSTANT, metavar="NAME",
-                     help="timing model: 'constant' (the two flags below) or <gpu>-<model>[-tpN], a GPU's roofline: "
-                          + ", ".join(profile_names()[1:]))
+    sim.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME",
+                     help=f"timing model: <gpu>-<model>[-tpN], a GPU's roofline (default {DEFAULT_PROFILE}): "
+                          + ", ".join(profile_names()[1:]) + f"; or '{CONSTANT}' (the two flags below)")
     sim.add_argument("--time-scale", type=float, default=1.0,
                      help="1 = modelled real time, 0.01 = 100x faster, 0 = no waiting")
     sim.add_argument("--prefill-tokens-per-s", type=float, default=None,
-                     help="constant profile: prefill throughput of uncached tokens (default 20000)")
+                     help="--profile constant: prefill throughput of uncached tokens (default 20000)")
     sim.add_argument("--decode-ms-per-step", type=float, default=None,
-                     help="constant profile: fixed cost of every engine step (default 20)")
+                     help="--profile constant: fixed cost of every engine step (default 20)")
     sim.add_argument("--output-tokens", type=_output_range, default=(16, 128), metavar="MIN:MAX",
                      help="range of natural output lengths (ending in EOS) unless ignore_eos or max_tokens")
     sim.add_argument("--drop-event-seqs", default=None, metavar="SEQS",

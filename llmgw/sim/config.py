@@ -130,7 +130,7 @@ class SimConfig:
     no_event_token_ids: bool = False  # test switch: BlockStored published without token_ids
     debug_routes: bool = False  # test switch: POST /debug/prefix_hit (the routing benchmark's oracle)
     time_scale: float = 1.0
-    profile: str = CONSTANT  # "constant" or a GPU profile (llmgw.sim.profiles)
+    profile: str = CONSTANT  # "constant" or a GPU profile (llmgw.sim.profiles); the CLI's default: DEFAULT_PROFILE
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # GPU profiles: vLLM's share of device memory
     tensor_parallel_size: int | None = None  # GPU profiles: overrides the name's -tpN
     prefill_tokens_per_s: float | None = None  # constant profile only; None -> 20000

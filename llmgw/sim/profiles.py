@@ -94,6 +94,7 @@ MODELS: dict[str, ModelSpec] = {model.name: model for model in (
 )}
 
 CONSTANT = "constant"
+DEFAULT_PROFILE = "h100-llama-3.1-8b"  # llmgw sim's --profile, the demo's and the routing benchmark's
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 _TP = re.compile(r"^(?P<rest>.+)-tp(?P<tp>[1-9][0-9]?)$")
 

@@ -29,13 +29,17 @@ KV_SIM_EXTRA = ("--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config
                 json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
                             "replay_endpoint": "tcp://*:0", "topic": ""}))
 KV_SIM_ENV = {"PYTHONHASHSEED": "0"}
+CONSTANT_PROFILE = "constant"  # llmgw.sim.profiles.CONSTANT: the simulator's fixed-rate model
 
 
 def sim_command(*, model: str = MODEL, num_blocks: int | None, block_size: int = 16, time_scale: float = 1.0,
                 seed: int = 0, extra: Sequence[str] = ()) -> list[str]:
-    """``num_blocks`` None: the simulator's own (what a GPU profile's memory holds)."""
+    """``num_blocks`` None: the simulator's own (what a GPU profile's memory holds). The constant model
+    (``--profile constant``, whose numbers the tests are written with) unless ``extra`` names a ``--profile``:
+    ``llmgw sim``'s own default is a GPU profile."""
     blocks = [] if num_blocks is None else ["--num-blocks", str(num_blocks)]
-    return llmgw_command("sim", "--port", "0", "--served-model-name", model, *blocks,
+    profile = [] if "--profile" in extra else ["--profile", CONSTANT_PROFILE]
+    return llmgw_command("sim", "--port", "0", "--served-model-name", model, *profile, *blocks,
                          "--block-size", str(block_size), "--time-scale", str(time_scale), "--seed", str(seed),
                          "--log-level", "WARNING", *extra)
 
@@ -56,7 +60,10 @@ def gateway_config(urls: Sequence[str], *, routing: str, routing_options: dict |
 def kv_sim_profile(args: str, routing_options: str = "{tokenize_timeout: 2s}", replicas: int = 2,
                    extra: str = "") -> str:
     """Config YAML: a ``sim`` profile with KV events and the ``kv_index`` tier, deployed ``replicas`` times;
-    ``args`` (a YAML flow list's items) go to the engine, ``extra`` (indented YAML lines) to the profile."""
+    ``args`` (a YAML flow list's items) go to the engine (on the constant model unless they name a ``--profile``),
+    ``extra`` (indented YAML lines) to the profile."""
+    if "--profile" not in args:
+        args = f'"--profile", "{CONSTANT_PROFILE}"' + (f", {args}" if args.strip() else "")
     return f"""
 profiles:
   - name: tiny-sim

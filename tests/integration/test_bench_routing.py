@@ -69,6 +69,20 @@ async def test_every_arm_sends_the_same_requests_and_hit_rates_come_from_engine_
             # the second turn of a session repeats the first's system prompt: an infinite cache holds it
             assert all(r["ideal_cached_tokens"] > 0 for r in records if r["id"].endswith("-t1"))
             assert (summary["router_cpu_s"] is None) == (name == "oracle")
+            # calibration: every kv_index decision read from the gateway's ring, with its estimate and TTFT
+            decisions = [dict(zip(report["decision_fields"], row)) for row in run["decisions"]]
+            assert len(decisions) == (len(records) if name == "kv_index" else 0)
+            assert summary.get("decisions_read") == (None if name == "oracle" else len(decisions))
+            assert all(d["estimated_ttft_s"] > 0 and d["actual_ttft_s"] > 0 for d in decisions)
+            # every candidate's estimate, the chosen one's among them
+            assert all(set(d["candidates_ttft_s"]) == {"sim-0", "sim-1"} for d in decisions)
+            assert all(d["candidates_ttft_s"][d["replica"]] == d["estimated_ttft_s"] for d in decisions)
+        if name == "kv_index":
+            pooled = arm["calibration"]["2"]
+            assert pooled["all"]["decisions"] == 2 * len(trace)
+            assert sum(s["decisions"] for outcome, s in pooled.items() if outcome != "all") == 2 * len(trace)
+        else:
+            assert not arm.get("calibration", {}).get("2")
         point = arm["by_concurrency"]["2"]
         assert point["repeats"] == 2 and point["hit_rate"] is not None and point["ttft_p90_ms"] > 0
         assert arm["knee"] == {"concurrency": 2, "reached": False,
@@ -76,6 +90,7 @@ async def test_every_arm_sends_the_same_requests_and_hit_rates_come_from_engine_
     assert len(sent) == 1  # every arm and repeat: the same ids and the same bodies
     table = (tmp_path / "routing.md").read_text()
     assert all(f"| {label} |" in table for label in ("round_robin", "kv_index", "oracle"))
+    assert "| kv_index | 2 | all | 10 |" in table  # the calibration table: kv_index's 2 x 5 decisions
 
 
 async def test_several_gateways_share_the_requests_round_robin_and_the_load_balance_is_reported(tmp_path):

@@ -138,7 +138,7 @@ profiles:
     engine: sim
     model_path: slow
     served_model_name: slow
-    args: ["--decode-ms-per-step", "100"]
+    args: ["--profile", "constant", "--decode-ms-per-step", "100"]
 deployments:
   - profile: fast
     replicas: 1

@@ -134,7 +134,8 @@ async def static_kv_replica(nursery, start_llmgw, folder: Path, *, engine_args=(
     events, replay = f"ipc://{folder}/ext-0.ev", f"ipc://{folder}/ext-0.rp"
     config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
                          "replay_endpoint": replay, "topic": "kv"})
-    argv = llmgw_command("sim", "--port", "0", "--served-model-name", "tiny", "--time-scale", "0",
+    argv = llmgw_command("sim", "--port", "0", "--served-model-name", "tiny", "--profile", "constant",
+                         "--time-scale", "0",
                          "--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config", config, *engine_args)
     engine = await start_child(nursery, argv, name="sim-ext", env={"PYTHONHASHSEED": "0"})
     gateway = await start_llmgw(f"""

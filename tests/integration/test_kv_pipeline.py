@@ -105,7 +105,8 @@ class Cluster:
                   "topic": "kv"}
         if engine.replay_port is not None:
             config["replay_endpoint"] = f"tcp://127.0.0.1:{engine.replay_port}"
-        argv = llmgw_command("sim", "--port", "0", "--served-model-name", MODEL, "--time-scale", "0",
+        argv = llmgw_command("sim", "--port", "0", "--served-model-name", MODEL, "--profile", "constant",
+                             "--time-scale", "0",
                              "--block-size", str(BLOCK), "--prefix-caching-hash-algo", "sha256_cbor",
                              "--output-tokens", "1:4", "--kv-events-config", json.dumps(config), *engine.sim_args)
         engine.child = await start_child(self.nursery, argv, name=f"sim-{engine.name}", env={"PYTHONHASHSEED": "0"})

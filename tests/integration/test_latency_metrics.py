@@ -26,8 +26,8 @@ PREFILL_SECONDS = 0.4  # below the modelled prefill of PROMPT: the first token c
 
 
 async def start_sim(nursery):
-    argv = llmgw_command("sim", "--port", "0", "--served-model-name", "tiny", "--stream-head-first",
-                         "--prefill-tokens-per-s", str(PREFILL_TOKENS_PER_S), "--decode-ms-per-step", "5",
+    argv = llmgw_command("sim", "--port", "0", "--served-model-name", "tiny", "--stream-head-first", "--profile",
+                         "constant", "--prefill-tokens-per-s", str(PREFILL_TOKENS_PER_S), "--decode-ms-per-step", "5",
                          "--output-tokens", "8:8", "--no-enable-prefix-caching")
     return await start_child(nursery, argv, name="sim")
 

@@ -42,8 +42,10 @@ class SimProcess:
 
 @asynccontextmanager
 async def sim_process(*args: str, env: dict[str, str] | None = None, startup_timeout: float = 30.0):
-    """Run ``llmgw sim --port 0 ARGS``; yields a :class:`SimProcess`; SIGTERM on exit (must exit 0 within 10 s)."""
-    command = [sys.executable, "-m", "llmgw.cli", "sim", "--host", "127.0.0.1", "--port", "0", *args]
+    """Run ``llmgw sim --port 0 ARGS`` (on the constant model unless ARGS name a ``--profile``: the numbers below are
+    its); yields a :class:`SimProcess`; SIGTERM on exit (must exit 0 within 10 s)."""
+    pinned = () if "--profile" in args else ("--profile", "constant")
+    command = [sys.executable, "-m", "llmgw.cli", "sim", "--host", "127.0.0.1", "--port", "0", *pinned, *args]
     async with trio.open_nursery() as nursery:
         child = await start_child(nursery, command, name="llmgw sim", ready=READY, startup_timeout=startup_timeout,
                                   env={"PYTHONHASHSEED": "0", **(env or {})}, stop_grace=10)

@@ -88,8 +88,9 @@ def manager(tmp_path, recorder):
 
 def sim_shard(shard_id: str = "r1-0", *, generation: int = 1, args=(), engine_bin: str | None = None,
               startup_timeout: float = 30.0, http_port: int = 0) -> wire.StartShard:
+    pinned = [] if "--profile" in args else ["--profile", "constant"]  # the constant model's numbers, below
     profile = wire.ShardProfile(name="tiny-sim", engine="sim", engine_bin=engine_bin, model_path="tiny",
-                                served_model_name="tiny", args=list(args), startup_timeout=startup_timeout)
+                                served_model_name="tiny", args=[*pinned, *args], startup_timeout=startup_timeout)
     return wire.StartShard(shard_id=shard_id, replica_id=shard_id.split("-")[0], generation=generation,
                            fingerprint="fp", http_port=http_port, profile=profile)
 

@@ -86,9 +86,11 @@ def test_hetero_runs_a_slower_gpu_for_its_first_replica_on_every_profile():
     # a 70B over 4 GPUs does not fit on four A100 40GB: the next slower GPU that holds it
     assert SimSpec(profile="h100-llama-3.1-70b-tp4", slow_replicas=1).replica_profile(0) == \
         "a100-80gb-llama-3.1-70b-tp4"
-    constant = SimSpec(slow_replicas=1)
-    assert constant.extra(0)[:4] == ["--prefill-tokens-per-s", "4000.0", "--decode-ms-per-step", "60.0"]
-    assert constant.extra(1)[:4] == ["--prefill-tokens-per-s", "8000.0", "--decode-ms-per-step", "30.0"]
+    constant = SimSpec(slow_replicas=1, profile="constant")
+    assert constant.extra(0)[:6] == ["--profile", "constant", "--prefill-tokens-per-s", "4000.0",
+                                     "--decode-ms-per-step", "60.0"]
+    assert constant.extra(1)[:6] == ["--profile", "constant", "--prefill-tokens-per-s", "8000.0",
+                                     "--decode-ms-per-step", "30.0"]
     assert constant.explicit_blocks(0) == SimSpec.CONSTANT_NUM_BLOCKS
 
 
@@ -99,7 +101,9 @@ def test_long_output_is_decode_dominated():
     assert len(sessions) == 12 and all(t.max_tokens >= 4096 for s in sessions for t in s.turns)
     prompts = [len(tokenizer.encode_chat(t.messages)) for s in sessions for t in s.turns]
     assert max(prompts) < 1024  # every answer (1k-4k tokens) is longer than its prompt
-    assert SimSpec(output_tokens=load.output_tokens).extra()[4:6] == ["--output-tokens", "1024:4096"]
+    assert SimSpec(output_tokens=load.output_tokens).extra()[2:4] == ["--output-tokens", "1024:4096"]
+    assert SimSpec(output_tokens=load.output_tokens, profile="constant").extra()[6:8] == ["--output-tokens",
+                                                                                         "1024:4096"]
 
 
 def test_burst_is_forty_requests_at_once_under_one_system_prompt_of_about_190_tokens():
@@ -189,8 +193,12 @@ def test_sim_profile_reaches_every_simulator_and_bad_names_are_refused():
     given_blocks = routing._plan(routing.build_parser().parse_args(["--num-blocks", "4000", "--workload", "pressure"]))
     assert given_blocks.spec_for(given_blocks.needs("pressure")).num_blocks == 4000  # the user's capacity wins
     default = routing._plan(routing.build_parser().parse_args([]))
-    assert default.spec.profile == "constant" and default.spec.explicit_blocks(0) == 2861  # as documented
-    assert default.spec.extra(0)[:4] == ["--prefill-tokens-per-s", "8000.0", "--decode-ms-per-step", "30.0"]
+    assert default.spec.profile == "h100-llama-3.1-8b" and default.spec.explicit_blocks(0) is None  # as documented
+    assert default.spec.extra(0)[:2] == ["--profile", "h100-llama-3.1-8b"]
+    constant = routing._plan(routing.build_parser().parse_args(["--sim-profile", "constant"]))
+    assert constant.spec.explicit_blocks(0) == 2861  # the recorded tables' settings
+    assert constant.spec.extra(0)[:6] == ["--profile", "constant", "--prefill-tokens-per-s", "8000.0",
+                                          "--decode-ms-per-step", "30.0"]
     with pytest.raises(SystemExit, match="--sim-profile"):
         routing._plan(routing.build_parser().parse_args(["--sim-profile", "h200-llama"]))
     with pytest.raises(SystemExit, match="unknown workload"):

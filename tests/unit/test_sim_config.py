@@ -63,7 +63,7 @@ def test_cli_flags_and_ignored_vllm_flags():
     kept, ignored = _strip_ignored(argv)
     assert ignored == ["--enforce-eager", "--dtype"]  # -tp is read: GPU profiles split the model over it
     config = config_from_args(build_parser().parse_args(kept)).resolve()
-    assert config.tensor_parallel_size == 2 and config.profile == "constant"
+    assert config.tensor_parallel_size == 2 and config.profile == "h100-llama-3.1-8b"  # the default: a GPU
     assert config.model == "/models/llama" and config.served_model_names == ["a", "b"]
     assert config.kv_events.publishing and not config.enable_prefix_caching
     assert config.num_blocks == 99 and config.output_tokens == (2, 3) and config.data_parallel_rank == 1
@@ -101,6 +101,27 @@ def test_chunked_prefill_budget_defaults_as_vllm():
     assert whole.max_num_batched_tokens == 4096
     with pytest.raises(SimArgumentError, match="without chunked prefill every prompt must fit in one step"):
         SimConfig(enable_chunked_prefill=False, max_model_len=4096, max_num_batched_tokens=1024).resolve()
+
+
+def test_the_default_profile_is_a_gpu_and_the_constant_rates_need_the_constant_profile():
+    default = config_from_args(build_parser().parse_args([])).resolve()
+    assert default.profile == "h100-llama-3.1-8b" and default.gpu_profile is not None
+    assert default.num_blocks == default.gpu_profile.num_blocks(16, 0.9) > 20_000  # what an H100's memory holds
+    with pytest.raises(SimArgumentError, match="--profile constant"):
+        config_from_args(build_parser().parse_args(["--decode-ms-per-step", "30"])).resolve()
+    constant = config_from_args(build_parser().parse_args(["--profile", "constant", "--decode-ms-per-step", "30"]))
+    assert constant.resolve().gpu_profile is None and constant.num_blocks == 1024 and constant.decode_ms_per_step == 30
+
+
+def test_the_demo_runs_its_engines_on_the_default_gpu_profile(tmp_path):
+    from llmgw.commands.serve import demo_config_text
+    from llmgw.config import parse_config
+
+    config = parse_config(demo_config_text(2, str(tmp_path)))
+    (profile,) = config.profiles
+    assert profile.engine == "sim" and profile.args == ["--profile", "h100-llama-3.1-8b"]
+    demo = config_from_args(build_parser().parse_args(profile.args)).resolve()
+    assert demo.gpu_profile is not None and demo.decode_ms_per_step is None  # a GPU's step, not the constant one
 
 
 def test_suppress_events_names_known_event_types_only():
