@@ -58,7 +58,7 @@ from ..plugin import (
     hookimpl,
 )
 from ..plugins_manager import default_registry
-from ..router import cost as cost_model
+from ..router import cost as cost_model, deal as new_prefixes
 from ..router.canonical import CHARS_PER_TOKEN, canonical_text, estimated_prompt_tokens
 from ..router.radix import RadixTree
 from ..router.tree_metrics import track_tree
@@ -211,6 +211,7 @@ class Choice:
     outcome: str
     reason: str
     estimates: list[cost_model.Estimate] | None = None  # under rule "cost", per candidate
+    deal: new_prefixes.Deal | None = None  # under rule "cost", a prompt no candidate holds: how it was dealt out
 
 
 @dataclass
@@ -247,8 +248,10 @@ class PrefixTreeTier(RoutingTier):
         self._last_cold: dict[str, int] = {}  # replica -> serial of the last request it got without holding a match
         self.cost = cost_model.CostModel(  # shared with a kv_index tier built on this one
             options.cost_prefill_tokens_per_s, options.cost_step_time, options.cost_decay, options.cost_others_weight)
+        self.deals = new_prefixes.DealCounts()
+        self.recent = new_prefixes.RecentGrowth()  # what this gateway's own routes added to the tree just now
         if services.metrics is not None:
-            track_tree(services.metrics.registry, self.model, self.tree)
+            track_tree(services.metrics.registry, self.model, self.tree, self.deals)
         self.learning = services.learning  # the other gateways' tiers of this model, in a cluster
         if self.learning is not None:
             self.learning.subscribe(SHARED_ROUTE, self._learn_shared_route)
@@ -279,10 +282,17 @@ class PrefixTreeTier(RoutingTier):
         evaluation = self._evaluate(request, candidates, now, self.rng)
         chosen = candidates[evaluation.chosen]
         self.learn(evaluation.text, chosen.name, evaluation.outcome, now)
+        self.count_deal(evaluation)
         detail = {"matched_chars": evaluation.matched[evaluation.chosen], "prompt_chars": len(evaluation.text)}
         self.note_cost(detail, evaluation, evaluation.chosen)
         return Decision(chosen, outcome=evaluation.outcome, tier=TIER_NAME, detail=detail,
                         prefill_tokens=prefill_tokens(detail))
+
+    def count_deal(self, choice: Choice) -> None:
+        """Count a new prefix dealt out (``llmgw_routing_new_prefixes_total``): at the pick, never in explain."""
+        if choice.deal is not None:
+            self.deals.count(new_prefixes.DEALT if choice.chosen not in choice.deal.cheapest
+                             else new_prefixes.CHEAPEST)
 
     @staticmethod
     def note_cost(detail: dict, choice: Choice, chosen: int) -> None:
@@ -342,7 +352,10 @@ class PrefixTreeTier(RoutingTier):
     def explain_cost(self, choice: Choice, i: int, name: str) -> dict:
         """Candidate ``i``'s part of an explanation: its estimate and learnt speed (rule ``cost``) or its scores."""
         if choice.estimates is not None:
-            return {"cost": {**choice.estimates[i].as_json(), "learnt": self.cost.describe(name)}}
+            held = {"held_chars": self.tree.replica_chars.get(name, 0)}
+            if choice.deal is not None:
+                held["affordable"] = i in choice.deal.affordable
+            return {"cost": {**choice.estimates[i].as_json(), "learnt": self.cost.describe(name)}, "deal": held}
         return {"scores": {key: values[i] for key, values in choice.scores.items()}, "combined": choice.combined[i]}
 
     def explain_rule(self) -> dict[str, Any]:
@@ -371,8 +384,10 @@ class PrefixTreeTier(RoutingTier):
         In a cluster the other gateways' trees learn it too (its first ``SHARED_TEXT_CHARS`` characters)."""
         if outcome != "hit":
             self.note_cold(replica)
+        held = self.tree.replica_chars.get(replica, 0)
         self.tree.insert(text, replica, now)
         if self.learning is not None:
+            self.recent.add(now, self.tree.replica_chars.get(replica, 0) - held)
             self.learning.publish(SHARED_ROUTE, [text[:SHARED_TEXT_CHARS], replica])
 
     def _learn_shared_route(self, payload: list) -> None:
@@ -452,8 +467,12 @@ class PrefixTreeTier(RoutingTier):
         near = [i for i, (e, t) in enumerate(zip(estimates, costs))
                 if t <= best + max(margin, COST_TIE_NOISE * max(best_noise, e.noise))]
         longest = max(matched)
-        if not longest and len(near) > 1 and self.learning is not None and request is not None:
-            chosen = self._rendezvous(request, candidates, near)
+        dealt = None
+        if not longest:
+            dealt = self._deal(request, candidates, estimates, near, now)
+            chosen = self._rendezvous(request, candidates, dealt.dealt) \
+                if len(dealt.dealt) > 1 and self.learning is not None and request is not None \
+                else self._first(rng, dealt.dealt, tie_key)
         else:
             chosen = self._first(rng, near, lambda i: (-matched[i], *tie_key(i)))
         preferred = self._first(rng, [i for i, m in enumerate(matched) if m == longest], tie_key) \
@@ -461,6 +480,9 @@ class PrefixTreeTier(RoutingTier):
         combined = [-t for t in costs]
         choice = self._guard(preferred, chosen, matched, loads, tokens, {}, combined, rng, tie_key)
         choice.estimates = estimates
+        if dealt is not None and choice.outcome == "miss":
+            choice.deal = dealt
+            choice.reason = self._dealt(candidates, choice.chosen, dealt)
         if choice.outcome == "hit" and matched[chosen] < longest or choice.outcome == "miss" and longest:
             p, c = estimates[preferred], estimates[chosen]
             choice.outcome = "cost_override"
@@ -512,8 +534,26 @@ class PrefixTreeTier(RoutingTier):
                         f"(mean {mean:.3g}, σ {sigma:.3g})")
         return ""
 
+    def _deal(self, request: RouteRequest | None, candidates: Sequence[Replica], estimates: list[cost_model.Estimate],
+              near: list[int], now: float) -> new_prefixes.Deal:
+        """The candidates a prompt no replica holds may be dealt to (:mod:`llmgw.router.deal`): the affordable ones
+        holding the least of the tree; in a cluster, within what this gateway added to it unheard of the least."""
+        spread = self.recent.total(now) if self.learning is not None else 0
+        return new_prefixes.deal(estimates, near, self.tree.replica_chars, [r.name for r in candidates],
+                                 [r.weight for r in candidates], spread)
+
+    @staticmethod
+    def _dealt(candidates: Sequence[Replica], chosen: int, deal: new_prefixes.Deal) -> str:
+        """Why a new prefix went where it went, for ``/admin/explain``."""
+        held = deal.held[chosen]
+        least = min(deal.held[i] for i in deal.affordable)
+        return (f"no candidate holds the prompt: dealt to {candidates[chosen].name}, holding {held:.0f} characters "
+                f"of the tree (the least is {least:.0f}) among the {len(deal.affordable)} candidates within "
+                f"{deal.slack * 1000:.0f} ms of the smallest cost"
+                + ("" if chosen in deal.cheapest else ", not one of the cheapest"))
+
     def _rendezvous(self, request: RouteRequest, candidates: Sequence[Replica], indices: list[int]) -> int:
-        """Among equally good candidates for a prompt no replica holds, the one its first characters hash to
+        """Among the candidates a prompt no replica holds may be dealt to, the one its first characters hash to
         highest with (rendezvous hashing): every gateway of a cluster that sees the same new prefix at the same
         moment picks the same replica, before any of them could learn of the others' pick."""
         head = canonical_text(request)[:max(self.options.min_match_chars, 64)].encode()

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from .deal import DealCounts
 from .radix import RadixTree
 
 _collectors: "weakref.WeakKeyDictionary[CollectorRegistry, PrefixTreeCollector]" = weakref.WeakKeyDictionary()
@@ -25,11 +26,15 @@ _lock = threading.Lock()
 class PrefixTreeCollector:
     def __init__(self) -> None:
         self._trees: dict[str, weakref.ref[RadixTree]] = {}
+        self._deals: dict[str, weakref.ref[DealCounts]] = {}
 
-    def track(self, model: str, tree: RadixTree) -> None:
+    def track(self, model: str, tree: RadixTree, deals: DealCounts | None = None) -> None:
         self._trees[model] = weakref.ref(tree)
+        if deals is not None:
+            self._deals[model] = weakref.ref(deals)
 
-    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily]:
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily,
+                                 CounterMetricFamily]:
         nodes = GaugeMetricFamily("llmgw_prefix_tree_nodes", "Nodes of the model's prefix tree.", labels=["model"])
         chars = GaugeMetricFamily("llmgw_prefix_tree_chars", "Characters stored on the edges of the model's "
                                   "prefix tree.", labels=["model"])
@@ -39,13 +44,17 @@ class PrefixTreeCollector:
         evictions = CounterMetricFamily("llmgw_prefix_tree_evictions", "Tree entries (node, replica) evicted, "
                                         "by reason: size (over the per-replica limits) or age (older than the "
                                         "TTL).", labels=["model", "reason"])
-        return nodes, chars, replica_chars, evictions
+        deals = CounterMetricFamily("llmgw_routing_new_prefixes", "Prompts no replica held, dealt out by the prefix "
+                                    "tiers' cost rule, by how: cheapest (the deal's pick was a cheapest candidate) "
+                                    "or dealt (an affordable candidate holding less than the cheapest ones).",
+                                    labels=["model", "how"])
+        return nodes, chars, replica_chars, evictions, deals
 
     def describe(self) -> Iterable[Metric]:
         return self._families()
 
     def collect(self) -> Iterable[Metric]:
-        nodes, chars, replica_chars, evictions = self._families()
+        nodes, chars, replica_chars, evictions, deals = self._families()
         for model, ref in list(self._trees.items()):
             tree = ref()
             if tree is None:
@@ -58,14 +67,21 @@ class PrefixTreeCollector:
                 replica_chars.add_metric([model, replica], count)
             evictions.add_metric([model, "size"], stats.evicted_for_size)
             evictions.add_metric([model, "age"], stats.evicted_for_age)
-        return [nodes, chars, replica_chars, evictions]
+        for model, deals_ref in list(self._deals.items()):
+            counts = deals_ref()
+            if counts is None:
+                self._deals.pop(model, None)
+                continue
+            for how, count in counts.counts.items():
+                deals.add_metric([model, how], count)
+        return [nodes, chars, replica_chars, evictions, deals]
 
 
-def track_tree(registry: CollectorRegistry, model: str, tree: RadixTree) -> None:
-    """Report ``tree`` as model ``model``'s prefix tree in ``registry``."""
+def track_tree(registry: CollectorRegistry, model: str, tree: RadixTree, deals: DealCounts | None = None) -> None:
+    """Report ``tree`` as model ``model``'s prefix tree in ``registry`` (and ``deals``, its tier's new prefixes)."""
     with _lock:
         collector = _collectors.get(registry)
         if collector is None:
             collector = _collectors[registry] = PrefixTreeCollector()
             registry.register(collector)
-    collector.track(model, tree)
+    collector.track(model, tree, deals)
