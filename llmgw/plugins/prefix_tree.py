@@ -95,6 +95,7 @@ class PrefixTreeOptions:
     cost_step_time: float = cost_model.DEFAULT_PRIOR_STEP
     cost_decay: float = cost_model.DEFAULT_DECAY
     cost_others_weight: float = cost_model.DEFAULT_OTHERS_WEIGHT
+    new_prefixes: str = "deal"  # "deal": to the affordable replica holding the least; "cheapest": by cost alone
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | None, scorer_keys: AbstractSet[str] = frozenset()
@@ -127,6 +128,7 @@ class PrefixTreeOptions:
         take("cost_step_time", _non_negative_duration)
         take("cost_decay", _fraction)
         take("cost_others_weight", _non_negative_number)
+        take("new_prefixes", _new_prefixes)
         if "rule" not in raw and "scorers" in raw:  # naming scorers asks for them
             options.rule = "scores"
         if "max_imbalance" not in raw and options.rule == "scores":
@@ -140,6 +142,7 @@ class PrefixTreeOptions:
 
 
 RULES = ("cost", "scores")
+NEW_PREFIXES = ("deal", "cheapest")  # how rule "cost" places a prompt no candidate holds (docs/routing.md)
 DEFAULT_SCORES_MAX_IMBALANCE = 4
 SHARED_ROUTE = "route"  # what a cluster's tiers share: a routed prefix and its replica...
 SHARED_TTFT = "ttft"  # ... and an observed time to first token: [engine id, replica, tokens, requests, seconds]
@@ -172,6 +175,12 @@ _non_negative_duration = duration(allow_zero=True)
 def _rule(value: Any) -> str:
     if value not in RULES:
         raise ValueError(f"expected one of {', '.join(RULES)}, got {value!r}")
+    return value
+
+
+def _new_prefixes(value: Any) -> str:
+    if value not in NEW_PREFIXES:
+        raise ValueError(f"expected one of {', '.join(NEW_PREFIXES)}, got {value!r}")
     return value
 
 
@@ -469,10 +478,12 @@ class PrefixTreeTier(RoutingTier):
         longest = max(matched)
         dealt = None
         if not longest:
-            dealt = self._deal(request, candidates, estimates, near, now)
-            chosen = self._rendezvous(request, candidates, dealt.dealt) \
-                if len(dealt.dealt) > 1 and self.learning is not None and request is not None \
-                else self._first(rng, dealt.dealt, tie_key)
+            if self.options.new_prefixes == "deal":
+                dealt = self._deal(request, candidates, estimates, near, now)
+            pool = near if dealt is None else dealt.dealt
+            chosen = self._rendezvous(request, candidates, pool) \
+                if len(pool) > 1 and self.learning is not None and request is not None \
+                else self._first(rng, pool, tie_key)
         else:
             chosen = self._first(rng, near, lambda i: (-matched[i], *tie_key(i)))
         preferred = self._first(rng, [i for i, m in enumerate(matched) if m == longest], tie_key) \

@@ -70,16 +70,20 @@ async def test_new_prefixes_are_dealt_out_evenly_whichever_replica_is_idle_when_
     """A replica whose requests finish first is idle whenever a new prefix arrives: dealt by momentary load, it
     would collect every new prefix (and all their later requests); dealt by what each replica holds, the twelve
     groups end three per replica. Every one goes within two of its own prefills' time of the cheapest."""
-    router, replicas = make_router()
-    a, b, c, d = replicas
-    picks = Counter()
-    for i in range(12):
-        for replica in replicas:
-            replica.local_inflight = 0 if replica is b else 1
-        decision = await router.pick(chat(f"question {i}", system=f"fresh system prompt {i} " * 30))
-        assert decision.outcome == "miss"
-        picks[decision.replica.name] += 1
+    async def deal(options) -> tuple[Router, Counter]:
+        router, replicas = make_router(options)
+        picks = Counter()
+        for i in range(12):
+            for replica in replicas:
+                replica.local_inflight = 0 if replica.name == "b" else 1
+            decision = await router.pick(chat(f"question {i}", system=f"fresh system prompt {i} " * 30))
+            assert decision.outcome == "miss"
+            picks[decision.replica.name] += 1
+        return router, picks
+
+    router, picks = await deal({})
     assert picks == {"a": 3, "b": 3, "c": 3, "d": 3}
+    assert (await deal({"new_prefixes": "cheapest"}))[1] == {"b": 12}  # by cost alone: the idle one takes all
     deals = {how: sample.value for sample in router.metrics.registry.collect() for sample in sample.samples
              if sample.name == "llmgw_routing_new_prefixes_total" for how in [sample.labels["how"]]}
     assert deals["cheapest"] + deals["dealt"] == 12 and deals["dealt"] >= 8  # b was the cheapest every time
