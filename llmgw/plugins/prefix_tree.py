@@ -258,7 +258,8 @@ class PrefixTreeTier(RoutingTier):
         self.cost = cost_model.CostModel(  # shared with a kv_index tier built on this one
             options.cost_prefill_tokens_per_s, options.cost_step_time, options.cost_decay, options.cost_others_weight)
         self.deals = new_prefixes.DealCounts()
-        self.recent = new_prefixes.RecentGrowth()  # what this gateway's own routes added to the tree just now
+        # in a cluster, what this gateway's own routes added to the tree, and the prefill they queued, just now
+        self.recent_chars, self.recent_tokens = new_prefixes.RecentGrowth(), new_prefixes.RecentGrowth()
         if services.metrics is not None:
             track_tree(services.metrics.registry, self.model, self.tree, self.deals)
         self.learning = services.learning  # the other gateways' tiers of this model, in a cluster
@@ -291,14 +292,17 @@ class PrefixTreeTier(RoutingTier):
         evaluation = self._evaluate(request, candidates, now, self.rng)
         chosen = candidates[evaluation.chosen]
         self.learn(evaluation.text, chosen.name, evaluation.outcome, now)
-        self.count_deal(evaluation)
+        self.note_pick(evaluation, now)
         detail = {"matched_chars": evaluation.matched[evaluation.chosen], "prompt_chars": len(evaluation.text)}
         self.note_cost(detail, evaluation, evaluation.chosen)
         return Decision(chosen, outcome=evaluation.outcome, tier=TIER_NAME, detail=detail,
                         prefill_tokens=prefill_tokens(detail))
 
-    def count_deal(self, choice: Choice) -> None:
-        """Count a new prefix dealt out (``llmgw_routing_new_prefixes_total``): at the pick, never in explain."""
+    def note_pick(self, choice: Choice, now: float) -> None:
+        """At a pick (never in explain): count a new prefix dealt out (``llmgw_routing_new_prefixes_total``), and in
+        a cluster the prefill it queued, which the other gateways have not heard of yet."""
+        if self.learning is not None and choice.estimates is not None:
+            self.recent_tokens.add(now, choice.estimates[choice.chosen].new_tokens)
         if choice.deal is not None:
             self.deals.count(new_prefixes.DEALT if choice.chosen not in choice.deal.cheapest
                              else new_prefixes.CHEAPEST)
@@ -396,7 +400,7 @@ class PrefixTreeTier(RoutingTier):
         held = self.tree.replica_chars.get(replica, 0)
         self.tree.insert(text, replica, now)
         if self.learning is not None:
-            self.recent.add(now, self.tree.replica_chars.get(replica, 0) - held)
+            self.recent_chars.add(now, self.tree.replica_chars.get(replica, 0) - held)
             self.learning.publish(SHARED_ROUTE, [text[:SHARED_TEXT_CHARS], replica])
 
     def _learn_shared_route(self, payload: list) -> None:
@@ -548,10 +552,12 @@ class PrefixTreeTier(RoutingTier):
     def _deal(self, request: RouteRequest | None, candidates: Sequence[Replica], estimates: list[cost_model.Estimate],
               near: list[int], now: float) -> new_prefixes.Deal:
         """The candidates a prompt no replica holds may be dealt to (:mod:`llmgw.router.deal`): the affordable ones
-        holding the least of the tree; in a cluster, within what this gateway added to it unheard of the least."""
-        spread = self.recent.total(now) if self.learning is not None else 0
-        return new_prefixes.deal(estimates, near, self.tree.replica_chars, [r.name for r in candidates],
-                                 [r.weight for r in candidates], spread)
+        holding the least of the tree; in a cluster, within what this gateway did that its peers have not heard of."""
+        names, weights = [r.name for r in candidates], [r.weight for r in candidates]
+        if self.learning is None:
+            return new_prefixes.deal(estimates, near, self.tree.replica_chars, names, weights)
+        return new_prefixes.deal(estimates, near, self.tree.replica_chars, names, weights,
+                                 self.recent_chars.total(now), self.recent_tokens.total(now))
 
     @staticmethod
     def _dealt(candidates: Sequence[Replica], chosen: int, deal: new_prefixes.Deal) -> str:

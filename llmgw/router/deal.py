@@ -6,7 +6,10 @@ The rule (also in ``docs/routing.md``), for a prompt no candidate holds any usef
 1. **Affordable**: the candidates whose cost (:mod:`llmgw.router.cost`) is within ``DEAL_SLACK_PREFILLS``
    times the prompt's own prefill time (its new tokens over the cheapest candidate's throughput) of the
    cheapest, and every near-tie of it. This is the load guard of the deal: a replica whose queue or
-   in-flight requests would make the request wait more than that is never dealt to.
+   in-flight requests would make the request wait more than that is never dealt to. A gateway of a
+   cluster adds the prefill time of what it routed itself in the last ``UNHEARD_WINDOW`` (its peers see
+   none of that load yet, and it sees about as little of theirs: without it, in a burst each gateway
+   finds its own replicas unaffordable and not the others', and they place the same prompt apart).
 2. **Dealt**: among those, the ones *holding the least*: each candidate's characters in the model's prefix
    tree (what it was sent and still holds: ``llmgw_prefix_tree_replica_chars``), over its ``weight``. One
    gateway takes the least (``spread`` 0). A gateway in a cluster takes any within ``spread`` characters of
@@ -57,21 +60,24 @@ class Deal:
     slack: float  # seconds of cost above the cheapest still affordable
 
 
-def affordable(estimates: Sequence[Estimate], near: Sequence[int]) -> tuple[list[int], float]:
-    """The candidates within ``DEAL_SLACK_PREFILLS`` of the prompt's own prefill time of the cheapest (and the
-    near-ties ``near``), and that slack in seconds."""
+def affordable(estimates: Sequence[Estimate], near: Sequence[int], unheard_tokens: int = 0
+               ) -> tuple[list[int], float]:
+    """The candidates within ``DEAL_SLACK_PREFILLS`` of the prompt's own prefill time, plus that of
+    ``unheard_tokens``, of the cheapest (and the near-ties ``near``), and that slack in seconds."""
     costs = [e.cost for e in estimates]
     best = min(costs)
-    own = min(e.new_tokens / e.throughput for e, cost in zip(estimates, costs) if cost == best)
-    slack = DEAL_SLACK_PREFILLS * own
+    cheapest = min((e for e, cost in zip(estimates, costs) if cost == best), key=lambda e: e.new_tokens)
+    slack = (DEAL_SLACK_PREFILLS * cheapest.new_tokens + unheard_tokens) / cheapest.throughput
     chosen = set(near)
     return [i for i, cost in enumerate(costs) if cost <= best + slack or i in chosen], slack
 
 
 def deal(estimates: Sequence[Estimate], near: Sequence[int], held_chars: Mapping[str, int], names: Sequence[str],
-         weights: Sequence[int], spread: int) -> Deal:
-    """Rules 1 and 2 of the module's docstring; ``held_chars`` by replica name (absent: nothing)."""
-    candidates, slack = affordable(estimates, near)
+         weights: Sequence[int], spread: int = 0, unheard_tokens: int = 0) -> Deal:
+    """Rules 1 and 2 of the module's docstring; ``held_chars`` by replica name (absent: nothing); ``spread`` and
+    ``unheard_tokens``: what this gateway added to its tree and routed for prefill in the last
+    ``UNHEARD_WINDOW`` (0 alone)."""
+    candidates, slack = affordable(estimates, near, unheard_tokens)
     held = [held_chars.get(name, 0) / max(weight, 1) for name, weight in zip(names, weights)]
     least = min(held[i] for i in candidates)
     return Deal(list(near), candidates, held, [i for i in candidates if held[i] <= least + spread], slack)
@@ -90,8 +96,8 @@ class DealCounts:
 
 
 class RecentGrowth:
-    """What this gateway added to its tree in the last ``UNHEARD_WINDOW`` seconds (the ``spread`` of a deal in a
-    cluster): bounded to ``UNHEARD_LIMIT`` routes."""
+    """An amount this gateway added in the last ``UNHEARD_WINDOW`` seconds (to its tree: the ``spread`` of a deal
+    in a cluster; prefill tokens routed: its ``unheard_tokens``): bounded to ``UNHEARD_LIMIT`` routes."""
 
     __slots__ = ("window", "_added", "_total")
 
@@ -100,12 +106,12 @@ class RecentGrowth:
         self._added: deque[tuple[float, int]] = deque(maxlen=limit)
         self._total = 0
 
-    def add(self, now: float, chars: int) -> None:
-        if chars > 0:
+    def add(self, now: float, amount: int) -> None:
+        if amount > 0:
             if len(self._added) == self._added.maxlen:
                 self._total -= self._added[0][1]
-            self._added.append((now, chars))
-            self._total += chars
+            self._added.append((now, amount))
+            self._total += amount
 
     def total(self, now: float) -> int:
         added, cutoff = self._added, now - self.window

@@ -47,10 +47,12 @@ async def test_two_gateways_with_slightly_different_views_deal_the_same_new_prom
     for i, name in enumerate(NAMES):
         for tier in (first, second):
             tier.tree.insert(f"system\x1fGroup {i} charter. " + "rules " * 400, name, tier.clock())
-    # What only the first knows yet: it has just dealt a new prompt to sim-2, still in flight there. The second
-    # hears of neither for a few tens of ms (its route, its load report).
-    assert (await first.pick(chat("Team Y charter. " + "notes " * 300), first_replicas)).replica.name == "sim-2"
-    first_replicas[2].local_inflight = 1
+    # What only the first knows yet: it has just dealt three new prompts, their prefills queued where they went.
+    # The second hears of none of it for a few tens of ms (their routes, its load report).
+    for ticket in range(3):
+        decision = await first.pick(chat(f"Team Y{ticket} charter. " + "notes " * 300), first_replicas)
+        decision.replica.local_inflight += 1
+        decision.replica.queue_prefill(ticket, decision.prefill_tokens, first.clock())
     placed: dict[int, tuple[str, str]] = {}
     for k in range(40):
         request = chat(f"Team {k} charter. " + "duties " * 400)
