@@ -307,6 +307,7 @@ class KvIndexTier(RoutingTier):
         self.tree.learn(text, chosen.name, ev.choice.outcome, now)
         if ev.choice.gated:
             self.tree.uncertainty.gated += 1
+        self.tree.note_pick(ev.choice, now)
         detail: dict[str, Any] = {"prompt_tokens": ev.prompt_tokens, "source": ev.sources[i], "share": ev.shares[i]}
         self.tree.note_cost(detail, ev.choice, i, candidates)
         size = ev.block_sizes[i]

@@ -58,7 +58,7 @@ from ..plugin import (
     hookimpl,
 )
 from ..plugins_manager import default_registry
-from ..router import cost as cost_model
+from ..router import cost as cost_model, deal as new_prefixes
 from ..router.canonical import CHARS_PER_TOKEN, canonical_text, estimated_prompt_tokens
 from ..router.radix import RadixTree
 from ..router.tree_metrics import track_tree
@@ -97,6 +97,7 @@ class PrefixTreeOptions:
     cost_decay: float = cost_model.DEFAULT_DECAY
     cost_others_weight: float = cost_model.DEFAULT_OTHERS_WEIGHT
     cost_override_sigmas: float = OVERRIDE_SIGMAS  # an override's gain must exceed this many standard errors; 0: off
+    new_prefixes: str = "deal"  # "deal": to the affordable replica holding the least; "cheapest": by cost alone
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | None, scorer_keys: AbstractSet[str] = frozenset()
@@ -130,6 +131,7 @@ class PrefixTreeOptions:
         take("cost_decay", _fraction)
         take("cost_others_weight", _non_negative_number)
         take("cost_override_sigmas", _non_negative_number)
+        take("new_prefixes", _new_prefixes)
         if "rule" not in raw and "scorers" in raw:  # naming scorers asks for them
             options.rule = "scores"
         if "max_imbalance" not in raw and options.rule == "scores":
@@ -143,6 +145,7 @@ class PrefixTreeOptions:
 
 
 RULES = ("cost", "scores")
+NEW_PREFIXES = ("deal", "cheapest")  # how rule "cost" places a prompt no candidate holds (docs/routing.md)
 DEFAULT_SCORES_MAX_IMBALANCE = 4
 SHARED_ROUTE = "route"  # what a cluster's tiers share: a routed prefix and its replica...
 SHARED_TTFT = "ttft"  # ... and an observed time to first token: [engine id, replica, tokens, requests, seconds]
@@ -175,6 +178,12 @@ _non_negative_duration = duration(allow_zero=True)
 def _rule(value: Any) -> str:
     if value not in RULES:
         raise ValueError(f"expected one of {', '.join(RULES)}, got {value!r}")
+    return value
+
+
+def _new_prefixes(value: Any) -> str:
+    if value not in NEW_PREFIXES:
+        raise ValueError(f"expected one of {', '.join(NEW_PREFIXES)}, got {value!r}")
     return value
 
 
@@ -216,6 +225,7 @@ class Choice:
     estimates: list[cost_model.Estimate] | None = None  # under rule "cost", per candidate
     uncertainties: list[float] | None = None  # under rule "cost": each estimate's standard error (s)
     gated: bool = False  # an override the uncertainty gate refused: the request stays on the holder
+    deal: new_prefixes.Deal | None = None  # under rule "cost", a prompt no candidate holds: how it was dealt out
 
 
 @dataclass
@@ -253,8 +263,11 @@ class PrefixTreeTier(RoutingTier):
         self.cost = cost_model.CostModel(  # shared with a kv_index tier built on this one
             options.cost_prefill_tokens_per_s, options.cost_step_time, options.cost_decay, options.cost_others_weight)
         self.uncertainty = Uncertainty(self.cost)
+        self.deals = new_prefixes.DealCounts()
+        # in a cluster, what this gateway's own routes added to the tree, and the prefill they queued, just now
+        self.recent_chars, self.recent_tokens = new_prefixes.RecentGrowth(), new_prefixes.RecentGrowth()
         if services.metrics is not None:
-            track_tree(services.metrics.registry, self.model, self.tree, self.uncertainty)
+            track_tree(services.metrics.registry, self.model, self.tree, self.uncertainty, self.deals)
         self.learning = services.learning  # the other gateways' tiers of this model, in a cluster
         if self.learning is not None:
             self.learning.subscribe(SHARED_ROUTE, self._learn_shared_route)
@@ -287,10 +300,20 @@ class PrefixTreeTier(RoutingTier):
         self.learn(evaluation.text, chosen.name, evaluation.outcome, now)
         if evaluation.gated:
             self.uncertainty.gated += 1
+        self.note_pick(evaluation, now)
         detail = {"matched_chars": evaluation.matched[evaluation.chosen], "prompt_chars": len(evaluation.text)}
         self.note_cost(detail, evaluation, evaluation.chosen, candidates)
         return Decision(chosen, outcome=evaluation.outcome, tier=TIER_NAME, detail=detail,
                         prefill_tokens=prefill_tokens(detail))
+
+    def note_pick(self, choice: Choice, now: float) -> None:
+        """At a pick (never in explain): count a new prefix dealt out (``llmgw_routing_new_prefixes_total``), and in
+        a cluster the prefill it queued, which the other gateways have not heard of yet."""
+        if self.learning is not None and choice.estimates is not None:
+            self.recent_tokens.add(now, choice.estimates[choice.chosen].new_tokens)
+        if choice.deal is not None:
+            self.deals.count(new_prefixes.DEALT if choice.chosen not in choice.deal.cheapest
+                             else new_prefixes.CHEAPEST)
 
     @staticmethod
     def note_cost(detail: dict, choice: Choice, chosen: int, candidates: Sequence[Replica]) -> None:
@@ -363,7 +386,11 @@ class PrefixTreeTier(RoutingTier):
         """Candidate ``i``'s part of an explanation: its estimate and learnt speed (rule ``cost``) or its scores."""
         if choice.estimates is not None:
             spread = {} if choice.uncertainties is None else {"uncertainty_s": round(choice.uncertainties[i], 4)}
-            return {"cost": {**choice.estimates[i].as_json(), **spread, "learnt": self.cost.describe(name)}}
+            held = {"held_chars": self.tree.replica_chars.get(name, 0)}
+            if choice.deal is not None:
+                held["affordable"] = i in choice.deal.affordable
+            return {"cost": {**choice.estimates[i].as_json(), **spread, "learnt": self.cost.describe(name)},
+                    "deal": held}
         return {"scores": {key: values[i] for key, values in choice.scores.items()}, "combined": choice.combined[i]}
 
     def explain_rule(self) -> dict[str, Any]:
@@ -394,8 +421,10 @@ class PrefixTreeTier(RoutingTier):
         In a cluster the other gateways' trees learn it too (its first ``SHARED_TEXT_CHARS`` characters)."""
         if outcome != "hit":
             self.note_cold(replica)
+        held = self.tree.replica_chars.get(replica, 0)
         self.tree.insert(text, replica, now)
         if self.learning is not None:
+            self.recent_chars.add(now, self.tree.replica_chars.get(replica, 0) - held)
             self.learning.publish(SHARED_ROUTE, [text[:SHARED_TEXT_CHARS], replica])
 
     def _learn_shared_route(self, payload: list) -> None:
@@ -475,8 +504,14 @@ class PrefixTreeTier(RoutingTier):
         near = [i for i, (e, t) in enumerate(zip(estimates, costs))
                 if t <= best + max(margin, COST_TIE_NOISE * max(best_noise, e.noise))]
         longest = max(matched)
-        if not longest and len(near) > 1 and self.learning is not None and request is not None:
-            chosen = self._rendezvous(request, candidates, near)
+        dealt = None
+        if not longest:
+            if self.options.new_prefixes == "deal":
+                dealt = self._deal(request, candidates, estimates, near, now)
+            pool = near if dealt is None else dealt.dealt
+            chosen = self._rendezvous(request, candidates, pool) \
+                if len(pool) > 1 and self.learning is not None and request is not None \
+                else self._first(rng, pool, tie_key)
         else:
             chosen = self._first(rng, near, lambda i: (-matched[i], *tie_key(i)))
         uncertainties = self.uncertainty.all([r.name for r in candidates], estimates)
@@ -493,6 +528,9 @@ class PrefixTreeTier(RoutingTier):
         choice.estimates, choice.uncertainties = estimates, uncertainties
         if gated and choice.outcome == "hit":
             choice.gated, choice.reason = True, gated
+        if dealt is not None and choice.outcome == "miss":
+            choice.deal = dealt
+            choice.reason = self._dealt(candidates, choice.chosen, dealt)
         if choice.outcome == "hit" and matched[chosen] < longest or choice.outcome == "miss" and longest:
             p, c = estimates[preferred], estimates[chosen]
             choice.outcome = "cost_override"
@@ -557,8 +595,28 @@ class PrefixTreeTier(RoutingTier):
                         f"(mean {mean:.3g}, σ {sigma:.3g})")
         return ""
 
+    def _deal(self, request: RouteRequest | None, candidates: Sequence[Replica], estimates: list[cost_model.Estimate],
+              near: list[int], now: float) -> new_prefixes.Deal:
+        """The candidates a prompt no replica holds may be dealt to (:mod:`llmgw.router.deal`): the affordable ones
+        holding the least of the tree; in a cluster, within what this gateway did that its peers have not heard of."""
+        names, weights = [r.name for r in candidates], [r.weight for r in candidates]
+        if self.learning is None:
+            return new_prefixes.deal(estimates, near, self.tree.replica_chars, names, weights)
+        return new_prefixes.deal(estimates, near, self.tree.replica_chars, names, weights,
+                                 self.recent_chars.total(now), self.recent_tokens.total(now))
+
+    @staticmethod
+    def _dealt(candidates: Sequence[Replica], chosen: int, deal: new_prefixes.Deal) -> str:
+        """Why a new prefix went where it went, for ``/admin/explain``."""
+        held = deal.held[chosen]
+        least = min(deal.held[i] for i in deal.affordable)
+        return (f"no candidate holds the prompt: dealt to {candidates[chosen].name}, holding {held:.0f} characters "
+                f"of the tree (the least is {least:.0f}) among the {len(deal.affordable)} candidates within "
+                f"{deal.slack * 1000:.0f} ms of the smallest cost"
+                + ("" if chosen in deal.cheapest else ", not one of the cheapest"))
+
     def _rendezvous(self, request: RouteRequest, candidates: Sequence[Replica], indices: list[int]) -> int:
-        """Among equally good candidates for a prompt no replica holds, the one its first characters hash to
+        """Among the candidates a prompt no replica holds may be dealt to, the one its first characters hash to
         highest with (rendezvous hashing): every gateway of a cluster that sees the same new prefix at the same
         moment picks the same replica, before any of them could learn of the others' pick."""
         head = canonical_text(request)[:max(self.options.min_match_chars, 64)].encode()

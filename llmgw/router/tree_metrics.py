@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from .deal import DealCounts
 from .radix import RadixTree
 from .uncertainty import Uncertainty
 
@@ -27,11 +28,15 @@ class PrefixTreeCollector:
     def __init__(self) -> None:
         self._trees: dict[str, weakref.ref[RadixTree]] = {}
         self._gates: dict[str, weakref.ref[Uncertainty]] = {}
+        self._deals: dict[str, weakref.ref[DealCounts]] = {}
 
-    def track(self, model: str, tree: RadixTree, gate: Uncertainty | None = None) -> None:
+    def track(self, model: str, tree: RadixTree, gate: Uncertainty | None = None,
+              deals: DealCounts | None = None) -> None:
         self._trees[model] = weakref.ref(tree)
         if gate is not None:
             self._gates[model] = weakref.ref(gate)
+        if deals is not None:
+            self._deals[model] = weakref.ref(deals)
 
     def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily,
                                  CounterMetricFamily]:
@@ -47,13 +52,17 @@ class PrefixTreeCollector:
         gated = CounterMetricFamily("llmgw_cost_overrides_gated", "Requests the cost rule would have sent off the "
                                     "replica holding most of their prompt (cost_override) and kept there, since the "
                                     "expected gain was within the uncertainty of the estimates.", labels=["model"])
-        return nodes, chars, replica_chars, evictions, gated
+        deals = CounterMetricFamily("llmgw_routing_new_prefixes", "Prompts no replica held, dealt out by the prefix "
+                                    "tiers' cost rule, by how: cheapest (the deal's pick was a cheapest candidate) "
+                                    "or dealt (an affordable candidate holding less than the cheapest ones).",
+                                    labels=["model", "how"])
+        return nodes, chars, replica_chars, evictions, gated, deals
 
     def describe(self) -> Iterable[Metric]:
         return self._families()
 
     def collect(self) -> Iterable[Metric]:
-        nodes, chars, replica_chars, evictions, gated = self._families()
+        nodes, chars, replica_chars, evictions, gated, deals = self._families()
         for model, ref in list(self._trees.items()):
             tree = ref()
             if tree is None:
@@ -72,14 +81,23 @@ class PrefixTreeCollector:
                 self._gates.pop(model, None)
                 continue
             gated.add_metric([model], gate.gated)
-        return [nodes, chars, replica_chars, evictions, gated]
+        for model, deals_ref in list(self._deals.items()):
+            counts = deals_ref()
+            if counts is None:
+                self._deals.pop(model, None)
+                continue
+            for how, count in counts.counts.items():
+                deals.add_metric([model, how], count)
+        return [nodes, chars, replica_chars, evictions, gated, deals]
 
 
-def track_tree(registry: CollectorRegistry, model: str, tree: RadixTree, gate: Uncertainty | None = None) -> None:
-    """Report ``tree`` as model ``model``'s prefix tree in ``registry`` (and ``gate``'s refused overrides)."""
+def track_tree(registry: CollectorRegistry, model: str, tree: RadixTree, gate: Uncertainty | None = None,
+               deals: DealCounts | None = None) -> None:
+    """Report ``tree`` as model ``model``'s prefix tree in ``registry`` (with ``gate``'s refused overrides and
+    ``deals``, its tier's new prefixes)."""
     with _lock:
         collector = _collectors.get(registry)
         if collector is None:
             collector = _collectors[registry] = PrefixTreeCollector()
             registry.register(collector)
-    collector.track(model, tree, gate)
+    collector.track(model, tree, gate, deals)

@@ -11,6 +11,7 @@ replica (``x-llmgw-replica``) and ``usage.prompt_tokens_details.cached_tokens``.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from random import Random
 from typing import Callable
@@ -158,3 +159,31 @@ async def test_a_prefix_routed_by_one_gateways_tree_is_known_to_the_others(share
             second = await http.post(follower.url + "/v1/chat/completions", json=body)
             assert second.headers["x-llmgw-replica"] == holder
             assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_new_prompts_entering_two_gateways_in_turn_are_dealt_out_evenly(shared_cluster):
+    """Eight new system prompts, one after another through two gateways in turn, each answered before the next is
+    sent: every replica is idle whenever one arrives, so nothing in the momentary load tells them apart. What
+    each replica was dealt (every gateway's routes, shared) does: two per replica, whichever gateway routed them.
+    (Before, among replicas that looked alike a new prompt went where its first characters hashed, the same in
+    every gateway but as uneven as any hash of eight keys over four replicas.)"""
+    engines, control, (follower,) = await shared_cluster(followers=1, sims=4)
+    gateways = [control, follower]
+    replicas: list[str] = []
+    async with httpx.AsyncClient(timeout=30) as http:
+        for order in range(8):
+            body = {"model": MODEL, "max_tokens": 4, "messages": [
+                {"role": "system", "content": words(Random(200 + order), 400)},
+                {"role": "user", "content": "hello"}]}
+            response = await http.post(gateways[order % 2].url + "/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            replicas.append(response.headers["x-llmgw-replica"])
+            await trio.sleep(0.3)  # this gateway's route reaches the other (ms), and leaves its own recent window
+    assert sorted(Counter(replicas).values()) == [2, 2, 2, 2], replicas
+    dealt = 0.0
+    for gateway in gateways:
+        text = await scrape(gateway.control_url)
+        dealt += sum(metric_value(text, "llmgw_routing_new_prefixes_total", f'model="{MODEL}",how="{how}"')
+                     for how in ("cheapest", "dealt"))
+    assert dealt == 8

@@ -65,10 +65,45 @@ async def test_misses_spread_over_the_least_loaded_replicas_evenly():
         picks[(await router.pick(chat(f"question {i}", system=f"fresh system prompt {i} " * 30))).replica.name] += 1
     assert picks == {"a": 3, "b": 3, "c": 3, "d": 3}  # the least recently given a new prefix goes next
 
-    a, b, c, d = replicas
-    a.local_inflight, b.local_inflight, c.local_inflight, d.local_inflight = 2, 0, 3, 1
-    decision = await router.pick(chat("new", system="another fresh prompt " * 30))
-    assert decision.outcome == "miss" and decision.replica is b
+
+async def test_new_prefixes_are_dealt_out_evenly_whichever_replica_is_idle_when_they_arrive():
+    """A replica whose requests finish first is idle whenever a new prefix arrives: dealt by momentary load, it
+    would collect every new prefix (and all their later requests); dealt by what each replica holds, the twelve
+    groups end three per replica. Every one goes within two of its own prefills' time of the cheapest."""
+    async def deal(options) -> tuple[Router, Counter]:
+        router, replicas = make_router(options)
+        picks = Counter()
+        for i in range(12):
+            for replica in replicas:
+                replica.local_inflight = 0 if replica.name == "b" else 1
+            decision = await router.pick(chat(f"question {i}", system=f"fresh system prompt {i} " * 30))
+            assert decision.outcome == "miss"
+            picks[decision.replica.name] += 1
+        return router, picks
+
+    router, picks = await deal({})
+    assert picks == {"a": 3, "b": 3, "c": 3, "d": 3}
+    assert (await deal({"new_prefixes": "cheapest"}))[1] == {"b": 12}  # by cost alone: the idle one takes all
+    deals = {how: sample.value for sample in router.metrics.registry.collect() for sample in sample.samples
+             if sample.name == "llmgw_routing_new_prefixes_total" for how in [sample.labels["how"]]}
+    assert deals["cheapest"] + deals["dealt"] == 12 and deals["dealt"] >= 8  # b was the cheapest every time
+
+
+async def test_the_deal_never_sends_a_new_prefix_to_a_replica_too_busy_to_afford_it():
+    router, (a, b, c, d) = make_router()
+    a.local_inflight = 10  # ten requests in flight: far more than two prefills of a new prompt behind the others
+    for i in range(4):
+        decision = await router.pick(chat("hello", system=f"fresh system prompt {i} " * 30))
+        assert decision.outcome == "miss" and decision.replica is not a  # a holds the least, but is too busy
+    tier = router.models["m"].tier
+    assert tier.tree.replica_chars.get("a", 0) == 0
+    a.local_inflight = 1  # one request in flight: within the slack, and it holds the least
+    request = chat("hello", system="fresh system prompt 9 " * 30)
+    explained = tier.explain(request, [a, b, c, d])
+    assert explained["pick"] == "a" and "not one of the cheapest" in explained["reason"], explained
+    assert [r["deal"] for r in explained["replicas"]][0] == {"held_chars": 0, "affordable": True}
+    decision = await router.pick(request)
+    assert decision.outcome == "miss" and decision.replica is a
 
 
 async def test_a_miss_does_not_go_to_the_first_replica_by_default():
