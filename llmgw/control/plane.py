@@ -77,7 +77,7 @@ class ControlPlane:
         self.replicas = replicas
         self.kv_index = kv_index
         self.id = uuid.uuid4().hex[:12]
-        self.metrics = ControlMetrics(metrics_registry)
+        self.metrics = ControlMetrics.for_registry(metrics_registry)
         self.kv_metrics = KvMetrics.for_registry(metrics_registry)
         self._kv_refusals_told: set[tuple[str, str, str]] = set()
         self._unproven_told: set[tuple[str, str]] = set()  # (node, shard): logged and told once per session
