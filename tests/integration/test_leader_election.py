@@ -1,0 +1,216 @@
+"""Leader election over Redis: every ``llmgw serve`` of a cluster without ``--role gateway`` is a candidate, one
+holds the lease and runs the control plane, the others follow it and take over when it dies or is cut off.
+
+Real processes on loopback: ``llmgw sim`` replicas with KV events, candidate ``llmgw serve`` processes and a real
+``redis-server``. What is checked is what a user sees (``/health``, ``/admin/cluster``, ``/metrics``, answers to
+requests) and what is in Redis (the log, the lease).
+"""
+
+from __future__ import annotations
+
+import signal
+
+import coredis
+import httpx
+import pytest
+import trio
+
+from llmgw.cluster.link import RedisLink
+from llmgw.cluster.metrics import ClusterMetrics
+from llmgw.cluster.records import Keys
+from llmgw.config.loading import parse_config
+from llmgw.testing.metrics import metric_value
+from llmgw.testing.processes import Child
+from llmgw.testing.shared_state import cluster_config, start_cluster, state_section, wait_kv_healthy
+from llmgw.testing.sims import MODEL
+
+pytestmark = pytest.mark.slow
+
+PROMPT = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hello there"}]}
+
+
+async def leader_state(http: httpx.AsyncClient, gateway: Child) -> dict:
+    """The ``leader`` part of the gateway's ``/health`` (its campaign: leading or not, the holder it last read)."""
+    return (await http.get(gateway.control_url + "/health")).json()["state"]["leader"]
+
+
+async def wait_for_leader(http: httpx.AsyncClient, candidates: list[Child], timeout: float = 10.0) -> Child:
+    """Until exactly one candidate leads and every candidate names it as the holder; that one."""
+    with trio.fail_after(timeout):
+        while True:
+            states = [await leader_state(http, c) for c in candidates]
+            leaders = [c for c, s in zip(candidates, states) if s["leading"]]
+            holders = {(s["holder"] or {}).get("origin") for s in states}
+            if len(leaders) == 1 and len(holders) == 1 and None not in holders:
+                return leaders[0]
+            await trio.sleep(0.05)
+
+
+async def two_candidates(nursery, start_llmgw, redis_url: str, cluster_name: str, state: str = ""):
+    """``(simulators, [candidate A, candidate B])``: two ``llmgw serve`` processes of one cluster, neither with
+    ``--role gateway``; A is started first (and so is elected first)."""
+    engines, first, _ = await start_cluster(nursery, start_llmgw, redis_url, cluster_name, followers=0, state=state)
+    second = await start_llmgw(cluster_config(engines, redis_url, cluster_name, state=state))
+    await wait_kv_healthy(second.control_url, len(engines))
+    return engines, [first, second]
+
+
+async def test_two_candidates_elect_one_leader_and_the_other_follows_it(nursery, start_llmgw, redis_url,
+                                                                        cluster_name):
+    engines, candidates = await two_candidates(nursery, start_llmgw, redis_url, cluster_name)
+    async with httpx.AsyncClient(timeout=30) as http:
+        leader = await wait_for_leader(http, candidates)
+        (follower,) = [c for c in candidates if c is not leader]
+        clusters = {c: (await http.get(c.control_url + "/admin/cluster")).json() for c in candidates}
+        # The follower follows the leader's log (its writer is the leader's term), and has no control plane.
+        assert clusters[follower]["log"]["writer"].startswith(clusters[leader]["origin"] + ".")
+        assert clusters[follower]["log"]["loaded"] is True
+        assert (await http.get(follower.control_url + "/admin/nodes")).status_code == 404
+        assert (await http.get(leader.control_url + "/admin/nodes")).status_code == 200
+        leading = {c: metric_value((await http.get(c.control_url + "/metrics")).text, "llmgw_cluster_leader")
+                   for c in candidates}
+        assert leading == {leader: 1.0, follower: 0.0}
+        for gateway in candidates:  # both route
+            response = await http.post(gateway.url + "/v1/chat/completions", json=PROMPT)
+            assert response.status_code == 200, response.text
+        # Still one leader, the same one, a few renewals later.
+        await trio.sleep(1.5)
+        assert await wait_for_leader(http, candidates) is leader
+        assert metric_value((await http.get(leader.control_url + "/metrics")).text,
+                            "llmgw_cluster_elections_total") == 1.0
+
+
+async def test_kill_9_of_the_leader_makes_the_other_candidate_leader_and_the_followers_follow_it(
+        nursery, start_llmgw, redis_url, cluster_name):
+    engines, candidates = await two_candidates(nursery, start_llmgw, redis_url, cluster_name)
+    gateway = await start_llmgw(cluster_config(engines, redis_url, cluster_name), "--role", "gateway")
+    async with httpx.AsyncClient(timeout=30) as http:
+        old = await wait_for_leader(http, candidates)
+        (survivor,) = [c for c in candidates if c is not old]
+        old.kill(signal.SIGKILL)
+        await old.wait_exit()
+        new = await wait_for_leader(http, [survivor], timeout=15)
+        state = await leader_state(http, new)
+        assert state["term"] == 2  # the lease's generation moved on: the fencing token of the new term
+        survivor_origin = (await http.get(survivor.control_url + "/admin/cluster")).json()["origin"]
+        # The --role gateway process follows the new leader's log (its snapshot, then its batches)...
+        with trio.fail_after(15):
+            while not ((await http.get(gateway.control_url + "/admin/cluster")).json()["log"]["writer"]
+                       or "").startswith(survivor_origin + "."):
+                await trio.sleep(0.1)
+        # ...and both keep routing, the new leader with its own control plane.
+        assert (await http.get(survivor.control_url + "/admin/nodes")).status_code == 200
+        for process in (survivor, gateway):
+            response = await http.post(process.url + "/v1/chat/completions", json=PROMPT)
+            assert response.status_code == 200, response.text
+        assert metric_value((await http.get(survivor.control_url + "/metrics")).text,
+                            "llmgw_cluster_leader_transitions_total", 'to="leader",reason="elected"') == 1.0
+
+
+async def test_a_paused_leader_steps_down_and_writes_nothing_after_its_successor(nursery, start_llmgw, redis_url,
+                                                                                 cluster_name):
+    engines, candidates = await two_candidates(nursery, start_llmgw, redis_url, cluster_name)
+    async with httpx.AsyncClient(timeout=30) as http:
+        old = await wait_for_leader(http, candidates)
+        (other,) = [c for c in candidates if c is not old]
+        old_origin = (await http.get(old.control_url + "/admin/cluster")).json()["origin"]
+        old.kill(signal.SIGSTOP)  # a paused leader (a long GC, a frozen VM): its lease runs out meanwhile
+        try:
+            new = await wait_for_leader(http, [other], timeout=15)
+            new_origin = (await http.get(new.control_url + "/admin/cluster")).json()["origin"]
+            await trio.sleep(0.5)
+        finally:
+            old.kill(signal.SIGCONT)
+        # Back, it finds its term over: it follows, the new leader keeps its term.
+        assert await wait_for_leader(http, candidates) is other
+        assert (await leader_state(http, other))["term"] == 2
+        with trio.fail_after(15):  # the new term published its first snapshot (after its adoption window)
+            while not (await http.get(other.control_url + "/admin/cluster")).json()["log"]["published"]:
+                await trio.sleep(0.1)
+        await trio.sleep(1.0)  # renewals of the new term; whatever the old one had pending would be written now
+        assert await wait_for_leader(http, candidates) is other
+        assert (await http.get(old.control_url + "/admin/nodes")).status_code == 404
+        log_writers = await log_writers_in_order(redis_url, cluster_name)
+        first_new = next(i for i, writer in enumerate(log_writers) if writer.startswith(new_origin + "."))
+        assert not any(writer.startswith(old_origin + ".") for writer in log_writers[first_new:]), log_writers
+
+
+async def log_writers_in_order(redis_url: str, cluster: str) -> list[str]:
+    client = coredis.Redis.from_url(redis_url, decode_responses=False)
+    async with client:
+        entries = await client.xrange(Keys(cluster).log)
+    return [entry.field_values[b"w"].decode() for entry in entries]
+
+
+async def test_a_stale_terms_write_is_refused_by_redis_and_ends_that_term(nursery, redis_url, cluster_name):
+    from llmgw.cluster.election import Election, Fence, Fenced  # here: the other tests run (and fail) on main
+
+    config = parse_config(state_section(redis_url, cluster_name, lease_ttl="600ms", lease_renew="100ms"))
+    keys = Keys(cluster_name)
+
+    async def candidate(origin: str) -> "Election":
+        metrics = ClusterMetrics(None, "control", cluster_name, origin)
+        link = RedisLink(config.state, metrics)
+        await nursery.start(link.run)
+        election = Election(link, keys, config.state, metrics, origin)
+        election.listening(f"http://{origin}.invalid:1")
+        return election
+
+    old = await candidate("old")
+    await nursery.start(old.run)
+    old_term = await old.wait_elected()
+    old_fence = Fence(old.link, keys, old, old_term, old.metrics)
+    await old_fence.run("test", [[b"XADD", keys.log, b"*", b"w", b"old"]])  # while it holds the lease: written
+    # Its lease runs out in Redis while it cannot renew (the pause, seen from Redis), and another takes it.
+    client = coredis.Redis.from_url(redis_url, decode_responses=False)
+    async with client:
+        await client.delete([keys.leader])
+    new = await candidate("new")
+    await nursery.start(new.run)
+    new_term = await new.wait_elected()
+    assert new_term.generation == old_term.generation + 1
+    with pytest.raises(Fenced):
+        await old_fence.run("test", [[b"XADD", keys.log, b"*", b"w", b"old-late"]])
+    assert old_term.scope.cancel_called and not old.leading
+    assert scrape_metric(old.metrics.fenced_writes) == 1
+    new_fence = Fence(new.link, keys, new, new_term, new.metrics)
+    await new_fence.run("test", [[b"XADD", keys.log, b"*", b"w", b"new"]])
+    async with client:
+        written = [entry.field_values[b"w"] for entry in await client.xrange(keys.log)]
+    assert written == [b"old", b"new"]
+    nursery.cancel_scope.cancel()
+
+
+def scrape_metric(counter) -> float:
+    return counter._value.get()
+
+
+async def test_a_redis_outage_leaves_no_leader_then_one_is_elected_and_every_process_routes_throughout(
+        nursery, start_llmgw, private_redis, cluster_name):
+    engines, candidates = await two_candidates(nursery, start_llmgw, private_redis.url, cluster_name)
+    pids = [engine.pid for engine in engines]
+    async with httpx.AsyncClient(timeout=30) as http:
+        await wait_for_leader(http, candidates)
+        await private_redis.kill()
+        with trio.fail_after(10):  # the leader stops before its lease could have expired; nobody takes over
+            while any([(await leader_state(http, c))["leading"] for c in candidates]):
+                await trio.sleep(0.05)
+        for _ in range(3):
+            for process in candidates:  # fail-static: both route on the last known table
+                response = await http.post(process.url + "/v1/chat/completions", json=PROMPT)
+                assert response.status_code == 200, response.text
+            assert not any([(await leader_state(http, c))["leading"] for c in candidates])
+            await trio.sleep(0.5)
+        await private_redis.restart()
+        leader = await wait_for_leader(http, candidates, timeout=15)
+        (follower,) = [c for c in candidates if c is not leader]
+        leader_origin = (await http.get(leader.control_url + "/admin/cluster")).json()["origin"]
+        with trio.fail_after(15):
+            while not ((await http.get(follower.control_url + "/admin/cluster")).json()["log"]["writer"]
+                       or "").startswith(leader_origin + "."):
+                await trio.sleep(0.1)
+        for process in candidates:
+            response = await http.post(process.url + "/v1/chat/completions", json=PROMPT)
+            assert response.status_code == 200, response.text
+            assert process.returncode is None
+    assert [engine.pid for engine in engines] == pids and all(engine.returncode is None for engine in engines)
