@@ -122,7 +122,7 @@ def parse_holder(raw: Any) -> dict[str, Any] | None:
     if not isinstance(raw, bytes) or len(raw) > MAX_HOLDER_BYTES:
         return None
     parts = raw.decode("utf-8", "replace").split(" ")
-    if len(parts) != 3 or not parts[0].isdigit():
+    if len(parts) != 3 or not (parts[0].isascii() and parts[0].isdigit()):
         return None
     return {"generation": int(parts[0]), "origin": parts[1], "control_url": parts[2]}
 
