@@ -20,7 +20,7 @@ from llmgw.cluster.metrics import ClusterMetrics
 from llmgw.cluster.records import Keys
 from llmgw.config.loading import parse_config
 from llmgw.testing.metrics import metric_value
-from llmgw.testing.processes import Child
+from llmgw.testing.processes import Child, llmgw_command
 from llmgw.testing.shared_state import cluster_config, start_cluster, state_section, wait_kv_healthy
 from llmgw.testing.sims import MODEL
 
@@ -73,6 +73,14 @@ async def test_two_candidates_elect_one_leader_and_the_other_follows_it(nursery,
         for gateway in candidates:  # both route
             response = await http.post(gateway.url + "/v1/chat/completions", json=PROMPT)
             assert response.status_code == 200, response.text
+        # `llmgw status` at the follower says who leads, and reads the nodes from the leader it names.
+        done = await trio.run_process(llmgw_command("status", "--control", follower.control_url),
+                                      capture_stdout=True, capture_stderr=True, check=False)
+        out = done.stdout.decode()
+        assert done.returncode == 0, done.stderr.decode()
+        assert out.startswith(f"CLUSTER {cluster_name}: this process follows; the leader is "
+                              f"{clusters[leader]['origin']} at {leader.control_url} (term 1)\n"), out
+        assert "NODES (0)" in out and "REPLICAS (2)" in out
         # Still one leader, the same one, a few renewals later.
         await trio.sleep(1.5)
         assert await wait_for_leader(http, candidates) is leader
