@@ -70,15 +70,16 @@ return 0
 """
 
 # KEYS[1]: the lease; ARGV[1]: the term's token; then each command as its word count and its words. Only the
-# commands the log writer uses run: the script cannot be turned into a general remote shell by a bad caller.
+# commands the leader's writers use run: the script cannot be turned into a general remote shell by a bad caller.
 FENCED = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local ALLOWED = {XADD = true, SET = true, PEXPIRE = true, HSET = true, HDEL = true}
 local results = {}
 local i = 2
 while i <= #ARGV do
   local n = tonumber(ARGV[i])
   local command = string.upper(ARGV[i + 1])
-  if command ~= 'XADD' and command ~= 'SET' and command ~= 'PEXPIRE' then
+  if not ALLOWED[command] then
     return redis.error_reply('fenced write: command ' .. command .. ' is not allowed')
   end
   results[#results + 1] = redis.call(unpack(ARGV, i + 1, i + n))
@@ -124,6 +125,8 @@ def parse_holder(raw: Any) -> dict[str, Any] | None:
     parts = raw.decode("utf-8", "replace").split(" ")
     if len(parts) != 3 or not (parts[0].isascii() and parts[0].isdigit()):
         return None
+    if not all(part.isascii() and part.isprintable() for part in parts[1:]):
+        return None  # it goes into an answer's header, and to agents
     return {"generation": int(parts[0]), "origin": parts[1], "control_url": parts[2]}
 
 
@@ -279,9 +282,9 @@ class Fence:
         self.metrics = metrics
 
     async def run(self, operation: str, commands: Sequence[Sequence[Any]], timeout: float | None = None) -> list[Any]:
-        """Run ``commands`` (each a list of words: ``XADD``, ``SET`` or ``PEXPIRE``) atomically under the fence;
-        their results. :class:`Fenced` when the lease is not this term's (the term ends), :class:`Unavailable`
-        when Redis fails."""
+        """Run ``commands`` (each a list of words: ``XADD``, ``SET``, ``PEXPIRE``, ``HSET`` or ``HDEL``)
+        atomically under the fence; their results. :class:`Fenced` when the lease is not this term's (the term
+        ends), :class:`Unavailable` when Redis fails."""
         args: list[Any] = [self.term.token]
         for command in commands:
             args.append(len(command))

@@ -104,6 +104,10 @@ class Keys:
         return self.prefix + "learn"
 
     @property
+    def nodes(self) -> str:
+        return self.prefix + "nodes"
+
+    @property
     def leader(self) -> str:
         return self.prefix + "leader"
 

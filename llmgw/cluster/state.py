@@ -35,6 +35,7 @@ from ..router.replicas import DEPLOYED, STATIC
 from . import records
 from .election import Election, Fence, Term
 from .follower import FollowedReplicas, LogFollower
+from .identities import SharedIdentities, placement_key
 from .learn import PredictionSharing
 from .link import RedisLink, Unavailable, cluster_secret
 from .load import LoadSharing
@@ -72,7 +73,9 @@ class SharedState:
         self.keys = Keys(self.settings.cluster)
         self.metrics = ClusterMetrics(metrics_registry, role, self.settings.cluster, self.origin)
         self.link = RedisLink(self.settings, self.metrics)
-        self.signer = records.Signer(cluster_secret(self.settings))
+        secret = cluster_secret(self.settings)
+        self.signer = records.Signer(secret)
+        self.placement_key = placement_key(secret)
         self.replicas = replicas
         self.kv_index = kv_index
         self.load = LoadSharing(self.link, self.keys, self.settings, replicas, self.metrics, self.origin, self.signer)
@@ -86,6 +89,7 @@ class SharedState:
         self.follower = LogFollower(self.link, self.keys, self.followed, kv_index, self.metrics, self.signer)
         self.election = Election(self.link, self.keys, self.settings, self.metrics, self.origin) \
             if role == CONTROL else None
+        self.identities = SharedIdentities(self.link, self.keys, self.signer, self.metrics)
         self.writer: LogWriter | None = None
         self.table: PublishedReplicaTable | None = None  # what the control plane's sources write to (leading)
         self.kv: PublishedKv | None = None

@@ -171,7 +171,8 @@ class Gateway:
                                                               self._state_loaded)
 
     def _build_control(self, table: ReplicaTable, kv: KvWriter) -> ControlPlane:
-        return ControlPlane(table, kv, self.registry, self.metrics.registry, self.config)
+        key = self.shared.placement_key if self.shared is not None else None
+        return ControlPlane(table, kv, self.registry, self.metrics.registry, self.config, placement_key=key)
 
     async def _wait_for_replica(self, model: str) -> bool:
         """With a shared state: the control plane's adoption window while leading, else the first snapshot."""
@@ -196,8 +197,12 @@ class Gateway:
         except Exception:  # e.g. an unreadable identity store: this process cannot lead, but it still routes
             log.exception("cluster leader: the control plane cannot start here; the term ends")
             return
+        shared = self.shared
+        assert shared is not None and shared.writer is not None
         try:
             async with trio.open_nursery() as nursery:
+                await shared.identities.load_into(control.identities)  # before any agent is served
+                nursery.start_soon(shared.identities.write_from, control.identities, shared.writer.fence)
                 self.term_table.term, self.term_kv.term = table, kv
                 kv.remote_listeners.append(self.term_kv.remote_resync)
                 self.static.rejoin(self.config)

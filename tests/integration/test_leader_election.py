@@ -19,10 +19,12 @@ from llmgw.cluster.link import RedisLink
 from llmgw.cluster.metrics import ClusterMetrics
 from llmgw.cluster.records import Keys
 from llmgw.config.loading import parse_config
+from llmgw.testing.cluster import CHAT, TOKEN, Cluster, all_up, shard_pids
 from llmgw.testing.metrics import metric_value
 from llmgw.testing.processes import Child, llmgw_command
 from llmgw.testing.shared_state import cluster_config, start_cluster, state_section, wait_kv_healthy
-from llmgw.testing.sims import MODEL
+from llmgw.testing.sims import MODEL, kv_sim_profile
+from llmgw.wire.channel import agent_url
 
 pytestmark = pytest.mark.slow
 
@@ -222,3 +224,69 @@ async def test_a_redis_outage_leaves_no_leader_then_one_is_elected_and_every_pro
             assert response.status_code == 200, response.text
             assert process.returncode is None
     assert [engine.pid for engine in engines] == pids and all(engine.returncode is None for engine in engines)
+
+
+SECRET_ENV = "LLMGW_TEST_CLUSTER_SECRET"
+
+
+def candidate_config(control_state_dir, redis_url: str, cluster: str) -> str:
+    """A candidate with its own identity store (as on a host of its own), one deployed simulator engine, and the
+    cluster secret (the placement key every candidate derives) in ``SECRET_ENV``."""
+    return f"""
+agents:
+  token: {TOKEN}
+  heartbeat_interval: 0.5s
+  suspect_after: 1.5s
+  disconnected_after: 3s
+  control_state_dir: {control_state_dir}
+health:
+  interval: 0.2s
+  failures_to_down: 1
+""" + kv_sim_profile('"--num-blocks", "256"', replicas=1) + state_section(
+        redis_url, cluster, snapshot_interval="1s", secret_env=SECRET_ENV)
+
+
+async def test_after_kill_9_of_the_leader_the_agent_follows_the_new_one_which_adopts_its_engine(
+        cluster, redis_url, cluster_name, tmp_path, monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, "a cluster secret of at least 16 bytes")
+    second = Cluster(cluster.nursery, tmp_path / "second", cluster.engines, fixtures=cluster.fixtures,
+                     cwd=cluster.cwd)
+    (tmp_path / "second").mkdir()
+    for c, name in ((cluster, "first"), (second, "second")):
+        c.write_config(candidate_config(tmp_path / f"control-{name}", redis_url, cluster_name))
+    first_serve = await cluster.start_serve()
+    async with httpx.AsyncClient(timeout=30) as http:
+        with trio.fail_after(10):
+            while not (await http.get(cluster.control_url + "/health")).json()["state"]["leader"]["leading"]:
+                await trio.sleep(0.05)
+        await second.start_serve()
+        agent = await cluster.start_agent("a", "tiny-2gpu-a", join=f"{cluster.control_url},{second.control_url}")
+        replicas = await cluster.settled(1)
+        pids = shard_pids(replicas)
+        secret = (tmp_path / "agent-a" / "node-secret").read_text()
+        first_serve.kill(signal.SIGKILL)
+        await first_serve.wait_exit()
+        # The other candidate leads, the agent reconnects to it (one of its --join URLs) with its node secret and
+        # its placement proofs, and the new leader adopts the running engine: same pid, no restart.
+        adopted = await second.wait_for("the engine adopted by the new leader", lambda: adopted_on(second, pids),
+                                        timeout=30)
+        assert restarts(adopted) == {name: 0 for name in pids}
+        assert (await second.nodes())["a"]["state"] == "connected"
+        assert (tmp_path / "agent-a" / "node-secret").read_text() == secret  # known, not joined anew
+        assert any(f"connected to {agent_url(second.control_url)}" in line for line in agent.lines)
+        response = await http.post(second.data_url + "/v1/chat/completions", json=CHAT)
+        assert response.status_code == 200, response.text
+        assert adopted_pids(await second.replicas()) == pids
+
+
+async def adopted_on(cluster: Cluster, pids: dict[str, int]) -> dict | None:
+    replicas = await cluster.replicas()
+    return replicas if all_up(len(pids))(replicas) and adopted_pids(replicas) == pids else None
+
+
+def adopted_pids(replicas: dict[str, dict]) -> dict[str, int]:
+    return {name: (r.get("shards") or [{}])[0].get("pid") for name, r in replicas.items()}
+
+
+def restarts(replicas: dict[str, dict]) -> dict[str, int]:
+    return {name: r["shards"][0]["restarts"] for name, r in replicas.items()}
