@@ -17,12 +17,12 @@ drives the table and index) and reads go to this process's own copies.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..kv.changes import ChangesFields
 from ..router.model import TierModel
 from ..router.replica import Replica
-from .writer import tell_listeners
+from .writer import ResyncListeners, TableReads
 
 if TYPE_CHECKING:
     from ..kv.index import KvIndex
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .writer import PublishedKv, PublishedReplicaTable
 
 
-class TermTable:
+class TermTable(TableReads):
     """A :class:`~llmgw.control.interfaces.ReplicaTable` that writes only while this process leads."""
 
     def __init__(self, inner: "ReplicaSet"):
@@ -56,23 +56,8 @@ class TermTable:
         if self.term is not None:
             await self.term.drain(replica, reason, timeout)
 
-    def model(self, name: str) -> TierModel | None:
-        return self.inner.model(name)
 
-    def declared_models(self) -> list[str]:
-        return self.inner.declared_models()
-
-    def members(self, model: str) -> list[Replica]:
-        return self.inner.members(model)
-
-    def source_of(self, replica: Replica) -> str | None:
-        return self.inner.source_of(replica)
-
-    def describe(self, replica: Replica) -> dict[str, Any]:
-        return self.inner.describe(replica)
-
-
-class TermKv:
+class TermKv(ResyncListeners):
     """A :class:`~llmgw.control.interfaces.KvWriter` that writes only while this process leads; its resync
     listeners (the static replicas' subscriptions) hear this process's index always."""
 
@@ -92,19 +77,6 @@ class TermKv:
     def remove(self, replica_id: str) -> None:
         if self.term is not None:
             self.term.remove(replica_id)
-
-    def add_resync_listener(self, listener: Callable[[str, str, str], None]) -> None:
-        self._listeners.append(listener)
-        self.inner.add_resync_listener(listener)
-
-    def remove_resync_listener(self, listener: Callable[[str, str, str], None]) -> None:
-        if listener in self._listeners:
-            self._listeners.remove(listener)
-        self.inner.remove_resync_listener(listener)
-
-    def remote_resync(self, replica_id: str, mode: str, reason: str) -> None:
-        """Another gateway's ask (through the term's :class:`~.writer.PublishedKv`)."""
-        tell_listeners(list(self._listeners), replica_id, mode, reason)
 
     def resync_all(self, replica_ids: list[str], reason: str) -> None:
         """Ask each subscription for a full copy (at its next flush): a new term publishes the engines' truth."""

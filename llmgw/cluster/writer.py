@@ -209,7 +209,28 @@ class LogWriter:
             return []
 
 
-class PublishedReplicaTable:
+class TableReads:
+    """The reading half of a :class:`~llmgw.control.interfaces.ReplicaTable`: this process's own table."""
+
+    inner: "ReplicaSet"
+
+    def model(self, name: str) -> TierModel | None:
+        return self.inner.model(name)
+
+    def declared_models(self) -> list[str]:
+        return self.inner.declared_models()
+
+    def members(self, model: str) -> list[Replica]:
+        return self.inner.members(model)
+
+    def source_of(self, replica: Replica) -> str | None:
+        return self.inner.source_of(replica)
+
+    def describe(self, replica: Replica) -> dict[str, Any]:
+        return self.inner.describe(replica)
+
+
+class PublishedReplicaTable(TableReads):
     """A :class:`~llmgw.control.interfaces.ReplicaTable`: the local :class:`ReplicaSet`, each change recorded.
 
     Once the writer's term is over, changes are ignored: the control plane stopping (its sources' clean-up) must
@@ -231,12 +252,6 @@ class PublishedReplicaTable:
         gone = self.inner.withdraw_model(source, name)
         self.writer.record([records.UNMODEL, source, name])
         return gone
-
-    def model(self, name: str) -> TierModel | None:
-        return self.inner.model(name)
-
-    def declared_models(self) -> list[str]:
-        return self.inner.declared_models()
 
     def add(self, replica: Replica, source: str) -> bool:
         if self.writer.ended:
@@ -260,17 +275,33 @@ class PublishedReplicaTable:
         if self.inner.get(replica.name) is None:
             self.writer.record([records.REMOVE, replica.name])
 
-    def members(self, model: str) -> list[Replica]:
-        return self.inner.members(model)
 
-    def source_of(self, replica: Replica) -> str | None:
-        return self.inner.source_of(replica)
+class ResyncListeners:
+    """Resync listeners registered through a KV writer: they hear the index's own asks (registered on it) and
+    the ones :meth:`remote_resync` passes on (another gateway's)."""
 
-    def describe(self, replica: Replica) -> dict[str, Any]:
-        return self.inner.describe(replica)
+    inner: "KvIndex"
+    _listeners: list[Callable[[str, str, str], None]]
+
+    def add_resync_listener(self, listener: Callable[[str, str, str], None]) -> None:
+        self._listeners.append(listener)
+        self.inner.add_resync_listener(listener)
+
+    def remove_resync_listener(self, listener: Callable[[str, str, str], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+        self.inner.remove_resync_listener(listener)
+
+    def close(self) -> None:
+        """Every listener registered here stops hearing the index (a term's control plane, when it ends)."""
+        for listener in list(self._listeners):
+            self.remove_resync_listener(listener)
+
+    def remote_resync(self, replica_id: str, mode: str, reason: str) -> None:
+        tell_listeners(list(self._listeners), replica_id, mode, reason)
 
 
-class PublishedKv:
+class PublishedKv(ResyncListeners):
     """A :class:`~llmgw.control.interfaces.KvWriter`: the local :class:`KvIndex`, each change recorded.
 
     Once the writer's term is over, changes are ignored (as :class:`PublishedReplicaTable`'s). Resync listeners
@@ -302,22 +333,9 @@ class PublishedKv:
         self.inner.remove(replica_id)
         self.writer.record([records.KV_DROP, replica_id])
 
-    def add_resync_listener(self, listener: Callable[[str, str, str], None]) -> None:
-        self._listeners.append(listener)
-        self.inner.add_resync_listener(listener)
-
-    def remove_resync_listener(self, listener: Callable[[str, str, str], None]) -> None:
-        if listener in self._listeners:
-            self._listeners.remove(listener)
-        self.inner.remove_resync_listener(listener)
-
-    def close(self) -> None:
-        """The term is over: its listeners (the control plane's) stop hearing the index."""
-        for listener in list(self._listeners):
-            self.remove_resync_listener(listener)
-
     def remote_resync(self, replica_id: str, mode: str, reason: str) -> None:
-        tell_listeners([*self._listeners, *self.remote_listeners], replica_id, mode, reason)
+        super().remote_resync(replica_id, mode, reason)
+        tell_listeners(self.remote_listeners, replica_id, mode, reason)
 
 
 def tell_listeners(listeners: list[Callable[[str, str, str], None]], replica_id: str, mode: str,

@@ -48,6 +48,14 @@ async def wait_for_leader(http: httpx.AsyncClient, candidates: list[Child], time
             await trio.sleep(0.05)
 
 
+async def leader_and_other(http: httpx.AsyncClient, candidates: list[Child],
+                           timeout: float = 10.0) -> tuple[Child, Child]:
+    """``(leader, the other)`` of two candidates, once they agree."""
+    leader = await wait_for_leader(http, candidates, timeout)
+    (other,) = [c for c in candidates if c is not leader]
+    return leader, other
+
+
 async def two_candidates(nursery, start_llmgw, redis_url: str, cluster_name: str, state: str = ""):
     """``(simulators, [candidate A, candidate B])``: two ``llmgw serve`` processes of one cluster, neither with
     ``--role gateway``; A is started first (and so is elected first)."""
@@ -61,8 +69,7 @@ async def test_two_candidates_elect_one_leader_and_the_other_follows_it(nursery,
                                                                         cluster_name):
     engines, candidates = await two_candidates(nursery, start_llmgw, redis_url, cluster_name)
     async with httpx.AsyncClient(timeout=30) as http:
-        leader = await wait_for_leader(http, candidates)
-        (follower,) = [c for c in candidates if c is not leader]
+        leader, follower = await leader_and_other(http, candidates)
         clusters = {c: (await http.get(c.control_url + "/admin/cluster")).json() for c in candidates}
         # The follower follows the leader's log (its writer is the leader's term), and has no control plane.
         assert clusters[follower]["log"]["writer"].startswith(clusters[leader]["origin"] + ".")
@@ -95,8 +102,7 @@ async def test_kill_9_of_the_leader_makes_the_other_candidate_leader_and_the_fol
     engines, candidates = await two_candidates(nursery, start_llmgw, redis_url, cluster_name)
     gateway = await start_llmgw(cluster_config(engines, redis_url, cluster_name), "--role", "gateway")
     async with httpx.AsyncClient(timeout=30) as http:
-        old = await wait_for_leader(http, candidates)
-        (survivor,) = [c for c in candidates if c is not old]
+        old, survivor = await leader_and_other(http, candidates)
         old.kill(signal.SIGKILL)
         await old.wait_exit()
         new = await wait_for_leader(http, [survivor], timeout=15)
@@ -121,8 +127,7 @@ async def test_a_paused_leader_steps_down_and_writes_nothing_after_its_successor
                                                                                  cluster_name):
     engines, candidates = await two_candidates(nursery, start_llmgw, redis_url, cluster_name)
     async with httpx.AsyncClient(timeout=30) as http:
-        old = await wait_for_leader(http, candidates)
-        (other,) = [c for c in candidates if c is not old]
+        old, other = await leader_and_other(http, candidates)
         old_origin = (await http.get(old.control_url + "/admin/cluster")).json()["origin"]
         old.kill(signal.SIGSTOP)  # a paused leader (a long GC, a frozen VM): its lease runs out meanwhile
         try:
@@ -212,8 +217,7 @@ async def test_a_redis_outage_leaves_no_leader_then_one_is_elected_and_every_pro
             assert not any([(await leader_state(http, c))["leading"] for c in candidates])
             await trio.sleep(0.5)
         await private_redis.restart()
-        leader = await wait_for_leader(http, candidates, timeout=15)
-        (follower,) = [c for c in candidates if c is not leader]
+        leader, follower = await leader_and_other(http, candidates, timeout=15)
         leader_origin = (await http.get(leader.control_url + "/admin/cluster")).json()["origin"]
         with trio.fail_after(15):
             while not ((await http.get(follower.control_url + "/admin/cluster")).json()["log"]["writer"]
