@@ -158,6 +158,8 @@ class SharedState:
                     await nursery.start(writer.run, settled)
                     nursery.start_soon(self._answer_asks)
                     await lead(self.table, self.kv)
+        except Exception:  # a bug in the control plane ends the term, never the process (it stands again)
+            log.exception("cluster leader: term %d failed", term.generation)
         finally:
             self.kv.close()
             self.writer = self.table = self.kv = None
