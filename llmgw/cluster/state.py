@@ -158,6 +158,7 @@ class SharedState:
                     await nursery.start(writer.run, settled)
                     nursery.start_soon(self._answer_asks)
                     await lead(self.table, self.kv)
+                    nursery.cancel_scope.cancel()  # the control plane stopped (it could not start): so does the term
         except Exception:  # a bug in the control plane ends the term, never the process (it stands again)
             log.exception("cluster leader: term %d failed", term.generation)
         finally:

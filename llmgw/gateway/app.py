@@ -207,8 +207,8 @@ class Gateway:
                 kv.remote_listeners.append(self.term_kv.remote_resync)
                 self.static.rejoin(self.config)
                 self.term_kv.resync_all(self.static.kv_fed(), "a new term starts: publish the engine's truth")
+                await nursery.start(control.run)  # its adoption window is set from here
                 self.control = control
-                await nursery.start(control.run)
                 if self._listening:
                     control.reports.listening(self._listening)
                 if self.config.agents.embedded:
