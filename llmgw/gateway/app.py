@@ -203,12 +203,15 @@ class Gateway:
             async with trio.open_nursery() as nursery:
                 await shared.identities.load_into(control.identities)  # before any agent is served
                 nursery.start_soon(shared.identities.write_from, control.identities, shared.writer.fence)
+                # No checkpoint from here until the control plane starts: a request never finds the table without
+                # the config's replicas (the deployed ones' requests wait in the adoption window that follows).
+                shared.followed.release()
                 self.term_table.term, self.term_kv.term = table, kv
                 kv.remote_listeners.append(self.term_kv.remote_resync)
                 self.static.rejoin(self.config)
                 self.term_kv.resync_all(self.static.kv_fed(), "a new term starts: publish the engine's truth")
-                await nursery.start(control.run)  # its adoption window is set from here
                 self.control = control
+                await nursery.start(control.run)
                 if self._listening:
                     control.reports.listening(self._listening)
                 if self.config.agents.embedded:
