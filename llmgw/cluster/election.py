@@ -147,12 +147,18 @@ class Election:
         self.holder: dict[str, Any] | None = None  # the leader as last read from Redis (None: no leader known)
         self._elected = trio.Event()
         self._ended: list[Term] = []
+        self._stand_after = 0.0
         self._listening = trio.Event()
 
     def listening(self, control_url: str) -> None:
         """This process's control API is up at ``control_url``: it may stand (the lease names it to agents)."""
         self.control_url = control_url
         self._listening.set()
+
+    def pause(self, seconds: float) -> None:
+        """Stand again only ``seconds`` from now (this process's control plane failed: another may lead)."""
+        self._stand_after = trio.current_time() + seconds
+        log.warning("cluster leader: %s stands again in %gs", self.origin, seconds)
 
     @property
     def leading(self) -> bool:
@@ -196,6 +202,9 @@ class Election:
                 term = self.term
                 if term is not None and term.over:
                     self.end_term("expired" if not term.scope.cancel_called else "ended")
+                    continue
+                if term is None and trio.current_time() < self._stand_after:
+                    await trio.sleep_until(self._stand_after)
                     continue
                 if term is None:
                     await self._stand()

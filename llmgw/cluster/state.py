@@ -60,6 +60,7 @@ CONTROL = "control"
 GATEWAY = "gateway"
 ROLES = (CONTROL, GATEWAY)
 MAX_ASKS = 10_000  # the requests stream's length
+FAILED_TERM_PAUSE = 5  # lease_ttls a candidate whose control plane failed waits before it stands again
 
 
 class SharedState:
@@ -147,6 +148,7 @@ class SharedState:
         index stay as they are, followed from then on (fail-static until the next leader's snapshot)."""
         assert self.election is not None
         self._terms_led += 1  # in the writer's id: Redis may lose its generation counter (a restart, no persistence)
+        failed = False
         fence = Fence(self.link, self.keys, self.election, term, self.metrics)
         writer = LogWriter(self.link, self.keys, self.settings, self.replicas, self.kv_index, self.metrics,
                            f"{self.origin}.{term.generation}.{self._terms_led}", fence, self.signer)
@@ -159,14 +161,18 @@ class SharedState:
                     nursery.start_soon(self._answer_asks)
                     await lead(self.table, self.kv)
                     nursery.cancel_scope.cancel()  # the control plane stopped (it could not start): so does the term
+                    failed = True
         except Exception:  # a bug in the control plane ends the term, never the process (it stands again)
             log.exception("cluster leader: term %d failed", term.generation)
+            failed = True
         finally:
             self.kv.close()
             self.writer = self.table = self.kv = None
             self.followed.adopt_all()
             self.follower.restart()
             self.election.end_term("ended", term)
+            if failed:  # let another candidate lead; this one stands again later
+                self.election.pause(FAILED_TERM_PAUSE * self.settings.lease_ttl)
 
     def apply_config(self, config: "Config") -> None:
         """A reload: secrets of followed replicas are looked up in the new config from now on."""

@@ -23,7 +23,7 @@ from llmgw.testing.cluster import CHAT, TOKEN, Cluster, all_up, shard_pids
 from llmgw.testing.metrics import metric_value
 from llmgw.testing.processes import Child, llmgw_command
 from llmgw.testing.shared_state import cluster_config, start_cluster, state_section, wait_kv_healthy
-from llmgw.testing.sims import MODEL, kv_sim_profile
+from llmgw.testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, MODEL, kv_sim_profile, start_sims
 from llmgw.wire.channel import agent_url
 
 pytestmark = pytest.mark.slow
@@ -294,3 +294,24 @@ def adopted_pids(replicas: dict[str, dict]) -> dict[str, int]:
 
 def restarts(replicas: dict[str, dict]) -> dict[str, int]:
     return {name: r["shards"][0]["restarts"] for name, r in replicas.items()}
+
+
+async def test_a_candidate_whose_control_plane_cannot_start_lets_another_lead_and_keeps_routing(
+        nursery, start_llmgw, redis_url, cluster_name, tmp_path):
+    broken = tmp_path / "broken-control"
+    broken.mkdir()
+    (broken / "nodes.json").write_text("{not json")  # an identity store it cannot read
+    engines = await start_sims(nursery, 2, env=KV_SIM_ENV, num_blocks=512, block_size=16, time_scale=0, seed=0,
+                               extra=KV_SIM_EXTRA)
+    config = cluster_config(engines, redis_url, cluster_name)
+    first = await start_llmgw(config + f"agents:\n  control_state_dir: {broken}\n")
+    async with httpx.AsyncClient(timeout=30) as http:
+        with trio.fail_after(10):  # it won the lease, its term failed, and it gave the lease up
+            while not any("the control plane cannot start here" in line for line in first.lines):
+                await trio.sleep(0.05)
+        second = await start_llmgw(config + f"agents:\n  control_state_dir: {tmp_path / 'good-control'}\n")
+        assert await wait_for_leader(http, [first, second], timeout=15) is second
+        await wait_kv_healthy(first.control_url, len(engines))  # the failed one follows the new leader
+        response = await http.post(first.url + "/v1/chat/completions", json=PROMPT)
+        assert response.status_code == 200, response.text
+        assert first.returncode is None
