@@ -163,6 +163,19 @@ async def gateway_fault(rig: ClusterRig, load: SteadyLoad, duration: float) -> C
                               rows)
 
 
+async def wait_for_leader(rig: ClusterRig, candidates: list[GatewayProcess], what: str) -> GatewayProcess:
+    """The candidate that leads, once one does; the rig's control process from then on."""
+    async def elected():
+        for candidate in candidates:
+            if await rig.leading(candidate):
+                return candidate
+        return None
+
+    leader = await poll_until(what, elected, 60)
+    rig.lead_with(leader)
+    return leader
+
+
 async def leader_fault(rig: ClusterRig, load: SteadyLoad, duration: float) -> ClusterFaultResult:
     """``kill -9`` of the leader: time until another candidate leads, and until every follower's index equals
     the new leader's; failed requests on the survivors; the engines' pids (static simulators: never touched)."""
@@ -175,15 +188,8 @@ async def leader_fault(rig: ClusterRig, load: SteadyLoad, duration: float) -> Cl
     await victim.kill()
     gone_at = time.monotonic()
 
-    async def elected():
-        for candidate in candidates:
-            if await rig.leading(candidate):
-                return candidate
-        return None
-
-    leader = await poll_until("another candidate leads", elected, 60)
+    leader = await wait_for_leader(rig, candidates, "another candidate leads")
     new_leader_s = time.monotonic() - killed_at
-    rig.lead_with(leader)
     survivors = [g for g in rig.followers if g is not victim]
 
     async def all_equal():
@@ -292,15 +298,8 @@ async def _outage(rig: ClusterRig, load: SteadyLoad, duration: float, fault: str
         back.set()
         leader = None
         if rig.redis_held_leases:
-            async def elected():
-                for candidate in candidates:
-                    if await rig.leading(candidate):
-                        return candidate
-                return None
-
-            leader = await poll_until("a leader once Redis is back", elected, 60)
+            leader = await wait_for_leader(rig, candidates, "a leader once Redis is back")
             leader_s = time.monotonic() - returned_at
-            rig.lead_with(leader)
 
         async def follower_equal(follower: GatewayProcess) -> None:
             async def check():
