@@ -1,5 +1,6 @@
 """Several gateways on loopback for the cluster benchmarks: a private redis-server, simulators, a control
-``llmgw serve`` and ``--role gateway`` followers, all children of one nursery.
+``llmgw serve`` (the first leader), other candidates, and ``--role gateway`` followers, all children of one
+nursery.
 
 :meth:`ClusterRig.open` starts them: ``sims`` simulators with KV events (:data:`~llmgw.testing.sims.KV_SIM_EXTRA`),
 one private ``redis-server`` (:func:`~llmgw.testing.redis.start_private_redis`, which can be killed and started
@@ -106,10 +107,12 @@ class ClusterRig:
     @contextlib.asynccontextmanager
     async def open(cls, workdir: Path, *, followers: int, sims: int = 2, num_blocks: int = 2048,
                    time_scale: float = 0.0, sim_extra: tuple[str, ...] = (), sentinel: bool = False,
-                   **state_options: str) -> AsyncIterator["ClusterRig"]:
+                   candidates: int = 1, **state_options: str) -> AsyncIterator["ClusterRig"]:
         """Everything started and ready (see the module's docstring); stopped when the block ends. ``sentinel``:
         a primary, its replica and a sentinel instead of one server, the gateways configured with
-        ``state.sentinel``."""
+        ``state.sentinel``. ``candidates``: the control process and ``candidates - 1`` of the followers stand
+        for the cluster's lease (started without ``--role gateway``); the control process, started first, is
+        its first leader."""
         async with httpx.AsyncClient(timeout=10) as http, trio.open_nursery() as nursery:
             group = await start_sentinel_group(nursery, workdir / "redis") if sentinel else None
             redis = group.servers[0] if group else await start_private_redis(nursery, workdir / "redis")
@@ -120,8 +123,10 @@ class ClusterRig:
             control = GatewayProcess("llmgw control", CONTROL, config)
             await control.start(nursery)
             rig = cls(nursery, workdir, redis, engines, control,
-                      [GatewayProcess(f"llmgw gateway-{i + 1}", GATEWAY, config) for i in range(followers)], http,
+                      [GatewayProcess(f"llmgw candidate-{i + 1}", CONTROL, config) if i < candidates - 1 else
+                       GatewayProcess(f"llmgw gateway-{i + 1}", GATEWAY, config) for i in range(followers)], http,
                       group)
+            await rig.wait_leading(control)
             for follower in rig.followers:
                 await follower.start(nursery)
             for gateway in rig.gateways:
@@ -144,6 +149,34 @@ class ClusterRig:
                 except (httpx.HTTPError, ValueError, KeyError):
                     pass
                 await trio.sleep(0.1)
+
+    async def leading(self, gateway: GatewayProcess) -> bool:
+        """Whether ``gateway`` leads the cluster now (``/health`` ``state.leader.leading``)."""
+        state = (await self.http.get(gateway.control_url + "/health")).json()["state"]
+        return bool((state.get("leader") or {}).get("leading"))
+
+    async def wait_leading(self, gateway: GatewayProcess, timeout: float = 30.0) -> None:
+        with trio.fail_after(timeout):
+            while True:
+                try:
+                    if await self.leading(gateway):
+                        return
+                except (httpx.HTTPError, ValueError, KeyError):
+                    pass
+                await trio.sleep(0.05)
+
+    @property
+    def redis_held_leases(self) -> bool:
+        """Several candidates: who leads is worth watching through a Redis outage."""
+        return sum(g.role == CONTROL for g in self.gateways) > 1
+
+    lease_ttl = 2.0  # the gateways' state.lease_ttl (the default)
+
+    def lead_with(self, leader: GatewayProcess) -> None:
+        """``leader`` leads now: it is :attr:`control`, the others followers (the old leader among them)."""
+        everyone = self.gateways
+        self.control = leader
+        self.followers = [g for g in everyone if g is not leader]
 
     async def kv_blocks(self, gateway: GatewayProcess) -> dict[str, int]:
         """Blocks per replica in ``gateway``'s KV index (``/admin/kv``)."""

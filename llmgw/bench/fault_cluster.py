@@ -35,6 +35,7 @@ Prints a Markdown table; ``--json`` writes it all.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import platform
 import tempfile
@@ -46,11 +47,12 @@ from pathlib import Path
 import httpx
 import trio
 
-from .cluster_rig import ClusterRig, GatewayProcess
+from .cluster_rig import CONTROL, ClusterRig, GatewayProcess
 from .fault_load import LoadSettings, PhaseCounts, SteadyLoad
 
 LOAD_GONE_TARGET_S = 2.0
 INDEX_EQUAL_TARGET_S = 5.0
+NEW_LEADER_TARGET_S = 3.0
 POLL = 0.02
 
 
@@ -79,6 +81,11 @@ class ClusterFaultResult:
     back_s: float | None  # gateway fault: kill -> started again, routing with the control's index
     down_s: float | None  # redis fault: how long Redis was away
     gateways: list[GatewayOutcome] = field(default_factory=list)
+    new_leader: str | None = None  # leader fault: the candidate that took over; redis fault: the leader after
+    new_leader_s: float | None = None  # leader fault: kill -> it leads; redis fault: Redis back -> a leader
+    leaderless_while_down: bool | None = None  # redis fault: no process led at any poll while Redis was away
+    index_equal_s: float | None = None  # leader fault: kill -> every follower's index equals the new leader's
+    engines_same_pids: bool | None = None  # leader and redis faults: no simulator restarted (static replicas)
 
     def failed_elsewhere(self) -> int:
         return sum(sum(g.failed.values()) for g in self.gateways if g.gateway != self.victim)
@@ -156,6 +163,54 @@ async def gateway_fault(rig: ClusterRig, load: SteadyLoad, duration: float) -> C
                               rows)
 
 
+async def wait_for_leader(rig: ClusterRig, candidates: list[GatewayProcess], what: str) -> GatewayProcess:
+    """The candidate that leads, once one does; the rig's control process from then on."""
+    async def elected():
+        for candidate in candidates:
+            if await rig.leading(candidate):
+                return candidate
+        return None
+
+    leader = await poll_until(what, elected, 60)
+    rig.lead_with(leader)
+    return leader
+
+
+async def leader_fault(rig: ClusterRig, load: SteadyLoad, duration: float) -> ClusterFaultResult:
+    """``kill -9`` of the leader: time until another candidate leads, and until every follower's index equals
+    the new leader's; failed requests on the survivors; the engines' pids (static simulators: never touched)."""
+    victim = rig.control
+    candidates = [g for g in rig.followers if g.role == CONTROL]
+    pids = [sim.pid for sim in rig.sims]
+    load.phase = "leader"
+    await trio.sleep(duration / 2)
+    killed_at = time.monotonic()
+    await victim.kill()
+    gone_at = time.monotonic()
+
+    leader = await wait_for_leader(rig, candidates, "another candidate leads")
+    new_leader_s = time.monotonic() - killed_at
+    survivors = [g for g in rig.followers if g is not victim]
+
+    async def all_equal():
+        return True if all([await index_equal(rig, g) for g in survivors]) else None
+
+    await poll_until("every follower's index equal to the new leader's", all_equal, 60)
+    index_equal_s = time.monotonic() - killed_at
+    await victim.start(rig.nursery)  # a candidate again: it follows now
+    await rig.wait_kv_healthy(victim)
+    await trio.sleep(duration / 2)
+    await load.pause()
+    counts = load.phases["leader"]
+    load.resume()
+    return ClusterFaultResult("leader", victim.name, counts.sent(),
+                              all(t <= gone_at for t in counts.lost_started_at), None, None, None,
+                              outcomes(rig, counts), leader.name, round(new_leader_s, 3),
+                              index_equal_s=round(index_equal_s, 3),
+                              engines_same_pids=[sim.pid for sim in rig.sims] == pids and
+                              all(sim.returncode is None for sim in rig.sims))
+
+
 @dataclass
 class HealthWatch:
     """``/health``'s ``state.degraded`` of one gateway, polled: when it first said so and when it stopped."""
@@ -218,12 +273,33 @@ async def _outage(rig: ClusterRig, load: SteadyLoad, duration: float, fault: str
     await trio.sleep(duration / 2)
     watches = {g.name: HealthWatch() for g in rig.gateways}
     equal_after: dict[str, float] = {}
+    candidates = [g for g in rig.gateways if g.role == CONTROL]
+    pids = [sim.pid for sim in rig.sims]
+    led_while_down: list[str] = []
+
+    async def watch_leaders(until: trio.Event) -> None:
+        await trio.sleep(rig.lease_ttl + 0.5)  # the leader may lead until its lease's deadline
+        while not until.is_set():
+            for candidate in candidates:
+                with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                    if await rig.leading(candidate):
+                        led_while_down.append(candidate.name)
+            await trio.sleep(POLL)
+
     async with trio.open_nursery() as nursery:
         for gateway in rig.gateways:
             nursery.start_soon(watch_health, rig, gateway, watches[gateway.name])
+        back = trio.Event()
+        if rig.redis_held_leases:
+            nursery.start_soon(watch_leaders, back)
         killed_at = time.monotonic()
         differed = await outage()
         returned_at = time.monotonic()
+        back.set()
+        leader = None
+        if rig.redis_held_leases:
+            leader = await wait_for_leader(rig, candidates, "a leader once Redis is back")
+            leader_s = time.monotonic() - returned_at
 
         async def follower_equal(follower: GatewayProcess) -> None:
             async def check():
@@ -256,8 +332,14 @@ async def _outage(rig: ClusterRig, load: SteadyLoad, duration: float, fault: str
         if row.gateway in equal_after:
             row.index_equal_after_return_s = round(equal_after[row.gateway], 3)
             row.index_differed_before_return = differed.get(row.gateway)
-    return ClusterFaultResult(fault, None, counts.sent(), all(t <= killed_at for t in counts.lost_started_at),
-                              None, None, round(returned_at - killed_at, 3), rows)
+    result = ClusterFaultResult(fault, None, counts.sent(), all(t <= killed_at for t in counts.lost_started_at),
+                                None, None, round(returned_at - killed_at, 3), rows)
+    if leader is not None:
+        result.new_leader, result.new_leader_s = leader.name, round(leader_s, 3)
+        result.leaderless_while_down = not led_while_down
+        result.engines_same_pids = [sim.pid for sim in rig.sims] == pids and \
+            all(sim.returncode is None for sim in rig.sims)
+    return result
 
 
 def markdown(results: list[ClusterFaultResult]) -> str:
@@ -265,10 +347,11 @@ def markdown(results: list[ClusterFaultResult]) -> str:
         return "-" if v is None else f"{v:.2f} s"
 
     lines = ["| fault | gateway | requests | failed | refused, sent to the next | killed one's load gone from its view "
-             "| degraded: seen after / for | live again after Redis is back | index == control's after Redis is back |",
+             "| degraded: seen after / for | live again after Redis is back | index == leader's after Redis is back |",
              "|---|---|---|---|---|---|---|---|---|"]
     for result in results:
         fault = {"gateway": f"kill -9 {result.victim}", "redis": f"kill -9 redis ({s(result.down_s)} down)",
+                 "leader": f"kill -9 {result.victim} (the leader)",
                  "primary": f"kill -9 redis primary (promoted after {s(result.down_s)})"}[result.fault]
         for g in result.gateways:
             failed = ", ".join(f"{n} {kind}" for kind, n in sorted(g.failed.items())) or "0"
@@ -279,6 +362,17 @@ def markdown(results: list[ClusterFaultResult]) -> str:
                          f"| {degraded} | {s(g.live_after_return_s)} | {equal_cell} |")
     lines.append("")
     for result in results:
+        if result.fault == "leader":
+            lost = sum(sum(g.failed.values()) for g in result.gateways if g.gateway == result.victim)
+            engines = "the same pids, never restarted" if result.engines_same_pids else "RESTARTED"
+            lines.append(
+                f"- kill -9 of the leader {result.victim}: {result.new_leader} led after {s(result.new_leader_s)} "
+                f"(target <= {NEW_LEADER_TARGET_S:g} s); every follower's index equal to the new leader's "
+                f"{s(result.index_equal_s)} after the kill; {result.failed_elsewhere()} failed on the other gateways "
+                f"(target 0); {lost} lost in flight on it ({'all' if result.lost_before_gone else 'NOT all'} started "
+                f"before it was gone); simulators {engines} "
+                f"(static replicas: no agent to re-register)")
+            continue
         if result.fault == "gateway":
             gone = max((g.load_gone_s for g in result.gateways if g.load_gone_s is not None), default=None)
             lost = sum(sum(g.failed.values()) for g in result.gateways if g.gateway == result.victim)
@@ -295,8 +389,13 @@ def markdown(results: list[ClusterFaultResult]) -> str:
             what = ("of redis, back" if result.fault == "redis"
                     else "of the redis primary, its replica promoted by the sentinel")
             lines.append(f"- kill -9 {what} after {s(result.down_s)}: {failed_anywhere} failed on every "
-                         f"gateway (target 0); every follower's index equal to the control's {s(equal)} after Redis "
+                         f"gateway (target 0); every follower's index equal to the leader's {s(equal)} after Redis "
                          f"was back at most (target <= {INDEX_EQUAL_TARGET_S:g} s)")
+            if result.new_leader is not None:
+                lines.append(f"  - leader: {'none' if result.leaderless_while_down else 'SOME'} while Redis was away "
+                             f"(after the old one's lease); {result.new_leader} led {s(result.new_leader_s)} after "
+                             f"Redis was back; simulators "
+                             f"{'the same pids' if result.engines_same_pids else 'RESTARTED'}")
     return "\n".join(lines)
 
 
@@ -306,14 +405,18 @@ async def run(args) -> dict:
     load_before = os.getloadavg()
     results: list[ClusterFaultResult] = []
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-fault-cluster-") as workdir:
+        candidates = 2 if args.gateways >= 3 else 1  # the leader, one standby, and --role gateway followers
         async with ClusterRig.open(Path(workdir), followers=args.gateways - 1, sims=args.replicas,
-                                   time_scale=1.0, sentinel=args.redis == "sentinel",
+                                   time_scale=1.0, sentinel=args.redis == "sentinel", candidates=candidates,
                                    load_ttl=f"{args.load_ttl:g}s") as rig:
             load = SteadyLoad([g.url for g in rig.gateways], settings)
             async with load.running():
                 await trio.sleep(args.duration / 2)  # warm-up
                 results.append(await gateway_fault(rig, load, args.duration))
                 print("  gateway: done", flush=True)
+                if candidates > 1:
+                    results.append(await leader_fault(rig, load, args.duration))
+                    print("  leader: done", flush=True)
                 if rig.sentinel is not None:
                     results.append(await primary_fault(rig, load, args.duration))
                     print("  redis primary: done", flush=True)
@@ -326,7 +429,7 @@ async def run(args) -> dict:
                                             "gateways": args.gateways, "redis": args.redis,
                                             "redis_down_s": args.redis_down,
                                             "load_ttl_s": args.load_ttl},
-            "targets": {"failed_elsewhere": 0, "load_gone_s": LOAD_GONE_TARGET_S,
+            "targets": {"failed_elsewhere": 0, "load_gone_s": LOAD_GONE_TARGET_S, "new_leader_s": NEW_LEADER_TARGET_S,
                         "index_equal_after_return_s": INDEX_EQUAL_TARGET_S},
             "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                         "load_average_before": load_before, "load_average_after": os.getloadavg()},

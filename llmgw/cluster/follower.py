@@ -32,6 +32,7 @@ from ..router.replica import Replica, ReplicaState
 from . import records
 from .link import BLOCK_MS, RedisLink, Unavailable
 from .records import Keys, RecordError, ReplicaRecord
+from .writer import replica_record
 
 if TYPE_CHECKING:
     from ..kv.index import KvIndex
@@ -109,6 +110,24 @@ class FollowedReplicas(TaskHost):
         else:
             self.spawn(self.replicas.remove, replica)
 
+    def release(self) -> None:
+        """This process starts leading: the replicas it followed leave (its own control plane's sources put the
+        cluster's back: the config's at once, the deployed ones as their agents reconnect); the models stay
+        declared until those sources say otherwise, so no request finds its model unknown meanwhile."""
+        self.declared.clear()
+        for name in list(self.followed):
+            self.remove(name, "this process leads the cluster now: its control plane adds it back")
+
+    def adopt_all(self) -> None:
+        """This process stops leading: what its control plane left in the table is followed from now on, kept
+        and routed to as it is until the next leader's snapshot says otherwise (fail-static)."""
+        self.declared = {(source, model.name): model for source, model in self.replicas.declarations()}
+        self.followed = {}
+        for replica in self.replicas:
+            source = self.replicas.source_of(replica)
+            if source is not None and replica.state is not ReplicaState.DRAINING:
+                self.followed[replica.name] = (replica_record(replica, source), replica)
+
     def replace(self, models: list[tuple[str, TierModel]], members: list[tuple[ReplicaRecord, bool, str]]) -> None:
         """Make the followed state exactly a snapshot's; replicas that did not change keep their pools and health."""
         wanted_models = {(source, model.name): model for source, model in models}
@@ -166,6 +185,11 @@ class LogFollower:
                 failures += 1
                 self.snapshot_reason = self.snapshot_reason or "redis_outage"
                 await self.link.backoff(failures)
+
+    def restart(self) -> None:
+        """Follow again from the newest snapshot (this process led for a while: what it read is stale)."""
+        self.writer, self.seq, self.stream_id, self.wanted = None, 0, b"0-0", None
+        self.snapshot_reason = "demoted"
 
     async def wait_loaded(self, timeout: float) -> bool:
         """Whether a first snapshot was applied within ``timeout`` seconds (a request at start waits for it)."""

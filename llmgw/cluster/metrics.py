@@ -45,4 +45,16 @@ class ClusterMetrics:
                                      "(applied by this process's tiers), dropped (own items not sent: buffer full, "
                                      "Redis failed), ignored (others' items no tier here takes).", ["direction"],
                                      registry=registry)
+        self.leader = Gauge("llmgw_cluster_leader", "1 while this process holds the cluster's lease and runs its "
+                            "control plane, else 0 (a follower; a --role gateway process is always 0).",
+                            registry=registry)
+        self.elections = Counter("llmgw_cluster_elections", "Terms this process won: it took the cluster's lease "
+                                 "and started the control plane.", registry=registry)
+        self.transitions = Counter("llmgw_cluster_leader_transitions", "Changes of this process's part: to "
+                                   "leader (elected) or to follower (the lease not renewed in time, taken, a "
+                                   "write fenced off), by reason.", ["to", "reason"], registry=registry)
+        self.fenced_writes = Counter("llmgw_cluster_fenced_writes", "Writes of this process's control plane "
+                                     "that Redis refused because the lease was no longer its term's (the term "
+                                     "ends at the first one).", registry=registry)
         self.up.set(0)
+        self.leader.set(0)

@@ -103,6 +103,18 @@ class Keys:
     def learn(self) -> str:
         return self.prefix + "learn"
 
+    @property
+    def nodes(self) -> str:
+        return self.prefix + "nodes"
+
+    @property
+    def leader(self) -> str:
+        return self.prefix + "leader"
+
+    @property
+    def leader_generation(self) -> str:
+        return self.prefix + "leader:generation"
+
     def snapshot_part(self, writer: str, seq: int, part: str) -> str:
         return f"{self.prefix}snap:{writer}:{seq}:{part}"
 

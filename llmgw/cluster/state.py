@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import trio
 
@@ -33,7 +33,9 @@ from ..engines.probe import VLLM_GAUGES, engine_gauges
 from ..router.replica import Replica
 from ..router.replicas import DEPLOYED, STATIC
 from . import records
+from .election import Election, Fence, Term
 from .follower import FollowedReplicas, LogFollower
+from .identities import SharedIdentities, placement_key
 from .learn import PredictionSharing
 from .link import RedisLink, Unavailable, cluster_secret
 from .load import LoadSharing
@@ -41,6 +43,8 @@ from .metrics import ClusterMetrics
 from .records import Keys, ReplicaRecord
 from .tier_learning import TierLearning
 from .writer import LogWriter, PublishedKv, PublishedReplicaTable
+
+Lead = Callable[[PublishedReplicaTable, PublishedKv], Awaitable[None]]
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -56,6 +60,7 @@ CONTROL = "control"
 GATEWAY = "gateway"
 ROLES = (CONTROL, GATEWAY)
 MAX_ASKS = 10_000  # the requests stream's length
+FAILED_TERM_PAUSE = 5  # lease_ttls a candidate whose control plane failed waits before it stands again
 
 
 class SharedState:
@@ -69,7 +74,9 @@ class SharedState:
         self.keys = Keys(self.settings.cluster)
         self.metrics = ClusterMetrics(metrics_registry, role, self.settings.cluster, self.origin)
         self.link = RedisLink(self.settings, self.metrics)
-        self.signer = records.Signer(cluster_secret(self.settings))
+        secret = cluster_secret(self.settings)
+        self.signer = records.Signer(secret)
+        self.placement_key = placement_key(secret)
         self.replicas = replicas
         self.kv_index = kv_index
         self.load = LoadSharing(self.link, self.keys, self.settings, replicas, self.metrics, self.origin, self.signer)
@@ -77,26 +84,29 @@ class SharedState:
                                        self.signer) if self.settings.share_learning else None
         self.tier_learning = TierLearning(self.link, self.keys, self.metrics, self.origin, self.signer) \
             if self.settings.share_learning else None
+        # Every process follows the cluster; a candidate (the control role) also stands for its lease, and while
+        # it leads it writes instead (a writer, and the published table and index, for each term).
+        self.followed = FollowedReplicas(replicas, ReplicaBuilder(lambda: self.config, registry))
+        self.follower = LogFollower(self.link, self.keys, self.followed, kv_index, self.metrics, self.signer)
+        self.election = Election(self.link, self.keys, self.settings, self.metrics, self.origin) \
+            if role == CONTROL else None
+        self.identities = SharedIdentities(self.link, self.keys, self.signer, self.metrics)
         self.writer: LogWriter | None = None
-        self.follower: LogFollower | None = None
-        self.followed: FollowedReplicas | None = None
-        self.table: Any = replicas  # what the control plane's sources write to
-        self.kv: Any = kv_index
-        if role == CONTROL:
-            self.writer = LogWriter(self.link, self.keys, self.settings, replicas, kv_index, self.metrics,
-                                    self.origin, self.signer)
-            self.table = PublishedReplicaTable(replicas, self.writer)
-            self.kv = PublishedKv(kv_index, self.writer)
-        else:
-            self.followed = FollowedReplicas(replicas, ReplicaBuilder(lambda: self.config, registry))
-            self.follower = LogFollower(self.link, self.keys, self.followed, kv_index, self.metrics, self.signer)
-            kv_index.add_resync_listener(self._ask_resync)
+        self.table: PublishedReplicaTable | None = None  # what the control plane's sources write to (leading)
+        self.kv: PublishedKv | None = None
+        kv_index.add_resync_listener(self._ask_resync)
         self._asks: list[tuple[str, str, str]] = []
         self._ask_wake = trio.Event()
+        self._terms_led = 0
 
-    async def run(self, settled: Callable[[], bool] | None = None, *,
+    @property
+    def leading(self) -> bool:
+        return self.writer is not None
+
+    async def run(self, lead: "Lead | None" = None, settled: Callable[[], bool] | None = None, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run until cancelled; ``settled``: the control plane's adoption window is over (control role)."""
+        """Run until cancelled. A candidate (control role) runs ``lead(table, kv)`` through each term it wins;
+        ``settled``: the term's control plane is past its adoption window (nothing is published before)."""
         async with trio.open_nursery() as nursery:
             await nursery.start(self.link.run)
             await nursery.start(self.load.run)
@@ -104,17 +114,65 @@ class SharedState:
                 await nursery.start(self.learn.run)
             if self.tier_learning is not None:
                 await nursery.start(self.tier_learning.run)
-            if self.writer is not None:
-                await nursery.start(self.writer.run, settled or (lambda: True))
-                nursery.start_soon(self._answer_asks)
-            else:
-                assert self.followed is not None and self.follower is not None
-                await nursery.start(self.followed.run)
+            await nursery.start(self.followed.run)
+            nursery.start_soon(self._send_asks)
+            if self.election is None:
                 await nursery.start(self.follower.run)
-                nursery.start_soon(self._send_asks)
+            else:
+                assert lead is not None
+                await nursery.start(self.election.run)
+                nursery.start_soon(self._terms, lead, settled or (lambda: True))
             log.info("cluster state: %s %s of cluster %r on Redis at %s", self.role, self.origin,
                      self.settings.cluster, self.link.address)
             task_status.started()
+
+    def listening(self, control_url: str) -> None:
+        """This process's control API is up: a candidate stands from now on (the lease names the URL)."""
+        if self.election is not None:
+            self.election.listening(control_url)
+
+    async def _terms(self, lead: "Lead", settled: Callable[[], bool]) -> None:
+        """Follow the cluster until elected; lead through the term; follow again; for ever."""
+        assert self.election is not None
+        while True:
+            async with trio.open_nursery() as following:
+                await following.start(self.follower.run)
+                term = await self.election.wait_elected()
+                following.cancel_scope.cancel()
+            await self._lead(term, lead, settled)
+
+    async def _lead(self, term: Term, lead: "Lead", settled: Callable[[], bool]) -> None:
+        """One term: the control plane runs on a table that starts empty (``lead`` releases the followed replicas
+        when its sources are ready to fill it: the config, the agents that reconnect), and writes the cluster's
+        state under the term's fence. At the end the table and
+        index stay as they are, followed from then on (fail-static until the next leader's snapshot)."""
+        assert self.election is not None
+        self._terms_led += 1  # in the writer's id: Redis may lose its generation counter (a restart, no persistence)
+        failed = False
+        fence = Fence(self.link, self.keys, self.election, term, self.metrics)
+        writer = LogWriter(self.link, self.keys, self.settings, self.replicas, self.kv_index, self.metrics,
+                           f"{self.origin}.{term.generation}.{self._terms_led}", fence, self.signer)
+        self.writer, self.table, self.kv = writer, PublishedReplicaTable(self.replicas, writer), \
+            PublishedKv(self.kv_index, writer)
+        try:
+            with term.scope:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(writer.run, settled)
+                    nursery.start_soon(self._answer_asks)
+                    await lead(self.table, self.kv)
+                    nursery.cancel_scope.cancel()  # the control plane stopped (it could not start): so does the term
+                    failed = True
+        except Exception:  # a bug in the control plane ends the term, never the process (it stands again)
+            log.exception("cluster leader: term %d failed", term.generation)
+            failed = True
+        finally:
+            self.kv.close()
+            self.writer = self.table = self.kv = None
+            self.followed.adopt_all()
+            self.follower.restart()
+            self.election.end_term("ended", term)
+            if failed:  # let another candidate lead; this one stands again later
+                self.election.pause(FAILED_TERM_PAUSE * self.settings.lease_ttl)
 
     def apply_config(self, config: "Config") -> None:
         """A reload: secrets of followed replicas are looked up in the new config from now on."""
@@ -126,9 +184,9 @@ class SharedState:
             replica.routable for replica in self.replicas.members(model))
 
     async def wait_for_models(self) -> bool | None:
-        """Before the first snapshot (gateway role), the models are not known yet: wait for it. None when nothing
-        is pending (the control role, or loaded already), else whether it came in time."""
-        if self.follower is None or self.follower.loaded.is_set():
+        """Before the first snapshot, a follower does not know the models yet: wait for it. None when nothing
+        is pending (leading, or loaded already), else whether it came in time."""
+        if self.leading or self.follower.loaded.is_set():
             return None
         return await self.follower.wait_loaded(self.config.agents.heartbeat_interval + 1.0)
 
@@ -138,10 +196,12 @@ class SharedState:
                                   "origin": self.origin, "redis": self.link.address, "degraded": not self.link.healthy,
                                   "reason": self.link.reason or None, "peers": self.load.describe(),
                                   "share_learning": self.learn is not None}
+        if self.election is not None:
+            answer["leader"] = self.election.describe()
         if self.writer is not None:
             answer["log"] = {"writer": self.writer.writer_id, "seq": self.writer.seq,
                              "published": self.writer.published}
-        if self.follower is not None:
+        else:
             answer["log"] = {"writer": self.follower.writer, "seq": self.follower.seq,
                              "loaded": self.follower.loaded.is_set()}
         return answer
@@ -149,6 +209,8 @@ class SharedState:
     # -- resync asks: a follower's drifted index, answered by the control plane's agents ---------------------------
 
     def _ask_resync(self, replica_id: str, mode: str, reason: str) -> None:
+        if self.leading:
+            return  # the control plane here hears it itself
         if len(self._asks) < 1000:
             self._asks.append((replica_id, mode, reason))
             self._ask_wake.set()
@@ -184,7 +246,8 @@ class SharedState:
         except (KeyError, ValueError, TypeError, AttributeError, records.RecordError):
             self.metrics.bad_records.labels("requests").inc()
             return
-        assert isinstance(self.kv, PublishedKv)
+        if self.kv is None:
+            return  # the term just ended
         self.kv.remote_resync(replica_id, mode, f"{str(reason)[:300]} (seen by gateway {origin})")
 
 

@@ -9,7 +9,8 @@ this process's own table and index first (its routing never waits), then
 recorded for :class:`LogWriter`.
 
 :class:`LogWriter` writes the records to the cluster's log stream in batches
-(as soon as there are any), and a snapshot of the whole state: first once the
+(as soon as there are any, each under the leader's
+:class:`~.election.Fence`: a term that ended can write nothing), and a snapshot of the whole state: first once the
 control plane has settled after its start (agents reconnected and reported
 their engines, so followers never see an empty table from a restart), then
 every ``snapshot_interval`` while something changed, and at once after Redis
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from ..config.schema import StateConfig
     from ..kv.index import KvIndex
     from ..router.replicas import ReplicaSet
+    from .election import Fence
     from .metrics import ClusterMetrics
 
 log = logging.getLogger(__name__)
@@ -55,9 +57,10 @@ class LogWriter:
     """Batches of records to the log stream, and snapshots; the one writer of a cluster's shared truth."""
 
     def __init__(self, link: RedisLink, keys: Keys, settings: "StateConfig", replicas: "ReplicaSet",
-                 kv_index: "KvIndex", metrics: "ClusterMetrics", writer_id: str,
+                 kv_index: "KvIndex", metrics: "ClusterMetrics", writer_id: str, fence: "Fence",
                  signer: records.Signer | None = None):
         self.link = link
+        self.fence = fence
         self.signer = signer or records.Signer(None)
         self.keys = keys
         self.settings = settings
@@ -73,6 +76,11 @@ class LogWriter:
         self.dirty = False
         self._wake = trio.Event()
         self._snapshot_keys: list[str] = []  # the current snapshot's keys (expired when the next one is out)
+
+    @property
+    def ended(self) -> bool:
+        """Its term is over: the control plane's last calls while it stops change nothing (fail-static)."""
+        return self.fence.term.over
 
     def record(self, entry: list[Any]) -> None:
         """One change of the shared truth, already applied locally."""
@@ -127,8 +135,11 @@ class LogWriter:
         fields = {b"w": self.writer_id.encode(), b"n": str(seq).encode(),
                   b"t": str(int(time.time() * 1000)).encode(), b"e": records.pack(batch)}
         fields[b"s"] = self.signer.sign(fields[b"w"], fields[b"n"], fields[b"t"], fields[b"e"])
-        self.stream_id = records.entry_id(
-            await self.link.add_to_stream("log_append", self.keys.log, fields, self.settings.stream_length))
+        xadd = [b"XADD", self.keys.log, b"MAXLEN", b"~", self.settings.stream_length, b"*"]
+        for name, value in fields.items():
+            xadd += [name, value]
+        (added,) = await self.fence.run("log_append", [xadd])
+        self.stream_id = records.entry_id(added)
         self.metrics.batches.labels("written").inc()
         for entry in batch:
             self.metrics.entries.labels("written", entry[0]).inc()
@@ -173,16 +184,10 @@ class LogWriter:
         previous = self._snapshot_keys or await self._previous_snapshot_keys()
         grace_ms = int(SNAPSHOT_GRACE * 1000)
 
-        async def store(client: Any) -> None:
-            async with client.pipeline(transaction=False) as pipe:
-                for name in names:
-                    pipe.set(part_keys[name], raw_parts[name])
-                pipe.set(meta_key, raw_meta)
-                pipe.set(keys.snapshot, pointer)
-                for key in previous:
-                    pipe.pexpire(key, grace_ms)
-
-        await self.link.call("snapshot_write", store, timeout=self.settings.timeout + len(names) * 0.01)
+        commands: list[list[Any]] = [[b"SET", part_keys[name], raw_parts[name]] for name in names]
+        commands += [[b"SET", meta_key, raw_meta], [b"SET", keys.snapshot, pointer]]
+        commands += [[b"PEXPIRE", key, grace_ms] for key in previous]
+        await self.fence.run("snapshot_write", commands, timeout=self.settings.timeout + len(names) * 0.01)
         self._snapshot_keys = [*part_keys.values(), meta_key]
         self.published = True
         self.need_snapshot = False
@@ -204,43 +209,16 @@ class LogWriter:
             return []
 
 
-class PublishedReplicaTable:
-    """A :class:`~llmgw.control.interfaces.ReplicaTable`: the local :class:`ReplicaSet`, each change recorded."""
+class TableReads:
+    """The reading half of a :class:`~llmgw.control.interfaces.ReplicaTable`: this process's own table."""
 
-    def __init__(self, inner: "ReplicaSet", writer: LogWriter):
-        self.inner = inner
-        self.writer = writer
-
-    def declare_model(self, source: str, model: TierModel) -> None:
-        self.inner.declare_model(source, model)
-        self.writer.record(records.model_entry(source, model))
-
-    def withdraw_model(self, source: str, name: str) -> bool:
-        gone = self.inner.withdraw_model(source, name)
-        self.writer.record([records.UNMODEL, source, name])
-        return gone
+    inner: "ReplicaSet"
 
     def model(self, name: str) -> TierModel | None:
         return self.inner.model(name)
 
     def declared_models(self) -> list[str]:
         return self.inner.declared_models()
-
-    def add(self, replica: Replica, source: str) -> bool:
-        added = self.inner.add(replica, source)
-        if added:
-            self.writer.record([records.ADD, replica_record(replica, source).as_array()])
-        return added
-
-    async def remove(self, replica: Replica) -> None:
-        self.writer.record([records.REMOVE, replica.name])
-        await self.inner.remove(replica)
-
-    async def drain(self, replica: Replica, reason: str, timeout: float) -> None:
-        self.writer.record([records.DRAIN, replica.name, reason])
-        await self.inner.drain(replica, reason, timeout)
-        if self.inner.get(replica.name) is None:
-            self.writer.record([records.REMOVE, replica.name])
 
     def members(self, model: str) -> list[Replica]:
         return self.inner.members(model)
@@ -252,29 +230,58 @@ class PublishedReplicaTable:
         return self.inner.describe(replica)
 
 
-class PublishedKv:
-    """A :class:`~llmgw.control.interfaces.KvWriter`: the local :class:`KvIndex`, each change recorded.
+class PublishedReplicaTable(TableReads):
+    """A :class:`~llmgw.control.interfaces.ReplicaTable`: the local :class:`ReplicaSet`, each change recorded.
 
-    Resync listeners registered here also hear the other gateways' asks (:meth:`remote_resync`): a follower's
-    index that drifted asks the control plane, which owns the agents' streams.
-    """
+    Once the writer's term is over, changes are ignored: the control plane stopping (its sources' clean-up) must
+    not empty the table this process goes on routing with as a follower."""
 
-    def __init__(self, inner: "KvIndex", writer: LogWriter):
+    def __init__(self, inner: "ReplicaSet", writer: LogWriter):
         self.inner = inner
         self.writer = writer
-        self._listeners: list[Callable[[str, str, str], None]] = []
 
-    def apply(self, replica_id: str, changes: ChangesFields) -> None:
-        self.inner.apply(replica_id, changes)
-        self.writer.record(records.kv_entry(replica_id, changes))
+    def declare_model(self, source: str, model: TierModel) -> None:
+        if self.writer.ended:
+            return
+        self.inner.declare_model(source, model)
+        self.writer.record(records.model_entry(source, model))
 
-    def forget(self, replica_id: str) -> None:
-        self.inner.forget(replica_id)
-        self.writer.record([records.KV_FORGET, replica_id])
+    def withdraw_model(self, source: str, name: str) -> bool:
+        if self.writer.ended:
+            return False
+        gone = self.inner.withdraw_model(source, name)
+        self.writer.record([records.UNMODEL, source, name])
+        return gone
 
-    def remove(self, replica_id: str) -> None:
-        self.inner.remove(replica_id)
-        self.writer.record([records.KV_DROP, replica_id])
+    def add(self, replica: Replica, source: str) -> bool:
+        if self.writer.ended:
+            return False
+        added = self.inner.add(replica, source)
+        if added:
+            self.writer.record([records.ADD, replica_record(replica, source).as_array()])
+        return added
+
+    async def remove(self, replica: Replica) -> None:
+        if self.writer.ended:
+            return
+        self.writer.record([records.REMOVE, replica.name])
+        await self.inner.remove(replica)
+
+    async def drain(self, replica: Replica, reason: str, timeout: float) -> None:
+        if self.writer.ended:
+            return
+        self.writer.record([records.DRAIN, replica.name, reason])
+        await self.inner.drain(replica, reason, timeout)
+        if self.inner.get(replica.name) is None:
+            self.writer.record([records.REMOVE, replica.name])
+
+
+class ResyncListeners:
+    """Resync listeners registered through a KV writer: they hear the index's own asks (registered on it) and
+    the ones :meth:`remote_resync` passes on (another gateway's)."""
+
+    inner: "KvIndex"
+    _listeners: list[Callable[[str, str, str], None]]
 
     def add_resync_listener(self, listener: Callable[[str, str, str], None]) -> None:
         self._listeners.append(listener)
@@ -285,9 +292,57 @@ class PublishedKv:
             self._listeners.remove(listener)
         self.inner.remove_resync_listener(listener)
 
-    def remote_resync(self, replica_id: str, mode: str, reason: str) -> None:
+    def close(self) -> None:
+        """Every listener registered here stops hearing the index (a term's control plane, when it ends)."""
         for listener in list(self._listeners):
-            try:
-                listener(replica_id, mode, reason)
-            except Exception:
-                log.exception("resync listener %r failed for replica %s", listener, replica_id)
+            self.remove_resync_listener(listener)
+
+    def remote_resync(self, replica_id: str, mode: str, reason: str) -> None:
+        tell_listeners(list(self._listeners), replica_id, mode, reason)
+
+
+class PublishedKv(ResyncListeners):
+    """A :class:`~llmgw.control.interfaces.KvWriter`: the local :class:`KvIndex`, each change recorded.
+
+    Once the writer's term is over, changes are ignored (as :class:`PublishedReplicaTable`'s). Resync listeners
+    registered here also hear the other gateways' asks (:meth:`remote_resync`): a follower's
+    index that drifted asks the control plane, which owns the agents' streams.
+    """
+
+    def __init__(self, inner: "KvIndex", writer: LogWriter):
+        self.inner = inner
+        self.writer = writer
+        self._listeners: list[Callable[[str, str, str], None]] = []
+        self.remote_listeners: list[Callable[[str, str, str], None]] = []  # hear only the other gateways' asks
+
+    def apply(self, replica_id: str, changes: ChangesFields) -> None:
+        if self.writer.ended:
+            return
+        self.inner.apply(replica_id, changes)
+        self.writer.record(records.kv_entry(replica_id, changes))
+
+    def forget(self, replica_id: str) -> None:
+        if self.writer.ended:
+            return
+        self.inner.forget(replica_id)
+        self.writer.record([records.KV_FORGET, replica_id])
+
+    def remove(self, replica_id: str) -> None:
+        if self.writer.ended:
+            return
+        self.inner.remove(replica_id)
+        self.writer.record([records.KV_DROP, replica_id])
+
+    def remote_resync(self, replica_id: str, mode: str, reason: str) -> None:
+        super().remote_resync(replica_id, mode, reason)
+        tell_listeners(self.remote_listeners, replica_id, mode, reason)
+
+
+def tell_listeners(listeners: list[Callable[[str, str, str], None]], replica_id: str, mode: str,
+                   reason: str) -> None:
+    """A resync ask, to each listener (one that fails is logged; the others still hear it)."""
+    for listener in listeners:
+        try:
+            listener(replica_id, mode, reason)
+        except Exception:
+            log.exception("resync listener %r failed for replica %s", listener, replica_id)

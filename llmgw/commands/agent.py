@@ -33,17 +33,29 @@ from ..fdlimit import raise_open_files_limit
 from ..logsetup import add_logging_arguments, setup_logging
 from ..tls import TlsClientOptions
 from ..usererrors import run_reporting
-from ..wire.channel import WebSocketConnector
+from ..wire.channel import Connector, FailoverConnector, WebSocketConnector
 
 log = logging.getLogger("llmgw.agent")
 T = TypeVar("T")
 EXIT_REFUSED = 3
+MAX_JOIN_URLS = 16
+
+
+def join_connector(join: str, tls: TlsClientOptions | None) -> Connector:
+    """How the agent dials ``--join``: one URL, or several (comma-separated: a cluster's candidates, the agent
+    follows the leader among them); ValueError for none or too many."""
+    urls = [url.strip() for url in join.split(",") if url.strip()]
+    if not urls or len(urls) > MAX_JOIN_URLS:
+        raise ValueError(f"--join takes 1 to {MAX_JOIN_URLS} comma-separated URLs, not {len(urls)}")
+    connectors = [WebSocketConnector(url, tls=tls) for url in urls]
+    return connectors[0] if len(connectors) == 1 else FailoverConnector(connectors)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmgw agent", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--join", required=True, metavar="URL",
-                        help="the control plane's control listener, e.g. http://10.0.0.1:8001")
+    parser.add_argument("--join", required=True, metavar="URL[,URL...]",
+                        help="the control plane's control listener, e.g. http://10.0.0.1:8001; in a cluster with "
+                             "leader election, the candidates' (comma-separated): the agent joins the leader")
     parser.add_argument("--token", default=os.environ.get("LLMGW_AGENT_TOKEN"),
                         help="the join token (agents.token of the control plane; default: $LLMGW_AGENT_TOKEN)")
     parser.add_argument("--node-id", default=None, help="this node's id (default: the hostname)")
@@ -130,7 +142,7 @@ def main(argv: list[str]) -> int:
             listening.check_bindable(args.address)
         kv_max_message_bytes = parse_kv_message_size(args.kv_max_message_size)
         engine_ports = optional_flag("--engine-ports", args.engine_ports, parse_port_range)
-        connector = WebSocketConnector(args.join, tls=tls_options(args))
+        connector = join_connector(args.join, tls_options(args))
         agent = Agent(connector, token=args.token, node_id=args.node_id or socket.gethostname(),
                       discovery=args.discovery, state_dir=args.state_dir, labels=labels, address=args.address,
                       announce=lambda line: print(line, flush=True), kv_max_message_bytes=kv_max_message_bytes,

@@ -4,7 +4,10 @@ Nodes (state, GPUs used/total, shards, last heard from), replicas (model,
 state, node, endpoint), shards (node, rank, GPUs, state, pid, restarts,
 reason) and the router's KV index per replica (state, blocks, block size, and
 for an ``unusable_keys`` index why and the fix), read from ``GET
-/admin/nodes``, ``GET /admin/replicas`` and ``GET /admin/kv``.
+/admin/nodes``, ``GET /admin/replicas`` and ``GET /admin/kv``. In a cluster
+sharing state through Redis, a first line says who leads (from ``GET
+/admin/cluster``), and a candidate that does not lead is read through the
+leader it names.
 """
 
 from __future__ import annotations
@@ -83,10 +86,32 @@ def render(nodes: list[dict], replicas: list[dict], kv: dict | None = None) -> s
     return "\n".join(lines)
 
 
+def leader_line(cluster: dict) -> str | None:
+    """Who leads a cluster, as its process at ``/admin/cluster`` says; None without a shared state."""
+    if cluster.get("backend") != "redis":
+        return None
+    name = cluster.get("cluster")
+    election = cluster.get("leader")
+    if election is None:
+        return f"CLUSTER {name}: this process follows (--role gateway)"
+    holder = election.get("holder") or {}
+    if election.get("leading"):
+        return f"CLUSTER {name}: this process leads (term {election.get('term')})"
+    if not holder:
+        return f"CLUSTER {name}: no leader (Redis unreachable, or an election under way)"
+    return (f"CLUSTER {name}: this process follows; the leader is {holder.get('origin')} at "
+            f"{holder.get('control_url')} (term {holder.get('generation')})")
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     base = args.control.rstrip("/")
     try:
+        cluster = get_json(f"{base}/admin/cluster", args, args.timeout)
+        election = cluster.get("leader") or {}
+        holder = election.get("holder") or {}
+        if holder.get("control_url") and not election.get("leading"):
+            base = str(holder["control_url"]).rstrip("/")  # the control plane is there
         nodes = get_json(f"{base}/admin/nodes", args, args.timeout)
         replicas = get_json(f"{base}/admin/replicas", args, args.timeout)
         kv = get_json(f"{base}/admin/kv", args, args.timeout)
@@ -94,7 +119,9 @@ def main(argv: list[str]) -> int:
         print(f"llmgw status: cannot read {base}/admin: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({"nodes": nodes, "replicas": replicas, "kv": kv}, indent=2))
+        shared = {"cluster": cluster} if cluster.get("backend") == "redis" else {}
+        print(json.dumps({**shared, "nodes": nodes, "replicas": replicas, "kv": kv}, indent=2))
     else:
-        print(render(nodes, replicas, kv))
+        line = leader_line(cluster)
+        print((line + "\n\n" if line else "") + render(nodes, replicas, kv))
     return 0

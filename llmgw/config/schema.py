@@ -319,6 +319,8 @@ class StateConfig(Located):
     snapshot_interval: Annotated[float, Parse(parse_duration), at_least(0.1), at_most(3600.0)] = setting(10.0)
     stream_length: Annotated[int, at_least(1000), at_most(10_000_000)] = setting(20_000)  # log batches kept
     share_learning: bool = setting(True)  # predictions, prefix-tree routes, cost observations: every gateway's
+    lease_ttl: Annotated[float, Parse(parse_duration), at_least(0.3), at_most(60.0)] = setting(2.0)  # leader lease
+    lease_renew: Annotated[float, Parse(parse_duration), at_least(0.05), at_most(20.0)] = setting(0.5)
 
     @property
     def shared(self) -> bool:
@@ -335,6 +337,9 @@ class StateConfig(Located):
                                       "the primary is")
         if draft.known("load_interval", "load_ttl") and draft["load_ttl"] < 4 * draft["load_interval"]:
             draft.problem("load_ttl", "must be at least 4 x load_interval: a live gateway's load must not expire")
+        if draft.known("lease_ttl", "lease_renew") and draft["lease_ttl"] < 3 * draft["lease_renew"]:
+            draft.problem("lease_renew", "must be at most a third of lease_ttl: a leader renews several times "
+                                         "within its lease, so one slow answer does not cost it the lead")
 
 
 @config_class

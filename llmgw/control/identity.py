@@ -17,6 +17,10 @@ and this file.
 
 Both live in ``nodes.json`` in ``agents.control_state_dir`` (mode 0600),
 written atomically, so a control-plane restart keeps identities and proofs.
+In a cluster with a shared state the placement key is derived from the
+cluster secret instead (the same in every candidate, never stored), and the
+bindings are also kept in Redis (:mod:`llmgw.cluster.identities`), so a new
+leader on another host checks the same secrets and proofs.
 A missing file is an empty store; an unreadable one is an error at start
 (starting empty would re-open every node id to the join token).
 """
@@ -32,6 +36,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .. import wire
 from ..private_file import write_private
@@ -71,12 +76,18 @@ class Identity:
 class NodeIdentities:
     """The node id -> secret bindings and the placement key, persisted in ``directory/nodes.json``."""
 
-    def __init__(self, directory: Path | str, max_nodes: int = MAX_NODES):
+    def __init__(self, directory: Path | str, max_nodes: int = MAX_NODES, placement_key: bytes | None = None):
+        """``placement_key``: given (a cluster's, derived from its secret: the same in every candidate), it is
+        used instead of the one in the file, and never stored."""
         self.path = Path(directory) / STORE_NAME
         self.max_nodes = max_nodes
         self._nodes: dict[str, Identity] = {}
         self._placement_key: bytes | None = None
+        self.on_change: Callable[[str, Identity | None], None] | None = None  # after bind and forget
         self._load()
+        self._fixed_key = placement_key is not None
+        if placement_key is not None:
+            self._placement_key = placement_key
 
     # -- identities ----------------------------------------------------------------------------------------------
 
@@ -99,15 +110,40 @@ class NodeIdentities:
 
     def bind(self, node_id: str, secret: str, peer: str = "") -> None:
         """Bind ``node_id`` to ``secret`` (its first join, or after :meth:`forget`); persisted before returning."""
-        self._nodes[node_id] = Identity(_digest(secret), time.time(), peer)
+        identity = self._nodes[node_id] = Identity(_digest(secret), time.time(), peer)
+        if self.on_change is not None:
+            self.on_change(node_id, identity)
         self._save()
 
     def forget(self, node_id: str) -> bool:
         """Drop a node's binding: its id can join again with a join token (and gets a new secret)."""
         if self._nodes.pop(node_id, None) is None:
             return False
+        if self.on_change is not None:
+            self.on_change(node_id, None)
         self._save()
         return True
+
+    def identities(self) -> dict[str, Identity]:
+        return dict(self._nodes)
+
+    def merge(self, known: dict[str, Identity]) -> int:
+        """Take the bindings another control plane of the cluster made (a new leader's start); how many changed
+        here. A node id bound here and there takes the newer binding."""
+        changed = 0
+        for node_id, identity in known.items():
+            mine = self._nodes.get(node_id)
+            if mine is None and len(self._nodes) >= self.max_nodes:
+                break
+            if mine is None or (mine != identity and identity.joined_at >= mine.joined_at):
+                self._nodes[node_id] = identity
+                changed += 1
+        if changed:
+            try:
+                self._save()
+            except OSError as exc:
+                log.error("cannot store the cluster's node identities in %s (%s)", self.path, exc)
+        return changed
 
     # -- placement proofs ----------------------------------------------------------------------------------------
 
@@ -153,8 +189,9 @@ class NodeIdentities:
                                      "node join again with the join token") from None
 
     def _save(self) -> None:
+        key = None if self._fixed_key else self._placement_key
         body = {"version": STORE_VERSION,
-                "placement_key": self._placement_key.hex() if self._placement_key else None,
+                "placement_key": key.hex() if key else None,
                 "nodes": {node_id: {"secret_sha256": i.secret_sha256, "joined_at": i.joined_at, "peer": i.peer}
                           for node_id, i in sorted(self._nodes.items())}}
         write_private(self.path, json.dumps(body, indent=1).encode())

@@ -73,18 +73,21 @@ REFUSE_UNPROVEN = "unproven_shard"
 
 
 class ControlPlane:
-    def __init__(self, replicas: "ReplicaTable", kv_index: "KvWriter", registry, metrics_registry, config: "Config"):
+    def __init__(self, replicas: "ReplicaTable", kv_index: "KvWriter", registry, metrics_registry, config: "Config",
+                 placement_key: bytes | None = None):
+        """``placement_key``: a cluster's (every candidate derives the same), instead of one kept on disk."""
         self.replicas = replicas
         self.kv_index = kv_index
         self.id = uuid.uuid4().hex[:12]
-        self.metrics = ControlMetrics(metrics_registry)
+        self.metrics = ControlMetrics.for_registry(metrics_registry)
         self.kv_metrics = KvMetrics.for_registry(metrics_registry)
         self._kv_refusals_told: set[tuple[str, str, str]] = set()
         self._unproven_told: set[tuple[str, str]] = set()  # (node, shard): logged and told once per session
         self._invalid_told: set[tuple[str, str]] = set()  # (node, problem): logged and told once per session
         self.reports = ReportCheck(own_ports=(config.listen.port, config.control_listen.port))
         self.inventory = Inventory(on_change=self.request_reconcile, metrics=self.metrics)
-        self.identities = NodeIdentities(config.agents.control_state_dir or default_control_state_dir())
+        self.identities = NodeIdentities(config.agents.control_state_dir or default_control_state_dir(),
+                                         placement_key=placement_key)
         self.agents = AgentService(self.inventory, self, SessionSettings.from_config(config.agents),
                                    identities=self.identities, metrics=self.metrics, control_plane_id=self.id,
                                    reports=self.reports)

@@ -72,6 +72,12 @@ class StaticReplicas(TaskHost):
                 self.replicas.withdraw_model(STATIC, declared)
         self._follow_kv(config)
 
+    def rejoin(self, config: "Config") -> None:
+        """The table behind it starts empty again (a cluster candidate's new term): add every replica anew. The
+        KV subscriptions go on as they are."""
+        self._static.clear()
+        self.apply(config)
+
     def kv_fed(self) -> list[str]:
         """The static replicas whose KV events this process follows."""
         return list(self._kv)

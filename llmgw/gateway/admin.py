@@ -25,7 +25,7 @@ from ..http.messages import error_body
 from ..metrics import render
 from ..router.replicas import STATIC
 from ..router.tier import RouteRequest
-from ..wire.channel import AgentCredentials, quart_channel
+from ..wire.channel import LEADER_HEADER, AgentCredentials, quart_channel
 from .admin_guard import AdminGuard
 from .replica_stats import replica_stats
 from .ui import status_page
@@ -68,6 +68,19 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
     def without_control_plane():
         return _error(404, "this gateway runs with --role gateway: the control plane (nodes, agents) is in its "
                       "cluster's control process", "no_control_plane")
+
+    def not_leading():
+        """An agent's upgrade at a process without a control plane: a candidate names the leader it knows (the
+        agent goes there if it is one of its --join URLs); a --role gateway process only says it has none."""
+        shared = gateway.shared
+        if shared is None or shared.election is None:
+            return without_control_plane()
+        holder = shared.election.holder or {}
+        leader = str(holder.get("control_url") or "")
+        return _error(503, f"this process does not lead its cluster now: the leader is at {leader}" if leader else
+                      "this process does not lead its cluster now, and no leader is known (an election is under "
+                      "way, or Redis is unreachable)", "not_leader",
+                      headers={"Retry-After": "1", **({LEADER_HEADER: leader} if leader else {})})
 
     @app.get("/metrics")
     async def metrics():
@@ -157,7 +170,7 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
         # quart's websocket is a context-local proxy: hand the session the object behind it
         ws = websocket._get_current_object()  # type: ignore[attr-defined]
         if gateway.control is None:
-            return without_control_plane()
+            return not_leading()
         agents = gateway.control.agents
         with agents.upgrade(AgentCredentials.from_headers(ws.headers), peer) as refusal:
             if refusal is not None:

@@ -25,6 +25,7 @@ import trio
 
 from ..cluster.link import client_options, cluster_secret, sentinel_options
 from ..cluster.state import CONTROL, SharedState
+from ..cluster.term_sources import TermKv, TermTable
 from ..config import Config, ConfigError
 from ..config.fields import Located, issue_at
 from ..config.loading import is_blank, read_config_text
@@ -53,6 +54,7 @@ from .reload_guard import Refusal, ReloadMetrics, ReloadOutcome, refusal, restar
 
 if TYPE_CHECKING:
     from ..agent.agent import Agent
+    from ..cluster.writer import PublishedKv, PublishedReplicaTable
 
 log = logging.getLogger(__name__)
 SETTLE_SECONDS = 2.0  # the least a control process waits after its start before it publishes the shared state
@@ -135,37 +137,90 @@ class Gateway:
         self.addresses: Addresses | None = None
         self.role = role
         self.shared: SharedState | None = None
-        table: ReplicaTable = self.replicas
-        kv: KvWriter = self.kv_index
         if config.state.shared:
             self._check_state_settings(config)
             self.shared = SharedState(config, role, self.replicas, self.kv_index, self.registry,
                                       self.metrics.registry)
-            table, kv = self.shared.table, self.shared.kv
             self.router.learning = self.shared.tier_learning  # before any model is declared
         elif role != CONTROL:
             raise ConfigError([issue_at(config.state, "backend", "--role gateway follows a cluster's shared state: "
                                         "it needs backend: redis")])
+        # With a shared state, a control process is a candidate: its control plane runs (built anew) through each
+        # term it leads the cluster (_lead); without one, for the process's life.
         self.static: StaticReplicas | None = None
         self.control: ControlPlane | None = None
-        if role == CONTROL:
-            self.static = StaticReplicas(table, kv, self.registry, self.metrics.registry)
-            self.control = ControlPlane(table, kv, self.registry, self.metrics.registry, config)
-            self.dataplane.wait_for_replica = self.control.wait_for_replica
-        else:
-            assert self.shared is not None
-            self.dataplane.wait_for_replica = self.shared.wait_for_replica
+        self._listening: list[tuple[str, int]] = []
+        self._term_started = 0.0
+        self.term_table: TermTable | None = None
+        self.term_kv: TermKv | None = None
+        if role == CONTROL and self.shared is None:
+            self.static = StaticReplicas(self.replicas, self.kv_index, self.registry, self.metrics.registry)
+            self.control = self._build_control(self.replicas, self.kv_index)
+        elif role == CONTROL:  # a candidate: the config's replicas and their KV events are followed all along
+            self.term_table, self.term_kv = TermTable(self.replicas), TermKv(self.kv_index)
+            self.static = StaticReplicas(self.term_table, self.term_kv, self.registry, self.metrics.registry)
+        if self.shared is not None:
+            self.dataplane.wait_for_replica = self._wait_for_replica
             self.dataplane.wait_for_models = self.shared.wait_for_models
+        else:
+            assert self.control is not None
+            self.dataplane.wait_for_replica = self.control.wait_for_replica
         self._reload_lock = trio.Lock()
         self._reload_metrics = ReloadMetrics(self.metrics.registry)
         self.readiness = self.dataplane.readiness = Readiness(self.router, lambda: self.draining,
                                                               self._state_loaded)
 
+    def _build_control(self, table: ReplicaTable, kv: KvWriter) -> ControlPlane:
+        key = self.shared.placement_key if self.shared is not None else None
+        return ControlPlane(table, kv, self.registry, self.metrics.registry, self.config, placement_key=key)
+
+    async def _wait_for_replica(self, model: str) -> bool:
+        """With a shared state: the control plane's adoption window while leading, else the first snapshot."""
+        assert self.shared is not None
+        if self.control is not None:
+            return await self.control.wait_for_replica(model)
+        return await self.shared.wait_for_replica(model)
+
     def _state_loaded(self) -> bool:
-        """Whether this process knows the cluster's models: always, but for a ``--role gateway`` process before
-        its first copy of the shared state."""
-        follower = self.shared.follower if self.shared is not None else None
-        return follower is None or follower.loaded.is_set()
+        """Whether this process knows the cluster's models: always, but for a follower of a cluster before its
+        first copy of the shared state (while it leads, it has its own)."""
+        shared = self.shared
+        return shared is None or shared.leading or shared.follower.loaded.is_set()
+
+    async def _lead(self, table: "PublishedReplicaTable", kv: "PublishedKv") -> None:
+        """One term as the cluster's leader (:mod:`llmgw.cluster.election`): the control plane, the config's
+        replicas and the embedded agent, until the term's scope is cancelled."""
+        self._term_started = trio.current_time()
+        assert self.static is not None and self.term_table is not None and self.term_kv is not None
+        try:
+            control = self._build_control(table, kv)
+        except Exception:  # e.g. an unreadable identity store: this process cannot lead, but it still routes
+            log.exception("cluster leader: the control plane cannot start here; the term ends")
+            return
+        shared = self.shared
+        assert shared is not None and shared.writer is not None
+        try:
+            async with trio.open_nursery() as nursery:
+                await shared.identities.load_into(control.identities)  # before any agent is served
+                nursery.start_soon(shared.identities.write_from, control.identities, shared.writer.fence)
+                # No checkpoint from here until the control plane starts: a request never finds the table without
+                # the config's replicas (the deployed ones' requests wait in the adoption window that follows).
+                shared.followed.release()
+                self.term_table.term, self.term_kv.term = table, kv
+                kv.remote_listeners.append(self.term_kv.remote_resync)
+                self.static.rejoin(self.config)
+                self.term_kv.resync_all(self.static.kv_fed(), "a new term starts: publish the engine's truth")
+                self.control = control
+                await nursery.start(control.run)
+                if self._listening:
+                    control.reports.listening(self._listening)
+                if self.config.agents.embedded:
+                    await nursery.start(self._run_embedded_agent)
+                await trio.sleep_forever()
+        finally:
+            self.term_table.term = self.term_kv.term = None
+            self.control = None
+            self.embedded_agent = None
 
     async def run(self, listen: tuple[str, int] | None = None, control_listen: tuple[str, int] | None = None, *,
                   reuse_port: bool = False, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -192,7 +247,7 @@ class Gateway:
             self._nursery = nursery
             await nursery.start(self.replicas.run)
             if self.shared is not None:
-                await nursery.start(self.shared.run, self._settled)
+                await nursery.start(self.shared.run, self._lead if self.role == CONTROL else None, self._settled)
             if self.static is not None:
                 await nursery.start(self.static.run)
                 self.static.apply(self.config)
@@ -206,13 +261,16 @@ class Gateway:
             with listening_on(host_port(control_host, control_port)):
                 control = await nursery.start(functools.partial(control_server.serve, control_host, control_port,
                                                                 shutdown=self._control_shutdown))
+            self._listening = [data, control]
             if self.control is not None:
-                self.control.reports.listening([data, control])  # a node's endpoint there would loop
+                self.control.reports.listening(self._listening)  # a node's endpoint there would loop
             self.addresses = Addresses(data, control, "https" if self.config.data_tls else "http",
                                        "https" if self.config.control_tls else "http")
-            if self.config.agents.embedded and self.control is not None:
+            if self.shared is not None:
+                self.shared.listening(self.addresses.control_url)
+            if self.config.agents.embedded and self.shared is None:
                 await nursery.start(self._run_embedded_agent)
-            elif self.config.agents.embedded:
+            elif self.config.agents.embedded and self.role != CONTROL:
                 log.info("--role gateway: the config's embedded agent runs in the control-plane process only")
             log.debug("llmgw serving the OpenAI API on %s and the control API on %s",
                      self.addresses.data_url, self.addresses.control_url)
@@ -226,15 +284,17 @@ class Gateway:
                             keepalive_timeout=lim.keepalive_timeout, max_connections=max_connections)
 
     def _settled(self) -> bool:
-        """What this control process knows is worth publishing (followers keep their last view until then): its
+        """What this leader knows is worth publishing (followers keep their last view until then): its term's
         adoption window is over, and the replicas whose KV events it follows have sent their first copy (or
         ``KV_SETTLE_SECONDS`` passed), so a restart never shows the cluster an empty index."""
-        assert self.control is not None and self.static is not None
+        if self.control is None or self.static is None:
+            return False  # the term's control plane is not up yet
         now = trio.current_time()
-        if now < max(self.control.reconciler.place_after, self._started_at + SETTLE_SECONDS):
+        started = max(self._started_at, self._term_started)
+        if now < max(self.control.reconciler.place_after, started + SETTLE_SECONDS):
             return False
         fed = [*self.static.kv_fed(), *self.control.kv_fed()]
-        return now >= self._started_at + KV_SETTLE_SECONDS or all(
+        return now >= started + KV_SETTLE_SECONDS or all(
             self.kv_index.state(name) is not IndexState.NO_EVENTS for name in fed)
 
     @staticmethod

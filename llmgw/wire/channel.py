@@ -68,10 +68,11 @@ class UpgradeRefused(Exception):
     """The control plane refused the websocket upgrade: its HTTP ``status`` and message. 401 and 403 are final
     (the credentials, or this control plane, will not change by retrying); others (503: too many sessions) pass."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, leader: str | None = None):
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
         self.message = message
+        self.leader = leader  # a cluster's candidate that does not lead names the leader's control URL
 
     @property
     def final(self) -> bool:
@@ -231,11 +232,16 @@ def memory_channel_pair(agent_name: str = "embedded agent", buffer: int = 64) ->
 
 
 class Connector(Protocol):
-    url: str  # where it connects, for logs
+    @property
+    def url(self) -> str:
+        """Where it connects (now), for logs."""
 
     def connect(self, credentials: AgentCredentials) -> AbstractAsyncContextManager[Channel]:
         """An async context manager yielding a fresh channel to the control plane (:class:`UpgradeRefused` when
         it refuses ``credentials`` at the door)."""
+
+
+LEADER_HEADER = "X-Llmgw-Leader"  # on a refused upgrade: where the cluster's leader is (its control URL)
 
 
 def agent_url(join: str) -> str:
@@ -281,7 +287,9 @@ class WebSocketConnector:
                     await self._diagnose_tls()
                 raise
             except ConnectionRejected as exc:
-                raise UpgradeRefused(exc.status_code, _refusal_message(exc.body)) from None
+                leader = dict(exc.headers or ()).get(LEADER_HEADER.encode())
+                raise UpgradeRefused(exc.status_code, _refusal_message(exc.body),
+                                     leader.decode("latin-1")[:2048] if leader else None) from None
             yield websocket_channel(ws, f"control plane {self.url}")
 
     async def _diagnose_tls(self) -> None:
@@ -297,6 +305,48 @@ class WebSocketConnector:
             except (OSError, trio.BrokenResourceError) as exc:
                 cause = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) and exc.__cause__ else exc
                 raise ssl.SSLError(f"{self.url}: {describe_tls_error(cause)}") from cause
+
+
+class FailoverConnector:
+    """Several control listeners of one cluster (``llmgw agent --join URL,URL``): one is dialled at a time, the
+    next after a failure to connect or a refusal. A candidate that does not lead refuses with the leader's URL
+    (:data:`LEADER_HEADER`): the agent goes there next if it is one of its own URLs, and never anywhere else
+    (its join token and node secret go only where the operator said)."""
+
+    def __init__(self, connectors: list[WebSocketConnector]):
+        if not connectors:
+            raise ValueError("no control-plane URL to join")
+        self.connectors = connectors
+        self.current = 0
+
+    @property
+    def url(self) -> str:
+        return self.connectors[self.current].url
+
+    @asynccontextmanager
+    async def connect(self, credentials: AgentCredentials) -> AsyncIterator[Channel]:
+        connected = False
+        try:
+            async with self.connectors[self.current].connect(credentials) as channel:
+                connected = True
+                yield channel
+        except BaseException as exc:
+            if not connected:
+                self._move_on(exc)
+            raise
+
+    def _move_on(self, exc: BaseException) -> None:
+        leader = exc.leader if isinstance(exc, UpgradeRefused) else None
+        if leader:
+            try:
+                wanted = agent_url(leader)
+            except ValueError:
+                wanted = ""
+            for index, connector in enumerate(self.connectors):
+                if connector.url == wanted:
+                    self.current = index
+                    return
+        self.current = (self.current + 1) % len(self.connectors)
 
 
 class InProcessConnector:

@@ -59,9 +59,11 @@ async def stop_private_redis(url: str, timeout: float = 2.0) -> None:
 
 
 async def wait_until_following(gateway: "Gateway", timeout: float = FOLLOW_TIMEOUT) -> None:
-    """A follower: until it applied the control process's first snapshot (at most ``timeout`` seconds)."""
-    follower = gateway.shared.follower if gateway.shared is not None else None
-    if follower is None:
+    """A follower (``--role gateway``): until it applied the leader's first snapshot (at most ``timeout``
+    seconds). A candidate (worker 0) does not wait: it is elected, or follows once there is a leader."""
+    shared = gateway.shared
+    if shared is None or shared.election is not None:
         return
+    follower = shared.follower
     if not await follower.wait_loaded(timeout):
         log.warning("no snapshot of the control process's state within %g s: serving on what comes later", timeout)

@@ -44,18 +44,24 @@ async def test_cluster_events_times_every_sample_on_every_gateway_from_the_engin
 async def test_fault_with_several_gateways_kills_one_then_redis_and_reports_each_gateway(tmp_path):
     report = await bench(tmp_path, "fault", "--gateways", "3", "--duration", "2", "--redis-down", "1",
                          "--rate", "10")
-    gateway, redis = report["results"]
-    names = {"llmgw control", "llmgw gateway-1", "llmgw gateway-2"}
+    gateway, leader, redis = report["results"]
+    names = {"llmgw control", "llmgw candidate-1", "llmgw gateway-2"}
     assert gateway["fault"] == "gateway" and gateway["victim"] == "llmgw gateway-2"
     assert {row["gateway"] for row in gateway["gateways"]} == names
     for row in gateway["gateways"]:
         # each survivor saw the killed gateway's load reports expire
         assert (row["load_gone_s"] is None) == (row["gateway"] == gateway["victim"])
     assert gateway["back_s"] is not None and gateway["lost_before_gone"]
+    # The leader killed: the other candidate leads, every follower's index becomes its, nothing fails elsewhere.
+    assert leader["fault"] == "leader" and leader["victim"] == "llmgw control"
+    assert leader["new_leader"] == "llmgw candidate-1" and leader["new_leader_s"] is not None
+    assert leader["index_equal_s"] is not None and leader["engines_same_pids"] and leader["lost_before_gone"]
+    assert [row["failed"] for row in leader["gateways"] if row["gateway"] != leader["victim"]] == [{}, {}], leader
     assert redis["fault"] == "redis" and redis["down_s"] >= 1
+    assert redis["leaderless_while_down"] and redis["new_leader"] in ("llmgw control", "llmgw candidate-1")
     for row in redis["gateways"]:
         assert row["degraded_after_s"] is not None and row["live_after_return_s"] is not None
-        assert (row["index_equal_after_return_s"] is None) == (row["role"] == "control")
+        assert (row["index_equal_after_return_s"] is None) == (row["gateway"] == redis["new_leader"])
 
 
 async def test_fault_behind_sentinel_kills_the_primary_and_reports_the_promotion(tmp_path):

@@ -1,0 +1,137 @@
+"""Node identities in the cluster's Redis: a new leader checks the same node secrets as the old one.
+
+What is kept is what :class:`~llmgw.control.identity.NodeIdentities` keeps
+on disk, less the placement key: per node id, the SHA-256 of its secret, when
+and from where it joined (``llmgw:CLUSTER:nodes``, a hash of signed msgpack
+records). Node secrets themselves never leave the agents; the placement key
+is derived from the cluster secret (:func:`placement_key`) by every candidate
+and never stored anywhere.
+
+The leader writes each binding as it is made or forgotten, under its term's
+fence (:class:`~.election.Fence`: a stale leader cannot bind a node id); a new
+leader merges what Redis holds into its own store before it serves agents, and
+writes back what only it knew.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from ..control.identity import Identity
+from . import records
+from .link import Unavailable
+
+if TYPE_CHECKING:
+    from ..control.identity import NodeIdentities
+    from .election import Fence
+    from .link import RedisLink
+    from .metrics import ClusterMetrics
+    from .records import Keys
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING = 10_000
+PLACEMENT_CONTEXT = b"llmgw placement key v1"
+
+
+def placement_key(cluster_secret: bytes | None) -> bytes | None:
+    """The placement key every candidate of a cluster derives from its secret (``state.secret_env``); None
+    without one (each control plane then keeps a key of its own on disk, and a new leader cannot adopt engines
+    another one placed)."""
+    if cluster_secret is None:
+        return None
+    return hmac.new(cluster_secret, PLACEMENT_CONTEXT, hashlib.sha256).digest()
+
+
+def encode(node_id: str, identity: Identity, signer: records.Signer) -> bytes:
+    body = records.pack([node_id, identity.secret_sha256, identity.joined_at, identity.peer])
+    return records.pack([body, signer.sign(body)])
+
+
+def decode(node_id: str, raw: Any, signer: records.Signer) -> Identity:
+    """A binding read from Redis; :class:`~.records.RecordError` when it is not one of this cluster's."""
+    try:
+        body, signature = records.unpack(raw)
+        if not signer.valid(signature, body):
+            raise records.RecordError("not signed with the cluster secret")
+        named, digest, joined_at, peer = records.unpack(body)
+        if named != node_id or not isinstance(digest, str) or len(digest) != 64 or not isinstance(peer, str):
+            raise records.RecordError("not a node identity")
+        int(digest, 16)
+        return Identity(digest, float(joined_at), peer[:300])
+    except (ValueError, TypeError) as exc:
+        raise records.RecordError(str(exc)) from None
+
+
+class SharedIdentities:
+    """Loads the cluster's bindings into a leader's store, and writes the leader's new ones back."""
+
+    def __init__(self, link: "RedisLink", keys: "Keys", signer: records.Signer, metrics: "ClusterMetrics"):
+        self.link = link
+        self.keys = keys
+        self.signer = signer
+        self.metrics = metrics
+
+    async def load_into(self, store: "NodeIdentities") -> None:
+        """Merge the bindings in Redis into ``store`` (a new term, before any agent is served); Redis failing
+        leaves ``store`` as it is (its own file)."""
+        key = self.keys.nodes
+        try:
+            raw = await self.link.call("identities_read", lambda client: client.hgetall(key))
+        except Unavailable:
+            log.warning("cluster leader: the node identities in Redis could not be read; agents that joined "
+                        "another leader must join again")
+            return
+        known: dict[str, Identity] = {}
+        for name, value in list((raw or {}).items())[:store.max_nodes]:
+            node_id = name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
+            try:
+                known[node_id] = decode(node_id, value, self.signer)
+            except records.RecordError:
+                self.metrics.bad_records.labels("nodes").inc()
+        changed = store.merge(known)
+        log.info("cluster leader: %d node identities in Redis, %d new here", len(known), changed)
+
+    async def write_from(self, store: "NodeIdentities", fence: "Fence") -> None:
+        """For the term: every binding ``store`` has that Redis lacks, then each change as it is made."""
+        pending: dict[str, Identity | None] = dict(store.identities())
+        wake = trio.Event()
+
+        def changed(node_id: str, identity: Identity | None) -> None:
+            nonlocal wake
+            if len(pending) < MAX_PENDING or node_id in pending:
+                pending[node_id] = identity
+                wake.set()
+
+        store.on_change = changed
+        failures = 0
+        try:
+            while True:
+                batch = dict(pending)
+                pending.clear()
+                commands: list[list[Any]] = []
+                for node_id, identity in batch.items():
+                    if identity is None:
+                        commands.append([b"HDEL", self.keys.nodes, node_id])
+                    else:
+                        commands.append([b"HSET", self.keys.nodes, node_id, encode(node_id, identity, self.signer)])
+                try:
+                    if commands:
+                        await fence.run("identities_write", commands)
+                    failures = 0
+                except Unavailable:
+                    for node_id, identity in batch.items():
+                        pending.setdefault(node_id, identity)  # tried again: newer changes win
+                    failures += 1
+                    await self.link.backoff(failures)
+                    continue
+                if not pending:
+                    wake = trio.Event()
+                    await wake.wait()
+        finally:
+            store.on_change = None

@@ -1,0 +1,317 @@
+"""Leader election over Redis: every ``llmgw serve`` of a cluster without ``--role gateway`` is a candidate, one
+holds the lease and runs the control plane, the others follow it and take over when it dies or is cut off.
+
+Real processes on loopback: ``llmgw sim`` replicas with KV events, candidate ``llmgw serve`` processes and a real
+``redis-server``. What is checked is what a user sees (``/health``, ``/admin/cluster``, ``/metrics``, answers to
+requests) and what is in Redis (the log, the lease).
+"""
+
+from __future__ import annotations
+
+import signal
+
+import coredis
+import httpx
+import pytest
+import trio
+
+from llmgw.cluster.link import RedisLink
+from llmgw.cluster.metrics import ClusterMetrics
+from llmgw.cluster.records import Keys
+from llmgw.config.loading import parse_config
+from llmgw.testing.cluster import CHAT, TOKEN, Cluster, all_up, shard_pids
+from llmgw.testing.metrics import metric_value
+from llmgw.testing.processes import Child, llmgw_command
+from llmgw.testing.shared_state import cluster_config, start_cluster, state_section, wait_kv_healthy
+from llmgw.testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, MODEL, kv_sim_profile, start_sims
+from llmgw.wire.channel import agent_url
+
+pytestmark = pytest.mark.slow
+
+PROMPT = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hello there"}]}
+
+
+async def leader_state(http: httpx.AsyncClient, gateway: Child) -> dict:
+    """The ``leader`` part of the gateway's ``/health`` (its campaign: leading or not, the holder it last read)."""
+    return (await http.get(gateway.control_url + "/health")).json()["state"]["leader"]
+
+
+async def wait_for_leader(http: httpx.AsyncClient, candidates: list[Child], timeout: float = 10.0) -> Child:
+    """Until exactly one candidate leads and every candidate names it as the holder; that one."""
+    with trio.fail_after(timeout):
+        while True:
+            states = [await leader_state(http, c) for c in candidates]
+            leaders = [c for c, s in zip(candidates, states) if s["leading"]]
+            holders = {(s["holder"] or {}).get("origin") for s in states}
+            if len(leaders) == 1 and len(holders) == 1 and None not in holders:
+                return leaders[0]
+            await trio.sleep(0.05)
+
+
+async def leader_and_other(http: httpx.AsyncClient, candidates: list[Child],
+                           timeout: float = 10.0) -> tuple[Child, Child]:
+    """``(leader, the other)`` of two candidates, once they agree."""
+    leader = await wait_for_leader(http, candidates, timeout)
+    (other,) = [c for c in candidates if c is not leader]
+    return leader, other
+
+
+async def two_candidates(nursery, start_llmgw, redis_url: str, cluster_name: str, state: str = ""):
+    """``(simulators, [candidate A, candidate B])``: two ``llmgw serve`` processes of one cluster, neither with
+    ``--role gateway``; A is started first (and so is elected first)."""
+    engines, first, _ = await start_cluster(nursery, start_llmgw, redis_url, cluster_name, followers=0, state=state)
+    second = await start_llmgw(cluster_config(engines, redis_url, cluster_name, state=state))
+    await wait_kv_healthy(second.control_url, len(engines))
+    return engines, [first, second]
+
+
+async def test_two_candidates_elect_one_leader_and_the_other_follows_it(nursery, start_llmgw, redis_url,
+                                                                        cluster_name):
+    engines, candidates = await two_candidates(nursery, start_llmgw, redis_url, cluster_name)
+    async with httpx.AsyncClient(timeout=30) as http:
+        leader, follower = await leader_and_other(http, candidates)
+        clusters = {c: (await http.get(c.control_url + "/admin/cluster")).json() for c in candidates}
+        # The follower follows the leader's log (its writer is the leader's term), and has no control plane.
+        assert clusters[follower]["log"]["writer"].startswith(clusters[leader]["origin"] + ".")
+        assert clusters[follower]["log"]["loaded"] is True
+        assert (await http.get(follower.control_url + "/admin/nodes")).status_code == 404
+        assert (await http.get(leader.control_url + "/admin/nodes")).status_code == 200
+        leading = {c: metric_value((await http.get(c.control_url + "/metrics")).text, "llmgw_cluster_leader")
+                   for c in candidates}
+        assert leading == {leader: 1.0, follower: 0.0}
+        for gateway in candidates:  # both route
+            response = await http.post(gateway.url + "/v1/chat/completions", json=PROMPT)
+            assert response.status_code == 200, response.text
+        # `llmgw status` at the follower says who leads, and reads the nodes from the leader it names.
+        done = await trio.run_process(llmgw_command("status", "--control", follower.control_url),
+                                      capture_stdout=True, capture_stderr=True, check=False)
+        out = done.stdout.decode()
+        assert done.returncode == 0, done.stderr.decode()
+        assert out.startswith(f"CLUSTER {cluster_name}: this process follows; the leader is "
+                              f"{clusters[leader]['origin']} at {leader.control_url} (term 1)\n"), out
+        assert "NODES (0)" in out and "REPLICAS (2)" in out
+        # Still one leader, the same one, a few renewals later.
+        await trio.sleep(1.5)
+        assert await wait_for_leader(http, candidates) is leader
+        assert metric_value((await http.get(leader.control_url + "/metrics")).text,
+                            "llmgw_cluster_elections_total") == 1.0
+
+
+async def test_kill_9_of_the_leader_makes_the_other_candidate_leader_and_the_followers_follow_it(
+        nursery, start_llmgw, redis_url, cluster_name):
+    engines, candidates = await two_candidates(nursery, start_llmgw, redis_url, cluster_name)
+    gateway = await start_llmgw(cluster_config(engines, redis_url, cluster_name), "--role", "gateway")
+    async with httpx.AsyncClient(timeout=30) as http:
+        old, survivor = await leader_and_other(http, candidates)
+        old.kill(signal.SIGKILL)
+        await old.wait_exit()
+        new = await wait_for_leader(http, [survivor], timeout=15)
+        state = await leader_state(http, new)
+        assert state["term"] == 2  # the lease's generation moved on: the fencing token of the new term
+        survivor_origin = (await http.get(survivor.control_url + "/admin/cluster")).json()["origin"]
+        # The --role gateway process follows the new leader's log (its snapshot, then its batches)...
+        with trio.fail_after(15):
+            while not ((await http.get(gateway.control_url + "/admin/cluster")).json()["log"]["writer"]
+                       or "").startswith(survivor_origin + "."):
+                await trio.sleep(0.1)
+        # ...and both keep routing, the new leader with its own control plane.
+        assert (await http.get(survivor.control_url + "/admin/nodes")).status_code == 200
+        for process in (survivor, gateway):
+            response = await http.post(process.url + "/v1/chat/completions", json=PROMPT)
+            assert response.status_code == 200, response.text
+        assert metric_value((await http.get(survivor.control_url + "/metrics")).text,
+                            "llmgw_cluster_leader_transitions_total", 'to="leader",reason="elected"') == 1.0
+
+
+async def test_a_paused_leader_steps_down_and_writes_nothing_after_its_successor(nursery, start_llmgw, redis_url,
+                                                                                 cluster_name):
+    engines, candidates = await two_candidates(nursery, start_llmgw, redis_url, cluster_name)
+    async with httpx.AsyncClient(timeout=30) as http:
+        old, other = await leader_and_other(http, candidates)
+        old_origin = (await http.get(old.control_url + "/admin/cluster")).json()["origin"]
+        old.kill(signal.SIGSTOP)  # a paused leader (a long GC, a frozen VM): its lease runs out meanwhile
+        try:
+            new = await wait_for_leader(http, [other], timeout=15)
+            new_origin = (await http.get(new.control_url + "/admin/cluster")).json()["origin"]
+            await trio.sleep(0.5)
+        finally:
+            old.kill(signal.SIGCONT)
+        # Back, it finds its term over: it follows, the new leader keeps its term.
+        assert await wait_for_leader(http, candidates) is other
+        assert (await leader_state(http, other))["term"] == 2
+        with trio.fail_after(15):  # the new term published its first snapshot (after its adoption window)
+            while not (await http.get(other.control_url + "/admin/cluster")).json()["log"]["published"]:
+                await trio.sleep(0.1)
+        await trio.sleep(1.0)  # renewals of the new term; whatever the old one had pending would be written now
+        assert await wait_for_leader(http, candidates) is other
+        assert (await http.get(old.control_url + "/admin/nodes")).status_code == 404
+        log_writers = await log_writers_in_order(redis_url, cluster_name)
+        first_new = next(i for i, writer in enumerate(log_writers) if writer.startswith(new_origin + "."))
+        assert not any(writer.startswith(old_origin + ".") for writer in log_writers[first_new:]), log_writers
+
+
+async def log_writers_in_order(redis_url: str, cluster: str) -> list[str]:
+    client = coredis.Redis.from_url(redis_url, decode_responses=False)
+    async with client:
+        entries = await client.xrange(Keys(cluster).log)
+    return [entry.field_values[b"w"].decode() for entry in entries]
+
+
+async def test_a_stale_terms_write_is_refused_by_redis_and_ends_that_term(nursery, redis_url, cluster_name):
+    from llmgw.cluster.election import Election, Fence, Fenced  # here: the other tests run (and fail) on main
+
+    config = parse_config(state_section(redis_url, cluster_name, lease_ttl="600ms", lease_renew="100ms"))
+    keys = Keys(cluster_name)
+
+    async def candidate(origin: str) -> "Election":
+        metrics = ClusterMetrics(None, "control", cluster_name, origin)
+        link = RedisLink(config.state, metrics)
+        await nursery.start(link.run)
+        election = Election(link, keys, config.state, metrics, origin)
+        election.listening(f"http://{origin}.invalid:1")
+        return election
+
+    old = await candidate("old")
+    await nursery.start(old.run)
+    old_term = await old.wait_elected()
+    old_fence = Fence(old.link, keys, old, old_term, old.metrics)
+    await old_fence.run("test", [[b"XADD", keys.log, b"*", b"w", b"old"]])  # while it holds the lease: written
+    # Its lease runs out in Redis while it cannot renew (the pause, seen from Redis), and another takes it.
+    client = coredis.Redis.from_url(redis_url, decode_responses=False)
+    async with client:
+        await client.delete([keys.leader])
+    new = await candidate("new")
+    await nursery.start(new.run)
+    new_term = await new.wait_elected()
+    assert new_term.generation == old_term.generation + 1
+    with pytest.raises(Fenced):
+        await old_fence.run("test", [[b"XADD", keys.log, b"*", b"w", b"old-late"]])
+    assert old_term.scope.cancel_called and not old.leading
+    assert scrape_metric(old.metrics.fenced_writes) == 1
+    new_fence = Fence(new.link, keys, new, new_term, new.metrics)
+    await new_fence.run("test", [[b"XADD", keys.log, b"*", b"w", b"new"]])
+    async with client:
+        written = [entry.field_values[b"w"] for entry in await client.xrange(keys.log)]
+    assert written == [b"old", b"new"]
+    nursery.cancel_scope.cancel()
+
+
+def scrape_metric(counter) -> float:
+    return counter._value.get()
+
+
+async def test_a_redis_outage_leaves_no_leader_then_one_is_elected_and_every_process_routes_throughout(
+        nursery, start_llmgw, private_redis, cluster_name):
+    engines, candidates = await two_candidates(nursery, start_llmgw, private_redis.url, cluster_name)
+    pids = [engine.pid for engine in engines]
+    async with httpx.AsyncClient(timeout=30) as http:
+        await wait_for_leader(http, candidates)
+        await private_redis.kill()
+        with trio.fail_after(10):  # the leader stops before its lease could have expired; nobody takes over
+            while any([(await leader_state(http, c))["leading"] for c in candidates]):
+                await trio.sleep(0.05)
+        for _ in range(3):
+            for process in candidates:  # fail-static: both route on the last known table
+                response = await http.post(process.url + "/v1/chat/completions", json=PROMPT)
+                assert response.status_code == 200, response.text
+            assert not any([(await leader_state(http, c))["leading"] for c in candidates])
+            await trio.sleep(0.5)
+        await private_redis.restart()
+        leader, follower = await leader_and_other(http, candidates, timeout=15)
+        leader_origin = (await http.get(leader.control_url + "/admin/cluster")).json()["origin"]
+        with trio.fail_after(15):
+            while not ((await http.get(follower.control_url + "/admin/cluster")).json()["log"]["writer"]
+                       or "").startswith(leader_origin + "."):
+                await trio.sleep(0.1)
+        for process in candidates:
+            response = await http.post(process.url + "/v1/chat/completions", json=PROMPT)
+            assert response.status_code == 200, response.text
+            assert process.returncode is None
+    assert [engine.pid for engine in engines] == pids and all(engine.returncode is None for engine in engines)
+
+
+SECRET_ENV = "LLMGW_TEST_CLUSTER_SECRET"
+
+
+def candidate_config(control_state_dir, redis_url: str, cluster: str) -> str:
+    """A candidate with its own identity store (as on a host of its own), one deployed simulator engine, and the
+    cluster secret (the placement key every candidate derives) in ``SECRET_ENV``."""
+    return f"""
+agents:
+  token: {TOKEN}
+  heartbeat_interval: 0.5s
+  suspect_after: 1.5s
+  disconnected_after: 3s
+  control_state_dir: {control_state_dir}
+health:
+  interval: 0.2s
+  failures_to_down: 1
+""" + kv_sim_profile('"--num-blocks", "256"', replicas=1) + state_section(
+        redis_url, cluster, snapshot_interval="1s", secret_env=SECRET_ENV)
+
+
+async def test_after_kill_9_of_the_leader_the_agent_follows_the_new_one_which_adopts_its_engine(
+        cluster, redis_url, cluster_name, tmp_path, monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, "a cluster secret of at least 16 bytes")
+    second = Cluster(cluster.nursery, tmp_path / "second", cluster.engines, fixtures=cluster.fixtures,
+                     cwd=cluster.cwd)
+    (tmp_path / "second").mkdir()
+    for c, name in ((cluster, "first"), (second, "second")):
+        c.write_config(candidate_config(tmp_path / f"control-{name}", redis_url, cluster_name))
+    first_serve = await cluster.start_serve()
+    async with httpx.AsyncClient(timeout=30) as http:
+        with trio.fail_after(10):
+            while not (await http.get(cluster.control_url + "/health")).json()["state"]["leader"]["leading"]:
+                await trio.sleep(0.05)
+        await second.start_serve()
+        agent = await cluster.start_agent("a", "tiny-2gpu-a", join=f"{cluster.control_url},{second.control_url}")
+        replicas = await cluster.settled(1)
+        pids = shard_pids(replicas)
+        secret = (tmp_path / "agent-a" / "node-secret").read_text()
+        first_serve.kill(signal.SIGKILL)
+        await first_serve.wait_exit()
+        # The other candidate leads, the agent reconnects to it (one of its --join URLs) with its node secret and
+        # its placement proofs, and the new leader adopts the running engine: same pid, no restart.
+        adopted = await second.wait_for("the engine adopted by the new leader", lambda: adopted_on(second, pids),
+                                        timeout=30)
+        assert restarts(adopted) == {name: 0 for name in pids}
+        assert (await second.nodes())["a"]["state"] == "connected"
+        assert (tmp_path / "agent-a" / "node-secret").read_text() == secret  # known, not joined anew
+        assert any(f"connected to {agent_url(second.control_url)}" in line for line in agent.lines)
+        response = await http.post(second.data_url + "/v1/chat/completions", json=CHAT)
+        assert response.status_code == 200, response.text
+        assert adopted_pids(await second.replicas()) == pids
+
+
+async def adopted_on(cluster: Cluster, pids: dict[str, int]) -> dict | None:
+    replicas = await cluster.replicas()
+    return replicas if all_up(len(pids))(replicas) and adopted_pids(replicas) == pids else None
+
+
+def adopted_pids(replicas: dict[str, dict]) -> dict[str, int]:
+    return {name: (r.get("shards") or [{}])[0].get("pid") for name, r in replicas.items()}
+
+
+def restarts(replicas: dict[str, dict]) -> dict[str, int]:
+    return {name: r["shards"][0]["restarts"] for name, r in replicas.items()}
+
+
+async def test_a_candidate_whose_control_plane_cannot_start_lets_another_lead_and_keeps_routing(
+        nursery, start_llmgw, redis_url, cluster_name, tmp_path):
+    broken = tmp_path / "broken-control"
+    broken.mkdir()
+    (broken / "nodes.json").write_text("{not json")  # an identity store it cannot read
+    engines = await start_sims(nursery, 2, env=KV_SIM_ENV, num_blocks=512, block_size=16, time_scale=0, seed=0,
+                               extra=KV_SIM_EXTRA)
+    config = cluster_config(engines, redis_url, cluster_name)
+    first = await start_llmgw(config + f"agents:\n  control_state_dir: {broken}\n")
+    async with httpx.AsyncClient(timeout=30) as http:
+        with trio.fail_after(10):  # it won the lease, its term failed, and it gave the lease up
+            while not any("the control plane cannot start here" in line for line in first.lines):
+                await trio.sleep(0.05)
+        second = await start_llmgw(config + f"agents:\n  control_state_dir: {tmp_path / 'good-control'}\n")
+        assert await wait_for_leader(http, [first, second], timeout=15) is second
+        await wait_kv_healthy(first.control_url, len(engines))  # the failed one follows the new leader
+        response = await http.post(first.url + "/v1/chat/completions", json=PROMPT)
+        assert response.status_code == 200, response.text
+        assert first.returncode is None
