@@ -17,7 +17,8 @@ import os
 
 # Paths from the repository root. Not compiled, and why: llmgw/plugins/round_robin.py (pluggy sets attributes on
 # its hook functions, which compiled functions do not take), llmgw/router/tier.py and llmgw/cached_labels.py
-# (``__getattr__`` on classes deriving from non-compiled ones).
+# (``__getattr__`` on classes deriving from non-compiled ones), llmgw/router/replica.py (compiled classes take no
+# weak references, and the tokenizer client keys its pools by Replica in a WeakKeyDictionary).
 MYPYC_MODULES = (
     "llmgw/http/server.py",
     "llmgw/http/client.py",
@@ -32,7 +33,6 @@ MYPYC_MODULES = (
     "llmgw/gateway/latency.py",
     "llmgw/gateway/hops.py",
     "llmgw/router/router.py",
-    "llmgw/router/replica.py",
     "llmgw/router/canonical.py",
 )
 

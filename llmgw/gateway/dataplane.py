@@ -352,8 +352,8 @@ class DataPlane:
         if content_type[:19].lower() == "multipart/form-data":
             try:
                 model = form_field(request.body, content_type, "model")
-            except FormError as exc:
-                return error_response(400, f"the request body is not a valid form: {exc}", code="invalid_form")
+            except FormError as bad_form:
+                return error_response(400, f"the request body is not a valid form: {bad_form}", code="invalid_form")
             return {} if model is None else {"model": model}
         try:
             body = await read_json_body(request.body, self.settings.json_limits)

@@ -77,12 +77,6 @@ def test_the_compiled_wheel_carries_every_hot_module_as_an_extension(compiled_tr
     assert json.loads(probe.stdout) == [module_name(path) for path in MYPYC_MODULES]
 
 
-def test_a_plain_checkout_runs_the_same_modules_pure():
-    from llmgw.compiled import compiled_modules, describe
-
-    assert compiled_modules() == [] and describe() is None
-
-
 async def exchange_all(url: str) -> list[tuple]:
     """The requests both gateways answer, and what each answer was (what does not vary between runs)."""
     answers: list[tuple] = []
