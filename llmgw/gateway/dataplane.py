@@ -578,18 +578,12 @@ class RelayedStream:
         return self
 
     async def __anext__(self) -> bytes:
-        piece = await self._next_piece()
-        if piece is None:
-            raise StopAsyncIteration
-        return piece
-
-    async def _next_piece(self) -> bytes | None:
-        """The next piece to send the client; None at the end (the answer accounted)."""
+        """The next piece to send the client (one coroutine per piece, as an async generator's)."""
         if self._done:
-            return None
+            raise StopAsyncIteration
         if self._error_sent:
             await self._end()
-            return None
+            raise StopAsyncIteration
         upstream = self._upstream
         try:
             if not self._started:
@@ -604,7 +598,7 @@ class RelayedStream:
             raise
         if not piece:
             await self._end()
-            return None
+            raise StopAsyncIteration
         recent = self._recent
         if recent is not None:  # the last pieces (references), for the final usage chunk
             recent.append(piece)
