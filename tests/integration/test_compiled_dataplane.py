@@ -23,7 +23,7 @@ import pytest
 from llmgw.compiled import MYPYC_MODULES, module_name
 from llmgw.testing.processes import start_serve
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the compiled build takes 1-8 minutes here
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = """
