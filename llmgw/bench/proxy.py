@@ -31,7 +31,7 @@ machine does falls on all of them alike; medians over the rounds are reported, a
 are the median of round-by-round ratios. Everything listens on 127.0.0.1 with ephemeral
 ports; every process is started and stopped here (also on Ctrl-C), each run is bounded.
 
-Run: ``python -m llmgw.bench.proxy [--duration 10] [--repeat 3] [--json bench-results/proxy.json]``.
+Run: ``llmgw bench proxy [--duration 10] [--repeat 3] [--json bench-results/proxy.json]``.
 Needs ``wrk`` and ``taskset`` (Debian: ``apt-get install wrk util-linux``). vllm-router
 is looked up with ``--vllm-router``, on PATH, in ``/tmp/vr`` or ``bench-results/vr-venv``,
 and installed into ``bench-results/vr-venv`` when missing (``--no-install`` to skip it).
@@ -788,7 +788,7 @@ async def start_and_measure(args: argparse.Namespace, targets: list[str], workdi
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llmgw.bench.proxy", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="llmgw bench proxy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=int, default=10, help="seconds per measured wrk run (default 10)")
     parser.add_argument("--warmup", type=int, default=2,
                         help="seconds of unmeasured load before each scenario in the first round (default 2)")
@@ -842,7 +842,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         report = {
             "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "command": [sys.executable, "-m", "llmgw.bench.proxy"] + (argv if argv is not None else sys.argv[1:]),
+            "command": ["llmgw", "bench", "proxy"] + (argv if argv is not None else sys.argv[1:]),
             "settings": {"duration_s": args.duration, "warmup_s": args.warmup, "repeat": args.repeat,
                          "proxy_cpu": PROXY_CPU, "load_and_upstream_cpu": LOAD_CPU, "wrk_threads": 1,
                          "small_body": SMALL_BODY, "stream_body": STREAM_BODY, "path": PATH,

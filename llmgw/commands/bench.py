@@ -19,6 +19,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "fault": ("llmgw.bench.fault", "kill an engine, the agent and the control plane under a steady load: "
                                    "failed requests by kind, time to routable again, engine restarts "
                                    "(--gateways N: a gateway, then Redis, in a cluster)"),
+    "proxy": ("llmgw.bench.proxy", "the data plane's overhead: llmgw, the upstream called directly and vllm-router "
+                                   "under wrk: added p50, requests/s and streams/s, CPU µs per request"),
     "routing": ("llmgw.bench.routing", "routing tiers, an oracle and vllm-router on the same simulators: "
                                        "engine-reported cache hits, TTFT p90, output tokens/s, the load knee"),
     "sim-calibration": ("llmgw.bench.sim_calibration", "the simulator's GPU profiles against published vLLM "

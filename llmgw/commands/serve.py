@@ -25,6 +25,7 @@ from functools import partial
 
 import trio
 
+from ..compiled import describe as describe_compiled
 from ..config import ConfigError, HostPort, parse_config
 from ..control.identity import IdentityStoreError
 from ..fdlimit import raise_open_files_limit
@@ -174,6 +175,9 @@ async def _serve(config, listen, control_listen, demo_replicas: int | None = Non
             # (full collections took 40-70 ms here and showed up in request p99).
             gc.collect()
             gc.freeze()
+            compiled = describe_compiled()
+            if compiled is not None:
+                (log.warning if compiled[1] else log.info)("%s", compiled[0])
             print(f"llmgw listening on {addresses.data_url} (control: {addresses.control_url})", flush=True)
             if demo:
                 print(demo_hints(addresses), flush=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 from ..engines import probe
 from ..http.client import UpstreamError, UpstreamResponse
@@ -352,8 +352,8 @@ class DataPlane:
         if content_type[:19].lower() == "multipart/form-data":
             try:
                 model = form_field(request.body, content_type, "model")
-            except FormError as exc:
-                return error_response(400, f"the request body is not a valid form: {exc}", code="invalid_form")
+            except FormError as bad_form:
+                return error_response(400, f"the request body is not a valid form: {bad_form}", code="invalid_form")
             return {} if model is None else {"model": model}
         try:
             body = await read_json_body(request.body, self.settings.json_limits)
@@ -437,53 +437,7 @@ class DataPlane:
             self._finish(replica, decision, route_request, exchange, upstream.status, usage, body_at=_now())
             return Response(upstream.status, headers, data)
         return Response(upstream.status, headers,
-                        self._stream(upstream, replica, decision, route_request, exchange))
-
-    async def _stream(self, upstream: UpstreamResponse, replica: Replica, decision: Decision,
-                      route_request: RouteRequest, exchange: Exchange) -> AsyncIterator[bytes]:
-        started = exchange.started
-        status = upstream.status
-        outcome = ANSWERED
-        recent: list[bytes] | None = [] if status == 200 else None
-        watch = StreamWatch(TOKEN_LATENCY_BOUNDS) if status == 200 and _is_event_stream(upstream.headers) else None
-        try:
-            if not upstream.piece_ready:
-                yield b""  # the head goes out now, as the engine sent it; its first token may be long in coming
-            while piece := await upstream.receive_piece():
-                if recent is not None:  # the last pieces (references), for the final usage chunk
-                    recent.append(piece)
-                    if len(recent) > STREAM_TAIL_PIECES:
-                        del recent[0]
-                if watch is not None:
-                    watch.feed(piece, _now())
-                    if watch.first_token_at is not None and decision.ttft is None:
-                        self.router.first_token(route_request, decision, watch.first_token_at - started)
-                yield piece
-        except UpstreamError as exc:
-            self._upstream_error(replica, exc)
-            # An event stream told so at an event's end: the client read a 200 head and then this error event.
-            told = watch is not None and recent is not None and _at_event_end(recent)
-            log.warning("replica %s broke off a streamed answer (request %s): %s; %s", replica.name,
-                        route_request.request_id, exc, "the client gets an error event" if told else
-                        "the connection is closed" + (" (in the middle of an event)" if watch is not None else ""))
-            if status == 200:
-                outcome = STREAM_ERROR  # counted under the 200 the client saw
-            else:
-                status = 502
-            if not told:
-                raise AbortConnection(str(exc)) from None
-            yield stream_error_event(f"replica {replica.name} broke off this answer: {exc}",
-                                     504 if exc.kind == "timeout" else 502)
-        except BaseException:
-            if not (recent and _relayed_stream_end(recent)):  # a client may hang up once it has read [DONE]
-                status = 499
-                self.metrics.for_model(route_request.served_name).client_disconnects.inc()
-            raise
-        finally:
-            await upstream.aclose()
-            usage = usage_of_stream_tail(recent) if recent and status == 200 and outcome == ANSWERED else None
-            self._finish(replica, decision, route_request, exchange, status, usage, watch=watch, tail=recent,
-                         outcome=outcome)
+                        RelayedStream(self, upstream, replica, decision, route_request, exchange))
 
     # -- bookkeeping -------------------------------------------------------------------------------------------------
 
@@ -587,6 +541,130 @@ class DataPlane:
                                        f"{'; '.join(failures)}", code="no_healthy_replica", headers=retry_after)
         return error_response(503, f"no healthy replica of {model!r} is available", code="no_healthy_replica",
                               headers=retry_after)
+
+
+class RelayedStream:
+    """The body of a relayed answer that is not whole at its head (a stream), piece by piece as it arrives.
+
+    An async iterator rather than an async generator (which mypyc cannot compile; docs/benchmarks.md): the
+    server iterates it and calls :meth:`aclose` when it stops early. Every way it ends (the upstream's end,
+    an upstream failure, the client going away, cancellation) gives the connection back or closes it and
+    accounts the answer once (:meth:`DataPlane._finish`). An event stream the upstream breaks off at an
+    event's end gets an error event (:func:`stream_error_event`); elsewhere the connection is cut.
+    """
+
+    __slots__ = ("_plane", "_upstream", "_replica", "_decision", "_route_request", "_exchange", "_status",
+                 "_outcome", "_recent", "_watch", "_started", "_error_sent", "_done")
+
+    def __init__(self, plane: DataPlane, upstream: UpstreamResponse, replica: Replica, decision: Decision,
+                 route_request: RouteRequest, exchange: Exchange):
+        self._plane = plane
+        self._upstream = upstream
+        self._replica = replica
+        self._decision = decision
+        self._route_request = route_request
+        self._exchange = exchange
+        status = upstream.status
+        self._status = status
+        self._outcome = ANSWERED
+        self._recent: list[bytes] | None = [] if status == 200 else None  # the last pieces, for the usage chunk
+        self._watch: StreamWatch | None = StreamWatch(TOKEN_LATENCY_BOUNDS) \
+            if status == 200 and _is_event_stream(upstream.headers) else None
+        self._started = False
+        self._error_sent = False
+        self._done = False
+
+    def __aiter__(self) -> RelayedStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        """The next piece to send the client (one coroutine per piece, as an async generator's)."""
+        if self._done:
+            raise StopAsyncIteration
+        if self._error_sent:
+            await self._end()
+            raise StopAsyncIteration
+        upstream = self._upstream
+        try:
+            if not self._started:
+                self._started = True
+                if not upstream.piece_ready:
+                    return b""  # the head goes out now, as the engine sent it; its first token may be long in coming
+            piece = await upstream.receive_piece()
+        except UpstreamError as exc:
+            return await self._broken_off(exc)
+        except BaseException:
+            await self._abandoned()
+            raise
+        if not piece:
+            await self._end()
+            raise StopAsyncIteration
+        recent = self._recent
+        if recent is not None:  # the last pieces (references), for the final usage chunk
+            recent.append(piece)
+            if len(recent) > STREAM_TAIL_PIECES:
+                del recent[0]
+        watch = self._watch
+        if watch is not None:
+            watch.feed(piece, _now())
+            decision = self._decision
+            if watch.first_token_at is not None and decision.ttft is None:
+                self._plane.router.first_token(self._route_request, decision,
+                                               watch.first_token_at - self._exchange.started)
+        return piece
+
+    async def _broken_off(self, exc: UpstreamError) -> bytes:
+        """The upstream failed mid-answer: an error event to send, or AbortConnection (the answer accounted)."""
+        replica = self._replica
+        self._plane._upstream_error(replica, exc)
+        watch = self._watch
+        recent = self._recent
+        # An event stream told so at an event's end: the client read a 200 head and then this error event.
+        told = watch is not None and recent is not None and _at_event_end(recent)
+        log.warning("replica %s broke off a streamed answer (request %s): %s; %s", replica.name,
+                    self._route_request.request_id, exc, "the client gets an error event" if told else
+                    "the connection is closed" + (" (in the middle of an event)" if watch is not None else ""))
+        if self._status == 200:
+            self._outcome = STREAM_ERROR  # counted under the 200 the client saw
+        else:
+            self._status = 502
+        if not told:
+            await self._end()
+            raise AbortConnection(str(exc)) from None
+        self._error_sent = True
+        return stream_error_event(f"replica {replica.name} broke off this answer: {exc}",
+                                  504 if exc.kind == "timeout" else 502)
+
+    async def aclose(self) -> None:
+        """The client will take no more (it went away, or the server stops): accounted as it stands."""
+        if self._done:
+            return
+        if not self._error_sent:
+            await self._abandoned()
+        else:
+            await self._end()
+
+    async def _abandoned(self) -> None:
+        """Cancelled, or the client stopped reading, before the end."""
+        recent = self._recent
+        if not (recent and _relayed_stream_end(recent)):  # a client may hang up once it has read [DONE]
+            self._status = 499
+            self._plane.metrics.for_model(self._route_request.served_name).client_disconnects.inc()
+        await self._end()
+
+    async def _end(self) -> None:
+        """Once: the connection back to the pool (or closed), the answer accounted."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            await self._upstream.aclose()
+        finally:
+            recent = self._recent
+            status = self._status
+            usage = usage_of_stream_tail(recent) if recent and status == 200 and self._outcome == ANSWERED else None
+            self._plane._finish(self._replica, self._decision, self._route_request, self._exchange, status, usage,
+                                watch=self._watch, tail=recent, outcome=self._outcome)
 
 
 _NO_TOKENS = (None, None, None)

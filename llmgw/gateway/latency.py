@@ -128,7 +128,7 @@ class StreamWatch:
             return
         lines = (self._pending + piece).split(b"\n")
         pending = lines.pop()
-        for at, line in enumerate(lines):
+        for index, line in enumerate(lines):
             if not line.startswith(b"data:") or not self._has_output(line[5:]):
                 continue
             self.first_token_at = self.last_token_at = now
@@ -136,7 +136,7 @@ class StreamWatch:
             self._pending = b""
             self._tail = _LINE_END if not pending else (b"\n" + pending)[-5:]
             self._newer_at = now
-            self._newer_n = sum(1 for later in lines[at + 1:] if later.startswith(b"data:")) \
+            self._newer_n = sum(1 for later in lines[index + 1:] if later.startswith(b"data:")) \
                 + pending.startswith(b"data:")
             return
         self._pending = pending if len(pending) <= MAX_UNPARSED_BYTES else None

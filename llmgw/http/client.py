@@ -144,8 +144,8 @@ class _Connection:
                 return sock.recv(READ_SIZE)
             except BlockingIOError:
                 continue
-            except ssl.SSLError as exc:  # e.g. an mTLS upstream's alert that it wants our certificate
-                raise UpstreamError("tls", describe_tls_error(exc), before_head=before_head) from None
+            except ssl.SSLError as tls_error:  # e.g. an mTLS upstream's alert that it wants our certificate
+                raise UpstreamError("tls", describe_tls_error(tls_error), before_head=before_head) from None
             except OSError as exc:
                 raise UpstreamError("closed", f"upstream connection broke: {exc}", before_head=before_head) from None
 
@@ -167,12 +167,14 @@ class _Connection:
             await self._wait(trio.lowlevel.wait_writable, timeout,
                              f"upstream did not take the request within {timeout:g}s", before_head=True)
             try:
-                view = view[sock.send(view):]
-                untouched = False
+                sent = sock.send(view)
             except BlockingIOError:
                 continue
             except OSError as exc:
                 raise _send_error(exc, untouched=untouched) from None
+            # (outside the try: mypyc 2.4 lost this assignment made inside it, after an await in the loop)
+            view = view[sent:]
+            untouched = False
 
 
 def _still_open(sock: Stream) -> bool:
@@ -295,8 +297,8 @@ class UpstreamResponse:
             return
         try:
             self._parser.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            raise UpstreamError("protocol", f"malformed upstream response: {exc}", before_head=False) from None
+        except httptools.HttpParserError as malformed:
+            raise UpstreamError("protocol", f"malformed upstream response: {malformed}", before_head=False) from None
 
     def _ends_with_connection(self) -> bool:
         for name, value in self.headers:
@@ -398,8 +400,8 @@ class UpstreamPool:
                                                             "request, without answering")
             try:
                 feed(data)
-            except httptools.HttpParserError as exc:
-                raise UpstreamError("protocol", f"malformed upstream response: {exc}") from None
+            except httptools.HttpParserError as malformed:
+                raise UpstreamError("protocol", f"malformed upstream response: {malformed}") from None
         return UpstreamResponse(self, conn, parser, idle_timeout, head_only=method == "HEAD")
 
     def _encode_head(self, method: str, target: str, headers: list[tuple[bytes, bytes]], length: int) -> bytes:

@@ -117,8 +117,8 @@ def _parse(body: bytes, limits: JsonLimits) -> Iterator[Any]:
         yield _PAUSE
     try:  # as json.loads(bytes) decodes, as a step of its own: about a third of a big plain body's parse
         text = body.decode(json.detect_encoding(body), "surrogatepass")
-    except UnicodeDecodeError as exc:
-        raise BodyError(400, "invalid_json", "not_json", f"the request body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as undecodable:
+        raise BodyError(400, "invalid_json", "not_json", f"the request body is not valid JSON: {undecodable}") from None
     yield _PAUSE
     collecting = gc.isenabled()
     gc.disable()

@@ -33,3 +33,12 @@ def test_llmgw_bench_without_the_benchmarks_says_how_to_get_them(capsys, monkeyp
     said = capsys.readouterr().err
     assert "the benchmarks are not in this installation of llmgw" in said
     assert "pip install -e '.[bench]'" in said and "llmgw bench routing --help" in said
+
+
+def test_llmgw_bench_proxy_dispatches_to_the_data_plane_benchmark(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "proxy", "--help"])
+    assert exit_.value.code == 0
+    help_text = capsys.readouterr().out
+    assert help_text.startswith("usage: llmgw bench proxy")
+    assert all(flag in help_text for flag in ("--targets", "--baseline", "--vllm-router", "--repeat", "--json"))

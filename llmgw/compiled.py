@@ -1,0 +1,81 @@
+"""The optional mypyc build of the data plane's hot modules: which modules it compiles, and which are compiled here.
+
+``LLMGW_MYPYC=1`` makes ``setup.py`` compile :data:`MYPYC_MODULES` into C extensions (``docs/development.md``,
+"The compiled data plane"); the same ``.py`` files run as they are wherever the build did not (a plain install,
+a checkout). Compiled and pure modules behave the same (tests/integration/test_compiled_dataplane.py); the
+compiled ones cost about a fifth less CPU per request (``docs/benchmarks.md``, "Data plane overhead").
+
+This module imports nothing of llmgw at its top: ``setup.py`` reads :data:`MYPYC_MODULES` from it before llmgw
+or its dependencies are installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import os
+
+# Paths from the repository root. Not compiled, and why: llmgw/plugins/round_robin.py (pluggy sets attributes on
+# its hook functions, which compiled functions do not take), llmgw/router/tier.py and llmgw/cached_labels.py
+# (``__getattr__`` on classes deriving from non-compiled ones), llmgw/router/replica.py (compiled classes take no
+# weak references, and the tokenizer client keys its pools by Replica in a WeakKeyDictionary).
+MYPYC_MODULES = (
+    "llmgw/http/server.py",
+    "llmgw/http/client.py",
+    "llmgw/http/deadlines.py",
+    "llmgw/http/messages.py",
+    "llmgw/http/jsonbody.py",
+    "llmgw/http/connslots.py",
+    "llmgw/gateway/dataplane.py",
+    "llmgw/gateway/request_ids.py",
+    "llmgw/gateway/decisions.py",
+    "llmgw/gateway/usage.py",
+    "llmgw/gateway/latency.py",
+    "llmgw/gateway/hops.py",
+    "llmgw/router/router.py",
+    "llmgw/router/canonical.py",
+)
+
+
+def module_name(path: str) -> str:
+    """``llmgw/http/server.py`` -> ``llmgw.http.server``."""
+    return path.removesuffix(".py").replace("/", ".")
+
+
+def compiled_modules() -> list[str]:
+    """The modules of :data:`MYPYC_MODULES` this process runs compiled (imported from a C extension)."""
+    compiled = []
+    for path in MYPYC_MODULES:
+        name = module_name(path)
+        origin = getattr(importlib.import_module(name), "__file__", None) or ""
+        if origin.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)):
+            compiled.append(name)
+    return compiled
+
+
+def stale_modules(compiled: list[str]) -> list[str]:
+    """Compiled modules whose ``.py`` beside them is newer than the extension (an in-place build after which the
+    source was edited: the edit does not run until the build is redone or the extensions removed)."""
+    stale = []
+    for name in compiled:
+        extension = getattr(importlib.import_module(name), "__file__", None) or ""
+        source = os.path.join(os.path.dirname(extension), name.rsplit(".", 1)[1] + ".py")
+        try:
+            if os.path.getmtime(source) > os.path.getmtime(extension):
+                stale.append(name)
+        except OSError:
+            continue  # a wheel may ship the extension alone
+    return stale
+
+
+def describe() -> tuple[str, bool] | None:
+    """The start-up line about the compiled build and whether it is a warning; None when nothing is compiled."""
+    compiled = compiled_modules()
+    if not compiled:
+        return None
+    line = f"data plane: {len(compiled)} of {len(MYPYC_MODULES)} hot modules compiled with mypyc"
+    stale = stale_modules(compiled)
+    if stale:
+        return (f"{line}; older than their source, which does not run until they are rebuilt "
+                f"(LLMGW_MYPYC=1 python setup.py build_ext --inplace) or removed: {', '.join(stale)}"), True
+    return line, False

@@ -1,0 +1,149 @@
+"""The optional mypyc build of the data plane (``LLMGW_MYPYC=1``, llmgw/compiled.py) behaves as the pure-Python one.
+
+A wheel built from a copy of the checkout with ``LLMGW_MYPYC=1`` carries every module of ``MYPYC_MODULES`` as
+a C extension; an ``llmgw serve`` run from it and one run from the source answer the same requests (relayed,
+streamed, broken off, refused, malformed, too large, unknown) with the same statuses, bodies and headers (but
+the request ids and timings, which differ from run to run), and count them in the same metric series.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import httpx
+import pytest
+
+from llmgw.compiled import MYPYC_MODULES, module_name
+from llmgw.testing.processes import start_serve
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the compiled build takes 1-8 minutes here
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = """
+log_level: info
+models:
+  - name: tiny
+    routing: round_robin
+    replicas:
+      - url: {a}
+        name: up-a
+      - url: {b}
+        name: up-b
+limits:
+  max_body_bytes: 4096
+"""
+VARYING_HEADERS = {"x-request-id", "date", "x-served-by", "content-length"}  # x-served-by: a or b, by turn
+
+
+@pytest.fixture(scope="module")
+def compiled_tree(tmp_path_factory) -> Path:
+    """The llmgw of a wheel built with ``LLMGW_MYPYC=1`` from the tracked files (the build leaves nothing in the
+    checkout), unpacked."""
+    tmp = tmp_path_factory.mktemp("compiled")
+    listing = subprocess.run(["git", "ls-files", "-z", "--", "setup.py", "pyproject.toml", "README.md", "LICENSE",
+                              "llmgw"], cwd=REPO, capture_output=True, check=True).stdout.decode().split("\0")
+    source = tmp / "src"
+    for name in filter(None, listing):
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                            str(tmp / "dist"), str(source)], capture_output=True, text=True, timeout=1500,
+                           env={**_environ(), "LLMGW_MYPYC": "1"})
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (tmp / "dist").glob("llmgw-*.whl")
+    assert "-none-any" not in wheel.name, wheel.name  # a platform wheel
+    tree = tmp / "tree"
+    zipfile.ZipFile(wheel).extractall(tree)
+    return tree
+
+
+def _environ() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def test_the_compiled_wheel_carries_every_hot_module_as_an_extension(compiled_tree):
+    probe = subprocess.run([sys.executable, "-c", "import json, llmgw.compiled as c; "
+                            "print(json.dumps(c.compiled_modules()))"], cwd=compiled_tree, capture_output=True,
+                           text=True, timeout=60, env={**_environ(), "PYTHONPATH": str(compiled_tree)})
+    assert probe.returncode == 0, probe.stderr
+    assert json.loads(probe.stdout) == [module_name(path) for path in MYPYC_MODULES]
+
+
+async def exchange_all(url: str) -> list[tuple]:
+    """The requests both gateways answer, and what each answer was (what does not vary between runs)."""
+    answers: list[tuple] = []
+    async with httpx.AsyncClient(base_url=url, timeout=20) as client:
+        async def post(body: bytes | dict, **headers: str) -> None:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            response = await client.post("/v1/chat/completions", content=content,
+                                         headers={"content-type": "application/json", **headers})
+            answers.append(_answer(response.status_code, response.headers, response.content))
+
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        for _ in range(4):  # both replicas, twice
+            await post(chat)
+        await post(chat, **{"x-request-id": "client-given-id-1"})
+        await post({**chat, "stream": True})
+        await post({**chat, "stream": True, "x_chunks": 3})
+        await post({**chat, "stream": True, "x_break_after": 2})  # broken off: an error event ends it
+        await post({**chat, "x_status": 500})  # the request's own failure: relayed as it is
+        await post({**chat, "x_status": 503})  # an unwell replica: tried on the other, which fails the same way
+        await post({**chat, "model": "nope"})
+        await post({"messages": []})
+        await post(b"{not json")
+        await post(b"[1, 2]")
+        await post(b"x" * 8192)  # over limits.max_body_bytes
+        for method, path in (("GET", "/v1/models"), ("GET", "/v1/models/tiny"), ("GET", "/v1/other"),
+                             ("PUT", "/v1/chat/completions"), ("GET", "/health")):
+            response = await client.request(method, path)
+            answers.append(_answer(response.status_code, response.headers, response.content))
+    return answers
+
+
+def _answer(status: int, headers: httpx.Headers, body: bytes) -> tuple:
+    kept = sorted((k, v) for k, v in headers.items() if k not in VARYING_HEADERS)
+    text = body.decode("utf-8", "replace")
+    text = re.sub(r'"created":\s*\d+', '"created":0', text)
+    text = re.sub(r"(request|id)[ -]\w{8,}", r"\1 ID", text)  # request ids inside error messages
+    return status, kept, text
+
+
+def counted(metrics_text: str) -> dict[str, float]:
+    """The request-counting series of a /metrics page (not durations, which differ from run to run)."""
+    series = {}
+    for line in metrics_text.splitlines():
+        if line.startswith(("llmgw_requests_total", "llmgw_requests_by_key_total", "llmgw_upstream_errors_total",
+                            "llmgw_request_caused_failures_total", "llmgw_retries_total",
+                            "llmgw_rejected_bodies_total", "llmgw_routing_decisions_total")):
+            name, value = line.rsplit(" ", 1)
+            series[name] = float(value)
+    return series
+
+
+async def test_compiled_and_pure_gateways_answer_alike(compiled_tree, start_fake_upstream, nursery, tmp_path):
+    a = await start_fake_upstream("a")
+    b = await start_fake_upstream("b")
+    config = tmp_path / "llmgw.yaml"
+    config.write_text(CONFIG.format(a=a.url, b=b.url))
+    pure = await start_serve(nursery, config)
+    # run where the checkout's llmgw is not on the path: ``python -m`` puts the working directory first
+    compiled = await start_serve(nursery, config, env={"PYTHONPATH": str(compiled_tree)}, cwd=compiled_tree)
+    assert any("hot modules compiled with mypyc" in line for line in compiled.lines), compiled.output(20)
+    assert not any("compiled with mypyc" in line for line in pure.lines)
+    pure_answers = await exchange_all(pure.url)
+    compiled_answers = await exchange_all(compiled.url)
+    assert [answer[0] for answer in pure_answers] == [200, 200, 200, 200, 200, 200, 200, 200, 500, 503, 404, 400,
+                                                      400, 400, 413, 200, 200, 404, 405, 200]
+    assert compiled_answers == pure_answers
+    async with httpx.AsyncClient(timeout=10) as client:
+        pure_metrics = counted((await client.get(pure.control_url + "/metrics")).text)
+        compiled_metrics = counted((await client.get(compiled.control_url + "/metrics")).text)
+    assert pure_metrics and compiled_metrics == pure_metrics

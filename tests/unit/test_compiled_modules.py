@@ -1,0 +1,86 @@
+"""What mypyc cannot compile, or compiles into a different behaviour, is kept out of ``MYPYC_MODULES`` (the
+optional compiled build, llmgw/compiled.py), checked on the source without building it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from llmgw.compiled import MYPYC_MODULES, compiled_modules, describe, module_name
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def functions(path: str):
+    tree = ast.parse((REPO / path).read_text())
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_no_async_generator_in_a_compiled_module():
+    """mypyc refuses async generators ("async generators are unimplemented")."""
+    found = [f"{path}:{fn.lineno} {fn.name}" for path in MYPYC_MODULES for fn in functions(path)
+             if isinstance(fn, ast.AsyncFunctionDef)
+             and any(isinstance(node, (ast.Yield, ast.YieldFrom)) for node in ast.walk(fn))]
+    assert not found
+
+
+def test_an_exception_name_has_one_type_per_function():
+    """A compiled function gives a variable one type: ``except A as exc`` then ``except B as exc`` raises
+    TypeError there when a B arrives (found by the compiled unit tier: a malformed upstream answer)."""
+    found = []
+    for path in MYPYC_MODULES:
+        for fn in functions(path):
+            types: dict[str, set[str]] = {}
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ExceptHandler) and node.name and node.type is not None:
+                    types.setdefault(node.name, set()).add(ast.unparse(node.type))
+            found += [f"{path}:{fn.lineno} {fn.name}: {name} {sorted(kinds)}" for name, kinds in types.items()
+                      if len(kinds) > 1]
+    assert not found
+
+
+def test_every_listed_module_exists_and_runs_pure_in_a_checkout():
+    assert all((REPO / path).is_file() for path in MYPYC_MODULES)
+    assert module_name("llmgw/http/server.py") == "llmgw.http.server"
+    assert compiled_modules() == [] and describe() is None
+
+
+def test_send_all_sends_each_byte_once_when_the_socket_takes_part_at_a_time():
+    """The upstream client's partial-send loop (mypyc 2.4 compiled it into one that sent the same tail again and
+    again: an assignment inside ``try``, after an await in the loop, was lost)."""
+    import socket
+
+    import trio
+
+    from llmgw.http.client import _Connection
+
+    class TakesPart:
+        def __init__(self) -> None:
+            self.pair = socket.socketpair()  # a real descriptor for wait_writable
+            self.taken = bytearray()
+            self.calls = 0
+
+        def fileno(self) -> int:
+            return self.pair[0].fileno()
+
+        def send(self, data) -> int:
+            self.calls += 1
+            if self.calls % 3 == 0:
+                raise BlockingIOError
+            piece = bytes(data[:26_304])
+            self.taken += piece
+            return len(piece)
+
+    sock = TakesPart()
+    body = bytes(range(256)) * 800
+
+    async def send() -> None:
+        with trio.fail_after(5):  # the miscompiled loop never ended
+            await _Connection(sock).send_all(body, 5, first=True)
+
+    try:
+        trio.run(send)
+    finally:
+        for end in sock.pair:
+            end.close()
+    assert bytes(sock.taken) == body
