@@ -446,6 +446,7 @@ class DataPlane:
         outcome = ANSWERED
         recent: list[bytes] | None = [] if status == 200 else None
         watch = StreamWatch(TOKEN_LATENCY_BOUNDS) if status == 200 and _is_event_stream(upstream.headers) else None
+        decision.stream = watch  # the tier may learn decode speed from its token timings
         try:
             if not upstream.piece_ready:
                 yield b""  # the head goes out now, as the engine sent it; its first token may be long in coming

@@ -58,8 +58,9 @@ from ..plugin import (
     hookimpl,
 )
 from ..plugins_manager import default_registry
-from ..router import cost as cost_model
+from ..router import cost as cost_model, decode_cost
 from ..router.canonical import CHARS_PER_TOKEN, canonical_text, estimated_prompt_tokens
+from ..router.decode_metrics import track_decode
 from ..router.radix import RadixTree
 from ..router.tree_metrics import track_tree
 from .options import MAX_NUMBER, count, duration, option_reader
@@ -95,6 +96,8 @@ class PrefixTreeOptions:
     cost_step_time: float = cost_model.DEFAULT_PRIOR_STEP
     cost_decay: float = cost_model.DEFAULT_DECAY
     cost_others_weight: float = cost_model.DEFAULT_OTHERS_WEIGHT
+    cost_decode_weight: float = decode_cost.DEFAULT_DECODE_WEIGHT
+    cost_output_tokens: float = decode_cost.DEFAULT_OUTPUT_TOKENS
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | None, scorer_keys: AbstractSet[str] = frozenset()
@@ -127,6 +130,8 @@ class PrefixTreeOptions:
         take("cost_step_time", _non_negative_duration)
         take("cost_decay", _fraction)
         take("cost_others_weight", _non_negative_number)
+        take("cost_decode_weight", _non_negative_number)
+        take("cost_output_tokens", _positive_number)
         if "rule" not in raw and "scorers" in raw:  # naming scorers asks for them
             options.rule = "scores"
         if "max_imbalance" not in raw and options.rule == "scores":
@@ -211,6 +216,8 @@ class Choice:
     outcome: str
     reason: str
     estimates: list[cost_model.Estimate] | None = None  # under rule "cost", per candidate
+    charges: list[decode_cost.DecodeCharge] | None = None  # under rule "cost" with a decode weight, per candidate
+    moved_by: str = ""  # "decode" or "capacity" when those charges moved the pick off the smallest estimate
 
 
 @dataclass
@@ -247,8 +254,11 @@ class PrefixTreeTier(RoutingTier):
         self._last_cold: dict[str, int] = {}  # replica -> serial of the last request it got without holding a match
         self.cost = cost_model.CostModel(  # shared with a kv_index tier built on this one
             options.cost_prefill_tokens_per_s, options.cost_step_time, options.cost_decay, options.cost_others_weight)
+        self.decode = decode_cost.DecodeModel(options.cost_output_tokens, options.cost_decode_weight,
+                                              options.cost_decay)
         if services.metrics is not None:
             track_tree(services.metrics.registry, self.model, self.tree)
+            track_decode(services.metrics.registry, self.model, self.decode)
         self.learning = services.learning  # the other gateways' tiers of this model, in a cluster
         if self.learning is not None:
             self.learning.subscribe(SHARED_ROUTE, self._learn_shared_route)
@@ -284,14 +294,19 @@ class PrefixTreeTier(RoutingTier):
         return Decision(chosen, outcome=evaluation.outcome, tier=TIER_NAME, detail=detail,
                         prefill_tokens=prefill_tokens(detail))
 
-    @staticmethod
-    def note_cost(detail: dict, choice: Choice, chosen: int) -> None:
+    def note_cost(self, detail: dict, choice: Choice, chosen: int) -> None:
         """Put the chosen candidate's estimate in a decision's ``detail["cost"]`` (under rule ``cost``): the
-        bookkeeping of :meth:`routed`, :meth:`first_token` and :meth:`finished` reads it."""
+        bookkeeping of :meth:`routed`, :meth:`first_token` and :meth:`finished` reads it. Counts a pick the
+        decode or capacity charge moved."""
         if choice.estimates is not None:
             e = choice.estimates[chosen]
             detail["cost"] = {"new_tokens": e.new_tokens, "queued_tokens": e.queued_tokens, "requests": e.requests,
                               "estimated_ttft_s": round(e.ttft, 4)}
+            if choice.charges is not None:
+                c = choice.charges[chosen]
+                detail["cost"].update(decode_charge_s=round(c.decode, 4), capacity_charge_s=round(c.capacity, 4))
+            if choice.moved_by:
+                self.decode.moved[choice.moved_by] += 1
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         """The request's prefill is queued on the replica (the router counts ``prefill_tokens`` there; the tree
@@ -299,12 +314,14 @@ class PrefixTreeTier(RoutingTier):
         cost = decision.detail.get("cost")
         if cost is not None:
             self.cost.routed(decision.replica.name, cost)
+            self.decode.routed(decision.replica.name, id(decision), decision.inflight_tokens, self.clock())
 
     def first_token(self, request: RouteRequest, decision: Decision, ttft: float) -> None:
         """Its prefill is done: off the replica's queue, and one observation of the replica's speed (shared with
         the other gateways of a cluster, for the same engine)."""
         cost = decision.detail.get("cost")
         if cost is not None:
+            self.decode.first_token(id(decision), decision.stream, self.clock())
             observed = self.cost.started(decision.replica.name, cost, ttft)
             if observed is not None and self.learning is not None:
                 self.learning.publish(SHARED_TTFT, [decision.replica.engine_id, decision.replica.name, *observed])
@@ -313,6 +330,7 @@ class PrefixTreeTier(RoutingTier):
         cost = decision.detail.get("cost")
         if cost is not None:  # ended without a first token (an error, a disconnect): off the queue all the same
             self.cost.started(decision.replica.name, cost, None)
+            self.decode.finished(id(decision), self.clock())
 
     def explain(self, request: RouteRequest, candidates: Sequence[Replica]) -> dict:
         """The pick :meth:`pick` would make now (same random draw), with every score; changes nothing."""
@@ -342,7 +360,10 @@ class PrefixTreeTier(RoutingTier):
     def explain_cost(self, choice: Choice, i: int, name: str) -> dict:
         """Candidate ``i``'s part of an explanation: its estimate and learnt speed (rule ``cost``) or its scores."""
         if choice.estimates is not None:
-            return {"cost": {**choice.estimates[i].as_json(), "learnt": self.cost.describe(name)}}
+            charge = {} if choice.charges is None else {**choice.charges[i].as_json(), "total_cost_s": round(
+                choice.estimates[i].cost + choice.charges[i].total, 4)}
+            return {"cost": {**choice.estimates[i].as_json(), **charge,
+                             "learnt": {**self.cost.describe(name), **self.decode.describe(name)}}}
         return {"scores": {key: values[i] for key, values in choice.scores.items()}, "combined": choice.combined[i]}
 
     def explain_rule(self) -> dict[str, Any]:
@@ -446,6 +467,10 @@ class PrefixTreeTier(RoutingTier):
                                        [(r.queued_tokens, r.queued_requests, _seconds_since(r.queued_since, now))
                                         for r in candidates])
         costs = [e.cost for e in estimates]
+        charges = self._decode_charges(candidates, estimates, loads, prompt_tokens, request, now)
+        if charges is not None:
+            base = costs
+            costs = [t + c.total for t, c in zip(base, charges)]
         best = min(costs)
         best_noise = max(e.noise for e, t in zip(estimates, costs) if t == best)
         margin = max(best * COST_TIE_FRACTION, COST_TIE_SECONDS)
@@ -461,6 +486,9 @@ class PrefixTreeTier(RoutingTier):
         combined = [-t for t in costs]
         choice = self._guard(preferred, chosen, matched, loads, tokens, {}, combined, rng, tie_key)
         choice.estimates = estimates
+        if charges is not None:
+            choice.charges = charges
+            choice.moved_by = _moved_by(base, charges, choice.chosen, margin)
         if choice.outcome == "hit" and matched[chosen] < longest or choice.outcome == "miss" and longest:
             p, c = estimates[preferred], estimates[chosen]
             choice.outcome = "cost_override"
@@ -468,7 +496,27 @@ class PrefixTreeTier(RoutingTier):
                              f"its queue ({p.queued_tokens} prefill tokens, {p.requests:g} requests) makes it slower: "
                              f"est. TTFT {p.ttft * 1000:.0f} ms vs {c.ttft * 1000:.0f} ms, with the delay to the "
                              f"requests on each {p.cost * 1000:.0f} ms vs {c.cost * 1000:.0f} ms")
+            if charges is not None and charges[preferred].total > charges[chosen].total:
+                choice.reason += (f"; decoding there adds {charges[preferred].decode * 1000:.0f} ms and preemptions "
+                                  f"{charges[preferred].capacity * 1000:.0f} ms, vs {charges[chosen].decode * 1000:.0f}"
+                                  f" ms and {charges[chosen].capacity * 1000:.0f} ms")
         return choice
+
+    def _decode_charges(self, candidates: Sequence[Replica], estimates: list[cost_model.Estimate],
+                        loads: list[float], prompt_tokens: int, request: RouteRequest | None,
+                        now: float) -> list[decode_cost.DecodeCharge] | None:
+        """Each candidate's decode and capacity charge (:mod:`llmgw.router.decode_cost`); None when turned off."""
+        if not self.options.cost_decode_weight:
+            return None
+        self.decode.follow(candidates)
+        kv_free = []
+        for replica in candidates:
+            engine = self._fresh_engine_load(replica, now)
+            kv_free.append(None if engine is None else engine.kv_free_tokens)
+        max_tokens = decode_cost.max_output_tokens(request.body) if request is not None else None
+        return self.decode.charges([r.name for r in candidates], prompt_tokens, max_tokens, loads,
+                                   [r.inflight_tokens for r in candidates], [e.throughput for e in estimates],
+                                   kv_free, now)
 
     def _guard(self, preferred: int, chosen: int, matched: list[int], loads: list[float], tokens: list[int],
                scores: dict, combined: list[float], rng: random.Random, tie_key) -> Choice:
@@ -548,6 +596,16 @@ class PrefixTreeTier(RoutingTier):
     def _engine_waiting(self, replica: Replica, now: float) -> float | None:
         engine = self._fresh_engine_load(replica, now)
         return None if engine is None else engine.waiting
+
+
+def _moved_by(base: list[float], charges: list[decode_cost.DecodeCharge], chosen: int, margin: float) -> str:
+    """Which charge moved the pick: "" when ``chosen`` is within ``margin`` of the smallest cost without them,
+    else the larger of the two charges on the candidate that cost least without them."""
+    cheapest = min(range(len(base)), key=base.__getitem__)
+    if base[chosen] <= base[cheapest] + margin:
+        return ""
+    c = charges[cheapest]
+    return "capacity" if c.capacity > c.decode else "decode"
 
 
 def _seconds_since(moment: float | None, now: float) -> float:
