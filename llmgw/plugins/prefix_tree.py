@@ -11,7 +11,9 @@ decisions (no engine help). Per request (the rule, also in
    token (:mod:`llmgw.router.cost`: its uncached prompt tokens and the prefill
    queued on it over its learnt throughput, plus its step time and a learnt
    cost per request in flight) plus the delay its prefill adds to the requests
-   in flight there (``cost_others_weight``), and the smallest wins; an estimate within 5 %,
+   in flight there (``cost_others_weight``) and the decode and KV-capacity
+   charges of its decode there (:mod:`llmgw.router.decode_cost`,
+   ``cost_decode_weight``), and the smallest wins; an estimate within 5 %,
    2 ms or half the observed noise (the noisier of its replica's and the
    smallest's) of the smallest ties. ``rule: scores``: each scorer named in
    ``scorers`` rates each candidate in [0, 1], the combined score is their
