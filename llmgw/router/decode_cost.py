@@ -27,7 +27,8 @@ with ``C`` context tokens (the rule, also in ``docs/routing.md``)::
     ctx         = P + L / 2              the new sequence's context, averaged over its decode
     growth(r)   = per_sequence + per_context_token x ctx     what it adds to every step there
     own(r)      = L x ITL_r(B + 1, C + ctx)                  its own decode time
-    others(r)   = B x L x growth(r)                          the delay it adds to the B sequences there
+    others(r)   = B x min(L, typical / 2) x growth(r)        the delay it adds to the B sequences there (each
+                                                             decodes about half a typical answer beside it)
     decode(r)   = weight x (own(r) - the smallest own of the candidates + others(r))
     free(r)     = (1 - KV usage) x KV capacity               vLLM's kv_cache_usage_perc and cache config
     demand(r)   = P + L + B x min(L, typical / 2)            its blocks and the others' growth meanwhile
@@ -37,7 +38,12 @@ with ``C`` context tokens (the rule, also in ``docs/routing.md``)::
 Both are in seconds of the users' waiting, like the cost they are added to,
 so the cost model trades a prefill saved against a decode slowed. ``own`` is
 counted beyond the fastest candidate's, so that a decode every candidate
-would pay alike changes nothing (nor the ties). A replica the model has not
+would pay alike changes nothing (nor the ties). A replica's own ``base`` is
+used only when it is more than ``BASE_DIFFERENCE`` away from all the
+replicas' (another GPU); closer, it is the machine's noise (measured: two
+identical simulators on one loaded host learnt 9.1 and 10.0 ms, which over a
+1,100-token answer charged one of them 0.9 s for nothing), and the pooled base
+is used. A replica the model has not
 seen decode (no observation anywhere) is charged nothing, and neither is a
 replica whose steps do not grow with the batch (the simulator's ``constant``
 profile): the charges then change no decision. The capacity charge needs a
@@ -56,6 +62,7 @@ DEFAULT_OUTPUT_TOKENS = 256.0  # the prior typical output length, until streams 
 DEFAULT_DECODE_WEIGHT = 1.0
 OUTPUT_DECAY = 0.97  # per stream that ended: about the last 33 count
 SAMPLE_TOKENS = 32  # a running stream is observed every this many tokens
+BASE_DIFFERENCE = 0.25  # a replica's own base ITL counts only this far (relative) from its peers': another GPU
 MIN_SAMPLE_SECONDS = 1e-4
 MAX_ITL = 30.0  # s: bounds of what one observation or the fit may say
 MAX_PER_SEQUENCE = 1.0
@@ -349,10 +356,14 @@ class DecodeModel:
         ``kv_free[i]`` free KV tokens (None: unknown), ``throughputs[i]`` its prefill tokens/s."""
         typical = self.typical_output_tokens
         length = min(typical, max_tokens) if max_tokens is not None else typical
+        overlap = min(length, typical / 2)  # how long a running sequence decodes beside it: half a typical one
         mean_context = prompt_tokens + length / 2
+        pooled_base = self.pooled_line()[0]
         parts = []
         for i, name in enumerate(names):
             base, per_context, per_sequence, _ = self.line(name)
+            if abs(base - pooled_base) <= BASE_DIFFERENCE * pooled_base:
+                base = pooled_base  # the same hardware, seen through the machine's noise
             state = self.replica(name)
             live = state.live
             batch = batches[i]
@@ -367,7 +378,7 @@ class DecodeModel:
             preempted = 0.0
             if free is not None:
                 preempted = max(0.0, prompt_tokens + length + batch * min(length, typical / 2) - free)
-            parts.append((batch, context, itl, growth, length * itl, batch * length * growth, free, preempted))
+            parts.append((batch, context, itl, growth, length * itl, batch * overlap * growth, free, preempted))
         fastest = min((p[4] for p in parts), default=0.0)
         return [DecodeCharge(length, batch, context, itl, growth, own - fastest, others, free, preempted,
                              self.weight, throughputs[i])

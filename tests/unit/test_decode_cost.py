@@ -113,7 +113,8 @@ def test_a_busy_replica_is_charged_the_decode_delay_a_new_sequence_adds_and_an_i
     busy, idle = model.charges(["a", "b"], 500, 256, [30, 0], [30 * 600, 0], [10_000.0] * 2, [None] * 2, 0.0)
     assert idle.decode == 0 and idle.capacity == 0
     growth = PER_SEQUENCE + PER_CONTEXT * (500 + 128)  # its mean context over its 256 tokens
-    assert abs(busy.others - 30 * 256 * growth) < 0.1 * 30 * 256 * growth
+    # the 30 running there decode about half a typical answer (the prior: 256 tokens) beside it
+    assert abs(busy.others - 30 * 128 * growth) < 0.1 * 30 * 128 * growth
     assert abs(busy.own_beyond_fastest - 256 * (PER_SEQUENCE * 30 + PER_CONTEXT * 30 * 600)) < 0.01
     # Where steps do not grow with the batch (the simulator's constant profile), a decode costs the same anywhere.
     flat = taught(growth=False)
@@ -186,7 +187,7 @@ async def holder_decoding(router, replicas, running: int) -> tuple[Replica, Repl
 async def test_a_request_leaves_the_holder_of_its_prefix_when_the_decode_delay_there_exceeds_the_prefill_saved():
     """The holder runs 8 decodes: the TTFT rule keeps the question there (161 ms against a cold 2,000-token
     prefill and its recompute, 441 ms); but on a GPU whose steps grow with the batch and its context, its 256
-    tokens there would slow itself and the 8 others by ~0.6 s in all: it goes to the idle replica."""
+    tokens there would slow itself and the 8 others by ~0.5 s in all: it goes to the idle replica."""
     router, tier, replicas = make()
     owner, other = await holder_decoding(router, replicas, running=8)
     explained = await router.explain(chat("second question"))
@@ -195,7 +196,7 @@ async def test_a_request_leaves_the_holder_of_its_prefix_when_the_decode_delay_t
         < costs[other.name]["cost_s"]  # what decided before: the holder
     assert costs[owner.name]["decode_charge_s"] > 0.4 and costs[other.name]["decode_charge_s"] == 0
     assert costs[owner.name]["decode"]["batch"] == 8
-    assert costs[owner.name]["decode"]["delay_to_running_s"] > 0.2
+    assert costs[owner.name]["decode"]["delay_to_running_s"] > 0.1  # 8 x 128 tokens x ~156 us
     assert costs[owner.name]["total_cost_s"] > costs[other.name]["total_cost_s"]
     assert costs[owner.name]["learnt"]["itl_per_sequence_s"] > 0
     assert explained["outcome"] == "cost_override" and "decoding there adds" in explained["reason"]
@@ -263,3 +264,19 @@ def test_the_decode_options_are_checked():
     assert len(problems) == 2 and "cost_decode_weight" in problems[0] and "cost_output_tokens" in problems[1]
     options, problems, _ = PrefixTreeOptions.parse({"cost_decode_weight": 0.5, "cost_output_tokens": 900})
     assert not problems and (options.cost_decode_weight, options.cost_output_tokens) == (0.5, 900)
+
+
+def test_a_base_itl_close_to_the_peers_is_noise_but_another_gpus_is_charged():
+    """Two identical simulators on one loaded host learnt 9.1 and 10.0 ms a token: over a long answer that
+    difference would have charged one of them most of a second for nothing. A GPU twice as slow is charged."""
+    for slow_base, charged in ((0.0100, False), (0.0182, True)):
+        model = DecodeModel()
+        rng = random.Random(2)
+        for i in range(300):
+            batch, context = rng.randint(1, 8), rng.randint(0, 20_000)
+            name, base = ("fast", 0.0091) if i % 2 else ("slow", slow_base)
+            model.observe(name, batch, context, base + PER_SEQUENCE * batch + PER_CONTEXT * context)
+        fast, slow = model.charges(["fast", "slow"], 100, 1100, [0, 0], [0, 0], [10_000.0] * 2, [None] * 2, 0.0)
+        assert fast.own_beyond_fastest == 0
+        assert (slow.own_beyond_fastest > 0.5) == charged, (slow_base, slow)  # 256 tokens x ~4 ms or more
+        assert charged or slow.own_beyond_fastest < 0.01
