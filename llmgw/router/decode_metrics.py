@@ -1,34 +1,23 @@
 """Prometheus series of the cost model's decode part: what it learnt per replica, and the picks it moved.
 
-One collector per metrics registry (as :mod:`llmgw.router.tree_metrics`), holding weak references to the
-models' :class:`~llmgw.router.decode_cost.DecodeModel`; nothing is updated per request beyond the model's own
-counters, read when ``/metrics`` is rendered.
+Read at scrape time from each model's :class:`~llmgw.router.decode_cost.DecodeModel` by one collector per
+metrics registry (:mod:`llmgw.router.model_collectors`).
 """
 
 from __future__ import annotations
 
-import threading
-import weakref
-from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .decode_cost import DecodeModel
-
-_collectors: "weakref.WeakKeyDictionary[CollectorRegistry, DecodeCollector]" = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
+from .model_collectors import PerModelCollector, track
 
 
-class DecodeCollector:
-    def __init__(self) -> None:
-        self._models: dict[str, weakref.ref[DecodeModel]] = {}
-
-    def track(self, model: str, decode: DecodeModel) -> None:
-        self._models[model] = weakref.ref(decode)
-
-    @staticmethod
-    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily]:
+class DecodeCollector(PerModelCollector[DecodeModel]):
+    def families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily]:
         per_sequence = GaugeMetricFamily(
             "llmgw_routing_itl_per_sequence_seconds", "Learnt growth of the inter-token latency per request in "
             "flight on the replica (the cost model's decode charge).", labels=["model", "replica"])
@@ -42,31 +31,17 @@ class DecodeCollector:
                                     labels=["model", "charge"])
         return per_sequence, per_context, output, moves
 
-    def describe(self) -> Iterable[Metric]:
-        return self._families()
-
-    def collect(self) -> Iterable[Metric]:
-        per_sequence, per_context, output, moves = self._families()
-        for model, ref in list(self._models.items()):
-            decode = ref()
-            if decode is None:
-                self._models.pop(model, None)
-                continue
-            for replica in sorted(decode.replicas):
-                _, context_slope, sequence_slope, _ = decode.line(replica)
-                per_sequence.add_metric([model, replica], sequence_slope)
-                per_context.add_metric([model, replica], context_slope)
-            output.add_metric([model], decode.typical_output_tokens)
-            for charge, count in decode.moved.items():
-                moves.add_metric([model, charge], count)
-        return [per_sequence, per_context, output, moves]
+    def add(self, families: Sequence[Any], model: str, decode: DecodeModel) -> None:
+        per_sequence, per_context, output, moves = families
+        for replica in sorted(decode.replicas):
+            _, context_slope, sequence_slope, _ = decode.line(replica)
+            per_sequence.add_metric([model, replica], sequence_slope)
+            per_context.add_metric([model, replica], context_slope)
+        output.add_metric([model], decode.typical_output_tokens)
+        for charge, count in decode.moved.items():
+            moves.add_metric([model, charge], count)
 
 
 def track_decode(registry: CollectorRegistry, model: str, decode: DecodeModel) -> None:
     """Report ``decode`` as model ``model``'s decode cost model in ``registry``."""
-    with _lock:
-        collector = _collectors.get(registry)
-        if collector is None:
-            collector = _collectors[registry] = DecodeCollector()
-            registry.register(collector)
-    collector.track(model, decode)
+    track(registry, DecodeCollector, model, decode)

@@ -1,35 +1,23 @@
 """Prometheus series of the prefix trees: sizes and evictions per model, read at scrape time.
 
-One collector per metrics registry, registered the first time a tree is
-tracked (so re-configuring a model never registers a series twice). It holds
-weak references to the trees: a tree whose tier was replaced or dropped
-disappears from the exposition. Nothing is updated per request; the numbers
-are the trees' own counters, read when ``/metrics`` is rendered.
+The trees' own counters, read when ``/metrics`` is rendered by one collector per metrics registry
+(:mod:`llmgw.router.model_collectors`: weak references, registered once).
 """
 
 from __future__ import annotations
 
-import threading
-import weakref
-from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from .model_collectors import PerModelCollector, track
 from .radix import RadixTree
 
-_collectors: "weakref.WeakKeyDictionary[CollectorRegistry, PrefixTreeCollector]" = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
 
-
-class PrefixTreeCollector:
-    def __init__(self) -> None:
-        self._trees: dict[str, weakref.ref[RadixTree]] = {}
-
-    def track(self, model: str, tree: RadixTree) -> None:
-        self._trees[model] = weakref.ref(tree)
-
-    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily]:
+class PrefixTreeCollector(PerModelCollector[RadixTree]):
+    def families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily]:
         nodes = GaugeMetricFamily("llmgw_prefix_tree_nodes", "Nodes of the model's prefix tree.", labels=["model"])
         chars = GaugeMetricFamily("llmgw_prefix_tree_chars", "Characters stored on the edges of the model's "
                                   "prefix tree.", labels=["model"])
@@ -41,31 +29,17 @@ class PrefixTreeCollector:
                                         "TTL).", labels=["model", "reason"])
         return nodes, chars, replica_chars, evictions
 
-    def describe(self) -> Iterable[Metric]:
-        return self._families()
-
-    def collect(self) -> Iterable[Metric]:
-        nodes, chars, replica_chars, evictions = self._families()
-        for model, ref in list(self._trees.items()):
-            tree = ref()
-            if tree is None:
-                self._trees.pop(model, None)
-                continue
-            stats = tree.stats()
-            nodes.add_metric([model], stats.nodes)
-            chars.add_metric([model], stats.chars)
-            for replica, count in sorted(stats.replica_chars.items()):
-                replica_chars.add_metric([model, replica], count)
-            evictions.add_metric([model, "size"], stats.evicted_for_size)
-            evictions.add_metric([model, "age"], stats.evicted_for_age)
-        return [nodes, chars, replica_chars, evictions]
+    def add(self, families: Sequence[Any], model: str, tree: RadixTree) -> None:
+        nodes, chars, replica_chars, evictions = families
+        stats = tree.stats()
+        nodes.add_metric([model], stats.nodes)
+        chars.add_metric([model], stats.chars)
+        for replica, count in sorted(stats.replica_chars.items()):
+            replica_chars.add_metric([model, replica], count)
+        evictions.add_metric([model, "size"], stats.evicted_for_size)
+        evictions.add_metric([model, "age"], stats.evicted_for_age)
 
 
 def track_tree(registry: CollectorRegistry, model: str, tree: RadixTree) -> None:
     """Report ``tree`` as model ``model``'s prefix tree in ``registry``."""
-    with _lock:
-        collector = _collectors.get(registry)
-        if collector is None:
-            collector = _collectors[registry] = PrefixTreeCollector()
-            registry.register(collector)
-    collector.track(model, tree)
+    track(registry, PrefixTreeCollector, model, tree)
