@@ -56,7 +56,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from .cost import SHRINK_WEIGHT, Fit, fit_line
+from .cost import MAX_FORGOTTEN, SHRINK_WEIGHT, Fit, fit_line
 
 DEFAULT_OUTPUT_TOKENS = 256.0  # the prior typical output length, until streams end
 DEFAULT_DECODE_WEIGHT = 1.0
@@ -227,6 +227,10 @@ class DecodeModel:
                 if state.engine is not None:
                     state.data, state.observations = ItlFit(), 0
                 state.engine = replica.engine_id
+        if len(self.replicas) > MAX_FORGOTTEN + 2 * len(replicas):  # replicas come and go: drop the idle gone
+            keep = {replica.name for replica in replicas}
+            for name in [n for n, state in self.replicas.items() if n not in keep and not state.streams]:
+                del self.replicas[name]
 
     # -- what it has learnt -------------------------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from hypothesis import given, strategies as st
 from prometheus_client import generate_latest
 
 from llmgw.engines.probe import VLLM_GAUGES, parse_load
@@ -150,6 +151,20 @@ def test_the_kv_usage_and_capacity_are_read_from_vllms_metrics():
     assert parse_load('vllm:num_requests_running 1\n', VLLM_GAUGES, 1.0).kv_usage is None  # type: ignore[union-attr]
 
 
+HEADS = ["", 'vllm:kv_cache_usage_perc{engine="0"} ', 'vllm:cache_config_info{num_gpu_blocks="',
+         "vllm:num_requests_running "]
+
+
+@given(st.text(max_size=300), st.sampled_from(HEADS))
+def test_any_exposition_text_gives_a_bounded_kv_reading_or_none(text, head):
+    load = parse_load(head + text, VLLM_GAUGES, 0.0)
+    if load is not None:
+        assert load.kv_usage is None or 0.0 <= load.kv_usage <= 1.0
+        assert load.num_blocks is None or 0 < load.num_blocks
+        free = load.kv_free_tokens
+        assert free is None or 0.0 <= free
+
+
 # -- the rule, on the tier ----------------------------------------------------------------------------------------
 
 SYSTEM = "You are the support assistant of a large company; follow these rules. " * 115  # ~2,000 tokens
@@ -280,3 +295,15 @@ def test_a_base_itl_close_to_the_peers_is_noise_but_another_gpus_is_charged():
         assert fast.own_beyond_fastest == 0
         assert (slow.own_beyond_fastest > 0.5) == charged, (slow_base, slow)  # 256 tokens x ~4 ms or more
         assert charged or slow.own_beyond_fastest < 0.01
+
+
+def test_replicas_that_left_are_forgotten_unless_a_request_is_still_in_flight_there():
+    class Named:
+        def __init__(self, name):
+            self.name = self.engine_id = name
+
+    model = DecodeModel()
+    model.routed("busy", 1, 100, 0.0)
+    for i in range(200):
+        model.follow([Named(f"gone-{i}")])
+    assert len(model.replicas) < 100 and "busy" in model.replicas
