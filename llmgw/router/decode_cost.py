@@ -26,8 +26,9 @@ with ``C`` context tokens (the rule, also in ``docs/routing.md``)::
     L           = expected output tokens: the typical length, at most the request's max_tokens
     ctx         = P + L / 2              the new sequence's context, averaged over its decode
     growth(r)   = per_sequence + per_context_token x ctx     what it adds to every step there
-    own(r)      = L x ITL_r(B + 1, C + ctx)                  its own decode time
-    others(r)   = B x min(L, typical / 2) x growth(r)        the delay it adds to the B sequences there (each
+    overlap     = min(L, typical / 2)                        how long a running sequence decodes beside it
+    own(r)      = L x ITL_r(1, ctx) + overlap x (ITL_r(B + 1, C + ctx) - ITL_r(1, ctx))   its own decode time
+    others(r)   = B x overlap x growth(r)                    the delay it adds to the B sequences there (each
                                                              decodes about half a typical answer beside it)
     decode(r)   = weight x (own(r) - the smallest own of the candidates + others(r))
     free(r)     = (1 - KV usage) x KV capacity               vLLM's kv_cache_usage_perc and cache config
@@ -377,12 +378,14 @@ class DecodeModel:
                 generated *= batch / live.requests  # the other gateways' sequences decode there too
             context = prompt_contexts[i] + generated
             growth = per_sequence + per_context * mean_context
-            itl = base + per_context * (context + mean_context) + per_sequence * (batch + 1)
+            alone = base + growth  # its own steps with nothing else running
+            itl = alone + per_context * context + per_sequence * batch
             free = kv_free[i] if i < len(kv_free) else None
             preempted = 0.0
             if free is not None:
                 preempted = max(0.0, prompt_tokens + length + batch * min(length, typical / 2) - free)
-            parts.append((batch, context, itl, growth, length * itl, batch * overlap * growth, free, preempted))
+            own = length * alone + overlap * (itl - alone)  # the others slow it while they run: overlap tokens
+            parts.append((batch, context, itl, growth, own, batch * overlap * growth, free, preempted))
         fastest = min((p[4] for p in parts), default=0.0)
         return [DecodeCharge(length, batch, context, itl, growth, own - fastest, others, free, preempted,
                              self.weight, throughputs[i])

@@ -116,7 +116,8 @@ def test_a_busy_replica_is_charged_the_decode_delay_a_new_sequence_adds_and_an_i
     growth = PER_SEQUENCE + PER_CONTEXT * (500 + 128)  # its mean context over its 256 tokens
     # the 30 running there decode about half a typical answer (the prior: 256 tokens) beside it
     assert abs(busy.others - 30 * 128 * growth) < 0.1 * 30 * 128 * growth
-    assert abs(busy.own_beyond_fastest - 256 * (PER_SEQUENCE * 30 + PER_CONTEXT * 30 * 600)) < 0.01
+    # and they slow its own steps while they run beside it: 128 tokens
+    assert abs(busy.own_beyond_fastest - 128 * (PER_SEQUENCE * 30 + PER_CONTEXT * 30 * 600)) < 0.01
     # Where steps do not grow with the batch (the simulator's constant profile), a decode costs the same anywhere.
     flat = taught(growth=False)
     busy, idle = flat.charges(["a", "b"], 500, 256, [30, 0], [30 * 600, 0], [10_000.0] * 2, [None] * 2, 0.0)
@@ -202,14 +203,14 @@ async def holder_decoding(router, replicas, running: int) -> tuple[Replica, Repl
 async def test_a_request_leaves_the_holder_of_its_prefix_when_the_decode_delay_there_exceeds_the_prefill_saved():
     """The holder runs 8 decodes: the TTFT rule keeps the question there (161 ms against a cold 2,000-token
     prefill and its recompute, 441 ms); but on a GPU whose steps grow with the batch and its context, its 256
-    tokens there would slow itself and the 8 others by ~0.5 s in all: it goes to the idle replica."""
+    tokens there would slow itself and the 8 others by ~0.3 s in all: it goes to the idle replica."""
     router, tier, replicas = make()
     owner, other = await holder_decoding(router, replicas, running=8)
     explained = await router.explain(chat("second question"))
     costs = {e["name"]: e["cost"] for e in explained["replicas"]}
     assert costs[owner.name]["estimated_ttft_s"] + costs[owner.name]["delay_to_others_s"] \
         < costs[other.name]["cost_s"]  # what decided before: the holder
-    assert costs[owner.name]["decode_charge_s"] > 0.4 and costs[other.name]["decode_charge_s"] == 0
+    assert costs[owner.name]["decode_charge_s"] > 0.25 and costs[other.name]["decode_charge_s"] == 0
     assert costs[owner.name]["decode"]["batch"] == 8
     assert costs[owner.name]["decode"]["delay_to_running_s"] > 0.1  # 8 x 128 tokens x ~156 us
     assert costs[owner.name]["total_cost_s"] > costs[other.name]["total_cost_s"]
