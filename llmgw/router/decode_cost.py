@@ -39,12 +39,14 @@ with ``C`` context tokens (the rule, also in ``docs/routing.md``)::
 Both are in seconds of the users' waiting, like the cost they are added to,
 so the cost model trades a prefill saved against a decode slowed. ``own`` is
 counted beyond the fastest candidate's, so that a decode every candidate
-would pay alike changes nothing (nor the ties). A replica's own ``base`` is
-used only when it is more than ``BASE_DIFFERENCE`` away from all the
-replicas' (another GPU); closer, it is the machine's noise (measured: two
-identical simulators on one loaded host learnt 9.1 and 10.0 ms, which over a
-1,100-token answer charged one of them 0.9 s for nothing), and the pooled base
-is used. A replica the model has not
+would pay alike changes nothing (nor the ties). The slopes charged are those
+of all the model's replicas together, and a replica's own ``base`` is used
+only when it is more than ``BASE_DIFFERENCE`` away from all the replicas'
+(another GPU); closer, the differences are the machine's noise (measured: two
+identical simulators on one loaded host learnt bases of 9.1 and 10.0 ms, which
+over a 1,100-token answer charged one of them 0.9 s for nothing, and four
+learnt per-sequence slopes from 190 to 370 us: the one that looked cheapest
+drew half of a burst). A replica the model has not
 seen decode (no observation anywhere) is charged nothing, and neither is a
 replica whose steps do not grow with the batch (the simulator's ``constant``
 profile): the charges then change no decision. The capacity charge needs a
@@ -251,14 +253,26 @@ class DecodeModel:
         base, per_context, per_sequence, noise = (p + trust * (o - p) for p, o in zip(pooled, own))
         return base, per_context, per_sequence, noise
 
+    def charged_line(self, name: str) -> tuple[float, float, float]:
+        """``(base, per_context_token, per_sequence)`` the charges use for ``name``: the slopes of all the model's
+        replicas together, and the replica's own base only when it is more than ``BASE_DIFFERENCE`` from theirs."""
+        pooled_base, per_context, per_sequence, _ = self.pooled_line()
+        base = self.line(name)[0]
+        if abs(base - pooled_base) <= BASE_DIFFERENCE * pooled_base:
+            base = pooled_base  # the same hardware, seen through the machine's noise
+        return base, per_context, per_sequence
+
     def live_requests(self, name: str) -> int:
         """This gateway's requests in flight on ``name`` as the decode model follows them."""
         return self.replica(name).live.requests
 
     def describe(self, name: str) -> dict[str, Any]:
-        base, per_context, per_sequence, noise = self.line(name)
+        base, per_context, per_sequence = self.charged_line(name)
+        own_base, own_per_context, own_per_sequence, noise = self.line(name)
         return {"itl_base_s": round(base, 6), "itl_per_sequence_s": round(per_sequence, 8),
                 "itl_per_context_token_s": round(per_context, 10), "itl_noise_s": round(noise, 6),
+                "own_fit": {"itl_base_s": round(own_base, 6), "itl_per_sequence_s": round(own_per_sequence, 8),
+                            "itl_per_context_token_s": round(own_per_context, 10)},
                 "itl_observations": self.replica(name).observations,
                 "typical_output_tokens": round(self.typical_output_tokens, 1)}
 
@@ -363,12 +377,9 @@ class DecodeModel:
         length = min(typical, max_tokens) if max_tokens is not None else typical
         overlap = min(length, typical / 2)  # how long a running sequence decodes beside it: half a typical one
         mean_context = prompt_tokens + length / 2
-        pooled_base = self.pooled_line()[0]
         parts = []
         for i, name in enumerate(names):
-            base, per_context, per_sequence, _ = self.line(name)
-            if abs(base - pooled_base) <= BASE_DIFFERENCE * pooled_base:
-                base = pooled_base  # the same hardware, seen through the machine's noise
+            base, per_context, per_sequence = self.charged_line(name)
             state = self.replica(name)
             live = state.live
             batch = batches[i]
