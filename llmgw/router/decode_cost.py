@@ -25,10 +25,10 @@ with ``C`` context tokens (the rule, also in ``docs/routing.md``)::
 
     L           = expected output tokens: the typical length, at most the request's max_tokens
     ctx         = P + L / 2              the new sequence's context, averaged over its decode
-    growth(r)   = per_sequence + per_context_token x ctx     what it adds to every step there
+    growth      = per_sequence + per_context_token x ctx     what it adds to every step there
     overlap     = min(L, typical / 2)                        how long a running sequence decodes beside it
     own(r)      = L x ITL_r(1, ctx) + overlap x (ITL_r(B + 1, C + ctx) - ITL_r(1, ctx))   its own decode time
-    others(r)   = B x overlap x growth(r)                    the delay it adds to the B sequences there (each
+    others(r)   = B x overlap x growth                       the delay it adds to the B sequences there (each
                                                              decodes about half a typical answer beside it)
     decode(r)   = weight x (own(r) - the smallest own of the candidates + others(r))
     free(r)     = (1 - KV usage) x KV capacity               vLLM's kv_cache_usage_perc and cache config
