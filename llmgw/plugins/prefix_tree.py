@@ -11,9 +11,9 @@ decisions (no engine help). Per request (the rule, also in
    token (:mod:`llmgw.router.cost`: its uncached prompt tokens and the prefill
    queued on it over its learnt throughput, plus its step time and a learnt
    cost per request in flight) plus the delay its prefill adds to the requests
-   in flight there (``cost_others_weight``) and the decode and KV-capacity
-   charges of its decode there (:mod:`llmgw.router.decode_cost`,
-   ``cost_decode_weight``), and the smallest wins; an estimate within 5 %,
+   in flight there (``cost_others_weight``) and, weighed by
+   ``cost_decode_weight`` (0 by default), the decode and KV-capacity charges
+   of its decode there (:mod:`llmgw.router.decode_cost`), and the smallest wins; an estimate within 5 %,
    2 ms or half the observed noise (the noisier of its replica's and the
    smallest's) of the smallest ties. ``rule: scores``: each scorer named in
    ``scorers`` rates each candidate in [0, 1], the combined score is their
@@ -218,7 +218,7 @@ class Choice:
     outcome: str
     reason: str
     estimates: list[cost_model.Estimate] | None = None  # under rule "cost", per candidate
-    charges: list[decode_cost.DecodeCharge] | None = None  # under rule "cost" with a decode weight, per candidate
+    charges: list[decode_cost.DecodeCharge] | None = None  # under rule "cost", per candidate
     moved_by: str = ""  # "decode" or "capacity" when those charges moved the pick off the smallest estimate
 
 
@@ -470,9 +470,8 @@ class PrefixTreeTier(RoutingTier):
                                         for r in candidates])
         costs = [e.cost for e in estimates]
         charges = self._decode_charges(candidates, estimates, loads, prompt_tokens, request, now)
-        if charges is not None:
-            base = costs
-            costs = [t + c.total for t, c in zip(base, charges)]
+        base = costs
+        costs = [t + c.total for t, c in zip(base, charges)]
         best = min(costs)
         best_noise = max(e.noise for e, t in zip(estimates, costs) if t == best)
         margin = max(best * COST_TIE_FRACTION, COST_TIE_SECONDS)
@@ -488,9 +487,8 @@ class PrefixTreeTier(RoutingTier):
         combined = [-t for t in costs]
         choice = self._guard(preferred, chosen, matched, loads, tokens, {}, combined, rng, tie_key)
         choice.estimates = estimates
-        if charges is not None:
-            choice.charges = charges
-            choice.moved_by = _moved_by(base, charges, choice.chosen, margin)
+        choice.charges = charges
+        choice.moved_by = _moved_by(base, charges, choice.chosen, margin)
         if choice.outcome == "hit" and matched[chosen] < longest or choice.outcome == "miss" and longest:
             p, c = estimates[preferred], estimates[chosen]
             choice.outcome = "cost_override"
@@ -498,7 +496,7 @@ class PrefixTreeTier(RoutingTier):
                              f"its queue ({p.queued_tokens} prefill tokens, {p.requests:g} requests) makes it slower: "
                              f"est. TTFT {p.ttft * 1000:.0f} ms vs {c.ttft * 1000:.0f} ms, with the delay to the "
                              f"requests on each {p.cost * 1000:.0f} ms vs {c.cost * 1000:.0f} ms")
-            if charges is not None and charges[preferred].total > charges[chosen].total:
+            if charges[preferred].total > charges[chosen].total:
                 choice.reason += (f"; decoding there adds {charges[preferred].decode * 1000:.0f} ms and preemptions "
                                   f"{charges[preferred].capacity * 1000:.0f} ms, vs {charges[chosen].decode * 1000:.0f}"
                                   f" ms and {charges[chosen].capacity * 1000:.0f} ms")
@@ -506,10 +504,9 @@ class PrefixTreeTier(RoutingTier):
 
     def _decode_charges(self, candidates: Sequence[Replica], estimates: list[cost_model.Estimate],
                         loads: list[float], prompt_tokens: int, request: RouteRequest | None,
-                        now: float) -> list[decode_cost.DecodeCharge] | None:
-        """Each candidate's decode and capacity charge (:mod:`llmgw.router.decode_cost`); None when turned off."""
-        if not self.options.cost_decode_weight:
-            return None
+                        now: float) -> list[decode_cost.DecodeCharge]:
+        """Each candidate's decode and capacity charge (:mod:`llmgw.router.decode_cost`; 0 with
+        ``cost_decode_weight: 0``, but explained all the same)."""
         self.decode.follow(candidates)
         kv_free = []
         for replica in candidates:

@@ -44,7 +44,7 @@ async def test_a_staggered_burst_under_one_prompt_spreads_by_decode_cost(nursery
     sims = await start_sims(nursery, 2, num_blocks=None, time_scale=1, seed=0,
                             extra=("--profile", PROFILE, "--output-tokens", f"{OUTPUT}:{OUTPUT}"))
     gateway = await start_llmgw(gateway_config([s.url for s in sims], routing="prefix_tree",
-                                               routing_options={"seed": 1}))
+                                               routing_options={"seed": 1, "cost_decode_weight": 1}))
     rng = Random(3)
     warm = {"role": "system", "content": "You summarise meeting notes. " + words(rng, 3000)}
     system = {"role": "system", "content": "You answer questions about our product. " + words(rng, 3000)}

@@ -100,7 +100,7 @@ def test_max_tokens_caps_the_expected_output_and_bad_values_are_ignored():
 
 
 def taught(names=("a", "b"), growth: bool = True, model: DecodeModel | None = None) -> DecodeModel:
-    model = model or DecodeModel()
+    model = model or DecodeModel(weight=1.0)
     rng = random.Random(1)
     for i in range(300):
         batch, context = rng.randint(1, 40), rng.randint(0, 80_000)
@@ -179,7 +179,7 @@ def chat(question: str, max_tokens: int = 256) -> RouteRequest:
 def make(options=None, growth: bool = True):
     router = Router(build_registry(make_plugin_manager(())), Metrics())
     tier = router.configure_model("m", "prefix_tree", {"seed": 3, "engine_metrics_interval": "250ms",
-                                                       **(options or {})}).tier
+                                                       "cost_decode_weight": 1, **(options or {})}).tier
     replicas = [Replica(name=n, model="m", url=f"http://127.0.0.1:{9000 + i}") for i, n in enumerate("ab")]
     for replica in replicas:
         router.add_replica(replica)
@@ -228,9 +228,13 @@ async def test_a_request_leaves_the_holder_of_its_prefix_when_the_decode_delay_t
 async def test_where_decoding_costs_the_same_anywhere_the_request_stays_with_its_cache():
     for options, growth in (({}, False), ({"cost_decode_weight": 0}, True)):
         router, tier, replicas = make(options, growth)
-        owner, _ = await holder_decoding(router, replicas, running=8)
+        owner, other = await holder_decoding(router, replicas, running=8)
         decision = await router.pick(chat("second question"))
         assert decision.replica is owner and decision.outcome == "hit", (options, growth, decision.detail)
+    # Weighed at 0 (the default), the charges are still worked out and explained: what turning them on would do.
+    assert PrefixTreeOptions().cost_decode_weight == 0
+    costs = {e["name"]: e["cost"] for e in (await router.explain(chat("third question")))["replicas"]}
+    assert costs[owner.name]["decode_charge_s"] == 0 and costs[owner.name]["decode"]["delay_to_running_s"] > 0.1
 
 
 async def test_a_holder_whose_kv_cache_is_near_full_is_charged_the_preemption_and_loses_the_request():
@@ -313,7 +317,7 @@ def test_replicas_that_left_are_forgotten_unless_a_request_is_still_in_flight_th
 def test_replicas_of_one_model_are_charged_the_same_slopes_whatever_their_own_fits_say():
     """Four identical simulators on one loaded host learnt per-sequence slopes from 190 to 370 us; charged with
     their own, the one that looked cheapest drew half of a burst. The model's pooled slopes are charged."""
-    model = DecodeModel()
+    model = DecodeModel(weight=1.0)
     rng = random.Random(4)
     for i in range(400):
         batch, context = rng.randint(1, 30), rng.randint(0, 20_000)
@@ -321,5 +325,5 @@ def test_replicas_of_one_model_are_charged_the_same_slopes_whatever_their_own_fi
         model.observe(name, batch, context, 0.009 + slope * batch)
     assert model.line("a")[2] < 0.8 * model.line("b")[2]  # their own fits differ...
     a, b = model.charges(["a", "b"], 100, 300, [10, 10], [3000, 3000], [10_000.0] * 2, [None] * 2, 0.0)
-    assert a.growth == b.growth and abs(a.decode - b.decode) < 1e-9  # ...what they are charged does not
+    assert a.growth == b.growth and a.decode > 0.1 and abs(a.decode - b.decode) < 1e-9  # ...what is charged not
     assert model.describe("a")["own_fit"]["itl_per_sequence_s"] < model.describe("a")["itl_per_sequence_s"]
