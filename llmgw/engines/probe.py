@@ -15,6 +15,7 @@ what a replica no engine plugin describes (a static one) is read with.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ class EngineGauges:
     waiting: tuple[str, ...] = ("vllm:num_requests_waiting",)
     cache_config: str = "vllm:cache_config_info"  # an info gauge ("" when the engine has none)
     block_size_label: str = "block_size"
+    kv_usage: tuple[str, ...] = ("vllm:kv_cache_usage_perc",)  # KV blocks in use by requests, 0 to 1
+    num_blocks_label: str = "num_gpu_blocks"  # the cache-config gauge's label with the KV capacity in blocks
 
     @property
     def inflight(self) -> tuple[str, ...]:
@@ -43,7 +46,7 @@ class EngineGauges:
 
 
 VLLM_GAUGES = EngineGauges()
-NO_GAUGES = EngineGauges(running=(), waiting=(), cache_config="")
+NO_GAUGES = EngineGauges(running=(), waiting=(), cache_config="", kv_usage=())
 
 
 def engine_gauges(registry: Registry, engine: str) -> EngineGauges:
@@ -63,10 +66,20 @@ class EngineLoad:
     waiting: float
     at: float  # time.monotonic() of the scrape (the clock tiers get in TierServices)
     block_size: int | None = None  # the cache_config gauge's block size label, when the engine exports it
+    kv_usage: float | None = None  # the share of KV blocks running requests hold (vLLM kv_cache_usage_perc)
+    num_blocks: int | None = None  # the KV cache's blocks (num_gpu_blocks x the engines that report a usage)
 
     @property
     def requests(self) -> float:
         return self.running + self.waiting
+
+    @property
+    def kv_free_tokens(self) -> float | None:
+        """Tokens of KV cache no running request holds (cached-only blocks count as free, as vLLM's gauge says),
+        None when the engine does not tell its usage and capacity."""
+        if self.kv_usage is None or self.num_blocks is None or self.block_size is None:
+            return None
+        return (1.0 - self.kv_usage) * self.num_blocks * self.block_size
 
 
 # -- reading Prometheus text ------------------------------------------------------------------------------------------
@@ -120,10 +133,30 @@ def parse_label(text: str, name: str, label: str, limit: int = 64) -> str | None
 
 def parse_block_size(text: str, gauges: EngineGauges = VLLM_GAUGES) -> int | None:
     """The engine's KV block size from its cache-config gauge (vLLM: ``vllm:cache_config_info``), or None."""
-    if not gauges.cache_config:
+    return _cache_config_count(text, gauges, gauges.block_size_label, 1 << 16)
+
+
+def parse_num_blocks(text: str, gauges: EngineGauges = VLLM_GAUGES) -> int | None:
+    """The engine's KV capacity in blocks from its cache-config gauge (vLLM's ``num_gpu_blocks``), or None."""
+    return _cache_config_count(text, gauges, gauges.num_blocks_label, 1 << 40)
+
+
+def _cache_config_count(text: str, gauges: EngineGauges, label: str, limit: int) -> int | None:
+    if not gauges.cache_config or not label:
         return None
-    value = parse_label(text, gauges.cache_config, gauges.block_size_label)
-    return int(value) if value is not None and value.isdigit() and 0 < int(value) <= 1 << 16 else None
+    value = parse_label(text, gauges.cache_config, label)
+    return int(value) if value is not None and value.isdigit() and 0 < int(value) <= limit else None
+
+
+def parse_kv_usage(text: str, gauges: EngineGauges = VLLM_GAUGES) -> tuple[float, int] | None:
+    """The share of KV blocks running requests hold (vLLM's ``kv_cache_usage_perc``, 0 to 1; the mean over the
+    engines of a data-parallel replica) and how many engines said it, or None."""
+    total = parse_gauge_sum(text, gauges.kv_usage)
+    if total is None:
+        return None
+    engines = sum(text.count("\n" + name + "{") + text.startswith(name + "{") for name in gauges.kv_usage) or 1
+    usage = total / engines
+    return (min(max(usage, 0.0), 1.0), engines) if math.isfinite(usage) else None
 
 
 def parse_load(text: str, gauges: EngineGauges, at: float) -> EngineLoad | None:
@@ -131,7 +164,11 @@ def parse_load(text: str, gauges: EngineGauges, at: float) -> EngineLoad | None:
     running, waiting = parse_gauge_sum(text, gauges.running), parse_gauge_sum(text, gauges.waiting)
     if running is None and waiting is None:
         return None
-    return EngineLoad(running or 0.0, waiting or 0.0, at, parse_block_size(text, gauges))
+    usage, blocks = parse_kv_usage(text, gauges), parse_num_blocks(text, gauges)
+    if usage is None:
+        return EngineLoad(running or 0.0, waiting or 0.0, at, parse_block_size(text, gauges))
+    return EngineLoad(running or 0.0, waiting or 0.0, at, parse_block_size(text, gauges), usage[0],
+                      None if blocks is None else blocks * usage[1])  # every engine of the replica has its own
 
 
 # -- asking the engine ------------------------------------------------------------------------------------------------

@@ -570,6 +570,7 @@ class RelayedStream:
         self._recent: list[bytes] | None = [] if status == 200 else None  # the last pieces, for the usage chunk
         self._watch: StreamWatch | None = StreamWatch(TOKEN_LATENCY_BOUNDS) \
             if status == 200 and _is_event_stream(upstream.headers) else None
+        decision.stream = self._watch  # the tier may learn decode speed from its token timings
         self._started = False
         self._error_sent = False
         self._done = False

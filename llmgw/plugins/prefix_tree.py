@@ -11,7 +11,9 @@ decisions (no engine help). Per request (the rule, also in
    token (:mod:`llmgw.router.cost`: its uncached prompt tokens and the prefill
    queued on it over its learnt throughput, plus its step time and a learnt
    cost per request in flight) plus the delay its prefill adds to the requests
-   in flight there (``cost_others_weight``), and the smallest wins; an estimate within 5 %,
+   in flight there (``cost_others_weight``) and, weighed by
+   ``cost_decode_weight`` (0 by default), the decode and KV-capacity charges
+   of its decode there (:mod:`llmgw.router.decode_cost`), and the smallest wins; an estimate within 5 %,
    2 ms or half the observed noise (the noisier of its replica's and the
    smallest's) of the smallest ties. ``rule: scores``: each scorer named in
    ``scorers`` rates each candidate in [0, 1], the combined score is their
@@ -58,8 +60,9 @@ from ..plugin import (
     hookimpl,
 )
 from ..plugins_manager import default_registry
-from ..router import cost as cost_model, deal as new_prefixes
+from ..router import cost as cost_model, deal as new_prefixes, decode_cost
 from ..router.canonical import CHARS_PER_TOKEN, canonical_text, estimated_prompt_tokens
+from ..router.decode_metrics import track_decode
 from ..router.radix import RadixTree
 from ..router.tree_metrics import track_tree
 from ..router.uncertainty import OVERRIDE_SIGMAS, Uncertainty, override_pays
@@ -98,6 +101,8 @@ class PrefixTreeOptions:
     cost_others_weight: float = cost_model.DEFAULT_OTHERS_WEIGHT
     cost_override_sigmas: float = OVERRIDE_SIGMAS  # an override's gain must exceed this many standard errors; 0: off
     new_prefixes: str = "deal"  # "deal": to the affordable replica holding the least; "cheapest": by cost alone
+    cost_decode_weight: float = decode_cost.DEFAULT_DECODE_WEIGHT
+    cost_output_tokens: float = decode_cost.DEFAULT_OUTPUT_TOKENS
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | None, scorer_keys: AbstractSet[str] = frozenset()
@@ -132,6 +137,8 @@ class PrefixTreeOptions:
         take("cost_others_weight", _non_negative_number)
         take("cost_override_sigmas", _non_negative_number)
         take("new_prefixes", _new_prefixes)
+        take("cost_decode_weight", _non_negative_number)
+        take("cost_output_tokens", _positive_number)
         if "rule" not in raw and "scorers" in raw:  # naming scorers asks for them
             options.rule = "scores"
         if "max_imbalance" not in raw and options.rule == "scores":
@@ -226,6 +233,8 @@ class Choice:
     uncertainties: list[float] | None = None  # under rule "cost": each estimate's standard error (s)
     gated: bool = False  # an override the uncertainty gate refused: the request stays on the holder
     deal: new_prefixes.Deal | None = None  # under rule "cost", a prompt no candidate holds: how it was dealt out
+    charges: list[decode_cost.DecodeCharge] | None = None  # under rule "cost", per candidate
+    moved_by: str = ""  # "decode" or "capacity" when those charges moved the pick off the smallest estimate
 
 
 @dataclass
@@ -266,8 +275,11 @@ class PrefixTreeTier(RoutingTier):
         self.deals = new_prefixes.DealCounts()
         # in a cluster, what this gateway's own routes added to the tree, and the prefill they queued, just now
         self.recent_chars, self.recent_tokens = new_prefixes.RecentGrowth(), new_prefixes.RecentGrowth()
+        self.decode = decode_cost.DecodeModel(options.cost_output_tokens, options.cost_decode_weight,
+                                              options.cost_decay)
         if services.metrics is not None:
             track_tree(services.metrics.registry, self.model, self.tree, self.uncertainty, self.deals)
+            track_decode(services.metrics.registry, self.model, self.decode)
         self.learning = services.learning  # the other gateways' tiers of this model, in a cluster
         if self.learning is not None:
             self.learning.subscribe(SHARED_ROUTE, self._learn_shared_route)
@@ -315,12 +327,12 @@ class PrefixTreeTier(RoutingTier):
             self.deals.count(new_prefixes.DEALT if choice.chosen not in choice.deal.cheapest
                              else new_prefixes.CHEAPEST)
 
-    @staticmethod
-    def note_cost(detail: dict, choice: Choice, chosen: int, candidates: Sequence[Replica]) -> None:
+    def note_cost(self, detail: dict, choice: Choice, chosen: int, candidates: Sequence[Replica]) -> None:
         """Put the chosen candidate's estimate in a decision's ``detail["cost"]`` (under rule ``cost``): the
         bookkeeping of :meth:`routed`, :meth:`first_token` and :meth:`finished` reads it; with the preferred
-        replica's estimate when it was left, and every candidate's in ``detail["estimates"]`` (for
-        ``/admin/decisions`` and the routing benchmark's calibration)."""
+        replica's estimate when it was left, every candidate's in ``detail["estimates"]`` (for
+        ``/admin/decisions`` and the routing benchmark's calibration), and the decode and capacity charges.
+        Counts a pick the decode or capacity charge moved."""
         if choice.estimates is not None:
             e = choice.estimates[chosen]
             detail["cost"] = cost = {"new_tokens": e.new_tokens, "queued_tokens": e.queued_tokens,
@@ -335,6 +347,11 @@ class PrefixTreeTier(RoutingTier):
                     cost["gain_uncertainty_s"] = round(math.hypot(choice.uncertainties[choice.preferred],
                                                                   choice.uncertainties[chosen]), 4)
             detail["estimates"] = {r.name: round(x.ttft, 4) for r, x in zip(candidates, choice.estimates)}
+            if choice.charges is not None:
+                c = choice.charges[chosen]
+                cost.update(decode_charge_s=round(c.decode, 4), capacity_charge_s=round(c.capacity, 4))
+            if choice.moved_by:
+                self.decode.moved[choice.moved_by] += 1
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         """The request's prefill is queued on the replica (the router counts ``prefill_tokens`` there; the tree
@@ -342,12 +359,14 @@ class PrefixTreeTier(RoutingTier):
         cost = decision.detail.get("cost")
         if cost is not None:
             self.cost.routed(decision.replica.name, cost)
+            self.decode.routed(decision.replica.name, id(decision), decision.inflight_tokens, self.clock())
 
     def first_token(self, request: RouteRequest, decision: Decision, ttft: float) -> None:
         """Its prefill is done: off the replica's queue, and one observation of the replica's speed (shared with
         the other gateways of a cluster, for the same engine)."""
         cost = decision.detail.get("cost")
         if cost is not None:
+            self.decode.first_token(id(decision), decision.stream, self.clock())
             observed = self.cost.started(decision.replica.name, cost, ttft)
             if observed is not None and self.learning is not None:
                 self.learning.publish(SHARED_TTFT, [decision.replica.engine_id, decision.replica.name, *observed])
@@ -356,6 +375,7 @@ class PrefixTreeTier(RoutingTier):
         cost = decision.detail.get("cost")
         if cost is not None:  # ended without a first token (an error, a disconnect): off the queue all the same
             self.cost.started(decision.replica.name, cost, None)
+            self.decode.finished(id(decision), self.clock())
 
     def explain(self, request: RouteRequest, candidates: Sequence[Replica]) -> dict:
         """The pick :meth:`pick` would make now (same random draw), with every score; changes nothing."""
@@ -386,11 +406,13 @@ class PrefixTreeTier(RoutingTier):
         """Candidate ``i``'s part of an explanation: its estimate and learnt speed (rule ``cost``) or its scores."""
         if choice.estimates is not None:
             spread = {} if choice.uncertainties is None else {"uncertainty_s": round(choice.uncertainties[i], 4)}
+            charge = {} if choice.charges is None else {**choice.charges[i].as_json(), "total_cost_s": round(
+                choice.estimates[i].cost + choice.charges[i].total, 4)}
             held = {"held_chars": self.tree.replica_chars.get(name, 0)}
             if choice.deal is not None:
                 held["affordable"] = i in choice.deal.affordable
-            return {"cost": {**choice.estimates[i].as_json(), **spread, "learnt": self.cost.describe(name)},
-                    "deal": held}
+            return {"cost": {**choice.estimates[i].as_json(), **spread, **charge,
+                             "learnt": {**self.cost.describe(name), **self.decode.describe(name)}}, "deal": held}
         return {"scores": {key: values[i] for key, values in choice.scores.items()}, "combined": choice.combined[i]}
 
     def explain_rule(self) -> dict[str, Any]:
@@ -498,6 +520,9 @@ class PrefixTreeTier(RoutingTier):
                                        [(r.queued_tokens, r.queued_requests, _seconds_since(r.queued_since, now))
                                         for r in candidates])
         costs = [e.cost for e in estimates]
+        charges = self._decode_charges(candidates, estimates, loads, prompt_tokens, request, now)
+        base = costs
+        costs = [t + c.total for t, c in zip(base, charges)]
         best = min(costs)
         best_noise = max(e.noise for e, t in zip(estimates, costs) if t == best)
         margin = max(best * COST_TIE_FRACTION, COST_TIE_SECONDS)
@@ -531,6 +556,8 @@ class PrefixTreeTier(RoutingTier):
         if dealt is not None and choice.outcome == "miss":
             choice.deal = dealt
             choice.reason = self._dealt(candidates, choice.chosen, dealt)
+        choice.charges = charges
+        choice.moved_by = _moved_by(base, charges, choice.chosen, margin)
         if choice.outcome == "hit" and matched[chosen] < longest or choice.outcome == "miss" and longest:
             p, c = estimates[preferred], estimates[chosen]
             choice.outcome = "cost_override"
@@ -538,6 +565,10 @@ class PrefixTreeTier(RoutingTier):
                              f"its queue ({p.queued_tokens} prefill tokens, {p.requests:g} requests) makes it slower: "
                              f"est. TTFT {p.ttft * 1000:.0f} ms vs {c.ttft * 1000:.0f} ms, with the delay to the "
                              f"requests on each {p.cost * 1000:.0f} ms vs {c.cost * 1000:.0f} ms")
+            if charges[preferred].total > charges[chosen].total:
+                choice.reason += (f"; decoding there adds {charges[preferred].decode * 1000:.0f} ms and preemptions "
+                                  f"{charges[preferred].capacity * 1000:.0f} ms, vs {charges[chosen].decode * 1000:.0f}"
+                                  f" ms and {charges[chosen].capacity * 1000:.0f} ms")
         return choice
 
     def _gate(self, candidates: Sequence[Replica], estimates: list[cost_model.Estimate], uncertainties: list[float],
@@ -552,6 +583,21 @@ class PrefixTreeTier(RoutingTier):
         return (f"holds the longest useful match: {candidates[chosen].name} looked {gain * 1000:.0f} ms cheaper, "
                 f"within the uncertainty of the two estimates ({spread * 1000:.0f} ms; {estimates[chosen].new_tokens} "
                 f"new tokens there against {estimates[holder].new_tokens} here)")
+
+    def _decode_charges(self, candidates: Sequence[Replica], estimates: list[cost_model.Estimate],
+                        loads: list[float], prompt_tokens: int, request: RouteRequest | None,
+                        now: float) -> list[decode_cost.DecodeCharge]:
+        """Each candidate's decode and capacity charge (:mod:`llmgw.router.decode_cost`; 0 with
+        ``cost_decode_weight: 0``, but explained all the same)."""
+        self.decode.follow(candidates)
+        kv_free = []
+        for replica in candidates:
+            engine = self._fresh_engine_load(replica, now)
+            kv_free.append(None if engine is None else engine.kv_free_tokens)
+        max_tokens = decode_cost.max_output_tokens(request.body) if request is not None else None
+        return self.decode.charges([r.name for r in candidates], prompt_tokens, max_tokens, loads,
+                                   [r.inflight_tokens for r in candidates], [e.throughput for e in estimates],
+                                   kv_free, now)
 
     def _guard(self, preferred: int, chosen: int, matched: list[int], loads: list[float], tokens: list[int],
                scores: dict, combined: list[float], rng: random.Random, tie_key) -> Choice:
@@ -651,6 +697,16 @@ class PrefixTreeTier(RoutingTier):
     def _engine_waiting(self, replica: Replica, now: float) -> float | None:
         engine = self._fresh_engine_load(replica, now)
         return None if engine is None else engine.waiting
+
+
+def _moved_by(base: list[float], charges: list[decode_cost.DecodeCharge], chosen: int, margin: float) -> str:
+    """Which charge moved the pick: "" when ``chosen`` is within ``margin`` of the smallest cost without them,
+    else the larger of the two charges on the candidate that cost least without them."""
+    cheapest = min(range(len(base)), key=base.__getitem__)
+    if base[chosen] <= base[cheapest] + margin:
+        return ""
+    c = charges[cheapest]
+    return "capacity" if c.capacity > c.decode else "decode"
 
 
 def _seconds_since(moment: float | None, now: float) -> float:

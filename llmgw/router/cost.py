@@ -88,9 +88,13 @@ Line = tuple[float, float, float, float]  # (step s, s per prefill token, s per 
 
 
 class Fit:
-    """Decayed weighted sums of observations ``y ~ step + slope x + per_request r`` for least squares."""
+    """Decayed weighted sums of observations ``y ~ step + slope x + per_request r`` for least squares.
+
+    ``SCALES`` are the sizes of ``(1, x, r)`` at which the prior weighs as one observation, :meth:`bounded` keeps
+    a solution sane: a subclass fitting other quantities (:mod:`llmgw.router.decode_cost`) sets its own."""
 
     __slots__ = ("w", "s", "sy", "yy")
+    SCALES = (1.0, PRIOR_TOKENS, PRIOR_REQUESTS)
 
     def __init__(self) -> None:
         self.w = 0.0
@@ -111,14 +115,17 @@ class Fit:
     def solve(self, prior: Sequence[float], prior_weight: float) -> tuple[float, float, float]:
         """The ridge solution: the data's least squares pulled toward ``prior`` with ``prior_weight``
         observations' worth (at the scales ``1``, ``PRIOR_TOKENS``, ``PRIOR_REQUESTS``), within bounds."""
-        scales = (1.0, PRIOR_TOKENS, PRIOR_REQUESTS)
+        scales = self.SCALES
         a = [row[:] for row in self.s]
         b = self.sy[:]
         for i in range(3):
             ridge = prior_weight * scales[i] * scales[i]
             a[i][i] += ridge
             b[i] += ridge * prior[i]
-        theta = _solve3(a, b) or tuple(prior)
+        return self.bounded(_solve3(a, b) or (prior[0], prior[1], prior[2]))
+
+    @staticmethod
+    def bounded(theta: tuple[float, float, float]) -> tuple[float, float, float]:
         step = min(max(theta[0], 0.0), MAX_STEP)
         slope = min(max(theta[1], 1.0 / MAX_THROUGHPUT), 1.0 / MIN_THROUGHPUT)
         per_request = min(max(theta[2], 0.0), MAX_PER_REQUEST)

@@ -134,6 +134,9 @@ class Decision:
     first token (or its end): the one ledger of queued prefill, shared with the
     other gateways of a cluster.
     ``ttft`` is set by :meth:`llmgw.router.router.Router.first_token`.
+    ``stream`` is a streamed answer's token timings (:class:`llmgw.gateway.latency.StreamWatch`: its
+    ``first_token_at``, ``last_token_at`` and per-bucket gap ``counts``, growing while it runs), set by the
+    data plane before the first token: what a tier learns decode speed from (read it, never change it).
     """
 
     replica: ReplicaView
@@ -145,6 +148,7 @@ class Decision:
     queued: bool = field(default=False, repr=False)  # set by the router while prefill_tokens count as queued there
     ttft: float | None = None  # seconds from the request's arrival to its first output token, once seen
     ended: bool = field(default=False, repr=False)  # set by the router once the tier was told it finished
+    stream: Any = field(default=None, repr=False)  # a streamed answer's token timings, set by the data plane
 
 
 def _installed_plugins() -> "Registry":

@@ -1,0 +1,47 @@
+"""Prometheus series of the cost model's decode part: what it learnt per replica, and the picks it moved.
+
+Read at scrape time from each model's :class:`~llmgw.router.decode_cost.DecodeModel` by one collector per
+metrics registry (:mod:`llmgw.router.model_collectors`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .decode_cost import DecodeModel
+from .model_collectors import PerModelCollector, track
+
+
+class DecodeCollector(PerModelCollector[DecodeModel]):
+    def families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily]:
+        per_sequence = GaugeMetricFamily(
+            "llmgw_routing_itl_per_sequence_seconds", "Learnt growth of the inter-token latency per request in "
+            "flight on the replica (the cost model's decode charge).", labels=["model", "replica"])
+        per_context = GaugeMetricFamily(
+            "llmgw_routing_itl_per_context_token_seconds", "Learnt growth of the inter-token latency per context "
+            "token in flight on the replica.", labels=["model", "replica"])
+        output = GaugeMetricFamily("llmgw_routing_expected_output_tokens", "The model's typical output length "
+                                   "(tokens per stream) the decode charge expects.", labels=["model"])
+        moves = CounterMetricFamily("llmgw_routing_decode_moves", "Decisions the decode or capacity charge sent "
+                                    "elsewhere than the smallest estimated TTFT and delay to others.",
+                                    labels=["model", "charge"])
+        return per_sequence, per_context, output, moves
+
+    def add(self, families: Sequence[Any], model: str, decode: DecodeModel) -> None:
+        per_sequence, per_context, output, moves = families
+        for replica in sorted(decode.replicas):
+            _, context_slope, sequence_slope, _ = decode.line(replica)
+            per_sequence.add_metric([model, replica], sequence_slope)
+            per_context.add_metric([model, replica], context_slope)
+        output.add_metric([model], decode.typical_output_tokens)
+        for charge, count in decode.moved.items():
+            moves.add_metric([model, charge], count)
+
+
+def track_decode(registry: CollectorRegistry, model: str, decode: DecodeModel) -> None:
+    """Report ``decode`` as model ``model``'s decode cost model in ``registry``."""
+    track(registry, DecodeCollector, model, decode)
