@@ -543,7 +543,7 @@ class PrefixTreeTier(RoutingTier):
         gated = ""
         if matched[chosen] < longest:
             holder = min((i for i, m in enumerate(matched) if m == longest), key=lambda i: (costs[i], tie_key(i)))
-            gated = self._gate(candidates, estimates, uncertainties, chosen, holder)
+            gated = self._gate(candidates, estimates, costs, uncertainties, chosen, holder)
             if gated:
                 chosen = holder
         preferred = self._first(rng, [i for i, m in enumerate(matched) if m == longest], tie_key) \
@@ -571,12 +571,13 @@ class PrefixTreeTier(RoutingTier):
                                   f" ms and {charges[chosen].capacity * 1000:.0f} ms")
         return choice
 
-    def _gate(self, candidates: Sequence[Replica], estimates: list[cost_model.Estimate], uncertainties: list[float],
-              chosen: int, holder: int) -> str:
+    def _gate(self, candidates: Sequence[Replica], estimates: list[cost_model.Estimate], costs: list[float],
+              uncertainties: list[float], chosen: int, holder: int) -> str:
         """Why ``chosen``, which holds less than the longest match, must not take the request: its expected gain
-        over ``holder`` (the cheapest holder of the longest match) is within the uncertainty of the two estimates
-        (the override gate, :mod:`llmgw.router.uncertainty`); '' when the gain pays for the move."""
-        gain = estimates[holder].cost - estimates[chosen].cost
+        over ``holder`` (the cheapest holder of the longest match; ``costs`` with the decode and capacity charges)
+        is within the uncertainty of the two estimates (the override gate, :mod:`llmgw.router.uncertainty`); ''
+        when the gain pays for the move."""
+        gain = costs[holder] - costs[chosen]
         if override_pays(gain, uncertainties[holder], uncertainties[chosen], self.options.cost_override_sigmas):
             return ""
         spread = math.hypot(uncertainties[holder], uncertainties[chosen])
