@@ -29,6 +29,7 @@ import httpx
 import trio
 
 from .chat_workloads import percentile
+from .common import cell
 
 POLL_EVERY = 40  # answered requests between two reads of a ring of 100 (the clients in flight finish meanwhile)
 POLL_TIMEOUT = 10.0
@@ -141,11 +142,11 @@ def calibration_table(workload: dict, levels: list[str]) -> list[str]:
     for arm in workload["arms"].values():
         for c in levels:
             for outcome, s in arm.get("calibration", {}).get(c, {}).items():
-                rows.append(f"| {arm['label']} | {c} | {outcome} | {s['decisions']} | {_cell(s['ratio_p50'], '.2f')} | "
-                            f"{_cell(s['ratio_p90'], '.2f')} | {s['mean_error_ms']:+.1f} | "
-                            f"{s['mean_abs_error_ms']:.1f} | {_cell(s['mean_estimate_uncertainty_ms'], '.1f')} | "
-                            f"{_cell(s['within_uncertainty'], '.2f')} | {_cell(s['mean_expected_gain_ms'], '.1f')} | "
-                            f"{_cell(s['mean_uncertainty_ms'], '.1f')} |")
+                rows.append(f"| {arm['label']} | {c} | {outcome} | {s['decisions']} | {cell(s['ratio_p50'], '.2f')} | "
+                            f"{cell(s['ratio_p90'], '.2f')} | {s['mean_error_ms']:+.1f} | "
+                            f"{s['mean_abs_error_ms']:.1f} | {cell(s['mean_estimate_uncertainty_ms'], '.1f')} | "
+                            f"{cell(s['within_uncertainty'], '.2f')} | {cell(s['mean_expected_gain_ms'], '.1f')} | "
+                            f"{cell(s['mean_uncertainty_ms'], '.1f')} |")
     if not rows:
         return []
     return ["Calibration of the cost estimates (the gateway's measured TTFT against the chosen replica's estimate, "
@@ -155,7 +156,3 @@ def calibration_table(workload: dict, levels: list[str]) -> list[str]:
             "| arm | C | outcome | decisions | ratio p50 | ratio p90 | mean error (ms) | mean abs error (ms) | "
             "uncertainty (ms) | within it | expected gain (ms) | gain uncertainty (ms) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, ""]
-
-
-def _cell(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)

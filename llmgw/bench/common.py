@@ -7,6 +7,11 @@ import json
 from pathlib import Path
 
 
+def cell(value: float | None, spec: str) -> str:
+    """A table cell: ``value`` formatted with ``spec``, or ``-`` when there is none."""
+    return "-" if value is None else format(value, spec)
+
+
 def write_json(path: str | Path, report: dict) -> None:
     """Write ``report`` as indented JSON to ``path``, making its folder first."""
     path = Path(path)

@@ -65,6 +65,7 @@ from llmgw.testing.processes import SERVE_READY, Child, ChildFailed, free_port, 
 from llmgw.testing.redis import start_private_redis
 
 from .cluster_rig import state_section
+from .common import cell as fmt
 
 VLLM_ROUTER_VERSION = "0.1.17"
 PROXY_CPU = 1
@@ -589,9 +590,6 @@ def _cpu_ratios(results: list[RunResult], a: str, b: str) -> dict:
 
 
 def print_table(summary: dict, targets: list[str]) -> None:
-    def fmt(v, spec):
-        return "-" if v is None else format(v, spec)
-
     cols = ["target", "c=1 p50 ms", "added p50", "c=1 p99 ms", "added p99", "c=32 req/s", "CPU µs/req",
             "c=32 streams/s", "stream CPU µs", "stream c=1 p50 ms", "others on core"]
     print()

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import trio
 
-from llmgw.bench.common import write_json
+from llmgw.bench.common import cell as fmt, write_json
 from llmgw.bench.proxy import (
     LOAD_CPU,
     MODEL,
@@ -270,9 +270,6 @@ def conclusions(summary: dict, processes: dict, rest: dict) -> dict:
 
 
 def print_report(summary: dict, processes: dict, found: dict, rest: dict) -> None:
-    def fmt(value, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
-
     print("\nmedians over the rounds; CPU per request counts every process of the target (supervisor, workers, "
           "redis-server) on its one core")
     print("| target | c=1 p50 ms | added p50 ms | c=32 req/s | c=32 p50 ms | CPU µs/req c=32 | CPU µs/req c=1 | "

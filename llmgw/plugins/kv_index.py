@@ -305,8 +305,6 @@ class KvIndexTier(RoutingTier):
         chosen = candidates[i]
         text = ev.text if ev.text is not None else self.tree.prompt_text(request)
         self.tree.learn(text, chosen.name, ev.choice.outcome, now)
-        if ev.choice.gated:
-            self.tree.uncertainty.gated += 1
         self.tree.note_pick(ev.choice, now)
         detail: dict[str, Any] = {"prompt_tokens": ev.prompt_tokens, "source": ev.sources[i], "share": ev.shares[i]}
         self.tree.note_cost(detail, ev.choice, i, candidates)

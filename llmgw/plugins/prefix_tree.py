@@ -310,8 +310,6 @@ class PrefixTreeTier(RoutingTier):
         evaluation = self._evaluate(request, candidates, now, self.rng)
         chosen = candidates[evaluation.chosen]
         self.learn(evaluation.text, chosen.name, evaluation.outcome, now)
-        if evaluation.gated:
-            self.uncertainty.gated += 1
         self.note_pick(evaluation, now)
         detail = {"matched_chars": evaluation.matched[evaluation.chosen], "prompt_chars": len(evaluation.text)}
         self.note_cost(detail, evaluation, evaluation.chosen, candidates)
@@ -319,20 +317,26 @@ class PrefixTreeTier(RoutingTier):
                         prefill_tokens=prefill_tokens(detail))
 
     def note_pick(self, choice: Choice, now: float) -> None:
-        """At a pick (never in explain): count a new prefix dealt out (``llmgw_routing_new_prefixes_total``), and in
-        a cluster the prefill it queued, which the other gateways have not heard of yet."""
+        """At a pick (never in explain): count a new prefix dealt out (``llmgw_routing_new_prefixes_total``), an
+        override the gate refused (``llmgw_cost_overrides_gated_total``) and a pick the decode or capacity charge
+        moved (``llmgw_routing_decode_moves_total``), and in a cluster the prefill it queued, which the other
+        gateways have not heard of yet."""
+        if choice.gated:
+            self.uncertainty.gated += 1
+        if choice.moved_by:
+            self.decode.moved[choice.moved_by] += 1
         if self.learning is not None and choice.estimates is not None:
             self.recent_tokens.add(now, choice.estimates[choice.chosen].new_tokens)
         if choice.deal is not None:
             self.deals.count(new_prefixes.DEALT if choice.chosen not in choice.deal.cheapest
                              else new_prefixes.CHEAPEST)
 
-    def note_cost(self, detail: dict, choice: Choice, chosen: int, candidates: Sequence[Replica]) -> None:
+    @staticmethod
+    def note_cost(detail: dict, choice: Choice, chosen: int, candidates: Sequence[Replica]) -> None:
         """Put the chosen candidate's estimate in a decision's ``detail["cost"]`` (under rule ``cost``): the
         bookkeeping of :meth:`routed`, :meth:`first_token` and :meth:`finished` reads it; with the preferred
         replica's estimate when it was left, every candidate's in ``detail["estimates"]`` (for
-        ``/admin/decisions`` and the routing benchmark's calibration), and the decode and capacity charges.
-        Counts a pick the decode or capacity charge moved."""
+        ``/admin/decisions`` and the routing benchmark's calibration), and the decode and capacity charges."""
         if choice.estimates is not None:
             e = choice.estimates[chosen]
             detail["cost"] = cost = {"new_tokens": e.new_tokens, "queued_tokens": e.queued_tokens,
@@ -350,8 +354,6 @@ class PrefixTreeTier(RoutingTier):
             if choice.charges is not None:
                 c = choice.charges[chosen]
                 cost.update(decode_charge_s=round(c.decode, 4), capacity_charge_s=round(c.capacity, 4))
-            if choice.moved_by:
-                self.decode.moved[choice.moved_by] += 1
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         """The request's prefill is queued on the replica (the router counts ``prefill_tokens`` there; the tree

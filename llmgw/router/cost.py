@@ -112,17 +112,23 @@ class Fit:
             self.sy[i] = self.sy[i] * decay + f[i] * y
         self.yy = self.yy * decay + y * y
 
+    def prior_weight(self) -> float:
+        """How many observations' worth the priors weigh beside this data: fading as data comes in."""
+        return PRIOR_WEIGHT / (1.0 + self.w)
+
+    def ridged(self, prior_weight: float) -> list[list[float]]:
+        """The observations' normal matrix ``F' W F`` plus the priors' ridge at ``SCALES`` (what :meth:`solve`
+        solves, and :mod:`llmgw.router.uncertainty` inverts)."""
+        a = [row[:] for row in self.s]
+        for i, scale in enumerate(self.SCALES):
+            a[i][i] += prior_weight * scale * scale
+        return a
+
     def solve(self, prior: Sequence[float], prior_weight: float) -> tuple[float, float, float]:
         """The ridge solution: the data's least squares pulled toward ``prior`` with ``prior_weight``
-        observations' worth (at the scales ``1``, ``PRIOR_TOKENS``, ``PRIOR_REQUESTS``), within bounds."""
-        scales = self.SCALES
-        a = [row[:] for row in self.s]
-        b = self.sy[:]
-        for i in range(3):
-            ridge = prior_weight * scales[i] * scales[i]
-            a[i][i] += ridge
-            b[i] += ridge * prior[i]
-        return self.bounded(_solve3(a, b) or (prior[0], prior[1], prior[2]))
+        observations' worth (at the scales ``SCALES``), within bounds."""
+        b = [y + prior_weight * scale * scale * p for y, scale, p in zip(self.sy, self.SCALES, prior)]
+        return self.bounded(_solve3(self.ridged(prior_weight), b) or (prior[0], prior[1], prior[2]))
 
     @staticmethod
     def bounded(theta: tuple[float, float, float]) -> tuple[float, float, float]:
@@ -161,7 +167,7 @@ def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float] 
 def fit_line(prior: Sequence[float], data: Fit, observations: int) -> Line:
     """``data`` fitted on ``prior`` = (step, seconds per token, seconds per request), with its noise (0 below
     MIN_NOISE_OBSERVATIONS observations)."""
-    theta = data.solve(prior, PRIOR_WEIGHT / (1.0 + data.w))
+    theta = data.solve(prior, data.prior_weight())
     noise = data.residual(theta) if observations >= MIN_NOISE_OBSERVATIONS else 0.0
     return (*theta, noise)
 

@@ -34,11 +34,10 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .cost import PRIOR_REQUESTS, PRIOR_TOKENS, PRIOR_WEIGHT, SHRINK_WEIGHT, CostModel, Estimate, Fit
+from .cost import PRIOR_WEIGHT, SHRINK_WEIGHT, CostModel, Estimate, Fit
 
 OVERRIDE_SIGMAS = 1.0  # an override's expected gain must exceed this many standard errors of the difference
 # (routing option cost_override_sigmas; 0 turns the gate off)
-SCALES = (1.0, PRIOR_TOKENS, PRIOR_REQUESTS)  # the priors' ridge per parameter, as Fit.solve weighs it
 
 Matrix = tuple[tuple[float, float, float], tuple[float, float, float], tuple[float, float, float]]
 ZERO: Matrix = ((0.0, 0.0, 0.0), (0.0, 0.0, 0.0), (0.0, 0.0, 0.0))
@@ -46,11 +45,7 @@ ZERO: Matrix = ((0.0, 0.0, 0.0), (0.0, 0.0, 0.0), (0.0, 0.0, 0.0))
 
 def inverse(fit: Fit) -> Matrix:
     """``(F' W F + ridge)^-1`` of ``fit`` with the ridge :func:`llmgw.router.cost.fit_line` solves it with."""
-    prior_weight = PRIOR_WEIGHT / (1.0 + fit.w)
-    a = [row[:] for row in fit.s]
-    for i in range(3):
-        a[i][i] += prior_weight * SCALES[i] * SCALES[i]
-    return _inverse3(a)
+    return _inverse3(fit.ridged(fit.prior_weight()))
 
 
 def _inverse3(a: list[list[float]]) -> Matrix:
