@@ -219,8 +219,19 @@ def check_workload(gateway: Gateway, title: str, think_time: float, seed: int) -
     assert all(s.cached_tokens <= (s.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE for s in sent)
     misrouted = [(s.request_id, s.replica, s.explained_pick) for s in sent if s.replica != s.explained_pick]
     print(f"  {len(sent) - len(misrouted)}/{len(sent)} went to the replica /admin/explain predicted just before")
-    assert all(p is not None for _, p in pairs), "every request was routed by the index"
+    unpredicted = [s.request_id for s, p in pairs if p is None]
+    assert not unpredicted, f"every request was routed by the index: {why_unpredicted(gateway, unpredicted)}"
     return rate, pairs, misrouted
+
+
+def why_unpredicted(gateway: Gateway, request_ids: list[str]) -> list[dict]:
+    """For a failure message: the routing decisions of ``request_ids`` (outcome, source, the fallback's reason)
+    and each replica's index state now, so a request the index did not predict says why."""
+    decisions = {d["request_id"]: d for d in gateway.admin("/admin/decisions")["decisions"]}
+    states = {name: (r["state"], r.get("problem")) for name, r in gateway.kv().items()}
+    return [{"request_id": i, "index_states_now": states,
+             **{k: v for k, v in decisions.get(i, {}).items() if k in ("replica", "outcome", "detail")}}
+            for i in request_ids]
 
 
 def test_a_shared_prefix_workload_that_evicts_is_routed_and_predicted_exactly(vllm_cluster):
