@@ -230,6 +230,7 @@ class KvIndexTier(RoutingTier):
         self.clock = services.clock
         tree_model = TierModel(name=self.model, routing="prefix_tree", routing_options=tree_raw)
         self.tree = PrefixTreeTier(tree_model, services)  # the fallback, and the scorers and load rule
+        self.tree.counts_in_chars = False  # the cost model's observations are mostly of exact token counts
         index = services.kv_index
         self.index: KvIndexView = index if index is not None else KvIndex(clock=self.clock)
         registry = services.registry

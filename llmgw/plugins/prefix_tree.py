@@ -167,6 +167,7 @@ SHARED_TEXT_CHARS = 16_384  # a routed prefix is shared up to this many characte
 COST_TIE_FRACTION = 0.05  # estimated TTFTs within 5% (or 2 ms) of the smallest tie
 COST_TIE_SECONDS = 0.002
 COST_TIE_NOISE = 0.5  # ... or half the noise of the observed TTFTs around the fits (the noisier of the two replicas')
+RESCALE_AT = 0.02  # the cost model's observations are recounted when the tokens per character move by more
 _NULLABLE = {"max_imbalance", "load_sigma_k", "engine_metrics_interval", "seed"}
 
 
@@ -288,6 +289,8 @@ class PrefixTreeTier(RoutingTier):
         self.uncertainty = Uncertainty(self.cost)
         self.tokens_per_char = TokensPerChar()  # learnt from responses' usage unless learn_tokens_per_char is false
         self.wants_usage = options.learn_tokens_per_char  # the data plane hands finished() each response's usage
+        self.counts_in_chars = True  # its estimates count tokens from characters (not under kv_index: exact ids)
+        self._fit_ratio = self.tokens_per_char.ratio  # the tokens per character the cost model's data are counted in
         self.deals = new_prefixes.DealCounts()
         # in a cluster, what this gateway's own routes added to the tree, and the prefill they queued, just now
         self.recent_chars, self.recent_tokens = new_prefixes.RecentGrowth(), new_prefixes.RecentGrowth()
@@ -328,8 +331,11 @@ class PrefixTreeTier(RoutingTier):
         chosen = candidates[evaluation.chosen]
         self.learn(evaluation.text, chosen.name, evaluation.outcome, now)
         self.note_pick(evaluation, now)
-        detail = {"matched_chars": evaluation.matched[evaluation.chosen], "prompt_chars": len(evaluation.text)}
+        detail: dict[str, Any] = {"matched_chars": evaluation.matched[evaluation.chosen],
+                                  "prompt_chars": len(evaluation.text)}
         self.note_cost(detail, evaluation, evaluation.chosen, candidates)
+        if self.counts_in_chars and "cost" in detail:  # the ratio its tokens were counted at (first_token)
+            detail["cost"]["tokens_per_char"] = self.tokens_per_char.ratio
         return Decision(chosen, outcome=evaluation.outcome, tier=TIER_NAME, detail=detail,
                         prefill_tokens=prefill_tokens(detail))
 
@@ -386,6 +392,10 @@ class PrefixTreeTier(RoutingTier):
         cost = decision.detail.get("cost")
         if cost is not None:
             self.decode.first_token(id(decision), decision.stream, self.clock())
+            counted_at = cost.pop("tokens_per_char", None)
+            if counted_at and counted_at != self._fit_ratio:  # counted before the ratio moved: in today's count
+                for key in ("new_tokens", "queued_tokens"):
+                    cost[key] = round(cost.get(key, 0) * self._fit_ratio / counted_at)
             observed = self.cost.started(decision.replica.name, cost, ttft)
             if observed is not None and self.learning is not None:
                 self.learning.publish(SHARED_TTFT, [decision.replica.engine_id, decision.replica.name, *observed])
@@ -393,6 +403,10 @@ class PrefixTreeTier(RoutingTier):
     def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
         if self.options.learn_tokens_per_char and isinstance(usage, dict):
             self.tokens_per_char.observe(len(canonical_text(request)), usage.get("prompt_tokens"))
+            ratio = self.tokens_per_char.ratio
+            if self.counts_in_chars and abs(ratio / self._fit_ratio - 1) > RESCALE_AT:
+                self.cost.rescale_tokens(ratio / self._fit_ratio)
+                self._fit_ratio = ratio
         cost = decision.detail.get("cost")
         if cost is not None:  # ended without a first token (an error, a disconnect): off the queue all the same
             self.cost.started(decision.replica.name, cost, None)

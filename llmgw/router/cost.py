@@ -120,6 +120,16 @@ class Fit:
             self.sy[i] = self.sy[i] * decay + f[i] * y
         self.yy = self.yy * decay + y * y
 
+    def rescale(self, factor: float) -> None:
+        """The observations as if their ``x`` had been counted ``factor`` times larger (another unit)."""
+        s = self.s
+        s[0][1] *= factor
+        s[1][0] *= factor
+        s[1][2] *= factor
+        s[2][1] *= factor
+        s[1][1] *= factor * factor
+        self.sy[1] *= factor
+
     def prior_weight(self) -> float:
         """How many observations' worth the priors weigh beside this data: fading as data comes in."""
         return PRIOR_WEIGHT / (1.0 + self.w)
@@ -336,6 +346,20 @@ class CostModel:
             prior, slope_weight = self.pooled_prior()
             self._pooled_line = fit_line(prior, self.pooled, self.observations, slope_weight)
         return self._pooled_line
+
+    def rescale_tokens(self, factor: float) -> None:
+        """Every observation's tokens counted ``factor`` times larger: the prefix tree, which counts a prompt's
+        tokens from its characters, learnt a new tokens-per-character ratio (:mod:`llmgw.router.token_ratio`), and
+        what it observed in the old count must not teach a slope in the new one."""
+        if not math.isfinite(factor) or factor <= 0:
+            return
+        self.pooled.rescale(factor)
+        for cost in self.replicas.values():
+            cost.data.rescale(factor)
+            cost.mean_new_tokens *= factor
+            cost._line = None
+        self.generation += 1
+        self._pooled_line = None
 
     def observe(self, name: str, tokens: float, requests: float, ttft: float) -> None:
         """A request routed to ``name`` with ``tokens`` of prefill up to its own and ``requests`` in flight ahead

@@ -120,3 +120,22 @@ def test_tokens_per_character_are_learnt_from_usage():
     for nonsense in ((10, 12), (3000, 0), (3000, 10**9), ("3000", 3000), (3000, 3000.5), (True, 1)):
         ratio.observe(*nonsense)
     assert ratio.observations == 3
+
+
+def test_observations_recounted_in_a_new_token_count_are_the_ones_counted_so():
+    """When the prefix tree learns that a character is a token, not a quarter of one, what the cost model saw in
+    the old count is recounted: the same fit as if it had been counted so from the start."""
+    rng = random.Random(2)
+    observations = []
+    for _ in range(30):  # an engine of 8,000 tokens/s, the prompts' characters counted as 4 tokens each
+        chars, requests = rng.randint(100, 800), rng.randint(0, 4)
+        observations.append((chars, requests, 0.03 + chars * 4 / 8000 + 0.01 * requests + rng.gauss(0, 0.003)))
+    quarter, whole = CostModel(), CostModel()
+    for tokens, requests, ttft in observations:
+        quarter.observe("a", tokens, requests, ttft)
+        whole.observe("a", tokens * 4, requests, ttft)
+    quarter.rescale_tokens(4.0)
+    # The same but for the priors' ridge (in tokens: 1/20,000 s a token), which the data outweigh by now.
+    for got, want in zip(quarter.replica("a").line()[:3], whole.replica("a").line()[:3]):
+        assert abs(got - want) <= 0.01 * abs(want) + 1e-6
+    assert abs(whole.replica("a").throughput - 8000) < 400
