@@ -62,7 +62,7 @@ from ..plugin import (
     hookimpl,
 )
 from ..plugins_manager import default_registry
-from ..router import cost as cost_model, deal as new_prefixes, decode_cost
+from ..router import cost as cost_model, deal as new_prefixes, decode_cost, kv_capacity
 from ..router.canonical import canonical_text
 from ..router.decode_metrics import track_decode
 from ..router.radix import RadixTree
@@ -290,6 +290,7 @@ class PrefixTreeTier(RoutingTier):
         self.tokens_per_char = TokensPerChar()  # learnt from responses' usage unless learn_tokens_per_char is false
         self.wants_usage = options.learn_tokens_per_char  # the data plane hands finished() each response's usage
         self.counts_in_chars = True  # its estimates count tokens from characters (not under kv_index: exact ids)
+        self.stored_blocks: kv_capacity.StoredBlocks | None = None  # a KV index's block counts (kv_index sets it)
         self._fit_ratio = self.tokens_per_char.ratio  # the tokens per character the cost model's data are counted in
         self.deals = new_prefixes.DealCounts()
         # in a cluster, what this gateway's own routes added to the tree, and the prefill they queued, just now
@@ -424,8 +425,10 @@ class PrefixTreeTier(RoutingTier):
             engine = replica.engine_load
             replicas.append({
                 "name": replica.name, "candidate": True, "matched_chars": ev.matched[i], "load": ev.loads[i],
-                "engine_load": None if engine is None else {"running": engine.running, "waiting": engine.waiting,
-                                                            "age_s": round(now - engine.at, 3)},
+                "engine_load": None if engine is None else {
+                    "running": engine.running, "waiting": engine.waiting, "age_s": round(now - engine.at, 3),
+                    "kv_free_from": kv_capacity.free_tokens(engine, self.stored_blocks, replica.name,
+                                                            replica.inflight_tokens)[1]},
                 **self.explain_cost(ev, i, replica.name),
             })
         return {
@@ -630,7 +633,8 @@ class PrefixTreeTier(RoutingTier):
         kv_free = []
         for replica in candidates:
             engine = self._fresh_engine_load(replica, now)
-            kv_free.append(None if engine is None else engine.kv_free_tokens)
+            kv_free.append(None if engine is None else kv_capacity.free_tokens(
+                engine, self.stored_blocks, replica.name, replica.inflight_tokens)[0])
         max_tokens = decode_cost.max_output_tokens(request.body) if request is not None else None
         return self.decode.charges([r.name for r in candidates], prompt_tokens, max_tokens, loads,
                                    [r.inflight_tokens for r in candidates], [e.throughput for e in estimates],

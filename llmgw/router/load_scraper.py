@@ -16,6 +16,7 @@ to age out (tiers ignore values older than their ``engine_metrics_max_age``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import weakref
@@ -45,7 +46,11 @@ async def scrape_once(replica: Replica, timeout: float, path: str = "/metrics",
     counters = engine_prefill.read_counters(text)
     if counters is not None:
         replica.prefill_rate.update(counters)
-    return probe.parse_load(text, replica.gauges, clock())
+    load = probe.parse_load(text, replica.gauges, clock())
+    if load is not None and load.kv_usage is None and load.num_blocks is None:
+        # no usage gauge: the capacity all the same, for the KV index's count of what is held (router.kv_capacity)
+        load = dataclasses.replace(load, num_blocks=probe.parse_num_blocks(text, replica.gauges))
+    return load
 
 
 async def scrape_engine_load(router: Router, clock: Callable[[], float] = time.monotonic,
