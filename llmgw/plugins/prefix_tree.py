@@ -106,7 +106,7 @@ class PrefixTreeOptions:
     new_prefixes: str = "deal"  # "deal": to the affordable replica holding the least; "cheapest": by cost alone
     cost_decode_weight: float = decode_cost.DEFAULT_DECODE_WEIGHT
     cost_output_tokens: float = decode_cost.DEFAULT_OUTPUT_TOKENS
-    cost_engine_prefill: bool = True  # the engines' reported prefill rates (scraped /metrics) as the slopes' priors
+    cost_engine_prefill: bool = False  # the engines' reported prefill rates (scraped /metrics) as the slopes' priors
     learn_tokens_per_char: bool = True  # count tokens with the ratio the engines' usage shows; false: characters / 4
 
     @classmethod

@@ -43,7 +43,8 @@ per-request cost, as a ridge whose weight fades as data comes in. A replica's
 own fit is shrunk toward the fit of all the model's replicas together, by
 ``w / (w + SHRINK_WEIGHT)`` for ``w`` its observations' weight, so a replica
 that has seen little looks like its peers. Older data fades (``decay`` per
-observation). When the engine reports its prefill rate on ``/metrics``
+observation). When the engine reports its prefill rate on ``/metrics`` (and the
+tier's ``cost_engine_prefill`` is on)
 (:mod:`llmgw.router.engine_prefill`, read by the load scraper), that rate is
 the prior of the replica's slope (and the engines' mean the pooled fit's),
 weighing ``ENGINE_RATE_WEIGHT`` observations that do not fade: a workload of

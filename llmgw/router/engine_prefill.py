@@ -17,14 +17,19 @@ per engine, what gives the rate (the rule, also in ``docs/routing.md``)::
 between two scrapes of the load scraper (:mod:`llmgw.router.load_scraper`).
 A cache hit's prefill is one engine step, whose time is mostly the step's
 fixed cost, not its few tokens: intervals of hits say nothing of the rate and
-are left out. The first scrape counts from zero, so an engine that served
-before this gateway started (or before it was adopted) tells its rate at
-once; counters that went backwards (a restarted engine) count from zero
-again. Intervals fade by ``DECAY`` each. Prefills that overlap (chunked
-prefill shares steps) each count the steps they share, so with concurrent
-cold prefills the rate is below the engine's aggregate: it is the prior the
-replica's fit starts from, worth ``ENGINE_RATE_WEIGHT`` observations, which
-the gateway's own observations (which model the queue) then move.
+are left out. Prefills that overlap (chunked prefill puts several in one
+step) each count the steps they share, so their rate reads low: an interval
+whose prefill seconds exceed its wall-clock seconds (per engine core) had
+overlapping prefills for certain and is left out too (overlaps within less
+are not seen: under concurrent cold prefills the rate still reads low).
+The first scrape counts from zero, so an engine that served before this
+gateway started (or before it was adopted) tells its rate at once;
+counters that went backwards (a restarted engine) count from zero again.
+Intervals fade by ``DECAY`` each. The rate is the prior the replica's fit
+starts from, worth ``ENGINE_RATE_WEIGHT`` observations, which the
+gateway's own observations (which model the queue) then move; off by default
+(``cost_engine_prefill``), since the overlap bias measured on the routing
+benchmark's concurrent cold prefills priced them up to 3x too slow.
 """
 
 from __future__ import annotations
@@ -51,18 +56,21 @@ class PrefillCounters:
     cached_tokens: float
     seconds: float
     prefills: float
+    at: float = 0.0  # the scrape's clock (seconds)
+    cores: int = 1  # the engine cores whose counters were summed
 
 
-def read_counters(text: str) -> PrefillCounters | None:
-    """vLLM's prefill counts from ``/metrics`` text; None when the engine exports no prefill-time histogram or a
-    count that is not a finite number >= 0."""
+def read_counters(text: str, at: float = 0.0) -> PrefillCounters | None:
+    """vLLM's prefill counts from ``/metrics`` text scraped at ``at``; None when the engine exports no prefill-time
+    histogram or a count that is not a finite number >= 0."""
     values = [parse_gauge_sum(text, names) for names in (PROMPT_TOKENS, CACHED_TOKENS, PREFILL_SECONDS, PREFILLS)]
     if values[2] is None or values[3] is None or values[0] is None:
         return None
     counts = [0.0 if v is None else v for v in values]
     if not all(math.isfinite(v) and v >= 0 for v in counts):
         return None
-    return PrefillCounters(*counts)
+    cores = sum(text.count("\n" + name + "{") + text.startswith(name + "{") for name in PREFILLS) or 1
+    return PrefillCounters(counts[0], counts[1], counts[2], counts[3], at, cores)
 
 
 class EnginePrefillRate:
@@ -80,14 +88,17 @@ class EnginePrefillRate:
         """Count the interval since the last scrape (since zero at the first, or after a restart)."""
         last = self.last
         self.last = counters
-        if last is None or any(now < before for now, before in zip(
+        wall = math.inf  # the engine's history before the first scrape: how long it took is unknown
+        if last is not None and all(now >= before for now, before in zip(
                 (counters.prompt_tokens, counters.cached_tokens, counters.seconds, counters.prefills),
                 (last.prompt_tokens, last.cached_tokens, last.seconds, last.prefills))):
+            wall = (counters.at - last.at) * counters.cores
+        else:
             last = PrefillCounters(0.0, 0.0, 0.0, 0.0)
         prefills = counters.prefills - last.prefills
         seconds = counters.seconds - last.seconds
         new_tokens = (counters.prompt_tokens - last.prompt_tokens) - (counters.cached_tokens - last.cached_tokens)
-        if prefills <= 0 or seconds <= 0 or new_tokens < MIN_NEW_TOKENS_PER_PREFILL * prefills:
+        if prefills <= 0 or seconds <= 0 or new_tokens < MIN_NEW_TOKENS_PER_PREFILL * prefills or seconds > wall:
             return
         self.tokens = self.tokens * DECAY + new_tokens
         self.seconds = self.seconds * DECAY + seconds

@@ -43,10 +43,11 @@ async def scrape_once(replica: Replica, timeout: float, path: str = "/metrics",
     text = await probe.read_metrics(replica.pool, replica.base_path + path, timeout, headers)
     if text is None:
         return None
-    counters = engine_prefill.read_counters(text)
+    at = clock()
+    counters = engine_prefill.read_counters(text, at)
     if counters is not None:
         replica.prefill_rate.update(counters)
-    load = probe.parse_load(text, replica.gauges, clock())
+    load = probe.parse_load(text, replica.gauges, at)
     if load is not None and load.kv_usage is None and load.num_blocks is None:
         # no usage gauge: the capacity all the same, for the KV index's count of what is held (router.kv_capacity)
         load = dataclasses.replace(load, num_blocks=probe.parse_num_blocks(text, replica.gauges))

@@ -39,7 +39,7 @@ async def test_a_cold_prompt_is_estimated_with_the_engines_rate_and_tokens(nurse
                 assert result.status == 200
         gateway = await start_llmgw(gateway_config(
             [s.url for s in sims], routing="prefix_tree",
-            routing_options={"seed": 1, "engine_metrics_interval": "0.1s"}))
+            routing_options={"seed": 1, "engine_metrics_interval": "0.1s", "cost_engine_prefill": True}))
         for i in range(3):  # their usage shows the tokens a character makes
             assert (await send_chat(client, gateway.url, MODEL, prompt(rng, 400, f"short {i}"), 4)).status == 200
         cold = prompt(rng, 3000, "cold")

@@ -29,7 +29,7 @@ def vllm_text(prompt: float, hits: float, seconds: float, prefills: float) -> st
 
 def test_counters_are_read_from_vllm_text_summed_over_engine_cores():
     two_cores = vllm_text(1000, 200, 0.5, 4) + vllm_text(3000, 0, 1.0, 2).replace('engine="0"', 'engine="1"')
-    assert read_counters(two_cores) == PrefillCounters(4000, 200, 1.5, 6)
+    assert read_counters(two_cores, 7.0) == PrefillCounters(4000, 200, 1.5, 6, at=7.0, cores=2)
     assert read_counters("vllm:num_requests_running{} 1\n") is None  # no prefill histogram: an older engine
     assert read_counters(vllm_text(float("nan"), 0, 1, 1)) is None
     assert read_counters(vllm_text(100, 0, -1, 1)) is None
@@ -46,15 +46,18 @@ def test_any_text_reads_as_counters_or_none_never_an_error(text):
 
 def test_the_rate_comes_from_intervals_of_cold_prefills_not_from_cache_hits():
     rate = EnginePrefillRate()
-    rate.update(PrefillCounters(0, 0, 0, 0))
+    rate.update(PrefillCounters(0, 0, 0, 0, at=0.0))
     # Ten cache hits of 20 new tokens, each one 30 ms step: they tell the step, not the rate.
-    rate.update(PrefillCounters(2200, 2000, 0.3, 10))
+    rate.update(PrefillCounters(2200, 2000, 0.3, 10, at=1.0))
     assert rate.tokens_per_s is None
-    # Two cold prefills of 3,000 tokens, 0.75 s each: 4,000 tokens/s.
-    rate.update(PrefillCounters(8200, 2000, 1.8, 12))
+    # Two cold prefills of 3,000 tokens, 0.75 s each, one after the other: 4,000 tokens/s.
+    rate.update(PrefillCounters(8200, 2000, 1.8, 12, at=3.0))
+    assert rate.tokens_per_s == 4000
+    # Two more at once, sharing their steps: 1.5 s each within one second of the engine's: not counted.
+    rate.update(PrefillCounters(14_200, 2000, 4.8, 14, at=4.0))
     assert rate.tokens_per_s == 4000
     # An engine restarted (its counters went back): counted from zero, not as a negative interval.
-    rate.update(PrefillCounters(4000, 0, 0.5, 1))
+    rate.update(PrefillCounters(4000, 0, 0.5, 1, at=5.0))
     assert 4000 < rate.tokens_per_s < 8000
 
 
