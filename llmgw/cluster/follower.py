@@ -121,13 +121,16 @@ class FollowedReplicas(TaskHost):
         """While leading: the followed replicas no source of this process has claimed yet, by name."""
         return {name: record for name, (record, _) in self.followed.items()}
 
-    def hand_over(self, name: str) -> ReplicaRecord | None:
-        """A source of this leader adds its own replica of ``name``: the held one leaves the table in the same
-        step (no request finds neither), finishing what it has in flight on its own pool; its record."""
-        current = self.followed.pop(name, None)
+    def hand_over(self, successor: Replica) -> ReplicaRecord | None:
+        """A source of this leader adds its own replica of the same name: the held one leaves the table in the
+        same step (no request finds neither), finishing what it has in flight on its own pool; its record. At the
+        same address, ``successor`` starts from the held one's health (not as a replica never probed)."""
+        current = self.followed.pop(successor.name, None)
         if current is None:
             return None
         record, replica = current
+        if replica.url == successor.url:
+            successor.state, successor.reason = replica.state, replica.reason
         self.replicas.discard(replica)
         self.spawn(self._close_handed_over, replica)
         return record

@@ -189,8 +189,8 @@ class SharedState:
         claiming them: the adoption window and three heartbeats more for their agents to re-register."""
         return 4 * self.config.agents.heartbeat_interval + 1.0
 
-    def _hand_over(self, name: str) -> ReplicaRecord | None:
-        record = self.followed.hand_over(name)
+    def _hand_over(self, replica: Replica) -> ReplicaRecord | None:
+        record = self.followed.hand_over(replica)
         if record is not None:
             self.metrics.held.labels("claimed").inc()
         return record

@@ -243,9 +243,9 @@ class PublishedReplicaTable(TableReads):
     not empty the table this process goes on routing with as a follower."""
 
     def __init__(self, inner: "ReplicaSet", writer: LogWriter,
-                 hand_over: Callable[[str], ReplicaRecord | None] = lambda name: None):
-        """``hand_over(name)``: a replica of that name this leader held from the previous one leaves the table
-        (its record, or None), so the replica a source adds replaces it."""
+                 hand_over: Callable[[Replica], ReplicaRecord | None] = lambda replica: None):
+        """``hand_over(replica)``: a replica of its name this leader held from the previous one leaves the table
+        (its record, or None), so ``replica``, which a source adds, replaces it."""
         self.inner = inner
         self.writer = writer
         self.hand_over = hand_over
@@ -266,7 +266,7 @@ class PublishedReplicaTable(TableReads):
     def add(self, replica: Replica, source: str) -> bool:
         if self.writer.ended:
             return False
-        held = self.hand_over(replica.name)
+        held = self.hand_over(replica)
         added = self.inner.add(replica, source)
         record = replica_record(replica, source)
         if added and record != held:  # the same as held: the followers have it already
