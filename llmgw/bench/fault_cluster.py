@@ -47,6 +47,7 @@ from pathlib import Path
 import httpx
 import trio
 
+from ..testing.metrics import samples
 from .cluster_rig import CONTROL, ClusterRig, GatewayProcess
 from .fault_load import LoadSettings, PhaseCounts, SteadyLoad
 
@@ -86,6 +87,8 @@ class ClusterFaultResult:
     leaderless_while_down: bool | None = None  # redis fault: no process led at any poll while Redis was away
     index_equal_s: float | None = None  # leader fault: kill -> every follower's index equals the new leader's
     engines_same_pids: bool | None = None  # leader and redis faults: no simulator restarted (static replicas)
+    snapshots_loaded: int | None = None  # leader fault: snapshots the surviving followers loaded until index_equal_s
+    continued: int | None = None  # leader fault: of those followers, how many went on with the new log, no snapshot
 
     def failed_elsewhere(self) -> int:
         return sum(sum(g.failed.values()) for g in self.gateways if g.gateway != self.victim)
@@ -184,6 +187,7 @@ async def leader_fault(rig: ClusterRig, load: SteadyLoad, duration: float) -> Cl
     pids = [sim.pid for sim in rig.sims]
     load.phase = "leader"
     await trio.sleep(duration / 2)
+    before = [await snapshot_counts(rig, g) for g in rig.followers if g is not victim]
     killed_at = time.monotonic()
     await victim.kill()
     gone_at = time.monotonic()
@@ -197,6 +201,7 @@ async def leader_fault(rig: ClusterRig, load: SteadyLoad, duration: float) -> Cl
 
     await poll_until("every follower's index equal to the new leader's", all_equal, 60)
     index_equal_s = time.monotonic() - killed_at
+    after = [await snapshot_counts(rig, g) for g in survivors]
     await victim.start(rig.nursery)  # a candidate again: it follows now
     await rig.wait_kv_healthy(victim)
     await trio.sleep(duration / 2)
@@ -207,8 +212,18 @@ async def leader_fault(rig: ClusterRig, load: SteadyLoad, duration: float) -> Cl
                               all(t <= gone_at for t in counts.lost_started_at), None, None, None,
                               outcomes(rig, counts), leader.name, round(new_leader_s, 3),
                               index_equal_s=round(index_equal_s, 3),
+                              snapshots_loaded=sum(a[0] - b[0] for a, b in zip(after, before)),
+                              continued=sum(a[1] > b[1] for a, b in zip(after, before)),
                               engines_same_pids=[sim.pid for sim in rig.sims] == pids and
                               all(sim.returncode is None for sim in rig.sims))
+
+
+async def snapshot_counts(rig: ClusterRig, gateway: GatewayProcess) -> tuple[int, int]:
+    """``(snapshots loaded, logs continued without one)`` by ``gateway`` so far (its ``/metrics``)."""
+    parsed = samples((await rig.http.get(gateway.control_url + "/metrics")).text)
+    return (int(sum(value for key, value in parsed.items()
+                    if key.startswith("llmgw_cluster_snapshots_total{") and 'direction="loaded"' in key)),
+            int(parsed.get('llmgw_cluster_snapshots_total{direction="skipped",reason="continued"}', 0)))
 
 
 @dataclass
@@ -368,7 +383,10 @@ def markdown(results: list[ClusterFaultResult]) -> str:
             lines.append(
                 f"- kill -9 of the leader {result.victim}: {result.new_leader} led after {s(result.new_leader_s)} "
                 f"(target <= {NEW_LEADER_TARGET_S:g} s); every follower's index equal to the new leader's "
-                f"{s(result.index_equal_s)} after the kill; {result.failed_elsewhere()} failed on the other gateways "
+                f"{s(result.index_equal_s)} after the kill ({result.continued} of "
+                f"{len([g for g in result.gateways if g.gateway not in (result.victim, result.new_leader)])} "
+                f"followers went on with the new leader's log, {result.snapshots_loaded} snapshots loaded); "
+                f"{result.failed_elsewhere()} failed on the other gateways "
                 f"(target 0); {lost} lost in flight on it ({'all' if result.lost_before_gone else 'NOT all'} started "
                 f"before it was gone); simulators {engines} "
                 f"(static replicas: no agent to re-register)")
