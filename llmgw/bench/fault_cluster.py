@@ -251,10 +251,11 @@ async def watch_health(rig: ClusterRig, gateway: GatewayProcess, watch: HealthWa
 
 async def redis_fault(rig: ClusterRig, load: SteadyLoad, duration: float, down: float) -> ClusterFaultResult:
     """``redis-server`` killed, and started again on its port ``down`` seconds later."""
-    async def outage() -> dict[str, bool]:
+    async def outage(returning: trio.Event) -> dict[str, bool]:
         await rig.redis.kill()
         await trio.sleep(down)
         differed = {f.name: not await index_equal(rig, f) for f in rig.followers}  # fail-static meanwhile
+        returning.set()  # from here a candidate may be elected: the restarted server answers before restart() returns
         await rig.redis.restart()
         return differed
 
@@ -266,7 +267,7 @@ async def primary_fault(rig: ClusterRig, load: SteadyLoad, duration: float) -> C
     group = rig.sentinel
     assert group is not None, "a rig opened with sentinel=True"
 
-    async def outage() -> dict[str, bool]:
+    async def outage(returning: trio.Event) -> dict[str, bool]:
         old = await group.primary_port()
         await group.server_on(old).kill()
 
@@ -274,16 +275,18 @@ async def primary_fault(rig: ClusterRig, load: SteadyLoad, duration: float) -> C
             return True if await group.primary_port() != old else None
 
         await poll_until("the sentinel promotes the replica", promoted, 60, interval=0.05)
+        returning.set()
         return {}
 
     return await _outage(rig, load, duration, "primary", outage)
 
 
 async def _outage(rig: ClusterRig, load: SteadyLoad, duration: float, fault: str,
-                  outage: Callable[[], Awaitable[dict[str, bool]]]) -> ClusterFaultResult:
-    """Load for ``duration / 2``, then ``outage()`` (Redis gone, until it is back; it says which followers'
-    indexes differed from the control's meanwhile), each gateway's health and each follower's index watched until
-    all are live and equal again, then ``duration / 2`` more."""
+                  outage: Callable[[trio.Event], Awaitable[dict[str, bool]]]) -> ClusterFaultResult:
+    """Load for ``duration / 2``, then ``outage(returning)`` (Redis gone, until it is back; it sets ``returning``
+    as Redis starts to come back, and says which followers' indexes differed from the control's meanwhile), each
+    gateway's health and each follower's index watched until all are live and equal again, then ``duration / 2``
+    more."""
     load.phase = fault
     await trio.sleep(duration / 2)
     watches = {g.name: HealthWatch() for g in rig.gateways}
@@ -297,7 +300,7 @@ async def _outage(rig: ClusterRig, load: SteadyLoad, duration: float, fault: str
         while not until.is_set():
             for candidate in candidates:
                 with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-                    if await rig.leading(candidate):
+                    if await rig.leading(candidate) and not until.is_set():
                         led_while_down.append(candidate.name)
             await trio.sleep(POLL)
 
@@ -308,9 +311,8 @@ async def _outage(rig: ClusterRig, load: SteadyLoad, duration: float, fault: str
         if rig.redis_held_leases:
             nursery.start_soon(watch_leaders, back)
         killed_at = time.monotonic()
-        differed = await outage()
+        differed = await outage(back)
         returned_at = time.monotonic()
-        back.set()
         leader = None
         if rig.redis_held_leases:
             leader = await wait_for_leader(rig, candidates, "a leader once Redis is back")

@@ -239,8 +239,8 @@ class LogFollower:
 
     def position(self) -> tuple[str, int] | None:
         """``(writer, seq)``: the last batch applied, when this copy is exactly the log's up to it (None while a
-        snapshot is due)."""
-        if self.writer is None or self.snapshot_reason or not self.loaded.is_set():
+        snapshot is due because of a gap, another writer or a bad batch; after a Redis outage it still is)."""
+        if self.writer is None or self.snapshot_reason not in ("", "redis_outage") or not self.loaded.is_set():
             return None
         return self.writer, self.seq
 

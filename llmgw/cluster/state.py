@@ -161,11 +161,14 @@ class SharedState:
             PublishedKv(self.kv_index, writer)
         log.info("cluster state: term %d %s", term.generation,
                  "continues the log of %s from batch %d" % continues if continues is not None else
-                 "starts a new log (its first snapshot once its control plane has settled)")
+                 "starts a new log")
         try:
             with term.scope:
                 async with trio.open_nursery() as nursery:
-                    await nursery.start(writer.run, settled)
+                    # A process that holds the cluster's state (it followed it, or led before) publishes it at
+                    # once; only a fresh one waits until its control plane has settled (agents back, KV copies in).
+                    known = self.follower.loaded.is_set() or self._terms_led > 1
+                    await nursery.start(writer.run, (lambda: True) if known else settled)
                     nursery.start_soon(self._answer_asks)
                     nursery.start_soon(self._let_held_go, self.held_for)
                     await lead(self.table, self.kv)

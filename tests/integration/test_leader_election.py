@@ -83,10 +83,7 @@ async def test_two_candidates_elect_one_leader_and_the_other_follows_it(nursery,
             response = await http.post(gateway.url + "/v1/chat/completions", json=PROMPT)
             assert response.status_code == 200, response.text
         # `llmgw status` at the follower says who leads, and reads the nodes from the leader it names.
-        done = await trio.run_process(llmgw_command("status", "--control", follower.control_url),
-                                      capture_stdout=True, capture_stderr=True, check=False)
-        out = done.stdout.decode()
-        assert done.returncode == 0, done.stderr.decode()
+        out = await status_at(follower)
         assert out.startswith(f"CLUSTER {cluster_name}: this process follows; the leader is "
                               f"{clusters[leader]['origin']} at {leader.control_url} (term 1)\n"), out
         assert "NODES (0)" in out and "REPLICAS (2)" in out
@@ -95,6 +92,14 @@ async def test_two_candidates_elect_one_leader_and_the_other_follows_it(nursery,
         assert await wait_for_leader(http, candidates) is leader
         assert metric_value((await http.get(leader.control_url + "/metrics")).text,
                             "llmgw_cluster_elections_total") == 1.0
+
+
+async def status_at(process: Child) -> str:
+    """What ``llmgw status --control`` at ``process`` prints (it must succeed)."""
+    done = await trio.run_process(llmgw_command("status", "--control", process.control_url),
+                                  capture_stdout=True, capture_stderr=True, check=False)
+    assert done.returncode == 0, done.stderr.decode()
+    return done.stdout.decode()
 
 
 async def test_kill_9_of_the_leader_makes_the_other_candidate_leader_and_the_followers_follow_it(
@@ -250,8 +255,10 @@ health:
         redis_url, cluster, snapshot_interval="1s", secret_env=SECRET_ENV)
 
 
-async def test_after_kill_9_of_the_leader_the_agent_follows_the_new_one_which_adopts_its_engine(
-        cluster, redis_url, cluster_name, tmp_path, monkeypatch):
+async def candidates_and_an_agent(cluster: Cluster, redis_url: str, cluster_name: str, tmp_path, monkeypatch):
+    """``(first serve, the second candidate's Cluster, the agent, its engine's pid by replica)``: two candidates
+    with their own identity stores and the cluster secret, the first leading, and agent ``a`` joined with both
+    URLs, its replica up and followed by the second."""
     monkeypatch.setenv(SECRET_ENV, "a cluster secret of at least 16 bytes")
     second = Cluster(cluster.nursery, tmp_path / "second", cluster.engines, fixtures=cluster.fixtures,
                      cwd=cluster.cwd)
@@ -259,14 +266,21 @@ async def test_after_kill_9_of_the_leader_the_agent_follows_the_new_one_which_ad
     for c, name in ((cluster, "first"), (second, "second")):
         c.write_config(candidate_config(tmp_path / f"control-{name}", redis_url, cluster_name))
     first_serve = await cluster.start_serve()
+    with trio.fail_after(10):
+        while not (await cluster.admin("/health"))["state"]["leader"]["leading"]:
+            await trio.sleep(0.05)
+    await second.start_serve()
+    agent = await cluster.start_agent("a", "tiny-2gpu-a", join=f"{cluster.control_url},{second.control_url}")
+    pids = shard_pids(await cluster.settled(1))
+    await second.replicas_where("the deployed replica followed", lambda r: all(r.get(n, {}).get("url") for n in pids))
+    return first_serve, second, agent, pids
+
+
+async def test_after_kill_9_of_the_leader_the_agent_follows_the_new_one_which_adopts_its_engine(
+        cluster, redis_url, cluster_name, tmp_path, monkeypatch):
+    first_serve, second, agent, pids = await candidates_and_an_agent(cluster, redis_url, cluster_name, tmp_path,
+                                                                     monkeypatch)
     async with httpx.AsyncClient(timeout=30) as http:
-        with trio.fail_after(10):
-            while not (await http.get(cluster.control_url + "/health")).json()["state"]["leader"]["leading"]:
-                await trio.sleep(0.05)
-        await second.start_serve()
-        agent = await cluster.start_agent("a", "tiny-2gpu-a", join=f"{cluster.control_url},{second.control_url}")
-        replicas = await cluster.settled(1)
-        pids = shard_pids(replicas)
         secret = (tmp_path / "agent-a" / "node-secret").read_text()
         first_serve.kill(signal.SIGKILL)
         await first_serve.wait_exit()
@@ -388,10 +402,7 @@ async def test_a_role_gateway_process_names_the_leader_to_agents_health_and_stat
                 pass
         assert refused.value.status == 503 and refused.value.leader == leader.control_url
         assert "not lead" in refused.value.message
-        done = await trio.run_process(llmgw_command("status", "--control", gateway.control_url),
-                                      capture_stdout=True, capture_stderr=True, check=False)
-        out = done.stdout.decode()
-        assert done.returncode == 0, done.stderr.decode()
+        out = await status_at(gateway)
         assert out.startswith(f"CLUSTER {cluster_name}: this process follows (--role gateway); the leader is "
                               f"{origin} at {leader.control_url} (term 1)\n"), out
         assert "REPLICAS (2)" in out
@@ -399,23 +410,10 @@ async def test_a_role_gateway_process_names_the_leader_to_agents_health_and_stat
 
 async def test_kill_9_of_the_leader_while_traffic_flows_to_an_agents_replica_fails_nothing_and_it_stays_listed(
         cluster, redis_url, cluster_name, tmp_path, monkeypatch):
-    monkeypatch.setenv(SECRET_ENV, "a cluster secret of at least 16 bytes")
-    second = Cluster(cluster.nursery, tmp_path / "second", cluster.engines, fixtures=cluster.fixtures,
-                     cwd=cluster.cwd)
-    (tmp_path / "second").mkdir()
-    for c, name in ((cluster, "first"), (second, "second")):
-        c.write_config(candidate_config(tmp_path / f"control-{name}", redis_url, cluster_name))
-    first_serve = await cluster.start_serve()
+    first_serve, second, agent, pids = await candidates_and_an_agent(cluster, redis_url, cluster_name, tmp_path,
+                                                                     monkeypatch)
+    (name,) = pids
     async with httpx.AsyncClient(timeout=30) as http:
-        with trio.fail_after(10):
-            while not (await http.get(cluster.control_url + "/health")).json()["state"]["leader"]["leading"]:
-                await trio.sleep(0.05)
-        await second.start_serve()
-        await cluster.start_agent("a", "tiny-2gpu-a", join=f"{cluster.control_url},{second.control_url}")
-        replicas = await cluster.settled(1)
-        pids = shard_pids(replicas)
-        (name,) = pids
-        await second.replicas_where("the deployed replica followed", lambda r: r.get(name, {}).get("url"))
         answers: list[tuple[int, str]] = []
         listings: list[dict | None] = []
         stop = trio.Event()
@@ -454,21 +452,10 @@ async def test_kill_9_of_the_leader_while_traffic_flows_to_an_agents_replica_fai
 
 async def test_a_held_replica_whose_agent_does_not_come_back_leaves_routing_after_the_hold(
         cluster, redis_url, cluster_name, tmp_path, monkeypatch):
-    monkeypatch.setenv(SECRET_ENV, "a cluster secret of at least 16 bytes")
-    second = Cluster(cluster.nursery, tmp_path / "second", cluster.engines, fixtures=cluster.fixtures,
-                     cwd=cluster.cwd)
-    (tmp_path / "second").mkdir()
-    for c, name in ((cluster, "first"), (second, "second")):
-        c.write_config(candidate_config(tmp_path / f"control-{name}", redis_url, cluster_name))
-    first_serve = await cluster.start_serve()
+    first_serve, second, agent, pids = await candidates_and_an_agent(cluster, redis_url, cluster_name, tmp_path,
+                                                                     monkeypatch)
+    (name,) = pids
     async with httpx.AsyncClient(timeout=30) as http:
-        with trio.fail_after(10):
-            while not (await http.get(cluster.control_url + "/health")).json()["state"]["leader"]["leading"]:
-                await trio.sleep(0.05)
-        await second.start_serve()
-        agent = await cluster.start_agent("a", "tiny-2gpu-a", join=f"{cluster.control_url},{second.control_url}")
-        (name,) = shard_pids(await cluster.settled(1))
-        await second.replicas_where("the deployed replica followed", lambda r: r.get(name, {}).get("url"))
         agent.kill(signal.SIGKILL)  # its engine is orphaned: nobody re-registers it with the next leader
         await agent.wait_exit()
         first_serve.kill(signal.SIGKILL)
