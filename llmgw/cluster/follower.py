@@ -6,7 +6,9 @@ here a few milliseconds after the control plane wrote it). It loads the
 snapshot again when the batches jump (a batch was lost, or the stream was
 trimmed past what it read), when another writer appears (the control plane
 restarted: its first snapshot comes before its first batch), or after Redis
-failed. While Redis is away it keeps everything as it is: requests are routed
+failed. A new leader whose first batch says it continues the log from the
+batch this copy ends at (:meth:`LogFollower.catch_up`, on the leader's side)
+is followed on with no snapshot. While Redis is away it keeps everything as it is: requests are routed
 on the last known table and index (fail-static).
 
 :class:`FollowedReplicas` is the replica source that the log drives: it

@@ -145,15 +145,16 @@ class SharedState:
             await self._lead(term, lead, settled)
 
     async def _lead(self, term: Term, lead: "Lead", settled: Callable[[], bool]) -> None:
-        """One term: the control plane runs on a table that starts empty (``lead`` releases the followed replicas
-        when its sources are ready to fill it: the config, the agents that reconnect), and writes the cluster's
-        state under the term's fence. At the end the table and
-        index stay as they are, followed from then on (fail-static until the next leader's snapshot)."""
+        """One term: the control plane runs on the table and index this process followed, which it publishes on
+        from where the previous leader's log ended when it holds that state exactly (:meth:`LogFollower.catch_up`);
+        the replicas it followed stay in routing, held, until ``lead``'s sources claim them (the config's, the
+        agents that reconnect) or :attr:`held_for` passes. Everything is written under the term's fence. At the
+        end the table and index stay as they are, followed from then on (fail-static until the next leader's log)."""
         assert self.election is not None
         self._terms_led += 1  # in the writer's id: Redis may lose its generation counter (a restart, no persistence)
         failed = False
-        self.followed.hold()
         continues = await self.follower.catch_up(min(self.settings.timeout, self.settings.lease_ttl / 4))
+        self.followed.hold()
         fence = Fence(self.link, self.keys, self.election, term, self.metrics)
         writer = LogWriter(self.link, self.keys, self.settings, self.replicas, self.kv_index, self.metrics,
                            f"{self.origin}.{term.generation}.{self._terms_led}", fence, self.signer, continues)

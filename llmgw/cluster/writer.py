@@ -12,7 +12,9 @@ recorded for :class:`LogWriter`.
 (as soon as there are any, each under the leader's
 :class:`~.election.Fence`: a term that ended can write nothing), and a snapshot of the whole state: first once the
 control plane has settled after its start (agents reconnected and reported
-their engines, so followers never see an empty table from a restart), then
+their engines, so followers never see an empty table from a restart; a new
+leader that holds the cluster's state writes it at once, and when it holds
+the previous leader's log exactly it continues that log), then
 every ``snapshot_interval`` while something changed, and at once after Redis
 failed (a batch that could not be written leaves a gap, which sends the
 followers to the snapshot). Snapshots live until the next one plus a grace
