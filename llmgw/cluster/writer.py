@@ -77,7 +77,8 @@ class LogWriter:
         self.seq = 0  # the last batch number given out
         self.stream_id: bytes | None = None  # the log id of the last batch written
         self.pending: list[list[Any]] = []
-        self.published = continues is not None  # records go to the log (after the first snapshot, or continuing)
+        self.published = False  # the first snapshot is out
+        self.recording = continues is not None  # changes go to the log (from the first snapshot's state on)
         self.need_snapshot = True
         self.dirty = False
         self._wake = trio.Event()
@@ -90,7 +91,7 @@ class LogWriter:
 
     def record(self, entry: list[Any]) -> None:
         """One change of the shared truth, already applied locally."""
-        if not self.published:
+        if not self.recording:
             return  # the first snapshot will hold it
         self.pending.append(entry)
         self.dirty = True
@@ -176,6 +177,7 @@ class LogWriter:
         meta, parts = self.build_snapshot()  # the state after `batch`, taken with no await in between
         self.dirty = False
         self.need_snapshot = True  # until this one is out
+        self.recording = True  # a change from now on is not in it: it goes to the log after it (never dropped)
         await self._append(batch)  # possibly empty: the snapshot always points at a batch of this writer
         seq, stream_id = self.seq, self.stream_id
         assert stream_id is not None
