@@ -8,8 +8,8 @@ trimmed past what it read), when another writer appears (the control plane
 restarted: its first snapshot comes before its first batch), or after Redis
 failed. A new leader whose first batch says it continues the log from the
 batch this copy ends at (:meth:`LogFollower.catch_up`, on the leader's side)
-is followed on with no snapshot. While Redis is away it keeps everything as it is: requests are routed
-on the last known table and index (fail-static).
+is followed on with no snapshot. While Redis is away it keeps everything as
+it is: requests are routed on the last known table and index (fail-static).
 
 :class:`FollowedReplicas` is the replica source that the log drives: it
 declares models and adds, drains and removes replicas in this process's
@@ -131,7 +131,8 @@ class FollowedReplicas(TaskHost):
         if current is None:
             return None
         record, replica = current
-        if replica.url == successor.url:
+        # A drain was the old leader's decision: this leader's source makes it again if it wants it.
+        if replica.url == successor.url and replica.state is not ReplicaState.DRAINING:
             successor.state, successor.reason = replica.state, replica.reason
         self.replicas.discard(replica)
         self.spawn(self._close_handed_over, replica)
