@@ -255,7 +255,8 @@ health:
         redis_url, cluster, snapshot_interval="1s", secret_env=SECRET_ENV)
 
 
-async def candidates_and_an_agent(cluster: Cluster, redis_url: str, cluster_name: str, tmp_path, monkeypatch):
+@pytest.fixture
+async def leader_pair_with_an_agent(cluster: Cluster, redis_url: str, cluster_name: str, tmp_path, monkeypatch):
     """``(first serve, the second candidate's Cluster, the agent, its engine's pid by replica)``: two candidates
     with their own identity stores and the cluster secret, the first leading, and agent ``a`` joined with both
     URLs, its replica up and followed by the second."""
@@ -277,9 +278,8 @@ async def candidates_and_an_agent(cluster: Cluster, redis_url: str, cluster_name
 
 
 async def test_after_kill_9_of_the_leader_the_agent_follows_the_new_one_which_adopts_its_engine(
-        cluster, redis_url, cluster_name, tmp_path, monkeypatch):
-    first_serve, second, agent, pids = await candidates_and_an_agent(cluster, redis_url, cluster_name, tmp_path,
-                                                                     monkeypatch)
+        leader_pair_with_an_agent, tmp_path):
+    first_serve, second, agent, pids = leader_pair_with_an_agent
     async with httpx.AsyncClient(timeout=30) as http:
         secret = (tmp_path / "agent-a" / "node-secret").read_text()
         first_serve.kill(signal.SIGKILL)
@@ -409,9 +409,8 @@ async def test_a_role_gateway_process_names_the_leader_to_agents_health_and_stat
 
 
 async def test_kill_9_of_the_leader_while_traffic_flows_to_an_agents_replica_fails_nothing_and_it_stays_listed(
-        cluster, redis_url, cluster_name, tmp_path, monkeypatch):
-    first_serve, second, agent, pids = await candidates_and_an_agent(cluster, redis_url, cluster_name, tmp_path,
-                                                                     monkeypatch)
+        leader_pair_with_an_agent):
+    first_serve, second, agent, pids = leader_pair_with_an_agent
     (name,) = pids
     async with httpx.AsyncClient(timeout=30) as http:
         answers: list[tuple[int, str]] = []
@@ -451,9 +450,8 @@ async def test_kill_9_of_the_leader_while_traffic_flows_to_an_agents_replica_fai
 
 
 async def test_a_held_replica_whose_agent_does_not_come_back_leaves_routing_after_the_hold(
-        cluster, redis_url, cluster_name, tmp_path, monkeypatch):
-    first_serve, second, agent, pids = await candidates_and_an_agent(cluster, redis_url, cluster_name, tmp_path,
-                                                                     monkeypatch)
+        leader_pair_with_an_agent):
+    first_serve, second, agent, pids = leader_pair_with_an_agent
     (name,) = pids
     async with httpx.AsyncClient(timeout=30) as http:
         agent.kill(signal.SIGKILL)  # its engine is orphaned: nobody re-registers it with the next leader
