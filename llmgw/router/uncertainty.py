@@ -111,15 +111,29 @@ class Uncertainty:
 
     def of(self, name: str, estimate: Estimate) -> float:
         """The standard error of ``estimate.cost`` (seconds) for replica ``name``."""
-        slope_factor = (estimate.queued_tokens + estimate.new_tokens
-                        + estimate.others_weight * (estimate.requests * estimate.new_tokens + estimate.recomputed))
-        g = (1.0, slope_factor, estimate.requests)
+        g = features(estimate)
         m = self._matrix(name)
         leverage = sum(g[i] * m[i][j] * g[j] for i in range(3) for j in range(3))
         return self.noise(estimate.noise) * math.sqrt(max(leverage, 0.0))
 
     def all(self, names: Sequence[str], estimates: Sequence[Estimate]) -> list[float]:
         return [self.of(name, e) for name, e in zip(names, estimates)]
+
+
+def features(estimate: Estimate) -> tuple[float, float, float]:
+    """``g``: what ``estimate.cost`` multiplies its line's ``(step, seconds per token, per request)`` by."""
+    return (1.0, estimate.queued_tokens + estimate.new_tokens
+            + estimate.others_weight * (estimate.requests * estimate.new_tokens + estimate.recomputed),
+            estimate.requests)
+
+
+def certainly_costlier(kept: Estimate, taken: Estimate) -> bool:
+    """Whether ``kept`` costs more than ``taken`` whatever the fit's (non-negative) parameters: both on the same
+    line (before any data, every replica is on the priors') and ``kept`` at least as large in every term. Then the
+    uncertainty of the line says how large the gain is, never whether there is one (a burst's first requests,
+    decided before any first token, all queued behind the holder of their prompt)."""
+    same_line = (kept.step, kept.throughput, kept.per_request) == (taken.step, taken.throughput, taken.per_request)
+    return same_line and all(k >= t for k, t in zip(features(kept), features(taken)))
 
 
 def override_pays(gain: float, uncertainty_kept: float, uncertainty_taken: float,
