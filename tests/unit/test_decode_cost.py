@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import random
+from collections.abc import Sequence
 
 from hypothesis import given, strategies as st
 from prometheus_client import generate_latest
@@ -99,6 +101,8 @@ def test_a_slowdown_every_replica_shares_is_the_hosts_and_not_charged_to_a_repli
                                   itl=lambda batch, context, fleet: BASE + 300e-6 * fleet)
     _, per_context, per_sequence, _ = model.pooled_line()
     assert per_sequence + per_context * 1000 < 20e-6, model.describe("a")  # against 300 us of the host's
+    host_per_context, host_per_sequence = model.host_line()  # per sequence on the mean replica of two
+    assert abs(host_per_sequence + host_per_context * 1000 - 2 * 300e-6) < 0.15 * 2 * 300e-6
 
 
 def test_a_long_stream_is_observed_while_it_runs():
@@ -251,6 +255,7 @@ async def test_a_request_leaves_the_holder_of_its_prefix_when_the_decode_delay_t
     exposition = generate_latest(router.metrics.registry).decode()
     assert 'llmgw_routing_decode_moves_total{charge="decode",model="m"} 1.0' in exposition
     assert 'llmgw_routing_itl_per_sequence_seconds{model="m",replica="a"}' in exposition
+    assert 'llmgw_routing_itl_host_per_sequence_seconds{model="m"}' in exposition
 
 
 async def test_where_decoding_costs_the_same_anywhere_the_request_stays_with_its_cache():
@@ -358,3 +363,75 @@ def test_replicas_of_one_model_are_charged_the_same_slopes_whatever_their_own_fi
     a, b = model.charges(["a", "b"], 100, 300, [10, 10], [3000, 3000], [10_000.0] * 2, [None] * 2, 0.0)
     assert a.growth == b.growth and a.decode > 0.1 and abs(a.decode - b.decode) < 1e-9  # ...what is charged not
     assert model.describe("a")["own_fit"]["itl_per_sequence_s"] < model.describe("a")["itl_per_sequence_s"]
+
+
+async def test_a_burst_decided_before_any_first_token_leaves_the_holder_once_its_queue_costs_more_in_every_term():
+    """The issue's burst: requests sharing a long system prompt arrive together, every one decided before any
+    first token, so the cost model has only its priors, whose uncertainty (hundreds of ms for a holder with a
+    queue far beyond anything observed) used to gate every override: the holder took them all while the other
+    replicas idled. The holder's estimate exceeds an idle replica's in every term on the same line, so its cost
+    is larger whatever the parameters: the burst spreads."""
+    router = Router(build_registry(make_plugin_manager(())), Metrics())
+    tier = router.configure_model("m", "prefix_tree", {"seed": 3}).tier
+    tier.clock = lambda: 0.0  # all at once: none of the queues has been worked through
+    replicas = [Replica(name=n, model="m", url=f"http://127.0.0.1:{9000 + i}") for i, n in enumerate("abcd")]
+    for replica in replicas:
+        router.add_replica(replica)
+    counts = dict.fromkeys("abcd", 0)
+    system = {"role": "system", "content": "You are the support assistant of a large company. " * 15}  # ~190 tokens
+    for i in range(40):
+        question = {"role": "user", "content": f"ticket {i}: " + "the printer on floor three jams again " * 2}
+        request = RouteRequest("m", "/v1/chat/completions", {"model": "m", "messages": [system, question]})
+        decision = await router.pick(request)
+        router.routed(request, decision)
+        decision.replica.local_inflight += 1  # as the data plane counts it while the request runs
+        counts[decision.replica.name] += 1
+    assert tier.cost.observations == 0  # all on the priors
+    assert min(counts.values()) >= 5, counts
+    assert max(counts.values()) <= 15, counts
+
+
+def test_an_estimate_costlier_in_every_term_on_the_same_line_is_certainly_costlier():
+    from llmgw.router.cost import Estimate
+    from llmgw.router.uncertainty import certainly_costlier
+
+    holder = Estimate(2000, 100, 3000, 12, 0.02, 20_000.0, 0.0, others_weight=1.0)
+    idle = Estimate(0, 2100, 0, 0, 0.02, 20_000.0, 0.0, others_weight=1.0, recomputed=2000)
+    assert certainly_costlier(holder, idle)
+    short_queue = Estimate(2000, 100, 200, 1, 0.02, 20_000.0, 0.0, others_weight=1.0)
+    assert not certainly_costlier(short_queue, idle)  # fewer tokens to compute than the recompute: it depends
+    other_line = Estimate(0, 2100, 0, 0, 0.02, 30_000.0, 0.0, others_weight=1.0, recomputed=2000)
+    assert not certainly_costlier(holder, other_line)  # another GPU: its speed decides
+
+
+def streams_of(model: DecodeModel, name: str, lengths: Sequence[int], start: float) -> float:
+    """Streams of ``lengths`` tokens, one after the other on ``name`` at 6 ms a token; the clock at the end."""
+    now = start
+    for key, length in enumerate(lengths, start=1 << 20):
+        model.routed(name, key, 100, now)
+        watch = Watch(now)
+        model.first_token(key, watch, now)
+        now += (length - 1) * BASE
+        watch.tokens(length - 1, now)
+        model.finished(key, now)
+    return now
+
+
+async def test_a_decode_gain_within_the_spread_of_the_answers_lengths_does_not_move_a_request_off_its_cache():
+    """Answers of 1k to 4k tokens (long-output): how long the sequences on the holder will decode beside a new
+    one is uncertain by about a thousand tokens each, and a decode charge one sequence of difference makes
+    is well within that. The request stays with its prefix; with answers all about as long, it moves."""
+    moved = {}
+    for lengths in ((1024, 4096) * 20, (2550, 2570) * 20):
+        router, tier, replicas = make()
+        streams_of(tier.decode, "a", lengths, 0.0)
+        owner, other = await holder_decoding(router, replicas, running=1)
+        explained = await router.explain(chat("second question", max_tokens=4096))
+        costs = {e["name"]: e["cost"] for e in explained["replicas"]}
+        gain = costs[owner.name]["total_cost_s"] - costs[other.name]["total_cost_s"]
+        assert gain > 0, costs  # the charges alone say: go
+        spread = math.hypot(costs[owner.name]["decode"]["decode_uncertainty_s"],
+                            costs[other.name]["decode"]["decode_uncertainty_s"])
+        moved[lengths[0]] = explained["pick"] == other.name
+        assert moved[lengths[0]] == (gain > spread + costs[owner.name]["uncertainty_s"]), (gain, spread, costs)
+    assert moved == {1024: False, 2550: True}
