@@ -9,10 +9,17 @@ sequence's blocks and computes it again later). Learnt per replica from the
 streams the gateway relays (their token timings: :mod:`llmgw.gateway.latency`)::
 
     ITL(B, C) = base + per_sequence x B + per_context_token x C
+                     + host_per_sequence x B_fleet + host_per_context_token x C_fleet
 
 with ``B`` the requests in flight on the replica and ``C`` their context
-tokens (prompts and what they generated so far), both averaged over the
-stretch of a stream observed. A stream is observed every
+tokens (prompts and what they generated so far), ``B_fleet`` and ``C_fleet``
+the same on the fleet's mean replica, all averaged over the stretch of a
+stream observed. The host terms are what slows every replica alike when the
+fleet is busy (simulators sharing a CPU, the gateway relaying more streams):
+no pick avoids that, so it is never charged. Without them, in a closed loop
+where every replica's batch rises and falls with the fleet's, the host's
+slowdown was learnt as each replica's own (0.2-0.4 ms a sequence on two
+loaded cores, where the simulated H100 adds ~0.04 ms). A stream is observed every
 ``SAMPLE_TOKENS`` tokens while it runs and once more when it ends, so a long
 answer teaches the model long before it finishes. The fit is the TTFT model's
 (an exponentially weighted ridge regression, :class:`llmgw.router.cost.Fit`),
@@ -36,6 +43,12 @@ with ``C`` context tokens (the rule, also in ``docs/routing.md``)::
     preempted(r) = max(0, demand(r) - free(r))               tokens the engine must preempt and compute again
     capacity(r) = weight x preempted(r) / throughput(r) x (1 + B)   every sequence there waits for the recompute
 
+    uncertainty(r) = weight x sd(L) x sqrt(B x growth^2 + (ITL_r(B + 1, C + ctx) - ITL_r(1, ctx))^2)
+
+(``sd(L)``: the spread of the streams' lengths; each sequence there and the new
+one decode beside each other for an independent length), which the override
+gate adds to the TTFT estimates' (:mod:`llmgw.router.uncertainty`).
+
 Both are in seconds of the users' waiting, like the cost they are added to,
 so the cost model trades a prefill saved against a decode slowed. ``own`` is
 counted beyond the fastest candidate's, so that a decode every candidate
@@ -54,11 +67,12 @@ fresh scrape of the engine's ``/metrics`` (``engine_metrics_interval``).
 
 Off by default (``cost_decode_weight: 0``: the charges are computed and
 explained, but weigh nothing): measured on simulators sharing two loaded CPU
-cores, the slopes learnt were the host's (each simulator's Python step growing
-with its batch, five to ten times the modelled GPU's), and on the
-``long-output`` workload the charge moved requests off their prompts' holders
-for a hit rate of 0.77x ``cache_aware``'s and no better inter-token latency
-(``docs/benchmarks.md``).
+cores, the per-sequence slope learnt is each simulator process's own (its
+Python work per stream grows with its batch: ~0.3 ms a sequence, seven times
+the modelled GPU's), which the host terms cannot remove since it is not
+shared; with the charge on, the ``long-output`` workload moved requests off
+their prompts' holders for a hit rate of 0.77x ``cache_aware``'s and
+``hetero`` lost goodput (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
