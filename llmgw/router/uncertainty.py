@@ -134,12 +134,14 @@ def features(estimate: Estimate) -> tuple[float, float, float]:
 
 
 def certainly_costlier(kept: Estimate, taken: Estimate) -> bool:
-    """Whether ``kept`` costs more than ``taken`` whatever the fit's (non-negative) parameters: both on the same
-    line (before any data, every replica is on the priors') and ``kept`` at least as large in every term. Then the
-    uncertainty of the line says how large the gain is, never whether there is one (a burst's first requests,
-    decided before any first token, all queued behind the holder of their prompt)."""
-    same_line = (kept.step, kept.throughput, kept.per_request) == (taken.step, taken.throughput, taken.per_request)
-    return same_line and all(k >= t for k, t in zip(features(kept), features(taken)))
+    """Whether ``kept`` costs more than ``taken`` whatever the uncertainty the two lines share: ``kept`` at least as
+    large in every term (``g``) on a line at least as slow in every parameter (the same line before any data, when
+    every replica is on the priors; a burst's holder, whose first answers came slowly behind its queue, is seen
+    slower since). Then ``cost = theta . g`` is larger for ``kept`` under any error common to both lines (the
+    priors', the pooled fit's), and that uncertainty says how large the gain is, never whether there is one: a
+    burst's requests, decided before their first tokens, all queued behind the holder of their prompt."""
+    slower = kept.step >= taken.step and kept.throughput <= taken.throughput and kept.per_request >= taken.per_request
+    return slower and all(k >= t for k, t in zip(features(kept), features(taken)))
 
 
 def override_pays(gain: float, uncertainty_kept: float, uncertainty_taken: float,

@@ -399,8 +399,12 @@ def test_an_estimate_costlier_in_every_term_on_the_same_line_is_certainly_costli
     assert certainly_costlier(holder, idle)
     short_queue = Estimate(2000, 100, 200, 1, 0.02, 20_000.0, 0.0, others_weight=1.0)
     assert not certainly_costlier(short_queue, idle)  # fewer tokens to compute than the recompute: it depends
-    other_line = Estimate(0, 2100, 0, 0, 0.02, 30_000.0, 0.0, others_weight=1.0, recomputed=2000)
-    assert not certainly_costlier(holder, other_line)  # another GPU: its speed decides
+    faster = Estimate(0, 2100, 0, 0, 0.02, 30_000.0, 0.0, others_weight=1.0, recomputed=2000)
+    assert certainly_costlier(holder, faster)  # more to do, on a slower line: costlier whatever they share
+    slower = Estimate(0, 2100, 0, 0, 0.02, 15_000.0, 0.0, others_weight=1.0, recomputed=2000)
+    assert not certainly_costlier(holder, slower)  # the holder prefills faster: by how much decides
+    assert not certainly_costlier(Estimate(2000, 100, 3000, 12, 0.01, 20_000.0, 0.0, others_weight=1.0),
+                                  idle)  # nor when its step is shorter
 
 
 def streams_of(model: DecodeModel, name: str, lengths: Sequence[int], start: float) -> float:
