@@ -68,7 +68,7 @@ from ..router.decode_metrics import track_decode
 from ..router.radix import RadixTree
 from ..router.token_ratio import TokensPerChar
 from ..router.tree_metrics import track_tree
-from ..router.uncertainty import OVERRIDE_SIGMAS, Uncertainty, override_pays
+from ..router.uncertainty import OVERRIDE_SIGMAS, Uncertainty, certainly_costlier, override_pays
 from .options import MAX_NUMBER, count, duration, option_reader
 from .scorers import register_scorers
 
@@ -582,7 +582,7 @@ class PrefixTreeTier(RoutingTier):
         gated = ""
         if matched[chosen] < longest:
             holder = min((i for i, m in enumerate(matched) if m == longest), key=lambda i: (costs[i], tie_key(i)))
-            gated = self._gate(candidates, estimates, costs, uncertainties, chosen, holder)
+            gated = self._gate(candidates, estimates, costs, uncertainties, charges, chosen, holder)
             if gated:
                 chosen = holder
         preferred = self._first(rng, [i for i, m in enumerate(matched) if m == longest], tie_key) \
@@ -611,15 +611,20 @@ class PrefixTreeTier(RoutingTier):
         return choice
 
     def _gate(self, candidates: Sequence[Replica], estimates: list[cost_model.Estimate], costs: list[float],
-              uncertainties: list[float], chosen: int, holder: int) -> str:
+              uncertainties: list[float], charges: list[decode_cost.DecodeCharge], chosen: int, holder: int) -> str:
         """Why ``chosen``, which holds less than the longest match, must not take the request: its expected gain
         over ``holder`` (the cheapest holder of the longest match; ``costs`` with the decode and capacity charges)
-        is within the uncertainty of the two estimates (the override gate, :mod:`llmgw.router.uncertainty`); ''
-        when the gain pays for the move."""
+        is within the uncertainty of the two estimates (the override gate, :mod:`llmgw.router.uncertainty`) and of
+        their decode charges (the outputs' lengths); '' when the gain pays for the move. Estimates the holder's
+        exceeds in every term on the same line leave only the charges' uncertainty (:func:`certainly_costlier`)."""
         gain = costs[holder] - costs[chosen]
-        if override_pays(gain, uncertainties[holder], uncertainties[chosen], self.options.cost_override_sigmas):
+        kept, taken = uncertainties[holder], uncertainties[chosen]
+        if certainly_costlier(estimates[holder], estimates[chosen]):
+            kept = taken = 0.0
+        kept, taken = math.hypot(kept, charges[holder].uncertainty), math.hypot(taken, charges[chosen].uncertainty)
+        if override_pays(gain, kept, taken, self.options.cost_override_sigmas):
             return ""
-        spread = math.hypot(uncertainties[holder], uncertainties[chosen])
+        spread = math.hypot(kept, taken)
         return (f"holds the longest useful match: {candidates[chosen].name} looked {gain * 1000:.0f} ms cheaper, "
                 f"within the uncertainty of the two estimates ({spread * 1000:.0f} ms; {estimates[chosen].new_tokens} "
                 f"new tokens there against {estimates[holder].new_tokens} here)")

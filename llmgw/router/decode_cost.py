@@ -9,10 +9,17 @@ sequence's blocks and computes it again later). Learnt per replica from the
 streams the gateway relays (their token timings: :mod:`llmgw.gateway.latency`)::
 
     ITL(B, C) = base + per_sequence x B + per_context_token x C
+                     + host_per_sequence x B_fleet + host_per_context_token x C_fleet
 
 with ``B`` the requests in flight on the replica and ``C`` their context
-tokens (prompts and what they generated so far), both averaged over the
-stretch of a stream observed. A stream is observed every
+tokens (prompts and what they generated so far), ``B_fleet`` and ``C_fleet``
+the same on the fleet's mean replica, all averaged over the stretch of a
+stream observed. The host terms are what slows every replica alike when the
+fleet is busy (simulators sharing a CPU, the gateway relaying more streams):
+no pick avoids that, so it is never charged. Without them, in a closed loop
+where every replica's batch rises and falls with the fleet's, the host's
+slowdown was learnt as each replica's own (0.2-0.4 ms a sequence on two
+loaded cores, where the simulated H100 adds ~0.04 ms). A stream is observed every
 ``SAMPLE_TOKENS`` tokens while it runs and once more when it ends, so a long
 answer teaches the model long before it finishes. The fit is the TTFT model's
 (an exponentially weighted ridge regression, :class:`llmgw.router.cost.Fit`),
@@ -36,6 +43,12 @@ with ``C`` context tokens (the rule, also in ``docs/routing.md``)::
     preempted(r) = max(0, demand(r) - free(r))               tokens the engine must preempt and compute again
     capacity(r) = weight x preempted(r) / throughput(r) x (1 + B)   every sequence there waits for the recompute
 
+    uncertainty(r) = weight x sd(L) x sqrt(B x growth^2 + (ITL_r(B + 1, C + ctx) - ITL_r(1, ctx))^2)
+
+(``sd(L)``: the spread of the streams' lengths; each sequence there and the new
+one decode beside each other for an independent length), which the override
+gate adds to the TTFT estimates' (:mod:`llmgw.router.uncertainty`).
+
 Both are in seconds of the users' waiting, like the cost they are added to,
 so the cost model trades a prefill saved against a decode slowed. ``own`` is
 counted beyond the fastest candidate's, so that a decode every candidate
@@ -54,11 +67,12 @@ fresh scrape of the engine's ``/metrics`` (``engine_metrics_interval``).
 
 Off by default (``cost_decode_weight: 0``: the charges are computed and
 explained, but weigh nothing): measured on simulators sharing two loaded CPU
-cores, the slopes learnt were the host's (each simulator's Python step growing
-with its batch, five to ten times the modelled GPU's), and on the
-``long-output`` workload the charge moved requests off their prompts' holders
-for a hit rate of 0.77x ``cache_aware``'s and no better inter-token latency
-(``docs/benchmarks.md``).
+cores, the per-sequence slope learnt is each simulator process's own (its
+Python work per stream grows with its batch: ~0.3 ms a sequence, seven times
+the modelled GPU's), which the host terms cannot remove since it is not
+shared; with the charge on, the ``long-output`` workload moved requests off
+their prompts' holders for a hit rate of 0.77x ``cache_aware``'s and
+``hetero`` lost goodput (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -67,7 +81,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from .cost import MAX_FORGOTTEN, SHRINK_WEIGHT, Fit, fit_line
+from .cost import MAX_FORGOTTEN, MIN_NOISE_OBSERVATIONS, PRIOR_WEIGHT, SHRINK_WEIGHT
 
 DEFAULT_OUTPUT_TOKENS = 256.0  # the prior typical output length, until streams end
 DEFAULT_DECODE_WEIGHT = 0.0  # off until measured on GPUs: on a shared CPU host the slopes learnt are its own
@@ -84,6 +98,8 @@ SEQUENCE_SCALE = 4.0
 MAX_STREAMS = 100_000  # streams followed at once (bounded: a gateway's in-flight requests are fewer)
 
 Line = tuple[float, float, float, float]  # (base s, s per context token, s per sequence, noise s)
+Theta = tuple[float, ...]  # base, per context token, per sequence, the host's per context token and per sequence
+FEATURES = 5
 
 
 class TokenTimings(Protocol):
@@ -94,16 +110,74 @@ class TokenTimings(Protocol):
     counts: list[int]
 
 
-class ItlFit(Fit):
-    """Observations ``itl ~ base + per_context_token x context + per_sequence x batch``."""
+class ItlFit:
+    """Decayed weighted sums of observations ``itl ~ base + per_context_token x context + per_sequence x batch
+    + host_per_context_token x fleet context + host_per_sequence x fleet batch`` for a ridge least squares (the
+    cost model's :class:`~llmgw.router.cost.Fit`, with the fleet's two terms beside the replica's own)."""
 
-    __slots__ = ()
-    SCALES = (1.0, CONTEXT_SCALE, SEQUENCE_SCALE)
+    __slots__ = ("w", "s", "sy", "yy")
+    SCALES = (1.0, CONTEXT_SCALE, SEQUENCE_SCALE, CONTEXT_SCALE, SEQUENCE_SCALE)
+    BOUNDS = (MAX_ITL, MAX_PER_CONTEXT_TOKEN, MAX_PER_SEQUENCE, MAX_PER_CONTEXT_TOKEN, MAX_PER_SEQUENCE)
 
-    @staticmethod
-    def bounded(theta: tuple[float, float, float]) -> tuple[float, float, float]:
-        return (min(max(theta[0], 0.0), MAX_ITL), min(max(theta[1], 0.0), MAX_PER_CONTEXT_TOKEN),
-                min(max(theta[2], 0.0), MAX_PER_SEQUENCE))
+    def __init__(self) -> None:
+        self.w = 0.0
+        self.s = [[0.0] * FEATURES for _ in range(FEATURES)]
+        self.sy = [0.0] * FEATURES
+        self.yy = 0.0
+
+    def add(self, f: Sequence[float], y: float, decay: float) -> None:
+        self.w = self.w * decay + 1.0
+        for i in range(FEATURES):
+            row = self.s[i]
+            for j in range(FEATURES):
+                row[j] = row[j] * decay + f[i] * f[j]
+            self.sy[i] = self.sy[i] * decay + f[i] * y
+        self.yy = self.yy * decay + y * y
+
+    def solve(self, prior: Sequence[float]) -> Theta:
+        """Pulled toward ``prior`` as much as :meth:`llmgw.router.cost.Fit.prior_weight` observations, within
+        bounds (each at least 0)."""
+        weight = PRIOR_WEIGHT / (1.0 + self.w)
+        a = [row[:] for row in self.s]
+        b = self.sy[:]
+        for i, scale in enumerate(self.SCALES):
+            a[i][i] += weight * scale * scale
+            b[i] += weight * scale * scale * prior[i]
+        theta = _solve(a, b) or list(prior)
+        return tuple(min(max(t, 0.0), bound) for t, bound in zip(theta, self.BOUNDS))
+
+    def residual(self, theta: Sequence[float]) -> float:
+        """The weighted RMS of ``y - theta . f`` over the observations (0 without any)."""
+        if self.w <= 0:
+            return 0.0
+        sse = self.yy - 2 * sum(t * s for t, s in zip(theta, self.sy))
+        sse += sum(theta[i] * theta[j] * self.s[i][j] for i in range(FEATURES) for j in range(FEATURES))
+        return math.sqrt(max(sse, 0.0) / self.w)
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """``a x = b`` by Gaussian elimination with partial pivoting; None when (nearly) singular."""
+    n = len(b)
+    m = [row[:] + [y] for row, y in zip(a, b)]
+    scale = max((abs(m[i][i]) for i in range(n)), default=0.0) or 1.0
+    for k in range(n):
+        pivot = max(range(k, n), key=lambda i: abs(m[i][k]))
+        if not math.isfinite(m[pivot][k]) or abs(m[pivot][k]) <= 1e-12 * scale:
+            return None
+        m[k], m[pivot] = m[pivot], m[k]
+        for i in range(k + 1, n):
+            factor = m[i][k] / m[k][k]
+            for j in range(k, n + 1):
+                m[i][j] -= factor * m[k][j]
+    x = [0.0] * n
+    for k in range(n - 1, -1, -1):
+        x[k] = (m[k][n] - sum(m[k][j] * x[j] for j in range(k + 1, n))) / m[k][k]
+    return x
+
+
+def _line(prior: Sequence[float], data: ItlFit, observations: int) -> tuple[Theta, float]:
+    theta = data.solve(prior)
+    return theta, data.residual(theta) if observations >= MIN_NOISE_OBSERVATIONS else 0.0
 
 
 @dataclass
@@ -131,6 +205,29 @@ class _Live:
     def age_sum(self, now: float) -> float:
         return max(0.0, self.decoding * now - self.first_token_sum)
 
+    def start(self, prompt_tokens: float, now: float) -> None:
+        self.advance(now)
+        self.requests += 1
+        self.prompt_tokens += prompt_tokens
+
+    def first_token(self, now: float) -> None:
+        self.advance(now)
+        self.decoding += 1
+        self.first_token_sum += now
+
+    def end(self, prompt_tokens: float, first_at: float, now: float) -> None:
+        """A request of ``prompt_tokens`` ended (``first_at``: its first token's time, NaN if none came)."""
+        self.advance(now)
+        if not math.isnan(first_at):
+            self.decoding -= 1
+            self.first_token_sum -= first_at
+            if self.decoding <= 0:
+                self.decoding, self.first_token_sum = 0, 0.0
+        self.requests = max(0, self.requests - 1)
+        self.prompt_tokens = max(0.0, self.prompt_tokens - prompt_tokens)
+        if not self.requests:
+            self.prompt_tokens = 0.0
+
 
 @dataclass
 class _Stream:
@@ -146,10 +243,14 @@ class _Stream:
     area_requests: float = 0.0
     area_prompt: float = 0.0
     area_age: float = 0.0
+    fleet_requests: float = 0.0  # the same integrals over every replica of the model
+    fleet_prompt: float = 0.0
+    fleet_age: float = 0.0
 
-    def mark(self, live: _Live, now: float, gaps: int, seconds: float) -> None:
+    def mark(self, live: _Live, fleet: _Live, now: float, gaps: int, seconds: float) -> None:
         self.at, self.gaps, self.seconds = now, gaps, seconds
         self.area_requests, self.area_prompt, self.area_age = live.area_requests, live.area_prompt, live.area_age
+        self.fleet_requests, self.fleet_prompt, self.fleet_age = fleet.area_requests, fleet.area_prompt, fleet.area_age
 
 
 @dataclass
@@ -176,6 +277,11 @@ class DecodeCharge:
     preempted_tokens: float
     weight: float
     throughput: float
+    spread: float = 0.0  # the standard error of the decode charge before its weight (s): the outputs' lengths
+
+    @property
+    def uncertainty(self) -> float:
+        return self.weight * self.spread
 
     @property
     def decode(self) -> float:
@@ -196,7 +302,8 @@ class DecodeCharge:
                            "itl_growth_s": round(self.growth, 7), "own_decode_beyond_fastest_s":
                            round(self.own_beyond_fastest, 4), "delay_to_running_s": round(self.others, 4),
                            "kv_free_tokens": None if self.kv_free_tokens is None else round(self.kv_free_tokens),
-                           "preempted_tokens": round(self.preempted_tokens)}}
+                           "preempted_tokens": round(self.preempted_tokens),
+                           "decode_uncertainty_s": round(self.uncertainty, 4)}}
 
 
 def max_output_tokens(body: dict[str, Any]) -> int | None:
@@ -219,9 +326,12 @@ class DecodeModel:
         self.pooled = ItlFit()
         self.observations = 0
         self.prior_output_tokens = prior_output_tokens
-        self._output_sum = 0.0  # decayed sums of the streams' lengths
+        self._output_sum = 0.0  # decayed sums of the streams' lengths (and of their squares, below)
         self._output_weight = 0.0
         self.streams: dict[int, str] = {}  # key of a request in flight -> its replica
+        self.fleet = _Live()  # every replica's requests together: the common load the fit is relative to
+        self._fleet_size = 0  # the candidates last followed (0: the replicas seen)
+        self._output_squares = 0.0
         self.moved = {"decode": 0, "capacity": 0}  # decisions the charges moved (llmgw_routing_decode_moves_total)
 
     def replica(self, name: str) -> ReplicaDecode:
@@ -232,6 +342,7 @@ class DecodeModel:
 
     def follow(self, replicas: Sequence[Any]) -> None:
         """A replica name now on another engine forgets its own fit (as :meth:`CostModel.follow`)."""
+        self._fleet_size = len(replicas)
         for replica in replicas:
             state = self.replica(replica.name)
             if state.engine != replica.engine_id:
@@ -246,19 +357,39 @@ class DecodeModel:
     # -- what it has learnt -------------------------------------------------------------------------------------------
 
     @property
+    def fleet_size(self) -> int:
+        return self._fleet_size or len(self.replicas) or 1
+
+    @property
     def typical_output_tokens(self) -> float:
         return (self.prior_output_tokens + self._output_sum) / (1.0 + self._output_weight)
 
+    @property
+    def output_tokens_spread(self) -> float:
+        """The standard deviation of the streams' lengths (decayed as their mean; 0 before any ended)."""
+        if self._output_weight <= 0:
+            return 0.0
+        mean = self._output_sum / self._output_weight
+        return math.sqrt(max(0.0, self._output_squares / self._output_weight - mean * mean))
+
     def pooled_line(self) -> Line:
-        return fit_line((0.0, 0.0, 0.0), self.pooled, self.observations)
+        theta, noise = _line((0.0,) * FEATURES, self.pooled, self.observations)
+        return theta[0], theta[1], theta[2], noise
+
+    def host_line(self) -> tuple[float, float]:
+        """What every replica's ITL grows by per sequence and per context token in flight on the fleet's mean
+        replica: the host's (a shared CPU) or the data plane's, the same whichever replica a request goes to."""
+        theta = self.pooled.solve((0.0,) * FEATURES)
+        return theta[3], theta[4]
 
     def line(self, name: str) -> Line:
         """The replica's fit, shrunk toward the pooled one until its own observations weigh ``SHRINK_WEIGHT``."""
-        pooled = self.pooled_line()
+        pooled, pooled_noise = _line((0.0,) * FEATURES, self.pooled, self.observations)
         state = self.replica(name)
-        own = fit_line(pooled[:3], state.data, state.observations)
+        own, own_noise = _line(pooled, state.data, state.observations)
         trust = state.data.w / (state.data.w + SHRINK_WEIGHT)
-        base, per_context, per_sequence, noise = (p + trust * (o - p) for p, o in zip(pooled, own))
+        base, per_context, per_sequence, noise = (p + trust * (o - p) for p, o in
+                                                  zip((*pooled[:3], pooled_noise), (*own[:3], own_noise)))
         return base, per_context, per_sequence, noise
 
     def charged_line(self, name: str) -> tuple[float, float, float]:
@@ -291,10 +422,8 @@ class DecodeModel:
         if key in self.streams or len(self.streams) >= MAX_STREAMS:
             return
         state = self.replica(name)
-        live = state.live
-        live.advance(now)
-        live.requests += 1
-        live.prompt_tokens += prompt_tokens
+        state.live.start(prompt_tokens, now)
+        self.fleet.start(prompt_tokens, now)
         self.streams[key] = name
         state.streams[key] = _Stream(name, prompt_tokens, math.nan, None)
         self._sample_running(state, now)
@@ -306,12 +435,11 @@ class DecodeModel:
         if stream is None or not math.isnan(stream.first_at):
             return
         live = self.replicas[stream.replica].live
-        live.advance(now)
-        live.decoding += 1
-        live.first_token_sum += now
+        live.first_token(now)
+        self.fleet.first_token(now)
         stream.first_at = now
         stream.watch = watch
-        stream.mark(live, now, 0, 0.0)
+        stream.mark(live, self.fleet, now, 0, 0.0)
 
     def finished(self, key: int, now: float) -> None:
         """It ended (answered, failed or abandoned): a last observation of its stream, and its length."""
@@ -320,22 +448,17 @@ class DecodeModel:
         stream = state.streams.pop(key, None) if state is not None else None
         if state is None or stream is None:
             return
-        live = state.live
-        live.advance(now)
+        state.live.advance(now)
+        self.fleet.advance(now)
         if not math.isnan(stream.first_at):
             gaps = self._sample(state, stream, now, final=True)
-            live.decoding -= 1
-            live.first_token_sum -= stream.first_at
-            if live.decoding <= 0:
-                live.decoding, live.first_token_sum = 0, 0.0
             if gaps:
                 length = min(gaps + 1, MAX_OUTPUT_TOKENS)
                 self._output_sum = self._output_sum * OUTPUT_DECAY + length
+                self._output_squares = self._output_squares * OUTPUT_DECAY + length * length
                 self._output_weight = self._output_weight * OUTPUT_DECAY + 1.0
-        live.requests = max(0, live.requests - 1)
-        live.prompt_tokens = max(0.0, live.prompt_tokens - stream.prompt_tokens)
-        if not live.requests:
-            live.prompt_tokens = 0.0
+        state.live.end(stream.prompt_tokens, stream.first_at, now)
+        self.fleet.end(stream.prompt_tokens, stream.first_at, now)
         self._sample_running(state, now)
 
     def _sample_running(self, state: ReplicaDecode, now: float) -> None:
@@ -353,24 +476,30 @@ class DecodeModel:
         new_gaps, new_seconds, dt = gaps - stream.gaps, seconds - stream.seconds, now - stream.at
         if new_gaps < (1 if final else SAMPLE_TOKENS) or new_seconds < MIN_SAMPLE_SECONDS or dt < MIN_SAMPLE_SECONDS:
             return gaps
-        live = state.live
+        live, fleet = state.live, self.fleet
         itl = new_seconds / new_gaps
         batch = (live.area_requests - stream.area_requests) / dt
         age = (live.area_age - stream.area_age) / dt  # sequence-seconds since their first tokens, on average
         context = (live.area_prompt - stream.area_prompt) / dt + age / itl
-        stream.mark(live, now, gaps, seconds)
-        self.observe(stream.replica, batch, context, itl)
+        share = 1.0 / self.fleet_size  # the fleet's mean replica over the same stretch
+        fleet_batch = (fleet.area_requests - stream.fleet_requests) / dt * share
+        fleet_age = (fleet.area_age - stream.fleet_age) / itl
+        fleet_context = ((fleet.area_prompt - stream.fleet_prompt) + fleet_age) / dt * share
+        stream.mark(live, fleet, now, gaps, seconds)
+        self.observe(stream.replica, batch, context, itl, fleet_batch, fleet_context)
         return gaps
 
-    def observe(self, name: str, batch: float, context: float, itl: float) -> None:
+    def observe(self, name: str, batch: float, context: float, itl: float, fleet_batch: float = 0.0,
+                fleet_context: float = 0.0) -> None:
         """One stretch of a stream on ``name``: ``itl`` seconds a token, with ``batch`` requests of ``context``
-        tokens in flight on average."""
-        if not (0 < itl <= MAX_ITL and 0 <= batch < 1 << 20 and 0 <= context < 1 << 40):
+        tokens in flight there on average, and ``fleet_batch`` of ``fleet_context`` on the fleet's mean replica."""
+        if not (0 < itl <= MAX_ITL and all(0 <= x < 1 << 40 for x in (batch, context, fleet_batch, fleet_context))):
             return
+        f = (1.0, context, batch, fleet_context, fleet_batch)
         state = self.replica(name)
-        state.data.add(context, batch, itl, self.decay)
+        state.data.add(f, itl, self.decay)
         state.observations += 1
-        self.pooled.add(context, batch, itl, self.decay)
+        self.pooled.add(f, itl, self.decay)
         self.observations += 1
 
     # -- the charges ---------------------------------------------------------------------------------------------------
@@ -384,14 +513,19 @@ class DecodeModel:
         typical = self.typical_output_tokens
         length = min(typical, max_tokens) if max_tokens is not None else typical
         overlap = min(length, typical / 2)  # how long a running sequence decodes beside it: half a typical one
+        spread = self.output_tokens_spread
         mean_context = prompt_tokens + length / 2
+        host_per_context, host_per_sequence = self.host_line()  # the same on every candidate: only in itl_now
+        host = 0.0
+        if batches:
+            host = (host_per_context * sum(prompt_contexts) + host_per_sequence * sum(batches)) / len(batches)
         parts = []
         for i, name in enumerate(names):
             base, per_context, per_sequence = self.charged_line(name)
             state = self.replica(name)
             live = state.live
             batch = batches[i]
-            itl_now = base + per_context * prompt_contexts[i] + per_sequence * batch
+            itl_now = base + per_context * prompt_contexts[i] + per_sequence * batch + host
             generated = live.age_sum(now) / itl_now if itl_now > 0 else 0.0
             if live.decoding and batch > live.requests and live.requests:
                 generated *= batch / live.requests  # the other gateways' sequences decode there too
@@ -404,8 +538,11 @@ class DecodeModel:
             if free is not None:
                 preempted = max(0.0, prompt_tokens + length + batch * min(length, typical / 2) - free)
             own = length * alone + overlap * (itl - alone)  # the others slow it while they run: overlap tokens
-            parts.append((batch, context, itl, growth, own, batch * overlap * growth, free, preempted))
+            # how long each of the B sequences there and the new one decode side by side is uncertain by the
+            # spread of the outputs' lengths, independently for each
+            error = spread * math.hypot(math.sqrt(batch) * growth, itl - alone)
+            parts.append((batch, context, itl, growth, own, batch * overlap * growth, free, preempted, error))
         fastest = min((p[4] for p in parts), default=0.0)
         return [DecodeCharge(length, batch, context, itl, growth, own - fastest, others, free, preempted,
-                             self.weight, throughputs[i])
-                for i, (batch, context, itl, growth, own, others, free, preempted) in enumerate(parts)]
+                             self.weight, throughputs[i], error)
+                for i, (batch, context, itl, growth, own, others, free, preempted, error) in enumerate(parts)]

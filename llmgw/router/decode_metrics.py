@@ -17,7 +17,8 @@ from .model_collectors import PerModelCollector, track
 
 
 class DecodeCollector(PerModelCollector[DecodeModel]):
-    def families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily]:
+    def families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily,
+                                GaugeMetricFamily]:
         per_sequence = GaugeMetricFamily(
             "llmgw_routing_itl_per_sequence_seconds", "Learnt growth of the inter-token latency per request in "
             "flight on the replica (the cost model's decode charge).", labels=["model", "replica"])
@@ -29,15 +30,20 @@ class DecodeCollector(PerModelCollector[DecodeModel]):
         moves = CounterMetricFamily("llmgw_routing_decode_moves", "Decisions the decode or capacity charge sent "
                                     "elsewhere than the smallest estimated TTFT and delay to others.",
                                     labels=["model", "charge"])
-        return per_sequence, per_context, output, moves
+        host = GaugeMetricFamily(
+            "llmgw_routing_itl_host_per_sequence_seconds", "Learnt growth of every replica's inter-token latency "
+            "per request in flight on the fleet's mean replica: the host's or the data plane's slowdown, which no "
+            "routing choice avoids and the decode charge does not count.", labels=["model"])
+        return per_sequence, per_context, output, moves, host
 
     def add(self, families: Sequence[Any], model: str, decode: DecodeModel) -> None:
-        per_sequence, per_context, output, moves = families
+        per_sequence, per_context, output, moves, host = families
         for replica in sorted(decode.replicas):
             _, context_slope, sequence_slope, _ = decode.line(replica)
             per_sequence.add_metric([model, replica], sequence_slope)
             per_context.add_metric([model, replica], context_slope)
         output.add_metric([model], decode.typical_output_tokens)
+        host.add_metric([model], decode.host_line()[1])
         for charge, count in decode.moved.items():
             moves.add_metric([model, charge], count)
 

@@ -117,15 +117,31 @@ class Uncertainty:
 
     def of(self, name: str, estimate: Estimate) -> float:
         """The standard error of ``estimate.cost`` (seconds) for replica ``name``."""
-        slope_factor = (estimate.queued_tokens + estimate.new_tokens
-                        + estimate.others_weight * (estimate.requests * estimate.new_tokens + estimate.recomputed))
-        g = (1.0, slope_factor, estimate.requests)
+        g = features(estimate)
         m = self._matrix(name)
         leverage = sum(g[i] * m[i][j] * g[j] for i in range(3) for j in range(3))
         return self.noise(estimate.noise) * math.sqrt(max(leverage, 0.0))
 
     def all(self, names: Sequence[str], estimates: Sequence[Estimate]) -> list[float]:
         return [self.of(name, e) for name, e in zip(names, estimates)]
+
+
+def features(estimate: Estimate) -> tuple[float, float, float]:
+    """``g``: what ``estimate.cost`` multiplies its line's ``(step, seconds per token, per request)`` by."""
+    return (1.0, estimate.queued_tokens + estimate.new_tokens
+            + estimate.others_weight * (estimate.requests * estimate.new_tokens + estimate.recomputed),
+            estimate.requests)
+
+
+def certainly_costlier(kept: Estimate, taken: Estimate) -> bool:
+    """Whether ``kept`` costs more than ``taken`` whatever the uncertainty the two lines share: ``kept`` at least as
+    large in every term (``g``) on a line at least as slow in every parameter (the same line before any data, when
+    every replica is on the priors; a burst's holder, whose first answers came slowly behind its queue, is seen
+    slower since). Then ``cost = theta . g`` is larger for ``kept`` under any error common to both lines (the
+    priors', the pooled fit's), and that uncertainty says how large the gain is, never whether there is one: a
+    burst's requests, decided before their first tokens, all queued behind the holder of their prompt."""
+    slower = kept.step >= taken.step and kept.throughput <= taken.throughput and kept.per_request >= taken.per_request
+    return slower and all(k >= t for k, t in zip(features(kept), features(taken)))
 
 
 def override_pays(gain: float, uncertainty_kept: float, uncertainty_taken: float,
