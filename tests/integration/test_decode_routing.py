@@ -66,4 +66,8 @@ async def test_a_staggered_burst_under_one_prompt_spreads_by_decode_cost(nursery
     assert len(per_replica) == 2 and min(per_replica.values()) >= 3, (per_replica, learnt)
     moved = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                 if line.startswith("llmgw_routing_decode_moves_total{") and 'charge="decode"' in line)
-    assert moved >= 2, metrics
+    # The metric counts the move off the sole holder (the first request on the other replica). Once both hold the
+    # prompt a pick between them is no move off the cheaper prefill, so later ones may or may not be counted
+    # (since prefix_tree counts tokens, not characters / 4, a miss of this prompt costs 4x more and most later
+    # picks are by queue).
+    assert moved >= 1, metrics
