@@ -11,15 +11,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import httpx
 import pytest
 
+import compiled_build
 from llmgw.compiled import MYPYC_MODULES, module_name
 from llmgw.testing.processes import start_serve
 
@@ -44,24 +43,10 @@ VARYING_HEADERS = {"x-request-id", "date", "x-served-by", "content-length"}  # x
 
 @pytest.fixture(scope="module")
 def compiled_tree(tmp_path_factory) -> Path:
-    """The llmgw of a wheel built with ``LLMGW_MYPYC=1`` from the tracked files (the build leaves nothing in the
-    checkout), unpacked."""
-    tmp = tmp_path_factory.mktemp("compiled")
-    listing = subprocess.run(["git", "ls-files", "-z", "--", "setup.py", "pyproject.toml", "README.md", "LICENSE",
-                              "llmgw"], cwd=REPO, capture_output=True, check=True).stdout.decode().split("\0")
-    source = tmp / "src"
-    for name in filter(None, listing):
-        if (REPO / name).is_file():
-            (source / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, source / name)
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                            str(tmp / "dist"), str(source)], capture_output=True, text=True, timeout=1500,
-                           env={**_environ(), "LLMGW_MYPYC": "1"})
-    assert built.returncode == 0, built.stderr[-3000:]
-    (wheel,) = (tmp / "dist").glob("llmgw-*.whl")
-    assert "-none-any" not in wheel.name, wheel.name  # a platform wheel
-    tree = tmp / "tree"
-    zipfile.ZipFile(wheel).extractall(tree)
+    """The llmgw of a wheel built with ``LLMGW_MYPYC=1`` from the checkout's sources (the build leaves nothing in
+    the checkout), unpacked; reused when ``./dev test`` already built it for these sources (tests/compiled_build.py)."""
+    cache = compiled_build.cache_root(REPO) or tmp_path_factory.mktemp("compiled")
+    tree, _ = compiled_build.compiled_tree(REPO, cache)
     return tree
 
 

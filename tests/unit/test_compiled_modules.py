@@ -4,9 +4,15 @@ optional compiled build, llmgw/compiled.py), checked on the source without build
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from llmgw.compiled import MYPYC_MODULES, compiled_modules, describe, module_name
+
+EXPECT_COMPILED = "LLMGW_EXPECT_COMPILED"
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,10 +45,22 @@ def test_an_exception_name_has_one_type_per_function():
     assert not found
 
 
-def test_every_listed_module_exists_and_runs_pure_in_a_checkout():
+def test_every_listed_module_exists():
     assert all((REPO / path).is_file() for path in MYPYC_MODULES)
     assert module_name("llmgw/http/server.py") == "llmgw.http.server"
-    assert compiled_modules() == [] and describe() is None
+
+
+def test_the_run_imports_the_build_it_was_started_for():
+    """``./dev test`` runs the tests twice: from the source (nothing compiled), then with the compiled wheel first
+    on the path and ``LLMGW_EXPECT_COMPILED=1`` (docs/testing.md, "Both builds"). The second run must not silently
+    fall back to pure Python, here or in the ``python -m llmgw`` children the tests start."""
+    expected = [module_name(path) for path in MYPYC_MODULES] if os.environ.get(EXPECT_COMPILED) == "1" else []
+    assert compiled_modules() == expected
+    assert (describe() is None) == (not expected)
+    child = subprocess.run([sys.executable, "-c", "import json, llmgw.compiled as c; "
+                            "print(json.dumps(c.compiled_modules()))"], capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stderr
+    assert json.loads(child.stdout) == expected
 
 
 def test_send_all_sends_each_byte_once_when_the_socket_takes_part_at_a_time():
