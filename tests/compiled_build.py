@@ -77,6 +77,9 @@ def build_tree(repo: Path, into: Path) -> Path:
         raise RuntimeError(f"the compiled build made a pure wheel: {wheel.name}")
     tree = into / "tree"
     zipfile.ZipFile(wheel).extractall(tree)
+    built_at = time.time()  # extracted files are dated by the order of extraction: a .py after its extension
+    for path in tree.rglob("*"):  # would make llmgw.compiled call the extension older than its source
+        os.utime(path, (built_at, built_at))
     shutil.rmtree(source)
     return tree
 
