@@ -102,3 +102,32 @@ def test_send_all_sends_each_byte_once_when_the_socket_takes_part_at_a_time():
         for end in sock.pair:
             end.close()
     assert bytes(sock.taken) == body
+
+
+def _none_tests(test: ast.expr, negated: bool) -> list[str]:
+    """The attribute expressions (``self.final``) that ``test`` narrows to None when it holds (``x is None``,
+    alone or in an ``and``; ``negated``: the test of an ``else``/after the loop, not looked at)."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return [name for value in test.values for name in _none_tests(value, negated)]
+    if (not negated and isinstance(test, ast.Compare) and isinstance(test.left, ast.Attribute)
+            and len(test.ops) == 1 and isinstance(test.ops[0], ast.Is)
+            and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None):
+        return [ast.unparse(test.left)]
+    return []
+
+
+def test_an_attribute_narrowed_to_none_is_not_tested_again_inside():
+    """Inside ``while self.final is None:`` (or such an ``if``) mypyc takes ``self.final`` for None even after a
+    call that set it, and testing it again raises TypeError there (the server's client watcher did, when a
+    client closed its connection after a slow request): read it through a method instead."""
+    found = []
+    for path in MYPYC_MODULES:
+        for node in ast.walk(ast.parse((REPO / path).read_text())):
+            if not isinstance(node, (ast.While, ast.If)):
+                continue
+            narrowed = set(_none_tests(node.test, negated=False))
+            for inner in (sub for statement in node.body for sub in ast.walk(statement)):
+                if isinstance(inner, ast.Compare) and ast.unparse(inner.left) in narrowed \
+                        and any(isinstance(c, ast.Constant) and c.value is None for c in inner.comparators):
+                    found.append(f"{path}:{inner.lineno} {ast.unparse(inner)}")
+    assert not found
