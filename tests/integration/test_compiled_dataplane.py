@@ -21,7 +21,7 @@ import trio
 
 import compiled_build
 from llmgw.compiled import MYPYC_MODULES, module_name
-from llmgw.testing.processes import start_serve
+from llmgw.testing.processes import Child, start_serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the compiled build takes 1-8 minutes here
 
@@ -114,7 +114,8 @@ def counted(metrics_text: str) -> dict[str, float]:
     return series
 
 
-async def test_compiled_and_pure_gateways_answer_alike(compiled_tree, start_fake_upstream, nursery, tmp_path):
+async def start_both(compiled_tree: Path, start_fake_upstream, nursery, tmp_path: Path) -> tuple[Child, Child]:
+    """A pure and a compiled ``llmgw serve`` over the same two fake upstreams."""
     a = await start_fake_upstream("a")
     b = await start_fake_upstream("b")
     config = tmp_path / "llmgw.yaml"
@@ -122,6 +123,11 @@ async def test_compiled_and_pure_gateways_answer_alike(compiled_tree, start_fake
     pure = await start_serve(nursery, config)
     # run where the checkout's llmgw is not on the path: ``python -m`` puts the working directory first
     compiled = await start_serve(nursery, config, env={"PYTHONPATH": str(compiled_tree)}, cwd=compiled_tree)
+    return pure, compiled
+
+
+async def test_compiled_and_pure_gateways_answer_alike(compiled_tree, start_fake_upstream, nursery, tmp_path):
+    pure, compiled = await start_both(compiled_tree, start_fake_upstream, nursery, tmp_path)
     assert any("hot modules compiled with mypyc" in line for line in compiled.lines), compiled.output(20)
     assert not any("older than their source" in line for line in compiled.lines), compiled.output(20)
     assert not any("compiled with mypyc" in line for line in pure.lines)
@@ -163,12 +169,7 @@ async def test_a_client_closing_after_a_slow_request_is_no_error_in_either_build
     """The connection's watcher reads the client's end after a handler that ran longer than the watch delay.
     (mypyc 2.4 trusted ``while self.final is None`` over a call that set ``final``: a TypeError ended the
     connection's task with an error logged, and a protocol error found there would have gone unanswered.)"""
-    a = await start_fake_upstream("a")
-    b = await start_fake_upstream("b")
-    config = tmp_path / "llmgw.yaml"
-    config.write_text(CONFIG.format(a=a.url, b=b.url))
-    pure = await start_serve(nursery, config)
-    compiled = await start_serve(nursery, config, env={"PYTHONPATH": str(compiled_tree)}, cwd=compiled_tree)
+    pure, compiled = await start_both(compiled_tree, start_fake_upstream, nursery, tmp_path)
     for gateway in (pure, compiled):
         for _ in range(3):
             assert (await slow_request_then_close(gateway.url)).startswith(b"HTTP/1.1 200 ")
