@@ -47,6 +47,7 @@ from pathlib import Path
 import httpx
 import trio
 
+from ..testing.metrics import samples
 from .cluster_rig import CONTROL, ClusterRig, GatewayProcess
 from .fault_load import LoadSettings, PhaseCounts, SteadyLoad
 
@@ -86,6 +87,8 @@ class ClusterFaultResult:
     leaderless_while_down: bool | None = None  # redis fault: no process led at any poll while Redis was away
     index_equal_s: float | None = None  # leader fault: kill -> every follower's index equals the new leader's
     engines_same_pids: bool | None = None  # leader and redis faults: no simulator restarted (static replicas)
+    snapshots_loaded: int | None = None  # leader fault: snapshots the surviving followers loaded until index_equal_s
+    continued: int | None = None  # leader fault: of those followers, how many went on with the new log, no snapshot
 
     def failed_elsewhere(self) -> int:
         return sum(sum(g.failed.values()) for g in self.gateways if g.gateway != self.victim)
@@ -184,6 +187,7 @@ async def leader_fault(rig: ClusterRig, load: SteadyLoad, duration: float) -> Cl
     pids = [sim.pid for sim in rig.sims]
     load.phase = "leader"
     await trio.sleep(duration / 2)
+    before = [await snapshot_counts(rig, g) for g in rig.followers if g is not victim]
     killed_at = time.monotonic()
     await victim.kill()
     gone_at = time.monotonic()
@@ -197,6 +201,7 @@ async def leader_fault(rig: ClusterRig, load: SteadyLoad, duration: float) -> Cl
 
     await poll_until("every follower's index equal to the new leader's", all_equal, 60)
     index_equal_s = time.monotonic() - killed_at
+    after = [await snapshot_counts(rig, g) for g in survivors]
     await victim.start(rig.nursery)  # a candidate again: it follows now
     await rig.wait_kv_healthy(victim)
     await trio.sleep(duration / 2)
@@ -207,8 +212,18 @@ async def leader_fault(rig: ClusterRig, load: SteadyLoad, duration: float) -> Cl
                               all(t <= gone_at for t in counts.lost_started_at), None, None, None,
                               outcomes(rig, counts), leader.name, round(new_leader_s, 3),
                               index_equal_s=round(index_equal_s, 3),
+                              snapshots_loaded=sum(a[0] - b[0] for a, b in zip(after, before)),
+                              continued=sum(a[1] > b[1] for a, b in zip(after, before)),
                               engines_same_pids=[sim.pid for sim in rig.sims] == pids and
                               all(sim.returncode is None for sim in rig.sims))
+
+
+async def snapshot_counts(rig: ClusterRig, gateway: GatewayProcess) -> tuple[int, int]:
+    """``(snapshots loaded, logs continued without one)`` by ``gateway`` so far (its ``/metrics``)."""
+    parsed = samples((await rig.http.get(gateway.control_url + "/metrics")).text)
+    return (int(sum(value for key, value in parsed.items()
+                    if key.startswith("llmgw_cluster_snapshots_total{") and 'direction="loaded"' in key)),
+            int(parsed.get('llmgw_cluster_snapshots_total{direction="skipped",reason="continued"}', 0)))
 
 
 @dataclass
@@ -236,10 +251,11 @@ async def watch_health(rig: ClusterRig, gateway: GatewayProcess, watch: HealthWa
 
 async def redis_fault(rig: ClusterRig, load: SteadyLoad, duration: float, down: float) -> ClusterFaultResult:
     """``redis-server`` killed, and started again on its port ``down`` seconds later."""
-    async def outage() -> dict[str, bool]:
+    async def outage(returning: trio.Event) -> dict[str, bool]:
         await rig.redis.kill()
         await trio.sleep(down)
         differed = {f.name: not await index_equal(rig, f) for f in rig.followers}  # fail-static meanwhile
+        returning.set()  # from here a candidate may be elected: the restarted server answers before restart() returns
         await rig.redis.restart()
         return differed
 
@@ -251,7 +267,7 @@ async def primary_fault(rig: ClusterRig, load: SteadyLoad, duration: float) -> C
     group = rig.sentinel
     assert group is not None, "a rig opened with sentinel=True"
 
-    async def outage() -> dict[str, bool]:
+    async def outage(returning: trio.Event) -> dict[str, bool]:
         old = await group.primary_port()
         await group.server_on(old).kill()
 
@@ -259,16 +275,18 @@ async def primary_fault(rig: ClusterRig, load: SteadyLoad, duration: float) -> C
             return True if await group.primary_port() != old else None
 
         await poll_until("the sentinel promotes the replica", promoted, 60, interval=0.05)
+        returning.set()
         return {}
 
     return await _outage(rig, load, duration, "primary", outage)
 
 
 async def _outage(rig: ClusterRig, load: SteadyLoad, duration: float, fault: str,
-                  outage: Callable[[], Awaitable[dict[str, bool]]]) -> ClusterFaultResult:
-    """Load for ``duration / 2``, then ``outage()`` (Redis gone, until it is back; it says which followers'
-    indexes differed from the control's meanwhile), each gateway's health and each follower's index watched until
-    all are live and equal again, then ``duration / 2`` more."""
+                  outage: Callable[[trio.Event], Awaitable[dict[str, bool]]]) -> ClusterFaultResult:
+    """Load for ``duration / 2``, then ``outage(returning)`` (Redis gone, until it is back; it sets ``returning``
+    as Redis starts to come back, and says which followers' indexes differed from the control's meanwhile), each
+    gateway's health and each follower's index watched until all are live and equal again, then ``duration / 2``
+    more."""
     load.phase = fault
     await trio.sleep(duration / 2)
     watches = {g.name: HealthWatch() for g in rig.gateways}
@@ -282,7 +300,7 @@ async def _outage(rig: ClusterRig, load: SteadyLoad, duration: float, fault: str
         while not until.is_set():
             for candidate in candidates:
                 with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-                    if await rig.leading(candidate):
+                    if await rig.leading(candidate) and not until.is_set():
                         led_while_down.append(candidate.name)
             await trio.sleep(POLL)
 
@@ -293,9 +311,8 @@ async def _outage(rig: ClusterRig, load: SteadyLoad, duration: float, fault: str
         if rig.redis_held_leases:
             nursery.start_soon(watch_leaders, back)
         killed_at = time.monotonic()
-        differed = await outage()
+        differed = await outage(back)
         returned_at = time.monotonic()
-        back.set()
         leader = None
         if rig.redis_held_leases:
             leader = await wait_for_leader(rig, candidates, "a leader once Redis is back")
@@ -368,7 +385,10 @@ def markdown(results: list[ClusterFaultResult]) -> str:
             lines.append(
                 f"- kill -9 of the leader {result.victim}: {result.new_leader} led after {s(result.new_leader_s)} "
                 f"(target <= {NEW_LEADER_TARGET_S:g} s); every follower's index equal to the new leader's "
-                f"{s(result.index_equal_s)} after the kill; {result.failed_elsewhere()} failed on the other gateways "
+                f"{s(result.index_equal_s)} after the kill ({result.continued} of "
+                f"{len([g for g in result.gateways if g.gateway not in (result.victim, result.new_leader)])} "
+                f"followers went on with the new leader's log, {result.snapshots_loaded} snapshots loaded); "
+                f"{result.failed_elsewhere()} failed on the other gateways "
                 f"(target 0); {lost} lost in flight on it ({'all' if result.lost_before_gone else 'NOT all'} started "
                 f"before it was gone); simulators {engines} "
                 f"(static replicas: no agent to re-register)")

@@ -277,7 +277,33 @@ class Election:
     def describe(self) -> dict[str, Any]:
         term = self.term
         return {"leading": self.leading, "term": term.generation if term is not None else None,
-                "holder": self.holder}
+                "holder": self.holder, "candidate": True}
+
+
+class LeaderWatch:
+    """Who leads, for a process that does not stand (``--role gateway``): the lease read every ``lease_renew``,
+    so its ``/health`` and an agent it refuses name the leader as a candidate's do."""
+
+    def __init__(self, link: RedisLink, keys: Keys, settings: "StateConfig"):
+        self.link = link
+        self.keys = keys
+        self.every = settings.lease_renew
+        self.holder: dict[str, Any] | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        lease = self.keys.leader
+        while True:
+            try:
+                raw = await self.link.call("lease_read", lambda client: client.get(lease))
+            except Unavailable:
+                self.holder = None  # while Redis is away there is no leader anyone can trust
+            else:
+                self.holder = parse_holder(raw)
+            await trio.sleep(self.every)
+
+    def describe(self) -> dict[str, Any]:
+        return {"leading": False, "term": None, "holder": self.holder, "candidate": False}
 
 
 class Fence:

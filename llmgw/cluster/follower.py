@@ -6,8 +6,10 @@ here a few milliseconds after the control plane wrote it). It loads the
 snapshot again when the batches jump (a batch was lost, or the stream was
 trimmed past what it read), when another writer appears (the control plane
 restarted: its first snapshot comes before its first batch), or after Redis
-failed. While Redis is away it keeps everything as it is: requests are routed
-on the last known table and index (fail-static).
+failed. A new leader whose first batch says it continues the log from the
+batch this copy ends at (:meth:`LogFollower.catch_up`, on the leader's side)
+is followed on with no snapshot. While Redis is away it keeps everything as
+it is: requests are routed on the last known table and index (fail-static).
 
 :class:`FollowedReplicas` is the replica source that the log drives: it
 declares models and adds, drains and removes replicas in this process's
@@ -110,13 +112,60 @@ class FollowedReplicas(TaskHost):
         else:
             self.spawn(self.replicas.remove, replica)
 
-    def release(self) -> None:
-        """This process starts leading: the replicas it followed leave (its own control plane's sources put the
-        cluster's back: the config's at once, the deployed ones as their agents reconnect); the models stay
-        declared until those sources say otherwise, so no request finds its model unknown meanwhile."""
+    def hold(self) -> None:
+        """This process starts leading: the replicas it followed stay in routing, *held* (fail-static), until its
+        control plane's sources claim them (:meth:`hand_over`: the config's at once, the deployed ones as their
+        agents re-register) or the term lets them go (:meth:`held`); the models stay declared until those sources
+        say otherwise, so no request finds its model unknown meanwhile."""
         self.declared.clear()
-        for name in list(self.followed):
-            self.remove(name, "this process leads the cluster now: its control plane adds it back")
+
+    def held(self) -> dict[str, ReplicaRecord]:
+        """While leading: the followed replicas no source of this process has claimed yet, by name."""
+        return {name: record for name, (record, _) in self.followed.items()}
+
+    def hand_over(self, successor: Replica) -> ReplicaRecord | None:
+        """A source of this leader adds its own replica of the same name: the held one leaves the table in the
+        same step (no request finds neither), finishing what it has in flight on its own pool; its record. At the
+        same address, ``successor`` starts from the held one's health (not as a replica never probed)."""
+        current = self.followed.pop(successor.name, None)
+        if current is None:
+            return None
+        record, replica = current
+        # A drain was the old leader's decision: this leader's source makes it again if it wants it.
+        if replica.url == successor.url and replica.state is not ReplicaState.DRAINING:
+            successor.state, successor.reason = replica.state, replica.reason
+        self.replicas.discard(replica)
+        self.spawn(self._close_handed_over, replica)
+        return record
+
+    async def _close_handed_over(self, replica: Replica) -> None:
+        with trio.move_on_after(DRAIN_TIMEOUT):
+            while replica.local_inflight:
+                await trio.sleep(0.05)
+        if self.replicas.health is not None:
+            self.replicas.health.forget(replica)
+        if replica.pool is not None:
+            await replica.pool.aclose()
+
+    def held_json(self, listed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``listed`` (a leader's ``/admin/replicas``) with the held replicas in: each instead of an entry of its
+        name that has no address yet (a deployed replica waiting for its agent), else added."""
+        held = {name: replica for name, (_, replica) in self.followed.items()}
+        if not held:
+            return listed
+        answer = []
+        for entry in listed:
+            replica = held.get(entry.get("name", ""))
+            if replica is not None and not entry.get("url"):
+                entry = self._held_entry(held.pop(replica.name))
+            elif replica is not None:
+                held.pop(replica.name)
+            answer.append(entry)
+        return answer + [self._held_entry(replica) for replica in held.values()]
+
+    def _held_entry(self, replica: Replica) -> dict[str, Any]:
+        return {**self.replicas.describe(replica),
+                "held": "routed as the previous leader published it until its source here claims it"}
 
     def adopt_all(self) -> None:
         """This process stops leading: what its control plane left in the table is followed from now on, kept
@@ -190,6 +239,35 @@ class LogFollower:
         """Follow again from the newest snapshot (this process led for a while: what it read is stale)."""
         self.writer, self.seq, self.stream_id, self.wanted = None, 0, b"0-0", None
         self.snapshot_reason = "demoted"
+
+    def position(self) -> tuple[str, int] | None:
+        """``(writer, seq)``: the last batch applied, when this copy is exactly the log's up to it (None while a
+        snapshot is due because of a gap, another writer or a bad batch; after a Redis outage it still is)."""
+        if self.writer is None or self.snapshot_reason not in ("", "redis_outage") or not self.loaded.is_set():
+            return None
+        return self.writer, self.seq
+
+    async def catch_up(self, timeout: float) -> tuple[str, int] | None:
+        """This process has just taken the lease: apply what the previous leader wrote that was not read yet (it
+        can write nothing more: its writes are fenced), so this copy is its last state exactly; the position to
+        continue its log from (:meth:`position`), or None when that state is not known here (a snapshot was due,
+        Redis failed, or the log took longer than ``timeout`` to read)."""
+        log_key = self.keys.log
+        with trio.move_on_after(timeout):
+            try:
+                while self.position() is not None:
+                    stream_id = self.stream_id
+                    answer = await self.link.call("log_read", lambda client: client.xread(
+                        {log_key: stream_id}, count=BATCHES_PER_READ), timeout=timeout)
+                    entries = [entry for _, items in (answer or {}).items() for entry in items]
+                    if not entries:
+                        return self.position()
+                    for entry in entries:
+                        if not self._apply_batch(records.entry_id(entry.identifier), entry.field_values):
+                            return None
+            except Unavailable:
+                return None
+        return None
 
     async def wait_loaded(self, timeout: float) -> bool:
         """Whether a first snapshot was applied within ``timeout`` seconds (a request at start waits for it)."""
@@ -298,7 +376,10 @@ class LogFollower:
             self.metrics.bad_records.labels("log").inc()
             self.stream_id = identifier  # not a batch of ours at all: step over it
             return True
-        if not self.signer.valid(values.get("s"), values["w"], values["n"], values.get("t", b""), values.get("e", b"")):
+        signed = [values["w"], values["n"], values.get("t", b""), values.get("e", b"")]
+        if "c" in values:
+            signed.append(values["c"])
+        if not self.signer.valid(values.get("s"), *signed):
             self.metrics.bad_records.labels("log").inc()
             if not self._unsigned_told:
                 self._unsigned_told = True
@@ -306,6 +387,12 @@ class LogFollower:
                             "someone else writes to this cluster's Redis keys (logged once)")
             self.stream_id = identifier  # not the writer's: step over it
             return True
+        if writer != self.writer and seq == 1 and self.writer is not None and \
+                values.get("c") == records.continuation(self.writer, self.seq):
+            log.info("cluster state: control plane %s continues the log of %s from batch %d, which this copy "
+                     "holds: no snapshot to load", writer, self.writer, self.seq)
+            self.metrics.snapshots.labels("skipped", "continued").inc()
+            self.writer, self.seq = writer, 0
         if writer != self.writer:
             self._want("new_writer", writer, 0)
             return False

@@ -365,6 +365,11 @@ class Signer:
         return isinstance(signature, bytes) and hmac.compare_digest(signature, self.sign(*parts))
 
 
+def continuation(writer: str, seq: int) -> bytes:
+    """A new writer's first batch says whose log, up to which batch, its state continues (field ``c``)."""
+    return f"{writer} {seq}".encode()
+
+
 def part_digest(raw: bytes) -> str:
     """How a snapshot's meta names a part's content."""
     return hashlib.sha256(raw).hexdigest()

@@ -33,7 +33,7 @@ from ..engines.probe import VLLM_GAUGES, engine_gauges
 from ..router.replica import Replica
 from ..router.replicas import DEPLOYED, STATIC
 from . import records
-from .election import Election, Fence, Term
+from .election import Election, Fence, LeaderWatch, Term
 from .follower import FollowedReplicas, LogFollower
 from .identities import SharedIdentities, placement_key
 from .learn import PredictionSharing
@@ -90,6 +90,7 @@ class SharedState:
         self.follower = LogFollower(self.link, self.keys, self.followed, kv_index, self.metrics, self.signer)
         self.election = Election(self.link, self.keys, self.settings, self.metrics, self.origin) \
             if role == CONTROL else None
+        self.leader_watch = LeaderWatch(self.link, self.keys, self.settings) if role == GATEWAY else None
         self.identities = SharedIdentities(self.link, self.keys, self.signer, self.metrics)
         self.writer: LogWriter | None = None
         self.table: PublishedReplicaTable | None = None  # what the control plane's sources write to (leading)
@@ -118,6 +119,8 @@ class SharedState:
             nursery.start_soon(self._send_asks)
             if self.election is None:
                 await nursery.start(self.follower.run)
+                assert self.leader_watch is not None
+                await nursery.start(self.leader_watch.run)
             else:
                 assert lead is not None
                 await nursery.start(self.election.run)
@@ -142,23 +145,33 @@ class SharedState:
             await self._lead(term, lead, settled)
 
     async def _lead(self, term: Term, lead: "Lead", settled: Callable[[], bool]) -> None:
-        """One term: the control plane runs on a table that starts empty (``lead`` releases the followed replicas
-        when its sources are ready to fill it: the config, the agents that reconnect), and writes the cluster's
-        state under the term's fence. At the end the table and
-        index stay as they are, followed from then on (fail-static until the next leader's snapshot)."""
+        """One term: the control plane runs on the table and index this process followed, which it publishes on
+        from where the previous leader's log ended when it holds that state exactly (:meth:`LogFollower.catch_up`);
+        the replicas it followed stay in routing, held, until ``lead``'s sources claim them (the config's, the
+        agents that reconnect) or :attr:`held_for` passes. Everything is written under the term's fence. At the
+        end the table and index stay as they are, followed from then on (fail-static until the next leader's log)."""
         assert self.election is not None
         self._terms_led += 1  # in the writer's id: Redis may lose its generation counter (a restart, no persistence)
         failed = False
+        continues = await self.follower.catch_up(min(self.settings.timeout, self.settings.lease_ttl / 4))
+        self.followed.hold()
         fence = Fence(self.link, self.keys, self.election, term, self.metrics)
         writer = LogWriter(self.link, self.keys, self.settings, self.replicas, self.kv_index, self.metrics,
-                           f"{self.origin}.{term.generation}.{self._terms_led}", fence, self.signer)
-        self.writer, self.table, self.kv = writer, PublishedReplicaTable(self.replicas, writer), \
+                           f"{self.origin}.{term.generation}.{self._terms_led}", fence, self.signer, continues)
+        self.writer, self.table, self.kv = writer, PublishedReplicaTable(self.replicas, writer, self._hand_over), \
             PublishedKv(self.kv_index, writer)
+        log.info("cluster state: term %d %s", term.generation,
+                 "continues the log of %s from batch %d" % continues if continues is not None else
+                 "starts a new log")
         try:
             with term.scope:
                 async with trio.open_nursery() as nursery:
-                    await nursery.start(writer.run, settled)
+                    # A process that holds the cluster's state (it followed it, or led before) publishes it at
+                    # once; only a fresh one waits until its control plane has settled (agents back, KV copies in).
+                    known = self.follower.loaded.is_set() or self._terms_led > 1
+                    await nursery.start(writer.run, (lambda: True) if known else settled)
                     nursery.start_soon(self._answer_asks)
+                    nursery.start_soon(self._let_held_go, self.held_for)
                     await lead(self.table, self.kv)
                     nursery.cancel_scope.cancel()  # the control plane stopped (it could not start): so does the term
                     failed = True
@@ -173,6 +186,38 @@ class SharedState:
             self.election.end_term("ended", term)
             if failed:  # let another candidate lead; this one stands again later
                 self.election.pause(FAILED_TERM_PAUSE * self.settings.lease_ttl)
+
+    @property
+    def held_for(self) -> float:
+        """How long a new leader routes to the replicas it held from the previous one without a source of its own
+        claiming them: the adoption window and three heartbeats more for their agents to re-register."""
+        return 4 * self.config.agents.heartbeat_interval + 1.0
+
+    def _hand_over(self, replica: Replica) -> ReplicaRecord | None:
+        record = self.followed.hand_over(replica)
+        if record is not None:
+            self.metrics.held.labels("claimed").inc()
+        return record
+
+    async def _let_held_go(self, after: float) -> None:
+        """The held replicas no source claimed within ``after`` seconds leave routing (and the index), here and
+        on every follower."""
+        await trio.sleep(after)
+        assert self.writer is not None and self.kv is not None
+        for name, record in self.followed.held().items():
+            log.warning("replica %s (%s at %s) leaves routing: held from the previous leader, it was not claimed "
+                        "within %gs of this term's start (its agent did not re-register, or the config here does "
+                        "not list it)", name, record.model, record.url, after)
+            self.metrics.held.labels("dropped").inc()
+            self.writer.record([records.REMOVE, name])
+            self.followed.remove(name, "not claimed by the new leader")
+            self.kv.remove(name)
+
+    @property
+    def leader_holder(self) -> dict[str, Any] | None:
+        """The leader as last read from Redis (``origin``, ``control_url``, ``generation``); None when unknown."""
+        watch = self.election or self.leader_watch
+        return watch.holder if watch is not None else None
 
     def apply_config(self, config: "Config") -> None:
         """A reload: secrets of followed replicas are looked up in the new config from now on."""
@@ -196,8 +241,9 @@ class SharedState:
                                   "origin": self.origin, "redis": self.link.address, "degraded": not self.link.healthy,
                                   "reason": self.link.reason or None, "peers": self.load.describe(),
                                   "share_learning": self.learn is not None}
-        if self.election is not None:
-            answer["leader"] = self.election.describe()
+        watch = self.election or self.leader_watch
+        if watch is not None:
+            answer["leader"] = watch.describe()
         if self.writer is not None:
             answer["log"] = {"writer": self.writer.writer_id, "seq": self.writer.seq,
                              "published": self.writer.published}

@@ -12,7 +12,9 @@ recorded for :class:`LogWriter`.
 (as soon as there are any, each under the leader's
 :class:`~.election.Fence`: a term that ended can write nothing), and a snapshot of the whole state: first once the
 control plane has settled after its start (agents reconnected and reported
-their engines, so followers never see an empty table from a restart), then
+their engines, so followers never see an empty table from a restart; a new
+leader that holds the cluster's state writes it at once, and when it holds
+the previous leader's log exactly it continues that log), then
 every ``snapshot_interval`` while something changed, and at once after Redis
 failed (a batch that could not be written leaves a gap, which sends the
 followers to the snapshot). Snapshots live until the next one plus a grace
@@ -58,9 +60,13 @@ class LogWriter:
 
     def __init__(self, link: RedisLink, keys: Keys, settings: "StateConfig", replicas: "ReplicaSet",
                  kv_index: "KvIndex", metrics: "ClusterMetrics", writer_id: str, fence: "Fence",
-                 signer: records.Signer | None = None):
+                 signer: records.Signer | None = None, continues: tuple[str, int] | None = None):
+        """``continues``: ``(writer, seq)`` of the previous leader's log, which this process's table and index
+        hold exactly: this writer goes on from there (its first batch says so; a follower holding the same needs
+        no snapshot), records changes from the start, and publishes its first snapshot at once (for the others)."""
         self.link = link
         self.fence = fence
+        self.continues = continues
         self.signer = signer or records.Signer(None)
         self.keys = keys
         self.settings = settings
@@ -71,7 +77,8 @@ class LogWriter:
         self.seq = 0  # the last batch number given out
         self.stream_id: bytes | None = None  # the log id of the last batch written
         self.pending: list[list[Any]] = []
-        self.published = False  # the first snapshot is out: from then on records go to the log
+        self.published = False  # the first snapshot is out
+        self.recording = continues is not None  # changes go to the log (from the first snapshot's state on)
         self.need_snapshot = True
         self.dirty = False
         self._wake = trio.Event()
@@ -84,7 +91,7 @@ class LogWriter:
 
     def record(self, entry: list[Any]) -> None:
         """One change of the shared truth, already applied locally."""
-        if not self.published:
+        if not self.recording:
             return  # the first snapshot will hold it
         self.pending.append(entry)
         self.dirty = True
@@ -94,7 +101,7 @@ class LogWriter:
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Write until cancelled. Nothing is written before ``settled()`` (the control plane's adoption window)."""
         task_status.started()
-        while not settled():
+        while self.continues is None and not settled():
             await trio.sleep(0.05)
         failures = 0
         last_snapshot = -1e9
@@ -102,7 +109,7 @@ class LogWriter:
             due = trio.current_time() >= last_snapshot + self.settings.snapshot_interval
             try:
                 if self.need_snapshot or (due and self.dirty):
-                    await self.write_snapshot("start" if not self.published else
+                    await self.write_snapshot("start" if not self._snapshot_keys else
                                               "recovery" if self.need_snapshot else "interval")
                     last_snapshot = trio.current_time()
                 elif self.pending:
@@ -134,7 +141,9 @@ class LogWriter:
         seq = self.seq
         fields = {b"w": self.writer_id.encode(), b"n": str(seq).encode(),
                   b"t": str(int(time.time() * 1000)).encode(), b"e": records.pack(batch)}
-        fields[b"s"] = self.signer.sign(fields[b"w"], fields[b"n"], fields[b"t"], fields[b"e"])
+        if seq == 1 and self.continues is not None:
+            fields[b"c"] = records.continuation(*self.continues)
+        fields[b"s"] = self.signer.sign(*fields.values())
         xadd = [b"XADD", self.keys.log, b"MAXLEN", b"~", self.settings.stream_length, b"*"]
         for name, value in fields.items():
             xadd += [name, value]
@@ -168,6 +177,7 @@ class LogWriter:
         meta, parts = self.build_snapshot()  # the state after `batch`, taken with no await in between
         self.dirty = False
         self.need_snapshot = True  # until this one is out
+        self.recording = True  # a change from now on is not in it: it goes to the log after it (never dropped)
         await self._append(batch)  # possibly empty: the snapshot always points at a batch of this writer
         seq, stream_id = self.seq, self.stream_id
         assert stream_id is not None
@@ -236,9 +246,13 @@ class PublishedReplicaTable(TableReads):
     Once the writer's term is over, changes are ignored: the control plane stopping (its sources' clean-up) must
     not empty the table this process goes on routing with as a follower."""
 
-    def __init__(self, inner: "ReplicaSet", writer: LogWriter):
+    def __init__(self, inner: "ReplicaSet", writer: LogWriter,
+                 hand_over: Callable[[Replica], ReplicaRecord | None] = lambda replica: None):
+        """``hand_over(replica)``: a replica of its name this leader held from the previous one leaves the table
+        (its record, or None), so ``replica``, which a source adds, replaces it."""
         self.inner = inner
         self.writer = writer
+        self.hand_over = hand_over
 
     def declare_model(self, source: str, model: TierModel) -> None:
         if self.writer.ended:
@@ -256,9 +270,13 @@ class PublishedReplicaTable(TableReads):
     def add(self, replica: Replica, source: str) -> bool:
         if self.writer.ended:
             return False
+        held = self.hand_over(replica)
         added = self.inner.add(replica, source)
-        if added:
-            self.writer.record([records.ADD, replica_record(replica, source).as_array()])
+        record = replica_record(replica, source)
+        if added and record != held:  # the same as held: the followers have it already
+            self.writer.record([records.ADD, record.as_array()])
+        elif not added and held is not None:
+            self.writer.record([records.REMOVE, replica.name])
         return added
 
     async def remove(self, replica: Replica) -> None:

@@ -95,6 +95,10 @@ def leader_line(cluster: dict) -> str | None:
     if election is None:
         return f"CLUSTER {name}: this process follows (--role gateway)"
     holder = election.get("holder") or {}
+    if election.get("candidate") is False:
+        return (f"CLUSTER {name}: this process follows (--role gateway); " + (
+            f"the leader is {holder.get('origin')} at {holder.get('control_url')} (term {holder.get('generation')})"
+            if holder else "no leader (Redis unreachable, or an election under way)"))
     if election.get("leading"):
         return f"CLUSTER {name}: this process leads (term {election.get('term')})"
     if not holder:

@@ -70,12 +70,12 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
                       "cluster's control process", "no_control_plane")
 
     def not_leading():
-        """An agent's upgrade at a process without a control plane: a candidate names the leader it knows (the
-        agent goes there if it is one of its --join URLs); a --role gateway process only says it has none."""
+        """An agent's upgrade at a process without a control plane: a follower of a cluster (a candidate, or a
+        --role gateway process) names the leader it knows (the agent goes there if it is one of its --join URLs)."""
         shared = gateway.shared
-        if shared is None or shared.election is None:
+        if shared is None:
             return without_control_plane()
-        holder = shared.election.holder or {}
+        holder = shared.leader_holder or {}
         leader = str(holder.get("control_url") or "")
         return _error(503, f"this process does not lead its cluster now: the leader is at {leader}" if leader else
                       "this process does not lead its cluster now, and no leader is known (an election is under "
@@ -95,7 +95,8 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
         if gateway.control is None:  # a follower: the replicas the cluster's control process published
             return jsonify([replicas.describe(replica) for replica in replicas])
         static = [replicas.describe(replica) for replica in replicas.of_source(STATIC)]
-        return jsonify(static + gateway.control.replicas_json())
+        listed = static + gateway.control.replicas_json()
+        return jsonify(gateway.shared.followed.held_json(listed) if gateway.shared is not None else listed)
 
     @app.get("/admin/cluster")
     async def cluster():

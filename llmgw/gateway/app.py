@@ -203,9 +203,7 @@ class Gateway:
             async with trio.open_nursery() as nursery:
                 await shared.identities.load_into(control.identities)  # before any agent is served
                 nursery.start_soon(shared.identities.write_from, control.identities, shared.writer.fence)
-                # No checkpoint from here until the control plane starts: a request never finds the table without
-                # the config's replicas (the deployed ones' requests wait in the adoption window that follows).
-                shared.followed.release()
+                # The replicas followed until now stay in routing, held, until the sources below claim them.
                 self.term_table.term, self.term_kv.term = table, kv
                 kv.remote_listeners.append(self.term_kv.remote_resync)
                 self.static.rejoin(self.config)

@@ -126,19 +126,22 @@ class StreamWatch:
             return
         if self._pending is None:  # gave up on an oversized first event
             return
-        lines = (self._pending + piece).split(b"\n")
-        pending = lines.pop()
-        for index, line in enumerate(lines):
-            if not line.startswith(b"data:") or not self._has_output(line[5:]):
-                continue
-            self.first_token_at = self.last_token_at = now
-            self.counts = [0] * len(self._bounds)
-            self._pending = b""
-            self._tail = _LINE_END if not pending else (b"\n" + pending)[-5:]
-            self._newer_at = now
-            self._newer_n = sum(1 for later in lines[index + 1:] if later.startswith(b"data:")) \
-                + pending.startswith(b"data:")
-            return
+        # Line by line up to the first token, without splitting the rest (a first piece may hold the whole stream).
+        text = self._pending + piece if self._pending else piece
+        start = 0
+        end = text.find(b"\n")
+        while end >= 0:
+            if text.startswith(b"data:", start, end) and self._has_output(text[start + 5:end]):
+                self.first_token_at = self.last_token_at = now
+                self.counts = [0] * len(self._bounds)
+                self._pending = b""
+                self._tail = _LINE_END if text.endswith(b"\n") else text[text.rfind(b"\n"):][-5:]
+                self._newer_at = now
+                self._newer_n = text.count(b"\ndata:", end)  # the data lines after this one
+                return
+            start = end + 1
+            end = text.find(b"\n", start)
+        pending = text[start:]
         self._pending = pending if len(pending) <= MAX_UNPARSED_BYTES else None
 
     def _account(self, at: float, events: int) -> None:

@@ -398,6 +398,14 @@ class _Eof:
 _EOF = _Eof()
 
 
+
+async def _close_body(body: object) -> None:
+    """A streamed body the server stops iterating before its end (or never iterates) is told so, shielded."""
+    aclose = getattr(body, "aclose", None)
+    if aclose is not None:
+        with trio.CancelScope(shield=True):
+            await aclose()
+
 class _Connection:
     """One client connection.
 
@@ -706,10 +714,13 @@ class _Connection:
             head.append(b"connection: close\r\n")
         head.append(b"\r\n")
         pending = b"".join(head)
-        try:
-            if head_only:
+        if head_only:
+            try:
                 await self._send(pending)
-                return keep_alive
+            finally:
+                await _close_body(body)
+            return keep_alive
+        try:
             async for piece in body:
                 if not piece:  # an empty piece sends the head now (a stream whose first data comes later)
                     if pending:
@@ -722,11 +733,10 @@ class _Connection:
                     piece, pending = pending + piece, b""
                 await self._send(piece)
             await self._send(pending + (b"0\r\n\r\n" if chunked else b""))
-        finally:
-            aclose = getattr(body, "aclose", None)
-            if aclose is not None:
-                with trio.CancelScope(shield=True):
-                    await aclose()
+        except BaseException:
+            await _close_body(body)
+            raise
+        # A body iterated to its end has ended itself: no shielded aclose (a cancel scope per stream) for it.
         return keep_alive
 
     async def _send_simple(self, response: Response) -> None:

@@ -8,7 +8,9 @@ decisions (no engine help). Per request (the rule, also in
 1. Each candidate's *match* is the characters of the request's canonical text
    it holds in the tree; a match shorter than ``min_match_chars`` counts as 0.
 2. ``rule: cost`` (the default): each candidate's estimated time to first
-   token (:mod:`llmgw.router.cost`: its uncached prompt tokens and the prefill
+   token (:mod:`llmgw.router.cost`: its uncached prompt tokens (characters
+   at the tokens per character the engines' usage showed:
+   :mod:`llmgw.router.token_ratio`) and the prefill
    queued on it over its learnt throughput, plus its step time and a learnt
    cost per request in flight) plus the delay its prefill adds to the requests
    in flight there (``cost_others_weight``) and, weighed by
@@ -60,10 +62,11 @@ from ..plugin import (
     hookimpl,
 )
 from ..plugins_manager import default_registry
-from ..router import cost as cost_model, deal as new_prefixes, decode_cost
-from ..router.canonical import CHARS_PER_TOKEN, canonical_text, estimated_prompt_tokens
+from ..router import cost as cost_model, deal as new_prefixes, decode_cost, kv_capacity
+from ..router.canonical import canonical_text
 from ..router.decode_metrics import track_decode
 from ..router.radix import RadixTree
+from ..router.token_ratio import TokensPerChar
 from ..router.tree_metrics import track_tree
 from ..router.uncertainty import OVERRIDE_SIGMAS, Uncertainty, override_pays
 from .options import MAX_NUMBER, count, duration, option_reader
@@ -103,6 +106,8 @@ class PrefixTreeOptions:
     new_prefixes: str = "deal"  # "deal": to the affordable replica holding the least; "cheapest": by cost alone
     cost_decode_weight: float = decode_cost.DEFAULT_DECODE_WEIGHT
     cost_output_tokens: float = decode_cost.DEFAULT_OUTPUT_TOKENS
+    cost_engine_prefill: bool = False  # the engines' reported prefill rates (scraped /metrics) as the slopes' priors
+    learn_tokens_per_char: bool = True  # count tokens with the ratio the engines' usage shows; false: characters / 4
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | None, scorer_keys: AbstractSet[str] = frozenset()
@@ -139,6 +144,8 @@ class PrefixTreeOptions:
         take("new_prefixes", _new_prefixes)
         take("cost_decode_weight", _non_negative_number)
         take("cost_output_tokens", _positive_number)
+        take("cost_engine_prefill", _flag)
+        take("learn_tokens_per_char", _flag)
         if "rule" not in raw and "scorers" in raw:  # naming scorers asks for them
             options.rule = "scores"
         if "max_imbalance" not in raw and options.rule == "scores":
@@ -160,6 +167,7 @@ SHARED_TEXT_CHARS = 16_384  # a routed prefix is shared up to this many characte
 COST_TIE_FRACTION = 0.05  # estimated TTFTs within 5% (or 2 ms) of the smallest tie
 COST_TIE_SECONDS = 0.002
 COST_TIE_NOISE = 0.5  # ... or half the noise of the observed TTFTs around the fits (the noisier of the two replicas')
+RESCALE_AT = 0.02  # the cost model's observations are recounted when the tokens per character move by more
 _NULLABLE = {"max_imbalance", "load_sigma_k", "engine_metrics_interval", "seed"}
 
 
@@ -191,6 +199,12 @@ def _rule(value: Any) -> str:
 def _new_prefixes(value: Any) -> str:
     if value not in NEW_PREFIXES:
         raise ValueError(f"expected one of {', '.join(NEW_PREFIXES)}, got {value!r}")
+    return value
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
     return value
 
 
@@ -270,15 +284,22 @@ class PrefixTreeTier(RoutingTier):
         self._cold_serial = 0
         self._last_cold: dict[str, int] = {}  # replica -> serial of the last request it got without holding a match
         self.cost = cost_model.CostModel(  # shared with a kv_index tier built on this one
-            options.cost_prefill_tokens_per_s, options.cost_step_time, options.cost_decay, options.cost_others_weight)
+            options.cost_prefill_tokens_per_s, options.cost_step_time, options.cost_decay, options.cost_others_weight,
+            options.cost_engine_prefill)
         self.uncertainty = Uncertainty(self.cost)
+        self.tokens_per_char = TokensPerChar()  # learnt from responses' usage unless learn_tokens_per_char is false
+        self.wants_usage = options.learn_tokens_per_char  # the data plane hands finished() each response's usage
+        self.counts_in_chars = True  # its estimates count tokens from characters (not under kv_index: exact ids)
+        self.stored_blocks: kv_capacity.StoredBlocks | None = None  # a KV index's block counts (kv_index sets it)
+        self._fit_ratio = self.tokens_per_char.ratio  # the tokens per character the cost model's data are counted in
         self.deals = new_prefixes.DealCounts()
         # in a cluster, what this gateway's own routes added to the tree, and the prefill they queued, just now
         self.recent_chars, self.recent_tokens = new_prefixes.RecentGrowth(), new_prefixes.RecentGrowth()
         self.decode = decode_cost.DecodeModel(options.cost_output_tokens, options.cost_decode_weight,
                                               options.cost_decay)
         if services.metrics is not None:
-            track_tree(services.metrics.registry, self.model, self.tree, self.uncertainty, self.deals)
+            track_tree(services.metrics.registry, self.model, self.tree, self.uncertainty, self.deals, self.cost,
+                       self.tokens_per_char)
             track_decode(services.metrics.registry, self.model, self.decode)
         self.learning = services.learning  # the other gateways' tiers of this model, in a cluster
         if self.learning is not None:
@@ -311,8 +332,11 @@ class PrefixTreeTier(RoutingTier):
         chosen = candidates[evaluation.chosen]
         self.learn(evaluation.text, chosen.name, evaluation.outcome, now)
         self.note_pick(evaluation, now)
-        detail = {"matched_chars": evaluation.matched[evaluation.chosen], "prompt_chars": len(evaluation.text)}
+        detail: dict[str, Any] = {"matched_chars": evaluation.matched[evaluation.chosen],
+                                  "prompt_chars": len(evaluation.text)}
         self.note_cost(detail, evaluation, evaluation.chosen, candidates)
+        if self.counts_in_chars and "cost" in detail:  # the ratio its tokens were counted at (first_token)
+            detail["cost"]["tokens_per_char"] = self.tokens_per_char.ratio
         return Decision(chosen, outcome=evaluation.outcome, tier=TIER_NAME, detail=detail,
                         prefill_tokens=prefill_tokens(detail))
 
@@ -369,11 +393,21 @@ class PrefixTreeTier(RoutingTier):
         cost = decision.detail.get("cost")
         if cost is not None:
             self.decode.first_token(id(decision), decision.stream, self.clock())
+            counted_at = cost.pop("tokens_per_char", None)
+            if counted_at and counted_at != self._fit_ratio:  # counted before the ratio moved: in today's count
+                for key in ("new_tokens", "queued_tokens"):
+                    cost[key] = round(cost.get(key, 0) * self._fit_ratio / counted_at)
             observed = self.cost.started(decision.replica.name, cost, ttft)
             if observed is not None and self.learning is not None:
                 self.learning.publish(SHARED_TTFT, [decision.replica.engine_id, decision.replica.name, *observed])
 
     def finished(self, request: RouteRequest, decision: Decision, usage: dict | None) -> None:
+        if self.options.learn_tokens_per_char and isinstance(usage, dict):
+            self.tokens_per_char.observe(len(canonical_text(request)), usage.get("prompt_tokens"))
+            ratio = self.tokens_per_char.ratio
+            if self.counts_in_chars and abs(ratio / self._fit_ratio - 1) > RESCALE_AT:
+                self.cost.rescale_tokens(ratio / self._fit_ratio)
+                self._fit_ratio = ratio
         cost = decision.detail.get("cost")
         if cost is not None:  # ended without a first token (an error, a disconnect): off the queue all the same
             self.cost.started(decision.replica.name, cost, None)
@@ -391,14 +425,17 @@ class PrefixTreeTier(RoutingTier):
             engine = replica.engine_load
             replicas.append({
                 "name": replica.name, "candidate": True, "matched_chars": ev.matched[i], "load": ev.loads[i],
-                "engine_load": None if engine is None else {"running": engine.running, "waiting": engine.waiting,
-                                                            "age_s": round(now - engine.at, 3)},
+                "engine_load": None if engine is None else {
+                    "running": engine.running, "waiting": engine.waiting, "age_s": round(now - engine.at, 3),
+                    "kv_free_from": kv_capacity.free_tokens(engine, self.stored_blocks, replica.name,
+                                                            replica.inflight_tokens)[1]},
                 **self.explain_cost(ev, i, replica.name),
             })
         return {
             "pick": candidates[ev.chosen].name, "outcome": ev.outcome, "reason": ev.reason,
             "preferred": candidates[ev.preferred].name, "prompt_chars": len(ev.text),
-            "prompt_tokens_estimate": estimated_prompt_tokens(request),
+            "prompt_tokens_estimate": self.tokens_per_char.count(len(canonical_text(request))) + 1,
+            "tokens_per_char": round(self.tokens_per_char.ratio, 4),
             "rule": {**self.explain_rule(), "min_match_chars": o.min_match_chars},
             "tree": {"nodes": self.tree.node_count, "chars": self.tree.char_count},
             "replicas": replicas,
@@ -486,9 +523,9 @@ class PrefixTreeTier(RoutingTier):
 
         if self.options.rule == "cost":
             if prompt_tokens is None:
-                prompt_tokens = prompt_units // CHARS_PER_TOKEN + 1
+                prompt_tokens = self.tokens_per_char.count(prompt_units) + 1
             if cached_tokens is None:
-                cached_tokens = [m // CHARS_PER_TOKEN for m in matched]
+                cached_tokens = [self.tokens_per_char.count(m) for m in matched]
             return self._decide_by_cost(candidates, matched, loads, tokens, prompt_tokens, cached_tokens, now,
                                         rng, tie_key, request)
         context = ScoreContext(prompt_units, matched, loads, tokens, now)
@@ -596,7 +633,8 @@ class PrefixTreeTier(RoutingTier):
         kv_free = []
         for replica in candidates:
             engine = self._fresh_engine_load(replica, now)
-            kv_free.append(None if engine is None else engine.kv_free_tokens)
+            kv_free.append(None if engine is None else kv_capacity.free_tokens(
+                engine, self.stored_blocks, replica.name, replica.inflight_tokens)[0])
         max_tokens = decode_cost.max_output_tokens(request.body) if request is not None else None
         return self.decode.charges([r.name for r in candidates], prompt_tokens, max_tokens, loads,
                                    [r.inflight_tokens for r in candidates], [e.throughput for e in estimates],

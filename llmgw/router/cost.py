@@ -43,7 +43,13 @@ per-request cost, as a ridge whose weight fades as data comes in. A replica's
 own fit is shrunk toward the fit of all the model's replicas together, by
 ``w / (w + SHRINK_WEIGHT)`` for ``w`` its observations' weight, so a replica
 that has seen little looks like its peers. Older data fades (``decay`` per
-observation).
+observation). When the engine reports its prefill rate on ``/metrics`` (and the
+tier's ``cost_engine_prefill`` is on)
+(:mod:`llmgw.router.engine_prefill`, read by the load scraper), that rate is
+the prior of the replica's slope (and the engines' mean the pooled fit's),
+weighing ``ENGINE_RATE_WEIGHT`` observations that do not fade: a workload of
+cache hits, whose few new tokens cannot tell the slope, then estimates a cold
+prefill with the engine's rate instead of ``prior_throughput``.
 
 One slow first token must not make a replica look slow for the next thirty
 requests: an observation above the replica's estimate by more than
@@ -74,6 +80,9 @@ DEFAULT_OTHERS_WEIGHT = 1.0  # how much the delay a request's prefill adds to th
 PRIOR_TOKENS = 512.0  # the scale at which the prior on the throughput weighs as one observation
 PRIOR_REQUESTS = 4.0  # the scale at which the prior on the per-request cost weighs as one observation
 PRIOR_WEIGHT = 1.0  # the priors weigh PRIOR_WEIGHT / (1 + w) observations, w the data's weight
+# an engine's reported prefill rate (engine_prefill) weighs on the slope as this many observations at PRIOR_TOKENS
+# (as much as 2 observations of a 2,048-token prefill), whatever the data's weight: it is measured, not assumed
+ENGINE_RATE_WEIGHT = 32.0
 SHRINK_WEIGHT = 10.0  # a replica's own fit counts half once its observations weigh this much
 MIN_NOISE_OBSERVATIONS = 3
 OUTLIER_NOISES = 4.0  # an observation counts at most this many noises above the estimate...
@@ -112,23 +121,37 @@ class Fit:
             self.sy[i] = self.sy[i] * decay + f[i] * y
         self.yy = self.yy * decay + y * y
 
+    def rescale(self, factor: float) -> None:
+        """The observations as if their ``x`` had been counted ``factor`` times larger (another unit)."""
+        s = self.s
+        s[0][1] *= factor
+        s[1][0] *= factor
+        s[1][2] *= factor
+        s[2][1] *= factor
+        s[1][1] *= factor * factor
+        self.sy[1] *= factor
+
     def prior_weight(self) -> float:
         """How many observations' worth the priors weigh beside this data: fading as data comes in."""
         return PRIOR_WEIGHT / (1.0 + self.w)
 
-    def ridged(self, prior_weight: float) -> list[list[float]]:
+    def ridged(self, prior_weight: float, slope_weight: float = 0.0) -> list[list[float]]:
         """The observations' normal matrix ``F' W F`` plus the priors' ridge at ``SCALES`` (what :meth:`solve`
-        solves, and :mod:`llmgw.router.uncertainty` inverts)."""
+        solves, and :mod:`llmgw.router.uncertainty` inverts); ``slope_weight`` more observations' worth on the
+        slope alone (a measured one: the engine's reported prefill rate)."""
         a = [row[:] for row in self.s]
         for i, scale in enumerate(self.SCALES):
             a[i][i] += prior_weight * scale * scale
+        a[1][1] += slope_weight * self.SCALES[1] * self.SCALES[1]
         return a
 
-    def solve(self, prior: Sequence[float], prior_weight: float) -> tuple[float, float, float]:
+    def solve(self, prior: Sequence[float], prior_weight: float, slope_weight: float = 0.0
+              ) -> tuple[float, float, float]:
         """The ridge solution: the data's least squares pulled toward ``prior`` with ``prior_weight``
-        observations' worth (at the scales ``SCALES``), within bounds."""
+        observations' worth (at the scales ``SCALES``; ``slope_weight`` more on the slope), within bounds."""
         b = [y + prior_weight * scale * scale * p for y, scale, p in zip(self.sy, self.SCALES, prior)]
-        return self.bounded(_solve3(self.ridged(prior_weight), b) or (prior[0], prior[1], prior[2]))
+        b[1] += slope_weight * self.SCALES[1] * self.SCALES[1] * prior[1]
+        return self.bounded(_solve3(self.ridged(prior_weight, slope_weight), b) or (prior[0], prior[1], prior[2]))
 
     @staticmethod
     def bounded(theta: tuple[float, float, float]) -> tuple[float, float, float]:
@@ -164,10 +187,10 @@ def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float] 
     return out[0], out[1], out[2]
 
 
-def fit_line(prior: Sequence[float], data: Fit, observations: int) -> Line:
+def fit_line(prior: Sequence[float], data: Fit, observations: int, slope_weight: float = 0.0) -> Line:
     """``data`` fitted on ``prior`` = (step, seconds per token, seconds per request), with its noise (0 below
-    MIN_NOISE_OBSERVATIONS observations)."""
-    theta = data.solve(prior, data.prior_weight())
+    MIN_NOISE_OBSERVATIONS observations); ``slope_weight``: observations' worth of a measured prior slope."""
+    theta = data.solve(prior, data.prior_weight(), slope_weight)
     noise = data.residual(theta) if observations >= MIN_NOISE_OBSERVATIONS else 0.0
     return (*theta, noise)
 
@@ -184,6 +207,7 @@ class ReplicaCost:
     clipped: int = 0  # observations counted lower (outliers: OUTLIER_NOISES)
     mean_new_tokens: float = 0.0  # EWMA of the new tokens of a request routed to it
     engine: str | None = None  # the engine id its observations are of (CostModel.follow)
+    engine_slope: float | None = None  # s per new prompt token, as its engine reports (CostModel.follow)
     _line: Line | None = None
     _generation: int = -1
 
@@ -194,13 +218,20 @@ class ReplicaCost:
         self.clipped = 0
         self._line = None
 
+    @property
+    def slope_weight(self) -> float:
+        """Observations' worth of the prior on its slope beyond the configured prior's: its engine's rate's."""
+        return 0.0 if self.engine_slope is None else ENGINE_RATE_WEIGHT
+
     def line(self) -> Line:
-        """The fit of all the model's replicas (:meth:`CostModel.pooled_line`), moved toward the fit of its own
-        observations as they add up."""
+        """The fit of all the model's replicas (:meth:`CostModel.pooled_line`), its slope replaced by its engine's
+        reported rate when there is one, moved toward the fit of its own observations as they add up."""
         model = self.model
         if self._line is None or self._generation != model.generation:
             pooled = model.pooled_line()
-            own = fit_line(pooled[:3], self.data, self.observations)
+            if self.engine_slope is not None:
+                pooled = (pooled[0], self.engine_slope, pooled[2], pooled[3])
+            own = fit_line(pooled[:3], self.data, self.observations, self.slope_weight)
             trust = self.data.w / (self.data.w + SHRINK_WEIGHT)
             step, slope, per_request, noise = (p + trust * (o - p) for p, o in zip(pooled, own))
             self._line = (step, slope, per_request, noise)
@@ -266,8 +297,9 @@ class CostModel:
     """Per model: every replica's :class:`ReplicaCost`, the estimates for a request, and the bookkeeping hooks."""
 
     def __init__(self, prior_throughput: float = DEFAULT_PRIOR_THROUGHPUT, prior_step: float = DEFAULT_PRIOR_STEP,
-                 decay: float = DEFAULT_DECAY, others_weight: float = DEFAULT_OTHERS_WEIGHT):
+                 decay: float = DEFAULT_DECAY, others_weight: float = DEFAULT_OTHERS_WEIGHT, engine_rates: bool = True):
         self.prior = (prior_step, 1.0 / prior_throughput, 0.0)
+        self.engine_rates = engine_rates  # follow() reads the engines' reported prefill rates
         self.decay = decay
         self.others_weight = others_weight
         self.replicas: dict[str, ReplicaCost] = {}
@@ -285,19 +317,50 @@ class CostModel:
     def follow(self, replicas: Sequence[Any]) -> None:
         """Note which engine each name is on (``replica.engine_id``): a name now on another engine (restarted or
         replaced) forgets its own observations. The same engine on a new replica object (re-adopted after a
-        control-plane restart, followed by another gateway) keeps them."""
+        control-plane restart, followed by another gateway) keeps them. And each engine's reported prefill rate
+        (``replica.prefill_rate``: :mod:`llmgw.router.engine_prefill`), the prior of its slope."""
         for replica in replicas:
             cost = self.replica(replica.name)
             if cost.engine != replica.engine_id:
                 if cost.engine is not None:
                     cost.forget_observations()
                 cost.engine = replica.engine_id
+            rate = getattr(replica, "prefill_rate", None) if self.engine_rates else None
+            tokens_per_s = None if rate is None else rate.tokens_per_s
+            slope = None if tokens_per_s is None else 1.0 / tokens_per_s
+            if slope != cost.engine_slope:
+                cost.engine_slope = slope
+                self.generation += 1  # every line moves: the pooled prior's slope is the engines' mean
+                self._pooled_line = None
+
+    def pooled_prior(self) -> tuple[tuple[float, float, float], float]:
+        """The pooled fit's prior and the observations' worth of its slope beyond the configured prior's: the mean
+        of the engines' reported seconds per token when any replica's engine reports one, else the configured."""
+        slopes = [c.engine_slope for c in self.replicas.values() if c.engine_slope is not None]
+        if not slopes:
+            return self.prior, 0.0
+        return (self.prior[0], sum(slopes) / len(slopes), self.prior[2]), ENGINE_RATE_WEIGHT
 
     def pooled_line(self) -> Line:
-        """The fit of all the model's observations on the configured priors."""
+        """The fit of all the model's observations on the configured priors (the slope's: :meth:`pooled_prior`)."""
         if self._pooled_line is None:
-            self._pooled_line = fit_line(self.prior, self.pooled, self.observations)
+            prior, slope_weight = self.pooled_prior()
+            self._pooled_line = fit_line(prior, self.pooled, self.observations, slope_weight)
         return self._pooled_line
+
+    def rescale_tokens(self, factor: float) -> None:
+        """Every observation's tokens counted ``factor`` times larger: the prefix tree, which counts a prompt's
+        tokens from its characters, learnt a new tokens-per-character ratio (:mod:`llmgw.router.token_ratio`), and
+        what it observed in the old count must not teach a slope in the new one."""
+        if not math.isfinite(factor) or factor <= 0:
+            return
+        self.pooled.rescale(factor)
+        for cost in self.replicas.values():
+            cost.data.rescale(factor)
+            cost.mean_new_tokens *= factor
+            cost._line = None
+        self.generation += 1
+        self._pooled_line = None
 
     def observe(self, name: str, tokens: float, requests: float, ttft: float) -> None:
         """A request routed to ``name`` with ``tokens`` of prefill up to its own and ``requests`` in flight ahead
@@ -391,6 +454,7 @@ class CostModel:
         cost = self.replica(name)
         step, slope, per_request, noise = cost.line()
         return {"step_s": round(step, 4), "prefill_tokens_per_s": round(1.0 / slope, 1),
+                "engine_prefill_tokens_per_s": None if cost.engine_slope is None else round(1.0 / cost.engine_slope, 1),
                 "per_request_s": round(per_request, 4), "noise_s": round(noise, 4),
                 "observations": cost.observations, "clipped_observations": cost.clipped,
                 "awaiting_first_token": cost.awaiting}

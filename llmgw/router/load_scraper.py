@@ -4,7 +4,9 @@ The gauges read are the replica's ``gauges``: its engine plugin's, vLLM's for
 a static replica. vLLM exposes ``vllm:num_requests_running`` and
 ``vllm:num_requests_waiting`` (one sample per engine; summed), and its cache
 configuration as labels of ``vllm:cache_config_info`` (the block size is kept,
-for the ``kv_index`` tier); :mod:`llmgw.engines.probe` reads them.
+for the ``kv_index`` tier); :mod:`llmgw.engines.probe` reads them. The same text's
+prefill counters update the replica's engine-reported prefill rate
+(:mod:`llmgw.router.engine_prefill`), the cost model's prior slope.
 :func:`scrape_engine_load` runs as one task in the gateway's nursery and
 scrapes the replicas of the models whose tier asks for it
 (``engine_metrics_interval`` on the tier); every request has a deadline,
@@ -14,6 +16,7 @@ to age out (tiers ignore values older than their ``engine_metrics_max_age``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import weakref
@@ -23,6 +26,7 @@ import trio
 
 from ..engines import probe
 from ..engines.probe import EngineLoad
+from . import engine_prefill
 from .replica import Replica
 
 if TYPE_CHECKING:
@@ -32,14 +36,22 @@ if TYPE_CHECKING:
 async def scrape_once(replica: Replica, timeout: float, path: str = "/metrics",
                       clock: Callable[[], float] = time.monotonic) -> EngineLoad | None:
     """One ``GET /metrics`` through the replica's pool, within ``timeout``, read with the replica's gauges; None
-    when it failed or has none of them."""
+    when it failed or has none of them. Its prefill counters go to ``replica.prefill_rate``."""
     if replica.pool is None:
         return None
     headers = [replica.auth_header] if replica.auth_header else []
     text = await probe.read_metrics(replica.pool, replica.base_path + path, timeout, headers)
     if text is None:
         return None
-    return probe.parse_load(text, replica.gauges, clock())
+    at = clock()
+    counters = engine_prefill.read_counters(text, at)
+    if counters is not None:
+        replica.prefill_rate.update(counters)
+    load = probe.parse_load(text, replica.gauges, at)
+    if load is not None and load.kv_usage is None and load.num_blocks is None:
+        # no usage gauge: the capacity all the same, for the KV index's count of what is held (router.kv_capacity)
+        load = dataclasses.replace(load, num_blocks=probe.parse_num_blocks(text, replica.gauges))
+    return load
 
 
 async def scrape_engine_load(router: Router, clock: Callable[[], float] = time.monotonic,

@@ -13,9 +13,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from .cost import CostModel
 from .deal import DealCounts
 from .model_collectors import PerModelCollector, track
 from .radix import RadixTree
+from .token_ratio import TokensPerChar
 from .uncertainty import Uncertainty
 
 
@@ -65,11 +67,39 @@ class NewPrefixesCollector(PerModelCollector[DealCounts]):
             families[0].add_metric([model, how], count)
 
 
+class EnginePrefillCollector(PerModelCollector[CostModel]):
+    def families(self) -> tuple[GaugeMetricFamily]:
+        return (GaugeMetricFamily("llmgw_routing_engine_prefill_tokens_per_second", "Each replica's prefill rate as "
+                                  "its engine reports it on /metrics (new prompt tokens per second of prefill), the "
+                                  "prior of the cost model's slope; absent until the engine told it.",
+                                  labels=["model", "replica"]),)
+
+    def add(self, families: Sequence[Any], model: str, cost: CostModel) -> None:
+        for replica, c in sorted(cost.replicas.items()):
+            if c.engine_slope is not None:
+                families[0].add_metric([model, replica], 1.0 / c.engine_slope)
+
+
+class TokensPerCharCollector(PerModelCollector[TokensPerChar]):
+    def families(self) -> tuple[GaugeMetricFamily]:
+        return (GaugeMetricFamily("llmgw_routing_tokens_per_char", "Prompt tokens per character of the canonical "
+                                  "text the prefix tree counts tokens with: learnt from the responses' usage "
+                                  "(0.25 until one said).", labels=["model"]),)
+
+    def add(self, families: Sequence[Any], model: str, ratio: TokensPerChar) -> None:
+        families[0].add_metric([model], ratio.ratio)
+
+
 def track_tree(registry: CollectorRegistry, model: str, tree: RadixTree, gate: Uncertainty | None = None,
-               deals: DealCounts | None = None) -> None:
-    """Report ``tree`` as model ``model``'s prefix tree in ``registry`` (with ``gate``'s refused overrides and
-    ``deals``, its tier's new prefixes)."""
+               deals: DealCounts | None = None, cost: CostModel | None = None,
+               ratio: TokensPerChar | None = None) -> None:
+    """Report ``tree`` as model ``model``'s prefix tree in ``registry`` (with ``gate``'s refused overrides,
+    ``deals``, its tier's new prefixes, ``cost``'s engine-reported prefill rates and ``ratio``)."""
     track(registry, PrefixTreeCollector, model, tree)
+    if cost is not None:
+        track(registry, EnginePrefillCollector, model, cost)
+    if ratio is not None:
+        track(registry, TokensPerCharCollector, model, ratio)
     if gate is not None:
         track(registry, GatedOverridesCollector, model, gate)
     if deals is not None:

@@ -20,7 +20,10 @@ request like the ones observed and grows with the square of how far
 mostly cached requests of a few hundred new tokens knows little of what a
 2,000-token cold prefill costs, however well it predicts the cached ones.
 A replica's line is its own fit shrunk toward the pooled one (``trust =
-w / (w + SHRINK_WEIGHT)``); its ``M`` is blended the same way.
+w / (w + SHRINK_WEIGHT)``); its ``M`` is blended the same way. An engine's
+reported prefill rate (:mod:`llmgw.router.engine_prefill`) is in the ridge
+as the fit has it (``ENGINE_RATE_WEIGHT`` observations on the slope), so a
+slope the engine measured is not taken for an extrapolation.
 
 *The gate*: a request leaves the replica that holds the most of its prompt
 (outcome ``cost_override``) only when the cost it expects to save there is
@@ -43,9 +46,9 @@ Matrix = tuple[tuple[float, float, float], tuple[float, float, float], tuple[flo
 ZERO: Matrix = ((0.0, 0.0, 0.0), (0.0, 0.0, 0.0), (0.0, 0.0, 0.0))
 
 
-def inverse(fit: Fit) -> Matrix:
+def inverse(fit: Fit, slope_weight: float = 0.0) -> Matrix:
     """``(F' W F + ridge)^-1`` of ``fit`` with the ridge :func:`llmgw.router.cost.fit_line` solves it with."""
-    return _inverse3(fit.ridged(fit.prior_weight()))
+    return _inverse3(fit.ridged(fit.prior_weight(), slope_weight))
 
 
 def _inverse3(a: list[list[float]]) -> Matrix:
@@ -70,8 +73,9 @@ class Uncertainty:
     def __init__(self, model: CostModel):
         self.model = model
         self._generation = -1
-        self._pooled: tuple[int, Matrix] | None = None  # (the model's observations, the pooled fit's M)
-        self._own: dict[str, tuple[Fit, int, Matrix]] = {}  # a replica's (fit, observations, M): its own data's
+        # (the model's observations, the slope's weight, the pooled fit's M)
+        self._pooled: tuple[int, float, Matrix] | None = None
+        self._own: dict[str, tuple[Fit, int, float, Matrix]] = {}  # a replica's (fit, observations, slope weight, M)
         self._blended: dict[str, Matrix] = {}
         self.gated = 0  # overrides the gate refused (picks, not explanations): llmgw_cost_overrides_gated_total
 
@@ -84,17 +88,19 @@ class Uncertainty:
             self._blended.clear()
         m = self._blended.get(name)
         if m is None:
-            if self._pooled is None or self._pooled[0] != model.observations:
-                self._pooled = (model.observations, inverse(model.pooled))
-            pooled = self._pooled[1]
+            slope_weight = model.pooled_prior()[1]
+            if self._pooled is None or self._pooled[:2] != (model.observations, slope_weight):
+                self._pooled = (model.observations, slope_weight, inverse(model.pooled, slope_weight))
+            pooled = self._pooled[2]
             cost = model.replica(name)
             data = cost.data
             kept = self._own.get(name)
-            if kept is None or kept[0] is not data or kept[1] != cost.observations:
+            if kept is None or kept[0] is not data or kept[1:3] != (cost.observations, cost.slope_weight):
                 if len(self._own) > 2 * len(model.replicas) + 16:  # replicas that left
                     self._own.clear()
-                kept = self._own[name] = (data, cost.observations, inverse(data))
-            own = kept[2]
+                kept = self._own[name] = (data, cost.observations, cost.slope_weight,
+                                          inverse(data, cost.slope_weight))
+            own = kept[3]
             trust = data.w / (data.w + SHRINK_WEIGHT)
             rows = [tuple(p + trust * (o - p) for p, o in zip(prow, orow)) for prow, orow in zip(pooled, own)]
             m = self._blended[name] = ((rows[0][0], rows[0][1], rows[0][2]), (rows[1][0], rows[1][1], rows[1][2]),

@@ -127,6 +127,9 @@ class StepLoop:
                 self._work = trio.Event()
                 await self._work.wait()
                 continue
+            for seq, _ in step.scheduled:
+                if seq.scheduled_at is None:
+                    seq.scheduled_at = started
             seconds = self.step_seconds(step)
             if seconds > 0:
                 await trio.sleep_until(started + seconds)
@@ -137,7 +140,10 @@ class StepLoop:
             except Exception as exc:
                 self._fail_all([seq for seq, _ in step.scheduled], exc)
                 progressed = []
+            done = trio.current_time()
             for seq in progressed:
+                if seq.num_output_tokens == 1 and seq.scheduled_at is not None:
+                    scheduler.stats.observe_prefill(done - seq.scheduled_at)
                 seq.notify()
             self._publish(step.events)
 

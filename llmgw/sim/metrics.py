@@ -7,12 +7,16 @@ referenced by requests over usable blocks, so it falls to 0 when the engine is
 idle even though cached blocks remain. Those are in the simulator's own
 ``llmgw_sim_cached_blocks`` gauge, which equals BlockStored minus BlockRemoved
 block counts of the event stream (since the last AllBlocksCleared).
+``vllm:request_prefill_time_seconds`` is vLLM's histogram (its buckets) of each
+request's time from its first step to its first token, on the engine loop's
+clock (x ``--time-scale``, as a client measures it).
 The text is built by hand: a few dozen lines, cheap enough for the event loop.
 """
 
 from __future__ import annotations
 
 from .core import StepLoop
+from .scheduler import PREFILL_TIME_BUCKETS
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
@@ -28,6 +32,7 @@ _METRICS = (
     ("vllm:generation_tokens", "counter", "Number of generation tokens processed."),
     ("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine."),
     ("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig"),
+    ("vllm:request_prefill_time_seconds", "histogram", "Histogram of time spent in PREFILL phase for request."),
     ("vllm:request_success", "counter", "Count of successfully processed requests."),
     ("llmgw_sim_cached_blocks", "gauge",
      "Physical KV blocks holding a cached hash (BlockStored minus BlockRemoved blocks)."),
@@ -47,6 +52,12 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def _histogram(buckets: list[int], total: float, count: int) -> list[tuple[str, float]]:
+    """A histogram's samples as Prometheus exposes them: cumulative buckets (``+Inf`` = the count), sum, count."""
+    return ([(f'_bucket|,le="{bound!r}"', n) for bound, n in zip(PREFILL_TIME_BUCKETS, buckets)]
+            + [('_bucket|,le="+Inf"', count), ("_sum|", total), ("_count|", count)])
+
+
 def render(engine: StepLoop, model_name: str) -> bytes:
     """The exposition text for one engine."""
     scheduler = engine.scheduler
@@ -64,6 +75,8 @@ def render(engine: StepLoop, model_name: str) -> bytes:
         "vllm:num_preemptions": [("", stats.preemptions)],
         "vllm:cache_config_info": [(f',block_size="{pool.block_size}",enable_prefix_caching="True",'
                                     f'num_gpu_blocks="{pool.num_usable_blocks + 1}"', 1)],
+        "vllm:request_prefill_time_seconds": _histogram(stats.prefill_seconds, stats.prefill_seconds_sum,
+                                                        stats.prefill_seconds_count),
         "vllm:request_success": [(f',finished_reason="{reason}"', count)
                                  for reason, count in stats.finished.items()],
         "llmgw_sim_cached_blocks": [("", pool.num_cached_blocks)],
@@ -81,6 +94,7 @@ def render(engine: StepLoop, model_name: str) -> bytes:
         lines.append(f"# TYPE {name} {kind}")
         sample = name + "_total" if kind == "counter" else name
         for extra, value in values[name]:
-            lines.append(f"{sample}{{{labels}{extra}}} {float(value)!r}")
+            suffix, _, extra = extra.rpartition("|")  # a histogram's sample: "_bucket|,le=..." or "_sum|"
+            lines.append(f"{sample}{suffix}{{{labels}{extra}}} {float(value)!r}")
     lines.append("")
     return "\n".join(lines).encode()

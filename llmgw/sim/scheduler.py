@@ -58,7 +58,7 @@ class Sequence:
 
     __slots__ = ("request_id", "prompt_len", "token_ids", "planned_output", "num_computed_tokens", "hashes",
                  "blocks", "num_cached_blocks", "lora_id", "lora_name", "num_cached_tokens", "status",
-                 "finish_reason", "num_preemptions", "error", "_changed")
+                 "finish_reason", "num_preemptions", "error", "scheduled_at", "_changed")
 
     def __init__(self, request_id: str, prompt_ids: list[int], planned_output: list[int], *,
                  hashes: SequenceHashes | None = None, lora_id: int | None = None, lora_name: str | None = None):
@@ -81,6 +81,7 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop", "length", "abort" or "error"
         self.num_preemptions = 0
         self.error: str | None = None  # why the engine failed on this request
+        self.scheduled_at: float | None = None  # when its first step began (the engine loop's clock)
         self._changed = trio.Event()
         if hashes is not None:
             hashes.extend(self.token_ids)
@@ -130,6 +131,11 @@ class Step:
                         len(self.scheduled))
 
 
+# vLLM's buckets of vllm:request_prefill_time_seconds (vllm/v1/metrics/loggers.py, request_latency_buckets)
+PREFILL_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                        240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
 @dataclass(slots=True)
 class SchedulerStats:
     """Monotonic counters, exported as ``vllm:`` metrics."""
@@ -142,6 +148,19 @@ class SchedulerStats:
     finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
     steps: int = 0
     failed: int = 0  # requests failed by an error in their step work (finish_reason "error")
+    # vLLM's request_prefill_time_seconds: first scheduled to first token, per request (the engine loop's clock)
+    prefill_seconds: list[int] = field(default_factory=lambda: [0] * len(PREFILL_TIME_BUCKETS))  # per bucket
+    prefill_seconds_sum: float = 0.0
+    prefill_seconds_count: int = 0
+
+    def observe_prefill(self, seconds: float) -> None:
+        """One request's prefill time, into vLLM's histogram buckets (each counts the observations up to its bound,
+        as Prometheus exposes them)."""
+        self.prefill_seconds_sum += seconds
+        self.prefill_seconds_count += 1
+        for i, bound in enumerate(PREFILL_TIME_BUCKETS):
+            if seconds <= bound:
+                self.prefill_seconds[i] += 1
 
 
 class Scheduler:

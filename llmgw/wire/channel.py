@@ -287,7 +287,7 @@ class WebSocketConnector:
                     await self._diagnose_tls()
                 raise
             except ConnectionRejected as exc:
-                leader = dict(exc.headers or ()).get(LEADER_HEADER.encode())
+                leader = {name.lower(): value for name, value in exc.headers or ()}.get(LEADER_HEADER.lower().encode())
                 raise UpgradeRefused(exc.status_code, _refusal_message(exc.body),
                                      leader.decode("latin-1")[:2048] if leader else None) from None
             yield websocket_channel(ws, f"control plane {self.url}")

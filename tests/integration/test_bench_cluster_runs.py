@@ -56,6 +56,8 @@ async def test_fault_with_several_gateways_kills_one_then_redis_and_reports_each
     assert leader["fault"] == "leader" and leader["victim"] == "llmgw control"
     assert leader["new_leader"] == "llmgw candidate-1" and leader["new_leader_s"] is not None
     assert leader["index_equal_s"] is not None and leader["engines_same_pids"] and leader["lost_before_gone"]
+    # gateway-2 held the old leader's log to its end: it went on with the new one's, loading no snapshot
+    assert leader["continued"] == 1 and leader["snapshots_loaded"] == 0, leader
     assert [row["failed"] for row in leader["gateways"] if row["gateway"] != leader["victim"]] == [{}, {}], leader
     assert redis["fault"] == "redis" and redis["down_s"] >= 1
     assert redis["leaderless_while_down"] and redis["new_leader"] in ("llmgw control", "llmgw candidate-1")

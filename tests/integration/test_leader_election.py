@@ -83,10 +83,7 @@ async def test_two_candidates_elect_one_leader_and_the_other_follows_it(nursery,
             response = await http.post(gateway.url + "/v1/chat/completions", json=PROMPT)
             assert response.status_code == 200, response.text
         # `llmgw status` at the follower says who leads, and reads the nodes from the leader it names.
-        done = await trio.run_process(llmgw_command("status", "--control", follower.control_url),
-                                      capture_stdout=True, capture_stderr=True, check=False)
-        out = done.stdout.decode()
-        assert done.returncode == 0, done.stderr.decode()
+        out = await status_at(follower)
         assert out.startswith(f"CLUSTER {cluster_name}: this process follows; the leader is "
                               f"{clusters[leader]['origin']} at {leader.control_url} (term 1)\n"), out
         assert "NODES (0)" in out and "REPLICAS (2)" in out
@@ -95,6 +92,14 @@ async def test_two_candidates_elect_one_leader_and_the_other_follows_it(nursery,
         assert await wait_for_leader(http, candidates) is leader
         assert metric_value((await http.get(leader.control_url + "/metrics")).text,
                             "llmgw_cluster_elections_total") == 1.0
+
+
+async def status_at(process: Child) -> str:
+    """What ``llmgw status --control`` at ``process`` prints (it must succeed)."""
+    done = await trio.run_process(llmgw_command("status", "--control", process.control_url),
+                                  capture_stdout=True, capture_stderr=True, check=False)
+    assert done.returncode == 0, done.stderr.decode()
+    return done.stdout.decode()
 
 
 async def test_kill_9_of_the_leader_makes_the_other_candidate_leader_and_the_followers_follow_it(
@@ -250,8 +255,11 @@ health:
         redis_url, cluster, snapshot_interval="1s", secret_env=SECRET_ENV)
 
 
-async def test_after_kill_9_of_the_leader_the_agent_follows_the_new_one_which_adopts_its_engine(
-        cluster, redis_url, cluster_name, tmp_path, monkeypatch):
+@pytest.fixture
+async def leader_pair_with_an_agent(cluster: Cluster, redis_url: str, cluster_name: str, tmp_path, monkeypatch):
+    """``(first serve, the second candidate's Cluster, the agent, its engine's pid by replica)``: two candidates
+    with their own identity stores and the cluster secret, the first leading, and agent ``a`` joined with both
+    URLs, its replica up and followed by the second."""
     monkeypatch.setenv(SECRET_ENV, "a cluster secret of at least 16 bytes")
     second = Cluster(cluster.nursery, tmp_path / "second", cluster.engines, fixtures=cluster.fixtures,
                      cwd=cluster.cwd)
@@ -259,14 +267,20 @@ async def test_after_kill_9_of_the_leader_the_agent_follows_the_new_one_which_ad
     for c, name in ((cluster, "first"), (second, "second")):
         c.write_config(candidate_config(tmp_path / f"control-{name}", redis_url, cluster_name))
     first_serve = await cluster.start_serve()
+    with trio.fail_after(10):
+        while not (await cluster.admin("/health"))["state"]["leader"]["leading"]:
+            await trio.sleep(0.05)
+    await second.start_serve()
+    agent = await cluster.start_agent("a", "tiny-2gpu-a", join=f"{cluster.control_url},{second.control_url}")
+    pids = shard_pids(await cluster.settled(1))
+    await second.replicas_where("the deployed replica followed", lambda r: all(r.get(n, {}).get("url") for n in pids))
+    return first_serve, second, agent, pids
+
+
+async def test_after_kill_9_of_the_leader_the_agent_follows_the_new_one_which_adopts_its_engine(
+        leader_pair_with_an_agent, tmp_path):
+    first_serve, second, agent, pids = leader_pair_with_an_agent
     async with httpx.AsyncClient(timeout=30) as http:
-        with trio.fail_after(10):
-            while not (await http.get(cluster.control_url + "/health")).json()["state"]["leader"]["leading"]:
-                await trio.sleep(0.05)
-        await second.start_serve()
-        agent = await cluster.start_agent("a", "tiny-2gpu-a", join=f"{cluster.control_url},{second.control_url}")
-        replicas = await cluster.settled(1)
-        pids = shard_pids(replicas)
         secret = (tmp_path / "agent-a" / "node-secret").read_text()
         first_serve.kill(signal.SIGKILL)
         await first_serve.wait_exit()
@@ -315,3 +329,143 @@ async def test_a_candidate_whose_control_plane_cannot_start_lets_another_lead_an
         response = await http.post(first.url + "/v1/chat/completions", json=PROMPT)
         assert response.status_code == 200, response.text
         assert first.returncode is None
+
+
+async def kv_blocks(http: httpx.AsyncClient, process: Child) -> dict[str, int]:
+    return {r["name"]: r["blocks"] for r in (await http.get(process.control_url + "/admin/kv")).json()["replicas"]}
+
+
+async def test_a_new_leader_continues_the_log_and_a_follower_holding_it_loads_no_snapshot(
+        nursery, start_llmgw, redis_url, cluster_name):
+    engines, candidates = await two_candidates(nursery, start_llmgw, redis_url, cluster_name)
+    gateway = await start_llmgw(cluster_config(engines, redis_url, cluster_name), "--role", "gateway")
+    await wait_kv_healthy(gateway.control_url, len(engines))
+    async with httpx.AsyncClient(timeout=30) as http:
+        old, survivor = await leader_and_other(http, candidates)
+        for n in range(4):  # blocks in every index, published in the old leader's log
+            prompt = {**PROMPT, "messages": [{"role": "user", "content": f"prompt {n} " * 40}]}
+            assert (await http.post(old.url + "/v1/chat/completions", json=prompt)).status_code == 200
+        with trio.fail_after(10):
+            while (await kv_blocks(http, gateway)) != (await kv_blocks(http, old)) or \
+                    not sum((await kv_blocks(http, gateway)).values()):
+                await trio.sleep(0.05)
+        old_writer = (await http.get(old.control_url + "/admin/cluster")).json()["log"]["writer"]
+        loaded_before = metric_value((await http.get(gateway.control_url + "/metrics")).text,
+                                     "llmgw_cluster_snapshots_total", 'direction="loaded"')
+        old.kill(signal.SIGKILL)
+        await old.wait_exit()
+        new = await wait_for_leader(http, [survivor], timeout=15)
+        new_writer = (await http.get(new.control_url + "/admin/cluster")).json()["log"]["writer"]
+        with trio.fail_after(15):  # the follower is on the new leader's log...
+            while (await http.get(gateway.control_url + "/admin/cluster")).json()["log"]["writer"] != new_writer:
+                await trio.sleep(0.05)
+        # ...which began with the old one's last batch, so the follower went on without loading any snapshot.
+        first = await first_batch_of(redis_url, cluster_name, new_writer)
+        assert first[b"n"] == b"1" and first[b"c"].decode().startswith(old_writer + " "), first
+        metrics = (await http.get(gateway.control_url + "/metrics")).text
+        assert metric_value(metrics, "llmgw_cluster_snapshots_total", 'direction="loaded"') == loaded_before
+        assert metric_value(metrics, "llmgw_cluster_snapshots_total", 'direction="skipped",reason="continued"') == 1
+        # What the engines store from now on reaches the follower through the new leader's batches.
+        prompt = {**PROMPT, "messages": [{"role": "user", "content": "after the failover " * 40}]}
+        assert (await http.post(new.url + "/v1/chat/completions", json=prompt)).status_code == 200
+        with trio.fail_after(10):
+            while (await kv_blocks(http, gateway)) != (await kv_blocks(http, new)):
+                await trio.sleep(0.05)
+        assert metric_value((await http.get(gateway.control_url + "/metrics")).text, "llmgw_cluster_snapshots_total",
+                            'direction="loaded"') == loaded_before
+
+
+async def first_batch_of(redis_url: str, cluster: str, writer: str) -> dict[bytes, bytes]:
+    client = coredis.Redis.from_url(redis_url, decode_responses=False)
+    async with client:
+        entries = await client.xrange(Keys(cluster).log)
+    return next(dict(entry.field_values) for entry in entries if entry.field_values[b"w"] == writer.encode())
+
+
+async def test_a_role_gateway_process_names_the_leader_to_agents_health_and_status(
+        nursery, start_llmgw, redis_url, cluster_name):
+    from llmgw.wire.channel import AgentCredentials, UpgradeRefused, WebSocketConnector
+
+    engines, leader, _ = await start_cluster(nursery, start_llmgw, redis_url, cluster_name, followers=0)
+    gateway = await start_llmgw(cluster_config(engines, redis_url, cluster_name), "--role", "gateway")
+    async with httpx.AsyncClient(timeout=30) as http:
+        origin = (await http.get(leader.control_url + "/admin/cluster")).json()["origin"]
+        with trio.fail_after(10):
+            while ((await leader_state(http, gateway))["holder"] or {}).get("origin") != origin:
+                await trio.sleep(0.05)
+        state = await leader_state(http, gateway)
+        assert state["leading"] is False and state["candidate"] is False
+        assert state["holder"]["control_url"] == leader.control_url
+        # An agent dialling it is refused as a candidate that does not lead refuses it: 503, naming the leader.
+        with pytest.raises(UpgradeRefused) as refused:
+            async with WebSocketConnector(gateway.control_url).connect(AgentCredentials(token=TOKEN.encode())):
+                pass
+        assert refused.value.status == 503 and refused.value.leader == leader.control_url
+        assert "not lead" in refused.value.message
+        out = await status_at(gateway)
+        assert out.startswith(f"CLUSTER {cluster_name}: this process follows (--role gateway); the leader is "
+                              f"{origin} at {leader.control_url} (term 1)\n"), out
+        assert "REPLICAS (2)" in out
+
+
+async def test_kill_9_of_the_leader_while_traffic_flows_to_an_agents_replica_fails_nothing_and_it_stays_listed(
+        leader_pair_with_an_agent):
+    first_serve, second, agent, pids = leader_pair_with_an_agent
+    (name,) = pids
+    async with httpx.AsyncClient(timeout=30) as http:
+        answers: list[tuple[int, str]] = []
+        listings: list[dict | None] = []
+        stop = trio.Event()
+
+        async def traffic():
+            while not stop.is_set():
+                response = await http.post(second.data_url + "/v1/chat/completions", json=CHAT)
+                answers.append((response.status_code, response.text[:300]))
+                await trio.sleep(0.05)
+
+        async def watch():
+            while not stop.is_set():
+                listings.append((await second.replicas()).get(name))
+                await trio.sleep(0.05)
+
+        async with trio.open_nursery() as watching:
+            watching.start_soon(traffic)
+            watching.start_soon(watch)
+            await trio.sleep(0.5)
+            first_serve.kill(signal.SIGKILL)
+            await first_serve.wait_exit()
+            await second.wait_for("the engine adopted by the new leader", lambda: adopted_on(second, pids), timeout=30)
+            await trio.sleep(0.5)
+            stop.set()
+        # Through the switch no request failed at the new leader, and the replica never left its listing: held
+        # from the old leader's table (its address, routable) until the re-registered agent's report claimed it.
+        assert answers and all(status == 200 for status, _ in answers), [a for a in answers if a[0] != 200]
+        assert listings and all(entry is not None and entry["url"] and entry["state"] == "up" for entry in listings), \
+            [entry and {k: entry.get(k) for k in ("url", "state", "reason", "held")} for entry in listings
+             if not (entry and entry["url"] and entry["state"] == "up")]
+        assert any(entry and entry.get("held") for entry in listings)  # the new leader's listing, before the claim
+        assert metric_value((await http.get(second.control_url + "/metrics")).text,
+                            "llmgw_cluster_held_replicas_total", 'outcome="claimed"') >= 1
+        assert adopted_pids(await second.replicas()) == pids
+
+
+async def test_a_held_replica_whose_agent_does_not_come_back_leaves_routing_after_the_hold(
+        leader_pair_with_an_agent):
+    first_serve, second, agent, pids = leader_pair_with_an_agent
+    (name,) = pids
+    async with httpx.AsyncClient(timeout=30) as http:
+        agent.kill(signal.SIGKILL)  # its engine is orphaned: nobody re-registers it with the next leader
+        await agent.wait_exit()
+        first_serve.kill(signal.SIGKILL)
+        await first_serve.wait_exit()
+        with trio.fail_after(15):
+            while not (await http.get(second.control_url + "/health")).json()["state"]["leader"]["leading"]:
+                await trio.sleep(0.05)
+        await second.replicas_where("the replica held by the new leader", lambda r: r.get(name, {}).get("held"))
+        # heartbeat_interval 0.5 s: held for 4 x 0.5 + 1 = 3 s, then out of routing (the control's own entry,
+        # waiting for a placement, stays listed without an address).
+        listed = await second.replicas_where("the held replica let go", lambda r: not r.get(name, {}).get("url"),
+                                             timeout=15)
+        assert not listed.get(name, {}).get("held")
+        assert metric_value((await http.get(second.control_url + "/metrics")).text,
+                            "llmgw_cluster_held_replicas_total", 'outcome="dropped"') == 1

@@ -231,6 +231,38 @@ async def test_head_and_204_answers_carry_no_body(serve):
     assert rest.startswith(b"HTTP/1.1 204 ") and rest.endswith(b"\r\n\r\n") and b"some body" not in raw
 
 
+async def test_a_streamed_body_is_closed_when_a_head_request_leaves_it_unread_and_ends_once_when_read(serve):
+    events: list[str] = []
+
+    class Body:
+        """An async iterator of two pieces that records how it ended (as the data plane's relayed stream does)."""
+
+        def __init__(self) -> None:
+            self.left = [b"one", b"two"]
+
+        def __aiter__(self) -> "Body":
+            return self
+
+        async def __anext__(self) -> bytes:
+            if not self.left:
+                events.append("end")
+                raise StopAsyncIteration
+            return self.left.pop(0)
+
+        async def aclose(self) -> None:
+            events.append("aclose" if self.left else "aclose after the end")
+
+    async def handler(request: Request) -> Response:
+        return Response(200, [(b"content-type", b"text/plain")], Body())
+
+    _, port = await serve(handler)
+    with trio.fail_after(5):
+        client = await connect(port)
+        await client.send(get("/h", method="HEAD") + get("/g", "Connection: close"))
+        raw = await client.read_until_eof()
+    assert raw.count(b"HTTP/1.1 200 OK") == 2 and raw.endswith(b"3\r\none\r\n3\r\ntwo\r\n0\r\n\r\n")
+    assert events == ["aclose", "end"]  # no second close (a shielded cancel scope per stream) after its end
+
 # -- limits and malformed input ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("request_bytes, limits, status", [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from functools import partial
 
 import trio
@@ -18,7 +19,8 @@ from llmgw.kv.tokenize_answer import default_max_bytes
 from llmgw.metrics import Metrics
 from llmgw.plugins.kv_index import KvIndexTier, predicted_cached_tokens
 from llmgw.plugins_manager import build_registry, make_plugin_manager
-from llmgw.router.replica import Replica
+from llmgw.router.kv_capacity import INDEX, free_tokens
+from llmgw.router.replica import EngineLoad, Replica
 from llmgw.router.router import Router
 from llmgw.router.tier import RouteRequest
 from llmgw.wire import KvChangeKind, KvChanges
@@ -607,3 +609,54 @@ async def test_a_prompt_of_one_model_is_never_tokenized_on_another_models_replic
         retry = await router.pick(prompt(f"{i} " + TEXT), exclude=[excluded])
         assert tokenizer.calls[-1] == retry.replica.name != excluded.name
     assert set(tokenizer.calls) == {"a1", "a2"} and len(tokenizer.calls) == 16
+
+
+# -- the capacity charge without vLLM's usage gauge (llmgw.router.kv_capacity) ------------------------------------
+
+CAPACITY = 100  # blocks of 16 tokens: 1,600 tokens
+
+
+def taught(tier) -> None:
+    """40 ms a step, 10,000 prompt tokens/s, nothing per request in flight."""
+    rng = random.Random(1)
+    for i in range(200):
+        tokens, requests = rng.randint(50, 4000), rng.randint(0, 12)
+        tier.tree.cost.observe("ab"[i % 2], tokens, requests, 0.04 + tokens / 10_000)
+
+
+def setting(stored_filler: int):
+    router, tier, _, (a, b) = make({"cost_decode_weight": 1, "engine_metrics_interval": "250ms"}, names=("a", "b"))
+    taught(tier)
+    keys = keys_of(TEXT)
+    hold(tier, "a", keys + [10**6 + i for i in range(stored_filler)])  # the prompt's 20 blocks and others
+    hold(tier, "b", [])
+    now = tier.clock()
+    # An engine exporting its cache config but no vllm:kv_cache_usage_perc (the scraper keeps its capacity).
+    a.engine_load = EngineLoad(6, 0, now, block_size=16, num_blocks=CAPACITY)
+    b.engine_load = EngineLoad(0, 0, now, block_size=16, num_blocks=CAPACITY)
+    a.local_inflight, a.local_inflight_tokens = 6, 6 * 250  # six answers decoding under 250-token prompts
+    return router, tier, a, b
+
+
+async def test_a_holder_whose_cache_the_index_shows_full_is_charged_the_preemption_and_loses_the_request():
+    """No usage gauge: the index holds 95 of the holder's 100 blocks and its six requests in flight 1,500 tokens,
+    so 100 tokens are free for a 324-token request: it would preempt, and goes to the idle replica. On main (no
+    usage gauge, no charge) it stayed on the holder."""
+    router, tier, a, b = setting(stored_filler=75)
+    explained = await router.explain(prompt(TEXT))
+    costs = {e["name"]: e["cost"] for e in explained["replicas"]}
+    assert costs["a"]["decode"]["kv_free_tokens"] == 100 and costs["a"]["capacity_charge_s"] > 0.1, costs["a"]
+    assert costs["b"]["decode"]["kv_free_tokens"] == 1600 and costs["b"]["capacity_charge_s"] == 0
+    assert free_tokens(a.engine_load, tier.index.blocks, "a", a.inflight_tokens) == (100.0, INDEX)
+    decision = await router.pick(prompt(TEXT))
+    assert decision.replica is b and decision.outcome == "cost_override", decision.detail
+    assert tier.tree.decode.moved["capacity"] == 1
+
+
+async def test_cached_blocks_the_index_counts_but_no_request_holds_are_free():
+    """The same holder's cache full of blocks finished requests left (vLLM evicts them on demand) but with one
+    short request in flight: the request stays with its cache."""
+    router, tier, a, b = setting(stored_filler=75)
+    a.local_inflight, a.local_inflight_tokens = 1, 200
+    decision = await router.pick(prompt(TEXT))
+    assert decision.replica is a and decision.outcome == "hit", decision.detail

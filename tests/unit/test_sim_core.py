@@ -203,3 +203,23 @@ async def test_the_api_answers_an_engine_failure_with_a_500_and_a_stream_with_an
         fine = await api._generate({"model": "tiny", "messages": []}, "tiny", None, prompt, chat=True)
         assert fine.status == 200  # the engine still runs
         nursery.cancel_scope.cancel()
+
+
+async def test_prefill_time_is_first_step_to_first_token_as_vllm_exports_it(autojump_clock):
+    """vLLM's ``vllm:request_prefill_time_seconds``: each request's time from its first step to its first token
+    (a chunked prefill's several steps), in the histogram ``/metrics`` renders."""
+    from llmgw.sim import metrics
+
+    engine = make_engine(budget=64)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.run)
+        await run_one(engine, request(200, 3, rid="a"))
+        nursery.cancel_scope.cancel()
+    stats = engine.scheduler.stats
+    assert stats.prefill_seconds_count == 1
+    assert stats.prefill_seconds_sum == pytest.approx(200 / RATE + math.ceil(200 / 64) * DECODE_S)
+    text = metrics.render(engine, "m").decode()
+    assert f'vllm:request_prefill_time_seconds_sum{{engine="0",model_name="m"}} {stats.prefill_seconds_sum!r}' in text
+    assert 'vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 1.0' in text
+    assert 'vllm:request_prefill_time_seconds_bucket{engine="0",model_name="m",le="0.3"} 1.0' in text
+    assert 'vllm:request_prefill_time_seconds_bucket{engine="0",model_name="m",le="+Inf"} 1.0' in text
