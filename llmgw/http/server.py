@@ -535,10 +535,15 @@ class _Connection:
             if data is None:
                 continue
             self._feed(data)
-            if reader.complete or self.final is not None:
+            if reader.complete or self._final_set():
                 self._wake_responder()
             elif not self.busy:
                 await self._idle_state_changed()
+
+    def _final_set(self) -> bool:
+        """Whether ``final`` is set, read afresh: within ``while self.final is None`` mypyc (2.4) takes the
+        attribute for None even after a call that set it (``_feed``), and raised TypeError there."""
+        return self.final is not None
 
     async def _park_reader(self) -> None:
         def abort(_: object) -> trio.lowlevel.Abort:

@@ -11,17 +11,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import httpx
 import pytest
+import trio
 
+import compiled_build
 from llmgw.compiled import MYPYC_MODULES, module_name
-from llmgw.testing.processes import start_serve
+from llmgw.testing.processes import Child, start_serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the compiled build takes 1-8 minutes here
 
@@ -44,24 +44,10 @@ VARYING_HEADERS = {"x-request-id", "date", "x-served-by", "content-length"}  # x
 
 @pytest.fixture(scope="module")
 def compiled_tree(tmp_path_factory) -> Path:
-    """The llmgw of a wheel built with ``LLMGW_MYPYC=1`` from the tracked files (the build leaves nothing in the
-    checkout), unpacked."""
-    tmp = tmp_path_factory.mktemp("compiled")
-    listing = subprocess.run(["git", "ls-files", "-z", "--", "setup.py", "pyproject.toml", "README.md", "LICENSE",
-                              "llmgw"], cwd=REPO, capture_output=True, check=True).stdout.decode().split("\0")
-    source = tmp / "src"
-    for name in filter(None, listing):
-        if (REPO / name).is_file():
-            (source / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, source / name)
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                            str(tmp / "dist"), str(source)], capture_output=True, text=True, timeout=1500,
-                           env={**_environ(), "LLMGW_MYPYC": "1"})
-    assert built.returncode == 0, built.stderr[-3000:]
-    (wheel,) = (tmp / "dist").glob("llmgw-*.whl")
-    assert "-none-any" not in wheel.name, wheel.name  # a platform wheel
-    tree = tmp / "tree"
-    zipfile.ZipFile(wheel).extractall(tree)
+    """The llmgw of a wheel built with ``LLMGW_MYPYC=1`` from the checkout's sources (the build leaves nothing in
+    the checkout), unpacked; reused when ``./dev test`` already built it for these sources (tests/compiled_build.py)."""
+    cache = compiled_build.cache_root(REPO) or tmp_path_factory.mktemp("compiled")
+    tree, _ = compiled_build.compiled_tree(REPO, cache)
     return tree
 
 
@@ -128,7 +114,8 @@ def counted(metrics_text: str) -> dict[str, float]:
     return series
 
 
-async def test_compiled_and_pure_gateways_answer_alike(compiled_tree, start_fake_upstream, nursery, tmp_path):
+async def start_both(compiled_tree: Path, start_fake_upstream, nursery, tmp_path: Path) -> tuple[Child, Child]:
+    """A pure and a compiled ``llmgw serve`` over the same two fake upstreams."""
     a = await start_fake_upstream("a")
     b = await start_fake_upstream("b")
     config = tmp_path / "llmgw.yaml"
@@ -136,7 +123,13 @@ async def test_compiled_and_pure_gateways_answer_alike(compiled_tree, start_fake
     pure = await start_serve(nursery, config)
     # run where the checkout's llmgw is not on the path: ``python -m`` puts the working directory first
     compiled = await start_serve(nursery, config, env={"PYTHONPATH": str(compiled_tree)}, cwd=compiled_tree)
+    return pure, compiled
+
+
+async def test_compiled_and_pure_gateways_answer_alike(compiled_tree, start_fake_upstream, nursery, tmp_path):
+    pure, compiled = await start_both(compiled_tree, start_fake_upstream, nursery, tmp_path)
     assert any("hot modules compiled with mypyc" in line for line in compiled.lines), compiled.output(20)
+    assert not any("older than their source" in line for line in compiled.lines), compiled.output(20)
     assert not any("compiled with mypyc" in line for line in pure.lines)
     pure_answers = await exchange_all(pure.url)
     compiled_answers = await exchange_all(compiled.url)
@@ -147,3 +140,40 @@ async def test_compiled_and_pure_gateways_answer_alike(compiled_tree, start_fake
         pure_metrics = counted((await client.get(pure.control_url + "/metrics")).text)
         compiled_metrics = counted((await client.get(compiled.control_url + "/metrics")).text)
     assert pure_metrics and compiled_metrics == pure_metrics
+
+
+async def slow_request_then_close(url: str) -> bytes:
+    """One request on a raw keep-alive connection that keeps the handler busy long enough for the server to start
+    watching the client (``DISCONNECT_WATCH_AFTER``), its whole answer read, then the connection closed by the
+    client while the server's watcher still waits on it."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "x_delay_ms": 80}).encode()
+    stream = await trio.open_tcp_stream(host, int(port))
+    answer = b""
+    with trio.fail_after(10):
+        await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                              b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < _content_length(answer):
+            answer += await stream.receive_some(65536)
+    await stream.aclose()
+    return answer
+
+
+def _content_length(answer: bytes) -> int:
+    head = answer.split(b"\r\n\r\n", 1)[0].lower()
+    return int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+
+
+async def test_a_client_closing_after_a_slow_request_is_no_error_in_either_build(compiled_tree, start_fake_upstream,
+                                                                                 nursery, tmp_path):
+    """The connection's watcher reads the client's end after a handler that ran longer than the watch delay.
+    (mypyc 2.4 trusted ``while self.final is None`` over a call that set ``final``: a TypeError ended the
+    connection's task with an error logged, and a protocol error found there would have gone unanswered.)"""
+    pure, compiled = await start_both(compiled_tree, start_fake_upstream, nursery, tmp_path)
+    for gateway in (pure, compiled):
+        for _ in range(3):
+            assert (await slow_request_then_close(gateway.url)).startswith(b"HTTP/1.1 200 ")
+    await trio.sleep(0.5)  # the watchers see the ends
+    for name, gateway in (("pure", pure), ("compiled", compiled)):
+        failures = [line for line in gateway.lines if "connection failed" in line or "Traceback" in line]
+        assert not failures, (name, gateway.lines[-40:])

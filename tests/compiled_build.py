@@ -1,0 +1,130 @@
+"""The mypyc-compiled llmgw the tests run against: a wheel built with ``LLMGW_MYPYC=1`` from the checkout, unpacked,
+and kept per content hash so that it is built once per change of the sources.
+
+``./dev test`` builds it (``python tests/compiled_build.py``, which prints the unpacked tree's path) and runs the
+unit tier and the data plane's integration tests a second time with that tree first on ``PYTHONPATH``
+(docs/testing.md, "Both builds"); ``tests/integration/test_compiled_dataplane.py`` compares a gateway run from it
+with one run from the source. The key covers every file the wheel is built from (tracked or not, but not
+ignored), the interpreter and mypy (which ships mypyc), so an edit anywhere in llmgw builds again: mypyc compiles
+a module against the types of what it imports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD_TIMEOUT = 1500  # seconds: 1-8 minutes on the 2 shared cores here
+CACHE_ENV = "LLMGW_COMPILED_CACHE"  # where the built trees are kept; else .venv/compiled in the checkout
+# The second run of ./dev test: the unit tier and the integration tests of the data plane (relaying, streams,
+# upstream faults and retries, hostile bodies, limits, TLS, hops, latency metrics, access log, descriptors).
+COMPILED_PASS = ("tests/unit",) + tuple(f"tests/integration/test_{name}.py" for name in (
+    "gateway", "relay_paths", "stream_errors", "request_faults", "fault_matrix", "hostile_bodies", "hop_loops",
+    "latency_metrics", "access_log", "tls", "fd_exhaustion"))
+
+
+def source_files(repo: Path = REPO) -> list[str]:
+    """What the wheel is built from: setup.py, pyproject.toml, README.md, LICENSE and llmgw/, as git sees them
+    (tracked and new files, not ignored ones such as in-place ``.so`` builds or ``__pycache__``)."""
+    listing = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--",
+                              "setup.py", "pyproject.toml", "README.md", "LICENSE", "llmgw"],
+                             cwd=repo, capture_output=True, check=True).stdout.decode()
+    return sorted({name for name in listing.split("\0") if name and (repo / name).is_file()})
+
+
+def content_key(repo: Path = REPO) -> str:
+    """A hash of the sources (names and contents), the interpreter's version and mypy's."""
+    from mypy.version import __version__ as mypy_version
+
+    digest = hashlib.sha256(f"{sys.version}\0{mypy_version}\0".encode())
+    for name in source_files(repo):
+        digest.update(name.encode() + b"\0" + (repo / name).read_bytes() + b"\0")
+    return digest.hexdigest()[:20]
+
+
+def cache_root(repo: Path = REPO) -> Path | None:
+    """Where built trees are kept: ``$LLMGW_COMPILED_CACHE``, else ``.venv/compiled`` when the checkout has the
+    ``./dev`` virtualenv; None otherwise (the caller picks a temporary folder)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return repo / ".venv" / "compiled" if (repo / ".venv").is_dir() else None
+
+
+def build_tree(repo: Path, into: Path) -> Path:
+    """Build the compiled wheel from a copy of ``repo``'s sources (the build leaves nothing in the checkout) and
+    unpack it in ``into/tree``, which it returns."""
+    source = into / "src"
+    for name in source_files(repo):
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(repo / name, source / name)
+    environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "--disable-pip-version-check", "-w", str(into / "dist"), str(source)],
+                           capture_output=True, text=True, timeout=BUILD_TIMEOUT,
+                           env={**environ, "LLMGW_MYPYC": "1"})
+    if built.returncode != 0:
+        raise RuntimeError(f"the compiled build failed:\n{built.stderr[-3000:]}")
+    (wheel,) = (into / "dist").glob("llmgw-*.whl")
+    if "-none-any" in wheel.name:
+        raise RuntimeError(f"the compiled build made a pure wheel: {wheel.name}")
+    tree = into / "tree"
+    zipfile.ZipFile(wheel).extractall(tree)
+    built_at = time.time()  # extracted files are dated by the order of extraction: a .py after its extension
+    for path in tree.rglob("*"):  # would make llmgw.compiled call the extension older than its source
+        os.utime(path, (built_at, built_at))
+    shutil.rmtree(source)
+    return tree
+
+
+def compiled_tree(repo: Path, cache: Path) -> tuple[Path, bool]:
+    """The unpacked compiled llmgw of ``repo``'s current sources and whether it was built now (False: reused).
+
+    The tree is ``cache/KEY/tree``, built in a temporary folder beside it and renamed into place (a build that
+    fails or is killed leaves no tree behind); the trees of other keys are removed."""
+    key = content_key(repo)
+    done = cache / key
+    if (done / "tree" / "llmgw").is_dir():
+        return done / "tree", False
+    cache.mkdir(parents=True, exist_ok=True)
+    for old in cache.iterdir():
+        shutil.rmtree(old, ignore_errors=True)
+    building = Path(tempfile.mkdtemp(prefix=f"{key}.building-", dir=cache))
+    build_tree(repo, building)
+    building.rename(done)
+    return done / "tree", True
+
+
+def run_tests(tree: Path, args: list[str]) -> None:
+    """Replace this process by pytest ``args`` (default :data:`COMPILED_PASS`) run against ``tree``: first on the
+    path, ``PYTHONSAFEPATH`` so that neither pytest nor the ``python -m llmgw`` children put the working directory
+    (a checkout, with its pure llmgw) before it, and ``LLMGW_EXPECT_COMPILED=1``, which
+    tests/unit/test_compiled_modules.py checks against what this process and a child import."""
+    environ = dict(os.environ, PYTHONSAFEPATH="1", LLMGW_EXPECT_COMPILED="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])))
+    argv = [sys.executable, "-m", "pytest", "--rootdir", str(REPO), "-c", str(REPO / "pyproject.toml"),
+            *(args or [str(REPO / path) for path in COMPILED_PASS])]
+    os.execve(sys.executable, argv, environ)
+
+
+def main(argv: list[str]) -> None:
+    """``compiled_build.py``: build or reuse the tree and print its path; ``compiled_build.py test [ARGS]``: then
+    run pytest ARGS against it. How long the build took (or that it was reused) goes to stderr."""
+    started = time.monotonic()
+    tree, built = compiled_tree(REPO, cache_root(REPO) or Path(tempfile.mkdtemp(prefix="llmgw-compiled-")))
+    took = time.monotonic() - started
+    print(f"compiled llmgw: {'built' if built else 'reused'} {tree} ({took:.0f} s)", file=sys.stderr, flush=True)
+    if argv[:1] == ["test"]:
+        run_tests(tree, argv[1:])
+    print(tree)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
