@@ -140,13 +140,14 @@ def _descendants(pid: int) -> list[int]:
 
 
 async def start(nursery: trio.Nursery, workdir: Path, name: str, argv: list[str], cpu: int | None,
-                ready: re.Pattern | None, timeout: float, cwd: Path | None = None) -> Child:
+                ready: re.Pattern | None, timeout: float, cwd: Path | None = None,
+                env: dict[str, str] | None = None) -> Child:
     """``argv`` pinned to ``cpu`` (``taskset``), its output in ``workdir/NAME.log``, once it printed ``ready``."""
     if cpu is not None:
         argv = ["taskset", "-c", str(cpu)] + argv
     try:
         return await start_child(nursery, argv, name=name, ready=ready, startup_timeout=timeout, cwd=cwd,
-                                 output_file=workdir / f"{name}.log")
+                                 output_file=workdir / f"{name}.log", env=env)
     except ChildFailed as exc:
         raise BenchError(str(exc)) from None
 
@@ -722,10 +723,12 @@ async def start_and_measure(args: argparse.Namespace, targets: list[str], workdi
                 extra[f"{name}_config"] = tls_config.read_text()
                 gateways.append((name, None, tls_config))
         for name, source, config_path in gateways:
-            # From another checkout: ``python -m llmgw`` run in its folder imports that folder's llmgw.
+            # From another checkout: its folder first on the path, whatever this process's PYTHONPATH (a compiled
+            # tree, say) and PYTHONSAFEPATH, which would otherwise make the baseline import this process's llmgw.
             proc = await start(nursery, workdir, name, [
                 sys.executable, "-m", "llmgw", "serve", "--config", str(config_path), "--listen", "127.0.0.1:0",
-                "--control-listen", "127.0.0.1:0"], PROXY_CPU, GATEWAY_READY, 60, cwd=source)
+                "--control-listen", "127.0.0.1:0"], PROXY_CPU, GATEWAY_READY, 60, cwd=source,
+                env=None if source is None else {"PYTHONPATH": str(source), "PYTHONSAFEPATH": ""})
             commands[name] = proc.argv + ([f"(in {source})"] if source else [])
             client_tls = pki.client_context() if pki and proc.url.startswith("https://") else None
             wait_ready(proc.url, 30, proc, client_tls)
