@@ -250,6 +250,11 @@ class Choice:
     charges: list[decode_cost.DecodeCharge] | None = None  # under rule "cost", per candidate
     moved_by: str = ""  # "decode" or "capacity" when those charges moved the pick off the smallest estimate
 
+    def total_cost(self, i: int) -> float:
+        """Candidate ``i``'s estimated cost with its decode and capacity charges: what the rule compares."""
+        assert self.estimates is not None  # under rule "cost"
+        return self.estimates[i].cost + (self.charges[i].total if self.charges is not None else 0.0)
+
 
 @dataclass
 class Evaluation(Choice):
@@ -370,7 +375,7 @@ class PrefixTreeTier(RoutingTier):
             if choice.preferred != chosen:
                 p = choice.estimates[choice.preferred]
                 cost["preferred_estimated_ttft_s"] = round(p.ttft, 4)
-                cost["expected_gain_s"] = round(p.cost - e.cost, 4)
+                cost["expected_gain_s"] = round(choice.total_cost(choice.preferred) - choice.total_cost(chosen), 4)
                 if choice.uncertainties is not None:
                     cost["gain_uncertainty_s"] = round(math.hypot(choice.uncertainties[choice.preferred],
                                                                   choice.uncertainties[chosen]), 4)
@@ -445,8 +450,8 @@ class PrefixTreeTier(RoutingTier):
         """Candidate ``i``'s part of an explanation: its estimate and learnt speed (rule ``cost``) or its scores."""
         if choice.estimates is not None:
             spread = {} if choice.uncertainties is None else {"uncertainty_s": round(choice.uncertainties[i], 4)}
-            charge = {} if choice.charges is None else {**choice.charges[i].as_json(), "total_cost_s": round(
-                choice.estimates[i].cost + choice.charges[i].total, 4)}
+            charge = {} if choice.charges is None else {**choice.charges[i].as_json(),
+                                                        "total_cost_s": round(choice.total_cost(i), 4)}
             held = {"held_chars": self.tree.replica_chars.get(name, 0)}
             if choice.deal is not None:
                 held["affordable"] = i in choice.deal.affordable

@@ -250,6 +250,10 @@ async def test_a_request_leaves_the_holder_of_its_prefix_when_the_decode_delay_t
     decision = await router.pick(chat("second question"))
     assert decision.replica is other and decision.outcome == "cost_override"
     assert decision.detail["cost"]["decode_charge_s"] == 0
+    # The gain a decision records is the one the rule weighed: the totals with the charges (the TTFTs alone say
+    # the move loses time).
+    gain = costs[owner.name]["total_cost_s"] - costs[other.name]["total_cost_s"]
+    assert abs(decision.detail["cost"]["expected_gain_s"] - gain) < 2e-3 and gain > 0
     assert tier.decode.moved == {"decode": 1, "capacity": 0}
     exposition = generate_latest(router.metrics.registry).decode()
     assert 'llmgw_routing_decode_moves_total{charge="decode",model="m"} 1.0' in exposition
