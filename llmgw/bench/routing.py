@@ -67,7 +67,7 @@ from .calibration import DECISION_FIELDS, DecisionCollector, calibration, calibr
 from .chat_workloads import ChatResult, new_client, percentile
 from .common import write_json
 from .proxy import find_vllm_router, process_cpu_seconds, vllm_router_version
-from .routing_arms import ARMS, Arm, SimSpec, Target, block_keys, leading, open_arm
+from .routing_arms import ARMS, BASELINE, Arm, SimSpec, Target, baseline_config_problems, block_keys, leading, open_arm
 from .routing_workloads import WORKLOADS, Needs, Objectives, Session, TraceError, build, needs
 
 DEFAULT_ARMS = ("round_robin", "prefix_tree", "kv_index", "oracle", "vllm-router-round_robin",
@@ -323,6 +323,8 @@ async def run_once(arm: Arm, spec: SimSpec, sessions: list[Session], concurrency
                    router_cpu_ms_per_request=None if cpu is None else 1000 * cpu / max(1, len(records)))
     if target.decision_urls:
         summary.update(decisions_read=len(collector.decisions), decision_rings_turned_over=collector.lost)
+    if target.modules:
+        summary["gateway_modules"] = target.modules
     return {"summary": summary, "records": [list(asdict(r).values()) for r in records],
             "decisions": collector.decisions}
 
@@ -431,6 +433,7 @@ async def run(plan: Plan, vllm_router: str | None) -> dict:
                 points = {c: medians(runs[key][c]) for c in levels}
                 arms[key] = {"label": plan.label(arm, n), "arm": arm.name, "arm_label": arm.label, "gateways": n,
                              "kind": arm.kind, "policy": arm.policy, "options": arm.options,
+                             "source": None if arm.source is None else str(arm.source),
                              "by_concurrency": {str(c): p for c, p in points.items()}, "knee": knee(points),
                              "runs": {str(c): runs[key][c] for c in levels}}
                 if arm.kind == "llmgw":
@@ -569,7 +572,8 @@ def plot(report: dict, directory: Path) -> list[str]:
 
 
 def _known_arm(name: str) -> bool:
-    """One of :data:`ARMS`, or ``NAME@LABEL``: a variant of an llmgw arm (its own ``--arm-options``)."""
+    """One of :data:`ARMS`, or ``NAME@LABEL``: a variant of an llmgw arm (its own ``--arm-options``;
+    ``NAME@baseline``: run by the ``--baseline`` checkout's gateway)."""
     base, at, label = name.partition("@")
     return base in ARMS and (not at or bool(label) and ARMS[base].kind == "llmgw")
 
@@ -602,6 +606,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--arm-options", action="append", default=[], metavar="ARM=JSON",
                         help="routing_options of an llmgw arm, e.g. 'kv_index={\"predicted_ttl\": \"1s\"}' "
                              "(repeatable)")
+    parser.add_argument("--baseline", metavar="DIR", default=None,
+                        help="another checkout of llmgw (e.g. git worktree add /tmp/base COMMIT) whose gateway runs "
+                             "the arms written NAME@baseline (e.g. kv_index@baseline), on this checkout's simulators "
+                             "and requests, interleaved with the other arms; without any NAME@baseline in --arms, "
+                             "every llmgw arm gets its @baseline twin")
     parser.add_argument("--concurrency", default="8,24", help="comma list of closed-loop client counts: the "
                                                               "load sweep (default 8,24)")
     parser.add_argument("--gateways", default="1", metavar="N[,N...]",
@@ -638,6 +647,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _with_baseline(names: list[str], baseline: str | None) -> list[str]:
+    """The arms with ``--baseline``: as given when some are ``NAME@baseline``, else each llmgw arm followed by
+    its ``@baseline`` twin; an error for ``NAME@baseline`` without ``--baseline`` or a folder that is no checkout."""
+    tagged = [n for n in names if n.partition("@")[2] == BASELINE]
+    if baseline is None:
+        if tagged:
+            raise SystemExit(f"llmgw bench routing: {', '.join(tagged)} need --baseline DIR (another checkout)")
+        return names
+    if not (Path(baseline) / "llmgw" / "__main__.py").is_file():
+        raise SystemExit(f"llmgw bench routing: --baseline {baseline}: no llmgw checkout there (no llmgw/__main__.py)")
+    if tagged:
+        return names
+    return [twin for n in names for twin in ([n, f"{n}@{BASELINE}"] if ARMS[n.partition("@")[0]].kind == "llmgw"
+                                             and "@" not in n else [n])]
+
+
 def _plan(args: argparse.Namespace) -> Plan:
     try:
         gateways = sorted({int(n) for n in args.gateways.split(",")})
@@ -651,8 +676,11 @@ def _plan(args: argparse.Namespace) -> Plan:
     if unknown or len(set(names)) < len(names):
         raise SystemExit(f"llmgw bench routing: unknown or repeated arm(s) {', '.join(unknown or names)}; choose from "
                          f"{', '.join(ARMS)}, or NAME@LABEL for a variant of an llmgw arm (with --arm-options)")
+    names = _with_baseline(names, args.baseline)
     options = _arm_options(args.arm_options)
-    arms = [replace(ARMS[n.partition("@")[0]], name=n, options=options.get(n, {})) for n in names]
+    source = None if args.baseline is None else Path(args.baseline).resolve()
+    arms = [replace(ARMS[n.partition("@")[0]], name=n, options=options.get(n, {}),
+                    source=source if n.partition("@")[2] == BASELINE else None) for n in names]
     concurrencies = ["8"] if args.quick and args.concurrency == "8,24" else args.concurrency.split(",")
     try:
         levels = sorted({int(c) for c in concurrencies})
@@ -686,6 +714,12 @@ def _plan(args: argparse.Namespace) -> Plan:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     plan = _plan(args)
+    for arm in plan.arms:
+        problems = baseline_config_problems(arm, plan.spec.replicas) if arm.source is not None else None
+        if problems:
+            print(f"llmgw bench routing: the baseline {arm.source} does not read the config arm {arm.name} runs "
+                  f"on (give its options with --arm-options '{arm.name}={{...}}'):\n{problems}", file=sys.stderr)
+            return 2
     skipped = {}
     executable = None
     if any(arm.kind == "vllm-router" for arm in plan.arms):
@@ -702,6 +736,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report["settings"] = {"workloads": plan.workloads, "arms": [a.name for a in plan.arms], "skipped_arms": skipped,
                           "sim_profile": plan.spec.profile,
+                          "baseline": args.baseline and str(Path(args.baseline).resolve()),
                           "concurrency": plan.concurrencies, "gateways": plan.gateways, "repeats": plan.repeats,
                           "seed": plan.seed,
                           "quick": plan.quick, "simulators": asdict(plan.spec),

@@ -40,8 +40,11 @@ measured from the send to the chosen simulator).
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -55,7 +58,7 @@ import trio
 from ..sim import tokenizer
 from ..sim.profiles import CONSTANT, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_PROFILE, ProfileError, profile
 from ..sim.timing import ConstantTiming, GpuTiming, StepWork, Timing, causal_attention_pairs
-from ..testing.processes import free_port, start_child, start_serve
+from ..testing.processes import announced_module, checkout_env, free_port, start_child, start_serve
 from ..testing.redis import start_private_redis
 from ..testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, MODEL, gateway_config, kv_sources, start_sims
 from .chat_workloads import ChatResult, send_chat
@@ -69,6 +72,7 @@ class Arm:
     kind: str  # "llmgw", "vllm-router" or "oracle"
     policy: str = ""  # the llmgw tier or the vllm-router policy
     options: dict = field(default_factory=dict)  # llmgw routing_options
+    source: Path | None = None  # llmgw: the checkout whose gateway runs (None: this one); see BASELINE
 
     @property
     def label(self) -> str:
@@ -85,6 +89,9 @@ ARMS = {arm.name: arm for arm in (
     Arm("vllm-router-kv_aware", "vllm-router", "kv_aware"),
 )}
 
+
+# ``NAME@baseline``: llmgw arm NAME run by the gateway of another checkout (``llmgw bench routing --baseline DIR``)
+BASELINE = "baseline"
 
 # a slower kind of GPU for the slow replicas of ``hetero`` (the first whose memory holds the model)
 SLOWER_GPUS = {"h100": ("a100-40gb", "a100-80gb"), "a100-80gb": ("a100-40gb", "l4"), "a100-40gb": ("l4",),
@@ -194,6 +201,7 @@ class Target:
     sim_urls: list[str]
     router_pids: list[int]  # every router process (and the cluster's redis-server); empty: the oracle (in-process)
     decision_urls: list[str] = field(default_factory=list)  # llmgw: each gateway's control URL (/admin/decisions)
+    modules: list[str | None] = field(default_factory=list)  # llmgw: the llmgw package file each gateway imported
     spread: Spread = field(init=False)  # which gateway takes the next request
 
     def __post_init__(self) -> None:
@@ -223,8 +231,7 @@ async def open_arm(nursery: trio.Nursery, arm: Arm, spec: SimSpec, vllm_router: 
             for i in range(gateways):
                 starting.start_soon(start, i)
         return Target([_through(url) for url, _ in routers], urls, [pid for _, pid in routers])
-    config = gateway_config(urls, routing=arm.policy, routing_options=arm.options,
-                            kv_sources=sources if arm.policy == "kv_index" else None)
+    config = arm_config(arm, urls, sources)
     kv = arm.policy == "kv_index"
     directory = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))  # the config, and the redis-server's folder
     nursery.start_soon(_remove_when_cancelled, directory)
@@ -235,11 +242,14 @@ async def open_arm(nursery: trio.Nursery, arm: Arm, spec: SimSpec, vllm_router: 
         pids.append(redis.pid)
     path = directory / "llmgw.yaml"
     path.write_text(config)
-    control = await start_serve(nursery, path)  # the control process first: the others follow its log
+    # another checkout's gateway: its own code on the path (this checkout's simulators all the same)
+    serve = partial(start_serve, nursery, path, announce_module=True, cwd=arm.source,
+                    env=None if arm.source is None else checkout_env(arm.source))
+    control = await serve()  # the control process first: the others follow its log
     followers = []
     async with trio.open_nursery() as starting:
         async def follower() -> None:
-            followers.append(await start_serve(nursery, path, "--role", "gateway"))
+            followers.append(await serve("--role", "gateway"))
 
         for _ in range(gateways - 1):
             starting.start_soon(follower)
@@ -248,7 +258,36 @@ async def open_arm(nursery: trio.Nursery, arm: Arm, spec: SimSpec, vllm_router: 
         for process in processes:
             waiting.start_soon(partial(_gateway_ready, replicas=spec.replicas, kv=kv), process.control_url)
     return Target([_through(p.url) for p in processes], urls, [p.pid for p in processes] + pids,
-                  [p.control_url for p in processes])
+                  [p.control_url for p in processes], [announced_module(p) for p in processes])
+
+
+def arm_config(arm: Arm, urls: list[str], sources: list[tuple[str, str]]) -> str:
+    """The config an llmgw arm's gateways read: the simulators as one model's replicas, the arm's tier and
+    options (and with ``kv_index`` each replica's KV event endpoints). The same for a baseline arm: only keys
+    both checkouts read, which :func:`baseline_config_problems` checks before a run."""
+    return gateway_config(urls, routing=arm.policy, routing_options=arm.options,
+                          kv_sources=sources if arm.policy == "kv_index" else None)
+
+
+def baseline_config_problems(arm: Arm, replicas: int) -> str | None:
+    """What the baseline checkout's own ``llmgw config check`` finds wrong with the config ``arm`` will run on
+    (with placeholder addresses), or None when it reads it: a key it lacks, a tier or option it does not know."""
+    assert arm.source is not None, "a baseline arm"
+    urls = [f"http://127.0.0.1:{9 + i}" for i in range(replicas)]
+    sources = [(f"tcp://127.0.0.1:{19 + i}", f"tcp://127.0.0.1:{29 + i}") for i in range(replicas)]
+    with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as directory:
+        path = Path(directory) / "llmgw.yaml"
+        path.write_text(arm_config(arm, urls, sources))
+        try:
+            done = subprocess.run([sys.executable, "-m", "llmgw", "config", "check", str(path)], cwd=arm.source,
+                                  env=dict(os.environ, **checkout_env(arm.source)), capture_output=True, text=True,
+                                  timeout=60)
+        except subprocess.TimeoutExpired:
+            return f"`llmgw config check` of {arm.source} did not answer within 60 s"
+    if done.returncode == 0:
+        return None
+    return (done.stdout + done.stderr).strip().replace(str(path), "the bench's config") or \
+        f"`llmgw config check` of {arm.source} exited with code {done.returncode}"
 
 
 async def _remove_when_cancelled(directory: Path) -> None:

@@ -269,11 +269,35 @@ async def stop(process: trio.Process, grace: float) -> None:
         await process.stdout.aclose()
 
 
+# ``python -m llmgw`` that first prints which ``llmgw`` package it imported (``MODULE_LINE`` and its file)
+ANNOUNCING_LLMGW = ("import runpy, sys, llmgw; print('llmgw module:', llmgw.__file__, flush=True); "
+                    "runpy.run_module('llmgw', run_name='__main__', alter_sys=True)")
+MODULE_LINE = re.compile(r"^llmgw module: (.+)$")
+
+
+def checkout_env(source: str | os.PathLike) -> dict[str, str]:
+    """The environment (beside ``cwd=source``) that makes a child's ``python -m llmgw`` import the checkout in
+    ``source``, whatever this process's PYTHONPATH (a compiled tree, say) and PYTHONSAFEPATH (which would drop
+    the working directory from the path)."""
+    return {"PYTHONPATH": str(source), "PYTHONSAFEPATH": ""}
+
+
+def announced_module(child: Child) -> str | None:
+    """The ``llmgw`` package file a child started with ``announce_module`` imported (from its first lines)."""
+    for line in child.output(10_000).splitlines():
+        if match := MODULE_LINE.match(line):
+            return match.group(1)
+    return None
+
+
 async def start_serve(nursery: trio.Nursery, config_path: str | os.PathLike | None, *extra: str,
-                      env: dict[str, str] | None = None, **options) -> Child:
+                      env: dict[str, str] | None = None, announce_module: bool = False, **options) -> Child:
     """``llmgw serve`` on ephemeral loopback ports, in ``nursery``; its ``url`` is the OpenAI endpoint and
-    ``control_url`` the control listener (from its banner ``llmgw listening on URL (control: URL)``)."""
+    ``control_url`` the control listener (from its banner ``llmgw listening on URL (control: URL)``).
+    ``announce_module``: it first prints the ``llmgw`` package it imported (:func:`announced_module`)."""
     argv = llmgw_command("serve", "--listen", "127.0.0.1:0", "--control-listen", "127.0.0.1:0", *extra)
+    if announce_module:
+        argv[1:3] = ["-c", ANNOUNCING_LLMGW]
     if config_path is not None:
         argv += ["--config", str(config_path)]
     return await start_child(nursery, argv, name="llmgw", ready=SERVE_READY, env=env, **options)
