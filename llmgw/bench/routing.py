@@ -1,7 +1,7 @@
 """Routing judged on the engines: llmgw's tiers, an oracle and vllm-router on the same simulators and requests.
 
 ``llmgw bench routing [--workload grouped] [--arms ...] [--concurrency 8,24] [--gateways 1,4] [--repeats 3]
-[--sim-profile NAME] [--quick] [--json FILE] [--markdown FILE] [--plots DIR]``
+[--sim-profile NAME] [--baseline DIR] [--quick] [--json FILE] [--markdown FILE] [--plots DIR]``
 
 For every workload, concurrency C, repeat and arm (:mod:`llmgw.bench.routing_arms`), fresh
 simulators (N replicas, every one on ``--sim-profile``'s timing, with what the workload needs: a
@@ -39,6 +39,11 @@ With ``--gateways 1,4`` every arm also runs as N routers over the same simulator
 vllm-router as N independent instances), the clients' requests spread over them round-robin as an
 L4 balancer would (request *i* to gateway *i mod N*); each N is a row of its own and a table puts
 every N beside N=1 (hit rate and TTFT p90 as ratios of N=1's).
+
+With ``--baseline DIR`` the arms written ``NAME@baseline`` run the gateway of another checkout
+(:data:`~llmgw.bench.routing_arms.BASELINE`) on this checkout's simulators and requests, in the same
+rotation as the others: a change judged against the code before it in one run. Both read the same
+generated config, which the baseline's own ``llmgw config check`` reads first.
 
 Reported per arm, N and C: medians over the repeats. Output: a Markdown table (printed, and written
 with ``--markdown``), everything with ``--json`` (per-request records included), PNG plots of

@@ -21,6 +21,11 @@ through such a balancer would. The routers, by kind:
 - the oracle: N independent oracles, each reading the engines exactly but knowing only its own
   decisions in flight.
 
+An llmgw arm with a ``source`` (``NAME@baseline``: ``llmgw bench routing --baseline DIR``) runs the
+gateway of that other checkout (its folder as working directory and ``PYTHONPATH``) on the same
+simulators, which are always this checkout's; every llmgw gateway is started so that it first prints
+the ``llmgw`` package it imported (:attr:`Target.modules`), so a report shows which code ran.
+
 The oracle is no process: for each request it asks every simulator ``POST /debug/prefix_hit``
 (the prompt's cached leading tokens and the engine's queues, read from the engine itself) and
 sends the request straight to the simulator whose estimated time to first token is the least:

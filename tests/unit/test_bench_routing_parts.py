@@ -127,6 +127,27 @@ def test_a_variant_of_an_llmgw_arm_runs_beside_it_with_its_own_options():
             routing._plan(routing.build_parser().parse_args(["--arms", arms]))
 
 
+def test_baseline_arms_name_the_other_checkout_and_need_one(tmp_path):
+    (tmp_path / "llmgw").mkdir()
+    (tmp_path / "llmgw" / "__main__.py").write_text("")
+    parse = routing.build_parser().parse_args
+    # no NAME@baseline given: every llmgw arm gets its twin right after it, the others none
+    plan = routing._plan(parse(["--arms", "round_robin,oracle,kv_index@greedy", "--baseline", str(tmp_path)]))
+    assert [(a.name, a.source) for a in plan.arms] == [("round_robin", None), ("round_robin@baseline", tmp_path),
+                                                       ("oracle", None), ("kv_index@greedy", None)]
+    # as given when some are, each with its own options
+    plan = routing._plan(parse(["--arms", "kv_index@baseline,kv_index", "--baseline", str(tmp_path),
+                                "--arm-options", 'kv_index@baseline={"predicted_ttl": "1s"}']))
+    assert [(a.name, a.policy, a.options, a.source) for a in plan.arms] == [
+        ("kv_index@baseline", "kv_index", {"predicted_ttl": "1s"}, tmp_path), ("kv_index", "kv_index", {}, None)]
+    with pytest.raises(SystemExit, match="kv_index@baseline need --baseline DIR"):
+        routing._plan(parse(["--arms", "kv_index,kv_index@baseline"]))
+    with pytest.raises(SystemExit, match="no llmgw checkout there"):
+        routing._plan(parse(["--arms", "kv_index", "--baseline", str(tmp_path / "nowhere")]))
+    with pytest.raises(SystemExit, match="unknown or repeated arm"):
+        routing._plan(parse(["--arms", "oracle@baseline", "--baseline", str(tmp_path)]))
+
+
 def test_requests_spread_over_gateways_round_robin_in_sending_order_whatever_their_conversation():
     spread = Spread(3)
     assert [spread.next() for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
