@@ -323,7 +323,7 @@ async def run_once(arm: Arm, spec: SimSpec, sessions: list[Session], concurrency
     summary = summarize(records, wall, gateways, measured(load.objectives, spec.time_scale))
     if reset is not None:
         summary["cache_reset"] = asdict(reset)
-    summary.update(load_balance(counts), gateways=gateways, router_cpu_s=cpu,
+    summary.update(load_balance(counts), gateways=gateways, router_cpu_s=cpu, load_average=os.getloadavg(),
                    router_cpu_percent=None if cpu is None else 100 * cpu / wall,
                    router_cpu_ms_per_request=None if cpu is None else 1000 * cpu / max(1, len(records)))
     if target.decision_urls:
