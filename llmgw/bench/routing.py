@@ -58,6 +58,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -652,6 +653,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def checkout_commit(folder: Path) -> str | None:
+    """The commit a checkout is at (``git rev-parse HEAD``; None where it is no git checkout)."""
+    try:
+        done = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
 def _with_baseline(names: list[str], baseline: str | None) -> list[str]:
     """The arms with ``--baseline``: as given when some are ``NAME@baseline``, else each llmgw arm followed by
     its ``@baseline`` twin; an error for ``NAME@baseline`` without ``--baseline`` or a folder that is no checkout."""
@@ -742,6 +753,7 @@ def main(argv: list[str] | None = None) -> int:
     report["settings"] = {"workloads": plan.workloads, "arms": [a.name for a in plan.arms], "skipped_arms": skipped,
                           "sim_profile": plan.spec.profile,
                           "baseline": args.baseline and str(Path(args.baseline).resolve()),
+                          "baseline_commit": args.baseline and checkout_commit(Path(args.baseline)),
                           "concurrency": plan.concurrencies, "gateways": plan.gateways, "repeats": plan.repeats,
                           "seed": plan.seed,
                           "quick": plan.quick, "simulators": asdict(plan.spec),
