@@ -168,7 +168,7 @@ class SharedState:
                 async with trio.open_nursery() as nursery:
                     # A process that holds the cluster's state (it followed it, or led before) publishes it at
                     # once; only a fresh one waits until its control plane has settled (agents back, KV copies in).
-                    known = self.follower.loaded.is_set() or self._terms_led > 1
+                    known = self.follower.loaded.is_set() or self._terms_led > 1 or continues is not None
                     await nursery.start(writer.run, (lambda: True) if known else settled)
                     nursery.start_soon(self._answer_asks)
                     nursery.start_soon(self._let_held_go, self.held_for)
