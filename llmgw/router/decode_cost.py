@@ -23,7 +23,12 @@ loaded cores, where the simulated H100 adds ~0.04 ms). A stream is observed ever
 ``SAMPLE_TOKENS`` tokens while it runs and once more when it ends, so a long
 answer teaches the model long before it finishes. The fit is the TTFT model's
 (an exponentially weighted ridge regression, :class:`llmgw.router.cost.Fit`),
-each replica's shrunk toward all the model's replicas together. Per model,
+each replica's shrunk toward all the model's replicas together. Where the
+engines report their own inter-token latency (vLLM's histogram on ``/metrics``,
+scraped with ``engine_metrics_interval``: :mod:`llmgw.router.engine_itl`), each
+replica's line from those windows is charged instead (``cost_decode_source``:
+``auto``, the default, as soon as any engine reported; ``engine`` or
+``gateway`` only): an engine's own step times carry no host in them. Per model,
 the typical output length (tokens per stream) is a decayed mean over the
 streams that ended.
 
