@@ -16,14 +16,20 @@ from .decode_cost import DecodeModel
 from .model_collectors import PerModelCollector, track
 
 
+def _slopes(prefix: str, learnt_from: str) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+    """The per-replica gauges of an ITL line's two slopes, ``prefix``_per_sequence_seconds and
+    ``prefix``_per_context_token_seconds."""
+    sequence, context = (GaugeMetricFamily(f"{prefix}_per_{unit}_seconds", f"Learnt growth of the inter-token "
+                                           f"latency per {what} on the replica, {learnt_from}.",
+                                           labels=["model", "replica"])
+                         for unit, what in (("sequence", "request in flight"), ("context_token", "context token")))
+    return sequence, context
+
+
 class DecodeCollector(PerModelCollector[DecodeModel]):
     def families(self) -> tuple[Any, ...]:
-        per_sequence = GaugeMetricFamily(
-            "llmgw_routing_itl_per_sequence_seconds", "Learnt growth of the inter-token latency per request in "
-            "flight on the replica (the cost model's decode charge).", labels=["model", "replica"])
-        per_context = GaugeMetricFamily(
-            "llmgw_routing_itl_per_context_token_seconds", "Learnt growth of the inter-token latency per context "
-            "token in flight on the replica.", labels=["model", "replica"])
+        per_sequence, per_context = _slopes("llmgw_routing_itl", "from the streams' token gaps the gateway observed "
+                                            "(its own fit)")
         output = GaugeMetricFamily("llmgw_routing_expected_output_tokens", "The model's typical output length "
                                    "(tokens per stream) the decode charge expects.", labels=["model"])
         moves = CounterMetricFamily("llmgw_routing_decode_moves", "Decisions the decode or capacity charge sent "
@@ -33,14 +39,9 @@ class DecodeCollector(PerModelCollector[DecodeModel]):
             "llmgw_routing_itl_host_per_sequence_seconds", "Learnt growth of every replica's inter-token latency "
             "per request in flight on the fleet's mean replica: the host's or the data plane's slowdown, which no "
             "routing choice avoids and the decode charge does not count.", labels=["model"])
-        engine_per_sequence = GaugeMetricFamily(
-            "llmgw_routing_engine_itl_per_sequence_seconds", "Growth of the inter-token latency per running request "
-            "learnt from the replica's engine's own reported ITL histogram (its /metrics): the decode charge's "
-            "slope when the source in use is the engine.", labels=["model", "replica"])
-        engine_per_context = GaugeMetricFamily(
-            "llmgw_routing_engine_itl_per_context_token_seconds", "Growth of the inter-token latency per context "
-            "token in the KV cache learnt from the replica's engine's reported ITL histogram.",
-            labels=["model", "replica"])
+        engine_per_sequence, engine_per_context = _slopes(
+            "llmgw_routing_engine_itl", "from its engine's own reported ITL histogram (its /metrics): the decode "
+            "charge's line when the source in use is the engine")
         windows = CounterMetricFamily(
             "llmgw_routing_engine_itl_windows", "Scrape windows of the replica's engine's ITL histogram counted "
             "into its ITL fit.", labels=["model", "replica"])
