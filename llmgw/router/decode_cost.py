@@ -71,13 +71,13 @@ profile): the charges then change no decision. The capacity charge needs a
 fresh scrape of the engine's ``/metrics`` (``engine_metrics_interval``).
 
 Off by default (``cost_decode_weight: 0``: the charges are computed and
-explained, but weigh nothing): measured on simulators sharing two loaded CPU
-cores, the per-sequence slope learnt is each simulator process's own (its
-Python work per stream grows with its batch: ~0.3 ms a sequence, seven times
-the modelled GPU's), which the host terms cannot remove since it is not
-shared; with the charge on, the ``long-output`` workload moved requests off
-their prompts' holders for a hit rate of 0.77x ``cache_aware``'s and
-``hetero`` lost goodput (``docs/benchmarks.md``).
+explained, but weigh nothing). Learnt from the streams' gaps on simulators
+sharing two loaded CPU cores, the per-sequence slope was each simulator
+process's own (its Python work per stream: ~0.3 ms a sequence); learnt from
+the engines' reported ITL the slopes are the modelled GPU's, and still, on
+the routing benchmark, the charge moved ``long-output`` requests off their
+prompts' holders (hit 0.77x ``cache_aware``'s) for no measurable gain and cost
+``burst`` goodput; it helped only ``hetero`` (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ from typing import Any, Protocol, Sequence
 from .cost import MAX_FORGOTTEN, MIN_NOISE_OBSERVATIONS, PRIOR_WEIGHT, SHRINK_WEIGHT
 
 DEFAULT_OUTPUT_TOKENS = 256.0  # the prior typical output length, until streams end
-DEFAULT_DECODE_WEIGHT = 0.0  # off until measured on GPUs: on a shared CPU host the slopes learnt are its own
+DEFAULT_DECODE_WEIGHT = 0.0  # off: measured not worth it on the routing benchmark (docs/benchmarks.md)
 SOURCES = ("auto", "engine", "gateway")  # where the charged ITL line comes from (cost_decode_source)
 DEFAULT_SOURCE = "auto"  # the engines' reported ITL where any engine reported it, else the gateway's observed
 OUTPUT_DECAY = 0.97  # per stream that ended: about the last 33 count
