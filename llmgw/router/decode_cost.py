@@ -76,8 +76,8 @@ sharing two loaded CPU cores, the per-sequence slope was each simulator
 process's own (its Python work per stream: ~0.3 ms a sequence); learnt from
 the engines' reported ITL the slopes are the modelled GPU's, and still, on
 the routing benchmark, the charge moved ``long-output`` requests off their
-prompts' holders (hit 0.77x ``cache_aware``'s) for no measurable gain and cost
-``burst`` goodput; it helped only ``hetero`` (``docs/benchmarks.md``).
+prompts' holders (hit 0.77x ``cache_aware``'s) for no measurable gain; it
+helped ``hetero`` (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
