@@ -437,10 +437,11 @@ class DecodeModel:
             self._engine_pooled = key, pooled.solve((0.0,) * FEATURES)
         return self._engine_pooled[1]
 
-    def engine_line(self, name: str) -> tuple[float, float, float] | None:
+    def engine_line(self, name: str, pooled: Theta | None = None) -> tuple[float, float, float] | None:
         """``(base, per_context_token, per_sequence)`` from ``name``'s engine's reported windows, shrunk toward all
-        the engines' until its own weigh ``SHRINK_WEIGHT``; None before any engine reported one."""
-        pooled = self.engine_pooled_line()
+        the engines' (``pooled``: :meth:`engine_pooled_line`, when the caller has it) until its own weigh
+        ``SHRINK_WEIGHT``; None before any engine reported one."""
+        pooled = pooled or self.engine_pooled_line()
         if pooled is None:
             return None
         engine_itl = self.replica(name).engine_itl
@@ -459,14 +460,16 @@ class DecodeModel:
             return "engine"
         return "none" if self.source == "engine" else "gateway"
 
-    def charged_line(self, name: str) -> tuple[float, float, float]:
+    def charged_line(self, name: str, source: str | None = None,
+                     engine_pooled: Theta | None = None) -> tuple[float, float, float]:
         """``(base, per_context_token, per_sequence)`` the charges use for ``name``: its engine's reported line
         (:meth:`engine_line`) when the source allows and any engine reported one; else the gateway's observed
         slopes of all the model's replicas together, and the replica's own base only when it is more than
-        ``BASE_DIFFERENCE`` from theirs (nothing under ``engine`` only)."""
-        source = self.source_in_use
+        ``BASE_DIFFERENCE`` from theirs (nothing under ``engine`` only). ``source`` and ``engine_pooled``: the
+        :attr:`source_in_use` and :meth:`engine_pooled_line` when the caller has them (once for all candidates)."""
+        source = source or self.source_in_use
         if source != "gateway":
-            line = self.engine_line(name) if source == "engine" else None
+            line = self.engine_line(name, engine_pooled) if source == "engine" else None
             return line if line is not None else (0.0, 0.0, 0.0)
         pooled_base, per_context, per_sequence, _ = self.pooled_line()
         base = self.line(name)[0]
@@ -596,8 +599,10 @@ class DecodeModel:
         if batches:
             host = (host_per_context * sum(prompt_contexts) + host_per_sequence * sum(batches)) / len(batches)
         parts = []
+        source = self.source_in_use
+        engine_pooled = self.engine_pooled_line() if source == "engine" else None
         for i, name in enumerate(names):
-            base, per_context, per_sequence = self.charged_line(name)
+            base, per_context, per_sequence = self.charged_line(name, source, engine_pooled)
             state = self.replica(name)
             live = state.live
             batch = batches[i]
