@@ -18,7 +18,7 @@ buckets, on the *modelled* clock: the sum of the steps' modelled times
 delays on a loaded host (a real engine's wall clock includes its CPU's, which
 on a GPU host is part of what a request waits; here it would be the
 simulator's Python, not the GPU it models). vLLM before 0.11 named the first
-``vllm:time_per_output_token_seconds`` (0.11 exported both, later only the
+``vllm:time_per_output_token_seconds`` (0.11 exported both, 0.12 hid the old one, later only the
 new name); the simulator exports the new name only.
 The text is built by hand: a few dozen lines, cheap enough for the event loop.
 """
