@@ -107,6 +107,7 @@ class PrefixTreeOptions:
     cost_decode_weight: float = decode_cost.DEFAULT_DECODE_WEIGHT
     cost_output_tokens: float = decode_cost.DEFAULT_OUTPUT_TOKENS
     cost_engine_prefill: bool = False  # the engines' reported prefill rates (scraped /metrics) as the slopes' priors
+    cost_configured_prefill: bool = True  # the replicas' configured prefill_tokens_per_s, before their engines report
     learn_tokens_per_char: bool = True  # count tokens with the ratio the engines' usage shows; false: characters / 4
 
     @classmethod
@@ -145,6 +146,7 @@ class PrefixTreeOptions:
         take("cost_decode_weight", _non_negative_number)
         take("cost_output_tokens", _positive_number)
         take("cost_engine_prefill", _flag)
+        take("cost_configured_prefill", _flag)
         take("learn_tokens_per_char", _flag)
         if "rule" not in raw and "scorers" in raw:  # naming scorers asks for them
             options.rule = "scores"
@@ -290,7 +292,7 @@ class PrefixTreeTier(RoutingTier):
         self._last_cold: dict[str, int] = {}  # replica -> serial of the last request it got without holding a match
         self.cost = cost_model.CostModel(  # shared with a kv_index tier built on this one
             options.cost_prefill_tokens_per_s, options.cost_step_time, options.cost_decay, options.cost_others_weight,
-            options.cost_engine_prefill)
+            options.cost_engine_prefill, options.cost_configured_prefill)
         self.uncertainty = Uncertainty(self.cost)
         self.tokens_per_char = TokensPerChar()  # learnt from responses' usage unless learn_tokens_per_char is false
         self.wants_usage = options.learn_tokens_per_char  # the data plane hands finished() each response's usage
