@@ -283,24 +283,47 @@ class Estimate:
     recomputed: int = 0  # tokens it would compute that another candidate holds
 
     @property
-    def ttft(self) -> float:
-        return self.step + (self.queued_tokens + self.new_tokens) / self.throughput + self.requests * self.per_request
+    def line(self) -> tuple[float, float, float]:
+        """``theta``: the replica's fitted (step, seconds per prefill token, seconds per request in flight)."""
+        return self.step, 1.0 / self.throughput, self.per_request
 
     @property
-    def delay_to_others(self) -> float:
-        """What computing this request's new tokens costs the requests in flight on the replica, and computing again
-        what another replica holds costs whatever comes to it next (weighted)."""
-        return self.others_weight * (self.requests * self.new_tokens + self.recomputed) / self.throughput
+    def ttft_features(self) -> tuple[float, float, float]:
+        """What the estimated TTFT multiplies :attr:`line` by: one step, the prefill ahead and its own, the requests
+        in flight."""
+        return 1.0, self.queued_tokens + self.new_tokens, self.requests
+
+    @property
+    def features(self) -> tuple[float, float, float]:
+        """``g``: what :attr:`cost` multiplies :attr:`line` by (:mod:`llmgw.router.uncertainty` weighs the fit's
+        uncertainty at it): the TTFT's, plus the delay to others' tokens, ``others_weight x (what computing this
+        request's new tokens costs the requests in flight on the replica + what computing again what another
+        replica holds costs whatever comes to it next)``."""
+        one, tokens, requests = self.ttft_features
+        return one, tokens + self.others_weight * (self.requests * self.new_tokens + self.recomputed), requests
+
+    @property
+    def ttft(self) -> float:
+        return _dot(self.line, self.ttft_features)
 
     @property
     def cost(self) -> float:
-        return self.ttft + self.delay_to_others
+        """``theta . g``: the estimated TTFT plus the delay to others (what the rule compares)."""
+        return _dot(self.line, self.features)
+
+    @property
+    def delay_to_others(self) -> float:
+        return self.cost - self.ttft
 
     def as_json(self) -> dict[str, Any]:
         return {"cached_tokens": self.cached_tokens, "new_tokens": self.new_tokens,
                 "queued_tokens": self.queued_tokens, "requests": self.requests, "recomputed_tokens": self.recomputed,
                 "estimated_ttft_s": round(self.ttft, 4), "delay_to_others_s": round(self.delay_to_others, 4),
                 "cost_s": round(self.cost, 4)}
+
+
+def _dot(theta: tuple[float, float, float], g: tuple[float, float, float]) -> float:
+    return theta[0] * g[0] + theta[1] * g[1] + theta[2] * g[2]
 
 
 class CostModel:
