@@ -95,8 +95,7 @@ MIN_THROUGHPUT, MAX_THROUGHPUT = 50.0, 1e8
 MAX_STEP = 30.0
 MAX_PER_REQUEST = 30.0
 MAX_OBSERVED_TTFT = 600.0
-ENGINE, CONFIGURED = "engine", "configured"  # KNOWN_FROM: where a replica's known prefill rate is from
-KNOWN_FROM = (ENGINE, CONFIGURED)
+ENGINE, CONFIGURED = "engine", "configured"  # where a replica's known prefill rate is from (CostModel.known_rate)
 MAX_FORGOTTEN = 64  # replicas kept beyond twice the candidates before the ones gone are dropped
 
 Line = tuple[float, float, float, float]  # (step s, s per prefill token, s per in-flight request, noise s)
@@ -214,7 +213,7 @@ class ReplicaCost:
     mean_new_tokens: float = 0.0  # EWMA of the new tokens of a request routed to it
     engine: str | None = None  # the engine id its observations are of (CostModel.follow)
     # s per new prompt token as known before its own observations (CostModel.follow): its engine's reported rate,
-    # else its configured one; and which of the two (KNOWN_FROM)
+    # else its configured one; and which of the two (ENGINE or CONFIGURED)
     known_slope: float | None = None
     slope_from: str = ""
     _line: Line | None = None
@@ -368,8 +367,8 @@ class CostModel:
                 self._pooled_line = None
 
     def known_rate(self, replica: Any) -> tuple[float | None, str]:
-        """``replica``'s prefill rate (tokens/s) before its observations, and where it is from (``KNOWN_FROM``):
-        its engine's reported rate (``replica.prefill_rate``) once there is one, else its configured
+        """``replica``'s prefill rate (tokens/s) before its observations, and where it is from (``ENGINE`` or
+        ``CONFIGURED``): its engine's reported rate (``replica.prefill_rate``) once there is one, else its configured
         ``prefill_tokens_per_s``, else none (the configured prior ``prior_throughput`` stands)."""
         rate = getattr(replica, "prefill_rate", None) if self.engine_rates else None
         reported = None if rate is None else rate.tokens_per_s
