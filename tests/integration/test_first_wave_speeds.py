@@ -3,7 +3,7 @@
 
 Every decision comes before any first token or engine report. With one prior for all (main, which has no such
 key; here ``cost_configured_prefill: false``), the deal treats the A100 as any replica and gives it two of the five
-at seed 2, the second queued behind the first's slow prefill (the routing benchmark's ``hetero``: 2 of 5 runs).
+at seed 2, the second queued behind the first's slow prefill (the routing benchmark's ``hetero --quick``: 3 of 5 runs).
 With the configured rates, the A100 is never dealt a second one while an H100 can take it sooner.
 """
 
