@@ -8,7 +8,13 @@ from collections import Counter
 
 import pytest
 
+from llmgw import wire
+from llmgw.cluster.records import ReplicaRecord
+from llmgw.cluster.state import ReplicaBuilder
 from llmgw.config import ConfigError, parse_config
+from llmgw.control.deployed import DeployedReplicas
+from llmgw.control.fingerprint import profile_fingerprint
+from llmgw.control.reconciler import Assignment, ShardSlot, desired_replicas
 from llmgw.control.static import StaticReplicas
 from llmgw.kv.index import KvIndex
 from llmgw.metrics import Metrics
@@ -18,7 +24,8 @@ from llmgw.router.cost import CostModel
 from llmgw.router.engine_prefill import PrefillCounters
 from llmgw.router.model import TierModel
 from llmgw.router.replica import Replica
-from llmgw.router.replicas import ReplicaSet
+from llmgw.router.replicas import DEPLOYED, STATIC, ReplicaSet
+from llmgw.router.router import Router
 from llmgw.router.tier import RouteRequest, TierServices
 
 FAST, SLOW = 37_000.0, 14_500.0  # what the simulator's H100 and A100 40GB profiles say for Llama-3.1-8B
@@ -128,3 +135,44 @@ def test_the_configured_rate_reaches_the_replicas_and_a_bad_one_is_refused_with_
         with pytest.raises(ConfigError) as caught:
             parse_config(CONFIG.replace("14500", bad), "conf.yaml", env={})
         assert "prefill_tokens_per_s" in str(caught.value) and says in str(caught.value), str(caught.value)
+
+
+def test_a_follower_gateway_builds_the_replicas_with_their_configured_rates():
+    """A gateway following a cluster's replica records takes each one's rate from its own config: a static
+    replica's key, a deployed one's profile's."""
+    config = parse_config(CONFIG, "conf.yaml", env={})
+    build = ReplicaBuilder(lambda: config, build_registry(make_plugin_manager()))
+    static = build(ReplicaRecord("a100", "m", "http://127.0.0.1:9001", STATIC))
+    deployed = build(ReplicaRecord("p-0", "tiny", "http://127.0.0.1:9100", DEPLOYED, labels={"profile": "p"}))
+    unknown = build(ReplicaRecord("q-0", "tiny", "http://127.0.0.1:9101", DEPLOYED, labels={"profile": "gone"}))
+    assert (static.prefill_tokens_per_s, deployed.prefill_tokens_per_s, unknown.prefill_tokens_per_s) == \
+        (14500.0, 3000.0, None)
+
+
+def test_the_leader_puts_a_deployed_replica_in_routing_with_its_profiles_rate():
+    registry = build_registry(make_plugin_manager())
+    config = parse_config("""
+agents: {token: t}
+profiles:
+  - {name: a100, engine: sim, model_path: tiny, served_model_name: tiny-a, prefill_tokens_per_s: 14500}
+  - {name: plain, engine: sim, model_path: tiny, served_model_name: tiny-p}
+deployments:
+  - {profile: a100, replicas: 1}
+  - {profile: plain, replicas: 1}
+""", "conf.yaml", env={})
+    replicas = ReplicaSet()
+    Router(registry, Metrics(), replicas)
+    routing = DeployedReplicas(replicas, registry, on_released=lambda key: None)
+    desired = desired_replicas(config, profile_fingerprint)
+    routing.configure_models(desired)
+
+    def assignment(replica) -> Assignment:
+        return Assignment(replica.replica_id, replica.profile.name, replica.model, replica.fingerprint, 1,
+                          [ShardSlot(f"{replica.replica_id}-g1-r0", "n1", 0, (), ())])
+
+    def ready(a: Assignment) -> wire.ShardReport:
+        return wire.ShardReport(shard_id=a.leader.shard_id, replica_id=a.replica_id, state=wire.ShardState.READY,
+                                endpoint="http://127.0.0.1:9", generation=1)
+
+    routing.sync([assignment(r) for r in desired.values()], ready, lambda a: None)
+    assert {r.model: r.prefill_tokens_per_s for r in replicas} == {"tiny-a": 14500.0, "tiny-p": None}
