@@ -8,13 +8,9 @@ from collections import Counter
 
 import pytest
 
-from llmgw import wire
 from llmgw.cluster.records import ReplicaRecord
 from llmgw.cluster.state import ReplicaBuilder
 from llmgw.config import ConfigError, parse_config
-from llmgw.control.deployed import DeployedReplicas
-from llmgw.control.fingerprint import profile_fingerprint
-from llmgw.control.reconciler import Assignment, ShardSlot, desired_replicas
 from llmgw.control.static import StaticReplicas
 from llmgw.kv.index import KvIndex
 from llmgw.metrics import Metrics
@@ -25,8 +21,8 @@ from llmgw.router.engine_prefill import PrefillCounters
 from llmgw.router.model import TierModel
 from llmgw.router.replica import Replica
 from llmgw.router.replicas import DEPLOYED, STATIC, ReplicaSet
-from llmgw.router.router import Router
 from llmgw.router.tier import RouteRequest, TierServices
+from llmgw.testing.deployed import deploy_ready
 
 FAST, SLOW = 37_000.0, 14_500.0  # what the simulator's H100 and A100 40GB profiles say for Llama-3.1-8B
 NAMES = ("sim-0", "sim-1", "sim-2", "sim-3")
@@ -160,19 +156,5 @@ deployments:
   - {profile: a100, replicas: 1}
   - {profile: plain, replicas: 1}
 """, "conf.yaml", env={})
-    replicas = ReplicaSet()
-    Router(registry, Metrics(), replicas)
-    routing = DeployedReplicas(replicas, registry, on_released=lambda key: None)
-    desired = desired_replicas(config, profile_fingerprint)
-    routing.configure_models(desired)
-
-    def assignment(replica) -> Assignment:
-        return Assignment(replica.replica_id, replica.profile.name, replica.model, replica.fingerprint, 1,
-                          [ShardSlot(f"{replica.replica_id}-g1-r0", "n1", 0, (), ())])
-
-    def ready(a: Assignment) -> wire.ShardReport:
-        return wire.ShardReport(shard_id=a.leader.shard_id, replica_id=a.replica_id, state=wire.ShardState.READY,
-                                endpoint="http://127.0.0.1:9", generation=1)
-
-    routing.sync([assignment(r) for r in desired.values()], ready, lambda a: None)
+    replicas = deploy_ready(config, registry)
     assert {r.model: r.prefill_tokens_per_s for r in replicas} == {"tiny-a": 14500.0, "tiny-p": None}
