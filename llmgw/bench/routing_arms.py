@@ -224,7 +224,8 @@ async def open_arm(nursery: trio.Nursery, arm: Arm, spec: SimSpec, vllm_router: 
                 starting.start_soon(start, i)
         return Target([_through(url) for url, _ in routers], urls, [pid for _, pid in routers])
     config = gateway_config(urls, routing=arm.policy, routing_options=arm.options,
-                            kv_sources=sources if arm.policy == "kv_index" else None)
+                            kv_sources=sources if arm.policy == "kv_index" else None,
+                            prefill_tokens_per_s=[spec.timing(i).prefill_tokens_per_s for i in range(spec.replicas)])
     kv = arm.policy == "kv_index"
     directory = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))  # the config, and the redis-server's folder
     nursery.start_soon(_remove_when_cancelled, directory)

@@ -108,6 +108,7 @@ class PrefixTreeOptions:
     cost_decode_source: str = decode_cost.DEFAULT_SOURCE  # the charged ITL line: the engines' reported, or observed
     cost_output_tokens: float = decode_cost.DEFAULT_OUTPUT_TOKENS
     cost_engine_prefill: bool = False  # the engines' reported prefill rates (scraped /metrics) as the slopes' priors
+    cost_configured_prefill: bool = True  # the replicas' configured prefill_tokens_per_s, before their engines report
     learn_tokens_per_char: bool = True  # count tokens with the ratio the engines' usage shows; false: characters / 4
 
     @classmethod
@@ -147,6 +148,7 @@ class PrefixTreeOptions:
         take("cost_decode_source", _decode_source)
         take("cost_output_tokens", _positive_number)
         take("cost_engine_prefill", _flag)
+        take("cost_configured_prefill", _flag)
         take("learn_tokens_per_char", _flag)
         if "rule" not in raw and "scorers" in raw:  # naming scorers asks for them
             options.rule = "scores"
@@ -298,7 +300,7 @@ class PrefixTreeTier(RoutingTier):
         self._last_cold: dict[str, int] = {}  # replica -> serial of the last request it got without holding a match
         self.cost = cost_model.CostModel(  # shared with a kv_index tier built on this one
             options.cost_prefill_tokens_per_s, options.cost_step_time, options.cost_decay, options.cost_others_weight,
-            options.cost_engine_prefill)
+            options.cost_engine_prefill, options.cost_configured_prefill)
         self.uncertainty = Uncertainty(self.cost)
         self.tokens_per_char = TokensPerChar()  # learnt from responses' usage unless learn_tokens_per_char is false
         self.wants_usage = options.learn_tokens_per_char  # the data plane hands finished() each response's usage

@@ -63,6 +63,7 @@ class Replica:
     url: str
     api_key: str | None = field(default=None, repr=False)
     weight: int = 1
+    prefill_tokens_per_s: float | None = None  # configured: its prefill rate before it answers (the cost model's prior)
     state: ReplicaState = ReplicaState.UNKNOWN
     reason: str = ""
     local_inflight: int = 0  # this process's requests to it, not finished (the data plane counts them)
