@@ -399,6 +399,17 @@ _EOF = _Eof()
 
 
 
+def _after_send(response: Response) -> None:
+    """The response's ``after_send``, once; a failure of it is logged (the answer has gone, or could not go)."""
+    after = response.after_send
+    if after is not None:
+        response.after_send = None
+        try:
+            after()
+        except Exception:
+            log.exception("the work after sending a %d answer failed", response.status)
+
+
 async def _close_body(body: object) -> None:
     """A streamed body the server stops iterating before its end (or never iterates) is told so, shielded."""
     aclose = getattr(body, "aclose", None)
@@ -665,6 +676,7 @@ class _Connection:
         if not self.reader_running:
             # A coarse tick is enough (it sets the sweeper's resolution): watched within 20-30 ms.
             self.watch_alarm.arm_at(trio.current_time() + DISCONNECT_WATCH_AFTER, 4 * DISCONNECT_WATCH_AFTER)
+        response: Response | None = None
         try:
             try:
                 response = await server.handler(request)
@@ -673,6 +685,8 @@ class _Connection:
                 response = server.error(500, "internal error in the gateway", request)
             keep_alive = await self._send_response(request, response, keep_alive)
         finally:
+            if response is not None:
+                _after_send(response)  # a no-op once the send called it; else a stream's end or a failed send
             self.watch_alarm.disarm()
             self.busy = False
             server._request_finished()
@@ -698,12 +712,12 @@ class _Connection:
                 head.append(b"connection: close\r\n")
             head.append(b"\r\n")
             if head_only or not body:
-                await self._send(b"".join(head))
+                await self._send(b"".join(head), response)
             elif len(body) <= SMALL_BODY:
                 head.append(body)
-                await self._send(b"".join(head))  # one copy is cheaper than a second system call
+                await self._send(b"".join(head), response)  # one copy is cheaper than a second system call
             else:
-                await self._send_parts(b"".join(head), body)
+                await self._send_parts(b"".join(head), body, response)
             return keep_alive
         chunked = not has_length and request.http_version == "1.1"
         if chunked:
@@ -756,25 +770,29 @@ class _Connection:
         except OSError:
             pass
 
-    async def _send(self, data: bytes) -> None:
-        """Send all of ``data``; a client that takes none of it for ``write_timeout`` is cut off."""
+    async def _send(self, data: bytes, handed: Response | None = None) -> None:
+        """Send all of ``data``; a client that takes none of it for ``write_timeout`` is cut off. ``handed``: the
+        response whose ``after_send`` runs once the kernel took what it takes at once, before any waiting."""
         try:
             sent = self.sock.send(data)
         except BlockingIOError:
             sent = 0
         except OSError as exc:
             raise trio.BrokenResourceError(f"client connection broke: {exc}") from None
+        if handed is not None:
+            _after_send(handed)
         if sent < len(data):
             await self._send_slow(memoryview(data)[sent:])
 
-    async def _send_parts(self, head: bytes, body: bytes | bytearray | memoryview) -> None:
-        """Head and body in one ``sendmsg``, without copying the body."""
+    async def _send_parts(self, head: bytes, body: bytes | bytearray | memoryview, handed: Response) -> None:
+        """Head and body in one ``sendmsg``, without copying the body (``handed``: as in :meth:`_send`)."""
         try:
             sent = self.sock.sendmsg((head, body))
         except BlockingIOError:
             sent = 0
         except OSError as exc:
             raise trio.BrokenResourceError(f"client connection broke: {exc}") from None
+        _after_send(handed)
         if sent < len(head):
             await self._send_slow(memoryview(head)[sent:])
             sent = len(head)

@@ -619,3 +619,101 @@ async def test_requests_the_server_refuses_are_reported_by_status(nursery):
             await client.reply()
             await client.aclose()
     assert refused == [400, 505]
+
+
+# -- work after the answer ---------------------------------------------------------------------------------------------
+
+async def test_after_send_runs_once_the_answer_is_in_the_clients_socket(serve):
+    """A response's ``after_send`` (the data plane's accounting) runs after the answer went out, not before."""
+    seen: list[bytes] = []
+    client_end: socket.socket | None = None
+
+    def after() -> None:
+        assert client_end is not None
+        try:  # the test's own end of the connection, in this process: what has arrived by now
+            seen.append(client_end.recv(65536, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            seen.append(b"")
+
+    async def handler(request: Request) -> Response:
+        return Response(200, [], b"the answer", after)
+
+    _, port = await serve(handler)
+    with trio.fail_after(5):
+        client = await connect(port)
+        client_end = socket.socket(fileno=socket.dup(client.stream.socket.fileno()))
+        for _ in range(2):
+            await client.send(get("/"))
+            assert (await client.reply()).body == b"the answer"
+        await client.aclose()
+        client_end.close()
+    assert len(seen) == 2 and all(data.endswith(b"\r\n\r\nthe answer") for data in seen), seen
+
+
+async def test_after_send_does_not_wait_for_a_client_that_reads_slowly(serve):
+    """A large answer to a client that reads nothing: the work after it runs at once, not when the client reads."""
+    BIG = 32 << 20
+    ran = trio.Event()
+
+    async def handler(request: Request) -> Response:
+        return Response(200, [], b"x" * BIG, ran.set)
+
+    _, port = await serve(handler, write_timeout=30)
+    with trio.fail_after(10):
+        client = await connect(port)
+        await client.send(get("/big"))
+        await ran.wait()  # nothing read yet: 32 MiB cannot all be in the kernel's buffers
+        received = 0
+        while received < BIG:
+            received += len(await client.receive())
+        await client.aclose()
+
+
+async def test_after_send_runs_when_the_answer_cannot_be_sent(serve):
+    """The client reset the connection while the handler ran: the send fails, the work after it still runs, once."""
+    calls: list[int] = []
+    client_gone = trio.Event()
+
+    async def handler(request: Request) -> Response:
+        with trio.CancelScope(shield=True):  # answer although the server cancels the handler
+            await client_gone.wait()
+            await trio.sleep(0.05)  # the reset has arrived
+            return Response(200, [], b"x" * 100_000, lambda: calls.append(1))
+
+    server, port = await serve(handler)
+    with trio.fail_after(5):
+        client = await connect(port)
+        await client.send(get("/"))
+        await trio.sleep(0.05)
+        client.stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        await client.aclose()  # linger 0: a reset
+        client_gone.set()
+        while server.active_requests or server.connections:
+            await trio.sleep(0.01)
+    assert calls == [1]
+
+
+async def test_after_send_of_a_stream_runs_after_its_end_and_a_failing_one_is_logged(serve, caplog):
+    order: list[str] = []
+
+    async def body():
+        yield b"one"
+        order.append("last piece produced")
+
+    def after() -> None:
+        order.append("after_send")
+        raise RuntimeError("accounting broke")
+
+    async def handler(request: Request) -> Response:
+        return Response(200, [], body(), after)
+
+    _, port = await serve(handler)
+    with trio.fail_after(5):
+        client = await connect(port)
+        await client.send(get("/stream"))
+        assert (await client.reply()).body == b"one"
+        await client.send(get("/stream"))  # the connection still serves: the failure stayed in after_send
+        assert (await client.reply()).body == b"one"
+        await client.aclose()
+    assert order == ["last piece produced", "after_send"] * 2
+    assert "the work after sending a 200 answer failed" in caplog.text
