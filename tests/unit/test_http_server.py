@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from llmgw.http.messages import Request, Response
-from llmgw.http.server import AbortConnection, HttpServer, ServerLimits
+from llmgw.http.server import READY_READS, AbortConnection, HttpServer, ServerLimits
 
 # -- helpers -----------------------------------------------------------------------------------------------------------
 
@@ -717,3 +717,39 @@ async def test_after_send_of_a_stream_runs_after_its_end_and_a_failing_one_is_lo
         await client.aclose()
     assert order == ["last piece produced", "after_send"] * 2
     assert "the work after sending a 200 answer failed" in caplog.text
+
+
+async def test_a_client_whose_next_request_is_always_there_still_lets_other_tasks_run(serve, nursery, monkeypatch):
+    """Requests that are in the socket when the answer before them is done are read without waiting, but not
+    forever: a client that always has the next one there (here: pipelined, read one per ``recv``) and a handler that
+    never waits must not keep the other tasks from running."""
+    request = get("/")
+    monkeypatch.setattr("llmgw.http.server.READ_SIZE", len(request))  # one request per read
+    ticks = 0
+    seen: list[int] = []
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await trio.lowlevel.checkpoint()
+            ticks += 1
+
+    async def handler(request: Request) -> Response:
+        seen.append(ticks)  # no await: only the server's own waits let the ticker run
+        return Response(200, [], b"")
+
+    _, port = await serve(handler)
+    nursery.start_soon(ticker)
+    with trio.fail_after(10):
+        client = await connect(port)
+        await client.send(request * 400)
+        for _ in range(400):
+            assert (await client.reply()).status == 200
+        await client.aclose()
+    longest_run = run = 0
+    for before, after in zip(seen, seen[1:]):
+        run = run + 1 if before == after else 0
+        longest_run = max(longest_run, run)
+    # Never more than a few requests without giving other tasks a turn (a turn is seen one batch late at worst: Trio
+    # runs a batch's tasks in random order); without the bound, all 400 came in one run.
+    assert longest_run <= 2 * READY_READS + 2, longest_run
