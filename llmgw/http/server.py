@@ -21,7 +21,9 @@ on the small VMs this runs on (see ``docs/benchmarks.md``):
   takes whole (the usual case) costs one ``send`` and no scheduling.
 * Timeouts are :mod:`llmgw.http.deadlines` watches, armed only while a task
   is parked on the socket, not cancel scopes.
-* A response head and a small body go out in one ``send``.
+* A response head and a small body go out in one ``send``; a response's
+  ``after_send`` (the data plane's accounting) runs after it, off the
+  request's path, and a next request already in the socket is read at once.
 
 With an ``ssl.SSLContext`` the server speaks HTTPS only: each accepted socket
 becomes a :class:`~llmgw.http.tls_socket.TlsSocket` (the same non-blocking
