@@ -65,6 +65,7 @@ LINGER_SECONDS = 2.0  # after an error answer, read and drop the client's bytes 
 LINGER_BYTES = 1 << 20  # ...and this many bytes at most
 # A request still in its handler after this long gets a task that watches its client (see _Connection).
 DISCONNECT_WATCH_AFTER = 0.02
+QUICK_BEFORE_INLINE = 16  # quick requests in a row after which a connection stops its reader task (see _Connection)
 READY_READS = 8  # requests read at once, without waiting, before a connection gives the other tasks a turn
 _ANYTHING_WAITING = select.POLLIN | select.POLLPRI | select.POLLRDHUP  # (errors and hang-ups are always reported)
 STATUS_LINES = {
@@ -431,7 +432,12 @@ class _Connection:
     starts a *reader* task that waits on the socket from then on, so that a client going
     away cancels the handler (and the upstream request) at once, and pipelined bytes are
     parsed and queued; the responder then only takes requests off the queue. Quick
-    requests never pay for the second task; long ones (streams) are watched.
+    requests never pay for the second task; long ones (streams) are watched. After
+    ``QUICK_BEFORE_INLINE`` quick requests in a row (none in its handler as long as
+    ``DISCONNECT_WATCH_AFTER``) the reader is stopped and the responder reads inline
+    again: handing each request from one task to the other costs a pass through the
+    scheduler, which a client that once had one slow request would otherwise pay on
+    every request for the rest of the connection.
     """
 
     def __init__(self, server: HttpServer, sock: Stream, addr: Any, accepted_at: float):
@@ -450,6 +456,8 @@ class _Connection:
         self.final: _ProtocolError | _Eof | None = None
         self.busy = False  # the responder is answering a request (the read deadlines are off)
         self.reader_running = False
+        self._reader_scope: trio.CancelScope | None = None  # the running reader's, to stop it
+        self._quick_in_a_row = 0  # requests answered within DISCONNECT_WATCH_AFTER while the reader ran
         self._responder_parked: trio.lowlevel.Task | None = None
         self._reader_parked: trio.lowlevel.Task | None = None
         self.poller = select.poll()  # is the client's next request there already? (see _read_inline)
@@ -549,6 +557,23 @@ class _Connection:
             self.nursery.start_soon(self._read_loop)
 
     async def _read_loop(self) -> None:
+        try:
+            with trio.CancelScope() as scope:
+                self._reader_scope = scope
+                await self._read_until_final()
+        finally:
+            self._reader_scope = None
+            self.reader_running = False
+            self._wake_responder()  # a responder waiting for this reader reads inline from now on
+
+    def _stop_reader(self) -> None:
+        """The responder is idle, nothing is queued or half-read, and the last requests were quick: stop the reader
+        (parked in ``wait_readable``; the cancellation unregisters it at once), which wakes the responder when gone."""
+        self._quick_in_a_row = 0
+        if self._reader_scope is not None:
+            self._reader_scope.cancel()
+
+    async def _read_until_final(self) -> None:
         sock = self.sock
         reader = self.reader
         wait_readable = trio.lowlevel.wait_readable
@@ -651,6 +676,8 @@ class _Connection:
                     await self._linger()
                 return
             elif self.reader_running:
+                if self._quick_in_a_row >= QUICK_BEFORE_INLINE and reader.current is None:
+                    self._stop_reader()
                 await self._wait_for_reader()
                 continue
             else:
@@ -694,9 +721,10 @@ class _Connection:
         keep_alive = msg.keep_alive and not server._draining
         self.busy = True
         server.active_requests += 1
+        began = trio.current_time()
         if not self.reader_running:
             # A coarse tick is enough (it sets the sweeper's resolution): watched within 20-30 ms.
-            self.watch_alarm.arm_at(trio.current_time() + DISCONNECT_WATCH_AFTER, 4 * DISCONNECT_WATCH_AFTER)
+            self.watch_alarm.arm_at(began + DISCONNECT_WATCH_AFTER, 4 * DISCONNECT_WATCH_AFTER)
         response: Response | None = None
         try:
             try:
@@ -711,6 +739,9 @@ class _Connection:
             self.watch_alarm.disarm()
             self.busy = False
             server._request_finished()
+            if self.reader_running:  # (started by this request, it was not quick)
+                quick = trio.current_time() - began < DISCONNECT_WATCH_AFTER
+                self._quick_in_a_row = self._quick_in_a_row + 1 if quick else 0
         return keep_alive and not server._draining
 
     # -- writing -----------------------------------------------------------------------------------------------------

@@ -753,3 +753,54 @@ async def test_a_client_whose_next_request_is_always_there_still_lets_other_task
     # Never more than a few requests without giving other tasks a turn (a turn is seen one batch late at worst: Trio
     # runs a batch's tasks in random order); without the bound, all 400 came in one run.
     assert longest_run <= 2 * READY_READS + 2, longest_run
+
+
+def reader_tasks() -> int:
+    """The connections' reader tasks running in this Trio run (the server starts one per watched connection)."""
+    def walk(task) -> int:
+        own = task.name.endswith("._read_loop")
+        return own + sum(walk(child) for nursery in task.child_nurseries for child in nursery.child_tasks)
+    return walk(trio.lowlevel.current_root_task())
+
+
+async def test_a_connection_reads_inline_again_after_quick_requests_and_still_watches_slow_ones(serve):
+    """One slow request starts the reader task that watches the client; once requests are quick again the connection
+    goes back to one task (no hand-over per request), and a later slow request is watched again: a client that goes
+    away during it still cancels it at once."""
+    from llmgw.http.server import DISCONNECT_WATCH_AFTER, QUICK_BEFORE_INLINE
+
+    cancelled = trio.Event()
+
+    async def handler(request: Request) -> Response:
+        if request.target == "/slow":
+            await trio.sleep(3 * DISCONNECT_WATCH_AFTER)
+        elif request.target == "/hang":
+            try:
+                await trio.sleep_forever()
+            except trio.Cancelled:
+                cancelled.set()
+                raise
+        return Response(200, [], request.target.encode())
+
+    server, port = await serve(handler)
+    with trio.fail_after(10):
+        client = await connect(port)
+        await client.send(get("/slow"))
+        assert (await client.reply()).body == b"/slow"
+        assert reader_tasks() == 1  # the slow request started it
+        for n in range(QUICK_BEFORE_INLINE + 1):
+            await client.send(get(f"/quick{n}"))
+            assert (await client.reply()).body == f"/quick{n}".encode()
+        await trio.sleep(0.01)
+        assert reader_tasks() == 0  # back to one task per connection
+        await client.send(get("/quick-again"))
+        assert (await client.reply()).body == b"/quick-again"
+        await client.send(get("/hang"))
+        await trio.sleep(3 * DISCONNECT_WATCH_AFTER)  # watched again
+        assert reader_tasks() == 1
+        closed_at = trio.current_time()
+        await client.aclose()
+        await cancelled.wait()
+        assert trio.current_time() - closed_at < 0.1
+        while server.active_requests or server.connections:
+            await trio.sleep(0.01)
