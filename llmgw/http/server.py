@@ -458,6 +458,7 @@ class _Connection:
         self.reader_running = False
         self._reader_scope: trio.CancelScope | None = None  # the running reader's, to stop it
         self._quick_in_a_row = 0  # requests answered within DISCONNECT_WATCH_AFTER while the reader ran
+        self._answering: Response | None = None  # the response being sent, until its after_send ran
         self._responder_parked: trio.lowlevel.Task | None = None
         self._reader_parked: trio.lowlevel.Task | None = None
         self.poller = select.poll()  # is the client's next request there already? (see _read_inline)
@@ -725,24 +726,31 @@ class _Connection:
         if not self.reader_running:
             # A coarse tick is enough (it sets the sweeper's resolution): watched within 20-30 ms.
             self.watch_alarm.arm_at(began + DISCONNECT_WATCH_AFTER, 4 * DISCONNECT_WATCH_AFTER)
-        response: Response | None = None
         try:
             try:
                 response = await server.handler(request)
             except Exception:
                 log.exception("handler failed for %s %s", request.method, request.path)
                 response = server.error(500, "internal error in the gateway", request)
+            self._answering = response
             keep_alive = await self._send_response(request, response, keep_alive)
         finally:
-            if response is not None:
-                _after_send(response)  # a no-op once the send called it; else a stream's end or a failed send
-            self.watch_alarm.disarm()
-            self.busy = False
-            server._request_finished()
-            if self.reader_running:  # (started by this request, it was not quick)
-                quick = trio.current_time() - began < DISCONNECT_WATCH_AFTER
-                self._quick_in_a_row = self._quick_in_a_row + 1 if quick else 0
+            # (a plain method with no locals of the await's: mypyc 2.4 miscompiled this finally block inline, a
+            # TypeError when the handler was cancelled)
+            self._request_done(began)
         return keep_alive and not server._draining
+
+    def _request_done(self, began: float) -> None:
+        answering = self._answering
+        if answering is not None:
+            self._answering = None
+            _after_send(answering)  # a no-op once the send called it; else a stream's end or a failed send
+        self.watch_alarm.disarm()
+        self.busy = False
+        self.server._request_finished()
+        if self.reader_running:  # (started by this request, it was not quick)
+            quick = trio.current_time() - began < DISCONNECT_WATCH_AFTER
+            self._quick_in_a_row = self._quick_in_a_row + 1 if quick else 0
 
     # -- writing -----------------------------------------------------------------------------------------------------
 
