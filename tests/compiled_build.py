@@ -31,13 +31,23 @@ COMPILED_PASS = ("tests/unit",) + tuple(f"tests/integration/test_{name}.py" for 
     "latency_metrics", "access_log", "tls", "fd_exhaustion"))
 
 
+SOURCE_ROOTS = ("setup.py", "pyproject.toml", "README.md", "LICENSE", "llmgw")
+BUILD_PRODUCTS = (".so", ".pyd", ".pyc", ".c", ".o")  # what an in-place build or an interpreter leaves in llmgw/
+
+
 def source_files(repo: Path = REPO) -> list[str]:
     """What the wheel is built from: setup.py, pyproject.toml, README.md, LICENSE and llmgw/, as git sees them
-    (tracked and new files, not ignored ones such as in-place ``.so`` builds or ``__pycache__``)."""
+    (tracked and new files, not ignored ones such as in-place ``.so`` builds or ``__pycache__``); in a copy that
+    is not a git checkout (an unpacked archive), every file under them but build products and caches."""
     listing = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--",
-                              "setup.py", "pyproject.toml", "README.md", "LICENSE", "llmgw"],
-                             cwd=repo, capture_output=True, check=True).stdout.decode()
-    return sorted({name for name in listing.split("\0") if name and (repo / name).is_file()})
+                              *SOURCE_ROOTS], cwd=repo, capture_output=True)
+    if listing.returncode == 0 and (repo / ".git").exists():
+        names = listing.stdout.decode().split("\0")
+    else:
+        names = [path.relative_to(repo).as_posix() for root in SOURCE_ROOTS
+                 for path in ([repo / root] if (repo / root).is_file() else sorted((repo / root).rglob("*")))
+                 if "__pycache__" not in path.parts and not path.name.endswith(BUILD_PRODUCTS)]
+    return sorted({name for name in names if name and (repo / name).is_file()})
 
 
 def content_key(repo: Path = REPO) -> str:

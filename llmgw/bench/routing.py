@@ -73,7 +73,7 @@ from .calibration import DECISION_FIELDS, DecisionCollector, calibration, calibr
 from .chat_workloads import ChatResult, new_client, percentile
 from .common import write_json
 from .proxy import find_vllm_router, process_cpu_seconds, vllm_router_version
-from .routing_arms import ARMS, BASELINE, Arm, SimSpec, Target, baseline_config_problems, block_keys, leading, open_arm
+from .routing_arms import ARMS, BASELINE, Arm, SimSpec, Target, baseline_omits, block_keys, leading, open_arm
 from .routing_workloads import WORKLOADS, Needs, Objectives, Session, TraceError, build, needs
 
 DEFAULT_ARMS = ("round_robin", "prefix_tree", "kv_index", "oracle", "vllm-router-round_robin",
@@ -299,14 +299,16 @@ def routers_cpu_seconds(pids: list[int]) -> float | None:
 
 
 async def run_once(arm: Arm, spec: SimSpec, sessions: list[Session], concurrency: int, vllm_router: str | None,
-                   progress: Progress | None = None, gateways: int = 1, load: Needs | None = None) -> dict:
+                   progress: Progress | None = None, gateways: int = 1, load: Needs | None = None,
+                   omit: frozenset[str] = frozenset()) -> dict:
     """One arm (as ``gateways`` routers) at one concurrency on fresh simulators: its summary and per-request
-    records. ``load``: what the workload asks of the run (its objectives, a cache reset)."""
+    records. ``load``: what the workload asks of the run (its objectives, a cache reset); ``omit``: config keys
+    left out for a baseline that does not read them."""
     load = load or Needs()
     requests = sum(len(s.turns) for s in sessions)
     reset = CacheReset(max(1, round(load.reset_after * requests))) if load.reset_after is not None else None
     async with trio.open_nursery() as nursery:
-        target = await open_arm(nursery, arm, spec, vllm_router, gateways)
+        target = await open_arm(nursery, arm, spec, vllm_router, gateways, omit)
         cpu_before = routers_cpu_seconds(target.router_pids)
         collector = DecisionCollector(target.decision_urls)
         async with httpx.AsyncClient(timeout=10) as http, trio.open_nursery() as reading:
@@ -385,6 +387,7 @@ class Plan:
     spec: SimSpec
     gateways: list[int] = field(default_factory=lambda: [1])  # N: routers per arm, the clients spread over them
     objectives: Objectives | None = None  # --slo-ttft-ms/--slo-itl-ms over every workload's own (None: theirs)
+    config_omits: frozenset[str] = frozenset()  # optional config keys the --baseline does not read: in no config
 
     def spec_for(self, load: Needs) -> SimSpec:
         """The simulators of a workload: the plan's, with the capacity, slow replicas and output lengths it needs
@@ -432,7 +435,8 @@ async def run(plan: Plan, vllm_router: str | None) -> dict:
                     for arm, n in units[shift:] + units[:shift]:
                         progress.begin(f"{name} C={concurrency} #{repeat + 1} {plan.label(arm, n)}")
                         runs[plan.key(arm, n)][concurrency].append(
-                            await run_once(arm, spec, sessions, concurrency, vllm_router, progress, n, load))
+                            await run_once(arm, spec, sessions, concurrency, vllm_router, progress, n, load,
+                                           plan.config_omits))
             arms = {}
             for arm, n in units:
                 key = plan.key(arm, n)
@@ -731,11 +735,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     plan = _plan(args)
     for arm in plan.arms:
-        problems = baseline_config_problems(arm, plan.spec.replicas) if arm.source is not None else None
+        omit, problems = baseline_omits(arm, plan.spec) if arm.source is not None else (frozenset(), None)
         if problems:
             print(f"llmgw bench routing: the baseline {arm.source} does not read the config arm {arm.name} runs "
                   f"on (give its options with --arm-options '{arm.name}={{...}}'):\n{problems}", file=sys.stderr)
             return 2
+        if omit - plan.config_omits:
+            print(f"llmgw bench routing: the baseline {arm.source} does not read {', '.join(sorted(omit))}: left out "
+                  "of every llmgw arm's config (the same config for both)", file=sys.stderr)
+        plan.config_omits |= omit
     skipped = {}
     executable = None
     if any(arm.kind == "vllm-router" for arm in plan.arms):
@@ -754,6 +762,7 @@ def main(argv: list[str] | None = None) -> int:
                           "sim_profile": plan.spec.profile,
                           "baseline": args.baseline and str(Path(args.baseline).resolve()),
                           "baseline_commit": args.baseline and checkout_commit(Path(args.baseline)),
+                          "config_omitted": sorted(plan.config_omits),
                           "concurrency": plan.concurrencies, "gateways": plan.gateways, "repeats": plan.repeats,
                           "seed": plan.seed,
                           "quick": plan.quick, "simulators": asdict(plan.spec),

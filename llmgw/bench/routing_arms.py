@@ -214,8 +214,9 @@ class Target:
 
 
 async def open_arm(nursery: trio.Nursery, arm: Arm, spec: SimSpec, vllm_router: str | None,
-                   gateways: int = 1) -> Target:
-    """Fresh simulators and ``arm``'s ``gateways`` routers, in ``nursery`` (cancel it to stop them)."""
+                   gateways: int = 1, omit: frozenset[str] = frozenset()) -> Target:
+    """Fresh simulators and ``arm``'s ``gateways`` routers, in ``nursery`` (cancel it to stop them); ``omit``:
+    :data:`OPTIONAL_KEYS` left out of an llmgw arm's config (:func:`baseline_omits`)."""
     sims = await start_sims(nursery, spec.replicas, env=KV_SIM_ENV, block_size=spec.block_size,
                             time_scale=spec.time_scale, seed=spec.seed,
                             per_replica=lambda i: {"num_blocks": spec.explicit_blocks(i), "extra": spec.extra(i)})
@@ -236,7 +237,7 @@ async def open_arm(nursery: trio.Nursery, arm: Arm, spec: SimSpec, vllm_router: 
             for i in range(gateways):
                 starting.start_soon(start, i)
         return Target([_through(url) for url, _ in routers], urls, [pid for _, pid in routers])
-    config = arm_config(arm, urls, sources)
+    config = arm_config(arm, urls, sources, spec, omit)
     kv = arm.policy == "kv_index"
     directory = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))  # the config, and the redis-server's folder
     nursery.start_soon(_remove_when_cancelled, directory)
@@ -266,23 +267,31 @@ async def open_arm(nursery: trio.Nursery, arm: Arm, spec: SimSpec, vllm_router: 
                   [p.control_url for p in processes], [announced_module(p) for p in processes])
 
 
-def arm_config(arm: Arm, urls: list[str], sources: list[tuple[str, str]]) -> str:
-    """The config an llmgw arm's gateways read: the simulators as one model's replicas, the arm's tier and
-    options (and with ``kv_index`` each replica's KV event endpoints). The same for a baseline arm: only keys
-    both checkouts read, which :func:`baseline_config_problems` checks before a run."""
+# keys the bench writes that an older checkout's config may not know: hints, left out for every arm of a run whose
+# baseline does not read them (the prefill rate each replica's profile gives: the cost model's prior without it)
+OPTIONAL_KEYS = ("prefill_tokens_per_s",)
+
+
+def arm_config(arm: Arm, urls: list[str], sources: list[tuple[str, str]], spec: SimSpec,
+               omit: frozenset[str] = frozenset()) -> str:
+    """The config an llmgw arm's gateways read: the simulators as one model's replicas (each with its profile's
+    prefill rate, unless omitted), the arm's tier and options (and with ``kv_index`` each replica's KV event
+    endpoints). The same for a baseline arm: only keys both checkouts read (:func:`baseline_omits`)."""
+    rates = None if "prefill_tokens_per_s" in omit else [spec.timing(i).prefill_tokens_per_s
+                                                         for i in range(len(urls))]
     return gateway_config(urls, routing=arm.policy, routing_options=arm.options,
-                          kv_sources=sources if arm.policy == "kv_index" else None)
+                          kv_sources=sources if arm.policy == "kv_index" else None, prefill_tokens_per_s=rates)
 
 
-def baseline_config_problems(arm: Arm, replicas: int) -> str | None:
+def baseline_config_problems(arm: Arm, spec: SimSpec, omit: frozenset[str] = frozenset()) -> str | None:
     """What the baseline checkout's own ``llmgw config check`` finds wrong with the config ``arm`` will run on
     (with placeholder addresses), or None when it reads it: a key it lacks, a tier or option it does not know."""
     assert arm.source is not None, "a baseline arm"
-    urls = [f"http://127.0.0.1:{9 + i}" for i in range(replicas)]
-    sources = [(f"tcp://127.0.0.1:{19 + i}", f"tcp://127.0.0.1:{29 + i}") for i in range(replicas)]
+    urls = [f"http://127.0.0.1:{9 + i}" for i in range(spec.replicas)]
+    sources = [(f"tcp://127.0.0.1:{19 + i}", f"tcp://127.0.0.1:{29 + i}") for i in range(spec.replicas)]
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as directory:
         path = Path(directory) / "llmgw.yaml"
-        path.write_text(arm_config(arm, urls, sources))
+        path.write_text(arm_config(arm, urls, sources, spec, omit))
         try:
             done = subprocess.run([sys.executable, "-m", "llmgw", "config", "check", str(path)], cwd=arm.source,
                                   env=dict(os.environ, **checkout_env(arm.source)), capture_output=True, text=True,
@@ -293,6 +302,16 @@ def baseline_config_problems(arm: Arm, replicas: int) -> str | None:
         return None
     return (done.stdout + done.stderr).strip().replace(str(path), "the bench's config") or \
         f"`llmgw config check` of {arm.source} exited with code {done.returncode}"
+
+
+def baseline_omits(arm: Arm, spec: SimSpec) -> tuple[frozenset[str], str | None]:
+    """The :data:`OPTIONAL_KEYS` to leave out of every llmgw arm's config so that the baseline reads it, and what
+    the baseline's check still finds wrong without them (None: it reads it)."""
+    problems = baseline_config_problems(arm, spec)
+    if problems is None:
+        return frozenset(), None
+    omit = frozenset(key for key in OPTIONAL_KEYS if f".{key}: unknown key" in problems)
+    return omit, baseline_config_problems(arm, spec, omit) if omit else problems
 
 
 async def _remove_when_cancelled(directory: Path) -> None:

@@ -168,7 +168,7 @@ class SharedState:
                 async with trio.open_nursery() as nursery:
                     # A process that holds the cluster's state (it followed it, or led before) publishes it at
                     # once; only a fresh one waits until its control plane has settled (agents back, KV copies in).
-                    known = self.follower.loaded.is_set() or self._terms_led > 1
+                    known = self.follower.loaded.is_set() or self._terms_led > 1 or continues is not None
                     await nursery.start(writer.run, (lambda: True) if known else settled)
                     nursery.start_soon(self._answer_asks)
                     nursery.start_soon(self._let_held_go, self.held_for)
@@ -320,10 +320,11 @@ class ReplicaBuilder:
                             raise RefusedRecord(f"replica {record.name} is at {spec.url} in this gateway's config, "
                                                 f"not where the cluster says")
                         return Replica(name=record.name, model=record.model, url=spec.url, api_key=spec.api_key,
-                                       weight=spec.weight, labels=labels, engine_id=record.engine_id,
+                                       weight=spec.weight, prefill_tokens_per_s=spec.prefill_tokens_per_s,
+                                       labels=labels, engine_id=record.engine_id,
                                        tls=replica_tls_options(spec, config.upstream_tls))
             raise RefusedRecord(f"static replica {record.name} is not in this gateway's config")
-        api_key, gauges = None, VLLM_GAUGES
+        api_key, gauges, prefill = None, VLLM_GAUGES, None
         if record.source == DEPLOYED:
             try:
                 profile = config.profile(labels.get("profile", ""))
@@ -332,8 +333,10 @@ class ReplicaBuilder:
                             record.name, labels.get("profile"))
             else:
                 api_key, gauges = profile.api_key, engine_gauges(self.registry, profile.engine)
+                prefill = profile.prefill_tokens_per_s
         return Replica(name=record.name, model=record.model, url=record.url, api_key=api_key,
-                       weight=record.weight, labels=labels, gauges=gauges, engine_id=record.engine_id)
+                       weight=record.weight, prefill_tokens_per_s=prefill, labels=labels, gauges=gauges,
+                       engine_id=record.engine_id)
 
 
 class RefusedRecord(ValueError):

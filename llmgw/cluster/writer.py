@@ -101,7 +101,7 @@ class LogWriter:
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Write until cancelled. Nothing is written before ``settled()`` (the control plane's adoption window)."""
         task_status.started()
-        while self.continues is None and not settled():
+        while not settled():
             await trio.sleep(0.05)
         failures = 0
         last_snapshot = -1e9

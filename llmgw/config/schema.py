@@ -65,6 +65,8 @@ LogFormat = Annotated[str, one_of("text", "json")]
 
 # Numbers with an upper bound of their own in place of MAX_COUNT or 1GiB (docs/configuration.md, "Upper bounds").
 SmallCount = Annotated[int, at_least(1), at_most(1000)]  # a replica's weight, the health thresholds
+# prompt tokens per second: a replica's prefill rate as known before it answers (the cost model's prior of it)
+PrefillRate = Annotated[float, at_least(50), at_most(1e8, "100000000")]
 GpuCount = Annotated[int, at_least(1), at_most(1024)]  # tp, pp, nodes, GPUs per node
 # An agent's frames: never below the largest Register (llmgw.wire.channel.MAX_REGISTER_BYTES, 256KiB).
 AgentFrameSize = Annotated[int, Parse(parse_size), Check(lambda value: None if value >= 256 * KiB else
@@ -82,6 +84,7 @@ class ExternalReplica(Located):
     kv_events: ZmqEndpoint | None = setting(None)  # the engine's KV-event PUB socket
     kv_replay: ZmqEndpoint | None = setting(None)  # its replay socket
     weight: SmallCount = setting(1)
+    prefill_tokens_per_s: PrefillRate | None = setting(None)  # its prefill rate before it answers (docs/routing.md)
     tls_ca_file: TlsFile | None = setting(None)  # https:// only; default: upstream_tls.ca_file
     tls_cert_file: TlsFile | None = setting(None)  # client certificate for mutual TLS
     tls_key_file: TlsFile | None = setting(None)
@@ -235,6 +238,7 @@ class Profile(Located):
     engine_bin: Text | None = setting(None)
     startup_timeout: PositiveDuration = setting(600.0)
     labels: dict[str, str] = setting(factory=dict)
+    prefill_tokens_per_s: PrefillRate | None = setting(None)  # its replicas' prefill rate before they answer
     cpu_threads: Annotated[int, at_least(1), at_most(4096)] | None = setting(None)
     api_key: Text | None = setting(None, secret=True)
 

@@ -62,6 +62,7 @@ class DeployedReplicas(TaskHost):
         self.routed: dict[str, Routed] = {}  # by replica id
         self.models: dict[str, str] = {}  # served model name -> the tier it is declared with
         self.gauges: dict[str, EngineGauges] = {}  # served model name -> its engine plugin's load gauges
+        self.prefill_rates: dict[str, float | None] = {}  # profile name -> its configured prefill_tokens_per_s
 
     # -- models --------------------------------------------------------------------------------------------------
 
@@ -69,8 +70,10 @@ class DeployedReplicas(TaskHost):
         """Declare one model per served model name of a deployed profile; withdraw those nobody deploys any more
         (a model the config's ``models`` list too keeps its route)."""
         wanted: dict[str, Any] = {}  # model -> the llmgw.config.Profile that serves it
+        self.prefill_rates = {}
         for replica in desired.values():
             wanted.setdefault(replica.model, replica.profile)
+            self.prefill_rates[replica.profile.name] = replica.profile.prefill_tokens_per_s
         for model, profile in sorted(wanted.items()):
             tier = profile.routing
             self.replicas.declare_model(DEPLOYED, TierModel.of(
@@ -135,6 +138,7 @@ class DeployedReplicas(TaskHost):
             return  # the model was removed by a reload; the assignment is about to retire
         replica = Replica(name=assignment.replica_id, model=assignment.model, url=report.endpoint, api_key=api_key,
                           gauges=self.gauges.get(assignment.model, VLLM_GAUGES),
+                          prefill_tokens_per_s=self.prefill_rates.get(assignment.profile),
                           labels={"node": assignment.leader.node_id, "profile": assignment.profile,
                                   "generation": str(assignment.generation)},
                           engine_id=f"{assignment.replica_id}/g{assignment.generation}/pid{report.pid}"

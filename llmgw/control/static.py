@@ -52,7 +52,8 @@ class StaticReplicas(TaskHost):
             for index, spec in enumerate(model.replicas):
                 name = spec.name or f"{model.name}-{index}"
                 wanted[name] = Replica(name=name, model=model.name, url=spec.url, api_key=spec.api_key,
-                                       weight=spec.weight, tls=replica_tls_options(spec, config.upstream_tls))
+                                       weight=spec.weight, prefill_tokens_per_s=spec.prefill_tokens_per_s,
+                                       tls=replica_tls_options(spec, config.upstream_tls))
                 if wanted[name].uses_tls and not wanted[name].tls.verify:
                     log.warning("replica %s (%s): TLS certificate and host name verification is OFF "
                                 "(tls_verify: false); anyone on the path can read and change its traffic, "

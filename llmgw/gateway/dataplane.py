@@ -408,8 +408,7 @@ class DataPlane:
 
     async def _relay(self, upstream: UpstreamResponse, replica: Replica, decision: Decision,
                      route_request: RouteRequest, exchange: Exchange, id_header: tuple[bytes, bytes]) -> Response:
-        started = exchange.started
-        self.metrics.for_model(route_request.served_name).ttfb.observe(_now() - started)
+        ttfb = _now() - exchange.started
         headers = [h for h in upstream.headers if h[0] not in _DROP_RESPONSE_HEADERS]
         headers.append(id_header)
         name = self._replica_names.get(replica.name)
@@ -426,20 +425,32 @@ class DataPlane:
             try:
                 data = await upstream.read()
             except UpstreamError as exc:
+                self._observe_ttfb(route_request, ttfb)
                 self._upstream_error(replica, exc)
                 self._finish(replica, decision, route_request, exchange, 502)
                 return error_response(502, f"replica {replica.name} failed while sending its answer: {exc}",
                                       headers=[id_header])
             except BaseException:
+                self._observe_ttfb(route_request, ttfb)
                 self._finish(replica, decision, route_request, exchange, 499)
                 raise
-            usage = usage_of_body(data) if upstream.status == 200 else None
-            self._finish(replica, decision, route_request, exchange, upstream.status, usage, body_at=_now())
-            return Response(upstream.status, headers, data)
+            body_at = _now()
+            status = upstream.status
+
+            def account() -> None:  # once the answer is on its way: the accounting need not delay it
+                self._observe_ttfb(route_request, ttfb)
+                usage = usage_of_body(data) if status == 200 else None
+                self._finish(replica, decision, route_request, exchange, status, usage, body_at=body_at)
+
+            return Response(status, headers, data, account)
+        self._observe_ttfb(route_request, ttfb)
         return Response(upstream.status, headers,
                         RelayedStream(self, upstream, replica, decision, route_request, exchange))
 
     # -- bookkeeping -------------------------------------------------------------------------------------------------
+
+    def _observe_ttfb(self, route_request: RouteRequest, ttfb: float) -> None:
+        self.metrics.for_model(route_request.served_name).ttfb.observe(ttfb)
 
     def _load(self, replica: Replica, delta: int) -> None:
         replica.local_inflight += delta  # this process's own count; peers' requests are not ours to count

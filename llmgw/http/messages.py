@@ -5,6 +5,11 @@ body is either ``bytes`` (sent with Content-Length) or an async iterator of
 ``bytes`` (sent chunked, each piece flushed as it is produced; the head goes
 out with the first piece, or at once when the first piece is empty). When the
 client goes away while a handler runs, the server cancels the handler.
+
+A response's ``after_send`` (if any) is called once by the server as soon as
+the answer is in the client's socket as far as the kernel took it at once
+(before waiting on a client that reads slowly), or when sending it failed or
+was cancelled: work that must not delay the answer (accounting, metrics).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class Response:
     status: int = 200
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     body: Body = b""
+    after_send: Callable[[], None] | None = None  # see the module docstring
 
     @classmethod
     def json(cls, obj: Any, status: int = 200, headers: list[tuple[bytes, bytes]] | None = None) -> "Response":

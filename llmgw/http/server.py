@@ -21,7 +21,9 @@ on the small VMs this runs on (see ``docs/benchmarks.md``):
   takes whole (the usual case) costs one ``send`` and no scheduling.
 * Timeouts are :mod:`llmgw.http.deadlines` watches, armed only while a task
   is parked on the socket, not cancel scopes.
-* A response head and a small body go out in one ``send``.
+* A response head and a small body go out in one ``send``; a response's
+  ``after_send`` (the data plane's accounting) runs after it, off the
+  request's path, and a next request already in the socket is read at once.
 
 With an ``ssl.SSLContext`` the server speaks HTTPS only: each accepted socket
 becomes a :class:`~llmgw.http.tls_socket.TlsSocket` (the same non-blocking
@@ -35,6 +37,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import select
 import socket
 import ssl
 from collections import deque
@@ -62,6 +65,9 @@ LINGER_SECONDS = 2.0  # after an error answer, read and drop the client's bytes 
 LINGER_BYTES = 1 << 20  # ...and this many bytes at most
 # A request still in its handler after this long gets a task that watches its client (see _Connection).
 DISCONNECT_WATCH_AFTER = 0.02
+QUICK_BEFORE_INLINE = 16  # quick requests in a row after which a connection stops its reader task (see _Connection)
+READY_READS = 8  # requests read at once, without waiting, before a connection gives the other tasks a turn
+_ANYTHING_WAITING = select.POLLIN | select.POLLPRI | select.POLLRDHUP  # (errors and hang-ups are always reported)
 STATUS_LINES = {
     code: f"HTTP/1.1 {code} {reason}\r\n".encode("latin-1")
     for code, reason in [
@@ -399,6 +405,17 @@ _EOF = _Eof()
 
 
 
+def _after_send(response: Response) -> None:
+    """The response's ``after_send``, once; a failure of it is logged (the answer has gone, or could not go)."""
+    after = response.after_send
+    if after is not None:
+        response.after_send = None
+        try:
+            after()
+        except Exception:
+            log.exception("the work after sending a %d answer failed", response.status)
+
+
 async def _close_body(body: object) -> None:
     """A streamed body the server stops iterating before its end (or never iterates) is told so, shielded."""
     aclose = getattr(body, "aclose", None)
@@ -415,7 +432,12 @@ class _Connection:
     starts a *reader* task that waits on the socket from then on, so that a client going
     away cancels the handler (and the upstream request) at once, and pipelined bytes are
     parsed and queued; the responder then only takes requests off the queue. Quick
-    requests never pay for the second task; long ones (streams) are watched.
+    requests never pay for the second task; long ones (streams) are watched. After
+    ``QUICK_BEFORE_INLINE`` quick requests in a row (none in its handler as long as
+    ``DISCONNECT_WATCH_AFTER``) the reader is stopped and the responder reads inline
+    again: handing each request from one task to the other costs a pass through the
+    scheduler, which a client that once had one slow request would otherwise pay on
+    every request for the rest of the connection.
     """
 
     def __init__(self, server: HttpServer, sock: Stream, addr: Any, accepted_at: float):
@@ -434,8 +456,14 @@ class _Connection:
         self.final: _ProtocolError | _Eof | None = None
         self.busy = False  # the responder is answering a request (the read deadlines are off)
         self.reader_running = False
+        self._reader_scope: trio.CancelScope | None = None  # the running reader's, to stop it
+        self._quick_in_a_row = 0  # requests answered within DISCONNECT_WATCH_AFTER while the reader ran
+        self._answering: Response | None = None  # the response being sent, until its after_send ran
         self._responder_parked: trio.lowlevel.Task | None = None
         self._reader_parked: trio.lowlevel.Task | None = None
+        self.poller = select.poll()  # is the client's next request there already? (see _read_inline)
+        self.poller.register(sock.fileno(), _ANYTHING_WAITING)
+        self._ready_reads = 0
 
     def close(self) -> None:
         self.read_watch.disarm()
@@ -484,9 +512,22 @@ class _Connection:
             self.final = exc
 
     async def _read_inline(self) -> None:
-        """Idle responder, no reader task: read the socket until something is queued."""
+        """Idle responder, no reader task: read the socket until something is queued.
+
+        A client's next request is often there already when the answer before it and its accounting are done
+        (a client that sends it at once, pipelining or not): it is read without waiting, which saves an
+        ``epoll_ctl`` and a pass through the scheduler. ``poll`` asks (a ``recv`` would raise when nothing is
+        there, which costs more); every ``READY_READS`` such reads the connection waits anyway, so that one
+        busy client lets the other tasks run."""
         sock = self.sock
         reader = self.reader
+        if self._ready_reads < READY_READS and self.poller.poll(0):
+            self._ready_reads += 1
+            data = self._recv_nowait()
+            if data is not None:
+                self._feed(data)
+        else:
+            self._ready_reads = 0
         while not reader.complete and self.final is None:
             await self._idle_state_changed()
             try:
@@ -517,6 +558,23 @@ class _Connection:
             self.nursery.start_soon(self._read_loop)
 
     async def _read_loop(self) -> None:
+        try:
+            with trio.CancelScope() as scope:
+                self._reader_scope = scope
+                await self._read_until_final()
+        finally:
+            self._reader_scope = None
+            self.reader_running = False
+            self._wake_responder()  # a responder waiting for this reader reads inline from now on
+
+    def _stop_reader(self) -> None:
+        """The responder is idle, nothing is queued or half-read, and the last requests were quick: stop the reader
+        (parked in ``wait_readable``; the cancellation unregisters it at once), which wakes the responder when gone."""
+        self._quick_in_a_row = 0
+        if self._reader_scope is not None:
+            self._reader_scope.cancel()
+
+    async def _read_until_final(self) -> None:
         sock = self.sock
         reader = self.reader
         wait_readable = trio.lowlevel.wait_readable
@@ -619,6 +677,8 @@ class _Connection:
                     await self._linger()
                 return
             elif self.reader_running:
+                if self._quick_in_a_row >= QUICK_BEFORE_INLINE and reader.current is None:
+                    self._stop_reader()
                 await self._wait_for_reader()
                 continue
             else:
@@ -662,21 +722,35 @@ class _Connection:
         keep_alive = msg.keep_alive and not server._draining
         self.busy = True
         server.active_requests += 1
+        began = trio.current_time()
         if not self.reader_running:
             # A coarse tick is enough (it sets the sweeper's resolution): watched within 20-30 ms.
-            self.watch_alarm.arm_at(trio.current_time() + DISCONNECT_WATCH_AFTER, 4 * DISCONNECT_WATCH_AFTER)
+            self.watch_alarm.arm_at(began + DISCONNECT_WATCH_AFTER, 4 * DISCONNECT_WATCH_AFTER)
         try:
             try:
                 response = await server.handler(request)
             except Exception:
                 log.exception("handler failed for %s %s", request.method, request.path)
                 response = server.error(500, "internal error in the gateway", request)
+            self._answering = response
             keep_alive = await self._send_response(request, response, keep_alive)
         finally:
-            self.watch_alarm.disarm()
-            self.busy = False
-            server._request_finished()
+            # (a plain method with no locals of the await's: mypyc 2.4 miscompiled this finally block inline, a
+            # TypeError when the handler was cancelled)
+            self._request_done(began)
         return keep_alive and not server._draining
+
+    def _request_done(self, began: float) -> None:
+        answering = self._answering
+        if answering is not None:
+            self._answering = None
+            _after_send(answering)  # a no-op once the send called it; else a stream's end or a failed send
+        self.watch_alarm.disarm()
+        self.busy = False
+        self.server._request_finished()
+        if self.reader_running:  # (started by this request, it was not quick)
+            quick = trio.current_time() - began < DISCONNECT_WATCH_AFTER
+            self._quick_in_a_row = self._quick_in_a_row + 1 if quick else 0
 
     # -- writing -----------------------------------------------------------------------------------------------------
 
@@ -698,12 +772,12 @@ class _Connection:
                 head.append(b"connection: close\r\n")
             head.append(b"\r\n")
             if head_only or not body:
-                await self._send(b"".join(head))
+                await self._send(b"".join(head), response)
             elif len(body) <= SMALL_BODY:
                 head.append(body)
-                await self._send(b"".join(head))  # one copy is cheaper than a second system call
+                await self._send(b"".join(head), response)  # one copy is cheaper than a second system call
             else:
-                await self._send_parts(b"".join(head), body)
+                await self._send_parts(b"".join(head), body, response)
             return keep_alive
         chunked = not has_length and request.http_version == "1.1"
         if chunked:
@@ -756,25 +830,29 @@ class _Connection:
         except OSError:
             pass
 
-    async def _send(self, data: bytes) -> None:
-        """Send all of ``data``; a client that takes none of it for ``write_timeout`` is cut off."""
+    async def _send(self, data: bytes, handed: Response | None = None) -> None:
+        """Send all of ``data``; a client that takes none of it for ``write_timeout`` is cut off. ``handed``: the
+        response whose ``after_send`` runs once the kernel took what it takes at once, before any waiting."""
         try:
             sent = self.sock.send(data)
         except BlockingIOError:
             sent = 0
         except OSError as exc:
             raise trio.BrokenResourceError(f"client connection broke: {exc}") from None
+        if handed is not None:
+            _after_send(handed)
         if sent < len(data):
             await self._send_slow(memoryview(data)[sent:])
 
-    async def _send_parts(self, head: bytes, body: bytes | bytearray | memoryview) -> None:
-        """Head and body in one ``sendmsg``, without copying the body."""
+    async def _send_parts(self, head: bytes, body: bytes | bytearray | memoryview, handed: Response) -> None:
+        """Head and body in one ``sendmsg``, without copying the body (``handed``: as in :meth:`_send`)."""
         try:
             sent = self.sock.sendmsg((head, body))
         except BlockingIOError:
             sent = 0
         except OSError as exc:
             raise trio.BrokenResourceError(f"client connection broke: {exc}") from None
+        _after_send(handed)
         if sent < len(head):
             await self._send_slow(memoryview(head)[sent:])
             sent = len(head)

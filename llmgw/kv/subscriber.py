@@ -156,6 +156,7 @@ class EngineSubscription:
         self._decode_error_logged = False
         self._apply_error_logged = False
         self._last_digest: int | None = None
+        self._engine_runs = 0  # engine restarts the supervisor notified
         # statistics (also exported through ``metrics``)
         self.batches = 0
         self.events: Counter[str] = Counter()
@@ -219,7 +220,9 @@ class EngineSubscription:
                     continue
             for frames in messages:
                 await self._on_live(frames)
-            await trio.lowlevel.checkpoint()
+                # One batch per loop turn: a backlog (the loop was busy, a burst of steps) must not hold the
+                # tasks relaying first tokens for the whole drain (docs/benchmarks.md, "KV-event ingestion").
+                await trio.lowlevel.checkpoint()
 
     async def _count_disconnects(self, monitor: zmq.Socket[bytes]) -> None:
         """Count the SUB's peers that libzmq disconnected (the monitor reports nothing else)."""
@@ -247,6 +250,7 @@ class EngineSubscription:
         """The supervisor restarted the engine: forget the old run's sequence and reset (if anything was seen)."""
         if self.live_seq is not None or self.last_seq is not None:
             self.live_seq = self.last_seq = None
+            self._engine_runs += 1  # a replay being applied belongs to the old run: it stops
             self._reset("engine_restart")
 
     # -- live messages ----------------------------------------------------------------------------------------------
@@ -363,7 +367,8 @@ class EngineSubscription:
         """Batches ``start .. seq-1`` are missing; ``seq`` (decoded as ``batch``) just arrived live."""
         self._gap(start, seq)
         result, replies = await self._replay(start)
-        self._apply_replayed(start, result, replies, seq)
+        if not await self._apply_replayed(start, result, replies, seq):
+            return  # the engine restarted meanwhile: this batch was the old run's
         if self.last_seq is None or seq > self.last_seq:
             self._apply(seq, batch, payload)
 
@@ -401,7 +406,7 @@ class EngineSubscription:
         if not replies:
             return
         self._gap(start, replies[0][0])
-        self._apply_replayed(start, result, replies, None)
+        await self._apply_replayed(start, result, replies, None)
 
     def _gap(self, start: int, seq: int) -> None:
         self.gaps += 1
@@ -409,13 +414,21 @@ class EngineSubscription:
             self.metrics.gap()
         log.debug("%s: gap: expected %d, got %d", self.source, start, seq)
 
-    def _apply_replayed(self, start: int, result: str, replies: list[tuple[int, bytes]], seq: int | None) -> None:
-        """Apply replayed batches from ``start`` in order; a hole before ``seq`` (or before them) resets ``gap``."""
+    async def _apply_replayed(self, start: int, result: str, replies: list[tuple[int, bytes]],
+                              seq: int | None) -> bool:
+        """Apply replayed batches from ``start`` in order; a hole before ``seq`` (or before them) resets ``gap``.
+
+        One batch per loop turn (an engine buffers thousands); a restart notified meanwhile ends the replay
+        (False).
+        """
         known = {s: payload for s, payload in replies if self.last_seq is None or s > self.last_seq}
         pending = sorted(known.items())
         expected = start
         position = 0
+        run = self._engine_runs
         while position < len(pending) and pending[position][0] == expected:  # the contiguous part
+            if position and not await self._same_run_after_yield(run):
+                return False
             s, payload = pending[position]
             self._apply(s, self._checked(payload), payload)
             expected = s + 1
@@ -433,7 +446,15 @@ class EngineSubscription:
             self._reset("gap")
             for s, payload in pending[position:]:  # what came after the hole, on the fresh state
                 if self.last_seq is None or s > self.last_seq:
+                    if not await self._same_run_after_yield(run):
+                        return False
                     self._apply(s, self._checked(payload), payload)
+        return True
+
+    async def _same_run_after_yield(self, run: int) -> bool:
+        """Let the loop run other tasks between two replayed batches; False if the engine restarted meanwhile."""
+        await trio.lowlevel.checkpoint()
+        return self._engine_runs == run
 
     def _checked(self, payload: bytes) -> EventBatch | None:
         batch = self._decode_payload(payload)

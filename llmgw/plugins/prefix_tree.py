@@ -105,8 +105,10 @@ class PrefixTreeOptions:
     cost_override_sigmas: float = OVERRIDE_SIGMAS  # an override's gain must exceed this many standard errors; 0: off
     new_prefixes: str = "deal"  # "deal": to the affordable replica holding the least; "cheapest": by cost alone
     cost_decode_weight: float = decode_cost.DEFAULT_DECODE_WEIGHT
+    cost_decode_source: str = decode_cost.DEFAULT_SOURCE  # the charged ITL line: the engines' reported, or observed
     cost_output_tokens: float = decode_cost.DEFAULT_OUTPUT_TOKENS
     cost_engine_prefill: bool = False  # the engines' reported prefill rates (scraped /metrics) as the slopes' priors
+    cost_configured_prefill: bool = True  # the replicas' configured prefill_tokens_per_s, before their engines report
     learn_tokens_per_char: bool = True  # count tokens with the ratio the engines' usage shows; false: characters / 4
 
     @classmethod
@@ -143,8 +145,10 @@ class PrefixTreeOptions:
         take("cost_override_sigmas", _non_negative_number)
         take("new_prefixes", _new_prefixes)
         take("cost_decode_weight", _non_negative_number)
+        take("cost_decode_source", _decode_source)
         take("cost_output_tokens", _positive_number)
         take("cost_engine_prefill", _flag)
+        take("cost_configured_prefill", _flag)
         take("learn_tokens_per_char", _flag)
         if "rule" not in raw and "scorers" in raw:  # naming scorers asks for them
             options.rule = "scores"
@@ -199,6 +203,12 @@ def _rule(value: Any) -> str:
 def _new_prefixes(value: Any) -> str:
     if value not in NEW_PREFIXES:
         raise ValueError(f"expected one of {', '.join(NEW_PREFIXES)}, got {value!r}")
+    return value
+
+
+def _decode_source(value: Any) -> str:
+    if value not in decode_cost.SOURCES:
+        raise ValueError(f"expected one of {', '.join(decode_cost.SOURCES)}, got {value!r}")
     return value
 
 
@@ -290,7 +300,7 @@ class PrefixTreeTier(RoutingTier):
         self._last_cold: dict[str, int] = {}  # replica -> serial of the last request it got without holding a match
         self.cost = cost_model.CostModel(  # shared with a kv_index tier built on this one
             options.cost_prefill_tokens_per_s, options.cost_step_time, options.cost_decay, options.cost_others_weight,
-            options.cost_engine_prefill)
+            options.cost_engine_prefill, options.cost_configured_prefill)
         self.uncertainty = Uncertainty(self.cost)
         self.tokens_per_char = TokensPerChar()  # learnt from responses' usage unless learn_tokens_per_char is false
         self.wants_usage = options.learn_tokens_per_char  # the data plane hands finished() each response's usage
@@ -301,7 +311,7 @@ class PrefixTreeTier(RoutingTier):
         # in a cluster, what this gateway's own routes added to the tree, and the prefill they queued, just now
         self.recent_chars, self.recent_tokens = new_prefixes.RecentGrowth(), new_prefixes.RecentGrowth()
         self.decode = decode_cost.DecodeModel(options.cost_output_tokens, options.cost_decode_weight,
-                                              options.cost_decay)
+                                              options.cost_decay, options.cost_decode_source)
         if services.metrics is not None:
             track_tree(services.metrics.registry, self.model, self.tree, self.uncertainty, self.deals, self.cost,
                        self.tokens_per_char)

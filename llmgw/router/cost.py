@@ -43,13 +43,17 @@ per-request cost, as a ridge whose weight fades as data comes in. A replica's
 own fit is shrunk toward the fit of all the model's replicas together, by
 ``w / (w + SHRINK_WEIGHT)`` for ``w`` its observations' weight, so a replica
 that has seen little looks like its peers. Older data fades (``decay`` per
-observation). When the engine reports its prefill rate on ``/metrics`` (and the
-tier's ``cost_engine_prefill`` is on)
-(:mod:`llmgw.router.engine_prefill`, read by the load scraper), that rate is
-the prior of the replica's slope (and the engines' mean the pooled fit's),
-weighing ``ENGINE_RATE_WEIGHT`` observations that do not fade: a workload of
+observation). A replica's *known rate* is the prior of its slope (and the known
+rates' mean the pooled fit's), weighing ``ENGINE_RATE_WEIGHT`` observations
+that do not fade: its engine's prefill rate as reported on ``/metrics``
+(:mod:`llmgw.router.engine_prefill`, read by the load scraper; with the tier's
+``cost_engine_prefill``) once the engine has told one, and before that the
+replica's configured ``prefill_tokens_per_s`` (with ``cost_configured_prefill``;
+the GPU's achievable FLOPs over twice the model's parameters). A workload of
 cache hits, whose few new tokens cannot tell the slope, then estimates a cold
-prefill with the engine's rate instead of ``prior_throughput``.
+prefill with the engine's rate instead of ``prior_throughput``; and the first
+wave of requests, decided before any replica answered, tells a slow GPU from
+a fast one (``docs/benchmarks.md``, "A prefill prior for the first wave").
 
 One slow first token must not make a replica look slow for the next thirty
 requests: an observation above the replica's estimate by more than
@@ -91,6 +95,7 @@ MIN_THROUGHPUT, MAX_THROUGHPUT = 50.0, 1e8
 MAX_STEP = 30.0
 MAX_PER_REQUEST = 30.0
 MAX_OBSERVED_TTFT = 600.0
+ENGINE, CONFIGURED = "engine", "configured"  # where a replica's known prefill rate is from (CostModel.known_rate)
 MAX_FORGOTTEN = 64  # replicas kept beyond twice the candidates before the ones gone are dropped
 
 Line = tuple[float, float, float, float]  # (step s, s per prefill token, s per in-flight request, noise s)
@@ -207,7 +212,10 @@ class ReplicaCost:
     clipped: int = 0  # observations counted lower (outliers: OUTLIER_NOISES)
     mean_new_tokens: float = 0.0  # EWMA of the new tokens of a request routed to it
     engine: str | None = None  # the engine id its observations are of (CostModel.follow)
-    engine_slope: float | None = None  # s per new prompt token, as its engine reports (CostModel.follow)
+    # s per new prompt token as known before its own observations (CostModel.follow): its engine's reported rate,
+    # else its configured one; and which of the two (ENGINE or CONFIGURED)
+    known_slope: float | None = None
+    slope_from: str = ""
     _line: Line | None = None
     _generation: int = -1
 
@@ -220,17 +228,18 @@ class ReplicaCost:
 
     @property
     def slope_weight(self) -> float:
-        """Observations' worth of the prior on its slope beyond the configured prior's: its engine's rate's."""
-        return 0.0 if self.engine_slope is None else ENGINE_RATE_WEIGHT
+        """Observations' worth of the prior on its slope beyond the configured prior's: its known rate's."""
+        return 0.0 if self.known_slope is None else ENGINE_RATE_WEIGHT
 
     def line(self) -> Line:
-        """The fit of all the model's replicas (:meth:`CostModel.pooled_line`), its slope replaced by its engine's
-        reported rate when there is one, moved toward the fit of its own observations as they add up."""
+        """The fit of all the model's replicas (:meth:`CostModel.pooled_line`), its slope replaced by its known
+        rate (:meth:`CostModel.known_rate`) when there is one, moved toward the fit of its own observations as they
+        add up."""
         model = self.model
         if self._line is None or self._generation != model.generation:
             pooled = model.pooled_line()
-            if self.engine_slope is not None:
-                pooled = (pooled[0], self.engine_slope, pooled[2], pooled[3])
+            if self.known_slope is not None:
+                pooled = (pooled[0], self.known_slope, pooled[2], pooled[3])
             own = fit_line(pooled[:3], self.data, self.observations, self.slope_weight)
             trust = self.data.w / (self.data.w + SHRINK_WEIGHT)
             step, slope, per_request, noise = (p + trust * (o - p) for p, o in zip(pooled, own))
@@ -273,18 +282,37 @@ class Estimate:
     recomputed: int = 0  # tokens it would compute that another candidate holds
 
     @property
-    def ttft(self) -> float:
-        return self.step + (self.queued_tokens + self.new_tokens) / self.throughput + self.requests * self.per_request
+    def line(self) -> tuple[float, float, float]:
+        """``theta``: the replica's fitted (step, seconds per prefill token, seconds per request in flight)."""
+        return self.step, 1.0 / self.throughput, self.per_request
 
     @property
-    def delay_to_others(self) -> float:
-        """What computing this request's new tokens costs the requests in flight on the replica, and computing again
-        what another replica holds costs whatever comes to it next (weighted)."""
-        return self.others_weight * (self.requests * self.new_tokens + self.recomputed) / self.throughput
+    def ttft_features(self) -> tuple[float, float, float]:
+        """What the estimated TTFT multiplies :attr:`line` by: one step, the prefill ahead and its own, the requests
+        in flight."""
+        return 1.0, self.queued_tokens + self.new_tokens, self.requests
+
+    @property
+    def features(self) -> tuple[float, float, float]:
+        """``g``: what :attr:`cost` multiplies :attr:`line` by (:mod:`llmgw.router.uncertainty` weighs the fit's
+        uncertainty at it): the TTFT's, plus the delay to others' tokens, ``others_weight x (what computing this
+        request's new tokens costs the requests in flight on the replica + what computing again what another
+        replica holds costs whatever comes to it next)``."""
+        one, tokens, requests = self.ttft_features
+        return one, tokens + self.others_weight * (self.requests * self.new_tokens + self.recomputed), requests
+
+    @property
+    def ttft(self) -> float:
+        return _dot(self.line, self.ttft_features)
 
     @property
     def cost(self) -> float:
-        return self.ttft + self.delay_to_others
+        """``theta . g``: the estimated TTFT plus the delay to others (what the rule compares)."""
+        return _dot(self.line, self.features)
+
+    @property
+    def delay_to_others(self) -> float:
+        return self.cost - self.ttft
 
     def as_json(self) -> dict[str, Any]:
         return {"cached_tokens": self.cached_tokens, "new_tokens": self.new_tokens,
@@ -293,13 +321,19 @@ class Estimate:
                 "cost_s": round(self.cost, 4)}
 
 
+def _dot(theta: tuple[float, float, float], g: tuple[float, float, float]) -> float:
+    return theta[0] * g[0] + theta[1] * g[1] + theta[2] * g[2]
+
+
 class CostModel:
     """Per model: every replica's :class:`ReplicaCost`, the estimates for a request, and the bookkeeping hooks."""
 
     def __init__(self, prior_throughput: float = DEFAULT_PRIOR_THROUGHPUT, prior_step: float = DEFAULT_PRIOR_STEP,
-                 decay: float = DEFAULT_DECAY, others_weight: float = DEFAULT_OTHERS_WEIGHT, engine_rates: bool = True):
+                 decay: float = DEFAULT_DECAY, others_weight: float = DEFAULT_OTHERS_WEIGHT, engine_rates: bool = True,
+                 configured_rates: bool = True):
         self.prior = (prior_step, 1.0 / prior_throughput, 0.0)
         self.engine_rates = engine_rates  # follow() reads the engines' reported prefill rates
+        self.configured_rates = configured_rates  # ... and the replicas' configured ones (prefill_tokens_per_s)
         self.decay = decay
         self.others_weight = others_weight
         self.replicas: dict[str, ReplicaCost] = {}
@@ -317,26 +351,38 @@ class CostModel:
     def follow(self, replicas: Sequence[Any]) -> None:
         """Note which engine each name is on (``replica.engine_id``): a name now on another engine (restarted or
         replaced) forgets its own observations. The same engine on a new replica object (re-adopted after a
-        control-plane restart, followed by another gateway) keeps them. And each engine's reported prefill rate
-        (``replica.prefill_rate``: :mod:`llmgw.router.engine_prefill`), the prior of its slope."""
+        control-plane restart, followed by another gateway) keeps them. And each replica's known prefill rate
+        (:meth:`known_rate`), the prior of its slope."""
         for replica in replicas:
             cost = self.replica(replica.name)
             if cost.engine != replica.engine_id:
                 if cost.engine is not None:
                     cost.forget_observations()
                 cost.engine = replica.engine_id
-            rate = getattr(replica, "prefill_rate", None) if self.engine_rates else None
-            tokens_per_s = None if rate is None else rate.tokens_per_s
+            tokens_per_s, source = self.known_rate(replica)
             slope = None if tokens_per_s is None else 1.0 / tokens_per_s
-            if slope != cost.engine_slope:
-                cost.engine_slope = slope
-                self.generation += 1  # every line moves: the pooled prior's slope is the engines' mean
+            if slope != cost.known_slope:
+                cost.known_slope, cost.slope_from = slope, source
+                self.generation += 1  # every line moves: the pooled prior's slope is the known rates' mean
                 self._pooled_line = None
+
+    def known_rate(self, replica: Any) -> tuple[float | None, str]:
+        """``replica``'s prefill rate (tokens/s) before its observations, and where it is from (``ENGINE`` or
+        ``CONFIGURED``): its engine's reported rate (``replica.prefill_rate``) once there is one, else its configured
+        ``prefill_tokens_per_s``, else none (the configured prior ``prior_throughput`` stands)."""
+        rate = getattr(replica, "prefill_rate", None) if self.engine_rates else None
+        reported = None if rate is None else rate.tokens_per_s
+        if reported is not None:
+            return reported, ENGINE
+        configured = getattr(replica, "prefill_tokens_per_s", None) if self.configured_rates else None
+        if configured is not None and MIN_THROUGHPUT <= configured <= MAX_THROUGHPUT:
+            return float(configured), CONFIGURED
+        return None, ""
 
     def pooled_prior(self) -> tuple[tuple[float, float, float], float]:
         """The pooled fit's prior and the observations' worth of its slope beyond the configured prior's: the mean
-        of the engines' reported seconds per token when any replica's engine reports one, else the configured."""
-        slopes = [c.engine_slope for c in self.replicas.values() if c.engine_slope is not None]
+        of the replicas' known seconds per token (:meth:`known_rate`) when any has one, else the configured."""
+        slopes = [c.known_slope for c in self.replicas.values() if c.known_slope is not None]
         if not slopes:
             return self.prior, 0.0
         return (self.prior[0], sum(slopes) / len(slopes), self.prior[2]), ENGINE_RATE_WEIGHT
@@ -453,8 +499,10 @@ class CostModel:
     def describe(self, name: str) -> dict[str, Any]:
         cost = self.replica(name)
         step, slope, per_request, noise = cost.line()
+        known = None if cost.known_slope is None else round(1.0 / cost.known_slope, 1)
         return {"step_s": round(step, 4), "prefill_tokens_per_s": round(1.0 / slope, 1),
-                "engine_prefill_tokens_per_s": None if cost.engine_slope is None else round(1.0 / cost.engine_slope, 1),
+                "engine_prefill_tokens_per_s": known if cost.slope_from == ENGINE else None,
+                "configured_prefill_tokens_per_s": known if cost.slope_from == CONFIGURED else None,
                 "per_request_s": round(per_request, 4), "noise_s": round(noise, 4),
                 "observations": cost.observations, "clipped_observations": cost.clipped,
                 "awaiting_first_token": cost.awaiting}

@@ -23,7 +23,12 @@ loaded cores, where the simulated H100 adds ~0.04 ms). A stream is observed ever
 ``SAMPLE_TOKENS`` tokens while it runs and once more when it ends, so a long
 answer teaches the model long before it finishes. The fit is the TTFT model's
 (an exponentially weighted ridge regression, :class:`llmgw.router.cost.Fit`),
-each replica's shrunk toward all the model's replicas together. Per model,
+each replica's shrunk toward all the model's replicas together. Where the
+engines report their own inter-token latency (vLLM's histogram on ``/metrics``,
+scraped with ``engine_metrics_interval``: :mod:`llmgw.router.engine_itl`), each
+replica's line from those windows is charged instead (``cost_decode_source``:
+``auto``, the default, as soon as any engine reported; ``engine`` or
+``gateway`` only): an engine's own step times carry no host in them. Per model,
 the typical output length (tokens per stream) is a decayed mean over the
 streams that ended.
 
@@ -66,13 +71,13 @@ profile): the charges then change no decision. The capacity charge needs a
 fresh scrape of the engine's ``/metrics`` (``engine_metrics_interval``).
 
 Off by default (``cost_decode_weight: 0``: the charges are computed and
-explained, but weigh nothing): measured on simulators sharing two loaded CPU
-cores, the per-sequence slope learnt is each simulator process's own (its
-Python work per stream grows with its batch: ~0.3 ms a sequence, seven times
-the modelled GPU's), which the host terms cannot remove since it is not
-shared; with the charge on, the ``long-output`` workload moved requests off
-their prompts' holders for a hit rate of 0.77x ``cache_aware``'s and
-``hetero`` lost goodput (``docs/benchmarks.md``).
+explained, but weigh nothing). Learnt from the streams' gaps on simulators
+sharing two loaded CPU cores, the per-sequence slope was each simulator
+process's own (its Python work per stream: ~0.3 ms a sequence); learnt from
+the engines' reported ITL the slopes are the modelled GPU's, and still, on
+the routing benchmark, the charge moved ``long-output`` requests off their
+prompts' holders (hit 0.77x ``cache_aware``'s) for no measurable gain; it
+helped ``hetero`` (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -84,7 +89,9 @@ from typing import Any, Protocol, Sequence
 from .cost import MAX_FORGOTTEN, MIN_NOISE_OBSERVATIONS, PRIOR_WEIGHT, SHRINK_WEIGHT
 
 DEFAULT_OUTPUT_TOKENS = 256.0  # the prior typical output length, until streams end
-DEFAULT_DECODE_WEIGHT = 0.0  # off until measured on GPUs: on a shared CPU host the slopes learnt are its own
+DEFAULT_DECODE_WEIGHT = 0.0  # off: measured not worth it on the routing benchmark (docs/benchmarks.md)
+SOURCES = ("auto", "engine", "gateway")  # where the charged ITL line comes from (cost_decode_source)
+DEFAULT_SOURCE = "auto"  # the engines' reported ITL where any engine reported it, else the gateway's observed
 OUTPUT_DECAY = 0.97  # per stream that ended: about the last 33 count
 SAMPLE_TOKENS = 32  # a running stream is observed every this many tokens
 BASE_DIFFERENCE = 0.25  # a replica's own base ITL counts only this far (relative) from its peers': another GPU
@@ -134,6 +141,15 @@ class ItlFit:
             self.sy[i] = self.sy[i] * decay + f[i] * y
         self.yy = self.yy * decay + y * y
 
+    def merge(self, other: "ItlFit") -> None:
+        """Add ``other``'s observations to these (a pooled fit of several replicas')."""
+        self.w += other.w
+        for i in range(FEATURES):
+            for j in range(FEATURES):
+                self.s[i][j] += other.s[i][j]
+            self.sy[i] += other.sy[i]
+        self.yy += other.yy
+
     def solve(self, prior: Sequence[float]) -> Theta:
         """Pulled toward ``prior`` as much as :meth:`llmgw.router.cost.Fit.prior_weight` observations, within
         bounds (each at least 0)."""
@@ -143,7 +159,12 @@ class ItlFit:
         for i, scale in enumerate(self.SCALES):
             a[i][i] += weight * scale * scale
             b[i] += weight * scale * scale * prior[i]
-        theta = _solve(a, b) or list(prior)
+        # solved in units where every diagonal term is 1: the features' scales differ by ~10 orders of magnitude
+        # (a batch, a context of 10^5 tokens squared), and the singularity test is relative to the largest
+        d = [math.sqrt(a[i][i]) if a[i][i] > 0 else 1.0 for i in range(FEATURES)]
+        scaled = _solve([[a[i][j] / (d[i] * d[j]) for j in range(FEATURES)] for i in range(FEATURES)],
+                        [b[i] / d[i] for i in range(FEATURES)])
+        theta = [y / d[i] for i, y in enumerate(scaled)] if scaled is not None else list(prior)
         return tuple(min(max(t, 0.0), bound) for t, bound in zip(theta, self.BOUNDS))
 
     def residual(self, theta: Sequence[float]) -> float:
@@ -260,6 +281,7 @@ class ReplicaDecode:
     live: _Live = field(default_factory=_Live)
     streams: dict[int, _Stream] = field(default_factory=dict)  # its requests in flight, by key
     engine: str | None = None
+    engine_itl: Any = None  # its engine's reported ITL fit (llmgw.router.engine_itl.EngineItl), None: not known
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,8 +341,12 @@ class DecodeModel:
     """Per model: every replica's ITL fit and in-flight requests, the typical output length, and the charges."""
 
     def __init__(self, prior_output_tokens: float = DEFAULT_OUTPUT_TOKENS, weight: float = DEFAULT_DECODE_WEIGHT,
-                 decay: float = 0.97):
+                 decay: float = 0.97, source: str = DEFAULT_SOURCE):
+        if source not in SOURCES:
+            raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
         self.weight = weight
+        self.source = source
+        self._engine_pooled: tuple[tuple[int, ...], Theta] | None = None  # (the fits' window counts, pooled line)
         self.decay = decay
         self.replicas: dict[str, ReplicaDecode] = {}
         self.pooled = ItlFit()
@@ -349,6 +375,7 @@ class DecodeModel:
                 if state.engine is not None:
                     state.data, state.observations = ItlFit(), 0
                 state.engine = replica.engine_id
+            state.engine_itl = getattr(replica, "engine_itl", None)
         if len(self.replicas) > MAX_FORGOTTEN + 2 * len(replicas):  # replicas come and go: drop the idle gone
             keep = {replica.name for replica in replicas}
             for name in [n for n, state in self.replicas.items() if n not in keep and not state.streams]:
@@ -392,9 +419,58 @@ class DecodeModel:
                                                   zip((*pooled[:3], pooled_noise), (*own[:3], own_noise)))
         return base, per_context, per_sequence, noise
 
-    def charged_line(self, name: str) -> tuple[float, float, float]:
-        """``(base, per_context_token, per_sequence)`` the charges use for ``name``: the slopes of all the model's
-        replicas together, and the replica's own base only when it is more than ``BASE_DIFFERENCE`` from theirs."""
+    def engine_fits(self) -> list[tuple[str, Any]]:
+        """``(replica, its EngineItl)`` of the replicas whose engines reported ITL windows."""
+        return [(name, state.engine_itl) for name, state in self.replicas.items()
+                if state.engine_itl is not None and state.engine_itl.windows]
+
+    def engine_pooled_line(self) -> Theta | None:
+        """The line of every replica's engine-reported windows together, None before any engine reported one."""
+        fits = self.engine_fits()
+        if not fits:
+            return None
+        key = tuple(fit.windows for _, fit in fits)
+        if self._engine_pooled is None or self._engine_pooled[0] != key:
+            pooled = ItlFit()
+            for _, fit in fits:
+                pooled.merge(fit.data)
+            self._engine_pooled = key, pooled.solve((0.0,) * FEATURES)
+        return self._engine_pooled[1]
+
+    def engine_line(self, name: str, pooled: Theta | None = None) -> tuple[float, float, float] | None:
+        """``(base, per_context_token, per_sequence)`` from ``name``'s engine's reported windows, shrunk toward all
+        the engines' (``pooled``: :meth:`engine_pooled_line`, when the caller has it) until its own weigh
+        ``SHRINK_WEIGHT``; None before any engine reported one."""
+        pooled = pooled or self.engine_pooled_line()
+        if pooled is None:
+            return None
+        engine_itl = self.replica(name).engine_itl
+        if engine_itl is None or not engine_itl.windows:
+            return pooled[0], pooled[1], pooled[2]
+        own = engine_itl.data.solve(pooled)
+        trust = engine_itl.data.w / (engine_itl.data.w + SHRINK_WEIGHT)
+        base, per_context, per_sequence = (p + trust * (o - p) for p, o in zip(pooled[:3], own[:3]))
+        return base, per_context, per_sequence
+
+    @property
+    def source_in_use(self) -> str:
+        """Where the charged lines come from now: ``engine``, ``gateway``, or ``none`` (``cost_decode_source:
+        engine`` before any engine reported its ITL: nothing charged)."""
+        if self.source != "gateway" and self.engine_fits():
+            return "engine"
+        return "none" if self.source == "engine" else "gateway"
+
+    def charged_line(self, name: str, source: str | None = None,
+                     engine_pooled: Theta | None = None) -> tuple[float, float, float]:
+        """``(base, per_context_token, per_sequence)`` the charges use for ``name``: its engine's reported line
+        (:meth:`engine_line`) when the source allows and any engine reported one; else the gateway's observed
+        slopes of all the model's replicas together, and the replica's own base only when it is more than
+        ``BASE_DIFFERENCE`` from theirs (nothing under ``engine`` only). ``source`` and ``engine_pooled``: the
+        :attr:`source_in_use` and :meth:`engine_pooled_line` when the caller has them (once for all candidates)."""
+        source = source or self.source_in_use
+        if source != "gateway":
+            line = self.engine_line(name, engine_pooled) if source == "engine" else None
+            return line if line is not None else (0.0, 0.0, 0.0)
         pooled_base, per_context, per_sequence, _ = self.pooled_line()
         base = self.line(name)[0]
         if abs(base - pooled_base) <= BASE_DIFFERENCE * pooled_base:
@@ -408,8 +484,11 @@ class DecodeModel:
     def describe(self, name: str) -> dict[str, Any]:
         base, per_context, per_sequence = self.charged_line(name)
         own_base, own_per_context, own_per_sequence, noise = self.line(name)
-        return {"itl_base_s": round(base, 6), "itl_per_sequence_s": round(per_sequence, 8),
+        engine_itl = self.replica(name).engine_itl
+        return {"itl_source": self.source_in_use, "itl_base_s": round(base, 6),
+                "itl_per_sequence_s": round(per_sequence, 8),
                 "itl_per_context_token_s": round(per_context, 10), "itl_noise_s": round(noise, 6),
+                "engine_itl_windows": 0 if engine_itl is None else engine_itl.windows,
                 "own_fit": {"itl_base_s": round(own_base, 6), "itl_per_sequence_s": round(own_per_sequence, 8),
                             "itl_per_context_token_s": round(own_per_context, 10)},
                 "itl_observations": self.replica(name).observations,
@@ -520,8 +599,10 @@ class DecodeModel:
         if batches:
             host = (host_per_context * sum(prompt_contexts) + host_per_sequence * sum(batches)) / len(batches)
         parts = []
+        source = self.source_in_use
+        engine_pooled = self.engine_pooled_line() if source == "engine" else None
         for i, name in enumerate(names):
-            base, per_context, per_sequence = self.charged_line(name)
+            base, per_context, per_sequence = self.charged_line(name, source, engine_pooled)
             state = self.replica(name)
             live = state.live
             batch = batches[i]

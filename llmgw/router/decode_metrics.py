@@ -16,15 +16,20 @@ from .decode_cost import DecodeModel
 from .model_collectors import PerModelCollector, track
 
 
+def _slopes(prefix: str, learnt_from: str) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+    """The per-replica gauges of an ITL line's two slopes, ``prefix``_per_sequence_seconds and
+    ``prefix``_per_context_token_seconds."""
+    sequence, context = (GaugeMetricFamily(f"{prefix}_per_{unit}_seconds", f"Learnt growth of the inter-token "
+                                           f"latency per {what} on the replica, {learnt_from}.",
+                                           labels=["model", "replica"])
+                         for unit, what in (("sequence", "request in flight"), ("context_token", "context token")))
+    return sequence, context
+
+
 class DecodeCollector(PerModelCollector[DecodeModel]):
-    def families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily,
-                                GaugeMetricFamily]:
-        per_sequence = GaugeMetricFamily(
-            "llmgw_routing_itl_per_sequence_seconds", "Learnt growth of the inter-token latency per request in "
-            "flight on the replica (the cost model's decode charge).", labels=["model", "replica"])
-        per_context = GaugeMetricFamily(
-            "llmgw_routing_itl_per_context_token_seconds", "Learnt growth of the inter-token latency per context "
-            "token in flight on the replica.", labels=["model", "replica"])
+    def families(self) -> tuple[Any, ...]:
+        per_sequence, per_context = _slopes("llmgw_routing_itl", "from the streams' token gaps the gateway observed "
+                                            "(its own fit)")
         output = GaugeMetricFamily("llmgw_routing_expected_output_tokens", "The model's typical output length "
                                    "(tokens per stream) the decode charge expects.", labels=["model"])
         moves = CounterMetricFamily("llmgw_routing_decode_moves", "Decisions the decode or capacity charge sent "
@@ -34,10 +39,21 @@ class DecodeCollector(PerModelCollector[DecodeModel]):
             "llmgw_routing_itl_host_per_sequence_seconds", "Learnt growth of every replica's inter-token latency "
             "per request in flight on the fleet's mean replica: the host's or the data plane's slowdown, which no "
             "routing choice avoids and the decode charge does not count.", labels=["model"])
-        return per_sequence, per_context, output, moves, host
+        engine_per_sequence, engine_per_context = _slopes(
+            "llmgw_routing_engine_itl", "from its engine's own reported ITL histogram (its /metrics): the decode "
+            "charge's line when the source in use is the engine")
+        windows = CounterMetricFamily(
+            "llmgw_routing_engine_itl_windows", "Scrape windows of the replica's engine's ITL histogram counted "
+            "into its ITL fit.", labels=["model", "replica"])
+        source = GaugeMetricFamily(
+            "llmgw_routing_itl_source", "1 for where the decode charge's ITL line comes from now: engine (the "
+            "engines' reported ITL), gateway (the streams' observed token gaps) or none.", labels=["model", "source"])
+        return (per_sequence, per_context, output, moves, host, engine_per_sequence, engine_per_context, windows,
+                source)
 
     def add(self, families: Sequence[Any], model: str, decode: DecodeModel) -> None:
-        per_sequence, per_context, output, moves, host = families
+        (per_sequence, per_context, output, moves, host, engine_per_sequence, engine_per_context, windows,
+         source) = families
         for replica in sorted(decode.replicas):
             _, context_slope, sequence_slope, _ = decode.line(replica)
             per_sequence.add_metric([model, replica], sequence_slope)
@@ -46,6 +62,13 @@ class DecodeCollector(PerModelCollector[DecodeModel]):
         host.add_metric([model], decode.host_line()[1])
         for charge, count in decode.moved.items():
             moves.add_metric([model, charge], count)
+        for replica, engine_itl in sorted(decode.engine_fits(), key=lambda item: item[0]):
+            line = decode.engine_line(replica)
+            if line is not None:
+                engine_per_sequence.add_metric([model, replica], line[2])
+                engine_per_context.add_metric([model, replica], line[1])
+            windows.add_metric([model, replica], engine_itl.windows)
+        source.add_metric([model, decode.source_in_use], 1.0)
 
 
 def track_decode(registry: CollectorRegistry, model: str, decode: DecodeModel) -> None:

@@ -6,7 +6,9 @@ a static replica. vLLM exposes ``vllm:num_requests_running`` and
 configuration as labels of ``vllm:cache_config_info`` (the block size is kept,
 for the ``kv_index`` tier); :mod:`llmgw.engines.probe` reads them. The same text's
 prefill counters update the replica's engine-reported prefill rate
-(:mod:`llmgw.router.engine_prefill`), the cost model's prior slope.
+(:mod:`llmgw.router.engine_prefill`), the cost model's prior slope, and its
+inter-token latency histogram the replica's ITL fit
+(:mod:`llmgw.router.engine_itl`), the decode charge's slopes.
 :func:`scrape_engine_load` runs as one task in the gateway's nursery and
 scrapes the replicas of the models whose tier asks for it
 (``engine_metrics_interval`` on the tier); every request has a deadline,
@@ -26,7 +28,7 @@ import trio
 
 from ..engines import probe
 from ..engines.probe import EngineLoad
-from . import engine_prefill
+from . import engine_itl, engine_prefill
 from .replica import Replica
 
 if TYPE_CHECKING:
@@ -36,7 +38,8 @@ if TYPE_CHECKING:
 async def scrape_once(replica: Replica, timeout: float, path: str = "/metrics",
                       clock: Callable[[], float] = time.monotonic) -> EngineLoad | None:
     """One ``GET /metrics`` through the replica's pool, within ``timeout``, read with the replica's gauges; None
-    when it failed or has none of them. Its prefill counters go to ``replica.prefill_rate``."""
+    when it failed or has none of them. Its prefill counters go to ``replica.prefill_rate``, its inter-token
+    latency to ``replica.engine_itl``."""
     if replica.pool is None:
         return None
     headers = [replica.auth_header] if replica.auth_header else []
@@ -51,6 +54,7 @@ async def scrape_once(replica: Replica, timeout: float, path: str = "/metrics",
     if load is not None and load.kv_usage is None and load.num_blocks is None:
         # no usage gauge: the capacity all the same, for the KV index's count of what is held (router.kv_capacity)
         load = dataclasses.replace(load, num_blocks=probe.parse_num_blocks(text, replica.gauges))
+    replica.engine_itl.update(engine_itl.read_counters(text, load))
     return load
 
 

@@ -41,6 +41,7 @@ from urllib.parse import urlsplit
 from ..engines.probe import VLLM_GAUGES, EngineGauges, EngineLoad
 from ..http.client import UpstreamPool
 from ..tls import TlsClientOptions, client_context
+from .engine_itl import EngineItl
 from .engine_prefill import EnginePrefillRate
 
 
@@ -62,6 +63,7 @@ class Replica:
     url: str
     api_key: str | None = field(default=None, repr=False)
     weight: int = 1
+    prefill_tokens_per_s: float | None = None  # configured: its prefill rate before it answers (the cost model's prior)
     state: ReplicaState = ReplicaState.UNKNOWN
     reason: str = ""
     local_inflight: int = 0  # this process's requests to it, not finished (the data plane counts them)
@@ -78,6 +80,7 @@ class Replica:
     served: int = 0
     engine_load: EngineLoad | None = None
     prefill_rate: EnginePrefillRate = field(default_factory=EnginePrefillRate, repr=False)  # from its /metrics
+    engine_itl: EngineItl = field(default_factory=EngineItl, repr=False)  # its ITL fit, from its /metrics
     pool: UpstreamPool | None = field(default=None, repr=False)
     labels: dict[str, str] = field(default_factory=dict)
     tls: TlsClientOptions = field(default_factory=TlsClientOptions)  # used when the URL is https://

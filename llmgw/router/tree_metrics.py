@@ -13,7 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .cost import CostModel
+from .cost import CONFIGURED, CostModel
 from .deal import DealCounts
 from .model_collectors import PerModelCollector, track
 from .radix import RadixTree
@@ -68,16 +68,20 @@ class NewPrefixesCollector(PerModelCollector[DealCounts]):
 
 
 class EnginePrefillCollector(PerModelCollector[CostModel]):
-    def families(self) -> tuple[GaugeMetricFamily]:
+    def families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
         return (GaugeMetricFamily("llmgw_routing_engine_prefill_tokens_per_second", "Each replica's prefill rate as "
                                   "its engine reports it on /metrics (new prompt tokens per second of prefill), the "
                                   "prior of the cost model's slope; absent until the engine told it.",
-                                  labels=["model", "replica"]),)
+                                  labels=["model", "replica"]),
+                GaugeMetricFamily("llmgw_routing_configured_prefill_tokens_per_second", "Each replica's configured "
+                                  "prefill rate (prefill_tokens_per_s) while it is the prior of the cost model's "
+                                  "slope: before its engine reported one; absent otherwise.",
+                                  labels=["model", "replica"]))
 
     def add(self, families: Sequence[Any], model: str, cost: CostModel) -> None:
         for replica, c in sorted(cost.replicas.items()):
-            if c.engine_slope is not None:
-                families[0].add_metric([model, replica], 1.0 / c.engine_slope)
+            if c.known_slope is not None:
+                families[1 if c.slope_from == CONFIGURED else 0].add_metric([model, replica], 1.0 / c.known_slope)
 
 
 class TokensPerCharCollector(PerModelCollector[TokensPerChar]):

@@ -5,6 +5,8 @@ fitted line ``theta = (step, seconds per prefill token, seconds per request)``::
 
     cost = theta . g,   g = (1, queued + new + others_weight x (requests x new + recomputed), requests)
 
+(``Estimate.line`` and ``Estimate.features``: the cost is computed as that product),
+
 so the uncertainty of its expected value is that of the fit at ``g``, the
 standard error of a least-squares prediction::
 
@@ -117,20 +119,13 @@ class Uncertainty:
 
     def of(self, name: str, estimate: Estimate) -> float:
         """The standard error of ``estimate.cost`` (seconds) for replica ``name``."""
-        g = features(estimate)
+        g = estimate.features
         m = self._matrix(name)
         leverage = sum(g[i] * m[i][j] * g[j] for i in range(3) for j in range(3))
         return self.noise(estimate.noise) * math.sqrt(max(leverage, 0.0))
 
     def all(self, names: Sequence[str], estimates: Sequence[Estimate]) -> list[float]:
         return [self.of(name, e) for name, e in zip(names, estimates)]
-
-
-def features(estimate: Estimate) -> tuple[float, float, float]:
-    """``g``: what ``estimate.cost`` multiplies its line's ``(step, seconds per token, per request)`` by."""
-    return (1.0, estimate.queued_tokens + estimate.new_tokens
-            + estimate.others_weight * (estimate.requests * estimate.new_tokens + estimate.recomputed),
-            estimate.requests)
 
 
 def certainly_costlier(kept: Estimate, taken: Estimate) -> bool:
@@ -141,7 +136,7 @@ def certainly_costlier(kept: Estimate, taken: Estimate) -> bool:
     priors', the pooled fit's), and that uncertainty says how large the gain is, never whether there is one: a
     burst's requests, decided before their first tokens, all queued behind the holder of their prompt."""
     slower = kept.step >= taken.step and kept.throughput <= taken.throughput and kept.per_request >= taken.per_request
-    return slower and all(k >= t for k, t in zip(features(kept), features(taken)))
+    return slower and all(k >= t for k, t in zip(kept.features, taken.features))
 
 
 def override_pays(gain: float, uncertainty_kept: float, uncertainty_taken: float,

@@ -136,7 +136,7 @@ class StepLoop:
             else:
                 await trio.lowlevel.checkpoint()
             try:
-                progressed = scheduler.update(step)
+                progressed = scheduler.update(step, seconds)
             except Exception as exc:
                 self._fail_all([seq for seq, _ in step.scheduled], exc)
                 progressed = []

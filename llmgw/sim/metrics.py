@@ -10,13 +10,23 @@ block counts of the event stream (since the last AllBlocksCleared).
 ``vllm:request_prefill_time_seconds`` is vLLM's histogram (its buckets) of each
 request's time from its first step to its first token, on the engine loop's
 clock (x ``--time-scale``, as a client measures it).
+``vllm:inter_token_latency_seconds`` (each token after a request's first: the
+time since its previous one) and ``vllm:request_decode_time_seconds`` (a
+finished request's first token to its last) are vLLM's histograms with its
+buckets, on the *modelled* clock: the sum of the steps' modelled times
+(x ``--time-scale``), what the GPU would take, without this process's own
+delays on a loaded host (a real engine's wall clock includes its CPU's, which
+on a GPU host is part of what a request waits; here it would be the
+simulator's Python, not the GPU it models). vLLM before 0.11 named the first
+``vllm:time_per_output_token_seconds`` (0.11 exported both, 0.12 hid the old one, later only the
+new name); the simulator exports the new name only.
 The text is built by hand: a few dozen lines, cheap enough for the event loop.
 """
 
 from __future__ import annotations
 
 from .core import StepLoop
-from .scheduler import PREFILL_TIME_BUCKETS
+from .scheduler import Histogram
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
@@ -33,6 +43,8 @@ _METRICS = (
     ("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine."),
     ("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig"),
     ("vllm:request_prefill_time_seconds", "histogram", "Histogram of time spent in PREFILL phase for request."),
+    ("vllm:request_decode_time_seconds", "histogram", "Histogram of time spent in DECODE phase for request."),
+    ("vllm:inter_token_latency_seconds", "histogram", "Histogram of inter-token latency in seconds."),
     ("vllm:request_success", "counter", "Count of successfully processed requests."),
     ("llmgw_sim_cached_blocks", "gauge",
      "Physical KV blocks holding a cached hash (BlockStored minus BlockRemoved blocks)."),
@@ -52,10 +64,11 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def _histogram(buckets: list[int], total: float, count: int) -> list[tuple[str, float]]:
+def _histogram(histogram: Histogram) -> list[tuple[str, float]]:
     """A histogram's samples as Prometheus exposes them: cumulative buckets (``+Inf`` = the count), sum, count."""
-    return ([(f'_bucket|,le="{bound!r}"', n) for bound, n in zip(PREFILL_TIME_BUCKETS, buckets)]
-            + [('_bucket|,le="+Inf"', count), ("_sum|", total), ("_count|", count)])
+    count = histogram.count
+    return ([(f'_bucket|,le="{bound!r}"', n) for bound, n in zip(histogram.bounds, histogram.buckets)]
+            + [('_bucket|,le="+Inf"', count), ("_sum|", histogram.total), ("_count|", count)])
 
 
 def render(engine: StepLoop, model_name: str) -> bytes:
@@ -75,8 +88,9 @@ def render(engine: StepLoop, model_name: str) -> bytes:
         "vllm:num_preemptions": [("", stats.preemptions)],
         "vllm:cache_config_info": [(f',block_size="{pool.block_size}",enable_prefix_caching="True",'
                                     f'num_gpu_blocks="{pool.num_usable_blocks + 1}"', 1)],
-        "vllm:request_prefill_time_seconds": _histogram(stats.prefill_seconds, stats.prefill_seconds_sum,
-                                                        stats.prefill_seconds_count),
+        "vllm:request_prefill_time_seconds": _histogram(stats.prefill),
+        "vllm:request_decode_time_seconds": _histogram(stats.decode),
+        "vllm:inter_token_latency_seconds": _histogram(stats.inter_token),
         "vllm:request_success": [(f',finished_reason="{reason}"', count)
                                  for reason, count in stats.finished.items()],
         "llmgw_sim_cached_blocks": [("", pool.num_cached_blocks)],

@@ -58,7 +58,8 @@ class Sequence:
 
     __slots__ = ("request_id", "prompt_len", "token_ids", "planned_output", "num_computed_tokens", "hashes",
                  "blocks", "num_cached_blocks", "lora_id", "lora_name", "num_cached_tokens", "status",
-                 "finish_reason", "num_preemptions", "error", "scheduled_at", "_changed")
+                 "finish_reason", "num_preemptions", "error", "scheduled_at", "first_token_at", "last_token_at",
+                 "_changed")
 
     def __init__(self, request_id: str, prompt_ids: list[int], planned_output: list[int], *,
                  hashes: SequenceHashes | None = None, lora_id: int | None = None, lora_name: str | None = None):
@@ -82,6 +83,8 @@ class Sequence:
         self.num_preemptions = 0
         self.error: str | None = None  # why the engine failed on this request
         self.scheduled_at: float | None = None  # when its first step began (the engine loop's clock)
+        self.first_token_at = 0.0  # when its first and latest tokens came, on the engine's modelled clock
+        self.last_token_at = 0.0
         self._changed = trio.Event()
         if hashes is not None:
             hashes.extend(self.token_ids)
@@ -134,6 +137,30 @@ class Step:
 # vLLM's buckets of vllm:request_prefill_time_seconds (vllm/v1/metrics/loggers.py, request_latency_buckets)
 PREFILL_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                         240.0, 480.0, 960.0, 1920.0, 7680.0)
+# vLLM's buckets of vllm:inter_token_latency_seconds (the same in loggers.py since it was named so, v0.11)
+INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                               10.0, 20.0, 40.0, 80.0)
+
+
+@dataclass(slots=True)
+class Histogram:
+    """A Prometheus histogram's state: observations per bucket (each counting those up to its bound, as
+    Prometheus exposes them), their sum and count."""
+
+    bounds: tuple[float, ...]
+    buckets: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.buckets = [0] * len(self.bounds)
+
+    def observe(self, value: float) -> None:
+        self.total += value
+        self.count += 1
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.buckets[i] += 1
 
 
 @dataclass(slots=True)
@@ -149,18 +176,16 @@ class SchedulerStats:
     steps: int = 0
     failed: int = 0  # requests failed by an error in their step work (finish_reason "error")
     # vLLM's request_prefill_time_seconds: first scheduled to first token, per request (the engine loop's clock)
-    prefill_seconds: list[int] = field(default_factory=lambda: [0] * len(PREFILL_TIME_BUCKETS))  # per bucket
-    prefill_seconds_sum: float = 0.0
-    prefill_seconds_count: int = 0
+    prefill: Histogram = field(default_factory=lambda: Histogram(PREFILL_TIME_BUCKETS))
+    # vLLM's inter_token_latency_seconds (each token after a request's first: the time since its previous one) and
+    # request_decode_time_seconds (a finished request's first token to its last), on the modelled clock: the sum of
+    # the steps' modelled times (x the time scale), what the GPU would take, without the host's own delays
+    inter_token: Histogram = field(default_factory=lambda: Histogram(INTER_TOKEN_LATENCY_BUCKETS))
+    decode: Histogram = field(default_factory=lambda: Histogram(PREFILL_TIME_BUCKETS))
 
     def observe_prefill(self, seconds: float) -> None:
-        """One request's prefill time, into vLLM's histogram buckets (each counts the observations up to its bound,
-        as Prometheus exposes them)."""
-        self.prefill_seconds_sum += seconds
-        self.prefill_seconds_count += 1
-        for i, bound in enumerate(PREFILL_TIME_BUCKETS):
-            if seconds <= bound:
-                self.prefill_seconds[i] += 1
+        """One request's prefill time."""
+        self.prefill.observe(seconds)
 
 
 class Scheduler:
@@ -177,6 +202,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
+        self.modelled_clock = 0.0  # the sum of the steps' modelled times (seconds): the engine's decode metrics' clock
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -321,12 +347,14 @@ class Scheduler:
             step.scheduled.append((seq, num_new))
             budget -= num_new
 
-    def update(self, step: Step) -> list[Sequence]:
-        """Apply a computed step: sample tokens, finish requests. Returns the requests that progressed."""
+    def update(self, step: Step, seconds: float = 0.0) -> list[Sequence]:
+        """Apply a computed step that lasted ``seconds`` (modelled): sample tokens, finish requests. Returns the
+        requests that progressed."""
         progressed: list[Sequence] = []
         finished_any = False
         stats = self.stats
         stats.steps += 1
+        self.modelled_clock += seconds
         for seq, num_new in step.scheduled:
             if seq.status is not Status.RUNNING:  # aborted (or failed) while the step ran
                 continue
@@ -346,9 +374,16 @@ class Scheduler:
         produced = seq.num_output_tokens
         token = seq.planned_output[produced]
         seq.token_ids.append(token)
-        self.stats.generation_tokens += 1
+        stats, now = self.stats, self.modelled_clock
+        stats.generation_tokens += 1
+        if produced:
+            stats.inter_token.observe(now - seq.last_token_at)
+        else:
+            seq.first_token_at = now
+        seq.last_token_at = now
         progressed.append(seq)
         if produced + 1 == len(seq.planned_output):
+            stats.decode.observe(now - seq.first_token_at)
             self.cache.free(seq)
             self._finish(seq, "stop" if token == EOS_ID else "length")
             return True

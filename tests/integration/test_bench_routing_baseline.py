@@ -54,6 +54,7 @@ async def test_baseline_arms_run_the_other_checkouts_gateway_on_the_same_request
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     report = json.loads(out.read_text())
     assert report["settings"]["baseline"] == str(base.resolve())
+    assert report["settings"]["config_omitted"] == []  # the same code reads every key this one writes
     arms = report["workloads"][workload]["arms"]
     # without a NAME@baseline in --arms, every llmgw arm is followed by its twin
     assert list(arms) == ["round_robin", "round_robin@baseline", "kv_index", "kv_index@baseline"]

@@ -6,11 +6,7 @@ from __future__ import annotations
 import trio
 from hypothesis import given, strategies as st
 
-from llmgw import wire
 from llmgw.config import parse_config
-from llmgw.control.deployed import DeployedReplicas
-from llmgw.control.fingerprint import profile_fingerprint
-from llmgw.control.reconciler import Assignment, ShardSlot, desired_replicas
 from llmgw.engines import probe
 from llmgw.engines.probe import (
     NO_GAUGES,
@@ -25,14 +21,12 @@ from llmgw.hookspecs import hookimpl
 from llmgw.http.client import UpstreamPool
 from llmgw.http.messages import Response
 from llmgw.http.server import HttpServer
-from llmgw.metrics import Metrics
 from llmgw.plugins.engine_sim import SimEngine
 from llmgw.plugins_manager import build_registry, make_plugin_manager
 from llmgw.router.health import HealthSettings, probe_once
 from llmgw.router.load_scraper import scrape_once
 from llmgw.router.replica import Replica
-from llmgw.router.replicas import ReplicaSet
-from llmgw.router.router import Router
+from llmgw.testing.deployed import deploy_ready
 from llmgw.testing.processes import free_port
 
 RUNNING, WAITING = VLLM_GAUGES.running, VLLM_GAUGES.waiting
@@ -150,22 +144,7 @@ deployments:
   - {profile: odd, replicas: 1}
   - {profile: sim, replicas: 1}
 """)
-    replicas = ReplicaSet()
-    Router(registry, Metrics(), replicas)
-    routing = DeployedReplicas(replicas, registry, on_released=lambda key: None)
-    desired = desired_replicas(config, profile_fingerprint)
-    routing.configure_models(desired)
-
-    def assignment(replica) -> Assignment:
-        shard = f"{replica.replica_id}-g1-r0"
-        return Assignment(replica.replica_id, replica.profile.name, replica.model, replica.fingerprint, 1,
-                          [ShardSlot(shard, "n1", 0, (), ())])
-
-    def ready(a: Assignment) -> wire.ShardReport:
-        return wire.ShardReport(shard_id=a.leader.shard_id, replica_id=a.replica_id, state=wire.ShardState.READY,
-                                endpoint="http://127.0.0.1:9", generation=1)
-
-    routing.sync([assignment(r) for r in desired.values()], ready, lambda a: None)
+    replicas = deploy_ready(config, registry)
     assert {r.model: r.gauges for r in replicas} == {"tiny-odd": ODD, "tiny-sim": VLLM_GAUGES}
 
 

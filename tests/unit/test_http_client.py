@@ -218,6 +218,29 @@ async def test_a_pooled_connection_the_upstream_closed_is_not_reused(upstream):
     assert up.connections == 2 and len(up.requests) == 2
 
 
+@pytest.mark.parametrize("then", ["reset", "stray bytes"])
+async def test_a_pooled_connection_reset_or_sent_stray_bytes_while_idle_is_not_reused(upstream, then):
+    """What the pool checks before reusing a connection: anything waiting on an idle one (a reset, bytes nobody asked
+    for) says it is no longer a clean keep-alive connection, like the end of it."""
+    async def answer_then_misbehave(up, stream, n):
+        await stream.send_all(answer())
+        await trio.sleep(0.01)
+        if then == "reset":
+            stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            return "close"
+        await stream.send_all(answer(b'{"unasked":1}'))  # would pass for the next request's answer
+        return None
+
+    up = await upstream(answer_then_misbehave)
+    pool = UpstreamPool("127.0.0.1", up.port)
+    with trio.fail_after(5):
+        assert await (await call(pool)).read() == OK_BODY
+        await trio.sleep(0.1)
+        assert await (await call(pool)).read() == OK_BODY
+    assert up.connections == 2 and len(up.requests) == 2 and pool.open_connections == 1
+    await pool.aclose()
+
+
 async def test_a_fresh_connection_closed_without_an_answer_is_an_error_not_a_retry(upstream):
     async def close(up, stream, n):
         return "close"

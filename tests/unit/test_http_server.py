@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from llmgw.http.messages import Request, Response
-from llmgw.http.server import AbortConnection, HttpServer, ServerLimits
+from llmgw.http.server import READY_READS, AbortConnection, HttpServer, ServerLimits
 
 # -- helpers -----------------------------------------------------------------------------------------------------------
 
@@ -619,3 +619,188 @@ async def test_requests_the_server_refuses_are_reported_by_status(nursery):
             await client.reply()
             await client.aclose()
     assert refused == [400, 505]
+
+
+# -- work after the answer ---------------------------------------------------------------------------------------------
+
+async def test_after_send_runs_once_the_answer_is_in_the_clients_socket(serve):
+    """A response's ``after_send`` (the data plane's accounting) runs after the answer went out, not before."""
+    seen: list[bytes] = []
+    client_end: socket.socket | None = None
+
+    def after() -> None:
+        assert client_end is not None
+        try:  # the test's own end of the connection, in this process: what has arrived by now
+            seen.append(client_end.recv(65536, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            seen.append(b"")
+
+    async def handler(request: Request) -> Response:
+        return Response(200, [], b"the answer", after)
+
+    _, port = await serve(handler)
+    with trio.fail_after(5):
+        client = await connect(port)
+        client_end = socket.socket(fileno=socket.dup(client.stream.socket.fileno()))
+        for _ in range(2):
+            await client.send(get("/"))
+            assert (await client.reply()).body == b"the answer"
+        await client.aclose()
+        client_end.close()
+    assert len(seen) == 2 and all(data.endswith(b"\r\n\r\nthe answer") for data in seen), seen
+
+
+async def test_after_send_does_not_wait_for_a_client_that_reads_slowly(serve):
+    """A large answer to a client that reads nothing: the work after it runs at once, not when the client reads."""
+    BIG = 32 << 20
+    ran = trio.Event()
+
+    async def handler(request: Request) -> Response:
+        return Response(200, [], b"x" * BIG, ran.set)
+
+    _, port = await serve(handler, write_timeout=30)
+    with trio.fail_after(10):
+        client = await connect(port)
+        await client.send(get("/big"))
+        await ran.wait()  # nothing read yet: 32 MiB cannot all be in the kernel's buffers
+        received = 0
+        while received < BIG:
+            received += len(await client.receive())
+        await client.aclose()
+
+
+async def test_after_send_runs_when_the_answer_cannot_be_sent(serve):
+    """The client reset the connection while the handler ran: the send fails, the work after it still runs, once."""
+    calls: list[int] = []
+    client_gone = trio.Event()
+
+    async def handler(request: Request) -> Response:
+        with trio.CancelScope(shield=True):  # answer although the server cancels the handler
+            await client_gone.wait()
+            await trio.sleep(0.05)  # the reset has arrived
+            return Response(200, [], b"x" * 100_000, lambda: calls.append(1))
+
+    server, port = await serve(handler)
+    with trio.fail_after(5):
+        client = await connect(port)
+        await client.send(get("/"))
+        await trio.sleep(0.05)
+        client.stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        await client.aclose()  # linger 0: a reset
+        client_gone.set()
+        while server.active_requests or server.connections:
+            await trio.sleep(0.01)
+    assert calls == [1]
+
+
+async def test_after_send_of_a_stream_runs_after_its_end_and_a_failing_one_is_logged(serve, caplog):
+    order: list[str] = []
+
+    async def body():
+        yield b"one"
+        order.append("last piece produced")
+
+    def after() -> None:
+        order.append("after_send")
+        raise RuntimeError("accounting broke")
+
+    async def handler(request: Request) -> Response:
+        return Response(200, [], body(), after)
+
+    _, port = await serve(handler)
+    with trio.fail_after(5):
+        client = await connect(port)
+        await client.send(get("/stream"))
+        assert (await client.reply()).body == b"one"
+        await client.send(get("/stream"))  # the connection still serves: the failure stayed in after_send
+        assert (await client.reply()).body == b"one"
+        await client.aclose()
+    assert order == ["last piece produced", "after_send"] * 2
+    assert "the work after sending a 200 answer failed" in caplog.text
+
+
+async def test_a_client_whose_next_request_is_always_there_still_lets_other_tasks_run(serve, nursery, monkeypatch):
+    """Requests that are in the socket when the answer before them is done are read without waiting, but not
+    forever: a client that always has the next one there (here: pipelined, read one per ``recv``) and a handler that
+    never waits must not keep the other tasks from running."""
+    request = get("/")
+    monkeypatch.setattr("llmgw.http.server.READ_SIZE", len(request))  # one request per read
+    ticks = 0
+    seen: list[int] = []
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await trio.lowlevel.checkpoint()
+            ticks += 1
+
+    async def handler(request: Request) -> Response:
+        seen.append(ticks)  # no await: only the server's own waits let the ticker run
+        return Response(200, [], b"")
+
+    _, port = await serve(handler)
+    nursery.start_soon(ticker)
+    with trio.fail_after(10):
+        client = await connect(port)
+        await client.send(request * 400)
+        for _ in range(400):
+            assert (await client.reply()).status == 200
+        await client.aclose()
+    longest_run = run = 0
+    for before, after in zip(seen, seen[1:]):
+        run = run + 1 if before == after else 0
+        longest_run = max(longest_run, run)
+    # Never more than a few requests without giving other tasks a turn (a turn is seen one batch late at worst: Trio
+    # runs a batch's tasks in random order); without the bound, all 400 came in one run.
+    assert longest_run <= 2 * READY_READS + 2, longest_run
+
+
+def reader_tasks() -> int:
+    """The connections' reader tasks running in this Trio run (the server starts one per watched connection)."""
+    def walk(task) -> int:
+        own = "._read_loop" in task.name  # (a compiled method's task is named by its repr)
+        return own + sum(walk(child) for nursery in task.child_nurseries for child in nursery.child_tasks)
+    return walk(trio.lowlevel.current_root_task())
+
+
+async def test_a_connection_reads_inline_again_after_quick_requests_and_still_watches_slow_ones(serve):
+    """One slow request starts the reader task that watches the client; once requests are quick again the connection
+    goes back to one task (no hand-over per request), and a later slow request is watched again: a client that goes
+    away during it still cancels it at once."""
+    from llmgw.http.server import DISCONNECT_WATCH_AFTER, QUICK_BEFORE_INLINE
+
+    cancelled = trio.Event()
+
+    async def handler(request: Request) -> Response:
+        if request.target == "/slow":
+            await trio.sleep(3 * DISCONNECT_WATCH_AFTER)
+        elif request.target == "/hang":
+            try:
+                await trio.sleep_forever()
+            except trio.Cancelled:
+                cancelled.set()
+                raise
+        return Response(200, [], request.target.encode())
+
+    server, port = await serve(handler)
+    with trio.fail_after(10):
+        client = await connect(port)
+        await client.send(get("/slow"))
+        assert (await client.reply()).body == b"/slow"
+        assert reader_tasks() == 1  # the slow request started it
+        for n in range(QUICK_BEFORE_INLINE + 1):
+            await client.send(get(f"/quick{n}"))
+            assert (await client.reply()).body == f"/quick{n}".encode()
+        await trio.sleep(0.01)
+        assert reader_tasks() == 0  # back to one task per connection
+        await client.send(get("/quick-again"))
+        assert (await client.reply()).body == b"/quick-again"
+        await client.send(get("/hang"))
+        await trio.sleep(3 * DISCONNECT_WATCH_AFTER)  # watched again
+        assert reader_tasks() == 1
+        closed_at = trio.current_time()
+        await client.aclose()
+        await cancelled.wait()
+        assert trio.current_time() - closed_at < 0.1
+        while server.active_requests or server.connections:
+            await trio.sleep(0.01)

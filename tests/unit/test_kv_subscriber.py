@@ -9,6 +9,8 @@ vLLM 0.26+'s replay protocol from a buffer the test controls.
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 
 import pytest
 import trio
@@ -365,3 +367,81 @@ def test_the_message_size_is_a_routing_option_and_an_agent_flag():
     assert parse_kv_message_size("1MiB") == 1024 * 1024
     with pytest.raises(ValueError, match="--kv-max-message-size '2GiB': must be from 1KiB to 1GiB"):
         parse_kv_message_size("2GiB")
+
+
+class TaskSteps(trio.abc.Instrument):
+    """Counts every task's steps (the runs between two of its checkpoints): two batches applied in the same step
+    of the subscription's task held the Trio loop between them."""
+
+    def __init__(self) -> None:
+        self.steps: Counter[trio.lowlevel.Task] = Counter()
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.steps[task] += 1
+
+
+@pytest.fixture
+async def witnessed(rig):
+    """The rig, with each applied batch recorded with the step of the subscription's task it was applied in."""
+    counter = TaskSteps()
+    trio.lowlevel.add_instrument(counter)
+
+    async def make():
+        sub, engine, rec = await rig()
+        steps: list[int] = []
+        record = sub.on_batch
+
+        def on_batch(batch: EventBatch) -> None:
+            steps.append(counter.steps[trio.lowlevel.current_task()])
+            record(batch)
+
+        sub.on_batch = on_batch
+        return sub, engine, rec, steps
+
+    yield make
+    trio.lowlevel.remove_instrument(counter)
+
+
+BACKLOG = 40
+
+
+async def test_a_backlog_of_live_batches_is_ingested_one_loop_step_each(witnessed):
+    sub, engine, rec, steps = await witnessed()
+    for seq in range(BACKLOG):
+        data = payload(seq)
+        engine.buffer[seq] = data
+        engine.pub.send_multipart([TOPIC, seq.to_bytes(8, "big"), data])
+    time.sleep(0.3)  # the loop busy elsewhere (not awaiting): the batches queue up on the SUB socket
+    await wait(sub, lambda s: s.last_seq == BACKLOG - 1)
+    assert rec.seqs() == list(range(BACKLOG)) and sub.gaps == 0
+    # every batch in a loop step of its own: other tasks (the relays of first tokens) run between them
+    assert len(set(steps)) == BACKLOG, f"{BACKLOG} batches applied in {len(set(steps))} steps"
+
+
+async def test_a_long_replay_is_applied_one_loop_step_each(witnessed):
+    sub, engine, rec, steps = await witnessed()
+    for seq in range(BACKLOG):
+        await engine.publish(seq, live=False)  # the engine ran before the subscription: a replay from 0
+    await engine.publish(BACKLOG)
+    await wait(sub, lambda s: s.last_seq == BACKLOG)
+    assert rec.seqs() == list(range(BACKLOG + 1)) and sub.replays == {"filled": 1}
+    assert len(set(steps)) == BACKLOG + 1, f"{BACKLOG + 1} batches applied in {len(set(steps))} steps"
+
+
+async def test_an_engine_restart_notified_during_a_replay_ends_it(witnessed):
+    sub, engine, rec, steps = await witnessed()
+    record = sub.on_batch
+
+    def on_batch(batch: EventBatch) -> None:
+        record(batch)
+        if int(batch.ts) == 5:
+            sub.notify_engine_restart()  # the supervisor, between two replayed batches
+
+    sub.on_batch = on_batch
+    for seq in range(BACKLOG):
+        await engine.publish(seq, live=False)
+    await engine.publish(BACKLOG)
+    await wait(sub, lambda s: s.resets)
+    await trio.sleep(0.1)
+    assert rec.seqs() == [0, 1, 2, 3, 4, 5]  # nothing more of the old run's replay, nor its live batch
+    assert sub.resets == {"engine_restart": 1} and sub.last_seq is None

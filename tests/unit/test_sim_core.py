@@ -216,10 +216,10 @@ async def test_prefill_time_is_first_step_to_first_token_as_vllm_exports_it(auto
         await run_one(engine, request(200, 3, rid="a"))
         nursery.cancel_scope.cancel()
     stats = engine.scheduler.stats
-    assert stats.prefill_seconds_count == 1
-    assert stats.prefill_seconds_sum == pytest.approx(200 / RATE + math.ceil(200 / 64) * DECODE_S)
+    assert stats.prefill.count == 1
+    assert stats.prefill.total == pytest.approx(200 / RATE + math.ceil(200 / 64) * DECODE_S)
     text = metrics.render(engine, "m").decode()
-    assert f'vllm:request_prefill_time_seconds_sum{{engine="0",model_name="m"}} {stats.prefill_seconds_sum!r}' in text
+    assert f'vllm:request_prefill_time_seconds_sum{{engine="0",model_name="m"}} {stats.prefill.total!r}' in text
     assert 'vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 1.0' in text
     assert 'vllm:request_prefill_time_seconds_bucket{engine="0",model_name="m",le="0.3"} 1.0' in text
     assert 'vllm:request_prefill_time_seconds_bucket{engine="0",model_name="m",le="+Inf"} 1.0' in text
