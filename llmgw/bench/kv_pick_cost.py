@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import random
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import trio
 
 from llmgw.bench.common import bench_parser, finish
+from llmgw.bench.kv_index_ops import _best_us as best_us  # µs per call, the fastest round, labels alternating
 from llmgw.hookspecs import hookimpl
 from llmgw.kv.index import KvIndex
 from llmgw.kv.tokenize import plan
@@ -79,19 +79,6 @@ def chat(rng: random.Random, tokens: int, tag: str) -> RouteRequest:
     return RouteRequest(MODEL, "/v1/chat/completions",
                         {"model": MODEL, "max_tokens": 16, "messages": [{"role": "system", "content": f"{tag} {words}"},
                                                                          {"role": "user", "content": "go on"}]})
-
-
-def best_us(calls: dict[str, Callable[[], object]], count: int, rounds: int) -> dict[str, float]:
-    """Per label, µs per call in the fastest of ``rounds`` rounds of ``count`` calls; the labels' rounds
-    alternate."""
-    times: dict[str, list[float]] = {label: [] for label in calls}
-    for _ in range(rounds):
-        for label, call in calls.items():
-            started = time.perf_counter()
-            for _ in range(count):
-                call()
-            times[label].append((time.perf_counter() - started) / count * 1e6)
-    return {label: round(min(values), 1) for label, values in times.items()}
 
 
 def run(tokens: int, replicas: int, held: int, rounds: int, picks: int) -> dict:
