@@ -9,8 +9,9 @@ of about as many tokens (a new system prompt each, as in ``llmgw.bench.kv_ingest
 
 Printed, each as the fastest of ``--rounds`` rounds of ``--picks`` calls, in µs per call: the whole ``pick``,
 then its parts on the same prompt: the answer's parsing, :func:`llmgw.kv.tokenize.plan`, the block keys,
-``KvIndex.match_detail``, ``KvIndex.predict``, the decision rule (``_decide``: the prefix tier's cost model and
-scorers) and the prefix tree's part (the tokenize replica's choice, ``learn``).
+``KvIndex.match_detail``, ``KvIndex.predict``, the decision rule (``_decide``: the prefix tier's ``decide``, its
+cost model and scorers, as the tier's ``_decide`` calls it) and the prefix tree's part (the tokenize replica's
+choice, ``learn``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import trio
 
@@ -28,7 +30,6 @@ from llmgw.kv.index import KvIndex
 from llmgw.kv.tokenize import plan
 from llmgw.kv.tokenize_answer import TokenizeAnswerReader
 from llmgw.metrics import Metrics
-from llmgw.plugins.kv_index import KvIndexTier, _decide
 from llmgw.plugins_manager import build_registry, make_plugin_manager
 from llmgw.router.replica import Replica
 from llmgw.router.router import Router
@@ -91,8 +92,8 @@ def run(tokens: int, replicas: int, held: int, rounds: int, picks: int) -> dict:
     pool = [Replica(name=name, model=MODEL, url=f"http://127.0.0.1:{9000 + i}") for i, name in enumerate(names)]
     for replica in pool:
         router.add_replica(replica)
-    tier = route.tier
-    assert isinstance(tier, KvIndexTier) and isinstance(tier.index, KvIndex)
+    tier: Any = route.tier  # the kv_index tier (a plugin: reached through the router, never imported)
+    assert tier.name == "kv_index" and isinstance(tier.index, KvIndex)
     for name in names:
         tier.index.apply(name, KvChanges(kind=KvChangeKind.FULL, stored=[rng.getrandbits(64) for _ in range(held)],
                                          block_size=BLOCK))
@@ -126,8 +127,9 @@ def run(tokens: int, replicas: int, held: int, rounds: int, picks: int) -> dict:
             "block keys": lambda: tier.keys.keys(ids, BLOCK, None),
             "match_detail": lambda: tier.index.match_detail(keys, names),
             "predict": lambda: tier.index.predict(names[0], keys, 0.0),
-            "_decide": lambda: _decide(tier.tree, sample, pool, [0.0] * len(pool), now, loop_rng, tokens,
-                                       [0] * len(pool)),
+            "_decide": lambda: tier.tree.decide(sample, pool, prompt_units=1 << 20, matched=[0] * len(pool),
+                                                now=now, rng=loop_rng, prompt_tokens=tokens,
+                                                cached_tokens=[0] * len(pool)),
             "tree (tokenize replica, learn)": tree_part,
         }, picks, rounds)
 
