@@ -4,8 +4,9 @@ vLLM (and the simulator) answer ``{"count": N, "max_model_len": M, "tokens": [..
 long prompt's answer is megabytes of ids; routing uses at most ``max_ids`` of them (the tier's
 ``max_prompt_tokens`` plus a margin). :class:`TokenizeAnswerReader` is fed the answer's pieces as they come
 and says when it has what it needs: the ``tokens`` array ended, or ``max_ids`` ids were read (the rest of the
-answer is never read). Each piece costs a few C-level passes (a regex check, ``split``, ``map(int)``), so a
-big answer never holds the event loop for long, and nothing beyond ``max_ids`` ids is parsed or checked.
+answer is never read). Each piece costs a few C-level passes (a regex check, then the JSON scanner, or
+``split`` and ``map(int)`` for the piece that holds more ids than needed or is malformed), so a big answer never
+holds the event loop for long, and nothing beyond ``max_ids`` ids is parsed or checked.
 
 Bounds: ``max_bytes`` of answer in all (``max_ids`` x 16 bytes plus 64 KiB by default), and
 ``MAX_OTHER_VALUE_BYTES`` for a member other than ``tokens`` (``count`` is read when it comes first). Anything
@@ -150,6 +151,9 @@ class TokenizeAnswerReader:
                 return False
             region = bytes(buf[:comma + 1])
         need = self.max_ids - len(self.ids)
+        ids = self._json_ids(region, need, ended=close >= 0)
+        if ids is not None:
+            return self._took(ids, ended=close >= 0, region=region)
         parts = region.split(b",", need)
         ended = close >= 0 and len(parts) <= need
         if len(parts) > need:  # enough ids here: the rest of the answer is never looked at
@@ -164,6 +168,26 @@ class TokenizeAnswerReader:
             ids = list(map(int, parts))
         except ValueError:
             raise TokenizeError("answer", "/tokenize answer: tokens is not a list of ints") from None
+        return self._took(ids, ended=ended, region=region)
+
+    def _json_ids(self, region: bytes, need: int, *, ended: bool) -> list[int] | None:
+        """The ids of ``region`` (the array's rest up to its ``]``, else up to a comma) read by the C JSON scanner
+        in one pass (a 3,000-id answer: about half the time of ``split`` and ``map(int)``), when they are all
+        needed and well-formed; None sends the region to the piecewise path, which takes what it can and words
+        the error (an id with leading zeros, an empty id, more ids than needed)."""
+        body = region if ended else region[:-1]  # a region that does not end the array ends with a comma
+        if body.count(b",") >= need or not _IDS_ONLY.fullmatch(body):
+            return None  # more ids than needed here (or none at all), or not only decimal ids
+        try:
+            ids: list[int] = json.loads(b"[" + body + b"]")
+        except ValueError:
+            return None
+        if not ids and not (ended and not self.ids):
+            return None  # "[,": an empty id (only an empty array has no ids)
+        return ids
+
+    def _took(self, ids: list[int], *, ended: bool, region: bytes) -> bool:
+        """Keep ``ids`` (the ids of ``region``, the buffer's head); whether to look at the buffer again."""
         if ids and max(ids) > MAX_ID:
             raise TokenizeError("answer", "/tokenize answer: an id above 2^32 - 1")
         self.ids += ids
@@ -172,7 +196,7 @@ class TokenizeAnswerReader:
         elif len(self.ids) >= self.max_ids:
             self.done = self.truncated = True
         else:
-            del buf[:len(region)]
+            del self._buf[:len(region)]
             return True
         self._buf = bytearray()
         return False

@@ -122,7 +122,7 @@ class ItlFit:
     + host_per_context_token x fleet context + host_per_sequence x fleet batch`` for a ridge least squares (the
     cost model's :class:`~llmgw.router.cost.Fit`, with the fleet's two terms beside the replica's own)."""
 
-    __slots__ = ("w", "s", "sy", "yy")
+    __slots__ = ("w", "s", "sy", "yy", "_solved")
     SCALES = (1.0, CONTEXT_SCALE, SEQUENCE_SCALE, CONTEXT_SCALE, SEQUENCE_SCALE)
     BOUNDS = (MAX_ITL, MAX_PER_CONTEXT_TOKEN, MAX_PER_SEQUENCE, MAX_PER_CONTEXT_TOKEN, MAX_PER_SEQUENCE)
 
@@ -131,8 +131,12 @@ class ItlFit:
         self.s = [[0.0] * FEATURES for _ in range(FEATURES)]
         self.sy = [0.0] * FEATURES
         self.yy = 0.0
+        # (prior, theta) of the last solve since the last observation: a decision reads each fit several times
+        # (every candidate's line, the host's), with the same prior, between observations
+        self._solved: tuple[tuple[float, ...], Theta] | None = None
 
     def add(self, f: Sequence[float], y: float, decay: float) -> None:
+        self._solved = None
         self.w = self.w * decay + 1.0
         for i in range(FEATURES):
             row = self.s[i]
@@ -143,6 +147,7 @@ class ItlFit:
 
     def merge(self, other: "ItlFit") -> None:
         """Add ``other``'s observations to these (a pooled fit of several replicas')."""
+        self._solved = None
         self.w += other.w
         for i in range(FEATURES):
             for j in range(FEATURES):
@@ -153,6 +158,9 @@ class ItlFit:
     def solve(self, prior: Sequence[float]) -> Theta:
         """Pulled toward ``prior`` as much as :meth:`llmgw.router.cost.Fit.prior_weight` observations, within
         bounds (each at least 0)."""
+        prior = tuple(prior)
+        if self._solved is not None and self._solved[0] == prior:
+            return self._solved[1]
         weight = PRIOR_WEIGHT / (1.0 + self.w)
         a = [row[:] for row in self.s]
         b = self.sy[:]
@@ -165,7 +173,9 @@ class ItlFit:
         scaled = _solve([[a[i][j] / (d[i] * d[j]) for j in range(FEATURES)] for i in range(FEATURES)],
                         [b[i] / d[i] for i in range(FEATURES)])
         theta = [y / d[i] for i, y in enumerate(scaled)] if scaled is not None else list(prior)
-        return tuple(min(max(t, 0.0), bound) for t, bound in zip(theta, self.BOUNDS))
+        solved = tuple(min(max(t, 0.0), bound) for t, bound in zip(theta, self.BOUNDS))
+        self._solved = prior, solved
+        return solved
 
     def residual(self, theta: Sequence[float]) -> float:
         """The weighted RMS of ``y - theta . f`` over the observations (0 without any)."""

@@ -441,3 +441,57 @@ async def test_a_decode_gain_within_the_spread_of_the_answers_lengths_does_not_m
     assert moved == {1024: False, 2550: True}, explained_costs
     for holder, idle in explained_costs.values():  # the holder's running sequence and the new one; nothing idle
         assert holder["decode"]["decode_uncertainty_s"] > 0 and idle["decode"]["decode_uncertainty_s"] == 0
+
+
+def _fresh_solve(observations: Sequence[tuple[tuple[float, ...], float]], prior: Sequence[float]) -> tuple:
+    from llmgw.router.decode_cost import ItlFit
+    fit = ItlFit()
+    for f, y in observations:
+        fit.add(f, y, 0.9)
+    return fit.solve(prior)
+
+
+@given(st.lists(st.tuples(st.integers(1, 64), st.integers(0, 50_000), st.floats(0.005, 0.2)), min_size=1,
+                max_size=12),
+       st.lists(st.floats(0.0, 0.05), min_size=5, max_size=5))
+def test_a_fits_solution_is_reused_only_until_it_learns_or_is_asked_with_another_prior(points, other_prior):
+    """A decision reads each fit several times (kept, as the picks' cost showed); what it reads is always what a
+    fresh fit of the same observations solves to."""
+    from llmgw.router.decode_cost import FEATURES, ItlFit
+    zero = (0.0,) * FEATURES
+    fit, seen = ItlFit(), []
+    for batch, context, itl in points:
+        f = (1.0, float(context), float(batch), float(context * 4), float(batch * 4))
+        assert fit.solve(zero) == _fresh_solve(seen, zero)
+        fit.add(f, itl, 0.9)
+        seen.append((f, itl))
+        assert fit.solve(zero) == fit.solve(zero) == _fresh_solve(seen, zero)
+        assert fit.solve(other_prior) == _fresh_solve(seen, other_prior)
+        assert fit.solve(zero) == _fresh_solve(seen, zero)
+    merged = ItlFit()
+    assert merged.solve(zero) == _fresh_solve([], zero)
+    merged.merge(fit)
+    assert merged.solve(zero) == _fresh_solve(seen, zero)
+
+
+def test_a_decision_solves_each_fit_once_between_observations(monkeypatch):
+    """The charges of four candidates read the pooled fit and each replica's several times (the host's line,
+    every candidate's own and pooled line): each is solved once, and again only after it learnt."""
+    import llmgw.router.decode_cost as decode_cost
+    model = taught()
+    names = ["a", "b", "c", "d"]
+    solves = []
+    real = decode_cost._solve
+    monkeypatch.setattr(decode_cost, "_solve", lambda a, b: solves.append(1) or real(a, b))
+
+    def charges():
+        return model.charges(names, 500, 256, [30, 0, 2, 4], [18_000, 0, 900, 2000], [10_000.0] * 4, [None] * 4,
+                             0.0)
+
+    first = charges()
+    assert len(solves) <= 1 + len(names)  # the pooled fit, and each replica's own
+    solves.clear()
+    assert charges() == first and not solves
+    decode_side_by_side(model, {"a": (2, 300)}, 64, 100.0)  # "a" and the pooled fit learn
+    charges()
+    assert 1 <= len(solves) <= 1 + len(names)

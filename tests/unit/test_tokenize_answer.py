@@ -97,3 +97,28 @@ def test_whitespace_without_ids_is_bounded():
     with pytest.raises(TokenizeError, match="larger than"):
         for _ in range(default_max_bytes(10) // 4096 + 1):
             reader.feed(b" " * 4096)
+
+
+def _piecewise_ids(ids_text: list[bytes]) -> list[int]:
+    return [int(text) for text in ids_text]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, MAX_ID), st.integers(0, 2), st.sampled_from([b"", b" ", b"\n  ", b"\t"])),
+                max_size=200),
+       st.integers(0, 250), steps)
+def test_ids_in_any_layout_read_as_int_reads_them(ids, max_ids, step):
+    """Whatever path reads a piece (the JSON scanner for a piece of well-formed ids all needed, else ``split`` and
+    ``int``), an id with leading zeros or whitespace around it gives the ``int`` of its digits."""
+    texts = [pad + b"0" * zeros + str(value).encode() + pad for value, zeros, pad in ids]
+    data = b'{"count": %d, "tokens": [' % len(ids) + b",".join(texts) + b"]}"
+    reader = read(data, max_ids, step)
+    assert reader.ids == _piecewise_ids(texts)[:max_ids]
+    assert reader.truncated or len(ids) <= max_ids
+
+
+@pytest.mark.parametrize("data", [b'{"tokens": [1,2,]}', b'{"tokens": [,]}', b'{"tokens": [1, 2, ]}'])
+def test_an_empty_id_is_refused_whichever_piece_holds_it(data):
+    for step in (1, 2, 3, 5, len(data)):
+        with pytest.raises(TokenizeError, match="not a list of ints"):
+            read(data, 100, step)
