@@ -79,6 +79,8 @@ async def test_each_failed_attempt_is_told_then_finished_and_the_retry_routed_an
     Recording.events.clear()
     response = await plane.handle(post({"order": ["dead", "unwell", "ok"]}))
     assert response.status == 200
+    assert response.after_send is not None  # the answer's accounting, which the server runs once it is sent
+    response.after_send()
     assert Recording.events == [
         ("routed", "dead", 1, True), ("attempt_failed", "dead", "connect"), ("finished", "dead", False),
         ("routed", "unwell", 1, True), ("attempt_failed", "unwell", "status_503"), ("finished", "unwell", False),
