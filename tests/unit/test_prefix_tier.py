@@ -101,9 +101,31 @@ async def test_the_deal_never_sends_a_new_prefix_to_a_replica_too_busy_to_afford
     request = chat("hello", system="fresh system prompt 9 " * 30)
     explained = tier.explain(request, [a, b, c, d])
     assert explained["pick"] == "a" and "not one of the cheapest" in explained["reason"], explained
-    assert [r["deal"] for r in explained["replicas"]][0] == {"held_chars": 0, "affordable": True}
+    assert [r["deal"] for r in explained["replicas"]][0] == {"held_chars": 0, "affordable": True,
+                                                                  "within_load_margin": True}
     decision = await router.pick(request)
     assert decision.outcome == "miss" and decision.replica is a
+
+
+async def test_the_deal_sends_a_new_prefix_to_the_idle_replica_over_a_busier_one_holding_less():
+    """Issue 19: both can afford the new prompt and a holds less of the tree, but a runs two requests and b none:
+    dealt by holdings alone it went to a, where every running request then decodes slower."""
+    router, (a, b) = make_router(names=("a", "b"))
+    tier = router.models["m"].tier
+    tier.tree.insert("system\x1fan earlier group's charter " * 40, "b", tier.clock())
+    a.local_inflight, b.local_inflight = 2, 0
+    request = chat("hello", system="fresh system prompt " * 30)
+    explained = tier.explain(request, [a, b])
+    assert [r["deal"]["affordable"] for r in explained["replicas"]] == [True, True], explained  # a could afford it
+    assert [r["deal"]["within_load_margin"] for r in explained["replicas"]] == [False, True], explained
+    assert explained["pick"] == "b" and "1 of them left out" in explained["reason"], explained
+    decision = await router.pick(request)
+    assert decision.outcome == "miss" and decision.replica is b
+    router, (a, b) = make_router({"deal_load_margin": None}, names=("a", "b"))  # the deal before: by holdings alone
+    tier = router.models["m"].tier
+    tier.tree.insert("system\x1fan earlier group's charter " * 40, "b", tier.clock())
+    a.local_inflight, b.local_inflight = 2, 0
+    assert (await router.pick(request)).replica is a
 
 
 async def test_a_miss_does_not_go_to_the_first_replica_by_default():
