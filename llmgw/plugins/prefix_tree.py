@@ -104,7 +104,7 @@ class PrefixTreeOptions:
     cost_others_weight: float = cost_model.DEFAULT_OTHERS_WEIGHT
     cost_override_sigmas: float = OVERRIDE_SIGMAS  # an override's gain must exceed this many standard errors; 0: off
     new_prefixes: str = "deal"  # "deal": to the affordable replica holding the least; "cheapest": by cost alone
-    deal_load_margin: float | None = 1.0  # the deal skips replicas running more than this above the least; None: off
+    deal_load_margin: float | None = 0.0  # the deal skips replicas running more than this above the least; None: off
     cost_decode_weight: float = decode_cost.DEFAULT_DECODE_WEIGHT
     cost_decode_source: str = decode_cost.DEFAULT_SOURCE  # the charged ITL line: the engines' reported, or observed
     cost_output_tokens: float = decode_cost.DEFAULT_OUTPUT_TOKENS
