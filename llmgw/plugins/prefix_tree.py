@@ -104,6 +104,7 @@ class PrefixTreeOptions:
     cost_others_weight: float = cost_model.DEFAULT_OTHERS_WEIGHT
     cost_override_sigmas: float = OVERRIDE_SIGMAS  # an override's gain must exceed this many standard errors; 0: off
     new_prefixes: str = "deal"  # "deal": to the affordable replica holding the least; "cheapest": by cost alone
+    deal_load_margin: float | None = 0.0  # the deal skips replicas running more than this above the least; None: off
     cost_decode_weight: float = decode_cost.DEFAULT_DECODE_WEIGHT
     cost_decode_source: str = decode_cost.DEFAULT_SOURCE  # the charged ITL line: the engines' reported, or observed
     cost_output_tokens: float = decode_cost.DEFAULT_OUTPUT_TOKENS
@@ -144,6 +145,7 @@ class PrefixTreeOptions:
         take("cost_others_weight", _non_negative_number)
         take("cost_override_sigmas", _non_negative_number)
         take("new_prefixes", _new_prefixes)
+        take("deal_load_margin", _non_negative_number)
         take("cost_decode_weight", _non_negative_number)
         take("cost_decode_source", _decode_source)
         take("cost_output_tokens", _positive_number)
@@ -172,7 +174,7 @@ COST_TIE_FRACTION = 0.05  # estimated TTFTs within 5% (or 2 ms) of the smallest 
 COST_TIE_SECONDS = 0.002
 COST_TIE_NOISE = 0.5  # ... or half the noise of the observed TTFTs around the fits (the noisier of the two replicas')
 RESCALE_AT = 0.02  # the cost model's observations are recounted when the tokens per character move by more
-_NULLABLE = {"max_imbalance", "load_sigma_k", "engine_metrics_interval", "seed"}
+_NULLABLE = {"max_imbalance", "load_sigma_k", "engine_metrics_interval", "seed", "deal_load_margin"}
 
 
 def _positive_number(value: Any) -> float:
@@ -308,8 +310,9 @@ class PrefixTreeTier(RoutingTier):
         self.stored_blocks: kv_capacity.StoredBlocks | None = None  # a KV index's block counts (kv_index sets it)
         self._fit_ratio = self.tokens_per_char.ratio  # the tokens per character the cost model's data are counted in
         self.deals = new_prefixes.DealCounts()
-        # in a cluster, what this gateway's own routes added to the tree, and the prefill they queued, just now
+        # in a cluster, what this gateway's own routes added to the tree, the prefill they queued, how many: just now
         self.recent_chars, self.recent_tokens = new_prefixes.RecentGrowth(), new_prefixes.RecentGrowth()
+        self.recent_routes = new_prefixes.RecentGrowth()
         self.decode = decode_cost.DecodeModel(options.cost_output_tokens, options.cost_decode_weight,
                                               options.cost_decay, options.cost_decode_source)
         if services.metrics is not None:
@@ -366,6 +369,7 @@ class PrefixTreeTier(RoutingTier):
             self.decode.moved[choice.moved_by] += 1
         if self.learning is not None and choice.estimates is not None:
             self.recent_tokens.add(now, choice.estimates[choice.chosen].new_tokens)
+            self.recent_routes.add(now, 1)
         if choice.deal is not None:
             self.deals.count(new_prefixes.DEALT if choice.chosen not in choice.deal.cheapest
                              else new_prefixes.CHEAPEST)
@@ -465,6 +469,7 @@ class PrefixTreeTier(RoutingTier):
             held = {"held_chars": self.tree.replica_chars.get(name, 0)}
             if choice.deal is not None:
                 held["affordable"] = i in choice.deal.affordable
+                held["within_load_margin"] = i in choice.deal.running
             return {"cost": {**choice.estimates[i].as_json(), **spread, **charge,
                              "learnt": {**self.cost.describe(name), **self.decode.describe(name)}}, "deal": held}
         return {"scores": {key: values[i] for key, values in choice.scores.items()}, "combined": choice.combined[i]}
@@ -586,7 +591,7 @@ class PrefixTreeTier(RoutingTier):
         dealt = None
         if not longest:
             if self.options.new_prefixes == "deal":
-                dealt = self._deal(request, candidates, estimates, near, now)
+                dealt = self._deal(request, candidates, estimates, near, loads, now)
             pool = near if dealt is None else dealt.dealt
             chosen = self._rendezvous(request, candidates, pool) \
                 if len(pool) > 1 and self.learning is not None and request is not None \
@@ -703,23 +708,29 @@ class PrefixTreeTier(RoutingTier):
         return ""
 
     def _deal(self, request: RouteRequest | None, candidates: Sequence[Replica], estimates: list[cost_model.Estimate],
-              near: list[int], now: float) -> new_prefixes.Deal:
+              near: list[int], loads: list[float], now: float) -> new_prefixes.Deal:
         """The candidates a prompt no replica holds may be dealt to (:mod:`llmgw.router.deal`): the affordable ones
-        holding the least of the tree; in a cluster, within what this gateway did that its peers have not heard of."""
+        running within ``deal_load_margin`` of the least and holding the least of the tree; in a cluster, within
+        what this gateway did that its peers have not heard of."""
         names, weights = [r.name for r in candidates], [r.weight for r in candidates]
+        margin = self.options.deal_load_margin
         if self.learning is None:
-            return new_prefixes.deal(estimates, near, self.tree.replica_chars, names, weights)
+            return new_prefixes.deal(estimates, near, self.tree.replica_chars, names, weights,
+                                     loads=loads, load_margin=margin)
         return new_prefixes.deal(estimates, near, self.tree.replica_chars, names, weights,
-                                 self.recent_chars.total(now), self.recent_tokens.total(now))
+                                 self.recent_chars.total(now), self.recent_tokens.total(now), loads,
+                                 None if margin is None else margin + self.recent_routes.total(now))
 
     @staticmethod
     def _dealt(candidates: Sequence[Replica], chosen: int, deal: new_prefixes.Deal) -> str:
         """Why a new prefix went where it went, for ``/admin/explain``."""
         held = deal.held[chosen]
-        least = min(deal.held[i] for i in deal.affordable)
+        least = min(deal.held[i] for i in deal.running)
+        busier = len(deal.affordable) - len(deal.running)
         return (f"no candidate holds the prompt: dealt to {candidates[chosen].name}, holding {held:.0f} characters "
                 f"of the tree (the least is {least:.0f}) among the {len(deal.affordable)} candidates within "
                 f"{deal.slack * 1000:.0f} ms of the smallest cost"
+                + (f" ({busier} of them left out, running more requests than the margin allows)" if busier else "")
                 + ("" if chosen in deal.cheapest else ", not one of the cheapest"))
 
     def _rendezvous(self, request: RouteRequest, candidates: Sequence[Replica], indices: list[int]) -> int:

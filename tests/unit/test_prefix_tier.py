@@ -69,7 +69,9 @@ async def test_misses_spread_over_the_least_loaded_replicas_evenly():
 async def test_new_prefixes_are_dealt_out_evenly_whichever_replica_is_idle_when_they_arrive():
     """A replica whose requests finish first is idle whenever a new prefix arrives: dealt by momentary load, it
     would collect every new prefix (and all their later requests); dealt by what each replica holds, the twelve
-    groups end three per replica. Every one goes within two of its own prefills' time of the cheapest."""
+    groups end three per replica. Every one goes within two of its own prefills' time of the cheapest. That takes
+    a deal_load_margin of 1 (b runs one request fewer than the others); by default (0) the deal keeps to the
+    replicas running the least, and b takes them all, as by cost alone."""
     async def deal(options) -> tuple[Router, Counter]:
         router, replicas = make_router(options)
         picks = Counter()
@@ -81,16 +83,17 @@ async def test_new_prefixes_are_dealt_out_evenly_whichever_replica_is_idle_when_
             picks[decision.replica.name] += 1
         return router, picks
 
-    router, picks = await deal({})
+    router, picks = await deal({"deal_load_margin": 1})
     assert picks == {"a": 3, "b": 3, "c": 3, "d": 3}
     assert (await deal({"new_prefixes": "cheapest"}))[1] == {"b": 12}  # by cost alone: the idle one takes all
+    assert (await deal({}))[1] == {"b": 12}  # the default margin: only the least running are dealt among
     deals = {how: sample.value for sample in router.metrics.registry.collect() for sample in sample.samples
              if sample.name == "llmgw_routing_new_prefixes_total" for how in [sample.labels["how"]]}
     assert deals["cheapest"] + deals["dealt"] == 12 and deals["dealt"] >= 8  # b was the cheapest every time
 
 
 async def test_the_deal_never_sends_a_new_prefix_to_a_replica_too_busy_to_afford_it():
-    router, (a, b, c, d) = make_router()
+    router, (a, b, c, d) = make_router({"deal_load_margin": None})  # the affordability step alone
     a.local_inflight = 10  # ten requests in flight: far more than two prefills of a new prompt behind the others
     for i in range(4):
         decision = await router.pick(chat("hello", system=f"fresh system prompt {i} " * 30))
@@ -101,9 +104,31 @@ async def test_the_deal_never_sends_a_new_prefix_to_a_replica_too_busy_to_afford
     request = chat("hello", system="fresh system prompt 9 " * 30)
     explained = tier.explain(request, [a, b, c, d])
     assert explained["pick"] == "a" and "not one of the cheapest" in explained["reason"], explained
-    assert [r["deal"] for r in explained["replicas"]][0] == {"held_chars": 0, "affordable": True}
+    assert [r["deal"] for r in explained["replicas"]][0] == {"held_chars": 0, "affordable": True,
+                                                                  "within_load_margin": True}
     decision = await router.pick(request)
     assert decision.outcome == "miss" and decision.replica is a
+
+
+async def test_the_deal_sends_a_new_prefix_to_the_idle_replica_over_a_busier_one_holding_less():
+    """Issue 19: both can afford the new prompt and a holds less of the tree, but a runs two requests and b none:
+    dealt by holdings alone it went to a, where every running request then decodes slower."""
+    router, (a, b) = make_router(names=("a", "b"))
+    tier = router.models["m"].tier
+    tier.tree.insert("system\x1fan earlier group's charter " * 40, "b", tier.clock())
+    a.local_inflight, b.local_inflight = 1, 0
+    request = chat("hello", system="fresh system prompt " * 30)
+    explained = tier.explain(request, [a, b])
+    assert [r["deal"]["affordable"] for r in explained["replicas"]] == [True, True], explained  # a could afford it
+    assert [r["deal"]["within_load_margin"] for r in explained["replicas"]] == [False, True], explained
+    assert explained["pick"] == "b" and "1 of them left out" in explained["reason"], explained
+    decision = await router.pick(request)
+    assert decision.outcome == "miss" and decision.replica is b
+    router, (a, b) = make_router({"deal_load_margin": None}, names=("a", "b"))  # the deal before: by holdings alone
+    tier = router.models["m"].tier
+    tier.tree.insert("system\x1fan earlier group's charter " * 40, "b", tier.clock())
+    a.local_inflight, b.local_inflight = 1, 0
+    assert (await router.pick(request)).replica is a
 
 
 async def test_a_miss_does_not_go_to_the_first_replica_by_default():
