@@ -40,7 +40,6 @@ body fit in one ``send`` and whose answer arrives in one read costs one
 from __future__ import annotations
 
 import errno
-import select
 import socket
 import ssl
 import time
@@ -52,7 +51,7 @@ import trio
 
 from ..tls import describe_tls_error
 from .deadlines import Watch
-from .tls_socket import Stream, TlsSocket
+from .tls_socket import Stream, TlsSocket, waiting_poller
 
 READ_SIZE = 65536
 INLINE_SEND = 65536  # request bodies below this are sent in the same write as the head
@@ -105,7 +104,6 @@ class _ResponseParser:
         self.done = True
 
 
-_ANYTHING_WAITING = select.POLLIN | select.POLLPRI | select.POLLRDHUP  # (errors and hang-ups are always reported)
 
 
 class _Connection:
@@ -117,8 +115,7 @@ class _Connection:
         self.idle_since = 0.0
         self.uses = 0
         self.parser: _ResponseParser | None = None  # kept while responses end cleanly
-        self.poller = select.poll()  # for still_open(): registered once, asked with a zero timeout
-        self.poller.register(sock.fileno(), _ANYTHING_WAITING)
+        self.poller = waiting_poller(sock)  # for still_open(): asked with a zero timeout
 
     def still_open(self) -> bool:
         """An idle connection has nothing to read: anything waiting (an end, a reset, stray bytes, TLS's

@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import select
 import socket
 import ssl
 from collections import deque
@@ -53,7 +52,7 @@ from .connslots import ConnectionMetrics, ConnectionSlots, accept_connections
 from .deadlines import Alarm, Watch
 from .listeners import bind_tcp, close_sockets
 from .messages import Handler, Request, Response, error_response
-from .tls_socket import Stream, TlsSocket
+from .tls_socket import Stream, TlsSocket, waiting_poller
 
 log = logging.getLogger(__name__)
 repeats = RepeatLimitedLog(log)
@@ -67,7 +66,6 @@ LINGER_BYTES = 1 << 20  # ...and this many bytes at most
 DISCONNECT_WATCH_AFTER = 0.02
 QUICK_BEFORE_INLINE = 16  # quick requests in a row after which a connection stops its reader task (see _Connection)
 READY_READS = 8  # requests read at once, without waiting, before a connection gives the other tasks a turn
-_ANYTHING_WAITING = select.POLLIN | select.POLLPRI | select.POLLRDHUP  # (errors and hang-ups are always reported)
 STATUS_LINES = {
     code: f"HTTP/1.1 {code} {reason}\r\n".encode("latin-1")
     for code, reason in [
@@ -461,8 +459,7 @@ class _Connection:
         self._answering: Response | None = None  # the response being sent, until its after_send ran
         self._responder_parked: trio.lowlevel.Task | None = None
         self._reader_parked: trio.lowlevel.Task | None = None
-        self.poller = select.poll()  # is the client's next request there already? (see _read_inline)
-        self.poller.register(sock.fileno(), _ANYTHING_WAITING)
+        self.poller = waiting_poller(sock)  # is the client's next request there already? (see _read_inline)
         self._ready_reads = 0
 
     def close(self) -> None:

@@ -34,6 +34,7 @@ What makes that sound:
 
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 from collections.abc import Iterable
@@ -222,3 +223,14 @@ class TlsSocket:
 
 
 Stream = socket.socket | TlsSocket  # a connection's socket, plain or with TLS: the HTTP layer uses either alike
+
+_ANYTHING_WAITING = select.POLLIN | select.POLLPRI | select.POLLRDHUP  # (errors and hang-ups are always reported)
+
+
+def waiting_poller(sock: Stream) -> select.poll:
+    """A ``poll`` object registered once for ``sock``'s kernel socket: ``poll(0)`` on it tells whether anything waits
+    to be read (bytes, an end, a reset; with TLS a record: no plaintext is ever left in a :class:`TlsSocket`),
+    without the ``BlockingIOError`` a ``recv`` raises when nothing is there."""
+    poller = select.poll()
+    poller.register(sock.fileno(), _ANYTHING_WAITING)
+    return poller
