@@ -61,7 +61,7 @@ from pathlib import Path
 
 import trio
 
-from llmgw.testing.processes import SERVE_READY, Child, ChildFailed, free_port, start_child
+from llmgw.testing.processes import SERVE_READY, Child, ChildFailed, checkout_env, free_port, start_child
 from llmgw.testing.redis import start_private_redis
 
 from .cluster_rig import state_section
@@ -728,7 +728,7 @@ async def start_and_measure(args: argparse.Namespace, targets: list[str], workdi
             proc = await start(nursery, workdir, name, [
                 sys.executable, "-m", "llmgw", "serve", "--config", str(config_path), "--listen", "127.0.0.1:0",
                 "--control-listen", "127.0.0.1:0"], PROXY_CPU, GATEWAY_READY, 60, cwd=source,
-                env=None if source is None else {"PYTHONPATH": str(source), "PYTHONSAFEPATH": ""})
+                env=None if source is None else checkout_env(source))
             commands[name] = proc.argv + ([f"(in {source})"] if source else [])
             client_tls = pki.client_context() if pki and proc.url.startswith("https://") else None
             wait_ready(proc.url, 30, proc, client_tls)

@@ -49,14 +49,12 @@ def gateway_config(urls: Sequence[str], *, routing: str, routing_options: dict |
                    prefill_tokens_per_s: Sequence[float] | None = None) -> str:
     """``kv_sources``: each replica's (events, replay) ZMQ endpoints, for a gateway that follows their events;
     ``prefill_tokens_per_s``: each replica's configured prefill rate (what its profile says)."""
+    events = [f"        kv_events: {events}\n        kv_replay: {replay}\n" for events, replay in kv_sources] \
+        if kv_sources is not None else [""] * len(urls)
     rates = [f"        prefill_tokens_per_s: {rate:.1f}\n" for rate in prefill_tokens_per_s] \
         if prefill_tokens_per_s is not None else [""] * len(urls)
-    replicas = "".join(f"      - url: {url}\n        name: sim-{i}\n{rate}" for i, (url, rate) in
-                       enumerate(zip(urls, rates, strict=True)))
-    if kv_sources is not None:
-        replicas = "".join(f"      - url: {url}\n        name: sim-{i}\n        kv_events: {events}\n"
-                           f"        kv_replay: {replay}\n{rate}" for i, (url, (events, replay), rate) in
-                           enumerate(zip(urls, kv_sources, rates, strict=True)))
+    replicas = "".join(f"      - url: {url}\n        name: sim-{i}\n{kv}{rate}" for i, (url, kv, rate) in
+                       enumerate(zip(urls, events, rates, strict=True)))
     return (f"models:\n  - name: {model}\n    routing: {routing}\n"
             f"    routing_options: {json.dumps(routing_options or {})}\n    replicas:\n{replicas}"
             "health:\n  interval: 1s\nlog_level: warning\n")
