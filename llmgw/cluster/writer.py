@@ -189,8 +189,7 @@ class LogWriter:
                     digests={name: records.part_digest(raw) for name, raw in raw_parts.items()})
         meta_key = keys.snapshot_part(self.writer_id, seq, "meta")
         raw_meta = records.pack(meta)
-        pointer = records.pack({"writer": self.writer_id, "seq": seq, "meta": meta_key,
-                                "sig": self.signer.sign(raw_meta)})
+        pointer = records.snapshot_pointer(keys, self.writer_id, seq, raw_meta, self.signer)
         previous = self._snapshot_keys or await self._previous_snapshot_keys()
         grace_ms = int(SNAPSHOT_GRACE * 1000)
 
@@ -212,10 +211,12 @@ class LogWriter:
         if raw is None:
             return []
         try:
-            pointer = records.unpack(raw)
-            meta = records.unpack(await self.link.call("snapshot_read", lambda client: client.get(pointer["meta"])))
-            return [*meta["parts"].values(), pointer["meta"]]
-        except (records.RecordError, KeyError, TypeError):
+            pointer = records.decode_snapshot_pointer(raw, self.keys)
+            raw_meta = await self.link.call("snapshot_read", lambda client: client.get(pointer.meta))
+            if raw_meta is None or not self.signer.valid(pointer.sig, *pointer.signed(raw_meta)):
+                return []
+            return [*records.decode_snapshot_meta(raw_meta, self.keys, pointer).every_part, pointer.meta]
+        except records.RecordError:
             return []
 
 
