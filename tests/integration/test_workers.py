@@ -26,6 +26,7 @@ from llmgw.gateway.app import Gateway
 from llmgw.procgroup import process_start_time
 from llmgw.testing.metrics import scrape, series_sum
 from llmgw.testing.processes import Child, llmgw_command
+from llmgw.testing.shared_state import state_section
 from llmgw.testing.sims import MODEL, gateway_config, start_sims
 from llmgw.workers.worker import with_private_state
 
@@ -169,7 +170,7 @@ async def test_with_redis_in_the_config_the_workers_use_it_and_a_second_supervis
         nursery, start_llmgw, redis_url, cluster_name, tmp_path):
     sims = await start_sims(nursery, 2, num_blocks=64, time_scale=0, seed=0)
     config = gateway_config([s.url for s in sims], routing="round_robin") + (
-        f"state:\n  backend: redis\n  url: {redis_url}\n  cluster: {cluster_name}\n")
+        state_section(redis_url, cluster_name))
     supervisor = await start_llmgw(config, "--workers", "2")
     assert not any(REDIS_LINE.search(line) for line in supervisor.lines)
     async with fresh_connections() as http:

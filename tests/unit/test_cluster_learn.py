@@ -26,7 +26,7 @@ class Clock:
 
 
 def sharing(origin: str = "me", replicas: tuple[str, ...] = ("a", "b")):
-    settings = parse_config("state: {backend: redis, url: 'redis://127.0.0.1:1'}\n").state
+    settings = parse_config("state: {backend: redis, url: 'redis://127.0.0.1:1', secret_env: S}\n").state
     registry = CollectorRegistry()
     metrics = ClusterMetrics(registry, "gateway", "c", origin)
     table = ReplicaSet()
