@@ -135,10 +135,10 @@ class LoadSharing:
             self.apply()
 
     def limits(self) -> records.LoadLimits:
-        """What a report may say now: of the replicas in this process's table, for at most ``load_ttl``, at most
-        ``max_requests`` requests each."""
-        return records.LoadLimits(frozenset(replica.name for replica in self.replicas), self.settings.load_ttl,
-                                  self.max_requests)
+        """What a report may say now: of the replicas in this process's table (and not many more of them), for at
+        most ``load_ttl``, at most ``max_requests`` requests each."""
+        return records.load_limits(frozenset(replica.name for replica in self.replicas), self.settings.load_ttl,
+                                   self.max_requests)
 
     def take_report(self, fields: dict[str, Any], limits: records.LoadLimits | None = None) -> bool:
         """Record one report from the stream; True when it is another gateway's."""

@@ -442,17 +442,27 @@ def decode_snapshot_meta(raw: bytes, keys: Keys, pointer: SnapshotPointer) -> Sn
 # the oldest of those was routed.
 LOAD_FIGURES = 5
 MAX_REPLICAS_PER_REPORT = 100_000
+REPORT_REPLICAS_FLOOR = 1024  # a load report may always list this many replicas
 MAX_LOAD_ORIGINS = 256  # other processes' reports kept at once (a cluster has a few gateways and their workers)
 Load = dict[str, tuple[int, ...]]
 
 
 class LoadLimits(NamedTuple):
     """What a reader takes of a load report: its own replicas only, a report's life at most its ``load_ttl``,
-    in-flight and queued requests at most what one gateway can hold (its ``max_connections``)."""
+    in-flight and queued requests at most what one gateway can hold (its ``max_connections``). A report lists at
+    most ``replicas`` (a sender reports the replicas of its table, which is the reader's: :func:`load_limits`);
+    a longer one is refused before it is decoded."""
 
     known: Container[str]
     ttl: float
     requests: int
+    replicas: int = MAX_REPLICAS_PER_REPORT
+
+
+def load_limits(known: frozenset[str], ttl: float, requests: int) -> LoadLimits:
+    """The limits of a reader whose table holds ``known``: a report may list twice as many replicas (the
+    sender's table changing meanwhile), and ``REPORT_REPLICAS_FLOOR`` whatever the table."""
+    return LoadLimits(known, ttl, requests, min(max(REPORT_REPLICAS_FLOOR, 2 * len(known)), MAX_REPLICAS_PER_REPORT))
 
 
 def decode_load_report(fields: dict[str, Any], limits: LoadLimits) -> tuple[str, float, Load]:
@@ -464,9 +474,9 @@ def decode_load_report(fields: dict[str, Any], limits: LoadLimits) -> tuple[str,
         ttl = min(max(int(fields["x"]), 0) / 1000, limits.ttl)
     except (KeyError, ValueError, TypeError, AttributeError, UnicodeDecodeError):
         raise RecordError("a load report needs an origin (o) and a time to live in ms (x)") from None
-    items = unpack(fields.get("l"), MAX_LOAD_BYTES, MAX_REPLICAS_PER_REPORT)
+    items = unpack(fields.get("l"), MAX_LOAD_BYTES, limits.replicas)
     if not isinstance(items, list):
-        raise RecordError(f"a load report is an array of at most {MAX_REPLICAS_PER_REPORT} replicas")
+        raise RecordError(f"a load report is an array of at most {limits.replicas} replicas")
     load: Load = {}
     caps = (limits.requests, MAX_REPLICA_FIGURE, MAX_REPLICA_FIGURE, limits.requests, MAX_QUEUED_MS)
     for item in items:

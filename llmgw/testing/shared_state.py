@@ -19,8 +19,10 @@ def state_section(redis_url: str, cluster: str, **options: str) -> str:
     """The config's ``state:`` section for gateways of ``cluster`` sharing state through the Redis at
     ``redis_url``, or behind the sentinel of a :class:`~.redis.SentinelGroup` (its ``url``, ``sentinel:PORT``),
     signed with the secret every child of :mod:`.processes` has (``CLUSTER_SECRET_ENV``); ``options``: more
-    ``state`` keys (``snapshot_interval="1s"``...)."""
+    ``state`` keys (``snapshot_interval="1s"``...; an empty one is left out: ``secret_env=""`` for a baseline
+    checkout that runs without a secret)."""
     options.setdefault("secret_env", CLUSTER_SECRET_ENV)
+    options = {key: value for key, value in options.items() if value}
     if redis_url.startswith("sentinel:"):
         where = (f"  sentinel:\n    service: {SENTINEL_SERVICE}\n"
                  f"    addresses: [\"127.0.0.1:{redis_url.removeprefix('sentinel:')}\"]\n")

@@ -105,6 +105,11 @@ def test_a_load_report_is_clamped_to_what_one_gateway_can_have_and_to_known_repl
     origin, ttl, load = records.decode_load_report(fields, LIMITS)
     assert ttl == 2.0  # the reader's load_ttl, not the 600 s written
     assert load == {"r1": (10_000, 1 << 40, 1 << 40, 10_000, records.MAX_QUEUED_MS)}
+    limits = records.load_limits(frozenset({"r1", "r2"}), 2.0, 10_000)
+    assert limits.replicas == records.REPORT_REPLICAS_FLOOR
+    fields["l"] = records.pack([[f"ghost-{i}", 1, 1, 1, 1, 1] for i in range(99_998)])
+    with pytest.raises(RecordError):  # far more replicas than a sender's table: refused, not decoded
+        records.decode_load_report(fields, limits)
 
 
 packable = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.text(max_size=10)
