@@ -213,8 +213,10 @@ class LogWriter:
         try:
             pointer = records.decode_snapshot_pointer(raw, self.keys)
             raw_meta = await self.link.call("snapshot_read", lambda client: client.get(pointer.meta))
-            if raw_meta is None or not self.signer.valid(pointer.sig, *pointer.signed(raw_meta)):
+            if raw_meta is None:
                 return []
+            # Not checked against the secret (a previous version signed otherwise): the decoder lets it name only
+            # keys of that writer's snapshot, which are to expire anyway.
             return [*records.decode_snapshot_meta(raw_meta, self.keys, pointer).every_part, pointer.meta]
         except records.RecordError:
             return []
