@@ -306,7 +306,7 @@ def decode_learn_batch(raw: object, ttl_limit_ms: int = MAX_LEARNED_TTL_MS) -> l
     return predictions
 
 
-MAX_TIER_ITEMS = 10_000  # tier learning items in one batch
+MAX_TIER_ITEMS = 4096  # tier learning items a sender buffers (llmgw.cluster.tier_learning): one batch holds no more
 MAX_TIER_TEXT = 65_536  # characters of one string in a tier's payload (a routed prompt prefix)
 MAX_TIER_PAYLOAD = 16  # values in one payload
 
@@ -314,7 +314,7 @@ MAX_TIER_PAYLOAD = 16  # values in one payload
 def decode_tier_batch(raw: object) -> list[tuple[str, str, list[Any]]]:
     """A tiers batch: ``[[model, kind, payload], ...]`` with payloads of at most ``MAX_TIER_PAYLOAD`` scalars
     (strings of at most ``MAX_TIER_TEXT`` characters, ints, floats, booleans, None); :class:`RecordError` else."""
-    value = unpack(raw)
+    value = unpack(raw, max_array=MAX_TIER_ITEMS)
     if not isinstance(value, list) or len(value) > MAX_TIER_ITEMS:
         raise RecordError(f"a tiers batch must be an array of at most {MAX_TIER_ITEMS} items")
     items = []
