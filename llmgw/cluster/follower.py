@@ -332,6 +332,8 @@ class LogFollower:
         """The index made the snapshot's: one replica at a time, the loop served in between (a snapshot of many
         large replicas does not stall it)."""
         index = self.kv_index
+        routed = self.followed.followed
+        states = {name: state for name, state in states.items() if name in routed}  # as the log's kv changes
         for name in index.replicas():
             if name not in states:
                 index.remove(name)

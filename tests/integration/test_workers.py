@@ -28,6 +28,7 @@ from llmgw.testing.metrics import scrape, series_sum
 from llmgw.testing.processes import Child, llmgw_command
 from llmgw.testing.shared_state import state_section
 from llmgw.testing.sims import MODEL, gateway_config, start_sims
+from llmgw.workers.plan import SECRET_ENV
 from llmgw.workers.worker import with_private_state
 
 WORKER_LINE = re.compile(r"^llmgw worker (\d+) \(pid (\d+), role (\w+)\) (?:ready|restarted): control (\S+)$")
@@ -231,7 +232,8 @@ def test_workers_zero_and_workers_without_a_config_are_refused(tmp_path):
     assert demo.stderr.strip() == "llmgw serve: --workers needs --config (the demo runs as one process)"
 
 
-async def test_a_workers_reload_keeps_it_on_the_private_redis(nursery, tmp_path, redis_url):
+async def test_a_workers_reload_keeps_it_on_the_private_redis(nursery, tmp_path, redis_url, monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, "the private cluster's secret, as the supervisor hands it over")
     path = tmp_path / "llmgw.yaml"
     path.write_text("log_level: warning\n")
 
