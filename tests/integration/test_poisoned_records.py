@@ -169,14 +169,20 @@ async def test_repeated_resync_asks_resync_a_replica_once(shared_cluster, redis_
     """3,000 signed asks for one replica each reset its KV index."""
     engines, control, followers = await shared_cluster(followers=1)
     keys = Keys(cluster_name)
+    asks = [records.pack(["resync", "sim-0", "full", f"drift {i}"]) for i in range(3000)]
+    watch = HealthWatch([control, *followers])
     async with httpx.AsyncClient(timeout=30) as http, redis_client(redis_url) as redis:
-        for i in range(3000):
-            ask = records.pack(["resync", "sim-0", "full", f"drift {i}"])
-            await redis.xadd(keys.requests, {b"o": b"peer", b"a": ask, b"s": SIGNER.sign(b"peer", ask)})
-        with trio.fail_after(20):
-            while await scrape_value(control.control_url, "llmgw_cluster_resync_asks_total", 'outcome="repeated"',
-                                     default=0.0, client=http) < 2999:
-                await trio.sleep(0.1)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(watch.run)
+            for ask in asks:
+                await redis.xadd(keys.requests, {b"o": b"peer", b"a": ask, b"s": SIGNER.sign(b"peer", ask)})
+            with trio.fail_after(20):
+                while await scrape_value(control.control_url, "llmgw_cluster_resync_asks_total",
+                                         'outcome="repeated"', default=0.0, client=http) < 2999:
+                    await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+        assert not watch.failures
+        assert max(watch.slowest.values()) < HEALTH_LIMIT, watch.slowest
         assert await scrape_value(control.control_url, "llmgw_cluster_resync_asks_total", 'outcome="answered"',
                                   client=http) == 1
         await wait_kv_healthy(control.control_url, 2)  # one resync, over at once: the index is healthy again
