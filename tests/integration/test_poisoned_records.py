@@ -21,6 +21,7 @@ import trio
 from llmgw.cluster import records
 from llmgw.cluster.records import Keys
 from llmgw.cluster.state import ASK_INTERVAL
+from llmgw.cluster.writer import POINTER_CHECK
 from llmgw.testing.metrics import scrape_value
 from llmgw.testing.processes import CLUSTER_SECRET, Child
 from llmgw.testing.shared_state import cluster_config, wait_kv_healthy
@@ -212,22 +213,29 @@ async def settled(http: httpx.AsyncClient, control: Child, quiet: float = 2.0) -
 async def test_a_malformed_snapshot_pointer_is_a_bad_record_not_an_outage(shared_cluster, start_llmgw, redis_url,
                                                                           cluster_name):
     """A snapshot pointer of the wrong types made coredis raise TypeError, counted as a Redis outage (the degraded
-    flag flapped, a new gateway stayed 503 until Redis "came back")."""
+    flag flapped, a new gateway stayed 503 until Redis "came back", and then until something changed)."""
     engines, control, followers = await shared_cluster(followers=0)
     keys = Keys(cluster_name)
+    forged = records.pack({"writer": "w", "seq": 1, "meta": [b"a", 5], "sig": b""})  # a "key" that is an array
     async with httpx.AsyncClient(timeout=30) as http, redis_client(redis_url) as redis:
         await settled(http, control)
-        # A pointer naming a "key" that is an array: a bad record, not a Redis outage.
-        await redis.set(keys.snapshot, records.pack({"writer": "w", "seq": 1, "meta": [b"a", 5], "sig": b""}))
-        newcomer = await start_llmgw(cluster_config(engines, redis_url, cluster_name), "--role", "gateway")
-        await wait_counted(http, [newcomer], "snapshot", 2)  # read, refused, read again: never degraded
+        async with trio.open_nursery() as nursery:
+            async def keep_forging() -> None:  # the control writes its own back (below): forge until it is read
+                while True:
+                    await redis.set(keys.snapshot, forged)
+                    await trio.sleep(0.1)
+
+            nursery.start_soon(keep_forging)
+            newcomer = await start_llmgw(cluster_config(engines, redis_url, cluster_name), "--role", "gateway")
+            await wait_counted(http, [newcomer], "snapshot", 1)  # a bad record, and it keeps trying
+            nursery.cancel_scope.cancel()
         health = (await http.get(newcomer.control_url + "/health")).json()
         assert health["state"]["degraded"] is False, health
         assert await scrape_value(newcomer.control_url, "llmgw_cluster_redis_errors_total",
                                   'operation="snapshot_read"', default=0.0, client=http) == 0
-        # The control's next snapshot (after any change) replaces it: the newcomer loads it and routes.
+        # The control finds its pointer replaced (it checks every POINTER_CHECK seconds at rest) and writes the
+        # snapshot again, with no change to prompt it: the newcomer loads it and routes.
         body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "a change " * 40}]}
-        assert (await http.post(control.url + "/v1/chat/completions", json=body)).status_code == 200
-        with trio.fail_after(15):
+        with trio.fail_after(POINTER_CHECK + 10):
             while (await http.post(newcomer.url + "/v1/chat/completions", json=body)).status_code != 200:
                 await trio.sleep(0.2)
