@@ -32,6 +32,7 @@ from ..config.tls import replica_tls_options
 from ..engines.probe import VLLM_GAUGES, engine_gauges
 from ..router.replica import Replica
 from ..router.replicas import DEPLOYED, STATIC
+from ..wire.liveness import hold_window
 from . import records
 from .election import Election, Fence, LeaderWatch, Term
 from .follower import FollowedReplicas, LogFollower
@@ -102,7 +103,8 @@ class SharedState:
 
     @property
     def leading(self) -> bool:
-        return self.writer is not None
+        """This process leads: a term that is not over (its deadline, a lost lease), with its writer up."""
+        return self.writer is not None and self.election is not None and self.election.leading
 
     async def run(self, lead: "Lead | None" = None, settled: Callable[[], bool] | None = None, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -190,8 +192,9 @@ class SharedState:
     @property
     def held_for(self) -> float:
         """How long a new leader routes to the replicas it held from the previous one without a source of its own
-        claiming them: the adoption window and three heartbeats more for their agents to re-register."""
-        return 4 * self.config.agents.heartbeat_interval + 1.0
+        claiming them: until every agent of the previous leader can have noticed and re-registered here
+        (:func:`llmgw.wire.liveness.hold_window`)."""
+        return hold_window(self.config.agents.heartbeat_interval, self.settings.lease_ttl)
 
     def _hand_over(self, replica: Replica) -> ReplicaRecord | None:
         record = self.followed.hand_over(replica)

@@ -13,10 +13,17 @@ class TaskHost:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Own the service's background tasks."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            await trio.sleep_forever()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+
+    @property
+    def running(self) -> bool:
+        return self._nursery is not None
 
     def spawn(self, fn, *args) -> None:
         assert self._nursery is not None, self.not_running

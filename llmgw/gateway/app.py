@@ -181,6 +181,17 @@ class Gateway:
             return await self.control.wait_for_replica(model)
         return await self.shared.wait_for_replica(model)
 
+    def agent_control(self) -> ControlPlane | None:
+        """The control plane that may take an agent's session now: none on a follower, and none from the moment
+        this process's term is over (before its control plane has even unwound), so a new ``/agent`` upgrade is
+        answered ``503 not_leader`` rather than accepted by a control plane that cannot serve it."""
+        control = self.control
+        if control is None or not control.agents.running:
+            return None
+        if self.shared is not None and not self.shared.leading:
+            return None
+        return control
+
     def _state_loaded(self) -> bool:
         """Whether this process knows the cluster's models: always, but for a follower of a cluster before its
         first copy of the shared state (while it leads, it has its own)."""
