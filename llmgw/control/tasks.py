@@ -13,16 +13,17 @@ class TaskHost:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Own the service's background tasks."""
-        try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                task_status.started()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            try:
                 await trio.sleep_forever()
-        finally:
-            self._nursery = None
+            finally:
+                self._nursery = None  # before the nursery closes to new arrivals: spawn() is refused from now on
 
     @property
     def running(self) -> bool:
+        """Whether :meth:`spawn` may be called: from :meth:`run`'s start until it is cancelled."""
         return self._nursery is not None
 
     def spawn(self, fn, *args) -> None:
