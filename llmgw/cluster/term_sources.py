@@ -18,7 +18,7 @@ drives the table and index) and reads go to this process's own copies.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from ..kv.changes import ChangesFields
 from ..router.model import TierModel
@@ -32,16 +32,23 @@ if TYPE_CHECKING:
     from .writer import PublishedKv, PublishedReplicaTable
 
 
+class Leading(Protocol):
+    """Where the term this process leads now is found (:attr:`SharedState.term <.state.SharedState.term>`)."""
+
+    @property
+    def term(self) -> "LeaderTerm | None": ...
+
+
 class TermTable(TableReads):
     """A :class:`~llmgw.control.interfaces.ReplicaTable` that writes only while this process leads."""
 
-    def __init__(self, inner: "ReplicaSet", terms: Callable[[], "LeaderTerm | None"]):
+    def __init__(self, inner: "ReplicaSet", leading: Leading):
         self.inner = inner
-        self._terms = terms  # the term this process leads now, if any
+        self._leading = leading
 
     @property
     def term(self) -> "PublishedReplicaTable | None":
-        term = self._terms()
+        term = self._leading.term
         return term.table if term is not None else None
 
     def declare_model(self, source: str, model: TierModel) -> None:
@@ -68,14 +75,14 @@ class TermKv(ResyncListeners):
     """A :class:`~llmgw.control.interfaces.KvWriter` that writes only while this process leads; its resync
     listeners (the static replicas' subscriptions) hear this process's index always."""
 
-    def __init__(self, inner: "KvIndex", terms: Callable[[], "LeaderTerm | None"]):
+    def __init__(self, inner: "KvIndex", leading: Leading):
         self.inner = inner
-        self._terms = terms  # the term this process leads now, if any
+        self._leading = leading
         self._listeners: list[Callable[[str, str, str], None]] = []
 
     @property
     def term(self) -> "PublishedKv | None":
-        term = self._terms()
+        term = self._leading.term
         return term.kv if term is not None else None
 
     def apply(self, replica_id: str, changes: ChangesFields) -> None:

@@ -155,9 +155,8 @@ class Gateway:
             self.static = StaticReplicas(self.replicas, self.kv_index, self.registry, self.metrics.registry)
             self._own_control = self._build_control(self.replicas, self.kv_index)
         elif self.shared is not None and role == CONTROL:  # a candidate: the config's replicas are followed always
-            terms = functools.partial(getattr, self.shared, "term")
-            self.term_kv = TermKv(self.kv_index, terms)
-            self.static = StaticReplicas(TermTable(self.replicas, terms), self.term_kv, self.registry,
+            self.term_kv = TermKv(self.kv_index, self.shared)
+            self.static = StaticReplicas(TermTable(self.replicas, self.shared), self.term_kv, self.registry,
                                          self.metrics.registry)
         if self.shared is not None:
             self.dataplane.wait_for_replica = self._wait_for_replica
