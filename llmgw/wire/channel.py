@@ -53,6 +53,10 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024  # a full KV mirror can be large (agents.max_
 # shards 67 KiB; the agent leaves its shards' log tails out of a Register that would be larger.
 MAX_REGISTER_BYTES = 256 * 1024
 
+# How long an agent waits for the answer to its websocket close: a peer that answers at all does so within it; a
+# frozen one never does, and the agent's next dial (to another control plane, maybe) waits for this.
+CLOSE_TIMEOUT = 0.5
+
 NODE_ID_HEADER = "X-Llmgw-Node-Id"
 NODE_SECRET_HEADER = "X-Llmgw-Node-Secret"
 
@@ -297,7 +301,7 @@ class WebSocketConnector:
                 try:
                     ws = await stack.enter_async_context(open_websocket_url(
                         self.url, ssl_context=self.ssl_context, connect_timeout=self.connect_timeout,
-                        disconnect_timeout=2.0, max_message_size=MAX_FRAME_BYTES,
+                        disconnect_timeout=CLOSE_TIMEOUT, max_message_size=MAX_FRAME_BYTES,
                         extra_headers=credentials.headers()))
                 except ConnectionTimeout:
                     dialling.deadline = math.inf  # the dial is over; the diagnosis has a deadline of its own

@@ -432,7 +432,8 @@ async def test_kill_9_of_the_leader_while_traffic_flows_to_an_agents_replica_fai
 
 async def through_a_fault(at: Cluster, pids: dict[str, int], fault, settle: float) -> tuple[list, list]:
     """``(answers, listings)``: a chat sent to ``at`` every 50 ms, and ``at``'s listing of the (one) replica of
-    ``pids``, from 0.5 s before ``await fault()`` until ``at`` has adopted its engine and ``settle`` s more."""
+    ``pids``, from 0.5 s before ``fault()`` starts until it is over, ``at`` has adopted the engine (how long after
+    the fault's start is printed), and ``settle`` s more."""
     (name,) = pids
     answers: list[tuple[int, str]] = []
     listings: list[dict | None] = []
@@ -454,8 +455,12 @@ async def through_a_fault(at: Cluster, pids: dict[str, int], fault, settle: floa
             watching.start_soon(traffic)
             watching.start_soon(watch)
             await trio.sleep(0.5)
-            await fault()
-            await at.wait_for("the engine adopted by the new leader", lambda: adopted_on(at, pids), timeout=30)
+            started = trio.current_time()
+            async with trio.open_nursery() as faulting:  # until the fault is over and the engine adopted
+                faulting.start_soon(fault)
+                await at.wait_for("the engine adopted by the new leader", lambda: adopted_on(at, pids), timeout=30)
+                print(f"\nthe engine adopted by the new leader {trio.current_time() - started:.2f} s after the fault "
+                      f"began; {len(answers)} requests so far")
             await trio.sleep(settle)
             stop.set()
     return answers, listings
@@ -516,6 +521,9 @@ async def test_a_leader_frozen_7s_loses_no_request_at_the_other_candidate_whose_
         replicas = await second.replicas()
         assert adopted_pids(replicas) == pids and restarts(replicas) == {name: 0}
         assert (await second.nodes())["a"]["state"] == "connected"
+        # The agent gave the frozen leader up by itself, and dialled its other URL first.
+        assert any(f"disconnected from {agent_url(cluster.control_url)}: the control plane said nothing for 5.5s; "
+                   f"reconnecting to {agent_url(second.control_url)} in 0.05s" in line for line in agent.lines)
         assert any(f"connected to {agent_url(second.control_url)}" in line for line in agent.lines)
         # Thawed, the old leader finds its term over: it follows, and sends a new agent to the leader.
         assert await wait_for_leader(http, [cluster, second], timeout=15) is second
