@@ -13,7 +13,7 @@ import pytest
 
 from llmgw import wire
 from llmgw.agent.ledger import Ledger, LedgerEntry
-from llmgw.agent.logs import ShardLog
+from llmgw.agent.logs import ShardLog, secure_log_folder
 from llmgw.agent.ports import NoFreePort, PortAllocator
 from llmgw.procgroup import process_start_time
 
@@ -143,6 +143,27 @@ def test_rotation_copies_then_truncates_and_keeps_n_files(tmp_path):
     assert (tmp_path / "logs" / "s.log.2").read_text().startswith("gen2 line0")
     assert not (tmp_path / "logs" / "s.log.3").exists()
     assert log.tail(3) == ["gen3 line8", "gen3 line9", "after"]  # the tail reaches into the rotated file
+
+
+def test_logs_and_their_rotated_copies_are_0600_in_a_0700_folder(tmp_path):
+    log = ShardLog(tmp_path, "s", max_bytes=10, keep=2)
+    log.write_header("starting")
+    os.close(log.open_for_child())
+    assert log.rotate_if_needed()
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in (tmp_path / "logs").iterdir()}
+    assert modes == {"s.log": 0o600, "s.log.1": 0o600}, modes
+    assert stat.S_IMODE((tmp_path / "logs").stat().st_mode) == 0o700
+
+
+def test_an_unsafe_log_folder_is_refused_not_written(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "logs").symlink_to(elsewhere)
+    with pytest.raises(PermissionError, match="not a directory"):
+        ShardLog(tmp_path / "state", "s").open_for_child()
+    assert secure_log_folder(tmp_path / "state") == 0  # logged, not raised: the agent still starts
+    assert list(elsewhere.iterdir()) == []
 
 
 def test_tail_of_a_missing_log_is_empty(tmp_path):
