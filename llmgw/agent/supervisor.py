@@ -44,9 +44,10 @@ import trio
 
 from .. import wire
 from ..engines import probe
+from ..fdpressure import ShortageBackoff, capacity_errno, note_shortage
 from ..http.client import UpstreamError, UpstreamPool
 from ..procgroup import process_group_of, process_start_time, signal_group, terminate_group, wait_group_gone
-from .engine import Engine, EngineError, LaunchContext, Readiness
+from .engine import Engine, EngineError, Launch, LaunchContext, Readiness
 from .ledger import Ledger, LedgerEntry
 from .logs import ShardLog, redact_argv
 from .ports import NoFreePort, PortAllocator
@@ -155,16 +156,17 @@ class _Prober:
         self.pool = UpstreamPool(host, port, connect_timeout=timeout)
         self._auth = [(b"authorization", f"Bearer {readiness.api_key}".encode())] if readiness.api_key else []
 
-    async def health(self) -> tuple[bool, str, bool]:
-        """(healthy, why, definite): ``definite`` failures (refused, 5xx) can restart an engine; timeouts cannot."""
+    async def health(self) -> probe.Health:
+        """The probe, its reason naming the path: ``definite`` failures (refused, 5xx) can restart an engine;
+        timeouts cannot; ``inconclusive`` ones (no descriptor to send it) count neither way."""
         path = self.readiness.health_path
         health = await probe.check_health(self.pool, path, self.timeout)
-        return health.ok, f"{path} 200" if health.ok else f"{path}: {health.reason}", health.definite
+        return dataclasses.replace(health, reason=f"{path} 200" if health.ok else f"{path}: {health.reason}")
 
     async def ready(self) -> tuple[bool, str]:
-        healthy, why, _ = await self.health()
-        if not healthy:
-            return False, why
+        health = await self.health()
+        if not health.ok:
+            return False, health.reason
         name, path = self.readiness.served_model_name, self.readiness.models_path
         try:
             status, body = await probe.get(self.pool, path, self.timeout, self._auth)
@@ -353,18 +355,19 @@ class ShardSupervisor:
         except (EngineError, NoFreePort) as exc:
             return _Outcome(str(exc), terminal=True)
         self._use_endpoint(ctx)
-        self.log.write_header(f"starting shard {spec.shard_id} generation {spec.generation} (restart {self.restarts}):"
-                              f" {shlex.join(redact_argv(launch.argv))}")
-        fd = self.log.open_for_child()
-        try:
-            child = await trio.lowlevel.open_process(
-                launch.argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, env={**os.environ, **launch.env},
-                start_new_session=True)
-        except OSError as exc:
-            self.log.write_header(f"could not start: {exc}")
-            return _Outcome(f"could not start {launch.argv[0]!r}: {exc}")
-        finally:
-            os.close(fd)
+        backoff = ShortageBackoff()
+        while True:
+            try:
+                child = await self._spawn(launch)
+                break
+            except OSError as exc:
+                if capacity_errno(exc) is None:
+                    self._log_header(f"could not start: {exc}")
+                    return _Outcome(f"could not start {launch.argv[0]!r}: {exc}")
+                # Out of descriptors (the log file, the pipes of the spawn): not the engine's failure, no restart
+                # counted; tried again until the process has them.
+                note_shortage("engine_spawn", exc, spec.shard_id)
+            await trio.sleep(backoff.next_delay())
         # No checkpoint from here to the ledger write: a stop or cancel must not lose track of the child.
         start_time = process_start_time(child.pid)
         self._proc = EngineProcess(child.pid, child.pid, start_time, child)
@@ -379,6 +382,29 @@ class ShardSupervisor:
         self._set(State.STARTING, f"spawned pid {child.pid}" + (f" on port {port}" if port else ""))
         return None
 
+    async def _spawn(self, launch: Launch) -> trio.Process:
+        """Start the engine writing to its log; ``OSError`` when the log or the process cannot be opened."""
+        spec = self.spec
+        self.log.write_header(f"starting shard {spec.shard_id} generation {spec.generation} (restart {self.restarts}):"
+                              f" {shlex.join(redact_argv(launch.argv))}")
+        fd = self.log.open_for_child()
+        try:
+            return await trio.lowlevel.open_process(
+                launch.argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, env={**os.environ, **launch.env},
+                start_new_session=True)
+        finally:
+            os.close(fd)
+
+    def _log_header(self, text: str) -> None:
+        """A line in the engine's log when it can be written (a log that cannot be opened is no reason to stop)."""
+        try:
+            self.log.write_header(text)
+        except OSError as exc:
+            if capacity_errno(exc) is not None:
+                note_shortage("engine_log", exc, self.spec.shard_id)
+            else:
+                log.warning("shard %s: cannot write to %s: %s", self.spec.shard_id, self.log.path, exc)
+
     async def _take_over(self, entry: LedgerEntry) -> None:
         """Adopt the engine a previous agent started: watch it, probe it once, report what it is."""
         self.restarts = entry.restarts
@@ -391,7 +417,7 @@ class ShardSupervisor:
                                    entry.pid_start_time)
         assert self._nursery is not None  # run() opened it
         self._nursery.start_soon(self._proc.watch)
-        self.log.write_header(f"agent pid {os.getpid()} adopted engine pid {entry.pid}")
+        self._log_header(f"agent pid {os.getpid()} adopted engine pid {entry.pid}")
         adopted = f"adopted running engine pid {entry.pid} from the ledger"
         if not self._readiness.serves_http:
             self._set(State.READY, f"{adopted}; runs headless (rank {self.spec.rank}): liveness only")
@@ -453,14 +479,17 @@ class ShardSupervisor:
                                     failed=True)
                 continue
             assert self._prober is not None  # set with the endpoint, before supervising
-            healthy, why, definite = await self._prober.health()
-            if healthy:
+            health = await self._prober.health()
+            why = health.reason
+            if health.ok:
                 failures = definite_failures = 0
                 if self.state is State.LOADING:
                     self._set(State.READY, f"healthy again: {why}")
                 continue
+            if health.inconclusive:  # this process is out of descriptors (counted): the engine is not to blame
+                continue
             failures += 1
-            definite_failures = definite_failures + 1 if definite else 0
+            definite_failures = definite_failures + 1 if health.definite else 0
             if failures >= settings.unhealthy_after and self.state is State.READY:
                 self._set(State.LOADING, f"unhealthy: {failures} health probes failed in a row, last: {why}")
             if definite_failures >= settings.restart_unhealthy_after:
