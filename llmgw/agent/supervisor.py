@@ -163,26 +163,28 @@ class _Prober:
         health = await probe.check_health(self.pool, path, self.timeout)
         return dataclasses.replace(health, reason=f"{path} 200" if health.ok else f"{path}: {health.reason}")
 
-    async def ready(self) -> tuple[bool, str]:
+    async def ready(self) -> probe.Health:
+        """Healthy and listing the served model (``ok``), with the reason either way; ``inconclusive`` when a probe
+        could not be sent (this process is out of descriptors)."""
         health = await self.health()
         if not health.ok:
-            return False, health.reason
+            return health
         name, path = self.readiness.served_model_name, self.readiness.models_path
         try:
             status, body = await probe.get(self.pool, path, self.timeout, self._auth)
         except trio.TooSlowError:
-            return False, f"{path}: no answer within {self.timeout:g}s"
+            return probe.Health(False, f"{path}: no answer within {self.timeout:g}s")
         except UpstreamError as exc:
-            return False, f"{path}: {exc}"
+            return probe.Health(False, f"{path}: {exc}", inconclusive=exc.kind == "capacity")
         if status != 200:
-            return False, f"{path}: HTTP {status}"
+            return probe.Health(False, f"{path}: HTTP {status}")
         try:
             listed = [card.get("id") for card in json.loads(body).get("data", [])]
         except (ValueError, AttributeError):
-            return False, f"{path}: not an OpenAI model list"
+            return probe.Health(False, f"{path}: not an OpenAI model list")
         if name not in listed:
-            return False, f"{path} does not list {name!r} yet"
-        return True, f"{self.readiness.health_path} 200 and {path} lists {name!r}"
+            return probe.Health(False, f"{path} does not list {name!r} yet")
+        return probe.Health(True, f"{self.readiness.health_path} 200 and {path} lists {name!r}")
 
     async def inflight(self, names: tuple[str, ...]) -> int | None:
         """The sum of the engine's in-flight gauges, or None when ``/metrics`` cannot be read."""
@@ -425,11 +427,11 @@ class ShardSupervisor:
         if self._prober is None:
             self._set(State.LOADING, f"{adopted}; the ledger has no HTTP port for it")
             return
-        ready, why = await self._prober.ready()
-        if ready:
-            self._set(State.READY, f"{adopted}; {why}")
+        ready = await self._prober.ready()
+        if ready.ok:
+            self._set(State.READY, f"{adopted}; {ready.reason}")
         else:
-            self._set(State.LOADING, f"{adopted}; not ready: {why}")
+            self._set(State.LOADING, f"{adopted}; not ready: {ready.reason}")
 
     async def _supervise(self, proc: EngineProcess) -> _Outcome:
         """Watch and probe a running engine until it exits or must be replaced."""
@@ -471,12 +473,14 @@ class ShardSupervisor:
                 self._set(State.LOADING, f"pid {proc.pid} is running; waiting for {self._readiness.health_path}")
             if not ready:
                 assert self._prober is not None  # set with the endpoint, before supervising
-                ready, why = await self._prober.ready()
+                probed = await self._prober.ready()
+                ready = probed.ok
                 if ready:
-                    self._set(State.READY, why)
-                elif trio.current_time() > deadline:
-                    return _Outcome(f"startup timeout: not ready {timeout:g}s after the start (last probe: {why})",
-                                    failed=True)
+                    self._set(State.READY, probed.reason)
+                elif trio.current_time() > deadline and not probed.inconclusive:
+                    # (a probe that could not be sent, for want of descriptors, is no verdict: the next one decides)
+                    return _Outcome(f"startup timeout: not ready {timeout:g}s after the start (last probe: "
+                                    f"{probed.reason})", failed=True)
                 continue
             assert self._prober is not None  # set with the endpoint, before supervising
             health = await self._prober.health()
