@@ -108,6 +108,7 @@ class ShardManager:
         self.ledger.reload()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self.ledger.save_when_possible)
             try:
                 for entry in self.ledger.entries():
                     await self._adopt(entry, nursery)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import resource
 import socket
 import stat
 import subprocess
 import sys
 
 import pytest
+import trio
 
 from llmgw import wire
 from llmgw.agent.ledger import Ledger, LedgerEntry
@@ -60,6 +64,41 @@ def test_the_file_is_private_and_written_atomically(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["shards.json"]  # no temporary file left behind
     body = json.loads((tmp_path / "shards.json").read_text())
     assert body["version"] == 1 and list(body["shards"]) == ["r1-0"]
+
+
+@contextlib.contextmanager
+def no_descriptor_left():
+    """Every descriptor this process may open is taken (the soft limit lowered to what it holds, the holes below
+    filled) until the block ends."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(map(int, os.listdir("/proc/self/fd"))) + 1, hard))
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError as exc:
+        assert exc.errno == errno.EMFILE
+    try:
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_write_without_a_descriptor_is_kept_and_written_once_one_is_free(tmp_path):
+    ledger = Ledger(tmp_path / "shards.json")
+    entry = entry_for(4242, start_time=1)
+    with no_descriptor_left():
+        ledger.put(entry)  # nothing raised: an engine just spawned must not take its supervisor down
+    assert ledger.get("r1-0") == entry and not (tmp_path / "shards.json").exists()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ledger.save_when_possible)
+        with trio.fail_after(10):
+            while not (tmp_path / "shards.json").exists():
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    assert Ledger(tmp_path / "shards.json").get("r1-0").pid == 4242
 
 
 def test_remove_only_the_process_named(tmp_path):
