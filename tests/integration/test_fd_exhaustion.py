@@ -8,10 +8,11 @@ gone a new connection does too.
 
 The caps cannot help when descriptors run out anyway (the system's table is full, the limit is lowered under a
 running process): a gateway whose embedded agent follows two simulators' KV events has its soft limit lowered to
-just above what it holds, both ports are flooded until no descriptor is left, and one engine pauses long enough
-for its replay to time out (so the subscription must open a new replay socket, with none left): the gateway stays
-up, counts and logs the shortage, kills no engine, and once the idle connections go it routes again with a healthy
-KV index.
+just above what it holds and both ports are flooded until no descriptor is left. Chats sent then are answered
+(200, or 503 to retry) without blaming a replica; one engine pauses, so that its subscription's replay times out
+and a new replay socket must be opened with none left (on main: ``ZMQError: Too many open files`` ends the
+process with exit 1). The gateway stays up, counts and logs the shortage, kills no engine, and once the idle
+connections go it routes again with a healthy KV index.
 """
 
 from __future__ import annotations
