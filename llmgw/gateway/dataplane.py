@@ -161,7 +161,8 @@ class DataPlane:
     def _probe(self, request: Request) -> Response:
         """``/health`` (liveness: the process answers) and ``/ready`` (readiness: :mod:`.readiness`). With
         ``api_keys``, ``/ready?model=X`` needs a key as ``/v1`` does (it tells whether a model exists), and a
-        bare ``/ready`` without one stays open for load balancers but names no model."""
+        bare ``/ready`` without one stays open for load balancers but names no model. Its cluster reasons never
+        name Redis's address (the control port's do)."""
         if request.path == "/health":
             return Response(200, [], b"")
         if self.readiness is None:
@@ -170,7 +171,7 @@ class DataPlane:
         keyed = not keys or keys.holder(request.header("authorization")) is not None
         if not keyed and request.query:
             return _key_required()
-        status, body = self.readiness.answer(request.query, names=keyed)
+        status, body = self.readiness.answer(request.query, names=keyed, detailed=False)
         return Response.json(body, status)
 
     def error_headers(self, request: Request | None) -> list[tuple[bytes, bytes]]:

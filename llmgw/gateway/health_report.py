@@ -39,6 +39,11 @@ REDIS_UNREACHABLE = "redis_unreachable"
 NO_LEADER = "no_leader"
 STATE_NOT_LOADED = "state_not_loaded"
 REASONS = (REDIS_UNREACHABLE, NO_LEADER, STATE_NOT_LOADED)
+BRIEF = {  # a reason in words that name no address: for the data port, whose callers are clients
+    REDIS_UNREACHABLE: "the cluster's shared state is degraded: Redis is unreachable",
+    NO_LEADER: "the cluster has no leader",
+    STATE_NOT_LOADED: "this process has not loaded the cluster's shared state yet",
+}
 OK = "ok"
 DEGRADED = "degraded"
 
@@ -59,8 +64,8 @@ class Reason:
     def to_json(self) -> dict[str, Any]:
         return {"code": self.code, "message": self.message, "since": utc(self.since)}
 
-    def sentence(self) -> str:
-        return f"{self.message} (since {utc(self.since)})"
+    def sentence(self, detailed: bool = True) -> str:
+        return f"{self.message if detailed else BRIEF[self.code]} (since {utc(self.since)})"
 
 
 class HealthReport:
@@ -107,9 +112,10 @@ class HealthReport:
         reasons = self.reasons()
         return {"status": DEGRADED if reasons else OK, "reasons": [reason.to_json() for reason in reasons]}
 
-    def sentences(self) -> list[str]:
-        """The reasons in words, for ``/ready``."""
-        return [reason.sentence() for reason in self.reasons()]
+    def sentences(self, detailed: bool = True) -> list[str]:
+        """The reasons in words, for ``/ready``; not ``detailed``: without Redis's address or error (the data
+        port's, whose callers are clients; the control port's ``/health`` has the details)."""
+        return [reason.sentence(detailed) for reason in self.reasons()]
 
     async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Evaluate at every Redis transition and every ``lease_renew``, so that each transition is logged when

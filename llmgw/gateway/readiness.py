@@ -55,19 +55,20 @@ def _named(names: Sequence[str], shown: bool) -> str:
 
 class Readiness:
     """Answers ``/ready`` from the router's models and replicas, ``draining()`` and ``state_loaded()``;
-    ``cluster_reasons()``: why the shared state is not to be trusted now (:mod:`.health_report`), added to the
-    reasons of an answer that is not ready."""
+    ``cluster_reasons(detailed)``: why the shared state is not to be trusted now (:mod:`.health_report`), added
+    to the reasons of an answer that is not ready."""
 
     def __init__(self, router: Router, draining: Callable[[], bool], state_loaded: Callable[[], bool],
-                 cluster_reasons: Callable[[], list[str]] = list):
+                 cluster_reasons: Callable[[bool], list[str]] = lambda detailed: []):
         self.router = router
         self.draining = draining
         self.state_loaded = state_loaded
         self.cluster_reasons = cluster_reasons
 
-    def answer(self, query: str, names: bool = True) -> tuple[int, dict[str, Any]]:
+    def answer(self, query: str, names: bool = True, detailed: bool = True) -> tuple[int, dict[str, Any]]:
         """``(status, JSON body)``: 200 ready, 503 not ready (with the reasons), 400 for an unreadable query.
-        ``names``: the answer may name models (False: counts only, for a caller without an API key)."""
+        ``names``: the answer may name models (False: counts only, for a caller without an API key);
+        ``detailed``: the cluster's reasons may name Redis's address and error (False on the data port)."""
         try:
             asked = query_models(query)
         except QueryError as exc:
@@ -98,7 +99,7 @@ class Readiness:
                            f"{_named(without, names)}")
         ready = not reasons
         if not ready:
-            reasons += self.cluster_reasons()
+            reasons += self.cluster_reasons(detailed)
         body: dict[str, Any] = {"ready": ready, "models": len(wanted), "draining": draining, "state_loaded": loaded,
                                 "reasons": reasons}
         if names:

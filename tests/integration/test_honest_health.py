@@ -62,8 +62,12 @@ async def test_a_cluster_whose_redis_is_stopped_is_degraded_with_the_reason_then
             assert redis["since"].endswith("Z") and answer["state"]["degraded"] is True
             assert await scrape_value(gateway.control_url, "llmgw_health_degraded", 'reason="redis_unreachable"',
                                       client=http) == 1
+        # /ready says why too: on the control port in full, on the data port (clients) without Redis's address.
+        not_ready = await http.get(follower.control_url + "/ready?model=nope")
+        assert any("Redis at redis://" in reason for reason in not_ready.json()["reasons"]), not_ready.text
         not_ready = await http.get(follower.url + "/ready?model=nope")
-        assert any("Redis at" in reason for reason in not_ready.json()["reasons"]), not_ready.text
+        assert "the cluster's shared state is degraded: Redis is unreachable (since " in not_ready.text, not_ready.text
+        assert str(private_redis.port) not in not_ready.text
         for _ in range(20):  # polls are not transitions
             await health(http, follower)
         # Routing goes on with the last known state meanwhile.

@@ -43,6 +43,9 @@ def test_reasons_their_since_and_one_log_line_per_transition(caplog):
     assert codes == ["redis_unreachable", "no_leader"]
     assert report.to_json()["reasons"][0]["since"] == "1970-01-01T00:16:40Z"  # still the first one's start
     assert any("no leader" in sentence and "(since " in sentence for sentence in report.sentences())
+    assert report.sentences(detailed=False) == [
+        "the cluster's shared state is degraded: Redis is unreachable (since 1970-01-01T00:16:40Z)",
+        f"the cluster has no leader (since {report.to_json()['reasons'][1]['since']})"]
 
     shared.link.healthy, shared.leader_holder = True, {"generation": 4}
     for _ in range(5):
