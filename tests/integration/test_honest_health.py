@@ -5,6 +5,8 @@ and a redis-server of the test's own, stopped and started again."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import trio
@@ -35,14 +37,24 @@ async def wait_status(http: httpx.AsyncClient, processes, status: str, codes: se
 
 
 def transitions(process, start: int) -> list[str]:
-    return [line for line in process.lines[start:] if "llmgw.gateway.health_report: health:" in line]
+    """The health lines from line ``start`` on, as ``LEVEL llmgw.gateway.health_report: message`` (a JSON
+    line read back into that shape)."""
+    lines = [json_as_text(line) for line in process.lines[start:]]
+    return [line for line in lines if "llmgw.gateway.health_report: health:" in line]
+
+
+def json_as_text(line: str) -> str:
+    if not line.startswith("{"):
+        return line
+    entry = json.loads(line)
+    return f"{entry['ts']} {entry['level'].upper()} {entry['logger']}: {entry['message']}"
 
 
 async def test_a_cluster_whose_redis_is_stopped_is_degraded_with_the_reason_then_ok(nursery, start_llmgw,
                                                                                      private_redis, cluster_name):
     (sim,) = await start_sims(nursery, 1, num_blocks=256, block_size=16)
     config = cluster_config([sim], private_redis.url, cluster_name, routing="round_robin")
-    control = await start_llmgw(config, "--log-level", "info")
+    control = await start_llmgw(config, "--log-level", "info", "--log-format", "json")
     follower = await start_llmgw(config, "--role", "gateway", "--log-level", "info")
     gateways = (control, follower)
     async with httpx.AsyncClient(timeout=30) as http:
@@ -52,6 +64,11 @@ async def test_a_cluster_whose_redis_is_stopped_is_degraded_with_the_reason_then
         ok = await health(http, follower)
         assert ok["reasons"] == [] and ok["state"]["leader"]["holder"] is not None, ok
         marks = [len(gateway.lines) for gateway in gateways]
+        # Under --log-format json the election's lines carry the term and the leader as keys of their own.
+        entries = [json.loads(line) for line in control.lines if line.startswith("{")]
+        took = next(e for e in entries if "took the lease" in e["message"])
+        assert took["term"] == ok["state"]["leader"]["holder"]["generation"], took
+        assert took["leader"] == ok["state"]["leader"]["holder"]["origin"], took
 
         await private_redis.kill()
         await wait_status(http, gateways, "degraded", {"redis_unreachable", "no_leader"})
