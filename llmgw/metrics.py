@@ -167,7 +167,7 @@ class Metrics:
             registry=r))
         self.rejected_bodies = CachedLabels(Counter(
             "llmgw_rejected_bodies", "Request bodies refused before routing, by reason "
-            "(not_json, too_deep, too_many_values, too_many_containers).", ["reason"], registry=r))
+            "(not_json, non_finite_number, too_deep, too_many_values, too_many_containers).", ["reason"], registry=r))
         self.loops_detected = Counter("llmgw_loops_detected", "Requests answered 508 Loop Detected: they came back "
                                       "to this gateway (their llmgw-hop header holds its instance id; a replica URL "
                                       "leads back to it) or passed through too many gateways.", registry=r)

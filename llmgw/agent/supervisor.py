@@ -46,6 +46,7 @@ from .. import wire
 from ..engines import probe
 from ..fdpressure import ShortageBackoff, capacity_errno, note_shortage
 from ..http.client import UpstreamError, UpstreamPool
+from ..logfields import log_fields
 from ..procgroup import process_group_of, process_start_time, signal_group, terminate_group, wait_group_gone
 from .engine import Engine, EngineError, Launch, LaunchContext, Readiness
 from .ledger import Ledger, LedgerEntry
@@ -601,7 +602,7 @@ class ShardSupervisor:
             # engine must not start before they are gone.
             if not await wait_group_gone(proc.pgid, self.settings.group_exit_timeout):
                 log.warning("shard %s: processes of group %d are still there %gs after SIGKILL", self.shard_id,
-                            proc.pgid, self.settings.group_exit_timeout)
+                            proc.pgid, self.settings.group_exit_timeout, extra=self._log_fields())
         return killed
 
     def _finish(self, state: State, reason: str, *, tail: bool = False) -> None:
@@ -653,6 +654,11 @@ class ShardSupervisor:
         if self._prober is not None:
             await self._prober.aclose()
 
+    def _log_fields(self) -> dict:
+        spec = self.spec
+        return log_fields(shard=spec.shard_id, replica=spec.replica_id, generation=spec.generation,
+                          pid=self.pid or None, port=self.http_port or None, state=self.state.value)
+
     def _set(self, state: State, reason: str, *, tail: bool = False) -> None:
         if state is self.state and reason == self.reason:
             return
@@ -660,7 +666,7 @@ class ShardSupervisor:
         self.reason = reason
         self._log_tail = self.log.tail(self.settings.log_tail_lines) if tail else []
         log.log(_LOG_LEVELS.get(state, logging.INFO), "shard %s (generation %d) is %s: %s", self.spec.shard_id,
-                self.spec.generation, state.value, reason)
+                self.spec.generation, state.value, reason, extra=self._log_fields())
         try:
             self._on_status(self.report())
         except Exception:  # a broken listener must not leave the engine unsupervised

@@ -45,6 +45,7 @@ import trio
 from .. import wire
 from ..kv.index import refusal_reason
 from ..kv.metrics import KvMetrics
+from ..logfields import log_fields
 from ..router.replicas import DEPLOYED
 from .agent_service import AgentService, AgentSession, SessionSettings, send_error
 from .deployed import DeployedReplicas
@@ -229,18 +230,19 @@ class ControlPlane:
         if isinstance(action, Unplaceable):
             if action.first:
                 self.metrics.placement_failures.inc()
-            log.warning("%s", action.describe())
+            log.warning("%s", action.describe(), extra=log_fields(**action.fields()))
             return
         # A StartShard carries out the Place or Adopt just logged; the agent logs the engine it spawns.
         starts = isinstance(action, Command) and isinstance(action.message, wire.StartShard)
-        log.log(logging.DEBUG if starts else logging.INFO, "%s", action.describe())
+        log.log(logging.DEBUG if starts else logging.INFO, "%s", action.describe(),
+                extra=log_fields(**action.fields()))
         if isinstance(action, Command):
             node = self.inventory.nodes.get(action.node_id)
             session = node.session if node is not None else None
             assert action.message is not None
             if session is None or not session.post(self._with_proof(node, action.message)):
                 log.warning("could not send %s to %s: its session is gone (it is sent again when it reconnects)",
-                            action.kind, action.node_id)
+                            action.kind, action.node_id, extra=log_fields(**action.fields()))
 
     def _with_proof(self, node, message: wire.Message) -> wire.Message:
         """A StartShard for a remote node carries the proof that it was placed there (for its adoption later)."""
@@ -292,7 +294,7 @@ class ControlPlane:
             self._hand_kv_changes(session, message)
         elif isinstance(message, wire.ErrorMessage):
             log.warning("node %s reports an error (%s) about %s: %s", session.node_id, message.code,
-                        message.about or "-", message.message)
+                        message.about or "-", message.message, extra=log_fields(node=session.node_id))
         else:
             session.post(wire.ErrorMessage(code="unexpected", message=f"{type(message).__name__} is not a message "
                                                                       "an agent sends"))
@@ -340,7 +342,8 @@ class ControlPlane:
                 message = wire.KvResync(shard_id=leader.shard_id, replica_id=replica_id, mode=mode, reason=reason)
                 if node is None or node.session is None or not node.session.post(message):
                     log.warning("could not ask node %s for a KV resync of replica %s: its session is gone (its "
-                                "reconnect sends a full copy)", leader.node_id, replica_id)
+                                "reconnect sends a full copy)", leader.node_id, replica_id,
+                                extra=log_fields(node=leader.node_id, replica=replica_id))
                 return
 
     def _refuse_kv(self, session: AgentSession, changes: wire.KvChanges, reason: str, placed_on: str | None) -> None:
@@ -352,7 +355,8 @@ class ControlPlane:
         where = f"placed on node {placed_on}" if placed_on else "not placed by this control plane"
         message = (f"KV changes for shard {changes.shard_id} (replica {changes.replica_id or '?'}) refused: "
                    f"{reason}; the shard is {where}")
-        log.warning("node %s (%s): %s", session.node_id, session.peer, message)
+        log.warning("node %s (%s): %s", session.node_id, session.peer, message,
+                    extra=log_fields(node=session.node_id, shard=changes.shard_id))
         session.post(wire.ErrorMessage(code=f"kv_{reason}", message=message, about=changes.shard_id))
 
     def on_end(self, session: AgentSession, reason: str) -> None:
@@ -408,7 +412,8 @@ class ControlPlane:
                 self._unproven_told.add((session.node_id, report.shard_id))
                 message = (f"shard {report.shard_id} (replica {report.replica_id or '?'}) has no valid placement "
                            f"proof for node {session.node_id}: it is not adopted")
-                log.warning("node %s (%s): refused: %s", session.node_id, session.peer, message)
+                log.warning("node %s (%s): refused: %s", session.node_id, session.peer, message,
+                            extra=log_fields(node=session.node_id, shard=report.shard_id))
                 session.post(wire.ErrorMessage(code=REFUSE_UNPROVEN, message=message, about=report.shard_id))
         return False
 

@@ -160,12 +160,19 @@ class DataPlane:
         self._answered(Exchange(_now()), status, request_id)
 
     def _probe(self, request: Request) -> Response:
-        """``/health`` (liveness: the process answers) and ``/ready`` (readiness: :mod:`.readiness`)."""
+        """``/health`` (liveness: the process answers) and ``/ready`` (readiness: :mod:`.readiness`). With
+        ``api_keys``, ``/ready?model=X`` needs a key as ``/v1`` does (it tells whether a model exists), and a
+        bare ``/ready`` without one stays open for load balancers but names no model. Its cluster reasons never
+        name Redis's address (the control port's do)."""
         if request.path == "/health":
             return Response(200, [], b"")
         if self.readiness is None:
             return error_response(404, "no route for GET /ready", code="not_found")
-        status, body = self.readiness.answer(request.query)
+        keys = self._api_keys  # read once: a reload swaps the whole set
+        keyed = not keys or keys.holder(request.header("authorization")) is not None
+        if not keyed and request.query:
+            return _key_required()
+        status, body = self.readiness.answer(request.query, names=keyed, detailed=False)
         return Response.json(body, status)
 
     def error_headers(self, request: Request | None) -> list[tuple[bytes, bytes]]:
@@ -193,8 +200,7 @@ class DataPlane:
         if keys:
             holder = keys.holder(request.header("authorization"))
             if holder is None:
-                return error_response(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                                      code="invalid_api_key")
+                return _key_required()
             exchange.key = holder
         if request.method == "GET" and path == "/v1/models":
             return self._list_models()
@@ -683,6 +689,11 @@ class RelayedStream:
 
 
 _NO_TOKENS = (None, None, None)
+
+
+def _key_required() -> Response:
+    return error_response(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                          code="invalid_api_key")
 
 
 def _inline_length(headers: list[tuple[bytes, bytes]]) -> int | None:
