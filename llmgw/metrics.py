@@ -26,6 +26,7 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .cached_labels import CachedLabels
+from .fdpressure import FD_EXHAUSTION
 
 disable_created_metrics()  # the *_created series double the exposition and nobody alerts on them
 
@@ -177,7 +178,8 @@ class Metrics:
         self.replaced_request_ids = Counter(
             "llmgw_replaced_request_ids", "Client x-request-id values not kept (more than 128 characters, or a "
             "space, control or non-ASCII byte): the request got an id of the gateway's own.", registry=r)
-        for collector in (PROCESS_COLLECTOR, GC_COLLECTOR, PLATFORM_COLLECTOR):  # process_*, python_gc_*, python_info
+        # process_*, python_gc_*, python_info, and the process's descriptor shortages (llmgw_fd_exhaustion_total)
+        for collector in (PROCESS_COLLECTOR, GC_COLLECTOR, PLATFORM_COLLECTOR, FD_EXHAUSTION):
             r.register(collector)
         self.tls_handshake_failures = CachedLabels(Counter(
             "llmgw_tls_handshake_failures", "Client connections closed because their TLS handshake failed or "

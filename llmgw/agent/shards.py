@@ -30,6 +30,7 @@ from ..plugins_manager import PluginError, Registry
 from .engine import Engine, LaunchContext
 from .kv_sockets import KvEndpoints
 from .ledger import Ledger, LedgerEntry
+from .logs import secure_log_folder
 from .ports import PortAllocator
 from .supervisor import ShardSupervisor, SupervisorSettings
 
@@ -104,9 +105,11 @@ class ShardManager:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Adopt what the ledger lists, then supervise until cancelled (engines keep running after that)."""
+        secure_log_folder(self.state_dir)
         self.ledger.reload()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self.ledger.save_when_possible)
             try:
                 for entry in self.ledger.entries():
                     await self._adopt(entry, nursery)

@@ -19,7 +19,11 @@ After a start, nothing new is placed for ``heartbeat_interval + 1`` seconds
 control-plane restart are adopted rather than started twice; during that
 window a request that finds no routable replica of its model waits for one
 (:meth:`ControlPlane.wait_for_replica`) instead of being refused. Without a
-join token only the embedded agent can join, and there is no such wait.
+join token only the embedded agent can join, and there is no such wait. The
+window ends early once nothing can be waiting for adoption
+(:meth:`ControlPlane.nothing_to_adopt`): every node that ever joined (the
+identity store) has registered again, or, outside a cluster, none ever joined
+and no agent reports a running shard (a fresh start).
 
 Nodes prove who they are (:mod:`llmgw.control.identity`): every StartShard to
 a remote node carries a placement proof for that node, and a report of a
@@ -69,6 +73,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RECONCILE_INTERVAL = 5.0
+ADOPTION_CHECK = 0.05  # seconds between checks whether the adoption window can end early (a cheap look)
 REFUSE_FOREIGN = "foreign_shard"
 REFUSE_UNPROVEN = "unproven_shard"
 
@@ -122,7 +127,8 @@ class ControlPlane:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         remote = bool(SessionSettings.from_config(self.config.agents).join_tokens)
         grace = self.config.agents.heartbeat_interval + 1.0 if remote else 0.0
-        self.reconciler.place_after = trio.current_time() + grace
+        started = trio.current_time()
+        self.reconciler.place_after = started + grace
         async with trio.open_nursery() as nursery:
             await nursery.start(self.agents.run)
             await nursery.start(self.deployed.run)
@@ -130,8 +136,8 @@ class ControlPlane:
             self.apply_config(self.config)
             task_status.started()
             if grace:
-                log.info("waiting %gs for agents to report running shards before placing new ones", grace)
-                nursery.start_soon(self._wake_at, self.reconciler.place_after)
+                log.info("waiting up to %gs for agents to report running shards before placing new ones", grace)
+                nursery.start_soon(self._end_adoption_window, started)
             while True:
                 with trio.move_on_after(RECONCILE_INTERVAL):
                     await self._wake.wait()
@@ -142,9 +148,40 @@ class ControlPlane:
                     self.metrics.reconcile_failures.inc()
                     log.exception("a reconcile pass failed; the control plane carries on")
 
-    async def _wake_at(self, deadline: float) -> None:
-        await trio.sleep_until(deadline)
+    async def _end_adoption_window(self, started: float) -> None:
+        """Reconcile when the adoption window ends: at its deadline, or earlier, as soon as nothing can be waiting
+        for adoption (checked every ``ADOPTION_CHECK`` seconds)."""
+        while trio.current_time() < self.reconciler.place_after:
+            why = self.nothing_to_adopt()
+            if why is not None:
+                self.reconciler.place_after = trio.current_time()
+                log.info("placing now, %.2fs after the start, not at the adoption window's end: %s",
+                         self.reconciler.place_after - started, why)
+                break
+            await trio.sleep_until(min(self.reconciler.place_after, trio.current_time() + ADOPTION_CHECK))
         self.request_reconcile()
+
+    def nothing_to_adopt(self) -> str | None:
+        """Why no engine can be waiting for adoption any more; None while one may be.
+
+        The embedded agent (when configured) must have registered: its ledger's engines are in its Register.
+        Then either every node in the identity store (each node that ever joined) has registered again, or the
+        store is empty and no registered node reports a shard: a fresh start, nothing placed before. In a cluster
+        only the first holds (a node may have joined another leader, and Redis may have lost its identity)."""
+        nodes = self.inventory.nodes
+        agents = self.config.agents
+        if agents.embedded:
+            node = nodes.get(agents.embedded_node_id)
+            if node is None or not node.reachable:
+                return None
+        known = self.identities.node_ids()
+        if known:
+            if all(n in nodes and nodes[n].reachable for n in known):
+                return f"every node that joined before ({len(known)}) has registered again"
+            return None
+        if self.config.state.shared or any(node.shards for node in nodes.values()):
+            return None
+        return "a fresh start: no node joined before (no identity stored) and no agent reports a running shard"
 
     def apply_config(self, config: "Config") -> None:
         """Take a (re)loaded config: new desired replicas, models, agent settings; reconciled at once."""

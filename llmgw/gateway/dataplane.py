@@ -66,8 +66,9 @@ INLINE_BODY_LIMIT = 1 << 20  # bodies with a known length up to this are relayed
 # What says a replica is unwell (counted by passive health); anything else the request may have caused.
 UNWELL_KINDS = frozenset({"connect", "tls", "closed_before_request", "timeout"})
 UNWELL_STATUSES = frozenset({502, 503, 504})
-# Failures after which the request is sent to another replica: none of it reached this one.
-RETRY_KINDS = frozenset({"connect", "tls", "closed_before_request"})
+# Failures after which the request is sent to another replica: none of it reached this one. "capacity" (no socket
+# for want of descriptors: llmgw.fdpressure) is one, and says nothing about the replica's health.
+RETRY_KINDS = frozenset({"connect", "tls", "closed_before_request", "capacity"})
 _now = time.perf_counter  # durations for the metrics; real time, not Trio's clock
 ENGINE_GONE_TIMEOUT = 1.0  # seconds a replica that broke off a request has to answer /health to count as alive
 NO_KEY = "none"  # the key name of a request without a valid API key (or of any request without api_keys)
@@ -348,7 +349,7 @@ class DataPlane:
             return False
         health = await probe.check_health(replica.pool, replica.base_path + "/health", ENGINE_GONE_TIMEOUT,
                                           [(b"host", b"llmgw")])
-        return not health.answered
+        return not health.answered and not health.inconclusive
 
     async def _routing_body(self, request: Request) -> dict | Response:
         """What the router looks at: the JSON object of the body (parsed within ``json_limits``), or a form's
@@ -527,6 +528,8 @@ class DataPlane:
         return response
 
     def _upstream_error(self, replica: Replica, exc: UpstreamError) -> None:
+        if exc.kind == "capacity":  # this process's shortage, counted in llmgw_fd_exhaustion_total: nobody's fault
+            return
         if exc.kind in UNWELL_KINDS:
             self._failed(replica, exc.kind, str(exc))
         else:

@@ -93,7 +93,8 @@ EXTRA_KEY_STYLE = {"vllm": "current", "content": "event"}
 # (left-truncated) prompt. Such responses are not drift checks, whatever a client sends.
 NO_DRIFT_CHECK_FIELDS = ("prompt_logprobs", "truncate_prompt_tokens")
 # Attempt failures after which the engine holds nothing of the request (llmgw.router.tier.RoutingTier.attempt_failed)
-NEVER_TAKEN = frozenset({"connect", "tls", "closed_before_request", "status_502", "status_503", "status_504"})
+NEVER_TAKEN = frozenset({"connect", "tls", "closed_before_request", "capacity", "status_502", "status_503",
+                         "status_504"})
 TOKENIZE_CHARS_PER_TOKEN = 6  # max_tokenize_chars defaults to this x max_prompt_tokens (English: ~4 per token)
 HASH_SLICE_BLOCKS = 1024  # a long prompt's blocks are hashed this many at a time, other tasks running between
 

@@ -165,7 +165,8 @@ class TokenizeClient:
             except UpstreamError as exc:
                 if exc.kind == "timeout":
                     raise TokenizeError("timeout", str(exc)) from None
-                raise TokenizeError("connect" if exc.kind in ("connect", "tls") else "protocol", str(exc)) from None
+                raise TokenizeError("connect" if exc.kind in ("connect", "tls", "capacity") else "protocol",
+                                    str(exc)) from None
         if ids is None:
             raise TokenizeError("timeout", f"/tokenize on {getattr(replica, 'name', '?')} took longer than "
                                            f"{timeout * 1000:g} ms")

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -130,6 +131,24 @@ async def test_a_shard_starts_loads_and_becomes_ready(manager, recorder, tmp_pat
     assert Ledger(tmp_path / "shards.json").entries() == []
     assert not manager.ports.reserved(ready.http_port)
     assert manager.reports() == [] and manager.get("r1-0") is None
+
+
+async def test_engine_logs_are_private_and_an_older_agents_are_tightened_at_start(manager, recorder, tmp_path,
+                                                                                      nursery):
+    folder = tmp_path / "logs"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    for name in ("old-0.log", "old-0.log.1"):  # what an agent before this change left: 0644 in a 0755 folder
+        (folder / name).write_text("prompt text\n")
+        (folder / name).chmod(0o644)
+    await nursery.start(manager.run)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert {stat.S_IMODE((folder / name).stat().st_mode) for name in ("old-0.log", "old-0.log.1")} == {0o600}
+    manager.start(sim_shard())
+    await recorder.wait_for("r1-0", State.READY)
+    log = folder / "r1-0.log"
+    assert "llmgw-sim listening on" in log.read_text()  # the engine wrote it through the descriptor it was given
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
 
 
 async def test_a_shard_start_logs_its_shard_pid_and_port_as_json_keys(manager, recorder, nursery, caplog):
