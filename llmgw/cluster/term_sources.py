@@ -9,15 +9,16 @@ a full copy) instead of one that missed what the engines stored while there
 was no leader.
 
 While this process leads, :class:`TermTable` and :class:`TermKv` pass every
-change to the term's :class:`~.writer.PublishedReplicaTable` and
-:class:`~.writer.PublishedKv` (this process's table and index, and the
-cluster's log); while it follows, changes are dropped (the leader's log
+change to the current term's (:class:`~.term.LeaderTerm`)
+:class:`~.writer.PublishedReplicaTable` and :class:`~.writer.PublishedKv`
+(this process's table and index, and the cluster's log); while it follows,
+and from the moment a term is over, changes are dropped (the leader's log
 drives the table and index) and reads go to this process's own copies.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from ..kv.changes import ChangesFields
 from ..router.model import TierModel
@@ -27,15 +28,28 @@ from .writer import ResyncListeners, TableReads
 if TYPE_CHECKING:
     from ..kv.index import KvIndex
     from ..router.replicas import ReplicaSet
+    from .term import LeaderTerm
     from .writer import PublishedKv, PublishedReplicaTable
+
+
+class Leading(Protocol):
+    """Where the term this process leads now is found (:attr:`SharedState.term <.state.SharedState.term>`)."""
+
+    @property
+    def term(self) -> "LeaderTerm | None": ...
 
 
 class TermTable(TableReads):
     """A :class:`~llmgw.control.interfaces.ReplicaTable` that writes only while this process leads."""
 
-    def __init__(self, inner: "ReplicaSet"):
+    def __init__(self, inner: "ReplicaSet", leading: Leading):
         self.inner = inner
-        self.term: PublishedReplicaTable | None = None
+        self._leading = leading
+
+    @property
+    def term(self) -> "PublishedReplicaTable | None":
+        term = self._leading.term
+        return term.table if term is not None else None
 
     def declare_model(self, source: str, model: TierModel) -> None:
         if self.term is not None:
@@ -61,10 +75,15 @@ class TermKv(ResyncListeners):
     """A :class:`~llmgw.control.interfaces.KvWriter` that writes only while this process leads; its resync
     listeners (the static replicas' subscriptions) hear this process's index always."""
 
-    def __init__(self, inner: "KvIndex"):
+    def __init__(self, inner: "KvIndex", leading: Leading):
         self.inner = inner
-        self.term: PublishedKv | None = None
+        self._leading = leading
         self._listeners: list[Callable[[str, str, str], None]] = []
+
+    @property
+    def term(self) -> "PublishedKv | None":
+        term = self._leading.term
+        return term.kv if term is not None else None
 
     def apply(self, replica_id: str, changes: ChangesFields) -> None:
         if self.term is not None:

@@ -23,6 +23,13 @@ is answered with ``Registered(accepted=False)`` and closed, counted in
 without the token or secret. The embedded agent's in-process channel is
 trusted (it is this process), and no remote agent can take its node id.
 
+Every connection runs in the service's nursery (:meth:`AgentService.serve`
+hands an accepted websocket over from the control server's connection task),
+which lives as long as its control plane: in a cluster, one leader's term. So
+the end of a term closes every session it admitted (the agents see the
+connection close and register with the next leader at once), and no session
+outlives the control plane it reports to.
+
 An :class:`AgentSession` owns, in its own nursery, a reader (every receive under
 a deadline: silence past ``suspect_after`` makes the node suspect, past
 ``disconnected_after`` ends the session), a writer (the only task that sends,
@@ -46,6 +53,7 @@ from typing import Callable, Iterator, Protocol
 import trio
 
 from .. import __version__, wire
+from ..logfields import log_fields
 from ..lograte import RepeatLimitedLog
 from ..wire.channel import MAX_FRAME_BYTES, AgentCredentials, Channel, ChannelClosed, FrameTooLarge
 from .identity import MAX_NODE_ID, NodeIdentities, new_secret
@@ -218,7 +226,8 @@ class AgentSession:
             try:
                 self.service.handler.on_message(self, message)
             except Exception:  # a bug handling one message must not end every session of the process
-                log.exception("node %s: handling a %s failed", self.node_id, type_name)
+                log.exception("node %s: handling a %s failed", self.node_id, type_name,
+                              extra=log_fields(node=self.node_id))
 
     async def _write(self) -> None:
         try:
@@ -249,6 +258,7 @@ class AgentService(TaskHost):
         self.control_plane_id = control_plane_id
         self.reports = reports or ReportCheck()
         self._joining: dict[str, AgentSession] = {}  # new node id -> the session its secret was issued on
+        self._sessions: set[AgentSession] = set()  # every session registered and not over
         self.websockets = 0  # remote agent websockets open (admitted by upgrade(), until they end)
         self._warnings = RepeatLimitedLog(log)
 
@@ -306,25 +316,68 @@ class AgentService(TaskHost):
 
     async def accept_in_process(self, channel: Channel) -> None:
         """Serve the control plane's end of an in-process channel (the embedded agent), trusted."""
-        self.spawn(self.serve, channel, True)  # its run() owns the sessions of in-process agents
+        self.spawn(self._serve_contained, channel, True, trio.CancelScope(), trio.Event())
 
     async def serve(self, channel: Channel, trusted: bool = False) -> None:
+        """Serve one connection (an accepted ``/agent`` websocket; ``trusted``: this process's own) until it ends:
+        the connection is handed to this service's nursery, so the end of the service (its control plane's term)
+        ends it too, and a caller that goes away ends it as well. A service that is not running closes the
+        channel at once, unread."""
+        scope, done = trio.CancelScope(), trio.Event()
+        if not self.running:
+            await self._close(channel)
+            return
+        self.spawn(self._serve_contained, channel, trusted, scope, done)
+        try:
+            await done.wait()
+        finally:
+            scope.cancel()
+
+    async def _serve_contained(self, channel: Channel, trusted: bool, scope: trio.CancelScope,
+                               done: trio.Event) -> None:
+        """:meth:`_serve` in the service's nursery: a failure ends this connection, never the service."""
+        try:
+            with scope:
+                await self._serve(channel, trusted)
+        except Exception:
+            log.exception("the session on %s failed", channel.peer)
+        finally:
+            done.set()
+
+    async def _close(self, channel: Channel) -> None:
+        with trio.CancelScope(shield=True), trio.move_on_after(self.settings.close_timeout):
+            await channel.aclose()
+
+    async def _serve(self, channel: Channel, trusted: bool) -> None:
         """Run one connection from its Register to its end."""
         try:
             session = await self._admit(channel, trusted)
             if session is None:
                 return
+            self._sessions.add(session)
             try:
                 await session.run()
             finally:
+                self._sessions.discard(session)
                 if self._joining.get(session.node_id) is session:
                     del self._joining[session.node_id]
                 reason = session.end_reason or "connection closed"
-                log.info("session of node %s (%s) ended: %s", session.node_id, session.peer, reason)
+                log.info("session of node %s (%s) ended: %s", session.node_id, session.peer, reason,
+                         extra=log_fields(node=session.node_id))
                 self.handler.on_end(session, reason)
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(self.settings.close_timeout):
-                await channel.aclose()
+            await self._close(channel)
+
+    def stopping(self) -> None:
+        """The control plane stops (in a cluster: its term is over): every session it admitted is closed with
+        it, and said so once."""
+        remote = sum(1 for session in self._sessions if not session.trusted)
+        for session in self._sessions:
+            session.close("this control plane stopped (in a cluster: its leader's term is over); the agent "
+                          "registers with the next one")
+        if remote:
+            log.warning("agent service: the control plane stops: %d remote agent sessions are closed (their agents "
+                        "dial again at once, and register with the cluster's next leader)", remote)
 
     async def _admit(self, channel: Channel, trusted: bool) -> AgentSession | None:
         settings = self.settings
@@ -361,12 +414,12 @@ class AgentService(TaskHost):
             session.pending_secret = issued
             self._joining[first.node_id] = session
             log.info("node %s joins for the first time from %s with a join token: issued its node secret",
-                     first.node_id, channel.peer)
+                     first.node_id, channel.peer, extra=log_fields(node=first.node_id))
         session.post(wire.Registered(accepted=True, node_id=first.node_id,
                                      heartbeat_interval=settings.heartbeat_interval,
                                      control_plane_id=self.control_plane_id, node_secret=issued))
         log.info("node %s registered from %s (%d GPUs, %d running shards)", first.node_id, channel.peer,
-                 len(first.gpus), len(first.shards))
+                 len(first.gpus), len(first.shards), extra=log_fields(node=first.node_id))
         previous = self.handler.on_register(session, first)  # may queue refusals: after Registered
         if previous is not None and previous is not session:
             previous.close(f"replaced by a new connection from {channel.peer}")
@@ -419,7 +472,8 @@ class AgentService(TaskHost):
             log.error("cannot store the identity of node %s in %s (%s): it joins again with the join token "
                       "next time", session.node_id, self.identities.path, exc)
             return
-        log.info("node %s (%s) is bound to its node secret", session.node_id, session.peer)
+        log.info("node %s (%s) is bound to its node secret", session.node_id, session.peer,
+                 extra=log_fields(node=session.node_id))
 
     def forget(self, node_id: str) -> bool:
         """Drop a node's identity (its id may join again with a join token) and close its remote session."""
@@ -431,7 +485,8 @@ class AgentService(TaskHost):
                 session.close("its identity was forgotten (POST /admin/nodes/ID/forget)")
                 forgotten = True
         if forgotten:
-            log.warning("node %s: identity forgotten; the next agent with a join token takes the id", node_id)
+            log.warning("node %s: identity forgotten; the next agent with a join token takes the id", node_id,
+                        extra=log_fields(node=node_id))
         return forgotten
 
     async def _refuse(self, channel: Channel, reason: str, message: str, node_id: str = "") -> None:

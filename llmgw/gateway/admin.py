@@ -54,8 +54,10 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
 
     @app.get("/health")
     async def health():
-        answer: dict[str, Any] = {"status": "ok", "draining": gateway.draining}
-        if gateway.shared is not None:  # liveness stays ok: a degraded shared state is routed on, not fatal
+        """Liveness, always 200 (a fail-static gateway must not be restarted by its probe), with ``status``
+        ``degraded`` and the reasons while its cluster's shared state cannot be trusted (:mod:`.health_report`)."""
+        answer: dict[str, Any] = {**gateway.health_report.to_json(), "draining": gateway.draining}
+        if gateway.shared is not None:
             answer["state"] = {key: value for key, value in gateway.shared.describe().items() if key != "peers"}
         return jsonify(answer)
 
@@ -77,10 +79,13 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
             return without_control_plane()
         holder = shared.leader_holder or {}
         leader = str(holder.get("control_url") or "")
+        headers = {"Retry-After": "1", **({LEADER_HEADER: leader} if leader else {})}
+        if shared.leading:  # elected a moment ago: its term's control plane is not up yet (the agent stays here)
+            return _error(503, "this process leads its cluster since a moment: its control plane is starting; retry",
+                          "control_plane_starting", headers=headers)
         return _error(503, f"this process does not lead its cluster now: the leader is at {leader}" if leader else
                       "this process does not lead its cluster now, and no leader is known (an election is under "
-                      "way, or Redis is unreachable)", "not_leader",
-                      headers={"Retry-After": "1", **({LEADER_HEADER: leader} if leader else {})})
+                      "way, or Redis is unreachable)", "not_leader", headers=headers)
 
     @app.get("/metrics")
     async def metrics():
@@ -170,13 +175,16 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
         peer = f"{websocket.remote_addr or '?'}"
         # quart's websocket is a context-local proxy: hand the session the object behind it
         ws = websocket._get_current_object()  # type: ignore[attr-defined]
-        if gateway.control is None:
+        control = gateway.agent_control()
+        if control is None:
             return not_leading()
-        agents = gateway.control.agents
+        agents = control.agents
         with agents.upgrade(AgentCredentials.from_headers(ws.headers), peer) as refusal:
             if refusal is not None:
                 return _error(refusal.status, refusal.message, refusal.reason, headers=refusal.headers)
             await ws.accept()
+            # The session runs in the control plane's nursery (its term's), not in this connection's task: the
+            # term's end closes it, and this task only waits for it.
             await agents.serve(quart_channel(ws, f"agent at {peer}"))
         return None
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import ssl
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import trio
 
+from ..fdpressure import capacity_errno, note_shortage
 from ..tls import TlsClientOptions, client_context, describe_tls_error
 from . import messages as wire
 
@@ -52,12 +54,24 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024  # a full KV mirror can be large (agents.max_
 # shards 67 KiB; the agent leaves its shards' log tails out of a Register that would be larger.
 MAX_REGISTER_BYTES = 256 * 1024
 
+# How long an agent waits for the answer to its websocket close: a peer that answers at all does so within it; a
+# frozen one never does, and the agent's next dial (to another control plane, maybe) waits for this.
+CLOSE_TIMEOUT = 0.5
+
 NODE_ID_HEADER = "X-Llmgw-Node-Id"
 NODE_SECRET_HEADER = "X-Llmgw-Node-Secret"
 
 
 class ChannelClosed(Exception):
     """The peer went away (or the channel was closed on this side)."""
+
+
+class DialFailed(ConnectionError):
+    """No channel could be opened to ``url``: the message says why (never a bare exception name)."""
+
+    def __init__(self, url: str, why: str):
+        super().__init__(f"{url}: {why}")
+        self.url = url
 
 
 class FrameTooLarge(wire.WireError):
@@ -238,7 +252,11 @@ class Connector(Protocol):
 
     def connect(self, credentials: AgentCredentials) -> AbstractAsyncContextManager[Channel]:
         """An async context manager yielding a fresh channel to the control plane (:class:`UpgradeRefused` when
-        it refuses ``credentials`` at the door)."""
+        it refuses ``credentials`` at the door, :class:`DialFailed` when nothing answers the upgrade)."""
+
+    def skip(self) -> None:
+        """The last channel's peer went silent: dial another of its URLs first, if it has several (a frozen
+        process accepts the TCP connection and holds the upgrade until the connect timeout)."""
 
 
 LEADER_HEADER = "X-Llmgw-Leader"  # on a refused upgrade: where the cluster's leader is (its control URL)
@@ -275,22 +293,59 @@ class WebSocketConnector:
 
     @asynccontextmanager
     async def connect(self, credentials: AgentCredentials) -> AsyncIterator[Channel]:
-        from trio_websocket import ConnectionRejected, ConnectionTimeout, open_websocket_url
+        from trio_websocket import ConnectionRejected, ConnectionTimeout, HandshakeError
 
-        async with AsyncExitStack() as stack:
-            try:
-                ws = await stack.enter_async_context(open_websocket_url(
-                    self.url, ssl_context=self.ssl_context, connect_timeout=self.connect_timeout,
-                    disconnect_timeout=2.0, max_message_size=MAX_FRAME_BYTES, extra_headers=credentials.headers()))
-            except ConnectionTimeout:
-                if self.ssl_context is not None:
-                    await self._diagnose_tls()
-                raise
-            except ConnectionRejected as exc:
-                leader = {name.lower(): value for name, value in exc.headers or ()}.get(LEADER_HEADER.lower().encode())
-                raise UpgradeRefused(exc.status_code, _refusal_message(exc.body),
-                                     leader.decode("latin-1")[:2048] if leader else None) from None
-            yield websocket_channel(ws, f"control plane {self.url}")
+        # trio-websocket's own connect_timeout does not end a dial whose peer took the TCP connection and never
+        # answers (a frozen process: its reader task keeps the dial open): this deadline does.
+        with trio.CancelScope(deadline=trio.current_time() + self.connect_timeout) as dialling:
+            async with AsyncExitStack() as stack:
+                try:
+                    ws = await self._open(stack, credentials)
+                except ConnectionTimeout:
+                    dialling.deadline = math.inf  # the dial is over; the diagnosis has a deadline of its own
+                    raise await self._unanswered() from None
+                except ConnectionRejected as exc:
+                    leader = {name.lower(): value for name, value in exc.headers or ()}.get(
+                        LEADER_HEADER.lower().encode())
+                    raise UpgradeRefused(exc.status_code, _refusal_message(exc.body),
+                                         leader.decode("latin-1")[:2048] if leader else None) from None
+                except HandshakeError as exc:  # trio-websocket's wrapper of the connect's OSError, mostly
+                    raise DialFailed(self.url, str(exc.__cause__ or "") or str(exc) or
+                                     f"the websocket upgrade failed ({type(exc).__name__})") from exc
+                except OSError as exc:
+                    if isinstance(exc, ssl.SSLError):
+                        raise
+                    raise DialFailed(self.url, str(exc) or type(exc).__name__) from exc
+                dialling.deadline = math.inf  # connected: the session has deadlines of its own
+                yield websocket_channel(ws, f"control plane {self.url}")
+        if dialling.cancelled_caught:
+            raise await self._unanswered()
+
+    async def _open(self, stack: AsyncExitStack, credentials: AgentCredentials) -> Any:
+        """The websocket, entered on ``stack``; a shortage of descriptors is counted and logged (the agent backs
+        off; a DialFailed keeps the error as its cause, so the failover connector sees it too)."""
+        from trio_websocket import open_websocket_url
+
+        try:
+            return await stack.enter_async_context(open_websocket_url(
+                self.url, ssl_context=self.ssl_context, connect_timeout=self.connect_timeout,
+                disconnect_timeout=CLOSE_TIMEOUT, max_message_size=MAX_FRAME_BYTES,
+                extra_headers=credentials.headers()))
+        except Exception as exc:
+            if capacity_errno(exc) is not None:  # this process is out of descriptors; the agent backs off
+                note_shortage("agent_link", exc, self.url)
+            raise
+
+    async def _unanswered(self) -> DialFailed:
+        """Why the upgrade got no answer in time: a TLS handshake that failed (raised as :class:`ssl.SSLError`), or
+        a peer that said nothing."""
+        if self.ssl_context is not None:
+            await self._diagnose_tls()
+        return DialFailed(self.url, f"no answer to the websocket upgrade within {self.connect_timeout:g}s (a frozen "
+                                    "or overloaded process, or not an llmgw control port)")
+
+    def skip(self) -> None:
+        pass  # one URL: it is the only one to dial
 
     async def _diagnose_tls(self) -> None:
         """trio-websocket reports a failed TLS handshake as a timeout: try one to say what is wrong (a certificate
@@ -335,7 +390,12 @@ class FailoverConnector:
                 self._move_on(exc)
             raise
 
+    def skip(self) -> None:
+        self.current = (self.current + 1) % len(self.connectors)
+
     def _move_on(self, exc: BaseException) -> None:
+        if capacity_errno(exc) is not None:  # no socket to dial with: no fault of this URL, tried again next
+            return
         leader = exc.leader if isinstance(exc, UpgradeRefused) else None
         if leader:
             try:
@@ -346,7 +406,7 @@ class FailoverConnector:
                 if connector.url == wanted:
                     self.current = index
                     return
-        self.current = (self.current + 1) % len(self.connectors)
+        self.skip()
 
 
 class InProcessConnector:
@@ -365,6 +425,9 @@ class InProcessConnector:
             yield agent_end
         finally:
             await agent_end.aclose()
+
+    def skip(self) -> None:
+        pass  # this process: the only one there is
 
 
 def _refusal_message(body: bytes | None) -> str:
