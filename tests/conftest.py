@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.redis_server import RedisServer
-from llmgw.testing.processes import Child, start_serve
+from llmgw.testing.processes import CLUSTER_SECRET, CLUSTER_SECRET_ENV, Child, start_serve
 from llmgw.testing.redis import PrivateRedis, start_private_redis, start_session_redis
 from llmgw.testing.sims import start_fake_upstream as start_fake_upstream_in
 
@@ -22,6 +22,13 @@ def private_state_home(tmp_path, monkeypatch):
     """Default state folders (the control plane's node identities, agents' ledgers) in the test's own tmp_path,
     never the user's home, and never shared between tests (node ids repeat across tests)."""
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg-state"))
+
+
+@pytest.fixture(autouse=True)
+def cluster_secret(monkeypatch):
+    """The secret a Redis-backed cluster needs (``state_section`` names its variable), for gateways run in the
+    test's own process too (children of llmgw.testing.processes get it anyway)."""
+    monkeypatch.setenv(CLUSTER_SECRET_ENV, CLUSTER_SECRET)
 
 
 @pytest.fixture

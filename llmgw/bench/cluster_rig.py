@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from ..testing.processes import SERVE_READY, Child, free_port, llmgw_command, start_child
+from ..testing.processes import SERVE_READY, Child, checkout_env, free_port, llmgw_command, start_child
 from ..testing.redis import PrivateRedis, SentinelGroup, start_private_redis, start_sentinel_group
 from ..testing.shared_state import state_section as shared_state_section
 from ..testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, gateway_config, kv_sources, start_sims
@@ -37,9 +37,9 @@ CONTROL, GATEWAY = "control", "gateway"
 
 
 def state_section(redis_url: str, *, cluster: str = CLUSTER, snapshot_interval: str = "1s",
-                  load_ttl: str = "2s") -> str:
+                  load_ttl: str = "2s", **more: str) -> str:
     """The ``state:`` section of the benchmarks' gateways (:func:`llmgw.testing.shared_state.state_section`)."""
-    return shared_state_section(redis_url, cluster, snapshot_interval=snapshot_interval, load_ttl=load_ttl)
+    return shared_state_section(redis_url, cluster, snapshot_interval=snapshot_interval, load_ttl=load_ttl, **more)
 
 
 def cluster_config(sims: list[Child], redis_url: str, **state_options: str) -> str:
@@ -59,6 +59,7 @@ class GatewayProcess:
     data_port: int = field(default_factory=free_port)
     control_port: int = field(default_factory=free_port)
     child: Child | None = None
+    source: Path | None = None  # another checkout's llmgw runs it (a baseline), else this one's
 
     @property
     def url(self) -> str:
@@ -77,7 +78,8 @@ class GatewayProcess:
         argv = llmgw_command("serve", "--config", str(self.config), "--listen", f"127.0.0.1:{self.data_port}",
                              "--control-listen", f"127.0.0.1:{self.control_port}", "--role", self.role)
         self.child = await start_child(nursery, argv, name=self.name, ready=SERVE_READY, startup_timeout=60,
-                                       stop_grace=2)
+                                       stop_grace=2, cwd=self.source,
+                                       env=None if self.source is None else checkout_env(self.source))
         return self.child
 
     async def kill(self, timeout: float = 30.0) -> None:
@@ -107,8 +109,10 @@ class ClusterRig:
     @contextlib.asynccontextmanager
     async def open(cls, workdir: Path, *, followers: int, sims: int = 2, num_blocks: int = 2048,
                    time_scale: float = 0.0, sim_extra: tuple[str, ...] = (), sentinel: bool = False,
-                   candidates: int = 1, **state_options: str) -> AsyncIterator["ClusterRig"]:
-        """Everything started and ready (see the module's docstring); stopped when the block ends. ``sentinel``:
+                   candidates: int = 1, source: Path | None = None,
+                   **state_options: str) -> AsyncIterator["ClusterRig"]:
+        """Everything started and ready (see the module's docstring); stopped when the block ends. ``source``: the
+        gateways run the llmgw of that checkout (a baseline). ``sentinel``:
         a primary, its replica and a sentinel instead of one server, the gateways configured with
         ``state.sentinel``. ``candidates``: the control process and ``candidates - 1`` of the followers stand
         for the cluster's lease (started without ``--role gateway``); the control process, started first, is
@@ -120,12 +124,13 @@ class ClusterRig:
                                        time_scale=time_scale, seed=0, extra=KV_SIM_EXTRA + sim_extra)
             config = workdir / "llmgw.yaml"
             config.write_text(cluster_config(engines, group.url if group else redis.url, **state_options))
-            control = GatewayProcess("llmgw control", CONTROL, config)
+            control = GatewayProcess("llmgw control", CONTROL, config, source=source)
             await control.start(nursery)
             rig = cls(nursery, workdir, redis, engines, control,
-                      [GatewayProcess(f"llmgw candidate-{i + 1}", CONTROL, config) if i < candidates - 1 else
-                       GatewayProcess(f"llmgw gateway-{i + 1}", GATEWAY, config) for i in range(followers)], http,
-                      group)
+                      [GatewayProcess(f"llmgw candidate-{i + 1}", CONTROL, config, source=source)
+                       if i < candidates - 1 else
+                       GatewayProcess(f"llmgw gateway-{i + 1}", GATEWAY, config, source=source)
+                       for i in range(followers)], http, group)
             await rig.wait_leading(control)
             for follower in rig.followers:
                 await follower.start(nursery)

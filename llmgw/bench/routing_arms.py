@@ -65,6 +65,7 @@ from ..sim.profiles import CONSTANT, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_PRO
 from ..sim.timing import ConstantTiming, GpuTiming, StepWork, Timing, causal_attention_pairs
 from ..testing.processes import announced_module, checkout_env, free_port, start_child, start_serve
 from ..testing.redis import start_private_redis
+from ..testing.shared_state import state_section
 from ..testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, MODEL, gateway_config, kv_sources, start_sims
 from .chat_workloads import ChatResult, send_chat
 
@@ -323,7 +324,7 @@ async def _remove_when_cancelled(directory: Path) -> None:
 
 def cluster_state(redis_url: str, cluster: str) -> str:
     """The config lines of a gateway sharing its state with the others of ``cluster`` through Redis."""
-    return f"state:\n  backend: redis\n  url: {redis_url}\n  cluster: {cluster}\n"
+    return state_section(redis_url, cluster)
 
 
 def _through(url: str) -> Send:

@@ -69,6 +69,7 @@ from llmgw.bench.proxy import (
 from llmgw.redis_server import find_redis_server, run_redis_server
 from llmgw.testing.metrics import series_sum
 from llmgw.testing.processes import SERVE_READY, Child
+from llmgw.testing.shared_state import state_section
 from llmgw.usererrors import UserError
 
 SCENARIOS = (("c1", 1), ("c32", 32))
@@ -174,7 +175,7 @@ async def start_targets(nursery: trio.Nursery, workdir: Path, targets: list[Targ
     os.sched_setaffinity(redis.pid, {PROXY_CPU})
     config, shared = workdir / "llmgw.yaml", workdir / "llmgw-shared.yaml"
     config.write_text(llmgw_config(urls))
-    shared.write_text(llmgw_config(urls) + f"state:\n  backend: redis\n  url: {redis.url}\n  cluster: bench\n")
+    shared.write_text(llmgw_config(urls) + state_section(redis.url, "bench"))
     for name, path, extra in ((SINGLE, config, []), (SHARED, shared, []),
                               (WORKERS, config, ["--workers", "2", "--state-dir", str(workdir / "w")])):
         child = await start(nursery, workdir, name, [

@@ -283,63 +283,62 @@ class LogFollower:
         if raw is None:
             return False
         try:
-            pointer = records.unpack(raw)
-            if self.snapshot_reason == "redis_outage" and pointer["writer"] == self.writer \
-                    and pointer["seq"] <= self.seq:
+            # Checked before anything it names is read: a forged pointer can make this gateway read no key but
+            # its writer's own meta (and that only to find the signature wrong).
+            pointer = records.decode_snapshot_pointer(raw, keys)
+            if self.snapshot_reason == "redis_outage" and pointer.writer == self.writer and pointer.seq <= self.seq:
                 self.snapshot_reason = ""  # nothing was lost: go on reading after what we have
                 return True
-            if self.wanted is not None and (pointer["writer"] != self.wanted[0] or pointer["seq"] < self.wanted[1]):
+            if self.wanted is not None and (pointer.writer != self.wanted[0] or pointer.seq < self.wanted[1]):
                 if trio.current_time() < self.wanted_until:
                     return False  # the snapshot the log calls for is not written yet
                 log.warning("cluster state: no snapshot of writer %s at batch %d came; loading the newest there is "
                             "(the log held an entry that was not the control plane's)", *self.wanted)
                 self.wanted = None
-            meta_raw = await self.link.call("snapshot_read", lambda client: client.get(pointer["meta"]))
+            meta_raw = await self.link.call("snapshot_read", lambda client: client.get(pointer.meta))
             if meta_raw is None:
                 return False  # replaced in between: read the pointer again
-            if not self.signer.valid(pointer.get("sig"), meta_raw):
+            if not self.signer.valid(pointer.sig, *pointer.signed(meta_raw)):
                 raise RecordError("the snapshot's signature is not the cluster secret's")
-            meta = records.unpack(meta_raw)
-            part_keys, digests = meta["parts"], meta.get("digests", {})
-            names = list(part_keys)
-            raws = await self.link.call("snapshot_read", lambda client: client.mget([part_keys[n] for n in names])) \
+            meta = records.decode_snapshot_meta(meta_raw, keys, pointer)
+            names = list(meta.parts)
+            raws = await self.link.call("snapshot_read", lambda client: client.mget([meta.parts[n] for n in names])) \
                 if names else []
             if any(part is None for part in raws):
                 return False
-            if self.signer.secret is not None and any(records.part_digest(raw or b"") != digests.get(name)
+            if self.signer.secret is not None and any(records.part_digest(raw or b"") != meta.digests[name]
                                                       for name, raw in zip(names, raws)):
                 raise RecordError("a snapshot part is not the one its signed meta names")
             parts = {name: records.decode_keys(part) for name, part in zip(names, raws)}
-            models = []
-            for entry in meta["models"]:
-                decoded = records.decode_entry(entry)
-                models.append((decoded[1], decoded[2]))
-            members = [(ReplicaRecord.from_array(item[0]), bool(item[1]), str(item[2])) for item in meta["replicas"]]
-            kv_states = {name: (str(state), int(block_size)) for name, (state, block_size) in meta["kv"].items()}
-            writer, seq, stream_id = str(meta["writer"]), int(meta["seq"]), str(meta["stream_id"]).encode()
-        except (RecordError, KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        except RecordError as exc:
             self.metrics.bad_records.labels("snapshot").inc()
             log.error("cluster state: the snapshot in Redis cannot be read (%s); keeping the current state and "
                       "trying again", exc)
             await trio.sleep(1.0)
             return False
-        self.followed.replace(models, members)
-        self._replace_kv(kv_states, parts)
-        self.writer, self.seq, self.stream_id = writer, seq, stream_id
+        self.followed.replace(meta.models, meta.members)
+        await self._replace_kv(meta.kv, parts)
+        self.writer, self.seq, self.stream_id = meta.writer, meta.seq, meta.stream_id
         self.wanted = None
         self.metrics.snapshots.labels("loaded", self.snapshot_reason).inc()
         log.info("cluster state: snapshot %d of control plane %s loaded (%s): %d models, %d replicas, %d blocks",
-                 seq, writer, self.snapshot_reason, len(models), len(members), sum(len(p) for p in parts.values()))
+                 meta.seq, meta.writer, self.snapshot_reason, len(meta.models), len(meta.members),
+                 sum(len(p) for p in parts.values()))
         self.snapshot_reason = ""
         self.loaded.set()
         return True
 
-    def _replace_kv(self, states: dict[str, tuple[str, int]], parts: dict[str, list[int]]) -> None:
+    async def _replace_kv(self, states: dict[str, tuple[str, int]], parts: dict[str, list[int]]) -> None:
+        """The index made the snapshot's: one replica at a time, the loop served in between (a snapshot of many
+        large replicas does not stall it)."""
         index = self.kv_index
+        routed = self.followed.followed
+        states = {name: state for name, state in states.items() if name in routed}  # as the log's kv changes
         for name in index.replicas():
             if name not in states:
                 index.remove(name)
         for name, (state, block_size) in states.items():
+            await trio.lowlevel.checkpoint()
             if state == "no_events":
                 index.forget(name)
             elif state == "resetting":
@@ -429,8 +428,11 @@ class LogFollower:
 
     def _apply(self, entry: list[Any]) -> None:
         kind = entry[0]
-        self.metrics.entries.labels("applied", kind).inc()
         followed, index = self.followed, self.kv_index
+        if kind == records.KV and entry[1] not in followed.followed:
+            self.metrics.entries.labels("ignored", kind).inc()  # a replica not routed here gets no index slot
+            return
+        self.metrics.entries.labels("applied", kind).inc()
         if kind == records.KV:
             index.apply(entry[1], entry[2])
         elif kind == records.MODEL:

@@ -44,9 +44,10 @@ if TYPE_CHECKING:
     from .metrics import ClusterMetrics
 
 LEARN_STREAM_LENGTH = 10_000  # entries kept (approximately): only the last few seconds' matter
-MAX_PENDING = 4096  # predictions waiting to be sent
-MAX_PENDING_KEYS = 262_144  # their block keys (a batch stays a few MB)
+MAX_PENDING = records.LEARN_MAX_PREDICTIONS  # predictions waiting to be sent: a batch holds no more
+MAX_PENDING_KEYS = records.LEARN_MAX_KEYS  # their block keys (a batch stays a few MB); the readers' bound too
 ENTRIES_PER_READ = 1000
+KEYS_PER_SLICE = 16_384  # a received batch is applied this many keys at a time, the loop served in between
 
 
 class PredictionSharing:
@@ -65,6 +66,9 @@ class PredictionSharing:
         self.wall_clock = wall_clock
         self._pending: list[tuple[str, int, int, Sequence[int]]] = []
         self._pending_keys = 0
+        # A remote prediction lives at most as long as this process's tiers predict for (their predicted_ttl: the
+        # index's default, or the longest one heard here), never the 600 s a sender could write.
+        self.ttl_limit_ms = int(kv_index.predicted_ttl * 1000)
         self._counted = {direction: metrics.predictions.labels(direction)
                          for direction in ("sent", "received", "dropped", "ignored")}
         self.outbox = Outbox(link, keys.learn, "learn_send", LEARN_STREAM_LENGTH, origin, self.signer,
@@ -85,6 +89,8 @@ class PredictionSharing:
             self._counted["dropped"].inc()
             return
         ttl_ms = min(int(ttl * 1000), records.MAX_LEARNED_TTL_MS)
+        if ttl_ms > self.ttl_limit_ms:
+            self.ttl_limit_ms = ttl_ms
         self._pending.append((replica_id, int(self.wall_clock() * 1000), ttl_ms, keys))
         self._pending_keys += len(keys)
         self.outbox.ready()
@@ -104,24 +110,36 @@ class PredictionSharing:
     async def _receive(self) -> None:
         await self.link.follow_stream("learn_read", self.keys.learn, self.take_batches, ENTRIES_PER_READ)
 
-    def take_batches(self, batches: list[dict[str, Any]]) -> None:
+    async def take_batches(self, batches: list[dict[str, Any]]) -> None:
         for fields in batches:
-            self.take_batch(fields)
+            await self.take_batch(fields)
 
-    def take_batch(self, fields: dict[str, Any]) -> int:
-        """Apply one stream entry's predictions if another process made them; how many were applied."""
-        predictions = opened(fields, self.origin, self.signer, records.decode_learn_batch,
-                             self.metrics.bad_records.labels("learn").inc)
+    async def take_batch(self, fields: dict[str, Any]) -> int:
+        """Apply one stream entry's predictions if another process made them, ``KEYS_PER_SLICE`` keys at a time
+        with a checkpoint in between (a batch of the sender's largest never stalls the loop); how many were
+        applied."""
+        predictions = opened(fields, self.origin, self.signer,
+                             lambda raw: records.decode_learn_batch(raw, self.ttl_limit_ms),
+                             self.metrics.bad_records.labels("learn").inc, records.LEARN_MAX_BYTES)
         if not predictions:
             return 0
-        now_ms = int(self.wall_clock() * 1000)
-        routed = {replica.name for replica in self.replicas} if predictions else set()
+        routed = {replica.name for replica in self.replicas}
         applied = 0
+        in_slice = 0
         for prediction in predictions:
-            age = min(max(now_ms - prediction.made_ms, 0), prediction.ttl_ms)
-            left = (prediction.ttl_ms - age) / 1000
-            if left > 0 and prediction.replica in routed and \
-                    self.kv_index.predict(prediction.replica, prediction.keys, left, remote=True) is not None:
+            if prediction.replica not in routed:
+                continue
+            for start in range(0, max(len(prediction.keys), 1), KEYS_PER_SLICE):
+                if in_slice >= KEYS_PER_SLICE:
+                    in_slice = 0
+                    await trio.lowlevel.checkpoint()
+                part = prediction.keys[start:start + KEYS_PER_SLICE]
+                in_slice += len(part)
+                age = min(max(int(self.wall_clock() * 1000) - prediction.made_ms, 0), prediction.ttl_ms)
+                left = (prediction.ttl_ms - age) / 1000
+                if left <= 0 or self.kv_index.predict(prediction.replica, part, left, remote=True) is None:
+                    break
+            else:
                 applied += 1
         self._counted["received"].inc(applied)
         if applied < len(predictions):

@@ -261,11 +261,12 @@ class RedisLink:
 
         return await self.call(operation, add)
 
-    async def follow_stream(self, operation: str, key: str, take: Callable[[list[dict[str, Any]]], None],
-                            count: int = 1000) -> None:
+    async def follow_stream(self, operation: str, key: str,
+                            take: Callable[[list[dict[str, Any]]], Awaitable[None] | None], count: int = 1000) -> None:
         """Forever: hand ``take`` the fields of each read's entries (at most ``count``) added to stream ``key`` from
-        now on (blocking reads, each with a deadline). After a failure, and the backoff, only what is new again
-        counts: what these streams carry is short-lived."""
+        now on (blocking reads, each with a deadline; an async ``take`` is awaited before the next read, so it can
+        apply a large entry in slices). After a failure, and the backoff, only what is new again counts: what
+        these streams carry is short-lived."""
         stream_id = b"$"
         failures = 0
         while True:
@@ -286,7 +287,9 @@ class RedisLink:
                     stream_id = records.entry_id(entry.identifier)
                     batch.append(dict(records.iter_fields(entry.field_values)))
             if batch:
-                take(batch)
+                taken = take(batch)
+                if taken is not None:
+                    await taken
 
     @staticmethod
     async def backoff(attempt: int) -> None:

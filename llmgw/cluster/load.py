@@ -55,7 +55,10 @@ class PeerReport:
 
 class LoadSharing:
     def __init__(self, link: RedisLink, keys: Keys, settings: "StateConfig", replicas: "ReplicaSet",
-                 metrics: "ClusterMetrics", origin: str, signer: records.Signer | None = None):
+                 metrics: "ClusterMetrics", origin: str, signer: records.Signer | None = None,
+                 max_requests: int = 10_000):
+        """``max_requests``: the most in-flight (or queued) requests one gateway can have on a replica (this
+        gateway's ``max_connections``): a peer's report claiming more is clamped to it."""
         self.link = link
         self.signer = signer or records.Signer(None)
         self.keys = keys
@@ -65,6 +68,8 @@ class LoadSharing:
         self.origin = origin
         self.peers: dict[str, PeerReport] = {}
         self._applied: set[str] = set()  # replicas whose peer figures are non-zero
+        self.max_requests = max_requests
+        self._crowded_told = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -123,21 +128,36 @@ class LoadSharing:
     def take_reports(self, reports: list[dict[str, Any]]) -> None:
         """One read's reports: recorded, and applied when another gateway's were among them."""
         changed = False
+        limits = self.limits()
         for fields in reports:
-            changed |= self.take_report(fields)
+            changed |= self.take_report(fields, limits)
         if changed:
             self.apply()
 
-    def take_report(self, fields: dict[str, Any]) -> bool:
+    def limits(self) -> records.LoadLimits:
+        """What a report may say now: of the replicas in this process's table (and not many more of them), for at
+        most ``load_ttl``, at most ``max_requests`` requests each."""
+        return records.load_limits(frozenset(replica.name for replica in self.replicas), self.settings.load_ttl,
+                                   self.max_requests)
+
+    def take_report(self, fields: dict[str, Any], limits: records.LoadLimits | None = None) -> bool:
         """Record one report from the stream; True when it is another gateway's."""
         try:
             if not self.signer.valid(fields.get("s"), fields.get("o", b""), fields.get("x", b""), fields.get("l", b"")):
                 raise RecordError("not signed with the cluster secret")
-            origin, ttl, load = records.decode_load_report(fields)
+            origin, ttl, load = records.decode_load_report(fields, limits or self.limits())
         except RecordError:
             self.metrics.bad_records.labels("load").inc()
             return False
         if origin == self.origin:
+            return False
+        if origin not in self.peers and len(self.peers) >= records.MAX_LOAD_ORIGINS:
+            self.metrics.load_reports.labels("refused").inc()
+            if not self._crowded_told:
+                self._crowded_told = True
+                log.warning("cluster state: %d other gateways already report load; gateway %s's reports are not "
+                            "counted until one of them expires (llmgw_cluster_load_reports{direction=\"refused\"}; "
+                            "logged once)", records.MAX_LOAD_ORIGINS, origin)
             return False
         self.metrics.load_reports.labels("received").inc()
         self.peers[origin] = PeerReport(time.monotonic(), trio.current_time() + ttl, load)

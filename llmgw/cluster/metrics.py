@@ -60,5 +60,9 @@ class ClusterMetrics:
                             "one's table when its term started, by outcome: claimed (its own source added the "
                             "same replica: the config's, or a deployed one whose agent re-registered) or dropped "
                             "(not claimed within the hold).", ["outcome"], registry=registry)
+        self.asks = Counter("llmgw_cluster_resync_asks", "The other gateways' KV resync asks the leader read, by "
+                            "outcome: answered (the replica's agent resyncs it), repeated (the same replica was "
+                            "resynced less than 5 s before: that resync answers it) or unknown (no such replica).",
+                            ["outcome"], registry=registry)
         self.up.set(0)
         self.leader.set(0)

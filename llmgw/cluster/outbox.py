@@ -60,26 +60,30 @@ class Outbox:
             self.sent(len(items))
 
 
-def received_batch(fields: dict[str, Any], origin: str, signer: records.Signer) -> bytes | None:
+def received_batch(fields: dict[str, Any], origin: str, signer: records.Signer,
+                   max_bytes: int = records.MAX_RECORD_BYTES) -> bytes | None:
     """An outbox entry read back: its batch when another process sent it, None when this one did;
-    :class:`~.records.RecordError` when it is not an outbox entry or not signed with the cluster secret."""
+    :class:`~.records.RecordError` when it is not an outbox entry, larger than ``max_bytes`` (refused before
+    its signature is even computed) or not signed with the cluster secret."""
     try:
         sender, batch = fields["o"], fields["e"]
         if sender.decode() == origin:
             return None
     except (KeyError, AttributeError, UnicodeDecodeError):
         raise records.RecordError("not an entry of a cluster's outbox") from None
+    if not isinstance(batch, bytes) or len(batch) > max_bytes:
+        raise records.RecordError(f"an outbox batch is at most {max_bytes} bytes")
     if not signer.valid(fields.get("s"), sender, batch):
         raise records.RecordError("not signed with the cluster secret")
     return batch
 
 
 def opened(fields: dict[str, Any], origin: str, signer: records.Signer, decode: Callable[[bytes], T],
-           bad: Callable[[], None]) -> T | None:
+           bad: Callable[[], None], max_bytes: int = records.MAX_RECORD_BYTES) -> T | None:
     """Another process's outbox entry, decoded with ``decode``; None for this process's own entries and for
-    anything that is not a signed, well-formed entry (then ``bad()`` counts it)."""
+    anything that is not a signed, well-formed entry of at most ``max_bytes`` (then ``bad()`` counts it)."""
     try:
-        batch = received_batch(fields, origin, signer)
+        batch = received_batch(fields, origin, signer, max_bytes)
         return None if batch is None else decode(batch)
     except (KeyError, ValueError, AttributeError, records.RecordError):
         bad()

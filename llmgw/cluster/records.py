@@ -45,7 +45,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass, field
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, Container, Iterator, NamedTuple, Sequence
 
 import msgpack
 
@@ -59,8 +59,17 @@ ENTRY_KINDS = (MODEL, UNMODEL, ADD, DRAIN, REMOVE, KV, KV_FORGET, KV_DROP)
 MAX_RECORD_BYTES = 512 * 1024 * 1024  # Redis's own limit of one value
 MAX_ARRAY = 50_000_000  # block keys of one replica's snapshot part, or of one batch
 MAX_NAME = 1024  # replica, model and source names, reasons
-MAX_LEARNED = 100_000  # predictions in one learn batch
-MAX_LEARNED_TTL_MS = 600_000  # a prediction's time to live, at most
+# What one sender of the learn stream buffers between two sends (llmgw.cluster.learn): a batch holds no more.
+LEARN_MAX_PREDICTIONS = 4096
+LEARN_MAX_KEYS = 262_144
+LEARN_MAX_BYTES = LEARN_MAX_KEYS * 9 + LEARN_MAX_PREDICTIONS * (4 * MAX_NAME + 32) + 16  # msgpack, at most
+MAX_LEARNED_TTL_MS = 600_000  # a prediction's time to live as a sender writes it, at most
+MAX_REPLICA_FIGURE = 1 << 40  # a token count in a load report
+MAX_QUEUED_MS = 600_000  # the age of a load report's oldest queued request, at most
+MAX_LOAD_BYTES = 16 * 1024 * 1024  # one load report's array
+MAX_SNAPSHOT_REPLICAS = 100_000  # replicas (and so KV parts) in one snapshot
+MAX_SNAPSHOT_MODELS = 100_000
+MAX_BLOCK_SIZE = 1 << 20
 MAX_WALL_MS = 1 << 53  # a wall clock in ms (year 287 396)
 INT64 = (-(1 << 63), (1 << 64) - 1)  # block keys are signed or unsigned 64-bit ints
 
@@ -155,15 +164,16 @@ def pack(value: Any) -> bytes:
     return msgpack.packb(value, use_bin_type=True)
 
 
-def unpack(raw: object) -> Any:
-    """Decode one msgpack value within the size bounds; :class:`RecordError` for anything else."""
+def unpack(raw: object, max_bytes: int = MAX_RECORD_BYTES, max_array: int = MAX_ARRAY) -> Any:
+    """Decode one msgpack value of at most ``max_bytes`` bytes, no array in it longer than ``max_array`` (the
+    bound holds before anything is built); :class:`RecordError` for anything else."""
     if not isinstance(raw, (bytes, bytearray, memoryview)):
         raise RecordError(f"expected bytes, got {type(raw).__name__}")
-    if len(raw) > MAX_RECORD_BYTES:
-        raise RecordError("record too large")
+    if len(raw) > max_bytes:
+        raise RecordError(f"record too large ({len(raw)} bytes, at most {max_bytes})")
     try:
         return msgpack.unpackb(raw, raw=False, strict_map_key=False,
-                               max_str_len=1 << 20, max_bin_len=1 << 20, max_array_len=MAX_ARRAY,
+                               max_str_len=1 << 20, max_bin_len=1 << 20, max_array_len=max_array,
                                max_map_len=1 << 20, max_ext_len=0)
     except Exception as exc:  # msgpack raises several types for malformed input
         raise RecordError(f"not a msgpack record: {type(exc).__name__}") from None
@@ -222,11 +232,18 @@ def decode_entry(value: Any) -> list[Any]:
     if kind in (REMOVE, KV_FORGET, KV_DROP):
         return [kind, _name(_array(value, 2, kind)[1])]
     items = _array(value, 7, kind)  # KV
-    block_size = items[3]
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or not 0 <= block_size <= 1 << 20:
-        raise RecordError("block_size must be an int from 0 to 2**20")
-    return [kind, _name(items[1]), BlockChanges(KvChangeKind(_name(items[2])), block_size, _keys(items[4]),
+    try:
+        change_kind = KvChangeKind(_name(items[2]))
+    except ValueError:
+        raise RecordError("not a kind of KV change") from None
+    return [kind, _name(items[1]), BlockChanges(change_kind, _block_size(items[3]), _keys(items[4]),
                                                 _keys(items[5]), _text(items[6], MAX_NAME))]
+
+
+def _block_size(value: Any) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_BLOCK_SIZE:
+        raise RecordError(f"block_size must be an int from 0 to {MAX_BLOCK_SIZE}")
+    return value
 
 
 def _array(value: Any, length: int, what: str) -> list[Any]:
@@ -269,21 +286,27 @@ def learn_item(replica_id: str, made_ms: int, ttl_ms: int, keys: Sequence[int]) 
     return [replica_id, made_ms, ttl_ms, keys if isinstance(keys, list) else list(keys)]
 
 
-def decode_learn_batch(raw: object) -> list[LearnedPrediction]:
+def decode_learn_batch(raw: object, ttl_limit_ms: int = MAX_LEARNED_TTL_MS) -> list[LearnedPrediction]:
     """A learn batch (``pack([learn_item(...), ...])``) checked: names short strings, times bounded ints, block
-    keys 64-bit ints; :class:`RecordError` for anything else."""
-    value = unpack(raw)
-    if not isinstance(value, list) or len(value) > MAX_LEARNED:
-        raise RecordError(f"a learn batch must be an array of at most {MAX_LEARNED} predictions")
+    keys 64-bit ints; :class:`RecordError` for anything else. Bounded to what one sender buffers: at most
+    ``LEARN_MAX_BYTES`` bytes and ``LEARN_MAX_PREDICTIONS`` predictions (else refused before anything is
+    built); the keys past the first ``LEARN_MAX_KEYS`` of the batch, and every time to live past
+    ``ttl_limit_ms`` (the reader's ``predicted_ttl``), are clamped off."""
+    value = unpack(raw, LEARN_MAX_BYTES, LEARN_MAX_KEYS)
+    if not isinstance(value, list) or len(value) > LEARN_MAX_PREDICTIONS:
+        raise RecordError(f"a learn batch must be an array of at most {LEARN_MAX_PREDICTIONS} predictions")
     predictions = []
+    budget = LEARN_MAX_KEYS
     for item in value:
         replica, made_ms, ttl_ms, keys = _array(item, 4, "prediction")
+        keys = _keys(keys)[:budget]
+        budget -= len(keys)
         predictions.append(LearnedPrediction(_name(replica), _int(made_ms, 0, MAX_WALL_MS),
-                                             _int(ttl_ms, 0, MAX_LEARNED_TTL_MS), _keys(keys)))
+                                             min(_int(ttl_ms, 0, MAX_LEARNED_TTL_MS), ttl_limit_ms), keys))
     return predictions
 
 
-MAX_TIER_ITEMS = 10_000  # tier learning items in one batch
+MAX_TIER_ITEMS = 4096  # tier learning items a sender buffers (llmgw.cluster.tier_learning): one batch holds no more
 MAX_TIER_TEXT = 65_536  # characters of one string in a tier's payload (a routed prompt prefix)
 MAX_TIER_PAYLOAD = 16  # values in one payload
 
@@ -291,7 +314,7 @@ MAX_TIER_PAYLOAD = 16  # values in one payload
 def decode_tier_batch(raw: object) -> list[tuple[str, str, list[Any]]]:
     """A tiers batch: ``[[model, kind, payload], ...]`` with payloads of at most ``MAX_TIER_PAYLOAD`` scalars
     (strings of at most ``MAX_TIER_TEXT`` characters, ints, floats, booleans, None); :class:`RecordError` else."""
-    value = unpack(raw)
+    value = unpack(raw, max_array=MAX_TIER_ITEMS)
     if not isinstance(value, list) or len(value) > MAX_TIER_ITEMS:
         raise RecordError(f"a tiers batch must be an array of at most {MAX_TIER_ITEMS} items")
     items = []
@@ -316,31 +339,152 @@ def decode_keys(raw: object) -> list[int]:
     return _keys(unpack(raw))
 
 
+class SnapshotPointer(NamedTuple):
+    """The ``snapshot`` key: whose snapshot, at which batch, where its meta is, and the signature of all four."""
+
+    writer: str
+    seq: int
+    meta: str
+    sig: bytes
+
+    def signed(self, raw_meta: bytes) -> tuple[bytes, ...]:
+        """What the signature covers: the pointer's fields and the meta's bytes (nothing of it can be swapped)."""
+        return b"snapshot", self.writer.encode(), str(self.seq).encode(), self.meta.encode(), raw_meta
+
+
+def snapshot_pointer(keys: Keys, writer: str, seq: int, raw_meta: bytes, signer: "Signer") -> bytes:
+    """The ``snapshot`` key's value for ``writer``'s snapshot ``seq`` whose meta is ``raw_meta``."""
+    pointer = SnapshotPointer(writer, seq, keys.snapshot_part(writer, seq, "meta"), b"")
+    return pack({"writer": writer, "seq": seq, "meta": pointer.meta, "sig": signer.sign(*pointer.signed(raw_meta))})
+
+
+def decode_snapshot_pointer(raw: object, keys: Keys) -> SnapshotPointer:
+    """The ``snapshot`` key checked: a writer id, a batch number, and the meta key the writer of that batch names
+    (no other key of Redis is read for it); its signature is checked with the meta (:meth:`SnapshotPointer.signed`)."""
+    value = unpack(raw, 64 * 1024)
+    if not isinstance(value, dict):
+        raise RecordError("a snapshot pointer is a map")
+    writer, seq, meta, sig = (value.get(name) for name in ("writer", "seq", "meta", "sig"))
+    writer, seq = _name(writer), _int(seq, 0, MAX_WALL_MS)
+    if meta != keys.snapshot_part(writer, seq, "meta"):
+        raise RecordError("a snapshot pointer names a meta key its writer does not write")
+    if not isinstance(sig, bytes) or len(sig) > 64:
+        raise RecordError("a snapshot pointer's signature is bytes")
+    return SnapshotPointer(writer, seq, meta, sig)
+
+
+class SnapshotMeta(NamedTuple):
+    """A snapshot's meta, checked (:func:`decode_snapshot_meta`)."""
+
+    writer: str
+    seq: int
+    stream_id: bytes
+    models: list[tuple[str, TierModel]]
+    members: list[tuple[ReplicaRecord, bool, str]]
+    kv: dict[str, tuple[str, int]]  # replica: (index state, block size), members only
+    parts: dict[str, str]  # replica: the key of its block keys, members only
+    digests: dict[str, str]  # replica: the SHA-256 of its part
+    every_part: list[str]  # the keys of all its parts, members or not (what a writer expires)
+
+
+def decode_snapshot_meta(raw: bytes, keys: Keys, pointer: SnapshotPointer) -> SnapshotMeta:
+    """A snapshot's meta as strict as a log batch: every name a short string, at most ``MAX_SNAPSHOT_REPLICAS``
+    replicas, block sizes bounded, part keys the writer's own. KV states and parts of replicas that are not
+    members of the snapshot are left out (no index slot for a replica nobody publishes)."""
+    meta = unpack(raw, max_array=MAX_SNAPSHOT_REPLICAS + MAX_SNAPSHOT_MODELS)
+    if not isinstance(meta, dict):
+        raise RecordError("a snapshot's meta is a map")
+    if meta.get("writer") != pointer.writer or meta.get("seq") != pointer.seq:
+        raise RecordError("a snapshot's meta is not the one its pointer names")
+    models_raw, replicas_raw = meta.get("models"), meta.get("replicas")
+    if not isinstance(models_raw, list) or len(models_raw) > MAX_SNAPSHOT_MODELS:
+        raise RecordError(f"a snapshot's models are an array of at most {MAX_SNAPSHOT_MODELS}")
+    if not isinstance(replicas_raw, list) or len(replicas_raw) > MAX_SNAPSHOT_REPLICAS:
+        raise RecordError(f"a snapshot's replicas are an array of at most {MAX_SNAPSHOT_REPLICAS}")
+    models = []
+    for entry in models_raw:
+        decoded = decode_entry(entry)
+        if decoded[0] != MODEL:
+            raise RecordError("a snapshot's model is a model entry")
+        models.append((decoded[1], decoded[2]))
+    members = []
+    for item in replicas_raw:
+        record, draining, reason = _array(item, 3, "snapshot replica")
+        if type(draining) is not bool:
+            raise RecordError("a snapshot replica's draining flag is a boolean")
+        members.append((ReplicaRecord.from_array(record), draining, _text(reason, MAX_NAME)))
+    names = {record.name for record, _, _ in members}
+    kv_raw, parts_raw, digests_raw = meta.get("kv"), meta.get("parts"), meta.get("digests", {})
+    if not isinstance(kv_raw, dict) or not isinstance(parts_raw, dict) or not isinstance(digests_raw, dict) \
+            or max(len(kv_raw), len(parts_raw), len(digests_raw)) > MAX_SNAPSHOT_REPLICAS:
+        raise RecordError(f"a snapshot's kv, parts and digests are maps of at most {MAX_SNAPSHOT_REPLICAS}")
+    kv = {}
+    for name, value in kv_raw.items():
+        state, block_size = _array(value, 2, "snapshot kv state")
+        if _name(name) in names:
+            kv[name] = (_name(state), _block_size(block_size))
+    part_prefix = keys.snapshot_part(pointer.writer, pointer.seq, "kv:")
+    parts, digests, every_part = {}, {}, []
+    for name, key in parts_raw.items():
+        key = _text(key, len(part_prefix) + 16)
+        if not key.startswith(part_prefix):
+            raise RecordError("a snapshot part's key is not its writer's")
+        every_part.append(key)
+        if _name(name) in kv:
+            parts[name] = key
+            digest = digests_raw.get(name)
+            digests[name] = _text(digest, 64) if digest is not None else ""
+    return SnapshotMeta(pointer.writer, pointer.seq, _text(meta.get("stream_id"), 64).encode(), models, members,
+                        kv, parts, digests, every_part)
+
+
 # Per replica: in-flight requests, their prompt tokens, queued prefill tokens, queued requests, and how long ago (ms)
 # the oldest of those was routed.
 LOAD_FIGURES = 5
 MAX_REPLICAS_PER_REPORT = 100_000
+REPORT_REPLICAS_FLOOR = 1024  # a load report may always list this many replicas
+MAX_LOAD_ORIGINS = 256  # other processes' reports kept at once (a cluster has a few gateways and their workers)
 Load = dict[str, tuple[int, ...]]
 
 
-def decode_load_report(fields: dict[str, Any]) -> tuple[str, float, Load]:
+class LoadLimits(NamedTuple):
+    """What a reader takes of a load report: its own replicas only, a report's life at most its ``load_ttl``,
+    in-flight and queued requests at most what one gateway can hold (its ``max_connections``). A report lists at
+    most ``replicas`` (a sender reports the replicas of its table, which is the reader's: :func:`load_limits`);
+    a longer one is refused before it is decoded."""
+
+    known: Container[str]
+    ttl: float
+    requests: int
+    replicas: int = MAX_REPLICAS_PER_REPORT
+
+
+def load_limits(known: frozenset[str], ttl: float, requests: int) -> LoadLimits:
+    """The limits of a reader whose table holds ``known``: a report may list twice as many replicas (the
+    sender's table changing meanwhile), and ``REPORT_REPLICAS_FLOOR`` whatever the table."""
+    return LoadLimits(known, ttl, requests, min(max(REPORT_REPLICAS_FLOOR, 2 * len(known)), MAX_REPLICAS_PER_REPORT))
+
+
+def decode_load_report(fields: dict[str, Any], limits: LoadLimits) -> tuple[str, float, Load]:
     """A ``load`` stream entry's ``(origin, ttl in s, {replica: figures})``: ``o`` the origin, ``x`` its time to
-    live in ms (at most 600 s), ``l`` an array of ``[name, requests, tokens, queued tokens, queued requests,
-    ms since the oldest queued request was routed]``."""
+    live in ms, ``l`` an array of ``[name, requests, tokens, queued tokens, queued requests, ms since the oldest
+    queued request was routed]``; clamped to ``limits`` (replicas ``limits.known`` denies are left out)."""
     try:
         origin = fields["o"].decode()[:64]
-        ttl = min(max(int(fields["x"]), 0) / 1000, 600.0)
+        ttl = min(max(int(fields["x"]), 0) / 1000, limits.ttl)
     except (KeyError, ValueError, TypeError, AttributeError, UnicodeDecodeError):
         raise RecordError("a load report needs an origin (o) and a time to live in ms (x)") from None
-    items = unpack(fields.get("l"))
-    if not isinstance(items, list) or len(items) > MAX_REPLICAS_PER_REPORT:
-        raise RecordError(f"a load report is an array of at most {MAX_REPLICAS_PER_REPORT} replicas")
+    items = unpack(fields.get("l"), MAX_LOAD_BYTES, limits.replicas)
+    if not isinstance(items, list):
+        raise RecordError(f"a load report is an array of at most {limits.replicas} replicas")
     load: Load = {}
+    caps = (limits.requests, MAX_REPLICA_FIGURE, MAX_REPLICA_FIGURE, limits.requests, MAX_QUEUED_MS)
     for item in items:
         if not isinstance(item, list) or len(item) != 1 + LOAD_FIGURES or not isinstance(item[0], str) \
                 or len(item[0]) > MAX_NAME or not all(type(n) is int for n in item[1:]):
             raise RecordError("a load entry is [name, requests, tokens, queued tokens, queued requests, queued ms]")
-        load[item[0]] = tuple(max(0, min(n, 1 << 40)) for n in item[1:])
+        if item[0] in limits.known:
+            load[item[0]] = tuple(max(0, min(n, cap)) for n, cap in zip(item[1:], caps))
     return origin, ttl, load
 
 

@@ -65,6 +65,7 @@ CONTROL = "control"
 GATEWAY = "gateway"
 ROLES = (CONTROL, GATEWAY)
 MAX_ASKS = 10_000  # the requests stream's length
+ASK_INTERVAL = 5.0  # seconds: one replica is resynced for the other gateways at most once in this time
 FAILED_TERM_PAUSE = 5  # lease_ttls a candidate whose control plane failed waits before it stands again
 
 
@@ -84,7 +85,8 @@ class SharedState:
         self.placement_key = placement_key(secret)
         self.replicas = replicas
         self.kv_index = kv_index
-        self.load = LoadSharing(self.link, self.keys, self.settings, replicas, self.metrics, self.origin, self.signer)
+        self.load = LoadSharing(self.link, self.keys, self.settings, replicas, self.metrics, self.origin, self.signer,
+                                config.limits.max_connections)
         self.learn = PredictionSharing(self.link, self.keys, replicas, kv_index, self.metrics, self.origin,
                                        self.signer) if self.settings.share_learning else None
         self.tier_learning = TierLearning(self.link, self.keys, self.metrics, self.origin, self.signer) \
@@ -101,6 +103,7 @@ class SharedState:
         kv_index.add_resync_listener(self._ask_resync)
         self._asks: list[tuple[str, str, str]] = []
         self._ask_wake = trio.Event()
+        self._answered: dict[str, float] = {}  # replica: when an ask for it was last answered
         self._terms_led = 0
 
     @property
@@ -308,6 +311,17 @@ class SharedState:
         term = self.term
         if term is None:
             return  # the term just ended
+        if self.replicas.get(replica_id) is None:
+            self.metrics.asks.labels("unknown").inc()  # no replica of this control plane: nothing to resync
+            return
+        now = trio.current_time()
+        if now < self._answered.get(replica_id, -ASK_INTERVAL) + ASK_INTERVAL:
+            self.metrics.asks.labels("repeated").inc()  # the resync under way answers this one too
+            return
+        if len(self._answered) >= 1024:
+            self._answered = {name: at for name, at in self._answered.items() if now < at + ASK_INTERVAL}
+        self._answered[replica_id] = now
+        self.metrics.asks.labels("answered").inc()
         term.kv.remote_resync(replica_id, mode, f"{str(reason)[:300]} (seen by gateway {origin})")
 
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TIERS_STREAM_LENGTH = 10_000
-MAX_PENDING = 4096  # items waiting to be sent
+MAX_PENDING = records.MAX_TIER_ITEMS  # items waiting to be sent: a batch holds no more, the readers' bound too
 Handler = Callable[[list[Any]], None]
 
 

@@ -15,10 +15,13 @@ control plane has settled after its start (agents reconnected and reported
 their engines, so followers never see an empty table from a restart; a new
 leader that holds the cluster's state writes it at once, and when it holds
 the previous leader's log exactly it continues that log), then
-every ``snapshot_interval`` while something changed, and at once after Redis
+every ``snapshot_interval`` while something changed, at once after Redis
 failed (a batch that could not be written leaves a gap, which sends the
-followers to the snapshot). Snapshots live until the next one plus a grace
-(``SNAPSHOT_GRACE``), so a follower reading one never finds it gone.
+followers to the snapshot), and when the snapshot pointer in Redis is no longer
+the one it wrote (checked every ``POINTER_CHECK`` seconds while nothing changes:
+someone overwrote it, and a gateway starting now could load nothing). Snapshots
+live until the next one plus a grace (``SNAPSHOT_GRACE``), so a follower
+reading one never finds it gone.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SNAPSHOT_GRACE = 60.0  # seconds a superseded snapshot stays readable
+POINTER_CHECK = 5.0  # seconds (at least snapshot_interval) between two checks of the snapshot pointer at rest
 MAX_BATCH = 4096  # entries per log batch
 
 
@@ -83,6 +87,8 @@ class LogWriter:
         self.dirty = False
         self._wake = trio.Event()
         self._snapshot_keys: list[str] = []  # the current snapshot's keys (expired when the next one is out)
+        self._pointer: bytes | None = None  # the snapshot pointer it wrote last
+        self._replaced = False  # someone else's pointer was found in its place
 
     @property
     def ended(self) -> bool:
@@ -105,15 +111,23 @@ class LogWriter:
             await trio.sleep(0.05)
         failures = 0
         last_snapshot = -1e9
+        interval = self.settings.snapshot_interval
+        next_check = math.inf  # when the pointer in Redis is checked next while nothing changes
+        check_every = max(interval, POINTER_CHECK)
         while True:
-            due = trio.current_time() >= last_snapshot + self.settings.snapshot_interval
+            due = trio.current_time() >= last_snapshot + interval
             try:
                 if self.need_snapshot or (due and self.dirty):
                     await self.write_snapshot("start" if not self._snapshot_keys else
+                                              "replaced" if self._replaced else
                                               "recovery" if self.need_snapshot else "interval")
                     last_snapshot = trio.current_time()
+                    next_check = last_snapshot + check_every
                 elif self.pending:
                     await self._flush()
+                elif trio.current_time() >= next_check:
+                    next_check = trio.current_time() + check_every
+                    await self._check_pointer()
                 failures = 0
             except Unavailable:
                 self.need_snapshot = True
@@ -121,11 +135,20 @@ class LogWriter:
                 await self.link.backoff(failures)
                 continue
             if not self.pending and not self.need_snapshot:
-                # A snapshot falls due only after a change: unchanged, sleep until one arrives (a deadline already
-                # past would return at once, and this loop would spin at 100% CPU once an interval went by idle).
+                # A snapshot falls due only after a change, the pointer's check once an interval: sleep until then
+                # (a deadline already past would return at once, and this loop would spin at 100% CPU).
                 self._wake = trio.Event()
-                with trio.move_on_at(last_snapshot + self.settings.snapshot_interval if self.dirty else math.inf):
+                with trio.move_on_at(last_snapshot + interval if self.dirty else next_check):
                     await self._wake.wait()
+
+    async def _check_pointer(self) -> None:
+        """The snapshot pointer in Redis is still the one this writer wrote, else the snapshot is written again
+        (someone overwrote it: a gateway starting now would find no snapshot it can load)."""
+        raw = await self.link.call("snapshot_read", lambda client: client.get(self.keys.snapshot))
+        if self._pointer is not None and raw != self._pointer:
+            log.warning("cluster state: the snapshot pointer in Redis is not the one this leader wrote (someone "
+                        "else writes to this cluster's keys); writing the snapshot again")
+            self.need_snapshot = self._replaced = True
 
     async def _flush(self) -> None:
         while self.pending:
@@ -189,8 +212,7 @@ class LogWriter:
                     digests={name: records.part_digest(raw) for name, raw in raw_parts.items()})
         meta_key = keys.snapshot_part(self.writer_id, seq, "meta")
         raw_meta = records.pack(meta)
-        pointer = records.pack({"writer": self.writer_id, "seq": seq, "meta": meta_key,
-                                "sig": self.signer.sign(raw_meta)})
+        pointer = records.snapshot_pointer(keys, self.writer_id, seq, raw_meta, self.signer)
         previous = self._snapshot_keys or await self._previous_snapshot_keys()
         grace_ms = int(SNAPSHOT_GRACE * 1000)
 
@@ -199,8 +221,9 @@ class LogWriter:
         commands += [[b"PEXPIRE", key, grace_ms] for key in previous]
         await self.fence.run("snapshot_write", commands, timeout=self.settings.timeout + len(names) * 0.01)
         self._snapshot_keys = [*part_keys.values(), meta_key]
+        self._pointer = pointer
         self.published = True
-        self.need_snapshot = False
+        self.need_snapshot = self._replaced = False
         self.metrics.snapshots.labels("written", reason).inc()
         log.log(logging.INFO if reason != "interval" else logging.DEBUG,
                 "cluster state: snapshot %d written (%s): %d models, %d replicas, %d blocks", seq, reason,
@@ -212,10 +235,14 @@ class LogWriter:
         if raw is None:
             return []
         try:
-            pointer = records.unpack(raw)
-            meta = records.unpack(await self.link.call("snapshot_read", lambda client: client.get(pointer["meta"])))
-            return [*meta["parts"].values(), pointer["meta"]]
-        except (records.RecordError, KeyError, TypeError):
+            pointer = records.decode_snapshot_pointer(raw, self.keys)
+            raw_meta = await self.link.call("snapshot_read", lambda client: client.get(pointer.meta))
+            if raw_meta is None:
+                return []
+            # Not checked against the secret (a previous version signed otherwise): the decoder lets it name only
+            # keys of that writer's snapshot, which are to expire anyway.
+            return [*records.decode_snapshot_meta(raw_meta, self.keys, pointer).every_part, pointer.meta]
+        except records.RecordError:
             return []
 
 

@@ -305,6 +305,11 @@ class SentinelConfig(Located):
     tls: bool = setting(False)  # TLS to the sentinels and the primary, with state.tls's files
 
 
+REDIS_NEEDS_SECRET = ("backend redis needs a cluster secret: name the environment variable that holds it (at least "
+                      "16 bytes, the same on every gateway), e.g. secret_env: LLMGW_CLUSTER_SECRET; without one, "
+                      "anyone who can write to Redis steers routing (docs/security.md)")
+
+
 @config_class
 class StateConfig(Located):
     """Where the state that several gateways share lives (docs/scaling.md): this process (``local``), or Redis."""
@@ -336,6 +341,8 @@ class StateConfig(Located):
                 and not draft["sentinel"]:
             draft.problem("url", "backend redis needs the server's URL, e.g. redis://127.0.0.1:6379/0 "
                                  "(or state.sentinel)")
+        if draft.known("backend", "secret_env") and draft["backend"] == "redis" and not draft["secret_env"]:
+            draft.problem("secret_env", REDIS_NEEDS_SECRET)
         if draft.known("url", "sentinel") and draft["url"] and draft["sentinel"]:
             draft.problem("sentinel", "give either url or sentinel: with sentinel, the sentinels say where "
                                       "the primary is")

@@ -29,6 +29,7 @@ from ..cluster.term_sources import TermKv, TermTable
 from ..config import Config, ConfigError
 from ..config.fields import Located, issue_at
 from ..config.loading import is_blank, read_config_text
+from ..config.schema import REDIS_NEEDS_SECRET
 from ..control.interfaces import KvWriter, ReplicaTable
 from ..control.plane import ControlPlane
 from ..control.static import StaticReplicas
@@ -331,7 +332,8 @@ class Gateway:
                 raise ConfigError([issue_at(config.state, "tls",
                                             f"cannot be used: {describe_tls_error(exc)}")]) from None
         try:
-            cluster_secret(config.state)
+            if cluster_secret(config.state) is None:
+                raise ValueError(REDIS_NEEDS_SECRET)
         except ValueError as exc:
             raise ConfigError([issue_at(config.state, "secret_env", str(exc))]) from None
 

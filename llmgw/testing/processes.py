@@ -9,6 +9,8 @@ seconds, else :class:`ChildFailed` with its last lines. Its output (stdout and
 stderr together) is collected in ``child.lines``, or written to a file with
 ``output_file=PATH``. Cancelling the nursery, or the test failing, stops the whole
 group: SIGTERM, then SIGKILL after ``stop_grace`` seconds (at once with 0).
+Every child has the test clusters' secret in ``CLUSTER_SECRET_ENV`` (a Redis-backed cluster needs one:
+:func:`llmgw.testing.shared_state.state_section` names it) unless its ``env`` or this process's has another.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from ..procgroup import signal_group, terminate_group
 log = logging.getLogger(__name__)
 LISTENING = re.compile(r"listening on (https?://\S+)")
 SERVE_READY = re.compile(r"llmgw listening on (https?://\S+) \(control: (https?://\S+)\)")
+CLUSTER_SECRET_ENV = "LLMGW_TEST_CLUSTER_SECRET"
+CLUSTER_SECRET = "the secret of the test and benchmark clusters"
 
 
 class ChildFailed(RuntimeError):
@@ -136,6 +140,7 @@ async def run_child(argv: list[str], *, name: str, ready: str | re.Pattern | Non
     ``env``: added to this process's environment; ``output_file``: a file for its output (nothing in ``lines``)."""
     full_env = dict(os.environ, **(env or {}))
     full_env.setdefault("PYTHONUNBUFFERED", "1")
+    full_env.setdefault(CLUSTER_SECRET_ENV, CLUSTER_SECRET)
     log_path = Path(output_file) if output_file is not None else None
     log_file = open(log_path, "wb") if log_path is not None else None
     output = log_file if log_file is not None else subprocess.PIPE

@@ -8,7 +8,7 @@ from typing import Awaitable, Callable, Sequence
 import httpx
 import trio
 
-from .processes import Child
+from .processes import CLUSTER_SECRET_ENV, Child
 from .redis import SENTINEL_SERVICE
 from .sims import KV_SIM_ENV, KV_SIM_EXTRA, gateway_config, kv_sources, start_sims
 
@@ -17,8 +17,12 @@ StartServe = Callable[..., Awaitable[Child]]  # (config text, *extra argv) -> a 
 
 def state_section(redis_url: str, cluster: str, **options: str) -> str:
     """The config's ``state:`` section for gateways of ``cluster`` sharing state through the Redis at
-    ``redis_url``, or behind the sentinel of a :class:`~.redis.SentinelGroup` (its ``url``, ``sentinel:PORT``);
-    ``options``: more ``state`` keys (``snapshot_interval="1s"``...)."""
+    ``redis_url``, or behind the sentinel of a :class:`~.redis.SentinelGroup` (its ``url``, ``sentinel:PORT``),
+    signed with the secret every child of :mod:`.processes` has (``CLUSTER_SECRET_ENV``); ``options``: more
+    ``state`` keys (``snapshot_interval="1s"``...; an empty one is left out: ``secret_env=""`` for a baseline
+    checkout that runs without a secret)."""
+    options.setdefault("secret_env", CLUSTER_SECRET_ENV)
+    options = {key: value for key, value in options.items() if value}
     if redis_url.startswith("sentinel:"):
         where = (f"  sentinel:\n    service: {SENTINEL_SERVICE}\n"
                  f"    addresses: [\"127.0.0.1:{redis_url.removeprefix('sentinel:')}\"]\n")

@@ -9,7 +9,8 @@ locked, the private redis-server.
    config, runs a private redis-server on ``STATE_DIR/redis.sock``
    (:func:`~llmgw.redis_server.supervise_redis_server`), which the workers get with ``--worker-state``; a
    redis-server a killed supervisor left there is stopped first;
-3. runs the supervisor, then stops the private redis-server.
+3. runs the supervisor, then stops the private redis-server; with the private Redis, the workers get its
+   cluster's secret (:func:`~.plan.private_secret`) in their environment.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..http.listeners import bind_tcp, bound_port
 from ..listening import host_port, listening_on
 from ..procgroup import process_start_time, terminate_group
 from ..redis_server import LOG_NAME, RedisServer, answering_pid, find_redis_server, supervise_redis_server
-from .plan import LOCK_NAME, Plan, check_roles, default_state_dir, redis_socket
+from .plan import LOCK_NAME, SECRET_ENV, Plan, check_roles, default_state_dir, private_secret, redis_socket
 from .supervisor import KILL_GRACE, STOP_SIGNALS, Supervisor
 
 log = logging.getLogger("llmgw.workers")
@@ -80,7 +81,8 @@ async def _with_private_redis(plan: Plan, state_dir: Path, socket_path: Path, sh
         redis = await nursery.start(partial(supervise_redis_server, state_dir, unix_socket=socket_path))
         print(f"llmgw workers on {plan.listen} share their state in a private redis-server (pid {redis.pid}) "
               f"at {redis.url}", flush=True)
-        code = await Supervisor(replace(plan, redis_url=redis.url), shutdown_grace, signals).run()
+        code = await Supervisor(replace(plan, redis_url=redis.url), shutdown_grace, signals,
+                                {SECRET_ENV: private_secret(state_dir)}).run()
         nursery.cancel_scope.cancel()
     return code
 

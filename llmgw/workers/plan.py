@@ -9,20 +9,26 @@ passes them, a person never needs to):
   and exits), its log lines say ``[worker INDEX]``, and a follower prints its banner once it follows the
   shared state;
 - ``--worker-state URL``: the supervisor's private Redis (``unix:///DIR/redis.sock``): the worker's config
-  gets ``state: {backend: redis, url: URL, cluster: workers}``, at start and at each reload. Nothing is written
-  to disk: the config file stays the user's.
+  gets ``state: {backend: redis, url: URL, cluster: workers, secret_env: LLMGW_WORKERS_SECRET}``, at start and
+  at each reload. Nothing is written to it: the config file stays the user's.
+
+The private cluster's records are signed like any other's: the supervisor keeps a secret in its state dir
+(:func:`private_secret`, ``cluster.secret``, mode 0600) and hands it to its workers in their environment
+(``LLMGW_WORKERS_SECRET``), never on a command line (``ps`` shows those to every user).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..cluster.state import CONTROL, GATEWAY
 from ..config import HostPort
+from ..private_file import write_private
 from ..redis_server import SOCKET_PATH_MAX
 from ..usererrors import UserError
 
@@ -31,6 +37,8 @@ STATE_FLAG = "--worker-state"
 PRIVATE_CLUSTER = "workers"  # the cluster name in a private Redis (no other cluster shares it)
 SOCKET_NAME = "redis.sock"
 LOCK_NAME = "workers.lock"
+SECRET_NAME = "cluster.secret"  # the private cluster's secret, in the state dir
+SECRET_ENV = "LLMGW_WORKERS_SECRET"  # ...as the workers get it
 FOLLOWER_CONTROL = HostPort("127.0.0.1", 0)  # workers 1..N-1: their own /metrics and /admin, on loopback
 
 
@@ -115,3 +123,18 @@ def check_roles(role: str, shared: bool) -> None:
     if role != CONTROL and not shared:
         raise UserError("--role gateway with --workers follows the control process of a cluster through its Redis: "
                         "set state.backend: redis in the config (without it, worker 0 is the control process)")
+
+
+def private_secret(state_dir: Path) -> str:
+    """The private cluster's secret: the one in ``state_dir`` (a restart keeps it: what the private Redis kept
+    stays valid), else a new one written there (mode 0600)."""
+    path = state_dir / SECRET_NAME
+    try:
+        kept = path.read_text().strip()
+    except (FileNotFoundError, UnicodeDecodeError):
+        kept = ""
+    if len(kept) >= 32 and path.stat().st_mode & 0o077 == 0:
+        return kept
+    secret = secrets.token_hex(32)
+    write_private(path, secret.encode())
+    return secret

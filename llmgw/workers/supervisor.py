@@ -70,7 +70,8 @@ class Worker:
 class Supervisor:
     """Runs the workers of a :class:`Plan` until a stop signal (or worker 0's failure to start); :meth:`run`."""
 
-    def __init__(self, plan: Plan, shutdown_grace: float, signals):
+    def __init__(self, plan: Plan, shutdown_grace: float, signals, environment: dict[str, str] | None = None):
+        """``environment``: variables the workers get beside this process's (the private cluster's secret)."""
         self.plan = plan
         self.shutdown_grace = shutdown_grace
         self.signals = signals  # a trio signal receiver for SIGINT, SIGTERM, SIGHUP, opened by the caller
@@ -78,7 +79,8 @@ class Supervisor:
         self.stopping = trio.Event()
         self.stop_signals = 0
         # One gateway to the requests' hop headers (llmgw.gateway.hops), however many workers serve its port.
-        self._environment = {**os.environ, INSTANCE_ENV: os.environ.get(INSTANCE_ENV) or new_instance_id()}
+        self._environment = {**os.environ, INSTANCE_ENV: os.environ.get(INSTANCE_ENV) or new_instance_id(),
+                             **(environment or {})}
         self.failure: int | None = None  # worker 0's exit code when its first start failed
         self._workers_scope = trio.CancelScope()
 

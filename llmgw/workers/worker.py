@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..config.addresses import parse_redis_url
-from .plan import PRIVATE_CLUSTER
+from .plan import PRIVATE_CLUSTER, SECRET_ENV
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -30,9 +30,10 @@ FOLLOW_TIMEOUT = 30.0  # the most a follower waits for the first snapshot before
 
 def with_private_state(config: "Config", url: str) -> "Config":
     """``config`` with ``state`` on the Redis at ``url`` (a ``ValueError`` for a URL that is not one), cluster
-    ``workers``, no credentials; its other ``state`` settings (intervals, timeouts) as the file says."""
+    ``workers``, no credentials, signed with the secret the supervisor put in ``SECRET_ENV``; its other ``state``
+    settings (intervals, timeouts) as the file says."""
     state = dataclasses.replace(config.state, backend="redis", url=parse_redis_url(url), cluster=PRIVATE_CLUSTER,
-                                username=None, password_env=None)
+                                username=None, password_env=None, secret_env=SECRET_ENV)
     return dataclasses.replace(config, state=state)
 
 

@@ -114,12 +114,23 @@ async def test_config_log_format_json_makes_serve_log_json(start_llmgw):
 def test_a_redis_password_variable_that_is_not_set_stops_the_start_naming_it(tmp_path, monkeypatch):
     monkeypatch.delenv("LLMGW_TEST_REDIS_PW", raising=False)
     (tmp_path / "llmgw.yaml").write_text(CONFIG + "state:\n  backend: redis\n  url: redis://127.0.0.1:1\n"
-                                         "  password_env: LLMGW_TEST_REDIS_PW\n")
+                                         "  password_env: LLMGW_TEST_REDIS_PW\n"
+                                         "  secret_env: LLMGW_TEST_CLUSTER_SECRET\n")
     result = run("serve", "--config", str(tmp_path / "llmgw.yaml"), "--listen", "127.0.0.1:0",
                  "--control-listen", "127.0.0.1:0")
     assert result.returncode == 2
     assert one_line(result.stderr).endswith(
         "llmgw.yaml:5: state.password_env: state.password_env names LLMGW_TEST_REDIS_PW, which is not set")
+
+
+def test_a_redis_backend_without_a_cluster_secret_stops_the_start_naming_the_file_line_and_key(tmp_path):
+    """Without a secret anyone who can write to Redis steers routing (issue 29): refused at start, not run."""
+    (tmp_path / "llmgw.yaml").write_text(CONFIG + "state:\n  backend: redis\n  url: redis://127.0.0.1:1\n")
+    result = run("serve", "--config", str(tmp_path / "llmgw.yaml"), "--listen", "127.0.0.1:0",
+                 "--control-listen", "127.0.0.1:0")
+    assert result.returncode == 2
+    assert f"{tmp_path / 'llmgw.yaml'}:2: state.secret_env: backend redis needs a cluster secret" in one_line(
+        result.stderr), result.stderr
 
 
 def test_role_gateway_without_a_shared_state_backend_is_refused(tmp_path):

@@ -20,13 +20,18 @@ from llmgw.cluster.election import Election, Fence
 from llmgw.cluster.follower import FollowedReplicas, LogFollower
 from llmgw.cluster.link import RedisLink
 from llmgw.cluster.metrics import ClusterMetrics
-from llmgw.cluster.records import Keys
+from llmgw.cluster.records import Keys, ReplicaRecord
 from llmgw.cluster.writer import LogWriter, PublishedKv
 from llmgw.config.loading import parse_config
 from llmgw.kv.changes import BlockChanges, KvChangeKind
 from llmgw.kv.index import KvIndex
-from llmgw.router.replicas import ReplicaSet
+from llmgw.router.replica import Replica
+from llmgw.router.replicas import STATIC, ReplicaSet
 from llmgw.testing.shared_state import state_section
+
+
+def engine_replica(record: ReplicaRecord) -> Replica:
+    return Replica(name=record.name, model=record.model, url=record.url)
 
 
 class HeldSnapshotFence(Fence):
@@ -56,9 +61,11 @@ async def test_a_change_made_while_the_first_snapshot_is_written_reaches_the_fol
     await nursery.start(election.run)
     term = await election.wait_elected()
     index = KvIndex()
+    table = ReplicaSet()  # the replica whose KV it is (a follower gives no index slot to one not in its table)
+    table.add(engine_replica(ReplicaRecord("engine-0", "m", "http://127.0.0.1:1", STATIC)), STATIC)
     index.apply("engine-0", BlockChanges(KvChangeKind.FULL, 16, [1, 2, 3]))
     fence = HeldSnapshotFence(link, keys, election, term, metrics)
-    writer = LogWriter(link, keys, settings, ReplicaSet(), index, metrics, "leader.1.1", fence)
+    writer = LogWriter(link, keys, settings, table, index, metrics, "leader.1.1", fence)
     kv = PublishedKv(index, writer)
     await nursery.start(writer.run, lambda: True)
     with trio.fail_after(10):
@@ -70,7 +77,7 @@ async def test_a_change_made_while_the_first_snapshot_is_written_reaches_the_fol
     follower_link = RedisLink(settings, follower_metrics)
     await nursery.start(follower_link.run)
     copy = KvIndex()
-    follower = LogFollower(follower_link, keys, FollowedReplicas(ReplicaSet(), lambda record: None), copy,
+    follower = LogFollower(follower_link, keys, FollowedReplicas(ReplicaSet(), engine_replica), copy,
                            follower_metrics)
     await nursery.start(follower.run)
     assert await follower.wait_loaded(10)

@@ -9,6 +9,7 @@ from pathlib import Path
 import trio
 
 from llmgw.cluster.writer import LogWriter
+from llmgw.testing.shared_state import state_section
 
 WRITER_TASK = f"{LogWriter.run.__module__}.{LogWriter.run.__qualname__}"
 
@@ -29,8 +30,8 @@ async def test_an_idle_writer_waits_for_a_change_instead_of_spinning(gateway_in_
 
     def config(replicas: int) -> str:
         listed = "".join(f"      - url: {upstream.url}\n" for upstream in upstreams[:replicas])
-        return (f"models:\n  - name: tiny\n    replicas:\n{listed}state:\n  backend: redis\n  url: {redis_url}\n"
-                f"  cluster: {cluster_name}\n  snapshot_interval: 100ms\n")
+        return f"models:\n  - name: tiny\n    replicas:\n{listed}" + state_section(redis_url, cluster_name,
+                                                                              snapshot_interval="100ms")
 
     gateway = await gateway_in_process(config(1))
     with trio.fail_after(15):

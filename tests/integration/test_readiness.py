@@ -9,6 +9,7 @@ import trio
 
 from helpers import wait_for
 from llmgw.testing.processes import free_port
+from llmgw.testing.shared_state import state_section
 
 
 async def ready(http: httpx.AsyncClient, base: str, query: str = "") -> tuple[int, dict]:
@@ -85,7 +86,7 @@ async def test_a_draining_gateway_is_not_ready(gateway_in_process, start_fake_up
 async def test_a_gateway_role_process_is_not_ready_before_the_shared_state(gateway_in_process, redis_url,
                                                                          cluster_name):
     """No control process publishes this cluster: the follower never loads it."""
-    gw = await gateway_in_process(f"state:\n  backend: redis\n  url: {redis_url}\n  cluster: {cluster_name}\n",
+    gw = await gateway_in_process(state_section(redis_url, cluster_name),
                                   role="gateway")
     status, body = await ready(gw.http, gw.url)
     assert status == 503 and body["state_loaded"] is False and body["models"] == 0, body

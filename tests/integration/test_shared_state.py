@@ -197,8 +197,8 @@ async def test_garbage_in_the_clusters_redis_is_counted_and_skipped(shared_clust
 
 
 async def test_with_a_cluster_secret_records_not_signed_with_it_are_skipped(shared_cluster, redis_url, cluster_name):
-    secret = {"LLMGW_TEST_CLUSTER_SECRET": "a secret of the cluster, 32 bytes"}
-    engines, control, (follower,) = await shared_cluster(state="  secret_env: LLMGW_TEST_CLUSTER_SECRET\n", env=secret)
+    secret = {"LLMGW_TEST_CLUSTER_SECRET": "a secret of the cluster, 32 bytes"}  # the harness names its variable
+    engines, control, (follower,) = await shared_cluster(env=secret)
     keys = Keys(cluster_name)
     host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
     async with httpx.AsyncClient(timeout=30) as http:

@@ -26,7 +26,9 @@ from llmgw.gateway.app import Gateway
 from llmgw.procgroup import process_start_time
 from llmgw.testing.metrics import scrape, series_sum
 from llmgw.testing.processes import Child, llmgw_command
+from llmgw.testing.shared_state import state_section
 from llmgw.testing.sims import MODEL, gateway_config, start_sims
+from llmgw.workers.plan import SECRET_ENV
 from llmgw.workers.worker import with_private_state
 
 WORKER_LINE = re.compile(r"^llmgw worker (\d+) \(pid (\d+), role (\w+)\) (?:ready|restarted): control (\S+)$")
@@ -169,7 +171,7 @@ async def test_with_redis_in_the_config_the_workers_use_it_and_a_second_supervis
         nursery, start_llmgw, redis_url, cluster_name, tmp_path):
     sims = await start_sims(nursery, 2, num_blocks=64, time_scale=0, seed=0)
     config = gateway_config([s.url for s in sims], routing="round_robin") + (
-        f"state:\n  backend: redis\n  url: {redis_url}\n  cluster: {cluster_name}\n")
+        state_section(redis_url, cluster_name))
     supervisor = await start_llmgw(config, "--workers", "2")
     assert not any(REDIS_LINE.search(line) for line in supervisor.lines)
     async with fresh_connections() as http:
@@ -230,7 +232,8 @@ def test_workers_zero_and_workers_without_a_config_are_refused(tmp_path):
     assert demo.stderr.strip() == "llmgw serve: --workers needs --config (the demo runs as one process)"
 
 
-async def test_a_workers_reload_keeps_it_on_the_private_redis(nursery, tmp_path, redis_url):
+async def test_a_workers_reload_keeps_it_on_the_private_redis(nursery, tmp_path, redis_url, monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, "the private cluster's secret, as the supervisor hands it over")
     path = tmp_path / "llmgw.yaml"
     path.write_text("log_level: warning\n")
 

@@ -86,12 +86,30 @@ def test_an_unknown_change_kind_reads_as_a_reset():
     assert changes.kind is KvChangeKind.RESET
 
 
+LIMITS = records.LoadLimits(frozenset({"r1", "r2"}), 2.0, 10_000)
+
+
 def test_a_load_report_round_trips_and_clamps_its_figures():
     fields = {"o": b"gw-1", "x": b"2000",
               "l": records.pack([["r1", 3, 900, 600, 2, 120], ["r2", -5, 1 << 50, 0, 0, 0]])}
-    origin, ttl, load = records.decode_load_report(fields)
+    origin, ttl, load = records.decode_load_report(fields, LIMITS)
     assert (origin, ttl) == ("gw-1", 2.0)
     assert load == {"r1": (3, 900, 600, 2, 120), "r2": (0, 1 << 40, 0, 0, 0)}
+
+
+def test_a_load_report_is_clamped_to_what_one_gateway_can_have_and_to_known_replicas():
+    """The poisoned report of issue 29: replicas nobody knows, a real one at 2**40 in flight, a 600 s life."""
+    unknown = [[f"ghost-{i}", 1, 1, 1, 1, 1] for i in range(5000)]
+    fields = {"o": b"gw-1", "x": b"600000",
+              "l": records.pack([*unknown, ["r1", 1 << 40, 1 << 50, 1 << 50, 1 << 40, 1 << 40]])}
+    origin, ttl, load = records.decode_load_report(fields, LIMITS)
+    assert ttl == 2.0  # the reader's load_ttl, not the 600 s written
+    assert load == {"r1": (10_000, 1 << 40, 1 << 40, 10_000, records.MAX_QUEUED_MS)}
+    limits = records.load_limits(frozenset({"r1", "r2"}), 2.0, 10_000)
+    assert limits.replicas == records.REPORT_REPLICAS_FLOOR
+    fields["l"] = records.pack([[f"ghost-{i}", 1, 1, 1, 1, 1] for i in range(99_998)])
+    with pytest.raises(RecordError):  # far more replicas than a sender's table: refused, not decoded
+        records.decode_load_report(fields, limits)
 
 
 packable = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.text(max_size=10)
@@ -103,10 +121,11 @@ packable = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 63), (1 <
        load=st.one_of(st.binary(max_size=60), packable.map(records.pack)))
 def test_any_load_report_decodes_or_is_a_record_error(origin, ttl, load):
     try:
-        _, seconds, figures = records.decode_load_report({"o": origin, "x": ttl, "l": load})
+        _, seconds, figures = records.decode_load_report({"o": origin, "x": ttl, "l": load}, LIMITS)
     except RecordError:
         return
-    assert 0 <= seconds <= 600 and all(len(f) == records.LOAD_FIGURES for f in figures.values())
+    assert 0 <= seconds <= LIMITS.ttl and set(figures) <= LIMITS.known
+    assert all(len(f) == records.LOAD_FIGURES and 0 <= f[0] <= LIMITS.requests for f in figures.values())
 
 
 def test_records_signed_with_the_cluster_secret_check_out_and_nothing_else_does():
@@ -172,7 +191,100 @@ def test_learn_batches_refuse_out_of_range_times_and_keys():
         with pytest.raises(RecordError):
             records.decode_learn_batch(records.pack([bad]))
     with pytest.raises(RecordError):
-        records.decode_learn_batch(records.pack([["r", 1, 10, [1]]] * (records.MAX_LEARNED + 1)))
+        records.decode_learn_batch(records.pack([["r", 1, 10, [1]]] * (records.LEARN_MAX_PREDICTIONS + 1)))
+
+
+def test_a_learn_batch_larger_than_a_sender_writes_is_refused_before_it_is_built():
+    """The 5M-key entry of issue 29: refused on its size (nothing decoded), and one array longer than a sender's
+    whole buffer is refused by the decoder's bound, not built."""
+    huge = records.pack([["r", 1, 10, list(range(5_000_000))]])
+    with pytest.raises(RecordError, match="too large"):
+        records.decode_learn_batch(huge)
+    with pytest.raises(RecordError):
+        records.decode_learn_batch(records.pack([["r", 1, 10, [1] * (records.LEARN_MAX_KEYS + 1)]]))
+
+
+@settings(max_examples=100)
+@given(items=st.lists(st.tuples(names, st.integers(0, 100), st.integers(0, records.MAX_LEARNED_TTL_MS),
+                                st.integers(0, 2000)), max_size=4),
+       ttl_limit=st.integers(0, records.MAX_LEARNED_TTL_MS))
+def test_a_learn_batch_is_clamped_to_the_readers_ttl_and_the_senders_keys(items, ttl_limit):
+    raw = records.pack([records.learn_item(name, made, ttl, list(range(n))) for name, made, ttl, n in items])
+    batch = records.decode_learn_batch(raw, ttl_limit)
+    assert all(p.ttl_ms <= ttl_limit for p in batch)
+    assert sum(len(p.keys) for p in batch) <= records.LEARN_MAX_KEYS
+
+
+KEYS = records.Keys("c")
+
+
+def snapshot(writer: str = "w1", seq: int = 3, signer: records.Signer | None = None, **changes) -> tuple:
+    """A snapshot as LogWriter.write_snapshot writes it: (pointer bytes, meta bytes)."""
+    record = ReplicaRecord("r1", "m", "http://127.0.0.1:1", "static")
+    meta = {"writer": writer, "seq": seq, "stream_id": "1-0",
+            "models": [records.model_entry("static", TierModel.of("m", "round_robin"))],
+            "replicas": [[record.as_array(), False, ""]], "kv": {"r1": ["healthy", 16], "ghost": ["healthy", 16]},
+            "parts": {"r1": KEYS.snapshot_part(writer, seq, "kv:0"), "ghost": KEYS.snapshot_part(writer, seq, "kv:1")},
+            "digests": {"r1": "d0", "ghost": "d1"}}
+    meta.update(changes)
+    raw_meta = records.pack(meta)
+    return records.snapshot_pointer(KEYS, writer, seq, raw_meta, signer or records.Signer(None)), raw_meta
+
+
+def test_a_snapshot_round_trips_and_leaves_out_replicas_it_does_not_publish():
+    signer = records.Signer(b"k" * 32)
+    raw_pointer, raw_meta = snapshot(signer=signer)
+    pointer = records.decode_snapshot_pointer(raw_pointer, KEYS)
+    assert signer.valid(pointer.sig, *pointer.signed(raw_meta))
+    assert not signer.valid(pointer.sig, *pointer.signed(raw_meta + b"x"))
+    assert not signer.valid(pointer.sig, *pointer._replace(seq=4).signed(raw_meta))  # the pointer's fields too
+    meta = records.decode_snapshot_meta(raw_meta, KEYS, pointer)
+    assert [record.name for record, _, _ in meta.members] == ["r1"]
+    assert meta.kv == {"r1": ("healthy", 16)} and list(meta.parts) == ["r1"]  # "ghost" gets no slot
+    assert len(meta.every_part) == 2 and meta.stream_id == b"1-0"
+
+
+def test_a_snapshot_pointer_names_only_its_writers_meta():
+    for forged in ({"writer": "w1", "seq": 3, "meta": "llmgw:c:snapshot", "sig": b""},
+                   {"writer": "w1", "seq": 3, "meta": 5, "sig": b""},
+                   {"writer": "w1", "seq": "3", "meta": KEYS.snapshot_part("w1", 3, "meta"), "sig": b""},
+                   {"writer": ["w1"], "seq": 3, "meta": KEYS.snapshot_part("w1", 3, "meta"), "sig": b""},
+                   {"writer": "w1", "seq": 3, "meta": KEYS.snapshot_part("w1", 3, "meta"), "sig": 7}, [1, 2]):
+        with pytest.raises(RecordError):
+            records.decode_snapshot_pointer(records.pack(forged), KEYS)
+
+
+def test_a_snapshot_meta_with_wrong_types_or_foreign_keys_is_a_record_error():
+    pointer = records.decode_snapshot_pointer(snapshot()[0], KEYS)
+    for changes in ({"parts": {"r1": 5}}, {"parts": {"r1": "llmgw:c:snapshot"}}, {"parts": [1]},
+                    {"kv": {"r1": ["healthy", 1 << 30]}}, {"kv": {"r1": "healthy"}}, {"replicas": [[1, 2, 3]]},
+                    {"replicas": {"r1": 1}}, {"models": [[records.ADD, 1]]}, {"seq": 4}, {"stream_id": 5},
+                    {"replicas": [[ReplicaRecord("r1", "m", "u", "static").as_array(), "no", ""]]}):
+        with pytest.raises(RecordError):
+            records.decode_snapshot_meta(snapshot(**changes)[1], KEYS, pointer)
+
+
+@settings(max_examples=300)
+@given(value=st.dictionaries(st.sampled_from(["writer", "seq", "stream_id", "models", "replicas", "kv", "parts",
+                                              "digests"]), packable, max_size=8))
+def test_any_snapshot_meta_decodes_or_is_a_record_error(value):
+    pointer = records.decode_snapshot_pointer(snapshot()[0], KEYS)
+    try:
+        meta = records.decode_snapshot_meta(records.pack({"writer": "w1", "seq": 3, **value}), KEYS, pointer)
+    except RecordError:
+        return
+    assert set(meta.parts) <= set(meta.kv) <= {record.name for record, _, _ in meta.members}
+
+
+@settings(max_examples=300)
+@given(st.one_of(st.binary(max_size=80), packable.map(records.pack),
+                 st.dictionaries(st.sampled_from(["writer", "seq", "meta", "sig"]), packable).map(records.pack)))
+def test_any_snapshot_pointer_decodes_or_is_a_record_error(raw):
+    try:
+        pointer = records.decode_snapshot_pointer(raw, KEYS)
+    except RecordError:
+        return
+    assert pointer.meta == KEYS.snapshot_part(pointer.writer, pointer.seq, "meta")
 
 
 def test_a_tiers_batch_round_trips_and_only_small_scalar_payloads_pass():

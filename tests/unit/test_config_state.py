@@ -10,14 +10,30 @@ from llmgw.config import ConfigError, parse_config
 from llmgw.config.addresses import parse_redis_url
 
 
+def signed(text: str) -> str:
+    """``text`` with a cluster secret (a Redis backend needs one), on a line after the others."""
+    return text + "  secret_env: LLMGW_CLUSTER_SECRET\n" if "backend: redis" in text and "secret_env" not in text \
+        else text
+
+
 def state(text: str):
-    return parse_config("state:\n" + text, filename="llmgw.yaml").state
+    return parse_config("state:\n" + signed(text), filename="llmgw.yaml").state
 
 
 def errors(text: str) -> list[str]:
     with pytest.raises(ConfigError) as caught:
-        parse_config("state:\n" + text, filename="llmgw.yaml")
+        parse_config("state:\n" + signed(text), filename="llmgw.yaml")
     return [str(issue) for issue in caught.value.errors]
+
+
+def test_redis_needs_a_cluster_secret_naming_the_file_line_and_key():
+    with pytest.raises(ConfigError) as caught:
+        parse_config("log_level: info\nstate:\n  backend: redis\n  url: redis://127.0.0.1\n", filename="llmgw.yaml")
+    [error] = [str(issue) for issue in caught.value.errors]
+    assert error.startswith("llmgw.yaml:2: state.secret_env: backend redis needs a cluster secret: name the "
+                            "environment variable that holds it")
+    assert state("  backend: redis\n  url: redis://127.0.0.1\n  secret_env: S\n").secret_env == "S"
+    assert state("  secret_env: S\n").backend == "local"  # alone, a secret is allowed and unused
 
 
 def test_the_default_is_this_process_alone():

@@ -10,13 +10,15 @@ from llmgw.config import ConfigError, parse_config
 
 
 def test_the_lease_defaults_renew_four_times_within_its_life():
-    settings = parse_config("state:\n  backend: redis\n  url: redis://127.0.0.1\n", filename="llmgw.yaml").state
+    settings = parse_config("state:\n  backend: redis\n  url: redis://127.0.0.1\n  secret_env: S\n",
+                            filename="llmgw.yaml").state
     assert (settings.lease_ttl, settings.lease_renew) == (2.0, 0.5)
 
 
 def test_a_renewal_slower_than_a_third_of_the_lease_is_refused_naming_the_key():
     with pytest.raises(ConfigError) as caught:
-        parse_config("state:\n  backend: redis\n  url: redis://127.0.0.1\n  lease_ttl: 1s\n  lease_renew: 500ms\n",
+        parse_config("state:\n  backend: redis\n  url: redis://127.0.0.1\n  secret_env: S\n  lease_ttl: 1s\n"
+                     "  lease_renew: 500ms\n",
                      filename="llmgw.yaml")
     (issue,) = caught.value.errors
     assert "lease_renew" in str(issue) and "third of lease_ttl" in str(issue)

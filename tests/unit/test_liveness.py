@@ -35,6 +35,6 @@ def test_the_shared_state_holds_for_the_window_of_its_own_config():
     from llmgw.cluster.state import SharedState
 
     config = parse_config("agents:\n  heartbeat_interval: 0.5s\nstate:\n  backend: redis\n  url: redis://127.0.0.1:9\n"
-                          "  cluster: c\n  lease_ttl: 2s\n")
+                          "  cluster: c\n  lease_ttl: 2s\n  secret_env: S\n")
     held_for = SharedState.held_for.fget  # type: ignore[attr-defined]
     assert held_for(type("S", (), {"config": config, "settings": config.state})()) == pytest.approx(9.0)

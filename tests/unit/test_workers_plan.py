@@ -11,7 +11,16 @@ import pytest
 from llmgw.commands.serve import build_parser
 from llmgw.config import HostPort, parse_config
 from llmgw.usererrors import UserError
-from llmgw.workers.plan import Plan, check_roles, default_state_dir, redis_socket, worker_count
+from llmgw.workers.plan import (
+    SECRET_ENV,
+    SECRET_NAME,
+    Plan,
+    check_roles,
+    default_state_dir,
+    private_secret,
+    redis_socket,
+    worker_count,
+)
 from llmgw.workers.worker import with_private_state
 
 
@@ -79,6 +88,7 @@ def test_a_worker_runs_on_the_private_redis_whatever_the_file_says_of_state():
     assert not config.state.shared and changed.state.shared
     assert (changed.state.url, changed.state.cluster) == ("unix:///run/llmgw/redis.sock", "workers")
     assert changed.state.load_interval == 0.1 and changed.log_level == "warning"  # the rest as the file says
+    assert changed.state.secret_env == SECRET_ENV  # signed with the supervisor's secret, from the environment
     with pytest.raises(ValueError):
         with_private_state(config, "http://not-redis")
 
@@ -88,3 +98,15 @@ def test_following_a_cluster_elsewhere_needs_its_redis():
     check_roles("gateway", shared=True)
     with pytest.raises(UserError, match="state.backend: redis"):
         check_roles("gateway", shared=False)
+
+
+def test_the_private_clusters_secret_is_kept_in_the_state_dir_readable_by_its_owner_only(tmp_path):
+    secret = private_secret(tmp_path)
+    path = tmp_path / SECRET_NAME
+    assert len(secret) == 64 and path.read_text() == secret and path.stat().st_mode & 0o777 == 0o600
+    assert private_secret(tmp_path) == secret  # a restart keeps it
+    path.chmod(0o644)  # others could read it: no longer a secret, a new one replaces it
+    renewed = private_secret(tmp_path)
+    assert renewed != secret and path.stat().st_mode & 0o777 == 0o600
+    assert all(secret not in arg and renewed not in arg
+               for arg in Plan(2, "/x.yaml", HostPort("127.0.0.1", 8000), None, "control", "unix:///r.sock").argv(1))
