@@ -48,3 +48,17 @@ def shared_cluster(nursery, start_llmgw, redis_url, cluster_name):
         return await start_cluster(nursery, start_llmgw, redis_url or session_url, cluster_name, **options)
 
     return start
+
+
+@pytest.fixture
+async def ha_cluster(nursery, engines, private_redis, cluster_name, tmp_path):
+    """The production topology (:func:`llmgw.testing.ha.start_ha_cluster`): candidates A (leading) and B, a
+    ``--role gateway`` F, a remote agent joined with A and B deploying two simulator replicas, on the test's own
+    redis-server (``ha_cluster.redis``, which it may freeze, kill and restart)."""
+    import httpx
+
+    from llmgw.testing.ha import start_ha_cluster
+
+    async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=200)) as http:
+        yield await start_ha_cluster(nursery, tmp_path / "ha", engines, private_redis, cluster_name, http,
+                                     fixtures=FIXTURES, cwd=REPO)

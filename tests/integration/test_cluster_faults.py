@@ -1,0 +1,119 @@
+"""Issue 29's faults, each under steady traffic, in the production topology: two candidates A and B, one
+``--role gateway`` F, a remote ``llmgw agent --join A,B`` deploying two simulator replicas, a real redis-server,
+``state.secret_env`` set, ``agents.heartbeat_interval`` 0.5 s, one chat every 100 ms through each gateway.
+
+Each test asserts the issue's targets: no failed request on a gateway that was not itself frozen; every replica
+routable on every gateway from ``lease_ttl + lease_renew + 1 s`` after Redis answered again or a new leader was
+elected, to the end of a window long enough for any hold to have run out (a dropped replica would show); the
+engines never restarted (their pids and restart counts in the agent's ledger).
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Awaitable, Callable
+
+import coredis
+import pytest
+import trio
+
+from llmgw.cluster.records import Keys
+from llmgw.testing.ha import HEARTBEAT, LEASE_TTL, HaCluster, RoutabilityWatch, recovery_limit
+from llmgw.testing.traffic import TrafficRecorder
+
+pytestmark = pytest.mark.slow
+
+HELD_FOR = 4 * HEARTBEAT + 1.0  # a new term's hold of the replicas it followed (state.py), at 0.5 s heartbeats
+AGENT_SILENCE = max(3 * HEARTBEAT, HEARTBEAT + 5.0)  # an agent's silence limit (agent.py), at 0.5 s heartbeats
+SETTLE = HELD_FOR + AGENT_SILENCE + 1.5  # long enough after the recovery for a wrongly dropped replica to show
+
+Fault = Callable[[HaCluster], Awaitable[tuple[float, set[int], float]]]
+
+
+async def under_traffic(ha: HaCluster, fault: Fault) -> None:
+    """Run ``fault`` (-> ``(recovered at, indices of frozen gateways, when they were let go)``) with traffic
+    through every gateway and the replica listings watched; then assert the targets."""
+    before = ha.engine_pids()
+    assert len(before) == ha.replicas
+    recorders = [TrafficRecorder(ha.http, process.data_url, name) for process, name in zip(ha.gateways, "ABF")]
+    watch = RoutabilityWatch(ha)
+    async with trio.open_nursery() as running:
+        for recorder in recorders:
+            await running.start(recorder.run)
+        await running.start(watch.run)
+        await trio.sleep(1.0)
+        recovered, frozen, thawed = await fault(ha)
+        took = await ha.wait_routable(timeout=30)
+        print(f"\nevery replica routable on every gateway {trio.current_time() - recovered:.2f} s after the recovery "
+              f"({took:.2f} s after the fault's end)")
+        await trio.sleep_until(max(recovered, thawed) + SETTLE)
+        running.cancel_scope.cancel()
+    for recorder in recorders:
+        print(f"gateway {recorder.name}: {recorder.summary()}")
+    failed = {recorder.name: (recorder.summary(), f"first at {recorder.first_failure() - recovered:+.1f} s")
+              for i, recorder in enumerate(recorders) if i not in frozen and recorder.failed()}
+    assert not failed, f"failed requests on gateways that were not frozen: {failed}"
+    for i, recorder in enumerate(recorders):
+        since = (max(recovered, thawed) if i in frozen else recovered) + recovery_limit()
+        short = watch.short(i, since)
+        assert not short, (f"gateway {recorder.name} did not route every replica from {since - recovered:.1f} s after "
+                           f"the recovery: (seconds after it, replicas routable) "
+                           f"{[(round(t - recovered, 1), n) for t, n in short][:20]}")
+    after = ha.engine_pids()
+    assert after == before, f"engines restarted: {before} -> {after}"
+
+
+async def test_redis_frozen_8s_fails_nothing_and_keeps_every_replica(ha_cluster: HaCluster):
+    async def fault(ha: HaCluster):
+        ha.redis.running.kill(signal.SIGSTOP)
+        try:
+            await trio.sleep(8)
+        finally:
+            ha.redis.running.kill(signal.SIGCONT)
+        return trio.current_time(), set(), 0.0
+
+    await under_traffic(ha_cluster, fault)
+
+
+async def test_redis_killed_and_restarted_empty_fails_nothing_and_keeps_every_replica(ha_cluster: HaCluster):
+    async def fault(ha: HaCluster):
+        await ha.redis.kill(signal.SIGKILL)
+        await trio.sleep(8)
+        await ha.redis.restart()
+        return trio.current_time(), set(), 0.0
+
+    await under_traffic(ha_cluster, fault)
+
+
+async def test_the_leader_frozen_7s_fails_nothing_elsewhere_and_keeps_every_replica(ha_cluster: HaCluster):
+    async def fault(ha: HaCluster):
+        a, b = ha.candidates
+        assert a.serve is not None
+        a.serve.kill(signal.SIGSTOP)
+        frozen_at = trio.current_time()
+        try:
+            await ha.wait_leader([b], timeout=LEASE_TTL + 5)
+            elected = trio.current_time()
+            await trio.sleep_until(frozen_at + 7)
+        finally:
+            a.serve.kill(signal.SIGCONT)
+        return elected, {0}, trio.current_time()
+
+    await under_traffic(ha_cluster, fault)
+
+
+async def test_a_forged_lease_fails_nothing_and_keeps_every_replica(ha_cluster: HaCluster, cluster_name: str):
+    async def fault(ha: HaCluster):
+        client = coredis.Redis.from_url(ha.redis.url, decode_responses=False)
+        async with client:  # anyone who can write to Redis can do this: no secret is needed
+            await client.set(Keys(cluster_name).leader, b"999 evil http://127.0.0.1:1", px=6000)
+        forged = trio.current_time()
+        with trio.fail_after(LEASE_TTL + 5):  # A's next renewal finds the lease taken: its term ends
+            while any([await ha.leading(c) for c in ha.candidates]):
+                await trio.sleep(0.05)
+        leader = await ha.wait_leader(timeout=15)  # once the forged lease expired
+        elected = trio.current_time()
+        print(f"\nleader {'AB'[ha.candidates.index(leader)]} elected {elected - forged:.2f} s after the forgery")
+        return elected, set(), 0.0
+
+    await under_traffic(ha_cluster, fault)
