@@ -157,7 +157,9 @@ class Gateway:
             self.static = StaticReplicas(self.replicas, self.kv_index, self.registry, self.metrics.registry)
             self.control = self._build_control(self.replicas, self.kv_index)
         elif role == CONTROL:  # a candidate: the config's replicas and their KV events are followed all along
-            self.term_table, self.term_kv = TermTable(self.replicas), TermKv(self.kv_index)
+            assert self.shared is not None  # until the first snapshot, the config's replicas are routed from here
+            self.term_table = TermTable(self.replicas, self.shared.followed, self.shared.follower.loaded.is_set)
+            self.term_kv = TermKv(self.kv_index)
             self.static = StaticReplicas(self.term_table, self.term_kv, self.registry, self.metrics.registry)
         if self.shared is not None:
             self.dataplane.wait_for_replica = self._wait_for_replica

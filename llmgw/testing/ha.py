@@ -122,6 +122,13 @@ class HaCluster:
                 await trio.sleep(0.05)
         return trio.current_time() - start
 
+    def write_logs(self, directory: Path) -> None:
+        """Every process's output so far to ``directory/NAME.log`` (A, B, F, agent): what a failed test left."""
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, child in (*zip("ABF", (p.serve for p in self.gateways)), ("agent", self.agent)):
+            if child is not None:
+                (directory / f"{name}.log").write_text("\n".join(child.lines) + "\n")
+
     def engine_pids(self) -> dict[str, tuple[int, int]]:
         """``{replica: (pid, restarts)}`` of the engines in the agent's ledger (what it runs and reports)."""
         pids: dict[str, tuple[int, int]] = {}

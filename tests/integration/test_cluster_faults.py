@@ -14,11 +14,17 @@ import signal
 from typing import Awaitable, Callable
 
 import coredis
+import httpx
 import pytest
 import trio
 
 from llmgw.cluster.records import Keys
+from llmgw.testing.cluster import CHAT
 from llmgw.testing.ha import HEARTBEAT, LEASE_TTL, HaCluster, RoutabilityWatch, recovery_limit
+from llmgw.testing.processes import free_port
+from llmgw.testing.redis import PrivateRedis
+from llmgw.testing.shared_state import cluster_config, wait_kv_healthy
+from llmgw.testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, start_sims
 from llmgw.testing.traffic import TrafficRecorder
 
 pytestmark = pytest.mark.slow
@@ -37,17 +43,10 @@ async def under_traffic(ha: HaCluster, fault: Fault) -> None:
     assert len(before) == ha.replicas
     recorders = [TrafficRecorder(ha.http, process.data_url, name) for process, name in zip(ha.gateways, "ABF")]
     watch = RoutabilityWatch(ha)
-    async with trio.open_nursery() as running:
-        for recorder in recorders:
-            await running.start(recorder.run)
-        await running.start(watch.run)
-        await trio.sleep(1.0)
-        recovered, frozen, thawed = await fault(ha)
-        took = await ha.wait_routable(timeout=30)
-        print(f"\nevery replica routable on every gateway {trio.current_time() - recovered:.2f} s after the recovery "
-              f"({took:.2f} s after the fault's end)")
-        await trio.sleep_until(max(recovered, thawed) + SETTLE)
-        running.cancel_scope.cancel()
+    try:
+        recovered, frozen, thawed = await traffic_through(ha, fault, recorders, watch)
+    finally:
+        ha.write_logs(ha.agent_state.parent / "logs")
     for recorder in recorders:
         print(f"gateway {recorder.name}: {recorder.summary()}")
     failed = {recorder.name: (recorder.summary(), f"first at {recorder.first_failure() - recovered:+.1f} s")
@@ -61,6 +60,23 @@ async def under_traffic(ha: HaCluster, fault: Fault) -> None:
                            f"{[(round(t - recovered, 1), n) for t, n in short][:20]}")
     after = ha.engine_pids()
     assert after == before, f"engines restarted: {before} -> {after}"
+
+
+async def traffic_through(ha: HaCluster, fault: Fault, recorders: list[TrafficRecorder],
+                          watch: RoutabilityWatch) -> tuple[float, set[int], float]:
+    """The fault under traffic, and the window after it (until any hold has run out); what ``fault`` returned."""
+    async with trio.open_nursery() as running:
+        for recorder in recorders:
+            await running.start(recorder.run)
+        await running.start(watch.run)
+        await trio.sleep(1.0)
+        recovered, frozen, thawed = await fault(ha)
+        took = await ha.wait_routable(timeout=30)
+        print(f"\nevery replica routable on every gateway {trio.current_time() - recovered:.2f} s after the recovery "
+              f"({took:.2f} s after the fault's end)")
+        await trio.sleep_until(max(recovered, thawed) + SETTLE)
+        running.cancel_scope.cancel()
+    return recovered, frozen, thawed
 
 
 async def test_redis_frozen_8s_fails_nothing_and_keeps_every_replica(ha_cluster: HaCluster):
@@ -117,3 +133,36 @@ async def test_a_forged_lease_fails_nothing_and_keeps_every_replica(ha_cluster: 
         return elected, set(), 0.0
 
     await under_traffic(ha_cluster, fault)
+
+
+async def test_a_candidate_started_while_redis_is_down_routes_its_own_configs_static_replicas(nursery, start_llmgw,
+                                                                                            cluster_name, tmp_path):
+    # Nothing listens on the state's URL: the cluster's state cannot be loaded. Fail-static from its own config:
+    # the candidate routes the static replicas its config lists, at once (not 6 s of waiting, then 503).
+    engines = await start_sims(nursery, 2, env=KV_SIM_ENV, num_blocks=512, block_size=16, time_scale=0, seed=0,
+                               extra=KV_SIM_EXTRA)
+    port = free_port()
+    candidate = await start_llmgw(cluster_config(engines, f"redis://127.0.0.1:{port}", cluster_name))
+    async with httpx.AsyncClient(timeout=30) as http:
+        for _ in range(5):
+            started = trio.current_time()
+            response = await http.post(candidate.url + "/v1/chat/completions", json=CHAT)
+            assert response.status_code == 200, response.text
+            assert trio.current_time() - started < 2.0
+        health = (await http.get(candidate.control_url + "/health")).json()
+        assert health["state"]["degraded"] is True  # and it says why it routes on its own config
+        listed = (await http.get(candidate.control_url + "/admin/replicas")).json()
+        assert sorted(r["name"] for r in listed) == ["sim-0", "sim-1"]
+        assert any("routes its own config's static replicas" in line for line in candidate.lines)
+        # Redis comes up: the candidate leads and publishes the same replicas, routing all along.
+        traffic = TrafficRecorder(http, candidate.url)
+        async with trio.open_nursery() as running:
+            await running.start(traffic.run)
+            await PrivateRedis(nursery, tmp_path / "redis-late").start(port)
+            with trio.fail_after(15):
+                while not (await http.get(candidate.control_url + "/health")).json()["state"]["leader"]["leading"]:
+                    await trio.sleep(0.05)
+            await wait_kv_healthy(candidate.control_url, len(engines))
+            await trio.sleep(1.0)
+            running.cancel_scope.cancel()
+        assert traffic.sent() and not traffic.failed(), traffic.summary()
