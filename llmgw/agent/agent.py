@@ -28,7 +28,12 @@ Statuses are buffered while disconnected, the latest per shard winning; the
 Register of the next connection carries the full current state and replaces
 the buffer (so an older status never lands after a newer state). Any
 connection error leads to a reconnect after a capped exponential backoff
-(50 ms doubling to 5 s, reset once registered).
+(50 ms doubling to a heartbeat interval, at most 5 s; from 50 ms again after a
+session it was registered on, so a leader that closes its sessions at the end
+of its term sees them at the next one at once). A session whose control plane
+went silent is given up after :func:`~llmgw.wire.liveness.silence_limit`, and
+the next dial goes to another of the ``--join`` URLs first. Every failed dial
+is logged with the URL it tried and why.
 """
 
 from __future__ import annotations
@@ -57,12 +62,11 @@ from ..wire.channel import (
     UpgradeRefused,
     WebSocketConnector,
 )
+from ..wire.liveness import BACKOFF_FIRST, next_backoff, silence_limit
 from .statelock import StateDirLock
 
 log = logging.getLogger(__name__)
 
-BACKOFF_FIRST = 0.05
-BACKOFF_CAP = 5.0
 REGISTER_TIMEOUT = 10.0
 OUTBOX_SIZE = 256
 SECRET_FILE = "node-secret"
@@ -186,6 +190,8 @@ class Agent:
         delay = BACKOFF_FIRST
         while True:
             sessions = self.sessions
+            tried = self.connector.url
+            error: BaseException | None = None
             try:
                 register = await self._register_message()  # before dialling: the control plane waits for it
                 try:
@@ -196,28 +202,34 @@ class Agent:
                         raise AgentRefused(refused.message) from None
                     raise
             except* AgentRefused as group:  # a wrong token does not heal by retrying: the agent stops
-                self.announce(f"llmgw-agent {self.node_id} refused by {self.connector.url}: {group.exceptions[0]}")
+                self.announce(f"llmgw-agent {self.node_id} refused by {tried}: {group.exceptions[0]}")
                 raise
             except* lost as group:
-                self._lost(group.exceptions[0], delay)
+                error = group.exceptions[0]
             except* Exception:
-                log.exception("the session with %s failed; reconnecting", self.connector.url)
-            self.connected = False
+                log.exception("the session with %s failed; reconnecting", tried)
             if self.sessions != sessions:  # it was registered: start the backoff over
                 delay = BACKOFF_FIRST
+            if error is not None:
+                self._lost(error, delay, tried)
+            self.connected = False
             await trio.sleep(delay)
-            delay = min(delay * 2, BACKOFF_CAP, max(self.heartbeat_interval, BACKOFF_FIRST))
+            delay = next_backoff(delay, self.heartbeat_interval)
 
-    def _lost(self, error: BaseException, delay: float) -> None:
+    def _lost(self, error: BaseException, delay: float, tried: str) -> None:
+        """Say why the dial of (or the session with) ``tried`` ended, and where the next dial goes, when."""
         while isinstance(error, BaseExceptionGroup):
             error = error.exceptions[0]
+        if isinstance(error, ConnectionLost):
+            self.connector.skip()  # a frozen control plane would hold the next upgrade until the connect timeout
         why = str(error) or type(error).__name__
+        then = f"{self.connector.url} in {delay:.2g}s"
         if self.connected:
-            self.announce(f"llmgw-agent {self.node_id} disconnected from {self.connector.url}: {why}; "
-                          "reconnecting (engines keep running)")
+            self.announce(f"llmgw-agent {self.node_id} disconnected from {tried}: {why}; reconnecting to {then} "
+                          "(engines keep running)")
         else:  # a certificate problem needs a human: said louder than a control plane not up yet
             level = logging.WARNING if isinstance(error, ssl.SSLError) else logging.INFO
-            log.log(level, "cannot reach %s (%s); retrying in %.2gs", self.connector.url, why, delay)
+            log.log(level, "cannot reach %s (%s); trying %s", tried, why, then)
         self.connected = False
 
     # -- one connection ------------------------------------------------------------------------------------------
@@ -283,13 +295,13 @@ class Agent:
         log.info("node %s joined: its node secret is in %s", self.node_id, self.state_dir / SECRET_FILE)
 
     async def _read(self, channel: Channel, outbox: trio.MemorySendChannel, interval: float) -> None:
-        silence_limit = max(3 * interval, interval + 5.0)
+        limit = silence_limit(interval)
         while True:
-            with trio.move_on_after(silence_limit):
+            with trio.move_on_after(limit):
                 message = await channel.receive()
                 self._handle(message, outbox)
                 continue
-            raise ConnectionLost(f"the control plane said nothing for {silence_limit:g}s")
+            raise ConnectionLost(f"the control plane said nothing for {limit:g}s")
 
     def _handle(self, message, outbox: trio.MemorySendChannel) -> None:
         nursery = self._nursery

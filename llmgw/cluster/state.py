@@ -3,11 +3,13 @@
 With ``state.backend: redis`` every ``llmgw serve`` of a cluster runs one
 :class:`SharedState` in its root nursery:
 
-- the **control** process (started without ``--role gateway``: exactly one per
-  cluster for now) runs the control plane; its replica sources and KV feeds
-  write through :attr:`SharedState.table` and :attr:`SharedState.kv`, which
-  apply every change locally and record it for the :class:`~.writer.LogWriter`;
-  it also answers the other gateways' resync asks;
+- a **candidate** (started without ``--role gateway``) stands for the
+  cluster's lease (:mod:`.election`); through each term it wins it leads
+  (:class:`~.term.LeaderTerm`, reached as :attr:`SharedState.term`): its
+  control plane's replica sources and KV feeds write through the term's
+  published table and index, which apply every change locally and record it
+  for the term's :class:`~.writer.LogWriter`, and it answers the other
+  gateways' resync asks; between terms it follows like a gateway;
 - a **gateway** process (``--role gateway``) runs no control plane: its replica
   table and KV index follow the control process's (:class:`~.follower.LogFollower`),
   and a drifted index asks the control process for a resync through Redis;
@@ -32,6 +34,7 @@ from ..config.tls import replica_tls_options
 from ..engines.probe import VLLM_GAUGES, engine_gauges
 from ..router.replica import Replica
 from ..router.replicas import DEPLOYED, STATIC
+from ..wire.liveness import hold_window
 from . import records
 from .election import Election, Fence, LeaderWatch, Term
 from .follower import FollowedReplicas, LogFollower
@@ -41,10 +44,11 @@ from .link import RedisLink, Unavailable, cluster_secret
 from .load import LoadSharing
 from .metrics import ClusterMetrics
 from .records import Keys, ReplicaRecord
+from .term import LeaderTerm
 from .tier_learning import TierLearning
 from .writer import LogWriter, PublishedKv, PublishedReplicaTable
 
-Lead = Callable[[PublishedReplicaTable, PublishedKv], Awaitable[None]]
+Lead = Callable[[LeaderTerm], Awaitable[None]]
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -92,22 +96,28 @@ class SharedState:
             if role == CONTROL else None
         self.leader_watch = LeaderWatch(self.link, self.keys, self.settings) if role == GATEWAY else None
         self.identities = SharedIdentities(self.link, self.keys, self.signer, self.metrics)
-        self.writer: LogWriter | None = None
-        self.table: PublishedReplicaTable | None = None  # what the control plane's sources write to (leading)
-        self.kv: PublishedKv | None = None
+        self._term: LeaderTerm | None = None
         kv_index.add_resync_listener(self._ask_resync)
         self._asks: list[tuple[str, str, str]] = []
         self._ask_wake = trio.Event()
         self._terms_led = 0
 
     @property
+    def term(self) -> LeaderTerm | None:
+        """The term this process leads now: None while it follows, and from the moment a term is over (its lease
+        expired or was taken, a write was fenced), before what it ran has even unwound."""
+        term = self._term
+        return term if term is not None and not term.over else None
+
+    @property
     def leading(self) -> bool:
-        return self.writer is not None
+        return self.term is not None
 
     async def run(self, lead: "Lead | None" = None, settled: Callable[[], bool] | None = None, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run until cancelled. A candidate (control role) runs ``lead(table, kv)`` through each term it wins;
-        ``settled``: the term's control plane is past its adoption window (nothing is published before)."""
+        """Run until cancelled. A candidate (control role) runs ``lead(term)`` in each term it wins (a
+        :class:`~.term.LeaderTerm`); ``settled``: the term's control plane is past its adoption window (nothing is
+        published before)."""
         async with trio.open_nursery() as nursery:
             await nursery.start(self.link.run)
             await nursery.start(self.load.run)
@@ -144,7 +154,7 @@ class SharedState:
                 following.cancel_scope.cancel()
             await self._lead(term, lead, settled)
 
-    async def _lead(self, term: Term, lead: "Lead", settled: Callable[[], bool]) -> None:
+    async def _lead(self, lease: Term, lead: "Lead", settled: Callable[[], bool]) -> None:
         """One term: the control plane runs on the table and index this process followed, which it publishes on
         from where the previous leader's log ended when it holds that state exactly (:meth:`LogFollower.catch_up`);
         the replicas it followed stay in routing, held, until ``lead``'s sources claim them (the config's, the
@@ -155,43 +165,44 @@ class SharedState:
         failed = False
         continues = await self.follower.catch_up(min(self.settings.timeout, self.settings.lease_ttl / 4))
         self.followed.hold()
-        fence = Fence(self.link, self.keys, self.election, term, self.metrics)
+        fence = Fence(self.link, self.keys, self.election, lease, self.metrics)
         writer = LogWriter(self.link, self.keys, self.settings, self.replicas, self.kv_index, self.metrics,
-                           f"{self.origin}.{term.generation}.{self._terms_led}", fence, self.signer, continues)
-        self.writer, self.table, self.kv = writer, PublishedReplicaTable(self.replicas, writer, self._hand_over), \
-            PublishedKv(self.kv_index, writer)
-        log.info("cluster state: term %d %s", term.generation,
+                           f"{self.origin}.{lease.generation}.{self._terms_led}", fence, self.signer, continues)
+        table, kv = PublishedReplicaTable(self.replicas, writer, self._hand_over), PublishedKv(self.kv_index, writer)
+        log.info("cluster state: term %d %s", lease.generation,
                  "continues the log of %s from batch %d" % continues if continues is not None else
                  "starts a new log")
         try:
-            with term.scope:
+            with lease.scope:
                 async with trio.open_nursery() as nursery:
+                    self._term = term = LeaderTerm(lease, writer, table, kv, nursery)
                     # A process that holds the cluster's state (it followed it, or led before) publishes it at
                     # once; only a fresh one waits until its control plane has settled (agents back, KV copies in).
                     known = self.follower.loaded.is_set() or self._terms_led > 1 or continues is not None
-                    await nursery.start(writer.run, (lambda: True) if known else settled)
-                    nursery.start_soon(self._answer_asks)
-                    nursery.start_soon(self._let_held_go, self.held_for)
-                    await lead(self.table, self.kv)
+                    await term.start(writer.run, (lambda: True) if known else settled)
+                    term.start_soon(self._answer_asks)
+                    term.start_soon(self._let_held_go, term, self.held_for)
+                    await lead(term)
                     nursery.cancel_scope.cancel()  # the control plane stopped (it could not start): so does the term
                     failed = True
         except Exception:  # a bug in the control plane ends the term, never the process (it stands again)
-            log.exception("cluster leader: term %d failed", term.generation)
+            log.exception("cluster leader: term %d failed", lease.generation)
             failed = True
         finally:
-            self.kv.close()
-            self.writer = self.table = self.kv = None
+            kv.close()
+            self._term = None
             self.followed.adopt_all()
             self.follower.restart()
-            self.election.end_term("ended", term)
+            self.election.end_term("ended", lease)
             if failed:  # let another candidate lead; this one stands again later
                 self.election.pause(FAILED_TERM_PAUSE * self.settings.lease_ttl)
 
     @property
     def held_for(self) -> float:
         """How long a new leader routes to the replicas it held from the previous one without a source of its own
-        claiming them: the adoption window and three heartbeats more for their agents to re-register."""
-        return 4 * self.config.agents.heartbeat_interval + 1.0
+        claiming them: until every agent of the previous leader can have noticed and re-registered here
+        (:func:`llmgw.wire.liveness.hold_window`)."""
+        return hold_window(self.config.agents.heartbeat_interval, self.settings.lease_ttl)
 
     def _hand_over(self, replica: Replica) -> ReplicaRecord | None:
         record = self.followed.hand_over(replica)
@@ -199,19 +210,18 @@ class SharedState:
             self.metrics.held.labels("claimed").inc()
         return record
 
-    async def _let_held_go(self, after: float) -> None:
+    async def _let_held_go(self, term: LeaderTerm, after: float) -> None:
         """The held replicas no source claimed within ``after`` seconds leave routing (and the index), here and
         on every follower."""
         await trio.sleep(after)
-        assert self.writer is not None and self.kv is not None
         for name, record in self.followed.held().items():
             log.warning("replica %s (%s at %s) leaves routing: held from the previous leader, it was not claimed "
                         "within %gs of this term's start (its agent did not re-register, or the config here does "
                         "not list it)", name, record.model, record.url, after)
             self.metrics.held.labels("dropped").inc()
-            self.writer.record([records.REMOVE, name])
+            term.writer.record([records.REMOVE, name])
             self.followed.remove(name, "not claimed by the new leader")
-            self.kv.remove(name)
+            term.kv.remove(name)
 
     @property
     def leader_holder(self) -> dict[str, Any] | None:
@@ -244,9 +254,10 @@ class SharedState:
         watch = self.election or self.leader_watch
         if watch is not None:
             answer["leader"] = watch.describe()
-        if self.writer is not None:
-            answer["log"] = {"writer": self.writer.writer_id, "seq": self.writer.seq,
-                             "published": self.writer.published}
+        term = self.term
+        if term is not None:
+            writer = term.writer
+            answer["log"] = {"writer": writer.writer_id, "seq": writer.seq, "published": writer.published}
         else:
             answer["log"] = {"writer": self.follower.writer, "seq": self.follower.seq,
                              "loaded": self.follower.loaded.is_set()}
@@ -292,9 +303,10 @@ class SharedState:
         except (KeyError, ValueError, TypeError, AttributeError, records.RecordError):
             self.metrics.bad_records.labels("requests").inc()
             return
-        if self.kv is None:
+        term = self.term
+        if term is None:
             return  # the term just ended
-        self.kv.remote_resync(replica_id, mode, f"{str(reason)[:300]} (seen by gateway {origin})")
+        term.kv.remote_resync(replica_id, mode, f"{str(reason)[:300]} (seen by gateway {origin})")
 
 
 class ReplicaBuilder:

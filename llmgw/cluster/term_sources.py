@@ -9,9 +9,10 @@ a full copy) instead of one that missed what the engines stored while there
 was no leader.
 
 While this process leads, :class:`TermTable` and :class:`TermKv` pass every
-change to the term's :class:`~.writer.PublishedReplicaTable` and
-:class:`~.writer.PublishedKv` (this process's table and index, and the
-cluster's log); while it follows, changes are dropped (the leader's log
+change to the current term's (:class:`~.term.LeaderTerm`)
+:class:`~.writer.PublishedReplicaTable` and :class:`~.writer.PublishedKv`
+(this process's table and index, and the cluster's log); while it follows,
+and from the moment a term is over, changes are dropped (the leader's log
 drives the table and index) and reads go to this process's own copies.
 Before this process holds any copy of the cluster's state (Redis down at a
 cold start), :class:`TermTable` routes the config's own static replicas
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from ..kv.index import KvIndex
     from ..router.replicas import ReplicaSet
     from .follower import FollowedReplicas
+    from .term import LeaderTerm
     from .writer import PublishedKv, PublishedReplicaTable
 
 log = logging.getLogger(__name__)
@@ -41,15 +43,20 @@ log = logging.getLogger(__name__)
 class TermTable(TableReads):
     """A :class:`~llmgw.control.interfaces.ReplicaTable` that writes only while this process leads."""
 
-    def __init__(self, inner: "ReplicaSet", fallback: "FollowedReplicas | None" = None,
-                 loaded: Callable[[], bool] = lambda: True):
-        """``fallback``: what this process follows, where the config's replicas go while ``loaded()`` is False
-        (no copy of the cluster's state yet)."""
+    def __init__(self, inner: "ReplicaSet", terms: Callable[[], "LeaderTerm | None"],
+                 fallback: "FollowedReplicas | None" = None, loaded: Callable[[], bool] = lambda: True):
+        """``terms()``: the term this process leads now, if any; ``fallback``: what this process follows, where
+        the config's replicas go while ``loaded()`` is False (no copy of the cluster's state yet)."""
         self.inner = inner
-        self.term: PublishedReplicaTable | None = None
+        self._terms = terms
         self.fallback = fallback
         self.loaded = loaded
         self._told = False
+
+    @property
+    def term(self) -> "PublishedReplicaTable | None":
+        term = self._terms()
+        return term.table if term is not None else None
 
     def _fail_static(self) -> "FollowedReplicas | None":
         """Following with no copy of the cluster's state: the followed replicas, which the config's seed."""
@@ -93,10 +100,15 @@ class TermKv(ResyncListeners):
     """A :class:`~llmgw.control.interfaces.KvWriter` that writes only while this process leads; its resync
     listeners (the static replicas' subscriptions) hear this process's index always."""
 
-    def __init__(self, inner: "KvIndex"):
+    def __init__(self, inner: "KvIndex", terms: Callable[[], "LeaderTerm | None"]):
         self.inner = inner
-        self.term: PublishedKv | None = None
+        self._terms = terms  # the term this process leads now, if any
         self._listeners: list[Callable[[str, str, str], None]] = []
+
+    @property
+    def term(self) -> "PublishedKv | None":
+        term = self._terms()
+        return term.kv if term is not None else None
 
     def apply(self, replica_id: str, changes: ChangesFields) -> None:
         if self.term is not None:

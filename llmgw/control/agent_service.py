@@ -23,6 +23,13 @@ is answered with ``Registered(accepted=False)`` and closed, counted in
 without the token or secret. The embedded agent's in-process channel is
 trusted (it is this process), and no remote agent can take its node id.
 
+Every connection runs in the service's nursery (:meth:`AgentService.serve`
+hands an accepted websocket over from the control server's connection task),
+which lives as long as its control plane: in a cluster, one leader's term. So
+the end of a term closes every session it admitted (the agents see the
+connection close and register with the next leader at once), and no session
+outlives the control plane it reports to.
+
 An :class:`AgentSession` owns, in its own nursery, a reader (every receive under
 a deadline: silence past ``suspect_after`` makes the node suspect, past
 ``disconnected_after`` ends the session), a writer (the only task that sends,
@@ -306,9 +313,39 @@ class AgentService(TaskHost):
 
     async def accept_in_process(self, channel: Channel) -> None:
         """Serve the control plane's end of an in-process channel (the embedded agent), trusted."""
-        self.spawn(self.serve, channel, True)  # its run() owns the sessions of in-process agents
+        self.spawn(self._serve_contained, channel, True, trio.CancelScope(), trio.Event())
 
     async def serve(self, channel: Channel, trusted: bool = False) -> None:
+        """Serve one connection (an accepted ``/agent`` websocket; ``trusted``: this process's own) until it ends:
+        the connection is handed to this service's nursery, so the end of the service (its control plane's term)
+        ends it too, and a caller that goes away ends it as well. A service that is not running closes the
+        channel at once, unread."""
+        scope, done = trio.CancelScope(), trio.Event()
+        if not self.running:
+            await self._close(channel)
+            return
+        self.spawn(self._serve_contained, channel, trusted, scope, done)
+        try:
+            await done.wait()
+        finally:
+            scope.cancel()
+
+    async def _serve_contained(self, channel: Channel, trusted: bool, scope: trio.CancelScope,
+                               done: trio.Event) -> None:
+        """:meth:`_serve` in the service's nursery: a failure ends this connection, never the service."""
+        try:
+            with scope:
+                await self._serve(channel, trusted)
+        except Exception:
+            log.exception("the session on %s failed", channel.peer)
+        finally:
+            done.set()
+
+    async def _close(self, channel: Channel) -> None:
+        with trio.CancelScope(shield=True), trio.move_on_after(self.settings.close_timeout):
+            await channel.aclose()
+
+    async def _serve(self, channel: Channel, trusted: bool) -> None:
         """Run one connection from its Register to its end."""
         try:
             session = await self._admit(channel, trusted)
@@ -323,8 +360,7 @@ class AgentService(TaskHost):
                 log.info("session of node %s (%s) ended: %s", session.node_id, session.peer, reason)
                 self.handler.on_end(session, reason)
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(self.settings.close_timeout):
-                await channel.aclose()
+            await self._close(channel)
 
     async def _admit(self, channel: Channel, trusted: bool) -> AgentSession | None:
         settings = self.settings

@@ -122,24 +122,27 @@ class ControlPlane:
         remote = bool(SessionSettings.from_config(self.config.agents).join_tokens)
         grace = self.config.agents.heartbeat_interval + 1.0 if remote else 0.0
         self.reconciler.place_after = trio.current_time() + grace
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self.agents.run)
-            await nursery.start(self.deployed.run)
-            self._running = True
-            self.apply_config(self.config)
-            task_status.started()
-            if grace:
-                log.info("waiting %gs for agents to report running shards before placing new ones", grace)
-                nursery.start_soon(self._wake_at, self.reconciler.place_after)
-            while True:
-                with trio.move_on_after(RECONCILE_INTERVAL):
-                    await self._wake.wait()
-                self._wake = trio.Event()
-                try:
-                    self.reconcile()
-                except Exception:  # a bug in one pass must not stop the gateway: the next pass tries again
-                    self.metrics.reconcile_failures.inc()
-                    log.exception("a reconcile pass failed; the control plane carries on")
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.agents.run)
+                await nursery.start(self.deployed.run)
+                self._running = True
+                self.apply_config(self.config)
+                task_status.started()
+                if grace:
+                    log.info("waiting %gs for agents to report running shards before placing new ones", grace)
+                    nursery.start_soon(self._wake_at, self.reconciler.place_after)
+                while True:
+                    with trio.move_on_after(RECONCILE_INTERVAL):
+                        await self._wake.wait()
+                    self._wake = trio.Event()
+                    try:
+                        self.reconcile()
+                    except Exception:  # a bug in one pass must not stop the gateway: the next pass tries again
+                        self.metrics.reconcile_failures.inc()
+                        log.exception("a reconcile pass failed; the control plane carries on")
+        finally:
+            self.freeze()  # over (its term ended): nothing it still holds may command an agent
 
     async def _wake_at(self, deadline: float) -> None:
         await trio.sleep_until(deadline)
@@ -154,7 +157,8 @@ class ControlPlane:
         self.request_reconcile()
 
     def freeze(self) -> None:
-        """Stop reconciling (the gateway is stopping its embedded engines on exit)."""
+        """Stop reconciling and commanding agents for good (the gateway is stopping its embedded engines on exit,
+        or this control plane's run ended with its term)."""
         self._running = False
 
     def closing(self) -> None:
@@ -296,6 +300,8 @@ class ControlPlane:
         """The router's index of ``replica_id`` drifted (:mod:`llmgw.kv.drift`): ask the agent running its leader
         shard for a resync (a replica this control plane did not place is not its business: static replicas
         resync their own subscription)."""
+        if not self._running:
+            return  # a control plane whose term is over commands no agent
         for assignment in self.reconciler.assignments.values():
             if assignment.replica_id == replica_id and not assignment.retiring:
                 leader = assignment.leader

@@ -16,7 +16,15 @@ class TaskHost:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
-            await trio.sleep_forever()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None  # before the nursery closes to new arrivals: spawn() is refused from now on
+
+    @property
+    def running(self) -> bool:
+        """Whether :meth:`spawn` may be called: from :meth:`run`'s start until it is cancelled."""
+        return self._nursery is not None
 
     def spawn(self, fn, *args) -> None:
         assert self._nursery is not None, self.not_running

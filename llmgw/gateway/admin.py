@@ -170,13 +170,16 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
         peer = f"{websocket.remote_addr or '?'}"
         # quart's websocket is a context-local proxy: hand the session the object behind it
         ws = websocket._get_current_object()  # type: ignore[attr-defined]
-        if gateway.control is None:
+        control = gateway.agent_control()
+        if control is None:
             return not_leading()
-        agents = gateway.control.agents
+        agents = control.agents
         with agents.upgrade(AgentCredentials.from_headers(ws.headers), peer) as refusal:
             if refusal is not None:
                 return _error(refusal.status, refusal.message, refusal.reason, headers=refusal.headers)
             await ws.accept()
+            # The session runs in the control plane's nursery (its term's), not in this connection's task: the
+            # term's end closes it, and this task only waits for it.
             await agents.serve(quart_channel(ws, f"agent at {peer}"))
         return None
 

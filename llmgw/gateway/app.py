@@ -54,7 +54,7 @@ from .reload_guard import Refusal, ReloadMetrics, ReloadOutcome, refusal, restar
 
 if TYPE_CHECKING:
     from ..agent.agent import Agent
-    from ..cluster.writer import PublishedKv, PublishedReplicaTable
+    from ..cluster.term import LeaderTerm
 
 log = logging.getLogger(__name__)
 SETTLE_SECONDS = 2.0  # the least a control process waits after its start before it publishes the shared state
@@ -105,7 +105,7 @@ class Gateway:
         self.adjust_config = adjust_config
         self.embedded_discovery = embedded_discovery
         self.stop_engines_on_exit = stop_engines_on_exit
-        self.embedded_agent: Agent | None = None
+        self._own_agent: Agent | None = None  # the embedded agent of a process without a shared state
         self.registry = registry or default_registry()
         check_config_plugins(config, self.registry)
         self.metrics = Metrics()
@@ -145,22 +145,22 @@ class Gateway:
         elif role != CONTROL:
             raise ConfigError([issue_at(config.state, "backend", "--role gateway follows a cluster's shared state: "
                                         "it needs backend: redis")])
-        # With a shared state, a control process is a candidate: its control plane runs (built anew) through each
-        # term it leads the cluster (_lead); without one, for the process's life.
+        # With a shared state, a control process is a candidate: its control plane runs (built anew) in each term
+        # it leads the cluster (_lead), and is reached through that term; without one, for the process's life.
         self.static: StaticReplicas | None = None
-        self.control: ControlPlane | None = None
+        self._own_control: ControlPlane | None = None
         self._listening: list[tuple[str, int]] = []
-        self._term_started = 0.0
-        self.term_table: TermTable | None = None
         self.term_kv: TermKv | None = None
         if role == CONTROL and self.shared is None:
             self.static = StaticReplicas(self.replicas, self.kv_index, self.registry, self.metrics.registry)
-            self.control = self._build_control(self.replicas, self.kv_index)
-        elif role == CONTROL:  # a candidate: the config's replicas and their KV events are followed all along
-            assert self.shared is not None  # until the first snapshot, the config's replicas are routed from here
-            self.term_table = TermTable(self.replicas, self.shared.followed, self.shared.follower.loaded.is_set)
-            self.term_kv = TermKv(self.kv_index)
-            self.static = StaticReplicas(self.term_table, self.term_kv, self.registry, self.metrics.registry)
+            self._own_control = self._build_control(self.replicas, self.kv_index)
+        elif self.shared is not None and role == CONTROL:  # a candidate: the config's replicas are followed always
+            terms = functools.partial(getattr, self.shared, "term")
+            self.term_kv = TermKv(self.kv_index, terms)
+            # Until its first copy of the cluster's state, it routes its config's replicas (fail-static).
+            self.static = StaticReplicas(TermTable(self.replicas, terms, self.shared.followed,
+                                                   self.shared.follower.loaded.is_set),
+                                         self.term_kv, self.registry, self.metrics.registry)
         if self.shared is not None:
             self.dataplane.wait_for_replica = self._wait_for_replica
             self.dataplane.wait_for_models = self.shared.wait_for_models
@@ -171,6 +171,23 @@ class Gateway:
         self._reload_metrics = ReloadMetrics(self.metrics.registry)
         self.readiness = self.dataplane.readiness = Readiness(self.router, lambda: self.draining,
                                                               self._state_loaded)
+
+    @property
+    def control(self) -> ControlPlane | None:
+        """The control plane: this process's own without a shared state; with one, the one of the term this
+        process leads (None while it follows, and from the moment its term is over)."""
+        if self.shared is None:
+            return self._own_control
+        term = self.shared.term
+        return term.control if term is not None else None
+
+    @property
+    def embedded_agent(self) -> "Agent | None":
+        """The in-process agent, while it runs (with a shared state: in the term this process leads)."""
+        if self.shared is None:
+            return self._own_agent
+        term = self.shared.term
+        return term.embedded_agent if term is not None else None
 
     def _build_control(self, table: ReplicaTable, kv: KvWriter) -> ControlPlane:
         key = self.shared.placement_key if self.shared is not None else None
@@ -183,44 +200,43 @@ class Gateway:
             return await self.control.wait_for_replica(model)
         return await self.shared.wait_for_replica(model)
 
+    def agent_control(self) -> ControlPlane | None:
+        """The control plane that may take an agent's session now: none on a follower, and none from the moment
+        this process's term is over (before its control plane has even unwound), so a new ``/agent`` upgrade is
+        answered ``503 not_leader`` rather than accepted by a control plane that cannot serve it."""
+        control = self.control
+        return control if control is not None and control.agents.running else None
+
     def _state_loaded(self) -> bool:
         """Whether this process knows the cluster's models: always, but for a follower of a cluster before its
         first copy of the shared state (while it leads, it has its own)."""
         shared = self.shared
         return shared is None or shared.leading or shared.follower.loaded.is_set()
 
-    async def _lead(self, table: "PublishedReplicaTable", kv: "PublishedKv") -> None:
-        """One term as the cluster's leader (:mod:`llmgw.cluster.election`): the control plane, the config's
-        replicas and the embedded agent, until the term's scope is cancelled."""
-        self._term_started = trio.current_time()
-        assert self.static is not None and self.term_table is not None and self.term_kv is not None
+    async def _lead(self, term: "LeaderTerm") -> None:
+        """One term as the cluster's leader (:mod:`llmgw.cluster.term`): the control plane (and through it every
+        agent session it admits), the config's replicas and the embedded agent, all in the term's nursery, so
+        they end with it."""
+        shared = self.shared
+        assert shared is not None and self.static is not None and self.term_kv is not None
         try:
-            control = self._build_control(table, kv)
+            control = self._build_control(term.table, term.kv)
         except Exception:  # e.g. an unreadable identity store: this process cannot lead, but it still routes
             log.exception("cluster leader: the control plane cannot start here; the term ends")
             return
-        shared = self.shared
-        assert shared is not None and shared.writer is not None
-        try:
-            async with trio.open_nursery() as nursery:
-                await shared.identities.load_into(control.identities)  # before any agent is served
-                nursery.start_soon(shared.identities.write_from, control.identities, shared.writer.fence)
-                # The replicas followed until now stay in routing, held, until the sources below claim them.
-                self.term_table.term, self.term_kv.term = table, kv
-                kv.remote_listeners.append(self.term_kv.remote_resync)
-                self.static.rejoin(self.config)
-                self.term_kv.resync_all(self.static.kv_fed(), "a new term starts: publish the engine's truth")
-                self.control = control
-                await nursery.start(control.run)
-                if self._listening:
-                    control.reports.listening(self._listening)
-                if self.config.agents.embedded:
-                    await nursery.start(self._run_embedded_agent)
-                await trio.sleep_forever()
-        finally:
-            self.term_table.term = self.term_kv.term = None
-            self.control = None
-            self.embedded_agent = None
+        await shared.identities.load_into(control.identities)  # before any agent is served
+        term.start_soon(shared.identities.write_from, control.identities, term.writer.fence)
+        # The replicas followed until now stay in routing, held, until the sources below claim them.
+        term.kv.remote_listeners.append(self.term_kv.remote_resync)
+        self.static.rejoin(self.config)
+        self.term_kv.resync_all(self.static.kv_fed(), "a new term starts: publish the engine's truth")
+        term.control = control
+        await term.start(control.run)
+        if self._listening:
+            control.reports.listening(self._listening)
+        if self.config.agents.embedded:
+            await term.start(self._run_embedded_agent, control, term)
+        await trio.sleep_forever()
 
     async def run(self, listen: tuple[str, int] | None = None, control_listen: tuple[str, int] | None = None, *,
                   reuse_port: bool = False, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -268,8 +284,8 @@ class Gateway:
                                        "https" if self.config.control_tls else "http")
             if self.shared is not None:
                 self.shared.listening(self.addresses.control_url)
-            if self.config.agents.embedded and self.shared is None:
-                await nursery.start(self._run_embedded_agent)
+            if self.config.agents.embedded and self._own_control is not None:
+                await nursery.start(self._run_embedded_agent, self._own_control, None)
             elif self.config.agents.embedded and self.role != CONTROL:
                 log.info("--role gateway: the config's embedded agent runs in the control-plane process only")
             log.debug("llmgw serving the OpenAI API on %s and the control API on %s",
@@ -287,13 +303,15 @@ class Gateway:
         """What this leader knows is worth publishing (followers keep their last view until then): its term's
         adoption window is over, and the replicas whose KV events it follows have sent their first copy (or
         ``KV_SETTLE_SECONDS`` passed), so a restart never shows the cluster an empty index."""
-        if self.control is None or self.static is None:
+        term = self.shared.term if self.shared is not None else None
+        control = term.control if term is not None else None
+        if term is None or control is None or self.static is None:
             return False  # the term's control plane is not up yet
         now = trio.current_time()
-        started = max(self._started_at, self._term_started)
-        if now < max(self.control.reconciler.place_after, started + SETTLE_SECONDS):
+        started = max(self._started_at, term.started_at)
+        if now < max(control.reconciler.place_after, started + SETTLE_SECONDS):
             return False
-        fed = [*self.static.kv_fed(), *self.control.kv_fed()]
+        fed = [*self.static.kv_fed(), *control.kv_fed()]
         return now >= started + KV_SETTLE_SECONDS or all(
             self.kv_index.state(name) is not IndexState.NO_EVENTS for name in fed)
 
@@ -327,19 +345,24 @@ class Gateway:
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError([issue_at(tls, "cert_file", f"cannot be used: {describe_tls_error(exc)}")]) from None
 
-    async def _run_embedded_agent(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """This machine's agent, in-process: the same Agent and session code as a remote one."""
+    async def _run_embedded_agent(self, control: ControlPlane, term: "LeaderTerm | None", *,
+                                  task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """This machine's agent, in-process (the same Agent and session code as a remote one), joined to
+        ``control``: the process's own, or ``term``'s."""
         from ..agent.agent import Agent
         from ..wire.channel import InProcessConnector
 
         agents = self.config.agents
         node_id = agents.embedded_node_id
-        assert self.control is not None
-        connector = InProcessConnector(self.control.accept_in_process, f"embedded agent {node_id}")
-        self.embedded_agent = agent = Agent(connector, node_id=node_id, discovery=self.embedded_discovery,
-                                            state_dir=agents.state_dir, address="127.0.0.1", registry=self.registry,
-                                            metrics_registry=self.metrics.registry, engine_ports=agents.engine_ports,
-                                            announce=lambda line: log.debug("%s", line))  # the control side logs it
+        connector = InProcessConnector(control.accept_in_process, f"embedded agent {node_id}")
+        agent = Agent(connector, node_id=node_id, discovery=self.embedded_discovery, state_dir=agents.state_dir,
+                      address="127.0.0.1", registry=self.registry, metrics_registry=self.metrics.registry,
+                      engine_ports=agents.engine_ports,
+                      announce=lambda line: log.debug("%s", line))  # the control side logs it
+        if term is not None:
+            term.embedded_agent = agent
+        else:
+            self._own_agent = agent
         await agent.run(task_status=task_status)
 
     async def reload(self, *, allow_empty: bool = False) -> ReloadOutcome:

@@ -60,6 +60,14 @@ class ChannelClosed(Exception):
     """The peer went away (or the channel was closed on this side)."""
 
 
+class DialFailed(ConnectionError):
+    """No channel could be opened to ``url``: the message says why (never a bare exception name)."""
+
+    def __init__(self, url: str, why: str):
+        super().__init__(f"{url}: {why}")
+        self.url = url
+
+
 class FrameTooLarge(wire.WireError):
     """A frame above the channel's ``max_frame_bytes``: refused unread."""
 
@@ -238,7 +246,11 @@ class Connector(Protocol):
 
     def connect(self, credentials: AgentCredentials) -> AbstractAsyncContextManager[Channel]:
         """An async context manager yielding a fresh channel to the control plane (:class:`UpgradeRefused` when
-        it refuses ``credentials`` at the door)."""
+        it refuses ``credentials`` at the door, :class:`DialFailed` when nothing answers the upgrade)."""
+
+    def skip(self) -> None:
+        """The last channel's peer went silent: dial another of its URLs first, if it has several (a frozen
+        process accepts the TCP connection and holds the upgrade until the connect timeout)."""
 
 
 LEADER_HEADER = "X-Llmgw-Leader"  # on a refused upgrade: where the cluster's leader is (its control URL)
@@ -275,7 +287,7 @@ class WebSocketConnector:
 
     @asynccontextmanager
     async def connect(self, credentials: AgentCredentials) -> AsyncIterator[Channel]:
-        from trio_websocket import ConnectionRejected, ConnectionTimeout, open_websocket_url
+        from trio_websocket import ConnectionRejected, ConnectionTimeout, HandshakeError, open_websocket_url
 
         async with AsyncExitStack() as stack:
             try:
@@ -285,12 +297,23 @@ class WebSocketConnector:
             except ConnectionTimeout:
                 if self.ssl_context is not None:
                     await self._diagnose_tls()
-                raise
+                raise DialFailed(self.url, f"no answer to the websocket upgrade within {self.connect_timeout:g}s "
+                                           "(a frozen or overloaded process, or not an llmgw control port)") from None
             except ConnectionRejected as exc:
                 leader = {name.lower(): value for name, value in exc.headers or ()}.get(LEADER_HEADER.lower().encode())
                 raise UpgradeRefused(exc.status_code, _refusal_message(exc.body),
                                      leader.decode("latin-1")[:2048] if leader else None) from None
+            except HandshakeError as exc:
+                raise DialFailed(self.url, f"the websocket upgrade failed ({type(exc).__name__}: "
+                                           f"{exc or exc.__cause__ or 'no detail'})") from None
+            except OSError as exc:
+                if isinstance(exc, ssl.SSLError):
+                    raise
+                raise DialFailed(self.url, str(exc) or type(exc).__name__) from None
             yield websocket_channel(ws, f"control plane {self.url}")
+
+    def skip(self) -> None:
+        pass  # one URL: it is the only one to dial
 
     async def _diagnose_tls(self) -> None:
         """trio-websocket reports a failed TLS handshake as a timeout: try one to say what is wrong (a certificate
@@ -335,6 +358,9 @@ class FailoverConnector:
                 self._move_on(exc)
             raise
 
+    def skip(self) -> None:
+        self.current = (self.current + 1) % len(self.connectors)
+
     def _move_on(self, exc: BaseException) -> None:
         leader = exc.leader if isinstance(exc, UpgradeRefused) else None
         if leader:
@@ -346,7 +372,7 @@ class FailoverConnector:
                 if connector.url == wanted:
                     self.current = index
                     return
-        self.current = (self.current + 1) % len(self.connectors)
+        self.skip()
 
 
 class InProcessConnector:
@@ -365,6 +391,9 @@ class InProcessConnector:
             yield agent_end
         finally:
             await agent_end.aclose()
+
+    def skip(self) -> None:
+        pass  # this process: the only one there is
 
 
 def _refusal_message(body: bytes | None) -> str:

@@ -34,9 +34,9 @@ async def test_an_idle_writer_waits_for_a_change_instead_of_spinning(gateway_in_
 
     gateway = await gateway_in_process(config(1))
     with trio.fail_after(15):
-        while gateway.gateway.shared.writer is None:  # elected: its term's writer
+        while gateway.gateway.shared.term is None:  # elected
             await trio.sleep(0.05)
-        writer = gateway.gateway.shared.writer
+        writer = gateway.gateway.shared.term.writer
         while not writer.published or writer.dirty:  # the first snapshot is out, and nothing changed since
             await trio.sleep(0.05)
     await trio.sleep(0.3)  # the last snapshot is now older than snapshot_interval

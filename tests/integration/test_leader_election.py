@@ -454,3 +454,58 @@ async def test_a_held_replica_whose_agent_does_not_come_back_leaves_routing_afte
         assert not listed.get(name, {}).get("held")
         assert metric_value((await http.get(second.control_url + "/metrics")).text,
                             "llmgw_cluster_held_replicas_total", 'outcome="dropped"') == 1
+
+
+async def test_a_leader_frozen_7s_loses_no_request_at_the_other_candidate_whose_term_adopts_the_agents_engine(
+        leader_pair_with_an_agent, cluster):
+    from llmgw.wire.channel import AgentCredentials, UpgradeRefused, WebSocketConnector
+
+    first_serve, second, agent, pids = leader_pair_with_an_agent
+    (name,) = pids
+    async with httpx.AsyncClient(timeout=30) as http:
+        answers: list[tuple[int, str]] = []
+        listings: list[dict | None] = []
+        stop = trio.Event()
+
+        async def traffic():
+            while not stop.is_set():
+                response = await http.post(second.data_url + "/v1/chat/completions", json=CHAT)
+                answers.append((response.status_code, response.text[:300]))
+                await trio.sleep(0.05)
+
+        async def watch():
+            while not stop.is_set():
+                listings.append((await second.replicas()).get(name))
+                await trio.sleep(0.05)
+
+        async with trio.open_nursery() as watching:
+            watching.start_soon(traffic)
+            watching.start_soon(watch)
+            await trio.sleep(0.5)
+            # The leader freezes (a long GC, a stopped VM): its socket stays open, its lease runs out, the other
+            # candidate leads. The agent hears nothing, gives the session up after its silence limit (5.5 s at a
+            # 0.5 s heartbeat) and dials the other URL, whose term still holds the replica.
+            first_serve.kill(signal.SIGSTOP)
+            try:
+                await trio.sleep(7)
+            finally:
+                first_serve.kill(signal.SIGCONT)
+            await second.wait_for("the engine adopted by the new leader", lambda: adopted_on(second, pids), timeout=30)
+            await trio.sleep(1.0)
+            stop.set()
+        assert answers and all(status == 200 for status, _ in answers), [a for a in answers if a[0] != 200]
+        assert listings and all(entry is not None and entry["url"] and entry["state"] == "up" for entry in listings), \
+            [entry and {k: entry.get(k) for k in ("url", "state", "reason", "held")} for entry in listings
+             if not (entry and entry["url"] and entry["state"] == "up")]
+        assert metric_value((await http.get(second.control_url + "/metrics")).text,
+                            "llmgw_cluster_held_replicas_total", 'outcome="dropped"') == 0.0
+        replicas = await second.replicas()
+        assert adopted_pids(replicas) == pids and restarts(replicas) == {name: 0}
+        assert (await second.nodes())["a"]["state"] == "connected"
+        assert any(f"connected to {agent_url(second.control_url)}" in line for line in agent.lines)
+        # Thawed, the old leader finds its term over: it follows, and sends a new agent to the leader.
+        assert await wait_for_leader(http, [cluster, second], timeout=15) is second
+        with pytest.raises(UpgradeRefused) as refused:
+            async with WebSocketConnector(cluster.control_url).connect(AgentCredentials(token=TOKEN.encode())):
+                pass
+        assert refused.value.status == 503 and refused.value.leader == second.control_url

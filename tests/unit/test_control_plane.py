@@ -3,6 +3,7 @@ channels (the same AgentService path the embedded agent takes). No Gateway, no s
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from llmgw.plugins_manager import build_registry, make_plugin_manager
 from llmgw.router.health import HealthSettings, HealthTracker
 from llmgw.router.replicas import DEPLOYED, STATIC, ReplicaSet
 from llmgw.router.router import Router
-from llmgw.wire.channel import memory_channel_pair
+from llmgw.wire.channel import ChannelClosed, memory_channel_pair
 
 NODES = Path(__file__).resolve().parents[1] / "fixtures" / "nodes"
 UNUSED = "http://127.0.0.1:9"  # the discard port: nothing listens, so probes fail fast (health is not under test)
@@ -48,6 +49,22 @@ deployments:
 """
 
 
+JOIN_TOKEN = "a-join-token"
+
+
+def remote_config(control_state_dir: Path, *parts: str):
+    """Remote agents join with :data:`JOIN_TOKEN`; heartbeats every 0.2 s (adoption window: 1.2 s); the scripted
+    agents send none, so silence is judged only after a minute."""
+    return parse_config(f"""
+agents:
+  token: {JOIN_TOKEN}
+  heartbeat_interval: 0.2s
+  suspect_after: 60s
+  disconnected_after: 120s
+  control_state_dir: {control_state_dir}
+""" + "".join(parts))
+
+
 def config(*parts: str):
     return parse_config("agents: {embedded: true}\n" + "".join(parts))
 
@@ -72,7 +89,8 @@ class Parts:
 
 
 @asynccontextmanager
-async def control_plane(cfg):
+async def control_plane(cfg, term: trio.CancelScope | None = None):
+    """The parts, running; ``term``: the scope the control plane runs in (a cluster's term), cancelled by the test."""
     registry = build_registry(make_plugin_manager())
     metrics = Metrics()
     replicas = ReplicaSet(HealthTracker(HealthSettings(interval=60.0, timeout=1.0), metrics), metrics,
@@ -85,9 +103,14 @@ async def control_plane(cfg):
         await nursery.start(replicas.run)
         await nursery.start(parts.static.run)
         parts.static.apply(cfg)
-        await nursery.start(parts.plane.run)
+        await nursery.start(run_in, parts.plane.run, term or trio.CancelScope())
         yield parts
         nursery.cancel_scope.cancel()
+
+
+async def run_in(run, scope: trio.CancelScope, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    with scope:
+        await run(task_status=task_status)
 
 
 async def settled() -> None:
@@ -109,6 +132,28 @@ class Agent:
         await plane.accept_in_process(control_end)
         await self.channel.send(self.register)
         assert (await self.next(wire.Registered)).accepted
+
+    def dial(self, plane: ControlPlane, nursery: trio.Nursery) -> None:
+        """Connect as a remote agent does: the connection is served from a task of ``nursery`` (the control
+        server's connection task, outside the control plane), as the ``/agent`` route serves an accepted
+        websocket."""
+        self.channel, control_end = memory_channel_pair(f"agent {self.node_id}")
+        nursery.start_soon(plane.agents.serve, control_end)
+
+    async def join(self, plane: ControlPlane, nursery: trio.Nursery) -> None:
+        self.dial(plane, nursery)
+        await self.channel.send(dataclasses.replace(self.register, token=JOIN_TOKEN))
+        assert (await self.next(wire.Registered)).accepted
+
+    async def closed(self) -> list:
+        """What was still sent before the channel closed (fails if it stays open)."""
+        seen = []
+        with trio.fail_after(5):
+            while True:
+                try:
+                    seen.append(await self.channel.receive())
+                except ChannelClosed:
+                    return seen
 
     async def next(self, kind: type):
         """The next message of ``kind`` (heartbeats skipped, errors kept in ``errors``)."""
@@ -305,3 +350,29 @@ async def test_a_shard_report_that_fails_the_check_is_refused_and_told():
             assert parts.plane.inventory.shard("a", start.shard_id) is None  # never recorded
         assert parts.metrics.registry.get_sample_value("llmgw_agent_refused_total",
                                                        {"reason": "invalid_report"}) == 4
+
+
+async def test_the_end_of_its_term_closes_every_session_the_control_plane_admitted_and_it_commands_nothing_after(
+        tmp_path):
+    term = trio.CancelScope()
+    async with trio.open_nursery() as connections:  # the control server's: where /agent's connection tasks run
+        async with control_plane(remote_config(tmp_path, DEPLOYED_TINY), term) as parts:
+            plane = parts.plane
+            a, b, late = Agent("a", "tiny-2gpu-a"), Agent("b", "tiny-2gpu-b"), Agent("late", "tiny-2gpu-b")
+            await a.join(plane, connections)
+            start = await a.start_ready()  # placed once the adoption window is over
+            assert parts.replicas.get(start.replica_id) is not None
+            b.dial(plane, connections)  # admitted, its Register not sent yet
+            await settled()
+
+            term.cancel()  # the term ends (its lease expired, was taken, or a write was fenced)
+            await a.closed()
+            assert await b.closed() == []  # nothing: not even a refusal
+            # The control plane of a term that is over commands nobody, whatever it still holds...
+            assert plane.reconcile() == []
+            assert not any(isinstance(m, (wire.StartShard, wire.StopShard, wire.DrainShard)) for m in await a.closed())
+            # ...and takes no new session (the route answers 503 not_leader before; this is the last guard).
+            late.dial(plane, connections)
+            await late.channel.send(dataclasses.replace(late.register, token=JOIN_TOKEN))
+            assert await late.closed() == []
+            assert plane.inventory.nodes["a"].session is None

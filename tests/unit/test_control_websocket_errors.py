@@ -28,8 +28,8 @@ class BrokenAgents:
 
 def stub_gateway() -> SimpleNamespace:
     agents = BrokenAgents()
-    control = SimpleNamespace(agents=agents, serve_agent=agents.serve)
-    return SimpleNamespace(control=control, config=SimpleNamespace(admin_tokens=[]))
+    control = SimpleNamespace(agents=agents)
+    return SimpleNamespace(control=control, agent_control=lambda: control, config=SimpleNamespace(admin_tokens=[]))
 
 
 async def test_a_failing_agent_websocket_is_logged_with_its_own_error(nursery, caplog):
