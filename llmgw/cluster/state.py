@@ -134,6 +134,7 @@ class SharedState:
             else:
                 assert lead is not None
                 await nursery.start(self.election.run)
+                await nursery.start(self.identities.follow, self.settings.snapshot_interval)  # Redis may lose them
                 nursery.start_soon(self._terms, lead, settled or (lambda: True))
             log.info("cluster state: %s %s of cluster %r on Redis at %s", self.role, self.origin,
                      self.settings.cluster, self.link.address)

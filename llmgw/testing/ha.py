@@ -129,6 +129,10 @@ class HaCluster:
             if child is not None:
                 (directory / f"{name}.log").write_text("\n".join(child.lines) + "\n")
 
+    def node_secret(self) -> str:
+        """The agent's node secret (a new one: it joined anew, the leader did not know its node)."""
+        return (self.agent_state / "node-secret").read_text()
+
     def engine_pids(self) -> dict[str, tuple[int, int]]:
         """``{replica: (pid, restarts)}`` of the engines in the agent's ledger (what it runs and reports)."""
         pids: dict[str, tuple[int, int]] = {}

@@ -18,12 +18,19 @@ import httpx
 import pytest
 import trio
 
+from llmgw.cluster import records
+from llmgw.cluster.election import Election, Fence
+from llmgw.cluster.identities import SharedIdentities
+from llmgw.cluster.link import RedisLink
+from llmgw.cluster.metrics import ClusterMetrics
 from llmgw.cluster.records import Keys
+from llmgw.config.loading import parse_config
+from llmgw.control.identity import NodeIdentities
 from llmgw.testing.cluster import CHAT
 from llmgw.testing.ha import HEARTBEAT, LEASE_TTL, HaCluster, RoutabilityWatch, recovery_limit
 from llmgw.testing.processes import free_port
 from llmgw.testing.redis import PrivateRedis
-from llmgw.testing.shared_state import cluster_config, wait_kv_healthy
+from llmgw.testing.shared_state import cluster_config, state_section, wait_kv_healthy
 from llmgw.testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, start_sims
 from llmgw.testing.traffic import TrafficRecorder
 
@@ -41,6 +48,7 @@ async def under_traffic(ha: HaCluster, fault: Fault) -> None:
     through every gateway and the replica listings watched; then assert the targets."""
     before = ha.engine_pids()
     assert len(before) == ha.replicas
+    secret = ha.node_secret()
     recorders = [TrafficRecorder(ha.http, process.data_url, name) for process, name in zip(ha.gateways, "ABF")]
     watch = RoutabilityWatch(ha)
     try:
@@ -60,6 +68,8 @@ async def under_traffic(ha: HaCluster, fault: Fault) -> None:
                            f"{[(round(t - recovered, 1), n) for t, n in short][:20]}")
     after = ha.engine_pids()
     assert after == before, f"engines restarted: {before} -> {after}"
+    # Whoever leads now knew the agent's node: it proved its secret, it did not join anew with the token.
+    assert ha.node_secret() == secret, "the agent had to join again: the leader did not know its node"
 
 
 async def traffic_through(ha: HaCluster, fault: Fault, recorders: list[TrafficRecorder],
@@ -91,12 +101,26 @@ async def test_redis_frozen_8s_fails_nothing_and_keeps_every_replica(ha_cluster:
     await under_traffic(ha_cluster, fault)
 
 
-async def test_redis_killed_and_restarted_empty_fails_nothing_and_keeps_every_replica(ha_cluster: HaCluster):
+@pytest.mark.parametrize("elected", ["any", "other"])
+async def test_redis_killed_and_restarted_empty_fails_nothing_and_keeps_every_replica(ha_cluster: HaCluster,
+                                                                                      elected: str):
+    # "other": the candidate that did not lead before is the one elected on the empty Redis (A is held back by a
+    # freeze until B leads): it has never seen the agent's node identity but in Redis, which lost it.
     async def fault(ha: HaCluster):
+        a, b = ha.candidates
+        assert a.serve is not None
         await ha.redis.kill(signal.SIGKILL)
         await trio.sleep(8)
-        await ha.redis.restart()
-        return trio.current_time(), set(), 0.0
+        if elected == "other":
+            a.serve.kill(signal.SIGSTOP)
+        try:
+            await ha.redis.restart()
+            restarted = trio.current_time()
+            if elected == "other":
+                await ha.wait_leader([b], timeout=LEASE_TTL + 5)
+        finally:
+            a.serve.kill(signal.SIGCONT)
+        return restarted, {0} if elected == "other" else set(), trio.current_time()
 
     await under_traffic(ha_cluster, fault)
 
@@ -166,3 +190,44 @@ async def test_a_candidate_started_while_redis_is_down_routes_its_own_configs_st
             await trio.sleep(1.0)
             running.cancel_scope.cancel()
         assert traffic.sent() and not traffic.failed(), traffic.summary()
+
+
+async def test_a_candidate_keeps_the_node_identities_redis_lost_but_not_a_forgotten_one(nursery, private_redis,
+                                                                                       cluster_name, tmp_path):
+    config = parse_config(state_section(private_redis.url, cluster_name, lease_ttl="600ms", lease_renew="100ms"))
+    keys, signer = Keys(cluster_name), records.Signer(b"a cluster secret of at least 16 bytes")
+    metrics = ClusterMetrics(None, "control", cluster_name, "leader")
+    link = RedisLink(config.state, metrics)
+    await nursery.start(link.run)
+    election = Election(link, keys, config.state, metrics, "leader")
+    election.listening("http://leader.invalid:1")
+    await nursery.start(election.run)
+    term = await election.wait_elected()
+    leader_store = NodeIdentities(tmp_path / "leader")
+    leader_store.bind("n1", "secret-1")
+    nursery.start_soon(SharedIdentities(link, keys, signer, metrics).write_from, leader_store,
+                       Fence(link, keys, election, term, metrics))
+    candidate = SharedIdentities(link, keys, signer, metrics)  # another candidate's copy, as it follows
+    await nursery.start(candidate.follow, 0.05)
+
+    async def copy_is(node_ids: set[str]) -> None:
+        with trio.fail_after(10):
+            while set(candidate.known) != node_ids:
+                await trio.sleep(0.05)
+
+    await copy_is({"n1"})
+    leader_store.bind("n2", "secret-2")
+    await copy_is({"n1", "n2"})
+    leader_store.forget("n1")
+    leader_store.forget("n2")  # the last node forgotten: the hash stays (its marker), the copy follows it
+    await copy_is(set())
+    leader_store.bind("n3", "secret-3")
+    await copy_is({"n3"})
+    await private_redis.kill()
+    await private_redis.restart()  # empty: the hash is gone, and the term with it
+    await trio.sleep(0.3)
+    assert set(candidate.known) == {"n3"}
+    successor = NodeIdentities(tmp_path / "successor")  # a candidate that never led: nothing on its disk
+    await candidate.load_into(successor)
+    assert successor.verify("n3", "secret-3") and not successor.known("n1") and not successor.known("n2")
+    nursery.cancel_scope.cancel()
