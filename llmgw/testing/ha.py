@@ -122,6 +122,39 @@ class HaCluster:
                 await trio.sleep(0.05)
         return trio.current_time() - start
 
+    async def converged(self) -> list[str]:
+        """What keeps the cluster from being whole again (empty when it is): one leader, its agent's node connected
+        to it with the ledger's engines adopted, and every other process following the leader's log."""
+        problems: list[str] = []
+        leaders = [c for c in self.candidates if await self.leading(c)]
+        if len(leaders) != 1:
+            return [f"{len(leaders)} leaders"]
+        (leader,) = leaders
+        writer = (await self.http.get(leader.control_url + "/admin/cluster", timeout=2)).json()["log"]["writer"]
+        for name, process in zip("ABF", self.gateways):
+            if process is not leader:
+                log = (await self.http.get(process.control_url + "/admin/cluster", timeout=2)).json()["log"]
+                if log["writer"] != writer or not log["loaded"]:
+                    problems.append(f"{name} follows {log['writer']} (loaded: {log['loaded']}), not {writer}")
+        nodes = (await self.http.get(leader.control_url + "/admin/nodes", timeout=2)).json()
+        if [n["state"] for n in nodes if n["node_id"] == "a"] != ["connected"]:
+            problems.append(f"the agent's node at the leader: {[n for n in nodes if n['node_id'] == 'a']}")
+        shards = {name: [s.get("pid") for s in r.get("shards", [])] for name, r in (await self.listing(leader)).items()}
+        ledger = {name: [pid] for name, (pid, _) in self.engine_pids().items()}
+        if shards != ledger:
+            problems.append(f"the leader's engines {shards}, the agent's ledger {ledger}")
+        return problems
+
+    async def wait_converged(self, timeout: float = 15.0) -> float:
+        """Until :meth:`converged`; the seconds it took (AssertionError with what was left, on timeout)."""
+        start = trio.current_time()
+        problems: list[str] = []
+        with trio.move_on_after(timeout):
+            while problems := await self.converged():
+                await trio.sleep(0.1)
+            return trio.current_time() - start
+        raise AssertionError(f"the cluster is not whole {timeout:g} s on: {problems}")
+
     def write_logs(self, directory: Path) -> None:
         """Every process's output so far to ``directory/NAME.log`` (A, B, F, agent): what a failed test left."""
         directory.mkdir(parents=True, exist_ok=True)

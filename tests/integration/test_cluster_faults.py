@@ -86,6 +86,7 @@ async def traffic_through(ha: HaCluster, fault: Fault, recorders: list[TrafficRe
               f"({took:.2f} s after the fault's end)")
         await trio.sleep_until(max(recovered, thawed) + SETTLE)
         running.cancel_scope.cancel()
+    await ha.wait_converged()
     return recovered, frozen, thawed
 
 
