@@ -1,6 +1,7 @@
 """Fixtures of the cluster tests: ``engines`` (an :class:`~llmgw.testing.cluster.EngineReaper`), ``cluster``
-(a :class:`~llmgw.testing.cluster.Cluster` of real ``llmgw serve`` and ``llmgw agent`` processes) and
-``shared_cluster`` (gateway processes sharing state through Redis: :mod:`llmgw.testing.shared_state`)."""
+(a :class:`~llmgw.testing.cluster.Cluster` of real ``llmgw serve`` and ``llmgw agent`` processes),
+``shared_cluster`` (gateway processes sharing state through Redis: :mod:`llmgw.testing.shared_state`) and
+``ha_cluster`` (the production topology of a highly available cluster: :mod:`llmgw.testing.ha`)."""
 
 from __future__ import annotations
 

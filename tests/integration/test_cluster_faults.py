@@ -33,12 +33,13 @@ from llmgw.testing.redis import PrivateRedis
 from llmgw.testing.shared_state import cluster_config, state_section, wait_kv_healthy
 from llmgw.testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, start_sims
 from llmgw.testing.traffic import TrafficRecorder
+from llmgw.wire.liveness import hold_window
 
 pytestmark = pytest.mark.slow
 
-HELD_FOR = 4 * HEARTBEAT + 1.0  # a new term's hold of the replicas it followed (state.py), at 0.5 s heartbeats
-AGENT_SILENCE = max(3 * HEARTBEAT, HEARTBEAT + 5.0)  # an agent's silence limit (agent.py), at 0.5 s heartbeats
-SETTLE = HELD_FOR + AGENT_SILENCE + 1.5  # long enough after the recovery for a wrongly dropped replica to show
+# Long enough after the recovery for a new term's hold of the replicas it followed to run out: a replica dropped
+# wrongly would show (the 2 s: an election after Redis answers, and the watch's sampling).
+SETTLE = hold_window(HEARTBEAT, LEASE_TTL) + 2.0
 
 Fault = Callable[[HaCluster], Awaitable[tuple[float, set[int], float]]]
 
