@@ -191,10 +191,15 @@ async def start_ha_cluster(nursery: trio.Nursery, root: Path, engines: EngineRea
     await a.start_serve()
     cluster = HaCluster(redis, [a, b], f, None, root / "agent", replicas, http)  # type: ignore[arg-type]
     await cluster.wait_leader([a])
-    await b.start_serve()
-    await f.start_serve("--role", "gateway")
-    cluster.agent = await a.start_agent("a", FIXTURE, join=f"{a.control_url},{b.control_url}",
-                                        state_dir=cluster.agent_state)
+
+    async def start_agent() -> None:
+        cluster.agent = await a.start_agent("a", FIXTURE, join=f"{a.control_url},{b.control_url}",
+                                            state_dir=cluster.agent_state)
+
+    async with trio.open_nursery() as starting:  # the children run in `nursery`: this one only starts them
+        starting.start_soon(b.start_serve)
+        starting.start_soon(f.start_serve, "--role", "gateway")
+        starting.start_soon(start_agent)
     await a.settled(replicas)
     await cluster.wait_routable()
     return cluster
