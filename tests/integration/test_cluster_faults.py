@@ -69,6 +69,8 @@ async def under_traffic(ha: HaCluster, fault: Fault) -> None:
                            f"{[(round(t - recovered, 1), n) for t, n in short][:20]}")
     after = ha.engine_pids()
     assert after == before, f"engines restarted: {before} -> {after}"
+    print(f"the cluster whole again (one leader, followed, the agent's engines adopted) "
+          f"{await ha.wait_converged():.2f} s after the fault's window")
     # Whoever leads now knew the agent's node: it proved its secret, it did not join anew with the token.
     assert ha.node_secret() == secret, "the agent had to join again: the leader did not know its node"
 
@@ -87,7 +89,6 @@ async def traffic_through(ha: HaCluster, fault: Fault, recorders: list[TrafficRe
               f"({took:.2f} s after the fault's end)")
         await trio.sleep_until(max(recovered, thawed) + SETTLE)
         running.cancel_scope.cancel()
-    await ha.wait_converged()
     return recovered, frozen, thawed
 
 
