@@ -151,6 +151,9 @@ class Agent:
         self.heartbeat_interval = 5.0
         self._pending = LatestReports()
         self._nursery: trio.Nursery | None = None
+        # Why the last session was given up for silence: the websocket's close handshake with a silent peer then
+        # times out too, and that error, not this one, is what comes out of the connection.
+        self._silence: ConnectionLost | None = None
         registry = registry or default_registry()
         host = host or self.address
         self.shards = ShardManager(registry, state_dir=self.state_dir, node_address=self.address, host=host,
@@ -210,6 +213,8 @@ class Agent:
                 log.exception("the session with %s failed; reconnecting", tried)
             if self.sessions != sessions:  # it was registered: start the backoff over
                 delay = BACKOFF_FIRST
+            silence, self._silence = self._silence, None
+            error = silence or error
             if error is not None:
                 self._lost(error, delay, tried)
             self.connected = False
@@ -301,7 +306,8 @@ class Agent:
                 message = await channel.receive()
                 self._handle(message, outbox)
                 continue
-            raise ConnectionLost(f"the control plane said nothing for {limit:g}s")
+            self._silence = ConnectionLost(f"the control plane said nothing for {limit:g}s")
+            raise self._silence
 
     def _handle(self, message, outbox: trio.MemorySendChannel) -> None:
         nursery = self._nursery

@@ -23,7 +23,7 @@ leader had published them, until the first snapshot replaces them.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from ..kv.changes import ChangesFields
 from ..router.model import TierModel
@@ -40,22 +40,29 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class Leading(Protocol):
+    """Where the term this process leads now is found (:attr:`SharedState.term <.state.SharedState.term>`)."""
+
+    @property
+    def term(self) -> "LeaderTerm | None": ...
+
+
 class TermTable(TableReads):
     """A :class:`~llmgw.control.interfaces.ReplicaTable` that writes only while this process leads."""
 
-    def __init__(self, inner: "ReplicaSet", terms: Callable[[], "LeaderTerm | None"],
-                 fallback: "FollowedReplicas | None" = None, loaded: Callable[[], bool] = lambda: True):
-        """``terms()``: the term this process leads now, if any; ``fallback``: what this process follows, where
-        the config's replicas go while ``loaded()`` is False (no copy of the cluster's state yet)."""
+    def __init__(self, inner: "ReplicaSet", leading: Leading, fallback: "FollowedReplicas | None" = None,
+                 loaded: Callable[[], bool] = lambda: True):
+        """``leading``: where the term this process leads now is found; ``fallback``: what this process follows,
+        where the config's replicas go while ``loaded()`` is False (no copy of the cluster's state yet)."""
         self.inner = inner
-        self._terms = terms
+        self._leading = leading
         self.fallback = fallback
         self.loaded = loaded
         self._told = False
 
     @property
     def term(self) -> "PublishedReplicaTable | None":
-        term = self._terms()
+        term = self._leading.term
         return term.table if term is not None else None
 
     def _fail_static(self) -> "FollowedReplicas | None":
@@ -100,14 +107,14 @@ class TermKv(ResyncListeners):
     """A :class:`~llmgw.control.interfaces.KvWriter` that writes only while this process leads; its resync
     listeners (the static replicas' subscriptions) hear this process's index always."""
 
-    def __init__(self, inner: "KvIndex", terms: Callable[[], "LeaderTerm | None"]):
+    def __init__(self, inner: "KvIndex", leading: Leading):
         self.inner = inner
-        self._terms = terms  # the term this process leads now, if any
+        self._leading = leading
         self._listeners: list[Callable[[str, str, str], None]] = []
 
     @property
     def term(self) -> "PublishedKv | None":
-        term = self._terms()
+        term = self._leading.term
         return term.kv if term is not None else None
 
     def apply(self, replica_id: str, changes: ChangesFields) -> None:

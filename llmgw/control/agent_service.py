@@ -256,6 +256,7 @@ class AgentService(TaskHost):
         self.control_plane_id = control_plane_id
         self.reports = reports or ReportCheck()
         self._joining: dict[str, AgentSession] = {}  # new node id -> the session its secret was issued on
+        self._sessions: set[AgentSession] = set()  # every session registered and not over
         self.websockets = 0  # remote agent websockets open (admitted by upgrade(), until they end)
         self._warnings = RepeatLimitedLog(log)
 
@@ -351,9 +352,11 @@ class AgentService(TaskHost):
             session = await self._admit(channel, trusted)
             if session is None:
                 return
+            self._sessions.add(session)
             try:
                 await session.run()
             finally:
+                self._sessions.discard(session)
                 if self._joining.get(session.node_id) is session:
                     del self._joining[session.node_id]
                 reason = session.end_reason or "connection closed"
@@ -361,6 +364,17 @@ class AgentService(TaskHost):
                 self.handler.on_end(session, reason)
         finally:
             await self._close(channel)
+
+    def stopping(self) -> None:
+        """The control plane stops (in a cluster: its term is over): every session it admitted is closed with
+        it, and said so once."""
+        remote = sum(1 for session in self._sessions if not session.trusted)
+        for session in self._sessions:
+            session.close("this control plane stopped (in a cluster: its leader's term is over); the agent "
+                          "registers with the next one")
+        if remote:
+            log.warning("agent service: the control plane stops: %d remote agent sessions are closed (their agents "
+                        "dial again at once, and register with the cluster's next leader)", remote)
 
     async def _admit(self, channel: Channel, trusted: bool) -> AgentSession | None:
         settings = self.settings

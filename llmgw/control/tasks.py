@@ -20,6 +20,10 @@ class TaskHost:
                 await trio.sleep_forever()
             finally:
                 self._nursery = None  # before the nursery closes to new arrivals: spawn() is refused from now on
+                self.stopping()
+
+    def stopping(self) -> None:
+        """The service is being cancelled: its tasks are about to be (a subclass says why, to them or the log)."""
 
     @property
     def running(self) -> bool:

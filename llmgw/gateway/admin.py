@@ -77,10 +77,13 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
             return without_control_plane()
         holder = shared.leader_holder or {}
         leader = str(holder.get("control_url") or "")
+        headers = {"Retry-After": "1", **({LEADER_HEADER: leader} if leader else {})}
+        if shared.leading:  # elected a moment ago: its term's control plane is not up yet (the agent stays here)
+            return _error(503, "this process leads its cluster since a moment: its control plane is starting; retry",
+                          "control_plane_starting", headers=headers)
         return _error(503, f"this process does not lead its cluster now: the leader is at {leader}" if leader else
                       "this process does not lead its cluster now, and no leader is known (an election is under "
-                      "way, or Redis is unreachable)", "not_leader",
-                      headers={"Retry-After": "1", **({LEADER_HEADER: leader} if leader else {})})
+                      "way, or Redis is unreachable)", "not_leader", headers=headers)
 
     @app.get("/metrics")
     async def metrics():

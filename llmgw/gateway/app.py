@@ -155,10 +155,9 @@ class Gateway:
             self.static = StaticReplicas(self.replicas, self.kv_index, self.registry, self.metrics.registry)
             self._own_control = self._build_control(self.replicas, self.kv_index)
         elif self.shared is not None and role == CONTROL:  # a candidate: the config's replicas are followed always
-            terms = functools.partial(getattr, self.shared, "term")
-            self.term_kv = TermKv(self.kv_index, terms)
+            self.term_kv = TermKv(self.kv_index, self.shared)
             # Until its first copy of the cluster's state, it routes its config's replicas (fail-static).
-            self.static = StaticReplicas(TermTable(self.replicas, terms, self.shared.followed,
+            self.static = StaticReplicas(TermTable(self.replicas, self.shared, self.shared.followed,
                                                    self.shared.follower.loaded.is_set),
                                          self.term_kv, self.registry, self.metrics.registry)
         if self.shared is not None:

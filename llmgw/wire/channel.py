@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import ssl
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -51,6 +52,10 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024  # a full KV mirror can be large (agents.max_
 # The largest first frame (the Register) of an agent: a 16-GPU node's Register is 19 KiB, with 112 running
 # shards 67 KiB; the agent leaves its shards' log tails out of a Register that would be larger.
 MAX_REGISTER_BYTES = 256 * 1024
+
+# How long an agent waits for the answer to its websocket close: a peer that answers at all does so within it; a
+# frozen one never does, and the agent's next dial (to another control plane, maybe) waits for this.
+CLOSE_TIMEOUT = 0.5
 
 NODE_ID_HEADER = "X-Llmgw-Node-Id"
 NODE_SECRET_HEADER = "X-Llmgw-Node-Secret"
@@ -289,28 +294,42 @@ class WebSocketConnector:
     async def connect(self, credentials: AgentCredentials) -> AsyncIterator[Channel]:
         from trio_websocket import ConnectionRejected, ConnectionTimeout, HandshakeError, open_websocket_url
 
-        async with AsyncExitStack() as stack:
-            try:
-                ws = await stack.enter_async_context(open_websocket_url(
-                    self.url, ssl_context=self.ssl_context, connect_timeout=self.connect_timeout,
-                    disconnect_timeout=2.0, max_message_size=MAX_FRAME_BYTES, extra_headers=credentials.headers()))
-            except ConnectionTimeout:
-                if self.ssl_context is not None:
-                    await self._diagnose_tls()
-                raise DialFailed(self.url, f"no answer to the websocket upgrade within {self.connect_timeout:g}s "
-                                           "(a frozen or overloaded process, or not an llmgw control port)") from None
-            except ConnectionRejected as exc:
-                leader = {name.lower(): value for name, value in exc.headers or ()}.get(LEADER_HEADER.lower().encode())
-                raise UpgradeRefused(exc.status_code, _refusal_message(exc.body),
-                                     leader.decode("latin-1")[:2048] if leader else None) from None
-            except HandshakeError as exc:
-                raise DialFailed(self.url, f"the websocket upgrade failed ({type(exc).__name__}: "
-                                           f"{exc or exc.__cause__ or 'no detail'})") from None
-            except OSError as exc:
-                if isinstance(exc, ssl.SSLError):
-                    raise
-                raise DialFailed(self.url, str(exc) or type(exc).__name__) from None
-            yield websocket_channel(ws, f"control plane {self.url}")
+        # trio-websocket's own connect_timeout does not end a dial whose peer took the TCP connection and never
+        # answers (a frozen process: its reader task keeps the dial open): this deadline does.
+        with trio.CancelScope(deadline=trio.current_time() + self.connect_timeout) as dialling:
+            async with AsyncExitStack() as stack:
+                try:
+                    ws = await stack.enter_async_context(open_websocket_url(
+                        self.url, ssl_context=self.ssl_context, connect_timeout=self.connect_timeout,
+                        disconnect_timeout=CLOSE_TIMEOUT, max_message_size=MAX_FRAME_BYTES,
+                        extra_headers=credentials.headers()))
+                except ConnectionTimeout:
+                    dialling.deadline = math.inf  # the dial is over; the diagnosis has a deadline of its own
+                    raise await self._unanswered() from None
+                except ConnectionRejected as exc:
+                    leader = {name.lower(): value for name, value in exc.headers or ()}.get(
+                        LEADER_HEADER.lower().encode())
+                    raise UpgradeRefused(exc.status_code, _refusal_message(exc.body),
+                                         leader.decode("latin-1")[:2048] if leader else None) from None
+                except HandshakeError as exc:  # trio-websocket's wrapper of the connect's OSError, mostly
+                    raise DialFailed(self.url, str(exc.__cause__ or "") or str(exc) or
+                                     f"the websocket upgrade failed ({type(exc).__name__})") from None
+                except OSError as exc:
+                    if isinstance(exc, ssl.SSLError):
+                        raise
+                    raise DialFailed(self.url, str(exc) or type(exc).__name__) from None
+                dialling.deadline = math.inf  # connected: the session has deadlines of its own
+                yield websocket_channel(ws, f"control plane {self.url}")
+        if dialling.cancelled_caught:
+            raise await self._unanswered()
+
+    async def _unanswered(self) -> DialFailed:
+        """Why the upgrade got no answer in time: a TLS handshake that failed (raised as :class:`ssl.SSLError`), or
+        a peer that said nothing."""
+        if self.ssl_context is not None:
+            await self._diagnose_tls()
+        return DialFailed(self.url, f"no answer to the websocket upgrade within {self.connect_timeout:g}s (a frozen "
+                                    "or overloaded process, or not an llmgw control port)")
 
     def skip(self) -> None:
         pass  # one URL: it is the only one to dial

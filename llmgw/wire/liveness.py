@@ -21,7 +21,7 @@ from __future__ import annotations
 
 BACKOFF_FIRST = 0.05  # the first reconnect delay (and the one after a session that was registered)
 BACKOFF_CAP = 5.0  # the most an agent ever waits between two dials
-HOLD_MARGIN = 1.0  # a dial and a Register's round trip, and the new leader's first reconcile
+HOLD_MARGIN = 1.0  # the close of the silent connection (0.5 s), a dial, a Register's round trip, a reconcile
 
 
 def silence_limit(heartbeat_interval: float) -> float:

@@ -396,42 +396,64 @@ async def test_a_role_gateway_process_names_the_leader_to_agents_health_and_stat
 async def test_kill_9_of_the_leader_while_traffic_flows_to_an_agents_replica_fails_nothing_and_it_stays_listed(
         leader_pair_with_an_agent):
     first_serve, second, agent, pids = leader_pair_with_an_agent
-    (name,) = pids
+
+    async def kill_9():
+        first_serve.kill(signal.SIGKILL)
+        await first_serve.wait_exit()
+
+    answers, listings = await through_a_fault(second, pids, kill_9, settle=0.5)
+    # Through the switch no request failed at the new leader, and the replica never left its listing: held
+    # from the old leader's table (its address, routable) until the re-registered agent's report claimed it.
+    assert_nothing_failed(answers, listings)
+    assert any(entry and entry.get("held") for entry in listings)  # the new leader's listing, before the claim
     async with httpx.AsyncClient(timeout=30) as http:
-        answers: list[tuple[int, str]] = []
-        listings: list[dict | None] = []
-        stop = trio.Event()
+        assert metric_value((await http.get(second.control_url + "/metrics")).text,
+                            "llmgw_cluster_held_replicas_total", 'outcome="claimed"') >= 1
+    assert adopted_pids(await second.replicas()) == pids
+
+
+async def through_a_fault(at: Cluster, pids: dict[str, int], fault, settle: float) -> tuple[list, list]:
+    """``(answers, listings)``: a chat sent to ``at`` every 50 ms, and ``at``'s listing of the (one) replica of
+    ``pids``, from 0.5 s before ``fault()`` starts until it is over, ``at`` has adopted the engine (how long after
+    the fault's start is printed), and ``settle`` s more."""
+    (name,) = pids
+    answers: list[tuple[int, str]] = []
+    listings: list[dict | None] = []
+    stop = trio.Event()
+    async with httpx.AsyncClient(timeout=30) as http:
 
         async def traffic():
             while not stop.is_set():
-                response = await http.post(second.data_url + "/v1/chat/completions", json=CHAT)
+                response = await http.post(at.data_url + "/v1/chat/completions", json=CHAT)
                 answers.append((response.status_code, response.text[:300]))
                 await trio.sleep(0.05)
 
         async def watch():
             while not stop.is_set():
-                listings.append((await second.replicas()).get(name))
+                listings.append((await at.replicas()).get(name))
                 await trio.sleep(0.05)
 
         async with trio.open_nursery() as watching:
             watching.start_soon(traffic)
             watching.start_soon(watch)
             await trio.sleep(0.5)
-            first_serve.kill(signal.SIGKILL)
-            await first_serve.wait_exit()
-            await second.wait_for("the engine adopted by the new leader", lambda: adopted_on(second, pids), timeout=30)
-            await trio.sleep(0.5)
+            started = trio.current_time()
+            async with trio.open_nursery() as faulting:  # until the fault is over and the engine adopted
+                faulting.start_soon(fault)
+                await at.wait_for("the engine adopted by the new leader", lambda: adopted_on(at, pids), timeout=30)
+                print(f"\nthe engine adopted by the new leader {trio.current_time() - started:.2f} s after the fault "
+                      f"began; {len(answers)} requests so far")
+            await trio.sleep(settle)
             stop.set()
-        # Through the switch no request failed at the new leader, and the replica never left its listing: held
-        # from the old leader's table (its address, routable) until the re-registered agent's report claimed it.
-        assert answers and all(status == 200 for status, _ in answers), [a for a in answers if a[0] != 200]
-        assert listings and all(entry is not None and entry["url"] and entry["state"] == "up" for entry in listings), \
-            [entry and {k: entry.get(k) for k in ("url", "state", "reason", "held")} for entry in listings
-             if not (entry and entry["url"] and entry["state"] == "up")]
-        assert any(entry and entry.get("held") for entry in listings)  # the new leader's listing, before the claim
-        assert metric_value((await http.get(second.control_url + "/metrics")).text,
-                            "llmgw_cluster_held_replicas_total", 'outcome="claimed"') >= 1
-        assert adopted_pids(await second.replicas()) == pids
+    return answers, listings
+
+
+def assert_nothing_failed(answers: list, listings: list) -> None:
+    """Every answer a 200, and the replica listed with its address and up in every listing."""
+    assert answers and all(status == 200 for status, _ in answers), [a for a in answers if a[0] != 200]
+    assert listings and all(entry is not None and entry["url"] and entry["state"] == "up" for entry in listings), \
+        [entry and {k: entry.get(k) for k in ("url", "state", "reason", "held")} for entry in listings
+         if not (entry and entry["url"] and entry["state"] == "up")]
 
 
 async def test_a_held_replica_whose_agent_does_not_come_back_leaves_routing_after_the_hold(
@@ -447,8 +469,8 @@ async def test_a_held_replica_whose_agent_does_not_come_back_leaves_routing_afte
             while not (await http.get(second.control_url + "/health")).json()["state"]["leader"]["leading"]:
                 await trio.sleep(0.05)
         await second.replicas_where("the replica held by the new leader", lambda r: r.get(name, {}).get("held"))
-        # heartbeat_interval 0.5 s: held for 4 x 0.5 + 1 = 3 s, then out of routing (the control's own entry,
-        # waiting for a placement, stays listed without an address).
+        # heartbeat_interval 0.5 s, lease_ttl 2 s: held for 5.5 + 2 + 0.5 + 1 = 9 s (llmgw.wire.liveness), then out
+        # of routing (the control's own entry, waiting for a placement, stays listed without an address).
         listed = await second.replicas_where("the held replica let go", lambda r: not r.get(name, {}).get("url"),
                                              timeout=15)
         assert not listed.get(name, {}).get("held")
@@ -462,50 +484,32 @@ async def test_a_leader_frozen_7s_loses_no_request_at_the_other_candidate_whose_
 
     first_serve, second, agent, pids = leader_pair_with_an_agent
     (name,) = pids
+
+    async def freeze_7s():
+        # The leader freezes (a long GC, a stopped VM): its socket stays open, its lease runs out, the other
+        # candidate leads. The agent hears nothing, gives the session up after its silence limit (5.5 s at a
+        # 0.5 s heartbeat) and dials its other URL, whose term still holds the replica.
+        first_serve.kill(signal.SIGSTOP)
+        try:
+            await trio.sleep(7)
+        finally:
+            first_serve.kill(signal.SIGCONT)
+
+    answers, listings = await through_a_fault(second, pids, freeze_7s, settle=1.0)
+    assert_nothing_failed(answers, listings)
     async with httpx.AsyncClient(timeout=30) as http:
-        answers: list[tuple[int, str]] = []
-        listings: list[dict | None] = []
-        stop = trio.Event()
-
-        async def traffic():
-            while not stop.is_set():
-                response = await http.post(second.data_url + "/v1/chat/completions", json=CHAT)
-                answers.append((response.status_code, response.text[:300]))
-                await trio.sleep(0.05)
-
-        async def watch():
-            while not stop.is_set():
-                listings.append((await second.replicas()).get(name))
-                await trio.sleep(0.05)
-
-        async with trio.open_nursery() as watching:
-            watching.start_soon(traffic)
-            watching.start_soon(watch)
-            await trio.sleep(0.5)
-            # The leader freezes (a long GC, a stopped VM): its socket stays open, its lease runs out, the other
-            # candidate leads. The agent hears nothing, gives the session up after its silence limit (5.5 s at a
-            # 0.5 s heartbeat) and dials the other URL, whose term still holds the replica.
-            first_serve.kill(signal.SIGSTOP)
-            try:
-                await trio.sleep(7)
-            finally:
-                first_serve.kill(signal.SIGCONT)
-            await second.wait_for("the engine adopted by the new leader", lambda: adopted_on(second, pids), timeout=30)
-            await trio.sleep(1.0)
-            stop.set()
-        assert answers and all(status == 200 for status, _ in answers), [a for a in answers if a[0] != 200]
-        assert listings and all(entry is not None and entry["url"] and entry["state"] == "up" for entry in listings), \
-            [entry and {k: entry.get(k) for k in ("url", "state", "reason", "held")} for entry in listings
-             if not (entry and entry["url"] and entry["state"] == "up")]
         assert metric_value((await http.get(second.control_url + "/metrics")).text,
                             "llmgw_cluster_held_replicas_total", 'outcome="dropped"') == 0.0
         replicas = await second.replicas()
         assert adopted_pids(replicas) == pids and restarts(replicas) == {name: 0}
         assert (await second.nodes())["a"]["state"] == "connected"
+        # The agent gave the frozen leader up by itself, and dialled its other URL first.
+        assert any(f"disconnected from {agent_url(cluster.control_url)}: the control plane said nothing for 5.5s; "
+                   f"reconnecting to {agent_url(second.control_url)} in 0.05s" in line for line in agent.lines)
         assert any(f"connected to {agent_url(second.control_url)}" in line for line in agent.lines)
         # Thawed, the old leader finds its term over: it follows, and sends a new agent to the leader.
         assert await wait_for_leader(http, [cluster, second], timeout=15) is second
-        with pytest.raises(UpgradeRefused) as refused:
-            async with WebSocketConnector(cluster.control_url).connect(AgentCredentials(token=TOKEN.encode())):
-                pass
-        assert refused.value.status == 503 and refused.value.leader == second.control_url
+    with pytest.raises(UpgradeRefused) as refused:
+        async with WebSocketConnector(cluster.control_url).connect(AgentCredentials(token=TOKEN.encode())):
+            pass
+    assert refused.value.status == 503 and refused.value.leader == second.control_url

@@ -353,7 +353,7 @@ async def test_a_shard_report_that_fails_the_check_is_refused_and_told():
 
 
 async def test_the_end_of_its_term_closes_every_session_the_control_plane_admitted_and_it_commands_nothing_after(
-        tmp_path):
+        tmp_path, caplog):
     term = trio.CancelScope()
     async with trio.open_nursery() as connections:  # the control server's: where /agent's connection tasks run
         async with control_plane(remote_config(tmp_path, DEPLOYED_TINY), term) as parts:
@@ -368,6 +368,8 @@ async def test_the_end_of_its_term_closes_every_session_the_control_plane_admitt
             term.cancel()  # the term ends (its lease expired, was taken, or a write was fenced)
             await a.closed()
             assert await b.closed() == []  # nothing: not even a refusal
+            assert "the control plane stops: 1 remote agent sessions are closed" in caplog.text
+            assert "node a is disconnected: this control plane stopped" in caplog.text
             # The control plane of a term that is over commands nobody, whatever it still holds...
             assert plane.reconcile() == []
             assert not any(isinstance(m, (wire.StartShard, wire.StopShard, wire.DrainShard)) for m in await a.closed())
