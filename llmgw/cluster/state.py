@@ -239,10 +239,18 @@ class SharedState:
         return bool(await self.wait_for_models()) and any(
             replica.routable for replica in self.replicas.members(model))
 
+    @property
+    def has_state(self) -> bool:
+        """Whether this process holds a copy of the cluster's models and replicas to route on: it leads, it led
+        (its last term's table, kept when the term ended, even if it never loaded a snapshot: the one that led
+        from a cluster's start), it loaded a snapshot, or, a candidate with no copy yet, it routes its own
+        config's static replicas."""
+        return self.leading or self._terms_led > 0 or self.follower.loaded.is_set() or bool(self.followed.followed)
+
     async def wait_for_models(self) -> bool | None:
         """Before the first snapshot, a follower does not know the models yet: wait for it. None when nothing
-        is pending (leading, or loaded already), else whether it came in time."""
-        if self.leading or self.follower.loaded.is_set():
+        is pending (it holds a copy: :attr:`has_state`), else whether it came in time."""
+        if self.has_state:
             return None
         return await self.follower.wait_loaded(self.config.agents.heartbeat_interval + 1.0)
 

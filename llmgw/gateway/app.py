@@ -208,9 +208,8 @@ class Gateway:
 
     def _state_loaded(self) -> bool:
         """Whether this process knows the cluster's models: always, but for a follower of a cluster before its
-        first copy of the shared state (while it leads, it has its own)."""
-        shared = self.shared
-        return shared is None or shared.leading or shared.follower.loaded.is_set()
+        first copy of the shared state (:attr:`SharedState.has_state`)."""
+        return self.shared is None or self.shared.has_state
 
     async def _lead(self, term: "LeaderTerm") -> None:
         """One term as the cluster's leader (:mod:`llmgw.cluster.term`): the control plane (and through it every

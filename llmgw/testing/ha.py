@@ -207,12 +207,15 @@ async def start_ha_cluster(nursery: trio.Nursery, root: Path, engines: EngineRea
 
 @dataclass(eq=False)
 class RoutabilityWatch:
-    """Every gateway's routable replicas, sampled every ``every`` seconds until cancelled: ``samples`` of
-    ``(time, gateway index, routable count)`` (-1: the gateway did not answer)."""
+    """Every gateway's routable replicas and ``/ready`` (what a load balancer's health check asks), sampled every
+    ``every`` seconds until cancelled: ``samples`` of ``(time, gateway index, routable count)`` (-1: the gateway
+    did not answer), ``readiness`` of ``(time, gateway index, /ready's status, its reasons)`` (status 0: no
+    answer)."""
 
     cluster: HaCluster
     every: float = 0.2
     samples: list[tuple[float, int, int]] = field(default_factory=list)
+    readiness: list[tuple[float, int, int, list]] = field(default_factory=list)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -223,7 +226,19 @@ class RoutabilityWatch:
                 except (httpx.HTTPError, ValueError):
                     count = -1
                 self.samples.append((trio.current_time(), i, count))
+                try:
+                    ready = await self.cluster.http.get(process.control_url + "/ready", timeout=2)
+                    status, reasons = ready.status_code, ready.json().get("reasons", [])
+                except (httpx.HTTPError, ValueError):
+                    status, reasons = 0, []
+                self.readiness.append((trio.current_time(), i, status, reasons))
             await trio.sleep(self.every)
+
+    def not_ready(self, gateway: int, since: float = float("-inf")) -> list[tuple[float, int, list]]:
+        """The samples since ``since`` where ``gateway`` answered ``/ready`` with anything but 200:
+        ``(time, status, reasons)``."""
+        return [(t, status, reasons) for t, i, status, reasons in self.readiness
+                if i == gateway and t >= since and status not in (0, 200)]
 
     def short(self, gateway: int, since: float = float("-inf")) -> list[tuple[float, int]]:
         """The samples since ``since`` where ``gateway`` (an index of :attr:`HaCluster.gateways`) answered and

@@ -67,6 +67,10 @@ async def under_traffic(ha: HaCluster, fault: Fault) -> None:
         assert not short, (f"gateway {recorder.name} did not route every replica from {since - recovered:.1f} s after "
                            f"the recovery: (seconds after it, replicas routable) "
                            f"{[(round(t - recovered, 1), n) for t, n in short][:20]}")
+        if i not in frozen:  # a load balancer checking /ready would have taken it out of rotation
+            not_ready = watch.not_ready(i)
+            assert not not_ready, (f"gateway {recorder.name} was not ready (seconds after the recovery, status, "
+                                   f"reasons): {[(round(t - recovered, 1), st, r) for t, st, r in not_ready][:5]}")
     after = ha.engine_pids()
     assert after == before, f"engines restarted: {before} -> {after}"
     print(f"the cluster whole again (one leader, followed, the agent's engines adopted) "
