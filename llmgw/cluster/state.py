@@ -32,6 +32,7 @@ import trio
 
 from ..config.tls import replica_tls_options
 from ..engines.probe import VLLM_GAUGES, engine_gauges
+from ..logfields import log_fields
 from ..router.replica import Replica
 from ..router.replicas import DEPLOYED, STATIC
 from ..wire.liveness import hold_window
@@ -172,7 +173,7 @@ class SharedState:
         table, kv = PublishedReplicaTable(self.replicas, writer, self._hand_over), PublishedKv(self.kv_index, writer)
         log.info("cluster state: term %d %s", lease.generation,
                  "continues the log of %s from batch %d" % continues if continues is not None else
-                 "starts a new log")
+                 "starts a new log", extra=log_fields(term=lease.generation, leader=self.origin))
         try:
             with lease.scope:
                 async with trio.open_nursery() as nursery:
@@ -187,7 +188,8 @@ class SharedState:
                     nursery.cancel_scope.cancel()  # the control plane stopped (it could not start): so does the term
                     failed = True
         except Exception:  # a bug in the control plane ends the term, never the process (it stands again)
-            log.exception("cluster leader: term %d failed", lease.generation)
+            log.exception("cluster leader: term %d failed", lease.generation,
+                          extra=log_fields(term=lease.generation, leader=self.origin))
             failed = True
         finally:
             kv.close()
@@ -218,7 +220,7 @@ class SharedState:
         for name, record in self.followed.held().items():
             log.warning("replica %s (%s at %s) leaves routing: held from the previous leader, it was not claimed "
                         "within %gs of this term's start (its agent did not re-register, or the config here does "
-                        "not list it)", name, record.model, record.url, after)
+                        "not list it)", name, record.model, record.url, after, extra=log_fields(replica=name))
             self.metrics.held.labels("dropped").inc()
             term.writer.record([records.REMOVE, name])
             self.followed.remove(name, "not claimed by the new leader")

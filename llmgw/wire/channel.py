@@ -42,6 +42,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import trio
 
+from ..fdpressure import capacity_errno, note_shortage
 from ..tls import TlsClientOptions, client_context, describe_tls_error
 from . import messages as wire
 
@@ -292,17 +293,14 @@ class WebSocketConnector:
 
     @asynccontextmanager
     async def connect(self, credentials: AgentCredentials) -> AsyncIterator[Channel]:
-        from trio_websocket import ConnectionRejected, ConnectionTimeout, HandshakeError, open_websocket_url
+        from trio_websocket import ConnectionRejected, ConnectionTimeout, HandshakeError
 
         # trio-websocket's own connect_timeout does not end a dial whose peer took the TCP connection and never
         # answers (a frozen process: its reader task keeps the dial open): this deadline does.
         with trio.CancelScope(deadline=trio.current_time() + self.connect_timeout) as dialling:
             async with AsyncExitStack() as stack:
                 try:
-                    ws = await stack.enter_async_context(open_websocket_url(
-                        self.url, ssl_context=self.ssl_context, connect_timeout=self.connect_timeout,
-                        disconnect_timeout=CLOSE_TIMEOUT, max_message_size=MAX_FRAME_BYTES,
-                        extra_headers=credentials.headers()))
+                    ws = await self._open(stack, credentials)
                 except ConnectionTimeout:
                     dialling.deadline = math.inf  # the dial is over; the diagnosis has a deadline of its own
                     raise await self._unanswered() from None
@@ -313,15 +311,30 @@ class WebSocketConnector:
                                          leader.decode("latin-1")[:2048] if leader else None) from None
                 except HandshakeError as exc:  # trio-websocket's wrapper of the connect's OSError, mostly
                     raise DialFailed(self.url, str(exc.__cause__ or "") or str(exc) or
-                                     f"the websocket upgrade failed ({type(exc).__name__})") from None
+                                     f"the websocket upgrade failed ({type(exc).__name__})") from exc
                 except OSError as exc:
                     if isinstance(exc, ssl.SSLError):
                         raise
-                    raise DialFailed(self.url, str(exc) or type(exc).__name__) from None
+                    raise DialFailed(self.url, str(exc) or type(exc).__name__) from exc
                 dialling.deadline = math.inf  # connected: the session has deadlines of its own
                 yield websocket_channel(ws, f"control plane {self.url}")
         if dialling.cancelled_caught:
             raise await self._unanswered()
+
+    async def _open(self, stack: AsyncExitStack, credentials: AgentCredentials) -> Any:
+        """The websocket, entered on ``stack``; a shortage of descriptors is counted and logged (the agent backs
+        off; a DialFailed keeps the error as its cause, so the failover connector sees it too)."""
+        from trio_websocket import open_websocket_url
+
+        try:
+            return await stack.enter_async_context(open_websocket_url(
+                self.url, ssl_context=self.ssl_context, connect_timeout=self.connect_timeout,
+                disconnect_timeout=CLOSE_TIMEOUT, max_message_size=MAX_FRAME_BYTES,
+                extra_headers=credentials.headers()))
+        except Exception as exc:
+            if capacity_errno(exc) is not None:  # this process is out of descriptors; the agent backs off
+                note_shortage("agent_link", exc, self.url)
+            raise
 
     async def _unanswered(self) -> DialFailed:
         """Why the upgrade got no answer in time: a TLS handshake that failed (raised as :class:`ssl.SSLError`), or
@@ -381,6 +394,8 @@ class FailoverConnector:
         self.current = (self.current + 1) % len(self.connectors)
 
     def _move_on(self, exc: BaseException) -> None:
+        if capacity_errno(exc) is not None:  # no socket to dial with: no fault of this URL, tried again next
+            return
         leader = exc.leader if isinstance(exc, UpgradeRefused) else None
         if leader:
             try:
