@@ -45,14 +45,23 @@ log = logging.getLogger(__name__)
 
 MAX_HOLDER_BYTES = 600  # a lease value read from Redis (to name the leader) is cut to this
 
+# A lease with no expiry, or with more left than ARGV[3] ms, was written by no candidate (anyone who can write to
+# Redis could, and no leader would ever be elected again): it is taken over, and named in the answer's third item.
 ACQUIRE = """
 local current = redis.call('GET', KEYS[1])
-if current then return {0, current} end
+local replaced = false
+if current then
+  local left = redis.call('PTTL', KEYS[1])
+  if left >= 0 and left <= tonumber(ARGV[3]) then return {0, current} end
+  replaced = current
+end
 local generation = redis.call('INCR', KEYS[2])
 local value = generation .. ' ' .. ARGV[1]
 redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
+if replaced then return {generation, value, replaced} end
 return {generation, value}
 """
+FOREIGN_LEASE_TTLS = 10  # a lease with more than this many of our lease_ttls left is no candidate's
 
 RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -229,14 +238,20 @@ class Election:
         sent = trio.current_time()
         try:
             answer = await self.link.call("lease_acquire", lambda client: client.eval(
-                ACQUIRE, keys=[keys.leader, keys.leader_generation], args=[suffix, int(self.ttl * 1000)]),
+                ACQUIRE, keys=[keys.leader, keys.leader_generation],
+                args=[suffix, int(self.ttl * 1000), int(FOREIGN_LEASE_TTLS * self.ttl * 1000)]),
                 timeout=min(self.link.settings.timeout, self.renew_every * 2))
         except Unavailable:
             self.holder = None  # while Redis is away there is no leader anyone can trust
             return
-        if not isinstance(answer, list) or len(answer) != 2 or not isinstance(answer[1], bytes):
+        if not isinstance(answer, list) or len(answer) not in (2, 3) or not isinstance(answer[1], bytes):
             log.error("cluster leader: the lease script answered %.200r; standing again later", answer)
             return
+        if len(answer) == 3:
+            self.metrics.bad_records.labels("lease").inc()
+            log.warning("cluster leader: the lease held %.200r with no expiry or more than %d lease_ttls left, "
+                        "which no candidate writes: %s took it over (someone else writes to this cluster's Redis "
+                        "keys)", answer[2], FOREIGN_LEASE_TTLS, origin)
         generation, value = int(answer[0]), answer[1]
         self.holder = parse_holder(value)
         if not generation:

@@ -11,6 +11,14 @@ The leader writes each binding as it is made or forgotten, under its term's
 fence (:class:`~.election.Fence`: a stale leader cannot bind a node id); a new
 leader merges what Redis holds into its own store before it serves agents, and
 writes back what only it knew.
+
+Every candidate also keeps a copy of the hash as it last read it
+(:meth:`SharedIdentities.follow`, every ``snapshot_interval``): a Redis that
+restarts empty loses the hash, and a candidate elected then that never led
+would not know any node (a node whose join token was rotated since would be
+refused, its replicas lost). The leader keeps a marker field (``""``, never a
+node id) in the hash, so that a hash that is gone (Redis lost it: the copy is
+kept) is told from one whose last node was forgotten (the copy follows it).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_PENDING = 10_000
+MARKER = b""  # a field of the hash that is no node id: the hash exists while a leader keeps it
 PLACEMENT_CONTEXT = b"llmgw placement key v1"
 
 
@@ -71,31 +80,65 @@ def decode(node_id: str, raw: Any, signer: records.Signer) -> Identity:
 class SharedIdentities:
     """Loads the cluster's bindings into a leader's store, and writes the leader's new ones back."""
 
-    def __init__(self, link: "RedisLink", keys: "Keys", signer: records.Signer, metrics: "ClusterMetrics"):
+    def __init__(self, link: "RedisLink", keys: "Keys", signer: records.Signer, metrics: "ClusterMetrics",
+                 max_nodes: int = MAX_PENDING):
         self.link = link
         self.keys = keys
         self.signer = signer
         self.metrics = metrics
+        self.max_nodes = max_nodes
+        self.known: dict[str, Identity] = {}  # the bindings as last read from Redis
+        self._raw: dict[bytes, bytes] = {}  # their records as read (an unchanged one is not checked again)
 
-    async def load_into(self, store: "NodeIdentities") -> None:
-        """Merge the bindings in Redis into ``store`` (a new term, before any agent is served); Redis failing
-        leaves ``store`` as it is (its own file)."""
+    async def follow(self, every: float, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep :attr:`known` as Redis holds it, read every ``every`` seconds, until cancelled."""
+        task_status.started()
+        while True:
+            try:
+                await self._read()
+            except Unavailable:
+                pass  # what was last read is kept
+            await trio.sleep(every)
+
+    async def _read(self) -> bool:
+        """Read the hash into :attr:`known`; False when it is gone from Redis (then :attr:`known` is kept)."""
         key = self.keys.nodes
-        try:
-            raw = await self.link.call("identities_read", lambda client: client.hgetall(key))
-        except Unavailable:
-            log.warning("cluster leader: the node identities in Redis could not be read; agents that joined "
-                        "another leader must join again")
-            return
+        raw = await self.link.call("identities_read", lambda client: client.hgetall(key)) or {}
+        if not raw:
+            return False
         known: dict[str, Identity] = {}
-        for name, value in list((raw or {}).items())[:store.max_nodes]:
-            node_id = name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
+        for name, value in list(raw.items())[:self.max_nodes + 1]:
+            name = name if isinstance(name, bytes) else str(name).encode()
+            if name == MARKER:
+                continue
+            node_id = name.decode("utf-8", "replace")
+            if self._raw.get(name) == value and node_id in self.known:
+                known[node_id] = self.known[node_id]
+                continue
             try:
                 known[node_id] = decode(node_id, value, self.signer)
             except records.RecordError:
                 self.metrics.bad_records.labels("nodes").inc()
-        changed = store.merge(known)
-        log.info("cluster leader: %d node identities in Redis, %d new here", len(known), changed)
+        self.known = known
+        self._raw = {name if isinstance(name, bytes) else str(name).encode(): value for name, value in raw.items()
+                     if isinstance(value, bytes)}
+        return True
+
+    async def load_into(self, store: "NodeIdentities") -> None:
+        """Merge the bindings in Redis into ``store`` (a new term, before any agent is served); when the hash is
+        gone (Redis restarted empty) or Redis fails, the copy this process last read."""
+        try:
+            present = await self._read()
+        except Unavailable:
+            present = False
+            log.warning("cluster leader: the node identities in Redis could not be read; using the %d this process "
+                        "last read (an agent that joined since must join again)", len(self.known))
+        else:
+            if not present and self.known:
+                log.warning("cluster leader: the node identities are gone from Redis (it restarted empty?): the %d "
+                            "this process last read are used, and written back", len(self.known))
+        changed = store.merge(dict(list(self.known.items())[:store.max_nodes]))
+        log.info("cluster leader: %d node identities in the cluster, %d new here", len(self.known), changed)
 
     async def write_from(self, store: "NodeIdentities", fence: "Fence") -> None:
         """For the term: every binding ``store`` has that Redis lacks, then each change as it is made."""
@@ -110,11 +153,13 @@ class SharedIdentities:
 
         store.on_change = changed
         failures = 0
+        marked = False
         try:
             while True:
                 batch = dict(pending)
                 pending.clear()
-                commands: list[list[Any]] = []
+                # The marker first (once a term): the hash then exists even with no node in it.
+                commands: list[list[Any]] = [] if marked else [[b"HSET", self.keys.nodes, MARKER, b"1"]]
                 for node_id, identity in batch.items():
                     if identity is None:
                         commands.append([b"HDEL", self.keys.nodes, node_id])
@@ -123,6 +168,7 @@ class SharedIdentities:
                 try:
                     if commands:
                         await fence.run("identities_write", commands)
+                    marked = True
                     failures = 0
                 except Unavailable:
                     for node_id, identity in batch.items():

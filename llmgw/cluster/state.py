@@ -138,6 +138,7 @@ class SharedState:
             else:
                 assert lead is not None
                 await nursery.start(self.election.run)
+                await nursery.start(self.identities.follow, self.settings.snapshot_interval)  # Redis may lose them
                 nursery.start_soon(self._terms, lead, settled or (lambda: True))
             log.info("cluster state: %s %s of cluster %r on Redis at %s", self.role, self.origin,
                      self.settings.cluster, self.link.address)
@@ -243,10 +244,18 @@ class SharedState:
         return bool(await self.wait_for_models()) and any(
             replica.routable for replica in self.replicas.members(model))
 
+    @property
+    def has_state(self) -> bool:
+        """Whether this process holds a copy of the cluster's models and replicas to route on: it leads, it led
+        (its last term's table, kept when the term ended, even if it never loaded a snapshot: the one that led
+        from a cluster's start), it loaded a snapshot, or, a candidate with no copy yet, it routes its own
+        config's static replicas."""
+        return self.leading or self._terms_led > 0 or self.follower.loaded.is_set() or bool(self.followed.followed)
+
     async def wait_for_models(self) -> bool | None:
         """Before the first snapshot, a follower does not know the models yet: wait for it. None when nothing
-        is pending (leading, or loaded already), else whether it came in time."""
-        if self.leading or self.follower.loaded.is_set():
+        is pending (it holds a copy: :attr:`has_state`), else whether it came in time."""
+        if self.has_state:
             return None
         return await self.follower.wait_loaded(self.config.agents.heartbeat_interval + 1.0)
 

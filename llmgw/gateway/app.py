@@ -158,8 +158,10 @@ class Gateway:
             self._own_control = self._build_control(self.replicas, self.kv_index)
         elif self.shared is not None and role == CONTROL:  # a candidate: the config's replicas are followed always
             self.term_kv = TermKv(self.kv_index, self.shared)
-            self.static = StaticReplicas(TermTable(self.replicas, self.shared), self.term_kv, self.registry,
-                                         self.metrics.registry)
+            # Until its first copy of the cluster's state, it routes its config's replicas (fail-static).
+            self.static = StaticReplicas(TermTable(self.replicas, self.shared, self.shared.followed,
+                                                   self.shared.follower.loaded.is_set),
+                                         self.term_kv, self.registry, self.metrics.registry)
         if self.shared is not None:
             self.dataplane.wait_for_replica = self._wait_for_replica
             self.dataplane.wait_for_models = self.shared.wait_for_models
@@ -209,9 +211,8 @@ class Gateway:
 
     def _state_loaded(self) -> bool:
         """Whether this process knows the cluster's models: always, but for a follower of a cluster before its
-        first copy of the shared state (while it leads, it has its own)."""
-        shared = self.shared
-        return shared is None or shared.leading or shared.follower.loaded.is_set()
+        first copy of the shared state (:attr:`SharedState.has_state`)."""
+        return self.shared is None or self.shared.has_state
 
     async def _lead(self, term: "LeaderTerm") -> None:
         """One term as the cluster's leader (:mod:`llmgw.cluster.term`): the control plane (and through it every

@@ -96,7 +96,7 @@ class HealthReport:
         if shared.leader_holder is None:
             found[NO_LEADER] = ("no leader: no process holds the cluster's lease (an election is under way, or "
                                 "Redis is unreachable); nothing places replicas or publishes the table")
-        if not shared.leading and not shared.follower.loaded.is_set():
+        if not shared.has_state:  # a leader whose term ended, or a candidate on its own config, has one
             found[STATE_NOT_LOADED] = ("this process follows the cluster and has not loaded its state yet: it "
                                        "knows no deployed replica")
         now = self.clock()

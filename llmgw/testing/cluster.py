@@ -77,8 +77,9 @@ class Cluster:
     ``cwd``: where the children run (a source checkout, so ``python -m llmgw`` imports it)."""
 
     def __init__(self, nursery: trio.Nursery, tmp_path: Path, engines: EngineReaper, *, fixtures: Path,
-                 cwd: Path | None = None):
+                 cwd: Path | None = None, env: dict[str, str] | None = None):
         self.nursery = nursery
+        self.env = env  # added to every child's environment (e.g. the variable ``state.secret_env`` names)
         self.tmp_path = tmp_path
         self.engines = engines
         self.fixtures = fixtures
@@ -98,10 +99,11 @@ class Cluster:
         """Start ``argv`` in the cluster's nursery, ready once it printed a line holding ``ready``; killed (its
         group, at once) when the test ends. An agent's engines are in groups of their own: the reaper's."""
         return await start_child(self.nursery, argv, name=name, ready=ready, startup_timeout=timeout,
-                                 stop_grace=0, cwd=self.cwd)
+                                 stop_grace=0, cwd=self.cwd, env=self.env)
 
-    async def start_serve(self) -> Child:
-        argv = llmgw_command("serve", "--config", str(self.config_path), "--log-level", "debug")
+    async def start_serve(self, *extra: str) -> Child:
+        """``llmgw serve`` with this cluster's config; ``extra``: more of its arguments (``--role gateway``)."""
+        argv = llmgw_command("serve", "--config", str(self.config_path), "--log-level", "debug", *extra)
         self.serve = await self.spawn("llmgw serve", argv, "llmgw listening on ")
         return self.serve
 

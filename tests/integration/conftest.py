@@ -1,6 +1,7 @@
 """Fixtures of the cluster tests: ``engines`` (an :class:`~llmgw.testing.cluster.EngineReaper`), ``cluster``
-(a :class:`~llmgw.testing.cluster.Cluster` of real ``llmgw serve`` and ``llmgw agent`` processes) and
-``shared_cluster`` (gateway processes sharing state through Redis: :mod:`llmgw.testing.shared_state`)."""
+(a :class:`~llmgw.testing.cluster.Cluster` of real ``llmgw serve`` and ``llmgw agent`` processes),
+``shared_cluster`` (gateway processes sharing state through Redis: :mod:`llmgw.testing.shared_state`) and
+``ha_cluster`` (the production topology of a highly available cluster: :mod:`llmgw.testing.ha`)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,17 @@ def shared_cluster(nursery, start_llmgw, redis_url, cluster_name):
         return await start_cluster(nursery, start_llmgw, redis_url or session_url, cluster_name, **options)
 
     return start
+
+
+@pytest.fixture
+async def ha_cluster(nursery, engines, private_redis, cluster_name, tmp_path):
+    """The production topology (:func:`llmgw.testing.ha.start_ha_cluster`): candidates A (leading) and B, a
+    ``--role gateway`` F, a remote agent joined with A and B deploying two simulator replicas, on the test's own
+    redis-server (``ha_cluster.redis``, which it may freeze, kill and restart)."""
+    import httpx
+
+    from llmgw.testing.ha import start_ha_cluster
+
+    async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=200)) as http:
+        yield await start_ha_cluster(nursery, tmp_path / "ha", engines, private_redis, cluster_name, http,
+                                     fixtures=FIXTURES, cwd=REPO)

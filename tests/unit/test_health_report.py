@@ -12,8 +12,14 @@ from prometheus_client import CollectorRegistry
 from llmgw.gateway.health_report import HealthReport
 
 
+class SharedStandIn(SimpleNamespace):
+    @property
+    def has_state(self) -> bool:  # SharedState.has_state, as far as this stand-in goes
+        return self.leading or self.follower.loaded.is_set()
+
+
 def shared_state(**link) -> SimpleNamespace:
-    return SimpleNamespace(
+    return SharedStandIn(
         link=SimpleNamespace(healthy=True, reason="", address="redis://r:6379/0", **link),
         leader_holder={"generation": 3, "origin": "a", "control_url": "http://a"},
         leading=False, follower=SimpleNamespace(loaded=trio.Event()), settings=SimpleNamespace(lease_renew=0.5))
