@@ -59,6 +59,7 @@ class GatewayProcess:
     data_port: int = field(default_factory=free_port)
     control_port: int = field(default_factory=free_port)
     child: Child | None = None
+    env: dict[str, str] | None = None  # added to its environment (the variable state.secret_env names)
 
     @property
     def url(self) -> str:
@@ -77,7 +78,7 @@ class GatewayProcess:
         argv = llmgw_command("serve", "--config", str(self.config), "--listen", f"127.0.0.1:{self.data_port}",
                              "--control-listen", f"127.0.0.1:{self.control_port}", "--role", self.role)
         self.child = await start_child(nursery, argv, name=self.name, ready=SERVE_READY, startup_timeout=60,
-                                       stop_grace=2)
+                                       stop_grace=2, env=self.env)
         return self.child
 
     async def kill(self, timeout: float = 30.0) -> None:

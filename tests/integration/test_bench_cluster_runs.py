@@ -75,3 +75,18 @@ async def test_fault_behind_sentinel_kills_the_primary_and_reports_the_promotion
     for row in primary["gateways"]:
         assert row["failed"] == {}, row
         assert (row["index_equal_after_return_s"] is None) == (row["role"] == "control")
+
+
+async def test_chaos_quick_cuts_the_last_gateway_from_redis_under_load_and_reports_every_gateway(tmp_path):
+    report = await bench(tmp_path, "chaos", "--quick")
+    (result,) = report["results"]
+    assert result["fault"] == "partition" and result["fault_s"] >= 4 and result["victim"] is None
+    # two candidates and one --role gateway, each under load, the first candidate leading when it started
+    assert [row["gateway"] for row in result["gateways"]] == ["A", "B", "F1"]
+    assert all(row["requests"] > 0 for row in result["gateways"])
+    # the cut reached the last gateway only: its /health said degraded, the candidates' never did
+    assert [row["degraded_s"] > 0 for row in result["gateways"]] == [False, False, True], result["gateways"]
+    assert result["leaders"][0].startswith("A term ")
+    # both replicas deployed through the remote agent, their engines' pids as the agent reported them
+    assert len(result["engines_before"]) == 2 and all(pid > 0 for pid in result["engines_before"].values())
+    assert report["settings"]["gateways"] == 1 and report["settings"]["partition"] == 4
