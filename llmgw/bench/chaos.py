@@ -56,7 +56,7 @@ from .fault_load import LoadSettings, SteadyLoad
 
 LOST_INSIDE = ("in_flight", "stream_cut", "timeout")  # how a request inside a killed or frozen process ends
 POLL = 0.1
-DEGRADED_POLL = 0.2
+DEGRADED_EVERY = 2  # /health read every second poll
 
 
 @dataclass
@@ -97,40 +97,55 @@ class ChaosResult:
 
 
 @dataclass
-class Watch:
-    """What the watchers saw during one fault: per gateway the moments it could not route to all, the leaders."""
+class Condition:
+    """One gateway's yes/no condition (it cannot route to every replica; its /health says degraded), polled:
+    each poll's finding stands until the next poll."""
 
-    bad: dict[str, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
-    last_bad: dict[str, float] = field(default_factory=dict)
-    good_since: float | None = None  # every gateway routing to every replica since then
-    degraded: dict[str, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
+    held_s: float = 0.0
+    holds: bool = False
+    polled_at: float | None = None
+    clear_since: float | None = None  # the poll that found it over, or the first poll; None while it holds
+
+    def record(self, at: float, holds: bool) -> None:
+        if self.holds and self.polled_at is not None:
+            self.held_s += at - self.polled_at
+        if holds:
+            self.clear_since = None
+        elif self.clear_since is None:
+            self.clear_since = at
+        self.holds, self.polled_at = holds, at
+
+    def back_after(self, ended: float) -> float | None:
+        """Seconds from ``ended`` until it last stopped holding (0: not after ``ended``); None: it holds now."""
+        return None if self.clear_since is None else round(max(0.0, self.clear_since - ended), 2)
+
+
+@dataclass
+class Watch:
+    """What the watchers saw during one fault: per gateway its routing and its health, and the leaders."""
+
+    unroutable: dict[str, Condition] = field(default_factory=lambda: collections.defaultdict(Condition))
+    degraded: dict[str, Condition] = field(default_factory=lambda: collections.defaultdict(Condition))
     leaders: list[str] = field(default_factory=list)
 
+    def all_routable_since(self) -> float | None:
+        """Since when every gateway watched routes to every replica; None while one does not."""
+        since = [c.clear_since for c in self.unroutable.values()]
+        return None if not since or None in since else max(s for s in since if s is not None)
 
-async def watch_routing(rig: ChaosRig, watch: Watch) -> None:
+
+async def watch_gateway(rig: ChaosRig, gateway: GatewayProcess, watch: Watch) -> None:
+    """Poll ``gateway`` (a task per gateway: a frozen one delays only its own polls; a poll is timed from its
+    start, when the gateway was or was not answering)."""
+    turn = 0
     while True:
-        now = time.monotonic()
-        counts = [await rig.routable(g) for g in rig.gateways]
-        everywhere = True
-        for gateway, count in zip(rig.gateways, counts):
-            if count != rig.replicas:
-                watch.bad[gateway.name].append(now)
-                watch.last_bad[gateway.name] = now
-                everywhere = False
-        if not everywhere:
-            watch.good_since = None
-        elif watch.good_since is None:
-            watch.good_since = now
+        at = time.monotonic()
+        watch.unroutable[gateway.name].record(at, await rig.routable(gateway) != rig.replicas)
+        if turn % DEGRADED_EVERY == 0:
+            at = time.monotonic()
+            watch.degraded[gateway.name].record(at, await rig.degraded(gateway))
+        turn += 1
         await trio.sleep(POLL)
-
-
-async def watch_degraded(rig: ChaosRig, watch: Watch) -> None:
-    while True:
-        now = time.monotonic()
-        for gateway in rig.gateways:
-            if await rig.degraded(gateway):
-                watch.degraded[gateway.name].append(now)
-        await trio.sleep(DEGRADED_POLL)
 
 
 async def watch_leaders(rig: ChaosRig, watch: Watch) -> None:
@@ -239,7 +254,8 @@ async def wait_recovered(rig: ChaosRig, watch: Watch, s: Settings, ended: float)
     replica for ``stable`` seconds; False when that did not happen within ``settle`` seconds of the end."""
     await trio.sleep(max(0.0, ended + s.observe - time.monotonic()))
     while time.monotonic() < ended + s.settle:
-        if watch.good_since is not None and time.monotonic() - watch.good_since >= s.stable:
+        since = watch.all_routable_since()
+        if since is not None and time.monotonic() - since >= s.stable:
             return True
         await trio.sleep(POLL)
     return False
@@ -255,9 +271,9 @@ async def run_fault(rig: ChaosRig, load: SteadyLoad, fault: Fault, s: Settings, 
     healed_by = None
     async with trio.open_nursery() as watchers:
         watchers.start_soon(watch_leaders, rig, watch)
-        await trio.sleep(2 * POLL)  # the leader before the fault, first in the list
-        watchers.start_soon(watch_routing, rig, watch)
-        watchers.start_soon(watch_degraded, rig, watch)
+        for gateway in rig.gateways:
+            watchers.start_soon(watch_gateway, rig, gateway, watch)
+        await trio.sleep(2 * POLL)  # the leader before the fault first in the list; every gateway polled once
         started = time.monotonic()
         ended = await injector.do(fault, engines_before)
         recovered = await wait_recovered(rig, watch, s, ended)
@@ -281,12 +297,9 @@ async def run_fault(rig: ChaosRig, load: SteadyLoad, fault: Fault, s: Settings, 
         outcomes = counts.by_target.get(gateway.url) or collections.Counter()
         failed = {k: n for k, n in outcomes.items() if k != "ok"}
         lost = sum(failed.pop(k, 0) for k in LOST_INSIDE) if gateway is victim else 0
-        bad = [t for t in watch.bad.get(gateway.name, []) if t >= started]
-        last_bad = watch.last_bad.get(gateway.name)
-        back = None if healed_by else (0.0 if last_bad is None or last_bad < ended
-                                       else round(last_bad + POLL - ended, 2))
-        rows.append(GatewayRow(gateway.name, sum(outcomes.values()), failed, lost, round(len(bad) * POLL, 1),
-                               round(len(watch.degraded.get(gateway.name, [])) * DEGRADED_POLL, 1), back))
+        unroutable, degraded = watch.unroutable[gateway.name], watch.degraded[gateway.name]
+        rows.append(GatewayRow(gateway.name, sum(outcomes.values()), failed, lost, round(unroutable.held_s, 1),
+                               round(degraded.held_s, 1), None if healed_by else unroutable.back_after(ended)))
     backs = [row.back_s for row in rows if row.gateway != (victim.name if victim else None)]
     return ChaosResult(
         fault=fault.name, what=s.describe(fault), run=run, victim=victim.name if victim else None,
@@ -538,10 +551,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     if not (1 <= args.gateways <= 2 and 1 <= args.repeats <= 20 and 0 < args.rate <= 100
             and 1 <= args.concurrency <= 64 and 1 <= args.replicas <= 4 and args.settle >= args.observe >= 0
-            and (args.soak is None or 1 <= args.soak <= 24 * 60) and args.soak_every >= 10
+            and (args.soak is None or 0.25 <= args.soak <= 24 * 60) and args.soak_every >= 10
             and args.sample_every >= 0.5):
         p.error("bounds: 1 <= --gateways <= 2, 1 <= --repeats <= 20, 0 < --rate <= 100, 1 <= --concurrency <= 64, "
-                "1 <= --replicas <= 4, --settle >= --observe >= 0, 1 <= --soak <= 1440, --soak-every >= 10, "
+                "1 <= --replicas <= 4, --settle >= --observe >= 0, 0.25 <= --soak <= 1440, --soak-every >= 10, "
                 "--sample-every >= 0.5")
     if args.soak is not None:
         report = trio.run(soak, args)

@@ -7,7 +7,16 @@ import pytest
 import trio
 
 from llmgw import cli
-from llmgw.bench.chaos import ChaosResult, GatewayRow, markdown, parser, result_dict, result_from_dict
+from llmgw.bench.chaos import (
+    ChaosResult,
+    Condition,
+    GatewayRow,
+    Watch,
+    markdown,
+    parser,
+    result_dict,
+    result_from_dict,
+)
 from llmgw.bench.chaos_schedule import (
     SCHEDULE,
     median_and_range,
@@ -169,3 +178,26 @@ async def test_the_trio_task_count_sees_tasks_in_nested_nurseries():
         assert trio_task_count() == before + 3
         release.set()
     assert trio_task_count() == before
+
+
+def test_a_polled_condition_counts_each_findings_time_until_the_next_poll_and_when_it_was_last_over():
+    condition = Condition()
+    for at, holds in ((0.0, False), (1.0, True), (1.5, True), (4.0, False), (4.1, False)):
+        condition.record(at, holds)
+    assert condition.held_s == pytest.approx(3.0)  # from the poll at 1.0 to the one at 4.0
+    assert condition.back_after(2.0) == 2.0 and condition.back_after(5.0) == 0.0
+    condition.record(5.0, True)
+    assert condition.back_after(2.0) is None  # it holds again: not back
+    never = Condition()
+    never.record(0.0, False)
+    assert never.back_after(1.0) == 0.0 and never.held_s == 0
+
+
+def test_a_watch_has_every_gateway_routable_only_once_the_last_one_is():
+    watch = Watch()
+    watch.unroutable["A"].record(0.0, False)
+    watch.unroutable["F1"].record(0.0, True)
+    assert watch.all_routable_since() is None
+    watch.unroutable["F1"].record(2.0, False)
+    watch.unroutable["A"].record(2.5, False)
+    assert watch.all_routable_since() == 2.0
