@@ -78,7 +78,9 @@ class ChaosResult:
     victim: str | None
     requests: int
     gateways: list[GatewayRow]
-    routable_again_s: float | None  # fault's end -> every replica routable on every gateway (None: not by itself)
+    routable_again_s: float | None  # fault's end (a leader fault: the new leader's election) -> every replica
+    # routable on every gateway again (None: not by itself)
+    new_leader_s: float | None  # the fault's start -> another leader seen
     healed_by: str | None  # what the bench did because it had not recovered by itself
     engines_before: dict[str, int]
     engines_after: dict[str, int]
@@ -127,6 +129,7 @@ class Watch:
     unroutable: dict[str, Condition] = field(default_factory=lambda: collections.defaultdict(Condition))
     degraded: dict[str, Condition] = field(default_factory=lambda: collections.defaultdict(Condition))
     leaders: list[str] = field(default_factory=list)
+    new_leader_at: float | None = None  # when a leader other than the first one seen was first seen
 
     def all_routable_since(self) -> float | None:
         """Since when every gateway watched routes to every replica; None while one does not."""
@@ -155,6 +158,8 @@ async def watch_leaders(rig: ChaosRig, watch: Watch) -> None:
             seen = f"{found[0].name} term {found[1]}"
             if not watch.leaders or watch.leaders[-1] != seen:
                 watch.leaders.append(seen)
+                if len(watch.leaders) > 1 and watch.new_leader_at is None:
+                    watch.new_leader_at = time.monotonic()
         await trio.sleep(2 * POLL)
 
 
@@ -292,6 +297,9 @@ async def run_fault(rig: ChaosRig, load: SteadyLoad, fault: Fault, s: Settings, 
     load.resume()
     engines_after = await rig.engine_pids()
     victim = injector.victim
+    # A leader fault's recovery is timed from the election it causes (the issue's target: every replica routable
+    # within lease_ttl + lease_renew + 1 s of it), when one was seen; every other fault's from its end.
+    since = watch.new_leader_at if fault.victim == "leader" and watch.new_leader_at is not None else ended
     rows = []
     for gateway in rig.gateways:
         outcomes = counts.by_target.get(gateway.url) or collections.Counter()
@@ -299,12 +307,13 @@ async def run_fault(rig: ChaosRig, load: SteadyLoad, fault: Fault, s: Settings, 
         lost = sum(failed.pop(k, 0) for k in LOST_INSIDE) if gateway is victim else 0
         unroutable, degraded = watch.unroutable[gateway.name], watch.degraded[gateway.name]
         rows.append(GatewayRow(gateway.name, sum(outcomes.values()), failed, lost, round(unroutable.held_s, 1),
-                               round(degraded.held_s, 1), None if healed_by else unroutable.back_after(ended)))
+                               round(degraded.held_s, 1), None if healed_by else unroutable.back_after(since)))
     backs = [row.back_s for row in rows if row.gateway != (victim.name if victim else None)]
     return ChaosResult(
         fault=fault.name, what=s.describe(fault), run=run, victim=victim.name if victim else None,
         requests=counts.sent(), gateways=rows,
         routable_again_s=None if healed_by or None in backs else max(b for b in backs if b is not None),
+        new_leader_s=None if watch.new_leader_at is None else round(watch.new_leader_at - started, 2),
         healed_by=healed_by, engines_before=engines_before, engines_after=engines_after,
         engines_restarted=sorted(n for n, pid in engines_before.items() if engines_after.get(n) != pid),
         expected_restarts=injector.expected_restarts, leaders=watch.leaders,
@@ -337,15 +346,21 @@ def routable_cell(result: ChaosResult) -> str:
     return f"{cell(result.routable_again_s, '.1f')} s{own}"
 
 
+def leaders_cell(result: ChaosResult) -> str:
+    seen = " -> ".join(result.leaders) or "-"
+    return seen if result.new_leader_s is None else f"{seen} (after {result.new_leader_s:.1f} s)"
+
+
 def markdown(results: list[ChaosResult]) -> str:
     lines = ["| fault | requests | failed per gateway (by outcome) | could not route to all (per gateway) "
-             "| every replica routable again after the fault | engines | leaders (terms) | /health degraded |",
+             "| every replica routable again after the fault's end (leader faults: the election) | engines "
+             "| leaders (terms) | /health degraded |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
         unroutable = ", ".join(f"{row.gateway} {row.unroutable_s:.1f} s" for row in r.gateways)
         degraded = ", ".join(f"{row.gateway} {row.degraded_s:.1f} s" for row in r.gateways)
         lines.append(f"| {r.what} | {r.requests} | {'; '.join(failed_cell(row) for row in r.gateways)} "
-                     f"| {unroutable} | {routable_cell(r)} | {engines_cell(r)} | {' -> '.join(r.leaders) or '-'} "
+                     f"| {unroutable} | {routable_cell(r)} | {engines_cell(r)} | {leaders_cell(r)} "
                      f"| {degraded} |")
     if len({r.run for r in results}) > 1:
         lines += ["", "| fault | runs | failed outside the victim: median [min-max] "

@@ -59,7 +59,8 @@ def result(run: int, failed: int, back: float | None, healed: str | None = None)
     rows = [GatewayRow("A", 50, {}, lost_inside=2, unroutable_s=0.4, back_s=1.0),
             GatewayRow("F1", 50, {"http_503": failed} if failed else {}, unroutable_s=3.0, degraded_s=8.2,
                        back_s=back)]
-    return ChaosResult("leader-kill", "the leader kill -9", run, "A", 100, rows, back, healed, {"r0": 10, "r1": 11},
+    return ChaosResult("leader-kill", "the leader kill -9", run, "A", 100, rows, back, 2.4, healed,
+                       {"r0": 10, "r1": 11},
                        {"r0": 10, "r1": 11}, [], [], ["A term 1", "B term 2"], 0.0)
 
 
@@ -68,7 +69,7 @@ def test_the_table_says_per_gateway_what_failed_apart_from_the_victims_own_and_h
     row = table.splitlines()[2]
     assert "A: 0 (+2 in flight inside it); F1: 7 http_503" in row
     assert "A 0.4 s, F1 3.0 s" in row and "2.5 s (A itself: 1.0 s)" in row
-    assert "same pids" in row and "A term 1 -> B term 2" in row and "| A 0.0 s, F1 8.2 s |" in row
+    assert "same pids" in row and "A term 1 -> B term 2 (after 2.4 s)" in row and "| A 0.0 s, F1 8.2 s |" in row
     healed = markdown([result(1, 7, None, healed="agent restarted")]).splitlines()[2]
     assert "not by itself (agent restarted)" in healed
 
