@@ -52,7 +52,7 @@ from .chaos_rig import CLUSTER, ChaosRig, rss_and_fds
 from .chaos_schedule import QUICK, Fault, median_and_range, parse_faults, slope_per_hour, soak_plan
 from .cluster_rig import GatewayProcess
 from .common import bench_parser, cell, print_and_save
-from .fault_load import LoadSettings, SteadyLoad
+from .fault_load import LoadSettings, SteadyLoad, add_load_options
 
 LOST_INSIDE = ("in_flight", "stream_cut", "timeout")  # how a request inside a killed or frozen process ends
 POLL = 0.1
@@ -384,8 +384,7 @@ def spread(values: tuple[float, float, float] | None, spec: str, unit: str = "")
 # -- the runs ------------------------------------------------------------------------------------------------------
 
 def load_settings(args, gateways: int) -> LoadSettings:
-    return LoadSettings(concurrency=args.concurrency, rate=args.rate * gateways, stream_every=args.stream_every,
-                        max_tokens=args.max_tokens, request_timeout=args.request_timeout)
+    return LoadSettings.from_args(args, rate_scale=gateways, request_timeout=args.request_timeout)
 
 
 def machine(load_before) -> dict:
@@ -533,10 +532,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gateways", type=int, default=1, help="--role gateway processes beside the 2 candidates "
                                                            "(1 or 2; default 1)")
     p.add_argument("--replicas", type=int, default=2, help="simulators deployed through the agent (default 2)")
-    p.add_argument("--rate", type=float, default=10.0, help="requests per second per gateway (default 10)")
-    p.add_argument("--concurrency", type=int, default=12, help="load workers (default 12)")
-    p.add_argument("--stream-every", type=int, default=4, help="every n-th request streamed (default 4)")
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens per answer (default 8)")
+    add_load_options(p, rate=10.0, concurrency=12, max_tokens=8, rate_help="requests per second per gateway")
     p.add_argument("--request-timeout", type=float, default=30.0, help="a request's deadline, s (default 30)")
     p.add_argument("--before", type=float, default=3.0, help="seconds of load before each fault (default 3)")
     p.add_argument("--observe", type=float, default=15.0, help="seconds watched after each fault (default 15)")
