@@ -37,3 +37,10 @@ def logfmt(fields: Mapping[str, FieldValue]) -> str:
 def fields_extra(fields: Mapping[str, FieldValue]) -> dict[str, Mapping[str, FieldValue]]:
     """The ``extra=`` of a logging call whose fields a JSON formatter should write as keys."""
     return {FIELDS_ATTRIBUTE: fields}
+
+
+def log_fields(**fields: FieldValue) -> dict[str, Mapping[str, FieldValue]]:
+    """``extra=log_fields(shard=..., pid=...)``: what a line is about (``node``, ``shard``, ``pid``, ``port``,
+    ``replica``, ``leader``, ``term``...), as keys of their own under ``--log-format json``; the text format
+    shows only the message, which names them already."""
+    return fields_extra(fields)

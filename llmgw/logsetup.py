@@ -2,7 +2,9 @@
 
 ``text`` is ``TIME LEVEL LOGGER: message``; ``json`` is one object per line
 (``ts``, ``level``, ``logger``, ``message``, and ``exc`` with the traceback
-when there is one) for log shippers. Both go to stderr. A worker of
+when there is one) for log shippers, plus the fields a call site passed with
+``extra=log_fields(...)`` (:mod:`llmgw.logfields`: ``node``, ``shard``,
+``pid``, ``port``, ``replica``, ``leader``, ``term``...) as keys of their own. Both go to stderr. A worker of
 ``llmgw serve --workers`` says which it is: ``TIME LEVEL [worker 1] LOGGER: message``,
 ``"worker": 1``.
 """

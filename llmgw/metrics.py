@@ -26,6 +26,7 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .cached_labels import CachedLabels
+from .fdpressure import FD_EXHAUSTION
 
 disable_created_metrics()  # the *_created series double the exposition and nobody alerts on them
 
@@ -166,7 +167,7 @@ class Metrics:
             registry=r))
         self.rejected_bodies = CachedLabels(Counter(
             "llmgw_rejected_bodies", "Request bodies refused before routing, by reason "
-            "(not_json, too_deep, too_many_values, too_many_containers).", ["reason"], registry=r))
+            "(not_json, non_finite_number, too_deep, too_many_values, too_many_containers).", ["reason"], registry=r))
         self.loops_detected = Counter("llmgw_loops_detected", "Requests answered 508 Loop Detected: they came back "
                                       "to this gateway (their llmgw-hop header holds its instance id; a replica URL "
                                       "leads back to it) or passed through too many gateways.", registry=r)
@@ -177,7 +178,8 @@ class Metrics:
         self.replaced_request_ids = Counter(
             "llmgw_replaced_request_ids", "Client x-request-id values not kept (more than 128 characters, or a "
             "space, control or non-ASCII byte): the request got an id of the gateway's own.", registry=r)
-        for collector in (PROCESS_COLLECTOR, GC_COLLECTOR, PLATFORM_COLLECTOR):  # process_*, python_gc_*, python_info
+        # process_*, python_gc_*, python_info, and the process's descriptor shortages (llmgw_fd_exhaustion_total)
+        for collector in (PROCESS_COLLECTOR, GC_COLLECTOR, PLATFORM_COLLECTOR, FD_EXHAUSTION):
             r.register(collector)
         self.trio_tasks = Gauge(
             "llmgw_trio_tasks", "Trio tasks alive in this process, counted when /metrics is read (a number that "

@@ -47,6 +47,7 @@ from urllib.parse import urlsplit
 import trio
 
 from .. import __version__, wire
+from ..logfields import log_fields
 from ..plugins_manager import Registry, default_registry
 from ..wire.channel import (
     MAX_REGISTER_BYTES,
@@ -266,7 +267,7 @@ class Agent:
         if size <= MAX_REGISTER_BYTES:
             return register
         log.warning("the Register of node %s is %d bytes, more than the %d a first frame may be: its shards' log "
-                    "tails are left out", self.node_id, size, MAX_REGISTER_BYTES)
+                    "tails are left out", self.node_id, size, MAX_REGISTER_BYTES, extra=log_fields(node=self.node_id))
         return dataclasses.replace(register, shards=[dataclasses.replace(report, log_tail=[])
                                                      for report in register.shards])
 
@@ -280,7 +281,8 @@ class Agent:
         from ..private_file import write_private
 
         write_private(self.state_dir / SECRET_FILE, secret.encode() + b"\n")
-        log.info("node %s joined: its node secret is in %s", self.node_id, self.state_dir / SECRET_FILE)
+        log.info("node %s joined: its node secret is in %s", self.node_id, self.state_dir / SECRET_FILE,
+                 extra=log_fields(node=self.node_id))
 
     async def _read(self, channel: Channel, outbox: trio.MemorySendChannel, interval: float) -> None:
         silence_limit = max(3 * interval, interval + 5.0)
@@ -300,7 +302,8 @@ class Agent:
             try:
                 self.shards.start(message)
             except Exception as exc:  # a bad spec must not end the session
-                log.exception("cannot start shard %s", message.shard_id)
+                log.exception("cannot start shard %s", message.shard_id, extra=log_fields(
+                    node=self.node_id, shard=message.shard_id, replica=message.replica_id))
                 self._reply(outbox, wire.ErrorMessage(code="start_failed", message=str(exc), about=message.shard_id))
         elif isinstance(message, wire.StopShard):
             log.debug("stop shard %s: %s", message.shard_id, message.reason)
@@ -316,7 +319,7 @@ class Agent:
                                                       message="no KV-event subscription for this shard and rank"))
         elif isinstance(message, wire.ErrorMessage):
             log.warning("the control plane refused something (%s) about %s: %s", message.code,
-                        message.about or "-", message.message)
+                        message.about or "-", message.message, extra=log_fields(node=self.node_id))
         elif isinstance(message, wire.Heartbeat):
             pass
         else:

@@ -10,7 +10,10 @@ Writes are atomic (a temporary file in the same folder, fsync, rename, fsync of
 the folder): a crash leaves the old ledger or the new one, never half of one.
 The file is private (mode 0600): a StartShard carries the engine's API key.
 The file is tiny and written only when a shard starts, restarts or stops, so
-the writes are synchronous.
+the writes are synchronous. A write that fails for want of file descriptors
+(:mod:`llmgw.fdpressure`) raises nothing: the entries are kept, and
+:meth:`Ledger.save_when_possible` (the shard manager runs it) writes them as
+soon as a descriptor is free.
 
 A process is the same one the ledger names only if its pid exists *and* its
 start time (``/proc/PID/stat``) matches: pids are reused.
@@ -26,8 +29,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import msgpack
+import trio
 
 from .. import wire
+from ..fdpressure import ShortageBackoff, capacity_errno, note_shortage
 from ..private_file import write_private
 from ..procgroup import process_start_time
 
@@ -85,6 +90,7 @@ class Ledger:
     def __init__(self, path: Path):
         self.path = Path(path)
         self._entries: dict[str, LedgerEntry] = self._load()
+        self._unsaved = trio.Event()  # set while the file lacks the last change (no descriptor to write it)
 
     def reload(self) -> None:
         """Read the file again (the agent does once it holds the state dir's lock: until then another agent
@@ -143,6 +149,26 @@ class Ledger:
                   self.path, why, aside)
         os.replace(self.path, aside)
 
-    def _save(self) -> None:
+    async def save_when_possible(self) -> None:
+        """Until cancelled: write the ledger again, with a back-off, after a write that found no descriptor."""
+        backoff = ShortageBackoff()
+        while True:
+            await self._unsaved.wait()
+            await trio.sleep(backoff.next_delay())
+            if self._save():
+                backoff.succeeded()
+
+    def _save(self) -> bool:
+        """Write the file; False when no descriptor was free (retried by :meth:`save_when_possible`)."""
         body = {"version": LEDGER_VERSION, "shards": {sid: e.to_json() for sid, e in self._entries.items()}}
-        write_private(self.path, json.dumps(body, indent=1, sort_keys=True).encode())
+        try:
+            write_private(self.path, json.dumps(body, indent=1, sort_keys=True).encode())
+        except OSError as exc:
+            if capacity_errno(exc) is None:
+                raise
+            note_shortage("ledger", exc, str(self.path))
+            self._unsaved.set()
+            return False
+        if self._unsaved.is_set():
+            self._unsaved = trio.Event()
+        return True

@@ -12,36 +12,66 @@ the file is larger than ``max_bytes``, ``.log.1`` ... ``.log.N`` shift by one,
 the file is copied to ``.log.1`` and truncated to zero. With ``O_APPEND`` the
 engine's next write lands at the new end. Lines written between the copy and
 the truncate are lost; that is the price of not restarting the engine.
+
+Engines print prompts, paths and errors, so the logs are private: the folder
+is 0700 and every file in it 0600 (created so, and :func:`secure_log_folder`
+tightens what an older agent left readable, at the agent's start).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import stat
 import time
 from pathlib import Path
 
+from .kv_sockets import UnsafeDirectory, private_directory
+
+log = logging.getLogger(__name__)
+
+LOG_FOLDER = "logs"  # under the state dir
+FILE_MODE = 0o600
 TAIL_READ_BYTES = 64 * 1024
 SECRET_FLAGS = ("--api-key",)
 
 
+def secure_log_folder(state_dir: Path) -> int:
+    """Make ``STATE_DIR/logs`` 0700 and each file in it 0600 (what an older agent made 0644); how many files
+    were tightened. A folder that is a link or another user's is left alone and logged."""
+    folder = Path(state_dir) / LOG_FOLDER
+    try:
+        private_directory(folder)
+        tightened = 0
+        for entry in os.scandir(folder):
+            info = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) & 0o077:
+                os.chmod(entry.path, stat.S_IMODE(info.st_mode) & ~0o077 | FILE_MODE)
+                tightened += 1
+    except (UnsafeDirectory, OSError) as exc:
+        log.error("engine logs: cannot make %s private (0700, files 0600): %s", folder, exc)
+        return 0
+    if tightened:
+        log.warning("engine logs: %d files under %s were readable by others; now 0600", tightened, folder)
+    return tightened
+
+
 class ShardLog:
     def __init__(self, state_dir: Path, shard_id: str, *, max_bytes: int = 10 * 1024 * 1024, keep: int = 3):
-        self.directory = Path(state_dir) / "logs"
+        self.directory = Path(state_dir) / LOG_FOLDER
         self.path = self.directory / f"{_safe_name(shard_id)}.log"
         self.max_bytes = max_bytes
         self.keep = keep
 
     def open_for_child(self) -> int:
         """A new append-only descriptor on the log, for the child's stdout and stderr (the caller closes it)."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        return os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
+        return self._open_append()
 
     def write_header(self, text: str) -> None:
         """One line from the agent (a start, an adoption) between the engine's own lines."""
-        self.directory.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        with open(self.path, "a", encoding="utf-8") as f:
+        with open(self._open_append(), "a", encoding="utf-8") as f:
             f.write(f"==== llmgw {stamp} {text} ====\n")
 
     def rotate_if_needed(self) -> bool:
@@ -59,9 +89,19 @@ class ShardLog:
             older = self._rotated(index)
             if older.exists():
                 older.replace(self._rotated(index + 1))
-        shutil.copyfile(self.path, self._rotated(1))
+        with open(self.path, "rb") as source, open(_create_private(self._rotated(1)), "wb") as copy:
+            shutil.copyfileobj(source, copy)
         os.truncate(self.path, 0)
         return True
+
+    def _open_append(self) -> int:
+        """An append-only descriptor on the log, in its private folder (``OSError`` when the folder is unsafe)."""
+        self.directory.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            private_directory(self.directory)
+        except UnsafeDirectory as exc:
+            raise PermissionError(f"engine log folder: {exc}") from exc
+        return os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, FILE_MODE)
 
     def tail(self, lines: int = 20) -> list[str]:
         """The last ``lines`` lines (from the rotated file too when the current one was just truncated)."""
@@ -92,6 +132,13 @@ def redact_argv(argv: list[str]) -> list[str]:
         else:
             out.append(arg)
     return out
+
+
+def _create_private(path: Path) -> int:
+    """``path`` truncated (or created) for writing, mode 0600 whatever it had."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+    os.fchmod(fd, FILE_MODE)
+    return fd
 
 
 def _last_lines(path: Path, count: int) -> list[str]:

@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import trio
 
 from .. import wire
+from ..logfields import log_fields
 from ..plugins_manager import PluginError, Registry
 from .engine import Engine, LaunchContext
 from .kv_sockets import KvEndpoints
 from .ledger import Ledger, LedgerEntry
+from .logs import secure_log_folder
 from .ports import PortAllocator
 from .supervisor import ShardSupervisor, SupervisorSettings
 
@@ -103,9 +105,11 @@ class ShardManager:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Adopt what the ledger lists, then supervise until cancelled (engines keep running after that)."""
+        secure_log_folder(self.state_dir)
         self.ledger.reload()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self.ledger.save_when_possible)
             try:
                 for entry in self.ledger.entries():
                     await self._adopt(entry, nursery)
@@ -141,7 +145,8 @@ class ShardManager:
                 return
             if spec.generation < current.spec.generation:
                 log.warning("shard %s: refusing generation %d, generation %d runs", spec.shard_id,
-                            spec.generation, current.spec.generation)
+                            spec.generation, current.spec.generation,
+                            extra=log_fields(shard=spec.shard_id, replica=spec.replica_id, pid=current.pid or None))
                 return
         try:
             engine = self.engines.get(spec.profile.engine)
@@ -214,7 +219,8 @@ class ShardManager:
                     kv = await nursery.start(functools.partial(self.kv.run_shard, spec,
                                                                endpoints=self._adopted_kv_endpoints(supervisor)))
                 except Exception:
-                    log.exception("shard %s: cannot follow its KV events; it runs without them", spec.shard_id)
+                    log.exception("shard %s: cannot follow its KV events; it runs without them", spec.shard_id,
+                                  extra=log_fields(shard=spec.shard_id, replica=spec.replica_id))
                 else:
                     supervisor.on_engine_restart = kv.notify_engine_restart
             await supervisor.run(task_status=task_status)
@@ -234,7 +240,9 @@ class ShardManager:
         if not adopted.kv_events_endpoint:
             log.warning("shard %s: engine pid %d was started without private KV-event sockets (by an older llmgw, "
                         "over loopback TCP): replica %s's KV index stays empty until the engine restarts",
-                        supervisor.shard_id, adopted.pid, supervisor.spec.replica_id)
+                        supervisor.shard_id, adopted.pid, supervisor.spec.replica_id,
+                        extra=log_fields(shard=supervisor.shard_id, replica=supervisor.spec.replica_id,
+                                         pid=adopted.pid))
             return None
         return KvEndpoints(adopted.kv_events_endpoint, adopted.kv_replay_endpoint)
 
@@ -253,7 +261,8 @@ class ShardManager:
                                   fingerprint=spec.fingerprint, generation=spec.generation,
                                   gpu_indices=list(spec.gpu_indices),
                                   model=spec.profile.served_model_name or spec.profile.model_path)
-        log.warning("shard %s is failed: %s", spec.shard_id, reason)
+        log.warning("shard %s is failed: %s", spec.shard_id, reason,
+                    extra=log_fields(shard=spec.shard_id, replica=spec.replica_id, generation=spec.generation))
         self._tombstones[spec.shard_id] = report
         self._on_status(report)
 

@@ -44,9 +44,11 @@ import trio
 
 from .. import wire
 from ..engines import probe
+from ..fdpressure import ShortageBackoff, capacity_errno, note_shortage
 from ..http.client import UpstreamError, UpstreamPool
+from ..logfields import log_fields
 from ..procgroup import process_group_of, process_start_time, signal_group, terminate_group, wait_group_gone
-from .engine import Engine, EngineError, LaunchContext, Readiness
+from .engine import Engine, EngineError, Launch, LaunchContext, Readiness
 from .ledger import Ledger, LedgerEntry
 from .logs import ShardLog, redact_argv
 from .ports import NoFreePort, PortAllocator
@@ -155,32 +157,35 @@ class _Prober:
         self.pool = UpstreamPool(host, port, connect_timeout=timeout)
         self._auth = [(b"authorization", f"Bearer {readiness.api_key}".encode())] if readiness.api_key else []
 
-    async def health(self) -> tuple[bool, str, bool]:
-        """(healthy, why, definite): ``definite`` failures (refused, 5xx) can restart an engine; timeouts cannot."""
+    async def health(self) -> probe.Health:
+        """The probe, its reason naming the path: ``definite`` failures (refused, 5xx) can restart an engine;
+        timeouts cannot; ``inconclusive`` ones (no descriptor to send it) count neither way."""
         path = self.readiness.health_path
         health = await probe.check_health(self.pool, path, self.timeout)
-        return health.ok, f"{path} 200" if health.ok else f"{path}: {health.reason}", health.definite
+        return dataclasses.replace(health, reason=f"{path} 200" if health.ok else f"{path}: {health.reason}")
 
-    async def ready(self) -> tuple[bool, str]:
-        healthy, why, _ = await self.health()
-        if not healthy:
-            return False, why
+    async def ready(self) -> probe.Health:
+        """Healthy and listing the served model (``ok``), with the reason either way; ``inconclusive`` when a probe
+        could not be sent (this process is out of descriptors)."""
+        health = await self.health()
+        if not health.ok:
+            return health
         name, path = self.readiness.served_model_name, self.readiness.models_path
         try:
             status, body = await probe.get(self.pool, path, self.timeout, self._auth)
         except trio.TooSlowError:
-            return False, f"{path}: no answer within {self.timeout:g}s"
+            return probe.Health(False, f"{path}: no answer within {self.timeout:g}s")
         except UpstreamError as exc:
-            return False, f"{path}: {exc}"
+            return probe.Health(False, f"{path}: {exc}", inconclusive=exc.kind == "capacity")
         if status != 200:
-            return False, f"{path}: HTTP {status}"
+            return probe.Health(False, f"{path}: HTTP {status}")
         try:
             listed = [card.get("id") for card in json.loads(body).get("data", [])]
         except (ValueError, AttributeError):
-            return False, f"{path}: not an OpenAI model list"
+            return probe.Health(False, f"{path}: not an OpenAI model list")
         if name not in listed:
-            return False, f"{path} does not list {name!r} yet"
-        return True, f"{self.readiness.health_path} 200 and {path} lists {name!r}"
+            return probe.Health(False, f"{path} does not list {name!r} yet")
+        return probe.Health(True, f"{self.readiness.health_path} 200 and {path} lists {name!r}")
 
     async def inflight(self, names: tuple[str, ...]) -> int | None:
         """The sum of the engine's in-flight gauges, or None when ``/metrics`` cannot be read."""
@@ -353,18 +358,19 @@ class ShardSupervisor:
         except (EngineError, NoFreePort) as exc:
             return _Outcome(str(exc), terminal=True)
         self._use_endpoint(ctx)
-        self.log.write_header(f"starting shard {spec.shard_id} generation {spec.generation} (restart {self.restarts}):"
-                              f" {shlex.join(redact_argv(launch.argv))}")
-        fd = self.log.open_for_child()
-        try:
-            child = await trio.lowlevel.open_process(
-                launch.argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, env={**os.environ, **launch.env},
-                start_new_session=True)
-        except OSError as exc:
-            self.log.write_header(f"could not start: {exc}")
-            return _Outcome(f"could not start {launch.argv[0]!r}: {exc}")
-        finally:
-            os.close(fd)
+        backoff = ShortageBackoff()
+        while True:
+            try:
+                child = await self._spawn(launch)
+                break
+            except OSError as exc:
+                if capacity_errno(exc) is None:
+                    self._log_header(f"could not start: {exc}")
+                    return _Outcome(f"could not start {launch.argv[0]!r}: {exc}")
+                # Out of descriptors (the log file, the pipes of the spawn): not the engine's failure, no restart
+                # counted; tried again until the process has them.
+                note_shortage("engine_spawn", exc, spec.shard_id)
+            await trio.sleep(backoff.next_delay())
         # No checkpoint from here to the ledger write: a stop or cancel must not lose track of the child.
         start_time = process_start_time(child.pid)
         self._proc = EngineProcess(child.pid, child.pid, start_time, child)
@@ -379,6 +385,29 @@ class ShardSupervisor:
         self._set(State.STARTING, f"spawned pid {child.pid}" + (f" on port {port}" if port else ""))
         return None
 
+    async def _spawn(self, launch: Launch) -> trio.Process:
+        """Start the engine writing to its log; ``OSError`` when the log or the process cannot be opened."""
+        spec = self.spec
+        self.log.write_header(f"starting shard {spec.shard_id} generation {spec.generation} (restart {self.restarts}):"
+                              f" {shlex.join(redact_argv(launch.argv))}")
+        fd = self.log.open_for_child()
+        try:
+            return await trio.lowlevel.open_process(
+                launch.argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, env={**os.environ, **launch.env},
+                start_new_session=True)
+        finally:
+            os.close(fd)
+
+    def _log_header(self, text: str) -> None:
+        """A line in the engine's log when it can be written (a log that cannot be opened is no reason to stop)."""
+        try:
+            self.log.write_header(text)
+        except OSError as exc:
+            if capacity_errno(exc) is not None:
+                note_shortage("engine_log", exc, self.spec.shard_id)
+            else:
+                log.warning("shard %s: cannot write to %s: %s", self.spec.shard_id, self.log.path, exc)
+
     async def _take_over(self, entry: LedgerEntry) -> None:
         """Adopt the engine a previous agent started: watch it, probe it once, report what it is."""
         self.restarts = entry.restarts
@@ -391,7 +420,7 @@ class ShardSupervisor:
                                    entry.pid_start_time)
         assert self._nursery is not None  # run() opened it
         self._nursery.start_soon(self._proc.watch)
-        self.log.write_header(f"agent pid {os.getpid()} adopted engine pid {entry.pid}")
+        self._log_header(f"agent pid {os.getpid()} adopted engine pid {entry.pid}")
         adopted = f"adopted running engine pid {entry.pid} from the ledger"
         if not self._readiness.serves_http:
             self._set(State.READY, f"{adopted}; runs headless (rank {self.spec.rank}): liveness only")
@@ -399,11 +428,11 @@ class ShardSupervisor:
         if self._prober is None:
             self._set(State.LOADING, f"{adopted}; the ledger has no HTTP port for it")
             return
-        ready, why = await self._prober.ready()
-        if ready:
-            self._set(State.READY, f"{adopted}; {why}")
+        ready = await self._prober.ready()
+        if ready.ok:
+            self._set(State.READY, f"{adopted}; {ready.reason}")
         else:
-            self._set(State.LOADING, f"{adopted}; not ready: {why}")
+            self._set(State.LOADING, f"{adopted}; not ready: {ready.reason}")
 
     async def _supervise(self, proc: EngineProcess) -> _Outcome:
         """Watch and probe a running engine until it exits or must be replaced."""
@@ -445,22 +474,27 @@ class ShardSupervisor:
                 self._set(State.LOADING, f"pid {proc.pid} is running; waiting for {self._readiness.health_path}")
             if not ready:
                 assert self._prober is not None  # set with the endpoint, before supervising
-                ready, why = await self._prober.ready()
+                probed = await self._prober.ready()
+                ready = probed.ok
                 if ready:
-                    self._set(State.READY, why)
-                elif trio.current_time() > deadline:
-                    return _Outcome(f"startup timeout: not ready {timeout:g}s after the start (last probe: {why})",
-                                    failed=True)
+                    self._set(State.READY, probed.reason)
+                elif trio.current_time() > deadline and not probed.inconclusive:
+                    # (a probe that could not be sent, for want of descriptors, is no verdict: the next one decides)
+                    return _Outcome(f"startup timeout: not ready {timeout:g}s after the start (last probe: "
+                                    f"{probed.reason})", failed=True)
                 continue
             assert self._prober is not None  # set with the endpoint, before supervising
-            healthy, why, definite = await self._prober.health()
-            if healthy:
+            health = await self._prober.health()
+            why = health.reason
+            if health.ok:
                 failures = definite_failures = 0
                 if self.state is State.LOADING:
                     self._set(State.READY, f"healthy again: {why}")
                 continue
+            if health.inconclusive:  # this process is out of descriptors (counted): the engine is not to blame
+                continue
             failures += 1
-            definite_failures = definite_failures + 1 if definite else 0
+            definite_failures = definite_failures + 1 if health.definite else 0
             if failures >= settings.unhealthy_after and self.state is State.READY:
                 self._set(State.LOADING, f"unhealthy: {failures} health probes failed in a row, last: {why}")
             if definite_failures >= settings.restart_unhealthy_after:
@@ -568,7 +602,7 @@ class ShardSupervisor:
             # engine must not start before they are gone.
             if not await wait_group_gone(proc.pgid, self.settings.group_exit_timeout):
                 log.warning("shard %s: processes of group %d are still there %gs after SIGKILL", self.shard_id,
-                            proc.pgid, self.settings.group_exit_timeout)
+                            proc.pgid, self.settings.group_exit_timeout, extra=self._log_fields())
         return killed
 
     def _finish(self, state: State, reason: str, *, tail: bool = False) -> None:
@@ -620,6 +654,11 @@ class ShardSupervisor:
         if self._prober is not None:
             await self._prober.aclose()
 
+    def _log_fields(self) -> dict:
+        spec = self.spec
+        return log_fields(shard=spec.shard_id, replica=spec.replica_id, generation=spec.generation,
+                          pid=self.pid or None, port=self.http_port or None, state=self.state.value)
+
     def _set(self, state: State, reason: str, *, tail: bool = False) -> None:
         if state is self.state and reason == self.reason:
             return
@@ -627,7 +666,7 @@ class ShardSupervisor:
         self.reason = reason
         self._log_tail = self.log.tail(self.settings.log_tail_lines) if tail else []
         log.log(_LOG_LEVELS.get(state, logging.INFO), "shard %s (generation %d) is %s: %s", self.spec.shard_id,
-                self.spec.generation, state.value, reason)
+                self.spec.generation, state.value, reason, extra=self._log_fields())
         try:
             self._on_status(self.report())
         except Exception:  # a broken listener must not leave the engine unsupervised

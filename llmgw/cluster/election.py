@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import trio
 
+from ..logfields import log_fields
 from .link import RedisLink, Unavailable
 from .records import Keys
 
@@ -189,7 +190,8 @@ class Election:
         self.metrics.leader.set(0)
         self.metrics.transitions.labels("follower", reason).inc()
         log.warning("cluster leader: term %d of %s is over (%s): the control plane stops here; this process "
-                    "follows the cluster and stands again", term.generation, self.origin, ENDINGS[reason])
+                    "follows the cluster and stands again", term.generation, self.origin, ENDINGS[reason],
+                    extra=log_fields(term=term.generation, leader=self.origin))
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Campaign until cancelled; on the way out, a leader gives its lease up (another takes over at once)."""
@@ -244,7 +246,7 @@ class Election:
         self.metrics.elections.inc()
         self.metrics.transitions.labels("leader", "elected").inc()
         log.warning("cluster leader: %s took the lease (term %d): it runs the cluster's control plane now",
-                    origin, generation)
+                    origin, generation, extra=log_fields(term=generation, leader=origin))
         self._elected.set()
 
     async def _renew(self, term: Term) -> None:
@@ -272,7 +274,8 @@ class Election:
         except Unavailable:
             return  # it expires by itself within lease_ttl
         if released:
-            log.info("cluster leader: %s gave the lease of term %d up", self.origin, term.generation)
+            log.info("cluster leader: %s gave the lease of term %d up", self.origin, term.generation,
+                     extra=log_fields(term=term.generation, leader=self.origin))
 
     def describe(self) -> dict[str, Any]:
         term = self.term

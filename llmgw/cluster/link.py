@@ -11,6 +11,10 @@ it healthy (one INFO line). Callers retry with :meth:`RedisLink.backoff`.
 :meth:`RedisLink.add_to_stream` and :meth:`RedisLink.follow_stream` are the
 writes and blocking reads of the short-lived streams (load, predictions).
 
+A call that fails because this process is out of file descriptors is the
+same degraded state, its reason saying so (and counted in
+``llmgw_fd_exhaustion_total{where="redis"}``): Redis is not blamed.
+
 coredis survives a Redis restart by itself (a failed command's connection is
 dropped, the next one reconnects), so nothing here rebuilds the client
 unless its own task group fails.
@@ -27,6 +31,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import trio
 
+from ..fdpressure import capacity_errno, note_shortage
 from ..tls import TlsClientOptions, client_context
 from . import records
 
@@ -178,7 +183,7 @@ class RedisLink:
             except (ssl.SSLError, OSError, Exception) as exc:  # the pool's task group failed: start a new one
                 self._client = None
                 self._ready = trio.Event()
-                self.mark_down(f"{type(exc).__name__}: {exc}")
+                self.mark_down(self._shortage(exc) or f"{type(exc).__name__}: {exc}")
                 if not started:
                     started = True
                     task_status.started()
@@ -208,9 +213,18 @@ class RedisLink:
                     self._refusals_logged.add(operation)
                     log.error("cluster state: Redis refused %s: %s (logged once)", operation, _describe(exc))
                 raise Unavailable(_describe(exc)) from None
-            self._failed(operation, _describe(exc))
+            self._failed(operation, self._shortage(exc) or _describe(exc))
         self.mark_up()
         return result
+
+    @staticmethod
+    def _shortage(exc: BaseException) -> str | None:
+        """Why, when ``exc`` is this process running out of descriptors (counted, logged): Redis is not at fault,
+        and the callers' back-off retries."""
+        if capacity_errno(exc) is None:
+            return None
+        note_shortage("redis", exc)
+        return "no socket for a Redis connection: this process is out of file descriptors"
 
     def _failed(self, operation: str, why: str) -> None:
         self.metrics.errors.labels(operation).inc()

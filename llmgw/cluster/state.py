@@ -30,6 +30,7 @@ import trio
 
 from ..config.tls import replica_tls_options
 from ..engines.probe import VLLM_GAUGES, engine_gauges
+from ..logfields import log_fields
 from ..router.replica import Replica
 from ..router.replicas import DEPLOYED, STATIC
 from . import records
@@ -162,7 +163,7 @@ class SharedState:
             PublishedKv(self.kv_index, writer)
         log.info("cluster state: term %d %s", term.generation,
                  "continues the log of %s from batch %d" % continues if continues is not None else
-                 "starts a new log")
+                 "starts a new log", extra=log_fields(term=term.generation, leader=self.origin))
         try:
             with term.scope:
                 async with trio.open_nursery() as nursery:
@@ -176,7 +177,8 @@ class SharedState:
                     nursery.cancel_scope.cancel()  # the control plane stopped (it could not start): so does the term
                     failed = True
         except Exception:  # a bug in the control plane ends the term, never the process (it stands again)
-            log.exception("cluster leader: term %d failed", term.generation)
+            log.exception("cluster leader: term %d failed", term.generation,
+                          extra=log_fields(term=term.generation, leader=self.origin))
             failed = True
         finally:
             self.kv.close()
@@ -207,7 +209,7 @@ class SharedState:
         for name, record in self.followed.held().items():
             log.warning("replica %s (%s at %s) leaves routing: held from the previous leader, it was not claimed "
                         "within %gs of this term's start (its agent did not re-register, or the config here does "
-                        "not list it)", name, record.model, record.url, after)
+                        "not list it)", name, record.model, record.url, after, extra=log_fields(replica=name))
             self.metrics.held.labels("dropped").inc()
             self.writer.record([records.REMOVE, name])
             self.followed.remove(name, "not claimed by the new leader")

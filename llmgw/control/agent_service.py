@@ -46,6 +46,7 @@ from typing import Callable, Iterator, Protocol
 import trio
 
 from .. import __version__, wire
+from ..logfields import log_fields
 from ..lograte import RepeatLimitedLog
 from ..wire.channel import MAX_FRAME_BYTES, AgentCredentials, Channel, ChannelClosed, FrameTooLarge
 from .identity import MAX_NODE_ID, NodeIdentities, new_secret
@@ -218,7 +219,8 @@ class AgentSession:
             try:
                 self.service.handler.on_message(self, message)
             except Exception:  # a bug handling one message must not end every session of the process
-                log.exception("node %s: handling a %s failed", self.node_id, type_name)
+                log.exception("node %s: handling a %s failed", self.node_id, type_name,
+                              extra=log_fields(node=self.node_id))
 
     async def _write(self) -> None:
         try:
@@ -320,7 +322,8 @@ class AgentService(TaskHost):
                 if self._joining.get(session.node_id) is session:
                     del self._joining[session.node_id]
                 reason = session.end_reason or "connection closed"
-                log.info("session of node %s (%s) ended: %s", session.node_id, session.peer, reason)
+                log.info("session of node %s (%s) ended: %s", session.node_id, session.peer, reason,
+                         extra=log_fields(node=session.node_id))
                 self.handler.on_end(session, reason)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(self.settings.close_timeout):
@@ -361,12 +364,12 @@ class AgentService(TaskHost):
             session.pending_secret = issued
             self._joining[first.node_id] = session
             log.info("node %s joins for the first time from %s with a join token: issued its node secret",
-                     first.node_id, channel.peer)
+                     first.node_id, channel.peer, extra=log_fields(node=first.node_id))
         session.post(wire.Registered(accepted=True, node_id=first.node_id,
                                      heartbeat_interval=settings.heartbeat_interval,
                                      control_plane_id=self.control_plane_id, node_secret=issued))
         log.info("node %s registered from %s (%d GPUs, %d running shards)", first.node_id, channel.peer,
-                 len(first.gpus), len(first.shards))
+                 len(first.gpus), len(first.shards), extra=log_fields(node=first.node_id))
         previous = self.handler.on_register(session, first)  # may queue refusals: after Registered
         if previous is not None and previous is not session:
             previous.close(f"replaced by a new connection from {channel.peer}")
@@ -419,7 +422,8 @@ class AgentService(TaskHost):
             log.error("cannot store the identity of node %s in %s (%s): it joins again with the join token "
                       "next time", session.node_id, self.identities.path, exc)
             return
-        log.info("node %s (%s) is bound to its node secret", session.node_id, session.peer)
+        log.info("node %s (%s) is bound to its node secret", session.node_id, session.peer,
+                 extra=log_fields(node=session.node_id))
 
     def forget(self, node_id: str) -> bool:
         """Drop a node's identity (its id may join again with a join token) and close its remote session."""
@@ -431,7 +435,8 @@ class AgentService(TaskHost):
                 session.close("its identity was forgotten (POST /admin/nodes/ID/forget)")
                 forgotten = True
         if forgotten:
-            log.warning("node %s: identity forgotten; the next agent with a join token takes the id", node_id)
+            log.warning("node %s: identity forgotten; the next agent with a join token takes the id", node_id,
+                        extra=log_fields(node=node_id))
         return forgotten
 
     async def _refuse(self, channel: Channel, reason: str, message: str, node_id: str = "") -> None:

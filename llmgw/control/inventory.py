@@ -43,6 +43,7 @@ class NodeRecord:
     register: wire.Register  # as the agent sent it last, without its token
     state: NodeState = NodeState.CONNECTED
     state_reason: str = ""
+    state_since: float = 0.0  # wall clock: when the session entered ``state``
     last_seen: float = 0.0  # trio clock
     registered_at: float = 0.0  # wall clock
     session: Any = None  # the live session (an AgentSession), None when disconnected
@@ -87,6 +88,7 @@ class Inventory:
         node.register.shards = []  # the shards live in node.shards from now on
         node.last_seen = trio.current_time()
         node.registered_at = time.time()
+        node.state_since = 0.0  # a new session: connected since now, whatever the last one was
         self._set_state(node, NodeState.CONNECTED, f"registered with {len(node.shards)} running shards")
         self._changed()
         return previous
@@ -121,6 +123,8 @@ class Inventory:
             # The agent service logs each registration and session end; warn only about what goes wrong.
             level = logging.DEBUG if state is NodeState.CONNECTED or self.closing else logging.WARNING
             log.log(level, "node %s is %s: %s", node.node_id, state.value, reason)
+        if node.state is not state or not node.state_since:
+            node.state_since = time.time()
         node.state = state
         node.state_reason = reason
         if self._metrics is not None:
@@ -162,7 +166,8 @@ class Inventory:
     # -- views ---------------------------------------------------------------------------------------------------
 
     def node_json(self, node: NodeRecord, used_gpus: Iterable[int]) -> dict:
-        """``wire`` Register fields (no token) plus ``state``, ``state_reason``, ``used_gpus``, ``last_seen_s``."""
+        """``wire`` Register fields (no token) plus ``state``, ``state_reason``, ``state_since`` (Unix time),
+        ``used_gpus``, ``last_seen_s``."""
         body = wire.to_plain(node.register)
         body.pop("token", None)
         body.pop("node_secret", None)
@@ -171,6 +176,7 @@ class Inventory:
             shard.pop("placement_proof", None)
         body["state"] = node.state.value
         body["state_reason"] = node.state_reason
+        body["state_since"] = round(node.state_since, 3)
         body["used_gpus"] = sorted(set(used_gpus))
         body["last_seen_s"] = round(max(0.0, trio.current_time() - node.last_seen), 3)
         return body

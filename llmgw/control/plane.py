@@ -19,7 +19,11 @@ After a start, nothing new is placed for ``heartbeat_interval + 1`` seconds
 control-plane restart are adopted rather than started twice; during that
 window a request that finds no routable replica of its model waits for one
 (:meth:`ControlPlane.wait_for_replica`) instead of being refused. Without a
-join token only the embedded agent can join, and there is no such wait.
+join token only the embedded agent can join, and there is no such wait. The
+window ends early once nothing can be waiting for adoption
+(:meth:`ControlPlane.nothing_to_adopt`): every node that ever joined (the
+identity store) has registered again, or, outside a cluster, none ever joined
+and no agent reports a running shard (a fresh start).
 
 Nodes prove who they are (:mod:`llmgw.control.identity`): every StartShard to
 a remote node carries a placement proof for that node, and a report of a
@@ -41,6 +45,7 @@ import trio
 from .. import wire
 from ..kv.index import refusal_reason
 from ..kv.metrics import KvMetrics
+from ..logfields import log_fields
 from ..router.replicas import DEPLOYED
 from .agent_service import AgentService, AgentSession, SessionSettings, send_error
 from .deployed import DeployedReplicas
@@ -68,6 +73,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RECONCILE_INTERVAL = 5.0
+ADOPTION_CHECK = 0.05  # seconds between checks whether the adoption window can end early (a cheap look)
 REFUSE_FOREIGN = "foreign_shard"
 REFUSE_UNPROVEN = "unproven_shard"
 
@@ -121,7 +127,8 @@ class ControlPlane:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         remote = bool(SessionSettings.from_config(self.config.agents).join_tokens)
         grace = self.config.agents.heartbeat_interval + 1.0 if remote else 0.0
-        self.reconciler.place_after = trio.current_time() + grace
+        started = trio.current_time()
+        self.reconciler.place_after = started + grace
         async with trio.open_nursery() as nursery:
             await nursery.start(self.agents.run)
             await nursery.start(self.deployed.run)
@@ -129,8 +136,8 @@ class ControlPlane:
             self.apply_config(self.config)
             task_status.started()
             if grace:
-                log.info("waiting %gs for agents to report running shards before placing new ones", grace)
-                nursery.start_soon(self._wake_at, self.reconciler.place_after)
+                log.info("waiting up to %gs for agents to report running shards before placing new ones", grace)
+                nursery.start_soon(self._end_adoption_window, started)
             while True:
                 with trio.move_on_after(RECONCILE_INTERVAL):
                     await self._wake.wait()
@@ -141,9 +148,40 @@ class ControlPlane:
                     self.metrics.reconcile_failures.inc()
                     log.exception("a reconcile pass failed; the control plane carries on")
 
-    async def _wake_at(self, deadline: float) -> None:
-        await trio.sleep_until(deadline)
+    async def _end_adoption_window(self, started: float) -> None:
+        """Reconcile when the adoption window ends: at its deadline, or earlier, as soon as nothing can be waiting
+        for adoption (checked every ``ADOPTION_CHECK`` seconds)."""
+        while trio.current_time() < self.reconciler.place_after:
+            why = self.nothing_to_adopt()
+            if why is not None:
+                self.reconciler.place_after = trio.current_time()
+                log.info("placing now, %.2fs after the start, not at the adoption window's end: %s",
+                         self.reconciler.place_after - started, why)
+                break
+            await trio.sleep_until(min(self.reconciler.place_after, trio.current_time() + ADOPTION_CHECK))
         self.request_reconcile()
+
+    def nothing_to_adopt(self) -> str | None:
+        """Why no engine can be waiting for adoption any more; None while one may be.
+
+        The embedded agent (when configured) must have registered: its ledger's engines are in its Register.
+        Then either every node in the identity store (each node that ever joined) has registered again, or the
+        store is empty and no registered node reports a shard: a fresh start, nothing placed before. In a cluster
+        only the first holds (a node may have joined another leader, and Redis may have lost its identity)."""
+        nodes = self.inventory.nodes
+        agents = self.config.agents
+        if agents.embedded:
+            node = nodes.get(agents.embedded_node_id)
+            if node is None or not node.reachable:
+                return None
+        known = self.identities.node_ids()
+        if known:
+            if all(n in nodes and nodes[n].reachable for n in known):
+                return f"every node that joined before ({len(known)}) has registered again"
+            return None
+        if self.config.state.shared or any(node.shards for node in nodes.values()):
+            return None
+        return "a fresh start: no node joined before (no identity stored) and no agent reports a running shard"
 
     def apply_config(self, config: "Config") -> None:
         """Take a (re)loaded config: new desired replicas, models, agent settings; reconciled at once."""
@@ -192,18 +230,19 @@ class ControlPlane:
         if isinstance(action, Unplaceable):
             if action.first:
                 self.metrics.placement_failures.inc()
-            log.warning("%s", action.describe())
+            log.warning("%s", action.describe(), extra=log_fields(**action.fields()))
             return
         # A StartShard carries out the Place or Adopt just logged; the agent logs the engine it spawns.
         starts = isinstance(action, Command) and isinstance(action.message, wire.StartShard)
-        log.log(logging.DEBUG if starts else logging.INFO, "%s", action.describe())
+        log.log(logging.DEBUG if starts else logging.INFO, "%s", action.describe(),
+                extra=log_fields(**action.fields()))
         if isinstance(action, Command):
             node = self.inventory.nodes.get(action.node_id)
             session = node.session if node is not None else None
             assert action.message is not None
             if session is None or not session.post(self._with_proof(node, action.message)):
                 log.warning("could not send %s to %s: its session is gone (it is sent again when it reconnects)",
-                            action.kind, action.node_id)
+                            action.kind, action.node_id, extra=log_fields(**action.fields()))
 
     def _with_proof(self, node, message: wire.Message) -> wire.Message:
         """A StartShard for a remote node carries the proof that it was placed there (for its adoption later)."""
@@ -255,7 +294,7 @@ class ControlPlane:
             self._hand_kv_changes(session, message)
         elif isinstance(message, wire.ErrorMessage):
             log.warning("node %s reports an error (%s) about %s: %s", session.node_id, message.code,
-                        message.about or "-", message.message)
+                        message.about or "-", message.message, extra=log_fields(node=session.node_id))
         else:
             session.post(wire.ErrorMessage(code="unexpected", message=f"{type(message).__name__} is not a message "
                                                                       "an agent sends"))
@@ -303,7 +342,8 @@ class ControlPlane:
                 message = wire.KvResync(shard_id=leader.shard_id, replica_id=replica_id, mode=mode, reason=reason)
                 if node is None or node.session is None or not node.session.post(message):
                     log.warning("could not ask node %s for a KV resync of replica %s: its session is gone (its "
-                                "reconnect sends a full copy)", leader.node_id, replica_id)
+                                "reconnect sends a full copy)", leader.node_id, replica_id,
+                                extra=log_fields(node=leader.node_id, replica=replica_id))
                 return
 
     def _refuse_kv(self, session: AgentSession, changes: wire.KvChanges, reason: str, placed_on: str | None) -> None:
@@ -315,7 +355,8 @@ class ControlPlane:
         where = f"placed on node {placed_on}" if placed_on else "not placed by this control plane"
         message = (f"KV changes for shard {changes.shard_id} (replica {changes.replica_id or '?'}) refused: "
                    f"{reason}; the shard is {where}")
-        log.warning("node %s (%s): %s", session.node_id, session.peer, message)
+        log.warning("node %s (%s): %s", session.node_id, session.peer, message,
+                    extra=log_fields(node=session.node_id, shard=changes.shard_id))
         session.post(wire.ErrorMessage(code=f"kv_{reason}", message=message, about=changes.shard_id))
 
     def on_end(self, session: AgentSession, reason: str) -> None:
@@ -371,7 +412,8 @@ class ControlPlane:
                 self._unproven_told.add((session.node_id, report.shard_id))
                 message = (f"shard {report.shard_id} (replica {report.replica_id or '?'}) has no valid placement "
                            f"proof for node {session.node_id}: it is not adopted")
-                log.warning("node %s (%s): refused: %s", session.node_id, session.peer, message)
+                log.warning("node %s (%s): refused: %s", session.node_id, session.peer, message,
+                            extra=log_fields(node=session.node_id, shard=report.shard_id))
                 session.post(wire.ErrorMessage(code=REFUSE_UNPROVEN, message=message, about=report.shard_id))
         return False
 

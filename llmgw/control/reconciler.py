@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 from .. import wire
+from ..logfields import log_fields
 from .fingerprint import profile_kv_key_mode
 from .inventory import NodeRecord, NodeState
 
@@ -145,6 +146,10 @@ class Action:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def fields(self) -> dict[str, str | int | None]:
+        """What the action is about, as log fields (``node``, ``shard``, ``replica``, ``generation``)."""
+        return {}
+
 
 @dataclass(frozen=True)
 class Command(Action):
@@ -164,11 +169,28 @@ class Command(Action):
             extra = f" on GPUs {list(self.message.gpu_indices)}"
         return f"{self.kind} shard {self.message.shard_id} on {self.node_id}{extra}: {self.reason}"
 
+    def fields(self) -> dict[str, str | int | None]:
+        assert self.message is not None
+        replica = self.message.replica_id if isinstance(self.message, wire.StartShard) else None
+        return {"node": self.node_id, "shard": self.message.shard_id, "replica": replica}
+
 
 @dataclass(frozen=True)
-class Place(Action):
-    kind: ClassVar[str] = "place"
+class _OfAssignment(Action):
+    """An action on one assignment (a replica's generation and its slots)."""
+
     assignment: Assignment | None = None
+
+    def fields(self) -> dict[str, str | int | None]:
+        a = self.assignment
+        assert a is not None  # always given (the default only orders the fields)
+        nodes = sorted(set(a.node_ids))
+        return {"replica": a.replica_id, "generation": a.generation, "node": nodes[0] if len(nodes) == 1 else None}
+
+
+@dataclass(frozen=True)
+class Place(_OfAssignment):
+    kind: ClassVar[str] = "place"
 
     def describe(self) -> str:
         a = self.assignment
@@ -178,9 +200,8 @@ class Place(Action):
 
 
 @dataclass(frozen=True)
-class Adopt(Action):
+class Adopt(_OfAssignment):
     kind: ClassVar[str] = "adopt"
-    assignment: Assignment | None = None
 
     def describe(self) -> str:
         a = self.assignment
@@ -190,9 +211,8 @@ class Adopt(Action):
 
 
 @dataclass(frozen=True)
-class Retire(Action):
+class Retire(_OfAssignment):
     kind: ClassVar[str] = "retire"
-    assignment: Assignment | None = None
 
     def describe(self) -> str:
         a = self.assignment
@@ -211,6 +231,9 @@ class Unplaceable(Action):
     def describe(self) -> str:
         why = "; ".join(f"{node}: {reason}" for node, reason in self.reasons) or "no nodes"
         return f"cannot place replica {self.replica_id}: {why}"
+
+    def fields(self) -> dict[str, str | int | None]:
+        return {"replica": self.replica_id}
 
 
 # -- the reconciler ---------------------------------------------------------------------------------------------------
@@ -452,7 +475,8 @@ class Reconciler:
             if assignment.retiring and assignment.released and all(
                     _gone(nodes.get(slot.node_id), slot.shard_id) for slot in assignment.slots):
                 log.info("replica %s (generation %d) is retired: every shard stopped", assignment.replica_id,
-                         assignment.generation)
+                         assignment.generation,
+                         extra=log_fields(replica=assignment.replica_id, generation=assignment.generation))
                 del self.assignments[key]
         known = self._owned_ids() | {sid for node in nodes.values() for sid in node.shards}
         for shard_id in list(self._commanded):

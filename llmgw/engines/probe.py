@@ -188,12 +188,14 @@ async def get(pool: UpstreamPool, path: str, timeout: float, headers: Sequence[t
 class Health:
     """One health probe: ``ok`` is a 200; ``reason`` says why not ("" when ok); ``definite`` failures (refused,
     reset, 5xx) say the server is broken, while a timeout may only mean it is busy; ``answered`` is any HTTP
-    answer at all."""
+    answer at all; ``inconclusive``: the probe could not even be sent (this process is out of descriptors), so
+    it says nothing about the server and counts neither way."""
 
     ok: bool
     reason: str = ""
     definite: bool = False
     answered: bool = True
+    inconclusive: bool = False
 
 
 async def check_health(pool: UpstreamPool, path: str, timeout: float,
@@ -204,6 +206,8 @@ async def check_health(pool: UpstreamPool, path: str, timeout: float,
     except trio.TooSlowError:
         return Health(False, f"no answer within {timeout:g}s", definite=False, answered=False)
     except UpstreamError as exc:
+        if exc.kind == "capacity":
+            return Health(False, str(exc), answered=False, inconclusive=True)
         return Health(False, str(exc), definite=exc.kind != "timeout", answered=False)
     if status != 200:
         return Health(False, f"HTTP {status}", definite=status >= 500)

@@ -54,8 +54,10 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
 
     @app.get("/health")
     async def health():
-        answer: dict[str, Any] = {"status": "ok", "draining": gateway.draining}
-        if gateway.shared is not None:  # liveness stays ok: a degraded shared state is routed on, not fatal
+        """Liveness, always 200 (a fail-static gateway must not be restarted by its probe), with ``status``
+        ``degraded`` and the reasons while its cluster's shared state cannot be trusted (:mod:`.health_report`)."""
+        answer: dict[str, Any] = {**gateway.health_report.to_json(), "draining": gateway.draining}
+        if gateway.shared is not None:
             answer["state"] = {key: value for key, value in gateway.shared.describe().items() if key != "peers"}
         return jsonify(answer)
 

@@ -49,6 +49,7 @@ from ..tls import describe_tls_error
 from .admin import create_control_app
 from .admin_guard import exposure_problem
 from .dataplane import DataPlane, DataPlaneSettings
+from .health_report import HealthReport
 from .readiness import Readiness
 from .reload_guard import Refusal, ReloadMetrics, ReloadOutcome, refusal, restart_required, summarize
 
@@ -167,8 +168,9 @@ class Gateway:
             self.dataplane.wait_for_replica = self.control.wait_for_replica
         self._reload_lock = trio.Lock()
         self._reload_metrics = ReloadMetrics(self.metrics.registry)
+        self.health_report = HealthReport(self.shared, self.metrics.registry)
         self.readiness = self.dataplane.readiness = Readiness(self.router, lambda: self.draining,
-                                                              self._state_loaded)
+                                                              self._state_loaded, self.health_report.sentences)
 
     def _build_control(self, table: ReplicaTable, kv: KvWriter) -> ControlPlane:
         key = self.shared.placement_key if self.shared is not None else None
@@ -246,6 +248,7 @@ class Gateway:
             await nursery.start(self.replicas.run)
             if self.shared is not None:
                 await nursery.start(self.shared.run, self._lead if self.role == CONTROL else None, self._settled)
+                await nursery.start(self.health_report.watch)
             if self.static is not None:
                 await nursery.start(self.static.run)
                 self.static.apply(self.config)

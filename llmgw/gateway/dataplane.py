@@ -66,8 +66,9 @@ INLINE_BODY_LIMIT = 1 << 20  # bodies with a known length up to this are relayed
 # What says a replica is unwell (counted by passive health); anything else the request may have caused.
 UNWELL_KINDS = frozenset({"connect", "tls", "closed_before_request", "timeout"})
 UNWELL_STATUSES = frozenset({502, 503, 504})
-# Failures after which the request is sent to another replica: none of it reached this one.
-RETRY_KINDS = frozenset({"connect", "tls", "closed_before_request"})
+# Failures after which the request is sent to another replica: none of it reached this one. "capacity" (no socket
+# for want of descriptors: llmgw.fdpressure) is one, and says nothing about the replica's health.
+RETRY_KINDS = frozenset({"connect", "tls", "closed_before_request", "capacity"})
 _now = time.perf_counter  # durations for the metrics; real time, not Trio's clock
 ENGINE_GONE_TIMEOUT = 1.0  # seconds a replica that broke off a request has to answer /health to count as alive
 NO_KEY = "none"  # the key name of a request without a valid API key (or of any request without api_keys)
@@ -159,12 +160,19 @@ class DataPlane:
         self._answered(Exchange(_now()), status, request_id)
 
     def _probe(self, request: Request) -> Response:
-        """``/health`` (liveness: the process answers) and ``/ready`` (readiness: :mod:`.readiness`)."""
+        """``/health`` (liveness: the process answers) and ``/ready`` (readiness: :mod:`.readiness`). With
+        ``api_keys``, ``/ready?model=X`` needs a key as ``/v1`` does (it tells whether a model exists), and a
+        bare ``/ready`` without one stays open for load balancers but names no model. Its cluster reasons never
+        name Redis's address (the control port's do)."""
         if request.path == "/health":
             return Response(200, [], b"")
         if self.readiness is None:
             return error_response(404, "no route for GET /ready", code="not_found")
-        status, body = self.readiness.answer(request.query)
+        keys = self._api_keys  # read once: a reload swaps the whole set
+        keyed = not keys or keys.holder(request.header("authorization")) is not None
+        if not keyed and request.query:
+            return _key_required()
+        status, body = self.readiness.answer(request.query, names=keyed, detailed=False)
         return Response.json(body, status)
 
     def error_headers(self, request: Request | None) -> list[tuple[bytes, bytes]]:
@@ -192,8 +200,7 @@ class DataPlane:
         if keys:
             holder = keys.holder(request.header("authorization"))
             if holder is None:
-                return error_response(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                                      code="invalid_api_key")
+                return _key_required()
             exchange.key = holder
         if request.method == "GET" and path == "/v1/models":
             return self._list_models()
@@ -342,7 +349,7 @@ class DataPlane:
             return False
         health = await probe.check_health(replica.pool, replica.base_path + "/health", ENGINE_GONE_TIMEOUT,
                                           [(b"host", b"llmgw")])
-        return not health.answered
+        return not health.answered and not health.inconclusive
 
     async def _routing_body(self, request: Request) -> dict | Response:
         """What the router looks at: the JSON object of the body (parsed within ``json_limits``), or a form's
@@ -521,6 +528,8 @@ class DataPlane:
         return response
 
     def _upstream_error(self, replica: Replica, exc: UpstreamError) -> None:
+        if exc.kind == "capacity":  # this process's shortage, counted in llmgw_fd_exhaustion_total: nobody's fault
+            return
         if exc.kind in UNWELL_KINDS:
             self._failed(replica, exc.kind, str(exc))
         else:
@@ -680,6 +689,11 @@ class RelayedStream:
 
 
 _NO_TOKENS = (None, None, None)
+
+
+def _key_required() -> Response:
+    return error_response(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                          code="invalid_api_key")
 
 
 def _inline_length(headers: list[tuple[bytes, bytes]]) -> int | None:

@@ -2,20 +2,23 @@
 
 Ready (200) when every model (or each one a ``?model=a&model=b`` query names, adapters included) has a routable
 replica, the gateway is not draining, and a ``--role gateway`` process has loaded the cluster's shared state;
-otherwise 503 with the reasons. One call looks at each model's replicas once and stops at the first routable
-one: its work is bounded by the config, and a query names at most :data:`MAX_QUERY_MODELS` models. Answered on
-the data port and the control port alike (docs/cli.md#health-and-readiness).
+otherwise 503 with the reasons, each in words (``reasons``), besides the fields a script reads. One call looks at
+each model's replicas once and stops at the first routable one: its work is bounded by the config, and a query names
+at most :data:`MAX_QUERY_MODELS` models. Answered on the data port and the control port alike (docs/cli.md, "Health and
+readiness"); on the data port, with ``api_keys``, a caller without a key learns no model's name
+(:meth:`Readiness.answer`'s ``names``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 from urllib.parse import parse_qsl
 
 from ..router.router import Router
 
 MAX_QUERY_MODELS = 64  # models one /ready query may name
 MAX_LISTED = 100  # model names an answer lists per reason (the counts are always whole)
+NO_MODELS = "no models are configured or known yet"
 
 
 class QueryError(ValueError):
@@ -42,34 +45,67 @@ def query_models(query: str) -> list[str]:
     return list(names)
 
 
-class Readiness:
-    """Answers ``/ready`` from the router's models and replicas, ``draining()`` and ``state_loaded()``."""
+def _named(names: Sequence[str], shown: bool) -> str:
+    """``'a', 'b' (and 3 more)``, or ``3 models`` when names are not ``shown``."""
+    if not shown:
+        return f"{len(names)} model{'s' if len(names) != 1 else ''}"
+    listed = ", ".join(repr(name) for name in names[:MAX_LISTED])
+    return listed + (f" (and {len(names) - MAX_LISTED} more)" if len(names) > MAX_LISTED else "")
 
-    def __init__(self, router: Router, draining: Callable[[], bool], state_loaded: Callable[[], bool]):
+
+class Readiness:
+    """Answers ``/ready`` from the router's models and replicas, ``draining()`` and ``state_loaded()``;
+    ``cluster_reasons(detailed)``: why the shared state is not to be trusted now (:mod:`.health_report`), added
+    to the reasons of an answer that is not ready."""
+
+    def __init__(self, router: Router, draining: Callable[[], bool], state_loaded: Callable[[], bool],
+                 cluster_reasons: Callable[[bool], list[str]] = lambda detailed: []):
         self.router = router
         self.draining = draining
         self.state_loaded = state_loaded
+        self.cluster_reasons = cluster_reasons
 
-    def answer(self, query: str) -> tuple[int, dict[str, Any]]:
-        """``(status, JSON body)``: 200 ready, 503 not ready (with the reasons), 400 for an unreadable query."""
+    def answer(self, query: str, names: bool = True, detailed: bool = True) -> tuple[int, dict[str, Any]]:
+        """``(status, JSON body)``: 200 ready, 503 not ready (with the reasons), 400 for an unreadable query.
+        ``names``: the answer may name models (False: counts only, for a caller without an API key);
+        ``detailed``: the cluster's reasons may name Redis's address and error (False on the data port)."""
         try:
             asked = query_models(query)
         except QueryError as exc:
             return 400, {"error": {"message": str(exc), "type": "invalid_request_error", "param": "model",
                                    "code": "invalid_parameter"}}
         draining, loaded = self.draining(), self.state_loaded()
-        names = asked or list(self.router.models)
+        wanted = asked or list(self.router.models)
         unknown: list[str] = []
         without: list[str] = []
-        for name in names:
+        for name in wanted:
             resolved = self.router.resolve(name)
             if resolved is None:
                 unknown.append(name)
             elif not any(replica.routable for replica in self.router.models[resolved[0]].replicas):
                 without.append(name)
-        ready = not (draining or not loaded or unknown or without or not names)
-        body: dict[str, Any] = {"ready": ready, "models": len(names), "draining": draining, "state_loaded": loaded,
-                                "models_without_replica": without[:MAX_LISTED], "unknown_models": unknown[:MAX_LISTED]}
-        if not names:
-            body["reason"] = "no models are configured or known yet"
+        reasons: list[str] = []
+        if draining:
+            reasons.append("the gateway is draining (it was asked to stop): it takes no new requests")
+        if not loaded:
+            reasons.append("this process follows the cluster's shared state and has not loaded it yet: it knows "
+                           "no deployed model")
+        if not wanted:
+            reasons.append(NO_MODELS)
+        if unknown:
+            reasons.append(f"not known here: {_named(unknown, names)}")
+        if without:
+            reasons.append(f"no routable replica (every replica down, draining or not placed yet) for "
+                           f"{_named(without, names)}")
+        ready = not reasons
+        if not ready:
+            reasons += self.cluster_reasons(detailed)
+        body: dict[str, Any] = {"ready": ready, "models": len(wanted), "draining": draining, "state_loaded": loaded,
+                                "reasons": reasons}
+        if names:
+            body |= {"models_without_replica": without[:MAX_LISTED], "unknown_models": unknown[:MAX_LISTED]}
+        else:
+            body |= {"models_without_replica_count": len(without), "unknown_models_count": len(unknown)}
+        if not wanted:
+            body["reason"] = NO_MODELS
         return (200 if ready else 503), body

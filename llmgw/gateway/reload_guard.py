@@ -8,8 +8,9 @@ a config that removes every model and deployment. A config that removes some
 applies (a SIGHUP could not confirm a routine removal), and the summary names
 them. Refused always: a config that empties
 ``admin_tokens`` while the running one has some (opening ``/admin`` takes a
-restart with ``allow_unauthenticated_admin``), or that leaves a non-loopback
-control port without tokens. docs/cluster.md#reload describes the rules.
+restart with ``allow_unauthenticated_admin``), one that empties ``api_keys``
+while the running one has some (it would open ``/v1`` to everyone; that takes
+a restart), or that leaves a non-loopback control port without tokens. docs/cluster.md#reload describes the rules.
 
 An applied reload applies every setting that can change in a running process
 (``api_keys`` and ``access_log`` included); :func:`restart_required` names the
@@ -63,13 +64,36 @@ class Changes:
 
 
 @dataclass(frozen=True)
+class KeyChanges:
+    """How many secrets (API keys) a reload adds, removes and keeps, compared by value: counts, never names
+    or keys (a renamed key is kept)."""
+
+    added: int
+    removed: int
+    kept: int
+
+    @classmethod
+    def between(cls, old: list[str], new: list[str]) -> "KeyChanges":
+        before, after = set(old), set(new)
+        return cls(len(after - before), len(before - after), len(before & after))
+
+    def describe(self, kind: str) -> str:
+        return f"{kind}: added {self.added}, removed {self.removed}, kept {self.kept}"
+
+    def to_json(self) -> dict[str, int]:
+        return {"added": self.added, "removed": self.removed, "kept": self.kept}
+
+
+@dataclass(frozen=True)
 class ReloadSummary:
-    """What applying a new config changes: models, deployments, and how many admin and join tokens there are."""
+    """What applying a new config changes: models, deployments, how many admin and join tokens there are, and
+    how many API keys it adds, removes and keeps."""
 
     models: Changes
     deployments: Changes
     admin_tokens: tuple[int, int]  # (before, after)
     join_tokens: tuple[int, int]
+    api_keys: KeyChanges
 
     @property
     def removed(self) -> int:
@@ -80,17 +104,19 @@ class ReloadSummary:
         return self.models.before + self.deployments.before
 
     def describe(self) -> str:
-        """One line for the log: ``models: added -; removed a, b; changed -; deployments: ...; admin tokens 2 -> 1``."""
+        """One line for the log: ``models: added -; removed a, b; changed -; deployments: ...; admin tokens 2 -> 1;
+        join tokens 1 -> 1; API keys: added 1, removed 0, kept 2``."""
         return (f"{self.models.describe('models')}; {self.deployments.describe('deployments')}; "
                 f"admin tokens {self.admin_tokens[0]} -> {self.admin_tokens[1]}; "
-                f"join tokens {self.join_tokens[0]} -> {self.join_tokens[1]}")
+                f"join tokens {self.join_tokens[0]} -> {self.join_tokens[1]}; {self.api_keys.describe('API keys')}")
 
     def to_json(self) -> dict[str, Any]:
         """The counts of tokens, never the tokens."""
         return {"description": self.describe(), "models": self.models.to_json(),
                 "deployments": self.deployments.to_json(),
                 "admin_tokens": {"before": self.admin_tokens[0], "after": self.admin_tokens[1]},
-                "join_tokens": {"before": self.join_tokens[0], "after": self.join_tokens[1]}}
+                "join_tokens": {"before": self.join_tokens[0], "after": self.join_tokens[1]},
+                "api_keys": self.api_keys.to_json()}
 
 
 @dataclass(frozen=True)
@@ -162,7 +188,8 @@ def summarize(old: Config, new: Config) -> ReloadSummary:
         models=_changes({m.name: m for m in old.models}, {m.name: m for m in new.models}),
         deployments=_changes(_deployments(old), _deployments(new)),
         admin_tokens=(len(old.admin_tokens), len(new.admin_tokens)),
-        join_tokens=(_join_tokens(old), _join_tokens(new)))
+        join_tokens=(_join_tokens(old), _join_tokens(new)),
+        api_keys=KeyChanges.between([k.key for k in old.api_keys], [k.key for k in new.api_keys]))
 
 
 def restart_required(started: Config, new: Config) -> tuple[str, ...]:
@@ -184,6 +211,11 @@ def refusal(old: Config, new: Config, summary: ReloadSummary, *, blank: bool, al
         return Refusal(409, "removes_admin_tokens", (
             f"{source}: admin_tokens is empty while the running config has {len(old.admin_tokens)}: a reload never "
             f"opens /admin; keep at least one token (opening it takes a restart with allow_unauthenticated_admin)",))
+    if old.api_keys and not new.api_keys:
+        return Refusal(409, "removes_api_keys", (
+            f"{source}: api_keys is empty while the running config has {len(old.api_keys)}: it would open /v1 to "
+            f"anyone who can reach the data port, so a reload never applies it (serving /v1 without keys takes a "
+            f"restart with a config that has none)",))
     exposed = exposure_problem(control_host, new)
     if exposed:
         return Refusal(409, "exposes_admin", (exposed,))
@@ -201,7 +233,7 @@ class ReloadMetrics:
     def __init__(self, registry: CollectorRegistry):
         self.reloads = CachedLabels(Counter(
             "llmgw_config_reloads", "Config reloads (SIGHUP, POST /admin/reload) by outcome: applied, or why "
-            "refused (invalid, no_config_file, empty_file, removes_admin_tokens, exposes_admin, "
+            "refused (invalid, no_config_file, empty_file, removes_admin_tokens, removes_api_keys, exposes_admin, "
             "removes_everything).", ["outcome"], registry=registry))
         self.restart_required = Gauge(
             "llmgw_config_restart_required", "Settings the last reload read that this process applies only at a "

@@ -13,6 +13,9 @@ response head had arrived). The kinds say how far the request got, which is
 what decides whether the request itself may have caused the failure:
 
 - ``connect``: no connection (refused, unreachable, too slow to connect);
+- ``capacity``: no socket could be opened for it (this process is out of file
+  descriptors or memory: :mod:`llmgw.fdpressure`, counted there): nothing was
+  sent, and it says nothing about the upstream;
 - ``tls``: the TLS handshake with an ``https://`` upstream failed (an untrusted
   certificate, a host name mismatch): like ``connect``, nothing was sent;
 - ``closed_before_request``: the connection failed on the first write, before
@@ -49,6 +52,7 @@ from collections.abc import Awaitable, Callable
 import httptools
 import trio
 
+from ..fdpressure import capacity_errno, note_shortage
 from ..tls import describe_tls_error
 from .deadlines import Watch
 from .tls_socket import Stream, TlsSocket, waiting_poller
@@ -427,6 +431,10 @@ class UpstreamPool:
                 stream = await trio.open_tcp_stream(self.host, self.port)
             except OSError as exc:
                 reason = errno.errorcode.get(exc.errno or 0, "") or str(exc)
+                if capacity_errno(exc) is not None:
+                    note_shortage("upstream_connect", exc, f"{self.host}:{self.port}")
+                    raise UpstreamError("capacity", f"no socket for a connection to {self.host}:{self.port}: "
+                                                    f"this process is out of file descriptors ({reason})") from None
                 raise UpstreamError("connect", f"cannot connect to {self.host}:{self.port}: {reason}") from None
             # From here on a plain non-blocking socket (TCP_NODELAY was set by trio).
             plain = socket.socket(fileno=stream.socket.detach())

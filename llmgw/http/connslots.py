@@ -6,8 +6,8 @@ socket and hands each connection to the port's server; a connection that
 arrives at the cap is answered ``503`` at once (one non-blocking ``send``, no
 read, no task) and closed, and counted: the client learns to retry, and the
 descriptors left stay with the engine connections. ``accept()`` failures for
-want of descriptors or memory are retried after 100 ms and logged at most once
-per 10 s with a count (:class:`~llmgw.lograte.RepeatLimitedLog`).
+want of descriptors or memory are retried after 100 ms, counted and logged at
+most once per 10 s (:mod:`llmgw.fdpressure`).
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ from typing import Any
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from ..fdpressure import capacity_errno, note_shortage
 from ..lograte import RepeatLimitedLog
 from .messages import error_body
 
 log = logging.getLogger(__name__)
 repeats = RepeatLimitedLog(log)
 
-# accept() errors that mean "no descriptor or memory right now": wait and retry instead of giving up the port
-CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 # accept() errors that concern only the connection being accepted (gone before it was taken)
 _GONE_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.EINTR})
 CAPACITY_RETRY = 0.1
@@ -127,9 +126,8 @@ async def accept_connections(lsock: socket.socket, slots: ConnectionSlots,
             await trio.lowlevel.wait_readable(lsock)
             continue
         except OSError as exc:
-            if exc.errno in CAPACITY_ERRNOS:
-                repeats.error("%s port: cannot accept connections: %s; retrying every %d ms", slots.port,
-                              exc.strerror or exc, CAPACITY_RETRY * 1000)
+            if capacity_errno(exc) is not None:  # no descriptor right now: retry rather than give up the port
+                note_shortage(f"{slots.port}_accept", exc)
                 await trio.sleep(CAPACITY_RETRY)
                 continue
             if exc.errno in _GONE_ERRNOS:

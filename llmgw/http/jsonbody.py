@@ -26,6 +26,10 @@ steps of a big body (each 1 MiB counted, the UTF-8 decoding, the parse, each
 20,000 containers walked, and after the parse, so that what the caller does
 next with the value starts in a step of its own), so that only ``json.loads``
 itself holds the loop for long (about 11 ms for 15 MiB of plain text).
+
+``NaN``, ``Infinity`` and ``-Infinity`` are not JSON (RFC 8259), though Python's parser takes them: a body
+with one is a 400 (``non_finite_number``), never forwarded (an engine would sample with ``temperature``
+NaN). The check costs nothing on other bodies: ``json.loads`` calls ``parse_constant`` only for those words.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ class JsonLimits:
 
 class BodyError(ValueError):
     """The body cannot be taken: ``status`` (400 or 413) and ``code`` for the OpenAI error, ``reason`` for the
-    metric (``not_json``, ``too_deep``, ``too_many_values``, ``too_many_containers``)."""
+    metric (``not_json``, ``non_finite_number``, ``too_deep``, ``too_many_values``, ``too_many_containers``)."""
 
     def __init__(self, status: int, code: str, reason: str, message: str):
         super().__init__(message)
@@ -123,9 +127,11 @@ def _parse(body: bytes, limits: JsonLimits) -> Iterator[Any]:
     collecting = gc.isenabled()
     gc.disable()
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_refuse_constant)
     except RecursionError:
         raise _too_deep(limits.max_depth) from None
+    except BodyError:  # a NaN or Infinity (_refuse_constant), a ValueError too
+        raise
     except (ValueError, UnicodeDecodeError) as exc:
         raise BodyError(400, "invalid_json", "not_json", f"the request body is not valid JSON: {exc}") from None
     finally:
@@ -135,6 +141,13 @@ def _parse(body: bytes, limits: JsonLimits) -> Iterator[Any]:
     if counts.containers > limits.max_depth and (yield from _deeper_than(value, limits.max_depth)):
         raise _too_deep(limits.max_depth)
     yield value
+
+
+def _refuse_constant(word: str) -> Any:
+    """``parse_constant`` of the parse: raised through ``json.loads`` for ``NaN``, ``Infinity``, ``-Infinity``."""
+    raise BodyError(400, "invalid_json", "non_finite_number",
+                    f"the request body is not valid JSON: {word} is not a JSON number (RFC 8259 has no NaN or "
+                    "Infinity); send a finite number")
 
 
 def _too_deep(max_depth: int) -> BodyError:

@@ -7,6 +7,15 @@ the two sockets are never waited on at once). Cancelling that task closes
 both sockets (``notify_closing`` first, ``linger=0``) and terminates the
 context.
 
+Descriptors. Out of file descriptors (``EMFILE``, ``ENFILE``), the
+subscription never fails: opening the context and SUB is retried with a
+back-off until it succeeds (the context is made by
+:func:`~llmgw.kv.zmq_trio.open_context`, since libzmq aborts the process when
+a new context's threads cannot get theirs), and a DEALER that cannot be opened
+is a replay with the result ``no_descriptor`` (a gap it cannot fill resets, as
+after a timeout); each is counted in ``llmgw_fd_exhaustion_total{where}``
+(``kv_subscription``, ``kv_replay``: :mod:`llmgw.fdpressure`).
+
 Modes. ``mode="connect"`` dials an engine that binds its PUB: the agent's
 engines, on ``ipc://`` sockets in its private directory
 (:mod:`llmgw.agent.kv_sockets`: vLLM binds an ``ipc://`` endpoint, and only
@@ -74,6 +83,7 @@ from typing import TYPE_CHECKING
 import trio
 import zmq
 
+from ..fdpressure import ShortageBackoff, capacity_errno, note_shortage
 from ..units import parse_size
 from . import zmq_trio
 from .codec import EventDecodeError, decode_batch, parse_frames, parse_replay_reply, replay_request
@@ -173,39 +183,66 @@ class EngineSubscription:
     # -- the task ---------------------------------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[str | None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Open the sockets, report the endpoint (resolved when bound), then receive until cancelled."""
+        """Open the sockets, report the endpoint (resolved when bound), then receive until cancelled. Opening
+        waits out a shortage of descriptors (retried with a back-off, counted, logged); other errors raise."""
         own_context = self._context is None
-        ctx = self._ctx = self._context if self._context is not None else zmq.Context()
-        sub = ctx.socket(zmq.SUB)
-        monitor = None
+        sub = monitor = None
         try:
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
-            sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-            sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-            if "[" in self.endpoint or "::" in self.endpoint:
-                sub.setsockopt(zmq.IPV6, 1)
-            if self.mode == "bind":
-                sub.bind(self.endpoint)
-                self.bound_endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
-            else:
-                sub.connect(self.endpoint)
-                self.bound_endpoint = self.endpoint
-            monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            sub.getsockopt(zmq.EVENTS)  # let libzmq process pending commands now (an idle SUB subscribes to nobody)
+            sub, monitor = await self._open_sockets()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._count_disconnects, monitor)
                 task_status.started(self.bound_endpoint)
                 await self._receive(sub)
         finally:
-            if monitor is not None:
+            self._close_sockets(sub, monitor, own_context)
+
+    async def _open_sockets(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        """The context (unless given), the SUB bound or connected, and its monitor; retried while descriptors are
+        short (:mod:`llmgw.fdpressure`)."""
+        backoff = ShortageBackoff()
+        while True:
+            sub = monitor = None
+            try:
+                ctx = self._ctx = self._context if self._context is not None else zmq_trio.open_context()
+                sub = ctx.socket(zmq.SUB)
+                self._configure(sub)
+                monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                # let libzmq process pending commands now (an idle SUB subscribes to nobody)
+                sub.getsockopt(zmq.EVENTS)
+                return sub, monitor
+            except (zmq.ZMQError, OSError) as exc:
+                self._close_sockets(sub, monitor, self._context is None)
+                if capacity_errno(exc) is None:
+                    raise
+                note_shortage("kv_subscription", exc, self.source)
+            await trio.sleep(backoff.next_delay())
+
+    def _configure(self, sub: zmq.Socket[bytes]) -> None:
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        if "[" in self.endpoint or "::" in self.endpoint:
+            sub.setsockopt(zmq.IPV6, 1)
+        if self.mode == "bind":
+            sub.bind(self.endpoint)
+            self.bound_endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            sub.connect(self.endpoint)
+            self.bound_endpoint = self.endpoint
+
+    def _close_sockets(self, sub: zmq.Socket[bytes] | None, monitor: zmq.Socket[bytes] | None,
+                       own_context: bool) -> None:
+        if monitor is not None:
+            if sub is not None:
                 sub.disable_monitor()
-                zmq_trio.close(monitor)
+            zmq_trio.close(monitor)
+        if sub is not None:
             zmq_trio.close(sub)
-            self._close_dealer()
-            if own_context:
-                ctx.term()
-            self._ctx = None
+        self._close_dealer()
+        if own_context and self._ctx is not None:
+            self._ctx.term()
+        self._ctx = None
 
     async def _receive(self, sub: zmq.Socket[bytes]) -> None:
         while True:
@@ -465,20 +502,21 @@ class EngineSubscription:
     async def _replay(self, start: int) -> tuple[str, list[tuple[int, bytes]]]:
         """Ask the engine for every buffered batch from ``start``: ``(result, [(seq, payload)])``.
 
-        ``result`` is ``ok`` (the END marker came), ``timeout`` or ``disabled``.
+        ``result`` is ``ok`` (the END marker came), ``timeout``, ``disabled``, or ``no_descriptor`` (the
+        DEALER could not be opened for want of descriptors: counted in ``llmgw_fd_exhaustion_total``).
         After a timeout the DEALER is closed, so late replies cannot be taken
         for the next replay's.
         """
         if not self.replay_endpoint or self._ctx is None:
             return "disabled", []
         if self._dealer is None:
-            dealer = self._ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-            if "[" in self.replay_endpoint or "::" in self.replay_endpoint:
-                dealer.setsockopt(zmq.IPV6, 1)
-            dealer.connect(self.replay_endpoint)
-            self._dealer = dealer
+            try:
+                self._dealer = self._open_dealer(self._ctx)
+            except zmq.ZMQError as exc:
+                if capacity_errno(exc) is None:
+                    raise
+                note_shortage("kv_replay", exc, self.source)  # the next gap or probe tries again
+                return "no_descriptor", []
         dealer = self._dealer
         replies: list[tuple[int, bytes]] = []
         with trio.move_on_after(self.replay_timeout):
@@ -495,6 +533,20 @@ class EngineSubscription:
                 replies.append((reply[1], reply[2]))
         self._close_dealer()
         return "timeout", replies
+
+    def _open_dealer(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes]:
+        assert self.replay_endpoint is not None
+        dealer = ctx.socket(zmq.DEALER)
+        try:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+            if "[" in self.replay_endpoint or "::" in self.replay_endpoint:
+                dealer.setsockopt(zmq.IPV6, 1)
+            dealer.connect(self.replay_endpoint)
+        except BaseException:
+            zmq_trio.close(dealer)
+            raise
+        return dealer
 
     def _close_dealer(self) -> None:
         if self._dealer is not None:

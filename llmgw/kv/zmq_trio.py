@@ -3,13 +3,43 @@
 Rules (see docs/vllm-notes.md, "pyzmq under Trio"): one task owns a socket
 (POLLIN and POLLOUT share one FD, and Trio allows one waiter per FD); always
 check ``EVENTS`` before sleeping on the edge-triggered FD; call
-:func:`close` (which notifies Trio first) instead of ``socket.close``.
+:func:`close` (which notifies Trio first) instead of ``socket.close``; make
+contexts with :func:`open_context`, which cannot abort the process.
 """
 
 from __future__ import annotations
 
+import os
+
 import trio
 import zmq
+
+# Descriptors a new context's first socket needs free, with room: its own mailbox, and the reaper's and the I/O
+# thread's epoll and mailbox that libzmq (4.3) creates then: 5.
+CONTEXT_HEADROOM = 16
+
+
+def open_context() -> zmq.Context[zmq.Socket[bytes]]:
+    """A new context with its threads already started; ``OSError`` (``EMFILE``) when too few descriptors are free.
+
+    libzmq starts a context's reaper and I/O threads at its first socket and aborts the whole process when it
+    cannot get their descriptors (``errno_assert`` in epoll.cpp). So the headroom is proven first (opened and
+    closed) and the threads started here, while a shortage is still an exception; sockets of a started context
+    that cannot get a descriptor raise ``zmq.ZMQError`` (``EMFILE``) instead."""
+    spare: list[int] = []
+    try:
+        for _ in range(CONTEXT_HEADROOM):
+            spare.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+    finally:
+        for fd in spare:
+            os.close(fd)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        ctx.socket(zmq.PAIR).close(linger=0)
+    except BaseException:
+        ctx.term()
+        raise
+    return ctx
 
 
 def _int_option(sock: zmq.Socket[bytes], option: int) -> int:

@@ -49,6 +49,7 @@ Per request (the rule, also in ``docs/kv-routing.md``):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -76,12 +77,14 @@ from ..plugin import (
     TokenizeError,
     hookimpl,
 )
-from .options import count, duration, option_reader
+from .options import count, duration, flag, option_reader
 from .prefix_tree import Choice, PrefixTreeTier, prefill_tokens
+from .replica_tokenizer import ASKED
 
 log = logging.getLogger(__name__)
 
 TIER_NAME = "kv_index"
+PINNED = "tokenize_pinned"  # the outcome of a decision strict_tokenize kept on the replica that tokenized the prompt
 VLLM_DEFAULT_BLOCK_SIZE = 16  # vLLM's --block-size default on GPUs (and the simulator's)
 SHARE_SCALE = 1 << 20  # shares in [0, 1] handed to the tree's scorers as matched / SHARE_SCALE
 EXTRA_KEY_STYLE = {"vllm": "current", "content": "event"}
@@ -90,7 +93,8 @@ EXTRA_KEY_STYLE = {"vllm": "current", "content": "event"}
 # (left-truncated) prompt. Such responses are not drift checks, whatever a client sends.
 NO_DRIFT_CHECK_FIELDS = ("prompt_logprobs", "truncate_prompt_tokens")
 # Attempt failures after which the engine holds nothing of the request (llmgw.router.tier.RoutingTier.attempt_failed)
-NEVER_TAKEN = frozenset({"connect", "tls", "closed_before_request", "status_502", "status_503", "status_504"})
+NEVER_TAKEN = frozenset({"connect", "tls", "closed_before_request", "capacity", "status_502", "status_503",
+                         "status_504"})
 TOKENIZE_CHARS_PER_TOKEN = 6  # max_tokenize_chars defaults to this x max_prompt_tokens (English: ~4 per token)
 HASH_SLICE_BLOCKS = 1024  # a long prompt's blocks are hashed this many at a time, other tasks running between
 
@@ -104,6 +108,7 @@ class KvIndexOptions:
     tokenize_timeout: float = kv_tokenize.DEFAULT_TOKENIZE_TIMEOUT
     tokenize_timeout_per_kb: float = kv_tokenize.DEFAULT_TOKENIZE_TIMEOUT_PER_KB
     tokenize_cache_tokens: int = kv_tokenize.DEFAULT_CACHE_TOKENS
+    strict_tokenize: bool = False  # a prompt sent to a replica's /tokenize is routed to that replica
     key_function: str = DEFAULT_KEY_FUNCTION  # content keys: any engine hash algorithm and seed
     key_function_options: dict[str, Any] = field(default_factory=dict)
     hash_algo: str = "sha256_cbor"
@@ -138,6 +143,7 @@ class KvIndexOptions:
         take("tokenize_timeout", _positive_duration)
         take("tokenize_timeout_per_kb", _non_negative_duration)
         take("tokenize_cache_tokens", count(0))
+        take("strict_tokenize", flag)
         take("key_function", _name)
         take("key_function_options", _mapping)
         take("hash_algo", _name)
@@ -196,6 +202,7 @@ def split_options(raw: Mapping[str, Any] | None) -> tuple[dict, dict]:
 class Fallback:
     outcome: str  # unindexable, index_unhealthy, tokenize_timeout, tokenize_error
     reason: str
+    asked: Replica | None = None  # the replica whose /tokenize was sent the prompt on the way (strict_tokenize)
 
 
 @dataclass
@@ -212,6 +219,7 @@ class KvEvaluation:
     sources: list[str]  # "index" or "tree" per candidate
     choice: Choice  # the prefix tier's rule applied to the shares, its reason worded for blocks
     text: str | None  # the canonical text, when the tree was consulted
+    asked: Replica | None = None  # the replica whose /tokenize was sent the prompt (strict_tokenize)
 
 
 class KvIndexTier(RoutingTier):
@@ -298,7 +306,7 @@ class KvIndexTier(RoutingTier):
         result = await self._evaluate(request, candidates, now, self._rng)
         if isinstance(result, Fallback):
             self.fallbacks[result.outcome] = self.fallbacks.get(result.outcome, 0) + 1
-            decision = await self.tree.pick(request, candidates)
+            decision = await self.tree.pick(request, self._only_asked(result.asked, candidates))
             decision.detail = {**decision.detail, "tree_outcome": decision.outcome, "reason": result.reason}
             decision.outcome = result.outcome
             decision.tier = TIER_NAME
@@ -387,7 +395,7 @@ class KvIndexTier(RoutingTier):
         now = self.clock()
         result = await self._evaluate(request, candidates, now, rng)
         if isinstance(result, Fallback):
-            answer = self.tree.explain(request, candidates)
+            answer = self.tree.explain(request, self._only_asked(result.asked, candidates))
             answer["tree_outcome"] = answer.get("outcome")
             answer.update(outcome=result.outcome, reason=result.reason, tier=TIER_NAME)
             for entry in answer.get("replicas", []):
@@ -478,23 +486,43 @@ class KvIndexTier(RoutingTier):
         return replica
 
     async def _prompt_ids(self, plan: kv_tokenize.Plan, request: RouteRequest, candidates: Sequence[Replica],
-                          now: float) -> tuple[Sequence[int], int] | Fallback:
+                          now: float) -> tuple[Sequence[int], int, Replica | None] | Fallback:
         """The ids routing hashes (at most ``max_prompt_tokens``, those of a cut prompt that equal the whole
         prompt's) and the prompt's length in tokens (estimated when not all of it was tokenized)."""
         limit = self.options.max_prompt_tokens
         if plan.token_ids is not None:
-            return plan.token_ids[:limit], len(plan.token_ids)
+            return plan.token_ids[:limit], len(plan.token_ids), None
+        target = self._tokenize_replica(request, candidates, now)
+        ASKED.set(None)
         try:
-            ids = await self.tokenizer.tokenize(self._tokenize_replica(request, candidates, now), plan.body)
+            ids = await self.tokenizer.tokenize(target, plan.body)
         except TokenizeError as exc:
-            return Fallback("tokenize_timeout" if exc.kind == "timeout" else "tokenize_error", str(exc))
+            return Fallback("tokenize_timeout" if exc.kind == "timeout" else "tokenize_error", str(exc),
+                            self._asked(target))
+        asked = self._asked(target)
         got = len(ids)
         if not plan.cut_chars:
-            return ids[:limit], got  # at least: an answer is read up to the limit (and the margin)
+            return ids[:limit], got, asked  # at least: an answer is read up to the limit (and the margin)
         usable = min(limit, got - kv_tokenize.CUT_MARGIN_TOKENS)
         # At least the ids per character of what was tokenized (fewer ids were read than the cut body has when
         # the answer hit the limit), over the whole prompt.
-        return ids[:max(usable, 0)], max(got, _scaled(got, plan.prompt_chars, plan.cut_chars))
+        return ids[:max(usable, 0)], max(got, _scaled(got, plan.prompt_chars, plan.cut_chars)), asked
+
+    def _asked(self, target: Replica) -> Replica | None:
+        """Under ``strict_tokenize``, the replica this task's tokenize call sent the prompt to: ``target`` when the
+        built-in sources say they called its ``/tokenize`` (not when they answered from the router's tokenizer or
+        cache), and always for a source that does not say (a third party's). None otherwise."""
+        if not self.options.strict_tokenize:
+            return None
+        if not getattr(self.tokenizer, "reports_asked", False):
+            return target
+        return target if ASKED.get() is not None else None
+
+    @staticmethod
+    def _only_asked(asked: Replica | None, candidates: Sequence[Replica]) -> Sequence[Replica]:
+        """The candidates a fallback decides among: only the replica that saw the prompt, under
+        ``strict_tokenize``."""
+        return [asked] if asked is not None and asked in candidates else candidates
 
     async def _block_keys(self, tokens: Sequence[int], block_size: int, extras) -> list[int]:
         """The block keys of ``tokens``; a long prompt's in slices of ``HASH_SLICE_BLOCKS`` blocks with a
@@ -527,7 +555,7 @@ class KvIndexTier(RoutingTier):
         ids = await self._prompt_ids(plan, request, candidates, now)
         if isinstance(ids, Fallback):
             return ids
-        tokens, prompt_tokens = ids
+        tokens, prompt_tokens, asked = ids
 
         healthy = [s is IndexState.HEALTHY for s in states]
         sizes = self.block_sizes(candidates, healthy)
@@ -563,8 +591,13 @@ class KvIndexTier(RoutingTier):
         cached = [predicted_cached_tokens(run, size, prompt_tokens) if source == "index" and size
                   else int(share * prompt_tokens) for run, size, source, share in zip(matched, sizes, sources, shares)]
         choice = _decide(self.tree, request, candidates, shares, now, rng, prompt_tokens, cached)
+        if asked is not None and candidates[choice.chosen] is not asked and asked in candidates:
+            pinned = candidates.index(asked)
+            choice = dataclasses.replace(choice, chosen=pinned, outcome=PINNED, reason=(
+                f"strict_tokenize: its /tokenize went to {asked.name}, so it goes there (the index preferred "
+                f"{candidates[choice.chosen].name})"))
         return KvEvaluation(prompt_tokens, keys, sizes, [s.value for s in states], confirmed, matched, shares,
-                            sources, choice, text)
+                            sources, choice, text, asked)
 
 
 def _decide(tree: PrefixTreeTier, request: RouteRequest, candidates: Sequence[Replica], shares: list[float],

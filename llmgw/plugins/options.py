@@ -33,6 +33,13 @@ def option_reader(options: Any, raw: Mapping[str, Any], problems: list[str],
     return take
 
 
+def flag(value: Any) -> bool:
+    """A converter accepting ``true`` or ``false`` (not 0, 1 or a string)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
 def count(minimum: int, maximum: int = MAX_COUNT) -> Callable[[Any], int]:
     """A converter accepting an integer (not a bool) from ``minimum`` to ``maximum``."""
 

@@ -69,7 +69,7 @@ from ..router.radix import RadixTree
 from ..router.token_ratio import TokensPerChar
 from ..router.tree_metrics import track_tree
 from ..router.uncertainty import OVERRIDE_SIGMAS, Uncertainty, certainly_costlier, override_pays
-from .options import MAX_NUMBER, count, duration, option_reader
+from .options import MAX_NUMBER, count, duration, flag, option_reader
 from .scorers import register_scorers
 
 # register_scorers is re-exported so that pluggy finds the built-in scorers' hook on this plugin module.
@@ -149,9 +149,9 @@ class PrefixTreeOptions:
         take("cost_decode_weight", _non_negative_number)
         take("cost_decode_source", _decode_source)
         take("cost_output_tokens", _positive_number)
-        take("cost_engine_prefill", _flag)
-        take("cost_configured_prefill", _flag)
-        take("learn_tokens_per_char", _flag)
+        take("cost_engine_prefill", flag)
+        take("cost_configured_prefill", flag)
+        take("learn_tokens_per_char", flag)
         if "rule" not in raw and "scorers" in raw:  # naming scorers asks for them
             options.rule = "scores"
         if "max_imbalance" not in raw and options.rule == "scores":
@@ -211,12 +211,6 @@ def _new_prefixes(value: Any) -> str:
 def _decode_source(value: Any) -> str:
     if value not in decode_cost.SOURCES:
         raise ValueError(f"expected one of {', '.join(decode_cost.SOURCES)}, got {value!r}")
-    return value
-
-
-def _flag(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"expected true or false, got {value!r}")
     return value
 
 

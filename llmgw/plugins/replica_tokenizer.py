@@ -12,6 +12,7 @@ raise :class:`~llmgw.kv.tokenize.TokenizeError`.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import time
 from collections import deque
@@ -36,6 +37,11 @@ ADAPTIVE_UPDATE_EVERY = 16
 DEFAULT_MAX_IDS = 131072 + 64  # the kv_index tier passes its max_prompt_tokens plus the cut margin
 MAX_ERROR_BYTES = 4096  # of an answer that is not a 200, read for the error message
 
+# The replica whose ``/tokenize`` the current task's last :meth:`TokenizeClient.tokenize` sent a prompt to (None:
+# answered from the cache). Per task (Trio gives each task its own context): the kv_index tier's
+# ``strict_tokenize`` reads it right after its call to know which replica has seen the prompt.
+ASKED: contextvars.ContextVar[object | None] = contextvars.ContextVar("llmgw_tokenize_asked", default=None)
+
 
 class TokenizeClient:
     """``await client.tokenize(replica, body)`` -> the prompt ids ``replica`` computes for a ``/tokenize`` body.
@@ -55,6 +61,8 @@ class TokenizeClient:
     timeout counts as a call that took its deadline, so a run of them
     lengthens the next deadlines.
     """
+
+    reports_asked = True  # sets ASKED when it sends a prompt to a replica (kv_index's strict_tokenize)
 
     def __init__(self, options: Mapping[str, Any] | None = None, *, timeout: float | None = None,
                  timeout_per_kb: float | None = None, cache_tokens: int | None = None, observe=None,
@@ -119,6 +127,7 @@ class TokenizeClient:
         if cached is not None:
             return cached
         self.calls += 1
+        ASKED.set(replica)  # from here on the replica may have the prompt, whatever the call's outcome
         started = self.clock()
         try:
             ids = await self._call(replica, body)
@@ -156,7 +165,8 @@ class TokenizeClient:
             except UpstreamError as exc:
                 if exc.kind == "timeout":
                     raise TokenizeError("timeout", str(exc)) from None
-                raise TokenizeError("connect" if exc.kind in ("connect", "tls") else "protocol", str(exc)) from None
+                raise TokenizeError("connect" if exc.kind in ("connect", "tls", "capacity") else "protocol",
+                                    str(exc)) from None
         if ids is None:
             raise TokenizeError("timeout", f"/tokenize on {getattr(replica, 'name', '?')} took longer than "
                                            f"{timeout * 1000:g} ms")

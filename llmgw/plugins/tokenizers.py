@@ -43,6 +43,8 @@ class LocalFirstTokenizer:
     ``/tokenize`` client's LRU cache.
     """
 
+    reports_asked = True  # its /tokenize calls go through TokenizeClient, which sets ASKED
+
     def __init__(self, options: Mapping[str, Any] | None = None, *, required: bool = False):
         options = dict(options or {})
         self.replica = TokenizeClient(options)

@@ -112,11 +112,14 @@ class HealthTracker:
             await wakeup.wait()
 
 
-async def probe_once(replica: Replica, settings: HealthSettings) -> tuple[bool, str]:
-    """One ``GET /health`` through the replica's connection pool; (ok, reason)."""
+async def probe_once(replica: Replica, settings: HealthSettings) -> tuple[bool | None, str]:
+    """One ``GET /health`` through the replica's connection pool; (ok, reason); ok is None when the probe could not
+    be sent (this process is out of descriptors): it tells nothing either way."""
     assert replica.pool is not None
     headers = [replica.auth_header] if replica.auth_header else []
     health = await probe.check_health(replica.pool, replica.base_path + settings.path, settings.timeout, headers)
+    if health.inconclusive:
+        return None, health.reason
     return health.ok, "ok" if health.ok else health.reason
 
 
@@ -125,5 +128,6 @@ async def probe_forever(replica: Replica, tracker: HealthTracker) -> None:
     settings = tracker.settings
     while True:
         ok, reason = await probe_once(replica, settings)
-        tracker.probe_result(replica, ok, reason)
+        if ok is not None:
+            tracker.probe_result(replica, ok, reason)
         await tracker.wait_for_next_probe(replica)

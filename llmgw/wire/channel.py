@@ -41,6 +41,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import trio
 
+from ..fdpressure import capacity_errno, note_shortage
 from ..tls import TlsClientOptions, client_context, describe_tls_error
 from . import messages as wire
 
@@ -290,6 +291,10 @@ class WebSocketConnector:
                 leader = {name.lower(): value for name, value in exc.headers or ()}.get(LEADER_HEADER.lower().encode())
                 raise UpgradeRefused(exc.status_code, _refusal_message(exc.body),
                                      leader.decode("latin-1")[:2048] if leader else None) from None
+            except Exception as exc:
+                if capacity_errno(exc) is not None:  # this process is out of descriptors; the agent backs off
+                    note_shortage("agent_link", exc, self.url)
+                raise
             yield websocket_channel(ws, f"control plane {self.url}")
 
     async def _diagnose_tls(self) -> None:
@@ -336,6 +341,8 @@ class FailoverConnector:
             raise
 
     def _move_on(self, exc: BaseException) -> None:
+        if capacity_errno(exc) is not None:  # no socket to dial with: no fault of this URL, tried again next
+            return
         leader = exc.leader if isinstance(exc, UpgradeRefused) else None
         if leader:
             try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from datetime import datetime, timedelta
 
 import openai
 import trio
@@ -126,6 +127,33 @@ async def test_the_embedded_agent_starts_its_engines_on_the_ports_of_agents_engi
     (replica,) = (await cluster.settled(1)).values()
     assert replica["url"] == f"http://127.0.0.1:{port}"
     assert await cluster.chat() == replica["name"]
+
+
+def logged_at(line: str) -> datetime:
+    """The time of one of ``llmgw serve``'s log lines (``2026-12-07 08:11:08,930 INFO ...``)."""
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+
+
+async def test_a_fresh_start_with_nothing_to_adopt_places_without_waiting_for_the_adoption_window(cluster):
+    # A join token (remote agents may join) at the default heartbeat: the adoption window is 5 + 1 = 6 s. Nothing
+    # ever joined and the embedded agent's ledger is empty: nothing can be waiting for adoption.
+    base = embedded(cluster.tmp_path / "local").replace("agents:\n", f"agents:\n  token: {TOKEN}\n", 1)
+    cluster.write_config(base + TINY_SIM)
+    serve = await cluster.start_serve()
+    await cluster.wait_for("/ready", lambda: _ready(cluster), timeout=60)
+    lines = list(serve.lines)
+    (waiting,) = [i for i, line in enumerate(lines) if "6s for agents to report running shards" in line]
+    placed = [i for i, line in enumerate(lines) if "llmgw.control.plane: place replica" in line]
+    assert len(placed) == 2, lines
+    # The order of events: the replicas were placed well before the window's end (its deadline is set a moment
+    # before the "waiting" line: a second spares that), once it was ended for good reason.
+    assert max(logged_at(lines[i]) for i in placed) < logged_at(lines[waiting]) + timedelta(seconds=6 - 1), lines
+    early = [i for i, line in enumerate(lines) if "not at the adoption window's end: a fresh start" in line]
+    assert len(early) == 1 and waiting < early[0] < min(placed), lines
+
+
+async def _ready(cluster) -> bool:
+    return (await cluster.http.get(cluster.data_url + "/ready")).status_code == 200
 
 
 FAST_AND_SLOW = """

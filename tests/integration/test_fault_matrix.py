@@ -17,6 +17,7 @@ rather than getting a 503; the last test shows the bound of that wait when no ag
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
@@ -130,8 +131,20 @@ async def test_the_control_plane_killed_and_restarted_under_load_loses_only_requ
 
 
 async def test_a_request_held_at_start_gets_a_503_when_no_agent_came_back(cluster):
-    # Default agent timing: the adoption window is heartbeat_interval + 1 = 6 s. No agent ever joins.
+    # Default agent timing: the adoption window is heartbeat_interval + 1 = 6 s. An agent joined before the
+    # restart (its identity is stored; its engines may still run), and does not come back: the window is kept.
     cluster.write_config(f"agents:\n  token: {TOKEN}\n" + kv_sim('"--num-blocks", "64"'))
+    first = await cluster.start_serve()
+    agent = await cluster.start_agent("a", "tiny-2gpu-a")
+    store = cluster.tmp_path / "xdg-state" / "llmgw" / "control" / "nodes.json"  # XDG_STATE_HOME: tests/conftest.py
+
+    async def identity_stored() -> bool:
+        return store.exists() and "a" in json.loads(store.read_text())["nodes"]
+
+    await cluster.wait_for("node a's identity stored", identity_stored)
+    for child in (agent, first):
+        child.kill()
+        await child.wait_exit()
     await cluster.start_serve()
     body = {"model": "tiny", "prompt": "anyone there?", "max_tokens": 1}
     held = await cluster.http.post(cluster.data_url + "/v1/completions", json=body, timeout=30)

@@ -58,6 +58,22 @@ async def test_deep_json_is_a_400_in_openai_shape_not_a_500(start_fake_upstream,
     assert gw.process.returncode is None
 
 
+async def test_nan_and_infinity_are_a_400_never_forwarded(start_fake_upstream, start_llmgw):
+    upstream = await start_fake_upstream("a")  # it would answer 200 to anything forwarded
+    gw = await start_llmgw(config(upstream.url))
+    async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
+        for word in ("NaN", "Infinity", "-Infinity"):
+            body = ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": %s}'
+                    % word).encode()
+            message = assert_openai_error(await client.post(CHAT, content=body, headers={
+                "content-type": "application/json"}), 400, "invalid_json")
+            assert word in message and "not a JSON number" in message
+        ok = await client.post(CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "NaN"}],
+                                           "temperature": 0.5})
+        assert ok.status_code == 200, ok.text
+    assert await rejected(gw, "non_finite_number") == 3
+
+
 async def test_bounds_follow_the_limits_keys(start_fake_upstream, start_llmgw):
     upstream = await start_fake_upstream("a")
     gw = await start_llmgw(config(upstream.url, "limits:\n  max_json_depth: 5\n  max_json_values: 50\n"

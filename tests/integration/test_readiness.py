@@ -40,12 +40,14 @@ health:
     for base in (gw.url, gw.control_url):
         status, body = await ready(http, base)
         assert status == 503 and body["ready"] is False and body["models_without_replica"] == ["late"], body
+        assert body["reasons"] == ["no routable replica (every replica down, draining or not placed yet) for "
+                                   "'late'"]
         assert body["draining"] is False and body["state_loaded"] is True and body["unknown_models"] == []
         assert (await http.get(base + "/health")).status_code == 200  # liveness is not readiness
     # Asked about the models it serves, it is ready; about a model it does not know, it is not.
     assert (await ready(http, gw.url, "?model=tiny"))[0] == 200
     status, body = await ready(http, gw.control_url, "?model=tiny&model=nope")
-    assert status == 503 and body["unknown_models"] == ["nope"]
+    assert status == 503 and body["unknown_models"] == ["nope"] and body["reasons"] == ["not known here: 'nope'"]
     bad = await http.get(gw.url + "/ready?verbose=1")
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_parameter"
 
@@ -57,7 +59,7 @@ health:
     await wait_for(all_ready)
     for base in (gw.url, gw.control_url):
         assert await ready(http, base) == (200, {"ready": True, "models": 2, "draining": False, "state_loaded": True,
-                                                 "models_without_replica": [], "unknown_models": []})
+                                                 "reasons": [], "models_without_replica": [], "unknown_models": []})
 
 
 async def test_a_draining_gateway_is_not_ready(gateway_in_process, start_fake_upstream, nursery):
@@ -77,6 +79,7 @@ async def test_a_draining_gateway_is_not_ready(gateway_in_process, start_fake_up
     await trio.sleep(0.2)
     status, body = await ready(gw.http, gw.control_url)
     assert status == 503 and body["draining"] is True and body["models_without_replica"] == [], body
+    assert body["reasons"] == ["the gateway is draining (it was asked to stop): it takes no new requests"]
 
 
 async def test_a_gateway_role_process_is_not_ready_before_the_shared_state(gateway_in_process, redis_url,
@@ -86,3 +89,47 @@ async def test_a_gateway_role_process_is_not_ready_before_the_shared_state(gatew
                                   role="gateway")
     status, body = await ready(gw.http, gw.url)
     assert status == 503 and body["state_loaded"] is False and body["models"] == 0, body
+    assert body["reasons"][:2] == ["this process follows the cluster's shared state and has not loaded it yet: it "
+                                   "knows no deployed model", "no models are configured or known yet"], body
+
+
+async def test_with_api_keys_ready_names_models_only_to_a_key_holder_on_the_data_port(gateway_in_process,
+                                                                                     start_fake_upstream):
+    up = await start_fake_upstream("up")
+    gw = await gateway_in_process(f"""
+models:
+  - name: tiny
+    replicas:
+      - url: {up.url}
+  - name: secret-model
+    replicas:
+      - url: http://127.0.0.1:{free_port()}
+health:
+  interval: 0.1s
+  failures_to_down: 1
+api_keys:
+  - key: sk-ready-0123456789
+""")
+    http = gw.http
+    key = {"Authorization": "Bearer sk-ready-0123456789"}
+
+    async def secret_is_down() -> bool:
+        return (await http.get(gw.url + "/ready", headers=key)).json()["models_without_replica"] == ["secret-model"]
+
+    await wait_for(secret_is_down)
+    # Whether a model exists is not told without a key: ?model= is a 401, as /v1 is.
+    for query in ("?model=tiny", "?model=nope", "?model=secret-model"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            answer = await http.get(gw.url + "/ready" + query, headers=headers)
+            assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key", answer.text
+    assert (await http.get(gw.url + "/ready?model=tiny", headers=key)).status_code == 200
+    named = await http.get(gw.url + "/ready?model=nope", headers=key)
+    assert named.status_code == 503 and named.json()["unknown_models"] == ["nope"]
+    # A bare /ready stays open for load balancers, with the same status and no name in it.
+    anonymous = await http.get(gw.url + "/ready")
+    assert anonymous.status_code == 503 and "secret-model" not in anonymous.text, anonymous.text
+    assert anonymous.json()["models_without_replica_count"] == 1 and "models_without_replica" not in anonymous.json()
+    assert anonymous.json()["reasons"] == ["no routable replica (every replica down, draining or not placed yet) "
+                                           "for 1 model"]
+    # The control port is the operators': it answers as before.
+    assert (await http.get(gw.control_url + "/ready?model=nope")).json()["unknown_models"] == ["nope"]

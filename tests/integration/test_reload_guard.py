@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import httpx
 import trio
@@ -116,3 +117,41 @@ async def test_the_cli_reports_a_refused_reload(cluster):
     assert "409 " in result.stderr.decode() and "no YAML document" in result.stderr.decode()
     async with httpx.AsyncClient(timeout=10) as anonymous:
         assert (await anonymous.get(cluster.control_url + "/admin/nodes")).status_code == 401
+
+
+async def test_a_reload_never_opens_v1_and_its_summary_counts_api_keys(start_fake_upstream, start_llmgw):
+    upstream = await start_fake_upstream("a")
+    keys = ("sk-reload-one-0123456789", "sk-reload-two-0123456789", "sk-reload-three-0123456789")
+
+    def text(*held: str) -> str:
+        listed = "".join(f"  - key: {key}\n" for key in held)
+        return (f"models:\n  - name: tiny\n    replicas: [{{url: {upstream.url}}}]\nlog_level: warning\n"
+                + (f"api_keys:\n{listed}" if held else ""))
+
+    gw = await start_llmgw(text(keys[0], keys[1]))
+    path = Path(gw.argv[gw.argv.index("--config") + 1])
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    async with httpx.AsyncClient(timeout=30) as http:
+        async def status_with(key: str | None) -> int:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            return (await http.post(gw.url + "/v1/chat/completions", json=chat, headers=headers)).status_code
+
+        path.write_text(text())  # api_keys gone: refused, confirmed or not
+        for query in ("", "?allow_empty=true"):
+            answer = await http.post(gw.control_url + "/admin/reload" + query)
+            assert answer.status_code == 409, answer.text
+            body = answer.json()
+            assert body["error"]["code"] == "removes_api_keys" and body["reloaded"] is False
+            assert "api_keys is empty while the running config has 2" in body["error"]["message"]
+            assert body["summary"]["api_keys"] == {"added": 0, "removed": 2, "kept": 0}
+            assert not any(key in answer.text for key in keys)
+        assert (await status_with(None), await status_with(keys[0])) == (401, 200)
+
+        path.write_text(text(keys[1], keys[2]))  # one key replaced by another: applied, and counted
+        answer = await http.post(gw.control_url + "/admin/reload")
+        assert answer.status_code == 200, answer.text
+        summary = answer.json()["summary"]
+        assert summary["api_keys"] == {"added": 1, "removed": 1, "kept": 1}
+        assert summary["description"].endswith("API keys: added 1, removed 1, kept 1")
+        assert not any(key in answer.text for key in keys)
+        assert (await status_with(keys[0]), await status_with(keys[2]), await status_with(None)) == (401, 200, 401)

@@ -17,7 +17,8 @@ import trio
 from llmgw.testing.chromium import open_page, start_chromium
 from llmgw.testing.cluster import embedded, text
 from llmgw.testing.metrics import metric_value
-from llmgw.testing.sims import kv_sim_profile
+from llmgw.testing.shared_state import cluster_config, wait_replicas
+from llmgw.testing.sims import kv_sim_profile, start_sims
 
 pytestmark = pytest.mark.slow
 
@@ -81,6 +82,10 @@ async def test_the_status_page_shows_the_cluster_live_and_nothing_without_the_to
         assert all("healthy" in row for row in shown), shown  # each replica's KV index health
         await tab.wait_for("the node and its shards", f"{ROW_TEXTS.format('nodes')}.some((r) => r.startsWith('local'))"
                            f" && {ROW_TEXTS.format('shards')}.length === 2")
+        node = await tab.evaluate(f"{ROW_TEXTS.format('nodes')}.find((r) => r.startsWith('local'))")
+        assert node.startswith("localconnected since "), node  # its session, and since when
+        cluster = await tab.evaluate(ROW_TEXTS.format("cluster"))
+        assert cluster[0] == "healthok" and cluster[1].startswith("shared statenone"), cluster
         # The client's id is shown as text: no element made of it, nothing of it run.
         await tab.wait_for("the hostile request id as text",
                            f"{ROW_TEXTS.format('decisions')}.some((r) => r.includes({HOSTILE_ID!r}))")
@@ -164,3 +169,31 @@ async def test_the_demo_without_admin_tokens_shows_its_status_with_no_login(nurs
         await tab.wait_for("the decision", f"{ROW_TEXTS.format('decisions')}.some((r) => r.includes('kv_index'))")
         assert await tab.evaluate("document.getElementById('login').hidden")
         assert tab.errors == []
+
+
+async def test_the_status_page_shows_the_leader_the_term_and_redis_and_why_it_is_degraded(
+        nursery, start_llmgw, private_redis, cluster_name, tmp_path):
+    """A candidate of a cluster (no admin tokens: loopback only), whose Redis goes away and comes back."""
+    (sim,) = await start_sims(nursery, 1, num_blocks=256, block_size=16)
+    gw = await start_llmgw(cluster_config([sim], private_redis.url, cluster_name, routing="round_robin"))
+    await wait_replicas(gw.control_url, 1)
+    browser = await start_chromium(nursery, tmp_path / "chromium")
+    rows = ROW_TEXTS.format("cluster")
+    async with open_page(browser) as tab:
+        await tab.navigate(f"{gw.control_url}/ui")
+        shown = await tab.wait_for("the leader, its term and Redis up", f"(() => {{ const r = {rows}; return "
+                                   "r.some((t) => t.startsWith('leader') && t.endsWith('(this process)')) && "
+                                   "r.some((t) => /^term[0-9]+$/.test(t)) && r.includes('healthok') && r; })()")
+        redis = f"Redisredis://127.0.0.1:{private_redis.port}/0"
+        assert f"{redis}: up" in shown and "rolecontrol, leading" in shown, shown
+        await private_redis.kill()
+        shown = await tab.wait_for("degraded, with the reason", f"(() => {{ const r = {rows}; return "
+                                   "r.includes('healthdegraded') && r.some((t) => t.includes('is unreachable')) && "
+                                   "r.some((t) => t.startsWith('leadernone known')) && r; })()", timeout=30)
+        assert any(row.startswith(f"{redis}: unreachable (") for row in shown), shown
+        assert any("Redis at" in row and "(since " in row for row in shown), shown
+        await private_redis.restart()
+        await tab.wait_for("ok again", f"{rows}.includes('healthok')", timeout=30)
+        # While it leads no term (Redis away), /admin/nodes answers 404, which the page shows as no control plane
+        # (the browser logs the 404); nothing else went wrong.
+        assert [error for error in tab.errors if "404" not in error or "/admin/nodes" not in error] == [], tab.errors

@@ -7,8 +7,10 @@ processes it saw and the fixture kills their process groups at the end.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -23,6 +25,7 @@ from llmgw import wire
 from llmgw.agent.ledger import Ledger, LedgerEntry
 from llmgw.agent.shards import ShardManager
 from llmgw.agent.supervisor import ShardSupervisor, SupervisorSettings
+from llmgw.logsetup import TEXT_FORMAT, JsonFormatter
 from llmgw.plugins_manager import default_registry
 from llmgw.procgroup import process_start_time
 
@@ -128,6 +131,43 @@ async def test_a_shard_starts_loads_and_becomes_ready(manager, recorder, tmp_pat
     assert Ledger(tmp_path / "shards.json").entries() == []
     assert not manager.ports.reserved(ready.http_port)
     assert manager.reports() == [] and manager.get("r1-0") is None
+
+
+async def test_engine_logs_are_private_and_an_older_agents_are_tightened_at_start(manager, recorder, tmp_path,
+                                                                                      nursery):
+    folder = tmp_path / "logs"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    for name in ("old-0.log", "old-0.log.1"):  # what an agent before this change left: 0644 in a 0755 folder
+        (folder / name).write_text("prompt text\n")
+        (folder / name).chmod(0o644)
+    await nursery.start(manager.run)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert {stat.S_IMODE((folder / name).stat().st_mode) for name in ("old-0.log", "old-0.log.1")} == {0o600}
+    manager.start(sim_shard())
+    await recorder.wait_for("r1-0", State.READY)
+    log = folder / "r1-0.log"
+    assert "llmgw-sim listening on" in log.read_text()  # the engine wrote it through the descriptor it was given
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+
+
+async def test_a_shard_start_logs_its_shard_pid_and_port_as_json_keys(manager, recorder, nursery, caplog):
+    caplog.set_level(logging.INFO, "llmgw.agent.supervisor")
+    await nursery.start(manager.run)
+    manager.start(sim_shard())
+    ready = await recorder.wait_for("r1-0", State.READY)
+    (starting,) = [r for r in caplog.records if "(generation 1) is starting: spawned pid" in r.getMessage()]
+    line = json.loads(JsonFormatter().format(starting))
+    assert (line["shard"], line["replica"], line["generation"]) == ("r1-0", "r1", 1), line
+    assert (line["pid"], line["port"], line["state"]) == (ready.pid, ready.http_port, "starting"), line
+    assert line["message"] == (f"shard r1-0 (generation 1) is starting: spawned pid {ready.pid} on port "
+                               f"{ready.http_port}")
+    # The text format is what it was: the message, which names them already.
+    text = logging.Formatter(TEXT_FORMAT).format(starting)
+    assert text.endswith("llmgw.agent.supervisor: " + line["message"]) and '"pid"' not in text
+    (became_ready,) = [r for r in caplog.records if "(generation 1) is ready" in r.getMessage()]
+    assert json.loads(JsonFormatter().format(became_ready))["state"] == "ready"
+    await manager.stop("r1-0", grace=5)
 
 
 async def test_a_fixed_http_port_is_used(manager, recorder, nursery):

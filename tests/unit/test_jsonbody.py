@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -76,9 +77,45 @@ def test_any_bytes_give_a_value_or_a_typed_error(body):
     except BodyError as exc:
         assert (exc.status, exc.code, exc.reason) in {
             (400, "invalid_json", "not_json"), (400, "invalid_json", "too_deep"),
+            (400, "invalid_json", "non_finite_number"),
             (413, "request_too_complex", "too_many_values"), (413, "request_too_complex", "too_many_containers")}
     else:
-        assert value == json.loads(body) or value != value  # NaN is not equal to itself
+        assert value == json.loads(body)
+
+
+def _has_non_finite(value) -> bool:
+    if isinstance(value, float):
+        return value != value or value in (math.inf, -math.inf)
+    if isinstance(value, list):
+        return any(_has_non_finite(item) for item in value)
+    if isinstance(value, dict):
+        return any(_has_non_finite(item) for item in value.values())
+    return False
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_ish)
+def test_a_body_is_refused_exactly_when_it_holds_nan_or_infinity(value):
+    """json.dumps writes NaN, Infinity and -Infinity for non-finite floats, anywhere in the value."""
+    body = json.dumps({"model": "m", "x": value}).encode()
+    if _has_non_finite(value):
+        with pytest.raises(BodyError) as exc:
+            parse_json_body(body)
+        assert (exc.value.status, exc.value.code, exc.value.reason) == (400, "invalid_json", "non_finite_number")
+    else:
+        assert parse_json_body(body) == json.loads(body)
+
+
+@pytest.mark.parametrize("word", ["NaN", "Infinity", "-Infinity"])
+async def test_nan_and_infinity_are_refused_in_small_and_big_bodies(word):
+    small = b'{"model": "m", "temperature": ' + word.encode() + b"}"
+    big = b'{"model": "m", "prompt": "' + b"a" * (2 * SLICE_BYTES) + b'", "temperature": ' + word.encode() + b"}"
+    for body in (small, big):
+        with pytest.raises(BodyError) as exc:
+            await read_json_body(body)
+        assert exc.value.reason == "non_finite_number" and word in str(exc.value)
+    assert await read_json_body(b'{"model": "m", "prompt": "NaN Infinity"}') == {"model": "m",
+                                                                                  "prompt": "NaN Infinity"}
 
 
 def test_escapes_count_against_the_value_bound():

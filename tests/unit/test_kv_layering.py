@@ -7,7 +7,7 @@ from pathlib import Path
 
 import llmgw.kv
 
-BASE_UTILITIES = {"llmgw.units", "llmgw.cached_labels"}
+BASE_UTILITIES = {"llmgw.units", "llmgw.cached_labels", "llmgw.fdpressure", "llmgw.lograte"}
 
 
 def llmgw_imports(path: Path) -> set[str]:

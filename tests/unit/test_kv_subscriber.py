@@ -8,7 +8,10 @@ vLLM 0.26+'s replay protocol from a buffer the test controls.
 
 from __future__ import annotations
 
+import errno
 import logging
+import subprocess
+import sys
 import time
 from collections import Counter
 
@@ -16,6 +19,7 @@ import pytest
 import trio
 import zmq
 
+from llmgw.fdpressure import FD_EXHAUSTION
 from llmgw.kv import zmq_trio
 from llmgw.kv.codec import END_SEQ_BYTES, encode_batch
 from llmgw.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
@@ -445,3 +449,68 @@ async def test_an_engine_restart_notified_during_a_replay_ends_it(witnessed):
     await trio.sleep(0.1)
     assert rec.seqs() == [0, 1, 2, 3, 4, 5]  # nothing more of the old run's replay, nor its live batch
     assert sub.resets == {"engine_restart": 1} and sub.last_seq is None
+
+
+class ShortContext:
+    """A real context whose next ``short`` sockets of ``kind`` cannot be opened (``EMFILE``), as in a process that
+    ran out of descriptors."""
+
+    def __init__(self, kind: int, short: int):
+        self.ctx = zmq.Context()
+        self.kind = kind
+        self.short = short
+
+    def socket(self, kind: int) -> zmq.Socket:
+        if kind == self.kind and self.short > 0:
+            self.short -= 1
+            raise zmq.ZMQError(errno.EMFILE)
+        return self.ctx.socket(kind)
+
+
+async def test_a_subscription_waits_out_a_shortage_of_descriptors_then_receives(rig):
+    before = FD_EXHAUSTION.counts.get("kv_subscription", 0)
+    sub, engine, rec = await rig(context=ShortContext(zmq.SUB, 2))  # started once the third try opened it
+    assert FD_EXHAUSTION.counts["kv_subscription"] == before + 2
+    await engine.publish(0)
+    await wait(sub, lambda s: s.batches == 1)
+    assert rec.seqs() == [0]
+
+
+async def test_a_replay_socket_that_cannot_be_opened_is_a_lost_gap_and_the_next_replay_opens_it(rig):
+    before = FD_EXHAUSTION.counts.get("kv_replay", 0)
+    sub, engine, rec = await rig(context=ShortContext(zmq.DEALER, 1))
+    await engine.publish(0)
+    await engine.publish(1, live=False)
+    await engine.publish(2)  # a gap: its replay has no socket, so batch 1 is lost (a reset), never the task
+    await wait(sub, lambda s: s.last_seq == 2)
+    assert sub.replays == {"no_descriptor": 1} and sub.resets == {"gap": 1} and rec.seqs() == [0, 2]
+    assert FD_EXHAUSTION.counts["kv_replay"] == before + 1
+    await engine.publish(3, live=False)
+    await engine.publish(4)  # the next gap: descriptors are back
+    await wait(sub, lambda s: s.last_seq == 4)
+    assert sub.replays == {"no_descriptor": 1, "filled": 1} and rec.seqs() == [0, 2, 3, 4]
+
+
+SHORT_PROCESS = """
+import errno, os, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+from llmgw.kv import zmq_trio
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+for fd in held[-3:]:  # a socket's descriptor is free, but not the new context's threads' (libzmq would abort)
+    os.close(fd)
+try:
+    zmq_trio.open_context()
+except OSError as exc:
+    sys.exit(0 if exc.errno == errno.EMFILE else 3)
+sys.exit(4)
+"""
+
+
+def test_a_new_context_is_refused_with_an_error_not_an_abort_when_descriptors_are_short():
+    done = subprocess.run([sys.executable, "-c", SHORT_PROCESS], capture_output=True, timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stderr.decode()[-2000:])

@@ -660,3 +660,50 @@ async def test_cached_blocks_the_index_counts_but_no_request_holds_are_free():
     a.local_inflight, a.local_inflight_tokens = 1, 200
     decision = await router.pick(prompt(TEXT))
     assert decision.replica is a and decision.outcome == "hit", decision.detail
+
+
+async def test_strict_tokenize_routes_a_prompt_to_the_replica_whose_tokenize_saw_it():
+    # b holds the prompt; the tree does not know it yet, so the prompt is tokenized on the least loaded, a.
+    for strict, expected, outcome in ((False, "b", "hit"), (True, "a", "tokenize_pinned")):
+        router, tier, tokenizer, (a, b, c) = make({"strict_tokenize": strict})
+        hold(tier, "a", [])
+        hold(tier, "b", keys_of(TEXT))
+        hold(tier, "c", [])
+        a.local_inflight, b.local_inflight, c.local_inflight = 0, 1, 2
+        explained = await tier.explain(prompt(TEXT), [a, b, c])  # says why, and changes nothing
+        assert explained["pick"] == expected and ("strict_tokenize" in explained["reason"]) == strict
+        decision = await router.pick(prompt(TEXT))
+        assert tokenizer.calls == ["a", "a"]
+        assert (decision.replica.name, decision.outcome) == (expected, outcome), decision.detail
+        assert router.metrics.decisions.labels("m", "kv_index", outcome)._value.get() == 1
+        if strict:  # its blocks are predicted where it went
+            assert decision.detail["prediction"] is not None and decision.detail["matched_blocks"] == 0
+
+
+async def test_strict_tokenize_pins_a_fallback_too_and_not_a_prompt_no_replica_saw():
+    router, tier, tokenizer, (a, b, c) = make({"strict_tokenize": True})
+    for name in "abc":
+        hold(tier, name, [])
+    a.local_inflight, b.local_inflight, c.local_inflight = 1, 0, 2
+    tokenizer.fail = TokenizeError("timeout", "took longer than 50 ms")
+    decisions = [await router.pick(prompt(f"{i} {TEXT}")) for i in range(4)]
+    assert {d.replica.name for d in decisions} == {"b"} and tokenizer.calls == ["b"] * 4
+    assert all(d.outcome == "tokenize_timeout" for d in decisions)
+    # A source that says when it asked a replica: a prompt answered without one (its cache, the router's own
+    # tokenizer) is routed by the index as usual.
+    tokenizer.fail = None
+    tokenizer.reports_asked = True
+    hold(tier, "c", keys_of(TEXT))
+    decision = await router.pick(prompt(TEXT))
+    assert (decision.replica.name, decision.outcome) == ("c", "hit")
+
+
+async def test_the_replica_tokenizer_says_which_replica_it_asked(nursery):
+    from llmgw.plugins.replica_tokenizer import ASKED, TokenizeClient
+
+    _, replica = await huge_replica(nursery)
+    client = TokenizeClient({"tokenize_timeout": 5, "max_ids": 100})
+    body = json.dumps({"model": "m", "prompt": "hello there"}).encode()
+    assert await client.tokenize(replica, body) and ASKED.get() is replica
+    ASKED.set(None)
+    assert await client.tokenize(replica, body) and ASKED.get() is None  # the cache answered: nobody was asked

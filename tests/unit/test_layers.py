@@ -29,7 +29,7 @@ PACKAGE = Path(llmgw.__file__).parent
 # Top-level modules every layer may use: no state of a layer, no import of one.
 BASE = {"metrics", "tls", "usererrors", "listening", "logsetup", "procgroup", "private_file", "plugins_manager",
         "hookspecs", "plugin", "cached_labels", "units", "redis_server", "backoff", "logfields", "lograte",
-        "fdlimit"}
+        "fdlimit", "fdpressure"}
 UPPER = {"cluster"}  # between the gateway and the middle: the shared state writes and follows the router's parts
 MIDDLE = {"control", "router", "agent", "sim"}
 BOTTOM = {"kv", "http", "wire", "engines"}  # the libraries the middle layers share

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import resource
 import socket
 import stat
 import subprocess
 import sys
 
 import pytest
+import trio
 
 from llmgw import wire
 from llmgw.agent.ledger import Ledger, LedgerEntry
-from llmgw.agent.logs import ShardLog
+from llmgw.agent.logs import ShardLog, secure_log_folder
 from llmgw.agent.ports import NoFreePort, PortAllocator
 from llmgw.procgroup import process_start_time
 
@@ -60,6 +64,41 @@ def test_the_file_is_private_and_written_atomically(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["shards.json"]  # no temporary file left behind
     body = json.loads((tmp_path / "shards.json").read_text())
     assert body["version"] == 1 and list(body["shards"]) == ["r1-0"]
+
+
+@contextlib.contextmanager
+def no_descriptor_left():
+    """Every descriptor this process may open is taken (the soft limit lowered to what it holds, the holes below
+    filled) until the block ends."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(map(int, os.listdir("/proc/self/fd"))) + 1, hard))
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError as exc:
+        assert exc.errno == errno.EMFILE
+    try:
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_write_without_a_descriptor_is_kept_and_written_once_one_is_free(tmp_path):
+    ledger = Ledger(tmp_path / "shards.json")
+    entry = entry_for(4242, start_time=1)
+    with no_descriptor_left():
+        ledger.put(entry)  # nothing raised: an engine just spawned must not take its supervisor down
+    assert ledger.get("r1-0") == entry and not (tmp_path / "shards.json").exists()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ledger.save_when_possible)
+        with trio.fail_after(10):
+            while not (tmp_path / "shards.json").exists():
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    assert Ledger(tmp_path / "shards.json").get("r1-0").pid == 4242
 
 
 def test_remove_only_the_process_named(tmp_path):
@@ -143,6 +182,27 @@ def test_rotation_copies_then_truncates_and_keeps_n_files(tmp_path):
     assert (tmp_path / "logs" / "s.log.2").read_text().startswith("gen2 line0")
     assert not (tmp_path / "logs" / "s.log.3").exists()
     assert log.tail(3) == ["gen3 line8", "gen3 line9", "after"]  # the tail reaches into the rotated file
+
+
+def test_logs_and_their_rotated_copies_are_0600_in_a_0700_folder(tmp_path):
+    log = ShardLog(tmp_path, "s", max_bytes=10, keep=2)
+    log.write_header("starting")
+    os.close(log.open_for_child())
+    assert log.rotate_if_needed()
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in (tmp_path / "logs").iterdir()}
+    assert modes == {"s.log": 0o600, "s.log.1": 0o600}, modes
+    assert stat.S_IMODE((tmp_path / "logs").stat().st_mode) == 0o700
+
+
+def test_an_unsafe_log_folder_is_refused_not_written(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "logs").symlink_to(elsewhere)
+    with pytest.raises(PermissionError, match="not a directory"):
+        ShardLog(tmp_path / "state", "s").open_for_child()
+    assert secure_log_folder(tmp_path / "state") == 0  # logged, not raised: the agent still starts
+    assert list(elsewhere.iterdir()) == []
 
 
 def test_tail_of_a_missing_log_is_empty(tmp_path):

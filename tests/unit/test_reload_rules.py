@@ -1,5 +1,6 @@
 """The reload guard over random configs: the summary is an exact diff, and a reload is refused exactly when it would
-read a blank file, remove every model and deployment (unless confirmed) or empty ``admin_tokens`` (always)."""
+read a blank file, remove every model and deployment (unless confirmed) or empty ``admin_tokens`` or ``api_keys``
+(always)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from llmgw.gateway.reload_guard import refusal, summarize
 MODELS = ("alpha", "beta", "gamma", "delta")
 PROFILES = ("p-one", "p-two", "p-three")
 SECRET = "tok-secret-"
+API_KEYS = tuple(f"{SECRET}api-{n}-0123456789" for n in range(3))
 
 
 @st.composite
@@ -38,6 +40,9 @@ def config_texts(draw) -> str:
     tokens = draw(st.integers(0, 2))
     lines.append("admin_tokens:" + ("" if tokens else " []"))
     lines += [f"  - token: {SECRET}{i}-0123456789" for i in range(tokens)]
+    keys = draw(st.lists(st.sampled_from(API_KEYS), unique=True, max_size=len(API_KEYS)))
+    lines.append("api_keys:" + ("" if keys else " []"))
+    lines += [f"  - key: {key}" for key in keys]
     return "\n".join(lines) + "\n"
 
 
@@ -58,6 +63,9 @@ def test_the_summary_is_the_diff_and_the_refusal_follows_the_rules(old_text, new
     assert (back.models.added, back.models.removed) == (summary.models.removed, summary.models.added)
     assert set(back.deployments.changed) == set(summary.deployments.changed)
     assert summary.admin_tokens == (len(old.admin_tokens), len(new.admin_tokens))
+    old_keys, new_keys = {k.key for k in old.api_keys}, {k.key for k in new.api_keys}
+    assert summary.api_keys.to_json() == {"added": len(new_keys - old_keys), "removed": len(old_keys - new_keys),
+                                          "kept": len(old_keys & new_keys)}
     assert SECRET not in repr(summary.to_json()) and SECRET not in summary.describe()
     assert summarize(old, old).describe().count("-") >= 6 and not summarize(old, old).removed
 
@@ -67,6 +75,8 @@ def test_the_summary_is_the_diff_and_the_refusal_follows_the_rules(old_text, new
         expected = "empty_file"
     elif old.admin_tokens and not new.admin_tokens:
         expected = "removes_admin_tokens"
+    elif old.api_keys and not new.api_keys:
+        expected = "removes_api_keys"
     elif empties and not allow_empty:
         expected = "removes_everything"
     else:
@@ -98,6 +108,15 @@ def test_a_file_of_blank_lines_and_comments_is_blank_and_holds_no_document(lines
 def test_a_blank_text_never_holds_a_document(text):
     if is_blank(text):
         assert parse_yaml(text, "f.yaml")[0] is None  # nothing to apply: empty, or a YAML error (then 422)
+
+
+def test_confirming_never_opens_v1():
+    old = parse_config(f"api_keys:\n  - key: {API_KEYS[0]}\n  - key: {API_KEYS[1]}\n", "old.yaml")
+    new = parse_config("models: []\n", "new.yaml")
+    refused = refusal(old, new, summarize(old, new), blank=False, allow_empty=True, control_host="127.0.0.1")
+    assert refused is not None and refused.code == "removes_api_keys" and refused.status == 409
+    assert "api_keys is empty while the running config has 2" in refused.message and SECRET not in refused.message
+    assert summarize(old, new).describe().endswith("API keys: added 0, removed 2, kept 0")
 
 
 def test_confirming_never_opens_admin():
