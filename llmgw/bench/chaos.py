@@ -443,11 +443,20 @@ def slopes(points: list[tuple]) -> dict:
         by_pid[point[1]].append(point)
     longest = max(by_pid.values(), key=lambda p: p[-1][0] - p[0][0])
     out: dict = {"pid": longest[0][1], "from_s": longest[0][0], "to_s": longest[-1][0], "samples": len(longest)}
+    middle = (longest[0][0] + longest[-1][0]) / 2
     for index, key in ((2, "rss_bytes"), (3, "fds"), (4, "trio_tasks")):
         values = [(p[0], p[index]) for p in longest if p[index] is not None]
+        # the second half's slope apart: a process warming up (caches, the KV index filling) grows early and
+        # levels off, which the whole run's slope alone cannot tell from a leak
+        late = [(t, v) for t, v in values if t >= middle]
         out[key] = {"first": values[0][1] if values else None, "last": values[-1][1] if values else None,
-                    "per_hour": None if (slope := slope_per_hour(values)) is None else round(slope, 1)}
+                    "per_hour": rounded(slope_per_hour(values)),
+                    "second_half_per_hour": rounded(slope_per_hour(late))}
     return out
+
+
+def rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
 
 
 async def soak(args) -> dict:
@@ -496,13 +505,16 @@ def soak_markdown(report: dict) -> str:
     def drift(entry: dict, scale: float = 1.0, spec: str = ".0f") -> str:
         if entry["first"] is None:
             return "-"
-        per_hour = "-" if entry["per_hour"] is None else format(entry["per_hour"] / scale, "+" + spec)
-        return f"{entry['first'] / scale:{spec}} -> {entry['last'] / scale:{spec}} ({per_hour}/h)"
+        def per_hour(key: str) -> str:
+            return "-" if entry.get(key) is None else format(entry[key] / scale, "+" + spec)
+        return (f"{entry['first'] / scale:{spec}} -> {entry['last'] / scale:{spec}} ({per_hour('per_hour')}/h; "
+                f"second half {per_hour('second_half_per_hour')}/h)")
 
     lines = [f"Soak: {report['settings']['minutes']:g} min, {report['requests']} requests, "
              f"{len(report['results'])} faults; failed outside a killed or frozen process's own in-flight ones: "
              f"{report['failed_outside_victims']} (lost inside one: {report['lost_inside_victims']})", "",
-             "| process | sampled | RSS MiB: first -> last (slope) | open fds | Trio tasks |", "|---|---|---|---|---|"]
+             "| process | sampled | RSS MiB: first -> last (slope per hour; over the second half) | open fds "
+             "| Trio tasks |", "|---|---|---|---|---|"]
     for name, entry in report["processes"].items():
         lines.append(f"| {name} | {entry['from_s']:.0f}-{entry['to_s']:.0f} s ({entry['samples']}) "
                      f"| {drift(entry['rss_bytes'], 2 ** 20, '.1f')} | {drift(entry['fds'])} "

@@ -16,6 +16,7 @@ from llmgw.bench.chaos import (
     parser,
     result_dict,
     result_from_dict,
+    slopes,
 )
 from llmgw.bench.chaos_schedule import (
     SCHEDULE,
@@ -202,3 +203,14 @@ def test_a_watch_has_every_gateway_routable_only_once_the_last_one_is():
     watch.unroutable["F1"].record(2.0, False)
     watch.unroutable["A"].record(2.5, False)
     assert watch.all_routable_since() == 2.0
+
+
+def test_a_soaks_slopes_follow_the_longest_lived_pid_and_tell_a_warm_up_from_a_steady_climb():
+    warming = [(t, 100, 50 + min(t, 1800) / 60, 20, 60) for t in range(0, 3600, 60)]  # +30 then flat
+    restarted = [(t, 200, 10, 5, None) for t in range(3600, 3700, 10)]  # a short second life
+    result = slopes(warming + restarted)
+    assert result["pid"] == 100 and result["samples"] == 60
+    assert result["rss_bytes"]["per_hour"] > 20 and result["rss_bytes"]["second_half_per_hour"] == 0
+    assert result["fds"]["per_hour"] == 0 and result["trio_tasks"]["first"] == 60
+    assert slopes(restarted)["trio_tasks"] == {"first": None, "last": None, "per_hour": None,
+                                               "second_half_per_hour": None}
