@@ -181,6 +181,9 @@ class Metrics:
         # process_*, python_gc_*, python_info, and the process's descriptor shortages (llmgw_fd_exhaustion_total)
         for collector in (PROCESS_COLLECTOR, GC_COLLECTOR, PLATFORM_COLLECTOR, FD_EXHAUSTION):
             r.register(collector)
+        self.trio_tasks = Gauge(
+            "llmgw_trio_tasks", "Trio tasks alive in this process, counted when /metrics is read (a number that "
+            "keeps growing under a steady load is a task leak).", registry=r)
         self.tls_handshake_failures = CachedLabels(Counter(
             "llmgw_tls_handshake_failures", "Client connections closed because their TLS handshake failed or "
             "timed out, by listener.", ["listener"], registry=r))
@@ -209,6 +212,20 @@ class Metrics:
                     metric.remove(replica.model, replica.name)
                 except KeyError:
                     pass
+
+
+def trio_task_count() -> int:
+    """Every task of the running Trio loop: the root task and all its descendants, through their nurseries."""
+    count = 0
+    pending = [trio.lowlevel.current_root_task()]
+    while pending:
+        task = pending.pop()
+        if task is None:
+            continue
+        count += 1
+        for nursery in task.child_nurseries:
+            pending.extend(nursery.child_tasks)
+    return count
 
 
 async def render(registry: CollectorRegistry) -> tuple[bytes, str]:

@@ -54,7 +54,7 @@ from ..testing.processes import Child, free_port, llmgw_command, start_child
 from ..testing.sims import kv_sim_profile
 from . import fault_cluster
 from .common import bench_parser, print_and_save, write_json
-from .fault_load import LoadSettings, SteadyLoad
+from .fault_load import LoadSettings, SteadyLoad, add_load_options
 from .kv_truth import check_kv_truth
 
 TOKEN = "bench-fault-token"
@@ -313,8 +313,7 @@ def print_table(results: list[FaultResult]) -> None:
 
 
 async def run(args) -> dict:
-    settings = LoadSettings(concurrency=args.concurrency, rate=args.rate, stream_every=args.stream_every,
-                            max_tokens=args.max_tokens)
+    settings = LoadSettings.from_args(args)
     faults = [EngineFault, lambda before: AgentFault(before, args.agent_down), ControlPlaneFault]
     results: list[FaultResult] = []
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-fault-") as workdir:
@@ -339,10 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__)
     parser.prog = "llmgw bench fault"
     parser.add_argument("--duration", type=float, default=6.0, help="seconds of load around each fault (default 6)")
-    parser.add_argument("--rate", type=float, default=20.0, help="requests per second (default 20)")
-    parser.add_argument("--concurrency", type=int, default=4, help="load workers (default 4)")
-    parser.add_argument("--stream-every", type=int, default=4, help="every n-th request streamed (default 4)")
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
+    add_load_options(parser, rate=20.0, concurrency=4, max_tokens=16)
     parser.add_argument("--replicas", type=int, default=2, help="simulator replicas (default 2)")
     parser.add_argument("--agent-down", type=float, default=2.0, help="seconds the agent stays dead (default 2)")
     cluster = parser.add_argument_group("several gateways (--gateways N >= 2: llmgw.bench.fault_cluster)")

@@ -420,8 +420,7 @@ def markdown(results: list[ClusterFaultResult]) -> str:
 
 
 async def run(args) -> dict:
-    settings = LoadSettings(concurrency=args.concurrency, rate=args.rate, stream_every=args.stream_every,
-                            max_tokens=args.max_tokens)
+    settings = LoadSettings.from_args(args)
     load_before = os.getloadavg()
     results: list[ClusterFaultResult] = []
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-fault-cluster-") as workdir:

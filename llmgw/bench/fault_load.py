@@ -34,6 +34,7 @@ before), and each retry in the phase current when it was retried.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
 import itertools
@@ -57,6 +58,23 @@ class LoadSettings:
     request_timeout: float = 30.0
     retry_backoff: float = 0.2
     retry_deadline: float = 60.0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, *, rate_scale: float = 1.0, **more) -> "LoadSettings":
+        """The settings :func:`add_load_options` read (``--rate`` times ``rate_scale``); ``more``: other fields."""
+        return cls(concurrency=args.concurrency, rate=args.rate * rate_scale, stream_every=args.stream_every,
+                   max_tokens=args.max_tokens, **more)
+
+
+def add_load_options(parser: argparse.ArgumentParser, *, rate: float, concurrency: int, max_tokens: int,
+                     rate_help: str = "requests per second") -> None:
+    """A benchmark's options of its steady load: ``--rate``, ``--concurrency``, ``--stream-every``, ``--max-tokens``
+    (read back with :meth:`LoadSettings.from_args`)."""
+    parser.add_argument("--rate", type=float, default=rate, help=f"{rate_help} (default {rate:g})")
+    parser.add_argument("--concurrency", type=int, default=concurrency, help=f"load workers (default {concurrency})")
+    parser.add_argument("--stream-every", type=int, default=4, help="every n-th request streamed (default 4)")
+    parser.add_argument("--max-tokens", type=int, default=max_tokens,
+                        help=f"tokens per answer (default {max_tokens})")
 
 
 @dataclass

@@ -14,6 +14,11 @@ import sys
 from ..cli import table_usage
 
 BENCHES: dict[str, tuple[str, str]] = {
+    "chaos": ("llmgw.bench.chaos", "a schedule of faults (Redis frozen and restarted empty, the leader frozen and "
+                                   "killed, a forged lease, a partition, the agent and an engine killed) under "
+                                   "load over 2 candidates, gateways and a remote agent: failed requests per "
+                                   "gateway, time to routable again, engine restarts, terms (--soak MINUTES: "
+                                   "RSS, fds and Trio tasks over time)"),
     "cluster-events": ("llmgw.bench.cluster_events", "several gateways on Redis: from an engine's BlockStored to "
                                                      "every gateway's index holding the blocks, p50/p99"),
     "fault": ("llmgw.bench.fault", "kill an engine, the agent and the control plane under a steady load: "

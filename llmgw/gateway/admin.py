@@ -22,7 +22,7 @@ from werkzeug.exceptions import HTTPException
 
 from ..http.control_server import ControlServerMetrics
 from ..http.messages import error_body
-from ..metrics import render
+from ..metrics import render, trio_task_count
 from ..router.replicas import STATIC
 from ..router.tier import RouteRequest
 from ..wire.channel import LEADER_HEADER, AgentCredentials, quart_channel
@@ -89,6 +89,7 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
 
     @app.get("/metrics")
     async def metrics():
+        gateway.metrics.trio_tasks.set(trio_task_count())  # here, in the loop: render runs in a thread
         body, content_type = await render(gateway.metrics.registry)
         return Response(body, content_type=content_type)
 

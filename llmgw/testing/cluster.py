@@ -77,9 +77,8 @@ class Cluster:
     ``cwd``: where the children run (a source checkout, so ``python -m llmgw`` imports it)."""
 
     def __init__(self, nursery: trio.Nursery, tmp_path: Path, engines: EngineReaper, *, fixtures: Path,
-                 cwd: Path | None = None, env: dict[str, str] | None = None):
+                 cwd: Path | None = None):
         self.nursery = nursery
-        self.env = env  # added to every child's environment (e.g. the variable ``state.secret_env`` names)
         self.tmp_path = tmp_path
         self.engines = engines
         self.fixtures = fixtures
@@ -99,7 +98,7 @@ class Cluster:
         """Start ``argv`` in the cluster's nursery, ready once it printed a line holding ``ready``; killed (its
         group, at once) when the test ends. An agent's engines are in groups of their own: the reaper's."""
         return await start_child(self.nursery, argv, name=name, ready=ready, startup_timeout=timeout,
-                                 stop_grace=0, cwd=self.cwd, env=self.env)
+                                 stop_grace=0, cwd=self.cwd)
 
     async def start_serve(self, *extra: str) -> Child:
         """``llmgw serve`` with this cluster's config; ``extra``: more of its arguments (``--role gateway``)."""

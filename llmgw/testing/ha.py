@@ -28,8 +28,6 @@ from .redis import PrivateRedis
 from .shared_state import state_section
 from .sims import kv_sim_profile
 
-SECRET_ENV = "LLMGW_TEST_CLUSTER_SECRET"
-SECRET = "a cluster secret of at least 16 bytes"
 FIXTURE = "tiny-2gpu-a"  # the agent's node: two fixture GPUs
 HEARTBEAT = 0.5
 LEASE_TTL = 2.0
@@ -38,7 +36,8 @@ LEASE_RENEW = 0.5
 
 def candidate_config(control_state_dir: Path, redis_url: str, cluster: str, replicas: int = 1) -> str:
     """A process of the cluster with its own identity store (as on a host of its own), ``replicas`` deployed
-    simulator engines, and the cluster secret (the placement key every candidate derives) in ``SECRET_ENV``."""
+    simulator engines, signed with the cluster secret every child of :mod:`.processes` has (the placement key
+    every candidate derives)."""
     return f"""
 agents:
   token: {TOKEN}
@@ -50,7 +49,7 @@ health:
   interval: 0.2s
   failures_to_down: 1
 """ + kv_sim_profile('"--num-blocks", "256"', replicas=replicas) + state_section(
-        redis_url, cluster, snapshot_interval="1s", secret_env=SECRET_ENV, lease_ttl=f"{LEASE_TTL}s",
+        redis_url, cluster, snapshot_interval="1s", lease_ttl=f"{LEASE_TTL}s",
         lease_renew=f"{LEASE_RENEW}s")
 
 
@@ -181,11 +180,10 @@ async def start_ha_cluster(nursery: trio.Nursery, root: Path, engines: EngineRea
     """Start the topology (the module's docstring) under ``root``; once A leads, the agent's ``replicas`` engines
     are up, and every gateway routes them. ``fixtures``: the folder of the agent's fixture node
     (``tests/fixtures/nodes``); ``cwd``: a source checkout the children import llmgw from."""
-    env = {SECRET_ENV: SECRET}
     processes = {}
     for name in ("A", "B", "F"):
         (root / name).mkdir(parents=True, exist_ok=True)
-        process = processes[name] = Cluster(nursery, root / name, engines, fixtures=fixtures, cwd=cwd, env=env)
+        process = processes[name] = Cluster(nursery, root / name, engines, fixtures=fixtures, cwd=cwd)
         process.write_config(candidate_config(root / name / "control", redis.url, cluster_name, replicas))
     a, b, f = processes["A"], processes["B"], processes["F"]
     await a.start_serve()

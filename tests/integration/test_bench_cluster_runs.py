@@ -75,3 +75,33 @@ async def test_fault_behind_sentinel_kills_the_primary_and_reports_the_promotion
     for row in primary["gateways"]:
         assert row["failed"] == {}, row
         assert (row["index_equal_after_return_s"] is None) == (row["role"] == "control")
+
+
+async def test_chaos_quick_cuts_the_last_gateway_from_redis_under_load_and_reports_every_gateway(tmp_path):
+    report = await bench(tmp_path, "chaos", "--quick")
+    (result,) = report["results"]
+    assert result["fault"] == "partition" and result["fault_s"] >= 4 and result["victim"] is None
+    # two candidates and one --role gateway, each under load, the first candidate leading when it started
+    assert [row["gateway"] for row in result["gateways"]] == ["A", "B", "F1"]
+    assert all(row["requests"] > 0 for row in result["gateways"])
+    # the cut reached the last gateway only: its /health said degraded, the candidates' never did
+    assert [row["degraded_s"] > 0 for row in result["gateways"]] == [False, False, True], result["gateways"]
+    assert result["leaders"][0].startswith("A term ")
+    # both replicas deployed through the remote agent, their engines' pids as the agent reported them
+    assert len(result["engines_before"]) == 2 and all(pid > 0 for pid in result["engines_before"].values())
+    assert report["settings"]["gateways"] == 1 and report["settings"]["partition"] == 4
+
+
+async def test_chaos_soak_samples_every_process_and_reports_each_ones_slope(tmp_path):
+    report = await bench(tmp_path, "chaos", "--soak", "0.5", "--soak-every", "10", "--faults",
+                         "partition,engine-kill", "--partition", "4", "--observe", "2", "--before", "1",
+                         "--stable", "1", "--sample-every", "1")
+    assert [r["fault"] for r in report["results"]] == ["partition", "engine-kill"]
+    processes = report["processes"]
+    assert set(processes) == {"A", "B", "F1", "agent", "redis"}
+    for name, entry in processes.items():
+        assert entry["samples"] >= 5 and entry["rss_bytes"]["first"] > 0 and entry["fds"]["first"] > 0
+        assert entry["rss_bytes"]["per_hour"] is not None
+        # the gateways' Trio task count comes from their /metrics (llmgw_trio_tasks); the others have none
+        assert (entry["trio_tasks"]["first"] is not None) == (name in ("A", "B", "F1")), (name, entry)
+    assert report["requests"] > 0 and isinstance(report["failed_outside_victims"], int)
