@@ -20,7 +20,7 @@ from llmgw.cluster.metrics import ClusterMetrics
 from llmgw.cluster.records import Keys
 from llmgw.config.loading import parse_config
 from llmgw.testing.cluster import CHAT, TOKEN, Cluster, all_up, shard_pids
-from llmgw.testing.ha import SECRET, SECRET_ENV, candidate_config
+from llmgw.testing.ha import candidate_config
 from llmgw.testing.metrics import metric_value
 from llmgw.testing.processes import Child, llmgw_command
 from llmgw.testing.shared_state import cluster_config, start_cluster, state_section, wait_kv_healthy
@@ -238,11 +238,10 @@ async def test_a_redis_outage_leaves_no_leader_then_one_is_elected_and_every_pro
 
 
 @pytest.fixture
-async def leader_pair_with_an_agent(cluster: Cluster, redis_url: str, cluster_name: str, tmp_path, monkeypatch):
+async def leader_pair_with_an_agent(cluster: Cluster, redis_url: str, cluster_name: str, tmp_path):
     """``(first serve, the second candidate's Cluster, the agent, its engine's pid by replica)``: two candidates
-    with their own identity stores and the cluster secret, the first leading, and agent ``a`` joined with both
-    URLs, its replica up and followed by the second."""
-    monkeypatch.setenv(SECRET_ENV, SECRET)
+    with their own identity stores and the cluster secret (every test child's), the first leading, and agent ``a``
+    joined with both URLs, its replica up and followed by the second."""
     second = Cluster(cluster.nursery, tmp_path / "second", cluster.engines, fixtures=cluster.fixtures,
                      cwd=cluster.cwd)
     (tmp_path / "second").mkdir()
