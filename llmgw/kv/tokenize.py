@@ -80,7 +80,8 @@ CHAT_FIELDS = ("messages", "tools", "add_generation_prompt", "continue_final_mes
 TEXT_PART_TYPES = frozenset({"text", "input_text"})
 DEFAULT_TOKENIZE_TIMEOUT = 0.05
 DEFAULT_TOKENIZE_TIMEOUT_PER_KB = 0.002
-DEFAULT_CACHE_TOKENS = 4_000_000  # about 16 MB of ids (4 bytes each) plus the bodies
+DEFAULT_CACHE_TOKENS = 4_000_000  # at most about 16 MB of ids (4 bytes each) and as much of bodies
+CACHE_ENTRY_OVERHEAD = 64  # tokens an entry is charged beside its own: ~256 bytes of key, array and dict node
 CUT_MARGIN_TOKENS = 64  # ids dropped from the end of a cut prompt's answer (the template's suffix, the cut word)
 CUT_LOOKBACK_CHARS = 64  # a cut moves back at most this far to a whitespace
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -289,7 +290,13 @@ class TokenizeError(Exception):
 
 
 class TokenizeCache:
-    """An LRU of ``body bytes -> token ids``, bounded by the total ids held (as uint32 arrays)."""
+    """An LRU of ``body bytes -> token ids``, bounded by ``max_tokens`` charged across its entries.
+
+    An entry is charged its ids (uint32 each) or a quarter of its body's bytes, whichever is more, plus
+    :data:`CACHE_ENTRY_OVERHEAD`: so the cache holds at most ``4 x max_tokens`` bytes of ids, as many of bodies,
+    and ``max_tokens / CACHE_ENTRY_OVERHEAD`` entries, whatever the answers (an empty one, a short answer to a
+    large body) and whoever sends them.
+    """
 
     def __init__(self, max_tokens: int = DEFAULT_CACHE_TOKENS):
         self.max_tokens = max_tokens
@@ -317,11 +324,17 @@ class TokenizeCache:
             packed = array(_U32, ids)
         except (OverflowError, TypeError):
             return
+        if self._charge(body, packed) > self.max_tokens:
+            return
         old = self._entries.pop(body, None)
         if old is not None:
-            self.tokens -= len(old)
+            self.tokens -= self._charge(body, old)
         self._entries[body] = packed
-        self.tokens += len(packed)
+        self.tokens += self._charge(body, packed)
         while self.tokens > self.max_tokens:
-            _, evicted = self._entries.popitem(last=False)
-            self.tokens -= len(evicted)
+            evicted_body, evicted = self._entries.popitem(last=False)
+            self.tokens -= self._charge(evicted_body, evicted)
+
+    @staticmethod
+    def _charge(body: bytes, ids: array[int]) -> int:
+        return max(len(ids), -(-len(body) // 4)) + CACHE_ENTRY_OVERHEAD

@@ -10,7 +10,7 @@ import trio
 
 from llmgw.http.client import UpstreamPool
 from llmgw.kv.keys import VllmBlockKeys, request_extra_keys
-from llmgw.kv.tokenize import CHAT_PATH, COMPLETIONS_PATH, TokenizeCache, TokenizeError, plan
+from llmgw.kv.tokenize import CACHE_ENTRY_OVERHEAD, CHAT_PATH, COMPLETIONS_PATH, TokenizeCache, TokenizeError, plan
 from llmgw.plugins.replica_tokenizer import TokenizeClient
 from llmgw.router.replica import Replica
 from llmgw.sim.app import Simulator
@@ -99,16 +99,32 @@ def test_salt_and_lora_become_vllm_extra_keys():
 
 
 def test_cache_is_an_lru_bounded_by_tokens():
-    cache = TokenizeCache(max_tokens=10)
+    entry = CACHE_ENTRY_OVERHEAD  # what each entry is charged beside its ids
+    cache = TokenizeCache(max_tokens=3 * entry + 10)
     cache.put(b"a", [1, 2, 3, 4])
     cache.put(b"b", [5, 6, 7, 8])
     assert cache.get(b"a") == [1, 2, 3, 4]  # a is now the most recent
     cache.put(b"c", [9, 10, 11])
     assert cache.get(b"b") is None and cache.get(b"a") == [1, 2, 3, 4] and cache.get(b"c") == [9, 10, 11]
-    assert cache.tokens == 7
-    cache.put(b"huge", list(range(11)))  # larger than the whole cache: not kept
+    assert cache.tokens == 2 * entry + 7
+    cache.put(b"huge", list(range(2 * entry + 11)))  # larger than the whole cache: not kept
     assert cache.get(b"huge") is None and len(cache) == 2
     assert cache.hits == 3 and cache.misses == 2
+
+
+def test_cache_bounds_entries_and_body_bytes_whatever_the_answers():
+    """An empty answer, or a short one to a large body, is charged too: neither the entries nor the bodies held
+    grow past the bound however many such answers come (the soak of issue 29 looked for what grows per request)."""
+    cache = TokenizeCache(max_tokens=1000)
+    for i in range(5000):
+        cache.put(b'{"messages":[%d],"chat_template":""}' % i, [])
+    assert len(cache) <= 1000 // CACHE_ENTRY_OVERHEAD and cache.tokens <= 1000
+    for i in range(200):
+        cache.put(b"x" * 3000 + b"%d" % i, [7])
+    held = sum(len(body) for body in cache._entries)
+    assert held <= 4 * 1000 and len(cache) >= 1 and cache.tokens <= 1000
+    cache.put(b"y" * 5000, [1])  # a body worth more than the whole cache: not kept
+    assert cache.get(b"y" * 5000) is None
 
 
 @pytest.fixture
