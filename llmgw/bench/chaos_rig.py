@@ -31,17 +31,15 @@ from pathlib import Path
 import httpx
 import trio
 
-from ..testing.cluster import EngineReaper
+from ..testing.cluster import TOKEN, EngineReaper
+from ..testing.ha import candidate_config
 from ..testing.processes import Child, llmgw_command, start_child
 from ..testing.redis import PrivateRedis, start_private_redis
-from ..testing.shared_state import state_section
-from ..testing.sims import MODEL, kv_sim_profile
+from ..testing.sims import MODEL
 from .cluster_rig import CONTROL, GATEWAY, GatewayProcess
 from .cut_proxy import CutProxy
 
 CLUSTER = "chaos"
-TOKEN = "bench-chaos-join-token"
-HEARTBEAT = 0.5
 NODE = "gpu-node"
 AGENT_READY = " connected to "
 POLL_TIMEOUT = 1.0  # an admin read of a frozen process gives up after this
@@ -60,19 +58,9 @@ def node_fixture(gpus: int) -> dict:
 
 
 def process_config(redis_url: str, control_state_dir: Path, replicas: int) -> str:
-    """One process's config: the agents' settings, the deployed ``sim`` profile and the shared state."""
-    return f"""log_level: warning
-agents:
-  token: {TOKEN}
-  heartbeat_interval: {HEARTBEAT:g}s
-  suspect_after: {3 * HEARTBEAT:g}s
-  disconnected_after: {6 * HEARTBEAT:g}s
-  control_state_dir: {control_state_dir}
-health:
-  interval: 0.2s
-  failures_to_down: 1
-""" + kv_sim_profile('"--num-blocks", "512"', replicas=replicas) + state_section(
-        redis_url, CLUSTER, snapshot_interval="1s")  # signed: state_section names the secret every child has
+    """One process's config: the agents' settings, the deployed ``sim`` profile and the shared state (the HA tests'
+    candidate, :func:`llmgw.testing.ha.candidate_config`), quieter."""
+    return "log_level: warning\n" + candidate_config(control_state_dir, redis_url, CLUSTER, replicas, num_blocks=512)
 
 
 @dataclass(eq=False)

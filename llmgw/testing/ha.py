@@ -34,7 +34,8 @@ LEASE_TTL = 2.0
 LEASE_RENEW = 0.5
 
 
-def candidate_config(control_state_dir: Path, redis_url: str, cluster: str, replicas: int = 1) -> str:
+def candidate_config(control_state_dir: Path, redis_url: str, cluster: str, replicas: int = 1,
+                     num_blocks: int = 256) -> str:
     """A process of the cluster with its own identity store (as on a host of its own), ``replicas`` deployed
     simulator engines, signed with the cluster secret every child of :mod:`.processes` has (the placement key
     every candidate derives)."""
@@ -48,7 +49,7 @@ agents:
 health:
   interval: 0.2s
   failures_to_down: 1
-""" + kv_sim_profile('"--num-blocks", "256"', replicas=replicas) + state_section(
+""" + kv_sim_profile(f'"--num-blocks", "{num_blocks}"', replicas=replicas) + state_section(
         redis_url, cluster, snapshot_interval="1s", lease_ttl=f"{LEASE_TTL}s",
         lease_renew=f"{LEASE_RENEW}s")
 
