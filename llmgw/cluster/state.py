@@ -35,7 +35,7 @@ from ..engines.probe import VLLM_GAUGES, engine_gauges
 from ..logfields import log_fields
 from ..router.replica import Replica
 from ..router.replicas import DEPLOYED, STATIC
-from ..wire.liveness import hold_window
+from ..wire.liveness import adoption_window, hold_window
 from . import records
 from .election import Election, Fence, LeaderWatch, Term
 from .follower import FollowedReplicas, LogFollower
@@ -257,7 +257,7 @@ class SharedState:
         is pending (it holds a copy: :attr:`has_state`), else whether it came in time."""
         if self.has_state:
             return None
-        return await self.follower.wait_loaded(self.config.agents.heartbeat_interval + 1.0)
+        return await self.follower.wait_loaded(adoption_window(self.config.agents.heartbeat_interval))
 
     def describe(self) -> dict[str, Any]:
         """For ``/health`` and ``/admin/cluster``."""

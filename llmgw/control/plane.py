@@ -47,6 +47,7 @@ from ..kv.index import refusal_reason
 from ..kv.metrics import KvMetrics
 from ..logfields import log_fields
 from ..router.replicas import DEPLOYED
+from ..wire.liveness import adoption_window
 from .agent_service import AgentService, AgentSession, SessionSettings, send_error
 from .deployed import DeployedReplicas
 from .fingerprint import profile_fingerprint
@@ -126,7 +127,7 @@ class ControlPlane:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         remote = bool(SessionSettings.from_config(self.config.agents).join_tokens)
-        grace = self.config.agents.heartbeat_interval + 1.0 if remote else 0.0
+        grace = adoption_window(self.config.agents.heartbeat_interval) if remote else 0.0
         started = trio.current_time()
         self.reconciler.place_after = started + grace
         try:

@@ -3,6 +3,8 @@
 The control plane heartbeats every ``heartbeat_interval`` (it tells the agent
 in ``Registered``). From that interval:
 
+- a control plane that just started waits :func:`adoption_window` for agents
+  to report their running engines before it places new ones;
 - an agent gives a session up after :func:`silence_limit` without a message
   (a frozen or cut-off control plane), and dials again;
 - it dials again after a backoff that starts at :data:`BACKOFF_FIRST` after a
@@ -38,6 +40,12 @@ def backoff_cap(heartbeat_interval: float) -> float:
 def next_backoff(delay: float, heartbeat_interval: float) -> float:
     """The reconnect delay after ``delay`` failed again."""
     return min(delay * 2, backoff_cap(heartbeat_interval))
+
+
+def adoption_window(heartbeat_interval: float) -> float:
+    """How long a control plane that just started waits for agents to re-register (and report the engines it may
+    adopt) before it places anything new: every agent heartbeats within one interval, plus a second."""
+    return heartbeat_interval + 1.0
 
 
 def hold_window(heartbeat_interval: float, lease_ttl: float) -> float:
