@@ -30,7 +30,7 @@ PACKAGE = Path(llmgw.__file__).parent
 BASE = {"metrics", "tls", "usererrors", "listening", "logsetup", "procgroup", "private_file", "plugins_manager",
         "hookspecs", "plugin", "cached_labels", "units", "redis_server", "backoff", "logfields", "lograte",
         "fdlimit", "fdpressure"}
-UPPER = {"cluster"}  # between the gateway and the middle: the shared state writes and follows the router's parts
+UPPER = {"cluster", "tenancy"}  # between the gateway and the middle: the shared state, and who may use it
 MIDDLE = {"control", "router", "agent", "sim"}
 BOTTOM = {"kv", "http", "wire", "engines"}  # the libraries the middle layers share
 # What a middle layer may import besides itself and the base modules.
@@ -43,6 +43,8 @@ ALLOWED = {
     ("llmgw.control", "llmgw.router.model"): "a source declares each model it serves as a TierModel",
     ("llmgw.control", "llmgw.router.replica"): "a source adds the Replica objects the router routes to",
     ("llmgw.control", "llmgw.router.replicas"): "the source names (STATIC, DEPLOYED) the replica table keys on",
+    # Tenancy keeps its keys, leases and usage in the cluster's Redis: through the cluster's link, keys and signer.
+    ("llmgw.tenancy", "llmgw.cluster"): "tenancy's Redis stores and leases use the cluster's link and records",
 }
 
 
