@@ -43,8 +43,6 @@ ALLOWED = {
     ("llmgw.control", "llmgw.router.model"): "a source declares each model it serves as a TierModel",
     ("llmgw.control", "llmgw.router.replica"): "a source adds the Replica objects the router routes to",
     ("llmgw.control", "llmgw.router.replicas"): "the source names (STATIC, DEPLOYED) the replica table keys on",
-    # Tenancy keeps its keys, leases and usage in the cluster's Redis: through the cluster's link, keys and signer.
-    ("llmgw.tenancy", "llmgw.cluster"): "tenancy's Redis stores and leases use the cluster's link and records",
 }
 
 
