@@ -41,13 +41,14 @@ from ..router.tier import Decision, RouteRequest
 from ..tenancy.directory import Directory
 from ..tenancy.interfaces import KeyDirectory
 from ..tenancy.model import Tenant
-from .admission import Settlement, TenancyGate
+from ..tenancy.usage import MODEL_NOT_ALLOWED
 from .decisions import DecisionLog
 from .hops import HopGuard
 from .latency import StreamWatch, events_after_last_token
 from .readiness import Readiness
 from .request_ids import RequestIds, accepted_client_id
 from .stream_usage import UsageChunkFilter, usage_forced_body
+from .tenant_gate import Charge, TenancyGate
 from .usage import STREAM_TAIL_PIECES, usage_counts, usage_of_body, usage_of_stream_tail
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class Exchange:
     tenant: Tenant | None = None  # who carried it (None: no valid key, or no keys at all)
     model: str | None = None
     relayed: bool = False  # an upstream's answer: its access line is written when its body has been relayed
-    settlement: Settlement | None = None  # its reservation and usage record, once admitted (admission.py)
+    charge: Charge | None = None  # its reservation and usage record, once admitted (tenant_gate.py)
 
 
 @dataclass(frozen=True)
@@ -259,6 +260,8 @@ class DataPlane:
         tenant = exchange.tenant
         if tenant is not None and not tenant.may_use(model):
             exchange.model = model
+            if self.tenancy is not None:
+                self.tenancy.tenancy.usage.refused(tenant, model, MODEL_NOT_ALLOWED)
             return self._count(None, _model_not_allowed(tenant, model))
         resolved = self.router.resolve(model)
         if resolved is None and self.wait_for_models is not None:
@@ -276,28 +279,28 @@ class DataPlane:
                                                     code="model_not_found"))
         upstream_body = request.body
         strip_usage = False
-        settlement = None
+        charge = None
         gate = self.tenancy  # read once: a reload swaps it whole
         if gate is not None and tenant is not None:
-            settlement = gate.open(tenant, model, request.path, body, len(request.body))
+            charge = gate.open(tenant, model, request.path, body, len(request.body))
             if tenant.limited:  # a key without limits waits on nothing here
-                refused = await gate.admit(settlement)
+                refused = await gate.admit(charge)
                 if refused is not None:
                     return self._count(model, refused)
-            exchange.settlement = settlement
+            exchange.charge = charge
             forced = usage_forced_body(request.path, body)
             if forced is not None:
                 upstream_body, strip_usage = forced, True
         try:
             response = await self._dispatch(request, exchange, model, resolved, body, upstream_body, strip_usage)
         except BaseException:
-            if settlement is not None and not exchange.relayed:
-                settlement.unanswered()
+            if charge is not None and not exchange.relayed:
+                charge.unanswered()
             raise
-        if settlement is not None:
+        if charge is not None:
             if not exchange.relayed:
-                settlement.unanswered()
-            response.headers += settlement.headers
+                charge.unanswered()
+            response.headers += charge.headers
         return response
 
     async def _dispatch(self, request: Request, exchange: Exchange, model: str, resolved: tuple[str, str | None],
@@ -534,9 +537,9 @@ class DataPlane:
         if status == 200 and watch is None and first_token_at is not None:
             self.router.first_token(route_request, decision, first_token_at - started)
         self.router.finished(route_request, decision, usage)
-        settlement = exchange.settlement
-        if settlement is not None:
-            settlement.answered(status, usage, watch.tokens_seen if watch is not None else sent_tokens)
+        charge = exchange.charge
+        if charge is not None:
+            charge.answered(status, usage, watch.tokens_seen if watch is not None else sent_tokens)
         self.decisions.record(route_request, decision, status, started, ended, first_token_at)
         self._answered(exchange, status, route_request.request_id, replica, decision, ended, first_token_at, tokens,
                        outcome)

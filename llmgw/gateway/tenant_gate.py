@@ -3,16 +3,15 @@ reservation settled once with what the answer used, and its usage recorded.
 
 :class:`TenancyGate` is what a gateway runs of tenancy (the :class:`~llmgw.tenancy.interfaces.Tenancy` bundle and
 the estimator of the same config), swapped whole on reload; a request reads it once. For each request of a known
-key :meth:`TenancyGate.open` makes a :class:`Settlement` without waiting; only a limited key's request then waits
-on :meth:`TenancyGate.admit` (the limiter), so a key without limits costs no await. The settlement's
-:meth:`~Settlement.answered` (an engine's answer ended, however) or :meth:`~Settlement.unanswered` (none came) is
+key :meth:`TenancyGate.open` makes a :class:`Charge` without waiting; only a limited key's request then waits
+on :meth:`TenancyGate.admit` (the limiter), so a key without limits costs no await. The charge's
+:meth:`~Charge.answered` (an engine's answer ended, however) or :meth:`~Charge.unanswered` (none came) is
 called exactly once by the data plane; later calls do nothing.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Mapping
 
@@ -20,13 +19,14 @@ from ..http.messages import Response, error_response
 from ..tenancy.estimate import Estimator
 from ..tenancy.interfaces import Admission, Refusal, Tenancy, UsageRecord
 from ..tenancy.model import Estimate, Tenant, Usage
+from ..tenancy.ratelimit_headers import retry_after_header
 from .usage import usage_counts
 
 log = logging.getLogger(__name__)
 _NO_HEADERS: list[tuple[bytes, bytes]] = []
 
 
-class Settlement:
+class Charge:
     """One request's reservation (if its key is limited) and the usage record of its answer."""
 
     __slots__ = ("_tenancy", "tenant", "model", "estimate", "admission", "_open")
@@ -94,25 +94,20 @@ class TenancyGate:
         self.tenancy = tenancy
         self.estimator = Estimator(tenancy.settings, tenancy.prices, max_model_len)
 
-    def open(self, tenant: Tenant, model: str, path: str, body: Mapping[str, object], body_bytes: int) -> Settlement:
-        """The settlement of a request of ``tenant`` (not yet admitted: see :meth:`admit`)."""
-        return Settlement(self.tenancy, tenant, model, self.estimator.estimate(model, path, body, body_bytes))
+    def open(self, tenant: Tenant, model: str, path: str, body: Mapping[str, object], body_bytes: int) -> Charge:
+        """The charge of a request of ``tenant`` (not yet admitted: see :meth:`admit`)."""
+        return Charge(self.tenancy, tenant, model, self.estimator.estimate(model, path, body, body_bytes))
 
-    async def admit(self, settlement: Settlement) -> Response | None:
-        """Reserve a limited key's request against its limits: None when admitted (the settlement holds the
+    async def admit(self, charge: Charge) -> Response | None:
+        """Reserve a limited key's request against its limits: None when admitted (the charge holds the
         admission), else the 429 to answer."""
-        admitted = await self.tenancy.limiter.admit(settlement.tenant, settlement.model, settlement.estimate)
+        tenancy = self.tenancy
+        admitted = await tenancy.limiter.admit(charge.tenant, charge.model, charge.estimate)
         if isinstance(admitted, Refusal):
+            tenancy.usage.refused(charge.tenant, charge.model, admitted.error_type)
             return refusal_response(admitted)
-        settlement.admission = admitted
+        charge.admission = admitted
         return None
-
-
-def retry_after_seconds(seconds: float) -> int:
-    """``Retry-After`` in whole seconds, rounded up (a client that waits it finds the limit free)."""
-    if not math.isfinite(seconds) or seconds <= 0:
-        return 0 if seconds <= 0 else 1 << 31
-    return min(math.ceil(seconds), 1 << 31)
 
 
 def refusal_response(refusal: Refusal) -> Response:
@@ -120,6 +115,6 @@ def refusal_response(refusal: Refusal) -> Response:
     the same, "message": ...}}`` with ``Retry-After`` and the limiter's ``x-ratelimit-*`` headers."""
     headers = list(refusal.headers)
     if not any(name == b"retry-after" for name, _ in headers):
-        headers.append((b"retry-after", str(retry_after_seconds(refusal.retry_after)).encode("ascii")))
+        headers.append(retry_after_header(refusal.retry_after))
     return error_response(refusal.status, refusal.message, code=refusal.error_type, type_=refusal.error_type,
                           headers=headers)
