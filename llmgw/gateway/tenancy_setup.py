@@ -12,7 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import trio
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from ..config import Config
 from ..tenancy.directory import build_prices
@@ -20,7 +20,7 @@ from ..tenancy.interfaces import KeyDirectory, Limiter, Tenancy
 from ..tenancy.limiter_metrics import LimiterMetrics
 from ..tenancy.local_limiter import LocalLimiter
 from ..tenancy.usage import UsageAggregator
-from .tenant_gate import TenancyGate
+from .tenant_gate import SETTLE_BASES, TenancyGate
 
 if TYPE_CHECKING:
     from ..cluster.state import SharedState
@@ -50,11 +50,17 @@ class GatewayTenancy:
         self.limiter: Limiter = LocalLimiter(settings, metrics=self.limiter_metrics)
         self.usage = UsageAggregator()
         self.directory = directory
+        settled = Counter("llmgw_tenant_settled", "Requests of known keys settled, by what they were charged: "
+                          "usage (the engine's), sent (no usage came: the estimate's prompt and the tokens "
+                          "relayed), nothing (no engine answered; the reservation went back).", ["basis"],
+                          registry=registry)
+        by_basis = {basis: settled.labels(basis).inc for basis in SETTLE_BASES}
+        self._count_settled = lambda basis: by_basis[basis]()
         self.gate = self._gate(config)
 
     def _gate(self, config: Config) -> TenancyGate:
         tenancy = Tenancy(self.directory, self.limiter, self.usage, build_prices(config), config.tenancy.settings())
-        return TenancyGate(tenancy, context_lengths(config))
+        return TenancyGate(tenancy, context_lengths(config), self._count_settled)
 
     def apply(self, config: Config) -> TenancyGate:
         """A reload's prices, settings and context lengths: the new gate (the caller hands it to the data plane)."""

@@ -75,6 +75,7 @@ async def test_rpm_refused_429_with_retry_after_and_headers_on_every_answer(gate
     # A key without limits: answered as before, no x-ratelimit headers, never refused.
     opened = [await chat(gw, OPEN, max_tokens=8) for _ in range(3)]
     assert [a.status_code for a in opened] == [200] * 3 and not any(ratelimit_headers(a) for a in opened)
+    assert await gw.metric("llmgw_tenant_settled_total", 'basis="usage"') == 5  # its usage is recorded too
     # A model the key may not use: the directory's 403, before any limit is looked at.
     narrow = await chat(gw, NARROW)
     assert narrow.status_code == 403 and narrow.json()["error"]["code"] == "model_not_allowed"
@@ -174,6 +175,8 @@ async def test_a_broken_stream_and_an_engine_without_usage_settle_what_was_sent(
     assert charged[1]["input_tokens"] == sent  # the estimate's prompt: the client's body, in bytes
     assert all(c["answers_2xx"] == 1 for c in charged)
     assert (await chat(gw, LIMITED)).status_code == 200  # the slot of each came back
+    assert await gw.metric("llmgw_tenant_settled_total", 'basis="sent"') == 2
+    assert await gw.metric("llmgw_tenant_settled_total", 'basis="usage"') == 1  # the last one's body had usage
 
 
 async def test_a_client_that_goes_away_settles_and_frees_its_slot(gateway_in_process, nursery):
@@ -218,6 +221,7 @@ async def test_an_answer_made_here_for_a_limited_key_carries_the_headers(gateway
     headers = ratelimit_headers(failed)
     assert headers["x-ratelimit-limit-requests"] == "100" and headers["x-ratelimit-limit-tokens"] == "100000"
     assert len([row for row, c in rows if row.key_name == "limited"]) == 1  # the first answer only
+    assert await gw.metric("llmgw_tenant_settled_total", 'basis="nothing"') == 1
     tokens_left = int(headers["x-ratelimit-remaining-tokens"])
     again = await chat(gw, LIMITED, max_tokens=4)
     # The failed one's reservation came back: the next one's remaining tokens are not lower by it.
