@@ -169,7 +169,10 @@ class Gateway:
         self._reload_lock = trio.Lock()
         self._reload_metrics = ReloadMetrics(self.metrics.registry)
         self.health_report = HealthReport(self.shared, self.metrics.registry)
-        self.key_admin = build_key_admin(config, self.shared, self.directory, self.metrics.registry)
+        # A worker of --workers on its supervisor's private Redis keeps keys where a lone serve does (SQLite in the
+        # state dir, one file for every worker): the private Redis keeps nothing across a restart.
+        self.key_admin = build_key_admin(config, self.shared if adjust_config is None else None, self.directory,
+                                         self.metrics.registry)
         self.readiness = self.dataplane.readiness = Readiness(self.router, lambda: self.draining,
                                                               self._state_loaded, self.health_report.sentences)
 

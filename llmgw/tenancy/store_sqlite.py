@@ -88,6 +88,7 @@ class SqliteKeyStore:
                 os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600))
             connection = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT, check_same_thread=False,
                                          isolation_level=None)
+            connection.execute("PRAGMA journal_mode=WAL")  # readers (every worker's poll) never wait on a write
             connection.executescript(SCHEMA)
             self._connection = connection
         return self._connection

@@ -213,3 +213,35 @@ async def test_a_key_record_not_signed_with_the_cluster_secret_is_refused_and_co
 
 async def refused_at_least(control_url: str, count: int) -> bool:
     return (await scrape_value(control_url, "llmgw_tenant_refused_records_total", 'kind="key"') or 0) >= count
+
+
+async def test_a_key_made_on_the_control_port_of_llmgw_serve_workers_reaches_every_worker(
+        start_fake_upstream, start_llmgw, tmp_path):
+    tiny, other = await start_fake_upstream("tiny"), await start_fake_upstream("other", model="other")
+    config = gateway_config(tiny.url, other.url, f"tenancy: {{store: '{tmp_path / 'keys.sqlite3'}'}}\n")
+    supervisor = await start_llmgw(config, "--workers", "2", "--state-dir", str(tmp_path / "w"))
+    workers = [line.split(": control ")[-1].strip() for line in supervisor.lines
+               if line.startswith("llmgw worker ") and ": control " in line]
+    assert len(workers) == 2, supervisor.output()
+    # New connections for every request: SO_REUSEPORT spreads connections over the workers.
+    async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_keepalive_connections=0)) as http:
+        made = await http.post(supervisor.control_url + "/admin/keys", json={"name": "everywhere"})
+        assert made.status_code == 201, made.text
+        secret = made.json()["key"]
+        for control_url in workers:  # each worker's own directory has it within a second
+            await wait_for(lambda: listed(http, control_url, "everywhere"), timeout=3)
+        for _ in range(20):
+            assert (await chat(http, supervisor.url, secret)).status_code == 200
+        served = [await scrape_value(url, "llmgw_requests_by_key_total", 'key="everywhere"', default=0)
+                  for url in workers]
+        assert sum(served) == 20 and min(served) >= 1, served
+        assert (await http.delete(supervisor.control_url + "/admin/keys/everywhere")).status_code == 200
+        for control_url in workers:
+            await wait_for(lambda: listed(http, control_url, "everywhere", present=False), timeout=3)
+        for _ in range(10):
+            assert_openai_error(await chat(http, supervisor.url, secret), 401, "invalid_api_key")
+
+
+async def listed(http: httpx.AsyncClient, control_url: str, name: str, present: bool = True) -> bool:
+    names = [k["name"] for k in (await http.get(control_url + "/admin/keys")).json()["keys"]]
+    return (name in names) == present
