@@ -16,8 +16,9 @@ least it needs now (``need``: what waiting requests lack; 0 when refilling ahead
 - ``g`` a budget: a counter of what the period spent, leases included (a lease is charged when taken, its unused
   part given back); it expires a day after its period ends.
 
-Whatever Redis holds is clamped before use (someone else may write there): a key of another type is dropped, a level to ``[-1e15, capacity]``, a
-time to ``[0, now]``, a holder's slots to ``[0, capacity]``, a budget's spend to ``[0, 2^53]``.
+Whatever Redis holds is clamped before use (someone else may write there): a key of another type is
+dropped, a level clamped to ``[-1e15, capacity]``, a time to ``[0, now]``, a holder's slots to ``[0, capacity]``,
+a budget's spend to ``[0, 2^53]``.
 """
 
 from __future__ import annotations
