@@ -31,10 +31,14 @@ class Leases(Protocol):
     """What a pool asks of the limiter that owns it."""
 
     degraded: bool
-    budgets_fail_closed: bool
-    lease_seconds: float
     holder: str
     holder_ttl_ms: int
+
+    @property
+    def budgets_fail_closed(self) -> bool: ...
+
+    @property
+    def lease_seconds(self) -> float: ...
 
     def refill_soon(self, pool: "LeasedPool") -> None: ...
 

@@ -20,6 +20,7 @@ import math
 import os
 import secrets
 import time
+from collections import deque
 from typing import Callable, Iterable
 
 import trio
@@ -47,6 +48,7 @@ from .model import Estimate, TenancySettings, Tenant
 
 log = logging.getLogger(__name__)
 
+LIVE_MEMORY = 10.0  # seconds: a process whose load report lapsed a moment ago still counts as live
 HOLDER_TTL = 5.0  # seconds: a process's concurrency slots outlive its last heartbeat by this much at most
 
 
@@ -72,9 +74,9 @@ class RedisLimiter:
         self.prefix = tenancy_prefix(cluster)
         self.holder = holder_name(origin)
         self.holder_ttl_ms = int(holder_ttl * 1000)
-        self.lease_seconds = settings.lease_seconds
-        self.budgets_fail_closed = settings.budgets_fail_closed
         self.degraded = False
+        self.live = 1  # the most live processes seen in the last LIVE_MEMORY seconds Redis answered
+        self._live_seen: deque[tuple[float, int]] = deque()
         self.book = PoolBook(self._make_pool)
         self._pending: set[LeasedPool] = set()
         self._giving: set[LeasedPool] = set()
@@ -83,6 +85,14 @@ class RedisLimiter:
         self._probe = False
         self._closing = False
         self.tick = min(0.5, holder_ttl / 3, settings.lease_idle_seconds / 2)
+
+    @property
+    def lease_seconds(self) -> float:
+        return self.settings.lease_seconds
+
+    @property
+    def budgets_fail_closed(self) -> bool:
+        return self.settings.budgets_fail_closed
 
     def _make_pool(self, subject: Subject, dimension: str, period: str | None, capacity: int, now: float) -> Pool:
         return LeasedPool(self, self.prefix, subject, dimension, period, capacity, now)
@@ -103,8 +113,16 @@ class RedisLimiter:
         self._wake.set()
 
     def fallback_capacity(self, capacity: int) -> int:
-        """A limit's share of this process while Redis is away: the limit divided by the live processes."""
-        return max(1, capacity // max(1, self.live_processes()))
+        """A limit's share of this process while Redis is away: the limit divided by the live processes (as
+        counted before it went away: the peers' load reports, which come through Redis, stop with it)."""
+        return max(1, capacity // self.live)
+
+    def _count_live(self, now: float) -> None:
+        seen = self._live_seen
+        seen.append((now, max(1, self.live_processes())))
+        while seen and seen[0][0] < now - LIVE_MEMORY:
+            seen.popleft()
+        self.live = max(count for _, count in seen)
 
     # -- the hot path --
 
@@ -167,14 +185,14 @@ class RedisLimiter:
             answered.set()
 
     async def _upkeep(self) -> None:
-        """Every tick: give back idle shares, renew the slots held, charge debts; while degraded, ask Redis
-        whether it is back and keep the fallback's shares to the live processes."""
+        """Every tick: give back idle shares, renew the slots held, charge debts, count the live processes;
+        while degraded, ask Redis whether it is back."""
         while True:
             await trio.sleep(self.tick)
             now = self.clock()
+            if not self.degraded:
+                self._count_live(trio.current_time())
             for pool in self._pools():
-                if self.degraded and pool.fallback is not None:
-                    pool.fallback.resize(self.fallback_capacity(pool.capacity), now)
                 if pool.idle(now, self.settings.lease_idle_seconds):
                     self._giving.add(pool)
                 elif pool.held or pool.in_use:  # a debt to charge, a share to refill, slots to renew
@@ -224,12 +242,13 @@ class RedisLimiter:
             return
         self.degraded = True
         self.metrics.degraded.set(1)
+        self._count_live(trio.current_time())
         for pool in self._pools():
             pool.fallback = None  # built afresh at the live processes' count of now
         budgets = ("admit only what this process's leases still hold" if self.budgets_fail_closed else
                    "are NOT enforced (tenancy.budgets_fail_closed is false); the spend is charged when it is back")
         log.warning("tenant limits degraded: Redis failed (%s); rate limits fall back to each limit divided by "
-                    "the %d live processes, budgets %s", why, max(1, self.live_processes()), budgets)
+                    "the %d live processes, budgets %s", why, self.live, budgets)
 
     def _set_healthy(self) -> None:
         if self.degraded:

@@ -102,7 +102,8 @@ async def test_tokens_settled_above_their_reservation_are_charged_to_the_shared_
             await trio.sleep(0.05)
     refused = await second.admit(alice, "m", Estimate(prompt_tokens=2000, max_output_tokens=0))
     assert isinstance(refused, Refusal), "5100 of 6000 tokens are spent; 2000 more do not fit"
-    assert 8.0 < refused.retry_after <= 11.0  # 1100 missing, at 100 tokens per second (less what refilled since)
+    missing = 2000 - (6000 - 5100 - next(iter(first._pools())).held)  # first holds a share leased ahead
+    assert missing / 100 - 2.0 < refused.retry_after <= missing / 100 + 0.01  # at 100 tokens/s, less what refilled
 
 
 async def test_concurrency_is_shared_and_a_settled_slot_frees_up(nursery, redis_url, cluster_name):
@@ -185,18 +186,22 @@ async def test_the_slots_of_a_process_killed_with_kill_9_come_back_within_the_tt
 async def test_redis_away_rate_limits_fall_back_to_a_share_and_budgets_close(nursery, private_redis, cluster_name,
                                                                              caplog):
     caplog.set_level(logging.INFO, "llmgw.tenancy")
-    limiter = await start_limiter(nursery, private_redis.url, cluster_name, "g1", live_processes=lambda: 4)
+    live = [4]
+    limiter = await start_limiter(nursery, private_redis.url, cluster_name, "g1", live_processes=lambda: live[0])
     rated = tenant(Limits(rpm=100), "rated")
     budgeted = tenant(Limits(budgets=(Budget("total", tokens=1000),)), "budgeted")
     assert len(admitted(await burst(limiter, rated, 10))) == 10
     lease = await limiter.admit(budgeted, "m", Estimate(10, 0))
     assert not isinstance(lease, Refusal)
     lease.settle(None)  # its 10 stay in this process's lease
+    await trio.sleep(limiter.tick * 2)  # it counted the live processes while Redis answered
     await private_redis.kill()
+    live[0] = 1  # the peers' load reports come through Redis: they lapse with it
     with trio.fail_after(10):
         while not limiter.degraded:
             await trio.sleep(0.05)
     assert limiter.metrics.degraded._value.get() == 1
+    await trio.sleep(limiter.tick * 2)
     assert len(admitted(await burst(limiter, rated, 50))) == 25  # the limit divided by the 4 live processes
     assert len(admitted(await burst(limiter, budgeted, 3, Estimate(5, 0)))) == 2  # only its lease in hand
     refused = await limiter.admit(budgeted, "m", Estimate(5, 0))
