@@ -21,7 +21,7 @@ import os
 import secrets
 import time
 from collections import deque
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import trio
 
@@ -45,6 +45,9 @@ from .leases import LeasedPool
 from .limiter_metrics import LimiterMetrics
 from .local_limiter import UNLIMITED, Clock, PoolBook
 from .model import Estimate, TenancySettings, Tenant
+
+if TYPE_CHECKING:
+    from ..cluster.state import SharedState
 
 log = logging.getLogger(__name__)
 
@@ -255,3 +258,11 @@ class RedisLimiter:
             self.degraded = False
             self.metrics.degraded.set(0)
             log.info("tenant limits: Redis answers again; limits are shared across the cluster again")
+
+
+def cluster_limiter(shared: "SharedState", settings: TenancySettings, metrics: LimiterMetrics) -> RedisLimiter:
+    """The limiter of a gateway that shares its state through Redis (a cluster, or ``--workers``): on its link,
+    under its cluster's keys, counting as live processes the peers whose load reports it reads, and itself.
+    Start its :meth:`~RedisLimiter.run` while the link runs, and stop it first: it gives its shares back."""
+    return RedisLimiter(settings, shared.link, shared.settings.cluster, shared.origin, metrics=metrics,
+                        live_processes=lambda: len(shared.load.peers) + 1)
