@@ -20,9 +20,7 @@ from typing import Callable, Protocol, TypeVar
 
 import trio
 
-from .model import TenancySettings
-from .usage import CACHED, FIELDS, INPUT, NANO_USD, OUTPUT, Counts, UsageRow, add_into, zero
-from .usage_query import UsageQuery
+from .usage import FIELDS, Counts, UsageRow
 
 MAX_BATCH_ROWS = 20_000  # rows one transaction or script applies (a Redis script of up to ~240k HINCRBYs)
 MARKER_SECONDS = 30 * 86400  # how long a store remembers a journal's shipped position
@@ -40,20 +38,6 @@ class Batch:
     rows: dict[UsageRow, Counts]
 
 
-@dataclass(frozen=True, slots=True)
-class Spent:
-    """What a key or a team used since a moment (a budget period's start)."""
-
-    input_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    nano_usd: int = 0
-
-    def tokens(self, settings: TenancySettings) -> int:
-        """The tokens a token budget counts (cached input at ``cached_input_weight``)."""
-        return settings.counted_tokens(self.input_tokens, self.cached_tokens, self.output_tokens)
-
-
 class UsageStore(Protocol):
     async def apply(self, batch: Batch) -> bool:
         """Add ``batch``'s rows unless its journal's marker reached its offset (then False), and move the marker
@@ -64,25 +48,6 @@ class UsageStore(Protocol):
 
     async def rows(self, since: int, until: int) -> list[tuple[UsageRow, Counts]]:
         """Every hourly row of the hours from ``since`` to ``until`` (exclusive)."""
-
-
-async def query_rows(store: UsageStore, query: UsageQuery) -> list[tuple[UsageRow, Counts]]:
-    return [(row, counts) for row, counts in await store.rows(query.since, query.until) if query.matches(row)]
-
-
-async def spent_since(store: UsageStore, since: float, until: float | None = None
-                      ) -> dict[tuple[str, str], Spent]:
-    """What every key (``("key", key_id)``) and team (``("team", name)``) used from the hour ``since`` falls in:
-    the limiter's budgets at start. Rows are hourly, so a period starting mid-hour counts that whole hour."""
-    from .usage import HOUR, hour_of
-
-    end = hour_of(time.time() if until is None else until) + HOUR
-    totals: dict[tuple[str, str], Counts] = {}
-    for row, counts in await store.rows(hour_of(max(since, 0)), end):
-        for who in (("key", row.key_id), ("team", row.team)):
-            if who[1]:
-                add_into(totals.setdefault(who, zero()), counts)
-    return {who: Spent(c[INPUT], c[CACHED], c[OUTPUT], c[NANO_USD]) for who, c in totals.items()}
 
 
 _COLUMNS = ", ".join(FIELDS)

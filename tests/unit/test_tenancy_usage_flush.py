@@ -12,7 +12,8 @@ from llmgw.tenancy.model import TenancySettings, Usage
 from llmgw.tenancy.usage import FIELDS, UsageAggregator, UsageRow
 from llmgw.tenancy.usage_flush import UsageFlusher
 from llmgw.tenancy.usage_journal import UsageJournal, encode, read_rows
-from llmgw.tenancy.usage_store import Batch, SqliteUsageStore, StoreUnavailable, spent_since
+from llmgw.tenancy.usage_service import budget_spent
+from llmgw.tenancy.usage_store import Batch, SqliteUsageStore, StoreUnavailable
 
 HOUR = 1_796_000_400
 REQUESTS, INPUT, NANO = FIELDS.index("requests"), FIELDS.index("input_tokens"), FIELDS.index("nano_usd")
@@ -228,15 +229,20 @@ def test_replay_reads_whole_lines_and_skips_what_is_not_a_usage_line(tmp_path):
     assert end == os.path.getsize(path) - 20  # the torn last line is not read
 
 
-async def test_spent_since_sums_keys_and_teams(store):
+async def test_budget_spent_sums_keys_and_teams_per_period(store):
+    day = HOUR - 3600  # 2026-11-30T00:00Z
     await store.apply(Batch("s", 1, {
-        UsageRow("k-a", "a", "t", "tiny", HOUR - 3600): [1, 100, 0, 10, 50, 1, 0, 0, 0, 0, 0, 0],
+        UsageRow("k-a", "a", "t", "tiny", day - 3600): [1, 100, 0, 10, 50, 1, 0, 0, 0, 0, 0, 0],  # the day before
         UsageRow("k-a", "a", "t", "tiny", HOUR): [1, 100, 40, 10, 50, 1, 0, 0, 0, 0, 0, 0],
         UsageRow("k-b", "b", "t", "big", HOUR): [1, 10, 0, 1, 7, 1, 0, 0, 0, 0, 0, 0],
+        UsageRow("k-c", "c", "", "big", HOUR): [1, 10, 0, 1, 7, 1, 0, 0, 0, 0, 0, 0],
     }))
-    spent = await spent_since(store, HOUR + 10, until=HOUR + 100)
-    assert spent[("key", "k-a")].nano_usd == 50
-    assert spent[("team", "t")].nano_usd == 57
     settings = TenancySettings(cached_input_weight=0.5)
-    assert spent[("key", "k-a")].tokens(settings) == 60 + 20 + 10
-    assert ("team", "") not in spent
+    spent = {(s.kind, s.name, s.period): (s.tokens, s.nano_usd)
+             for s in await budget_spent(store, settings, now=HOUR + 100)}
+    assert spent[("key", "k-a", "day")] == (60 + 20 + 10, 50)
+    assert spent[("key", "k-a", "month")] == (110 + 90, 100)  # November
+    assert spent[("key", "k-a", "total")] == (110 + 90, 100)
+    assert spent[("team", "t", "day")] == (90 + 11, 57)
+    assert ("team", "", "day") not in spent
+    assert spent[("key", "k-c", "total")] == (11, 7)
