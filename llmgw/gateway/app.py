@@ -54,6 +54,7 @@ from .dataplane import DataPlane, DataPlaneSettings
 from .health_report import HealthReport
 from .readiness import Readiness
 from .reload_guard import Refusal, ReloadMetrics, ReloadOutcome, refusal, restart_required, summarize
+from .tenancy_setup import GatewayTenancy
 
 if TYPE_CHECKING:
     from ..agent.agent import Agent
@@ -165,6 +166,8 @@ class Gateway:
         else:
             assert self.control is not None
             self.dataplane.wait_for_replica = self.control.wait_for_replica
+        self.tenancy = GatewayTenancy(config, self.directory, self.metrics.registry, self.shared)
+        self.dataplane.tenancy = self.tenancy.gate
         self._reload_lock = trio.Lock()
         self._reload_metrics = ReloadMetrics(self.metrics.registry)
         self.health_report = HealthReport(self.shared, self.metrics.registry)
@@ -260,6 +263,7 @@ class Gateway:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.replicas.run)
+            await nursery.start(self.tenancy.run)
             if self.shared is not None:
                 await nursery.start(self.shared.run, self._lead if self.role == CONTROL else None, self._settled)
                 await nursery.start(self.health_report.watch)
@@ -415,6 +419,7 @@ class Gateway:
         self.config = config
         self.dataplane.apply(dataplane_settings(config))
         self.directory.set_config(*config_entries(config))
+        self.dataplane.tenancy = self.tenancy.apply(config)
         if self.shared is not None:
             self.shared.apply_config(config)
         if self.static is not None:
