@@ -29,6 +29,7 @@ from ..wire.channel import LEADER_HEADER, AgentCredentials, quart_channel
 from .admin_guard import AdminGuard
 from .replica_stats import replica_stats
 from .ui import status_page
+from .usage_admin import register_usage_routes
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -209,6 +210,8 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
             return _error(404, f"the model {model!r} does not exist", "model_not_found", param="model")
         path = request.args.get("path") or ("/v1/chat/completions" if "messages" in body else "/v1/completions")
         return jsonify(await gateway.router.explain(RouteRequest(resolved[0], path, body, adapter=resolved[1])))
+
+    register_usage_routes(app, lambda: gateway.tenancy.usage_service)
 
     @app.errorhandler(404)
     async def not_found(_):

@@ -179,14 +179,14 @@ def _iso(hour: int) -> str:
     return datetime.fromtimestamp(hour, timezone.utc).strftime("%Y-%m-%dT%H:00:00Z")
 
 
-def to_csv(items: list[dict[str, Any]], query: UsageQuery) -> str:
+def to_csv(items: list[dict[str, Any]], group_by: tuple[str, ...]) -> str:
     """The answer as CSV: a header line, then one line per group (money in USD with nine decimals)."""
-    columns = [*_columns(query.group_by), *FIELDS, "usd"]
+    columns = [*_columns(group_by), *FIELDS, "usd"]
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(columns)
     for item in items:
-        writer.writerow([f"{item[c]:.9f}" if c == "usd" else _cell(item[c]) for c in columns])
+        writer.writerow([f"{item[c]:.9f}" if c == "usd" else _cell(item.get(c)) for c in columns])
     return out.getvalue()
 
 

@@ -54,7 +54,7 @@ class UsageService:
         rows = await self.store.rows(query.since, query.until)
         items = summarize(rows, query)
         if query.format == "csv":
-            return "csv", to_csv(items, query)
+            return "csv", to_csv(items, query.group_by)
         return "json", query_json(items, query)
 
     async def budget_spent(self, settings: TenancySettings, now: float | None = None) -> list[Spent]:
