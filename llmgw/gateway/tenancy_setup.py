@@ -19,13 +19,16 @@ from ..tenancy.directory import build_prices
 from ..tenancy.interfaces import KeyDirectory, Limiter, Tenancy
 from ..tenancy.limiter_metrics import LimiterMetrics
 from ..tenancy.local_limiter import LocalLimiter
-from ..tenancy.usage import UsageAggregator
+from ..tenancy.usage_store import StoreUnavailable
 from .tenant_gate import SETTLE_BASES, TenancyGate
+from .usage_setup import build_usage
 
 if TYPE_CHECKING:
     from ..cluster.state import SharedState
 
 log = logging.getLogger(__name__)
+
+SEED_SECONDS = 10.0  # the longest a start waits for the usage store's budget spend
 
 
 def context_lengths(config: Config) -> dict[str, int]:
@@ -48,7 +51,9 @@ class GatewayTenancy:
         settings = config.tenancy.settings()
         self.limiter_metrics = LimiterMetrics(registry)
         self.limiter: Limiter = LocalLimiter(settings, metrics=self.limiter_metrics)
-        self.usage = UsageAggregator()
+        self.usage_service = build_usage(config, registry, shared)
+        self.usage = self.usage_service.sink
+        self.seeds_budgets = shared is None  # one process: its limiter's budgets start from the SQLite store's sums
         self.directory = directory
         settled = Counter("llmgw_tenant_settled", "Requests of known keys settled, by what they were charged: "
                           "usage (the engine's), sent (no usage came: the estimate's prompt and the tokens "
@@ -68,9 +73,25 @@ class GatewayTenancy:
         settings = self.gate.tenancy.settings
         if isinstance(self.limiter, LocalLimiter):
             self.limiter.settings = settings
+        self.usage_service.interval = settings.usage_flush_interval
         return self.gate
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The limiter's and the usage sink's background tasks, in the gateway's nursery."""
-        task_status.started()
-        await trio.sleep_forever()
+        """The limiter's and the usage sink's background tasks, in the gateway's nursery: the budgets' spend so
+        far read from the usage store first (before the data plane admits anything)."""
+        if isinstance(self.limiter, LocalLimiter) and self.seeds_budgets:
+            await self._seed(self.limiter)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.usage_service.run)
+            task_status.started()
+
+    async def _seed(self, limiter: LocalLimiter) -> None:
+        with trio.move_on_after(SEED_SECONDS):
+            try:
+                limiter.seed(await self.usage_service.budget_spent(limiter.settings))
+            except StoreUnavailable as exc:
+                log.error("tenancy: the budgets' spend so far could not be read from the usage store (%s): budgets "
+                          "count from zero in this process", exc)
+            return
+        log.error("tenancy: the usage store did not answer within %gs: budgets count from zero in this process",
+                  SEED_SECONDS)
