@@ -15,7 +15,8 @@ import trio
 
 from helpers import wait_for
 from llmgw.tenancy.usage import FIELDS
-from llmgw.testing.sims import start_sims
+from llmgw.testing.shared_state import state_section, wait_replicas
+from llmgw.testing.sims import gateway_config, start_sims
 
 LIMITED, OPEN, NARROW = "sk-limited-0001", "sk-open-0002", "sk-narrow-0003"
 MESSAGES = [{"role": "user", "content": "tell me about the sea"}]
@@ -226,3 +227,37 @@ async def test_an_answer_made_here_for_a_limited_key_carries_the_headers(gateway
     again = await chat(gw, LIMITED, max_tokens=4)
     # The failed one's reservation came back: the next one's remaining tokens are not lower by it.
     assert int(ratelimit_headers(again)["x-ratelimit-remaining-tokens"]) >= tokens_left
+
+
+async def test_a_key_rpm_holds_across_two_gateways_sharing_redis(start_llmgw, nursery, redis_url, cluster_name):
+    """Two gateways of one cluster (the Redis limiter's leased shares): a burst spread over both admits the key's
+    rpm once, not once per gateway; each refusal is the 429 with its headers."""
+    [sim] = await start_sims(nursery, 1, num_blocks=256, extra=("--output-tokens", "2:2"))
+    text = (gateway_config([sim.url], routing="round_robin") + state_section(redis_url, cluster_name)
+            + f"api_keys:\n  - key: {LIMITED}\n    name: limited\n    limits: {{rpm: 10}}\n")
+    control = await start_llmgw(text)
+    follower = await start_llmgw(text, "--role", "gateway")
+    for gateway in (control, follower):
+        await wait_replicas(gateway.control_url, 1)
+    statuses: list[int] = []
+    refusals: list[httpx.Response] = []
+    async with httpx.AsyncClient(timeout=30) as http:
+
+        async def one(url: str) -> None:
+            answer = await http.post(url + "/v1/chat/completions", headers=auth(LIMITED),
+                                     json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2})
+            statuses.append(answer.status_code)
+            if answer.status_code == 429:
+                refusals.append(answer)
+
+        started = trio.current_time()
+        async with trio.open_nursery() as burst:
+            for i in range(30):
+                burst.start_soon(one, (control, follower)[i % 2].url)
+        elapsed = trio.current_time() - started
+    admitted = statuses.count(200)
+    assert statuses.count(429) == 30 - admitted, statuses
+    # The bucket refills at rpm/60 per second: what the burst's own duration added may be admitted too.
+    assert 1 <= admitted <= 10 + int(elapsed * 10 / 60) + 1, (admitted, elapsed)
+    assert all(r.json()["error"]["type"] == "rate_limit_exceeded" and "retry-after" in r.headers
+               and r.headers["x-ratelimit-limit-requests"] == "10" for r in refusals)
