@@ -8,7 +8,7 @@ import trio
 
 from llmgw.gateway.tenant_gate import NOTHING, SENT, USAGE, TenancyGate, refusal_response
 from llmgw.tenancy.interfaces import RATE_LIMITED, Refusal, Tenancy, UsageRecord
-from llmgw.tenancy.model import Limits, Price, PriceList, TenancySettings, Team, Tenant, Usage
+from llmgw.tenancy.model import Limits, Price, PriceList, Team, TenancySettings, Tenant, Usage
 
 
 class FakeAdmission:
