@@ -52,7 +52,7 @@ async def test_keys_made_by_the_admin_api_and_the_cli_are_used_limited_to_their_
         start_fake_upstream, start_llmgw, tmp_path):
     tiny, other = await start_fake_upstream("tiny"), await start_fake_upstream("other", model="other")
     store = tmp_path / "state" / "keys.sqlite3"
-    config = gateway_config(tiny.url, other.url, f"tenancy: {{store: '{store}'}}\n")
+    config = gateway_config(tiny.url, other.url, f"tenancy: {{store: '{store}'}}\naccess_log: true\n")
     gw = await start_llmgw(config)
     async with httpx.AsyncClient(timeout=10) as http:
         admin = gw.control_url + "/admin"
@@ -66,6 +66,7 @@ async def test_keys_made_by_the_admin_api_and_the_cli_are_used_limited_to_their_
                                            headers={"Authorization": f"Bearer {CONFIG_KEY}"}), 403,
                             "model_not_allowed")
         assert_openai_error(await chat(http, gw.url, "sk-nobody"), 401, "invalid_api_key")
+        await wait_for(lambda: line_with(gw, "llmgw.access", " key=ops team=search model=other ", " status=403 "))
 
         # A team and a key of it, through the API; the key is answered once, never listed.
         made = await http.post(admin + "/teams", json={"name": "batch", "models": ["other"], "priority": "batch",

@@ -71,9 +71,14 @@ def test_wrong_tokens_and_headers_find_nobody():
     assert directory.lookup("bearer  sk-search ") is not None  # the scheme's case and spaces, as BearerTokens
 
 
-def test_without_keys_the_directory_is_open():
+def test_without_keys_the_directory_is_open_until_a_key_exists_then_closed_for_good():
     directory = build_directory(parse_config("models: []\n"))
     assert not directory.required and directory.lookup(bearer("x")) is None
+    directory.set_stored([KeyEntry("k-1", "made", digest_of("sk-made"))], [])
+    assert directory.required
+    directory.set_stored([], [])  # the last key revoked: /v1 does not open again
+    assert directory.required and directory.lookup(bearer("sk-made")) is None
+    assert build_directory(parse_config("tenancy: {require_keys: true}\n")).required
 
 
 def test_stored_keys_join_the_config_and_a_key_of_a_missing_team_is_refused():
