@@ -237,7 +237,7 @@ class ApiKey(KeySpec):
         if self.key_sha256 is not None:
             return self.key_sha256.lower()
         assert self.key is not None  # _finish: exactly one of key and key_sha256
-        return hashlib.sha256(self.key.encode("utf-8", "surrogateescape")).hexdigest()
+        return hashlib.sha256(self.key.encode("utf-8", "surrogatepass")).hexdigest()
 
     @classmethod
     def _finish(cls, draft: Draft) -> None:

@@ -31,8 +31,18 @@ API = "api"  # one made by the admin API, kept in the key store
 
 
 def digest_of(token: str) -> bytes:
-    """The SHA-256 of a presented token: the directory's lookup key."""
-    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+    """The SHA-256 of a key (its UTF-8): the directory's lookup key."""
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+def presented_digest(token: str) -> bytes:
+    """The SHA-256 of a token as the client sent it: a header value reaches us decoded as latin-1, so its bytes
+    are that encoding's (a non-ASCII key the client sent as UTF-8 matches the config's)."""
+    try:
+        raw = token.encode("latin-1")
+    except UnicodeEncodeError:  # not from an HTTP header: taken as text
+        raw = token.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(raw).digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +102,7 @@ class Directory:
         token = bearer_token(authorization)
         if token is None:
             return None
-        return self._by_digest.get(digest_of(token))
+        return self._by_digest.get(presented_digest(token))
 
     def set_config(self, keys: Iterable[KeyEntry], teams: Iterable[TeamEntry], require: bool = False) -> None:
         self._config = (tuple(keys), tuple(teams))
