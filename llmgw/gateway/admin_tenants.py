@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from quart import Quart, jsonify, request
@@ -22,7 +21,7 @@ from ..config.schema import KeySpec, TeamConfig, TeamSpec
 from ..tenancy.directory import Directory
 from ..tenancy.keys import AdminRefusal, KeyAdmin, StoreUnavailable, TenantKeyMetrics, key_json, team_json
 from ..tenancy.store_redis import RedisKeyStore
-from ..tenancy.store_sqlite import SqliteKeyStore, default_store_path
+from ..tenancy.store_sqlite import SqliteKeyStore, store_path
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -41,8 +40,7 @@ def build_key_admin(config: "Config", shared: "SharedState | None", directory: D
     tenancy = config.tenancy
     store: SqliteKeyStore | RedisKeyStore
     if shared is None:
-        path = default_store_path(config.agents.control_state_dir) if tenancy.store is None else tenancy.store
-        store = SqliteKeyStore(Path(path), max_keys=tenancy.max_keys, max_teams=tenancy.max_teams)
+        store = SqliteKeyStore(store_path(config), max_keys=tenancy.max_keys, max_teams=tenancy.max_teams)
         where = f"SQLite {store.path}"
     else:
         store = RedisKeyStore(shared.link, Keys(config.state.cluster).prefix, shared.signer,
