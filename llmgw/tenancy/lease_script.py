@@ -127,6 +127,23 @@ return out
 """
 
 
+# Raise each budget counter to at least what the usage store says was spent in its period (a Redis that restarted
+# without persistence forgot it); idempotent, so every process of a cluster may seed the same rows.
+SEED = r"""
+for i, key in ipairs(KEYS) do
+  local floor, expire_at = tonumber(ARGV[2 * i - 1]), tonumber(ARGV[2 * i])
+  local found = redis.call('TYPE', key)['ok']
+  if found ~= 'none' and found ~= 'string' then redis.call('DEL', key) end
+  local spent = tonumber(redis.call('GET', key))
+  if spent == nil or spent ~= spent or spent < floor then
+    redis.call('SET', key, string.format('%d', floor))
+  end
+  if expire_at > 0 then redis.call('PEXPIREAT', key, expire_at) end
+end
+return #KEYS
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class Operation:
     """One pool's part of a lease call. ``extra`` is the bucket's window (ms), the slots' holder, or the budget's

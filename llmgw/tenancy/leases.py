@@ -47,6 +47,21 @@ class Leases(Protocol):
     def fallback_capacity(self, capacity: int) -> int: ...
 
 
+def pool_key(prefix: str, kind: str, name: str, dimension: str) -> str:
+    """The Redis key of a subject's pool (a budget's counter adds its period and the period's start)."""
+    return f"{prefix}{kind}:{quote(name, safe='')}:{dimension}"
+
+
+def budget_key(base: str, period: str, start: float) -> str:
+    return f"{base}:{period}:{int(start)}"
+
+
+def budget_expiry_ms(period: str, now: float) -> int:
+    """When a budget counter of the period holding ``now`` may go (Unix ms; 0: never): a day after it ends."""
+    ends = period_end(period, now)
+    return 0 if math.isinf(ends) else int((ends + DAY) * 1000)
+
+
 def kind_of(dimension: str) -> str:
     if dimension == CONCURRENCY:
         return SLOTS
@@ -61,7 +76,7 @@ class LeasedPool:
         self.dimension = dimension
         self.period = period
         self.capacity = capacity
-        self._base = f"{prefix}{subject.kind}:{quote(subject.name, safe='')}:{dimension}"
+        self._base = pool_key(prefix, subject.kind, subject.name, dimension)
         self.held = 0  # leased, not reserved; negative: a debt
         self.in_use = 0  # slots only: reserved and not settled
         self.give = 0  # slots only: to give back at the next call
@@ -182,6 +197,10 @@ class LeasedPool:
         self.asked += amount
         self.least = amount if not self.least else min(self.least, amount)
 
+    def forget_asks(self) -> None:
+        """Redis is away: the requests that asked were answered by the fallback."""
+        self.asked = self.least = 0
+
     def operation(self, now: float, idle: bool) -> Operation | None:
         """This pool's part of the next call (and the local bookkeeping of what it gives and charges), or None
         when it has nothing to ask, give, owe or renew. ``idle``: give back all it holds."""
@@ -206,10 +225,8 @@ class LeasedPool:
         if self.kind == BUCKET:
             return Operation(BUCKET, (self._base,), self.capacity, need, want, give, charge, int(WINDOW * 1000))
         assert self.period is not None
-        ends = period_end(self.period, now)
-        expire_at = 0 if math.isinf(ends) else int((ends + DAY) * 1000)
-        key = f"{self._base}:{self.period}:{int(self.start)}"
-        return Operation(BUDGET, (key,), self.capacity, need, want, give, charge, expire_at)
+        key = budget_key(self._base, self.period, self.start)
+        return Operation(BUDGET, (key,), self.capacity, need, want, give, charge, budget_expiry_ms(self.period, now))
 
     def answered(self, answer: Answer, asked: int, now: float) -> None:
         """Redis granted ``answer.granted``; the asks it answered (``asked``) are done."""

@@ -21,7 +21,7 @@ import os
 import secrets
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Awaitable, Callable, Iterable
 
 import trio
 
@@ -40,11 +40,12 @@ from .admission import (
     team_label,
 )
 from .interfaces import Admission, Refusal
-from .lease_script import LEASE, decode, encode
-from .leases import LeasedPool
+from .lease_script import LEASE, SEED, decode, encode
+from .leases import LeasedPool, budget_expiry_ms, budget_key, pool_key
 from .limiter_metrics import LimiterMetrics
-from .local_limiter import UNLIMITED, Clock, PoolBook
+from .local_limiter import UNLIMITED, Clock, PoolBook, Spent
 from .model import Estimate, TenancySettings, Tenant
+from .pools import period_start
 
 if TYPE_CHECKING:
     from ..cluster.state import SharedState
@@ -68,7 +69,8 @@ def holder_name(origin: str) -> str:
 class RedisLimiter:
     def __init__(self, settings: TenancySettings, link: RedisLink, cluster: str, origin: str, *,
                  clock: Clock = time.time, metrics: LimiterMetrics | None = None,
-                 live_processes: Callable[[], int] = lambda: 1, holder_ttl: float = HOLDER_TTL):
+                 live_processes: Callable[[], int] = lambda: 1, holder_ttl: float = HOLDER_TTL,
+                 spent: Callable[[], Awaitable[Iterable[Spent]]] | None = None):
         self.settings = settings
         self.link = link
         self.clock = clock
@@ -87,6 +89,9 @@ class RedisLimiter:
         self._round = trio.Event()  # set when the call that takes the pools pending now has answered
         self._probe = False
         self._closing = False
+        self._spent = spent
+        self._seeds: list[Spent] = []
+        self._reseed = spent is not None
         self.tick = min(0.5, holder_ttl / 3, settings.lease_idle_seconds / 2)
 
     @property
@@ -159,8 +164,44 @@ class RedisLimiter:
 
     # -- the background --
 
+    def seed(self, spent: Iterable[Spent]) -> None:
+        """Raise each budget's counter in Redis to at least what the usage store says was spent in its current
+        period (as :meth:`.LocalLimiter.seed`; a Redis without persistence, or restarted, forgot it): applied at
+        the next call, and again whenever Redis answers after an outage."""
+        self._seeds = [row for row in spent if row.tokens > 0 or row.nano_usd > 0]
+        self._reseed = True
+        self._wake.set()
+
+    async def _apply_seeds(self) -> None:
+        if self._spent is not None:
+            try:
+                self._seeds = [row for row in await self._spent() if row.tokens > 0 or row.nano_usd > 0]
+            except Exception as exc:  # the usage store's own failure: seed what was read before
+                log.error("tenant limits: the budgets' spend could not be read from the usage store (%s)", exc)
+        now = self.clock()
+        keys: list[str] = []
+        args: list[int] = []
+        for row in self._seeds:
+            for dimension, amount in (("budget_tokens", row.tokens), ("budget_usd", row.nano_usd)):
+                if amount > 0:
+                    base = pool_key(self.prefix, row.kind, row.name, dimension)
+                    keys.append(budget_key(base, row.period, period_start(row.period, now)))
+                    args += [min(amount, 1 << 53), budget_expiry_ms(row.period, now)]
+        self._reseed = False
+        if not keys:
+            return
+        try:
+            await self.link.call("tenancy_seed", lambda client: client.eval(SEED, keys=keys, args=args))
+        except Unavailable as exc:
+            self._reseed = True
+            self._set_degraded(str(exc))
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Make the lease calls and keep the shares until cancelled; then give back what is held."""
+        """Make the lease calls and keep the shares until cancelled; then give back what is held. The budgets'
+        seeds are applied before it reports started (within ``state.timeout``)."""
+        with trio.move_on_after(self.link.settings.timeout):
+            if self._reseed:
+                await self._apply_seeds()
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._calls)
@@ -181,10 +222,15 @@ class RedisLimiter:
             giving, self._giving = self._giving, set()
             answered, self._round = self._round, trio.Event()
             probe, self._probe = self._probe, False
-            if pools or giving:
+            if self.degraded and (probe or pools or giving):
+                await self._ping()  # nothing is leased before the seeds are back (Redis may return empty)
+            if self._reseed and not self.degraded:
+                await self._apply_seeds()
+            if self.degraded:
+                for pool in pools:
+                    pool.forget_asks()
+            elif pools or giving:
                 await self._call(pools | giving, giving, "take" if pools - giving else "upkeep")
-            elif probe:
-                await self._ping()
             answered.set()
 
     async def _upkeep(self) -> None:
@@ -195,6 +241,8 @@ class RedisLimiter:
             now = self.clock()
             if not self.degraded:
                 self._count_live(trio.current_time())
+            if not self.link.healthy and (self._seeds or self._spent is not None):
+                self._reseed = True  # any call on the link failed: Redis may come back empty
             for pool in self._pools():
                 if pool.idle(now, self.settings.lease_idle_seconds):
                     self._giving.add(pool)
@@ -256,6 +304,8 @@ class RedisLimiter:
     def _set_healthy(self) -> None:
         if self.degraded:
             self.degraded = False
+            self._reseed = bool(self._seeds) or self._spent is not None  # Redis may have restarted empty
+            self._wake.set()
             self.metrics.degraded.set(0)
             log.info("tenant limits: Redis answers again; limits are shared across the cluster again")
 

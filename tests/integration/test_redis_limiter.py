@@ -20,6 +20,7 @@ from llmgw.cluster.metrics import ClusterMetrics
 from llmgw.config.loading import parse_config
 from llmgw.tenancy.interfaces import OUT_OF_QUOTA, RATE_LIMITED, Refusal
 from llmgw.tenancy.limiter_metrics import LimiterMetrics
+from llmgw.tenancy.local_limiter import Spent
 from llmgw.tenancy.model import Budget, Estimate, Limits, Team, TenancySettings, Tenant, Usage
 from llmgw.tenancy.redis_limiter import RedisLimiter, cluster_limiter, tenancy_prefix
 from llmgw.testing.limiter_driver import READY
@@ -219,6 +220,24 @@ async def test_redis_away_rate_limits_fall_back_to_a_share_and_budgets_close(nur
     assert limiter.metrics.degraded._value.get() == 0
     assert any("Redis answers again" in r.message for r in caplog.records)
     assert not isinstance(await limiter.admit(budgeted, "m", Estimate(5, 0)), Refusal)  # shared again
+
+
+async def test_budgets_are_seeded_from_the_usage_store_and_again_when_redis_returns_empty(nursery, private_redis,
+                                                                                          cluster_name):
+    async def spent() -> list[Spent]:
+        return [Spent("team", "ml", "day", tokens=990, nano_usd=0)]
+
+    limiter = await start_limiter(nursery, private_redis.url, cluster_name, "g1", spent=spent)
+    bob = tenant(Limits(), "bob", Team("ml", limits=Limits(budgets=(Budget("day", tokens=1000),))))
+    assert isinstance(await limiter.admit(bob, "m", Estimate(6, 6)), Refusal)
+    assert not isinstance(await limiter.admit(bob, "m", Estimate(5, 5)), Refusal)
+    await private_redis.kill()
+    await private_redis.restart()  # without persistence: the day's counter is gone
+    with trio.fail_after(15):
+        while limiter.degraded or limiter._reseed or not limiter.link.healthy:
+            await limiter.admit(bob, "m", Estimate(1, 0))
+            await trio.sleep(0.05)
+    assert isinstance(await limiter.admit(bob, "m", Estimate(6, 6)), Refusal)  # 990 again, not 0
 
 
 async def test_redis_away_budgets_open_when_configured_so(nursery, private_redis, cluster_name):
