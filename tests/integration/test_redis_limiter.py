@@ -232,7 +232,7 @@ async def test_budgets_are_seeded_from_the_usage_store_and_again_when_redis_retu
     assert isinstance(await limiter.admit(bob, "m", Estimate(6, 6)), Refusal)
     assert not isinstance(await limiter.admit(bob, "m", Estimate(5, 5)), Refusal)
     await private_redis.kill()
-    await private_redis.restart()  # without persistence: the day's counter is gone
+    await private_redis.restart()  # without persistence: the day's counter is gone (the link may not notice)
     with trio.fail_after(15):
         while limiter.degraded or limiter._reseed or not limiter.link.healthy:
             await limiter.admit(bob, "m", Estimate(1, 0))
