@@ -69,6 +69,8 @@ def kind_of(dimension: str) -> str:
 
 
 class LeasedPool:
+    """One limit of one key or team as this process holds it: its share, its demand, its fallback."""
+
     def __init__(self, owner: Leases, prefix: str, subject: Subject, dimension: str, period: str | None,
                  capacity: int, now: float):
         self.owner = owner
@@ -79,7 +81,6 @@ class LeasedPool:
         self._base = pool_key(prefix, subject.kind, subject.name, dimension)
         self.held = 0  # leased, not reserved; negative: a debt
         self.in_use = 0  # slots only: reserved and not settled
-        self.give = 0  # slots only: to give back at the next call
         self.asked = 0  # what waiting requests lack, for the next call
         self.least = 0  # what the waiting request that lacks least lacks (a grant of less serves none)
         self.left = float(capacity)  # what Redis said was left at its last answer

@@ -56,6 +56,8 @@ def holder_name(origin: str) -> str:
 
 
 class RedisLimiter(PoolLimiter):
+    """Admits from this process's leased shares of every limit; :meth:`run` makes the lease calls."""
+
     def __init__(self, settings: TenancySettings, link: RedisLink, cluster: str, origin: str, *,
                  clock: Clock = time.time, metrics: LimiterMetrics | None = None,
                  live_processes: Callable[[], int] = lambda: 1, holder_ttl: float = HOLDER_TTL,
@@ -154,9 +156,11 @@ class RedisLimiter(PoolLimiter):
     async def _apply_seeds(self) -> None:
         if self._spent is not None:
             try:
-                self._seeds = [row for row in await self._spent() if row.tokens > 0 or row.nano_usd > 0]
-            except Exception as exc:  # the usage store's own failure: seed what was read before
-                log.error("tenant limits: the budgets' spend could not be read from the usage store (%s)", exc)
+                with trio.fail_after(self.link.settings.timeout):
+                    self._seeds = [row for row in await self._spent() if row.tokens > 0 or row.nano_usd > 0]
+            except Exception as exc:  # the usage store's own failure, or too slow: seed what was read before
+                log.error("tenant limits: the budgets' spend could not be read from the usage store (%s: %s); "
+                          "seeding what was read before", type(exc).__name__, exc)
         now = self.clock()
         keys: list[str] = [self.marker]
         args: list[int] = []
