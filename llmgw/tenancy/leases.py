@@ -185,7 +185,8 @@ class LeasedPool:
 
     def _note_demand(self, amount: int, now: float) -> None:
         elapsed = max(0.0, now - self.demand_at)
-        self.demand = self.demand * 0.5 ** (elapsed / DEMAND_HALF_LIFE) + amount / DEMAND_HALF_LIFE
+        # an exponentially weighted rate: its mean over time is the rate of reservations, whatever their sizes
+        self.demand = self.demand * 0.5 ** (elapsed / DEMAND_HALF_LIFE) + amount * math.log(2) / DEMAND_HALF_LIFE
         self.demand_at, self.last_use = now, now
 
     def lease_size(self) -> int:
