@@ -6,12 +6,14 @@ import os
 
 import pytest
 import trio
+from hypothesis import given, settings, strategies as st
 
 from llmgw.tenancy.interfaces import UsageRecord
 from llmgw.tenancy.model import TenancySettings, Usage
 from llmgw.tenancy.usage import FIELDS, UsageAggregator, UsageRow
 from llmgw.tenancy.usage_flush import UsageFlusher
-from llmgw.tenancy.usage_journal import UsageJournal, encode, read_rows
+from llmgw.tenancy.usage_journal import UsageJournal, decode, encode, read_rows
+from llmgw.tenancy.usage_redis import parse_field, row_field
 from llmgw.tenancy.usage_service import budget_spent
 from llmgw.tenancy.usage_store import Batch, SqliteUsageStore, StoreUnavailable
 
@@ -246,3 +248,28 @@ async def test_budget_spent_sums_keys_and_teams_per_period(store):
     assert spent[("team", "t", "day")] == (90 + 11, 57)
     assert ("team", "", "day") not in spent
     assert spent[("key", "k-c", "total")] == (11, 7)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=600))
+def test_any_bytes_decode_to_a_usage_line_or_none(raw):
+    decoded = decode(raw)
+    assert decoded is None or (len(decoded[1]) == len(FIELDS) and decoded[0].hour % 3600 == 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.tuples(st.text(max_size=30), st.text(max_size=30), st.text(max_size=30), st.text(max_size=30)),
+       st.integers(0, 2**40).map(lambda n: n * 3600), st.lists(st.integers(0, 2**53 - 1), min_size=12, max_size=12))
+def test_every_row_round_trips_through_a_journal_line_and_a_redis_field(texts, hour, counts):
+    row = UsageRow(*texts, hour)
+    line = encode(row, counts)
+    assert line.count(b"\n") == 1 and decode(line[:-1]) == (row, counts)
+    for index, name in enumerate(FIELDS):
+        assert parse_field(row_field(row, name).encode(), hour) == (row, index)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_any_redis_field_parses_or_is_skipped(raw):
+    parsed = parse_field(raw, HOUR)
+    assert parsed is None or 0 <= parsed[1] < len(FIELDS)
