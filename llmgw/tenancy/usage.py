@@ -11,8 +11,7 @@ each call too.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from .interfaces import OUT_OF_QUOTA, RATE_LIMITED, UsageRecord
 from .model import Tenant
@@ -38,9 +37,8 @@ def hour_of(at: float) -> int:
     return int(at // HOUR) * HOUR
 
 
-@dataclass(frozen=True, slots=True)
-class UsageRow:
-    """Who used what, and when: the identity of one aggregated row."""
+class UsageRow(NamedTuple):
+    """Who used what, and when: the identity of one aggregated row (a tuple: built and hashed in C, per answer)."""
 
     key_id: str
     key_name: str
@@ -55,18 +53,16 @@ def zero() -> Counts:
 
 def add_into(total: Counts, counts: Counts) -> None:
     for index, value in enumerate(counts):
-        total[index] += value
+        if value:
+            total[index] += value
 
 
 def record_counts(record: UsageRecord) -> Counts:
     """The counters one answer adds to its row."""
-    counts = zero()
     usage = record.usage
-    counts[REQUESTS] = 1
-    counts[INPUT] = usage.prompt_tokens
-    counts[CACHED] = min(usage.cached_tokens, usage.prompt_tokens)
-    counts[OUTPUT] = usage.completion_tokens
-    counts[NANO_USD] = usage.nano_usd
+    prompt = usage.prompt_tokens
+    counts = [1, prompt, min(usage.cached_tokens, prompt), usage.completion_tokens, usage.nano_usd, 0, 0, 0, 0, 0,
+              0, 0]
     counts[_STATUS_FIELD.get(record.status // 100, _ANSWERS_OTHER)] = 1
     return counts
 

@@ -30,15 +30,27 @@ class UsageService:
                  registry: CollectorRegistry | None = None):
         self.sink = UsageAggregator()
         self.metrics = UsageMetrics(registry)
-        self.sink.on_row.append(self.metrics.count)
+        self.sink.on_row.append(self.metrics.note)
         self.store = store
         self.journal = UsageJournal(journal_dir) if journal_dir is not None else None
         self.flusher = UsageFlusher(self.sink, store, self.journal, settings.usage_flush_interval,
                                     on_lost=self.metrics.lost.inc, on_shipped=self.metrics.shipped.inc)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Flush until cancelled (the journal opened, orphaned segments replayed beside)."""
-        await self.flusher.run(task_status=task_status)
+        """Flush until cancelled (the journal opened, orphaned segments replayed beside); the counters follow
+        every interval, the store or not."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.flusher.run)
+            nursery.start_soon(self._publish)
+            task_status.started()
+
+    async def _publish(self) -> None:
+        try:
+            while True:
+                await trio.sleep(self.flusher.interval)
+                self.metrics.publish()
+        finally:
+            self.metrics.publish()
 
     @property
     def interval(self) -> float:

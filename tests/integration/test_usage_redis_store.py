@@ -36,9 +36,10 @@ async def test_a_batch_counts_once_and_what_is_not_ours_is_skipped_or_clamped(nu
     key = store.hour_key(HOUR)
     assert 0 < await store.link.call("test", lambda client: client.ttl(key)) <= store.retention
     other = UsageRow("k-2", "b", "", "tiny", HOUR)
-    await store.link.call("test", lambda client: client.hset(key, {"not ours": "1", "[1,2]|requests": "5", row_field(other, "bogus"): "1",
-                            row_field(other, "requests"): "-5", row_field(other, "input_tokens"): "9" * 30,
-                            row_field(other, "output_tokens"): "many"}))
+    strangers = {"not ours": "1", "[1,2]|requests": "5", row_field(other, "bogus"): "1",
+                 row_field(other, "requests"): "-5", row_field(other, "input_tokens"): "9" * 30,
+                 row_field(other, "output_tokens"): "many"}
+    await store.link.call("test", lambda client: client.hset(key, strangers))
     found = dict(await store.rows(HOUR, HOUR + 3600))
     assert found[row] == counts
     assert found[other][FIELDS.index("requests")] == 0
