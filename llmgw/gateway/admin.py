@@ -211,7 +211,7 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
         path = request.args.get("path") or ("/v1/chat/completions" if "messages" in body else "/v1/completions")
         return jsonify(await gateway.router.explain(RouteRequest(resolved[0], path, body, adapter=resolved[1])))
 
-    register_usage_routes(app, lambda: gateway.tenancy.usage_service)
+    register_usage_routes(app, gateway)
 
     @app.errorhandler(404)
     async def not_found(_):
