@@ -11,7 +11,7 @@ each call too.
 from __future__ import annotations
 
 import time
-from typing import Callable, NamedTuple
+from typing import Callable, Hashable, NamedTuple, TypeVar
 
 from .interfaces import OUT_OF_QUOTA, RATE_LIMITED, UsageRecord
 from .model import Tenant
@@ -55,6 +55,18 @@ def add_into(total: Counts, counts: Counts) -> None:
     for index, value in enumerate(counts):
         if value:
             total[index] += value
+
+
+Key = TypeVar("Key", bound=Hashable)
+
+
+def add_to(totals: dict[Key, Counts], key: Key, counts: Counts) -> None:
+    """Add ``counts`` to ``totals[key]`` (a copy of them when it is new)."""
+    total = totals.get(key)
+    if total is None:
+        totals[key] = list(counts)
+    else:
+        add_into(total, counts)
 
 
 def record_counts(record: UsageRecord) -> Counts:
@@ -114,12 +126,8 @@ class UsageAggregator:
             self.on_full()
 
     def add(self, row: UsageRow, counts: Counts) -> None:
-        """Add ``counts`` to ``row`` (no hooks: a replayed journal's lines, rows put back)."""
-        total = self._rows.get(row)
-        if total is None:
-            self._rows[row] = list(counts)
-        else:
-            add_into(total, counts)
+        """Add ``counts`` to ``row`` (no hooks: rows put back)."""
+        add_to(self._rows, row, counts)
 
     def take(self) -> Rows:
         """The rows gathered since the last take; this starts empty again."""
@@ -130,12 +138,3 @@ class UsageAggregator:
     def pending_rows(self) -> int:
         return len(self._rows)
 
-
-def merge(into: Rows, rows: Rows) -> None:
-    """Add every row of ``rows`` into ``into``."""
-    for row, counts in rows.items():
-        total = into.get(row)
-        if total is None:
-            into[row] = list(counts)
-        else:
-            add_into(total, counts)

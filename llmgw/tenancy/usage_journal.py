@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..lograte import RepeatLimitedLog
-from .usage import FIELDS, HOUR, Counts, UsageRow, add_into
+from .usage import FIELDS, HOUR, Counts, UsageRow, add_to
 
 log = logging.getLogger(__name__)
 
@@ -233,12 +233,8 @@ def read_rows(path: Path, start: int, end: int | None = None, max_rows: int | No
                     skipped += 1
                 else:
                     row, counts = decoded
-                    total = rows.get(row)
-                    if total is None:
-                        if max_rows is not None and len(rows) >= max_rows:
-                            return rows, offset, skipped
-                        rows[row] = list(counts)
-                    else:
-                        add_into(total, counts)
+                    if max_rows is not None and len(rows) >= max_rows and row not in rows:
+                        return rows, offset, skipped
+                    add_to(rows, row, counts)
                 offset += len(line) + 1
     return rows, offset, skipped

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from ..cached_labels import CachedLabels
 from .model import NANO_PER_USD
-from .usage import CACHED, FIELDS, INPUT, NANO_USD, OUTPUT, REFUSAL_FIELD, REQUESTS, Counts, UsageRow, add_into
+from .usage import CACHED, FIELDS, INPUT, NANO_USD, OUTPUT, REFUSAL_FIELD, REQUESTS, Counts, UsageRow, add_to
 
 MAX_LABEL_VALUES = 100  # teams (and models) with series of their own; the rest are "other"
 NO_TEAM = "none"
@@ -68,12 +68,7 @@ class UsageMetrics:
 
     def note(self, row: UsageRow, counts: Counts) -> None:
         """The sink's hook: one answer's or one refusal's counters, summed until the next :meth:`publish`."""
-        where = (row.team, row.model)
-        total = self._sums.get(where)
-        if total is None:
-            self._sums[where] = list(counts)
-        else:
-            add_into(total, counts)
+        add_to(self._sums, (row.team, row.model), counts)
 
     def publish(self) -> None:
         """The sums since the last call into the counters."""

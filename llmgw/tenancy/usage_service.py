@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from .local_limiter import Spent
 from .model import PERIODS, TenancySettings
 from .pools import period_start
-from .usage import CACHED, HOUR, INPUT, NANO_USD, OUTPUT, Counts, UsageAggregator, add_into, hour_of, zero
+from .usage import CACHED, HOUR, INPUT, NANO_USD, OUTPUT, Counts, UsageAggregator, add_to, hour_of
 from .usage_flush import UsageFlusher
 from .usage_journal import UsageJournal
 from .usage_metrics import UsageMetrics
@@ -85,6 +85,6 @@ async def budget_spent(store: UsageStore, settings: TenancySettings, now: float)
                 continue
             for period, start in starts.items():
                 if row.hour >= start:
-                    add_into(totals.setdefault((kind, name, period), zero()), counts)
+                    add_to(totals, (kind, name, period), counts)
     return [Spent(kind, name, period, settings.counted_tokens(c[INPUT], c[CACHED], c[OUTPUT]), c[NANO_USD])
             for (kind, name, period), c in totals.items()]

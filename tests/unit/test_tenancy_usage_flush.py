@@ -98,59 +98,54 @@ async def test_a_flush_whose_answer_was_lost_is_retried_and_counted_once(store, 
     assert await totals(store) == {"a": (2, 20, 14)}
 
 
-async def test_usage_waits_while_the_store_is_away_and_arrives_once_when_it_is_back(store, tmp_path):
-    flaky = FlakyStore(store)
-    sink = UsageAggregator()
-    journal = UsageJournal(tmp_path / "journal")
-    journal.open()
-    flusher = UsageFlusher(sink, flaky, journal, interval=0.01)
-    sink.record(answer("a"))
+async def through_an_outage(flusher: UsageFlusher, names: list[str], check=lambda: None) -> None:
+    """A flush that meets the store away (its first answer ``first``), while answers of ``names`` come in one by
+    one; ``check`` before the store is back; then one more flush."""
+    flusher.sink.record(answer("first"))
+    flaky = flusher.store
     flaky.down = True
     async with trio.open_nursery() as nursery:
         nursery.start_soon(flusher.flush)
-        for _ in range(20):
-            await trio.sleep(0.01)
-            sink.record(answer("b"))
-        assert flusher.waiting
+        for name in names:
+            await trio.sleep(0.005)
+            flusher.sink.record(answer(name))
+        check()
         flaky.down = False
     await flusher.flush()
-    assert await totals(store) == {"a": (1, 10, 7), "b": (20, 200, 140)}
+
+
+def journaled(store, tmp_path, **options) -> UsageFlusher:
+    journal = UsageJournal(tmp_path / "journal")
+    journal.open()
+    return UsageFlusher(UsageAggregator(), FlakyStore(store), journal, interval=0.01, **options)
+
+
+async def test_usage_waits_while_the_store_is_away_and_arrives_once_when_it_is_back(store, tmp_path):
+    flusher = journaled(store, tmp_path)
+
+    def waiting():
+        assert flusher.waiting
+
+    await through_an_outage(flusher, ["b"] * 20, waiting)
+    assert await totals(store) == {"first": (1, 10, 7), "b": (20, 200, 140)}
 
 
 async def test_past_the_memory_bound_usage_is_read_back_from_the_journal(store, tmp_path):
-    flaky = FlakyStore(store)
-    sink = UsageAggregator()
-    journal = UsageJournal(tmp_path / "journal")
-    journal.open()
-    flusher = UsageFlusher(sink, flaky, journal, interval=0.01, max_pending_rows=5)
-    sink.record(answer("first"))
-    flaky.down = True
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(flusher.flush)
-        for index in range(40):
-            await trio.sleep(0.005)
-            sink.record(answer(f"key{index}"))
-        assert sink.pending_rows <= 6
-        flaky.down = False
-    await flusher.flush()
+    flusher = journaled(store, tmp_path, max_pending_rows=5)
+
+    def bounded():
+        assert flusher.sink.pending_rows <= 6
+
+    await through_an_outage(flusher, [f"key{index}" for index in range(40)], bounded)
     found = await totals(store)
     assert found == {"first": (1, 10, 7), **{f"key{index}": (1, 10, 7) for index in range(40)}}
 
 
 async def test_without_a_journal_rows_past_the_memory_bound_are_counted_as_lost(store):
-    flaky = FlakyStore(store)
-    sink = UsageAggregator()
     lost = []
-    flusher = UsageFlusher(sink, flaky, None, interval=0.01, max_pending_rows=5, on_lost=lost.append)
-    sink.record(answer("first"))
-    flaky.down = True
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(flusher.flush)
-        for index in range(20):
-            await trio.sleep(0.005)
-            sink.record(answer(f"key{index}"))
-        flaky.down = False
-    await flusher.flush()
+    flusher = UsageFlusher(UsageAggregator(), FlakyStore(store), None, interval=0.01, max_pending_rows=5,
+                           on_lost=lost.append)
+    await through_an_outage(flusher, [f"key{index}" for index in range(20)])
     assert sum(lost) >= 6
     found = await totals(store)
     assert "first" in found and len(found) + sum(lost) == 21
