@@ -268,3 +268,20 @@ def test_every_row_round_trips_through_a_journal_line_and_a_redis_field(texts, h
 def test_any_redis_field_parses_or_is_skipped(raw):
     parsed = parse_field(raw, HOUR)
     assert parsed is None or 0 <= parsed[1] < len(FIELDS)
+
+
+async def test_a_journal_folder_that_cannot_be_written_leaves_usage_in_memory_and_the_store(store, tmp_path,
+                                                                                           caplog):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    sink = UsageAggregator()
+    flusher = UsageFlusher(sink, store, UsageJournal(blocked / "journal"), interval=0.01)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(flusher.run)
+        sink.record(answer("a"))
+        with trio.fail_after(10):
+            while not await totals(store):
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert await totals(store) == {"a": (1, 10, 7)}
+    assert "usage journal: cannot write in" in caplog.text
