@@ -50,6 +50,7 @@ from ..tenancy.directory import build_directory, config_entries
 from ..tls import describe_tls_error
 from .admin import create_control_app
 from .admin_guard import exposure_problem
+from .admin_tenants import build_key_admin
 from .dataplane import DataPlane, DataPlaneSettings
 from .health_report import HealthReport
 from .readiness import Readiness
@@ -171,6 +172,10 @@ class Gateway:
         self._reload_lock = trio.Lock()
         self._reload_metrics = ReloadMetrics(self.metrics.registry)
         self.health_report = HealthReport(self.shared, self.metrics.registry)
+        # A worker of --workers on its supervisor's private Redis keeps keys where a lone serve does (SQLite in the
+        # state dir, one file for every worker): the private Redis keeps nothing across a restart.
+        self.key_admin = build_key_admin(config, self.shared if adjust_config is None else None, self.directory,
+                                         self.metrics.registry)
         self.readiness = self.dataplane.readiness = Readiness(self.router, lambda: self.draining,
                                                               self._state_loaded, self.health_report.sentences)
 
@@ -263,15 +268,16 @@ class Gateway:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.replicas.run)
-            await nursery.start(self.tenancy.run)
             if self.shared is not None:
                 await nursery.start(self.shared.run, self._lead if self.role == CONTROL else None, self._settled)
                 await nursery.start(self.health_report.watch)
+            await nursery.start(self.tenancy.run)  # after the shared state: the Redis limiter runs on its link
             if self.static is not None:
                 await nursery.start(self.static.run)
                 self.static.apply(self.config)
             if self.control is not None:
                 await nursery.start(self.control.run)
+            await nursery.start(self.key_admin.follow)  # the stored API keys, before the first request
             nursery.start_soon(scrape_engine_load, self.router)  # for tiers with engine_metrics_interval
             nursery.start_soon(self.kv_index.maintain)  # resync retries, reset windows, predictions' expiry
             with listening_on(host_port(data_host, data_port)):
@@ -452,6 +458,7 @@ class Gateway:
         log.log(logging.INFO if inflight else logging.DEBUG,
                 "draining: no new connections; waiting up to %gs for %d in-flight requests", grace, inflight)
         await self.data_server.drain(grace)
+        await self.tenancy.stop()  # before the shared state's link: the limiter gives its shares back over it
         if self.stop_engines_on_exit:
             await self.stop_embedded_shards()
         self._control_shutdown.set()

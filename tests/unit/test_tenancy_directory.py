@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import re
+from pathlib import Path
 
 from llmgw.config import parse_config
 from llmgw.tenancy.directory import API, KeyEntry, TeamEntry, build_directory, build_prices, digest_of
@@ -108,3 +110,13 @@ def test_prices_are_nano_dollars_per_token():
     assert prices.of("llama-70b") == Price(input=1500, cached_input=1500, output=2000)  # cached: the input price
     assert prices.of("other") == Price()
     assert parse_config(CONFIG).tenancy.settings().default_max_tokens == 1024
+
+
+def test_the_examples_of_docs_tenants_load():
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "tenants.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", docs, re.S)
+    assert blocks
+    for block in blocks:
+        config = parse_config(block, "tenants.md", env={"SEARCH_PROD_KEY": "sk-x"})
+        build_directory(config)
+        build_prices(config)
