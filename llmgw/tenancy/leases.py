@@ -47,6 +47,21 @@ class Leases(Protocol):
     def fallback_capacity(self, capacity: int) -> int: ...
 
 
+def pool_key(prefix: str, kind: str, name: str, dimension: str) -> str:
+    """The Redis key of a subject's pool (a budget's counter adds its period and the period's start)."""
+    return f"{prefix}{kind}:{quote(name, safe='')}:{dimension}"
+
+
+def budget_key(base: str, period: str, start: float) -> str:
+    return f"{base}:{period}:{int(start)}"
+
+
+def budget_expiry_ms(period: str, now: float) -> int:
+    """When a budget counter of the period holding ``now`` may go (Unix ms; 0: never): a day after it ends."""
+    ends = period_end(period, now)
+    return 0 if math.isinf(ends) else int((ends + DAY) * 1000)
+
+
 def kind_of(dimension: str) -> str:
     if dimension == CONCURRENCY:
         return SLOTS
@@ -54,6 +69,8 @@ def kind_of(dimension: str) -> str:
 
 
 class LeasedPool:
+    """One limit of one key or team as this process holds it: its share, its demand, its fallback."""
+
     def __init__(self, owner: Leases, prefix: str, subject: Subject, dimension: str, period: str | None,
                  capacity: int, now: float):
         self.owner = owner
@@ -61,10 +78,9 @@ class LeasedPool:
         self.dimension = dimension
         self.period = period
         self.capacity = capacity
-        self._base = f"{prefix}{subject.kind}:{quote(subject.name, safe='')}:{dimension}"
+        self._base = pool_key(prefix, subject.kind, subject.name, dimension)
         self.held = 0  # leased, not reserved; negative: a debt
         self.in_use = 0  # slots only: reserved and not settled
-        self.give = 0  # slots only: to give back at the next call
         self.asked = 0  # what waiting requests lack, for the next call
         self.least = 0  # what the waiting request that lacks least lacks (a grant of less serves none)
         self.left = float(capacity)  # what Redis said was left at its last answer
@@ -169,7 +185,8 @@ class LeasedPool:
 
     def _note_demand(self, amount: int, now: float) -> None:
         elapsed = max(0.0, now - self.demand_at)
-        self.demand = self.demand * 0.5 ** (elapsed / DEMAND_HALF_LIFE) + amount / DEMAND_HALF_LIFE
+        # an exponentially weighted rate: its mean over time is the rate of reservations, whatever their sizes
+        self.demand = self.demand * 0.5 ** (elapsed / DEMAND_HALF_LIFE) + amount * math.log(2) / DEMAND_HALF_LIFE
         self.demand_at, self.last_use = now, now
 
     def lease_size(self) -> int:
@@ -181,6 +198,10 @@ class LeasedPool:
         amount = max(0, amount)
         self.asked += amount
         self.least = amount if not self.least else min(self.least, amount)
+
+    def forget_asks(self) -> None:
+        """Redis is away: the requests that asked were answered by the fallback."""
+        self.asked = self.least = 0
 
     def operation(self, now: float, idle: bool) -> Operation | None:
         """This pool's part of the next call (and the local bookkeeping of what it gives and charges), or None
@@ -206,10 +227,8 @@ class LeasedPool:
         if self.kind == BUCKET:
             return Operation(BUCKET, (self._base,), self.capacity, need, want, give, charge, int(WINDOW * 1000))
         assert self.period is not None
-        ends = period_end(self.period, now)
-        expire_at = 0 if math.isinf(ends) else int((ends + DAY) * 1000)
-        key = f"{self._base}:{self.period}:{int(self.start)}"
-        return Operation(BUDGET, (key,), self.capacity, need, want, give, charge, expire_at)
+        key = budget_key(self._base, self.period, self.start)
+        return Operation(BUDGET, (key,), self.capacity, need, want, give, charge, budget_expiry_ms(self.period, now))
 
     def answered(self, answer: Answer, asked: int, now: float) -> None:
         """Redis granted ``answer.granted``; the asks it answered (``asked``) are done."""
