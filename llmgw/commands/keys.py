@@ -44,49 +44,45 @@ def budget_value(text: str) -> dict[str, Any]:
     return budget
 
 
-def build_parser(kind: str) -> argparse.ArgumentParser:
+def build_parser(kind: str = "keys") -> argparse.ArgumentParser:
     noun = "key" if kind == "keys" else "team"
+    remove = "revoke" if noun == "key" else "delete"
     parser = argparse.ArgumentParser(prog=f"llmgw {kind}", description=__doc__.split("\n\n")[0])
+    parser.add_argument("action", choices=["create", "list", "update", remove],
+                        help=f"create a {noun}; list every {noun} (the config's too); update one made by the admin "
+                             f"API (only what is given changes); {remove} one" + (
+                                 " (refused from the next request on every gateway)" if noun == "key" else
+                                 " (one without keys)"))
+    parser.add_argument("ref", nargs="?", help=f"create: the new {noun}'s name; update, {remove}: " + (
+        "the key's id or name" if noun == "key" else "the team's name"))
     parser.add_argument("--control", default=DEFAULT_CONTROL,
                         help=f"the control listener of llmgw serve (default {DEFAULT_CONTROL})")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer (default 10)")
     parser.add_argument("--json", action="store_true", help="print the admin API's JSON answer")
     add_arguments(parser)
-    actions = parser.add_subparsers(dest="action", required=True)
-    create = actions.add_parser("create", help=f"make a {noun}")
-    create.add_argument("name", help="who holds it (logged; never secret)" if noun == "key" else "the team's name")
-    actions.add_parser("list", help=f"every {noun}, the config's too")
-    update = actions.add_parser("update", help=f"change a {noun} made by the admin API")
-    update.add_argument("ref", help="the key's id or name" if noun == "key" else "the team's name")
-    remove = actions.add_parser("revoke" if noun == "key" else "delete",
-                                help="revoke a key: refused from the next request on every gateway" if noun == "key"
-                                else "delete a team without keys")
-    remove.add_argument("ref", help="the key's id or name" if noun == "key" else "the team's name")
-    for sub in (create, update):
-        if noun == "key":
-            sub.add_argument("--team", help="its team ('none': no team)")
-            if sub is update:
-                sub.add_argument("--name", dest="new_name", help="a new name")
-        sub.add_argument("--model", action="append", dest="models", metavar="MODEL",
-                         help="a model it may use (repeat; default: every model)")
-        sub.add_argument("--all-models", action="store_true", help="every model may be used")
-        sub.add_argument("--priority", help="its priority class ('none': " +
-                         ("its team's)" if noun == "key" else "none)"))
-        for limit in LIMITS:
-            sub.add_argument(f"--{limit}", type=limit_value, default=argparse.SUPPRESS,
-                             help=f"{limit} limit ('none': unlimited)")
-        sub.add_argument("--budget", action="append", type=budget_value, dest="budgets", metavar="PERIOD:AMOUNTS",
-                         help="a budget, e.g. month:usd=250 or day:tokens=5000000,usd=10 (repeat; on update they "
-                              "replace the budgets; --no-budgets removes them)")
-        sub.add_argument("--no-budgets", action="store_true", help="no budgets")
+    if noun == "key":
+        parser.add_argument("--team", help="its team ('none': no team)")
+        parser.add_argument("--name", dest="new_name", help="update: a new name")
+    parser.add_argument("--model", action="append", dest="models", metavar="MODEL",
+                        help="a model it may use (repeat; default: every model)")
+    parser.add_argument("--all-models", action="store_true", help="every model may be used")
+    parser.add_argument("--priority", help="its priority class ('none': " + ("its team's)" if noun == "key" else
+                                                                            "none)"))
+    for limit in LIMITS:
+        parser.add_argument(f"--{limit}", type=limit_value, default=argparse.SUPPRESS,
+                            help=f"{limit} limit ('none': unlimited)")
+    parser.add_argument("--budget", action="append", type=budget_value, dest="budgets", metavar="PERIOD:AMOUNTS",
+                        help="a budget, e.g. month:usd=250 or day:tokens=5000000,usd=10 (repeat; on update they "
+                             "replace the budgets)")
+    parser.add_argument("--no-budgets", action="store_true", help="no budgets")
     return parser
 
 
 def settings_of(args: argparse.Namespace) -> dict[str, Any]:
     """The body of a create or update: only what the command line gives."""
     body: dict[str, Any] = {}
-    if getattr(args, "name", None) and args.action == "create":
-        body["name"] = args.name
+    if args.action == "create":
+        body["name"] = args.ref
     if getattr(args, "new_name", None):
         body["name"] = args.new_name
     if getattr(args, "team", None) is not None:
@@ -127,9 +123,13 @@ def rows(kind: str, items: list[dict[str, Any]]) -> list[str]:
 
 
 def run(kind: str, argv: list[str]) -> int:
-    args = build_parser(kind).parse_args(argv)
+    parser = build_parser(kind)
+    args = parser.parse_args(argv)
+    if args.action != "list" and not args.ref:
+        parser.error(f"{args.action} needs the {kind[:-1]}'s " + (
+            "name" if args.action == "create" or kind == "teams" else "id or name"))
     base = f"{args.control.rstrip('/')}/admin/{kind}"
-    ref = urllib.parse.quote(getattr(args, "ref", ""), safe="")
+    ref = urllib.parse.quote(args.ref or "", safe="")
     method, url, body = {"create": ("POST", base, None), "list": ("GET", base, None),
                          "update": ("PATCH", f"{base}/{ref}", None), "revoke": ("DELETE", f"{base}/{ref}", None),
                          "delete": ("DELETE", f"{base}/{ref}", None)}[args.action]

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from .keys import run
+import argparse
+
+from . import keys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return keys.build_parser("teams")
 
 
 def main(argv: list[str]) -> int:
-    return run("teams", argv)
+    return keys.run("teams", argv)

@@ -237,7 +237,7 @@ class ApiKey(KeySpec):
         if self.key_sha256 is not None:
             return self.key_sha256.lower()
         assert self.key is not None  # _finish: exactly one of key and key_sha256
-        return hashlib.sha256(self.key.encode("utf-8", "surrogateescape")).hexdigest()
+        return hashlib.sha256(self.key.encode("utf-8", "surrogatepass")).hexdigest()
 
     @classmethod
     def _finish(cls, draft: Draft) -> None:
@@ -270,6 +270,7 @@ class TenancyConfig(Located):
     lease_idle_seconds: Annotated[float, Parse(parse_duration), at_least(0.1), at_most(3600.0)] = setting(2.0)
     usage_flush_interval: Annotated[float, Parse(parse_duration), at_least(0.01), at_most(60.0)] = setting(0.1)
     store: Text | None = setting(None)  # the SQLite file of keys and teams (state.backend local)
+    require_keys: bool = setting(False)  # /v1 needs a key even while none is configured or made
     max_keys: Annotated[int, at_least(1), at_most(1_000_000)] = setting(100_000)  # keys the admin API may hold
     max_teams: Annotated[int, at_least(1), at_most(100_000)] = setting(10_000)  # teams the admin API may hold
 

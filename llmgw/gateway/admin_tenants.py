@@ -9,8 +9,8 @@ of the config file are listed (``source: config``) and refused for change (409 `
 from __future__ import annotations
 
 import logging
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from quart import Quart, jsonify, request
 
@@ -21,7 +21,7 @@ from ..config.schema import KeySpec, TeamConfig, TeamSpec
 from ..tenancy.directory import Directory
 from ..tenancy.keys import AdminRefusal, KeyAdmin, StoreUnavailable, TenantKeyMetrics, key_json, team_json
 from ..tenancy.store_redis import RedisKeyStore
-from ..tenancy.store_sqlite import SqliteKeyStore, default_store_path
+from ..tenancy.store_sqlite import SqliteKeyStore, store_path
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -40,8 +40,7 @@ def build_key_admin(config: "Config", shared: "SharedState | None", directory: D
     tenancy = config.tenancy
     store: SqliteKeyStore | RedisKeyStore
     if shared is None:
-        path = default_store_path(config.agents.control_state_dir) if tenancy.store is None else tenancy.store
-        store = SqliteKeyStore(Path(path), max_keys=tenancy.max_keys, max_teams=tenancy.max_teams)
+        store = SqliteKeyStore(store_path(config), max_keys=tenancy.max_keys, max_teams=tenancy.max_teams)
         where = f"SQLite {store.path}"
     else:
         store = RedisKeyStore(shared.link, Keys(config.state.cluster).prefix, shared.signer,
@@ -56,9 +55,9 @@ def register_tenant_routes(app: Quart, gateway: "Gateway", error: Callable[..., 
     """Add the routes to the control app; ``error(status, message, code)`` answers in OpenAI's shape,
     ``json_object(raw, what)`` reads a body as a JSON object (or says why it is not one)."""
 
-    async def answer(work: Callable[[], Any], status: int = 200) -> Any:
+    async def answer(work: Awaitable[Any], status: int = 200) -> Any:
         try:
-            return jsonify(await work()), status
+            return jsonify(await work), status
         except AdminRefusal as refusal:
             return error(refusal.status, refusal.message, refusal.code)
         except StoreUnavailable as exc:
@@ -78,61 +77,88 @@ def register_tenant_routes(app: Quart, gateway: "Gateway", error: Callable[..., 
             raise AdminRefusal(400, "invalid_settings",
                                "; ".join(f"{issue.key or 'body'}: {issue.message}" for issue in exc.errors)) from None
 
-    @app.get("/admin/keys")
-    async def list_keys():
-        """Every API key (the config's and the admin API's): never a key, nor its hash."""
-        return jsonify({"keys": gateway.key_admin.list_keys(), "store": gateway.key_admin.describe})
+    admin = gateway.key_admin
 
-    @app.post("/admin/keys")
-    async def create_key():
-        """A new key: answered once with ``key`` (the store keeps its SHA-256 only)."""
+    async def list_keys() -> dict[str, Any]:
+        return {"keys": admin.list_keys(), "store": admin.describe}
+
+    async def show_key(ref: str) -> dict[str, Any]:
+        return key_json(admin.key(ref))
+
+    async def create_key(spec: KeySpec) -> dict[str, Any]:
+        entry, secret = await admin.create_key(spec)
+        return {**key_json(entry), "key": secret}  # the one answer that holds the key
+
+    async def update_key(ref: str, spec: KeySpec) -> dict[str, Any]:
+        return key_json(await admin.update_key(ref, spec))
+
+    async def revoke_key(ref: str) -> dict[str, Any]:
+        return {**key_json(await admin.revoke_key(ref)), "revoked": True}
+
+    async def list_teams() -> dict[str, Any]:
+        return {"teams": admin.list_teams(), "store": admin.describe}
+
+    async def show_team(name: str) -> dict[str, Any]:
+        return team_json(admin.team(name))
+
+    async def create_team(spec: TeamConfig) -> dict[str, Any]:
+        return team_json(await admin.create_team(spec))
+
+    async def update_team(name: str, spec: TeamSpec) -> dict[str, Any]:
+        return team_json(await admin.update_team(name, spec))
+
+    async def delete_team(name: str) -> dict[str, Any]:
+        return {**team_json(await admin.delete_team(name)), "deleted": True}
+
+    for resource in (Resource("keys", KeySpec, KeySpec, list_keys, show_key, create_key, update_key, revoke_key),
+                     Resource("teams", TeamConfig, TeamSpec, list_teams, show_team, create_team, update_team,
+                              delete_team)):
+        add_routes(app, resource, answer, body)
+
+
+Answer = Awaitable[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Resource:
+    """One collection of the admin API (keys, teams): ``GET``/``POST /admin/NAME``, ``GET``/``PATCH``/``DELETE
+    /admin/NAME/REF`` (REF: a key's id or name, a team's name)."""
+
+    name: str
+    create_body: type  # the config class a POST body is read as
+    update_body: type  # and a PATCH body
+    listing: Callable[[], Answer]
+    show: Callable[[str], Answer]
+    create: Callable[[Any], Answer]
+    update: Callable[[str, Any], Answer]
+    remove: Callable[[str], Answer]
+
+
+def add_routes(app: Quart, resource: Resource, answer: Callable[..., Awaitable[Any]],
+               body: Callable[[type], Awaitable[Any]]) -> None:
+    """Register ``resource``'s five routes; ``answer(work, status)`` turns its result or refusal into a response,
+    ``body(cls)`` reads the request's body as config class ``cls``."""
+    path = f"/admin/{resource.name}"
+
+    async def listing():
+        return await answer(resource.listing())
+
+    async def create():
         async def work() -> dict[str, Any]:
-            entry, secret = await gateway.key_admin.create_key(await body(KeySpec))
-            return {**key_json(entry), "key": secret}
-        return await answer(work, 201)
+            return await resource.create(await body(resource.create_body))
+        return await answer(work(), 201)
 
-    @app.get("/admin/keys/<ref>")
-    async def get_key(ref: str):
+    async def show(ref: str):
+        return await answer(resource.show(ref))
+
+    async def update(ref: str):
         async def work() -> dict[str, Any]:
-            return key_json(gateway.key_admin.key(ref))
-        return await answer(work)
+            return await resource.update(ref, await body(resource.update_body))
+        return await answer(work())
 
-    @app.patch("/admin/keys/<ref>")
-    async def update_key(ref: str):
-        async def work() -> dict[str, Any]:
-            return key_json(await gateway.key_admin.update_key(ref, await body(KeySpec)))
-        return await answer(work)
+    async def remove(ref: str):
+        return await answer(resource.remove(ref))
 
-    @app.delete("/admin/keys/<ref>")
-    async def revoke_key(ref: str):
-        async def work() -> dict[str, Any]:
-            return {**key_json(await gateway.key_admin.revoke_key(ref)), "revoked": True}
-        return await answer(work)
-
-    @app.get("/admin/teams")
-    async def list_teams():
-        return jsonify({"teams": gateway.key_admin.list_teams(), "store": gateway.key_admin.describe})
-
-    @app.post("/admin/teams")
-    async def create_team():
-        async def work() -> dict[str, Any]:
-            return team_json(await gateway.key_admin.create_team(await body(TeamConfig)))
-        return await answer(work, 201)
-
-    @app.get("/admin/teams/<name>")
-    async def get_team(name: str):
-        async def work() -> dict[str, Any]:
-            return team_json(gateway.key_admin.team(name))
-        return await answer(work)
-
-    @app.patch("/admin/teams/<name>")
-    async def update_team(name: str):
-        async def work() -> dict[str, Any]:
-            return team_json(await gateway.key_admin.update_team(name, await body(TeamSpec)))
-        return await answer(work)
-
-    @app.delete("/admin/teams/<name>")
-    async def delete_team(name: str):
-        async def work() -> dict[str, Any]:
-            return {**team_json(await gateway.key_admin.delete_team(name)), "deleted": True}
-        return await answer(work)
+    for rule, view, method in ((path, listing, "GET"), (path, create, "POST"), (path + "/<ref>", show, "GET"),
+                               (path + "/<ref>", update, "PATCH"), (path + "/<ref>", remove, "DELETE")):
+        app.add_url_rule(rule, f"{resource.name}_{view.__name__}", view, methods=[method])

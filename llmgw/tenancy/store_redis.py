@@ -31,33 +31,51 @@ T = TypeVar("T")
 KEY, TEAM = b"key", b"team"
 SCAN_COUNT = 512
 
+# The version, as at most 32 bytes: a writer's longer value reads as a short one that changes with it.
+# KEYS: version.
+VERSION = """
+local version = redis.call('GET', KEYS[1])
+if version and #version > 32 then version = string.sub(version, 1, 24) .. '~' .. #version end
+return version
+"""
 # KEYS: version, keys, teams; ARGV: max keys, max teams, max record bytes, scan count.
-# -> {version, key fields and values..., skipped keys, team fields and values..., skipped teams}
+# -> {version ('' for none, shortened as VERSION does), key fields and values..., skipped keys, team fields and
+# values..., skipped teams}; a field longer than a key id or team name is skipped as a long value is, and a hash
+# is scanned no further than its bound and 1,000 skipped entries (a hash a writer filled never stalls Redis long).
 READ = """
 local function bounded(hash, most, longest, count)
-  local out, skipped, cursor = {}, 0, '0'
+  local out, skipped, cursor, scanned = {}, 0, '0', 0
   repeat
     local page = redis.call('HSCAN', hash, cursor, 'COUNT', count)
     cursor = page[1]
     for i = 1, #page[2], 2 do
-      if #out < 2 * most and #page[2][i + 1] <= longest then
+      scanned = scanned + 1
+      if #out < 2 * most and #page[2][i] <= 64 and #page[2][i + 1] <= longest then
         out[#out + 1] = page[2][i]
         out[#out + 1] = page[2][i + 1]
       else
         skipped = skipped + 1
       end
     end
-  until cursor == '0' or #out >= 2 * most
+  until cursor == '0' or #out >= 2 * most or scanned >= most + 1000
   return out, skipped
 end
 local keys, skipped_keys = bounded(KEYS[2], tonumber(ARGV[1]), tonumber(ARGV[3]), tonumber(ARGV[4]))
 local teams, skipped_teams = bounded(KEYS[3], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]))
-return {redis.call('GET', KEYS[1]) or '', keys, skipped_keys, teams, skipped_teams}
+local version = redis.call('GET', KEYS[1]) or ''
+if #version > 32 then version = string.sub(version, 1, 24) .. '~' .. #version end
+return {version, keys, skipped_keys, teams, skipped_teams}
 """
-# KEYS: version, hash; ARGV: field, value ('' and delete: HDEL) -> the new version
+# KEYS: version, hash; ARGV: field, value ('' and delete: HDEL) -> the new version (a version that is no counter,
+# as a writer may leave it, starts again at 1: it differs from what every gateway read, so they read again)
 WRITE = """
 if ARGV[2] == '' then redis.call('HDEL', KEYS[2], ARGV[1]) else redis.call('HSET', KEYS[2], ARGV[1], ARGV[2]) end
-return redis.call('INCR', KEYS[1])
+local version = redis.pcall('INCR', KEYS[1])
+if type(version) == 'table' and version.err then
+  redis.call('SET', KEYS[1], 1)
+  return 1
+end
+return version
 """
 
 
@@ -73,8 +91,8 @@ class RedisKeyStore:
         self.teams_key = prefix + "tenancy:teams"
 
     async def version(self) -> object:
-        key = self.version_key
-        return await self._call("tenancy_version", lambda client: client.get(key))
+        keys = [self.version_key]
+        return await self._call("tenancy_version", lambda client: client.eval(VERSION, keys=keys))
 
     async def read(self) -> Stored:
         keys = [self.version_key, self.keys_key, self.teams_key]

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import trio
 
+from ..config import Config
 from ..control.identity import default_control_state_dir
 from . import codec
 from .directory import KeyEntry, TeamEntry
@@ -33,9 +34,12 @@ CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
 
 
-def default_store_path(control_state_dir: str | None) -> Path:
-    """``tenancy.store``'s default: beside the control plane's node identities."""
-    return Path(control_state_dir or default_control_state_dir()) / FILE_NAME
+def store_path(config: Config) -> Path:
+    """The SQLite file of ``state.backend: local``: ``tenancy.store``, by default beside the control plane's node
+    identities (``agents.control_state_dir``)."""
+    if config.tenancy.store:
+        return Path(config.tenancy.store).expanduser()
+    return Path(config.agents.control_state_dir or default_control_state_dir()).expanduser() / FILE_NAME
 
 
 class SqliteKeyStore:

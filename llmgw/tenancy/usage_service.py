@@ -14,8 +14,8 @@ from typing import Any
 import trio
 from prometheus_client import CollectorRegistry
 
-from .local_limiter import Spent
 from .model import PERIODS, TenancySettings
+from .pool_limiter import Spent
 from .pools import period_start
 from .usage import CACHED, HOUR, INPUT, NANO_USD, OUTPUT, Counts, UsageAggregator, add_to, hour_of
 from .usage_flush import UsageFlusher

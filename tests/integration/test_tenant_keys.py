@@ -52,7 +52,7 @@ async def test_keys_made_by_the_admin_api_and_the_cli_are_used_limited_to_their_
         start_fake_upstream, start_llmgw, tmp_path):
     tiny, other = await start_fake_upstream("tiny"), await start_fake_upstream("other", model="other")
     store = tmp_path / "state" / "keys.sqlite3"
-    config = gateway_config(tiny.url, other.url, f"tenancy: {{store: '{store}'}}\n")
+    config = gateway_config(tiny.url, other.url, f"tenancy: {{store: '{store}'}}\naccess_log: true\n")
     gw = await start_llmgw(config)
     async with httpx.AsyncClient(timeout=10) as http:
         admin = gw.control_url + "/admin"
@@ -66,6 +66,7 @@ async def test_keys_made_by_the_admin_api_and_the_cli_are_used_limited_to_their_
                                            headers={"Authorization": f"Bearer {CONFIG_KEY}"}), 403,
                             "model_not_allowed")
         assert_openai_error(await chat(http, gw.url, "sk-nobody"), 401, "invalid_api_key")
+        await wait_for(lambda: line_with(gw, "llmgw.access", " key=ops team=search model=other ", " status=403 "))
 
         # A team and a key of it, through the API; the key is answered once, never listed.
         made = await http.post(admin + "/teams", json={"name": "batch", "models": ["other"], "priority": "batch",
@@ -197,10 +198,11 @@ async def test_a_key_record_not_signed_with_the_cluster_secret_is_refused_and_co
         await client.hset(prefix + "keys", {
             "k-00000000000000aa": records.pack([body, b"\x00" * 32]),  # a wrong signature
             "k-00000000000000bb": body,  # no signature at all
-            "k-00000000000000cc": b"x" * (300 * 1024)})  # larger than any record the admin API writes
-        await client.incr(prefix + "version")
+            "k-00000000000000cc": b"x" * (300 * 1024),  # larger than any record the admin API writes
+            "k-" + "0" * 100: body})  # a field longer than any key id
+        await client.set(prefix + "version", "v" * 100_000)  # read as at most 32 bytes
     async with httpx.AsyncClient(timeout=10) as http:
-        await wait_for(lambda: refused_at_least(gw.control_url, 3))
+        await wait_for(lambda: refused_at_least(gw.control_url, 4))
         assert_openai_error(await chat(http, gw.url, forged_key), 401, "invalid_api_key")
         assert (await chat(http, gw.url, CONFIG_KEY)).status_code == 200  # the rest is in force
         made = await http.post(gw.control_url + "/admin/keys", json={"name": "real"})
