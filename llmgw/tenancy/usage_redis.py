@@ -24,11 +24,10 @@ from ..cluster.records import Keys
 from ..lograte import RepeatLimitedLog
 from .usage import FIELDS, HOUR, Counts, UsageRow, hour_of, zero
 from .usage_journal import MAX_TEXT
-from .usage_store import MARKER_SECONDS, Batch, StoreUnavailable
+from .usage_store import MARKER_SECONDS, RETENTION_SECONDS, Batch, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
-RETENTION_SECONDS = 400 * 86400  # an hour's hash lives this long after its last write
 MAX_FIELDS_PER_HOUR = 1_200_000  # 100,000 rows of 12 counters; past it an hour's answer is cut short (logged)
 SCAN_COUNT = 1000
 MAX_HOURS_READ = RETENTION_SECONDS // HOUR + 1  # hours one read lists (more in the index: not ours)

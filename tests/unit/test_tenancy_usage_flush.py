@@ -285,3 +285,18 @@ async def test_a_journal_folder_that_cannot_be_written_leaves_usage_in_memory_an
         nursery.cancel_scope.cancel()
     assert await totals(store) == {"a": (1, 10, 7)}
     assert "usage journal: cannot write in" in caplog.text
+
+
+async def test_sqlite_keeps_rows_for_the_retention_and_prunes_older_ones(tmp_path):
+    now = [float(HOUR)]
+    store = SqliteUsageStore(tmp_path / "t.sqlite3", clock=lambda: now[0], retention=48 * 3600)
+    old, kept = UsageRow("k-a", "a", "", "tiny", HOUR - 49 * 3600), UsageRow("k-a", "a", "", "tiny", HOUR - 3600)
+    await store.apply(Batch("s", 1, {old: [1] * len(FIELDS), kept: [1] * len(FIELDS)}))
+    assert await store.rows(0, 2**40) == [(kept, [1] * len(FIELDS))]  # the old hour went at once
+    now[0] += 1800
+    await store.apply(Batch("s", 2, {old: [1] * len(FIELDS), kept: [1] * len(FIELDS)}))
+    assert len(await store.rows(0, 2**40)) == 2  # pruned at most once an hour
+    now[0] += 3600
+    await store.apply(Batch("s", 3, {kept: [1] * len(FIELDS)}))
+    assert await store.rows(0, 2**40) == [(kept, [3] * len(FIELDS))]
+    await store.close()
