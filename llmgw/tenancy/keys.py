@@ -108,10 +108,11 @@ class KeyAdmin:
                 if failing:
                     log.info("key store %s: readable again; %d API keys", self.describe, len(self.directory.keys()))
                 failing = False
-            except StoreUnavailable as exc:
+            except Exception as exc:  # StoreUnavailable; anything else is a bug, and must not end the gateway
                 if not failing:
                     log.warning("key store %s cannot be read (%s): the API keys as last read stay in force, and "
-                                "changes made on other gateways wait until it can", self.describe, exc)
+                                "changes made on other gateways wait until it can", self.describe, exc,
+                                exc_info=not isinstance(exc, StoreUnavailable))
                 failing = True
             if not started:
                 started = True
