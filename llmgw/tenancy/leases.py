@@ -33,6 +33,7 @@ class Leases(Protocol):
     degraded: bool
     holder: str
     holder_ttl_ms: int
+    live: int  # the live processes, as last counted
 
     @property
     def budgets_fail_closed(self) -> bool: ...
@@ -189,6 +190,11 @@ class LeasedPool:
         self.demand = self.demand * 0.5 ** (elapsed / DEMAND_HALF_LIFE) + amount * math.log(2) / DEMAND_HALF_LIFE
         self.demand_at, self.last_use = now, now
 
+    def _fair_share(self, now: float) -> int:
+        """The most a lease ahead of need takes: half of what Redis had left over the live processes, so that
+        near the end of a limit the shares held ahead do not keep it from the others' requests."""
+        return max(1, math.floor(self._left_now(now) / (2 * self.owner.live)))
+
     def lease_size(self) -> int:
         """What one lease takes: ``lease_seconds`` of the recent demand, at least 1, at most the capacity."""
         return max(1, min(self.capacity, math.ceil(self.demand * self.owner.lease_seconds)))
@@ -221,7 +227,7 @@ class LeasedPool:
         give = max(0, self.held) if idle else 0
         charge = max(0, -self.held)
         self.held += charge - give
-        want = 0 if idle else max(asked, self.lease_size() - self.held)
+        want = 0 if idle else max(asked, min(self.lease_size() - self.held, self._fair_share(now)))
         if not (want or give or charge):
             return None
         if self.kind == BUCKET:

@@ -87,6 +87,18 @@ def test_leases_are_sized_to_the_demand_and_refilled_before_they_run_out():
     assert owner.refills == [leased]  # less than half a lease left: the next is taken in the background
 
 
+def test_near_the_end_of_a_limit_a_lease_ahead_takes_a_fair_share_of_what_is_left():
+    leased = pool(owner=Owner(live=4))
+    for tenth in range(50):
+        leased.held = 10_000
+        leased.reserve(100, tenth / 10)
+    leased.held = 0
+    leased.answered(Answer(0, 80.0), 0, 5.0)  # Redis had 80 tokens left
+    assert leased.operation(5.0, idle=False).want == 10  # 80 / (2 x 4), not 0.5 s of 1000 a second
+    leased.ask(30)
+    assert leased.operation(5.0, idle=False).want == 30  # what a waiting request lacks, whatever is left
+
+
 def test_an_idle_share_is_given_back_whole():
     leased = pool()
     leased.ask(50)
