@@ -1,9 +1,12 @@
 """The OpenAI data plane: authenticate, parse just enough JSON to route, relay the engine's bytes.
 
 Per request: find the API key's tenant (llmgw.tenancy.directory), read ``model`` from the JSON
-body, ask the router for a replica, forward the original body bytes, and
-relay the response as it arrives. Every response, relayed or made here,
-carries ``x-request-id``; every error made here is in OpenAI's JSON shape.
+body, admit it against its key's limits (:mod:`.tenant_gate`: a 429 or a reservation), ask the
+router for a replica, forward the original body bytes, and relay the response as it arrives; once
+it ended, however, the reservation is settled with what it used. Every response, relayed or made
+here, carries ``x-request-id``; every error made here is in OpenAI's JSON shape. A known key's
+stream is the one body re-encoded: its engine is asked for the usage chunk, which the client
+does not see unless it asked (:mod:`.stream_usage`).
 
 An attempt is retried on another replica only when nothing of the request
 reached the replica (no connection; the first write failed) or the replica
