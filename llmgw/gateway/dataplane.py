@@ -474,6 +474,8 @@ class DataPlane:
         if name is None:
             name = self._replica_names[replica.name] = replica.name.encode()
         headers.append((b"x-llmgw-replica", name))
+        if strip_usage and upstream.status == 200:  # shorter by the usage chunk: relayed piece by piece, unsized
+            headers = [h for h in headers if h[0] != b"content-length"]
         if upstream.status in UNWELL_STATUSES:
             self._failed(replica, "status_5xx", f"HTTP {upstream.status}")
         elif upstream.status >= 500:
