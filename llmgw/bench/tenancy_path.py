@@ -17,14 +17,13 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import trio
 from prometheus_client import CollectorRegistry
 
-from llmgw.bench.common import bench_parser, finish
+from llmgw.bench.common import bench_parser, finish, rounds_us
 from llmgw.config.loading import parse_config
 from llmgw.gateway.stream_usage import UsageChunkFilter, usage_forced_body
 from llmgw.gateway.tenancy_setup import GatewayTenancy
@@ -55,17 +54,9 @@ def config_text(directory: Path) -> str:
 
 
 def timed(calls: dict[str, Callable[[], object]], count: int, rounds: int) -> dict[str, dict[str, float]]:
-    """Per label: µs per call, median of ``rounds`` rounds of ``count`` calls, and the fastest and slowest round;
-    the labels' rounds alternate, so that the machine's other load falls on all alike."""
-    times: dict[str, list[float]] = {label: [] for label in calls}
-    for _ in range(rounds):
-        for label, call in calls.items():
-            started = time.perf_counter()
-            for _ in range(count):
-                call()
-            times[label].append((time.perf_counter() - started) / count * 1e6)
+    """Per label: µs per call, median of ``rounds`` rounds of ``count`` calls, and the fastest and slowest round."""
     return {label: {"median_us": round(statistics.median(values), 2), "min_us": round(min(values), 2),
-                    "max_us": round(max(values), 2)} for label, values in times.items()}
+                    "max_us": round(max(values), 2)} for label, values in rounds_us(calls, count, rounds).items()}
 
 
 async def measure(rounds: int, count: int) -> dict[str, dict[str, float]]:
