@@ -1,6 +1,6 @@
 """The OpenAI data plane: authenticate, parse just enough JSON to route, relay the engine's bytes.
 
-Per request: check the API key (constant time), read ``model`` from the JSON
+Per request: find the API key's tenant (llmgw.tenancy.directory), read ``model`` from the JSON
 body, ask the router for a replica, forward the original body bytes, and
 relay the response as it arrives. Every response, relayed or made here,
 carries ``x-request-id``; every error made here is in OpenAI's JSON shape.
@@ -38,7 +38,9 @@ from ..metrics import ANSWERED, STREAM_ERROR, TOKEN_LATENCY_BOUNDS, add_observat
 from ..router.replica import Replica
 from ..router.router import Router, replica_of
 from ..router.tier import Decision, RouteRequest
-from .bearer import BearerTokens
+from ..tenancy.directory import Directory
+from ..tenancy.interfaces import KeyDirectory
+from ..tenancy.model import Tenant
 from .decisions import DecisionLog
 from .hops import HopGuard
 from .latency import StreamWatch, events_after_last_token
@@ -82,6 +84,7 @@ class Exchange:
 
     started: float
     key: str = NO_KEY  # the name of the API key it carried
+    tenant: Tenant | None = None  # who carried it (None: no valid key, or no keys at all)
     model: str | None = None
     relayed: bool = False  # an upstream's answer: its access line is written when its body has been relayed
 
@@ -99,13 +102,13 @@ class DataPlaneSettings:
 
 class DataPlane:
     def __init__(self, router: Router, health, metrics, settings: DataPlaneSettings,
-                 api_keys: list[tuple[str, str]] | None = None, hops: HopGuard | None = None):
-        """``api_keys``: ``(name, key)`` pairs."""
+                 directory: KeyDirectory | None = None, hops: HopGuard | None = None):
+        """``directory``: who each API key is (None: no keys, /v1 is open)."""
         self.router = router
         self.health = health
         self.metrics = metrics
         self.settings = settings
-        self._api_keys = BearerTokens(api_keys or [])
+        self.directory: KeyDirectory = directory or Directory()
         self.readiness: Readiness | None = None  # answers /ready (set by the gateway); None: /ready is a 404
         self._created = int(time.time())
         self._ids = RequestIds()
@@ -119,11 +122,9 @@ class DataPlane:
         # snapshot; None when nothing is pending, else whether the models came in time (no: 503, not 404).
         self.wait_for_models: Callable[[], Awaitable[bool | None]] | None = None
 
-    def apply(self, settings: DataPlaneSettings, api_keys: list[tuple[str, str]]) -> None:
-        """A reload's settings and API keys, from the next request on. Each is one object swapped whole, and a
-        request reads the keys once: it is checked against the old set or the new, never a mix."""
+    def apply(self, settings: DataPlaneSettings) -> None:
+        """A reload's settings, from the next request on (its API keys reach the directory: Gateway.reload)."""
         self.settings = settings
-        self._api_keys = BearerTokens(api_keys)
 
     # -- entry point -------------------------------------------------------------------------------------------------
 
@@ -168,8 +169,8 @@ class DataPlane:
             return Response(200, [], b"")
         if self.readiness is None:
             return error_response(404, "no route for GET /ready", code="not_found")
-        keys = self._api_keys  # read once: a reload swaps the whole set
-        keyed = not keys or keys.holder(request.header("authorization")) is not None
+        directory = self.directory
+        keyed = not directory.required or directory.lookup(request.header("authorization")) is not None
         if not keyed and request.query:
             return _key_required()
         status, body = self.readiness.answer(request.query, names=keyed, detailed=False)
@@ -196,16 +197,16 @@ class DataPlane:
         path = request.path
         if not path.startswith("/v1/") and path not in PROXIED_POST_PATHS:
             return error_response(404, f"no route for {request.method} {path}", code="not_found")
-        keys = self._api_keys  # read once: a reload swaps the whole set
-        if keys:
-            holder = keys.holder(request.header("authorization"))
-            if holder is None:
+        directory = self.directory
+        if directory.required:
+            tenant = directory.lookup(request.header("authorization"))
+            if tenant is None:
                 return _key_required()
-            exchange.key = holder
+            exchange.tenant, exchange.key = tenant, tenant.name
         if request.method == "GET" and path == "/v1/models":
-            return self._list_models()
+            return self._list_models(exchange.tenant)
         if request.method == "GET" and path.startswith("/v1/models/"):
-            return self._get_model(path[len("/v1/models/"):])
+            return self._get_model(path[len("/v1/models/"):], exchange.tenant)
         if path not in PROXIED_POST_PATHS:
             return error_response(404, f"no route for {request.method} {path}", code="not_found")
         if request.method != "POST":
@@ -220,12 +221,17 @@ class DataPlane:
             card["parent"] = parent  # a LoRA adapter, served by its base model's replicas (as vLLM lists them)
         return card
 
-    def _list_models(self) -> Response:
+    def _list_models(self, tenant: Tenant | None) -> Response:
+        """The models (and LoRA adapters) there are, as far as ``tenant`` may use them."""
         cards = [self._model_card(n) for n in sorted(self.router.models)]
         cards += [self._model_card(a, m) for a, m in sorted(self.router.adapters.items()) if m in self.router.models]
+        if tenant is not None:
+            cards = [card for card in cards if tenant.may_use(card["id"])]
         return Response.json({"object": "list", "data": cards})
 
-    def _get_model(self, name: str) -> Response:
+    def _get_model(self, name: str, tenant: Tenant | None) -> Response:
+        if tenant is not None and not tenant.may_use(name):
+            return _model_not_allowed(tenant, name)
         resolved = self.router.resolve(name)
         if resolved is None:
             return error_response(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
@@ -247,6 +253,10 @@ class DataPlane:
         if not isinstance(model, str) or not model:
             return self._count(None, error_response(400, "the request needs a 'model' string", param="model",
                                                     code="missing_model"))
+        tenant = exchange.tenant
+        if tenant is not None and not tenant.may_use(model):
+            exchange.model = model
+            return self._count(None, _model_not_allowed(tenant, model))
         resolved = self.router.resolve(model)
         if resolved is None and self.wait_for_models is not None:
             loaded = await self.wait_for_models()
@@ -503,6 +513,7 @@ class DataPlane:
         prompt_tokens, cached_tokens, completion_tokens = tokens
         fields: dict[str, FieldValue] = {
             "request_id": request_id, "key": exchange.key,
+            "team": tenant.team.name if (tenant := exchange.tenant) is not None and tenant.team is not None else None,
             "model": exchange.model,
             "replica": replica.name if replica is not None else None,
             "tier": (decision.tier or None) if decision is not None else None,
@@ -694,6 +705,14 @@ _NO_TOKENS = (None, None, None)
 def _key_required() -> Response:
     return error_response(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                           code="invalid_api_key")
+
+
+def _model_not_allowed(tenant: Tenant, model: str) -> Response:
+    team = tenant.team
+    whose = f"its team {team.name!r}" if team is not None and team.models is not None and model not in team.models \
+        else "it"
+    return error_response(403, f"the API key {tenant.name!r} may not use the model {model!r} (not among the "
+                               f"models {whose} may use)", param="model", code="model_not_allowed")
 
 
 def _inline_length(headers: list[tuple[bytes, bytes]]) -> int | None:

@@ -38,7 +38,7 @@ RESTART_KEYS = (
     "limits.max_body_bytes", "limits.max_header_bytes", "limits.client_header_timeout", "limits.client_body_timeout",
     "limits.keepalive_timeout", "limits.max_connections", "limits.control_max_connections",
     "limits.connect_timeout", "agents.embedded", "agents.node_id", "agents.state_dir", "agents.control_state_dir",
-    "agents.max_message_bytes", "agents.engine_ports",
+    "agents.max_message_bytes", "agents.engine_ports", "tenancy.store", "tenancy.max_keys", "tenancy.max_teams",
 )
 _RESTART_VALUES = tuple(attrgetter(key) for key in RESTART_KEYS)
 CONFIRM_HINT = "POST /admin/reload?allow_empty=true (or llmgw reload --allow-empty)"
@@ -189,7 +189,7 @@ def summarize(old: Config, new: Config) -> ReloadSummary:
         deployments=_changes(_deployments(old), _deployments(new)),
         admin_tokens=(len(old.admin_tokens), len(new.admin_tokens)),
         join_tokens=(_join_tokens(old), _join_tokens(new)),
-        api_keys=KeyChanges.between([k.key for k in old.api_keys], [k.key for k in new.api_keys]))
+        api_keys=KeyChanges.between([k.sha256 for k in old.api_keys], [k.sha256 for k in new.api_keys]))
 
 
 def restart_required(started: Config, new: Config) -> tuple[str, ...]:
