@@ -55,6 +55,7 @@ from .dataplane import DataPlane, DataPlaneSettings
 from .health_report import HealthReport
 from .readiness import Readiness
 from .reload_guard import Refusal, ReloadMetrics, ReloadOutcome, refusal, restart_required, summarize
+from .tenancy_setup import GatewayTenancy
 
 if TYPE_CHECKING:
     from ..agent.agent import Agent
@@ -166,6 +167,8 @@ class Gateway:
         else:
             assert self.control is not None
             self.dataplane.wait_for_replica = self.control.wait_for_replica
+        self.tenancy = GatewayTenancy(config, self.directory, self.metrics.registry, self.shared)
+        self.dataplane.tenancy = self.tenancy.gate
         self._reload_lock = trio.Lock()
         self._reload_metrics = ReloadMetrics(self.metrics.registry)
         self.health_report = HealthReport(self.shared, self.metrics.registry)
@@ -268,6 +271,7 @@ class Gateway:
             if self.shared is not None:
                 await nursery.start(self.shared.run, self._lead if self.role == CONTROL else None, self._settled)
                 await nursery.start(self.health_report.watch)
+            await nursery.start(self.tenancy.run)  # after the shared state: the Redis limiter runs on its link
             if self.static is not None:
                 await nursery.start(self.static.run)
                 self.static.apply(self.config)
@@ -421,6 +425,7 @@ class Gateway:
         self.config = config
         self.dataplane.apply(dataplane_settings(config))
         self.directory.set_config(*config_entries(config))
+        self.dataplane.tenancy = self.tenancy.apply(config)
         if self.shared is not None:
             self.shared.apply_config(config)
         if self.static is not None:
@@ -453,6 +458,7 @@ class Gateway:
         log.log(logging.INFO if inflight else logging.DEBUG,
                 "draining: no new connections; waiting up to %gs for %d in-flight requests", grace, inflight)
         await self.data_server.drain(grace)
+        await self.tenancy.stop()  # before the shared state's link: the limiter gives its shares back over it
         if self.stop_engines_on_exit:
             await self.stop_embedded_shards()
         self._control_shutdown.set()
