@@ -80,6 +80,7 @@ RETRY_KINDS = frozenset({"connect", "tls", "closed_before_request", "capacity"})
 _now = time.perf_counter  # durations for the metrics; real time, not Trio's clock
 ENGINE_GONE_TIMEOUT = 1.0  # seconds a replica that broke off a request has to answer /health to count as alive
 NO_KEY = "none"  # the key name of a request without a valid API key (or of any request without api_keys)
+API_MADE_KEYS = "api"  # the metric label of every key made by the admin API: their number is the store's, not the file's
 PROBE_PATHS = frozenset({"/health", "/ready"})  # answered without an access line: load balancers poll them
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 
@@ -555,7 +556,9 @@ class DataPlane:
                   outcome: str = ANSWERED) -> None:
         """The one place every answer of the data plane (but the probes') is counted by key and, with
         ``access_log``, written as an access line; ``replica`` and ``decision`` when an upstream answered."""
-        self.metrics.requests_by_key.labels(exchange.key, str(status)).inc()
+        tenant = exchange.tenant
+        label = exchange.key if tenant is None or tenant.source == "config" else API_MADE_KEYS
+        self.metrics.requests_by_key.labels(label, str(status)).inc()
         if not self.settings.access_log:
             return
         started = exchange.started
