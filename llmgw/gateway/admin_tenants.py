@@ -77,38 +77,39 @@ def register_tenant_routes(app: Quart, gateway: "Gateway", error: Callable[..., 
             raise AdminRefusal(400, "invalid_settings",
                                "; ".join(f"{issue.key or 'body'}: {issue.message}" for issue in exc.errors)) from None
 
-    admin = gateway.key_admin
+    def admin() -> KeyAdmin:  # the gateway's, read at each call: the app may be built before (or without) it
+        return gateway.key_admin
 
     async def list_keys() -> dict[str, Any]:
-        return {"keys": admin.list_keys(), "store": admin.describe}
+        return {"keys": admin().list_keys(), "store": admin().describe}
 
     async def show_key(ref: str) -> dict[str, Any]:
-        return key_json(admin.key(ref))
+        return key_json(admin().key(ref))
 
     async def create_key(spec: KeySpec) -> dict[str, Any]:
-        entry, secret = await admin.create_key(spec)
+        entry, secret = await admin().create_key(spec)
         return {**key_json(entry), "key": secret}  # the one answer that holds the key
 
     async def update_key(ref: str, spec: KeySpec) -> dict[str, Any]:
-        return key_json(await admin.update_key(ref, spec))
+        return key_json(await admin().update_key(ref, spec))
 
     async def revoke_key(ref: str) -> dict[str, Any]:
-        return {**key_json(await admin.revoke_key(ref)), "revoked": True}
+        return {**key_json(await admin().revoke_key(ref)), "revoked": True}
 
     async def list_teams() -> dict[str, Any]:
-        return {"teams": admin.list_teams(), "store": admin.describe}
+        return {"teams": admin().list_teams(), "store": admin().describe}
 
     async def show_team(name: str) -> dict[str, Any]:
-        return team_json(admin.team(name))
+        return team_json(admin().team(name))
 
     async def create_team(spec: TeamConfig) -> dict[str, Any]:
-        return team_json(await admin.create_team(spec))
+        return team_json(await admin().create_team(spec))
 
     async def update_team(name: str, spec: TeamSpec) -> dict[str, Any]:
-        return team_json(await admin.update_team(name, spec))
+        return team_json(await admin().update_team(name, spec))
 
     async def delete_team(name: str) -> dict[str, Any]:
-        return {**team_json(await admin.delete_team(name)), "deleted": True}
+        return {**team_json(await admin().delete_team(name)), "deleted": True}
 
     for resource in (Resource("keys", KeySpec, KeySpec, list_keys, show_key, create_key, update_key, revoke_key),
                      Resource("teams", TeamConfig, TeamSpec, list_teams, show_team, create_team, update_team,
