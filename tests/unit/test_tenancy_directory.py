@@ -135,6 +135,7 @@ def test_the_examples_of_docs_tenants_load():
     blocks = re.findall(r"```yaml\n(.*?)```", docs, re.S)
     assert blocks
     for block in blocks:
-        config = parse_config(block, "tenants.md", env={"SEARCH_PROD_KEY": "sk-x"})
+        variables = set(re.findall(r"\$\{([A-Z_][A-Z0-9_]*)\}", block))  # every key the page reads from the environment
+        config = parse_config(block, "tenants.md", env={name: f"sk-{name.lower()}" for name in variables})
         build_directory(config)
         build_prices(config)
