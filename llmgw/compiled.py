@@ -32,6 +32,9 @@ MYPYC_MODULES = (
     "llmgw/gateway/usage.py",
     "llmgw/gateway/latency.py",
     "llmgw/gateway/hops.py",
+    "llmgw/gateway/tenant_gate.py",
+    "llmgw/gateway/stream_usage.py",
+    "llmgw/tenancy/estimate.py",
     "llmgw/router/router.py",
     "llmgw/router/canonical.py",
 )

@@ -41,10 +41,12 @@ def check_config(draft: Draft) -> None:
     _check_listeners(draft)
     name_api_keys(draft)
     for section, attr, what in (("models", "name", "model name"), ("profiles", "name", "profile name"),
-                                ("api_keys", "key", "API key"), ("api_keys", "name", "API key name"),
-                                ("admin_tokens", "token", "admin token")):
+                                ("api_keys", "name", "API key name"), ("admin_tokens", "token", "admin token"),
+                                ("teams", "name", "team name"), ("prices", "model", "price of model")):
         if draft.known(section):
             report_duplicates(draft, draft[section], attr, what)
+    _check_api_key_hashes(draft)
+    _check_key_teams(draft)
     _check_deployment_profiles(draft)
     _check_model_routing(draft)
     _check_adapter_names(draft)
@@ -59,6 +61,42 @@ def name_api_keys(draft: Draft) -> None:
     if draft.known("api_keys"):
         draft.set("api_keys", [key if key.name is not None else dataclasses.replace(key, name=f"key-{n}")
                                for n, key in enumerate(draft["api_keys"], 1)])
+
+
+def _check_api_key_hashes(draft: Draft) -> None:
+    """No two API keys are the same key, whether each is written as the key or as its SHA-256."""
+    if not draft.known("api_keys"):
+        return
+    first: dict[str, tuple[Located, str]] = {}
+    for api_key in draft["api_keys"]:
+        if not known(api_key.key, api_key.key_sha256) or (api_key.key is None) == (api_key.key_sha256 is None):
+            continue
+        attr = "key" if api_key.key is not None else "key_sha256"
+        if api_key.sha256 in first:
+            earlier, earlier_attr = first[api_key.sha256]
+            draft.add(issue_at(api_key, attr, f"duplicate API key: same as {earlier.key_of(earlier_attr)} "
+                                              f"on line {earlier.line_of(earlier_attr)}"))
+        else:
+            first[api_key.sha256] = (api_key, attr)
+
+
+def _check_key_teams(draft: Draft) -> None:
+    """Every team an API key names is under ``teams``."""
+    if not draft.known("api_keys", "teams"):
+        return
+    names = [team.name for team in draft["teams"] if known(team.name)]
+    for api_key in draft["api_keys"]:
+        if known(api_key.team) and api_key.team is not None and api_key.team not in names:
+            draft.add(issue_at(api_key, "team", f"no team named '{api_key.team}' under teams "
+                                                f"({_hint(api_key.team, names, 'teams')})"))
+
+
+def _hint(name: str, names: list[str], what: str) -> str:
+    """A mistyped name's likely meaning, or what is defined."""
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean '{close[0]}'?"
+    return f"defined: {', '.join(names)}" if names else f"no {what} are defined"
 
 
 def _check_listeners(draft: Draft) -> None:
@@ -77,10 +115,8 @@ def _check_deployment_profiles(draft: Draft) -> None:
     for deployment in draft["deployments"]:
         if not known(deployment.profile) or deployment.profile in names:
             continue
-        close = difflib.get_close_matches(deployment.profile, names, n=1, cutoff=0.6)
-        hint = (f"did you mean '{close[0]}'?" if close else
-                f"defined: {', '.join(names)}" if names else "no profiles are defined")
-        draft.add(issue_at(deployment, "profile", f"no profile named '{deployment.profile}' ({hint})"))
+        draft.add(issue_at(deployment, "profile", f"no profile named '{deployment.profile}' "
+                                                  f"({_hint(deployment.profile, names, 'profiles')})"))
 
 
 def _check_model_routing(draft: Draft) -> None:

@@ -9,9 +9,12 @@ whole file are in :mod:`llmgw.config.crosschecks`. Documented key by key in
 
 from __future__ import annotations
 
+import hashlib
+from decimal import Decimal
 from typing import Annotated, Any
 
 from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
+from ..tenancy.model import NANO_PER_USD, PERIODS, TenancySettings
 from ..units import parse_duration, parse_size
 from . import crosschecks
 from .addresses import HostPort, parse_http_url, parse_port_range, parse_redis_url, parse_zmq_endpoint, url_host_port
@@ -37,6 +40,7 @@ KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 DAY = 24 * 3600.0
+MAX_LIMIT = 10**15  # the bound of a rate limit or a token budget: exact in a Redis counter and in a float
 MAX_COUNT = 1_000_000  # the bound of a count with no tighter one of its own (docs/configuration.md)
 
 # Value types shared by several keys.
@@ -59,9 +63,28 @@ KeyName = Annotated[str, matches(r"[A-Za-z0-9][A-Za-z0-9_.@:/+-]{0,63}",
                                  "a name of up to 64 letters, digits and '_.@:/+-' (not starting with a symbol)"),
                     Check(lambda value: "'none' stands for requests without a valid key: choose another name"
                           if value == "none" else None)]
+Sha256Hex = Annotated[str, matches(r"[0-9A-Fa-f]{64}", "a SHA-256 as 64 hex digits")]
+LimitCount = Annotated[int, at_least(1), at_most(MAX_LIMIT)]  # a rate limit or a token budget
+Usd = Annotated[float, Check(lambda value: whole_units(value, NANO_PER_USD, "USD", 9)), at_most(1e9, "1000000000")]
+UsdPerMillion = Annotated[float, Check(lambda value: whole_units(value, NANO_PER_USD // 1_000_000, "USD per million "
+                                                                 "tokens", 3)), at_most(1e6, "1000000")]
+ModelNames = Annotated[list[Text], at_most_items(10_000)]
 LogLevel = Annotated[str, one_of("debug", "info", "warning", "error", "critical")]
 LogFormat = Annotated[str, one_of("text", "json")]
 
+
+def whole_units(value: float, units_per_one: int, what: str, decimals: int) -> str | None:
+    """None when ``value`` (>= 0) is a whole number of ``1/units_per_one``; else why not."""
+    if value < 0:
+        return "must be at least 0"
+    exact = Decimal(str(value)) * units_per_one
+    return None if exact == exact.to_integral_value() else f"must be {what} with at most {decimals} decimals"
+
+
+def check_budget_periods(draft: Draft) -> None:
+    """A key or a team has at most one budget per period (two would only mean the smaller)."""
+    if draft.known("budgets"):
+        crosschecks.report_duplicates(draft, draft["budgets"], "period", "budget period")
 
 # Numbers with an upper bound of their own in place of MAX_COUNT or 1GiB (docs/configuration.md, "Upper bounds").
 SmallCount = Annotated[int, at_least(1), at_most(1000)]  # a replica's weight, the health thresholds
@@ -133,13 +156,110 @@ class ModelConfig(Located):
 
 
 @config_class
-class ApiKey(Located):
-    """A client API key accepted on /v1 (as "Authorization: Bearer KEY"). ``name`` says who holds it, in the
-    access log and the ``key`` label of the metrics; left out, it is ``key-N`` (N: the key's place in the list,
-    from 1), filled in by :func:`llmgw.config.crosschecks.name_api_keys`."""
+class TenantLimits(Located):
+    """The rate limits of a key or a team (docs/tenants.md); left out: unlimited in that dimension."""
 
-    key: Text = setting(secret=True)
+    rpm: LimitCount | None = setting(None)  # requests per minute
+    tpm: LimitCount | None = setting(None)  # tokens per minute (input, cached input as weighted, output)
+    concurrency: LimitCount | None = setting(None)  # requests in flight at once
+
+
+@config_class
+class BudgetConfig(Located):
+    """A cap on what a key or a team uses in a period: tokens, money, or both."""
+
+    period: Annotated[str, one_of(*PERIODS)] = setting()  # the UTC day, the UTC month, or for ever
+    tokens: LimitCount | None = setting(None)
+    usd: Usd | None = setting(None)
+
+    @classmethod
+    def _finish(cls, draft: Draft) -> None:
+        if draft.known("period", "tokens", "usd") and draft["tokens"] is None and draft["usd"] is None:
+            draft.problem("period", "a budget needs tokens, usd or both")
+
+
+Budgets = Annotated[list[BudgetConfig], at_most_items(len(PERIODS))]
+
+
+@config_class
+class TeamConfig(Located):
+    """A team: limits and budgets its keys share, and the models they may use."""
+
+    name: KeyName = setting()
+    limits: TenantLimits = setting(factory=TenantLimits)
+    budgets: Budgets = setting(factory=list)
+    models: ModelNames | None = setting(None)  # the models its keys may use; left out: every model
+    priority: Identifier | None = setting(None)  # its keys' priority class, unless a key names its own
+
+    @classmethod
+    def _finish(cls, draft: Draft) -> None:
+        check_budget_periods(draft)
+
+
+@config_class
+class ApiKey(Located):
+    """A client API key accepted on /v1 (as "Authorization: Bearer KEY"), given as the key or as its SHA-256.
+    ``name`` says who holds it, in the access log and the ``key`` label of the metrics; left out, it is ``key-N``
+    (N: the key's place in the list, from 1), filled in by :func:`llmgw.config.crosschecks.name_api_keys`."""
+
+    key: Text | None = setting(None, secret=True)
+    key_sha256: Sha256Hex | None = setting(None)  # instead of key: its SHA-256, as 64 hex digits
     name: KeyName | None = setting(None)  # who holds it; safe to log
+    team: KeyName | None = setting(None)  # a team under `teams`: its limits and models apply too
+    models: ModelNames | None = setting(None)  # the models it may use; left out: every model (its team's apply)
+    priority: Identifier | None = setting(None)  # its requests' priority class; default: its team's
+    limits: TenantLimits = setting(factory=TenantLimits)
+    budgets: Budgets = setting(factory=list)
+
+    @property
+    def sha256(self) -> str:
+        """The SHA-256 of the key as 64 lowercase hex digits: how the key directory finds it."""
+        if self.key_sha256 is not None:
+            return self.key_sha256.lower()
+        assert self.key is not None  # _finish: exactly one of key and key_sha256
+        return hashlib.sha256(self.key.encode("utf-8", "surrogateescape")).hexdigest()
+
+    @classmethod
+    def _finish(cls, draft: Draft) -> None:
+        if draft.known("key", "key_sha256") and (draft["key"] is None) == (draft["key_sha256"] is None):
+            draft.problem("key" if draft.was_written("key") or not draft.was_written("key_sha256") else "key_sha256",
+                          "give exactly one of key and key_sha256")
+        check_budget_periods(draft)
+
+
+@config_class
+class PriceConfig(Located):
+    """One model's price in USD per million tokens (as providers list them)."""
+
+    model: Text = setting()  # the name clients ask for
+    input: UsdPerMillion = setting(0.0)
+    cached_input: UsdPerMillion | None = setting(None)  # default: the input price
+    output: UsdPerMillion = setting(0.0)
+
+
+@config_class
+class TenancyConfig(Located):
+    """How limits count and where keys made by the admin API are kept (docs/tenants.md)."""
+
+    default_max_tokens: Annotated[int, at_least(1), at_most(10_000_000)] = setting(4096)
+    max_prompt_estimate: Annotated[int, at_least(1), at_most(100_000_000)] = setting(1_000_000)
+    cached_input_weight: Annotated[float, Check(lambda value: None if 0 <= value <= 1 else
+                                                "must be between 0 and 1")] = setting(1.0)
+    budgets_fail_closed: bool = setting(True)  # Redis away: budgets admit only what a lease in hand holds
+    lease_seconds: Annotated[float, Parse(parse_duration), at_least(0.01), at_most(60.0)] = setting(0.5)
+    lease_idle_seconds: Annotated[float, Parse(parse_duration), at_least(0.1), at_most(3600.0)] = setting(2.0)
+    usage_flush_interval: Annotated[float, Parse(parse_duration), at_least(0.01), at_most(60.0)] = setting(0.1)
+    store: Text | None = setting(None)  # the SQLite file of keys and teams (state.backend local)
+    max_keys: Annotated[int, at_least(1), at_most(1_000_000)] = setting(100_000)  # keys the admin API may hold
+    max_teams: Annotated[int, at_least(1), at_most(100_000)] = setting(10_000)  # teams the admin API may hold
+
+    def settings(self) -> TenancySettings:
+        """The knobs the limiter and the usage sink read."""
+        return TenancySettings(
+            default_max_tokens=self.default_max_tokens, max_prompt_estimate=self.max_prompt_estimate,
+            cached_input_weight=self.cached_input_weight, budgets_fail_closed=self.budgets_fail_closed,
+            lease_seconds=self.lease_seconds, lease_idle_seconds=self.lease_idle_seconds,
+            usage_flush_interval=self.usage_flush_interval)
 
 
 @config_class
@@ -377,6 +497,9 @@ class Config(Located):
     access_log: bool = setting(False)  # one line per relayed request on the "llmgw.access" logger
     log_format: LogFormat = setting("text")
     state: StateConfig = setting(factory=StateConfig)  # shared by several gateways: docs/scaling.md
+    teams: list[TeamConfig] = setting(factory=list)  # docs/tenants.md
+    prices: list[PriceConfig] = setting(factory=list)  # USD per million tokens, by model
+    tenancy: TenancyConfig = setting(factory=TenancyConfig)
 
     def model_names(self) -> list[str]:
         """Names clients may ask for: every model under ``models``, then every deployed profile's served name."""

@@ -46,6 +46,7 @@ from ..router.health import HealthSettings, HealthTracker
 from ..router.load_scraper import scrape_engine_load
 from ..router.replicas import ReplicaSet
 from ..router.router import Router
+from ..tenancy.directory import build_directory, config_entries
 from ..tls import describe_tls_error
 from .admin import create_control_app
 from .admin_guard import exposure_problem
@@ -53,6 +54,7 @@ from .dataplane import DataPlane, DataPlaneSettings
 from .health_report import HealthReport
 from .readiness import Readiness
 from .reload_guard import Refusal, ReloadMetrics, ReloadOutcome, refusal, restart_required, summarize
+from .tenancy_setup import GatewayTenancy
 
 if TYPE_CHECKING:
     from ..agent.agent import Agent
@@ -70,11 +72,6 @@ def dataplane_settings(config: Config) -> DataPlaneSettings:
         connect_timeout=lim.connect_timeout, first_byte_timeout=lim.first_byte_timeout,
         idle_timeout=lim.idle_timeout, retries=lim.retries, access_log=config.access_log,
         json_limits=JsonLimits(lim.max_json_depth, lim.max_json_values, lim.max_json_containers))
-
-
-def api_key_pairs(config: Config) -> list[tuple[str, str]]:
-    """``(name, key)`` of each API key (the config names every key: ``key-N`` when it says no name)."""
-    return [(key.name or f"key-{n}", key.key) for n, key in enumerate(config.api_keys, 1)]
 
 
 @dataclass(frozen=True)
@@ -120,8 +117,9 @@ class Gateway:
         self.replicas = ReplicaSet(self.health, self.metrics, lim.connect_timeout)
         self.kv_index = KvIndex(clock=time.monotonic)
         self.router = Router(self.registry, self.metrics, self.replicas, self.kv_index)
+        self.directory = build_directory(config)  # the config's keys; the key store adds its own
         self.dataplane = DataPlane(self.router, self.health, self.metrics, dataplane_settings(config),
-                                   api_keys=api_key_pairs(config))
+                                   directory=self.directory)
         self.connection_budget = connection_budget(current_soft_limit(), lim.max_connections,
                                                    lim.control_max_connections)
         self.connection_metrics = ConnectionMetrics(self.metrics.registry)
@@ -168,6 +166,8 @@ class Gateway:
         else:
             assert self.control is not None
             self.dataplane.wait_for_replica = self.control.wait_for_replica
+        self.tenancy = GatewayTenancy(config, self.directory, self.metrics.registry, self.shared)
+        self.dataplane.tenancy = self.tenancy.gate
         self._reload_lock = trio.Lock()
         self._reload_metrics = ReloadMetrics(self.metrics.registry)
         self.health_report = HealthReport(self.shared, self.metrics.registry)
@@ -263,6 +263,7 @@ class Gateway:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.replicas.run)
+            await nursery.start(self.tenancy.run)
             if self.shared is not None:
                 await nursery.start(self.shared.run, self._lead if self.role == CONTROL else None, self._settled)
                 await nursery.start(self.health_report.watch)
@@ -416,7 +417,9 @@ class Gateway:
             log.warning("reload: agents.token and agents.tokens are now empty: no new node can join (nodes that "
                         "joined keep their identity)")
         self.config = config
-        self.dataplane.apply(dataplane_settings(config), api_key_pairs(config))
+        self.dataplane.apply(dataplane_settings(config))
+        self.directory.set_config(*config_entries(config))
+        self.dataplane.tenancy = self.tenancy.apply(config)
         if self.shared is not None:
             self.shared.apply_config(config)
         if self.static is not None:

@@ -1,4 +1,4 @@
-"""Bearer-token checks shared by the data plane (``api_keys``) and the control port (``admin_tokens``).
+"""Bearer-token checks of the control port (``admin_tokens``; the data plane's API keys: llmgw.tenancy.directory).
 
 A presented token is compared with every configured one in constant time and
 without an early exit, so the time taken says nothing about which token (or
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Iterable
+
+from ..http.messages import bearer_token
 
 
 class BearerTokens:
@@ -28,10 +30,10 @@ class BearerTokens:
 
     def holder(self, authorization: str | None) -> str | None:
         """The name of the token an ``Authorization: Bearer <token>`` header value carries, or None."""
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        token = bearer_token(authorization)
+        if token is None:
             return None
-        presented = token.strip().encode("utf-8", "surrogateescape")
+        presented = token.encode("utf-8", "surrogateescape")
         matched = None
         for name, key in self._tokens:  # no early exit: the time taken does not depend on which token matched
             if hmac.compare_digest(presented, key):

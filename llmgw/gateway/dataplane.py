@@ -1,6 +1,6 @@
 """The OpenAI data plane: authenticate, parse just enough JSON to route, relay the engine's bytes.
 
-Per request: check the API key (constant time), read ``model`` from the JSON
+Per request: find the API key's tenant (llmgw.tenancy.directory), read ``model`` from the JSON
 body, ask the router for a replica, forward the original body bytes, and
 relay the response as it arrives. Every response, relayed or made here,
 carries ``x-request-id``; every error made here is in OpenAI's JSON shape.
@@ -38,13 +38,18 @@ from ..metrics import ANSWERED, STREAM_ERROR, TOKEN_LATENCY_BOUNDS, add_observat
 from ..router.replica import Replica
 from ..router.router import Router, replica_of
 from ..router.tier import Decision, RouteRequest
-from .bearer import BearerTokens
+from ..tenancy.directory import Directory
+from ..tenancy.interfaces import KeyDirectory
+from ..tenancy.model import Tenant
+from ..tenancy.usage import MODEL_NOT_ALLOWED
 from .decisions import DecisionLog
 from .hops import HopGuard
 from .latency import StreamWatch, events_after_last_token
 from .readiness import Readiness
 from .request_ids import RequestIds, accepted_client_id
-from .usage import STREAM_TAIL_PIECES, usage_of_body, usage_of_stream_tail
+from .stream_usage import UsageChunkFilter, usage_forced_body
+from .tenant_gate import Charge, TenancyGate
+from .usage import STREAM_TAIL_PIECES, usage_counts, usage_of_body, usage_of_stream_tail
 
 log = logging.getLogger(__name__)
 _Answer = TypeVar("_Answer", Response, None)  # what DataPlane._count passes through
@@ -82,8 +87,10 @@ class Exchange:
 
     started: float
     key: str = NO_KEY  # the name of the API key it carried
+    tenant: Tenant | None = None  # who carried it (None: no valid key, or no keys at all)
     model: str | None = None
     relayed: bool = False  # an upstream's answer: its access line is written when its body has been relayed
+    charge: Charge | None = None  # its reservation and usage record, once admitted (tenant_gate.py)
 
 
 @dataclass(frozen=True)
@@ -99,13 +106,14 @@ class DataPlaneSettings:
 
 class DataPlane:
     def __init__(self, router: Router, health, metrics, settings: DataPlaneSettings,
-                 api_keys: list[tuple[str, str]] | None = None, hops: HopGuard | None = None):
-        """``api_keys``: ``(name, key)`` pairs."""
+                 directory: KeyDirectory | None = None, hops: HopGuard | None = None):
+        """``directory``: who each API key is (None: no keys, /v1 is open)."""
         self.router = router
         self.health = health
         self.metrics = metrics
         self.settings = settings
-        self._api_keys = BearerTokens(api_keys or [])
+        self.directory: KeyDirectory = directory or Directory()
+        self.tenancy: TenancyGate | None = None  # limits and usage (set by the gateway; None: neither)
         self.readiness: Readiness | None = None  # answers /ready (set by the gateway); None: /ready is a 404
         self._created = int(time.time())
         self._ids = RequestIds()
@@ -119,11 +127,9 @@ class DataPlane:
         # snapshot; None when nothing is pending, else whether the models came in time (no: 503, not 404).
         self.wait_for_models: Callable[[], Awaitable[bool | None]] | None = None
 
-    def apply(self, settings: DataPlaneSettings, api_keys: list[tuple[str, str]]) -> None:
-        """A reload's settings and API keys, from the next request on. Each is one object swapped whole, and a
-        request reads the keys once: it is checked against the old set or the new, never a mix."""
+    def apply(self, settings: DataPlaneSettings) -> None:
+        """A reload's settings, from the next request on (its API keys reach the directory: Gateway.reload)."""
         self.settings = settings
-        self._api_keys = BearerTokens(api_keys)
 
     # -- entry point -------------------------------------------------------------------------------------------------
 
@@ -168,8 +174,8 @@ class DataPlane:
             return Response(200, [], b"")
         if self.readiness is None:
             return error_response(404, "no route for GET /ready", code="not_found")
-        keys = self._api_keys  # read once: a reload swaps the whole set
-        keyed = not keys or keys.holder(request.header("authorization")) is not None
+        directory = self.directory
+        keyed = not directory.required or directory.lookup(request.header("authorization")) is not None
         if not keyed and request.query:
             return _key_required()
         status, body = self.readiness.answer(request.query, names=keyed, detailed=False)
@@ -196,16 +202,16 @@ class DataPlane:
         path = request.path
         if not path.startswith("/v1/") and path not in PROXIED_POST_PATHS:
             return error_response(404, f"no route for {request.method} {path}", code="not_found")
-        keys = self._api_keys  # read once: a reload swaps the whole set
-        if keys:
-            holder = keys.holder(request.header("authorization"))
-            if holder is None:
+        directory = self.directory
+        if directory.required:
+            tenant = directory.lookup(request.header("authorization"))
+            if tenant is None:
                 return _key_required()
-            exchange.key = holder
+            exchange.tenant, exchange.key = tenant, tenant.name
         if request.method == "GET" and path == "/v1/models":
-            return self._list_models()
+            return self._list_models(exchange.tenant)
         if request.method == "GET" and path.startswith("/v1/models/"):
-            return self._get_model(path[len("/v1/models/"):])
+            return self._get_model(path[len("/v1/models/"):], exchange.tenant)
         if path not in PROXIED_POST_PATHS:
             return error_response(404, f"no route for {request.method} {path}", code="not_found")
         if request.method != "POST":
@@ -220,12 +226,17 @@ class DataPlane:
             card["parent"] = parent  # a LoRA adapter, served by its base model's replicas (as vLLM lists them)
         return card
 
-    def _list_models(self) -> Response:
+    def _list_models(self, tenant: Tenant | None) -> Response:
+        """The models (and LoRA adapters) there are, as far as ``tenant`` may use them."""
         cards = [self._model_card(n) for n in sorted(self.router.models)]
         cards += [self._model_card(a, m) for a, m in sorted(self.router.adapters.items()) if m in self.router.models]
+        if tenant is not None:
+            cards = [card for card in cards if tenant.may_use(card["id"])]
         return Response.json({"object": "list", "data": cards})
 
-    def _get_model(self, name: str) -> Response:
+    def _get_model(self, name: str, tenant: Tenant | None) -> Response:
+        if tenant is not None and not tenant.may_use(name):
+            return _model_not_allowed(tenant, name)
         resolved = self.router.resolve(name)
         if resolved is None:
             return error_response(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
@@ -234,7 +245,6 @@ class DataPlane:
     # -- the proxy ---------------------------------------------------------------------------------------------------
 
     async def _proxy(self, request: Request, exchange: Exchange) -> Response:
-        started = exchange.started
         if self.hops.looped(request.headers):
             self.metrics.loops_detected.inc()
             return self._count(None, self.hops.refusal())
@@ -247,6 +257,12 @@ class DataPlane:
         if not isinstance(model, str) or not model:
             return self._count(None, error_response(400, "the request needs a 'model' string", param="model",
                                                     code="missing_model"))
+        tenant = exchange.tenant
+        if tenant is not None and not tenant.may_use(model):
+            exchange.model = model
+            if self.tenancy is not None:
+                self.tenancy.tenancy.usage.refused(tenant, model, MODEL_NOT_ALLOWED)
+            return self._count(None, _model_not_allowed(tenant, model))
         resolved = self.router.resolve(model)
         if resolved is None and self.wait_for_models is not None:
             loaded = await self.wait_for_models()
@@ -261,6 +277,37 @@ class DataPlane:
         if resolved is None:
             return self._count(None, error_response(404, f"the model {model!r} does not exist", param="model",
                                                     code="model_not_found"))
+        upstream_body = request.body
+        strip_usage = False
+        charge = None
+        gate = self.tenancy  # read once: a reload swaps it whole
+        if gate is not None and tenant is not None:
+            charge = gate.open(tenant, model, request.path, body, len(request.body))
+            if tenant.limited:  # a key without limits waits on nothing here
+                refused = await gate.admit(charge)
+                if refused is not None:
+                    return self._count(model, refused)
+            exchange.charge = charge
+            forced = usage_forced_body(request.path, body)
+            if forced is not None:
+                upstream_body, strip_usage = forced, True
+        try:
+            response = await self._dispatch(request, exchange, model, resolved, body, upstream_body, strip_usage)
+        except BaseException:
+            if charge is not None and not exchange.relayed:
+                charge.unanswered()
+            raise
+        if charge is not None:
+            if not exchange.relayed:
+                charge.unanswered()
+            response.headers += charge.headers
+        return response
+
+    async def _dispatch(self, request: Request, exchange: Exchange, model: str, resolved: tuple[str, str | None],
+                        body: dict, upstream_body: bytes, strip_usage: bool) -> Response:
+        """Route the request and send ``upstream_body`` to a replica, another on a failure that allows it; the
+        answer relayed (``strip_usage``: less the stream's usage chunk the gateway asked for), or made here."""
+        started = exchange.started
         request_id = None
         seen_id = False
         forwarded = []
@@ -303,7 +350,7 @@ class DataPlane:
                 # replica's local_inflight and local_inflight_tokens (so in what tiers read), streamed or not.
                 self._load(replica, +1)
                 self.router.routed(route_request, decision)
-                outcome = await self._attempt(replica, request, forwarded, is_last=attempt == retries)
+                outcome = await self._attempt(replica, request, upstream_body, forwarded, is_last=attempt == retries)
             except BaseException:  # cancelled before any answer: the client went away (or the server stops)
                 if decision is not None:
                     self.router.finished(route_request, decision, None)
@@ -312,7 +359,8 @@ class DataPlane:
                 raise
             if isinstance(outcome, UpstreamResponse):
                 exchange.relayed = True
-                return await self._relay(outcome, replica, decision, route_request, exchange, id_header)
+                return await self._relay(outcome, replica, decision, route_request, exchange, id_header,
+                                         strip_usage)
             # This attempt failed before any answer was relayed: its decision ends here, before anything is awaited.
             reason = outcome.kind if isinstance(outcome, UpstreamError) else f"status_{outcome[0]}"
             self.router.attempt_failed(route_request, decision, reason)
@@ -371,17 +419,17 @@ class DataPlane:
             return error_response(400, "the request body must be a JSON object", code="invalid_json")
         return body
 
-    async def _attempt(self, replica: Replica, request: Request, headers: list[tuple[bytes, bytes]],
+    async def _attempt(self, replica: Replica, request: Request, body: bytes, headers: list[tuple[bytes, bytes]],
                        is_last: bool) -> UpstreamResponse | UpstreamError | tuple[int, list, bytes]:
-        """Send the request to one replica (already counted in its load). An error comes back as an UpstreamError,
-        the load given back; a 502/503/504 answer (unless this is the last attempt) as ``(status, headers, body)``,
-        its connection closed."""
+        """Send the request, with ``body``, to one replica (already counted in its load). An error comes back as an
+        UpstreamError, the load given back; a 502/503/504 answer (unless this is the last attempt) as ``(status,
+        headers, body)``, its connection closed."""
         if replica.auth_header is not None:
             headers = headers + [replica.auth_header]
         pool = replica.pool
         assert pool is not None, "a replica in routing has its pool (opened when it entered the replica set)"
         upstream = await self._step(replica, lambda: pool.request(
-            request.method, replica.base_path + request.target, headers, request.body,
+            request.method, replica.base_path + request.target, headers, body,
             first_byte_timeout=self.settings.first_byte_timeout, idle_timeout=self.settings.idle_timeout))
         if isinstance(upstream, UpstreamError):
             return upstream
@@ -414,7 +462,8 @@ class DataPlane:
             raise
 
     async def _relay(self, upstream: UpstreamResponse, replica: Replica, decision: Decision,
-                     route_request: RouteRequest, exchange: Exchange, id_header: tuple[bytes, bytes]) -> Response:
+                     route_request: RouteRequest, exchange: Exchange, id_header: tuple[bytes, bytes],
+                     strip_usage: bool = False) -> Response:
         ttfb = _now() - exchange.started
         headers = [h for h in upstream.headers if h[0] not in _DROP_RESPONSE_HEADERS]
         headers.append(id_header)
@@ -447,12 +496,13 @@ class DataPlane:
             def account() -> None:  # once the answer is on its way: the accounting need not delay it
                 self._observe_ttfb(route_request, ttfb)
                 usage = usage_of_body(data) if status == 200 else None
-                self._finish(replica, decision, route_request, exchange, status, usage, body_at=body_at)
+                self._finish(replica, decision, route_request, exchange, status, usage, body_at=body_at,
+                             sent_tokens=len(data))
 
             return Response(status, headers, data, account)
         self._observe_ttfb(route_request, ttfb)
         return Response(upstream.status, headers,
-                        RelayedStream(self, upstream, replica, decision, route_request, exchange))
+                        RelayedStream(self, upstream, replica, decision, route_request, exchange, strip_usage))
 
     # -- bookkeeping -------------------------------------------------------------------------------------------------
 
@@ -471,9 +521,11 @@ class DataPlane:
 
     def _finish(self, replica: Replica, decision: Decision, route_request: RouteRequest, exchange: Exchange,
                 status: int, usage: dict | None = None, *, body_at: float | None = None,
-                watch: StreamWatch | None = None, tail: list[bytes] | None = None, outcome: str = ANSWERED) -> None:
+                watch: StreamWatch | None = None, tail: list[bytes] | None = None, outcome: str = ANSWERED,
+                sent_tokens: int | None = None) -> None:
         """Account a response that ended: ``body_at`` is when a non-streamed body arrived, ``watch`` a stream's
-        token timings and ``tail`` its last pieces; ``outcome``: :data:`STREAM_ERROR` for a stream broken off."""
+        token timings and ``tail`` its last pieces; ``outcome``: :data:`STREAM_ERROR` for a stream broken off;
+        ``sent_tokens``: at most how many output tokens a body without usage held (its length)."""
         started = exchange.started
         self._load(replica, -1)
         replica.served += 1
@@ -485,6 +537,9 @@ class DataPlane:
         if status == 200 and watch is None and first_token_at is not None:
             self.router.first_token(route_request, decision, first_token_at - started)
         self.router.finished(route_request, decision, usage)
+        charge = exchange.charge
+        if charge is not None:
+            charge.answered(status, usage, watch.tokens_seen if watch is not None else sent_tokens)
         self.decisions.record(route_request, decision, status, started, ended, first_token_at)
         self._answered(exchange, status, route_request.request_id, replica, decision, ended, first_token_at, tokens,
                        outcome)
@@ -503,6 +558,7 @@ class DataPlane:
         prompt_tokens, cached_tokens, completion_tokens = tokens
         fields: dict[str, FieldValue] = {
             "request_id": request_id, "key": exchange.key,
+            "team": tenant.team.name if (tenant := exchange.tenant) is not None and tenant.team is not None else None,
             "model": exchange.model,
             "replica": replica.name if replica is not None else None,
             "tier": (decision.tier or None) if decision is not None else None,
@@ -570,14 +626,16 @@ class RelayedStream:
     server iterates it and calls :meth:`aclose` when it stops early. Every way it ends (the upstream's end,
     an upstream failure, the client going away, cancellation) gives the connection back or closes it and
     accounts the answer once (:meth:`DataPlane._finish`). An event stream the upstream breaks off at an
-    event's end gets an error event (:func:`stream_error_event`); elsewhere the connection is cut.
+    event's end gets an error event (:func:`stream_error_event`); elsewhere the connection is cut. With
+    ``strip_usage``, the usage chunk the gateway asked the engine for is not relayed
+    (:class:`~.stream_usage.UsageChunkFilter`); it is still read from the upstream's pieces.
     """
 
     __slots__ = ("_plane", "_upstream", "_replica", "_decision", "_route_request", "_exchange", "_status",
-                 "_outcome", "_recent", "_watch", "_started", "_error_sent", "_done")
+                 "_outcome", "_recent", "_watch", "_filter", "_started", "_last_sent", "_done")
 
     def __init__(self, plane: DataPlane, upstream: UpstreamResponse, replica: Replica, decision: Decision,
-                 route_request: RouteRequest, exchange: Exchange):
+                 route_request: RouteRequest, exchange: Exchange, strip_usage: bool = False):
         self._plane = plane
         self._upstream = upstream
         self._replica = replica
@@ -591,8 +649,9 @@ class RelayedStream:
         self._watch: StreamWatch | None = StreamWatch(TOKEN_LATENCY_BOUNDS) \
             if status == 200 and _is_event_stream(upstream.headers) else None
         decision.stream = self._watch  # the tier may learn decode speed from its token timings
+        self._filter: UsageChunkFilter | None = UsageChunkFilter() if strip_usage and status == 200 else None
         self._started = False
-        self._error_sent = False
+        self._last_sent = False  # the answer's last piece went out (an error event, the filter's held bytes)
         self._done = False
 
     def __aiter__(self) -> RelayedStream:
@@ -602,7 +661,7 @@ class RelayedStream:
         """The next piece to send the client (one coroutine per piece, as an async generator's)."""
         if self._done:
             raise StopAsyncIteration
-        if self._error_sent:
+        if self._last_sent:
             await self._end()
             raise StopAsyncIteration
         upstream = self._upstream
@@ -618,6 +677,10 @@ class RelayedStream:
             await self._abandoned()
             raise
         if not piece:
+            held = self._filter.flush() if self._filter is not None else b""
+            if held:
+                self._last_sent = True
+                return held
             await self._end()
             raise StopAsyncIteration
         recent = self._recent
@@ -632,7 +695,8 @@ class RelayedStream:
             if watch.first_token_at is not None and decision.ttft is None:
                 self._plane.router.first_token(self._route_request, decision,
                                                watch.first_token_at - self._exchange.started)
-        return piece
+        usage_filter = self._filter
+        return usage_filter.feed(piece) if usage_filter is not None else piece
 
     async def _broken_off(self, exc: UpstreamError) -> bytes:
         """The upstream failed mid-answer: an error event to send, or AbortConnection (the answer accounted)."""
@@ -652,7 +716,7 @@ class RelayedStream:
         if not told:
             await self._end()
             raise AbortConnection(str(exc)) from None
-        self._error_sent = True
+        self._last_sent = True
         return stream_error_event(f"replica {replica.name} broke off this answer: {exc}",
                                   504 if exc.kind == "timeout" else 502)
 
@@ -660,7 +724,7 @@ class RelayedStream:
         """The client will take no more (it went away, or the server stops): accounted as it stands."""
         if self._done:
             return
-        if not self._error_sent:
+        if not self._last_sent:
             await self._abandoned()
         else:
             await self._end()
@@ -694,6 +758,14 @@ _NO_TOKENS = (None, None, None)
 def _key_required() -> Response:
     return error_response(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                           code="invalid_api_key")
+
+
+def _model_not_allowed(tenant: Tenant, model: str) -> Response:
+    team = tenant.team
+    whose = f"its team {team.name!r}" if team is not None and team.models is not None and model not in team.models \
+        else "it"
+    return error_response(403, f"the API key {tenant.name!r} may not use the model {model!r} (not among the "
+                               f"models {whose} may use)", param="model", code="model_not_allowed")
 
 
 def _inline_length(headers: list[tuple[bytes, bytes]]) -> int | None:
@@ -732,7 +804,7 @@ def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
 def _first_token_of_body(body_at: float | None, usage: dict | None) -> float | None:
     """When a non-streamed answer's first token arrived: its body's arrival when it holds one output token (usage
     says so), else unknown, as decoding the others is in that time too."""
-    if body_at is not None and usage is not None and _count_of(usage, "completion_tokens") == 1:
+    if body_at is not None and usage is not None and usage_counts(usage)[2] == 1:
         return body_at
     return None
 
@@ -748,9 +820,7 @@ def record_latency(bound, started: float, ended: float, first_token_at: float | 
         bound.ttft.observe(first_token_at - started)
     prompt = cached = completion = None
     if usage is not None:
-        prompt, completion = _count_of(usage, "prompt_tokens"), _count_of(usage, "completion_tokens")
-        details = usage.get("prompt_tokens_details")
-        cached = _count_of(details, "cached_tokens") if isinstance(details, dict) else None
+        prompt, cached, completion = usage_counts(usage)
         for counter, value in ((bound.prompt_tokens, prompt), (bound.cached_tokens, cached),
                                (bound.completion_tokens, completion)):
             if value:
@@ -760,8 +830,3 @@ def record_latency(bound, started: float, ended: float, first_token_at: float | 
         assert watch.last_token_at is not None  # set with the first token
         add_observations(bound.inter_token, watch.counts, watch.last_token_at - watch.first_token_at)
     return prompt, cached, completion
-
-
-def _count_of(mapping: dict, key: str) -> int | None:
-    value = mapping.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 40 else None

@@ -144,6 +144,15 @@ class StreamWatch:
         pending = text[start:]
         self._pending = pending if len(pending) <= MAX_UNPARSED_BYTES else None
 
+    @property
+    def tokens_seen(self) -> int:
+        """The events that carried tokens so far, the first one's included (one per engine step: a stream
+        broken off is charged these); before :meth:`close`, the last ones held back may include the usage chunk
+        and ``[DONE]``."""
+        if self.first_token_at is None:
+            return 0
+        return 1 + sum(self.counts) + self._older_n + self._newer_n
+
     def _account(self, at: float, events: int) -> None:
         """``events`` tokens that arrived at ``at``: each waited an equal share of the time since the last."""
         assert self.last_token_at is not None  # set with the first token, before any piece is held

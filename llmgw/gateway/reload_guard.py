@@ -189,7 +189,7 @@ def summarize(old: Config, new: Config) -> ReloadSummary:
         deployments=_changes(_deployments(old), _deployments(new)),
         admin_tokens=(len(old.admin_tokens), len(new.admin_tokens)),
         join_tokens=(_join_tokens(old), _join_tokens(new)),
-        api_keys=KeyChanges.between([k.key for k in old.api_keys], [k.key for k in new.api_keys]))
+        api_keys=KeyChanges.between([k.sha256 for k in old.api_keys], [k.sha256 for k in new.api_keys]))
 
 
 def restart_required(started: Config, new: Config) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ Both return None when there is no usage object, never raise.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 _KEY = b'"usage"'
 _decoder = json.JSONDecoder()
@@ -58,3 +59,16 @@ def usage_of_stream_tail(pieces: list[bytes]) -> dict | None:
                 if isinstance(usage, dict):
                     return usage
     return None
+
+
+def usage_counts(usage: Mapping[str, object]) -> tuple[int | None, int | None, int | None]:
+    """``(prompt_tokens, cached_tokens, completion_tokens)`` of a usage object, each None where it is missing or
+    not a sane count (an integer in ``[0, 2**40)``)."""
+    details = usage.get("prompt_tokens_details")
+    cached = _count_of(details, "cached_tokens") if isinstance(details, dict) else None
+    return _count_of(usage, "prompt_tokens"), cached, _count_of(usage, "completion_tokens")
+
+
+def _count_of(mapping: Mapping[str, object], key: str) -> int | None:
+    value = mapping.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 40 else None

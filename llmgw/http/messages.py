@@ -103,3 +103,12 @@ def error_response(status: int, message: str, *, param: str | None = None, code:
                    type_: str | None = None, headers: list[tuple[bytes, bytes]] | None = None) -> Response:
     return Response(status, [(b"content-type", b"application/json")] + (headers or []),
                     error_body(status, message, param=param, code=code, type_=type_))
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header value (the scheme in any case), or None."""
+    scheme, _, token = (authorization or "").partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token

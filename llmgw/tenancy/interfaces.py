@@ -9,7 +9,8 @@ A request's way through them (``llmgw/gateway/dataplane.py``):
    Redis only when the tenant's local lease cannot cover the request (its first, a burst);
 4. once the answer ended, however it ended, ``admitted.settle(usage)`` exactly once: the
    reservation is replaced by what was used (None: nothing reached an engine, the tokens go back);
-5. ``usage_sink.record(UsageRecord(...))`` for every answer an engine produced.
+5. ``usage_sink.record(UsageRecord(...))`` for every answer an engine produced, and
+   ``usage_sink.refused(tenant, model, reason)`` for every 429 and 403 of steps 2 and 3.
 
 Each is implemented twice at most: in this process (``state.backend: local``, SQLite in the state dir)
 and through Redis (a cluster, and ``--workers``); :class:`Tenancy` bundles the ones a gateway runs.
@@ -81,6 +82,10 @@ class UsageRecord:
 class UsageSink(Protocol):
     def record(self, record: UsageRecord) -> None:
         """Take one answer's usage; never waits (it reaches the store within ``usage_flush_interval``)."""
+
+    def refused(self, tenant: Tenant, model: str, reason: str, at: float | None = None) -> None:
+        """Count one request refused before routing, in its key's usage: ``reason`` is the 429's error type
+        (``rate_limit_exceeded``, ``insufficient_quota``) or ``model_not_allowed`` (the 403); never waits."""
 
 
 @dataclass

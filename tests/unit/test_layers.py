@@ -43,6 +43,7 @@ ALLOWED = {
     ("llmgw.control", "llmgw.router.model"): "a source declares each model it serves as a TierModel",
     ("llmgw.control", "llmgw.router.replica"): "a source adds the Replica objects the router routes to",
     ("llmgw.control", "llmgw.router.replicas"): "the source names (STATIC, DEPLOYED) the replica table keys on",
+    ("llmgw.tenancy", "llmgw.cluster"): "tenancy's Redis stores and leases use the cluster's link and records",
 }
 
 

@@ -1,0 +1,181 @@
+"""The one Lua script through which every process takes, renews and gives back its shares of the limits in Redis.
+
+A call carries a batch of operations, one per pool (of any keys and teams): Redis runs them atomically, at its
+own time (``TIME``), so the processes' clocks do not matter. Each operation says what the process gives back
+(``give``: a share not used), what it owes (``charge``: answers that used more than their reservation), the
+least it needs now (``need``: what waiting requests lack; 0 when refilling ahead) and the most it would take
+(``want``). It is granted ``want`` or what is left when that is less but at least ``need``, else nothing
+(a partial grant no waiter can use would only be held from the others).
+
+- ``b`` a token bucket (rpm, tpm): a hash ``{l: level, t: ms}``; missing means full. The level refills at
+  capacity per window; it may go below zero (a charge), never above the capacity.
+- ``s`` concurrency slots: a hash ``holder -> slots held`` and a sorted set ``holder -> expiry (ms)``. The
+  process says how many it holds now (``have``, absolute: a lost reply or a Redis restart cannot make the count
+  drift); holders not renewed before their expiry, or whose expiry is further than 10 TTLs away (nobody writes
+  that), are dropped, so a process killed with ``kill -9`` frees its slots within the TTL.
+- ``g`` a budget: a counter of what the period spent, leases included (a lease is charged when taken, its unused
+  part given back); it expires a day after its period ends.
+
+Whatever Redis holds is clamped before use (someone else may write there): a key of another type is
+dropped, a level clamped to ``[-1e15, capacity]``, a time to ``[0, now]``, a holder's slots to ``[0, capacity]``,
+a budget's spend to ``[0, 2^53]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+BUCKET, SLOTS, BUDGET = "b", "s", "g"
+MAX_SPEND = 1 << 53  # Lua's numbers are doubles: exact integers up to here (9 million USD in nano-dollars)
+
+LEASE = r"""
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function num(v, lo, hi)
+  v = tonumber(v)
+  if v == nil or v ~= v then return lo end
+  if v < lo then return lo end
+  if v > hi then return hi end
+  return v
+end
+local function fit(key, kind)
+  local found = redis.call('TYPE', key)['ok']
+  if found ~= 'none' and found ~= kind then redis.call('DEL', key) end
+end
+local function grant_of(avail, need, want)
+  if want <= 0 or avail < need or avail <= 0 then return 0 end
+  return math.min(want, avail)
+end
+local out = {}
+local k, a = 1, 2
+for i = 1, tonumber(ARGV[1]) do
+  local kind = ARGV[a]
+  local cap = tonumber(ARGV[a + 1])
+  if kind == 'b' then
+    local key, window = KEYS[k], tonumber(ARGV[a + 2])
+    local need, want, give, charge = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]),
+      tonumber(ARGV[a + 6])
+    k, a = k + 1, a + 7
+    fit(key, 'hash')
+    local state = redis.call('HMGET', key, 'l', 't')
+    local level = cap
+    if state[1] then
+      level = num(state[1], -1e15, cap)
+      local at = num(state[2], 0, now)
+      level = math.min(cap, level + (now - at) * cap / window)
+    end
+    level = math.min(cap, level + give) - charge
+    local grant = grant_of(math.floor(level), need, want)
+    level = level - grant
+    if level >= cap then
+      redis.call('DEL', key)
+    else
+      redis.call('HSET', key, 'l', string.format('%.6f', level), 't', now)
+      redis.call('PEXPIRE', key, math.ceil(window * 2 + (cap - level) * window / math.max(cap, 1)))
+    end
+    out[i] = {grant, string.format('%.6f', level)}
+  elseif kind == 's' then
+    local hkey, zkey = KEYS[k], KEYS[k + 1]
+    local holder, have, need, want, ttl = ARGV[a + 2], tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]),
+      tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
+    k, a = k + 2, a + 7
+    fit(hkey, 'hash')
+    fit(zkey, 'zset')
+    local all = redis.call('HGETALL', hkey)
+    local others = 0
+    for j = 1, #all, 2 do
+      if all[j] ~= holder then
+        local expiry = tonumber(redis.call('ZSCORE', zkey, all[j]))
+        if expiry == nil or expiry <= now or expiry > now + 10 * ttl then
+          redis.call('HDEL', hkey, all[j])
+          redis.call('ZREM', zkey, all[j])
+        else
+          others = others + num(all[j + 1], 0, cap)
+        end
+      end
+    end
+    local free = cap - others - have
+    local grant = grant_of(free, need, want)
+    local mine = have + grant
+    if mine > 0 then
+      redis.call('HSET', hkey, holder, mine)
+      redis.call('ZADD', zkey, now + ttl, holder)
+    else
+      redis.call('HDEL', hkey, holder)
+      redis.call('ZREM', zkey, holder)
+    end
+    redis.call('PEXPIRE', hkey, 20 * ttl)
+    redis.call('PEXPIRE', zkey, 20 * ttl)
+    out[i] = {grant, math.max(0, free - grant)}
+  else
+    local key = KEYS[k]
+    local need, want, give, charge, expire_at = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]),
+      tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
+    k, a = k + 1, a + 7
+    fit(key, 'string')
+    local spent = num(redis.call('GET', key), 0, 9007199254740992)
+    spent = math.max(0, spent - give) + charge
+    local grant = grant_of(cap - spent, need, want)
+    spent = spent + grant
+    redis.call('SET', key, string.format('%d', spent))
+    if expire_at > 0 then redis.call('PEXPIREAT', key, expire_at) end
+    out[i] = {grant, string.format('%d', math.max(0, cap - spent))}
+  end
+end
+return out
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    """One pool's part of a lease call. ``extra`` is the bucket's window (ms), the slots' holder, or the budget's
+    expiry (Unix ms, 0: none); ``have`` is the slots this process holds after ``give``."""
+
+    kind: str
+    keys: tuple[str, ...]
+    capacity: int
+    need: int
+    want: int
+    give: int = 0
+    charge: int = 0
+    extra: int | str = 0
+    have: int = 0
+    ttl_ms: int = 0
+
+
+def encode(operations: list[Operation]) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of one call of :data:`LEASE`."""
+    keys: list[str] = []
+    args: list[Any] = [len(operations)]
+    for op in operations:
+        keys += op.keys
+        if op.kind == BUCKET:
+            args += [BUCKET, op.capacity, op.extra, op.need, op.want, op.give, op.charge]
+        elif op.kind == SLOTS:
+            args += [SLOTS, op.capacity, op.extra, op.have, op.need, op.want, op.ttl_ms]
+        else:
+            args += [BUDGET, op.capacity, op.need, op.want, op.give, op.charge, op.extra]
+    return keys, args
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    granted: int  # what the process now holds more
+    left: float  # what is left in Redis after the grant (a bucket's level, free slots, a budget's remainder)
+
+
+def decode(reply: Any, operations: list[Operation]) -> list[Answer]:
+    """The script's reply, one :class:`Answer` per operation, clamped to what was asked; ``ValueError`` if it is
+    not the script's shape."""
+    if not isinstance(reply, list) or len(reply) != len(operations):
+        raise ValueError(f"the lease script answered {reply!r:.200}")
+    answers = []
+    for item, op in zip(reply, operations):
+        if not isinstance(item, list) or len(item) != 2:
+            raise ValueError(f"the lease script answered {item!r:.200}")
+        granted, left = int(item[0]), float(item[1])
+        if left != left:  # NaN
+            left = 0.0
+        answers.append(Answer(max(0, min(granted, op.want)), max(-1e15, min(left, float(op.capacity)))))
+    return answers

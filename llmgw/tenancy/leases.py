@@ -1,0 +1,222 @@
+"""One limit's share in this process: the part of a pool in Redis it leased, spent locally without waiting.
+
+A :class:`LeasedPool` is the :class:`~.admission.Pool` a :class:`~.redis_limiter.RedisLimiter` admits against.
+Its ``held`` is what the process took from Redis and has not reserved yet; a settle puts what an answer did not
+use back into it (an answer that used more makes it negative: a debt, charged to Redis at the next call). It
+learns the process's demand (an exponential average of what is reserved per second) and sizes each lease to
+``lease_seconds`` of it, asking again in the background when less than half of that is left; what it holds
+goes back after ``lease_idle_seconds`` without a request, or at shutdown.
+
+While Redis is away (:attr:`Leases.degraded`), rate limits are this process's own buckets of the limit divided
+by the live processes, and budgets admit only what the lease in hand holds (``budgets_fail_closed``) or
+everything (the settled spend is charged when Redis is back).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+from urllib.parse import quote
+
+from .admission import BUDGETS, CONCURRENCY, Subject
+from .lease_script import BUCKET, BUDGET, SLOTS, Answer, Operation
+from .pools import CONCURRENCY_RETRY, DAY, TokenBucket, period_end, period_start
+
+WINDOW = 60.0  # rpm and tpm refill over a minute
+FALLBACK = 1  # the stamp of a reservation in the fallback bucket (Redis away)
+DEMAND_HALF_LIFE = 2.0  # seconds: how fast the demand estimate forgets
+
+
+class Leases(Protocol):
+    """What a pool asks of the limiter that owns it."""
+
+    degraded: bool
+    budgets_fail_closed: bool
+    lease_seconds: float
+    holder: str
+    holder_ttl_ms: int
+
+    def refill_soon(self, pool: "LeasedPool") -> None: ...
+
+    def give_soon(self, pool: "LeasedPool") -> None: ...
+
+    def fallback_capacity(self, capacity: int) -> int: ...
+
+
+def kind_of(dimension: str) -> str:
+    if dimension == CONCURRENCY:
+        return SLOTS
+    return BUDGET if dimension in BUDGETS else BUCKET
+
+
+class LeasedPool:
+    def __init__(self, owner: Leases, prefix: str, subject: Subject, dimension: str, period: str | None,
+                 capacity: int, now: float):
+        self.owner = owner
+        self.kind = kind_of(dimension)
+        self.dimension = dimension
+        self.period = period
+        self.capacity = capacity
+        self._base = f"{prefix}{subject.kind}:{quote(subject.name, safe='')}:{dimension}"
+        self.held = 0  # leased, not reserved; negative: a debt
+        self.in_use = 0  # slots only: reserved and not settled
+        self.give = 0  # slots only: to give back at the next call
+        self.asked = 0  # what waiting requests lack, for the next call
+        self.least = 0  # what the waiting request that lacks least lacks (a grant of less serves none)
+        self.left = float(capacity)  # what Redis said was left at its last answer
+        self.left_at = now
+        self.demand = 0.0  # units reserved per second, decaying
+        self.demand_at = now
+        self.last_use = now
+        self.start = period_start(period, now) if period is not None else 0.0
+        self.fallback: TokenBucket | None = None
+
+    # -- what admission asks (the Pool protocol) --
+
+    def resize(self, capacity: int, now: float) -> None:
+        self.capacity = capacity
+        self.left = min(self.left, float(capacity))
+        if self.fallback is not None:
+            self.fallback.resize(self.owner.fallback_capacity(capacity), now)
+
+    def _roll(self, now: float) -> None:
+        if self.period is not None and period_start(self.period, now) != self.start:
+            self.start = period_start(self.period, now)
+            self.held, self.left = 0, float(self.capacity)  # last period's lease lapses with its counter
+
+    def _fallback(self, now: float) -> TokenBucket:
+        if self.fallback is None:
+            self.fallback = TokenBucket(self.owner.fallback_capacity(self.capacity), now, WINDOW)
+        return self.fallback
+
+    def room(self, now: float) -> float:
+        self._roll(now)
+        if self.owner.degraded:
+            if self.kind == BUCKET:
+                return self._fallback(now).room(now)
+            if self.kind == SLOTS:
+                return self.owner.fallback_capacity(self.capacity) - self.in_use
+            if not self.owner.budgets_fail_closed:
+                return math.inf
+        return self.held
+
+    def reserve(self, amount: int, now: float) -> int:
+        self._roll(now)
+        self._note_demand(amount, now)
+        if self.owner.degraded and self.kind == BUCKET:
+            self._fallback(now).reserve(amount, now)
+            return FALLBACK
+        self.held -= amount
+        if self.kind == SLOTS:
+            self.in_use += amount
+            if self.held < 0:  # the fallback's slots (Redis away) are counted in Redis when it is back
+                self.held = 0
+        elif not self.owner.degraded and self.held < self.lease_size() / 2:
+            self.owner.refill_soon(self)
+        return int(self.start)
+
+    def adjust(self, reserved: int, used: int, stamp: int, now: float) -> None:
+        self._roll(now)
+        if self.kind == BUCKET and stamp == FALLBACK:
+            self._fallback(now).adjust(reserved, used, stamp, now)
+        elif self.kind == SLOTS:
+            self.in_use = max(0, self.in_use - reserved)
+            self.held += reserved
+            if self.left <= 0 and not self.owner.degraded:  # none was free: another process may wait for it
+                self.owner.give_soon(self)
+        elif stamp == int(self.start):
+            self.held += reserved - used
+        else:  # reserved in a period that has ended: its use counts in this one
+            self.held -= used
+
+    def wait(self, amount: int, now: float) -> float:
+        if self.kind == SLOTS:
+            return CONCURRENCY_RETRY
+        if self.kind == BUDGET:
+            assert self.period is not None
+            return math.inf if amount > self.capacity else period_end(self.period, now) - now
+        if self.owner.degraded:
+            return self._fallback(now).wait(amount, now)
+        rate = self.capacity / WINDOW
+        if rate <= 0:
+            return math.inf
+        missing = min(float(amount), float(self.capacity)) - self.held - self._left_now(now)
+        return max(0.0, missing / rate)
+
+    def remaining(self, now: float) -> int:
+        if self.owner.degraded and self.kind == BUCKET:
+            return self._fallback(now).remaining(now)
+        return max(0, min(self.capacity, int(self.held + self._left_now(now))))
+
+    def reset_in(self, now: float) -> float:
+        if self.kind == BUDGET:
+            assert self.period is not None
+            return period_end(self.period, now) - now
+        if self.kind == SLOTS or self.capacity <= 0:
+            return 0.0
+        return max(0.0, (self.capacity - self.remaining(now)) / (self.capacity / WINDOW))
+
+    # -- what the limiter's lease calls do --
+
+    def _left_now(self, now: float) -> float:
+        if self.kind != BUCKET:
+            return self.left
+        return min(float(self.capacity), self.left + max(0.0, now - self.left_at) * self.capacity / WINDOW)
+
+    def _note_demand(self, amount: int, now: float) -> None:
+        elapsed = max(0.0, now - self.demand_at)
+        self.demand = self.demand * 0.5 ** (elapsed / DEMAND_HALF_LIFE) + amount / DEMAND_HALF_LIFE
+        self.demand_at, self.last_use = now, now
+
+    def lease_size(self) -> int:
+        """What one lease takes: ``lease_seconds`` of the recent demand, at least 1, at most the capacity."""
+        return max(1, min(self.capacity, math.ceil(self.demand * self.owner.lease_seconds)))
+
+    def ask(self, amount: int) -> None:
+        """A waiting request lacks ``amount``: the next call asks for it (with what the others lack)."""
+        amount = max(0, amount)
+        self.asked += amount
+        self.least = amount if not self.least else min(self.least, amount)
+
+    def operation(self, now: float, idle: bool) -> Operation | None:
+        """This pool's part of the next call (and the local bookkeeping of what it gives and charges), or None
+        when it has nothing to ask, give, owe or renew. ``idle``: give back all it holds."""
+        self._roll(now)
+        need, asked = self.least, self.asked
+        self.least = 0
+        if self.kind == SLOTS:
+            give = self.held if idle else 0
+            want = asked
+            self.held -= give
+            have = self.in_use + self.held
+            if not (want or give or have):
+                return None
+            return Operation(SLOTS, (self._base, self._base + ":holders"), self.capacity, need, want,
+                             extra=self.owner.holder, have=have, ttl_ms=self.owner.holder_ttl_ms)
+        give = max(0, self.held) if idle else 0
+        charge = max(0, -self.held)
+        self.held += charge - give
+        want = 0 if idle else max(asked, self.lease_size() - self.held)
+        if not (want or give or charge):
+            return None
+        if self.kind == BUCKET:
+            return Operation(BUCKET, (self._base,), self.capacity, need, want, give, charge, int(WINDOW * 1000))
+        assert self.period is not None
+        ends = period_end(self.period, now)
+        expire_at = 0 if math.isinf(ends) else int((ends + DAY) * 1000)
+        key = f"{self._base}:{self.period}:{int(self.start)}"
+        return Operation(BUDGET, (key,), self.capacity, need, want, give, charge, expire_at)
+
+    def answered(self, answer: Answer, asked: int, now: float) -> None:
+        """Redis granted ``answer.granted``; the asks it answered (``asked``) are done."""
+        self.held += answer.granted
+        self.asked = max(0, self.asked - asked)
+        self.left, self.left_at = answer.left, now
+
+    def unanswered(self, operation: Operation, asked: int) -> None:
+        """The call failed: what it gave or charged stays to be given or charged."""
+        self.held += operation.give - operation.charge
+        self.asked = max(0, self.asked - asked)
+
+    def idle(self, now: float, idle_seconds: float) -> bool:
+        return self.held > 0 and now - self.last_use >= idle_seconds

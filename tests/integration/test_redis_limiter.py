@@ -1,0 +1,239 @@
+"""The limiter of a cluster with a real redis-server: several limiters (each with its own Redis connection, in this
+process, or real processes of llmgw.testing.limiter_driver) admit as one; concurrency slots of a process killed
+with kill -9 come back; Redis killed: each process falls back to its share of the limits, budgets closed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+
+import trio
+
+from llmgw.cluster.link import RedisLink
+from llmgw.cluster.metrics import ClusterMetrics
+from llmgw.config.loading import parse_config
+from llmgw.tenancy.interfaces import OUT_OF_QUOTA, RATE_LIMITED, Refusal
+from llmgw.tenancy.limiter_metrics import LimiterMetrics
+from llmgw.tenancy.model import Budget, Estimate, Limits, Team, TenancySettings, Tenant, Usage
+from llmgw.tenancy.redis_limiter import RedisLimiter, tenancy_prefix
+from llmgw.testing.limiter_driver import READY
+from llmgw.testing.processes import start_child
+from llmgw.testing.shared_state import state_section
+
+SMALL = Estimate(prompt_tokens=10, max_output_tokens=0)
+
+
+async def start_limiter(nursery, redis_url: str, cluster: str, origin: str, settings: TenancySettings | None = None,
+                        **options) -> RedisLimiter:
+    state = parse_config(state_section(redis_url, cluster, timeout="1s")).state
+    link = RedisLink(state, ClusterMetrics(None, "gateway", cluster, origin))
+    await nursery.start(link.run)
+    limiter = RedisLimiter(settings or TenancySettings(), link, cluster, origin, metrics=LimiterMetrics(), **options)
+    await nursery.start(limiter.run)
+    return limiter
+
+
+def tenant(limits: Limits, name: str = "alice", team: Team | None = None) -> Tenant:
+    return Tenant(key_id=f"k-{name}", name=name, limits=limits, team=team)
+
+
+async def burst(limiter: RedisLimiter, who: Tenant, count: int, estimate: Estimate = SMALL) -> list:
+    answers: list = []
+
+    async def one() -> None:
+        answers.append(await limiter.admit(who, "m", estimate))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(count):
+            nursery.start_soon(one)
+    return answers
+
+
+def admitted(answers: list) -> list:
+    return [answer for answer in answers if not isinstance(answer, Refusal)]
+
+
+async def test_four_limiters_bursting_100_each_admit_exactly_the_rpm(nursery, redis_url, cluster_name):
+    limiters = [await start_limiter(nursery, redis_url, cluster_name, f"g{i}") for i in range(4)]
+    alice = tenant(Limits(rpm=150))
+    results: list[list] = [[] for _ in limiters]
+    async with trio.open_nursery() as bursts:
+        for i, limiter in enumerate(limiters):
+            bursts.start_soon(lambda i=i, limiter=limiter: _into(results[i], burst(limiter, alice, 100)))
+    counts = [len(admitted(answers)) for answers in results]
+    assert sum(counts) == 150, counts  # never more; and every request a lease covered was admitted
+    refused = [answer for answers in results for answer in answers if isinstance(answer, Refusal)]
+    assert refused[0].error_type == RATE_LIMITED and "150 requests per minute" in refused[0].message
+    assert sum(limiter.metrics.lease_waits._value.get() for limiter in limiters) == 400
+
+
+async def _into(target: list, answers) -> None:
+    target.extend(await answers)
+
+
+async def test_a_share_not_used_goes_back_to_the_others_when_idle(nursery, redis_url, cluster_name):
+    settings = TenancySettings(lease_seconds=5.0, lease_idle_seconds=0.5)
+    first = await start_limiter(nursery, redis_url, cluster_name, "g1", settings)
+    second = await start_limiter(nursery, redis_url, cluster_name, "g2", settings)
+    alice = tenant(Limits(rpm=60))
+    for _ in range(5):  # a steady demand makes its leases larger than one request
+        for answer in admitted(await burst(first, alice, 4)):
+            answer.settle(None)
+    held = next(iter(first._pools())).held
+    assert held > 0  # it leased ahead of its demand
+    assert len(admitted(await burst(second, alice, 60))) == 60 - 20 - held
+    with trio.fail_after(5):
+        while next(iter(first._pools())).held:
+            await trio.sleep(0.05)
+    assert len(admitted(await burst(second, alice, held))) == held
+
+
+async def test_tokens_settled_above_their_reservation_are_charged_to_the_shared_bucket(nursery, redis_url,
+                                                                                        cluster_name):
+    first = await start_limiter(nursery, redis_url, cluster_name, "g1")
+    second = await start_limiter(nursery, redis_url, cluster_name, "g2")
+    alice = tenant(Limits(tpm=6000))
+    (answer,) = await burst(first, alice, 1, Estimate(prompt_tokens=100, max_output_tokens=100))
+    answer.settle(Usage(prompt_tokens=100, completion_tokens=5000))  # 4900 over: a debt the next call pays
+    with trio.fail_after(5):
+        while next(iter(first._pools())).held < 0:
+            await trio.sleep(0.05)
+    refused = await second.admit(alice, "m", Estimate(prompt_tokens=2000, max_output_tokens=0))
+    assert isinstance(refused, Refusal), "5100 of 6000 tokens are spent; 2000 more do not fit"
+    assert 8.0 < refused.retry_after <= 11.0  # 1100 missing, at 100 tokens per second (less what refilled since)
+
+
+async def test_concurrency_is_shared_and_a_settled_slot_frees_up(nursery, redis_url, cluster_name):
+    first = await start_limiter(nursery, redis_url, cluster_name, "g1")
+    second = await start_limiter(nursery, redis_url, cluster_name, "g2")
+    alice = tenant(Limits(concurrency=3))
+    held = admitted(await burst(first, alice, 2)) + admitted(await burst(second, alice, 5))
+    assert len(held) == 3
+    assert all(isinstance(answer, Refusal) for answer in await burst(second, alice, 3))
+    held[0].settle(Usage(1, 1))
+    with trio.fail_after(5):  # the slot goes back to Redis when idle, or serves its own process at once
+        while not admitted(await burst(second, alice, 1)):
+            await trio.sleep(0.1)
+
+
+async def test_budgets_are_shared_and_charged_per_period(nursery, redis_url, cluster_name):
+    first = await start_limiter(nursery, redis_url, cluster_name, "g1")
+    second = await start_limiter(nursery, redis_url, cluster_name, "g2")
+    team = Team("ml", limits=Limits(budgets=(Budget("day", nano_usd=1000),)))
+    alice, bob = tenant(Limits(), "alice", team), tenant(Limits(), "bob", team)
+    one = await first.admit(alice, "m", Estimate(1, 1, nano_usd=600))
+    assert not isinstance(one, Refusal)
+    refused = await second.admit(bob, "m", Estimate(1, 1, nano_usd=600))
+    assert isinstance(refused, Refusal) and refused.error_type == OUT_OF_QUOTA
+    one.settle(Usage(1, 1, nano_usd=100))
+    with trio.fail_after(5):  # first's unused 500 go back when idle
+        while isinstance(await second.admit(bob, "m", Estimate(1, 1, nano_usd=600)), Refusal):
+            await trio.sleep(0.2)
+
+
+async def test_what_a_hostile_writer_leaves_in_redis_is_clamped(nursery, redis_url, cluster_name):
+    limiter = await start_limiter(nursery, redis_url, cluster_name, "g1")
+    prefix = tenancy_prefix(cluster_name)
+
+    async def write(command) -> None:
+        await limiter.link.call("test_write", command)
+
+    await write(lambda c: c.hset(prefix + "key:k-alice:requests", {"l": "1e300", "t": "-5"}))
+    await write(lambda c: c.rpush(prefix + "key:k-alice:tokens", ["not a bucket"]))
+    await write(lambda c: c.hset(prefix + "key:k-bob:concurrency", {"forged": "1000000"}))
+    await write(lambda c: c.zadd(prefix + "key:k-bob:concurrency:holders", {"forged": 1e15}))
+    await write(lambda c: c.set(prefix + "key:k-carol:budget_tokens:total:0", "-1e30"))
+    alice = tenant(Limits(rpm=20, tpm=1000), "alice")
+    assert len(admitted(await burst(limiter, alice, 50))) == 20
+    bob = tenant(Limits(concurrency=5), "bob")
+    assert len(admitted(await burst(limiter, bob, 50))) == 5  # the endless forged holder is dropped
+    carol = tenant(Limits(budgets=(Budget("total", tokens=100),)), "carol")
+    assert len(admitted(await burst(limiter, carol, 20))) == 10
+    assert not limiter.degraded
+
+
+async def test_real_processes_bursting_together_admit_at_most_the_rpm(nursery, redis_url, cluster_name, tmp_path):
+    go = tmp_path / "go"
+    drivers = [await start_driver(nursery, redis_url, cluster_name, f"d{i}", go, "--rpm", "120")
+               for i in range(3)]
+    go.touch()
+    results = [await result_of(driver) for driver in drivers]
+    assert sum(result["admitted"] for result in results) == 120, results
+    assert sum(result["refused"] for result in results) == 180
+
+
+async def test_the_slots_of_a_process_killed_with_kill_9_come_back_within_the_ttl(nursery, redis_url,
+                                                                                  cluster_name, tmp_path):
+    go = tmp_path / "go"
+    holder = await start_driver(nursery, redis_url, cluster_name, "holder", go, "--concurrency", "3", "--burst",
+                                "3", "--hold", "inf", "--holder-ttl", "1")
+    go.touch()
+    assert (await result_of(holder))["admitted"] == 3
+    other = await start_limiter(nursery, redis_url, cluster_name, "other", holder_ttl=1.0)
+    alice = Tenant(key_id="k-driver", name="k-driver", limits=Limits(concurrency=3))
+    assert isinstance(await other.admit(alice, "m", SMALL), Refusal)
+    holder.process.send_signal(signal.SIGKILL)
+    killed = trio.current_time()
+    with trio.fail_after(10):
+        while isinstance(await other.admit(alice, "m", SMALL), Refusal):
+            await trio.sleep(0.1)
+    assert trio.current_time() - killed < 1.0 + 2.0  # the TTL, and the other's wait for its next call
+
+
+async def test_redis_away_rate_limits_fall_back_to_a_share_and_budgets_close(nursery, private_redis, cluster_name,
+                                                                             caplog):
+    caplog.set_level(logging.INFO, "llmgw.tenancy")
+    limiter = await start_limiter(nursery, private_redis.url, cluster_name, "g1", live_processes=lambda: 4)
+    rated = tenant(Limits(rpm=100), "rated")
+    budgeted = tenant(Limits(budgets=(Budget("total", tokens=1000),)), "budgeted")
+    assert len(admitted(await burst(limiter, rated, 10))) == 10
+    lease = await limiter.admit(budgeted, "m", Estimate(10, 0))
+    assert not isinstance(lease, Refusal)
+    lease.settle(None)  # its 10 stay in this process's lease
+    await private_redis.kill()
+    with trio.fail_after(10):
+        while not limiter.degraded:
+            await trio.sleep(0.05)
+    assert limiter.metrics.degraded._value.get() == 1
+    assert len(admitted(await burst(limiter, rated, 50))) == 25  # the limit divided by the 4 live processes
+    assert len(admitted(await burst(limiter, budgeted, 3, Estimate(5, 0)))) == 2  # only its lease in hand
+    refused = await limiter.admit(budgeted, "m", Estimate(5, 0))
+    assert refused.error_type == OUT_OF_QUOTA
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "tenant limits degraded" in r.message]
+    assert len(warnings) == 1 and "divided by the 4 live processes" in warnings[0].message
+    await private_redis.restart()
+    with trio.fail_after(15):
+        while limiter.degraded:
+            await trio.sleep(0.05)
+    assert limiter.metrics.degraded._value.get() == 0
+    assert any("Redis answers again" in r.message for r in caplog.records)
+    assert not isinstance(await limiter.admit(budgeted, "m", Estimate(5, 0)), Refusal)  # shared again
+
+
+async def test_redis_away_budgets_open_when_configured_so(nursery, private_redis, cluster_name):
+    settings = TenancySettings(budgets_fail_closed=False)
+    limiter = await start_limiter(nursery, private_redis.url, cluster_name, "g1", settings)
+    budgeted = tenant(Limits(budgets=(Budget("total", tokens=100),)), "budgeted")
+    await private_redis.kill()
+    with trio.fail_after(10):
+        while not limiter.degraded:
+            await limiter.admit(budgeted, "m", Estimate(1, 0))
+            await trio.sleep(0.05)
+    assert len(admitted(await burst(limiter, budgeted, 5, Estimate(100, 0)))) == 5
+
+
+async def start_driver(nursery, redis_url: str, cluster: str, origin: str, go, *options: str):
+    argv = [sys.executable, "-m", "llmgw.testing.limiter_driver", "--redis-url", redis_url, "--cluster", cluster,
+            "--origin", origin, "--go-file", str(go), *options]
+    return await start_child(nursery, argv, name=origin, ready=READY, stop_grace=2)
+
+
+async def result_of(driver) -> dict:
+    with trio.fail_after(20):
+        while True:
+            for line in driver.lines:
+                if line.startswith("result "):
+                    return json.loads(line.removeprefix("result "))
+            await trio.sleep(0.05)
