@@ -53,20 +53,22 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--burst-limit", type=int, default=50, help="a burst lane's limit, in requests")
     parser.add_argument("--steady-limit", type=int, default=120, help="rpm of the steady and Redis lanes")
     parser.add_argument("--steady-seconds", type=float, default=60.0)
+    parser.add_argument("--redis-before", type=float, default=5.0, help="seconds of steady load before the kill")
     parser.add_argument("--redis-away", type=float, default=10.0, help="seconds Redis is down")
+    parser.add_argument("--redis-after", type=float, default=10.0, help="seconds of load after its restart")
     parser.add_argument("--latency-requests", type=int, default=200, help="per lane")
-    parser.add_argument("--quick", action="store_true", help="one repeat, N = 1, 2, 10 s of steady load")
+    parser.add_argument("--quick", action="store_true", help="other defaults: one repeat, N = 1, 2, 10 s of "
+                                                             "steady load, Redis away 4 s")
     parser.add_argument("--workdir", help="where the processes' files go (default: a temporary folder)")
+    if "--quick" in argv:
+        parser.set_defaults(repeats=1, gateways="1,2", steady_seconds=10.0, latency_requests=50,
+                            redis_before=3.0, redis_away=4.0, redis_after=4.0)
     args = parser.parse_args(argv)
     args.arms = [a for a in args.arms.split(",") if a]
     unknown = set(args.arms) - set(ARMS)
     if unknown:
         parser.error(f"unknown arms: {', '.join(sorted(unknown))}")
     args.gateways = [int(n) for n in args.gateways.split(",") if n]
-    if args.quick:
-        args.repeats, args.steady_seconds, args.redis_away, args.latency_requests = 1, 10.0, 4.0, 50
-        if args.gateways == [1, 2, 4]:
-            args.gateways = [1, 2]
     return args
 
 
@@ -97,9 +99,10 @@ async def measure(arm: str, workdir: Path, plan: Plan, timing: Timing, gateways:
             for repeat in range(plan.repeats):
                 print(f"  {fleet.label}: repeat {repeat + 1} of {plan.repeats}", file=sys.stderr, flush=True)
                 entry["runs"].append(await run_repeat(fleet, client, plan, timing, repeat))
-    except (ChildFailed, LitellmUnavailable) as exc:
-        entry["error"] = str(exc).splitlines()[0][:200]
-        entry["error_detail"] = str(exc)[-4000:]
+    except* (ChildFailed, LitellmUnavailable) as group:
+        failure = str(group.exceptions[0])
+        entry["error"] = failure.splitlines()[0][:200]
+        entry["error_detail"] = failure[-4000:]
     entry["summary"] = summary(entry["runs"])
     return entry
 
@@ -107,8 +110,8 @@ async def measure(arm: str, workdir: Path, plan: Plan, timing: Timing, gateways:
 async def run(args: argparse.Namespace, root: Path) -> dict:
     plan = Plan(repeats=args.repeats, burst=args.burst, burst_limit=args.burst_limit,
                 steady_limit=args.steady_limit)
-    timing = Timing(steady_seconds=args.steady_seconds, redis_away=args.redis_away,
-                    latency_requests=args.latency_requests)
+    timing = Timing(steady_seconds=args.steady_seconds, redis_before=args.redis_before, redis_away=args.redis_away,
+                    redis_after=args.redis_after, latency_requests=args.latency_requests)
     arms = []
     for i, (arm, gateways, workers) in enumerate(arm_runs(args)):
         print(f"llmgw bench limits: {arm}, N={gateways}, workers={workers}", file=sys.stderr, flush=True)

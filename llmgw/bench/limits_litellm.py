@@ -77,10 +77,10 @@ def litellm_config(plan: Plan, sim_urls: list[str], redis_port: int) -> str:
             continue
         limits = plan.limits(scenario)
         params = [f"model: openai/{MODEL}", f"api_base: {sim_urls[i % len(sim_urls)]}/v1", "api_key: none",
-                  f"input_cost_per_token: {per_token_in!r}", f"output_cost_per_token: {per_token_out!r}"]
+                  f"input_cost_per_token: {per_token_in:.12f}", f"output_cost_per_token: {per_token_out:.12f}"]
         params += [f"{name}: {limits[name]}" for name in ("rpm", "tpm") if name in limits]
         if "budget_nano" in limits:
-            params += [f"max_budget: {limits['budget_nano'] / 1e9!r}", "budget_duration: 30d"]
+            params += [f"max_budget: {limits['budget_nano'] / 1e9:.9f}", "budget_duration: 30d"]
         lines += [f"  - model_name: {lane.name}", "    litellm_params:", *(f"      {p}" for p in params)]
     lines += ["router_settings:", "  routing_strategy: simple-shuffle", "  redis_host: 127.0.0.1",
               f"  redis_port: {redis_port}", "  optional_pre_call_checks: [enforce_model_rate_limits]",

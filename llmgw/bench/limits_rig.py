@@ -75,16 +75,16 @@ class Plan:
                 RPM_STEADY: {"rpm": steady}, TPM_STEADY: {"tpm": steady * self.request_tokens},
                 REDIS_KILL: {"rpm": steady}, FREE: {},
                 LIMITED: {"rpm": UNREACHED, "tpm": UNREACHED, "concurrency": 10**6,
-                          "budget_nano": UNREACHED * 10**6}}[scenario]
+                          "budget_nano": 10**15}}[scenario]  # a million dollars
 
     def lanes(self) -> list[tuple[str, int, Lane]]:
         return [(scenario, repeat, self.lane(scenario, repeat))
                 for repeat in range(self.repeats) for scenario in SCENARIOS]
 
 
-def usd(nano: int) -> str:
-    """Nano-dollars as the config's USD number (9 decimals at most)."""
-    return format(Decimal(nano) / 10**9, "f")
+def usd(nano: int) -> float:
+    """Nano-dollars as the config's USD number (whole nano-dollars below 2**53 are exact in a float's repr)."""
+    return nano / 10**9
 
 
 def llmgw_tenancy_config(plan: Plan) -> str:
@@ -99,8 +99,8 @@ def llmgw_tenancy_config(plan: Plan) -> str:
         if "budget_nano" in limits:
             entry["budgets"] = [{"period": "total", "usd": usd(limits["budget_nano"])}]
         keys.append(entry)
-    prices = [{"model": MODEL, "input": str(PRICE_INPUT), "cached_input": str(PRICE_INPUT),
-               "output": str(PRICE_OUTPUT)}]
+    prices = [{"model": MODEL, "input": float(PRICE_INPUT), "cached_input": float(PRICE_INPUT),
+               "output": float(PRICE_OUTPUT)}]
     # JSON is YAML: one line per entry keeps the file readable at a thousand keys
     return ("api_keys:\n" + "".join(f"  - {json.dumps(k)}\n" for k in keys)
             + "prices:\n" + "".join(f"  - {json.dumps(p)}\n" for p in prices))

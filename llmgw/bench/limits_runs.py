@@ -37,6 +37,7 @@ from .limits_workloads import (
     closed_loop,
     count,
     count_in,
+    decided,
     expected,
     fits,
     latency_ms,
@@ -92,7 +93,7 @@ async def _burst(fleet: Fleet, client: Client, plan: Plan, scenario: str, lane: 
     max_tokens = plan.long_tokens if scenario == CONCURRENCY else plan.max_tokens
     answers = await burst(client, lane, plan.burst, max_tokens)
     limits = plan.limits(scenario)
-    sends = [a.sent for a in answers]
+    sends = decided(answers)
     if scenario == RPM:
         admits = expected(fleet.kind, limits["rpm"], sends)
     elif scenario == TPM:
@@ -105,7 +106,9 @@ async def _burst(fleet: Fleet, client: Client, plan: Plan, scenario: str, lane: 
     admitted = [a for a in answers if a.admitted]
     if scenario == TPM:
         tokens = sum(a.tokens or plan.request_tokens for a in admitted)
-        out.update(tokens_admitted=tokens, tokens_limit=limits["tpm"], tokens_over=max(0, tokens - limits["tpm"]))
+        exact = counted.expected * plan.request_tokens  # the limit, and what refilled while the burst was read
+        out.update(tokens_admitted=tokens, tokens_limit=limits["tpm"], tokens_expected=exact,
+                   tokens_over=max(0, tokens - exact))
     if scenario == BUDGET:
         nano = len(admitted) * plan.request_nano
         out.update(nano_admitted=nano, nano_budget=limits["budget_nano"],
@@ -131,7 +134,7 @@ async def _load(client: Client, plan: Plan, timing: Timing, scenario: str, lane:
 
 def _admits(fleet: Fleet, plan: Plan, scenario: str, answers: list[Answer]) -> list[bool]:
     limits = plan.limits(scenario)
-    sends = [a.sent for a in answers]
+    sends = decided(answers)
     if "tpm" in limits:
         return expected(fleet.kind, limits["tpm"], sends, cost=plan.request_tokens)
     return expected(fleet.kind, limits["rpm"], sends)

@@ -7,8 +7,9 @@ with ``--output-tokens`` above every ``max_tokens`` sent, so each answer's usage
 (:class:`~.routing_arms.Spread`). An answer is *admitted* when it is not a 429 (the same counting for every arm);
 a request that got no HTTP answer at all is an error, not admitted.
 
-What a limiter should have admitted is what an exact limiter of its own kind admits for the same send times and
-the same costs (:func:`expected`): a token bucket of ``limit`` refilled at ``limit`` per minute (llmgw's rpm and
+What a limiter should have admitted is what an exact limiter of its own kind admits for the same requests, each
+decided when its answer came back (the latest it can have been decided, :func:`decided`), at the same costs
+(:func:`expected`): a token bucket of ``limit`` refilled at ``limit`` per minute (llmgw's rpm and
 tpm), or a window of ``limit`` per calendar minute (LiteLLM's). Admitted over that is overshoot; under it, the
 part of the limit that was not usable.
 """
@@ -210,11 +211,20 @@ def exact_limiter(kind: str, limit: float) -> TokenBucket | MinuteWindow:
     raise ValueError(f"unknown limiter kind {kind!r}")
 
 
-def expected(kind: str, limit: float, sends: Sequence[float], cost: float = 1.0) -> list[bool]:
-    """Which of the requests sent at ``sends`` (wall-clock seconds, in order) an exact limiter of ``kind`` admits,
-    each costing ``cost`` (1 for requests, its tokens for tokens)."""
+def expected(kind: str, limit: float, times: Sequence[float], cost: float = 1.0) -> list[bool]:
+    """Which of the requests decided at ``times`` (wall-clock seconds, any order) an exact limiter of ``kind``
+    admits, each costing ``cost`` (1 for requests, its tokens for tokens); in the order of ``times``."""
     limiter = exact_limiter(kind, limit)
-    return [limiter.take(at, cost) for at in sends]
+    admits = [False] * len(times)
+    for i in sorted(range(len(times)), key=times.__getitem__):
+        admits[i] = limiter.take(times[i], cost)
+    return admits
+
+
+def decided(answers: Sequence[Answer]) -> list[float]:
+    """The latest each request can have been decided: when its answer came (a burst sent at once reaches the
+    limiter over the time the gateways take to read it, and a bucket refills meanwhile)."""
+    return [a.done for a in answers]
 
 
 # -- what a workload's answers say ---------------------------------------------------------------------------------
