@@ -82,6 +82,13 @@ def arm_runs(args: argparse.Namespace) -> list[tuple[str, int, int]]:
     return runs
 
 
+def leaves(group: BaseException) -> list[BaseException]:
+    """The exceptions inside ``group`` and the groups within it."""
+    if isinstance(group, BaseExceptionGroup):
+        return [leaf for inner in group.exceptions for leaf in leaves(inner)]
+    return [group]
+
+
 @contextlib.asynccontextmanager
 async def open_fleet(arm: str, workdir: Path, plan: Plan, gateways: int, workers: int) -> AsyncIterator[Fleet]:
     opener = open_litellm if arm.startswith("litellm") else open_llmgw
@@ -100,7 +107,7 @@ async def measure(arm: str, workdir: Path, plan: Plan, timing: Timing, gateways:
                 print(f"  {fleet.label}: repeat {repeat + 1} of {plan.repeats}", file=sys.stderr, flush=True)
                 entry["runs"].append(await run_repeat(fleet, client, plan, timing, repeat))
     except* (ChildFailed, LitellmUnavailable) as group:
-        failure = str(group.exceptions[0])
+        failure = "\n".join(str(leaf) for leaf in leaves(group))
         entry["error"] = failure.splitlines()[0][:200]
         entry["error_detail"] = failure[-4000:]
     entry["summary"] = summary(entry["runs"])

@@ -12,7 +12,8 @@ lane of the :class:`~.limits_rig.Plan` is a model group of one deployment (one s
 ``max_budget`` over ``budget_duration`` at the same prices (``input_cost_per_token``/``output_cost_per_token``),
 kept in the same Redis. Its concurrency bound (a deployment's ``max_parallel_requests``) queues inside each
 instance instead of refusing: that lane is not measured. Cooldowns and retries are off, so each request is
-answered by the limit alone. ``LITELLM_LOCAL_MODEL_COST_MAP=True`` keeps it off the network at start.
+answered by the limit alone. ``LITELLM_LOCAL_MODEL_COST_MAP=True`` keeps it off the network at start. Several
+workers per instance run under gunicorn (``--run_gunicorn --num_workers W``).
 """
 
 from __future__ import annotations
@@ -113,8 +114,10 @@ async def open_litellm(workdir: Path, plan: Plan, instances: int, workers: int =
         async def start(i: int) -> None:
             port = free_port()
             urls[i] = f"http://127.0.0.1:{port}"
+            # several workers under uvicorn die at start without a word (1.108.5, here): gunicorn runs them
+            server = ["--num_workers", str(workers), "--run_gunicorn"] if workers > 1 else []
             await start_child(nursery, [str(command), "--config", str(config), "--host", "127.0.0.1",
-                                        "--port", str(port), "--num_workers", str(workers)],
+                                        "--port", str(port), *server],
                               name=f"litellm-{i}", ready=None, health_url=urls[i] + "/health/liveliness",
                               env=env, startup_timeout=STARTUP_TIMEOUT, stop_grace=2,
                               output_file=workdir / f"litellm-{i}.log")
