@@ -37,79 +37,89 @@ def _largest(runs: Runs, get: Callable[[dict], float | None], spec: str = ".0f")
     return format(max(values), spec) if values else "-"
 
 
+# Each measure of the JSON summary: where it is in a repeat's result
+MEASURES: dict[str, tuple[str, ...]] = {
+    "rpm_burst_admitted": (RPM, "admitted"), "rpm_burst_over": (RPM, "over"),
+    "tpm_burst_admitted": (TPM, "admitted"), "tpm_burst_tokens_over": (TPM, "tokens_over"),
+    "budget_burst_admitted": (BUDGET, "admitted"), "budget_burst_nano_over": (BUDGET, "nano_over"),
+    "concurrency_burst_admitted": (CONCURRENCY, "admitted"),
+    "concurrency_most_in_flight": (CONCURRENCY, "most_in_flight"),
+    "rpm_steady_usable": (RPM_STEADY, "usable"), "rpm_steady_over": (RPM_STEADY, "over"),
+    "tpm_steady_usable": (TPM_STEADY, "usable"), "tpm_steady_over": (TPM_STEADY, "over"),
+    "added_p50_ms": ("latency", "added_p50_ms"), "added_p99_ms": ("latency", "added_p99_ms"),
+    "redis_away_admitted": (REDIS_KILL, "away", "admitted"), "redis_away_expected": (REDIS_KILL, "away", "expected"),
+    "redis_after_admitted": (REDIS_KILL, "after", "admitted"),
+    "redis_after_expected": (REDIS_KILL, "after", "expected"),
+}
+
+
+def _at(path: tuple[str, ...]) -> Callable[[dict], float | None]:
+    def get(run: dict) -> float | None:
+        value: object = run
+        for key in path:
+            value = value[key]  # type: ignore[index]
+        return value  # type: ignore[return-value]
+    return get
+
+
 def summary(runs: Runs) -> dict:
-    """The numbers of the tables, as JSON: median, min and max of each measure, and the largest overshoots."""
-    measures: dict[str, Callable[[dict], float | None]] = {
-        "rpm_burst_admitted": lambda r: r[RPM]["admitted"],
-        "rpm_burst_over": lambda r: r[RPM]["over"],
-        "tpm_burst_admitted": lambda r: r[TPM]["admitted"],
-        "tpm_burst_tokens_over": lambda r: r[TPM]["tokens_over"],
-        "budget_burst_admitted": lambda r: r[BUDGET]["admitted"],
-        "budget_burst_nano_over": lambda r: r[BUDGET]["nano_over"],
-        "concurrency_burst_admitted": lambda r: r[CONCURRENCY]["admitted"],
-        "concurrency_most_in_flight": lambda r: r[CONCURRENCY]["most_in_flight"],
-        "rpm_steady_usable": lambda r: r[RPM_STEADY]["usable"],
-        "rpm_steady_over": lambda r: r[RPM_STEADY]["over"],
-        "tpm_steady_usable": lambda r: r[TPM_STEADY]["usable"],
-        "tpm_steady_over": lambda r: r[TPM_STEADY]["over"],
-        "added_p50_ms": lambda r: r["latency"]["added_p50_ms"],
-        "added_p99_ms": lambda r: r["latency"]["added_p99_ms"],
-        "redis_away_admitted": lambda r: r[REDIS_KILL]["away"]["admitted"],
-        "redis_away_expected": lambda r: r[REDIS_KILL]["away"]["expected"],
-        "redis_after_admitted": lambda r: r[REDIS_KILL]["after"]["admitted"],
-        "redis_after_expected": lambda r: r[REDIS_KILL]["after"]["expected"],
-    }
+    """The numbers of the tables, as JSON: median, min and max of each measure over the repeats."""
     out = {}
-    for name, get in measures.items():
-        found = median_and_range(_values(runs, get))
+    for name, path in MEASURES.items():
+        found = median_and_range(_values(runs, _at(path)))
         out[name] = None if found is None else dict(zip(("median", "min", "max"), found))
     return out
+
+
+Column = tuple[str, Callable[[Runs], str]]
+
+BURSTS: list[Column] = [
+    ("rpm: admitted", lambda runs: _cell(runs, lambda r: r[RPM]["admitted"])),
+    ("largest over", lambda runs: _largest(runs, lambda r: r[RPM]["over"])),
+    ("tpm: admitted", lambda runs: _cell(runs, lambda r: r[TPM]["admitted"])),
+    ("largest tokens over", lambda runs: _largest(runs, lambda r: r[TPM]["tokens_over"])),
+    ("budget: admitted", lambda runs: _cell(runs, lambda r: r[BUDGET]["admitted"])),
+    ("largest money over", lambda runs: _largest(runs, lambda r: r[BUDGET]["nano_over"] / 1e9, ".6f") + " USD"),
+    ("concurrency: admitted", lambda runs: _cell(runs, lambda r: r[CONCURRENCY]["admitted"])),
+    ("most in flight", lambda runs: _largest(runs, lambda r: r[CONCURRENCY]["most_in_flight"])),
+]
+STEADY: list[Column] = [
+    ("rpm usable", lambda runs: _cell(runs, lambda r: 100 * r[RPM_STEADY]["usable"], ".1f", "%")),
+    ("tpm usable", lambda runs: _cell(runs, lambda r: 100 * r[TPM_STEADY]["usable"], ".1f", "%")),
+    ("largest over (rpm, tpm)", lambda runs: f"{_largest(runs, lambda r: r[RPM_STEADY]['over'])}, "
+                                             f"{_largest(runs, lambda r: r[TPM_STEADY]['over'])}"),
+    ("added p50", lambda runs: _cell(runs, lambda r: r["latency"]["added_p50_ms"], ".2f", " ms")),
+    ("added p99", lambda runs: _cell(runs, lambda r: r["latency"]["added_p99_ms"], ".2f", " ms")),
+    ("Redis away: admitted / exact", lambda runs: f"{_cell(runs, lambda r: r[REDIS_KILL]['away']['admitted'])} / "
+                                                  f"{_cell(runs, lambda r: r[REDIS_KILL]['away']['expected'])}"),
+    ("after", lambda runs: f"{_cell(runs, lambda r: r[REDIS_KILL]['after']['admitted'])} / "
+                           f"{_cell(runs, lambda r: r[REDIS_KILL]['after']['expected'])}"),
+]
+
+
+def _table(arms: Sequence[dict], columns: list[Column]) -> list[str]:
+    lines = ["| arm | processes | " + " | ".join(header for header, _ in columns) + " |",
+             "|---|---|" + "---|" * len(columns)]
+    for arm in arms:
+        if arm.get("error"):
+            lines.append(f"| {arm['label']} | {arm.get('processes', '-')} | not run: {arm['error']} |"
+                         + " |" * (len(columns) - 1))
+        else:
+            lines.append(f"| {arm['label']} | {arm['processes']} | "
+                         + " | ".join(column(arm["runs"]) for _, column in columns) + " |")
+    return lines
 
 
 def markdown(arms: Sequence[dict], plan: dict) -> str:
     """Two tables over ``arms`` (each ``{"label", "processes", "runs", "error"?}``)."""
     burst, limit = plan["burst"], plan["burst_limit"]
-    lines = [f"Bursts of {burst} requests at once over the gateways, on a fresh limit of {limit} requests "
-             f"(rpm {limit}; tpm {limit} requests' tokens; a total budget of {limit} requests' cost) and "
-             f"concurrency {plan['concurrency']}. Admitted = not 429.", "",
-             "| arm | processes | rpm: admitted | largest over | tpm: admitted | largest tokens over "
-             "| budget: admitted | largest money over | concurrency: admitted | most in flight |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for arm in arms:
-        runs = arm.get("runs") or []
-        if arm.get("error"):
-            lines.append(f"| {arm['label']} | {arm.get('processes', '-')} | not run: {arm['error']} "
-                         "| | | | | | | |")
-            continue
-        lines.append(
-            f"| {arm['label']} | {arm['processes']} | {_cell(runs, lambda r: r[RPM]['admitted'])} "
-            f"| {_largest(runs, lambda r: r[RPM]['over'])} | {_cell(runs, lambda r: r[TPM]['admitted'])} "
-            f"| {_largest(runs, lambda r: r[TPM]['tokens_over'])} "
-            f"| {_cell(runs, lambda r: r[BUDGET]['admitted'])} "
-            f"| {_largest(runs, lambda r: r[BUDGET]['nano_over'] / 1e9, '.6f')} USD "
-            f"| {_cell(runs, lambda r: r[CONCURRENCY]['admitted'])} "
-            f"| {_largest(runs, lambda r: r[CONCURRENCY]['most_in_flight'])} |")
-    lines += ["", f"Steady: a burst of the limit ({plan['steady_limit']} rpm; tpm the same in requests' tokens), "
-              f"then {plan['overload']:g}x the limit for {plan['steady_seconds']:g} s: usable = admitted of what "
-              "an exact limiter of the arm's kind admits for the same sends. Latency: the same gateways, a key "
-              "with every kind of limit (never reached) against one without. Redis: the steady rpm load, "
-              f"Redis killed (SIGKILL) {plan['redis_before']:g} s in and restarted empty "
-              f"{plan['redis_away']:g} s later: admitted / exact.", "",
-              "| arm | rpm usable | tpm usable | largest over (rpm, tpm) | added p50 | added p99 "
-              "| Redis away: admitted / exact | after |",
-              "|---|---|---|---|---|---|---|---|"]
-    for arm in arms:
-        runs = arm.get("runs") or []
-        if arm.get("error"):
-            continue
-        lines.append(
-            f"| {arm['label']} | {_cell(runs, lambda r: 100 * r[RPM_STEADY]['usable'], '.1f', '%')} "
-            f"| {_cell(runs, lambda r: 100 * r[TPM_STEADY]['usable'], '.1f', '%')} "
-            f"| {_largest(runs, lambda r: r[RPM_STEADY]['over'])}, {_largest(runs, lambda r: r[TPM_STEADY]['over'])} "
-            f"| {_cell(runs, lambda r: r['latency']['added_p50_ms'], '.2f', ' ms')} "
-            f"| {_cell(runs, lambda r: r['latency']['added_p99_ms'], '.2f', ' ms')} "
-            f"| {_cell(runs, lambda r: r[REDIS_KILL]['away']['admitted'])} / "
-            f"{_cell(runs, lambda r: r[REDIS_KILL]['away']['expected'])} "
-            f"| {_cell(runs, lambda r: r[REDIS_KILL]['after']['admitted'])} / "
-            f"{_cell(runs, lambda r: r[REDIS_KILL]['after']['expected'])} |")
-    return "\n".join(lines)
+    return "\n".join([
+        f"Bursts of {burst} requests at once over the gateways, on a fresh limit of {limit} requests "
+        f"(rpm {limit}; tpm {limit} requests' tokens; a total budget of {limit} requests' cost) and "
+        f"concurrency {plan['concurrency']}. Admitted = not 429.", "", *_table(arms, BURSTS), "",
+        f"Steady: a burst of the limit ({plan['steady_limit']} rpm; tpm the same in requests' tokens), "
+        f"then {plan['overload']:g}x the limit for {plan['steady_seconds']:g} s: usable = admitted of what "
+        "an exact limiter of the arm's kind admits for the same requests. Latency: the same gateways, a key "
+        "with every kind of limit (never reached) against one without. Redis: the steady rpm load, "
+        f"Redis killed (SIGKILL) {plan['redis_before']:g} s in and restarted empty "
+        f"{plan['redis_away']:g} s later: admitted / exact.", "", *_table(arms, STEADY)])
