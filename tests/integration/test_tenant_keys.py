@@ -10,6 +10,7 @@ import json
 import os
 
 import coredis
+import pytest
 import httpx
 import trio
 
@@ -19,6 +20,8 @@ from llmgw.cluster.records import Keys
 from llmgw.testing.metrics import scrape_value
 from llmgw.testing.processes import llmgw_command
 from llmgw.testing.shared_state import state_section
+
+pytestmark = pytest.mark.slow
 
 CONFIG_KEY = "sk-config-key-000001"
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
