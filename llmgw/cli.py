@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("llmgw.commands.status", "nodes, replicas and shards of a running llmgw serve, as tables"),
     "reload": ("llmgw.commands.reload",
                "make a running llmgw serve re-read its config file: llmgw reload [--allow-empty]"),
+    "keys": ("llmgw.commands.keys", "API keys of a running gateway: llmgw keys create|list|update|revoke"),
+    "teams": ("llmgw.commands.teams", "teams of a running gateway: llmgw teams create|list|update|delete"),
     "sim": ("llmgw.sim.cli", "run the vLLM-like simulator engine"),
     "down": ("llmgw.commands.down", "stop the engines a stopped serve or agent left running: llmgw down --config FILE"),
     "plan": ("llmgw.commands.plan",

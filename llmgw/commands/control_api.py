@@ -40,11 +40,15 @@ def get_json(url: str, args: argparse.Namespace, timeout: float) -> Any:
     return request_json("GET", url, args, timeout)
 
 
-def request_json(method: str, url: str, args: argparse.Namespace, timeout: float) -> Any:
-    """``method url`` (a POST with an empty body) as :func:`get_json`."""
+def request_json(method: str, url: str, args: argparse.Namespace, timeout: float, body: Any = None) -> Any:
+    """``method url`` as :func:`get_json`, with ``body`` as JSON (None: a POST has an empty body)."""
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {},
-                                     method=method, data=b"" if method == "POST" else None)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    data = b"" if method == "POST" else None
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+        data = json.dumps(body).encode()
+    request = urllib.request.Request(url, headers=headers, method=method, data=data)
     try:
         context = client_context(TlsClientOptions(ca_file=args.control_ca)) if url.startswith("https:") else None
         with urllib.request.urlopen(request, timeout=timeout, context=context) as response:

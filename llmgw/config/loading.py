@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from .issues import ConfigError, ConfigIssue
 from .reader import Reader
 from .schema import Config
 from .yamlpos import parse_yaml
 
+T = TypeVar("T")
 MAX_FILE_BYTES = 1 << 20  # a real configuration is a few KiB; this bounds what parsing may cost
 
 
@@ -62,3 +65,18 @@ def parse_config(text: str, filename: str = "<string>", *, env: Mapping[str, str
     if issues:
         raise ConfigError(issues, reader.built)
     return config
+
+
+def read_json_object(cls: type[T], value: dict[str, Any], what: str) -> T:
+    """The config class ``cls`` (e.g. an admin API's request) read from a parsed JSON object, with every rule of
+    the file's reader; :class:`ConfigError` naming each wrong key (as ``what:LINE: key``, the line of the object
+    written one key per line). No ``${NAME}`` is taken from the environment: a request never reads it."""
+    root, issues = parse_yaml(json.dumps(value, indent=1, ensure_ascii=True), what)
+    if root is None:
+        raise ConfigError(issues)
+    reader = Reader(what, {})
+    built = reader.read_document(cls, root)
+    issues += reader.issues
+    if issues:
+        raise ConfigError(issues, reader.built)
+    return built

@@ -53,13 +53,15 @@ ZmqEndpoint = Annotated[str, Parse(parse_zmq_endpoint)]
 Count = Annotated[int, at_least(1), at_most(MAX_COUNT)]
 NonNegative = Annotated[int, at_least(0), at_most(MAX_COUNT)]
 Text = Annotated[str, Check(lambda value: None if value.strip() else "must not be empty")]
-Identifier = Annotated[str, matches(r"[A-Za-z_][A-Za-z0-9_.-]*", "a name of letters, digits, '_', '.' and '-'")]
+IDENTIFIER_PATTERN = r"[A-Za-z_][A-Za-z0-9_.-]*"
+Identifier = Annotated[str, matches(IDENTIFIER_PATTERN, "a name of letters, digits, '_', '.' and '-'")]
 EngineName = Annotated[str, Check(name_problem)]  # on an engine's command line: llmgw.config.names
 ProfileName = Annotated[str, matches(r"[A-Za-z0-9][A-Za-z0-9_.-]*",
                                      "a name of letters, digits, '_', '.' and '-' (not starting with a symbol)")]
 EnvName = Annotated[str, matches(r"[A-Za-z_][A-Za-z0-9_]*", "a valid environment variable name")]
 # An API key's name: a log field and a metric label ("none" stands for requests without a valid key).
-KeyName = Annotated[str, matches(r"[A-Za-z0-9][A-Za-z0-9_.@:/+-]{0,63}",
+KEY_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.@:/+-]{0,63}"  # also a team's name
+KeyName = Annotated[str, matches(KEY_NAME_PATTERN,
                                  "a name of up to 64 letters, digits and '_.@:/+-' (not starting with a symbol)"),
                     Check(lambda value: "'none' stands for requests without a valid key: choose another name"
                           if value == "none" else None)]
@@ -182,10 +184,10 @@ Budgets = Annotated[list[BudgetConfig], at_most_items(len(PERIODS))]
 
 
 @config_class
-class TeamConfig(Located):
-    """A team: limits and budgets its keys share, and the models they may use."""
+class TeamSpec(Located):
+    """What a team says of its keys: limits and budgets they share, the models they may use (``PATCH
+    /admin/teams/NAME`` reads one)."""
 
-    name: KeyName = setting()
     limits: TenantLimits = setting(factory=TenantLimits)
     budgets: Budgets = setting(factory=list)
     models: ModelNames | None = setting(None)  # the models its keys may use; left out: every model
@@ -197,19 +199,37 @@ class TeamConfig(Located):
 
 
 @config_class
-class ApiKey(Located):
+class TeamConfig(TeamSpec):
+    """A team under ``teams`` (or in ``POST /admin/teams``)."""
+
+    name: KeyName = setting()
+
+
+@config_class
+class KeySpec(Located):
+    """What an API key carries besides the key: who holds it, its team, models, priority, limits and budgets
+    (``POST /admin/keys`` and ``PATCH /admin/keys/ID`` read one)."""
+
+    name: KeyName | None = setting(None)  # who holds it; safe to log
+    team: KeyName | None = setting(None)  # a team: its limits and models apply too
+    models: ModelNames | None = setting(None)  # the models it may use; left out: every model (its team's apply)
+    priority: Identifier | None = setting(None)  # its requests' priority class; default: its team's
+    limits: TenantLimits = setting(factory=TenantLimits)
+    budgets: Budgets = setting(factory=list)
+
+    @classmethod
+    def _finish(cls, draft: Draft) -> None:
+        check_budget_periods(draft)
+
+
+@config_class
+class ApiKey(KeySpec):
     """A client API key accepted on /v1 (as "Authorization: Bearer KEY"), given as the key or as its SHA-256.
     ``name`` says who holds it, in the access log and the ``key`` label of the metrics; left out, it is ``key-N``
     (N: the key's place in the list, from 1), filled in by :func:`llmgw.config.crosschecks.name_api_keys`."""
 
     key: Text | None = setting(None, secret=True)
     key_sha256: Sha256Hex | None = setting(None)  # instead of key: its SHA-256, as 64 hex digits
-    name: KeyName | None = setting(None)  # who holds it; safe to log
-    team: KeyName | None = setting(None)  # a team under `teams`: its limits and models apply too
-    models: ModelNames | None = setting(None)  # the models it may use; left out: every model (its team's apply)
-    priority: Identifier | None = setting(None)  # its requests' priority class; default: its team's
-    limits: TenantLimits = setting(factory=TenantLimits)
-    budgets: Budgets = setting(factory=list)
 
     @property
     def sha256(self) -> str:
@@ -217,14 +237,14 @@ class ApiKey(Located):
         if self.key_sha256 is not None:
             return self.key_sha256.lower()
         assert self.key is not None  # _finish: exactly one of key and key_sha256
-        return hashlib.sha256(self.key.encode("utf-8", "surrogateescape")).hexdigest()
+        return hashlib.sha256(self.key.encode("utf-8", "surrogatepass")).hexdigest()
 
     @classmethod
     def _finish(cls, draft: Draft) -> None:
         if draft.known("key", "key_sha256") and (draft["key"] is None) == (draft["key_sha256"] is None):
             draft.problem("key" if draft.was_written("key") or not draft.was_written("key_sha256") else "key_sha256",
                           "give exactly one of key and key_sha256")
-        check_budget_periods(draft)
+        KeySpec._finish(draft)
 
 
 @config_class
@@ -250,6 +270,7 @@ class TenancyConfig(Located):
     lease_idle_seconds: Annotated[float, Parse(parse_duration), at_least(0.1), at_most(3600.0)] = setting(2.0)
     usage_flush_interval: Annotated[float, Parse(parse_duration), at_least(0.01), at_most(60.0)] = setting(0.1)
     store: Text | None = setting(None)  # the SQLite file of keys and teams (state.backend local)
+    require_keys: bool = setting(False)  # /v1 needs a key even while none is configured or made
     max_keys: Annotated[int, at_least(1), at_most(1_000_000)] = setting(100_000)  # keys the admin API may hold
     max_teams: Annotated[int, at_least(1), at_most(100_000)] = setting(10_000)  # teams the admin API may hold
 

@@ -27,6 +27,7 @@ from ..router.replicas import STATIC
 from ..router.tier import RouteRequest
 from ..wire.channel import LEADER_HEADER, AgentCredentials, quart_channel
 from .admin_guard import AdminGuard
+from .admin_tenants import register_tenant_routes
 from .replica_stats import replica_stats
 from .ui import status_page
 
@@ -210,6 +211,8 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
         path = request.args.get("path") or ("/v1/chat/completions" if "messages" in body else "/v1/completions")
         return jsonify(await gateway.router.explain(RouteRequest(resolved[0], path, body, adapter=resolved[1])))
 
+    register_tenant_routes(app, gateway, _error, _json_object)
+
     @app.errorhandler(404)
     async def not_found(_):
         return _error(404, "no such control endpoint", "not_found")
@@ -235,8 +238,9 @@ def _error(status: int, message: str, code: str, param: str | None = None, heade
                     content_type="application/json", headers=headers)
 
 
-def _json_object(raw: bytes | str) -> dict | str:
-    """The body as a JSON object, or why it is not one (bad UTF-8, bad JSON, too deep, not an object)."""
+def _json_object(raw: bytes | str, what: str = "an OpenAI request with 'model'") -> dict | str:
+    """The body as a JSON object, or why it is not one (bad UTF-8, bad JSON, too deep, not an object: ``what``
+    it should be)."""
     try:
         value = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
     except UnicodeDecodeError as exc:
@@ -248,7 +252,7 @@ def _json_object(raw: bytes | str) -> dict | str:
     if _depth(value) > MAX_JSON_DEPTH:
         return f"the body is nested deeper than {MAX_JSON_DEPTH} levels"
     if not isinstance(value, dict):
-        return "the body must be a JSON object: an OpenAI request with 'model'"
+        return f"the body must be a JSON object: {what}"
     return value
 
 

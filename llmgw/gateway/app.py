@@ -50,6 +50,7 @@ from ..tenancy.directory import build_directory, config_entries
 from ..tls import describe_tls_error
 from .admin import create_control_app
 from .admin_guard import exposure_problem
+from .admin_tenants import build_key_admin
 from .dataplane import DataPlane, DataPlaneSettings
 from .health_report import HealthReport
 from .readiness import Readiness
@@ -171,6 +172,10 @@ class Gateway:
         self._reload_lock = trio.Lock()
         self._reload_metrics = ReloadMetrics(self.metrics.registry)
         self.health_report = HealthReport(self.shared, self.metrics.registry)
+        # A worker of --workers on its supervisor's private Redis keeps keys where a lone serve does (SQLite in the
+        # state dir, one file for every worker): the private Redis keeps nothing across a restart.
+        self.key_admin = build_key_admin(config, self.shared if adjust_config is None else None, self.directory,
+                                         self.metrics.registry)
         self.readiness = self.dataplane.readiness = Readiness(self.router, lambda: self.draining,
                                                               self._state_loaded, self.health_report.sentences)
 
@@ -272,6 +277,7 @@ class Gateway:
                 self.static.apply(self.config)
             if self.control is not None:
                 await nursery.start(self.control.run)
+            await nursery.start(self.key_admin.follow)  # the stored API keys, before the first request
             nursery.start_soon(scrape_engine_load, self.router)  # for tiers with engine_metrics_interval
             nursery.start_soon(self.kv_index.maintain)  # resync retries, reset windows, predictions' expiry
             with listening_on(host_port(data_host, data_port)):

@@ -38,7 +38,7 @@ RESTART_KEYS = (
     "limits.max_body_bytes", "limits.max_header_bytes", "limits.client_header_timeout", "limits.client_body_timeout",
     "limits.keepalive_timeout", "limits.max_connections", "limits.control_max_connections",
     "limits.connect_timeout", "agents.embedded", "agents.node_id", "agents.state_dir", "agents.control_state_dir",
-    "agents.max_message_bytes", "agents.engine_ports",
+    "agents.max_message_bytes", "agents.engine_ports", "tenancy.store", "tenancy.max_keys", "tenancy.max_teams",
 )
 _RESTART_VALUES = tuple(attrgetter(key) for key in RESTART_KEYS)
 CONFIRM_HINT = "POST /admin/reload?allow_empty=true (or llmgw reload --allow-empty)"

@@ -31,8 +31,18 @@ API = "api"  # one made by the admin API, kept in the key store
 
 
 def digest_of(token: str) -> bytes:
-    """The SHA-256 of a presented token: the directory's lookup key."""
-    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+    """The SHA-256 of a key (its UTF-8): the directory's lookup key."""
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+def presented_digest(token: str) -> bytes:
+    """The SHA-256 of a token as the client sent it: a header value reaches us decoded as latin-1, so its bytes
+    are that encoding's (a non-ASCII key the client sent as UTF-8 matches the config's)."""
+    try:
+        raw = token.encode("latin-1")
+    except UnicodeEncodeError:  # not from an HTTP header: taken as text
+        raw = token.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(raw).digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,27 +82,31 @@ class Directory:
     """The :class:`~.interfaces.KeyDirectory` of a gateway: config keys and stored keys, joined.
 
     :meth:`set_config` (start, reload) and :meth:`set_stored` (a store's poller) each rebuild the joined dict
-    and swap it in whole."""
+    and swap it in whole.
 
-    def __init__(self, keys: Iterable[KeyEntry] = (), teams: Iterable[TeamEntry] = ()):
+    /v1 needs a key while any key exists, with ``require`` (``tenancy.require_keys``), and, once this process has
+    known a key, for the rest of its life: revoking the last key made by the API must not open /v1."""
+
+    def __init__(self, keys: Iterable[KeyEntry] = (), teams: Iterable[TeamEntry] = (), require: bool = False):
         self._config: tuple[tuple[KeyEntry, ...], tuple[TeamEntry, ...]] = (tuple(keys), tuple(teams))
         self._stored: tuple[tuple[KeyEntry, ...], tuple[TeamEntry, ...]] = ((), ())
         self._by_digest: dict[bytes, Tenant] = {}
-        self._orphans = 0
+        self._require = require
         self._join()
 
     @property
     def required(self) -> bool:
-        return bool(self._by_digest) or self._orphans > 0
+        return self._require
 
     def lookup(self, authorization: str | None) -> Tenant | None:
         token = bearer_token(authorization)
         if token is None:
             return None
-        return self._by_digest.get(digest_of(token))
+        return self._by_digest.get(presented_digest(token))
 
-    def set_config(self, keys: Iterable[KeyEntry], teams: Iterable[TeamEntry]) -> None:
+    def set_config(self, keys: Iterable[KeyEntry], teams: Iterable[TeamEntry], require: bool = False) -> None:
         self._config = (tuple(keys), tuple(teams))
+        self._require = self._require or require
         self._join()
 
     def set_stored(self, keys: Iterable[KeyEntry], teams: Iterable[TeamEntry]) -> None:
@@ -128,7 +142,8 @@ class Directory:
         if orphans:
             log.warning("%d API key(s) name a team that does not exist; they are refused until the team is "
                         "created again", orphans)
-        self._by_digest, self._orphans = joined, orphans
+        self._by_digest = joined
+        self._require = self._require or bool(joined) or orphans > 0
 
 
 # -- the config's keys, teams and prices ---------------------------------------------------------------------------
@@ -151,14 +166,16 @@ def config_key(api_key: ApiKey) -> KeyEntry:
                     limits_of(api_key.limits, api_key.budgets), CONFIG)
 
 
-def config_entries(config: Config) -> tuple[list[KeyEntry], list[TeamEntry]]:
-    return [config_key(k) for k in config.api_keys], [config_team(t) for t in config.teams]
+def config_entries(config: Config) -> tuple[list[KeyEntry], list[TeamEntry], bool]:
+    """The config's keys and teams, and whether /v1 needs a key even without any (``tenancy.require_keys``):
+    :meth:`Directory.set_config`'s arguments."""
+    return [config_key(k) for k in config.api_keys], [config_team(t) for t in config.teams], \
+        config.tenancy.require_keys
 
 
 def build_directory(config: Config) -> Directory:
     """A directory of the config's keys and teams (a gateway adds its store's with :meth:`Directory.set_stored`)."""
-    keys, teams = config_entries(config)
-    return Directory(keys, teams)
+    return Directory(*config_entries(config))
 
 
 def build_prices(config: Config) -> PriceList:

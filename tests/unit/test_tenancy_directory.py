@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import re
+from pathlib import Path
+
+from hypothesis import given, strategies as st
 
 from llmgw.config import parse_config
 from llmgw.tenancy.directory import API, KeyEntry, TeamEntry, build_directory, build_prices, digest_of
@@ -69,9 +73,25 @@ def test_wrong_tokens_and_headers_find_nobody():
     assert directory.lookup("bearer  sk-search ") is not None  # the scheme's case and spaces, as BearerTokens
 
 
-def test_without_keys_the_directory_is_open():
+def test_a_non_ascii_key_sent_as_utf8_is_found():
+    directory = build_directory(parse_config("api_keys:\n  - key: ключ-ü\n"))
+    assert directory.lookup("Bearer " + "ключ-ü".encode().decode("latin-1")) is not None  # as a header arrives
+
+
+@given(st.text(max_size=80))
+def test_any_header_value_finds_a_tenant_or_nobody(header):
+    directory = build_directory(parse_config(CONFIG))
+    assert directory.lookup(header) is None or header.split()[-1] in ("sk-search", "sk-hashed", "sk-plain")
+
+
+def test_without_keys_the_directory_is_open_until_a_key_exists_then_closed_for_good():
     directory = build_directory(parse_config("models: []\n"))
     assert not directory.required and directory.lookup(bearer("x")) is None
+    directory.set_stored([KeyEntry("k-1", "made", digest_of("sk-made"))], [])
+    assert directory.required
+    directory.set_stored([], [])  # the last key revoked: /v1 does not open again
+    assert directory.required and directory.lookup(bearer("sk-made")) is None
+    assert build_directory(parse_config("tenancy: {require_keys: true}\n")).required
 
 
 def test_stored_keys_join_the_config_and_a_key_of_a_missing_team_is_refused():
@@ -108,3 +128,13 @@ def test_prices_are_nano_dollars_per_token():
     assert prices.of("llama-70b") == Price(input=1500, cached_input=1500, output=2000)  # cached: the input price
     assert prices.of("other") == Price()
     assert parse_config(CONFIG).tenancy.settings().default_max_tokens == 1024
+
+
+def test_the_examples_of_docs_tenants_load():
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "tenants.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", docs, re.S)
+    assert blocks
+    for block in blocks:
+        config = parse_config(block, "tenants.md", env={"SEARCH_PROD_KEY": "sk-x"})
+        build_directory(config)
+        build_prices(config)
