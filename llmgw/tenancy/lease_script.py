@@ -47,8 +47,11 @@ local function grant_of(avail, need, want)
   if want <= 0 or avail < need or avail <= 0 then return 0 end
   return math.min(want, avail)
 end
+if ARGV[2] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then
+  return 'unseeded'
+end
 local out = {}
-local k, a = 1, 2
+local k, a = 2, 3
 for i = 1, tonumber(ARGV[1]) do
   local kind = ARGV[a]
   local cap = tonumber(ARGV[a + 1])
@@ -127,6 +130,27 @@ return out
 """
 
 
+# Raise each budget counter to at least what the usage store says was spent in its period (a Redis that restarted
+# without persistence forgot it), and set the marker (KEYS[1]) saying it was done; idempotent, so every process of
+# a cluster may seed the same rows. A process that seeds asks LEASE to lease nothing while the marker is missing
+# (``unseeded``: Redis lost its data since): it seeds again first, then asks again.
+SEED = r"""
+redis.call('SET', KEYS[1], '1')
+for i = 2, #KEYS do
+  local key = KEYS[i]
+  local floor, expire_at = tonumber(ARGV[2 * i - 3]), tonumber(ARGV[2 * i - 2])
+  local found = redis.call('TYPE', key)['ok']
+  if found ~= 'none' and found ~= 'string' then redis.call('DEL', key) end
+  local spent = tonumber(redis.call('GET', key))
+  if spent == nil or spent ~= spent or spent < floor then
+    redis.call('SET', key, string.format('%d', floor))
+  end
+  if expire_at > 0 then redis.call('PEXPIREAT', key, expire_at) end
+end
+return #KEYS - 1
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class Operation:
     """One pool's part of a lease call. ``extra`` is the bucket's window (ms), the slots' holder, or the budget's
@@ -144,10 +168,14 @@ class Operation:
     ttl_ms: int = 0
 
 
-def encode(operations: list[Operation]) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of one call of :data:`LEASE`."""
-    keys: list[str] = []
-    args: list[Any] = [len(operations)]
+UNSEEDED = b"unseeded"
+
+
+def encode(operations: list[Operation], marker: str, seeded: bool) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of one call of :data:`LEASE`; ``seeded``: lease nothing unless the ``marker`` key of
+    :data:`SEED` is there."""
+    keys: list[str] = [marker]
+    args: list[Any] = [len(operations), 1 if seeded else 0]
     for op in operations:
         keys += op.keys
         if op.kind == BUCKET:
@@ -159,6 +187,10 @@ def encode(operations: list[Operation]) -> tuple[list[str], list[Any]]:
     return keys, args
 
 
+class Unseeded(Exception):
+    """Redis has no marker of the budgets' seeds (it restarted empty): seed, then ask again."""
+
+
 @dataclass(frozen=True, slots=True)
 class Answer:
     granted: int  # what the process now holds more
@@ -166,8 +198,10 @@ class Answer:
 
 
 def decode(reply: Any, operations: list[Operation]) -> list[Answer]:
-    """The script's reply, one :class:`Answer` per operation, clamped to what was asked; ``ValueError`` if it is
-    not the script's shape."""
+    """The script's reply, one :class:`Answer` per operation, clamped to what was asked; :class:`Unseeded` if
+    Redis lost the budgets' seeds, ``ValueError`` if it is not the script's shape."""
+    if reply == UNSEEDED:
+        raise Unseeded()
     if not isinstance(reply, list) or len(reply) != len(operations):
         raise ValueError(f"the lease script answered {reply!r:.200}")
     answers = []

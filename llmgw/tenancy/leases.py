@@ -31,16 +31,36 @@ class Leases(Protocol):
     """What a pool asks of the limiter that owns it."""
 
     degraded: bool
-    budgets_fail_closed: bool
-    lease_seconds: float
     holder: str
     holder_ttl_ms: int
+    live: int  # the live processes, as last counted
+
+    @property
+    def budgets_fail_closed(self) -> bool: ...
+
+    @property
+    def lease_seconds(self) -> float: ...
 
     def refill_soon(self, pool: "LeasedPool") -> None: ...
 
     def give_soon(self, pool: "LeasedPool") -> None: ...
 
     def fallback_capacity(self, capacity: int) -> int: ...
+
+
+def pool_key(prefix: str, kind: str, name: str, dimension: str) -> str:
+    """The Redis key of a subject's pool (a budget's counter adds its period and the period's start)."""
+    return f"{prefix}{kind}:{quote(name, safe='')}:{dimension}"
+
+
+def budget_key(base: str, period: str, start: float) -> str:
+    return f"{base}:{period}:{int(start)}"
+
+
+def budget_expiry_ms(period: str, now: float) -> int:
+    """When a budget counter of the period holding ``now`` may go (Unix ms; 0: never): a day after it ends."""
+    ends = period_end(period, now)
+    return 0 if math.isinf(ends) else int((ends + DAY) * 1000)
 
 
 def kind_of(dimension: str) -> str:
@@ -50,6 +70,8 @@ def kind_of(dimension: str) -> str:
 
 
 class LeasedPool:
+    """One limit of one key or team as this process holds it: its share, its demand, its fallback."""
+
     def __init__(self, owner: Leases, prefix: str, subject: Subject, dimension: str, period: str | None,
                  capacity: int, now: float):
         self.owner = owner
@@ -57,10 +79,9 @@ class LeasedPool:
         self.dimension = dimension
         self.period = period
         self.capacity = capacity
-        self._base = f"{prefix}{subject.kind}:{quote(subject.name, safe='')}:{dimension}"
+        self._base = pool_key(prefix, subject.kind, subject.name, dimension)
         self.held = 0  # leased, not reserved; negative: a debt
         self.in_use = 0  # slots only: reserved and not settled
-        self.give = 0  # slots only: to give back at the next call
         self.asked = 0  # what waiting requests lack, for the next call
         self.least = 0  # what the waiting request that lacks least lacks (a grant of less serves none)
         self.left = float(capacity)  # what Redis said was left at its last answer
@@ -165,8 +186,14 @@ class LeasedPool:
 
     def _note_demand(self, amount: int, now: float) -> None:
         elapsed = max(0.0, now - self.demand_at)
-        self.demand = self.demand * 0.5 ** (elapsed / DEMAND_HALF_LIFE) + amount / DEMAND_HALF_LIFE
+        # an exponentially weighted rate: its mean over time is the rate of reservations, whatever their sizes
+        self.demand = self.demand * 0.5 ** (elapsed / DEMAND_HALF_LIFE) + amount * math.log(2) / DEMAND_HALF_LIFE
         self.demand_at, self.last_use = now, now
+
+    def _fair_share(self, now: float) -> int:
+        """The most a lease ahead of need takes: half of what Redis had left over the live processes, so that
+        near the end of a limit the shares held ahead do not keep it from the others' requests."""
+        return max(1, math.floor(self._left_now(now) / (2 * self.owner.live)))
 
     def lease_size(self) -> int:
         """What one lease takes: ``lease_seconds`` of the recent demand, at least 1, at most the capacity."""
@@ -177,6 +204,10 @@ class LeasedPool:
         amount = max(0, amount)
         self.asked += amount
         self.least = amount if not self.least else min(self.least, amount)
+
+    def forget_asks(self) -> None:
+        """Redis is away: the requests that asked were answered by the fallback."""
+        self.asked = self.least = 0
 
     def operation(self, now: float, idle: bool) -> Operation | None:
         """This pool's part of the next call (and the local bookkeeping of what it gives and charges), or None
@@ -196,16 +227,14 @@ class LeasedPool:
         give = max(0, self.held) if idle else 0
         charge = max(0, -self.held)
         self.held += charge - give
-        want = 0 if idle else max(asked, self.lease_size() - self.held)
+        want = 0 if idle else max(asked, min(self.lease_size() - self.held, self._fair_share(now)))
         if not (want or give or charge):
             return None
         if self.kind == BUCKET:
             return Operation(BUCKET, (self._base,), self.capacity, need, want, give, charge, int(WINDOW * 1000))
         assert self.period is not None
-        ends = period_end(self.period, now)
-        expire_at = 0 if math.isinf(ends) else int((ends + DAY) * 1000)
-        key = f"{self._base}:{self.period}:{int(self.start)}"
-        return Operation(BUDGET, (key,), self.capacity, need, want, give, charge, expire_at)
+        key = budget_key(self._base, self.period, self.start)
+        return Operation(BUDGET, (key,), self.capacity, need, want, give, charge, budget_expiry_ms(self.period, now))
 
     def answered(self, answer: Answer, asked: int, now: float) -> None:
         """Redis granted ``answer.granted``; the asks it answered (``asked``) are done."""

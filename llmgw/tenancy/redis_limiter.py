@@ -20,33 +20,28 @@ import math
 import os
 import secrets
 import time
-from typing import Callable, Iterable
+from collections import deque
+from typing import TYPE_CHECKING, Awaitable, Callable, Iterable
 
 import trio
 
 from ..cluster.link import RedisLink, Unavailable
 from ..cluster.records import Keys
-from .admission import (
-    Pool,
-    Settlement,
-    Subject,
-    headers_of,
-    needs_of,
-    refusal,
-    reserve,
-    short_of,
-    subjects_of,
-    team_label,
-)
+from .admission import Pool, Subject, short_of
 from .interfaces import Admission, Refusal
-from .lease_script import LEASE, decode, encode
-from .leases import LeasedPool
+from .lease_script import LEASE, SEED, Unseeded, decode, encode
+from .leases import LeasedPool, budget_expiry_ms, budget_key, pool_key
 from .limiter_metrics import LimiterMetrics
-from .local_limiter import UNLIMITED, Clock, PoolBook
 from .model import Estimate, TenancySettings, Tenant
+from .pool_limiter import Clock, PoolLimiter, Spent
+from .pools import period_start
+
+if TYPE_CHECKING:
+    from ..cluster.state import SharedState
 
 log = logging.getLogger(__name__)
 
+LIVE_MEMORY = 10.0  # seconds: a process whose load report lapsed a moment ago still counts as live
 HOLDER_TTL = 5.0  # seconds: a process's concurrency slots outlive its last heartbeat by this much at most
 
 
@@ -60,29 +55,42 @@ def holder_name(origin: str) -> str:
     return f"{origin}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
-class RedisLimiter:
+class RedisLimiter(PoolLimiter):
+    """Admits from this process's leased shares of every limit; :meth:`run` makes the lease calls."""
+
     def __init__(self, settings: TenancySettings, link: RedisLink, cluster: str, origin: str, *,
                  clock: Clock = time.time, metrics: LimiterMetrics | None = None,
-                 live_processes: Callable[[], int] = lambda: 1, holder_ttl: float = HOLDER_TTL):
-        self.settings = settings
+                 live_processes: Callable[[], int] = lambda: 1, holder_ttl: float = HOLDER_TTL,
+                 spent: Callable[[], Awaitable[Iterable[Spent]]] | None = None):
+        super().__init__(settings, clock, metrics)
         self.link = link
-        self.clock = clock
-        self.metrics = metrics or LimiterMetrics()
         self.live_processes = live_processes
         self.prefix = tenancy_prefix(cluster)
         self.holder = holder_name(origin)
         self.holder_ttl_ms = int(holder_ttl * 1000)
-        self.lease_seconds = settings.lease_seconds
-        self.budgets_fail_closed = settings.budgets_fail_closed
         self.degraded = False
-        self.book = PoolBook(self._make_pool)
+        self.live = 1  # the most live processes seen in the last LIVE_MEMORY seconds Redis answered
+        self._live_seen: deque[tuple[float, int]] = deque()
         self._pending: set[LeasedPool] = set()
         self._giving: set[LeasedPool] = set()
         self._wake = trio.Event()
         self._round = trio.Event()  # set when the call that takes the pools pending now has answered
         self._probe = False
         self._closing = False
+        self._spent = spent
+        self._seeds: list[Spent] = []
+        self._reseed = spent is not None
+        self._seeding = spent is not None  # leases wait for the seeds (:meth:`seed`, ``spent``) to be in Redis
+        self.marker = self.prefix + "seeded"
         self.tick = min(0.5, holder_ttl / 3, settings.lease_idle_seconds / 2)
+
+    @property
+    def lease_seconds(self) -> float:
+        return self.settings.lease_seconds
+
+    @property
+    def budgets_fail_closed(self) -> bool:
+        return self.settings.budgets_fail_closed
 
     def _make_pool(self, subject: Subject, dimension: str, period: str | None, capacity: int, now: float) -> Pool:
         return LeasedPool(self, self.prefix, subject, dimension, period, capacity, now)
@@ -103,19 +111,23 @@ class RedisLimiter:
         self._wake.set()
 
     def fallback_capacity(self, capacity: int) -> int:
-        """A limit's share of this process while Redis is away: the limit divided by the live processes."""
-        return max(1, capacity // max(1, self.live_processes()))
+        """A limit's share of this process while Redis is away: the limit divided by the live processes (as
+        counted before it went away: the peers' load reports, which come through Redis, stop with it)."""
+        return max(1, capacity // self.live)
+
+    def _count_live(self, now: float) -> None:
+        seen = self._live_seen
+        seen.append((now, max(1, self.live_processes())))
+        while seen and seen[0][0] < now - LIVE_MEMORY:
+            seen.popleft()
+        self.live = max(count for _, count in seen)
 
     # -- the hot path --
 
     async def admit(self, tenant: Tenant, model: str, estimate: Estimate) -> Admission | Refusal:
         await trio.lowlevel.checkpoint_if_cancelled()
-        subjects = subjects_of(tenant)
-        if not subjects:
-            return UNLIMITED
         now = self.clock()
-        slots = [slot for subject, limits in subjects for slot in self.book.slots(subject, limits, now)]
-        needs = needs_of(slots, estimate, self.settings)
+        slots, needs = self._needs(tenant, estimate, now)
         short = short_of(needs, now)
         if short and not self.degraded and all(amount <= slot.pool.capacity for slot, amount in short):
             self.metrics.lease_waits.inc()
@@ -129,17 +141,48 @@ class RedisLimiter:
             with trio.move_on_after(self.link.settings.timeout + 0.5):
                 await answered.wait()
             now = self.clock()
-            short = short_of(needs, now)
-        if short:
-            return refusal(slots, short, now, self.metrics, team_label(tenant))
-        reservations = reserve(needs, now)
-        self.metrics.admitted.labels(team_label(tenant)).inc()
-        return Settlement(headers_of(slots, now), reservations, self.settings, self.clock)
+        return self._decide(tenant, slots, needs, now)
 
     # -- the background --
 
+    def seed(self, spent: Iterable[Spent]) -> None:
+        """Raise each budget's counter in Redis to at least what the usage store says was spent in its current
+        period (as :meth:`.LocalLimiter.seed`; a Redis without persistence, or restarted, forgot it): applied at
+        the next call, and again whenever Redis answers after an outage."""
+        self._seeds = [row for row in spent if row.tokens > 0 or row.nano_usd > 0]
+        self._reseed = self._seeding = True
+        self._wake.set()
+
+    async def _apply_seeds(self) -> None:
+        if self._spent is not None:
+            try:
+                with trio.fail_after(self.link.settings.timeout):
+                    self._seeds = [row for row in await self._spent() if row.tokens > 0 or row.nano_usd > 0]
+            except Exception as exc:  # the usage store's own failure, or too slow: seed what was read before
+                log.error("tenant limits: the budgets' spend could not be read from the usage store (%s: %s); "
+                          "seeding what was read before", type(exc).__name__, exc)
+        now = self.clock()
+        keys: list[str] = [self.marker]
+        args: list[int] = []
+        for row in self._seeds:
+            for dimension, amount in (("budget_tokens", row.tokens), ("budget_usd", row.nano_usd)):
+                if amount > 0:
+                    base = pool_key(self.prefix, row.kind, row.name, dimension)
+                    keys.append(budget_key(base, row.period, period_start(row.period, now)))
+                    args += [min(amount, 1 << 53), budget_expiry_ms(row.period, now)]
+        self._reseed = False
+        try:
+            await self.link.call("tenancy_seed", lambda client: client.eval(SEED, keys=keys, args=args))
+        except Unavailable as exc:
+            self._reseed = True
+            self._set_degraded(str(exc))
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Make the lease calls and keep the shares until cancelled; then give back what is held."""
+        """Make the lease calls and keep the shares until cancelled; then give back what is held. The budgets'
+        seeds are applied before it reports started (within ``state.timeout``)."""
+        with trio.move_on_after(self.link.settings.timeout):
+            if self._reseed:
+                await self._apply_seeds()
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._calls)
@@ -160,21 +203,28 @@ class RedisLimiter:
             giving, self._giving = self._giving, set()
             answered, self._round = self._round, trio.Event()
             probe, self._probe = self._probe, False
-            if pools or giving:
+            if self.degraded and (probe or pools or giving):
+                await self._ping()  # nothing is leased before the seeds are back (Redis may return empty)
+            if self._reseed and not self.degraded:
+                await self._apply_seeds()
+            if self.degraded:
+                for pool in pools:
+                    pool.forget_asks()
+            elif pools or giving:
                 await self._call(pools | giving, giving, "take" if pools - giving else "upkeep")
-            elif probe:
-                await self._ping()
             answered.set()
 
     async def _upkeep(self) -> None:
-        """Every tick: give back idle shares, renew the slots held, charge debts; while degraded, ask Redis
-        whether it is back and keep the fallback's shares to the live processes."""
+        """Every tick: give back idle shares, renew the slots held, charge debts, count the live processes;
+        while degraded, ask Redis whether it is back."""
         while True:
             await trio.sleep(self.tick)
             now = self.clock()
+            if not self.degraded:
+                self._count_live(trio.current_time())
+            if not self.link.healthy and (self._seeds or self._spent is not None):
+                self._reseed = True  # any call on the link failed: Redis may come back empty
             for pool in self._pools():
-                if self.degraded and pool.fallback is not None:
-                    pool.fallback.resize(self.fallback_capacity(pool.capacity), now)
                 if pool.idle(now, self.settings.lease_idle_seconds):
                     self._giving.add(pool)
                 elif pool.held or pool.in_use:  # a debt to charge, a share to refill, slots to renew
@@ -182,7 +232,7 @@ class RedisLimiter:
             self._probe = self.degraded
             self._wake.set()
 
-    async def _call(self, pools: set[LeasedPool], giving: set[LeasedPool], kind: str) -> None:
+    async def _call(self, pools: set[LeasedPool], giving: set[LeasedPool], kind: str, again: bool = True) -> None:
         now = self.clock()
         batch = []
         for pool in pools:
@@ -193,11 +243,20 @@ class RedisLimiter:
         if not batch:
             return
         operations = [operation for _, operation, _ in batch]
-        keys, args = encode(operations)
+        keys, args = encode(operations, self.marker, self._seeding)
         started = trio.current_time()
         try:
             reply = await self.link.call("tenancy_lease", lambda client: client.eval(LEASE, keys=keys, args=args))
             answers = decode(reply, operations)
+        except Unseeded:
+            for pool, operation, _ in batch:
+                pool.unanswered(operation, 0)
+            log.warning("tenant limits: Redis lost the budgets' spend (restarted without persistence?): seeding "
+                        "it again from the usage store before leasing")
+            await self._apply_seeds()
+            if again and not self.degraded:
+                await self._call(pools, giving, kind, again=False)
+            return
         except (Unavailable, ValueError, TypeError) as exc:  # Redis away, or a reply not the script's
             self.metrics.lease_calls.labels(kind, "failed").inc()
             for pool, operation, asked in batch:
@@ -224,15 +283,29 @@ class RedisLimiter:
             return
         self.degraded = True
         self.metrics.degraded.set(1)
+        self._count_live(trio.current_time())
         for pool in self._pools():
             pool.fallback = None  # built afresh at the live processes' count of now
         budgets = ("admit only what this process's leases still hold" if self.budgets_fail_closed else
                    "are NOT enforced (tenancy.budgets_fail_closed is false); the spend is charged when it is back")
         log.warning("tenant limits degraded: Redis failed (%s); rate limits fall back to each limit divided by "
-                    "the %d live processes, budgets %s", why, max(1, self.live_processes()), budgets)
+                    "the %d live processes, budgets %s", why, self.live, budgets)
 
     def _set_healthy(self) -> None:
         if self.degraded:
             self.degraded = False
+            self._reseed = bool(self._seeds) or self._spent is not None  # Redis may have restarted empty
+            self._wake.set()
             self.metrics.degraded.set(0)
             log.info("tenant limits: Redis answers again; limits are shared across the cluster again")
+
+
+def cluster_limiter(shared: "SharedState", settings: TenancySettings, metrics: LimiterMetrics,
+                    spent: Callable[[], Awaitable[Iterable[Spent]]] | None = None) -> RedisLimiter:
+    """The limiter of a gateway that shares its state through Redis (a cluster, or ``--workers``): on its link,
+    under its cluster's keys, counting as live processes the peers whose load reports it reads, and itself;
+    ``spent``: the usage store's sums of the budgets' current periods (:meth:`RedisLimiter.seed`), read at start
+    and whenever Redis lost them. Start its :meth:`~RedisLimiter.run` while the link runs, and stop it first: it
+    gives its shares back."""
+    return RedisLimiter(settings, shared.link, shared.settings.cluster, shared.origin, metrics=metrics,
+                        live_processes=lambda: len(shared.load.peers) + 1, spent=spent)

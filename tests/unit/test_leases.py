@@ -1,0 +1,160 @@
+"""A process's share of one limit (llmgw.tenancy.leases) without Redis: what each lease call asks, gives back and
+charges, its demand-sized leases, its fallback while Redis is away; and the lease script's reply parser against
+anything a hostile Redis could answer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, strategies as st
+
+from llmgw.tenancy.admission import CONCURRENCY, KEY, REQUESTS, TOKENS, Subject
+from llmgw.tenancy.lease_script import BUCKET, SLOTS, Answer, Operation, Unseeded, decode
+from llmgw.tenancy.leases import FALLBACK, LeasedPool
+
+
+class Owner:
+    """What a pool asks of its limiter, recorded."""
+
+    def __init__(self, live: int = 1):
+        self.degraded = False
+        self.budgets_fail_closed = True
+        self.lease_seconds = 0.5
+        self.holder = "h1"
+        self.holder_ttl_ms = 5000
+        self.live = live
+        self.refills: list[LeasedPool] = []
+        self.gives: list[LeasedPool] = []
+
+    def refill_soon(self, pool: LeasedPool) -> None:
+        self.refills.append(pool)
+
+    def give_soon(self, pool: LeasedPool) -> None:
+        self.gives.append(pool)
+
+    def fallback_capacity(self, capacity: int) -> int:
+        return max(1, capacity // self.live)
+
+
+ALICE = Subject(KEY, "k-alice", "alice")
+
+
+def pool(dimension: str = TOKENS, capacity: int = 6000, owner: Owner | None = None) -> LeasedPool:
+    return LeasedPool(owner or Owner(), "llmgw:c:tenancy:", ALICE, dimension, None, capacity, now=0.0)
+
+
+def grant(leased: LeasedPool, amount: int, now: float = 0.0) -> Operation:
+    operation = leased.operation(now, idle=False)
+    assert operation is not None
+    leased.answered(Answer(amount, 0.0), leased.asked, now)
+    return operation
+
+
+def test_a_waiter_asks_for_what_it_lacks_and_the_least_one_request_needs():
+    leased = pool()
+    leased.ask(100)
+    leased.ask(30)
+    operation = leased.operation(0.0, idle=False)
+    assert (operation.kind, operation.need, operation.want) == (BUCKET, 30, 130)
+    assert operation.keys == ("llmgw:c:tenancy:key:k-alice:tokens",)
+    leased.answered(Answer(130, 500.0), 130, 0.0)
+    assert leased.held == 130 and leased.asked == 0 and leased.room(0.0) == 130
+
+
+def test_a_usage_over_the_reservation_is_a_debt_charged_at_the_next_call():
+    leased = pool()
+    leased.ask(200)
+    grant(leased, 200)
+    stamp = leased.reserve(200, 0.0)
+    leased.adjust(200, 5100, stamp, 0.0)
+    assert leased.held == -4900
+    operation = leased.operation(0.1, idle=False)
+    assert operation.charge == 4900 and leased.held == 0
+
+
+def test_leases_are_sized_to_the_demand_and_refilled_before_they_run_out():
+    owner = Owner()
+    leased = pool(owner=owner)
+    for tenth in range(200):  # 100 tokens a second, steadily
+        leased.held = 10_000
+        leased.reserve(10, tenth / 10)
+    assert leased.lease_size() == pytest.approx(50, rel=0.1)  # 0.5 s of the demand
+    leased.held = 45
+    leased.reserve(10, 20.0)
+    assert owner.refills == []  # 35 left, more than half a lease
+    leased.reserve(10, 20.0)
+    assert owner.refills == [leased]  # less than half a lease left: the next is taken in the background
+
+
+def test_near_the_end_of_a_limit_a_lease_ahead_takes_a_fair_share_of_what_is_left():
+    leased = pool(owner=Owner(live=4))
+    for tenth in range(50):
+        leased.held = 10_000
+        leased.reserve(100, tenth / 10)
+    leased.held = 0
+    leased.answered(Answer(0, 80.0), 0, 5.0)  # Redis had 80 tokens left
+    assert leased.operation(5.0, idle=False).want == 10  # 80 / (2 x 4), not 0.5 s of 1000 a second
+    leased.ask(30)
+    assert leased.operation(5.0, idle=False).want == 30  # what a waiting request lacks, whatever is left
+
+
+def test_an_idle_share_is_given_back_whole():
+    leased = pool()
+    leased.ask(50)
+    grant(leased, 50)
+    assert leased.idle(10.0, 2.0)
+    operation = leased.operation(10.0, idle=True)
+    assert (operation.give, operation.want, leased.held) == (50, 0, 0)
+
+
+def test_a_failed_call_keeps_what_it_would_have_given_and_charged():
+    leased = pool()
+    leased.held = -30
+    operation = leased.operation(0.0, idle=False)
+    leased.unanswered(operation, 0)
+    assert leased.held == -30
+
+
+def test_slots_say_how_many_the_process_holds_and_a_freed_one_goes_back_when_none_was_free():
+    owner = Owner()
+    leased = pool(CONCURRENCY, 3, owner)
+    leased.ask(2)
+    operation = leased.operation(0.0, idle=False)
+    assert (operation.kind, operation.have, operation.want, operation.extra) == (SLOTS, 0, 2, "h1")
+    leased.answered(Answer(2, 0.0), 2, 0.0)
+    stamps = [leased.reserve(1, 0.0), leased.reserve(1, 0.0)]
+    assert leased.in_use == 2 and leased.held == 0
+    assert leased.operation(0.1, idle=False).have == 2  # the heartbeat renews both
+    leased.adjust(1, 0, stamps[0], 0.2)
+    assert owner.gives == [leased] and leased.held == 1
+
+
+def test_redis_away_rate_limits_are_the_limit_divided_by_the_live_processes():
+    owner = Owner(live=4)
+    requests = pool(REQUESTS, 100, owner)
+    owner.degraded = True
+    assert requests.room(0.0) == 25
+    assert requests.reserve(1, 0.0) == FALLBACK
+    slots = pool(CONCURRENCY, 8, owner)
+    assert slots.room(0.0) == 2
+
+
+@given(st.one_of(st.none(), st.integers(), st.binary(max_size=20), st.text(max_size=20),
+                 st.lists(st.one_of(st.integers(), st.binary(max_size=8), st.floats(),
+                                    st.lists(st.one_of(st.integers(-(2 ** 70), 2 ** 70), st.binary(max_size=12),
+                                                       st.floats(), st.none()), max_size=3)), max_size=3)))
+def test_any_reply_is_parsed_into_answers_within_what_was_asked_or_refused(reply):
+    operations = [Operation(BUCKET, ("k",), 100, 1, 10)] * (len(reply) if isinstance(reply, list) else 1)
+    try:
+        answers = decode(reply, operations)
+    except (ValueError, TypeError, Unseeded):
+        return
+    for answer in answers:
+        assert 0 <= answer.granted <= 10
+        assert -1e15 <= answer.left <= 100 and not math.isnan(answer.left)
+
+
+def test_the_script_saying_unseeded_is_its_own_answer():
+    with pytest.raises(Unseeded):
+        decode(b"unseeded", [])
