@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "down": ("llmgw.commands.down", "stop the engines a stopped serve or agent left running: llmgw down --config FILE"),
     "plan": ("llmgw.commands.plan",
              "print where a config's replicas would be placed, and why: llmgw plan --config FILE"),
+    "usage": ("llmgw.commands.usage",
+              "usage per key, team, model and hour, as a table or CSV: llmgw usage --since 24h"),
     "bench": ("llmgw.commands.bench", "run a benchmark and print its table: llmgw bench fault [--json FILE]"),
 }
 

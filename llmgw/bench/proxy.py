@@ -19,6 +19,12 @@ against a test CA), ``llmgw-https`` also serves HTTPS itself (``data_tls``; wrk 
 TLS); their cost over plain ``llmgw`` is reported as ``tls_overhead``. ``direct-tls`` is
 one HTTPS upstream called directly (what the upstream side of TLS costs on its own). They need the
 ``trustme`` package (the test extra) for the certificates.
+Opt-in ``llmgw-keyed`` and ``llmgw-limited``: the same llmgw config with one API key, which every request
+carries; ``llmgw-keyed``'s key has no limits (its requests are authenticated, their usage recorded and a stream's
+usage asked of the engine and stripped; no await is added), ``llmgw-limited``'s has rpm, tpm and concurrency
+limits far above what the run sends (every request is admitted before routing and settled after: the limiter's
+cost, in this one process). Their added p50 and CPU per request over plain ``llmgw`` (round by round) are
+reported as ``ratios_<target>_vs_llmgw``.
 Opt-in ``llmgw-redis``: the same llmgw config with ``state: backend: redis`` on a private
 ``redis-server`` (on the upstreams' CPU): one control process that still publishes its load every
 50 ms and runs the log writer. Its CPU per request and added p50 over plain ``llmgw`` (round by
@@ -79,6 +85,10 @@ PATH = "/v1/chat/completions"
 BASELINE = "llmgw-baseline"
 TLS_TARGETS = ("llmgw-tls", "llmgw-https")  # llmgw over TLS, compared with plain llmgw
 REDIS_TARGET = "llmgw-redis"  # llmgw with its state on Redis, compared with plain llmgw (state: local)
+BENCH_KEY = "sk-bench-proxy-key"
+# llmgw with an API key every request carries, compared with plain llmgw: the key's limits (none; never reached).
+TENANT_TARGETS = {"llmgw-keyed": "", "llmgw-limited": "    limits: {rpm: 100000000, tpm: 100000000000, "
+                                                      "concurrency: 100000}\n"}
 REDIS_CPU_TARGET, REDIS_P50_TARGET = 1.1, 1.05
 DIRECT_TLS = "direct-tls"
 
@@ -86,7 +96,7 @@ LUA = r"""
 wrk.method = "POST"
 wrk.body = %(body)s
 wrk.headers["Content-Type"] = "application/json"
-done = function(summary, latency, requests)
+%(headers)sdone = function(summary, latency, requests)
   local e = summary.errors
   io.write(string.format(
     'WRKJSON {"requests":%%d,"duration_us":%%d,"bytes":%%d,"connect_errors":%%d,"read_errors":%%d,' ..
@@ -156,8 +166,8 @@ UPSTREAM_READY = re.compile(r"listening on (https?://\S+)")
 GATEWAY_READY = re.compile(r"llmgw listening on (https?://\S+)")
 
 
-def http_post(url: str, body: str, timeout: float = 5.0,
-              tls: ssl.SSLContext | None = None) -> tuple[int, bytes, dict]:
+def http_post(url: str, body: str, timeout: float = 5.0, tls: ssl.SSLContext | None = None,
+              authorization: str | None = None) -> tuple[int, bytes, dict]:
     host, port = url.split("//", 1)[1].split(":")
     conn: http.client.HTTPConnection
     if url.startswith("https://"):
@@ -165,21 +175,25 @@ def http_post(url: str, body: str, timeout: float = 5.0,
     else:
         conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
-        conn.request("POST", PATH, body=body, headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if authorization:
+            headers["Authorization"] = authorization
+        conn.request("POST", PATH, body=body, headers=headers)
         resp = conn.getresponse()
         return resp.status, resp.read(), {k.lower(): v for k, v in resp.getheaders()}
     finally:
         conn.close()
 
 
-def wait_ready(url: str, timeout: float, proc: Child | None = None, tls: ssl.SSLContext | None = None) -> None:
+def wait_ready(url: str, timeout: float, proc: Child | None = None, tls: ssl.SSLContext | None = None,
+               authorization: str | None = None) -> None:
     deadline = time.monotonic() + timeout
     last = ""
     while time.monotonic() < deadline:
         if proc is not None and proc.returncode is not None:
             raise BenchError(f"{proc.name} exited with code {proc.returncode}:\n{proc.output(30)}")
         try:
-            status, body, _ = http_post(url, SMALL_BODY, timeout=2, tls=tls)
+            status, body, _ = http_post(url, SMALL_BODY, timeout=2, tls=tls, authorization=authorization)
             if status == 200:
                 return
             last = f"HTTP {status}: {body[:200]!r}"
@@ -190,17 +204,18 @@ def wait_ready(url: str, timeout: float, proc: Child | None = None, tls: ssl.SSL
                      + (f"\n{proc.output(30)}" if proc else ""))
 
 
-def check_target(name: str, url: str, tls: ssl.SSLContext | None = None) -> dict:
+def check_target(name: str, url: str, tls: ssl.SSLContext | None = None, authorization: str | None = None) -> dict:
     """One request of each kind, checked by hand: what wrk will count must be real answers."""
-    status, body, headers = http_post(url, SMALL_BODY, tls=tls)
+    status, body, headers = http_post(url, SMALL_BODY, tls=tls, authorization=authorization)
     if status != 200 or b'"choices"' not in body:
         raise BenchError(f"{name}: a non-streaming request got HTTP {status}: {body[:300]!r}")
-    status, body, _ = http_post(url, STREAM_BODY, tls=tls)
+    status, body, _ = http_post(url, STREAM_BODY, tls=tls, authorization=authorization)
     events = body.count(b"data: ")
     if status != 200 or not body.rstrip().endswith(b"data: [DONE]"):
         raise BenchError(f"{name}: a streaming request got HTTP {status} and {events} events: {body[-300:]!r}")
     return {"stream_events": events, "served_by": headers.get("x-served-by"),
-            "replica_header": headers.get("x-llmgw-replica")}
+            "replica_header": headers.get("x-llmgw-replica"),
+            "ratelimit_headers": sorted(name for name in headers if name.startswith("x-ratelimit-"))}
 
 
 def check_shared_state(control_url: str, timeout: float = 15.0) -> dict:
@@ -223,9 +238,10 @@ def check_shared_state(control_url: str, timeout: float = 15.0) -> dict:
 
 # -- wrk ---------------------------------------------------------------------------------------------------------------
 
-def lua_script(workdir: Path, name: str, body: str) -> Path:
+def lua_script(workdir: Path, name: str, body: str, authorization: str | None = None) -> Path:
     path = workdir / f"{name}.lua"
-    path.write_text(LUA % {"body": "[==[" + body + "]==]"})
+    headers = f'wrk.headers["Authorization"] = "{authorization}"\n' if authorization else ""
+    path.write_text(LUA % {"body": "[==[" + body + "]==]", "headers": headers})
     return path
 
 
@@ -323,6 +339,7 @@ class Target:
     name: str
     url: str
     proc: Child | None  # None for the upstream called directly
+    authorization: str | None = None  # the Authorization header every request carries
 
 
 def run_interleaved(targets: list[Target], workdir: Path, duration: float, warmup: float,
@@ -333,15 +350,16 @@ def run_interleaved(targets: list[Target], workdir: Path, duration: float, warmu
     on whichever one happened to run while it did.
     """
     results = []
-    scripts = {scenario: lua_script(workdir, scenario, body) for scenario, body, _, _ in SCENARIOS}
+    scripts = {(scenario, target.authorization): lua_script(
+        workdir, f"{scenario}-{target.name}" if target.authorization else scenario, body, target.authorization)
+        for scenario, body, _, _ in SCENARIOS for target in targets}
     for round_ in range(repeat):
         for scenario, _, connections, _ in SCENARIOS:
             for target in targets:
+                script = scripts[scenario, target.authorization]
                 if warmup and round_ == 0:
-                    run_wrk(target.url, scripts[scenario], connections, warmup, None, target.name,
-                            scenario + "-warmup")
-                result = run_wrk(target.url, scripts[scenario], connections, duration, target.proc, target.name,
-                                 scenario)
+                    run_wrk(target.url, script, connections, warmup, None, target.name, scenario + "-warmup")
+                result = run_wrk(target.url, script, connections, duration, target.proc, target.name, scenario)
                 flag = "" if result.ok else f"  ERRORS {result.errors}"
                 cpu = ""
                 if result.proxy_cpu_share is not None:
@@ -526,6 +544,10 @@ def summarize(results: list[RunResult], targets: list[str]) -> dict:
         }
     if "llmgw" in summary and BASELINE in summary:
         summary["ratios_llmgw_vs_baseline"] = _pair_ratios(results, "llmgw", BASELINE)
+    for target in TENANT_TARGETS:
+        if "llmgw" in summary and target in summary:
+            summary[f"ratios_{target}_vs_llmgw"] = _pair_ratios(results, target, "llmgw") | _cpu_ratios(
+                results, target, "llmgw")
     if "llmgw" in summary and REDIS_TARGET in summary:
         ratios = _pair_ratios(results, REDIS_TARGET, "llmgw") | _cpu_ratios(results, REDIS_TARGET, "llmgw")
         summary["ratios_llmgw_redis_vs_llmgw"] = ratios
@@ -645,6 +667,20 @@ def print_table(summary: dict, targets: list[str]) -> None:
         print(f"  added p50 latency at c=1:           {rr('c1_added_p50_ratio')}  target <= {REDIS_P50_TARGET}x")
         print(f"  added p50 of a whole stream at c=1: {rr('stream_c1_added_p50_ratio')}")
         print(f"  requests/s at c=32:                 {rr('c32_rps_ratio')}")
+    for target in TENANT_TARGETS:
+        tenant_ratios: dict = summary.get(f"ratios_{target}_vs_llmgw") or {}
+        if tenant_ratios:
+            print()
+            limited = " with limits" if TENANT_TARGETS[target] else ""
+            print(f"{target} / llmgw (every request carries an API key{limited}; median of per-round ratios):")
+            for name, what in (("c1_added_p50_ratio", "added p50 latency at c=1"),
+                               ("stream_c1_added_p50_ratio", "added p50 of a whole stream at c=1"),
+                               ("c32_cpu_ratio", "proxy CPU per request, c=32"),
+                               ("stream_c32_cpu_ratio", "proxy CPU per stream, c=32"),
+                               ("c32_rps_ratio", "requests/s at c=32")):
+                rounds = ", ".join(f"{x:.2f}" for x in tenant_ratios.get(name + "_rounds", []))
+                print(f"  {what + ':':36s}{tenant_ratios[name]:.3f}x  (rounds: {rounds})" if name in tenant_ratios
+                      else f"  {what + ':':36s}n/a")
     for target, overhead in summary.get("tls_overhead", {}).items():
         print()
         print(f"{target} over plain llmgw (what TLS costs):")
@@ -722,6 +758,13 @@ async def start_and_measure(args: argparse.Namespace, targets: list[str], workdi
                 tls_config.write_text(llmgw_config(tls_urls, pki, https_listener=name == "llmgw-https"))
                 extra[f"{name}_config"] = tls_config.read_text()
                 gateways.append((name, None, tls_config))
+        for name, limits in TENANT_TARGETS.items():
+            if name in targets:
+                keyed_config = workdir / f"{name}.yaml"
+                keyed_config.write_text(llmgw_config(urls) + f"api_keys:\n  - key: {BENCH_KEY}\n    name: bench\n"
+                                        + limits)
+                extra[f"{name}_config"] = keyed_config.read_text()
+                gateways.append((name, None, keyed_config))
         for name, source, config_path in gateways:
             # From another checkout: its folder first on the path, whatever this process's PYTHONPATH (a compiled
             # tree, say) and PYTHONSAFEPATH, which would otherwise make the baseline import this process's llmgw.
@@ -731,9 +774,10 @@ async def start_and_measure(args: argparse.Namespace, targets: list[str], workdi
                 env=None if source is None else checkout_env(source))
             commands[name] = proc.argv + ([f"(in {source})"] if source else [])
             client_tls = pki.client_context() if pki and proc.url.startswith("https://") else None
-            wait_ready(proc.url, 30, proc, client_tls)
-            extra[name] = check_target(name, proc.url, client_tls)
-            running.append(Target(name, proc.url, proc))
+            authorization = f"Bearer {BENCH_KEY}" if name in TENANT_TARGETS else None
+            wait_ready(proc.url, 30, proc, client_tls, authorization)
+            extra[name] = check_target(name, proc.url, client_tls, authorization)
+            running.append(Target(name, proc.url, proc, authorization))
             print(f"{name}: {proc.url} (pid {proc.pid}{f', from {source}' if source else ''})", flush=True)
         extra["llmgw_config"] = config.read_text()
         redis = None
@@ -799,7 +843,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the results here (e.g. bench-results/proxy.json)")
     parser.add_argument("--targets", default="direct,llmgw,vllm-router",
                         help="comma-separated subset of direct, llmgw, vllm-router, direct-tls, llmgw-tls, "
-                             f"llmgw-https, {REDIS_TARGET} (e.g. direct,llmgw,{REDIS_TARGET})")
+                             f"llmgw-https, {REDIS_TARGET}, {', '.join(TENANT_TARGETS)} "
+                             f"(e.g. direct,llmgw,{REDIS_TARGET})")
     parser.add_argument("--vllm-router", default=None, help="path of the vllm-router executable")
     parser.add_argument("--no-install", action="store_true", help="do not install vllm-router when it is missing")
     parser.add_argument("--baseline", type=Path, default=None, metavar="DIR",
@@ -809,7 +854,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.duration <= 300 or not 0 <= args.warmup <= 60 or not 1 <= args.repeat <= 10:
         parser.error("bounds: 0 < --duration <= 300, 0 <= --warmup <= 60, 1 <= --repeat <= 10")
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    unknown = set(targets) - {"direct", "llmgw", "vllm-router", DIRECT_TLS, *TLS_TARGETS, REDIS_TARGET}
+    unknown = set(targets) - {"direct", "llmgw", "vllm-router", DIRECT_TLS, *TLS_TARGETS, REDIS_TARGET,
+                              *TENANT_TARGETS}
     if unknown:
         parser.error(f"unknown targets: {', '.join(sorted(unknown))}")
     repo = Path(__file__).resolve().parents[2]

@@ -30,6 +30,7 @@ from .admin_guard import AdminGuard
 from .admin_tenants import register_tenant_routes
 from .replica_stats import replica_stats
 from .ui import status_page
+from .usage_admin import register_usage_routes
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -212,6 +213,7 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
         return jsonify(await gateway.router.explain(RouteRequest(resolved[0], path, body, adapter=resolved[1])))
 
     register_tenant_routes(app, gateway, _error, _json_object)
+    register_usage_routes(app, lambda: gateway.tenancy.usage_service)
 
     @app.errorhandler(404)
     async def not_found(_):

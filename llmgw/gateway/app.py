@@ -268,10 +268,10 @@ class Gateway:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.replicas.run)
-            await nursery.start(self.tenancy.run)
             if self.shared is not None:
                 await nursery.start(self.shared.run, self._lead if self.role == CONTROL else None, self._settled)
                 await nursery.start(self.health_report.watch)
+            await nursery.start(self.tenancy.run)  # after the shared state: the Redis limiter runs on its link
             if self.static is not None:
                 await nursery.start(self.static.run)
                 self.static.apply(self.config)
@@ -458,6 +458,7 @@ class Gateway:
         log.log(logging.INFO if inflight else logging.DEBUG,
                 "draining: no new connections; waiting up to %gs for %d in-flight requests", grace, inflight)
         await self.data_server.drain(grace)
+        await self.tenancy.stop()  # before the shared state's link: the limiter gives its shares back over it
         if self.stop_engines_on_exit:
             await self.stop_embedded_shards()
         self._control_shutdown.set()

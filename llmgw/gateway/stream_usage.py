@@ -27,7 +27,8 @@ _encode = json.JSONEncoder(separators=(",", ":")).encode
 def usage_forced_body(path: str, body: Mapping[str, object]) -> bytes | None:
     """The body to send upstream instead of the client's when the engine must be asked for a stream's usage
     (``stream: true`` on a completion path, without ``stream_options.include_usage``); None: send the client's
-    bytes. A ``stream_options`` that is not an object is left for the engine to refuse."""
+    bytes. A ``stream_options`` that is not an object is left for the engine to refuse; its
+    ``continuous_usage_stats`` is dropped (it takes effect only with ``include_usage``)."""
     if path not in USAGE_OPTION_PATHS or body.get("stream") is not True:
         return None
     options = body.get("stream_options")
@@ -36,7 +37,10 @@ def usage_forced_body(path: str, body: Mapping[str, object]) -> bytes | None:
     elif not isinstance(options, dict) or options.get("include_usage") is True:
         return None
     forced = dict(body)
-    forced["stream_options"] = {**options, "include_usage": True}
+    # Without include_usage, continuous_usage_stats did nothing for this client; with it, every chunk would carry
+    # usage: it goes, so that the chunks the client reads stay as they were.
+    forced["stream_options"] = {**{k: v for k, v in options.items() if k != "continuous_usage_stats"},
+                                "include_usage": True}
     return _encode(forced).encode("ascii")  # ASCII escapes: a lone surrogate the client sent stays as it was
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from ..http.messages import Response, error_response
 from ..tenancy.estimate import Estimator
@@ -24,15 +24,25 @@ from .usage import usage_counts
 
 log = logging.getLogger(__name__)
 _NO_HEADERS: list[tuple[bytes, bytes]] = []
+# What a request was charged on (llmgw_tenant_settled_total's label): the engine's usage; the estimate's prompt
+# and what was sent (no usage: a stream broken off or left, an engine that reports none); nothing (no answer).
+USAGE, SENT, NOTHING = "usage", "sent", "nothing"
+SETTLE_BASES = (USAGE, SENT, NOTHING)
+
+
+def _uncounted(basis: str) -> None:
+    pass
 
 
 class Charge:
     """One request's reservation (if its key is limited) and the usage record of its answer."""
 
-    __slots__ = ("_tenancy", "tenant", "model", "estimate", "admission", "_open")
+    __slots__ = ("_tenancy", "_count", "tenant", "model", "estimate", "admission", "_open")
 
-    def __init__(self, tenancy: Tenancy, tenant: Tenant, model: str, estimate: Estimate) -> None:
+    def __init__(self, tenancy: Tenancy, tenant: Tenant, model: str, estimate: Estimate,
+                 count: Callable[[str], None] = _uncounted) -> None:
         self._tenancy = tenancy
+        self._count = count
         self.tenant = tenant
         self.model = model
         self.estimate = estimate
@@ -54,6 +64,7 @@ class Charge:
         admission = self.admission
         if admission is not None:
             admission.settle(None)
+        self._count(NOTHING)
 
     def answered(self, status: int, usage: Mapping[str, object] | None, sent_tokens: int | None) -> None:
         """An engine's answer ended with ``status``: settled with its ``usage`` when it has one; else (a stream
@@ -65,6 +76,7 @@ class Charge:
         self._open = False
         estimate = self.estimate
         prompt, cached, completion = usage_counts(usage) if usage is not None else (None, None, None)
+        self._count(USAGE if (prompt is not None and completion is not None) or status not in (200, 499) else SENT)
         if status != 200 and status != 499:
             prompt = prompt or 0
             completion = completion or 0
@@ -88,15 +100,19 @@ class Charge:
 class TenancyGate:
     """A gateway's tenancy as the data plane uses it: the bundle, and the estimator of the same config."""
 
-    __slots__ = ("tenancy", "estimator")
+    __slots__ = ("tenancy", "estimator", "_count")
 
-    def __init__(self, tenancy: Tenancy, max_model_len: Mapping[str, int] | None = None) -> None:
+    def __init__(self, tenancy: Tenancy, max_model_len: Mapping[str, int] | None = None,
+                 count: Callable[[str], None] = _uncounted) -> None:
+        """``count(basis)``: one request settled on ``basis`` (one of :data:`SETTLE_BASES`)."""
         self.tenancy = tenancy
         self.estimator = Estimator(tenancy.settings, tenancy.prices, max_model_len)
+        self._count = count
 
     def open(self, tenant: Tenant, model: str, path: str, body: Mapping[str, object], body_bytes: int) -> Charge:
         """The charge of a request of ``tenant`` (not yet admitted: see :meth:`admit`)."""
-        return Charge(self.tenancy, tenant, model, self.estimator.estimate(model, path, body, body_bytes))
+        return Charge(self.tenancy, tenant, model, self.estimator.estimate(model, path, body, body_bytes),
+                      self._count)
 
     async def admit(self, charge: Charge) -> Response | None:
         """Reserve a limited key's request against its limits: None when admitted (the charge holds the

@@ -94,6 +94,8 @@ class UsageAggregator:
         self._clock = clock
         self._rows: Rows = {}
         self.on_row: list[Callable[[UsageRow, Counts], None]] = []  # the journal, the Prometheus counters
+        self.max_rows: int | None = None  # past this many rows, ``on_full`` is called (the flusher's bound)
+        self.on_full: Callable[[], None] = lambda: None
 
     def record(self, record: UsageRecord) -> None:
         """Count one answer an engine produced (its tokens, money and status class) in its key's hour."""
@@ -112,6 +114,8 @@ class UsageAggregator:
         for hook in self.on_row:
             hook(row, counts)
         self.add(row, counts)
+        if self.max_rows is not None and len(self._rows) > self.max_rows:
+            self.on_full()
 
     def add(self, row: UsageRow, counts: Counts) -> None:
         """Add ``counts`` to ``row`` (no hooks: a replayed journal's lines, rows put back)."""

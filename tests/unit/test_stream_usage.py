@@ -20,9 +20,10 @@ def test_the_option_is_added_only_to_a_stream_that_did_not_ask():
     body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "h\u00e9 \ud800"}]}
     forced = usage_forced_body("/v1/chat/completions", body)
     assert forced is not None and json.loads(forced) == {**body, "stream_options": {"include_usage": True}}
-    kept = {**body, "stream_options": {"continuous_usage_stats": True, "include_usage": False}}
+    # continuous_usage_stats without include_usage gave this client no usage: it must not start to
+    kept = {**body, "stream_options": {"continuous_usage_stats": True, "include_usage": False, "x": 1}}
     assert json.loads(usage_forced_body("/v1/completions", kept) or b"")["stream_options"] == {
-        "continuous_usage_stats": True, "include_usage": True}
+        "include_usage": True, "x": 1}
     assert usage_forced_body("/v1/chat/completions", {**body, "stream_options": {"include_usage": True}}) is None
     assert usage_forced_body("/v1/chat/completions", {**body, "stream": False}) is None
     assert usage_forced_body("/v1/chat/completions", {**body, "stream_options": "bad"}) is None  # the engine's 400

@@ -1,0 +1,248 @@
+"""Usage reaches the SQLite store exactly once: lost answers, a store away, memory bounds, the journal's replay."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import trio
+
+from llmgw.tenancy.interfaces import UsageRecord
+from llmgw.tenancy.model import TenancySettings, Usage
+from llmgw.tenancy.usage import FIELDS, UsageAggregator, UsageRow
+from llmgw.tenancy.usage_flush import UsageFlusher
+from llmgw.tenancy.usage_journal import UsageJournal, encode, read_rows
+from llmgw.tenancy.usage_service import budget_spent
+from llmgw.tenancy.usage_store import Batch, SqliteUsageStore, StoreUnavailable
+
+HOUR = 1_796_000_400
+REQUESTS, INPUT, NANO = FIELDS.index("requests"), FIELDS.index("input_tokens"), FIELDS.index("nano_usd")
+
+
+def answer(key: str, *, at: float = HOUR + 5, prompt: int = 10, nano: int = 7, team: str | None = "t"):
+    return UsageRecord(f"k-{key}", key, team, "tiny", Usage(prompt, 3, 0, nano), 200, at)
+
+
+async def totals(store: SqliteUsageStore) -> dict[str, tuple[int, int, int]]:
+    """Requests, input tokens and nano-dollars per key name."""
+    found: dict[str, tuple[int, int, int]] = {}
+    for row, counts in await store.rows(0, 2**40):
+        old = found.get(row.key_name, (0, 0, 0))
+        found[row.key_name] = (old[0] + counts[REQUESTS], old[1] + counts[INPUT], old[2] + counts[NANO])
+    return found
+
+
+class FlakyStore:
+    """A SQLite store that refuses while ``down``, and can lose the answer of an apply that went through."""
+
+    def __init__(self, store: SqliteUsageStore):
+        self.store = store
+        self.down = False
+        self.lose_answers = 0
+        self.applied = 0
+
+    async def apply(self, batch: Batch) -> bool:
+        if self.down:
+            raise StoreUnavailable("down")
+        done = await self.store.apply(batch)
+        self.applied += 1
+        if self.lose_answers:
+            self.lose_answers -= 1
+            raise StoreUnavailable("the answer was lost")
+        return done
+
+    async def shipped(self, journal: str) -> int | None:
+        if self.down:
+            raise StoreUnavailable("down")
+        return await self.store.shipped(journal)
+
+    async def rows(self, since: int, until: int):
+        return await self.store.rows(since, until)
+
+
+@pytest.fixture
+async def store(tmp_path):
+    store = SqliteUsageStore(tmp_path / "tenancy.sqlite3")
+    yield store
+    await store.close()
+
+
+async def test_a_batch_applied_twice_counts_once(store):
+    row = UsageRow("k-a", "a", "", "tiny", HOUR)
+    counts = [1] * len(FIELDS)
+    assert await store.apply(Batch("seg", 10, {row: counts}))
+    assert not await store.apply(Batch("seg", 10, {row: counts}))
+    assert not await store.apply(Batch("seg", 5, {row: counts}))  # an older batch of that journal
+    assert await store.apply(Batch("seg", 20, {row: counts}))
+    assert await store.apply(Batch("other", 1, {row: counts}))
+    assert await totals(store) == {"a": (3, 3, 3)}
+    assert await store.shipped("seg") == 20
+
+
+@pytest.mark.parametrize("journaled", [True, False])
+async def test_a_flush_whose_answer_was_lost_is_retried_and_counted_once(store, tmp_path, journaled):
+    flaky = FlakyStore(store)
+    sink = UsageAggregator()
+    journal = UsageJournal(tmp_path / "journal") if journaled else None
+    flusher = UsageFlusher(sink, flaky, journal, interval=0.01)
+    if journal:
+        journal.open()
+    sink.record(answer("a"))
+    flaky.lose_answers = 2
+    await flusher.flush()
+    assert flaky.applied == 3  # the first went in, its answer lost twice; the repeats were skipped by the marker
+    sink.record(answer("a"))
+    await flusher.flush()
+    assert await totals(store) == {"a": (2, 20, 14)}
+
+
+async def test_usage_waits_while_the_store_is_away_and_arrives_once_when_it_is_back(store, tmp_path):
+    flaky = FlakyStore(store)
+    sink = UsageAggregator()
+    journal = UsageJournal(tmp_path / "journal")
+    journal.open()
+    flusher = UsageFlusher(sink, flaky, journal, interval=0.01)
+    sink.record(answer("a"))
+    flaky.down = True
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(flusher.flush)
+        for _ in range(20):
+            await trio.sleep(0.01)
+            sink.record(answer("b"))
+        assert flusher.waiting
+        flaky.down = False
+    await flusher.flush()
+    assert await totals(store) == {"a": (1, 10, 7), "b": (20, 200, 140)}
+
+
+async def test_past_the_memory_bound_usage_is_read_back_from_the_journal(store, tmp_path):
+    flaky = FlakyStore(store)
+    sink = UsageAggregator()
+    journal = UsageJournal(tmp_path / "journal")
+    journal.open()
+    flusher = UsageFlusher(sink, flaky, journal, interval=0.01, max_pending_rows=5)
+    sink.record(answer("first"))
+    flaky.down = True
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(flusher.flush)
+        for index in range(40):
+            await trio.sleep(0.005)
+            sink.record(answer(f"key{index}"))
+        assert sink.pending_rows <= 6
+        flaky.down = False
+    await flusher.flush()
+    found = await totals(store)
+    assert found == {"first": (1, 10, 7), **{f"key{index}": (1, 10, 7) for index in range(40)}}
+
+
+async def test_without_a_journal_rows_past_the_memory_bound_are_counted_as_lost(store):
+    flaky = FlakyStore(store)
+    sink = UsageAggregator()
+    lost = []
+    flusher = UsageFlusher(sink, flaky, None, interval=0.01, max_pending_rows=5, on_lost=lost.append)
+    sink.record(answer("first"))
+    flaky.down = True
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(flusher.flush)
+        for index in range(20):
+            await trio.sleep(0.005)
+            sink.record(answer(f"key{index}"))
+        flaky.down = False
+    await flusher.flush()
+    assert sum(lost) >= 6
+    found = await totals(store)
+    assert "first" in found and len(found) + sum(lost) == 21
+
+
+async def test_a_killed_process_journal_is_replayed_from_the_store_marker_once(store, tmp_path):
+    directory = tmp_path / "journal"
+    sink = UsageAggregator()
+    journal = UsageJournal(directory)
+    journal.open()
+    flusher = UsageFlusher(sink, store, journal, interval=0.01)
+    sink.record(answer("shipped"))
+    await flusher.flush()
+    for _ in range(3):
+        sink.record(answer("settled-not-shipped"))
+    journal.close()  # as a kill -9 leaves it: the lock gone, the file there
+    assert len(list(directory.iterdir())) == 1
+
+    second = UsageFlusher(UsageAggregator(), store, UsageJournal(directory), interval=0.01)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(second.run)
+            while len(list(directory.iterdir())) != 1 or (await totals(store)).get("settled-not-shipped") is None:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    assert await totals(store) == {"shipped": (1, 10, 7), "settled-not-shipped": (3, 30, 21)}
+
+
+async def test_a_live_process_journal_is_not_replayed_by_another(store, tmp_path):
+    directory = tmp_path / "journal"
+    sink = UsageAggregator()
+    journal = UsageJournal(directory)
+    journal.open()
+    UsageFlusher(sink, store, journal, interval=0.01)
+    sink.record(answer("alive"))
+    other = UsageFlusher(UsageAggregator(), store, UsageJournal(directory), interval=0.01)
+    await other.replay_orphans()
+    assert await totals(store) == {}
+    journal.close()
+
+
+async def test_shipped_segments_are_rotated_and_deleted(store, tmp_path):
+    directory = tmp_path / "journal"
+    sink = UsageAggregator()
+    journal = UsageJournal(directory, rotate_bytes=200)
+    journal.open()
+    flusher = UsageFlusher(sink, store, journal, interval=0.01)
+    for index in range(30):
+        sink.record(answer(f"k{index % 3}"))
+        await flusher.flush()
+    assert len(list(directory.iterdir())) == 1
+    assert await totals(store) == {f"k{i}": (10, 100, 70) for i in range(3)}
+    journal.close()
+
+
+async def test_a_stop_flushes_what_is_left(store, tmp_path):
+    sink = UsageAggregator()
+    flusher = UsageFlusher(sink, store, UsageJournal(tmp_path / "journal"), interval=3600)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(flusher.run)
+        sink.record(answer("late"))
+        nursery.cancel_scope.cancel()
+    assert await totals(store) == {"late": (1, 10, 7)}
+    assert list((tmp_path / "journal").iterdir())  # the segment stays; the marker says it is all shipped
+    assert await UsageFlusher(UsageAggregator(), store, UsageJournal(tmp_path / "journal"), 1).replay_orphans() \
+        is None
+    assert await totals(store) == {"late": (1, 10, 7)}
+
+
+def test_replay_reads_whole_lines_and_skips_what_is_not_a_usage_line(tmp_path):
+    path = tmp_path / "x.usage"
+    row = UsageRow("k-a", "a", "", "tiny", HOUR)
+    line = encode(row, [1] * len(FIELDS))
+    path.write_bytes(line + b"garbage\n" + b"[1,2]\n" + b"x" * 10_000 + b"\n" + line + line[:20])
+    rows, end, skipped = read_rows(path, 0)
+    assert rows == {row: [2] * len(FIELDS)}
+    assert skipped == 3
+    assert end == os.path.getsize(path) - 20  # the torn last line is not read
+
+
+async def test_budget_spent_sums_keys_and_teams_per_period(store):
+    day = HOUR - 3600  # 2026-11-30T00:00Z
+    await store.apply(Batch("s", 1, {
+        UsageRow("k-a", "a", "t", "tiny", day - 3600): [1, 100, 0, 10, 50, 1, 0, 0, 0, 0, 0, 0],  # the day before
+        UsageRow("k-a", "a", "t", "tiny", HOUR): [1, 100, 40, 10, 50, 1, 0, 0, 0, 0, 0, 0],
+        UsageRow("k-b", "b", "t", "big", HOUR): [1, 10, 0, 1, 7, 1, 0, 0, 0, 0, 0, 0],
+        UsageRow("k-c", "c", "", "big", HOUR): [1, 10, 0, 1, 7, 1, 0, 0, 0, 0, 0, 0],
+    }))
+    settings = TenancySettings(cached_input_weight=0.5)
+    spent = {(s.kind, s.name, s.period): (s.tokens, s.nano_usd)
+             for s in await budget_spent(store, settings, now=HOUR + 100)}
+    assert spent[("key", "k-a", "day")] == (60 + 20 + 10, 50)
+    assert spent[("key", "k-a", "month")] == (110 + 90, 100)  # November
+    assert spent[("key", "k-a", "total")] == (110 + 90, 100)
+    assert spent[("team", "t", "day")] == (90 + 11, 57)
+    assert ("team", "", "day") not in spent
+    assert spent[("key", "k-c", "total")] == (11, 7)
