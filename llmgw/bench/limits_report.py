@@ -47,6 +47,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "rpm_steady_usable": (RPM_STEADY, "usable"), "rpm_steady_over": (RPM_STEADY, "over"),
     "tpm_steady_usable": (TPM_STEADY, "usable"), "tpm_steady_over": (TPM_STEADY, "over"),
     "added_p50_ms": ("latency", "added_p50_ms"), "added_p99_ms": ("latency", "added_p99_ms"),
+    "limited_lane_ok": ("latency", "limited", "requests"),
     "redis_away_admitted": (REDIS_KILL, "away", "admitted"), "redis_away_expected": (REDIS_KILL, "away", "expected"),
     "redis_after_admitted": (REDIS_KILL, "after", "admitted"),
     "redis_after_expected": (REDIS_KILL, "after", "expected"),
@@ -90,6 +91,8 @@ STEADY: list[Column] = [
                                              f"{_largest(runs, lambda r: r[TPM_STEADY]['over'])}"),
     ("added p50", lambda runs: _cell(runs, lambda r: r["latency"]["added_p50_ms"], ".2f", " ms")),
     ("added p99", lambda runs: _cell(runs, lambda r: r["latency"]["added_p99_ms"], ".2f", " ms")),
+    ("not 200 below the limits",
+     lambda runs: _largest(runs, lambda r: sum(r["latency"]["limited"]["not_ok"].values()))),
     ("Redis away: admitted / exact", lambda runs: f"{_cell(runs, lambda r: r[REDIS_KILL]['away']['admitted'])} / "
                                                   f"{_cell(runs, lambda r: r[REDIS_KILL]['away']['expected'])}"),
     ("after", lambda runs: f"{_cell(runs, lambda r: r[REDIS_KILL]['after']['admitted'])} / "
@@ -120,6 +123,7 @@ def markdown(arms: Sequence[dict], plan: dict) -> str:
         f"Steady: a burst of the limit ({plan['steady_limit']} rpm; tpm the same in requests' tokens), "
         f"then {plan['overload']:g}x the limit for {plan['steady_seconds']:g} s: usable = admitted of what "
         "an exact limiter of the arm's kind admits for the same requests. Latency: the same gateways, a key "
-        "with every kind of limit (never reached) against one without. Redis: the steady rpm load, "
+        "with every kind of limit (never reached) against one without (and how many of the limited key's "
+        "answers were not 200 all the same). Redis: the steady rpm load, "
         f"Redis killed (SIGKILL) {plan['redis_before']:g} s in and restarted empty "
         f"{plan['redis_away']:g} s later: admitted / exact.", "", *_table(arms, STEADY)])

@@ -75,7 +75,7 @@ class Plan:
                 RPM_STEADY: {"rpm": steady}, TPM_STEADY: {"tpm": steady * self.request_tokens},
                 REDIS_KILL: {"rpm": steady}, FREE: {},
                 LIMITED: {"rpm": UNREACHED, "tpm": UNREACHED, "concurrency": 10**6,
-                          "budget_nano": 10**15}}[scenario]  # a million dollars
+                          "budget_nano": 10**12}}[scenario]  # a thousand dollars
 
     def lanes(self) -> list[tuple[str, int, Lane]]:
         return [(scenario, repeat, self.lane(scenario, repeat))

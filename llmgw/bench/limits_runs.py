@@ -72,9 +72,9 @@ async def run_repeat(fleet: Fleet, client: Client, plan: Plan, timing: Timing, r
             async def one(scenario: str = scenario) -> None:
                 result[scenario] = await _steady(fleet, client, plan, timing, scenario, lane(scenario))
             nursery.start_soon(one)
-    latencies = await closed_loop(client, [lane(FREE), lane(LIMITED)], timing.latency_requests,
+    answered = await closed_loop(client, [lane(FREE), lane(LIMITED)], timing.latency_requests,
                                   timing.latency_concurrency, plan.max_tokens)
-    free, limited = latency_ms(latencies[lane(FREE).name]), latency_ms(latencies[lane(LIMITED).name])
+    free, limited = latency_ms(answered[lane(FREE).name]), latency_ms(answered[lane(LIMITED).name])
     result["latency"] = {"free": free, "limited": limited,
                          "added_p50_ms": limited["p50_ms"] - free["p50_ms"],
                          "added_p99_ms": limited["p99_ms"] - free["p99_ms"]}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -147,23 +148,21 @@ async def steady(client: Client, lane: Lane, rate: float, seconds: float, max_to
 
 
 async def closed_loop(client: Client, lanes: Sequence[Lane], requests: int, concurrency: int,
-                      max_tokens: int) -> dict[str, list[float]]:
+                      max_tokens: int) -> dict[str, list[Answer]]:
     """``concurrency`` clients, each sending one request after the other, the lanes taken in turn, until
-    ``requests`` per lane were answered; the latencies (seconds) of each lane's answers that were not refused."""
-    latencies: dict[str, list[float]] = {lane.name: [] for lane in lanes}
+    ``requests`` per lane were sent; each lane's answers."""
+    answers: dict[str, list[Answer]] = {lane.name: [] for lane in lanes}
     order = [lane for _ in range(requests) for lane in lanes]
 
     async def worker() -> None:
         while order:
             lane = order.pop()
-            answer = await client.send(lane, max_tokens)
-            if answer.status == 200:
-                latencies[lane.name].append(answer.latency)
+            answers[lane.name].append(await client.send(lane, max_tokens))
 
     async with trio.open_nursery() as nursery:
         for _ in range(concurrency):
             nursery.start_soon(worker)
-    return latencies
+    return answers
 
 
 # -- the exact limiters --------------------------------------------------------------------------------------------
@@ -274,11 +273,12 @@ def most_in_flight(answers: Sequence[Answer]) -> int:
     return most
 
 
-def latency_ms(values: Sequence[float]) -> dict:
-    """p50 and p99 of ``values`` (seconds), in milliseconds."""
-    values = list(values)
+def latency_ms(answers: Sequence[Answer]) -> dict:
+    """p50 and p99 in milliseconds of the answers that were 200, and how many were not, by status."""
+    values = [a.latency for a in answers if a.status == 200]
+    others = Counter(str(a.status) for a in answers if a.status != 200)
     return {"requests": len(values), "p50_ms": 1000 * percentile(values, 0.5),
-            "p99_ms": 1000 * percentile(values, 0.99)}
+            "p99_ms": 1000 * percentile(values, 0.99), "not_ok": dict(sorted(others.items()))}
 
 
 def fits(budget: float, cost: float) -> int:

@@ -156,7 +156,7 @@ def run_result(rpm_admitted: int, over_money: int) -> dict:
              "usable": 1.0}
     return {RPM: burst, TPM: {**burst, "tokens_over": 0}, BUDGET: {**burst, "nano_over": over_money},
             RPM_STEADY: {**burst, "usable": 0.99}, TPM_STEADY: {**burst, "usable": 1.0},
-            "latency": {"added_p50_ms": 0.5, "added_p99_ms": 2.0},
+            "latency": {"added_p50_ms": 0.5, "added_p99_ms": 2.0, "limited": {"requests": 199, "not_ok": {"429": 1}}},
             REDIS_KILL: {"away": {"admitted": 20, "expected": 20}, "after": {"admitted": 25, "expected": 24}}}
 
 
@@ -172,6 +172,7 @@ def test_the_report_gives_medians_with_their_range_and_the_largest_overshoot():
                      settings)
     assert "| llmgw N=2 | 2 | 51 [50-52] | 2 |" in table
     assert "0.003200 USD" in table and "99.0% [99.0-99.0]" in table
+    assert "| 0.50 ms [0.50-0.50] | 2.00 ms [2.00-2.00] | 1 |" in table  # a refusal below the limits shows
     assert "| LiteLLM N=2 | 2 | not run: it would not start |" in table
 
 
