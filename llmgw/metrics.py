@@ -112,7 +112,8 @@ class Metrics:
             ["model", "code", "outcome"], registry=r))
         self.requests_by_key = CachedLabels(Counter(
             "llmgw_requests_by_key", "Every answer of the data plane (but /health and /ready), by the name of the "
-            "API key it carried (none: no valid key, or no api_keys) and HTTP status.", ["key", "code"],
+            "API key it carried (none: no valid key, or no api_keys; api: any key made by the admin API) and HTTP "
+            "status.", ["key", "code"],
             registry=r))
         self.request_duration = CachedLabels(Histogram(
             "llmgw_request_duration_seconds", "Time from a request's arrival to the end of its response.",

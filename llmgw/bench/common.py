@@ -4,12 +4,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 
 def cell(value: float | None, spec: str) -> str:
     """A table cell: ``value`` formatted with ``spec``, or ``-`` when there is none."""
     return "-" if value is None else format(value, spec)
+
+
+def rounds_us(calls: dict[str, Callable[[], object]], count: int, rounds: int) -> dict[str, list[float]]:
+    """Per label, µs per call in each of ``rounds`` rounds of ``count`` calls; the labels' rounds alternate, so
+    that the other processes sharing the cores disturb them all alike."""
+    times: dict[str, list[float]] = {label: [] for label in calls}
+    for _ in range(rounds):
+        for label, call in calls.items():
+            started = time.perf_counter()
+            for _ in range(count):
+                call()
+            times[label].append((time.perf_counter() - started) / count * 1e6)
+    return times
 
 
 def write_json(path: str | Path, report: dict) -> None:

@@ -23,10 +23,9 @@ import gc
 import importlib.util
 import random
 import sys
-import time
 from collections.abc import Callable
 
-from llmgw.bench.common import bench_parser, finish
+from llmgw.bench.common import bench_parser, finish, rounds_us
 from llmgw.kv.changes import BlockChanges, KvChangeKind
 from llmgw.kv.index import KvIndex
 
@@ -38,14 +37,7 @@ BLOCK = 16
 def _best_us(calls: dict[str, Callable[[], object]], count: int, rounds: int) -> dict[str, float]:
     """Per label, µs per call in the fastest of ``rounds`` rounds of ``count`` calls (the least disturbed by the
     other processes sharing the cores, as ``timeit`` advises); the labels' rounds alternate."""
-    times: dict[str, list[float]] = {label: [] for label in calls}
-    for _ in range(rounds):
-        for label, call in calls.items():
-            started = time.perf_counter()
-            for _ in range(count):
-                call()
-            times[label].append((time.perf_counter() - started) / count * 1e6)
-    return {label: round(min(values), 2) for label, values in times.items()}
+    return {label: round(min(values), 2) for label, values in rounds_us(calls, count, rounds).items()}
 
 
 class Setup:

@@ -33,6 +33,8 @@ BENCHES: dict[str, tuple[str, str]] = {
                                        "engine-reported cache hits, TTFT p90, output tokens/s, the load knee"),
     "sim-calibration": ("llmgw.bench.sim_calibration", "the simulator's GPU profiles against published vLLM "
                                                        "sweeps: TTFT and ITL by concurrency, relative error"),
+    "usage": ("llmgw.bench.usage_record", "what recording an answer's usage costs per request: the aggregate, "
+                                          "the llmgw_tenant_* counters, the kill -9 journal; a SQLite flush"),
     "workers": ("llmgw.bench.workers", "llmgw serve --workers 2 against one process on one core: CPU per "
                                        "request, added p50 latency, each worker's share and efficiency"),
 }

@@ -17,6 +17,8 @@ from ..tenancy.usage_query import to_csv
 from .control_api import DEFAULT_CONTROL, ControlApiError, add_arguments, get_json
 from .status import table
 
+NO_TEAM = "(no team)"  # the team column of keys of no team
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmgw usage", description=__doc__.split("\n\n")[0])
@@ -53,8 +55,10 @@ def usage_table(answer: dict[str, Any]) -> list[str]:
     fields = ["requests", "input_tokens", "cached_tokens", "output_tokens", "usd", "answers_2xx", "answers_4xx",
               "answers_5xx", "refused_rate", "refused_quota", "refused_model"]
     rows: list[list[Any]] = []
-    for item in [*(answer.get("data") or []), {**dict.fromkeys(who, ""), **(answer.get("total") or {})}]:
-        row = [item.get(column) for column in who] + [item.get(field, 0) for field in fields]
+    total = {**dict.fromkeys(who, ""), **(answer.get("total") or {})}
+    for item in [*(answer.get("data") or []), total]:
+        row = [NO_TEAM if column == "team" and item.get(column) == "" and item is not total else item.get(column)
+               for column in who] + [item.get(field, 0) for field in fields]
         row[len(who) + 4] = f"{float(row[len(who) + 4] or 0):.6f}"
         rows.append(row)
     rows[-1][0] = "total"

@@ -213,7 +213,7 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
         return jsonify(await gateway.router.explain(RouteRequest(resolved[0], path, body, adapter=resolved[1])))
 
     register_tenant_routes(app, gateway, _error, _json_object)
-    register_usage_routes(app, lambda: gateway.tenancy.usage_service)
+    register_usage_routes(app, gateway)
 
     @app.errorhandler(404)
     async def not_found(_):

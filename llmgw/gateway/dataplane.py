@@ -1,9 +1,12 @@
 """The OpenAI data plane: authenticate, parse just enough JSON to route, relay the engine's bytes.
 
 Per request: find the API key's tenant (llmgw.tenancy.directory), read ``model`` from the JSON
-body, ask the router for a replica, forward the original body bytes, and
-relay the response as it arrives. Every response, relayed or made here,
-carries ``x-request-id``; every error made here is in OpenAI's JSON shape.
+body, admit it against its key's limits (:mod:`.tenant_gate`: a 429 or a reservation), ask the
+router for a replica, forward the original body bytes, and relay the response as it arrives; once
+it ended, however, the reservation is settled with what it used. Every response, relayed or made
+here, carries ``x-request-id``; every error made here is in OpenAI's JSON shape. A known key's
+stream is the one body re-encoded: its engine is asked for the usage chunk, which the client
+does not see unless it asked (:mod:`.stream_usage`).
 
 An attempt is retried on another replica only when nothing of the request
 reached the replica (no connection; the first write failed) or the replica
@@ -77,6 +80,7 @@ RETRY_KINDS = frozenset({"connect", "tls", "closed_before_request", "capacity"})
 _now = time.perf_counter  # durations for the metrics; real time, not Trio's clock
 ENGINE_GONE_TIMEOUT = 1.0  # seconds a replica that broke off a request has to answer /health to count as alive
 NO_KEY = "none"  # the key name of a request without a valid API key (or of any request without api_keys)
+API_MADE_KEYS = "api"  # the metric label of every key made by the admin API: their number is the store's, not the file's
 PROBE_PATHS = frozenset({"/health", "/ready"})  # answered without an access line: load balancers poll them
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 
@@ -471,6 +475,8 @@ class DataPlane:
         if name is None:
             name = self._replica_names[replica.name] = replica.name.encode()
         headers.append((b"x-llmgw-replica", name))
+        if strip_usage and upstream.status == 200:  # shorter by the usage chunk: relayed piece by piece, unsized
+            headers = [h for h in headers if h[0] != b"content-length"]
         if upstream.status in UNWELL_STATUSES:
             self._failed(replica, "status_5xx", f"HTTP {upstream.status}")
         elif upstream.status >= 500:
@@ -550,7 +556,9 @@ class DataPlane:
                   outcome: str = ANSWERED) -> None:
         """The one place every answer of the data plane (but the probes') is counted by key and, with
         ``access_log``, written as an access line; ``replica`` and ``decision`` when an upstream answered."""
-        self.metrics.requests_by_key.labels(exchange.key, str(status)).inc()
+        tenant = exchange.tenant
+        label = exchange.key if tenant is None or tenant.source == "config" else API_MADE_KEYS
+        self.metrics.requests_by_key.labels(label, str(status)).inc()
         if not self.settings.access_log:
             return
         started = exchange.started

@@ -19,6 +19,7 @@ from ..tenancy.directory import build_prices
 from ..tenancy.interfaces import KeyDirectory, Tenancy
 from ..tenancy.limiter_metrics import LimiterMetrics
 from ..tenancy.local_limiter import LocalLimiter
+from ..tenancy.pool_limiter import Spent
 from ..tenancy.redis_limiter import RedisLimiter, cluster_limiter
 from ..tenancy.usage_store import StoreUnavailable
 from .tenant_gate import SETTLE_BASES, TenancyGate
@@ -51,13 +52,14 @@ class GatewayTenancy:
                  shared: SharedState | None = None) -> None:
         settings = config.tenancy.settings()
         self.limiter_metrics = LimiterMetrics(registry)
-        # One process alone: exact in memory. A cluster, or --workers: leased shares of every limit in Redis.
-        self.limiter: LocalLimiter | RedisLimiter = LocalLimiter(settings, metrics=self.limiter_metrics) \
-            if shared is None else cluster_limiter(shared, settings, self.limiter_metrics)
-        self._scope = trio.CancelScope()
-        self._stopped = trio.Event()
         self.usage_service = build_usage(config, registry, shared)
         self.usage = self.usage_service.sink
+        # One process alone: exact in memory. A cluster, or --workers: leased shares of every limit in Redis, its
+        # budgets' counters raised to the usage store's sums at start and whenever Redis lost them.
+        self.limiter: LocalLimiter | RedisLimiter = LocalLimiter(settings, metrics=self.limiter_metrics) \
+            if shared is None else cluster_limiter(shared, settings, self.limiter_metrics, spent=self._spent)
+        self._scope = trio.CancelScope()
+        self._stopped = trio.Event()
         self.seeds_budgets = shared is None  # one process: its limiter's budgets start from the SQLite store's sums
         self.directory = directory
         settled = Counter("llmgw_tenant_settled", "Requests of known keys settled, by what they were charged: "
@@ -101,6 +103,10 @@ class GatewayTenancy:
         self._scope.cancel()
         with trio.move_on_after(timeout):
             await self._stopped.wait()
+
+    async def _spent(self) -> list[Spent]:
+        """What every key and team spent in its budgets' current periods, from the usage store."""
+        return await self.usage_service.budget_spent(self.limiter.settings)
 
     async def _seed(self, limiter: LocalLimiter) -> None:
         with trio.move_on_after(SEED_SECONDS):

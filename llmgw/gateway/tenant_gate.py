@@ -11,7 +11,6 @@ called exactly once by the data plane; later calls do nothing.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Mapping
 
@@ -22,7 +21,6 @@ from ..tenancy.model import Estimate, Tenant, Usage
 from ..tenancy.ratelimit_headers import retry_after_header
 from .usage import usage_counts
 
-log = logging.getLogger(__name__)
 _NO_HEADERS: list[tuple[bytes, bytes]] = []
 # What a request was charged on (llmgw_tenant_settled_total's label): the engine's usage; the estimate's prompt
 # and what was sent (no usage: a stream broken off or left, an engine that reports none); nothing (no answer).

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry
 
 from ..config import Config
-from ..control.identity import default_control_state_dir
+from ..tenancy.store_sqlite import store_path
 from ..tenancy.usage_redis import RedisUsageStore
 from ..tenancy.usage_service import UsageService
 from ..tenancy.usage_store import SqliteUsageStore, UsageStore
@@ -23,15 +23,9 @@ if TYPE_CHECKING:
     from ..cluster.state import SharedState
 
 
-def tenancy_store_path(config: Config) -> Path:
-    """The SQLite file of ``state.backend: local``'s keys, teams and usage."""
-    if config.tenancy.store:
-        return Path(config.tenancy.store).expanduser()
-    return Path(config.agents.control_state_dir or default_control_state_dir()).expanduser() / "tenancy.sqlite3"
-
-
 def usage_journal_dir(config: Config) -> Path:
-    store = tenancy_store_path(config)
+    """The folder of this gateway's usage journal: beside the SQLite file, named for it or for the cluster."""
+    store = store_path(config)
     if config.state.shared:
         return store.parent / f"usage-journal-{config.state.cluster}"
     return store.parent / f"{store.name}.usage-journal"
@@ -42,5 +36,5 @@ def build_usage(config: Config, registry: CollectorRegistry, shared: SharedState
     if shared is not None:
         store = RedisUsageStore(shared.link, shared.keys)
     else:
-        store = SqliteUsageStore(tenancy_store_path(config))
+        store = SqliteUsageStore(store_path(config))
     return UsageService(config.tenancy.settings(), store, usage_journal_dir(config), registry)

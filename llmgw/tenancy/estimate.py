@@ -4,7 +4,8 @@ A reservation is settled with the engine's usage once the answer ends, so an est
 headroom for the request's duration, while one that errs low lets a key overshoot its limit. Every estimate here
 errs high, and is bounded:
 
-- the prompt: the tokenizer's count when the caller has one, else the request body's size in bytes. A byte-level
+- the prompt: the tokenizer's count when the caller has one; a completion's prompt given as token ids counts
+  them; else the request body's size in bytes. A byte-level
   BPE tokenizer (and SentencePiece with byte fallback) makes at most one token per byte of text, and a JSON body
   holds each string's UTF-8 bytes or more (escapes are longer), plus, for every message, its ``{"role":...,
   "content":...}`` frame, which is more bytes than a chat template's tokens around it. Capped at
@@ -14,7 +15,8 @@ errs high, and is bounded:
   that generate nothing (embeddings, tokenize, score, ...);
 - the cost: the model's price for those tokens, the input at the uncached price.
 
-It reads a few keys of the parsed body and never walks it: O(1) per request, and it never raises.
+It reads a few keys of the parsed body and walks nothing but a prompt of token ids (already parsed within the
+data plane's JSON limits), and it never raises.
 """
 
 from __future__ import annotations
@@ -38,6 +40,18 @@ def _count(value: object) -> int | None:
     return min(value, MAX_COUNT)
 
 
+def _token_ids(prompt: object) -> int | None:
+    """How many token ids a completion's ``prompt`` holds when it is token ids (a list of ints, or a batch of
+    such lists); None when it is text."""
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    if all(type(item) is int for item in prompt):
+        return len(prompt)
+    if all(isinstance(item, list) and all(type(i) is int for i in item) for item in prompt):
+        return sum(len(item) for item in prompt)
+    return None
+
+
 class Estimator:
     """Estimates of one configuration (its settings, prices and models' context lengths); swapped whole on
     reload."""
@@ -57,6 +71,8 @@ class Estimator:
         settings = self.settings
         context = self.max_model_len.get(model)
         prompt = _count(prompt_tokens)
+        if prompt is None and path == "/v1/completions":
+            prompt = _token_ids(body.get("prompt"))
         if prompt is None:
             prompt = min(max(body_bytes, 0), settings.max_prompt_estimate)
         if context is not None:

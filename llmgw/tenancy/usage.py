@@ -11,8 +11,7 @@ each call too.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Hashable, NamedTuple, TypeVar
 
 from .interfaces import OUT_OF_QUOTA, RATE_LIMITED, UsageRecord
 from .model import Tenant
@@ -38,9 +37,8 @@ def hour_of(at: float) -> int:
     return int(at // HOUR) * HOUR
 
 
-@dataclass(frozen=True, slots=True)
-class UsageRow:
-    """Who used what, and when: the identity of one aggregated row."""
+class UsageRow(NamedTuple):
+    """Who used what, and when: the identity of one aggregated row (a tuple: built and hashed in C, per answer)."""
 
     key_id: str
     key_name: str
@@ -55,18 +53,28 @@ def zero() -> Counts:
 
 def add_into(total: Counts, counts: Counts) -> None:
     for index, value in enumerate(counts):
-        total[index] += value
+        if value:
+            total[index] += value
+
+
+Key = TypeVar("Key", bound=Hashable)
+
+
+def add_to(totals: dict[Key, Counts], key: Key, counts: Counts) -> None:
+    """Add ``counts`` to ``totals[key]`` (a copy of them when it is new)."""
+    total = totals.get(key)
+    if total is None:
+        totals[key] = list(counts)
+    else:
+        add_into(total, counts)
 
 
 def record_counts(record: UsageRecord) -> Counts:
     """The counters one answer adds to its row."""
-    counts = zero()
     usage = record.usage
-    counts[REQUESTS] = 1
-    counts[INPUT] = usage.prompt_tokens
-    counts[CACHED] = min(usage.cached_tokens, usage.prompt_tokens)
-    counts[OUTPUT] = usage.completion_tokens
-    counts[NANO_USD] = usage.nano_usd
+    prompt = usage.prompt_tokens
+    counts = [1, prompt, min(usage.cached_tokens, prompt), usage.completion_tokens, usage.nano_usd, 0, 0, 0, 0, 0,
+              0, 0]
     counts[_STATUS_FIELD.get(record.status // 100, _ANSWERS_OTHER)] = 1
     return counts
 
@@ -118,12 +126,8 @@ class UsageAggregator:
             self.on_full()
 
     def add(self, row: UsageRow, counts: Counts) -> None:
-        """Add ``counts`` to ``row`` (no hooks: a replayed journal's lines, rows put back)."""
-        total = self._rows.get(row)
-        if total is None:
-            self._rows[row] = list(counts)
-        else:
-            add_into(total, counts)
+        """Add ``counts`` to ``row`` (no hooks: rows put back)."""
+        add_to(self._rows, row, counts)
 
     def take(self) -> Rows:
         """The rows gathered since the last take; this starts empty again."""
@@ -134,12 +138,3 @@ class UsageAggregator:
     def pending_rows(self) -> int:
         return len(self._rows)
 
-
-def merge(into: Rows, rows: Rows) -> None:
-    """Add every row of ``rows`` into ``into``."""
-    for row, counts in rows.items():
-        total = into.get(row)
-        if total is None:
-            into[row] = list(counts)
-        else:
-            add_into(total, counts)

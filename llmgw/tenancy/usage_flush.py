@@ -61,7 +61,13 @@ class UsageFlusher:
         """Replay orphaned segments (beside the flushes), flush every ``interval`` until cancelled, and once more
         then."""
         if self.journal is not None:
-            self.journal.open()
+            try:
+                self.journal.open()
+            except OSError as exc:
+                log.error("usage journal: cannot write in %s (%s): usage is kept in memory only until it is "
+                          "flushed, and a kill of this process would lose what was not; make the folder writable "
+                          "and restart", self.journal.directory, exc)
+                self.journal = None
         try:
             async with trio.open_nursery() as nursery:
                 if self.journal is not None:

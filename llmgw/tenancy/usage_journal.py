@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..lograte import RepeatLimitedLog
-from .usage import FIELDS, HOUR, Counts, UsageRow, add_into
+from .usage import FIELDS, HOUR, Counts, UsageRow, add_to
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,17 @@ MAX_COUNT = 2**53  # a counter in a line is below this
 READ_BYTES = 1024 * 1024  # how much of a segment a replay reads at a time
 
 
-def encode(row: UsageRow, counts: Counts) -> bytes:
-    return (json.dumps([row.key_id, row.key_name, row.team, row.model, row.hour, *counts], separators=(",", ":"),
-                       ensure_ascii=True) + "\n").encode("ascii")
+MAX_PREFIXES = 10_000  # rows whose line start a journal keeps encoded
+
+
+def row_prefix(row: UsageRow) -> str:
+    """The start of a line of ``row``: ``["key id","key name","team","model",hour,`` (ASCII)."""
+    return json.dumps(list(row), separators=(",", ":"), ensure_ascii=True)[:-1] + ","
+
+
+def encode(row: UsageRow, counts: Counts, prefix: str | None = None) -> bytes:
+    """One line: the row and its counters as a JSON array."""
+    return f"{prefix or row_prefix(row)}{','.join(map(str, counts))}]\n".encode("ascii")
 
 
 def decode(line: bytes) -> tuple[UsageRow, Counts] | None:
@@ -87,6 +95,7 @@ class UsageJournal:
         self._number = 0
         self._segment: Segment | None = None
         self._finished: dict[str, Segment] = {}  # cut, not yet shipped
+        self._prefixes: dict[UsageRow, str] = {}  # rows seen lately: their line's start, encoded once
         self.failed_lines = 0  # lines not written (a full disk): counted in memory only, lost if killed
         self._log = RepeatLimitedLog(log, 60.0)
 
@@ -111,7 +120,12 @@ class UsageJournal:
         segment = self._segment
         if segment is None:
             return
-        line = encode(row, counts)
+        prefix = self._prefixes.get(row)
+        if prefix is None:
+            if len(self._prefixes) >= MAX_PREFIXES:
+                self._prefixes.clear()
+            prefix = self._prefixes[row] = row_prefix(row)
+        line = encode(row, counts, prefix)
         try:
             written = os.write(segment.fd, line)
         except OSError as exc:
@@ -219,12 +233,8 @@ def read_rows(path: Path, start: int, end: int | None = None, max_rows: int | No
                     skipped += 1
                 else:
                     row, counts = decoded
-                    total = rows.get(row)
-                    if total is None:
-                        if max_rows is not None and len(rows) >= max_rows:
-                            return rows, offset, skipped
-                        rows[row] = list(counts)
-                    else:
-                        add_into(total, counts)
+                    if max_rows is not None and len(rows) >= max_rows and row not in rows:
+                        return rows, offset, skipped
+                    add_to(rows, row, counts)
                 offset += len(line) + 1
     return rows, offset, skipped

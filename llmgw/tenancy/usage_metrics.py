@@ -1,5 +1,9 @@
 """The usage sink's Prometheus counters (``llmgw_tenant_*``), labelled by team and model at most, never by key.
 
+Each answer and refusal is added to a small sum per (team, model) (:meth:`UsageMetrics.note`, a dictionary update:
+a counter's ``inc`` takes a lock, and there would be five per answer); :meth:`UsageMetrics.publish`, every
+``usage_flush_interval``, adds the sums to the counters, whether or not the store takes the usage.
+
 Teams and models are bounded label sets: the first :data:`MAX_LABEL_VALUES` teams (and models) this process saw
 keep their own series, later ones are counted under ``other`` (teams come from the admin API, so their number is
 not the config's to bound). A key of no team is ``none`` (a name no team may take).
@@ -11,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from ..cached_labels import CachedLabels
 from .model import NANO_PER_USD
-from .usage import CACHED, FIELDS, INPUT, NANO_USD, OUTPUT, REFUSAL_FIELD, REQUESTS, Counts, UsageRow
+from .usage import CACHED, FIELDS, INPUT, NANO_USD, OUTPUT, REFUSAL_FIELD, REQUESTS, Counts, UsageRow, add_to
 
 MAX_LABEL_VALUES = 100  # teams (and models) with series of their own; the rest are "other"
 NO_TEAM = "none"
@@ -60,11 +64,22 @@ class UsageMetrics:
         self.team = BoundedLabel(max_label_values)
         self.model = BoundedLabel(max_label_values)
 
-    def count(self, row: UsageRow, counts: Counts) -> None:
-        """The sink's hook: one answer's or one refusal's counters into the series of its team and model."""
-        team = self.team(row.team or NO_TEAM)
+        self._sums: dict[tuple[str, str], Counts] = {}
+
+    def note(self, row: UsageRow, counts: Counts) -> None:
+        """The sink's hook: one answer's or one refusal's counters, summed until the next :meth:`publish`."""
+        add_to(self._sums, (row.team, row.model), counts)
+
+    def publish(self) -> None:
+        """The sums since the last call into the counters."""
+        sums, self._sums = self._sums, {}
+        for (team, model), counts in sums.items():
+            self.count(team, model, counts)
+
+    def count(self, team_name: str, model_name: str, counts: Counts) -> None:
+        team = self.team(team_name or NO_TEAM)
         if counts[REQUESTS]:
-            model = self.model(row.model)
+            model = self.model(model_name)
             for code, index in _CODES:
                 if counts[index]:
                     self.requests.labels(team, model, code).inc(counts[index])

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from ..units import parse_duration
 from .model import nano_to_usd
-from .usage import FIELDS, HOUR, NANO_USD, Counts, UsageRow, add_into, hour_of, zero
+from .usage import FIELDS, HOUR, NANO_USD, Counts, UsageRow, add_into, add_to, hour_of, zero
 
 GROUPS = ("key", "team", "model", "hour")
 MAX_HOURS = 24 * 400  # the longest range one query reads: 400 days of hours
@@ -156,11 +156,7 @@ def summarize(rows: Iterable[tuple[UsageRow, Counts]], query: UsageQuery) -> lis
     groups: dict[tuple[Any, ...], Counts] = {}
     for row, counts in rows:
         if query.matches(row):
-            group = _group_of(row, query.group_by)
-            total = groups.get(group)
-            if total is None:
-                groups[group] = total = zero()
-            add_into(total, counts)
+            add_to(groups, _group_of(row, query.group_by), counts)
     columns = _columns(query.group_by)
     answer = []
     for group, counts in groups.items():

@@ -2,7 +2,8 @@
 
 ``<prefix>tenancy:usage:<hour>`` (the hour's first epoch second) holds a field per row and counter:
 ``["<key id>","<key name>","<team>","<model>"]|<counter>`` (the row as a JSON array; the counter's name from
-:data:`~.usage.FIELDS`) with the total so far. A batch is one script (:data:`APPLY`): it compares the batch's
+:data:`~.usage.FIELDS`) with the total so far; the sorted set ``<prefix>tenancy:usage:hours`` lists the hours that
+have one. A batch is one script (:data:`APPLY`): it compares the batch's
 offset with its journal's marker ``<prefix>tenancy:usage:shipped:<journal>``, adds with ``HINCRBY`` and moves the
 marker, all or nothing as far as a retry is concerned. An hour's hash expires :data:`RETENTION_SECONDS` after its
 last write, a marker :data:`~.usage_store.MARKER_SECONDS` after its own.
@@ -23,31 +24,34 @@ from ..cluster.records import Keys
 from ..lograte import RepeatLimitedLog
 from .usage import FIELDS, HOUR, Counts, UsageRow, hour_of, zero
 from .usage_journal import MAX_TEXT
-from .usage_store import MARKER_SECONDS, Batch, StoreUnavailable
+from .usage_store import MARKER_SECONDS, RETENTION_SECONDS, Batch, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
-RETENTION_SECONDS = 400 * 86400  # an hour's hash lives this long after its last write
 MAX_FIELDS_PER_HOUR = 1_200_000  # 100,000 rows of 12 counters; past it an hour's answer is cut short (logged)
 SCAN_COUNT = 1000
+MAX_HOURS_READ = RETENTION_SECONDS // HOUR + 1  # hours one read lists (more in the index: not ours)
 MAX_COUNTER = 2**63 - 1
 _FIELD_INDEX = {name: index for index, name in enumerate(FIELDS)}
 
-# KEYS: the marker, then the hours' hashes. ARGV: offset, marker ttl, hash ttl, then per hash: a count n and n
-# (field, increment) pairs.
+# KEYS: the marker, the index of hours, then the hours' hashes. ARGV: offset, marker ttl, hash ttl, the oldest
+# hour kept, then per hash: its hour, a count n and n (field, increment) pairs.
 APPLY = """
 local done = tonumber(redis.call('GET', KEYS[1]))
 if done and done >= tonumber(ARGV[1]) then return 0 end
-local i = 4
-for h = 2, #KEYS do
-  local count = tonumber(ARGV[i])
-  i = i + 1
+local i = 5
+for h = 3, #KEYS do
+  redis.call('ZADD', KEYS[2], ARGV[i], ARGV[i])
+  local count = tonumber(ARGV[i + 1])
+  i = i + 2
   for _ = 1, count do
     redis.call('HINCRBY', KEYS[h], ARGV[i], ARGV[i + 1])
     i = i + 2
   end
   redis.call('EXPIRE', KEYS[h], ARGV[3])
 end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[4])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 return 1
 """
@@ -94,6 +98,14 @@ class RedisUsageStore:
     def hour_key(self, hour: int) -> str:
         return f"{self.prefix}{hour}"
 
+    @property
+    def hours_key(self) -> str:
+        """A sorted set of the hours that have a hash (so that a long range reads only those)."""
+        return f"{self.prefix}hours"
+
+    def _oldest_hour(self) -> int:
+        return hour_of(self._clock() - self.retention)
+
     def marker_key(self, journal: str) -> str:
         return f"{self.prefix}shipped:{journal}"
 
@@ -104,10 +116,10 @@ class RedisUsageStore:
             for name, value in zip(FIELDS, counts):
                 if value:
                     pairs += [row_field(row, name), value]
-        keys = [self.marker_key(batch.journal), *(self.hour_key(hour) for hour in by_hour)]
-        args: list[str | int] = [batch.offset, MARKER_SECONDS, self.retention]
-        for pairs in by_hour.values():
-            args += [len(pairs) // 2, *pairs]
+        keys = [self.marker_key(batch.journal), self.hours_key, *(self.hour_key(hour) for hour in by_hour)]
+        args: list[str | int] = [batch.offset, MARKER_SECONDS, self.retention, self._oldest_hour()]
+        for hour, pairs in by_hour.items():
+            args += [hour, len(pairs) // 2, *pairs]
         try:
             answer = await self.link.call("usage_apply", lambda client: client.eval(APPLY, keys=keys, args=args))
         except Unavailable as exc:
@@ -122,9 +134,18 @@ class RedisUsageStore:
         return None if raw is None else _counter(raw)
 
     async def rows(self, since: int, until: int) -> list[tuple[UsageRow, Counts]]:
-        oldest = hour_of(self._clock() - self.retention)
+        from coredis.tokens import PureToken  # coredis is imported only by a process that uses Redis
+
+        low = max(since, self._oldest_hour())
+        try:
+            listed = await self.link.call("usage_read", lambda client: client.zrange(
+                self.hours_key, low, f"({until}", sortby=PureToken.BYSCORE, offset=0, count=MAX_HOURS_READ))
+        except Unavailable as exc:
+            raise StoreUnavailable(f"Redis: {exc}") from None
+        hours = sorted({int(raw) for raw in listed if isinstance(raw, bytes) and raw.isdigit()
+                        and int(raw) % HOUR == 0})
         found: list[tuple[UsageRow, Counts]] = []
-        for hour in range(max(since, oldest), until, HOUR):
+        for hour in hours:
             found += (await self._hour(hour)).items()
         return found
 

@@ -14,10 +14,10 @@ from typing import Any
 import trio
 from prometheus_client import CollectorRegistry
 
-from .local_limiter import Spent
 from .model import PERIODS, TenancySettings
+from .pool_limiter import Spent
 from .pools import period_start
-from .usage import CACHED, HOUR, INPUT, NANO_USD, OUTPUT, Counts, UsageAggregator, add_into, hour_of, zero
+from .usage import CACHED, HOUR, INPUT, NANO_USD, OUTPUT, Counts, UsageAggregator, add_to, hour_of
 from .usage_flush import UsageFlusher
 from .usage_journal import UsageJournal
 from .usage_metrics import UsageMetrics
@@ -30,15 +30,27 @@ class UsageService:
                  registry: CollectorRegistry | None = None):
         self.sink = UsageAggregator()
         self.metrics = UsageMetrics(registry)
-        self.sink.on_row.append(self.metrics.count)
+        self.sink.on_row.append(self.metrics.note)
         self.store = store
         self.journal = UsageJournal(journal_dir) if journal_dir is not None else None
         self.flusher = UsageFlusher(self.sink, store, self.journal, settings.usage_flush_interval,
                                     on_lost=self.metrics.lost.inc, on_shipped=self.metrics.shipped.inc)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Flush until cancelled (the journal opened, orphaned segments replayed beside)."""
-        await self.flusher.run(task_status=task_status)
+        """Flush until cancelled (the journal opened, orphaned segments replayed beside); the counters follow
+        every interval, the store or not."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.flusher.run)
+            nursery.start_soon(self._publish)
+            task_status.started()
+
+    async def _publish(self) -> None:
+        try:
+            while True:
+                await trio.sleep(self.flusher.interval)
+                self.metrics.publish()
+        finally:
+            self.metrics.publish()
 
     @property
     def interval(self) -> float:
@@ -73,6 +85,6 @@ async def budget_spent(store: UsageStore, settings: TenancySettings, now: float)
                 continue
             for period, start in starts.items():
                 if row.hour >= start:
-                    add_into(totals.setdefault((kind, name, period), zero()), counts)
+                    add_to(totals, (kind, name, period), counts)
     return [Spent(kind, name, period, settings.counted_tokens(c[INPUT], c[CACHED], c[OUTPUT]), c[NANO_USD])
             for (kind, name, period), c in totals.items()]

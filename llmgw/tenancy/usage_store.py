@@ -7,7 +7,8 @@ the store's marker for its journal has reached is not applied again. A flush who
 retried as it was, and counts once. The flusher keeps batches to :data:`MAX_BATCH_ROWS` rows.
 
 :class:`SqliteUsageStore` is ``state.backend: local``'s: a table of hourly rows in the SQLite file of the state
-dir, written in a worker thread (one at a time).
+dir, written in a worker thread (one at a time); rows of hours older than :data:`RETENTION_SECONDS` are deleted
+(at most once an hour, in a flush's transaction).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from .usage import FIELDS, Counts, UsageRow
 
 MAX_BATCH_ROWS = 20_000  # rows one transaction or script applies (a Redis script of up to ~240k HINCRBYs)
 MARKER_SECONDS = 30 * 86400  # how long a store remembers a journal's shipped position
+RETENTION_SECONDS = 400 * 86400  # how long a store keeps an hour's rows after the hour (Redis: after its last write)
+PRUNE_EVERY = 3600.0  # SQLite: seconds between two deletions of rows past the retention
 T = TypeVar("T")
 
 
@@ -68,9 +71,11 @@ _UPSERT = (f"INSERT INTO usage_hourly (hour, key_id, key_name, team, model, {_CO
 class SqliteUsageStore:
     """Hourly usage rows in a SQLite file (``state.backend: local``); one worker thread at a time."""
 
-    def __init__(self, path: Path, clock: Callable[[], float] = time.time):
+    def __init__(self, path: Path, clock: Callable[[], float] = time.time, retention: int = RETENTION_SECONDS):
         self.path = path
         self._clock = clock
+        self.retention = retention
+        self._pruned = float("-inf")
         self._limiter = trio.CapacityLimiter(1)
         self._db: sqlite3.Connection | None = None
 
@@ -103,7 +108,10 @@ class SqliteUsageStore:
                 db.execute("INSERT INTO usage_shipped (journal, offset, at) VALUES (?, ?, ?) "
                            "ON CONFLICT (journal) DO UPDATE SET offset = excluded.offset, at = excluded.at",
                            (batch.journal, batch.offset, now))
-                db.execute("DELETE FROM usage_shipped WHERE at < ?", (now - MARKER_SECONDS,))
+                if now - self._pruned >= PRUNE_EVERY:
+                    self._pruned = now
+                    db.execute("DELETE FROM usage_shipped WHERE at < ?", (now - MARKER_SECONDS,))
+                    db.execute("DELETE FROM usage_hourly WHERE hour < ?", (now - self.retention,))
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")

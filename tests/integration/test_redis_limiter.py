@@ -32,7 +32,7 @@ SMALL = Estimate(prompt_tokens=10, max_output_tokens=0)
 
 async def start_limiter(nursery, redis_url: str, cluster: str, origin: str, settings: TenancySettings | None = None,
                         **options) -> RedisLimiter:
-    state = parse_config(state_section(redis_url, cluster, timeout="1s")).state
+    state = parse_config(state_section(redis_url, cluster)).state  # state.timeout as configured by default
     link = RedisLink(state, ClusterMetrics(None, "gateway", cluster, origin))
     await nursery.start(link.run)
     limiter = RedisLimiter(settings or TenancySettings(), link, cluster, origin, metrics=LimiterMetrics(), **options)

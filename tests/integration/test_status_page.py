@@ -197,3 +197,38 @@ async def test_the_status_page_shows_the_leader_the_term_and_redis_and_why_it_is
         # While it leads no term (Redis away), /admin/nodes answers 404, which the page shows as no control plane
         # (the browser logs the 404); nothing else went wrong.
         assert [error for error in tab.errors if "404" not in error or "/admin/nodes" not in error] == [], tab.errors
+
+
+async def test_the_status_page_shows_tenants_usage_budgets_and_refusals(nursery, start_llmgw, start_fake_upstream,
+                                                                       tmp_path):
+    """Keys of a team with a daily budget and a key of no team with an rpm of 2: the teams, the top keys, the
+    budget's spend and the 429s as the page shows them (no admin tokens: loopback only)."""
+    upstream = await start_fake_upstream("a")
+    keys = {"alice": "sk-alice-ui-000000001", "bob": "sk-bob-ui-00000000002", "eve": "sk-eve-ui-000000003"}
+    gw = await start_llmgw(
+        f"models:\n  - name: tiny\n    replicas:\n      - url: {upstream.url}\n"
+        "teams:\n  - name: search\n    budgets:\n      - period: day\n        tokens: 1000\n        usd: 1\n"
+        f"api_keys:\n  - key: {keys['alice']}\n    name: alice\n    team: search\n"
+        f"  - key: {keys['bob']}\n    name: bob\n    limits:\n      rpm: 2\n"
+        f"  - key: {keys['eve']}\n    name: eve.html\n    team: search\n"
+        "prices:\n  - model: tiny\n    input: 1000\n    output: 2000\n")
+    async with httpx.AsyncClient(timeout=10) as client:
+        for name, count in (("alice", 3), ("bob", 3), ("eve", 1)):
+            for _ in range(count):
+                await client.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {keys[name]}"},
+                                  json={"model": "tiny", "max_tokens": 5,
+                                        "messages": [{"role": "user", "content": "hi"}]})
+    browser = await start_chromium(nursery, tmp_path / "chromium")
+    async with open_page(browser) as tab:
+        await tab.navigate(f"{gw.control_url}/ui")
+        teams = await tab.wait_for("the teams", f"(() => {{ const r = {ROW_TEXTS.format('tenant-teams')}; "
+                                   "return r.some((t) => t.startsWith('search4')) && r; })()", timeout=30)
+        # search: 4 answers of 5 + 3 tokens (20 in, 12 out) at $1000 and $2000 per million: $0.044; bob's third
+        # request was a 429
+        assert "search42012$0.0440000" in teams and "(no team)2106$0.0220100" in teams, teams
+        keys_shown = await tab.evaluate(ROW_TEXTS.format("tenant-keys"))
+        assert keys_shown[0].startswith("alicesearch3159$0.0330"), keys_shown  # the largest spender first
+        assert any(row.startswith("eve.htmlsearch1") for row in keys_shown), keys_shown
+        budgets = await tab.evaluate(ROW_TEXTS.format("tenant-budgets"))
+        assert budgets == ["team searchday32 / 1000 (3.2 %)$0.0440 / $1.0000 (4.4 %)"], budgets
+        assert tab.errors == []

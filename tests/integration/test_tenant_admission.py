@@ -261,3 +261,44 @@ async def test_a_key_rpm_holds_across_two_gateways_sharing_redis(start_llmgw, nu
     assert 1 <= admitted <= 10 + int(elapsed * 10 / 60) + 1, (admitted, elapsed)
     assert all(r.json()["error"]["type"] == "rate_limit_exceeded" and "retry-after" in r.headers
                and r.headers["x-ratelimit-limit-requests"] == "10" for r in refusals)
+
+
+async def test_a_reload_swaps_the_estimate_settings_and_prices(gateway_in_process, nursery):
+    """``tenancy.default_max_tokens`` and the prices apply from the next request after a reload: a request without
+    max_tokens that could never fit the key's tpm fits once the default is lowered, and is charged the new price."""
+    [sim] = await start_sims(nursery, 1, num_blocks=256, extra=("--output-tokens", "3:3"))
+    text = config(sim.url, "{tpm: 2000}") + "tenancy:\n  default_max_tokens: 5000\n"
+    gw = await gateway_in_process(text)
+    rows = usage_rows(gw)
+    refused = await chat(gw, LIMITED)
+    assert refused.status_code == 429 and "can never be admitted" in refused.json()["error"]["message"]
+    path = gw.gateway.config.source
+    with open(path, "w") as file:
+        file.write(text.replace("default_max_tokens: 5000", "default_max_tokens: 100")
+                   + "prices:\n  - model: tiny\n    input: 1\n    output: 2\n")
+    assert (await gw.admin("/admin/reload", "POST")).json()["reloaded"] is True
+    answer = await chat(gw, LIMITED)
+    assert answer.status_code == 200, answer.text
+    used = answer.json()["usage"]
+    [charged] = [c for row, c in rows if row.key_name == "limited" and c["answers_2xx"]]
+    # USD 1 and 2 per million tokens: 1,000 and 2,000 nano-dollars per token.
+    assert charged["nano_usd"] == used["prompt_tokens"] * 1000 + used["completion_tokens"] * 2000
+
+
+async def test_without_keys_nothing_is_charged_or_rewritten(gateway_in_process, nursery):
+    """No API key configured: no tenant, so nothing is charged or recorded, no x-ratelimit header is added, and a
+    stream reads as the engine sent it, with or without the usage chunk the client asked for."""
+    [sim] = await start_sims(nursery, 1, num_blocks=256, extra=("--output-tokens", "5:5"))
+    gw = await gateway_in_process(f"models:\n  - name: tiny\n    replicas:\n      - url: {sim.url}\n        name: a\n")
+    rows = usage_rows(gw)
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 20, "stream": True, "seed": 1}
+    direct = await raw_stream(gw.http, sim.url, body)
+    assert normalized(await raw_stream(gw.http, gw.url, body)) == normalized(direct)
+    asked = {**body, "stream_options": {"include_usage": True}}
+    assert normalized(await raw_stream(gw.http, gw.url, asked)) == normalized(await raw_stream(gw.http, sim.url,
+                                                                                                asked))
+    answer = await gw.chat(max_tokens=4)
+    assert answer.status_code == 200 and not ratelimit_headers(answer)
+    assert rows == []
+    for basis in ("usage", "sent", "nothing"):
+        assert await gw.metric("llmgw_tenant_settled_total", f'basis="{basis}"') == 0

@@ -125,9 +125,12 @@ async def load(http: httpx.AsyncClient, url: str, completed: list[int], workers:
             nursery.start_soon(client)
 
 
-async def test_a_gateway_killed_mid_load_loses_no_completed_answer_usage(start_fake_upstream, start_llmgw):
+@pytest.mark.parametrize("backend", ["local", "redis"])
+async def test_a_gateway_killed_mid_load_loses_no_completed_answer_usage(start_fake_upstream, start_llmgw, backend,
+                                                                         redis_url, cluster_name):
     upstream = await start_fake_upstream("a")
-    text = config(upstream.url, flush="60s")  # nothing flushed before the kill: all of it must come from the journal
+    state = state_section(redis_url, cluster_name) if backend == "redis" else ""
+    text = config(upstream.url, state, flush="60s")  # nothing flushed before the kill: all from the journal
     gw = await start_llmgw(text)
     completed = [0]
     async with httpx.AsyncClient(timeout=10) as http:

@@ -46,6 +46,13 @@ def test_a_tokenizer_count_replaces_the_body_bound():
     assert (e.prompt_tokens, e.max_output_tokens) == (4, 0)  # embeddings generate nothing
 
 
+def test_a_prompt_of_token_ids_counts_them():
+    e = estimator().estimate("m", "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1}, 10_000)
+    assert e.prompt_tokens == 3
+    assert estimator().estimate("m", "/v1/completions", {"prompt": [[1, 2], [3]]}, 10_000).prompt_tokens == 3
+    assert estimator().estimate("m", "/v1/completions", {"prompt": ["a", 2]}, 100).prompt_tokens == 100
+
+
 def test_the_prompt_estimate_is_bounded_by_the_setting():
     assert estimator().estimate("m", "/v1/completions", {}, 10**12).prompt_tokens == 50_000
 
@@ -65,7 +72,8 @@ def test_the_body_bound_is_at_least_what_a_byte_tokenizer_makes_of_a_chat(messag
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                                   max_size=4), max_leaves=20)
-LIMIT_KEYS = st.sampled_from(["max_tokens", "max_completion_tokens", "max_output_tokens", "n", "model", "x"])
+LIMIT_KEYS = st.sampled_from(["max_tokens", "max_completion_tokens", "max_output_tokens", "n", "model", "prompt",
+                              "x"])
 
 
 @given(st.dictionaries(LIMIT_KEYS, JSON | st.integers(min_value=-2**70, max_value=2**70)),
@@ -73,6 +81,6 @@ LIMIT_KEYS = st.sampled_from(["max_tokens", "max_completion_tokens", "max_output
        st.one_of(st.none(), st.integers(min_value=1, max_value=10**9)))
 def test_any_json_body_gives_a_bounded_non_negative_estimate(body, size, path, context):
     e = Estimator(SETTINGS, PRICES, {"m": context} if context else {}).estimate("m", path, body, size)
-    assert 0 <= e.prompt_tokens <= SETTINGS.max_prompt_estimate
+    assert 0 <= e.prompt_tokens <= max(SETTINGS.max_prompt_estimate, len(json.dumps(body)))
     assert 0 <= e.max_output_tokens <= MAX_CHOICES * (context or 2**40)
     assert e.nano_usd == PRICES.of("m").cost(e.prompt_tokens, 0, e.max_output_tokens) >= 0

@@ -110,3 +110,31 @@ def test_take_empties_the_aggregator_and_hooks_see_every_row():
 def test_hour_of_is_the_utc_hour():
     assert hour_of(HOUR_START + 3599.999) == HOUR_START
     assert hour_of(HOUR_START) == HOUR_START
+
+
+def test_the_counters_are_labelled_by_team_and_model_capped_and_published_per_interval():
+    from prometheus_client import CollectorRegistry
+
+    from llmgw.tenancy.usage_metrics import UsageMetrics
+
+    registry = CollectorRegistry()
+    metrics = UsageMetrics(registry, max_label_values=2)
+    sink = UsageAggregator(clock=lambda: HOUR_START)
+    sink.on_row.append(metrics.note)
+    for team in ("a", "b", "c", "d"):
+        sink.record(answer(Tenant(f"k-{team}", team, team=Team(team)), HOUR_START, nano=2_000_000_000))
+    sink.record(answer(LONE, HOUR_START, status=503))
+    sink.refused(LONE, "tiny", RATE_LIMITED)
+
+    def value(name, **labels):
+        return registry.get_sample_value(name, labels) or 0
+
+    assert value("llmgw_tenant_requests_total", team="a", model="tiny", code="2xx") == 0  # not yet published
+    metrics.publish()
+    assert value("llmgw_tenant_requests_total", team="a", model="tiny", code="2xx") == 1
+    assert value("llmgw_tenant_requests_total", team="other", model="tiny", code="2xx") == 2  # c, d: past the cap
+    assert value("llmgw_tenant_requests_total", team="other", model="tiny", code="5xx") == 1  # none: the cap too
+    assert value("llmgw_tenant_spend_usd_total", team="b", model="tiny") == 2.0
+    assert value("llmgw_tenant_tokens_total", team="a", model="tiny", kind="output") == 5
+    assert value("llmgw_tenant_refused_total", team="other", reason="rate_limit_exceeded") == 1
+    assert not any("key" in sample.labels for family in registry.collect() for sample in family.samples)

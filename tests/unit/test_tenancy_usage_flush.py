@@ -6,12 +6,14 @@ import os
 
 import pytest
 import trio
+from hypothesis import given, settings, strategies as st
 
 from llmgw.tenancy.interfaces import UsageRecord
 from llmgw.tenancy.model import TenancySettings, Usage
 from llmgw.tenancy.usage import FIELDS, UsageAggregator, UsageRow
 from llmgw.tenancy.usage_flush import UsageFlusher
-from llmgw.tenancy.usage_journal import UsageJournal, encode, read_rows
+from llmgw.tenancy.usage_journal import UsageJournal, decode, encode, read_rows
+from llmgw.tenancy.usage_redis import parse_field, row_field
 from llmgw.tenancy.usage_service import budget_spent
 from llmgw.tenancy.usage_store import Batch, SqliteUsageStore, StoreUnavailable
 
@@ -96,59 +98,54 @@ async def test_a_flush_whose_answer_was_lost_is_retried_and_counted_once(store, 
     assert await totals(store) == {"a": (2, 20, 14)}
 
 
-async def test_usage_waits_while_the_store_is_away_and_arrives_once_when_it_is_back(store, tmp_path):
-    flaky = FlakyStore(store)
-    sink = UsageAggregator()
-    journal = UsageJournal(tmp_path / "journal")
-    journal.open()
-    flusher = UsageFlusher(sink, flaky, journal, interval=0.01)
-    sink.record(answer("a"))
+async def through_an_outage(flusher: UsageFlusher, names: list[str], check=lambda: None) -> None:
+    """A flush that meets the store away (its first answer ``first``), while answers of ``names`` come in one by
+    one; ``check`` before the store is back; then one more flush."""
+    flusher.sink.record(answer("first"))
+    flaky = flusher.store
     flaky.down = True
     async with trio.open_nursery() as nursery:
         nursery.start_soon(flusher.flush)
-        for _ in range(20):
-            await trio.sleep(0.01)
-            sink.record(answer("b"))
-        assert flusher.waiting
+        for name in names:
+            await trio.sleep(0.005)
+            flusher.sink.record(answer(name))
+        check()
         flaky.down = False
     await flusher.flush()
-    assert await totals(store) == {"a": (1, 10, 7), "b": (20, 200, 140)}
+
+
+def journaled(store, tmp_path, **options) -> UsageFlusher:
+    journal = UsageJournal(tmp_path / "journal")
+    journal.open()
+    return UsageFlusher(UsageAggregator(), FlakyStore(store), journal, interval=0.01, **options)
+
+
+async def test_usage_waits_while_the_store_is_away_and_arrives_once_when_it_is_back(store, tmp_path):
+    flusher = journaled(store, tmp_path)
+
+    def waiting():
+        assert flusher.waiting
+
+    await through_an_outage(flusher, ["b"] * 20, waiting)
+    assert await totals(store) == {"first": (1, 10, 7), "b": (20, 200, 140)}
 
 
 async def test_past_the_memory_bound_usage_is_read_back_from_the_journal(store, tmp_path):
-    flaky = FlakyStore(store)
-    sink = UsageAggregator()
-    journal = UsageJournal(tmp_path / "journal")
-    journal.open()
-    flusher = UsageFlusher(sink, flaky, journal, interval=0.01, max_pending_rows=5)
-    sink.record(answer("first"))
-    flaky.down = True
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(flusher.flush)
-        for index in range(40):
-            await trio.sleep(0.005)
-            sink.record(answer(f"key{index}"))
-        assert sink.pending_rows <= 6
-        flaky.down = False
-    await flusher.flush()
+    flusher = journaled(store, tmp_path, max_pending_rows=5)
+
+    def bounded():
+        assert flusher.sink.pending_rows <= 6
+
+    await through_an_outage(flusher, [f"key{index}" for index in range(40)], bounded)
     found = await totals(store)
     assert found == {"first": (1, 10, 7), **{f"key{index}": (1, 10, 7) for index in range(40)}}
 
 
 async def test_without_a_journal_rows_past_the_memory_bound_are_counted_as_lost(store):
-    flaky = FlakyStore(store)
-    sink = UsageAggregator()
     lost = []
-    flusher = UsageFlusher(sink, flaky, None, interval=0.01, max_pending_rows=5, on_lost=lost.append)
-    sink.record(answer("first"))
-    flaky.down = True
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(flusher.flush)
-        for index in range(20):
-            await trio.sleep(0.005)
-            sink.record(answer(f"key{index}"))
-        flaky.down = False
-    await flusher.flush()
+    flusher = UsageFlusher(UsageAggregator(), FlakyStore(store), None, interval=0.01, max_pending_rows=5,
+                           on_lost=lost.append)
+    await through_an_outage(flusher, [f"key{index}" for index in range(20)])
     assert sum(lost) >= 6
     found = await totals(store)
     assert "first" in found and len(found) + sum(lost) == 21
@@ -246,3 +243,60 @@ async def test_budget_spent_sums_keys_and_teams_per_period(store):
     assert spent[("team", "t", "day")] == (90 + 11, 57)
     assert ("team", "", "day") not in spent
     assert spent[("key", "k-c", "total")] == (11, 7)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=600))
+def test_any_bytes_decode_to_a_usage_line_or_none(raw):
+    decoded = decode(raw)
+    assert decoded is None or (len(decoded[1]) == len(FIELDS) and decoded[0].hour % 3600 == 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.tuples(st.text(max_size=30), st.text(max_size=30), st.text(max_size=30), st.text(max_size=30)),
+       st.integers(0, 2**40).map(lambda n: n * 3600), st.lists(st.integers(0, 2**53 - 1), min_size=12, max_size=12))
+def test_every_row_round_trips_through_a_journal_line_and_a_redis_field(texts, hour, counts):
+    row = UsageRow(*texts, hour)
+    line = encode(row, counts)
+    assert line.count(b"\n") == 1 and decode(line[:-1]) == (row, counts)
+    for index, name in enumerate(FIELDS):
+        assert parse_field(row_field(row, name).encode(), hour) == (row, index)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_any_redis_field_parses_or_is_skipped(raw):
+    parsed = parse_field(raw, HOUR)
+    assert parsed is None or 0 <= parsed[1] < len(FIELDS)
+
+
+async def test_a_journal_folder_that_cannot_be_written_leaves_usage_in_memory_and_the_store(store, tmp_path,
+                                                                                           caplog):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    sink = UsageAggregator()
+    flusher = UsageFlusher(sink, store, UsageJournal(blocked / "journal"), interval=0.01)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(flusher.run)
+        sink.record(answer("a"))
+        with trio.fail_after(10):
+            while not await totals(store):
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert await totals(store) == {"a": (1, 10, 7)}
+    assert "usage journal: cannot write in" in caplog.text
+
+
+async def test_sqlite_keeps_rows_for_the_retention_and_prunes_older_ones(tmp_path):
+    now = [float(HOUR)]
+    store = SqliteUsageStore(tmp_path / "t.sqlite3", clock=lambda: now[0], retention=48 * 3600)
+    old, kept = UsageRow("k-a", "a", "", "tiny", HOUR - 49 * 3600), UsageRow("k-a", "a", "", "tiny", HOUR - 3600)
+    await store.apply(Batch("s", 1, {old: [1] * len(FIELDS), kept: [1] * len(FIELDS)}))
+    assert await store.rows(0, 2**40) == [(kept, [1] * len(FIELDS))]  # the old hour went at once
+    now[0] += 1800
+    await store.apply(Batch("s", 2, {old: [1] * len(FIELDS), kept: [1] * len(FIELDS)}))
+    assert len(await store.rows(0, 2**40)) == 2  # pruned at most once an hour
+    now[0] += 3600
+    await store.apply(Batch("s", 3, {kept: [1] * len(FIELDS)}))
+    assert await store.rows(0, 2**40) == [(kept, [3] * len(FIELDS))]
+    await store.close()

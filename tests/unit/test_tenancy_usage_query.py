@@ -145,3 +145,16 @@ def test_csv_cells_that_a_spreadsheet_would_run_as_formulas_are_quoted():
     rows = [(UsageRow("k-3", "=HYPERLINK(1)", "", "tiny", HOUR), counts(requests=1))]
     q = query(group_by=("key",))
     assert "'=HYPERLINK(1)" in to_csv(summarize(rows, q), q.group_by)
+
+
+def test_the_cli_asks_what_its_flags_say_and_prints_a_table_with_a_total():
+    from llmgw.commands.usage import build_parser, query_string, usage_table
+
+    args = build_parser().parse_args(["--team", "", "--since", "24h", "--group-by", "team"])
+    assert query_string(args) == "team=&since=24h&group_by=team"
+    q = query(group_by=("team",))
+    lines = usage_table(query_json(summarize(ROWS, q), q))
+    assert lines[0] == "usage from 2026-11-30T00:00:00Z to 2026-11-30T02:00:00Z"
+    assert lines[1].split()[:3] == ["team", "requests", "input"]
+    assert lines[2].split()[:2] == ["search", "4"] and lines[3].split()[:3] == ["(no", "team)", "4"]
+    assert lines[-1].split()[:2] == ["total", "8"]
