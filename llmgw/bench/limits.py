@@ -36,8 +36,8 @@ from ..testing.processes import ChildFailed
 from .common import bench_parser, print_and_save
 from .limits_litellm import LITELLM_VERSION, LitellmUnavailable, open_litellm
 from .limits_report import markdown, summary
-from .limits_rig import Fleet, Plan, open_llmgw
-from .limits_runs import Timing, run_repeat
+from .limits_rig import REDIS_KILL, Fleet, Plan, open_llmgw
+from .limits_runs import Timing, run_redis_kill, run_repeat
 from .limits_workloads import Client, new_http
 
 ARMS = ("llmgw", "llmgw-workers", "litellm", "litellm-workers")
@@ -106,6 +106,10 @@ async def measure(arm: str, workdir: Path, plan: Plan, timing: Timing, gateways:
             for repeat in range(plan.repeats):
                 print(f"  {fleet.label}: repeat {repeat + 1} of {plan.repeats}", file=sys.stderr, flush=True)
                 entry["runs"].append(await run_repeat(fleet, client, plan, timing, repeat))
+            if REDIS_KILL in fleet.measures:
+                for repeat, run in enumerate(entry["runs"]):
+                    print(f"  {fleet.label}: Redis kill {repeat + 1} of {plan.repeats}", file=sys.stderr, flush=True)
+                    run[REDIS_KILL] = await run_redis_kill(fleet, client, plan, timing, repeat)
     except* (ChildFailed, LitellmUnavailable) as group:
         failure = "\n".join(str(leaf) for leaf in leaves(group))
         entry["error"] = failure.splitlines()[0][:200]

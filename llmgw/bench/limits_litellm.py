@@ -12,7 +12,9 @@ lane of the :class:`~.limits_rig.Plan` is a model group of one deployment (one s
 ``max_budget`` over ``budget_duration`` at the same prices (``input_cost_per_token``/``output_cost_per_token``),
 kept in the same Redis. Its concurrency bound (a deployment's ``max_parallel_requests``) queues inside each
 instance instead of refusing: that lane is not measured. Cooldowns and retries are off, so each request is
-answered by the limit alone. ``LITELLM_LOCAL_MODEL_COST_MAP=True`` keeps it off the network at start. Several
+answered by the limit alone. ``LITELLM_LOCAL_MODEL_COST_MAP=True`` keeps it off the network at start. After a
+Redis restart the arm waits out its Redis client's circuit breaker (:data:`BREAKER_RECOVERY`) before the next
+kill. Several
 workers per instance run under gunicorn (``--run_gunicorn --num_workers W``).
 """
 
@@ -34,6 +36,7 @@ from .limits_workloads import WINDOW, Lane
 
 LITELLM_VERSION = "1.108.5"  # the newest whose [proxy] extra resolves from PyPI as mirrored here (2026-12-07)
 STARTUP_TIMEOUT = 180.0
+BREAKER_RECOVERY = 60.0  # litellm.constants.REDIS_CIRCUIT_BREAKER_RECOVERY_TIMEOUT (its default)
 NOT_MEASURED = frozenset({CONCURRENCY})
 # every lane's key: without a database the master key is the only one
 MASTER_KEY = "sk-bench-litellm-2f6c0e9b4d8a41c7b3e5f1a09d7c6b2e"
@@ -128,7 +131,9 @@ async def open_litellm(workdir: Path, plan: Plan, instances: int, workers: int =
         label = f"LiteLLM N={instances}" + (f" x{workers} workers" if workers > 1 else "")
 
         async def recovered() -> None:
-            await trio.sleep(2.0)  # its Redis client reconnects on the next command
+            # its Redis client opens a circuit breaker after 5 failures and tries Redis again only after
+            # REDIS_CIRCUIT_BREAKER_RECOVERY_TIMEOUT (60 s): the next kill starts from a LiteLLM on Redis again
+            await trio.sleep(BREAKER_RECOVERY + 5.0)
 
         try:
             yield Fleet(label, WINDOW, urls, instances * workers, redis, lanes_of(plan),

@@ -1,11 +1,13 @@
 """One repeat of ``llmgw bench limits`` on one arm: every scenario of the :class:`~.limits_rig.Plan`, measured.
 
-In order, each on the repeat's own lanes: a burst per limit (rpm, tpm, budget, concurrency); the steady rpm and
-tpm lanes at once (a burst of the limit first, which spends it, then open-loop load at ``overload`` times the limit
-for ``steady_seconds``); the added latency (a closed loop alternating the unlimited and the limited lane);
-and last the Redis kill (the steady load on its lane, Redis killed with SIGKILL ``before`` seconds in, started
-again, empty, ``away`` seconds later, the load going on ``after`` seconds more), after which the arm is given
-time to work on Redis again. What each returns is plain JSON (:mod:`.limits_report` reads it).
+:func:`run_repeat`, in order, each on the repeat's own lanes: a burst per limit (rpm, tpm, budget, concurrency);
+the steady rpm and tpm lanes at once (a burst of the limit first, which spends it, then open-loop load at
+``overload`` times the limit for ``steady_seconds``); the added latency (a closed loop alternating the unlimited
+and the limited lane). :func:`run_redis_kill`, once every repeat ran (so no repeat's limits run on a Redis just
+restarted): the steady load on its lane, Redis killed with SIGKILL ``before`` seconds in, started again, empty,
+``away`` seconds later, the load going on ``after`` seconds more, after which the arm is given time to work on
+Redis again (:attr:`~.limits_rig.Fleet.recovered`). What each returns is plain JSON (:mod:`.limits_report`
+reads it).
 """
 
 from __future__ import annotations
@@ -78,9 +80,12 @@ async def run_repeat(fleet: Fleet, client: Client, plan: Plan, timing: Timing, r
     result["latency"] = {"free": free, "limited": limited,
                          "added_p50_ms": limited["p50_ms"] - free["p50_ms"],
                          "added_p99_ms": limited["p99_ms"] - free["p99_ms"]}
-    if REDIS_KILL in fleet.measures:
-        result[REDIS_KILL] = await _redis_kill(fleet, client, plan, timing, lane(REDIS_KILL))
     return result
+
+
+async def run_redis_kill(fleet: Fleet, client: Client, plan: Plan, timing: Timing, repeat: int) -> dict:
+    """The Redis kill of one repeat, on its own lane; the arm given time to work on Redis again after it."""
+    return await _redis_kill(fleet, client, plan, timing, fleet.lanes[plan.lane(REDIS_KILL, repeat).name])
 
 
 def _requests_limit(plan: Plan, scenario: str) -> int:
