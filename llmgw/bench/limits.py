@@ -33,7 +33,7 @@ from pathlib import Path
 import trio
 
 from ..testing.processes import ChildFailed
-from .common import bench_parser, print_and_save
+from .common import bench_parser, print_and_save, write_json
 from .limits_litellm import LITELLM_VERSION, LitellmUnavailable, open_litellm
 from .limits_report import markdown, summary
 from .limits_rig import REDIS_KILL, Fleet, Plan, open_llmgw
@@ -123,12 +123,14 @@ async def run(args: argparse.Namespace, root: Path) -> dict:
                 steady_limit=args.steady_limit)
     timing = Timing(steady_seconds=args.steady_seconds, redis_before=args.redis_before, redis_away=args.redis_away,
                     redis_after=args.redis_after, latency_requests=args.latency_requests)
-    arms = []
+    settings = {**dataclasses.asdict(plan), **dataclasses.asdict(timing), "request_tokens": plan.request_tokens,
+                "request_nano": plan.request_nano, "litellm_version": LITELLM_VERSION, "cpus": os.cpu_count()}
+    arms: list[dict] = []
     for i, (arm, gateways, workers) in enumerate(arm_runs(args)):
         print(f"llmgw bench limits: {arm}, N={gateways}, workers={workers}", file=sys.stderr, flush=True)
         arms.append(await measure(arm, root / f"{i}-{arm}-{gateways}", plan, timing, gateways, workers))
-    settings = {**dataclasses.asdict(plan), **dataclasses.asdict(timing), "request_tokens": plan.request_tokens,
-                "request_nano": plan.request_nano, "litellm_version": LITELLM_VERSION, "cpus": os.cpu_count()}
+        if args.json:  # what was measured so far survives a run cut short
+            write_json(args.json, {"settings": settings, "arms": arms, "partial": True})
     return {"settings": settings, "arms": arms}
 
 
