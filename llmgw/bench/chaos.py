@@ -491,6 +491,8 @@ async def soak(args) -> dict:
                 await trio.sleep(max(0.0, started + args.soak * 60 - time.monotonic()))
                 await load.pause()
                 nursery.cancel_scope.cancel()
+            # new Redis clients each gateway opened (its pool had lost half its slots), over its current pid's life
+            recycles = {g.name: await rig.gauge(g, "llmgw_cluster_redis_pool_recycles_total") for g in rig.gateways}
     quiet = load.phases.get("quiet")
     quiet_failed = sum(n for k, n in (quiet.outcomes["plain"] + quiet.outcomes["stream"]).items()
                        if k != "ok") if quiet else 0
@@ -498,7 +500,7 @@ async def soak(args) -> dict:
                                                             "sample_every_s": args.sample_every,
                                                             "rate_per_gateway": args.rate},
             "machine": machine(load_before),
-            "routing_options": args.routing_options,
+            "routing_options": args.routing_options, "redis_pool_recycles": recycles,
             "failed_outside_victims": quiet_failed + sum(r.failed_elsewhere for r in results),
             "lost_inside_victims": sum(r.lost_inside for r in results),
             "requests": sum(p.sent() for p in load.phases.values()),
@@ -517,7 +519,8 @@ def soak_markdown(report: dict) -> str:
 
     lines = [f"Soak: {report['settings']['minutes']:g} min, {report['requests']} requests, "
              f"{len(report['results'])} faults; failed outside a killed or frozen process's own in-flight ones: "
-             f"{report['failed_outside_victims']} (lost inside one: {report['lost_inside_victims']})", "",
+             f"{report['failed_outside_victims']} (lost inside one: {report['lost_inside_victims']}); new Redis "
+             f"clients (a pool that lost half its slots) per gateway: {report.get('redis_pool_recycles', {})}", "",
              "| process | sampled | RSS MiB: first -> last (slope per hour; over the second half) | open fds "
              "| Trio tasks |", "|---|---|---|---|---|"]
     for name, entry in report["processes"].items():

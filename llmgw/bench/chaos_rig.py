@@ -230,12 +230,16 @@ class ChaosRig:
 
     async def trio_tasks(self, gateway: GatewayProcess) -> int | None:
         """``llmgw_trio_tasks`` of ``gateway`` (its ``/metrics``); None when it does not answer."""
+        return await self.gauge(gateway, "llmgw_trio_tasks")
+
+    async def gauge(self, gateway: GatewayProcess, name: str) -> int | None:
+        """The unlabelled sample ``name`` of ``gateway``'s ``/metrics``; None when it does not answer."""
         try:
             text = (await self.http.get(gateway.control_url + "/metrics")).text
         except httpx.HTTPError:
             return None
         for line in text.splitlines():
-            if line.startswith("llmgw_trio_tasks "):
+            if line.startswith(name + " "):
                 return int(float(line.split()[1]))
         return None
 
