@@ -28,6 +28,8 @@ healed by restarting the agent, and the row says so. It prints a Markdown table 
 ``--soak-every`` seconds (120), each process's RSS, open descriptors and Trio tasks
 (``llmgw_trio_tasks``) sampled every ``--sample-every`` seconds; it reports each one's
 slope per hour and the failed requests outside a killed process's own in-flight ones.
+``--routing-options YAML`` adds to the deployed profile's routing options (the soak's
+``{tokenize_cache_tokens: 20000, tree_ttl: 60s}`` fills those caches within minutes).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from pathlib import Path
 
 import coredis
 import trio
+import yaml
 
 from ..procgroup import wait_group_gone
 from .chaos_rig import CLUSTER, ChaosRig, rss_and_fds
@@ -467,7 +470,8 @@ async def soak(args) -> dict:
     results: list[ChaosResult] = []
     series: dict[str, list] = {}
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-soak-") as workdir:
-        async with ChaosRig.open(Path(workdir), gateways=1, replicas=args.replicas) as rig:
+        async with ChaosRig.open(Path(workdir), gateways=1, replicas=args.replicas,
+                                 routing_options=args.routing_options) as rig:
             load = SteadyLoad([g.url for g in rig.gateways], load_settings(args, len(rig.gateways)))
             started = time.monotonic()
 
@@ -487,6 +491,8 @@ async def soak(args) -> dict:
                 await trio.sleep(max(0.0, started + args.soak * 60 - time.monotonic()))
                 await load.pause()
                 nursery.cancel_scope.cancel()
+            # new Redis clients each gateway opened (its pool had lost half its slots), over its current pid's life
+            recycles = {g.name: await rig.gauge(g, "llmgw_cluster_redis_pool_recycles_total") for g in rig.gateways}
     quiet = load.phases.get("quiet")
     quiet_failed = sum(n for k, n in (quiet.outcomes["plain"] + quiet.outcomes["stream"]).items()
                        if k != "ok") if quiet else 0
@@ -494,6 +500,7 @@ async def soak(args) -> dict:
                                                             "sample_every_s": args.sample_every,
                                                             "rate_per_gateway": args.rate},
             "machine": machine(load_before),
+            "routing_options": args.routing_options, "redis_pool_recycles": recycles,
             "failed_outside_victims": quiet_failed + sum(r.failed_elsewhere for r in results),
             "lost_inside_victims": sum(r.lost_inside for r in results),
             "requests": sum(p.sent() for p in load.phases.values()),
@@ -512,7 +519,8 @@ def soak_markdown(report: dict) -> str:
 
     lines = [f"Soak: {report['settings']['minutes']:g} min, {report['requests']} requests, "
              f"{len(report['results'])} faults; failed outside a killed or frozen process's own in-flight ones: "
-             f"{report['failed_outside_victims']} (lost inside one: {report['lost_inside_victims']})", "",
+             f"{report['failed_outside_victims']} (lost inside one: {report['lost_inside_victims']}); new Redis "
+             f"clients (a pool that lost half its slots) per gateway: {report.get('redis_pool_recycles', {})}", "",
              "| process | sampled | RSS MiB: first -> last (slope per hour; over the second half) | open fds "
              "| Trio tasks |", "|---|---|---|---|---|"]
     for name, entry in report["processes"].items():
@@ -562,7 +570,19 @@ def parser() -> argparse.ArgumentParser:
     soak_group.add_argument("--soak", type=float, metavar="MINUTES", help="a soak of MINUTES through 3 gateways")
     soak_group.add_argument("--soak-every", type=float, default=120.0, help="seconds between faults (default 120)")
     soak_group.add_argument("--sample-every", type=float, default=5.0, help="seconds between samples (default 5)")
+    soak_group.add_argument("--routing-options", type=routing_options, default={}, metavar="YAML",
+                            help="a YAML mapping added to the deployed profile's routing_options, e.g. "
+                                 "'{tokenize_cache_tokens: 20000, tree_ttl: 60s}': caches bounded small are full "
+                                 "within minutes, so what grows after that is not a warm-up")
     return p
+
+
+def routing_options(text: str) -> dict:
+    """``--routing-options``: a YAML mapping (checked by each gateway's config, which names a wrong key)."""
+    value = yaml.safe_load(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a YAML mapping, e.g. '{tokenize_cache_tokens: 20000}'")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

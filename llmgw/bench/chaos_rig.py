@@ -24,12 +24,14 @@ import contextlib
 import json
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import trio
+import yaml
 
 from ..testing.cluster import TOKEN, EngineReaper
 from ..testing.ha import candidate_config
@@ -57,10 +59,18 @@ def node_fixture(gpus: int) -> dict:
             "nvml": {"driver_version": "550.90.07", "cuda_driver_version": 12040, "devices": devices}}
 
 
-def process_config(redis_url: str, control_state_dir: Path, replicas: int) -> str:
+def process_config(redis_url: str, control_state_dir: Path, replicas: int,
+                   routing_options: Mapping[str, Any] | None = None) -> str:
     """One process's config: the agents' settings, the deployed ``sim`` profile and the shared state (the HA tests'
-    candidate, :func:`llmgw.testing.ha.candidate_config`), quieter."""
-    return "log_level: warning\n" + candidate_config(control_state_dir, redis_url, CLUSTER, replicas, num_blocks=512)
+    candidate, :func:`llmgw.testing.ha.candidate_config`), quieter; ``routing_options`` added to the profile's
+    (the soak sets its caches' bounds small, so that they are full within minutes)."""
+    text = "log_level: warning\n" + candidate_config(control_state_dir, redis_url, CLUSTER, replicas, num_blocks=512)
+    if not routing_options:
+        return text
+    config = yaml.safe_load(text)
+    for profile in config["profiles"]:
+        profile["routing_options"] = {**profile.get("routing_options", {}), **routing_options}
+    return yaml.safe_dump(config, sort_keys=False)
 
 
 @dataclass(eq=False)
@@ -91,7 +101,8 @@ class ChaosRig:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, workdir: Path, *, gateways: int = 1, replicas: int = 2) -> AsyncIterator["ChaosRig"]:
+    async def open(cls, workdir: Path, *, gateways: int = 1, replicas: int = 2,
+                   routing_options: Mapping[str, Any] | None = None) -> AsyncIterator["ChaosRig"]:
         reaper = EngineReaper(workdir)
         try:
             async with httpx.AsyncClient(timeout=POLL_TIMEOUT) as http, trio.open_nursery() as nursery:
@@ -103,7 +114,7 @@ class ChaosRig:
                     name = "ABCDEFGH"[i] if i < 2 else f"F{i - 1}"
                     url = f"redis://127.0.0.1:{proxy.port}" if i == 1 + gateways and gateways else redis.url
                     config = workdir / f"llmgw-{name}.yaml"
-                    config.write_text(process_config(url, workdir / f"control-{name}", replicas))
+                    config.write_text(process_config(url, workdir / f"control-{name}", replicas, routing_options))
                     processes.append(GatewayProcess(name, role, config))
                 rig = cls(nursery, workdir, redis, proxy, processes[:2], processes[2:], replicas, http, reaper)
                 await processes[0].start(nursery)
@@ -219,12 +230,16 @@ class ChaosRig:
 
     async def trio_tasks(self, gateway: GatewayProcess) -> int | None:
         """``llmgw_trio_tasks`` of ``gateway`` (its ``/metrics``); None when it does not answer."""
+        return await self.gauge(gateway, "llmgw_trio_tasks")
+
+    async def gauge(self, gateway: GatewayProcess, name: str) -> int | None:
+        """The unlabelled sample ``name`` of ``gateway``'s ``/metrics``; None when it does not answer."""
         try:
             text = (await self.http.get(gateway.control_url + "/metrics")).text
         except httpx.HTTPError:
             return None
         for line in text.splitlines():
-            if line.startswith("llmgw_trio_tasks "):
+            if line.startswith(name + " "):
                 return int(float(line.split()[1]))
         return None
 

@@ -17,7 +17,15 @@ same degraded state, its reason saying so (and counted in
 
 coredis survives a Redis restart by itself (a failed command's connection is
 dropped, the next one reconnects), so nothing here rebuilds the client
-unless its own task group fails.
+unless its own task group fails, or its pool has lost half its connection
+slots: coredis (6.9) gives no slot back for a call cancelled while its
+connection was being made (Redis stopped or cut off: the deadline fires
+during the handshake) nor for a connection that died while leased (a blocking
+read cut by its deadline, a Redis restart). Once every slot was gone, every
+call would wait for a connection that never comes, and each waiter cancelled
+by its deadline would stay in the pool's list of waiters for good. So after a
+failed or cancelled call the link counts the lost slots and, past half, opens
+a new client (one WARNING line, ``llmgw_cluster_redis_pool_recycles_total``).
 """
 
 from __future__ import annotations
@@ -149,6 +157,18 @@ def cluster_secret(settings: "StateConfig", environ: Mapping[str, str] | None = 
 BLOCK_MS = 1000  # how long a blocking stream read waits for news before it asks again
 
 
+def lost_connection_slots(client: "coredis.Redis[bytes]") -> int:
+    """How many of ``client``'s pool slots coredis lost: neither free in its queue (an open connection, or room
+    for one) nor leased to a call. A connection being made right now counts too, for that moment. 0 for a
+    pool not shaped like that (another coredis version): nothing is recycled then."""
+    pool = client.connection_pool
+    available = getattr(pool, "_available_connections", None)
+    statistics = getattr(pool, "statistics", None)
+    if available is None or statistics is None:
+        return 0
+    return max(0, pool.max_connections - len(available) - statistics.in_use_connections)
+
+
 class RedisLink:
     def __init__(self, settings: "StateConfig", metrics: "ClusterMetrics",
                  factory: Callable[..., "coredis.Redis[bytes]"] | None = None):
@@ -160,6 +180,7 @@ class RedisLink:
         self.reason = "not connected yet"
         self.changed = trio.Event()  # set (and replaced) at every transition
         self._ready = trio.Event()
+        self._recycle = trio.Event()  # set when the client's pool has lost half its slots: run() opens a new one
         self._refusals_logged: set[str] = set()
 
     @property
@@ -179,7 +200,11 @@ class RedisLink:
                     if not started:
                         started = True
                         task_status.started()
-                    await trio.sleep_forever()
+                    await self._recycle.wait()
+                # the pool lost half its slots: its calls fail (the callers retry), a new client takes over at once
+                self._client, self._ready, self._recycle = None, trio.Event(), trio.Event()
+                delay = 0.2
+                continue
             except (ssl.SSLError, OSError, Exception) as exc:  # the pool's task group failed: start a new one
                 self._client = None
                 self._ready = trio.Event()
@@ -201,9 +226,12 @@ class RedisLink:
             self.metrics.errors.labels(operation).inc()
             self.mark_down("no connection")
             raise Unavailable("no connection")
+        client = self._client
+        answered = False
         try:
             with trio.fail_after(deadline):
-                result = await command(self._client)
+                result = await command(client)
+            answered = True
         except trio.TooSlowError:
             self._failed(operation, f"no answer within {deadline:g}s")
         except Exception as exc:  # coredis' errors, OSError, and whatever else a broken connection raises
@@ -214,8 +242,23 @@ class RedisLink:
                     log.error("cluster state: Redis refused %s: %s (logged once)", operation, _describe(exc))
                 raise Unavailable(_describe(exc)) from None
             self._failed(operation, self._shortage(exc) or _describe(exc))
+        finally:
+            if not answered:  # failed or cancelled: the only calls that lose a pool slot
+                self._check_pool(client)
         self.mark_up()
         return result
+
+    def _check_pool(self, client: "coredis.Redis[bytes]") -> None:
+        """Have :meth:`run` open a new client when this one's pool lost half its slots (see the module's doc)."""
+        if client is not self._client or self._recycle.is_set():
+            return
+        lost = lost_connection_slots(client)
+        capacity = client.connection_pool.max_connections
+        if lost * 2 >= capacity:
+            log.warning("cluster state: the Redis client lost %d of its %d connection slots (calls cancelled while "
+                        "connecting, connections that died in use); opening a new client", lost, capacity)
+            self.metrics.pool_recycles.inc()
+            self._recycle.set()
 
     @staticmethod
     def _shortage(exc: BaseException) -> str | None:

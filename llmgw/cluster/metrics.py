@@ -64,5 +64,9 @@ class ClusterMetrics:
                             "outcome: answered (the replica's agent resyncs it), repeated (the same replica was "
                             "resynced less than 5 s before: that resync answers it) or unknown (no such replica).",
                             ["outcome"], registry=registry)
+        self.pool_recycles = Counter("llmgw_cluster_redis_pool_recycles", "New Redis clients opened because the "
+                                     "old one's connection pool had lost half its slots (coredis keeps none for a "
+                                     "call cancelled while connecting, nor for a connection that died in use).",
+                                     registry=registry)
         self.up.set(0)
         self.leader.set(0)

@@ -95,8 +95,11 @@ async def test_chaos_quick_cuts_the_last_gateway_from_redis_under_load_and_repor
 async def test_chaos_soak_samples_every_process_and_reports_each_ones_slope(tmp_path):
     report = await bench(tmp_path, "chaos", "--soak", "0.5", "--soak-every", "10", "--faults",
                          "partition,engine-kill", "--partition", "4", "--observe", "2", "--before", "1",
-                         "--stable", "1", "--sample-every", "1")
+                         "--stable", "1", "--sample-every", "1", "--routing-options", "{tree_ttl: 30s}")
     assert [r["fault"] for r in report["results"]] == ["partition", "engine-kill"]
+    assert report["routing_options"] == {"tree_ttl": "30s"}
+    assert set(report["redis_pool_recycles"]) == {"A", "B", "F1"}  # from each gateway's /metrics at the end
+    assert all(isinstance(n, int) for n in report["redis_pool_recycles"].values()), report["redis_pool_recycles"]
     processes = report["processes"]
     assert set(processes) == {"A", "B", "F1", "agent", "redis"}
     for name, entry in processes.items():

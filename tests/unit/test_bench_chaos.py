@@ -1,5 +1,5 @@
 """The parts of ``llmgw bench chaos``: its schedule, the soak's plan and slopes, the table, the cuttable TCP proxy,
-and the Trio task count the soak samples."""
+the Trio task count the soak samples, and the routing options it adds to every process's config."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from llmgw.bench.chaos import (
     result_from_dict,
     slopes,
 )
+from llmgw.bench.chaos_rig import process_config
 from llmgw.bench.chaos_schedule import (
     SCHEDULE,
     median_and_range,
@@ -26,6 +27,7 @@ from llmgw.bench.chaos_schedule import (
     soak_plan,
 )
 from llmgw.bench.cut_proxy import cut_proxy
+from llmgw.config.loading import parse_config
 from llmgw.metrics import trio_task_count
 
 
@@ -97,6 +99,18 @@ def test_llmgw_bench_chaos_dispatches_to_its_module_and_bounds_its_options(capsy
     with pytest.raises(SystemExit):
         cli.main(["bench", "chaos", "--gateways", "3"])
     assert parser().parse_args([]).faults == "all"
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "chaos", "--soak", "1", "--routing-options", "[1, 2]"])
+    assert "a YAML mapping" in capsys.readouterr().err
+
+
+def test_the_soaks_routing_options_join_the_deployed_profiles_own(tmp_path):
+    options = parser().parse_args(["--routing-options", "{tokenize_cache_tokens: 20000, tree_ttl: 60s}"])
+    config = parse_config(process_config("redis://127.0.0.1:6379", tmp_path, 2, options.routing_options))
+    (profile,) = config.profiles
+    assert profile.routing_options == {"tokenize_timeout": "2s", "tokenize_cache_tokens": 20000, "tree_ttl": "60s"}
+    assert process_config("redis://127.0.0.1:6379", tmp_path, 2) == \
+        process_config("redis://127.0.0.1:6379", tmp_path, 2, parser().parse_args([]).routing_options)
 
 
 async def echo_server(nursery: trio.Nursery) -> int:
