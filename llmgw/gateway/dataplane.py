@@ -80,7 +80,7 @@ RETRY_KINDS = frozenset({"connect", "tls", "closed_before_request", "capacity"})
 _now = time.perf_counter  # durations for the metrics; real time, not Trio's clock
 ENGINE_GONE_TIMEOUT = 1.0  # seconds a replica that broke off a request has to answer /health to count as alive
 NO_KEY = "none"  # the key name of a request without a valid API key (or of any request without api_keys)
-API_MADE_KEYS = "api"  # the metric label of every key made by the admin API: their number is the store's, not the file's
+API_MADE_KEYS = "api"  # the metric label of every key the admin API made: their number is the store's
 PROBE_PATHS = frozenset({"/health", "/ready"})  # answered without an access line: load balancers poll them
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 

@@ -10,7 +10,6 @@ import json
 import os
 
 import coredis
-import pytest
 import httpx
 import pytest
 import trio
