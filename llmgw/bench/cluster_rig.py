@@ -60,6 +60,7 @@ class GatewayProcess:
     control_port: int = field(default_factory=free_port)
     child: Child | None = None
     source: Path | None = None  # another checkout's llmgw runs it (a baseline), else this one's
+    extra_argv: tuple[str, ...] = ()  # more ``llmgw serve`` options (``--workers 2 --state-dir DIR``)
 
     @property
     def url(self) -> str:
@@ -76,7 +77,8 @@ class GatewayProcess:
 
     async def start(self, nursery: trio.Nursery) -> Child:
         argv = llmgw_command("serve", "--config", str(self.config), "--listen", f"127.0.0.1:{self.data_port}",
-                             "--control-listen", f"127.0.0.1:{self.control_port}", "--role", self.role)
+                             "--control-listen", f"127.0.0.1:{self.control_port}", "--role", self.role,
+                             *self.extra_argv)
         self.child = await start_child(nursery, argv, name=self.name, ready=SERVE_READY, startup_timeout=60,
                                        stop_grace=2, cwd=self.source,
                                        env=None if self.source is None else checkout_env(self.source))
@@ -109,28 +111,34 @@ class ClusterRig:
     @contextlib.asynccontextmanager
     async def open(cls, workdir: Path, *, followers: int, sims: int = 2, num_blocks: int = 2048,
                    time_scale: float = 0.0, sim_extra: tuple[str, ...] = (), sentinel: bool = False,
-                   candidates: int = 1, source: Path | None = None,
+                   candidates: int = 1, source: Path | None = None, extra_config: str = "", workers: int = 1,
                    **state_options: str) -> AsyncIterator["ClusterRig"]:
         """Everything started and ready (see the module's docstring); stopped when the block ends. ``source``: the
         gateways run the llmgw of that checkout (a baseline). ``sentinel``:
         a primary, its replica and a sentinel instead of one server, the gateways configured with
         ``state.sentinel``. ``candidates``: the control process and ``candidates - 1`` of the followers stand
         for the cluster's lease (started without ``--role gateway``); the control process, started first, is
-        its first leader."""
+        its first leader. ``extra_config``: YAML appended to every gateway's config (top-level keys);
+        ``workers`` > 1: each gateway is ``llmgw serve --workers N`` (a state dir of its own under ``workdir``)."""
         async with httpx.AsyncClient(timeout=10) as http, trio.open_nursery() as nursery:
             group = await start_sentinel_group(nursery, workdir / "redis") if sentinel else None
             redis = group.servers[0] if group else await start_private_redis(nursery, workdir / "redis")
             engines = await start_sims(nursery, sims, env=KV_SIM_ENV, num_blocks=num_blocks, block_size=16,
                                        time_scale=time_scale, seed=0, extra=KV_SIM_EXTRA + sim_extra)
             config = workdir / "llmgw.yaml"
-            config.write_text(cluster_config(engines, group.url if group else redis.url, **state_options))
-            control = GatewayProcess("llmgw control", CONTROL, config, source=source)
+            config.write_text(cluster_config(engines, group.url if group else redis.url, **state_options)
+                              + extra_config)
+
+            def process(name: str, role: str) -> GatewayProcess:
+                argv = ("--workers", str(workers), "--state-dir", str(workdir / name.replace(" ", "-"))) \
+                    if workers > 1 else ()
+                return GatewayProcess(name, role, config, source=source, extra_argv=argv)
+
+            control = process("llmgw control", CONTROL)
             await control.start(nursery)
             rig = cls(nursery, workdir, redis, engines, control,
-                      [GatewayProcess(f"llmgw candidate-{i + 1}", CONTROL, config, source=source)
-                       if i < candidates - 1 else
-                       GatewayProcess(f"llmgw gateway-{i + 1}", GATEWAY, config, source=source)
-                       for i in range(followers)], http, group)
+                      [process(f"llmgw candidate-{i + 1}", CONTROL) if i < candidates - 1 else
+                       process(f"llmgw gateway-{i + 1}", GATEWAY) for i in range(followers)], http, group)
             await rig.wait_leading(control)
             for follower in rig.followers:
                 await follower.start(nursery)

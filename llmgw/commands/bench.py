@@ -24,6 +24,9 @@ BENCHES: dict[str, tuple[str, str]] = {
     "fault": ("llmgw.bench.fault", "kill an engine, the agent and the control plane under a steady load: "
                                    "failed requests by kind, time to routable again, engine restarts "
                                    "(--gateways N: a gateway, then Redis, in a cluster)"),
+    "limits": ("llmgw.bench.limits", "per-key rpm, tpm, concurrency and budgets across N gateways (and workers) "
+                                     "beside LiteLLM's proxy on one Redis: admitted over the limit, the largest "
+                                     "overshoot, usable share under steady load, added latency, a Redis kill"),
     "proxy": ("llmgw.bench.proxy", "the data plane's overhead: llmgw, the upstream called directly and vllm-router "
                                    "under wrk: added p50, requests/s and streams/s, CPU µs per request"),
     "routing": ("llmgw.bench.routing", "routing tiers, an oracle and vllm-router on the same simulators: "

@@ -10,6 +10,7 @@ import json
 import os
 
 import coredis
+import pytest
 import httpx
 import pytest
 import trio
