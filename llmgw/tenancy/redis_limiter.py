@@ -27,10 +27,10 @@ import trio
 
 from ..cluster.link import RedisLink, Unavailable
 from ..cluster.records import Keys
-from .admission import Pool, Subject, short_of
+from .admission import BUDGETS, Pool, Slot, Subject, short_of
 from .interfaces import Admission, Refusal
 from .lease_script import LEASE, SEED, Unseeded, decode, encode
-from .leases import LeasedPool, budget_expiry_ms, budget_key, pool_key
+from .leases import LeasedPool, budget_expiry_ms, budget_key, pool_key, used_key
 from .limiter_metrics import LimiterMetrics
 from .model import Estimate, TenancySettings, Tenant
 from .pool_limiter import Clock, PoolLimiter, Spent
@@ -89,6 +89,10 @@ class RedisLimiter(PoolLimiter):
         return self.settings.lease_seconds
 
     @property
+    def lease_idle_seconds(self) -> float:
+        return self.settings.lease_idle_seconds
+
+    @property
     def budgets_fail_closed(self) -> bool:
         return self.settings.budgets_fail_closed
 
@@ -131,17 +135,46 @@ class RedisLimiter(PoolLimiter):
         short = short_of(needs, now)
         if short and not self.degraded and all(amount <= slot.pool.capacity for slot, amount in short):
             self.metrics.lease_waits.inc()
-            for slot, amount in short:
-                pool = slot.pool
-                assert isinstance(pool, LeasedPool)
-                pool.ask(math.ceil(amount - pool.room(now)))
-                self._pending.add(pool)
-            answered = self._round
+            self._ask(short, now)
             self._wake.set()
-            with trio.move_on_after(self.link.settings.timeout + 0.5):
-                await answered.wait()
+            await self._next_round(trio.current_time() + self.link.settings.timeout + 0.5)
             now = self.clock()
+            short = short_of(needs, now)
+            if short and all(held_back(slot, amount, now) for slot, amount in short):
+                await self._wait_for_budgets(needs, short)
+                now = self.clock()
         return self._decide(tenant, slots, needs, now)
+
+    def _ask(self, short: list[tuple[Slot, int]], now: float) -> None:
+        for slot, amount in short:
+            pool = slot.pool
+            assert isinstance(pool, LeasedPool)
+            pool.ask(math.ceil(amount - pool.room(now)))
+            self._pending.add(pool)
+
+    async def _next_round(self, deadline: float) -> bool:
+        """Wait for the call that takes the asks made so far; False if ``deadline`` came first."""
+        answered = self._round
+        with trio.move_on_at(deadline):
+            await answered.wait()
+            return True
+        return False
+
+    async def _wait_for_budgets(self, needs: list[tuple[Slot, int]], short: list[tuple[Slot, int]]) -> None:
+        """What only budgets lack, and what their use so far leaves: the rest is held by leases of other processes
+        (given back within ``lease_idle_seconds`` when idle), requests in flight, or another waiter of this
+        process took the grant. Ask again at each upkeep tick (not at once: no call storm) until it is covered,
+        or for ``lease_idle_seconds`` and a lease call's timeout at most (then the refusal says retry shortly)."""
+        self.metrics.budget_waits.inc()
+        deadline = trio.current_time() + self.settings.lease_idle_seconds + self.link.settings.timeout + 0.5
+        while short and not self.degraded:
+            self._ask(short, self.clock())
+            if not await self._next_round(deadline):
+                return
+            now = self.clock()
+            short = short_of(needs, now)
+            if not all(held_back(slot, amount, now) for slot, amount in short):
+                return
 
     # -- the background --
 
@@ -168,8 +201,10 @@ class RedisLimiter(PoolLimiter):
             for dimension, amount in (("budget_tokens", row.tokens), ("budget_usd", row.nano_usd)):
                 if amount > 0:
                     base = pool_key(self.prefix, row.kind, row.name, dimension)
-                    keys.append(budget_key(base, row.period, period_start(row.period, now)))
-                    args += [min(amount, 1 << 53), budget_expiry_ms(row.period, now)]
+                    key = budget_key(base, row.period, period_start(row.period, now))
+                    for counter in (key, used_key(key)):
+                        keys.append(counter)
+                        args += [min(amount, 1 << 53), budget_expiry_ms(row.period, now)]
         self._reseed = False
         try:
             await self.link.call("tenancy_seed", lambda client: client.eval(SEED, keys=keys, args=args))
@@ -227,7 +262,7 @@ class RedisLimiter(PoolLimiter):
             for pool in self._pools():
                 if pool.idle(now, self.settings.lease_idle_seconds):
                     self._giving.add(pool)
-                elif pool.held or pool.in_use:  # a debt to charge, a share to refill, slots to renew
+                elif pool.owes():
                     self._pending.add(pool)
             self._probe = self.degraded
             self._wake.set()
@@ -298,6 +333,11 @@ class RedisLimiter(PoolLimiter):
             self._wake.set()
             self.metrics.degraded.set(0)
             log.info("tenant limits: Redis answers again; limits are shared across the cluster again")
+
+
+def held_back(slot: Slot, amount: int, now: float) -> bool:
+    """A budget lacks ``amount`` but its use so far does not: leases or requests in flight hold the rest."""
+    return slot.dimension in BUDGETS and not slot.pool.exhausted(amount, now)
 
 
 def cluster_limiter(shared: "SharedState", settings: TenancySettings, metrics: LimiterMetrics,
