@@ -17,7 +17,8 @@ class LimiterMetrics:
             "a team).", ["team"], registry=r))
         self.limited = CachedLabels(Counter(
             "llmgw_tenant_limited", "Requests refused (429) by a limit, by team and the limit that refused: "
-            "requests, tokens, concurrency (rate_limit_exceeded), budget_tokens, budget_usd (insufficient_quota).",
+            "requests, tokens, concurrency (rate_limit_exceeded), budget_tokens, budget_usd (insufficient_quota "
+            "when spent, rate_limit_exceeded when held by requests in flight or other processes' shares).",
             ["team", "limit"], registry=r))
         self.lease_calls = CachedLabels(Counter(
             "llmgw_tenant_lease_calls", "Calls to Redis for shares of the limits (leases), by kind (take, give, "

@@ -3,7 +3,9 @@
 Every limit lives in Redis (:mod:`.lease_script`); each process admits from its own share of it
 (:mod:`.leases`), so a request waits on Redis only when its process's share cannot cover it: a key's first
 request, a burst larger than the share, a demand that grew. Such requests wait for one call, which all the
-requests lacking something at that moment share (one batch, over every key and team). One task makes every
+requests lacking something at that moment share (one batch, over every key and team); a request a budget still
+lacks then, while the budget's use leaves room for it, waits a while longer for what other processes' shares and
+requests in flight hold (:meth:`RedisLimiter._wait_for_budgets`). One task makes every
 call (:meth:`RedisLimiter.run`, in the gateway's nursery), in order: refills ahead of need, give-backs of idle
 shares, debts of answers that used more than they reserved, and the heartbeat of the concurrency slots held.
 
