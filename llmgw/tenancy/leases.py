@@ -179,7 +179,7 @@ class LeasedPool:
         rate = self.capacity / WINDOW
         if rate <= 0:
             return math.inf
-        missing = min(float(amount), float(self.capacity)) - self.held - self._left_now(now)
+        missing = min(float(amount), float(self.capacity)) - self.held - self.left_now(now)
         return max(0.0, missing / rate)
 
     def exhausted(self, amount: int, now: float) -> bool:
@@ -195,7 +195,7 @@ class LeasedPool:
     def remaining(self, now: float) -> int:
         if self.owner.degraded and self.kind == BUCKET:
             return self._fallback(now).remaining(now)
-        return max(0, min(self.capacity, int(self.held + self._left_now(now))))
+        return max(0, min(self.capacity, int(self.held + self.left_now(now))))
 
     def reset_in(self, now: float) -> float:
         if self.kind == BUDGET:
@@ -207,7 +207,7 @@ class LeasedPool:
 
     # -- what the limiter's lease calls do --
 
-    def _left_now(self, now: float) -> float:
+    def left_now(self, now: float) -> float:
         if self.kind != BUCKET:
             return self.left
         return min(float(self.capacity), self.left + max(0.0, now - self.left_at) * self.capacity / WINDOW)
@@ -221,7 +221,7 @@ class LeasedPool:
     def _fair_share(self, now: float) -> int:
         """The most a lease ahead of need takes: half of what Redis had left over the live processes, so that
         near the end of a limit the shares held ahead do not keep it from the others' requests."""
-        return max(1, math.floor(self._left_now(now) / (2 * self.owner.live)))
+        return max(1, math.floor(self.left_now(now) / (2 * self.owner.live)))
 
     def lease_size(self) -> int:
         """What one lease takes: ``lease_seconds`` of the recent demand, at least 1, at most the capacity."""

@@ -5,7 +5,7 @@ Every limit lives in Redis (:mod:`.lease_script`); each process admits from its 
 request, a burst larger than the share, a demand that grew. Such requests wait for one call, which all the
 requests lacking something at that moment share (one batch, over every key and team); a request a budget still
 lacks then, while the budget's use leaves room for it, waits a while longer for what other processes' shares and
-requests in flight hold (:meth:`RedisLimiter._wait_for_budgets`). One task makes every
+requests in flight hold (:meth:`RedisLimiter._wait_for_more`). One task makes every
 call (:meth:`RedisLimiter.run`, in the gateway's nursery), in order: refills ahead of need, give-backs of idle
 shares, debts of answers that used more than they reserved, and the heartbeat of the concurrency slots held.
 
@@ -142,8 +142,8 @@ class RedisLimiter(PoolLimiter):
             await self._next_round(trio.current_time() + self.link.settings.timeout + 0.5)
             now = self.clock()
             short = short_of(needs, now)
-            if short and all(held_back(slot, amount, now) for slot, amount in short):
-                await self._wait_for_budgets(needs, short)
+            if short and all(worth_waiting(slot, amount, now) for slot, amount in short):
+                await self._wait_for_more(needs, short)
                 now = self.clock()
         return self._decide(tenant, slots, needs, now)
 
@@ -162,20 +162,25 @@ class RedisLimiter(PoolLimiter):
             return True
         return False
 
-    async def _wait_for_budgets(self, needs: list[tuple[Slot, int]], short: list[tuple[Slot, int]]) -> None:
-        """What only budgets lack, and what their use so far leaves: the rest is held by leases of other processes
-        (given back within ``lease_idle_seconds`` when idle), requests in flight, or another waiter of this
-        process took the grant. Ask again at each upkeep tick (not at once: no call storm) until it is covered,
-        or for ``lease_idle_seconds`` and a lease call's timeout at most (then the refusal says retry shortly)."""
-        self.metrics.budget_waits.inc()
+    async def _wait_for_more(self, needs: list[tuple[Slot, int]], short: list[tuple[Slot, int]]) -> None:
+        """Still short after a lease call, of what Redis had at its answer (another request of this process
+        reserved the grant before this one ran: ask again at once), or of what a budget's use so far leaves (the
+        rest is held by leases of other processes, given back within ``lease_idle_seconds`` when idle, or by
+        requests in flight: ask again at each upkeep tick, no call storm). Until covered, or for
+        ``lease_idle_seconds`` and a lease call's timeout at most (then the refusal says retry shortly)."""
+        if any(held_back(slot, amount, self.clock()) for slot, amount in short):
+            self.metrics.budget_waits.inc()
         deadline = trio.current_time() + self.settings.lease_idle_seconds + self.link.settings.timeout + 0.5
         while short and not self.degraded:
-            self._ask(short, self.clock())
+            now = self.clock()
+            self._ask(short, now)
+            if all(leasable(slot, amount, now) for slot, amount in short):
+                self._wake.set()
             if not await self._next_round(deadline):
                 return
             now = self.clock()
             short = short_of(needs, now)
-            if not all(held_back(slot, amount, now) for slot, amount in short):
+            if not all(worth_waiting(slot, amount, now) for slot, amount in short):
                 return
 
     # -- the background --
@@ -340,6 +345,17 @@ class RedisLimiter(PoolLimiter):
 def held_back(slot: Slot, amount: int, now: float) -> bool:
     """A budget lacks ``amount`` but its use so far does not: leases or requests in flight hold the rest."""
     return slot.dimension in BUDGETS and not slot.pool.exhausted(amount, now)
+
+
+def leasable(slot: Slot, amount: int, now: float) -> bool:
+    """What this process holds and what Redis had left at its last answer cover ``amount``."""
+    pool = slot.pool
+    assert isinstance(pool, LeasedPool)
+    return pool.room(now) + pool.left_now(now) >= amount
+
+
+def worth_waiting(slot: Slot, amount: int, now: float) -> bool:
+    return held_back(slot, amount, now) or leasable(slot, amount, now)
 
 
 def cluster_limiter(shared: "SharedState", settings: TenancySettings, metrics: LimiterMetrics,

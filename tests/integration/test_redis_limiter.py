@@ -180,6 +180,29 @@ async def test_a_budget_in_pieces_over_processes_is_pooled_for_a_request_none_co
     assert isinstance(loser, Refusal) and loser.error_type == OUT_OF_QUOTA and "has spent" in loser.message
 
 
+async def test_limits_far_from_reached_never_refuse_requests_racing_for_one_grant(nursery, redis_url, cluster_name):
+    """Four loops of requests over two processes on a key with every kind of limit, none near its end (as the
+    latency lane of ``llmgw bench limits``): a request whose lease call's grant another request of its process
+    reserved first asks again, and none is refused (it was: rpm, tpm and the $1,000 budget at once)."""
+    limiters = [await start_limiter(nursery, redis_url, cluster_name, f"g{i}") for i in range(2)]
+    alice = tenant(Limits(rpm=10**12, tpm=10**12, concurrency=10**6, budgets=(Budget("total", nano_usd=10**12),)))
+    refusals: list = []
+
+    async def loop(limiter: RedisLimiter) -> None:
+        for _ in range(100):
+            answer = await limiter.admit(alice, "m", Estimate(166, 16, nano_usd=460_000))
+            if isinstance(answer, Refusal):
+                refusals.append(answer.message)
+            else:
+                await trio.sleep(0.005)
+                answer.settle(Usage(96, 16, nano_usd=320_000))
+
+    async with trio.open_nursery() as loops:
+        for i in range(4):
+            loops.start_soon(loop, limiters[i % 2])
+    assert refusals == []
+
+
 async def test_what_a_hostile_writer_leaves_in_redis_is_clamped(nursery, redis_url, cluster_name):
     limiter = await start_limiter(nursery, redis_url, cluster_name, "g1")
     prefix = tenancy_prefix(cluster_name)
