@@ -136,8 +136,11 @@ async def _wait_not_degraded(rig: ClusterRig, timeout: float = 60.0) -> None:
 @contextlib.asynccontextmanager
 async def open_llmgw(workdir: Path, plan: Plan, gateways: int, workers: int = 1) -> AsyncIterator[Fleet]:
     workdir.mkdir(parents=True, exist_ok=True)
+    # the arm's own control state: the usage journal is kept there, and one left by an earlier run (same cluster
+    # name, same keys) would be shipped into this run's usage store, and seed its budgets as spent
+    private = f"agents:\n  control_state_dir: {json.dumps(str(workdir / 'control-state'))}\n"
     async with ClusterRig.open(workdir, followers=gateways - 1, sims=2, time_scale=1.0, sim_extra=SIM_EXTRA,
-                               extra_config=llmgw_tenancy_config(plan), workers=workers) as rig:
+                               extra_config=llmgw_tenancy_config(plan) + private, workers=workers) as rig:
         label = f"llmgw N={gateways}" + (f" x{workers} workers" if workers > 1 else "")
         yield Fleet(label, BUCKET, [g.url for g in rig.gateways], gateways * workers, rig.redis,
                     {lane.name: lane for _, _, lane in plan.lanes()}, frozenset(SCENARIOS),

@@ -44,6 +44,10 @@ class Pool(Protocol):
 
     def remaining(self, now: float) -> int: ...
 
+    def exhausted(self, amount: int, now: float) -> bool:
+        """A budget whose use so far (not what leases and requests in flight hold) leaves less than ``amount``."""
+        ...
+
     def reset_in(self, now: float) -> float: ...
 
 
@@ -183,11 +187,15 @@ def refusal(slots: list[Slot], short: list[tuple[Slot, int]], now: float, metric
     wait, slot, amount = max(waits, key=lambda item: item[0])
     for _, counted, _ in waits:
         metrics.limited.labels(team, counted.dimension).inc()
-    error_type = OUT_OF_QUOTA if slot.dimension in BUDGETS else RATE_LIMITED
+    spent = slot.dimension in BUDGETS and slot.pool.exhausted(amount, now)
+    error_type = OUT_OF_QUOTA if spent else RATE_LIMITED  # a budget held by requests in flight frees up soon
     retry_after = MAX_RETRY_AFTER if math.isinf(wait) else wait
     if amount > slot.pool.capacity:
         message = (f"This request needs {amount} of the {slot.subject.describe()}'s {describe_limit(slot)}: it "
                    "can never be admitted; ask for fewer tokens (max_tokens) or a higher limit.")
+    elif slot.dimension in BUDGETS and not spent:
+        message = (f"The rest of the {describe_limit(slot)} of the {slot.subject.describe()} is held by requests "
+                   f"in flight (or other gateways' shares of it); retry in {retry_after:.3g} s.")
     elif error_type == OUT_OF_QUOTA:
         when = "only raising it frees it" if math.isinf(wait) else f"it renews in {math.ceil(wait)} s"
         message = f"The {slot.subject.describe()} has spent its {describe_limit(slot)}; {when}."

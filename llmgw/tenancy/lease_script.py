@@ -13,12 +13,16 @@ least it needs now (``need``: what waiting requests lack; 0 when refilling ahead
   process says how many it holds now (``have``, absolute: a lost reply or a Redis restart cannot make the count
   drift); holders not renewed before their expiry, or whose expiry is further than 10 TTLs away (nobody writes
   that), are dropped, so a process killed with ``kill -9`` frees its slots within the TTL.
-- ``g`` a budget: a counter of what the period spent, leases included (a lease is charged when taken, its unused
-  part given back); it expires a day after its period ends.
+- ``g`` a budget: two counters of the period, each expiring a day after it ends: what is *committed* (used,
+  plus every process's leases and the reservations in flight on them: a lease is charged when taken, its unused
+  part given back), which leases are granted from, and what was *used* (``:used``: each process reports what its
+  settled answers consumed, ``consumed``, at its next call). The committed counter is never below the used one.
+  Their difference is what leases and requests in flight hold: a request refused while it is there is told to
+  retry shortly, not that the budget is spent.
 
 Whatever Redis holds is clamped before use (someone else may write there): a key of another type is
 dropped, a level clamped to ``[-1e15, capacity]``, a time to ``[0, now]``, a holder's slots to ``[0, capacity]``,
-a budget's spend to ``[0, 2^53]``.
+a budget's counters to ``[0, 2^53]``.
 """
 
 from __future__ import annotations
@@ -112,28 +116,34 @@ for i = 1, tonumber(ARGV[1]) do
     redis.call('PEXPIRE', zkey, 20 * ttl)
     out[i] = {grant, math.max(0, free - grant)}
   else
-    local key = KEYS[k]
-    local need, want, give, charge, expire_at = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]),
-      tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
-    k, a = k + 1, a + 7
+    local key, ukey = KEYS[k], KEYS[k + 1]
+    local need, want, give, charge, expire_at, consumed = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]),
+      tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6]), tonumber(ARGV[a + 7])
+    k, a = k + 2, a + 8
     fit(key, 'string')
+    fit(ukey, 'string')
     local spent = num(redis.call('GET', key), 0, 9007199254740992)
-    spent = math.max(0, spent - give) + charge
+    local used = math.min(num(redis.call('GET', ukey), 0, 9007199254740992) + consumed, 9007199254740992)
+    spent = math.max(used, math.max(0, spent - give) + charge)
     local grant = grant_of(cap - spent, need, want)
     spent = spent + grant
     redis.call('SET', key, string.format('%d', spent))
-    if expire_at > 0 then redis.call('PEXPIREAT', key, expire_at) end
-    out[i] = {grant, string.format('%d', math.max(0, cap - spent))}
+    redis.call('SET', ukey, string.format('%d', used))
+    if expire_at > 0 then
+      redis.call('PEXPIREAT', key, expire_at)
+      redis.call('PEXPIREAT', ukey, expire_at)
+    end
+    out[i] = {grant, string.format('%d', math.max(0, cap - spent)), string.format('%d', math.max(0, cap - used))}
   end
 end
 return out
 """
 
 
-# Raise each budget counter to at least what the usage store says was spent in its period (a Redis that restarted
-# without persistence forgot it), and set the marker (KEYS[1]) saying it was done; idempotent, so every process of
-# a cluster may seed the same rows. A process that seeds asks LEASE to lease nothing while the marker is missing
-# (``unseeded``: Redis lost its data since): it seeds again first, then asks again.
+# Raise each budget counter (committed and used) to at least what the usage store says was spent in its period (a
+# Redis that restarted without persistence forgot it), and set the marker (KEYS[1]) saying it was done; idempotent,
+# so every process of a cluster may seed the same rows. A process that seeds asks LEASE to lease nothing while the
+# marker is missing (``unseeded``: Redis lost its data since): it seeds again first, then asks again.
 SEED = r"""
 redis.call('SET', KEYS[1], '1')
 for i = 2, #KEYS do
@@ -166,6 +176,7 @@ class Operation:
     extra: int | str = 0
     have: int = 0
     ttl_ms: int = 0
+    consumed: int = 0  # a budget: what settled answers used since the last call (moved from leased to used)
 
 
 UNSEEDED = b"unseeded"
@@ -183,7 +194,7 @@ def encode(operations: list[Operation], marker: str, seeded: bool) -> tuple[list
         elif op.kind == SLOTS:
             args += [SLOTS, op.capacity, op.extra, op.have, op.need, op.want, op.ttl_ms]
         else:
-            args += [BUDGET, op.capacity, op.need, op.want, op.give, op.charge, op.extra]
+            args += [BUDGET, op.capacity, op.need, op.want, op.give, op.charge, op.extra, op.consumed]
     return keys, args
 
 
@@ -195,6 +206,7 @@ class Unseeded(Exception):
 class Answer:
     granted: int  # what the process now holds more
     left: float  # what is left in Redis after the grant (a bucket's level, free slots, a budget's remainder)
+    unused: float = 0.0  # a budget: what its use so far leaves (``left`` plus what leases and requests hold)
 
 
 def decode(reply: Any, operations: list[Operation]) -> list[Answer]:
@@ -206,10 +218,16 @@ def decode(reply: Any, operations: list[Operation]) -> list[Answer]:
         raise ValueError(f"the lease script answered {reply!r:.200}")
     answers = []
     for item, op in zip(reply, operations):
-        if not isinstance(item, list) or len(item) != 2:
+        if not isinstance(item, list) or len(item) != (3 if op.kind == BUDGET else 2):
             raise ValueError(f"the lease script answered {item!r:.200}")
-        granted, left = int(item[0]), float(item[1])
-        if left != left:  # NaN
-            left = 0.0
-        answers.append(Answer(max(0, min(granted, op.want)), max(-1e15, min(left, float(op.capacity)))))
+        granted, left = int(item[0]), _bounded(item[1], op.capacity)
+        unused = _bounded(item[2], op.capacity) if op.kind == BUDGET else left
+        answers.append(Answer(max(0, min(granted, op.want)), left, max(left, unused)))
     return answers
+
+
+def _bounded(value: Any, capacity: int) -> float:
+    number = float(value)
+    if number != number:  # NaN
+        return 0.0
+    return max(-1e15, min(number, float(capacity)))

@@ -41,6 +41,9 @@ class Leases(Protocol):
     @property
     def lease_seconds(self) -> float: ...
 
+    @property
+    def lease_idle_seconds(self) -> float: ...
+
     def refill_soon(self, pool: "LeasedPool") -> None: ...
 
     def give_soon(self, pool: "LeasedPool") -> None: ...
@@ -55,6 +58,11 @@ def pool_key(prefix: str, kind: str, name: str, dimension: str) -> str:
 
 def budget_key(base: str, period: str, start: float) -> str:
     return f"{base}:{period}:{int(start)}"
+
+
+def used_key(key: str) -> str:
+    """Where a budget counter's used part is kept (:mod:`.lease_script`): the committed one less the leases."""
+    return key + ":used"
 
 
 def budget_expiry_ms(period: str, now: float) -> int:
@@ -85,6 +93,9 @@ class LeasedPool:
         self.asked = 0  # what waiting requests lack, for the next call
         self.least = 0  # what the waiting request that lacks least lacks (a grant of less serves none)
         self.left = float(capacity)  # what Redis said was left at its last answer
+        self.unused = float(capacity)  # a budget: what Redis said its use leaves (leases and requests aside)
+        self.consumed = 0  # a budget: what settled answers used, not yet reported to Redis
+        self.starved = False  # a budget: the last call could not grant what waiting requests lacked
         self.left_at = now
         self.demand = 0.0  # units reserved per second, decaying
         self.demand_at = now
@@ -103,7 +114,8 @@ class LeasedPool:
     def _roll(self, now: float) -> None:
         if self.period is not None and period_start(self.period, now) != self.start:
             self.start = period_start(self.period, now)
-            self.held, self.left = 0, float(self.capacity)  # last period's lease lapses with its counter
+            self.held, self.consumed = 0, 0  # last period's lease lapses with its counter
+            self.left = self.unused = float(self.capacity)
 
     def _fallback(self, now: float) -> TokenBucket:
         if self.fallback is None:
@@ -149,25 +161,41 @@ class LeasedPool:
             self.held += reserved - used
         else:  # reserved in a period that has ended: its use counts in this one
             self.held -= used
+        if self.kind == BUDGET:
+            self.consumed += used
 
     def wait(self, amount: int, now: float) -> float:
         if self.kind == SLOTS:
             return CONCURRENCY_RETRY
         if self.kind == BUDGET:
             assert self.period is not None
-            return math.inf if amount > self.capacity else period_end(self.period, now) - now
+            if amount > self.capacity:
+                return math.inf
+            if not self.exhausted(amount, now):  # the rest is in leases or requests in flight: back shortly
+                return self.owner.lease_idle_seconds
+            return period_end(self.period, now) - now
         if self.owner.degraded:
             return self._fallback(now).wait(amount, now)
         rate = self.capacity / WINDOW
         if rate <= 0:
             return math.inf
-        missing = min(float(amount), float(self.capacity)) - self.held - self._left_now(now)
+        missing = min(float(amount), float(self.capacity)) - self.held - self.left_now(now)
         return max(0.0, missing / rate)
+
+    def exhausted(self, amount: int, now: float) -> bool:
+        """A budget: what was used (as Redis last said, and what this process's answers used since) leaves less
+        than ``amount``; else what is missing is held by leases or requests in flight, and comes back."""
+        if self.kind != BUDGET:
+            return False
+        self._roll(now)
+        if self.owner.degraded:  # nothing is known of the others' use: as before, spent
+            return True
+        return self.unused - self.consumed < amount
 
     def remaining(self, now: float) -> int:
         if self.owner.degraded and self.kind == BUCKET:
             return self._fallback(now).remaining(now)
-        return max(0, min(self.capacity, int(self.held + self._left_now(now))))
+        return max(0, min(self.capacity, int(self.held + self.left_now(now))))
 
     def reset_in(self, now: float) -> float:
         if self.kind == BUDGET:
@@ -179,7 +207,7 @@ class LeasedPool:
 
     # -- what the limiter's lease calls do --
 
-    def _left_now(self, now: float) -> float:
+    def left_now(self, now: float) -> float:
         if self.kind != BUCKET:
             return self.left
         return min(float(self.capacity), self.left + max(0.0, now - self.left_at) * self.capacity / WINDOW)
@@ -193,7 +221,7 @@ class LeasedPool:
     def _fair_share(self, now: float) -> int:
         """The most a lease ahead of need takes: half of what Redis had left over the live processes, so that
         near the end of a limit the shares held ahead do not keep it from the others' requests."""
-        return max(1, math.floor(self._left_now(now) / (2 * self.owner.live)))
+        return max(1, math.floor(self.left_now(now) / (2 * self.owner.live)))
 
     def lease_size(self) -> int:
         """What one lease takes: ``lease_seconds`` of the recent demand, at least 1, at most the capacity."""
@@ -225,27 +253,42 @@ class LeasedPool:
             return Operation(SLOTS, (self._base, self._base + ":holders"), self.capacity, need, want,
                              extra=self.owner.holder, have=have, ttl_ms=self.owner.holder_ttl_ms)
         give = max(0, self.held) if idle else 0
+        if self.kind == BUDGET and self.starved and asked and self.held > 0:
+            # the rest of the budget is in pieces over processes, none enough: put this one back with the others,
+            # and ask for the whole (granted here if the pieces make it; else to the process that asks next)
+            give = self.held
+            need, asked = need + give, asked + give
         charge = max(0, -self.held)
         self.held += charge - give
         want = 0 if idle else max(asked, min(self.lease_size() - self.held, self._fair_share(now)))
-        if not (want or give or charge):
+        consumed, self.consumed = self.consumed, 0
+        if not (want or give or charge or consumed):
             return None
         if self.kind == BUCKET:
             return Operation(BUCKET, (self._base,), self.capacity, need, want, give, charge, int(WINDOW * 1000))
         assert self.period is not None
         key = budget_key(self._base, self.period, self.start)
-        return Operation(BUDGET, (key,), self.capacity, need, want, give, charge, budget_expiry_ms(self.period, now))
+        return Operation(BUDGET, (key, used_key(key)), self.capacity, need, want, give, charge,
+                         budget_expiry_ms(self.period, now), consumed=consumed)
 
     def answered(self, answer: Answer, asked: int, now: float) -> None:
         """Redis granted ``answer.granted``; the asks it answered (``asked``) are done."""
         self.held += answer.granted
         self.asked = max(0, self.asked - asked)
         self.left, self.left_at = answer.left, now
+        if self.kind == BUDGET:
+            self.unused = answer.unused
+            self.starved = asked > 0 and answer.granted == 0
 
     def unanswered(self, operation: Operation, asked: int) -> None:
         """The call failed: what it gave or charged stays to be given or charged."""
         self.held += operation.give - operation.charge
+        self.consumed += operation.consumed
         self.asked = max(0, self.asked - asked)
 
     def idle(self, now: float, idle_seconds: float) -> bool:
         return self.held > 0 and now - self.last_use >= idle_seconds
+
+    def owes(self) -> bool:
+        """Something to report at the next call: a share to refill or renew, a debt, a budget's consumption."""
+        return bool(self.held or self.in_use or self.consumed)

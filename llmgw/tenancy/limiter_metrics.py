@@ -17,7 +17,8 @@ class LimiterMetrics:
             "a team).", ["team"], registry=r))
         self.limited = CachedLabels(Counter(
             "llmgw_tenant_limited", "Requests refused (429) by a limit, by team and the limit that refused: "
-            "requests, tokens, concurrency (rate_limit_exceeded), budget_tokens, budget_usd (insufficient_quota).",
+            "requests, tokens, concurrency (rate_limit_exceeded), budget_tokens, budget_usd (insufficient_quota "
+            "when spent, rate_limit_exceeded when held by requests in flight or other processes' shares).",
             ["team", "limit"], registry=r))
         self.lease_calls = CachedLabels(Counter(
             "llmgw_tenant_lease_calls", "Calls to Redis for shares of the limits (leases), by kind (take, give, "
@@ -28,6 +29,10 @@ class LimiterMetrics:
         self.lease_waits = Counter(
             "llmgw_tenant_lease_waits", "Requests that waited for a lease call because the process's share could "
             "not cover them (a key's first request, a burst); the rest were admitted without Redis.", registry=r)
+        self.budget_waits = Counter(
+            "llmgw_tenant_budget_waits", "Requests a budget could not cover after a lease call while its use so "
+            "far could: they waited (up to lease_idle_seconds) for what other processes' leases and requests in "
+            "flight held, instead of being refused as spent.", registry=r)
         self.degraded = Gauge(
             "llmgw_tenant_limiter_degraded", "1 while Redis is away and the limiter runs on its fallback (rate "
             "limits divided by the live processes, budgets on the leases in hand), else 0.", registry=r)

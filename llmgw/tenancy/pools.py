@@ -92,6 +92,9 @@ class TokenBucket:
         self._refill(now)
         return max(0, int(self.level))
 
+    def exhausted(self, amount: int, now: float) -> bool:
+        return False  # a rate: it refills
+
     def reset_in(self, now: float) -> float:
         """Seconds until the bucket is full again (OpenAI's ``x-ratelimit-reset-*``)."""
         self._refill(now)
@@ -126,6 +129,9 @@ class Slots:
     def remaining(self, now: float) -> int:
         return max(0, self.capacity - self.used)
 
+    def exhausted(self, amount: int, now: float) -> bool:
+        return False  # slots come back
+
     def reset_in(self, now: float) -> float:
         return 0.0
 
@@ -133,12 +139,13 @@ class Slots:
 class PeriodBudget:
     """At most ``capacity`` units spent per UTC ``period``; the spend starts from zero when the period rolls."""
 
-    __slots__ = ("capacity", "period", "spent", "start")
+    __slots__ = ("capacity", "period", "spent", "in_flight", "start")
 
     def __init__(self, capacity: int, now: float, period: str):
         self.capacity = capacity
         self.period = period
-        self.spent = 0
+        self.spent = 0  # used, and reserved by the requests in flight
+        self.in_flight = 0  # reserved by requests not settled yet: they give back what they do not use
         self.start = period_start(period, now)
 
     def resize(self, capacity: int, now: float) -> None:
@@ -147,7 +154,7 @@ class PeriodBudget:
     def _roll(self, now: float) -> None:
         start = period_start(self.period, now)
         if start != self.start:
-            self.start, self.spent = start, 0
+            self.start, self.spent, self.in_flight = start, 0, 0
 
     def seed(self, spent: int, now: float) -> None:
         """Add what the usage store says was spent in the current period before this process started."""
@@ -162,20 +169,30 @@ class PeriodBudget:
         """Reserve; the stamp is the period's start (a settle in the next period charges the new one)."""
         self._roll(now)
         self.spent += amount
+        self.in_flight += amount
         return int(self.start)
 
     def adjust(self, reserved: int, used: int, stamp: int, now: float) -> None:
         self._roll(now)
         if stamp == int(self.start):
             self.spent = max(0, self.spent - reserved + used)
+            self.in_flight = max(0, self.in_flight - reserved)
         else:  # reserved in a period that has ended: what was used counts in this one
             self.spent += used
 
     def wait(self, amount: int, now: float) -> float:
-        """Until the period ends (never for a total budget, or for more than the whole budget)."""
+        """Until the period ends (never for a total budget, or for more than the whole budget); when what is
+        missing is reserved by requests in flight, until one ends (unknown: as a full concurrency limit)."""
         if amount > self.capacity:
             return math.inf
+        if not self.exhausted(amount, now):
+            return CONCURRENCY_RETRY
         return period_end(self.period, now) - now
+
+    def exhausted(self, amount: int, now: float) -> bool:
+        """What was used leaves less than ``amount`` (not counting what requests in flight reserved)."""
+        self._roll(now)
+        return self.capacity - (self.spent - self.in_flight) < amount
 
     def remaining(self, now: float) -> int:
         self._roll(now)

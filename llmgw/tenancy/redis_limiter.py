@@ -3,7 +3,9 @@
 Every limit lives in Redis (:mod:`.lease_script`); each process admits from its own share of it
 (:mod:`.leases`), so a request waits on Redis only when its process's share cannot cover it: a key's first
 request, a burst larger than the share, a demand that grew. Such requests wait for one call, which all the
-requests lacking something at that moment share (one batch, over every key and team). One task makes every
+requests lacking something at that moment share (one batch, over every key and team); a request a budget still
+lacks then, while the budget's use leaves room for it, waits a while longer for what other processes' shares and
+requests in flight hold (:meth:`RedisLimiter._wait_for_more`). One task makes every
 call (:meth:`RedisLimiter.run`, in the gateway's nursery), in order: refills ahead of need, give-backs of idle
 shares, debts of answers that used more than they reserved, and the heartbeat of the concurrency slots held.
 
@@ -27,10 +29,10 @@ import trio
 
 from ..cluster.link import RedisLink, Unavailable
 from ..cluster.records import Keys
-from .admission import Pool, Subject, short_of
+from .admission import BUDGETS, Pool, Slot, Subject, short_of
 from .interfaces import Admission, Refusal
 from .lease_script import LEASE, SEED, Unseeded, decode, encode
-from .leases import LeasedPool, budget_expiry_ms, budget_key, pool_key
+from .leases import LeasedPool, budget_expiry_ms, budget_key, pool_key, used_key
 from .limiter_metrics import LimiterMetrics
 from .model import Estimate, TenancySettings, Tenant
 from .pool_limiter import Clock, PoolLimiter, Spent
@@ -89,6 +91,10 @@ class RedisLimiter(PoolLimiter):
         return self.settings.lease_seconds
 
     @property
+    def lease_idle_seconds(self) -> float:
+        return self.settings.lease_idle_seconds
+
+    @property
     def budgets_fail_closed(self) -> bool:
         return self.settings.budgets_fail_closed
 
@@ -131,17 +137,51 @@ class RedisLimiter(PoolLimiter):
         short = short_of(needs, now)
         if short and not self.degraded and all(amount <= slot.pool.capacity for slot, amount in short):
             self.metrics.lease_waits.inc()
-            for slot, amount in short:
-                pool = slot.pool
-                assert isinstance(pool, LeasedPool)
-                pool.ask(math.ceil(amount - pool.room(now)))
-                self._pending.add(pool)
-            answered = self._round
+            self._ask(short, now)
             self._wake.set()
-            with trio.move_on_after(self.link.settings.timeout + 0.5):
-                await answered.wait()
+            await self._next_round(trio.current_time() + self.link.settings.timeout + 0.5)
             now = self.clock()
+            short = short_of(needs, now)
+            if short and all(worth_waiting(slot, amount, now) for slot, amount in short):
+                await self._wait_for_more(needs, short)
+                now = self.clock()
         return self._decide(tenant, slots, needs, now)
+
+    def _ask(self, short: list[tuple[Slot, int]], now: float) -> None:
+        for slot, amount in short:
+            pool = slot.pool
+            assert isinstance(pool, LeasedPool)
+            pool.ask(math.ceil(amount - pool.room(now)))
+            self._pending.add(pool)
+
+    async def _next_round(self, deadline: float) -> bool:
+        """Wait for the call that takes the asks made so far; False if ``deadline`` came first."""
+        answered = self._round
+        with trio.move_on_at(deadline):
+            await answered.wait()
+            return True
+        return False
+
+    async def _wait_for_more(self, needs: list[tuple[Slot, int]], short: list[tuple[Slot, int]]) -> None:
+        """Still short after a lease call, of what Redis had at its answer (another request of this process
+        reserved the grant before this one ran: ask again at once), or of what a budget's use so far leaves (the
+        rest is held by leases of other processes, given back within ``lease_idle_seconds`` when idle, or by
+        requests in flight: ask again at each upkeep tick, no call storm). Until covered, or for
+        ``lease_idle_seconds`` and a lease call's timeout at most (then the refusal says retry shortly)."""
+        if any(held_back(slot, amount, self.clock()) for slot, amount in short):
+            self.metrics.budget_waits.inc()
+        deadline = trio.current_time() + self.settings.lease_idle_seconds + self.link.settings.timeout + 0.5
+        while short and not self.degraded:
+            now = self.clock()
+            self._ask(short, now)
+            if all(leasable(slot, amount, now) for slot, amount in short):
+                self._wake.set()
+            if not await self._next_round(deadline):
+                return
+            now = self.clock()
+            short = short_of(needs, now)
+            if not all(worth_waiting(slot, amount, now) for slot, amount in short):
+                return
 
     # -- the background --
 
@@ -168,8 +208,10 @@ class RedisLimiter(PoolLimiter):
             for dimension, amount in (("budget_tokens", row.tokens), ("budget_usd", row.nano_usd)):
                 if amount > 0:
                     base = pool_key(self.prefix, row.kind, row.name, dimension)
-                    keys.append(budget_key(base, row.period, period_start(row.period, now)))
-                    args += [min(amount, 1 << 53), budget_expiry_ms(row.period, now)]
+                    key = budget_key(base, row.period, period_start(row.period, now))
+                    for counter in (key, used_key(key)):
+                        keys.append(counter)
+                        args += [min(amount, 1 << 53), budget_expiry_ms(row.period, now)]
         self._reseed = False
         try:
             await self.link.call("tenancy_seed", lambda client: client.eval(SEED, keys=keys, args=args))
@@ -227,7 +269,7 @@ class RedisLimiter(PoolLimiter):
             for pool in self._pools():
                 if pool.idle(now, self.settings.lease_idle_seconds):
                     self._giving.add(pool)
-                elif pool.held or pool.in_use:  # a debt to charge, a share to refill, slots to renew
+                elif pool.owes():
                     self._pending.add(pool)
             self._probe = self.degraded
             self._wake.set()
@@ -298,6 +340,22 @@ class RedisLimiter(PoolLimiter):
             self._wake.set()
             self.metrics.degraded.set(0)
             log.info("tenant limits: Redis answers again; limits are shared across the cluster again")
+
+
+def held_back(slot: Slot, amount: int, now: float) -> bool:
+    """A budget lacks ``amount`` but its use so far does not: leases or requests in flight hold the rest."""
+    return slot.dimension in BUDGETS and not slot.pool.exhausted(amount, now)
+
+
+def leasable(slot: Slot, amount: int, now: float) -> bool:
+    """What this process holds and what Redis had left at its last answer cover ``amount``."""
+    pool = slot.pool
+    assert isinstance(pool, LeasedPool)
+    return pool.room(now) + pool.left_now(now) >= amount
+
+
+def worth_waiting(slot: Slot, amount: int, now: float) -> bool:
+    return held_back(slot, amount, now) or leasable(slot, amount, now)
 
 
 def cluster_limiter(shared: "SharedState", settings: TenancySettings, metrics: LimiterMetrics,

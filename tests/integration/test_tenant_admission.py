@@ -263,6 +263,36 @@ async def test_a_key_rpm_holds_across_two_gateways_sharing_redis(start_llmgw, nu
                and r.headers["x-ratelimit-limit-requests"] == "10" for r in refusals)
 
 
+async def test_a_money_budget_holds_its_requests_across_two_gateways(start_llmgw, nursery, redis_url, cluster_name):
+    """A total budget of 20 requests' cost, 40 requests at once over two gateways of one cluster: exactly 20 are
+    admitted (the budget's rest is never held back in one gateway's share while the other refuses its requests
+    as spent), and every refusal says the budget is spent. Only output is priced and the engine answers
+    max_tokens, so a request's reservation is its cost."""
+    [sim] = await start_sims(nursery, 1, num_blocks=256, extra=("--output-tokens", "2:2"))
+    text = (gateway_config([sim.url], routing="round_robin") + state_section(redis_url, cluster_name)
+            + f"api_keys:\n  - key: {LIMITED}\n    name: limited\n    budgets: [{{period: total, usd: 0.04}}]\n"
+            + "prices:\n  - model: tiny\n    input: 0\n    output: 1000\n")  # 2 tokens: 0.002 USD
+    control = await start_llmgw(text)
+    follower = await start_llmgw(text, "--role", "gateway")
+    for gateway in (control, follower):
+        await wait_replicas(gateway.control_url, 1)
+    answers: list[httpx.Response] = []
+    async with httpx.AsyncClient(timeout=30) as http:
+
+        async def one(url: str) -> None:
+            answers.append(await http.post(url + "/v1/chat/completions", headers=auth(LIMITED),
+                                           json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2}))
+
+        async with trio.open_nursery() as burst:
+            for i in range(40):
+                burst.start_soon(one, (control, follower)[i % 2].url)
+    statuses = [answer.status_code for answer in answers]
+    assert statuses.count(200) == 20, statuses
+    refusals = [answer.json()["error"] for answer in answers if answer.status_code == 429]
+    assert len(refusals) == 20 and all(error["type"] == "insufficient_quota" and "has spent its total budget"
+                                       in error["message"] for error in refusals), refusals
+
+
 async def test_a_reload_swaps_the_estimate_settings_and_prices(gateway_in_process, nursery):
     """``tenancy.default_max_tokens`` and the prices apply from the next request after a reload: a request without
     max_tokens that could never fit the key's tpm fits once the default is lowered, and is charged the new price."""

@@ -9,8 +9,8 @@ import math
 import pytest
 from hypothesis import given, strategies as st
 
-from llmgw.tenancy.admission import CONCURRENCY, KEY, REQUESTS, TOKENS, Subject
-from llmgw.tenancy.lease_script import BUCKET, SLOTS, Answer, Operation, Unseeded, decode
+from llmgw.tenancy.admission import BUDGET_USD, CONCURRENCY, KEY, REQUESTS, TOKENS, Subject
+from llmgw.tenancy.lease_script import BUCKET, BUDGET, SLOTS, Answer, Operation, Unseeded, decode
 from llmgw.tenancy.leases import FALLBACK, LeasedPool
 
 
@@ -21,6 +21,7 @@ class Owner:
         self.degraded = False
         self.budgets_fail_closed = True
         self.lease_seconds = 0.5
+        self.lease_idle_seconds = 2.0
         self.holder = "h1"
         self.holder_ttl_ms = 5000
         self.live = live
@@ -41,7 +42,8 @@ ALICE = Subject(KEY, "k-alice", "alice")
 
 
 def pool(dimension: str = TOKENS, capacity: int = 6000, owner: Owner | None = None) -> LeasedPool:
-    return LeasedPool(owner or Owner(), "llmgw:c:tenancy:", ALICE, dimension, None, capacity, now=0.0)
+    period = "total" if dimension == BUDGET_USD else None
+    return LeasedPool(owner or Owner(), "llmgw:c:tenancy:", ALICE, dimension, period, capacity, now=0.0)
 
 
 def grant(leased: LeasedPool, amount: int, now: float = 0.0) -> Operation:
@@ -145,7 +147,8 @@ def test_redis_away_rate_limits_are_the_limit_divided_by_the_live_processes():
                                     st.lists(st.one_of(st.integers(-(2 ** 70), 2 ** 70), st.binary(max_size=12),
                                                        st.floats(), st.none()), max_size=3)), max_size=3)))
 def test_any_reply_is_parsed_into_answers_within_what_was_asked_or_refused(reply):
-    operations = [Operation(BUCKET, ("k",), 100, 1, 10)] * (len(reply) if isinstance(reply, list) else 1)
+    count = len(reply) if isinstance(reply, list) else 1
+    operations = [Operation(BUDGET if i % 2 else BUCKET, ("k",), 100, 1, 10) for i in range(count)]
     try:
         answers = decode(reply, operations)
     except (ValueError, TypeError, Unseeded):
@@ -153,6 +156,48 @@ def test_any_reply_is_parsed_into_answers_within_what_was_asked_or_refused(reply
     for answer in answers:
         assert 0 <= answer.granted <= 10
         assert -1e15 <= answer.left <= 100 and not math.isnan(answer.left)
+        assert answer.left <= answer.unused <= 100 and not math.isnan(answer.unused)
+
+
+def test_a_budget_reports_what_its_settled_answers_used_and_keeps_it_when_the_call_fails():
+    budget = pool(BUDGET_USD, capacity=1000)
+    budget.ask(300)
+    grant(budget, 300)
+    stamp = budget.reserve(300, 0.0)
+    budget.adjust(300, 120, stamp, 0.1)
+    operation = budget.operation(0.2, idle=False)
+    assert operation.consumed == 120
+    assert operation.keys == ("llmgw:c:tenancy:key:k-alice:budget_usd:total:0",
+                              "llmgw:c:tenancy:key:k-alice:budget_usd:total:0:used")
+    budget.unanswered(operation, 0)
+    assert budget.operation(0.3, idle=False).consumed == 120
+
+
+def test_a_budget_short_only_of_what_leases_and_requests_hold_is_not_exhausted():
+    budget = pool(BUDGET_USD, capacity=1000)
+    budget.ask(600)
+    operation = budget.operation(0.0, idle=False)
+    budget.answered(Answer(600, 400.0, 1000.0), 600, 0.0)
+    assert operation.need == 600
+    budget.reserve(600, 0.0)
+    assert not budget.exhausted(600, 0.0) and budget.wait(600, 0.0) == 2.0  # the 600 may come back
+    budget.answered(Answer(0, 400.0, 700.0), 0, 0.1)  # 300 used elsewhere: 700 still unused
+    assert not budget.exhausted(700, 0.1) and budget.exhausted(701, 0.1)
+    budget.consumed = 100  # this process's answers used 100 more, not reported yet
+    assert budget.exhausted(700, 0.1) and math.isinf(budget.wait(700, 0.1))
+
+
+def test_a_starved_budget_puts_its_piece_back_and_asks_for_the_whole():
+    budget = pool(BUDGET_USD, capacity=1000)
+    budget.held = 300  # a piece left from earlier leases
+    budget.ask(400)  # a request of 700 lacks 400
+    budget.answered(Answer(0, 0.0, 800.0), budget.asked, 0.0)  # none left in Redis: refused
+    assert budget.starved
+    budget.ask(400)
+    operation = budget.operation(0.5, idle=False)
+    assert (operation.give, operation.need, operation.want) == (300, 700, 700) and budget.held == 0
+    budget.answered(Answer(700, 100.0, 800.0), 400, 0.5)
+    assert not budget.starved and budget.room(0.5) == 700
 
 
 def test_the_script_saying_unseeded_is_its_own_answer():

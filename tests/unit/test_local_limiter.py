@@ -154,10 +154,29 @@ async def test_money_budgets_by_month_and_total(mock_clock):
     assert refused.error_type == OUT_OF_QUOTA
     assert refused.retry_after == pytest.approx(calendar.timegm((2027, 1, 1, 0, 0, 0)) - NOON)
     mock_clock.jump(calendar.timegm((2027, 1, 1, 0, 0, 0)) - NOON)
-    assert not isinstance(await lim.admit(alice, "m", Estimate(1, 1, nano_usd=600)), Refusal)
-    refused = await lim.admit(alice, "m", Estimate(1, 1, nano_usd=200))  # 800 + 600 + 200 > 1500 ever
+    two = await lim.admit(alice, "m", Estimate(1, 1, nano_usd=600))
+    assert not isinstance(two, Refusal)
+    # 800 + 600 + 200 > 1500, but the 600 are only reserved: the request in flight may give them back
+    held = await lim.admit(alice, "m", Estimate(1, 1, nano_usd=200))
+    assert held.error_type == RATE_LIMITED and held.retry_after == 1.0
+    assert "total budget" in held.message and "held by requests in flight" in held.message
+    two.settle(Usage(1, 1, nano_usd=600))
+    refused = await lim.admit(alice, "m", Estimate(1, 1, nano_usd=200))  # 800 + 600 used + 200 > 1500 ever
+    assert refused.error_type == OUT_OF_QUOTA
     assert "total budget" in refused.message and "only raising it frees it" in refused.message
     assert refused.retry_after == 86_400.0
+
+
+async def test_a_budget_reserved_by_requests_in_flight_is_not_spent(mock_clock):
+    """Four requests at a time on a budget that holds four: a fifth is told to retry shortly (their reservations
+    may come back), and is admitted once one settled for less than it reserved."""
+    lim, alice = limiter(), key(Limits(budgets=(Budget("day", nano_usd=4000),)))
+    flying = [await lim.admit(alice, "m", Estimate(1, 1, nano_usd=1000)) for _ in range(4)]
+    assert not any(isinstance(one, Refusal) for one in flying)
+    fifth = await lim.admit(alice, "m", Estimate(1, 1, nano_usd=1000))
+    assert fifth.error_type == RATE_LIMITED and fifth.retry_after == 1.0
+    flying[0].settle(Usage(1, 1, nano_usd=10))
+    assert not isinstance(await lim.admit(alice, "m", Estimate(1, 1, nano_usd=900)), Refusal)
 
 
 async def test_a_reservation_settled_after_its_period_ended_counts_its_usage_in_the_new_one(mock_clock):
