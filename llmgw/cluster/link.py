@@ -8,8 +8,8 @@ deadline; a failure of any call marks the link *degraded* (one WARNING line,
 :class:`Unavailable` to the caller, which keeps working on what it has (the
 hot path never calls Redis at all). The first call that succeeds again marks
 it healthy (one INFO line). Callers retry with :meth:`RedisLink.backoff`.
-:meth:`RedisLink.add_to_stream` and :meth:`RedisLink.follow_stream` are the
-writes and blocking reads of the short-lived streams (load, predictions).
+:meth:`RedisLink.add_to_stream` writes the short-lived streams (load, predictions;
+:mod:`.streams` reads them).
 
 A call that fails because this process is out of file descriptors is the
 same degraded state, its reason saying so (and counted in
@@ -33,7 +33,6 @@ import trio
 
 from ..fdpressure import capacity_errno, note_shortage
 from ..tls import TlsClientOptions, client_context
-from . import records
 
 if TYPE_CHECKING:
     import coredis
@@ -260,36 +259,6 @@ class RedisLink:
                                      trim_operator=PureToken.APPROXIMATELY)
 
         return await self.call(operation, add)
-
-    async def follow_stream(self, operation: str, key: str,
-                            take: Callable[[list[dict[str, Any]]], Awaitable[None] | None], count: int = 1000) -> None:
-        """Forever: hand ``take`` the fields of each read's entries (at most ``count``) added to stream ``key`` from
-        now on (blocking reads, each with a deadline; an async ``take`` is awaited before the next read, so it can
-        apply a large entry in slices). After a failure, and the backoff, only what is new again counts: what
-        these streams carry is short-lived."""
-        stream_id = b"$"
-        failures = 0
-        while True:
-            since = stream_id
-            try:
-                answer = await self.call(operation, lambda client: client.xread({key: since}, count=count,
-                                                                                block=BLOCK_MS),
-                                         timeout=self.settings.timeout + BLOCK_MS / 1000)
-            except Unavailable:
-                failures += 1
-                stream_id = b"$"
-                await self.backoff(failures)
-                continue
-            failures = 0
-            batch = []
-            for _, entries in (answer or {}).items():
-                for entry in entries:
-                    stream_id = records.entry_id(entry.identifier)
-                    batch.append(dict(records.iter_fields(entry.field_values)))
-            if batch:
-                taken = take(batch)
-                if taken is not None:
-                    await taken
 
     @staticmethod
     async def backoff(attempt: int) -> None:

@@ -45,6 +45,7 @@ from .link import RedisLink, Unavailable, cluster_secret
 from .load import LoadSharing
 from .metrics import ClusterMetrics
 from .records import Keys, ReplicaRecord
+from .streams import follow_stream
 from .term import LeaderTerm
 from .tier_learning import TierLearning
 from .writer import LogWriter, PublishedKv, PublishedReplicaTable
@@ -293,14 +294,16 @@ class SharedState:
             asks, self._asks = self._asks, []
             try:
                 for replica_id, mode, reason in asks:
-                    fields = {b"o": self.origin.encode(), b"a": records.pack(["resync", replica_id, mode, reason])}
+                    ask = records.pack(["resync", replica_id, mode, reason[:records.MAX_NAME]])
+                    fields = {b"o": self.origin.encode(), b"a": ask}
                     fields[b"s"] = self.signer.sign(fields[b"o"], fields[b"a"])
                     await self.link.add_to_stream("ask", self.keys.requests, fields, MAX_ASKS)
             except Unavailable:
                 pass  # the index asks again every resync_retry seconds while it stays suspect
 
     async def _answer_asks(self) -> None:
-        await self.link.follow_stream("ask_read", self.keys.requests, self._answer_all, count=100)
+        await follow_stream(self.link, "ask_read", self.keys.requests, self._answer_all, stream="requests",
+                            max_bytes=lambda: records.MAX_ASK_BYTES + records.ENTRY_FIELDS_BYTES, count=100)
 
     def _answer_all(self, asks: list[dict[str, Any]]) -> None:
         for fields in asks:

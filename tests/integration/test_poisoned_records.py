@@ -125,6 +125,47 @@ async def test_oversized_prediction_batches_are_refused_without_a_stall(shared_c
     assert max(watch.slowest.values()) < STALL, watch.slowest
 
 
+async def redis_output_bytes(redis: coredis.Redis) -> int:
+    """What the redis-server has sent to all its clients so far."""
+    return int((await redis.info("stats"))["total_net_output_bytes"])
+
+
+async def test_an_entry_larger_than_its_senders_write_never_leaves_redis(shared_cluster, private_redis,
+                                                                         cluster_name):
+    """An unsigned 23 MiB entry in each stream the gateways follow (the learn stream's is issue 29's: every gateway
+    read and parsed it, /health 0.19-0.23 s). Each reader reads by bytes now: the entry stays in Redis, only its
+    id crosses, counted as a bad record on every gateway; the streams' honest entries still flow after it."""
+    engines, control, followers = await shared_cluster(redis_url=private_redis.url, followers=2,
+                                                       routing="round_robin")
+    gateways = [control, *followers]
+    keys = Keys(cluster_name)
+    huge = records.pack([records.learn_item("sim-0", int(time.time() * 1000), 600_000, list(range(5_000_000)))])
+    assert len(huge) > 23 * 2**20
+    entries = {keys.learn: ("learn", gateways, {b"o": b"intruder", b"e": huge, b"s": b""}),
+               keys.load: ("load", gateways, {b"o": b"intruder", b"x": b"2000", b"l": huge, b"s": b""}),
+               keys.tiers: ("tiers", gateways, {b"o": b"intruder", b"e": huge, b"s": b""}),
+               keys.requests: ("requests", [control], {b"o": b"intruder", b"a": huge, b"s": b""})}
+    async with httpx.AsyncClient(timeout=30) as http, redis_client(private_redis.url) as redis:
+        before = {stream: [await bad_records(http, g, stream) for g in readers]
+                  for stream, readers, _ in entries.values()}
+        sent_before = await redis_output_bytes(redis)
+        for key, (_, _, fields) in entries.items():
+            await redis.xadd(key, fields)
+        for stream, readers, _ in entries.values():
+            with trio.fail_after(20):
+                for gateway, counted in zip(readers, before[stream]):
+                    while await bad_records(http, gateway, stream) < counted + 1:
+                        await trio.sleep(0.1)
+        sent = await redis_output_bytes(redis) - sent_before
+        # Four entries of 23 MiB, each followed by 3 gateways (the asks by one): 10 copies of 23 MiB on main.
+        assert sent < len(huge), f"{sent} bytes sent to the gateways: a 23 MiB entry crossed the wire"
+        await routes_to_both(http, gateways)
+        # Honest entries after the large one are still read: the followers' load reaches the control process.
+        with trio.fail_after(10):
+            while len((await http.get(control.control_url + "/admin/cluster")).json()["peers"]) < 2:
+                await trio.sleep(0.1)
+
+
 async def test_a_signed_load_report_is_clamped_to_known_replicas_the_load_ttl_and_a_gateways_connections(
         shared_cluster, redis_url, cluster_name):
     """The report of issue 29: 99,998 replicas nobody knows, a real one at 2**40 in flight, x=600000. It kept
