@@ -69,6 +69,8 @@ MAX_QUEUED_MS = 600_000  # the age of a load report's oldest queued request, at 
 MAX_LOAD_BYTES = 16 * 1024 * 1024  # one load report's array
 MAX_SNAPSHOT_REPLICAS = 100_000  # replicas (and so KV parts) in one snapshot
 MAX_SNAPSHOT_MODELS = 100_000
+MAX_PART_KEYS = 1 << 22  # block keys of one replica in a snapshot (a writer clamps to it: llmgw.cluster.writer)
+MAX_PART_BYTES = MAX_PART_KEYS * 9 + 5  # its part, msgpack, at most
 MAX_BLOCK_SIZE = 1 << 20
 MAX_WALL_MS = 1 << 53  # a wall clock in ms (year 287 396)
 INT64 = (-(1 << 63), (1 << 64) - 1)  # block keys are signed or unsigned 64-bit ints
@@ -349,8 +351,8 @@ def _int(value: Any, low: int, high: int) -> int:
 
 
 def decode_keys(raw: object) -> list[int]:
-    """A snapshot part: one replica's block keys."""
-    return _keys(unpack(raw))
+    """A snapshot part: one replica's block keys, at most ``MAX_PART_KEYS`` (refused before anything is built)."""
+    return _keys(unpack(raw, MAX_PART_BYTES, MAX_PART_KEYS))
 
 
 class SnapshotPointer(NamedTuple):

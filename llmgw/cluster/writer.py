@@ -89,6 +89,7 @@ class LogWriter:
         self._snapshot_keys: list[str] = []  # the current snapshot's keys (expired when the next one is out)
         self._pointer: bytes | None = None  # the snapshot pointer it wrote last
         self._replaced = False  # someone else's pointer was found in its place
+        self._clamped_told: set[str] = set()  # replicas whose snapshot part was clamped (logged once each)
 
     @property
     def ended(self) -> bool:
@@ -192,6 +193,13 @@ class LogWriter:
         for name in index.replicas():
             kv_states[name] = [index.state(name).value, index.block_size(name) or 0]
             parts[name] = list(index.keys(name))
+            if len(parts[name]) > records.MAX_PART_KEYS:  # what the followers read of a part, at most
+                if name not in self._clamped_told:
+                    self._clamped_told.add(name)
+                    log.warning("cluster state: replica %s holds %d blocks; its snapshot part keeps %d of them (the "
+                                "most a follower reads; the log's changes still reach the followers; logged once)",
+                                name, len(parts[name]), records.MAX_PART_KEYS)
+                del parts[name][records.MAX_PART_KEYS:]
         return {"writer": self.writer_id, "models": models, "replicas": members, "kv": kv_states}, parts
 
     async def write_snapshot(self, reason: str) -> None:
