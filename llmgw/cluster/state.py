@@ -96,9 +96,9 @@ class SharedState:
         # it leads it writes instead (a writer, and the published table and index, for each term).
         self.followed = FollowedReplicas(replicas, ReplicaBuilder(lambda: self.config, registry))
         self.follower = LogFollower(self.link, self.keys, self.followed, kv_index, self.metrics, self.signer)
-        self.election = Election(self.link, self.keys, self.settings, self.metrics, self.origin) \
+        self.election = Election(self.link, self.keys, self.settings, self.metrics, self.origin, self.signer) \
             if role == CONTROL else None
-        self.leader_watch = LeaderWatch(self.link, self.keys, self.settings) if role == GATEWAY else None
+        self.leader_watch = LeaderWatch(self.link, self.keys, self.settings, self.signer) if role == GATEWAY else None
         self.identities = SharedIdentities(self.link, self.keys, self.signer, self.metrics)
         self._term: LeaderTerm | None = None
         kv_index.add_resync_listener(self._ask_resync)
