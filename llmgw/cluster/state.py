@@ -242,7 +242,7 @@ class SharedState:
 
     async def wait_for_replica(self, model: str, poll: float = 0.05) -> bool:
         """A request that found no replica at start waits for the first snapshot (gateway role)."""
-        return bool(await self.wait_for_models()) and any(
+        return bool(await self._wait_loaded(self.has_state)) and any(
             replica.routable for replica in self.replicas.members(model))
 
     @property
@@ -253,10 +253,19 @@ class SharedState:
         config's static replicas."""
         return self.leading or self._terms_led > 0 or self.follower.loaded.is_set() or bool(self.followed.followed)
 
+    @property
+    def knows_models(self) -> bool:
+        """Whether a model unknown here is unknown to the cluster: it leads or led, or loaded a snapshot (its own
+        config's static replicas, routed meanwhile, say nothing of the models the cluster deploys)."""
+        return self.leading or self._terms_led > 0 or self.follower.loaded.is_set()
+
     async def wait_for_models(self) -> bool | None:
-        """Before the first snapshot, a follower does not know the models yet: wait for it. None when nothing
-        is pending (it holds a copy: :attr:`has_state`), else whether it came in time."""
-        if self.has_state:
+        """Before the first snapshot, a follower does not know the cluster's models yet: wait for it. None when
+        nothing is pending (:attr:`knows_models`), else whether it came in time."""
+        return await self._wait_loaded(self.knows_models)
+
+    async def _wait_loaded(self, known: bool) -> bool | None:
+        if known:
             return None
         return await self.follower.wait_loaded(adoption_window(self.config.agents.heartbeat_interval))
 
