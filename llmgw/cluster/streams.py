@@ -98,6 +98,7 @@ class Doorbell:
         self.settings = settings
         self.key = key
         self._rung = trio.Event()
+        self._refusal_told = False
 
     async def wait(self, timeout: float) -> None:
         """Until the next ring, or ``timeout`` seconds."""
@@ -124,10 +125,23 @@ class Doorbell:
                         connection.invalidate()
             except Exception as exc:  # Redis away or restarted: the reader's own reads say so; rebuild
                 failures += 1
-                log.debug("cluster state: the doorbell of stream %s failed (%s: %s)", self.key,
-                          type(exc).__name__, exc)
+                self._failed(exc)
                 self._rung.set()
             await RedisLink.backoff(failures)
+
+    def _failed(self, exc: Exception) -> None:
+        from coredis.exceptions import ResponseError
+
+        refused = exc if isinstance(exc, ResponseError) else None
+        if isinstance(exc, BaseExceptionGroup):
+            refused = next((e for e in exc.exceptions if isinstance(e, ResponseError)), None)
+        if refused is not None and not self._refusal_told:
+            self._refusal_told = True
+            log.warning("cluster state: Redis refused client tracking for stream %s (%s): it is read once a second "
+                        "instead of as it changes (an ACL user needs CLIENT TRACKING; logged once)", self.key,
+                        refused)
+        else:
+            log.debug("cluster state: the doorbell of stream %s failed (%s: %s)", self.key, type(exc).__name__, exc)
 
     async def _request(self, connection: Any, *command: bytes | str) -> Any:
         with trio.fail_after(self.settings.timeout):

@@ -167,6 +167,25 @@ async def test_an_entry_larger_than_its_senders_write_never_leaves_redis(shared_
                 await trio.sleep(0.1)
 
 
+async def test_a_redis_that_refuses_client_tracking_still_carries_the_streams(shared_cluster, private_redis,
+                                                                             cluster_name):
+    """An ACL user without CLIENT: the streams' readers are not woken as they change, so they read once a second
+    (one WARNING per stream says why), and the others' load still arrives."""
+    async with redis_client(private_redis.url) as redis:
+        await redis.acl_setuser("llmgw", "on", ">a password of the test", "~*", "&*", "+@all", "-client")
+    engines, control, followers = await shared_cluster(
+        redis_url=private_redis.url, followers=1, routing="round_robin",
+        state="  username: llmgw\n  password_env: TEST_REDIS_PASSWORD\n",
+        env={"TEST_REDIS_PASSWORD": "a password of the test"})
+    async with httpx.AsyncClient(timeout=30) as http:
+        with trio.fail_after(10):
+            while len((await http.get(control.control_url + "/admin/cluster")).json()["peers"]) < 1:
+                await trio.sleep(0.1)
+        await routes_to_both(http, [control, *followers])
+    for gateway in (control, *followers):
+        assert any("refused client tracking" in line for line in gateway.lines), gateway.lines[-20:]
+
+
 async def test_a_signed_load_report_is_clamped_to_known_replicas_the_load_ttl_and_a_gateways_connections(
         shared_cluster, redis_url, cluster_name):
     """The report of issue 29: 99,998 replicas nobody knows, a real one at 2**40 in flight, x=600000. It kept
