@@ -34,6 +34,7 @@ from ..router.replica import Replica, ReplicaState
 from . import records
 from .link import BLOCK_MS, RedisLink, Unavailable
 from .records import Keys, RecordError, ReplicaRecord
+from .streams import Doorbell, read_bounded
 from .writer import replica_record
 
 if TYPE_CHECKING:
@@ -252,18 +253,22 @@ class LogFollower:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         failures = 0
-        while True:
-            try:
-                if self.snapshot_reason:
-                    if not await self._load_snapshot():
-                        await trio.sleep(0.2)  # none yet (a new cluster, or its writer has not settled)
-                        continue
-                await self._read()
-                failures = 0
-            except Unavailable:
-                failures += 1
-                self.snapshot_reason = self.snapshot_reason or "redis_outage"
-                await self.link.backoff(failures)
+        doorbell = Doorbell(self.link.settings, self.keys.log)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(doorbell.run)
+            while True:
+                try:
+                    if self.snapshot_reason:
+                        if not await self._load_snapshot():
+                            await trio.sleep(0.2)  # none yet (a new cluster, or its writer has not settled)
+                            continue
+                    if not await self._read():
+                        await doorbell.wait(BLOCK_MS / 1000)
+                    failures = 0
+                except Unavailable:
+                    failures += 1
+                    self.snapshot_reason = self.snapshot_reason or "redis_outage"
+                    await self.link.backoff(failures)
 
     def restart(self) -> None:
         """Follow again from the newest snapshot (this process led for a while: what it read is stale)."""
@@ -282,19 +287,11 @@ class LogFollower:
         can write nothing more: its writes are fenced), so this copy is its last state exactly; the position to
         continue its log from (:meth:`position`), or None when that state is not known here (a snapshot was due,
         Redis failed, or the log took longer than ``timeout`` to read)."""
-        log_key = self.keys.log
         with trio.move_on_after(timeout):
             try:
                 while self.position() is not None:
-                    stream_id = self.stream_id
-                    answer = await self.link.call("log_read", lambda client: client.xread(
-                        {log_key: stream_id}, count=BATCHES_PER_READ), timeout=timeout)
-                    entries = [entry for _, items in (answer or {}).items() for entry in items]
-                    if not entries:
+                    if not await self._read():
                         return self.position()
-                    for entry in entries:
-                        if not await self._apply_batch(records.entry_id(entry.identifier), entry.field_values):
-                            return None
             except Unavailable:
                 return None
         return None
@@ -405,18 +402,23 @@ class LogFollower:
 
     # -- the log ---------------------------------------------------------------------------------------------------
 
-    async def _read(self) -> None:
-        log_key = self.keys.log
-        stream_id = self.stream_id
-        answer = await self.link.call(
-            "log_read", lambda client: client.xread({log_key: stream_id}, count=BATCHES_PER_READ, block=BLOCK_MS),
-            timeout=self.link.settings.timeout + BLOCK_MS / 1000)
-        if not answer:
-            return
-        for _, entries in answer.items():
-            for entry in entries:
-                if not await self._apply_batch(records.entry_id(entry.identifier), entry.field_values):
-                    return
+    async def _read(self) -> bool:
+        """Apply the batches after the last one applied, a read's worth; whether there was any. Read by bytes: an
+        entry larger than a writer writes (``LOG_BATCH_BYTES``) never leaves Redis, and is stepped over (counted;
+        had a writer written it, the gap after it makes this follower load the snapshot)."""
+        read = await read_bounded(self.link, "log_read", self.keys.log, self.stream_id, BATCHES_PER_READ,
+                                  records.LOG_BATCH_BYTES + records.ENTRY_FIELDS_BYTES)
+        for identifier, fields in zip(read.ids, read.entries):
+            if not await self._apply_batch(identifier, fields):
+                return True
+        if read.oversized:
+            self.metrics.bad_records.labels("log").inc(read.oversized)
+            if not self._unsigned_told:
+                self._unsigned_told = True
+                log.warning("cluster state: a log entry larger than a writer writes was skipped unread: someone else "
+                            "writes to this cluster's Redis keys (logged once)")
+            self.stream_id = read.last
+        return bool(read.ids) or bool(read.oversized)
 
     async def _apply_batch(self, identifier: bytes, fields: Any) -> bool:
         """Apply one log batch; False when the follower must load a snapshot first. Its KV changes go into the index

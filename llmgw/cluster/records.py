@@ -57,6 +57,7 @@ KV, KV_FORGET, KV_DROP = "kv", "kv_forget", "kv_drop"
 ENTRY_KINDS = (MODEL, UNMODEL, ADD, DRAIN, REMOVE, KV, KV_FORGET, KV_DROP)
 
 MAX_RECORD_BYTES = 512 * 1024 * 1024  # Redis's own limit of one value
+LOG_BATCH_BYTES = 32 * 1024 * 1024  # a log batch a writer writes, at most (an entry larger alone: no reader takes it)
 MAX_ARRAY = 50_000_000  # block keys of one replica's snapshot part, or of one batch
 MAX_NAME = 1024  # replica, model and source names, reasons
 # What one sender of the learn stream buffers between two sends (llmgw.cluster.learn): a batch holds no more.

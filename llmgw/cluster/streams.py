@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 ARMED_CHECK = 5.0  # seconds a doorbell waits for news before it checks its connection with a command
 
 # KEYS[1] the stream; ARGV: read after this id ("$": only the stream's last id, to start from now), at most this
-# many entries, at most this many bytes of names and values per entry. Answers {entries, oversized ids, last id}.
+# many entries, at most this many bytes of names and values per entry (and the read ends once its entries weigh
+# that much: a read is at most twice it). Answers {entries, oversized ids, last id}.
 BOUNDED_READ = """
 local key, after = KEYS[1], ARGV[1]
 if after == '$' then
@@ -47,23 +48,31 @@ if after == '$' then
   return redis.error_reply('XINFO STREAM has no last-generated-id')
 end
 local limit = tonumber(ARGV[3])
-local kept, oversized, last = {}, {}, after
+local kept, oversized, last, total = {}, {}, after, 0
 for _, entry in ipairs(redis.call('XRANGE', key, '(' .. after, '+', 'COUNT', ARGV[2])) do
   local size = 0
   for _, part in ipairs(entry[2]) do size = size + #part end
-  if size <= limit then kept[#kept + 1] = entry else oversized[#oversized + 1] = entry[1] end
+  if size <= limit then
+    kept[#kept + 1] = entry
+    total = total + size
+  else
+    oversized[#oversized + 1] = entry[1]
+  end
   last = entry[1]
+  if total >= limit then break end
 end
 return {kept, oversized, last}
 """
 
 
 class BoundedRead(NamedTuple):
-    """One read: the entries' fields (in order), how many entries were too large to be read, the last id seen."""
+    """One read: the entries' fields (in order), how many entries were too large to be read, the last id seen,
+    and the entries' ids."""
 
     entries: list[dict[str, Any]]
     oversized: int
     last: bytes
+    ids: list[bytes] = []
 
 
 async def read_bounded(link: "RedisLink", operation: str, key: str, after: bytes, count: int,
@@ -75,7 +84,8 @@ async def read_bounded(link: "RedisLink", operation: str, key: str, after: bytes
     try:
         kept, oversized, last = answer
         entries = [dict(records.iter_fields(_pairs(fields))) for _, fields in kept]
-        return BoundedRead(entries, len(oversized), records.entry_id(last))
+        return BoundedRead(entries, len(oversized), records.entry_id(last),
+                           [records.entry_id(identifier) for identifier, _ in kept])
     except (TypeError, ValueError):  # not what the script answers: nothing taken, read from the same place again
         return BoundedRead([], 0, after)
 
@@ -195,5 +205,5 @@ async def follow_stream(link: "RedisLink", operation: str, key: str,
                 taken = take(read.entries)
                 if taken is not None:
                     await taken
-            if len(read.entries) + read.oversized < count:
+            if not read.entries and not read.oversized:  # read to its end: until it changes
                 await doorbell.wait(BLOCK_MS / 1000)

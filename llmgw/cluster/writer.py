@@ -54,6 +54,13 @@ POINTER_CHECK = 5.0  # seconds (at least snapshot_interval) between two checks o
 MAX_BATCH = 4096  # entries per log batch
 
 
+def entry_bytes(entry: list[Any]) -> int:
+    """An upper bound of a log entry's msgpack size: a KV change's keys at 9 bytes, the rest packed."""
+    if entry[0] == records.KV:
+        return 9 * (len(entry[4]) + len(entry[5])) + 16 * records.MAX_NAME
+    return len(records.pack(entry))
+
+
 def replica_record(replica: Replica, source: str) -> ReplicaRecord:
     return ReplicaRecord(replica.name, replica.model, replica.url, source, replica.weight, dict(replica.labels),
                          replica.engine_id)
@@ -153,7 +160,13 @@ class LogWriter:
 
     async def _flush(self) -> None:
         while self.pending:
-            batch, self.pending = self.pending[:MAX_BATCH], self.pending[MAX_BATCH:]
+            size = count = 0
+            for entry in self.pending[:MAX_BATCH]:
+                size += entry_bytes(entry)
+                if count and size > records.LOG_BATCH_BYTES:
+                    break
+                count += 1
+            batch, self.pending = self.pending[:count], self.pending[count:]
             try:
                 await self._append(batch)
             except Unavailable:

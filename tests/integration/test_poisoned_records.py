@@ -133,9 +133,10 @@ async def redis_output_bytes(redis: coredis.Redis) -> int:
 
 async def test_an_entry_larger_than_its_senders_write_never_leaves_redis(shared_cluster, private_redis,
                                                                          cluster_name):
-    """An unsigned 23 MiB entry in each stream the gateways follow (the learn stream's is issue 29's: every gateway
-    read and parsed it, /health 0.19-0.23 s). Each reader reads by bytes now: the entry stays in Redis, only its
-    id crosses, counted as a bad record on every gateway; the streams' honest entries still flow after it."""
+    """An unsigned 23 MiB entry in each stream the gateways follow, the log included (the learn stream's is issue
+    29's: every gateway read and parsed it, /health 0.19-0.23 s). Each reader reads by bytes now: the entry stays
+    in Redis, only its id crosses, counted as a bad record on every gateway; the streams' honest entries still
+    flow after it."""
     engines, control, followers = await shared_cluster(redis_url=private_redis.url, followers=2,
                                                        routing="round_robin")
     gateways = [control, *followers]
@@ -145,7 +146,8 @@ async def test_an_entry_larger_than_its_senders_write_never_leaves_redis(shared_
     entries = {keys.learn: ("learn", gateways, {b"o": b"intruder", b"e": huge, b"s": b""}),
                keys.load: ("load", gateways, {b"o": b"intruder", b"x": b"2000", b"l": huge, b"s": b""}),
                keys.tiers: ("tiers", gateways, {b"o": b"intruder", b"e": huge, b"s": b""}),
-               keys.requests: ("requests", [control], {b"o": b"intruder", b"a": huge, b"s": b""})}
+               keys.requests: ("requests", [control], {b"o": b"intruder", b"a": huge, b"s": b""}),
+               keys.log: ("log", followers, {b"w": b"intruder", b"n": b"1", b"e": huge * 2, b"s": b""})}
     async with httpx.AsyncClient(timeout=30) as http, redis_client(private_redis.url) as redis:
         before = {stream: [await bad_records(http, g, stream) for g in readers]
                   for stream, readers, _ in entries.values()}
@@ -158,7 +160,8 @@ async def test_an_entry_larger_than_its_senders_write_never_leaves_redis(shared_
                     while await bad_records(http, gateway, stream) < counted + 1:
                         await trio.sleep(0.1)
         sent = await redis_output_bytes(redis) - sent_before
-        # Four entries of 23 MiB, each followed by 3 gateways (the asks by one): 10 copies of 23 MiB on main.
+        # Four entries of 23 MiB and one of 46 MiB in the log (more than a writer's 32 MiB batch), each followed by
+        # 3 gateways (the asks by the leader, the log by the two followers): 14 times 23 MiB on main.
         assert sent < len(huge), f"{sent} bytes sent to the gateways: a 23 MiB entry crossed the wire"
         await routes_to_both(http, gateways)
         # Honest entries after the large one are still read: the followers' load reaches the control process.
