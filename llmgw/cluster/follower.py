@@ -1,8 +1,9 @@
 """A gateway's side of the shared state: its replica table and KV index follow the control plane's, through Redis.
 
 :class:`LogFollower` loads the newest snapshot, then applies the log's
-batches after it as they come (a blocking stream read: a change is visible
-here a few milliseconds after the control plane wrote it). It loads the
+batches after it as they come (a read bounded by bytes, woken by Redis's
+client tracking: :mod:`.streams`; a change is visible here a few
+milliseconds after the control plane wrote it). It loads the
 snapshot again when the batches jump (a batch was lost, or the stream was
 trimmed past what it read), when another writer appears (the control plane
 restarted: its first snapshot comes before its first batch), or after Redis
