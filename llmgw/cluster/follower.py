@@ -244,6 +244,7 @@ class LogFollower:
         self.wanted_until = 0.0
         self._unsigned_told = False
         self._decoding = trio.CapacityLimiter(1)
+        self._doorbell = Doorbell(link.settings, keys.log)  # one for every run: a refusal is told once a process
 
     async def _off_loop(self, size: int, work: Callable[[], T]) -> T:
         """``work()`` (checking and decoding ``size`` bytes of a record): in a worker thread when they are many."""
@@ -254,9 +255,8 @@ class LogFollower:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         failures = 0
-        doorbell = Doorbell(self.link.settings, self.keys.log)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(doorbell.run)
+            nursery.start_soon(self._doorbell.run)
             while True:
                 try:
                     if self.snapshot_reason:
@@ -264,7 +264,7 @@ class LogFollower:
                             await trio.sleep(0.2)  # none yet (a new cluster, or its writer has not settled)
                             continue
                     if not await self._read():
-                        await doorbell.wait(BLOCK_MS / 1000)
+                        await self._doorbell.wait(BLOCK_MS / 1000)
                     failures = 0
                 except Unavailable:
                     failures += 1

@@ -179,10 +179,11 @@ class RedisLink:
                         started = True
                         task_status.started()
                     await trio.sleep_forever()
-            except (ssl.SSLError, OSError, Exception) as exc:  # the pool's task group failed: start a new one
+            except* Exception as group:  # the pool's task group failed: start a new one (``except*``: a failure as
+                # this task is cancelled comes in one group with the Cancelled, which goes on without it)
                 self._client = None
                 self._ready = trio.Event()
-                self.mark_down(self._shortage(exc) or f"{type(exc).__name__}: {exc}")
+                self.mark_down(self._shortage(group) or describe_error(group))
                 if not started:
                     started = True
                     task_status.started()
@@ -210,9 +211,9 @@ class RedisLink:
                 self.metrics.errors.labels(operation).inc()
                 if operation not in self._refusals_logged:
                     self._refusals_logged.add(operation)
-                    log.error("cluster state: Redis refused %s: %s (logged once)", operation, _describe(exc))
-                raise Unavailable(_describe(exc)) from None
-            self._failed(operation, self._shortage(exc) or _describe(exc))
+                    log.error("cluster state: Redis refused %s: %s (logged once)", operation, describe_error(exc))
+                raise Unavailable(describe_error(exc)) from None
+            self._failed(operation, self._shortage(exc) or describe_error(exc))
         self.mark_up()
         return result
 
@@ -273,8 +274,9 @@ def _is_refusal(exc: BaseException) -> bool:
     return isinstance(exc, ResponseError)
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
+    """``Type: message`` of ``exc`` (a group's first), for logs and /health, at most 300 characters."""
     if isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        return _describe(exc.exceptions[0])
+        return describe_error(exc.exceptions[0])
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}"[:300]

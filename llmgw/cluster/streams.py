@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, NamedTuple
 import trio
 
 from . import records
-from .link import BLOCK_MS, RedisLink, Unavailable, open_client
+from .link import BLOCK_MS, RedisLink, Unavailable, describe_error, open_client
 
 if TYPE_CHECKING:
     import coredis
@@ -133,25 +133,27 @@ class Doorbell:
                             changed = await self._pushed(connection)
                     finally:
                         connection.invalidate()
-            except Exception as exc:  # Redis away or restarted: the reader's own reads say so; rebuild
+            except* Exception as group:  # Redis away, restarted or refusing: the reader's own reads say so; rebuild
+                # (``except*``: the client's pool is a nursery, so an error that lands as this task is cancelled
+                # comes in one group with the Cancelled, which goes on; the error must not go with it)
                 failures += 1
-                self._failed(exc)
+                self._failed(group)
                 self._rung.set()
             await RedisLink.backoff(failures)
 
-    def _failed(self, exc: Exception) -> None:
+    def _failed(self, exc: ExceptionGroup[Exception]) -> None:
         from coredis.exceptions import ResponseError
 
-        refused = exc if isinstance(exc, ResponseError) else None
-        if isinstance(exc, BaseExceptionGroup):
-            refused = next((e for e in exc.exceptions if isinstance(e, ResponseError)), None)
+        refused: BaseException | None = exc.split(ResponseError)[0]
+        while isinstance(refused, BaseExceptionGroup):
+            refused = refused.exceptions[0]
         if refused is not None and not self._refusal_told:
             self._refusal_told = True
             log.warning("cluster state: Redis refused client tracking for stream %s (%s): it is read once a second "
                         "instead of as it changes (an ACL user needs CLIENT TRACKING; logged once)", self.key,
                         refused)
         else:
-            log.debug("cluster state: the doorbell of stream %s failed (%s: %s)", self.key, type(exc).__name__, exc)
+            log.debug("cluster state: the doorbell of stream %s failed (%s)", self.key, describe_error(exc))
 
     async def _request(self, connection: Any, *command: bytes | str) -> Any:
         with trio.fail_after(self.settings.timeout):
