@@ -251,6 +251,7 @@ class Agent:
         if reply.node_secret:
             self._save_secret(reply.node_secret)  # before any other message: that one tells it was kept
         self.heartbeat_interval = reply.heartbeat_interval
+        self.connector.heartbeat(reply.heartbeat_interval)  # its next dials wait as long as its heartbeat says
         self.connected = True
         self.sessions += 1
         self.announce(f"llmgw-agent {self.node_id} connected to {self.connector.url} "

@@ -6,7 +6,16 @@ cluster's lease (``llmgw:CLUSTER:leader``, set only if absent, with an expiry
 of ``state.lease_ttl``) every ``state.lease_renew``; the candidate that takes
 it draws the next number of the lease's generation counter (``INCR``) and
 holds a :class:`Term` until it cannot renew. The lease's value,
-``GENERATION ORIGIN CONTROL_URL``, is the term's fencing token.
+``GENERATION ORIGIN CONTROL_URL SIGNATURE`` (an HMAC of the rest with the
+cluster secret), is the term's fencing token.
+
+A lease not signed with the secret is no candidate's (anyone who can write
+to Redis could set one): the leader puts its own back over it at its next
+renewal or fenced write and keeps its term; a candidate replaces it once the
+last candidate's lease it read can have expired (at once when there is no
+leader). Either is a compare-and-set on the exact bad value's SHA-1 in Lua:
+the secret never goes to Redis, and a value of any size is read only in its
+first ``MAX_HOLDER_BYTES``.
 
 A term ends, on the leader's own clock, before its lease can have expired in
 Redis: the term's cancel scope has a deadline of the last successful renewal's
@@ -35,7 +44,7 @@ import trio
 
 from ..logfields import log_fields
 from .link import RedisLink, Unavailable
-from .records import Keys
+from .records import Keys, Signer
 
 if TYPE_CHECKING:
     from ..config.schema import StateConfig
@@ -43,29 +52,67 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_HOLDER_BYTES = 600  # a lease value read from Redis (to name the leader) is cut to this
+MAX_HOLDER_BYTES = 700  # a lease value read from Redis (to name the leader) is cut to this
 
-# A lease with no expiry, or with more left than ARGV[3] ms, was written by no candidate (anyone who can write to
-# Redis could, and no leader would ever be elected again): it is taken over, and named in the answer's third item.
+# The lease as a candidate sees it before standing: for the lease and the generation counter, the SHA-1 of the
+# value ('' when absent: what ACQUIRE compares, so no value of any size is sent back to Redis) and its first
+# ARGV[1] bytes (enough to check a lease's signature: a longer value is none); then the lease's PTTL.
+READ_LEASE = """
+local limit = tonumber(ARGV[1])
+local seen = {}
+for _, key in ipairs(KEYS) do
+  local value = redis.call('GET', key)
+  if value then
+    seen[#seen + 1] = redis.sha1hex(value)
+    seen[#seen + 1] = string.sub(value, 1, limit)
+  else
+    seen[#seen + 1] = ''
+    seen[#seen + 1] = ''
+  end
+end
+seen[#seen + 1] = redis.call('PTTL', KEYS[1])
+return seen
+"""
+
+# Take the lease as read (KEYS: the lease, the generation counter; ARGV: [1] the lease's SHA-1 as read ('' absent),
+# [2] '1' to replace it whatever its expiry (it is no candidate's: not signed with the cluster secret), [3] the
+# counter's SHA-1 as read, [4] the next generation, [5] the new lease, signed, [6] its ttl in ms, [7] the most ms a
+# candidate's lease has left). 1 when taken; 0 when either changed since it was read, or the lease stands.
+# A lease with no expiry, or with more left than ARGV[7] ms, was written by no candidate (anyone who can write to
+# Redis could, and no leader would ever be elected again): it is taken over too.
 ACQUIRE = """
 local current = redis.call('GET', KEYS[1])
-local replaced = false
-if current then
+if (current and redis.sha1hex(current) or '') ~= ARGV[1] then return 0 end
+local counter = redis.call('GET', KEYS[2])
+if (counter and redis.sha1hex(counter) or '') ~= ARGV[3] then return 0 end
+if current and ARGV[2] ~= '1' then
   local left = redis.call('PTTL', KEYS[1])
-  if left >= 0 and left <= tonumber(ARGV[3]) then return {0, current} end
-  replaced = current
+  if left >= 0 and left <= tonumber(ARGV[7]) then return 0 end
 end
-local generation = redis.call('INCR', KEYS[2])
-local value = generation .. ' ' .. ARGV[1]
-redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
-if replaced then return {generation, value, replaced} end
-return {generation, value}
+redis.call('SET', KEYS[2], ARGV[4])
+redis.call('SET', KEYS[1], ARGV[5], 'PX', ARGV[6])
+return 1
 """
 FOREIGN_LEASE_TTLS = 10  # a lease with more than this many of our lease_ttls left is no candidate's
 
+# 1 when the lease still holds the term's token (ARGV[1]) and was renewed; else {SHA-1, first ARGV[3] bytes} of
+# what it holds, or {} when it is gone.
 RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local current = redis.call('GET', KEYS[1])
+if current == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if not current then return {} end
+return {redis.sha1hex(current), string.sub(current, 1, tonumber(ARGV[3]))}
+"""
+
+# The leader puts its lease back over one no candidate wrote (compare-and-set on the SHA-1 of the exact bad value,
+# ARGV[1]; ARGV[2] the term's token, ARGV[3] its ttl): 1 when the lease is the term's again.
+RECLAIM = """
+local current = redis.call('GET', KEYS[1])
+if current == ARGV[2] or (current and redis.sha1hex(current) == ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
   return 1
 end
 return 0
@@ -124,29 +171,57 @@ class Term:
         return self.scope.cancel_called or trio.current_time() >= self.scope.deadline
 
 
-def lease_value(generation: int, origin: str, control_url: str) -> bytes:
-    return f"{generation} {origin} {control_url}".encode()
+def lease_value(generation: int, origin: str, control_url: str, signer: Signer | None = None) -> bytes:
+    """``GENERATION ORIGIN CONTROL_URL``, and with a cluster secret `` SIGNATURE`` (hex HMAC of the rest)."""
+    body = f"{generation} {origin} {control_url}".encode()
+    signature = (signer or Signer(None)).sign(b"lease", body)
+    return body + b" " + signature.hex().encode() if signature else body
 
 
-def parse_holder(raw: Any) -> dict[str, Any] | None:
-    """``{"generation", "origin", "control_url"}`` of a lease value read from Redis; None when it is not one."""
+def parse_holder(raw: Any, signer: Signer | None = None) -> dict[str, Any] | None:
+    """``{"generation", "origin", "control_url"}`` of a lease value read from Redis; None when it is not one, or
+    (with a cluster secret) not signed with it: a lease no candidate wrote."""
     if not isinstance(raw, bytes) or len(raw) > MAX_HOLDER_BYTES:
         return None
-    parts = raw.decode("utf-8", "replace").split(" ")
-    if len(parts) != 3 or not (parts[0].isascii() and parts[0].isdigit()):
+    signer = signer or Signer(None)
+    parts = raw.split(b" ")
+    if signer.secret is not None:
+        if len(parts) != 4:
+            return None
+        try:
+            signature = bytes.fromhex(parts.pop().decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            return None
+        if not signer.valid(signature, b"lease", b" ".join(parts)):
+            return None
+    texts = [part.decode("utf-8", "replace") for part in parts]
+    if len(texts) != 3 or not (texts[0].isascii() and texts[0].isdigit()) or len(texts[0]) > 15:
         return None
-    if not all(part.isascii() and part.isprintable() for part in parts[1:]):
+    if not all(text.isascii() and text.isprintable() for text in texts[1:]):
         return None  # it goes into an answer's header, and to agents
-    return {"generation": int(parts[0]), "origin": parts[1], "control_url": parts[2]}
+    return {"generation": int(texts[0]), "origin": texts[1], "control_url": texts[2]}
+
+
+def next_generation(counter: bytes, seen: int) -> int:
+    """The generation after the counter's (any value someone else wrote there counts as none), and after ``seen``."""
+    text = counter.decode("ascii", "replace")
+    drawn = int(text) if text.isascii() and text.isdigit() and len(text) <= 15 else 0
+    return max(drawn, seen) + 1
 
 
 class Election:
     """This candidate's campaign: take the lease when it is free, renew it while leading, end the term in time."""
 
     def __init__(self, link: RedisLink, keys: Keys, settings: "StateConfig", metrics: "ClusterMetrics",
-                 origin: str):
+                 origin: str, signer: Signer | None = None):
         self.link = link
         self.keys = keys
+        self.signer = signer or Signer(None)
+        self._generation = 0  # the highest generation seen in a candidate's lease
+        # Until when a candidate's lease may stand that this one did not see live (it read one, or just started):
+        # its holder may still lead, and puts its own lease back over a forged one first.
+        self._live_until = 0.0
+        self._forged_told: set[str] = set()  # the leases no candidate wrote that were logged (their SHA-1)
         self.ttl = settings.lease_ttl
         self.renew_every = settings.lease_renew
         self.margin = settings.lease_ttl / 4
@@ -224,7 +299,7 @@ class Election:
                 else:
                     await trio.sleep_until(min(term.scope.deadline, trio.current_time() + self.renew_every))
                     if not term.over:
-                        await self._renew(term)
+                        await self.keep(term)
         finally:
             if self.term is not None:
                 self.end_term("ended")
@@ -234,28 +309,47 @@ class Election:
 
     async def _stand(self) -> None:
         keys, origin = self.keys, self.origin
-        suffix = f"{origin} {self.control_url}"
         sent = trio.current_time()
+        if not self._live_until:
+            self._live_until = sent + self.ttl
+        timeout = min(self.link.settings.timeout, self.renew_every * 2)
         try:
-            answer = await self.link.call("lease_acquire", lambda client: client.eval(
-                ACQUIRE, keys=[keys.leader, keys.leader_generation],
-                args=[suffix, int(self.ttl * 1000), int(FOREIGN_LEASE_TTLS * self.ttl * 1000)]),
-                timeout=min(self.link.settings.timeout, self.renew_every * 2))
+            seen: Any = await self.link.call("lease_acquire", lambda client: client.eval(
+                READ_LEASE, keys=[keys.leader, keys.leader_generation], args=[MAX_HOLDER_BYTES + 1]), timeout=timeout)
+            lease_sha, lease, counter_sha, counter, left = seen
         except Unavailable:
             self.holder = None  # while Redis is away there is no leader anyone can trust
             return
-        if not isinstance(answer, list) or len(answer) not in (2, 3) or not isinstance(answer[1], bytes):
-            log.error("cluster leader: the lease script answered %.200r; standing again later", answer)
+        except (TypeError, ValueError):
+            log.error("cluster leader: the lease script answered %.200r; standing again later", seen)
             return
-        if len(answer) == 3:
-            self.metrics.bad_records.labels("lease").inc()
-            log.warning("cluster leader: the lease held %.200r with no expiry or more than %d lease_ttls left, "
-                        "which no candidate writes: %s took it over (someone else writes to this cluster's Redis "
-                        "keys)", answer[2], FOREIGN_LEASE_TTLS, origin)
-        generation, value = int(answer[0]), answer[1]
-        self.holder = parse_holder(value)
-        if not generation:
+        holder = parse_holder(lease, self.signer) if lease_sha else None
+        if holder is not None:
+            self._generation = max(self._generation, holder["generation"])
+            if 0 <= left <= FOREIGN_LEASE_TTLS * self.ttl * 1000:
+                self.holder = holder
+                self._live_until = sent + left / 1000
+                return  # a candidate's lease, live: it leads
+        elif lease_sha and sent < self._live_until:
+            return  # a forged lease over a live leader's: it puts its own back at its next renewal
+        generation = next_generation(counter, self._generation)
+        value = lease_value(generation, origin, self.control_url, self.signer)
+        try:
+            taken = await self.link.call("lease_acquire", lambda client: client.eval(
+                ACQUIRE, keys=[keys.leader, keys.leader_generation],
+                args=[lease_sha, "1" if lease_sha and holder is None else "", counter_sha, generation, value,
+                      int(self.ttl * 1000), int(FOREIGN_LEASE_TTLS * self.ttl * 1000)]), timeout=timeout)
+        except Unavailable:
+            self.holder = None
             return
+        if taken != 1:
+            self.holder = holder
+            return  # it changed since it was read: read again at the next round
+        if lease_sha:
+            self._replaced(lease_sha, lease, "with no expiry or more than %d lease_ttls left" % FOREIGN_LEASE_TTLS
+                           if holder is not None else "not signed with the cluster secret", "took it over")
+        self._generation = generation
+        self.holder = parse_holder(value, self.signer)
         self.term = Term(generation, value, trio.CancelScope(deadline=sent + self.ttl - self.margin))
         self.metrics.leader.set(1)
         self.metrics.elections.inc()
@@ -264,22 +358,48 @@ class Election:
                     origin, generation, extra=log_fields(term=generation, leader=origin))
         self._elected.set()
 
-    async def _renew(self, term: Term) -> None:
+    def _replaced(self, sha: bytes, value: bytes, why: str, done: str) -> None:
+        """A lease no candidate wrote was replaced: counted, and logged once per value."""
+        self.metrics.bad_records.labels("lease").inc()
+        key = sha.decode("ascii", "replace")
+        if key in self._forged_told:
+            return
+        if len(self._forged_told) >= 1024:
+            self._forged_told.clear()
+        self._forged_told.add(key)
+        log.warning("cluster leader: the lease held %.200r, %s, which no candidate writes: %s %s (someone else "
+                    "writes to this cluster's Redis keys; logged once per value)", value, why, self.origin, done)
+
+    async def keep(self, term: Term) -> bool:
+        """Renew ``term``'s lease: True when it holds the term's token again (renewed, or put back over a value no
+        candidate wrote: a forged lease does not end a term); a lease taken by a candidate, or gone, ends the term.
+        Redis failing leaves it to the term's deadline."""
         keys = self.keys
         sent = trio.current_time()
         remaining = term.scope.deadline - sent
+        timeout = max(0.01, min(self.link.settings.timeout, remaining))
         try:
-            renewed = await self.link.call("lease_renew", lambda client: client.eval(
-                RENEW, keys=[keys.leader], args=[term.token, int(self.ttl * 1000)]),
-                timeout=max(0.01, min(self.link.settings.timeout, remaining)))
+            answer: Any = await self.link.call("lease_renew", lambda client: client.eval(
+                RENEW, keys=[keys.leader], args=[term.token, int(self.ttl * 1000), MAX_HOLDER_BYTES + 1]),
+                timeout=timeout)
+            if answer != 1 and isinstance(answer, list) and len(answer) == 2 and \
+                    parse_holder(answer[1], self.signer) is None:
+                reclaimed = await self.link.call("lease_renew", lambda client: client.eval(
+                    RECLAIM, keys=[keys.leader], args=[answer[0], term.token, int(self.ttl * 1000)]),
+                    timeout=timeout)
+                if reclaimed == 1:
+                    self._replaced(answer[0], answer[1], "not signed with the cluster secret",
+                                   f"put its lease of term {term.generation} back")
+                    answer = 1
         except Unavailable:
-            return  # tried again at the next renewal; the term's deadline ends it if none succeeds
+            return False  # tried again at the next renewal; the term's deadline ends it if none succeeds
         if self.term is not term:
-            return
-        if renewed:
+            return False
+        if answer == 1:
             term.scope.deadline = sent + self.ttl - self.margin
-        else:
-            self.end_term("taken", term)
+            return True
+        self.end_term("taken", term)
+        return False
 
     async def _release(self, term: Term) -> None:
         keys = self.keys
@@ -302,9 +422,10 @@ class LeaderWatch:
     """Who leads, for a process that does not stand (``--role gateway``): the lease read every ``lease_renew``,
     so its ``/health`` and an agent it refuses name the leader as a candidate's do."""
 
-    def __init__(self, link: RedisLink, keys: Keys, settings: "StateConfig"):
+    def __init__(self, link: RedisLink, keys: Keys, settings: "StateConfig", signer: Signer | None = None):
         self.link = link
         self.keys = keys
+        self.signer = signer or Signer(None)
         self.every = settings.lease_renew
         self.holder: dict[str, Any] | None = None
 
@@ -313,11 +434,11 @@ class LeaderWatch:
         lease = self.keys.leader
         while True:
             try:
-                raw = await self.link.call("lease_read", lambda client: client.get(lease))
+                raw = await self.link.call("lease_read", lambda client: client.getrange(lease, 0, MAX_HOLDER_BYTES))
             except Unavailable:
                 self.holder = None  # while Redis is away there is no leader anyone can trust
             else:
-                self.holder = parse_holder(raw)
+                self.holder = parse_holder(raw or None, self.signer)
             await trio.sleep(self.every)
 
     def describe(self) -> dict[str, Any]:
@@ -345,6 +466,10 @@ class Fence:
         lease = self.keys.leader
         answer = await self.link.call(operation, lambda client: client.eval(FENCED, keys=[lease], args=args),
                                       timeout=timeout)
+        if not isinstance(answer, list) and await self.election.keep(self.term):
+            # A lease no candidate wrote was in the term's place, and the term's is back: once more.
+            answer = await self.link.call(operation, lambda client: client.eval(FENCED, keys=[lease], args=args),
+                                          timeout=timeout)
         if not isinstance(answer, list):  # 0: the lease is not this term's
             self.metrics.fenced_writes.inc()
             self.election.end_term("fenced", self.term)

@@ -1,8 +1,9 @@
 """A gateway's side of the shared state: its replica table and KV index follow the control plane's, through Redis.
 
 :class:`LogFollower` loads the newest snapshot, then applies the log's
-batches after it as they come (a blocking stream read: a change is visible
-here a few milliseconds after the control plane wrote it). It loads the
+batches after it as they come (a read bounded by bytes, woken by Redis's
+client tracking: :mod:`.streams`; a change is visible here a few
+milliseconds after the control plane wrote it). It loads the
 snapshot again when the batches jump (a batch was lost, or the stream was
 trimmed past what it read), when another writer appears (the control plane
 restarted: its first snapshot comes before its first batch), or after Redis
@@ -23,17 +24,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import trio
 
 from ..control.tasks import TaskHost
-from ..kv.changes import BlockChanges, KvChangeKind, unusable_keys_reason
+from ..kv.changes import BlockChanges, ChangesFields, KvChangeKind, sliced, unusable_keys_reason
 from ..router.model import TierModel
 from ..router.replica import Replica, ReplicaState
 from . import records
 from .link import BLOCK_MS, RedisLink, Unavailable
 from .records import Keys, RecordError, ReplicaRecord
+from .streams import Doorbell, read_bounded
 from .writer import replica_record
 
 if TYPE_CHECKING:
@@ -45,9 +47,32 @@ log = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT = 600.0
 BATCHES_PER_READ = 256
+KEYS_PER_SLICE = 16_384  # a KV change is applied this many keys at a time, the loop served in between
+INLINE_BYTES = 1 << 20  # a record larger than this is checked and decoded in a worker thread: the loop goes on
+T = TypeVar("T")
 SNAPSHOT_UNUSABLE_KEYS = ("the engine's block keys cannot match the router's (read from the cluster's snapshot; "
                           "the control plane's /admin/kv says why and the fix)")
 ReplicaFactory = Callable[[ReplicaRecord], Replica]
+# KEYS: a snapshot's parts; ARGV: the most bytes and block keys a part may have (its msgpack array's header says
+# how many). Their values (nil if missing), or the 1-based position of the first one that is larger: never sent.
+READ_PARTS = """
+local max_bytes, max_keys = tonumber(ARGV[1]), tonumber(ARGV[2])
+for i, key in ipairs(KEYS) do
+  if redis.call('STRLEN', key) > max_bytes then return i end
+  local head = redis.call('GETRANGE', key, 0, 4)
+  local kind, count = string.byte(head, 1), 0
+  if kind == 0xdc and #head >= 3 then
+    count = string.byte(head, 2) * 256 + string.byte(head, 3)
+  elseif kind == 0xdd and #head >= 5 then
+    local b1, b2, b3, b4 = string.byte(head, 2, 5)
+    count = ((b1 * 256 + b2) * 256 + b3) * 256 + b4
+  end
+  if count > max_keys then return i end
+end
+local values = {}
+for i, key in ipairs(KEYS) do values[i] = redis.call('GET', key) end
+return values
+"""
 
 
 class FollowedReplicas(TaskHost):
@@ -218,22 +243,33 @@ class LogFollower:
         self.wanted: tuple[str, int] | None = None
         self.wanted_until = 0.0
         self._unsigned_told = False
+        self._decoding = trio.CapacityLimiter(1)
+        self._doorbell = Doorbell(link.settings, keys.log)  # one for every run: a refusal is told once a process
+
+    async def _off_loop(self, size: int, work: Callable[[], T]) -> T:
+        """``work()`` (checking and decoding ``size`` bytes of a record): in a worker thread when they are many."""
+        if size <= INLINE_BYTES:
+            return work()
+        return await trio.to_thread.run_sync(work, limiter=self._decoding)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         failures = 0
-        while True:
-            try:
-                if self.snapshot_reason:
-                    if not await self._load_snapshot():
-                        await trio.sleep(0.2)  # none yet (a new cluster, or its writer has not settled)
-                        continue
-                await self._read()
-                failures = 0
-            except Unavailable:
-                failures += 1
-                self.snapshot_reason = self.snapshot_reason or "redis_outage"
-                await self.link.backoff(failures)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._doorbell.run)
+            while True:
+                try:
+                    if self.snapshot_reason:
+                        if not await self._load_snapshot():
+                            await trio.sleep(0.2)  # none yet (a new cluster, or its writer has not settled)
+                            continue
+                    if not await self._read():
+                        await self._doorbell.wait(BLOCK_MS / 1000)
+                    failures = 0
+                except Unavailable:
+                    failures += 1
+                    self.snapshot_reason = self.snapshot_reason or "redis_outage"
+                    await self.link.backoff(failures)
 
     def restart(self) -> None:
         """Follow again from the newest snapshot (this process led for a while: what it read is stale)."""
@@ -252,19 +288,11 @@ class LogFollower:
         can write nothing more: its writes are fenced), so this copy is its last state exactly; the position to
         continue its log from (:meth:`position`), or None when that state is not known here (a snapshot was due,
         Redis failed, or the log took longer than ``timeout`` to read)."""
-        log_key = self.keys.log
         with trio.move_on_after(timeout):
             try:
                 while self.position() is not None:
-                    stream_id = self.stream_id
-                    answer = await self.link.call("log_read", lambda client: client.xread(
-                        {log_key: stream_id}, count=BATCHES_PER_READ), timeout=timeout)
-                    entries = [entry for _, items in (answer or {}).items() for entry in items]
-                    if not entries:
+                    if not await self._read():
                         return self.position()
-                    for entry in entries:
-                        if not self._apply_batch(records.entry_id(entry.identifier), entry.field_values):
-                            return None
             except Unavailable:
                 return None
         return None
@@ -302,14 +330,11 @@ class LogFollower:
                 raise RecordError("the snapshot's signature is not the cluster secret's")
             meta = records.decode_snapshot_meta(meta_raw, keys, pointer)
             names = list(meta.parts)
-            raws = await self.link.call("snapshot_read", lambda client: client.mget([meta.parts[n] for n in names])) \
-                if names else []
+            raws = await self._read_parts([meta.parts[n] for n in names]) if names else []
             if any(part is None for part in raws):
                 return False
-            if self.signer.secret is not None and any(records.part_digest(raw or b"") != meta.digests[name]
-                                                      for name, raw in zip(names, raws)):
-                raise RecordError("a snapshot part is not the one its signed meta names")
-            parts = {name: records.decode_keys(part) for name, part in zip(names, raws)}
+            parts = await self._off_loop(sum(len(raw or b"") for raw in raws),
+                                         lambda: self._decode_parts(meta, names, raws))
         except RecordError as exc:
             self.metrics.bad_records.labels("snapshot").inc()
             log.error("cluster state: the snapshot in Redis cannot be read (%s); keeping the current state and "
@@ -328,44 +353,78 @@ class LogFollower:
         self.loaded.set()
         return True
 
+    def _decode_parts(self, meta: records.SnapshotMeta, names: list[str], raws: list[bytes | None]
+                      ) -> dict[str, list[int]]:
+        """The parts' block keys by replica, each checked against the digest its signed meta names."""
+        if self.signer.secret is not None and any(records.part_digest(raw or b"") != meta.digests[name]
+                                                  for name, raw in zip(names, raws)):
+            raise RecordError("a snapshot part is not the one its signed meta names")
+        return {name: records.decode_keys(part) for name, part in zip(names, raws)}
+
+    async def _read_parts(self, part_keys: list[str]) -> list[bytes | None]:
+        """The parts' values (None for a missing one), read only when each is at most ``MAX_PART_BYTES``: a larger
+        one (more block keys than a writer puts in a part) never leaves Redis, and is a :class:`RecordError`."""
+        answer: Any = await self.link.call("snapshot_read", lambda client: client.eval(
+            READ_PARTS, keys=part_keys, args=[records.MAX_PART_BYTES, records.MAX_PART_KEYS]))
+        if isinstance(answer, int):
+            raise RecordError(f"snapshot part {part_keys[answer - 1]} is larger than a writer writes "
+                              f"({records.MAX_PART_KEYS} block keys, {records.MAX_PART_BYTES} bytes)")
+        if not isinstance(answer, list) or len(answer) != len(part_keys) or \
+                not all(part is None or isinstance(part, bytes) for part in answer):
+            raise RecordError("the snapshot's parts could not be read")
+        return answer
+
     async def _replace_kv(self, states: dict[str, tuple[str, int]], parts: dict[str, list[int]]) -> None:
-        """The index made the snapshot's: one replica at a time, the loop served in between (a snapshot of many
-        large replicas does not stall it)."""
+        """The index made the snapshot's, ``KEYS_PER_SLICE`` keys at a time with the loop served in between (a
+        snapshot of many or large replicas does not stall it)."""
         index = self.kv_index
         routed = self.followed.followed
         states = {name: state for name, state in states.items() if name in routed}  # as the log's kv changes
         for name in index.replicas():
             if name not in states:
                 index.remove(name)
+        budget = KEYS_PER_SLICE
         for name, (state, block_size) in states.items():
-            await trio.lowlevel.checkpoint()
             if state == "no_events":
                 index.forget(name)
             elif state == "resetting":
                 index.apply(name, BlockChanges(KvChangeKind.RESET, block_size, reason="reset (from the snapshot)"))
             elif state == "unusable_keys":  # the snapshot keeps no problem text: the control plane's has it
-                index.apply(name, BlockChanges(KvChangeKind.FULL, block_size, parts.get(name, []),
-                                               reason=unusable_keys_reason(SNAPSHOT_UNUSABLE_KEYS)))
+                budget = await self._apply_kv(name, BlockChanges(KvChangeKind.FULL, block_size, parts.get(name, []),
+                                                                 reason=unusable_keys_reason(SNAPSHOT_UNUSABLE_KEYS)),
+                                              budget)
             else:  # healthy, or suspect on the control plane (its owner is resyncing it)
-                index.apply(name, BlockChanges(KvChangeKind.FULL, block_size, parts.get(name, [])))
+                budget = await self._apply_kv(name, BlockChanges(KvChangeKind.FULL, block_size, parts.get(name, [])),
+                                              budget)
+            budget -= 1
+            if budget <= 0:
+                await trio.lowlevel.checkpoint()
+                budget = KEYS_PER_SLICE
 
     # -- the log ---------------------------------------------------------------------------------------------------
 
-    async def _read(self) -> None:
-        log_key = self.keys.log
-        stream_id = self.stream_id
-        answer = await self.link.call(
-            "log_read", lambda client: client.xread({log_key: stream_id}, count=BATCHES_PER_READ, block=BLOCK_MS),
-            timeout=self.link.settings.timeout + BLOCK_MS / 1000)
-        if not answer:
-            return
-        for _, entries in answer.items():
-            for entry in entries:
-                if not self._apply_batch(records.entry_id(entry.identifier), entry.field_values):
-                    return
+    async def _read(self) -> bool:
+        """Apply the batches after the last one applied, a read's worth; whether there was any. Read by bytes: an
+        entry larger than a writer writes (``LOG_BATCH_BYTES``) never leaves Redis, and is stepped over (counted;
+        had a writer written it, the gap after it makes this follower load the snapshot)."""
+        read = await read_bounded(self.link, "log_read", self.keys.log, self.stream_id, BATCHES_PER_READ,
+                                  records.LOG_BATCH_BYTES + records.ENTRY_FIELDS_BYTES)
+        for identifier, fields in zip(read.ids, read.entries):
+            if not await self._apply_batch(identifier, fields):
+                return True
+        if read.oversized:
+            self.metrics.bad_records.labels("log").inc(read.oversized)
+            if not self._unsigned_told:
+                self._unsigned_told = True
+                log.warning("cluster state: a log entry larger than a writer writes was skipped unread: someone else "
+                            "writes to this cluster's Redis keys (logged once)")
+            self.stream_id = read.last
+        return bool(read.ids) or bool(read.oversized)
 
-    def _apply_batch(self, identifier: bytes, fields: Any) -> bool:
-        """Apply one log batch; False when the follower must load a snapshot first."""
+    async def _apply_batch(self, identifier: bytes, fields: Any) -> bool:
+        """Apply one log batch; False when the follower must load a snapshot first. Its KV changes go into the index
+        ``KEYS_PER_SLICE`` keys at a time with the loop served in between (a batch of many keys never stalls it);
+        the table's changes between two of those steps, each whole."""
         values = dict(records.iter_fields(fields))
         try:
             writer = values["w"].decode()
@@ -378,7 +437,8 @@ class LogFollower:
         signed = [values["w"], values["n"], values.get("t", b""), values.get("e", b"")]
         if "c" in values:
             signed.append(values["c"])
-        if not self.signer.valid(values.get("s"), *signed):
+        size = sum(len(part) if isinstance(part, bytes) else 0 for part in signed)
+        if not await self._off_loop(size, lambda: self.signer.valid(values.get("s"), *signed)):
             self.metrics.bad_records.labels("log").inc()
             if not self._unsigned_told:
                 self._unsigned_told = True
@@ -402,23 +462,42 @@ class LogFollower:
             self._want("gap", writer, seq - 1)  # one that covers the lost batches
             return False
         try:
-            batch = records.decode_batch(values.get("e"))
+            batch = await self._off_loop(size, lambda: records.decode_batch(values.get("e")))
         except RecordError as exc:
             self.metrics.bad_records.labels("log").inc()
             log.error("cluster state: log batch %d cannot be read (%s); loading the snapshot", seq, exc)
             self._want("bad_batch", writer, seq)
             return False
-        for entry in batch:
-            try:
-                self._apply(entry)
-            except Exception:  # one entry this gateway cannot apply must not stop it following the others
-                self.metrics.bad_records.labels("log").inc()
-                log.exception("cluster state: a %s change of batch %d could not be applied; skipped", entry[0], seq)
-        self.seq, self.stream_id = seq, identifier
+        budget = KEYS_PER_SLICE
+        with trio.CancelScope(shield=True):  # a batch is applied whole, then its place noted: never half of it
+            for entry in batch:
+                try:
+                    if entry[0] == records.KV and entry[1] in self.followed.followed:
+                        self.metrics.entries.labels("applied", records.KV).inc()
+                        budget = await self._apply_kv(entry[1], entry[2], budget)
+                    else:
+                        self._apply(entry)
+                except Exception:  # one entry this gateway cannot apply must not stop it following the others
+                    self.metrics.bad_records.labels("log").inc()
+                    log.exception("cluster state: a %s change of batch %d could not be applied; skipped", entry[0],
+                                  seq)
+            self.seq, self.stream_id = seq, identifier
         self.metrics.batches.labels("applied").inc()
         if written_ms:
             self.metrics.log_delay.observe(max(0.0, time.time() - written_ms / 1000))
         return True
+
+    async def _apply_kv(self, name: str, changes: ChangesFields, budget: int) -> int:
+        """Apply one replica's KV change a slice at a time, with a checkpoint whenever ``budget`` keys were applied
+        since the last one; what is left of the budget."""
+        for part in sliced(changes, KEYS_PER_SLICE):
+            size = len(part.stored) + len(part.removed)
+            if size > budget:
+                await trio.lowlevel.checkpoint()
+                budget = KEYS_PER_SLICE
+            self.kv_index.apply(name, part)
+            budget -= size
+        return budget
 
     def _want(self, reason: str, writer: str, seq: int) -> None:
         """Load the snapshot of ``writer`` at ``seq`` or later next; should none come within a few snapshot

@@ -37,6 +37,7 @@ from . import records
 from .link import RedisLink
 from .outbox import Outbox, opened
 from .records import Keys
+from .streams import follow_stream
 
 if TYPE_CHECKING:
     from ..kv.index import KvIndex
@@ -108,7 +109,9 @@ class PredictionSharing:
     # -- the others' predictions -----------------------------------------------------------------------------------
 
     async def _receive(self) -> None:
-        await self.link.follow_stream("learn_read", self.keys.learn, self.take_batches, ENTRIES_PER_READ)
+        await follow_stream(self.link, "learn_read", self.keys.learn, self.take_batches, stream="learn",
+                            max_bytes=lambda: records.LEARN_MAX_BYTES + records.ENTRY_FIELDS_BYTES,
+                            count=ENTRIES_PER_READ)
 
     async def take_batches(self, batches: list[dict[str, Any]]) -> None:
         for fields in batches:

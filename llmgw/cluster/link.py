@@ -8,8 +8,8 @@ deadline; a failure of any call marks the link *degraded* (one WARNING line,
 :class:`Unavailable` to the caller, which keeps working on what it has (the
 hot path never calls Redis at all). The first call that succeeds again marks
 it healthy (one INFO line). Callers retry with :meth:`RedisLink.backoff`.
-:meth:`RedisLink.add_to_stream` and :meth:`RedisLink.follow_stream` are the
-writes and blocking reads of the short-lived streams (load, predictions).
+:meth:`RedisLink.add_to_stream` writes the short-lived streams (load, predictions;
+:mod:`.streams` reads them).
 
 A call that fails because this process is out of file descriptors is the
 same degraded state, its reason saying so (and counted in
@@ -41,7 +41,6 @@ import trio
 
 from ..fdpressure import capacity_errno, note_shortage
 from ..tls import TlsClientOptions, client_context
-from . import records
 
 if TYPE_CHECKING:
     import coredis
@@ -205,10 +204,11 @@ class RedisLink:
                 self._client, self._ready, self._recycle = None, trio.Event(), trio.Event()
                 delay = 0.2
                 continue
-            except (ssl.SSLError, OSError, Exception) as exc:  # the pool's task group failed: start a new one
+            except* Exception as group:  # the pool's task group failed: start a new one (``except*``: a failure as
+                # this task is cancelled comes in one group with the Cancelled, which goes on without it)
                 self._client = None
                 self._ready = trio.Event()
-                self.mark_down(self._shortage(exc) or f"{type(exc).__name__}: {exc}")
+                self.mark_down(self._shortage(group) or describe_error(group))
                 if not started:
                     started = True
                     task_status.started()
@@ -239,9 +239,9 @@ class RedisLink:
                 self.metrics.errors.labels(operation).inc()
                 if operation not in self._refusals_logged:
                     self._refusals_logged.add(operation)
-                    log.error("cluster state: Redis refused %s: %s (logged once)", operation, _describe(exc))
-                raise Unavailable(_describe(exc)) from None
-            self._failed(operation, self._shortage(exc) or _describe(exc))
+                    log.error("cluster state: Redis refused %s: %s (logged once)", operation, describe_error(exc))
+                raise Unavailable(describe_error(exc)) from None
+            self._failed(operation, self._shortage(exc) or describe_error(exc))
         finally:
             if not answered:  # failed or cancelled: the only calls that lose a pool slot
                 self._check_pool(client)
@@ -304,36 +304,6 @@ class RedisLink:
 
         return await self.call(operation, add)
 
-    async def follow_stream(self, operation: str, key: str,
-                            take: Callable[[list[dict[str, Any]]], Awaitable[None] | None], count: int = 1000) -> None:
-        """Forever: hand ``take`` the fields of each read's entries (at most ``count``) added to stream ``key`` from
-        now on (blocking reads, each with a deadline; an async ``take`` is awaited before the next read, so it can
-        apply a large entry in slices). After a failure, and the backoff, only what is new again counts: what
-        these streams carry is short-lived."""
-        stream_id = b"$"
-        failures = 0
-        while True:
-            since = stream_id
-            try:
-                answer = await self.call(operation, lambda client: client.xread({key: since}, count=count,
-                                                                                block=BLOCK_MS),
-                                         timeout=self.settings.timeout + BLOCK_MS / 1000)
-            except Unavailable:
-                failures += 1
-                stream_id = b"$"
-                await self.backoff(failures)
-                continue
-            failures = 0
-            batch = []
-            for _, entries in (answer or {}).items():
-                for entry in entries:
-                    stream_id = records.entry_id(entry.identifier)
-                    batch.append(dict(records.iter_fields(entry.field_values)))
-            if batch:
-                taken = take(batch)
-                if taken is not None:
-                    await taken
-
     @staticmethod
     async def backoff(attempt: int) -> None:
         """Sleep before retry number ``attempt`` (0.1 s doubling to 2 s): Redis's return is noticed quickly."""
@@ -347,8 +317,9 @@ def _is_refusal(exc: BaseException) -> bool:
     return isinstance(exc, ResponseError)
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
+    """``Type: message`` of ``exc`` (a group's first), for logs and /health, at most 300 characters."""
     if isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        return _describe(exc.exceptions[0])
+        return describe_error(exc.exceptions[0])
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}"[:300]

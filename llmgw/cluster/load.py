@@ -26,6 +26,7 @@ import trio
 from . import records
 from .link import RedisLink, Unavailable
 from .records import LOAD_FIGURES as FIGURES, Keys, Load, RecordError
+from .streams import follow_stream
 
 if TYPE_CHECKING:
     from ..config.schema import StateConfig
@@ -123,7 +124,8 @@ class LoadSharing:
     # -- the others' load ------------------------------------------------------------------------------------------
 
     async def _receive(self) -> None:
-        await self.link.follow_stream("load_read", self.keys.load, self.take_reports)
+        await follow_stream(self.link, "load_read", self.keys.load, self.take_reports, stream="load",
+                            max_bytes=lambda: records.load_report_bytes(self.limits()) + records.ENTRY_FIELDS_BYTES)
 
     def take_reports(self, reports: list[dict[str, Any]]) -> None:
         """One read's reports: recorded, and applied when another gateway's were among them."""

@@ -57,6 +57,7 @@ KV, KV_FORGET, KV_DROP = "kv", "kv_forget", "kv_drop"
 ENTRY_KINDS = (MODEL, UNMODEL, ADD, DRAIN, REMOVE, KV, KV_FORGET, KV_DROP)
 
 MAX_RECORD_BYTES = 512 * 1024 * 1024  # Redis's own limit of one value
+LOG_BATCH_BYTES = 32 * 1024 * 1024  # a log batch a writer writes, at most (an entry larger alone: no reader takes it)
 MAX_ARRAY = 50_000_000  # block keys of one replica's snapshot part, or of one batch
 MAX_NAME = 1024  # replica, model and source names, reasons
 # What one sender of the learn stream buffers between two sends (llmgw.cluster.learn): a batch holds no more.
@@ -69,6 +70,8 @@ MAX_QUEUED_MS = 600_000  # the age of a load report's oldest queued request, at 
 MAX_LOAD_BYTES = 16 * 1024 * 1024  # one load report's array
 MAX_SNAPSHOT_REPLICAS = 100_000  # replicas (and so KV parts) in one snapshot
 MAX_SNAPSHOT_MODELS = 100_000
+MAX_PART_KEYS = 1 << 22  # block keys of one replica in a snapshot (a writer clamps to it: llmgw.cluster.writer)
+MAX_PART_BYTES = MAX_PART_KEYS * 9 + 5  # its part, msgpack, at most
 MAX_BLOCK_SIZE = 1 << 20
 MAX_WALL_MS = 1 << 53  # a wall clock in ms (year 287 396)
 INT64 = (-(1 << 63), (1 << 64) - 1)  # block keys are signed or unsigned 64-bit ints
@@ -309,6 +312,20 @@ def decode_learn_batch(raw: object, ttl_limit_ms: int = MAX_LEARNED_TTL_MS) -> l
 MAX_TIER_ITEMS = 4096  # tier learning items a sender buffers (llmgw.cluster.tier_learning): one batch holds no more
 MAX_TIER_TEXT = 65_536  # characters of one string in a tier's payload (a routed prompt prefix)
 MAX_TIER_PAYLOAD = 16  # values in one payload
+MAX_TIER_BATCH_BYTES = 8 * 1024 * 1024  # what a sender's buffered items may weigh (tier_item_bytes), at most
+
+
+def tier_item_bytes(item: list[Any]) -> int:
+    """An upper bound of ``[model, kind, payload]``'s msgpack size (what a sender's buffer counts)."""
+    model, kind, payload = item
+    size = 16 + _utf8_bytes(model) + _utf8_bytes(kind)
+    for value in payload:
+        size += 9 + (_utf8_bytes(value) if isinstance(value, str) else 0)
+    return size
+
+
+def _utf8_bytes(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 def decode_tier_batch(raw: object) -> list[tuple[str, str, list[Any]]]:
@@ -335,8 +352,8 @@ def _int(value: Any, low: int, high: int) -> int:
 
 
 def decode_keys(raw: object) -> list[int]:
-    """A snapshot part: one replica's block keys."""
-    return _keys(unpack(raw))
+    """A snapshot part: one replica's block keys, at most ``MAX_PART_KEYS`` (refused before anything is built)."""
+    return _keys(unpack(raw, MAX_PART_BYTES, MAX_PART_KEYS))
 
 
 class SnapshotPointer(NamedTuple):
@@ -447,6 +464,9 @@ MAX_LOAD_ORIGINS = 256  # other processes' reports kept at once (a cluster has a
 Load = dict[str, tuple[int, ...]]
 
 
+LOAD_ITEM_BYTES = 3 + 4 * MAX_NAME + 1 + LOAD_FIGURES * 9  # one replica of a load report, msgpack, at most
+
+
 class LoadLimits(NamedTuple):
     """What a reader takes of a load report: its own replicas only, a report's life at most its ``load_ttl``,
     in-flight and queued requests at most what one gateway can hold (its ``max_connections``). A report lists at
@@ -465,6 +485,11 @@ def load_limits(known: frozenset[str], ttl: float, requests: int) -> LoadLimits:
     return LoadLimits(known, ttl, requests, min(max(REPORT_REPLICAS_FLOOR, 2 * len(known)), MAX_REPLICAS_PER_REPORT))
 
 
+def load_report_bytes(limits: LoadLimits) -> int:
+    """The largest load report's array a sender of a reader with ``limits`` writes (larger ones stay in Redis)."""
+    return min(limits.replicas * LOAD_ITEM_BYTES + 8, MAX_LOAD_BYTES)
+
+
 def decode_load_report(fields: dict[str, Any], limits: LoadLimits) -> tuple[str, float, Load]:
     """A ``load`` stream entry's ``(origin, ttl in s, {replica: figures})``: ``o`` the origin, ``x`` its time to
     live in ms, ``l`` an array of ``[name, requests, tokens, queued tokens, queued requests, ms since the oldest
@@ -474,7 +499,7 @@ def decode_load_report(fields: dict[str, Any], limits: LoadLimits) -> tuple[str,
         ttl = min(max(int(fields["x"]), 0) / 1000, limits.ttl)
     except (KeyError, ValueError, TypeError, AttributeError, UnicodeDecodeError):
         raise RecordError("a load report needs an origin (o) and a time to live in ms (x)") from None
-    items = unpack(fields.get("l"), MAX_LOAD_BYTES, limits.replicas)
+    items = unpack(fields.get("l"), load_report_bytes(limits), limits.replicas)
     if not isinstance(items, list):
         raise RecordError(f"a load report is an array of at most {limits.replicas} replicas")
     load: Load = {}
@@ -486,6 +511,11 @@ def decode_load_report(fields: dict[str, Any], limits: LoadLimits) -> tuple[str,
         if item[0] in limits.known:
             load[item[0]] = tuple(max(0, min(n, cap)) for n, cap in zip(item[1:], caps))
     return origin, ttl, load
+
+
+# What the fields of one stream entry weigh besides its batch, at most: the names, an origin, a signature, a ttl.
+ENTRY_FIELDS_BYTES = 1024
+MAX_ASK_BYTES = 16 * 1024  # a resync ask: ["resync", replica, mode, reason], its reason cut to MAX_NAME characters
 
 
 class Signer:

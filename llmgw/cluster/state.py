@@ -45,6 +45,7 @@ from .link import RedisLink, Unavailable, cluster_secret
 from .load import LoadSharing
 from .metrics import ClusterMetrics
 from .records import Keys, ReplicaRecord
+from .streams import follow_stream
 from .term import LeaderTerm
 from .tier_learning import TierLearning
 from .writer import LogWriter, PublishedKv, PublishedReplicaTable
@@ -95,9 +96,9 @@ class SharedState:
         # it leads it writes instead (a writer, and the published table and index, for each term).
         self.followed = FollowedReplicas(replicas, ReplicaBuilder(lambda: self.config, registry))
         self.follower = LogFollower(self.link, self.keys, self.followed, kv_index, self.metrics, self.signer)
-        self.election = Election(self.link, self.keys, self.settings, self.metrics, self.origin) \
+        self.election = Election(self.link, self.keys, self.settings, self.metrics, self.origin, self.signer) \
             if role == CONTROL else None
-        self.leader_watch = LeaderWatch(self.link, self.keys, self.settings) if role == GATEWAY else None
+        self.leader_watch = LeaderWatch(self.link, self.keys, self.settings, self.signer) if role == GATEWAY else None
         self.identities = SharedIdentities(self.link, self.keys, self.signer, self.metrics)
         self._term: LeaderTerm | None = None
         kv_index.add_resync_listener(self._ask_resync)
@@ -241,7 +242,7 @@ class SharedState:
 
     async def wait_for_replica(self, model: str, poll: float = 0.05) -> bool:
         """A request that found no replica at start waits for the first snapshot (gateway role)."""
-        return bool(await self.wait_for_models()) and any(
+        return bool(await self._wait_loaded(self.has_state)) and any(
             replica.routable for replica in self.replicas.members(model))
 
     @property
@@ -252,10 +253,19 @@ class SharedState:
         config's static replicas."""
         return self.leading or self._terms_led > 0 or self.follower.loaded.is_set() or bool(self.followed.followed)
 
+    @property
+    def knows_models(self) -> bool:
+        """Whether a model unknown here is unknown to the cluster: it leads or led, or loaded a snapshot (its own
+        config's static replicas, routed meanwhile, say nothing of the models the cluster deploys)."""
+        return self.leading or self._terms_led > 0 or self.follower.loaded.is_set()
+
     async def wait_for_models(self) -> bool | None:
-        """Before the first snapshot, a follower does not know the models yet: wait for it. None when nothing
-        is pending (it holds a copy: :attr:`has_state`), else whether it came in time."""
-        if self.has_state:
+        """Before the first snapshot, a follower does not know the cluster's models yet: wait for it. None when
+        nothing is pending (:attr:`knows_models`), else whether it came in time."""
+        return await self._wait_loaded(self.knows_models)
+
+    async def _wait_loaded(self, known: bool) -> bool | None:
+        if known:
             return None
         return await self.follower.wait_loaded(adoption_window(self.config.agents.heartbeat_interval))
 
@@ -293,14 +303,16 @@ class SharedState:
             asks, self._asks = self._asks, []
             try:
                 for replica_id, mode, reason in asks:
-                    fields = {b"o": self.origin.encode(), b"a": records.pack(["resync", replica_id, mode, reason])}
+                    ask = records.pack(["resync", replica_id, mode, reason[:records.MAX_NAME]])
+                    fields = {b"o": self.origin.encode(), b"a": ask}
                     fields[b"s"] = self.signer.sign(fields[b"o"], fields[b"a"])
                     await self.link.add_to_stream("ask", self.keys.requests, fields, MAX_ASKS)
             except Unavailable:
                 pass  # the index asks again every resync_retry seconds while it stays suspect
 
     async def _answer_asks(self) -> None:
-        await self.link.follow_stream("ask_read", self.keys.requests, self._answer_all, count=100)
+        await follow_stream(self.link, "ask_read", self.keys.requests, self._answer_all, stream="requests",
+                            max_bytes=lambda: records.MAX_ASK_BYTES + records.ENTRY_FIELDS_BYTES, count=100)
 
     def _answer_all(self, asks: list[dict[str, Any]]) -> None:
         for fields in asks:

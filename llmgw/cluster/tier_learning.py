@@ -16,6 +16,7 @@ fails is logged once, and the others still run).
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
 import trio
@@ -24,6 +25,7 @@ from . import records
 from .link import RedisLink
 from .outbox import Outbox, opened
 from .records import Keys
+from .streams import follow_stream
 
 if TYPE_CHECKING:
     from .metrics import ClusterMetrics
@@ -61,6 +63,7 @@ class TierLearning:
         self.signer = signer or records.Signer(None)
         self.handlers: dict[tuple[str, str], Handler] = {}
         self._pending: list[list[Any]] = []
+        self._pending_bytes = 0  # their msgpack size, at most (records.tier_item_bytes): the readers' bound
         self._failed: set[tuple[str, str]] = set()
         self._counted = {direction: metrics.tier_learning.labels(direction)
                          for direction in ("sent", "received", "dropped", "ignored")}
@@ -71,20 +74,24 @@ class TierLearning:
         return ModelLearning(self, model)
 
     def put(self, item: list[Any]) -> None:
-        if len(self._pending) >= MAX_PENDING:
+        size = records.tier_item_bytes(item)
+        if len(self._pending) >= MAX_PENDING or self._pending_bytes + size > records.MAX_TIER_BATCH_BYTES:
             self._counted["dropped"].inc()
             return
         self._pending.append(item)
+        self._pending_bytes += size
         self.outbox.ready()
 
     def _take(self) -> list[list[Any]]:
-        items, self._pending = self._pending, []
+        items, self._pending, self._pending_bytes = self._pending, [], 0
         return items
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.outbox.run)
-            nursery.start_soon(self.link.follow_stream, "tiers_read", self.keys.tiers, self.take_batches)
+            nursery.start_soon(partial(follow_stream, self.link, "tiers_read", self.keys.tiers, self.take_batches,
+                                       stream="tiers",
+                                       max_bytes=lambda: records.MAX_TIER_BATCH_BYTES + records.ENTRY_FIELDS_BYTES))
             task_status.started()
 
     def take_batches(self, batches: list[dict[str, Any]]) -> None:

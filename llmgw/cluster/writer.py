@@ -54,6 +54,13 @@ POINTER_CHECK = 5.0  # seconds (at least snapshot_interval) between two checks o
 MAX_BATCH = 4096  # entries per log batch
 
 
+def entry_bytes(entry: list[Any]) -> int:
+    """An upper bound of a log entry's msgpack size: a KV change's keys at 9 bytes, the rest packed."""
+    if entry[0] == records.KV:
+        return 9 * (len(entry[4]) + len(entry[5])) + 16 * records.MAX_NAME
+    return len(records.pack(entry))
+
+
 def replica_record(replica: Replica, source: str) -> ReplicaRecord:
     return ReplicaRecord(replica.name, replica.model, replica.url, source, replica.weight, dict(replica.labels),
                          replica.engine_id)
@@ -89,6 +96,7 @@ class LogWriter:
         self._snapshot_keys: list[str] = []  # the current snapshot's keys (expired when the next one is out)
         self._pointer: bytes | None = None  # the snapshot pointer it wrote last
         self._replaced = False  # someone else's pointer was found in its place
+        self._clamped_told: set[str] = set()  # replicas whose snapshot part was clamped (logged once each)
 
     @property
     def ended(self) -> bool:
@@ -152,7 +160,13 @@ class LogWriter:
 
     async def _flush(self) -> None:
         while self.pending:
-            batch, self.pending = self.pending[:MAX_BATCH], self.pending[MAX_BATCH:]
+            size = count = 0
+            for entry in self.pending[:MAX_BATCH]:
+                size += entry_bytes(entry)
+                if count and size > records.LOG_BATCH_BYTES:
+                    break
+                count += 1
+            batch, self.pending = self.pending[:count], self.pending[count:]
             try:
                 await self._append(batch)
             except Unavailable:
@@ -192,6 +206,13 @@ class LogWriter:
         for name in index.replicas():
             kv_states[name] = [index.state(name).value, index.block_size(name) or 0]
             parts[name] = list(index.keys(name))
+            if len(parts[name]) > records.MAX_PART_KEYS:  # what the followers read of a part, at most
+                if name not in self._clamped_told:
+                    self._clamped_told.add(name)
+                    log.warning("cluster state: replica %s holds %d blocks; its snapshot part keeps %d of them (the "
+                                "most a follower reads; the log's changes still reach the followers; logged once)",
+                                name, len(parts[name]), records.MAX_PART_KEYS)
+                del parts[name][records.MAX_PART_KEYS:]
         return {"writer": self.writer_id, "models": models, "replicas": members, "kv": kv_states}, parts
 
     async def write_snapshot(self, reason: str) -> None:

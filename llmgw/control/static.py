@@ -35,7 +35,11 @@ DRAIN_TIMEOUT = 600.0
 class StaticReplicas(TaskHost):
     not_running = "StaticReplicas.run is not running"
 
-    def __init__(self, replicas: ReplicaTable, kv_index: KvWriter, registry, metrics_registry):
+    def __init__(self, replicas: ReplicaTable, kv_index: KvWriter, registry, metrics_registry,
+                 follow_kv: bool = True):
+        """``follow_kv``: subscribe to the static replicas' KV events (not in a ``--role gateway`` process: the
+        cluster's log brings their changes)."""
+        self.follow_kv = follow_kv
         self.replicas = replicas
         self.kv_index = kv_index
         self.registry = registry
@@ -90,7 +94,7 @@ class StaticReplicas(TaskHost):
 
     def _follow_kv(self, config: "Config") -> None:
         wanted: dict[str, ExternalKv] = {}
-        for model in config.models:
+        for model in config.models if self.follow_kv else ():
             for index, spec in enumerate(model.replicas):
                 name = spec.name or f"{model.name}-{index}"
                 follow = ExternalKv.of(name, spec, model.routing_options, model.name)

@@ -21,6 +21,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from ..http.control_server import ControlServerMetrics
+from ..http.jsonbody import BodyError, parse_json_body, read_json_body
 from ..http.messages import error_body
 from ..metrics import render, trio_task_count
 from ..router.replicas import STATIC
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_JSON_DEPTH = 64  # nesting of an /admin/explain body (an OpenAI request needs about 6)
 
 
 def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics) -> QuartTrio:
@@ -202,9 +202,15 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
     @app.post("/admin/explain")
     async def explain():
         """For an OpenAI request body: each replica's scores and the pick, without sending or learning it."""
-        body = _json_object(await request.get_data(cache=False))
-        if isinstance(body, str):
-            return _error(400, body, "invalid_json")
+        try:  # as the data plane reads a body: the same parser and limits (no NaN, no 1e400, bounded)
+            raw = await request.get_data(cache=False)
+            body = await read_json_body(raw if isinstance(raw, bytes) else raw.encode(),
+                                        gateway.dataplane.settings.json_limits)
+        except BodyError as exc:
+            return _error(exc.status, str(exc), exc.code)
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object: an OpenAI request with 'model'",
+                          "invalid_json")
         model = body.get("model")
         resolved = gateway.router.resolve(model) if isinstance(model, str) else None
         if resolved is None:
@@ -241,29 +247,12 @@ def _error(status: int, message: str, code: str, param: str | None = None, heade
 
 
 def _json_object(raw: bytes | str, what: str = "an OpenAI request with 'model'") -> dict | str:
-    """The body as a JSON object, or why it is not one (bad UTF-8, bad JSON, too deep, not an object: ``what``
-    it should be)."""
+    """The body as a JSON object, or why it is not one (read as the data plane reads a body: its parser and
+    default limits, no NaN or overflowing number; not an object: ``what`` it should be)."""
     try:
-        value = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
-    except UnicodeDecodeError as exc:
-        return f"the body is not valid UTF-8: {exc.reason} at byte {exc.start}"
-    except RecursionError:
-        return f"the body is nested deeper than {MAX_JSON_DEPTH} levels"
-    except ValueError as exc:
-        return f"the body is not valid JSON: {exc}"
-    if _depth(value) > MAX_JSON_DEPTH:
-        return f"the body is nested deeper than {MAX_JSON_DEPTH} levels"
+        value = parse_json_body(raw if isinstance(raw, bytes) else raw.encode())
+    except BodyError as exc:
+        return str(exc)
     if not isinstance(value, dict):
         return f"the body must be a JSON object: {what}"
     return value
-
-
-def _depth(value: Any) -> int:
-    """How deeply arrays and objects nest in a parsed JSON value (iteratively: no recursion limit to hit)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, level)
-            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return deepest

@@ -155,12 +155,13 @@ class Gateway:
         if role == CONTROL and self.shared is None:
             self.static = StaticReplicas(self.replicas, self.kv_index, self.registry, self.metrics.registry)
             self._own_control = self._build_control(self.replicas, self.kv_index)
-        elif self.shared is not None and role == CONTROL:  # a candidate: the config's replicas are followed always
+        elif self.shared is not None:  # a candidate, whose config's replicas are followed always, or a gateway
             self.term_kv = TermKv(self.kv_index, self.shared)
             # Until its first copy of the cluster's state, it routes its config's replicas (fail-static).
             self.static = StaticReplicas(TermTable(self.replicas, self.shared, self.shared.followed,
                                                    self.shared.follower.loaded.is_set),
-                                         self.term_kv, self.registry, self.metrics.registry)
+                                         self.term_kv, self.registry, self.metrics.registry,
+                                         follow_kv=role == CONTROL)
         if self.shared is not None:
             self.dataplane.wait_for_replica = self._wait_for_replica
             self.dataplane.wait_for_models = self.shared.wait_for_models

@@ -37,6 +37,21 @@ class BlockChanges:
     reason: str = ""
 
 
+def sliced(changes: "ChangesFields", size: int) -> list["ChangesFields"]:
+    """``changes`` as changes of at most ``size`` keys each, applied in order to the same effect: a FULL's first
+    slice a FULL (with its reason), the rest DELTAs storing; a DELTA's stored and removed keys a slice at a time."""
+    kind, stored, removed = changes.kind, changes.stored, changes.removed
+    if kind is KvChangeKind.RESET or len(stored) + len(removed) <= size:
+        return [changes]
+    out: list[ChangesFields] = []
+    for start in range(0, max(len(stored), len(removed)), size):
+        first = kind is KvChangeKind.FULL and start == 0
+        out.append(BlockChanges(KvChangeKind.FULL if first else KvChangeKind.DELTA, changes.block_size,
+                                list(stored[start:start + size]), list(removed[start:start + size]),
+                                changes.reason if first or kind is KvChangeKind.DELTA else ""))
+    return out
+
+
 UNUSABLE_KEYS = "unusable keys: "  # the reason of a FULL whose keys cannot match the router's, then what to do
 
 

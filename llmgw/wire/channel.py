@@ -45,6 +45,7 @@ import trio
 from ..fdpressure import capacity_errno, note_shortage
 from ..tls import TlsClientOptions, client_context, describe_tls_error
 from . import messages as wire
+from .liveness import DEFAULT_HEARTBEAT, dial_timeout
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +259,10 @@ class Connector(Protocol):
         """The last channel's peer went silent: dial another of its URLs first, if it has several (a frozen
         process accepts the TCP connection and holds the upgrade until the connect timeout)."""
 
+    def heartbeat(self, interval: float) -> None:
+        """The control plane heartbeats every ``interval`` (its ``Registered`` said): a dial waits
+        :func:`~llmgw.wire.liveness.dial_timeout` of it from now on."""
+
 
 LEADER_HEADER = "X-Llmgw-Leader"  # on a refused upgrade: where the cluster's leader is (its control URL)
 
@@ -282,9 +287,12 @@ def agent_url(join: str) -> str:
 class WebSocketConnector:
     """Dials the control plane's agent websocket; over TLS for a ``wss://`` (or ``https://``) URL."""
 
-    def __init__(self, join: str, connect_timeout: float = 10.0, tls: TlsClientOptions | None = None):
+    def __init__(self, join: str, connect_timeout: float | None = None, tls: TlsClientOptions | None = None):
+        """``connect_timeout``: fixed (tests), else :func:`~llmgw.wire.liveness.dial_timeout` of the heartbeat
+        interval (the default one until a ``Registered`` says: :meth:`heartbeat`)."""
         self.url = agent_url(join)
-        self.connect_timeout = connect_timeout
+        self.fixed_timeout = connect_timeout is not None
+        self.connect_timeout = connect_timeout if connect_timeout is not None else dial_timeout(DEFAULT_HEARTBEAT)
         self.ssl_context: ssl.SSLContext | None = None
         if self.url.startswith("wss://"):
             self.ssl_context = client_context(tls)  # OSError/ssl.SSLError: a CA or key file that cannot be used
@@ -347,6 +355,10 @@ class WebSocketConnector:
     def skip(self) -> None:
         pass  # one URL: it is the only one to dial
 
+    def heartbeat(self, interval: float) -> None:
+        if not self.fixed_timeout:
+            self.connect_timeout = dial_timeout(interval)
+
     async def _diagnose_tls(self) -> None:
         """trio-websocket reports a failed TLS handshake as a timeout: try one to say what is wrong (a certificate
         the CA file does not vouch for, most often)."""
@@ -377,6 +389,10 @@ class FailoverConnector:
     @property
     def url(self) -> str:
         return self.connectors[self.current].url
+
+    def heartbeat(self, interval: float) -> None:
+        for connector in self.connectors:
+            connector.heartbeat(interval)
 
     @asynccontextmanager
     async def connect(self, credentials: AgentCredentials) -> AsyncIterator[Channel]:
@@ -428,6 +444,9 @@ class InProcessConnector:
 
     def skip(self) -> None:
         pass  # this process: the only one there is
+
+    def heartbeat(self, interval: float) -> None:
+        pass  # no dial
 
 
 def _refusal_message(body: bytes | None) -> str:

@@ -206,6 +206,64 @@ def scrape_metric(counter) -> float:
     return counter._value.get()
 
 
+async def test_a_lease_no_candidate_signed_ends_no_term_and_is_replaced_at_once(nursery, redis_url, cluster_name):
+    """Anyone who can write to Redis could end every term (``SET llmgw:C:leader ...``: the leader's renewal found
+    it taken) and hold the cluster leaderless until the forged lease expired. The lease is signed with the
+    cluster secret now: the leader puts its own back over a forged one (compare-and-set on the exact bad value,
+    the secret never sent to Redis) and keeps its term, its fenced writes go on, another candidate never takes
+    it; with no leader, a candidate replaces a forged lease at once. A stale term's write is still refused."""
+    from llmgw.cluster.election import Election, Fence, Fenced  # here: the other tests run (and fail) on main
+    from llmgw.cluster.records import Signer
+
+    config = parse_config(state_section(redis_url, cluster_name, lease_ttl="600ms", lease_renew="100ms"))
+    keys, signer = Keys(cluster_name), Signer(b"a cluster secret of at least 16 bytes")
+
+    async def candidate(origin: str) -> "Election":
+        metrics = ClusterMetrics(None, "control", cluster_name, origin)
+        link = RedisLink(config.state, metrics)
+        await nursery.start(link.run)
+        election = Election(link, keys, config.state, metrics, origin, signer)
+        election.listening(f"http://{origin}.invalid:1")
+        await nursery.start(election.run)
+        return election
+
+    a = await candidate("a")
+    term = await a.wait_elected()
+    b = await candidate("b")
+    fence = Fence(a.link, keys, a, term, a.metrics)
+    client = coredis.Redis.from_url(redis_url, decode_responses=False)
+    forged = [b"999 evil http://127.0.0.1:1", term.token.rsplit(b" ", 1)[0],  # its own value, unsigned
+              b"%d a http://a.invalid:1 %s" % (term.generation + 1, term.token.rsplit(b" ", 1)[1]),  # next term
+              b"x" * 100_000]
+    async with client:
+        for i, value in enumerate(forged):
+            await client.set(keys.leader, value, px=5000)
+            if i % 2:  # the next fenced write finds it (else the next renewal does)
+                await fence.run("test", [[b"XADD", keys.log, b"*", b"w", b"a"]])
+            with trio.fail_after(5):
+                while await client.get(keys.leader) != term.token:
+                    await trio.sleep(0.02)
+        await trio.sleep(1.0)  # several renewals and b's rounds: nobody's term changed
+        assert a.term is term and a.leading and not term.scope.cancel_called and not b.leading
+        assert scrape_metric(a.metrics.bad_records.labels("lease")) == len(forged)
+        assert scrape_metric(a.metrics.fenced_writes) == 0
+
+        # No leader: a forged lease of 5 s (less than the 10 lease_ttls a candidate's own lease may have left,
+        # which main waited for) is replaced by the next candidate at once.
+        a_task_scope = term.scope
+        a.pause(60)
+        a.end_term("ended", term)
+        await client.set(keys.leader, b"1000 evil http://127.0.0.1:1", px=5000)
+        forged_at = trio.current_time()
+        new_term = await b.wait_elected()
+        assert trio.current_time() - forged_at < 2.0
+        assert new_term.generation > term.generation and a_task_scope.cancel_called
+        # The old term's fenced write is refused: b's lease is a candidate's, not put back.
+        with pytest.raises(Fenced):
+            await fence.run("test", [[b"XADD", keys.log, b"*", b"w", b"a-late"]])
+        assert await client.get(keys.leader) == new_term.token
+
+
 async def test_a_redis_outage_leaves_no_leader_then_one_is_elected_and_every_process_routes_throughout(
         nursery, start_llmgw, private_redis, cluster_name):
     # Static replicas (simulators this test started): llmgw cannot restart them. Whether deployed engines survive a

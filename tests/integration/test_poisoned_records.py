@@ -25,6 +25,7 @@ from llmgw.cluster import records
 from llmgw.cluster.records import Keys
 from llmgw.cluster.state import ASK_INTERVAL
 from llmgw.cluster.writer import POINTER_CHECK
+from llmgw.kv.changes import BlockChanges, KvChangeKind
 from llmgw.testing.metrics import scrape_value
 from llmgw.testing.processes import CLUSTER_SECRET, Child
 from llmgw.testing.shared_state import cluster_config, wait_kv_healthy
@@ -123,6 +124,69 @@ async def test_oversized_prediction_batches_are_refused_without_a_stall(shared_c
             assert (await http.get(gateway.control_url + "/health")).json()["state"]["degraded"] is False
     assert not watch.failures
     assert max(watch.slowest.values()) < STALL, watch.slowest
+
+
+async def redis_output_bytes(redis: coredis.Redis) -> int:
+    """What the redis-server has sent to all its clients so far."""
+    return int((await redis.info("stats"))["total_net_output_bytes"])
+
+
+async def test_an_entry_larger_than_its_senders_write_never_leaves_redis(shared_cluster, private_redis,
+                                                                         cluster_name):
+    """An unsigned 23 MiB entry in each stream the gateways follow, the log included (the learn stream's is issue
+    29's: every gateway read and parsed it, /health 0.19-0.23 s). Each reader reads by bytes now: the entry stays
+    in Redis, only its id crosses, counted as a bad record on every gateway; the streams' honest entries still
+    flow after it."""
+    engines, control, followers = await shared_cluster(redis_url=private_redis.url, followers=2,
+                                                       routing="round_robin")
+    gateways = [control, *followers]
+    keys = Keys(cluster_name)
+    huge = records.pack([records.learn_item("sim-0", int(time.time() * 1000), 600_000, list(range(5_000_000)))])
+    assert len(huge) > 23 * 2**20
+    entries = {keys.learn: ("learn", gateways, {b"o": b"intruder", b"e": huge, b"s": b""}),
+               keys.load: ("load", gateways, {b"o": b"intruder", b"x": b"2000", b"l": huge, b"s": b""}),
+               keys.tiers: ("tiers", gateways, {b"o": b"intruder", b"e": huge, b"s": b""}),
+               keys.requests: ("requests", [control], {b"o": b"intruder", b"a": huge, b"s": b""}),
+               keys.log: ("log", followers, {b"w": b"intruder", b"n": b"1", b"e": huge * 2, b"s": b""})}
+    async with httpx.AsyncClient(timeout=30) as http, redis_client(private_redis.url) as redis:
+        before = {stream: [await bad_records(http, g, stream) for g in readers]
+                  for stream, readers, _ in entries.values()}
+        sent_before = await redis_output_bytes(redis)
+        for key, (_, _, fields) in entries.items():
+            await redis.xadd(key, fields)
+        for stream, readers, _ in entries.values():
+            with trio.fail_after(20):
+                for gateway, counted in zip(readers, before[stream]):
+                    while await bad_records(http, gateway, stream) < counted + 1:
+                        await trio.sleep(0.1)
+        sent = await redis_output_bytes(redis) - sent_before
+        # Four entries of 23 MiB and one of 46 MiB in the log (more than a writer's 32 MiB batch), each followed by
+        # 3 gateways (the asks by the leader, the log by the two followers): 14 times 23 MiB on main.
+        assert sent < len(huge), f"{sent} bytes sent to the gateways: a 23 MiB entry crossed the wire"
+        await routes_to_both(http, gateways)
+        # Honest entries after the large one are still read: the followers' load reaches the control process.
+        with trio.fail_after(10):
+            while len((await http.get(control.control_url + "/admin/cluster")).json()["peers"]) < 2:
+                await trio.sleep(0.1)
+
+
+async def test_a_redis_that_refuses_client_tracking_still_carries_the_streams(shared_cluster, private_redis,
+                                                                             cluster_name):
+    """An ACL user without CLIENT: the streams' readers are not woken as they change, so they read once a second
+    (one WARNING per stream says why), and the others' load still arrives."""
+    async with redis_client(private_redis.url) as redis:
+        await redis.acl_setuser("llmgw", "on", ">a password of the test", "~*", "&*", "+@all", "-client")
+    engines, control, followers = await shared_cluster(
+        redis_url=private_redis.url, followers=1, routing="round_robin",
+        state="  username: llmgw\n  password_env: TEST_REDIS_PASSWORD\n",
+        env={"TEST_REDIS_PASSWORD": "a password of the test"})
+    async with httpx.AsyncClient(timeout=30) as http:
+        with trio.fail_after(10):
+            while len((await http.get(control.control_url + "/admin/cluster")).json()["peers"]) < 1:
+                await trio.sleep(0.1)
+        await routes_to_both(http, [control, *followers])
+    for gateway in (control, *followers):
+        assert any("refused client tracking" in line for line in gateway.lines), gateway.lines[-20:]
 
 
 async def test_a_signed_load_report_is_clamped_to_known_replicas_the_load_ttl_and_a_gateways_connections(
@@ -242,3 +306,82 @@ async def test_a_malformed_snapshot_pointer_is_a_bad_record_not_an_outage(shared
         with trio.fail_after(POINTER_CHECK + 10):
             while (await http.post(newcomer.url + "/v1/chat/completions", json=body)).status_code != 200:
                 await trio.sleep(0.2)
+
+
+async def next_batch(redis: coredis.Redis, keys: Keys, entries: list[Any]) -> dict[bytes, bytes]:
+    """A log batch signed with the cluster secret as the current writer's next one (a buggy or compromised leader's
+    batch): its writer id and the batch number after its last."""
+    [entry] = await redis.xrevrange(keys.log, "+", "-", count=1)
+    last = entry.field_values
+    batch = records.pack(entries)
+    fields = {b"w": last[b"w"], b"n": str(int(last[b"n"]) + 1).encode(), b"t": str(int(time.time() * 1000)).encode(),
+              b"e": batch}
+    fields[b"s"] = SIGNER.sign(fields[b"w"], fields[b"n"], fields[b"t"], fields[b"e"])
+    return fields
+
+
+async def replica_blocks(http: httpx.AsyncClient, gateway: Child, name: str) -> int:
+    kv = (await http.get(gateway.control_url + "/admin/kv")).json()["replicas"]
+    return next(r["blocks"] for r in kv if r["name"] == name)
+
+
+async def test_a_log_batch_of_millions_of_keys_is_applied_in_slices(shared_cluster, redis_url, cluster_name):
+    """A signed log batch whose KV change stores 2M keys at once (an engine's whole cache, as one FULL) was applied
+    in one step: every follower's loop stalled for the whole of it. It goes into the index 16,384 keys at a time
+    now, /health answered in between."""
+    engines, control, followers = await shared_cluster(followers=2, routing="round_robin")
+    keys = Keys(cluster_name)
+    stored = list(range(1 << 40, (1 << 40) + 2_000_000))
+    watch = HealthWatch(followers)
+    async with httpx.AsyncClient(timeout=30) as http, redis_client(redis_url) as redis:
+        await settled(http, control)
+        # Built before the watch starts: packing 18 MB here would delay this process's own polls.
+        fields = await next_batch(redis, keys, [records.kv_entry("sim-0", BlockChanges(KvChangeKind.FULL, 16,
+                                                                                         stored))])
+        async with trio.open_nursery() as nursery:
+            await nursery.start(watch.run)
+            await trio.sleep(0.3)
+            await redis.xadd(keys.log, fields)
+            with trio.fail_after(30):
+                for follower in followers:
+                    while await replica_blocks(http, follower, "sim-0") != len(stored):
+                        await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+    assert not watch.failures
+    assert max(watch.slowest.values()) < STALL, watch.slowest
+
+
+async def test_a_snapshot_part_larger_than_a_writer_writes_never_leaves_redis(shared_cluster, start_llmgw,
+                                                                            private_redis, cluster_name):
+    """A signed snapshot whose part for one replica holds more block keys than a writer puts in one (a part of 50M
+    keys: a 6.8 s stall and 1.88 GB on each gateway): refused before it is read, counted as a bad record; a new
+    gateway goes on loading the leader's own snapshot once it is back."""
+    engines, control, followers = await shared_cluster(redis_url=private_redis.url, followers=0)
+    keys = Keys(cluster_name)
+    big = records.pack(list(range(records.MAX_PART_KEYS + 1)))
+    async with httpx.AsyncClient(timeout=30) as http, redis_client(private_redis.url) as redis:
+        await settled(http, control)
+        pointer = records.decode_snapshot_pointer(await redis.get(keys.snapshot), keys)
+        meta = records.unpack(await redis.get(pointer.meta))
+        part = keys.snapshot_part(pointer.writer, pointer.seq, "kv:forged")
+        meta["parts"]["sim-0"], meta["digests"]["sim-0"] = part, records.part_digest(big)
+        forged_meta = records.pack(meta)
+        forged = records.snapshot_pointer(keys, pointer.writer, pointer.seq, forged_meta, SIGNER)
+        await redis.set(part, big)
+        sent_before = await redis_output_bytes(redis)
+        async with trio.open_nursery() as nursery:
+            async def keep_forging() -> None:  # the control writes its own back: forge until it is read
+                while True:
+                    await redis.set(pointer.meta, forged_meta)
+                    await redis.set(keys.snapshot, forged)
+                    await trio.sleep(0.1)
+
+            nursery.start_soon(keep_forging)
+            newcomer = await start_llmgw(cluster_config(engines, private_redis.url, cluster_name), "--role",
+                                         "gateway")
+            await wait_counted(http, [newcomer], "snapshot", 1)
+            nursery.cancel_scope.cancel()
+        sent = await redis_output_bytes(redis) - sent_before
+        assert sent < len(big), f"{sent} bytes sent: the {len(big)} bytes part crossed the wire"
+        health = (await http.get(newcomer.control_url + "/health")).json()
+        assert health["state"]["degraded"] is False, health

@@ -236,19 +236,24 @@ async def test_with_a_cluster_secret_records_not_signed_with_it_are_skipped(shar
 
 async def test_a_gateway_that_has_not_loaded_the_shared_state_answers_503_not_404(nursery, start_llmgw, redis_url,
                                                                                    cluster_name):
-    """Before its first snapshot a ``--role gateway`` process knows no model: it waits for the snapshot, and if
-    none comes says 503 (retry, or another gateway) instead of telling the client the model does not exist."""
+    """Before its first snapshot a ``--role gateway`` process knows only its own config's models: it routes their
+    static replicas (fail-static), and for any other model waits for the snapshot, and if none comes says 503
+    (retry, or another gateway) instead of telling the client the model does not exist."""
     engines = await start_sims(nursery, 1, env=KV_SIM_ENV, num_blocks=512, block_size=16, seed=0,
                                extra=KV_SIM_EXTRA)
     config = cluster_config(engines, redis_url, cluster_name) + (
         "agents:\n  heartbeat_interval: 0.5s\n  suspect_after: 2s\n")
     follower = await start_llmgw(config, "--role", "gateway")  # no control process: no snapshot comes
     async with httpx.AsyncClient(timeout=30) as http:
-        early = await http.post(follower.url + "/v1/chat/completions", json=long_prompt(0))
+        static = await http.post(follower.url + "/v1/chat/completions", json=long_prompt(0))
+        assert static.status_code == 200, static.text
+        early = await http.post(follower.url + "/v1/chat/completions", json={**long_prompt(0), "model": "deployed"})
         assert early.status_code == 503 and early.json()["error"]["code"] == "state_not_loaded", early.text
         assert early.headers["retry-after"]
         control = await start_llmgw(config)
-        await wait_replicas(follower.control_url, 1)
+        with trio.fail_after(20):
+            while not (await http.get(follower.control_url + "/health")).json()["state"]["log"]["loaded"]:
+                await trio.sleep(0.05)
         late = await http.post(follower.url + "/v1/chat/completions", json=long_prompt(1))
         assert late.status_code == 200, late.text
         unknown = await http.post(follower.url + "/v1/chat/completions", json={**long_prompt(2), "model": "nope"})

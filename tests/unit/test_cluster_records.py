@@ -304,3 +304,25 @@ def test_any_tiers_batch_decodes_or_is_a_record_error(raw):
     except RecordError:
         return
     assert all(isinstance(payload, list) for _, _, payload in items)
+
+
+scalars = st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.floats() | st.text(max_size=300)
+
+
+@given(model=st.text(max_size=300), kind=st.text(max_size=50),
+       payload=st.lists(scalars, max_size=records.MAX_TIER_PAYLOAD))
+def test_a_tier_items_counted_size_is_at_least_its_encoding(model, kind, payload):
+    """What a sender's buffer counts of an item bounds its msgpack size: a batch within the sender's budget is
+    never larger than what the readers read (MAX_TIER_BATCH_BYTES)."""
+    item = [model, kind, payload]
+    assert len(records.pack(item)) <= records.tier_item_bytes(item)
+
+
+def test_a_load_report_of_the_readers_replicas_is_within_the_bytes_it_reads():
+    """The largest report a sender of the reader's table writes: every replica named with MAX_NAME 4-byte
+    characters, every figure at its largest."""
+    known = frozenset(f"{i:04d}" + "\U0001F600" * (records.MAX_NAME - 4) for i in range(3))
+    limits = records.load_limits(known, 2.0, 10_000)
+    load = [[name, *([(1 << 64) - 1] * records.LOAD_FIGURES)] for name in sorted(known)]
+    load = (load * limits.replicas)[:limits.replicas]
+    assert len(records.pack(load)) <= records.load_report_bytes(limits)

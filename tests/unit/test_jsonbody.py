@@ -173,3 +173,16 @@ async def test_other_tasks_run_between_the_steps_of_a_big_body():
         nursery.cancel_scope.cancel()
     assert len(value["x"]) == 3 * WALK_STEP
     assert during >= 3 + 3  # at least one turn per MiB counted and per WALK_STEP containers walked
+
+
+@pytest.mark.parametrize("number", ["1e400", "-1e400", "1E+999", "123456789.0e99999", "-0.5e309"])
+def test_a_number_that_overflows_to_infinity_is_refused_however_it_is_written(number):
+    with pytest.raises(BodyError) as exc:
+        parse_json_body(b'{"model": "m", "temperature": ' + number.encode() + b"}")
+    assert (exc.value.status, exc.value.code, exc.value.reason) == (400, "invalid_json", "non_finite_number")
+    assert number[:40] in str(exc.value)
+
+
+@pytest.mark.parametrize("number", ["1e308", "-1.7976931348623157e308", "1e-400", "0.0", "10" + "0" * 400])
+def test_large_tiny_and_integer_numbers_that_a_double_or_an_int_holds_are_taken(number):
+    assert parse_json_body(b'{"x": ' + number.encode() + b"}") == json.loads(number.join(['{"x": ', "}"]))

@@ -7,11 +7,11 @@ import threading
 
 import trio
 import trio.testing
-from hypothesis import settings, strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from prometheus_client import CollectorRegistry, generate_latest
 
-from llmgw.kv.changes import BlockChanges, KvChangeKind
+from llmgw.kv.changes import BlockChanges, KvChangeKind, sliced
 from llmgw.kv.drift import DriftPolicy
 from llmgw.kv.index import IndexState, KvIndex, refusal_reason
 from llmgw.kv.metrics import KvMetrics
@@ -604,3 +604,26 @@ async def test_a_remote_prediction_expires_settles_and_resets_as_a_local_one_and
     index.predict("b", [8, 9], ttl=5.0, remote=True)
     index.apply("b", reset())
     assert index.match([8, 9], ["b"]) == {"b": 0} and index.predicted_keys == 0
+
+
+key_sets = st.lists(st.integers(0, 200), max_size=60, unique=True)
+
+
+@given(before=key_sets, kind=st.sampled_from([KvChangeKind.FULL, KvChangeKind.DELTA]), stored=key_sets,
+       removed=key_sets, size=st.integers(1, 20))
+def test_a_change_applied_in_slices_leaves_the_index_as_the_whole_change(before, kind, stored, removed, size):
+    """What a follower applies a slice at a time (llmgw.cluster.follower) ends where the whole change does."""
+    removed = [key for key in removed if key not in stored]  # a net delta: no key both stored and removed
+    if kind is KvChangeKind.FULL:
+        removed = []
+    whole, in_slices = KvIndex(), KvIndex()
+    for index in (whole, in_slices):
+        index.apply("r", BlockChanges(KvChangeKind.FULL, 16, list(before)))
+    change = BlockChanges(kind, 16, stored, removed, "why")
+    whole.apply("r", change)
+    parts = sliced(change, size)
+    for part in parts:
+        assert len(part.stored) <= size and len(part.removed) <= size
+        in_slices.apply("r", part)
+    assert in_slices.keys("r") == whole.keys("r")
+    assert in_slices.state("r") == whole.state("r")

@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 
 from llmgw.config import parse_config
-from llmgw.wire.liveness import BACKOFF_CAP, BACKOFF_FIRST, backoff_cap, hold_window, next_backoff, silence_limit
+from llmgw.wire.channel import FailoverConnector, WebSocketConnector
+from llmgw.wire.liveness import (
+    BACKOFF_CAP,
+    BACKOFF_FIRST,
+    DEFAULT_HEARTBEAT,
+    backoff_cap,
+    dial_timeout,
+    hold_window,
+    next_backoff,
+    silence_limit,
+)
 
 
 @pytest.mark.parametrize("heartbeat, silence", [(0.5, 5.5), (5.0, 15.0), (0.01, 5.01)])
@@ -28,7 +38,9 @@ def test_a_new_leader_holds_long_enough_for_an_agent_to_notice_its_old_leader_is
         heartbeat, lease_ttl):
     # The old leader may keep its term lease_ttl into the new one, or be frozen and close nothing: the agent
     # notices after its silence limit, and dials after one backoff step at most.
-    assert hold_window(heartbeat, lease_ttl) > silence_limit(heartbeat) + lease_ttl + backoff_cap(heartbeat)
+    # It may dial the frozen old leader first (the other candidate, not leading yet, names it): one dial_timeout.
+    assert hold_window(heartbeat, lease_ttl) > (silence_limit(heartbeat) + lease_ttl + dial_timeout(heartbeat)
+                                                + backoff_cap(heartbeat))
 
 
 def test_the_shared_state_holds_for_the_window_of_its_own_config():
@@ -37,4 +49,19 @@ def test_the_shared_state_holds_for_the_window_of_its_own_config():
     config = parse_config("agents:\n  heartbeat_interval: 0.5s\nstate:\n  backend: redis\n  url: redis://127.0.0.1:9\n"
                           "  cluster: c\n  lease_ttl: 2s\n  secret_env: S\n")
     held_for = SharedState.held_for.fget  # type: ignore[attr-defined]
-    assert held_for(type("S", (), {"config": config, "settings": config.state})()) == pytest.approx(9.0)
+    assert held_for(type("S", (), {"config": config, "settings": config.state})()) == pytest.approx(11.5)
+
+
+@pytest.mark.parametrize("heartbeat, dial", [(0.5, 2.5), (5.0, 7.0), (0.01, 2.01), (30.0, 32.0)])
+def test_a_dial_waits_a_heartbeat_interval_and_two_seconds_never_longer_than_the_silence_limit(heartbeat, dial):
+    assert dial_timeout(heartbeat) == pytest.approx(dial) and dial_timeout(heartbeat) <= silence_limit(heartbeat)
+
+
+def test_an_agents_dials_wait_what_its_control_planes_heartbeat_says():
+    connectors = [WebSocketConnector("ws://127.0.0.1:1"), WebSocketConnector("ws://127.0.0.1:2")]
+    assert [c.connect_timeout for c in connectors] == [dial_timeout(DEFAULT_HEARTBEAT)] * 2  # 7 s, not 10
+    FailoverConnector(connectors).heartbeat(0.5)
+    assert [c.connect_timeout for c in connectors] == [2.5, 2.5]
+    fixed = WebSocketConnector("ws://127.0.0.1:3", connect_timeout=0.3)
+    fixed.heartbeat(0.5)
+    assert fixed.connect_timeout == 0.3
