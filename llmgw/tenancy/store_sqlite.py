@@ -9,7 +9,6 @@ survives a restart; several processes on one machine may share it (SQLite locks 
 from __future__ import annotations
 
 import logging
-import os
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +21,7 @@ from ..control.identity import default_control_state_dir
 from . import codec
 from .directory import KeyEntry, TeamEntry
 from .keys import Stored, StoreUnavailable
+from .sqlite_file import open_private_database
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -87,14 +87,7 @@ class SqliteKeyStore:
         if self._connection is None:
             if not create and not self.path.exists():
                 return None
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if create and not self.path.exists():
-                os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600))
-            connection = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT, check_same_thread=False,
-                                         isolation_level=None)
-            connection.execute("PRAGMA journal_mode=WAL")  # readers (every worker's poll) never wait on a write
-            connection.executescript(SCHEMA)
-            self._connection = connection
+            self._connection = open_private_database(self.path, SCHEMA, BUSY_TIMEOUT)
         return self._connection
 
     def _version(self) -> object:

@@ -21,6 +21,7 @@ from typing import Callable, Protocol, TypeVar
 
 import trio
 
+from .sqlite_file import open_private_database
 from .usage import FIELDS, Counts, UsageRow
 
 MAX_BATCH_ROWS = 20_000  # rows one transaction or script applies (a Redis script of up to ~240k HINCRBYs)
@@ -87,11 +88,7 @@ class SqliteUsageStore:
 
     def _in_thread(self, work: Callable[[sqlite3.Connection], T]) -> T:
         if self._db is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.executescript(_SCHEMA)
-            self._db = db
+            self._db = open_private_database(self.path, _SCHEMA, busy_timeout=10.0)
         return work(self._db)
 
     async def apply(self, batch: Batch) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 
 import pytest
 import trio
@@ -300,3 +301,13 @@ async def test_sqlite_keeps_rows_for_the_retention_and_prunes_older_ones(tmp_pat
     await store.apply(Batch("s", 3, {kept: [1] * len(FIELDS)}))
     assert await store.rows(0, 2**40) == [(kept, [3] * len(FIELDS))]
     await store.close()
+
+
+async def test_usage_creates_the_shared_tenancy_file_private_to_its_owner(tmp_path):
+    """Usage and the key store share ``tenancy.store``: whichever opens it first makes it 0600 in a 0700 folder
+    (it holds the keys' hashes), so usage writing first must not leave it readable by others."""
+    path = tmp_path / "state" / "tenancy.sqlite3"
+    store = SqliteUsageStore(path)
+    await store.apply(Batch("s", 1, {UsageRow("k-a", "a", "", "tiny", HOUR): [1] * len(FIELDS)}))
+    await store.close()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
