@@ -23,6 +23,12 @@ from typing import Protocol
 
 from .model import Estimate, PriceList, TenancySettings, Tenant, Usage
 
+
+class StoreUnavailable(Exception):
+    """A tenancy store (keys and teams, or usage) did not take a call now: Redis away, the SQLite file locked or
+    unwritable. The caller keeps what it has and retries later."""
+
+
 RATE_LIMITED = "rate_limit_exceeded"  # OpenAI's error type for rpm, tpm and concurrency
 OUT_OF_QUOTA = "insufficient_quota"  # OpenAI's error type for a spent budget
 

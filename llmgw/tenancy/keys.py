@@ -20,6 +20,7 @@ import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from .directory import API, CONFIG, Directory, KeyEntry, TeamEntry, digest_of, limits_of
+from .interfaces import StoreUnavailable
 from .model import Limits, nano_to_usd
 
 if TYPE_CHECKING:
@@ -28,10 +29,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.25  # how often a gateway asks the store's version: a change is in force everywhere within this
 KEY_PREFIX = "sk-llmgw-"
-
-
-class StoreUnavailable(Exception):
-    """The store could not be read or written now (Redis away, the SQLite file locked or unwritable)."""
 
 
 @dataclass(frozen=True)

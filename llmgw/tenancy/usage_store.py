@@ -21,6 +21,7 @@ from typing import Callable, Protocol, TypeVar
 
 import trio
 
+from .interfaces import StoreUnavailable
 from .sqlite_file import open_private_database
 from .usage import FIELDS, Counts, UsageRow
 
@@ -29,10 +30,6 @@ MARKER_SECONDS = 30 * 86400  # how long a store remembers a journal's shipped po
 RETENTION_SECONDS = 400 * 86400  # how long a store keeps an hour's rows after the hour (Redis: after its last write)
 PRUNE_EVERY = 3600.0  # SQLite: seconds between two deletions of rows past the retention
 T = TypeVar("T")
-
-
-class StoreUnavailable(Exception):
-    """The store did not take a call (Redis away, the SQLite file unwritable); the caller retries later."""
 
 
 @dataclass(frozen=True, slots=True)
