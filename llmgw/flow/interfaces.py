@@ -1,0 +1,40 @@
+"""The seams of overload control, as Protocols: the room (how much more each model's replicas can take now) and
+the flow control the data plane calls.
+
+The data plane, for a request of model M::
+
+    outcome = await flow.enter(request)          # FlowRequest; waits while M has no room for its class
+    if isinstance(outcome, Shed): answer 429 with Retry-After
+    else: route it; flow.release(outcome) as soon as it is routed (or abandoned)
+
+The queue never waits on Redis: the room reads local figures (the engines' scraped state, this gateway's and
+the other gateways' in-flight counts, shared through the load stream) and wakes the queue when they change.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .model import Admitted, FlowRequest, PriorityClass, Shed
+
+
+class Room(Protocol):
+    def free(self, model: str, priority: PriorityClass) -> int:
+        """How many more requests of ``priority`` this gateway may dispatch to ``model``'s replicas now, counting
+        what it already dispatched and the other gateways' share (0: hold them)."""
+
+    async def changed(self, model: str) -> None:
+        """Return when ``model``'s room may have changed (a request finished, an engine was scraped, a replica
+        came or went, a peer's report arrived); at the latest after a short poll interval."""
+
+    def saturation(self, model: str) -> float:
+        """0.0 idle .. 1.0 full and beyond, for the metrics and /admin/explain."""
+
+
+class FlowControl(Protocol):
+    async def enter(self, request: FlowRequest) -> Admitted | Shed:
+        """Admit ``request`` when its model has room for it and it is next in band and flow order; shed it
+        (429) when its deadline passes or the queue overflows. Cancellation (the client left) removes it."""
+
+    def release(self, admitted: Admitted) -> None:
+        """The admitted request was routed (its replica's in-flight count holds it now) or abandoned."""
