@@ -20,12 +20,18 @@ from .model import Admitted, FlowRequest, PriorityClass, Shed
 
 class Room(Protocol):
     def free(self, model: str, priority: PriorityClass) -> int:
-        """How many more requests of ``priority`` this gateway may dispatch to ``model``'s replicas now, counting
-        what it already dispatched and the other gateways' share (0: hold them)."""
+        """How many more requests of ``priority`` this gateway may dispatch to ``model``'s replicas now (0: hold
+        them): the replicas' learnt room less what is in flight on them (this gateway's routed requests and the
+        other gateways'), and this gateway's share of it when other gateways have requests waiting too. The queue's
+        own admitted requests not yet released (not yet routed) are not in it: the queue subtracts those itself."""
 
     async def changed(self, model: str) -> None:
         """Return when ``model``'s room may have changed (a request finished, an engine was scraped, a replica
         came or went, a peer's report arrived); at the latest after a short poll interval."""
+
+    def wake(self, model: str) -> None:
+        """Something changed ``model``'s room (the data plane calls it when a request there ended): wake
+        :meth:`changed`'s waiters. Never blocks."""
 
     def saturation(self, model: str) -> float:
         """0.0 idle .. 1.0 full and beyond, for the metrics and /admin/explain."""
