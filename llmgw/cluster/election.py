@@ -17,6 +17,17 @@ leader). Either is a compare-and-set on the exact bad value's SHA-1 in Lua:
 the secret never goes to Redis, and a value of any size is read only in its
 first ``MAX_HOLDER_BYTES``.
 
+A lease deleted (``DEL``, by anyone who can write to Redis) ends no term
+either: the leader's renewal finds it gone while the generation counter still
+holds the term's number (no candidate took a term since: every term taken
+sets the counter with its lease, atomically) and puts it back, in the same
+script. The other candidates leave a gone lease alone until the last lease
+they read could have expired, unless its holder left its release mark
+beside it (it gave the lease up: taken at once). A lease gone with the
+counter (Redis lost its data) ends the term, and the same process, which
+stands at once while the others wait, starts a new one that writes the
+cluster's state back.
+
 A term ends, on the leader's own clock, before its lease can have expired in
 Redis: the term's cancel scope has a deadline of the last successful renewal's
 *sending* time plus ``lease_ttl`` minus a quarter of it (Redis starts the
@@ -53,6 +64,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_HOLDER_BYTES = 700  # a lease value read from Redis (to name the leader) is cut to this
+RESTORED_LOG_EVERY = 60.0  # seconds between two log lines of a deleted lease put back
 
 # The lease as a candidate sees it before standing: for the lease and the generation counter, the SHA-1 of the
 # value ('' when absent: what ACQUIRE compares, so no value of any size is sent back to Redis) and its first
@@ -95,15 +107,27 @@ return 1
 """
 FOREIGN_LEASE_TTLS = 10  # a lease with more than this many of our lease_ttls left is no candidate's
 
-# 1 when the lease still holds the term's token (ARGV[1]) and was renewed; else {SHA-1, first ARGV[3] bytes} of
-# what it holds, or {} when it is gone.
+# KEYS: the lease, the generation counter; ARGV: [1] the term's token, [2] its ttl in ms, [3] a read limit, [4] the
+# term's generation. 1 when the lease still holds the token and was renewed; 2 when it was gone and put back: the
+# counter still holds the term's generation, so no candidate drew a term since (every term taken sets the counter
+# with its lease, atomically, in ACQUIRE): a writer deleted the lease alone. {} when it is gone and the counter
+# moved on (a later term was drawn); 0 when both are gone (Redis lost its data). Else {SHA-1, first ARGV[3] bytes}
+# of what it holds.
 RENEW = """
 local current = redis.call('GET', KEYS[1])
 if current == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
 end
-if not current then return {} end
+if not current then
+  local counter = redis.call('GET', KEYS[2])
+  if counter == ARGV[4] then
+    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+    return 2
+  end
+  if not counter then return 0 end
+  return {}
+end
 return {redis.sha1hex(current), string.sub(current, 1, tonumber(ARGV[3]))}
 """
 
@@ -118,9 +142,13 @@ end
 return 0
 """
 
+# KEYS: the lease, its release mark; ARGV: [1] the term's token, [2] the mark, [3] its ttl in ms. The mark tells
+# the other candidates that the lease is gone because its holder gave it up (take it at once), not because a
+# writer deleted it (its holder puts it back at its next renewal: wait).
 RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
+  redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
   return 1
 end
 return 0
@@ -150,6 +178,8 @@ ENDINGS = {  # why a term ends: the transition counter's reason label, and what 
     "expired": "its lease could not be renewed in time (Redis unreachable or slow)",
     "taken": "the lease was found taken by another candidate",
     "fenced": "a write was fenced off: the lease is no longer this term's",
+    "lost": "its lease and the generation counter were gone (Redis lost its data): a new term writes the "
+            "cluster's state back",
     "ended": "its control plane stopped",
 }
 
@@ -176,6 +206,12 @@ def lease_value(generation: int, origin: str, control_url: str, signer: Signer |
     body = f"{generation} {origin} {control_url}".encode()
     signature = (signer or Signer(None)).sign(b"lease", body)
     return body + b" " + signature.hex().encode() if signature else body
+
+
+def release_mark(token: bytes, signer: Signer | None = None) -> bytes:
+    """What a leader that gives its lease ``token`` up leaves beside it: an HMAC of it with the cluster secret
+    (the token itself without one), so a writer that deletes the lease cannot pass for its holder giving it up."""
+    return (signer or Signer(None)).sign(b"lease released", token).hex().encode() or token
 
 
 def parse_holder(raw: Any, signer: Signer | None = None) -> dict[str, Any] | None:
@@ -221,7 +257,14 @@ class Election:
         # Until when a candidate's lease may stand that this one did not see live (it read one, or just started):
         # its holder may still lead, and puts its own lease back over a forged one first.
         self._live_until = 0.0
+        # Until when the last candidate's lease this one read may stand, and its value: a lease found gone before
+        # then was deleted by a writer (its holder puts it back at its next renewal), unless its holder left the
+        # release mark of that value (it gave the lease up: taken at once).
+        self._seen_until = 0.0
+        self._seen_lease = b""
         self._forged_told: set[str] = set()  # the leases no candidate wrote that were logged (their SHA-1)
+        self._restored_told = 0.0  # when a lease put back over a deleted one was last logged
+        self._restored_untold = 0  # put back since (counted, not logged)
         self.ttl = settings.lease_ttl
         self.renew_every = settings.lease_renew
         self.margin = settings.lease_ttl / 4
@@ -286,8 +329,8 @@ class Election:
                 while self._ended:
                     await self._release(self._ended.pop())
                 term = self.term
-                if term is not None and term.over:
-                    self.end_term("expired" if not term.scope.cancel_called else "ended")
+                if term is not None and term.over:  # a scope past its deadline says cancel_called too
+                    self.end_term("expired" if trio.current_time() >= term.scope.deadline else "ended")
                     continue
                 if term is None and trio.current_time() < self._stand_after:
                     await trio.sleep_until(self._stand_after)
@@ -315,8 +358,9 @@ class Election:
         timeout = min(self.link.settings.timeout, self.renew_every * 2)
         try:
             seen: Any = await self.link.call("lease_acquire", lambda client: client.eval(
-                READ_LEASE, keys=[keys.leader, keys.leader_generation], args=[MAX_HOLDER_BYTES + 1]), timeout=timeout)
-            lease_sha, lease, counter_sha, counter, left = seen
+                READ_LEASE, keys=[keys.leader, keys.leader_generation, keys.leader_released],
+                args=[MAX_HOLDER_BYTES + 1]), timeout=timeout)
+            lease_sha, lease, counter_sha, counter, _, released, left = seen
         except Unavailable:
             self.holder = None  # while Redis is away there is no leader anyone can trust
             return
@@ -328,10 +372,13 @@ class Election:
             self._generation = max(self._generation, holder["generation"])
             if 0 <= left <= FOREIGN_LEASE_TTLS * self.ttl * 1000:
                 self.holder = holder
-                self._live_until = sent + left / 1000
+                self._live_until = self._seen_until = sent + left / 1000
+                self._seen_lease = lease
                 return  # a candidate's lease, live: it leads
         elif lease_sha and sent < self._live_until:
             return  # a forged lease over a live leader's: it puts its own back at its next renewal
+        elif not lease_sha and sent < self._seen_until and released != release_mark(self._seen_lease, self.signer):
+            return  # deleted under a live leader (not given up): it puts its lease back at its next renewal
         generation = next_generation(counter, self._generation)
         value = lease_value(generation, origin, self.control_url, self.signer)
         try:
@@ -371,17 +418,23 @@ class Election:
                     "writes to this cluster's Redis keys; logged once per value)", value, why, self.origin, done)
 
     async def keep(self, term: Term) -> bool:
-        """Renew ``term``'s lease: True when it holds the term's token again (renewed, or put back over a value no
-        candidate wrote: a forged lease does not end a term); a lease taken by a candidate, or gone, ends the term.
-        Redis failing leaves it to the term's deadline."""
+        """Renew ``term``'s lease: True when it holds the term's token again (renewed, put back over a value no
+        candidate wrote, or put back where a writer deleted it: a forged or deleted lease does not end a term); a
+        lease taken by a candidate, or gone with a later term drawn, ends the term, and so does one gone with the
+        generation counter (Redis lost its data: a new term writes the cluster's state back). Redis failing leaves
+        it to the term's deadline.
+
+        Putting a deleted lease back is safe because the renewal is answered before the term's deadline, which is
+        before the lease could have expired: a lease gone then was deleted, and the counter still holding the
+        term's generation (compared in the same script) says no candidate took a term since."""
         keys = self.keys
         sent = trio.current_time()
         remaining = term.scope.deadline - sent
         timeout = max(0.01, min(self.link.settings.timeout, remaining))
         try:
             answer: Any = await self.link.call("lease_renew", lambda client: client.eval(
-                RENEW, keys=[keys.leader], args=[term.token, int(self.ttl * 1000), MAX_HOLDER_BYTES + 1]),
-                timeout=timeout)
+                RENEW, keys=[keys.leader, keys.leader_generation],
+                args=[term.token, int(self.ttl * 1000), MAX_HOLDER_BYTES + 1, term.generation]), timeout=timeout)
             if answer != 1 and isinstance(answer, list) and len(answer) == 2 and \
                     parse_holder(answer[1], self.signer) is None:
                 reclaimed = await self.link.call("lease_renew", lambda client: client.eval(
@@ -395,17 +448,35 @@ class Election:
             return False  # tried again at the next renewal; the term's deadline ends it if none succeeds
         if self.term is not term:
             return False
-        if answer == 1:
+        if answer == 2:
+            self._restored(term)
+        if answer in (1, 2):
             term.scope.deadline = sent + self.ttl - self.margin
             return True
-        self.end_term("taken", term)
+        self.end_term("lost" if answer == 0 else "taken", term)
         return False
+
+    def _restored(self, term: Term) -> None:
+        """The term's lease was put back where a writer deleted it: counted, logged at most once a minute."""
+        self.metrics.lease_restored.inc()
+        now = trio.current_time()
+        if self._restored_told and now - self._restored_told < RESTORED_LOG_EVERY:
+            self._restored_untold += 1
+            return
+        since = f" ({self._restored_untold} more times since the last line)" if self._restored_untold else ""
+        self._restored_told, self._restored_untold = now, 0
+        log.warning("cluster leader: the lease of term %d was gone from Redis while its generation counter was "
+                    "not: someone deleted it; %s put it back and keeps its term%s (someone else writes to this "
+                    "cluster's Redis keys; logged at most once a minute, llmgw_cluster_lease_restored_total counts "
+                    "each)", term.generation, self.origin, since,
+                    extra=log_fields(term=term.generation, leader=self.origin))
 
     async def _release(self, term: Term) -> None:
         keys = self.keys
         try:
             released = await self.link.call("lease_release", lambda client: client.eval(
-                RELEASE, keys=[keys.leader], args=[term.token]))
+                RELEASE, keys=[keys.leader, keys.leader_released],
+                args=[term.token, release_mark(term.token, self.signer), int(self.ttl * 1000)]))
         except Unavailable:
             return  # it expires by itself within lease_ttl
         if released:

@@ -56,6 +56,9 @@ class ClusterMetrics:
         self.fenced_writes = Counter("llmgw_cluster_fenced_writes", "Writes of this process's control plane "
                                      "that Redis refused because the lease was no longer its term's (the term "
                                      "ends at the first one).", registry=registry)
+        self.lease_restored = Counter("llmgw_cluster_lease_restored", "Renewals of this leader that found its "
+                                      "lease deleted (by someone who writes to Redis; its generation counter "
+                                      "still the term's) and put it back, keeping the term.", registry=registry)
         self.held = Counter("llmgw_cluster_held_replicas", "Replicas a new leader kept routing from the previous "
                             "one's table when its term started, by outcome: claimed (its own source added the "
                             "same replica: the config's, or a deployed one whose agent re-registered) or dropped "

@@ -127,6 +127,10 @@ class Keys:
     def leader_generation(self) -> str:
         return self.prefix + "leader:generation"
 
+    @property
+    def leader_released(self) -> str:
+        return self.prefix + "leader:released"
+
     def snapshot_part(self, writer: str, seq: int, part: str) -> str:
         return f"{self.prefix}snap:{writer}:{seq}:{part}"
 

@@ -179,6 +179,41 @@ async def test_a_forged_lease_fails_nothing_and_keeps_every_replica(ha_cluster: 
     await under_traffic(ha_cluster, fault)
 
 
+async def test_a_deleted_lease_changes_no_leader_fails_nothing_and_keeps_every_replica(ha_cluster: HaCluster,
+                                                                                       cluster_name: str):
+    # A DEL of the lease (anyone who can write to Redis) ended the leader's term at its next renewal and the other
+    # candidate took the lease: a change of leader on demand. Now the leader puts its lease back (the generation
+    # counter still holds its term: nobody took one since) and the other candidate waits for it.
+    async def fault(ha: HaCluster):
+        leader, other = ha.candidates
+        term = (await ha.health(leader))["state"]["leader"]["term"]
+        client = coredis.Redis.from_url(ha.redis.url, decode_responses=False)
+        lease = Keys(cluster_name).leader
+        async with client:
+            token = await client.get(lease)
+            assert token is not None
+            for _ in range(3):
+                await client.delete([lease])
+                deleted = trio.current_time()
+                with trio.fail_after(5):
+                    while await client.get(lease) != token:
+                        await trio.sleep(0.01)
+                print(f"\nthe leader's lease back {trio.current_time() - deleted:.2f} s after the DEL")
+                await trio.sleep(1.0)
+        back = trio.current_time()
+        await trio.sleep(2 * LEASE_TTL)  # several renewals and the other candidate's rounds
+        for candidate in ha.candidates:
+            state = (await ha.health(candidate))["state"]["leader"]
+            assert state["leading"] == (candidate is leader), state
+        assert (await ha.health(leader))["state"]["leader"]["term"] == term  # a new term draws the next number
+        assert (await ha.health(other))["state"]["leader"]["holder"]["generation"] == term
+        assert await leader.metric("llmgw_cluster_lease_restored_total") == 3
+        assert await other.metric("llmgw_cluster_elections_total") == 0
+        return back, set(), 0.0
+
+    await under_traffic(ha_cluster, fault)
+
+
 @pytest.mark.parametrize("role", ["candidate", "gateway"])
 async def test_a_process_started_while_redis_is_down_routes_its_own_configs_static_replicas(nursery, start_llmgw,
                                                                                           cluster_name, tmp_path,

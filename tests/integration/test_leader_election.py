@@ -183,6 +183,11 @@ async def test_a_stale_terms_write_is_refused_by_redis_and_ends_that_term(nurser
     old_fence = Fence(old.link, keys, old, old_term, old.metrics)
     await old_fence.run("test", [[b"XADD", keys.log, b"*", b"w", b"old"]])  # while it holds the lease: written
     # Its lease runs out in Redis while it cannot renew (the pause, seen from Redis), and another takes it.
+    # (Its renewals stop: a lease deleted under a leader that renews is put back, which is not this test's.)
+    async def no_renewal(term) -> bool:
+        return False
+
+    old.keep = no_renewal  # type: ignore[method-assign]
     client = coredis.Redis.from_url(redis_url, decode_responses=False)
     async with client:
         await client.delete([keys.leader])
@@ -262,6 +267,80 @@ async def test_a_lease_no_candidate_signed_ends_no_term_and_is_replaced_at_once(
         with pytest.raises(Fenced):
             await fence.run("test", [[b"XADD", keys.log, b"*", b"w", b"a-late"]])
         assert await client.get(keys.leader) == new_term.token
+
+
+async def test_a_deleted_lease_ends_no_term_but_one_given_up_or_lost_with_redis_data_does(nursery, redis_url,
+                                                                                            cluster_name):
+    """A ``DEL`` of the lease (anyone who can write to Redis) ended the leader's term at its next renewal, and the
+    other candidate took the lease at once: a change of leader on demand. Now the leader puts it back (its
+    generation counter says no term was drawn since) and keeps its term; the other candidate waits for that while
+    the lease it last read could stand. A lease given up (the release mark) is taken at once; one gone with the
+    counter (Redis lost its data) ends the term, and the same candidate takes the next one while the other waits;
+    one gone with a later generation drawn ends it too."""
+    from llmgw.cluster.election import Election  # here: the other tests run (and fail) on main
+    from llmgw.cluster.records import Signer
+
+    config = parse_config(state_section(redis_url, cluster_name, lease_ttl="600ms", lease_renew="100ms"))
+    keys, signer = Keys(cluster_name), Signer(b"a cluster secret of at least 16 bytes")
+
+    async def candidate(origin: str) -> "Election":
+        metrics = ClusterMetrics(None, "control", cluster_name, origin)
+        link = RedisLink(config.state, metrics)
+        await nursery.start(link.run)
+        election = Election(link, keys, config.state, metrics, origin, signer)
+        election.listening(f"http://{origin}.invalid:1")
+        await nursery.start(election.run)
+        return election
+
+    a = await candidate("a")
+    term = await a.wait_elected()
+    b = await candidate("b")
+    client = coredis.Redis.from_url(redis_url, decode_responses=False)
+    async with client:
+        await trio.sleep(0.3)  # b has read a's lease
+        for _ in range(5):  # deleted, over and over: put back each time, the same term, b never takes it
+            await client.delete([keys.leader])
+            with trio.fail_after(2):
+                while await client.get(keys.leader) != term.token:
+                    await trio.sleep(0.01)
+            await trio.sleep(0.2)
+        assert a.term is term and a.leading and not term.scope.cancel_called and not b.leading
+        assert scrape_metric(a.metrics.lease_restored) == 5
+        assert scrape_metric(a.metrics.transitions.labels("follower", "taken")) == 0
+
+        # Gone with the generation counter (Redis lost its data): the term ends, a takes the next one, b waits.
+        await client.delete([keys.leader, keys.leader_generation])
+        with trio.fail_after(2):
+            while not term.scope.cancel_called:
+                await trio.sleep(0.01)
+        second = await a.wait_elected()
+        assert second.generation == term.generation + 1
+        assert scrape_metric(a.metrics.transitions.labels("follower", "lost")) == 1
+        assert await client.get(keys.leader_generation) == str(second.generation).encode()
+        await trio.sleep(0.3)
+        assert a.term is second and not b.leading
+
+        # Gone with a later generation drawn (a term this one did not see): the term ends.
+        await client.set(keys.leader_generation, str(second.generation + 5))
+        await client.delete([keys.leader])
+        with trio.fail_after(2):
+            while not second.scope.cancel_called:
+                await trio.sleep(0.01)
+        assert scrape_metric(a.metrics.transitions.labels("follower", "taken")) == 1
+        with trio.fail_after(3):  # whoever takes it draws past the counter
+            while not (a.leading or b.leading):
+                await trio.sleep(0.01)
+        third = (a if a.leading else b).term
+        assert third is not None and third.generation == second.generation + 6
+
+        # Given up: the other candidate takes it at once (the release mark), not once the lease could expire.
+        leader, other = (a, b) if a.leading else (b, a)
+        leader.pause(60)
+        leader.end_term("ended", third)
+        given_up = trio.current_time()
+        fourth = await other.wait_elected()
+        assert trio.current_time() - given_up < 0.4  # a lease_ttl is 0.6 s
+        assert fourth.generation == third.generation + 1
 
 
 async def test_a_redis_outage_leaves_no_leader_then_one_is_elected_and_every_process_routes_throughout(
