@@ -72,6 +72,25 @@ def setup_logging(level: str = "info", fmt: str = "text", worker: int | None = N
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(getattr(logging, level.upper()))
-    # The Redis client narrates every reconnect attempt at INFO; llmgw.cluster.link says once per transition
-    # what an operator needs (degraded, healthy again). Its own lines stay visible at debug.
-    logging.getLogger("coredis").setLevel(logging.DEBUG if level.lower() == "debug" else logging.WARNING)
+    # The Redis client narrates every reconnect attempt at INFO, and a failed handshake (a frozen Redis, one
+    # restarting, a connection reset) at ERROR with its traceback, once per attempt of every caller; the
+    # llmgw.cluster.link says once per transition what an operator needs (one WARNING when Redis goes away, one
+    # INFO when it is back) and counts each failed call (llmgw_cluster_redis_errors_total). Its own lines stay
+    # visible at debug.
+    coredis = logging.getLogger("coredis")
+    debug = level.lower() == "debug"
+    coredis.setLevel(logging.DEBUG if debug else logging.WARNING)
+    for old_filter in [f for f in coredis.filters if isinstance(f, RedisReconnectNoise)]:
+        coredis.removeFilter(old_filter)
+    if not debug:
+        coredis.addFilter(RedisReconnectNoise())
+
+
+class RedisReconnectNoise(logging.Filter):
+    """Drops the Redis client's (coredis's) lines about one connection attempt that failed or one connection
+    lost: each caller's next call tries again, and llmgw.cluster.link logs the outage once."""
+
+    MESSAGES = frozenset({"Connection attempt failed unexpectedly!", "Connection closed unexpectedly!"})
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in self.MESSAGES

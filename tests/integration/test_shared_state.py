@@ -8,6 +8,7 @@ and the engines' own reported cached tokens.
 
 from __future__ import annotations
 
+import signal
 from random import Random
 
 import coredis
@@ -18,7 +19,7 @@ import trio
 from llmgw.bench.chat_workloads import words
 from llmgw.cluster import records
 from llmgw.cluster.records import Keys
-from llmgw.testing.metrics import scrape_value
+from llmgw.testing.metrics import scrape, scrape_value, series_sum
 from llmgw.testing.shared_state import cluster_config, wait_replicas
 from llmgw.testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, MODEL, start_sims
 
@@ -259,3 +260,47 @@ async def test_a_gateway_that_has_not_loaded_the_shared_state_answers_503_not_40
         unknown = await http.post(follower.url + "/v1/chat/completions", json={**long_prompt(2), "model": "nope"})
         assert unknown.status_code == 404
     assert control.returncode is None
+
+
+
+@pytest.mark.parametrize("fault", ["frozen", "killed"])
+async def test_redis_down_is_one_warning_and_back_one_info_with_no_traceback(nursery, start_llmgw, private_redis,
+                                                                             cluster_name, fault: str):
+    # coredis logged "ERROR coredis: Connection attempt failed unexpectedly!" (with a traceback, or "NoneType:
+    # None") at each connection attempt of each caller while Redis was frozen or restarting: a line every few
+    # seconds per process, none an operator could act on. The link says it once each way, and counts the calls.
+    (sim,) = await start_sims(nursery, 1, num_blocks=256, block_size=16)
+    config = cluster_config([sim], private_redis.url, cluster_name, routing="round_robin")
+    control = await start_llmgw(config, "--log-level", "info")
+    follower = await start_llmgw(config, "--role", "gateway", "--log-level", "info")
+    gateways = (control, follower)
+    async with httpx.AsyncClient(timeout=30) as http:
+        for gateway in gateways:
+            await wait_replicas(gateway.control_url, 1)
+        errors = [series_sum(await scrape(g.control_url, http), "llmgw_cluster_redis_errors_total") for g in gateways]
+        marks = [len(gateway.lines) for gateway in gateways]
+        if fault == "frozen":
+            private_redis.running.kill(signal.SIGSTOP)
+            await trio.sleep(8)
+            private_redis.running.kill(signal.SIGCONT)
+        else:
+            await private_redis.kill()
+            await trio.sleep(8)
+            await private_redis.restart()
+        with trio.fail_after(15):
+            while any([(await http.get(g.control_url + "/health")).json()["state"]["degraded"] for g in gateways]):
+                await trio.sleep(0.1)
+        await trio.sleep(1.0)  # a late line would show
+        for gateway, before, mark in zip(gateways, errors, marks):
+            lines = gateway.lines[mark:]
+            text = "\n".join(lines)
+            assert "Traceback" not in text and "NoneType: None" not in text, text
+            assert not [line for line in lines if " coredis" in line or " ERROR llmgw.cluster" in line], text
+            assert sum(" WARNING llmgw.cluster.link: cluster state degraded: Redis at " in line
+                       for line in lines) == 1, text
+            assert sum(" INFO llmgw.cluster.link: cluster state: Redis at " in line and "is reachable" in line
+                       for line in lines) == 1, text
+            # Each call that failed meanwhile (every retry of every task) is counted.
+            after = series_sum(await scrape(gateway.control_url, http), "llmgw_cluster_redis_errors_total")
+            assert after >= before + 5, (before, after)
+            assert gateway.returncode is None

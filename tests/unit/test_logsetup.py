@@ -38,3 +38,30 @@ def test_a_workers_lines_say_which_worker_it_is(capsys):
         for handler in handlers:
             root.addHandler(handler)
         root.setLevel(level)
+
+
+def test_the_redis_clients_line_per_failed_connection_attempt_is_dropped_but_at_debug(capsys):
+    from llmgw.logsetup import setup_logging
+
+    root, coredis = logging.getLogger(), logging.getLogger("coredis")
+    handlers, level, coredis_level = list(root.handlers), root.level, coredis.level
+    try:
+        for configured, shown in (("info", False), ("info", False), ("debug", True)):  # twice: one filter
+            setup_logging(configured, "text")
+            try:
+                raise ConnectionResetError("reset by peer")
+            except ConnectionResetError:
+                coredis.exception("Connection attempt failed unexpectedly!")
+            coredis.warning("something else")
+            err = capsys.readouterr().err
+            assert ("Connection attempt failed" in err) == shown and ("ConnectionResetError" in err) == shown, err
+            assert "WARNING coredis: something else" in err
+    finally:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(level)
+        coredis.setLevel(coredis_level)
+        for added in list(coredis.filters):
+            coredis.removeFilter(added)
