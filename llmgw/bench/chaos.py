@@ -11,13 +11,14 @@ every gateway throughout. The faults (:mod:`.chaos_schedule`), one after the oth
 with ``--before`` seconds of load, the fault, then at least ``--observe`` seconds and until
 every gateway has routed to every replica for ``--stable`` seconds (at most ``--settle``):
 Redis SIGSTOP; Redis kill -9 and an empty restart; the leader SIGSTOP; the leader kill -9
-(restarted as a candidate); a forged lease written to Redis with no secret; a partition
+(restarted as a candidate); a forged lease written to Redis with no secret; the lease
+deleted three times (``DEL``, 1 s apart); a partition
 between the last gateway and Redis; the agent kill -9 and restart; an engine kill -9.
 
 Per fault: the requests that ended in its window and, per gateway, the failed ones by
 outcome (``http_503``, ``in_flight``, ...), those lost inside a killed or frozen process
 (its own ``in_flight``, ``stream_cut`` and ``timeout``) apart; from the fault's end (the
-SIGCONT, Redis answering, the restart, the lease's expiry) until every replica is routable
+SIGCONT, Redis answering, the restart, the lease's expiry or last deletion) until every replica is routable
 again on every gateway (``/admin/models``), and how long each gateway could not route to
 all; whether the engines kept their pids (as the agent reported them, before and after);
 the leaders and terms seen. A cluster that has not recovered after ``--settle`` seconds is
@@ -176,6 +177,7 @@ class Settings:
     redis_down: float = 8.0
     leader_stop: float = 7.0
     forged_ms: int = 6000
+    lease_deletes: int = 3
     partition: float = 8.0
     agent_down: float = 2.0
 
@@ -224,10 +226,16 @@ class Injector:
         return killed
 
     async def forged_lease(self, engines) -> None:
-        client = coredis.Redis("127.0.0.1", self.rig.redis.port, connect_timeout=2, stream_timeout=5)
-        async with client:
+        async with self._intruder() as client:
             await client.set(f"llmgw:{CLUSTER}:leader", "999 evil http://127.0.0.1:1", px=self.s.forged_ms)
         await trio.sleep(self.s.forged_ms / 1000)
+
+    async def lease_delete(self, engines) -> None:
+        async with self._intruder() as client:
+            for i in range(self.s.lease_deletes):
+                if i:
+                    await trio.sleep(1.0)
+                await client.delete([f"llmgw:{CLUSTER}:leader"])
 
     async def partition(self, engines) -> None:
         self.rig.proxy.cut()
@@ -246,6 +254,10 @@ class Injector:
         self.expected_restarts = [name]
         os.kill(engines[name], signal.SIGKILL)
         await wait_group_gone(engines[name], timeout=30)
+
+    def _intruder(self) -> "coredis.Redis[bytes]":
+        """A client of the rig's Redis as anyone who can write to it would have (no cluster secret)."""
+        return coredis.Redis("127.0.0.1", self.rig.redis.port, connect_timeout=2, stream_timeout=5)
 
     @staticmethod
     async def _frozen(pid: int, seconds: float) -> None:
@@ -545,7 +557,8 @@ def parser() -> argparse.ArgumentParser:
     p.prog = "llmgw bench chaos"
     p.add_argument("--faults", default="all", help="comma-separated faults in the order to run them, or all "
                                                    "(redis-stop, redis-restart, leader-stop, leader-kill, "
-                                                   "forged-lease, partition, agent-kill, engine-kill)")
+                                                   "forged-lease, lease-delete, partition, agent-kill, "
+                                                   "engine-kill)")
     p.add_argument("--quick", action="store_true",
                    help="one short fault (a 4 s partition, longer than state.timeout): a smoke run")
     p.add_argument("--repeats", type=int, default=1, help="run the schedule this many times (default 1)")

@@ -24,6 +24,7 @@ SCHEDULE: tuple[Fault, ...] = (
     Fault("leader-stop", "the leader SIGSTOP {leader_stop:g} s, then SIGCONT", victim="leader"),
     Fault("leader-kill", "the leader kill -9, restarted as a candidate", victim="leader"),
     Fault("forged-lease", 'SET llmgw:CLUSTER:leader "999 evil http://127.0.0.1:1" PX {forged_ms}, no secret'),
+    Fault("lease-delete", "DEL llmgw:CLUSTER:leader {lease_deletes} times, 1 s apart"),
     Fault("partition", "the last gateway cut from Redis {partition:g} s (a TCP proxy), then restored"),
     Fault("agent-kill", "the agent kill -9, started again {agent_down:g} s later"),
     Fault("engine-kill", "one engine kill -9 (its agent restarts it)"),

@@ -33,8 +33,8 @@ from llmgw.metrics import trio_task_count
 
 def test_the_schedule_runs_every_fault_of_the_issue_in_order_and_refuses_an_unknown_name():
     assert [f.name for f in parse_faults("all")] == [
-        "redis-stop", "redis-restart", "leader-stop", "leader-kill", "forged-lease", "partition", "agent-kill",
-        "engine-kill"]
+        "redis-stop", "redis-restart", "leader-stop", "leader-kill", "forged-lease", "lease-delete", "partition",
+        "agent-kill", "engine-kill"]
     assert parse_faults(None) == list(SCHEDULE)
     assert [f.name for f in parse_faults("engine-kill, redis-stop")] == ["engine-kill", "redis-stop"]
     with pytest.raises(ValueError, match="unknown fault.*nope"):
