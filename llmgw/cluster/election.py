@@ -498,18 +498,27 @@ class LeaderWatch:
         self.keys = keys
         self.signer = signer or Signer(None)
         self.every = settings.lease_renew
+        self.ttl = settings.lease_ttl
         self.holder: dict[str, Any] | None = None
+        self._read_at = 0.0  # when the holder's lease was last read
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         lease = self.keys.leader
         while True:
+            sent = trio.current_time()
             try:
                 raw = await self.link.call("lease_read", lambda client: client.getrange(lease, 0, MAX_HOLDER_BYTES))
             except Unavailable:
                 self.holder = None  # while Redis is away there is no leader anyone can trust
             else:
-                self.holder = parse_holder(raw or None, self.signer)
+                holder = parse_holder(raw or None, self.signer)
+                if holder is not None:
+                    self.holder, self._read_at = holder, sent
+                elif sent - self._read_at >= self.ttl:
+                    self.holder = None
+                # else a lease gone or forged while the holder's could still stand: its holder puts its own back
+                # at its next renewal, and leads meanwhile
             await trio.sleep(self.every)
 
     def describe(self) -> dict[str, Any]:

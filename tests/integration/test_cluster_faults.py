@@ -189,7 +189,22 @@ async def test_a_deleted_lease_changes_no_leader_fails_nothing_and_keeps_every_r
         term = (await ha.health(leader))["state"]["leader"]["term"]
         client = coredis.Redis.from_url(ha.redis.url, decode_responses=False)
         lease = Keys(cluster_name).leader
-        async with client:
+        leaderless: list[tuple[str, dict]] = []
+
+        async def watch_holders() -> None:
+            # Every process names the leader throughout: a lease gone while it could still stand is its
+            # holder's still (no "no_leader" on /health, no holder of another term).
+            while True:
+                for process, name in zip(ha.gateways, "ABF"):
+                    health = await ha.health(process)
+                    holder = health["state"]["leader"]["holder"]
+                    if (holder or {}).get("generation") != term or "no_leader" in {r["code"] for r in
+                                                                                     health["reasons"]}:
+                        leaderless.append((name, health))
+                await trio.sleep(0.05)
+
+        async with client, trio.open_nursery() as watching:
+            watching.start_soon(watch_holders)
             token = await client.get(lease)
             assert token is not None
             for _ in range(3):
@@ -200,6 +215,8 @@ async def test_a_deleted_lease_changes_no_leader_fails_nothing_and_keeps_every_r
                         await trio.sleep(0.01)
                 print(f"\nthe leader's lease back {trio.current_time() - deleted:.2f} s after the DEL")
                 await trio.sleep(1.0)
+            watching.cancel_scope.cancel()
+        assert not leaderless, leaderless[:3]
         back = trio.current_time()
         await trio.sleep(2 * LEASE_TTL)  # several renewals and the other candidate's rounds
         for candidate in ha.candidates:

@@ -343,6 +343,40 @@ async def test_a_deleted_lease_ends_no_term_but_one_given_up_or_lost_with_redis_
         assert fourth.generation == third.generation + 1
 
 
+async def test_a_gateway_names_the_leader_while_its_lease_is_gone_or_forged_within_a_lease_ttl(nursery, redis_url,
+                                                                                              cluster_name):
+    """A ``--role gateway`` process read the lease every ``lease_renew`` and named no leader (``/health``:
+    ``no_leader``) at the first read that found it deleted or forged, which the leader puts back at its next
+    renewal. It names the last leader it read until that one's lease could have expired."""
+    from llmgw.cluster.election import LeaderWatch, lease_value
+    from llmgw.cluster.records import Signer
+
+    config = parse_config(state_section(redis_url, cluster_name, lease_ttl="600ms", lease_renew="50ms"))
+    keys, signer = Keys(cluster_name), Signer(b"a cluster secret of at least 16 bytes")
+    metrics = ClusterMetrics(None, "gateway", cluster_name, "f")
+    link = RedisLink(config.state, metrics)
+    await nursery.start(link.run)
+    watch = LeaderWatch(link, keys, config.state, signer)
+    client = coredis.Redis.from_url(redis_url, decode_responses=False)
+    async with client:
+        await client.set(keys.leader, lease_value(7, "a", "http://a.invalid:1", signer), px=5000)
+        await nursery.start(watch.run)
+        with trio.fail_after(2):
+            while watch.holder is None:
+                await trio.sleep(0.01)
+        assert watch.holder["generation"] == 7
+        for gone in (lambda: client.delete([keys.leader]), lambda: client.set(keys.leader, b"999 evil x", px=5000)):
+            await gone()
+            await trio.sleep(0.3)  # six reads, within a lease_ttl of the last good one
+            assert watch.holder is not None and watch.holder["generation"] == 7
+            await client.set(keys.leader, lease_value(7, "a", "http://a.invalid:1", signer), px=5000)
+            await trio.sleep(0.1)
+        await client.delete([keys.leader])
+        await trio.sleep(0.8)  # more than a lease_ttl since the last good read: no leader
+        assert watch.holder is None
+    nursery.cancel_scope.cancel()
+
+
 async def test_a_redis_outage_leaves_no_leader_then_one_is_elected_and_every_process_routes_throughout(
         nursery, start_llmgw, private_redis, cluster_name):
     # Static replicas (simulators this test started): llmgw cannot restart them. Whether deployed engines survive a
