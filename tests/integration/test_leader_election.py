@@ -9,6 +9,7 @@ requests) and what is in Redis (the log, the lease).
 from __future__ import annotations
 
 import signal
+from typing import TYPE_CHECKING
 
 import coredis
 import httpx
@@ -26,6 +27,9 @@ from llmgw.testing.processes import Child, llmgw_command
 from llmgw.testing.shared_state import cluster_config, start_cluster, state_section, wait_kv_healthy
 from llmgw.testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, MODEL, start_sims
 from llmgw.wire.channel import agent_url
+
+if TYPE_CHECKING:
+    from llmgw.cluster.election import Election
 
 pytestmark = pytest.mark.slow
 
@@ -163,22 +167,30 @@ async def log_writers_in_order(redis_url: str, cluster: str) -> list[str]:
     return [entry.field_values[b"w"].decode() for entry in entries]
 
 
-async def test_a_stale_terms_write_is_refused_by_redis_and_ends_that_term(nursery, redis_url, cluster_name):
-    from llmgw.cluster.election import Election, Fence, Fenced  # here: the other tests run (and fail) on main
+async def quick_candidate(nursery, redis_url: str, cluster_name: str, origin: str, signer=None) -> "Election":
+    """A candidate's :class:`~llmgw.cluster.election.Election` in this process against the test's Redis (``lease_ttl``
+    600 ms, renewed every 100 ms), its link and its campaign running in ``nursery``."""
+    from llmgw.cluster.election import Election
 
     config = parse_config(state_section(redis_url, cluster_name, lease_ttl="600ms", lease_renew="100ms"))
+    metrics = ClusterMetrics(None, "control", cluster_name, origin)
+    link = RedisLink(config.state, metrics)
+    await nursery.start(link.run)
+    election = Election(link, Keys(cluster_name), config.state, metrics, origin, signer)
+    election.listening(f"http://{origin}.invalid:1")
+    await nursery.start(election.run)
+    return election
+
+
+async def test_a_stale_terms_write_is_refused_by_redis_and_ends_that_term(nursery, redis_url, cluster_name):
+    from llmgw.cluster.election import Fence, Fenced  # here: the other tests run (and fail) on main
+
     keys = Keys(cluster_name)
 
     async def candidate(origin: str) -> "Election":
-        metrics = ClusterMetrics(None, "control", cluster_name, origin)
-        link = RedisLink(config.state, metrics)
-        await nursery.start(link.run)
-        election = Election(link, keys, config.state, metrics, origin)
-        election.listening(f"http://{origin}.invalid:1")
-        return election
+        return await quick_candidate(nursery, redis_url, cluster_name, origin)
 
     old = await candidate("old")
-    await nursery.start(old.run)
     old_term = await old.wait_elected()
     old_fence = Fence(old.link, keys, old, old_term, old.metrics)
     await old_fence.run("test", [[b"XADD", keys.log, b"*", b"w", b"old"]])  # while it holds the lease: written
@@ -192,7 +204,6 @@ async def test_a_stale_terms_write_is_refused_by_redis_and_ends_that_term(nurser
     async with client:
         await client.delete([keys.leader])
     new = await candidate("new")
-    await nursery.start(new.run)
     new_term = await new.wait_elected()
     assert new_term.generation == old_term.generation + 1
     with pytest.raises(Fenced):
@@ -217,20 +228,13 @@ async def test_a_lease_no_candidate_signed_ends_no_term_and_is_replaced_at_once(
     cluster secret now: the leader puts its own back over a forged one (compare-and-set on the exact bad value,
     the secret never sent to Redis) and keeps its term, its fenced writes go on, another candidate never takes
     it; with no leader, a candidate replaces a forged lease at once. A stale term's write is still refused."""
-    from llmgw.cluster.election import Election, Fence, Fenced  # here: the other tests run (and fail) on main
+    from llmgw.cluster.election import Fence, Fenced  # here: the other tests run (and fail) on main
     from llmgw.cluster.records import Signer
 
-    config = parse_config(state_section(redis_url, cluster_name, lease_ttl="600ms", lease_renew="100ms"))
     keys, signer = Keys(cluster_name), Signer(b"a cluster secret of at least 16 bytes")
 
     async def candidate(origin: str) -> "Election":
-        metrics = ClusterMetrics(None, "control", cluster_name, origin)
-        link = RedisLink(config.state, metrics)
-        await nursery.start(link.run)
-        election = Election(link, keys, config.state, metrics, origin, signer)
-        election.listening(f"http://{origin}.invalid:1")
-        await nursery.start(election.run)
-        return election
+        return await quick_candidate(nursery, redis_url, cluster_name, origin, signer)
 
     a = await candidate("a")
     term = await a.wait_elected()
@@ -277,20 +281,12 @@ async def test_a_deleted_lease_ends_no_term_but_one_given_up_or_lost_with_redis_
     the lease it last read could stand. A lease given up (the release mark) is taken at once; one gone with the
     counter (Redis lost its data) ends the term, and the same candidate takes the next one while the other waits;
     one gone with a later generation drawn ends it too."""
-    from llmgw.cluster.election import Election  # here: the other tests run (and fail) on main
     from llmgw.cluster.records import Signer
 
-    config = parse_config(state_section(redis_url, cluster_name, lease_ttl="600ms", lease_renew="100ms"))
     keys, signer = Keys(cluster_name), Signer(b"a cluster secret of at least 16 bytes")
 
     async def candidate(origin: str) -> "Election":
-        metrics = ClusterMetrics(None, "control", cluster_name, origin)
-        link = RedisLink(config.state, metrics)
-        await nursery.start(link.run)
-        election = Election(link, keys, config.state, metrics, origin, signer)
-        election.listening(f"http://{origin}.invalid:1")
-        await nursery.start(election.run)
-        return election
+        return await quick_candidate(nursery, redis_url, cluster_name, origin, signer)
 
     a = await candidate("a")
     term = await a.wait_elected()
