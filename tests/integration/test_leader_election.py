@@ -18,7 +18,7 @@ import trio
 
 from llmgw.cluster.link import RedisLink
 from llmgw.cluster.metrics import ClusterMetrics
-from llmgw.cluster.records import Keys
+from llmgw.cluster.records import Keys, Signer
 from llmgw.config.loading import parse_config
 from llmgw.testing.cluster import CHAT, TOKEN, Cluster, all_up, shard_pids
 from llmgw.testing.ha import candidate_config
@@ -29,10 +29,11 @@ from llmgw.testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, MODEL, start_sims
 from llmgw.wire.channel import agent_url
 
 if TYPE_CHECKING:
-    from llmgw.cluster.election import Election
+    from llmgw.cluster.election import Election, Term
 
 pytestmark = pytest.mark.slow
 
+SECRET = Signer(b"a cluster secret of at least 16 bytes")  # the in-process candidates' cluster secret
 PROMPT = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hello there"}]}
 
 
@@ -182,6 +183,13 @@ async def quick_candidate(nursery, redis_url: str, cluster_name: str, origin: st
     return election
 
 
+async def leader_and_candidate(nursery, redis_url: str, cluster_name: str) -> tuple["Election", "Term", "Election"]:
+    """``(a, its term, b)``: two :func:`quick_candidate` of the cluster secret :data:`SECRET`, ``a`` leading."""
+    a = await quick_candidate(nursery, redis_url, cluster_name, "a", SECRET)
+    term = await a.wait_elected()
+    return a, term, await quick_candidate(nursery, redis_url, cluster_name, "b", SECRET)
+
+
 async def test_a_stale_terms_write_is_refused_by_redis_and_ends_that_term(nursery, redis_url, cluster_name):
     from llmgw.cluster.election import Fence, Fenced  # here: the other tests run (and fail) on main
 
@@ -229,16 +237,9 @@ async def test_a_lease_no_candidate_signed_ends_no_term_and_is_replaced_at_once(
     the secret never sent to Redis) and keeps its term, its fenced writes go on, another candidate never takes
     it; with no leader, a candidate replaces a forged lease at once. A stale term's write is still refused."""
     from llmgw.cluster.election import Fence, Fenced  # here: the other tests run (and fail) on main
-    from llmgw.cluster.records import Signer
 
-    keys, signer = Keys(cluster_name), Signer(b"a cluster secret of at least 16 bytes")
-
-    async def candidate(origin: str) -> "Election":
-        return await quick_candidate(nursery, redis_url, cluster_name, origin, signer)
-
-    a = await candidate("a")
-    term = await a.wait_elected()
-    b = await candidate("b")
+    keys = Keys(cluster_name)
+    a, term, b = await leader_and_candidate(nursery, redis_url, cluster_name)
     fence = Fence(a.link, keys, a, term, a.metrics)
     client = coredis.Redis.from_url(redis_url, decode_responses=False)
     forged = [b"999 evil http://127.0.0.1:1", term.token.rsplit(b" ", 1)[0],  # its own value, unsigned
@@ -281,16 +282,8 @@ async def test_a_deleted_lease_ends_no_term_but_one_given_up_or_lost_with_redis_
     the lease it last read could stand. A lease given up (the release mark) is taken at once; one gone with the
     counter (Redis lost its data) ends the term, and the same candidate takes the next one while the other waits;
     one gone with a later generation drawn ends it too."""
-    from llmgw.cluster.records import Signer
-
-    keys, signer = Keys(cluster_name), Signer(b"a cluster secret of at least 16 bytes")
-
-    async def candidate(origin: str) -> "Election":
-        return await quick_candidate(nursery, redis_url, cluster_name, origin, signer)
-
-    a = await candidate("a")
-    term = await a.wait_elected()
-    b = await candidate("b")
+    keys = Keys(cluster_name)
+    a, term, b = await leader_and_candidate(nursery, redis_url, cluster_name)
     client = coredis.Redis.from_url(redis_url, decode_responses=False)
     async with client:
         await trio.sleep(0.3)  # b has read a's lease
@@ -345,10 +338,9 @@ async def test_a_gateway_names_the_leader_while_its_lease_is_gone_or_forged_with
     ``no_leader``) at the first read that found it deleted or forged, which the leader puts back at its next
     renewal. It names the last leader it read until that one's lease could have expired."""
     from llmgw.cluster.election import LeaderWatch, lease_value
-    from llmgw.cluster.records import Signer
 
     config = parse_config(state_section(redis_url, cluster_name, lease_ttl="600ms", lease_renew="50ms"))
-    keys, signer = Keys(cluster_name), Signer(b"a cluster secret of at least 16 bytes")
+    keys, signer = Keys(cluster_name), SECRET
     metrics = ClusterMetrics(None, "gateway", cluster_name, "f")
     link = RedisLink(config.state, metrics)
     await nursery.start(link.run)
