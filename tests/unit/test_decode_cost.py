@@ -155,6 +155,27 @@ def test_a_busy_replica_is_charged_the_decode_delay_a_new_sequence_adds_and_an_i
     assert busy.decode < 0.01 and idle.decode == 0
 
 
+def test_before_any_decode_is_seen_the_requests_in_flight_are_charged_on_the_prior_line():
+    """A burst: streams opened a few ms apart, none decoding yet when the next is placed. The charge works from
+    the requests in flight there and the expected output, on the prior line (an H100 serving an 8B model), and
+    moves toward what the streams show once they do; with both prior slopes at 0 nothing is charged until then."""
+    model = DecodeModel()
+    assert model.observations == 0 and model.weight == 1.0 and model.describe("a")["itl_source"] == "prior"
+    busy, idle = model.charges(["a", "b"], 2000, 400, [10, 0], [10 * 2000, 0], [20_000.0] * 2, [None] * 2, 0.0)
+    growth = 2e-5 + 5e-8 * (2000 + 128)  # the prior's per sequence and per context token at its mean context
+    assert abs(busy.growth - growth) < 1e-9 and busy.output_tokens == 256  # the typical length, under max_tokens
+    assert abs(busy.others - 10 * 128 * growth) < 1e-6  # the ten there each decode ~128 tokens beside it
+    assert busy.decode > 0.2 and idle.decode == 0
+    off = DecodeModel(prior_per_sequence=0.0, prior_per_context_token=0.0)
+    busy, idle = off.charges(["a", "b"], 2000, 400, [10, 0], [10 * 2000, 0], [20_000.0] * 2, [None] * 2, 0.0)
+    assert busy.decode == idle.decode == 0
+    # Data outweigh the prior: a GPU whose steps do not grow with the batch is soon charged ~nothing.
+    flat = taught(growth=False, model=DecodeModel())
+    assert flat.source_in_use == "gateway"
+    busy, _ = flat.charges(["a", "b"], 2000, 400, [10, 0], [10 * 2000, 0], [20_000.0] * 2, [None] * 2, 0.0)
+    assert busy.decode < 0.01
+
+
 def test_a_replica_whose_kv_cache_cannot_hold_the_request_is_charged_the_preemptions_it_causes():
     model = taught(growth=False)
     full, roomy, unknown = model.charges(["a", "b", "c"], 1000, 200, [6, 6, 6], [6000] * 3, [10_000.0] * 3,
@@ -267,8 +288,8 @@ async def test_where_decoding_costs_the_same_anywhere_the_request_stays_with_its
         owner, other = await holder_decoding(router, replicas, running=8)
         decision = await router.pick(chat("second question"))
         assert decision.replica is owner and decision.outcome == "hit", (options, growth, decision.detail)
-    # Weighed at 0 (the default), the charges are still worked out and explained: what turning them on would do.
-    assert PrefixTreeOptions().cost_decode_weight == 0
+    # Weighed at 0 (turned off), the charges are still worked out and explained: what turning them on would do.
+    assert PrefixTreeOptions().cost_decode_weight == 1
     costs = {e["name"]: e["cost"] for e in (await router.explain(chat("third question")))["replicas"]}
     assert costs[owner.name]["decode_charge_s"] == 0 and costs[owner.name]["decode"]["delay_to_running_s"] > 0.1
 
@@ -323,6 +344,11 @@ def test_the_decode_options_are_checked():
     assert len(problems) == 2 and "cost_decode_weight" in problems[0] and "cost_output_tokens" in problems[1]
     options, problems, _ = PrefixTreeOptions.parse({"cost_decode_weight": 0.5, "cost_output_tokens": 900})
     assert not problems and (options.cost_decode_weight, options.cost_output_tokens) == (0.5, 900)
+    _, problems, _ = PrefixTreeOptions.parse({"cost_itl_per_sequence": -1e-5, "cost_itl_per_context_token": "x"})
+    assert len(problems) == 2 and "cost_itl_per_sequence" in problems[0] \
+        and "cost_itl_per_context_token" in problems[1]
+    options, problems, _ = PrefixTreeOptions.parse({"cost_itl_per_sequence": 0, "cost_itl_per_context_token": 1e-7})
+    assert not problems and (options.cost_itl_per_sequence, options.cost_itl_per_context_token) == (0, 1e-7)
 
 
 def test_a_base_itl_close_to_the_peers_is_noise_but_another_gpus_is_charged():
