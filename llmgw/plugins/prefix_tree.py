@@ -106,7 +106,7 @@ class PrefixTreeOptions:
     new_prefixes: str = "deal"  # "deal": to the affordable replica holding the least; "cheapest": by cost alone
     deal_load_margin: float | None = 0.0  # the deal skips replicas running more than this above the least; None: off
     cost_decode_weight: float = decode_cost.DEFAULT_DECODE_WEIGHT
-    cost_decode_source: str = decode_cost.DEFAULT_SOURCE  # the charged ITL line: the engines' reported, or observed
+    cost_decode_source: str = decode_cost.DEFAULT_SOURCE  # the ITL line: the engines' (else the prior), or observed
     cost_output_tokens: float = decode_cost.DEFAULT_OUTPUT_TOKENS
     cost_itl_per_sequence: float = decode_cost.DEFAULT_ITL_PER_SEQUENCE  # s: the prior ITL line's slopes, until
     cost_itl_per_context_token: float = decode_cost.DEFAULT_ITL_PER_CONTEXT_TOKEN  # streams or engines tell theirs

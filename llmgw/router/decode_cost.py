@@ -27,8 +27,9 @@ each replica's shrunk toward all the model's replicas together. Where the
 engines report their own inter-token latency (vLLM's histogram on ``/metrics``,
 scraped with ``engine_metrics_interval``: :mod:`llmgw.router.engine_itl`), each
 replica's line from those windows is charged instead (``cost_decode_source``:
-``auto``, the default, as soon as any engine reported; ``engine`` or
-``gateway`` only): an engine's own step times carry no host in them. Per model,
+``auto``, the default, as soon as any engine reported, and the prior line
+until then; ``engine`` only; ``gateway``: the fit of the streams' gaps): an
+engine's own step times carry no host in them. Per model,
 the typical output length (tokens per stream) is a decayed mean over the
 streams that ended.
 
@@ -67,19 +68,25 @@ learnt per-sequence slopes from 190 to 370 us: the one that looked cheapest
 drew half of a burst). A replica the model has not
 seen decode (no observation anywhere) is charged on the prior line (below), and
 a replica whose steps do not grow with the batch (the simulator's ``constant``
-profile) is soon charged ~nothing: the charges then change no decision. The capacity charge needs a
+profile) is soon charged ~nothing by a learnt line: the charges then change no
+decision. The capacity charge needs a
 fresh scrape of the engine's ``/metrics`` (``engine_metrics_interval``).
 
-On by default (``cost_decode_weight: 1``, since issue 31). Before any stream
-was observed every line is the prior one (``DEFAULT_ITL_*``: an H100 serving an
-8B model), weighing as one observation and fading as data come in, so a burst
-of streams opened a few ms apart, none decoding yet when the next is placed, is
-charged from the requests in flight on each candidate and the expected output:
-40 streams of 400 tokens under one long prompt went all to its holder without
-it, and spread over the 4 replicas with it. ``cost_decode_weight: 0`` computes
-and explains the charges but weighs them not at all (the default before: learnt
-from the streams' gaps on loaded hosts, the per-sequence slope was the simulator
-process's own Python work; ``docs/benchmarks.md`` has both measurements).
+On by default (``cost_decode_weight: 1``, since issue 31), on the prior line
+(``DEFAULT_ITL_*``: an H100 serving an 8B model; the options
+``cost_itl_per_sequence`` and ``cost_itl_per_context_token``) until an engine
+reports its ITL, whose line then replaces it (the engines' lines and the
+gateway's fit are also pulled toward it, as one observation, fading as data
+come in). So a burst of streams opened a few ms apart, none decoding yet when
+the next is placed, is charged from the requests in flight on each candidate
+and the expected output: 40 streams of 400 tokens under one long prompt went
+all to its holder without it, and spread over the 4 replicas with it. The
+gateway's fit of the streams' gaps is charged only with ``cost_decode_source:
+gateway``: on loaded hosts its per-sequence slope was the simulator process's
+own Python work, and charged by default it cost cache hits (``zipf`` 0.96x,
+``long-output`` 0.81x) for no goodput (``docs/benchmarks.md``).
+``cost_decode_weight: 0`` computes and explains the charges but weighs them not
+at all (the default before).
 """
 
 from __future__ import annotations
@@ -99,7 +106,7 @@ DEFAULT_ITL_BASE = 0.0065
 DEFAULT_ITL_PER_CONTEXT_TOKEN = 5e-8
 DEFAULT_ITL_PER_SEQUENCE = 2e-5
 SOURCES = ("auto", "engine", "gateway")  # where the charged ITL line comes from (cost_decode_source)
-DEFAULT_SOURCE = "auto"  # the engines' reported ITL where any engine reported it, else the gateway's observed
+DEFAULT_SOURCE = "auto"  # the engines' reported ITL where any engine reported it, else the prior line
 OUTPUT_DECAY = 0.97  # per stream that ended: about the last 33 count
 SAMPLE_TOKENS = 32  # a running stream is observed every this many tokens
 BASE_DIFFERENCE = 0.25  # a replica's own base ITL counts only this far (relative) from its peers': another GPU
@@ -485,7 +492,7 @@ class DecodeModel:
             return "engine"
         if self.source == "engine":
             return "none"
-        return "gateway" if self.observations else "prior"
+        return "gateway" if self.source == "gateway" and self.observations else "prior"
 
     def charged_line(self, name: str, source: str | None = None,
                      engine_pooled: Theta | None = None) -> tuple[float, float, float]:
@@ -495,7 +502,9 @@ class DecodeModel:
         ``BASE_DIFFERENCE`` from theirs (nothing under ``engine`` only). ``source`` and ``engine_pooled``: the
         :attr:`source_in_use` and :meth:`engine_pooled_line` when the caller has them (once for all candidates)."""
         source = source or self.source_in_use
-        if source not in ("gateway", "prior"):
+        if source == "prior":
+            return self.prior[0], self.prior[1], self.prior[2]
+        if source != "gateway":
             line = self.engine_line(name, engine_pooled) if source == "engine" else None
             return line if line is not None else (0.0, 0.0, 0.0)
         pooled_base, per_context, per_sequence, _ = self.pooled_line()

@@ -8,7 +8,10 @@ so the time to first token alone keeps every one on the prompt's holder (a
 cold replica must compute 4,000 tokens again). But each of them decodes 300
 tokens beside the others, and on a GPU every sequence with a 4,000-token
 context lengthens every step of the batch: the cost model, having learnt that
-from the streams' token timings, sends some to the other replica.
+from the streams' token timings (``cost_decode_source: gateway``), sends some to the other replica.
+
+And issue 31's case at the defaults: 40 streams opened a few ms apart over four replicas, none decoding yet
+when the next is placed, spread by the requests in flight and the prior ITL line.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ async def test_a_staggered_burst_under_one_prompt_spreads_by_decode_cost(nursery
     sims = await start_sims(nursery, 2, num_blocks=None, time_scale=1, seed=0,
                             extra=("--profile", PROFILE, "--output-tokens", f"{OUTPUT}:{OUTPUT}"))
     gateway = await start_llmgw(gateway_config([s.url for s in sims], routing="prefix_tree",
-                                               routing_options={"seed": 1, "cost_decode_weight": 1}))
+                                               routing_options={"seed": 1, "cost_decode_source": "gateway"}))
     rng = Random(3)
     warm = {"role": "system", "content": "You summarise meeting notes. " + words(rng, 3000)}
     system = {"role": "system", "content": "You answer questions about our product. " + words(rng, 3000)}

@@ -131,7 +131,7 @@ def test_max_tokens_caps_the_expected_output_and_bad_values_are_ignored():
 
 
 def taught(names=("a", "b"), growth: bool = True, model: DecodeModel | None = None) -> DecodeModel:
-    model = model or DecodeModel(weight=1.0)
+    model = model or DecodeModel(weight=1.0, source="gateway")
     rng = random.Random(1)
     for i in range(300):
         batch, context = rng.randint(1, 40), rng.randint(0, 80_000)
@@ -170,7 +170,7 @@ def test_before_any_decode_is_seen_the_requests_in_flight_are_charged_on_the_pri
     busy, idle = off.charges(["a", "b"], 2000, 400, [10, 0], [10 * 2000, 0], [20_000.0] * 2, [None] * 2, 0.0)
     assert busy.decode == idle.decode == 0
     # Data outweigh the prior: a GPU whose steps do not grow with the batch is soon charged ~nothing.
-    flat = taught(growth=False, model=DecodeModel())
+    flat = taught(growth=False, model=DecodeModel(source="gateway"))
     assert flat.source_in_use == "gateway"
     busy, _ = flat.charges(["a", "b"], 2000, 400, [10, 0], [10 * 2000, 0], [20_000.0] * 2, [None] * 2, 0.0)
     assert busy.decode < 0.01
@@ -231,7 +231,7 @@ def chat(question: str, max_tokens: int = 256) -> RouteRequest:
 def make(options=None, growth: bool = True):
     router = Router(build_registry(make_plugin_manager(())), Metrics())
     tier = router.configure_model("m", "prefix_tree", {"seed": 3, "engine_metrics_interval": "250ms",
-                                                       "cost_decode_weight": 1, **(options or {})}).tier
+                                                       "cost_decode_source": "gateway", **(options or {})}).tier
     replicas = [Replica(name=n, model="m", url=f"http://127.0.0.1:{9000 + i}") for i, n in enumerate("ab")]
     for replica in replicas:
         router.add_replica(replica)
@@ -355,7 +355,7 @@ def test_a_base_itl_close_to_the_peers_is_noise_but_another_gpus_is_charged():
     """Two identical simulators on one loaded host learnt 9.1 and 10.0 ms a token: over a long answer that
     difference would have charged one of them most of a second for nothing. A GPU twice as slow is charged."""
     for slow_base, charged in ((0.0100, False), (0.0182, True)):
-        model = DecodeModel()
+        model = DecodeModel(source="gateway")
         rng = random.Random(2)
         for i in range(300):
             batch, context = rng.randint(1, 8), rng.randint(0, 20_000)
@@ -382,7 +382,7 @@ def test_replicas_that_left_are_forgotten_unless_a_request_is_still_in_flight_th
 def test_replicas_of_one_model_are_charged_the_same_slopes_whatever_their_own_fits_say():
     """Four identical simulators on one loaded host learnt per-sequence slopes from 190 to 370 us; charged with
     their own, the one that looked cheapest drew half of a burst. The model's pooled slopes are charged."""
-    model = DecodeModel(weight=1.0)
+    model = DecodeModel(weight=1.0, source="gateway")
     rng = random.Random(4)
     for i in range(400):
         batch, context = rng.randint(1, 30), rng.randint(0, 20_000)
