@@ -374,6 +374,7 @@ class DecodeModel:
         self.weight = weight
         # what every line is pulled toward (as one observation's worth, fading as data come in): the charge works
         # from the requests in flight and their expected output before any of them has decoded (a burst)
+        # (both slopes 0: the all-zero prior of before issue 31, nothing charged before data)
         base = DEFAULT_ITL_BASE if prior_per_sequence or prior_per_context_token else 0.0
         self.prior: Theta = (base, prior_per_context_token, prior_per_sequence, 0.0, 0.0)
         self.source = source
