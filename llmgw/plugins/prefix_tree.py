@@ -14,7 +14,7 @@ decisions (no engine help). Per request (the rule, also in
    queued on it over its learnt throughput, plus its step time and a learnt
    cost per request in flight) plus the delay its prefill adds to the requests
    in flight there (``cost_others_weight``) and, weighed by
-   ``cost_decode_weight`` (0 by default), the decode and KV-capacity charges
+   ``cost_decode_weight`` (1 by default), the decode and KV-capacity charges
    of its decode there (:mod:`llmgw.router.decode_cost`), and the smallest wins; an estimate within 5 %,
    2 ms or half the observed noise (the noisier of its replica's and the
    smallest's) of the smallest ties. ``rule: scores``: each scorer named in
@@ -106,8 +106,10 @@ class PrefixTreeOptions:
     new_prefixes: str = "deal"  # "deal": to the affordable replica holding the least; "cheapest": by cost alone
     deal_load_margin: float | None = 0.0  # the deal skips replicas running more than this above the least; None: off
     cost_decode_weight: float = decode_cost.DEFAULT_DECODE_WEIGHT
-    cost_decode_source: str = decode_cost.DEFAULT_SOURCE  # the charged ITL line: the engines' reported, or observed
+    cost_decode_source: str = decode_cost.DEFAULT_SOURCE  # the ITL line: the engines' (else the prior), or observed
     cost_output_tokens: float = decode_cost.DEFAULT_OUTPUT_TOKENS
+    cost_itl_per_sequence: float = decode_cost.DEFAULT_ITL_PER_SEQUENCE  # s: the prior ITL line's slopes, until
+    cost_itl_per_context_token: float = decode_cost.DEFAULT_ITL_PER_CONTEXT_TOKEN  # streams or engines tell theirs
     cost_engine_prefill: bool = False  # the engines' reported prefill rates (scraped /metrics) as the slopes' priors
     cost_configured_prefill: bool = True  # the replicas' configured prefill_tokens_per_s, before their engines report
     learn_tokens_per_char: bool = True  # count tokens with the ratio the engines' usage shows; false: characters / 4
@@ -149,6 +151,8 @@ class PrefixTreeOptions:
         take("cost_decode_weight", _non_negative_number)
         take("cost_decode_source", _decode_source)
         take("cost_output_tokens", _positive_number)
+        take("cost_itl_per_sequence", _non_negative_number)
+        take("cost_itl_per_context_token", _non_negative_number)
         take("cost_engine_prefill", flag)
         take("cost_configured_prefill", flag)
         take("learn_tokens_per_char", flag)
@@ -308,7 +312,8 @@ class PrefixTreeTier(RoutingTier):
         self.recent_chars, self.recent_tokens = new_prefixes.RecentGrowth(), new_prefixes.RecentGrowth()
         self.recent_routes = new_prefixes.RecentGrowth()
         self.decode = decode_cost.DecodeModel(options.cost_output_tokens, options.cost_decode_weight,
-                                              options.cost_decay, options.cost_decode_source)
+                                              options.cost_decay, options.cost_decode_source,
+                                              options.cost_itl_per_sequence, options.cost_itl_per_context_token)
         if services.metrics is not None:
             track_tree(services.metrics.registry, self.model, self.tree, self.uncertainty, self.deals, self.cost,
                        self.tokens_per_char)

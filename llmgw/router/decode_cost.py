@@ -27,8 +27,9 @@ each replica's shrunk toward all the model's replicas together. Where the
 engines report their own inter-token latency (vLLM's histogram on ``/metrics``,
 scraped with ``engine_metrics_interval``: :mod:`llmgw.router.engine_itl`), each
 replica's line from those windows is charged instead (``cost_decode_source``:
-``auto``, the default, as soon as any engine reported; ``engine`` or
-``gateway`` only): an engine's own step times carry no host in them. Per model,
+``auto``, the default, as soon as any engine reported, and the prior line
+until then; ``engine`` only; ``gateway``: the fit of the streams' gaps): an
+engine's own step times carry no host in them. Per model,
 the typical output length (tokens per stream) is a decayed mean over the
 streams that ended.
 
@@ -65,19 +66,27 @@ identical simulators on one loaded host learnt bases of 9.1 and 10.0 ms, which
 over a 1,100-token answer charged one of them 0.9 s for nothing, and four
 learnt per-sequence slopes from 190 to 370 us: the one that looked cheapest
 drew half of a burst). A replica the model has not
-seen decode (no observation anywhere) is charged nothing, and neither is a
-replica whose steps do not grow with the batch (the simulator's ``constant``
-profile): the charges then change no decision. The capacity charge needs a
+seen decode (no observation anywhere) is charged on the prior line (below), and
+a replica whose steps do not grow with the batch (the simulator's ``constant``
+profile) is soon charged ~nothing by a learnt line: the charges then change no
+decision. The capacity charge needs a
 fresh scrape of the engine's ``/metrics`` (``engine_metrics_interval``).
 
-Off by default (``cost_decode_weight: 0``: the charges are computed and
-explained, but weigh nothing). Learnt from the streams' gaps on simulators
-sharing two loaded CPU cores, the per-sequence slope was each simulator
-process's own (its Python work per stream: ~0.3 ms a sequence); learnt from
-the engines' reported ITL the slopes are the modelled GPU's, and still, on
-the routing benchmark, the charge moved ``long-output`` requests off their
-prompts' holders (hit 0.77x ``cache_aware``'s) for no measurable gain; it
-helped ``hetero`` (``docs/benchmarks.md``).
+On by default (``cost_decode_weight: 1``, since issue 31), on the prior line
+(``DEFAULT_ITL_*``: an H100 serving an 8B model; the options
+``cost_itl_per_sequence`` and ``cost_itl_per_context_token``) until an engine
+reports its ITL, whose line then replaces it (the engines' lines and the
+gateway's fit are also pulled toward it, as one observation, fading as data
+come in). So a burst of streams opened a few ms apart, none decoding yet when
+the next is placed, is charged from the requests in flight on each candidate
+and the expected output: 40 streams of 400 tokens under one long prompt went
+all to its holder without it, and spread over the 4 replicas with it. The
+gateway's fit of the streams' gaps is charged only with ``cost_decode_source:
+gateway``: on loaded hosts its per-sequence slope was the simulator process's
+own Python work, and charged by default it cost cache hits (``zipf`` 0.96x,
+``long-output`` 0.81x) for no goodput (``docs/benchmarks.md``).
+``cost_decode_weight: 0`` computes and explains the charges but weighs them not
+at all (the default before).
 """
 
 from __future__ import annotations
@@ -89,9 +98,15 @@ from typing import Any, Protocol, Sequence
 from .cost import MAX_FORGOTTEN, MIN_NOISE_OBSERVATIONS, PRIOR_WEIGHT, SHRINK_WEIGHT
 
 DEFAULT_OUTPUT_TOKENS = 256.0  # the prior typical output length, until streams end
-DEFAULT_DECODE_WEIGHT = 0.0  # off: measured not worth it on the routing benchmark (docs/benchmarks.md)
+DEFAULT_DECODE_WEIGHT = 1.0  # on: concurrent long streams spread as a GPU would want (docs/routing.md)
+# The prior ITL line, until streams or engines tell one: an H100 serving Llama-3.1-8B (what the simulator's default
+# profile models). A step reads the weights (16 GB at 80 % of 3.35 TB/s: ~6 ms) and every running sequence's KV
+# cache (128 KiB a token: ~49 ns a context token), and prepares each sequence on the host (~20 us).
+DEFAULT_ITL_BASE = 0.0065
+DEFAULT_ITL_PER_CONTEXT_TOKEN = 5e-8
+DEFAULT_ITL_PER_SEQUENCE = 2e-5
 SOURCES = ("auto", "engine", "gateway")  # where the charged ITL line comes from (cost_decode_source)
-DEFAULT_SOURCE = "auto"  # the engines' reported ITL where any engine reported it, else the gateway's observed
+DEFAULT_SOURCE = "auto"  # the engines' reported ITL where any engine reported it, else the prior line
 OUTPUT_DECAY = 0.97  # per stream that ended: about the last 33 count
 SAMPLE_TOKENS = 32  # a running stream is observed every this many tokens
 BASE_DIFFERENCE = 0.25  # a replica's own base ITL counts only this far (relative) from its peers': another GPU
@@ -351,10 +366,17 @@ class DecodeModel:
     """Per model: every replica's ITL fit and in-flight requests, the typical output length, and the charges."""
 
     def __init__(self, prior_output_tokens: float = DEFAULT_OUTPUT_TOKENS, weight: float = DEFAULT_DECODE_WEIGHT,
-                 decay: float = 0.97, source: str = DEFAULT_SOURCE):
+                 decay: float = 0.97, source: str = DEFAULT_SOURCE,
+                 prior_per_sequence: float = DEFAULT_ITL_PER_SEQUENCE,
+                 prior_per_context_token: float = DEFAULT_ITL_PER_CONTEXT_TOKEN):
         if source not in SOURCES:
             raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
         self.weight = weight
+        # what every line is pulled toward (as one observation's worth, fading as data come in): the charge works
+        # from the requests in flight and their expected output before any of them has decoded (a burst)
+        # (both slopes 0: the all-zero prior of before issue 31, nothing charged before data)
+        base = DEFAULT_ITL_BASE if prior_per_sequence or prior_per_context_token else 0.0
+        self.prior: Theta = (base, prior_per_context_token, prior_per_sequence, 0.0, 0.0)
         self.source = source
         self._engine_pooled: tuple[tuple[int, ...], Theta] | None = None  # (the fits' window counts, pooled line)
         self.decay = decay
@@ -410,18 +432,18 @@ class DecodeModel:
         return math.sqrt(max(0.0, self._output_squares / self._output_weight - mean * mean))
 
     def pooled_line(self) -> Line:
-        theta, noise = _line((0.0,) * FEATURES, self.pooled, self.observations)
+        theta, noise = _line(self.prior, self.pooled, self.observations)
         return theta[0], theta[1], theta[2], noise
 
     def host_line(self) -> tuple[float, float]:
         """What every replica's ITL grows by per sequence and per context token in flight on the fleet's mean
         replica: the host's (a shared CPU) or the data plane's, the same whichever replica a request goes to."""
-        theta = self.pooled.solve((0.0,) * FEATURES)
+        theta = self.pooled.solve(self.prior)
         return theta[3], theta[4]
 
     def line(self, name: str) -> Line:
         """The replica's fit, shrunk toward the pooled one until its own observations weigh ``SHRINK_WEIGHT``."""
-        pooled, pooled_noise = _line((0.0,) * FEATURES, self.pooled, self.observations)
+        pooled, pooled_noise = _line(self.prior, self.pooled, self.observations)
         state = self.replica(name)
         own, own_noise = _line(pooled, state.data, state.observations)
         trust = state.data.w / (state.data.w + SHRINK_WEIGHT)
@@ -444,7 +466,7 @@ class DecodeModel:
             pooled = ItlFit()
             for _, fit in fits:
                 pooled.merge(fit.data)
-            self._engine_pooled = key, pooled.solve((0.0,) * FEATURES)
+            self._engine_pooled = key, pooled.solve(self.prior)
         return self._engine_pooled[1]
 
     def engine_line(self, name: str, pooled: Theta | None = None) -> tuple[float, float, float] | None:
@@ -464,11 +486,14 @@ class DecodeModel:
 
     @property
     def source_in_use(self) -> str:
-        """Where the charged lines come from now: ``engine``, ``gateway``, or ``none`` (``cost_decode_source:
-        engine`` before any engine reported its ITL: nothing charged)."""
+        """Where the charged lines come from now: ``engine``, ``gateway``, ``prior`` (the gateway's, before any
+        stream was observed: the prior line alone), or ``none`` (``cost_decode_source: engine`` before any engine
+        reported its ITL: nothing charged)."""
         if self.source != "gateway" and self.engine_fits():
             return "engine"
-        return "none" if self.source == "engine" else "gateway"
+        if self.source == "engine":
+            return "none"
+        return "gateway" if self.source == "gateway" and self.observations else "prior"
 
     def charged_line(self, name: str, source: str | None = None,
                      engine_pooled: Theta | None = None) -> tuple[float, float, float]:
@@ -478,6 +503,8 @@ class DecodeModel:
         ``BASE_DIFFERENCE`` from theirs (nothing under ``engine`` only). ``source`` and ``engine_pooled``: the
         :attr:`source_in_use` and :meth:`engine_pooled_line` when the caller has them (once for all candidates)."""
         source = source or self.source_in_use
+        if source == "prior":
+            return self.prior[0], self.prior[1], self.prior[2]
         if source != "gateway":
             line = self.engine_line(name, engine_pooled) if source == "engine" else None
             return line if line is not None else (0.0, 0.0, 0.0)

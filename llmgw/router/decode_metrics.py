@@ -47,7 +47,8 @@ class DecodeCollector(PerModelCollector[DecodeModel]):
             "into its ITL fit.", labels=["model", "replica"])
         source = GaugeMetricFamily(
             "llmgw_routing_itl_source", "1 for where the decode charge's ITL line comes from now: engine (the "
-            "engines' reported ITL), gateway (the streams' observed token gaps) or none.", labels=["model", "source"])
+            "engines' reported ITL), gateway (the streams' observed token gaps), prior (nothing observed yet: the "
+            "prior line) or none.", labels=["model", "source"])
         return (per_sequence, per_context, output, moves, host, engine_per_sequence, engine_per_context, windows,
                 source)
 

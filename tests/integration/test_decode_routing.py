@@ -8,7 +8,10 @@ so the time to first token alone keeps every one on the prompt's holder (a
 cold replica must compute 4,000 tokens again). But each of them decodes 300
 tokens beside the others, and on a GPU every sequence with a 4,000-token
 context lengthens every step of the batch: the cost model, having learnt that
-from the streams' token timings, sends some to the other replica.
+from the streams' token timings (``cost_decode_source: gateway``), sends some to the other replica.
+
+And issue 31's case at the defaults: 40 streams opened a few ms apart over four replicas, none decoding yet
+when the next is placed, spread by the requests in flight and the prior ITL line.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ async def test_a_staggered_burst_under_one_prompt_spreads_by_decode_cost(nursery
     sims = await start_sims(nursery, 2, num_blocks=None, time_scale=1, seed=0,
                             extra=("--profile", PROFILE, "--output-tokens", f"{OUTPUT}:{OUTPUT}"))
     gateway = await start_llmgw(gateway_config([s.url for s in sims], routing="prefix_tree",
-                                               routing_options={"seed": 1, "cost_decode_weight": 1}))
+                                               routing_options={"seed": 1, "cost_decode_source": "gateway"}))
     rng = Random(3)
     warm = {"role": "system", "content": "You summarise meeting notes. " + words(rng, 3000)}
     system = {"role": "system", "content": "You answer questions about our product. " + words(rng, 3000)}
@@ -71,3 +74,29 @@ async def test_a_staggered_burst_under_one_prompt_spreads_by_decode_cost(nursery
     # (since prefix_tree counts tokens, not characters / 4, a miss of this prompt costs 4x more and most later
     # picks are by queue).
     assert moved >= 1, metrics
+
+
+async def test_concurrent_long_streams_under_one_prompt_spread_by_default(nursery, start_llmgw):
+    """Issue 31 item 3, as a user tries it: 40 streams of 400 tokens under one long system prompt, opened one
+    after another a few ms apart over 4 replicas, at prefix_tree's defaults. None has decoded when the next is
+    placed, so only the requests in flight and their expected output can say what a GPU would want: the TTFT
+    rule alone put all 40 on the prompt's holder (a cold replica must compute the prompt again)."""
+    sims = await start_sims(nursery, 4, num_blocks=None, time_scale=1, seed=0,
+                            extra=("--profile", PROFILE, "--output-tokens", "400:400"))
+    gateway = await start_llmgw(gateway_config([s.url for s in sims], routing="prefix_tree",
+                                               routing_options={"seed": 1}))
+    system = {"role": "system", "content": "You answer questions about our product. " + words(Random(5), 1500)}
+    async with new_client(48) as client:
+        results: list = []
+
+        async def one(i: int) -> None:
+            results.append(await send_chat(client, gateway.url, MODEL,
+                                           [system, {"role": "user", "content": f"question {i}"}], 400))
+
+        async with trio.open_nursery() as burst:
+            for i in range(40):
+                burst.start_soon(one, i)
+                await trio.sleep(0.005)
+    assert all(r.status == 200 for r in results), results
+    per_replica = Counter(r.replica for r in results)
+    assert max(per_replica.values()) <= 24, per_replica

@@ -287,8 +287,9 @@ async def test_a_burst_under_a_new_prompt_waits_for_its_first_prefill_and_spills
     """The first request of a new ~2,000-token prompt is prefilled on its holder; the next ones wait for that
     prefill there rather than compute the whole prompt again on the idle replica (which would answer them about as
     soon, and take 200 ms of its GPU from whatever comes to it next). Once the holder's queue outweighs a cold
-    prefill and the GPU time it takes (here: other conversations' prompts queued on it), the next one spills."""
-    router, tier, (a, b) = make()
+    prefill and the GPU time it takes (here: other conversations' prompts queued on it), the next one spills.
+    The time to first token alone: the decode charge (on by default) would move some sooner, by the batch."""
+    router, tier, (a, b) = make({"cost_decode_weight": 0})
     picks = []
     for i in range(6):  # all routed, none has its first token yet
         request = chat(f"question {i}")

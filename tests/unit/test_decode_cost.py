@@ -131,7 +131,7 @@ def test_max_tokens_caps_the_expected_output_and_bad_values_are_ignored():
 
 
 def taught(names=("a", "b"), growth: bool = True, model: DecodeModel | None = None) -> DecodeModel:
-    model = model or DecodeModel(weight=1.0)
+    model = model or DecodeModel(weight=1.0, source="gateway")
     rng = random.Random(1)
     for i in range(300):
         batch, context = rng.randint(1, 40), rng.randint(0, 80_000)
@@ -153,6 +153,27 @@ def test_a_busy_replica_is_charged_the_decode_delay_a_new_sequence_adds_and_an_i
     flat = taught(growth=False)
     busy, idle = flat.charges(["a", "b"], 500, 256, [30, 0], [30 * 600, 0], [10_000.0] * 2, [None] * 2, 0.0)
     assert busy.decode < 0.01 and idle.decode == 0
+
+
+def test_before_any_decode_is_seen_the_requests_in_flight_are_charged_on_the_prior_line():
+    """A burst: streams opened a few ms apart, none decoding yet when the next is placed. The charge works from
+    the requests in flight there and the expected output, on the prior line (an H100 serving an 8B model), and
+    moves toward what the streams show once they do; with both prior slopes at 0 nothing is charged until then."""
+    model = DecodeModel()
+    assert model.observations == 0 and model.weight == 1.0 and model.describe("a")["itl_source"] == "prior"
+    busy, idle = model.charges(["a", "b"], 2000, 400, [10, 0], [10 * 2000, 0], [20_000.0] * 2, [None] * 2, 0.0)
+    growth = 2e-5 + 5e-8 * (2000 + 128)  # the prior's per sequence and per context token at its mean context
+    assert abs(busy.growth - growth) < 1e-9 and busy.output_tokens == 256  # the typical length, under max_tokens
+    assert abs(busy.others - 10 * 128 * growth) < 1e-6  # the ten there each decode ~128 tokens beside it
+    assert busy.decode > 0.2 and idle.decode == 0
+    off = DecodeModel(prior_per_sequence=0.0, prior_per_context_token=0.0)
+    busy, idle = off.charges(["a", "b"], 2000, 400, [10, 0], [10 * 2000, 0], [20_000.0] * 2, [None] * 2, 0.0)
+    assert busy.decode == idle.decode == 0
+    # Data outweigh the prior: a GPU whose steps do not grow with the batch is soon charged ~nothing.
+    flat = taught(growth=False, model=DecodeModel(source="gateway"))
+    assert flat.source_in_use == "gateway"
+    busy, _ = flat.charges(["a", "b"], 2000, 400, [10, 0], [10 * 2000, 0], [20_000.0] * 2, [None] * 2, 0.0)
+    assert busy.decode < 0.01
 
 
 def test_a_replica_whose_kv_cache_cannot_hold_the_request_is_charged_the_preemptions_it_causes():
@@ -210,7 +231,7 @@ def chat(question: str, max_tokens: int = 256) -> RouteRequest:
 def make(options=None, growth: bool = True):
     router = Router(build_registry(make_plugin_manager(())), Metrics())
     tier = router.configure_model("m", "prefix_tree", {"seed": 3, "engine_metrics_interval": "250ms",
-                                                       "cost_decode_weight": 1, **(options or {})}).tier
+                                                       "cost_decode_source": "gateway", **(options or {})}).tier
     replicas = [Replica(name=n, model="m", url=f"http://127.0.0.1:{9000 + i}") for i, n in enumerate("ab")]
     for replica in replicas:
         router.add_replica(replica)
@@ -267,8 +288,8 @@ async def test_where_decoding_costs_the_same_anywhere_the_request_stays_with_its
         owner, other = await holder_decoding(router, replicas, running=8)
         decision = await router.pick(chat("second question"))
         assert decision.replica is owner and decision.outcome == "hit", (options, growth, decision.detail)
-    # Weighed at 0 (the default), the charges are still worked out and explained: what turning them on would do.
-    assert PrefixTreeOptions().cost_decode_weight == 0
+    # Weighed at 0 (turned off), the charges are still worked out and explained: what turning them on would do.
+    assert PrefixTreeOptions().cost_decode_weight == 1
     costs = {e["name"]: e["cost"] for e in (await router.explain(chat("third question")))["replicas"]}
     assert costs[owner.name]["decode_charge_s"] == 0 and costs[owner.name]["decode"]["delay_to_running_s"] > 0.1
 
@@ -323,13 +344,18 @@ def test_the_decode_options_are_checked():
     assert len(problems) == 2 and "cost_decode_weight" in problems[0] and "cost_output_tokens" in problems[1]
     options, problems, _ = PrefixTreeOptions.parse({"cost_decode_weight": 0.5, "cost_output_tokens": 900})
     assert not problems and (options.cost_decode_weight, options.cost_output_tokens) == (0.5, 900)
+    _, problems, _ = PrefixTreeOptions.parse({"cost_itl_per_sequence": -1e-5, "cost_itl_per_context_token": "x"})
+    assert len(problems) == 2 and "cost_itl_per_sequence" in problems[0] \
+        and "cost_itl_per_context_token" in problems[1]
+    options, problems, _ = PrefixTreeOptions.parse({"cost_itl_per_sequence": 0, "cost_itl_per_context_token": 1e-7})
+    assert not problems and (options.cost_itl_per_sequence, options.cost_itl_per_context_token) == (0, 1e-7)
 
 
 def test_a_base_itl_close_to_the_peers_is_noise_but_another_gpus_is_charged():
     """Two identical simulators on one loaded host learnt 9.1 and 10.0 ms a token: over a long answer that
     difference would have charged one of them most of a second for nothing. A GPU twice as slow is charged."""
     for slow_base, charged in ((0.0100, False), (0.0182, True)):
-        model = DecodeModel()
+        model = DecodeModel(source="gateway")
         rng = random.Random(2)
         for i in range(300):
             batch, context = rng.randint(1, 8), rng.randint(0, 20_000)
@@ -356,7 +382,7 @@ def test_replicas_that_left_are_forgotten_unless_a_request_is_still_in_flight_th
 def test_replicas_of_one_model_are_charged_the_same_slopes_whatever_their_own_fits_say():
     """Four identical simulators on one loaded host learnt per-sequence slopes from 190 to 370 us; charged with
     their own, the one that looked cheapest drew half of a burst. The model's pooled slopes are charged."""
-    model = DecodeModel(weight=1.0)
+    model = DecodeModel(weight=1.0, source="gateway")
     rng = random.Random(4)
     for i in range(400):
         batch, context = rng.randint(1, 30), rng.randint(0, 20_000)

@@ -26,8 +26,10 @@ def teach(model: CostModel, names, most_tokens: int, count: int = 300, seed: int
 
 
 def make(most_tokens: int, options: dict | None = None):
+    """The gate on the time to first token and the delay to others alone: the holder's eight or ten requests in
+    flight would also be charged their decode (on by default: test_decode_cost.py)."""
     router = Router(build_registry(make_plugin_manager(())), Metrics())
-    tier = router.configure_model("m", "prefix_tree", {"seed": 3, **(options or {})}).tier
+    tier = router.configure_model("m", "prefix_tree", {"seed": 3, "cost_decode_weight": 0, **(options or {})}).tier
     replicas = [Replica(name=n, model="m", url=f"http://127.0.0.1:{9000 + i}") for i, n in enumerate("ab")]
     for replica in replicas:
         router.add_replica(replica)
