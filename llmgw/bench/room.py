@@ -10,6 +10,8 @@ One ``llmgw sim`` on a GPU profile; ``--users`` clients each send one non-stream
   as a gateway runs them) has room for it; the others wait at the "gateway" (their count is the room's demand);
 - ``none``: every request goes to the engine at once (llmgw without admission: the engine queues and preempts).
 
+Also measured: what one ``room.free()`` costs (the queue calls it for every request it admits).
+
 Sampled every scrape while requests wait at the gateway or the engine: the engine's KV usage and waiting
 requests; per run the preemptions, completed requests and output tokens per second, the learnt capacity and its
 cuts and raises. Printed: medians over the runs, with min..max.
@@ -25,6 +27,7 @@ from random import Random
 import httpx
 import trio
 
+from ..engines.probe import EngineLoad
 from ..flow.model import DEFAULT_CLASSES
 from ..flow.room import EngineRoom
 from ..metrics import Metrics
@@ -36,7 +39,7 @@ from ..testing.metrics import metric_value
 from ..testing.processes import llmgw_command, start_child
 from ..testing.sims import MODEL
 from .chat_workloads import words
-from .common import cell, print_and_save
+from .common import cell, print_and_save, rounds_us
 
 STANDARD = DEFAULT_CLASSES[1]
 ARMS = ("room", "none")
@@ -128,6 +131,34 @@ def _p10(values: list[float]) -> float | None:
     return sorted(values)[len(values) // 10] if values else None
 
 
+def free_cost_us(replicas: int = 4, peers: int = 3, rounds: int = 7) -> dict:
+    """µs per :meth:`EngineRoom.free` (what the queue calls for every request it admits), capacities learnt,
+    ``peers`` other gateways holding requests: median of ``rounds`` rounds of 20,000 calls, and their spread."""
+    router = Router(build_registry(make_plugin_manager(())), Metrics())
+    router.configure_model(MODEL, "round_robin")
+    held = {f"gw-{i}": 5 for i in range(peers)}
+
+    class Peers:
+        def count_queued(self, source, max_queued) -> None: ...
+
+        def peer_queued(self, model: str) -> list[int]:
+            return list(held.values())
+
+        def watch(self, listener) -> None: ...
+
+    room = EngineRoom(router, Peers())
+    room.count_queued(lambda model: 3)
+    for index in range(replicas):
+        replica = Replica(name=f"r{index}", model=MODEL, url=f"http://127.0.0.1:{9000 + index}")
+        router.add_replica(replica)
+        for at in (1.0, 2.0):
+            replica.engine_load = EngineLoad(running=40, waiting=5, at=at, kv_usage=0.5)
+            room.scraped(replica)
+    times = rounds_us({"free": lambda: room.free(MODEL, STANDARD)}, 20_000, rounds)["free"]
+    return {"replicas": replicas, "peers": peers, "median_us": statistics.median(times), "min_us": min(times),
+            "max_us": max(times)}
+
+
 MEASURES = ("requests_per_s", "output_tokens_per_s", "kv_usage_mean", "kv_usage_p10", "engine_waiting_mean",
             "preemptions_per_s", "capacity", "cuts", "raises")
 
@@ -178,8 +209,11 @@ def main(argv: list[str] | None = None) -> int:
             print({k: v for k, v in run.items() if k != "trace"}, file=sys.stderr)
             runs.append(run)
     summary = summarize(runs)
-    report = {"settings": vars(args), "runs": runs, "summary": summary}
-    return print_and_save(report, table(summary), args.json)
+    cost = free_cost_us()
+    report = {"settings": vars(args), "runs": runs, "summary": summary, "free_cost": cost}
+    return print_and_save(report, table(summary) + f"\n\nroom.free(): {cost['median_us']:.2f} µs per call "
+                          f"({cost['min_us']:.2f}..{cost['max_us']:.2f}), {cost['replicas']} replicas, "
+                          f"{cost['peers']} peers holding requests", args.json)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ The rule (an AIMD loop on the engine's scraped gauges, at most one step per scra
   not taken effect yet) the engine's figure is taken as it is, even when higher: the engine proves it runs that
   many, and cutting again for requests that were sent before the last cut would drive the capacity to nothing;
 - *raise*: the engine waits for nothing and its cache is below ``kv_target``, while requests are held at a gateway
-  for the model (``demand``) and the replica is at its capacity: x``increase`` (at least +1);
+  for the model (``demand``) and the replica is at its capacity (``busy_share`` of it in flight, the most the
+  lowest class fills): x``increase`` (at least +1);
 - otherwise it stays.
 
 Before a replica's first scrape that says it is full, its capacity is *unknown* (None): the room does not hold
@@ -40,6 +41,9 @@ class CapacityRule:
     waiting_slack: float = 0.05  # waiting requests, as a share of the running ones, that are not yet a queue
     decrease: float = 0.9  # a cut is at least to this share of the capacity
     increase: float = 1.1  # a raise is to this share of it, at least +1
+    # In flight, as a share of the capacity, from which the replica counts as at its capacity (a raise needs it):
+    # the lowest class's max_fill, since a class fills no more (the room sets it from its classes).
+    busy_share: float = 0.75
     min_capacity: int = 1  # never below: one request at a time still gets through
 
 
@@ -81,7 +85,7 @@ class ReplicaCapacity:
             return self._set(target, rule)
         if self.capacity is None or not demand or queued or (kv is not None and kv >= rule.kv_target):
             return None
-        if inflight < self.capacity - 1:  # the replica is not at its capacity: no sign it can take more
+        if inflight < self.capacity * rule.busy_share - 1:  # not at its capacity: no sign it can take more
             return None
         return self._set(max(self.capacity + 1, self.capacity * rule.increase), rule)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import weakref
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import trio
@@ -60,22 +59,27 @@ class EngineRoom:
         self.router = router
         self.sharing = sharing
         self.settings = settings or FlowSettings()
-        self.rule = rule or CapacityRule()
+        self.rule = rule or CapacityRule(busy_share=min(c.max_fill for c in self.settings.classes))
         self.scrape_interval = scrape_interval
         self.metrics = metrics
         self.clock = clock
-        self._learnt: weakref.WeakKeyDictionary[Replica, ReplicaCapacity] = weakref.WeakKeyDictionary()
+        self._learnt: dict[Replica, ReplicaCapacity] = {}  # a replica's entry goes when it leaves the table
         self._events: dict[str, trio.Event] = {}  # only while someone waits in changed()
         self._waiters: dict[str, int] = {}
         self._queued: Callable[[str], int] = lambda model: 0
         router.engine_metrics_demand = EngineMetricsDemand(scrape_interval, scrape_timeout)
         router.engine_load_listeners.append(self.scraped)
-        router.replicas.watch_members(lambda replica: self.wake(replica.model))
+        router.replicas.watch_members(self._members_changed)
         if sharing is not None:
             sharing.count_queued(self.held, self.settings.max_queued)
             sharing.watch(self.wake_all)
         if metrics is not None:
             metrics.track(self)
+
+    def _members_changed(self, replica: Replica) -> None:
+        if replica not in self.router.replicas:
+            self._learnt.pop(replica, None)
+        self.wake(replica.model)
 
     def count_queued(self, queued: Callable[[str], int]) -> None:
         """``queued(model)``: the requests this gateway's queue holds for ``model`` (all classes)."""
@@ -88,14 +92,18 @@ class EngineRoom:
         if route is None:
             return 0
         capacity = free = 0
-        for replica in route.replicas:
-            if not replica.routable:
+        learnt = self._learnt
+        for replica in route.replicas:  # on the queue's path for every request: kept lean
+            if not replica.state.routable:
                 continue
-            limit = self.capacity(replica)
-            if limit is None:
+            known = learnt.get(replica)
+            if known is None or known.capacity is None:
                 return UNBOUNDED
+            limit = int(known.capacity)
             capacity += limit
-            free += max(0, limit - replica.inflight)
+            left = limit - replica.local_inflight - replica.peer_inflight
+            if left > 0:
+                free += left
         reserved = capacity - math.floor(capacity * min(1.0, max(0.0, priority.max_fill)))
         return self.share(model, max(0, free - reserved))
 

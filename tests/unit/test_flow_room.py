@@ -101,6 +101,8 @@ def test_capacity_grows_while_the_engine_idles_with_a_backlog():
     learnt.capacity = 50.0
     assert learnt.observe(load(2, running=50, kv=0.4), inflight=50, demand=True, rule=RULE) == RAISE
     assert learnt.limit() == 55  # x1.1
+    # A class below the highest fills only its max_fill: 42 of 55 in flight (the lowest's 75%) is at capacity.
+    assert learnt.observe(load(3, running=42, kv=0.4), inflight=42, demand=True, rule=RULE) == RAISE
 
 
 def test_capacity_stays_without_evidence_that_it_can_take_more():
