@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import trio
 
-from ..router.replica import Replica
+from ..router.replica import Replica, ReplicaState
 from ..router.router import EngineMetricsDemand
 from .capacity import UNBOUNDED, CapacityRule, ReplicaCapacity
 from .model import FlowSettings, PriorityClass
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL = 0.05  # changed() returns after this long at the latest
+UP, UNKNOWN = ReplicaState.UP, ReplicaState.UNKNOWN
 
 
 class SharedQueues(Protocol):
@@ -94,7 +95,8 @@ class EngineRoom:
         capacity = free = 0
         learnt = self._learnt
         for replica in route.replicas:  # on the queue's path for every request: kept lean
-            if not replica.state.routable:
+            state = replica.state
+            if state is not UP and state is not UNKNOWN:  # ReplicaState.routable, without its enum lookups
                 continue
             known = learnt.get(replica)
             if known is None or known.capacity is None:
