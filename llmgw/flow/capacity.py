@@ -41,9 +41,6 @@ class CapacityRule:
     waiting_slack: float = 0.05  # waiting requests, as a share of the running ones, that are not yet a queue
     decrease: float = 0.9  # a cut is at least to this share of the capacity
     increase: float = 1.1  # a raise is to this share of it, at least +1
-    # In flight, as a share of the capacity, from which the replica counts as at its capacity (a raise needs it):
-    # the lowest class's max_fill, since a class fills no more (the room sets it from its classes).
-    busy_share: float = 0.75
     min_capacity: int = 1  # never below: one request at a time still gets through
 
 
@@ -62,9 +59,12 @@ class ReplicaCapacity:
         """The requests in flight it takes, None when unknown."""
         return None if self.capacity is None else int(self.capacity)
 
-    def observe(self, load: EngineLoad, inflight: int, demand: bool, rule: CapacityRule) -> str | None:
+    def observe(self, load: EngineLoad, inflight: int, demand: bool, rule: CapacityRule,
+                busy_share: float = 1.0) -> str | None:
         """Learn from one scrape (``inflight``: the cluster's requests in flight there now; ``demand``: requests
-        for its model wait at a gateway). Returns CUT, RAISE or None; a scrape already seen changes nothing."""
+        for its model wait at a gateway; ``busy_share``: the share of the capacity in flight from which the replica
+        counts as at its capacity, the lowest class's ``max_fill``, since a class fills no more). Returns CUT, RAISE
+        or None; a scrape already seen changes nothing."""
         if self.seen_at is not None and load.at <= self.seen_at:
             return None
         self.seen_at = load.at
@@ -85,7 +85,7 @@ class ReplicaCapacity:
             return self._set(target, rule)
         if self.capacity is None or not demand or queued or (kv is not None and kv >= rule.kv_target):
             return None
-        if inflight < self.capacity * rule.busy_share - 1:  # not at its capacity: no sign it can take more
+        if inflight < self.capacity * busy_share - 1:  # not at its capacity: no sign it can take more
             return None
         return self._set(max(self.capacity + 1, self.capacity * rule.increase), rule)
 

@@ -60,7 +60,7 @@ class EngineRoom:
         self.router = router
         self.sharing = sharing
         self.settings = settings or FlowSettings()
-        self.rule = rule or CapacityRule(busy_share=min(c.max_fill for c in self.settings.classes))
+        self.rule = rule or CapacityRule()
         self.scrape_interval = scrape_interval
         self.metrics = metrics
         self.clock = clock
@@ -189,7 +189,8 @@ class EngineRoom:
         if learnt is None:
             learnt = self._learnt[replica] = ReplicaCapacity()
         before = learnt.capacity
-        change = learnt.observe(load, replica.inflight, self.demand(replica.model), self.rule)
+        busy_share = min((c.max_fill for c in self.settings.classes), default=1.0)
+        change = learnt.observe(load, replica.inflight, self.demand(replica.model), self.rule, busy_share)
         if change is not None:
             if before is None:
                 log.info("flow control: replica %s of model %s is full at %d requests in flight (its engine: %g "

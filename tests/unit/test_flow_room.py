@@ -102,7 +102,8 @@ def test_capacity_grows_while_the_engine_idles_with_a_backlog():
     assert learnt.observe(load(2, running=50, kv=0.4), inflight=50, demand=True, rule=RULE) == RAISE
     assert learnt.limit() == 55  # x1.1
     # A class below the highest fills only its max_fill: 42 of 55 in flight (the lowest's 75%) is at capacity.
-    assert learnt.observe(load(3, running=42, kv=0.4), inflight=42, demand=True, rule=RULE) == RAISE
+    assert learnt.observe(load(3, running=42, kv=0.4), inflight=42, demand=True, rule=RULE) is None
+    assert learnt.observe(load(4, running=42, kv=0.4), inflight=42, demand=True, rule=RULE, busy_share=0.75) == RAISE
 
 
 def test_capacity_stays_without_evidence_that_it_can_take_more():
@@ -318,3 +319,17 @@ def test_the_scraper_takes_the_rooms_interval_when_it_is_shorter_than_the_tiers(
     assert schedule(tier, demand) == (0.25, 1.0)
     fast = SimpleNamespace(engine_metrics_interval=0.1, engine_metrics_timeout=0.05)
     assert schedule(fast, demand) == (0.1, 0.05)
+
+
+def test_capacity_grows_with_a_lower_class_alone_filling_its_max_fill():
+    router, room, queued, _ = make_room(replicas=("a",))
+    learn(router, room, "a", 20)
+    a = router.replicas.get("a")
+    a.local_inflight = 19  # all that standard may fill: floor(20 x 0.95)
+    assert room.free("m", STANDARD) == 0
+    queued["m"] = 5
+    scrape(router, room, "a", 10, running=19, kv=0.4)
+    assert room.capacity(a) == 22
+    room.settings = FlowSettings(classes=(INTERACTIVE,))  # one class filling all: 19 of 22 is not at capacity
+    scrape(router, room, "a", 11, running=19, kv=0.4)
+    assert room.capacity(a) == 22
