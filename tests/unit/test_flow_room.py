@@ -8,10 +8,11 @@ from types import SimpleNamespace
 
 import trio
 import trio.testing
+from hypothesis import given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 
 from llmgw.engines.probe import EngineLoad
-from llmgw.flow.capacity import CUT, RAISE, UNBOUNDED, CapacityRule, ReplicaCapacity
+from llmgw.flow.capacity import CUT, MAX_CAPACITY, RAISE, UNBOUNDED, CapacityRule, ReplicaCapacity
 from llmgw.flow.model import DEFAULT_CLASSES, FlowSettings
 from llmgw.flow.room import EngineRoom
 from llmgw.flow.room_metrics import RoomMetrics
@@ -333,3 +334,17 @@ def test_capacity_grows_with_a_lower_class_alone_filling_its_max_fill():
     room.settings = FlowSettings(classes=(INTERACTIVE,))  # one class filling all: 19 of 22 is not at capacity
     scrape(router, room, "a", 11, running=19, kv=0.4)
     assert room.capacity(a) == 22
+
+
+gauge = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10, 10**7).map(float))
+
+
+@settings(max_examples=200)
+@given(scrapes=st.lists(st.tuples(gauge, gauge, st.none() | gauge, st.integers(0, 10**6), st.booleans()),
+                        max_size=30))
+def test_any_engine_gauges_keep_the_capacity_unknown_or_within_its_bounds(scrapes):
+    learnt = ReplicaCapacity()
+    for at, (running, waiting, kv, inflight, demand) in enumerate(scrapes):
+        learnt.observe(EngineLoad(running=running, waiting=waiting, at=float(at), kv_usage=kv), inflight, demand,
+                       RULE, 0.75)
+        assert learnt.limit() is None or RULE.min_capacity <= learnt.limit() <= MAX_CAPACITY
