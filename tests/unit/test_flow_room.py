@@ -18,6 +18,7 @@ from llmgw.flow.room import EngineRoom
 from llmgw.flow.room_metrics import RoomMetrics
 from llmgw.metrics import Metrics
 from llmgw.plugins_manager import build_registry, make_plugin_manager
+from llmgw.router import load_scraper
 from llmgw.router.load_scraper import schedule
 from llmgw.router.replica import Replica, ReplicaState
 from llmgw.router.router import EngineMetricsDemand, Router
@@ -348,3 +349,24 @@ def test_any_engine_gauges_keep_the_capacity_unknown_or_within_its_bounds(scrape
         learnt.observe(EngineLoad(running=running, waiting=waiting, at=float(at), kv_usage=kv), inflight, demand,
                        RULE, 0.75)
         assert learnt.limit() is None or RULE.min_capacity <= learnt.limit() <= MAX_CAPACITY
+
+
+async def test_a_failing_listener_neither_ends_the_scraper_nor_keeps_the_others_from_hearing(monkeypatch, caplog,
+                                                                                           autojump_clock):
+    router, room, _, _ = make_room(replicas=("a",))
+    a = router.replicas.get("a")
+
+    async def scraped(replica, timeout, clock=None):
+        return load(trio.current_time(), running=3)
+
+    def broken(replica):
+        raise RuntimeError("a listener's bug")
+
+    monkeypatch.setattr(load_scraper, "scrape_once", scraped)
+    router.engine_load_listeners.insert(0, broken)
+    heard = []
+    router.engine_load_listeners.append(heard.append)
+    with trio.move_on_after(2.0):
+        await load_scraper.scrape_engine_load(router, clock=trio.current_time)
+    assert len(heard) >= 7 and set(heard) == {a}  # every 0.25 s, the room's interval
+    assert sum("failed (logged once)" in r.message for r in caplog.records) == 1
