@@ -92,7 +92,7 @@ async def test_in_flight_and_held_requests_of_one_gateway_reach_the_others_room(
             while True:
                 capacity, free = await room_figures(http, control.control_url)
                 assert capacity
-                if free == max(1, int(capacity) // 7):  # the control's share: free x 1 / (1 + 6)
+                if free == max(1, int(capacity) // 7):  # its quota: capacity x 1 / (1 + 6), nothing in flight
                     break
                 await trio.sleep(0.05)
         assert capacity >= 2 and free < capacity

@@ -230,7 +230,7 @@ def test_a_held_back_class_makes_capacity_grow_while_the_engines_idle():
     assert room.capacity(router.replicas.get("a")) > 10
 
 
-def test_the_free_room_is_split_by_the_requests_each_gateway_holds():
+def test_the_room_is_shared_by_the_requests_each_gateway_has_in_flight_and_holds():
     peers = Peers()
     router, room, queued, _ = make_room(peers=peers)
     learn(router, room, "a", 50)
@@ -238,17 +238,38 @@ def test_the_free_room_is_split_by_the_requests_each_gateway_holds():
     assert room.free("m", INTERACTIVE) == 100  # nobody else holds any: all of it
     peers.held["m"] = [30, 10]
     queued["m"] = 40
-    assert room.free("m", INTERACTIVE) == 50  # 100 x 40 / 80
+    assert room.free("m", INTERACTIVE) == 50  # a quota of 100 x 40 / 80
     queued["m"] = 0  # a request arriving to an empty queue counts as one waiting
     assert room.free("m", INTERACTIVE) == 100 * 1 // 41
-    router.replicas.get("a").local_inflight = 49
-    router.replicas.get("b").local_inflight = 50
-    assert room.free("m", INTERACTIVE) == 1  # at least one while there is room: nobody starves
-    router.replicas.get("a").local_inflight = 50
+    a, b = router.replicas.get("a"), router.replicas.get("b")
+    a.peer_inflight, b.peer_inflight = 49, 50
+    assert room.free("m", INTERACTIVE) == 1  # none of its own in flight: at least one, nobody starves
+    a.peer_inflight, a.local_inflight = 0, 49
+    assert room.free("m", INTERACTIVE) == 0  # 49 of its own in flight, beyond its quota: its turn comes as they end
+    a.peer_inflight = 1
     assert room.free("m", INTERACTIVE) == 0
     assert peers.source() == {} and peers.max_queued == FlowSettings().max_queued
     queued["m"] = 7
     assert peers.source() == {"m": 7}  # what this gateway's load report says
+
+
+def test_dispatching_one_request_after_another_stops_at_the_quota():
+    """Before the next report, a gateway that dispatches while free() > 0 must not take the others' part of the
+    room one request at a time."""
+    peers = Peers()
+    router, room, queued, _ = make_room(peers=peers)
+    learn(router, room, "a", 10)
+    learn(router, room, "b", 10)
+    peers.held["m"] = [10]  # another gateway holds as many as this one: half the room each
+    queued["m"] = 10
+    dispatched = 0
+    while room.free("m", INTERACTIVE) > 0:
+        replica = router.replicas.get("ab"[dispatched % 2])
+        replica.local_inflight += 1
+        queued["m"] -= 1
+        dispatched += 1
+    assert dispatched == 10
+    assert room.free("m", BATCH) == 0  # batch's quota is of the 85% it may fill
 
 
 def test_a_forged_peer_count_cannot_take_all_the_room():
