@@ -229,6 +229,8 @@ def summarize(runs: list[dict]) -> dict:
     summary: dict = {}
     for arm in ARMS:
         rows = [run for run in runs if run["arm"] == arm]
+        if not rows:
+            continue
         summary[arm] = {}
         for measure in MEASURES:
             values = [row[measure] for row in rows if row[measure] is not None]
@@ -238,10 +240,11 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def table(summary: dict) -> str:
-    lines = ["| measure | " + " | ".join(ARMS) + " |", "|---" * (len(ARMS) + 1) + "|"]
+    arms = [arm for arm in ARMS if arm in summary]
+    lines = ["| measure | " + " | ".join(arms) + " |", "|---" * (len(arms) + 1) + "|"]
     for measure in MEASURES:
         cells = []
-        for arm in ARMS:
+        for arm in arms:
             figure = summary[arm][measure]
             cells.append("-" if figure is None else f"{cell(figure['median'], '.2f')} "
                          f"({cell(figure['min'], '.2f')}..{cell(figure['max'], '.2f')})")
@@ -263,11 +266,13 @@ def main(argv: list[str] | None = None) -> int:
                         "fewer than an H100 holds, so that a few dozen requests fill it and the clients stay few")
     parser.add_argument("--time-scale", type=float, default=2.0, help="the simulator's: its GPU this many times "
                         "slower, so that its own CPU time (on a shared machine) distorts it less")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    arms = [arm for arm in ARMS if arm in args.arms.split(",")]
     runs = []
     for index in range(args.runs):
-        for arm in ARMS:
+        for arm in arms:
             run = trio.run(one_run, arm, args, index)
             print({k: v for k, v in run.items() if k != "trace"}, file=sys.stderr)
             runs.append(run)
