@@ -34,6 +34,8 @@ from ..control.interfaces import KvWriter, ReplicaTable
 from ..control.plane import ControlPlane
 from ..control.static import StaticReplicas
 from ..fdlimit import connection_budget, current_soft_limit
+from ..flow.room import EngineRoom
+from ..flow.room_metrics import RoomMetrics
 from ..http.connslots import ConnectionMetrics
 from ..http.control_server import ControlServer, ControlServerMetrics
 from ..http.jsonbody import JsonLimits
@@ -146,6 +148,9 @@ class Gateway:
         elif role != CONTROL:
             raise ConfigError([issue_at(config.state, "backend", "--role gateway follows a cluster's shared state: "
                                         "it needs backend: redis")])
+        # Overload control's room: every model's engines scraped, their capacity learnt, shared with the cluster.
+        self.room = EngineRoom(self.router, self.shared.load if self.shared is not None else None,
+                               metrics=RoomMetrics(self.metrics.registry))
         # With a shared state, a control process is a candidate: its control plane runs (built anew) in each term
         # it leads the cluster (_lead), and is reached through that term; without one, for the process's life.
         self.static: StaticReplicas | None = None
@@ -279,7 +284,7 @@ class Gateway:
             if self.control is not None:
                 await nursery.start(self.control.run)
             await nursery.start(self.key_admin.follow)  # the stored API keys, before the first request
-            nursery.start_soon(scrape_engine_load, self.router)  # for tiers with engine_metrics_interval
+            nursery.start_soon(scrape_engine_load, self.router)  # for tiers' engine_metrics_interval and the room
             nursery.start_soon(self.kv_index.maintain)  # resync retries, reset windows, predictions' expiry
             with listening_on(host_port(data_host, data_port)):
                 data = await nursery.start(functools.partial(self.data_server.serve, data_host, data_port,
