@@ -1,9 +1,12 @@
 """The key store of a cluster (``state.backend: redis``, and ``llmgw serve --workers``): API keys and teams in
 the cluster's Redis, each record signed with the cluster secret.
 
-Under ``<prefix>tenancy:``: ``keys`` (a hash: key id -> record), ``teams`` (team name -> record) and ``version``
-(a counter). Every write is one script that changes a hash and increments the version together; every gateway
-asks the version every :data:`~.keys.POLL_SECONDS` and reads both hashes again, in one script, when it changed.
+Under ``<prefix>tenancy:``: ``keys`` (a hash: key id -> record), ``teams`` (team name -> record), ``key_names``
+(key name -> the key id that claimed it) and ``version`` (a counter). Every write is one script that changes a
+hash and increments the version together, and claims a new name in the same step: a key's name is taken when
+another key that still exists claimed it, a new team's when the team exists (:class:`~.keys.NameTaken`). Every
+gateway asks the version every :data:`~.keys.POLL_SECONDS` and reads both hashes again, in one script, when it
+changed.
 
 A record is ``msgpack([body, HMAC(secret, kind, field, body)])``, ``body`` the JSON of :mod:`.codec`: the
 signature binds it to its hash and field, so a record cannot be moved to another key id either. What anyone who
@@ -22,7 +25,7 @@ from ..cluster import records
 from ..cluster.link import Unavailable
 from . import codec
 from .directory import KeyEntry, TeamEntry
-from .keys import Stored, StoreUnavailable
+from .keys import NameTaken, Stored, StoreUnavailable
 
 if TYPE_CHECKING:
     from ..cluster.link import RedisLink
@@ -66,10 +69,20 @@ local version = redis.call('GET', KEYS[1]) or ''
 if #version > 32 then version = string.sub(version, 1, 24) .. '~' .. #version end
 return {version, keys, skipped_keys, teams, skipped_teams}
 """
-# KEYS: version, hash; ARGV: field, value ('' and delete: HDEL) -> the new version (a version that is no counter,
-# as a writer may leave it, starts again at 1: it differs from what every gateway read, so they read again)
+# KEYS: version, hash, names; ARGV: field, value ('' and delete: HDEL), name claimed for field ('': none), name
+# given up ('': none), '1' when the field is new -> the new version (a version that is no counter, as a writer may
+# leave it, starts again at 1: it differs from what every gateway read, so they read again), or {'taken', owner}
+# and nothing written when the claimed name is another existing key's, or the new field exists.
 WRITE = """
+if redis.call('TYPE', KEYS[3])['ok'] ~= 'hash' then redis.call('DEL', KEYS[3]) end
+if ARGV[5] == '1' and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return {'taken', ARGV[1]} end
+if ARGV[3] ~= '' then
+  local owner = redis.call('HGET', KEYS[3], ARGV[3])
+  if owner and owner ~= ARGV[1] and redis.call('HEXISTS', KEYS[2], owner) == 1 then return {'taken', owner} end
+end
 if ARGV[2] == '' then redis.call('HDEL', KEYS[2], ARGV[1]) else redis.call('HSET', KEYS[2], ARGV[1], ARGV[2]) end
+if ARGV[4] ~= '' and redis.call('HGET', KEYS[3], ARGV[4]) == ARGV[1] then redis.call('HDEL', KEYS[3], ARGV[4]) end
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[3], ARGV[3], ARGV[1]) end
 local version = redis.pcall('INCR', KEYS[1])
 if type(version) == 'table' and version.err then
   redis.call('SET', KEYS[1], 1)
@@ -89,6 +102,7 @@ class RedisKeyStore:
         self.version_key = prefix + "tenancy:version"
         self.keys_key = prefix + "tenancy:keys"
         self.teams_key = prefix + "tenancy:teams"
+        self.names_key = prefix + "tenancy:key_names"
 
     async def version(self) -> object:
         keys = [self.version_key]
@@ -107,14 +121,16 @@ class RedisKeyStore:
         # what a version read alone answers: bytes, or None for no version yet
         return Stored(version or None, found_keys, found_teams, {kind: n for kind, n in refused.items() if n})
 
-    async def put_key(self, entry: KeyEntry) -> None:
-        await self._write(self.keys_key, KEY, entry.key_id, codec.encode_key(entry))
+    async def put_key(self, entry: KeyEntry, *, new: bool = False, renamed_from: str | None = None) -> None:
+        claim = entry.name if new or renamed_from is not None else ""
+        await self._write(self.keys_key, KEY, entry.key_id, codec.encode_key(entry), new=new, claim=claim,
+                          release=renamed_from or "")
 
-    async def delete_key(self, key_id: str) -> None:
-        await self._write(self.keys_key, KEY, key_id, None)
+    async def delete_key(self, key_id: str, name: str | None = None) -> None:
+        await self._write(self.keys_key, KEY, key_id, None, release=name or "")
 
-    async def put_team(self, entry: TeamEntry) -> None:
-        await self._write(self.teams_key, TEAM, entry.name, codec.encode_team(entry))
+    async def put_team(self, entry: TeamEntry, *, new: bool = False) -> None:
+        await self._write(self.teams_key, TEAM, entry.name, codec.encode_team(entry), new=new)
 
     async def delete_team(self, name: str) -> None:
         await self._write(self.teams_key, TEAM, name, None)
@@ -123,11 +139,15 @@ class RedisKeyStore:
         """The record stored for ``body`` in ``field``: the body and its signature."""
         return records.pack([body, self.signer.sign(b"llmgw tenancy", kind, field.encode(), body)])
 
-    async def _write(self, hash_key: str, kind: bytes, field: str, body: bytes | None) -> None:
+    async def _write(self, hash_key: str, kind: bytes, field: str, body: bytes | None, *, new: bool = False,
+                     claim: str = "", release: str = "") -> None:
         value = b"" if body is None else self.seal(kind, field, body)
-        version_key = self.version_key
-        await self._call("tenancy_write", lambda client: client.eval(WRITE, keys=[version_key, hash_key],
-                                                                     args=[field, value]))
+        keys = [self.version_key, hash_key, self.names_key]
+        args = [field, value, claim, release, "1" if new else ""]
+        answer = await self._call("tenancy_write", lambda client: client.eval(WRITE, keys=keys, args=args))
+        if isinstance(answer, list) and len(answer) == 2 and answer[0] == b"taken":
+            owner = answer[1].decode("utf-8", "replace") if isinstance(answer[1], bytes) else str(answer[1])
+            raise NameTaken(kind.decode(), owner)
 
     async def _call(self, operation: str, command: Callable[[Any], Any]) -> Any:
         try:
