@@ -85,7 +85,8 @@ class TenantKeyMetrics:
                            registry=registry)
         self.refused_records = Counter("llmgw_tenant_refused_records", "Key and team records of the key store "
                                        "refused when read (not signed with the cluster secret, malformed, larger "
-                                       "or more than the admin API writes): never admitted.", ["kind"],
+                                       "or more than the admin API writes; replayed_key, replayed_team: older "
+                                       "than their revocation or last change): never admitted.", ["kind"],
                                        registry=registry)
         self.changes = Counter("llmgw_tenant_key_changes", "Keys and teams created, updated and revoked through "
                                "this gateway's admin API.", ["kind", "change"], registry=registry)
@@ -138,8 +139,9 @@ class KeyAdmin:
         for kind, count in stored.refused.items():
             self.metrics.refused_records.labels(kind).inc(count)
         if stored.refused and stored.version != self._version:
-            log.error("key store %s: %s refused (not signed with the cluster secret, or malformed): never admitted",
-                      self.describe, ", ".join(f"{n} {kind} record(s)" for kind, n in stored.refused.items()))
+            log.error("key store %s: %s refused (not signed with the cluster secret, or malformed; replayed: older "
+                      "than the revocation or the last change of its key or team): never admitted", self.describe,
+                      ", ".join(f"{n} {kind} record(s)" for kind, n in stored.refused.items()))
         self.directory.set_stored(stored.keys, stored.teams)
         self._version, self._read_once = stored.version, True
         self._count()

@@ -242,8 +242,30 @@ async def test_a_key_record_not_signed_with_the_cluster_secret_is_refused_and_co
     await wait_for(lambda: line_with(gw, "refused (not signed with the cluster secret"))
 
 
-async def refused_at_least(control_url: str, count: int) -> bool:
-    return (await scrape_value(control_url, "llmgw_tenant_refused_records_total", 'kind="key"') or 0) >= count
+async def test_a_revoked_key_put_back_by_a_redis_writer_stays_revoked(start_fake_upstream, start_llmgw, redis_url,
+                                                                       cluster_name):
+    tiny, other = await start_fake_upstream("tiny"), await start_fake_upstream("other", model="other")
+    config = gateway_config(tiny.url, other.url, state_section(redis_url, cluster_name))
+    gw = await start_llmgw(config)
+    prefix = Keys(cluster_name).prefix + "tenancy:"
+    client = coredis.Redis.from_url(redis_url)
+    async with client, httpx.AsyncClient(timeout=10) as http:
+        made = (await http.post(gw.control_url + "/admin/keys", json={"name": "leaver"})).json()
+        assert (await chat(http, gw.url, made["key"])).status_code == 200
+        signed = await client.hget(prefix + "keys", made["id"])
+        assert (await http.delete(gw.control_url + "/admin/keys/leaver")).status_code == 200
+        await client.hset(prefix + "keys", {made["id"]: signed})  # the old signed record, put back
+        await client.incr(prefix + "version")
+        await wait_for(lambda: refused_at_least(gw.control_url, 1, "replayed_key"))
+        assert_openai_error(await chat(http, gw.url, made["key"]), 401, "invalid_api_key")
+        late = await start_llmgw(config, "--role", "gateway")  # started after: refuses it from the tombstone
+        await wait_for(lambda: refused_at_least(late.control_url, 1, "replayed_key"))
+        assert_openai_error(await chat(http, late.url, made["key"]), 401, "invalid_api_key")
+    await wait_for(lambda: line_with(gw, "replayed: older than the revocation"))
+
+
+async def refused_at_least(control_url: str, count: int, kind: str = "key") -> bool:
+    return (await scrape_value(control_url, "llmgw_tenant_refused_records_total", f'kind="{kind}"') or 0) >= count
 
 
 async def test_a_key_made_on_the_control_port_of_llmgw_serve_workers_reaches_every_worker(
