@@ -12,7 +12,7 @@ least it needs now (``need``: what waiting requests lack; 0 when refilling ahead
 - ``s`` concurrency slots: a hash ``holder -> slots held`` and a sorted set ``holder -> expiry (ms)``. The
   process says how many it holds now (``have``, absolute: a lost reply or a Redis restart cannot make the count
   drift); holders not renewed before their expiry, or whose expiry is further than 10 TTLs away (nobody writes
-  that), are dropped, so a process killed with ``kill -9`` frees its slots within the TTL.
+  that), are dropped (and counted in the answer), so a process killed with ``kill -9`` frees its slots within the TTL.
 - ``g`` a budget: two counters of the period, each expiring a day after it ends: what is *committed* (used,
   plus every process's leases and the reservations in flight on them), which leases are granted from, and what
   was *used* (``:used``: each process reports what its settled answers consumed, ``consumed``, at its next
@@ -110,13 +110,14 @@ for i = 1, tonumber(ARGV[1]) do
     fit(hkey, 'hash')
     fit(zkey, 'zset')
     local all = redis.call('HGETALL', hkey)
-    local others = 0
+    local others, dropped = 0, 0
     for j = 1, #all, 2 do
       if all[j] ~= holder then
         local expiry = tonumber(redis.call('ZSCORE', zkey, all[j]))
         if expiry == nil or expiry <= now or expiry > now + 10 * ttl then
           redis.call('HDEL', hkey, all[j])
           redis.call('ZREM', zkey, all[j])
+          dropped = dropped + 1
         else
           others = others + num(all[j + 1], 0, cap)
         end
@@ -134,7 +135,8 @@ for i = 1, tonumber(ARGV[1]) do
     end
     redis.call('PEXPIRE', hkey, 20 * ttl)
     redis.call('PEXPIRE', zkey, 20 * ttl)
-    out[i] = {string.format('%d', grant), string.format('%d', math.max(0, free - grant))}
+    out[i] = {string.format('%d', grant), string.format('%d', math.max(0, free - grant)),
+      string.format('%d', dropped)}
   else
     local key, ukey, hkey, zkey = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
     local need, want, have, expire_at, consumed, holder, ttl = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]),
@@ -149,12 +151,14 @@ for i = 1, tonumber(ARGV[1]) do
     local used = math.min(num(redis.call('GET', ukey), 0, 9007199254740992) + consumed, 9007199254740992)
     local lapsed = redis.call('ZRANGEBYSCORE', zkey, '-inf', now, 'LIMIT', 0, 64)
     local forged = redis.call('ZRANGEBYSCORE', zkey, '(' .. (now + 10 * ttl), '+inf', 'LIMIT', 0, 64)
+    local dropped = 0
     for _, gone in ipairs({lapsed, forged}) do
       for _, other in ipairs(gone) do
         if other ~= holder then
           spent = spent - num(redis.call('HGET', hkey, other), 0, 9007199254740992)
           redis.call('HDEL', hkey, other)
           redis.call('ZREM', zkey, other)
+          dropped = dropped + 1
         end
       end
     end
@@ -175,7 +179,7 @@ for i = 1, tonumber(ARGV[1]) do
       for _, counter in ipairs({key, ukey, hkey, zkey}) do redis.call('PEXPIREAT', counter, expire_at) end
     end
     out[i] = {string.format('%d', grant), string.format('%d', math.max(0, cap - spent)),
-      string.format('%d', math.max(0, cap - used))}
+      string.format('%d', math.max(0, cap - used)), string.format('%d', dropped)}
   end
 end
 redis.call('HSET', KEYS[2], ARGV[3], cjson.encode(out))
@@ -226,6 +230,7 @@ class Operation:
 
 
 UNSEEDED = b"unseeded"
+FIELDS = {BUCKET: 2, SLOTS: 3, BUDGET: 4}  # of an operation's answer
 
 
 def calls_key(prefix: str, holder: str) -> str:
@@ -259,6 +264,7 @@ class Answer:
     granted: int  # what the process now holds more
     left: float  # what is left in Redis after the grant (a bucket's level, free slots, a budget's remainder)
     unused: float = 0.0  # a budget: what its use so far leaves (``left`` plus what leases and requests hold)
+    dropped: int = 0  # slots, a budget: holders this call dropped, not renewed within their TTL
 
 
 def decode(reply: Any, operations: list[Operation]) -> list[Answer]:
@@ -270,11 +276,15 @@ def decode(reply: Any, operations: list[Operation]) -> list[Answer]:
         raise ValueError(f"the lease script answered {reply!r:.200}")
     answers = []
     for item, op in zip(reply, operations):
-        if not isinstance(item, list) or len(item) != (3 if op.kind == BUDGET else 2):
+        if not isinstance(item, list) or len(item) != FIELDS[op.kind]:
             raise ValueError(f"the lease script answered {item!r:.200}")
-        granted, left = int(item[0]), _bounded(item[1], op.capacity)
-        unused = _bounded(item[2], op.capacity) if op.kind == BUDGET else left
-        answers.append(Answer(max(0, min(granted, op.want)), left, max(left, unused)))
+        try:
+            granted, left = int(item[0]), _bounded(item[1], op.capacity)
+            unused = _bounded(item[2], op.capacity) if op.kind == BUDGET else left
+            dropped = max(0, min(int(item[-1]), 1000)) if op.kind != BUCKET else 0
+        except OverflowError:  # an infinite number
+            raise ValueError(f"the lease script answered {item!r:.200}") from None
+        answers.append(Answer(max(0, min(granted, op.want)), left, max(left, unused), dropped))
     return answers
 
 

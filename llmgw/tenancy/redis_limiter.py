@@ -350,8 +350,13 @@ class RedisLimiter(PoolLimiter):
         self.metrics.lease_calls.labels(call.kind, "ok").inc()
         self.metrics.lease_seconds.observe(trio.current_time() - started)
         now = self.clock()
-        for (pool, _, asked), answer in zip(call.batch, answers):
+        for (pool, operation, asked), answer in zip(call.batch, answers):
             pool.answered(answer, asked, now)
+            if answer.dropped:
+                self.metrics.lapsed_holders.labels(pool.dimension).inc(answer.dropped)
+                log.warning("tenant limits: %d process(es) holding %s stopped renewing it for %.0f s (killed, or cut "
+                            "off from Redis): what they held went back", answer.dropped, operation.keys[0],
+                            self.holder_ttl_ms / 1000)
         self._set_healthy()
         return ANSWERED
 

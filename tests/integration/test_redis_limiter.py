@@ -255,6 +255,7 @@ async def test_the_slots_of_a_process_killed_with_kill_9_come_back_within_the_tt
         while isinstance(await other.admit(alice, "m", SMALL), Refusal):
             await trio.sleep(0.1)
     assert trio.current_time() - killed < 1.0 + 2.0  # the TTL, and the other's wait for its next call
+    assert other.metrics.lapsed_holders.labels("concurrency")._value.get() == 1
 
 
 async def test_the_budget_share_of_a_process_killed_with_kill_9_goes_back_to_the_budget(nursery, redis_url,
@@ -278,6 +279,7 @@ async def test_the_budget_share_of_a_process_killed_with_kill_9_goes_back_to_the
                 admitted_here.append(answer)
     # none of the killed process's requests settled: its share and its reservations in flight are the budget's again
     assert len(admitted_here) == 20
+    assert other.metrics.lapsed_holders.labels("budget_tokens")._value.get() == 1
     refusal = await other.admit(alice, "m", fifty)
     assert isinstance(refusal, Refusal)  # its 20 requests in flight hold the whole budget
 

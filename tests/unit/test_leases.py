@@ -145,10 +145,10 @@ def test_redis_away_rate_limits_are_the_limit_divided_by_the_live_processes():
 @given(st.one_of(st.none(), st.integers(), st.binary(max_size=20), st.text(max_size=20),
                  st.lists(st.one_of(st.integers(), st.binary(max_size=8), st.floats(),
                                     st.lists(st.one_of(st.integers(-(2 ** 70), 2 ** 70), st.binary(max_size=12),
-                                                       st.floats(), st.none()), max_size=3)), max_size=3)))
+                                                       st.floats(), st.none()), max_size=4)), max_size=3)))
 def test_any_reply_is_parsed_into_answers_within_what_was_asked_or_refused(reply):
     count = len(reply) if isinstance(reply, list) else 1
-    operations = [Operation(BUDGET if i % 2 else BUCKET, ("k",), 100, 1, 10) for i in range(count)]
+    operations = [Operation((BUCKET, BUDGET, SLOTS)[i % 3], ("k",), 100, 1, 10) for i in range(count)]
     try:
         answers = decode(reply, operations)
     except (ValueError, TypeError, Unseeded):
@@ -157,6 +157,7 @@ def test_any_reply_is_parsed_into_answers_within_what_was_asked_or_refused(reply
         assert 0 <= answer.granted <= 10
         assert -1e15 <= answer.left <= 100 and not math.isnan(answer.left)
         assert answer.left <= answer.unused <= 100 and not math.isnan(answer.unused)
+        assert 0 <= answer.dropped <= 1000
 
 
 def test_a_budget_reports_what_its_settled_answers_used_and_keeps_it_when_the_call_fails():
