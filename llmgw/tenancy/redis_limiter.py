@@ -270,7 +270,7 @@ class RedisLimiter(PoolLimiter):
             if self.degraded:
                 for pool in pools:
                     pool.forget_asks()
-            elif pools or giving:
+            elif pools or giving or self._lost is not None:  # a lost call is sent again even if nothing else is
                 await self._call(pools | giving, giving, "take" if pools - giving else "upkeep")
             answered.set()
 

@@ -361,6 +361,45 @@ async def test_a_lease_call_whose_answer_was_lost_counts_the_use_it_reports_once
     assert int(await real_call("test", lambda client: client.get(counter))) == 10
 
 
+async def test_a_lost_give_back_is_sent_again_though_nothing_else_is_to_be_said(nursery, redis_url, cluster_name):
+    settings = TenancySettings(lease_idle_seconds=0.5)
+    limiter = await start_limiter(nursery, redis_url, cluster_name, "g1", settings)
+    alice = tenant(Limits(budgets=(Budget("total", tokens=1000),)))
+    admission = await limiter.admit(alice, "m", SMALL)
+    assert not isinstance(admission, Refusal)
+    admission.settle(Usage(prompt_tokens=10, completion_tokens=0))
+    real_call = limiter.link.call
+    sent_after_the_loss: list[str] = []
+
+    class Peek:
+        """What a lease call would send."""
+
+        async def eval(self, script, keys, args):
+            self.args = args
+
+    async def losing_the_give_back(operation, command, timeout=None):
+        result = await real_call(operation, command, timeout)
+        if operation != "tenancy_lease":
+            return result
+        peek = Peek()
+        await command(peek)
+        # one budget operation: [count, seeded, id, "g", capacity, need, want, have, ...]: want and have 0
+        if peek.args[0] == 1 and peek.args[6:8] == [0, 0]:
+            if not sent_after_the_loss:
+                sent_after_the_loss.append("lost")  # the call that gave the last share back: its answer is lost
+                raise Unavailable("no answer within 0.5s")
+            sent_after_the_loss.append("again")
+        return result
+
+    limiter.link.call = losing_the_give_back
+    with trio.fail_after(15):  # given back once idle, lost, and sent again: nothing else makes a call
+        while "again" not in sent_after_the_loss:
+            await trio.sleep(0.05)
+    counter = tenancy_prefix(cluster_name) + "key:k-alice:budget_tokens:total:0"
+    assert await real_call("test", lambda client: client.hlen(counter + ":held")) == 0
+    assert int(await real_call("test", lambda client: client.get(counter))) == 10  # only what was used
+
+
 async def test_redis_away_rate_limits_fall_back_to_a_share_and_budgets_close(nursery, private_redis, cluster_name,
                                                                              caplog):
     caplog.set_level(logging.INFO, "llmgw.tenancy")
