@@ -90,6 +90,19 @@ def test_the_redis_store_admits_only_records_signed_for_their_field(entry, junk)
     assert refused["replayed_key"] == 1
 
 
+@settings(max_examples=200)
+@given(st.lists(st.binary(max_size=40) | st.integers() | st.none() | st.builds(
+    lambda revision, signature: records.pack([revision, signature]),
+    st.integers(-(2 ** 63), 2 ** 64 - 1) | st.binary(max_size=8) | st.none(), st.binary(max_size=40)), max_size=8))
+def test_only_tombstones_signed_for_their_field_and_revision_are_read(junk):
+    store = RedisKeyStore(None, "llmgw:t:", records.Signer(b"s" * 32), max_keys=10, max_teams=10)  # type: ignore
+    good = [b"key:k-0123456789abcdef", store.tombstone(KEY, "k-0123456789abcdef", 7),
+            b"team:batch", store.tombstone(b"team", "batch", 9),
+            b"key:k-ffffffffffffffff", store.tombstone(KEY, "k-0123456789abcdef", 8)]  # moved to another id
+    assert store._tombstones(good + junk) == {"key:k-0123456789abcdef": 7, "team:batch": 9}
+    assert store.revisions.highest == 9
+
+
 @given(st.dictionaries(st.sampled_from(["name", "team", "models", "priority", "limits", "budgets", "key", "x"]),
                        json_values, max_size=5))
 def test_an_admin_body_is_read_or_refused_with_the_configs_messages(body):
