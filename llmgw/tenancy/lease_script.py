@@ -44,7 +44,7 @@ from typing import Any
 
 BUCKET, SLOTS, BUDGET = "b", "s", "g"
 MAX_SPEND = 1 << 53  # Lua's numbers are doubles: exact integers up to here (9 million USD in nano-dollars)
-REMEMBERED = 32  # answers of a holder's last calls kept for a repeat
+REMEMBERED = 4  # answers of a holder's last calls kept for a repeat (it only ever repeats its last: a few for safety)
 CALL_MEMORY_MS = 600_000  # ... for this long after its last call (a retry after that is given up: redis_limiter)
 
 LEASE = r"""

@@ -19,7 +19,7 @@ from llmgw.cluster.link import RedisLink, Unavailable
 from llmgw.cluster.metrics import ClusterMetrics
 from llmgw.config.loading import parse_config
 from llmgw.tenancy.interfaces import OUT_OF_QUOTA, RATE_LIMITED, Refusal
-from llmgw.tenancy.lease_script import BUDGET, CALL_MEMORY_MS, LEASE, Operation, calls_key, decode, encode
+from llmgw.tenancy.lease_script import BUDGET, CALL_MEMORY_MS, LEASE, REMEMBERED, Operation, calls_key, decode, encode
 from llmgw.tenancy.leases import budget_keys
 from llmgw.tenancy.limiter_metrics import LimiterMetrics
 from llmgw.tenancy.local_limiter import Spent
@@ -305,6 +305,9 @@ async def test_a_lease_call_made_twice_with_one_id_is_applied_once(nursery, redi
     remembered = await limiter.link.call("test", lambda client: client.hlen(calls))
     ttl = await limiter.link.call("test", lambda client: client.pttl(calls))
     assert remembered == 2 and 0 < ttl <= CALL_MEMORY_MS
+    for call_id in range(3, 20):
+        await lease(call_id)
+    assert await limiter.link.call("test", lambda client: client.hlen(calls)) == REMEMBERED  # the last ones only
 
 
 async def test_a_budget_counts_each_holders_share_and_what_was_used_in_whatever_order_they_report(
