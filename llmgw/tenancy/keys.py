@@ -41,17 +41,30 @@ class Stored:
     refused: dict[str, int] = dataclasses.field(default_factory=dict)  # by kind: "key", "team"
 
 
+class NameTaken(Exception):
+    """A write that claims a name another key (or team) holds in the store: nothing was written."""
+
+    def __init__(self, kind: str, owner: str):
+        super().__init__(f"{kind} {owner}")
+        self.kind = kind  # "key" or "team"
+        self.owner = owner  # the key id (or team name) holding it
+
+
 class KeyStore(Protocol):
+    """Where keys and teams are kept. A key's name is claimed atomically with its write (``new``, or
+    ``renamed_from`` its old name, which is given up): :class:`NameTaken` when another key holds it; so is a new
+    team's. Two gateways given one new name at once: one has it, the other is told."""
+
     async def version(self) -> object:
         """A value that changes with every write (cheap: asked every POLL_SECONDS)."""
 
     async def read(self) -> Stored: ...
 
-    async def put_key(self, entry: KeyEntry) -> None: ...
+    async def put_key(self, entry: KeyEntry, *, new: bool = False, renamed_from: str | None = None) -> None: ...
 
-    async def delete_key(self, key_id: str) -> None: ...
+    async def delete_key(self, key_id: str, name: str | None = None) -> None: ...
 
-    async def put_team(self, entry: TeamEntry) -> None: ...
+    async def put_team(self, entry: TeamEntry, *, new: bool = False) -> None: ...
 
     async def delete_team(self, name: str) -> None: ...
 
@@ -72,7 +85,8 @@ class TenantKeyMetrics:
                            registry=registry)
         self.refused_records = Counter("llmgw_tenant_refused_records", "Key and team records of the key store "
                                        "refused when read (not signed with the cluster secret, malformed, larger "
-                                       "or more than the admin API writes): never admitted.", ["kind"],
+                                       "or more than the admin API writes; replayed_key, replayed_team: older "
+                                       "than their revocation or last change): never admitted.", ["kind"],
                                        registry=registry)
         self.changes = Counter("llmgw_tenant_key_changes", "Keys and teams created, updated and revoked through "
                                "this gateway's admin API.", ["kind", "change"], registry=registry)
@@ -125,8 +139,9 @@ class KeyAdmin:
         for kind, count in stored.refused.items():
             self.metrics.refused_records.labels(kind).inc(count)
         if stored.refused and stored.version != self._version:
-            log.error("key store %s: %s refused (not signed with the cluster secret, or malformed): never admitted",
-                      self.describe, ", ".join(f"{n} {kind} record(s)" for kind, n in stored.refused.items()))
+            log.error("key store %s: %s refused (not signed with the cluster secret, or malformed; replayed: older "
+                      "than the revocation or the last change of its key or team): never admitted", self.describe,
+                      ", ".join(f"{n} {kind} record(s)" for kind, n in stored.refused.items()))
         self.directory.set_stored(stored.keys, stored.teams)
         self._version, self._read_once = stored.version, True
         self._count()
@@ -165,7 +180,7 @@ class KeyAdmin:
             entry = KeyEntry(f"k-{secrets.token_hex(8)}", spec.name, digest_of(secret), spec.team,
                              _models(spec.models), spec.priority, limits_of(spec.limits, spec.budgets), API,
                              round(time.time(), 3))
-            await self._write(self.store.put_key(entry))
+            await self._write(self.store.put_key(entry, new=True))
         self.metrics.changes.labels("key", "created").inc()
         log.info("API key created: name=%s id=%s team=%s", entry.name, entry.key_id, entry.team or "-")
         return entry, secret
@@ -174,7 +189,7 @@ class KeyAdmin:
         """Change what ``spec`` writes (name, team, models, priority, limits, budgets) of an API-made key."""
         async with self._write_lock:
             await self.refresh(force=True)
-            entry = self._editable(self.key(ref), "key")
+            entry = previous = self._editable(self.key(ref), "key")
             changes: dict[str, Any] = {}
             if spec.was_written("name") and spec.name is not None:
                 self._check_name(spec.name, entry.key_id)
@@ -188,7 +203,8 @@ class KeyAdmin:
                 changes["priority"] = spec.priority
             changes["limits"] = _updated_limits(entry.limits, spec)
             entry = dataclasses.replace(entry, **changes)
-            await self._write(self.store.put_key(entry))
+            renamed_from = previous.name if entry.name != previous.name else None
+            await self._write(self.store.put_key(entry, renamed_from=renamed_from))
         self.metrics.changes.labels("key", "updated").inc()
         log.info("API key updated: name=%s id=%s team=%s", entry.name, entry.key_id, entry.team or "-")
         return entry
@@ -198,7 +214,7 @@ class KeyAdmin:
         async with self._write_lock:
             await self.refresh(force=True)
             entry = self._editable(self.key(ref), "key")
-            await self._write(self.store.delete_key(entry.key_id))
+            await self._write(self.store.delete_key(entry.key_id, entry.name))
         self.metrics.changes.labels("key", "revoked").inc()
         log.info("API key revoked: name=%s id=%s team=%s", entry.name, entry.key_id, entry.team or "-")
         return entry
@@ -224,7 +240,7 @@ class KeyAdmin:
                                    f"({self.max_teams}) teams: delete some, or raise the bound")
             entry = TeamEntry(spec.name, limits_of(spec.limits, spec.budgets), _models(spec.models), spec.priority,
                               API, round(time.time(), 3))
-            await self._write(self.store.put_team(entry))
+            await self._write(self.store.put_team(entry, new=True))
         self.metrics.changes.labels("team", "created").inc()
         log.info("team created: name=%s", entry.name)
         return entry
@@ -261,8 +277,16 @@ class KeyAdmin:
     # -- checks ------------------------------------------------------------------------------------------------
 
     async def _write(self, write: Any) -> None:
-        """Await one store write, then read the store back (this gateway has the change at once)."""
-        await write
+        """Await one store write, then read the store back (this gateway has the change at once). A name another
+        gateway claimed in the same instant is refused as if this one had read it (409)."""
+        try:
+            await write
+        except NameTaken as taken:
+            await self.refresh(force=True)
+            if taken.kind == "key":
+                raise AdminRefusal(409, "key_name_taken", f"another key ({taken.owner}) took this name a moment "
+                                   "ago: names are unique, they label logs and usage") from None
+            raise AdminRefusal(409, "team_exists", f"a team named {taken.owner!r} was made a moment ago") from None
         try:
             await self.refresh(force=True)
         except StoreUnavailable:

@@ -12,13 +12,25 @@ least it needs now (``need``: what waiting requests lack; 0 when refilling ahead
 - ``s`` concurrency slots: a hash ``holder -> slots held`` and a sorted set ``holder -> expiry (ms)``. The
   process says how many it holds now (``have``, absolute: a lost reply or a Redis restart cannot make the count
   drift); holders not renewed before their expiry, or whose expiry is further than 10 TTLs away (nobody writes
-  that), are dropped, so a process killed with ``kill -9`` frees its slots within the TTL.
+  that), are dropped (and counted in the answer), so a process killed with ``kill -9`` frees its slots within the TTL.
 - ``g`` a budget: two counters of the period, each expiring a day after it ends: what is *committed* (used,
-  plus every process's leases and the reservations in flight on them: a lease is charged when taken, its unused
-  part given back), which leases are granted from, and what was *used* (``:used``: each process reports what its
-  settled answers consumed, ``consumed``, at its next call). The committed counter is never below the used one.
-  Their difference is what leases and requests in flight hold: a request refused while it is there is told to
-  retry shortly, not that the budget is spent.
+  plus every process's leases and the reservations in flight on them), which leases are granted from, and what
+  was *used* (``:used``: each process reports what its settled answers consumed, ``consumed``, at its next
+  call). The committed counter is never below the used one. Their difference is what leases and requests in
+  flight hold: a request refused while it is there is told to retry shortly, not that the budget is spent. What
+  each process holds of it is kept per holder, as the slots are (``:held``, a hash, and ``:holders``, a sorted set
+  of expiries): the process says what it holds now (``have``, absolute: its lease and its reservations in
+  flight, after what it gives back and owes), which replaces its record in the committed counter (what it held
+  and reports used, ``consumed``, stays there: it moved to the used counter); a holder not
+  renewed before its expiry (or whose expiry is further than 10 TTLs away) is dropped by the next call, its
+  holding taken off the committed counter, so the share of a process killed with ``kill -9`` goes back to the
+  budget within the TTL (at most 64 such holders per call: a writer's flood is worked off over calls).
+
+Every call carries an id, new for each call of a holder (a retry of a call whose answer was lost carries the same
+one): the script keeps the answers of the holder's last :data:`REMEMBERED` calls (``calls:HOLDER``, a hash that
+expires :data:`CALL_MEMORY_MS` after the holder's last call) and answers a repeated id with the first answer
+without applying the call again, so a reply lost after Redis ran the script never counts consumption twice
+(a remembered answer that is not JSON, as only a writer leaves it, is no answer: the call is applied).
 
 Whatever Redis holds is clamped before use (someone else may write there): a key of another type is
 dropped, a level clamped to ``[-1e15, capacity]``, a time to ``[0, now]``, a holder's slots to ``[0, capacity]``,
@@ -32,6 +44,8 @@ from typing import Any
 
 BUCKET, SLOTS, BUDGET = "b", "s", "g"
 MAX_SPEND = 1 << 53  # Lua's numbers are doubles: exact integers up to here (9 million USD in nano-dollars)
+REMEMBERED = 4  # answers of a holder's last calls kept for a repeat (it only ever repeats its last: a few for safety)
+CALL_MEMORY_MS = 600_000  # ... for this long after its last call (a retry after that is given up: redis_limiter)
 
 LEASE = r"""
 local t = redis.call('TIME')
@@ -51,11 +65,17 @@ local function grant_of(avail, need, want)
   if want <= 0 or avail < need or avail <= 0 then return 0 end
   return math.min(want, avail)
 end
+fit(KEYS[2], 'hash')
+local first = redis.call('HGET', KEYS[2], ARGV[3])
+if first then
+  local ok, answer = pcall(cjson.decode, first)
+  if ok then return answer end
+end
 if ARGV[2] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then
   return 'unseeded'
 end
 local out = {}
-local k, a = 2, 3
+local k, a = 3, 4
 for i = 1, tonumber(ARGV[1]) do
   local kind = ARGV[a]
   local cap = tonumber(ARGV[a + 1])
@@ -81,7 +101,7 @@ for i = 1, tonumber(ARGV[1]) do
       redis.call('HSET', key, 'l', string.format('%.6f', level), 't', now)
       redis.call('PEXPIRE', key, math.ceil(window * 2 + (cap - level) * window / math.max(cap, 1)))
     end
-    out[i] = {grant, string.format('%.6f', level)}
+    out[i] = {string.format('%d', grant), string.format('%.6f', level)}
   elseif kind == 's' then
     local hkey, zkey = KEYS[k], KEYS[k + 1]
     local holder, have, need, want, ttl = ARGV[a + 2], tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]),
@@ -90,13 +110,14 @@ for i = 1, tonumber(ARGV[1]) do
     fit(hkey, 'hash')
     fit(zkey, 'zset')
     local all = redis.call('HGETALL', hkey)
-    local others = 0
+    local others, dropped = 0, 0
     for j = 1, #all, 2 do
       if all[j] ~= holder then
         local expiry = tonumber(redis.call('ZSCORE', zkey, all[j]))
         if expiry == nil or expiry <= now or expiry > now + 10 * ttl then
           redis.call('HDEL', hkey, all[j])
           redis.call('ZREM', zkey, all[j])
+          dropped = dropped + 1
         else
           others = others + num(all[j + 1], 0, cap)
         end
@@ -114,30 +135,58 @@ for i = 1, tonumber(ARGV[1]) do
     end
     redis.call('PEXPIRE', hkey, 20 * ttl)
     redis.call('PEXPIRE', zkey, 20 * ttl)
-    out[i] = {grant, math.max(0, free - grant)}
+    out[i] = {string.format('%d', grant), string.format('%d', math.max(0, free - grant)),
+      string.format('%d', dropped)}
   else
-    local key, ukey = KEYS[k], KEYS[k + 1]
-    local need, want, give, charge, expire_at, consumed = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]),
-      tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6]), tonumber(ARGV[a + 7])
-    k, a = k + 2, a + 8
+    local key, ukey, hkey, zkey = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
+    local need, want, have, expire_at, consumed, holder, ttl = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]),
+      num(ARGV[a + 4], 0, 9007199254740992), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6]), ARGV[a + 7],
+      tonumber(ARGV[a + 8])
+    k, a = k + 4, a + 9
     fit(key, 'string')
     fit(ukey, 'string')
+    fit(hkey, 'hash')
+    fit(zkey, 'zset')
     local spent = num(redis.call('GET', key), 0, 9007199254740992)
     local used = math.min(num(redis.call('GET', ukey), 0, 9007199254740992) + consumed, 9007199254740992)
-    spent = math.max(used, math.max(0, spent - give) + charge)
+    local lapsed = redis.call('ZRANGEBYSCORE', zkey, '-inf', now, 'LIMIT', 0, 64)
+    local forged = redis.call('ZRANGEBYSCORE', zkey, '(' .. (now + 10 * ttl), '+inf', 'LIMIT', 0, 64)
+    local dropped = 0
+    for _, gone in ipairs({lapsed, forged}) do
+      for _, other in ipairs(gone) do
+        if other ~= holder then
+          spent = spent - num(redis.call('HGET', hkey, other), 0, 9007199254740992)
+          redis.call('HDEL', hkey, other)
+          redis.call('ZREM', zkey, other)
+          dropped = dropped + 1
+        end
+      end
+    end
+    local before = num(redis.call('HGET', hkey, holder), 0, 9007199254740992)
+    spent = math.max(used, math.max(0, spent - before) + have + consumed)  -- what was held and is now used stays
     local grant = grant_of(cap - spent, need, want)
     spent = spent + grant
+    if have + grant > 0 then
+      redis.call('HSET', hkey, holder, string.format('%d', have + grant))
+      redis.call('ZADD', zkey, now + ttl, holder)
+    else
+      redis.call('HDEL', hkey, holder)
+      redis.call('ZREM', zkey, holder)
+    end
     redis.call('SET', key, string.format('%d', spent))
     redis.call('SET', ukey, string.format('%d', used))
     if expire_at > 0 then
-      redis.call('PEXPIREAT', key, expire_at)
-      redis.call('PEXPIREAT', ukey, expire_at)
+      for _, counter in ipairs({key, ukey, hkey, zkey}) do redis.call('PEXPIREAT', counter, expire_at) end
     end
-    out[i] = {grant, string.format('%d', math.max(0, cap - spent)), string.format('%d', math.max(0, cap - used))}
+    out[i] = {string.format('%d', grant), string.format('%d', math.max(0, cap - spent)),
+      string.format('%d', math.max(0, cap - used)), string.format('%d', dropped)}
   end
 end
+redis.call('HSET', KEYS[2], ARGV[3], cjson.encode(out))
+redis.call('HDEL', KEYS[2], tostring(tonumber(ARGV[3]) - REMEMBERED_CALLS))
+redis.call('PEXPIRE', KEYS[2], CALL_MEMORY_MS)
 return out
-"""
+""".replace("REMEMBERED_CALLS", str(REMEMBERED)).replace("CALL_MEMORY_MS", str(CALL_MEMORY_MS))
 
 
 # Raise each budget counter (committed and used) to at least what the usage store says was spent in its period (a
@@ -164,7 +213,8 @@ return #KEYS - 1
 @dataclass(frozen=True, slots=True)
 class Operation:
     """One pool's part of a lease call. ``extra`` is the bucket's window (ms), the slots' holder, or the budget's
-    expiry (Unix ms, 0: none); ``have`` is the slots this process holds after ``give``."""
+    expiry (Unix ms, 0: none); ``have`` is what this process holds after ``give`` (slots; a budget's lease and
+    reservations in flight), renewed for ``ttl_ms``."""
 
     kind: str
     keys: tuple[str, ...]
@@ -180,13 +230,20 @@ class Operation:
 
 
 UNSEEDED = b"unseeded"
+FIELDS = {BUCKET: 2, SLOTS: 3, BUDGET: 4}  # of an operation's answer
 
 
-def encode(operations: list[Operation], marker: str, seeded: bool) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of one call of :data:`LEASE`; ``seeded``: lease nothing unless the ``marker`` key of
-    :data:`SEED` is there."""
-    keys: list[str] = [marker]
-    args: list[Any] = [len(operations), 1 if seeded else 0]
+def calls_key(prefix: str, holder: str) -> str:
+    """Where the answers of a holder's last calls are remembered (see the module's doc)."""
+    return f"{prefix}calls:{holder}"
+
+
+def encode(operations: list[Operation], marker: str, seeded: bool, holder: str, calls: str,
+           call_id: int) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of one call of :data:`LEASE` by ``holder``, its ``call_id`` remembered in ``calls``;
+    ``seeded``: lease nothing unless the ``marker`` key of :data:`SEED` is there."""
+    keys: list[str] = [marker, calls]
+    args: list[Any] = [len(operations), 1 if seeded else 0, call_id]
     for op in operations:
         keys += op.keys
         if op.kind == BUCKET:
@@ -194,7 +251,7 @@ def encode(operations: list[Operation], marker: str, seeded: bool) -> tuple[list
         elif op.kind == SLOTS:
             args += [SLOTS, op.capacity, op.extra, op.have, op.need, op.want, op.ttl_ms]
         else:
-            args += [BUDGET, op.capacity, op.need, op.want, op.give, op.charge, op.extra, op.consumed]
+            args += [BUDGET, op.capacity, op.need, op.want, op.have, op.extra, op.consumed, holder, op.ttl_ms]
     return keys, args
 
 
@@ -207,6 +264,7 @@ class Answer:
     granted: int  # what the process now holds more
     left: float  # what is left in Redis after the grant (a bucket's level, free slots, a budget's remainder)
     unused: float = 0.0  # a budget: what its use so far leaves (``left`` plus what leases and requests hold)
+    dropped: int = 0  # slots, a budget: holders this call dropped, not renewed within their TTL
 
 
 def decode(reply: Any, operations: list[Operation]) -> list[Answer]:
@@ -218,11 +276,15 @@ def decode(reply: Any, operations: list[Operation]) -> list[Answer]:
         raise ValueError(f"the lease script answered {reply!r:.200}")
     answers = []
     for item, op in zip(reply, operations):
-        if not isinstance(item, list) or len(item) != (3 if op.kind == BUDGET else 2):
+        if not isinstance(item, list) or len(item) != FIELDS[op.kind]:
             raise ValueError(f"the lease script answered {item!r:.200}")
-        granted, left = int(item[0]), _bounded(item[1], op.capacity)
-        unused = _bounded(item[2], op.capacity) if op.kind == BUDGET else left
-        answers.append(Answer(max(0, min(granted, op.want)), left, max(left, unused)))
+        try:
+            granted, left = int(item[0]), _bounded(item[1], op.capacity)
+            unused = _bounded(item[2], op.capacity) if op.kind == BUDGET else left
+            dropped = max(0, min(int(item[-1]), 1000)) if op.kind != BUCKET else 0
+        except OverflowError:  # an infinite number
+            raise ValueError(f"the lease script answered {item!r:.200}") from None
+        answers.append(Answer(max(0, min(granted, op.want)), left, max(left, unused), dropped))
     return answers
 
 

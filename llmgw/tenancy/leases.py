@@ -8,8 +8,9 @@ learns the process's demand (an exponential average of what is reserved per seco
 goes back after ``lease_idle_seconds`` without a request, or at shutdown.
 
 While Redis is away (:attr:`Leases.degraded`), rate limits are this process's own buckets of the limit divided
-by the live processes, and budgets admit only what the lease in hand holds (``budgets_fail_closed``) or
-everything (the settled spend is charged when Redis is back).
+by the live processes, and budgets admit only what the lease in hand holds (``budgets_fail_closed``), until
+Redis drops this holder's record (its TTL after the last answered call: the lease may be another process's then),
+or everything (the settled spend is charged when Redis is back).
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ def used_key(key: str) -> str:
     return key + ":used"
 
 
+def budget_keys(key: str) -> tuple[str, ...]:
+    """A budget counter's keys in a lease call: committed, used, and what each holder holds of it (and until)."""
+    return key, used_key(key), key + ":held", key + ":holders"
+
+
 def budget_expiry_ms(period: str, now: float) -> int:
     """When a budget counter of the period holding ``now`` may go (Unix ms; 0: never): a day after it ends."""
     ends = period_end(period, now)
@@ -89,13 +95,15 @@ class LeasedPool:
         self.capacity = capacity
         self._base = pool_key(prefix, subject.kind, subject.name, dimension)
         self.held = 0  # leased, not reserved; negative: a debt
-        self.in_use = 0  # slots only: reserved and not settled
+        self.in_use = 0  # slots and budgets: reserved and not settled (a budget's: in its current period)
         self.asked = 0  # what waiting requests lack, for the next call
         self.least = 0  # what the waiting request that lacks least lacks (a grant of less serves none)
         self.left = float(capacity)  # what Redis said was left at its last answer
         self.unused = float(capacity)  # a budget: what Redis said its use leaves (leases and requests aside)
         self.consumed = 0  # a budget: what settled answers used, not yet reported to Redis
         self.starved = False  # a budget: the last call could not grant what waiting requests lacked
+        self.renewed_at = -math.inf  # a budget: when the last call Redis answered was made (its holder's renewal)
+        self._sent_at = -math.inf
         self.left_at = now
         self.demand = 0.0  # units reserved per second, decaying
         self.demand_at = now
@@ -114,7 +122,7 @@ class LeasedPool:
     def _roll(self, now: float) -> None:
         if self.period is not None and period_start(self.period, now) != self.start:
             self.start = period_start(self.period, now)
-            self.held, self.consumed = 0, 0  # last period's lease lapses with its counter
+            self.held, self.consumed, self.in_use = 0, 0, 0  # last period's lease lapses with its counter
             self.left = self.unused = float(self.capacity)
 
     def _fallback(self, now: float) -> TokenBucket:
@@ -131,6 +139,8 @@ class LeasedPool:
                 return self.owner.fallback_capacity(self.capacity) - self.in_use
             if not self.owner.budgets_fail_closed:
                 return math.inf
+            if self.kind == BUDGET and now - self.renewed_at >= self.owner.holder_ttl_ms / 1000:
+                return min(0, self.held)  # Redis has dropped this holder: its lease may be leased to others now
         return self.held
 
     def reserve(self, amount: int, now: float) -> int:
@@ -140,8 +150,9 @@ class LeasedPool:
             self._fallback(now).reserve(amount, now)
             return FALLBACK
         self.held -= amount
-        if self.kind == SLOTS:
+        if self.kind != BUCKET:
             self.in_use += amount
+        if self.kind == SLOTS:
             if self.held < 0:  # the fallback's slots (Redis away) are counted in Redis when it is back
                 self.held = 0
         elif not self.owner.degraded and self.held < self.lease_size() / 2:
@@ -159,6 +170,7 @@ class LeasedPool:
                 self.owner.give_soon(self)
         elif stamp == int(self.start):
             self.held += reserved - used
+            self.in_use = max(0, self.in_use - reserved)
         else:  # reserved in a period that has ended: its use counts in this one
             self.held -= used
         if self.kind == BUDGET:
@@ -241,6 +253,7 @@ class LeasedPool:
         """This pool's part of the next call (and the local bookkeeping of what it gives and charges), or None
         when it has nothing to ask, give, owe or renew. ``idle``: give back all it holds."""
         self._roll(now)
+        self._sent_at = now
         need, asked = self.least, self.asked
         self.least = 0
         if self.kind == SLOTS:
@@ -262,14 +275,18 @@ class LeasedPool:
         self.held += charge - give
         want = 0 if idle else max(asked, min(self.lease_size() - self.held, self._fair_share(now)))
         consumed, self.consumed = self.consumed, 0
-        if not (want or give or charge or consumed):
-            return None
         if self.kind == BUCKET:
+            if not (want or give or charge):
+                return None
             return Operation(BUCKET, (self._base,), self.capacity, need, want, give, charge, int(WINDOW * 1000))
+        have = self.held + self.in_use  # what Redis counts as this holder's: renewed while there is any
+        if not (want or give or charge or consumed or have):
+            return None
         assert self.period is not None
         key = budget_key(self._base, self.period, self.start)
-        return Operation(BUDGET, (key, used_key(key)), self.capacity, need, want, give, charge,
-                         budget_expiry_ms(self.period, now), consumed=consumed)
+        return Operation(BUDGET, budget_keys(key), self.capacity, need, want, give, charge,
+                         budget_expiry_ms(self.period, now), have=have, ttl_ms=self.owner.holder_ttl_ms,
+                         consumed=consumed)
 
     def answered(self, answer: Answer, asked: int, now: float) -> None:
         """Redis granted ``answer.granted``; the asks it answered (``asked``) are done."""
@@ -279,6 +296,7 @@ class LeasedPool:
         if self.kind == BUDGET:
             self.unused = answer.unused
             self.starved = asked > 0 and answer.granted == 0
+            self.renewed_at = max(self.renewed_at, self._sent_at)
 
     def unanswered(self, operation: Operation, asked: int) -> None:
         """The call failed: what it gave or charged stays to be given or charged."""

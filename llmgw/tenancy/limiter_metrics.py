@@ -33,6 +33,10 @@ class LimiterMetrics:
             "llmgw_tenant_budget_waits", "Requests a budget could not cover after a lease call while its use so "
             "far could: they waited (up to lease_idle_seconds) for what other processes' leases and requests in "
             "flight held, instead of being refused as spent.", registry=r)
+        self.lapsed_holders = CachedLabels(Counter(
+            "llmgw_tenant_lapsed_holders", "Processes whose concurrency slots or budget share Redis dropped because "
+            "they stopped renewing them (killed, or cut off from Redis for the holder TTL): what they held went "
+            "back. Counted by the process whose call dropped them, by limit.", ["limit"], registry=r))
         self.degraded = Gauge(
             "llmgw_tenant_limiter_degraded", "1 while Redis is away and the limiter runs on its fallback (rate "
             "limits divided by the live processes, budgets on the leases in hand), else 0.", registry=r)

@@ -23,7 +23,8 @@ import os
 import secrets
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
 
 import trio
 
@@ -31,7 +32,7 @@ from ..cluster.link import RedisLink, Unavailable
 from ..cluster.records import Keys
 from .admission import BUDGETS, Pool, Slot, Subject, short_of
 from .interfaces import Admission, Refusal
-from .lease_script import LEASE, SEED, Unseeded, decode, encode
+from .lease_script import CALL_MEMORY_MS, LEASE, SEED, Operation, Unseeded, calls_key, decode, encode
 from .leases import LeasedPool, budget_expiry_ms, budget_key, pool_key, used_key
 from .limiter_metrics import LimiterMetrics
 from .model import Estimate, TenancySettings, Tenant
@@ -44,7 +45,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LIVE_MEMORY = 10.0  # seconds: a process whose load report lapsed a moment ago still counts as live
-HOLDER_TTL = 5.0  # seconds: a process's concurrency slots outlive its last heartbeat by this much at most
+HOLDER_TTL = 5.0  # seconds: a process's slots and budget shares outlive its last heartbeat by this much at most
+ANSWERED, RESEEDED, FAILED = "answered", "reseeded", "failed"  # what became of a lease call
+RETRY_FOR = CALL_MEMORY_MS / 1000 / 2  # seconds: a call whose answer was lost is retried as is for this long
 
 
 def tenancy_prefix(cluster: str) -> str:
@@ -53,8 +56,20 @@ def tenancy_prefix(cluster: str) -> str:
 
 
 def holder_name(origin: str) -> str:
-    """This process's name as a holder of concurrency slots: new at every start."""
+    """This process's name as a holder of concurrency slots and budget shares: new at every start."""
     return f"{origin}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+@dataclass(slots=True)
+class LeaseCall:
+    """One call of the lease script as sent: sent again as is (its id too) when its answer was lost."""
+
+    call_id: int
+    keys: list[str]
+    args: list[Any]
+    batch: list[tuple[LeasedPool, Operation, int]]  # each pool, its operation, what its waiters had asked
+    kind: str
+    first_sent: float
 
 
 class RedisLimiter(PoolLimiter):
@@ -70,6 +85,9 @@ class RedisLimiter(PoolLimiter):
         self.prefix = tenancy_prefix(cluster)
         self.holder = holder_name(origin)
         self.holder_ttl_ms = int(holder_ttl * 1000)
+        self.calls_key = calls_key(self.prefix, self.holder)
+        self._call_ids = 0
+        self._lost: LeaseCall | None = None  # the last call, when Redis may have run it but its answer was lost
         self.degraded = False
         self.live = 1  # the most live processes seen in the last LIVE_MEMORY seconds Redis answered
         self._live_seen: deque[tuple[float, int]] = deque()
@@ -252,7 +270,7 @@ class RedisLimiter(PoolLimiter):
             if self.degraded:
                 for pool in pools:
                     pool.forget_asks()
-            elif pools or giving:
+            elif pools or giving or self._lost is not None:  # a lost call is sent again even if nothing else is
                 await self._call(pools | giving, giving, "take" if pools - giving else "upkeep")
             answered.set()
 
@@ -275,6 +293,10 @@ class RedisLimiter(PoolLimiter):
             self._wake.set()
 
     async def _call(self, pools: set[LeasedPool], giving: set[LeasedPool], kind: str, again: bool = True) -> None:
+        if self._lost is not None and await self._send(self._lost) != ANSWERED:
+            for pool in pools:
+                pool.forget_asks()
+            return
         now = self.clock()
         batch = []
         for pool in pools:
@@ -284,33 +306,64 @@ class RedisLimiter(PoolLimiter):
                 batch.append((pool, operation, asked))
         if not batch:
             return
-        operations = [operation for _, operation, _ in batch]
-        keys, args = encode(operations, self.marker, self._seeding)
+        self._call_ids += 1
+        keys, args = encode([operation for _, operation, _ in batch], self.marker, self._seeding, self.holder,
+                            self.calls_key, self._call_ids)
+        sent = await self._send(LeaseCall(self._call_ids, keys, args, batch, kind, trio.current_time()))
+        if sent == RESEEDED and again and not self.degraded:
+            await self._call(pools, giving, kind, again=False)
+
+    async def _send(self, call: LeaseCall) -> str:
+        """Make ``call``: :data:`ANSWERED`, :data:`RESEEDED` (Redis had lost the budgets' seeds: they are back,
+        nothing was applied, ask again) or :data:`FAILED`. A call Redis may have run without its answer coming back is
+        kept (:attr:`_lost`) and sent again, with its id, before any other: the script answers a repeat with its
+        first answer, so nothing is counted twice. One that failed for good (a reply not the script's, or lost for
+        longer than Redis remembers answers) gives back to its pools what it gave and charged."""
+        operations = [operation for _, operation, _ in call.batch]
         started = trio.current_time()
+        self._lost = None
         try:
-            reply = await self.link.call("tenancy_lease", lambda client: client.eval(LEASE, keys=keys, args=args))
+            reply = await self.link.call("tenancy_lease", lambda client: client.eval(LEASE, keys=call.keys,
+                                                                                     args=call.args))
             answers = decode(reply, operations)
         except Unseeded:
-            for pool, operation, _ in batch:
-                pool.unanswered(operation, 0)
+            self._unanswered(call, asked=False)
             log.warning("tenant limits: Redis lost the budgets' spend (restarted without persistence?): seeding "
                         "it again from the usage store before leasing")
             await self._apply_seeds()
-            if again and not self.degraded:
-                await self._call(pools, giving, kind, again=False)
-            return
-        except (Unavailable, ValueError, TypeError) as exc:  # Redis away, or a reply not the script's
-            self.metrics.lease_calls.labels(kind, "failed").inc()
-            for pool, operation, asked in batch:
-                pool.unanswered(operation, asked)
+            return RESEEDED
+        except Unavailable as exc:  # Redis away or too slow: it may have run the call
+            self.metrics.lease_calls.labels(call.kind, "failed").inc()
+            if started - call.first_sent < RETRY_FOR:
+                self._lost = call
+            else:
+                log.warning("tenant limits: a lease call unanswered for %.0f s is given up; what it reported is "
+                            "reported again (counted twice if Redis ran it)", started - call.first_sent)
+                self._unanswered(call, asked=True)
+            self._set_degraded(str(exc))
+            return FAILED
+        except (ValueError, TypeError) as exc:  # an answer not the script's: Redis holds something it did not write
+            self.metrics.lease_calls.labels(call.kind, "failed").inc()
+            self._unanswered(call, asked=True)
             self._set_degraded(f"{type(exc).__name__}: {exc}")
-            return
-        self.metrics.lease_calls.labels(kind, "ok").inc()
+            return FAILED
+        self.metrics.lease_calls.labels(call.kind, "ok").inc()
         self.metrics.lease_seconds.observe(trio.current_time() - started)
         now = self.clock()
-        for (pool, _, asked), answer in zip(batch, answers):
+        for (pool, operation, asked), answer in zip(call.batch, answers):
             pool.answered(answer, asked, now)
+            if answer.dropped:
+                self.metrics.lapsed_holders.labels(pool.dimension).inc(answer.dropped)
+                log.warning("tenant limits: %d process(es) holding %s stopped renewing it for %.0f s (killed, or cut "
+                            "off from Redis): what they held went back", answer.dropped, operation.keys[0],
+                            self.holder_ttl_ms / 1000)
         self._set_healthy()
+        return ANSWERED
+
+    @staticmethod
+    def _unanswered(call: LeaseCall, asked: bool) -> None:
+        for pool, operation, waiting in call.batch:
+            pool.unanswered(operation, waiting if asked else 0)
 
     async def _ping(self) -> None:
         try:

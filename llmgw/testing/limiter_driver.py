@@ -22,7 +22,7 @@ from ..cluster.link import RedisLink
 from ..cluster.metrics import ClusterMetrics
 from ..config.loading import parse_config
 from ..tenancy.interfaces import Refusal
-from ..tenancy.model import Estimate, Limits, TenancySettings, Tenant
+from ..tenancy.model import Budget, Estimate, Limits, TenancySettings, Tenant
 from ..tenancy.redis_limiter import RedisLimiter
 from .shared_state import state_section
 
@@ -38,6 +38,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rpm", type=int)
     parser.add_argument("--tpm", type=int)
     parser.add_argument("--concurrency", type=int)
+    parser.add_argument("--budget-tokens", type=int, help="a total budget of this many tokens")
     parser.add_argument("--tokens", type=int, default=10, help="each request's estimate (prompt tokens)")
     parser.add_argument("--burst", type=int, default=100)
     parser.add_argument("--go-file", type=Path, required=True)
@@ -49,8 +50,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
 async def drive(args: argparse.Namespace) -> None:
     settings = parse_config(state_section(args.redis_url, args.cluster, timeout="2s")).state
     link = RedisLink(settings, ClusterMetrics(None, "gateway", args.cluster, args.origin))
+    budgets = () if args.budget_tokens is None else (Budget("total", tokens=args.budget_tokens),)
     tenant = Tenant(key_id=args.key, name=args.key, limits=Limits(rpm=args.rpm, tpm=args.tpm,
-                                                                    concurrency=args.concurrency))
+                                                                    concurrency=args.concurrency, budgets=budgets))
     estimate = Estimate(prompt_tokens=args.tokens, max_output_tokens=0)
     async with trio.open_nursery() as nursery:
         await nursery.start(link.run)

@@ -15,10 +15,12 @@ from types import SimpleNamespace
 import trio
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
-from llmgw.cluster.link import RedisLink
+from llmgw.cluster.link import RedisLink, Unavailable
 from llmgw.cluster.metrics import ClusterMetrics
 from llmgw.config.loading import parse_config
 from llmgw.tenancy.interfaces import OUT_OF_QUOTA, RATE_LIMITED, Refusal
+from llmgw.tenancy.lease_script import BUDGET, CALL_MEMORY_MS, LEASE, REMEMBERED, Operation, calls_key, decode, encode
+from llmgw.tenancy.leases import budget_keys
 from llmgw.tenancy.limiter_metrics import LimiterMetrics
 from llmgw.tenancy.local_limiter import Spent
 from llmgw.tenancy.model import Budget, Estimate, Limits, Team, TenancySettings, Tenant, Usage
@@ -215,6 +217,9 @@ async def test_what_a_hostile_writer_leaves_in_redis_is_clamped(nursery, redis_u
     await write(lambda c: c.hset(prefix + "key:k-bob:concurrency", {"forged": "1000000"}))
     await write(lambda c: c.zadd(prefix + "key:k-bob:concurrency:holders", {"forged": 1e15}))
     await write(lambda c: c.set(prefix + "key:k-carol:budget_tokens:total:0", "-1e30"))
+    await write(lambda c: c.hset(prefix + "key:k-carol:budget_tokens:total:0:held", {"forged": "1e30"}))
+    await write(lambda c: c.zadd(prefix + "key:k-carol:budget_tokens:total:0:holders", {"forged": 1e15}))
+    await write(lambda c: c.hset(limiter.calls_key, {"1": "not an answer"}))
     alice = tenant(Limits(rpm=20, tpm=1000), "alice")
     assert len(admitted(await burst(limiter, alice, 50))) == 20
     bob = tenant(Limits(concurrency=5), "bob")
@@ -250,6 +255,152 @@ async def test_the_slots_of_a_process_killed_with_kill_9_come_back_within_the_tt
         while isinstance(await other.admit(alice, "m", SMALL), Refusal):
             await trio.sleep(0.1)
     assert trio.current_time() - killed < 1.0 + 2.0  # the TTL, and the other's wait for its next call
+    assert other.metrics.lapsed_holders.labels("concurrency")._value.get() == 1
+
+
+async def test_the_budget_share_of_a_process_killed_with_kill_9_goes_back_to_the_budget(nursery, redis_url,
+                                                                                      cluster_name, tmp_path):
+    go = tmp_path / "go"
+    holder = await start_driver(nursery, redis_url, cluster_name, "holder", go, "--budget-tokens", "1000",
+                                "--tokens", "50", "--burst", "10", "--hold", "inf", "--holder-ttl", "1")
+    go.touch()
+    assert (await result_of(holder))["admitted"] == 10  # 500 tokens in flight, and a lease ahead
+    other = await start_limiter(nursery, redis_url, cluster_name, "other", holder_ttl=1.0)
+    alice = Tenant(key_id="k-driver", name="k-driver", limits=Limits(budgets=(Budget("total", tokens=1000),)))
+    fifty = Estimate(prompt_tokens=50, max_output_tokens=0)
+    holder.process.send_signal(signal.SIGKILL)
+    admitted_here = []
+    with trio.move_on_after(20):
+        while len(admitted_here) < 20:
+            answer = await other.admit(alice, "m", fifty)
+            if isinstance(answer, Refusal):
+                await trio.sleep(0.2)
+            else:
+                admitted_here.append(answer)
+    # none of the killed process's requests settled: its share and its reservations in flight are the budget's again
+    assert len(admitted_here) == 20
+    assert other.metrics.lapsed_holders.labels("budget_tokens")._value.get() == 1
+    refusal = await other.admit(alice, "m", fifty)
+    assert isinstance(refusal, Refusal)  # its 20 requests in flight hold the whole budget
+
+
+async def test_a_lease_call_made_twice_with_one_id_is_applied_once(nursery, redis_url, cluster_name):
+    limiter = await start_limiter(nursery, redis_url, cluster_name, "g1")
+    counter = tenancy_prefix(cluster_name) + "key:k-alice:budget_tokens:total:0"
+    report = Operation(BUDGET, budget_keys(counter), 1000, need=0, want=100, extra=0, have=0, ttl_ms=5000,
+                       consumed=7)
+    calls = calls_key(limiter.prefix, "h1")
+
+    async def lease(call_id: int) -> object:
+        keys, args = encode([report], limiter.marker, False, "h1", calls, call_id)
+        return await limiter.link.call("test", lambda client: client.eval(LEASE, keys=keys, args=args))
+
+    first = await lease(1)
+    assert await lease(1) == first  # the repeat: the first answer, nothing applied again
+    assert int(await limiter.link.call("test", lambda client: client.get(counter + ":used"))) == 7
+    assert decode(first, [report])[0].granted == 100
+    assert int(await limiter.link.call("test", lambda client: client.get(counter))) == 7 + 100
+    await lease(2)  # a new call: applied
+    assert int(await limiter.link.call("test", lambda client: client.get(counter + ":used"))) == 14
+    remembered = await limiter.link.call("test", lambda client: client.hlen(calls))
+    ttl = await limiter.link.call("test", lambda client: client.pttl(calls))
+    assert remembered == 2 and 0 < ttl <= CALL_MEMORY_MS
+    for call_id in range(3, 20):
+        await lease(call_id)
+    assert await limiter.link.call("test", lambda client: client.hlen(calls)) == REMEMBERED  # the last ones only
+
+
+async def test_a_budget_counts_each_holders_share_and_what_was_used_in_whatever_order_they_report(
+        nursery, redis_url, cluster_name):
+    limiter = await start_limiter(nursery, redis_url, cluster_name, "g1")
+    counter = tenancy_prefix(cluster_name) + "key:k-alice:budget_tokens:total:0"
+    call_ids = [0]
+
+    async def lease(holder: str, have: int, want: int, consumed: int = 0) -> int:
+        call_ids[0] += 1
+        report = Operation(BUDGET, budget_keys(counter), 1000, need=0, want=want, extra=0, have=have, ttl_ms=5000,
+                           consumed=consumed)
+        keys, args = encode([report], limiter.marker, False, holder, calls_key(limiter.prefix, holder), call_ids[0])
+        reply = await limiter.link.call("test", lambda client: client.eval(LEASE, keys=keys, args=args))
+        return decode(reply, [report])[0].granted
+
+    async def committed() -> tuple[int, int]:
+        values = await limiter.link.call("test", lambda client: client.mget([counter, counter + ":used"]))
+        return int(values[0]), int(values[1])
+
+    assert await lease("h1", 0, 100) == 100
+    assert await lease("h2", 0, 300) == 300
+    assert await committed() == (400, 0)
+    await lease("h1", have=50, want=0, consumed=50)  # h1 used 50 of its 100: committed still holds them
+    assert await committed() == (400, 50)
+    await lease("h2", have=0, want=0)  # h2 gives its 300 back
+    assert await committed() == (100, 50)
+    assert await lease("h3", 0, 1000) == 900  # the rest: 50 used, 50 held by h1
+
+
+async def test_a_lease_call_whose_answer_was_lost_counts_the_use_it_reports_once(nursery, redis_url, cluster_name):
+    limiter = await start_limiter(nursery, redis_url, cluster_name, "g1")
+    alice = tenant(Limits(budgets=(Budget("total", tokens=1000),)))
+    admission = await limiter.admit(alice, "m", SMALL)
+    assert not isinstance(admission, Refusal)
+    await trio.sleep(limiter.tick * 2)  # the refill its reservation asked for is made
+    real_call = limiter.link.call
+    lost: list[object] = []
+
+    async def losing_an_answer(operation, command, timeout=None):
+        result = await real_call(operation, command, timeout)
+        if operation == "tenancy_lease" and not lost:  # Redis ran it; its answer never comes back
+            lost.append(result)
+            raise Unavailable("no answer within 0.5s")
+        return result
+
+    limiter.link.call = losing_an_answer
+    admission.settle(Usage(prompt_tokens=10, completion_tokens=0))  # the next call reports 10 used
+    with trio.fail_after(10):
+        while not lost or limiter.degraded:
+            await trio.sleep(0.05)
+    await trio.sleep(limiter.tick * 3)
+    counter = tenancy_prefix(cluster_name) + "key:k-alice:budget_tokens:total:0:used"
+    assert int(await real_call("test", lambda client: client.get(counter))) == 10
+
+
+async def test_a_lost_give_back_is_sent_again_though_nothing_else_is_to_be_said(nursery, redis_url, cluster_name):
+    settings = TenancySettings(lease_idle_seconds=0.5)
+    limiter = await start_limiter(nursery, redis_url, cluster_name, "g1", settings)
+    alice = tenant(Limits(budgets=(Budget("total", tokens=1000),)))
+    admission = await limiter.admit(alice, "m", SMALL)
+    assert not isinstance(admission, Refusal)
+    admission.settle(Usage(prompt_tokens=10, completion_tokens=0))
+    real_call = limiter.link.call
+    sent_after_the_loss: list[str] = []
+
+    class Peek:
+        """What a lease call would send."""
+
+        async def eval(self, script, keys, args):
+            self.args = args
+
+    async def losing_the_give_back(operation, command, timeout=None):
+        result = await real_call(operation, command, timeout)
+        if operation != "tenancy_lease":
+            return result
+        peek = Peek()
+        await command(peek)
+        # one budget operation: [count, seeded, id, "g", capacity, need, want, have, ...]: want and have 0
+        if peek.args[0] == 1 and peek.args[6:8] == [0, 0]:
+            if not sent_after_the_loss:
+                sent_after_the_loss.append("lost")  # the call that gave the last share back: its answer is lost
+                raise Unavailable("no answer within 0.5s")
+            sent_after_the_loss.append("again")
+        return result
+
+    limiter.link.call = losing_the_give_back
+    with trio.fail_after(15):  # given back once idle, lost, and sent again: nothing else makes a call
+        while "again" not in sent_after_the_loss:
+            await trio.sleep(0.05)
+    counter = tenancy_prefix(cluster_name) + "key:k-alice:budget_tokens:total:0"
+    assert await real_call("test", lambda client: client.hlen(counter + ":held")) == 0
+    assert int(await real_call("test", lambda client: client.get(counter))) == 10  # only what was used
 
 
 async def test_redis_away_rate_limits_fall_back_to_a_share_and_budgets_close(nursery, private_redis, cluster_name,
@@ -387,3 +538,4 @@ async def test_a_gateways_limiter_counts_its_load_peers_as_live_processes(nurser
     limiter = cluster_limiter(shared, TenancySettings(), LimiterMetrics())  # type: ignore[arg-type]
     assert limiter.prefix == f"llmgw:{cluster_name}:tenancy:" and limiter.holder.startswith("g1:")
     assert limiter.live_processes() == 3
+

@@ -177,6 +177,32 @@ async def test_keys_made_on_one_gateway_are_used_and_revoked_on_another_through_
         print(f"a new key was in force on the other gateway after {took:.3f} s")
 
 
+async def test_two_gateways_given_one_new_key_or_team_name_at_once_make_one(start_fake_upstream, start_llmgw,
+                                                                             redis_url, cluster_name):
+    tiny, other = await start_fake_upstream("tiny"), await start_fake_upstream("other", model="other")
+    config = gateway_config(tiny.url, other.url, state_section(redis_url, cluster_name))
+    gateways = [await start_llmgw(config), await start_llmgw(config, "--role", "gateway")]
+    async with httpx.AsyncClient(timeout=10) as http:
+        rounds = [("/admin/keys", {"name": f"twin-{n}"}, "key_name_taken") for n in range(5)] + \
+            [("/admin/teams", {"name": f"twins-{n}"}, "team_exists") for n in range(5)]
+        for path, body, refused in rounds:  # a few rounds: each is a race the gateways' checks alone may lose
+            answers: list[httpx.Response] = []
+
+            async def create(url: str) -> None:
+                answers.append(await http.post(url + path, json=body))
+
+            async with trio.open_nursery() as at_once:
+                for i in range(8):
+                    at_once.start_soon(create, gateways[i % 2].control_url)
+            assert sorted(answer.status_code for answer in answers) == [201] + [409] * 7, [a.text for a in answers]
+            for answer in answers:
+                if answer.status_code == 409:
+                    assert_openai_error(answer, 409, refused)
+            listed = (await http.get(gateways[1].control_url + path)).json()
+            names = [entry["name"] for entry in listed["keys" if path == "/admin/keys" else "teams"]]
+            assert names.count(body["name"]) == 1
+
+
 async def models_listed(http: httpx.AsyncClient, url: str, names: list[str]) -> bool:
     return sorted(await models_of(http, url, CONFIG_KEY)) == ["tiny"] and \
         (await chat(http, url, CONFIG_KEY)).status_code == 200
@@ -216,8 +242,30 @@ async def test_a_key_record_not_signed_with_the_cluster_secret_is_refused_and_co
     await wait_for(lambda: line_with(gw, "refused (not signed with the cluster secret"))
 
 
-async def refused_at_least(control_url: str, count: int) -> bool:
-    return (await scrape_value(control_url, "llmgw_tenant_refused_records_total", 'kind="key"') or 0) >= count
+async def test_a_revoked_key_put_back_by_a_redis_writer_stays_revoked(start_fake_upstream, start_llmgw, redis_url,
+                                                                       cluster_name):
+    tiny, other = await start_fake_upstream("tiny"), await start_fake_upstream("other", model="other")
+    config = gateway_config(tiny.url, other.url, state_section(redis_url, cluster_name))
+    gw = await start_llmgw(config)
+    prefix = Keys(cluster_name).prefix + "tenancy:"
+    client = coredis.Redis.from_url(redis_url)
+    async with client, httpx.AsyncClient(timeout=10) as http:
+        made = (await http.post(gw.control_url + "/admin/keys", json={"name": "leaver"})).json()
+        assert (await chat(http, gw.url, made["key"])).status_code == 200
+        signed = await client.hget(prefix + "keys", made["id"])
+        assert (await http.delete(gw.control_url + "/admin/keys/leaver")).status_code == 200
+        await client.hset(prefix + "keys", {made["id"]: signed})  # the old signed record, put back
+        await client.incr(prefix + "version")
+        await wait_for(lambda: refused_at_least(gw.control_url, 1, "replayed_key"))
+        assert_openai_error(await chat(http, gw.url, made["key"]), 401, "invalid_api_key")
+        late = await start_llmgw(config, "--role", "gateway")  # started after: refuses it from the tombstone
+        await wait_for(lambda: refused_at_least(late.control_url, 1, "replayed_key"))
+        assert_openai_error(await chat(http, late.url, made["key"]), 401, "invalid_api_key")
+    await wait_for(lambda: line_with(gw, "replayed: older than the revocation"))
+
+
+async def refused_at_least(control_url: str, count: int, kind: str = "key") -> bool:
+    return (await scrape_value(control_url, "llmgw_tenant_refused_records_total", f'kind="{kind}"') or 0) >= count
 
 
 async def test_a_key_made_on_the_control_port_of_llmgw_serve_workers_reaches_every_worker(

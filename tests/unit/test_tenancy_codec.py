@@ -73,16 +73,34 @@ def test_records_larger_than_any_the_admin_api_writes_are_refused():
 def test_the_redis_store_admits_only_records_signed_for_their_field(entry, junk):
     store = RedisKeyStore(None, "llmgw:t:", records.Signer(b"s" * 32), max_keys=10, max_teams=10)  # type: ignore
     body = codec.encode_key(entry)
-    good = store.seal(KEY, entry.key_id, body)
+    good = store.seal(KEY, entry.key_id, body, 5)
     other_secret = RedisKeyStore(None, "llmgw:t:", records.Signer(b"x" * 32), max_keys=10, max_teams=10)  # type: ignore
     fields = [entry.key_id.encode(), good,
               b"k-ffffffffffffffff", good,  # moved to another id
-              entry.key_id.encode(), other_secret.seal(KEY, entry.key_id, body),
+              entry.key_id.encode(), other_secret.seal(KEY, entry.key_id, body, 5),
+              entry.key_id.encode(), records.pack([body, records.unpack(good)[1], 6]),  # another revision
               entry.key_id.encode(), body, *junk]
-    refused = {"key": 0}
-    found = store._decoded(KEY, fields, codec.decode_key, lambda e: e.key_id, refused, "key")
+    refused = {"key": 0, "replayed_key": 0}
+    found = store._decoded(KEY, fields, codec.decode_key, lambda e: e.key_id, refused, {})
     assert found == [entry]
-    assert refused["key"] == 3 + len(junk) // 2
+    assert refused == {"key": 4 + len(junk) // 2, "replayed_key": 0}
+    older = records.pack([body, store.signer.sign(b"llmgw tenancy", KEY, entry.key_id.encode(), body)])
+    assert store._decoded(KEY, [entry.key_id.encode(), older], codec.decode_key, lambda e: e.key_id, refused,
+                          {}) == []  # revision 0, once revision 5 was seen: a replay
+    assert refused["replayed_key"] == 1
+
+
+@settings(max_examples=200)
+@given(st.lists(st.binary(max_size=40) | st.integers() | st.none() | st.builds(
+    lambda revision, signature: records.pack([revision, signature]),
+    st.integers(-(2 ** 63), 2 ** 64 - 1) | st.binary(max_size=8) | st.none(), st.binary(max_size=40)), max_size=8))
+def test_only_tombstones_signed_for_their_field_and_revision_are_read(junk):
+    store = RedisKeyStore(None, "llmgw:t:", records.Signer(b"s" * 32), max_keys=10, max_teams=10)  # type: ignore
+    good = [b"key:k-0123456789abcdef", store.tombstone(KEY, "k-0123456789abcdef", 7),
+            b"team:batch", store.tombstone(b"team", "batch", 9),
+            b"key:k-ffffffffffffffff", store.tombstone(KEY, "k-0123456789abcdef", 8)]  # moved to another id
+    assert store._tombstones(good + junk) == {"key:k-0123456789abcdef": 7, "team:batch": 9}
+    assert store.revisions.highest == 9
 
 
 @given(st.dictionaries(st.sampled_from(["name", "team", "models", "priority", "limits", "budgets", "key", "x"]),
