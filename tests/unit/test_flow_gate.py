@@ -36,8 +36,11 @@ def request(*headers: tuple[str, str]) -> Request:
     return Request("POST", "/v1/chat/completions", [(k.encode(), v.encode()) for k, v in headers], b"{}")
 
 
-def gate(outcome: Admitted | Shed = Admitted(0.0), settings: FlowSettings = FlowSettings()) -> FlowGate:
-    return FlowGate(settings, Recording(outcome), None)
+AT_ONCE = Admitted(0.0)
+
+
+def gate(outcome: Admitted | Shed = AT_ONCE) -> FlowGate:
+    return FlowGate(FlowSettings(), Recording(outcome), None)
 
 
 batch_key = Tenant("cfg-b", "b", priority="batch")
