@@ -1,0 +1,299 @@
+"""The gateway queue (llmgw/flow/queue.py) against a fake room, on Trio's mock clock: bands, fair shares, deadlines,
+overflow, Retry-After, cancellation and the fast path."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import HealthCheck, given, settings, strategies as st
+from prometheus_client import CollectorRegistry
+
+from llmgw.flow.fair import FairBand
+from llmgw.flow.metrics import FlowMetrics
+from llmgw.flow.model import (
+    DEFAULT_CLASSES, EXPIRED, OVERFLOW, UNSERVABLE, Admitted, FlowRequest, FlowSettings, PriorityClass, Shed,
+)
+from llmgw.flow.queue import FlowQueue, Queued
+
+INTERACTIVE, STANDARD, BATCH, BEST_EFFORT = DEFAULT_CLASSES
+MODEL = "m"
+
+
+class FakeRoom:
+    """``capacity`` requests per model (of which a class may fill its ``max_fill`` with ``fill``); ``inflight``:
+    the routed ones."""
+
+    def __init__(self, capacity: int, fill: bool = False):
+        self.capacity = capacity
+        self.fill = fill
+        self.inflight = 0
+        self.held: dict[str, int] = {}  # a class's room forced to 0 (by name): a room that is not monotonic
+        self._changed = trio.Event()
+
+    def free(self, model: str, priority: PriorityClass) -> int:
+        if priority.name in self.held:
+            return 0
+        return math.floor(self.capacity * (priority.max_fill if self.fill else 1.0)) - self.inflight
+
+    async def changed(self, model: str) -> None:
+        with trio.move_on_after(0.05):
+            await self._changed.wait()
+
+    def wake(self, model: str) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def saturation(self, model: str) -> float:
+        return self.inflight / self.capacity
+
+
+def request(priority: PriorityClass = STANDARD, flow: str = "a", cost: int = 100, *, wait: float | None = None,
+            weight: float = 1.0) -> FlowRequest:
+    deadline = trio.current_time() + (priority.max_wait if wait is None else wait)
+    return FlowRequest(MODEL, flow, priority, cost, deadline, weight)
+
+
+class Harness:
+    """A queue in a nursery and a data plane of sorts: an admitted request is routed (in flight on the fake room)
+    for ``hold`` seconds, then finishes and wakes the room."""
+
+    def __init__(self, nursery: trio.Nursery, capacity: int, flow_settings: FlowSettings | None = None,
+                 fill: bool = False):
+        self.registry = CollectorRegistry()
+        self.room = FakeRoom(capacity, fill)
+        self.queue = FlowQueue(flow_settings or FlowSettings(), self.room, FlowMetrics(self.registry))
+        self.nursery = nursery
+        self.admitted: list[FlowRequest] = []
+        self.outcomes: dict[int, Admitted | Shed] = {}
+        nursery.start_soon(self.queue.run)
+
+    async def serve(self, req: FlowRequest, hold: float = 1.0) -> None:
+        outcome = await self.queue.enter(req)
+        self.outcomes[id(req)] = outcome
+        if isinstance(outcome, Admitted):
+            assert self.room.inflight + self.pending() <= self.room.capacity, "admitted beyond the room"
+            self.admitted.append(req)
+            self.room.inflight += 1
+            self.queue.release(outcome)
+            await trio.sleep(hold)
+            self.room.inflight -= 1
+            self.room.wake(MODEL)
+
+    def start(self, req: FlowRequest, hold: float = 1.0) -> FlowRequest:
+        self.nursery.start_soon(self.serve, req, hold)
+        return req
+
+    def pending(self) -> int:
+        return self.queue.snapshot().get(MODEL, {}).get("pending", 0)
+
+    def sample(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+
+async def occupy(h: Harness, n: int, hold: float) -> None:
+    """Fill ``n`` places of the room for ``hold`` seconds (requests of another flow, admitted at once)."""
+    for _ in range(n):
+        h.start(request(INTERACTIVE, flow="occupant", cost=1), hold)
+    await trio.testing.wait_all_tasks_blocked()
+
+
+def run_on_mock_clock(fn) -> None:
+    trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+# The fast path.
+
+
+async def test_a_request_with_room_is_admitted_without_awaiting():
+    queue = FlowQueue(FlowSettings(), FakeRoom(4))  # run() not even started: the fast path needs no task
+    coroutine = queue.enter(request())
+    with pytest.raises(StopIteration) as done:
+        coroutine.send(None)
+    outcome = done.value.value
+    assert isinstance(outcome, Admitted) and outcome.waited == 0.0 and outcome.position == 0
+    assert queue.snapshot()[MODEL]["pending"] == 1
+    queue.release(outcome)
+    assert queue.snapshot()[MODEL]["pending"] == 0
+
+
+async def test_an_admission_holds_its_place_until_released(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        h = Harness(nursery, capacity=1)
+        first = await h.queue.enter(request())
+        assert isinstance(first, Admitted)
+        # Not released yet: the room still says 1 free, but the queue counts the admission as pending.
+        late = h.start(request(wait=0.5))
+        await trio.sleep(1)
+        assert isinstance(h.outcomes[id(late)], Shed)
+        h.queue.release(first)
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_arrival_queues_behind_a_waiter_of_its_class_even_when_room_appears(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        h = Harness(nursery, capacity=1)
+        await occupy(h, 1, hold=1.0)
+        first = h.start(request(flow="a"), hold=10)
+        await trio.testing.wait_all_tasks_blocked()
+        h.room.capacity = 2  # room for one more; the dispatcher has not looked yet when the next one arrives
+        second = h.start(request(flow="b"), hold=10)
+        await trio.testing.wait_all_tasks_blocked()
+        assert h.admitted[1:] == [first]  # the waiter got the place, the arrival waits
+        await trio.sleep(1.5)  # the occupant finished
+        assert h.admitted[1:] == [first, second]
+        nursery.cancel_scope.cancel()
+
+
+async def test_lower_classes_admitted_at_once_while_nothing_of_their_class_or_above_waits(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        h = Harness(nursery, capacity=10, fill=True)
+        await occupy(h, 9, hold=5.0)
+        # interactive may fill 100%, standard 95% (9 of 10): a standard request waits, an interactive one does not.
+        waiting = h.start(request(STANDARD))
+        await trio.testing.wait_all_tasks_blocked()
+        assert id(waiting) not in h.outcomes
+        quick = await h.queue.enter(request(INTERACTIVE))
+        assert isinstance(quick, Admitted) and quick.waited == 0.0
+        h.queue.release(quick)
+        nursery.cancel_scope.cancel()
+
+
+# Bands.
+
+
+async def test_a_lower_band_waits_while_a_higher_one_waits(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        h = Harness(nursery, capacity=1)
+        await occupy(h, 1, hold=1.0)
+        batch = [h.start(request(BATCH, flow=f"b{i}"), hold=1.0) for i in range(3)]
+        await trio.testing.wait_all_tasks_blocked()
+        interactive = [h.start(request(INTERACTIVE, flow=f"i{i}", wait=30), hold=1.0) for i in range(3)]
+        await trio.sleep(20)
+        later = h.admitted[1:]  # (tasks started together begin in any order: compare the bands as sets)
+        assert set(map(id, later[:3])) == set(map(id, interactive)) and set(map(id, later[3:])) == set(map(id, batch))
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_band_is_held_while_a_band_above_waits_even_with_room_for_it(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        h = Harness(nursery, capacity=1)
+        h.room.held["interactive"] = 0  # no room for interactive requests, room for the others
+        interactive = h.start(request(INTERACTIVE, wait=30))
+        await trio.testing.wait_all_tasks_blocked()
+        batch = h.start(request(BATCH))
+        await trio.sleep(1)
+        assert h.admitted == []
+        del h.room.held["interactive"]
+        h.room.wake(MODEL)
+        await trio.testing.wait_all_tasks_blocked()
+        assert h.admitted == [interactive]
+        await trio.sleep(1.1)
+        assert h.admitted == [interactive, batch]
+        nursery.cancel_scope.cancel()
+
+
+# Fair shares within a band.
+
+
+def tokens_by_flow(admitted: list[FlowRequest]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for req in admitted:
+        out[req.flow] = out.get(req.flow, 0) + req.cost
+    return out
+
+
+async def test_a_burst_of_one_flow_does_not_starve_another_of_its_band(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        h = Harness(nursery, capacity=2)
+        await occupy(h, 2, hold=0.5)
+        for i in range(200):  # the burst arrives first, in big requests
+            h.start(request(flow="burst", cost=900 + (i % 3) * 100, wait=1000), hold=0.5)
+        await trio.testing.wait_all_tasks_blocked()
+        for _ in range(600):
+            h.start(request(flow="steady", cost=300, wait=1000), hold=0.5)
+        await trio.sleep(60)  # 240 dispatches: both flows still backlogged
+        shares = tokens_by_flow(h.admitted[2:])
+        assert len(h.admitted) - 2 > 100 and sum(shares.values()) > 50_000
+        assert abs(shares["burst"] - shares["steady"]) <= 0.1 * max(shares.values()), shares
+        nursery.cancel_scope.cancel()
+
+
+async def test_flows_share_in_proportion_to_their_weights(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        h = Harness(nursery, capacity=1)
+        await occupy(h, 1, hold=0.1)
+        for _ in range(300):
+            h.start(request(flow="heavy", cost=100, weight=2.0, wait=1000), hold=0.1)
+            h.start(request(flow="light", cost=100, weight=1.0, wait=1000), hold=0.1)
+        await trio.sleep(15)  # 150 dispatches of 600
+        shares = tokens_by_flow(h.admitted[1:])
+        assert abs(shares["heavy"] - 2 * shares["light"]) <= 200, shares
+        nursery.cancel_scope.cancel()
+
+
+costs = st.integers(min_value=1, max_value=5000)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.tuples(st.sampled_from("ab"), costs), st.just("pop")), max_size=200))
+def test_two_backlogged_equal_flows_stay_within_one_request_of_each_other(events):
+    """Any interleaving of arrivals of two flows and dispatches made while both have requests waiting: the tokens
+    dispatched to each never differ by more than the largest request's cost."""
+
+    class Item:
+        def __init__(self, flow: str, cost: int):
+            self.flow, self.cost, self.weight = flow, cost, 1.0
+
+    band: FairBand[Item] = FairBand()
+    waiting = {"a": 0, "b": 0}
+    served = {"a": 0, "b": 0}
+    largest = 0
+    for event in [("a", 1), ("b", 1), *events]:  # both flows start together
+        if event == "pop":
+            if not (waiting["a"] and waiting["b"]):
+                continue
+            item = band.pop()
+            assert item is not None
+            waiting[item.flow] -= 1
+            served[item.flow] += item.cost
+            assert abs(served["a"] - served["b"]) <= largest
+        else:
+            flow, cost = event
+            band.push(Item(flow, cost))
+            waiting[flow] += 1
+            largest = max(largest, cost)
+    assert len(band) == sum(waiting.values()) and band.tokens >= 0
+
+
+def test_a_flow_that_leaves_and_comes_back_keeps_neither_credit_nor_debt_beyond_a_request():
+    class Item:
+        def __init__(self, flow: str, cost: int):
+            self.flow, self.cost, self.weight = flow, cost, 1.0
+
+    band: FairBand[Item] = FairBand()
+    for _ in range(50):
+        band.push(Item("a", 100))
+    for _ in range(20):
+        band.pop()
+    for _ in range(10):  # b was away while a was served: it starts level with a, not 20 requests behind
+        band.push(Item("b", 100))
+    order = [band.pop().flow for _ in range(6)]  # type: ignore[union-attr]
+    assert order == ["b", "a", "b", "a", "b", "a"]
+
+
+def test_removing_a_request_keeps_the_bands_order_and_counts():
+    class Item:
+        def __init__(self, flow: str, cost: int):
+            self.flow, self.cost, self.weight = flow, cost, 1.0
+
+    band: FairBand[Item] = FairBand()
+    a1, a2, b1 = Item("a", 10), Item("a", 20), Item("b", 30)
+    for item in (a1, a2, b1):
+        band.push(item)
+    band.remove(a1)  # the head of its flow
+    band.remove(a1)  # twice: nothing
+    assert len(band) == 2 and band.tokens == 50 and band.newest() is b1
+    assert [band.pop(), band.pop(), band.pop()] == [a2, b1, None]
