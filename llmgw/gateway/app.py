@@ -52,6 +52,7 @@ from .admin import create_control_app
 from .admin_guard import exposure_problem
 from .admin_tenants import build_key_admin
 from .dataplane import DataPlane, DataPlaneSettings
+from .flow_setup import GatewayFlow
 from .health_report import HealthReport
 from .readiness import Readiness
 from .reload_guard import Refusal, ReloadMetrics, ReloadOutcome, refusal, restart_required, summarize
@@ -170,6 +171,10 @@ class Gateway:
             self.dataplane.wait_for_replica = self.control.wait_for_replica
         self.tenancy = GatewayTenancy(config, self.directory, self.metrics.registry, self.shared)
         self.dataplane.tenancy = self.tenancy.gate
+        # Overload control: with a shared state (a cluster, --workers), the room counts every process's requests.
+        self.flow = GatewayFlow(config, self.router, self.metrics.registry,
+                                self.shared.load if self.shared is not None else None)
+        self.dataplane.flow = self.flow.gate
         self._reload_lock = trio.Lock()
         self._reload_metrics = ReloadMetrics(self.metrics.registry)
         self.health_report = HealthReport(self.shared, self.metrics.registry)
@@ -273,6 +278,7 @@ class Gateway:
                 await nursery.start(self.shared.run, self._lead if self.role == CONTROL else None, self._settled)
                 await nursery.start(self.health_report.watch)
             await nursery.start(self.tenancy.run)  # after the shared state: the Redis limiter runs on its link
+            await nursery.start(self.flow.run)  # the queue, before the first request
             if self.static is not None:
                 await nursery.start(self.static.run)
                 self.static.apply(self.config)
@@ -427,6 +433,7 @@ class Gateway:
         self.dataplane.apply(dataplane_settings(config))
         self.directory.set_config(*config_entries(config))
         self.dataplane.tenancy = self.tenancy.apply(config)
+        self.dataplane.flow = self.flow.apply(config)
         if self.shared is not None:
             self.shared.apply_config(config)
         if self.static is not None:

@@ -39,21 +39,19 @@ class FlowOutcome:
     """What overload control did with one request that waited or was shed (``/admin/explain?request_id=``)."""
 
     request_id: str
-    model: str
-    priority: str
-    flow: str
-    cost: int
-    waited: float  # seconds
-    shed: str | None  # EXPIRED, OVERFLOW, UNSERVABLE; None: admitted after waiting
-    retry_after: int | None
-    detail: str
+    request: FlowRequest
+    outcome: Admitted | Shed
     at: float  # time.time()
 
     def to_json(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "model": self.model, "class": self.priority, "flow": self.flow,
-                "cost_tokens": self.cost, "waited_ms": round(self.waited * 1000, 1),
-                "outcome": "shed" if self.shed else "waited", "reason": self.shed, "retry_after": self.retry_after,
-                "detail": self.detail or None, "at": round(self.at, 3)}
+        request, outcome = self.request, self.outcome
+        shed = outcome if isinstance(outcome, Shed) else None
+        return {"request_id": self.request_id, "model": request.model, "class": request.priority.name,
+                "flow": request.flow, "cost_tokens": request.cost, "waited_ms": round(outcome.waited * 1000, 1),
+                "outcome": "waited" if shed is None else "shed", "reason": shed and shed.reason,
+                "retry_after": shed and shed.retry_after, "detail": (shed and shed.detail) or None,
+                "position": outcome.position, "tokens_ahead": outcome.tokens_ahead,
+                "ahead_class": outcome.ahead_class or None, "at": round(self.at, 3)}
 
 
 class FlowOutcomes:
@@ -168,15 +166,12 @@ class FlowGate:
         deadline = self.deadline(priority, request)
         if isinstance(deadline, Response):
             return deadline
-        flow = _flow_of(tenant)
-        outcome = await control.enter(FlowRequest(model, flow, priority, cost, deadline))
+        flow_request = FlowRequest(model, _flow_of(tenant), priority, cost, deadline)
+        outcome = await control.enter(flow_request)
+        if isinstance(outcome, Shed) or outcome.waited > 0:
+            self.outcomes.add(FlowOutcome(request_id, flow_request, outcome, time.time()))
         if isinstance(outcome, Admitted):
-            if outcome.waited > 0:
-                self.outcomes.add(FlowOutcome(request_id, model, priority.name, flow, cost, outcome.waited, None, None,
-                                              "", time.time()))
             return Pass(control, outcome)
-        self.outcomes.add(FlowOutcome(request_id, model, priority.name, flow, cost, outcome.waited, outcome.reason,
-                                      outcome.retry_after, outcome.detail, time.time()))
         return shed_response(outcome, model, priority)
 
     def ended(self, model: str) -> None:
