@@ -563,7 +563,10 @@ class FlowConfig(Located):
         if draft.known("retry_after_min", "retry_after_max") and draft["retry_after_max"] < draft["retry_after_min"]:
             draft.problem("retry_after_max", "must be at least retry_after_min")
         if draft.known("kv_high", "kv_target") and draft["kv_target"] >= draft["kv_high"]:
-            draft.problem("kv_target", "must be below kv_high")
+            if draft.was_written("kv_target"):
+                draft.problem("kv_target", "must be below kv_high")
+            else:
+                draft.problem("kv_high", "must be above kv_target (0.8 unless written)")
 
 
 @config_class

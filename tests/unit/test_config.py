@@ -287,6 +287,8 @@ ERROR_CASES = {
                       "flow.classes[0].max_fill", "must be above 0 and at most 1"),
     "flow retry-after bounds": ("flow:\n  retry_after_min: 10\n  retry_after_max: 5\n", 3,
                                 "flow.retry_after_max", "must be at least retry_after_min"),
+    "flow kv target": ("flow:\n  kv_high: 0.9\n  kv_target: 0.95\n", 3, "flow.kv_target", "must be below kv_high"),
+    "flow kv high": ("flow:\n  kv_high: 0.7\n", 2, "flow.kv_high", "must be above kv_target"),
     "flow priority header": ("flow:\n  priority_header: 'x prio'\n", 2, "flow.priority_header",
                              "an HTTP header name"),
     "rpm below one": ("api_keys:\n  - key: k\n    limits: {rpm: 0}\n", 3, "api_keys[0].limits.rpm",
