@@ -241,3 +241,49 @@ async def test_two_gateways_on_one_redis_admit_as_one(gateway_in_process, nurser
     assert samples and max(inflight for inflight, _ in samples) <= max(cap for _, cap in samples) + 1, samples
     held = [await flow_status(gw) for gw in gateways]
     assert all(queued(model, "batch") == 0 for model in held)
+
+
+async def test_a_keys_class_from_the_admin_api_the_header_it_may_raise_with_and_a_reload_of_flow(
+        gateway_in_process, nursery, tmp_path):
+    [sim] = await start_sims(nursery, 1, num_blocks=512, time_scale=0)
+    text = config(sim.url) + f"tenancy: {{store: '{tmp_path / 'keys.sqlite3'}'}}\n"
+    gw = await gateway_in_process(text)
+    refused = await gw.admin("/admin/keys", "POST", json={"name": "x", "priority": "urgnet"})
+    assert refused.status_code == 400, refused.text
+    assert "no priority class named 'urgnet' under flow.classes" in refused.json()["error"]["message"]
+    made = await gw.admin("/admin/keys", "POST", json={"name": "raiser", "priority": "batch",
+                                                       "priority_header": True})
+    assert made.status_code == 201 and made.json()["priority_header"] is True, made.text
+    raiser = made.json()["key"]
+    listed = await gw.admin("/admin/keys/raiser")
+    assert listed.json()["priority_header"] is True
+
+    async def admitted(cls: str) -> float:
+        return await gw.metric("llmgw_flow_admitted_total", f'class="{cls}"')
+
+    async with httpx.AsyncClient() as client:
+        with trio.fail_after(10):
+            while (await chat(client, gw.url, raiser, "r-0")).status_code == 401:  # the store's keys, followed
+                await trio.sleep(0.05)
+        before = await admitted("interactive"), await admitted("batch")
+        up = await chat(client, gw.url, raiser, "r-1", **{"x-llmgw-priority": "interactive"})  # allowed to raise
+        kept = await chat(client, gw.url, BATCH, "b-1", **{"x-llmgw-priority": "interactive"})  # not allowed
+        assert up.status_code == kept.status_code == 200
+        assert (await admitted("interactive"), await admitted("batch")) == (before[0] + 1, before[1] + 1)
+        # No header on it: the answer has no header of overload control either (nothing changes with room).
+        assert not any(name.startswith("x-llmgw-priority") or name == "retry-after" for name in up.headers)
+
+        # A reload applies the flow section: another default class, and then flow control off.
+        path = gw.gateway.config.source
+        with open(path, "w") as file:
+            file.write(text.replace("default_class: batch", "default_class: interactive"))
+        assert (await gw.gateway.reload()).refusal is None
+        assert gw.gateway.dataplane.flow.settings.default_class == "interactive"
+        with open(path, "w") as file:
+            file.write(text.replace("default_class: batch", "enabled: false\n  default_class: batch"))
+        assert (await gw.gateway.reload()).refusal is None
+        counted = await admitted("batch")
+        assert (await chat(client, gw.url, BATCH, "b-2")).status_code == 200
+        assert await admitted("batch") == counted  # off: not asked of the queue
+    status = (await gw.admin("/admin/flow")).json()
+    assert status["enabled"] is False
