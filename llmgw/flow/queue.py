@@ -48,10 +48,11 @@ class Queued(NamedTuple):
 
 
 class _Waiter:
-    __slots__ = ("request", "event", "outcome", "position", "tokens_ahead", "ahead_class")
+    __slots__ = ("request", "since", "event", "outcome", "position", "tokens_ahead", "ahead_class")
 
-    def __init__(self, request: FlowRequest, position: int, tokens_ahead: int, ahead_class: str):
+    def __init__(self, request: FlowRequest, since: float, position: int, tokens_ahead: int, ahead_class: str):
         self.request = request
+        self.since = since
         self.event = trio.Event()
         self.outcome: Admitted | Shed | None = None
         self.position, self.tokens_ahead, self.ahead_class = position, tokens_ahead, ahead_class
@@ -153,10 +154,12 @@ class FlowQueue:
         self._models: dict[str, _Model] = {}
         self._nursery: trio.Nursery | None = None
 
-    async def run(self) -> None:
-        """Hold the nursery the per-model dispatchers run in, until cancelled."""
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the nursery the per-model dispatchers run in, until cancelled (``await nursery.start(queue.run)``:
+        the queue can hold requests once it returns)."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            task_status.started()
             try:
                 await trio.sleep_forever()
             finally:
@@ -208,7 +211,7 @@ class FlowQueue:
                 for waiter in band:  # oldest first: stop once each class waiting in the band was seen
                     cls = waiter.request.priority.name
                     if cls not in oldest:
-                        oldest[cls] = now - (waiter.request.enqueued or now)
+                        oldest[cls] = now - waiter.since
                     if len(oldest) == len(model.classes):
                         break
             classes = {}
@@ -244,7 +247,7 @@ class FlowQueue:
                                   f"deadline leaves", explain)
         if self._overflows(model, request):
             return self._shed(model, request, OVERFLOW, 0.0, self._full(model), explain)
-        waiter = _Waiter(request, *explain)
+        waiter = _Waiter(request, now, *explain)
         request.enqueued = now
         self._enqueue(model, waiter, now)
         try:
@@ -259,7 +262,7 @@ class FlowQueue:
         if waiter.outcome is None:
             now = trio.current_time()
             self._dequeue(model, waiter, now)
-            waiter.outcome = self._shed(model, request, EXPIRED, now - (request.enqueued or now),
+            waiter.outcome = self._shed(model, request, EXPIRED, now - waiter.since,
                                         f"no room for it on {model.name} within its {priority.name} deadline",
                                         explain)
         return waiter.outcome
@@ -279,7 +282,7 @@ class FlowQueue:
                 return True
             now = trio.current_time()
             self._dequeue(model, victim, now)
-            victim.outcome = self._shed(model, victim.request, OVERFLOW, now - (victim.request.enqueued or now),
+            victim.outcome = self._shed(model, victim.request, OVERFLOW, now - victim.since,
                                         self._full(model), (victim.position, victim.tokens_ahead,
                                                             victim.ahead_class))
             victim.event.set()
@@ -368,7 +371,7 @@ class FlowQueue:
                 band.pop()
                 self._dequeue(model, waiter, now, dispatched=True)
                 model.pending += 1
-                waited = now - (waiter.request.enqueued or now)
+                waited = now - waiter.since
                 waiter.outcome = Admitted(waited, _Ticket(model), waiter.position, waiter.tokens_ahead,
                                           waiter.ahead_class)
                 waiter.event.set()
