@@ -290,10 +290,10 @@ def test_a_flow_that_leaves_and_comes_back_keeps_neither_credit_nor_debt_beyond_
             self.flow, self.cost, self.weight = flow, cost, 1.0
 
     band: FairBand[Item] = FairBand()
+    band.push(Item("b", 100))
     for _ in range(50):
         band.push(Item("a", 100))
-    for _ in range(20):
-        band.pop()
+    assert [band.pop().flow for _ in range(21)] == ["b"] + ["a"] * 20  # type: ignore[union-attr]
     for _ in range(10):  # b was away while a was served: it starts level with a, not 20 requests behind
         band.push(Item("b", 100))
     order = [band.pop().flow for _ in range(6)]  # type: ignore[union-attr]
