@@ -9,8 +9,10 @@ within a band, deadlines, overflow, and a Retry-After from the measured drain ra
   none, admits waiters while there is room: the highest band first, a lower band only when every band above it is
   empty. It wakes on ``room.changed(model)``, an arrival and a release.
 - A waiter is shed (:class:`~.model.Shed`, 429) when its deadline passes (EXPIRED); at once when the tokens
-  waiting in its band and above would take longer to drain, at the measured rate, than its deadline leaves
-  (UNSERVABLE; never while the rate is not yet measured); or when the model's queue is over ``max_queued``
+  ahead of it would take longer to drain, at the measured rate, than its deadline leaves (UNSERVABLE; never while
+  the rate is not yet measured): all those of the bands above, and of its own band those the fair order puts
+  before it (:meth:`~.fair.FairBand.tokens_before`: a light tenant arriving behind a heavy one's burst is not
+  shed for the burst); or when the model's queue is over ``max_queued``
   requests or ``max_queued_tokens`` (OVERFLOW: the newest waiter of the lowest band, maybe the one arriving).
 - Retry-After: the tokens waiting in the shed request's band and above over the drain rate, rounded up and
   clamped to ``[retry_after_min, retry_after_max]`` (``retry_after_min`` while the rate is unknown).
@@ -64,7 +66,7 @@ class _Waiter:
 
     @property
     def cost(self) -> int:
-        return self.request.cost
+        return max(self.request.cost, 0)  # an estimate below 0 would give its flow credit
 
     @property
     def weight(self) -> float:
@@ -111,8 +113,9 @@ class _Model:
                 return True
         return False
 
-    def ahead(self, rank: int) -> tuple[int, int, str]:
-        """The requests and tokens waiting at ``rank`` and above, and the highest class among them."""
+    def ahead(self, rank: int, request: FlowRequest | None = None) -> tuple[int, int, str]:
+        """The requests and tokens waiting at ``rank`` and above, and the highest class among them. With a
+        ``request`` arriving, the tokens of its own band are only those dispatched before it in fair order."""
         requests = tokens = 0
         first = ""
         for r, band in self.bands:
@@ -120,7 +123,10 @@ class _Model:
                 break
             if len(band):
                 requests += len(band)
-                tokens += band.tokens
+                if request is not None and r == rank:
+                    tokens += band.tokens_before(request.flow, request.weight)
+                else:
+                    tokens += band.tokens
                 if not first:
                     head = band.peek()
                     first = head.request.priority.name if head is not None else ""
@@ -175,7 +181,7 @@ class FlowQueue:
             # The fast path: no await, no clock unless a backlog is being measured.
             model.pending += 1
             if model.waiting:
-                model.drain.dispatched(request.cost, trio.current_time())
+                model.drain.dispatched(max(request.cost, 0), trio.current_time())
             self.metrics.admitted.labels(model.name, priority.name).inc()
             self.metrics.wait.labels(model.name, priority.name).observe(0.0)
             return Admitted(0.0, _Ticket(model))
@@ -232,7 +238,7 @@ class FlowQueue:
             raise RuntimeError("FlowQueue.run() is not running: start it in the gateway's nursery first")
         now = trio.current_time()
         priority = request.priority
-        position, tokens_ahead, ahead_class = model.ahead(priority.rank)
+        position, tokens_ahead, ahead_class = model.ahead(priority.rank, request)
         explain = (position, tokens_ahead, ahead_class)
         remaining = request.deadline - now
         if remaining <= 0:
@@ -270,7 +276,7 @@ class FlowQueue:
     def _overflows(self, model: _Model, request: FlowRequest) -> bool:
         """Shed the newest waiters of the lowest bands below ``request``'s until it fits; True: it does not."""
         limit, token_limit = self.settings.max_queued, self.settings.max_queued_tokens
-        while model.waiting + 1 > limit or model.tokens + request.cost > token_limit:
+        while model.waiting + 1 > limit or model.tokens + max(request.cost, 0) > token_limit:
             victim = None
             for rank, band in reversed(model.bands):
                 if rank <= request.priority.rank:
@@ -296,8 +302,8 @@ class FlowQueue:
         request = waiter.request
         model.band(request.priority.rank).push(waiter)
         model.waiting += 1
-        model.tokens += request.cost
-        self._count(model, request.priority.name, 1, request.cost)
+        model.tokens += waiter.cost
+        self._count(model, request.priority.name, 1, waiter.cost)
         model.drain.backlog(True, now)
         if not model.dispatching:
             assert self._nursery is not None
@@ -311,10 +317,10 @@ class FlowQueue:
         if not dispatched:  # the dispatcher has popped it already
             model.band(request.priority.rank).remove(waiter)
         model.waiting -= 1
-        model.tokens -= request.cost
-        self._count(model, request.priority.name, -1, -request.cost)
+        model.tokens -= waiter.cost
+        self._count(model, request.priority.name, -1, -waiter.cost)
         if dispatched:
-            model.drain.dispatched(request.cost, now)
+            model.drain.dispatched(waiter.cost, now)
         if not model.waiting:
             model.drain.backlog(False, now)
 

@@ -300,6 +300,22 @@ def test_a_flow_that_leaves_and_comes_back_keeps_neither_credit_nor_debt_beyond_
     assert order == ["b", "a", "b", "a", "b", "a"]
 
 
+def test_the_tokens_before_an_arrival_are_its_flows_and_the_others_fair_shares():
+    class Item:
+        def __init__(self, flow: str, cost: int, weight: float = 1.0):
+            self.flow, self.cost, self.weight = flow, cost, weight
+
+    band: FairBand[Item] = FairBand()
+    for _ in range(100):
+        band.push(Item("heavy", 100))
+    assert band.tokens_before("new", 1.0) == 0  # level with heavy's head: next (or right after it)
+    for _ in range(3):
+        band.push(Item("light", 100))
+    assert band.tokens_before("light", 1.0) == 300 + 300  # its own three, and heavy's as many meanwhile
+    assert band.tokens_before("light", 3.0) == 300 + 100  # with three times the weight, a third of it
+    assert band.tokens_before("heavy", 1.0) == 10_000 + 300  # behind its own burst, light all served first
+
+
 def test_removing_a_request_keeps_the_bands_order_and_counts():
     class Item:
         def __init__(self, flow: str, cost: int):
@@ -351,15 +367,17 @@ async def test_a_request_the_queue_cannot_serve_before_its_deadline_is_shed_at_o
             h.start(request(STANDARD, flow="ahead", cost=100, wait=100))
         await trio.testing.wait_all_tasks_blocked()
         started = trio.current_time()
-        outcome = await h.queue.enter(request(STANDARD, flow="late", cost=100, wait=1.0))
+        outcome = await h.queue.enter(request(STANDARD, flow="ahead", cost=100, wait=1.0))
         assert isinstance(outcome, Shed) and outcome.reason == UNSERVABLE
         assert trio.current_time() == started and outcome.waited == 0.0
         assert (outcome.position, outcome.tokens_ahead, outcome.ahead_class) == (30, 3000, "standard")
         assert outcome.retry_after == 4  # ceil(3,000 / ~1,000 tokens/s), the rate a little under 1,000
-        # One whose deadline leaves time for the queue ahead waits instead.
-        patient = h.start(request(STANDARD, flow="patient", cost=100, wait=10))
+        # One whose deadline leaves time for the queue ahead waits instead; and so does one of another flow with
+        # the short deadline: the fair order puts it next, whatever the other flow has waiting.
+        patient = h.start(request(STANDARD, flow="ahead", cost=100, wait=10))
+        other = h.start(request(STANDARD, flow="other", cost=100, wait=1.0))
         await trio.testing.wait_all_tasks_blocked()
-        assert id(patient) not in h.outcomes
+        assert id(patient) not in h.outcomes and id(other) not in h.outcomes
         nursery.cancel_scope.cancel()
 
 
@@ -389,7 +407,7 @@ async def test_retry_after_is_the_queue_ahead_over_the_drain_rate_within_its_bou
             for _ in range(ahead):
                 h.start(request(BATCH, flow="ahead", cost=10_000, wait=10_000))
             await trio.testing.wait_all_tasks_blocked()
-            shed = await h.queue.enter(request(BATCH, flow="x", cost=1, wait=0.5))
+            shed = await h.queue.enter(request(BATCH, flow="ahead", cost=1, wait=0.5))
             assert isinstance(shed, Shed)
             rate = h.queue.snapshot()[MODEL]["drain_rate"]  # as the shed saw it (the stalls lower it)
             given.append((shed.reason, shed.retry_after, math.ceil(shed.tokens_ahead / rate)))
