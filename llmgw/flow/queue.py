@@ -17,7 +17,8 @@ within a band, deadlines, overflow, and a Retry-After from the measured drain ra
 - Retry-After: the tokens waiting in the shed request's band and above over the drain rate, rounded up and
   clamped to ``[retry_after_min, retry_after_max]`` (``retry_after_min`` while the rate is unknown).
 
-The dispatchers run in :meth:`FlowQueue.run`'s nursery, which the gateway starts in its own.
+The dispatchers run in :meth:`FlowQueue.run`'s nursery (a :class:`~llmgw.control.tasks.TaskHost`), which the
+gateway starts in its own.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import NamedTuple
 
 import trio
 
+from ..control.tasks import TaskHost
 from .drain import DrainRate
 from .fair import FairBand
 from .interfaces import Room
@@ -149,8 +151,11 @@ class _Ticket:
         self.released = False
 
 
-class FlowQueue:
-    """The gateway's :class:`~.interfaces.FlowControl`. Start :meth:`run` in a nursery before the first request."""
+class FlowQueue(TaskHost):
+    """The gateway's :class:`~.interfaces.FlowControl`. ``await nursery.start(queue.run)`` before the first request:
+    the per-model dispatchers run in that task's nursery (a request that must wait raises RuntimeError before)."""
+
+    not_running = "FlowQueue.run() is not running: start it in the gateway's nursery first"
 
     def __init__(self, settings: FlowSettings, room: Room, metrics: FlowMetrics | None = None):
         self.settings = settings
@@ -158,18 +163,6 @@ class FlowQueue:
         self.metrics = metrics or FlowMetrics()
         self._ranks = [c.rank for c in settings.classes]
         self._models: dict[str, _Model] = {}
-        self._nursery: trio.Nursery | None = None
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Hold the nursery the per-model dispatchers run in, until cancelled (``await nursery.start(queue.run)``:
-        the queue can hold requests once it returns)."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            try:
-                await trio.sleep_forever()
-            finally:
-                self._nursery = None
 
     async def enter(self, request: FlowRequest) -> Admitted | Shed:
         model = self._models.get(request.model)
@@ -234,8 +227,8 @@ class FlowQueue:
     # The slow path.
 
     async def _wait(self, model: _Model, request: FlowRequest) -> Admitted | Shed:
-        if self._nursery is None:
-            raise RuntimeError("FlowQueue.run() is not running: start it in the gateway's nursery first")
+        if not self.running:
+            raise RuntimeError(self.not_running)
         now = trio.current_time()
         priority = request.priority
         position, tokens_ahead, ahead_class = model.ahead(priority.rank, request)
@@ -306,9 +299,8 @@ class FlowQueue:
         self._count(model, request.priority.name, 1, waiter.cost)
         model.drain.backlog(True, now)
         if not model.dispatching:
-            assert self._nursery is not None
             model.dispatching = True
-            self._nursery.start_soon(self._dispatch, model)
+            self.spawn(self._dispatch, model)
         else:
             model.kick.set()
 

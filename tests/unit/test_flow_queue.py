@@ -4,6 +4,7 @@ overflow, Retry-After, cancellation and the fast path."""
 from __future__ import annotations
 
 import math
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -116,6 +117,14 @@ async def occupy(h: Harness, n: int, hold: float) -> None:
     await trio.testing.wait_all_tasks_blocked()
 
 
+@asynccontextmanager
+async def harness(capacity: int, flow_settings: FlowSettings | None = None, fill: bool = False):
+    """A :class:`Harness` whose tasks (the queue, the requests it started) are cancelled at the block's end."""
+    async with trio.open_nursery() as nursery:
+        yield await Harness.open(nursery, capacity, flow_settings, fill)
+        nursery.cancel_scope.cancel()
+
+
 def run_on_mock_clock(fn) -> None:
     trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
 
@@ -136,8 +145,7 @@ async def test_a_request_with_room_is_admitted_without_awaiting():
 
 
 async def test_an_admission_holds_its_place_until_released(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        h = await Harness.open(nursery, capacity=1)
+    async with harness(capacity=1) as h:
         first = await h.queue.enter(request())
         assert isinstance(first, Admitted)
         # Not released yet: the room still says 1 free, but the queue counts the admission as pending.
@@ -145,12 +153,10 @@ async def test_an_admission_holds_its_place_until_released(autojump_clock):
         await trio.sleep(1)
         assert isinstance(h.outcomes[id(late)], Shed)
         h.queue.release(first)
-        nursery.cancel_scope.cancel()
 
 
 async def test_an_arrival_queues_behind_a_waiter_of_its_class_even_when_room_appears(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        h = await Harness.open(nursery, capacity=1)
+    async with harness(capacity=1) as h:
         await occupy(h, 1, hold=1.0)
         first = h.start(request(flow="a"), hold=10)
         await trio.testing.wait_all_tasks_blocked()
@@ -160,12 +166,10 @@ async def test_an_arrival_queues_behind_a_waiter_of_its_class_even_when_room_app
         assert h.admitted[1:] == [first]  # the waiter got the place, the arrival waits
         await trio.sleep(1.5)  # the occupant finished
         assert h.admitted[1:] == [first, second]
-        nursery.cancel_scope.cancel()
 
 
 async def test_lower_classes_admitted_at_once_while_nothing_of_their_class_or_above_waits(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        h = await Harness.open(nursery, capacity=10, fill=True)
+    async with harness(capacity=10, fill=True) as h:
         await occupy(h, 9, hold=5.0)
         # interactive may fill 100%, standard 95% (9 of 10): a standard request waits, an interactive one does not.
         waiting = h.start(request(STANDARD))
@@ -174,15 +178,13 @@ async def test_lower_classes_admitted_at_once_while_nothing_of_their_class_or_ab
         quick = await h.queue.enter(request(INTERACTIVE))
         assert isinstance(quick, Admitted) and quick.waited == 0.0
         h.queue.release(quick)
-        nursery.cancel_scope.cancel()
 
 
 # Bands.
 
 
 async def test_a_lower_band_waits_while_a_higher_one_waits(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        h = await Harness.open(nursery, capacity=1)
+    async with harness(capacity=1) as h:
         await occupy(h, 1, hold=1.0)
         batch = [h.start(request(BATCH, flow=f"b{i}"), hold=1.0) for i in range(3)]
         await trio.testing.wait_all_tasks_blocked()
@@ -190,12 +192,10 @@ async def test_a_lower_band_waits_while_a_higher_one_waits(autojump_clock):
         await trio.sleep(20)
         later = h.admitted[1:]  # (tasks started together begin in any order: compare the bands as sets)
         assert set(map(id, later[:3])) == set(map(id, interactive)) and set(map(id, later[3:])) == set(map(id, batch))
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_band_is_held_while_a_band_above_waits_even_with_room_for_it(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        h = await Harness.open(nursery, capacity=1)
+    async with harness(capacity=1) as h:
         h.room.held["interactive"] = 0  # no room for interactive requests, room for the others
         interactive = h.start(request(INTERACTIVE, wait=30))
         await trio.testing.wait_all_tasks_blocked()
@@ -208,7 +208,6 @@ async def test_a_band_is_held_while_a_band_above_waits_even_with_room_for_it(aut
         assert h.admitted == [interactive]
         await trio.sleep(1.1)
         assert h.admitted == [interactive, batch]
-        nursery.cancel_scope.cancel()
 
 
 # Fair shares within a band.
@@ -222,8 +221,7 @@ def tokens_by_flow(admitted: list[FlowRequest]) -> dict[str, int]:
 
 
 async def test_a_burst_of_one_flow_does_not_starve_another_of_its_band(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        h = await Harness.open(nursery, capacity=2)
+    async with harness(capacity=2) as h:
         await occupy(h, 2, hold=0.5)
         for i in range(200):  # the burst arrives first, in big requests
             h.start(request(flow="burst", cost=900 + (i % 3) * 100, wait=1000), hold=0.5)
@@ -234,12 +232,10 @@ async def test_a_burst_of_one_flow_does_not_starve_another_of_its_band(autojump_
         shares = tokens_by_flow(h.admitted[2:])
         assert len(h.admitted) - 2 > 100 and sum(shares.values()) > 50_000
         assert abs(shares["burst"] - shares["steady"]) <= 0.1 * max(shares.values()), shares
-        nursery.cancel_scope.cancel()
 
 
 async def test_flows_share_in_proportion_to_their_weights(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        h = await Harness.open(nursery, capacity=1)
+    async with harness(capacity=1) as h:
         await occupy(h, 1, hold=0.1)
         for _ in range(300):
             h.start(request(flow="heavy", cost=100, weight=2.0, wait=1000), hold=0.1)
@@ -247,7 +243,6 @@ async def test_flows_share_in_proportion_to_their_weights(autojump_clock):
         await trio.sleep(15)  # 150 dispatches of 600
         shares = tokens_by_flow(h.admitted[1:])
         assert abs(shares["heavy"] - 2 * shares["light"]) <= 200, shares
-        nursery.cancel_scope.cancel()
 
 
 costs = st.integers(min_value=1, max_value=5000)
@@ -344,8 +339,7 @@ async def measure_drain(h: Harness, rate_tokens: int = 1000) -> None:
 
 
 async def test_a_waiter_is_shed_expired_at_its_deadline(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        h = await Harness.open(nursery, capacity=1)
+    async with harness(capacity=1) as h:
         await occupy(h, 1, hold=100)
         started = trio.current_time()
         outcome = await h.queue.enter(request(BATCH, wait=5))
@@ -353,12 +347,10 @@ async def test_a_waiter_is_shed_expired_at_its_deadline(autojump_clock):
         assert trio.current_time() - started == pytest.approx(5) and outcome.waited == pytest.approx(5)
         assert h.queue.queued(MODEL) == {} and h.pending() == 0
         assert h.sample("llmgw_flow_shed_total", model=MODEL, **{"class": "batch"}, reason="expired") == 1
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_request_the_queue_cannot_serve_before_its_deadline_is_shed_at_once(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        h = await Harness.open(nursery, capacity=1)
+    async with harness(capacity=1) as h:
         await measure_drain(h)
         rate = h.queue.snapshot()[MODEL]["drain_rate"]
         assert rate == pytest.approx(1000, rel=0.1)
@@ -378,12 +370,10 @@ async def test_a_request_the_queue_cannot_serve_before_its_deadline_is_shed_at_o
         other = h.start(request(STANDARD, flow="other", cost=100, wait=1.0))
         await trio.testing.wait_all_tasks_blocked()
         assert id(patient) not in h.outcomes and id(other) not in h.outcomes
-        nursery.cancel_scope.cancel()
 
 
 async def test_with_no_drain_measured_a_request_is_never_shed_before_its_deadline(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        h = await Harness.open(nursery, capacity=1)
+    async with harness(capacity=1) as h:
         await occupy(h, 1, hold=100)
         for _ in range(30):
             h.start(request(STANDARD, flow="ahead", cost=100, wait=100))
@@ -393,13 +383,11 @@ async def test_with_no_drain_measured_a_request_is_never_shed_before_its_deadlin
         assert isinstance(outcome, Shed) and outcome.reason == EXPIRED
         assert trio.current_time() - started == pytest.approx(1.0)
         assert outcome.retry_after == FlowSettings().retry_after_min  # no rate: no guess either
-        nursery.cancel_scope.cancel()
 
 
 async def test_retry_after_is_the_queue_ahead_over_the_drain_rate_within_its_bounds(autojump_clock):
     flow_settings = FlowSettings(retry_after_min=2, retry_after_max=20)
-    async with trio.open_nursery() as nursery:
-        h = await Harness.open(nursery, capacity=1, flow_settings=flow_settings)
+    async with harness(capacity=1, flow_settings=flow_settings) as h:
         await measure_drain(h)
         await occupy(h, 1, hold=1000)
         given = []
@@ -415,7 +403,6 @@ async def test_retry_after_is_the_queue_ahead_over_the_drain_rate_within_its_bou
         assert given[1][0] == UNSERVABLE and given[1][1] == given[1][2] and 10 <= given[1][1] < 20
         assert given[2][:2] == (UNSERVABLE, 20) and given[2][2] > 1000  # the upper bound
         assert h.sample("llmgw_flow_retry_after_seconds_count", model=MODEL, **{"class": "batch"}) == 3
-        nursery.cancel_scope.cancel()
 
 
 # Overflow.
@@ -423,8 +410,7 @@ async def test_retry_after_is_the_queue_ahead_over_the_drain_rate_within_its_bou
 
 async def test_overflow_sheds_the_newest_of_the_lowest_band_and_may_be_the_arrival(autojump_clock):
     flow_settings = FlowSettings(max_queued=3, max_queued_tokens=10_000)
-    async with trio.open_nursery() as nursery:
-        h = await Harness.open(nursery, capacity=1, flow_settings=flow_settings)
+    async with harness(capacity=1, flow_settings=flow_settings) as h:
         await occupy(h, 1, hold=100)
         b1 = h.start(request(BATCH, flow="x"))
         await trio.testing.wait_all_tasks_blocked()
@@ -446,15 +432,13 @@ async def test_overflow_sheds_the_newest_of_the_lowest_band_and_may_be_the_arriv
         assert h.queue.queued(MODEL) == {"interactive": Queued(2, 9_800), "standard": Queued(1, 100)}
         assert [id(r) in h.outcomes for r in (s1, i1)] == [False, False]
         assert h.sample("llmgw_flow_shed_total", model=MODEL, **{"class": "batch"}, reason="overflow") == 3
-        nursery.cancel_scope.cancel()
 
 
 # Cancellation.
 
 
 async def test_a_waiter_that_leaves_gives_up_its_place(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        h = await Harness.open(nursery, capacity=1)
+    async with harness(capacity=1) as h:
         await occupy(h, 1, hold=1.0)
         with trio.move_on_after(0.5):
             await h.queue.enter(request(flow="gone"))
@@ -462,12 +446,10 @@ async def test_a_waiter_that_leaves_gives_up_its_place(autojump_clock):
         after = h.start(request(flow="next"))
         await trio.sleep(2)
         assert h.admitted[1:] == [after]
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_waiter_admitted_and_cancelled_before_it_heard_releases_its_place(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        h = await Harness.open(nursery, capacity=1)
+    async with harness(capacity=1) as h:
         await occupy(h, 1, hold=100)
         scope = trio.CancelScope()
         outcome: list[object] = []
@@ -476,7 +458,7 @@ async def test_a_waiter_admitted_and_cancelled_before_it_heard_releases_its_plac
             with scope:
                 outcome.append(await h.queue.enter(request()))
 
-        nursery.start_soon(client)
+        h.nursery.start_soon(client)
         await trio.testing.wait_all_tasks_blocked()
         scope.cancel()  # the client leaves: its task is woken with Cancelled, but has not run yet ...
         h.room.capacity = 2
@@ -484,7 +466,6 @@ async def test_a_waiter_admitted_and_cancelled_before_it_heard_releases_its_plac
         assert h.pending() == 1
         await trio.testing.wait_all_tasks_blocked()
         assert outcome == [] and h.pending() == 0
-        nursery.cancel_scope.cancel()
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -497,8 +478,7 @@ def test_cancellation_at_any_point_never_leaks_a_place(arrivals, capacity):
     the queue never admits beyond the room, and once all are done nothing is pending or queued."""
 
     async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            h = await Harness.open(nursery, capacity=capacity)
+        async with harness(capacity=capacity) as h:
 
             async def client(req_args, arrive: float, hold: float, leave: float | None) -> None:
                 await trio.sleep(arrive)
@@ -512,7 +492,6 @@ def test_cancellation_at_any_point_never_leaks_a_place(arrivals, capacity):
             await trio.testing.wait_all_tasks_blocked()
             assert h.pending() == 0 and h.room.inflight == 0 and h.queue.queued(MODEL) == {}
             assert isinstance(await h.queue.enter(request(BEST_EFFORT)), Admitted)  # the room is all there
-            nursery.cancel_scope.cancel()
 
     run_on_mock_clock(main)
 
@@ -521,8 +500,7 @@ def test_cancellation_at_any_point_never_leaks_a_place(arrivals, capacity):
 
 
 async def test_snapshot_queued_and_metrics_tell_what_waits(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        h = await Harness.open(nursery, capacity=1)
+    async with harness(capacity=1) as h:
         await occupy(h, 1, hold=10)
         h.start(request(BATCH, cost=300, wait=100))
         await trio.sleep(1)
@@ -544,7 +522,6 @@ async def test_snapshot_queued_and_metrics_tell_what_waits(autojump_clock):
         # The occupant leaves at 10 s, the interactive request goes first, then the batch ones a second apart.
         assert h.sample("llmgw_flow_wait_seconds_sum", **labels) == pytest.approx((11 - 0) + (12 - 1))
         assert h.sample("llmgw_flow_drain_tokens_per_second", model=MODEL) > 0
-        nursery.cancel_scope.cancel()
 
 
 async def test_release_twice_is_refused_and_logged(caplog):
