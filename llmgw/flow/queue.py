@@ -31,6 +31,7 @@ from typing import NamedTuple
 import trio
 
 from ..control.tasks import TaskHost
+from ..lograte import RepeatLimitedLog
 from .drain import DrainRate
 from .fair import FairBand
 from .interfaces import Room
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 POLL = 0.25  # seconds a dispatcher waits at most for a wake-up before looking at the room again
 RECENT = 60.0  # seconds of sheds the snapshot counts
 RECENT_KEPT = 256  # sheds remembered per model and class for it
+MAX_MODELS = 1024  # models with nothing waiting or admitted are forgotten beyond it
 
 
 class Queued(NamedTuple):
@@ -163,11 +165,12 @@ class FlowQueue(TaskHost):
         self.metrics = metrics or FlowMetrics()
         self._ranks = [c.rank for c in settings.classes]
         self._models: dict[str, _Model] = {}
+        self._errors = RepeatLimitedLog(log)
 
     async def enter(self, request: FlowRequest) -> Admitted | Shed:
         model = self._models.get(request.model)
         if model is None:
-            model = self._models[request.model] = _Model(request.model, self._ranks)
+            model = self._new_model(request.model)
         priority = request.priority
         if (not model.waiting or not model.waits_at(priority.rank)) and \
                 self.room.free(model.name, priority) - model.pending > 0:
@@ -179,6 +182,12 @@ class FlowQueue(TaskHost):
             self.metrics.wait.labels(model.name, priority.name).observe(0.0)
             return Admitted(0.0, _Ticket(model))
         return await self._wait(model, request)
+
+    def _new_model(self, name: str) -> _Model:
+        if len(self._models) >= MAX_MODELS:  # the data plane names served models only; still, never grow unbounded
+            self._models = {n: m for n, m in self._models.items() if m.waiting or m.pending or m.dispatching}
+        model = self._models[name] = _Model(name, self._ranks)
+        return model
 
     def release(self, admitted: Admitted) -> None:
         ticket = admitted.ticket
@@ -350,8 +359,9 @@ class FlowQueue(TaskHost):
                 model.kick = trio.Event()
                 try:
                     self._admit_ready(model)
-                except Exception:  # a broken room must not end the gateway: its waiters expire meanwhile
-                    log.exception("flow: dispatching %s's queue failed; trying again in %.2f s", model.name, POLL)
+                except Exception as exc:  # a broken room must not end the gateway: its waiters expire meanwhile
+                    self._errors.error("flow: dispatching %s's queue failed (a bug: please report it); trying again "
+                                       "in %.2f s", model.name, POLL, exc_info=exc)
                 if not model.waiting:
                     return
                 await self._changed(model)

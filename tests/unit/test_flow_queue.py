@@ -40,9 +40,12 @@ class FakeRoom:
         self.fill = fill
         self.inflight = 0
         self.held: dict[str, int] = {}  # a class's room forced to 0 (by name): a room that is not monotonic
+        self.broken = False  # free() raises: a bug in the room
         self._changed = trio.Event()
 
     def free(self, model: str, priority: PriorityClass) -> int:
+        if self.broken:
+            raise ZeroDivisionError("a bug in the room")
         if priority.name in self.held:
             return 0
         return math.floor(self.capacity * (priority.max_fill if self.fill else 1.0)) - self.inflight
@@ -522,6 +525,21 @@ async def test_snapshot_queued_and_metrics_tell_what_waits(autojump_clock):
         # The occupant leaves at 10 s, the interactive request goes first, then the batch ones a second apart.
         assert h.sample("llmgw_flow_wait_seconds_sum", **labels) == pytest.approx((11 - 0) + (12 - 1))
         assert h.sample("llmgw_flow_drain_tokens_per_second", model=MODEL) > 0
+
+
+async def test_a_room_that_fails_leaves_the_queue_running_and_is_logged(autojump_clock, caplog):
+    async with harness(capacity=1) as h:
+        await occupy(h, 1, hold=100)
+        waiter = h.start(request(wait=5))
+        await trio.testing.wait_all_tasks_blocked()
+        h.room.broken = True
+        h.room.wake(MODEL)
+        await trio.sleep(6)
+        assert h.outcomes[id(waiter)].reason == EXPIRED  # type: ignore[union-attr]
+        assert "dispatching m's queue failed" in caplog.text and "ZeroDivisionError" in caplog.text
+        h.room.broken = False
+        h.room.capacity = 2
+        assert isinstance(await h.queue.enter(request()), Admitted)
 
 
 async def test_release_twice_is_refused_and_logged(caplog):
