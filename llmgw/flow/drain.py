@@ -2,8 +2,10 @@
 
 Only time during which requests were waiting counts: with an empty queue the dispatches follow the arrivals, not
 what the replicas can take, and would make the queue look slower than it is. The tokens dispatched during a
-backlog are summed until ``window`` seconds of backlog have passed; each such window is one sample of the EWMA.
-Until the first sample the rate is unknown (``None``, cold): a caller must not guess from it.
+backlog are summed until ``window`` seconds of backlog have passed and something was dispatched; each such window
+is one sample of the EWMA. A stall (a backlog and nothing dispatched) adds no sample until its first dispatch, which
+then counts the whole stall: a queue that is merely waiting for a long stream to end is not taken for one that
+never drains. Until the first sample the rate is unknown (``None``, cold): a caller must not guess from it.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class DrainRate:
         return self.rate
 
     def _sample(self) -> None:
-        if self._busy < self.window:
+        if self._busy < self.window or not self._tokens:
             return
         sample = self._tokens / self._busy
         self.rate = sample if self.rate is None else self.rate + self.alpha * (sample - self.rate)

@@ -15,6 +15,7 @@ flow) to remove a request from the middle of its flow.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar
@@ -37,11 +38,12 @@ Item = TypeVar("Item", bound=Fair)
 
 
 class _Flow(Generic[Item]):
-    __slots__ = ("name", "items", "vtime", "entry")
+    __slots__ = ("name", "items", "tokens", "vtime", "entry")
 
     def __init__(self, name: str, vtime: float):
         self.name = name
         self.items: deque[Item] = deque()
+        self.tokens = 0  # the costs of its items
         self.vtime = vtime
         self.entry = -1  # the sequence number of its valid heap entry; -1 while it has nothing waiting
 
@@ -72,6 +74,7 @@ class FairBand(Generic[Item]):
         if flow is None:
             flow = self._flows[item.flow] = _Flow(item.flow, self._vnow)
         flow.items.append(item)
+        flow.tokens += item.cost
         self._members[item] = None
         self.tokens += item.cost
         if len(flow.items) == 1:
@@ -95,7 +98,7 @@ class FairBand(Generic[Item]):
             return None
         _, _, flow = heapq.heappop(self._heap)
         flow.items.popleft()
-        self._forget_member(item)
+        self._forget_member(item, flow)
         self._vnow = flow.vtime
         flow.vtime += item.cost / max(item.weight, MIN_WEIGHT)
         if flow.items:
@@ -110,13 +113,28 @@ class FairBand(Generic[Item]):
             return
         flow = self._flows[item.flow]
         flow.items.remove(item)
-        self._forget_member(item)
+        self._forget_member(item, flow)
         if not flow.items:  # else its heap entry stands: it is keyed by the flow's virtual time, not its head
             self._idle(flow)
 
-    def _forget_member(self, item: Item) -> None:
+    def tokens_before(self, flow_name: str, weight: float) -> int:
+        """The tokens this band would dispatch before a request of ``flow_name`` arriving now (an estimate): the
+        requests its flow has waiting, and of every other flow what it is served until the band's virtual time
+        reaches this request's start. O(flows)."""
+        own = self._flows.get(flow_name)
+        waiting = own.tokens if own is not None else 0
+        start = max(own.vtime if own is not None else self._vnow, self._vnow) + waiting / max(weight, MIN_WEIGHT)
+        total = float(waiting)
+        for flow in self._flows.values():
+            if flow is own or not flow.items:
+                continue
+            total += min(flow.tokens, max(0.0, start - flow.vtime) * max(flow.items[0].weight, MIN_WEIGHT))
+        return math.ceil(total)
+
+    def _forget_member(self, item: Item, flow: _Flow[Item]) -> None:
         del self._members[item]
         self.tokens -= item.cost
+        flow.tokens -= item.cost
 
     def _schedule(self, flow: _Flow[Item]) -> None:
         self._seq += 1

@@ -72,9 +72,10 @@ class Admitted:
 
     waited: float
     ticket: object = field(default=None, repr=False)
-    # Why it waited, for /admin/explain (all 0 / "" when it was dispatched at once): the requests and their tokens
-    # waiting in its band and the bands above when it arrived, and the highest class among them ("": none, it
-    # waited for room alone).
+    # Why it waited, for /admin/explain (all 0 / "" when it was dispatched at once), as it arrived: the requests
+    # waiting in its band and the bands above, the tokens to be dispatched before it (those of the bands above,
+    # and of its own band those the fair order puts first: its flow's, and the other flows' shares meanwhile), and
+    # the highest class waiting ahead ("": none, it waited for room alone).
     position: int = 0
     tokens_ahead: int = 0
     ahead_class: str = ""

@@ -9,13 +9,16 @@ within a band, deadlines, overflow, and a Retry-After from the measured drain ra
   none, admits waiters while there is room: the highest band first, a lower band only when every band above it is
   empty. It wakes on ``room.changed(model)``, an arrival and a release.
 - A waiter is shed (:class:`~.model.Shed`, 429) when its deadline passes (EXPIRED); at once when the tokens
-  waiting in its band and above would take longer to drain, at the measured rate, than its deadline leaves
-  (UNSERVABLE; never while the rate is not yet measured); or when the model's queue is over ``max_queued``
+  ahead of it would take longer to drain, at the measured rate, than its deadline leaves (UNSERVABLE; never while
+  the rate is not yet measured): all those of the bands above, and of its own band those the fair order puts
+  before it (:meth:`~.fair.FairBand.tokens_before`: a light tenant arriving behind a heavy one's burst is not
+  shed for the burst); or when the model's queue is over ``max_queued``
   requests or ``max_queued_tokens`` (OVERFLOW: the newest waiter of the lowest band, maybe the one arriving).
 - Retry-After: the tokens waiting in the shed request's band and above over the drain rate, rounded up and
   clamped to ``[retry_after_min, retry_after_max]`` (``retry_after_min`` while the rate is unknown).
 
-The dispatchers run in :meth:`FlowQueue.run`'s nursery, which the gateway starts in its own.
+The dispatchers run in :meth:`FlowQueue.run`'s nursery (a :class:`~llmgw.control.tasks.TaskHost`), which the
+gateway starts in its own.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from typing import NamedTuple
 
 import trio
 
+from ..control.tasks import TaskHost
+from ..lograte import RepeatLimitedLog
 from .drain import DrainRate
 from .fair import FairBand
 from .interfaces import Room
@@ -38,6 +43,7 @@ log = logging.getLogger(__name__)
 POLL = 0.25  # seconds a dispatcher waits at most for a wake-up before looking at the room again
 RECENT = 60.0  # seconds of sheds the snapshot counts
 RECENT_KEPT = 256  # sheds remembered per model and class for it
+MAX_MODELS = 1024  # models with nothing waiting or admitted are forgotten beyond it
 
 
 class Queued(NamedTuple):
@@ -48,10 +54,11 @@ class Queued(NamedTuple):
 
 
 class _Waiter:
-    __slots__ = ("request", "event", "outcome", "position", "tokens_ahead", "ahead_class")
+    __slots__ = ("request", "since", "event", "outcome", "position", "tokens_ahead", "ahead_class")
 
-    def __init__(self, request: FlowRequest, position: int, tokens_ahead: int, ahead_class: str):
+    def __init__(self, request: FlowRequest, since: float, position: int, tokens_ahead: int, ahead_class: str):
         self.request = request
+        self.since = since
         self.event = trio.Event()
         self.outcome: Admitted | Shed | None = None
         self.position, self.tokens_ahead, self.ahead_class = position, tokens_ahead, ahead_class
@@ -63,7 +70,7 @@ class _Waiter:
 
     @property
     def cost(self) -> int:
-        return self.request.cost
+        return max(self.request.cost, 0)  # an estimate below 0 would give its flow credit
 
     @property
     def weight(self) -> float:
@@ -110,8 +117,9 @@ class _Model:
                 return True
         return False
 
-    def ahead(self, rank: int) -> tuple[int, int, str]:
-        """The requests and tokens waiting at ``rank`` and above, and the highest class among them."""
+    def ahead(self, rank: int, request: FlowRequest | None = None) -> tuple[int, int, str]:
+        """The requests and tokens waiting at ``rank`` and above, and the highest class among them. With a
+        ``request`` arriving, the tokens of its own band are only those dispatched before it in fair order."""
         requests = tokens = 0
         first = ""
         for r, band in self.bands:
@@ -119,7 +127,10 @@ class _Model:
                 break
             if len(band):
                 requests += len(band)
-                tokens += band.tokens
+                if request is not None and r == rank:
+                    tokens += band.tokens_before(request.flow, request.weight)
+                else:
+                    tokens += band.tokens
                 if not first:
                     head = band.peek()
                     first = head.request.priority.name if head is not None else ""
@@ -142,8 +153,11 @@ class _Ticket:
         self.released = False
 
 
-class FlowQueue:
-    """The gateway's :class:`~.interfaces.FlowControl`. Start :meth:`run` in a nursery before the first request."""
+class FlowQueue(TaskHost):
+    """The gateway's :class:`~.interfaces.FlowControl`. ``await nursery.start(queue.run)`` before the first request:
+    the per-model dispatchers run in that task's nursery (a request that must wait raises RuntimeError before)."""
+
+    not_running = "FlowQueue.run() is not running: start it in the gateway's nursery first"
 
     def __init__(self, settings: FlowSettings, room: Room, metrics: FlowMetrics | None = None):
         self.settings = settings
@@ -151,32 +165,29 @@ class FlowQueue:
         self.metrics = metrics or FlowMetrics()
         self._ranks = [c.rank for c in settings.classes]
         self._models: dict[str, _Model] = {}
-        self._nursery: trio.Nursery | None = None
-
-    async def run(self) -> None:
-        """Hold the nursery the per-model dispatchers run in, until cancelled."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            try:
-                await trio.sleep_forever()
-            finally:
-                self._nursery = None
+        self._errors = RepeatLimitedLog(log)
 
     async def enter(self, request: FlowRequest) -> Admitted | Shed:
         model = self._models.get(request.model)
         if model is None:
-            model = self._models[request.model] = _Model(request.model, self._ranks)
+            model = self._new_model(request.model)
         priority = request.priority
         if (not model.waiting or not model.waits_at(priority.rank)) and \
                 self.room.free(model.name, priority) - model.pending > 0:
             # The fast path: no await, no clock unless a backlog is being measured.
             model.pending += 1
             if model.waiting:
-                model.drain.dispatched(request.cost, trio.current_time())
+                model.drain.dispatched(max(request.cost, 0), trio.current_time())
             self.metrics.admitted.labels(model.name, priority.name).inc()
             self.metrics.wait.labels(model.name, priority.name).observe(0.0)
             return Admitted(0.0, _Ticket(model))
         return await self._wait(model, request)
+
+    def _new_model(self, name: str) -> _Model:
+        if len(self._models) >= MAX_MODELS:  # the data plane names served models only; still, never grow unbounded
+            self._models = {n: m for n, m in self._models.items() if m.waiting or m.pending or m.dispatching}
+        model = self._models[name] = _Model(name, self._ranks)
+        return model
 
     def release(self, admitted: Admitted) -> None:
         ticket = admitted.ticket
@@ -208,7 +219,7 @@ class FlowQueue:
                 for waiter in band:  # oldest first: stop once each class waiting in the band was seen
                     cls = waiter.request.priority.name
                     if cls not in oldest:
-                        oldest[cls] = now - (waiter.request.enqueued or now)
+                        oldest[cls] = now - waiter.since
                     if len(oldest) == len(model.classes):
                         break
             classes = {}
@@ -225,11 +236,11 @@ class FlowQueue:
     # The slow path.
 
     async def _wait(self, model: _Model, request: FlowRequest) -> Admitted | Shed:
-        if self._nursery is None:
-            raise RuntimeError("FlowQueue.run() is not running: start it in the gateway's nursery first")
+        if not self.running:
+            raise RuntimeError(self.not_running)
         now = trio.current_time()
         priority = request.priority
-        position, tokens_ahead, ahead_class = model.ahead(priority.rank)
+        position, tokens_ahead, ahead_class = model.ahead(priority.rank, request)
         explain = (position, tokens_ahead, ahead_class)
         remaining = request.deadline - now
         if remaining <= 0:
@@ -244,7 +255,7 @@ class FlowQueue:
                                   f"deadline leaves", explain)
         if self._overflows(model, request):
             return self._shed(model, request, OVERFLOW, 0.0, self._full(model), explain)
-        waiter = _Waiter(request, *explain)
+        waiter = _Waiter(request, now, *explain)
         request.enqueued = now
         self._enqueue(model, waiter, now)
         try:
@@ -259,7 +270,7 @@ class FlowQueue:
         if waiter.outcome is None:
             now = trio.current_time()
             self._dequeue(model, waiter, now)
-            waiter.outcome = self._shed(model, request, EXPIRED, now - (request.enqueued or now),
+            waiter.outcome = self._shed(model, request, EXPIRED, now - waiter.since,
                                         f"no room for it on {model.name} within its {priority.name} deadline",
                                         explain)
         return waiter.outcome
@@ -267,7 +278,7 @@ class FlowQueue:
     def _overflows(self, model: _Model, request: FlowRequest) -> bool:
         """Shed the newest waiters of the lowest bands below ``request``'s until it fits; True: it does not."""
         limit, token_limit = self.settings.max_queued, self.settings.max_queued_tokens
-        while model.waiting + 1 > limit or model.tokens + request.cost > token_limit:
+        while model.waiting + 1 > limit or model.tokens + max(request.cost, 0) > token_limit:
             victim = None
             for rank, band in reversed(model.bands):
                 if rank <= request.priority.rank:
@@ -279,7 +290,7 @@ class FlowQueue:
                 return True
             now = trio.current_time()
             self._dequeue(model, victim, now)
-            victim.outcome = self._shed(model, victim.request, OVERFLOW, now - (victim.request.enqueued or now),
+            victim.outcome = self._shed(model, victim.request, OVERFLOW, now - victim.since,
                                         self._full(model), (victim.position, victim.tokens_ahead,
                                                             victim.ahead_class))
             victim.event.set()
@@ -293,13 +304,12 @@ class FlowQueue:
         request = waiter.request
         model.band(request.priority.rank).push(waiter)
         model.waiting += 1
-        model.tokens += request.cost
-        self._count(model, request.priority.name, 1, request.cost)
+        model.tokens += waiter.cost
+        self._count(model, request.priority.name, 1, waiter.cost)
         model.drain.backlog(True, now)
         if not model.dispatching:
-            assert self._nursery is not None
             model.dispatching = True
-            self._nursery.start_soon(self._dispatch, model)
+            self.spawn(self._dispatch, model)
         else:
             model.kick.set()
 
@@ -308,10 +318,10 @@ class FlowQueue:
         if not dispatched:  # the dispatcher has popped it already
             model.band(request.priority.rank).remove(waiter)
         model.waiting -= 1
-        model.tokens -= request.cost
-        self._count(model, request.priority.name, -1, -request.cost)
+        model.tokens -= waiter.cost
+        self._count(model, request.priority.name, -1, -waiter.cost)
         if dispatched:
-            model.drain.dispatched(request.cost, now)
+            model.drain.dispatched(waiter.cost, now)
         if not model.waiting:
             model.drain.backlog(False, now)
 
@@ -349,8 +359,9 @@ class FlowQueue:
                 model.kick = trio.Event()
                 try:
                     self._admit_ready(model)
-                except Exception:  # a broken room must not end the gateway: its waiters expire meanwhile
-                    log.exception("flow: dispatching %s's queue failed; trying again in %.2f s", model.name, POLL)
+                except Exception as exc:  # a broken room must not end the gateway: its waiters expire meanwhile
+                    self._errors.error("flow: dispatching %s's queue failed (a bug: please report it); trying again "
+                                       "in %.2f s", model.name, POLL, exc_info=exc)
                 if not model.waiting:
                     return
                 await self._changed(model)
@@ -368,7 +379,7 @@ class FlowQueue:
                 band.pop()
                 self._dequeue(model, waiter, now, dispatched=True)
                 model.pending += 1
-                waited = now - (waiter.request.enqueued or now)
+                waited = now - waiter.since
                 waiter.outcome = Admitted(waited, _Ticket(model), waiter.position, waiter.tokens_ahead,
                                           waiter.ahead_class)
                 waiter.event.set()

@@ -147,6 +147,11 @@ class Gateway:
         elif role != CONTROL:
             raise ConfigError([issue_at(config.state, "backend", "--role gateway follows a cluster's shared state: "
                                         "it needs backend: redis")])
+        # Overload control: the room (every model's engines scraped, their capacity learnt, shared with the cluster:
+        # with a shared state, a cluster's or --workers', it counts every process's requests) and the queue.
+        self.flow = GatewayFlow(config, self.router, self.metrics.registry,
+                                self.shared.load if self.shared is not None else None)
+        self.room = self.flow.room
         # With a shared state, a control process is a candidate: its control plane runs (built anew) in each term
         # it leads the cluster (_lead), and is reached through that term; without one, for the process's life.
         self.static: StaticReplicas | None = None
@@ -171,9 +176,6 @@ class Gateway:
             self.dataplane.wait_for_replica = self.control.wait_for_replica
         self.tenancy = GatewayTenancy(config, self.directory, self.metrics.registry, self.shared)
         self.dataplane.tenancy = self.tenancy.gate
-        # Overload control: with a shared state (a cluster, --workers), the room counts every process's requests.
-        self.flow = GatewayFlow(config, self.router, self.metrics.registry,
-                                self.shared.load if self.shared is not None else None)
         self.dataplane.flow = self.flow.gate
         self._reload_lock = trio.Lock()
         self._reload_metrics = ReloadMetrics(self.metrics.registry)
@@ -285,7 +287,7 @@ class Gateway:
             if self.control is not None:
                 await nursery.start(self.control.run)
             await nursery.start(self.key_admin.follow)  # the stored API keys, before the first request
-            nursery.start_soon(scrape_engine_load, self.router)  # for tiers with engine_metrics_interval
+            nursery.start_soon(scrape_engine_load, self.router)  # for tiers' engine_metrics_interval and the room
             nursery.start_soon(self.kv_index.maintain)  # resync retries, reset windows, predictions' expiry
             with listening_on(host_port(data_host, data_port)):
                 data = await nursery.start(functools.partial(self.data_server.serve, data_host, data_port,

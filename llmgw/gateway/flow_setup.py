@@ -77,10 +77,7 @@ class GatewayFlow:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The queue's dispatchers' nursery, in the gateway's, started before the first request."""
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.queue.run)
-            await trio.sleep(0)  # the queue's nursery is open before a request can wait in it
-            task_status.started()
+        await self.queue.run(task_status=task_status)
 
     def status(self) -> dict[str, Any]:
         """The queues and the room, per model (the status page's and ``GET /admin/flow``'s JSON)."""

@@ -4,6 +4,7 @@ engine scrapes, the room per class, its split among gateways, and what a forged 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import trio
 import trio.testing
@@ -16,8 +17,9 @@ from llmgw.flow.room import EngineRoom
 from llmgw.flow.room_metrics import RoomMetrics
 from llmgw.metrics import Metrics
 from llmgw.plugins_manager import build_registry, make_plugin_manager
+from llmgw.router.load_scraper import schedule
 from llmgw.router.replica import Replica, ReplicaState
-from llmgw.router.router import Router
+from llmgw.router.router import EngineMetricsDemand, Router
 
 INTERACTIVE, STANDARD, BATCH, BEST_EFFORT = DEFAULT_CLASSES
 RULE = CapacityRule()
@@ -47,12 +49,32 @@ def test_a_replica_is_unknown_until_its_engine_says_it_is_full():
 
 def test_a_queue_on_two_scrapes_cuts_capacity_to_what_was_running():
     learnt = ReplicaCapacity()
-    assert learnt.observe(load(1, running=30, waiting=4), 34, True, RULE) is None  # one scrape: maybe one step
+    assert learnt.observe(load(1, running=32, waiting=4), 36, True, RULE) is None  # one scrape: maybe one step
     assert learnt.observe(load(2, running=32, waiting=5), 37, True, RULE) == CUT
     assert learnt.limit() == 32
-    assert learnt.observe(load(3, running=32, waiting=5), 37, True, RULE) == CUT  # still queueing: at least x0.9
+    # More than its capacity in flight (sent before it was learnt): the engine's figure, no blind cut on cut.
+    assert learnt.observe(load(3, running=32, waiting=5), 37, True, RULE) is None
+    assert learnt.limit() == 32
+    # At its capacity and the engine still queues: at least x0.9.
+    assert learnt.observe(load(4, running=32, waiting=2), 32, True, RULE) == CUT
     assert learnt.limit() == math.floor(32 * 0.9)
     assert learnt.cuts == 2
+
+
+def test_an_engine_still_admitting_its_queue_is_ramping_up_not_full():
+    learnt = ReplicaCapacity()
+    for at, running in enumerate((2, 4, 6, 8, 10)):  # a burst: the engine admits it a few per step
+        learnt.observe(load(at, running=running, waiting=200 - running), 200, True, RULE)
+    assert learnt.limit() is None
+
+
+def test_a_burst_sent_before_the_capacity_was_known_takes_the_engines_figure_up_or_down():
+    learnt = ReplicaCapacity()
+    learnt.observe(load(1, running=2, waiting=198), 200, True, RULE)
+    assert learnt.observe(load(2, running=2, waiting=198), 200, True, RULE) == CUT  # a slow start: 2 running
+    assert learnt.limit() == 2
+    assert learnt.observe(load(3, running=55, waiting=140, kv=1.0), 195, True, RULE) == RAISE
+    assert learnt.limit() == 44  # what the full engine ran, scaled to the KV target, not the 2 of the ramp
 
 
 def test_a_request_between_two_engine_steps_is_no_queue():
@@ -283,3 +305,14 @@ def test_saturation_and_its_metrics():
     assert registry.get_sample_value("llmgw_flow_room_free", {"model": "m"}) == math.inf
     assert registry.get_sample_value("llmgw_flow_capacity_changes_total", {"model": "m", "change": "cut"}) >= 1
     assert room.describe("m")["replicas"][0]["capacity"] == 10
+
+
+def test_the_scraper_takes_the_rooms_interval_when_it_is_shorter_than_the_tiers():
+    demand = EngineMetricsDemand(0.25, 1.0)
+    assert schedule(object(), None) == (None, 0.0)  # no tier interval, no room: not scraped
+    assert schedule(object(), demand) == (0.25, 1.0)
+    tier = SimpleNamespace(engine_metrics_interval=2.0, engine_metrics_timeout=None)
+    assert schedule(tier, None) == (2.0, 1.0)
+    assert schedule(tier, demand) == (0.25, 1.0)
+    fast = SimpleNamespace(engine_metrics_interval=0.1, engine_metrics_timeout=0.05)
+    assert schedule(fast, demand) == (0.1, 0.05)
