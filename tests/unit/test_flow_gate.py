@@ -155,3 +155,11 @@ def test_the_shed_message_names_the_model_and_class():
     answer = shed_response(Shed(EXPIRED, 3, 2.0), "llama", FlowSettings().by_name()["batch"])
     assert "'llama'" in json.loads(answer.body)["error"]["message"]
     assert "'batch'" in json.loads(answer.body)["error"]["message"]
+
+
+def test_the_bench_of_the_gate_runs_and_reports_each_case():
+    from llmgw.bench import flow_gate
+
+    report = flow_gate.run(rounds=2, calls=50)
+    assert set(report["us"]) == {"a keyed request", "with the priority header and a deadline"}
+    assert all(us["min"] <= us["median"] <= us["max"] for us in report["us"].values())
