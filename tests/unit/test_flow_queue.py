@@ -578,3 +578,14 @@ async def test_release_twice_is_refused_and_logged(caplog):
     queue.release(admitted)
     assert queue.snapshot()[MODEL]["pending"] == 0
     assert "released twice" in caplog.text
+
+
+async def test_models_with_nothing_waiting_or_held_are_forgotten_beyond_a_bound():
+    queue = FlowQueue(FlowSettings(), FakeRoom(1))
+    held = await queue.enter(FlowRequest("kept", "a", STANDARD, 1, math.inf))
+    for i in range(3000):  # names a hostile client made up, had the data plane let them through
+        admitted = await queue.enter(FlowRequest(f"m{i}", "a", STANDARD, 1, math.inf))
+        queue.release(admitted)  # type: ignore[arg-type]
+    models = queue.snapshot()
+    assert len(models) <= 1024 and models["kept"]["pending"] == 1
+    queue.release(held)  # type: ignore[arg-type]
