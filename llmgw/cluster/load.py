@@ -81,6 +81,7 @@ class LoadSharing:
         self._queued: Callable[[], dict[str, int]] | None = None
         self._listeners: list[Callable[[], None]] = []
         self._crowded_told = False
+        self._queued_failure_told = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -115,7 +116,18 @@ class LoadSharing:
         self._listeners.append(listener)
 
     def own_queued(self) -> dict[str, int]:
-        return {} if self._queued is None else {m: n for m, n in self._queued().items() if n > 0}
+        """The requests this gateway holds per model (those holding some); nothing when its source fails (logged
+        once: the load report, which every other gateway counts on, goes out all the same)."""
+        if self._queued is None:
+            return {}
+        try:
+            return {model: n for model, n in self._queued().items() if n > 0}
+        except Exception:
+            if not self._queued_failure_told:
+                self._queued_failure_told = True
+                log.exception("cluster state: the requests held per model could not be counted; load reports say "
+                              "none are held (logged once)")
+            return {}
 
     def peer_queued(self, model: str) -> list[int]:
         """The requests each live peer holds for ``model`` (those holding some)."""

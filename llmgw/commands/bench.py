@@ -29,6 +29,8 @@ BENCHES: dict[str, tuple[str, str]] = {
                                      "overshoot, usable share under steady load, added latency, a Redis kill"),
     "proxy": ("llmgw.bench.proxy", "the data plane's overhead: llmgw, the upstream called directly and vllm-router "
                                    "under wrk: added p50, requests/s and streams/s, CPU µs per request"),
+    "room": ("llmgw.bench.room", "overload control's learnt room on one simulated H100 under a standing backlog, "
+                                 "against no admission: the engine's KV usage, queue and preemptions, throughput"),
     "routing": ("llmgw.bench.routing", "routing tiers, an oracle and vllm-router on the same simulators: "
                                        "engine-reported cache hits, TTFT p90, output tokens/s, the load knee"),
     "sim-calibration": ("llmgw.bench.sim_calibration", "the simulator's GPU profiles against published vLLM "

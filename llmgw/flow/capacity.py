@@ -12,7 +12,8 @@ The rule (an AIMD loop on the engine's scraped gauges, at most one step per scra
   not taken effect yet) the engine's figure is taken as it is, even when higher: the engine proves it runs that
   many, and cutting again for requests that were sent before the last cut would drive the capacity to nothing;
 - *raise*: the engine waits for nothing and its cache is below ``kv_target``, while requests are held at a gateway
-  for the model (``demand``) and the replica is at its capacity: x``increase`` (at least +1);
+  for the model (``demand``) and the replica is at its capacity (``busy_share`` of it in flight, the most the
+  lowest class fills): x``increase`` (at least +1);
 - otherwise it stays.
 
 Before a replica's first scrape that says it is full, its capacity is *unknown* (None): the room does not hold
@@ -58,9 +59,12 @@ class ReplicaCapacity:
         """The requests in flight it takes, None when unknown."""
         return None if self.capacity is None else int(self.capacity)
 
-    def observe(self, load: EngineLoad, inflight: int, demand: bool, rule: CapacityRule) -> str | None:
+    def observe(self, load: EngineLoad, inflight: int, demand: bool, rule: CapacityRule,
+                busy_share: float = 1.0) -> str | None:
         """Learn from one scrape (``inflight``: the cluster's requests in flight there now; ``demand``: requests
-        for its model wait at a gateway). Returns CUT, RAISE or None; a scrape already seen changes nothing."""
+        for its model wait at a gateway; ``busy_share``: the share of the capacity in flight from which the replica
+        counts as at its capacity, the lowest class's ``max_fill``, since a class fills no more). Returns CUT, RAISE
+        or None; a scrape already seen changes nothing."""
         if self.seen_at is not None and load.at <= self.seen_at:
             return None
         self.seen_at = load.at
@@ -81,7 +85,7 @@ class ReplicaCapacity:
             return self._set(target, rule)
         if self.capacity is None or not demand or queued or (kv is not None and kv >= rule.kv_target):
             return None
-        if inflight < self.capacity - 1:  # the replica is not at its capacity: no sign it can take more
+        if inflight < self.capacity * busy_share - 1:  # not at its capacity: no sign it can take more
             return None
         return self._set(max(self.capacity + 1, self.capacity * rule.increase), rule)
 

@@ -9,9 +9,10 @@ their engines, less what every gateway has in flight there, split among the gate
   of the summed capacity. A replica whose capacity is still unknown is not full: the model's room is then
   :data:`UNBOUNDED` (nothing is held before an engine has said it is full).
 - Shared: every gateway reports how many requests it holds per model with its load (llmgw/cluster/load.py); when
-  others hold some too, this gateway's share of the free room is ``free x mine / (mine + theirs)`` (mine counted
-  as at least 1, and at least 1 request while there is room, so no gateway starves), each peer's count taken at
-  most ``FlowSettings.max_queued`` (a forged report cannot claim it all).
+  others hold some too, this gateway may have in flight its quota of the capacity, in proportion to its demand
+  (requests in flight and held) among every gateway's (:meth:`EngineRoom.share`: a quota, not a part of what is
+  free now, so that dispatching one request after another cannot take it all before the next report); each
+  peer's count taken at most ``FlowSettings.max_queued`` (a forged report cannot claim it all).
 
 The cluster's load sharing is reached through :class:`SharedQueues` (the gateway passes it in): the flow layer
 does not import the cluster layer.
@@ -22,12 +23,11 @@ from __future__ import annotations
 import logging
 import math
 import time
-import weakref
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import trio
 
-from ..router.replica import Replica
+from ..router.replica import Replica, ReplicaState
 from ..router.router import EngineMetricsDemand
 from .capacity import UNBOUNDED, CapacityRule, ReplicaCapacity
 from .model import FlowSettings, PriorityClass
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL = 0.05  # changed() returns after this long at the latest
+UP, UNKNOWN = ReplicaState.UP, ReplicaState.UNKNOWN
 
 
 class SharedQueues(Protocol):
@@ -64,18 +65,23 @@ class EngineRoom:
         self.scrape_interval = scrape_interval
         self.metrics = metrics
         self.clock = clock
-        self._learnt: weakref.WeakKeyDictionary[Replica, ReplicaCapacity] = weakref.WeakKeyDictionary()
+        self._learnt: dict[Replica, ReplicaCapacity] = {}  # a replica's entry goes when it leaves the table
         self._events: dict[str, trio.Event] = {}  # only while someone waits in changed()
         self._waiters: dict[str, int] = {}
         self._queued: Callable[[str], int] = lambda model: 0
         router.engine_metrics_demand = EngineMetricsDemand(scrape_interval, scrape_timeout)
         router.engine_load_listeners.append(self.scraped)
-        router.replicas.watch_members(lambda replica: self.wake(replica.model))
+        router.replicas.watch_members(self._members_changed)
         if sharing is not None:
             sharing.count_queued(self.held, self.settings.max_queued)
             sharing.watch(self.wake_all)
         if metrics is not None:
             metrics.track(self)
+
+    def _members_changed(self, replica: Replica) -> None:
+        if replica not in self.router.replicas:
+            self._learnt.pop(replica, None)
+        self.wake(replica.model)
 
     def count_queued(self, queued: Callable[[str], int]) -> None:
         """``queued(model)``: the requests this gateway's queue holds for ``model`` (all classes)."""
@@ -87,28 +93,43 @@ class EngineRoom:
         route = self.router.models.get(model)
         if route is None:
             return 0
-        capacity = free = 0
-        for replica in route.replicas:
-            if not replica.routable:
+        capacity = free = mine = theirs = 0
+        learnt = self._learnt
+        for replica in route.replicas:  # on the queue's path for every request: kept lean
+            state = replica.state
+            if state is not UP and state is not UNKNOWN:  # ReplicaState.routable, without its enum lookups
                 continue
-            limit = self.capacity(replica)
-            if limit is None:
+            known = learnt.get(replica)
+            if known is None or known.capacity is None:
                 return UNBOUNDED
+            limit = int(known.capacity)
             capacity += limit
-            free += max(0, limit - replica.inflight)
-        reserved = capacity - math.floor(capacity * min(1.0, max(0.0, priority.max_fill)))
-        return self.share(model, max(0, free - reserved))
+            mine += replica.local_inflight
+            theirs += replica.peer_inflight
+            left = limit - replica.local_inflight - replica.peer_inflight
+            if left > 0:
+                free += left
+        filled = math.floor(capacity * min(1.0, max(0.0, priority.max_fill)))  # what the class may fill
+        free = max(0, free - (capacity - filled))
+        if free == 0 or self.sharing is None:
+            return free
+        return self.share(model, free, filled, mine, theirs)
 
-    def share(self, model: str, free: int) -> int:
-        """This gateway's share of ``free``: all of it unless other gateways hold requests for ``model`` too."""
-        if free <= 0 or free >= UNBOUNDED or self.sharing is None:
-            return free
+    def share(self, model: str, free: int, filled: int, mine: int, theirs: int) -> int:
+        """This gateway's part of ``free`` when other gateways hold requests for ``model`` too: it may have in
+        flight its quota of ``filled`` (the capacity the class may fill), in proportion to its demand (its requests
+        in flight, ``mine``, and those it holds) among every gateway's (``theirs`` in flight, and those they hold).
+        At least 1 while it has none in flight (nobody starves). All of it while no other gateway holds any: then
+        its quota would hold back nothing the engines have room for."""
         cap = self.settings.max_queued
-        theirs = sum(min(n, cap) for n in self.sharing.peer_queued(model))
-        if theirs == 0:
+        held_by_peers = sum(min(n, cap) for n in self.sharing.peer_queued(model)) if self.sharing else 0
+        if held_by_peers == 0:
             return free
-        mine = max(1, min(self._queued(model), cap))  # a request arriving to an empty queue counts as one
-        return max(1, free * mine // (mine + theirs))
+        demand = mine + max(1, min(self._queued(model), cap))  # a request arriving to an empty queue counts as one
+        allowed = filled * demand // (demand + theirs + held_by_peers) - mine
+        if allowed <= 0:
+            return 1 if mine == 0 else 0
+        return min(free, allowed)
 
     async def changed(self, model: str) -> None:
         event = self._events.get(model)
@@ -179,7 +200,8 @@ class EngineRoom:
         if learnt is None:
             learnt = self._learnt[replica] = ReplicaCapacity()
         before = learnt.capacity
-        change = learnt.observe(load, replica.inflight, self.demand(replica.model), self.rule)
+        busy_share = min((c.max_fill for c in self.settings.classes), default=1.0)
+        change = learnt.observe(load, replica.inflight, self.demand(replica.model), self.rule, busy_share)
         if change is not None:
             if before is None:
                 log.info("flow control: replica %s of model %s is full at %d requests in flight (its engine: %g "

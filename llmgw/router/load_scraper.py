@@ -21,6 +21,7 @@ to age out (tiers ignore values older than their ``engine_metrics_max_age``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 import weakref
@@ -35,6 +36,8 @@ from .replica import Replica
 
 if TYPE_CHECKING:
     from .router import EngineMetricsDemand, Router
+
+log = logging.getLogger(__name__)
 
 
 async def scrape_once(replica: Replica, timeout: float, path: str = "/metrics",
@@ -83,6 +86,7 @@ async def scrape_engine_load(router: Router, clock: Callable[[], float] = time.m
     followed; with no model asking, this wakes once every ``idle_check`` seconds.
     """
     last_started: weakref.WeakKeyDictionary[Replica, float] = weakref.WeakKeyDictionary()
+    failed: list[Callable[[Replica], None]] = []  # listeners that raised (told once each)
     in_progress: weakref.WeakSet[Replica] = weakref.WeakSet()
 
     async def scrape(replica: Replica, timeout: float) -> None:
@@ -91,7 +95,12 @@ async def scrape_engine_load(router: Router, clock: Callable[[], float] = time.m
             if load is not None:
                 replica.engine_load = load
                 for listener in router.engine_load_listeners:
-                    listener(replica)
+                    try:
+                        listener(replica)
+                    except Exception:  # a listener's bug must not end the scraper (nor the gateway with it)
+                        if listener not in failed:
+                            failed.append(listener)
+                            log.exception("the engine load scraper's listener %r failed (logged once)", listener)
         finally:
             in_progress.discard(replica)
 

@@ -8,12 +8,15 @@ through one gateway take the room of the other; the requests one gateway holds s
 
 from __future__ import annotations
 
+import coredis
 import httpx
 import pytest
 import trio
 
+from llmgw.cluster import records
+from llmgw.cluster.records import Keys
 from llmgw.config.loading import parse_config
-from llmgw.flow.model import DEFAULT_CLASSES
+from llmgw.flow.model import DEFAULT_CLASSES, FlowSettings
 from llmgw.gateway.app import Gateway
 from llmgw.testing.metrics import metric_value
 from llmgw.testing.processes import CLUSTER_SECRET, CLUSTER_SECRET_ENV
@@ -89,7 +92,7 @@ async def test_in_flight_and_held_requests_of_one_gateway_reach_the_others_room(
             while True:
                 capacity, free = await room_figures(http, control.control_url)
                 assert capacity
-                if free == max(1, int(capacity) // 7):  # the control's share: free x 1 / (1 + 6)
+                if free == max(1, int(capacity) // 7):  # its quota: capacity x 1 / (1 + 6), nothing in flight
                     break
                 await trio.sleep(0.05)
         assert capacity >= 2 and free < capacity
@@ -101,3 +104,34 @@ async def test_in_flight_and_held_requests_of_one_gateway_reach_the_others_room(
                 if capacity and free == capacity:
                     break
                 await trio.sleep(0.05)
+
+
+async def test_a_forged_count_of_held_requests_is_clamped_and_a_forged_signature_refused(shared_cluster, redis_url,
+                                                                                        cluster_name):
+    """Whoever can write to Redis: a report signed with the cluster secret claiming 2**40 requests held for the
+    model, and 4,096 models nobody serves, is taken at what an honest gateway can hold, of the served model only;
+    the same held requests added to a report they were not signed with are refused whole."""
+    _, control, _ = await shared_cluster(followers=0, routing="round_robin")
+    signer = records.Signer(CLUSTER_SECRET.encode())
+    held = records.encode_load_queued({MODEL: 1 << 40, **{f"ghost-{i}": 5 for i in range(4095)}})
+    fields = {b"o": b"forger", b"x": b"2000", b"l": records.pack([])}
+    fields[b"s"] = signer.sign(fields[b"o"], fields[b"x"], fields[b"l"])
+    tampered = {**fields, b"o": b"tamperer", b"q": held, b"t": b"\0" * 32}
+    tampered[b"s"] = signer.sign(tampered[b"o"], tampered[b"x"], tampered[b"l"])
+    fields[b"q"] = held
+    fields[b"t"] = signer.sign(fields[b"o"], fields[b"x"], fields[b"l"], held)
+    host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
+    async with httpx.AsyncClient(timeout=30) as http, coredis.Redis(host=host, port=int(port),
+                                                                    decode_responses=False) as redis:
+        with trio.fail_after(10):
+            while True:  # the reports live 2 s: written until seen
+                await redis.xadd(Keys(cluster_name).load, tampered)
+                await redis.xadd(Keys(cluster_name).load, fields)
+                peers = (await http.get(control.control_url + "/admin/cluster")).json()["peers"]
+                if "forger" in peers:
+                    break
+                await trio.sleep(0.1)
+        assert peers["forger"]["held"] == {MODEL: FlowSettings().max_queued}
+        assert "tamperer" not in peers
+        text = (await http.get(control.control_url + "/metrics")).text
+        assert metric_value(text, "llmgw_cluster_bad_records_total", 'stream="load"') >= 1

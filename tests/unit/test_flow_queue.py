@@ -282,6 +282,34 @@ def test_two_backlogged_equal_flows_stay_within_one_request_of_each_other(events
     assert len(band) == sum(waiting.values()) and band.tokens >= 0
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from("ab"), costs), min_size=2, max_size=40))
+def test_the_dispatcher_keeps_two_backlogged_flows_within_one_request(arrivals):
+    """Through the queue: requests of two flows arrive in any interleaving while the model is full, then are
+    dispatched one at a time; while both still wait, their tokens never differ by more than the largest cost."""
+    arrivals = [("a", 1), ("b", 1), *arrivals]
+
+    async def main() -> None:
+        async with harness(capacity=1) as h:
+            await occupy(h, 1, hold=1.0)
+            for flow, cost in arrivals:  # one at a time: the arrival order is the list's
+                h.start(request(flow=flow, cost=cost, wait=1e6), hold=1.0)
+                await trio.testing.wait_all_tasks_blocked()
+            await trio.sleep(len(arrivals) + 2)
+            left = {"a": sum(1 for f, _ in arrivals if f == "a"), "b": sum(1 for f, _ in arrivals if f == "b")}
+            served = {"a": 0, "b": 0}
+            largest = max(cost for _, cost in arrivals)
+            for req in h.admitted[1:]:
+                if not (left["a"] and left["b"]):
+                    break
+                left[req.flow] -= 1
+                served[req.flow] += req.cost
+                assert abs(served["a"] - served["b"]) <= largest
+            assert len(h.admitted) == len(arrivals) + 1
+
+    run_on_mock_clock(main)
+
+
 def test_a_flow_that_leaves_and_comes_back_keeps_neither_credit_nor_debt_beyond_a_request():
     class Item:
         def __init__(self, flow: str, cost: int):
@@ -550,3 +578,14 @@ async def test_release_twice_is_refused_and_logged(caplog):
     queue.release(admitted)
     assert queue.snapshot()[MODEL]["pending"] == 0
     assert "released twice" in caplog.text
+
+
+async def test_models_with_nothing_waiting_or_held_are_forgotten_beyond_a_bound():
+    queue = FlowQueue(FlowSettings(), FakeRoom(1))
+    held = await queue.enter(FlowRequest("kept", "a", STANDARD, 1, math.inf))
+    for i in range(3000):  # names a hostile client made up, had the data plane let them through
+        admitted = await queue.enter(FlowRequest(f"m{i}", "a", STANDARD, 1, math.inf))
+        queue.release(admitted)  # type: ignore[arg-type]
+    models = queue.snapshot()
+    assert len(models) <= 1024 and models["kept"]["pending"] == 1
+    queue.release(held)  # type: ignore[arg-type]

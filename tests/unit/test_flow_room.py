@@ -8,15 +8,17 @@ from types import SimpleNamespace
 
 import trio
 import trio.testing
+from hypothesis import given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 
 from llmgw.engines.probe import EngineLoad
-from llmgw.flow.capacity import CUT, RAISE, UNBOUNDED, CapacityRule, ReplicaCapacity
+from llmgw.flow.capacity import CUT, MAX_CAPACITY, RAISE, UNBOUNDED, CapacityRule, ReplicaCapacity
 from llmgw.flow.model import DEFAULT_CLASSES, FlowSettings
 from llmgw.flow.room import EngineRoom
 from llmgw.flow.room_metrics import RoomMetrics
 from llmgw.metrics import Metrics
 from llmgw.plugins_manager import build_registry, make_plugin_manager
+from llmgw.router import load_scraper
 from llmgw.router.load_scraper import schedule
 from llmgw.router.replica import Replica, ReplicaState
 from llmgw.router.router import EngineMetricsDemand, Router
@@ -101,6 +103,9 @@ def test_capacity_grows_while_the_engine_idles_with_a_backlog():
     learnt.capacity = 50.0
     assert learnt.observe(load(2, running=50, kv=0.4), inflight=50, demand=True, rule=RULE) == RAISE
     assert learnt.limit() == 55  # x1.1
+    # A class below the highest fills only its max_fill: 42 of 55 in flight (the lowest's 75%) is at capacity.
+    assert learnt.observe(load(3, running=42, kv=0.4), inflight=42, demand=True, rule=RULE) is None
+    assert learnt.observe(load(4, running=42, kv=0.4), inflight=42, demand=True, rule=RULE, busy_share=0.75) == RAISE
 
 
 def test_capacity_stays_without_evidence_that_it_can_take_more():
@@ -225,7 +230,7 @@ def test_a_held_back_class_makes_capacity_grow_while_the_engines_idle():
     assert room.capacity(router.replicas.get("a")) > 10
 
 
-def test_the_free_room_is_split_by_the_requests_each_gateway_holds():
+def test_the_room_is_shared_by_the_requests_each_gateway_has_in_flight_and_holds():
     peers = Peers()
     router, room, queued, _ = make_room(peers=peers)
     learn(router, room, "a", 50)
@@ -233,17 +238,38 @@ def test_the_free_room_is_split_by_the_requests_each_gateway_holds():
     assert room.free("m", INTERACTIVE) == 100  # nobody else holds any: all of it
     peers.held["m"] = [30, 10]
     queued["m"] = 40
-    assert room.free("m", INTERACTIVE) == 50  # 100 x 40 / 80
+    assert room.free("m", INTERACTIVE) == 50  # a quota of 100 x 40 / 80
     queued["m"] = 0  # a request arriving to an empty queue counts as one waiting
     assert room.free("m", INTERACTIVE) == 100 * 1 // 41
-    router.replicas.get("a").local_inflight = 49
-    router.replicas.get("b").local_inflight = 50
-    assert room.free("m", INTERACTIVE) == 1  # at least one while there is room: nobody starves
-    router.replicas.get("a").local_inflight = 50
+    a, b = router.replicas.get("a"), router.replicas.get("b")
+    a.peer_inflight, b.peer_inflight = 49, 50
+    assert room.free("m", INTERACTIVE) == 1  # none of its own in flight: at least one, nobody starves
+    a.peer_inflight, a.local_inflight = 0, 49
+    assert room.free("m", INTERACTIVE) == 0  # 49 of its own in flight, beyond its quota: its turn comes as they end
+    a.peer_inflight = 1
     assert room.free("m", INTERACTIVE) == 0
     assert peers.source() == {} and peers.max_queued == FlowSettings().max_queued
     queued["m"] = 7
     assert peers.source() == {"m": 7}  # what this gateway's load report says
+
+
+def test_dispatching_one_request_after_another_stops_at_the_quota():
+    """Before the next report, a gateway that dispatches while free() > 0 must not take the others' part of the
+    room one request at a time."""
+    peers = Peers()
+    router, room, queued, _ = make_room(peers=peers)
+    learn(router, room, "a", 10)
+    learn(router, room, "b", 10)
+    peers.held["m"] = [10]  # another gateway holds as many as this one: half the room each
+    queued["m"] = 10
+    dispatched = 0
+    while room.free("m", INTERACTIVE) > 0:
+        replica = router.replicas.get("ab"[dispatched % 2])
+        replica.local_inflight += 1
+        queued["m"] -= 1
+        dispatched += 1
+    assert dispatched == 10
+    assert room.free("m", BATCH) == 0  # batch's quota is of the 85% it may fill
 
 
 def test_a_forged_peer_count_cannot_take_all_the_room():
@@ -316,3 +342,52 @@ def test_the_scraper_takes_the_rooms_interval_when_it_is_shorter_than_the_tiers(
     assert schedule(tier, demand) == (0.25, 1.0)
     fast = SimpleNamespace(engine_metrics_interval=0.1, engine_metrics_timeout=0.05)
     assert schedule(fast, demand) == (0.1, 0.05)
+
+
+def test_capacity_grows_with_a_lower_class_alone_filling_its_max_fill():
+    router, room, queued, _ = make_room(replicas=("a",))
+    learn(router, room, "a", 20)
+    a = router.replicas.get("a")
+    a.local_inflight = 19  # all that standard may fill: floor(20 x 0.95)
+    assert room.free("m", STANDARD) == 0
+    queued["m"] = 5
+    scrape(router, room, "a", 10, running=19, kv=0.4)
+    assert room.capacity(a) == 22
+    room.settings = FlowSettings(classes=(INTERACTIVE,))  # one class filling all: 19 of 22 is not at capacity
+    scrape(router, room, "a", 11, running=19, kv=0.4)
+    assert room.capacity(a) == 22
+
+
+gauge = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10, 10**7).map(float))
+
+
+@settings(max_examples=200)
+@given(scrapes=st.lists(st.tuples(gauge, gauge, st.none() | gauge, st.integers(0, 10**6), st.booleans()),
+                        max_size=30))
+def test_any_engine_gauges_keep_the_capacity_unknown_or_within_its_bounds(scrapes):
+    learnt = ReplicaCapacity()
+    for at, (running, waiting, kv, inflight, demand) in enumerate(scrapes):
+        learnt.observe(EngineLoad(running=running, waiting=waiting, at=float(at), kv_usage=kv), inflight, demand,
+                       RULE, 0.75)
+        assert learnt.limit() is None or RULE.min_capacity <= learnt.limit() <= MAX_CAPACITY
+
+
+async def test_a_failing_listener_neither_ends_the_scraper_nor_keeps_the_others_from_hearing(monkeypatch, caplog,
+                                                                                           autojump_clock):
+    router, room, _, _ = make_room(replicas=("a",))
+    a = router.replicas.get("a")
+
+    async def scraped(replica, timeout, clock=None):
+        return load(trio.current_time(), running=3)
+
+    def broken(replica):
+        raise RuntimeError("a listener's bug")
+
+    monkeypatch.setattr(load_scraper, "scrape_once", scraped)
+    router.engine_load_listeners.insert(0, broken)
+    heard = []
+    router.engine_load_listeners.append(heard.append)
+    with trio.move_on_after(2.0):
+        await load_scraper.scrape_engine_load(router, clock=trio.current_time)
+    assert len(heard) >= 7 and set(heard) == {a}  # every 0.25 s, the room's interval
+    assert sum("failed (logged once)" in r.message for r in caplog.records) == 1

@@ -108,3 +108,20 @@ async def test_held_requests_forged_onto_a_signed_report_are_refused():
     honest["t"] = b"\x00" * 32
     reader.take_reports([honest])
     assert reader.peer_queued("m") == []
+
+
+async def test_a_failing_count_of_held_requests_still_lets_the_load_report_go(caplog):
+    sharing = make_sharing()
+    sharing.replicas.get("r1").local_inflight = 2
+
+    def broken() -> dict[str, int]:
+        raise RuntimeError("the queue's count broke")
+
+    link = Captured()
+    sharing.link = link
+    sharing.count_queued(broken, 10_000)
+    for _ in range(2):
+        await sharing._send(sharing.own_load(), sharing.own_queued())
+    assert len(link.sent) == 2 and b"q" not in link.sent[0]
+    assert records.decode_load_report({k.decode(): v for k, v in link.sent[0].items()}, LIMITS)[2]["r1"][0] == 2
+    assert sum("could not be counted" in r.message for r in caplog.records) == 1
