@@ -536,7 +536,7 @@ class FlowConfig(Located):
     max_queued_tokens: Annotated[int, at_least(1), at_most(MAX_LIMIT)] = setting(50_000_000)  # their tokens
     retry_after_min: RetryAfter = setting(1)  # the bounds of a shed request's Retry-After, seconds
     retry_after_max: RetryAfter = setting(60)
-    # The room, learnt from the engines (docs/overload.md#room-how-much-a-model-can-take-now).
+    # The room, learnt from the engines (docs/overload.md#room-what-the-engines-can-take).
     scrape_interval: Annotated[float, Parse(parse_duration), at_least(0.05), at_most(10.0)] = setting(0.25)
     kv_high: Fraction = setting(0.9)  # an engine's KV cache usage at which it counts as full
     kv_target: Fraction = setting(0.8)  # below it, a replica with requests waiting for it may take more
