@@ -167,6 +167,12 @@ async def test_the_demo_without_admin_tokens_shows_its_status_with_no_login(nurs
                            ".filter((r) => r.includes('up')).length === 2", timeout=90)
         await complete(gw, text(1, 400))
         await tab.wait_for("the decision", f"{ROW_TEXTS.format('decisions')}.some((r) => r.includes('kv_index'))")
+        # Overload control's queues: one row per model and class (nothing waiting), a row per replica's room.
+        queues = await tab.wait_for("the queues", f"(() => {{ const r = {ROW_TEXTS.format('queues')}; "
+                                    "return r.length === 4 && r; })()")
+        assert [row.split("0 (0)")[0] for row in queues] == ["tinyinteractive", "tinystandard", "tinybatch",
+                                                              "tinybest-effort"], queues
+        await tab.wait_for("each replica's room", f"{ROW_TEXTS.format('saturation')}.length === 2")
         assert await tab.evaluate("document.getElementById('login').hidden")
         assert tab.errors == []
 
