@@ -15,13 +15,12 @@ slowest round (the machine is shared: the spread says how much to trust the medi
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
 import trio
 
-from llmgw.bench.common import bench_parser, finish, rounds_us
+from llmgw.bench.common import bench_parser, finish, print_spread, rounds_us, spread_us
 from llmgw.bench.flow_queue import FixedRoom
 from llmgw.flow.model import FlowSettings
 from llmgw.flow.queue import FlowQueue
@@ -60,9 +59,7 @@ def run(rounds: int, calls: int) -> dict[str, Any]:
         }, calls, rounds)
 
     times = trio.run(measure)
-    return {"rounds": rounds, "calls": calls,
-            "us": {label: {"median": statistics.median(us), "min": min(us), "max": max(us)}
-                   for label, us in times.items()}}
+    return {"rounds": rounds, "calls": calls, "us": spread_us(times)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,10 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=2000, help="calls per round")
     args = parser.parse_args(argv)
     report = run(args.rounds, args.calls)
-    print(f"flow gate: µs per request routed at once, median of {args.rounds} rounds of {args.calls} "
-          "[fastest - slowest round]")
-    for label, us in report["us"].items():
-        print(f"  {label:42s} {us['median']:7.2f}  [{us['min']:.2f} - {us['max']:.2f}]")
+    print_spread(f"flow gate: µs per request routed at once, median of {args.rounds} rounds of {args.calls} "
+                 "[fastest - slowest round]", report["us"])
     return finish(args, report)
 
 

@@ -16,13 +16,12 @@ slowest round (the machine is shared: the spread says how much to trust the medi
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 import trio
 import trio.testing
 
-from llmgw.bench.common import bench_parser, finish, rounds_us
+from llmgw.bench.common import bench_parser, finish, print_spread, rounds_us, spread_us
 from llmgw.flow.fair import FairBand
 from llmgw.flow.model import DEFAULT_CLASSES, Admitted, FlowRequest, FlowSettings, PriorityClass
 from llmgw.flow.queue import FlowQueue
@@ -98,9 +97,7 @@ def run(rounds: int, calls: int, waiting: int) -> dict[str, Any]:
         return times
 
     times = trio.run(measure)
-    return {"rounds": rounds, "calls": calls, "waiting": waiting,
-            "us": {label: {"median": statistics.median(us), "min": min(us), "max": max(us)}
-                   for label, us in times.items()}}
+    return {"rounds": rounds, "calls": calls, "waiting": waiting, "us": spread_us(times)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,9 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--waiting", type=int, default=1000, help="batch requests waiting in the second case")
     args = parser.parse_args(argv)
     report = run(args.rounds, args.calls, args.waiting)
-    print(f"flow queue: µs per call, median of {args.rounds} rounds of {args.calls} [fastest - slowest round]")
-    for label, us in report["us"].items():
-        print(f"  {label:36s} {us['median']:7.2f}  [{us['min']:.2f} - {us['max']:.2f}]")
+    print_spread(f"flow queue: µs per call, median of {args.rounds} rounds of {args.calls} [fastest - slowest round]",
+                 report["us"])
     return finish(args, report)
 
 
