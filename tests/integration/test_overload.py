@@ -310,3 +310,9 @@ async def test_a_keys_class_from_the_admin_api_the_header_it_may_raise_with_and_
         assert await admitted("batch") == counted  # off: not asked of the queue
     status = (await gw.admin("/admin/flow")).json()
     assert status["enabled"] is False
+    explained = (await gw.admin("/admin/explain", "POST", json={"model": "tiny", "messages": [
+        {"role": "user", "content": "hi"}]})).json()
+    assert explained["flow"]["model"] == "tiny" and explained["flow"]["enabled"] is False
+    assert [c["class"] for c in explained["flow"]["classes"]] == ["interactive", "batch"]
+    assert (await gw.admin("/admin/explain")).status_code == 400  # no request id
+    assert (await gw.admin("/admin/explain", params={"request_id": "r-1"})).status_code == 404  # routed at once
