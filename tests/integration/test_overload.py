@@ -259,11 +259,11 @@ async def test_two_gateways_on_one_redis_admit_as_one(gateway_in_process, nurser
                     await trio.sleep(0.05)
             done.set()
     # Each gateway alone would fill the replica to its capacity: together, without sharing, twice that (measured
-    # with the room counting only its own gateway's requests: 12 in flight on a capacity of 6, twice in two runs).
-    # Shared, their sum stays under twice the capacity; above the capacity by what both dispatch into the same free
-    # room before the other's next load report tells them (measured: peaks of 7, 8, 9 and 9 on 6; 13 on 7 once).
+    # with the room counting only its own gateway's requests: 12 in flight on a capacity of 6, in two runs). Shared,
+    # each keeps to its quota of the capacity: their sum stays within it (measured: 6 on 6 in three runs), give or
+    # take the one request a gateway with none in flight may send before the other's next load report.
     peak, most = max(inflight for inflight, _ in samples), max(cap for _, cap in samples)
-    assert peak < 2 * most, samples
+    assert peak <= most + 1, samples
 
 
 async def test_a_keys_class_from_the_admin_api_the_header_it_may_raise_with_and_a_reload_of_flow(
