@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,19 @@ def rounds_us(calls: dict[str, Callable[[], object]], count: int, rounds: int) -
                 call()
             times[label].append((time.perf_counter() - started) / count * 1e6)
     return times
+
+
+def spread_us(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Per label of :func:`rounds_us`: the median µs per call of its rounds, and its fastest and slowest round."""
+    return {label: {"median": statistics.median(us), "min": min(us), "max": max(us)} for label, us in times.items()}
+
+
+def print_spread(title: str, spread: dict[str, dict[str, float]]) -> None:
+    """``title``, then one line per label of :func:`spread_us`: its median, [fastest - slowest round]."""
+    print(title)
+    width = max(map(len, spread), default=0)
+    for label, us in spread.items():
+        print(f"  {label:{width}s} {us['median']:7.2f}  [{us['min']:.2f} - {us['max']:.2f}]")
 
 
 def write_json(path: str | Path, report: dict) -> None:
