@@ -13,7 +13,7 @@ them while the load runs.
 The llmgw arms run as N gateways on a private Redis (:class:`~.cluster_rig.ClusterRig`, the first its control
 process, the others ``--role gateway``), routing ``kv_index`` on the simulators' KV events. :func:`sample_kv`
 reads, every ``interval``, every simulator's ``vllm:kv_cache_usage_perc`` and ``vllm:num_requests_waiting``
-and every llmgw gateway's queued requests (the sum of its ``llmgw_flow_queued*`` gauges: :data:`QUEUE_GAUGE`).
+and every llmgw gateway's queued requests (the sum of its ``llmgw_flow_queued`` series: :data:`QUEUE_GAUGE`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from .routing_arms import start_vllm_router
 FLOW, OFF, VLLM_ROUTER = "llmgw-flow", "llmgw-off", "vllm-router"
 ARMS = (FLOW, OFF, VLLM_ROUTER)
 VLLM_ROUTER_POLICY = "cache_aware"
-QUEUE_GAUGE = "llmgw_flow_queued"  # every gauge whose name starts so: the requests a gateway holds in its queue
+QUEUE_GAUGE = "llmgw_flow_queued"  # the requests a gateway holds in its queue, by model and class
 ENGINE_KV, ENGINE_WAITING = "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting"
 
 
@@ -131,9 +131,8 @@ async def _metrics(http: httpx.AsyncClient, url: str) -> dict[str, float] | None
 
 
 def queued(parsed: dict[str, float]) -> float | None:
-    """A gateway's queued requests (:data:`QUEUE_GAUGE`), None when it has no such gauge."""
-    values = [v for k, v in parsed.items() if k.startswith(QUEUE_GAUGE) and not k.split("{")[0].endswith(
-        ("_total", "_sum", "_count", "_bucket", "_created"))]
+    """A gateway's queued requests (every series of :data:`QUEUE_GAUGE`), None when it has no such gauge."""
+    values = [v for k, v in parsed.items() if k.partition("{")[0] == QUEUE_GAUGE]
     return sum(values) if values else None
 
 

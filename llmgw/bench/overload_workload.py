@@ -77,12 +77,15 @@ class Outcome:
     retry_after: bool = False  # a refusal carried Retry-After
 
 
+EXPIRED_CODES = ("queue_timeout",)  # llmgw's 429 code for a request whose deadline passed (or would) waiting
+
+
 def kind_of(status: int, body: str) -> str:
-    """What an answer means: 200 OK; 408 (vllm-router's queue timeout) or a 429 whose error says it expired waiting
-    EXPIRED; any other 429 SHED (overflow, or a rate limit); anything else ERROR."""
+    """What an answer means: 200 OK; 408 (vllm-router's queue timeout) or a 429 whose error ``code`` is one of
+    :data:`EXPIRED_CODES` EXPIRED; any other 429 SHED (a full queue, or a rate limit); anything else ERROR."""
     if status == 200:
         return OK
-    if status == 408 or (status == 429 and "expired" in body.lower()):
+    if status == 408 or (status == 429 and any(f'"{code}"' in body for code in EXPIRED_CODES)):
         return EXPIRED
     return SHED if status == 429 else ERROR
 

@@ -29,7 +29,8 @@ from llmgw.config.loading import parse_config
 def test_an_answer_is_ok_shed_expired_or_an_error():
     assert kind_of(200, "") == OK
     assert kind_of(429, '{"error": {"message": "rate limit: rpm"}}') == SHED
-    assert kind_of(429, '{"error": {"code": "expired", "message": "waited 2 s"}}') == EXPIRED
+    assert kind_of(429, '{"error": {"code": "queue_timeout", "message": "it waited 2.0s"}}') == EXPIRED
+    assert kind_of(429, '{"error": {"code": "queue_full", "message": "the queue is full"}}') == SHED
     assert kind_of(408, "Request timed out in queue") == EXPIRED  # vllm-router's queue timeout
     assert kind_of(503, "") == ERROR and kind_of(0, "") == ERROR
 
@@ -37,7 +38,7 @@ def test_an_answer_is_ok_shed_expired_or_an_error():
 def test_a_gateways_queue_is_the_sum_of_its_flow_queued_gauges_and_none_without_them():
     parsed = {'llmgw_flow_queued{model="tiny",class="interactive"}': 2.0,
               'llmgw_flow_queued{model="tiny",class="batch"}': 5.0,
-              'llmgw_flow_queued_total{model="tiny"}': 90.0,  # a counter of the same stem is not the gauge
+              'llmgw_flow_queued_tokens{model="tiny",class="batch"}': 9000.0,  # another gauge of the same stem
               "llmgw_requests_total": 7.0}
     assert queued(parsed) == 7.0
     assert queued({"llmgw_requests_total": 7.0}) is None
