@@ -2,7 +2,8 @@
 
 :func:`level_stats` reads one run of one level (its :class:`~.overload_workload.Loop` and KV samples); per class:
 TTFT p50/p99 and ITL p99 of the answered requests, goodput (requests meeting the class's SLO: TTFT for
-interactive, the whole answer for batch), completed, shed (429), expired (a 429 that says so, or vllm-router's 408)
+interactive, the whole answer for batch, per second from the first arrival to the last answer, so that a backlog
+drained after the arrivals stopped is not counted as the arrivals' rate), completed, shed (429), expired (a 429 that says so, or vllm-router's 408)
 and error counts, the refusals' latency p50/p99 and the share of them that carried ``Retry-After``; for the level:
 total goodput over the fleet's capacity, the interactive tenants' fairness (the smaller one's tokens over the
 larger one's), and the engines' KV usage while a gateway queue held requests (and while the engines' own queues
@@ -39,8 +40,8 @@ def class_stats(outcomes: Sequence[Outcome], slo: dict[str, float], seconds: flo
             "errors": sum(o.kind == ERROR for o in outcomes),
             "ttft_p50_ms": _ms([o.ttft for o in ok], 0.5), "ttft_p99_ms": _ms([o.ttft for o in ok], 0.99),
             "itl_p99_ms": _ms([gap for o in ok for gap in o.itl], 0.99),
-            "rejection_p50_ms": _ms([o.ttft for o in refused], 0.5),
-            "rejection_p99_ms": _ms([o.ttft for o in refused], 0.99),
+            "rejection_p50_ms": _ms([o.latency for o in refused], 0.5),
+            "rejection_p99_ms": _ms([o.latency for o in refused], 0.99),
             "retry_after_share": sum(o.retry_after for o in refused) / len(refused) if refused else None,
             "tokens": sum(o.tokens for o in ok)}
 
@@ -51,7 +52,7 @@ def _kv(samples: Sequence[dict], when: Callable[[dict], bool]) -> dict:
 
 
 def level_stats(loop: Loop, kv_samples: Sequence[dict], slo: dict[str, float], capacity_rps: float) -> dict:
-    by_class = {c: class_stats([o for o in loop.outcomes if o.priority == c], slo, loop.seconds) for c in CLASSES}
+    by_class = {c: class_stats([o for o in loop.outcomes if o.priority == c], slo, loop.elapsed) for c in CLASSES}
     tenants: dict[str, int] = {}
     for o in loop.outcomes:
         if o.priority == INTERACTIVE:

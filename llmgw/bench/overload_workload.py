@@ -129,7 +129,8 @@ class Loop:
     """What a loop sent and got back."""
 
     outcomes: list[Outcome]
-    seconds: float
+    seconds: float  # of arrivals (the closed loop: until the last answer)
+    elapsed: float = 0.0  # from the first arrival to the last answer
     over_cap: int = 0  # open loop: arrivals not sent because ``cap`` requests were in flight
     most_in_flight: int = 0
 
@@ -163,6 +164,7 @@ async def open_loop(send: Send, tenants: Sequence[Tenant], rate: float, seconds:
                 loop.most_in_flight = max(loop.most_in_flight, in_flight)
                 nursery.start_soon(one, tenant, at, random.Random(rng.random()))
             at += rng.expovariate(rate)
+    loop.elapsed = trio.current_time() - start
     return loop
 
 
@@ -182,5 +184,5 @@ async def closed_loop(send: Send, tenants: Sequence[Tenant], concurrency: int, s
     async with trio.open_nursery() as nursery:
         for i in range(concurrency):
             nursery.start_soon(client, i)
-    loop.seconds = trio.current_time() - started  # the last answers came after ``seconds``
+    loop.seconds = loop.elapsed = trio.current_time() - started  # the last answers came after ``seconds``
     return loop

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import trio
 
 from llmgw.bench.overload_arms import keys_config, queued, router_tuning
@@ -95,16 +96,17 @@ def test_per_class_numbers_goodput_fairness_and_kv_while_a_queue_waits():
     outcomes = [Outcome("interactive-a", INTERACTIVE, 0, OK, 200, 0.2, 1.0, tokens=100, itl=[0.01, 0.02]),
                 Outcome("interactive-a", INTERACTIVE, 0, OK, 200, 0.9, 1.5, tokens=100),  # over the TTFT SLO
                 Outcome("interactive-b", INTERACTIVE, 0, OK, 200, 0.1, 0.9, tokens=150),
-                Outcome("interactive-b", INTERACTIVE, 0, SHED, 429, 0.003, 0.003, retry_after=True),
+                Outcome("interactive-b", INTERACTIVE, 0, SHED, 429, 0.0, 0.003, retry_after=True),
                 Outcome("batch", BATCH, 0, OK, 200, 2.0, 20.0, tokens=3000),
-                Outcome("batch", BATCH, 0, EXPIRED, 429, 2.01, 2.01, retry_after=False)]
+                Outcome("batch", BATCH, 0, EXPIRED, 429, 0.0, 2.01, retry_after=False)]
     kv = [{"kv": 0.9, "waiting": 0, "queued": 3.0}, {"kv": 0.5, "waiting": 2, "queued": 1.0},
           {"kv": 0.1, "waiting": 0, "queued": 0.0}]
-    stats = level_stats(Loop(outcomes, 2.0), kv, slo, capacity_rps=2.0)
+    stats = level_stats(Loop(outcomes, 1.0, elapsed=2.0), kv, slo, capacity_rps=2.0)  # 1 s of arrivals, 2 s in all
     inter, batch = stats["classes"][INTERACTIVE], stats["classes"][BATCH]
     assert (inter["sent"], inter["completed"], inter["good"], inter["shed"], inter["expired"]) == (4, 3, 2, 1, 0)
     assert (batch["completed"], batch["good"], batch["expired"]) == (1, 1, 1)
     assert inter["retry_after_share"] == 1.0 and batch["retry_after_share"] == 0.0
+    assert inter["rejection_p50_ms"] == 3.0 and batch["rejection_p99_ms"] == pytest.approx(2010.0)
     assert stats["goodput_rps"] == 1.5 and stats["goodput_of_capacity"] == 0.75
     assert stats["fairness"] == 150 / 200
     assert stats["kv_gateway_queued"] == {"samples": 2, "mean": 0.7, "min": 0.5}
