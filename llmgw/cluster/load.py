@@ -13,13 +13,19 @@ Each gateway sums the others' latest live reports into each replica's
 ``peer_*`` figures; what its tiers read (``inflight``, ``inflight_tokens``,
 ``queued_tokens``, ``queued_requests``) is its own exact count plus those. The hot
 path reads only these numbers: nothing on it waits for Redis.
+
+A report also carries the requests the gateway's overload control holds per
+model (``q``, from :meth:`LoadSharing.count_queued`'s source: llmgw/flow's room),
+so each gateway's room can split the free room among the gateways that have
+requests waiting (:meth:`LoadSharing.peer_queued`). The cluster layer does not
+import the flow layer: the gateway hands each the other's callables.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import trio
 
@@ -46,12 +52,13 @@ def combined(reports: list[tuple[int, ...]]) -> tuple[int, ...]:
 
 
 class PeerReport:
-    __slots__ = ("received", "expires", "load")
+    __slots__ = ("received", "expires", "load", "queued")
 
-    def __init__(self, received: float, expires: float, load: Load):
+    def __init__(self, received: float, expires: float, load: Load, queued: dict[str, int] | None = None):
         self.received = received  # time.monotonic() when it arrived: the clock of Replica.queued_since
         self.expires = expires
         self.load = load
+        self.queued = queued or {}  # model -> requests its overload control holds
 
 
 class LoadSharing:
@@ -70,6 +77,9 @@ class LoadSharing:
         self.peers: dict[str, PeerReport] = {}
         self._applied: set[str] = set()  # replicas whose peer figures are non-zero
         self.max_requests = max_requests
+        self.max_queued = max_requests  # a peer's requests held per model, at most (count_queued sets it)
+        self._queued: Callable[[], dict[str, int]] | None = None
+        self._listeners: list[Callable[[], None]] = []
         self._crowded_told = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -94,30 +104,50 @@ class LoadSharing:
                 load[replica.name] = figures if before is None else combined([before, figures])
         return load
 
+    def count_queued(self, source: Callable[[], dict[str, int]], max_queued: int) -> None:
+        """Report ``source()`` (requests held per model by this gateway's overload control) with the load, and
+        take at most ``max_queued`` per model from a peer's report (what an honest gateway can hold)."""
+        self._queued = source
+        self.max_queued = max_queued
+
+    def watch(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` whenever the peers' figures change (a report arrived, one expired)."""
+        self._listeners.append(listener)
+
+    def own_queued(self) -> dict[str, int]:
+        return {} if self._queued is None else {m: n for m, n in self._queued().items() if n > 0}
+
+    def peer_queued(self, model: str) -> list[int]:
+        """The requests each live peer holds for ``model`` (those holding some)."""
+        return [n for report in self.peers.values() if (n := report.queued.get(model, 0)) > 0]
+
     async def _publish(self) -> None:
         settings = self.settings
         heartbeat = settings.load_ttl / 4
-        last: Load | None = None
+        last: tuple[Load, dict[str, int]] | None = None
         sent_at = -1e9
         failures = 0
         while True:
-            load = self.own_load()
+            state = (self.own_load(), self.own_queued())
             now = trio.current_time()
-            if load != last or now - sent_at >= heartbeat:
+            if state != last or now - sent_at >= heartbeat:
                 try:
-                    await self._send(load)
+                    await self._send(*state)
                 except Unavailable:
                     failures += 1
                     await self.link.backoff(failures)
                     continue
                 failures = 0
-                last, sent_at = load, now
+                last, sent_at = state, now
             await trio.sleep(settings.load_interval)
 
-    async def _send(self, load: Load) -> None:
+    async def _send(self, load: Load, queued: dict[str, int] | None = None) -> None:
         fields = {b"o": self.origin.encode(), b"x": str(int(self.settings.load_ttl * 1000)).encode(),
                   b"l": records.pack([[name, *figures] for name, figures in load.items()])}
         fields[b"s"] = self.signer.sign(fields[b"o"], fields[b"x"], fields[b"l"])
+        if queued:
+            fields[b"q"] = records.encode_load_queued(queued)
+            fields[b"t"] = self.signer.sign(fields[b"o"], fields[b"x"], fields[b"l"], fields[b"q"])
         await self.link.add_to_stream("load_report", self.keys.load, fields, LOAD_STREAM_LENGTH)
         self.metrics.load_reports.labels("sent").inc()
 
@@ -125,7 +155,8 @@ class LoadSharing:
 
     async def _receive(self) -> None:
         await follow_stream(self.link, "load_read", self.keys.load, self.take_reports, stream="load",
-                            max_bytes=lambda: records.load_report_bytes(self.limits()) + records.ENTRY_FIELDS_BYTES)
+                            max_bytes=lambda: records.load_report_bytes(self.limits()) + records.ENTRY_FIELDS_BYTES
+                            + records.MAX_QUEUED_BYTES)
 
     def take_reports(self, reports: list[dict[str, Any]]) -> None:
         """One read's reports: recorded, and applied when another gateway's were among them."""
@@ -145,9 +176,13 @@ class LoadSharing:
     def take_report(self, fields: dict[str, Any], limits: records.LoadLimits | None = None) -> bool:
         """Record one report from the stream; True when it is another gateway's."""
         try:
-            if not self.signer.valid(fields.get("s"), fields.get("o", b""), fields.get("x", b""), fields.get("l", b"")):
+            signed = (fields.get("o", b""), fields.get("x", b""), fields.get("l", b""))
+            if not self.signer.valid(fields.get("s"), *signed):
                 raise RecordError("not signed with the cluster secret")
+            if "q" in fields and not self.signer.valid(fields.get("t"), *signed, fields["q"]):
+                raise RecordError("its requests held (q) are not signed with the cluster secret")
             origin, ttl, load = records.decode_load_report(fields, limits or self.limits())
+            queued = records.decode_load_queued(fields, frozenset(self.replicas.declared_models()), self.max_queued)
         except RecordError:
             self.metrics.bad_records.labels("load").inc()
             return False
@@ -162,7 +197,7 @@ class LoadSharing:
                             "logged once)", records.MAX_LOAD_ORIGINS, origin)
             return False
         self.metrics.load_reports.labels("received").inc()
-        self.peers[origin] = PeerReport(time.monotonic(), trio.current_time() + ttl, load)
+        self.peers[origin] = PeerReport(time.monotonic(), trio.current_time() + ttl, load, queued)
         return True
 
     async def _expire(self) -> None:
@@ -195,10 +230,13 @@ class LoadSharing:
                 replica.peer_queued_since = oldest.get(replica.name)
         self._applied = set(by_name)
         self.metrics.peers.set(len(self.peers))
+        for listener in self._listeners:
+            listener()
 
     def describe(self) -> dict[str, Any]:
         now = trio.current_time()
         return {origin: {"expires_in_s": round(report.expires - now, 3),
                          "inflight": {name: figures[0] for name, figures in report.load.items()},
-                         "queued_tokens": {name: figures[2] for name, figures in report.load.items() if figures[2]}}
+                         "queued_tokens": {name: figures[2] for name, figures in report.load.items() if figures[2]},
+                         "held": report.queued}
                 for origin, report in self.peers.items()}

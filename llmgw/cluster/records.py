@@ -13,7 +13,9 @@ Keys, all under ``llmgw:{cluster}:`` (:class:`Keys`):
   KV state and the key of the part holding its block keys. A follower starts
   from the snapshot and reads the log after the snapshot's stream id.
 - ``load``: a stream of each gateway's own in-flight load (``o`` origin,
-  ``x`` its time to live in ms, ``l`` the load), the newest per origin wins.
+  ``x`` its time to live in ms, ``l`` the load; ``q`` the requests its overload
+  control holds per model, signed apart in ``t``: :func:`decode_load_queued`),
+  the newest per origin wins.
 - ``requests``: a stream of the gateways' asks to the control plane (a KV
   resync of a replica whose index drifted).
 - ``learn``: a stream of the predictions each gateway's tiers make (``o``
@@ -511,6 +513,45 @@ def decode_load_report(fields: dict[str, Any], limits: LoadLimits) -> tuple[str,
         if item[0] in limits.known:
             load[item[0]] = tuple(max(0, min(n, cap)) for n, cap in zip(item[1:], caps))
     return origin, ttl, load
+
+
+# A load report's ``q``: the requests the origin's overload control holds, per model, as ``[[model, count], ...]``.
+# It came after ``l``: a reader of the version before reads ``o``, ``x``, ``l`` and ``s`` alone (``s`` signs those
+# three, as it did), and a report without ``q`` holds nothing. ``t`` signs all four, so ``q`` cannot be forged
+# onto a report an honest gateway signed.
+MAX_QUEUED_MODELS = 4096  # models listed in one report's q (a reader takes its own models only)
+MAX_QUEUED_BYTES = 64 * 1024  # q, msgpack (a reader budgets for it and its signature besides l)
+
+
+def encode_load_queued(queued: dict[str, int]) -> bytes:
+    """A report's ``q``: the models with requests held, the most held first, as many as fit
+    :data:`MAX_QUEUED_BYTES` (and :data:`MAX_QUEUED_MODELS`)."""
+    held = sorted(((model, count) for model, count in queued.items() if count > 0), key=lambda item: -item[1])
+    items = [list(item) for item in held[:MAX_QUEUED_MODELS]]
+    raw = pack(items)
+    while len(raw) > MAX_QUEUED_BYTES:
+        items = items[:len(items) // 2]
+        raw = pack(items)
+    return raw
+
+
+def decode_load_queued(fields: dict[str, Any], known: Container[str], cap: int) -> dict[str, int]:
+    """A load report's ``q`` as ``{model: requests held}``: the models in ``known`` only, each count clamped to
+    ``0..cap`` (what an honest gateway can hold); ``{}`` when the report has none (a sender of the version before)."""
+    raw = fields.get("q")
+    if raw is None:
+        return {}
+    items = unpack(raw, MAX_QUEUED_BYTES, MAX_QUEUED_MODELS)
+    if not isinstance(items, list):
+        raise RecordError(f"a load report's q is an array of at most {MAX_QUEUED_MODELS} [model, count]")
+    queued: dict[str, int] = {}
+    for item in items:
+        if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str) \
+                or len(item[0]) > MAX_NAME or type(item[1]) is not int:
+            raise RecordError("a load report's q entry is [model, count]")
+        if item[0] in known:
+            queued[item[0]] = max(0, min(item[1], cap))
+    return queued
 
 
 # What the fields of one stream entry weigh besides its batch, at most: the names, an origin, a signature, a ttl.

@@ -68,6 +68,8 @@ def build_parser(kind: str = "keys") -> argparse.ArgumentParser:
     parser.add_argument("--all-models", action="store_true", help="every model may be used")
     parser.add_argument("--priority", help="its priority class ('none': " + ("its team's)" if noun == "key" else
                                                                             "none)"))
+    parser.add_argument("--priority-header", choices=("allow", "deny"), help="allow: its requests may raise their "
+                        "class with the priority header (lowering it is always allowed)")
     for limit in LIMITS:
         parser.add_argument(f"--{limit}", type=limit_value, default=argparse.SUPPRESS,
                             help=f"{limit} limit ('none': unlimited)")
@@ -93,6 +95,8 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
         body["models"] = args.models
     if args.priority is not None:
         body["priority"] = None if args.priority.lower() == "none" else args.priority
+    if args.priority_header is not None:
+        body["priority_header"] = args.priority_header == "allow"
     limits = {limit: getattr(args, limit) for limit in LIMITS if hasattr(args, limit)}
     if limits:
         body["limits"] = limits
@@ -112,13 +116,18 @@ def _limits_text(item: dict[str, Any]) -> str:
     return " ".join(limits) or "-"
 
 
+def _priority_text(item: dict[str, Any]) -> str:
+    """Its class, and '+header' when its requests may raise it with the priority header."""
+    return (item["priority"] or "-") + ("+header" if item.get("priority_header") else "")
+
+
 def rows(kind: str, items: list[dict[str, Any]]) -> list[str]:
     if kind == "keys":
         return table(["ID", "NAME", "TEAM", "MODELS", "PRIORITY", "LIMITS", "SOURCE"], [
             [k["id"], k["name"], k["team"] or "-", ",".join(k["models"]) if k["models"] is not None else "*",
-             k["priority"] or "-", _limits_text(k), k["source"]] for k in items])
+             _priority_text(k), _limits_text(k), k["source"]] for k in items])
     return table(["NAME", "MODELS", "PRIORITY", "LIMITS", "SOURCE"], [
-        [t["name"], ",".join(t["models"]) if t["models"] is not None else "*", t["priority"] or "-",
+        [t["name"], ",".join(t["models"]) if t["models"] is not None else "*", _priority_text(t),
          _limits_text(t), t["source"]] for t in items])
 
 

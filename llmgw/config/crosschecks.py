@@ -47,6 +47,7 @@ def check_config(draft: Draft) -> None:
             report_duplicates(draft, draft[section], attr, what)
     _check_api_key_hashes(draft)
     _check_key_teams(draft)
+    _check_priorities(draft)
     _check_deployment_profiles(draft)
     _check_model_routing(draft)
     _check_adapter_names(draft)
@@ -89,6 +90,26 @@ def _check_key_teams(draft: Draft) -> None:
         if known(api_key.team) and api_key.team is not None and api_key.team not in names:
             draft.add(issue_at(api_key, "team", f"no team named '{api_key.team}' under teams "
                                                 f"({_hint(api_key.team, names, 'teams')})"))
+
+
+def class_problem(name: str, classes: Iterable[Any]) -> str | None:
+    """None when ``name`` is one of ``classes``' (flow.classes, as far as read) names; else why not."""
+    names = [c.name for c in classes if known(c.name)]
+    if name in names:
+        return None
+    return f"no priority class named '{name}' under flow.classes ({_hint(name, names, 'classes')})"
+
+
+def _check_priorities(draft: Draft) -> None:
+    """Every ``priority`` a key or a team names is a class of ``flow.classes``."""
+    if not draft.known("flow", "api_keys", "teams") or not known(draft["flow"].classes):
+        return
+    classes = draft["flow"].classes
+    for item in (*draft["teams"], *draft["api_keys"]):
+        if known(item.priority) and item.priority is not None:
+            problem = class_problem(item.priority, classes)
+            if problem:
+                draft.add(issue_at(item, "priority", problem))
 
 
 def _hint(name: str, names: list[str], what: str) -> str:

@@ -13,6 +13,7 @@ import hashlib
 from decimal import Decimal
 from typing import Annotated, Any
 
+from ..flow.model import DEFAULT_CLASS, DEFAULT_CLASSES, FlowSettings, PriorityClass
 from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
 from ..tenancy.model import NANO_PER_USD, PERIODS, TenancySettings
 from ..units import parse_duration, parse_size
@@ -192,6 +193,7 @@ class TeamSpec(Located):
     budgets: Budgets = setting(factory=list)
     models: ModelNames | None = setting(None)  # the models its keys may use; left out: every model
     priority: Identifier | None = setting(None)  # its keys' priority class, unless a key names its own
+    priority_header: bool = setting(False)  # its keys' requests may raise their class with flow.priority_header
 
     @classmethod
     def _finish(cls, draft: Draft) -> None:
@@ -214,6 +216,7 @@ class KeySpec(Located):
     team: KeyName | None = setting(None)  # a team: its limits and models apply too
     models: ModelNames | None = setting(None)  # the models it may use; left out: every model (its team's apply)
     priority: Identifier | None = setting(None)  # its requests' priority class; default: its team's
+    priority_header: bool = setting(False)  # its requests may raise their class with flow.priority_header
     limits: TenantLimits = setting(factory=TenantLimits)
     budgets: Budgets = setting(factory=list)
 
@@ -494,6 +497,78 @@ class StateConfig(Located):
                                          "within its lease, so one slow answer does not cost it the lead")
 
 
+MAX_CLASSES = 16  # priority classes: each is a label of the flow metrics
+HeaderName = Annotated[str, matches(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}", "an HTTP header name (up to 64 characters)"),
+                       Check(lambda value: None if value.lower() not in ("authorization", "content-type", "host")
+                             else "is a header every request carries for another purpose")]
+Fraction = Annotated[float, Check(lambda value: None if 0 < value <= 1 else "must be above 0 and at most 1")]
+RetryAfter = Annotated[int, at_least(1), at_most(3600)]  # seconds
+
+
+@config_class
+class PriorityClassConfig(Located):
+    """One priority class (a band) of ``flow.classes``: docs/overload.md."""
+
+    name: Identifier = setting()
+    rank: Annotated[int, at_least(0), at_most(1000)] = setting()  # bands are served by rank, 0 first
+    max_wait: PositiveDuration = setting()  # the longest a request of the class waits at the gateway (then 429)
+    max_fill: Fraction = setting(1.0)  # the share of a model's room the class may fill
+
+    def priority_class(self) -> PriorityClass:
+        return PriorityClass(self.name, self.rank, self.max_wait, self.max_fill)
+
+
+def _default_classes() -> list[PriorityClassConfig]:
+    return [PriorityClassConfig(name=c.name, rank=c.rank, max_wait=c.max_wait, max_fill=c.max_fill)
+            for c in DEFAULT_CLASSES]
+
+
+@config_class
+class FlowConfig(Located):
+    """Overload control at the gateway (docs/overload.md): priority classes, the queue per model, its bounds."""
+
+    enabled: bool = setting(True)  # false: every request is routed at once, as before (no queue at the gateway)
+    classes: Annotated[list[PriorityClassConfig], non_empty("name at least one class"),
+                       at_most_items(MAX_CLASSES)] = setting(factory=_default_classes)
+    default_class: Identifier = setting(DEFAULT_CLASS)  # a request's class when its key and team name none
+    priority_header: HeaderName = setting("x-llmgw-priority")  # a request may lower (or, if its key may, raise) it
+    max_queued: Count = setting(10_000)  # requests waiting per model, all classes
+    max_queued_tokens: Annotated[int, at_least(1), at_most(MAX_LIMIT)] = setting(50_000_000)  # their tokens
+    retry_after_min: RetryAfter = setting(1)  # the bounds of a shed request's Retry-After, seconds
+    retry_after_max: RetryAfter = setting(60)
+    # The room, learnt from the engines (docs/overload.md#room-how-much-a-model-can-take-now).
+    scrape_interval: Annotated[float, Parse(parse_duration), at_least(0.05), at_most(10.0)] = setting(0.25)
+    kv_high: Fraction = setting(0.9)  # an engine's KV cache usage at which it counts as full
+    kv_target: Fraction = setting(0.8)  # below it, a replica with requests waiting for it may take more
+
+    def settings(self) -> FlowSettings:
+        return FlowSettings(
+            enabled=self.enabled, classes=tuple(c.priority_class() for c in self.classes),
+            default_class=self.default_class, priority_header=self.priority_header.lower(),
+            max_queued=self.max_queued, max_queued_tokens=self.max_queued_tokens,
+            retry_after_min=self.retry_after_min, retry_after_max=self.retry_after_max)
+
+    def class_names(self) -> list[str]:
+        return [c.name for c in self.classes]
+
+    @classmethod
+    def _finish(cls, draft: Draft) -> None:
+        if draft.known("classes"):
+            crosschecks.report_duplicates(draft, draft["classes"], "name", "class name")
+            crosschecks.report_duplicates(draft, draft["classes"], "rank", "class rank")
+        if draft.known("classes", "default_class"):
+            problem = crosschecks.class_problem(draft["default_class"], draft["classes"])
+            if problem:
+                draft.problem("default_class", problem)
+        if draft.known("retry_after_min", "retry_after_max") and draft["retry_after_max"] < draft["retry_after_min"]:
+            draft.problem("retry_after_max", "must be at least retry_after_min")
+        if draft.known("kv_high", "kv_target") and draft["kv_target"] >= draft["kv_high"]:
+            if draft.was_written("kv_target"):
+                draft.problem("kv_target", "must be below kv_high")
+            else:
+                draft.problem("kv_high", "must be above kv_target (0.8 unless written)")
+
+
 @config_class
 class Config(Located):
     """A whole configuration file."""
@@ -521,6 +596,7 @@ class Config(Located):
     teams: list[TeamConfig] = setting(factory=list)  # docs/tenants.md
     prices: list[PriceConfig] = setting(factory=list)  # USD per million tokens, by model
     tenancy: TenancyConfig = setting(factory=TenancyConfig)
+    flow: FlowConfig = setting(factory=FlowConfig)  # overload control: docs/overload.md
 
     def model_names(self) -> list[str]:
         """Names clients may ask for: every model under ``models``, then every deployed profile's served name."""

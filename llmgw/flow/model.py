@@ -72,6 +72,13 @@ class Admitted:
 
     waited: float
     ticket: object = field(default=None, repr=False)
+    # Why it waited, for /admin/explain (all 0 / "" when it was dispatched at once), as it arrived: the requests
+    # waiting in its band and the bands above, the tokens to be dispatched before it (those of the bands above,
+    # and of its own band those the fair order puts first: its flow's, and the other flows' shares meanwhile), and
+    # the highest class waiting ahead ("": none, it waited for room alone).
+    position: int = 0
+    tokens_ahead: int = 0
+    ahead_class: str = ""
 
 
 # Why a request was shed: its deadline passed waiting, the queue was full, or nothing can serve it soon enough.
@@ -86,3 +93,6 @@ class Shed:
     retry_after: int
     waited: float
     detail: str = ""  # for the error message and /admin/explain
+    position: int = 0  # as Admitted's: what was waiting ahead of it when it arrived
+    tokens_ahead: int = 0
+    ahead_class: str = ""

@@ -29,6 +29,7 @@ from ..router.tier import RouteRequest
 from ..wire.channel import LEADER_HEADER, AgentCredentials, quart_channel
 from .admin_guard import AdminGuard
 from .admin_tenants import register_tenant_routes
+from .flow_gate import RECENT_OUTCOMES
 from .replica_stats import replica_stats
 from .ui import status_page
 from .usage_admin import register_usage_routes
@@ -216,7 +217,27 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
         if resolved is None:
             return _error(404, f"the model {model!r} does not exist", "model_not_found", param="model")
         path = request.args.get("path") or ("/v1/chat/completions" if "messages" in body else "/v1/completions")
-        return jsonify(await gateway.router.explain(RouteRequest(resolved[0], path, body, adapter=resolved[1])))
+        explained = await gateway.router.explain(RouteRequest(resolved[0], path, body, adapter=resolved[1]))
+        return jsonify({**explained, "flow": gateway.flow.explain(resolved[0])})
+
+    @app.get("/admin/explain")
+    async def explain_request():
+        """What overload control did with a recent request that waited or was shed (``?request_id=``)."""
+        request_id = request.args.get("request_id", "")
+        if not request_id:
+            return _error(400, "name the request: GET /admin/explain?request_id=ID (POST /admin/explain explains "
+                               "a request body's routing)", "missing_request_id", param="request_id")
+        outcome = gateway.flow.outcomes.get(request_id)
+        if outcome is None:
+            return _error(404, f"no request {request_id[:100]!r} waited or was shed among the last "
+                               f"{RECENT_OUTCOMES} that did on this process: it was routed at once, is older, or "
+                               "went through another gateway", "not_found", param="request_id")
+        return jsonify(outcome.to_json())
+
+    @app.get("/admin/flow")
+    async def flow():
+        """Overload control now: per model its queues by class, its room and its replicas' saturation."""
+        return jsonify(gateway.flow.status())
 
     register_tenant_routes(app, gateway, _error, _json_object)
     register_usage_routes(app, gateway)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from quart import Quart, jsonify, request
 
 from ..cluster.records import Keys
+from ..config.crosschecks import class_problem
 from ..config.issues import ConfigError
 from ..config.loading import read_json_object
 from ..config.schema import KeySpec, TeamConfig, TeamSpec
@@ -72,10 +73,14 @@ def register_tenant_routes(app: Quart, gateway: "Gateway", error: Callable[..., 
         if isinstance(value, str):
             raise AdminRefusal(400, "invalid_json", value)
         try:
-            return read_json_object(cls, value, "body")
+            spec: KeySpec | TeamSpec = read_json_object(cls, value, "body")
         except ConfigError as exc:
             raise AdminRefusal(400, "invalid_settings",
                                "; ".join(f"{issue.key or 'body'}: {issue.message}" for issue in exc.errors)) from None
+        problem = spec.priority and class_problem(spec.priority, gateway.config.flow.classes)
+        if problem:
+            raise AdminRefusal(400, "invalid_settings", f"priority: {problem}")
+        return spec
 
     def admin() -> KeyAdmin:  # the gateway's, read at each call: the app may be built before (or without) it
         return gateway.key_admin

@@ -52,6 +52,7 @@ from .admin import create_control_app
 from .admin_guard import exposure_problem
 from .admin_tenants import build_key_admin
 from .dataplane import DataPlane, DataPlaneSettings
+from .flow_setup import GatewayFlow
 from .health_report import HealthReport
 from .readiness import Readiness
 from .reload_guard import Refusal, ReloadMetrics, ReloadOutcome, refusal, restart_required, summarize
@@ -146,6 +147,11 @@ class Gateway:
         elif role != CONTROL:
             raise ConfigError([issue_at(config.state, "backend", "--role gateway follows a cluster's shared state: "
                                         "it needs backend: redis")])
+        # Overload control: the room (every model's engines scraped, their capacity learnt, shared with the cluster:
+        # with a shared state, a cluster's or --workers', it counts every process's requests) and the queue.
+        self.flow = GatewayFlow(config, self.router, self.metrics.registry,
+                                self.shared.load if self.shared is not None else None)
+        self.room = self.flow.room
         # With a shared state, a control process is a candidate: its control plane runs (built anew) in each term
         # it leads the cluster (_lead), and is reached through that term; without one, for the process's life.
         self.static: StaticReplicas | None = None
@@ -170,6 +176,7 @@ class Gateway:
             self.dataplane.wait_for_replica = self.control.wait_for_replica
         self.tenancy = GatewayTenancy(config, self.directory, self.metrics.registry, self.shared)
         self.dataplane.tenancy = self.tenancy.gate
+        self.dataplane.flow = self.flow.gate
         self._reload_lock = trio.Lock()
         self._reload_metrics = ReloadMetrics(self.metrics.registry)
         self.health_report = HealthReport(self.shared, self.metrics.registry)
@@ -273,13 +280,14 @@ class Gateway:
                 await nursery.start(self.shared.run, self._lead if self.role == CONTROL else None, self._settled)
                 await nursery.start(self.health_report.watch)
             await nursery.start(self.tenancy.run)  # after the shared state: the Redis limiter runs on its link
+            await nursery.start(self.flow.run)  # the queue, before the first request
             if self.static is not None:
                 await nursery.start(self.static.run)
                 self.static.apply(self.config)
             if self.control is not None:
                 await nursery.start(self.control.run)
             await nursery.start(self.key_admin.follow)  # the stored API keys, before the first request
-            nursery.start_soon(scrape_engine_load, self.router)  # for tiers with engine_metrics_interval
+            nursery.start_soon(scrape_engine_load, self.router)  # for tiers' engine_metrics_interval and the room
             nursery.start_soon(self.kv_index.maintain)  # resync retries, reset windows, predictions' expiry
             with listening_on(host_port(data_host, data_port)):
                 data = await nursery.start(functools.partial(self.data_server.serve, data_host, data_port,
@@ -427,6 +435,7 @@ class Gateway:
         self.dataplane.apply(dataplane_settings(config))
         self.directory.set_config(*config_entries(config))
         self.dataplane.tenancy = self.tenancy.apply(config)
+        self.dataplane.flow = self.flow.apply(config)
         if self.shared is not None:
             self.shared.apply_config(config)
         if self.static is not None:

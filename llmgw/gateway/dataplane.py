@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, TypeVar
 
 from ..engines import probe
+from ..flow.model import FlowSettings
 from ..http.client import UpstreamError, UpstreamResponse
 from ..http.jsonbody import BodyError, JsonLimits, read_json_body
 from ..http.messages import Request, Response, error_body, error_response
@@ -46,6 +47,7 @@ from ..tenancy.interfaces import KeyDirectory
 from ..tenancy.model import Tenant
 from ..tenancy.usage import MODEL_NOT_ALLOWED
 from .decisions import DecisionLog
+from .flow_gate import OPEN, FlowGate, Pass
 from .hops import HopGuard
 from .latency import StreamWatch, events_after_last_token
 from .readiness import Readiness
@@ -118,6 +120,8 @@ class DataPlane:
         self.settings = settings
         self.directory: KeyDirectory = directory or Directory()
         self.tenancy: TenancyGate | None = None  # limits and usage (set by the gateway; None: neither)
+        # Overload control (set by the gateway): a request waits here for its model's room; off until it is set.
+        self.flow = FlowGate(FlowSettings(enabled=False), None, None)
         self.readiness: Readiness | None = None  # answers /ready (set by the gateway); None: /ready is a 404
         self._created = int(time.time())
         self._ids = RequestIds()
@@ -330,7 +334,30 @@ class DataPlane:
         id_header = (b"x-request-id", request_id.encode("ascii"))
         forwarded.append(id_header)
         forwarded.append(self.hops.header)
+        flow = self.flow  # read once: a reload swaps it whole
+        entered = OPEN
+        # A model without a routable replica has no room to wait for: routed now, it is answered 503 at once (or
+        # waits for a replica being adopted), as without flow control.
+        if flow.control is not None and self._routable(resolved[0]):
+            turn = await flow.enter(request, exchange.tenant, resolved[0], self._cost(exchange, request, body),
+                                    request_id)
+            if isinstance(turn, Response):  # shed (429), or a priority header or deadline it cannot read (400)
+                turn.headers.append(id_header)
+                return self._count(model, turn, started)
+            entered = turn
+        try:
+            return await self._attempts(request, model, route_request, upstream_body, forwarded, id_header, exchange,
+                                        strip_usage, entered)
+        finally:
+            entered.release()  # abandoned before it was routed (else already released)
 
+    async def _attempts(self, request: Request, model: str, route_request: RouteRequest, upstream_body: bytes,
+                        forwarded: list[tuple[bytes, bytes]], id_header: tuple[bytes, bytes], exchange: Exchange,
+                        strip_usage: bool, entered: Pass) -> Response:
+        """Send the request to a replica, to another after a failure that allows it; ``entered`` (its place in the
+        model's room) released as soon as it is routed."""
+        started = exchange.started
+        request_id = route_request.request_id
         tried: list[Replica] = []
         failures: list[str] = []  # "<replica>: <why>", one per failed attempt
         last_error: UpstreamError | None = None
@@ -353,6 +380,7 @@ class DataPlane:
                 # Routed as it is handed to the replica, before any answer: from now on it counts in the
                 # replica's local_inflight and local_inflight_tokens (so in what tiers read), streamed or not.
                 self._load(replica, +1)
+                entered.release()  # its place in the room is now its replica's in-flight count
                 self.router.routed(route_request, decision)
                 outcome = await self._attempt(replica, request, upstream_body, forwarded, is_last=attempt == retries)
             except BaseException:  # cancelled before any answer: the client went away (or the server stops)
@@ -392,6 +420,22 @@ class DataPlane:
         if kept is not None and (last_error is None or last_error.kind in RETRY_KINDS):
             return self._count(model, self._kept_answer(*kept, id_header), started)
         return self._count(model, self._no_replica_error(model, last_error, tried, failures, id_header), started)
+
+    def _routable(self, model: str) -> bool:
+        route = self.router.models.get(model)
+        return route is not None and any(replica.routable for replica in route.replicas)
+
+    def _cost(self, exchange: Exchange, request: Request, body: dict) -> int:
+        """A request's estimated tokens (prompt and most output), what fair shares count: its charge's estimate
+        (a known key), else the same estimator's."""
+        charge = exchange.charge
+        if charge is not None:
+            return charge.estimate.tokens
+        gate = self.tenancy
+        if gate is None:
+            return len(request.body)
+        assert exchange.model is not None
+        return gate.estimator.estimate(exchange.model, request.path, body, len(request.body)).tokens
 
     async def _engine_gone(self, replica: Replica) -> bool:
         """Whether the replica's engine is gone: its ``/health`` gets no answer within ``ENGINE_GONE_TIMEOUT``
@@ -517,6 +561,8 @@ class DataPlane:
 
     def _load(self, replica: Replica, delta: int) -> None:
         replica.local_inflight += delta  # this process's own count; peers' requests are not ours to count
+        if delta < 0:
+            self.flow.ended(replica.model)
         bound = self.metrics.for_replica(replica)
         if bound.inflight_of is not replica:
             bound.track_inflight(replica)

@@ -11,7 +11,9 @@ inter-token latency histogram the replica's ITL fit
 (:mod:`llmgw.router.engine_itl`), the decode charge's slopes.
 :func:`scrape_engine_load` runs as one task in the gateway's nursery and
 scrapes the replicas of the models whose tier asks for it
-(``engine_metrics_interval`` on the tier); every request has a deadline,
+(``engine_metrics_interval`` on the tier), and every model's at least as
+often as ``Router.engine_metrics_demand`` says (overload control's room sets
+it); each new load is told to ``Router.engine_load_listeners``. Every request has a deadline,
 replicas are scraped concurrently, and a failed scrape leaves the last value
 to age out (tiers ignore values older than their ``engine_metrics_max_age``).
 """
@@ -32,7 +34,7 @@ from . import engine_itl, engine_prefill
 from .replica import Replica
 
 if TYPE_CHECKING:
-    from .router import Router
+    from .router import EngineMetricsDemand, Router
 
 
 async def scrape_once(replica: Replica, timeout: float, path: str = "/metrics",
@@ -58,9 +60,22 @@ async def scrape_once(replica: Replica, timeout: float, path: str = "/metrics",
     return load
 
 
+def schedule(tier: object, demand: EngineMetricsDemand | None) -> tuple[float | None, float]:
+    """A model's scrape interval (None: not scraped) and timeout: its tier's, or the demand's when that is more
+    often."""
+    interval = getattr(tier, "engine_metrics_interval", None) or None
+    timeout = getattr(tier, "engine_metrics_timeout", None)
+    if demand is not None and (interval is None or demand.interval < interval):
+        return demand.interval, timeout or demand.timeout
+    if interval is None:
+        return None, 0.0
+    return interval, timeout or min(interval, 1.0)
+
+
 async def scrape_engine_load(router: Router, clock: Callable[[], float] = time.monotonic,
                              idle_check: float = 1.0) -> None:
-    """Until cancelled: scrape the routable replicas of every model whose tier asks for it, each on its interval.
+    """Until cancelled: scrape the routable replicas of every model whose tier asks for it (or all of them, when
+    the router's ``engine_metrics_demand`` is set), each on its interval.
 
     A tier asks with an ``engine_metrics_interval`` attribute (seconds; None or
     absent: no scraping) and may set ``engine_metrics_timeout``. The router's
@@ -75,6 +90,8 @@ async def scrape_engine_load(router: Router, clock: Callable[[], float] = time.m
             load = await scrape_once(replica, timeout, clock=clock)
             if load is not None:
                 replica.engine_load = load
+                for listener in router.engine_load_listeners:
+                    listener(replica)
         finally:
             in_progress.discard(replica)
 
@@ -83,10 +100,9 @@ async def scrape_engine_load(router: Router, clock: Callable[[], float] = time.m
             now = clock()
             next_due = now + idle_check
             for route in list(router.models.values()):
-                interval = getattr(route.tier, "engine_metrics_interval", None)
-                if not interval:
+                interval, timeout = schedule(route.tier, router.engine_metrics_demand)
+                if interval is None:
                     continue
-                timeout = getattr(route.tier, "engine_metrics_timeout", None) or min(interval, 1.0)
                 for replica in list(route.replicas):
                     if not replica.routable:
                         continue

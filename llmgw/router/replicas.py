@@ -65,6 +65,7 @@ class ReplicaSet:
         self._declared: dict[str, dict[str, TierModel]] = {}  # model -> source -> what it declared
         self._effective: dict[str, TierModel] = {}  # model -> the declaration its route is built with
         self._watchers: list[Callable[[str], None]] = []
+        self._member_watchers: list[Callable[[Replica], None]] = []
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -79,6 +80,10 @@ class ReplicaSet:
     def watch_models(self, watcher: Callable[[str], None]) -> None:
         """Call ``watcher(model name)`` whenever that model's declarations change (see :meth:`model`)."""
         self._watchers.append(watcher)
+
+    def watch_members(self, watcher: Callable[[Replica], None]) -> None:
+        """Call ``watcher(replica)`` whenever a replica is added to the table or taken out of it."""
+        self._member_watchers.append(watcher)
 
     def declare_model(self, source: str, model: TierModel) -> None:
         """``source`` serves ``model``. A declaration that differs from this source's previous one becomes the
@@ -183,6 +188,7 @@ class ReplicaSet:
             assert self._nursery is not None, "ReplicaSet.run is not running"
             member.probe = trio.CancelScope()
             self._nursery.start_soon(self._probe, replica, self.health, member.probe)
+        self._members_changed(replica)
         return True
 
     def discard(self, replica: Replica) -> None:
@@ -193,6 +199,12 @@ class ReplicaSet:
         model = self._by_model.get(replica.model)
         if model is not None and replica in model:
             model.remove(replica)
+        if member is not None:
+            self._members_changed(replica)
+
+    def _members_changed(self, replica: Replica) -> None:
+        for watcher in self._member_watchers:
+            watcher(replica)
 
     async def remove(self, replica: Replica) -> None:
         """Take ``replica`` out and release its handles: prober, health counts, metric series, pool."""

@@ -48,6 +48,15 @@ class ModelRoute:
     declared: TierModel | None = None  # the ReplicaSet declaration it was built with (None: configured directly)
 
 
+@dataclass(frozen=True)
+class EngineMetricsDemand:
+    """Every model's engines scraped at least every ``interval`` seconds, each scrape within ``timeout``, whatever
+    its tier asks (overload control's room learns from them: llmgw/flow/room.py)."""
+
+    interval: float
+    timeout: float
+
+
 class LearningBus(Protocol):
     """Where each model's :class:`~llmgw.router.tier.SharedLearning` comes from (llmgw.cluster's tier learning)."""
 
@@ -77,6 +86,10 @@ class Router:
             KvMetrics.for_registry(metrics.registry).track_index(self.kv_index, self.model_of_replica)
         self._tier_errors_logged: set[str] = set()
         self.learning: LearningBus | None = None  # set by a cluster's shared state before any model is declared
+        # Read by the engine load scraper (llmgw/router/load_scraper.py): a floor on every model's scrape interval,
+        # and who is told of each replica's new engine_load.
+        self.engine_metrics_demand: EngineMetricsDemand | None = None
+        self.engine_load_listeners: list[Callable[[Replica], None]] = []
         self.replicas.watch_models(self._declaration_changed)
         for name in self.replicas.declared_models():
             self._declaration_changed(name)

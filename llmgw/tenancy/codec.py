@@ -35,7 +35,8 @@ def _limits_json(limits: Limits) -> dict[str, Any]:
 
 def _common_json(entry: KeyEntry | TeamEntry) -> dict[str, Any]:
     return {"name": entry.name, "models": None if entry.models is None else sorted(entry.models),
-            "priority": entry.priority, "limits": _limits_json(entry.limits), "created": entry.created}
+            "priority": entry.priority, "limits": _limits_json(entry.limits), "created": entry.created,
+            **({"priority_header": True} if entry.priority_header else {})}
 
 
 def encode_key(entry: KeyEntry) -> bytes:
@@ -55,12 +56,14 @@ def decode_key(raw: bytes) -> KeyEntry:
     if team is not None:
         team = _text(fields, "team", NAME)
     name, models, priority, limits, created = _common(fields)
-    return KeyEntry(key_id, name, bytes.fromhex(digest), team, models, priority, limits, API, created)
+    return KeyEntry(key_id, name, bytes.fromhex(digest), team, models, priority, limits, API, created,
+                    _flag(fields, "priority_header"))
 
 
 def decode_team(raw: bytes) -> TeamEntry:
-    name, models, priority, limits, created = _common(_object(raw))
-    return TeamEntry(name, limits, models, priority, API, created)
+    fields = _object(raw)
+    name, models, priority, limits, created = _common(fields)
+    return TeamEntry(name, limits, models, priority, API, created, _flag(fields, "priority_header"))
 
 
 def _object(raw: object) -> dict[str, Any]:
@@ -79,6 +82,14 @@ def _text(fields: dict[str, Any], name: str, pattern: re.Pattern[str]) -> str:
     value = fields.get(name)
     if not isinstance(value, str) or not pattern.fullmatch(value):
         raise RecordError(f"{name} is not valid")
+    return value
+
+
+def _flag(fields: dict[str, Any], name: str) -> bool:
+    """A boolean field; absent (a record of an earlier version, or one that leaves it false) is false."""
+    value = fields.get(name, False)
+    if type(value) is not bool:
+        raise RecordError(f"{name} is not true or false")
     return value
 
 

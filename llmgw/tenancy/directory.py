@@ -55,9 +55,10 @@ class TeamEntry:
     priority: str | None = None
     source: str = API
     created: float = 0.0  # time.time() it was made; 0 for the config's
+    priority_header: bool = False
 
     def team(self) -> Team:
-        return Team(self.name, self.limits, self.models, self.priority)
+        return Team(self.name, self.limits, self.models, self.priority, self.priority_header)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +74,11 @@ class KeyEntry:
     limits: Limits = NO_LIMITS
     source: str = API
     created: float = 0.0
+    priority_header: bool = False
 
     def tenant(self, team: Team | None) -> Tenant:
-        return Tenant(self.key_id, self.name, team, self.models, self.priority, self.limits, self.source)
+        return Tenant(self.key_id, self.name, team, self.models, self.priority, self.limits, self.source,
+                      self.priority_header)
 
 
 class Directory:
@@ -156,14 +159,15 @@ def limits_of(limits: TenantLimits, budgets: Iterable[BudgetConfig]) -> Limits:
 
 def config_team(team: TeamConfig) -> TeamEntry:
     return TeamEntry(team.name, limits_of(team.limits, team.budgets),
-                     None if team.models is None else frozenset(team.models), team.priority, CONFIG)
+                     None if team.models is None else frozenset(team.models), team.priority, CONFIG,
+                     priority_header=team.priority_header)
 
 
 def config_key(api_key: ApiKey) -> KeyEntry:
     assert api_key.name is not None  # the config names every key (key-N)
     return KeyEntry(f"cfg-{api_key.name}", api_key.name, bytes.fromhex(api_key.sha256), api_key.team,
                     None if api_key.models is None else frozenset(api_key.models), api_key.priority,
-                    limits_of(api_key.limits, api_key.budgets), CONFIG)
+                    limits_of(api_key.limits, api_key.budgets), CONFIG, priority_header=api_key.priority_header)
 
 
 def config_entries(config: Config) -> tuple[list[KeyEntry], list[TeamEntry], bool]:

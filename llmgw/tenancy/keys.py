@@ -164,7 +164,7 @@ class KeyAdmin:
             secret = KEY_PREFIX + secrets.token_urlsafe(32)
             entry = KeyEntry(f"k-{secrets.token_hex(8)}", spec.name, digest_of(secret), spec.team,
                              _models(spec.models), spec.priority, limits_of(spec.limits, spec.budgets), API,
-                             round(time.time(), 3))
+                             round(time.time(), 3), spec.priority_header)
             await self._write(self.store.put_key(entry))
         self.metrics.changes.labels("key", "created").inc()
         log.info("API key created: name=%s id=%s team=%s", entry.name, entry.key_id, entry.team or "-")
@@ -184,8 +184,7 @@ class KeyAdmin:
                 changes["team"] = spec.team
             if spec.was_written("models"):
                 changes["models"] = _models(spec.models)
-            if spec.was_written("priority"):
-                changes["priority"] = spec.priority
+            changes.update(_priority_changes(spec))
             changes["limits"] = _updated_limits(entry.limits, spec)
             entry = dataclasses.replace(entry, **changes)
             await self._write(self.store.put_key(entry))
@@ -223,7 +222,7 @@ class KeyAdmin:
                 raise AdminRefusal(409, "too_many_teams", f"the key store holds tenancy.max_teams "
                                    f"({self.max_teams}) teams: delete some, or raise the bound")
             entry = TeamEntry(spec.name, limits_of(spec.limits, spec.budgets), _models(spec.models), spec.priority,
-                              API, round(time.time(), 3))
+                              API, round(time.time(), 3), spec.priority_header)
             await self._write(self.store.put_team(entry))
         self.metrics.changes.labels("team", "created").inc()
         log.info("team created: name=%s", entry.name)
@@ -236,8 +235,7 @@ class KeyAdmin:
             changes: dict[str, Any] = {"limits": _updated_limits(entry.limits, spec)}
             if spec.was_written("models"):
                 changes["models"] = _models(spec.models)
-            if spec.was_written("priority"):
-                changes["priority"] = spec.priority
+            changes.update(_priority_changes(spec))
             entry = dataclasses.replace(entry, **changes)
             await self._write(self.store.put_team(entry))
         self.metrics.changes.labels("team", "updated").inc()
@@ -302,6 +300,11 @@ def _updated_limits(limits: Limits, spec: "KeySpec | TeamSpec") -> Limits:
         budgets=written.budgets if spec.was_written("budgets") else limits.budgets)
 
 
+def _priority_changes(spec: "KeySpec | TeamSpec") -> dict[str, Any]:
+    """What an update writes of a key's or a team's priority: its class, whether the header may raise it."""
+    return {name: getattr(spec, name) for name in ("priority", "priority_header") if spec.was_written(name)}
+
+
 def _limits_json(limits: Limits) -> dict[str, Any]:
     return {"limits": {"rpm": limits.rpm, "tpm": limits.tpm, "concurrency": limits.concurrency},
             "budgets": [{"period": b.period, "tokens": b.tokens,
@@ -312,10 +315,11 @@ def key_json(entry: KeyEntry) -> dict[str, Any]:
     """A key as the admin API lists it: never the key, nor its hash."""
     return {"id": entry.key_id, "name": entry.name, "team": entry.team,
             "models": None if entry.models is None else sorted(entry.models), "priority": entry.priority,
-            **_limits_json(entry.limits), "source": entry.source, "created": entry.created or None}
+            "priority_header": entry.priority_header, **_limits_json(entry.limits), "source": entry.source,
+            "created": entry.created or None}
 
 
 def team_json(entry: TeamEntry) -> dict[str, Any]:
     return {"name": entry.name, "models": None if entry.models is None else sorted(entry.models),
-            "priority": entry.priority, **_limits_json(entry.limits), "source": entry.source,
-            "created": entry.created or None}
+            "priority": entry.priority, "priority_header": entry.priority_header, **_limits_json(entry.limits),
+            "source": entry.source, "created": entry.created or None}

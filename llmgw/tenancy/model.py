@@ -65,6 +65,7 @@ class Team:
     limits: Limits = NO_LIMITS
     models: frozenset[str] | None = None  # the models its keys may use; None: every model
     priority: str | None = None  # its keys' priority class (issue 31's admission), unless a key says its own
+    priority_header: bool = False  # its keys' requests may raise their class with the priority header
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,7 @@ class Tenant:
     priority: str | None = None
     limits: Limits = NO_LIMITS
     source: str = "config"  # "config" (the file) or "api" (POST /admin/keys)
+    priority_header: bool = False  # its requests may raise their class with the priority header (as may its team's)
 
     def may_use(self, model: str) -> bool:
         """Whether this key may send requests to ``model`` (its own list and its team's both allow it)."""
@@ -95,6 +97,11 @@ class Tenant:
     def class_name(self) -> str | None:
         """The priority class of its requests: its own, else its team's."""
         return self.priority or (self.team.priority if self.team is not None else None)
+
+    @property
+    def may_raise_priority(self) -> bool:
+        """Whether its requests' priority header may name a class above theirs (it or its team allows it)."""
+        return self.priority_header or (self.team is not None and self.team.priority_header)
 
 
 @dataclass(frozen=True, slots=True)

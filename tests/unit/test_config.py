@@ -24,6 +24,7 @@ from llmgw.config import (
     parse_size,
 )
 from llmgw.config.fields import is_config_class, issue_at, yaml_fields
+from llmgw.flow.model import FlowSettings
 
 REPO = Path(__file__).resolve().parents[2]
 LLMGW = Path(sys.executable).parent / "llmgw"
@@ -267,6 +268,29 @@ ERROR_CASES = {
                        "duplicate team name: same as teams[0].name on line 2"),
     "priority not a name": ("api_keys:\n  - {key: k, priority: 'high prio'}\n", 2, "api_keys[0].priority",
                             "must be a name"),
+    "priority naming no class": ("teams:\n  - {name: t, priority: interactve}\n", 2, "teams[0].priority",
+                                 "no priority class named 'interactve' under flow.classes (did you mean "
+                                 "'interactive'?)"),
+    "priority of a class the flow section does not define": (
+        "flow:\n  classes: [{name: gold, rank: 0, max_wait: 1s}]\n  default_class: gold\n"
+        "api_keys:\n  - {key: k, priority: standard}\n", 5, "api_keys[0].priority",
+        "no priority class named 'standard' under flow.classes"),
+    "flow default class": ("flow:\n  default_class: normal\n", 2, "flow.default_class",
+                           "no priority class named 'normal' under flow.classes"),
+    "flow duplicate class": ("flow:\n  classes:\n    - {name: a, rank: 0, max_wait: 1s}\n"
+                             "    - {name: a, rank: 1, max_wait: 1s}\n  default_class: a\n", 4,
+                             "flow.classes[1].name", "duplicate class name: same as flow.classes[0].name on line 3"),
+    "flow duplicate rank": ("flow:\n  classes:\n    - {name: a, rank: 0, max_wait: 1s}\n"
+                            "    - {name: b, rank: 0, max_wait: 1s}\n  default_class: a\n", 4,
+                            "flow.classes[1].rank", "duplicate class rank"),
+    "flow max_fill": ("flow:\n  classes: [{name: standard, rank: 0, max_wait: 1s, max_fill: 0}]\n", 2,
+                      "flow.classes[0].max_fill", "must be above 0 and at most 1"),
+    "flow retry-after bounds": ("flow:\n  retry_after_min: 10\n  retry_after_max: 5\n", 3,
+                                "flow.retry_after_max", "must be at least retry_after_min"),
+    "flow kv target": ("flow:\n  kv_high: 0.9\n  kv_target: 0.95\n", 3, "flow.kv_target", "must be below kv_high"),
+    "flow kv high": ("flow:\n  kv_high: 0.7\n", 2, "flow.kv_high", "must be above kv_target"),
+    "flow priority header": ("flow:\n  priority_header: 'x prio'\n", 2, "flow.priority_header",
+                             "an HTTP header name"),
     "rpm below one": ("api_keys:\n  - key: k\n    limits: {rpm: 0}\n", 3, "api_keys[0].limits.rpm",
                       "must be at least 1"),
     "budget period": ("teams:\n  - name: t\n    budgets: [{period: week, usd: 5}]\n", 3,
@@ -736,3 +760,22 @@ def test_names_that_would_break_an_engine_command_line_are_refused(position, bad
 
 def test_engine_safe_names_pass():
     parse_config(textwrap.dedent(ENGINE_NAMES % GOOD_NAMES), "conf.yaml", env={})
+
+
+def test_the_flow_section_maps_to_flow_settings():
+    config = parse_config(textwrap.dedent("""\
+        flow:
+          classes:
+            - {name: chat, rank: 0, max_wait: 500ms}
+            - {name: bulk, rank: 5, max_wait: 2m, max_fill: 0.5}
+          default_class: bulk
+          priority_header: X-Priority
+          max_queued: 50
+          retry_after_max: 30
+        """), "conf.yaml", env={})
+    settings = config.flow.settings()
+    assert [(c.name, c.rank, c.max_wait, c.max_fill) for c in settings.classes] == \
+        [("chat", 0, 0.5, 1.0), ("bulk", 5, 120.0, 0.5)]
+    assert (settings.default_class, settings.priority_header, settings.max_queued, settings.retry_after_max) == \
+        ("bulk", "x-priority", 50, 30)
+    assert parse_config("", "conf.yaml", env={}).flow.settings() == FlowSettings()  # the defaults are model.py's

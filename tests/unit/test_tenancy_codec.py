@@ -28,7 +28,7 @@ models = st.none() | st.frozensets(st.text(min_size=1, max_size=40), max_size=5)
 priorities = st.none() | st.from_regex(r"[A-Za-z_][A-Za-z0-9_.-]{0,20}", fullmatch=True)
 keys = st.builds(KeyEntry, st.from_regex(codec.KEY_ID, fullmatch=True), names, st.binary(min_size=32, max_size=32),
                  st.none() | names, models, priorities, limits, st.just("api"),
-                 st.floats(0, 1e10, allow_nan=False).map(lambda t: round(t, 3)))
+                 st.floats(0, 1e10, allow_nan=False).map(lambda t: round(t, 3)), st.booleans())
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
                            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
                            max_leaves=20)
@@ -39,7 +39,7 @@ def test_a_key_record_round_trips(entry):
     assert codec.decode_key(codec.encode_key(entry)) == entry
 
 
-@given(st.builds(TeamEntry, names, limits, models, priorities, st.just("api"), st.just(0.0)))
+@given(st.builds(TeamEntry, names, limits, models, priorities, st.just("api"), st.just(0.0), st.booleans()))
 def test_a_team_record_round_trips(entry):
     assert codec.decode_team(codec.encode_team(entry)) == entry
 
@@ -54,7 +54,7 @@ def test_anything_else_is_refused_with_a_record_error(raw):
 
 
 @given(keys, st.dictionaries(st.sampled_from(["id", "sha256", "team", "name", "models", "priority", "limits",
-                                              "created"]), json_values, max_size=3))
+                                              "created", "priority_header"]), json_values, max_size=3))
 def test_a_record_with_fields_replaced_by_anything_decodes_or_is_refused(entry, replaced):
     fields = {**json.loads(codec.encode_key(entry)), **replaced}
     try:
@@ -85,7 +85,8 @@ def test_the_redis_store_admits_only_records_signed_for_their_field(entry, junk)
     assert refused["key"] == 3 + len(junk) // 2
 
 
-@given(st.dictionaries(st.sampled_from(["name", "team", "models", "priority", "limits", "budgets", "key", "x"]),
+@given(st.dictionaries(st.sampled_from(["name", "team", "models", "priority", "priority_header", "limits", "budgets",
+                                        "key", "x"]),
                        json_values, max_size=5))
 def test_an_admin_body_is_read_or_refused_with_the_configs_messages(body):
     for cls in (KeySpec, TeamConfig):
@@ -117,3 +118,13 @@ def test_the_cli_budget_argument_is_read_or_refused(text):
 
 def test_digests_are_of_the_token():
     assert digest_of("abc").hex() == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+
+
+def test_priority_header_is_read_as_false_from_an_earlier_versions_record_and_refused_when_not_a_boolean():
+    entry = TeamEntry("search", priority="batch", priority_header=True)
+    fields = json.loads(codec.encode_team(entry))
+    assert fields["priority_header"] is True
+    del fields["priority_header"]  # as a gateway without flow control wrote it
+    assert codec.decode_team(json.dumps(fields).encode()).priority_header is False
+    with pytest.raises(codec.RecordError, match="priority_header"):
+        codec.decode_team(json.dumps({**fields, "priority_header": 1}).encode())

@@ -1,0 +1,98 @@
+"""One replica's capacity, learnt from its engine's own state: how many requests in flight (all gateways') it
+takes before it queues or runs out of KV cache.
+
+The rule (an AIMD loop on the engine's scraped gauges, at most one step per scrape):
+
+- *cut*: the engine queues (``waiting`` at least ``max(1, waiting_slack x running)`` on two scrapes in a row, and
+  ``running`` no higher than at the first: a request that arrived between two engine steps waits for one step,
+  and an engine still admitting its queue is ramping up, neither a sign of a full engine) or its KV
+  cache is nearly full (``kv_usage >= kv_high``): the capacity drops to what the engine was running (scaled down
+  by ``kv_target / kv_usage`` when the cache is the limit), and at least by ``decrease`` (x0.9) when it already
+  was that low. While more than the capacity is in flight (a burst sent before it was known, or a cut that has
+  not taken effect yet) the engine's figure is taken as it is, even when higher: the engine proves it runs that
+  many, and cutting again for requests that were sent before the last cut would drive the capacity to nothing;
+- *raise*: the engine waits for nothing and its cache is below ``kv_target``, while requests are held at a gateway
+  for the model (``demand``) and the replica is at its capacity: x``increase`` (at least +1);
+- otherwise it stays.
+
+Before a replica's first scrape that says it is full, its capacity is *unknown* (None): the room does not hold
+back for it (an unknown replica is not full). When its scrapes stop the last learnt value is kept, neither cut
+nor raised: the engine's ``/metrics`` going quiet is no sign it emptied, and the in-flight
+counts still fall as its requests end, so the room it gives back is real.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..engines.probe import EngineLoad
+
+CUT, RAISE = "cut", "raise"
+UNBOUNDED = 1 << 30  # the room of a model with a replica of unknown capacity (the room holds nothing back)
+MAX_CAPACITY = 100_000  # requests in flight on one replica, at most (a forged or broken gauge cannot go beyond)
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityRule:
+    kv_high: float = 0.9  # KV usage at or above which the engine counts as full
+    kv_target: float = 0.8  # KV usage below which a replica with demand may take more
+    waiting_slack: float = 0.05  # waiting requests, as a share of the running ones, that are not yet a queue
+    decrease: float = 0.9  # a cut is at least to this share of the capacity
+    increase: float = 1.1  # a raise is to this share of it, at least +1
+    min_capacity: int = 1  # never below: one request at a time still gets through
+
+
+@dataclass(slots=True)
+class ReplicaCapacity:
+    """What is learnt of one replica (one engine: a new engine starts unknown again)."""
+
+    capacity: float | None = None  # requests in flight; None: unknown, do not hold back
+    seen_at: float | None = None  # the ``at`` of the last scrape taken (each scrape counts once)
+    queued_before: bool = False  # the previous scrape showed a queue
+    running_before: float = 0.0  # and this many running
+    cuts: int = 0
+    raises: int = 0
+
+    def limit(self) -> int | None:
+        """The requests in flight it takes, None when unknown."""
+        return None if self.capacity is None else int(self.capacity)
+
+    def observe(self, load: EngineLoad, inflight: int, demand: bool, rule: CapacityRule) -> str | None:
+        """Learn from one scrape (``inflight``: the cluster's requests in flight there now; ``demand``: requests
+        for its model wait at a gateway). Returns CUT, RAISE or None; a scrape already seen changes nothing."""
+        if self.seen_at is not None and load.at <= self.seen_at:
+            return None
+        self.seen_at = load.at
+        kv = load.kv_usage if load.kv_usage is not None and math.isfinite(load.kv_usage) else None
+        running = load.running if math.isfinite(load.running) else 0.0
+        waiting = load.waiting if math.isfinite(load.waiting) else 0.0
+        queued = waiting >= max(1.0, rule.waiting_slack * running)
+        queued_twice = queued and self.queued_before and running <= self.running_before
+        self.queued_before, self.running_before = queued, running
+        if queued_twice or (kv is not None and kv >= rule.kv_high):
+            target = max(0.0, running)  # what the full engine runs, scaled to the KV target when KV is the limit
+            if kv is not None and kv >= rule.kv_high:
+                target *= rule.kv_target / kv
+            if self.capacity is not None and inflight <= self.capacity:  # full at its capacity: lower it
+                target = min(target, self.capacity * rule.decrease)
+            # Else it is unknown, or more than it is in flight (sent before it was learnt, or it was cut since):
+            # the engine's own figure is the estimate, up or down.
+            return self._set(target, rule)
+        if self.capacity is None or not demand or queued or (kv is not None and kv >= rule.kv_target):
+            return None
+        if inflight < self.capacity - 1:  # the replica is not at its capacity: no sign it can take more
+            return None
+        return self._set(max(self.capacity + 1, self.capacity * rule.increase), rule)
+
+    def _set(self, target: float, rule: CapacityRule) -> str | None:
+        """Capacity to ``target`` (whole, within bounds); CUT when it went down (or was unknown), RAISE up."""
+        before = self.capacity
+        self.capacity = float(min(MAX_CAPACITY, max(rule.min_capacity, math.floor(target))))
+        if before is not None and self.capacity == before:
+            return None
+        if before is None or self.capacity < before:
+            self.cuts += 1
+            return CUT
+        self.raises += 1
+        return RAISE

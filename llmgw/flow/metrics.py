@@ -1,0 +1,39 @@
+"""The gateway queue's metrics (``llmgw_flow_*``: labels model, class and reason at most, never a flow;
+docs/metrics.md, "Flow control")."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ..cached_labels import CachedLabels
+
+WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+RETRY_AFTER_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300)
+
+
+class FlowMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = registry
+        self.queued = CachedLabels(Gauge(
+            "llmgw_flow_queued", "Requests waiting at this gateway's queue, by model and priority class.",
+            ["model", "class"], registry=r))
+        self.queued_tokens = CachedLabels(Gauge(
+            "llmgw_flow_queued_tokens", "Estimated tokens (prompt + output) of the requests waiting, by model "
+            "and priority class.", ["model", "class"], registry=r))
+        self.wait = CachedLabels(Histogram(
+            "llmgw_flow_wait_seconds", "Time admitted requests waited in the queue (0 for those dispatched at "
+            "once), by model and priority class.", ["model", "class"], buckets=WAIT_BUCKETS, registry=r))
+        self.admitted = CachedLabels(Counter(
+            "llmgw_flow_admitted", "Requests the queue admitted (at once or after waiting), by model and priority "
+            "class.", ["model", "class"], registry=r))
+        self.shed = CachedLabels(Counter(
+            "llmgw_flow_shed", "Requests the queue answered 429, by model, priority class and reason: expired "
+            "(its deadline passed waiting), overflow (the queue was full), unservable (the queue ahead would not "
+            "drain before its deadline).", ["model", "class", "reason"], registry=r))
+        self.retry_after = CachedLabels(Histogram(
+            "llmgw_flow_retry_after_seconds", "Retry-After given with the queue's 429s, by model and priority "
+            "class.", ["model", "class"], buckets=RETRY_AFTER_BUCKETS, registry=r))
+        self.drain_rate = CachedLabels(Gauge(
+            "llmgw_flow_drain_tokens_per_second", "Estimated tokens per second a model's queue is dispatched at "
+            "while requests wait (an EWMA over half-second windows of backlog); absent until measured.",
+            ["model"], registry=r))

@@ -1,0 +1,215 @@
+"""The room of each model (:class:`~llmgw.flow.interfaces.Room`): what its replicas can still take, learnt from
+their engines, less what every gateway has in flight there, split among the gateways that have requests waiting.
+
+- Each replica's capacity (requests in flight) is learnt from its engine's scraped gauges
+  (:mod:`llmgw.flow.capacity`); the room asks the router's scraper to scrape every model's engines at least every
+  ``scrape_interval`` (``Router.engine_metrics_demand``) and learns from each scrape as it lands.
+- A model's room is the sum over its routable replicas of ``capacity - inflight`` (``inflight``: this gateway's
+  routed requests and the other gateways' latest, ``Replica.inflight``); a class fills at most its ``max_fill``
+  of the summed capacity. A replica whose capacity is still unknown is not full: the model's room is then
+  :data:`UNBOUNDED` (nothing is held before an engine has said it is full).
+- Shared: every gateway reports how many requests it holds per model with its load (llmgw/cluster/load.py); when
+  others hold some too, this gateway's share of the free room is ``free x mine / (mine + theirs)`` (mine counted
+  as at least 1, and at least 1 request while there is room, so no gateway starves), each peer's count taken at
+  most ``FlowSettings.max_queued`` (a forged report cannot claim it all).
+
+The cluster's load sharing is reached through :class:`SharedQueues` (the gateway passes it in): the flow layer
+does not import the cluster layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+import trio
+
+from ..router.replica import Replica
+from ..router.router import EngineMetricsDemand
+from .capacity import UNBOUNDED, CapacityRule, ReplicaCapacity
+from .model import FlowSettings, PriorityClass
+
+if TYPE_CHECKING:
+    from ..router.router import Router
+    from .room_metrics import RoomMetrics
+
+log = logging.getLogger(__name__)
+
+POLL = 0.05  # changed() returns after this long at the latest
+
+
+class SharedQueues(Protocol):
+    """What the room needs of the cluster's load sharing (llmgw.cluster.load.LoadSharing)."""
+
+    def count_queued(self, source: Callable[[], dict[str, int]], max_queued: int) -> None: ...
+
+    def peer_queued(self, model: str) -> list[int]: ...
+
+    def watch(self, listener: Callable[[], None]) -> None: ...
+
+
+class EngineRoom:
+    def __init__(self, router: Router, sharing: SharedQueues | None = None, settings: FlowSettings | None = None,
+                 rule: CapacityRule | None = None, scrape_interval: float = 0.25, scrape_timeout: float = 1.0,
+                 metrics: RoomMetrics | None = None, clock: Callable[[], float] = time.monotonic):
+        """``scrape_interval``/``scrape_timeout``: how often every model's engines are scraped (seconds), each
+        scrape's deadline. ``sharing``: the cluster's load sharing (None: a gateway alone)."""
+        self.router = router
+        self.sharing = sharing
+        self.settings = settings or FlowSettings()
+        self.rule = rule or CapacityRule()
+        self.scrape_interval = scrape_interval
+        self.metrics = metrics
+        self.clock = clock
+        self._learnt: weakref.WeakKeyDictionary[Replica, ReplicaCapacity] = weakref.WeakKeyDictionary()
+        self._events: dict[str, trio.Event] = {}  # only while someone waits in changed()
+        self._waiters: dict[str, int] = {}
+        self._queued: Callable[[str], int] = lambda model: 0
+        router.engine_metrics_demand = EngineMetricsDemand(scrape_interval, scrape_timeout)
+        router.engine_load_listeners.append(self.scraped)
+        router.replicas.watch_members(lambda replica: self.wake(replica.model))
+        if sharing is not None:
+            sharing.count_queued(self.held, self.settings.max_queued)
+            sharing.watch(self.wake_all)
+        if metrics is not None:
+            metrics.track(self)
+
+    def count_queued(self, queued: Callable[[str], int]) -> None:
+        """``queued(model)``: the requests this gateway's queue holds for ``model`` (all classes)."""
+        self._queued = queued
+
+    # -- Room ----------------------------------------------------------------------------------------------------
+
+    def free(self, model: str, priority: PriorityClass) -> int:
+        route = self.router.models.get(model)
+        if route is None:
+            return 0
+        capacity = free = 0
+        for replica in route.replicas:
+            if not replica.routable:
+                continue
+            limit = self.capacity(replica)
+            if limit is None:
+                return UNBOUNDED
+            capacity += limit
+            free += max(0, limit - replica.inflight)
+        reserved = capacity - math.floor(capacity * min(1.0, max(0.0, priority.max_fill)))
+        return self.share(model, max(0, free - reserved))
+
+    def share(self, model: str, free: int) -> int:
+        """This gateway's share of ``free``: all of it unless other gateways hold requests for ``model`` too."""
+        if free <= 0 or free >= UNBOUNDED or self.sharing is None:
+            return free
+        cap = self.settings.max_queued
+        theirs = sum(min(n, cap) for n in self.sharing.peer_queued(model))
+        if theirs == 0:
+            return free
+        mine = max(1, min(self._queued(model), cap))  # a request arriving to an empty queue counts as one
+        return max(1, free * mine // (mine + theirs))
+
+    async def changed(self, model: str) -> None:
+        event = self._events.get(model)
+        if event is None:
+            event = self._events[model] = trio.Event()
+        self._waiters[model] = self._waiters.get(model, 0) + 1
+        try:
+            with trio.move_on_after(POLL):
+                await event.wait()
+        finally:
+            left = self._waiters.pop(model) - 1
+            if left:
+                self._waiters[model] = left
+            elif self._events.get(model) is event:  # the last waiter of an event nobody set: forget it
+                del self._events[model]
+
+    def wake(self, model: str) -> None:
+        event = self._events.pop(model, None)
+        if event is not None:
+            event.set()
+
+    def wake_all(self) -> None:
+        events, self._events = self._events, {}
+        for event in events.values():
+            event.set()
+
+    def saturation(self, model: str) -> float:
+        route = self.router.models.get(model)
+        if route is None:
+            return 0.0
+        inflight = capacity = 0
+        unknown = 0.0
+        for replica in route.replicas:
+            limit = self.capacity(replica)
+            if not replica.routable:
+                continue
+            if limit is None:
+                unknown = max(unknown, self.replica_saturation(replica))
+            else:
+                inflight += replica.inflight
+                capacity += limit
+        return max(inflight / capacity if capacity else 0.0, unknown)
+
+    # -- learning ------------------------------------------------------------------------------------------------
+
+    def capacity(self, replica: Replica) -> int | None:
+        """The requests in flight ``replica`` takes, None while unknown."""
+        learnt = self._learnt.get(replica)
+        return None if learnt is None else learnt.limit()
+
+    def replica_saturation(self, replica: Replica) -> float:
+        """Its in-flight requests over its capacity; while that is unknown, its engine's KV usage over
+        ``kv_high`` when the last scrape is fresh (3 intervals), else 0."""
+        limit = self.capacity(replica)
+        if limit is not None:
+            return replica.inflight / limit
+        load = replica.engine_load
+        if load is None or load.kv_usage is None or self.clock() - load.at > 3 * self.scrape_interval:
+            return 0.0
+        return load.kv_usage / self.rule.kv_high
+
+    def scraped(self, replica: Replica) -> None:
+        """The scraper has a new ``engine_load`` for ``replica``: learn from it, wake the model's waiters."""
+        load = replica.engine_load
+        if load is None:
+            return
+        learnt = self._learnt.get(replica)
+        if learnt is None:
+            learnt = self._learnt[replica] = ReplicaCapacity()
+        before = learnt.capacity
+        change = learnt.observe(load, replica.inflight, self.demand(replica.model), self.rule)
+        if change is not None:
+            if before is None:
+                log.info("flow control: replica %s of model %s is full at %d requests in flight (its engine: %g "
+                         "running, %g waiting, KV usage %s); requests beyond its learnt capacity now wait at the "
+                         "gateway (llmgw_flow_replica_capacity)", replica.name, replica.model, replica.inflight,
+                         load.running, load.waiting, "unknown" if load.kv_usage is None else f"{load.kv_usage:.2f}")
+            if self.metrics is not None:
+                self.metrics.capacity_changed(replica.model, change)
+        self.wake(replica.model)
+
+    def demand(self, model: str) -> bool:
+        """Requests for ``model`` wait at a gateway (this one or another)."""
+        if self._queued(model) > 0:
+            return True
+        return self.sharing is not None and bool(self.sharing.peer_queued(model))
+
+    def held(self) -> dict[str, int]:
+        """The requests this gateway holds per model (what its load report says)."""
+        return {model: n for model in list(self.router.models) if (n := self._queued(model)) > 0}
+
+    def describe(self, model: str) -> dict[str, Any]:
+        """The model's room for /admin/explain: per replica its learnt capacity and in-flight requests."""
+        route = self.router.models.get(model)
+        replicas = [] if route is None else [
+            {"name": replica.name, "capacity": self.capacity(replica), "inflight": replica.inflight,
+             "saturation": round(self.replica_saturation(replica), 3), "cuts": learnt.cuts if learnt else 0,
+             "raises": learnt.raises if learnt else 0}
+            for replica in route.replicas for learnt in [self._learnt.get(replica)]]
+        peers = [] if self.sharing is None else self.sharing.peer_queued(model)
+        return {"replicas": replicas, "held": self._queued(model), "peers_held": peers,
+                "saturation": round(self.saturation(model), 3)}
+
+

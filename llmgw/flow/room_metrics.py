@@ -1,0 +1,75 @@
+"""The room's Prometheus series (``llmgw_flow_replica_*``, ``llmgw_flow_room_free``, ``llmgw_flow_capacity_changes``;
+docs/metrics.md, "Flow control"), read from the room when ``/metrics`` is rendered.
+
+Labels are the router's models and replicas (what the configuration and the control plane declare), so they are
+bounded; a replica taken out disappears from the exposition with it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from .capacity import CUT, RAISE, UNBOUNDED
+
+if TYPE_CHECKING:
+    from .room import EngineRoom
+
+
+class RoomMetrics:
+    def __init__(self, registry: CollectorRegistry | None):
+        self.registry = registry
+        self._room: weakref.ref[EngineRoom] | None = None
+        self._changes: dict[str, dict[str, int]] = {}  # model -> CUT/RAISE -> count
+
+    def track(self, room: EngineRoom) -> None:
+        """Expose ``room``'s figures (registered with the first room; a later one replaces it)."""
+        first = self._room is None
+        self._room = weakref.ref(room)
+        if first and self.registry is not None:
+            self.registry.register(self)
+
+    def capacity_changed(self, model: str, change: str) -> None:
+        counts = self._changes.setdefault(model, {CUT: 0, RAISE: 0})
+        counts[change] += 1
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families()
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily]:
+        capacity = GaugeMetricFamily("llmgw_flow_replica_capacity", "The requests in flight (all gateways') each "
+                                     "replica takes, learnt from its engine's queue and KV usage; absent while "
+                                     "unknown (its engine never said it was full: nothing is held for it).",
+                                     labels=["model", "replica"])
+        saturation = GaugeMetricFamily("llmgw_flow_replica_saturation", "Each replica's requests in flight over "
+                                       "its learnt capacity (while unknown: its engine's KV usage over kv_high); "
+                                       "1 and above: full.", labels=["model", "replica"])
+        free = GaugeMetricFamily("llmgw_flow_room_free", "Requests of the highest class this gateway may still "
+                                 "dispatch to the model now (its share of the replicas' free room; +Inf while "
+                                 "no capacity is known).", labels=["model"])
+        changes = CounterMetricFamily("llmgw_flow_capacity_changes", "Learnt capacities cut (an engine queued or "
+                                      "filled its KV cache) and raised (it had room while requests waited), per "
+                                      "model.", labels=["model", "change"])
+        return capacity, saturation, free, changes
+
+    def collect(self) -> Iterable[Metric]:
+        capacity, saturation, free, changes = families = self._families()
+        room = self._room() if self._room is not None else None
+        if room is not None:
+            top = min(room.settings.classes, key=lambda c: c.rank)
+            for model, route in list(room.router.models.items()):
+                for replica in list(route.replicas):
+                    limit = room.capacity(replica)
+                    if limit is not None:
+                        capacity.add_metric([model, replica.name], limit)
+                    saturation.add_metric([model, replica.name], room.replica_saturation(replica))
+                room_free = room.free(model, top)
+                free.add_metric([model], float("inf") if room_free >= UNBOUNDED else room_free)
+        for model, counts in sorted(self._changes.items()):
+            for change, count in counts.items():
+                changes.add_metric([model, change], count)
+        return list(families)

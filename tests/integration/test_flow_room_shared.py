@@ -1,0 +1,103 @@
+"""Overload control's room shared across gateways, with real processes: ``llmgw sim`` engines that run two
+requests at a time, a control ``llmgw serve``, a ``--role gateway`` gateway in this process (so the test can say
+how many requests its queue holds), and a real ``redis-server`` between them.
+
+Each gateway learns the engines' capacity from its own scrapes of their ``/metrics``; the requests in flight
+through one gateway take the room of the other; the requests one gateway holds shrink the other's share.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import trio
+
+from llmgw.config.loading import parse_config
+from llmgw.flow.model import DEFAULT_CLASSES
+from llmgw.gateway.app import Gateway
+from llmgw.testing.metrics import metric_value
+from llmgw.testing.processes import CLUSTER_SECRET, CLUSTER_SECRET_ENV
+from llmgw.testing.shared_state import cluster_config, wait_replicas
+from llmgw.testing.sims import MODEL, start_sims
+
+pytestmark = pytest.mark.slow
+
+INTERACTIVE = DEFAULT_CLASSES[0]
+STREAMS = 6  # over 2 engines of 2 running each: 2 wait
+
+
+async def room_figures(http: httpx.AsyncClient, control_url: str) -> tuple[float | None, float | None]:
+    """The control gateway's summed learnt capacity of MODEL's replicas and its free room, from one scrape."""
+    text = (await http.get(control_url + "/metrics")).text
+    capacities = [metric_value(text, "llmgw_flow_replica_capacity", f'model="{MODEL}",replica="sim-{i}"', None)
+                  for i in range(2)]
+    free = metric_value(text, "llmgw_flow_room_free", f'model="{MODEL}"', None)
+    known = [c for c in capacities if c is not None]
+    return (sum(known) if len(known) == 2 else None), free
+
+
+async def test_in_flight_and_held_requests_of_one_gateway_reach_the_others_room(nursery, start_llmgw, redis_url,
+                                                                                cluster_name, monkeypatch):
+    # 200 output tokens at 20 ms a step: a stream stays in flight about 4 s; at most 2 run per engine.
+    engines = await start_sims(nursery, 2, num_blocks=512, block_size=16, time_scale=1, seed=0,
+                               extra=("--max-num-seqs", "2", "--output-tokens", "200:200"))
+    config = cluster_config(engines, redis_url, cluster_name, routing="round_robin")
+    control = await start_llmgw(config)
+    await wait_replicas(control.control_url, 2)
+    monkeypatch.setenv(CLUSTER_SECRET_ENV, CLUSTER_SECRET)
+    gateway = Gateway(parse_config(config), role="gateway")
+    await nursery.start(gateway.run, ("127.0.0.1", 0), ("127.0.0.1", 0))
+    room = gateway.room
+    with trio.fail_after(20):
+        while len(gateway.router.replicas.members(MODEL)) < 2:
+            await trio.sleep(0.05)
+    replicas = gateway.router.replicas.members(MODEL)
+    assert room.free(MODEL, INTERACTIVE) > 1000  # no engine has said it is full: nothing held
+
+    async def stream(http: httpx.AsyncClient, seed: int) -> None:
+        body = {"model": MODEL, "max_tokens": 200, "stream": True,
+                "messages": [{"role": "user", "content": f"tell me a story {seed}"}]}
+        async with http.stream("POST", control.url + "/v1/chat/completions", json=body) as response:
+            async for _ in response.aiter_raw():
+                pass
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        async with trio.open_nursery() as streams:
+            for seed in range(STREAMS):
+                streams.start_soon(stream, http, seed)
+            with trio.fail_after(10):  # this gateway sees the engines queue, and the control's requests in flight
+                while not (sum(r.peer_inflight for r in replicas) == STREAMS
+                           and all(room.capacity(r) is not None for r in replicas)):
+                    await trio.sleep(0.02)
+            assert sum(r.local_inflight for r in replicas) == 0
+            assert all(room.capacity(r) <= 2 for r in replicas)  # what the engines ran, at most
+            assert room.free(MODEL, INTERACTIVE) == 0  # the other gateway's requests fill it
+            assert room.saturation(MODEL) >= 1.0
+            with trio.fail_after(10):  # the control learnt the same from its own scrapes
+                while (await room_figures(http, control.control_url))[0] is None:
+                    await trio.sleep(0.05)
+            streams.cancel_scope.cancel()
+
+        with trio.fail_after(10):
+            while sum(r.inflight for r in replicas) or (await room_figures(http, control.control_url))[1] == 0:
+                await trio.sleep(0.05)
+        capacity, free = await room_figures(http, control.control_url)
+        assert capacity and free == capacity  # nobody holds requests: all the free room is the control's
+
+        room.count_queued(lambda model: 6 if model == MODEL else 0)  # this gateway's queue holds 6
+        with trio.fail_after(5):
+            while True:
+                capacity, free = await room_figures(http, control.control_url)
+                assert capacity
+                if free == max(1, int(capacity) // 7):  # the control's share: free x 1 / (1 + 6)
+                    break
+                await trio.sleep(0.05)
+        assert capacity >= 2 and free < capacity
+
+        room.count_queued(lambda model: 0)
+        with trio.fail_after(5):
+            while True:
+                capacity, free = await room_figures(http, control.control_url)
+                if capacity and free == capacity:
+                    break
+                await trio.sleep(0.05)

@@ -1,0 +1,289 @@
+"""Overload control in the product (issue 31): a gateway in front of simulators that saturate quickly (one or two
+sequences at a time, slow decoding), with keys of different priority classes.
+
+Each test first has the engine say it is full (a warm-up burst the engine queues), so the room has learnt the
+replica's capacity; from then on the gateway holds what the engine cannot take. Asserted: orders, counts, statuses
+and headers, never durations: an interactive request held behind batch requests is dispatched before them; two
+tenants of one class both backlogged get the same tokens within one request's; a request waiting past its
+deadline is answered 429 with ``Retry-After``; a full queue sheds; two gateways on one Redis admit as one.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import trio
+
+from llmgw.testing.shared_state import state_section
+from llmgw.testing.sims import start_sims
+
+pytestmark = pytest.mark.slow
+
+BATCH, CHAT, OTHER = "sk-batch-000000001", "sk-chat-0000000002", "sk-other-000000003"
+SLOW = ("--decode-ms-per-step", "20", "--output-tokens", "30:30")  # about 0.6 s a request
+LONG = ("--decode-ms-per-step", "20", "--output-tokens", "100:100")  # about 2 s a request of 100 tokens
+
+
+def config(url: str, *, flow: str = "", state: str = "") -> str:
+    return (f"models:\n  - name: tiny\n    replicas:\n      - url: {url}\n        name: a\n"
+            f"api_keys:\n  - {{key: {BATCH}, name: batch, priority: batch}}\n"
+            f"  - {{key: {CHAT}, name: chat, priority: interactive}}\n"
+            f"  - {{key: {OTHER}, name: other, priority: batch}}\n"
+            "flow:\n  classes:\n    - {name: interactive, rank: 0, max_wait: 60s}\n"
+            "    - {name: batch, rank: 2, max_wait: 60s}\n  default_class: batch\n" + flow +
+            "health:\n  interval: 1s\nlog_level: warning\n" + state)
+
+
+def auth(key: str, **headers: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}", **headers}
+
+
+async def chat(client: httpx.AsyncClient, url: str, key: str, request_id: str, max_tokens: int = 30,
+               **headers: str) -> httpx.Response:
+    return await client.post(url + "/v1/chat/completions", headers=auth(key, **{"x-request-id": request_id},
+                                                                          **headers),
+                             json={"model": "tiny", "messages": [{"role": "user", "content": "the same prompt"}],
+                                   "max_tokens": max_tokens}, timeout=120)
+
+
+async def flow_status(gw) -> dict:
+    answer = await gw.admin("/admin/flow")
+    assert answer.status_code == 200, answer.text
+    [model] = answer.json()["models"]
+    return model
+
+
+def queued(model: dict, name: str) -> int:
+    return next(c["queued"] for c in model["classes"] if c["class"] == name)
+
+
+async def until(gw, condition, what: str, timeout: float = 60) -> dict:
+    """Poll /admin/flow until ``condition(model)``; that model's status."""
+    with trio.fail_after(timeout):
+        while True:
+            model = await flow_status(gw)
+            if condition(model):
+                return model
+            await trio.sleep(0.02)
+    raise AssertionError(what)  # unreachable: fail_after raises
+
+
+async def learnt(gw, client: httpx.AsyncClient, burst: int = 6) -> int:
+    """A burst the engine must queue, so that the room learns the replica's capacity; then wait until it is
+    drained. The capacity learnt."""
+    async with trio.open_nursery() as nursery:
+        for i in range(burst):
+            nursery.start_soon(chat, client, gw.url, BATCH, f"warm-{i}")
+        model = await until(gw, lambda m: m["replicas"][0]["capacity"] is not None, "no capacity learnt")
+    return model["replicas"][0]["capacity"]
+
+
+async def test_an_interactive_request_held_behind_batch_requests_is_dispatched_first(gateway_in_process, nursery):
+    [sim] = await start_sims(nursery, 1, num_blocks=512, extra=("--max-num-seqs", "1", *SLOW))
+    gw = await gateway_in_process(config(sim.url))
+    finished: list[str] = []
+
+    async def send(key: str, request_id: str) -> None:
+        answer = await chat(client, gw.url, key, request_id)
+        assert answer.status_code == 200, answer.text
+        finished.append(request_id)
+
+    async with httpx.AsyncClient() as client:
+        await learnt(gw, client)
+        async with trio.open_nursery() as requests:
+            for i in range(8):
+                requests.start_soon(send, BATCH, f"batch-{i}")
+            await until(gw, lambda m: queued(m, "batch") >= 4, "the batch requests were not held")
+            requests.start_soon(send, CHAT, "chat")
+            held = await until(gw, lambda m: queued(m, "interactive") == 1 or "chat" in finished,
+                               "the interactive request was neither held nor answered")
+            assert queued(held, "interactive") == 1, "the interactive request was dispatched before it could be seen"
+            behind = queued(held, "batch")  # batch requests held at the gateway while the interactive one waited
+        assert behind >= 3
+        after = finished[finished.index("chat") + 1:]
+        assert len([r for r in after if r.startswith("batch-")]) >= behind, finished
+        explained = (await gw.admin("/admin/explain", params={"request_id": "chat"})).json()
+        assert (explained["class"], explained["flow"], explained["outcome"]) == ("interactive", "chat", "waited")
+        assert explained["ahead_class"] is None  # nothing of its class or above waited: it waited for room alone
+        batch = (await gw.admin("/admin/explain", params={"request_id": "batch-7"})).json()
+        assert batch["outcome"] == "waited" and batch["class"] == "batch" and batch["position"] >= 1
+    assert await gw.metric("llmgw_flow_admitted_total", 'class="interactive"') == 1
+
+
+async def test_two_tenants_of_one_class_share_by_tokens_when_both_are_backlogged(gateway_in_process, nursery):
+    [sim] = await start_sims(nursery, 1, num_blocks=512,
+                             extra=("--max-num-seqs", "2", "--decode-ms-per-step", "10", "--output-tokens", "30:30"))
+    gw = await gateway_in_process(config(sim.url))
+    finished: list[str] = []
+
+    async def send(key: str, request_id: str) -> None:
+        answer = await chat(client, gw.url, key, request_id)
+        assert answer.status_code == 200, answer.text
+        finished.append(request_id)
+
+    async with httpx.AsyncClient() as client:
+        await learnt(gw, client)
+        async with trio.open_nursery() as requests:
+            for i in range(24):  # a burst of one tenant, held at the gateway
+                requests.start_soon(send, BATCH, f"burst-{i}")
+            await until(gw, lambda m: queued(m, "batch") >= 12, "the burst was not held")
+            for i in range(10):  # then the other tenant of the same class
+                requests.start_soon(send, OTHER, f"other-{i}")
+            await until(gw, lambda m: queued(m, "batch") >= 20, "the other tenant's requests were not held")
+    # While both were backlogged (from the other tenant's first answer to its last), each got about as many
+    # requests (equal tokens each: the same prompt and max_tokens) as the other: within 10%, give or take the one
+    # request start-time fair queueing may let one flow be ahead by.
+    first = min(i for i, r in enumerate(finished) if r.startswith("other-"))
+    last = max(i for i, r in enumerate(finished) if r.startswith("other-"))
+    window = finished[first:last + 1]
+    burst, other = sum(r.startswith("burst-") for r in window), sum(r.startswith("other-") for r in window)
+    assert other == 10
+    assert abs(burst - other) <= 1 + other // 10, finished
+    assert finished[-1].startswith("burst-")  # the burst's tail ends last: it did not hold the other back
+
+
+async def test_a_request_waiting_past_its_deadline_gets_429_with_retry_after(gateway_in_process, nursery):
+    [sim] = await start_sims(nursery, 1, num_blocks=512, extra=("--max-num-seqs", "1", *LONG))
+    # The interactive class waits 5 ms: a batch request holds the engine for about 2 s, and a batch request
+    # waits at the gateway, so no room comes free for it within that (but by a 1-in-400 chance).
+    gw = await gateway_in_process(config(sim.url).replace("{name: interactive, rank: 0, max_wait: 60s}",
+                                                          "{name: interactive, rank: 0, max_wait: 5ms}"))
+    async with httpx.AsyncClient() as client:
+        await learnt(gw, client)
+        async with trio.open_nursery() as requests:
+            for i in range(3):
+                requests.start_soon(chat, client, gw.url, BATCH, f"batch-{i}", 100)
+            await until(gw, lambda m: queued(m, "batch") >= 1, "the batch requests were not held")
+            shed = await chat(client, gw.url, CHAT, "chat")
+            # A batch request whose own deadline (Unix time) is sooner than the requests ahead of it can end.
+            own = await chat(client, gw.url, BATCH, "own-deadline", **{"x-request-deadline": str(time.time() + 0.2)})
+            bad = await chat(client, gw.url, BATCH, "bad-deadline", **{"x-request-deadline": "tomorrow"})
+    for answer in (shed, own):
+        assert answer.status_code == 429, answer.text
+        error = answer.json()["error"]
+        assert (error["type"], error["code"]) == ("rate_limit_exceeded", "queue_timeout")
+        assert int(answer.headers["retry-after"]) >= 1
+        assert answer.headers["x-request-id"] in ("chat", "own-deadline")
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_deadline"
+    explained = (await gw.admin("/admin/explain", params={"request_id": "chat"})).json()
+    assert explained["outcome"] == "shed" and explained["reason"] in ("expired", "unservable")
+    assert explained["retry_after"] == int(shed.headers["retry-after"])
+    assert await gw.metric("llmgw_flow_shed_total", 'class="interactive"') >= 1
+    # The shed request's charge went back: its key's answers recorded as refused, not as usage.
+    assert await gw.metric("llmgw_tenant_settled_total", 'basis="nothing"') >= 2
+
+
+async def test_a_full_queue_sheds_the_newest_of_the_lowest_class_and_a_header_lowers_a_class(gateway_in_process,
+                                                                                           nursery):
+    [sim] = await start_sims(nursery, 1, num_blocks=512, extra=("--max-num-seqs", "1", *LONG))
+    gw = await gateway_in_process(config(sim.url, flow="  max_queued: 3\n"))
+    async with httpx.AsyncClient() as client:
+        await learnt(gw, client)
+        answers: dict[str, httpx.Response] = {}
+
+        async def send(key: str, request_id: str, **headers: str) -> None:
+            answers[request_id] = await chat(client, gw.url, key, request_id, 100, **headers)
+
+        async with trio.open_nursery() as requests:
+            sent = 0
+            while True:  # one at a time, until three wait at the gateway (those before them were dispatched)
+                requests.start_soon(send, BATCH, f"held-{sent}")
+                sent += 1
+                model = await until(gw, lambda m: queued(m, "batch") + m["replicas"][0]["inflight"] >= sent,
+                                    "a batch request was neither dispatched nor held")
+                if queued(model, "batch") == 3:
+                    break
+            await send(BATCH, "overflow")  # the fourth: the newest of the lowest class, shed at once
+            # An interactive key's request lowered to batch by its header waits as batch: shed as the newest too.
+            await send(CHAT, "lowered", **{"x-llmgw-priority": "batch"})
+            # An unknown class in the header: 400 naming it.
+            await send(CHAT, "unknown", **{"x-llmgw-priority": "urgent"})
+    assert [answers[f"held-{i}"].status_code for i in range(sent)] == [200] * sent
+    for name in ("overflow", "lowered"):
+        answer = answers[name]
+        assert answer.status_code == 429, answer.text
+        assert answer.json()["error"]["code"] == "queue_full" and int(answer.headers["retry-after"]) >= 1
+    assert answers["unknown"].status_code == 400
+    assert "'urgent'" in answers["unknown"].json()["error"]["message"]
+    explained = (await gw.admin("/admin/explain", params={"request_id": "lowered"})).json()
+    assert (explained["class"], explained["reason"]) == ("batch", "overflow")
+
+
+async def test_two_gateways_on_one_redis_admit_as_one(gateway_in_process, nursery, redis_url, cluster_name):
+    [sim] = await start_sims(nursery, 1, num_blocks=512,
+                             extra=("--max-num-seqs", "2", "--decode-ms-per-step", "10", "--output-tokens", "30:30"))
+    text = config(sim.url, state=state_section(redis_url, cluster_name))
+    gateways = [await gateway_in_process(text), await gateway_in_process(text, role="gateway")]
+    async with httpx.AsyncClient() as client:
+        capacity = await learnt(gateways[0], client)
+        samples: list[tuple[int, int]] = []  # (both gateways' requests in flight on the replica, its capacity)
+        done = trio.Event()
+
+        async def sample() -> None:
+            while not done.is_set():
+                inflight = sum(r.local_inflight for gw in gateways for r in gw.gateway.replicas)
+                learnt_now = gateways[0].gateway.flow.room.capacity(next(iter(gateways[0].gateway.replicas)))
+                samples.append((inflight, learnt_now or capacity))
+                await trio.sleep(0.01)
+
+        async with trio.open_nursery() as requests:
+            requests.start_soon(sample)
+            async with trio.open_nursery() as senders:
+                for i in range(16):
+                    for g, gw in enumerate(gateways):
+                        senders.start_soon(chat, client, gw.url, BATCH, f"g{g}-{i}")
+                await until(gateways[1], lambda m: queued(m, "batch") > 0, "the second gateway held nothing")
+            done.set()
+    # Each gateway alone would fill the replica to its capacity: together, without sharing, twice that. Shared,
+    # their sum stays within the capacity but for a request dispatched in the same report interval by both.
+    assert samples and max(inflight for inflight, _ in samples) <= max(cap for _, cap in samples) + 1, samples
+    held = [await flow_status(gw) for gw in gateways]
+    assert all(queued(model, "batch") == 0 for model in held)
+
+
+async def test_a_keys_class_from_the_admin_api_the_header_it_may_raise_with_and_a_reload_of_flow(
+        gateway_in_process, nursery, tmp_path):
+    [sim] = await start_sims(nursery, 1, num_blocks=512, time_scale=0)
+    text = config(sim.url) + f"tenancy: {{store: '{tmp_path / 'keys.sqlite3'}'}}\n"
+    gw = await gateway_in_process(text)
+    refused = await gw.admin("/admin/keys", "POST", json={"name": "x", "priority": "urgnet"})
+    assert refused.status_code == 400, refused.text
+    assert "no priority class named 'urgnet' under flow.classes" in refused.json()["error"]["message"]
+    made = await gw.admin("/admin/keys", "POST", json={"name": "raiser", "priority": "batch",
+                                                       "priority_header": True})
+    assert made.status_code == 201 and made.json()["priority_header"] is True, made.text
+    raiser = made.json()["key"]
+    listed = await gw.admin("/admin/keys/raiser")
+    assert listed.json()["priority_header"] is True
+
+    async def admitted(cls: str) -> float:
+        return await gw.metric("llmgw_flow_admitted_total", f'class="{cls}"')
+
+    async with httpx.AsyncClient() as client:
+        with trio.fail_after(10):
+            while (await chat(client, gw.url, raiser, "r-0")).status_code == 401:  # the store's keys, followed
+                await trio.sleep(0.05)
+        before = await admitted("interactive"), await admitted("batch")
+        up = await chat(client, gw.url, raiser, "r-1", **{"x-llmgw-priority": "interactive"})  # allowed to raise
+        kept = await chat(client, gw.url, BATCH, "b-1", **{"x-llmgw-priority": "interactive"})  # not allowed
+        assert up.status_code == kept.status_code == 200
+        assert (await admitted("interactive"), await admitted("batch")) == (before[0] + 1, before[1] + 1)
+        # No header on it: the answer has no header of overload control either (nothing changes with room).
+        assert not any(name.startswith("x-llmgw-priority") or name == "retry-after" for name in up.headers)
+
+        # A reload applies the flow section: another default class, and then flow control off.
+        path = gw.gateway.config.source
+        with open(path, "w") as file:
+            file.write(text.replace("default_class: batch", "default_class: interactive"))
+        assert (await gw.gateway.reload()).refusal is None
+        assert gw.gateway.dataplane.flow.settings.default_class == "interactive"
+        with open(path, "w") as file:
+            file.write(text.replace("default_class: batch", "enabled: false\n  default_class: batch"))
+        assert (await gw.gateway.reload()).refusal is None
+        counted = await admitted("batch")
+        assert (await chat(client, gw.url, BATCH, "b-2")).status_code == 200
+        assert await admitted("batch") == counted  # off: not asked of the queue
+    status = (await gw.admin("/admin/flow")).json()
+    assert status["enabled"] is False

@@ -1,0 +1,552 @@
+"""The gateway queue (llmgw/flow/queue.py) against a fake room, on Trio's mock clock: bands, fair shares, deadlines,
+overflow, Retry-After, cancellation and the fast path."""
+
+from __future__ import annotations
+
+import math
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import HealthCheck, given, settings, strategies as st
+from prometheus_client import CollectorRegistry
+
+from llmgw.flow.fair import FairBand
+from llmgw.flow.metrics import FlowMetrics
+from llmgw.flow.model import (
+    DEFAULT_CLASSES,
+    EXPIRED,
+    OVERFLOW,
+    UNSERVABLE,
+    Admitted,
+    FlowRequest,
+    FlowSettings,
+    PriorityClass,
+    Shed,
+)
+from llmgw.flow.queue import FlowQueue, Queued
+
+INTERACTIVE, STANDARD, BATCH, BEST_EFFORT = DEFAULT_CLASSES
+MODEL = "m"
+
+
+class FakeRoom:
+    """``capacity`` requests per model (of which a class may fill its ``max_fill`` with ``fill``); ``inflight``:
+    the routed ones."""
+
+    def __init__(self, capacity: int, fill: bool = False):
+        self.capacity = capacity
+        self.fill = fill
+        self.inflight = 0
+        self.held: dict[str, int] = {}  # a class's room forced to 0 (by name): a room that is not monotonic
+        self.broken = False  # free() raises: a bug in the room
+        self._changed = trio.Event()
+
+    def free(self, model: str, priority: PriorityClass) -> int:
+        if self.broken:
+            raise ZeroDivisionError("a bug in the room")
+        if priority.name in self.held:
+            return 0
+        return math.floor(self.capacity * (priority.max_fill if self.fill else 1.0)) - self.inflight
+
+    async def changed(self, model: str) -> None:
+        with trio.move_on_after(0.05):
+            await self._changed.wait()
+
+    def wake(self, model: str) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def saturation(self, model: str) -> float:
+        return self.inflight / self.capacity
+
+
+def request(priority: PriorityClass = STANDARD, flow: str = "a", cost: int = 100, *, wait: float | None = None,
+            weight: float = 1.0) -> FlowRequest:
+    deadline = trio.current_time() + (priority.max_wait if wait is None else wait)
+    return FlowRequest(MODEL, flow, priority, cost, deadline, weight)
+
+
+class Harness:
+    """A queue in a nursery and a data plane of sorts: an admitted request is routed (in flight on the fake room)
+    for ``hold`` seconds, then finishes and wakes the room."""
+
+    def __init__(self, nursery: trio.Nursery, capacity: int, flow_settings: FlowSettings | None = None,
+                 fill: bool = False):
+        self.registry = CollectorRegistry()
+        self.room = FakeRoom(capacity, fill)
+        self.queue = FlowQueue(flow_settings or FlowSettings(), self.room, FlowMetrics(self.registry))
+        self.nursery = nursery
+        self.admitted: list[FlowRequest] = []
+        self.outcomes: dict[int, Admitted | Shed] = {}
+
+    @classmethod
+    async def open(cls, nursery: trio.Nursery, capacity: int, flow_settings: FlowSettings | None = None,
+                   fill: bool = False) -> Harness:
+        h = cls(nursery, capacity, flow_settings, fill)
+        await nursery.start(h.queue.run)
+        return h
+
+    async def serve(self, req: FlowRequest, hold: float = 1.0) -> None:
+        outcome = await self.queue.enter(req)
+        self.outcomes[id(req)] = outcome
+        if isinstance(outcome, Admitted):
+            assert self.room.inflight + self.pending() <= self.room.capacity, "admitted beyond the room"
+            self.admitted.append(req)
+            self.room.inflight += 1
+            self.queue.release(outcome)
+            try:
+                await trio.sleep(hold)
+            finally:  # finished, or its client left: the replica's place is free again either way
+                self.room.inflight -= 1
+                self.room.wake(MODEL)
+
+    def start(self, req: FlowRequest, hold: float = 1.0) -> FlowRequest:
+        self.nursery.start_soon(self.serve, req, hold)
+        return req
+
+    def pending(self) -> int:
+        return self.queue.snapshot().get(MODEL, {}).get("pending", 0)
+
+    def sample(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+
+async def occupy(h: Harness, n: int, hold: float) -> None:
+    """Fill ``n`` places of the room for ``hold`` seconds (requests of another flow, admitted at once)."""
+    for _ in range(n):
+        h.start(request(INTERACTIVE, flow="occupant", cost=1), hold)
+    await trio.testing.wait_all_tasks_blocked()
+
+
+@asynccontextmanager
+async def harness(capacity: int, flow_settings: FlowSettings | None = None, fill: bool = False):
+    """A :class:`Harness` whose tasks (the queue, the requests it started) are cancelled at the block's end."""
+    async with trio.open_nursery() as nursery:
+        yield await Harness.open(nursery, capacity, flow_settings, fill)
+        nursery.cancel_scope.cancel()
+
+
+def run_on_mock_clock(fn) -> None:
+    trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+# The fast path.
+
+
+async def test_a_request_with_room_is_admitted_without_awaiting():
+    queue = FlowQueue(FlowSettings(), FakeRoom(4))  # run() not even started: the fast path needs no task
+    coroutine = queue.enter(request())
+    with pytest.raises(StopIteration) as done:
+        coroutine.send(None)
+    outcome = done.value.value
+    assert isinstance(outcome, Admitted) and outcome.waited == 0.0 and outcome.position == 0
+    assert queue.snapshot()[MODEL]["pending"] == 1
+    queue.release(outcome)
+    assert queue.snapshot()[MODEL]["pending"] == 0
+
+
+async def test_an_admission_holds_its_place_until_released(autojump_clock):
+    async with harness(capacity=1) as h:
+        first = await h.queue.enter(request())
+        assert isinstance(first, Admitted)
+        # Not released yet: the room still says 1 free, but the queue counts the admission as pending.
+        late = h.start(request(wait=0.5))
+        await trio.sleep(1)
+        assert isinstance(h.outcomes[id(late)], Shed)
+        h.queue.release(first)
+
+
+async def test_an_arrival_queues_behind_a_waiter_of_its_class_even_when_room_appears(autojump_clock):
+    async with harness(capacity=1) as h:
+        await occupy(h, 1, hold=1.0)
+        first = h.start(request(flow="a"), hold=10)
+        await trio.testing.wait_all_tasks_blocked()
+        h.room.capacity = 2  # room for one more; the dispatcher has not looked yet when the next one arrives
+        second = h.start(request(flow="b"), hold=10)
+        await trio.testing.wait_all_tasks_blocked()
+        assert h.admitted[1:] == [first]  # the waiter got the place, the arrival waits
+        await trio.sleep(1.5)  # the occupant finished
+        assert h.admitted[1:] == [first, second]
+
+
+async def test_lower_classes_admitted_at_once_while_nothing_of_their_class_or_above_waits(autojump_clock):
+    async with harness(capacity=10, fill=True) as h:
+        await occupy(h, 9, hold=5.0)
+        # interactive may fill 100%, standard 95% (9 of 10): a standard request waits, an interactive one does not.
+        waiting = h.start(request(STANDARD))
+        await trio.testing.wait_all_tasks_blocked()
+        assert id(waiting) not in h.outcomes
+        quick = await h.queue.enter(request(INTERACTIVE))
+        assert isinstance(quick, Admitted) and quick.waited == 0.0
+        h.queue.release(quick)
+
+
+# Bands.
+
+
+async def test_a_lower_band_waits_while_a_higher_one_waits(autojump_clock):
+    async with harness(capacity=1) as h:
+        await occupy(h, 1, hold=1.0)
+        batch = [h.start(request(BATCH, flow=f"b{i}"), hold=1.0) for i in range(3)]
+        await trio.testing.wait_all_tasks_blocked()
+        interactive = [h.start(request(INTERACTIVE, flow=f"i{i}", wait=30), hold=1.0) for i in range(3)]
+        await trio.sleep(20)
+        later = h.admitted[1:]  # (tasks started together begin in any order: compare the bands as sets)
+        assert set(map(id, later[:3])) == set(map(id, interactive)) and set(map(id, later[3:])) == set(map(id, batch))
+
+
+async def test_a_band_is_held_while_a_band_above_waits_even_with_room_for_it(autojump_clock):
+    async with harness(capacity=1) as h:
+        h.room.held["interactive"] = 0  # no room for interactive requests, room for the others
+        interactive = h.start(request(INTERACTIVE, wait=30))
+        await trio.testing.wait_all_tasks_blocked()
+        batch = h.start(request(BATCH))
+        await trio.sleep(1)
+        assert h.admitted == []
+        del h.room.held["interactive"]
+        h.room.wake(MODEL)
+        await trio.testing.wait_all_tasks_blocked()
+        assert h.admitted == [interactive]
+        await trio.sleep(1.1)
+        assert h.admitted == [interactive, batch]
+
+
+# Fair shares within a band.
+
+
+def tokens_by_flow(admitted: list[FlowRequest]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for req in admitted:
+        out[req.flow] = out.get(req.flow, 0) + req.cost
+    return out
+
+
+async def test_a_burst_of_one_flow_does_not_starve_another_of_its_band(autojump_clock):
+    async with harness(capacity=2) as h:
+        await occupy(h, 2, hold=0.5)
+        for i in range(200):  # the burst arrives first, in big requests
+            h.start(request(flow="burst", cost=900 + (i % 3) * 100, wait=1000), hold=0.5)
+        await trio.testing.wait_all_tasks_blocked()
+        for _ in range(600):
+            h.start(request(flow="steady", cost=300, wait=1000), hold=0.5)
+        await trio.sleep(60)  # 240 dispatches: both flows still backlogged
+        shares = tokens_by_flow(h.admitted[2:])
+        assert len(h.admitted) - 2 > 100 and sum(shares.values()) > 50_000
+        assert abs(shares["burst"] - shares["steady"]) <= 0.1 * max(shares.values()), shares
+
+
+async def test_flows_share_in_proportion_to_their_weights(autojump_clock):
+    async with harness(capacity=1) as h:
+        await occupy(h, 1, hold=0.1)
+        for _ in range(300):
+            h.start(request(flow="heavy", cost=100, weight=2.0, wait=1000), hold=0.1)
+            h.start(request(flow="light", cost=100, weight=1.0, wait=1000), hold=0.1)
+        await trio.sleep(15)  # 150 dispatches of 600
+        shares = tokens_by_flow(h.admitted[1:])
+        assert abs(shares["heavy"] - 2 * shares["light"]) <= 200, shares
+
+
+costs = st.integers(min_value=1, max_value=5000)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.tuples(st.sampled_from("ab"), costs), st.just("pop")), max_size=200))
+def test_two_backlogged_equal_flows_stay_within_one_request_of_each_other(events):
+    """Any interleaving of arrivals of two flows and dispatches made while both have requests waiting: the tokens
+    dispatched to each never differ by more than the largest request's cost."""
+
+    class Item:
+        def __init__(self, flow: str, cost: int):
+            self.flow, self.cost, self.weight = flow, cost, 1.0
+
+    band: FairBand[Item] = FairBand()
+    waiting = {"a": 0, "b": 0}
+    served = {"a": 0, "b": 0}
+    largest = 0
+    for event in [("a", 1), ("b", 1), *events]:  # both flows start together
+        if event == "pop":
+            if not (waiting["a"] and waiting["b"]):
+                continue
+            item = band.pop()
+            assert item is not None
+            waiting[item.flow] -= 1
+            served[item.flow] += item.cost
+            assert abs(served["a"] - served["b"]) <= largest
+        else:
+            flow, cost = event
+            band.push(Item(flow, cost))
+            waiting[flow] += 1
+            largest = max(largest, cost)
+    assert len(band) == sum(waiting.values()) and band.tokens >= 0
+
+
+def test_a_flow_that_leaves_and_comes_back_keeps_neither_credit_nor_debt_beyond_a_request():
+    class Item:
+        def __init__(self, flow: str, cost: int):
+            self.flow, self.cost, self.weight = flow, cost, 1.0
+
+    band: FairBand[Item] = FairBand()
+    band.push(Item("b", 100))
+    for _ in range(50):
+        band.push(Item("a", 100))
+    assert [band.pop().flow for _ in range(21)] == ["b"] + ["a"] * 20  # type: ignore[union-attr]
+    for _ in range(10):  # b was away while a was served: it starts level with a, not 20 requests behind
+        band.push(Item("b", 100))
+    order = [band.pop().flow for _ in range(6)]  # type: ignore[union-attr]
+    assert order == ["b", "a", "b", "a", "b", "a"]
+
+
+def test_the_tokens_before_an_arrival_are_its_flows_and_the_others_fair_shares():
+    class Item:
+        def __init__(self, flow: str, cost: int, weight: float = 1.0):
+            self.flow, self.cost, self.weight = flow, cost, weight
+
+    band: FairBand[Item] = FairBand()
+    for _ in range(100):
+        band.push(Item("heavy", 100))
+    assert band.tokens_before("new", 1.0) == 0  # level with heavy's head: next (or right after it)
+    for _ in range(3):
+        band.push(Item("light", 100))
+    assert band.tokens_before("light", 1.0) == 300 + 300  # its own three, and heavy's as many meanwhile
+    assert band.tokens_before("light", 3.0) == 300 + 100  # with three times the weight, a third of it
+    assert band.tokens_before("heavy", 1.0) == 10_000 + 300  # behind its own burst, light all served first
+
+
+def test_removing_a_request_keeps_the_bands_order_and_counts():
+    class Item:
+        def __init__(self, flow: str, cost: int):
+            self.flow, self.cost, self.weight = flow, cost, 1.0
+
+    band: FairBand[Item] = FairBand()
+    a1, a2, b1 = Item("a", 10), Item("a", 20), Item("b", 30)
+    for item in (a1, a2, b1):
+        band.push(item)
+    band.remove(a1)  # the head of its flow
+    band.remove(a1)  # twice: nothing
+    assert len(band) == 2 and band.tokens == 50 and band.newest() is b1
+    assert [band.pop(), band.pop(), band.pop()] == [a2, b1, None]
+
+
+# Deadlines, the drain rate and Retry-After.
+
+
+async def measure_drain(h: Harness, rate_tokens: int = 1000) -> None:
+    """Keep a backlog for 2 s while requests of 100 tokens go through one place every 0.1 s: 1,000 tokens/s."""
+    h.room.capacity = 1
+    for _ in range(25):
+        h.start(request(INTERACTIVE, flow="warm", cost=rate_tokens // 10, wait=100), hold=0.1)
+    await trio.sleep(3)
+    assert not h.queue.queued(MODEL)
+
+
+async def test_a_waiter_is_shed_expired_at_its_deadline(autojump_clock):
+    async with harness(capacity=1) as h:
+        await occupy(h, 1, hold=100)
+        started = trio.current_time()
+        outcome = await h.queue.enter(request(BATCH, wait=5))
+        assert isinstance(outcome, Shed) and outcome.reason == EXPIRED
+        assert trio.current_time() - started == pytest.approx(5) and outcome.waited == pytest.approx(5)
+        assert h.queue.queued(MODEL) == {} and h.pending() == 0
+        assert h.sample("llmgw_flow_shed_total", model=MODEL, **{"class": "batch"}, reason="expired") == 1
+
+
+async def test_a_request_the_queue_cannot_serve_before_its_deadline_is_shed_at_once(autojump_clock):
+    async with harness(capacity=1) as h:
+        await measure_drain(h)
+        rate = h.queue.snapshot()[MODEL]["drain_rate"]
+        assert rate == pytest.approx(1000, rel=0.1)
+        await occupy(h, 1, hold=100)
+        for _ in range(30):  # 3,000 tokens ahead: about 3 s at 1,000 tokens/s
+            h.start(request(STANDARD, flow="ahead", cost=100, wait=100))
+        await trio.testing.wait_all_tasks_blocked()
+        started = trio.current_time()
+        outcome = await h.queue.enter(request(STANDARD, flow="ahead", cost=100, wait=1.0))
+        assert isinstance(outcome, Shed) and outcome.reason == UNSERVABLE
+        assert trio.current_time() == started and outcome.waited == 0.0
+        assert (outcome.position, outcome.tokens_ahead, outcome.ahead_class) == (30, 3000, "standard")
+        assert outcome.retry_after == 4  # ceil(3,000 / ~1,000 tokens/s), the rate a little under 1,000
+        # One whose deadline leaves time for the queue ahead waits instead; and so does one of another flow with
+        # the short deadline: the fair order puts it next, whatever the other flow has waiting.
+        patient = h.start(request(STANDARD, flow="ahead", cost=100, wait=10))
+        other = h.start(request(STANDARD, flow="other", cost=100, wait=1.0))
+        await trio.testing.wait_all_tasks_blocked()
+        assert id(patient) not in h.outcomes and id(other) not in h.outcomes
+
+
+async def test_with_no_drain_measured_a_request_is_never_shed_before_its_deadline(autojump_clock):
+    async with harness(capacity=1) as h:
+        await occupy(h, 1, hold=100)
+        for _ in range(30):
+            h.start(request(STANDARD, flow="ahead", cost=100, wait=100))
+        await trio.testing.wait_all_tasks_blocked()
+        started = trio.current_time()
+        outcome = await h.queue.enter(request(STANDARD, flow="late", cost=100, wait=1.0))
+        assert isinstance(outcome, Shed) and outcome.reason == EXPIRED
+        assert trio.current_time() - started == pytest.approx(1.0)
+        assert outcome.retry_after == FlowSettings().retry_after_min  # no rate: no guess either
+
+
+async def test_retry_after_is_the_queue_ahead_over_the_drain_rate_within_its_bounds(autojump_clock):
+    flow_settings = FlowSettings(retry_after_min=2, retry_after_max=20)
+    async with harness(capacity=1, flow_settings=flow_settings) as h:
+        await measure_drain(h)
+        await occupy(h, 1, hold=1000)
+        given = []
+        for ahead in (0, 1, 100):  # 0, 10,000 and 1,000,000 tokens waiting
+            for _ in range(ahead):
+                h.start(request(BATCH, flow="ahead", cost=10_000, wait=10_000))
+            await trio.testing.wait_all_tasks_blocked()
+            shed = await h.queue.enter(request(BATCH, flow="ahead", cost=1, wait=0.5))
+            assert isinstance(shed, Shed)
+            rate = h.queue.snapshot()[MODEL]["drain_rate"]  # as the shed saw it (the stalls lower it)
+            given.append((shed.reason, shed.retry_after, math.ceil(shed.tokens_ahead / rate)))
+        assert given[0] == (EXPIRED, 2, 0)  # nothing ahead: the lower bound
+        assert given[1][0] == UNSERVABLE and given[1][1] == given[1][2] and 10 <= given[1][1] < 20
+        assert given[2][:2] == (UNSERVABLE, 20) and given[2][2] > 1000  # the upper bound
+        assert h.sample("llmgw_flow_retry_after_seconds_count", model=MODEL, **{"class": "batch"}) == 3
+
+
+# Overflow.
+
+
+async def test_overflow_sheds_the_newest_of_the_lowest_band_and_may_be_the_arrival(autojump_clock):
+    flow_settings = FlowSettings(max_queued=3, max_queued_tokens=10_000)
+    async with harness(capacity=1, flow_settings=flow_settings) as h:
+        await occupy(h, 1, hold=100)
+        b1 = h.start(request(BATCH, flow="x"))
+        await trio.testing.wait_all_tasks_blocked()
+        b2 = h.start(request(BATCH, flow="y"))
+        await trio.testing.wait_all_tasks_blocked()
+        s1 = h.start(request(STANDARD, flow="z"))
+        await trio.testing.wait_all_tasks_blocked()
+        i1 = h.start(request(INTERACTIVE, flow="z"))  # full: the newest batch request makes way
+        await trio.testing.wait_all_tasks_blocked()
+        shed = h.outcomes[id(b2)]
+        assert isinstance(shed, Shed) and shed.reason == OVERFLOW and "max_queued 3" in shed.detail
+        b3 = h.start(request(BATCH, flow="x"))  # full again, and it is the lowest and newest itself
+        await trio.testing.wait_all_tasks_blocked()
+        assert isinstance(h.outcomes[id(b3)], Shed) and h.outcomes[id(b3)].reason == OVERFLOW
+        # Tokens: one interactive request bigger than all the batch ones sheds them all, then fits.
+        big = h.start(request(INTERACTIVE, flow="big", cost=9_700))
+        await trio.testing.wait_all_tasks_blocked()
+        assert isinstance(h.outcomes[id(b1)], Shed) and id(big) not in h.outcomes
+        assert h.queue.queued(MODEL) == {"interactive": Queued(2, 9_800), "standard": Queued(1, 100)}
+        assert [id(r) in h.outcomes for r in (s1, i1)] == [False, False]
+        assert h.sample("llmgw_flow_shed_total", model=MODEL, **{"class": "batch"}, reason="overflow") == 3
+
+
+# Cancellation.
+
+
+async def test_a_waiter_that_leaves_gives_up_its_place(autojump_clock):
+    async with harness(capacity=1) as h:
+        await occupy(h, 1, hold=1.0)
+        with trio.move_on_after(0.5):
+            await h.queue.enter(request(flow="gone"))
+        assert h.queue.queued(MODEL) == {} and h.pending() == 0
+        after = h.start(request(flow="next"))
+        await trio.sleep(2)
+        assert h.admitted[1:] == [after]
+
+
+async def test_a_waiter_admitted_and_cancelled_before_it_heard_releases_its_place(autojump_clock):
+    async with harness(capacity=1) as h:
+        await occupy(h, 1, hold=100)
+        scope = trio.CancelScope()
+        outcome: list[object] = []
+
+        async def client() -> None:
+            with scope:
+                outcome.append(await h.queue.enter(request()))
+
+        h.nursery.start_soon(client)
+        await trio.testing.wait_all_tasks_blocked()
+        scope.cancel()  # the client leaves: its task is woken with Cancelled, but has not run yet ...
+        h.room.capacity = 2
+        h.queue._admit_ready(h.queue._models[MODEL])  # ... when the dispatcher admits it
+        assert h.pending() == 1
+        await trio.testing.wait_all_tasks_blocked()
+        assert outcome == [] and h.pending() == 0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(DEFAULT_CLASSES), st.sampled_from("abc"), st.integers(1, 500),
+                          st.floats(0, 3), st.floats(0.01, 2), st.one_of(st.none(), st.floats(0, 4))),
+                min_size=1, max_size=40),
+       st.integers(1, 4))
+def test_cancellation_at_any_point_never_leaks_a_place(arrivals, capacity):
+    """Requests arrive, wait, are admitted, finish, expire or are cancelled at any moment (their client leaves):
+    the queue never admits beyond the room, and once all are done nothing is pending or queued."""
+
+    async def main() -> None:
+        async with harness(capacity=capacity) as h:
+
+            async def client(req_args, arrive: float, hold: float, leave: float | None) -> None:
+                await trio.sleep(arrive)
+                priority, flow, cost = req_args
+                with trio.move_on_after(math.inf if leave is None else leave):
+                    await h.serve(request(priority, flow, cost, wait=priority.max_wait), hold)
+
+            async with trio.open_nursery() as clients:
+                for priority, flow, cost, arrive, hold, leave in arrivals:
+                    clients.start_soon(client, (priority, flow, cost), arrive, hold, leave)
+            await trio.testing.wait_all_tasks_blocked()
+            assert h.pending() == 0 and h.room.inflight == 0 and h.queue.queued(MODEL) == {}
+            assert isinstance(await h.queue.enter(request(BEST_EFFORT)), Admitted)  # the room is all there
+
+    run_on_mock_clock(main)
+
+
+# What the queue tells.
+
+
+async def test_snapshot_queued_and_metrics_tell_what_waits(autojump_clock):
+    async with harness(capacity=1) as h:
+        await occupy(h, 1, hold=10)
+        h.start(request(BATCH, cost=300, wait=100))
+        await trio.sleep(1)
+        h.start(request(BATCH, cost=200, wait=100))
+        h.start(request(INTERACTIVE, cost=50, wait=100))
+        await trio.sleep(1)
+        assert h.queue.queued(MODEL) == {"batch": Queued(2, 500), "interactive": Queued(1, 50)}
+        assert h.queue.queued("other") == {}
+        snap = h.queue.snapshot()[MODEL]
+        assert snap["pending"] == 0 and snap["drain_rate"] is None
+        assert snap["classes"]["batch"] == {"queued": 2, "queued_tokens": 500, "oldest_wait": 2.0, "recent_sheds": {}}
+        assert snap["classes"]["interactive"]["oldest_wait"] == 1.0
+        labels = {"model": MODEL, "class": "batch"}
+        assert h.sample("llmgw_flow_queued", **labels) == 2 and h.sample("llmgw_flow_queued_tokens", **labels) == 500
+        await trio.sleep(30)  # all served, one after the other
+        assert h.queue.queued(MODEL) == {} and h.sample("llmgw_flow_queued", **labels) == 0
+        assert h.sample("llmgw_flow_admitted_total", **labels) == 2
+        assert h.sample("llmgw_flow_wait_seconds_count", **labels) == 2
+        # The occupant leaves at 10 s, the interactive request goes first, then the batch ones a second apart.
+        assert h.sample("llmgw_flow_wait_seconds_sum", **labels) == pytest.approx((11 - 0) + (12 - 1))
+        assert h.sample("llmgw_flow_drain_tokens_per_second", model=MODEL) > 0
+
+
+async def test_a_room_that_fails_leaves_the_queue_running_and_is_logged(autojump_clock, caplog):
+    async with harness(capacity=1) as h:
+        await occupy(h, 1, hold=100)
+        waiter = h.start(request(wait=5))
+        await trio.testing.wait_all_tasks_blocked()
+        h.room.broken = True
+        h.room.wake(MODEL)
+        await trio.sleep(6)
+        assert h.outcomes[id(waiter)].reason == EXPIRED  # type: ignore[union-attr]
+        assert "dispatching m's queue failed" in caplog.text and "ZeroDivisionError" in caplog.text
+        h.room.broken = False
+        h.room.capacity = 2
+        assert isinstance(await h.queue.enter(request()), Admitted)
+
+
+async def test_release_twice_is_refused_and_logged(caplog):
+    queue = FlowQueue(FlowSettings(), FakeRoom(1))
+    admitted = await queue.enter(request())
+    assert isinstance(admitted, Admitted)
+    queue.release(admitted)
+    queue.release(admitted)
+    assert queue.snapshot()[MODEL]["pending"] == 0
+    assert "released twice" in caplog.text

@@ -1,0 +1,318 @@
+"""The room of overload control (llmgw/flow/room.py, capacity.py): capacity learnt per replica from synthetic
+engine scrapes, the room per class, its split among gateways, and what a forged peer count can take."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import trio
+import trio.testing
+from prometheus_client import CollectorRegistry
+
+from llmgw.engines.probe import EngineLoad
+from llmgw.flow.capacity import CUT, RAISE, UNBOUNDED, CapacityRule, ReplicaCapacity
+from llmgw.flow.model import DEFAULT_CLASSES, FlowSettings
+from llmgw.flow.room import EngineRoom
+from llmgw.flow.room_metrics import RoomMetrics
+from llmgw.metrics import Metrics
+from llmgw.plugins_manager import build_registry, make_plugin_manager
+from llmgw.router.load_scraper import schedule
+from llmgw.router.replica import Replica, ReplicaState
+from llmgw.router.router import EngineMetricsDemand, Router
+
+INTERACTIVE, STANDARD, BATCH, BEST_EFFORT = DEFAULT_CLASSES
+RULE = CapacityRule()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def load(at: float, running: float, waiting: float = 0.0, kv: float | None = 0.3) -> EngineLoad:
+    return EngineLoad(running=running, waiting=waiting, at=at, kv_usage=kv)
+
+
+# -- the learning, one replica ----------------------------------------------------------------------------------------
+
+
+def test_a_replica_is_unknown_until_its_engine_says_it_is_full():
+    learnt = ReplicaCapacity()
+    for at in range(10):  # busy but not queueing: nothing learnt, nothing held
+        assert learnt.observe(load(at, running=40, kv=0.7), inflight=40, demand=True, rule=RULE) is None
+    assert learnt.limit() is None
+
+
+def test_a_queue_on_two_scrapes_cuts_capacity_to_what_was_running():
+    learnt = ReplicaCapacity()
+    assert learnt.observe(load(1, running=32, waiting=4), 36, True, RULE) is None  # one scrape: maybe one step
+    assert learnt.observe(load(2, running=32, waiting=5), 37, True, RULE) == CUT
+    assert learnt.limit() == 32
+    # More than its capacity in flight (sent before it was learnt): the engine's figure, no blind cut on cut.
+    assert learnt.observe(load(3, running=32, waiting=5), 37, True, RULE) is None
+    assert learnt.limit() == 32
+    # At its capacity and the engine still queues: at least x0.9.
+    assert learnt.observe(load(4, running=32, waiting=2), 32, True, RULE) == CUT
+    assert learnt.limit() == math.floor(32 * 0.9)
+    assert learnt.cuts == 2
+
+
+def test_an_engine_still_admitting_its_queue_is_ramping_up_not_full():
+    learnt = ReplicaCapacity()
+    for at, running in enumerate((2, 4, 6, 8, 10)):  # a burst: the engine admits it a few per step
+        learnt.observe(load(at, running=running, waiting=200 - running), 200, True, RULE)
+    assert learnt.limit() is None
+
+
+def test_a_burst_sent_before_the_capacity_was_known_takes_the_engines_figure_up_or_down():
+    learnt = ReplicaCapacity()
+    learnt.observe(load(1, running=2, waiting=198), 200, True, RULE)
+    assert learnt.observe(load(2, running=2, waiting=198), 200, True, RULE) == CUT  # a slow start: 2 running
+    assert learnt.limit() == 2
+    assert learnt.observe(load(3, running=55, waiting=140, kv=1.0), 195, True, RULE) == RAISE
+    assert learnt.limit() == 44  # what the full engine ran, scaled to the KV target, not the 2 of the ramp
+
+
+def test_a_request_between_two_engine_steps_is_no_queue():
+    learnt = ReplicaCapacity()
+    for at in range(0, 20, 2):  # a waiting request now and then, never on two scrapes in a row
+        learnt.observe(load(at, running=3, waiting=1), 4, True, RULE)
+        learnt.observe(load(at + 1, running=4, waiting=0), 4, True, RULE)
+    assert learnt.limit() is None
+    learnt.observe(load(30, running=100, waiting=2), 102, True, RULE)  # 2 of 100: within waiting_slack
+    learnt.observe(load(31, running=100, waiting=2), 102, True, RULE)
+    assert learnt.limit() is None
+
+
+def test_a_full_kv_cache_cuts_at_once_scaled_to_the_target_usage():
+    learnt = ReplicaCapacity()
+    assert learnt.observe(load(1, running=50, kv=1.0), 50, False, RULE) == CUT
+    assert learnt.limit() == 40  # 50 x 0.8 / 1.0
+
+
+def test_capacity_grows_while_the_engine_idles_with_a_backlog():
+    learnt = ReplicaCapacity(capacity=10.0)
+    assert learnt.observe(load(1, running=10, kv=0.4), inflight=10, demand=True, rule=RULE) == RAISE
+    assert learnt.limit() == 11  # +1 at least
+    learnt.capacity = 50.0
+    assert learnt.observe(load(2, running=50, kv=0.4), inflight=50, demand=True, rule=RULE) == RAISE
+    assert learnt.limit() == 55  # x1.1
+
+
+def test_capacity_stays_without_evidence_that_it_can_take_more():
+    learnt = ReplicaCapacity(capacity=20.0)
+    assert learnt.observe(load(1, running=20, kv=0.4), 20, demand=False, rule=RULE) is None  # nobody waits
+    assert learnt.observe(load(2, running=5, kv=0.4), 5, demand=True, rule=RULE) is None  # not at its capacity
+    assert learnt.observe(load(3, running=20, kv=0.85), 20, demand=True, rule=RULE) is None  # KV above the target
+    assert learnt.observe(load(3, running=20, kv=0.3), 20, demand=True, rule=RULE) is None  # the same scrape again
+    assert learnt.limit() == 20 and learnt.raises == 0
+
+
+def test_broken_gauges_neither_crash_nor_reach_past_the_bounds():
+    learnt = ReplicaCapacity()
+    assert learnt.observe(load(1, running=math.nan, waiting=math.inf, kv=math.nan), 0, True, RULE) is None
+    learnt.observe(load(2, running=1e12, kv=5.0), 0, True, RULE)
+    assert learnt.limit() == 100_000
+    learnt.observe(load(3, running=0, kv=1.0), 0, True, RULE)
+    assert learnt.limit() == RULE.min_capacity
+
+
+# -- the room of a model ----------------------------------------------------------------------------------------------
+
+
+class Peers:
+    """The cluster's load sharing as the room sees it: the other gateways' requests held per model."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, list[int]] = {}
+        self.source = None
+        self.max_queued = 0
+        self.listeners: list = []
+
+    def count_queued(self, source, max_queued):
+        self.source, self.max_queued = source, max_queued
+
+    def peer_queued(self, model):
+        return self.held.get(model, [])
+
+    def watch(self, listener):
+        self.listeners.append(listener)
+
+
+def make_room(replicas=("a", "b"), peers=None, settings=None, metrics=None):
+    router = Router(build_registry(make_plugin_manager(())), Metrics())
+    router.configure_model("m", "round_robin")
+    for i, name in enumerate(replicas):
+        router.add_replica(Replica(name=name, model="m", url=f"http://127.0.0.1:{9000 + i}"))
+    clock = Clock()
+    room = EngineRoom(router, peers, settings, metrics=metrics, clock=clock)
+    queued = {"m": 0}
+    room.count_queued(lambda model: queued.get(model, 0))
+    return router, room, queued, clock
+
+
+def scrape(router, room, name, at, running, waiting=0.0, kv=0.3):
+    replica = router.replicas.get(name)
+    replica.engine_load = load(at, running, waiting, kv)
+    for listener in router.engine_load_listeners:
+        listener(replica)
+
+
+def learn(router, room, name, capacity):
+    """Make replica ``name``'s learnt capacity ``capacity`` (its engine full at that many running)."""
+    scrape(router, room, name, 1, capacity, kv=1.0 * RULE.kv_target)
+    scrape(router, room, name, 2, capacity, waiting=5)
+    scrape(router, room, name, 3, capacity, waiting=5)
+    room._learnt[router.replicas.get(name)].capacity = float(capacity)
+
+
+def test_the_room_asks_the_scraper_for_every_models_engines():
+    router, room, _, _ = make_room()
+    assert router.engine_metrics_demand is not None and router.engine_metrics_demand.interval == 0.25
+
+
+def test_nothing_is_held_while_no_scrape_says_full():
+    router, room, _, _ = make_room()
+    assert room.free("m", BEST_EFFORT) == UNBOUNDED
+    for at in range(5):
+        scrape(router, room, "a", at, running=100, kv=0.85)
+    router.replicas.get("a").local_inflight = 10_000
+    assert room.free("m", INTERACTIVE) == UNBOUNDED
+    learn(router, room, "a", 10)  # b is still unknown: not full
+    assert room.free("m", INTERACTIVE) == UNBOUNDED
+
+
+def test_the_room_is_capacity_less_inflight_over_routable_replicas():
+    router, room, _, _ = make_room()
+    learn(router, room, "a", 20)
+    learn(router, room, "b", 20)
+    a, b = router.replicas.get("a"), router.replicas.get("b")
+    a.local_inflight, a.peer_inflight = 5, 3
+    b.local_inflight = 25  # over its capacity: counts 0, never below
+    assert room.free("m", INTERACTIVE) == 12
+    b.state = ReplicaState.DOWN
+    assert room.free("m", INTERACTIVE) == 12  # a down replica gives no room
+    a.state = ReplicaState.DRAINING
+    assert room.free("m", INTERACTIVE) == 0
+    assert room.free("unknown-model", INTERACTIVE) == 0
+
+
+def test_a_lower_class_fills_only_its_max_fill_of_the_capacity():
+    router, room, _, _ = make_room()
+    learn(router, room, "a", 50)
+    learn(router, room, "b", 50)
+    router.replicas.get("a").local_inflight = 80 // 2
+    router.replicas.get("b").local_inflight = 80 // 2
+    assert room.free("m", INTERACTIVE) == 20
+    assert room.free("m", STANDARD) == 15  # 95 of 100
+    assert room.free("m", BATCH) == 5  # 85 of 100
+    assert room.free("m", BEST_EFFORT) == 0  # 75 of 100, already past
+
+
+def test_a_held_back_class_makes_capacity_grow_while_the_engines_idle():
+    router, room, queued, _ = make_room(replicas=("a",))
+    learn(router, room, "a", 4)
+    router.replicas.get("a").local_inflight = 3  # batch may fill floor(4 x 0.85) = 3
+    assert room.free("m", BATCH) == 0
+    queued["m"] = 1
+    for at in range(10, 20):
+        scrape(router, room, "a", at, running=router.replicas.get("a").inflight, kv=0.3)
+        router.replicas.get("a").local_inflight = room.capacity(router.replicas.get("a"))
+    assert room.capacity(router.replicas.get("a")) > 10
+
+
+def test_the_free_room_is_split_by_the_requests_each_gateway_holds():
+    peers = Peers()
+    router, room, queued, _ = make_room(peers=peers)
+    learn(router, room, "a", 50)
+    learn(router, room, "b", 50)
+    assert room.free("m", INTERACTIVE) == 100  # nobody else holds any: all of it
+    peers.held["m"] = [30, 10]
+    queued["m"] = 40
+    assert room.free("m", INTERACTIVE) == 50  # 100 x 40 / 80
+    queued["m"] = 0  # a request arriving to an empty queue counts as one waiting
+    assert room.free("m", INTERACTIVE) == 100 * 1 // 41
+    router.replicas.get("a").local_inflight = 49
+    router.replicas.get("b").local_inflight = 50
+    assert room.free("m", INTERACTIVE) == 1  # at least one while there is room: nobody starves
+    router.replicas.get("a").local_inflight = 50
+    assert room.free("m", INTERACTIVE) == 0
+    assert peers.source() == {} and peers.max_queued == FlowSettings().max_queued
+    queued["m"] = 7
+    assert peers.source() == {"m": 7}  # what this gateway's load report says
+
+
+def test_a_forged_peer_count_cannot_take_all_the_room():
+    peers = Peers()
+    router, room, queued, _ = make_room(peers=peers, settings=FlowSettings(max_queued=100))
+    learn(router, room, "a", 200)
+    learn(router, room, "b", 200)
+    queued["m"] = 100
+    peers.held["m"] = [1 << 60]
+    assert room.free("m", INTERACTIVE) == 200  # the forged count taken at max_queued: half the room
+    peers.held["m"] = [1 << 60] * 256  # every origin the load sharing keeps, all forged
+    assert room.free("m", INTERACTIVE) >= 1
+
+
+def test_changed_returns_on_wake_a_scrape_a_peer_report_or_a_new_replica_and_else_after_the_poll():
+    peers = Peers()
+    router, room, _, _ = make_room(peers=peers)
+
+    async def main():
+        async def returns_on(poke) -> None:
+            async with trio.open_nursery() as nursery:
+                done = trio.Event()
+
+                async def wait() -> None:
+                    await room.changed("m")
+                    done.set()
+
+                nursery.start_soon(wait)
+                await trio.testing.wait_all_tasks_blocked()
+                poke()
+                await trio.testing.wait_all_tasks_blocked()
+                assert done.is_set()
+
+        await returns_on(lambda: room.wake("m"))
+        await returns_on(lambda: scrape(router, room, "a", 1, 3))
+        await returns_on(lambda: peers.listeners[0]())
+        await returns_on(lambda: router.add_replica(Replica(name="c", model="m", url="http://127.0.0.1:9009")))
+        start = trio.current_time()
+        await room.changed("m")
+        assert 0.05 <= trio.current_time() - start < 0.06
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert room._events == {}  # nobody waits: no event kept
+
+
+def test_saturation_and_its_metrics():
+    registry = CollectorRegistry()
+    router, room, _, clock = make_room(metrics=RoomMetrics(registry))
+    assert room.saturation("m") == 0.0
+    clock.now = 2.1
+    scrape(router, room, "b", 2, running=5, kv=0.45)
+    assert room.saturation("m") == 0.5  # b unknown: its KV usage over kv_high
+    learn(router, room, "a", 10)
+    router.replicas.get("a").local_inflight = 15
+    assert room.saturation("m") == 1.5
+    assert registry.get_sample_value("llmgw_flow_replica_capacity", {"model": "m", "replica": "a"}) == 10
+    assert registry.get_sample_value("llmgw_flow_replica_capacity", {"model": "m", "replica": "b"}) is None
+    assert registry.get_sample_value("llmgw_flow_replica_saturation", {"model": "m", "replica": "a"}) == 1.5
+    assert registry.get_sample_value("llmgw_flow_room_free", {"model": "m"}) == math.inf
+    assert registry.get_sample_value("llmgw_flow_capacity_changes_total", {"model": "m", "change": "cut"}) >= 1
+    assert room.describe("m")["replicas"][0]["capacity"] == 10
+
+
+def test_the_scraper_takes_the_rooms_interval_when_it_is_shorter_than_the_tiers():
+    demand = EngineMetricsDemand(0.25, 1.0)
+    assert schedule(object(), None) == (None, 0.0)  # no tier interval, no room: not scraped
+    assert schedule(object(), demand) == (0.25, 1.0)
+    tier = SimpleNamespace(engine_metrics_interval=2.0, engine_metrics_timeout=None)
+    assert schedule(tier, None) == (2.0, 1.0)
+    assert schedule(tier, demand) == (0.25, 1.0)
+    fast = SimpleNamespace(engine_metrics_interval=0.1, engine_metrics_timeout=0.05)
+    assert schedule(fast, demand) == (0.1, 0.05)
