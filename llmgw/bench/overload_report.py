@@ -3,8 +3,9 @@
 :func:`level_stats` reads one run of one level (its :class:`~.overload_workload.Loop` and KV samples); per class:
 TTFT p50/p99 and ITL p99 of the answered requests, goodput (requests meeting the class's SLO: TTFT for
 interactive, the whole answer for batch, per second from the first arrival to the last answer, so that a backlog
-drained after the arrivals stopped is not counted as the arrivals' rate), completed, shed (429), expired (a 429 that says so, or vllm-router's 408)
-and error counts, the refusals' latency p50/p99 and the share of them that carried ``Retry-After``; for the level:
+drained after the arrivals stopped is not counted as the arrivals' rate), completed, shed (429), expired (llmgw's
+429 ``queue_timeout``, or vllm-router's 408) and error counts, the refusals' latency p50/p99 and the share of them
+that carried ``Retry-After``; for the level:
 total goodput over the fleet's capacity, the interactive tenants' fairness (the smaller one's tokens over the
 larger one's), and the engines' KV usage while a gateway queue held requests (and while the engines' own queues
 did). :func:`summary` takes each number's median, min and max over the repeats; :func:`markdown` prints them.
