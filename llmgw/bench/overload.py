@@ -37,7 +37,7 @@ from ..testing.processes import Child, ChildFailed
 from ..testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, start_sims
 from .chat_workloads import new_client
 from .cluster_events import percentile
-from .common import bench_parser, print_and_save, write_json
+from .common import bench_parser, chosen_names, numbers, print_and_save, write_json
 from .limits import leaves
 from .overload_arms import (
     ARMS,
@@ -85,13 +85,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.set_defaults(replicas=2, gateways="1", loads="0.5,2", repeats=1, seconds=4.0, ramp="2,8",
                             capacity_seconds=4.0)
     args = parser.parse_args(argv)
-    args.arms = [a for a in args.arms.split(",") if a]
-    unknown = set(args.arms) - set(ARMS)
-    if unknown:
-        parser.error(f"unknown arms: {', '.join(sorted(unknown))}")
-    args.gateways = [int(n) for n in args.gateways.split(",") if n]
-    args.loads = [float(x) for x in args.loads.split(",") if x]
-    args.ramp = [int(n) for n in args.ramp.split(",") if n]
+    args.arms = chosen_names(parser, args.arms, ARMS)
+    args.gateways, args.loads, args.ramp = numbers(args.gateways), numbers(args.loads, float), numbers(args.ramp)
     return args
 
 

@@ -8,7 +8,8 @@ import random
 import pytest
 import trio
 
-from llmgw.bench.overload_arms import keys_config, queued, router_tuning
+from llmgw.bench import overload
+from llmgw.bench.overload_arms import ARMS, keys_config, queued, router_tuning
 from llmgw.bench.overload_report import level_stats, summary
 from llmgw.bench.overload_workload import (
     BATCH,
@@ -114,3 +115,13 @@ def test_per_class_numbers_goodput_fairness_and_kv_while_a_queue_waits():
     medians = summary([stats, stats])
     assert medians["interactive_shed"] == {"median": 1.0, "min": 1.0, "max": 1.0}
     assert medians["kv_min_when_gateway_queued"]["median"] == 0.5
+
+
+def test_the_command_line_reads_lists_and_quick_defaults_and_refuses_unknown_arms(capsys):
+    args = overload.parse(["--loads", "0.5,4", "--gateways", "3"])
+    assert (args.arms, args.gateways, args.loads, args.ramp) == (list(ARMS), [3], [0.5, 4.0], [2, 4, 8, 16, 32])
+    quick = overload.parse(["--quick"])
+    assert (quick.replicas, quick.gateways, quick.loads, quick.repeats) == (2, [1], [0.5, 2.0], 1)
+    with pytest.raises(SystemExit):
+        overload.parse(["--arms", "llmgw-flow,nginx"])
+    assert "unknown arms: nginx" in capsys.readouterr().err
