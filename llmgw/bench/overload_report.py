@@ -124,17 +124,21 @@ def markdown(report: dict) -> str:
     lines = [f"Fleet: {settings['replicas']} x `llmgw sim --profile {settings['profile']}` "
              f"({settings['sim_note']}); capacity {capacity['rps']:.2f} req/s (closed-loop ramp, "
              f"the highest throughput with interactive TTFT p99 <= {settings['slo_interactive_ms']:.0f} ms, at "
-             f"{capacity['knee_concurrency']} clients). Open-loop Poisson arrivals for {settings['seconds']:g} s per "
-             f"level, {settings['repeats']} repeat(s): median [min-max]. Goodput: interactive TTFT <= "
+             f"{capacity['knee_concurrency']} clients; unloaded interactive TTFT p99 "
+             f"{capacity['unloaded_interactive_ttft_p99_ms'] or 0:.0f} ms, at {settings['ramp'][0]}). vllm-router: "
+             f"`{settings.get('vllm_router_options', '')}`. Open-loop Poisson arrivals for {settings['seconds']:g} "
+             f"s per level, {settings['repeats']} repeat(s): median [min-max]. Goodput: interactive TTFT <= "
              f"{settings['slo_interactive_ms']:.0f} ms, batch answered within {settings['slo_batch_s']:g} s.", "",
              "| arm | load | class | " + " | ".join(h for h, *_ in COLUMNS) + " |",
              "|---|---|---|" + "---|" * len(COLUMNS)]
-    totals = ["", "| arm | load | goodput / capacity | interactive fairness | KV while a gateway queue waits "
-                  "(mean; min) | KV while engines queue | over the in-flight cap |", "|---|---|---|---|---|---|---|"]
+    unloaded = capacity["unloaded_interactive_ttft_p99_ms"]
+    totals = ["", "| arm | load | goodput / capacity | interactive TTFT p99 / unloaded | interactive fairness | "
+                  "KV while a gateway queue waits (mean; min) | KV while engines queue | over the in-flight cap |",
+              "|---|---|---|---|---|---|---|---|"]
     for arm in report["arms"]:
         if arm.get("error"):
             lines.append(f"| {arm['label']} | - | - | {arm['error']} |" + " |" * (len(COLUMNS) - 1))
-            totals.append(f"| {arm['label']} | - | {arm['error']} | | | | |")
+            totals.append(f"| {arm['label']} | - | {arm['error']} | | | | | |")
             continue
         for level in arm["levels"]:
             s = level["summary"]
@@ -143,8 +147,10 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {arm['label']} | {load} | {name} | "
                              + " | ".join(_cell(s[f"{name}_{m}"], spec, scale=scale) for _, m, spec, scale in COLUMNS)
                              + " |")
+            ratio = _cell(s["interactive_ttft_p99_ms"], ".1f", "x", 1 / unloaded) if unloaded else "-"
             totals.append(f"| {arm['label']} | {load} | {_cell(s['goodput_of_capacity'], '.0f', '%', 100)} | "
-                          f"{_cell(s['fairness'], '.2f')} | {_cell(s['kv_when_gateway_queued'], '.0f', '%', 100)}; "
+                          f"{ratio} | {_cell(s['fairness'], '.2f')} | "
+                          f"{_cell(s['kv_when_gateway_queued'], '.0f', '%', 100)}; "
                           f"{_cell(s['kv_min_when_gateway_queued'], '.0f', '%', 100)} | "
                           f"{_cell(s['kv_when_engines_waiting'], '.0f', '%', 100)} | {_cell(s['over_cap'], '.0f')} |")
     return "\n".join(lines + totals)
