@@ -1,14 +1,14 @@
 """The numbers of ``llmgw bench overload``: one load level's per class, then medians over the repeats and the table.
 
 :func:`level_stats` reads one run of one level (its :class:`~.overload_workload.Loop` and KV samples); per class:
-TTFT p50/p99 and ITL p99 of the answered requests, goodput (requests meeting the class's SLO: TTFT for
-interactive, the whole answer for batch, per second from the first arrival to the last answer, so that a backlog
-drained after the arrivals stopped is not counted as the arrivals' rate), completed, shed (429), expired (llmgw's
-429 ``queue_timeout``, or vllm-router's 408) and error counts, the refusals' latency p50/p99 and the share of them
-that carried ``Retry-After``; for the level:
-total goodput over the fleet's capacity, the interactive tenants' fairness (the smaller one's tokens over the
-larger one's), and the engines' KV usage while a gateway queue held requests (and while the engines' own queues
-did). :func:`summary` takes each number's median, min and max over the repeats; :func:`markdown` prints them.
+TTFT p50/p99 and ITL p99 of the answered requests, goodput (requests meeting the class's SLO: TTFT for interactive,
+the whole answer for batch, per second from the first arrival to the last answer, so that a backlog drained after
+the arrivals stopped is not counted as the arrivals' rate), completed, shed (429), expired (llmgw's 429
+``queue_timeout``, or vllm-router's 408) and error counts, the refusals' latency p50/p99 and the share of them that
+carried ``Retry-After``; for the level: total goodput over the fleet's capacity, the interactive tenants' fairness
+(the smaller one's tokens in answers that met the SLO over the larger one's: they send equally many requests), and
+the engines' KV usage while a gateway queue held requests (and while the engines' own queues did). :func:`summary`
+takes each number's median, min and max over the repeats; :func:`markdown` prints them.
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ def _kv(samples: Sequence[dict], when: Callable[[dict], bool]) -> dict:
 
 def level_stats(loop: Loop, kv_samples: Sequence[dict], slo: dict[str, float], capacity_rps: float) -> dict:
     by_class = {c: class_stats([o for o in loop.outcomes if o.priority == c], slo, loop.elapsed) for c in CLASSES}
-    tenants: dict[str, int] = {}
+    tenants: dict[str, int] = {}  # each interactive tenant's tokens in answers that met the SLO
     for o in loop.outcomes:
         if o.priority == INTERACTIVE:
-            tenants[o.tenant] = tenants.get(o.tenant, 0) + (o.tokens if o.kind == OK else 0)
+            tenants[o.tenant] = tenants.get(o.tenant, 0) + (o.tokens if meets_slo(o, slo) else 0)
     fairness = min(tenants.values()) / max(tenants.values()) if len(tenants) > 1 and max(tenants.values()) else None
     goodput = sum(c["goodput_rps"] for c in by_class.values())
     gateway_queues = any(s["queued"] is not None for s in kv_samples)

@@ -7,7 +7,8 @@ exactly ``max_tokens`` long; its prompt is fresh random words (no two requests s
 70% of the arrivals are interactive and 30% batch, which makes batch about nine tenths of the tokens.
 
 :func:`open_loop` starts a task per arrival of a Poisson process (the tenants' arrivals are independent Poisson
-processes, drawn as one of the summed rate with a tenant picked per arrival by its share); at most ``cap`` are in
+processes, drawn as one of the summed rate with a class picked per arrival by its share, the class's tenants in
+turn: :class:`Picker`); at most ``cap`` are in
 flight, arrivals beyond that are counted (``over_cap``) and not sent, so a cap that is hit is reported, never
 hidden. Each answer becomes an :class:`Outcome`.
 """
@@ -120,8 +121,25 @@ def sender(client: httpx.AsyncClient, urls: Sequence[str], timeout: float) -> Se
     return send
 
 
-def pick(tenants: Sequence[Tenant], rng: random.Random) -> Tenant:
-    return rng.choices(tenants, weights=[t.share for t in tenants])[0]
+class Picker:
+    """Which tenant an arrival is: its class drawn by the classes' shares, then the class's tenants in turn, so
+    that tenants of one class send equal numbers of requests (their fairness then measures the service, not the
+    draw)."""
+
+    def __init__(self, tenants: Sequence[Tenant], rng: random.Random):
+        self.rng = rng
+        self.classes: dict[str, list[Tenant]] = {}
+        for tenant in tenants:
+            self.classes.setdefault(tenant.priority, []).append(tenant)
+        self.names = list(self.classes)
+        self.weights = [sum(t.share for t in self.classes[c]) for c in self.names]
+        self.turns = dict.fromkeys(self.names, 0)
+
+    def __call__(self) -> Tenant:
+        name = self.rng.choices(self.names, weights=self.weights)[0]
+        members = self.classes[name]
+        self.turns[name] += 1
+        return members[self.turns[name] % len(members)]
 
 
 @dataclass
@@ -139,6 +157,7 @@ async def open_loop(send: Send, tenants: Sequence[Tenant], rate: float, seconds:
                     seed: int) -> Loop:
     """Poisson arrivals at ``rate`` per second for ``seconds``, a task each; returns once every answer is in."""
     rng = random.Random(seed)
+    pick = Picker(tenants, rng)
     loop = Loop([], seconds)
     in_flight = 0
 
@@ -156,7 +175,7 @@ async def open_loop(send: Send, tenants: Sequence[Tenant], rate: float, seconds:
         at = rng.expovariate(rate)
         while at < seconds:
             await trio.sleep_until(start + at)
-            tenant = pick(tenants, rng)
+            tenant = pick()
             if in_flight >= cap:
                 loop.over_cap += 1
             else:
@@ -174,9 +193,10 @@ async def closed_loop(send: Send, tenants: Sequence[Tenant], concurrency: int, s
 
     async def client(i: int) -> None:
         rng = random.Random(seed * 1000 + i)
+        pick = Picker(tenants, rng)
         start = trio.current_time()
         while (at := trio.current_time() - start) < seconds:
-            outcome = await send(pick(tenants, rng), rng)
+            outcome = await send(pick(), rng)
             outcome.sent = at
             loop.outcomes.append(outcome)
 
