@@ -62,6 +62,9 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
         answer: dict[str, Any] = {**gateway.health_report.to_json(), "draining": gateway.draining}
         if gateway.shared is not None:
             answer["state"] = {key: value for key, value in gateway.shared.describe().items() if key != "peers"}
+        overloaded = gateway.flow.overloaded()
+        if overloaded:  # told, not a reason to be unhealthy or unready: the engines are serving all they can
+            answer["overloaded"] = overloaded
         return jsonify(answer)
 
     @app.get("/ready")

@@ -97,6 +97,20 @@ class GatewayFlow:
         return {"enabled": gate.control is not None, "models": models,
                 "recent": [outcome.to_json() for outcome in self.outcomes.recent(50)]}
 
+    def overloaded(self) -> list[dict[str, Any]]:
+        """The models whose queue shed requests in the last minute, with how many and why (``/health``'s
+        ``overloaded``: a truth to tell, not a reason to be unready: the gateway serves what the engines can take)."""
+        shed = []
+        for model, queue in sorted(self.queue.snapshot().items()):
+            reasons: dict[str, int] = {}
+            for figures in queue.get("classes", {}).values():
+                for reason, count in figures.get("recent_sheds", {}).items():
+                    reasons[reason] = reasons.get(reason, 0) + count
+            if reasons:
+                shed.append({"model": model, "shed_last_minute": reasons,
+                             "saturation": round(self.room.saturation(model), 3)})
+        return shed
+
     def explain(self, model: str) -> dict[str, Any]:
         """``POST /admin/explain``'s ``flow`` section: the model's queue and room now."""
         for entry in self.status()["models"]:
