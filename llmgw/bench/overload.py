@@ -166,6 +166,7 @@ async def run(args: argparse.Namespace, root: Path, vllm_router: str | None, loo
                                                      "slo_interactive_ms", "slo_batch_s", "seed", "gateways")}
     settings.update(sim_note=f"--max-num-seqs {args.max_num_seqs}, --num-blocks {args.num_blocks}",
                     tenants=[vars(t) | {"key": "(its own)"} for t in tenants], cpus=os.cpu_count(),
+                    load_average_at_start=os.getloadavg(),  # the machine's other work: read the spreads with it
                     vllm_router=vllm_router and vllm_router_version(vllm_router), vllm_router_lookup=lookup)
     report: dict = {"settings": settings, "arms": []}
     extra = (*KV_SIM_EXTRA, "--profile", args.profile, "--max-num-seqs", str(args.max_num_seqs))
@@ -184,6 +185,7 @@ async def run(args: argparse.Namespace, root: Path, vllm_router: str | None, loo
             if args.json:  # what was measured so far survives a run cut short
                 write_json(args.json, {**report, "partial": True})
         nursery.cancel_scope.cancel()
+    settings["load_average_at_end"] = os.getloadavg()
     return report
 
 

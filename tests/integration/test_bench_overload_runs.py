@@ -29,6 +29,7 @@ async def test_overload_quick_runs_every_arm_and_reports_each_class(tmp_path):
     assert done.returncode == 0, (done.stdout + done.stderr).decode()[-3000:]
     report = json.loads(out.read_text())
     assert report["markdown"] in done.stdout.decode()
+    assert len(report["settings"]["load_average_at_start"]) == len(report["settings"]["load_average_at_end"]) == 3
     capacity = report["capacity"]
     assert capacity["rps"] > 0 and capacity["knee_concurrency"] in (2, 8)
     assert [step["concurrency"] for step in capacity["ramp"]][0] == 2
