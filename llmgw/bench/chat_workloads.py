@@ -45,6 +45,8 @@ class ChatResult:
     reply: str
     completion_tokens: int = 0  # engine-reported output tokens
     itl: list[float] = field(default_factory=list)  # seconds between successive content chunks (per token)
+    retry_after: str | None = None  # a refusal's Retry-After header
+    error: str = ""  # a refusal's body (its first 500 characters)
 
 
 def words(rng: random.Random, count: int) -> str:
@@ -57,23 +59,26 @@ def new_client(concurrency: int) -> httpx.AsyncClient:
 
 
 async def send_chat(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int,
-                    on_head: Callable[[], None] | None = None) -> ChatResult:
-    """One streamed chat completion through ``url`` (the gateway's base URL)."""
+                    on_head: Callable[[], None] | None = None, *, headers: dict[str, str] | None = None,
+                    extra_body: dict | None = None) -> ChatResult:
+    """One streamed chat completion through ``url`` (the gateway's base URL); ``headers`` (an API key) and
+    ``extra_body`` (``ignore_eos``) go with it."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(extra_body or {})}
     started = time.perf_counter()
     ttft = None
     last = 0.0
     gaps: list[float] = []
     reply: list[str] = []
     usage: dict = {}
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+    async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as response:
         if on_head is not None:
             on_head()
         replica = response.headers.get("x-llmgw-replica", "")
         if response.status_code != 200:
-            await response.aread()
-            return ChatResult(replica, response.status_code, 0, 0, 0.0, time.perf_counter() - started, "")
+            refusal = (await response.aread())[:500].decode(errors="replace")
+            return ChatResult(replica, response.status_code, 0, 0, 0.0, time.perf_counter() - started, "",
+                              retry_after=response.headers.get("retry-after"), error=refusal)
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue

@@ -112,19 +112,22 @@ class ClusterRig:
     async def open(cls, workdir: Path, *, followers: int, sims: int = 2, num_blocks: int = 2048,
                    time_scale: float = 0.0, sim_extra: tuple[str, ...] = (), sentinel: bool = False,
                    candidates: int = 1, source: Path | None = None, extra_config: str = "", workers: int = 1,
-                   **state_options: str) -> AsyncIterator["ClusterRig"]:
+                   engines: list[Child] | None = None, **state_options: str) -> AsyncIterator["ClusterRig"]:
         """Everything started and ready (see the module's docstring); stopped when the block ends. ``source``: the
         gateways run the llmgw of that checkout (a baseline). ``sentinel``:
         a primary, its replica and a sentinel instead of one server, the gateways configured with
         ``state.sentinel``. ``candidates``: the control process and ``candidates - 1`` of the followers stand
         for the cluster's lease (started without ``--role gateway``); the control process, started first, is
         its first leader. ``extra_config``: YAML appended to every gateway's config (top-level keys);
-        ``workers`` > 1: each gateway is ``llmgw serve --workers N`` (a state dir of its own under ``workdir``)."""
+        ``workers`` > 1: each gateway is ``llmgw serve --workers N`` (a state dir of its own under ``workdir``);
+        ``engines``: simulators the caller started (with :data:`KV_SIM_EXTRA`) and keeps after the block, instead
+        of ``sims`` new ones."""
         async with httpx.AsyncClient(timeout=10) as http, trio.open_nursery() as nursery:
             group = await start_sentinel_group(nursery, workdir / "redis") if sentinel else None
             redis = group.servers[0] if group else await start_private_redis(nursery, workdir / "redis")
-            engines = await start_sims(nursery, sims, env=KV_SIM_ENV, num_blocks=num_blocks, block_size=16,
-                                       time_scale=time_scale, seed=0, extra=KV_SIM_EXTRA + sim_extra)
+            if engines is None:
+                engines = await start_sims(nursery, sims, env=KV_SIM_ENV, num_blocks=num_blocks, block_size=16,
+                                           time_scale=time_scale, seed=0, extra=KV_SIM_EXTRA + sim_extra)
             config = workdir / "llmgw.yaml"
             config.write_text(cluster_config(engines, group.url if group else redis.url, **state_options)
                               + extra_config)

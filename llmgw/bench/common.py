@@ -6,7 +6,7 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -68,3 +68,17 @@ def print_and_save(report: dict, markdown: str, json_path: str | Path | None) ->
     if json_path:
         write_json(json_path, {**report, "markdown": markdown})
     return 0
+
+
+def chosen_names(parser: argparse.ArgumentParser, text: str, known: Sequence[str], what: str = "arms") -> list[str]:
+    """The comma-separated names in ``text``, each one of ``known`` (else the parser's error naming the others)."""
+    names = [name for name in text.split(",") if name]
+    unknown = set(names) - set(known)
+    if unknown:
+        parser.error(f"unknown {what}: {', '.join(sorted(unknown))}")
+    return names
+
+
+def numbers(text: str, kind: Callable[[str], float] = int) -> list:
+    """The comma-separated numbers in ``text`` (``"1,3"``), each read with ``kind``."""
+    return [kind(n) for n in text.split(",") if n]

@@ -33,7 +33,7 @@ from pathlib import Path
 import trio
 
 from ..testing.processes import ChildFailed
-from .common import bench_parser, print_and_save, write_json
+from .common import bench_parser, chosen_names, numbers, print_and_save, write_json
 from .limits_litellm import LITELLM_VERSION, LitellmUnavailable, open_litellm
 from .limits_report import markdown, summary
 from .limits_rig import REDIS_KILL, Fleet, Plan, open_llmgw
@@ -64,11 +64,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.set_defaults(repeats=1, gateways="1,2", steady_seconds=10.0, latency_requests=50,
                             redis_before=3.0, redis_away=4.0, redis_after=4.0)
     args = parser.parse_args(argv)
-    args.arms = [a for a in args.arms.split(",") if a]
-    unknown = set(args.arms) - set(ARMS)
-    if unknown:
-        parser.error(f"unknown arms: {', '.join(sorted(unknown))}")
-    args.gateways = [int(n) for n in args.gateways.split(",") if n]
+    args.arms = chosen_names(parser, args.arms, ARMS)
+    args.gateways = numbers(args.gateways)
     return args
 
 

@@ -232,7 +232,7 @@ async def open_arm(nursery: trio.Nursery, arm: Arm, spec: SimSpec, vllm_router: 
         routers: list[tuple[str, int]] = [("", 0)] * gateways
 
         async def start(i: int) -> None:
-            routers[i] = await _start_vllm_router(nursery, vllm_router, arm.policy, urls, sources, spec.block_size)
+            routers[i] = await start_vllm_router(nursery, vllm_router, arm.policy, urls, sources, spec.block_size)
 
         async with trio.open_nursery() as starting:
             for i in range(gateways):
@@ -348,11 +348,14 @@ async def _gateway_ready(control_url: str, replicas: int, *, kv: bool, timeout: 
                 await trio.sleep(0.1)
 
 
-async def _start_vllm_router(nursery: trio.Nursery, executable: str, policy: str, urls: list[str],
-                             sources: list[tuple[str, str]], block_size: int) -> tuple[str, int]:
+async def start_vllm_router(nursery: trio.Nursery, executable: str, policy: str, urls: list[str],
+                            sources: list[tuple[str, str]], block_size: int,
+                            extra: tuple[str, ...] = ()) -> tuple[str, int]:
+    """A ``vllm-router`` with ``policy`` over ``urls`` (``extra``: more of its options); its URL and pid."""
     port = free_port()
     argv = [executable, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", policy,
-            "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1", "--log-level", "info"]
+            "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1", "--log-level", "info",
+            *extra]
     if policy == "kv_aware":
         for url, (events, replay) in zip(urls, sources):
             argv += ["--kv-event-source", f"{url}={events}", "--kv-event-replay-source", f"{url}={replay}"]

@@ -27,6 +27,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "limits": ("llmgw.bench.limits", "per-key rpm, tpm, concurrency and budgets across N gateways (and workers) "
                                      "beside LiteLLM's proxy on one Redis: admitted over the limit, the largest "
                                      "overshoot, usable share under steady load, added latency, a Redis kill"),
+    "overload": ("llmgw.bench.overload", "open-loop Poisson arrivals at 0.5x to 4x the fleet's capacity, two "
+                                         "interactive tenants and a batch one, through 1 and 3 gateways: llmgw "
+                                         "with and without flow control beside vllm-router's queue; TTFT, "
+                                         "goodput, shed and expired per class, KV usage while requests wait"),
     "proxy": ("llmgw.bench.proxy", "the data plane's overhead: llmgw, the upstream called directly and vllm-router "
                                    "under wrk: added p50, requests/s and streams/s, CPU µs per request"),
     "room": ("llmgw.bench.room", "overload control's learnt room on one simulated H100 under a standing backlog, "

@@ -1,0 +1,205 @@
+"""More demand than GPUs: llmgw with flow control, llmgw without it and vllm-router's queue at 0.5x to 4x the
+fleet's capacity (issue 31).
+
+``llmgw bench overload`` starts ``--replicas`` simulators (``--profile``, each a slice of the GPU: ``--max-num-seqs``
+sequences and ``--num-blocks`` of KV cache, so that the fleet saturates at a load this machine's client can send)
+and keeps them for the whole run. First the fleet's capacity, straight on the simulators (the client spreading
+over them): a closed-loop ramp of the tenants' mix (:mod:`.overload_workload`) at each of ``--ramp`` client counts
+for ``--capacity-seconds``; the capacity is the highest completed requests/s among the steps whose interactive
+TTFT p99 met ``--slo-interactive-ms`` (the ramp's knee); the first step's TTFT p99 is the unloaded one. Then every
+arm (:mod:`.overload_arms`) at each of ``--gateways`` (vllm-router: one), fresh routers in front of the same
+simulators, drained between runs: for each ``--loads`` multiple of the capacity, ``--repeats`` times, open-loop
+Poisson arrivals for ``--seconds`` while the engines' KV usage and the gateways' queues are sampled. Per arm, load
+and class (:mod:`.overload_report`): medians with their range, a table printed and, with ``--json``, everything
+written (partial results as they come).
+
+Run: ``llmgw bench overload [--arms llmgw-flow,llmgw-off,vllm-router] [--gateways 1,3] [--loads 0.5,1,2,4]
+[--repeats 3] [--json bench-results/overload.json]``; ``--quick`` is a small form for a smoke test. Needs
+``redis-server``; vllm-router is looked up as ``llmgw bench routing`` does (``--install-vllm-router`` installs
+0.1.17 into bench-results/vr-venv), else its arm says it is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+import trio
+
+from ..sim.profiles import DEFAULT_PROFILE
+from ..testing.processes import Child, ChildFailed
+from ..testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, start_sims
+from .chat_workloads import new_client
+from .cluster_events import percentile
+from .common import bench_parser, chosen_names, numbers, print_and_save, write_json
+from .limits import leaves
+from .overload_arms import (
+    ARMS,
+    VLLM_ROUTER,
+    ArmUnavailable,
+    RouterTuning,
+    open_fleet,
+    router_tuning,
+    sample_kv,
+    wait_idle,
+)
+from .overload_report import level_stats, markdown, summary
+from .overload_workload import BATCH, INTERACTIVE, OK, Mix, Tenant, closed_loop, open_loop, sender
+from .proxy import find_vllm_router, vllm_router_version
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = bench_parser(__doc__ or "")
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated, of: " + ", ".join(ARMS))
+    parser.add_argument("--gateways", default="1,3", help="llmgw gateways per arm, comma-separated (vllm-router: 1)")
+    parser.add_argument("--loads", default="0.5,1,2,4", help="arrival rates as multiples of the measured capacity")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=10.0, help="open-loop arrivals per run")
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--profile", default=DEFAULT_PROFILE, help="the simulators' GPU profile")
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="each simulator's running sequences")
+    parser.add_argument("--num-blocks", type=int, default=512, help="each simulator's KV cache, 16-token blocks")
+    parser.add_argument("--ramp", default="2,4,8,16,32", help="closed-loop client counts of the capacity ramp")
+    parser.add_argument("--capacity-seconds", type=float, default=8.0, help="per ramp step")
+    parser.add_argument("--slo-interactive-ms", type=float, default=500.0, help="interactive TTFT SLO")
+    parser.add_argument("--slo-batch-s", type=float, default=30.0, help="batch end-to-end SLO")
+    parser.add_argument("--batch-share", type=float, default=0.3, help="the batch tenant's share of arrivals")
+    parser.add_argument("--cap", type=int, default=2000, help="requests in flight at most (arrivals beyond: counted)")
+    parser.add_argument("--request-timeout", type=float, default=120.0, help="the client's, per request")
+    parser.add_argument("--queue-size", type=int, default=100, help="vllm-router's --queue-size")
+    parser.add_argument("--queue-timeout", type=int, default=2,
+                        help="vllm-router's --queue-timeout-secs (llmgw's interactive max_wait)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--vllm-router", default=None, help="the vllm-router executable (default: looked up)")
+    parser.add_argument("--install-vllm-router", action="store_true", help="install vllm-router 0.1.17 if missing")
+    parser.add_argument("--quick", action="store_true", help="other defaults: 2 replicas, 1 gateway, loads 0.5 "
+                                                             "and 2, one repeat of 4 s, a ramp of 2 and 8")
+    parser.add_argument("--workdir", help="where the processes' files go (default: a temporary folder)")
+    if "--quick" in argv:
+        parser.set_defaults(replicas=2, gateways="1", loads="0.5,2", repeats=1, seconds=4.0, ramp="2,8",
+                            capacity_seconds=4.0)
+    args = parser.parse_args(argv)
+    args.arms = chosen_names(parser, args.arms, ARMS)
+    args.gateways, args.loads, args.ramp = numbers(args.gateways), numbers(args.loads, float), numbers(args.ramp)
+    return args
+
+
+def slo_of(args: argparse.Namespace) -> dict[str, float]:
+    return {INTERACTIVE: args.slo_interactive_ms / 1000, BATCH: args.slo_batch_s}
+
+
+async def measure_capacity(args: argparse.Namespace, http: httpx.AsyncClient, engines: list[Child],
+                           tenants: Sequence[Tenant]) -> dict:
+    """The closed-loop ramp straight on the engines (see the module's docstring)."""
+    send = sender(http, [e.url for e in engines], args.request_timeout)
+    slo = slo_of(args)[INTERACTIVE]
+    steps = []
+    for concurrency in args.ramp:
+        await wait_idle(http, [e.url for e in engines], args.request_timeout)
+        loop = await closed_loop(send, tenants, concurrency, args.capacity_seconds, args.seed)
+        ok = [o for o in loop.outcomes if o.kind == OK]
+        ttft = [o.ttft for o in ok if o.priority == INTERACTIVE]
+        p99 = percentile(ttft, 0.99)
+        step = {"concurrency": concurrency, "rps": len(ok) / loop.seconds,
+                "interactive_ttft_p50_ms": None if not ttft else percentile(ttft, 0.5) * 1000,  # type: ignore[operator]
+                "interactive_ttft_p99_ms": None if p99 is None else p99 * 1000,
+                "failed": len(loop.outcomes) - len(ok)}
+        steps.append(step)
+        print(f"  capacity ramp: {concurrency} clients: {step['rps']:.2f} req/s, interactive TTFT p99 "
+              f"{step['interactive_ttft_p99_ms'] or 0:.0f} ms", file=sys.stderr, flush=True)
+        if p99 is None or p99 > slo:
+            break
+    within = [s for s in steps if s["interactive_ttft_p99_ms"] is not None
+              and s["interactive_ttft_p99_ms"] <= args.slo_interactive_ms]
+    knee = max(within, key=lambda s: s["rps"]) if within else steps[0]
+    return {"rps": knee["rps"], "knee_concurrency": knee["concurrency"], "met_slo": bool(within),
+            "unloaded_interactive_ttft_p99_ms": steps[0]["interactive_ttft_p99_ms"], "ramp": steps}
+
+
+async def run_arm(args: argparse.Namespace, http: httpx.AsyncClient, arm: str, gateways: int, engines: list[Child],
+                  tenants: Sequence[Tenant], workdir: Path, vllm_router: str | None, tuning: RouterTuning,
+                  capacity: float) -> dict:
+    entry: dict = {"arm": arm, "gateways": gateways, "label": f"{arm} x{gateways}", "levels": []}
+    sim_urls = [e.url for e in engines]
+    try:
+        async with open_fleet(arm, gateways, engines, tenants, workdir, vllm_router, tuning) as fleet:
+            entry["notes"] = fleet.notes
+            send = sender(http, fleet.urls, args.request_timeout)
+            for load in args.loads:
+                runs = []
+                for repeat in range(args.repeats):
+                    print(f"  {fleet.label}: {load:g}x ({load * capacity:.2f} req/s), repeat {repeat + 1} of "
+                          f"{args.repeats}", file=sys.stderr, flush=True)
+                    await wait_idle(http, sim_urls, args.request_timeout)
+                    kv: list[dict] = []
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(sample_kv, http, sim_urls, fleet.control_urls, kv)
+                        loop = await open_loop(send, tenants, load * capacity, args.seconds, args.cap,
+                                               args.seed * 100 + repeat)
+                        nursery.cancel_scope.cancel()
+                    runs.append(level_stats(loop, kv, slo_of(args), capacity))
+                entry["levels"].append({"load": load, "rate_rps": load * capacity, "runs": runs,
+                                        "summary": summary(runs)})
+    except* ArmUnavailable as group:
+        entry["error"] = str(leaves(group)[0])
+    except* ChildFailed as group:
+        failure = "\n".join(str(leaf) for leaf in leaves(group))
+        entry["error"] = failure.splitlines()[0][:200]
+        entry["error_detail"] = failure[-4000:]
+    return entry
+
+
+def arm_runs(args: argparse.Namespace) -> list[tuple[str, int]]:
+    return [(arm, n) for arm in args.arms for n in ([1] if arm == VLLM_ROUTER else args.gateways)]
+
+
+async def run(args: argparse.Namespace, root: Path, vllm_router: str | None, lookup: str) -> dict:
+    tenants = Mix(batch_share=args.batch_share).tenants()
+    settings = {key: getattr(args, key) for key in ("replicas", "profile", "max_num_seqs", "num_blocks", "loads",
+                                                     "repeats", "seconds", "ramp", "capacity_seconds", "cap",
+                                                     "slo_interactive_ms", "slo_batch_s", "seed", "gateways")}
+    settings.update(sim_note=f"--max-num-seqs {args.max_num_seqs}, --num-blocks {args.num_blocks}",
+                    tenants=[vars(t) | {"key": "(its own)"} for t in tenants], cpus=os.cpu_count(),
+                    load_average_at_start=os.getloadavg(),  # the machine's other work: read the spreads with it
+                    vllm_router=vllm_router and vllm_router_version(vllm_router), vllm_router_lookup=lookup)
+    report: dict = {"settings": settings, "arms": []}
+    extra = (*KV_SIM_EXTRA, "--profile", args.profile, "--max-num-seqs", str(args.max_num_seqs))
+    async with new_client(args.cap) as http, trio.open_nursery() as nursery:
+        engines = await start_sims(nursery, args.replicas, env=KV_SIM_ENV, num_blocks=args.num_blocks,
+                                   block_size=16, seed=0, extra=extra)
+        print("llmgw bench overload: the fleet's capacity", file=sys.stderr, flush=True)
+        report["capacity"] = capacity = await measure_capacity(args, http, engines, tenants)
+        tuning = router_tuning(capacity["knee_concurrency"], capacity["rps"], args.queue_size, args.queue_timeout)
+        settings["vllm_router_options"] = " ".join(tuning.argv())
+        for i, (arm, gateways) in enumerate(arm_runs(args)):
+            print(f"llmgw bench overload: {arm}, {gateways} gateway(s)", file=sys.stderr, flush=True)
+            report["arms"].append(await run_arm(args, http, arm, gateways, engines, tenants,
+                                                root / f"{i}-{arm}-{gateways}", vllm_router, tuning,
+                                                capacity["rps"]))
+            if args.json:  # what was measured so far survives a run cut short
+                write_json(args.json, {**report, "partial": True})
+        nursery.cancel_scope.cancel()
+    settings["load_average_at_end"] = os.getloadavg()
+    return report
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    vllm_router, lookup = None, "not wanted"
+    if VLLM_ROUTER in args.arms:
+        vllm_router, lookup = find_vllm_router(args.vllm_router, args.install_vllm_router, Path.cwd())
+    with contextlib.ExitStack() as stack:
+        root = Path(args.workdir) if args.workdir else \
+            Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llmgw-bench-overload-")))
+        report = trio.run(run, args, root, vllm_router, lookup)
+    return print_and_save(report, markdown(report), args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,136 @@
+"""``llmgw bench overload``'s pure parts: what an answer counts as, a gateway's queue read from its metrics, the
+open loop's arrivals and cap, the per-class numbers and vllm-router's tuning."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import trio
+
+from llmgw.bench import overload
+from llmgw.bench.overload_arms import ARMS, keys_config, queued, router_tuning
+from llmgw.bench.overload_report import level_stats, summary
+from llmgw.bench.overload_workload import (
+    BATCH,
+    ERROR,
+    EXPIRED,
+    INTERACTIVE,
+    OK,
+    SHED,
+    Loop,
+    Mix,
+    Outcome,
+    Picker,
+    Tenant,
+    kind_of,
+    open_loop,
+)
+from llmgw.config.loading import parse_config
+
+
+def test_an_answer_is_ok_shed_expired_or_an_error():
+    assert kind_of(200, "") == OK
+    assert kind_of(429, '{"error": {"message": "rate limit: rpm"}}') == SHED
+    assert kind_of(429, '{"error": {"code": "queue_timeout", "message": "it waited 2.0s"}}') == EXPIRED
+    assert kind_of(429, '{"error": {"code": "queue_full", "message": "the queue is full"}}') == SHED
+    assert kind_of(408, "Request timed out in queue") == EXPIRED  # vllm-router's queue timeout
+    assert kind_of(503, "") == ERROR and kind_of(0, "") == ERROR
+
+
+def test_a_gateways_queue_is_the_sum_of_its_flow_queued_gauges_and_none_without_them():
+    parsed = {'llmgw_flow_queued{model="tiny",class="interactive"}': 2.0,
+              'llmgw_flow_queued{model="tiny",class="batch"}': 5.0,
+              'llmgw_flow_queued_tokens{model="tiny",class="batch"}': 9000.0,  # another gauge of the same stem
+              "llmgw_requests_total": 7.0}
+    assert queued(parsed) == 7.0
+    assert queued({"llmgw_requests_total": 7.0}) is None
+
+
+def test_batch_is_most_of_the_tokens_and_the_keys_carry_their_class():
+    tenants = Mix().tenants()
+    tokens = {c: sum(t.share * (t.prompt_words * 5 + t.max_tokens) for t in tenants if t.priority == c)
+              for c in (INTERACTIVE, BATCH)}
+    assert tokens[BATCH] > 0.8 * (tokens[BATCH] + tokens[INTERACTIVE])
+    assert sum(t.share for t in tenants) == 1.0
+    config = parse_config(keys_config(tenants))
+    assert [(k.name, k.priority) for k in config.api_keys] == [(t.name, t.priority) for t in tenants]
+
+
+def test_vllm_routers_bucket_holds_the_knee_and_refills_at_the_capacity():
+    tuning = router_tuning(12, 3.4, 100, 2)
+    assert tuning.argv() == ("--max-concurrent-requests", "12", "--rate-limit-tokens-per-second", "3",
+                             "--queue-size", "100", "--queue-timeout-secs", "2")
+
+
+async def test_the_open_loop_never_waits_for_answers_and_counts_what_the_cap_kept_out(autojump_clock):
+    tenant = Tenant("t", "sk", INTERACTIVE, 1.0, 1, 1)
+    answered = []
+
+    async def slow(t: Tenant, rng: random.Random) -> Outcome:
+        await trio.sleep(100)  # far longer than the arrivals' window
+        answered.append(t)
+        return Outcome(t.name, t.priority, 0.0, OK, 200, 0.1, 0.2)
+
+    loop = await open_loop(slow, [tenant], rate=50.0, seconds=10.0, cap=100, seed=3)
+    # ~500 arrivals in 10 s whatever the answers take: the first 100 sent at once, the rest kept out by the cap
+    assert loop.most_in_flight == 100 and len(answered) == 100
+    assert 400 <= loop.over_cap + 100 <= 600
+
+
+async def test_the_open_loops_arrivals_are_poisson_at_the_rate(autojump_clock):
+    sent: list[float] = []
+
+    async def quick(t: Tenant, rng: random.Random) -> Outcome:
+        sent.append(trio.current_time())
+        return Outcome(t.name, t.priority, 0.0, OK, 200, 0.0, 0.0)
+
+    loop = await open_loop(quick, Mix().tenants(), rate=20.0, seconds=50.0, cap=10, seed=1)
+    assert 900 <= len(loop.outcomes) <= 1100 and loop.over_cap == 0
+    gaps = [b - a for a, b in zip(sent, sent[1:])]
+    mean = sum(gaps) / len(gaps)
+    variance = sum((g - mean) ** 2 for g in gaps) / len(gaps)
+    assert abs(mean - 0.05) < 0.005 and 0.8 < variance ** 0.5 / mean < 1.2  # exponential gaps: sd = mean
+
+
+def test_per_class_numbers_goodput_fairness_and_kv_while_a_queue_waits():
+    slo = {INTERACTIVE: 0.5, BATCH: 30.0}
+    outcomes = [Outcome("interactive-a", INTERACTIVE, 0, OK, 200, 0.2, 1.0, tokens=100, itl=[0.01, 0.02]),
+                Outcome("interactive-a", INTERACTIVE, 0, OK, 200, 0.9, 1.5, tokens=100),  # over the TTFT SLO
+                Outcome("interactive-b", INTERACTIVE, 0, OK, 200, 0.1, 0.9, tokens=150),
+                Outcome("interactive-b", INTERACTIVE, 0, SHED, 429, 0.0, 0.003, retry_after=True),
+                Outcome("batch", BATCH, 0, OK, 200, 2.0, 20.0, tokens=3000),
+                Outcome("batch", BATCH, 0, EXPIRED, 429, 0.0, 2.01, retry_after=False)]
+    kv = [{"kv": 0.9, "waiting": 0, "queued": 3.0}, {"kv": 0.5, "waiting": 2, "queued": 1.0},
+          {"kv": 0.1, "waiting": 0, "queued": 0.0}]
+    stats = level_stats(Loop(outcomes, 1.0, elapsed=2.0), kv, slo, capacity_rps=2.0)  # 1 s of arrivals, 2 s in all
+    inter, batch = stats["classes"][INTERACTIVE], stats["classes"][BATCH]
+    assert (inter["sent"], inter["completed"], inter["good"], inter["shed"], inter["expired"]) == (4, 3, 2, 1, 0)
+    assert (batch["completed"], batch["good"], batch["expired"]) == (1, 1, 1)
+    assert inter["retry_after_share"] == 1.0 and batch["retry_after_share"] == 0.0
+    assert inter["rejection_p50_ms"] == 3.0 and batch["rejection_p99_ms"] == pytest.approx(2010.0)
+    assert stats["goodput_rps"] == 1.5 and stats["goodput_of_capacity"] == 0.75
+    assert stats["fairness"] == 100 / 150  # tokens in answers within the SLO: a's second answer was too late
+    assert stats["kv_gateway_queued"] == {"samples": 2, "mean": 0.7, "min": 0.5}
+    assert stats["kv_engines_waiting"]["mean"] == 0.5
+    medians = summary([stats, stats])
+    assert medians["interactive_shed"] == {"median": 1.0, "min": 1.0, "max": 1.0}
+    assert medians["kv_min_when_gateway_queued"]["median"] == 0.5
+
+
+def test_the_command_line_reads_lists_and_quick_defaults_and_refuses_unknown_arms(capsys):
+    args = overload.parse(["--loads", "0.5,4", "--gateways", "3"])
+    assert (args.arms, args.gateways, args.loads, args.ramp) == (list(ARMS), [3], [0.5, 4.0], [2, 4, 8, 16, 32])
+    quick = overload.parse(["--quick"])
+    assert (quick.replicas, quick.gateways, quick.loads, quick.repeats) == (2, [1], [0.5, 2.0], 1)
+    with pytest.raises(SystemExit):
+        overload.parse(["--arms", "llmgw-flow,nginx"])
+    assert "unknown arms: nginx" in capsys.readouterr().err
+
+
+def test_the_tenants_of_a_class_take_turns_and_the_classes_keep_their_shares():
+    pick = Picker(Mix(batch_share=0.3).tenants(), random.Random(5))
+    drawn = Counter(pick().name for _ in range(10_000))
+    assert abs(drawn["interactive-a"] - drawn["interactive-b"]) <= 1
+    assert 0.28 < drawn["batch"] / 10_000 < 0.32
