@@ -8,6 +8,12 @@ their engines, less what every gateway has in flight there, split among the gate
   routed requests and the other gateways' latest, ``Replica.inflight``); a class fills at most its ``max_fill``
   of the summed capacity. A replica whose capacity is still unknown is not full: the model's room is then
   :data:`UNBOUNDED` (nothing is held before an engine has said it is full).
+- The room is counted in KV tokens too: a replica's KV capacity is its engine's scraped cache config (blocks x
+  block size), the tokens held there the requests in flight will hold at most (their prompt estimate, this
+  gateway's and the others', and their ``max_tokens``: :meth:`EngineRoom.held_tokens`). A class may dispatch a
+  request only if the model's replicas keep the tokens within its ``max_fill`` of their KV capacity
+  (:meth:`EngineRoom.fits`): three batch requests that fill the cache leave no room for a fourth, while an
+  interactive one still fits. Before an engine has told its capacity, the tokens hold nothing back.
 - Shared: every gateway reports how many requests it holds per model with its load (llmgw/cluster/load.py); when
   others hold some too, this gateway's share of the free room is ``free x mine / (mine + theirs)`` (mine counted
   as at least 1, and at least 1 request while there is room, so no gateway starves), each peer's count taken at
@@ -39,6 +45,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL = 0.05  # changed() returns after this long at the latest
+
+
+def kv_capacity(replica: Replica) -> int | None:
+    """The tokens ``replica``'s engine's KV cache holds, from its last scrape; None while unknown."""
+    load = replica.engine_load
+    if load is None or not load.num_blocks or not load.block_size:
+        return None
+    return load.num_blocks * load.block_size
 
 
 class SharedQueues(Protocol):
@@ -98,6 +112,35 @@ class EngineRoom:
             free += max(0, limit - replica.inflight)
         reserved = capacity - math.floor(capacity * min(1.0, max(0.0, priority.max_fill)))
         return self.share(model, max(0, free - reserved))
+
+    def fits(self, model: str, priority: PriorityClass, tokens: int) -> bool:
+        # Summed over the replicas, each filled at most to the class's share of its KV cache; a request larger than
+        # one replica's share needs that much free (it would wait for ever otherwise).
+        route = self.router.models.get(model)
+        if route is None:
+            return True  # free() says 0 already
+        fill = min(1.0, max(0.0, priority.max_fill))
+        room = largest = 0
+        for replica in route.replicas:
+            if not replica.routable:
+                continue
+            capacity = kv_capacity(replica)
+            if capacity is None:
+                return True
+            share = math.floor(capacity * fill)
+            largest = max(largest, share)
+            room += max(0, share - self.held_tokens(replica))
+        return min(tokens, largest) <= room
+
+    @staticmethod
+    def held_tokens(replica: Replica) -> int:
+        """The KV tokens the requests in flight on ``replica`` will hold at most: their prompt estimates (this
+        gateway's and the others') and this gateway's output estimates; the other gateways' output is taken at
+        this gateway's mean per request there (their reports carry prompt tokens only)."""
+        output = replica.local_inflight_output_tokens
+        if replica.peer_inflight and replica.local_inflight:
+            output += replica.peer_inflight * output // replica.local_inflight
+        return replica.inflight_tokens + output
 
     def share(self, model: str, free: int) -> int:
         """This gateway's share of ``free``: all of it unless other gateways hold requests for ``model`` too."""
@@ -201,10 +244,12 @@ class EngineRoom:
         return {model: n for model in list(self.router.models) if (n := self._queued(model)) > 0}
 
     def describe(self, model: str) -> dict[str, Any]:
-        """The model's room for /admin/explain: per replica its learnt capacity and in-flight requests."""
+        """The model's room for /admin/explain: per replica its learnt capacity and in-flight requests, its KV
+        capacity and the tokens in flight there (tokens)."""
         route = self.router.models.get(model)
         replicas = [] if route is None else [
             {"name": replica.name, "capacity": self.capacity(replica), "inflight": replica.inflight,
+             "kv_capacity_tokens": kv_capacity(replica), "held_tokens": self.held_tokens(replica),
              "saturation": round(self.replica_saturation(replica), 3), "cuts": learnt.cuts if learnt else 0,
              "raises": learnt.raises if learnt else 0}
             for replica in route.replicas for learnt in [self._learnt.get(replica)]]

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, ca
 from ..kv.index import KvIndex
 from ..kv.metrics import KvMetrics
 from .canonical import estimated_prompt_tokens
+from .decode_cost import DEFAULT_OUTPUT_TOKENS, max_output_tokens
 from .model import TierModel
 from .replica import Replica
 from .replicas import STATIC, ReplicaSet
@@ -233,10 +234,14 @@ class Router:
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         """The request is being handed to ``decision.replica``: its prompt tokens count in the replica's
-        ``local_inflight_tokens`` (hence ``inflight_tokens``) from now on, and the tier learns of it."""
+        ``local_inflight_tokens`` (hence ``inflight_tokens``) and its most output tokens in
+        ``local_inflight_output_tokens`` from now on, and the tier learns of it."""
         if not decision.inflight_tokens:
             decision.inflight_tokens = estimated_prompt_tokens(request)
-            replica_of(decision).local_inflight_tokens += decision.inflight_tokens
+            decision.output_tokens = max_output_tokens(request.body) or int(DEFAULT_OUTPUT_TOKENS)
+            replica = replica_of(decision)
+            replica.local_inflight_tokens += decision.inflight_tokens
+            replica.local_inflight_output_tokens += decision.output_tokens
         if decision.prefill_tokens > 0 and not decision.queued:
             decision.queued = True
             replica_of(decision).queue_prefill(id(decision), decision.prefill_tokens, time.monotonic())
@@ -272,7 +277,8 @@ class Router:
         if decision.inflight_tokens:
             replica = replica_of(decision)
             replica.local_inflight_tokens = max(0, replica.local_inflight_tokens - decision.inflight_tokens)
-            decision.inflight_tokens = 0
+            replica.local_inflight_output_tokens = max(0, replica.local_inflight_output_tokens - decision.output_tokens)
+            decision.inflight_tokens = decision.output_tokens = 0
         route = self.models.get(request.model)
         if route is not None:
             self._notify(route, "finished", route.tier.finished, request, decision,

@@ -20,6 +20,7 @@ from llmgw.plugins_manager import build_registry, make_plugin_manager
 from llmgw.router.load_scraper import schedule
 from llmgw.router.replica import Replica, ReplicaState
 from llmgw.router.router import EngineMetricsDemand, Router
+from llmgw.router.tier import Decision, RouteRequest
 
 INTERACTIVE, STANDARD, BATCH, BEST_EFFORT = DEFAULT_CLASSES
 RULE = CapacityRule()
@@ -316,3 +317,77 @@ def test_the_scraper_takes_the_rooms_interval_when_it_is_shorter_than_the_tiers(
     assert schedule(tier, demand) == (0.25, 1.0)
     fast = SimpleNamespace(engine_metrics_interval=0.1, engine_metrics_timeout=0.05)
     assert schedule(fast, demand) == (0.1, 0.05)
+
+
+# -- the room in KV tokens --------------------------------------------------------------------------------------------
+
+
+def tell_kv(router, name, blocks=512, block_size=16):
+    """Replica ``name``'s engine says its KV cache holds ``blocks`` x ``block_size`` tokens."""
+    replica = router.replicas.get(name)
+    replica.engine_load = EngineLoad(running=0, waiting=0, at=1, kv_usage=0.0, num_blocks=blocks,
+                                     block_size=block_size)
+
+
+def route(router, name, prompt_words, max_tokens):
+    """Route a request of about ``prompt_words`` x 5 characters with ``max_tokens`` to replica ``name``."""
+    request = RouteRequest("m", "/v1/chat/completions", {
+        "model": "m", "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": " ".join(["word"] * prompt_words)}]})
+    decision = Decision(router.replicas.get(name))
+    router.routed(request, decision)
+    return request, decision
+
+
+def test_a_batch_request_past_its_share_of_the_kv_cache_waits_while_an_interactive_one_fits():
+    router, room, _, _ = make_room(replicas=("a",))
+    tell_kv(router, "a")  # 8,192 tokens; batch may hold 85% of them: 6,963
+    for _ in range(2):
+        route(router, "a", prompt_words=1680, max_tokens=256)  # ~2,100 prompt + 256 output tokens
+    held = room.held_tokens(router.replicas.get("a"))
+    assert 4600 < held < 4800
+    assert room.free("m", BATCH) == UNBOUNDED  # the request count alone would let it through
+    assert not room.fits("m", BATCH, 2400)
+    assert room.fits("m", BATCH, 2000)
+    assert room.fits("m", INTERACTIVE, 150)
+    assert room.fits("m", INTERACTIVE, 3400)  # interactive's share is the whole cache
+
+
+def test_the_tokens_in_flight_are_the_prompts_and_max_tokens_until_finished_and_the_peers_prompts():
+    router, room, _, _ = make_room(replicas=("a", "b"))
+    tell_kv(router, "a")
+    tell_kv(router, "b")
+    a = router.replicas.get("a")
+    request, decision = route(router, "a", prompt_words=80, max_tokens=1000)
+    assert room.held_tokens(a) == a.local_inflight_tokens + 1000
+    a.local_inflight = 1  # the data plane's count
+    a.peer_inflight, a.peer_inflight_tokens = 2, 300  # another gateway's: their output at our mean per request
+    assert room.held_tokens(a) == a.local_inflight_tokens + 300 + 1000 + 2 * 1000
+    router.finished(request, decision, None)
+    a.local_inflight = 0
+    assert a.local_inflight_output_tokens == 0 and room.held_tokens(a) == 300
+    # Summed over the replicas, each within the class's share: a request larger than one replica's share waits
+    # for a whole share, never for ever.
+    b = router.replicas.get("b")
+    on_b = route(router, "b", prompt_words=10, max_tokens=6000)
+    free = (6144 - 300) + (6144 - room.held_tokens(b))  # best-effort's 75% of each 8,192
+    assert room.fits("m", BEST_EFFORT, free)
+    assert not room.fits("m", BEST_EFFORT, free + 1)
+    assert not room.fits("m", BEST_EFFORT, 50_000)
+    router.finished(*on_b, None)
+    assert room.fits("m", BEST_EFFORT, 50_000)  # b is empty: one whole share is free
+
+
+def test_without_a_kv_capacity_scraped_the_tokens_hold_nothing_back():
+    router, room, _, _ = make_room(replicas=("a", "b"))
+    route(router, "a", prompt_words=100_000, max_tokens=100_000)
+    assert room.fits("m", BEST_EFFORT, 10**9)
+    tell_kv(router, "a")  # b's still unknown: not full
+    assert room.fits("m", BEST_EFFORT, 10**9)
+    tell_kv(router, "b", blocks=0)  # a broken cache config is no capacity
+    assert room.fits("m", BEST_EFFORT, 10**9)
+    tell_kv(router, "b")  # a is past its share, b empty: up to b's share fits
+    assert room.fits("m", BEST_EFFORT, 6144)
+    route(router, "b", prompt_words=10, max_tokens=100)
+    assert not room.fits("m", BEST_EFFORT, 6144)
+    assert room.describe("m")["replicas"][1]["kv_capacity_tokens"] == 8192
