@@ -10,7 +10,9 @@ their engines, less what every gateway has in flight there, split among the gate
   :data:`UNBOUNDED` (nothing is held before an engine has said it is full).
 - The room is counted in KV tokens too: a replica's KV capacity is its engine's scraped cache config (blocks x
   block size), the tokens held there the requests in flight will hold at most (their prompt estimate, this
-  gateway's and the others', and their ``max_tokens``: :meth:`EngineRoom.held_tokens`). A class may dispatch a
+  gateway's and the others', scaled by how many tokens the engines counted per estimated one in the answers'
+  usage, :class:`~llmgw.router.prompt_ratio.PromptTokenRatio`; and their ``max_tokens``:
+  :meth:`EngineRoom.held_tokens`). A class may dispatch a
   request only if the model's replicas keep the tokens within its ``max_fill`` of their KV capacity
   (:meth:`EngineRoom.fits`): three batch requests that fill the cache leave no room for a fourth, while an
   interactive one still fits. Before an engine has told its capacity, the tokens hold nothing back.
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import trio
 
+from ..router.prompt_ratio import PromptTokenRatio
 from ..router.replica import Replica
 from ..router.router import EngineMetricsDemand
 from .capacity import UNBOUNDED, CapacityRule, ReplicaCapacity
@@ -129,18 +132,19 @@ class EngineRoom:
                 return True
             share = math.floor(capacity * fill)
             largest = max(largest, share)
-            room += max(0, share - self.held_tokens(replica))
+            room += max(0, share - self.held_tokens(replica, route.prompt_ratio))
         return min(tokens, largest) <= room
 
     @staticmethod
-    def held_tokens(replica: Replica) -> int:
+    def held_tokens(replica: Replica, ratio: PromptTokenRatio) -> int:
         """The KV tokens the requests in flight on ``replica`` will hold at most: their prompt estimates (this
-        gateway's and the others') and this gateway's output estimates; the other gateways' output is taken at
-        this gateway's mean per request there (their reports carry prompt tokens only)."""
+        gateway's and the others') in the engine's count (``ratio``: the model's), and this gateway's output
+        estimates; the other gateways' output is taken at this gateway's mean per request there (their reports
+        carry prompt tokens only)."""
         output = replica.local_inflight_output_tokens
         if replica.peer_inflight and replica.local_inflight:
             output += replica.peer_inflight * output // replica.local_inflight
-        return replica.inflight_tokens + output
+        return ratio.tokens(replica.inflight_tokens) + output
 
     def share(self, model: str, free: int) -> int:
         """This gateway's share of ``free``: all of it unless other gateways hold requests for ``model`` too."""
@@ -249,7 +253,7 @@ class EngineRoom:
         route = self.router.models.get(model)
         replicas = [] if route is None else [
             {"name": replica.name, "capacity": self.capacity(replica), "inflight": replica.inflight,
-             "kv_capacity_tokens": kv_capacity(replica), "held_tokens": self.held_tokens(replica),
+             "kv_capacity_tokens": kv_capacity(replica), "held_tokens": self.held_tokens(replica, route.prompt_ratio),
              "saturation": round(self.replica_saturation(replica), 3), "cuts": learnt.cuts if learnt else 0,
              "raises": learnt.raises if learnt else 0}
             for replica in route.replicas for learnt in [self._learnt.get(replica)]]

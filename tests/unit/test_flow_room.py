@@ -329,6 +329,10 @@ def tell_kv(router, name, blocks=512, block_size=16):
                                      block_size=block_size)
 
 
+def held(router, room, name):
+    return room.held_tokens(router.replicas.get(name), router.models["m"].prompt_ratio)
+
+
 def route(router, name, prompt_words, max_tokens):
     """Route a request of about ``prompt_words`` x 5 characters with ``max_tokens`` to replica ``name``."""
     request = RouteRequest("m", "/v1/chat/completions", {
@@ -344,8 +348,7 @@ def test_a_batch_request_past_its_share_of_the_kv_cache_waits_while_an_interacti
     tell_kv(router, "a")  # 8,192 tokens; batch may hold 85% of them: 6,963
     for _ in range(2):
         route(router, "a", prompt_words=1680, max_tokens=256)  # ~2,100 prompt + 256 output tokens
-    held = room.held_tokens(router.replicas.get("a"))
-    assert 4600 < held < 4800
+    assert 4600 < held(router, room, "a") < 4800
     assert room.free("m", BATCH) == UNBOUNDED  # the request count alone would let it through
     assert not room.fits("m", BATCH, 2400)
     assert room.fits("m", BATCH, 2000)
@@ -359,18 +362,18 @@ def test_the_tokens_in_flight_are_the_prompts_and_max_tokens_until_finished_and_
     tell_kv(router, "b")
     a = router.replicas.get("a")
     request, decision = route(router, "a", prompt_words=80, max_tokens=1000)
-    assert room.held_tokens(a) == a.local_inflight_tokens + 1000
+    assert held(router, room, "a") == a.local_inflight_tokens + 1000
     a.local_inflight = 1  # the data plane's count
     a.peer_inflight, a.peer_inflight_tokens = 2, 300  # another gateway's: their output at our mean per request
-    assert room.held_tokens(a) == a.local_inflight_tokens + 300 + 1000 + 2 * 1000
+    assert held(router, room, "a") == a.local_inflight_tokens + 300 + 1000 + 2 * 1000
     router.finished(request, decision, None)
     a.local_inflight = 0
-    assert a.local_inflight_output_tokens == 0 and room.held_tokens(a) == 300
+    assert a.local_inflight_output_tokens == 0 and held(router, room, "a") == 300
     # Summed over the replicas, each within the class's share: a request larger than one replica's share waits
     # for a whole share, never for ever.
     b = router.replicas.get("b")
     on_b = route(router, "b", prompt_words=10, max_tokens=6000)
-    free = (6144 - 300) + (6144 - room.held_tokens(b))  # best-effort's 75% of each 8,192
+    free = (6144 - 300) + (6144 - held(router, room, "b"))  # best-effort's 75% of each 8,192
     assert room.fits("m", BEST_EFFORT, free)
     assert not room.fits("m", BEST_EFFORT, free + 1)
     assert not room.fits("m", BEST_EFFORT, 50_000)
@@ -391,3 +394,24 @@ def test_without_a_kv_capacity_scraped_the_tokens_hold_nothing_back():
     route(router, "b", prompt_words=10, max_tokens=100)
     assert not room.fits("m", BEST_EFFORT, 6144)
     assert room.describe("m")["replicas"][1]["kv_capacity_tokens"] == 8192
+
+
+def test_the_prompt_estimate_is_scaled_by_what_the_engines_counted_in_the_answers_usage():
+    router, room, _, _ = make_room(replicas=("a",))
+    tell_kv(router, "a")
+    request, decision = route(router, "a", prompt_words=400, max_tokens=256)
+    estimate = decision.inflight_tokens
+    assert held(router, room, "a") == estimate + 256  # nothing learnt yet: the estimate as it is
+    assert room.fits("m", BATCH, 6000)
+    router.finished(request, decision, {"prompt_tokens": 4 * estimate, "completion_tokens": 256})
+    for _ in range(3):
+        route(router, "a", prompt_words=400, max_tokens=256)
+    assert held(router, room, "a") == 3 * (4 * estimate + 256)  # the engine's tokenizer counts 4x the estimate
+    assert not room.fits("m", BATCH, 4 * estimate + 256)  # a fourth would pass batch's 6,963 of 8,192
+    # A forged or broken usage moves it boundedly: clamped samples, a moving average.
+    ratio = router.models["m"].prompt_ratio
+    for usage in (None, {"prompt_tokens": "many"}, {"prompt_tokens": True}, {"prompt_tokens": -5}):
+        ratio.observe(estimate, usage)
+    assert ratio.ratio == 4.0
+    ratio.observe(1, {"prompt_tokens": 10**12})
+    assert 4.0 < ratio.ratio <= 4.0 + 0.1 * (16.0 - 4.0)
