@@ -306,6 +306,13 @@ def test_saturation_and_its_metrics():
     assert registry.get_sample_value("llmgw_flow_room_free", {"model": "m"}) == math.inf
     assert registry.get_sample_value("llmgw_flow_capacity_changes_total", {"model": "m", "change": "cut"}) >= 1
     assert room.describe("m")["replicas"][0]["capacity"] == 10
+    assert registry.get_sample_value("llmgw_flow_replica_kv_capacity_tokens", {"model": "m", "replica": "a"}) is None
+    assert registry.get_sample_value("llmgw_flow_prompt_token_ratio", {"model": "m"}) == 1.0
+    tell_kv(router, "a")
+    route(router, "a", prompt_words=16, max_tokens=100)  # 80 characters: 21 estimated tokens
+    assert registry.get_sample_value("llmgw_flow_replica_kv_capacity_tokens", {"model": "m", "replica": "a"}) == 8192
+    assert registry.get_sample_value("llmgw_flow_replica_kv_held_tokens", {"model": "m", "replica": "a"}) == \
+        router.replicas.get("a").local_inflight_tokens + 100
 
 
 def test_the_scraper_takes_the_rooms_interval_when_it_is_shorter_than_the_tiers():
@@ -371,7 +378,6 @@ def test_the_tokens_in_flight_are_the_prompts_and_max_tokens_until_finished_and_
     assert a.local_inflight_output_tokens == 0 and held(router, room, "a") == 300
     # Summed over the replicas, each within the class's share: a request larger than one replica's share waits
     # for a whole share, never for ever.
-    b = router.replicas.get("b")
     on_b = route(router, "b", prompt_words=10, max_tokens=6000)
     free = (6144 - 300) + (6144 - held(router, room, "b"))  # best-effort's 75% of each 8,192
     assert room.fits("m", BEST_EFFORT, free)

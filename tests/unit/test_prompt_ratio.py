@@ -3,8 +3,7 @@ an answer's usage block holds."""
 
 from __future__ import annotations
 
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from llmgw.router.prompt_ratio import MAX_RATIO, MIN_RATIO, PromptTokenRatio
 
