@@ -12,10 +12,11 @@ their engines, less what every gateway has in flight there, split among the gate
   block size), the tokens held there the requests in flight will hold at most (their prompt estimate, this
   gateway's and the others', scaled by how many tokens the engines counted per estimated one in the answers'
   usage, :class:`~llmgw.router.prompt_ratio.PromptTokenRatio`; and their ``max_tokens``:
-  :meth:`EngineRoom.held_tokens`). A class may dispatch a
-  request only if the model's replicas keep the tokens within its ``max_fill`` of their KV capacity
-  (:meth:`EngineRoom.fits`): three batch requests that fill the cache leave no room for a fourth, while an
-  interactive one still fits. Before an engine has told its capacity, the tokens hold nothing back.
+  :meth:`EngineRoom.held_tokens`). A class may dispatch a request only if the model's replicas keep the tokens
+  within its ``max_fill`` of their KV capacity (:meth:`EngineRoom.fits`): three batch requests that fill the
+  cache leave no room for a fourth, while an interactive one still fits. Before an engine has told its capacity,
+  the tokens hold nothing back. The tokens are not split among gateways as the requests are: each gateway sees
+  the others' in-flight prompts within a report interval.
 - Shared: every gateway reports how many requests it holds per model with its load (llmgw/cluster/load.py); when
   others hold some too, this gateway's share of the free room is ``free x mine / (mine + theirs)`` (mine counted
   as at least 1, and at least 1 request while there is room, so no gateway starves), each peer's count taken at
