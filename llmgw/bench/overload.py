@@ -67,6 +67,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--num-blocks", type=int, default=512, help="each simulator's KV cache, 16-token blocks")
     parser.add_argument("--ramp", default="2,4,8,16,32", help="closed-loop client counts of the capacity ramp")
     parser.add_argument("--capacity-seconds", type=float, default=8.0, help="per ramp step")
+    parser.add_argument("--capacity", type=float, default=None,
+                        help="req/s the loads are multiples of, instead of the ramp's knee (the ramp still gives "
+                             "the unloaded TTFT): two builds compared at the same arrival rates")
     parser.add_argument("--slo-interactive-ms", type=float, default=500.0, help="interactive TTFT SLO")
     parser.add_argument("--slo-batch-s", type=float, default=30.0, help="batch end-to-end SLO")
     parser.add_argument("--batch-share", type=float, default=0.3, help="the batch tenant's share of arrivals")
@@ -118,7 +121,8 @@ async def measure_capacity(args: argparse.Namespace, http: httpx.AsyncClient, en
     within = [s for s in steps if s["interactive_ttft_p99_ms"] is not None
               and s["interactive_ttft_p99_ms"] <= args.slo_interactive_ms]
     knee = max(within, key=lambda s: s["rps"]) if within else steps[0]
-    return {"rps": knee["rps"], "knee_concurrency": knee["concurrency"], "met_slo": bool(within),
+    return {"rps": args.capacity or knee["rps"], "measured_rps": knee["rps"], "given": args.capacity is not None,
+            "knee_concurrency": knee["concurrency"], "met_slo": bool(within),
             "unloaded_interactive_ttft_p99_ms": steps[0]["interactive_ttft_p99_ms"], "ramp": steps}
 
 

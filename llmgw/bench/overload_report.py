@@ -121,9 +121,13 @@ COLUMNS: list[tuple[str, str, str, float]] = [  # header, measure (per class: af
 def markdown(report: dict) -> str:
     settings = report["settings"]
     capacity = report["capacity"]
+    given = ""
+    if capacity.get("given"):
+        given = f"given with --capacity; the ramp measured {capacity['measured_rps']:.2f}, "
     lines = [f"Fleet: {settings['replicas']} x `llmgw sim --profile {settings['profile']}` "
-             f"({settings['sim_note']}); capacity {capacity['rps']:.2f} req/s (closed-loop ramp, "
-             f"the highest throughput with interactive TTFT p99 <= {settings['slo_interactive_ms']:.0f} ms, at "
+             f"({settings['sim_note']}); capacity {capacity['rps']:.2f} req/s ({given}"
+             f"closed-loop ramp, the highest throughput with interactive TTFT p99 <= "
+             f"{settings['slo_interactive_ms']:.0f} ms, at "
              f"{capacity['knee_concurrency']} clients; unloaded interactive TTFT p99 "
              f"{capacity['unloaded_interactive_ttft_p99_ms'] or 0:.0f} ms, at {settings['ramp'][0]}). vllm-router: "
              f"`{settings.get('vllm_router_options', '')}`. Open-loop Poisson arrivals for {settings['seconds']:g} "

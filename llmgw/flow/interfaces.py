@@ -25,6 +25,11 @@ class Room(Protocol):
         other gateways'), and this gateway's share of it when other gateways have requests waiting too. The queue's
         own admitted requests not yet released (not yet routed) are not in it: the queue subtracts those itself."""
 
+    def fits(self, model: str, priority: PriorityClass, tokens: int) -> bool:
+        """Whether ``tokens`` more KV tokens (a request's prompt and most output, with those admitted and not yet
+        routed) of ``priority`` fit on ``model``'s replicas now: the tokens in flight there stay within the class's
+        share of their KV capacity. True while that capacity is unknown."""
+
     async def changed(self, model: str) -> None:
         """Return when ``model``'s room may have changed (a request finished, an engine was scraped, a replica
         came or went, a peer's report arrived); at the latest after a short poll interval."""

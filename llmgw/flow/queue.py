@@ -2,8 +2,9 @@
 within a band, deadlines, overflow, and a Retry-After from the measured drain rate.
 
 - A request is admitted at once, without awaiting, when its model has room for its class
-  (``room.free(model, class) - pending > 0``; *pending*: admitted here and not yet released) and nothing of its
-  class or a higher one waits.
+  (``room.free(model, class) - pending > 0`` and ``room.fits(model, class, pending tokens + its cost)``;
+  *pending*: admitted here and not yet released, counted in requests and in tokens) and nothing of its class or a
+  higher one waits.
 - Otherwise it waits in its band (:class:`~.fair.FairBand`: start-time fair queueing by tokens between flows,
   FCFS within one). A dispatcher task per model, started when the model first has a waiter and ending when it has
   none, admits waiters while there is room: the highest band first, a lower band only when every band above it is
@@ -94,6 +95,7 @@ class _Model:
         self.bands: list[tuple[int, FairBand[_Waiter]]] = [(rank, FairBand()) for rank in sorted(set(ranks))]
         self.classes: dict[str, _ClassState] = {}
         self.pending = 0  # admitted, not yet released
+        self.pending_tokens = 0  # their costs
         self.waiting = 0
         self.tokens = 0
         self.drain = DrainRate()
@@ -146,11 +148,14 @@ class _Model:
 class _Ticket:
     """An admission's place in its model's room until released."""
 
-    __slots__ = ("model", "released")
+    __slots__ = ("model", "tokens", "released")
 
-    def __init__(self, model: _Model):
+    def __init__(self, model: _Model, tokens: int):
         self.model = model
+        self.tokens = tokens
         self.released = False
+        model.pending += 1
+        model.pending_tokens += tokens
 
 
 class FlowQueue(TaskHost):
@@ -172,16 +177,20 @@ class FlowQueue(TaskHost):
         if model is None:
             model = self._new_model(request.model)
         priority = request.priority
-        if (not model.waiting or not model.waits_at(priority.rank)) and \
-                self.room.free(model.name, priority) - model.pending > 0:
+        cost = max(request.cost, 0)
+        if (not model.waiting or not model.waits_at(priority.rank)) and self._has_room(model, priority, cost):
             # The fast path: no await, no clock unless a backlog is being measured.
-            model.pending += 1
             if model.waiting:
-                model.drain.dispatched(max(request.cost, 0), trio.current_time())
+                model.drain.dispatched(cost, trio.current_time())
             self.metrics.admitted.labels(model.name, priority.name).inc()
             self.metrics.wait.labels(model.name, priority.name).observe(0.0)
-            return Admitted(0.0, _Ticket(model))
+            return Admitted(0.0, _Ticket(model, cost))
         return await self._wait(model, request)
+
+    def _has_room(self, model: _Model, priority: PriorityClass, cost: int) -> bool:
+        """Room for one more request of ``cost`` tokens, besides those admitted and not yet released."""
+        return self.room.free(model.name, priority) - model.pending > 0 and \
+            self.room.fits(model.name, priority, model.pending_tokens + cost)
 
     def _new_model(self, name: str) -> _Model:
         if len(self._models) >= MAX_MODELS:  # the data plane names served models only; still, never grow unbounded
@@ -198,6 +207,7 @@ class FlowQueue(TaskHost):
         ticket.released = True
         model = ticket.model
         model.pending -= 1
+        model.pending_tokens -= ticket.tokens
         if model.waiting:
             model.kick.set()
 
@@ -209,8 +219,9 @@ class FlowQueue(TaskHost):
         return {name: Queued(s.requests, s.tokens) for name, s in queue.classes.items() if s.requests}
 
     def snapshot(self) -> dict[str, dict]:
-        """Per model: requests admitted and not released, the drain rate (tokens/s; None until measured), and per
-        class: requests and tokens waiting, the oldest's wait (s), the sheds of the last minute by reason."""
+        """Per model: requests (and their tokens) admitted and not released, the drain rate (tokens/s; None until
+        measured), and per class: requests and tokens waiting, the oldest's wait (s), the sheds of the last minute
+        by reason."""
         now = trio.current_time()
         out: dict[str, dict] = {}
         for name, model in self._models.items():
@@ -230,7 +241,8 @@ class FlowQueue(TaskHost):
                         recent[reason] = recent.get(reason, 0) + 1
                 classes[cls] = {"queued": state.requests, "queued_tokens": state.tokens,
                                 "oldest_wait": oldest.get(cls, 0.0), "recent_sheds": recent}
-            out[name] = {"pending": model.pending, "drain_rate": model.drain.current(now), "classes": classes}
+            out[name] = {"pending": model.pending, "pending_tokens": model.pending_tokens,
+                         "drain_rate": model.drain.current(now), "classes": classes}
         return out
 
     # The slow path.
@@ -374,13 +386,12 @@ class FlowQueue(TaskHost):
         for _, band in model.bands:
             while (waiter := band.peek()) is not None:
                 priority = waiter.request.priority
-                if self.room.free(model.name, priority) - model.pending <= 0:
+                if not self._has_room(model, priority, waiter.cost):
                     return
                 band.pop()
                 self._dequeue(model, waiter, now, dispatched=True)
-                model.pending += 1
                 waited = now - waiter.since
-                waiter.outcome = Admitted(waited, _Ticket(model), waiter.position, waiter.tokens_ahead,
+                waiter.outcome = Admitted(waited, _Ticket(model, waiter.cost), waiter.position, waiter.tokens_ahead,
                                           waiter.ahead_class)
                 waiter.event.set()
                 self.metrics.admitted.labels(model.name, priority.name).inc()

@@ -8,6 +8,15 @@ their engines, less what every gateway has in flight there, split among the gate
   routed requests and the other gateways' latest, ``Replica.inflight``); a class fills at most its ``max_fill``
   of the summed capacity. A replica whose capacity is still unknown is not full: the model's room is then
   :data:`UNBOUNDED` (nothing is held before an engine has said it is full).
+- The room is counted in KV tokens too: a replica's KV capacity is its engine's scraped cache config (blocks x
+  block size), the tokens held there the requests in flight will hold at most (their prompt estimate, this
+  gateway's and the others', scaled by how many tokens the engines counted per estimated one in the answers'
+  usage, :class:`~llmgw.router.prompt_ratio.PromptTokenRatio`; and their ``max_tokens``:
+  :meth:`EngineRoom.held_tokens`). A class may dispatch a request only if the model's replicas keep the tokens
+  within its ``max_fill`` of their KV capacity (:meth:`EngineRoom.fits`): three batch requests that fill the
+  cache leave no room for a fourth, while an interactive one still fits. Before an engine has told its capacity,
+  the tokens hold nothing back. The tokens are not split among gateways as the requests are: each gateway sees
+  the others' in-flight prompts within a report interval.
 - Shared: every gateway reports how many requests it holds per model with its load (llmgw/cluster/load.py); when
   others hold some too, this gateway may have in flight its quota of the capacity, in proportion to its demand
   (requests in flight and held) among every gateway's (:meth:`EngineRoom.share`: a quota, not a part of what is
@@ -27,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import trio
 
+from ..router.prompt_ratio import PromptTokenRatio
 from ..router.replica import Replica, ReplicaState
 from ..router.router import EngineMetricsDemand
 from .capacity import UNBOUNDED, CapacityRule, ReplicaCapacity
@@ -40,6 +50,14 @@ log = logging.getLogger(__name__)
 
 POLL = 0.05  # changed() returns after this long at the latest
 UP, UNKNOWN = ReplicaState.UP, ReplicaState.UNKNOWN
+
+
+def kv_capacity(replica: Replica) -> int | None:
+    """The tokens ``replica``'s engine's KV cache holds, from its last scrape; None while unknown."""
+    load = replica.engine_load
+    if load is None or not load.num_blocks or not load.block_size:
+        return None
+    return load.num_blocks * load.block_size
 
 
 class SharedQueues(Protocol):
@@ -114,6 +132,36 @@ class EngineRoom:
         if free == 0 or self.sharing is None:
             return free
         return self.share(model, free, filled, mine, theirs)
+
+    def fits(self, model: str, priority: PriorityClass, tokens: int) -> bool:
+        # Summed over the replicas, each filled at most to the class's share of its KV cache; a request larger than
+        # one replica's share needs that much free (it would wait for ever otherwise).
+        route = self.router.models.get(model)
+        if route is None:
+            return True  # free() says 0 already
+        fill = min(1.0, max(0.0, priority.max_fill))
+        room = largest = 0
+        for replica in route.replicas:
+            if not replica.routable:
+                continue
+            capacity = kv_capacity(replica)
+            if capacity is None:
+                return True
+            share = math.floor(capacity * fill)
+            largest = max(largest, share)
+            room += max(0, share - self.held_tokens(replica, route.prompt_ratio))
+        return min(tokens, largest) <= room
+
+    @staticmethod
+    def held_tokens(replica: Replica, ratio: PromptTokenRatio) -> int:
+        """The KV tokens the requests in flight on ``replica`` will hold at most: their prompt estimates (this
+        gateway's and the others') in the engine's count (``ratio``: the model's), and this gateway's output
+        estimates; the other gateways' output is taken at this gateway's mean per request there (their reports
+        carry prompt tokens only)."""
+        output = replica.local_inflight_output_tokens
+        if replica.peer_inflight and replica.local_inflight:
+            output += replica.peer_inflight * output // replica.local_inflight
+        return ratio.tokens(replica.inflight_tokens) + output
 
     def share(self, model: str, free: int, filled: int, mine: int, theirs: int) -> int:
         """This gateway's part of ``free`` when other gateways hold requests for ``model`` too: it may have in
@@ -223,10 +271,12 @@ class EngineRoom:
         return {model: n for model in list(self.router.models) if (n := self._queued(model)) > 0}
 
     def describe(self, model: str) -> dict[str, Any]:
-        """The model's room for /admin/explain: per replica its learnt capacity and in-flight requests."""
+        """The model's room for /admin/explain: per replica its learnt capacity and in-flight requests, its KV
+        capacity and the tokens in flight there (tokens)."""
         route = self.router.models.get(model)
         replicas = [] if route is None else [
             {"name": replica.name, "capacity": self.capacity(replica), "inflight": replica.inflight,
+             "kv_capacity_tokens": kv_capacity(replica), "held_tokens": self.held_tokens(replica, route.prompt_ratio),
              "saturation": round(self.replica_saturation(replica), 3), "cuts": learnt.cuts if learnt else 0,
              "raises": learnt.raises if learnt else 0}
             for replica in route.replicas for learnt in [self._learnt.get(replica)]]

@@ -1,4 +1,5 @@
-"""The room's Prometheus series (``llmgw_flow_replica_*``, ``llmgw_flow_room_free``, ``llmgw_flow_capacity_changes``;
+"""The room's Prometheus series (``llmgw_flow_replica_*``, ``llmgw_flow_room_free``, ``llmgw_flow_capacity_changes``,
+``llmgw_flow_prompt_token_ratio``;
 docs/metrics.md, "Flow control"), read from the room when ``/metrics`` is rendered.
 
 Labels are the router's models and replicas (what the configuration and the control plane declare), so they are
@@ -15,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .capacity import CUT, RAISE, UNBOUNDED
+from .room import kv_capacity
 
 if TYPE_CHECKING:
     from .room import EngineRoom
@@ -40,7 +42,8 @@ class RoomMetrics:
     def describe(self) -> Iterable[Metric]:
         return self._families()
 
-    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily]:
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily,
+                                 GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
         capacity = GaugeMetricFamily("llmgw_flow_replica_capacity", "The requests in flight (all gateways') each "
                                      "replica takes, learnt from its engine's queue and KV usage; absent while "
                                      "unknown (its engine never said it was full: nothing is held for it).",
@@ -54,10 +57,20 @@ class RoomMetrics:
         changes = CounterMetricFamily("llmgw_flow_capacity_changes", "Learnt capacities cut (an engine queued or "
                                       "filled its KV cache) and raised (it had room while requests waited), per "
                                       "model.", labels=["model", "change"])
-        return capacity, saturation, free, changes
+        held = GaugeMetricFamily("llmgw_flow_replica_kv_held_tokens", "The KV tokens the requests in flight on "
+                                 "each replica (all gateways') will hold at most: prompts in the engine's count "
+                                 "and max_tokens; absent while its engine's KV capacity is unknown.",
+                                 labels=["model", "replica"])
+        kv = GaugeMetricFamily("llmgw_flow_replica_kv_capacity_tokens", "Each replica's KV cache in tokens (its "
+                               "engine's blocks x block size); a class dispatches only while the held tokens stay "
+                               "within its max_fill of it.", labels=["model", "replica"])
+        ratio = GaugeMetricFamily("llmgw_flow_prompt_token_ratio", "Prompt tokens the model's engines counted per "
+                                  "token the gateway estimated (characters / 4), from the answers' usage; 1 until "
+                                  "an answer says.", labels=["model"])
+        return capacity, saturation, free, changes, held, kv, ratio
 
     def collect(self) -> Iterable[Metric]:
-        capacity, saturation, free, changes = families = self._families()
+        capacity, saturation, free, changes, held, kv, ratio = families = self._families()
         room = self._room() if self._room is not None else None
         if room is not None:
             top = min(room.settings.classes, key=lambda c: c.rank)
@@ -67,6 +80,11 @@ class RoomMetrics:
                     if limit is not None:
                         capacity.add_metric([model, replica.name], limit)
                     saturation.add_metric([model, replica.name], room.replica_saturation(replica))
+                    tokens = kv_capacity(replica)
+                    if tokens is not None:
+                        kv.add_metric([model, replica.name], tokens)
+                        held.add_metric([model, replica.name], room.held_tokens(replica, route.prompt_ratio))
+                ratio.add_metric([model], route.prompt_ratio.ratio)
                 room_free = room.free(model, top)
                 free.add_metric([model], float("inf") if room_free >= UNBOUNDED else room_free)
         for model, counts in sorted(self._changes.items()):

@@ -13,7 +13,9 @@ requests too:
 
 - ``local_inflight`` (requests this process handed to the replica and not yet
   finished; the data plane counts them) and ``local_inflight_tokens`` (the
-  router's estimate of their prompt tokens) are this process's exact counts,
+  router's estimate of their prompt tokens; ``local_inflight_output_tokens``
+  the output they may still write, which with the prompt is the KV cache they
+  hold: what the flow room counts) are this process's exact counts,
   and the only load figures anything here increments or decrements;
 - ``peer_inflight`` and ``peer_inflight_tokens`` are the other gateways'
   latest figures, 0 alone: the cluster-sharing code replaces them whole (one
@@ -68,6 +70,7 @@ class Replica:
     reason: str = ""
     local_inflight: int = 0  # this process's requests to it, not finished (the data plane counts them)
     local_inflight_tokens: int = 0  # the router's estimate of their prompt tokens
+    local_inflight_output_tokens: int = 0  # their max_tokens (else the typical output): KV they may come to hold
     peer_inflight: int = 0  # the other gateways' latest figures (assigned whole by the cluster-sharing code)
     peer_inflight_tokens: int = 0
     local_queued_tokens: int = 0  # new (uncached) prompt tokens of this process's requests there without a first token

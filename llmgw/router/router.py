@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, ca
 from ..kv.index import KvIndex
 from ..kv.metrics import KvMetrics
 from .canonical import estimated_prompt_tokens
+from .decode_cost import DEFAULT_OUTPUT_TOKENS, max_output_tokens
 from .model import TierModel
+from .prompt_ratio import PromptTokenRatio
 from .replica import Replica
 from .replicas import STATIC, ReplicaSet
 from .tier import Decision, RouteRequest, RoutingTier, SharedLearning, TierServices, as_routing_tier
@@ -46,6 +48,7 @@ class ModelRoute:
     replicas: list[Replica] = field(default_factory=list)  # the ReplicaSet's live list of the model
     options: dict[str, Any] = field(default_factory=dict)
     declared: TierModel | None = None  # the ReplicaSet declaration it was built with (None: configured directly)
+    prompt_ratio: PromptTokenRatio = field(default_factory=PromptTokenRatio)  # the engines' count over our estimate
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,9 @@ class Router:
         tier = as_routing_tier(self.registry.get("routing_tiers", tier_name)(model_config, services))
         fallback = as_routing_tier(self.registry.get("routing_tiers", "round_robin")(model_config, services))
         route = ModelRoute(name, tier_name, tier, fallback, replicas, routing_options)
+        previous = self.models.get(name)
+        if previous is not None:  # re-tiered: the engines' tokenizer is the same
+            route.prompt_ratio = previous.prompt_ratio
         self.models[name] = route
         return route
 
@@ -233,10 +239,14 @@ class Router:
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         """The request is being handed to ``decision.replica``: its prompt tokens count in the replica's
-        ``local_inflight_tokens`` (hence ``inflight_tokens``) from now on, and the tier learns of it."""
+        ``local_inflight_tokens`` (hence ``inflight_tokens``) and its most output tokens in
+        ``local_inflight_output_tokens`` from now on, and the tier learns of it."""
         if not decision.inflight_tokens:
             decision.inflight_tokens = estimated_prompt_tokens(request)
-            replica_of(decision).local_inflight_tokens += decision.inflight_tokens
+            decision.output_tokens = max_output_tokens(request.body) or int(DEFAULT_OUTPUT_TOKENS)
+            replica = replica_of(decision)
+            replica.local_inflight_tokens += decision.inflight_tokens
+            replica.local_inflight_output_tokens += decision.output_tokens
         if decision.prefill_tokens > 0 and not decision.queued:
             decision.queued = True
             replica_of(decision).queue_prefill(id(decision), decision.prefill_tokens, time.monotonic())
@@ -264,16 +274,20 @@ class Router:
 
     def finished(self, request: RouteRequest, decision: Decision, usage: dict[str, Any] | None) -> None:
         """The attempt ended (answered, failed or abandoned): its tokens leave the replica's
-        ``local_inflight_tokens`` and the tier is told, once however often this is called."""
+        ``local_inflight_tokens`` and the tier is told, once however often this is called. Its ``usage`` teaches
+        the model's :class:`PromptTokenRatio`."""
         if decision.ended:
             return
         decision.ended = True
         self._unqueue(decision)
+        route = self.models.get(request.model)
         if decision.inflight_tokens:
+            if route is not None:
+                route.prompt_ratio.observe(decision.inflight_tokens, usage)
             replica = replica_of(decision)
             replica.local_inflight_tokens = max(0, replica.local_inflight_tokens - decision.inflight_tokens)
-            decision.inflight_tokens = 0
-        route = self.models.get(request.model)
+            replica.local_inflight_output_tokens = max(0, replica.local_inflight_output_tokens - decision.output_tokens)
+            decision.inflight_tokens = decision.output_tokens = 0
         if route is not None:
             self._notify(route, "finished", route.tier.finished, request, decision,
                          usage if route.tier.wants_usage is True else None)

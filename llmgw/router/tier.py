@@ -128,7 +128,8 @@ class Decision:
     the tier's own (it sees the same object in the later hooks).
     ``inflight_tokens`` is what the router added to the replica's
     ``local_inflight_tokens`` when the request was routed, and takes off again
-    when it finishes.
+    when it finishes; ``output_tokens`` likewise in ``local_inflight_output_tokens``
+    (the request's ``max_tokens``, else the typical output length).
     ``prefill_tokens``, when the tier sets it, is what the router counts in the
     replica's ``local_queued_tokens`` from the moment the request is routed to its
     first token (or its end): the one ledger of queued prefill, shared with the
@@ -144,6 +145,7 @@ class Decision:
     tier: str = ""
     detail: dict[str, Any] = field(default_factory=dict)
     inflight_tokens: int = 0
+    output_tokens: int = 0  # the output tokens the router counts as held on the replica (the flow room's KV estimate)
     prefill_tokens: int = 0  # the tier's estimate of the prompt tokens the replica must compute (not cached)
     queued: bool = field(default=False, repr=False)  # set by the router while prefill_tokens count as queued there
     ttft: float | None = None  # seconds from the request's arrival to its first output token, once seen

@@ -33,12 +33,15 @@ MODEL = "m"
 
 class FakeRoom:
     """``capacity`` requests per model (of which a class may fill its ``max_fill`` with ``fill``); ``inflight``:
-    the routed ones."""
+    the routed ones. ``kv_tokens``: the KV capacity in tokens, of which a class fills its ``max_fill`` (None:
+    unknown, the tokens hold nothing back); ``inflight_tokens``: the routed ones' costs."""
 
-    def __init__(self, capacity: int, fill: bool = False):
+    def __init__(self, capacity: int, fill: bool = False, kv_tokens: int | None = None):
         self.capacity = capacity
         self.fill = fill
+        self.kv_tokens = kv_tokens
         self.inflight = 0
+        self.inflight_tokens = 0
         self.held: dict[str, int] = {}  # a class's room forced to 0 (by name): a room that is not monotonic
         self.broken = False  # free() raises: a bug in the room
         self._changed = trio.Event()
@@ -49,6 +52,11 @@ class FakeRoom:
         if priority.name in self.held:
             return 0
         return math.floor(self.capacity * (priority.max_fill if self.fill else 1.0)) - self.inflight
+
+    def fits(self, model: str, priority: PriorityClass, tokens: int) -> bool:
+        if self.kv_tokens is None:
+            return True
+        return tokens <= math.floor(self.kv_tokens * priority.max_fill) - self.inflight_tokens
 
     async def changed(self, model: str) -> None:
         with trio.move_on_after(0.05):
@@ -73,9 +81,9 @@ class Harness:
     for ``hold`` seconds, then finishes and wakes the room."""
 
     def __init__(self, nursery: trio.Nursery, capacity: int, flow_settings: FlowSettings | None = None,
-                 fill: bool = False):
+                 fill: bool = False, kv_tokens: int | None = None):
         self.registry = CollectorRegistry()
-        self.room = FakeRoom(capacity, fill)
+        self.room = FakeRoom(capacity, fill, kv_tokens)
         self.queue = FlowQueue(flow_settings or FlowSettings(), self.room, FlowMetrics(self.registry))
         self.nursery = nursery
         self.admitted: list[FlowRequest] = []
@@ -83,8 +91,8 @@ class Harness:
 
     @classmethod
     async def open(cls, nursery: trio.Nursery, capacity: int, flow_settings: FlowSettings | None = None,
-                   fill: bool = False) -> Harness:
-        h = cls(nursery, capacity, flow_settings, fill)
+                   fill: bool = False, kv_tokens: int | None = None) -> Harness:
+        h = cls(nursery, capacity, flow_settings, fill, kv_tokens)
         await nursery.start(h.queue.run)
         return h
 
@@ -93,13 +101,18 @@ class Harness:
         self.outcomes[id(req)] = outcome
         if isinstance(outcome, Admitted):
             assert self.room.inflight + self.pending() <= self.room.capacity, "admitted beyond the room"
+            if self.room.kv_tokens is not None:
+                assert self.room.inflight_tokens + self.pending_tokens() <= self.room.kv_tokens, \
+                    "admitted beyond the KV room"
             self.admitted.append(req)
             self.room.inflight += 1
+            self.room.inflight_tokens += req.cost
             self.queue.release(outcome)
             try:
                 await trio.sleep(hold)
             finally:  # finished, or its client left: the replica's place is free again either way
                 self.room.inflight -= 1
+                self.room.inflight_tokens -= req.cost
                 self.room.wake(MODEL)
 
     def start(self, req: FlowRequest, hold: float = 1.0) -> FlowRequest:
@@ -108,6 +121,9 @@ class Harness:
 
     def pending(self) -> int:
         return self.queue.snapshot().get(MODEL, {}).get("pending", 0)
+
+    def pending_tokens(self) -> int:
+        return self.queue.snapshot().get(MODEL, {}).get("pending_tokens", 0)
 
     def sample(self, name: str, **labels: str) -> float:
         return self.registry.get_sample_value(name, labels) or 0.0
@@ -121,10 +137,11 @@ async def occupy(h: Harness, n: int, hold: float) -> None:
 
 
 @asynccontextmanager
-async def harness(capacity: int, flow_settings: FlowSettings | None = None, fill: bool = False):
+async def harness(capacity: int, flow_settings: FlowSettings | None = None, fill: bool = False,
+                  kv_tokens: int | None = None):
     """A :class:`Harness` whose tasks (the queue, the requests it started) are cancelled at the block's end."""
     async with trio.open_nursery() as nursery:
-        yield await Harness.open(nursery, capacity, flow_settings, fill)
+        yield await Harness.open(nursery, capacity, flow_settings, fill, kv_tokens)
         nursery.cancel_scope.cancel()
 
 
@@ -133,6 +150,20 @@ def run_on_mock_clock(fn) -> None:
 
 
 # The fast path.
+
+
+def admitted_at_once(queue: FlowQueue, req: FlowRequest) -> Admitted | None:
+    """The outcome of ``req``'s fast path: Admitted when it returned without awaiting, None when it must wait."""
+    coroutine = queue.enter(req)
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        assert isinstance(done.value, Admitted)
+        return done.value
+    except RuntimeError:  # the slow path, with no run() started
+        return None
+    coroutine.close()
+    return None
 
 
 async def test_a_request_with_room_is_admitted_without_awaiting():
@@ -589,3 +620,50 @@ async def test_models_with_nothing_waiting_or_held_are_forgotten_beyond_a_bound(
     models = queue.snapshot()
     assert len(models) <= 1024 and models["kept"]["pending"] == 1
     queue.release(held)  # type: ignore[arg-type]
+
+
+# The room in KV tokens.
+
+
+async def test_a_batch_request_the_token_room_refuses_waits_while_an_interactive_one_fits():
+    # 8,000 KV tokens; batch fills at most 85% of them (6,800): two 2,400-token batch requests are in flight,
+    # a third would bring them to 7,200. Plenty of room in requests.
+    room = FakeRoom(capacity=8, kv_tokens=8000)
+    room.inflight, room.inflight_tokens = 2, 4800
+    queue = FlowQueue(FlowSettings(), room)
+    assert admitted_at_once(queue, request(BATCH, cost=2400)) is None
+    assert admitted_at_once(queue, request(INTERACTIVE, cost=150)) is not None
+
+
+async def test_admitted_tokens_not_yet_released_count_against_the_token_room():
+    queue = FlowQueue(FlowSettings(), FakeRoom(capacity=8, kv_tokens=8000))
+    first = admitted_at_once(queue, request(BATCH, cost=2400))
+    second = admitted_at_once(queue, request(BATCH, cost=2400))
+    assert first is not None and second is not None
+    assert queue.snapshot()[MODEL]["pending_tokens"] == 4800
+    assert admitted_at_once(queue, request(BATCH, cost=2400)) is None  # 7,200 pending > 6,800
+    queue.release(first)
+    assert queue.snapshot()[MODEL]["pending_tokens"] == 2400
+    assert admitted_at_once(queue, request(BATCH, cost=2400)) is not None
+
+
+async def test_with_the_kv_capacity_unknown_only_requests_are_counted():
+    room = FakeRoom(capacity=8, fill=True)  # no scrape told the KV capacity
+    room.inflight_tokens = 10**9
+    queue = FlowQueue(FlowSettings(), room)
+    for _ in range(6):  # batch's 85% of 8 requests
+        assert admitted_at_once(queue, request(BATCH, cost=100_000)) is not None
+    assert admitted_at_once(queue, request(BATCH, cost=1)) is None
+
+
+async def test_the_dispatcher_admits_waiters_as_kv_tokens_free_up_never_beyond_them(autojump_clock):
+    async with harness(capacity=100, kv_tokens=8000) as h:
+        batch = [h.start(request(BATCH, flow="b", cost=2400), hold=1.0) for _ in range(6)]
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(h.admitted) == 2  # 4,800 of batch's 6,800; the serve() asserts check the KV room on each
+        late = h.start(request(INTERACTIVE, flow="i", cost=150), hold=1.0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert late in h.admitted  # interactive's share is the whole cache: it never waits behind batch's tokens
+        await trio.sleep(3.5)
+        assert all(req in h.admitted for req in batch)
+        assert h.pending_tokens() == 0

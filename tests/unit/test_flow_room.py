@@ -22,6 +22,7 @@ from llmgw.router import load_scraper
 from llmgw.router.load_scraper import schedule
 from llmgw.router.replica import Replica, ReplicaState
 from llmgw.router.router import EngineMetricsDemand, Router
+from llmgw.router.tier import Decision, RouteRequest
 
 INTERACTIVE, STANDARD, BATCH, BEST_EFFORT = DEFAULT_CLASSES
 RULE = CapacityRule()
@@ -331,6 +332,13 @@ def test_saturation_and_its_metrics():
     assert registry.get_sample_value("llmgw_flow_room_free", {"model": "m"}) == math.inf
     assert registry.get_sample_value("llmgw_flow_capacity_changes_total", {"model": "m", "change": "cut"}) >= 1
     assert room.describe("m")["replicas"][0]["capacity"] == 10
+    assert registry.get_sample_value("llmgw_flow_replica_kv_capacity_tokens", {"model": "m", "replica": "a"}) is None
+    assert registry.get_sample_value("llmgw_flow_prompt_token_ratio", {"model": "m"}) == 1.0
+    tell_kv(router, "a")
+    route(router, "a", prompt_words=16, max_tokens=100)  # 80 characters: 21 estimated tokens
+    assert registry.get_sample_value("llmgw_flow_replica_kv_capacity_tokens", {"model": "m", "replica": "a"}) == 8192
+    assert registry.get_sample_value("llmgw_flow_replica_kv_held_tokens", {"model": "m", "replica": "a"}) == \
+        router.replicas.get("a").local_inflight_tokens + 100
 
 
 def test_the_scraper_takes_the_rooms_interval_when_it_is_shorter_than_the_tiers():
@@ -391,3 +399,100 @@ async def test_a_failing_listener_neither_ends_the_scraper_nor_keeps_the_others_
         await load_scraper.scrape_engine_load(router, clock=trio.current_time)
     assert len(heard) >= 7 and set(heard) == {a}  # every 0.25 s, the room's interval
     assert sum("failed (logged once)" in r.message for r in caplog.records) == 1
+
+
+# -- the room in KV tokens --------------------------------------------------------------------------------------------
+
+
+def tell_kv(router, name, blocks=512, block_size=16):
+    """Replica ``name``'s engine says its KV cache holds ``blocks`` x ``block_size`` tokens."""
+    replica = router.replicas.get(name)
+    replica.engine_load = EngineLoad(running=0, waiting=0, at=1, kv_usage=0.0, num_blocks=blocks,
+                                     block_size=block_size)
+
+
+def held(router, room, name):
+    return room.held_tokens(router.replicas.get(name), router.models["m"].prompt_ratio)
+
+
+def route(router, name, prompt_words, max_tokens):
+    """Route a request of about ``prompt_words`` x 5 characters with ``max_tokens`` to replica ``name``."""
+    request = RouteRequest("m", "/v1/chat/completions", {
+        "model": "m", "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": " ".join(["word"] * prompt_words)}]})
+    decision = Decision(router.replicas.get(name))
+    router.routed(request, decision)
+    return request, decision
+
+
+def test_a_batch_request_past_its_share_of_the_kv_cache_waits_while_an_interactive_one_fits():
+    router, room, _, _ = make_room(replicas=("a",))
+    tell_kv(router, "a")  # 8,192 tokens; batch may hold 85% of them: 6,963
+    for _ in range(2):
+        route(router, "a", prompt_words=1680, max_tokens=256)  # ~2,100 prompt + 256 output tokens
+    assert 4600 < held(router, room, "a") < 4800
+    assert room.free("m", BATCH) == UNBOUNDED  # the request count alone would let it through
+    assert not room.fits("m", BATCH, 2400)
+    assert room.fits("m", BATCH, 2000)
+    assert room.fits("m", INTERACTIVE, 150)
+    assert room.fits("m", INTERACTIVE, 3400)  # interactive's share is the whole cache
+
+
+def test_the_tokens_in_flight_are_the_prompts_and_max_tokens_until_finished_and_the_peers_prompts():
+    router, room, _, _ = make_room(replicas=("a", "b"))
+    tell_kv(router, "a")
+    tell_kv(router, "b")
+    a = router.replicas.get("a")
+    request, decision = route(router, "a", prompt_words=80, max_tokens=1000)
+    assert held(router, room, "a") == a.local_inflight_tokens + 1000
+    a.local_inflight = 1  # the data plane's count
+    a.peer_inflight, a.peer_inflight_tokens = 2, 300  # another gateway's: their output at our mean per request
+    assert held(router, room, "a") == a.local_inflight_tokens + 300 + 1000 + 2 * 1000
+    router.finished(request, decision, None)
+    a.local_inflight = 0
+    assert a.local_inflight_output_tokens == 0 and held(router, room, "a") == 300
+    # Summed over the replicas, each within the class's share: a request larger than one replica's share waits
+    # for a whole share, never for ever.
+    on_b = route(router, "b", prompt_words=10, max_tokens=6000)
+    free = (6144 - 300) + (6144 - held(router, room, "b"))  # best-effort's 75% of each 8,192
+    assert room.fits("m", BEST_EFFORT, free)
+    assert not room.fits("m", BEST_EFFORT, free + 1)
+    assert not room.fits("m", BEST_EFFORT, 50_000)
+    router.finished(*on_b, None)
+    assert room.fits("m", BEST_EFFORT, 50_000)  # b is empty: one whole share is free
+
+
+def test_without_a_kv_capacity_scraped_the_tokens_hold_nothing_back():
+    router, room, _, _ = make_room(replicas=("a", "b"))
+    route(router, "a", prompt_words=100_000, max_tokens=100_000)
+    assert room.fits("m", BEST_EFFORT, 10**9)
+    tell_kv(router, "a")  # b's still unknown: not full
+    assert room.fits("m", BEST_EFFORT, 10**9)
+    tell_kv(router, "b", blocks=0)  # a broken cache config is no capacity
+    assert room.fits("m", BEST_EFFORT, 10**9)
+    tell_kv(router, "b")  # a is past its share, b empty: up to b's share fits
+    assert room.fits("m", BEST_EFFORT, 6144)
+    route(router, "b", prompt_words=10, max_tokens=100)
+    assert not room.fits("m", BEST_EFFORT, 6144)
+    assert room.describe("m")["replicas"][1]["kv_capacity_tokens"] == 8192
+
+
+def test_the_prompt_estimate_is_scaled_by_what_the_engines_counted_in_the_answers_usage():
+    router, room, _, _ = make_room(replicas=("a",))
+    tell_kv(router, "a")
+    request, decision = route(router, "a", prompt_words=400, max_tokens=256)
+    estimate = decision.inflight_tokens
+    assert held(router, room, "a") == estimate + 256  # nothing learnt yet: the estimate as it is
+    assert room.fits("m", BATCH, 6000)
+    router.finished(request, decision, {"prompt_tokens": 4 * estimate, "completion_tokens": 256})
+    for _ in range(3):
+        route(router, "a", prompt_words=400, max_tokens=256)
+    assert held(router, room, "a") == 3 * (4 * estimate + 256)  # the engine's tokenizer counts 4x the estimate
+    assert not room.fits("m", BATCH, 4 * estimate + 256)  # a fourth would pass batch's 6,963 of 8,192
+    # A forged or broken usage moves it boundedly: clamped samples, a moving average.
+    ratio = router.models["m"].prompt_ratio
+    for usage in (None, {"prompt_tokens": "many"}, {"prompt_tokens": True}, {"prompt_tokens": -5}):
+        ratio.observe(estimate, usage)
+    assert ratio.ratio == 4.0
+    ratio.observe(1, {"prompt_tokens": 10**12})
+    assert 4.0 < ratio.ratio <= 4.0 + 0.1 * (16.0 - 4.0)
