@@ -288,9 +288,16 @@ class LeasedPool:
                          budget_expiry_ms(self.period, now), have=have, ttl_ms=self.owner.holder_ttl_ms,
                          consumed=consumed)
 
-    def answered(self, answer: Answer, asked: int, now: float) -> None:
-        """Redis granted ``answer.granted``; the asks it answered (``asked``) are done."""
-        self.held += answer.granted
+    def answered(self, answer: Answer, asked: int, now: float, sent: Operation | None = None) -> None:
+        """Redis granted ``answer.granted`` to the call that carried ``sent``; the asks it answered (``asked``) are
+        done."""
+        if self.kind == SLOTS and sent is not None:
+            # Redis now counts sent.have + granted slots as this holder's, and every slot reserved since the call
+            # was made is one of them: always, except that slots the fallback lent meanwhile (the call's answer was
+            # lost, then it was sent again and answered with its first answer) must not be lent a second time.
+            self.held = max(0, sent.have + answer.granted - self.in_use)
+        else:
+            self.held += answer.granted
         self.asked = max(0, self.asked - asked)
         self.left, self.left_at = answer.left, now
         if self.kind == BUDGET:

@@ -351,7 +351,7 @@ class RedisLimiter(PoolLimiter):
         self.metrics.lease_seconds.observe(trio.current_time() - started)
         now = self.clock()
         for (pool, operation, asked), answer in zip(call.batch, answers):
-            pool.answered(answer, asked, now)
+            pool.answered(answer, asked, now, operation)
             if answer.dropped:
                 self.metrics.lapsed_holders.labels(pool.dimension).inc(answer.dropped)
                 log.warning("tenant limits: %d process(es) holding %s stopped renewing it for %.0f s (killed, or cut "
