@@ -288,14 +288,16 @@ class LeasedPool:
                          budget_expiry_ms(self.period, now), have=have, ttl_ms=self.owner.holder_ttl_ms,
                          consumed=consumed)
 
-    def answered(self, answer: Answer, asked: int, now: float, sent: Operation | None = None) -> None:
+    def answered(self, answer: Answer, asked: int, now: float, sent: Operation | None = None,
+                 late: bool = False) -> None:
         """Redis granted ``answer.granted`` to the call that carried ``sent``; the asks it answered (``asked``) are
-        done."""
+        done. ``late``: the call was sent again after its answer was lost (this is its first answer)."""
         if self.kind == SLOTS and sent is not None:
-            # Redis now counts sent.have + granted slots as this holder's, and every slot reserved since the call
-            # was made is one of them: always, except that slots the fallback lent meanwhile (the call's answer was
-            # lost, then it was sent again and answered with its first answer) must not be lent a second time.
-            self.held = max(0, sent.have + answer.granted - self.in_use)
+            # Redis counts sent.have + granted slots as this holder's until its next call says what it holds; the
+            # slots reserved since the call are among them, but not those the fallback lent while Redis seemed away.
+            # A late answer's grant is not used at all: it was made before every process's fallback lent its share
+            # (which Redis learns only from their next calls); this holder's next call gives it back.
+            self.held = max(0, sent.have + (0 if late else answer.granted) - self.in_use)
         else:
             self.held += answer.granted
         self.asked = max(0, self.asked - asked)
