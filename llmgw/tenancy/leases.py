@@ -288,9 +288,18 @@ class LeasedPool:
                          budget_expiry_ms(self.period, now), have=have, ttl_ms=self.owner.holder_ttl_ms,
                          consumed=consumed)
 
-    def answered(self, answer: Answer, asked: int, now: float) -> None:
-        """Redis granted ``answer.granted``; the asks it answered (``asked``) are done."""
-        self.held += answer.granted
+    def answered(self, answer: Answer, asked: int, now: float, sent: Operation | None = None,
+                 late: bool = False) -> None:
+        """Redis granted ``answer.granted`` to the call that carried ``sent``; the asks it answered (``asked``) are
+        done. ``late``: the call was sent again after its answer was lost (this is its first answer)."""
+        if self.kind == SLOTS and sent is not None:
+            # Redis counts sent.have + granted slots as this holder's until its next call says what it holds; the
+            # slots reserved since the call are among them, but not those the fallback lent while Redis seemed away.
+            # A late answer's grant is not used at all: it was made before every process's fallback lent its share
+            # (which Redis learns only from their next calls); this holder's next call gives it back.
+            self.held = max(0, sent.have + (0 if late else answer.granted) - self.in_use)
+        else:
+            self.held += answer.granted
         self.asked = max(0, self.asked - asked)
         self.left, self.left_at = answer.left, now
         if self.kind == BUDGET:

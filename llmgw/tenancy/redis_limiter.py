@@ -70,6 +70,7 @@ class LeaseCall:
     batch: list[tuple[LeasedPool, Operation, int]]  # each pool, its operation, what its waiters had asked
     kind: str
     first_sent: float
+    lost: bool = False  # its answer was lost at least once: an answer now is the first one, late
 
 
 class RedisLimiter(PoolLimiter):
@@ -336,6 +337,7 @@ class RedisLimiter(PoolLimiter):
             self.metrics.lease_calls.labels(call.kind, "failed").inc()
             if started - call.first_sent < RETRY_FOR:
                 self._lost = call
+                call.lost = True
             else:
                 log.warning("tenant limits: a lease call unanswered for %.0f s is given up; what it reported is "
                             "reported again (counted twice if Redis ran it)", started - call.first_sent)
@@ -351,7 +353,7 @@ class RedisLimiter(PoolLimiter):
         self.metrics.lease_seconds.observe(trio.current_time() - started)
         now = self.clock()
         for (pool, operation, asked), answer in zip(call.batch, answers):
-            pool.answered(answer, asked, now)
+            pool.answered(answer, asked, now, operation, late=call.lost)
             if answer.dropped:
                 self.metrics.lapsed_holders.labels(pool.dimension).inc(answer.dropped)
                 log.warning("tenant limits: %d process(es) holding %s stopped renewing it for %.0f s (killed, or cut "

@@ -403,6 +403,39 @@ async def test_a_lost_give_back_is_sent_again_though_nothing_else_is_to_be_said(
     assert int(await real_call("test", lambda client: client.get(counter))) == 10  # only what was used
 
 
+async def test_slots_lost_calls_granted_are_not_lent_again_beside_those_the_fallbacks_lent(nursery, redis_url,
+                                                                                          cluster_name):
+    """Two processes' takes of a burst are run by Redis (the first gets all 10 slots) but their answers are lost:
+    each falls back to its share (5 of 10 at 2 live processes); sent again, each call is answered with its first
+    answer. In flight over both, ever: 10."""
+    limiters = [await start_limiter(nursery, redis_url, cluster_name, f"g{i}", live_processes=lambda: 2)
+                for i in range(2)]
+    alice = tenant(Limits(concurrency=10))
+    lost: list[object] = []
+    for limiter in limiters:
+        real_call = limiter.link.call
+
+        async def losing_the_first_answer(operation, command, timeout=None, real_call=real_call, limiter=limiter):
+            result = await real_call(operation, command, timeout)
+            if operation == "tenancy_lease" and limiter not in lost:  # Redis ran it; its answer never comes back
+                lost.append(limiter)
+                raise Unavailable("no answer within 2s")
+            return result
+
+        limiter.link.call = losing_the_first_answer
+    in_flight = []
+    for limiter in limiters:
+        in_flight += admitted(await burst(limiter, alice, 10))
+    assert len(lost) == 2 and len(in_flight) == 10  # each fallback's share, Redis away as far as they know
+    with trio.fail_after(10):  # Redis answers again: each lost call is sent again, and answered
+        while any(limiter.degraded or limiter.metrics.lease_calls.labels("take", "ok")._value.get() < 1
+                  for limiter in limiters):
+            await trio.sleep(0.05)
+    for limiter in limiters * 2:
+        in_flight += admitted(await burst(limiter, alice, 10))
+        assert len(in_flight) == 10
+
+
 async def test_redis_away_rate_limits_fall_back_to_a_share_and_budgets_close(nursery, private_redis, cluster_name,
                                                                              caplog):
     caplog.set_level(logging.INFO, "llmgw.tenancy")

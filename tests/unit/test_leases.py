@@ -49,7 +49,7 @@ def pool(dimension: str = TOKENS, capacity: int = 6000, owner: Owner | None = No
 def grant(leased: LeasedPool, amount: int, now: float = 0.0) -> Operation:
     operation = leased.operation(now, idle=False)
     assert operation is not None
-    leased.answered(Answer(amount, 0.0), leased.asked, now)
+    leased.answered(Answer(amount, 0.0), leased.asked, now, operation)
     return operation
 
 
@@ -124,12 +124,37 @@ def test_slots_say_how_many_the_process_holds_and_a_freed_one_goes_back_when_non
     leased.ask(2)
     operation = leased.operation(0.0, idle=False)
     assert (operation.kind, operation.have, operation.want, operation.extra) == (SLOTS, 0, 2, "h1")
-    leased.answered(Answer(2, 0.0), 2, 0.0)
+    leased.answered(Answer(2, 0.0), 2, 0.0, operation)
     stamps = [leased.reserve(1, 0.0), leased.reserve(1, 0.0)]
     assert leased.in_use == 2 and leased.held == 0
     assert leased.operation(0.1, idle=False).have == 2  # the heartbeat renews both
     leased.adjust(1, 0, stamps[0], 0.2)
     assert owner.gives == [leased] and leased.held == 1
+
+
+def test_slots_a_late_answer_grants_are_not_lent_beside_those_the_fallback_lent_since_the_call():
+    owner = Owner(live=2)
+    leased = pool(CONCURRENCY, 10, owner)
+    leased.ask(10)
+    operation = leased.operation(0.0, idle=False)  # Redis runs it (holder: 10 slots); its answer is lost
+    owner.degraded = True
+    for _ in range(5):  # the fallback's share meanwhile
+        leased.reserve(1, 0.1)
+    owner.degraded = False
+    leased.answered(Answer(10, 0.0), 10, 0.2, operation, late=True)  # sent again: answered with its first answer
+    assert (leased.in_use, leased.held) == (5, 0)  # the grant predates the others' fallbacks: not lent, given back
+    assert leased.operation(0.3, idle=False).have == 5
+
+
+def test_slots_reserved_while_a_call_is_made_are_among_what_it_says_the_process_holds():
+    leased = pool(CONCURRENCY, 10)
+    leased.ask(3)
+    leased.answered(Answer(3, 0.0), 3, 0.0, leased.operation(0.0, idle=False))
+    leased.reserve(1, 0.1)
+    operation = leased.operation(0.1, idle=False)  # says 3 held, asks nothing
+    leased.reserve(1, 0.2)  # from the 2 held, while the call is made
+    leased.answered(Answer(0, 7.0), 0, 0.3, operation)
+    assert (leased.in_use, leased.held) == (2, 1)
 
 
 def test_redis_away_rate_limits_are_the_limit_divided_by_the_live_processes():
