@@ -338,7 +338,7 @@ class DataPlane:
         entered = OPEN
         # A model without a routable replica has no room to wait for: routed now, it is answered 503 at once (or
         # waits for a replica being adopted), as without flow control.
-        if flow.control is not None and self._routable(resolved[0]):
+        if flow.control is not None and self.router.has_routable_replica(resolved[0]):
             turn = await flow.enter(request, exchange.tenant, resolved[0], self._cost(exchange, request, body),
                                     request_id)
             if isinstance(turn, Response):  # shed (429), or a priority header or deadline it cannot read (400)
@@ -420,10 +420,6 @@ class DataPlane:
         if kept is not None and (last_error is None or last_error.kind in RETRY_KINDS):
             return self._count(model, self._kept_answer(*kept, id_header), started)
         return self._count(model, self._no_replica_error(model, last_error, tried, failures, id_header), started)
-
-    def _routable(self, model: str) -> bool:
-        route = self.router.models.get(model)
-        return route is not None and any(replica.routable for replica in route.replicas)
 
     def _cost(self, exchange: Exchange, request: Request, body: dict) -> int:
         """A request's estimated tokens (prompt and most output), what fair shares count: its charge's estimate

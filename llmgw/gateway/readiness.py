@@ -82,7 +82,7 @@ class Readiness:
             resolved = self.router.resolve(name)
             if resolved is None:
                 unknown.append(name)
-            elif not any(replica.routable for replica in self.router.models[resolved[0]].replicas):
+            elif not self.router.has_routable_replica(resolved[0]):
                 without.append(name)
         reasons: list[str] = []
         if draining:

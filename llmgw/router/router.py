@@ -154,6 +154,11 @@ class Router:
                 continue
             self.adapters[adapter] = model
 
+    def has_routable_replica(self, model: str) -> bool:
+        """Whether ``model`` (a served name, not an adapter) has a replica that may take a request now."""
+        route = self.models.get(model)
+        return route is not None and any(replica.routable for replica in route.replicas)
+
     def resolve(self, name: str) -> tuple[str, str | None] | None:
         """``(model, adapter)`` for a name a client asked for (``adapter`` None for a model), or None."""
         if name in self.models:
