@@ -30,7 +30,8 @@ PACKAGE = Path(llmgw.__file__).parent
 BASE = {"metrics", "tls", "usererrors", "listening", "logsetup", "procgroup", "private_file", "plugins_manager",
         "hookspecs", "plugin", "cached_labels", "units", "redis_server", "backoff", "logfields", "lograte",
         "fdlimit", "fdpressure"}
-UPPER = {"cluster", "tenancy", "flow", "autoscale"}  # between the gateway and the middle: the shared state, and who may use it
+# Between the gateway and the middle: the shared state, and who may use it.
+UPPER = {"cluster", "tenancy", "flow", "autoscale"}
 MIDDLE = {"control", "router", "agent", "sim"}
 BOTTOM = {"kv", "http", "wire", "engines"}  # the libraries the middle layers share
 # What a middle layer may import besides itself and the base modules.
