@@ -47,14 +47,21 @@ AGENT_READY = " connected to "
 POLL_TIMEOUT = 1.0  # an admin read of a frozen process gives up after this
 
 
-def node_fixture(gpus: int) -> dict:
-    """A recorded node (``fixture:`` discovery, docs/placement.md): ``gpus`` L4s on one NUMA node."""
-    devices = [{"uuid": f"GPU-00000000-0000-4000-8000-{i:012d}", "name": "L4",
-                "pci_bus_id": f"00000000:{i + 1:02x}:00.0", "memory": {"total": 24152899584, "used": 0},
-                "cuda_compute_capability": [8, 9], "numa_node": 0, "utilization": {"gpu": 0, "memory": 0}}
+L4 = ("L4", 24152899584, (8, 9))  # a GPU of a fixture: its NVML name, memory in bytes, compute capability
+H100 = ("NVIDIA H100 80GB HBM3", 85520809984, (9, 0))
+
+
+def node_fixture(gpus: int, gpu: tuple[str, int, tuple[int, int]] = L4, hostname: str = NODE,
+                 node: int = 0) -> dict:
+    """A recorded node (``fixture:`` discovery, docs/placement.md): ``gpus`` of ``gpu`` on one NUMA node; ``node``
+    numbers the GPUs' UUIDs apart from other nodes'."""
+    name, memory, capability = gpu
+    devices = [{"uuid": f"GPU-00000000-0000-4000-{0x8000 + node:04x}-{i:012d}", "name": name,
+                "pci_bus_id": f"00000000:{i + 1:02x}:00.0", "memory": {"total": memory, "used": 0},
+                "cuda_compute_capability": list(capability), "numa_node": 0, "utilization": {"gpu": 0, "memory": 0}}
                for i in range(gpus)]
     return {"format": "llmgw-node-fixture/1", "address": "127.0.0.1",
-            "host": {"hostname": NODE, "os": "Linux", "arch": "x86_64", "cpu_count": 4,
+            "host": {"hostname": hostname, "os": "Linux", "arch": "x86_64", "cpu_count": 4,
                      "memory_bytes": 17179869184},
             "nvml": {"driver_version": "550.90.07", "cuda_driver_version": 12040, "devices": devices}}
 

@@ -94,16 +94,17 @@ def _at(run: dict, path: tuple[str, ...]) -> float | None:
     return float(value)  # type: ignore[arg-type]
 
 
-def summary(runs: Sequence[dict]) -> dict:
-    """Median, min and max of each of :data:`MEASURES` over ``runs`` (a level's repeats); None where none had it."""
+def summary(runs: Sequence[dict], measures: dict[str, tuple[str, ...]] | None = None) -> dict:
+    """Median, min and max of each of ``measures`` (:data:`MEASURES`) over ``runs`` (a level's repeats); None where
+    none had it."""
     out = {}
-    for name, path in MEASURES.items():
+    for name, path in (MEASURES if measures is None else measures).items():
         found = median_and_range([v for run in runs if (v := _at(run, path)) is not None])
         out[name] = None if found is None else dict(zip(("median", "min", "max"), found))
     return out
 
 
-def _cell(entry: dict | None, spec: str, unit: str = "", scale: float = 1.0) -> str:
+def spread_cell(entry: dict | None, spec: str, unit: str = "", scale: float = 1.0) -> str:
     if entry is None:
         return "-"
     return spread((entry["median"] * scale, entry["min"] * scale, entry["max"] * scale), spec, unit)
@@ -149,12 +150,14 @@ def markdown(report: dict) -> str:
             load = f"{level['load']:g}x"
             for name in CLASSES:
                 lines.append(f"| {arm['label']} | {load} | {name} | "
-                             + " | ".join(_cell(s[f"{name}_{m}"], spec, scale=scale) for _, m, spec, scale in COLUMNS)
+                             + " | ".join(spread_cell(s[f"{name}_{m}"], spec, scale=scale)
+                                          for _, m, spec, scale in COLUMNS)
                              + " |")
-            ratio = _cell(s["interactive_ttft_p99_ms"], ".1f", "x", 1 / unloaded) if unloaded else "-"
-            totals.append(f"| {arm['label']} | {load} | {_cell(s['goodput_of_capacity'], '.0f', '%', 100)} | "
-                          f"{ratio} | {_cell(s['fairness'], '.2f')} | "
-                          f"{_cell(s['kv_when_gateway_queued'], '.0f', '%', 100)}; "
-                          f"{_cell(s['kv_min_when_gateway_queued'], '.0f', '%', 100)} | "
-                          f"{_cell(s['kv_when_engines_waiting'], '.0f', '%', 100)} | {_cell(s['over_cap'], '.0f')} |")
+            ratio = spread_cell(s["interactive_ttft_p99_ms"], ".1f", "x", 1 / unloaded) if unloaded else "-"
+            totals.append(f"| {arm['label']} | {load} | {spread_cell(s['goodput_of_capacity'], '.0f', '%', 100)} | "
+                          f"{ratio} | {spread_cell(s['fairness'], '.2f')} | "
+                          f"{spread_cell(s['kv_when_gateway_queued'], '.0f', '%', 100)}; "
+                          f"{spread_cell(s['kv_min_when_gateway_queued'], '.0f', '%', 100)} | "
+                          f"{spread_cell(s['kv_when_engines_waiting'], '.0f', '%', 100)} | "
+                          f"{spread_cell(s['over_cap'], '.0f')} |")
     return "\n".join(lines + totals)

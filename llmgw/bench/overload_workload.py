@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -94,8 +94,9 @@ def kind_of(status: int, body: str) -> str:
 Send = Callable[[Tenant, random.Random], Awaitable[Outcome]]
 
 
-def sender(client: httpx.AsyncClient, urls: Sequence[str], timeout: float) -> Send:
-    """Sends a tenant's request through ``urls`` in turn (an L4 balancer's round robin), fresh words each time."""
+def sender(client: httpx.AsyncClient, urls: Sequence[str], timeout: float, model: str = MODEL) -> Send:
+    """Sends a tenant's request for ``model`` through ``urls`` in turn (an L4 balancer's round robin), fresh words
+    each time."""
     turn = 0
 
     async def send(tenant: Tenant, rng: random.Random) -> Outcome:
@@ -107,7 +108,7 @@ def sender(client: httpx.AsyncClient, urls: Sequence[str], timeout: float) -> Se
         result: ChatResult | None = None
         with trio.move_on_after(timeout):
             try:
-                result = await send_chat(client, url, MODEL, messages, tenant.max_tokens, headers=tenant.headers,
+                result = await send_chat(client, url, model, messages, tenant.max_tokens, headers=tenant.headers,
                                          extra_body={"ignore_eos": True})
             except (httpx.HTTPError, ValueError):
                 pass
@@ -153,11 +154,21 @@ class Loop:
     most_in_flight: int = 0
 
 
-async def open_loop(send: Send, tenants: Sequence[Tenant], rate: float, seconds: float, cap: int,
-                    seed: int) -> Loop:
-    """Poisson arrivals at ``rate`` per second for ``seconds``, a task each; returns once every answer is in."""
+def poisson_arrivals(tenants: Sequence[Tenant], rate: float, seconds: float,
+                     seed: int) -> Iterator[tuple[float, Tenant, random.Random]]:
+    """Poisson arrivals at ``rate`` per second for ``seconds``: each one's time, tenant and words' generator."""
     rng = random.Random(seed)
     pick = Picker(tenants, rng)
+    at = rng.expovariate(rate)
+    while at < seconds:
+        yield at, pick(), random.Random(rng.random())
+        at += rng.expovariate(rate)
+
+
+async def send_at(send: Send, arrivals: Iterable[tuple[float, Tenant, random.Random]], seconds: float,
+                  cap: int) -> Loop:
+    """Each arrival sent at its time (seconds from now, ascending) without waiting for answers, a task each;
+    returns once every answer is in."""
     loop = Loop([], seconds)
     in_flight = 0
 
@@ -172,19 +183,22 @@ async def open_loop(send: Send, tenants: Sequence[Tenant], rate: float, seconds:
 
     async with trio.open_nursery() as nursery:
         start = trio.current_time()
-        at = rng.expovariate(rate)
-        while at < seconds:
+        for at, tenant, words_rng in arrivals:
             await trio.sleep_until(start + at)
-            tenant = pick()
             if in_flight >= cap:
                 loop.over_cap += 1
             else:
                 in_flight += 1
                 loop.most_in_flight = max(loop.most_in_flight, in_flight)
-                nursery.start_soon(one, tenant, at, random.Random(rng.random()))
-            at += rng.expovariate(rate)
+                nursery.start_soon(one, tenant, at, words_rng)
     loop.elapsed = trio.current_time() - start
     return loop
+
+
+async def open_loop(send: Send, tenants: Sequence[Tenant], rate: float, seconds: float, cap: int,
+                    seed: int) -> Loop:
+    """Poisson arrivals at ``rate`` per second for ``seconds``, a task each; returns once every answer is in."""
+    return await send_at(send, poisson_arrivals(tenants, rate, seconds, seed), seconds, cap)
 
 
 async def closed_loop(send: Send, tenants: Sequence[Tenant], concurrency: int, seconds: float, seed: int) -> Loop:

@@ -14,6 +14,10 @@ import sys
 from ..cli import table_usage
 
 BENCHES: dict[str, tuple[str, str]] = {
+    "autoscale": ("llmgw.bench.autoscale", "replicas that follow demand on 2 simulated nodes x 4 H100s: a step, a "
+                                           "diurnal trace, two models swapping, a model idle then called; the "
+                                           "autoscaler beside a fixed max and a fixed min fleet: time to serving, "
+                                           "dropped requests, reversals, TTFT SLO, replica-seconds vs an oracle"),
     "chaos": ("llmgw.bench.chaos", "a schedule of faults (Redis frozen and restarted empty, the leader frozen and "
                                    "killed, a forged lease, a partition, the agent and an engine killed) under "
                                    "load over 2 candidates, gateways and a remote agent: failed requests per "
