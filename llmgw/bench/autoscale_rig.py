@@ -6,7 +6,8 @@ h100-llama-3.1-8b`` with its startup times, and the arm's deployments), starts t
 agent per node (``node-a``, ``node-b``... each a fixture of ``gpus`` H100s), and returns once every model has
 ``ready`` replicas routable. Leaving the block stops every process, and the engines (which outlive agents by design)
 are killed from the agents' ledgers. :meth:`AutoscaleRig.sample` is what the bench records every sample: per model,
-the replicas ready (routed and up) and starting (placed, or wanted and waiting to be placed), the requests in
+the replicas ready (routable) and starting (placed, or wanted and waiting to be placed:
+:func:`~llmgw.gateway.capacity_history.count_replicas`), the requests in
 flight (``/admin/replicas``) and the requests queued at the gateway (``llmgw_flow_queued`` on ``/metrics``).
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 import httpx
 import trio
 
+from ..gateway.capacity_history import count_replicas
 from ..sim.cli import build_parser
 from ..testing.cluster import AGENTS, TOKEN, EngineReaper
 from ..testing.metrics import samples
@@ -30,9 +32,9 @@ from .chaos_rig import AGENT_READY, H100, node_fixture
 from .cluster_rig import CONTROL, GatewayProcess
 from .overload_arms import QUEUE_GAUGE
 
-STARTUP_FLAGS = ("--startup-seconds", "--hot-startup-seconds")  # the simulator's (issue 32, wt-actuate)
+STARTUP_FLAGS = ("--startup-seconds", "--hot-startup-seconds")  # the simulator's (issue 32)
+SLEEP_FLAG = "--enable-sleep-mode"  # a replica can be put to sleep and woken (a hot start) instead of stopped
 MODEL_LABEL = re.compile(r'model="([^"]*)"')
-NOT_STARTING = ("up", "retiring", "draining", "unplaced")  # a replica in none of these states is on its way up
 
 
 def sim_models_startup() -> bool:
@@ -57,6 +59,8 @@ class EngineShape:
         args = ["--profile", self.profile, "--max-num-seqs", str(self.max_num_seqs)]
         if sim_models_startup():
             args += [STARTUP_FLAGS[0], f"{self.cold_start:g}", STARTUP_FLAGS[1], f"{self.hot_start:g}"]
+        if SLEEP_FLAG in build_parser().format_help():
+            args.append(SLEEP_FLAG)
         return args
 
 
@@ -129,17 +133,9 @@ class AutoscaleRig:
 
     async def sample(self) -> dict[str, dict[str, int]]:
         """Per model: ready, starting, inflight, queued (see the module's docstring)."""
-        counts = {model: {"ready": 0, "starting": 0, "inflight": 0, "queued": 0} for model in self.models}
-        for replica in await self.replicas():
-            found = counts.get(replica.get("model", ""))
-            if found is None:
-                continue
-            state = replica.get("state")
-            if state == "up":
-                found["ready"] += 1
-            elif state not in NOT_STARTING and not replica.get("retiring"):
-                found["starting"] += 1
-            found["inflight"] += int(replica.get("inflight") or 0)
+        counts = count_replicas(await self.replicas(), self.models)
+        for found in counts.values():
+            found["queued"] = 0
         text = (await self.http.get(self.control.control_url + "/metrics")).text
         for key, value in samples(text).items():
             if key.partition("{")[0] == QUEUE_GAUGE and (label := MODEL_LABEL.search(key)) is not None:

@@ -242,6 +242,12 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
         """Overload control now: per model its queues by class, its room and its replicas' saturation."""
         return jsonify(gateway.flow.status())
 
+    @app.get("/admin/capacity")
+    async def capacity():
+        """Per autoscaled deployment, its replicas against its demand over the last minutes (the status page's
+        chart)."""
+        return jsonify(gateway.capacity.to_json())
+
     register_tenant_routes(app, gateway, _error, _json_object)
     register_usage_routes(app, gateway)
 

@@ -51,6 +51,7 @@ from ..tls import describe_tls_error
 from .admin import create_control_app
 from .admin_guard import exposure_problem
 from .admin_tenants import build_key_admin
+from .capacity_history import CapacityHistory, gateway_counts
 from .dataplane import DataPlane, DataPlaneSettings
 from .flow_setup import GatewayFlow
 from .health_report import HealthReport
@@ -186,6 +187,12 @@ class Gateway:
                                          self.metrics.registry)
         self.readiness = self.dataplane.readiness = Readiness(self.router, lambda: self.draining,
                                                               self._state_loaded, self.health_report.sentences)
+        self.capacity = CapacityHistory(lambda: gateway_counts(self, self.autoscaled_models()))
+
+    def autoscaled_models(self) -> frozenset[str]:
+        """The models whose replicas follow demand (issue 32's autoscaler; none until it is configured)."""
+        autoscale = getattr(self, "autoscale", None)
+        return autoscale.models if autoscale is not None else frozenset()
 
     @property
     def control(self) -> ControlPlane | None:
@@ -289,6 +296,7 @@ class Gateway:
             await nursery.start(self.key_admin.follow)  # the stored API keys, before the first request
             nursery.start_soon(scrape_engine_load, self.router)  # for tiers' engine_metrics_interval and the room
             nursery.start_soon(self.kv_index.maintain)  # resync retries, reset windows, predictions' expiry
+            nursery.start_soon(self.capacity.run)  # the status page's replicas over time
             with listening_on(host_port(data_host, data_port)):
                 data = await nursery.start(functools.partial(self.data_server.serve, data_host, data_port,
                                                              reuse_port=reuse_port))
