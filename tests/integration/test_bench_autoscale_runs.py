@@ -1,0 +1,56 @@
+"""``llmgw bench autoscale --quick`` as a real command on its rig (a control process, two remote agents on fixture
+H100 nodes, simulator engines): the step trace on each arm; the JSON says what each arm's fleet was and did, and
+the table and the charts hold it. The autoscaled arm, on an llmgw without autoscaling, says so.
+
+No claim about the autoscaler is asserted (its own tests prove it; the benchmark measures it): what is checked is
+that the benchmark counts what it says it counts."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import trio
+
+from llmgw.bench.autoscale import AUTOSCALED, FIXED_MAX, FIXED_MIN, autoscale_available
+from llmgw.bench.autoscale_oracle import plan
+from llmgw.bench.autoscale_traces import MODEL_A, shortened, step_trace
+
+pytestmark = pytest.mark.slow
+
+
+async def test_autoscale_quick_runs_the_step_on_every_arm_and_counts_the_fleet(tmp_path):
+    out = tmp_path / "report.json"
+    command = [sys.executable, "-m", "llmgw", "bench", "autoscale", "--quick", "--traces", "step", "--capacity",
+               "3", "--json", str(out), "--workdir", str(tmp_path / "work")]
+    with trio.fail_after(400):
+        done = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False,
+                                      env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert done.returncode == 0, (done.stdout + done.stderr).decode()[-3000:]
+    report = json.loads(out.read_text())
+    printed = done.stdout.decode()
+    assert report["markdown"] in printed and report["capacity"] == {"rps": 3, "given": True,
+                                                                    "replica_worth_rps": pytest.approx(2.1)}
+    runs = {run["arm"]: run for run in report["runs"]}
+    assert set(runs) == {AUTOSCALED, FIXED_MAX, FIXED_MIN}
+    if not autoscale_available():
+        assert runs[AUTOSCALED]["error"].startswith("not available")
+    trace = shortened(step_trace(), 0.25)
+    oracle = plan(trace, MODEL_A, 10.0, 60.0, report["settings"]["sample"])
+    for arm, count in ((FIXED_MAX, trace.max_replicas), (FIXED_MIN, trace.min_replicas)):
+        run = runs[arm]
+        assert "error" not in run, run
+        (stats,) = [r[MODEL_A] for r in run["runs"]]
+        series = run["series"][MODEL_A]
+        assert set(series["ready"]) == {count} and set(series["starting"]) == {0}, (arm, series)  # a fixed fleet
+        assert stats["reversals"] == 0 and stats["step_to_serving_s"] is None
+        assert stats["sent"] == stats["completed"] + stats["dropped"] > 0
+        assert stats["dropped"] == sum(stats["dropped_by"].values())
+        assert stats["oracle_replica_seconds"] == pytest.approx(oracle.replica_seconds)
+        # held from the first sample (just after the trace's start) to its end: the fleet's size times the trace's
+        # length, but for that first moment
+        assert stats["replica_seconds"] == pytest.approx(count * trace.seconds, rel=0.05)
+        assert f"| step | {arm} | {MODEL_A} |" in report["markdown"]
+        assert f"step / {arm} / {MODEL_A}:" in printed
