@@ -10,8 +10,8 @@ it, a request itself runs at the engine's speed.
 First one replica's capacity: a closed loop of ``--max-num-seqs`` clients on a fleet of one replica for
 ``--capacity-seconds`` (``--capacity`` gives it instead); one replica's worth of demand is ``--utilisation`` of it.
 Then, for each trace (:mod:`.autoscale_traces`: ``step``, ``diurnal``, ``swap``, ``idle``) and each arm
-(``autoscaled``: ``replicas: {min, max}`` and an ``autoscale:`` section with the windows divided by the factor;
-``fixed-max``; ``fixed-min``), ``--repeats`` times on a fresh fleet: open-loop arrivals following the trace
+(``autoscaled``: ``replicas: {min, max}`` and an ``autoscale:`` section with the windows, and the decisions'
+interval, divided by the factor; ``fixed-max``; ``fixed-min``), ``--repeats`` times on a fresh fleet: open-loop arrivals following the trace
 (streamed chat completions of ``--prompt-words`` words and ``--max-tokens`` tokens through the gateway), sampled
 every ``--sample`` seconds (:meth:`~.autoscale_rig.AutoscaleRig.sample`). Per trace, arm and model
 (:mod:`.autoscale_report`): the step to the extra replica serving, dropped requests, reversals, TTFT p95 SLO
@@ -116,10 +116,15 @@ def deployment_lines(arm: str, trace: Trace, factor: float) -> str:
         return f"replicas: {trace.min_replicas}"
     if not autoscale_available():
         raise ArmUnavailable("not available: this llmgw has no autoscaling (the deployments' `autoscale:` keys)")
-    windows = {"interval": 1.0, "scale_up_after": 5.0, "scale_down_after": 300.0, "idle_to_zero": 600.0}
+    windows = {"scale_up_after": 5.0, "scale_down_after": 300.0, "idle_to_zero": 600.0}
     scaled = ", ".join(f"{key}: {seconds(value, factor)}" for key, value in windows.items())
     return (f"replicas: {{min: {trace.min_replicas}, max: {trace.max_replicas}}}\n"
             f"    autoscale: {{{scaled}}}")
+
+
+def config_extra(arm: str, factor: float) -> str:
+    """The arm's top-level config: the autoscaler deciding every second of fleet time."""
+    return f"autoscale:\n  interval: {seconds(1.0, factor)}\n" if arm == AUTOSCALED else ""
 
 
 def starting_count(arm: str, trace: Trace) -> int:
@@ -165,7 +170,7 @@ async def run_trace(args: argparse.Namespace, http: httpx.AsyncClient, trace: Tr
     fleet: list[dict] = []
     loops = {}
     async with AutoscaleRig.open(workdir, engine_of(args), deployments, ready, nodes=args.nodes,
-                                 gpus=args.gpus) as rig:
+                                 gpus=args.gpus, extra_config=config_extra(arm, factor)) as rig:
 
         async def drive(model: str) -> None:
             loops[model] = await send_at(sender(http, [rig.url], args.request_timeout, model), arrivals[model],

@@ -64,9 +64,9 @@ class EngineShape:
         return args
 
 
-def fleet_config(workdir: Path, engine: EngineShape, deployments: Mapping[str, str]) -> str:
+def fleet_config(workdir: Path, engine: EngineShape, deployments: Mapping[str, str], extra: str = "") -> str:
     """The control process's config: a profile per model of ``deployments`` (model -> its deployment's YAML
-    lines after ``profile:``, e.g. ``replicas: 2``) and the agents' settings."""
+    lines after ``profile:``, e.g. ``replicas: 2``), the agents' settings and ``extra`` (top-level YAML)."""
     profiles = "".join(f"""  - name: {profile_name(model)}
     engine: sim
     model_path: tiny
@@ -75,7 +75,7 @@ def fleet_config(workdir: Path, engine: EngineShape, deployments: Mapping[str, s
 """ for model in deployments)
     placed = "".join(f"  - profile: {profile_name(model)}\n    {lines}\n" for model, lines in deployments.items())
     return ("log_level: warning\n" + AGENTS.replace("agents:\n", f"agents:\n  control_state_dir: {workdir / 'ids'}\n")
-            + f"profiles:\n{profiles}deployments:\n{placed}")
+            + f"profiles:\n{profiles}deployments:\n{placed}" + extra)
 
 
 @dataclass(eq=False)
@@ -95,7 +95,8 @@ class AutoscaleRig:
     @classmethod
     @contextlib.asynccontextmanager
     async def open(cls, workdir: Path, engine: EngineShape, deployments: Mapping[str, str], ready: Mapping[str, int],
-                   *, nodes: int = 2, gpus: int = 4, timeout: float = 180.0) -> AsyncIterator["AutoscaleRig"]:
+                   *, nodes: int = 2, gpus: int = 4, timeout: float = 180.0,
+                   extra_config: str = "") -> AsyncIterator["AutoscaleRig"]:
         """The fleet of ``deployments`` (see the module's docstring), once each model has ``ready[model]``
         replicas up."""
         workdir.mkdir(parents=True, exist_ok=True)
@@ -103,7 +104,7 @@ class AutoscaleRig:
         try:
             async with httpx.AsyncClient(timeout=2.0) as http, trio.open_nursery() as nursery:
                 config = workdir / "llmgw.yaml"
-                config.write_text(fleet_config(workdir, engine, deployments))
+                config.write_text(fleet_config(workdir, engine, deployments, extra_config))
                 control = GatewayProcess("llmgw control", CONTROL, config)
                 await control.start(nursery)
                 rig = cls(nursery, workdir, control, [], tuple(deployments), http, reaper)

@@ -228,13 +228,22 @@ def test_each_arms_fleet_config_loads(tmp_path: Path):
         assert config.profile("h100-llama-b").served_model_name == MODEL_B
 
 
-def test_the_autoscaled_arm_says_so_when_this_llmgw_cannot_autoscale():
-    if autoscale.autoscale_available():
-        text = autoscale.deployment_lines(autoscale.AUTOSCALED, step_trace(), 10.0)
-        assert text.startswith("replicas: {min: 1, max: 4}") and "scale_down_after: 30s" in text
-    else:
+def test_the_autoscaled_arm_loads_with_its_windows_divided_or_says_this_llmgw_cannot_autoscale(tmp_path: Path):
+    trace = idle_trace()
+    if not autoscale.autoscale_available():
         with pytest.raises(autoscale.ArmUnavailable, match="no autoscaling"):
-            autoscale.deployment_lines(autoscale.AUTOSCALED, step_trace(), 10.0)
+            autoscale.deployment_lines(autoscale.AUTOSCALED, trace, 10.0)
+        return
+    text = fleet_config(tmp_path, EngineShape("h100-llama-3.1-8b", 2, 6.0, 0.5),
+                        {MODEL_A: autoscale.deployment_lines(autoscale.AUTOSCALED, trace, 10.0)},
+                        autoscale.config_extra(autoscale.AUTOSCALED, 10.0))
+    config = parse_config(text, "fleet.yaml")
+    (deployment,) = config.deployments
+    settings = deployment.autoscale_settings()
+    assert (settings.min_replicas, settings.max_replicas) == (0, 4) and deployment.autoscaled
+    assert (settings.scale_up_after, settings.scale_down_after, settings.idle_to_zero) == (0.5, 30.0, 60.0)
+    assert config.autoscale.interval == 0.1
+    assert autoscale.config_extra(autoscale.FIXED_MAX, 10.0) == ""
 
 
 def test_the_nodes_are_recorded_h100s_with_uuids_of_their_own():
