@@ -11,12 +11,12 @@ First one replica's capacity: a closed loop of ``--max-num-seqs`` clients on a f
 ``--capacity-seconds`` (``--capacity`` gives it instead); one replica's worth of demand is ``--utilisation`` of it.
 Then, for each trace (:mod:`.autoscale_traces`: ``step``, ``diurnal``, ``swap``, ``idle``) and each arm
 (``autoscaled``: ``replicas: {min, max}`` and an ``autoscale:`` section with the windows, and the decisions'
-interval, divided by the factor; ``fixed-max``; ``fixed-min``), ``--repeats`` times on a fresh fleet: open-loop arrivals following the trace
-(streamed chat completions of ``--prompt-words`` words and ``--max-tokens`` tokens through the gateway), sampled
-every ``--sample`` seconds (:meth:`~.autoscale_rig.AutoscaleRig.sample`). Per trace, arm and model
-(:mod:`.autoscale_report`): the step to the extra replica serving, dropped requests, reversals, TTFT p95 SLO
-attainment, replica-seconds against the oracle (:mod:`.autoscale_oracle`); a text chart of replicas against
-demand; with ``--json`` everything, series included (partial results as they come).
+interval, divided by the factor; ``fixed-max``; ``fixed-min``), ``--repeats`` times on a fresh fleet: open-loop
+arrivals following the trace (streamed chat completions of ``--prompt-words`` words and ``--max-tokens`` tokens
+through the gateway), sampled every ``--sample`` seconds (:meth:`~.autoscale_rig.AutoscaleRig.sample`). Per
+trace, arm and model (:mod:`.autoscale_report`): the step to the extra replica serving, dropped requests,
+reversals, TTFT p95 SLO attainment, replica-seconds against the oracle (:mod:`.autoscale_oracle`); a text chart of
+replicas against demand; with ``--json`` everything, series included (partial results as they come).
 
 Run: ``llmgw bench autoscale [--traces step,diurnal,swap,idle] [--arms autoscaled,fixed-max,fixed-min]
 [--repeats 3] [--json bench-results/autoscale.json]``; ``--quick`` is a short form (the traces over a quarter of
