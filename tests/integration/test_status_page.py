@@ -173,6 +173,10 @@ async def test_the_demo_without_admin_tokens_shows_its_status_with_no_login(nurs
         assert [row.split("0 (0)")[0] for row in queues] == ["tinyinteractive", "tinystandard", "tinybatch",
                                                               "tinybest-effort"], queues
         await tab.wait_for("each replica's room", f"{ROW_TEXTS.format('saturation')}.length === 2")
+        # Its deployment has a fixed count: no chart of replicas over time
+        await tab.wait_for("no capacity chart", "document.getElementById('capacity').textContent === "
+                                                "'no autoscaled deployment'")
+        assert await tab.evaluate("document.querySelector('#capacity svg') === null")
         assert await tab.evaluate("document.getElementById('login').hidden")
         assert tab.errors == []
 
