@@ -135,7 +135,7 @@ async def test_the_pages_endpoints_need_the_token_and_agree_with_the_metrics(nur
         answer = await complete(gw, text(seed, 600), request_id=f"req-{seed}-{len(served)}")
         served[answer.headers["x-request-id"]] = answer.headers["x-llmgw-replica"]
     async with httpx.AsyncClient(timeout=10) as client:
-        for path in ("/admin/stats", "/admin/decisions"):
+        for path in ("/admin/stats", "/admin/decisions", "/admin/capacity"):
             assert (await client.get(gw.control_url + path)).status_code == 401
         stats = (await client.get(gw.control_url + "/admin/stats", headers=AUTH)).json()["replicas"]
         decisions = (await client.get(gw.control_url + "/admin/decisions", headers=AUTH)).json()
