@@ -41,7 +41,7 @@ from ..config.schema import Deployment
 from ..sim.profiles import DEFAULT_PROFILE
 from ..testing.processes import ChildFailed
 from .autoscale_oracle import plan
-from .autoscale_report import charts, markdown, model_stats, run_summary, series
+from .autoscale_report import charts, markdown, model_stats, run_summary, series, targets, targets_markdown
 from .autoscale_rig import AutoscaleRig, EngineShape, sim_models_startup
 from .autoscale_traces import MODEL_A, TRACES, Trace, arrival_times, shortened
 from .chat_workloads import new_client
@@ -255,7 +255,8 @@ def main(argv: list[str]) -> int:
             Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llmgw-bench-autoscale-")))
         report = trio.run(run, args, root)
     print(charts(report), "\n")
-    return print_and_save(report, markdown(report), args.json)
+    report["targets"] = targets(report, AUTOSCALED)
+    return print_and_save(report, markdown(report) + "\n\n" + targets_markdown(report, AUTOSCALED), args.json)
 
 
 if __name__ == "__main__":

@@ -15,17 +15,19 @@ oracle's plan (:mod:`.autoscale_oracle`):
 - ``replica_seconds``: provisioned replicas integrated over the run (fleet seconds), against the oracle's
   (``vs_oracle``); ``most_over_oracle``: the most provisioned replicas beyond the oracle's at any sample.
 
-:func:`chart` draws replicas against demand as text; :func:`markdown` the table of medians [min-max] over repeats.
+:func:`chart` draws replicas against demand as text; :func:`markdown` the table of medians [min-max] over repeats;
+:func:`targets` checks the autoscaled arm's medians against issue 32's targets.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .autoscale_oracle import OraclePlan
 from .autoscale_traces import Trace
 from .cluster_events import percentile
+from .common import cell
 from .overload_report import spread_cell, summary
 from .overload_workload import ERROR, EXPIRED, OK, SHED, Outcome
 
@@ -203,6 +205,50 @@ def markdown(report: dict) -> str:
         for model, stats in run["summary"].items():
             lines.append(f"| {run['trace']} | {run['arm']} | {model} | " + " | ".join(
                 spread_cell(stats[m], spec, unit, scale) for _, m, spec, unit, scale in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+# Issue 32's targets: (trace, what, measure, the bound given the settings, at most (True) or at least)
+TARGETS: list[tuple[str, str, str, Callable[[dict], float], bool]] = [
+    ("step", "the extra replica serves within the cold start + 15 s", "step_to_serving_s",
+     lambda s: s["cold_start_s"] + 15, True),
+    ("step", "at most one reversal per 10 minutes under constant load", "reversals_per_10_min", lambda s: 1, True),
+    ("idle", "from zero, no request dropped", "dropped", lambda s: 0, True),
+    ("idle", "from zero, the first token within the cold start + 2 s", "from_zero_first_token_s",
+     lambda s: s["cold_start_s"] + 2, True),
+    ("diurnal", "replica-seconds within 15 % of the oracle's", "vs_oracle", lambda s: 1.15, True),
+    ("diurnal", "TTFT p95 within its SLO >= 99 % of the time", "slo_attainment", lambda s: 0.99, False),
+    ("*", "never more replicas than the oracle's + 1", "most_over_oracle", lambda s: 1, True),
+]
+
+
+def targets(report: dict, arm: str) -> list[dict]:
+    """Each of :data:`TARGETS` that ``arm``'s runs measured: its median, the bound and whether it was met."""
+    found = []
+    for run in report["runs"]:
+        if run["arm"] != arm or run.get("error"):
+            continue
+        for trace, what, measure, bound, at_most in TARGETS:
+            if trace not in ("*", run["trace"]):
+                continue
+            for model, stats in run["summary"].items():
+                entry = stats.get(measure)
+                limit = bound(report["settings"])
+                value = None if entry is None else entry["median"]
+                met = value is not None and (value <= limit if at_most else value >= limit)
+                found.append({"trace": run["trace"], "model": model, "target": what, "measure": measure,
+                              "median": value, "bound": limit, "met": met})
+    return found
+
+
+def targets_markdown(report: dict, arm: str) -> str:
+    rows = targets(report, arm)
+    if not rows:
+        return f"(no {arm} run measured issue 32's targets)"
+    lines = [f"Issue 32's targets, the {arm} arm (medians; a measure that is missing misses its target):", "",
+             "| trace | model | target | measured | bound | met |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['trace']} | {r['model']} | {r['target']} | {cell(r['median'], '.2f')} | {r['bound']:g} | "
+              f"{'yes' if r['met'] else 'no'} |" for r in rows]
     return "\n".join(lines)
 
 

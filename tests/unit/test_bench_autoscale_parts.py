@@ -23,6 +23,8 @@ from llmgw.bench.autoscale_report import (
     series,
     slo_attainment,
     step_to_serving,
+    targets,
+    targets_markdown,
 )
 from llmgw.bench.autoscale_rig import EngineShape, fleet_config
 from llmgw.bench.autoscale_traces import (
@@ -261,3 +263,26 @@ def test_quick_is_one_repeat_and_names_are_checked(capsys):
     with pytest.raises(SystemExit):
         autoscale.parse(["--traces", "weekly"])
     assert "unknown traces: weekly" in capsys.readouterr().err
+
+
+def test_the_autoscaled_arms_medians_are_checked_against_the_issues_targets():
+    def summary(**values):
+        return {MODEL_A: {key: {"median": v, "min": v, "max": v} for key, v in values.items()}}
+
+    report = {"settings": {"cold_start_s": 60.0},
+              "runs": [{"trace": "step", "arm": "autoscaled",
+                        "summary": summary(step_to_serving_s=72.0, reversals_per_10_min=2.0, most_over_oracle=1)},
+                       {"trace": "idle", "arm": "autoscaled",
+                        "summary": summary(dropped=0, from_zero_first_token_s=None, most_over_oracle=0)},
+                       {"trace": "diurnal", "arm": "fixed-max", "summary": summary(vs_oracle=1.6)},
+                       {"trace": "diurnal", "arm": "autoscaled", "error": "not available"}]}
+    found = {(t["trace"], t["measure"]): (t["median"], t["bound"], t["met"]) for t in targets(report, "autoscaled")}
+    assert found == {("step", "step_to_serving_s"): (72.0, 75.0, True),
+                     ("step", "reversals_per_10_min"): (2.0, 1, False),
+                     ("step", "most_over_oracle"): (1, 1, True),
+                     ("idle", "dropped"): (0, 0, True),
+                     ("idle", "from_zero_first_token_s"): (None, 62.0, False),  # every first request dropped
+                     ("idle", "most_over_oracle"): (0, 1, True)}
+    table = targets_markdown(report, "autoscaled")
+    assert "| step | llama-a | the extra replica serves within the cold start + 15 s | 72.00 | 75 | yes |" in table
+    assert targets_markdown(report, "nope").startswith("(no nope run")
