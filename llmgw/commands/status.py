@@ -2,9 +2,10 @@
 
 Nodes (state, GPUs used/total, shards, last heard from), replicas (model,
 state, node, endpoint), shards (node, rank, GPUs, state, pid, restarts,
-reason) and the router's KV index per replica (state, blocks, block size, and
-for an ``unusable_keys`` index why and the fix), read from ``GET
-/admin/nodes``, ``GET /admin/replicas`` and ``GET /admin/kv``. In a cluster
+reason), the router's KV index per replica (state, blocks, block size, and
+for an ``unusable_keys`` index why and the fix) and the autoscaled deployments (bounds, counts, demand, the last
+decision), read from ``GET /admin/nodes``, ``GET /admin/replicas``, ``GET /admin/kv`` and ``GET
+/admin/autoscale``. In a cluster
 sharing state through Redis, a first line says who leads (from ``GET
 /admin/cluster``), and a candidate that does not lead is read through the
 leader it names.
@@ -86,6 +87,27 @@ def render(nodes: list[dict], replicas: list[dict], kv: dict | None = None) -> s
     return "\n".join(lines)
 
 
+def autoscale_rows(autoscale: dict) -> list[list]:
+    """The autoscaled deployments (``/admin/autoscale``): bounds, counts, demand and the last decision's reason."""
+    rows = []
+    for key, d in sorted((autoscale.get("deployments") or {}).items()):
+        signals = d.get("signals") or {}
+        last = (d.get("decisions") or [{}])[-1]
+        rows.append([key, d.get("model"), f"{d.get('min')}..{d.get('max')}", d.get("desired"), d.get("ready"),
+                     d.get("starting"), d.get("draining"), signals.get("queued"), signals.get("inflight"),
+                     f"{last['kind']} {last['from']}->{last['to']}: {last['reason']}" if last else ""])
+    return rows
+
+
+def render_autoscale(autoscale: dict) -> list[str]:
+    rows = autoscale_rows(autoscale)
+    if not rows:
+        return []
+    return ["", f"AUTOSCALE ({len(rows)})"] + table(
+        ["DEPLOYMENT", "MODEL", "MIN..MAX", "DESIRED", "READY", "STARTING", "DRAINING", "QUEUED", "INFLIGHT",
+         "LAST DECISION"], rows)
+
+
 def leader_line(cluster: dict) -> str | None:
     """Who leads a cluster, as its process at ``/admin/cluster`` says; None without a shared state."""
     if cluster.get("backend") != "redis":
@@ -119,13 +141,15 @@ def main(argv: list[str]) -> int:
         nodes = get_json(f"{base}/admin/nodes", args, args.timeout)
         replicas = get_json(f"{base}/admin/replicas", args, args.timeout)
         kv = get_json(f"{base}/admin/kv", args, args.timeout)
+        autoscale = get_json(f"{base}/admin/autoscale", args, args.timeout)
     except ControlApiError as exc:
         print(f"llmgw status: cannot read {base}/admin: {exc}", file=sys.stderr)
         return 1
     if args.json:
         shared = {"cluster": cluster} if cluster.get("backend") == "redis" else {}
-        print(json.dumps({**shared, "nodes": nodes, "replicas": replicas, "kv": kv}, indent=2))
+        print(json.dumps({**shared, "nodes": nodes, "replicas": replicas, "kv": kv, "autoscale": autoscale},
+                         indent=2))
     else:
         line = leader_line(cluster)
-        print((line + "\n\n" if line else "") + render(nodes, replicas, kv))
+        print((line + "\n\n" if line else "") + "\n".join([render(nodes, replicas, kv), *render_autoscale(autoscale)]))
     return 0

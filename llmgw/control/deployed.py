@@ -66,14 +66,15 @@ class DeployedReplicas(TaskHost):
 
     # -- models --------------------------------------------------------------------------------------------------
 
-    def configure_models(self, desired: Mapping[str, DesiredReplica]) -> None:
-        """Declare one model per served model name of a deployed profile; withdraw those nobody deploys any more
-        (a model the config's ``models`` list too keeps its route)."""
+    def configure_models(self, desired: Mapping[str, DesiredReplica], held: Iterable[Any] = ()) -> None:
+        """Declare one model per served model name of a deployed profile, and of each profile in ``held`` (an
+        autoscaled deployment's, declared even with no replica: its requests wait for the first); withdraw those
+        nobody deploys any more (a model the config's ``models`` list too keeps its route)."""
         wanted: dict[str, Any] = {}  # model -> the llmgw.config.Profile that serves it
         self.prefill_rates = {}
-        for replica in desired.values():
-            wanted.setdefault(replica.model, replica.profile)
-            self.prefill_rates[replica.profile.name] = replica.profile.prefill_tokens_per_s
+        for profile in [*(replica.profile for replica in desired.values()), *held]:
+            wanted.setdefault(profile.served_model_name, profile)
+            self.prefill_rates[profile.name] = profile.prefill_tokens_per_s
         for model, profile in sorted(wanted.items()):
             tier = profile.routing
             self.replicas.declare_model(DEPLOYED, TierModel.of(

@@ -10,11 +10,14 @@ pools, probers and tiers built from what it reads back (docs/architecture.md, "W
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from ..kv.changes import ChangesFields
 from ..router.model import TierModel
 from ..router.replica import Replica
+
+if TYPE_CHECKING:
+    from .plane import ControlPlane
 
 
 class ReplicaTable(Protocol):
@@ -64,3 +67,20 @@ class KvWriter(Protocol):
 
     def remove_resync_listener(self, listener: Callable[[str, str, str], None]) -> None:
         """Undo :meth:`add_resync_listener`."""
+
+
+class ReplicaCounter(Protocol):
+    """What sets the replica count of the deployments it scales instead of their config's ``replicas``
+    (llmgw.autoscale's :class:`~llmgw.autoscale.actuator.Autoscaler`, on the leader)."""
+
+    def counts(self, control: "ControlPlane") -> Mapping[str, int]:
+        """The replicas to run now, by profile name, for each deployment it scales (others: the config's)."""
+
+    def retire_reason(self, profile: str, count: int) -> str:
+        """Why a replica of ``profile`` beyond ``count`` is retired (the Retire's reason, logged)."""
+
+    def describe(self, control: "ControlPlane") -> dict[str, Any]:
+        """Its state as ``/admin/autoscale`` shows it."""
+
+    async def run(self, control: "ControlPlane", *, task_status: Any = ...) -> None:
+        """Its loop, in the control plane's nursery (it ends with the control plane's term)."""

@@ -387,15 +387,19 @@ def _placement(replica_id: str, profile: Profile, fits: list[NodeFit], leader_po
 # -- every replica ----------------------------------------------------------------------------------------------------
 
 
-def replica_ids(deployments: Sequence[Deployment]) -> list[tuple[Deployment, str]]:
+def replica_ids(deployments: Sequence[Deployment],
+                counts: Mapping[str, int] | None = None) -> list[tuple[Deployment, str]]:
     """Every desired replica as (deployment, replica id ``f"{profile}-{i}"``), in config order.
 
-    Two deployments of one profile number on from each other, so ids stay unique.
+    Two deployments of one profile number on from each other, so ids stay unique. ``counts``: the replicas of
+    the deployments an autoscaler sizes, by profile name, instead of their ``replicas`` (such a profile has one
+    deployment: fewer replicas drop the highest indices first).
     """
     next_index: Counter[str] = Counter()
     wanted = []
     for deployment in deployments:
-        for _ in range(deployment.replicas):
+        count = deployment.replicas if counts is None else counts.get(deployment.profile, deployment.replicas)
+        for _ in range(count):
             wanted.append((deployment, f"{deployment.profile}-{next_index[deployment.profile]}"))
             next_index[deployment.profile] += 1
     return wanted
@@ -451,8 +455,10 @@ def still_valid(placement: ReplicaPlacement, profile: Profile, deployment: Deplo
 
 def plan_all(profiles: Sequence[Profile], deployments: Sequence[Deployment], nodes: Sequence[NodeView],
              existing: Mapping[str, ReplicaPlacement] | None = None, *,
-             demand_of: Callable[[Profile], GpuDemand] = gpu_demand) -> PlanResult:
-    """Place every replica the deployments want.
+             demand_of: Callable[[Profile], GpuDemand] = gpu_demand,
+             wanted: Sequence[tuple[Deployment, str]] | None = None) -> PlanResult:
+    """Place every replica the deployments want (``wanted``: those replicas, as :func:`replica_ids` gives them,
+    when an autoscaler sets some deployments' counts; by default their ``replicas``).
 
     Existing placements (by replica id) that are still wanted and valid are
     kept and their GPUs claimed first; the rest are placed largest first
@@ -461,7 +467,7 @@ def plan_all(profiles: Sequence[Profile], deployments: Sequence[Deployment], nod
     existing = dict(existing or {})
     by_name = {profile.name: profile for profile in profiles}
     views = {node.node_id: node.copy() for node in nodes}
-    wanted = replica_ids(deployments)
+    wanted = list(wanted) if wanted is not None else replica_ids(deployments)
     result = PlanResult()
     decided: dict[str, ReplicaPlacement | Unplaced] = {}
 

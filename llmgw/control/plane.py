@@ -69,7 +69,7 @@ from .report_check import REFUSE_INVALID, ReportCheck
 if TYPE_CHECKING:
     from ..config import Config
     from ..wire.channel import Channel
-    from .interfaces import KvWriter, ReplicaTable
+    from .interfaces import KvWriter, ReplicaCounter, ReplicaTable
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,9 @@ class ControlPlane:
                                          on_failure=self.metrics.replica_build_failures.inc)
         self.config = config
         self.desired: dict[str, DesiredReplica] = {}
+        # Sizes the autoscaled deployments (on the leader; set before run): llmgw.autoscale's Autoscaler.
+        self.scale: ReplicaCounter | None = None
+        self._held: tuple[str, ...] = ()  # the profiles declared for the scale, with or without replicas
         self._wake = trio.Event()
         self._running = False
         kv_index.add_resync_listener(self._ask_kv_resync)
@@ -134,6 +137,9 @@ class ControlPlane:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.agents.run)
                 await nursery.start(self.deployed.run)
+                if self.scale is not None:
+                    self.reconciler.unwanted_reason = self._unwanted_reason
+                    await nursery.start(self.scale.run, self)
                 self._running = True
                 self.apply_config(self.config)
                 task_status.started()
@@ -191,9 +197,27 @@ class ControlPlane:
         """Take a (re)loaded config: new desired replicas, models, agent settings; reconciled at once."""
         self.config = config
         self.agents.settings = SessionSettings.from_config(config.agents)
-        self.desired = desired_replicas(config, profile_fingerprint)
-        self.deployed.configure_models(self.desired)
+        self._take_desired(force=True)
         self.request_reconcile()
+
+    def _take_desired(self, *, force: bool = False) -> None:
+        """The desired replicas: the config's deployments, at the scale's counts for those it sizes; the models
+        declared anew when the set of replicas changed (or ``force``: a new config)."""
+        counts = self.scale.counts(self) if self.scale is not None else None
+        desired = desired_replicas(self.config, profile_fingerprint, counts)
+        held = tuple(sorted(counts or ()))
+        if force or desired.keys() != self.desired.keys() or held != self._held:
+            self.desired, self._held = desired, held
+            self.deployed.configure_models(desired, [self.config.profile(name) for name in held])
+        else:
+            self.desired = desired
+
+    def _unwanted_reason(self, assignment: Assignment) -> str:
+        counts = self.scale.counts(self) if self.scale is not None else {}
+        if assignment.profile in counts:
+            assert self.scale is not None
+            return self.scale.retire_reason(assignment.profile, counts[assignment.profile])
+        return "no longer in the config's deployments"
 
     def freeze(self) -> None:
         """Stop reconciling and commanding agents for good (the gateway is stopping its embedded engines on exit,
@@ -222,6 +246,8 @@ class ControlPlane:
     def reconcile(self) -> list[Action]:
         if not self._running:
             return []
+        if self.scale is not None:
+            self._take_desired()
         nodes = self.inventory.nodes
         actions = self.reconciler.plan(self.desired, nodes, now=trio.current_time(), wall_ms=int(time.time() * 1000))
         for action in actions:

@@ -68,13 +68,15 @@ class DesiredReplica:
         return self.profile.served_model_name
 
 
-def desired_replicas(config, fingerprint: Callable[[Any], str]) -> dict[str, DesiredReplica]:
-    """Every replica the config's deployments ask for, by id (placement's numbering: ``"{profile}-{i}"``)."""
+def desired_replicas(config, fingerprint: Callable[[Any], str],
+                     counts: Mapping[str, int] | None = None) -> dict[str, DesiredReplica]:
+    """Every replica the config's deployments ask for, by id (placement's numbering: ``"{profile}-{i}"``);
+    ``counts``: the replicas of autoscaled deployments by profile name, instead of the config's ``replicas``."""
     from .placement import replica_ids
 
     return {replica_id: DesiredReplica(replica_id, config.profile(deployment.profile), deployment,
                                        fingerprint(config.profile(deployment.profile)))
-            for deployment, replica_id in replica_ids(config.deployments)}
+            for deployment, replica_id in replica_ids(config.deployments, counts)}
 
 
 def shard_profile(profile) -> wire.ShardProfile:
@@ -249,6 +251,8 @@ class Reconciler:
         self.unplaced: dict[str, tuple[tuple[str, str], ...]] = {}
         self._commanded: dict[str, tuple[str, int]] = {}  # shard id -> (command kind, session serial)
         self._last_generation = 0
+        # Why a wanted replica's id left the desired set: the config dropped it, or an autoscaler scaled it down.
+        self.unwanted_reason: Callable[[Assignment], str] = lambda a: "no longer in the config's deployments"
 
     # -- queries -------------------------------------------------------------------------------------------------
 
@@ -314,7 +318,7 @@ class Reconciler:
                 continue
             wanted = desired.get(assignment.replica_id)
             if wanted is None:
-                self._retire(assignment, "no longer in the config's deployments", actions)
+                self._retire(assignment, self.unwanted_reason(assignment), actions)
             elif wanted.fingerprint != assignment.fingerprint:
                 self._retire(assignment, f"profile {wanted.profile.name} changed (fingerprint "
                                          f"{assignment.fingerprint[:12]} -> {wanted.fingerprint[:12]})", actions)
@@ -571,4 +575,5 @@ def place_with_plan_all(desired: Mapping[str, DesiredReplica], nodes: Mapping[st
                                            assignment.leader_address, assignment.leader_port)
                   for slot in assignment.slots]
         kept[replica_id] = placement.ReplicaPlacement(replica_id, assignment.profile, shards)
-    return placement.plan_all(list(profiles.values()), deployments, views, existing=kept)
+    wanted = [(d.deployment, replica_id) for replica_id, d in desired.items()]  # in the config's order
+    return placement.plan_all(list(profiles.values()), deployments, views, existing=kept, wanted=wanted)

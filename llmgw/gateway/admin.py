@@ -27,6 +27,7 @@ from ..metrics import render, trio_task_count
 from ..router.replicas import STATIC
 from ..router.tier import RouteRequest
 from ..wire.channel import LEADER_HEADER, AgentCredentials, quart_channel
+from .admin_autoscale import register_autoscale_routes
 from .admin_guard import AdminGuard
 from .admin_tenants import register_tenant_routes
 from .flow_gate import RECENT_OUTCOMES
@@ -250,6 +251,7 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
 
     register_tenant_routes(app, gateway, _error, _json_object)
     register_usage_routes(app, gateway)
+    register_autoscale_routes(app, gateway)
 
     @app.errorhandler(404)
     async def not_found(_):

@@ -51,6 +51,7 @@ from ..tls import describe_tls_error
 from .admin import create_control_app
 from .admin_guard import exposure_problem
 from .admin_tenants import build_key_admin
+from .autoscale_setup import GatewayAutoscale, SettingsOf, no_autoscaling
 from .capacity_history import CapacityHistory, gateway_counts
 from .dataplane import DataPlane, DataPlaneSettings
 from .flow_setup import GatewayFlow
@@ -61,6 +62,7 @@ from .tenancy_setup import GatewayTenancy
 
 if TYPE_CHECKING:
     from ..agent.agent import Agent
+    from ..autoscale.interfaces import Scaler
     from ..cluster.term import LeaderTerm
 
 log = logging.getLogger(__name__)
@@ -96,12 +98,15 @@ class Addresses:
 class Gateway:
     def __init__(self, config: Config, registry: Registry | None = None, *, embedded_discovery: str = "auto",
                  stop_engines_on_exit: bool = False, role: str = CONTROL,
-                 adjust_config: Callable[[Config], Config] | None = None):
+                 adjust_config: Callable[[Config], Config] | None = None, scaler: Callable[[], Scaler] | None = None,
+                 autoscale_settings: SettingsOf = no_autoscaling):
         """``stop_engines_on_exit``: the embedded agent's engines stop with the gateway (the demo); by default
         they outlive it, to be adopted by the next start. ``role``: ``control`` runs the control plane (and, with
         a shared state backend, writes the cluster's state); ``gateway`` only follows a cluster's shared state
         (docs/scaling.md). ``adjust_config``: applied to the config each :meth:`reload` reads, as it was to
-        ``config`` (a worker of ``llmgw serve --workers`` puts its supervisor's private Redis in ``state``)."""
+        ``config`` (a worker of ``llmgw serve --workers`` puts its supervisor's private Redis in ``state``).
+        ``scaler()``: a new autoscaler's decision core for each control plane this process runs, and
+        ``autoscale_settings(deployment)`` each deployment's bounds and targets (None: its fixed ``replicas``)."""
         self.config = config
         self.started_config = config  # what a restart would change from: reload_guard.restart_required
         self.adjust_config = adjust_config
@@ -153,6 +158,9 @@ class Gateway:
         self.flow = GatewayFlow(config, self.router, self.metrics.registry,
                                 self.shared.load if self.shared is not None else None)
         self.room = self.flow.room
+        self.autoscale = GatewayAutoscale(config, self.router, self.flow,
+                                          self.shared.load if self.shared is not None else None, scaler,
+                                          autoscale_settings)
         # With a shared state, a control process is a candidate: its control plane runs (built anew) in each term
         # it leads the cluster (_lead), and is reached through that term; without one, for the process's life.
         self.static: StaticReplicas | None = None
@@ -178,6 +186,7 @@ class Gateway:
         self.tenancy = GatewayTenancy(config, self.directory, self.metrics.registry, self.shared)
         self.dataplane.tenancy = self.tenancy.gate
         self.dataplane.flow = self.flow.gate
+        self.dataplane.holds = self.autoscale.holds
         self._reload_lock = trio.Lock()
         self._reload_metrics = ReloadMetrics(self.metrics.registry)
         self.health_report = HealthReport(self.shared, self.metrics.registry)
@@ -187,12 +196,8 @@ class Gateway:
                                          self.metrics.registry)
         self.readiness = self.dataplane.readiness = Readiness(self.router, lambda: self.draining,
                                                               self._state_loaded, self.health_report.sentences)
-        self.capacity = CapacityHistory(lambda: gateway_counts(self, self.autoscaled_models()))
-
-    def autoscaled_models(self) -> frozenset[str]:
-        """The models whose replicas follow demand (issue 32's autoscaler; none until it is configured)."""
-        autoscale = getattr(self, "autoscale", None)
-        return autoscale.models if autoscale is not None else frozenset()
+        self.readiness.holds = self.autoscale.holds
+        self.capacity = CapacityHistory(lambda: gateway_counts(self, self.autoscale.models))
 
     @property
     def control(self) -> ControlPlane | None:
@@ -213,7 +218,9 @@ class Gateway:
 
     def _build_control(self, table: ReplicaTable, kv: KvWriter) -> ControlPlane:
         key = self.shared.placement_key if self.shared is not None else None
-        return ControlPlane(table, kv, self.registry, self.metrics.registry, self.config, placement_key=key)
+        control = ControlPlane(table, kv, self.registry, self.metrics.registry, self.config, placement_key=key)
+        self.autoscale.attach(control)
+        return control
 
     async def _wait_for_replica(self, model: str) -> bool:
         """With a shared state: the control plane's adoption window while leading, else the first snapshot."""
@@ -444,6 +451,7 @@ class Gateway:
         self.directory.set_config(*config_entries(config))
         self.dataplane.tenancy = self.tenancy.apply(config)
         self.dataplane.flow = self.flow.apply(config)
+        self.autoscale.apply(config)
         if self.shared is not None:
             self.shared.apply_config(config)
         if self.static is not None:

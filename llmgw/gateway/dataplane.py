@@ -134,6 +134,9 @@ class DataPlane:
         # ``await wait_for_models()``: a gateway that follows the cluster's state knows no model before its first
         # snapshot; None when nothing is pending, else whether the models came in time (no: 503, not 404).
         self.wait_for_models: Callable[[], Awaitable[bool | None]] | None = None
+        # ``holds(model)``: a request for ``model`` waits in the flow queue even with no routable replica (an
+        # autoscaled model: its first replica starts for the requests waiting, llmgw/autoscale).
+        self.holds: Callable[[str], bool] = lambda model: False
 
     def apply(self, settings: DataPlaneSettings) -> None:
         """A reload's settings, from the next request on (its API keys reach the directory: Gateway.reload)."""
@@ -337,8 +340,9 @@ class DataPlane:
         flow = self.flow  # read once: a reload swaps it whole
         entered = OPEN
         # A model without a routable replica has no room to wait for: routed now, it is answered 503 at once (or
-        # waits for a replica being adopted), as without flow control.
-        if flow.control is not None and self.router.has_routable_replica(resolved[0]):
+        # waits for a replica being adopted), as without flow control; but an autoscaled one's requests wait for
+        # the replica they make the autoscaler start, up to their class's deadline.
+        if flow.control is not None and (self.router.has_routable_replica(resolved[0]) or self.holds(resolved[0])):
             turn = await flow.enter(request, exchange.tenant, resolved[0], self._cost(exchange, request, body),
                                     request_id)
             if isinstance(turn, Response):  # shed (429), or a priority header or deadline it cannot read (400)

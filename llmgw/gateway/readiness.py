@@ -64,6 +64,8 @@ class Readiness:
         self.draining = draining
         self.state_loaded = state_loaded
         self.cluster_reasons = cluster_reasons
+        # ``holds(model)``: an autoscaled model, ready at 0 replicas (its requests wait for the first one).
+        self.holds: Callable[[str], bool] = lambda model: False
 
     def answer(self, query: str, names: bool = True, detailed: bool = True) -> tuple[int, dict[str, Any]]:
         """``(status, JSON body)``: 200 ready, 503 not ready (with the reasons), 400 for an unreadable query.
@@ -82,7 +84,7 @@ class Readiness:
             resolved = self.router.resolve(name)
             if resolved is None:
                 unknown.append(name)
-            elif not self.router.has_routable_replica(resolved[0]):
+            elif not self.router.has_routable_replica(resolved[0]) and not self.holds(resolved[0]):
                 without.append(name)
         reasons: list[str] = []
         if draining:

@@ -3,7 +3,8 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming and
 not), ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``,
 ``GET /health``, ``GET /ping``, ``GET /version``, ``GET /load``, ``GET /metrics``,
-``POST /reset_prefix_cache``, ``GET /kv_event_sources``, and with the test switch
+``POST /reset_prefix_cache``, ``GET /kv_event_sources``, with ``--enable-sleep-mode`` ``POST /sleep``,
+``POST /wake_up`` and ``GET /is_sleeping`` (:mod:`~llmgw.sim.startup`), and with the test switch
 ``--debug-routes`` ``POST /debug/prefix_hit``. With ``--api-key`` (or
 ``VLLM_API_KEY`` in the environment), paths under ``/v1`` need ``Authorization: Bearer KEY`` (vLLM protects exactly
 those). A request whose client goes away is aborted in the engine (its blocks
@@ -62,6 +63,9 @@ class SimApi:
             ("POST", "/reset_prefix_cache"): self.reset_prefix_cache,
             ("GET", "/kv_event_sources"): self.kv_event_sources,
         }
+        if sim.config.enable_sleep_mode:
+            self._routes |= {("POST", "/sleep"): self.sleep, ("POST", "/wake_up"): self.wake_up,
+                             ("GET", "/is_sleeping"): self.is_sleeping}
         if sim.config.debug_routes:
             self._routes[("POST", "/debug/prefix_hit")] = self.debug_prefix_hit
             log.info("test switch --debug-routes: POST /debug/prefix_hit shows the cache and queues to anyone")
@@ -80,6 +84,9 @@ class SimApi:
                 return error_response(404, f"no route for {path}", type_="NotFoundError", code=404)
         if self._bearer is not None and path.startswith("/v1") and request.header("authorization") != self._bearer:
             return error_response(401, "Unauthorized", type_="AuthenticationError", code=401)
+        if self.sim.startup.sleeping and path.startswith("/v1/") and request.method == "POST":
+            return error_response(503, "the engine is sleeping: POST /wake_up first", type_="ServiceUnavailable",
+                                  code=503)
         try:
             return await route(request)
         except ApiError as exc:
@@ -297,6 +304,18 @@ class SimApi:
         reset_running = "reset_running_requests=true" in request.query.lower()
         ok = self.sim.reset_prefix_cache(reset_running_requests=reset_running)
         return Response.json({"success": ok})
+
+    async def sleep(self, request: Request) -> Response:
+        level = 2 if "level=2" in request.query else 1
+        self.sim.startup.sleep(level)
+        return EMPTY_OK
+
+    async def wake_up(self, request: Request) -> Response:
+        await self.sim.startup.wake_up()
+        return EMPTY_OK
+
+    async def is_sleeping(self, request: Request) -> Response:
+        return Response.json({"is_sleeping": bool(self.sim.startup.sleeping)})
 
     async def kv_event_sources(self, request: Request) -> Response:
         return Response.json(self.sim.kv_event_sources())

@@ -28,6 +28,7 @@ from .config import SimConfig, parse_drop_seqs
 from .core import StepLoop, queue_size
 from .publisher import EventPublisher, PublisherEndpoints
 from .scheduler import Scheduler
+from .startup import Startup
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class Simulator:
         self.publisher: EventPublisher | None = None
         self.endpoints: PublisherEndpoints | None = None
         self.addresses: SimAddresses | None = None
+        self.startup = Startup(config.startup_seconds, config.hot_startup_seconds, config.time_scale)
 
     def reset_prefix_cache(self, *, reset_running_requests: bool = False) -> bool:
         return self.core.reset_prefix_cache(reset_running_requests=reset_running_requests)
@@ -119,6 +121,7 @@ class Simulator:
                     with listening_on(" and ".join(filter(None, (config.pub_endpoint, config.replay_endpoint)))):
                         self.endpoints = await nursery.start(self.publisher.serve, self._events_out)
                 nursery.start_soon(self.core.run)
+                await self.startup.cold_start()
                 with listening_on(host_port(config.host, config.port)):
                     host, port = await nursery.start(functools.partial(serve_http, SimApi(self).handle,
                                                                        config.host, config.port))

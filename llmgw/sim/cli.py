@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                       help="LoRA adapters served as models (their requests hash with the adapter)")
     vllm.add_argument("--seed", type=int, default=0, help="seed of the simulated outputs")
+    vllm.add_argument("--enable-sleep-mode", action="store_true",
+                      help="POST /sleep?level=N, POST /wake_up (taking --hot-startup-seconds), GET /is_sleeping")
     sim = p.add_argument_group("simulator flags")
     sim.add_argument("--event-layout", choices=("map", "array"), default="map",
                      help="payload layout: map (vLLM 0.24+) or array (0.22-0.23)")
@@ -106,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
                           + ", ".join(profile_names()[1:]) + f"; or '{CONSTANT}' (the two flags below)")
     sim.add_argument("--time-scale", type=float, default=1.0,
                      help="1 = modelled real time, 0.01 = 100x faster, 0 = no waiting")
+    sim.add_argument("--startup-seconds", type=float, default=0.0, metavar="S",
+                     help="a cold start: modelled seconds before the server listens (loading the weights; "
+                          "times --time-scale)")
+    sim.add_argument("--hot-startup-seconds", type=float, default=0.0, metavar="S",
+                     help="a hot start: modelled seconds a POST /wake_up takes (with --enable-sleep-mode)")
     sim.add_argument("--prefill-tokens-per-s", type=float, default=None,
                      help="--profile constant: prefill throughput of uncached tokens (default 20000)")
     sim.add_argument("--decode-ms-per-step", type=float, default=None,
@@ -182,6 +189,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         seed=args.seed,
         output_tokens=args.output_tokens,
         lora_modules=parse_lora_modules(args.lora_modules),
+        startup_seconds=args.startup_seconds,
+        hot_startup_seconds=args.hot_startup_seconds,
+        enable_sleep_mode=args.enable_sleep_mode,
     )
 
 

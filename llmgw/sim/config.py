@@ -138,6 +138,9 @@ class SimConfig:
     seed: int = 0
     output_tokens: tuple[int, int] = (16, 128)
     lora_modules: list[LoraModule] = field(default_factory=list)
+    startup_seconds: float = 0.0  # a cold start's modelled seconds before the server listens (llmgw.sim.startup)
+    hot_startup_seconds: float = 0.0  # a wake-up's (sleep mode), modelled seconds
+    enable_sleep_mode: bool = False  # vLLM's --enable-sleep-mode: POST /sleep, POST /wake_up, GET /is_sleeping
 
     DEFAULT_MAX_MODEL_LEN = 8192
     DEFAULT_NUM_BLOCKS = 1024
@@ -226,6 +229,8 @@ class SimConfig:
         constant_rates_bad = self.gpu_profile is None and (
             self.prefill_tokens_per_s is None or self.prefill_tokens_per_s <= 0
             or self.decode_ms_per_step is None or self.decode_ms_per_step < 0)
+        if self.startup_seconds < 0 or self.hot_startup_seconds < 0:
+            raise SimArgumentError("--startup-seconds and --hot-startup-seconds must be >= 0")
         if self.time_scale < 0 or constant_rates_bad:
             raise SimArgumentError("--time-scale and --decode-ms-per-step must be >= 0, --prefill-tokens-per-s > 0")
         low, high = self.output_tokens

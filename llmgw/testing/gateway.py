@@ -65,7 +65,14 @@ async def start_gateway_in_process(nursery: trio.Nursery, config_text: str, dire
     path = Path(directory) / "llmgw.yaml"
     path.write_text(config_text)
     gateway = Gateway(load_checked_config(path, registry), registry, **gateway_options)
-    addresses = await nursery.start(gateway.run, ("127.0.0.1", 0), ("127.0.0.1", 0))
+    return await run_in_process(nursery, gateway, verify=verify)
+
+
+async def run_in_process(nursery: trio.Nursery, gateway: Gateway, ports: tuple[int, int] = (0, 0), *,
+                         verify: bool | str = True) -> InProcessGateway:
+    """Run ``gateway`` in ``nursery`` on 127.0.0.1's ``ports`` (data, control; 0: ephemeral, the default; fixed
+    ones let agents reconnect to a gateway started again). Its client closes with the nursery."""
+    addresses = await nursery.start(gateway.run, ("127.0.0.1", ports[0]), ("127.0.0.1", ports[1]))
     http = httpx.AsyncClient(timeout=10, verify=verify)
     nursery.start_soon(_close_when_cancelled, http)
     return InProcessGateway(gateway, addresses, http)

@@ -1,0 +1,202 @@
+"""The autoscaler on the leader: the loop that feeds the scaler and the counts the control plane runs.
+
+:class:`Autoscaler` is the control plane's :class:`~llmgw.control.interfaces.ReplicaCounter`. For each autoscaled
+deployment (``settings_of(deployment)`` says ``max_replicas > min_replicas``) it tells the control plane how many
+replicas to run: ``scaler.desired(key, start)``, where ``start`` is what ran when this leader's control plane
+began placing (the replicas it adopted, clamped to min..max: a new leader never starts from zero). During the
+adoption window it asks for ``max_replicas``, so that every running replica can be adopted (nothing new is placed
+in that window). Every ``interval`` it builds a :class:`~.model.DeploymentView` per deployment from the control
+plane's assignments (ready, starting, draining, unplaceable), the free GPUs per class from the registered nodes,
+and the :class:`~.interfaces.SignalSource`; hands them to ``scaler.decide``; logs each decision once
+(``autoscale: ...``) and asks for a reconcile when a count changed. The scaler itself is pure (llmgw/autoscale/
+scaler.py); this module is its only caller in the product.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable
+
+import trio
+
+from ..control.placement import class_matches
+from ..control.reconciler import schedulable
+from ..logfields import log_fields
+from .interfaces import Scaler, SignalSource
+from .model import AutoscaleSettings, DeploymentView, ReplicaCounts, ScaleDecision
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..config.schema import Deployment
+    from ..control.plane import ControlPlane
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL = 1.0
+
+
+def autoscaled(config: "Config", settings_of: Callable[["Deployment"], AutoscaleSettings | None]
+               ) -> dict[str, tuple["Deployment", AutoscaleSettings]]:
+    """The config's autoscaled deployments by profile name (a profile that is autoscaled has one deployment)."""
+    found = {}
+    for deployment in config.deployments:
+        settings = settings_of(deployment)
+        if settings is not None and settings.autoscaled:
+            found[deployment.profile] = (deployment, settings)
+    return found
+
+
+def autoscaled_models(config: "Config", settings_of: Callable[["Deployment"], AutoscaleSettings | None]
+                      ) -> frozenset[str]:
+    """The served model names of the autoscaled deployments: their requests wait for a replica (none may run)."""
+    return frozenset(config.profile(key).served_model_name for key in autoscaled(config, settings_of))
+
+
+def clamp(count: int, settings: AutoscaleSettings) -> int:
+    return max(settings.min_replicas, min(settings.max_replicas, count))
+
+
+class Autoscaler:
+    def __init__(self, scaler: Scaler, settings_of: Callable[["Deployment"], AutoscaleSettings | None],
+                 signals: SignalSource, interval: float = DEFAULT_INTERVAL):
+        self.scaler = scaler
+        self.settings_of = settings_of
+        self.signals = signals
+        self.interval = interval
+        self.started: dict[str, int] = {}  # key -> the replicas running when placing began (this term's start)
+        self._asked: dict[str, int] = {}  # the counts last handed to the control plane
+        self.views: dict[str, DeploymentView] = {}  # the last step's, for /admin/autoscale
+
+    # -- ReplicaCounter ------------------------------------------------------------------------------------------
+
+    def counts(self, control: "ControlPlane") -> dict[str, int]:
+        placing = trio.current_time() >= control.reconciler.place_after
+        counts = {}
+        for key, (_, settings) in autoscaled(control.config, self.settings_of).items():
+            if not placing:
+                counts[key] = settings.max_replicas  # adopt whatever runs; nothing new is placed yet
+                continue
+            if key not in self.started:
+                running = sum(1 for a in control.reconciler.active().values() if a.profile == key)
+                self.started[key] = clamp(running, settings)
+                log.info("autoscale: deployment %s starts from the %d replicas running (%d adopted; min %d, max %d)",
+                         key, self.started[key], running, settings.min_replicas, settings.max_replicas,
+                         extra=log_fields(deployment=key))
+            counts[key] = clamp(self.scaler.desired(key, self.started[key]), settings)
+        self._asked = counts
+        return counts
+
+    def retire_reason(self, profile: str, count: int) -> str:
+        return f"scaled down: autoscaled deployment {profile} runs {count} replica{'' if count == 1 else 's'}"
+
+    async def run(self, control: "ControlPlane", *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            await trio.sleep(self.interval)
+            try:
+                self.step(control)
+            except Exception:  # a bug in one step must not end the control plane: the next one tries again
+                log.exception("autoscale: a step failed; the replica counts stay as they are until the next one")
+
+    # -- one step ------------------------------------------------------------------------------------------------
+
+    def step(self, control: "ControlPlane") -> list[ScaleDecision]:
+        now = trio.current_time()
+        if now < control.reconciler.place_after:
+            return []  # the adoption window: the counts start from what is adopted
+        deployments = autoscaled(control.config, self.settings_of)
+        self.views = {key: self.view(control, key, settings, now) for key, (_, settings) in deployments.items()}
+        forget = getattr(self.signals, "forget", None)
+        if forget is not None:
+            forget({view.model for view in self.views.values()})
+        decisions = self.scaler.decide(now, list(self.views.values()), self.free_gpus(control))
+        for decision in decisions:
+            log.info("autoscale: %s %s: %d -> %d: %s", decision.kind, decision.key, decision.current,
+                     decision.desired, decision.reason,
+                     extra=log_fields(deployment=decision.key, kind=decision.kind))
+        before = dict(self._asked)
+        if self.counts(control) != before:
+            control.request_reconcile()
+        return decisions
+
+    def view(self, control: "ControlPlane", key: str, settings: AutoscaleSettings, now: float) -> DeploymentView:
+        profile = control.config.profile(key)
+        return DeploymentView(key=key, model=profile.served_model_name, settings=settings,
+                              counts=replica_counts(control, key), desired=self._asked.get(key, settings.min_replicas),
+                              gpus_per_replica=profile.gpus, gpu_class=profile.gpu_class,
+                              signals=self.signals.signals(profile.served_model_name, now))
+
+    def free_gpus(self, control: "ControlPlane") -> dict[str | None, int]:
+        """Free GPUs on the nodes that take new replicas, in all (``None``) and per GPU class an autoscaled
+        profile asks for."""
+        classes = {control.config.profile(key).gpu_class
+                   for key in autoscaled(control.config, self.settings_of)} - {None}
+        free: dict[str | None, int] = {None: 0, **{c: 0 for c in classes}}
+        nodes = control.inventory.nodes
+        for node_id, node in nodes.items():
+            if not schedulable(node):
+                continue
+            used = control.reconciler.used_gpus(node_id, nodes)
+            for gpu in node.register.gpus:
+                if gpu.index in used:
+                    continue
+                for gpu_class in free:
+                    if class_matches(gpu_class, gpu):
+                        free[gpu_class] += 1
+        return free
+
+    # -- reading it ----------------------------------------------------------------------------------------------
+
+    def describe(self, control: "ControlPlane") -> dict[str, Any]:
+        """``/admin/autoscale``'s deployments: bounds, counts, signals and their recent decisions."""
+        deployments = {}
+        for key, (_, settings) in autoscaled(control.config, self.settings_of).items():
+            view = self.views.get(key)
+            counts = replica_counts(control, key)
+            entry: dict[str, Any] = {
+                "model": control.config.profile(key).served_model_name, "min": settings.min_replicas,
+                "max": settings.max_replicas, "desired": self._asked.get(key), "started_from": self.started.get(key),
+                "ready": counts.ready, "starting": counts.starting, "draining": counts.draining,
+                "unplaceable": counts.unplaceable, "signals": None,
+                "decisions": [decision_json(d) for d in self.scaler.history(key)]}
+            if view is not None:
+                s = view.signals
+                entry["signals"] = {"queued": s.queued, "queued_tokens": s.queued_tokens, "inflight": s.inflight,
+                                    "served_per_s": round(s.served_per_s, 3), "kv_usage": s.kv_usage,
+                                    "idle_s": None if s.last_request_at is None
+                                    else round(max(0.0, s.at - s.last_request_at), 3)}
+            deployments[key] = entry
+        return {"interval_s": self.interval, "deployments": deployments}
+
+
+def replica_counts(control: "ControlPlane", key: str) -> ReplicaCounts:
+    """Deployment ``key``'s replicas as the control plane knows them: routable ones ready, the rest wanted
+    starting (placed, or waiting to be), retiring ones draining, those no node fits unplaceable."""
+    ready = starting = draining = 0
+    for assignment in control.reconciler.assignments.values():
+        if assignment.profile != key:
+            continue
+        if assignment.retiring:
+            draining += 1
+            continue
+        replica = control.deployed.replica(assignment.replica_id, assignment.key)
+        if replica is not None and replica.routable:
+            ready += 1
+        else:
+            starting += 1
+    active = control.reconciler.active()
+    unplaceable = 0
+    for replica_id, wanted in control.desired.items():
+        if wanted.profile.name != key or replica_id in active:
+            continue
+        if replica_id in control.reconciler.unplaced:
+            unplaceable += 1
+        else:
+            starting += 1  # wanted, not placed yet: it will start (pending-aware)
+    return ReplicaCounts(ready=ready, starting=starting, draining=draining, unplaceable=unplaceable)
+
+
+def decision_json(decision: ScaleDecision) -> dict[str, Any]:
+    return {"at": round(decision.at, 3), "kind": decision.kind, "from": decision.current, "to": decision.desired,
+            "reason": decision.reason, "taken_from": decision.taken_from}
+

@@ -1,0 +1,67 @@
+"""A gateway's part of autoscaling: which models wait for a replica, and the autoscaler its control plane runs.
+
+Every gateway (leader or follower) holds the requests of an autoscaled model in its flow queue while it has no
+routable replica (:attr:`DataPlane.holds`), and answers ``/ready`` for it; those held requests go out in its load
+reports, which is the signal that starts the first replica. The leader's control plane (built for each term, or
+once without a shared state) gets an :class:`~llmgw.autoscale.actuator.Autoscaler` reading this process's flow
+queue and the peers' load reports (:class:`~llmgw.autoscale.signals.GatewaySignals`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from ..autoscale.actuator import Autoscaler, autoscaled_models
+from ..autoscale.interfaces import Scaler
+from ..autoscale.model import AutoscaleSettings
+from ..autoscale.signals import GatewaySignals
+
+if TYPE_CHECKING:
+    from ..cluster.load import LoadSharing
+    from ..config import Config
+    from ..config.schema import Deployment
+    from ..control.plane import ControlPlane
+    from ..router.router import Router
+    from .flow_setup import GatewayFlow
+
+SettingsOf = Callable[["Deployment"], AutoscaleSettings | None]
+
+
+def no_autoscaling(deployment: "Deployment") -> AutoscaleSettings | None:
+    return None
+
+
+class GatewayAutoscale:
+    def __init__(self, config: "Config", router: "Router", flow: "GatewayFlow", sharing: "LoadSharing | None",
+                 scaler: Callable[[], Scaler] | None, settings_of: SettingsOf = no_autoscaling,
+                 interval: Callable[["Config"], float] = lambda config: 1.0):
+        """``scaler()``: a new scaler, for each control plane (a new leader's starts afresh, from the adopted
+        counts); None: nothing is autoscaled. ``settings_of(deployment)``: its autoscale settings (None: fixed)."""
+        self.router = router
+        self.flow = flow
+        self.sharing = sharing
+        self.scaler = scaler
+        self.settings_of = settings_of if scaler is not None else no_autoscaling
+        self.interval = interval
+        self.models: frozenset[str] = frozenset()
+        self.apply(config)
+
+    def apply(self, config: "Config") -> None:
+        """A (re)loaded config: which models are autoscaled."""
+        self.config = config
+        self.models = autoscaled_models(config, self.settings_of)
+
+    def holds(self, model: str) -> bool:
+        return model in self.models
+
+    def attach(self, control: "ControlPlane") -> None:
+        """Give a new control plane its autoscaler (before it runs)."""
+        if self.scaler is None:
+            return
+        signals = GatewaySignals(self.router, self._held,
+                                 self.sharing.peer_queued if self.sharing is not None else lambda model: [])
+        control.scale = Autoscaler(self.scaler(), self.settings_of, signals, self.interval(self.config))
+
+    def _held(self, model: str) -> tuple[int, int]:
+        queued = self.flow.queue.queued(model).values()
+        return sum(q.requests for q in queued), sum(q.tokens for q in queued)

@@ -1,0 +1,220 @@
+"""Autoscaling in the product: the leader's control plane runs the scaler's counts, with real `llmgw agent`s on
+fixture GPUs starting `llmgw sim` engines (with a modelled cold start), and a gateway run in the test's process
+(so that the test hands it the stand-in scaler of tests/autoscale_standin.py and reads what it was shown).
+
+Every wait is for a state, with a deadline that only fails a hung test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import httpx
+import trio
+
+from autoscale_standin import StandInScaler
+from llmgw.autoscale.model import AutoscaleSettings
+from llmgw.gateway.app import Gateway
+from llmgw.plugins_manager import load_checked_config
+from llmgw.testing.cluster import TOKEN
+from llmgw.testing.gateway import run_in_process
+from llmgw.testing.processes import free_port
+
+STARTUP = 1.0  # the simulated engines' cold start, seconds: long enough for a step to see a replica starting
+BATCH = {"x-llmgw-priority": "batch"}  # waits up to 60 s at the gateway (the default "standard" class: 10 s)
+
+
+def config(*profiles: tuple[str, str, str]) -> str:
+    """``profiles``: (profile, served model, extra sim args as a YAML list's items)."""
+    text = f"""
+agents:
+  token: {TOKEN}
+  heartbeat_interval: 0.5s
+  suspect_after: 1.5s
+  disconnected_after: 3s
+health:
+  interval: 0.2s
+  failures_to_down: 1
+profiles:
+"""
+    for name, model, args in profiles:
+        text += f"""  - name: {name}
+    engine: sim
+    model_path: {model}
+    served_model_name: {model}
+    tp: 1
+    args: ["--num-blocks", "256", "--startup-seconds", "{STARTUP}"{args}]
+"""
+    text += "deployments:\n" + "".join(f"  - profile: {name}\n    replicas: 1\n" for name, _, _ in profiles)
+    return text
+
+
+async def start(nursery, cluster, tmp_path, settings: dict[str, AutoscaleSettings], *profiles, nodes=("a",),
+                ports: tuple[int, int] | None = None):
+    """A gateway in ``nursery`` autoscaling ``settings``' deployments with a new stand-in scaler (on ``ports``,
+    data and control, or ephemeral ones), and the agents of ``nodes`` joined to it (started once)."""
+    scaler = StandInScaler()
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "llmgw.yaml"
+    path.write_text(config(*profiles))
+    gateway = Gateway(load_checked_config(path, None), scaler=lambda: scaler,
+                      autoscale_settings=lambda deployment: settings.get(deployment.profile))
+    running = await run_in_process(nursery, gateway, ports or (0, 0))
+    gateway.control.scale.interval = 0.2
+    cluster.control_url, cluster.data_url = running.control_url, running.url
+    async with trio.open_nursery() as joining:
+        for node in nodes:
+            if node not in cluster.agents:
+                joining.start_soon(cluster.start_agent, node, f"tiny-2gpu-{node}")
+    return running, scaler
+
+
+async def autoscale(gateway, key: str) -> dict:
+    response = await gateway.admin("/admin/autoscale")
+    assert response.status_code == 200, response.text
+    return response.json()["deployments"][key]
+
+
+async def wait_for(cluster, what: str, predicate, timeout: float = 60.0):
+    return await cluster.wait_for(what, predicate, timeout=timeout, interval=0.1)
+
+
+def chat(gateway, model: str = "tiny", max_tokens: int = 4, **options):
+    return gateway.chat(model=model, max_tokens=max_tokens, **options)
+
+
+async def test_from_zero_requests_wait_for_the_first_replica_and_to_zero_when_idle(nursery, cluster, tmp_path):
+    settings = {"tiny-sim": AutoscaleSettings(min_replicas=0, max_replicas=2, queued_per_replica=4,
+                                              scale_down_after=0.5, idle_to_zero=1.0)}
+    gateway, scaler = await start(nursery, cluster, tmp_path, settings, ("tiny-sim", "tiny", ""))
+    # At zero: declared (listed, ready), nothing placed.
+    models = (await gateway.http.get(gateway.url + "/v1/models")).json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert (await gateway.http.get(gateway.url + "/ready")).status_code == 200
+    assert (await autoscale(gateway, "tiny-sim"))["desired"] == 0
+    assert await cluster.replicas() == {}
+
+    # Three requests arrive: they wait in the flow queue (not 503), the queue starts one replica, all are served.
+    answers = []
+
+    async def ask():
+        answers.append(await chat(gateway, headers=BATCH))
+
+    async with trio.open_nursery() as asking:
+        for _ in range(3):
+            asking.start_soon(ask)
+    assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
+    assert {a.headers["x-llmgw-replica"] for a in answers} == {"tiny-sim-0"}
+    first = [d for d in scaler.decisions if d.key == "tiny-sim"][0]
+    assert (first.kind, first.current, first.desired) == ("from_zero", 0, 1)
+    assert "3 waiting" in first.reason or "waiting or in flight" in first.reason
+    # While it started, the scaler saw the requests queued and the replica starting (pending-aware input).
+    assert any(v.signals.queued == 3 and v.counts.starting == 1 and v.counts.ready == 0 for _, v in scaler.views)
+
+    # Idle for idle_to_zero: drained and stopped; the model stays declared and the gateway ready.
+    await wait_for(cluster, "tiny-sim back to zero",
+                   lambda: _replicas_are(cluster, set()))
+    assert [d.kind for d in scaler.decisions] == ["from_zero", "to_zero"]
+    assert (await gateway.http.get(gateway.url + "/ready")).status_code == 200
+    status = await autoscale(gateway, "tiny-sim")
+    assert (status["desired"], status["ready"], status["starting"]) == (0, 0, 0)
+    assert [d["kind"] for d in status["decisions"]] == ["from_zero", "to_zero"]
+    assert status["decisions"][1]["reason"]
+
+    # And from zero once more.
+    assert (await chat(gateway, headers=BATCH)).status_code == 200
+
+
+async def _replicas_are(cluster, names: set[str]) -> bool:
+    replicas = await cluster.replicas()
+    return set(replicas) == names
+
+
+async def test_a_backlog_scales_up_one_step_at_a_time_and_down_drains_without_losing_a_request(
+        nursery, cluster, tmp_path):
+    slow = ', "--profile", "constant", "--decode-ms-per-step", "100", "--output-tokens", "60:60"'
+    settings = {"tiny-sim": AutoscaleSettings(min_replicas=1, max_replicas=3, queued_per_replica=2,
+                                              scale_down_after=3600)}
+    gateway, scaler = await start(nursery, cluster, tmp_path, settings, ("tiny-sim", "tiny", slow))
+    await wait_for(cluster, "the min replica up", lambda: _up(cluster, {"tiny-sim-0"}))
+
+    # Four slow requests in flight on one replica need two: one step up.
+    results: list[httpx.Response] = []
+
+    async def ask():
+        results.append(await chat(gateway, max_tokens=60, headers=BATCH))
+
+    async with trio.open_nursery() as asking:
+        for _ in range(4):
+            asking.start_soon(ask)
+        await wait_for(cluster, "a second replica up", lambda: _up(cluster, {"tiny-sim-0", "tiny-sim-1"}))
+    assert [r.status_code for r in results] == [200] * 4
+    assert [(d.kind, d.current, d.desired) for d in scaler.decisions] == [("up", 1, 2)]
+
+    # Two long requests, one on each replica, need one: after the window the highest index is drained, and the
+    # request it holds finishes whole.
+    results.clear()
+    settings["tiny-sim"] = dataclasses.replace(settings["tiny-sim"], scale_down_after=1.0)
+    async with trio.open_nursery() as asking:
+        for _ in range(2):
+            asking.start_soon(ask)
+        await wait_for(cluster, "tiny-sim-1 retired", lambda: _replicas_are(cluster, {"tiny-sim-0"}))
+    assert [r.status_code for r in results] == [200] * 2
+    assert {r.headers["x-llmgw-replica"] for r in results} == {"tiny-sim-0", "tiny-sim-1"}
+    assert all(r.json()["usage"]["completion_tokens"] == 60 for r in results)
+    assert [(d.kind, d.current, d.desired) for d in scaler.decisions][1:] == [("down", 2, 1)]
+
+
+async def _up(cluster, names: set[str]) -> bool:
+    replicas = await cluster.replicas()
+    return set(replicas) == names and all(r["state"] == "up" for r in replicas.values())
+
+
+async def test_when_gpus_run_out_an_idle_model_gives_a_replica_to_one_with_a_backlog(nursery, cluster, tmp_path):
+    # "other" starts at its min, 2: both GPUs of the node.
+    settings = {"tiny-sim": AutoscaleSettings(min_replicas=0, max_replicas=2, queued_per_replica=4),
+                "other-sim": AutoscaleSettings(min_replicas=2, max_replicas=3, scale_down_after=3600,
+                                               idle_to_zero=3600)}
+    gateway, scaler = await start(nursery, cluster, tmp_path, settings, ("tiny-sim", "tiny", ""),
+                                  ("other-sim", "other", ""))
+    await wait_for(cluster, "other at 2", lambda: _up(cluster, {"other-sim-0", "other-sim-1"}))
+    # Its min lowered to 0 (a reload would do the same), it may give: "tiny" is called, no GPU is free, and idle
+    # "other" gives its highest replica, drained; tiny's first starts on its GPU, and the request waits for it.
+    settings["other-sim"] = dataclasses.replace(settings["other-sim"], min_replicas=0)
+    answer = await chat(gateway, headers=BATCH)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-llmgw-replica"] == "tiny-sim-0"
+    moves = [(d.kind, d.key, d.current, d.desired, d.taken_from) for d in scaler.decisions]
+    assert moves == [("take", "tiny-sim", 0, 1, "other-sim"), ("give", "other-sim", 2, 1, None)]
+    await wait_for(cluster, "other-sim-1 gone", lambda: _up(cluster, {"other-sim-0", "tiny-sim-0"}))
+    status = (await gateway.admin("/admin/autoscale")).json()["deployments"]
+    assert status["other-sim"]["decisions"][-1]["kind"] == "give"
+    assert status["tiny-sim"]["decisions"][-1]["taken_from"] == "other-sim"
+
+
+async def test_a_restarted_control_plane_starts_from_the_replicas_running_not_from_min(nursery, cluster, tmp_path):
+    settings = {"tiny-sim": AutoscaleSettings(min_replicas=0, max_replicas=2, queued_per_replica=1,
+                                              scale_down_after=3600, idle_to_zero=3600)}
+    profile = ("tiny-sim", "tiny", "")
+    ports = (free_port(), free_port())
+    async with trio.open_nursery() as first_term:
+        gateway, _ = await start(first_term, cluster, tmp_path / "first", settings, profile, ports=ports)
+        async with trio.open_nursery() as asking:
+            for _ in range(2):
+                asking.start_soon(chat, gateway, "tiny", 4)
+            await wait_for(cluster, "2 replicas", lambda: _up(cluster, {"tiny-sim-0", "tiny-sim-1"}))
+        pids = {r["shards"][0]["pid"] for r in (await cluster.replicas()).values()}
+        first_term.cancel_scope.cancel()  # the control plane goes; the engines stay with their agent
+
+    # A new control plane (its scaler fresh, min 0) adopts both and keeps them: it starts from what runs.
+    gateway, scaler = await start(nursery, cluster, tmp_path / "second", settings, profile, ports=ports)
+    status = await wait_for(cluster, "the counts started", lambda: _started(gateway))
+    assert (status["started_from"], status["desired"]) == (2, 2)
+    replicas = await wait_for(cluster, "both adopted", lambda: _up(cluster, {"tiny-sim-0", "tiny-sim-1"}))
+    assert {r["shards"][0]["pid"] for r in (await cluster.replicas()).values()} == pids, replicas
+    assert scaler.decisions == []
+
+
+async def _started(gateway) -> dict | None:
+    status = await autoscale(gateway, "tiny-sim")
+    return status if status["started_from"] is not None else None
