@@ -100,8 +100,7 @@ class AutoscaleRig:
         """The fleet of ``deployments`` (see the module's docstring), once each model has ``ready[model]``
         replicas up."""
         workdir.mkdir(parents=True, exist_ok=True)
-        reaper = EngineReaper(workdir)
-        try:
+        with EngineReaper(workdir) as reaper:
             async with httpx.AsyncClient(timeout=2.0) as http, trio.open_nursery() as nursery:
                 config = workdir / "llmgw.yaml"
                 config.write_text(fleet_config(workdir, engine, deployments, extra_config))
@@ -115,8 +114,6 @@ class AutoscaleRig:
                     yield rig
                 finally:
                     nursery.cancel_scope.cancel()
-        finally:
-            reaper.reap()
 
     async def start_agent(self, node_id: str, index: int, gpus: int) -> Child:
         fixture = self.workdir / f"{node_id}.json"

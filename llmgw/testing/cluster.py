@@ -38,11 +38,18 @@ health:
 
 
 class EngineReaper:
-    """Engines to kill when the test ends: pids seen, and every shard in the ledgers under ``root``."""
+    """Engines to kill when the test ends: pids seen, and every shard in the ledgers under ``root`` (also when a
+    ``with`` block of it ends)."""
 
     def __init__(self, root: Path):
         self.root = root
         self.pids: set[int] = set()
+
+    def __enter__(self) -> "EngineReaper":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.reap()
 
     def add(self, pid: int) -> None:
         self.pids.add(pid)
