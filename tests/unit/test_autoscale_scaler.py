@@ -242,7 +242,8 @@ def test_a_step_takes_only_what_the_free_gpus_hold():
     busy = view(desired=2, queued=40, gpus=2)
     scaler.decide(0.0, [busy], {None: 5})
     up = scaler.decide(5.0, [busy], {None: 5})
-    assert steps(up) == [("a", "up", 2, 4)] and "only 2 more replicas fit the free GPUs" in up[0].reason
+    assert steps(up) == [("a", "up", 2, 4)]
+    assert up[0].reason.endswith(": 2 -> 4 replicas (8 needed; only 2 more fit the free GPUs)")
 
 
 def test_gpu_classes_are_counted_apart():
