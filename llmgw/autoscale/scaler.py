@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from ..config import Config
 from .model import AutoscaleSettings, DeploymentView, ScaleDecision, ScaleKind
 
 DOWN_FRACTION = 0.7  # a step down leaves every signal under 70% of its target: room before the next step up
@@ -199,6 +200,11 @@ class TargetScaler:
         self._memory: dict[str, _Memory] = {}
         self._history: deque[ScaleDecision] = deque(maxlen=history_size)
         self._move: _Move | None = None
+
+    @classmethod
+    def from_config(cls, config: Config) -> TargetScaler:
+        """The scaler of ``config``'s autoscaled deployments, keeping ``autoscale.history`` decisions."""
+        return cls(config.autoscale_settings(), history_size=config.autoscale.history)
 
     # -- the Scaler protocol ---------------------------------------------------------------------------------------
 

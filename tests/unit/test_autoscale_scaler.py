@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from llmgw.autoscale.model import AutoscaleSettings, DeploymentView, ModelSignals, ReplicaCounts
 from llmgw.autoscale.scaler import DOWN_FRACTION, TargetScaler
+from llmgw.config import parse_config
 
 FAST = AutoscaleSettings(min_replicas=1, max_replicas=8, queued_per_replica=4, kv_usage=0.8, scale_up_after=5,
                          scale_down_after=60, idle_to_zero=600)
@@ -225,6 +226,20 @@ def test_the_config_bounds_clamp_a_count_outside_them():
     assert scaler.desired("a", 9) == 4 and scaler.desired("a", 0) == 2 and scaler.desired("other", 7) == 7
     clamped = scaler.decide(0.0, [view(desired=6, max_replicas=4, kv=0.5, inflight=2)], MANY_GPUS)
     assert steps(clamped) == [("a", "down", 6, 4)] and "outside the config's 1..4" in clamped[0].reason
+
+
+def test_from_config_knows_the_bounds_before_any_decision_and_keeps_the_configured_history():
+    config = parse_config("""
+agents: {token: t}
+autoscale: {history: 10}
+profiles: [{name: chat, engine: sim, model_path: tiny}, {name: fixed, engine: sim, model_path: tiny}]
+deployments: [{profile: chat, replicas: {min: 1, max: 3}}, {profile: fixed, replicas: 5}]
+""")
+    scaler = TargetScaler.from_config(config)
+    assert scaler.desired("chat", 7) == 3 and scaler.desired("fixed", 5) == 5
+    for i in range(12):
+        scaler.decide(float(i), [view(f"m{i}", desired=0, queued=1, min_replicas=0)], MANY_GPUS)
+    assert len(scaler.history()) == 10
 
 
 def test_a_deployment_not_autoscaled_is_left_alone():
