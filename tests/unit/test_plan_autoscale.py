@@ -123,3 +123,17 @@ def test_parse_counts_reads_anything_or_says_why(items, classes):
         assert str(exc)
     else:
         assert all(count >= 0 for count in counts.values())
+
+
+def test_the_documented_example_loads_and_previews_as_shown(tmp_path):
+    docs = (REPO / "docs" / "autoscaling.md").read_text()
+    config = docs.split("```yaml\n", 1)[1].split("```", 1)[0]
+    console = docs.split("```console\n", 1)[1].split("```", 1)[0].splitlines()
+    command = " ".join(line.rstrip("\\").strip() for line in console[:2]).removeprefix("$ llmgw plan ").split()
+    assert command[:2] == ["--config", "fleet.yaml"]
+    path = tmp_path / "fleet.yaml"
+    path.write_text(config)
+    done = subprocess.run([*LLMGW, "plan", "--config", str(path), *command[2:]], capture_output=True, text=True,
+                          timeout=60, cwd=REPO, env={"LLMGW_AGENT_TOKEN": "t", "PATH": ""})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == console[2:]
