@@ -39,7 +39,7 @@ def configured_settings(deployment: "Deployment") -> AutoscaleSettings | None:
 
 def target_scaler(config: "Config") -> Scaler:
     """llmgw's scaler (llmgw/autoscale/scaler.py), with the config's settings and history size."""
-    return TargetScaler(config.autoscale_settings(), history_size=config.autoscale.history)
+    return TargetScaler.from_config(config)
 
 
 class GatewayAutoscale:
