@@ -7,9 +7,9 @@ began placing (the replicas it adopted, clamped to min..max: a new leader never 
 adoption window it asks for ``max_replicas``, so that every running replica can be adopted (nothing new is placed
 in that window). Every ``interval`` it builds a :class:`~.model.DeploymentView` per deployment from the control
 plane's assignments (ready, starting, draining, unplaceable), the free GPUs per class from the registered nodes,
-and the :class:`~.interfaces.SignalSource`; hands them to ``scaler.decide``; logs each decision once
-(``autoscale: ...``) and asks for a reconcile when a count changed. The scaler itself is pure (llmgw/autoscale/
-scaler.py); this module is its only caller in the product.
+and the :class:`~.interfaces.SignalSource`; hands them to ``scaler.decide``; logs and counts each decision
+once (:class:`~.metrics.AutoscaleMetrics`) and asks for a reconcile when a count changed. The scaler itself is
+pure (llmgw/autoscale/scaler.py); this module is its only caller in the product.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ..control.placement import class_matches
 from ..control.reconciler import schedulable
 from ..logfields import log_fields
 from .interfaces import Scaler, SignalSource
+from .metrics import AutoscaleMetrics
 from .model import AutoscaleSettings, DeploymentView, ReplicaCounts, ScaleDecision
 
 if TYPE_CHECKING:
@@ -58,10 +59,13 @@ def clamp(count: int, settings: AutoscaleSettings) -> int:
 
 class Autoscaler:
     def __init__(self, scaler: Scaler, settings_of: Callable[["Deployment"], AutoscaleSettings | None],
-                 signals: SignalSource, interval: float = DEFAULT_INTERVAL):
+                 signals: SignalSource, metrics: AutoscaleMetrics,
+                 interval: Callable[[], float] = lambda: DEFAULT_INTERVAL):
+        """``interval()``: seconds between steps (read at each: a reload changes it)."""
         self.scaler = scaler
         self.settings_of = settings_of
         self.signals = signals
+        self.metrics = metrics
         self.interval = interval
         self.started: dict[str, int] = {}  # key -> the replicas running when placing began (this term's start)
         self._asked: dict[str, int] = {}  # the counts last handed to the control plane
@@ -92,7 +96,7 @@ class Autoscaler:
     async def run(self, control: "ControlPlane", *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
-            await trio.sleep(self.interval)
+            await trio.sleep(self.interval())
             try:
                 self.step(control)
             except Exception:  # a bug in one step must not end the control plane: the next one tries again
@@ -110,12 +114,11 @@ class Autoscaler:
         if forget is not None:
             forget({view.model for view in self.views.values()})
         decisions = self.scaler.decide(now, list(self.views.values()), self.free_gpus(control))
-        for decision in decisions:
-            log.info("autoscale: %s %s: %d -> %d: %s", decision.kind, decision.key, decision.current,
-                     decision.desired, decision.reason,
-                     extra=log_fields(deployment=decision.key, kind=decision.kind))
+        self.metrics.record(decisions)
         before = dict(self._asked)
-        if self.counts(control) != before:
+        counts = self.counts(control)
+        self.metrics.observe(now, list(self.views.values()), counts)
+        if counts != before:
             control.request_reconcile()
         return decisions
 
@@ -166,7 +169,7 @@ class Autoscaler:
                                     "idle_s": None if s.last_request_at is None
                                     else round(max(0.0, s.at - s.last_request_at), 3)}
             deployments[key] = entry
-        return {"interval_s": self.interval, "deployments": deployments}
+        return {"interval_s": self.interval(), "deployments": deployments}
 
 
 def replica_counts(control: "ControlPlane", key: str) -> ReplicaCounts:

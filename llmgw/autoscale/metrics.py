@@ -14,6 +14,7 @@ from typing import Iterable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from .model import DeploymentView, ScaleDecision
+from .scaler import change_of
 
 log = logging.getLogger("llmgw.autoscale")
 _instances: "weakref.WeakKeyDictionary[CollectorRegistry, AutoscaleMetrics]" = weakref.WeakKeyDictionary()
@@ -21,9 +22,7 @@ _instances: "weakref.WeakKeyDictionary[CollectorRegistry, AutoscaleMetrics]" = w
 
 def describe(decision: ScaleDecision) -> str:
     """The decision as one line: ``chat up 2 -> 5: 20 requests queued ... for 5.0 s: 2 -> 5 replicas``."""
-    change = (f"holds at {decision.desired}" if decision.kind == "hold"
-              else f"{decision.kind} {decision.current} -> {decision.desired}")
-    return f"{decision.key} ({decision.model}) {change}: {decision.reason}"
+    return f"{decision.key} ({decision.model}) {change_of(decision)}: {decision.reason}"
 
 
 class AutoscaleMetrics:

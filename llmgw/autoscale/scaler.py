@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from ..config import Config
 from .model import AutoscaleSettings, DeploymentView, ScaleDecision, ScaleKind
 
 DOWN_FRACTION = 0.7  # a step down leaves every signal under 70% of its target: room before the next step up
@@ -42,6 +43,13 @@ def clamp(value: int, settings: AutoscaleSettings) -> int:
 
 def plural(count: int, word: str) -> str:
     return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def change_of(decision: ScaleDecision) -> str:
+    """``up 2 -> 5``, ``holds at 3``: what a decision does, for a log line or a table."""
+    if decision.kind == "hold":
+        return f"holds at {decision.desired}"
+    return f"{decision.kind} {decision.current} -> {decision.desired}"
 
 
 @dataclass(slots=True)
@@ -75,6 +83,7 @@ class _Proposal:
     desired: int
     kind: ScaleKind
     reason: str
+    why: str = ""  # the need alone, without the step: what a partial step or a move explains itself with
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +201,11 @@ class TargetScaler:
         self._history: deque[ScaleDecision] = deque(maxlen=history_size)
         self._move: _Move | None = None
 
+    @classmethod
+    def from_config(cls, config: Config) -> TargetScaler:
+        """The scaler of ``config``'s autoscaled deployments, keeping ``autoscale.history`` decisions."""
+        return cls(config.autoscale_settings(), history_size=config.autoscale.history)
+
     # -- the Scaler protocol ---------------------------------------------------------------------------------------
 
     def desired(self, key: str, configured: int) -> int:
@@ -267,8 +281,8 @@ class TargetScaler:
             memory.up_since = now if memory.up_since is None else memory.up_since
             held = now - memory.up_since
             if held >= settings.scale_up_after:
-                return _Proposal(view, current, target, "up",
-                                 f"{need.reason} for {held:.1f} s: {current} -> {target} replicas")
+                why = f"{need.reason} for {held:.1f} s"
+                return _Proposal(view, current, target, "up", f"{why}: {current} -> {target} replicas", why)
             return "up_pending", (f"{need.reason}: {target} replicas needed, stepping up if it holds for "
                                   f"{settings.scale_up_after:g} s")
         memory.up_since = None
@@ -335,9 +349,11 @@ class TargetScaler:
                 decisions.append(self._step(now, proposal))
             elif fits > 0:
                 pool.take(view.gpu_class, fits * gpus)
+                desired = proposal.current + fits
                 decisions.append(self._step(now, _Proposal(
-                    view, proposal.current, proposal.current + fits, proposal.kind,
-                    f"{proposal.reason}; only {plural(fits, 'more replica')} fit the free GPUs")))
+                    view, proposal.current, desired, proposal.kind,
+                    f"{proposal.why or proposal.reason}: {proposal.current} -> {desired} replicas ({proposal.desired} "
+                    f"needed; only {fits} more fit the free GPUs)")))
             else:
                 decisions += self._take_or_hold(now, proposal, views, pool, shrinking | givers, givers)
         return decisions
@@ -346,7 +362,7 @@ class TargetScaler:
                       busy: set[str], givers: set[str]) -> list[ScaleDecision]:
         view = proposal.view
         memory = self._memory[view.key]
-        short = (f"{proposal.reason}, but {pool.describe(view.gpu_class)} and a replica needs "
+        short = (f"{proposal.why or proposal.reason}, but {pool.describe(view.gpu_class)} and a replica needs "
                  f"{plural(view.gpus_per_replica, 'GPU')}")
         if self._move is not None:
             return self._hold(view, memory, now, "no_gpus", f"{short}; another move between deployments "
@@ -361,7 +377,7 @@ class TargetScaler:
                              f"{short}: taking one from {giver.key} ({why}): {proposal.current} -> "
                              f"{proposal.current + 1}", taken_from=giver.key)
         give = ScaleDecision(giver.key, giver.model, now, giver_current, giver_current - 1, "give",
-                             f"gives a replica to {view.key} ({why}; {view.key}: {proposal.reason}): "
+                             f"gives a replica to {view.key} ({why}; {view.key}: {proposal.why or proposal.reason}): "
                              f"{giver_current} -> {giver_current - 1}, drained first")
         self._move = _Move(view.key, giver.key, proposal.current + 1)
         givers.add(giver.key)

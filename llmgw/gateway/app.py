@@ -51,7 +51,7 @@ from ..tls import describe_tls_error
 from .admin import create_control_app
 from .admin_guard import exposure_problem
 from .admin_tenants import build_key_admin
-from .autoscale_setup import GatewayAutoscale, SettingsOf, no_autoscaling
+from .autoscale_setup import GatewayAutoscale, ScalerOf, SettingsOf, configured_settings, target_scaler
 from .capacity_history import CapacityHistory, gateway_counts
 from .dataplane import DataPlane, DataPlaneSettings
 from .flow_setup import GatewayFlow
@@ -62,7 +62,6 @@ from .tenancy_setup import GatewayTenancy
 
 if TYPE_CHECKING:
     from ..agent.agent import Agent
-    from ..autoscale.interfaces import Scaler
     from ..cluster.term import LeaderTerm
 
 log = logging.getLogger(__name__)
@@ -98,15 +97,16 @@ class Addresses:
 class Gateway:
     def __init__(self, config: Config, registry: Registry | None = None, *, embedded_discovery: str = "auto",
                  stop_engines_on_exit: bool = False, role: str = CONTROL,
-                 adjust_config: Callable[[Config], Config] | None = None, scaler: Callable[[], Scaler] | None = None,
-                 autoscale_settings: SettingsOf = no_autoscaling):
+                 adjust_config: Callable[[Config], Config] | None = None, scaler: ScalerOf = target_scaler,
+                 autoscale_settings: SettingsOf = configured_settings):
         """``stop_engines_on_exit``: the embedded agent's engines stop with the gateway (the demo); by default
         they outlive it, to be adopted by the next start. ``role``: ``control`` runs the control plane (and, with
         a shared state backend, writes the cluster's state); ``gateway`` only follows a cluster's shared state
         (docs/scaling.md). ``adjust_config``: applied to the config each :meth:`reload` reads, as it was to
         ``config`` (a worker of ``llmgw serve --workers`` puts its supervisor's private Redis in ``state``).
-        ``scaler()``: a new autoscaler's decision core for each control plane this process runs, and
-        ``autoscale_settings(deployment)`` each deployment's bounds and targets (None: its fixed ``replicas``)."""
+        ``scaler(config)``: the autoscaler's decision core, new for each control plane this process runs, and
+        ``autoscale_settings(deployment)`` each deployment's bounds and targets (None: its fixed ``replicas``);
+        by default llmgw's, from the config (tests hand in their own)."""
         self.config = config
         self.started_config = config  # what a restart would change from: reload_guard.restart_required
         self.adjust_config = adjust_config
@@ -159,8 +159,8 @@ class Gateway:
                                 self.shared.load if self.shared is not None else None)
         self.room = self.flow.room
         self.autoscale = GatewayAutoscale(config, self.router, self.flow,
-                                          self.shared.load if self.shared is not None else None, scaler,
-                                          autoscale_settings)
+                                          self.shared.load if self.shared is not None else None,
+                                          self.metrics.registry, scaler, autoscale_settings)
         # With a shared state, a control process is a candidate: its control plane runs (built anew) in each term
         # it leads the cluster (_lead), and is reached through that term; without one, for the process's life.
         self.static: StaticReplicas | None = None

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+from prometheus_client import CollectorRegistry
+
 from ..autoscale.actuator import Autoscaler, autoscaled_models
 from ..autoscale.interfaces import Scaler
+from ..autoscale.metrics import AutoscaleMetrics
 from ..autoscale.model import AutoscaleSettings
+from ..autoscale.scaler import TargetScaler
 from ..autoscale.signals import GatewaySignals
 
 if TYPE_CHECKING:
@@ -25,24 +29,31 @@ if TYPE_CHECKING:
     from .flow_setup import GatewayFlow
 
 SettingsOf = Callable[["Deployment"], AutoscaleSettings | None]
+ScalerOf = Callable[["Config"], Scaler]
 
 
-def no_autoscaling(deployment: "Deployment") -> AutoscaleSettings | None:
-    return None
+def configured_settings(deployment: "Deployment") -> AutoscaleSettings | None:
+    """A deployment's ``replicas: {min, max}`` and ``autoscale:`` keys; None for a fixed ``replicas: N``."""
+    return deployment.autoscale_settings() if deployment.autoscaled else None
+
+
+def target_scaler(config: "Config") -> Scaler:
+    """llmgw's scaler (llmgw/autoscale/scaler.py), with the config's settings and history size."""
+    return TargetScaler.from_config(config)
 
 
 class GatewayAutoscale:
     def __init__(self, config: "Config", router: "Router", flow: "GatewayFlow", sharing: "LoadSharing | None",
-                 scaler: Callable[[], Scaler] | None, settings_of: SettingsOf = no_autoscaling,
-                 interval: Callable[["Config"], float] = lambda config: 1.0):
-        """``scaler()``: a new scaler, for each control plane (a new leader's starts afresh, from the adopted
-        counts); None: nothing is autoscaled. ``settings_of(deployment)``: its autoscale settings (None: fixed)."""
+                 registry: CollectorRegistry, scaler: ScalerOf = target_scaler,
+                 settings_of: SettingsOf = configured_settings):
+        """``scaler(config)``: a new scaler for each control plane (a new leader's starts afresh, from the adopted
+        counts); ``settings_of(deployment)``: its autoscale settings (None: its fixed ``replicas``)."""
         self.router = router
         self.flow = flow
         self.sharing = sharing
+        self.registry = registry
         self.scaler = scaler
-        self.settings_of = settings_of if scaler is not None else no_autoscaling
-        self.interval = interval
+        self.settings_of = settings_of
         self.models: frozenset[str] = frozenset()
         self.apply(config)
 
@@ -56,11 +67,10 @@ class GatewayAutoscale:
 
     def attach(self, control: "ControlPlane") -> None:
         """Give a new control plane its autoscaler (before it runs)."""
-        if self.scaler is None:
-            return
         signals = GatewaySignals(self.router, self._held,
                                  self.sharing.peer_queued if self.sharing is not None else lambda model: [])
-        control.scale = Autoscaler(self.scaler(), self.settings_of, signals, self.interval(self.config))
+        control.scale = Autoscaler(self.scaler(self.config), self.settings_of, signals,
+                                   AutoscaleMetrics.for_registry(self.registry), lambda: self.config.autoscale.interval)
 
     def _held(self, model: str) -> tuple[int, int]:
         queued = self.flow.queue.queued(model).values()

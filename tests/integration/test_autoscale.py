@@ -24,9 +24,12 @@ STARTUP = 1.0  # the simulated engines' cold start, seconds: long enough for a s
 BATCH = {"x-llmgw-priority": "batch"}  # waits up to 60 s at the gateway (the default "standard" class: 10 s)
 
 
-def config(*profiles: tuple[str, str, str]) -> str:
-    """``profiles``: (profile, served model, extra sim args as a YAML list's items)."""
+def config(*profiles: tuple[str, str, str], replicas: str = "1", autoscale: str = "") -> str:
+    """``profiles``: (profile, served model, extra sim args as a YAML list's items); each deployed with
+    ``replicas`` and, when given, the ``autoscale`` section (a YAML flow mapping)."""
     text = f"""
+autoscale:
+  interval: 0.2s
 agents:
   token: {TOKEN}
   heartbeat_interval: 0.5s
@@ -45,22 +48,25 @@ profiles:
     tp: 1
     args: ["--num-blocks", "256", "--startup-seconds", "{STARTUP}"{args}]
 """
-    text += "deployments:\n" + "".join(f"  - profile: {name}\n    replicas: 1\n" for name, _, _ in profiles)
+    section = f"    autoscale: {autoscale}\n" if autoscale else ""
+    text += "deployments:\n" + "".join(f"  - profile: {name}\n    replicas: {replicas}\n{section}"
+                                       for name, _, _ in profiles)
     return text
 
 
-async def start(nursery, cluster, tmp_path, settings: dict[str, AutoscaleSettings], *profiles, nodes=("a",),
-                ports: tuple[int, int] | None = None):
-    """A gateway in ``nursery`` autoscaling ``settings``' deployments with a new stand-in scaler (on ``ports``,
-    data and control, or ephemeral ones), and the agents of ``nodes`` joined to it (started once)."""
+async def start(nursery, cluster, tmp_path, settings: dict[str, AutoscaleSettings] | None, *profiles,
+                nodes=("a",), ports: tuple[int, int] | None = None, **config_options):
+    """A gateway in ``nursery`` (on ``ports``, data and control, or ephemeral ones) and the agents of ``nodes``
+    joined to it (started once). With ``settings``, it autoscales those deployments with a new stand-in scaler;
+    without, with llmgw's own scaler and the config's keys (``config_options``: :func:`config`'s)."""
     scaler = StandInScaler()
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "llmgw.yaml"
-    path.write_text(config(*profiles))
-    gateway = Gateway(load_checked_config(path, None), scaler=lambda: scaler,
-                      autoscale_settings=lambda deployment: settings.get(deployment.profile))
+    path.write_text(config(*profiles, **config_options))
+    options = {} if settings is None else {
+        "scaler": lambda config: scaler, "autoscale_settings": lambda deployment: settings.get(deployment.profile)}
+    gateway = Gateway(load_checked_config(path, None), **options)
     running = await run_in_process(nursery, gateway, ports or (0, 0))
-    gateway.control.scale.interval = 0.2
     cluster.control_url, cluster.data_url = running.control_url, running.url
     async with trio.open_nursery() as joining:
         for node in nodes:
@@ -193,28 +199,49 @@ async def test_when_gpus_run_out_an_idle_model_gives_a_replica_to_one_with_a_bac
 
 
 async def test_a_restarted_control_plane_starts_from_the_replicas_running_not_from_min(nursery, cluster, tmp_path):
-    settings = {"tiny-sim": AutoscaleSettings(min_replicas=0, max_replicas=2, queued_per_replica=1,
-                                              scale_down_after=3600, idle_to_zero=3600)}
+    settings = {"tiny-sim": AutoscaleSettings(min_replicas=2, max_replicas=3, scale_down_after=3600,
+                                              idle_to_zero=3600)}
     profile = ("tiny-sim", "tiny", "")
     ports = (free_port(), free_port())
     async with trio.open_nursery() as first_term:
-        gateway, _ = await start(first_term, cluster, tmp_path / "first", settings, profile, ports=ports)
-        async with trio.open_nursery() as asking:
-            for _ in range(2):
-                asking.start_soon(chat, gateway, "tiny", 4)
-            await wait_for(cluster, "2 replicas", lambda: _up(cluster, {"tiny-sim-0", "tiny-sim-1"}))
+        await start(first_term, cluster, tmp_path / "first", settings, profile, ports=ports)
+        await wait_for(cluster, "2 replicas", lambda: _up(cluster, {"tiny-sim-0", "tiny-sim-1"}))
         pids = {r["shards"][0]["pid"] for r in (await cluster.replicas()).values()}
         first_term.cancel_scope.cancel()  # the control plane goes; the engines stay with their agent
 
-    # A new control plane (its scaler fresh, min 0) adopts both and keeps them: it starts from what runs.
+    # A new control plane, its scaler fresh and its min 0, adopts both and keeps them: it starts from what runs.
+    settings["tiny-sim"] = dataclasses.replace(settings["tiny-sim"], min_replicas=0)
     gateway, scaler = await start(nursery, cluster, tmp_path / "second", settings, profile, ports=ports)
     status = await wait_for(cluster, "the counts started", lambda: _started(gateway))
     assert (status["started_from"], status["desired"]) == (2, 2)
-    replicas = await wait_for(cluster, "both adopted", lambda: _up(cluster, {"tiny-sim-0", "tiny-sim-1"}))
-    assert {r["shards"][0]["pid"] for r in (await cluster.replicas()).values()} == pids, replicas
+    await wait_for(cluster, "both adopted", lambda: _up(cluster, {"tiny-sim-0", "tiny-sim-1"}))
+    assert {r["shards"][0]["pid"] for r in (await cluster.replicas()).values()} == pids
+    assert {r["origin"] for r in (await cluster.replicas()).values()} == {"adopted"}
     assert scaler.decisions == []
 
 
 async def _started(gateway) -> dict | None:
     status = await autoscale(gateway, "tiny-sim")
     return status if status["started_from"] is not None else None
+
+
+async def test_llmgws_own_scaler_from_the_config_starts_a_replica_from_zero_and_returns_to_zero(
+        nursery, cluster, tmp_path):
+    gateway, _ = await start(nursery, cluster, tmp_path, None, ("tiny-sim", "tiny", ""),
+                             replicas="{min: 0, max: 2}", autoscale="{idle_to_zero: 2s}")
+    assert (await autoscale(gateway, "tiny-sim"))["desired"] == 0
+    answers = []
+
+    async def ask():
+        answers.append(await chat(gateway, headers=BATCH))
+
+    async with trio.open_nursery() as asking:
+        for _ in range(2):
+            asking.start_soon(ask)
+    assert [a.status_code for a in answers] == [200] * 2, [a.text for a in answers]
+    await wait_for(cluster, "back to zero", lambda: _replicas_are(cluster, set()))
+    status = await autoscale(gateway, "tiny-sim")
+    kinds = [d["kind"] for d in status["decisions"] if d["kind"] != "hold"]
+    assert kinds == ["from_zero", "to_zero"], status["decisions"]
+    assert await gateway.metric("llmgw_autoscale_decisions_total", 'deployment="tiny-sim",kind="from_zero"') == 1
+    assert await gateway.metric("llmgw_autoscale_desired_replicas", 'deployment="tiny-sim"') == 0

@@ -570,3 +570,30 @@ async def test_gpu_profile_derives_its_cache_from_memory_and_preempts_when_it_ru
         metrics = (await http.get("/metrics")).text
         assert metric_value(metrics, "vllm:num_preemptions_total") >= 1
         assert metric_value(metrics, "vllm:kv_cache_usage_perc") == 0.0
+
+
+async def test_a_cold_start_delays_listening_and_sleep_mode_wakes_hot():
+    async with sim_process("--startup-seconds", "0.3", "--hot-startup-seconds", "0.2", "--enable-sleep-mode",
+                           "--log-level", "INFO") as sim, \
+            httpx.AsyncClient(base_url=sim.base_url, timeout=10) as http:
+        with trio.fail_after(20):
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            assert (await http.post("/v1/chat/completions", json=chat)).status_code == 200
+            assert (await http.get("/is_sleeping")).json() == {"is_sleeping": False}
+            assert (await http.post("/sleep", params={"level": "1"})).status_code == 200
+            assert (await http.get("/is_sleeping")).json() == {"is_sleeping": True}
+            asleep = await http.post("/v1/chat/completions", json=chat)
+            assert asleep.status_code == 503 and "wake_up" in asleep.json()["error"]["message"]
+            assert (await http.get("/health")).status_code == 200  # alive: an agent keeps it
+            async with trio.open_nursery() as waking:  # two wake-ups at once: one hot start, both wait for it
+                for _ in range(2):
+                    waking.start_soon(http.post, "/wake_up")
+            assert (await http.get("/is_sleeping")).json() == {"is_sleeping": False}
+            assert (await http.post("/v1/chat/completions", json=chat)).status_code == 200
+
+
+async def test_sleep_mode_routes_exist_only_with_the_flag():
+    async with sim_process("--time-scale", "0") as sim, httpx.AsyncClient(base_url=sim.base_url, timeout=10) as http:
+        with trio.fail_after(20):
+            assert (await http.post("/sleep")).status_code == 404
+            assert (await http.post("/wake_up")).status_code == 404

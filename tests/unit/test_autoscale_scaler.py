@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from llmgw.autoscale.model import AutoscaleSettings, DeploymentView, ModelSignals, ReplicaCounts
 from llmgw.autoscale.scaler import DOWN_FRACTION, TargetScaler
+from llmgw.config import parse_config
 
 FAST = AutoscaleSettings(min_replicas=1, max_replicas=8, queued_per_replica=4, kv_usage=0.8, scale_up_after=5,
                          scale_down_after=60, idle_to_zero=600)
@@ -227,6 +228,20 @@ def test_the_config_bounds_clamp_a_count_outside_them():
     assert steps(clamped) == [("a", "down", 6, 4)] and "outside the config's 1..4" in clamped[0].reason
 
 
+def test_from_config_knows_the_bounds_before_any_decision_and_keeps_the_configured_history():
+    config = parse_config("""
+agents: {token: t}
+autoscale: {history: 10}
+profiles: [{name: chat, engine: sim, model_path: tiny}, {name: fixed, engine: sim, model_path: tiny}]
+deployments: [{profile: chat, replicas: {min: 1, max: 3}}, {profile: fixed, replicas: 5}]
+""")
+    scaler = TargetScaler.from_config(config)
+    assert scaler.desired("chat", 7) == 3 and scaler.desired("fixed", 5) == 5
+    for i in range(12):
+        scaler.decide(float(i), [view(f"m{i}", desired=0, queued=1, min_replicas=0)], MANY_GPUS)
+    assert len(scaler.history()) == 10
+
+
 def test_a_deployment_not_autoscaled_is_left_alone():
     scaler = TargetScaler()
     fixed = view(desired=2, queued=100, min_replicas=2, max_replicas=2)
@@ -242,7 +257,8 @@ def test_a_step_takes_only_what_the_free_gpus_hold():
     busy = view(desired=2, queued=40, gpus=2)
     scaler.decide(0.0, [busy], {None: 5})
     up = scaler.decide(5.0, [busy], {None: 5})
-    assert steps(up) == [("a", "up", 2, 4)] and "only 2 more replicas fit the free GPUs" in up[0].reason
+    assert steps(up) == [("a", "up", 2, 4)]
+    assert up[0].reason.endswith(": 2 -> 4 replicas (8 needed; only 2 more fit the free GPUs)")
 
 
 def test_gpu_classes_are_counted_apart():
