@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -40,6 +41,7 @@ import trio
 from ..config.schema import Deployment
 from ..sim.profiles import DEFAULT_PROFILE
 from ..testing.processes import ChildFailed
+from ..testing.sims import start_sims
 from .autoscale_oracle import plan
 from .autoscale_report import charts, markdown, model_stats, run_summary, series, targets, targets_markdown
 from .autoscale_rig import AutoscaleRig, EngineShape, sim_models_startup
@@ -90,9 +92,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def engine_of(args: argparse.Namespace) -> EngineShape:
-    return EngineShape(args.profile, args.max_num_seqs, args.cold_start / args.time_factor,
+def engine_of(args: argparse.Namespace, boot: float = 0.0) -> EngineShape:
+    """Each replica; its modelled cold start less ``boot``, the seconds this machine takes to start the
+    simulator's process at all (which the time factor does not shrink)."""
+    return EngineShape(args.profile, args.max_num_seqs, max(0.0, args.cold_start / args.time_factor - boot),
                        args.hot_start / args.time_factor)
+
+
+async def measure_boot(args: argparse.Namespace, times: int = 3) -> list[float]:
+    """Wall seconds from starting a simulator (no modelled startup) to its listening, ``times`` times."""
+    boots = []
+    for _ in range(times):
+        async with trio.open_nursery() as nursery:
+            started = trio.current_time()
+            await start_sims(nursery, 1, num_blocks=None, extra=("--profile", args.profile))
+            boots.append(trio.current_time() - started)
+            nursery.cancel_scope.cancel()
+    return boots
 
 
 def tenant_of(args: argparse.Namespace, model: str) -> Tenant:
@@ -158,7 +174,7 @@ async def sample_fleet(rig: AutoscaleRig, every: float, into: list[dict]) -> Non
 
 
 async def run_trace(args: argparse.Namespace, http: httpx.AsyncClient, trace: Trace, arm: str, repeat: int,
-                    workdir: Path, replica_rps: float) -> tuple[dict, dict]:
+                    workdir: Path, replica_rps: float, boot: float) -> tuple[dict, dict]:
     """One repeat of ``trace`` on a fresh fleet of ``arm``: per model its stats and its series."""
     factor = args.time_factor
     deployments = {model: deployment_lines(arm, trace, factor) for model in trace.models}
@@ -169,7 +185,7 @@ async def run_trace(args: argparse.Namespace, http: httpx.AsyncClient, trace: Tr
                         for at in arrival_times(trace, model, replica_rps, factor, rng)] for model in trace.models}
     fleet: list[dict] = []
     loops = {}
-    async with AutoscaleRig.open(workdir, engine_of(args), deployments, ready, nodes=args.nodes,
+    async with AutoscaleRig.open(workdir, engine_of(args, boot), deployments, ready, nodes=args.nodes,
                                  gpus=args.gpus, extra_config=config_extra(arm, factor)) as rig:
 
         async def drive(model: str) -> None:
@@ -194,14 +210,14 @@ async def run_trace(args: argparse.Namespace, http: httpx.AsyncClient, trace: Tr
 
 
 async def run_arm(args: argparse.Namespace, http: httpx.AsyncClient, trace: Trace, arm: str, root: Path,
-                  replica_rps: float) -> dict:
+                  replica_rps: float, boot: float) -> dict:
     entry: dict = {"trace": trace.name, "description": trace.description, "arm": arm, "runs": []}
     try:
         for repeat in range(args.repeats):
             print(f"  {trace.name} on {arm}: repeat {repeat + 1} of {args.repeats} "
                   f"({trace.seconds / args.time_factor:g} s)", file=sys.stderr, flush=True)
             stats, lines = await run_trace(args, http, trace, arm, repeat, root / f"{trace.name}-{arm}-{repeat}",
-                                           replica_rps)
+                                           replica_rps, boot)
             entry["runs"].append(stats)
             entry.setdefault("series", lines)  # the first repeat's: the chart
         entry["summary"] = run_summary(entry["runs"])
@@ -232,6 +248,12 @@ async def run(args: argparse.Namespace, root: Path) -> dict:
         settings["sim_note"] += "; this simulator models no startup time (a replica is ready once its process is)"
     report: dict = {"settings": settings, "runs": []}
     async with new_client(args.cap) as http:
+        boots = await measure_boot(args)
+        boot = statistics.median(boots)
+        engine = engine_of(args, boot)
+        settings.update(boot_s=boots, sim_startup_seconds=engine.cold_start, sim_hot_startup_seconds=engine.hot_start)
+        print(f"llmgw bench autoscale: a simulator's process starts in {boot:.2f} s (median of {boots}): its "
+              f"modelled cold start is {engine.cold_start:.2f} s", file=sys.stderr, flush=True)
         print("llmgw bench autoscale: one replica's capacity", file=sys.stderr, flush=True)
         report["capacity"] = capacity = await measure_capacity(args, http, root)
         replica_rps = capacity["replica_worth_rps"] = capacity["rps"] * args.utilisation
@@ -241,7 +263,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict:
             for arm in args.arms:
                 print(f"llmgw bench autoscale: {trace.name} ({trace.description}) on {arm}", file=sys.stderr,
                       flush=True)
-                report["runs"].append(await run_arm(args, http, trace, arm, root, replica_rps))
+                report["runs"].append(await run_arm(args, http, trace, arm, root, replica_rps, boot))
                 if args.json:  # what was measured so far survives a run cut short
                     write_json(args.json, {**report, "partial": True})
     settings["load_average_at_end"] = os.getloadavg()

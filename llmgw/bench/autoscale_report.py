@@ -22,6 +22,7 @@ oracle's plan (:mod:`.autoscale_oracle`):
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Sequence
 
 from .autoscale_oracle import OraclePlan
@@ -186,12 +187,19 @@ def run_summary(runs: Sequence[dict]) -> dict:
     return {model: summary([run[model] for run in runs if model in run], MEASURES) for model in sorted(models)}
 
 
+def boot_note(settings: dict) -> str:
+    if not settings.get("boot_s"):
+        return ""
+    return (f" (the simulator's process itself takes {statistics.median(settings['boot_s']):.1f} s of wall time to "
+            f"start here: its modelled cold start is the rest, {settings['sim_startup_seconds']:.1f} s)")
+
+
 def markdown(report: dict) -> str:
     s = report["settings"]
     lines = [f"Fleet: {s['nodes']} nodes x {s['gpus_per_node']} fixture {s['gpu']} GPUs, remote `llmgw agent`s "
              f"deploying `llmgw sim --profile {s['profile']}` ({s['sim_note']}); startup {s['cold_start_s']:g} s "
-             f"cold / {s['hot_start_s']:g} s hot; fleet time runs {s['time_factor']:g}x faster than the wall "
-             f"(startup, the scaler's windows and the traces divided by {s['time_factor']:g}; a request runs at "
+             f"cold / {s['hot_start_s']:g} s hot{boot_note(s)}; fleet time runs {s['time_factor']:g}x faster than "
+             f"the wall (startup, the scaler's windows and the traces divided by {s['time_factor']:g}; a request runs at "
              f"the engine's speed). Times and replica-seconds below are fleet seconds. One replica's worth = "
              f"{report['capacity']['replica_worth_rps']:.2f} req/s ({s['utilisation']:.0%} of the "
              f"{report['capacity']['rps']:.2f} req/s measured). TTFT SLO {s['ttft_slo_ms']:.0f} ms (p95 per "
