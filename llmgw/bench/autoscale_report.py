@@ -199,8 +199,8 @@ def markdown(report: dict) -> str:
     lines = [f"Fleet: {s['nodes']} nodes x {s['gpus_per_node']} fixture {s['gpu']} GPUs, remote `llmgw agent`s "
              f"deploying `llmgw sim --profile {s['profile']}` ({s['sim_note']}); startup {s['cold_start_s']:g} s "
              f"cold / {s['hot_start_s']:g} s hot{boot_note(s)}; fleet time runs {s['time_factor']:g}x faster than "
-             f"the wall (startup, the scaler's windows and the traces divided by {s['time_factor']:g}; a request runs at "
-             f"the engine's speed). Times and replica-seconds below are fleet seconds. One replica's worth = "
+             f"the wall (startup, the scaler's windows and the traces divided by {s['time_factor']:g}; a request "
+             f"runs at the engine's speed). Times and replica-seconds below are fleet seconds. One replica's worth = "
              f"{report['capacity']['replica_worth_rps']:.2f} req/s ({s['utilisation']:.0%} of the "
              f"{report['capacity']['rps']:.2f} req/s measured). TTFT SLO {s['ttft_slo_ms']:.0f} ms (p95 per "
              f"{s['window_s']:g} s window). {s['repeats']} repeat(s): median [min-max].", "",
