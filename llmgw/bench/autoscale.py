@@ -220,6 +220,7 @@ async def run_arm(args: argparse.Namespace, http: httpx.AsyncClient, trace: Trac
                                            replica_rps, boot)
             entry["runs"].append(stats)
             entry.setdefault("series", lines)  # the first repeat's: the chart
+            entry.setdefault("series_by_repeat", []).append(lines)
         entry["summary"] = run_summary(entry["runs"])
     except* ArmUnavailable as group:
         entry["error"] = str(leaves(group)[0])

@@ -53,6 +53,7 @@ async def test_autoscale_quick_runs_the_step_on_every_arm_and_counts_the_fleet(t
         assert "error" not in run, run
         (stats,) = [r[MODEL_A] for r in run["runs"]]
         series = run["series"][MODEL_A]
+        assert run["series_by_repeat"] == [run["series"]]
         assert set(series["ready"]) == {count} and set(series["starting"]) == {0}, (arm, series)  # a fixed fleet
         assert stats["reversals"] == 0 and stats["step_to_serving_s"] is None
         assert stats["sent"] == stats["completed"] + stats["dropped"] > 0
