@@ -182,9 +182,24 @@ COLUMNS: list[tuple[str, str, str, str, float]] = [  # header, measure, spec, un
 
 
 def run_summary(runs: Sequence[dict]) -> dict:
-    """Per model, each of :data:`MEASURES`' median, min and max over the repeats."""
-    models = {model for run in runs for model in run}
-    return {model: summary([run[model] for run in runs if model in run], MEASURES) for model in sorted(models)}
+    """Per model, each of :data:`MEASURES`' median, min and max over the repeats that measured it, and ``of``: how
+    many did, of how many (a step whose extra replica never came has no time to serving)."""
+    out = {}
+    for model in sorted({model for run in runs for model in run}):
+        mine = [run[model] for run in runs if model in run]
+        out[model] = summary(mine, MEASURES)
+        for name, entry in out[model].items():
+            if entry is not None:
+                entry["of"] = [sum(run.get(name) is not None for run in mine), len(mine)]
+    return out
+
+
+def summary_cell(entry: dict | None, spec: str, unit: str, scale: float) -> str:
+    """A median [min-max] cell, saying how many repeats measured it when some did not."""
+    shown = spread_cell(entry, spec, unit, scale)
+    if entry is not None and "of" in entry and entry["of"][0] < entry["of"][1]:
+        shown += f" ({entry['of'][0]} of {entry['of'][1]})"
+    return shown
 
 
 def boot_note(settings: dict) -> str:
@@ -212,7 +227,7 @@ def markdown(report: dict) -> str:
             continue
         for model, stats in run["summary"].items():
             lines.append(f"| {run['trace']} | {run['arm']} | {model} | " + " | ".join(
-                spread_cell(stats[m], spec, unit, scale) for _, m, spec, unit, scale in COLUMNS) + " |")
+                summary_cell(stats[m], spec, unit, scale) for _, m, spec, unit, scale in COLUMNS) + " |")
     return "\n".join(lines)
 
 
@@ -253,7 +268,8 @@ def targets_markdown(report: dict, arm: str) -> str:
     rows = targets(report, arm)
     if not rows:
         return f"(no {arm} run measured issue 32's targets)"
-    lines = [f"Issue 32's targets, the {arm} arm (medians; a measure that is missing misses its target):", "",
+    lines = [f"Issue 32's targets, the {arm} arm (medians of the repeats that measured it; a measure that is missing "
+             "misses its target):", "",
              "| trace | model | target | measured | bound | met |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['trace']} | {r['model']} | {r['target']} | {cell(r['median'], '.2f')} | {r['bound']:g} | "
               f"{'yes' if r['met'] else 'no'} |" for r in rows]

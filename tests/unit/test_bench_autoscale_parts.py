@@ -194,19 +194,21 @@ def test_the_table_has_a_row_per_trace_arm_and_model_and_says_an_arm_that_could_
     stats = {"sent": 10, "dropped": 0, "step_to_serving_s": 70.0, "from_zero_first_token_s": None, "reversals": 1,
              "reversals_per_10_min": 1.0, "ttft_p95_ms": 120.0, "slo_attainment": 1.0, "replica_seconds": 900.0,
              "oracle_replica_seconds": 800.0, "vs_oracle": 1.125, "most_over_oracle": 1}
-    summary = run_summary([{MODEL_A: stats}, {MODEL_A: {**stats, "step_to_serving_s": 90.0}}])
-    assert summary[MODEL_A]["step_to_serving_s"] == {"median": 80.0, "min": 70.0, "max": 90.0}
+    summary = run_summary([{MODEL_A: stats}, {MODEL_A: {**stats, "step_to_serving_s": 90.0}},
+                           {MODEL_A: {**stats, "step_to_serving_s": None}}])
+    assert summary[MODEL_A]["step_to_serving_s"] == {"median": 80.0, "min": 70.0, "max": 90.0, "of": [2, 3]}
+    assert summary[MODEL_A]["dropped"]["of"] == [3, 3]
     report = {"settings": {"nodes": 2, "gpus_per_node": 4, "gpu": "H100 80GB", "profile": "h100-llama-3.1-8b",
                            "sim_note": "--max-num-seqs 2", "cold_start_s": 60.0, "hot_start_s": 5.0,
                            "time_factor": 10.0, "utilisation": 0.7, "ttft_slo_ms": 1000.0, "window_s": 30.0,
-                           "repeats": 2},
+                           "repeats": 3},
               "capacity": {"rps": 3.0, "replica_worth_rps": 2.1},
               "runs": [{"trace": "step", "arm": "fixed-max", "summary": summary,
                         "series": {MODEL_A: {"t": [0], "demand": [1.8], "oracle": [2], "ready": [4],
                                              "starting": [0]}}},
                        {"trace": "step", "arm": "autoscaled", "error": "not available: no autoscaling"}]}
     table = markdown(report)
-    assert "| step | fixed-max | llama-a | 80.0 [70.0-90.0] | - | 0 [0-0] |" in table
+    assert "| step | fixed-max | llama-a | 80.0 [70.0-90.0] (2 of 3) | - | 0 [0-0] |" in table
     assert "1.12x [1.12-1.12]" in table and "100% [100-100]" in table
     assert "| step | autoscaled | - | not available: no autoscaling |" in table
     assert "2.10 req/s (70% of the 3.00 req/s measured)" in table
