@@ -18,7 +18,7 @@ from llmgw.gateway.app import Gateway
 from llmgw.plugins_manager import load_checked_config
 from llmgw.testing.cluster import TOKEN
 from llmgw.testing.gateway import run_in_process
-from llmgw.testing.processes import free_port
+from llmgw.testing.processes import free_port, llmgw_command
 
 STARTUP = 1.0  # the simulated engines' cold start, seconds: long enough for a step to see a replica starting
 BATCH = {"x-llmgw-priority": "batch"}  # waits up to 60 s at the gateway (the default "standard" class: 10 s)
@@ -85,8 +85,10 @@ async def wait_for(cluster, what: str, predicate, timeout: float = 60.0):
     return await cluster.wait_for(what, predicate, timeout=timeout, interval=0.1)
 
 
-def chat(gateway, model: str = "tiny", max_tokens: int = 4, **options):
-    return gateway.chat(model=model, max_tokens=max_tokens, **options)
+def chat(gateway, model: str = "tiny", max_tokens: int = 4):
+    """One chat completion in the batch class: it may wait at the gateway up to 60 s for a replica to start."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": max_tokens}
+    return gateway.post("/v1/chat/completions", body, headers=BATCH, timeout=90)
 
 
 async def test_from_zero_requests_wait_for_the_first_replica_and_to_zero_when_idle(nursery, cluster, tmp_path):
@@ -104,7 +106,7 @@ async def test_from_zero_requests_wait_for_the_first_replica_and_to_zero_when_id
     answers = []
 
     async def ask():
-        answers.append(await chat(gateway, headers=BATCH))
+        answers.append(await chat(gateway))
 
     async with trio.open_nursery() as asking:
         for _ in range(3):
@@ -128,7 +130,7 @@ async def test_from_zero_requests_wait_for_the_first_replica_and_to_zero_when_id
     assert status["decisions"][1]["reason"]
 
     # And from zero once more.
-    assert (await chat(gateway, headers=BATCH)).status_code == 200
+    assert (await chat(gateway)).status_code == 200
 
 
 async def _replicas_are(cluster, names: set[str]) -> bool:
@@ -148,7 +150,7 @@ async def test_a_backlog_scales_up_one_step_at_a_time_and_down_drains_without_lo
     results: list[httpx.Response] = []
 
     async def ask():
-        results.append(await chat(gateway, max_tokens=60, headers=BATCH))
+        results.append(await chat(gateway, max_tokens=60))
 
     async with trio.open_nursery() as asking:
         for _ in range(4):
@@ -187,7 +189,7 @@ async def test_when_gpus_run_out_an_idle_model_gives_a_replica_to_one_with_a_bac
     # Its min lowered to 0 (a reload would do the same), it may give: "tiny" is called, no GPU is free, and idle
     # "other" gives its highest replica, drained; tiny's first starts on its GPU, and the request waits for it.
     settings["other-sim"] = dataclasses.replace(settings["other-sim"], min_replicas=0)
-    answer = await chat(gateway, headers=BATCH)
+    answer = await chat(gateway)
     assert answer.status_code == 200, answer.text
     assert answer.headers["x-llmgw-replica"] == "tiny-sim-0"
     moves = [(d.kind, d.key, d.current, d.desired, d.taken_from) for d in scaler.decisions]
@@ -233,7 +235,7 @@ async def test_llmgws_own_scaler_from_the_config_starts_a_replica_from_zero_and_
     answers = []
 
     async def ask():
-        answers.append(await chat(gateway, headers=BATCH))
+        answers.append(await chat(gateway))
 
     async with trio.open_nursery() as asking:
         for _ in range(2):
@@ -245,3 +247,9 @@ async def test_llmgws_own_scaler_from_the_config_starts_a_replica_from_zero_and_
     assert kinds == ["from_zero", "to_zero"], status["decisions"]
     assert await gateway.metric("llmgw_autoscale_decisions_total", 'deployment="tiny-sim",kind="from_zero"') == 1
     assert await gateway.metric("llmgw_autoscale_desired_replicas", 'deployment="tiny-sim"') == 0
+    # llmgw status shows it: the bounds, the counts and the last decision's reason.
+    done = await trio.run_process(llmgw_command("status", "--control", gateway.control_url), capture_stdout=True)
+    lines = done.stdout.decode().splitlines()
+    row = lines[lines.index("AUTOSCALE (1)") + 2].split()
+    assert row[:8] == ["tiny-sim", "tiny", "0..2", "0", "0", "0", "0", "0"], lines
+    assert " ".join(row[9:]).startswith("to_zero 1->0: no request for tiny"), lines
