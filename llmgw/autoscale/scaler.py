@@ -24,13 +24,14 @@ deployment (docs/autoscaling.md says why each is there):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from ..config import Config
-from .model import AutoscaleSettings, DeploymentView, ScaleDecision, ScaleKind
+from .model import AutoscaleSettings, DeploymentView, ReplicaCounts, ScaleDecision, ScaleKind
 
 DOWN_FRACTION = 0.7  # a step down leaves every signal under 70% of its target: room before the next step up
 DEFAULT_HISTORY = 500  # decisions kept for /admin/autoscale, ``llmgw status`` and /ui
@@ -93,6 +94,25 @@ class _Move:
     taker: str
     giver: str
     target: int
+
+
+def _fraction(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else min(1.0, max(0.0, value))
+
+
+def sane(view: DeploymentView) -> DeploymentView:
+    """``view`` with signals a decision can trust: counts at least 0, fractions within 0..1, a NaN as unknown (the
+    load reports behind the signals are written by other processes)."""
+    signals, counts = view.signals, view.counts
+    return dataclasses.replace(
+        view, desired=max(0, view.desired), gpus_per_replica=max(0, view.gpus_per_replica),
+        counts=ReplicaCounts(*(max(0, n) for n in (counts.ready, counts.starting, counts.draining,
+                                                   counts.unplaceable))),
+        signals=dataclasses.replace(
+            signals, queued=max(0, signals.queued), inflight=max(0, signals.inflight),
+            kv_usage=_fraction(signals.kv_usage), ttft_attainment=_fraction(signals.ttft_attainment),
+            last_request_at=signals.last_request_at if signals.last_request_at is None
+            or math.isfinite(signals.last_request_at) else None))
 
 
 def backlog_per_gpu(view: DeploymentView) -> float:
@@ -220,7 +240,7 @@ class TargetScaler:
 
     def decide(self, now: float, deployments: Sequence[DeploymentView],
                free_gpus: Mapping[str | None, int]) -> list[ScaleDecision]:
-        views = [view for view in deployments if view.settings.autoscaled]
+        views = [sane(view) for view in deployments if view.settings.autoscaled]
         for gone in set(self._memory) - {view.key for view in views}:
             del self._memory[gone]
         decisions: list[ScaleDecision] = []

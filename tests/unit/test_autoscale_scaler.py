@@ -436,3 +436,28 @@ def test_property_no_reversal_within_the_windows_under_constant_signals(bounds, 
 
 def test_down_fraction_is_the_documented_one():
     assert DOWN_FRACTION == 0.7
+
+
+HOSTILE = st.one_of(st.integers(-10**12, 10**12), st.floats(allow_nan=True, allow_infinity=True))
+
+
+@settings(max_examples=200, deadline=None)
+@given(queued=st.integers(-10**12, 10**12), inflight=st.integers(-10**12, 10**12), kv=st.none() | HOSTILE,
+       ttft=st.none() | HOSTILE, last=st.none() | st.floats(allow_nan=True, allow_infinity=True),
+       ready=st.integers(-5, 20), starting=st.integers(-5, 20), desired=st.integers(-5, 20), bounds=BOUNDS)
+def test_property_signals_from_anyone_never_break_a_decision(queued, inflight, kv, ttft, last, ready, starting,
+                                                            desired, bounds):
+    """A load report is written by other processes: whatever it says, the decisions stay within the bounds."""
+    scaler = TargetScaler()
+    hostile = view(desired=desired, ready=ready, starting=starting, queued=queued, inflight=inflight, kv=kv,
+                   ttft=ttft, last_request_at=last, ttft_slo=1.0, min_replicas=bounds[0], max_replicas=bounds[1])
+    for now in (0.0, 10.0, 400.0, 1000.0):
+        for decision in scaler.decide(now, [hostile], MANY_GPUS):
+            assert bounds[0] <= decision.desired <= bounds[1] and decision.reason
+
+
+def test_a_nan_kv_reading_is_no_reading():
+    scaler = TargetScaler()
+    busy = view(desired=3, kv=float("nan"), inflight=8, last_request_at=0.0)
+    for now in (0.0, 100.0, 1000.0):  # busy without a KV reading: never stepped down
+        assert steps(scaler.decide(now, [busy], MANY_GPUS)) == []
