@@ -56,10 +56,26 @@ def test_a_need_that_breaks_off_restarts_its_window():
     scaler = TargetScaler()
     busy, calm = view(queued=20, kv=0.5), view(queued=0, inflight=4, kv=0.5)
     scaler.decide(0.0, [busy], MANY_GPUS)
-    broke = scaler.decide(3.0, [calm], MANY_GPUS)
-    assert holds(broke) == ["the need to step up did not hold"]
-    assert steps(scaler.decide(6.0, [busy], MANY_GPUS)) == []
+    assert scaler.decide(3.0, [calm], MANY_GPUS) == []  # steady is not recorded
+    assert scaler.decide(6.0, [busy], MANY_GPUS) == []  # nor the same wait again while a signal flickers
     assert steps(scaler.decide(11.0, [busy], MANY_GPUS)) == [("a", "up", 2, 5)]
+
+
+def test_the_same_wait_is_recorded_again_after_a_quiet_minute():
+    scaler = TargetScaler()
+    busy, calm = view(queued=20, kv=0.5), view(queued=0, inflight=4, kv=0.5)
+    assert len(holds(scaler.decide(0.0, [busy], MANY_GPUS))) == 1
+    scaler.decide(1.0, [calm], MANY_GPUS)
+    scaler.decide(61.0, [calm], MANY_GPUS)
+    assert len(holds(scaler.decide(62.0, [busy], MANY_GPUS))) == 1
+
+
+def test_a_new_scaler_adopts_the_count_running_and_forgets_a_deployment_no_longer_autoscaled():
+    scaler = TargetScaler({"a": FAST})
+    assert scaler.decide(0.0, [view(desired=5, kv=0.5, inflight=10)], MANY_GPUS) == []
+    assert scaler.desired("a", 1) == 5  # not min, not the config's count: what runs
+    scaler.decide(1.0, [view(desired=5, min_replicas=2, max_replicas=2)], MANY_GPUS)
+    assert scaler.desired("a", 2) == 2
 
 
 def test_kv_usage_over_target_asks_for_what_brings_it_under():
