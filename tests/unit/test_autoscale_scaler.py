@@ -7,7 +7,7 @@ import dataclasses
 from hypothesis import given, settings, strategies as st
 
 from llmgw.autoscale.model import AutoscaleSettings, DeploymentView, ModelSignals, ReplicaCounts
-from llmgw.autoscale.scaler import DOWN_FRACTION, TargetScaler
+from llmgw.autoscale.scaler import DOWN_FRACTION, TargetScaler, is_idle
 from llmgw.config import parse_config
 
 FAST = AutoscaleSettings(min_replicas=1, max_replicas=8, queued_per_replica=4, kv_usage=0.8, scale_up_after=5,
@@ -477,3 +477,46 @@ def test_a_nan_kv_reading_is_no_reading():
     busy = view(desired=3, kv=float("nan"), inflight=8, last_request_at=0.0)
     for now in (0.0, 100.0, 1000.0):  # busy without a KV reading: never stepped down
         assert steps(scaler.decide(now, [busy], MANY_GPUS)) == []
+
+
+FLEET_MEMBER = st.fixed_dictionaries({
+    "desired": st.integers(0, 6), "queued": st.integers(0, 60), "inflight": st.integers(0, 20),
+    "kv": st.none() | st.floats(0.0, 1.0), "priority": st.integers(0, 3), "gpus": st.integers(1, 4),
+    "gpu_class": st.sampled_from([None, "h100", "l4"]), "bounds": BOUNDS})
+
+
+@settings(max_examples=200, deadline=None)
+@given(fleet=st.lists(FLEET_MEMBER, min_size=2, max_size=5), free=st.integers(0, 8), ticks=st.integers(1, 8))
+def test_property_across_models_steps_fit_the_free_gpus_and_moves_keep_every_min(fleet, free, ticks):
+    scaler = TargetScaler()
+    free_gpus = {None: free, "h100": free // 2, "l4": free - free // 2}
+    members = {f"d{i}": m for i, m in enumerate(fleet)}
+    desired = {key: min(max(m["desired"], m["bounds"][0]), m["bounds"][1]) for key, m in members.items()}
+
+    def view_of(key):
+        m = members[key]
+        return view(key, desired=desired[key], queued=m["queued"], inflight=m["inflight"], kv=m["kv"],
+                    gpus=m["gpus"], gpu_class=m["gpu_class"], priority=m["priority"], min_replicas=m["bounds"][0],
+                    max_replicas=m["bounds"][1], last_request_at=0.0)
+
+    for tick in range(ticks):
+        views = [view_of(key) for key in members]
+        decisions = scaler.decide(tick * 5.0, views, free_gpus)
+        by_key = {v.key: v for v in views}
+        ups = [d for d in decisions if d.kind in ("up", "from_zero") and d.desired > d.current]
+        for gpu_class in (None, "h100", "l4"):
+            used = sum((d.desired - d.current) * by_key[d.key].gpus_per_replica for d in ups
+                       if gpu_class is None or by_key[d.key].gpu_class == gpu_class)
+            assert used <= free_gpus[gpu_class]
+        takes, gives = [d for d in decisions if d.kind == "take"], [d for d in decisions if d.kind == "give"]
+        assert len(takes) == len(gives) <= 1
+        for take, give in zip(takes, gives):
+            taker, giver = by_key[take.key], by_key[give.key]
+            assert take.taken_from == give.key != take.key and give.desired == give.current - 1
+            assert give.desired >= giver.settings.min_replicas
+            assert is_idle(giver) or giver.settings.priority < taker.settings.priority
+            assert taker.gpu_class is None or giver.gpu_class == taker.gpu_class
+        for d in decisions:
+            key_settings = by_key[d.key].settings
+            assert key_settings.min_replicas <= d.desired <= key_settings.max_replicas
+            desired[d.key] = d.desired
