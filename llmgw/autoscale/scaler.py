@@ -28,7 +28,7 @@ import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..config import Config
 from .model import AutoscaleSettings, DeploymentView, ReplicaCounts, ScaleDecision, ScaleKind
@@ -238,6 +238,23 @@ class TargetScaler:
 
     def history(self, key: str | None = None) -> list[ScaleDecision]:
         return [d for d in self._history if key is None or d.key == key or d.taken_from == key]
+
+    def status(self, now: float) -> dict[str, Any]:
+        """What the scaler is waiting for, as plain values for /admin/autoscale and ``llmgw status``: per
+        deployment its desired count, why it waits (``waiting``: ``up_pending``, ``down_pending``, ``in_flight``,
+        ``no_gpus``, ``at_max``, or None), for how long a need has held and since the last step; the move between
+        deployments in flight."""
+        def age(at: float | None) -> float | None:
+            return None if at is None else round(now - at, 3)
+
+        return {
+            "deployments": {key: {
+                "desired": memory.desired, "waiting": None if memory.hold == "steady" else memory.hold,
+                "up_need_for": age(memory.up_since), "down_need_for": age(memory.down_since),
+                "since_last_step": age(memory.last_step),
+            } for key, memory in sorted(self._memory.items())},
+            "move": None if self._move is None else dataclasses.asdict(self._move),
+        }
 
     def decide(self, now: float, deployments: Sequence[DeploymentView],
                free_gpus: Mapping[str | None, int]) -> list[ScaleDecision]:

@@ -355,7 +355,22 @@ def test_the_move_ends_when_the_takers_replica_is_ready():
     assert steps(decided) == [("u", "take", 2, 3), ("l", "give", 2, 1)]
 
 
-# -- history --------------------------------------------------------------------------------------------------------
+# -- history and status ---------------------------------------------------------------------------------------------
+
+
+def test_status_says_what_each_deployment_waits_for_and_the_move_in_flight():
+    scaler = TargetScaler()
+    urgent, lazy = view("u", desired=1, queued=12, priority=1), view("l", desired=3, last_request_at=0.0, kv=0.0)
+    scaler.decide(0.0, [urgent, lazy], {None: 0})
+    assert scaler.status(2.0)["deployments"]["u"] == {
+        "desired": 1, "waiting": "up_pending", "up_need_for": 2.0, "down_need_for": None, "since_last_step": None}
+    scaler.decide(5.0, [urgent, lazy], {None: 0})
+    status = scaler.status(7.0)
+    assert status["move"] == {"taker": "u", "giver": "l", "target": 2}
+    assert status["deployments"]["l"]["desired"] == 2 and status["deployments"]["l"]["since_last_step"] == 2.0
+    assert status["deployments"]["l"]["waiting"] is None
+
+
 
 
 def test_history_is_bounded_newest_last_and_filtered_by_deployment():
