@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import trio
 
-from ..control.placement import class_matches
-from ..control.reconciler import schedulable
+from ..control.reconciler import node_views
 from ..logfields import log_fields
+from .gpus import free_gpus_of
 from .interfaces import Scaler, SignalSource
 from .metrics import AutoscaleMetrics
 from .model import AutoscaleSettings, DeploymentView, ReplicaCounts, ScaleDecision
@@ -132,21 +132,7 @@ class Autoscaler:
     def free_gpus(self, control: "ControlPlane") -> dict[str | None, int]:
         """Free GPUs on the nodes that take new replicas, in all (``None``) and per GPU class an autoscaled
         profile asks for."""
-        classes = {control.config.profile(key).gpu_class
-                   for key in autoscaled(control.config, self.settings_of)} - {None}
-        free: dict[str | None, int] = {None: 0, **{c: 0 for c in classes}}
-        nodes = control.inventory.nodes
-        for node_id, node in nodes.items():
-            if not schedulable(node):
-                continue
-            used = control.reconciler.used_gpus(node_id, nodes)
-            for gpu in node.register.gpus:
-                if gpu.index in used:
-                    continue
-                for gpu_class in free:
-                    if class_matches(gpu_class, gpu):
-                        free[gpu_class] += 1
-        return free
+        return free_gpus_of(node_views(control.inventory.nodes, control.reconciler), control.config)
 
     # -- reading it ----------------------------------------------------------------------------------------------
 
@@ -169,7 +155,11 @@ class Autoscaler:
                                     "idle_s": None if s.last_request_at is None
                                     else round(max(0.0, s.at - s.last_request_at), 3)}
             deployments[key] = entry
-        return {"interval_s": self.interval(), "deployments": deployments}
+        status = getattr(self.scaler, "status", None)  # llmgw's scaler says what it waits for; a stand-in may not
+        waiting = status(trio.current_time()) if status is not None else {}
+        for key, entry in deployments.items():
+            entry["scaler"] = waiting.get("deployments", {}).get(key)
+        return {"interval_s": self.interval(), "deployments": deployments, "move": waiting.get("move")}
 
 
 def replica_counts(control: "ControlPlane", key: str) -> ReplicaCounts:

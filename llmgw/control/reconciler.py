@@ -554,6 +554,18 @@ def schedulable(node: NodeRecord) -> bool:
     return node.reachable and node.state is NodeState.CONNECTED
 
 
+def node_views(nodes: Mapping[str, NodeRecord], reconciler: Reconciler) -> list:
+    """Every known node as placement sees it (``placement.NodeView``s): its GPUs held by assignments or by shards
+    it reports that no assignment owns marked used; only connected ones take new replicas."""
+    from . import placement
+
+    return [placement.NodeView.from_register(
+        nodes[node_id].register, used_gpus=reconciler.used_gpus(node_id, nodes),
+        schedulable=schedulable(nodes[node_id]),
+        unschedulable_reason=f"{nodes[node_id].state.value}: {nodes[node_id].state_reason}")
+        for node_id in sorted(nodes)]
+
+
 def place_with_plan_all(desired: Mapping[str, DesiredReplica], nodes: Mapping[str, NodeRecord],
                         reconciler: Reconciler, existing: Mapping[str, Assignment]):
     """The default placer: :func:`llmgw.control.placement.plan_all` over every known node (only connected ones
@@ -561,12 +573,7 @@ def place_with_plan_all(desired: Mapping[str, DesiredReplica], nodes: Mapping[st
     assignments kept where they are."""
     from . import placement
 
-    views = []
-    for node_id in sorted(nodes):
-        node = nodes[node_id]
-        views.append(placement.NodeView.from_register(
-            node.register, used_gpus=reconciler.used_gpus(node_id, nodes), schedulable=schedulable(node),
-            unschedulable_reason=f"{node.state.value}: {node.state_reason}"))
+    views = node_views(nodes, reconciler)
     profiles = {d.profile.name: d.profile for d in desired.values()}
     deployments = list({id(d.deployment): d.deployment for d in desired.values()}.values())
     kept = {}
