@@ -90,6 +90,10 @@ class Autoscaler:
         self._asked = counts
         return counts
 
+    def keep_warm(self, control: "ControlPlane", profile: str) -> float:
+        found = autoscaled(control.config, self.settings_of).get(profile)
+        return found[1].keep_warm if found is not None else 0.0
+
     def retire_reason(self, profile: str, count: int) -> str:
         return f"scaled down: autoscaled deployment {profile} runs {count} replica{'' if count == 1 else 's'}"
 
@@ -132,7 +136,12 @@ class Autoscaler:
     def free_gpus(self, control: "ControlPlane") -> dict[str | None, int]:
         """Free GPUs on the nodes that take new replicas, in all (``None``) and per GPU class an autoscaled
         profile asks for."""
-        return free_gpus_of(node_views(control.inventory.nodes, control.reconciler), control.config)
+        nodes = control.inventory.nodes
+        views = node_views(nodes, control.reconciler)
+        for view in views:  # an engine kept warm gives its GPUs up as soon as a placement wants them
+            view.used_gpus -= {i for sid, report in nodes[view.node_id].shards.items()
+                               if sid in control.reconciler.parked for i in report.gpu_indices}
+        return free_gpus_of(views, control.config)
 
     # -- reading it ----------------------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from autoscale_standin import StandInScaler
 from llmgw.autoscale.model import AutoscaleSettings
 from llmgw.gateway.app import Gateway
 from llmgw.plugins_manager import load_checked_config
-from llmgw.testing.cluster import AGENTS
+from llmgw.testing.cluster import AGENTS, alive
 from llmgw.testing.gateway import run_in_process
 from llmgw.testing.processes import free_port, llmgw_command
 
@@ -232,3 +232,32 @@ async def test_llmgws_own_scaler_from_the_config_starts_a_replica_from_zero_and_
     row = lines[lines.index("AUTOSCALE (1)") + 2].split()
     assert row[:8] == ["tiny-sim", "tiny", "0..2", "0", "0", "0", "0", "0"], lines
     assert " ".join(row[9:]).startswith("to_zero 1->0: no request for tiny"), lines
+
+
+async def test_a_replica_kept_warm_is_adopted_by_the_next_step_up_and_stopped_when_its_time_is_up(
+        nursery, cluster, tmp_path):
+    profile = ("tiny-sim", "tiny", "")
+    gateway, _ = await start(nursery, cluster, tmp_path, None, profile, replicas="{min: 0, max: 2}",
+                             autoscale="{idle_to_zero: 1s, keep_warm: 1h}")
+    assert (await chat(gateway)).status_code == 200  # from zero: a cold start
+    pid = (await cluster.replicas())["tiny-sim-0"]["shards"][0]["pid"]
+    await wait_for(cluster, "back to zero", lambda: _replicas_are(cluster, set()))
+    assert alive(pid)  # out of routing, its engine kept warm
+
+    # Called again: the step up adopts the warm engine (no start), and serves from it.
+    answer = await chat(gateway)
+    assert answer.status_code == 200, answer.text
+    replica = (await cluster.replicas())["tiny-sim-0"]
+    assert (replica["shards"][0]["pid"], replica["origin"], replica["shards"][0]["restarts"]) == (pid, "adopted", 0)
+
+    # With keep_warm lowered (a reload), the next scale-down keeps it only that long, then stops it.
+    (tmp_path / "llmgw.yaml").write_text(config(profile, replicas="{min: 0, max: 2}",
+                                                autoscale="{idle_to_zero: 1s, keep_warm: 0.5s}"))
+    outcome = await gateway.gateway.reload()
+    assert outcome.refusal is None
+    await wait_for(cluster, "back to zero", lambda: _replicas_are(cluster, set()))
+    await wait_for(cluster, "the warm engine stopped", lambda: _stopped(pid))
+
+
+async def _stopped(pid: int) -> bool:
+    return not alive(pid)
