@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import trio
 
+from ..control.fingerprint import profile_fingerprint
 from ..control.reconciler import node_views
 from ..logfields import log_fields
+from ..wire import ShardState
 from .gpus import free_gpus_of
 from .interfaces import Scaler, SignalSource
 from .metrics import AutoscaleMetrics
@@ -81,11 +83,11 @@ class Autoscaler:
                 counts[key] = settings.max_replicas  # adopt whatever runs; nothing new is placed yet
                 continue
             if key not in self.started:
-                running = sum(1 for a in control.reconciler.active().values() if a.profile == key)
+                running = running_replicas(control, key)
                 self.started[key] = clamp(running, settings)
-                log.info("autoscale: deployment %s starts from the %d replicas running (%d adopted; min %d, max %d)",
-                         key, self.started[key], running, settings.min_replicas, settings.max_replicas,
-                         extra=log_fields(deployment=key))
+                log.info("autoscale: deployment %s starts from the %d replicas running (%d adopted or to adopt; "
+                         "min %d, max %d)", key, self.started[key], running, settings.min_replicas,
+                         settings.max_replicas, extra=log_fields(deployment=key))
             counts[key] = clamp(self.scaler.desired(key, self.started[key]), settings)
         self._asked = counts
         return counts
@@ -169,6 +171,20 @@ class Autoscaler:
         for key, entry in deployments.items():
             entry["scaler"] = waiting.get("deployments", {}).get(key)
         return {"interval_s": self.interval(), "deployments": deployments, "move": waiting.get("move")}
+
+
+def running_replicas(control: "ControlPlane", key: str) -> int:
+    """The replicas of deployment ``key`` that run now: those the control plane holds, and those a reachable node
+    reports serving with the profile's fingerprint that it has not adopted yet (the adoption happens in the same
+    reconcile pass that first asks for the counts after the adoption window)."""
+    fingerprint = profile_fingerprint(control.config.profile(key))
+    held = {a.replica_id for a in control.reconciler.active().values() if a.profile == key}
+    reported = {report.replica_id for node in control.inventory.nodes.values() if node.reachable
+                for sid, report in node.shards.items()
+                if report.rank == 0 and report.state.alive and report.state is not ShardState.DRAINING
+                and report.fingerprint == fingerprint and sid not in node.unproven
+                and sid not in control.reconciler.parked and report.replica_id.startswith(f"{key}-")}
+    return len(held | reported)
 
 
 def replica_counts(control: "ControlPlane", key: str) -> ReplicaCounts:
