@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import signal
 
-import httpx
 import pytest
 import trio
 
 from llmgw.bench.fault_load import LoadSettings, SteadyLoad
-from llmgw.testing.cluster import Cluster
 from llmgw.testing.ha import FIXTURE, LEASE_TTL, HaCluster
 
 pytestmark = pytest.mark.slow
@@ -29,31 +27,6 @@ pytestmark = pytest.mark.slow
 # Default engine timing (20 ms a step): 16 tokens take about 320 ms, so requests are in flight at every SIGTERM.
 LOAD = LoadSettings(concurrency=6, rate=15, stream_every=3, max_tokens=16)
 STEP_AFTER = 15  # requests that must end between two steps, with every gateway back in the rotation
-
-
-async def wait_ready(http: httpx.AsyncClient, process: Cluster, timeout: float = 30.0) -> None:
-    """Until the process's control port says ``/ready`` 200: what a balancer's health check waits for."""
-    with trio.fail_after(timeout):
-        while True:
-            try:
-                if (await http.get(process.control_url + "/ready", timeout=2)).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            await trio.sleep(0.1)
-
-
-async def restart_gateway(ha: HaCluster, load: SteadyLoad, process: Cluster, *extra: str) -> None:
-    """SIGTERM ``process`` under the load (it drains), out of the rotation once it exited, started again with the
-    same arguments, back in the rotation once it is ready."""
-    assert process.serve is not None
-    process.serve.kill(signal.SIGTERM)
-    code = await process.serve.wait_exit(timeout=40)
-    assert code == 0, f"{process.serve.name} exited with {code}:\n{process.serve.output()}"
-    load.data_urls = [url for url in load.data_urls if url != process.data_url]
-    await process.start_serve(*extra)
-    await wait_ready(ha.http, process)
-    load.data_urls = [p.data_url for p in ha.gateways]
 
 
 async def test_a_rolling_restart_of_every_process_fails_no_request_and_restarts_no_engine(ha_cluster: HaCluster):
@@ -67,17 +40,17 @@ async def test_a_rolling_restart_of_every_process_fails_no_request_and_restarts_
         await load.wait_finished(STEP_AFTER)
 
         load.phase = "F (--role gateway)"
-        await restart_gateway(ha, load, f, "--role", "gateway")
+        await ha.restart(f, load, "--role", "gateway")
         await load.wait_finished(STEP_AFTER)
 
         load.phase = "B (candidate, not leading)"
-        await restart_gateway(ha, load, b)
+        await ha.restart(b, load)
         await load.wait_finished(STEP_AFTER)
 
         load.phase = "A (the leader)"
         stopped = trio.current_time()
         async with trio.open_nursery() as steps:
-            steps.start_soon(restart_gateway, ha, load, a)
+            steps.start_soon(ha.restart, a, load)
             await ha.wait_leader([b], timeout=LEASE_TTL + 5)
             print(f"\nB leads {trio.current_time() - stopped:.2f} s after the leader's SIGTERM")
         await ha.wait_routable(timeout=30)
