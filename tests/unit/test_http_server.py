@@ -581,34 +581,6 @@ async def test_abort_connection_cuts_a_stream_without_the_terminating_chunk(serv
 
 # -- drain -------------------------------------------------------------------------------------------------------------
 
-async def test_drain_lets_in_flight_requests_finish_and_stops_accepting(nursery):
-    started = trio.Event()
-
-    async def handler(request: Request) -> Response:
-        started.set()
-        await trio.sleep(0.3)
-        return Response.text("done")
-
-    server = HttpServer(handler)
-    served = trio.Event()
-
-    async def run(task_status=trio.TASK_STATUS_IGNORED):
-        await server.serve("127.0.0.1", 0, task_status=task_status)
-        served.set()
-
-    _, port = await nursery.start(run)
-    with trio.fail_after(5):
-        client = await connect(port)
-        await client.send(get("/slow"))
-        await started.wait()
-        nursery.start_soon(server.drain, 5.0)
-        reply = await client.reply()
-        assert reply.body == b"done" and reply.headers[b"connection"] == b"close"
-        await served.wait()
-    with pytest.raises(OSError):
-        await trio.open_tcp_stream("127.0.0.1", port)
-
-
 async def serve_until_drained(nursery, handler) -> tuple[HttpServer, int, trio.Event]:
     """A server of ``handler``; its port, and an event set when its ``serve`` returned (after a drain)."""
     server = HttpServer(handler)
@@ -620,6 +592,27 @@ async def serve_until_drained(nursery, handler) -> tuple[HttpServer, int, trio.E
 
     _, port = await nursery.start(run)
     return server, port, served
+
+
+async def test_drain_lets_in_flight_requests_finish_and_stops_accepting(nursery):
+    started = trio.Event()
+
+    async def handler(request: Request) -> Response:
+        started.set()
+        await trio.sleep(0.3)
+        return Response.text("done")
+
+    server, port, served = await serve_until_drained(nursery, handler)
+    with trio.fail_after(5):
+        client = await connect(port)
+        await client.send(get("/slow"))
+        await started.wait()
+        nursery.start_soon(server.drain, 5.0)
+        reply = await client.reply()
+        assert reply.body == b"done" and reply.headers[b"connection"] == b"close"
+        await served.wait()
+    with pytest.raises(OSError):
+        await trio.open_tcp_stream("127.0.0.1", port)
 
 
 async def test_a_drain_waits_for_a_request_still_on_its_way_on_a_connection_it_accepted(nursery):
