@@ -8,13 +8,12 @@ The CLI's reference is checked against ``--help`` in tests/unit/test_docs.py.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import types
 import typing
 from pathlib import Path
 
-from llmgw.config.fields import Located
+from llmgw.config.fields import is_config_class, yaml_fields
 from llmgw.config.schema import Config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +32,7 @@ def config_classes_in(hint: object) -> list[tuple[str, type]]:
         return [found for arg in typing.get_args(hint) for found in config_classes_in(arg)]
     if origin is list:
         return [(f"[]{suffix}", cls) for suffix, cls in config_classes_in(typing.get_args(hint)[0])]
-    if isinstance(hint, type) and issubclass(hint, Located):
+    if is_config_class(hint):
         return [("", hint)]
     return []
 
@@ -42,9 +41,7 @@ def schema_keys(cls: type = Config, prefix: str = "") -> set[str]:
     """Every key the schema reads, as a path: ``listen``, ``models[].replicas[].url``, ``state.sentinel.service``."""
     keys: set[str] = set()
     hints = typing.get_type_hints(cls, include_extras=True)
-    for field in dataclasses.fields(cls):
-        if field.metadata.get("internal"):
-            continue
+    for field in yaml_fields(cls):
         path = f"{prefix}{field.name}"
         keys.add(path)
         for suffix, inner in config_classes_in(hints[field.name]):
