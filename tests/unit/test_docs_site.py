@@ -8,6 +8,7 @@ two pages under the same settings, that each of those mistakes does fail the bui
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,3 +56,37 @@ def test_a_broken_link_a_missing_anchor_an_unlisted_page_or_a_missing_page_fails
         assert result.returncode != 0, output
         for named in ("gone.md", "nowhere", "unlisted.md", "runbook.md"):
             assert named in output, (named, output)
+
+
+# Sections of benchmarks.md that are no area of numbers.
+NOT_AN_AREA = {"How the benchmarks run", "The records", "Autoscaling"}
+
+
+def glance_problems(text: str) -> list[str]:
+    """Each area of benchmarks.md: a headline in bold, then its command, when and where, and a link to its record
+    on a page under docs/benchmarks/."""
+    problems = []
+    for area in re.split(r"^## ", text, flags=re.M)[1:]:
+        title, _, body = area.partition("\n")
+        if title in NOT_AN_AREA:
+            continue
+        for needed, pattern in (("headline in bold", r"^\*\*"), ("command", r"^- Command: `"),
+                                ("date", r"^- When and where: .*20\d\d-\d\d-\d\d"),
+                                ("record", r"^- Record: \[[^\]]+\]\(benchmarks/[\w-]+\.md#")):
+            if not re.search(pattern, body, re.M):
+                problems.append(f"{title}: no {needed}")
+    return problems
+
+
+def test_benchmarks_at_a_glance_gives_each_area_its_command_date_and_record():
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    assert glance_problems(text) == []
+    assert len(re.findall(r"^## ", text, re.M)) - len(NOT_AN_AREA) >= 7
+
+
+def test_an_area_without_its_date_or_record_is_named():
+    area = ("## Data plane\n\n**68 µs**\n\n- Command: `llmgw bench proxy`\n- When and where: 2026-12-04, the VM\n"
+            "- Record: [x](benchmarks/data-plane.md#x)\n")
+    assert glance_problems(area) == []
+    assert glance_problems(area.replace("2026-12-04", "today").replace("benchmarks/", "")) == [
+        "Data plane: no date", "Data plane: no record"]
