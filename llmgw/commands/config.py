@@ -38,16 +38,19 @@ def summary(config: Config) -> list[str]:
     """A few lines saying what a valid config declares (never a secret)."""
     external = sum(len(model.replicas) for model in config.models)
     deployed = sum(deployment.replicas for deployment in config.deployments)
+    autoscaled = sum(1 for deployment in config.deployments if deployment.autoscaled)
     agents = "embedded" if config.agents.embedded else "remote only"
     if config.agents.token is not None:
         agents += ", remote agents join with a token"
     return [
         f"listen {config.listen}, control {config.control_listen}",
         f"models: {len(config.models)}{_names([model.name for model in config.models])}",
-        f"replicas: {external} external, {deployed} deployed",
+        f"replicas: {external} external, {deployed} deployed"
+        + (f" at start ({autoscaled} deployment{'' if autoscaled == 1 else 's'} autoscaled)" if autoscaled else ""),
         f"profiles: {len(config.profiles)}{_names([profile.name for profile in config.profiles])}",
         f"deployments: {len(config.deployments)}"
-        + _names([f"{d.profile} x{d.replicas}" for d in config.deployments]),
+        + _names([f"{d.profile} x{d.min_replicas}..{d.max_replicas}" if d.autoscaled else f"{d.profile} x{d.replicas}"
+                  for d in config.deployments]),
         f"served model names: {', '.join(config.model_names()) or 'none'}",
         f"api keys: {len(config.api_keys)}; admin tokens: {len(config.admin_tokens)}; agents: {agents}",
     ]

@@ -1,4 +1,5 @@
-"""``llmgw plan``: print the placement the control plane would make for a config, and why, touching nothing.
+"""``llmgw plan``: print the placement the control plane would make for a config, and why, touching nothing;
+with ``--load``, what its autoscaler would decide for that load (:mod:`llmgw.commands.plan_autoscale`).
 
 Nodes come from recorded fixtures (``--nodes FILE.json...``, run through the
 fixture discovery; node id = the fixture's ``node_id`` or the file's stem) or
@@ -18,8 +19,10 @@ from typing import Any
 
 from llmgw import wire
 from llmgw.agent.discovery import DiscoveryError, FixtureProvider, load_fixture
+from llmgw.autoscale.gpus import free_gpus_of
+from llmgw.commands import plan_autoscale
 from llmgw.commands.control_api import ControlApiError, add_arguments, get_json
-from llmgw.config import ConfigError
+from llmgw.config import Config, ConfigError
 from llmgw.control.placement import (
     NodeView,
     PlanResult,
@@ -34,6 +37,7 @@ from llmgw.plugins_manager import load_checked_config
 EXIT_PLACED = 0
 EXIT_USAGE = 2
 EXIT_UNPLACED = 3
+UNLIMITED_GPUS: dict[str | None, int] = {None: plan_autoscale.UNLIMITED}
 
 
 class UsageError(Exception):
@@ -49,6 +53,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--control", metavar="URL", help="a running control listener, e.g. http://127.0.0.1:8001")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for --control (default 10)")
+    autoscale = parser.add_argument_group("autoscaling preview (docs/autoscaling.md)")
+    autoscale.add_argument("--load", action="append", default=[],
+                           metavar="MODEL=QUEUED[,kv=F,ttft=F,inflight=N,idle=S]",
+                           help="a model's (or profile's) load, held constant: requests queued at the gateways, "
+                                "KV usage, TTFT attainment, requests in flight, seconds idle (repeatable)")
+    autoscale.add_argument("--replicas", action="append", default=[], metavar="PROFILE=N",
+                           help="the replicas a deployment runs when the preview starts (default: the config's)")
+    autoscale.add_argument("--free-gpus", action="append", default=[], metavar="[CLASS=]N",
+                           help="free GPUs, in all or of a class (default: what --nodes or --control leave free, "
+                                "else unlimited)")
+    autoscale.add_argument("--for", dest="duration", type=float, metavar="SECONDS",
+                           help="how long the load holds (default: until every window has passed)")
+    autoscale.add_argument("--ready-after", type=float, default=60.0, metavar="SECONDS",
+                           help="a new replica's start time (default 60)")
     add_arguments(parser)
     return parser
 
@@ -198,7 +216,7 @@ def main(argv: list[str]) -> int:
             print(issue, file=sys.stderr)
         return EXIT_USAGE
     try:
-        if not args.nodes and not args.control:
+        if not args.nodes and not args.control and not args.load:
             raise UsageError("give the nodes to plan on: --nodes FIXTURE.json... or --control URL")
         nodes = nodes_from_fixtures(args.nodes)
         existing: dict[str, ReplicaPlacement] = {}
@@ -212,6 +230,28 @@ def main(argv: list[str]) -> int:
         print(f"llmgw plan: {exc}", file=sys.stderr)
         return EXIT_USAGE
     result = plan_all(config.profiles, config.deployments, nodes, existing)
+    if args.load:
+        return autoscale_preview(args, config, nodes, result)
     order = [replica_id for _, replica_id in replica_ids(config.deployments)]
     print(render_json(result, nodes) if args.json else "\n".join(render_text(result, nodes, order)))
     return EXIT_PLACED if result.ok else EXIT_UNPLACED
+
+
+def autoscale_preview(args: argparse.Namespace, config: Config, nodes: list[NodeView], placed: PlanResult) -> int:
+    """``--load``: the autoscaler's decisions for that load, on the GPUs ``placed`` leaves free."""
+    try:
+        loads = [plan_autoscale.parse_load(text) for text in args.load]
+        replicas = plan_autoscale.parse_counts(args.replicas, "--replicas")
+        free = plan_autoscale.parse_counts(args.free_gpus, "--free-gpus", classes=True)
+        if not free and nodes:
+            for placement in placed.placed:
+                for shard in placement.shards:
+                    next(n for n in nodes if n.node_id == shard.node_id).used_gpus.update(shard.gpu_indices)
+            free = free_gpus_of(nodes, config)
+        outcome = plan_autoscale.preview(config, loads, replicas=replicas, free_gpus=free or dict(UNLIMITED_GPUS),
+                                         duration=args.duration, ready_after=max(0.0, args.ready_after))
+    except plan_autoscale.LoadError as exc:
+        print(f"llmgw plan: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(plan_autoscale.render_json(outcome) if args.json else "\n".join(plan_autoscale.render_text(outcome)))
+    return EXIT_PLACED

@@ -49,6 +49,7 @@ def check_config(draft: Draft) -> None:
     _check_key_teams(draft)
     _check_priorities(draft)
     _check_deployment_profiles(draft)
+    _check_autoscaled_profiles(draft)
     _check_model_routing(draft)
     _check_adapter_names(draft)
     _check_agent_token(draft)
@@ -138,6 +139,21 @@ def _check_deployment_profiles(draft: Draft) -> None:
             continue
         draft.add(issue_at(deployment, "profile", f"no profile named '{deployment.profile}' "
                                                   f"({_hint(deployment.profile, names, 'profiles')})"))
+
+
+def _check_autoscaled_profiles(draft: Draft) -> None:
+    """An autoscaled deployment is keyed by its profile: that profile has no other deployment."""
+    if not draft.known("deployments"):
+        return
+    first: dict[str, Any] = {}
+    for deployment in draft["deployments"]:
+        if known(deployment.profile) and deployment.profile not in first:
+            first[deployment.profile] = deployment
+        elif known(deployment.profile) and (deployment.autoscaled or first[deployment.profile].autoscaled):
+            earlier = first[deployment.profile]
+            draft.add(issue_at(deployment, "profile", f"profile '{deployment.profile}' is also deployed by "
+                                                      f"{earlier.key_of()} on line {earlier.line_of()}; an "
+                                                      "autoscaled profile has one deployment"))
 
 
 def _check_model_routing(draft: Draft) -> None:

@@ -54,6 +54,14 @@ class Check:
     function: Callable[[Any], str | None]
 
 
+@dataclass(frozen=True, slots=True)
+class OrMapping:
+    """``Annotated`` metadata: the key may also be written as a mapping, read as config class ``cls`` (the owning
+    object's ``_finish`` turns that object into the field's own type, e.g. ``replicas: {min: 0, max: 4}``)."""
+
+    cls: type
+
+
 def at_least(lowest: int) -> Check:
     return Check(lambda value: None if value >= lowest else f"must be at least {lowest}")
 

@@ -11,7 +11,8 @@ Reading is driven by the config classes' type hints:
   ``dict``/``Any`` for free-form values;
 - a config class: a mapping whose keys are the class's fields;
 - ``Annotated[T, Parse(f), Check(g)...]``: ``f`` reads the scalar, each ``g``
-  constrains the result.
+  constrains the result; with ``OrMapping(C)`` a mapping is read as config
+  class ``C`` instead (the owner's ``_finish`` turns it into a ``T``).
 
 Strings are interpolated (``${NAME}``, see :mod:`llmgw.config.envsubst`)
 before anything else; a scalar that referenced a variable is re-typed from
@@ -34,7 +35,7 @@ from typing import Annotated, Any, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from .envsubst import InterpolationError, interpolate
-from .fields import INVALID, Check, Parse, Where, is_config_class, known, yaml_fields
+from .fields import INVALID, Check, OrMapping, Parse, Where, is_config_class, known, yaml_fields
 from .issues import ConfigIssue, join_index, join_key
 from .yamlpos import Mapping, Node, Scalar, Sequence
 
@@ -192,6 +193,13 @@ class Reader:
         raise TypeError(f"config reader cannot read type {tp!r}")  # a bug in a config class
 
     def _read_annotated(self, tp: Any, node: Node, key: str, secret: bool) -> Any:
+        alternatives = [meta.cls for meta in tp.__metadata__ if isinstance(meta, OrMapping)]
+        if alternatives and isinstance(node, Mapping):
+            return self.read_object(alternatives[0], node, key)
+        if alternatives and isinstance(node, Sequence):
+            keys = ", ".join(f.name for f in yaml_fields(alternatives[0]))
+            self.report(node.line, key, f"expected a single value or a mapping of {keys}, got a list")
+            return INVALID
         parsers = [meta for meta in tp.__metadata__ if isinstance(meta, Parse)]
         checks = [meta for meta in tp.__metadata__ if isinstance(meta, Check)]
         if parsers:

@@ -13,6 +13,7 @@ import hashlib
 from decimal import Decimal
 from typing import Annotated, Any
 
+from ..autoscale.model import AutoscaleSettings
 from ..flow.model import DEFAULT_CLASS, DEFAULT_CLASSES, FlowSettings, PriorityClass
 from ..http.jsonbody import DEFAULT_MAX_CONTAINERS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_VALUES
 from ..tenancy.model import NANO_PER_USD, PERIODS, TenancySettings
@@ -20,13 +21,16 @@ from ..units import parse_duration, parse_size
 from . import crosschecks
 from .addresses import HostPort, parse_http_url, parse_port_range, parse_redis_url, parse_zmq_endpoint, url_host_port
 from .fields import (
+    INVALID,
     Check,
     Located,
+    OrMapping,
     Parse,
     at_least,
     at_most,
     at_most_items,
     config_class,
+    known,
     matches,
     non_empty,
     one_of,
@@ -416,14 +420,98 @@ class Placement(Located):
     spread: bool = setting(True)  # prefer different nodes for different replicas
 
 
+MAX_REPLICAS = 10_000
+ReplicaCount = Annotated[int, at_least(0), at_most(MAX_REPLICAS)]
+_AUTOSCALE = AutoscaleSettings()  # the defaults of the autoscale keys are the settings' own
+
+
+@config_class
+class ReplicaRange(Located):
+    """``replicas: {min, max}``: the bounds of an autoscaled deployment (docs/autoscaling.md)."""
+
+    min: ReplicaCount = setting(1)  # 0: no replica while idle (the first request starts one)
+    max: Annotated[int, at_least(1), at_most(MAX_REPLICAS)] = setting()
+
+    @classmethod
+    def _finish(cls, draft: Draft) -> None:
+        if draft.known("min", "max") and draft["min"] > draft["max"]:
+            draft.problem("min", f"must be at most max ({draft['max']})")
+
+
+@config_class
+class DeploymentAutoscale(Located):
+    """A deployment's ``autoscale:`` section: its targets, windows and priority (docs/autoscaling.md)."""
+
+    queued_per_replica: Annotated[float, positive(), at_most(MAX_COUNT)] = setting(_AUTOSCALE.queued_per_replica)
+    kv_usage: Fraction = setting(_AUTOSCALE.kv_usage)  # the mean KV-cache usage of the ready replicas
+    ttft_slo: PositiveDuration | None = setting(None)  # when set, first-token attainment is a target too
+    attainment: Fraction = setting(_AUTOSCALE.attainment)  # the share of first tokens within ttft_slo
+    scale_up_after: Duration = setting(_AUTOSCALE.scale_up_after)
+    scale_down_after: Duration = setting(_AUTOSCALE.scale_down_after)
+    idle_to_zero: PositiveDuration = setting(_AUTOSCALE.idle_to_zero)  # no request this long: back to min
+    priority: Annotated[int, at_least(-1000), at_most(1000)] = setting(_AUTOSCALE.priority)
+
+    @classmethod
+    def _finish(cls, draft: Draft) -> None:
+        if draft.known("ttft_slo") and draft["ttft_slo"] is None and draft.was_written("attainment"):
+            draft.problem("attainment", "needs ttft_slo: the attainment is the share of first tokens within it")
+
+
 @config_class
 class Deployment(Located):
-    """A number of replicas of one profile, kept running by the control plane."""
+    """A number of replicas of one profile, kept running by the control plane: fixed (``replicas: 2``) or
+    autoscaled between bounds (``replicas: {min: 0, max: 4}``, with an optional ``autoscale`` section)."""
 
     profile: ProfileName = setting()
-    replicas: Annotated[int, at_least(0), at_most(10_000)] = setting(1)
+    replicas: Annotated[ReplicaCount, OrMapping(ReplicaRange)] = setting(1)  # after loading: the count to start at
     pool: Text | None = setting(None)
     placement: Placement = setting(factory=Placement)
+    autoscale: DeploymentAutoscale | None = setting(None)
+    bounds: tuple[int, int] | None = setting(None, internal=True)  # replicas: {min, max}; None: replicas: N
+
+    @property
+    def min_replicas(self) -> int:
+        return self.bounds[0] if self.bounds else self.replicas
+
+    @property
+    def max_replicas(self) -> int:
+        return self.bounds[1] if self.bounds else self.replicas
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.bounds is not None and self.bounds[1] > self.bounds[0]
+
+    def autoscale_settings(self) -> AutoscaleSettings:
+        """The scaler's view of this deployment's keys (the defaults where no ``autoscale`` section is written)."""
+        section = self.autoscale
+        if section is None:  # the section's defaults are the settings' own
+            return AutoscaleSettings(min_replicas=self.min_replicas, max_replicas=self.max_replicas)
+        return AutoscaleSettings(
+            min_replicas=self.min_replicas, max_replicas=self.max_replicas,
+            queued_per_replica=section.queued_per_replica, kv_usage=section.kv_usage, ttft_slo=section.ttft_slo,
+            attainment=section.attainment, scale_up_after=section.scale_up_after,
+            scale_down_after=section.scale_down_after, idle_to_zero=section.idle_to_zero, priority=section.priority)
+
+    @classmethod
+    def _finish(cls, draft: Draft) -> None:
+        replicas = draft["replicas"]
+        autoscaled = False
+        if isinstance(replicas, ReplicaRange):  # written as {min, max}: the deployment starts at its min
+            valid = known(replicas.min, replicas.max) and replicas.min <= replicas.max
+            draft.set("replicas", replicas.min if valid else INVALID)
+            draft.set("bounds", (replicas.min, replicas.max) if valid else None)
+            autoscaled = valid and replicas.max > replicas.min
+        if draft.known("replicas", "autoscale") and draft["autoscale"] is not None and not autoscaled:
+            draft.problem("autoscale", "applies to an autoscaled deployment: write its replicas as "
+                                       "{min: N, max: M} with M above N")
+
+
+@config_class
+class AutoscaleConfig(Located):
+    """The top-level ``autoscale:`` section: how often the leader decides, how many decisions it keeps."""
+
+    interval: Annotated[float, Parse(parse_duration), at_least(0.05), at_most(60.0)] = setting(1.0)
+    history: Annotated[int, at_least(10), at_most(100_000)] = setting(500)  # decisions kept for /admin/autoscale
 
 
 @config_class
@@ -597,6 +685,7 @@ class Config(Located):
     prices: list[PriceConfig] = setting(factory=list)  # USD per million tokens, by model
     tenancy: TenancyConfig = setting(factory=TenancyConfig)
     flow: FlowConfig = setting(factory=FlowConfig)  # overload control: docs/overload.md
+    autoscale: AutoscaleConfig = setting(factory=AutoscaleConfig)  # docs/autoscaling.md
 
     def model_names(self) -> list[str]:
         """Names clients may ask for: every model under ``models``, then every deployed profile's served name."""
@@ -604,6 +693,10 @@ class Config(Located):
         names = [model.name for model in self.models]
         names += [profile.served_model_name for profile in self.profiles if profile.name in deployed]
         return list(dict.fromkeys(names))
+
+    def autoscale_settings(self) -> dict[str, AutoscaleSettings]:
+        """Each autoscaled deployment's settings, by its profile name (an autoscaled profile has one deployment)."""
+        return {d.profile: d.autoscale_settings() for d in self.deployments if d.autoscaled}
 
     def profile(self, name: str) -> Profile:
         """The profile called ``name``; ``KeyError`` when there is none."""
