@@ -11,6 +11,9 @@ take a while with many series.
 
 from __future__ import annotations
 
+import weakref
+from typing import Any, Callable, TypeVar
+
 import trio
 from prometheus_client import (
     GC_COLLECTOR,
@@ -35,6 +38,19 @@ STREAM_ERROR = "stream_error"  # a 200 stream the upstream broke off: the client
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5, 10)
 TOKEN_LATENCY_BOUNDS = (*TOKEN_LATENCY_BUCKETS, float("inf"))  # a histogram's upper bounds, +Inf last
+
+
+_Metrics = TypeVar("_Metrics")
+_per_registry: "weakref.WeakKeyDictionary[CollectorRegistry, dict[Any, Any]]" = weakref.WeakKeyDictionary()
+
+
+def one_per_registry(cls: Callable[[CollectorRegistry], _Metrics], registry: CollectorRegistry) -> _Metrics:
+    """The one ``cls(registry)`` of ``registry``: a series registers once per registry, and a leader builds its
+    control plane (and the autoscaler's loop) again for every term it leads."""
+    instances = _per_registry.setdefault(registry, {})
+    if cls not in instances:
+        instances[cls] = cls(registry)
+    return instances[cls]
 
 
 def add_observations(histogram: Histogram, counts: list[int], total: float) -> None:

@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import trio
 
-from ..control.placement import class_matches
-from ..control.reconciler import schedulable
+from ..control.fingerprint import profile_fingerprint
+from ..control.reconciler import node_views
 from ..logfields import log_fields
+from ..wire import ShardState
+from .gpus import free_gpus_of
 from .interfaces import Scaler, SignalSource
 from .metrics import AutoscaleMetrics
 from .model import AutoscaleSettings, DeploymentView, ReplicaCounts, ScaleDecision
@@ -81,14 +83,18 @@ class Autoscaler:
                 counts[key] = settings.max_replicas  # adopt whatever runs; nothing new is placed yet
                 continue
             if key not in self.started:
-                running = sum(1 for a in control.reconciler.active().values() if a.profile == key)
+                running = running_replicas(control, key)
                 self.started[key] = clamp(running, settings)
-                log.info("autoscale: deployment %s starts from the %d replicas running (%d adopted; min %d, max %d)",
-                         key, self.started[key], running, settings.min_replicas, settings.max_replicas,
-                         extra=log_fields(deployment=key))
+                log.info("autoscale: deployment %s starts from the %d replicas running (%d adopted or to adopt; "
+                         "min %d, max %d)", key, self.started[key], running, settings.min_replicas,
+                         settings.max_replicas, extra=log_fields(deployment=key))
             counts[key] = clamp(self.scaler.desired(key, self.started[key]), settings)
         self._asked = counts
         return counts
+
+    def keep_warm(self, control: "ControlPlane", profile: str) -> float:
+        found = autoscaled(control.config, self.settings_of).get(profile)
+        return found[1].keep_warm if found is not None else 0.0
 
     def retire_reason(self, profile: str, count: int) -> str:
         return f"scaled down: autoscaled deployment {profile} runs {count} replica{'' if count == 1 else 's'}"
@@ -132,21 +138,12 @@ class Autoscaler:
     def free_gpus(self, control: "ControlPlane") -> dict[str | None, int]:
         """Free GPUs on the nodes that take new replicas, in all (``None``) and per GPU class an autoscaled
         profile asks for."""
-        classes = {control.config.profile(key).gpu_class
-                   for key in autoscaled(control.config, self.settings_of)} - {None}
-        free: dict[str | None, int] = {None: 0, **{c: 0 for c in classes}}
         nodes = control.inventory.nodes
-        for node_id, node in nodes.items():
-            if not schedulable(node):
-                continue
-            used = control.reconciler.used_gpus(node_id, nodes)
-            for gpu in node.register.gpus:
-                if gpu.index in used:
-                    continue
-                for gpu_class in free:
-                    if class_matches(gpu_class, gpu):
-                        free[gpu_class] += 1
-        return free
+        views = node_views(nodes, control.reconciler)
+        for view in views:  # an engine kept warm gives its GPUs up as soon as a placement wants them
+            view.used_gpus -= {i for sid, report in nodes[view.node_id].shards.items()
+                               if sid in control.reconciler.parked for i in report.gpu_indices}
+        return free_gpus_of(views, control.config)
 
     # -- reading it ----------------------------------------------------------------------------------------------
 
@@ -169,7 +166,25 @@ class Autoscaler:
                                     "idle_s": None if s.last_request_at is None
                                     else round(max(0.0, s.at - s.last_request_at), 3)}
             deployments[key] = entry
-        return {"interval_s": self.interval(), "deployments": deployments}
+        status = getattr(self.scaler, "status", None)  # llmgw's scaler says what it waits for; a stand-in may not
+        waiting = status(trio.current_time()) if status is not None else {}
+        for key, entry in deployments.items():
+            entry["scaler"] = waiting.get("deployments", {}).get(key)
+        return {"interval_s": self.interval(), "deployments": deployments, "move": waiting.get("move")}
+
+
+def running_replicas(control: "ControlPlane", key: str) -> int:
+    """The replicas of deployment ``key`` that run now: those the control plane holds, and those a reachable node
+    reports serving with the profile's fingerprint that it has not adopted yet (the adoption happens in the same
+    reconcile pass that first asks for the counts after the adoption window)."""
+    fingerprint = profile_fingerprint(control.config.profile(key))
+    held = {a.replica_id for a in control.reconciler.active().values() if a.profile == key}
+    reported = {report.replica_id for node in control.inventory.nodes.values() if node.reachable
+                for sid, report in node.shards.items()
+                if report.rank == 0 and report.state.alive and report.state is not ShardState.DRAINING
+                and report.fingerprint == fingerprint and sid not in node.unproven
+                and sid not in control.reconciler.parked and report.replica_id.startswith(f"{key}-")}
+    return len(held | reported)
 
 
 def replica_counts(control: "ControlPlane", key: str) -> ReplicaCounts:

@@ -8,16 +8,15 @@ the age of each deployment's last decision). docs/metrics.md lists the series.
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from ..metrics import one_per_registry
 from .model import DeploymentView, ScaleDecision
 from .scaler import change_of
 
 log = logging.getLogger("llmgw.autoscale")
-_instances: "weakref.WeakKeyDictionary[CollectorRegistry, AutoscaleMetrics]" = weakref.WeakKeyDictionary()
 
 
 def describe(decision: ScaleDecision) -> str:
@@ -29,10 +28,7 @@ class AutoscaleMetrics:
     @classmethod
     def for_registry(cls, registry: CollectorRegistry) -> "AutoscaleMetrics":
         """The one instance of ``registry`` (a leader builds its scaler loop again for every term it leads)."""
-        existing = _instances.get(registry)
-        if existing is None:
-            existing = _instances[registry] = cls(registry)
-        return existing
+        return one_per_registry(cls, registry)
 
     def __init__(self, registry: CollectorRegistry):
         labels = ["deployment"]

@@ -32,6 +32,7 @@ class AutoscaleSettings:
     scale_up_after: float = 5.0
     scale_down_after: float = 300.0
     idle_to_zero: float = 600.0  # with min_replicas 0: no request for this long returns it to 0
+    keep_warm: float = 0.0  # a replica scaled down keeps its engine running, unrouted, this long: a hot start
     priority: int = 0  # cross-model moves: a higher priority (or larger backlog per GPU) may take idle GPUs
 
     @property

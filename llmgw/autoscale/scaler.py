@@ -24,16 +24,18 @@ deployment (docs/autoscaling.md says why each is there):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 from ..config import Config
-from .model import AutoscaleSettings, DeploymentView, ScaleDecision, ScaleKind
+from .model import AutoscaleSettings, DeploymentView, ReplicaCounts, ScaleDecision, ScaleKind
 
 DOWN_FRACTION = 0.7  # a step down leaves every signal under 70% of its target: room before the next step up
 DEFAULT_HISTORY = 500  # decisions kept for /admin/autoscale, ``llmgw status`` and /ui
+QUIET_AFTER = 60.0  # seconds steady after which the same wait is recorded again
 
 
 def clamp(value: int, settings: AutoscaleSettings) -> int:
@@ -62,7 +64,7 @@ class _Memory:
     down_since: float | None = None  # since when one fewer would do, without a break and with nothing in flight
     last_step: float | None = None
     hold: str = "steady"  # the topic of the last hold recorded: a hold is recorded when it changes
-    settings: AutoscaleSettings = field(default_factory=AutoscaleSettings)
+    steady_since: float | None = None  # since when nothing has waited
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +95,25 @@ class _Move:
     taker: str
     giver: str
     target: int
+
+
+def _fraction(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else min(1.0, max(0.0, value))
+
+
+def sane(view: DeploymentView) -> DeploymentView:
+    """``view`` with signals a decision can trust: counts at least 0, fractions within 0..1, a NaN as unknown (the
+    load reports behind the signals are written by other processes)."""
+    signals, counts = view.signals, view.counts
+    return dataclasses.replace(
+        view, desired=max(0, view.desired), gpus_per_replica=max(0, view.gpus_per_replica),
+        counts=ReplicaCounts(*(max(0, n) for n in (counts.ready, counts.starting, counts.draining,
+                                                   counts.unplaceable))),
+        signals=dataclasses.replace(
+            signals, queued=max(0, signals.queued), inflight=max(0, signals.inflight),
+            kv_usage=_fraction(signals.kv_usage), ttft_attainment=_fraction(signals.ttft_attainment),
+            last_request_at=signals.last_request_at if signals.last_request_at is None
+            or math.isfinite(signals.last_request_at) else None))
 
 
 def backlog_per_gpu(view: DeploymentView) -> float:
@@ -218,9 +239,27 @@ class TargetScaler:
     def history(self, key: str | None = None) -> list[ScaleDecision]:
         return [d for d in self._history if key is None or d.key == key or d.taken_from == key]
 
+    def status(self, now: float) -> dict[str, Any]:
+        """What the scaler is waiting for, as plain values for /admin/autoscale and ``llmgw status``: per
+        deployment its desired count, why it waits (``waiting``: ``up_pending``, ``down_pending``, ``in_flight``,
+        ``no_gpus``, ``at_max``, or None), for how long a need has held and since the last step; the move between
+        deployments in flight."""
+        def age(at: float | None) -> float | None:
+            return None if at is None else round(now - at, 3)
+
+        return {
+            "deployments": {key: {
+                "desired": memory.desired, "waiting": None if memory.hold == "steady" else memory.hold,
+                "up_need_for": age(memory.up_since), "down_need_for": age(memory.down_since),
+                "since_last_step": age(memory.last_step),
+            } for key, memory in sorted(self._memory.items())},
+            "move": None if self._move is None else dataclasses.asdict(self._move),
+        }
+
     def decide(self, now: float, deployments: Sequence[DeploymentView],
                free_gpus: Mapping[str | None, int]) -> list[ScaleDecision]:
-        views = [view for view in deployments if view.settings.autoscaled]
+        views = [sane(view) for view in deployments if view.settings.autoscaled]
+        self._settings = {view.key: view.settings for view in views}  # a deployment no longer autoscaled: none
         for gone in set(self._memory) - {view.key for view in views}:
             del self._memory[gone]
         decisions: list[ScaleDecision] = []
@@ -240,10 +279,11 @@ class TargetScaler:
     # -- one deployment --------------------------------------------------------------------------------------------
 
     def _remember(self, view: DeploymentView, now: float) -> _Memory:
+        """The deployment's memory; at first sight it adopts the count the control plane runs (a new leader's
+        scaler starts from the replicas running, never from ``min``)."""
         memory = self._memory.get(view.key)
         if memory is None:
-            memory = self._memory[view.key] = _Memory(first_seen=now)
-        memory.settings = self._settings[view.key] = view.settings
+            memory = self._memory[view.key] = _Memory(first_seen=now, desired=view.desired)
         return memory
 
     def _propose(self, view: DeploymentView, memory: _Memory, now: float) -> _Proposal | tuple[str, str]:
@@ -302,14 +342,18 @@ class TargetScaler:
 
     def _hold(self, view: DeploymentView, memory: _Memory, now: float, topic: str,
               reason: str) -> list[ScaleDecision]:
-        """A hold decision when its topic changed (not for every call: the history would fill with them)."""
+        """A hold decision when why it waits changed (not at every call, nor when a signal flickers about its
+        target: the history would fill with them). Being steady is not recorded; after :data:`QUIET_AFTER` of
+        it, the next wait is recorded again even when it is the one before."""
+        if topic == "steady":
+            memory.steady_since = now if memory.steady_since is None else memory.steady_since
+            if now - memory.steady_since >= QUIET_AFTER:
+                memory.hold = "steady"
+            return []
+        memory.steady_since = None
         if topic == memory.hold:
             return []
-        before, memory.hold = memory.hold, topic
-        if topic == "steady":
-            if before in ("in_flight", "no_gpus", "at_max"):
-                return []  # what it waited for came: the step or the ready replica tells the rest
-            reason = "the need to " + ("step up" if before == "up_pending" else "step down") + " did not hold"
+        memory.hold = topic
         current = view.desired if memory.desired is None else memory.desired
         return [ScaleDecision(view.key, view.model, now, current, current, "hold", reason)]
 
@@ -410,5 +454,5 @@ class TargetScaler:
 
     def _record_step(self, key: str, now: float, desired: int) -> None:
         memory = self._memory[key]
-        memory.desired, memory.last_step, memory.hold = desired, now, "steady"
+        memory.desired, memory.last_step, memory.hold, memory.steady_since = desired, now, "steady", None
         memory.up_since = memory.down_since = None

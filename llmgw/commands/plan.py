@@ -19,6 +19,7 @@ from typing import Any
 
 from llmgw import wire
 from llmgw.agent.discovery import DiscoveryError, FixtureProvider, load_fixture
+from llmgw.autoscale.gpus import free_gpus_of
 from llmgw.commands import plan_autoscale
 from llmgw.commands.control_api import ControlApiError, add_arguments, get_json
 from llmgw.config import Config, ConfigError
@@ -246,7 +247,7 @@ def autoscale_preview(args: argparse.Namespace, config: Config, nodes: list[Node
             for placement in placed.placed:
                 for shard in placement.shards:
                     next(n for n in nodes if n.node_id == shard.node_id).used_gpus.update(shard.gpu_indices)
-            free = plan_autoscale.free_gpus_of(nodes, config)
+            free = free_gpus_of(nodes, config)
         outcome = plan_autoscale.preview(config, loads, replicas=replicas, free_gpus=free or dict(UNLIMITED_GPUS),
                                          duration=args.duration, ready_after=max(0.0, args.ready_after))
     except plan_autoscale.LoadError as exc:

@@ -19,7 +19,6 @@ from typing import Any, Sequence
 from llmgw.autoscale.model import DeploymentView, ModelSignals, ReplicaCounts, ScaleDecision
 from llmgw.autoscale.scaler import TargetScaler, change_of
 from llmgw.config import Config
-from llmgw.control.placement import NodeView, class_matches
 
 UNLIMITED = 1_000_000  # free GPUs when neither --free-gpus nor nodes say
 MAX_TICKS = 100_000  # a preview's decisions: --for over autoscale.interval
@@ -75,17 +74,6 @@ def parse_counts(items: Sequence[str], flag: str, *, classes: bool = False) -> d
         if not equals and not classes:
             raise LoadError(f"{flag} {item!r}: expected NAME=N")
         counts[name if equals else None] = int(_number(count, f"{flag} {item}", whole=True))
-    return counts
-
-
-def free_gpus_of(nodes: Sequence[NodeView], config: Config) -> dict[str | None, int]:
-    """The GPUs no replica holds on schedulable nodes: in all (None) and of each autoscaled profile's class."""
-    free = [gpu for node in nodes if node.schedulable for gpu in node.gpus if gpu.index not in node.used_gpus]
-    counts: dict[str | None, int] = {None: len(free)}
-    for deployment in config.deployments:
-        gpu_class = config.profile(deployment.profile).gpu_class
-        if deployment.autoscaled and gpu_class is not None:
-            counts[gpu_class] = sum(1 for gpu in free if class_matches(gpu_class, gpu))
     return counts
 
 

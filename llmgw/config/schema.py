@@ -449,6 +449,7 @@ class DeploymentAutoscale(Located):
     scale_up_after: Duration = setting(_AUTOSCALE.scale_up_after)
     scale_down_after: Duration = setting(_AUTOSCALE.scale_down_after)
     idle_to_zero: PositiveDuration = setting(_AUTOSCALE.idle_to_zero)  # no request this long: back to min
+    keep_warm: Duration = setting(_AUTOSCALE.keep_warm)  # a scaled-down replica's engine kept adoptable this long
     priority: Annotated[int, at_least(-1000), at_most(1000)] = setting(_AUTOSCALE.priority)
 
     @classmethod
@@ -490,7 +491,8 @@ class Deployment(Located):
             min_replicas=self.min_replicas, max_replicas=self.max_replicas,
             queued_per_replica=section.queued_per_replica, kv_usage=section.kv_usage, ttft_slo=section.ttft_slo,
             attainment=section.attainment, scale_up_after=section.scale_up_after,
-            scale_down_after=section.scale_down_after, idle_to_zero=section.idle_to_zero, priority=section.priority)
+            scale_down_after=section.scale_down_after, idle_to_zero=section.idle_to_zero, priority=section.priority,
+            keep_warm=section.keep_warm)
 
     @classmethod
     def _finish(cls, draft: Draft) -> None:

@@ -79,6 +79,9 @@ class ReplicaCounter(Protocol):
     def retire_reason(self, profile: str, count: int) -> str:
         """Why a replica of ``profile`` beyond ``count`` is retired (the Retire's reason, logged)."""
 
+    def keep_warm(self, control: "ControlPlane", profile: str) -> float:
+        """Seconds a scaled-down replica of ``profile`` keeps its engine, unrouted, for a hot start (0: none)."""
+
     def describe(self, control: "ControlPlane") -> dict[str, Any]:
         """Its state as ``/admin/autoscale`` shows it."""
 

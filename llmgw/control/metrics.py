@@ -3,26 +3,22 @@ registry."""
 
 from __future__ import annotations
 
-import weakref
 from collections import Counter as Tally
 from typing import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from .. import wire
+from ..metrics import one_per_registry
 
 NODE_STATES = ("connected", "suspect", "disconnected")
-_instances: "weakref.WeakKeyDictionary[CollectorRegistry, ControlMetrics]" = weakref.WeakKeyDictionary()
 
 
 class ControlMetrics:
     @classmethod
     def for_registry(cls, registry: CollectorRegistry) -> "ControlMetrics":
         """The one instance of ``registry`` (a cluster candidate builds a control plane for every term it leads)."""
-        existing = _instances.get(registry)
-        if existing is None:
-            existing = _instances[registry] = cls(registry)
-        return existing
+        return one_per_registry(cls, registry)
 
     def __init__(self, registry: CollectorRegistry):
         self.nodes = Gauge("llmgw_nodes", "Nodes known to the control plane, by state.", ["state"], registry=registry)

@@ -138,7 +138,9 @@ class ControlPlane:
                 await nursery.start(self.agents.run)
                 await nursery.start(self.deployed.run)
                 if self.scale is not None:
+                    scale = self.scale
                     self.reconciler.unwanted_reason = self._unwanted_reason
+                    self.reconciler.keep_warm = lambda assignment: scale.keep_warm(self, assignment.profile)
                     await nursery.start(self.scale.run, self)
                 self._running = True
                 self.apply_config(self.config)

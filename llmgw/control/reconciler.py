@@ -123,6 +123,7 @@ class Assignment:
     drain: bool = True  # retire by DrainShard (it served) rather than StopShard
     released: bool = False  # the router let go of it: its shards may be told to stop
     served: bool = False  # its leader was Ready once: no reported copy replaces it
+    keep_warm: float = 0.0  # retiring: once out of routing, its engine is kept running this long (parked), not drained
 
     @property
     def key(self) -> str:
@@ -253,6 +254,9 @@ class Reconciler:
         self._last_generation = 0
         # Why a wanted replica's id left the desired set: the config dropped it, or an autoscaler scaled it down.
         self.unwanted_reason: Callable[[Assignment], str] = lambda a: "no longer in the config's deployments"
+        # How long an unwanted replica's engine is kept warm (autoscaling's scale-down: a later step up adopts it).
+        self.keep_warm: Callable[[Assignment], float] = lambda a: 0.0
+        self.parked: dict[str, float] = {}  # shard id -> until when its engine is kept warm, unowned and unrouted
 
     # -- queries -------------------------------------------------------------------------------------------------
 
@@ -296,9 +300,9 @@ class Reconciler:
         self._adopt(desired, nodes, actions)
         if now >= self.place_after:
             self._place(desired, nodes, wall_ms, actions)
-        self._command_assigned(desired, nodes, actions)
+        self._command_assigned(desired, nodes, actions, now)
         if now >= self.place_after:
-            self._stop_strays(desired, nodes, actions)
+            self._stop_strays(desired, nodes, actions, now)
         self._forget_finished(nodes)
         return actions
 
@@ -318,6 +322,7 @@ class Reconciler:
                 continue
             wanted = desired.get(assignment.replica_id)
             if wanted is None:
+                assignment.keep_warm = self.keep_warm(assignment)
                 self._retire(assignment, self.unwanted_reason(assignment), actions)
             elif wanted.fingerprint != assignment.fingerprint:
                 self._retire(assignment, f"profile {wanted.profile.name} changed (fingerprint "
@@ -341,7 +346,10 @@ class Reconciler:
             assignment = self._assignment_from_reports(wanted, best, nodes)
             self.assignments[assignment.key] = assignment
             self.unplaced.pop(replica_id, None)
-            actions.append(Adopt(f"reported running with fingerprint {wanted.fingerprint[:12]}", assignment))
+            warm = [self.parked.pop(slot.shard_id) for slot in assignment.slots if slot.shard_id in self.parked]
+            why = "its engine was kept warm since it was scaled down: a hot start" if warm else \
+                f"reported running with fingerprint {wanted.fingerprint[:12]}"
+            actions.append(Adopt(why, assignment))
 
     def _reported_gangs(self, nodes: Mapping[str, NodeRecord]) -> dict[str, list[list[tuple[str, wire.ShardReport]]]]:
         """Unowned live shards reported by reachable nodes, grouped by (replica, generation), ranks in order."""
@@ -428,9 +436,11 @@ class Reconciler:
                 actions.append(Unplaceable("no node fits", unplaced.replica_id, reasons, first))
 
     def _command_assigned(self, desired: Mapping[str, DesiredReplica], nodes: Mapping[str, NodeRecord],
-                          actions: list[Action]) -> None:
+                          actions: list[Action], now: float) -> None:
         for assignment in self._sorted(self.assignments.values()):
             if assignment.retiring and not assignment.released:
+                continue
+            if assignment.retiring and assignment.keep_warm > 0 and self._park(assignment, nodes, now):
                 continue
             for slot in assignment.slots:
                 node = nodes.get(slot.node_id)
@@ -456,8 +466,22 @@ class Reconciler:
                                    if drain else wire.StopShard(slot.shard_id, assignment.retiring, STOP_GRACE))
                         actions.append(Command(assignment.retiring, slot.node_id, message))
 
+    def _park(self, assignment: Assignment, nodes: Mapping[str, NodeRecord], now: float) -> bool:
+        """Keep a released retiring assignment's engine running, unowned, for its ``keep_warm`` (a step up within
+        it adopts it); True when parked. Only a whole gang whose leader is ready is parked."""
+        if self._leader_state(assignment, nodes) is not wire.ShardState.READY:
+            return False
+        for slot in assignment.slots:
+            self.parked[slot.shard_id] = now + assignment.keep_warm
+        log.info("replica %s (generation %d) is kept warm for %gs: out of routing, its engine runs on; a step up "
+                 "within that time adopts it (a hot start), else it is stopped", assignment.replica_id,
+                 assignment.generation, assignment.keep_warm,
+                 extra=log_fields(replica=assignment.replica_id, generation=assignment.generation))
+        del self.assignments[assignment.key]
+        return True
+
     def _stop_strays(self, desired: Mapping[str, DesiredReplica], nodes: Mapping[str, NodeRecord],
-                     actions: list[Action]) -> None:
+                     actions: list[Action], now: float) -> None:
         owned = self._owned_ids()
         active = self.active()
         for node_id in sorted(nodes):
@@ -467,10 +491,17 @@ class Reconciler:
             for shard_id in sorted(node.shards):
                 report = node.shards[shard_id]
                 if shard_id in owned or report.state is wire.ShardState.STOPPED:
+                    self.parked.pop(shard_id, None)
                     continue
+                warm_until = self.parked.get(shard_id)
+                if warm_until is not None and now < warm_until and not self.unplaced:
+                    continue  # kept warm: stopped when its time is up, or at once when a replica cannot be placed
                 if self._once(shard_id, "stop", node.session_serial):
                     why = ("its placement is not proven (not started by this control plane's StartShard)"
                            if shard_id in node.unproven
+                           else "kept warm after a scale-down, " + (
+                               "until a replica could not be placed (its GPUs are wanted)" if now < warm_until
+                               else "and no step up adopted it in time") if warm_until is not None
                            else _why_stray(report, desired.get(report.replica_id), active.get(report.replica_id)))
                     actions.append(Command(why, node_id, wire.StopShard(shard_id, why, STOP_GRACE)))
 
@@ -486,6 +517,9 @@ class Reconciler:
         for shard_id in list(self._commanded):
             if shard_id not in known:
                 del self._commanded[shard_id]
+        for shard_id in list(self.parked):
+            if shard_id not in known:
+                del self.parked[shard_id]
 
     # -- helpers -------------------------------------------------------------------------------------------------
 
@@ -554,6 +588,18 @@ def schedulable(node: NodeRecord) -> bool:
     return node.reachable and node.state is NodeState.CONNECTED
 
 
+def node_views(nodes: Mapping[str, NodeRecord], reconciler: Reconciler) -> list:
+    """Every known node as placement sees it (``placement.NodeView``s): its GPUs held by assignments or by shards
+    it reports that no assignment owns marked used; only connected ones take new replicas."""
+    from . import placement
+
+    return [placement.NodeView.from_register(
+        nodes[node_id].register, used_gpus=reconciler.used_gpus(node_id, nodes),
+        schedulable=schedulable(nodes[node_id]),
+        unschedulable_reason=f"{nodes[node_id].state.value}: {nodes[node_id].state_reason}")
+        for node_id in sorted(nodes)]
+
+
 def place_with_plan_all(desired: Mapping[str, DesiredReplica], nodes: Mapping[str, NodeRecord],
                         reconciler: Reconciler, existing: Mapping[str, Assignment]):
     """The default placer: :func:`llmgw.control.placement.plan_all` over every known node (only connected ones
@@ -561,12 +607,7 @@ def place_with_plan_all(desired: Mapping[str, DesiredReplica], nodes: Mapping[st
     assignments kept where they are."""
     from . import placement
 
-    views = []
-    for node_id in sorted(nodes):
-        node = nodes[node_id]
-        views.append(placement.NodeView.from_register(
-            node.register, used_gpus=reconciler.used_gpus(node_id, nodes), schedulable=schedulable(node),
-            unschedulable_reason=f"{node.state.value}: {node.state_reason}"))
+    views = node_views(nodes, reconciler)
     profiles = {d.profile.name: d.profile for d in desired.values()}
     deployments = list({id(d.deployment): d.deployment for d in desired.values()}.values())
     kept = {}

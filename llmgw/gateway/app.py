@@ -480,9 +480,10 @@ class Gateway:
         self.draining = True
         if self.control is not None:
             self.control.closing()
-        inflight = self.data_server.active_requests
-        log.log(logging.INFO if inflight else logging.DEBUG,
-                "draining: no new connections; waiting up to %gs for %d in-flight requests", grace, inflight)
+        inflight, arriving = self.data_server.active_requests, self.data_server.unread_connections
+        log.log(logging.INFO if inflight or arriving else logging.DEBUG,
+                "draining: no new connections; waiting up to %gs for %d in-flight requests and %d connections "
+                "whose first request is still arriving", grace, inflight, arriving)
         await self.data_server.drain(grace)
         await self.tenancy.stop()  # before the shared state's link: the limiter gives its shares back over it
         if self.stop_engines_on_exit:

@@ -114,15 +114,19 @@ class ConnectionSlots:
 
 
 async def accept_connections(lsock: socket.socket, slots: ConnectionSlots,
-                             start: Callable[[socket.socket, Any], None], *, answer_refused: bool = True) -> None:
-    """Accept from the non-blocking listening socket ``lsock`` until cancelled: ``start(sock, address)`` for each
-    connection within the cap (the server calls ``slots.release()`` when it ends), a quick 503 for the others
+                             start: Callable[[socket.socket, Any], None], *, answer_refused: bool = True,
+                             until_empty: bool = False) -> None:
+    """Accept from the non-blocking listening socket ``lsock`` until cancelled (``until_empty``: until no connection
+    is waiting, e.g. the ones the kernel completed before a drain): ``start(sock, address)`` for each connection
+    within the cap (the server calls ``slots.release()`` when it ends), a quick 503 for the others
     (``answer_refused=False``: close only, e.g. on a TLS port). Errors other than running short and a connection
     gone before it was taken end the loop."""
     while True:
         try:
             sock, address = lsock.accept()
         except BlockingIOError:
+            if until_empty:
+                return
             await trio.lowlevel.wait_readable(lsock)
             continue
         except OSError as exc:

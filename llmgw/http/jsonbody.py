@@ -1,7 +1,7 @@
 """A client's JSON request body, parsed within bounds on nesting depth, values and containers.
 
 ``json.loads`` runs in C and holds the GIL: however it is scheduled (a worker
-thread included: measured in ``docs/benchmarks.md``, the event loop then
+thread included: measured in ``docs/benchmarks/hostile-input.md``, the event loop then
 stalls exactly as long as the parse), the loop waits until it returns, and
 its cost grows with the number of values, escapes and above all containers
 (each one is also scanned by the cyclic garbage collector while it lives),

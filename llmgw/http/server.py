@@ -262,9 +262,13 @@ class HttpServer:
         self._on_tls_failure = on_tls_failure
         self.limits = limits or ServerLimits()
         self.active_requests = 0
+        # Connections accepted that have not read their first request yet: a drain waits for them too (each for
+        # its header timeout at most), or a request on its way when the drain began would be cut.
+        self.unread_connections = 0
         self._draining = False
         self._idle: trio.Event | None = None
         self._accepting: trio.CancelScope | None = None
+        self._accepting_ended: trio.Event | None = None
         self._connections_scope: trio.CancelScope | None = None
         self.slots = ConnectionSlots(port, self.limits.max_connections, connection_metrics)
         self._on_error = on_error
@@ -292,22 +296,32 @@ class HttpServer:
         """
         socks = await bind_tcp(host, port, reuse_port=reuse_port)  # plain sockets: see the module docstring
         bound = socks[0].getsockname()
+        self._accepting_ended = accepting_ended = trio.Event()
         try:
             async with trio.open_nursery() as connections:
                 self._connections_scope = connections.cancel_scope
+                def start(sock: socket.socket, addr: Any) -> None:
+                    connections.start_soon(self._connection, sock, addr)
+
+                accept = functools.partial(accept_connections, slots=self.slots, start=start,
+                                           answer_refused=self.tls is None)
                 with trio.CancelScope() as accepting:
                     self._accepting = accepting
                     task_status.started((bound[0], bound[1]))
                     async with trio.open_nursery() as acceptors:
                         for sock in socks:
-                            acceptors.start_soon(functools.partial(
-                                accept_connections, sock, self.slots,
-                                lambda sock, addr: connections.start_soon(self._connection, sock, addr),
-                                answer_refused=self.tls is None))
+                            acceptors.start_soon(accept, sock)
+                if self._draining:
+                    # Connections the kernel completed before the drain are served: closing the listening socket
+                    # would reset them, requests already sent included.
+                    for sock in socks:
+                        await accept(sock, until_empty=True)
                 close_sockets(socks)
+                accepting_ended.set()
                 # Draining: the accept loops are gone; connections finish their current request.
         finally:
             close_sockets(socks)
+            accepting_ended.set()
 
     async def drain(self, grace: float) -> None:
         """Stop accepting, let in-flight requests finish for up to ``grace`` seconds, then cut the rest."""
@@ -315,7 +329,9 @@ class HttpServer:
         if self._accepting is not None:
             self._accepting.cancel()
         with trio.move_on_after(grace):
-            while self.active_requests:
+            if self._accepting_ended is not None:
+                await self._accepting_ended.wait()
+            while self.active_requests or self.unread_connections:
                 self._idle = trio.Event()
                 await self._idle.wait()
         if self._connections_scope is not None:
@@ -329,6 +345,7 @@ class HttpServer:
     async def _connection(self, sock: socket.socket, addr: Any) -> None:
         accepted_at = trio.current_time()
         conn = None
+        self.unread_connections += 1
         try:
             stream = sock if self.tls is None else await self._handshake(sock, addr, self.tls)
             if stream is None:
@@ -342,6 +359,8 @@ class HttpServer:
                 if self._on_error:
                     self._on_error(exc)
         finally:
+            if conn is None or conn.accepted_at is not None:
+                self._first_request_read()  # never read one: no longer waited for
             self.slots.release()
             if conn is not None:
                 conn.close()
@@ -371,7 +390,15 @@ class HttpServer:
 
     def _request_finished(self) -> None:
         self.active_requests -= 1
-        if self.active_requests == 0 and self._idle is not None:
+        self._maybe_idle()
+
+    def _first_request_read(self) -> None:
+        """A connection read its first request (it counts in ``active_requests`` from now on), or ended without."""
+        self.unread_connections -= 1
+        self._maybe_idle()
+
+    def _maybe_idle(self) -> None:
+        if self.active_requests == 0 and self.unread_connections == 0 and self._idle is not None:
             self._idle.set()
 
 
@@ -664,7 +691,9 @@ class _Connection:
         while True:
             if reader.complete:
                 msg = reader.complete.popleft()
-                self.accepted_at = None  # the next request's head counts from its own first byte
+                if self.accepted_at is not None:
+                    self.accepted_at = None  # the next request's head counts from its own first byte
+                    self.server._first_request_read()
                 if self._reader_parked is not None:
                     task, self._reader_parked = self._reader_parked, None
                     trio.lowlevel.reschedule(task)

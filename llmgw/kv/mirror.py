@@ -29,7 +29,7 @@ Keys. ``key_mode="content"`` (the default) re-keys every stored block with
 form), keeping an engine-hash -> key map to apply removals: independent of
 the engine's hash algorithm and seed (a stock vLLM works at its defaults),
 and cheaper to compute on the router, at the cost of the map (about 90 more
-bytes per mirrored block: ``docs/benchmarks.md``). A store whose parent the
+bytes per mirrored block: ``docs/benchmarks/kv.md``). A store whose parent the
 mirror never saw cannot be re-keyed in that mode and is counted as
 ``unknown_parent``. ``key_mode="engine"`` forwards the engine's own block
 hashes, normalised to unsigned 64-bit ints, for the router's ``vllm`` key

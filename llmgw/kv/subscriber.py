@@ -258,7 +258,8 @@ class EngineSubscription:
             for frames in messages:
                 await self._on_live(frames)
                 # One batch per loop turn: a backlog (the loop was busy, a burst of steps) must not hold the
-                # tasks relaying first tokens for the whole drain (docs/benchmarks.md, "KV-event ingestion").
+                # tasks relaying first tokens for the whole drain (docs/benchmarks/routing-workloads.md,
+                # "KV-event ingestion").
                 await trio.lowlevel.checkpoint()
 
     async def _count_disconnects(self, monitor: zmq.Socket[bytes]) -> None:

@@ -22,7 +22,7 @@ whatever is routed there next waits behind it, and it is work the cluster
 need not do at all. A greedy rule that minimises only the request's own TTFT
 moves requests of a popular prompt off its busy holder onto a replica that
 must compute the whole prompt again: that request gains a little and everyone
-on the other replica pays for the recompute (measured: ``docs/benchmarks.md``).
+on the other replica pays for the recompute (measured: ``docs/benchmarks/routing-workloads.md``).
 Without that recompute term, a replica that *looks* idle paid nothing for it,
 so the second request of a new prompt, whose first prefill was still queued on
 its holder, went to compute it all again on any replica that looked idle: a
@@ -53,7 +53,7 @@ the GPU's achievable FLOPs over twice the model's parameters). A workload of
 cache hits, whose few new tokens cannot tell the slope, then estimates a cold
 prefill with the engine's rate instead of ``prior_throughput``; and the first
 wave of requests, decided before any replica answered, tells a slow GPU from
-a fast one (``docs/benchmarks.md``, "A prefill prior for the first wave").
+a fast one (``docs/benchmarks/routing-workloads.md``, "A prefill prior for the first wave").
 
 One slow first token must not make a replica look slow for the next thirty
 requests: an observation above the replica's estimate by more than

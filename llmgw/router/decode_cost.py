@@ -84,7 +84,7 @@ all to its holder without it, and spread over the 4 replicas with it. The
 gateway's fit of the streams' gaps is charged only with ``cost_decode_source:
 gateway``: on loaded hosts its per-sequence slope was the simulator process's
 own Python work, and charged by default it cost cache hits (``zipf`` 0.96x,
-``long-output`` 0.81x) for no goodput (``docs/benchmarks.md``).
+``long-output`` 0.81x) for no goodput (``docs/benchmarks/routing-workloads.md``).
 ``cost_decode_weight: 0`` computes and explains the charges but weighs them not
 at all (the default before).
 """

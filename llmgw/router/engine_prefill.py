@@ -5,7 +5,7 @@ throughput from the times to first token the gateway observes. A
 cache-friendly workload shows it few requests with many new tokens, so its
 slope stays near the prior (``cost_prefill_tokens_per_s``) while a cold
 prefill of thousands of tokens is estimated with it: 1.4-2.8x off on the
-simulator's H100 and constant profiles (``docs/benchmarks.md``). vLLM counts,
+simulator's H100 and constant profiles (``docs/benchmarks/routing-workloads.md``). vLLM counts,
 per engine, what gives the rate (the rule, also in ``docs/routing.md``)::
 
     new tokens   = Δ vllm:prompt_tokens_total - Δ vllm:prefix_cache_hits_total

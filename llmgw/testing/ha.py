@@ -16,8 +16,10 @@ it came back by the end. Steady traffic: :class:`~.traffic.TrafficRecorder`, one
 from __future__ import annotations
 
 import json
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import trio
@@ -27,6 +29,9 @@ from .processes import Child
 from .redis import PrivateRedis
 from .shared_state import state_section
 from .sims import kv_sim_profile
+
+if TYPE_CHECKING:
+    from ..bench.fault_load import SteadyLoad
 
 FIXTURE = "tiny-2gpu-a"  # the agent's node: two fixture GPUs
 HEARTBEAT = 0.5
@@ -93,6 +98,29 @@ class HaCluster:
                     except (httpx.HTTPError, KeyError, ValueError):
                         pass
                 await trio.sleep(0.05)
+
+    async def wait_ready(self, process: Cluster, timeout: float = 30.0) -> None:
+        """Until ``process``'s control port answers ``/ready`` 200: what a load balancer's health check waits for."""
+        with trio.fail_after(timeout):
+            while True:
+                try:
+                    if (await self.http.get(process.control_url + "/ready", timeout=2)).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                await trio.sleep(0.1)
+
+    async def restart(self, process: Cluster, load: SteadyLoad, *extra: str) -> None:
+        """One step of a rolling restart under ``load``: SIGTERM ``process`` (it drains), out of the load's rotation
+        once it exited, started again with ``extra`` (``--role gateway``), back in the rotation once it is ready."""
+        assert process.serve is not None
+        process.serve.kill(signal.SIGTERM)
+        code = await process.serve.wait_exit(timeout=40)
+        assert code == 0, f"{process.serve.name} exited with {code}:\n{process.serve.output()}"
+        load.data_urls = [url for url in load.data_urls if url != process.data_url]
+        await process.start_serve(*extra)
+        await self.wait_ready(process)
+        load.data_urls = [p.data_url for p in self.gateways]
 
     async def listing(self, process: Cluster) -> dict[str, dict]:
         """``/admin/replicas`` of one gateway, by name."""

@@ -16,9 +16,9 @@ from autoscale_standin import StandInScaler
 from llmgw.autoscale.model import AutoscaleSettings
 from llmgw.gateway.app import Gateway
 from llmgw.plugins_manager import load_checked_config
-from llmgw.testing.cluster import TOKEN
+from llmgw.testing.cluster import AGENTS, alive
 from llmgw.testing.gateway import run_in_process
-from llmgw.testing.processes import free_port
+from llmgw.testing.processes import free_port, llmgw_command
 
 STARTUP = 1.0  # the simulated engines' cold start, seconds: long enough for a step to see a replica starting
 BATCH = {"x-llmgw-priority": "batch"}  # waits up to 60 s at the gateway (the default "standard" class: 10 s)
@@ -27,19 +27,7 @@ BATCH = {"x-llmgw-priority": "batch"}  # waits up to 60 s at the gateway (the de
 def config(*profiles: tuple[str, str, str], replicas: str = "1", autoscale: str = "") -> str:
     """``profiles``: (profile, served model, extra sim args as a YAML list's items); each deployed with
     ``replicas`` and, when given, the ``autoscale`` section (a YAML flow mapping)."""
-    text = f"""
-autoscale:
-  interval: 0.2s
-agents:
-  token: {TOKEN}
-  heartbeat_interval: 0.5s
-  suspect_after: 1.5s
-  disconnected_after: 3s
-health:
-  interval: 0.2s
-  failures_to_down: 1
-profiles:
-"""
+    text = "autoscale:\n  interval: 0.2s\n" + AGENTS + "profiles:\n"
     for name, model, args in profiles:
         text += f"""  - name: {name}
     engine: sim
@@ -75,6 +63,21 @@ async def start(nursery, cluster, tmp_path, settings: dict[str, AutoscaleSetting
     return running, scaler
 
 
+async def ask_at_once(gateway, count: int, max_tokens: int = 4, meanwhile=None) -> list[httpx.Response]:
+    """``count`` chat completions at once; ``await meanwhile()`` while they are in flight, if given."""
+    answers: list[httpx.Response] = []
+
+    async def ask():
+        answers.append(await chat(gateway, max_tokens=max_tokens))
+
+    async with trio.open_nursery() as asking:
+        for _ in range(count):
+            asking.start_soon(ask)
+        if meanwhile is not None:
+            await meanwhile()
+    return answers
+
+
 async def autoscale(gateway, key: str) -> dict:
     response = await gateway.admin("/admin/autoscale")
     assert response.status_code == 200, response.text
@@ -85,8 +88,10 @@ async def wait_for(cluster, what: str, predicate, timeout: float = 60.0):
     return await cluster.wait_for(what, predicate, timeout=timeout, interval=0.1)
 
 
-def chat(gateway, model: str = "tiny", max_tokens: int = 4, **options):
-    return gateway.chat(model=model, max_tokens=max_tokens, **options)
+def chat(gateway, model: str = "tiny", max_tokens: int = 4):
+    """One chat completion in the batch class: it may wait at the gateway up to 60 s for a replica to start."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": max_tokens}
+    return gateway.post("/v1/chat/completions", body, headers=BATCH, timeout=90)
 
 
 async def test_from_zero_requests_wait_for_the_first_replica_and_to_zero_when_idle(nursery, cluster, tmp_path):
@@ -101,19 +106,12 @@ async def test_from_zero_requests_wait_for_the_first_replica_and_to_zero_when_id
     assert await cluster.replicas() == {}
 
     # Three requests arrive: they wait in the flow queue (not 503), the queue starts one replica, all are served.
-    answers = []
-
-    async def ask():
-        answers.append(await chat(gateway, headers=BATCH))
-
-    async with trio.open_nursery() as asking:
-        for _ in range(3):
-            asking.start_soon(ask)
+    answers = await ask_at_once(gateway, 3)
     assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
     assert {a.headers["x-llmgw-replica"] for a in answers} == {"tiny-sim-0"}
     first = [d for d in scaler.decisions if d.key == "tiny-sim"][0]
     assert (first.kind, first.current, first.desired) == ("from_zero", 0, 1)
-    assert "3 waiting" in first.reason or "waiting or in flight" in first.reason
+    assert first.reason == "3 waiting or in flight need 1 replicas, 0 run"
     # While it started, the scaler saw the requests queued and the replica starting (pending-aware input).
     assert any(v.signals.queued == 3 and v.counts.starting == 1 and v.counts.ready == 0 for _, v in scaler.views)
 
@@ -128,7 +126,7 @@ async def test_from_zero_requests_wait_for_the_first_replica_and_to_zero_when_id
     assert status["decisions"][1]["reason"]
 
     # And from zero once more.
-    assert (await chat(gateway, headers=BATCH)).status_code == 200
+    assert (await chat(gateway)).status_code == 200
 
 
 async def _replicas_are(cluster, names: set[str]) -> bool:
@@ -145,26 +143,16 @@ async def test_a_backlog_scales_up_one_step_at_a_time_and_down_drains_without_lo
     await wait_for(cluster, "the min replica up", lambda: _up(cluster, {"tiny-sim-0"}))
 
     # Four slow requests in flight on one replica need two: one step up.
-    results: list[httpx.Response] = []
-
-    async def ask():
-        results.append(await chat(gateway, max_tokens=60, headers=BATCH))
-
-    async with trio.open_nursery() as asking:
-        for _ in range(4):
-            asking.start_soon(ask)
-        await wait_for(cluster, "a second replica up", lambda: _up(cluster, {"tiny-sim-0", "tiny-sim-1"}))
+    results = await ask_at_once(gateway, 4, 60, lambda: wait_for(
+        cluster, "a second replica up", lambda: _up(cluster, {"tiny-sim-0", "tiny-sim-1"})))
     assert [r.status_code for r in results] == [200] * 4
     assert [(d.kind, d.current, d.desired) for d in scaler.decisions] == [("up", 1, 2)]
 
     # Two long requests, one on each replica, need one: after the window the highest index is drained, and the
     # request it holds finishes whole.
-    results.clear()
     settings["tiny-sim"] = dataclasses.replace(settings["tiny-sim"], scale_down_after=1.0)
-    async with trio.open_nursery() as asking:
-        for _ in range(2):
-            asking.start_soon(ask)
-        await wait_for(cluster, "tiny-sim-1 retired", lambda: _replicas_are(cluster, {"tiny-sim-0"}))
+    results = await ask_at_once(gateway, 2, 60, lambda: wait_for(
+        cluster, "tiny-sim-1 retired", lambda: _replicas_are(cluster, {"tiny-sim-0"})))
     assert [r.status_code for r in results] == [200] * 2
     assert {r.headers["x-llmgw-replica"] for r in results} == {"tiny-sim-0", "tiny-sim-1"}
     assert all(r.json()["usage"]["completion_tokens"] == 60 for r in results)
@@ -187,7 +175,7 @@ async def test_when_gpus_run_out_an_idle_model_gives_a_replica_to_one_with_a_bac
     # Its min lowered to 0 (a reload would do the same), it may give: "tiny" is called, no GPU is free, and idle
     # "other" gives its highest replica, drained; tiny's first starts on its GPU, and the request waits for it.
     settings["other-sim"] = dataclasses.replace(settings["other-sim"], min_replicas=0)
-    answer = await chat(gateway, headers=BATCH)
+    answer = await chat(gateway)
     assert answer.status_code == 200, answer.text
     assert answer.headers["x-llmgw-replica"] == "tiny-sim-0"
     moves = [(d.kind, d.key, d.current, d.desired, d.taken_from) for d in scaler.decisions]
@@ -230,14 +218,7 @@ async def test_llmgws_own_scaler_from_the_config_starts_a_replica_from_zero_and_
     gateway, _ = await start(nursery, cluster, tmp_path, None, ("tiny-sim", "tiny", ""),
                              replicas="{min: 0, max: 2}", autoscale="{idle_to_zero: 2s}")
     assert (await autoscale(gateway, "tiny-sim"))["desired"] == 0
-    answers = []
-
-    async def ask():
-        answers.append(await chat(gateway, headers=BATCH))
-
-    async with trio.open_nursery() as asking:
-        for _ in range(2):
-            asking.start_soon(ask)
+    answers = await ask_at_once(gateway, 2)
     assert [a.status_code for a in answers] == [200] * 2, [a.text for a in answers]
     await wait_for(cluster, "back to zero", lambda: _replicas_are(cluster, set()))
     status = await autoscale(gateway, "tiny-sim")
@@ -245,3 +226,38 @@ async def test_llmgws_own_scaler_from_the_config_starts_a_replica_from_zero_and_
     assert kinds == ["from_zero", "to_zero"], status["decisions"]
     assert await gateway.metric("llmgw_autoscale_decisions_total", 'deployment="tiny-sim",kind="from_zero"') == 1
     assert await gateway.metric("llmgw_autoscale_desired_replicas", 'deployment="tiny-sim"') == 0
+    # llmgw status shows it: the bounds, the counts and the last decision's reason.
+    done = await trio.run_process(llmgw_command("status", "--control", gateway.control_url), capture_stdout=True)
+    lines = done.stdout.decode().splitlines()
+    row = lines[lines.index("AUTOSCALE (1)") + 2].split()
+    assert row[:8] == ["tiny-sim", "tiny", "0..2", "0", "0", "0", "0", "0"], lines
+    assert " ".join(row[9:]).startswith("to_zero 1->0: no request for tiny"), lines
+
+
+async def test_a_replica_kept_warm_is_adopted_by_the_next_step_up_and_stopped_when_its_time_is_up(
+        nursery, cluster, tmp_path):
+    profile = ("tiny-sim", "tiny", "")
+    gateway, _ = await start(nursery, cluster, tmp_path, None, profile, replicas="{min: 0, max: 2}",
+                             autoscale="{idle_to_zero: 1s, keep_warm: 1h}")
+    assert (await chat(gateway)).status_code == 200  # from zero: a cold start
+    pid = (await cluster.replicas())["tiny-sim-0"]["shards"][0]["pid"]
+    await wait_for(cluster, "back to zero", lambda: _replicas_are(cluster, set()))
+    assert alive(pid)  # out of routing, its engine kept warm
+
+    # Called again: the step up adopts the warm engine (no start), and serves from it.
+    answer = await chat(gateway)
+    assert answer.status_code == 200, answer.text
+    replica = (await cluster.replicas())["tiny-sim-0"]
+    assert (replica["shards"][0]["pid"], replica["origin"], replica["shards"][0]["restarts"]) == (pid, "adopted", 0)
+
+    # With keep_warm lowered (a reload), the next scale-down keeps it only that long, then stops it.
+    (tmp_path / "llmgw.yaml").write_text(config(profile, replicas="{min: 0, max: 2}",
+                                                autoscale="{idle_to_zero: 1s, keep_warm: 0.5s}"))
+    outcome = await gateway.gateway.reload()
+    assert outcome.refusal is None
+    await wait_for(cluster, "back to zero", lambda: _replicas_are(cluster, set()))
+    await wait_for(cluster, "the warm engine stopped", lambda: _stopped(pid))
+
+
+async def _stopped(pid: int) -> bool:
+    return not alive(pid)

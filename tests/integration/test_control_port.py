@@ -179,7 +179,9 @@ async def test_status_and_plan_take_the_token_from_a_flag_or_the_environment(sta
     assert code == 1 and "401" in err and "LLMGW_ADMIN_TOKEN" in err
     code, out, _ = await run_cli("status", "--control", gw.control_url, "--admin-token", ADMIN, "--json", env=env)
     assert code == 0 and json.loads(out) == {"nodes": [], "replicas": [],
-                                              "kv": {"agent_subscriptions": [], "predicted_keys": 0, "replicas": []}}
+                                              "kv": {"agent_subscriptions": [], "predicted_keys": 0, "replicas": []},
+                                              "autoscale": {"leading": True, "interval_s": 1.0, "deployments": {},
+                                                            "move": None}}
     code, out, _ = await run_cli("status", "--control", gw.control_url, env={"LLMGW_ADMIN_TOKEN": ADMIN})
     assert code == 0 and out.startswith("NODES (0)")
     code, _, err = await run_cli("status", "--control", gw.control_url, "--admin-token", "wrong", env=env)

@@ -6,8 +6,8 @@ unsigned ones (no secret: refused outright) and ones signed with the cluster's s
 never write (a buggy or compromised peer: bounded to what a real sender writes). While they are read, no
 gateway's loop stalls (every ``/health`` answers, none as late as the stalls the issue measured: 1.0 s to 45 s);
 afterwards routing goes on as before. How fast ``/health`` answers meanwhile (issue 29's target: under 0.2 s) is
-a measurement, ``python -m llmgw.bench.poisoned_records`` (docs/benchmarks.md), not a bound a loaded test machine
-can hold to the millisecond.
+a measurement, ``python -m llmgw.bench.poisoned_records`` (docs/benchmarks/gateways.md), not a bound a loaded test
+machine can hold to the millisecond.
 """
 
 from __future__ import annotations

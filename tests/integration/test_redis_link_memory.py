@@ -2,7 +2,7 @@
 
 Every gateway calls Redis tens of times a second (load reports, the outbox, the lease), through
 :meth:`RedisLink.call` and coredis's pool under anyio on Trio; a few bytes kept per call would be megabytes an
-hour (docs/benchmarks.md's soak once suspected 11 MiB/h there; it was cache entries that tracemalloc's freelist
+hour (docs/benchmarks/faults.md's soak once suspected 11 MiB/h there; it was cache entries that tracemalloc's freelist
 bookkeeping blamed on anyio's ``fail_after``). This counts the traced heap across many calls against a real
 ``redis-server``, after a warm-up that fills the interpreter's freelists and the pool: calls that answer (``XADD``,
 ``GET``) and calls whose deadline fires while Redis is still busy with them (coredis keeps such a request queued

@@ -40,3 +40,12 @@ def test_decisions_are_counted_and_logged_once_and_the_gauges_follow_the_views(c
     metrics.observe(21.0, [view("batch", 1, 0, 1)], {})
     assert sample("llmgw_autoscale_desired_replicas", {"deployment": "chat"}) is None  # a deployment gone
     assert sample("llmgw_autoscale_last_decision_age_seconds", {"deployment": "chat"}) is None
+
+
+def test_one_instance_per_registry_and_class():
+    from llmgw.control.metrics import ControlMetrics
+
+    first, second = CollectorRegistry(), CollectorRegistry()
+    autoscale, control = AutoscaleMetrics.for_registry(first), ControlMetrics.for_registry(first)
+    assert AutoscaleMetrics.for_registry(first) is autoscale and ControlMetrics.for_registry(first) is control
+    assert AutoscaleMetrics.for_registry(second) is not autoscale

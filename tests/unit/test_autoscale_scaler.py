@@ -7,7 +7,7 @@ import dataclasses
 from hypothesis import given, settings, strategies as st
 
 from llmgw.autoscale.model import AutoscaleSettings, DeploymentView, ModelSignals, ReplicaCounts
-from llmgw.autoscale.scaler import DOWN_FRACTION, TargetScaler
+from llmgw.autoscale.scaler import DOWN_FRACTION, TargetScaler, is_idle
 from llmgw.config import parse_config
 
 FAST = AutoscaleSettings(min_replicas=1, max_replicas=8, queued_per_replica=4, kv_usage=0.8, scale_up_after=5,
@@ -56,10 +56,26 @@ def test_a_need_that_breaks_off_restarts_its_window():
     scaler = TargetScaler()
     busy, calm = view(queued=20, kv=0.5), view(queued=0, inflight=4, kv=0.5)
     scaler.decide(0.0, [busy], MANY_GPUS)
-    broke = scaler.decide(3.0, [calm], MANY_GPUS)
-    assert holds(broke) == ["the need to step up did not hold"]
-    assert steps(scaler.decide(6.0, [busy], MANY_GPUS)) == []
+    assert scaler.decide(3.0, [calm], MANY_GPUS) == []  # steady is not recorded
+    assert scaler.decide(6.0, [busy], MANY_GPUS) == []  # nor the same wait again while a signal flickers
     assert steps(scaler.decide(11.0, [busy], MANY_GPUS)) == [("a", "up", 2, 5)]
+
+
+def test_the_same_wait_is_recorded_again_after_a_quiet_minute():
+    scaler = TargetScaler()
+    busy, calm = view(queued=20, kv=0.5), view(queued=0, inflight=4, kv=0.5)
+    assert len(holds(scaler.decide(0.0, [busy], MANY_GPUS))) == 1
+    scaler.decide(1.0, [calm], MANY_GPUS)
+    scaler.decide(61.0, [calm], MANY_GPUS)
+    assert len(holds(scaler.decide(62.0, [busy], MANY_GPUS))) == 1
+
+
+def test_a_new_scaler_adopts_the_count_running_and_forgets_a_deployment_no_longer_autoscaled():
+    scaler = TargetScaler({"a": FAST})
+    assert scaler.decide(0.0, [view(desired=5, kv=0.5, inflight=10)], MANY_GPUS) == []
+    assert scaler.desired("a", 1) == 5  # not min, not the config's count: what runs
+    scaler.decide(1.0, [view(desired=5, min_replicas=2, max_replicas=2)], MANY_GPUS)
+    assert scaler.desired("a", 2) == 2
 
 
 def test_kv_usage_over_target_asks_for_what_brings_it_under():
@@ -339,7 +355,22 @@ def test_the_move_ends_when_the_takers_replica_is_ready():
     assert steps(decided) == [("u", "take", 2, 3), ("l", "give", 2, 1)]
 
 
-# -- history --------------------------------------------------------------------------------------------------------
+# -- history and status ---------------------------------------------------------------------------------------------
+
+
+def test_status_says_what_each_deployment_waits_for_and_the_move_in_flight():
+    scaler = TargetScaler()
+    urgent, lazy = view("u", desired=1, queued=12, priority=1), view("l", desired=3, last_request_at=0.0, kv=0.0)
+    scaler.decide(0.0, [urgent, lazy], {None: 0})
+    assert scaler.status(2.0)["deployments"]["u"] == {
+        "desired": 1, "waiting": "up_pending", "up_need_for": 2.0, "down_need_for": None, "since_last_step": None}
+    scaler.decide(5.0, [urgent, lazy], {None: 0})
+    status = scaler.status(7.0)
+    assert status["move"] == {"taker": "u", "giver": "l", "target": 2}
+    assert status["deployments"]["l"]["desired"] == 2 and status["deployments"]["l"]["since_last_step"] == 2.0
+    assert status["deployments"]["l"]["waiting"] is None
+
+
 
 
 def test_history_is_bounded_newest_last_and_filtered_by_deployment():
@@ -436,3 +467,71 @@ def test_property_no_reversal_within_the_windows_under_constant_signals(bounds, 
 
 def test_down_fraction_is_the_documented_one():
     assert DOWN_FRACTION == 0.7
+
+
+HOSTILE = st.one_of(st.integers(-10**12, 10**12), st.floats(allow_nan=True, allow_infinity=True))
+
+
+@settings(max_examples=200, deadline=None)
+@given(queued=st.integers(-10**12, 10**12), inflight=st.integers(-10**12, 10**12), kv=st.none() | HOSTILE,
+       ttft=st.none() | HOSTILE, last=st.none() | st.floats(allow_nan=True, allow_infinity=True),
+       ready=st.integers(-5, 20), starting=st.integers(-5, 20), desired=st.integers(-5, 20), bounds=BOUNDS)
+def test_property_signals_from_anyone_never_break_a_decision(queued, inflight, kv, ttft, last, ready, starting,
+                                                            desired, bounds):
+    """A load report is written by other processes: whatever it says, the decisions stay within the bounds."""
+    scaler = TargetScaler()
+    hostile = view(desired=desired, ready=ready, starting=starting, queued=queued, inflight=inflight, kv=kv,
+                   ttft=ttft, last_request_at=last, ttft_slo=1.0, min_replicas=bounds[0], max_replicas=bounds[1])
+    for now in (0.0, 10.0, 400.0, 1000.0):
+        for decision in scaler.decide(now, [hostile], MANY_GPUS):
+            assert bounds[0] <= decision.desired <= bounds[1] and decision.reason
+
+
+def test_a_nan_kv_reading_is_no_reading():
+    scaler = TargetScaler()
+    busy = view(desired=3, kv=float("nan"), inflight=8, last_request_at=0.0)
+    for now in (0.0, 100.0, 1000.0):  # busy without a KV reading: never stepped down
+        assert steps(scaler.decide(now, [busy], MANY_GPUS)) == []
+
+
+FLEET_MEMBER = st.fixed_dictionaries({
+    "desired": st.integers(0, 6), "queued": st.integers(0, 60), "inflight": st.integers(0, 20),
+    "kv": st.none() | st.floats(0.0, 1.0), "priority": st.integers(0, 3), "gpus": st.integers(1, 4),
+    "gpu_class": st.sampled_from([None, "h100", "l4"]), "bounds": BOUNDS})
+
+
+@settings(max_examples=200, deadline=None)
+@given(fleet=st.lists(FLEET_MEMBER, min_size=2, max_size=5), free=st.integers(0, 8), ticks=st.integers(1, 8))
+def test_property_across_models_steps_fit_the_free_gpus_and_moves_keep_every_min(fleet, free, ticks):
+    scaler = TargetScaler()
+    free_gpus = {None: free, "h100": free // 2, "l4": free - free // 2}
+    members = {f"d{i}": m for i, m in enumerate(fleet)}
+    desired = {key: min(max(m["desired"], m["bounds"][0]), m["bounds"][1]) for key, m in members.items()}
+
+    def view_of(key):
+        m = members[key]
+        return view(key, desired=desired[key], queued=m["queued"], inflight=m["inflight"], kv=m["kv"],
+                    gpus=m["gpus"], gpu_class=m["gpu_class"], priority=m["priority"], min_replicas=m["bounds"][0],
+                    max_replicas=m["bounds"][1], last_request_at=0.0)
+
+    for tick in range(ticks):
+        views = [view_of(key) for key in members]
+        decisions = scaler.decide(tick * 5.0, views, free_gpus)
+        by_key = {v.key: v for v in views}
+        ups = [d for d in decisions if d.kind in ("up", "from_zero") and d.desired > d.current]
+        for gpu_class in (None, "h100", "l4"):
+            used = sum((d.desired - d.current) * by_key[d.key].gpus_per_replica for d in ups
+                       if gpu_class is None or by_key[d.key].gpu_class == gpu_class)
+            assert used <= free_gpus[gpu_class]
+        takes, gives = [d for d in decisions if d.kind == "take"], [d for d in decisions if d.kind == "give"]
+        assert len(takes) == len(gives) <= 1
+        for take, give in zip(takes, gives):
+            taker, giver = by_key[take.key], by_key[give.key]
+            assert take.taken_from == give.key != take.key and give.desired == give.current - 1
+            assert give.desired >= giver.settings.min_replicas
+            assert is_idle(giver) or giver.settings.priority < taker.settings.priority
+            assert taker.gpu_class is None or giver.gpu_class == taker.gpu_class
+        for d in decisions:
+            key_settings = by_key[d.key].settings
+            assert key_settings.min_replicas <= d.desired <= key_settings.max_replicas
+            desired[d.key] = d.desired

@@ -92,7 +92,7 @@ def test_a_slowdown_every_replica_shares_is_the_hosts_and_not_charged_to_a_repli
     """Simulators sharing a loaded CPU: every replica's tokens slow with all the streams of the fleet (300 us
     each), whichever replica runs them. Sending a request to the replica running fewer changes nothing of
     that; the per-sequence growth learnt must be ~0, not the host's (the charge was measured moving long
-    answers off their prompts' holders for nothing: docs/benchmarks.md)."""
+    answers off their prompts' holders for nothing: docs/benchmarks/routing-workloads.md)."""
     model = DecodeModel()
     now = 0.0
     for a, b in RUNS:

@@ -1,6 +1,6 @@
-"""The docs hold together: tables keep their shape, links land, and every flag they give a command exists.
+"""The docs hold together: tables keep their shape, links land, and the flags they give a command are its own.
 
-Three checks over ``docs/**/*.md`` and ``README.md``:
+Three checks over ``docs/**/*.md`` and ``README.md``, and one on the CLI reference:
 
 - **tables**: every row of a Markdown table has as many cells as its header, and no table row stands outside a
   table (a blank line inside a table, or a missing separator, turns the rows after it into plain text);
@@ -9,7 +9,9 @@ Three checks over ``docs/**/*.md`` and ``README.md``:
 - **flags**: every ``--flag`` written after an ``llmgw COMMAND`` (or ``./dev COMMAND``) inside backticks, inline
   or in a fenced block, appears in that command's ``--help`` (collected in process, from the commands' own
   parsers), or is one of its internal flags hidden from ``--help`` (``llmgw serve --worker``, which the docs show
-  in process listings).
+  in process listings);
+- **the CLI reference**: every flag a command's ``--help`` shows is written in docs/cli.md after ``llmgw COMMAND``
+  (the simulator's in simulator.md), so with the check above cli.md names every flag and no flag that is not.
 """
 
 from __future__ import annotations
@@ -155,20 +157,35 @@ def help_text(argv: list[str]) -> str:
     return out.getvalue()
 
 
-@pytest.fixture(scope="module")
-def command_flags() -> dict[str, set[str]]:
-    """Command (``serve``, ``config check``, ``bench routing``) -> the flags its ``--help`` shows."""
+def help_flags() -> dict[str, set[str]]:
+    """Command (``serve``, ``config check``, ``bench routing``) -> the flags its ``--help`` shows in its usage
+    line (not those its help text names in passing, such as a benchmark's "--role gateway processes")."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("COLUMNS", "1000")  # no help line wrapped inside a flag
         argvs = {name: [name, "--help"] for name in cli.COMMANDS if name not in ("config", "bench")}
         argvs["config check"] = ["config", "check", "--help"]
         argvs.update({f"bench {name}": ["bench", name, "--help"] for name in BENCHES})
-        flags = {name: set(FLAG.findall(help_text(argv))) for name, argv in argvs.items()}
+        usages = {name: help_text(argv).split("\n\n", 1)[0] for name, argv in argvs.items()}
+    return {name: set(FLAG.findall(usage)) | {"--help"} for name, usage in usages.items()}  # usage writes -h
+
+
+def hidden_flags() -> dict[str, set[str]]:
+    """Command -> its internal flags, hidden from ``--help`` (``serve --worker``)."""
+    hidden: dict[str, set[str]] = {}
     for name, (module_name, _) in cli.COMMANDS.items():
         build_parser = getattr(importlib.import_module(module_name), "build_parser", None)
         if build_parser is not None:
-            flags[name] |= {option for action in build_parser()._actions if action.help == argparse.SUPPRESS
+            hidden[name] = {option for action in build_parser()._actions if action.help == argparse.SUPPRESS
                             for option in action.option_strings}
+    return hidden
+
+
+@pytest.fixture(scope="module")
+def command_flags() -> dict[str, set[str]]:
+    """Command -> every flag it takes: those its ``--help`` shows, and its hidden ones."""
+    flags = help_flags()
+    for name, hidden in hidden_flags().items():
+        flags[name] |= hidden
     assert all(flags[name] for name in ("serve", "agent", "sim", "bench routing")), flags
     return flags
 
@@ -184,23 +201,30 @@ def command_spans(text: str) -> list[tuple[int, str]]:
     return spans
 
 
-def flag_problems(text: str, command_flags: dict[str, set[str]]) -> list[str]:
-    problems = []
-    every = set().union(*command_flags.values())
+def flag_mentions(text: str, command_flags: dict[str, set[str]]) -> list[tuple[int, str, str, str]]:
+    """(line number, command, flag, code) for every ``--flag`` written after ``llmgw COMMAND`` in a code span."""
+    mentions = []
     for number, code in command_spans(text):
         for match in COMMAND.finditer(code):
             first, second = match[1], match[2] or ""
             if first not in cli.COMMANDS:
                 continue  # ./dev test, ./dev lint: ./dev's own
             name = f"{first} {second}" if first in ("config", "bench") else first
-            known = command_flags.get(name)
-            if known is None:  # `llmgw bench NAME ...`: any benchmark's
-                known = set().union(*(flags for key, flags in command_flags.items() if key.startswith(first)))
             rest = code[match.end():]
             end = COMMAND_END.search(rest)
-            for flag in FLAG.findall(rest[:end.start()] if end else rest):
-                if flag not in known and not (name == "sim" and flag in every):
-                    problems.append(f"line {number}: `llmgw {name}` has no {flag}: {code[:80]!r}")
+            mentions.extend((number, name, flag, code) for flag in FLAG.findall(rest[:end.start()] if end else rest))
+    return mentions
+
+
+def flag_problems(text: str, command_flags: dict[str, set[str]]) -> list[str]:
+    problems = []
+    every = set().union(*command_flags.values())
+    for number, name, flag, code in flag_mentions(text, command_flags):
+        known = command_flags.get(name)
+        if known is None:  # `llmgw bench NAME ...`: any benchmark's
+            known = set().union(*(flags for key, flags in command_flags.items() if key.startswith(name.split()[0])))
+        if flag not in known and not (name == "sim" and flag in every):
+            problems.append(f"line {number}: `llmgw {name}` has no {flag}: {code[:80]!r}")
     return problems
 
 
@@ -220,6 +244,32 @@ def test_links_land(path):
 @pytest.mark.parametrize("path", DOCS, ids=lambda path: str(path.relative_to(REPO)))
 def test_every_flag_given_to_a_command_exists(path, command_flags):
     assert flag_problems(path.read_text(), command_flags) == []
+
+
+# The page that lists a command's flags: cli.md, but for the simulator, whose vLLM-style flags simulator.md lists
+# (cli.md's row for `llmgw sim` points there).
+FLAGS_PAGE = {"sim": "simulator.md"}
+
+
+def undocumented_flags(pages: dict[str, str], shown: dict[str, set[str]],
+                       command_flags: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Command -> the flags its ``--help`` shows that its page never writes: cli.md after ``llmgw COMMAND`` in a
+    code span, or anywhere on the page ``FLAGS_PAGE`` names for it."""
+    written: dict[str, set[str]] = {}
+    for _, name, flag, _ in flag_mentions(pages["cli.md"], command_flags):
+        written.setdefault(name, set()).add(flag)
+    missing = {}
+    for name, flags in shown.items():
+        page = FLAGS_PAGE.get(name)
+        documented = set(FLAG.findall(pages[page])) if page else written.get(name, set())
+        if flags - {"--help"} - documented:
+            missing[name] = sorted(flags - {"--help"} - documented)
+    return missing
+
+
+def test_every_flag_of_every_command_is_in_the_cli_reference(command_flags):
+    pages = {name: (REPO / "docs" / name).read_text() for name in {"cli.md", *FLAGS_PAGE.values()}}
+    assert undocumented_flags(pages, help_flags(), command_flags) == {}
 
 
 # -- the checks catch what they are for ---------------------------------------------------------------------------
@@ -256,3 +306,9 @@ def test_a_flag_a_command_does_not_have_is_named(command_flags):
         "line 1: `llmgw serve` has no --no-such: 'llmgw serve --config FILE --no-such'",
         "line 4: `llmgw bench NAME` has no --bogus: 'llmgw bench NAME --json FILE --bogus'",
     ]
+
+
+def test_a_flag_of_a_command_left_out_of_its_page_is_named(command_flags):
+    shown = {"serve": {"--help", "--config", "--listen"}, "sim": {"--port", "--model"}}
+    pages = {"cli.md": "`llmgw serve [--config FILE]` and `llmgw plan --listen`\n", "simulator.md": "`--port N`\n"}
+    assert undocumented_flags(pages, shown, command_flags) == {"serve": ["--listen"], "sim": ["--model"]}

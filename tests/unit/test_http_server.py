@@ -14,6 +14,7 @@ from collections import deque
 import httptools
 import pytest
 import trio
+from trio.testing import wait_all_tasks_blocked
 
 from llmgw.http.messages import Request, Response
 from llmgw.http.server import READY_READS, AbortConnection, HttpServer, ServerLimits
@@ -580,14 +581,8 @@ async def test_abort_connection_cuts_a_stream_without_the_terminating_chunk(serv
 
 # -- drain -------------------------------------------------------------------------------------------------------------
 
-async def test_drain_lets_in_flight_requests_finish_and_stops_accepting(nursery):
-    started = trio.Event()
-
-    async def handler(request: Request) -> Response:
-        started.set()
-        await trio.sleep(0.3)
-        return Response.text("done")
-
+async def serve_until_drained(nursery, handler) -> tuple[HttpServer, int, trio.Event]:
+    """A server of ``handler``; its port, and an event set when its ``serve`` returned (after a drain)."""
     server = HttpServer(handler)
     served = trio.Event()
 
@@ -596,6 +591,18 @@ async def test_drain_lets_in_flight_requests_finish_and_stops_accepting(nursery)
         served.set()
 
     _, port = await nursery.start(run)
+    return server, port, served
+
+
+async def test_drain_lets_in_flight_requests_finish_and_stops_accepting(nursery):
+    started = trio.Event()
+
+    async def handler(request: Request) -> Response:
+        started.set()
+        await trio.sleep(0.3)
+        return Response.text("done")
+
+    server, port, served = await serve_until_drained(nursery, handler)
     with trio.fail_after(5):
         client = await connect(port)
         await client.send(get("/slow"))
@@ -606,6 +613,51 @@ async def test_drain_lets_in_flight_requests_finish_and_stops_accepting(nursery)
         await served.wait()
     with pytest.raises(OSError):
         await trio.open_tcp_stream("127.0.0.1", port)
+
+
+async def test_a_drain_waits_for_a_request_still_on_its_way_on_a_connection_it_accepted(nursery):
+    # A client behind a balancer connected just before the gateway's SIGTERM: its request's head is still on its
+    # way when the drain begins. It is answered (connection: close), not cut.
+    server, port, served = await serve_until_drained(nursery, echo)
+    with trio.fail_after(5):
+        client = await connect(port)
+        await client.send(b"GET /late HTTP/1.1\r\nHost: te")
+        await wait_all_tasks_blocked()
+        assert server.unread_connections == 1
+        nursery.start_soon(server.drain, 5.0)
+        await trio.sleep(0.2)
+        assert not served.is_set()
+        await client.send(b"st\r\n\r\n")
+        reply = await client.reply()
+        assert reply.status == 200 and reply.json()["target"] == "/late" and reply.headers[b"connection"] == b"close"
+        await served.wait()
+    assert server.unread_connections == 0
+
+
+async def test_a_drain_serves_the_connections_the_kernel_completed_before_it(nursery):
+    # Connected and sent, but not accepted yet when the drain begins: closing the listening socket would reset the
+    # connection, request and all. The drain accepts what is waiting first.
+    server, port, served = await serve_until_drained(nursery, echo)
+    await wait_all_tasks_blocked()  # the accept loop waits for the socket to be readable
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        raw.sendall(get("/waiting"))  # no checkpoint since the connect: the server has not accepted it
+        with trio.fail_after(5):
+            await server.drain(5.0)
+            await served.wait()
+        answer = raw.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 200 ") and b'"/waiting"' in answer, answer
+
+
+async def test_a_drain_does_not_wait_past_the_header_timeout_for_a_connection_that_sends_nothing(nursery):
+    server = HttpServer(echo, ServerLimits(header_timeout=0.3))
+    _, port = await nursery.start(server.serve, "127.0.0.1", 0)
+    with trio.fail_after(5):
+        client = await connect(port)
+        await wait_all_tasks_blocked()
+        began = trio.current_time()
+        await server.drain(5.0)
+        assert trio.current_time() - began < 2.0
+        assert await client.receive() == b""
 
 
 async def test_requests_the_server_refuses_are_reported_by_status(nursery):

@@ -137,3 +137,21 @@ def test_the_documented_example_loads_and_previews_as_shown(tmp_path):
                           timeout=60, cwd=REPO, env={"LLMGW_AGENT_TOKEN": "t", "PATH": ""})
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == console[2:]
+
+
+def test_free_gpus_by_class_are_the_ones_no_replica_holds_on_schedulable_nodes():
+    from llmgw.autoscale.gpus import free_gpus_of
+    from llmgw.commands.plan import nodes_from_fixtures
+    from llmgw.config import parse_config
+
+    config = parse_config("""
+agents: {token: t}
+profiles: [{name: l4, engine: sim, model_path: tiny, gpu_class: L4}, {name: h, engine: sim, model_path: tiny,
+           gpu_class: H100}]
+deployments: [{profile: l4, replicas: {min: 0, max: 2}}, {profile: h, replicas: {min: 0, max: 2}}]
+""")
+    l4, dgx = nodes_from_fixtures([str(FIXTURES / "l4-2gpu.json"), str(FIXTURES / "dgx-h100-8gpu.json")])
+    assert free_gpus_of([l4, dgx], config) == {None: 10, "L4": 2, "H100": 8}
+    l4.used_gpus.add(l4.gpus[0].index)
+    dgx.schedulable = False
+    assert free_gpus_of([l4, dgx], config) == {None: 1, "L4": 1, "H100": 0}

@@ -1,0 +1,102 @@
+"""Autoscaling in a highly available cluster, as real processes: candidates A and B (`llmgw serve`), a `--role
+gateway` F, a remote `llmgw agent` on a fixture node, sharing state through the test's own redis-server, with
+llmgw's own scaler from the config. A model at zero is called at a follower: the follower holds the request, its
+load report carries it, the leader starts the first replica, and the request is served; after the leader's kill -9
+the other candidate's control plane starts from the replica running, not from min.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import httpx
+import trio
+
+from llmgw.testing.cluster import CHAT, Cluster
+from llmgw.testing.ha import FIXTURE, HaCluster, candidate_config
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = REPO / "tests" / "fixtures" / "nodes"
+AUTOSCALED = "    replicas: {min: 0, max: 2}\n    autoscale: {idle_to_zero: 1h}\n"
+BATCH = {"x-llmgw-priority": "batch"}  # may wait at a gateway up to 60 s for the first replica
+
+
+def autoscaled_config(state_dir, redis_url: str, cluster_name: str) -> str:
+    text = candidate_config(state_dir, redis_url, cluster_name, replicas=2)
+    assert "    replicas: 2\n" in text
+    return "autoscale:\n  interval: 0.2s\n" + text.replace("    replicas: 2\n", AUTOSCALED).replace(
+        '"--num-blocks", "256"', '"--num-blocks", "256", "--startup-seconds", "1"')
+
+
+async def autoscale(http: httpx.AsyncClient, process: Cluster) -> dict:
+    response = await http.get(process.control_url + "/admin/autoscale", timeout=5)
+    response.raise_for_status()
+    return response.json()
+
+
+async def test_a_follower_holds_a_request_at_zero_the_leader_starts_a_replica_and_a_new_leader_keeps_it(
+        nursery, engines, private_redis, cluster_name, tmp_path):
+    processes = {}
+    for name in ("A", "B", "F"):
+        (tmp_path / name).mkdir()
+        process = processes[name] = Cluster(nursery, tmp_path / name, engines, fixtures=FIXTURES, cwd=REPO)
+        process.write_config(autoscaled_config(tmp_path / name / "control", private_redis.url, cluster_name))
+    a, b, f = processes["A"], processes["B"], processes["F"]
+    async with httpx.AsyncClient(timeout=90) as http:
+        await a.start_serve()
+        ha = HaCluster(private_redis, [a, b], f, None, tmp_path / "agent", 1, http)  # type: ignore[arg-type]
+        await ha.wait_leader([a])
+        async with trio.open_nursery() as starting:
+            starting.start_soon(b.start_serve)
+            starting.start_soon(f.start_serve, "--role", "gateway")
+            starting.start_soon(lambda: a.start_agent("a", FIXTURE, join=f"{a.control_url},{b.control_url}",
+                                                      state_dir=ha.agent_state))
+        await a.wait_for("the agent registered", lambda: _node_connected(a), timeout=30)
+        assert (await autoscale(http, a))["deployments"]["tiny-sim"]["desired"] == 0
+        assert await a.replicas() == {}
+
+        # F follows: it names the leader, knows the model (declared at zero), and holds its request.
+        told = await f.wait_for("F knows the model", lambda: _lists_tiny(http, f), timeout=30)
+        assert told
+        follower = await autoscale(http, f)
+        assert (follower["leading"], follower["leader"]) == (False, a.control_url)
+        response = await http.post(f.data_url + "/v1/chat/completions", json=CHAT, headers=BATCH)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-llmgw-replica"] == "tiny-sim-0"
+        status = (await autoscale(http, a))["deployments"]["tiny-sim"]
+        first = [d for d in status["decisions"] if d["kind"] != "hold"][0]
+        assert (first["kind"], first["from"], first["to"]) == ("from_zero", 0, 1)
+        pid = (await a.replicas())["tiny-sim-0"]["shards"][0]["pid"]
+
+        # The leader dies: B leads, adopts the engine and starts from it (1), not from min (0).
+        a.serve.kill(signal.SIGKILL)
+        await a.serve.wait_exit()
+        await ha.wait_leader([b], timeout=30)
+        started = await b.wait_for("B's counts started", lambda: _started(http, b), timeout=30)
+        assert (started["started_from"], started["desired"]) == (1, 1)
+        replicas = await b.wait_for("the engine adopted", lambda: _adopted(b), timeout=30)
+        assert replicas["tiny-sim-0"]["shards"][0]["pid"] == pid
+        assert [d["kind"] for d in started["decisions"] if d["kind"] != "hold"] == []
+        response = await http.post(b.data_url + "/v1/chat/completions", json=CHAT)
+        assert response.status_code == 200, response.text
+
+
+async def _node_connected(cluster: Cluster) -> bool:
+    return (await cluster.nodes()).get("a", {}).get("state") == "connected"
+
+
+async def _lists_tiny(http: httpx.AsyncClient, process: Cluster) -> bool:
+    models = (await http.get(process.data_url + "/v1/models", timeout=5)).json()
+    return [m["id"] for m in models.get("data", [])] == ["tiny"]
+
+
+async def _started(http: httpx.AsyncClient, process: Cluster) -> dict | None:
+    answer = await autoscale(http, process)
+    deployment = answer["deployments"].get("tiny-sim") if answer.get("leading") else None
+    return deployment if deployment is not None and deployment["started_from"] is not None else None
+
+
+async def _adopted(cluster: Cluster) -> dict | None:
+    replicas = await cluster.replicas()
+    return replicas if set(replicas) == {"tiny-sim-0"} and replicas["tiny-sim-0"]["state"] == "up" else None
