@@ -16,6 +16,13 @@ The rule (an AIMD loop on the engine's scraped gauges, at most one step per scra
   lowest class fills): x``increase`` (at least +1);
 - otherwise it stays.
 
+Its *seats* (the sequences its engine runs at once, vLLM's ``--max-num-seqs``, which vLLM does not export) are
+learnt beside it: the engine's ``running`` when it queues (the same two-scrape queue as a cut) while its KV cache
+is below ``kv_target``, so that requests wait for a sequence slot, not for blocks. Kept as the highest such
+figure: a queue for blocks that looks like one for seats (a long prompt waiting for blocks with the cache at 75%)
+can only make it lower, and the next queue for seats corrects it. Unknown (None) until the engine queued so; an
+engine that exports no KV usage never says which it queues for, and its seats stay unknown.
+
 Before a replica's first scrape that says it is full, its capacity is *unknown* (None): the room does not hold
 back for it (an unknown replica is not full). When its scrapes stop the last learnt value is kept, neither cut
 nor raised: the engine's ``/metrics`` going quiet is no sign it emptied, and the in-flight
@@ -54,6 +61,7 @@ class ReplicaCapacity:
     running_before: float = 0.0  # and this many running
     cuts: int = 0
     raises: int = 0
+    seats: int | None = None  # the sequences its engine runs at once; None: unknown
 
     def limit(self) -> int | None:
         """The requests in flight it takes, None when unknown."""
@@ -74,6 +82,8 @@ class ReplicaCapacity:
         queued = waiting >= max(1.0, rule.waiting_slack * running)
         queued_twice = queued and self.queued_before and running <= self.running_before
         self.queued_before, self.running_before = queued, running
+        if queued_twice and kv is not None and kv < rule.kv_target and running >= 1:
+            self.seats = max(self.seats or 0, min(MAX_CAPACITY, math.floor(running)))
         if queued_twice or (kv is not None and kv >= rule.kv_high):
             target = max(0.0, running)  # what the full engine runs, scaled to the KV target when KV is the limit
             if kv is not None and kv >= rule.kv_high:

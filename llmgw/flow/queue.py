@@ -2,7 +2,8 @@
 within a band, deadlines, overflow, and a Retry-After from the measured drain rate.
 
 - A request is admitted at once, without awaiting, when its model has room for its class
-  (``room.free(model, class) - pending > 0`` and ``room.fits(model, class, pending tokens + its cost)``;
+  (``room.admits(model, class, pending, pending tokens + its cost)``: ``room.free(model, class) - pending > 0`` and
+  ``room.fits(model, class, pending tokens + its cost)``, in one pass;
   *pending*: admitted here and not yet released, counted in requests and in tokens) and nothing of its class or a
   higher one waits.
 - Otherwise it waits in its band (:class:`~.fair.FairBand`: start-time fair queueing by tokens between flows,
@@ -189,8 +190,7 @@ class FlowQueue(TaskHost):
 
     def _has_room(self, model: _Model, priority: PriorityClass, cost: int) -> bool:
         """Room for one more request of ``cost`` tokens, besides those admitted and not yet released."""
-        return self.room.free(model.name, priority) - model.pending > 0 and \
-            self.room.fits(model.name, priority, model.pending_tokens + cost)
+        return self.room.admits(model.name, priority, model.pending, model.pending_tokens + cost)
 
     def _new_model(self, name: str) -> _Model:
         if len(self._models) >= MAX_MODELS:  # the data plane names served models only; still, never grow unbounded

@@ -108,49 +108,69 @@ class EngineRoom:
     # -- Room ----------------------------------------------------------------------------------------------------
 
     def free(self, model: str, priority: PriorityClass) -> int:
+        return self.scan(model, priority, 0)[0]
+
+    def fits(self, model: str, priority: PriorityClass, tokens: int) -> bool:
+        return self.scan(model, priority, tokens)[1]
+
+    def admits(self, model: str, priority: PriorityClass, pending: int, tokens: int) -> bool:
+        free, fits = self.scan(model, priority, tokens)
+        return free - pending > 0 and fits
+
+    def scan(self, model: str, priority: PriorityClass, tokens: int) -> tuple[int, bool]:
+        """:meth:`free` and :meth:`fits` in one pass over the replicas (the queue's path for every request: kept
+        lean). Requests: each replica's learnt capacity less its requests in flight, the class filling at most its
+        ``max_fill`` of the summed capacity and, below 1.0, of each replica's seats (so that arrivals of the
+        classes above find a free sequence slot in the engine, not a queue). Tokens: summed over the replicas,
+        each filled at most to the class's share of its KV cache; a request larger than one replica's share needs
+        that much free (it would wait for ever otherwise)."""
         route = self.router.models.get(model)
         if route is None:
-            return 0
-        capacity = free = mine = theirs = 0
+            return 0, True
+        fill = min(1.0, max(0.0, priority.max_fill))
+        seated = fill < 1.0  # a class that may fill it all is bounded by the capacity alone
+        capacity = free = seat_free = mine = theirs = 0
+        unbounded = False
+        kv_room = kv_largest = 0
+        kv_known = True
+        ratio = route.prompt_ratio
         learnt = self._learnt
-        for replica in route.replicas:  # on the queue's path for every request: kept lean
+        for replica in route.replicas:
             state = replica.state
             if state is not UP and state is not UNKNOWN:  # ReplicaState.routable, without its enum lookups
                 continue
+            local, peer = replica.local_inflight, replica.peer_inflight
+            if kv_known:
+                kv = kv_capacity(replica)
+                if kv is None:
+                    kv_known = False
+                else:
+                    share = math.floor(kv * fill)
+                    kv_largest = max(kv_largest, share)
+                    kv_room += max(0, share - self.held_tokens(replica, ratio))
             known = learnt.get(replica)
             if known is None or known.capacity is None:
-                return UNBOUNDED
+                unbounded = True
+                continue
             limit = int(known.capacity)
             capacity += limit
-            mine += replica.local_inflight
-            theirs += replica.peer_inflight
-            left = limit - replica.local_inflight - replica.peer_inflight
+            mine += local
+            theirs += peer
+            left = limit - local - peer
             if left > 0:
                 free += left
-        filled = math.floor(capacity * min(1.0, max(0.0, priority.max_fill)))  # what the class may fill
-        free = max(0, free - (capacity - filled))
+            if seated and known.seats is not None:
+                left = min(left, max(1, math.floor(known.seats * fill)) - local - peer)
+            if left > 0:
+                seat_free += left
+        fits = not kv_known or min(tokens, kv_largest) <= kv_room
+        if unbounded:
+            return UNBOUNDED, fits
+        filled = max(1, math.floor(capacity * fill)) if capacity else 0  # what the class may fill: one at least
+        free = min(max(0, free - (capacity - filled)), seat_free)
         if free == 0 or self.sharing is None:
-            return free
-        return self.share(model, free, filled, mine, theirs)
-
-    def fits(self, model: str, priority: PriorityClass, tokens: int) -> bool:
-        # Summed over the replicas, each filled at most to the class's share of its KV cache; a request larger than
-        # one replica's share needs that much free (it would wait for ever otherwise).
-        route = self.router.models.get(model)
-        if route is None:
-            return True  # free() says 0 already
-        fill = min(1.0, max(0.0, priority.max_fill))
-        room = largest = 0
-        for replica in route.replicas:
-            if not replica.routable:
-                continue
-            capacity = kv_capacity(replica)
-            if capacity is None:
-                return True
-            share = math.floor(capacity * fill)
-            largest = max(largest, share)
-            room += max(0, share - self.held_tokens(replica, route.prompt_ratio))
-        return min(tokens, largest) <= room
+            return free, fits
+        return self.share(model, free, filled, mine, theirs), fits
 
     @staticmethod
     def held_tokens(replica: Replica, ratio: PromptTokenRatio) -> int:
@@ -223,6 +243,11 @@ class EngineRoom:
 
     # -- learning ------------------------------------------------------------------------------------------------
 
+    def seats(self, replica: Replica) -> int | None:
+        """The sequences ``replica``'s engine runs at once, None while unknown."""
+        learnt = self._learnt.get(replica)
+        return None if learnt is None else learnt.seats
+
     def capacity(self, replica: Replica) -> int | None:
         """The requests in flight ``replica`` takes, None while unknown."""
         learnt = self._learnt.get(replica)
@@ -247,7 +272,7 @@ class EngineRoom:
         learnt = self._learnt.get(replica)
         if learnt is None:
             learnt = self._learnt[replica] = ReplicaCapacity()
-        before = learnt.capacity
+        before, seats_before = learnt.capacity, learnt.seats
         busy_share = min((c.max_fill for c in self.settings.classes), default=1.0)
         change = learnt.observe(load, replica.inflight, self.demand(replica.model), self.rule, busy_share)
         if change is not None:
@@ -258,6 +283,11 @@ class EngineRoom:
                          load.running, load.waiting, "unknown" if load.kv_usage is None else f"{load.kv_usage:.2f}")
             if self.metrics is not None:
                 self.metrics.capacity_changed(replica.model, change)
+        if learnt.seats is not None and learnt.seats != seats_before:
+            log.info("flow control: replica %s of model %s runs %d sequences at once (its engine queued at that with "
+                     "KV usage %s); classes below max_fill 1.0 now keep their share of its seats free "
+                     "(llmgw_flow_replica_seats)", replica.name, replica.model, learnt.seats,
+                     "unknown" if load.kv_usage is None else f"{load.kv_usage:.2f}")
         self.wake(replica.model)
 
     def demand(self, model: str) -> bool:
@@ -278,7 +308,7 @@ class EngineRoom:
             {"name": replica.name, "capacity": self.capacity(replica), "inflight": replica.inflight,
              "kv_capacity_tokens": kv_capacity(replica), "held_tokens": self.held_tokens(replica, route.prompt_ratio),
              "saturation": round(self.replica_saturation(replica), 3), "cuts": learnt.cuts if learnt else 0,
-             "raises": learnt.raises if learnt else 0}
+             "raises": learnt.raises if learnt else 0, "seats": learnt.seats if learnt else None}
             for replica in route.replicas for learnt in [self._learnt.get(replica)]]
         peers = [] if self.sharing is None else self.sharing.peer_queued(model)
         return {"replicas": replicas, "held": self._queued(model), "peers_held": peers,

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 
 from llmgw.flow.fair import FairBand
+from llmgw.flow.interfaces import Room
 from llmgw.flow.metrics import FlowMetrics
 from llmgw.flow.model import (
     DEFAULT_CLASSES,
@@ -31,7 +32,7 @@ INTERACTIVE, STANDARD, BATCH, BEST_EFFORT = DEFAULT_CLASSES
 MODEL = "m"
 
 
-class FakeRoom:
+class FakeRoom(Room):
     """``capacity`` requests per model (of which a class may fill its ``max_fill`` with ``fill``); ``inflight``:
     the routed ones. ``kv_tokens``: the KV capacity in tokens, of which a class fills its ``max_fill`` (None:
     unknown, the tokens hold nothing back); ``inflight_tokens``: the routed ones' costs."""

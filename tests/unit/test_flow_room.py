@@ -168,12 +168,14 @@ def scrape(router, room, name, at, running, waiting=0.0, kv=0.3):
         listener(replica)
 
 
-def learn(router, room, name, capacity):
-    """Make replica ``name``'s learnt capacity ``capacity`` (its engine full at that many running)."""
+def learn(router, room, name, capacity, seats=None):
+    """Make replica ``name``'s learnt capacity ``capacity`` (its engine full at that many running) and its seats
+    ``seats`` (None: unknown, the capacity alone decides)."""
     scrape(router, room, name, 1, capacity, kv=1.0 * RULE.kv_target)
     scrape(router, room, name, 2, capacity, waiting=5)
     scrape(router, room, name, 3, capacity, waiting=5)
-    room._learnt[router.replicas.get(name)].capacity = float(capacity)
+    learnt = room._learnt[router.replicas.get(name)]
+    learnt.capacity, learnt.seats = float(capacity), seats
 
 
 def test_the_room_asks_the_scraper_for_every_models_engines():
@@ -496,3 +498,77 @@ def test_the_prompt_estimate_is_scaled_by_what_the_engines_counted_in_the_answer
     assert ratio.ratio == 4.0
     ratio.observe(1, {"prompt_tokens": 10**12})
     assert 4.0 < ratio.ratio <= 4.0 + 0.1 * (16.0 - 4.0)
+
+
+# -- seats: the sequences an engine runs at once ----------------------------------------------------------------------
+
+
+def test_seats_are_what_the_engine_ran_when_it_queued_with_kv_to_spare():
+    learnt = ReplicaCapacity()
+    learnt.observe(load(1, running=8, waiting=3, kv=0.5), 11, True, RULE)
+    assert learnt.seats is None  # one scrape: maybe one engine step
+    learnt.observe(load(2, running=8, waiting=3, kv=0.5), 11, True, RULE)
+    assert learnt.seats == 8
+    # A queue for blocks with the cache nearly full says nothing of the seats; nor does a lower count later (a long
+    # prompt waiting for blocks below kv_target): the highest figure stays.
+    learnt.observe(load(3, running=5, waiting=3, kv=0.95), 8, True, RULE)
+    learnt.observe(load(4, running=5, waiting=3, kv=0.95), 8, True, RULE)
+    learnt.observe(load(5, running=6, waiting=3, kv=0.7), 9, True, RULE)
+    learnt.observe(load(6, running=6, waiting=3, kv=0.7), 9, True, RULE)
+    assert learnt.seats == 8
+    learnt.observe(load(7, running=12, waiting=3, kv=0.6), 15, True, RULE)
+    learnt.observe(load(8, running=12, waiting=2, kv=0.6), 14, True, RULE)
+    assert learnt.seats == 12  # the engine proves it runs more
+
+
+def test_seats_stay_unknown_while_the_engine_ramps_up_or_cannot_say_why_it_queues():
+    ramping = ReplicaCapacity()
+    for at, running in enumerate((2, 4, 6, 8)):
+        ramping.observe(load(at, running=running, waiting=100, kv=0.2), 108, True, RULE)
+    assert ramping.seats is None
+    blind = ReplicaCapacity()  # no KV usage gauge: a queue for blocks and one for seats look the same
+    blind.observe(load(1, running=8, waiting=3, kv=None), 11, True, RULE)
+    blind.observe(load(2, running=8, waiting=3, kv=None), 11, True, RULE)
+    assert blind.seats is None and blind.limit() == 8
+
+
+def test_a_lower_class_keeps_its_share_of_each_replicas_seats_free():
+    """Batch streams spread over the replicas must not take a replica's last seats: an interactive arrival routed
+    there would wait inside the engine, where no priority applies."""
+    router, room, _, _ = make_room()
+    learn(router, room, "a", 9, seats=8)
+    learn(router, room, "b", 9, seats=8)
+    a, b = router.replicas.get("a"), router.replicas.get("b")
+    a.local_inflight, b.local_inflight = 6, 2
+    assert room.free("m", INTERACTIVE) == 10  # the capacity alone: 3 + 7
+    # batch: floor(8 x 0.85) = 6 seats per replica; a has none left, b 4 (the summed capacity would allow 7)
+    assert room.free("m", BATCH) == 4
+    assert room.free("m", STANDARD) == 6  # floor(8 x 0.95) = 7: 1 on a, 5 on b; the summed rule allows 10 - 1 = 9
+    b.peer_inflight = 4  # the other gateways' requests take seats too
+    assert room.free("m", BATCH) == 0
+    assert room.free("m", INTERACTIVE) == 6  # 3 + 3
+
+
+def test_one_seat_is_never_kept_from_a_replica_that_has_but_one():
+    router, room, _, _ = make_room(replicas=("a",))
+    learn(router, room, "a", 1, seats=1)
+    assert room.free("m", BEST_EFFORT) == 1  # floor(1 x 0.75) = 0 would hold best-effort for ever on an idle engine
+
+
+def test_admits_is_free_less_pending_and_fits_in_one_pass():
+    router, room, _, _ = make_room(replicas=("a",))
+    learn(router, room, "a", 9, seats=8)
+    scrape(router, room, "a", 10, running=0, kv=0.0)
+    a = router.replicas.get("a")
+    a.engine_load = EngineLoad(running=0, waiting=0, at=11, kv_usage=0.0, num_blocks=100, block_size=16)
+    a.local_inflight, a.local_inflight_output_tokens = 4, 500
+    assert room.free("m", BATCH) == 2
+    assert room.admits("m", BATCH, pending=1, tokens=100)
+    assert not room.admits("m", BATCH, pending=2, tokens=100)  # the queue's own admitted requests count
+    assert not room.admits("m", BATCH, pending=0, tokens=861)  # floor(1,600 x 0.85) - 500 = 860 tokens
+    assert room.admits("m", INTERACTIVE, pending=0, tokens=1100)
+    for priority in DEFAULT_CLASSES:
+        for pending in range(4):
+            for tokens in (0, 500, 1500, 5000):
+                assert room.admits("m", priority, pending, tokens) == (
+                    room.free("m", priority) - pending > 0 and room.fits("m", priority, tokens))
