@@ -572,3 +572,21 @@ def test_admits_is_free_less_pending_and_fits_in_one_pass():
             for tokens in (0, 500, 1500, 5000):
                 assert room.admits("m", priority, pending, tokens) == (
                     room.free("m", priority) - pending > 0 and room.fits("m", priority, tokens))
+
+
+def test_seats_learnt_from_the_scrapes_are_exposed_described_and_logged(caplog):
+    registry = CollectorRegistry()
+    router, room, _, _ = make_room(metrics=RoomMetrics(registry))
+    assert registry.get_sample_value("llmgw_flow_replica_seats", {"model": "m", "replica": "a"}) is None
+    with caplog.at_level("INFO", logger="llmgw.flow.room"):
+        scrape(router, room, "a", 1, running=8, waiting=2, kv=0.4)
+        scrape(router, room, "a", 2, running=8, waiting=3, kv=0.4)
+    assert room.seats(router.replicas.get("a")) == 8
+    assert registry.get_sample_value("llmgw_flow_replica_seats", {"model": "m", "replica": "a"}) == 8
+    assert room.describe("m")["replicas"][0]["seats"] == 8
+    assert any("runs 8 sequences at once" in r.getMessage() for r in caplog.records)
+    router.replicas.get("a").local_inflight = 6  # floor(8 x 0.85): batch waits; b is unknown, so nothing is held
+    assert room.free("m", BATCH) == UNBOUNDED
+    scrape(router, room, "b", 3, running=8, waiting=2, kv=0.4)
+    scrape(router, room, "b", 4, running=8, waiting=2, kv=0.4)
+    assert room.free("m", BATCH) == 6  # b: 6 of its 8 seats; a: none
