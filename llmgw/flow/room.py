@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import trio
 
+from ..router.decode_cost import DEFAULT_OUTPUT_TOKENS
 from ..router.prompt_ratio import PromptTokenRatio
 from ..router.replica import Replica, ReplicaState
 from ..router.router import EngineMetricsDemand
@@ -123,7 +124,8 @@ class EngineRoom:
         ``max_fill`` of the summed capacity and, below 1.0, of each replica's seats (so that arrivals of the
         classes above find a free sequence slot in the engine, not a queue). Tokens: summed over the replicas,
         each filled at most to the class's share of its KV cache; a request larger than one replica's share needs
-        that much free (it would wait for ever otherwise)."""
+        that much free (it would wait for ever otherwise). When other gateways hold requests for the model too,
+        this gateway's part of both is its quota (:meth:`demand_share`)."""
         route = self.router.models.get(model)
         if route is None:
             return 0, True
@@ -131,8 +133,9 @@ class EngineRoom:
         seated = fill < 1.0  # a class that may fill it all is bounded by the capacity alone
         capacity = free = seat_free = mine = theirs = 0
         unbounded = False
-        kv_room = kv_largest = 0
+        kv_room = kv_largest = kv_filled = kv_mine = output = 0
         kv_known = True
+        unsized: list[tuple[Replica, int]] = []  # replicas with only the others' requests: their output comes last
         ratio = route.prompt_ratio
         learnt = self._learnt
         for replica in route.replicas:
@@ -140,6 +143,8 @@ class EngineRoom:
             if state is not UP and state is not UNKNOWN:  # ReplicaState.routable, without its enum lookups
                 continue
             local, peer = replica.local_inflight, replica.peer_inflight
+            mine += local
+            theirs += peer
             if kv_known:
                 kv = kv_capacity(replica)
                 if kv is None:
@@ -147,15 +152,19 @@ class EngineRoom:
                 else:
                     share = math.floor(kv * fill)
                     kv_largest = max(kv_largest, share)
-                    kv_room += max(0, share - self.held_tokens(replica, ratio))
+                    kv_filled += share
+                    output += replica.local_inflight_output_tokens
+                    kv_mine += ratio.tokens(replica.local_inflight_tokens) + replica.local_inflight_output_tokens
+                    if local == 0 and peer:
+                        unsized.append((replica, share))
+                    else:
+                        kv_room += max(0, share - self.held_tokens(replica, ratio))
             known = learnt.get(replica)
             if known is None or known.capacity is None:
                 unbounded = True
                 continue
             limit = int(known.capacity)
             capacity += limit
-            mine += local
-            theirs += peer
             left = limit - local - peer
             if left > 0:
                 free += left
@@ -163,41 +172,52 @@ class EngineRoom:
                 left = min(left, max(1, math.floor(known.seats * fill)) - local - peer)
             if left > 0:
                 seat_free += left
-        fits = not kv_known or min(tokens, kv_largest) <= kv_room
+        if unsized:  # the others' output at this gateway's mean per request on the model (their reports lack it)
+            per_request = output / mine if mine else DEFAULT_OUTPUT_TOKENS
+            for replica, share in unsized:
+                kv_room += max(0, share - self.held_tokens(replica, ratio, per_request))
+        quota = self.demand_share(model, mine, theirs) if self.sharing is not None else None
+        need = min(tokens, kv_largest)
+        fits = not kv_known or (need <= kv_room and (
+            quota is None or mine == 0 or need <= kv_filled * quota[0] // quota[1] - kv_mine))
         if unbounded:
             return UNBOUNDED, fits
         filled = max(1, math.floor(capacity * fill)) if capacity else 0  # what the class may fill: one at least
         free = min(max(0, free - (capacity - filled)), seat_free)
-        if free == 0 or self.sharing is None:
+        if free == 0 or quota is None:
             return free, fits
-        return self.share(model, free, filled, mine, theirs), fits
+        allowed = filled * quota[0] // quota[1] - mine
+        if allowed <= 0:
+            return (1 if mine == 0 else 0), fits
+        return min(free, allowed), fits
 
     @staticmethod
-    def held_tokens(replica: Replica, ratio: PromptTokenRatio) -> int:
+    def held_tokens(replica: Replica, ratio: PromptTokenRatio, per_request: float = DEFAULT_OUTPUT_TOKENS) -> int:
         """The KV tokens the requests in flight on ``replica`` will hold at most: their prompt estimates (this
         gateway's and the others') in the engine's count (``ratio``: the model's), and this gateway's output
         estimates; the other gateways' output is taken at this gateway's mean per request there (their reports
-        carry prompt tokens only)."""
+        carry prompt tokens only), or at ``per_request`` where it has none there (:meth:`scan` passes its mean
+        over the model's replicas)."""
         output = replica.local_inflight_output_tokens
-        if replica.peer_inflight and replica.local_inflight:
-            output += replica.peer_inflight * output // replica.local_inflight
+        if replica.peer_inflight:
+            local = replica.local_inflight
+            output += replica.peer_inflight * output // local if local else int(replica.peer_inflight * per_request)
         return ratio.tokens(replica.inflight_tokens) + output
 
-    def share(self, model: str, free: int, filled: int, mine: int, theirs: int) -> int:
-        """This gateway's part of ``free`` when other gateways hold requests for ``model`` too: it may have in
-        flight its quota of ``filled`` (the capacity the class may fill), in proportion to its demand (its requests
-        in flight, ``mine``, and those it holds) among every gateway's (``theirs`` in flight, and those they hold).
-        At least 1 while it has none in flight (nobody starves). All of it while no other gateway holds any: then
-        its quota would hold back nothing the engines have room for."""
+    def demand_share(self, model: str, mine: int, theirs: int) -> tuple[int, int] | None:
+        """When other gateways hold requests for ``model`` too: this gateway's demand (its requests in flight,
+        ``mine``, and those it holds) and every gateway's (``theirs`` in flight, and those they hold), whose ratio
+        is its quota of what a class may fill, in requests and in KV tokens. A quota, not a part of what is free
+        now, so that dispatching one request after another cannot take the others' part before their next report;
+        at least 1 request while it has none in flight (nobody starves). None while no other gateway holds any:
+        then a quota would hold back nothing the engines have room for. Each peer's count is taken at most
+        ``max_queued`` (a forged report cannot claim it all)."""
         cap = self.settings.max_queued
         held_by_peers = sum(min(n, cap) for n in self.sharing.peer_queued(model)) if self.sharing else 0
         if held_by_peers == 0:
-            return free
+            return None
         demand = mine + max(1, min(self._queued(model), cap))  # a request arriving to an empty queue counts as one
-        allowed = filled * demand // (demand + theirs + held_by_peers) - mine
-        if allowed <= 0:
-            return 1 if mine == 0 else 0
-        return min(free, allowed)
+        return demand, demand + theirs + held_by_peers
 
     async def changed(self, model: str) -> None:
         event = self._events.get(model)

@@ -452,11 +452,13 @@ def test_the_tokens_in_flight_are_the_prompts_and_max_tokens_until_finished_and_
     assert held(router, room, "a") == a.local_inflight_tokens + 300 + 1000 + 2 * 1000
     router.finished(request, decision, None)
     a.local_inflight = 0
-    assert a.local_inflight_output_tokens == 0 and held(router, room, "a") == 300
+    # None of its own there: the others' output at the default 256 per request (in the room's own count, this
+    # gateway's mean over the model's replicas while it has requests in flight elsewhere)
+    assert a.local_inflight_output_tokens == 0 and held(router, room, "a") == 300 + 2 * 256
     # Summed over the replicas, each within the class's share: a request larger than one replica's share waits
     # for a whole share, never for ever.
     on_b = route(router, "b", prompt_words=10, max_tokens=6000)
-    free = (6144 - 300) + (6144 - held(router, room, "b"))  # best-effort's 75% of each 8,192
+    free = (6144 - 300 - 2 * 256) + (6144 - held(router, room, "b"))  # best-effort's 75% of each 8,192
     assert room.fits("m", BEST_EFFORT, free)
     assert not room.fits("m", BEST_EFFORT, free + 1)
     assert not room.fits("m", BEST_EFFORT, 50_000)
@@ -590,3 +592,26 @@ def test_seats_learnt_from_the_scrapes_are_exposed_described_and_logged(caplog):
     scrape(router, room, "b", 3, running=8, waiting=2, kv=0.4)
     scrape(router, room, "b", 4, running=8, waiting=2, kv=0.4)
     assert room.free("m", BATCH) == 6  # b: 6 of its 8 seats; a: none
+
+
+def test_the_kv_tokens_are_split_among_the_gateways_holding_requests_as_the_requests_are():
+    """Three gateways admitting each against all the free tokens would each take them before the next report."""
+    peers = Peers()
+    router, room, queued, _ = make_room(peers=peers)
+    tell_kv(router, "a")
+    tell_kv(router, "b")
+    a, b = router.replicas.get("a"), router.replicas.get("b")
+    a.local_inflight, a.local_inflight_tokens, a.local_inflight_output_tokens = 2, 3000, 3000
+    b.peer_inflight, b.peer_inflight_tokens = 2, 3000  # another gateway's, output at our mean: 1,500 each
+    assert held(router, room, "b") == 3000 + 2 * 256  # alone, the default; the room's own count takes our mean
+    free_tokens = (8192 - 6000) + (8192 - 6000)
+    assert room.fits("m", INTERACTIVE, free_tokens) and not room.fits("m", INTERACTIVE, free_tokens + 1)
+    peers.held["m"] = [10]
+    queued["m"] = 10
+    # Its demand 2 + 10 of every gateway's 24: a quota of half the 16,384 tokens, of which it holds 6,000.
+    assert room.fits("m", INTERACTIVE, 8192 - 6000)
+    assert not room.fits("m", INTERACTIVE, 8192 - 6000 + 1)
+    a.local_inflight, a.local_inflight_tokens, a.local_inflight_output_tokens = 0, 0, 0
+    assert room.fits("m", INTERACTIVE, 8192)  # none of its own in flight: one request, whatever the quota
+    peers.held["m"] = [10_000_000]  # a forged count is taken at max_queued: still one request
+    assert room.fits("m", INTERACTIVE, 8192)
