@@ -177,7 +177,10 @@ class EngineRoom:
             for replica, share in unsized:
                 kv_room += max(0, share - self.held_tokens(replica, ratio, per_request))
         quota = self.demand_share(model, mine, theirs) if self.sharing is not None else None
-        need = min(tokens, kv_largest)
+        # The queue's estimate (prompt and most output, not yet routed) in the engine's count: scaled whole, since
+        # it comes as one figure (its output part over- or under-counted by the ratio; under-counting the prompt,
+        # the worse error, would let a long prompt in to wait inside the engine for blocks, ahead of everyone).
+        need = min(ratio.tokens(tokens), kv_largest)
         fits = not kv_known or (need <= kv_room and (
             quota is None or mine == 0 or need <= kv_filled * quota[0] // quota[1] - kv_mine))
         if unbounded:

@@ -493,6 +493,9 @@ def test_the_prompt_estimate_is_scaled_by_what_the_engines_counted_in_the_answer
         route(router, "a", prompt_words=400, max_tokens=256)
     assert held(router, room, "a") == 3 * (4 * estimate + 256)  # the engine's tokenizer counts 4x the estimate
     assert not room.fits("m", BATCH, 4 * estimate + 256)  # a fourth would pass batch's 6,963 of 8,192
+    # The incoming request's estimate is scaled too (it would otherwise pass, to wait for blocks in the engine).
+    left = 6963 - held(router, room, "a")
+    assert room.fits("m", BATCH, left // 4) and not room.fits("m", BATCH, left // 4 + 1)
     # A forged or broken usage moves it boundedly: clamped samples, a moving average.
     ratio = router.models["m"].prompt_ratio
     for usage in (None, {"prompt_tokens": "many"}, {"prompt_tokens": True}, {"prompt_tokens": -5}):
@@ -518,9 +521,20 @@ def test_seats_are_what_the_engine_ran_when_it_queued_with_kv_to_spare():
     learnt.observe(load(5, running=6, waiting=3, kv=0.7), 9, True, RULE)
     learnt.observe(load(6, running=6, waiting=3, kv=0.7), 9, True, RULE)
     assert learnt.seats == 8
-    learnt.observe(load(7, running=12, waiting=3, kv=0.6), 15, True, RULE)
-    learnt.observe(load(8, running=12, waiting=2, kv=0.6), 14, True, RULE)
+    learnt.observe(load(7, running=12, waiting=0, kv=0.6), 12, True, RULE)
     assert learnt.seats == 12  # the engine proves it runs more
+
+
+def test_a_queue_for_blocks_at_fewer_running_than_the_engine_ran_says_nothing_of_its_seats():
+    """Two long prompts hold the cache at 75%; the next waits for blocks with 4 running, not for a seat."""
+    learnt = ReplicaCapacity()
+    learnt.observe(load(1, running=8, waiting=0, kv=0.3), 8, True, RULE)  # it ran 8 before
+    learnt.observe(load(2, running=4, waiting=2, kv=0.75), 6, True, RULE)
+    learnt.observe(load(3, running=4, waiting=2, kv=0.75), 6, True, RULE)
+    assert learnt.seats is None
+    learnt.observe(load(4, running=8, waiting=2, kv=0.5), 10, True, RULE)
+    learnt.observe(load(5, running=8, waiting=3, kv=0.5), 11, True, RULE)
+    assert learnt.seats == 8
 
 
 def test_seats_stay_unknown_while_the_engine_ramps_up_or_cannot_say_why_it_queues():
