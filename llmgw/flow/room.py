@@ -123,8 +123,10 @@ class EngineRoom:
         lean). Requests: each replica's learnt capacity less its requests in flight, the class filling at most its
         ``max_fill`` of the summed capacity and, below 1.0, of each replica's seats (so that arrivals of the
         classes above find a free sequence slot in the engine, not a queue). Tokens: summed over the replicas,
-        each filled at most to the class's share of its KV cache; a request larger than one replica's share needs
-        that much free (it would wait for ever otherwise). When other gateways hold requests for the model too,
+        each filled at most to the class's share of its KV cache, and the request must fit on one of them (free
+        tokens spread over several hold no prompt: it would wait inside an engine for its blocks, ahead of every
+        later arrival); a request larger than one replica's share needs a whole share free (it would wait for
+        ever otherwise). When other gateways hold requests for the model too,
         this gateway's part of both is its quota (:meth:`demand_share`)."""
         route = self.router.models.get(model)
         if route is None:
@@ -133,7 +135,7 @@ class EngineRoom:
         seated = fill < 1.0  # a class that may fill it all is bounded by the capacity alone
         capacity = free = seat_free = mine = theirs = 0
         unbounded = False
-        kv_room = kv_largest = kv_filled = kv_mine = output = 0
+        kv_room = kv_largest = kv_filled = kv_mine = output = 0  # kv_room: the most free on one replica
         kv_known = True
         unsized: list[tuple[Replica, int]] = []  # replicas with only the others' requests: their output comes last
         ratio = route.prompt_ratio
@@ -158,7 +160,7 @@ class EngineRoom:
                     if local == 0 and peer:
                         unsized.append((replica, share))
                     else:
-                        kv_room += max(0, share - self.held_tokens(replica, ratio))
+                        kv_room = max(kv_room, share - self.held_tokens(replica, ratio))
             known = learnt.get(replica)
             if known is None or known.capacity is None:
                 unbounded = True
@@ -175,7 +177,7 @@ class EngineRoom:
         if unsized:  # the others' output at this gateway's mean per request on the model (their reports lack it)
             per_request = output / mine if mine else DEFAULT_OUTPUT_TOKENS
             for replica, share in unsized:
-                kv_room += max(0, share - self.held_tokens(replica, ratio, per_request))
+                kv_room = max(kv_room, share - self.held_tokens(replica, ratio, per_request))
         quota = self.demand_share(model, mine, theirs) if self.sharing is not None else None
         # The queue's estimate (prompt and most output, not yet routed) in the engine's count: scaled whole, since
         # it comes as one figure (its output part over- or under-counted by the ratio; under-counting the prompt,

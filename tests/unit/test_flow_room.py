@@ -455,12 +455,13 @@ def test_the_tokens_in_flight_are_the_prompts_and_max_tokens_until_finished_and_
     # None of its own there: the others' output at the default 256 per request (in the room's own count, this
     # gateway's mean over the model's replicas while it has requests in flight elsewhere)
     assert a.local_inflight_output_tokens == 0 and held(router, room, "a") == 300 + 2 * 256
-    # Summed over the replicas, each within the class's share: a request larger than one replica's share waits
-    # for a whole share, never for ever.
+    # On one replica, within the class's share: tokens free on two replicas hold no prompt larger than either's
+    # part; a request larger than one replica's share waits for a whole share, never for ever.
     on_b = route(router, "b", prompt_words=10, max_tokens=6000)
-    free = (6144 - 300 - 2 * 256) + (6144 - held(router, room, "b"))  # best-effort's 75% of each 8,192
-    assert room.fits("m", BEST_EFFORT, free)
-    assert not room.fits("m", BEST_EFFORT, free + 1)
+    free_a, free_b = 6144 - 300 - 2 * 256, 6144 - held(router, room, "b")  # best-effort's 75% of each 8,192
+    assert free_a > free_b > 0
+    assert room.fits("m", BEST_EFFORT, free_a)
+    assert not room.fits("m", BEST_EFFORT, free_a + 1)  # though free_a + free_b are free in all
     assert not room.fits("m", BEST_EFFORT, 50_000)
     router.finished(*on_b, None)
     assert room.fits("m", BEST_EFFORT, 50_000)  # b is empty: one whole share is free
@@ -618,13 +619,16 @@ def test_the_kv_tokens_are_split_among_the_gateways_holding_requests_as_the_requ
     a.local_inflight, a.local_inflight_tokens, a.local_inflight_output_tokens = 2, 3000, 3000
     b.peer_inflight, b.peer_inflight_tokens = 2, 3000  # another gateway's, output at our mean: 1,500 each
     assert held(router, room, "b") == 3000 + 2 * 256  # alone, the default; the room's own count takes our mean
-    free_tokens = (8192 - 6000) + (8192 - 6000)
-    assert room.fits("m", INTERACTIVE, free_tokens) and not room.fits("m", INTERACTIVE, free_tokens + 1)
+    assert room.fits("m", INTERACTIVE, 2192) and not room.fits("m", INTERACTIVE, 2193)  # 6,000 held on each
+    b.peer_inflight = b.peer_inflight_tokens = 0  # b empty: 8,192 free there
+    assert room.fits("m", INTERACTIVE, 8192)
     peers.held["m"] = [10]
     queued["m"] = 10
-    # Its demand 2 + 10 of every gateway's 24: a quota of half the 16,384 tokens, of which it holds 6,000.
-    assert room.fits("m", INTERACTIVE, 8192 - 6000)
-    assert not room.fits("m", INTERACTIVE, 8192 - 6000 + 1)
+    # Its demand 2 + 10 of every gateway's 22: a quota of 16,384 x 12 // 22 = 8,936 tokens, of which it holds 6,000.
+    assert room.fits("m", INTERACTIVE, 2936) and not room.fits("m", INTERACTIVE, 2937)
+    peers.held["m"] = []
+    assert room.fits("m", INTERACTIVE, 8192)  # nobody else holds any: all of it
+    peers.held["m"] = [10]
     a.local_inflight, a.local_inflight_tokens, a.local_inflight_output_tokens = 0, 0, 0
     assert room.fits("m", INTERACTIVE, 8192)  # none of its own in flight: one request, whatever the quota
     peers.held["m"] = [10_000_000]  # a forged count is taken at max_queued: still one request
