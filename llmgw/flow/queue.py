@@ -190,7 +190,7 @@ class FlowQueue(TaskHost):
 
     def _has_room(self, model: _Model, priority: PriorityClass, cost: int) -> bool:
         """Room for one more request of ``cost`` tokens, besides those admitted and not yet released."""
-        return self.room.admits(model.name, priority, model.pending, model.pending_tokens + cost)
+        return self.room.admits(model.name, priority, model.pending, model.pending_tokens + cost, cost)
 
     def _new_model(self, name: str) -> _Model:
         if len(self._models) >= MAX_MODELS:  # the data plane names served models only; still, never grow unbounded

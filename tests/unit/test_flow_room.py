@@ -633,3 +633,16 @@ def test_the_kv_tokens_are_split_among_the_gateways_holding_requests_as_the_requ
     assert room.fits("m", INTERACTIVE, 8192)  # none of its own in flight: one request, whatever the quota
     peers.held["m"] = [10_000_000]  # a forged count is taken at max_queued: still one request
     assert room.fits("m", INTERACTIVE, 8192)
+
+
+def test_several_requests_tokens_count_together_over_the_replicas_one_requests_on_one_replica():
+    router, room, _, _ = make_room()
+    tell_kv(router, "a")
+    tell_kv(router, "b")
+    for name in ("a", "b"):
+        router.replicas.get(name).local_inflight_output_tokens = 4192  # 4,000 free on each for interactive
+    assert room.admits("m", INTERACTIVE, 0, 4000, 4000) and not room.admits("m", INTERACTIVE, 0, 4001, 4001)
+    assert room.admits("m", INTERACTIVE, 0, 8000, None)  # several requests, counted over both replicas
+    assert not room.admits("m", INTERACTIVE, 0, 8001, None)
+    assert room.admits("m", INTERACTIVE, 1, 6000, 3000)  # one admitted, not yet routed, and this one
+    assert not room.admits("m", INTERACTIVE, 1, 6000, 4001)
