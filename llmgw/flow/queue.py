@@ -126,6 +126,7 @@ class _Model:
         self.waiting = 0
         self.tokens = 0
         self.drain = DrainRate()
+        self.dispatches = DrainRate()  # the same in requests: what a band's rate is until it is measured
         self.kick = trio.Event()  # set on an arrival or a release: the dispatcher looks again
         self.dispatching = False
         self.rechecked = 0.0  # when the waiters' predicted waits were last looked at
@@ -169,10 +170,17 @@ class _Model:
                     first = head.request.priority.name if head is not None else ""
         return requests, tokens, first, own
 
+    def rate_of(self, band: _Band, now: float, cost: int) -> float | None:
+        """``band``'s drain rate in tokens/s: its own once measured, else the model's requests per second times
+        the mean cost of what waits in it (``cost`` when nothing does)."""
+        requests = self.dispatches.trusted
+        fair = band.fair
+        mean = fair.tokens / len(fair) if len(fair) else cost
+        return band.line.rate(None if requests is None else requests * max(mean, 1))
+
     def wait_above(self, rank: int, now: float) -> float | None:
         """Seconds to drain the bands above ``rank`` at their rates (None: a rate unknown)."""
-        fallback = self.drain.current(now)
-        return drain_time((band.fair.tokens, band.line.rate(fallback)) for band in self.bands if band.rank < rank)
+        return drain_time((band.fair.tokens, self.rate_of(band, now, 1)) for band in self.bands if band.rank < rank)
 
     def head_changed(self, now: float) -> None:
         """Keep each band's drain measuring only while it is the highest band waiting."""
@@ -228,7 +236,9 @@ class FlowQueue(TaskHost):
         if (not model.waiting or not model.waits_at(priority.rank)) and self._has_room(model, priority, cost):
             # The fast path: no await, no clock unless a backlog is being measured.
             if model.waiting:
-                model.drain.dispatched(cost, trio.current_time())
+                now = trio.current_time()
+                model.drain.dispatched(cost, now)
+                model.dispatches.dispatched(1, now)
             self.metrics.admitted.labels(model.name, priority.name).inc()
             self.metrics.wait.labels(model.name, priority.name).observe(0.0)
             return Admitted(0.0, _Ticket(model, cost))
@@ -296,10 +306,11 @@ class FlowQueue(TaskHost):
     # The slow path.
 
     @staticmethod
-    def _drain_of(model: _Model, band: _Band, now: float) -> tuple[float, float] | None:
-        """The seconds to drain the bands above ``band`` and ``band``'s own rate (None: a rate unknown)."""
+    def _drain_of(model: _Model, band: _Band, now: float, cost: int) -> tuple[float, float] | None:
+        """The seconds to drain the bands above ``band`` and ``band``'s own rate (None: a rate unknown); ``cost``:
+        the request's, for a band with nothing waiting."""
         above = model.wait_above(band.rank, now)
-        rate = band.line.rate(model.drain.current(now))
+        rate = model.rate_of(band, now, cost)
         return None if above is None or rate is None else (above, rate)
 
     @staticmethod
@@ -324,7 +335,8 @@ class FlowQueue(TaskHost):
             return self._shed(model, request, EXPIRED, 0.0, "its deadline had passed when it arrived", explain)
         # With room for it and all ahead of it, it is dispatched as soon as the dispatcher runs: never shed early.
         if not self._has_room(model, priority, tokens_ahead + max(request.cost, 0), position + 1):
-            expected = self._predicted(self._drain_of(model, band, now), own_ahead, max(request.cost, 0))
+            cost = max(request.cost, 0)
+            expected = self._predicted(self._drain_of(model, band, now, cost), own_ahead, cost)
             if expected is not None and expected > ARRIVAL_SHARE * remaining:
                 return self._shed_early(model, band, request, band.fair.start_of(request.flow, request.weight), 0.0,
                                         self._unservable(model, tokens_ahead, expected, remaining), explain)
@@ -388,6 +400,7 @@ class FlowQueue(TaskHost):
         model.tokens += waiter.cost
         self._count(model, request.priority.name, 1, waiter.cost)
         model.drain.backlog(True, now)
+        model.dispatches.backlog(True, now)
         model.head_changed(now)
         if not model.dispatching:
             model.dispatching = True
@@ -405,10 +418,12 @@ class FlowQueue(TaskHost):
         self._count(model, request.priority.name, -1, -waiter.cost)
         if dispatched:
             model.drain.dispatched(waiter.cost, now)
+            model.dispatches.dispatched(1, now)
             band.line.drain.dispatched(waiter.cost, now)
             band.line.served += waiter.cost
         if not model.waiting:
             model.drain.backlog(False, now)
+            model.dispatches.backlog(False, now)
         model.head_changed(now)
 
     def _count(self, model: _Model, cls: str, requests: int, tokens: int) -> None:
@@ -452,7 +467,7 @@ class FlowQueue(TaskHost):
         shedding's, within the bounds (the lower one while it is unknown)."""
         low, high = self.settings.retry_after_min, self.settings.retry_after_max
         band = model.band(priority.rank)
-        seconds = self._predicted(self._drain_of(model, band, now), band.fair.tokens, 0)
+        seconds = self._predicted(self._drain_of(model, band, now, 1), band.fair.tokens, 0)
         if seconds is None:
             return low
         return max(low, min(high, math.ceil(seconds) if math.isfinite(seconds) else high))
@@ -518,7 +533,7 @@ class FlowQueue(TaskHost):
         model.rechecked = now
         above = 0  # the tokens waiting in the bands above
         for band in model.bands:
-            drain = self._drain_of(model, band, now) if len(band.fair) else None
+            drain = self._drain_of(model, band, now, 1) if len(band.fair) else None
             if drain is not None:  # something waits in it, and it has an estimate
                 doomed = []
                 for waiter in band.fair:

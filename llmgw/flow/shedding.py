@@ -7,7 +7,11 @@ on average, halfway between two dispatches). Each band's rate is measured while 
 waiting (:class:`BandDrain`): the rate it is served at when it is served, in its own requests' tokens. One rate for
 the whole model would mix the bands' request sizes: a few interactive requests of 150 tokens behind a batch
 band's dispatches of 3,000 tokens each would look ten times faster to drain than they are. Until a band's rate is
-measured the model's is used; until that is measured there is no estimate, and nothing is shed early.
+measured, the model's rate in requests (dispatched per second while any waited) times the band's mean request
+size stands in for it (requests take a seat each, whatever their size); until that is measured there is no
+estimate, and nothing is shed early. A rate is predicted with once it is
+trusted (:attr:`~.drain.DrainRate.trusted`: after two samples, a second of backlog): a cold queue's first window
+often holds the stall of engines working through a burst, and a wrong early shed costs more than a late one.
 
 An early shed cannot be undone to see whether it was right, so each leaves a *mark* (:class:`Verdicts`): its
 virtual start in its band's fair order (:meth:`~.fair.FairBand.start_of`) and its deadline. The band emptying by
@@ -124,7 +128,9 @@ class BandDrain:
         self.head = False  # the highest band with requests waiting
 
     def rate(self, fallback: float | None) -> float | None:
-        return self.drain.rate if self.drain.rate is not None else fallback
+        """Its rate (tokens/s) to predict with; ``fallback`` until it is measured."""
+        rate = self.drain.trusted
+        return rate if rate is not None else fallback
 
 
 def drain_time(waiting: Iterable[tuple[int, float | None]]) -> float | None:
