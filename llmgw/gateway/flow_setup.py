@@ -23,7 +23,10 @@ from ..flow.queue import FlowQueue
 from ..flow.room import EngineRoom, SharedQueues
 from ..flow.room_metrics import RoomMetrics
 from ..router.router import EngineMetricsDemand, Router
+from ..tenancy.estimate import Estimator
+from ..tenancy.model import PriceList
 from .flow_gate import FlowGate, FlowOutcomes
+from .tenancy_setup import context_lengths
 
 if TYPE_CHECKING:
     from ..config.schema import FlowConfig
@@ -34,6 +37,11 @@ SCRAPE_TIMEOUT = 1.0  # seconds: one scrape of an engine's /metrics for the room
 
 def capacity_rule(flow: FlowConfig) -> CapacityRule:
     return dataclasses.replace(CapacityRule(), kv_high=flow.kv_high, kv_target=flow.kv_target)
+
+
+def estimator(config: Config) -> Estimator:
+    """A request's tokens as the queue counts them: the tenancy's estimate of the same config (prices aside)."""
+    return Estimator(config.tenancy.settings(), PriceList(), context_lengths(config))
 
 
 class GatewayFlow:
@@ -50,7 +58,7 @@ class GatewayFlow:
         self.queue = FlowQueue(settings, self.room, FlowMetrics(registry))
         self.room.count_queued(self.held)
         self.outcomes = FlowOutcomes()
-        self.gate = FlowGate(settings, self.queue, self.room, self.outcomes)
+        self.gate = FlowGate(settings, self.queue, self.room, self.outcomes, estimator(config))
 
     def held(self, model: str) -> int:
         """The requests the queue holds for ``model``, all classes (what the load report tells the peers)."""
@@ -66,7 +74,7 @@ class GatewayFlow:
         self.room.rule = capacity_rule(flow)
         self.room.scrape_interval = flow.scrape_interval
         self._scrape(flow)
-        self.gate = FlowGate(settings, self.queue, self.room, self.outcomes)
+        self.gate = FlowGate(settings, self.queue, self.room, self.outcomes, estimator(config))
         return self.gate
 
     def _scrape(self, flow: FlowConfig) -> None:
