@@ -30,11 +30,10 @@ class Room(Protocol):
         routed) of ``priority`` fit on ``model``'s replicas now: the tokens in flight there stay within the class's
         share of their KV capacity. True while that capacity is unknown."""
 
-    def admits(self, model: str, priority: PriorityClass, pending: int, tokens: int, one: int | None = None) -> bool:
+    def admits(self, model: str, priority: PriorityClass, pending: int, tokens: int) -> bool:
         """``free(model, priority) - pending > 0 and fits(model, priority, tokens)``: what the queue asks for every
-        request (``pending``: its admitted requests not yet released; ``tokens``: theirs and the request's). ``one``:
-        the request's own tokens, which must fit on a single replica (None: the tokens of several, counted
-        together). A room may answer it in one pass over the replicas; this default asks both."""
+        request (``pending``: its admitted requests not yet released; ``tokens``: theirs and the request's). A room
+        may answer it in one pass over the replicas; this default asks both."""
         return self.free(model, priority) - pending > 0 and self.fits(model, priority, tokens)
 
     async def changed(self, model: str) -> None:

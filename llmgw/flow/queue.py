@@ -247,9 +247,8 @@ class FlowQueue(TaskHost):
 
     def _has_room(self, model: _Model, priority: PriorityClass, cost: int, requests: int = 1) -> bool:
         """Room for ``requests`` more requests of ``cost`` tokens in all, besides those admitted and not yet
-        released (one request's tokens must fit on one replica; several are counted together)."""
-        return self.room.admits(model.name, priority, model.pending + requests - 1, model.pending_tokens + cost,
-                                cost if requests == 1 else None)
+        released."""
+        return self.room.admits(model.name, priority, model.pending + requests - 1, model.pending_tokens + cost)
 
     def _new_model(self, name: str) -> _Model:
         if len(self._models) >= MAX_MODELS:  # the data plane names served models only; still, never grow unbounded

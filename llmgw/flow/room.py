@@ -109,24 +109,24 @@ class EngineRoom:
     # -- Room ----------------------------------------------------------------------------------------------------
 
     def free(self, model: str, priority: PriorityClass) -> int:
-        return self.scan(model, priority, 0, None)[0]
+        return self.scan(model, priority, 0)[0]
 
     def fits(self, model: str, priority: PriorityClass, tokens: int) -> bool:
-        return self.scan(model, priority, tokens, tokens)[1]
+        return self.scan(model, priority, tokens)[1]
 
-    def admits(self, model: str, priority: PriorityClass, pending: int, tokens: int, one: int | None = None) -> bool:
-        free, fits = self.scan(model, priority, tokens, one)
+    def admits(self, model: str, priority: PriorityClass, pending: int, tokens: int) -> bool:
+        free, fits = self.scan(model, priority, tokens)
         return free - pending > 0 and fits
 
-    def scan(self, model: str, priority: PriorityClass, tokens: int, one: int | None) -> tuple[int, bool]:
+    def scan(self, model: str, priority: PriorityClass, tokens: int) -> tuple[int, bool]:
         """:meth:`free` and :meth:`fits` in one pass over the replicas (the queue's path for every request: kept
         lean). Requests: each replica's learnt capacity less its requests in flight, the class filling at most its
         ``max_fill`` of the summed capacity and, below 1.0, of each replica's seats (so that arrivals of the
         classes above find a free sequence slot in the engine, not a queue). Tokens: summed over the replicas,
-        each filled at most to the class's share of its KV cache, and ``one`` request (its tokens, of ``tokens``;
-        None: they are several, counted together) must fit on one of them (free tokens spread over several hold no
-        prompt: it would wait inside an engine for its blocks, ahead of every later arrival); a request larger than
-        one replica's share needs a whole share free (it would wait for ever otherwise). When other gateways hold
+        each filled at most to the class's share of its KV cache; a request larger than one replica's share needs
+        that much free (it would wait for ever otherwise). Not on one replica: the router, not the room, places
+        the request, and a room that waited for one replica to have it all held back more than it saved
+        (docs/overload.md, "Measured"). When other gateways hold
         requests for the model too, this gateway's part of both is its quota (:meth:`demand_share`)."""
         route = self.router.models.get(model)
         if route is None:
@@ -135,7 +135,7 @@ class EngineRoom:
         seated = fill < 1.0  # a class that may fill it all is bounded by the capacity alone
         capacity = free = seat_free = mine = theirs = 0
         unbounded = False
-        kv_room = kv_best = kv_largest = kv_filled = kv_mine = output = 0  # kv_best: the most free on one replica
+        kv_room = kv_largest = kv_filled = kv_mine = output = 0
         kv_known = True
         unsized: list[tuple[Replica, int]] = []  # replicas with only the others' requests: their output comes last
         ratio = route.prompt_ratio
@@ -160,9 +160,7 @@ class EngineRoom:
                     if local == 0 and peer:
                         unsized.append((replica, share))
                     else:
-                        left = share - self.held_tokens(replica, ratio)
-                        kv_room += max(0, left)
-                        kv_best = max(kv_best, left)
+                        kv_room += max(0, share - self.held_tokens(replica, ratio))
             known = learnt.get(replica)
             if known is None or known.capacity is None:
                 unbounded = True
@@ -179,15 +177,13 @@ class EngineRoom:
         if unsized:  # the others' output at this gateway's mean per request on the model (their reports lack it)
             per_request = output / mine if mine else DEFAULT_OUTPUT_TOKENS
             for replica, share in unsized:
-                left = share - self.held_tokens(replica, ratio, per_request)
-                kv_room += max(0, left)
-                kv_best = max(kv_best, left)
+                kv_room += max(0, share - self.held_tokens(replica, ratio, per_request))
         quota = self.demand_share(model, mine, theirs) if self.sharing is not None else None
         # The queue's estimate (prompt and most output, not yet routed) in the engine's count: scaled whole, since
         # it comes as one figure (its output part over- or under-counted by the ratio; under-counting the prompt,
         # the worse error, would let a long prompt in to wait inside the engine for blocks, ahead of everyone).
         need = min(ratio.tokens(tokens), kv_largest)
-        fits = not kv_known or (need <= kv_room and (one is None or min(ratio.tokens(one), kv_largest) <= kv_best) and (
+        fits = not kv_known or (need <= kv_room and (
             quota is None or mine == 0 or need <= kv_filled * quota[0] // quota[1] - kv_mine))
         if unbounded:
             return UNBOUNDED, fits
