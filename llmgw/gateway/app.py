@@ -52,6 +52,7 @@ from .admin import create_control_app
 from .admin_guard import exposure_problem
 from .admin_tenants import build_key_admin
 from .dataplane import DataPlane, DataPlaneSettings
+from .explain_shared import SharedOutcomes
 from .flow_setup import GatewayFlow
 from .health_report import HealthReport
 from .readiness import Readiness
@@ -150,7 +151,10 @@ class Gateway:
         # Overload control: the room (every model's engines scraped, their capacity learnt, shared with the cluster:
         # with a shared state, a cluster's or --workers', it counts every process's requests) and the queue.
         self.flow = GatewayFlow(config, self.router, self.metrics.registry,
-                                self.shared.load if self.shared is not None else None)
+                                self.shared.load if self.shared is not None else None,
+                                SharedOutcomes(self.shared.link, self.shared.keys, self.shared.signer,
+                                               self.shared.origin, self.metrics.registry)
+                                if self.shared is not None else None)
         self.room = self.flow.room
         # With a shared state, a control process is a candidate: its control plane runs (built anew) in each term
         # it leads the cluster (_lead), and is reached through that term; without one, for the process's life.

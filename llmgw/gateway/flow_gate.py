@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,13 +70,16 @@ class FlowOutcomes:
     """The last :data:`RECENT_OUTCOMES` requests that waited or were shed, by request id (a request routed at
     once is not kept: nothing happened to it)."""
 
-    __slots__ = ("_by_id", "_size")
+    __slots__ = ("_by_id", "_size", "shared")
 
     def __init__(self, size: int = RECENT_OUTCOMES) -> None:
         self._by_id: OrderedDict[str, FlowOutcome] = OrderedDict()
         self._size = size
+        self.shared: Callable[[FlowOutcome], None] | None = None  # each outcome handed on, for the other gateways
 
     def add(self, outcome: FlowOutcome) -> None:
+        if self.shared is not None:
+            self.shared(outcome)
         self._by_id[outcome.request_id] = outcome
         self._by_id.move_to_end(outcome.request_id)
         if len(self._by_id) > self._size:
