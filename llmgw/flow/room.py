@@ -6,22 +6,25 @@ their engines, less what every gateway has in flight there, split among the gate
   ``scrape_interval`` (``Router.engine_metrics_demand``) and learns from each scrape as it lands.
 - A model's room is the sum over its routable replicas of ``capacity - inflight`` (``inflight``: this gateway's
   routed requests and the other gateways' latest, ``Replica.inflight``); a class fills at most its ``max_fill``
-  of the summed capacity. A replica whose capacity is still unknown is not full: the model's room is then
-  :data:`UNBOUNDED` (nothing is held before an engine has said it is full).
+  of the summed capacity and, below 1.0, of each replica's seats (its engine's sequence slots, learnt with the
+  capacity), so that an arrival of a class above finds a free slot in the engine rather than its queue. A
+  replica whose capacity is still unknown is not full: the model's room is then :data:`UNBOUNDED` (nothing is
+  held before an engine has said it is full).
 - The room is counted in KV tokens too: a replica's KV capacity is its engine's scraped cache config (blocks x
   block size), the tokens held there the requests in flight will hold at most (their prompt estimate, this
   gateway's and the others', scaled by how many tokens the engines counted per estimated one in the answers'
   usage, :class:`~llmgw.router.prompt_ratio.PromptTokenRatio`; and their ``max_tokens``:
   :meth:`EngineRoom.held_tokens`). A class may dispatch a request only if the model's replicas keep the tokens
   within its ``max_fill`` of their KV capacity (:meth:`EngineRoom.fits`): three batch requests that fill the
-  cache leave no room for a fourth, while an interactive one still fits. Before an engine has told its capacity,
-  the tokens hold nothing back. The tokens are not split among gateways as the requests are: each gateway sees
-  the others' in-flight prompts within a report interval.
+  cache leave no room for a fourth, while an interactive one still fits; the request asking is scaled by the
+  same ratio. Before an engine has told its capacity, the tokens hold nothing back. The other gateways' requests
+  count with their prompts (in their reports) and this gateway's mean output per request.
 - Shared: every gateway reports how many requests it holds per model with its load (llmgw/cluster/load.py); when
-  others hold some too, this gateway may have in flight its quota of the capacity, in proportion to its demand
-  (requests in flight and held) among every gateway's (:meth:`EngineRoom.share`: a quota, not a part of what is
-  free now, so that dispatching one request after another cannot take it all before the next report); each
-  peer's count taken at most ``FlowSettings.max_queued`` (a forged report cannot claim it all).
+  others hold some too, this gateway may have in flight its quota of the capacity and of the KV tokens, in
+  proportion to its demand (requests in flight and held) among every gateway's (:meth:`EngineRoom.demand_share`:
+  a quota, not a part of what is free now, so that dispatching one request after another cannot take it all
+  before the next report); each peer's count taken at most ``FlowSettings.max_queued`` (a forged report cannot
+  claim it all).
 
 The cluster's load sharing is reached through :class:`SharedQueues` (the gateway passes it in): the flow layer
 does not import the cluster layer.
@@ -126,8 +129,8 @@ class EngineRoom:
         each filled at most to the class's share of its KV cache; a request larger than one replica's share needs
         that much free (it would wait for ever otherwise). Not on one replica: the router, not the room, places
         the request, and a room that waited for one replica to have it all held back more than it saved
-        (docs/overload.md, "Measured"). When other gateways hold
-        requests for the model too, this gateway's part of both is its quota (:meth:`demand_share`)."""
+        (docs/overload.md, "Measured"). When other gateways hold requests for the model too, this gateway's part of
+        both is its quota (:meth:`demand_share`)."""
         route = self.router.models.get(model)
         if route is None:
             return 0, True
