@@ -23,6 +23,7 @@ import trio.testing
 
 from llmgw.bench.common import bench_parser, finish, print_spread, rounds_us, spread_us
 from llmgw.flow.fair import FairBand
+from llmgw.flow.interfaces import Room
 from llmgw.flow.model import DEFAULT_CLASSES, Admitted, FlowRequest, FlowSettings, PriorityClass
 from llmgw.flow.queue import FlowQueue
 
@@ -30,7 +31,7 @@ MODEL = "m"
 INTERACTIVE, _, BATCH, _ = DEFAULT_CLASSES
 
 
-class FixedRoom:
+class FixedRoom(Room):
     """``capacity`` places of which ``used`` are taken; a class may fill its ``max_fill`` of them."""
 
     def __init__(self, capacity: int, used: int):

@@ -65,6 +65,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--profile", default=DEFAULT_PROFILE, help="the simulators' GPU profile")
     parser.add_argument("--max-num-seqs", type=int, default=8, help="each simulator's running sequences")
     parser.add_argument("--num-blocks", type=int, default=512, help="each simulator's KV cache, 16-token blocks")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="the simulators' (2: their GPU half as fast, "
+                        "so the fleet saturates at half the arrivals and a machine shared with other work bends "
+                        "the figures less; the SLOs stay as given)")
     parser.add_argument("--ramp", default="2,4,8,16,32", help="closed-loop client counts of the capacity ramp")
     parser.add_argument("--capacity-seconds", type=float, default=8.0, help="per ramp step")
     parser.add_argument("--capacity", type=float, default=None,
@@ -165,15 +168,17 @@ def arm_runs(args: argparse.Namespace) -> list[tuple[str, int]]:
 
 async def run(args: argparse.Namespace, root: Path, vllm_router: str | None, lookup: str) -> dict:
     tenants = Mix(batch_share=args.batch_share).tenants()
-    settings = {key: getattr(args, key) for key in ("replicas", "profile", "max_num_seqs", "num_blocks", "loads",
-                                                     "repeats", "seconds", "ramp", "capacity_seconds", "cap",
+    settings = {key: getattr(args, key) for key in ("replicas", "profile", "max_num_seqs", "num_blocks", "time_scale",
+                                                     "loads", "repeats", "seconds", "ramp", "capacity_seconds", "cap",
                                                      "slo_interactive_ms", "slo_batch_s", "seed", "gateways")}
-    settings.update(sim_note=f"--max-num-seqs {args.max_num_seqs}, --num-blocks {args.num_blocks}",
+    settings.update(sim_note=f"--max-num-seqs {args.max_num_seqs}, --num-blocks {args.num_blocks}"
+                    + (f", --time-scale {args.time_scale:g}" if args.time_scale != 1.0 else ""),
                     tenants=[vars(t) | {"key": "(its own)"} for t in tenants], cpus=os.cpu_count(),
                     load_average_at_start=os.getloadavg(),  # the machine's other work: read the spreads with it
                     vllm_router=vllm_router and vllm_router_version(vllm_router), vllm_router_lookup=lookup)
     report: dict = {"settings": settings, "arms": []}
-    extra = (*KV_SIM_EXTRA, "--profile", args.profile, "--max-num-seqs", str(args.max_num_seqs))
+    extra = (*KV_SIM_EXTRA, "--profile", args.profile, "--max-num-seqs", str(args.max_num_seqs),
+             "--time-scale", str(args.time_scale))
     async with new_client(args.cap) as http, trio.open_nursery() as nursery:
         engines = await start_sims(nursery, args.replicas, env=KV_SIM_ENV, num_blocks=args.num_blocks,
                                    block_size=16, seed=0, extra=extra)

@@ -16,6 +16,14 @@ The rule (an AIMD loop on the engine's scraped gauges, at most one step per scra
   lowest class fills): x``increase`` (at least +1);
 - otherwise it stays.
 
+Its *seats* (the sequences its engine runs at once, vLLM's ``--max-num-seqs``, which vLLM does not export) are
+learnt beside it: the engine's ``running`` when it queues (the same two-scrape queue as a cut) while its KV cache
+is below ``kv_target`` and it runs as many as it ever ran: then requests wait for a sequence slot. A queue at
+fewer running is one for blocks (a long prompt waiting for its blocks with the cache at 75%: the usage gauge
+cannot tell how large the waiting request is) and says nothing of the seats. Kept as the highest such figure, and
+raised at once when the engine is seen running more. Unknown (None) until the engine queued so; an engine that
+exports no KV usage never says which it queues for, and its seats stay unknown.
+
 Before a replica's first scrape that says it is full, its capacity is *unknown* (None): the room does not hold
 back for it (an unknown replica is not full). When its scrapes stop the last learnt value is kept, neither cut
 nor raised: the engine's ``/metrics`` going quiet is no sign it emptied, and the in-flight
@@ -54,6 +62,8 @@ class ReplicaCapacity:
     running_before: float = 0.0  # and this many running
     cuts: int = 0
     raises: int = 0
+    seats: int | None = None  # the sequences its engine runs at once; None: unknown
+    most_running: float = 0.0  # the most it was seen running
 
     def limit(self) -> int | None:
         """The requests in flight it takes, None when unknown."""
@@ -74,6 +84,11 @@ class ReplicaCapacity:
         queued = waiting >= max(1.0, rule.waiting_slack * running)
         queued_twice = queued and self.queued_before and running <= self.running_before
         self.queued_before, self.running_before = queued, running
+        if self.seats is not None and running > self.seats:  # the engine proves it runs more
+            self.seats = min(MAX_CAPACITY, math.floor(running))
+        if queued_twice and kv is not None and kv < rule.kv_target and running >= max(1.0, self.most_running):
+            self.seats = max(self.seats or 0, min(MAX_CAPACITY, math.floor(running)))
+        self.most_running = max(self.most_running, running)
         if queued_twice or (kv is not None and kv >= rule.kv_high):
             target = max(0.0, running)  # what the full engine runs, scaled to the KV target when KV is the limit
             if kv is not None and kv >= rule.kv_high:

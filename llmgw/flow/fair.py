@@ -123,13 +123,26 @@ class FairBand(Generic[Item]):
         reaches this request's start. O(flows)."""
         own = self._flows.get(flow_name)
         waiting = own.tokens if own is not None else 0
-        start = max(own.vtime if own is not None else self._vnow, self._vnow) + waiting / max(weight, MIN_WEIGHT)
+        start = self.start_of(flow_name, weight)
         total = float(waiting)
         for flow in self._flows.values():
             if flow is own or not flow.items:
                 continue
             total += min(flow.tokens, max(0.0, start - flow.vtime) * max(flow.items[0].weight, MIN_WEIGHT))
         return math.ceil(total)
+
+    def start_of(self, flow_name: str, weight: float) -> float:
+        """The virtual start of a request of ``flow_name`` arriving now: it is dispatched once the band's virtual
+        time (:attr:`vnow`) has reached it."""
+        own = self._flows.get(flow_name)
+        if own is None:
+            return self._vnow
+        return max(own.vtime, self._vnow) + own.tokens / max(weight, MIN_WEIGHT)
+
+    @property
+    def vnow(self) -> float:
+        """The band's virtual time: the start of the last request dispatched (it never goes back)."""
+        return self._vnow
 
     def _forget_member(self, item: Item, flow: _Flow[Item]) -> None:
         del self._members[item]

@@ -30,6 +30,12 @@ class Room(Protocol):
         routed) of ``priority`` fit on ``model``'s replicas now: the tokens in flight there stay within the class's
         share of their KV capacity. True while that capacity is unknown."""
 
+    def admits(self, model: str, priority: PriorityClass, pending: int, tokens: int) -> bool:
+        """``free(model, priority) - pending > 0 and fits(model, priority, tokens)``: what the queue asks for every
+        request (``pending``: its admitted requests not yet released; ``tokens``: theirs and the request's). A room
+        may answer it in one pass over the replicas; this default asks both."""
+        return self.free(model, priority) - pending > 0 and self.fits(model, priority, tokens)
+
     async def changed(self, model: str) -> None:
         """Return when ``model``'s room may have changed (a request finished, an engine was scraped, a replica
         came or went, a peer's report arrived); at the latest after a short poll interval."""

@@ -33,6 +33,12 @@ class FlowMetrics:
         self.retry_after = CachedLabels(Histogram(
             "llmgw_flow_retry_after_seconds", "Retry-After given with the queue's 429s, by model and priority "
             "class.", ["model", "class"], buckets=RETRY_AFTER_BUCKETS, registry=r))
+        self.early_shed_verdicts = CachedLabels(Counter(
+            "llmgw_flow_early_shed_verdicts", "Requests shed early (reason unservable), judged afterwards, by "
+            "model, priority class and verdict: idle_in_time (its class's queue emptied before its deadline: a "
+            "wrong shed), turn_in_time (its turn came in time, in a busy queue: served in another's place), "
+            "would_expire (a right shed), unknown (too many awaiting a verdict).",
+            ["model", "class", "verdict"], registry=r))
         self.drain_rate = CachedLabels(Gauge(
             "llmgw_flow_drain_tokens_per_second", "Estimated tokens per second a model's queue is dispatched at "
             "while requests wait (an EWMA over half-second windows of backlog); absent until measured.",

@@ -2,21 +2,25 @@
 within a band, deadlines, overflow, and a Retry-After from the measured drain rate.
 
 - A request is admitted at once, without awaiting, when its model has room for its class
-  (``room.free(model, class) - pending > 0`` and ``room.fits(model, class, pending tokens + its cost)``;
+  (``room.admits(model, class, pending, pending tokens + its cost)``: ``room.free(model, class) - pending > 0`` and
+  ``room.fits(model, class, pending tokens + its cost)``, in one pass;
   *pending*: admitted here and not yet released, counted in requests and in tokens) and nothing of its class or a
   higher one waits.
 - Otherwise it waits in its band (:class:`~.fair.FairBand`: start-time fair queueing by tokens between flows,
   FCFS within one). A dispatcher task per model, started when the model first has a waiter and ending when it has
   none, admits waiters while there is room: the highest band first, a lower band only when every band above it is
   empty. It wakes on ``room.changed(model)``, an arrival and a release.
-- A waiter is shed (:class:`~.model.Shed`, 429) when its deadline passes (EXPIRED); at once when the tokens
-  ahead of it would take longer to drain, at the measured rate, than its deadline leaves (UNSERVABLE; never while
-  the rate is not yet measured): all those of the bands above, and of its own band those the fair order puts
-  before it (:meth:`~.fair.FairBand.tokens_before`: a light tenant arriving behind a heavy one's burst is not
-  shed for the burst); or when the model's queue is over ``max_queued``
-  requests or ``max_queued_tokens`` (OVERFLOW: the newest waiter of the lowest band, maybe the one arriving).
-- Retry-After: the tokens waiting in the shed request's band and above over the drain rate, rounded up and
-  clamped to ``[retry_after_min, retry_after_max]`` (``retry_after_min`` while the rate is unknown).
+- A request is shed (:class:`~.model.Shed`, 429) at once on arrival when its predicted wait passes
+  ``ARRIVAL_SHARE`` of what its deadline leaves (UNSERVABLE; :mod:`.shedding`: the bands above drained at their
+  rates, then what of its own band the fair order puts before it, :meth:`~.fair.FairBand.tokens_before`: a light
+  tenant arriving behind a heavy one's burst is not shed for the burst); never while no drain rate is measured,
+  nor when the model has room for it and all waiting ahead of it. A waiter is shed the same way while it waits
+  (looked at every ``RECHECK`` seconds) once its predicted wait passes ``RECHECK_FACTOR`` times what it has left
+  (a higher class arrived ahead of it, the drain slowed); else when its deadline passes (EXPIRED); or when the
+  model's queue is over ``max_queued`` requests or ``max_queued_tokens`` (OVERFLOW: the newest waiter of the
+  lowest band, maybe the one arriving). Each early shed is judged afterwards (``llmgw_flow_early_shed_verdicts``).
+- Retry-After: the same estimate for all that waits in the shed request's band and above, rounded up and clamped
+  to ``[retry_after_min, retry_after_max]`` (``retry_after_min`` while the rate is unknown).
 
 The dispatchers run in :meth:`FlowQueue.run`'s nursery (a :class:`~llmgw.control.tasks.TaskHost`), which the
 gateway starts in its own.
@@ -38,10 +42,19 @@ from .fair import FairBand
 from .interfaces import Room
 from .metrics import FlowMetrics
 from .model import EXPIRED, OVERFLOW, UNSERVABLE, Admitted, FlowRequest, FlowSettings, PriorityClass, Shed
+from .shedding import BandDrain, drain_time
 
 log = logging.getLogger(__name__)
 
 POLL = 0.25  # seconds a dispatcher waits at most for a wake-up before looking at the room again
+RECHECK = 0.1  # seconds between two looks at the waiters' predicted waits
+# The predicted wait is noisy: dispatches come in steps as requests end, the drain rate is an EWMA. A request is
+# shed on arrival when its predicted wait passes this share of its deadline, so that those admitted near the line
+# keep some slack and are not shed (or expire) a moment later...
+ARRIVAL_SHARE = 0.9
+# ...and a waiter is shed only when its predicted wait passes its deadline by this factor: a real change (a
+# higher class arrived ahead of it, the drain slowed), not the noise of the estimate it was admitted on.
+RECHECK_FACTOR = 1.5
 RECENT = 60.0  # seconds of sheds the snapshot counts
 RECENT_KEPT = 256  # sheds remembered per model and class for it
 MAX_MODELS = 1024  # models with nothing waiting or admitted are forgotten beyond it
@@ -55,14 +68,18 @@ class Queued(NamedTuple):
 
 
 class _Waiter:
-    __slots__ = ("request", "since", "event", "outcome", "position", "tokens_ahead", "ahead_class")
+    __slots__ = ("request", "since", "event", "outcome", "position", "tokens_ahead", "ahead_class", "target",
+                 "start")
 
-    def __init__(self, request: FlowRequest, since: float, position: int, tokens_ahead: int, ahead_class: str):
+    def __init__(self, request: FlowRequest, since: float, position: int, tokens_ahead: int, ahead_class: str,
+                 target: int, start: float):
         self.request = request
         self.since = since
         self.event = trio.Event()
         self.outcome: Admitted | Shed | None = None
         self.position, self.tokens_ahead, self.ahead_class = position, tokens_ahead, ahead_class
+        self.target = target  # its band's served tokens once those the fair order put before it have gone
+        self.start = start  # its virtual start in its band's fair order
 
     # What the fair band orders by.
     @property
@@ -87,56 +104,95 @@ class _ClassState:
         self.sheds: deque[tuple[float, str]] = deque(maxlen=RECENT_KEPT)
 
 
+class _Band:
+    """One class's band of a model's queue: its fair order and its drain."""
+
+    __slots__ = ("rank", "fair", "line")
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.fair: FairBand[_Waiter] = FairBand()
+        self.line = BandDrain()
+
+
 class _Model:
     """One model's queue."""
 
     def __init__(self, name: str, ranks: list[int]):
         self.name = name
-        self.bands: list[tuple[int, FairBand[_Waiter]]] = [(rank, FairBand()) for rank in sorted(set(ranks))]
+        self.bands: list[_Band] = [_Band(rank) for rank in sorted(set(ranks))]
         self.classes: dict[str, _ClassState] = {}
         self.pending = 0  # admitted, not yet released
         self.pending_tokens = 0  # their costs
         self.waiting = 0
         self.tokens = 0
         self.drain = DrainRate()
+        self.dispatches = DrainRate()  # the same in requests: what a band's rate is until it is measured
         self.kick = trio.Event()  # set on an arrival or a release: the dispatcher looks again
         self.dispatching = False
+        self.rechecked = 0.0  # when the waiters' predicted waits were last looked at
 
-    def band(self, rank: int) -> FairBand[_Waiter]:
-        for r, band in self.bands:
-            if r == rank:
+    def band(self, rank: int) -> _Band:
+        for band in self.bands:
+            if band.rank == rank:
                 return band
-        band = FairBand()
-        self.bands = sorted([*self.bands, (rank, band)], key=lambda rb: rb[0])
+        band = _Band(rank)
+        self.bands = sorted([*self.bands, band], key=lambda b: b.rank)
         return band
 
     def waits_at(self, rank: int) -> bool:
         """Whether anything waits at ``rank`` or above."""
-        for r, band in self.bands:
-            if r > rank:
+        for band in self.bands:
+            if band.rank > rank:
                 return False
-            if len(band):
+            if len(band.fair):
                 return True
         return False
 
-    def ahead(self, rank: int, request: FlowRequest | None = None) -> tuple[int, int, str]:
-        """The requests and tokens waiting at ``rank`` and above, and the highest class among them. With a
-        ``request`` arriving, the tokens of its own band are only those dispatched before it in fair order."""
-        requests = tokens = 0
+    def ahead(self, rank: int, request: FlowRequest | None = None) -> tuple[int, int, str, int]:
+        """The requests and tokens waiting at ``rank`` and above, the highest class among them, and of those
+        tokens the ones of ``rank``'s own band. With a ``request`` arriving, the tokens of its own band are only
+        those dispatched before it in fair order."""
+        requests = tokens = own = 0
         first = ""
-        for r, band in self.bands:
-            if r > rank:
+        for band in self.bands:
+            if band.rank > rank:
                 break
-            if len(band):
-                requests += len(band)
-                if request is not None and r == rank:
-                    tokens += band.tokens_before(request.flow, request.weight)
+            fair = band.fair
+            if len(fair):
+                requests += len(fair)
+                if band.rank == rank:
+                    own = fair.tokens_before(request.flow, request.weight) if request is not None else fair.tokens
+                    tokens += own
                 else:
-                    tokens += band.tokens
+                    tokens += fair.tokens
                 if not first:
-                    head = band.peek()
+                    head = fair.peek()
                     first = head.request.priority.name if head is not None else ""
-        return requests, tokens, first
+        return requests, tokens, first, own
+
+    def rate_of(self, band: _Band, now: float, cost: int) -> float | None:
+        """``band``'s drain rate in tokens/s: its own once measured, else the model's requests per second times
+        the mean cost of what waits in it (``cost`` when nothing does)."""
+        requests = self.dispatches.trusted
+        fair = band.fair
+        mean = fair.tokens / len(fair) if len(fair) else cost
+        return band.line.rate(None if requests is None else requests * max(mean, 1))
+
+    def wait_above(self, rank: int, now: float) -> float | None:
+        """Seconds to drain the bands above ``rank`` at their rates (None: a rate unknown)."""
+        return drain_time((band.fair.tokens, self.rate_of(band, now, 1)) for band in self.bands if band.rank < rank)
+
+    def head_changed(self, now: float) -> None:
+        """Keep each band's drain measuring only while it is the highest band waiting."""
+        head = True
+        for band in self.bands:
+            is_head = head and len(band.fair) > 0
+            if is_head != band.line.head:
+                band.line.head = is_head
+                band.line.drain.backlog(is_head, now)
+            if len(band.fair):
+                head = False
 
     def state(self, name: str) -> _ClassState:
         state = self.classes.get(name)
@@ -181,16 +237,18 @@ class FlowQueue(TaskHost):
         if (not model.waiting or not model.waits_at(priority.rank)) and self._has_room(model, priority, cost):
             # The fast path: no await, no clock unless a backlog is being measured.
             if model.waiting:
-                model.drain.dispatched(cost, trio.current_time())
+                now = trio.current_time()
+                model.drain.dispatched(cost, now)
+                model.dispatches.dispatched(1, now)
             self.metrics.admitted.labels(model.name, priority.name).inc()
             self.metrics.wait.labels(model.name, priority.name).observe(0.0)
             return Admitted(0.0, _Ticket(model, cost))
         return await self._wait(model, request)
 
-    def _has_room(self, model: _Model, priority: PriorityClass, cost: int) -> bool:
-        """Room for one more request of ``cost`` tokens, besides those admitted and not yet released."""
-        return self.room.free(model.name, priority) - model.pending > 0 and \
-            self.room.fits(model.name, priority, model.pending_tokens + cost)
+    def _has_room(self, model: _Model, priority: PriorityClass, cost: int, requests: int = 1) -> bool:
+        """Room for ``requests`` more requests of ``cost`` tokens in all, besides those admitted and not yet
+        released."""
+        return self.room.admits(model.name, priority, model.pending + requests - 1, model.pending_tokens + cost)
 
     def _new_model(self, name: str) -> _Model:
         if len(self._models) >= MAX_MODELS:  # the data plane names served models only; still, never grow unbounded
@@ -226,8 +284,8 @@ class FlowQueue(TaskHost):
         out: dict[str, dict] = {}
         for name, model in self._models.items():
             oldest: dict[str, float] = {}
-            for _, band in model.bands:
-                for waiter in band:  # oldest first: stop once each class waiting in the band was seen
+            for band in model.bands:
+                for waiter in band.fair:  # oldest first: stop once each class waiting in the band was seen
                     cls = waiter.request.priority.name
                     if cls not in oldest:
                         oldest[cls] = now - waiter.since
@@ -247,27 +305,45 @@ class FlowQueue(TaskHost):
 
     # The slow path.
 
+    @staticmethod
+    def _drain_of(model: _Model, band: _Band, now: float, cost: int) -> tuple[float, float] | None:
+        """The seconds to drain the bands above ``band`` and ``band``'s own rate (None: a rate unknown); ``cost``:
+        the request's, for a band with nothing waiting."""
+        above = model.wait_above(band.rank, now)
+        rate = model.rate_of(band, now, cost)
+        return None if above is None or rate is None else (above, rate)
+
+    @staticmethod
+    def _predicted(drain: tuple[float, float] | None, own_ahead: int, cost: int) -> float | None:
+        """Seconds until a request with ``own_ahead`` of its band's tokens before it (and ``cost`` of its own)
+        would be dispatched: the bands above drained, then its part of its own (None: a rate unknown)."""
+        if drain is None:
+            return None
+        above, rate = drain
+        return above + (own_ahead + cost // 2) / rate if rate > 0 else math.inf
+
     async def _wait(self, model: _Model, request: FlowRequest) -> Admitted | Shed:
         if not self.running:
             raise RuntimeError(self.not_running)
         now = trio.current_time()
         priority = request.priority
-        position, tokens_ahead, ahead_class = model.ahead(priority.rank, request)
+        band = model.band(priority.rank)
+        position, tokens_ahead, ahead_class, own_ahead = model.ahead(priority.rank, request)
         explain = (position, tokens_ahead, ahead_class)
         remaining = request.deadline - now
         if remaining <= 0:
             return self._shed(model, request, EXPIRED, 0.0, "its deadline had passed when it arrived", explain)
-        rate = model.drain.current(now)
-        if rate is not None and tokens_ahead:
-            expected = tokens_ahead / rate if rate > 0 else math.inf
-            if expected > remaining:
-                return self._shed(model, request, UNSERVABLE, 0.0,
-                                  f"{tokens_ahead} tokens wait ahead of it for {model.name}, {expected:.1f} s at "
-                                  f"the drain rate of {rate:.0f} tokens/s: more than the {remaining:.1f} s its "
-                                  f"deadline leaves", explain)
+        # With room for it and all ahead of it, it is dispatched as soon as the dispatcher runs: never shed early.
+        if not self._has_room(model, priority, tokens_ahead + max(request.cost, 0), position + 1):
+            cost = max(request.cost, 0)
+            expected = self._predicted(self._drain_of(model, band, now, cost), own_ahead, cost)
+            if expected is not None and expected > ARRIVAL_SHARE * remaining:
+                return self._shed_early(model, band, request, band.fair.start_of(request.flow, request.weight), 0.0,
+                                        self._unservable(model, tokens_ahead, expected, remaining), explain)
         if self._overflows(model, request):
             return self._shed(model, request, OVERFLOW, 0.0, self._full(model), explain)
-        waiter = _Waiter(request, now, *explain)
+        waiter = _Waiter(request, now, *explain, band.line.served + own_ahead,
+                         band.fair.start_of(request.flow, request.weight))
         request.enqueued = now
         self._enqueue(model, waiter, now)
         try:
@@ -287,16 +363,21 @@ class FlowQueue(TaskHost):
                                         explain)
         return waiter.outcome
 
+    @staticmethod
+    def _unservable(model: _Model, tokens_ahead: int, expected: float, remaining: float) -> str:
+        return (f"{tokens_ahead} tokens wait ahead of it for {model.name}: about {expected:.1f} s at the drain "
+                f"rates measured, more than the {remaining:.1f} s its deadline leaves")
+
     def _overflows(self, model: _Model, request: FlowRequest) -> bool:
         """Shed the newest waiters of the lowest bands below ``request``'s until it fits; True: it does not."""
         limit, token_limit = self.settings.max_queued, self.settings.max_queued_tokens
         while model.waiting + 1 > limit or model.tokens + max(request.cost, 0) > token_limit:
             victim = None
-            for rank, band in reversed(model.bands):
-                if rank <= request.priority.rank:
+            for band in reversed(model.bands):
+                if band.rank <= request.priority.rank:
                     break
-                if len(band):
-                    victim = band.newest()
+                if len(band.fair):
+                    victim = band.fair.newest()
                     break
             if victim is None:
                 return True
@@ -314,11 +395,13 @@ class FlowQueue(TaskHost):
 
     def _enqueue(self, model: _Model, waiter: _Waiter, now: float) -> None:
         request = waiter.request
-        model.band(request.priority.rank).push(waiter)
+        model.band(request.priority.rank).fair.push(waiter)
         model.waiting += 1
         model.tokens += waiter.cost
         self._count(model, request.priority.name, 1, waiter.cost)
         model.drain.backlog(True, now)
+        model.dispatches.backlog(True, now)
+        model.head_changed(now)
         if not model.dispatching:
             model.dispatching = True
             self.spawn(self._dispatch, model)
@@ -327,15 +410,21 @@ class FlowQueue(TaskHost):
 
     def _dequeue(self, model: _Model, waiter: _Waiter, now: float, *, dispatched: bool = False) -> None:
         request = waiter.request
+        band = model.band(request.priority.rank)
         if not dispatched:  # the dispatcher has popped it already
-            model.band(request.priority.rank).remove(waiter)
+            band.fair.remove(waiter)
         model.waiting -= 1
         model.tokens -= waiter.cost
         self._count(model, request.priority.name, -1, -waiter.cost)
         if dispatched:
             model.drain.dispatched(waiter.cost, now)
+            model.dispatches.dispatched(1, now)
+            band.line.drain.dispatched(waiter.cost, now)
+            band.line.served += waiter.cost
         if not model.waiting:
             model.drain.backlog(False, now)
+            model.dispatches.backlog(False, now)
+        model.head_changed(now)
 
     def _count(self, model: _Model, cls: str, requests: int, tokens: int) -> None:
         state = model.state(cls)
@@ -354,14 +443,34 @@ class FlowQueue(TaskHost):
         self.metrics.retry_after.labels(model.name, cls).observe(retry_after)
         return Shed(reason, retry_after, waited, detail, *explain)
 
+    def _shed_early(self, model: _Model, band: _Band, request: FlowRequest, start: float, waited: float,
+                    detail: str, explain: tuple[int, int, str]) -> Shed:
+        """Shed UNSERVABLE, leaving a mark to judge later whether it would have been served in time."""
+        now = trio.current_time()
+        self._verdicts(model, band, band.line.verdicts.mark(start, band.line.served, request.deadline, now))
+        return self._shed(model, request, UNSERVABLE, waited, detail, explain)
+
+    def _verdicts(self, model: _Model, band: _Band, verdicts: list[str]) -> None:
+        if verdicts:
+            cls = self._class_name(band.rank)
+            for verdict in verdicts:
+                self.metrics.early_shed_verdicts.labels(model.name, cls, verdict).inc()
+
+    def _class_name(self, rank: int) -> str:
+        for cls in self.settings.classes:
+            if cls.rank == rank:
+                return cls.name
+        return str(rank)
+
     def _retry_after(self, model: _Model, priority: PriorityClass, now: float) -> int:
+        """The time for all that waits at ``priority``'s band and above to drain, by the same estimate as early
+        shedding's, within the bounds (the lower one while it is unknown)."""
         low, high = self.settings.retry_after_min, self.settings.retry_after_max
-        rate = model.drain.current(now)
-        if rate is None:
+        band = model.band(priority.rank)
+        seconds = self._predicted(self._drain_of(model, band, now, 1), band.fair.tokens, 0)
+        if seconds is None:
             return low
-        tokens = model.ahead(priority.rank)[1]
-        seconds = math.ceil(tokens / rate) if rate > 0 else high
-        return max(low, min(high, seconds))
+        return max(low, min(high, math.ceil(seconds) if math.isfinite(seconds) else high))
 
     # The dispatcher.
 
@@ -371,6 +480,7 @@ class FlowQueue(TaskHost):
                 model.kick = trio.Event()
                 try:
                     self._admit_ready(model)
+                    self._recheck(model)
                 except Exception as exc:  # a broken room must not end the gateway: its waiters expire meanwhile
                     self._errors.error("flow: dispatching %s's queue failed (a bug: please report it); trying again "
                                        "in %.2f s", model.name, POLL, exc_info=exc)
@@ -383,12 +493,14 @@ class FlowQueue(TaskHost):
     def _admit_ready(self, model: _Model) -> None:
         """Admit waiters in band and fair order while the room allows; a band only when those above are empty."""
         now = trio.current_time()
-        for _, band in model.bands:
-            while (waiter := band.peek()) is not None:
+        for band in model.bands:
+            fair = band.fair
+            had = len(fair)
+            while (waiter := fair.peek()) is not None:
                 priority = waiter.request.priority
                 if not self._has_room(model, priority, waiter.cost):
-                    return
-                band.pop()
+                    break
+                fair.pop()
                 self._dequeue(model, waiter, now, dispatched=True)
                 waited = now - waiter.since
                 waiter.outcome = Admitted(waited, _Ticket(model, waiter.cost), waiter.position, waiter.tokens_ahead,
@@ -396,9 +508,49 @@ class FlowQueue(TaskHost):
                 waiter.event.set()
                 self.metrics.admitted.labels(model.name, priority.name).inc()
                 self.metrics.wait.labels(model.name, priority.name).observe(waited)
+            if had and not len(fair) and band.line.verdicts.pending:
+                self._verdicts(model, band, band.line.verdicts.emptied(now))
+            if len(fair):
+                break
+        self._judge(model, now)
         rate = model.drain.rate
         if rate is not None:
             self.metrics.drain_rate.labels(model.name).set(rate)
+
+    def _judge(self, model: _Model, now: float) -> None:
+        """The early sheds' turns that came, and the verdicts of those whose deadline passed, in every band."""
+        for band in model.bands:
+            marks = band.line.verdicts
+            if marks.pending:
+                self._verdicts(model, band, marks.judge(band.fair.vnow, band.line.served, now))
+
+    def _recheck(self, model: _Model) -> None:
+        """At most every RECHECK seconds, shed (UNSERVABLE) the waiters whose predicted wait now passes their
+        deadline: higher classes arrived ahead of them, or the drain slowed."""
+        now = trio.current_time()
+        if now - model.rechecked < RECHECK or not model.waiting:
+            return
+        model.rechecked = now
+        above = 0  # the tokens waiting in the bands above
+        for band in model.bands:
+            drain = self._drain_of(model, band, now, 1) if len(band.fair) else None
+            if drain is not None:  # something waits in it, and it has an estimate
+                doomed = []
+                for waiter in band.fair:
+                    own_ahead = max(0, waiter.target - band.line.served)
+                    expected = self._predicted(drain, own_ahead, waiter.cost)
+                    assert expected is not None
+                    remaining = waiter.request.deadline - now
+                    if expected > RECHECK_FACTOR * remaining:
+                        doomed.append((waiter, above + own_ahead, expected, remaining))
+                for waiter, tokens, expected, remaining in doomed:
+                    self._dequeue(model, waiter, now)
+                    waiter.outcome = self._shed_early(
+                        model, band, waiter.request, waiter.start, now - waiter.since,
+                        self._unservable(model, tokens, expected, remaining),
+                        (waiter.position, waiter.tokens_ahead, waiter.ahead_class))
+                    waiter.event.set()
+            above += band.fair.tokens
 
     async def _changed(self, model: _Model) -> None:
         """Return on an arrival, a release or the room's change, at the latest after POLL seconds."""

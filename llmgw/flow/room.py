@@ -6,22 +6,25 @@ their engines, less what every gateway has in flight there, split among the gate
   ``scrape_interval`` (``Router.engine_metrics_demand``) and learns from each scrape as it lands.
 - A model's room is the sum over its routable replicas of ``capacity - inflight`` (``inflight``: this gateway's
   routed requests and the other gateways' latest, ``Replica.inflight``); a class fills at most its ``max_fill``
-  of the summed capacity. A replica whose capacity is still unknown is not full: the model's room is then
-  :data:`UNBOUNDED` (nothing is held before an engine has said it is full).
+  of the summed capacity and, below 1.0, of each replica's seats (its engine's sequence slots, learnt with the
+  capacity), so that an arrival of a class above finds a free slot in the engine rather than its queue. A
+  replica whose capacity is still unknown is not full: the model's room is then :data:`UNBOUNDED` (nothing is
+  held before an engine has said it is full).
 - The room is counted in KV tokens too: a replica's KV capacity is its engine's scraped cache config (blocks x
   block size), the tokens held there the requests in flight will hold at most (their prompt estimate, this
   gateway's and the others', scaled by how many tokens the engines counted per estimated one in the answers'
   usage, :class:`~llmgw.router.prompt_ratio.PromptTokenRatio`; and their ``max_tokens``:
   :meth:`EngineRoom.held_tokens`). A class may dispatch a request only if the model's replicas keep the tokens
   within its ``max_fill`` of their KV capacity (:meth:`EngineRoom.fits`): three batch requests that fill the
-  cache leave no room for a fourth, while an interactive one still fits. Before an engine has told its capacity,
-  the tokens hold nothing back. The tokens are not split among gateways as the requests are: each gateway sees
-  the others' in-flight prompts within a report interval.
+  cache leave no room for a fourth, while an interactive one still fits; the request asking is scaled by the
+  same ratio. Before an engine has told its capacity, the tokens hold nothing back. The other gateways' requests
+  count with their prompts (in their reports) and this gateway's mean output per request.
 - Shared: every gateway reports how many requests it holds per model with its load (llmgw/cluster/load.py); when
-  others hold some too, this gateway may have in flight its quota of the capacity, in proportion to its demand
-  (requests in flight and held) among every gateway's (:meth:`EngineRoom.share`: a quota, not a part of what is
-  free now, so that dispatching one request after another cannot take it all before the next report); each
-  peer's count taken at most ``FlowSettings.max_queued`` (a forged report cannot claim it all).
+  others hold some too, this gateway may have in flight its quota of the capacity and of the KV tokens, in
+  proportion to its demand (requests in flight and held) among every gateway's (:meth:`EngineRoom.demand_share`:
+  a quota, not a part of what is free now, so that dispatching one request after another cannot take it all
+  before the next report); each peer's count taken at most ``FlowSettings.max_queued`` (a forged report cannot
+  claim it all).
 
 The cluster's load sharing is reached through :class:`SharedQueues` (the gateway passes it in): the flow layer
 does not import the cluster layer.
@@ -36,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import trio
 
+from ..router.decode_cost import DEFAULT_OUTPUT_TOKENS
 from ..router.prompt_ratio import PromptTokenRatio
 from ..router.replica import Replica, ReplicaState
 from ..router.router import EngineMetricsDemand
@@ -108,76 +112,120 @@ class EngineRoom:
     # -- Room ----------------------------------------------------------------------------------------------------
 
     def free(self, model: str, priority: PriorityClass) -> int:
+        return self.scan(model, priority, 0)[0]
+
+    def fits(self, model: str, priority: PriorityClass, tokens: int) -> bool:
+        return self.scan(model, priority, tokens)[1]
+
+    def admits(self, model: str, priority: PriorityClass, pending: int, tokens: int) -> bool:
+        free, fits = self.scan(model, priority, tokens)
+        return free - pending > 0 and fits
+
+    def scan(self, model: str, priority: PriorityClass, tokens: int) -> tuple[int, bool]:
+        """:meth:`free` and :meth:`fits` in one pass over the replicas (the queue's path for every request: kept
+        lean). Requests: each replica's learnt capacity less its requests in flight, the class filling at most its
+        ``max_fill`` of the summed capacity and, below 1.0, of each replica's seats (so that arrivals of the
+        classes above find a free sequence slot in the engine, not a queue). Tokens: summed over the replicas,
+        each filled at most to the class's share of its KV cache; a request larger than one replica's share needs
+        that much free (it would wait for ever otherwise). Not on one replica: the router, not the room, places
+        the request, and a room that waited for one replica to have it all held back more than it saved
+        (docs/overload.md, "Measured"). When other gateways hold requests for the model too, this gateway's part of
+        both is its quota (:meth:`demand_share`)."""
         route = self.router.models.get(model)
         if route is None:
-            return 0
-        capacity = free = mine = theirs = 0
+            return 0, True
+        fill = min(1.0, max(0.0, priority.max_fill))
+        seated = fill < 1.0  # a class that may fill it all is bounded by the capacity alone
+        capacity = free = seat_free = mine = theirs = 0
+        unbounded = False
+        kv_room = kv_largest = kv_filled = kv_mine = output = 0
+        kv_known = True
+        unsized: list[tuple[Replica, int]] = []  # replicas with only the others' requests: their output comes last
+        ratio = route.prompt_ratio
         learnt = self._learnt
-        for replica in route.replicas:  # on the queue's path for every request: kept lean
+        for replica in route.replicas:
             state = replica.state
             if state is not UP and state is not UNKNOWN:  # ReplicaState.routable, without its enum lookups
                 continue
+            local, peer = replica.local_inflight, replica.peer_inflight
+            mine += local
+            theirs += peer
+            if kv_known:
+                kv = kv_capacity(replica)
+                if kv is None:
+                    kv_known = False
+                else:
+                    share = math.floor(kv * fill)
+                    kv_largest = max(kv_largest, share)
+                    kv_filled += share
+                    output += replica.local_inflight_output_tokens
+                    kv_mine += ratio.tokens(replica.local_inflight_tokens) + replica.local_inflight_output_tokens
+                    if local == 0 and peer:
+                        unsized.append((replica, share))
+                    else:
+                        kv_room += max(0, share - self.held_tokens(replica, ratio))
             known = learnt.get(replica)
             if known is None or known.capacity is None:
-                return UNBOUNDED
+                unbounded = True
+                continue
             limit = int(known.capacity)
             capacity += limit
-            mine += replica.local_inflight
-            theirs += replica.peer_inflight
-            left = limit - replica.local_inflight - replica.peer_inflight
+            left = limit - local - peer
             if left > 0:
                 free += left
-        filled = math.floor(capacity * min(1.0, max(0.0, priority.max_fill)))  # what the class may fill
-        free = max(0, free - (capacity - filled))
-        if free == 0 or self.sharing is None:
-            return free
-        return self.share(model, free, filled, mine, theirs)
-
-    def fits(self, model: str, priority: PriorityClass, tokens: int) -> bool:
-        # Summed over the replicas, each filled at most to the class's share of its KV cache; a request larger than
-        # one replica's share needs that much free (it would wait for ever otherwise).
-        route = self.router.models.get(model)
-        if route is None:
-            return True  # free() says 0 already
-        fill = min(1.0, max(0.0, priority.max_fill))
-        room = largest = 0
-        for replica in route.replicas:
-            if not replica.routable:
-                continue
-            capacity = kv_capacity(replica)
-            if capacity is None:
-                return True
-            share = math.floor(capacity * fill)
-            largest = max(largest, share)
-            room += max(0, share - self.held_tokens(replica, route.prompt_ratio))
-        return min(tokens, largest) <= room
+            if seated and known.seats is not None:
+                left = min(left, max(1, math.floor(known.seats * fill)) - local - peer)
+            if left > 0:
+                seat_free += left
+        if unsized:  # the others' output at this gateway's mean per request on the model (their reports lack it)
+            per_request = output / mine if mine else DEFAULT_OUTPUT_TOKENS
+            for replica, share in unsized:
+                kv_room += max(0, share - self.held_tokens(replica, ratio, per_request))
+        quota = self.demand_share(model, mine, theirs) if self.sharing is not None else None
+        # The queue's estimate (prompt and most output, not yet routed) in the engine's count: scaled whole, since
+        # it comes as one figure (its output part over- or under-counted by the ratio; under-counting the prompt,
+        # the worse error, would let a long prompt in to wait inside the engine for blocks, ahead of everyone).
+        need = min(ratio.tokens(tokens), kv_largest)
+        fits = not kv_known or (need <= kv_room and (
+            quota is None or mine == 0 or need <= kv_filled * quota[0] // quota[1] - kv_mine))
+        if unbounded:
+            return UNBOUNDED, fits
+        filled = max(1, math.floor(capacity * fill)) if capacity else 0  # what the class may fill: one at least
+        free = min(max(0, free - (capacity - filled)), seat_free)
+        if free == 0 or quota is None:
+            return free, fits
+        allowed = filled * quota[0] // quota[1] - mine
+        if allowed <= 0:
+            return (1 if mine == 0 else 0), fits
+        return min(free, allowed), fits
 
     @staticmethod
-    def held_tokens(replica: Replica, ratio: PromptTokenRatio) -> int:
+    def held_tokens(replica: Replica, ratio: PromptTokenRatio, per_request: float = DEFAULT_OUTPUT_TOKENS) -> int:
         """The KV tokens the requests in flight on ``replica`` will hold at most: their prompt estimates (this
         gateway's and the others') in the engine's count (``ratio``: the model's), and this gateway's output
         estimates; the other gateways' output is taken at this gateway's mean per request there (their reports
-        carry prompt tokens only)."""
+        carry prompt tokens only), or at ``per_request`` where it has none there (:meth:`scan` passes its mean
+        over the model's replicas)."""
         output = replica.local_inflight_output_tokens
-        if replica.peer_inflight and replica.local_inflight:
-            output += replica.peer_inflight * output // replica.local_inflight
+        if replica.peer_inflight:
+            local = replica.local_inflight
+            output += replica.peer_inflight * output // local if local else int(replica.peer_inflight * per_request)
         return ratio.tokens(replica.inflight_tokens) + output
 
-    def share(self, model: str, free: int, filled: int, mine: int, theirs: int) -> int:
-        """This gateway's part of ``free`` when other gateways hold requests for ``model`` too: it may have in
-        flight its quota of ``filled`` (the capacity the class may fill), in proportion to its demand (its requests
-        in flight, ``mine``, and those it holds) among every gateway's (``theirs`` in flight, and those they hold).
-        At least 1 while it has none in flight (nobody starves). All of it while no other gateway holds any: then
-        its quota would hold back nothing the engines have room for."""
+    def demand_share(self, model: str, mine: int, theirs: int) -> tuple[int, int] | None:
+        """When other gateways hold requests for ``model`` too: this gateway's demand (its requests in flight,
+        ``mine``, and those it holds) and every gateway's (``theirs`` in flight, and those they hold), whose ratio
+        is its quota of what a class may fill, in requests and in KV tokens. A quota, not a part of what is free
+        now, so that dispatching one request after another cannot take the others' part before their next report;
+        at least 1 request while it has none in flight (nobody starves). None while no other gateway holds any:
+        then a quota would hold back nothing the engines have room for. Each peer's count is taken at most
+        ``max_queued`` (a forged report cannot claim it all)."""
         cap = self.settings.max_queued
         held_by_peers = sum(min(n, cap) for n in self.sharing.peer_queued(model)) if self.sharing else 0
         if held_by_peers == 0:
-            return free
+            return None
         demand = mine + max(1, min(self._queued(model), cap))  # a request arriving to an empty queue counts as one
-        allowed = filled * demand // (demand + theirs + held_by_peers) - mine
-        if allowed <= 0:
-            return 1 if mine == 0 else 0
-        return min(free, allowed)
+        return demand, demand + theirs + held_by_peers
 
     async def changed(self, model: str) -> None:
         event = self._events.get(model)
@@ -223,6 +271,11 @@ class EngineRoom:
 
     # -- learning ------------------------------------------------------------------------------------------------
 
+    def seats(self, replica: Replica) -> int | None:
+        """The sequences ``replica``'s engine runs at once, None while unknown."""
+        learnt = self._learnt.get(replica)
+        return None if learnt is None else learnt.seats
+
     def capacity(self, replica: Replica) -> int | None:
         """The requests in flight ``replica`` takes, None while unknown."""
         learnt = self._learnt.get(replica)
@@ -247,7 +300,7 @@ class EngineRoom:
         learnt = self._learnt.get(replica)
         if learnt is None:
             learnt = self._learnt[replica] = ReplicaCapacity()
-        before = learnt.capacity
+        before, seats_before = learnt.capacity, learnt.seats
         busy_share = min((c.max_fill for c in self.settings.classes), default=1.0)
         change = learnt.observe(load, replica.inflight, self.demand(replica.model), self.rule, busy_share)
         if change is not None:
@@ -258,6 +311,11 @@ class EngineRoom:
                          load.running, load.waiting, "unknown" if load.kv_usage is None else f"{load.kv_usage:.2f}")
             if self.metrics is not None:
                 self.metrics.capacity_changed(replica.model, change)
+        if learnt.seats is not None and learnt.seats != seats_before:
+            log.info("flow control: replica %s of model %s runs %d sequences at once (its engine queued at that with "
+                     "KV usage %s); classes below max_fill 1.0 now keep their share of its seats free "
+                     "(llmgw_flow_replica_seats)", replica.name, replica.model, learnt.seats,
+                     "unknown" if load.kv_usage is None else f"{load.kv_usage:.2f}")
         self.wake(replica.model)
 
     def demand(self, model: str) -> bool:
@@ -278,7 +336,7 @@ class EngineRoom:
             {"name": replica.name, "capacity": self.capacity(replica), "inflight": replica.inflight,
              "kv_capacity_tokens": kv_capacity(replica), "held_tokens": self.held_tokens(replica, route.prompt_ratio),
              "saturation": round(self.replica_saturation(replica), 3), "cuts": learnt.cuts if learnt else 0,
-             "raises": learnt.raises if learnt else 0}
+             "raises": learnt.raises if learnt else 0, "seats": learnt.seats if learnt else None}
             for replica in route.replicas for learnt in [self._learnt.get(replica)]]
         peers = [] if self.sharing is None else self.sharing.peer_queued(model)
         return {"replicas": replicas, "held": self._queued(model), "peers_held": peers,

@@ -1,6 +1,6 @@
-"""The room's Prometheus series (``llmgw_flow_replica_*``, ``llmgw_flow_room_free``, ``llmgw_flow_capacity_changes``,
-``llmgw_flow_prompt_token_ratio``;
-docs/metrics.md, "Flow control"), read from the room when ``/metrics`` is rendered.
+"""The room's Prometheus series (``llmgw_flow_replica_*``: capacity, seats, saturation, KV;
+``llmgw_flow_room_free``, ``llmgw_flow_capacity_changes``, ``llmgw_flow_prompt_token_ratio``; docs/metrics.md,
+"Flow control"), read from the room when ``/metrics`` is rendered.
 
 Labels are the router's models and replicas (what the configuration and the control plane declare), so they are
 bounded; a replica taken out disappears from the exposition with it.
@@ -43,7 +43,7 @@ class RoomMetrics:
         return self._families()
 
     def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily,
-                                 GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+                                 GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
         capacity = GaugeMetricFamily("llmgw_flow_replica_capacity", "The requests in flight (all gateways') each "
                                      "replica takes, learnt from its engine's queue and KV usage; absent while "
                                      "unknown (its engine never said it was full: nothing is held for it).",
@@ -67,10 +67,14 @@ class RoomMetrics:
         ratio = GaugeMetricFamily("llmgw_flow_prompt_token_ratio", "Prompt tokens the model's engines counted per "
                                   "token the gateway estimated (characters / 4), from the answers' usage; 1 until "
                                   "an answer says.", labels=["model"])
-        return capacity, saturation, free, changes, held, kv, ratio
+        seats = GaugeMetricFamily("llmgw_flow_replica_seats", "The sequences each replica's engine runs at once, "
+                                  "learnt from its running count when it queued with KV to spare; a class below "
+                                  "max_fill 1.0 fills at most its share of them. Absent while unknown.",
+                                  labels=["model", "replica"])
+        return capacity, saturation, free, changes, held, kv, ratio, seats
 
     def collect(self) -> Iterable[Metric]:
-        capacity, saturation, free, changes, held, kv, ratio = families = self._families()
+        capacity, saturation, free, changes, held, kv, ratio, seats = families = self._families()
         room = self._room() if self._room is not None else None
         if room is not None:
             top = min(room.settings.classes, key=lambda c: c.rank)
@@ -80,6 +84,8 @@ class RoomMetrics:
                     if limit is not None:
                         capacity.add_metric([model, replica.name], limit)
                     saturation.add_metric([model, replica.name], room.replica_saturation(replica))
+                    if (known_seats := room.seats(replica)) is not None:
+                        seats.add_metric([model, replica.name], known_seats)
                     tokens = kv_capacity(replica)
                     if tokens is not None:
                         kv.add_metric([model, replica.name], tokens)

@@ -20,6 +20,7 @@ from quart import Response, has_websocket_context, jsonify, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from ..cluster.link import Unavailable
 from ..http.control_server import ControlServerMetrics
 from ..http.jsonbody import BodyError, parse_json_body, read_json_body
 from ..http.messages import error_body
@@ -231,12 +232,18 @@ def create_control_app(gateway: "Gateway", server_metrics: ControlServerMetrics)
         if not request_id:
             return _error(400, "name the request: GET /admin/explain?request_id=ID (POST /admin/explain explains "
                                "a request body's routing)", "missing_request_id", param="request_id")
-        outcome = gateway.flow.outcomes.get(request_id)
+        try:
+            outcome = await gateway.flow.outcome(request_id)
+        except Unavailable as exc:
+            return _error(503, f"request {request_id[:100]!r} is not among this process's; the shared state, where "
+                               f"the other gateways' are, did not answer: {exc}", "state_unavailable")
         if outcome is None:
+            elsewhere = "nor at another gateway of the cluster in the last 10 minutes" \
+                if gateway.flow.explained is not None else "or went through another gateway"
             return _error(404, f"no request {request_id[:100]!r} waited or was shed among the last "
-                               f"{RECENT_OUTCOMES} that did on this process: it was routed at once, is older, or "
-                               "went through another gateway", "not_found", param="request_id")
-        return jsonify(outcome.to_json())
+                               f"{RECENT_OUTCOMES} that did on this process: it was routed at once, is older, "
+                               f"{elsewhere}", "not_found", param="request_id")
+        return jsonify(outcome)
 
     @app.get("/admin/flow")
     async def flow():

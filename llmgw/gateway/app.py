@@ -54,6 +54,7 @@ from .admin_tenants import build_key_admin
 from .autoscale_setup import GatewayAutoscale, ScalerOf, SettingsOf, configured_settings, target_scaler
 from .capacity_history import CapacityHistory, gateway_counts
 from .dataplane import DataPlane, DataPlaneSettings
+from .explain_shared import SharedOutcomes
 from .flow_setup import GatewayFlow
 from .health_report import HealthReport
 from .readiness import Readiness
@@ -156,7 +157,10 @@ class Gateway:
         # Overload control: the room (every model's engines scraped, their capacity learnt, shared with the cluster:
         # with a shared state, a cluster's or --workers', it counts every process's requests) and the queue.
         self.flow = GatewayFlow(config, self.router, self.metrics.registry,
-                                self.shared.load if self.shared is not None else None)
+                                self.shared.load if self.shared is not None else None,
+                                SharedOutcomes(self.shared.link, self.shared.keys, self.shared.signer,
+                                               self.shared.origin, self.metrics.registry)
+                                if self.shared is not None else None)
         self.room = self.flow.room
         self.autoscale = GatewayAutoscale(config, self.router, self.flow,
                                           self.shared.load if self.shared is not None else None,

@@ -47,7 +47,7 @@ from ..tenancy.interfaces import KeyDirectory
 from ..tenancy.model import Tenant
 from ..tenancy.usage import MODEL_NOT_ALLOWED
 from .decisions import DecisionLog
-from .flow_gate import OPEN, FlowGate, Pass
+from .flow_gate import OPEN, FlowGate, FlowTrace, Pass
 from .hops import HopGuard
 from .latency import StreamWatch, events_after_last_token
 from .readiness import Readiness
@@ -97,6 +97,7 @@ class Exchange:
     model: str | None = None
     relayed: bool = False  # an upstream's answer: its access line is written when its body has been relayed
     charge: Charge | None = None  # its reservation and usage record, once admitted (tenant_gate.py)
+    flow: FlowTrace | None = None  # what overload control did with it (None: it did not go through the queue)
 
 
 @dataclass(frozen=True)
@@ -343,9 +344,12 @@ class DataPlane:
         # waits for a replica being adopted), as without flow control; but an autoscaled one's requests wait for
         # the replica they make the autoscaler start, up to their class's deadline.
         if flow.control is not None and (self.router.has_routable_replica(resolved[0]) or self.holds(resolved[0])):
-            turn = await flow.enter(request, exchange.tenant, resolved[0], self._cost(exchange, request, body),
-                                    request_id)
+            trace = exchange.flow = FlowTrace()
+            turn = await flow.enter(request, exchange.tenant, resolved[0], self._cost(flow, exchange, request, body),
+                                    request_id, trace)
             if isinstance(turn, Response):  # shed (429), or a priority header or deadline it cannot read (400)
+                if trace.shed is not None and exchange.charge is not None:
+                    exchange.charge.shed()
                 turn.headers.append(id_header)
                 return self._count(model, turn, started)
             entered = turn
@@ -425,17 +429,15 @@ class DataPlane:
             return self._count(model, self._kept_answer(*kept, id_header), started)
         return self._count(model, self._no_replica_error(model, last_error, tried, failures, id_header), started)
 
-    def _cost(self, exchange: Exchange, request: Request, body: dict) -> int:
+    @staticmethod
+    def _cost(flow: FlowGate, exchange: Exchange, request: Request, body: dict) -> int:
         """A request's estimated tokens (prompt and most output), what fair shares count: its charge's estimate
-        (a known key), else the same estimator's."""
+        (a known key), else the same estimator's (the flow gate's, of the same config)."""
         charge = exchange.charge
         if charge is not None:
             return charge.estimate.tokens
-        gate = self.tenancy
-        if gate is None:
-            return len(request.body)
         assert exchange.model is not None
-        return gate.estimator.estimate(exchange.model, request.path, body, len(request.body)).tokens
+        return flow.estimator.estimate(exchange.model, request.path, body, len(request.body)).tokens
 
     async def _engine_gone(self, replica: Replica) -> bool:
         """Whether the replica's engine is gone: its ``/health`` gets no answer within ``ENGINE_GONE_TIMEOUT``
@@ -623,6 +625,11 @@ class DataPlane:
             "cached_tokens": cached_tokens, "completion_tokens": completion_tokens,
             "predicted_cached_tokens": decision.detail.get("predicted_cached_tokens") if decision is not None
             else None}
+        trace = exchange.flow
+        fields["class"] = trace.priority if trace is not None else None
+        fields["queue_wait_ms"] = round(trace.waited * 1000, 1) if trace is not None and trace.waited is not None \
+            else None
+        fields["shed"] = trace.shed if trace is not None else None
         access_log.info("%s", logfmt(fields), extra=fields_extra(fields))
 
     def _count(self, model: str | None, response: _Answer, started: float | None = None,

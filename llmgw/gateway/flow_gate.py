@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,8 @@ import trio
 from ..flow.interfaces import FlowControl, Room
 from ..flow.model import ANONYMOUS, EXPIRED, OVERFLOW, Admitted, FlowRequest, FlowSettings, PriorityClass, Shed
 from ..http.messages import Request, Response, error_response
-from ..tenancy.model import Tenant
+from ..tenancy.estimate import Estimator
+from ..tenancy.model import PriceList, TenancySettings, Tenant
 from ..tenancy.ratelimit_headers import retry_after_header
 
 DEADLINE_HEADER = "x-request-deadline"  # absolute: Unix epoch seconds (a decimal number) the client gives up at
@@ -54,17 +56,30 @@ class FlowOutcome:
                 "ahead_class": outcome.ahead_class or None, "at": round(self.at, 3)}
 
 
+@dataclass(slots=True)
+class FlowTrace:
+    """What overload control did with one request, for its access line: its class, its wait at the gateway
+    (seconds; 0.0 when routed at once) and, when shed, the reason (``expired``, ``overflow``, ``unservable``)."""
+
+    priority: str | None = None
+    waited: float | None = None
+    shed: str | None = None
+
+
 class FlowOutcomes:
     """The last :data:`RECENT_OUTCOMES` requests that waited or were shed, by request id (a request routed at
     once is not kept: nothing happened to it)."""
 
-    __slots__ = ("_by_id", "_size")
+    __slots__ = ("_by_id", "_size", "shared")
 
     def __init__(self, size: int = RECENT_OUTCOMES) -> None:
         self._by_id: OrderedDict[str, FlowOutcome] = OrderedDict()
         self._size = size
+        self.shared: Callable[[FlowOutcome], None] | None = None  # each outcome handed on, for the other gateways
 
     def add(self, outcome: FlowOutcome) -> None:
+        if self.shared is not None:
+            self.shared(outcome)
         self._by_id[outcome.request_id] = outcome
         self._by_id.move_to_end(outcome.request_id)
         if len(self._by_id) > self._size:
@@ -102,15 +117,18 @@ OPEN = Pass(None, None)  # the pass of every request while flow control is off
 class FlowGate:
     """One config's overload control as the data plane uses it (``flow.enabled: false``: :data:`OPEN` for all)."""
 
-    __slots__ = ("settings", "control", "room", "outcomes", "_classes", "_default")
+    __slots__ = ("settings", "control", "room", "outcomes", "estimator", "_classes", "_default")
 
     def __init__(self, settings: FlowSettings, control: FlowControl | None, room: Room | None,
-                 outcomes: FlowOutcomes | None = None) -> None:
-        """``control`` and ``room``: the queue and the room, which outlive a reload (None: flow control is off)."""
+                 outcomes: FlowOutcomes | None = None, estimator: Estimator | None = None) -> None:
+        """``control`` and ``room``: the queue and the room, which outlive a reload (None: flow control is off).
+        ``estimator``: a request's tokens (prompt and most output) when no key's charge estimated them already,
+        the tenancy's estimate of the same config (default: its defaults)."""
         self.settings = settings
         self.control = control if settings.enabled else None
         self.room = room
         self.outcomes = outcomes if outcomes is not None else FlowOutcomes()
+        self.estimator = estimator if estimator is not None else Estimator(TenancySettings(), PriceList())
         self._classes = settings.by_name()
         self._default = self._classes[settings.default_class]
 
@@ -154,9 +172,10 @@ class FlowGate:
         return trio.current_time() + max(wait, 0.0)
 
     async def enter(self, request: Request, tenant: Tenant | None, model: str, cost: int,
-                    request_id: str) -> Pass | Response:
+                    request_id: str, trace: FlowTrace | None = None) -> Pass | Response:
         """Wait for ``model``'s room in the request's class and flow: its :class:`Pass`, or the answer to give
-        (400: a header it cannot read; 429: shed). Cancelled (the client left), it leaves the queue."""
+        (400: a header it cannot read; 429: shed). Cancelled (the client left), it leaves the queue. ``trace``
+        is filled in with its class, its wait and why it was shed."""
         control = self.control
         if control is None:
             return OPEN
@@ -167,7 +186,13 @@ class FlowGate:
         if isinstance(deadline, Response):
             return deadline
         flow_request = FlowRequest(model, _flow_of(tenant), priority, cost, deadline)
+        if trace is not None:
+            trace.priority = priority.name
         outcome = await control.enter(flow_request)
+        if trace is not None:
+            trace.waited = outcome.waited
+            if isinstance(outcome, Shed):
+                trace.shed = outcome.reason
         if isinstance(outcome, Shed) or outcome.waited > 0:
             self.outcomes.add(FlowOutcome(request_id, flow_request, outcome, time.time()))
         if isinstance(outcome, Admitted):

@@ -23,7 +23,11 @@ from ..flow.queue import FlowQueue
 from ..flow.room import EngineRoom, SharedQueues
 from ..flow.room_metrics import RoomMetrics
 from ..router.router import EngineMetricsDemand, Router
+from ..tenancy.estimate import Estimator
+from ..tenancy.model import PriceList
+from .explain_shared import SharedOutcomes
 from .flow_gate import FlowGate, FlowOutcomes
+from .tenancy_setup import context_lengths
 
 if TYPE_CHECKING:
     from ..config.schema import FlowConfig
@@ -36,11 +40,18 @@ def capacity_rule(flow: FlowConfig) -> CapacityRule:
     return dataclasses.replace(CapacityRule(), kv_high=flow.kv_high, kv_target=flow.kv_target)
 
 
+def estimator(config: Config) -> Estimator:
+    """A request's tokens as the queue counts them: the tenancy's estimate of the same config (prices aside)."""
+    return Estimator(config.tenancy.settings(), PriceList(), context_lengths(config))
+
+
 class GatewayFlow:
     """What one gateway process runs of overload control (``Gateway.flow``); ``gate`` is what its data plane reads."""
 
     def __init__(self, config: Config, router: Router, registry: CollectorRegistry,
-                 sharing: SharedQueues | None = None) -> None:
+                 sharing: SharedQueues | None = None, explained: SharedOutcomes | None = None) -> None:
+        """``explained``: the other gateways' overload decisions and this one's, in the shared state (None: this
+        process's alone)."""
         flow = config.flow
         settings = flow.settings()
         self.router = router
@@ -50,7 +61,10 @@ class GatewayFlow:
         self.queue = FlowQueue(settings, self.room, FlowMetrics(registry))
         self.room.count_queued(self.held)
         self.outcomes = FlowOutcomes()
-        self.gate = FlowGate(settings, self.queue, self.room, self.outcomes)
+        self.explained = explained
+        if explained is not None:
+            self.outcomes.shared = explained.note
+        self.gate = FlowGate(settings, self.queue, self.room, self.outcomes, estimator(config))
 
     def held(self, model: str) -> int:
         """The requests the queue holds for ``model``, all classes (what the load report tells the peers)."""
@@ -66,7 +80,7 @@ class GatewayFlow:
         self.room.rule = capacity_rule(flow)
         self.room.scrape_interval = flow.scrape_interval
         self._scrape(flow)
-        self.gate = FlowGate(settings, self.queue, self.room, self.outcomes)
+        self.gate = FlowGate(settings, self.queue, self.room, self.outcomes, estimator(config))
         return self.gate
 
     def _scrape(self, flow: FlowConfig) -> None:
@@ -76,8 +90,24 @@ class GatewayFlow:
             if flow.enabled else None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The queue's dispatchers' nursery, in the gateway's, started before the first request."""
-        await self.queue.run(task_status=task_status)
+        """The queue's dispatchers' nursery (and the writer of its decisions to the shared state), in the
+        gateway's, started before the first request."""
+        async with trio.open_nursery() as nursery:
+            if self.explained is not None:
+                await nursery.start(self.explained.run)
+            await nursery.start(self.queue.run)
+            task_status.started()
+
+    async def outcome(self, request_id: str) -> dict[str, Any] | None:
+        """``GET /admin/explain?request_id=``: what overload control did with the request here, else at the
+        gateway that handled it (from the shared state); None when neither knows it.
+        :class:`~llmgw.cluster.link.Unavailable` when the shared state did not answer."""
+        outcome = self.outcomes.get(request_id)
+        if outcome is not None:
+            return outcome.to_json()
+        if self.explained is None:
+            return None
+        return await self.explained.find(request_id)
 
     def status(self) -> dict[str, Any]:
         """The queues and the room, per model (the status page's and ``GET /admin/flow``'s JSON)."""

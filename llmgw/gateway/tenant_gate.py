@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 
 from ..http.messages import Response, error_response
 from ..tenancy.estimate import Estimator
-from ..tenancy.interfaces import Admission, Refusal, Tenancy, UsageRecord
+from ..tenancy.interfaces import RATE_LIMITED, Admission, Refusal, Tenancy, UsageRecord
 from ..tenancy.model import Estimate, Tenant, Usage
 from ..tenancy.ratelimit_headers import retry_after_header
 from .usage import usage_counts
@@ -63,6 +63,14 @@ class Charge:
         if admission is not None:
             admission.settle(None)
         self._count(NOTHING)
+
+    def shed(self) -> None:
+        """The gateway's queue answered it 429 (``rate_limit_exceeded``, overloaded): as :meth:`unanswered`, and
+        counted refused in its usage row's 429 column (``refused_rate``), with the limits' own refusals."""
+        if not self._open:
+            return
+        self.unanswered()
+        self._tenancy.usage.refused(self.tenant, self.model, RATE_LIMITED)
 
     def answered(self, status: int, usage: Mapping[str, object] | None, sent_tokens: int | None) -> None:
         """An engine's answer ended with ``status``: settled with its ``usage`` when it has one; else (a stream

@@ -2,8 +2,9 @@
 requests at a time, a control ``llmgw serve``, a ``--role gateway`` gateway in this process (so the test can say
 how many requests its queue holds), and a real ``redis-server`` between them.
 
-Each gateway learns the engines' capacity from its own scrapes of their ``/metrics``; the requests in flight
-through one gateway take the room of the other; the requests one gateway holds shrink the other's share.
+Each gateway learns the engines' capacity and seats from its own scrapes of their ``/metrics``; the requests in
+flight through one gateway take the room (and the seats) of the other; the requests one gateway holds shrink the
+other's share.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from llmgw.testing.sims import MODEL, start_sims
 
 pytestmark = pytest.mark.slow
 
-INTERACTIVE = DEFAULT_CLASSES[0]
+INTERACTIVE, BATCH = DEFAULT_CLASSES[0], DEFAULT_CLASSES[2]
 STREAMS = 6  # over 2 engines of 2 running each: 2 wait
 
 
@@ -76,6 +77,16 @@ async def test_in_flight_and_held_requests_of_one_gateway_reach_the_others_room(
             assert all(room.capacity(r) <= 2 for r in replicas)  # what the engines ran, at most
             assert room.free(MODEL, INTERACTIVE) == 0  # the other gateway's requests fill it
             assert room.saturation(MODEL) >= 1.0
+            with trio.fail_after(10):  # the engines queue for seats (their KV nearly empty): 2 each
+                while not all(room.seats(r) == 2 for r in replicas):
+                    await trio.sleep(0.02)
+            with trio.fail_after(15):  # the first four streams end: one of the other gateway's on each replica
+                while [r.peer_inflight for r in replicas] != [1, 1]:
+                    await trio.sleep(0.02)
+            # Batch keeps floor(2 x 0.85) = 1 seat of each replica: the other gateway's one there takes it; the
+            # interactive class may fill what the capacity leaves (the summed rule alone would let batch in).
+            assert room.free(MODEL, BATCH) == 0
+            assert room.free(MODEL, INTERACTIVE) == sum(room.capacity(r) - 1 for r in replicas)
             with trio.fail_after(10):  # the control learnt the same from its own scrapes
                 while (await room_figures(http, control.control_url))[0] is None:
                     await trio.sleep(0.05)

@@ -11,9 +11,11 @@ import trio
 from hypothesis import given, strategies as st
 
 from llmgw.flow.model import ANONYMOUS, EXPIRED, OVERFLOW, UNSERVABLE, Admitted, FlowRequest, FlowSettings, Shed
-from llmgw.gateway.flow_gate import OPEN, FlowGate, shed_response
+from llmgw.gateway.dataplane import DataPlane, Exchange
+from llmgw.gateway.flow_gate import OPEN, FlowGate, FlowTrace, shed_response
 from llmgw.http.messages import Request, Response
-from llmgw.tenancy.model import Team, Tenant
+from llmgw.tenancy.estimate import Estimator
+from llmgw.tenancy.model import PriceList, Team, TenancySettings, Tenant
 
 
 class Recording:
@@ -163,3 +165,29 @@ def test_the_bench_of_the_gate_runs_and_reports_each_case():
     report = flow_gate.run(rounds=2, calls=50)
     assert set(report["us"]) == {"a keyed request", "with the priority header and a deadline"}
     assert all(us["min"] <= us["median"] <= us["max"] for us in report["us"].values())
+
+
+async def test_the_trace_tells_the_access_log_a_requests_class_wait_and_shed_reason():
+    trace = FlowTrace()
+    await gate(Admitted(0.25)).enter(request(), batch_key, "m", 100, "r-1", trace)
+    assert (trace.priority, trace.waited, trace.shed) == ("batch", 0.25, None)
+    trace = FlowTrace()
+    await gate(Shed(UNSERVABLE, 3, 0.0)).enter(request(), None, "m", 100, "r-2", trace)
+    assert (trace.priority, trace.waited, trace.shed) == ("standard", 0.0, UNSERVABLE)
+
+
+def test_a_requests_cost_without_a_keys_charge_is_the_tenancy_estimate_not_its_bytes():
+    """The queue counts a request of no key (or of a gateway without keys) as the tenancy's estimate counts a
+    key's: its prompt (the body's bytes, at most max_prompt_estimate) and most output (max_tokens, else the
+    config's default_max_tokens), within the model's max_model_len."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 700}
+    raw = json.dumps(body).encode()
+    chat = Request("POST", "/v1/chat/completions", [], raw)
+    default = gate()
+    assert DataPlane._cost(default, Exchange(0.0, model="m"), chat, body) == len(raw) + 700
+    no_limit = {k: v for k, v in body.items() if k != "max_tokens"}
+    assert DataPlane._cost(default, Exchange(0.0, model="m"), chat, no_limit) == \
+        len(raw) + TenancySettings().default_max_tokens
+    short = FlowGate(FlowSettings(), Recording(AT_ONCE), None,
+                     estimator=Estimator(TenancySettings(), PriceList(), {"m": 300}))
+    assert DataPlane._cost(short, Exchange(0.0, model="m"), chat, body) == 300 + 300  # each within max_model_len

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 
 from llmgw.flow.fair import FairBand
+from llmgw.flow.interfaces import Room
 from llmgw.flow.metrics import FlowMetrics
 from llmgw.flow.model import (
     DEFAULT_CLASSES,
@@ -31,7 +32,7 @@ INTERACTIVE, STANDARD, BATCH, BEST_EFFORT = DEFAULT_CLASSES
 MODEL = "m"
 
 
-class FakeRoom:
+class FakeRoom(Room):
     """``capacity`` requests per model (of which a class may fill its ``max_fill`` with ``fill``); ``inflight``:
     the routed ones. ``kv_tokens``: the KV capacity in tokens, of which a class fills its ``max_fill`` (None:
     unknown, the tokens hold nothing back); ``inflight_tokens``: the routed ones' costs."""
@@ -391,11 +392,12 @@ def test_removing_a_request_keeps_the_bands_order_and_counts():
 # Deadlines, the drain rate and Retry-After.
 
 
-async def measure_drain(h: Harness, rate_tokens: int = 1000) -> None:
-    """Keep a backlog for 2 s while requests of 100 tokens go through one place every 0.1 s: 1,000 tokens/s."""
+async def measure_drain(h: Harness, rate_tokens: int = 1000, priority: PriorityClass = INTERACTIVE) -> None:
+    """Keep a backlog for 2 s while requests of 100 tokens (of ``priority``) go through one place every 0.1 s:
+    1,000 tokens/s, 10 requests/s."""
     h.room.capacity = 1
     for _ in range(25):
-        h.start(request(INTERACTIVE, flow="warm", cost=rate_tokens // 10, wait=100), hold=0.1)
+        h.start(request(priority, flow="warm", cost=rate_tokens // 10, wait=100), hold=0.1)
     await trio.sleep(3)
     assert not h.queue.queued(MODEL)
 
@@ -450,7 +452,7 @@ async def test_with_no_drain_measured_a_request_is_never_shed_before_its_deadlin
 async def test_retry_after_is_the_queue_ahead_over_the_drain_rate_within_its_bounds(autojump_clock):
     flow_settings = FlowSettings(retry_after_min=2, retry_after_max=20)
     async with harness(capacity=1, flow_settings=flow_settings) as h:
-        await measure_drain(h)
+        await measure_drain(h, priority=BATCH)  # batch's own rate: 1,000 tokens/s
         await occupy(h, 1, hold=1000)
         given = []
         for ahead in (0, 1, 100):  # 0, 10,000 and 1,000,000 tokens waiting

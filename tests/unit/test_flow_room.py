@@ -168,12 +168,14 @@ def scrape(router, room, name, at, running, waiting=0.0, kv=0.3):
         listener(replica)
 
 
-def learn(router, room, name, capacity):
-    """Make replica ``name``'s learnt capacity ``capacity`` (its engine full at that many running)."""
+def learn(router, room, name, capacity, seats=None):
+    """Make replica ``name``'s learnt capacity ``capacity`` (its engine full at that many running) and its seats
+    ``seats`` (None: unknown, the capacity alone decides)."""
     scrape(router, room, name, 1, capacity, kv=1.0 * RULE.kv_target)
     scrape(router, room, name, 2, capacity, waiting=5)
     scrape(router, room, name, 3, capacity, waiting=5)
-    room._learnt[router.replicas.get(name)].capacity = float(capacity)
+    learnt = room._learnt[router.replicas.get(name)]
+    learnt.capacity, learnt.seats = float(capacity), seats
 
 
 def test_the_room_asks_the_scraper_for_every_models_engines():
@@ -450,11 +452,13 @@ def test_the_tokens_in_flight_are_the_prompts_and_max_tokens_until_finished_and_
     assert held(router, room, "a") == a.local_inflight_tokens + 300 + 1000 + 2 * 1000
     router.finished(request, decision, None)
     a.local_inflight = 0
-    assert a.local_inflight_output_tokens == 0 and held(router, room, "a") == 300
+    # None of its own there: the others' output at the default 256 per request (in the room's own count, this
+    # gateway's mean over the model's replicas while it has requests in flight elsewhere)
+    assert a.local_inflight_output_tokens == 0 and held(router, room, "a") == 300 + 2 * 256
     # Summed over the replicas, each within the class's share: a request larger than one replica's share waits
     # for a whole share, never for ever.
     on_b = route(router, "b", prompt_words=10, max_tokens=6000)
-    free = (6144 - 300) + (6144 - held(router, room, "b"))  # best-effort's 75% of each 8,192
+    free = (6144 - 300 - 2 * 256) + (6144 - held(router, room, "b"))  # best-effort's 75% of each 8,192
     assert room.fits("m", BEST_EFFORT, free)
     assert not room.fits("m", BEST_EFFORT, free + 1)
     assert not room.fits("m", BEST_EFFORT, 50_000)
@@ -489,6 +493,9 @@ def test_the_prompt_estimate_is_scaled_by_what_the_engines_counted_in_the_answer
         route(router, "a", prompt_words=400, max_tokens=256)
     assert held(router, room, "a") == 3 * (4 * estimate + 256)  # the engine's tokenizer counts 4x the estimate
     assert not room.fits("m", BATCH, 4 * estimate + 256)  # a fourth would pass batch's 6,963 of 8,192
+    # The incoming request's estimate is scaled too (it would otherwise pass, to wait for blocks in the engine).
+    left = 6963 - held(router, room, "a")
+    assert room.fits("m", BATCH, left // 4) and not room.fits("m", BATCH, left // 4 + 1)
     # A forged or broken usage moves it boundedly: clamped samples, a moving average.
     ratio = router.models["m"].prompt_ratio
     for usage in (None, {"prompt_tokens": "many"}, {"prompt_tokens": True}, {"prompt_tokens": -5}):
@@ -496,3 +503,132 @@ def test_the_prompt_estimate_is_scaled_by_what_the_engines_counted_in_the_answer
     assert ratio.ratio == 4.0
     ratio.observe(1, {"prompt_tokens": 10**12})
     assert 4.0 < ratio.ratio <= 4.0 + 0.1 * (16.0 - 4.0)
+
+
+# -- seats: the sequences an engine runs at once ----------------------------------------------------------------------
+
+
+def test_seats_are_what_the_engine_ran_when_it_queued_with_kv_to_spare():
+    learnt = ReplicaCapacity()
+    learnt.observe(load(1, running=8, waiting=3, kv=0.5), 11, True, RULE)
+    assert learnt.seats is None  # one scrape: maybe one engine step
+    learnt.observe(load(2, running=8, waiting=3, kv=0.5), 11, True, RULE)
+    assert learnt.seats == 8
+    # A queue for blocks with the cache nearly full says nothing of the seats; nor does a lower count later (a long
+    # prompt waiting for blocks below kv_target): the highest figure stays.
+    learnt.observe(load(3, running=5, waiting=3, kv=0.95), 8, True, RULE)
+    learnt.observe(load(4, running=5, waiting=3, kv=0.95), 8, True, RULE)
+    learnt.observe(load(5, running=6, waiting=3, kv=0.7), 9, True, RULE)
+    learnt.observe(load(6, running=6, waiting=3, kv=0.7), 9, True, RULE)
+    assert learnt.seats == 8
+    learnt.observe(load(7, running=12, waiting=0, kv=0.6), 12, True, RULE)
+    assert learnt.seats == 12  # the engine proves it runs more
+
+
+def test_a_queue_for_blocks_at_fewer_running_than_the_engine_ran_says_nothing_of_its_seats():
+    """Two long prompts hold the cache at 75%; the next waits for blocks with 4 running, not for a seat."""
+    learnt = ReplicaCapacity()
+    learnt.observe(load(1, running=8, waiting=0, kv=0.3), 8, True, RULE)  # it ran 8 before
+    learnt.observe(load(2, running=4, waiting=2, kv=0.75), 6, True, RULE)
+    learnt.observe(load(3, running=4, waiting=2, kv=0.75), 6, True, RULE)
+    assert learnt.seats is None
+    learnt.observe(load(4, running=8, waiting=2, kv=0.5), 10, True, RULE)
+    learnt.observe(load(5, running=8, waiting=3, kv=0.5), 11, True, RULE)
+    assert learnt.seats == 8
+
+
+def test_seats_stay_unknown_while_the_engine_ramps_up_or_cannot_say_why_it_queues():
+    ramping = ReplicaCapacity()
+    for at, running in enumerate((2, 4, 6, 8)):
+        ramping.observe(load(at, running=running, waiting=100, kv=0.2), 108, True, RULE)
+    assert ramping.seats is None
+    blind = ReplicaCapacity()  # no KV usage gauge: a queue for blocks and one for seats look the same
+    blind.observe(load(1, running=8, waiting=3, kv=None), 11, True, RULE)
+    blind.observe(load(2, running=8, waiting=3, kv=None), 11, True, RULE)
+    assert blind.seats is None and blind.limit() == 8
+
+
+def test_a_lower_class_keeps_its_share_of_each_replicas_seats_free():
+    """Batch streams spread over the replicas must not take a replica's last seats: an interactive arrival routed
+    there would wait inside the engine, where no priority applies."""
+    router, room, _, _ = make_room()
+    learn(router, room, "a", 9, seats=8)
+    learn(router, room, "b", 9, seats=8)
+    a, b = router.replicas.get("a"), router.replicas.get("b")
+    a.local_inflight, b.local_inflight = 6, 2
+    assert room.free("m", INTERACTIVE) == 10  # the capacity alone: 3 + 7
+    # batch: floor(8 x 0.85) = 6 seats per replica; a has none left, b 4 (the summed capacity would allow 7)
+    assert room.free("m", BATCH) == 4
+    assert room.free("m", STANDARD) == 6  # floor(8 x 0.95) = 7: 1 on a, 5 on b; the summed rule allows 10 - 1 = 9
+    b.peer_inflight = 4  # the other gateways' requests take seats too
+    assert room.free("m", BATCH) == 0
+    assert room.free("m", INTERACTIVE) == 6  # 3 + 3
+
+
+def test_one_seat_is_never_kept_from_a_replica_that_has_but_one():
+    router, room, _, _ = make_room(replicas=("a",))
+    learn(router, room, "a", 1, seats=1)
+    assert room.free("m", BEST_EFFORT) == 1  # floor(1 x 0.75) = 0 would hold best-effort for ever on an idle engine
+
+
+def test_admits_is_free_less_pending_and_fits_in_one_pass():
+    router, room, _, _ = make_room(replicas=("a",))
+    learn(router, room, "a", 9, seats=8)
+    scrape(router, room, "a", 10, running=0, kv=0.0)
+    a = router.replicas.get("a")
+    a.engine_load = EngineLoad(running=0, waiting=0, at=11, kv_usage=0.0, num_blocks=100, block_size=16)
+    a.local_inflight, a.local_inflight_output_tokens = 4, 500
+    assert room.free("m", BATCH) == 2
+    assert room.admits("m", BATCH, pending=1, tokens=100)
+    assert not room.admits("m", BATCH, pending=2, tokens=100)  # the queue's own admitted requests count
+    assert not room.admits("m", BATCH, pending=0, tokens=861)  # floor(1,600 x 0.85) - 500 = 860 tokens
+    assert room.admits("m", INTERACTIVE, pending=0, tokens=1100)
+    for priority in DEFAULT_CLASSES:
+        for pending in range(4):
+            for tokens in (0, 500, 1500, 5000):
+                assert room.admits("m", priority, pending, tokens) == (
+                    room.free("m", priority) - pending > 0 and room.fits("m", priority, tokens))
+
+
+def test_seats_learnt_from_the_scrapes_are_exposed_described_and_logged(caplog):
+    registry = CollectorRegistry()
+    router, room, _, _ = make_room(metrics=RoomMetrics(registry))
+    assert registry.get_sample_value("llmgw_flow_replica_seats", {"model": "m", "replica": "a"}) is None
+    with caplog.at_level("INFO", logger="llmgw.flow.room"):
+        scrape(router, room, "a", 1, running=8, waiting=2, kv=0.4)
+        scrape(router, room, "a", 2, running=8, waiting=3, kv=0.4)
+    assert room.seats(router.replicas.get("a")) == 8
+    assert registry.get_sample_value("llmgw_flow_replica_seats", {"model": "m", "replica": "a"}) == 8
+    assert room.describe("m")["replicas"][0]["seats"] == 8
+    assert any("runs 8 sequences at once" in r.getMessage() for r in caplog.records)
+    router.replicas.get("a").local_inflight = 6  # floor(8 x 0.85): batch waits; b is unknown, so nothing is held
+    assert room.free("m", BATCH) == UNBOUNDED
+    scrape(router, room, "b", 3, running=8, waiting=2, kv=0.4)
+    scrape(router, room, "b", 4, running=8, waiting=2, kv=0.4)
+    assert room.free("m", BATCH) == 6  # b: 6 of its 8 seats; a: none
+
+
+def test_the_kv_tokens_are_split_among_the_gateways_holding_requests_as_the_requests_are():
+    """Three gateways admitting each against all the free tokens would each take them before the next report."""
+    peers = Peers()
+    router, room, queued, _ = make_room(peers=peers)
+    tell_kv(router, "a")
+    tell_kv(router, "b")
+    a, b = router.replicas.get("a"), router.replicas.get("b")
+    a.local_inflight, a.local_inflight_tokens, a.local_inflight_output_tokens = 2, 3000, 3000
+    b.peer_inflight, b.peer_inflight_tokens = 2, 3000  # another gateway's, output at our mean: 1,500 each
+    assert held(router, room, "b") == 3000 + 2 * 256  # alone, the default; the room's own count takes our mean
+    assert room.fits("m", INTERACTIVE, 4384) and not room.fits("m", INTERACTIVE, 4385)  # 6,000 held on each
+    b.peer_inflight = b.peer_inflight_tokens = 0  # b empty: 8,192 free there
+    assert room.fits("m", INTERACTIVE, 8192)
+    peers.held["m"] = [10]
+    queued["m"] = 10
+    # Its demand 2 + 10 of every gateway's 22: a quota of 16,384 x 12 // 22 = 8,936 tokens, of which it holds 6,000.
+    assert room.fits("m", INTERACTIVE, 2936) and not room.fits("m", INTERACTIVE, 2937)
+    peers.held["m"] = []
+    assert room.fits("m", INTERACTIVE, 8192)  # nobody else holds any: all of it
+    peers.held["m"] = [10]
+    a.local_inflight, a.local_inflight_tokens, a.local_inflight_output_tokens = 0, 0, 0
+    assert room.fits("m", INTERACTIVE, 8192)  # none of its own in flight: one request, whatever the quota
+    peers.held["m"] = [10_000_000]  # a forged count is taken at max_queued: still one request
+    assert room.fits("m", INTERACTIVE, 8192)
