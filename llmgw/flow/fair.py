@@ -66,6 +66,10 @@ class FairBand(Generic[Item]):
         """The items waiting, oldest first."""
         return iter(self._members)
 
+    def newest_first(self) -> Iterator[Item]:
+        """The items waiting, newest first."""
+        return reversed(self._members)
+
     def newest(self) -> Item | None:
         return next(reversed(self._members), None)
 

@@ -28,6 +28,7 @@ gateway starts in its own.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections import deque
@@ -55,6 +56,7 @@ ARRIVAL_SHARE = 0.9
 # ...and a waiter is shed only when its predicted wait passes its deadline by this factor: a real change (a
 # higher class arrived ahead of it, the drain slowed), not the noise of the estimate it was admitted on.
 RECHECK_FACTOR = 1.5
+RECHECK_MAX = 1000  # waiters of a band looked at per look at most (its newest: the most ahead of them)
 RECENT = 60.0  # seconds of sheds the snapshot counts
 RECENT_KEPT = 256  # sheds remembered per model and class for it
 MAX_MODELS = 1024  # models with nothing waiting or admitted are forgotten beyond it
@@ -525,8 +527,9 @@ class FlowQueue(TaskHost):
                 self._verdicts(model, band, marks.judge(band.fair.vnow, band.line.served, now))
 
     def _recheck(self, model: _Model) -> None:
-        """At most every RECHECK seconds, shed (UNSERVABLE) the waiters whose predicted wait now passes their
-        deadline: higher classes arrived ahead of them, or the drain slowed."""
+        """At most every RECHECK seconds, shed (UNSERVABLE) the waiters whose predicted wait now passes
+        RECHECK_FACTOR times what they have left: higher classes arrived ahead of them, or the drain slowed. At most
+        RECHECK_MAX of each band a look (its newest), so that a long queue costs the loop a bounded time."""
         now = trio.current_time()
         if now - model.rechecked < RECHECK or not model.waiting:
             return
@@ -536,7 +539,7 @@ class FlowQueue(TaskHost):
             drain = self._drain_of(model, band, now, 1) if len(band.fair) else None
             if drain is not None:  # something waits in it, and it has an estimate
                 doomed = []
-                for waiter in band.fair:
+                for waiter in itertools.islice(band.fair.newest_first(), RECHECK_MAX):
                     own_ahead = max(0, waiter.target - band.line.served)
                     expected = self._predicted(drain, own_ahead, waiter.cost)
                     assert expected is not None

@@ -11,7 +11,8 @@ import trio
 import trio.testing
 from test_flow_queue import BATCH, INTERACTIVE, MODEL, STANDARD, Harness, harness, measure_drain, occupy, request
 
-from llmgw.flow.model import EXPIRED, UNSERVABLE, Admitted, Shed
+from llmgw.flow import queue as flow_queue
+from llmgw.flow.model import EXPIRED, UNSERVABLE, Admitted, FlowRequest, Shed
 from llmgw.flow.shedding import IDLE_IN_TIME, MAX_MARKS, TURN_IN_TIME, UNKNOWN, VERDICTS, WOULD_EXPIRE, Verdicts
 
 
@@ -163,3 +164,26 @@ async def test_a_band_not_yet_measured_is_predicted_at_the_models_requests_per_s
         assert isinstance(outcome, Admitted)
         assert all(isinstance(h.outcomes[id(r)], Admitted) for r in ahead)
 
+
+
+async def test_a_look_at_the_waiters_costs_a_bounded_time_newest_first(autojump_clock, monkeypatch):
+    monkeypatch.setattr(flow_queue, "RECHECK_MAX", 10)
+    async with harness(capacity=1) as h:
+        await measure_drain(h)
+        await occupy(h, 1, hold=1000)
+        waiters = []
+        for _ in range(15):  # 1.5 s of work within 90% of their 20 s; one after the other
+            waiters.append(h.start(request(STANDARD, flow="s", cost=100, wait=20)))
+            await trio.testing.wait_all_tasks_blocked()
+        assert h.queue.queued(MODEL)["standard"].requests == 15
+        for _ in range(300):  # 30 s of interactive work ahead of them all: more than 1.5 x 20 s
+            h.start(request(INTERACTIVE, flow="i", cost=100, wait=1000))
+
+        def shed() -> list[FlowRequest]:
+            return [r for r in waiters if isinstance(h.outcomes.get(id(r)), Shed)]
+
+        while not shed():
+            await trio.sleep(0.01)
+        assert shed() == waiters[5:]  # one look: the newest 10 (the most ahead of them)
+        await trio.sleep(0.3)
+        assert shed() == waiters
