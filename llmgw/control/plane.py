@@ -56,6 +56,7 @@ from .inventory import Inventory
 from .metrics import ControlMetrics
 from .reconciler import (
     Action,
+    Adopt,
     Assignment,
     Command,
     DesiredReplica,
@@ -229,6 +230,8 @@ class ControlPlane:
         actions = self.reconciler.plan(self.desired, nodes, now=trio.current_time(), wall_ms=int(time.time() * 1000))
         for action in actions:
             self._carry_out(action)
+            if isinstance(action, Adopt) and action.assignment is not None:
+                self._prove_adopted(action.assignment)
         self._sync_routing()
         self._forget_stopped_strays()
         return actions
@@ -430,6 +433,14 @@ class ControlPlane:
                             extra=log_fields(node=session.node_id, shard=report.shard_id))
                 session.post(wire.ErrorMessage(code=REFUSE_UNPROVEN, message=message, about=report.shard_id))
         return False
+
+    def _prove_adopted(self, assignment: Assignment) -> None:
+        """The shards of an assignment just adopted (their reports came before: the plane did not own them yet)."""
+        for slot in assignment.slots:
+            node = self.inventory.nodes.get(slot.node_id)
+            report = node.shards.get(slot.shard_id) if node is not None else None
+            if node is not None and node.session is not None and report is not None:
+                self._prove_anew(node.session, report)
 
     def _prove_anew(self, session: AgentSession, report: wire.ShardReport) -> None:
         """A shard this plane owns whose proof was made with the previous cluster secret's key gets one made with
