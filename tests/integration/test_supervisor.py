@@ -7,7 +7,6 @@ processes it saw and the fixture kills their process groups at the end.
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import logging
 import os
