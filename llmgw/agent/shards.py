@@ -6,8 +6,10 @@ then runs until cancelled. Cancelling it stops supervision, never the engines:
 the next agent over the same ``state_dir`` adopts them.
 
 ``start`` is idempotent on (shard id, generation): the same StartShard twice
-does nothing, an older generation is refused, a newer one drains the old
-engine before starting the new one (they would share GPUs). ``reports()`` is
+does nothing (but for a new placement proof, kept in the ledger and reported:
+the cluster secret was rotated, and the engine keeps running), an older
+generation is refused, a newer one drains the old engine before starting the
+new one (they would share GPUs). ``reports()`` is
 what the agent sends in Register on every (re)connect: running shards, plus
 the FAILED ones the control plane has not yet told the agent to forget (a
 StartShard or StopShard for that id clears them). Stopped shards are dropped.
@@ -141,7 +143,10 @@ class ShardManager:
         current = self._shards.get(spec.shard_id)
         if current is not None and not current.finished:
             if spec.generation == current.spec.generation:
-                log.debug("shard %s generation %d is already running", spec.shard_id, spec.generation)
+                if spec.placement_proof and spec.placement_proof != current.spec.placement_proof:
+                    self._reprove(current, spec.placement_proof)
+                else:
+                    log.debug("shard %s generation %d is already running", spec.shard_id, spec.generation)
                 return
             if spec.generation < current.spec.generation:
                 log.warning("shard %s: refusing generation %d, generation %d runs", spec.shard_id,
@@ -160,6 +165,17 @@ class ShardManager:
             supervisor.reason = f"waiting for generation {current.spec.generation} to drain and stop"
         self._on_status(supervisor.report())
         self._nursery.start_soon(self._replace_then_run, current, supervisor)
+
+    def _reprove(self, supervisor: ShardSupervisor, proof: str) -> None:
+        """Keep a running shard's new placement proof (issued under a new cluster secret) for its next adoption."""
+        supervisor.spec = dataclasses.replace(supervisor.spec, placement_proof=proof)
+        entry = self.ledger.get(supervisor.spec.shard_id)
+        if entry is not None and entry.spec.generation == supervisor.spec.generation:
+            self.ledger.put(dataclasses.replace(entry, spec=supervisor.spec))
+        log.info("shard %s: a new placement proof from the control plane (the cluster secret was rotated), kept; "
+                 "the engine runs on", supervisor.spec.shard_id,
+                 extra=log_fields(shard=supervisor.spec.shard_id, replica=supervisor.spec.replica_id))
+        self._on_status(supervisor.report())
 
     async def stop(self, shard_id: str, grace: float = 30.0, reason: str = "") -> wire.ShardReport:
         """Stop a shard without waiting for in-flight requests; its final report."""

@@ -58,6 +58,7 @@ class LoadSettings:
     request_timeout: float = 30.0
     retry_backoff: float = 0.2
     retry_deadline: float = 60.0
+    api_key: str = ""  # sent as "Authorization: Bearer" with every request ("": none)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, *, rate_scale: float = 1.0, **more) -> "LoadSettings":
@@ -119,7 +120,8 @@ class SteadyLoad:
         self._running = trio.Event()
         self._running.set()
         self._numbers = itertools.count()
-        self._http = httpx.AsyncClient(timeout=self.settings.request_timeout,
+        headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else None
+        self._http = httpx.AsyncClient(timeout=self.settings.request_timeout, headers=headers,
                                        limits=httpx.Limits(max_keepalive_connections=0))
 
     @contextlib.asynccontextmanager

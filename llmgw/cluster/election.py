@@ -211,7 +211,14 @@ def lease_value(generation: int, origin: str, control_url: str, signer: Signer |
 def release_mark(token: bytes, signer: Signer | None = None) -> bytes:
     """What a leader that gives its lease ``token`` up leaves beside it: an HMAC of it with the cluster secret
     (the token itself without one), so a writer that deletes the lease cannot pass for its holder giving it up."""
-    return (signer or Signer(None)).sign(b"lease released", token).hex().encode() or token
+    return release_marks(token, signer)[0]
+
+
+def release_marks(token: bytes, signer: Signer | None = None) -> list[bytes]:
+    """Every release mark of ``token`` a candidate accepts: the current secret's, and the previous one's during a
+    rotation (a leader not restarted yet signs with what is the others' previous secret)."""
+    return [signature.hex().encode() for signature in (signer or Signer(None)).signatures(b"lease released", token)] \
+        or [token]
 
 
 def parse_holder(raw: Any, signer: Signer | None = None) -> dict[str, Any] | None:
@@ -377,7 +384,8 @@ class Election:
                 return  # a candidate's lease, live: it leads
         elif lease_sha and sent < self._live_until:
             return  # a forged lease over a live leader's: it puts its own back at its next renewal
-        elif not lease_sha and sent < self._seen_until and released != release_mark(self._seen_lease, self.signer):
+        elif not lease_sha and sent < self._seen_until \
+                and released not in release_marks(self._seen_lease, self.signer):
             return  # deleted under a live leader (not given up): it puts its lease back at its next renewal
         generation = next_generation(counter, self._generation)
         value = lease_value(generation, origin, self.control_url, self.signer)

@@ -64,15 +64,22 @@ def encode(node_id: str, identity: Identity, signer: records.Signer) -> bytes:
 
 def decode(node_id: str, raw: Any, signer: records.Signer) -> Identity:
     """A binding read from Redis; :class:`~.records.RecordError` when it is not one of this cluster's."""
+    return decode_signed(node_id, raw, signer)[0]
+
+
+def decode_signed(node_id: str, raw: Any, signer: records.Signer) -> tuple[Identity, records.Signed]:
+    """A binding read from Redis and which secret signed it (the previous one: a leader writes it again at its
+    next term's start); :class:`~.records.RecordError` when it is not one of this cluster's."""
     try:
         body, signature = records.unpack(raw)
-        if not signer.valid(signature, body):
+        signed = signer.verify(signature, body)
+        if signed is records.Signed.NOT:
             raise records.RecordError("not signed with the cluster secret")
         named, digest, joined_at, peer = records.unpack(body)
         if named != node_id or not isinstance(digest, str) or len(digest) != 64 or not isinstance(peer, str):
             raise records.RecordError("not a node identity")
         int(digest, 16)
-        return Identity(digest, float(joined_at), peer[:300])
+        return Identity(digest, float(joined_at), peer[:300]), signed
     except (ValueError, TypeError) as exc:
         raise records.RecordError(str(exc)) from None
 
@@ -89,6 +96,7 @@ class SharedIdentities:
         self.max_nodes = max_nodes
         self.known: dict[str, Identity] = {}  # the bindings as last read from Redis
         self._raw: dict[bytes, bytes] = {}  # their records as read (an unchanged one is not checked again)
+        self._previous: set[str] = set()  # the node ids of those only the previous cluster secret signed
 
     async def follow(self, every: float, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keep :attr:`known` as Redis holds it, read every ``every`` seconds, until cancelled."""
@@ -107,6 +115,7 @@ class SharedIdentities:
         if not raw:
             return False
         known: dict[str, Identity] = {}
+        previous: set[str] = set()
         for name, value in list(raw.items())[:self.max_nodes + 1]:
             name = name if isinstance(name, bytes) else str(name).encode()
             if name == MARKER:
@@ -114,12 +123,18 @@ class SharedIdentities:
             node_id = name.decode("utf-8", "replace")
             if self._raw.get(name) == value and node_id in self.known:
                 known[node_id] = self.known[node_id]
+                if node_id in self._previous:
+                    previous.add(node_id)
                 continue
             try:
-                known[node_id] = decode(node_id, value, self.signer)
+                known[node_id], signed = decode_signed(node_id, value, self.signer)
             except records.RecordError:
                 self.metrics.bad_records.labels("nodes").inc()
-        self.known = known
+                continue
+            if signed is records.Signed.PREVIOUS:
+                previous.add(node_id)
+        self.known, self._previous = known, previous
+        self.metrics.previous_secret_nodes.set(len(previous))
         self._raw = {name if isinstance(name, bytes) else str(name).encode(): value for name, value in raw.items()
                      if isinstance(value, bytes)}
         return True

@@ -142,14 +142,24 @@ MIN_SECRET_BYTES = 16
 
 def cluster_secret(settings: "StateConfig", environ: Mapping[str, str] | None = None) -> bytes | None:
     """The secret that signs the cluster's records (``state.secret_env``), or None when none is configured."""
-    if not settings.secret_env:
+    return _secret_in(settings.secret_env, "state.secret_env", environ)
+
+
+def previous_cluster_secret(settings: "StateConfig", environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The secret of a rotation's other side (``state.previous_secret_env``): accepted, never signed with; None
+    when none is configured. The same length rule as the current one."""
+    return _secret_in(settings.previous_secret_env, "state.previous_secret_env", environ)
+
+
+def _secret_in(name: str | None, key: str, environ: Mapping[str, str] | None) -> bytes | None:
+    if not name:
         return None
     environ = os.environ if environ is None else environ
-    value = environ.get(settings.secret_env)
+    value = environ.get(name)
     if value is None:
-        raise ValueError(f"state.secret_env names {settings.secret_env}, which is not set")
+        raise ValueError(f"{key} names {name}, which is not set")
     if len(value.encode()) < MIN_SECRET_BYTES:
-        raise ValueError(f"the cluster secret in {settings.secret_env} must be at least {MIN_SECRET_BYTES} bytes")
+        raise ValueError(f"the cluster secret in {name} must be at least {MIN_SECRET_BYTES} bytes")
     return value.encode()
 
 

@@ -71,5 +71,14 @@ class ClusterMetrics:
                                      "old one's connection pool had lost half its slots (coredis keeps none for a "
                                      "call cancelled while connecting, nor for a connection that died in use).",
                                      registry=registry)
+        self.previous_secret = Counter("llmgw_cluster_previous_secret_verifications", "Records (leases, log "
+                                       "batches, load reports, node identities, API keys and teams...) that only "
+                                       "the previous cluster secret (state.previous_secret_env) signed: while it "
+                                       "grows, a process still signs with it or a stored record is not re-signed "
+                                       "yet.", registry=registry)
+        self.previous_secret_nodes = Gauge("llmgw_cluster_previous_secret_nodes", "Node identities in Redis, as "
+                                           "this process last read them, that only the previous cluster secret "
+                                           "signed (each new term's leader writes them all again, signed with its "
+                                           "current secret): 0 before that secret is dropped.", registry=registry)
         self.up.set(0)
         self.leader.set(0)

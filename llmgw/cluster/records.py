@@ -44,10 +44,11 @@ an exception that stops a gateway.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 from dataclasses import dataclass, field
-from typing import Any, Container, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Container, Iterator, NamedTuple, Sequence
 
 import msgpack
 
@@ -564,24 +565,55 @@ MAX_ASK_BYTES = 16 * 1024  # a resync ask: ["resync", replica, mode, reason], it
 
 
 class Signer:
-    """Signs and checks records with the cluster secret; without one, signs with nothing and accepts all."""
+    """Signs records with the cluster secret and checks them against it, and during a rotation against the previous
+    one too (``state.previous_secret_env``: accepted, never signed with); without a secret, signs with nothing and
+    accepts all. Each record that only the previous secret signed is counted (``on_previous``: the operator's sign
+    of what is still to be re-signed before that secret is dropped)."""
 
-    def __init__(self, secret: bytes | None):
+    def __init__(self, secret: bytes | None, previous: bytes | None = None,
+                 on_previous: Callable[[], None] | None = None):
         self.secret = secret or None
+        self.previous = (previous or None) if self.secret is not None else None
+        self.on_previous = on_previous
 
     def sign(self, *parts: bytes) -> bytes:
-        if self.secret is None:
-            return b""
-        digest = hmac.new(self.secret, digestmod=hashlib.sha256)
-        for part in parts:
-            digest.update(len(part).to_bytes(8, "big"))  # lengths first: no two splits of the bytes sign alike
-            digest.update(part)
-        return digest.digest()
+        return _hmac(self.secret, parts) if self.secret is not None else b""
 
     def valid(self, signature: object, *parts: bytes) -> bool:
+        return self.verify(signature, *parts) is not Signed.NOT
+
+    def verify(self, signature: object, *parts: bytes) -> "Signed":
+        """Which secret signed ``parts``: the current one (or there is none), the previous one, or neither."""
         if self.secret is None:
-            return True
-        return isinstance(signature, bytes) and hmac.compare_digest(signature, self.sign(*parts))
+            return Signed.CURRENT
+        if not isinstance(signature, bytes):
+            return Signed.NOT
+        if hmac.compare_digest(signature, _hmac(self.secret, parts)):
+            return Signed.CURRENT
+        if self.previous is not None and hmac.compare_digest(signature, _hmac(self.previous, parts)):
+            if self.on_previous is not None:
+                self.on_previous()
+            return Signed.PREVIOUS
+        return Signed.NOT
+
+    def signatures(self, *parts: bytes) -> list[bytes]:
+        """Every signature of ``parts`` this signer accepts: the current secret's first (for a mark compared
+        whole, such as a lease's release)."""
+        return [_hmac(secret, parts) for secret in (self.secret, self.previous) if secret is not None]
+
+
+class Signed(enum.Enum):
+    CURRENT = "current"
+    PREVIOUS = "previous"
+    NOT = "not"
+
+
+def _hmac(secret: bytes, parts: Sequence[bytes]) -> bytes:
+    digest = hmac.new(secret, digestmod=hashlib.sha256)
+    for part in parts:
+        digest.update(len(part).to_bytes(8, "big"))  # lengths first: no two splits of the bytes sign alike
+        digest.update(part)
+    return digest.digest()
 
 
 def continuation(writer: str, seq: int) -> bytes:

@@ -41,7 +41,7 @@ from .election import Election, Fence, LeaderWatch, Term
 from .follower import FollowedReplicas, LogFollower
 from .identities import SharedIdentities, placement_key
 from .learn import PredictionSharing
-from .link import RedisLink, Unavailable, cluster_secret
+from .link import RedisLink, Unavailable, cluster_secret, previous_cluster_secret
 from .load import LoadSharing
 from .metrics import ClusterMetrics
 from .records import Keys, ReplicaRecord
@@ -82,8 +82,10 @@ class SharedState:
         self.metrics = ClusterMetrics(metrics_registry, role, self.settings.cluster, self.origin)
         self.link = RedisLink(self.settings, self.metrics)
         secret = cluster_secret(self.settings)
-        self.signer = records.Signer(secret)
+        previous = previous_cluster_secret(self.settings) if secret is not None else None
+        self.signer = records.Signer(secret, previous, self.metrics.previous_secret.inc)
         self.placement_key = placement_key(secret)
+        self.previous_placement_key = placement_key(previous)  # proofs under it are accepted, and issued anew
         self.replicas = replicas
         self.kv_index = kv_index
         self.load = LoadSharing(self.link, self.keys, self.settings, replicas, self.metrics, self.origin, self.signer,

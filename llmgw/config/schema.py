@@ -555,6 +555,7 @@ class StateConfig(Located):
     username: Text | None = setting(None)  # Redis ACL user
     password_env: EnvName | None = setting(None)  # the environment variable holding the password
     secret_env: EnvName | None = setting(None)  # a variable holding the cluster secret that signs every record
+    previous_secret_env: EnvName | None = setting(None)  # a second secret, accepted but never signed with (rotation)
     tls: UpstreamTls = setting(factory=UpstreamTls)  # rediss:// only: the CA, client certificate, verify
     timeout: PositiveDuration = setting(2.0)  # every Redis call
     load_interval: Annotated[float, Parse(parse_duration), at_least(0.005), at_most(5.0)] = setting(0.05)
@@ -577,6 +578,13 @@ class StateConfig(Located):
                                  "(or state.sentinel)")
         if draft.known("backend", "secret_env") and draft["backend"] == "redis" and not draft["secret_env"]:
             draft.problem("secret_env", REDIS_NEEDS_SECRET)
+        if draft.known("secret_env", "previous_secret_env") and draft["previous_secret_env"]:
+            if not draft["secret_env"]:
+                draft.problem("previous_secret_env", "a previous secret is accepted beside the current one "
+                                                     "(secret_env), which must be set too")
+            elif draft["previous_secret_env"] == draft["secret_env"]:
+                draft.problem("previous_secret_env", "names the same variable as secret_env: name the variable "
+                                                     "holding the other secret of the rotation")
         if draft.known("url", "sentinel") and draft["url"] and draft["sentinel"]:
             draft.problem("sentinel", "give either url or sentinel: with sentinel, the sentinels say where "
                                       "the primary is")

@@ -62,6 +62,11 @@ def new_secret() -> str:
     return secrets.token_hex(32)
 
 
+def _proof(key: bytes, node_id: str, shard: wire.StartShard | wire.ShardReport) -> str:
+    fields = (node_id, shard.shard_id, shard.replica_id, str(shard.rank), str(shard.generation), shard.fingerprint)
+    return hmac.new(key, "\0".join(fields).encode(), hashlib.sha256).hexdigest()
+
+
 def _digest(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
@@ -76,9 +81,12 @@ class Identity:
 class NodeIdentities:
     """The node id -> secret bindings and the placement key, persisted in ``directory/nodes.json``."""
 
-    def __init__(self, directory: Path | str, max_nodes: int = MAX_NODES, placement_key: bytes | None = None):
+    def __init__(self, directory: Path | str, max_nodes: int = MAX_NODES, placement_key: bytes | None = None,
+                 previous_placement_key: bytes | None = None):
         """``placement_key``: given (a cluster's, derived from its secret: the same in every candidate), it is
-        used instead of the one in the file, and never stored."""
+        used instead of the one in the file, and never stored. ``previous_placement_key``: the one derived from
+        the cluster's previous secret during a rotation: proofs made with it are accepted too (and issued anew)."""
+        self._previous_key = previous_placement_key if placement_key is not None else None
         self.path = Path(directory) / STORE_NAME
         self.max_nodes = max_nodes
         self._nodes: dict[str, Identity] = {}
@@ -156,15 +164,20 @@ class NodeIdentities:
             except OSError as exc:  # proofs still work until a restart; engines are then restarted, not adopted
                 log.error("cannot store the placement key in %s (%s): after a restart of the control plane, the "
                           "engines it starts now cannot be adopted", self.path, exc)
-        fields = (node_id, shard.shard_id, shard.replica_id, str(shard.rank), str(shard.generation),
-                  shard.fingerprint)
-        return hmac.new(self._placement_key, "\0".join(fields).encode(), hashlib.sha256).hexdigest()
+        return _proof(self._placement_key, node_id, shard)
 
     def proven(self, node_id: str, report: wire.ShardReport) -> bool:
         """The report carries a valid proof that its shard was placed on ``node_id``."""
         if self._placement_key is None or not report.placement_proof:
             return False
-        return hmac.compare_digest(self.placement_proof(node_id, report), report.placement_proof)
+        return hmac.compare_digest(self.placement_proof(node_id, report), report.placement_proof) \
+            or self.proven_by_previous(node_id, report)
+
+    def proven_by_previous(self, node_id: str, report: wire.ShardReport) -> bool:
+        """The report's proof was made with the previous cluster secret's key (a rotation): valid, to issue anew."""
+        if self._previous_key is None or not report.placement_proof:
+            return False
+        return hmac.compare_digest(_proof(self._previous_key, node_id, report), report.placement_proof)
 
     # -- the file ------------------------------------------------------------------------------------------------
 

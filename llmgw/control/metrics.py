@@ -50,6 +50,9 @@ class ControlMetrics:
                                      "the agents to report their running engines, by model and result "
                                      "(routed, none: answered 503 when the window ended).", ["model", "result"],
                                      registry=registry)
+        self.proofs_reissued = Counter("llmgw_placement_proofs_reissued", "Placement proofs made with the previous "
+                                       "cluster secret (state.previous_secret_env) issued anew with the current "
+                                       "one to the running shard's agent (its engine runs on).", registry=registry)
         for state in NODE_STATES:
             self.nodes.labels(state).set(0)
         for shard_state in wire.ShardState:

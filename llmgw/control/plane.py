@@ -56,6 +56,7 @@ from .inventory import Inventory
 from .metrics import ControlMetrics
 from .reconciler import (
     Action,
+    Adopt,
     Assignment,
     Command,
     DesiredReplica,
@@ -81,8 +82,10 @@ REFUSE_UNPROVEN = "unproven_shard"
 
 class ControlPlane:
     def __init__(self, replicas: "ReplicaTable", kv_index: "KvWriter", registry, metrics_registry, config: "Config",
-                 placement_key: bytes | None = None):
-        """``placement_key``: a cluster's (every candidate derives the same), instead of one kept on disk."""
+                 placement_key: bytes | None = None, previous_placement_key: bytes | None = None):
+        """``placement_key``: a cluster's (every candidate derives the same), instead of one kept on disk;
+        ``previous_placement_key``: the one of its previous secret, during a rotation (proofs made with it are
+        accepted, and issued anew with the current key)."""
         self.replicas = replicas
         self.kv_index = kv_index
         self.id = uuid.uuid4().hex[:12]
@@ -94,7 +97,8 @@ class ControlPlane:
         self.reports = ReportCheck(own_ports=(config.listen.port, config.control_listen.port))
         self.inventory = Inventory(on_change=self.request_reconcile, metrics=self.metrics)
         self.identities = NodeIdentities(config.agents.control_state_dir or default_control_state_dir(),
-                                         placement_key=placement_key)
+                                         placement_key=placement_key,
+                                         previous_placement_key=previous_placement_key)
         self.agents = AgentService(self.inventory, self, SessionSettings.from_config(config.agents),
                                    identities=self.identities, metrics=self.metrics, control_plane_id=self.id,
                                    reports=self.reports)
@@ -254,6 +258,8 @@ class ControlPlane:
         actions = self.reconciler.plan(self.desired, nodes, now=trio.current_time(), wall_ms=int(time.time() * 1000))
         for action in actions:
             self._carry_out(action)
+            if isinstance(action, Adopt) and action.assignment is not None:
+                self._prove_adopted(action.assignment)
         self._sync_routing()
         self._forget_stopped_strays()
         return actions
@@ -315,7 +321,10 @@ class ControlPlane:
         reports = [r for r in register.shards
                    if self._valid_report(session, register.address, r) and self._own_shard(session, r.shard_id)]
         unproven = [r.shard_id for r in reports if not self._proven(session, r)]
-        return self.inventory.register(dataclasses.replace(register, shards=reports), session, unproven)
+        registered = self.inventory.register(dataclasses.replace(register, shards=reports), session, unproven)
+        for report in reports:
+            self._prove_anew(session, report)
+        return registered
 
     def on_message(self, session: AgentSession, message: wire.Message) -> None:
         if isinstance(message, wire.ShardStatus):
@@ -323,6 +332,7 @@ class ControlPlane:
             if node is not None and self._valid_report(session, node.address, message.shard) \
                     and self._own_shard(session, message.shard.shard_id):
                 self.inventory.update_shard(session.node_id, message.shard, self._proven(session, message.shard))
+                self._prove_anew(session, message.shard)
         elif isinstance(message, wire.KvChanges):
             self._hand_kv_changes(session, message)
         elif isinstance(message, wire.ErrorMessage):
@@ -451,6 +461,33 @@ class ControlPlane:
                             extra=log_fields(node=session.node_id, shard=report.shard_id))
                 session.post(wire.ErrorMessage(code=REFUSE_UNPROVEN, message=message, about=report.shard_id))
         return False
+
+    def _prove_adopted(self, assignment: Assignment) -> None:
+        """The shards of an assignment just adopted (their reports came before: the plane did not own them yet)."""
+        for slot in assignment.slots:
+            node = self.inventory.nodes.get(slot.node_id)
+            report = node.shards.get(slot.shard_id) if node is not None else None
+            if node is not None and node.session is not None and report is not None:
+                self._prove_anew(node.session, report)
+
+    def _prove_anew(self, session: AgentSession, report: wire.ShardReport) -> None:
+        """A shard this plane owns whose proof was made with the previous cluster secret's key gets one made with
+        the current key (its StartShard again, same generation: the agent keeps the proof, the engine runs on),
+        so that dropping the previous secret costs no adoption later."""
+        if session.trusted or not report.state.alive or not self.identities.proven_by_previous(session.node_id,
+                                                                                                report):
+            return
+        owner = self.reconciler.owner(report.shard_id)
+        desired = self.desired.get(owner[0].replica_id) if owner is not None else None
+        if owner is None or desired is None or owner[0].generation != report.generation or owner[0].retiring:
+            return
+        proof = self.identities.placement_proof(session.node_id, report)
+        message = dataclasses.replace(self.reconciler.start_message(desired, *owner), placement_proof=proof)
+        if session.post(message):
+            self.metrics.proofs_reissued.inc()
+            log.info("node %s: shard %s's placement proof was made with the previous cluster secret: issued anew "
+                     "with the current one", session.node_id, report.shard_id,
+                     extra=log_fields(node=session.node_id, shard=report.shard_id))
 
     # -- views for the admin API ---------------------------------------------------------------------------------
 

@@ -456,7 +456,7 @@ class Reconciler:
                         break
                     if self._once(slot.shard_id, "start", node.session_serial):
                         why = "not running on its node" if report is None else f"stopped ({report.reason})"
-                        actions.append(Command(why, slot.node_id, self._start_message(
+                        actions.append(Command(why, slot.node_id, self.start_message(
                             desired[assignment.replica_id], assignment, slot)))
                 elif report is not None and report.state is not wire.ShardState.STOPPED:
                     drain = assignment.drain and report.state is not wire.ShardState.FAILED
@@ -523,7 +523,8 @@ class Reconciler:
 
     # -- helpers -------------------------------------------------------------------------------------------------
 
-    def _start_message(self, wanted: DesiredReplica, assignment: Assignment, slot: ShardSlot) -> wire.StartShard:
+    def start_message(self, wanted: DesiredReplica, assignment: Assignment, slot: ShardSlot) -> wire.StartShard:
+        """The StartShard of ``slot`` (also sent again, same generation, to carry a new placement proof)."""
         profile = wanted.profile
         return wire.StartShard(
             shard_id=slot.shard_id, replica_id=assignment.replica_id, rank=slot.rank,

@@ -47,8 +47,10 @@ def build_key_admin(config: "Config", shared: "SharedState | None", directory: D
         store = RedisKeyStore(shared.link, Keys(config.state.cluster).prefix, shared.signer,
                               max_keys=tenancy.max_keys, max_teams=tenancy.max_teams)
         where = f"Redis {shared.link.address}"
+    election = shared.election if shared is not None else None
     return KeyAdmin(store, directory, TenantKeyMetrics(registry), max_keys=tenancy.max_keys,
-                    max_teams=tenancy.max_teams, describe=where)
+                    max_teams=tenancy.max_teams, describe=where,
+                    may_resign=lambda: election is not None and election.leading)
 
 
 def register_tenant_routes(app: Quart, gateway: "Gateway", error: Callable[..., Any],

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 
 import trio
 
-from ..cluster.link import client_options, cluster_secret, sentinel_options
+from ..cluster.link import client_options, cluster_secret, previous_cluster_secret, sentinel_options
 from ..cluster.state import CONTROL, SharedState
 from ..cluster.term_sources import TermKv, TermTable
 from ..config import Config, ConfigError
@@ -222,7 +222,9 @@ class Gateway:
 
     def _build_control(self, table: ReplicaTable, kv: KvWriter) -> ControlPlane:
         key = self.shared.placement_key if self.shared is not None else None
-        control = ControlPlane(table, kv, self.registry, self.metrics.registry, self.config, placement_key=key)
+        previous = self.shared.previous_placement_key if self.shared is not None else None
+        control = ControlPlane(table, kv, self.registry, self.metrics.registry, self.config, placement_key=key,
+                               previous_placement_key=previous)
         self.autoscale.attach(control)
         return control
 
@@ -356,7 +358,9 @@ class Gateway:
     def _check_state_settings(config: Config) -> None:
         """The Redis password's variable is set and the TLS files can be used: found at start, not as an outage."""
         sentinel = config.state.sentinel
-        checks: list[tuple[Located, str, Callable[..., object]]] = [(config.state, "password_env", client_options)]
+        checks: list[tuple[Located, str, Callable[..., object]]] = [(config.state, "password_env", client_options),
+                                                                   (config.state, "previous_secret_env",
+                                                                    previous_cluster_secret)]
         if sentinel is not None:
             checks.append((sentinel, "password_env", sentinel_options))
         for where, key, check in checks:

@@ -14,7 +14,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.25  # how often a gateway asks the store's version: a change is in force everywhere within this
 KEY_PREFIX = "sk-llmgw-"
+RESIGN_BATCH = 100  # records re-signed in one pass (one write each), then the store is read again
+RESIGN_EVERY = 1.0  # seconds between two passes (a record changed meanwhile is tried again at the next)
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ class Stored:
     keys: list[KeyEntry]
     teams: list[TeamEntry]
     refused: dict[str, int] = dataclasses.field(default_factory=dict)  # by kind: "key", "team"
+    # records only the cluster's previous secret signed (a rotation), as the store re-signs them: KeyStore.resign
+    resign: list[Any] = dataclasses.field(default_factory=list)
 
 
 class NameTaken(Exception):
@@ -68,6 +72,10 @@ class KeyStore(Protocol):
 
     async def delete_team(self, name: str) -> None: ...
 
+    async def resign(self, records_read: list[Any]) -> int:
+        """Write ``records_read`` (:attr:`Stored.resign`) again signed with the current secret, each only if it
+        is unchanged since it was read; how many were written."""
+
 
 class AdminRefusal(Exception):
     """An admin request that cannot be done: answered with ``status`` and an OpenAI-shaped error."""
@@ -88,14 +96,23 @@ class TenantKeyMetrics:
                                        "or more than the admin API writes; replayed_key, replayed_team: older "
                                        "than their revocation or last change): never admitted.", ["kind"],
                                        registry=registry)
+        self.previous_secret = Gauge("llmgw_tenant_previous_secret_records", "Key and team records, as this "
+                                     "gateway last read them, that only the cluster's previous secret "
+                                     "(state.previous_secret_env) signed: the leader re-signs them; drop that "
+                                     "secret once this is 0.", registry=registry)
         self.changes = Counter("llmgw_tenant_key_changes", "Keys and teams created, updated and revoked through "
                                "this gateway's admin API.", ["kind", "change"], registry=registry)
 
 
 class KeyAdmin:
     def __init__(self, store: KeyStore, directory: Directory, metrics: TenantKeyMetrics, *, max_keys: int,
-                 max_teams: int, describe: str):
+                 max_teams: int, describe: str, may_resign: Callable[[], bool] = lambda: False):
+        """``may_resign``: whether this process re-signs the records the cluster's previous secret signed (the
+        cluster's leader: one process does it)."""
         self.store = store
+        self.may_resign = may_resign
+        self._resign: list[Any] = []
+        self._resign_after = 0.0
         self.directory = directory
         self.metrics = metrics
         self.max_keys = max_keys
@@ -116,6 +133,8 @@ class KeyAdmin:
         while True:
             try:
                 await self.refresh()
+                if self._resign and self.may_resign():
+                    await self.resign()
                 if failing:
                     log.info("key store %s: readable again; %d API keys", self.describe, len(self.directory.keys()))
                 failing = False
@@ -144,7 +163,24 @@ class KeyAdmin:
                       ", ".join(f"{n} {kind} record(s)" for kind, n in stored.refused.items()))
         self.directory.set_stored(stored.keys, stored.teams)
         self._version, self._read_once = stored.version, True
+        self._resign = stored.resign
+        self.metrics.previous_secret.set(len(stored.resign))
         self._count()
+
+    async def resign(self) -> None:
+        """Re-sign what the cluster's previous secret signed alone, at most :data:`RESIGN_BATCH` records a pass
+        (each written only if unchanged since it was read), then read the store back."""
+        now = trio.current_time()
+        if now < self._resign_after:
+            return
+        self._resign_after = now + RESIGN_EVERY
+        batch = self._resign[:RESIGN_BATCH]
+        async with self._write_lock:
+            written = await self.store.resign(batch)
+        if written:
+            await self.refresh(force=True)
+        log.info("key store %s: %d key and team record(s) signed with the previous cluster secret re-signed with "
+                 "the current one, %d remain", self.describe, written, len(self._resign))
 
     def _count(self) -> None:
         for source, count in self.directory.counts().items():

@@ -94,7 +94,8 @@ return revision
 # KEYS: version, hash, names, revisions (kind:field -> revision of each field written), revoked (kind:field ->
 # tombstone), revoked_at (kind:field by revision); ARGV: field, value ('' and delete: HDEL), name claimed for
 # field ('': none), name given up ('': none), '1' when the field is new, revision, tombstone ('' unless deleting),
-# kind:field, tombstones kept at most.
+# kind:field, tombstones kept at most, the value the field must hold ('': any; a re-signing writes only over
+# the record it read).
 # -> the new version (a version that is no counter, as a writer may leave it, starts again at 1: it differs from
 # what every gateway read, so they read again); {'stale', last revision} when the field was written at this
 # revision or later; {'taken', owner} when the claimed name is another existing key's, or the new field exists
@@ -111,6 +112,9 @@ local revision, field = tonumber(ARGV[6]), ARGV[8]
 local last = math.max(tonumber(redis.call('HGET', KEYS[4], field)) or 0,
   tonumber(redis.call('ZSCORE', KEYS[6], field)) or 0)
 if last >= revision then return {'stale', string.format('%d', last)} end
+if ARGV[10] ~= '' and redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[10] then
+  return {'stale', string.format('%d', last)}
+end
 if ARGV[5] == '1' and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return {'taken', ARGV[1]} end
 if ARGV[3] ~= '' then
   local owner = redis.call('HGET', KEYS[3], ARGV[3])
@@ -171,12 +175,14 @@ class RedisKeyStore:
         version, key_fields, skipped_keys, team_fields, skipped_teams, revoked_fields, _ = answer
         refused = {"key": int(skipped_keys), "team": int(skipped_teams), "replayed_key": 0, "replayed_team": 0}
         tombstones = self._tombstones(revoked_fields)
+        resign: list[Any] = []
         found_keys = self._decoded(KEY, key_fields, codec.decode_key, lambda entry: entry.key_id, refused,
-                                   tombstones)
+                                   tombstones, resign)
         found_teams = self._decoded(TEAM, team_fields, codec.decode_team, lambda entry: entry.name, refused,
-                                    tombstones)
+                                    tombstones, resign)
         # what a version read alone answers: bytes, or None for no version yet
-        return Stored(version or None, found_keys, found_teams, {kind: n for kind, n in refused.items() if n})
+        return Stored(version or None, found_keys, found_teams, {kind: n for kind, n in refused.items() if n},
+                      resign)
 
     async def put_key(self, entry: KeyEntry, *, new: bool = False, renamed_from: str | None = None) -> None:
         claim = entry.name if new or renamed_from is not None else ""
@@ -202,28 +208,42 @@ class RedisKeyStore:
         return records.pack([revision, self.signer.sign(b"llmgw tenancy revoked", kind, field.encode(),
                                                         b"%d" % revision)])
 
+    async def resign(self, records_read: list[Any]) -> int:
+        """Write each record of ``records_read`` (:attr:`Stored.resign`: signed with the previous secret alone)
+        again, signed with the current one, unless it changed since it was read; how many were written."""
+        written = 0
+        for kind, field, body, raw in records_read:
+            hash_key = self.keys_key if kind == KEY else self.teams_key
+            if await self._write(hash_key, kind, field, body, over=raw, attempts=1):
+                written += 1
+        return written
+
     async def _write(self, hash_key: str, kind: bytes, field: str, body: bytes | None, *, new: bool = False,
-                     claim: str = "", release: str = "") -> None:
+                     claim: str = "", release: str = "", over: bytes = b"", attempts: int = WRITE_ATTEMPTS) -> bool:
+        """Write ``field`` (``body``, or its deletion); with ``over``, only if the field still holds that record
+        (False when it does not: someone wrote it since)."""
         keys = [self.version_key, hash_key, self.names_key, self.revisions_key, self.revoked_key,
                 self.revoked_at_key]
         revised = f"{kind.decode()}:{field}"
-        for _ in range(WRITE_ATTEMPTS):
+        for _ in range(attempts):
             floor = self.revisions.highest + 1
             revision = int(await self._call("tenancy_revision", lambda client: client.eval(
                 REVISION, keys=[self.revision_key], args=[floor])))
             value = b"" if body is None else self.seal(kind, field, body, revision)
             tombstone = self.tombstone(kind, field, revision) if body is None else b""
             args = [field, value, claim, release, "1" if new else "", revision, tombstone, revised,
-                    self.max_keys + self.max_teams]
+                    self.max_keys + self.max_teams, over]
             answer = await self._call("tenancy_write", lambda client: client.eval(WRITE, keys=keys, args=args))
             if not (isinstance(answer, list) and len(answer) == 2):
                 self.revisions.note(revised, revision)
-                return
+                return True
             what, detail = answer[0], answer[1].decode("utf-8", "replace") if isinstance(answer[1], bytes) \
                 else str(answer[1])
             if what == b"taken":
                 raise NameTaken(kind.decode(), detail)
             self.revisions.note(revised, int(detail) if detail.isdigit() else revision)  # stale: written since
+            if over:
+                return False
         raise StoreUnavailable(f"{revised} was written by others at every one of {WRITE_ATTEMPTS} attempts")
 
     async def _call(self, operation: str, command: Callable[[Any], Any]) -> Any:
@@ -251,7 +271,9 @@ class RedisKeyStore:
         return found
 
     def _decoded(self, kind: bytes, fields: object, decode: Callable[[bytes], T], field_of: Callable[[T], str],
-                 refused: dict[str, int], tombstones: dict[str, int]) -> list[T]:
+                 refused: dict[str, int], tombstones: dict[str, int], resign: list[Any] | None = None) -> list[T]:
+        """The entries of a hash's ``fields`` signed and current; those only the previous secret signed are also
+        added to ``resign`` as ``(kind, field, body, record)``."""
         label = kind.decode()
         entries: list[T] = []
         if not isinstance(fields, list):
@@ -260,7 +282,7 @@ class RedisKeyStore:
             field, raw = fields[i], fields[i + 1]
             try:
                 name = field.decode("utf-8") if isinstance(field, bytes) else str(field)
-                body, revision = self._unsealed(kind, name, raw)
+                body, revision, signed = self._unsealed(kind, name, raw)
                 entry = decode(body)
                 if field_of(entry) != name:
                     raise codec.RecordError("stored under another name")
@@ -270,23 +292,26 @@ class RedisKeyStore:
             revised = f"{label}:{name}"
             if self.revisions.current(revised, revision, tombstones.get(revised)):
                 entries.append(entry)
+                if signed is records.Signed.PREVIOUS and resign is not None:
+                    resign.append((kind, name, body, raw))
             else:
                 refused["replayed_" + label] += 1
         return entries
 
-    def _unsealed(self, kind: bytes, field: str, raw: object) -> tuple[bytes, int]:
-        """The body and revision of a record signed with the secret (one written before revisions: 0)."""
+    def _unsealed(self, kind: bytes, field: str, raw: object) -> tuple[bytes, int, records.Signed]:
+        """The body and revision of a record signed with the secret (one written before revisions: 0), and which
+        secret signed it."""
         sealed = records.unpack(raw, codec.MAX_RECORD_BYTES + 128, 3)
         if not isinstance(sealed, list) or len(sealed) not in (2, 3) or not isinstance(sealed[0], bytes):
             raise codec.RecordError("not a record")
         body, signature = sealed[0], sealed[1]
         if len(sealed) == 2:
-            revision, signed = LEGACY, self.signer.valid(signature, b"llmgw tenancy", kind, field.encode(), body)
+            revision, signed = LEGACY, self.signer.verify(signature, b"llmgw tenancy", kind, field.encode(), body)
         else:
             revision = sealed[2]
             if type(revision) is not int or not 0 < revision < MAX_REVISION:
                 raise codec.RecordError("its revision is not valid")
-            signed = self.signer.valid(signature, b"llmgw tenancy", kind, field.encode(), body, b"%d" % revision)
-        if not signed:
+            signed = self.signer.verify(signature, b"llmgw tenancy", kind, field.encode(), body, b"%d" % revision)
+        if signed is records.Signed.NOT:
             raise codec.RecordError("not signed with the cluster secret")
-        return body, revision
+        return body, revision, signed

@@ -14,7 +14,7 @@ import logging
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import trio
 
@@ -58,6 +58,9 @@ class SqliteKeyStore:
 
     async def read(self) -> Stored:
         return await self._run(self._read)
+
+    async def resign(self, records_read: list[Any]) -> int:
+        return 0  # nothing here is signed: Stored.resign is always empty
 
     async def put_key(self, entry: KeyEntry, *, new: bool = False, renamed_from: str | None = None) -> None:
         def write(connection: sqlite3.Connection) -> None:

@@ -6,6 +6,7 @@ processes it saw and the fixture kills their process groups at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -409,6 +410,23 @@ async def test_start_is_idempotent_and_a_new_generation_replaces_the_old(manager
     manager.start(sim_shard(generation=1))  # an old generation (a late message) is refused
     await trio.sleep(0.3)
     assert len(recorder.reports) == before and manager.get("r1-0").spec.generation == 2
+    await manager.stop("r1-0", grace=5)
+
+
+async def test_a_new_placement_proof_for_the_running_generation_is_kept_and_the_engine_runs_on(
+        manager, recorder, tmp_path, nursery):
+    """The cluster secret was rotated: the control plane sends the running shard's StartShard again with a proof
+    made with the new key; the agent keeps it (ledger, reports) without touching the engine."""
+    await nursery.start(manager.run)
+    manager.start(dataclasses.replace(sim_shard(), placement_proof="old proof"))
+    ready = await recorder.wait_for("r1-0", State.READY)
+    manager.start(dataclasses.replace(sim_shard(), placement_proof="new proof"))
+    assert manager.get("r1-0").report().placement_proof == "new proof"
+    assert recorder.reports[-1][1].placement_proof == "new proof"  # told at once
+    entry = Ledger(tmp_path / "shards.json").get("r1-0")
+    assert (entry.pid, entry.spec.placement_proof) == (ready.pid, "new proof")  # what the next agent adopts with
+    await trio.sleep(0.3)
+    assert running(ready.pid) and recorder.states("r1-0").count(State.STARTING) == 1
     await manager.stop("r1-0", grace=5)
 
 

@@ -157,3 +157,28 @@ async def test_a_revision_counter_a_writer_set_back_only_makes_a_write_take_a_hi
     updated = dataclasses.replace(key("k-000000000000000a", "app"), limits=Limits(rpm=4))
     await fresh.put_key(updated)  # its first revision is stale: it is told so, and takes one above
     assert (await first.read()).keys == [updated] and (await fresh.read()).keys == [updated]
+
+
+async def test_records_of_the_previous_secret_are_re_signed_unless_changed_since_they_were_read(
+        nursery, redis_url, cluster_name):
+    """A rotation of the cluster secret (docs/runbook.md): what the old secret signed is admitted by a store that
+    has it as its previous one, and re-signed with the current one; a record changed between the read and the
+    re-signing keeps the change."""
+    (old,) = await redis_stores(nursery, redis_url, cluster_name, 1)
+    await old.put_key(key("k-000000000000000a", "app"), new=True)
+    await old.put_key(key("k-000000000000000b", "etl"), new=True)
+    await old.put_team(TeamEntry("batch", Limits(rpm=5)), new=True)
+    new = RedisKeyStore(old.link, Keys(cluster_name).prefix, records.Signer(b"n" * 32, SECRET), max_keys=10,
+                        max_teams=10)
+    stored = await new.read()
+    assert len(stored.keys) == 2 and len(stored.teams) == 1 and len(stored.resign) == 3 and not stored.refused
+    await old.put_key(dataclasses.replace(key("k-000000000000000b", "etl"), limits=Limits(rpm=9)))  # meanwhile
+    assert await new.resign(stored.resign) == 2
+    after = await new.read()
+    assert {entry.key_id for entry in after.keys} == {"k-000000000000000a", "k-000000000000000b"}
+    assert [field for _, field, *_ in after.resign] == ["k-000000000000000b"]  # changed: the old secret's still
+    assert {entry.key_id: entry.limits.rpm for entry in after.keys}["k-000000000000000b"] == 9  # not overwritten
+    dropped = RedisKeyStore(old.link, Keys(cluster_name).prefix, records.Signer(b"n" * 32), max_keys=10,
+                            max_teams=10)
+    assert {entry.key_id for entry in (await dropped.read()).keys} == {"k-000000000000000a"}
+    assert (await dropped.read()).teams  # the team was re-signed too
