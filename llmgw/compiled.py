@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import os
+import sys
 
 # Paths from the repository root. Not compiled, and why: llmgw/plugins/round_robin.py (pluggy sets attributes on
 # its hook functions, which compiled functions do not take), llmgw/router/tier.py and llmgw/cached_labels.py
@@ -71,14 +72,38 @@ def stale_modules(compiled: list[str]) -> list[str]:
     return stale
 
 
-def describe() -> tuple[str, bool] | None:
-    """The start-up line about the compiled build and whether it is a warning; None when nothing is compiled."""
+def describe() -> tuple[str, bool]:
+    """The start-up line saying which build of the data plane runs, and whether it is a warning.
+
+    All compiled: how many. None compiled: pure Python, and how to get the compiled build (an install built
+    without ``LLMGW_MYPYC=1``, the fallback on platforms without a compiled wheel). Some: which are pure (their
+    extension is missing: a broken install, a warning). Compiled but older than their source: a warning too."""
     compiled = compiled_modules()
     if not compiled:
-        return None
+        return (f"data plane: pure Python (0 of {len(MYPYC_MODULES)} hot modules compiled: this install was "
+                f"built without LLMGW_MYPYC=1; the compiled build costs less CPU per request, docs/deploy.md "
+                f"says how to get it)"), False
     line = f"data plane: {len(compiled)} of {len(MYPYC_MODULES)} hot modules compiled with mypyc"
+    pure = [module_name(path) for path in MYPYC_MODULES if module_name(path) not in compiled]
+    if pure:
+        return f"{line}; pure Python, no extension for them in this install: {', '.join(pure)}", True
     stale = stale_modules(compiled)
     if stale:
         return (f"{line}; older than their source, which does not run until they are rebuilt "
                 f"(LLMGW_MYPYC=1 python setup.py build_ext --inplace) or removed: {', '.join(stale)}"), True
     return line, False
+
+
+def main(argv: list[str]) -> int:
+    """``python -m llmgw.compiled [--require]``: print the start-up line of this install; ``--require``: exit 1
+    unless every hot module runs compiled and current (the image's build checks the wheel it installed so)."""
+    line, warning = describe()
+    print(line)
+    if "--require" in argv and (warning or len(compiled_modules()) != len(MYPYC_MODULES)):
+        print("llmgw.compiled: --require: this install does not run the whole data plane compiled", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -124,11 +124,62 @@ def run_tests(tree: Path, args: list[str]) -> None:
     os.execve(sys.executable, argv, environ)
 
 
+def cached_tree(repo: Path = REPO) -> Path | None:
+    """The compiled tree of ``repo``'s current sources when one is built (by ``./dev test``), else None: nothing
+    is built (``./dev serve`` runs it when there is one, the pure source otherwise)."""
+    cache = cache_root(repo)
+    tree = cache / content_key(repo) / "tree" if cache is not None else None
+    return tree if tree is not None and (tree / "llmgw").is_dir() else None
+
+
+def build_wheels(repo: Path, cache: Path, into: Path) -> list[Path]:
+    """The release wheels in ``into``: the compiled one of the cached build (built now when there is none) and a
+    pure one (``py3-none-any``, the fallback where no compiled wheel fits), both from a copy of the sources; the
+    compiled one is also repaired to a ``manylinux`` one when ``auditwheel`` is installed."""
+    tree, _ = compiled_tree(repo, cache)
+    into.mkdir(parents=True, exist_ok=True)
+    (compiled,) = (tree.parent / "dist").glob("llmgw-*.whl")
+    wheels = [Path(shutil.copy2(compiled, into / compiled.name))]
+    with tempfile.TemporaryDirectory(prefix="llmgw-pure-") as scratch:
+        source = Path(scratch) / "src"
+        for name in source_files(repo):
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(repo / name, source / name)
+        environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LLMGW_MYPYC")}
+        built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                                "--disable-pip-version-check", "-w", str(into), str(source)],
+                               capture_output=True, text=True, timeout=BUILD_TIMEOUT, env=environ)
+        if built.returncode != 0:
+            raise RuntimeError(f"the pure build failed:\n{built.stderr[-3000:]}")
+    wheels += sorted(into.glob("llmgw-*-py3-none-any.whl"))
+    auditwheel = shutil.which("auditwheel") or shutil.which("auditwheel", path=str(Path(sys.executable).parent))
+    if auditwheel:
+        repaired = subprocess.run([auditwheel, "repair", "-w", str(into), str(wheels[0])], capture_output=True,
+                                  text=True, timeout=BUILD_TIMEOUT)
+        if repaired.returncode != 0:
+            raise RuntimeError(f"auditwheel repair failed:\n{repaired.stderr[-3000:]}")
+        wheels[1:1] = sorted(into.glob("llmgw-*manylinux*.whl"))
+    return wheels
+
+
 def main(argv: list[str]) -> None:
     """``compiled_build.py``: build or reuse the tree and print its path; ``compiled_build.py test [ARGS]``: then
-    run pytest ARGS against it. How long the build took (or that it was reused) goes to stderr."""
+    run pytest ARGS against it; ``compiled_build.py cached``: print the tree's path when it is built for the
+    current sources, else exit 1 (builds nothing); ``compiled_build.py wheel DIR``: the release wheels into DIR.
+    How long the build took (or that it was reused) goes to stderr."""
+    if argv[:1] == ["cached"]:
+        tree = cached_tree(REPO)
+        if tree is None:
+            sys.exit(1)
+        print(tree)
+        return
     started = time.monotonic()
-    tree, built = compiled_tree(REPO, cache_root(REPO) or Path(tempfile.mkdtemp(prefix="llmgw-compiled-")))
+    cache = cache_root(REPO) or Path(tempfile.mkdtemp(prefix="llmgw-compiled-"))
+    if argv[:1] == ["wheel"]:
+        for wheel in build_wheels(REPO, cache, Path(argv[1]) if len(argv) > 1 else REPO / "dist"):
+            print(wheel)
+        return
+    tree, built = compiled_tree(REPO, cache)
     took = time.monotonic() - started
     print(f"compiled llmgw: {'built' if built else 'reused'} {tree} ({took:.0f} s)", file=sys.stderr, flush=True)
     if argv[:1] == ["test"]:
