@@ -32,13 +32,15 @@ COMPILED_PASS = ("tests/unit",) + tuple(f"tests/integration/test_{name}.py" for 
 
 
 SOURCE_ROOTS = ("setup.py", "pyproject.toml", "README.md", "LICENSE", "llmgw")
+BENCHMARKS = "llmgw/bench/"  # in the source tree only: pyproject.toml leaves it out of the wheel
 BUILD_PRODUCTS = (".so", ".pyd", ".pyc", ".c", ".o")  # what an in-place build or an interpreter leaves in llmgw/
 
 
-def source_files(repo: Path = REPO) -> list[str]:
+def source_files(repo: Path = REPO, *, benchmarks: bool = False) -> list[str]:
     """What the wheel is built from: setup.py, pyproject.toml, README.md, LICENSE and llmgw/, as git sees them
     (tracked and new files, not ignored ones such as in-place ``.so`` builds or ``__pycache__``); in a copy that
-    is not a git checkout (an unpacked archive), every file under them but build products and caches."""
+    is not a git checkout (an unpacked archive), every file under them but build products and caches.
+    ``benchmarks``: llmgw/bench/ too, which the wheel leaves out (so an edit there builds nothing again)."""
     listing = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--",
                               *SOURCE_ROOTS], cwd=repo, capture_output=True)
     if listing.returncode == 0 and (repo / ".git").exists():
@@ -47,7 +49,8 @@ def source_files(repo: Path = REPO) -> list[str]:
         names = [path.relative_to(repo).as_posix() for root in SOURCE_ROOTS
                  for path in ([repo / root] if (repo / root).is_file() else sorted((repo / root).rglob("*")))
                  if "__pycache__" not in path.parts and not path.name.endswith(BUILD_PRODUCTS)]
-    return sorted({name for name in names if name and (repo / name).is_file()})
+    return sorted({name for name in names if name and (repo / name).is_file()
+                   and (benchmarks or not name.startswith(BENCHMARKS))})
 
 
 def content_key(repo: Path = REPO) -> str:
