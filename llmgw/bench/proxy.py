@@ -36,6 +36,11 @@ and every round measures each scenario on each target in turn, so that whatever 
 machine does falls on all of them alike; medians over the rounds are reported, and ratios
 are the median of round-by-round ratios. Everything listens on 127.0.0.1 with ephemeral
 ports; every process is started and stopped here (also on Ctrl-C), each run is bounded.
+How far to trust the numbers: the spread of each target's CPU per request over the rounds, the
+machine's state (load average before and after, CPU 1's frequency governor where readable, the
+other processes that ran on the proxy's core: ``machine_state``), and no ratio printed (nor a
+target met or missed) where the per-round ratios differ by more than 10% (``agreement``);
+docs/development.md, "A quiet measurement", says how to take one worth quoting.
 
 Run: ``llmgw bench proxy [--duration 10] [--repeat 3] [--json bench-results/proxy.json]``.
 Needs ``wrk`` and ``taskset`` (Debian: ``apt-get install wrk util-linux``). vllm-router

@@ -79,9 +79,9 @@ async def test_dev_serve_runs_the_compiled_build_when_dev_test_built_it_and_says
         compiled_tree, start_fake_upstream, nursery, tmp_path):
     """``./dev serve`` takes the tree ``./dev test`` built for these sources (the cache it finds through
     ``LLMGW_COMPILED_CACHE``, where the fixture's build is), and the pure source when there is none."""
-    a = await start_fake_upstream("a")
+    a, b = await start_fake_upstream("a"), await start_fake_upstream("b")
     config = tmp_path / "llmgw.yaml"
-    config.write_text(CONFIG.format(a=a.url, b=a.url))
+    config.write_text(CONFIG.format(a=a.url, b=b.url))
     n = len(MYPYC_MODULES)
     for cache, said, logged in (
             (compiled_tree.parent.parent, f"./dev serve: the compiled data plane ({compiled_tree}, built by ./dev test",
