@@ -53,6 +53,14 @@ def source_files(repo: Path = REPO, *, benchmarks: bool = False) -> list[str]:
                    and (benchmarks or not name.startswith(BENCHMARKS))})
 
 
+def copy_sources(repo: Path, into: Path, *, benchmarks: bool = False) -> Path:
+    """A copy of :func:`source_files` in ``into`` (which it returns): a build from it leaves nothing in ``repo``."""
+    for name in source_files(repo, benchmarks=benchmarks):
+        (into / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(repo / name, into / name)
+    return into
+
+
 def content_key(repo: Path = REPO) -> str:
     """A hash of the sources (names and contents), the interpreter's version and mypy's."""
     from mypy.version import __version__ as mypy_version
@@ -71,20 +79,22 @@ def cache_root(repo: Path = REPO) -> Path | None:
     return repo / ".venv" / "compiled" if (repo / ".venv").is_dir() else None
 
 
+def wheel_of(source: Path, into: Path, *, compiled: bool) -> None:
+    """``pip wheel`` of ``source`` into ``into`` with this interpreter's setuptools (and mypy: ``compiled``)."""
+    environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LLMGW_MYPYC")}
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "--disable-pip-version-check", "-w", str(into), str(source)],
+                           capture_output=True, text=True, timeout=BUILD_TIMEOUT,
+                           env={**environ, "LLMGW_MYPYC": "1"} if compiled else environ)
+    if built.returncode != 0:
+        raise RuntimeError(f"the {'compiled' if compiled else 'pure'} build failed:\n{built.stderr[-3000:]}")
+
+
 def build_tree(repo: Path, into: Path) -> Path:
     """Build the compiled wheel from a copy of ``repo``'s sources (the build leaves nothing in the checkout) and
     unpack it in ``into/tree``, which it returns."""
-    source = into / "src"
-    for name in source_files(repo):
-        (source / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(repo / name, source / name)
-    environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "--disable-pip-version-check", "-w", str(into / "dist"), str(source)],
-                           capture_output=True, text=True, timeout=BUILD_TIMEOUT,
-                           env={**environ, "LLMGW_MYPYC": "1"})
-    if built.returncode != 0:
-        raise RuntimeError(f"the compiled build failed:\n{built.stderr[-3000:]}")
+    source = copy_sources(repo, into / "src")
+    wheel_of(source, into / "dist", compiled=True)
     (wheel,) = (into / "dist").glob("llmgw-*.whl")
     if "-none-any" in wheel.name:
         raise RuntimeError(f"the compiled build made a pure wheel: {wheel.name}")
@@ -144,16 +154,7 @@ def build_wheels(repo: Path, cache: Path, into: Path) -> list[Path]:
     (compiled,) = (tree.parent / "dist").glob("llmgw-*.whl")
     wheels = [Path(shutil.copy2(compiled, into / compiled.name))]
     with tempfile.TemporaryDirectory(prefix="llmgw-pure-") as scratch:
-        source = Path(scratch) / "src"
-        for name in source_files(repo):
-            (source / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(repo / name, source / name)
-        environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LLMGW_MYPYC")}
-        built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                                "--disable-pip-version-check", "-w", str(into), str(source)],
-                               capture_output=True, text=True, timeout=BUILD_TIMEOUT, env=environ)
-        if built.returncode != 0:
-            raise RuntimeError(f"the pure build failed:\n{built.stderr[-3000:]}")
+        wheel_of(copy_sources(repo, Path(scratch) / "src"), into, compiled=False)
     wheels += sorted(into.glob("llmgw-*-py3-none-any.whl"))
     auditwheel = shutil.which("auditwheel") or shutil.which("auditwheel", path=str(Path(sys.executable).parent))
     if auditwheel:

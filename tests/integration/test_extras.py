@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import json
-import shutil
 import subprocess
 import sys
 import venv
@@ -96,10 +95,8 @@ def import_failures(python: Path, names: list[str], cwd: Path) -> dict[str, str]
 
 
 def test_the_bench_extra_installs_what_the_benchmarks_import(tmp_path):
-    source = tmp_path / "llmgw-src"  # a copy: the editable install writes its metadata beside the sources
-    for name in compiled_build.source_files(REPO, benchmarks=True):
-        (source / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / name, source / name)
+    # a copy: the editable install writes its metadata beside the sources
+    source = compiled_build.copy_sources(REPO, tmp_path / "llmgw-src", benchmarks=True)
     python = fresh_venv(tmp_path / "venv")
     pip_install(python, "-e", f"{source}[bench]")
     served = [name for name in modules_under("llmgw.bench") + modules_under("llmgw.testing")
