@@ -35,6 +35,8 @@ MYPYC_MODULES = (
     "llmgw/gateway/hops.py",
     "llmgw/gateway/tenant_gate.py",
     "llmgw/gateway/stream_usage.py",
+    "llmgw/gateway/flow_gate.py",  # overload control's gate and queue: every request passes them (on by default)
+    "llmgw/flow/queue.py",
     "llmgw/tenancy/estimate.py",
     "llmgw/router/router.py",
     "llmgw/router/canonical.py",

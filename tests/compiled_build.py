@@ -25,10 +25,11 @@ REPO = Path(__file__).resolve().parents[1]
 BUILD_TIMEOUT = 1500  # seconds: 1-8 minutes on the 2 shared cores here
 CACHE_ENV = "LLMGW_COMPILED_CACHE"  # where the built trees are kept; else .venv/compiled in the checkout
 # The second run of ./dev test: the unit tier and the integration tests of the data plane (relaying, streams,
-# upstream faults and retries, hostile bodies, limits, TLS, hops, latency metrics, access log, descriptors).
+# upstream faults and retries, hostile bodies, limits, TLS, hops, latency metrics, access log, descriptors,
+# overload control).
 COMPILED_PASS = ("tests/unit",) + tuple(f"tests/integration/test_{name}.py" for name in (
     "gateway", "relay_paths", "stream_errors", "request_faults", "fault_matrix", "hostile_bodies", "hop_loops",
-    "latency_metrics", "access_log", "tls", "fd_exhaustion"))
+    "latency_metrics", "access_log", "tls", "fd_exhaustion", "overload"))
 
 
 SOURCE_ROOTS = ("setup.py", "pyproject.toml", "README.md", "LICENSE", "llmgw")
