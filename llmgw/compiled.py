@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
+import importlib.metadata
 import os
 import sys
 
@@ -59,12 +60,26 @@ def compiled_modules() -> list[str]:
     return compiled
 
 
+def wheel_files() -> set[str]:
+    """The files of the llmgw distribution imported here as its wheel's RECORD lists them: an extension there was
+    built from the ``.py`` beside it, whatever their times (pip writes a wheel's files in no particular order)."""
+    try:
+        distribution = importlib.metadata.distribution("llmgw")
+    except importlib.metadata.PackageNotFoundError:
+        return set()
+    return {os.path.realpath(str(distribution.locate_file(file))) for file in distribution.files or ()}
+
+
 def stale_modules(compiled: list[str]) -> list[str]:
     """Compiled modules whose ``.py`` beside them is newer than the extension (an in-place build after which the
-    source was edited: the edit does not run until the build is redone or the extensions removed)."""
+    source was edited: the edit does not run until the build is redone or the extensions removed); an installed
+    wheel's extensions are never stale."""
     stale = []
+    installed = wheel_files()
     for name in compiled:
         extension = getattr(importlib.import_module(name), "__file__", None) or ""
+        if os.path.realpath(extension) in installed:
+            continue
         source = os.path.join(os.path.dirname(extension), name.rsplit(".", 1)[1] + ".py")
         try:
             if os.path.getmtime(source) > os.path.getmtime(extension):
