@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
+import importlib.metadata
 import os
+import sys
 
 # Paths from the repository root. Not compiled, and why: llmgw/plugins/round_robin.py (pluggy sets attributes on
 # its hook functions, which compiled functions do not take), llmgw/router/tier.py and llmgw/cached_labels.py
@@ -34,6 +36,8 @@ MYPYC_MODULES = (
     "llmgw/gateway/hops.py",
     "llmgw/gateway/tenant_gate.py",
     "llmgw/gateway/stream_usage.py",
+    "llmgw/gateway/flow_gate.py",  # overload control's gate and queue: every request passes them (on by default)
+    "llmgw/flow/queue.py",
     "llmgw/tenancy/estimate.py",
     "llmgw/router/router.py",
     "llmgw/router/canonical.py",
@@ -56,12 +60,26 @@ def compiled_modules() -> list[str]:
     return compiled
 
 
+def wheel_files() -> set[str]:
+    """The files of the llmgw distribution imported here as its wheel's RECORD lists them: an extension there was
+    built from the ``.py`` beside it, whatever their times (pip writes a wheel's files in no particular order)."""
+    try:
+        distribution = importlib.metadata.distribution("llmgw")
+    except importlib.metadata.PackageNotFoundError:
+        return set()
+    return {os.path.realpath(str(distribution.locate_file(file))) for file in distribution.files or ()}
+
+
 def stale_modules(compiled: list[str]) -> list[str]:
     """Compiled modules whose ``.py`` beside them is newer than the extension (an in-place build after which the
-    source was edited: the edit does not run until the build is redone or the extensions removed)."""
+    source was edited: the edit does not run until the build is redone or the extensions removed); an installed
+    wheel's extensions are never stale."""
     stale = []
+    installed = wheel_files()
     for name in compiled:
         extension = getattr(importlib.import_module(name), "__file__", None) or ""
+        if os.path.realpath(extension) in installed:
+            continue
         source = os.path.join(os.path.dirname(extension), name.rsplit(".", 1)[1] + ".py")
         try:
             if os.path.getmtime(source) > os.path.getmtime(extension):
@@ -71,14 +89,38 @@ def stale_modules(compiled: list[str]) -> list[str]:
     return stale
 
 
-def describe() -> tuple[str, bool] | None:
-    """The start-up line about the compiled build and whether it is a warning; None when nothing is compiled."""
+def describe() -> tuple[str, bool]:
+    """The start-up line saying which build of the data plane runs, and whether it is a warning.
+
+    All compiled: how many. None compiled: pure Python, and how to get the compiled build (an install built
+    without ``LLMGW_MYPYC=1``, the fallback on platforms without a compiled wheel). Some: which are pure (their
+    extension is missing: a broken install, a warning). Compiled but older than their source: a warning too."""
     compiled = compiled_modules()
     if not compiled:
-        return None
+        return (f"data plane: pure Python (0 of {len(MYPYC_MODULES)} hot modules compiled: this install was "
+                f"built without LLMGW_MYPYC=1; the compiled build costs less CPU per request, docs/deploy.md "
+                f"says how to get it)"), False
     line = f"data plane: {len(compiled)} of {len(MYPYC_MODULES)} hot modules compiled with mypyc"
+    pure = [module_name(path) for path in MYPYC_MODULES if module_name(path) not in compiled]
+    if pure:
+        return f"{line}; pure Python, no extension for them in this install: {', '.join(pure)}", True
     stale = stale_modules(compiled)
     if stale:
         return (f"{line}; older than their source, which does not run until they are rebuilt "
                 f"(LLMGW_MYPYC=1 python setup.py build_ext --inplace) or removed: {', '.join(stale)}"), True
     return line, False
+
+
+def main(argv: list[str]) -> int:
+    """``python -m llmgw.compiled [--require]``: print the start-up line of this install; ``--require``: exit 1
+    unless every hot module runs compiled and current (the image's build checks the wheel it installed so)."""
+    line, warning = describe()
+    print(line)
+    if "--require" in argv and (warning or len(compiled_modules()) != len(MYPYC_MODULES)):
+        print("llmgw.compiled: --require: this install does not run the whole data plane compiled", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -25,20 +25,23 @@ REPO = Path(__file__).resolve().parents[1]
 BUILD_TIMEOUT = 1500  # seconds: 1-8 minutes on the 2 shared cores here
 CACHE_ENV = "LLMGW_COMPILED_CACHE"  # where the built trees are kept; else .venv/compiled in the checkout
 # The second run of ./dev test: the unit tier and the integration tests of the data plane (relaying, streams,
-# upstream faults and retries, hostile bodies, limits, TLS, hops, latency metrics, access log, descriptors).
+# upstream faults and retries, hostile bodies, limits, TLS, hops, latency metrics, access log, descriptors,
+# overload control).
 COMPILED_PASS = ("tests/unit",) + tuple(f"tests/integration/test_{name}.py" for name in (
     "gateway", "relay_paths", "stream_errors", "request_faults", "fault_matrix", "hostile_bodies", "hop_loops",
-    "latency_metrics", "access_log", "tls", "fd_exhaustion"))
+    "latency_metrics", "access_log", "tls", "fd_exhaustion", "overload"))
 
 
 SOURCE_ROOTS = ("setup.py", "pyproject.toml", "README.md", "LICENSE", "llmgw")
+BENCHMARKS = "llmgw/bench/"  # in the source tree only: pyproject.toml leaves it out of the wheel
 BUILD_PRODUCTS = (".so", ".pyd", ".pyc", ".c", ".o")  # what an in-place build or an interpreter leaves in llmgw/
 
 
-def source_files(repo: Path = REPO) -> list[str]:
+def source_files(repo: Path = REPO, *, benchmarks: bool = False) -> list[str]:
     """What the wheel is built from: setup.py, pyproject.toml, README.md, LICENSE and llmgw/, as git sees them
     (tracked and new files, not ignored ones such as in-place ``.so`` builds or ``__pycache__``); in a copy that
-    is not a git checkout (an unpacked archive), every file under them but build products and caches."""
+    is not a git checkout (an unpacked archive), every file under them but build products and caches.
+    ``benchmarks``: llmgw/bench/ too, which the wheel leaves out (so an edit there builds nothing again)."""
     listing = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--",
                               *SOURCE_ROOTS], cwd=repo, capture_output=True)
     if listing.returncode == 0 and (repo / ".git").exists():
@@ -47,7 +50,16 @@ def source_files(repo: Path = REPO) -> list[str]:
         names = [path.relative_to(repo).as_posix() for root in SOURCE_ROOTS
                  for path in ([repo / root] if (repo / root).is_file() else sorted((repo / root).rglob("*")))
                  if "__pycache__" not in path.parts and not path.name.endswith(BUILD_PRODUCTS)]
-    return sorted({name for name in names if name and (repo / name).is_file()})
+    return sorted({name for name in names if name and (repo / name).is_file()
+                   and (benchmarks or not name.startswith(BENCHMARKS))})
+
+
+def copy_sources(repo: Path, into: Path, *, benchmarks: bool = False) -> Path:
+    """A copy of :func:`source_files` in ``into`` (which it returns): a build from it leaves nothing in ``repo``."""
+    for name in source_files(repo, benchmarks=benchmarks):
+        (into / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(repo / name, into / name)
+    return into
 
 
 def content_key(repo: Path = REPO) -> str:
@@ -68,20 +80,22 @@ def cache_root(repo: Path = REPO) -> Path | None:
     return repo / ".venv" / "compiled" if (repo / ".venv").is_dir() else None
 
 
+def wheel_of(source: Path, into: Path, *, compiled: bool) -> None:
+    """``pip wheel`` of ``source`` into ``into`` with this interpreter's setuptools (and mypy: ``compiled``)."""
+    environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LLMGW_MYPYC")}
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "--disable-pip-version-check", "-w", str(into), str(source)],
+                           capture_output=True, text=True, timeout=BUILD_TIMEOUT,
+                           env={**environ, "LLMGW_MYPYC": "1"} if compiled else environ)
+    if built.returncode != 0:
+        raise RuntimeError(f"the {'compiled' if compiled else 'pure'} build failed:\n{built.stderr[-3000:]}")
+
+
 def build_tree(repo: Path, into: Path) -> Path:
     """Build the compiled wheel from a copy of ``repo``'s sources (the build leaves nothing in the checkout) and
     unpack it in ``into/tree``, which it returns."""
-    source = into / "src"
-    for name in source_files(repo):
-        (source / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(repo / name, source / name)
-    environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "--disable-pip-version-check", "-w", str(into / "dist"), str(source)],
-                           capture_output=True, text=True, timeout=BUILD_TIMEOUT,
-                           env={**environ, "LLMGW_MYPYC": "1"})
-    if built.returncode != 0:
-        raise RuntimeError(f"the compiled build failed:\n{built.stderr[-3000:]}")
+    source = copy_sources(repo, into / "src")
+    wheel_of(source, into / "dist", compiled=True)
     (wheel,) = (into / "dist").glob("llmgw-*.whl")
     if "-none-any" in wheel.name:
         raise RuntimeError(f"the compiled build made a pure wheel: {wheel.name}")
@@ -124,11 +138,53 @@ def run_tests(tree: Path, args: list[str]) -> None:
     os.execve(sys.executable, argv, environ)
 
 
+def cached_tree(repo: Path = REPO) -> Path | None:
+    """The compiled tree of ``repo``'s current sources when one is built (by ``./dev test``), else None: nothing
+    is built (``./dev serve`` runs it when there is one, the pure source otherwise)."""
+    cache = cache_root(repo)
+    tree = cache / content_key(repo) / "tree" if cache is not None else None
+    return tree if tree is not None and (tree / "llmgw").is_dir() else None
+
+
+def build_wheels(repo: Path, cache: Path, into: Path) -> list[Path]:
+    """The release wheels in ``into``: the compiled one of the cached build (built now when there is none) and a
+    pure one (``py3-none-any``, the fallback where no compiled wheel fits), both from a copy of the sources; the
+    compiled one is also repaired to a ``manylinux`` one when ``auditwheel`` is installed."""
+    tree, _ = compiled_tree(repo, cache)
+    into.mkdir(parents=True, exist_ok=True)
+    (compiled,) = (tree.parent / "dist").glob("llmgw-*.whl")
+    wheels = [Path(shutil.copy2(compiled, into / compiled.name))]
+    with tempfile.TemporaryDirectory(prefix="llmgw-pure-") as scratch:
+        wheel_of(copy_sources(repo, Path(scratch) / "src"), into, compiled=False)
+    wheels += sorted(into.glob("llmgw-*-py3-none-any.whl"))
+    auditwheel = shutil.which("auditwheel") or shutil.which("auditwheel", path=str(Path(sys.executable).parent))
+    if auditwheel:
+        repaired = subprocess.run([auditwheel, "repair", "-w", str(into), str(wheels[0])], capture_output=True,
+                                  text=True, timeout=BUILD_TIMEOUT)
+        if repaired.returncode != 0:
+            raise RuntimeError(f"auditwheel repair failed:\n{repaired.stderr[-3000:]}")
+        wheels[1:1] = sorted(into.glob("llmgw-*manylinux*.whl"))
+    return wheels
+
+
 def main(argv: list[str]) -> None:
     """``compiled_build.py``: build or reuse the tree and print its path; ``compiled_build.py test [ARGS]``: then
-    run pytest ARGS against it. How long the build took (or that it was reused) goes to stderr."""
+    run pytest ARGS against it; ``compiled_build.py cached``: print the tree's path when it is built for the
+    current sources, else exit 1 (builds nothing); ``compiled_build.py wheel DIR``: the release wheels into DIR.
+    How long the build took (or that it was reused) goes to stderr."""
+    if argv[:1] == ["cached"]:
+        tree = cached_tree(REPO)
+        if tree is None:
+            sys.exit(1)
+        print(tree)
+        return
     started = time.monotonic()
-    tree, built = compiled_tree(REPO, cache_root(REPO) or Path(tempfile.mkdtemp(prefix="llmgw-compiled-")))
+    cache = cache_root(REPO) or Path(tempfile.mkdtemp(prefix="llmgw-compiled-"))
+    if argv[:1] == ["wheel"]:
+        for wheel in build_wheels(REPO, cache, Path(argv[1]) if len(argv) > 1 else REPO / "dist"):
+            print(wheel)
+        return
+    tree, built = compiled_tree(REPO, cache)
     took = time.monotonic() - started
     print(f"compiled llmgw: {'built' if built else 'reused'} {tree} ({took:.0f} s)", file=sys.stderr, flush=True)
     if argv[:1] == ["test"]:

@@ -36,6 +36,11 @@ and every round measures each scenario on each target in turn, so that whatever 
 machine does falls on all of them alike; medians over the rounds are reported, and ratios
 are the median of round-by-round ratios. Everything listens on 127.0.0.1 with ephemeral
 ports; every process is started and stopped here (also on Ctrl-C), each run is bounded.
+How far to trust the numbers: the spread of each target's CPU per request over the rounds, the
+machine's state (load average before and after, CPU 1's frequency governor where readable, the
+other processes that ran on the proxy's core: ``machine_state``), and no ratio printed (nor a
+target met or missed) where the per-round ratios differ by more than 10% (``agreement``);
+docs/development.md, "A quiet measurement", says how to take one worth quoting.
 
 Run: ``llmgw bench proxy [--duration 10] [--repeat 3] [--json bench-results/proxy.json]``.
 Needs ``wrk`` and ``taskset`` (Debian: ``apt-get install wrk util-linux``). vllm-router
@@ -70,6 +75,8 @@ import trio
 from llmgw.testing.processes import SERVE_READY, Child, ChildFailed, checkout_env, free_port, start_child
 from llmgw.testing.redis import start_private_redis
 
+from . import machine_state
+from .agreement import RATIO_SPREAD_BOUND, disagreement, spread
 from .cluster_rig import state_section
 from .common import cell as fmt
 
@@ -90,6 +97,7 @@ BENCH_KEY = "sk-bench-proxy-key"
 TENANT_TARGETS = {"llmgw-keyed": "", "llmgw-limited": "    limits: {rpm: 100000000, tpm: 100000000000, "
                                                       "concurrency: 100000}\n"}
 REDIS_CPU_TARGET, REDIS_P50_TARGET = 1.1, 1.05
+QUIET_LOAD = 0.25  # load average per CPU above which a machine is not quiet enough for a per-core measurement
 DIRECT_TLS = "direct-tls"
 
 LUA = r"""
@@ -119,15 +127,8 @@ class BenchError(RuntimeError):
 
 def process_cpu_seconds(pid: int) -> float:
     """User+system CPU of process ``pid``, its threads and descendants (and their reaped children), from /proc."""
-    total = 0.0
-    tick = os.sysconf("SC_CLK_TCK")
-    for one in [pid] + _descendants(pid):
-        try:
-            fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15)
-    return total
+    stats = (machine_state.process_stat(one) for one in [pid] + _descendants(pid))
+    return sum(stat[1] for stat in stats if stat is not None)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -263,6 +264,7 @@ class RunResult:
     proxy_cpu_us_per_request: float | None
     proxy_core_busy: float | None = None  # share of the proxy's core busy with anything (ours or not)
     proxy_core_steal: float | None = None  # share of the proxy's core taken by the hypervisor
+    others_on_core: list[dict] = field(default_factory=list)  # machine_state.busy_on_core: who else ran there
     command: list[str] = field(default_factory=list)
 
     @property
@@ -296,12 +298,15 @@ def run_wrk(url: str, script: Path, connections: int, duration: float, proxy: Ch
             "-s", str(script), url + PATH]
     cpu_before = process_cpu_seconds(proxy.pid) if proxy else None
     core_before = core_times(PROXY_CPU)
+    processes_before = machine_state.processes()
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 30)
     except subprocess.TimeoutExpired:
         raise BenchError(f"wrk did not finish within {duration + 30:g}s: {shlex.join(argv)}") from None
     cpu_after = process_cpu_seconds(proxy.pid) if proxy else None
     core_after = core_times(PROXY_CPU)
+    ours = {proxy.pid, *_descendants(proxy.pid)} if proxy else set()
+    others = machine_state.busy_on_core(processes_before, machine_state.processes(), PROXY_CPU, ours)
     core_span = core_after[2] - core_before[2]
     line = next((out for out in done.stdout.splitlines() if out.startswith("WRKJSON ")), None)
     if done.returncode != 0 or line is None:
@@ -321,7 +326,7 @@ def run_wrk(url: str, script: Path, connections: int, duration: float, proxy: Ch
         proxy_cpu_us_per_request=(cpu / requests * 1e6) if cpu is not None and requests else None,
         proxy_core_busy=(core_after[0] - core_before[0]) / core_span if core_span > 0 else None,
         proxy_core_steal=(core_after[1] - core_before[1]) / core_span if core_span > 0 else None,
-        command=argv,
+        others_on_core=others, command=argv,
     )
 
 
@@ -513,7 +518,7 @@ def summarize(results: list[RunResult], targets: list[str]) -> dict:
             runs = _runs(results, target, scenario)
             if not runs:
                 continue
-            cell = {
+            cell: dict = {
                 "rps": round(_median([r.rps for r in runs]), 1),
                 "rps_best": round(max(r.rps for r in runs), 1),
                 "p50_ms": round(_median([r.p50_ms for r in runs]), 3),
@@ -521,6 +526,7 @@ def summarize(results: list[RunResult], targets: list[str]) -> dict:
                 "p99_ms": round(_median([r.p99_ms for r in runs]), 3),
                 "ok": all(r.ok for r in runs),
                 "rounds": len(runs),
+                "rps_spread": spread([r.rps for r in runs]),
             }
             cpu = _median_known([r.proxy_cpu_share for r in runs])
             per_request = _median_known([r.proxy_cpu_us_per_request for r in runs])
@@ -528,6 +534,10 @@ def summarize(results: list[RunResult], targets: list[str]) -> dict:
                 cell["proxy_cpu_share"] = round(cpu, 3)
                 cell["proxy_cpu_us_per_request"] = round(per_request, 1)
                 cell["others_on_proxy_core_max"] = round(max(r.foreign_cpu_share or 0.0 for r in runs), 3)
+                per_round = [r.proxy_cpu_us_per_request for r in runs if r.proxy_cpu_us_per_request is not None]
+                cell["proxy_cpu_us_per_request_rounds"] = [round(us, 1) for us in per_round]
+                cell["proxy_cpu_us_per_request_spread"] = spread(per_round)
+                cell["others_on_proxy_core"] = machine_state.busiest_by_name([r.others_on_core for r in runs])
             direct = _runs(results, "direct", scenario)
             if target != "direct" and direct:
                 cell["added_p50_ms"] = round(cell["p50_ms"] - _median([r.p50_ms for r in direct]), 3)
@@ -538,9 +548,9 @@ def summarize(results: list[RunResult], targets: list[str]) -> dict:
         ratios = _pair_ratios(results, "llmgw", "vllm-router")
         summary["ratios_llmgw_vs_vllm_router"] = ratios
         summary["targets_met"] = {
-            "rps_at_least_0.9x": ratios.get("c32_rps_ratio", 0) >= 0.9,
-            "stream_rps_at_least_0.9x": ratios.get("stream_c32_rps_ratio", 0) >= 0.9,
-            "added_p50_at_most_1.2x": ratios.get("c1_added_p50_ratio", 99) <= 1.2,
+            "rps_at_least_0.9x": _met(ratios, "c32_rps_ratio", at_least=0.9),
+            "stream_rps_at_least_0.9x": _met(ratios, "stream_c32_rps_ratio", at_least=0.9),
+            "added_p50_at_most_1.2x": _met(ratios, "c1_added_p50_ratio", at_most=1.2),
         }
     if "llmgw" in summary and BASELINE in summary:
         summary["ratios_llmgw_vs_baseline"] = _pair_ratios(results, "llmgw", BASELINE)
@@ -552,8 +562,8 @@ def summarize(results: list[RunResult], targets: list[str]) -> dict:
         ratios = _pair_ratios(results, REDIS_TARGET, "llmgw") | _cpu_ratios(results, REDIS_TARGET, "llmgw")
         summary["ratios_llmgw_redis_vs_llmgw"] = ratios
         summary["redis_targets_met"] = {
-            f"cpu_per_request_at_most_{REDIS_CPU_TARGET}x": ratios.get("c32_cpu_ratio", 99) <= REDIS_CPU_TARGET,
-            f"added_p50_at_most_{REDIS_P50_TARGET}x": ratios.get("c1_added_p50_ratio", 99) <= REDIS_P50_TARGET,
+            f"cpu_per_request_at_most_{REDIS_CPU_TARGET}x": _met(ratios, "c32_cpu_ratio", at_most=REDIS_CPU_TARGET),
+            f"added_p50_at_most_{REDIS_P50_TARGET}x": _met(ratios, "c1_added_p50_ratio", at_most=REDIS_P50_TARGET),
         }
     overhead = {target: tls_overhead(summary, results, target) for target in TLS_TARGETS
                 if target in summary and "llmgw" in summary}
@@ -581,21 +591,51 @@ def tls_overhead(summary: dict, results: list[RunResult], target: str) -> dict:
     return out
 
 
+def _put_ratio(ratios: dict, name: str, per_round: list[float]) -> None:
+    """``ratios[name]``: the median of the per-round ratios (none: nothing put), with ``NAME_rounds`` and, when
+    the rounds disagree beyond :data:`RATIO_SPREAD_BOUND`, ``NAME_refused`` saying so (the table then prints no
+    median; the JSON keeps it, flagged)."""
+    if not per_round:
+        return
+    ratios[name] = round(_median(per_round), 3)
+    ratios[f"{name}_rounds"] = [round(r, 3) for r in per_round]
+    observed = spread(per_round)
+    if observed is not None:
+        ratios[f"{name}_spread"] = round(observed, 3)
+    refused = disagreement(per_round)
+    if refused:
+        ratios[f"{name}_refused"] = refused
+
+
+def ratio_text(ratios: dict, name: str, digits: int = 2) -> str:
+    """``ratios[name]`` for the table: the median and its rounds, or why it is not printed."""
+    if name not in ratios:
+        return "n/a"
+    rounds = ", ".join(f"{x:.{digits}f}" for x in ratios[f"{name}_rounds"])
+    if f"{name}_refused" in ratios:
+        return f"{ratios[name + '_refused']}  (rounds: {rounds})"
+    return f"{ratios[name]:.{digits}f}x  (rounds: {rounds})"
+
+
+def _met(ratios: dict, name: str, at_least: float | None = None, at_most: float | None = None) -> bool | None:
+    """Whether ``ratios[name]`` is at least ``at_least`` or at most ``at_most``; None when it was not measured or
+    its rounds disagree (no target is met or missed on noise)."""
+    if name not in ratios or f"{name}_refused" in ratios:
+        return None
+    return ratios[name] >= at_least if at_least is not None else ratios[name] <= (at_most or 0.0)
+
+
 def _pair_ratios(results: list[RunResult], a: str, b: str) -> dict:
     """``a`` over ``b``, round by round (requests/s, and added p50 latency over the direct upstream)."""
     ratios: dict = {}
     for scenario in ("c32", "stream_c32"):
         pairs = zip(_runs(results, a, scenario), _runs(results, b, scenario))
         per_round = [x.rps / y.rps for x, y in pairs if y.rps]
-        if per_round:
-            ratios[f"{scenario}_rps_ratio"] = round(_median(per_round), 3)
-            ratios[f"{scenario}_rps_ratio_rounds"] = [round(r, 3) for r in per_round]
+        _put_ratio(ratios, f"{scenario}_rps_ratio", per_round)
     for scenario in ("c1", "stream_c1"):
         triples = zip(_runs(results, a, scenario), _runs(results, b, scenario), _runs(results, "direct", scenario))
         per_round = [(x.p50_ms - d.p50_ms) / (y.p50_ms - d.p50_ms) for x, y, d in triples if y.p50_ms - d.p50_ms > 0]
-        if per_round:
-            ratios[f"{scenario}_added_p50_ratio"] = round(_median(per_round), 3)
-            ratios[f"{scenario}_added_p50_ratio_rounds"] = [round(r, 3) for r in per_round]
+        _put_ratio(ratios, f"{scenario}_added_p50_ratio", per_round)
     return ratios
 
 
@@ -606,14 +646,43 @@ def _cpu_ratios(results: list[RunResult], a: str, b: str) -> dict:
         pairs = zip(_runs(results, a, scenario), _runs(results, b, scenario))
         per_round = [x.proxy_cpu_us_per_request / y.proxy_cpu_us_per_request for x, y in pairs
                      if x.proxy_cpu_us_per_request is not None and y.proxy_cpu_us_per_request]
-        if per_round:
-            ratios[f"{scenario}_cpu_ratio"] = round(_median(per_round), 3)
-            ratios[f"{scenario}_cpu_ratio_rounds"] = [round(r, 3) for r in per_round]
+        _put_ratio(ratios, f"{scenario}_cpu_ratio", per_round)
     return ratios
 
 
+def _with_spread(cell: dict, key: str) -> str:
+    """``cell[key]`` and the spread of its rounds ((max - min) / median), for the table."""
+    observed = cell.get(f"{key}_spread")
+    return fmt(cell.get(key), ".0f") + ("" if observed is None else f" ({observed * 100:.0f}%)")
+
+
+def print_machine_state(state: dict, summary: dict, targets: list[str]) -> None:
+    """The machine around the measurement: load, the proxy core's governor, who else ran on that core; and, when
+    it was not quiet, that the numbers are not a quiet measurement."""
+    before, after = state.get("before", {}), state.get("after", {})
+    load = " / ".join(" ".join(f"{x:.2f}" for x in s["loadavg"]) if s.get("loadavg") else "unknown"
+                      for s in (before, after))
+    print()
+    print(f"machine: load average (1, 5, 15 min) {load} before / after, {before.get('cpus')} CPUs; "
+          f"CPU {PROXY_CPU}'s frequency governor: {before.get('governor') or 'not readable (no cpufreq here)'}")
+    others: dict[str, float] = {}
+    for target in targets:
+        for cell in summary.get(target, {}).values():
+            for process in cell.get("others_on_proxy_core", []):
+                others[process["name"]] = others.get(process["name"], 0.0) + process["cpu_s"]
+    if others:
+        busiest = sorted(others.items(), key=lambda item: -item[1])[:machine_state.TOP]
+        print(f"other processes on CPU {PROXY_CPU} while the proxies were measured (CPU seconds): "
+              + ", ".join(f"{name} {seconds:.1f}" for name, seconds in busiest))
+    loaded = max((before.get("loadavg") or [0.0])[0], (after.get("loadavg") or [0.0])[0])
+    if loaded > QUIET_LOAD * (before.get("cpus") or 1) or others:
+        print(f"NOT A QUIET MEASUREMENT (load above {QUIET_LOAD:g} per CPU, or others on the proxy's core): read "
+              f"these numbers as this machine's today; docs/development.md, \"A quiet measurement\", says how to "
+              f"take one")
+
+
 def print_table(summary: dict, targets: list[str]) -> None:
-    cols = ["target", "c=1 p50 ms", "added p50", "c=1 p99 ms", "added p99", "c=32 req/s", "CPU µs/req",
+    cols = ["target", "c=1 p50 ms", "added p50", "c=1 p99 ms", "added p99", "c=32 req/s", "CPU µs/req (spread)",
             "c=32 streams/s", "stream CPU µs", "stream c=1 p50 ms", "others on core"]
     print()
     print("medians over the rounds (best c=32 req/s in brackets); proxy CPU is per request on its one core")
@@ -628,7 +697,7 @@ def print_table(summary: dict, targets: list[str]) -> None:
             target + bad, fmt(c1.get("p50_ms"), ".3f"), fmt(c1.get("added_p50_ms"), "+.3f"),
             fmt(c1.get("p99_ms"), ".3f"), fmt(c1.get("added_p99_ms"), "+.3f"),
             f"{fmt(c32.get('rps'), '.0f')} ({fmt(c32.get('rps_best'), '.0f')})",
-            fmt(c32.get("proxy_cpu_us_per_request"), ".0f"), fmt(s32.get("rps"), ".0f"),
+            _with_spread(c32, "proxy_cpu_us_per_request"), fmt(s32.get("rps"), ".0f"),
             fmt(s32.get("proxy_cpu_us_per_request"), ".0f"), fmt(s1.get("p50_ms"), ".3f"),
             "-" if target in ("direct", DIRECT_TLS) else f"up to {others * 100:.0f}%",
         ]
@@ -640,12 +709,11 @@ def print_table(summary: dict, targets: list[str]) -> None:
             continue
 
         def r(name):
-            if name not in ratios:
-                return "n/a"
-            return f"{ratios[name]:.2f}x  (rounds: {', '.join(f'{x:.2f}' for x in ratios[name + '_rounds'])})"
+            return ratio_text(ratios, name)
 
         print()
-        print(f"{title} (median of per-round ratios):")
+        print(f"{title} (median of per-round ratios; none printed where they differ by more than "
+              f"{RATIO_SPREAD_BOUND * 100:.0f}% of it):")
         at_least, at_most = ("  target >= 0.9x", "  target <= 1.2x") if with_targets else ("", "")
         print(f"  requests/s at c=32 (non-streaming): {r('c32_rps_ratio')}{at_least}")
         print(f"  streams/s at c=32 (50 chunks):      {r('stream_c32_rps_ratio')}{at_least}")
@@ -654,10 +722,7 @@ def print_table(summary: dict, targets: list[str]) -> None:
     redis_ratios: dict = summary.get("ratios_llmgw_redis_vs_llmgw") or {}
     if redis_ratios:
         def rr(name):
-            if name not in redis_ratios:
-                return "n/a"
-            rounds = ", ".join(f"{x:.2f}" for x in redis_ratios[name + "_rounds"])
-            return f"{redis_ratios[name]:.3f}x  (rounds: {rounds})"
+            return ratio_text(redis_ratios, name, 3)
 
         print()
         print(f"{REDIS_TARGET} / llmgw (state on Redis over state: local; median of per-round ratios):")
@@ -678,9 +743,7 @@ def print_table(summary: dict, targets: list[str]) -> None:
                                ("c32_cpu_ratio", "proxy CPU per request, c=32"),
                                ("stream_c32_cpu_ratio", "proxy CPU per stream, c=32"),
                                ("c32_rps_ratio", "requests/s at c=32")):
-                rounds = ", ".join(f"{x:.2f}" for x in tenant_ratios.get(name + "_rounds", []))
-                print(f"  {what + ':':36s}{tenant_ratios[name]:.3f}x  (rounds: {rounds})" if name in tenant_ratios
-                      else f"  {what + ':':36s}n/a")
+                print(f"  {what + ':':36s}{ratio_text(tenant_ratios, name, 3)}")
     for target, overhead in summary.get("tls_overhead", {}).items():
         print()
         print(f"{target} over plain llmgw (what TLS costs):")
@@ -819,12 +882,12 @@ async def start_and_measure(args: argparse.Namespace, targets: list[str], workdi
                 running.append(Target("vllm-router", proc.url, proc))
                 print(f"vllm-router {extra['vllm_router_version']}: {proc.url} (pid {proc.pid})", flush=True)
 
-        extra["loadavg_before"] = Path("/proc/loadavg").read_text().split()[:3]
+        extra["machine_state"] = {"before": machine_state.describe(PROXY_CPU)}
         print(f"measuring: {len(SCENARIOS)} scenarios x {len(running)} targets x {args.repeat} rounds of "
               f"{args.duration:g} s (+{args.warmup:g} s warm-up in round 1)", flush=True)
         redis_cpu = process_cpu_seconds(redis.pid) if redis is not None else 0.0
         results.extend(run_interleaved(running, workdir, args.duration, args.warmup, args.repeat))
-        extra["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
+        extra["machine_state"]["after"] = machine_state.describe(PROXY_CPU)
         if redis is not None:
             extra["redis_cpu_s"] = round(process_cpu_seconds(redis.pid) - redis_cpu, 3)
             extra[REDIS_TARGET]["cluster_after"] = check_shared_state(
@@ -886,6 +949,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = summarize(results, targets)
     print_table(summary, targets)
+    print_machine_state(extra.get("machine_state", {}), summary, targets)
     if args.json:
         report = {
             "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

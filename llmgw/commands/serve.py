@@ -175,9 +175,8 @@ async def _serve(config, listen, control_listen, demo_replicas: int | None = Non
             # (full collections took 40-70 ms here and showed up in request p99).
             gc.collect()
             gc.freeze()
-            compiled = describe_compiled()
-            if compiled is not None:
-                (log.warning if compiled[1] else log.info)("%s", compiled[0])
+            compiled, warn = describe_compiled()
+            (log.warning if warn else log.info)("%s", compiled)
             print(f"llmgw listening on {addresses.data_url} (control: {addresses.control_url})", flush=True)
             if demo:
                 print(demo_hints(addresses), flush=True)

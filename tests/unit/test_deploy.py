@@ -72,6 +72,28 @@ def test_the_image_is_built_in_stages_and_runs_from_a_pinned_base(stages):
     assert not any(name == "RUN" and "pip install" in args for name, args in runtime), "installs in the build stage"
 
 
+def test_the_image_runs_the_compiled_data_plane_and_its_runtime_has_no_toolchain(stages):
+    """The build stage compiles the hot modules (``LLMGW_MYPYC=1`` with mypy at the test extra's pin and a C
+    compiler), installs that wheel and fails unless it runs every module compiled; the runtime stage takes the
+    virtualenv alone, so ``llmgw serve`` there says ``data plane: N of N hot modules compiled with mypyc``."""
+    build, runtime = stages[1], stages[-1]
+    runs = [args for name, args in build if name == "RUN"]
+    pyproject = __import__("tomllib").loads((REPO / "pyproject.toml").read_text())
+    mypy_pin = next(pin for pin in pyproject["project"]["optional-dependencies"]["test"] if pin.startswith("mypy"))
+    assert any("apt-get install" in run and " gcc " in f"{run} " for run in runs), "a C compiler for mypyc"
+    assert any(f'"{mypy_pin}"' in run for run in runs), f"mypy (which ships mypyc) at the test extra's {mypy_pin}"
+    (wheel_run,) = [run for run in runs if "LLMGW_MYPYC=1" in run]
+    steps = [step.strip() for step in wheel_run.split("&&")]
+    wheel = next(i for i, step in enumerate(steps) if "pip wheel" in step and "--no-build-isolation" in step)
+    install = next(i for i, step in enumerate(steps) if "/opt/llmgw/bin/pip install" in step)
+    check = steps.index("PYTHONSAFEPATH=1 /opt/llmgw/bin/python -m llmgw.compiled --require")
+    assert wheel < install < check, steps
+    assert any(name == "COPY" and args.split()[0] == "setup.py" for name, args in build), "setup.py compiles"
+    copies = [args.split() for name, args in runtime if name == "COPY"]
+    assert copies == [["--from=build", "/opt/llmgw", "/opt/llmgw"]], "the runtime takes the virtualenv alone"
+    assert not any(name == "RUN" and ("apt-get" in args or "mypy" in args) for name, args in runtime)
+
+
 def test_the_image_runs_as_a_user_that_is_not_root(stages):
     users = [args.split(":")[0] for name, args in stages[-1] if name == "USER"]
     assert users and users[-1] not in ("0", "root"), users
@@ -101,7 +123,7 @@ def test_what_the_build_copies_exists_and_is_not_ignored(stages):
         if name == "COPY" and "--from" not in args:
             for source in args.split()[:-1]:
                 assert (REPO / source).exists() and source.rstrip("/") in allowed, source
-    extras = re.findall(r'"\.\[(\w+)\]"', "\n".join(args for _, args in stages[1]))
+    extras = re.findall(r'\[(\w+)\]"', "\n".join(args for _, args in stages[1]))
     optional = __import__("tomllib").loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras and all(extra in optional for extra in extras), extras
 
