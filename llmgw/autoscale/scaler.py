@@ -140,24 +140,38 @@ def settling(view: DeploymentView, current: int) -> bool:
     return view.counts.starting > 0 or current > view.counts.provisioned + view.counts.unplaceable
 
 
+def measured_demand(view: DeploymentView) -> tuple[float, float] | None:
+    """(requests/s arriving, requests/s one ready replica serves) while a backlog shows the ready replicas
+    saturated; None before any replica is ready or has finished a request (e.g. ``llmgw plan``'s load)."""
+    signals, counts = view.signals, view.counts
+    if not signals.queued or counts.ready == 0 or signals.served_per_s <= 0:
+        return None
+    # Unknown arrivals (a source that does not count them): with a queue, at least what is served. Known, they
+    # are the demand: what the replicas drain beyond them is the backlog.
+    demand = signals.arrivals_per_s if signals.arrivals_per_s > 0 else signals.served_per_s
+    return demand, signals.served_per_s / counts.ready
+
+
+def serving(demand: float, per_replica: float) -> int:
+    """The replicas that serve ``demand`` at ``per_replica`` each (within :data:`BACKLOG_SLACK`: rates are noisy)."""
+    return max(1, math.ceil(demand / per_replica - BACKLOG_SLACK))
+
+
 def backlog_cap(view: DeploymentView, current: int) -> tuple[float, str]:
     """The most replicas a backlog can prove, and the sentence saying why: a backlog that piled up while nothing
     could serve it (a cold start) is no measure of demand, so the replicas it asks for are those that serve the
     arrivals at the rate the ready replicas drain, plus one that drains the backlog (never a cascade from zero).
     Before any replica is ready nothing is measured: the first one starts alone. Without a drain rate (nothing
     finished yet) the backlog's own count stands."""
-    signals, counts = view.signals, view.counts
-    if counts.ready == 0:
+    if view.counts.ready == 0:
         held = max(1, current)
         return held, (f"no replica is ready to measure its rate yet, so the backlog proves no more than "
                       f"{plural(held, 'replica')}")
-    if signals.served_per_s <= 0:
-        return math.inf, ""  # no rate measured (e.g. ``llmgw plan``'s load): the count of work waiting stands
-    per_replica = signals.served_per_s / counts.ready
-    # Unknown arrivals (a source that does not count them): with a queue, at least what is served. Known, they
-    # are the demand: what the replicas drain beyond them is the backlog, which the one more replica is for.
-    demand = signals.arrivals_per_s if signals.arrivals_per_s > 0 else signals.served_per_s
-    cap = math.ceil(demand / per_replica - BACKLOG_SLACK) + 1
+    measured = measured_demand(view)
+    if measured is None:
+        return math.inf, ""
+    demand, per_replica = measured
+    cap = serving(demand, per_replica) + 1
     return cap, (f"{demand:.2f} requests/s arriving at {per_replica:.2f}/s per ready replica need "
                  f"{plural(cap - 1, 'replica')}, plus one to drain the backlog")
 
@@ -174,6 +188,12 @@ def need_of(view: DeploymentView, current: int, *, proven_only: bool = False) ->
         reason = (f"{plural(signals.queued, 'request')} queued over {plural(provisioned, 'provisioned replica')} "
                   f"(target {settings.queued_per_replica:g} per replica)")
         needs.append(Need(int(min(by_queue, cap)), f"{reason}; {bound}" if cap < by_queue else reason, True))
+        measured = measured_demand(view)
+        if measured is not None:  # saturated replicas and a backlog: the arrivals say how many, before it piles up
+            demand, per_replica = measured
+            needs.append(Need(serving(demand, per_replica),
+                              f"{demand:.2f} requests/s arriving, over the {per_replica:.2f}/s a "
+                              f"ready replica serves (a backlog of {plural(signals.queued, 'request')})", True))
     if proven_only:
         return max(needs, key=lambda need: need.replicas)
     if signals.kv_usage is not None and counts.ready and signals.kv_usage > settings.kv_usage:

@@ -598,3 +598,16 @@ def test_property_a_backlog_growing_during_a_start_never_provisions_more_than_ne
     need = math.ceil(arrivals / per_replica)
     for decision in cold_start(arrivals, per_replica, high, ready_after, ticks, gap):
         assert decision.desired <= min(high, need + 1), decision
+
+
+def test_arrivals_over_what_the_saturated_replicas_serve_step_up_before_the_backlog_piles_up():
+    scaler = TargetScaler()
+    overloaded = view(desired=2, queued=3, arrivals=8.3, served=6.6)  # 3.3/s each: 8.3/s need 3
+    scaler.decide(0.0, [overloaded], MANY_GPUS)
+    up = scaler.decide(5.0, [overloaded], MANY_GPUS)
+    assert steps(up) == [("a", "up", 2, 3)]  # 3 queued alone (target 4 per replica) would ask for nothing
+    assert "8.30 requests/s arriving, over the 3.30/s a ready replica serves (a backlog of 3 requests)" \
+        in up[0].reason
+    at_capacity = view(desired=2, queued=1, arrivals=6.7, served=6.6)  # within the rates' noise: no step
+    assert steps(scaler.decide(10.0, [at_capacity], MANY_GPUS)) == []
+    assert steps(scaler.decide(20.0, [at_capacity], MANY_GPUS)) == []
