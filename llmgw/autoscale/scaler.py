@@ -149,7 +149,11 @@ def measured_demand(view: DeploymentView) -> tuple[float, float] | None:
     # Unknown arrivals (a source that does not count them): with a queue, at least what is served. Known, they
     # are the demand: what the replicas drain beyond them is the backlog.
     demand = signals.arrivals_per_s if signals.arrivals_per_s > 0 else signals.served_per_s
-    return demand, signals.served_per_s / counts.ready
+    # Per ready replica-second when the source measures it: the replicas ready now include any that just became
+    # ready and have finished nothing yet, which would halve the rate and double the need (a cascade).
+    per_replica = signals.served_per_replica_s if signals.served_per_replica_s > 0 else \
+        signals.served_per_s / counts.ready
+    return demand, per_replica
 
 
 def serving(demand: float, per_replica: float) -> int:

@@ -4,9 +4,10 @@
   gateways' load reports say they hold (``q``, llmgw/cluster/load.py);
 - in flight: every replica's ``inflight`` (this gateway's exact count plus the peers' latest reports);
 - KV usage: the mean of the ready replicas' last scrape (the room's, llmgw/flow/room.py);
-- the drain rate: the replicas' ``served`` counters; the arrivals: the requests entering this gateway's flow
-  queue, times the live gateways (the load reports do not carry arrivals: a load balancer that spreads requests
-  evenly makes this gateway's share one in ``gateways``). Both are rates over at least :data:`MIN_SPAN`, smoothed;
+- the drain rate: the replicas' ``served`` counters, in all and per ready replica-second; the arrivals: the
+  requests entering this gateway's flow queue, times the live gateways (the load reports do not carry arrivals:
+  a load balancer that spreads requests evenly makes this gateway's share one in ``gateways``). All are rates
+  over at least :data:`MIN_SPAN`, smoothed;
 - TTFT attainment: the share of this gateway's first tokens of the last :data:`TTFT_WINDOW` within the
   deployment's ``ttft_slo`` (:class:`FirstTokens`; the load reports do not carry them either);
 - the last request: the last reading with anything queued or in flight, or a counter that moved (a fresh source
@@ -93,7 +94,23 @@ class _Rate:
 class _Seen:
     served: _Rate
     entered: _Rate
+    at: float  # the last reading
+    ready: int  # the replicas ready at it (ready until this reading: they are counted over the span before it)
+    ready_seconds: float = 0.0  # ready replicas integrated over time (a counter, as ``served`` is)
+    served_at_fold: int = 0
+    ready_seconds_at_fold: float = 0.0
+    per_replica: float = 0.0  # served per ready replica-second, smoothed
     last_request_at: float | None = None
+
+    def fold_per_replica(self, served: int) -> None:
+        """The drain rate of one ready replica since the last fold: the requests finished over the ready
+        replica-seconds (not over the replicas ready now: one that just became ready has finished nothing yet)."""
+        spent = self.ready_seconds - self.ready_seconds_at_fold
+        if spent > 0 and served >= self.served_at_fold:
+            rate = (served - self.served_at_fold) / spent
+            self.per_replica = rate if self.per_replica == 0 else \
+                SMOOTHING * rate + (1 - SMOOTHING) * self.per_replica
+        self.served_at_fold, self.ready_seconds_at_fold = served, self.ready_seconds
 
 
 class GatewaySignals:
@@ -124,12 +141,19 @@ class GatewaySignals:
         entered = self.entered(model)
         usage = [replica.engine_load.kv_usage for replica in replicas
                  if replica.routable and replica.engine_load is not None and replica.engine_load.kv_usage is not None]
+        ready = sum(1 for replica in replicas if replica.routable)
         seen = self._seen.get(model)
         if seen is None:
-            seen = self._seen[model] = _Seen(_Rate(served, now), _Rate(entered, now), last_request_at=now)
+            seen = self._seen[model] = _Seen(_Rate(served, now), _Rate(entered, now), now, ready, served_at_fold=served,
+                                             last_request_at=now)
         elif now > seen.served.at:
+            seen.ready_seconds += seen.ready * (now - seen.at)
+            seen.at, seen.ready = now, ready
+            folded_at = seen.served.at
             if seen.served.update(served, now) | seen.entered.update(entered, now):
                 seen.last_request_at = now
+            if seen.served.at != folded_at:
+                seen.fold_per_replica(served)
         if queued or inflight:
             seen.last_request_at = now
         slo = self.slo_of(model)
@@ -137,7 +161,8 @@ class GatewaySignals:
             self.first_tokens.attainment(model, slo, now)
         return ModelSignals(model=model, at=now, queued=queued, queued_tokens=tokens, inflight=inflight,
                             arrivals_per_s=seen.entered.rate * max(1, self.gateways()),
-                            served_per_s=seen.served.rate, kv_usage=sum(usage) / len(usage) if usage else None,
+                            served_per_s=seen.served.rate, served_per_replica_s=seen.per_replica,
+                            kv_usage=sum(usage) / len(usage) if usage else None,
                             ttft_attainment=attainment, last_request_at=seen.last_request_at)
 
     def forget(self, keep: set[str]) -> None:

@@ -611,3 +611,12 @@ def test_arrivals_over_what_the_saturated_replicas_serve_step_up_before_the_back
     at_capacity = view(desired=2, queued=1, arrivals=6.7, served=6.6)  # within the rates' noise: no step
     assert steps(scaler.decide(10.0, [at_capacity], MANY_GPUS)) == []
     assert steps(scaler.decide(20.0, [at_capacity], MANY_GPUS)) == []
+
+
+def test_the_drain_rate_per_ready_replica_second_bounds_the_need_when_the_source_measures_it():
+    scaler = TargetScaler()
+    just_ready = dataclasses.replace(
+        view(desired=2, queued=3, arrivals=4.0, served=3.0), signals=ModelSignals(
+            model="model-a", at=0.0, queued=3, arrivals_per_s=4.0, served_per_s=3.0, served_per_replica_s=3.0))
+    scaler.decide(0.0, [just_ready], MANY_GPUS)  # 3/s over 2 ready would say 1.5 each and ask for 3
+    assert steps(scaler.decide(5.0, [just_ready], MANY_GPUS)) == []  # 4/s at 3 each: the 2 running

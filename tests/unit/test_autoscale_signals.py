@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from llmgw.autoscale.signals import MAX_FIRST_TOKENS, MAX_MODELS, MIN_SPAN, TTFT_WINDOW, FirstTokens, GatewaySignals
 from llmgw.engines.probe import EngineLoad
 from llmgw.router.replica import Replica, ReplicaState
@@ -108,3 +110,18 @@ def test_first_tokens_are_bounded_per_model_and_in_models():
     for i in range(MAX_MODELS + 5):
         first_tokens.observe(f"m{i}", 0.1)
     assert first_tokens.attainment(f"m{MAX_MODELS + 4}", 1.0, 0.0) is None
+
+
+def test_the_drain_rate_per_replica_is_over_ready_replica_seconds_so_a_replica_just_ready_does_not_halve_it():
+    one = Replica("a", "tiny", "http://127.0.0.1:1", state=ReplicaState.UP)
+    new = Replica("b", "tiny", "http://127.0.0.1:2", state=ReplicaState.DOWN)  # starting: not routable yet
+    source = GatewaySignals(router_with(one, new), lambda model: (0, 0))
+    source.signals("tiny", now=0.0)
+    one.served = 6
+    assert source.signals("tiny", now=2.0).served_per_replica_s == pytest.approx(3.0)
+    new.state = ReplicaState.UP  # ready now, nothing finished yet
+    one.served = 12
+    signals = source.signals("tiny", now=4.0)
+    assert signals.served_per_replica_s == pytest.approx(3.0)  # 6 over the first one's 2 s alone
+    one.served, new.served = 18, 6
+    assert source.signals("tiny", now=6.0).served_per_replica_s == pytest.approx(3.0)  # 12 over 2 replicas x 2 s
