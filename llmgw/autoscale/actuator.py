@@ -162,7 +162,10 @@ class Autoscaler:
             if view is not None:
                 s = view.signals
                 entry["signals"] = {"queued": s.queued, "queued_tokens": s.queued_tokens, "inflight": s.inflight,
-                                    "served_per_s": round(s.served_per_s, 3), "kv_usage": s.kv_usage,
+                                    "arrivals_per_s": round(s.arrivals_per_s, 3),
+                                    "served_per_s": round(s.served_per_s, 3),
+                                    "served_per_replica_s": round(s.served_per_replica_s, 3), "kv_usage": s.kv_usage,
+                                    "ttft_attainment": s.ttft_attainment,
                                     "idle_s": None if s.last_request_at is None
                                     else round(max(0.0, s.at - s.last_request_at), 3)}
             deployments[key] = entry

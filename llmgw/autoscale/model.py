@@ -65,6 +65,7 @@ class ModelSignals:
     inflight: int = 0  # routed and not finished, every gateway
     arrivals_per_s: float = 0.0  # requests entering the gateways, smoothed
     served_per_s: float = 0.0  # requests finished, smoothed (the drain rate)
+    served_per_replica_s: float = 0.0  # requests finished per ready replica-second, smoothed (0: not measured)
     kv_usage: float | None = None  # mean over ready replicas; None: unknown
     ttft_attainment: float | None = None  # share of recent first tokens within the deployment's ttft_slo
     last_request_at: float | None = None  # when a request for the model last arrived at any gateway

@@ -5,8 +5,10 @@ step, the cross-model move in flight) and returns decisions; it does no I/O and 
 deployment (docs/autoscaling.md says why each is there):
 
 - **targets**: the replicas the load needs is the largest of ``ceil(queued / queued_per_replica)`` (a count of
-  work waiting, so it proves how many), ``ceil(ready x kv / kv_usage)`` when the KV usage of the ready replicas is
-  over its target, and one more than provisioned while TTFT attainment is under its target;
+  work waiting, so it proves how many; capped by :func:`backlog_cap` at the replicas that serve the arrivals at the
+  ready replicas' measured drain rate plus one, and at one before any replica is ready: no cascade from zero),
+  ``ceil(ready x kv / kv_usage)`` when the KV usage of the ready replicas is over its target, and one more than
+  provisioned while TTFT attainment is under its target;
 - **pending-aware**: replicas starting count as provisioned; while a step is in flight (a replica starting, or
   one decided and not yet placed), the signals measured on the ready replicas (KV, TTFT) cannot see it and do not
   step again; only the queue can prove that more is needed, and then the step goes straight to what it needs
@@ -36,6 +38,7 @@ from .model import AutoscaleSettings, DeploymentView, ReplicaCounts, ScaleDecisi
 DOWN_FRACTION = 0.7  # a step down leaves every signal under 70% of its target: room before the next step up
 DEFAULT_HISTORY = 500  # decisions kept for /admin/autoscale, ``llmgw status`` and /ui
 QUIET_AFTER = 60.0  # seconds steady after which the same wait is recorded again
+BACKLOG_SLACK = 0.05  # a measured demand within 5% of a whole number of replicas is that number (rates are noisy)
 
 
 def clamp(value: int, settings: AutoscaleSettings) -> int:
@@ -137,6 +140,46 @@ def settling(view: DeploymentView, current: int) -> bool:
     return view.counts.starting > 0 or current > view.counts.provisioned + view.counts.unplaceable
 
 
+def measured_demand(view: DeploymentView) -> tuple[float, float] | None:
+    """(requests/s arriving, requests/s one ready replica serves) while a backlog shows the ready replicas
+    saturated; None before any replica is ready or has finished a request (e.g. ``llmgw plan``'s load)."""
+    signals, counts = view.signals, view.counts
+    if not signals.queued or counts.ready == 0 or signals.served_per_s <= 0:
+        return None
+    # Unknown arrivals (a source that does not count them): with a queue, at least what is served. Known, they
+    # are the demand: what the replicas drain beyond them is the backlog.
+    demand = signals.arrivals_per_s if signals.arrivals_per_s > 0 else signals.served_per_s
+    # Per ready replica-second when the source measures it: the replicas ready now include any that just became
+    # ready and have finished nothing yet, which would halve the rate and double the need (a cascade).
+    per_replica = signals.served_per_replica_s if signals.served_per_replica_s > 0 else \
+        signals.served_per_s / counts.ready
+    return demand, per_replica
+
+
+def serving(demand: float, per_replica: float) -> int:
+    """The replicas that serve ``demand`` at ``per_replica`` each (within :data:`BACKLOG_SLACK`: rates are noisy)."""
+    return max(1, math.ceil(demand / per_replica - BACKLOG_SLACK))
+
+
+def backlog_cap(view: DeploymentView, current: int) -> tuple[float, str]:
+    """The most replicas a backlog can prove, and the sentence saying why: a backlog that piled up while nothing
+    could serve it (a cold start) is no measure of demand, so the replicas it asks for are those that serve the
+    arrivals at the rate the ready replicas drain, plus one that drains the backlog (never a cascade from zero).
+    Before any replica is ready nothing is measured: the first one starts alone. Without a drain rate (nothing
+    finished yet) the backlog's own count stands."""
+    if view.counts.ready == 0:
+        held = max(1, current)
+        return held, (f"no replica is ready to measure its rate yet, so the backlog proves no more than "
+                      f"{plural(held, 'replica')}")
+    measured = measured_demand(view)
+    if measured is None:
+        return math.inf, ""
+    demand, per_replica = measured
+    cap = serving(demand, per_replica) + 1
+    return cap, (f"{demand:.2f} requests/s arriving at {per_replica:.2f}/s per ready replica need "
+                 f"{plural(cap - 1, 'replica')}, plus one to drain the backlog")
+
+
 def need_of(view: DeploymentView, current: int, *, proven_only: bool = False) -> Need:
     """The replicas the load asks for (before ``max_replicas``); ``current`` when nothing asks for more.
     ``proven_only``: the queue's need alone (while a step is in flight)."""
@@ -145,9 +188,16 @@ def need_of(view: DeploymentView, current: int, *, proven_only: bool = False) ->
     needs = [Need(current, "", False)]
     if signals.queued:
         by_queue = math.ceil(signals.queued / settings.queued_per_replica)
-        needs.append(Need(by_queue, f"{plural(signals.queued, 'request')} queued over "
-                                    f"{plural(provisioned, 'provisioned replica')} (target "
-                                    f"{settings.queued_per_replica:g} per replica)", True))
+        cap, bound = backlog_cap(view, current)
+        reason = (f"{plural(signals.queued, 'request')} queued over {plural(provisioned, 'provisioned replica')} "
+                  f"(target {settings.queued_per_replica:g} per replica)")
+        needs.append(Need(int(min(by_queue, cap)), f"{reason}; {bound}" if cap < by_queue else reason, True))
+        measured = measured_demand(view)
+        if measured is not None:  # saturated replicas and a backlog: the arrivals say how many, before it piles up
+            demand, per_replica = measured
+            needs.append(Need(serving(demand, per_replica),
+                              f"{demand:.2f} requests/s arriving, over the {per_replica:.2f}/s a "
+                              f"ready replica serves (a backlog of {plural(signals.queued, 'request')})", True))
     if proven_only:
         return max(needs, key=lambda need: need.replicas)
     if signals.kv_usage is not None and counts.ready and signals.kv_usage > settings.kv_usage:

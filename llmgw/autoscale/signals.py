@@ -4,15 +4,22 @@
   gateways' load reports say they hold (``q``, llmgw/cluster/load.py);
 - in flight: every replica's ``inflight`` (this gateway's exact count plus the peers' latest reports);
 - KV usage: the mean of the ready replicas' last scrape (the room's, llmgw/flow/room.py);
-- the drain rate: the replicas' ``served`` counters, smoothed; the last request: the last reading with anything
-  queued or in flight, or a counter that moved (a fresh source counts its start as one, so a new leader does not
-  scale an idle model to zero before ``idle_to_zero`` has passed under it).
+- the drain rate: the replicas' ``served`` counters, in all and per ready replica-second; the arrivals: the
+  requests entering this gateway's flow queue, times the live gateways (the load reports do not carry arrivals:
+  a load balancer that spreads requests evenly makes this gateway's share one in ``gateways``). All are rates
+  over at least :data:`MIN_SPAN`, smoothed;
+- TTFT attainment: the share of this gateway's first tokens of the last :data:`TTFT_WINDOW` within the
+  deployment's ``ttft_slo`` (:class:`FirstTokens`; the load reports do not carry them either);
+- the last request: the last reading with anything queued or in flight, or a counter that moved (a fresh source
+  counts its start as one, so a new leader does not scale an idle model to zero before ``idle_to_zero`` has
+  passed under it).
 
 Local copies only: nothing here waits on Redis or an engine.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -21,25 +28,107 @@ from .model import ModelSignals
 if TYPE_CHECKING:
     from ..router.router import Router
 
-SMOOTHING = 0.3  # the weight of the newest reading in the served-per-second average
+SMOOTHING = 0.3  # the weight of the newest rate in the served and arrival averages
+MIN_SPAN = 1.0  # seconds a rate is measured over at least: a reading or two of a few requests is noise
+TTFT_WINDOW = 60.0  # seconds of first tokens the attainment is the share of
+MAX_FIRST_TOKENS = 2048  # first tokens kept per model (the newest): bounded whatever the load
+MAX_MODELS = 1024  # models whose first tokens are kept (the config's served models; never unbounded)
+
+
+class FirstTokens:
+    """This gateway's recent first-token latencies per model (the router's ``first_token_listeners`` feed it)."""
+
+    def __init__(self, clock: Callable[[], float]):
+        self.clock = clock
+        self._seen: dict[str, deque[tuple[float, float]]] = {}
+
+    def observe(self, model: str, ttft: float) -> None:
+        seen = self._seen.get(model)
+        if seen is None:
+            if len(self._seen) >= MAX_MODELS:
+                return
+            seen = self._seen[model] = deque(maxlen=MAX_FIRST_TOKENS)
+        seen.append((self.clock(), ttft))
+
+    def attainment(self, model: str, slo: float, now: float) -> float | None:
+        """The share of the first tokens of the last :data:`TTFT_WINDOW` within ``slo`` seconds; None: none."""
+        seen = self._seen.get(model)
+        if not seen:
+            return None
+        while seen and seen[0][0] < now - TTFT_WINDOW:
+            seen.popleft()
+        if not seen:
+            return None
+        return sum(1 for _, ttft in seen if ttft <= slo) / len(seen)
+
+    def forget(self, keep: set[str]) -> None:
+        for model in list(self._seen):
+            if model not in keep:
+                del self._seen[model]
+
+
+@dataclass
+class _Rate:
+    """A counter's rate per second, measured over at least :data:`MIN_SPAN` and smoothed."""
+
+    count: int
+    at: float
+    rate: float = 0.0
+
+    def update(self, count: int, now: float) -> bool:
+        """Fold the reading in (when :data:`MIN_SPAN` has passed); whether the counter moved."""
+        moved = count != self.count
+        if now - self.at >= MIN_SPAN or (moved and self.rate == 0 and now > self.at):
+            # The first requests after a quiet spell show their rate at once: a replica just ready is measured
+            # before a backlog's count could ask for more than its arrivals need.
+            # A replica that left takes its count with it (a queue forgotten, its): a drop is no negative rate.
+            rate = max(0, count - self.count) / (now - self.at)
+            self.rate = rate if self.rate == 0 else SMOOTHING * rate + (1 - SMOOTHING) * self.rate
+            self.count, self.at = count, now
+        elif count < self.count:
+            self.count = count
+        return moved
 
 
 @dataclass
 class _Seen:
-    served: int
-    at: float
-    rate: float = 0.0
+    served: _Rate
+    entered: _Rate
+    at: float  # the last reading
+    ready: int  # the replicas ready at it (ready until this reading: they are counted over the span before it)
+    ready_seconds: float = 0.0  # ready replicas integrated over time (a counter, as ``served`` is)
+    served_at_fold: int = 0
+    ready_seconds_at_fold: float = 0.0
+    per_replica: float = 0.0  # served per ready replica-second, smoothed
     last_request_at: float | None = None
+
+    def fold_per_replica(self, served: int) -> None:
+        """The drain rate of one ready replica since the last fold: the requests finished over the ready
+        replica-seconds (not over the replicas ready now: one that just became ready has finished nothing yet)."""
+        spent = self.ready_seconds - self.ready_seconds_at_fold
+        if spent > 0 and served >= self.served_at_fold:
+            rate = (served - self.served_at_fold) / spent
+            self.per_replica = rate if self.per_replica == 0 else \
+                SMOOTHING * rate + (1 - SMOOTHING) * self.per_replica
+        self.served_at_fold, self.ready_seconds_at_fold = served, self.ready_seconds
 
 
 class GatewaySignals:
     def __init__(self, router: "Router", held: Callable[[str], tuple[int, int]],
-                 peer_held: Callable[[str], list[int]] = lambda model: []):
+                 peer_held: Callable[[str], list[int]] = lambda model: [], *,
+                 entered: Callable[[str], int] = lambda model: 0, gateways: Callable[[], int] = lambda: 1,
+                 first_tokens: FirstTokens | None = None, slo_of: Callable[[str], float | None] = lambda model: None):
         """``held(model)``: (requests, tokens) this gateway's flow queue holds; ``peer_held(model)``: what each
-        other gateway's latest load report says it holds."""
+        other gateway's latest load report says it holds; ``entered(model)``: the requests that have entered this
+        gateway's flow queue (a counter); ``gateways()``: the live gateways, this one included; ``slo_of(model)``:
+        the deployment's ``ttft_slo`` (None: no attainment is measured)."""
         self.router = router
         self.held = held
         self.peer_held = peer_held
+        self.entered = entered
+        self.gateways = gateways
+        self.first_tokens = first_tokens
+        self.slo_of = slo_of
         self._seen: dict[str, _Seen] = {}
 
     def signals(self, model: str, now: float) -> ModelSignals:
@@ -49,26 +138,37 @@ class GatewaySignals:
         queued = requests + sum(self.peer_held(model))
         inflight = sum(replica.inflight for replica in replicas)
         served = sum(replica.served for replica in replicas)
+        entered = self.entered(model)
         usage = [replica.engine_load.kv_usage for replica in replicas
                  if replica.routable and replica.engine_load is not None and replica.engine_load.kv_usage is not None]
+        ready = sum(1 for replica in replicas if replica.routable)
         seen = self._seen.get(model)
         if seen is None:
-            seen = self._seen[model] = _Seen(served, now, last_request_at=now)
-        elif now > seen.at:
-            # A replica that left takes its count with it: a drop is no negative rate.
-            rate = max(0, served - seen.served) / (now - seen.at)
-            seen.rate = SMOOTHING * rate + (1 - SMOOTHING) * seen.rate
-            if served != seen.served:
+            seen = self._seen[model] = _Seen(_Rate(served, now), _Rate(entered, now), now, ready, served_at_fold=served,
+                                             last_request_at=now)
+        elif now > seen.served.at:
+            seen.ready_seconds += seen.ready * (now - seen.at)
+            seen.at, seen.ready = now, ready
+            folded_at = seen.served.at
+            if seen.served.update(served, now) | seen.entered.update(entered, now):
                 seen.last_request_at = now
-            seen.served, seen.at = served, now
+            if seen.served.at != folded_at:
+                seen.fold_per_replica(served)
         if queued or inflight:
             seen.last_request_at = now
+        slo = self.slo_of(model)
+        attainment = None if slo is None or self.first_tokens is None else \
+            self.first_tokens.attainment(model, slo, now)
         return ModelSignals(model=model, at=now, queued=queued, queued_tokens=tokens, inflight=inflight,
-                            served_per_s=seen.rate, kv_usage=sum(usage) / len(usage) if usage else None,
-                            last_request_at=seen.last_request_at)
+                            arrivals_per_s=seen.entered.rate * max(1, self.gateways()),
+                            served_per_s=seen.served.rate, served_per_replica_s=seen.per_replica,
+                            kv_usage=sum(usage) / len(usage) if usage else None,
+                            ttft_attainment=attainment, last_request_at=seen.last_request_at)
 
     def forget(self, keep: set[str]) -> None:
         """Drop what is remembered of models no longer autoscaled (bounded by the config's models)."""
         for model in list(self._seen):
             if model not in keep:
                 del self._seen[model]
+        if self.first_tokens is not None:
+            self.first_tokens.forget(keep)

@@ -125,6 +125,7 @@ class _Model:
         self.bands: list[_Band] = [_Band(rank) for rank in sorted(set(ranks))]
         self.classes: dict[str, _ClassState] = {}
         self.pending = 0  # admitted, not yet released
+        self.entered = 0  # requests that entered (the autoscaler's arrival rate)
         self.pending_tokens = 0  # their costs
         self.waiting = 0
         self.tokens = 0
@@ -234,6 +235,7 @@ class FlowQueue(TaskHost):
         model = self._models.get(request.model)
         if model is None:
             model = self._new_model(request.model)
+        model.entered += 1
         priority = request.priority
         cost = max(request.cost, 0)
         if (not model.waiting or not model.waits_at(priority.rank)) and self._has_room(model, priority, cost):
@@ -246,6 +248,12 @@ class FlowQueue(TaskHost):
             self.metrics.wait.labels(model.name, priority.name).observe(0.0)
             return Admitted(0.0, _Ticket(model, cost))
         return await self._wait(model, request)
+
+    def entered(self, model: str) -> int:
+        """The requests for ``model`` that have entered this queue (a counter; it restarts if the model is
+        forgotten, beyond :data:`MAX_MODELS`)."""
+        found = self._models.get(model)
+        return found.entered if found is not None else 0
 
     def _has_room(self, model: _Model, priority: PriorityClass, cost: int, requests: int = 1) -> bool:
         """Room for ``requests`` more requests of ``cost`` tokens in all, besides those admitted and not yet

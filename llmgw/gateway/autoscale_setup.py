@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+import trio
 from prometheus_client import CollectorRegistry
 
-from ..autoscale.actuator import Autoscaler, autoscaled_models
+from ..autoscale.actuator import Autoscaler, autoscaled, autoscaled_models
 from ..autoscale.interfaces import Scaler
 from ..autoscale.metrics import AutoscaleMetrics
 from ..autoscale.model import AutoscaleSettings
 from ..autoscale.scaler import TargetScaler
-from ..autoscale.signals import GatewaySignals
+from ..autoscale.signals import FirstTokens, GatewaySignals
 
 if TYPE_CHECKING:
     from ..cluster.load import LoadSharing
@@ -55,6 +56,8 @@ class GatewayAutoscale:
         self.scaler = scaler
         self.settings_of = settings_of
         self.models: frozenset[str] = frozenset()
+        self.first_tokens = FirstTokens(trio.current_time)  # this gateway's, for the TTFT attainment signal
+        router.first_token_listeners.append(self.first_tokens.observe)
         self.apply(config)
 
     def apply(self, config: "Config") -> None:
@@ -67,10 +70,21 @@ class GatewayAutoscale:
 
     def attach(self, control: "ControlPlane") -> None:
         """Give a new control plane its autoscaler (before it runs)."""
+        sharing = self.sharing
         signals = GatewaySignals(self.router, self._held,
-                                 self.sharing.peer_queued if self.sharing is not None else lambda model: [])
+                                 sharing.peer_queued if sharing is not None else lambda model: [],
+                                 entered=self.flow.queue.entered,
+                                 gateways=(lambda: 1 + len(sharing.peers)) if sharing is not None else lambda: 1,
+                                 first_tokens=self.first_tokens, slo_of=self._slo_of)
         control.scale = Autoscaler(self.scaler(self.config), self.settings_of, signals,
                                    AutoscaleMetrics.for_registry(self.registry), lambda: self.config.autoscale.interval)
+
+    def _slo_of(self, model: str) -> float | None:
+        """The ``ttft_slo`` of the autoscaled deployment serving ``model`` (None: none set, or not autoscaled)."""
+        for key, (_, settings) in autoscaled(self.config, self.settings_of).items():
+            if self.config.profile(key).served_model_name == model:
+                return settings.ttft_slo
+        return None
 
     def _held(self, model: str) -> tuple[int, int]:
         queued = self.flow.queue.queued(model).values()

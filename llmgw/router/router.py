@@ -93,6 +93,7 @@ class Router:
         # and who is told of each replica's new engine_load.
         self.engine_metrics_demand: EngineMetricsDemand | None = None
         self.engine_load_listeners: list[Callable[[Replica], None]] = []
+        self.first_token_listeners: list[Callable[[str, float], None]] = []  # (model, ttft s): the autoscaler's
         self.replicas.watch_models(self._declaration_changed)
         for name in self.replicas.declared_models():
             self._declaration_changed(name)
@@ -266,6 +267,8 @@ class Router:
             return
         decision.ttft = ttft
         self._unqueue(decision)
+        for listener in self.first_token_listeners:
+            listener(request.model, ttft)
         route = self.models.get(request.model)
         if route is not None:
             self._notify(route, "first_token", route.tier.first_token, request, decision, ttft)

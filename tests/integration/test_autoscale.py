@@ -216,10 +216,18 @@ async def _started(gateway) -> dict | None:
 async def test_llmgws_own_scaler_from_the_config_starts_a_replica_from_zero_and_returns_to_zero(
         nursery, cluster, tmp_path):
     gateway, _ = await start(nursery, cluster, tmp_path, None, ("tiny-sim", "tiny", ""),
-                             replicas="{min: 0, max: 2}", autoscale="{idle_to_zero: 2s}")
+                             replicas="{min: 0, max: 2}", autoscale="{idle_to_zero: 2s, ttft_slo: 60s}")
     assert (await autoscale(gateway, "tiny-sim"))["desired"] == 0
-    answers = await ask_at_once(gateway, 2)
+    answers = await ask_at_once(gateway, 2, max_tokens=1)  # one token: a non-streamed answer's TTFT is known
     assert [a.status_code for a in answers] == [200] * 2, [a.text for a in answers]
+
+    # The signals the scaler reads (at its next step): the requests that entered the queue, their first tokens.
+    async def measured():
+        signals = (await autoscale(gateway, "tiny-sim"))["signals"]
+        return signals if signals["arrivals_per_s"] > 0 and signals["ttft_attainment"] is not None else None
+
+    signals = await wait_for(cluster, "arrivals and TTFT attainment measured", measured)
+    assert signals["ttft_attainment"] == 1.0, signals  # both first tokens within the 60 s SLO
     await wait_for(cluster, "back to zero", lambda: _replicas_are(cluster, set()))
     status = await autoscale(gateway, "tiny-sim")
     kinds = [d["kind"] for d in status["decisions"] if d["kind"] != "hold"]

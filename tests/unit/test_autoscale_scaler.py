@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from hypothesis import given, settings, strategies as st
 
@@ -18,7 +19,7 @@ MANY_GPUS = {None: 1000}
 def view(key: str = "a", *, desired: int = 2, ready: int | None = None, starting: int = 0, unplaceable: int = 0,
          queued: int = 0, inflight: int = 0, kv: float | None = None, ttft: float | None = None,
          last_request_at: float | None = None, gpus: int = 1, gpu_class: str | None = None, at: float = 0.0,
-         **settings_changes) -> DeploymentView:
+         arrivals: float = 0.0, served: float = 0.0, **settings_changes) -> DeploymentView:
     settings_ = dataclasses.replace(FAST, **settings_changes)
     ready = desired - starting - unplaceable if ready is None else ready
     return DeploymentView(
@@ -26,7 +27,8 @@ def view(key: str = "a", *, desired: int = 2, ready: int | None = None, starting
         counts=ReplicaCounts(ready=ready, starting=starting, unplaceable=unplaceable), desired=desired,
         gpus_per_replica=gpus, gpu_class=gpu_class,
         signals=ModelSignals(model=f"model-{key}", at=at, queued=queued, inflight=inflight, kv_usage=kv,
-                             ttft_attainment=ttft, last_request_at=last_request_at))
+                             ttft_attainment=ttft, last_request_at=last_request_at, arrivals_per_s=arrivals,
+                             served_per_s=served))
 
 
 def steps(decisions):
@@ -42,12 +44,12 @@ def holds(decisions):
 
 def test_a_queue_over_target_steps_up_after_the_window_straight_to_what_it_needs():
     scaler = TargetScaler()
-    busy = view(queued=20, inflight=8, kv=0.5, last_request_at=0)
+    busy = view(queued=20, inflight=8, kv=0.5, last_request_at=0, arrivals=5.0, served=2.0)  # 1/s per replica
     first = scaler.decide(0.0, [busy], MANY_GPUS)
     assert steps(first) == [] and "stepping up if it holds for 5 s" in holds(first)[0]
     assert steps(scaler.decide(4.9, [busy], MANY_GPUS)) == []
     up = scaler.decide(5.0, [busy], MANY_GPUS)
-    assert steps(up) == [("a", "up", 2, 5)]  # ceil(20 / 4): not 2 -> 3 -> 4 -> 5
+    assert steps(up) == [("a", "up", 2, 5)]  # ceil(20 / 4) (and 5 req/s at 1 per replica): not 2 -> 3 -> 4 -> 5
     assert "20 requests queued over 2 provisioned replicas (target 4 per replica) for 5.0 s: 2 -> 5" in up[0].reason
     assert scaler.desired("a", 2) == 5
 
@@ -139,7 +141,7 @@ def test_signals_of_the_ready_replicas_do_not_step_again_while_a_step_is_in_flig
 
 def test_a_queue_that_proves_more_steps_while_a_step_is_in_flight():
     scaler = TargetScaler()
-    starting = view(desired=3, ready=2, starting=1, queued=40, kv=0.99)
+    starting = view(desired=3, ready=2, starting=1, queued=40, kv=0.99, arrivals=9.0, served=2.0)
     scaler.decide(0.0, [starting], MANY_GPUS)
     assert steps(scaler.decide(5.0, [starting], MANY_GPUS)) == [("a", "up", 3, 8)]  # min(ceil(40 / 4), max 8)
 
@@ -535,3 +537,86 @@ def test_property_across_models_steps_fit_the_free_gpus_and_moves_keep_every_min
             key_settings = by_key[d.key].settings
             assert key_settings.min_replicas <= d.desired <= key_settings.max_replicas
             desired[d.key] = d.desired
+
+
+# -- no cascade from zero: a backlog proves what serves the arrivals, plus one -------------------------------------
+
+
+def test_a_backlog_piling_up_during_a_cold_start_starts_one_replica_then_what_the_arrivals_need_plus_one():
+    scaler = TargetScaler()
+    settings_ = {"min_replicas": 0, "max_replicas": 8}
+    assert steps(scaler.decide(0.0, [view(desired=0, queued=1, **settings_)], MANY_GPUS)) == \
+        [("a", "from_zero", 0, 1)]
+    for now in (1.0, 10.0, 30.0, 59.0):  # 3 requests/s pile up while the first replica takes a minute
+        starting = view(desired=1, ready=0, starting=1, queued=int(3 * now), arrivals=3.0, **settings_)
+        assert steps(scaler.decide(now, [starting], MANY_GPUS)) == []
+    assert scaler.desired("a", 0) == 1  # not ceil(177 / 4) capped at 8
+    ready = view(desired=1, ready=1, queued=180, arrivals=3.0, served=2.0, **settings_)  # 2/s per replica
+    scaler.decide(60.0, [ready], MANY_GPUS)
+    up = scaler.decide(65.0, [ready], MANY_GPUS)
+    assert steps(up) == [("a", "up", 1, 3)]  # ceil(3 / 2) serve the arrivals, one more drains the 180
+    assert "3.00 requests/s arriving at 2.00/s per ready replica need 2 replicas, plus one to drain the backlog" \
+        in up[0].reason
+
+
+def test_without_a_measured_drain_rate_the_backlogs_count_stands():
+    scaler = TargetScaler()
+    busy = view(desired=2, queued=40, arrivals=9.0)  # nothing finished yet: no rate to bound it by
+    scaler.decide(0.0, [busy], MANY_GPUS)
+    assert steps(scaler.decide(5.0, [busy], MANY_GPUS)) == [("a", "up", 2, 8)]
+
+
+def cold_start(arrivals: float, per_replica: float, high: int, ready_after: float, ticks: int, gap: float):
+    """A model called at a steady ``arrivals`` per second from zero: its replicas are ready ``ready_after`` after
+    each step, serve ``per_replica`` a second each, and the backlog grows while they cannot keep up. Yields each
+    decision with the replicas the arrivals need."""
+    scaler = TargetScaler()
+    desired, started, queued = 0, [], 0.0
+    for tick in range(ticks):
+        now = tick * gap
+        ready = sum(1 for at in started if now - at >= ready_after)
+        capacity = ready * per_replica
+        served = min(capacity, arrivals + queued / gap) if ready else 0.0
+        queued = max(0.0, queued + (arrivals - served) * gap)
+        current = view(desired=desired, ready=ready, starting=len(started) - ready, queued=math.ceil(queued),
+                       inflight=ready, arrivals=arrivals, served=served, min_replicas=0, max_replicas=high,
+                       scale_up_after=2 * gap, last_request_at=now)
+        for decision in scaler.decide(now, [current], MANY_GPUS):
+            if decision.desired > desired:
+                started += [now] * (decision.desired - desired)
+            elif decision.desired < desired:
+                started = started[:decision.desired]
+            desired = decision.desired
+            yield decision
+
+
+@settings(max_examples=200, deadline=None)
+@given(arrivals=st.floats(0.1, 50.0), per_replica=st.floats(0.2, 20.0), high=st.integers(1, 16),
+       ready_after=st.floats(5.0, 300.0), ticks=st.integers(10, 200), gap=st.floats(0.1, 10.0))
+def test_property_a_backlog_growing_during_a_start_never_provisions_more_than_need_plus_one(
+        arrivals, per_replica, high, ready_after, ticks, gap):
+    need = math.ceil(arrivals / per_replica)
+    for decision in cold_start(arrivals, per_replica, high, ready_after, ticks, gap):
+        assert decision.desired <= min(high, need + 1), decision
+
+
+def test_arrivals_over_what_the_saturated_replicas_serve_step_up_before_the_backlog_piles_up():
+    scaler = TargetScaler()
+    overloaded = view(desired=2, queued=3, arrivals=8.3, served=6.6)  # 3.3/s each: 8.3/s need 3
+    scaler.decide(0.0, [overloaded], MANY_GPUS)
+    up = scaler.decide(5.0, [overloaded], MANY_GPUS)
+    assert steps(up) == [("a", "up", 2, 3)]  # 3 queued alone (target 4 per replica) would ask for nothing
+    assert "8.30 requests/s arriving, over the 3.30/s a ready replica serves (a backlog of 3 requests)" \
+        in up[0].reason
+    at_capacity = view(desired=2, queued=1, arrivals=6.7, served=6.6)  # within the rates' noise: no step
+    assert steps(scaler.decide(10.0, [at_capacity], MANY_GPUS)) == []
+    assert steps(scaler.decide(20.0, [at_capacity], MANY_GPUS)) == []
+
+
+def test_the_drain_rate_per_ready_replica_second_bounds_the_need_when_the_source_measures_it():
+    scaler = TargetScaler()
+    just_ready = dataclasses.replace(
+        view(desired=2, queued=3, arrivals=4.0, served=3.0), signals=ModelSignals(
+            model="model-a", at=0.0, queued=3, arrivals_per_s=4.0, served_per_s=3.0, served_per_replica_s=3.0))
+    scaler.decide(0.0, [just_ready], MANY_GPUS)  # 3/s over 2 ready would say 1.5 each and ask for 3
+    assert steps(scaler.decide(5.0, [just_ready], MANY_GPUS)) == []  # 4/s at 3 each: the 2 running

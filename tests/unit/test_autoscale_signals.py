@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from llmgw.autoscale.signals import GatewaySignals
+import pytest
+
+from llmgw.autoscale.signals import MAX_FIRST_TOKENS, MAX_MODELS, MIN_SPAN, TTFT_WINDOW, FirstTokens, GatewaySignals
 from llmgw.engines.probe import EngineLoad
 from llmgw.router.replica import Replica, ReplicaState
 
@@ -54,3 +56,72 @@ def test_models_no_longer_autoscaled_are_forgotten():
     source.forget({"tiny"})
     assert source.signals("tiny", 50.0).last_request_at == 1.0
     assert source.signals("gone", 50.0).last_request_at == 50.0  # seen afresh
+
+
+def test_arrivals_are_the_requests_entering_this_gateways_queue_times_the_live_gateways():
+    entered = {"tiny": 0}
+    source = GatewaySignals(router_with(), lambda model: (0, 0), entered=lambda model: entered[model],
+                            gateways=lambda: 3)
+    assert source.signals("tiny", now=0.0).arrivals_per_s == 0.0
+    entered["tiny"] = 4
+    assert source.signals("tiny", now=2.0).arrivals_per_s == 6.0  # 2/s here, one gateway in three
+    entered["tiny"] = 1  # the queue forgot the model and counts afresh: no negative rate
+    assert source.signals("tiny", now=4.0).arrivals_per_s >= 0
+
+
+def test_a_rate_is_measured_over_at_least_min_span_once_it_has_shown():
+    replica = Replica("a", "tiny", "http://127.0.0.1:1")
+    source = GatewaySignals(router_with(replica), lambda model: (0, 0))
+    source.signals("tiny", now=0.0)
+    replica.served = 1
+    first = source.signals("tiny", now=0.5).served_per_s
+    assert first == 2.0  # the first requests after a quiet spell show their rate at once
+    replica.served = 5
+    assert source.signals("tiny", now=0.6).served_per_s == first  # 4 in 0.1 s is not folded in yet
+    assert source.signals("tiny", now=0.5 + MIN_SPAN).served_per_s > first
+
+
+def test_ttft_attainment_is_the_share_of_recent_first_tokens_within_the_deployments_slo():
+    clock = [0.0]
+    first_tokens = FirstTokens(lambda: clock[0])
+    source = GatewaySignals(router_with(), lambda model: (0, 0), first_tokens=first_tokens,
+                            slo_of=lambda model: 1.0 if model == "tiny" else None)
+    assert source.signals("tiny", now=0.0).ttft_attainment is None  # no first token yet
+    for ttft in (0.2, 0.5, 1.0, 3.0):
+        first_tokens.observe("tiny", ttft)
+    first_tokens.observe("other", 9.0)
+    assert source.signals("tiny", now=1.0).ttft_attainment == 0.75
+    assert source.signals("other", now=1.0).ttft_attainment is None  # no ttft_slo: not measured
+    clock[0] = 50.0
+    first_tokens.observe("tiny", 0.1)
+    assert source.signals("tiny", now=TTFT_WINDOW + 10).ttft_attainment == 1.0  # the old ones left the window
+    assert source.signals("tiny", now=200.0).ttft_attainment is None
+    source.forget({"other"})  # a model no longer autoscaled: its first tokens go too, and come back afresh
+    clock[0] = 200.0
+    first_tokens.observe("tiny", 0.1)
+    assert first_tokens.attainment("tiny", 1.0, 200.0) == 1.0
+
+
+def test_first_tokens_are_bounded_per_model_and_in_models():
+    first_tokens = FirstTokens(lambda: 0.0)
+    for i in range(MAX_FIRST_TOKENS + 10):
+        first_tokens.observe("tiny", 5.0 if i < 10 else 0.1)
+    assert first_tokens.attainment("tiny", 1.0, 0.0) == 1.0  # the 10 oldest (slow) ones were dropped
+    for i in range(MAX_MODELS + 5):
+        first_tokens.observe(f"m{i}", 0.1)
+    assert first_tokens.attainment(f"m{MAX_MODELS + 4}", 1.0, 0.0) is None
+
+
+def test_the_drain_rate_per_replica_is_over_ready_replica_seconds_so_a_replica_just_ready_does_not_halve_it():
+    one = Replica("a", "tiny", "http://127.0.0.1:1", state=ReplicaState.UP)
+    new = Replica("b", "tiny", "http://127.0.0.1:2", state=ReplicaState.DOWN)  # starting: not routable yet
+    source = GatewaySignals(router_with(one, new), lambda model: (0, 0))
+    source.signals("tiny", now=0.0)
+    one.served = 6
+    assert source.signals("tiny", now=2.0).served_per_replica_s == pytest.approx(3.0)
+    new.state = ReplicaState.UP  # ready now, nothing finished yet
+    one.served = 12
+    signals = source.signals("tiny", now=4.0)
+    assert signals.served_per_replica_s == pytest.approx(3.0)  # 6 over the first one's 2 s alone
+    one.served, new.served = 18, 6
+    assert source.signals("tiny", now=6.0).served_per_replica_s == pytest.approx(3.0)  # 12 over 2 replicas x 2 s
