@@ -33,7 +33,7 @@ HEADERS = [(b"host", b"gw"), (b"content-type", b"application/json"), (b"authoriz
 
 
 def enter_release(gate: FlowGate, request: Request, tenant: Tenant) -> None:
-    coroutine = gate.enter(request, tenant, "m", 1500, "req-1")
+    coroutine = gate.enter(request, tenant, "m", 1500, "req-1", output=500)
     try:
         coroutine.send(None)  # with room, enter never awaits: it ends in this one send
     except StopIteration as done:

@@ -40,7 +40,7 @@ class FixedRoom(Room):
     def free(self, model: str, priority: PriorityClass) -> int:
         return int(self.capacity * priority.max_fill) - self.used
 
-    def fits(self, model: str, priority: PriorityClass, tokens: int) -> bool:
+    def fits(self, model: str, priority: PriorityClass, tokens: int, output: int = 0) -> bool:
         return True  # counted in requests only, as before the token room: the fast path's cost is the queue's
 
     async def changed(self, model: str) -> None:

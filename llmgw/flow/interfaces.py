@@ -25,16 +25,18 @@ class Room(Protocol):
         other gateways'), and this gateway's share of it when other gateways have requests waiting too. The queue's
         own admitted requests not yet released (not yet routed) are not in it: the queue subtracts those itself."""
 
-    def fits(self, model: str, priority: PriorityClass, tokens: int) -> bool:
+    def fits(self, model: str, priority: PriorityClass, tokens: int, output: int = 0) -> bool:
         """Whether ``tokens`` more KV tokens (a request's prompt and most output, with those admitted and not yet
         routed) of ``priority`` fit on ``model``'s replicas now: the tokens in flight there stay within the class's
-        share of their KV capacity. True while that capacity is unknown."""
+        share of their KV capacity. ``output``: the part of ``tokens`` that is output allowance, counted as it is;
+        the rest is prompt estimate, counted in the engines' tokens. True while that capacity is unknown."""
 
-    def admits(self, model: str, priority: PriorityClass, pending: int, tokens: int) -> bool:
-        """``free(model, priority) - pending > 0 and fits(model, priority, tokens)``: what the queue asks for every
-        request (``pending``: its admitted requests not yet released; ``tokens``: theirs and the request's). A room
-        may answer it in one pass over the replicas; this default asks both."""
-        return self.free(model, priority) - pending > 0 and self.fits(model, priority, tokens)
+    def admits(self, model: str, priority: PriorityClass, pending: int, tokens: int, output: int = 0) -> bool:
+        """``free(model, priority) - pending > 0 and fits(model, priority, tokens, output)``: what the queue asks for
+        every request (``pending``: its admitted requests not yet released; ``tokens``: theirs and the request's,
+        ``output`` of which is output allowance). A room may answer it in one pass over the replicas; this default
+        asks both."""
+        return self.free(model, priority) - pending > 0 and self.fits(model, priority, tokens, output)
 
     async def changed(self, model: str) -> None:
         """Return when ``model``'s room may have changed (a request finished, an engine was scraped, a replica

@@ -61,6 +61,9 @@ class FlowRequest:
     cost: int  # estimated tokens (prompt + output): what fair shares are counted in
     deadline: float  # trio.current_time() after which it is shed rather than dispatched
     weight: float = 1.0  # the flow's share within its band
+    # Of ``cost``, the output allowance (``max_tokens``): the room scales the prompt part alone by the engines'
+    # prompt-token ratio. 0: all of it is taken as prompt (scaled whole, the safe side).
+    output: int = 0
     enqueued: float | None = None  # trio.current_time() when it started waiting (None: dispatched at once)
 
 

@@ -2,10 +2,10 @@
 within a band, deadlines, overflow, and a Retry-After from the measured drain rate.
 
 - A request is admitted at once, without awaiting, when its model has room for its class
-  (``room.admits(model, class, pending, pending tokens + its cost)``: ``room.free(model, class) - pending > 0`` and
-  ``room.fits(model, class, pending tokens + its cost)``, in one pass;
-  *pending*: admitted here and not yet released, counted in requests and in tokens) and nothing of its class or a
-  higher one waits.
+  (``room.admits(model, class, pending, pending tokens + its cost, their output + its output)``:
+  ``room.free(model, class) - pending > 0`` and ``room.fits(...)`` on the tokens, in one pass;
+  *pending*: admitted here and not yet released, counted in requests and in tokens, of which the output allowance
+  apart: the room scales the prompt estimate alone) and nothing of its class or a higher one waits.
 - Otherwise it waits in its band (:class:`~.fair.FairBand`: start-time fair queueing by tokens between flows,
   FCFS within one). A dispatcher task per model, started when the model first has a waiter and ending when it has
   none, admits waiters while there is room: the highest band first, a lower band only when every band above it is
@@ -62,6 +62,11 @@ RECENT_KEPT = 256  # sheds remembered per model and class for it
 MAX_MODELS = 1024  # models with nothing waiting or admitted are forgotten beyond it
 
 
+def _output_of(request: FlowRequest) -> int:
+    """Of the request's cost, its output allowance: within 0..cost whatever the caller gave."""
+    return min(max(request.output, 0), max(request.cost, 0))
+
+
 class Queued(NamedTuple):
     """What waits for a model in one class."""
 
@@ -91,6 +96,10 @@ class _Waiter:
     @property
     def cost(self) -> int:
         return max(self.request.cost, 0)  # an estimate below 0 would give its flow credit
+
+    @property
+    def output(self) -> int:
+        return _output_of(self.request)
 
     @property
     def weight(self) -> float:
@@ -127,6 +136,7 @@ class _Model:
         self.pending = 0  # admitted, not yet released
         self.entered = 0  # requests that entered (the autoscaler's arrival rate)
         self.pending_tokens = 0  # their costs
+        self.pending_output = 0  # of those, their output allowances
         self.waiting = 0
         self.tokens = 0
         self.drain = DrainRate()
@@ -207,14 +217,16 @@ class _Model:
 class _Ticket:
     """An admission's place in its model's room until released."""
 
-    __slots__ = ("model", "tokens", "released")
+    __slots__ = ("model", "tokens", "output", "released")
 
-    def __init__(self, model: _Model, tokens: int):
+    def __init__(self, model: _Model, tokens: int, output: int):
         self.model = model
         self.tokens = tokens
+        self.output = output
         self.released = False
         model.pending += 1
         model.pending_tokens += tokens
+        model.pending_output += output
 
 
 class FlowQueue(TaskHost):
@@ -238,7 +250,8 @@ class FlowQueue(TaskHost):
         model.entered += 1
         priority = request.priority
         cost = max(request.cost, 0)
-        if (not model.waiting or not model.waits_at(priority.rank)) and self._has_room(model, priority, cost):
+        output = _output_of(request)
+        if (not model.waiting or not model.waits_at(priority.rank)) and self._has_room(model, priority, cost, output):
             # The fast path: no await, no clock unless a backlog is being measured.
             if model.waiting:
                 now = trio.current_time()
@@ -246,7 +259,7 @@ class FlowQueue(TaskHost):
                 model.dispatches.dispatched(1, now)
             self.metrics.admitted.labels(model.name, priority.name).inc()
             self.metrics.wait.labels(model.name, priority.name).observe(0.0)
-            return Admitted(0.0, _Ticket(model, cost))
+            return Admitted(0.0, _Ticket(model, cost, output))
         return await self._wait(model, request)
 
     def entered(self, model: str) -> int:
@@ -255,10 +268,11 @@ class FlowQueue(TaskHost):
         found = self._models.get(model)
         return found.entered if found is not None else 0
 
-    def _has_room(self, model: _Model, priority: PriorityClass, cost: int, requests: int = 1) -> bool:
-        """Room for ``requests`` more requests of ``cost`` tokens in all, besides those admitted and not yet
-        released."""
-        return self.room.admits(model.name, priority, model.pending + requests - 1, model.pending_tokens + cost)
+    def _has_room(self, model: _Model, priority: PriorityClass, cost: int, output: int, requests: int = 1) -> bool:
+        """Room for ``requests`` more requests of ``cost`` tokens in all (``output`` of them output allowance),
+        besides those admitted and not yet released."""
+        return self.room.admits(model.name, priority, model.pending + requests - 1, model.pending_tokens + cost,
+                                model.pending_output + output)
 
     def _new_model(self, name: str) -> _Model:
         if len(self._models) >= MAX_MODELS:  # the data plane names served models only; still, never grow unbounded
@@ -276,6 +290,7 @@ class FlowQueue(TaskHost):
         model = ticket.model
         model.pending -= 1
         model.pending_tokens -= ticket.tokens
+        model.pending_output -= ticket.output
         if model.waiting:
             model.kick.set()
 
@@ -344,7 +359,10 @@ class FlowQueue(TaskHost):
         if remaining <= 0:
             return self._shed(model, request, EXPIRED, 0.0, "its deadline had passed when it arrived", explain)
         # With room for it and all ahead of it, it is dispatched as soon as the dispatcher runs: never shed early.
-        if not self._has_room(model, priority, tokens_ahead + max(request.cost, 0), position + 1):
+        # Those ahead count as prompt (their output is not summed per band): the room they need is over-counted,
+        # never under, so a request is at worst looked at by the drain prediction rather than let through.
+        if not self._has_room(model, priority, tokens_ahead + max(request.cost, 0), _output_of(request),
+                              position + 1):
             cost = max(request.cost, 0)
             expected = self._predicted(self._drain_of(model, band, now, cost), own_ahead, cost)
             if expected is not None and expected > ARRIVAL_SHARE * remaining:
@@ -508,13 +526,13 @@ class FlowQueue(TaskHost):
             had = len(fair)
             while (waiter := fair.peek()) is not None:
                 priority = waiter.request.priority
-                if not self._has_room(model, priority, waiter.cost):
+                if not self._has_room(model, priority, waiter.cost, waiter.output):
                     break
                 fair.pop()
                 self._dequeue(model, waiter, now, dispatched=True)
                 waited = now - waiter.since
-                waiter.outcome = Admitted(waited, _Ticket(model, waiter.cost), waiter.position, waiter.tokens_ahead,
-                                          waiter.ahead_class)
+                waiter.outcome = Admitted(waited, _Ticket(model, waiter.cost, waiter.output), waiter.position,
+                                          waiter.tokens_ahead, waiter.ahead_class)
                 waiter.event.set()
                 self.metrics.admitted.labels(model.name, priority.name).inc()
                 self.metrics.wait.labels(model.name, priority.name).observe(waited)

@@ -16,9 +16,10 @@ their engines, less what every gateway has in flight there, split among the gate
   usage, :class:`~llmgw.router.prompt_ratio.PromptTokenRatio`; and their ``max_tokens``:
   :meth:`EngineRoom.held_tokens`). A class may dispatch a request only if the model's replicas keep the tokens
   within its ``max_fill`` of their KV capacity (:meth:`EngineRoom.fits`): three batch requests that fill the
-  cache leave no room for a fourth, while an interactive one still fits; the request asking is scaled by the
-  same ratio. Before an engine has told its capacity, the tokens hold nothing back. The other gateways' requests
-  count with their prompts (in their reports) and this gateway's mean output per request.
+  cache leave no room for a fourth, while an interactive one still fits; the request asking counts likewise: its
+  prompt estimate scaled by the same ratio, its output allowance as it is. Before an engine has told its
+  capacity, the tokens hold nothing back. The other gateways' requests count with their prompts (in their
+  reports) and this gateway's mean output per request.
 - Shared: every gateway reports how many requests it holds per model with its load (llmgw/cluster/load.py); when
   others hold some too, this gateway may have in flight its quota of the capacity and of the KV tokens, in
   proportion to its demand (requests in flight and held) among every gateway's (:meth:`EngineRoom.demand_share`:
@@ -114,14 +115,14 @@ class EngineRoom:
     def free(self, model: str, priority: PriorityClass) -> int:
         return self.scan(model, priority, 0)[0]
 
-    def fits(self, model: str, priority: PriorityClass, tokens: int) -> bool:
-        return self.scan(model, priority, tokens)[1]
+    def fits(self, model: str, priority: PriorityClass, tokens: int, output: int = 0) -> bool:
+        return self.scan(model, priority, tokens, output)[1]
 
-    def admits(self, model: str, priority: PriorityClass, pending: int, tokens: int) -> bool:
-        free, fits = self.scan(model, priority, tokens)
+    def admits(self, model: str, priority: PriorityClass, pending: int, tokens: int, output: int = 0) -> bool:
+        free, fits = self.scan(model, priority, tokens, output)
         return free - pending > 0 and fits
 
-    def scan(self, model: str, priority: PriorityClass, tokens: int) -> tuple[int, bool]:
+    def scan(self, model: str, priority: PriorityClass, tokens: int, output: int = 0) -> tuple[int, bool]:
         """:meth:`free` and :meth:`fits` in one pass over the replicas (the queue's path for every request: kept
         lean). Requests: each replica's learnt capacity less its requests in flight, the class filling at most its
         ``max_fill`` of the summed capacity and, below 1.0, of each replica's seats (so that arrivals of the
@@ -138,7 +139,7 @@ class EngineRoom:
         seated = fill < 1.0  # a class that may fill it all is bounded by the capacity alone
         capacity = free = seat_free = mine = theirs = 0
         unbounded = False
-        kv_room = kv_largest = kv_filled = kv_mine = output = 0
+        kv_room = kv_largest = kv_filled = kv_mine = output_inflight = 0
         kv_known = True
         unsized: list[tuple[Replica, int]] = []  # replicas with only the others' requests: their output comes last
         ratio = route.prompt_ratio
@@ -158,7 +159,7 @@ class EngineRoom:
                     share = math.floor(kv * fill)
                     kv_largest = max(kv_largest, share)
                     kv_filled += share
-                    output += replica.local_inflight_output_tokens
+                    output_inflight += replica.local_inflight_output_tokens
                     kv_mine += ratio.tokens(replica.local_inflight_tokens) + replica.local_inflight_output_tokens
                     if local == 0 and peer:
                         unsized.append((replica, share))
@@ -178,14 +179,15 @@ class EngineRoom:
             if left > 0:
                 seat_free += left
         if unsized:  # the others' output at this gateway's mean per request on the model (their reports lack it)
-            per_request = output / mine if mine else DEFAULT_OUTPUT_TOKENS
+            per_request = output_inflight / mine if mine else DEFAULT_OUTPUT_TOKENS
             for replica, share in unsized:
                 kv_room += max(0, share - self.held_tokens(replica, ratio, per_request))
         quota = self.demand_share(model, mine, theirs) if self.sharing is not None else None
-        # The queue's estimate (prompt and most output, not yet routed) in the engine's count: scaled whole, since
-        # it comes as one figure (its output part over- or under-counted by the ratio; under-counting the prompt,
-        # the worse error, would let a long prompt in to wait inside the engine for blocks, ahead of everyone).
-        need = min(ratio.tokens(tokens), kv_largest)
+        # The queue's estimate (prompt and most output, not yet routed) in the engine's count: the prompt part
+        # scaled by the ratio, the output allowance (max_tokens, already in the engine's tokens) as it is. Scaling
+        # the whole over-counted a batch request's long output several times (docs/overload.md, "Measured").
+        output = min(max(output, 0), tokens)
+        need = min(ratio.tokens(tokens - output) + output, kv_largest)
         fits = not kv_known or (need <= kv_room and (
             quota is None or mine == 0 or need <= kv_filled * quota[0] // quota[1] - kv_mine))
         if unbounded:

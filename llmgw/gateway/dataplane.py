@@ -44,7 +44,7 @@ from ..router.router import Router, replica_of
 from ..router.tier import Decision, RouteRequest
 from ..tenancy.directory import Directory
 from ..tenancy.interfaces import KeyDirectory
-from ..tenancy.model import Tenant
+from ..tenancy.model import Estimate, Tenant
 from ..tenancy.usage import MODEL_NOT_ALLOWED
 from .decisions import DecisionLog
 from .flow_gate import OPEN, FlowGate, FlowTrace, Pass
@@ -345,8 +345,9 @@ class DataPlane:
         # the replica they make the autoscaler start, up to their class's deadline.
         if flow.control is not None and (self.router.has_routable_replica(resolved[0]) or self.holds(resolved[0])):
             trace = exchange.flow = FlowTrace()
-            turn = await flow.enter(request, exchange.tenant, resolved[0], self._cost(flow, exchange, request, body),
-                                    request_id, trace)
+            estimate = self._cost(flow, exchange, request, body)
+            turn = await flow.enter(request, exchange.tenant, resolved[0], estimate.tokens, request_id, trace,
+                                    output=estimate.max_output_tokens)
             if isinstance(turn, Response):  # shed (429), or a priority header or deadline it cannot read (400)
                 if trace.shed is not None and exchange.charge is not None:
                     exchange.charge.shed()
@@ -430,14 +431,15 @@ class DataPlane:
         return self._count(model, self._no_replica_error(model, last_error, tried, failures, id_header), started)
 
     @staticmethod
-    def _cost(flow: FlowGate, exchange: Exchange, request: Request, body: dict) -> int:
-        """A request's estimated tokens (prompt and most output), what fair shares count: its charge's estimate
-        (a known key), else the same estimator's (the flow gate's, of the same config)."""
+    def _cost(flow: FlowGate, exchange: Exchange, request: Request, body: dict) -> Estimate:
+        """A request's estimated tokens (prompt and most output, apart), what fair shares count and the room
+        holds: its charge's estimate (a known key), else the same estimator's (the flow gate's, of the same
+        config)."""
         charge = exchange.charge
         if charge is not None:
-            return charge.estimate.tokens
+            return charge.estimate
         assert exchange.model is not None
-        return flow.estimator.estimate(exchange.model, request.path, body, len(request.body)).tokens
+        return flow.estimator.estimate(exchange.model, request.path, body, len(request.body))
 
     async def _engine_gone(self, replica: Replica) -> bool:
         """Whether the replica's engine is gone: its ``/health`` gets no answer within ``ENGINE_GONE_TIMEOUT``

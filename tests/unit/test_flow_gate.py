@@ -113,9 +113,10 @@ async def test_enter_asks_the_queue_with_the_flow_cost_and_class_and_its_pass_re
     flow = gate(admitted)
     control = flow.control
     assert isinstance(control, Recording)
-    passed = await flow.enter(request(), team_key, "m", 1234, "req-1")
+    passed = await flow.enter(request(), team_key, "m", 1234, "req-1", output=1000)
     queued = control.entered[-1]
-    assert (queued.model, queued.flow, queued.priority.name, queued.cost) == ("m", "search", "interactive", 1234)
+    assert (queued.model, queued.flow, queued.priority.name, queued.cost, queued.output) == \
+        ("m", "search", "interactive", 1234, 1000)
     assert not isinstance(passed, Response)
     passed.release()
     passed.release()
@@ -179,15 +180,18 @@ async def test_the_trace_tells_the_access_log_a_requests_class_wait_and_shed_rea
 def test_a_requests_cost_without_a_keys_charge_is_the_tenancy_estimate_not_its_bytes():
     """The queue counts a request of no key (or of a gateway without keys) as the tenancy's estimate counts a
     key's: its prompt (the body's bytes, at most max_prompt_estimate) and most output (max_tokens, else the
-    config's default_max_tokens), within the model's max_model_len."""
+    config's default_max_tokens), within the model's max_model_len; the two apart, for the room scales the prompt
+    alone."""
     body = {"model": "m", "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 700}
     raw = json.dumps(body).encode()
     chat = Request("POST", "/v1/chat/completions", [], raw)
     default = gate()
-    assert DataPlane._cost(default, Exchange(0.0, model="m"), chat, body) == len(raw) + 700
+    cost = DataPlane._cost(default, Exchange(0.0, model="m"), chat, body)
+    assert (cost.prompt_tokens, cost.max_output_tokens) == (len(raw), 700)
     no_limit = {k: v for k, v in body.items() if k != "max_tokens"}
-    assert DataPlane._cost(default, Exchange(0.0, model="m"), chat, no_limit) == \
-        len(raw) + TenancySettings().default_max_tokens
+    cost = DataPlane._cost(default, Exchange(0.0, model="m"), chat, no_limit)
+    assert (cost.prompt_tokens, cost.max_output_tokens) == (len(raw), TenancySettings().default_max_tokens)
     short = FlowGate(FlowSettings(), Recording(AT_ONCE), None,
                      estimator=Estimator(TenancySettings(), PriceList(), {"m": 300}))
-    assert DataPlane._cost(short, Exchange(0.0, model="m"), chat, body) == 300 + 300  # each within max_model_len
+    cost = DataPlane._cost(short, Exchange(0.0, model="m"), chat, body)
+    assert (cost.prompt_tokens, cost.max_output_tokens) == (300, 300)  # each within max_model_len

@@ -41,6 +41,7 @@ class FakeRoom(Room):
         self.capacity = capacity
         self.fill = fill
         self.kv_tokens = kv_tokens
+        self.prompt_ratio = 1.0  # engine tokens per estimated prompt token, as EngineRoom learns it
         self.inflight = 0
         self.inflight_tokens = 0
         self.held: dict[str, int] = {}  # a class's room forced to 0 (by name): a room that is not monotonic
@@ -54,10 +55,11 @@ class FakeRoom(Room):
             return 0
         return math.floor(self.capacity * (priority.max_fill if self.fill else 1.0)) - self.inflight
 
-    def fits(self, model: str, priority: PriorityClass, tokens: int) -> bool:
+    def fits(self, model: str, priority: PriorityClass, tokens: int, output: int = 0) -> bool:
         if self.kv_tokens is None:
             return True
-        return tokens <= math.floor(self.kv_tokens * priority.max_fill) - self.inflight_tokens
+        need = round((tokens - output) * self.prompt_ratio) + output
+        return need <= math.floor(self.kv_tokens * priority.max_fill) - self.inflight_tokens
 
     async def changed(self, model: str) -> None:
         with trio.move_on_after(0.05):
@@ -72,9 +74,9 @@ class FakeRoom(Room):
 
 
 def request(priority: PriorityClass = STANDARD, flow: str = "a", cost: int = 100, *, wait: float | None = None,
-            weight: float = 1.0) -> FlowRequest:
+            weight: float = 1.0, output: int = 0) -> FlowRequest:
     deadline = trio.current_time() + (priority.max_wait if wait is None else wait)
-    return FlowRequest(MODEL, flow, priority, cost, deadline, weight)
+    return FlowRequest(MODEL, flow, priority, cost, deadline, weight, output=output)
 
 
 class Harness:
@@ -647,6 +649,47 @@ async def test_admitted_tokens_not_yet_released_count_against_the_token_room():
     queue.release(first)
     assert queue.snapshot()[MODEL]["pending_tokens"] == 2400
     assert admitted_at_once(queue, request(BATCH, cost=2400)) is not None
+
+
+async def test_the_queue_hands_the_room_the_output_allowance_apart_so_only_the_prompt_is_scaled():
+    # The engines count 4 tokens per estimated prompt token; 1,000 KV tokens, interactive may fill them all. A
+    # 600-token request of which 500 are max_tokens holds 100 x 4 + 500 = 900: it fits (scaled whole: 2,400).
+    room = FakeRoom(capacity=8, kv_tokens=1000)
+    room.prompt_ratio = 4.0
+    queue = FlowQueue(FlowSettings(), room)
+    first = admitted_at_once(queue, request(INTERACTIVE, cost=600, output=500))
+    assert first is not None
+    # Admitted and not yet released, its output stays apart too: a second would need (200 x 4) + 1,000 = 1,800.
+    assert admitted_at_once(queue, request(INTERACTIVE, cost=600, output=500)) is None
+    queue.release(first)
+    assert admitted_at_once(queue, request(INTERACTIVE, cost=600, output=500)) is not None
+    # Without an output allowance the whole estimate is prompt, scaled whole: 600 x 4 does not fit.
+    assert admitted_at_once(queue, request(INTERACTIVE, cost=600)) is None
+
+
+async def test_an_output_allowance_out_of_range_is_bounded_by_the_cost():
+    room = FakeRoom(capacity=8, kv_tokens=1000)
+    room.prompt_ratio = 4.0
+    queue = FlowQueue(FlowSettings(), room)
+    # A negative allowance counts as none (all prompt); one above the cost as the cost (no prompt left, not less).
+    assert admitted_at_once(queue, request(INTERACTIVE, cost=300, output=-10_000)) is None  # 1,200 > 1,000
+    held = admitted_at_once(queue, request(INTERACTIVE, cost=1000, output=10**9))
+    assert held is not None
+    assert admitted_at_once(queue, request(INTERACTIVE, cost=1, output=1)) is None  # the 1,000 pending fill it
+    queue.release(held)
+
+
+async def test_a_waiter_is_dispatched_with_its_output_counted_apart(autojump_clock):
+    async with harness(capacity=100, kv_tokens=1000) as h:
+        h.room.prompt_ratio = 4.0
+        blocker = h.start(request(INTERACTIVE, flow="i", cost=600, output=600), hold=1.0)  # 600 held in flight
+        await trio.testing.wait_all_tasks_blocked()
+        waiter = h.start(request(BATCH, flow="b", cost=400, output=300), hold=1.0)  # 100 x 4 + 300 = 700
+        await trio.testing.wait_all_tasks_blocked()
+        assert blocker in h.admitted and waiter not in h.admitted  # 600 + 700 > 850, batch's share
+        await trio.sleep(1.5)
+        assert waiter in h.admitted  # 700 <= 850 once the blocker ended: not 1,600 scaled whole
+        assert h.pending_tokens() == 0
 
 
 async def test_with_the_kv_capacity_unknown_only_requests_are_counted():

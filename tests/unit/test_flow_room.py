@@ -505,6 +505,31 @@ def test_the_prompt_estimate_is_scaled_by_what_the_engines_counted_in_the_answer
     assert 4.0 < ratio.ratio <= 4.0 + 0.1 * (16.0 - 4.0)
 
 
+def test_of_the_request_asking_only_the_prompt_is_scaled_its_output_allowance_counts_as_it_is():
+    router, room, _, _ = make_room(replicas=("a",))
+    tell_kv(router, "a")  # batch may hold 6,963 of 8,192
+    request, decision = route(router, "a", prompt_words=400, max_tokens=256)
+    estimate = decision.inflight_tokens
+    router.finished(request, decision, {"prompt_tokens": 4 * estimate, "completion_tokens": 256})
+    assert router.models["m"].prompt_ratio.ratio == 4.0
+    route(router, "a", prompt_words=400, max_tokens=256)
+    left = 6963 - held(router, room, "a")
+    assert 4000 < left < 5000
+    # A batch request of 100 estimated prompt tokens and max_tokens 2,000: 400 + 2,000 in the engine's count; scaled
+    # whole, 8,400: it would wait for the replica to empty.
+    assert room.fits("m", BATCH, 2100, output=2000)
+    assert room.admits("m", BATCH, 0, 2100, output=2000)
+    assert not room.fits("m", BATCH, 2100)  # no allowance said: all of it is prompt, the safe side
+    # At the edge: the output one for one, the prompt four for one.
+    assert room.fits("m", BATCH, 100 + left - 400, output=left - 400)
+    assert not room.fits("m", BATCH, 100 + left - 399, output=left - 399)
+    assert room.fits("m", BATCH, 10 + left - 40, output=left - 40)
+    assert not room.fits("m", BATCH, 11 + left - 40, output=left - 40)
+    # An allowance out of range is bounded by the whole: none below 0, all of it above.
+    assert not room.fits("m", BATCH, left // 4 + 1, output=-5)
+    assert room.fits("m", BATCH, left, output=10**9) and not room.fits("m", BATCH, left + 1, output=10**9)
+
+
 # -- seats: the sequences an engine runs at once ----------------------------------------------------------------------
 
 
