@@ -150,6 +150,11 @@ class SteadyLoad:
         while self.finished < target:
             await trio.sleep(0.02)
 
+    def failed_phases(self) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
+        """The phases where a request failed: phase -> (plain failures, streamed failures), by kind."""
+        return {phase: (counts.failed("plain"), counts.failed("stream")) for phase, counts in self.phases.items()
+                if counts.failed("plain") or counts.failed("stream")}
+
     # -- one worker ------------------------------------------------------------------------------------------------
 
     async def _worker(self, worker: int) -> None:

@@ -70,8 +70,7 @@ async def test_a_rolling_restart_of_every_process_fails_no_request_and_restarts_
 
     for phase, counts in load.phases.items():
         print(f"{phase}: {counts.as_dict()}")
-    failed = {phase: (counts.failed("plain"), counts.failed("stream")) for phase, counts in load.phases.items()
-              if counts.failed("plain") or counts.failed("stream")}
+    failed = load.failed_phases()
     assert not failed, f"requests failed during the rolling restart: {failed}"
     assert ha.engine_pids() == engines, "an engine was restarted or replaced"
     assert ha.node_secret() == secret, "the agent had to join again with the join token"
