@@ -19,7 +19,7 @@ import json
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import httpx
 import trio
@@ -110,14 +110,19 @@ class HaCluster:
                     pass
                 await trio.sleep(0.1)
 
-    async def restart(self, process: Cluster, load: SteadyLoad, *extra: str) -> None:
+    async def restart(self, process: Cluster, load: SteadyLoad, *extra: str,
+                      while_down: Callable[[], Awaitable[object]] | None = None) -> None:
         """One step of a rolling restart under ``load``: SIGTERM ``process`` (it drains), out of the load's rotation
-        once it exited, started again with ``extra`` (``--role gateway``), back in the rotation once it is ready."""
+        once it exited, ``while_down`` awaited (e.g. until the other candidate leads: a leader started again at once
+        can win the election back before the other's next look at the lease), started again with ``extra``
+        (``--role gateway``), back in the rotation once it is ready."""
         assert process.serve is not None
         process.serve.kill(signal.SIGTERM)
         code = await process.serve.wait_exit(timeout=40)
         assert code == 0, f"{process.serve.name} exited with {code}:\n{process.serve.output()}"
         load.data_urls = [url for url in load.data_urls if url != process.data_url]
+        if while_down is not None:
+            await while_down()
         await process.start_serve(*extra)
         await self.wait_ready(process)
         load.data_urls = [p.data_url for p in self.gateways]

@@ -23,6 +23,7 @@ anew); both keys still admitted everywhere once OLD is gone.
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import httpx
 import pytest
@@ -119,9 +120,7 @@ async def rolling_restart(ha: HaCluster, load: SteadyLoad, skip: Cluster | None 
     (other,) = [c for c in ha.candidates if c is not leader]
     await ha.restart(other, load)
     await load.wait_finished(STEP_AFTER)
-    async with trio.open_nursery() as steps:
-        steps.start_soon(ha.restart, leader, load)
-        await ha.wait_leader([other], timeout=LEASE_TTL + 5)
+    await ha.restart(leader, load, while_down=partial(ha.wait_leader, [other], timeout=LEASE_TTL + 5))
     await ha.wait_routable(timeout=30)
     await ha.wait_converged(timeout=20)
     await load.wait_finished(STEP_AFTER)

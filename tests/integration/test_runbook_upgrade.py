@@ -49,10 +49,11 @@ async def test_a_rolling_restart_of_every_process_fails_no_request_and_restarts_
 
         load.phase = "A (the leader)"
         stopped = trio.current_time()
-        async with trio.open_nursery() as steps:
-            steps.start_soon(ha.restart, a, load)
+        async def b_leads() -> None:
             await ha.wait_leader([b], timeout=LEASE_TTL + 5)
             print(f"\nB leads {trio.current_time() - stopped:.2f} s after the leader's SIGTERM")
+
+        await ha.restart(a, load, while_down=b_leads)
         await ha.wait_routable(timeout=30)
         await load.wait_finished(STEP_AFTER)
 
