@@ -188,6 +188,14 @@ class HaCluster:
             return trio.current_time() - start
         raise AssertionError(f"the cluster is not whole {timeout:g} s on: {problems}")
 
+    def load_outcome(self, load: SteadyLoad) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
+        """After a test's load ended: every process's output written beside the agent's state (``logs/``), each
+        phase's counts printed, and the phases where a request failed (:meth:`SteadyLoad.failed_phases`)."""
+        self.write_logs(self.agent_state.parent / "logs")
+        for phase, counts in load.phases.items():
+            print(f"{phase}: {counts.as_dict()}")
+        return load.failed_phases()
+
     def write_logs(self, directory: Path) -> None:
         """Every process's output so far to ``directory/NAME.log`` (A, B, F, agent): what a failed test left."""
         directory.mkdir(parents=True, exist_ok=True)

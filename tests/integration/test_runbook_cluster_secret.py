@@ -80,11 +80,7 @@ async def test_a_rolling_secret_rotation_fails_no_request_and_restarts_no_engine
         print(f"step 4 done {trio.current_time() - started:.1f} s in")
         await load.wait_finished(STEP_AFTER)
         await load.pause()
-    ha.write_logs(ha.agent_state.parent / "logs")
-
-    for phase, counts in load.phases.items():
-        print(f"{phase}: {counts.as_dict()}")
-    failed = load.failed_phases()
+    failed = ha.load_outcome(load)
     restarted = ha.engine_pids()
     print(f"engines before {engines}, after {restarted}")
     assert not failed, f"requests failed during the rotation: {failed}"

@@ -67,11 +67,7 @@ async def test_a_rolling_restart_of_every_process_fails_no_request_and_restarts_
         await ha.wait_routable(timeout=30)
         await load.wait_finished(STEP_AFTER)
         await load.pause()
-    ha.write_logs(ha.agent_state.parent / "logs")
-
-    for phase, counts in load.phases.items():
-        print(f"{phase}: {counts.as_dict()}")
-    failed = load.failed_phases()
+    failed = ha.load_outcome(load)
     assert not failed, f"requests failed during the rolling restart: {failed}"
     assert ha.engine_pids() == engines, "an engine was restarted or replaced"
     assert ha.node_secret() == secret, "the agent had to join again with the join token"
