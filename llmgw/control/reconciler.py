@@ -85,7 +85,8 @@ def shard_profile(profile) -> wire.ShardProfile:
         name=profile.name, engine=profile.engine, engine_bin=profile.engine_bin, model_path=profile.model_path,
         served_model_name=profile.served_model_name, tp=profile.tp, pp=profile.pp, args=list(profile.args),
         env=dict(profile.env), lora_adapters=[wire.LoraModule(a.name, a.path) for a in profile.lora_adapters],
-        kv_events=profile.kv_events, kv_key_mode=profile_kv_key_mode(profile), startup_timeout=profile.startup_timeout)
+        kv_events=profile.kv_events, kv_key_mode=profile_kv_key_mode(profile), startup_timeout=profile.startup_timeout,
+        scheduling_policy=profile.scheduling_policy)
 
 
 # -- assignments ------------------------------------------------------------------------------------------------------

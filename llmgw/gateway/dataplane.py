@@ -47,6 +47,7 @@ from ..tenancy.interfaces import KeyDirectory
 from ..tenancy.model import Estimate, Tenant
 from ..tenancy.usage import MODEL_NOT_ALLOWED
 from .decisions import DecisionLog
+from .engine_priority import PRIORITY_PATHS, engine_priority, prioritized_body
 from .flow_gate import OPEN, FlowGate, FlowTrace, Pass
 from .hops import HopGuard
 from .latency import StreamWatch, events_after_last_token
@@ -98,6 +99,7 @@ class Exchange:
     relayed: bool = False  # an upstream's answer: its access line is written when its body has been relayed
     charge: Charge | None = None  # its reservation and usage record, once admitted (tenant_gate.py)
     flow: FlowTrace | None = None  # what overload control did with it (None: it did not go through the queue)
+    engine_priority: int | None = None  # the priority field sent to an engine in priority scheduling (None: none)
 
 
 @dataclass(frozen=True)
@@ -372,6 +374,7 @@ class DataPlane:
         last_error: UpstreamError | None = None
         kept: tuple[Replica, int, list[tuple[bytes, bytes]], bytes] | None = None  # an unwell replica's answer
         resent = False  # sent on once after its engine went away with it
+        prioritized: bytes | None = None  # the body with its engine priority, made for the first replica that wants it
         retries = self.settings.retries  # read once: a reload may replace the settings meanwhile
         for attempt in range(1 + retries):
             decision = None
@@ -391,7 +394,12 @@ class DataPlane:
                 self._load(replica, +1)
                 entered.release()  # its place in the room is now its replica's in-flight count
                 self.router.routed(route_request, decision)
-                outcome = await self._attempt(replica, request, upstream_body, forwarded, is_last=attempt == retries)
+                sent = upstream_body
+                if replica.priority_scheduling and request.path in PRIORITY_PATHS:
+                    if prioritized is None:
+                        prioritized = self._prioritized(request, route_request.body, exchange, strip_usage)
+                    sent = prioritized
+                outcome = await self._attempt(replica, request, sent, forwarded, is_last=attempt == retries)
             except BaseException:  # cancelled before any answer: the client went away (or the server stops)
                 if decision is not None:
                     self.router.finished(route_request, decision, None)
@@ -429,6 +437,15 @@ class DataPlane:
         if kept is not None and (last_error is None or last_error.kind in RETRY_KINDS):
             return self._count(model, self._kept_answer(*kept, id_header), started)
         return self._count(model, self._no_replica_error(model, last_error, tried, failures, id_header), started)
+
+    def _prioritized(self, request: Request, body: dict, exchange: Exchange, force_usage: bool) -> bytes:
+        """The body for an engine in priority scheduling: its ``priority`` from the request's class (counted by
+        model and class, and kept for the access line)."""
+        assert exchange.model is not None
+        chosen = self.flow.engine_class(exchange.tenant, request, exchange.flow)
+        exchange.engine_priority = engine_priority(chosen, exchange.tenant, body)
+        self.metrics.engine_priority_requests.labels(exchange.model, chosen.name).inc()
+        return prioritized_body(request.path, body, exchange.engine_priority, force_usage)
 
     @staticmethod
     def _cost(flow: FlowGate, exchange: Exchange, request: Request, body: dict) -> Estimate:
@@ -632,6 +649,7 @@ class DataPlane:
         fields["queue_wait_ms"] = round(trace.waited * 1000, 1) if trace is not None and trace.waited is not None \
             else None
         fields["shed"] = trace.shed if trace is not None else None
+        fields["engine_priority"] = exchange.engine_priority
         access_log.info("%s", logfmt(fields), extra=fields_extra(fields))
 
     def _count(self, model: str | None, response: _Answer, started: float | None = None,

@@ -66,6 +66,7 @@ class Replica:
     api_key: str | None = field(default=None, repr=False)
     weight: int = 1
     prefill_tokens_per_s: float | None = None  # configured: its prefill rate before it answers (the cost model's prior)
+    priority_scheduling: bool = False  # its engine runs vLLM's priority scheduling: requests carry a class's priority
     state: ReplicaState = ReplicaState.UNKNOWN
     reason: str = ""
     local_inflight: int = 0  # this process's requests to it, not finished (the data plane counts them)

@@ -191,6 +191,7 @@ class ShardProfile:
     kv_events: bool = False
     kv_key_mode: str = "content"  # how the agent's mirror keys the engine's blocks: "content" or "engine" (hashes)
     startup_timeout: float = 600.0
+    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy (passed only when it is not vLLM's default fcfs)
 
 
 @dataclass
