@@ -14,8 +14,10 @@ and class (:mod:`.overload_report`): medians with their range, a table printed a
 written (partial results as they come).
 
 Run: ``llmgw bench overload [--arms llmgw-flow,llmgw-off,vllm-router] [--gateways 1,3] [--loads 0.5,1,2,4]
-[--repeats 3] [--json bench-results/overload.json]``; ``--quick`` is a small form for a smoke test. Needs
-``redis-server``; vllm-router is looked up as ``llmgw bench routing`` does (``--install-vllm-router`` installs
+[--repeats 3] [--json bench-results/overload.json]``; the arm ``llmgw-flow-priority`` (not in the default arms)
+adds the engines' priority scheduling (``--arms llmgw-flow,llmgw-flow-priority``). ``--quick`` is a small form
+for a smoke test. Needs ``redis-server``; vllm-router is looked up as ``llmgw bench routing`` does
+(``--install-vllm-router`` installs
 0.1.17 into bench-results/vr-venv), else its arm says it is not installed.
 """
 
@@ -41,6 +43,8 @@ from .common import bench_parser, chosen_names, numbers, print_and_save, write_j
 from .limits import leaves
 from .overload_arms import (
     ARMS,
+    DEFAULT_ARMS,
+    FLOW_PRIORITY,
     VLLM_ROUTER,
     ArmUnavailable,
     RouterTuning,
@@ -56,7 +60,8 @@ from .proxy import find_vllm_router, vllm_router_version
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = bench_parser(__doc__ or "")
-    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated, of: " + ", ".join(ARMS))
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                        help="comma-separated, of: " + ", ".join(ARMS) + f" (default {','.join(DEFAULT_ARMS)})")
     parser.add_argument("--gateways", default="1,3", help="llmgw gateways per arm, comma-separated (vllm-router: 1)")
     parser.add_argument("--loads", default="0.5,1,2,4", help="arrival rates as multiples of the measured capacity")
     parser.add_argument("--repeats", type=int, default=3)
@@ -177,8 +182,11 @@ async def run(args: argparse.Namespace, root: Path, vllm_router: str | None, loo
                     load_average_at_start=os.getloadavg(),  # the machine's other work: read the spreads with it
                     vllm_router=vllm_router and vllm_router_version(vllm_router), vllm_router_lookup=lookup)
     report: dict = {"settings": settings, "arms": []}
-    extra = (*KV_SIM_EXTRA, "--profile", args.profile, "--max-num-seqs", str(args.max_num_seqs),
+    extra: tuple[str, ...] = (*KV_SIM_EXTRA, "--profile", args.profile, "--max-num-seqs", str(args.max_num_seqs),
              "--time-scale", str(args.time_scale))
+    if FLOW_PRIORITY in args.arms:  # requests without a priority are served in fcfs's order (overload_arms.py)
+        extra += ("--scheduling-policy", "priority")
+        settings["sim_note"] += ", --scheduling-policy priority"
     async with new_client(args.cap) as http, trio.open_nursery() as nursery:
         engines = await start_sims(nursery, args.replicas, env=KV_SIM_ENV, num_blocks=args.num_blocks,
                                    block_size=16, seed=0, extra=extra)

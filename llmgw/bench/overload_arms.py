@@ -4,8 +4,13 @@ them while the load runs.
 - ``llmgw-flow``: llmgw's default config, flow control on; the tenants' keys carry their ``priority`` class. An
   llmgw without the ``flow:`` section (before issue 31's gateway work) has no flow control to measure: the arm
   says so and is not run.
-- ``llmgw-off``: the same with ``flow: {enabled: false}`` (on an llmgw without the section, its default: no
-  admission at all, which is what "off" means).
+- ``llmgw-flow-priority``: ``llmgw-flow`` with every replica's ``scheduling_policy: priority``: each request
+  carries its class's engine priority, and the simulators (started with ``--scheduling-policy priority`` when this
+  arm runs) serve the interactive class first among what waits in them. The other arms send no priority: every
+  request's is 0, and an engine in priority scheduling then orders as in fcfs (arrival order, the latest arrival
+  preempted), so they run on the same engines unchanged.
+- ``llmgw-off``: the same as ``llmgw-flow`` with ``flow: {enabled: false}`` (on an llmgw without the section, its
+  default: no admission at all, which is what "off" means).
 - ``vllm-router``: one vllm-router 0.1.17 (``cache_aware``) with its concurrency limit and queue:
   ``--max-concurrent-requests`` tuned to the fleet (:func:`router_tuning`), ``--queue-size``,
   ``--queue-timeout-secs``.
@@ -34,11 +39,13 @@ from .cluster_rig import ClusterRig
 from .overload_workload import Tenant
 from .routing_arms import start_vllm_router
 
-FLOW, OFF, VLLM_ROUTER = "llmgw-flow", "llmgw-off", "vllm-router"
-ARMS = (FLOW, OFF, VLLM_ROUTER)
+FLOW, FLOW_PRIORITY, OFF, VLLM_ROUTER = "llmgw-flow", "llmgw-flow-priority", "llmgw-off", "vllm-router"
+ARMS = (FLOW, FLOW_PRIORITY, OFF, VLLM_ROUTER)
+DEFAULT_ARMS = (FLOW, OFF, VLLM_ROUTER)
 VLLM_ROUTER_POLICY = "cache_aware"
 QUEUE_GAUGE = "llmgw_flow_queued"  # the requests a gateway holds in its queue, by model and class
 ENGINE_KV, ENGINE_WAITING = "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting"
+ENGINE_PREEMPTIONS = "vllm:num_preemptions_total"
 
 
 class ArmUnavailable(Exception):
@@ -112,12 +119,13 @@ async def open_fleet(arm: str, gateways: int, engines: list[Child], tenants: Seq
                 nursery.cancel_scope.cancel()
         return
     config = keys_config(tenants)
-    if arm == FLOW and not flow_available():
+    if arm in (FLOW, FLOW_PRIORITY) and not flow_available():
         raise ArmUnavailable("not available: this llmgw has no flow control (the `flow:` config section)")
     if arm == OFF and flow_available():
         config += "flow:\n  enabled: false\n"
     workdir.mkdir(parents=True, exist_ok=True)
-    async with ClusterRig.open(workdir, followers=gateways - 1, engines=engines, extra_config=config) as rig:
+    async with ClusterRig.open(workdir, followers=gateways - 1, engines=engines, extra_config=config,
+                               scheduling_policy="priority" if arm == FLOW_PRIORITY else None) as rig:
         yield Fleet(arm, gateways, [g.url for g in rig.gateways], [g.control_url for g in rig.gateways])
 
 
@@ -139,7 +147,8 @@ def queued(parsed: dict[str, float]) -> float | None:
 async def sample_kv(http: httpx.AsyncClient, engines: Sequence[str], gateways: Sequence[str], into: list[dict],
                     interval: float = 0.25) -> None:
     """Until cancelled, a sample every ``interval``: ``kv`` (the engines' mean KV usage, 0..1), ``waiting`` (their
-    waiting requests), ``queued`` (the gateways' queued requests; None: no gateway has a queue gauge)."""
+    waiting requests), ``preemptions`` (their preemption counters' sum), ``queued`` (the gateways' queued requests;
+    None: no gateway has a queue gauge)."""
     while True:
         read: list[dict[str, float] | None] = [None] * (len(engines) + len(gateways))
 
@@ -154,6 +163,8 @@ async def sample_kv(http: httpx.AsyncClient, engines: Sequence[str], gateways: S
             gateway_queues = [q for r in read[len(engines):] if r is not None and (q := queued(r)) is not None]
             into.append({"kv": sum(series_sum(r, ENGINE_KV) for r in engine_read) / len(engine_read),
                          "waiting": sum(series_sum(r, ENGINE_WAITING) for r in engine_read),
+                         "preemptions": sum(series_sum(r, ENGINE_PREEMPTIONS) for r in engine_read)
+                         if len(engine_read) == len(engines) else None,
                          "queued": sum(gateway_queues) if gateway_queues else None})
         await trio.sleep(interval)
 

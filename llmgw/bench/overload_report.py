@@ -67,7 +67,13 @@ def level_stats(loop: Loop, kv_samples: Sequence[dict], slo: dict[str, float], c
             "most_in_flight": loop.most_in_flight,
             "kv_gateway_queued": _kv(kv_samples, lambda s: bool(s["queued"])) if gateway_queues else None,
             "kv_engines_waiting": _kv(kv_samples, lambda s: s["waiting"] > 0),
-            "kv_all": _kv(kv_samples, lambda s: True)}
+            "kv_all": _kv(kv_samples, lambda s: True), "preemptions": _preemptions(kv_samples)}
+
+
+def _preemptions(samples: Sequence[dict]) -> float | None:
+    """The engines' preemptions during the run: their counters' rise from the first whole sample to the last."""
+    counts = [s["preemptions"] for s in samples if s.get("preemptions") is not None]
+    return counts[-1] - counts[0] if len(counts) > 1 else None
 
 
 # Each number of the summary and the table: its path in a level's stats
@@ -82,6 +88,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "goodput_rps": ("goodput_rps",), "goodput_of_capacity": ("goodput_of_capacity",), "fairness": ("fairness",),
     "kv_when_gateway_queued": ("kv_gateway_queued", "mean"), "kv_min_when_gateway_queued": ("kv_gateway_queued", "min"),
     "kv_when_engines_waiting": ("kv_engines_waiting", "mean"), "over_cap": ("over_cap",),
+    "preemptions": ("preemptions",),
 }
 
 
@@ -138,12 +145,13 @@ def markdown(report: dict) -> str:
              "|---|---|---|" + "---|" * len(COLUMNS)]
     unloaded = capacity["unloaded_interactive_ttft_p99_ms"]
     totals = ["", "| arm | load | goodput / capacity | interactive TTFT p99 / unloaded | interactive fairness | "
-                  "KV while a gateway queue waits (mean; min) | KV while engines queue | over the in-flight cap |",
-              "|---|---|---|---|---|---|---|---|"]
+                  "KV while a gateway queue waits (mean; min) | KV while engines queue | over the in-flight cap | "
+                  "engine preemptions |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for arm in report["arms"]:
         if arm.get("error"):
             lines.append(f"| {arm['label']} | - | - | {arm['error']} |" + " |" * (len(COLUMNS) - 1))
-            totals.append(f"| {arm['label']} | - | {arm['error']} | | | | | |")
+            totals.append(f"| {arm['label']} | - | {arm['error']} | | | | | | |")
             continue
         for level in arm["levels"]:
             s = level["summary"]
@@ -159,5 +167,5 @@ def markdown(report: dict) -> str:
                           f"{spread_cell(s['kv_when_gateway_queued'], '.0f', '%', 100)}; "
                           f"{spread_cell(s['kv_min_when_gateway_queued'], '.0f', '%', 100)} | "
                           f"{spread_cell(s['kv_when_engines_waiting'], '.0f', '%', 100)} | "
-                          f"{spread_cell(s['over_cap'], '.0f')} |")
+                          f"{spread_cell(s['over_cap'], '.0f')} | {spread_cell(s.get('preemptions'), '.0f')} |")
     return "\n".join(lines + totals)

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from llmgw.bench import overload
-from llmgw.bench.overload_arms import ARMS, keys_config, queued, router_tuning
+from llmgw.bench.overload_arms import DEFAULT_ARMS, keys_config, queued, router_tuning
 from llmgw.bench.overload_report import level_stats, summary
 from llmgw.bench.overload_workload import (
     BATCH,
@@ -102,8 +102,9 @@ def test_per_class_numbers_goodput_fairness_and_kv_while_a_queue_waits():
                 Outcome("interactive-b", INTERACTIVE, 0, SHED, 429, 0.0, 0.003, retry_after=True),
                 Outcome("batch", BATCH, 0, OK, 200, 2.0, 20.0, tokens=3000),
                 Outcome("batch", BATCH, 0, EXPIRED, 429, 0.0, 2.01, retry_after=False)]
-    kv = [{"kv": 0.9, "waiting": 0, "queued": 3.0}, {"kv": 0.5, "waiting": 2, "queued": 1.0},
-          {"kv": 0.1, "waiting": 0, "queued": 0.0}]
+    kv = [{"kv": 0.9, "waiting": 0, "queued": 3.0, "preemptions": 4.0},
+          {"kv": 0.5, "waiting": 2, "queued": 1.0, "preemptions": None},  # an engine did not answer that time
+          {"kv": 0.1, "waiting": 0, "queued": 0.0, "preemptions": 9.0}]
     stats = level_stats(Loop(outcomes, 1.0, elapsed=2.0), kv, slo, capacity_rps=2.0)  # 1 s of arrivals, 2 s in all
     inter, batch = stats["classes"][INTERACTIVE], stats["classes"][BATCH]
     assert (inter["sent"], inter["completed"], inter["good"], inter["shed"], inter["expired"]) == (4, 3, 2, 1, 0)
@@ -114,6 +115,7 @@ def test_per_class_numbers_goodput_fairness_and_kv_while_a_queue_waits():
     assert stats["fairness"] == 100 / 150  # tokens in answers within the SLO: a's second answer was too late
     assert stats["kv_gateway_queued"] == {"samples": 2, "mean": 0.7, "min": 0.5}
     assert stats["kv_engines_waiting"]["mean"] == 0.5
+    assert stats["preemptions"] == 5.0  # the engines' counters rose from 4 to 9 during the run
     medians = summary([stats, stats])
     assert medians["interactive_shed"] == {"median": 1.0, "min": 1.0, "max": 1.0}
     assert medians["kv_min_when_gateway_queued"]["median"] == 0.5
@@ -121,7 +123,9 @@ def test_per_class_numbers_goodput_fairness_and_kv_while_a_queue_waits():
 
 def test_the_command_line_reads_lists_and_quick_defaults_and_refuses_unknown_arms(capsys):
     args = overload.parse(["--loads", "0.5,4", "--gateways", "3"])
-    assert (args.arms, args.gateways, args.loads, args.ramp) == (list(ARMS), [3], [0.5, 4.0], [2, 4, 8, 16, 32])
+    assert (args.arms, args.gateways, args.loads, args.ramp) == (list(DEFAULT_ARMS), [3], [0.5, 4.0],
+                                                                 [2, 4, 8, 16, 32])
+    assert overload.parse(["--arms", "llmgw-flow,llmgw-flow-priority"]).arms == ["llmgw-flow", "llmgw-flow-priority"]
     quick = overload.parse(["--quick"])
     assert (quick.replicas, quick.gateways, quick.loads, quick.repeats) == (2, [1], [0.5, 2.0], 1)
     with pytest.raises(SystemExit):

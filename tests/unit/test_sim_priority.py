@@ -166,3 +166,25 @@ def test_the_flag_and_its_check():
         build_parser().parse_args(["--scheduling-policy", "lifo"])
     with pytest.raises(SimArgumentError, match="--scheduling-policy"):
         SimConfig(scheduling_policy="lifo", profile="constant").resolve()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 80), st.integers(1, 12), st.integers(0, 3)), min_size=1, max_size=24),
+       st.integers(4, 40), st.integers(1, 6))
+def test_with_every_priority_0_the_priority_policy_schedules_as_fcfs(arrivals, blocks, max_num_seqs):
+    """What lets ``llmgw bench overload`` run its fcfs arms on engines in priority scheduling: requests that carry
+    no priority are admitted and preempted exactly as under fcfs (a running request always arrived before every
+    waiting one, so the head is its place in arrival order, and the most recently admitted is the latest arrival)."""
+    plans = []
+    for policy in (FCFS, PRIORITY):
+        sched = scheduler(policy, blocks=blocks, max_num_seqs=max_num_seqs, budget=64)
+        plan = []
+        for i, (n_prompt, n_out, steps_after) in enumerate(arrivals):
+            if n_prompt + n_out > (blocks - 1) * 16:
+                continue  # could never fit: the engine would refuse it (max_model_len)
+            sched.add(request(f"r{i}", n_prompt, n_out))
+            for _ in range(steps_after):
+                plan.append(step(sched))
+        plan.append(first_token_order(sched))
+        plans.append((plan, sched.stats.preemptions))
+    assert plans[0] == plans[1]
