@@ -48,6 +48,7 @@ from .overload_arms import (
     VLLM_ROUTER,
     ArmUnavailable,
     RouterTuning,
+    engine_priority_requests,
     open_fleet,
     router_tuning,
     sample_kv,
@@ -158,6 +159,8 @@ async def run_arm(args: argparse.Namespace, http: httpx.AsyncClient, arm: str, g
                     runs.append(level_stats(loop, kv, slo_of(args), capacity))
                 entry["levels"].append({"load": load, "rate_rps": load * capacity, "runs": runs,
                                         "summary": summary(runs)})
+            # What says the engines were given priorities at all (0 for every arm but llmgw-flow-priority)
+            entry["engine_priority_requests"] = await engine_priority_requests(http, fleet.control_urls)
     except* ArmUnavailable as group:
         entry["error"] = str(leaves(group)[0])
     except* ChildFailed as group:

@@ -169,6 +169,18 @@ async def sample_kv(http: httpx.AsyncClient, engines: Sequence[str], gateways: S
         await trio.sleep(interval)
 
 
+async def engine_priority_requests(http: httpx.AsyncClient, gateways: Sequence[str]) -> float | None:
+    """The requests the gateways sent with an engine priority (``llmgw_engine_priority_requests_total``, summed);
+    None when a gateway did not answer."""
+    total = 0.0
+    for url in gateways:
+        parsed = await _metrics(http, url)
+        if parsed is None:
+            return None
+        total += series_sum(parsed, "llmgw_engine_priority_requests_total")
+    return total
+
+
 async def wait_idle(http: httpx.AsyncClient, engines: Sequence[str], timeout: float) -> bool:
     """Until no engine runs or holds a request (what an arm left behind drained); False when ``timeout`` passed."""
     with trio.move_on_after(timeout):
