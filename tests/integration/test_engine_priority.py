@@ -6,10 +6,13 @@ order its requests got their first token, with the priority each carried), never
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 import pytest
 import trio
 
+from llmgw.logfields import FIELDS_ATTRIBUTE
 from llmgw.testing.sims import start_sims
 
 pytestmark = pytest.mark.slow
@@ -61,8 +64,15 @@ async def served_order(gw_url: str, sim_url: str, late: list[tuple[str, str, dic
     return [{**token, "name": ids[token["request_id"]]} for token in first_tokens if token["request_id"] in ids]
 
 
+def logged_priorities(caplog) -> list[int | None]:
+    """The ``engine_priority`` field of every access line, in their order."""
+    return [getattr(record, FIELDS_ATTRIBUTE)["engine_priority"] for record in caplog.records
+            if record.name == "llmgw.access"]
+
+
 async def test_an_interactive_request_overtakes_the_batch_requests_waiting_in_the_engine(gateway_in_process,
-                                                                                          nursery):
+                                                                                          nursery, caplog):
+    caplog.set_level(logging.INFO, "llmgw.access")
     [sim] = await start_sims(nursery, 1, num_blocks=512, extra=(*SLOW, "--scheduling-policy", "priority"))
     gw = await gateway_in_process(config(sim.url, "priority"))
     served = await served_order(gw.url, sim.url, [(CHAT, "chat", {})])
@@ -73,10 +83,12 @@ async def test_an_interactive_request_overtakes_the_batch_requests_waiting_in_th
         "chat": 0, **{f"batch-{i}": 7 for i in range(4)}}  # its class's rank; batch's engine_priority
     assert await gw.metric("llmgw_engine_priority_requests_total", 'class="interactive"') == 1
     assert await gw.metric("llmgw_engine_priority_requests_total", 'class="batch"') == 4
+    assert sorted(logged_priorities(caplog)) == [0, 7, 7, 7, 7]
 
 
-async def test_without_priority_scheduling_the_same_request_waits_its_turn(gateway_in_process, nursery):
+async def test_without_priority_scheduling_the_same_request_waits_its_turn(gateway_in_process, nursery, caplog):
     """The control arm: the same engine and load in fcfs; the gateway sends no priority (vLLM would refuse it)."""
+    caplog.set_level(logging.INFO, "llmgw.access")
     [sim] = await start_sims(nursery, 1, num_blocks=512, extra=SLOW)
     gw = await gateway_in_process(config(sim.url, "fcfs"))
     served = await served_order(gw.url, sim.url, [(CHAT, "chat", {})])
@@ -84,6 +96,7 @@ async def test_without_priority_scheduling_the_same_request_waits_its_turn(gatew
     assert sorted(names[:4]) == [f"batch-{i}" for i in range(4)] and names[4] == "chat", names
     assert {token["priority"] for token in served} == {0}
     assert await gw.metric("llmgw_engine_priority_requests_total") == 0
+    assert logged_priorities(caplog) == [None] * 5
 
 
 async def test_a_clients_own_priority_counts_only_if_its_key_may_raise_and_never_above_its_class(
