@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("llmgw.commands.plan",
              "print where a config's replicas would be placed, and why: llmgw plan --config FILE"),
     "usage": ("llmgw.commands.usage",
-              "usage per key, team, model and hour, as a table or CSV: llmgw usage --since 24h"),
+              "usage per key, team, model, class and hour, as a table or CSV: llmgw usage --since 24h"),
     "bench": ("llmgw.commands.bench", "run a benchmark and print its table: llmgw bench fault [--json FILE]"),
 }
 

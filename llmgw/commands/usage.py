@@ -1,8 +1,9 @@
-"""``llmgw usage``: usage per key, team, model and hour from a running gateway's ``GET /admin/usage``, as a table
-or CSV.
+"""``llmgw usage``: usage per key, team, model, priority class and hour from a running gateway's
+``GET /admin/usage``, as a table or CSV.
 
 Filters and grouping are the API's (docs/tenants.md, "Watching usage"): ``--key``, ``--team``, ``--model``,
-``--since``, ``--until``, ``--group-by``; ``--csv`` prints CSV (for a spreadsheet), ``--json`` the API's answer.
+``--class``, ``--since``, ``--until``, ``--group-by``; ``--csv`` prints CSV (for a spreadsheet), ``--json`` the
+API's answer.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from .control_api import DEFAULT_CONTROL, ControlApiError, add_arguments, get_js
 from .status import table
 
 NO_TEAM = "(no team)"  # the team column of keys of no team
+NO_CLASS = "(no class)"  # the class column of requests that did not go through the gateway's queue
+_NONE_SHOWN = {"team": NO_TEAM, "class": NO_CLASS}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,11 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--key", help="one key: its id (cfg-NAME, k-...) or its name")
     parser.add_argument("--team", help="one team ('' for keys of no team)")
     parser.add_argument("--model", help="one model")
+    parser.add_argument("--class", dest="priority",
+                        help="one priority class ('' for requests that did not go through the gateway's queue)")
     parser.add_argument("--since", help="from: epoch seconds, an ISO 8601 date or time (UTC), or a duration ago "
                                         "such as 24h (default: 24h)")
     parser.add_argument("--until", help="to (exclusive), as --since (default: the end of this hour)")
     parser.add_argument("--group-by", default="key,model",
-                        help="a comma-separated list of key, team, model, hour (default key,model)")
+                        help="a comma-separated list of key, team, model, class, hour (default key,model)")
     output = parser.add_mutually_exclusive_group()
     output.add_argument("--csv", action="store_true", help="print CSV instead of a table")
     output.add_argument("--json", action="store_true", help="print the admin API's JSON")
@@ -41,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def query_string(args: argparse.Namespace) -> str:
-    params = {"key": args.key, "team": args.team, "model": args.model, "since": args.since, "until": args.until,
-              "group_by": args.group_by}
+    params = {"key": args.key, "team": args.team, "model": args.model, "class": args.priority, "since": args.since,
+              "until": args.until, "group_by": args.group_by}
     return urllib.parse.urlencode({name: value for name, value in params.items() if value is not None})
 
 
@@ -57,8 +62,8 @@ def usage_table(answer: dict[str, Any]) -> list[str]:
     rows: list[list[Any]] = []
     total = {**dict.fromkeys(who, ""), **(answer.get("total") or {})}
     for item in [*(answer.get("data") or []), total]:
-        row = [NO_TEAM if column == "team" and item.get(column) == "" and item is not total else item.get(column)
-               for column in who] + [item.get(field, 0) for field in fields]
+        row = [_NONE_SHOWN[column] if column in _NONE_SHOWN and item.get(column) == "" and item is not total
+               else item.get(column) for column in who] + [item.get(field, 0) for field in fields]
         row[len(who) + 4] = f"{float(row[len(who) + 4] or 0):.6f}"
         rows.append(row)
     rows[-1][0] = "total"

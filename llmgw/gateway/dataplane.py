@@ -350,6 +350,8 @@ class DataPlane:
             estimate = self._cost(flow, exchange, request, body)
             turn = await flow.enter(request, exchange.tenant, resolved[0], estimate.tokens, request_id, trace,
                                     output=estimate.max_output_tokens)
+            if exchange.charge is not None:  # a configured class (priority_of never yields a client's string)
+                exchange.charge.priority = trace.priority
             if isinstance(turn, Response):  # shed (429), or a priority header or deadline it cannot read (400)
                 if trace.shed is not None and exchange.charge is not None:
                     exchange.charge.shed()

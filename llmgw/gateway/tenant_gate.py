@@ -35,7 +35,7 @@ def _uncounted(basis: str) -> None:
 class Charge:
     """One request's reservation (if its key is limited) and the usage record of its answer."""
 
-    __slots__ = ("_tenancy", "_count", "tenant", "model", "estimate", "admission", "_open")
+    __slots__ = ("_tenancy", "_count", "tenant", "model", "estimate", "admission", "priority", "_open")
 
     def __init__(self, tenancy: Tenancy, tenant: Tenant, model: str, estimate: Estimate,
                  count: Callable[[str], None] = _uncounted) -> None:
@@ -45,6 +45,7 @@ class Charge:
         self.model = model
         self.estimate = estimate
         self.admission: Admission | None = None  # set once the limiter admitted it (a limited key)
+        self.priority: str | None = None  # the class the gateway's queue gave it: its usage row's class
         self._open = True
 
     @property
@@ -70,7 +71,7 @@ class Charge:
         if not self._open:
             return
         self.unanswered()
-        self._tenancy.usage.refused(self.tenant, self.model, RATE_LIMITED)
+        self._tenancy.usage.refused(self.tenant, self.model, RATE_LIMITED, priority=self.priority)
 
     def answered(self, status: int, usage: Mapping[str, object] | None, sent_tokens: int | None) -> None:
         """An engine's answer ended with ``status``: settled with its ``usage`` when it has one; else (a stream
@@ -100,7 +101,7 @@ class Charge:
         tenant = self.tenant
         team = tenant.team
         tenancy.usage.record(UsageRecord(tenant.key_id, tenant.name, team.name if team is not None else None,
-                                         self.model, used, status, time.time()))
+                                         self.model, used, status, time.time(), self.priority))
 
 
 class TenancyGate:

@@ -1,8 +1,10 @@
-"""``GET /admin/usage``: usage per key, team, model and hour from the usage store, as JSON or CSV.
+"""``GET /admin/usage``: usage per key, team, model, priority class and hour from the usage store, as JSON or
+CSV.
 
 Parameters (all optional; :mod:`llmgw.tenancy.usage_query`): ``key`` (an id or a name), ``team`` (empty: keys of
-no team), ``model``, ``since`` and ``until`` (epoch seconds, ISO 8601, or a duration ago such as ``24h``; the last
-day by default), ``group_by`` (a comma-separated list of key, team, model, hour; default ``key,model``) and
+no team), ``model``, ``class`` (a priority class; empty: requests that did not go through the gateway's queue),
+``since`` and ``until`` (epoch seconds, ISO 8601, or a duration ago such as ``24h``; the last
+day by default), ``group_by`` (a comma-separated list of key, team, model, class, hour; default ``key,model``) and
 ``format`` (``json`` or ``csv``). A wrong one is a 400 naming it; a store that does not answer a 503.
 
 ``GET /admin/usage/budgets``: every budget of a key or a team with what it spent in its current period (from the

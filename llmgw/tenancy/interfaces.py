@@ -74,7 +74,7 @@ class Limiter(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class UsageRecord:
-    """One answer's usage, as the usage store aggregates it (per key, team, model and hour)."""
+    """One answer's usage, as the usage store aggregates it (per key, team, model, priority class and hour)."""
 
     key_id: str
     key_name: str
@@ -83,15 +83,18 @@ class UsageRecord:
     usage: Usage
     status: int
     at: float  # time.time() when the answer ended
+    priority: str | None = None  # the configured class the gateway's queue gave it (None: it did not queue)
 
 
 class UsageSink(Protocol):
     def record(self, record: UsageRecord) -> None:
         """Take one answer's usage; never waits (it reaches the store within ``usage_flush_interval``)."""
 
-    def refused(self, tenant: Tenant, model: str, reason: str, at: float | None = None) -> None:
+    def refused(self, tenant: Tenant, model: str, reason: str, at: float | None = None,
+                priority: str | None = None) -> None:
         """Count one request refused before routing, in its key's usage: ``reason`` is the 429's error type
-        (``rate_limit_exceeded``, ``insufficient_quota``) or ``model_not_allowed`` (the 403); never waits."""
+        (``rate_limit_exceeded``, ``insufficient_quota``) or ``model_not_allowed`` (the 403); ``priority``: its
+        class when the gateway's queue shed it; never waits."""
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Usage aggregated in memory per key, team, model and UTC hour: the data plane's :class:`UsageSink`.
+"""Usage aggregated in memory per key, team, model, priority class and UTC hour: the data plane's :class:`UsageSink`.
 
 :class:`UsageAggregator` takes every answer's usage (:meth:`~UsageAggregator.record`) and every refusal
 (:meth:`~UsageAggregator.refused`) without waiting: a dictionary update per call. Its rows are
@@ -45,6 +45,9 @@ class UsageRow(NamedTuple):
     team: str  # "" for a key of no team
     model: str
     hour: int  # the UTC hour's first second since the epoch
+    # The configured priority class the request had at the gateway's queue ("": it did not go through the queue,
+    # or a row from before classes were counted); never a client's string, so their number is the config's.
+    priority: str = ""
 
 
 def zero() -> Counts:
@@ -107,15 +110,19 @@ class UsageAggregator:
 
     def record(self, record: UsageRecord) -> None:
         """Count one answer an engine produced (its tokens, money and status class) in its key's hour."""
-        row = UsageRow(record.key_id, record.key_name, record.team or "", record.model, hour_of(record.at))
+        row = UsageRow(record.key_id, record.key_name, record.team or "", record.model, hour_of(record.at),
+                       record.priority or "")
         self._add(row, record_counts(record))
 
-    def refused(self, tenant: Tenant, model: str, reason: str, at: float | None = None) -> None:
+    def refused(self, tenant: Tenant, model: str, reason: str, at: float | None = None,
+                priority: str | None = None) -> None:
         """Count one request refused before routing: ``reason`` is the 429's error type (``rate_limit_exceeded``,
-        ``insufficient_quota``) or ``model_not_allowed`` (a 403)."""
+        ``insufficient_quota``) or ``model_not_allowed`` (a 403); ``priority``: its class, when the gateway's queue
+        gave it one (a request it shed)."""
         counts = refusal_counts(reason)
         team = tenant.team.name if tenant.team is not None else ""
-        row = UsageRow(tenant.key_id, tenant.name, team, model, hour_of(self._clock() if at is None else at))
+        row = UsageRow(tenant.key_id, tenant.name, team, model, hour_of(self._clock() if at is None else at),
+                       priority or "")
         self._add(row, counts)
 
     def _add(self, row: UsageRow, counts: Counts) -> None:

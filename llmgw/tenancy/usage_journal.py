@@ -39,8 +39,12 @@ MAX_PREFIXES = 10_000  # rows whose line start a journal keeps encoded
 
 
 def row_prefix(row: UsageRow) -> str:
-    """The start of a line of ``row``: ``["key id","key name","team","model",hour,`` (ASCII)."""
-    return json.dumps(list(row), separators=(",", ":"), ensure_ascii=True)[:-1] + ","
+    """The start of a line of ``row``: ``["key id","key name","team","model",hour,`` (ASCII), then ``"class",``
+    for a row of a priority class (a line without one, as written before classes, is a row of no class)."""
+    identity: list[object] = [row.key_id, row.key_name, row.team, row.model, row.hour]
+    if row.priority:
+        identity.append(row.priority)
+    return json.dumps(identity, separators=(",", ":"), ensure_ascii=True)[:-1] + ","
 
 
 def encode(row: UsageRow, counts: Counts, prefix: str | None = None) -> bytes:
@@ -54,15 +58,18 @@ def decode(line: bytes) -> tuple[UsageRow, Counts] | None:
         value = json.loads(line)
     except ValueError:
         return None
-    if not isinstance(value, list) or len(value) != 5 + len(FIELDS):
+    if not isinstance(value, list) or len(value) not in (5 + len(FIELDS), 6 + len(FIELDS)):
         return None
-    texts, hour, counts = value[:4], value[4], value[5:]
+    classed = len(value) == 6 + len(FIELDS)
+    texts, hour, counts = value[:4], value[4], value[6:] if classed else value[5:]
+    if classed:
+        texts.append(value[5])
     if not all(isinstance(text, str) and len(text) <= MAX_TEXT for text in texts):
         return None
     numbers = [hour, *counts]
     if not all(type(number) is int and 0 <= number < MAX_COUNT for number in numbers) or hour % HOUR:
         return None
-    return UsageRow(texts[0], texts[1], texts[2], texts[3], hour), counts
+    return UsageRow(texts[0], texts[1], texts[2], texts[3], hour, texts[4] if classed else ""), counts
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,12 +20,13 @@ from ..units import parse_duration
 from .model import nano_to_usd
 from .usage import FIELDS, HOUR, NANO_USD, Counts, UsageRow, add_into, add_to, hour_of, zero
 
-GROUPS = ("key", "team", "model", "hour")
+GROUPS = ("key", "team", "model", "class", "hour")
 MAX_HOURS = 24 * 400  # the longest range one query reads: 400 days of hours
 DEFAULT_HOURS = 24  # without ``since``: the last day
-MAX_FILTER = 256  # characters of a key, team or model filter
+MAX_FILTER = 256  # characters of a key, team, model or class filter
 MAX_PARAMETER = 1024  # characters of any parameter
-PARAMETERS = ("key", "team", "model", "since", "until", "group_by", "format")
+PARAMETERS = ("key", "team", "model", "class", "since", "until", "group_by", "format")
+_FILTERS = {"key": "key", "team": "team", "model": "model", "class": "priority"}  # parameter -> UsageQuery field
 FORMATS = ("json", "csv")
 _EPOCH = re.compile(r"\d{1,12}")
 
@@ -45,6 +46,7 @@ class UsageQuery:
     key: str | None = None  # a key id, or a key name
     team: str | None = None  # "" matches keys of no team
     model: str | None = None
+    priority: str | None = None  # a priority class (the ``class`` parameter); "" matches rows of no class
     group_by: tuple[str, ...] = ("key", "model")
     format: str = "json"
 
@@ -55,7 +57,8 @@ class UsageQuery:
         return (self.since <= row.hour < self.until
                 and (self.key is None or self.key in (row.key_id, row.key_name))
                 and (self.team is None or self.team == row.team)
-                and (self.model is None or self.model == row.model))
+                and (self.model is None or self.model == row.model)
+                and (self.priority is None or self.priority == row.priority))
 
 
 def parse_moment(text: str, now: float, param: str) -> float:
@@ -90,11 +93,11 @@ def parse_query(params: Mapping[str, str], now: float | None = None) -> UsageQue
         if len(value) > MAX_PARAMETER:
             raise QueryError(name, f"{name} is longer than {MAX_PARAMETER} characters")
     filters: dict[str, str | None] = {}
-    for name in ("key", "team", "model"):
+    for name, field in _FILTERS.items():
         wanted = params.get(name)
         if wanted is not None and len(wanted) > MAX_FILTER:
             raise QueryError(name, f"{name} is longer than {MAX_FILTER} characters")
-        filters[name] = wanted
+        filters[field] = wanted
     until = hour_of(now) + HOUR
     if params.get("until"):
         until = _hour_after(parse_moment(params["until"], now, "until"))
@@ -138,6 +141,8 @@ def _group_of(row: UsageRow, group_by: tuple[str, ...]) -> tuple[Any, ...]:
             parts.append(row.team)
         elif name == "model":
             parts.append(row.model)
+        elif name == "class":
+            parts.append(row.priority)
         else:
             parts.append(row.hour)
     return tuple(parts)

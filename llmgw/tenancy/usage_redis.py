@@ -58,22 +58,26 @@ return 1
 
 
 def row_field(row: UsageRow, counter: str) -> str:
-    return json.dumps([row.key_id, row.key_name, row.team, row.model], separators=(",", ":")) + "|" + counter
+    """The hash field of ``row``'s ``counter``: a row of no class keeps the 4 texts it had before classes."""
+    identity = [row.key_id, row.key_name, row.team, row.model]
+    if row.priority:
+        identity.append(row.priority)
+    return json.dumps(identity, separators=(",", ":")) + "|" + counter
 
 
 def parse_field(raw: bytes, hour: int) -> tuple[UsageRow, int] | None:
     """A field's row and counter index, or None when it is not a field :func:`row_field` wrote."""
     identity, _, counter = raw.rpartition(b"|")
     index = _FIELD_INDEX.get(counter.decode("latin-1"))
-    if index is None or len(identity) > 4 * (MAX_TEXT + 8):
+    if index is None or len(identity) > 5 * (MAX_TEXT + 8):
         return None
     try:
         value = json.loads(identity)
     except ValueError:
         return None
-    if not isinstance(value, list) or len(value) != 4 or not all(isinstance(part, str) for part in value):
+    if not isinstance(value, list) or len(value) not in (4, 5) or not all(isinstance(part, str) for part in value):
         return None
-    return UsageRow(value[0], value[1], value[2], value[3], hour), index
+    return UsageRow(value[0], value[1], value[2], value[3], hour, value[4] if len(value) == 5 else ""), index
 
 
 def _counter(raw: Any) -> int:

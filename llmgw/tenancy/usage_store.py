@@ -52,18 +52,45 @@ class UsageStore(Protocol):
 
 
 _COLUMNS = ", ".join(FIELDS)
-_SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS usage_hourly (
+_IDENTITY = "hour, key_id, key_name, team, model, priority"
+
+
+def _table(name: str) -> str:
+    return f"""CREATE TABLE IF NOT EXISTS {name} (
     hour INTEGER NOT NULL, key_id TEXT NOT NULL, key_name TEXT NOT NULL, team TEXT NOT NULL, model TEXT NOT NULL,
+    priority TEXT NOT NULL DEFAULT '',
     {", ".join(f"{field} INTEGER NOT NULL DEFAULT 0" for field in FIELDS)},
-    PRIMARY KEY (hour, key_id, key_name, team, model));
+    PRIMARY KEY ({_IDENTITY}));
+"""
+
+
+_SCHEMA = _table("usage_hourly") + """
 CREATE TABLE IF NOT EXISTS usage_shipped (
     journal TEXT PRIMARY KEY, offset INTEGER NOT NULL, at REAL NOT NULL);
 """
-_UPSERT = (f"INSERT INTO usage_hourly (hour, key_id, key_name, team, model, {_COLUMNS}) "
-           f"VALUES (?, ?, ?, ?, ?, {', '.join('?' for _ in FIELDS)}) "
-           "ON CONFLICT (hour, key_id, key_name, team, model) DO UPDATE SET "
+_UPSERT = (f"INSERT INTO usage_hourly ({_IDENTITY}, {_COLUMNS}) "
+           f"VALUES (?, ?, ?, ?, ?, ?, {', '.join('?' for _ in FIELDS)}) "
+           f"ON CONFLICT ({_IDENTITY}) DO UPDATE SET "
            + ", ".join(f"{field} = {field} + excluded.{field}" for field in FIELDS))
+
+
+def migrate(db: sqlite3.Connection) -> None:
+    """Give a file written before priority classes its ``priority`` column, in its rows' key: the table is
+    rebuilt once (its rows kept, of no class) in one transaction; a file already migrated is left as it is."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(usage_hourly)")}
+    if "priority" in columns:
+        return
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        db.execute(_table("usage_hourly_classed"))
+        db.execute(f"INSERT INTO usage_hourly_classed ({_IDENTITY}, {_COLUMNS}) "
+                   f"SELECT hour, key_id, key_name, team, model, '', {_COLUMNS} FROM usage_hourly")
+        db.execute("DROP TABLE usage_hourly")
+        db.execute("ALTER TABLE usage_hourly_classed RENAME TO usage_hourly")
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
 
 
 class SqliteUsageStore:
@@ -85,7 +112,9 @@ class SqliteUsageStore:
 
     def _in_thread(self, work: Callable[[sqlite3.Connection], T]) -> T:
         if self._db is None:
-            self._db = open_private_database(self.path, _SCHEMA, busy_timeout=10.0)
+            db = open_private_database(self.path, _SCHEMA, busy_timeout=10.0)
+            migrate(db)
+            self._db = db
         return work(self._db)
 
     async def apply(self, batch: Batch) -> bool:
@@ -96,7 +125,8 @@ class SqliteUsageStore:
                 if done is not None and done[0] >= batch.offset:
                     db.execute("ROLLBACK")
                     return False
-                db.executemany(_UPSERT, [(row.hour, row.key_id, row.key_name, row.team, row.model, *counts)
+                db.executemany(_UPSERT, [(row.hour, row.key_id, row.key_name, row.team, row.model, row.priority,
+                                          *counts)
                                          for row, counts in batch.rows.items()])
                 now = self._clock()
                 db.execute("INSERT INTO usage_shipped (journal, offset, at) VALUES (?, ?, ?) "
@@ -123,10 +153,10 @@ class SqliteUsageStore:
 
     async def rows(self, since: int, until: int) -> list[tuple[UsageRow, Counts]]:
         def work(db: sqlite3.Connection) -> list[tuple[UsageRow, Counts]]:
-            found = db.execute(f"SELECT hour, key_id, key_name, team, model, {_COLUMNS} FROM usage_hourly "
+            found = db.execute(f"SELECT {_IDENTITY}, {_COLUMNS} FROM usage_hourly "
                                "WHERE hour >= ? AND hour < ?", (since, until))
-            return [(UsageRow(key_id, key_name, team, model, hour), list(counts))
-                    for hour, key_id, key_name, team, model, *counts in found]
+            return [(UsageRow(key_id, key_name, team, model, hour, priority), list(counts))
+                    for hour, key_id, key_name, team, model, priority, *counts in found]
 
         return await self._run(work)
 

@@ -424,3 +424,49 @@ async def test_explain_finds_a_request_another_gateway_shed_and_refuses_a_forged
     assert await second.metric("llmgw_flow_explain_lookups_total", 'result="refused"') == 2
     assert (await second.admin("/admin/explain", params={"request_id": "nobody"})).status_code == 404
     assert await second.metric("llmgw_flow_explain_lookups_total", 'result="missing"') == 1
+
+
+async def test_usage_rows_of_two_gateways_tell_a_shed_class_from_a_served_one(gateway_in_process, nursery, redis_url,
+                                                                              cluster_name):
+    """The usage rows carry the class the queue gave each request: the chat key's interactive request shed at one
+    gateway and the one served at the other are summed in one (key, class) row in Redis, apart from the batch
+    key's answers, and filtered by class, as either gateway's /admin/usage reads them."""
+    [sim] = await start_sims(nursery, 1, num_blocks=512, extra=("--max-num-seqs", "1", *SLOW))
+    text = ("tenancy:\n  usage_flush_interval: 0.2s\n" + config(sim.url, state=state_section(redis_url, cluster_name))
+            ).replace("{name: interactive, rank: 0, max_wait: 60s}", "{name: interactive, rank: 0, max_wait: 5ms}")
+    first, second = await gateway_in_process(text), await gateway_in_process(text, role="gateway")
+    async with httpx.AsyncClient() as client:
+        await learnt(first, client, 6, second)
+        async with trio.open_nursery() as requests:
+            for i in range(3):
+                requests.start_soon(answered, client, first, [], BATCH, f"batch-{i}")
+            await until(first, lambda m: queued(m, "batch") >= 1, "the batch requests were not held")
+            shed = await chat(client, first.url, CHAT, "shed-at-first")
+            assert shed.status_code == 429, shed.text
+        with trio.fail_after(10):  # until the second sees the first's requests ended (its load report): room
+            while sum(replica.inflight for replica in second.gateway.replicas):
+                await trio.sleep(0.01)
+        served = await chat(client, second.url, CHAT, "served-at-second")
+        assert served.status_code == 200, served.text
+
+    async def usage(gw, **params: str) -> dict[tuple[str, str], dict]:
+        answer = await gw.admin("/admin/usage", params={"group_by": "key,class", **params})
+        assert answer.status_code == 200, answer.text
+        return {(row["key_name"], row["class"]): row for row in answer.json()["data"]}
+
+    def counted(rows: dict[tuple[str, str], dict]) -> bool:
+        chat_rows = rows.get(("chat", "interactive"), {})
+        return chat_rows.get("refused_rate") == 1 and chat_rows.get("answers_2xx") == 1 and \
+            rows.get(("batch", "batch"), {}).get("answers_2xx") == 9
+
+    with trio.fail_after(30):  # each gateway flushes its rows to Redis every 0.2 s
+        while not counted(await usage(second)):
+            await trio.sleep(0.1)
+    for gw in (first, second):
+        rows = await usage(gw)
+        assert set(rows) == {("chat", "interactive"), ("batch", "batch")}, rows
+        assert rows[("chat", "interactive")]["requests"] == 1 and rows[("batch", "batch")]["refused_rate"] == 0
+    assert set(await usage(first, **{"class": "batch"})) == {("batch", "batch")}
+    assert await usage(first, **{"class": ""}) == {}
+    wrong = await first.admin("/admin/usage", params={"group_by": "key,priority"})
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "group_by"

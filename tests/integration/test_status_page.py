@@ -235,10 +235,13 @@ async def test_the_status_page_shows_tenants_usage_budgets_and_refusals(nursery,
     async with open_page(browser) as tab:
         await tab.navigate(f"{gw.control_url}/ui")
         teams = await tab.wait_for("the teams", f"(() => {{ const r = {ROW_TEXTS.format('tenant-teams')}; "
-                                   "return r.some((t) => t.startsWith('search4')) && r; })()", timeout=30)
+                                   "return r.some((t) => t.startsWith('searchstandard4')) && r; })()",
+                                   timeout=30)
         # search: 4 answers of 5 + 3 tokens (20 in, 12 out) at $1000 and $2000 per million: $0.044; bob's third
-        # request was a 429
-        assert "search42012$0.0440000" in teams and "(no team)2106$0.0220100" in teams, teams
+        # request was a 429 of his rpm, refused before the queue gave it a class. One line per team and class: the
+        # answers are in the default class, standard.
+        assert "searchstandard42012$0.0440000" in teams and "(no team)standard2106$0.0220000" in teams, teams
+        assert "(no team)(no class)000$0.0000100" in teams, teams
         keys_shown = await tab.evaluate(ROW_TEXTS.format("tenant-keys"))
         assert keys_shown[0].startswith("alicesearch3159$0.0330"), keys_shown  # the largest spender first
         assert any(row.startswith("eve.htmlsearch1") for row in keys_shown), keys_shown

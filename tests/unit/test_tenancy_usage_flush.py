@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import stat
 
 import pytest
 import trio
 from hypothesis import given, settings, strategies as st
 
-from llmgw.tenancy.interfaces import UsageRecord
-from llmgw.tenancy.model import TenancySettings, Usage
+from llmgw.tenancy.interfaces import RATE_LIMITED, UsageRecord
+from llmgw.tenancy.model import Team, TenancySettings, Tenant, Usage
 from llmgw.tenancy.usage import FIELDS, UsageAggregator, UsageRow
 from llmgw.tenancy.usage_flush import UsageFlusher
 from llmgw.tenancy.usage_journal import UsageJournal, decode, encode, read_rows
@@ -255,9 +256,10 @@ def test_any_bytes_decode_to_a_usage_line_or_none(raw):
 
 @settings(max_examples=200, deadline=None)
 @given(st.tuples(st.text(max_size=30), st.text(max_size=30), st.text(max_size=30), st.text(max_size=30)),
-       st.integers(0, 2**40).map(lambda n: n * 3600), st.lists(st.integers(0, 2**53 - 1), min_size=12, max_size=12))
-def test_every_row_round_trips_through_a_journal_line_and_a_redis_field(texts, hour, counts):
-    row = UsageRow(*texts, hour)
+       st.integers(0, 2**40).map(lambda n: n * 3600), st.lists(st.integers(0, 2**53 - 1), min_size=12, max_size=12),
+       st.sampled_from(["", "interactive", "batch", '"odd|class']))
+def test_every_row_round_trips_through_a_journal_line_and_a_redis_field(texts, hour, counts, priority):
+    row = UsageRow(*texts, hour, priority)
     line = encode(row, counts)
     assert line.count(b"\n") == 1 and decode(line[:-1]) == (row, counts)
     for index, name in enumerate(FIELDS):
@@ -311,3 +313,65 @@ async def test_usage_creates_the_shared_tenancy_file_private_to_its_owner(tmp_pa
     await store.apply(Batch("s", 1, {UsageRow("k-a", "a", "", "tiny", HOUR): [1] * len(FIELDS)}))
     await store.close()
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+
+
+def test_lines_and_fields_written_before_classes_read_as_rows_of_no_class():
+    """A journal line or a Redis hash field from a gateway of before priority classes (4 texts, no class) is the
+    same row as one of no class now, so an upgrade neither drops nor splits its usage."""
+    counts = list(range(len(FIELDS)))
+    old_line = ('["k-a","a","t","tiny",%d,' % HOUR + ",".join(map(str, counts)) + "]").encode()
+    assert decode(old_line) == (UsageRow("k-a", "a", "t", "tiny", HOUR, ""), counts)
+    assert encode(UsageRow("k-a", "a", "t", "tiny", HOUR), counts) == old_line + b"\n"
+    assert parse_field(b'["k-a","a","t","tiny"]|requests', HOUR) == (UsageRow("k-a", "a", "t", "tiny", HOUR), 0)
+    assert parse_field(b'["k-a","a","t","tiny","batch"]|requests', HOUR) == (
+        UsageRow("k-a", "a", "t", "tiny", HOUR, "batch"), 0)
+    assert parse_field(b'["k-a","a","t","tiny","batch",1]|requests', HOUR) is None
+    assert parse_field(b'["k-a","a","t","tiny",5]|requests', HOUR) is None
+    assert decode(('["k-a","a","t","tiny",%d,7,' % HOUR + ",".join(map(str, counts)) + "]").encode()) is None
+
+
+def test_the_aggregator_keeps_classes_of_one_key_apart():
+    sink = UsageAggregator(clock=lambda: HOUR + 5)
+    sink.record(UsageRecord("k-a", "a", "t", "tiny", Usage(10, 3, 0, 7), 200, HOUR + 5, "interactive"))
+    sink.record(UsageRecord("k-a", "a", "t", "tiny", Usage(10, 3, 0, 7), 200, HOUR + 5))
+    tenant = Tenant("k-a", "a", Team("t"))
+    for _ in range(3):
+        sink.refused(tenant, "tiny", RATE_LIMITED, priority="batch")
+    rows = sink.take()
+    assert rows[UsageRow("k-a", "a", "t", "tiny", HOUR, "interactive")][REQUESTS] == 1
+    assert rows[UsageRow("k-a", "a", "t", "tiny", HOUR)][REQUESTS] == 1
+    assert rows[UsageRow("k-a", "a", "t", "tiny", HOUR, "batch")][FIELDS.index("refused_rate")] == 3
+    assert len(rows) == 3
+
+
+_OLD_SCHEMA = f"""
+CREATE TABLE usage_hourly (
+    hour INTEGER NOT NULL, key_id TEXT NOT NULL, key_name TEXT NOT NULL, team TEXT NOT NULL, model TEXT NOT NULL,
+    {", ".join(f"{field} INTEGER NOT NULL DEFAULT 0" for field in FIELDS)},
+    PRIMARY KEY (hour, key_id, key_name, team, model));
+CREATE TABLE usage_shipped (journal TEXT PRIMARY KEY, offset INTEGER NOT NULL, at REAL NOT NULL);
+"""
+
+
+async def test_a_sqlite_file_of_before_classes_is_migrated_with_its_rows_kept(tmp_path):
+    path = tmp_path / "t.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript(_OLD_SCHEMA)
+    db.execute(f"INSERT INTO usage_hourly VALUES (?, 'k-a', 'a', 't', 'tiny', {', '.join('2' for _ in FIELDS)})",
+               (HOUR,))
+    db.execute("INSERT INTO usage_shipped VALUES ('s', 10, 0)")
+    db.commit()
+    db.close()
+    store = SqliteUsageStore(path, clock=lambda: float(HOUR))
+    assert await store.rows(0, 2**40) == [(UsageRow("k-a", "a", "t", "tiny", HOUR), [2] * len(FIELDS))]
+    assert await store.shipped("s") == 10
+    batch = {UsageRow("k-a", "a", "t", "tiny", HOUR): [1] * len(FIELDS),
+             UsageRow("k-a", "a", "t", "tiny", HOUR, "batch"): [5] * len(FIELDS)}
+    assert await store.apply(Batch("s", 11, batch))
+    assert sorted(await store.rows(0, 2**40)) == [(UsageRow("k-a", "a", "t", "tiny", HOUR), [3] * len(FIELDS)),
+                                                  (UsageRow("k-a", "a", "t", "tiny", HOUR, "batch"),
+                                                   [5] * len(FIELDS))]
+    await store.close()
+    reopened = SqliteUsageStore(path, clock=lambda: float(HOUR))  # migrated once: opened again, nothing changes
+    assert len(await reopened.rows(0, 2**40)) == 2
+    await reopened.close()

@@ -88,7 +88,7 @@ def test_any_parameters_parse_or_are_refused_with_a_query_error(params):
     assert query.since < query.until
     assert (query.until - query.since) // 3600 <= MAX_HOURS
     assert query.since % 3600 == 0 and query.until % 3600 == 0
-    assert set(query.group_by) <= {"key", "team", "model", "hour"}
+    assert set(query.group_by) <= {"key", "team", "model", "class", "hour"}
 
 
 @settings(max_examples=100, deadline=None)
@@ -158,3 +158,30 @@ def test_the_cli_asks_what_its_flags_say_and_prints_a_table_with_a_total():
     assert lines[1].split()[:3] == ["team", "requests", "input"]
     assert lines[2].split()[:2] == ["search", "4"] and lines[3].split()[:3] == ["(no", "team)", "4"]
     assert lines[-1].split()[:2] == ["total", "8"]
+
+
+def test_sheds_of_one_class_are_told_apart_from_the_answers_of_another():
+    """Team search's batch class shed 300 times while its interactive class was served: grouped by team and
+    class, filtered by class (\"\" for requests that did not go through the queue), and in the CLI's table."""
+    rows = [*ROWS,
+            (UsageRow("k-1", "alice", "search", "tiny", HOUR, "batch"), counts(refused_rate=300)),
+            (UsageRow("k-1", "alice", "search", "tiny", HOUR, "interactive"), counts(requests=20, answers_2xx=20))]
+    q = query(group_by=("team", "class"))
+    answer = {(i["team"], i["class"]): (i["requests"], i["refused_rate"]) for i in summarize(rows, q)}
+    assert answer == {("search", "batch"): (0, 300), ("search", "interactive"): (20, 0), ("search", ""): (4, 0),
+                      ("", ""): (4, 3)}
+    assert parse_query({"class": "batch", "group_by": "team,class"}, now=NOW).priority == "batch"
+    batch = summarize(rows, query(priority="batch", group_by=("key",)))
+    assert [(i["key_name"], i["refused_rate"]) for i in batch] == [("alice", 300)]
+    assert sum(i["requests"] for i in summarize(rows, query(priority="", group_by=("key",)))) == 8
+    with pytest.raises(QueryError) as wrong:
+        parse_query({"class": "x" * 300}, now=NOW)
+    assert wrong.value.param == "class"
+
+    from llmgw.commands.usage import build_parser, query_string, usage_table
+    args = build_parser().parse_args(["--class", "batch", "--group-by", "team,class"])
+    assert query_string(args) == "class=batch&group_by=team%2Cclass"
+    lines = usage_table(query_json(summarize(rows, q), q))
+    assert lines[1].split()[:3] == ["team", "class", "requests"]
+    assert ["search", "batch", "0"] in [line.split()[:3] for line in lines]
+    assert ["search", "(no", "class)", "4"] in [line.split()[:4] for line in lines]

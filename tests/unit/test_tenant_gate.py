@@ -36,7 +36,7 @@ class FakeSink:
     def record(self, record: UsageRecord) -> None:
         self.records.append(record)
 
-    def refused(self, tenant, model, reason, at=None) -> None:
+    def refused(self, tenant, model, reason, at=None, priority=None) -> None:
         self.refusals.append((model, reason))
 
 
