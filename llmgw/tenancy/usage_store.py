@@ -13,6 +13,7 @@ dir, written in a worker thread (one at a time); rows of hours older than :data:
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ import trio
 from .interfaces import StoreUnavailable
 from .sqlite_file import open_private_database
 from .usage import FIELDS, Counts, UsageRow
+
+log = logging.getLogger(__name__)
 
 MAX_BATCH_ROWS = 20_000  # rows one transaction or script applies (a Redis script of up to ~240k HINCRBYs)
 MARKER_SECONDS = 30 * 86400  # how long a store remembers a journal's shipped position
@@ -74,7 +77,7 @@ _UPSERT = (f"INSERT INTO usage_hourly ({_IDENTITY}, {_COLUMNS}) "
            + ", ".join(f"{field} = {field} + excluded.{field}" for field in FIELDS))
 
 
-def migrate(db: sqlite3.Connection) -> None:
+def migrate(db: sqlite3.Connection, path: Path) -> None:
     """Give a file written before priority classes its ``priority`` column, in its rows' key: the table is
     rebuilt once (its rows kept, of no class) in one transaction; a file already migrated is left as it is."""
     columns = {row[1] for row in db.execute("PRAGMA table_info(usage_hourly)")}
@@ -87,10 +90,13 @@ def migrate(db: sqlite3.Connection) -> None:
                    f"SELECT hour, key_id, key_name, team, model, '', {_COLUMNS} FROM usage_hourly")
         db.execute("DROP TABLE usage_hourly")
         db.execute("ALTER TABLE usage_hourly_classed RENAME TO usage_hourly")
+        kept = db.execute("SELECT COUNT(*) FROM usage_hourly").fetchone()[0]
         db.execute("COMMIT")
     except BaseException:
         db.execute("ROLLBACK")
         raise
+    log.warning("usage store %s: table usage_hourly migrated to count usage per priority class (%d rows kept, of "
+                "no class); a gateway of an older version can no longer write to this file", path, kept)
 
 
 class SqliteUsageStore:
@@ -113,7 +119,7 @@ class SqliteUsageStore:
     def _in_thread(self, work: Callable[[sqlite3.Connection], T]) -> T:
         if self._db is None:
             db = open_private_database(self.path, _SCHEMA, busy_timeout=10.0)
-            migrate(db)
+            migrate(db, self.path)
             self._db = db
         return work(self._db)
 

@@ -353,7 +353,7 @@ CREATE TABLE usage_shipped (journal TEXT PRIMARY KEY, offset INTEGER NOT NULL, a
 """
 
 
-async def test_a_sqlite_file_of_before_classes_is_migrated_with_its_rows_kept(tmp_path):
+async def test_a_sqlite_file_of_before_classes_is_migrated_with_its_rows_kept(tmp_path, caplog):
     path = tmp_path / "t.sqlite3"
     db = sqlite3.connect(path)
     db.executescript(_OLD_SCHEMA)
@@ -365,6 +365,7 @@ async def test_a_sqlite_file_of_before_classes_is_migrated_with_its_rows_kept(tm
     store = SqliteUsageStore(path, clock=lambda: float(HOUR))
     assert await store.rows(0, 2**40) == [(UsageRow("k-a", "a", "t", "tiny", HOUR), [2] * len(FIELDS))]
     assert await store.shipped("s") == 10
+    assert "migrated to count usage per priority class (1 rows kept" in caplog.text
     batch = {UsageRow("k-a", "a", "t", "tiny", HOUR): [1] * len(FIELDS),
              UsageRow("k-a", "a", "t", "tiny", HOUR, "batch"): [5] * len(FIELDS)}
     assert await store.apply(Batch("s", 11, batch))
@@ -372,6 +373,7 @@ async def test_a_sqlite_file_of_before_classes_is_migrated_with_its_rows_kept(tm
                                                   (UsageRow("k-a", "a", "t", "tiny", HOUR, "batch"),
                                                    [5] * len(FIELDS))]
     await store.close()
+    caplog.clear()
     reopened = SqliteUsageStore(path, clock=lambda: float(HOUR))  # migrated once: opened again, nothing changes
-    assert len(await reopened.rows(0, 2**40)) == 2
+    assert len(await reopened.rows(0, 2**40)) == 2 and "migrated" not in caplog.text
     await reopened.close()
