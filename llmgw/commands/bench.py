@@ -37,6 +37,9 @@ BENCHES: dict[str, tuple[str, str]] = {
                                          "goodput, shed and expired per class, KV usage while requests wait"),
     "proxy": ("llmgw.bench.proxy", "the data plane's overhead: llmgw, the upstream called directly and vllm-router "
                                    "under wrk: added p50, requests/s and streams/s, CPU µs per request"),
+    "redis-writers": ("llmgw.bench.redis_writers", "load reports beside a busy /admin/explain writer on one Redis, "
+                                                   "the writer on the reports' link or its own: the reports' "
+                                                   "interval (Redis' clock) and send-to-read delay"),
     "room": ("llmgw.bench.room", "overload control's learnt room on one simulated H100 under a standing backlog, "
                                  "against no admission: the engine's KV usage, queue and preemptions, throughput"),
     "routing": ("llmgw.bench.routing", "routing tiers, an oracle and vllm-router on the same simulators: "
