@@ -238,8 +238,8 @@ async def test_llmgws_own_scaler_from_the_config_starts_a_replica_from_zero_and_
     done = await trio.run_process(llmgw_command("status", "--control", gateway.control_url), capture_stdout=True)
     lines = done.stdout.decode().splitlines()
     row = lines[lines.index("AUTOSCALE (1)") + 2].split()
-    assert row[:8] == ["tiny-sim", "tiny", "0..2", "0", "0", "0", "0", "0"], lines
-    assert " ".join(row[9:]).startswith("to_zero 1->0: no request for tiny"), lines
+    assert row[:9] == ["tiny-sim", "tiny", "0..2", "0", "0", "0", "0", "0", "0"], lines
+    assert " ".join(row[10:]).startswith("to_zero 1->0: no request for tiny"), lines
 
 
 async def test_a_replica_kept_warm_is_adopted_by_the_next_step_up_and_stopped_when_its_time_is_up(
