@@ -68,14 +68,16 @@ async def is_sleeping(pool: UpstreamPool, timeout: float,
                       headers: Sequence[tuple[bytes, bytes]] = ()) -> bool | str:
     """``GET /is_sleeping``: True or False, or why it cannot be told (an answer that is not its JSON)."""
     answer = await _call(pool, "GET", "/is_sleeping", timeout, headers)
-    if isinstance(answer, str):
-        return answer
-    status, body = answer
+    return answer if isinstance(answer, str) else parse_is_sleeping(*answer)
+
+
+def parse_is_sleeping(status: int, body: bytes) -> bool | str:
+    """``GET /is_sleeping``'s answer: True or False, or why it is not ``{"is_sleeping": true|false}``."""
     if status != 200:
         return f"GET /is_sleeping: HTTP {status}"
     try:
         value = json.loads(body).get("is_sleeping")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):  # not JSON, not an object, nested past the stack
         value = None
     if not isinstance(value, bool):
         return 'GET /is_sleeping: not {"is_sleeping": true|false}'

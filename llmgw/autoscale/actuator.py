@@ -198,13 +198,14 @@ class Autoscaler:
 
 def running_replicas(control: "ControlPlane", key: str) -> int:
     """The replicas of deployment ``key`` that run now: those the control plane holds, and those a reachable node
-    reports serving with the profile's fingerprint that it has not adopted yet (the adoption happens in the same
-    reconcile pass that first asks for the counts after the adoption window)."""
+    reports serving (not draining, not asleep) with the profile's fingerprint that it has not adopted yet (the
+    adoption happens in the same reconcile pass that first asks for the counts after the adoption window)."""
     fingerprint = profile_fingerprint(control.config.profile(key))
     held = {a.replica_id for a in control.reconciler.active().values() if a.profile == key}
     reported = {report.replica_id for node in control.inventory.nodes.values() if node.reachable
                 for sid, report in node.shards.items()
-                if report.rank == 0 and report.state.alive and report.state is not ShardState.DRAINING
+                if report.rank == 0 and report.state.alive
+                and report.state not in (ShardState.DRAINING, ShardState.SLEEPING)
                 and report.fingerprint == fingerprint and sid not in node.unproven
                 and sid not in control.reconciler.parked and report.replica_id.startswith(f"{key}-")}
     return len(held | reported)
@@ -257,7 +258,8 @@ def replica_counts(control: "ControlPlane", key: str) -> ReplicaCounts:
 def decision_json(decision: ScaleDecision, start: str | None = None) -> dict[str, Any]:
     """A decision for /admin/autoscale; ``start``: how a step up's replicas start (:func:`start_note`)."""
     return {"at": round(decision.at, 3), "kind": decision.kind, "from": decision.current, "to": decision.desired,
-            "reason": decision.reason, "taken_from": decision.taken_from, "start": start}
+            "reason": f"{decision.reason}; {start}" if start else decision.reason, "taken_from": decision.taken_from,
+            "start": start}
 
 
 def start_note(added: int, sleeping: int, parked: int) -> str:
@@ -266,7 +268,7 @@ def start_note(added: int, sleeping: int, parked: int) -> str:
     woken = min(added, sleeping)
     warm = min(added - woken, parked - sleeping)
     cold = added - woken - warm
-    parts = ([f"woke {_replicas(woken)} sleeping (a hot start)"] if woken else []) + \
+    parts = ([f"woke {woken} sleeping replica{'' if woken == 1 else 's'} (a hot start)"] if woken else []) + \
         ([f"adopted {_replicas(warm)} kept warm (a hot start)"] if warm else []) + \
         ([f"{cold} cold start{'' if cold == 1 else 's'}" if woken or warm else "a cold start"] if cold else [])
     return " and ".join(parts)
