@@ -7,26 +7,17 @@ simulator takes its modelled start, a wake-up its modelled hot start: the calls 
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-
 import pytest
-import trio
+
+from llmgw.testing.processes import run_bench
 
 pytestmark = pytest.mark.slow
 
 
 async def test_hot_start_calls_each_fleet_from_zero_in_turn(tmp_path):
-    out = tmp_path / "report.json"
     # 40 s cold and 2 s hot at 10x: 4 s against 0.2 s of modelled start on the wall
-    command = [sys.executable, "-m", "llmgw", "bench", "hot-start", "--repeats", "2", "--cold-start", "40",
-               "--hot-start", "2", "--json", str(out), "--workdir", str(tmp_path / "work")]
-    with trio.fail_after(300):
-        done = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False,
-                                      env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
-    assert done.returncode == 0, (done.stdout + done.stderr).decode()[-3000:]
-    report = json.loads(out.read_text())
+    done, report = await run_bench(tmp_path, "hot-start", "--repeats", "2", "--cold-start", "40", "--hot-start",
+                                   "2", "--workdir", str(tmp_path / "work"), timeout=300)
     assert report["markdown"] in done.stdout.decode()
     calls = report["calls"]
     assert len(calls["cold"]) == len(calls["sleep"]) == 2
