@@ -545,7 +545,8 @@ class ShardSupervisor:
             if self.state is not State.READY:
                 self._set(State.READY, f"pid {proc.pid} running headless (rank {self.spec.rank}): liveness only")
             await trio.sleep_forever()
-        ready = self.state is State.READY
+        # Asleep or waking (an adopted engine found asleep) is past readiness: only health is probed from here.
+        ready = self.state in (State.READY, State.SLEEPING, State.WAKING)
         failures = definite_failures = 0
         while True:
             await trio.sleep(ready_interval if ready else loading_interval)

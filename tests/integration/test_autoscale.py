@@ -286,6 +286,14 @@ async def _is_sleeping(gateway, endpoint: str) -> bool:
     return answer.json()["is_sleeping"]
 
 
+async def _shard_reason_has(cluster, shard_id: str, *parts: str) -> bool:
+    for node in (await cluster.nodes()).values():
+        for shard in node["shards"]:
+            if shard["shard_id"] == shard_id:
+                return shard["state"] == "sleeping" and all(part in shard["reason"] for part in parts)
+    return False
+
+
 async def _node_shard_state(cluster, shard_id: str) -> str | None:
     for node in (await cluster.nodes()).values():
         for shard in node["shards"]:
@@ -312,6 +320,15 @@ async def test_a_sleep_mode_replica_sleeps_when_scaled_down_and_the_next_step_up
     assert (await autoscale(gateway, "tiny-sim"))["sleeping"] == 1
     await wait_for(cluster, "the sleeping gauge", lambda: _equal(
         gateway.metric("llmgw_autoscale_sleeping_replicas", 'deployment="tiny-sim"'), 1))
+
+    # Its agent killed and started again: the new agent adopts the engine from its ledger and finds it asleep.
+    cluster.agents["a"].kill()
+    await cluster.agents["a"].wait_exit()
+    await cluster.start_agent("a", "tiny-2gpu-a")
+    await wait_for(cluster, "the adopted engine reported sleeping", lambda: _shard_reason_has(
+        cluster, shard_id, "adopted running engine", "it sleeps (GET /is_sleeping)"))
+    assert alive(pid) and await _is_sleeping(gateway, endpoint)
+    assert await cluster.replicas() == {}  # not routed: a sleeping engine still answers /health
 
     # Called again: the step up adopts the sleeping engine, wakes it (a hot start) and routes it once awake.
     answer = await chat(gateway)
