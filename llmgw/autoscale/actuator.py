@@ -270,7 +270,8 @@ def start_note(added: int, sleeping: int, parked: int) -> str:
     cold = added - woken - warm
     parts = ([f"woke {woken} sleeping replica{'' if woken == 1 else 's'} (a hot start)"] if woken else []) + \
         ([f"adopted {_replicas(warm)} kept warm (a hot start)"] if warm else []) + \
-        ([f"{cold} cold start{'' if cold == 1 else 's'}" if woken or warm else "a cold start"] if cold else [])
+        ([f"{cold} cold start{'' if cold == 1 else 's'}" if woken or warm or cold > 1 else "a cold start"]
+         if cold else [])
     return " and ".join(parts)
 
 
