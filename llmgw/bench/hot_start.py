@@ -22,7 +22,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from .autoscale import engine_of, measure_boot, tenant_of
 from .autoscale_rig import AutoscaleRig
 from .autoscale_traces import MODEL_A
 from .chat_workloads import new_client
-from .common import bench_parser, print_and_save
+from .common import bench_parser, print_and_save, run_in_workdir
 from .overload_workload import OK, sender
 
 COLD, SLEEP = "cold", "sleep"
@@ -141,10 +140,7 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    with contextlib.ExitStack() as stack:
-        root = Path(args.workdir) if args.workdir else \
-            Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llmgw-bench-hot-start-")))
-        report = trio.run(run, args, root)
+    report = run_in_workdir("hot-start", run, args)
     return print_and_save(report, markdown(report), args.json)
 
 
