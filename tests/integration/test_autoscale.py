@@ -24,22 +24,22 @@ STARTUP = 1.0  # the simulated engines' cold start, seconds: long enough for a s
 BATCH = {"x-llmgw-priority": "batch"}  # waits up to 60 s at the gateway (the default "standard" class: 10 s)
 
 
-def config(*profiles: tuple[str, str, str], replicas: str = "1", autoscale: str = "", profile_keys: str = "") -> str:
-    """``profiles``: (profile, served model, extra sim args as a YAML list's items), each with ``profile_keys``
-    (YAML lines); each deployed with ``replicas`` and, when given, the ``autoscale`` section (a YAML flow
-    mapping)."""
+def config(*profiles: tuple[str, ...], replicas: str = "1", autoscale: str = "", profile_keys: str = "") -> str:
+    """``profiles``: (profile, served model, extra sim args as a YAML list's items[, tp: 1 when not given]), each
+    with ``profile_keys`` (YAML lines); each deployed with ``replicas`` and, when given, the ``autoscale`` section
+    (a YAML flow mapping)."""
     text = "autoscale:\n  interval: 0.2s\n" + AGENTS + "profiles:\n"
-    for name, model, args in profiles:
+    for name, model, args, *tp in profiles:
         text += f"""  - name: {name}
     engine: sim
     model_path: {model}
     served_model_name: {model}
-    tp: 1
+    tp: {tp[0] if tp else 1}
     args: ["--num-blocks", "256", "--startup-seconds", "{STARTUP}"{args}]
 {profile_keys}"""
     section = f"    autoscale: {autoscale}\n" if autoscale else ""
     text += "deployments:\n" + "".join(f"  - profile: {name}\n    replicas: {replicas}\n{section}"
-                                       for name, _, _ in profiles)
+                                       for name, *_ in profiles)
     return text
 
 
@@ -362,6 +362,24 @@ async def test_an_engine_that_does_not_wake_is_stopped_and_started_cold(nursery,
     assert not alive(pid)
     shard = await _shard_of(cluster, "tiny-sim-0")
     assert shard["shard_id"] == shard_id and shard["pid"] != pid and shard["state"] == "ready", shard
+
+
+async def test_a_sleeping_engine_is_stopped_when_another_model_needs_its_gpus(nursery, cluster, tmp_path):
+    # Node a has 2 GPUs: tiny-sim sleeps on one, big-sim needs both (tp 2).
+    big = ("big-sim", "big", "", "2")
+    gateway, _ = await start(nursery, cluster, tmp_path, None, SLEEPY, big, replicas="{min: 0, max: 1}",
+                             autoscale="{idle_to_zero: 1s, keep_warm: 1h}", profile_keys=SLEEP_MODE)
+    assert (await chat(gateway)).status_code == 200
+    shard = await _shard_of(cluster, "tiny-sim-0")
+    await wait_for(cluster, "back to zero", lambda: _replicas_are(cluster, set()))
+    await wait_for(cluster, "the shard reported sleeping",
+                   lambda: _equal(_node_shard_state(cluster, shard["shard_id"]), "sleeping"))
+
+    # big is called: it cannot be placed beside the sleeping engine, which is stopped first; then big serves.
+    answer = await chat(gateway, model="big")
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-llmgw-replica"] == "big-sim-0" and not alive(shard["pid"])
+    assert (await autoscale(gateway, "tiny-sim"))["sleeping"] == 0
 
 
 async def _equal(value, expected) -> bool:
