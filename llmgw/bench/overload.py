@@ -24,10 +24,8 @@ for a smoke test. Needs ``redis-server``; vllm-router is looked up as ``llmgw be
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -39,7 +37,7 @@ from ..testing.processes import Child, ChildFailed
 from ..testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, start_sims
 from .chat_workloads import new_client
 from .cluster_events import percentile
-from .common import bench_parser, chosen_names, numbers, print_and_save, write_json
+from .common import bench_parser, chosen_names, numbers, print_and_save, run_in_workdir, write_json
 from .limits import leaves
 from .overload_arms import (
     ARMS,
@@ -214,10 +212,7 @@ def main(argv: list[str]) -> int:
     vllm_router, lookup = None, "not wanted"
     if VLLM_ROUTER in args.arms:
         vllm_router, lookup = find_vllm_router(args.vllm_router, args.install_vllm_router, Path.cwd())
-    with contextlib.ExitStack() as stack:
-        root = Path(args.workdir) if args.workdir else \
-            Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llmgw-bench-overload-")))
-        report = trio.run(run, args, root, vllm_router, lookup)
+    report = run_in_workdir("overload", run, args, vllm_router, lookup)
     return print_and_save(report, markdown(report), args.json)
 
 

@@ -388,6 +388,7 @@ class Profile(Located):
     routing_options: dict[str, Any] = setting(factory=dict)
     engine_bin: Text | None = setting(None)
     startup_timeout: PositiveDuration = setting(600.0)
+    sleep_mode: bool = setting(False)  # the engine's sleep mode: a replica kept warm sleeps (docs/autoscaling.md)
     labels: dict[str, str] = setting(factory=dict)
     prefill_tokens_per_s: PrefillRate | None = setting(None)  # its replicas' prefill rate before they answer
     cpu_threads: Annotated[int, at_least(1), at_most(4096)] | None = setting(None)

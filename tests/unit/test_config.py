@@ -749,3 +749,19 @@ def test_the_flow_section_maps_to_flow_settings():
     assert (settings.default_class, settings.priority_header, settings.max_queued, settings.retry_after_max) == \
         ("bulk", "x-priority", 50, 30)
     assert parse_config("", "conf.yaml", env={}).flow.settings() == FlowSettings()  # the defaults are model.py's
+
+
+def test_sleep_mode_is_a_boolean_named_by_file_line_and_key():
+    issue = only_error(
+        """\
+        agents: {embedded: true}
+        profiles:
+          - name: p
+            engine: vllm
+            model_path: m
+            sleep_mode: sometimes
+        deployments:
+          - profile: p
+        """
+    )
+    assert (issue.file, issue.line, issue.key) == ("conf.yaml", 6, "profiles[0].sleep_mode"), str(issue)
