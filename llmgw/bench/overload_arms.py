@@ -39,6 +39,7 @@ ARMS = (FLOW, OFF, VLLM_ROUTER)
 VLLM_ROUTER_POLICY = "cache_aware"
 QUEUE_GAUGE = "llmgw_flow_queued"  # the requests a gateway holds in its queue, by model and class
 ENGINE_KV, ENGINE_WAITING = "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting"
+ENGINE_PREEMPTIONS = "vllm:num_preemptions_total"  # sequences an engine preempted (its KV cache ran out)
 
 
 class ArmUnavailable(Exception):
@@ -97,8 +98,10 @@ class Fleet:
 
 @contextlib.asynccontextmanager
 async def open_fleet(arm: str, gateways: int, engines: list[Child], tenants: Sequence[Tenant], workdir: Path,
-                     vllm_router: str | None, tuning: RouterTuning) -> AsyncIterator[Fleet]:
-    """``arm`` with ``gateways`` routers in front of ``engines`` (running, kept after the block)."""
+                     vllm_router: str | None, tuning: RouterTuning,
+                     output_quantile: str | None = None) -> AsyncIterator[Fleet]:
+    """``arm`` with ``gateways`` routers in front of ``engines`` (running, kept after the block); the flow arm's
+    ``flow.output_quantile`` (``off``: ``flow.learn_output: false``; None: the default)."""
     if arm == VLLM_ROUTER:
         if vllm_router is None:
             raise ArmUnavailable("vllm-router is not installed (llmgw bench overload --install-vllm-router)")
@@ -116,6 +119,9 @@ async def open_fleet(arm: str, gateways: int, engines: list[Child], tenants: Seq
         raise ArmUnavailable("not available: this llmgw has no flow control (the `flow:` config section)")
     if arm == OFF and flow_available():
         config += "flow:\n  enabled: false\n"
+    elif arm == FLOW and output_quantile is not None:
+        config += "flow:\n  " + ("learn_output: false" if output_quantile == "off" else
+                                   f"output_quantile: {float(output_quantile)}") + "\n"
     workdir.mkdir(parents=True, exist_ok=True)
     async with ClusterRig.open(workdir, followers=gateways - 1, engines=engines, extra_config=config) as rig:
         yield Fleet(arm, gateways, [g.url for g in rig.gateways], [g.control_url for g in rig.gateways])
@@ -139,7 +145,8 @@ def queued(parsed: dict[str, float]) -> float | None:
 async def sample_kv(http: httpx.AsyncClient, engines: Sequence[str], gateways: Sequence[str], into: list[dict],
                     interval: float = 0.25) -> None:
     """Until cancelled, a sample every ``interval``: ``kv`` (the engines' mean KV usage, 0..1), ``waiting`` (their
-    waiting requests), ``queued`` (the gateways' queued requests; None: no gateway has a queue gauge)."""
+    waiting requests), ``queued`` (the gateways' queued requests; None: no gateway has a queue gauge),
+    ``preemptions`` (the engines' preemptions so far, summed; a run's are its last sample's less its first's)."""
     while True:
         read: list[dict[str, float] | None] = [None] * (len(engines) + len(gateways))
 
@@ -154,6 +161,7 @@ async def sample_kv(http: httpx.AsyncClient, engines: Sequence[str], gateways: S
             gateway_queues = [q for r in read[len(engines):] if r is not None and (q := queued(r)) is not None]
             into.append({"kv": sum(series_sum(r, ENGINE_KV) for r in engine_read) / len(engine_read),
                          "waiting": sum(series_sum(r, ENGINE_WAITING) for r in engine_read),
+                         "preemptions": sum(series_sum(r, ENGINE_PREEMPTIONS) for r in engine_read),
                          "queued": sum(gateway_queues) if gateway_queues else None})
         await trio.sleep(interval)
 

@@ -7,7 +7,8 @@ the arrivals stopped is not counted as the arrivals' rate), completed, shed (429
 ``queue_timeout``, or vllm-router's 408) and error counts, the refusals' latency p50/p99 and the share of them that
 carried ``Retry-After``; for the level: total goodput over the fleet's capacity, the interactive tenants' fairness
 (the smaller one's tokens in answers that met the SLO over the larger one's: they send equally many requests), and
-the engines' KV usage while a gateway queue held requests (and while the engines' own queues did). :func:`summary`
+the engines' KV usage while a gateway queue held requests (and while the engines' own queues did), and the
+sequences the engines preempted (their KV cache ran out: what a room that lets in too much costs). :func:`summary`
 takes each number's median, min and max over the repeats; :func:`markdown` prints them.
 """
 
@@ -67,7 +68,8 @@ def level_stats(loop: Loop, kv_samples: Sequence[dict], slo: dict[str, float], c
             "most_in_flight": loop.most_in_flight,
             "kv_gateway_queued": _kv(kv_samples, lambda s: bool(s["queued"])) if gateway_queues else None,
             "kv_engines_waiting": _kv(kv_samples, lambda s: s["waiting"] > 0),
-            "kv_all": _kv(kv_samples, lambda s: True)}
+            "kv_all": _kv(kv_samples, lambda s: True),
+            "preemptions": kv_samples[-1]["preemptions"] - kv_samples[0]["preemptions"] if kv_samples else None}
 
 
 # Each number of the summary and the table: its path in a level's stats
@@ -82,6 +84,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "goodput_rps": ("goodput_rps",), "goodput_of_capacity": ("goodput_of_capacity",), "fairness": ("fairness",),
     "kv_when_gateway_queued": ("kv_gateway_queued", "mean"), "kv_min_when_gateway_queued": ("kv_gateway_queued", "min"),
     "kv_when_engines_waiting": ("kv_engines_waiting", "mean"), "over_cap": ("over_cap",),
+    "preemptions": ("preemptions",),
 }
 
 
@@ -138,12 +141,13 @@ def markdown(report: dict) -> str:
              "|---|---|---|" + "---|" * len(COLUMNS)]
     unloaded = capacity["unloaded_interactive_ttft_p99_ms"]
     totals = ["", "| arm | load | goodput / capacity | interactive TTFT p99 / unloaded | interactive fairness | "
-                  "KV while a gateway queue waits (mean; min) | KV while engines queue | over the in-flight cap |",
-              "|---|---|---|---|---|---|---|---|"]
+                  "KV while a gateway queue waits (mean; min) | KV while engines queue | over the in-flight cap | "
+                  "engine preemptions |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for arm in report["arms"]:
         if arm.get("error"):
             lines.append(f"| {arm['label']} | - | - | {arm['error']} |" + " |" * (len(COLUMNS) - 1))
-            totals.append(f"| {arm['label']} | - | {arm['error']} | | | | | |")
+            totals.append(f"| {arm['label']} | - | {arm['error']} | | | | | | |")
             continue
         for level in arm["levels"]:
             s = level["summary"]
@@ -159,5 +163,5 @@ def markdown(report: dict) -> str:
                           f"{spread_cell(s['kv_when_gateway_queued'], '.0f', '%', 100)}; "
                           f"{spread_cell(s['kv_min_when_gateway_queued'], '.0f', '%', 100)} | "
                           f"{spread_cell(s['kv_when_engines_waiting'], '.0f', '%', 100)} | "
-                          f"{spread_cell(s['over_cap'], '.0f')} |")
+                          f"{spread_cell(s['over_cap'], '.0f')} | {spread_cell(s.get('preemptions'), '.0f')} |")
     return "\n".join(lines + totals)

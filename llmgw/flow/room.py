@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL = 0.05  # changed() returns after this long at the latest
+FRESH_SCRAPES = 3  # an engine's KV usage scraped within this many scrape intervals is the tokens' backstop
 UP, UNKNOWN = ReplicaState.UP, ReplicaState.UNKNOWN
 
 
@@ -63,6 +64,19 @@ def kv_capacity(replica: Replica) -> int | None:
     if load is None or not load.num_blocks or not load.block_size:
         return None
     return load.num_blocks * load.block_size
+
+
+def engine_held(replica: Replica, kv: int, stale: float) -> int:
+    """The KV tokens ``replica``'s engine said it holds (its KV usage of ``kv`` tokens) in a scrape taken after
+    ``stale``; 0 without one. The backstop of the room's estimate: requests whose answers run longer than their
+    learnt output allowance hold more than the estimate, and the engine's own figure counts then."""
+    load = replica.engine_load
+    if load is None or load.at < stale:
+        return 0
+    usage = load.kv_usage
+    if usage is None or not 0.0 < usage <= 1.0:  # also NaN: a broken gauge is no figure
+        return 0
+    return int(usage * kv)
 
 
 class SharedQueues(Protocol):
@@ -144,6 +158,7 @@ class EngineRoom:
         unsized: list[tuple[Replica, int]] = []  # replicas with only the others' requests: their output comes last
         ratio = route.prompt_ratio
         learnt = self._learnt
+        stale = self.clock() - FRESH_SCRAPES * self.scrape_interval  # a scrape before this is not the backstop
         for replica in route.replicas:
             state = replica.state
             if state is not UP and state is not UNKNOWN:  # ReplicaState.routable, without its enum lookups
@@ -164,7 +179,8 @@ class EngineRoom:
                     if local == 0 and peer:
                         unsized.append((replica, share))
                     else:
-                        kv_room += max(0, share - self.held_tokens(replica, ratio))
+                        held = max(self.held_tokens(replica, ratio), engine_held(replica, kv, stale))
+                        kv_room += max(0, share - held)
             known = learnt.get(replica)
             if known is None or known.capacity is None:
                 unbounded = True
@@ -181,13 +197,15 @@ class EngineRoom:
         if unsized:  # the others' output at this gateway's mean per request on the model (their reports lack it)
             per_request = output_inflight / mine if mine else DEFAULT_OUTPUT_TOKENS
             for replica, share in unsized:
-                kv_room += max(0, share - self.held_tokens(replica, ratio, per_request))
+                held = self.held_tokens(replica, ratio, per_request)
+                kv_room += max(0, share - max(held, engine_held(replica, kv_capacity(replica) or 0, stale)))
         quota = self.demand_share(model, mine, theirs) if self.sharing is not None else None
         # The queue's estimate (prompt and most output, not yet routed) in the engine's count: the prompt part
-        # scaled by the ratio, the output allowance (max_tokens, already in the engine's tokens) as it is. Scaling
-        # the whole over-counted a batch request's long output several times (docs/overload.md, "Measured").
+        # scaled by the ratio, the output (max_tokens, already in the engine's tokens) as the model's answers were
+        # learnt to hold it (route.output_allowance). Scaling the whole by the prompt ratio over-counted a batch
+        # request's long output several times (docs/overload.md, "Measured").
         output = min(max(output, 0), tokens)
-        need = min(ratio.tokens(tokens - output) + output, kv_largest)
+        need = min(ratio.tokens(tokens - output) + route.output_allowance.tokens(output), kv_largest)
         fits = not kv_known or (need <= kv_room and (
             quota is None or mine == 0 or need <= kv_filled * quota[0] // quota[1] - kv_mine))
         if unbounded:

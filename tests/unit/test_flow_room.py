@@ -20,6 +20,7 @@ from llmgw.metrics import Metrics
 from llmgw.plugins_manager import build_registry, make_plugin_manager
 from llmgw.router import load_scraper
 from llmgw.router.load_scraper import schedule
+from llmgw.router.output_allowance import BLOCK, BLOCKS, MIN_BLOCKS
 from llmgw.router.replica import Replica, ReplicaState
 from llmgw.router.router import EngineMetricsDemand, Router
 from llmgw.router.tier import Decision, RouteRequest
@@ -528,6 +529,68 @@ def test_of_the_request_asking_only_the_prompt_is_scaled_its_output_allowance_co
     # An allowance out of range is bounded by the whole: none below 0, all of it above.
     assert not room.fits("m", BATCH, left // 4 + 1, output=-5)
     assert room.fits("m", BATCH, left, output=10**9) and not room.fits("m", BATCH, left + 1, output=10**9)
+
+
+def answer(router, replica, max_tokens, completion, times):
+    """``times`` answers on ``replica`` that held ``completion`` of their ``max_tokens``: what the output allowance
+    learns from."""
+    for _ in range(times):
+        request, decision = route(router, replica, prompt_words=10, max_tokens=max_tokens)
+        router.finished(request, decision, {"prompt_tokens": decision.inflight_tokens,
+                                            "completion_tokens": completion})
+
+
+def test_the_output_reserved_is_what_the_models_answers_were_learnt_to_hold():
+    router, room, _, _ = make_room(replicas=("a",))
+    tell_kv(router, "a")  # batch may hold 6,963 of 8,192
+    allowance = router.models["m"].output_allowance
+    answer(router, "a", max_tokens=1000, completion=1000, times=BLOCK * MIN_BLOCKS - 1)
+    route(router, "a", prompt_words=10, max_tokens=1000)
+    assert held(router, room, "a") == router.replicas.get("a").local_inflight_tokens + 1000  # not learnt yet
+    answer(router, "a", max_tokens=1000, completion=250, times=BLOCKS * BLOCK)  # answers now hold a quarter
+    assert allowance.fraction == 0.25
+    request, decision = route(router, "a", prompt_words=10, max_tokens=1000)
+    assert decision.output_tokens == 250  # in flight: a quarter of its cap
+    router.finished(request, decision, None)  # no usage (a stream cut short): nothing learnt, its tokens go
+    assert allowance.answers == (BLOCK * MIN_BLOCKS - 1) + BLOCKS * BLOCK
+    # The request asking reserves the same: 2,000 of output allowance holds 500 of the cache.
+    prompt = held(router, room, "a")
+    assert room.fits("m", BATCH, 6963 - prompt - 500 + 2000, output=2000)
+    assert not room.fits("m", BATCH, 6963 - prompt - 500 + 2001, output=2000)
+    # A request without max_tokens reserves the default whole (nothing bounds its answer), and teaches nothing.
+    request = RouteRequest("m", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    decision = Decision(router.replicas.get("a"))
+    router.routed(request, decision)
+    assert decision.output_tokens == 256
+    router.finished(request, decision, {"prompt_tokens": 3, "completion_tokens": 5000})
+    assert allowance.fraction == 0.25
+
+
+def test_the_engines_own_kv_usage_is_the_backstop_of_an_allowance_learnt_too_low():
+    router, room, _, clock = make_room(replicas=("a",))
+    tell_kv(router, "a")
+    a = router.replicas.get("a")
+    answer(router, "a", max_tokens=1000, completion=100, times=BLOCKS * BLOCK)  # answers held a tenth
+    for _ in range(4):
+        route(router, "a", prompt_words=10, max_tokens=1000)
+    estimate = held(router, room, "a")
+    assert estimate < 1000  # 4 x (the prompt + 100)
+    assert room.fits("m", BATCH, 6000, output=6000)  # 600 reserved of it
+    # These answers run to their caps: the engine says its cache is 90% full. Fresh, that figure counts.
+    a.engine_load = EngineLoad(running=4, waiting=0, at=clock.now, kv_usage=0.9, num_blocks=512, block_size=16)
+    assert not room.fits("m", BATCH, 10, output=0)  # 7,372 held > batch's 6,963
+    assert room.fits("m", INTERACTIVE, 800, output=0) and not room.fits("m", INTERACTIVE, 900, output=0)
+    # A stale scrape (3 intervals old) is no figure: the estimate alone again; a broken gauge neither.
+    a.engine_load = EngineLoad(running=4, waiting=0, at=clock.now - 1, kv_usage=0.9, num_blocks=512, block_size=16)
+    assert room.fits("m", BATCH, 6000, output=6000)
+    for broken in (float("nan"), -1.0, 7.0, None):
+        a.engine_load = EngineLoad(running=4, waiting=0, at=clock.now, kv_usage=broken, num_blocks=512,
+                                   block_size=16)
+        assert room.fits("m", BATCH, 6000, output=6000)
+    # An engine holding less than the estimate (a prefix shared, a prompt not yet in) does not lower it.
+    a.engine_load = EngineLoad(running=4, waiting=0, at=clock.now, kv_usage=0.01, num_blocks=512, block_size=16)
+    assert held(router, room, "a") == estimate
+    assert not room.fits("m", BATCH, 6963 - estimate + 1, output=0)
 
 
 # -- seats: the sequences an engine runs at once ----------------------------------------------------------------------
