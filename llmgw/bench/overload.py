@@ -99,8 +99,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
                             capacity_seconds=4.0)
     args = parser.parse_args(argv)
     args.arms = chosen_names(parser, args.arms, ARMS)
+    if args.output_quantile not in (None, "off") and not _quantile(args.output_quantile):
+        parser.error(f"--output-quantile: a number within 0 and 1, or off: {args.output_quantile!r}")
     args.gateways, args.loads, args.ramp = numbers(args.gateways), numbers(args.loads, float), numbers(args.ramp)
     return args
+
+
+def _quantile(text: str) -> bool:
+    try:
+        return 0.0 <= float(text) <= 1.0
+    except ValueError:
+        return False
 
 
 def slo_of(args: argparse.Namespace) -> dict[str, float]:

@@ -40,6 +40,7 @@ VLLM_ROUTER_POLICY = "cache_aware"
 QUEUE_GAUGE = "llmgw_flow_queued"  # the requests a gateway holds in its queue, by model and class
 ENGINE_KV, ENGINE_WAITING = "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting"
 ENGINE_PREEMPTIONS = "vllm:num_preemptions_total"  # sequences an engine preempted (its KV cache ran out)
+ALLOWANCE_GAUGE = "llmgw_flow_output_allowance_ratio"  # of max_tokens, what a gateway's room reserves
 
 
 class ArmUnavailable(Exception):
@@ -142,11 +143,18 @@ def queued(parsed: dict[str, float]) -> float | None:
     return sum(values) if values else None
 
 
+def allowance(parsed: dict[str, float]) -> float | None:
+    """A gateway's output allowance ratio (the mean of its models'), None when it has no such gauge."""
+    values = [v for k, v in parsed.items() if k.partition("{")[0] == ALLOWANCE_GAUGE]
+    return sum(values) / len(values) if values else None
+
+
 async def sample_kv(http: httpx.AsyncClient, engines: Sequence[str], gateways: Sequence[str], into: list[dict],
                     interval: float = 0.25) -> None:
     """Until cancelled, a sample every ``interval``: ``kv`` (the engines' mean KV usage, 0..1), ``waiting`` (their
     waiting requests), ``queued`` (the gateways' queued requests; None: no gateway has a queue gauge),
-    ``preemptions`` (the engines' preemptions so far, summed; a run's are its last sample's less its first's)."""
+    ``preemptions`` (the engines' preemptions so far, summed; a run's are its last sample's less its first's),
+    ``allowance`` (the gateways' mean output allowance ratio; None: no gateway has the gauge)."""
     while True:
         read: list[dict[str, float] | None] = [None] * (len(engines) + len(gateways))
 
@@ -159,10 +167,12 @@ async def sample_kv(http: httpx.AsyncClient, engines: Sequence[str], gateways: S
         engine_read = [r for r in read[:len(engines)] if r is not None]
         if engine_read:
             gateway_queues = [q for r in read[len(engines):] if r is not None and (q := queued(r)) is not None]
+            allowances = [a for r in read[len(engines):] if r is not None and (a := allowance(r)) is not None]
             into.append({"kv": sum(series_sum(r, ENGINE_KV) for r in engine_read) / len(engine_read),
                          "waiting": sum(series_sum(r, ENGINE_WAITING) for r in engine_read),
                          "preemptions": sum(series_sum(r, ENGINE_PREEMPTIONS) for r in engine_read),
-                         "queued": sum(gateway_queues) if gateway_queues else None})
+                         "queued": sum(gateway_queues) if gateway_queues else None,
+                         "allowance": sum(allowances) / len(allowances) if allowances else None})
         await trio.sleep(interval)
 
 

@@ -69,7 +69,8 @@ def level_stats(loop: Loop, kv_samples: Sequence[dict], slo: dict[str, float], c
             "kv_gateway_queued": _kv(kv_samples, lambda s: bool(s["queued"])) if gateway_queues else None,
             "kv_engines_waiting": _kv(kv_samples, lambda s: s["waiting"] > 0),
             "kv_all": _kv(kv_samples, lambda s: True),
-            "preemptions": kv_samples[-1]["preemptions"] - kv_samples[0]["preemptions"] if kv_samples else None}
+            "preemptions": kv_samples[-1]["preemptions"] - kv_samples[0]["preemptions"] if kv_samples else None,
+            "output_allowance": kv_samples[-1].get("allowance") if kv_samples else None}
 
 
 # Each number of the summary and the table: its path in a level's stats
@@ -84,7 +85,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "goodput_rps": ("goodput_rps",), "goodput_of_capacity": ("goodput_of_capacity",), "fairness": ("fairness",),
     "kv_when_gateway_queued": ("kv_gateway_queued", "mean"), "kv_min_when_gateway_queued": ("kv_gateway_queued", "min"),
     "kv_when_engines_waiting": ("kv_engines_waiting", "mean"), "over_cap": ("over_cap",),
-    "preemptions": ("preemptions",),
+    "preemptions": ("preemptions",), "output_allowance": ("output_allowance",),
 }
 
 
@@ -142,12 +143,12 @@ def markdown(report: dict) -> str:
     unloaded = capacity["unloaded_interactive_ttft_p99_ms"]
     totals = ["", "| arm | load | goodput / capacity | interactive TTFT p99 / unloaded | interactive fairness | "
                   "KV while a gateway queue waits (mean; min) | KV while engines queue | over the in-flight cap | "
-                  "engine preemptions |",
-              "|---|---|---|---|---|---|---|---|---|"]
+                  "engine preemptions | output allowance |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for arm in report["arms"]:
         if arm.get("error"):
             lines.append(f"| {arm['label']} | - | - | {arm['error']} |" + " |" * (len(COLUMNS) - 1))
-            totals.append(f"| {arm['label']} | - | {arm['error']} | | | | | | |")
+            totals.append(f"| {arm['label']} | - | {arm['error']} | | | | | | | |")
             continue
         for level in arm["levels"]:
             s = level["summary"]
@@ -163,5 +164,6 @@ def markdown(report: dict) -> str:
                           f"{spread_cell(s['kv_when_gateway_queued'], '.0f', '%', 100)}; "
                           f"{spread_cell(s['kv_min_when_gateway_queued'], '.0f', '%', 100)} | "
                           f"{spread_cell(s['kv_when_engines_waiting'], '.0f', '%', 100)} | "
-                          f"{spread_cell(s['over_cap'], '.0f')} | {spread_cell(s.get('preemptions'), '.0f')} |")
+                          f"{spread_cell(s['over_cap'], '.0f')} | {spread_cell(s.get('preemptions'), '.0f')} | "
+                          f"{spread_cell(s.get('output_allowance'), '.2f')} |")
     return "\n".join(lines + totals)

@@ -13,12 +13,14 @@ their engines, less what every gateway has in flight there, split among the gate
 - The room is counted in KV tokens too: a replica's KV capacity is its engine's scraped cache config (blocks x
   block size), the tokens held there the requests in flight will hold at most (their prompt estimate, this
   gateway's and the others', scaled by how many tokens the engines counted per estimated one in the answers'
-  usage, :class:`~llmgw.router.prompt_ratio.PromptTokenRatio`; and their ``max_tokens``:
-  :meth:`EngineRoom.held_tokens`). A class may dispatch a request only if the model's replicas keep the tokens
-  within its ``max_fill`` of their KV capacity (:meth:`EngineRoom.fits`): three batch requests that fill the
-  cache leave no room for a fourth, while an interactive one still fits; the request asking counts likewise: its
-  prompt estimate scaled by the same ratio, its output allowance as it is. Before an engine has told its
-  capacity, the tokens hold nothing back. The other gateways' requests count with their prompts (in their
+  usage, :class:`~llmgw.router.prompt_ratio.PromptTokenRatio`; and their output allowances, what of their
+  ``max_tokens`` the model's answers were learnt to hold, :class:`~llmgw.router.output_allowance.OutputAllowance`:
+  :meth:`EngineRoom.held_tokens`), or what the engine's fresh scrape says its cache holds when that is more (the
+  backstop of an allowance learnt too low: :func:`engine_held`). A class may dispatch a request only if the
+  model's replicas keep the tokens within its ``max_fill`` of their KV capacity (:meth:`EngineRoom.fits`): three
+  batch requests that fill the cache leave no room for a fourth, while an interactive one still fits; the request
+  asking counts likewise: its prompt estimate scaled by the same ratio, its output at the learnt allowance. Before
+  an engine has told its capacity, the tokens hold nothing back. The other gateways' requests count with their prompts (in their
   reports) and this gateway's mean output per request.
 - Shared: every gateway reports how many requests it holds per model with its load (llmgw/cluster/load.py); when
   others hold some too, this gateway may have in flight its quota of the capacity and of the KV tokens, in
