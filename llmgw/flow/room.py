@@ -20,8 +20,8 @@ their engines, less what every gateway has in flight there, split among the gate
   model's replicas keep the tokens within its ``max_fill`` of their KV capacity (:meth:`EngineRoom.fits`): three
   batch requests that fill the cache leave no room for a fourth, while an interactive one still fits; the request
   asking counts likewise: its prompt estimate scaled by the same ratio, its output at the learnt allowance. Before
-  an engine has told its capacity, the tokens hold nothing back. The other gateways' requests count with their prompts (in their
-  reports) and this gateway's mean output per request.
+  an engine has told its capacity, the tokens hold nothing back. The other gateways' requests count with their
+  prompts (in their reports) and this gateway's mean output per request.
 - Shared: every gateway reports how many requests it holds per model with its load (llmgw/cluster/load.py); when
   others hold some too, this gateway may have in flight its quota of the capacity and of the KV tokens, in
   proportion to its demand (requests in flight and held) among every gateway's (:meth:`EngineRoom.demand_share`:
