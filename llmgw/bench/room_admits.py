@@ -3,10 +3,10 @@ over a model's replicas: requests, seats and KV tokens), the call the queue make
 
 Run: ``python -m llmgw.bench.room_admits [--rounds 7] [--calls 20000] [--replicas 4] [--json PATH]``. In-process,
 no socket: a router with ``--replicas`` replicas whose engines' capacity, seats and KV cache were learnt from
-fresh scrapes (their KV usage the backstop of the estimate), each with requests in flight, the output allowance
-learnt. CPU time (``time.process_time``), so the machine's other work weighs less than in wall time; printed the
-median µs per call of ``--rounds`` rounds with the fastest and slowest. Written with absolute imports, so that it
-also runs against another checkout (``PYTHONPATH=../other python path/to/room_admits.py``) for a before/after.
+scrapes, each with requests in flight, the output allowance learnt. CPU time (``time.process_time``), so the
+machine's other work weighs less than in wall time; printed the median µs per call of ``--rounds`` rounds with
+the fastest and slowest. Written with absolute imports, so that it also runs against another checkout
+(``PYTHONPATH=../other python path/to/room_admits.py``) for a before/after.
 """
 
 from __future__ import annotations

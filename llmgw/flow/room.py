@@ -15,8 +15,8 @@ their engines, less what every gateway has in flight there, split among the gate
   gateway's and the others', scaled by how many tokens the engines counted per estimated one in the answers'
   usage, :class:`~llmgw.router.prompt_ratio.PromptTokenRatio`; and their output allowances, what of their
   ``max_tokens`` the model's answers were learnt to hold, :class:`~llmgw.router.output_allowance.OutputAllowance`:
-  :meth:`EngineRoom.held_tokens`), or what the engine's fresh scrape says its cache holds when that is more (the
-  backstop of an allowance learnt too low: :func:`engine_held`). A class may dispatch a request only if the
+  :meth:`EngineRoom.held_tokens`; an allowance learnt too low is caught by the engine's own KV usage, which cuts
+  the replica's capacity at ``kv_high``: :mod:`llmgw.flow.capacity`). A class may dispatch a request only if the
   model's replicas keep the tokens within its ``max_fill`` of their KV capacity (:meth:`EngineRoom.fits`): three
   batch requests that fill the cache leave no room for a fourth, while an interactive one still fits; the request
   asking counts likewise: its prompt estimate scaled by the same ratio, its output at the learnt allowance. Before
@@ -56,7 +56,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL = 0.05  # changed() returns after this long at the latest
-FRESH_SCRAPES = 3  # an engine's KV usage scraped within this many scrape intervals is the tokens' backstop
 UP, UNKNOWN = ReplicaState.UP, ReplicaState.UNKNOWN
 
 
@@ -66,19 +65,6 @@ def kv_capacity(replica: Replica) -> int | None:
     if load is None or not load.num_blocks or not load.block_size:
         return None
     return load.num_blocks * load.block_size
-
-
-def engine_held(replica: Replica, kv: int, stale: float) -> int:
-    """The KV tokens ``replica``'s engine said it holds (its KV usage of ``kv`` tokens) in a scrape taken after
-    ``stale``; 0 without one. The backstop of the room's estimate: requests whose answers run longer than their
-    learnt output allowance hold more than the estimate, and the engine's own figure counts then."""
-    load = replica.engine_load
-    if load is None or load.at < stale:
-        return 0
-    usage = load.kv_usage
-    if usage is None or not 0.0 < usage <= 1.0:  # also NaN: a broken gauge is no figure
-        return 0
-    return int(usage * kv)
 
 
 class SharedQueues(Protocol):
@@ -160,7 +146,6 @@ class EngineRoom:
         unsized: list[tuple[Replica, int]] = []  # replicas with only the others' requests: their output comes last
         ratio = route.prompt_ratio
         learnt = self._learnt
-        stale = self.clock() - FRESH_SCRAPES * self.scrape_interval  # a scrape before this is not the backstop
         for replica in route.replicas:
             state = replica.state
             if state is not UP and state is not UNKNOWN:  # ReplicaState.routable, without its enum lookups
@@ -181,8 +166,7 @@ class EngineRoom:
                     if local == 0 and peer:
                         unsized.append((replica, share))
                     else:
-                        held = max(self.held_tokens(replica, ratio), engine_held(replica, kv, stale))
-                        kv_room += max(0, share - held)
+                        kv_room += max(0, share - self.held_tokens(replica, ratio))
             known = learnt.get(replica)
             if known is None or known.capacity is None:
                 unbounded = True
@@ -199,8 +183,7 @@ class EngineRoom:
         if unsized:  # the others' output at this gateway's mean per request on the model (their reports lack it)
             per_request = output_inflight / mine if mine else DEFAULT_OUTPUT_TOKENS
             for replica, share in unsized:
-                held = self.held_tokens(replica, ratio, per_request)
-                kv_room += max(0, share - max(held, engine_held(replica, kv_capacity(replica) or 0, stale)))
+                kv_room += max(0, share - self.held_tokens(replica, ratio, per_request))
         quota = self.demand_share(model, mine, theirs) if self.sharing is not None else None
         # The queue's estimate (prompt and most output, not yet routed) in the engine's count: the prompt part
         # scaled by the ratio, the output (max_tokens, already in the engine's tokens) as the model's answers were

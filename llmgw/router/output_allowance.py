@@ -12,7 +12,7 @@ cap, rounded up: always within ``[0, cap]``. The whole cap until :data:`MIN_BLOC
 An answer without usage (a stream cut short, an engine that gives none) teaches nothing.
 
 An allowance learnt too low lets in more than the caches hold once the answers run long; the engines' own KV
-usage (scraped) is the room's backstop for that (llmgw/flow/room.py).
+usage (scraped) is the backstop for that: at ``kv_high`` it cuts the replica's capacity (llmgw/flow/capacity.py).
 """
 
 from __future__ import annotations

@@ -566,31 +566,22 @@ def test_the_output_reserved_is_what_the_models_answers_were_learnt_to_hold():
     assert allowance.fraction == 0.25
 
 
-def test_the_engines_own_kv_usage_is_the_backstop_of_an_allowance_learnt_too_low():
-    router, room, _, clock = make_room(replicas=("a",))
-    tell_kv(router, "a")
+def test_an_allowance_learnt_too_low_is_caught_by_the_engines_kv_usage_cutting_the_capacity():
+    """Answers learnt to hold a tenth of their max_tokens run to their caps: the tokens the room counts let more in
+    than the cache holds, and the engine's KV usage at kv_high cuts the replica's capacity to what it runs."""
+    router, room, _, _ = make_room(replicas=("a",))
     a = router.replicas.get("a")
     answer(router, "a", max_tokens=1000, completion=100, times=BLOCKS * BLOCK)  # answers held a tenth
-    for _ in range(4):
+    for _ in range(8):
         route(router, "a", prompt_words=10, max_tokens=1000)
-    estimate = held(router, room, "a")
-    assert estimate < 1000  # 4 x (the prompt + 100)
-    assert room.fits("m", BATCH, 6000, output=6000)  # 600 reserved of it
-    # These answers run to their caps: the engine says its cache is 90% full. Fresh, that figure counts.
-    a.engine_load = EngineLoad(running=4, waiting=0, at=clock.now, kv_usage=0.9, num_blocks=512, block_size=16)
-    assert not room.fits("m", BATCH, 10, output=0)  # 7,372 held > batch's 6,963
-    assert room.fits("m", INTERACTIVE, 800, output=0) and not room.fits("m", INTERACTIVE, 900, output=0)
-    # A stale scrape (3 intervals old) is no figure: the estimate alone again; a broken gauge neither.
-    a.engine_load = EngineLoad(running=4, waiting=0, at=clock.now - 1, kv_usage=0.9, num_blocks=512, block_size=16)
-    assert room.fits("m", BATCH, 6000, output=6000)
-    for broken in (float("nan"), -1.0, 7.0, None):
-        a.engine_load = EngineLoad(running=4, waiting=0, at=clock.now, kv_usage=broken, num_blocks=512,
-                                   block_size=16)
-        assert room.fits("m", BATCH, 6000, output=6000)
-    # An engine holding less than the estimate (a prefix shared, a prompt not yet in) does not lower it.
-    a.engine_load = EngineLoad(running=4, waiting=0, at=clock.now, kv_usage=0.01, num_blocks=512, block_size=16)
-    assert held(router, room, "a") == estimate
-    assert not room.fits("m", BATCH, 6963 - estimate + 1, output=0)
+        a.local_inflight += 1
+    a.engine_load = EngineLoad(running=8, waiting=0, at=1, kv_usage=0.8, num_blocks=512, block_size=16)
+    assert held(router, room, "a") < 0.2 * 8192  # the room's estimate: 8 x (the prompt + 100)
+    assert room.free("m", INTERACTIVE) == UNBOUNDED
+    a.engine_load = EngineLoad(running=8, waiting=0, at=2, kv_usage=0.95, num_blocks=512, block_size=16)
+    room.scraped(a)  # the answers grew: the engine's cache is nearly full
+    assert room.capacity(a) == math.floor(8 * RULE.kv_target / 0.95)
+    assert room.free("m", INTERACTIVE) == 0
 
 
 # -- seats: the sequences an engine runs at once ----------------------------------------------------------------------
