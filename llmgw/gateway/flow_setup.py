@@ -58,6 +58,7 @@ class GatewayFlow:
         self.room = EngineRoom(router, sharing, settings, capacity_rule(flow), scrape_interval=flow.scrape_interval,
                                scrape_timeout=SCRAPE_TIMEOUT, metrics=RoomMetrics(registry))
         self._scrape(flow)
+        router.set_output_quantile(flow.reserved_output_quantile())
         self.queue = FlowQueue(settings, self.room, FlowMetrics(registry))
         self.room.count_queued(self.held)
         self.outcomes = FlowOutcomes()
@@ -80,6 +81,7 @@ class GatewayFlow:
         self.room.rule = capacity_rule(flow)
         self.room.scrape_interval = flow.scrape_interval
         self._scrape(flow)
+        self.router.set_output_quantile(flow.reserved_output_quantile())
         self.gate = FlowGate(settings, self.queue, self.room, self.outcomes, estimator(config))
         return self.gate
 

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from llmgw.bench import overload
-from llmgw.bench.overload_arms import DEFAULT_ARMS, keys_config, queued, router_tuning
+from llmgw.bench.overload_arms import DEFAULT_ARMS, allowance, keys_config, queued, router_tuning
 from llmgw.bench.overload_report import level_stats, summary
 from llmgw.bench.overload_workload import (
     BATCH,
@@ -46,6 +46,10 @@ def test_a_gateways_queue_is_the_sum_of_its_flow_queued_gauges_and_none_without_
               "llmgw_requests_total": 7.0}
     assert queued(parsed) == 7.0
     assert queued({"llmgw_requests_total": 7.0}) is None
+    assert allowance({'llmgw_flow_output_allowance_ratio{model="a"}': 0.5,
+                      'llmgw_flow_output_allowance_ratio{model="b"}': 1.0,
+                      'llmgw_flow_output_allowance_answers_total{model="a"}': 64.0}) == 0.75
+    assert allowance({"llmgw_requests_total": 7.0}) is None
 
 
 def test_batch_is_most_of_the_tokens_and_the_keys_carry_their_class():
@@ -104,7 +108,7 @@ def test_per_class_numbers_goodput_fairness_and_kv_while_a_queue_waits():
                 Outcome("batch", BATCH, 0, EXPIRED, 429, 0.0, 2.01, retry_after=False)]
     kv = [{"kv": 0.9, "waiting": 0, "queued": 3.0, "preemptions": 4.0},
           {"kv": 0.5, "waiting": 2, "queued": 1.0, "preemptions": None},  # an engine did not answer that time
-          {"kv": 0.1, "waiting": 0, "queued": 0.0, "preemptions": 9.0}]
+          {"kv": 0.1, "waiting": 0, "queued": 0.0, "preemptions": 9.0, "allowance": 0.6}]
     stats = level_stats(Loop(outcomes, 1.0, elapsed=2.0), kv, slo, capacity_rps=2.0)  # 1 s of arrivals, 2 s in all
     inter, batch = stats["classes"][INTERACTIVE], stats["classes"][BATCH]
     assert (inter["sent"], inter["completed"], inter["good"], inter["shed"], inter["expired"]) == (4, 3, 2, 1, 0)
@@ -116,6 +120,7 @@ def test_per_class_numbers_goodput_fairness_and_kv_while_a_queue_waits():
     assert stats["kv_gateway_queued"] == {"samples": 2, "mean": 0.7, "min": 0.5}
     assert stats["kv_engines_waiting"]["mean"] == 0.5
     assert stats["preemptions"] == 5.0  # the engines' counters rose from 4 to 9 during the run
+    assert stats["output_allowance"] == 0.6  # the gateways' learnt share of max_tokens at the run's end
     medians = summary([stats, stats])
     assert medians["interactive_shed"] == {"median": 1.0, "min": 1.0, "max": 1.0}
     assert medians["kv_min_when_gateway_queued"]["median"] == 0.5
@@ -128,6 +133,11 @@ def test_the_command_line_reads_lists_and_quick_defaults_and_refuses_unknown_arm
     assert overload.parse(["--arms", "llmgw-flow,llmgw-flow-priority"]).arms == ["llmgw-flow", "llmgw-flow-priority"]
     quick = overload.parse(["--quick"])
     assert (quick.replicas, quick.gateways, quick.loads, quick.repeats) == (2, [1], [0.5, 2.0], 1)
+    assert (quick.natural_output, quick.output_quantile) == (None, None)  # answers of max_tokens, the default room
+    natural = overload.parse(["--natural-output", "16:256", "--output-quantile", "off"])
+    assert (natural.natural_output, natural.output_quantile) == ("16:256", "off")
+    with pytest.raises(SystemExit):
+        overload.parse(["--output-quantile", "high"])
     with pytest.raises(SystemExit):
         overload.parse(["--arms", "llmgw-flow,nginx"])
     assert "unknown arms: nginx" in capsys.readouterr().err
