@@ -27,6 +27,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -167,7 +168,8 @@ async def run_arm(args: argparse.Namespace, http: httpx.AsyncClient, arm: str, g
                     await wait_idle(http, sim_urls, args.request_timeout)
                     kv: list[dict] = []
                     async with trio.open_nursery() as nursery:
-                        nursery.start_soon(sample_kv, http, sim_urls, fleet.control_urls, kv)
+                        nursery.start_soon(partial(sample_kv, seats=args.max_num_seqs), http, sim_urls,
+                                           fleet.control_urls, kv)
                         loop = await open_loop(send, tenants, load * capacity, args.seconds, args.cap,
                                                args.seed * 100 + repeat)
                         nursery.cancel_scope.cancel()

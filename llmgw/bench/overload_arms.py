@@ -45,6 +45,7 @@ DEFAULT_ARMS = (FLOW, OFF, VLLM_ROUTER)
 VLLM_ROUTER_POLICY = "cache_aware"
 QUEUE_GAUGE = "llmgw_flow_queued"  # the requests a gateway holds in its queue, by model and class
 ENGINE_KV, ENGINE_WAITING = "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting"
+ENGINE_RUNNING = "vllm:num_requests_running"
 ENGINE_PREEMPTIONS = "vllm:num_preemptions_total"  # sequences an engine preempted (its KV cache ran out)
 ALLOWANCE_GAUGE = "llmgw_flow_output_allowance_ratio"  # of max_tokens, what a gateway's room reserves
 
@@ -157,11 +158,13 @@ def allowance(parsed: dict[str, float]) -> float | None:
 
 
 async def sample_kv(http: httpx.AsyncClient, engines: Sequence[str], gateways: Sequence[str], into: list[dict],
-                    interval: float = 0.25) -> None:
+                    interval: float = 0.25, seats: int = 0) -> None:
     """Until cancelled, a sample every ``interval``: ``kv`` (the engines' mean KV usage, 0..1), ``waiting`` (their
     waiting requests), ``preemptions`` (their preemption counters' sum; None: an engine did not answer), ``queued``
     (the gateways' queued requests; None: no gateway has a queue gauge), ``allowance`` (the gateways' mean output
-    allowance ratio; None: no gateway has the gauge)."""
+    allowance ratio; None: no gateway has the gauge), ``busy`` (the engines' mean of the larger of their KV usage and
+    their running sequences over ``seats``, their ``--max-num-seqs``: an engine full of sequences is as busy as one
+    full of blocks; None without ``seats``)."""
     while True:
         read: list[dict[str, float] | None] = [None] * (len(engines) + len(gateways))
 
@@ -180,7 +183,9 @@ async def sample_kv(http: httpx.AsyncClient, engines: Sequence[str], gateways: S
                          "preemptions": sum(series_sum(r, ENGINE_PREEMPTIONS) for r in engine_read)
                          if len(engine_read) == len(engines) else None,
                          "queued": sum(gateway_queues) if gateway_queues else None,
-                         "allowance": sum(allowances) / len(allowances) if allowances else None})
+                         "allowance": sum(allowances) / len(allowances) if allowances else None,
+                         "busy": sum(max(series_sum(r, ENGINE_KV), series_sum(r, ENGINE_RUNNING) / seats)
+                                     for r in engine_read) / len(engine_read) if seats else None})
         await trio.sleep(interval)
 
 

@@ -48,8 +48,8 @@ def class_stats(outcomes: Sequence[Outcome], slo: dict[str, float], seconds: flo
             "tokens": sum(o.tokens for o in ok)}
 
 
-def _kv(samples: Sequence[dict], when: Callable[[dict], bool]) -> dict:
-    kv = [s["kv"] for s in samples if when(s)]
+def _kv(samples: Sequence[dict], when: Callable[[dict], bool], key: str = "kv") -> dict:
+    kv = [s[key] for s in samples if when(s) and s.get(key) is not None]
     return {"samples": len(kv), "mean": sum(kv) / len(kv) if kv else None, "min": min(kv) if kv else None}
 
 
@@ -68,6 +68,7 @@ def level_stats(loop: Loop, kv_samples: Sequence[dict], slo: dict[str, float], c
             "most_in_flight": loop.most_in_flight,
             "kv_gateway_queued": _kv(kv_samples, lambda s: bool(s["queued"])) if gateway_queues else None,
             "kv_engines_waiting": _kv(kv_samples, lambda s: s["waiting"] > 0),
+            "busy_gateway_queued": _kv(kv_samples, lambda s: bool(s["queued"]), "busy") if gateway_queues else None,
             "kv_all": _kv(kv_samples, lambda s: True), "preemptions": _preemptions(kv_samples),
             "output_allowance": kv_samples[-1].get("allowance") if kv_samples else None}
 
@@ -91,6 +92,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "kv_when_gateway_queued": ("kv_gateway_queued", "mean"), "kv_min_when_gateway_queued": ("kv_gateway_queued", "min"),
     "kv_when_engines_waiting": ("kv_engines_waiting", "mean"), "over_cap": ("over_cap",),
     "preemptions": ("preemptions",), "output_allowance": ("output_allowance",),
+    "busy_when_gateway_queued": ("busy_gateway_queued", "mean"),
 }
 
 
@@ -147,13 +149,13 @@ def markdown(report: dict) -> str:
              "|---|---|---|" + "---|" * len(COLUMNS)]
     unloaded = capacity["unloaded_interactive_ttft_p99_ms"]
     totals = ["", "| arm | load | goodput / capacity | interactive TTFT p99 / unloaded | interactive fairness | "
-                  "KV while a gateway queue waits (mean; min) | KV while engines queue | over the in-flight cap | "
-                  "engine preemptions | output allowance |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+                  "KV while a gateway queue waits (mean; min) | engines busy then (KV or seats) | "
+                  "KV while engines queue | over the in-flight cap | engine preemptions | output allowance |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm in report["arms"]:
         if arm.get("error"):
             lines.append(f"| {arm['label']} | - | - | {arm['error']} |" + " |" * (len(COLUMNS) - 1))
-            totals.append(f"| {arm['label']} | - | {arm['error']} | | | | | | | |")
+            totals.append(f"| {arm['label']} | - | {arm['error']} | | | | | | | | |")
             continue
         for level in arm["levels"]:
             s = level["summary"]
@@ -168,6 +170,7 @@ def markdown(report: dict) -> str:
                           f"{ratio} | {spread_cell(s['fairness'], '.2f')} | "
                           f"{spread_cell(s['kv_when_gateway_queued'], '.0f', '%', 100)}; "
                           f"{spread_cell(s['kv_min_when_gateway_queued'], '.0f', '%', 100)} | "
+                          f"{spread_cell(s.get('busy_when_gateway_queued'), '.0f', '%', 100)} | "
                           f"{spread_cell(s['kv_when_engines_waiting'], '.0f', '%', 100)} | "
                           f"{spread_cell(s['over_cap'], '.0f')} | {spread_cell(s.get('preemptions'), '.0f')} | "
                           f"{spread_cell(s.get('output_allowance'), '.2f')} |")
