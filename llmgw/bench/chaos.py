@@ -316,6 +316,8 @@ async def run_fault(rig: ChaosRig, load: SteadyLoad, scaler: ScalerLog, fault: F
                 healed_by = "nothing healed it"
         watchers.cancel_scope.cancel()
     scaled = scaler.window(started, time.monotonic())
+    for why in scaled.reasons:
+        print(f"  {fault.name}: autoscale {why}", flush=True)
     await load.pause()
     counts = load.phases[phase]
     load.resume()

@@ -35,6 +35,7 @@ class ScalerWindow:
     lowest: int | None  # desired, every reading of the window (adoption windows apart)
     highest: int | None
     decisions: list[str]  # "up 1->2", in the order seen
+    reasons: list[str] = field(default_factory=list)  # "B: up 1->2: <the scaler's reason>", the same order
 
     @property
     def stepped(self) -> bool:
@@ -47,7 +48,7 @@ class ScalerWindow:
 @dataclass
 class ScalerLog:
     readings: list[tuple[float, int]] = field(default_factory=list)  # (monotonic, desired), the scaler started
-    decisions: list[tuple[float, str]] = field(default_factory=list)  # (monotonic first seen, "kind a->b")
+    decisions: list[tuple[float, str, str]] = field(default_factory=list)  # (first seen, "kind a->b", why)
     known: set[tuple] = field(default_factory=set)  # (leader, at, kind, from, to): each decision once
 
     async def run(self, rig: Leader) -> None:
@@ -67,11 +68,13 @@ class ScalerLog:
                 continue
             self.known.add(key)
             if decision.get("kind") != "hold":
-                self.decisions.append((at, f"{decision.get('kind')} {decision.get('from')}->{decision.get('to')}"))
+                what = f"{decision.get('kind')} {decision.get('from')}->{decision.get('to')}"
+                self.decisions.append((at, what, f"{leader}: {what}: {decision.get('reason')}"))
 
     def window(self, start: float, end: float) -> ScalerWindow:
         before = [desired for at, desired in self.readings if at < start]
         within = [desired for at, desired in self.readings if start <= at <= end]
         return ScalerWindow(before=before[-1] if before else None, after=within[-1] if within else None,
                             lowest=min(within, default=None), highest=max(within, default=None),
-                            decisions=[what for at, what in self.decisions if start <= at <= end])
+                            decisions=[what for at, what, _ in self.decisions if start <= at <= end],
+                            reasons=[why for at, _, why in self.decisions if start <= at <= end])

@@ -137,10 +137,11 @@ def test_the_scaler_log_counts_each_decision_once_and_leaves_a_new_leaders_adopt
     log.record("A", {"desired": 2, "started_from": 1, "decisions": [up]}, at=21)
     log.record("A", {"desired": 2, "started_from": 1, "decisions": [up]}, at=22)
     log.record("B", {"desired": 3, "started_from": None, "decisions": []}, at=23)  # B adopting: its max
-    log.record("B", {"desired": 2, "started_from": 2, "decisions": [{**up, "kind": "down", "from": 2, "to": 1}]},
-               at=24)
+    log.record("B", {"desired": 2, "started_from": 2, "decisions": [{**up, "kind": "down", "from": 2, "to": 1,
+                                                                     "reason": "idle"}]}, at=24)
     window = log.window(20, 30)
-    assert window == ScalerWindow(before=1, after=2, lowest=2, highest=2, decisions=["up 1->2", "down 2->1"])
+    assert window == ScalerWindow(before=1, after=2, lowest=2, highest=2, decisions=["up 1->2", "down 2->1"],
+                                  reasons=["A: up 1->2: None", "B: down 2->1: idle"])
     assert window.stepped
     assert not log.window(0, 15).stepped and log.window(0, 15).decisions == []
 
