@@ -4,6 +4,7 @@ llmgw's own scaler from the config. A model at zero is called at a follower: the
 load report carries it, the leader starts the first replica, and the request is served; after the leader's kill -9
 the other candidate's control plane starts from the replica running, not from min. An autoscaled model's only engine
 killed under load: the requests it held and those that arrive meanwhile wait for the engine its agent restarts.
+Load spread over two gateways: the leader measures the arrivals and the drain rate at the same scale.
 """
 
 from __future__ import annotations
@@ -123,6 +124,40 @@ async def test_an_autoscaled_models_only_engine_killed_under_load_loses_no_reque
     # and the scaler saw a replica restarting, not demand: no step
     assert status["desired"] == 1, status
     assert [d["kind"] for d in status["decisions"] if d["kind"] != "hold"] == [], status["decisions"]
+
+
+async def test_through_two_gateways_the_leader_measures_arrivals_and_drain_at_the_same_scale(
+        nursery, engines, private_redis, cluster_name, tmp_path):
+    """Each gateway counts only its own requests; the leader scales them to the cluster. Arrivals scaled and the
+    drain rate not, a replica keeping up looked like one that serves half of what arrives, and a backlog of one
+    request then asked for twice the replicas (the chaos bench's step from 1 to 3 at a change of leader)."""
+    processes = {}
+    for name in ("A", "F"):
+        (tmp_path / name).mkdir()
+        process = processes[name] = Cluster(nursery, tmp_path / name, engines, fixtures=FIXTURES, cwd=REPO)
+        process.write_config(autoscaled_config(tmp_path / name / "control", private_redis.url, cluster_name)
+                             .replace(AUTOSCALED, ONE_TO_TWO))
+    a, f = processes["A"], processes["F"]
+    await a.start_serve()
+    await f.start_serve("--role", "gateway")
+    await a.start_agent("a", FIXTURE)
+    await a.replicas_where("the replica up", lambda r: set(r) == {"tiny-sim-0"} and r["tiny-sim-0"]["state"] == "up",
+                           timeout=60)
+    await f.wait_for("F routes the model", lambda: _lists_tiny(a.http, f), timeout=30)
+    load = SteadyLoad([a.data_url, f.data_url], LoadSettings(concurrency=4, rate=8, max_tokens=4, stream_every=0))
+    async with httpx.AsyncClient(timeout=10) as http, load.running():
+        await load.wait_finished(40)  # the rates settle (each over at least 1 s, smoothed)
+        ratios = []
+        for _ in range(10):
+            signals = (await autoscale(http, a))["deployments"]["tiny-sim"]["signals"]
+            if signals["arrivals_per_s"] > 0:
+                ratios.append(signals["served_per_s"] / signals["arrivals_per_s"])
+            await trio.sleep(0.5)
+        await load.pause()
+    assert not load.failed_phases(), load.failed_phases()
+    ratios.sort()
+    # one replica keeps up with 8 requests/s of 4 tokens: it drains what arrives (before: about a half)
+    assert len(ratios) >= 5 and 0.75 <= ratios[len(ratios) // 2] <= 1.33, ratios
 
 
 async def _node_connected(cluster: Cluster) -> bool:
