@@ -5,9 +5,11 @@
 - in flight: every replica's ``inflight`` (this gateway's exact count plus the peers' latest reports);
 - KV usage: the mean of the ready replicas' last scrape (the room's, llmgw/flow/room.py);
 - the drain rate: the replicas' ``served`` counters, in all and per ready replica-second; the arrivals: the
-  requests entering this gateway's flow queue, times the live gateways (the load reports do not carry arrivals:
-  a load balancer that spreads requests evenly makes this gateway's share one in ``gateways``). All are rates
-  over at least :data:`MIN_SPAN`, smoothed;
+  requests entering this gateway's flow queue. Both are this gateway's own counts (the load reports carry
+  neither), so both are scaled to the cluster the same way, times the live gateways (a load balancer that
+  spreads requests evenly makes this gateway's share one in ``gateways``): arrivals scaled and the drain rate
+  not would make N gateways ask for N times the replicas a backlog needs. All are rates over at least
+  :data:`MIN_SPAN`, smoothed;
 - TTFT attainment: the share of this gateway's first tokens of the last :data:`TTFT_WINDOW` within the
   deployment's ``ttft_slo`` (:class:`FirstTokens`; the load reports do not carry them either);
 - the last request: the last reading with anything queued or in flight, or a counter that moved (a fresh source
@@ -159,9 +161,10 @@ class GatewaySignals:
         slo = self.slo_of(model)
         attainment = None if slo is None or self.first_tokens is None else \
             self.first_tokens.attainment(model, slo, now)
+        share = max(1, self.gateways())  # this gateway sees one share of the cluster's requests in ``share``
         return ModelSignals(model=model, at=now, queued=queued, queued_tokens=tokens, inflight=inflight,
-                            arrivals_per_s=seen.entered.rate * max(1, self.gateways()),
-                            served_per_s=seen.served.rate, served_per_replica_s=seen.per_replica,
+                            arrivals_per_s=seen.entered.rate * share,
+                            served_per_s=seen.served.rate * share, served_per_replica_s=seen.per_replica * share,
                             kv_usage=sum(usage) / len(usage) if usage else None,
                             ttft_attainment=attainment, last_request_at=seen.last_request_at)
 
