@@ -33,6 +33,7 @@ import random
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -44,7 +45,8 @@ from ..testing.processes import ChildFailed
 from ..testing.sims import start_sims
 from .autoscale_oracle import plan
 from .autoscale_report import charts, markdown, model_stats, run_summary, series, targets, targets_markdown
-from .autoscale_rig import AutoscaleRig, EngineShape, sim_models_startup
+from .autoscale_rig import AutoscaleRig, EngineShape, profile_name, sim_models_startup
+from .autoscale_timeline import log_events, scale_up_timeline, timelines_markdown
 from .autoscale_traces import MODEL_A, TRACES, Trace, arrival_times, shortened
 from .chat_workloads import new_client
 from .cluster_events import percentile
@@ -185,10 +187,13 @@ async def run_trace(args: argparse.Namespace, http: httpx.AsyncClient, trace: Tr
                         for at in arrival_times(trace, model, replica_rps, factor, rng)] for model in trace.models}
     fleet: list[dict] = []
     loops = {}
-    async with AutoscaleRig.open(workdir, engine_of(args, boot), deployments, ready, nodes=args.nodes,
+    began: dict[str, float] = {}  # epoch seconds at which each model's arrivals are timed from
+    engine = engine_of(args, boot)
+    async with AutoscaleRig.open(workdir, engine, deployments, ready, nodes=args.nodes,
                                  gpus=args.gpus, extra_config=config_extra(arm, factor)) as rig:
 
         async def drive(model: str) -> None:
+            began[model] = time.time()
             loops[model] = await send_at(sender(http, [rig.url], args.request_timeout, model), arrivals[model],
                                          wall, args.cap)
 
@@ -198,6 +203,10 @@ async def run_trace(args: argparse.Namespace, http: httpx.AsyncClient, trace: Tr
                 for model in trace.models:
                     driving.start_soon(drive, model)
             sampling.cancel_scope.cancel()
+        control_log, agent_log = rig.log_lines()
+    for name, log_lines in (("control.log", control_log), ("agents.log", agent_log)):  # kept with --workdir
+        (workdir / name).write_text("\n".join(log_lines) + "\n")
+    control_events, agent_events = log_events(control_log), log_events(agent_log)
     within = [s for s in fleet if s["t"] <= wall]
     stats, lines = {}, {}
     for model in trace.models:
@@ -206,6 +215,11 @@ async def run_trace(args: argparse.Namespace, http: httpx.AsyncClient, trace: Tr
                                    args.ttft_slo_ms / 1000, args.window)
         stats[model]["over_cap"] = loops[model].over_cap
         lines[model] = series(trace, model, factor, within, oracle)
+        moment = trace.called_at if trace.called_at is not None else trace.step_at
+        if moment is not None:
+            since = began[model] + moment / factor
+            stats[model]["timeline"] = scale_up_timeline(control_events, agent_events, profile_name(model), model,
+                                                         since, boot + engine.cold_start, trace.called_at is not None)
     return stats, lines
 
 
@@ -278,6 +292,8 @@ def main(argv: list[str]) -> int:
             Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llmgw-bench-autoscale-")))
         report = trio.run(run, args, root)
     print(charts(report), "\n")
+    if timelines := timelines_markdown(report, AUTOSCALED):
+        print("Where the seconds of a scale-up go (the logs' timestamps):\n\n" + timelines, "\n")
     report["targets"] = targets(report, AUTOSCALED)
     return print_and_save(report, markdown(report) + "\n\n" + targets_markdown(report, AUTOSCALED), args.json)
 
