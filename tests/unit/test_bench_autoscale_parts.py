@@ -57,7 +57,7 @@ def sample(t: float, ready: int, starting: int = 0, model: str = MODEL_A) -> dic
 def test_the_traces_are_a_step_a_day_a_swap_and_an_idle_model():
     step = step_trace(600, base=1.8)
     assert step.demand(MODEL_A, 0) == 1.8 and step.demand(MODEL_A, 199) == 1.8 and step.demand(MODEL_A, 200) == 3.6
-    assert step.step_at == 200
+    assert step.step_at == 200 and step.min_replicas == 2  # the fleet is at the base's need when the step comes
     day = diurnal_trace(1200, low=0.5, high=3.5)
     assert day.demand(MODEL_A, 0) == pytest.approx(0.5) and day.demand(MODEL_A, 600) == pytest.approx(3.5)
     assert day.demand(MODEL_A, 300) == pytest.approx(2.0)
