@@ -40,13 +40,14 @@ import httpx
 import trio
 
 from ..config.schema import Deployment
+from ..flow.model import DEFAULT_CLASSES
 from ..sim.profiles import DEFAULT_PROFILE
 from ..testing.processes import ChildFailed
 from ..testing.sims import start_sims
 from .autoscale_oracle import plan
 from .autoscale_report import charts, markdown, model_stats, run_summary, series, targets, targets_markdown
 from .autoscale_rig import AutoscaleRig, EngineShape, profile_name, sim_models_startup
-from .autoscale_timeline import log_events, scale_up_timeline, timelines_markdown
+from .autoscale_timeline import engine_logs, log_events, scale_up_timeline, timelines_markdown
 from .autoscale_traces import MODEL_A, TRACES, Trace, arrival_times, shortened
 from .chat_workloads import new_client
 from .cluster_events import percentile
@@ -140,9 +141,23 @@ def deployment_lines(arm: str, trace: Trace, factor: float) -> str:
             f"    autoscale: {{{scaled}}}")
 
 
+REFERENCE_FACTOR = 10.0  # the compression at which the flow classes' default ``max_wait`` are kept as they are
+
+
+def flow_classes(factor: float) -> str:
+    """The flow queue's classes with their default ``max_wait`` held in fleet seconds as at the default compression
+    (the ``standard`` class's 10 s is 100 fleet seconds): a request held for a model at zero waits out an engine's
+    cold start at any ``--time-factor`` (docs/autoscaling.md: a ``max_wait`` longer than the start)."""
+    scaled = "".join(f"    - {{name: {c.name}, rank: {c.rank}, max_fill: {c.max_fill:g}, "
+                     f"max_wait: {seconds(c.max_wait * REFERENCE_FACTOR, factor)}}}\n" for c in DEFAULT_CLASSES)
+    return f"flow:\n  classes:\n{scaled}"
+
+
 def config_extra(arm: str, factor: float) -> str:
-    """The arm's top-level config: the autoscaler deciding every second of fleet time."""
-    return f"autoscale:\n  interval: {seconds(1.0, factor)}\n" if arm == AUTOSCALED else ""
+    """The arm's top-level config: the flow classes (:func:`flow_classes`) and, autoscaled, the autoscaler deciding
+    every second of fleet time."""
+    classes = "" if factor == REFERENCE_FACTOR else flow_classes(factor)
+    return classes + (f"autoscale:\n  interval: {seconds(1.0, factor)}\n" if arm == AUTOSCALED else "")
 
 
 def starting_count(arm: str, trace: Trace) -> int:
@@ -188,8 +203,7 @@ async def run_trace(args: argparse.Namespace, http: httpx.AsyncClient, trace: Tr
     fleet: list[dict] = []
     loops = {}
     began: dict[str, float] = {}  # epoch seconds at which each model's arrivals are timed from
-    engine = engine_of(args, boot)
-    async with AutoscaleRig.open(workdir, engine, deployments, ready, nodes=args.nodes,
+    async with AutoscaleRig.open(workdir, engine_of(args, boot), deployments, ready, nodes=args.nodes,
                                  gpus=args.gpus, extra_config=config_extra(arm, factor)) as rig:
 
         async def drive(model: str) -> None:
@@ -207,6 +221,7 @@ async def run_trace(args: argparse.Namespace, http: httpx.AsyncClient, trace: Tr
     for name, log_lines in (("control.log", control_log), ("agents.log", agent_log)):  # kept with --workdir
         (workdir / name).write_text("\n".join(log_lines) + "\n")
     control_events, agent_events = log_events(control_log), log_events(agent_log)
+    engines = engine_logs(workdir)
     within = [s for s in fleet if s["t"] <= wall]
     stats, lines = {}, {}
     for model in trace.models:
@@ -219,7 +234,7 @@ async def run_trace(args: argparse.Namespace, http: httpx.AsyncClient, trace: Tr
         if moment is not None:
             since = began[model] + moment / factor
             stats[model]["timeline"] = scale_up_timeline(control_events, agent_events, profile_name(model), model,
-                                                         since, boot + engine.cold_start, trace.called_at is not None)
+                                                         since, engines, trace.called_at is not None)
     return stats, lines
 
 

@@ -56,7 +56,8 @@ class EngineShape:
     hot_start: float
 
     def args(self) -> list[str]:
-        args = ["--profile", self.profile, "--max-num-seqs", str(self.max_num_seqs)]
+        # JSON logs: the timeline reads when the engine is ready from its own (llmgw/bench/autoscale_timeline.py)
+        args = ["--profile", self.profile, "--max-num-seqs", str(self.max_num_seqs), "--log-format", "json"]
         if sim_models_startup():
             args += [STARTUP_FLAGS[0], f"{self.cold_start:g}", STARTUP_FLAGS[1], f"{self.hot_start:g}"]
         if SLEEP_FLAG in build_parser().format_help():

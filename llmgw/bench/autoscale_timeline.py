@@ -7,8 +7,9 @@ finds, for the first of the replicas it adds (``{profile}-{i}``, ``i`` from the 
 - ``decided``: the autoscaler's decision (``autoscale: DEPLOYMENT (MODEL) up 2 -> 3: ...``);
 - ``placed``: the control plane places the replica (``place replica ID ...``);
 - ``spawned``: its agent starts the engine (the shard's ``starting`` report);
-- ``engine_ready``: when the engine is modelled to answer ``/health`` (``spawned`` + the simulator's process
-  start + its modelled cold start: the engine's part, not llmgw's);
+- ``engine_ready``: when the engine answers ``/health``: the simulator's own JSON log says when its modelled cold
+  start began and how long it takes (``loading the model: ready in 4.7s``; its log is the agent's
+  ``logs/SHARD.log``, the shard's id starting with the replica's): the engine's part ends there, llmgw's begins;
 - ``reported``: the agent's probe sees it ready (the shard's ``ready`` report);
 - ``routed``: the control plane puts it in routing (``replica ID (MODEL) enters routing``);
 - ``dispatched`` and ``first_token``: the first request the replica served (from zero: the first request sent
@@ -23,20 +24,22 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
+from pathlib import Path
 
 PHASES = (
     ("decided", "the autoscaler decides"),
     ("placed", "the control plane places the replica"),
     ("spawned", "the agent starts the engine"),
-    ("engine_ready", "the engine answers /health (modelled)"),
+    ("engine_ready", "the engine answers /health"),
     ("reported", "the agent reports it ready"),
     ("routed", "it enters routing"),
     ("dispatched", "the gateway queue dispatches its first request"),
     ("first_token", "that request's first token"),
 )
 CHANGE = re.compile(r" (up|from_zero) (\d+) -> (\d+): ")
+LOADING = re.compile(r"^loading the model: ready in ([0-9.e+-]+)s")
 
 
 def epoch(stamp: str) -> float:
@@ -63,13 +66,31 @@ def first(events: Sequence[dict], after: float, matches) -> float | None:
     return next((e["at"] for e in events if e["at"] >= after and matches(e)), None)
 
 
+def engine_logs(workdir: Path) -> dict[str, list[dict]]:
+    """Every engine's JSON log records under ``workdir``'s agents' state folders, by shard id."""
+    return {path.stem: log_events(path.read_text(errors="replace").splitlines())
+            for path in sorted(workdir.glob("agent-*/logs/*.log"))}
+
+
+def engine_ready_at(engines: Mapping[str, Sequence[dict]], replica: str, after: float) -> float | None:
+    """When ``replica``'s engine (started at or after ``after``) was ready: its cold start's line plus its length."""
+    for shard, events in engines.items():
+        if not shard.startswith(f"{replica}-g"):
+            continue
+        for e in events:
+            if e["at"] >= after and (loading := LOADING.match(e.get("message", ""))) is not None:
+                return e["at"] + float(loading.group(1))
+    return None
+
+
 def first_served(control: Sequence[dict], model: str, since: float, replica: str | None) -> dict | None:
     """The access line of the first request of ``model`` that started at or after ``since`` (``replica``: the
     first that replica served, by when it left the queue), with ``started``, ``dispatched`` and ``first_token``
     (epoch seconds)."""
     served = []
     for e in control:
-        if e.get("logger") != "llmgw.access" or e.get("model") != model or e.get("latency_ms") is None:
+        if e.get("logger") != "llmgw.access" or e.get("model") != model or e.get("status") != 200 \
+                or e.get("latency_ms") is None:
             continue
         started = e["at"] - e["latency_ms"] / 1000
         if started < since or (replica is not None and e.get("replica") != replica):
@@ -83,11 +104,10 @@ def first_served(control: Sequence[dict], model: str, since: float, replica: str
 
 
 def scale_up_timeline(control: Sequence[dict], agents: Sequence[dict], deployment: str, model: str, since: float,
-                      engine_start: float, from_zero: bool = False) -> dict | None:
+                      engines: Mapping[str, Sequence[dict]], from_zero: bool = False) -> dict | None:
     """The first scale-up of ``deployment`` at or after ``since`` (epoch seconds): each of :data:`PHASES` in wall
-    seconds from ``since`` (None: not seen); None when no scale-up was decided. ``engine_start``: wall seconds
-    from an engine's spawn to its answering ``/health``; ``from_zero``: the request timed is the first sent after
-    ``since`` (else the first the new replica served)."""
+    seconds from ``since`` (None: not seen); None when no scale-up was decided. ``engines``: :func:`engine_logs`;
+    ``from_zero``: the request timed is the first sent after ``since`` (else the first the new replica served)."""
     prefix = f"autoscale: {deployment} ({model}) "
     decision = next((e for e in control if e["at"] >= since and e.get("message", "").startswith(prefix)
                      and CHANGE.search(e["message"])), None)
@@ -107,7 +127,7 @@ def scale_up_timeline(control: Sequence[dict], agents: Sequence[dict], deploymen
         "decided": decided,
         "placed": first(control, decided, lambda e: e.get("message", "").startswith(f"place replica {replica} ")),
         "spawned": spawned,
-        "engine_ready": None if spawned is None else spawned + engine_start,
+        "engine_ready": engine_ready_at(engines, replica, decided),
         "reported": first(agents, decided, lambda e: e.get("replica") == replica and e.get("state") == "ready"),
         "routed": min(routed)[0] if routed else None,
         "dispatched": None if request is None else request["dispatched"],
