@@ -16,7 +16,9 @@ arrivals following the trace (streamed chat completions of ``--prompt-words`` wo
 through the gateway), sampled every ``--sample`` seconds (:meth:`~.autoscale_rig.AutoscaleRig.sample`). Per
 trace, arm and model (:mod:`.autoscale_report`): the step to the extra replica serving, dropped requests,
 reversals, TTFT p95 SLO attainment, replica-seconds against the oracle (:mod:`.autoscale_oracle`); a text chart of
-replicas against demand; with ``--json`` everything, series included (partial results as they come).
+replicas against demand; where the seconds of the step's scale-up and of the start from zero went, phase by phase,
+from the processes' logs (:mod:`.autoscale_timeline`); with ``--json`` everything, series included (partial results
+as they come).
 
 Run: ``llmgw bench autoscale [--traces step,diurnal,swap,idle] [--arms autoscaled,fixed-max,fixed-min]
 [--repeats 3] [--json bench-results/autoscale.json]``; ``--quick`` is a short form (the traces over a quarter of
