@@ -72,7 +72,10 @@ class SupervisorSettings:
     crash_loop_after: int = 5  # this many restarts within crash_loop_window, then one more exit: crash loop
     crash_loop_window: float = 600.0
     crash_loop_retry: float | None = 60.0  # FAILED shards are retried this often; None: give up
-    probe_interval: tuple[float, float] = (0.5, 2.0)  # while starting or loading, while ready
+    # While starting or loading, while ready. Loading is probed often: a replica serves (and a scale-up or a start
+    # from zero ends) no sooner than its agent sees it ready; a probe of an engine not yet listening is a refused
+    # connection, nothing for the engine to do.
+    probe_interval: tuple[float, float] = (0.1, 2.0)
     probe_timeout: float = 2.0
     unhealthy_after: int = 3  # failed health probes in a row that take a Ready shard back to Loading
     restart_unhealthy_after: int = 10  # refused or 5xx health probes in a row that restart it (timeouts never do)

@@ -9,7 +9,7 @@
   neither), so both are scaled to the cluster the same way, times the live gateways (a load balancer that
   spreads requests evenly makes this gateway's share one in ``gateways``): arrivals scaled and the drain rate
   not would make N gateways ask for N times the replicas a backlog needs. All are rates over at least
-  :data:`MIN_SPAN`, smoothed;
+  :data:`MIN_SPAN`, smoothed (a rise faster than a fall: :data:`RISING`);
 - TTFT attainment: the share of this gateway's first tokens of the last :data:`TTFT_WINDOW` within the
   deployment's ``ttft_slo`` (:class:`FirstTokens`; the load reports do not carry them either);
 - the last request: the last reading with anything queued or in flight, or a counter that moved (a fresh source
@@ -30,7 +30,10 @@ from .model import ModelSignals
 if TYPE_CHECKING:
     from ..router.router import Router
 
-SMOOTHING = 0.3  # the weight of the newest rate in the served and arrival averages
+SMOOTHING = 0.3  # the weight of the newest rate in the served and arrival averages when it falls...
+# ...and when it rises: a step in demand shows within a span or two (at 0.3 it took four spans, 4 s, before a doubled
+# rate asked for its replicas), while a drop is still smoothed slowly (scaling down waits anyway).
+RISING = 0.7
 MIN_SPAN = 1.0  # seconds a rate is measured over at least: a reading or two of a few requests is noise
 TTFT_WINDOW = 60.0  # seconds of first tokens the attainment is the share of
 MAX_FIRST_TOKENS = 2048  # first tokens kept per model (the newest): bounded whatever the load
@@ -85,7 +88,8 @@ class _Rate:
             # before a backlog's count could ask for more than its arrivals need.
             # A replica that left takes its count with it (a queue forgotten, its): a drop is no negative rate.
             rate = max(0, count - self.count) / (now - self.at)
-            self.rate = rate if self.rate == 0 else SMOOTHING * rate + (1 - SMOOTHING) * self.rate
+            weight = RISING if rate > self.rate else SMOOTHING
+            self.rate = rate if self.rate == 0 else weight * rate + (1 - weight) * self.rate
             self.count, self.at = count, now
         elif count < self.count:
             self.count = count

@@ -129,3 +129,18 @@ def test_the_drain_rate_per_replica_is_over_ready_replica_seconds_so_a_replica_j
     assert signals.served_per_replica_s == pytest.approx(3.0)  # 6 over the first one's 2 s alone
     one.served, new.served = 18, 6
     assert source.signals("tiny", now=6.0).served_per_replica_s == pytest.approx(3.0)  # 12 over 2 replicas x 2 s
+
+
+def test_a_rising_arrival_rate_shows_within_a_span_and_a_falling_one_is_smoothed_slowly():
+    entered = {"tiny": 0}
+    source = GatewaySignals(router_with(), lambda model: (0, 0), entered=lambda model: entered[model])
+    source.signals("tiny", now=0.0)
+    for second in range(1, 4):  # 4/s for three spans
+        entered["tiny"] += 4
+        source.signals("tiny", now=float(second))
+    assert source.signals("tiny", now=3.0).arrivals_per_s == pytest.approx(4.0)
+    entered["tiny"] += 8  # the demand doubles: one span later most of the step shows
+    doubled = source.signals("tiny", now=4.0).arrivals_per_s
+    assert doubled == pytest.approx(0.7 * 8 + 0.3 * 4) and doubled > 1.5 * 4
+    entered["tiny"] += 2  # it falls back: the average comes down by a third of the way only
+    assert source.signals("tiny", now=5.0).arrivals_per_s == pytest.approx(0.3 * 2 + 0.7 * doubled)
