@@ -8,6 +8,7 @@ Every wait is for a state, with a deadline that only fails a hung test.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import httpx
 import trio
@@ -112,7 +113,9 @@ async def test_from_zero_requests_wait_for_the_first_replica_and_to_zero_when_id
     assert {a.headers["x-llmgw-replica"] for a in answers} == {"tiny-sim-0"}
     first = [d for d in scaler.decisions if d.key == "tiny-sim"][0]
     assert (first.kind, first.current, first.desired) == ("from_zero", 0, 1)
-    assert first.reason == "3 waiting or in flight need 1 replicas, 0 run"
+    # The first of the three may be decided on alone (the scaler runs every 0.2 s; on a loaded machine the three
+    # requests can land in two of its rounds), the count it asks for is one replica either way.
+    assert re.fullmatch(r"[123] waiting or in flight need 1 replicas, 0 run", first.reason), first.reason
     # While it started, the scaler saw the requests queued and the replica starting (pending-aware input).
     assert any(v.signals.queued == 3 and v.counts.starting == 1 and v.counts.ready == 0 for _, v in scaler.views)
 
