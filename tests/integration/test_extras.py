@@ -108,7 +108,8 @@ def test_the_bench_extra_installs_what_the_benchmarks_import(tmp_path):
         helped = subprocess.run([str(python.parent / "llmgw"), "bench", name, "--help"], capture_output=True,
                                 text=True, timeout=120, cwd=tmp_path)
         assert (helped.returncode, helped.stderr) == (0, ""), (name, helped.stderr[-3000:])
-        assert helped.stdout.startswith("usage: ") and "-h, --help" in helped.stdout, (name, helped.stdout[:300])
+        assert helped.stdout.startswith(f"usage: llmgw bench {name}") and "-h, --help" in helped.stdout, \
+            (name, helped.stdout[:300])
 
 
 def test_the_compiled_wheel_with_the_tokenizer_extra_runs_compiled_and_imports_what_it_serves(tmp_path):
