@@ -253,7 +253,7 @@ def table(summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llmgw.bench.room", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", default="h100-llama-3.1-8b")
     parser.add_argument("--users", type=int, default=100)
     parser.add_argument("--gateways", type=int, default=1, help="gateways in this process, the users spread over "
