@@ -21,6 +21,10 @@ within a band, deadlines, overflow, and a Retry-After from the measured drain ra
   lowest band, maybe the one arriving). Each early shed is judged afterwards (``llmgw_flow_early_shed_verdicts``).
 - Retry-After: the same estimate for all that waits in the shed request's band and above, rounded up and clamped
   to ``[retry_after_min, retry_after_max]`` (``retry_after_min`` while the rate is unknown).
+- Among several gateways (``peers``), a band whose rate this gateway does not trust yet drains at its share of the
+  rate the others trust (:mod:`.cluster_drain`): a gateway that sees a third of the arrivals sheds as soon as the
+  cluster has measured enough, not a third as soon. What this gateway publishes is its own rate alone
+  (:meth:`FlowQueue.trusted_drains`).
 
 The dispatchers run in :meth:`FlowQueue.run`'s nursery (a :class:`~llmgw.control.tasks.TaskHost`), which the
 gateway starts in its own.
@@ -38,6 +42,7 @@ import trio
 
 from ..control.tasks import TaskHost
 from ..lograte import RepeatLimitedLog
+from .cluster_drain import PeerDrains, share_of_cluster
 from .drain import DrainRate
 from .fair import FairBand
 from .interfaces import Room
@@ -129,8 +134,9 @@ class _Band:
 class _Model:
     """One model's queue."""
 
-    def __init__(self, name: str, ranks: list[int]):
+    def __init__(self, name: str, ranks: list[int], peers: PeerDrains | None = None):
         self.name = name
+        self.peers = peers
         self.bands: list[_Band] = [_Band(rank) for rank in sorted(set(ranks))]
         self.classes: dict[str, _ClassState] = {}
         self.pending = 0  # admitted, not yet released
@@ -185,8 +191,17 @@ class _Model:
         return requests, tokens, first, own
 
     def rate_of(self, band: _Band, now: float, cost: int) -> float | None:
-        """``band``'s drain rate in tokens/s: its own once measured, else the model's requests per second times
-        the mean cost of what waits in it (``cost`` when nothing does)."""
+        """``band``'s drain rate in tokens/s: its own once measured, else this gateway's share of the rate the
+        other gateways measured for it, else the model's requests per second times the mean cost of what waits in
+        it (``cost`` when nothing does)."""
+        own = band.line.drain.trusted
+        if own is not None:
+            return own
+        if self.peers is not None:
+            cluster = share_of_cluster(self.peers.rates(self.name, band.rank), sum(self.peers.held(self.name)),
+                                       self.waiting)
+            if cluster is not None:
+                return cluster
         requests = self.dispatches.trusted
         fair = band.fair
         mean = fair.tokens / len(fair) if len(fair) else cost
@@ -235,9 +250,12 @@ class FlowQueue(TaskHost):
 
     not_running = "FlowQueue.run() is not running: start it in the gateway's nursery first"
 
-    def __init__(self, settings: FlowSettings, room: Room, metrics: FlowMetrics | None = None):
+    def __init__(self, settings: FlowSettings, room: Room, metrics: FlowMetrics | None = None,
+                 peers: PeerDrains | None = None):
+        """``peers``: the other gateways' drain rates and held requests (None: a gateway alone)."""
         self.settings = settings
         self.room = room
+        self.peers = peers
         self.metrics = metrics or FlowMetrics()
         self._ranks = [c.rank for c in settings.classes]
         self._models: dict[str, _Model] = {}
@@ -277,7 +295,7 @@ class FlowQueue(TaskHost):
     def _new_model(self, name: str) -> _Model:
         if len(self._models) >= MAX_MODELS:  # the data plane names served models only; still, never grow unbounded
             self._models = {n: m for n, m in self._models.items() if m.waiting or m.pending or m.dispatching}
-        model = self._models[name] = _Model(name, self._ranks)
+        model = self._models[name] = _Model(name, self._ranks, self.peers)
         return model
 
     def release(self, admitted: Admitted) -> None:
@@ -293,6 +311,14 @@ class FlowQueue(TaskHost):
         model.pending_output -= ticket.output
         if model.waiting:
             model.kick.set()
+
+    def trusted_drains(self, model: str) -> tuple[tuple[int, int], ...]:
+        """Per band of ``model``, ``(rank, tokens/s)`` of the drain rates this gateway measured and trusts (its
+        own alone: what it tells the other gateways)."""
+        found = self._models.get(model)
+        if found is None:
+            return ()
+        return tuple((band.rank, int(rate)) for band in found.bands if (rate := band.line.drain.trusted) is not None)
 
     def queued(self, model: str) -> dict[str, Queued]:
         """Per class name, what waits for ``model`` at this gateway (classes with nothing waiting left out)."""

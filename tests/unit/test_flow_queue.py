@@ -454,6 +454,65 @@ async def test_with_no_drain_measured_a_request_is_never_shed_before_its_deadlin
         assert outcome.retry_after == FlowSettings().retry_after_min  # no rate: no guess either
 
 
+class FakePeers:
+    """The other gateways' reports as the queue reads them: per band the rates they trust, the requests they hold."""
+
+    def __init__(self, rates: dict[int, list[int]], held: list[int]):
+        self._rates, self._held = rates, held
+
+    def rates(self, model: str, rank: int) -> list[int]:
+        return self._rates.get(rank, [])
+
+    def held(self, model: str) -> list[int]:
+        return self._held
+
+
+async def test_a_gateway_without_its_own_rate_sheds_at_once_on_its_share_of_the_peers_rates(autojump_clock):
+    """Issue 31 through 3 gateways: this one has measured nothing, the two others trust 1,500 tokens/s for the
+    band and hold 90 requests to this one's 30: the cluster drains 4,500 tokens/s, this gateway's share a quarter."""
+    async with harness(capacity=1) as h:
+        h.queue.peers = FakePeers({STANDARD.rank: [1500, 1500], BATCH.rank: [99_999]}, [45, 45])
+        await occupy(h, 1, hold=100)
+        for _ in range(30):  # 3,000 tokens ahead: about 2.7 s at 1,125 tokens/s
+            h.start(request(STANDARD, flow="ahead", cost=100, wait=100))
+        await trio.testing.wait_all_tasks_blocked()
+        started = trio.current_time()
+        outcome = await h.queue.enter(request(STANDARD, flow="ahead", cost=100, wait=1.0))
+        assert isinstance(outcome, Shed) and outcome.reason == UNSERVABLE
+        assert trio.current_time() == started
+        assert outcome.retry_after == 3  # ceil(3,000 / 1,125)
+        # What this gateway tells the others is its own rate alone: none measured yet.
+        assert h.queue.trusted_drains(MODEL) == ()
+
+
+async def test_a_band_no_peer_has_measured_still_waits_for_its_deadline(autojump_clock):
+    async with harness(capacity=1) as h:
+        h.queue.peers = FakePeers({BATCH.rank: [1500]}, [30])  # another band's rate says nothing of this one
+        await occupy(h, 1, hold=100)
+        for _ in range(30):
+            h.start(request(STANDARD, flow="ahead", cost=100, wait=100))
+        await trio.testing.wait_all_tasks_blocked()
+        started = trio.current_time()
+        outcome = await h.queue.enter(request(STANDARD, flow="late", cost=100, wait=1.0))
+        assert isinstance(outcome, Shed) and outcome.reason == EXPIRED
+        assert trio.current_time() - started == pytest.approx(1.0)
+
+
+async def test_a_gateways_own_trusted_rate_is_what_it_publishes_and_predicts_with(autojump_clock):
+    async with harness(capacity=1) as h:
+        h.queue.peers = FakePeers({INTERACTIVE.rank: [1_000_000]}, [1])  # a peer far quicker: not used once it has
+        # its own
+        await measure_drain(h)
+        [(rank, rate)] = h.queue.trusted_drains(MODEL)
+        assert rank == INTERACTIVE.rank and rate == pytest.approx(1000, rel=0.1)
+        await occupy(h, 1, hold=100)
+        for _ in range(10):  # 1,000 tokens ahead: about 1 s at its own rate (a millisecond at the peer's)
+            h.start(request(INTERACTIVE, flow="ahead", cost=100, wait=100))
+        await trio.testing.wait_all_tasks_blocked()
+        shed = await h.queue.enter(request(INTERACTIVE, flow="ahead", cost=100, wait=0.5))
+        assert isinstance(shed, Shed) and shed.reason == UNSERVABLE and shed.retry_after == 2
+
+
 async def test_retry_after_is_the_queue_ahead_over_the_drain_rate_within_its_bounds(autojump_clock):
     flow_settings = FlowSettings(retry_after_min=2, retry_after_max=20)
     async with harness(capacity=1, flow_settings=flow_settings) as h:

@@ -131,10 +131,12 @@ def test_broken_gauges_neither_crash_nor_reach_past_the_bounds():
 
 
 class Peers:
-    """The cluster's load sharing as the room sees it: the other gateways' requests held per model."""
+    """The cluster's load sharing as the room sees it: the other gateways' requests held per model, and the output
+    allowance they have in flight (None: one of them does not report it)."""
 
     def __init__(self) -> None:
         self.held: dict[str, list[int]] = {}
+        self.output: dict[str, int] = {}
         self.source = None
         self.max_queued = 0
         self.listeners: list = []
@@ -144,6 +146,9 @@ class Peers:
 
     def peer_queued(self, model):
         return self.held.get(model, [])
+
+    def peer_output(self, model):
+        return self.output.get(model)
 
     def watch(self, listener):
         self.listeners.append(listener)
@@ -657,3 +662,16 @@ def test_the_kv_tokens_are_split_among_the_gateways_holding_requests_as_the_requ
     assert room.fits("m", INTERACTIVE, 8192)  # none of its own in flight: one request, whatever the quota
     peers.held["m"] = [10_000_000]  # a forged count is taken at max_queued: still one request
     assert room.fits("m", INTERACTIVE, 8192)
+
+
+def test_the_others_output_is_counted_at_their_own_mean_once_their_reports_carry_it():
+    peers = Peers()
+    router, room, _, _ = make_room(peers=peers)
+    tell_kv(router, "a")
+    tell_kv(router, "b")
+    a, b = router.replicas.get("a"), router.replicas.get("b")
+    a.local_inflight, a.local_inflight_tokens, a.local_inflight_output_tokens = 2, 3000, 3000  # 1,500 output each
+    b.peer_inflight, b.peer_inflight_tokens = 2, 3000  # another gateway's, alone on b
+    assert room.fits("m", INTERACTIVE, 4384) and not room.fits("m", INTERACTIVE, 4385)  # at our mean: 6,000 on b
+    peers.output["m"] = 200  # their reports: 100 output tokens each, so 3,200 held on b
+    assert room.fits("m", INTERACTIVE, 2192 + 4992) and not room.fits("m", INTERACTIVE, 2192 + 4993)
