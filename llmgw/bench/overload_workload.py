@@ -93,9 +93,10 @@ def kind_of(status: int, body: str) -> str:
     return SHED if status == 429 else ERROR
 
 
-# llmgw's 429 messages (llmgw.gateway.flow_gate.shed_response) say why: the deadline passed while waiting, the
-# queue was full, or the request would not have had room in time (shed at once or while waiting).
-REFUSAL_REASONS = (("its deadline (class", "expired"), ("is full", "overflow"), ("would not have room", "unservable"))
+# llmgw's 429 messages (llmgw.gateway.flow_gate.shed_response) say why: the request would not have had room in
+# time (shed at once or while waiting: its message names the deadline too, so it is looked for first), the queue
+# was full, or the deadline passed while it waited.
+REFUSAL_REASONS = (("would not have room", "unservable"), ("is full", "overflow"), ("its deadline (class", "expired"))
 
 
 def reason_of(status: int, body: str) -> str:
