@@ -19,6 +19,12 @@ within a band, deadlines, overflow, and a Retry-After from the measured drain ra
   (a higher class arrived ahead of it, the drain slowed); else when its deadline passes (EXPIRED); or when the
   model's queue is over ``max_queued`` requests or ``max_queued_tokens`` (OVERFLOW: the newest waiter of the
   lowest band, maybe the one arriving). Each early shed is judged afterwards (``llmgw_flow_early_shed_verdicts``).
+- A stall in progress counts on arrival (and in Retry-After): while requests wait and nothing has been dispatched
+  for *s* seconds (the room full of long streams), an arrival's predicted wait is at least *s* (a stall that has
+  lasted *s* is expected to last about as long again): the drain rate, an average over dispatches, does not see a
+  stall until it ends, and the requests arriving late in one would otherwise wait for their deadline and expire,
+  the slow refusals of issue 31 through several gateways. Not in the looks at the waiters: near its deadline a
+  waiter has so little left that any pause between two dispatches would shed it.
 - Retry-After: the same estimate for all that waits in the shed request's band and above, rounded up and clamped
   to ``[retry_after_min, retry_after_max]`` (``retry_after_min`` while the rate is unknown).
 - Among several gateways (``peers``), a band whose rate this gateway does not trust yet drains at its share of the
@@ -150,6 +156,7 @@ class _Model:
         self.kick = trio.Event()  # set on an arrival or a release: the dispatcher looks again
         self.dispatching = False
         self.rechecked = 0.0  # when the waiters' predicted waits were last looked at
+        self.moved = 0.0  # the last dispatch while requests waited, or when they began to wait
 
     def band(self, rank: int) -> _Band:
         for band in self.bands:
@@ -222,6 +229,10 @@ class _Model:
             if len(band.fair):
                 head = False
 
+    def stalled(self, now: float) -> float:
+        """Seconds since requests waiting here last saw a dispatch (0 when nothing waits)."""
+        return now - self.moved if self.waiting else 0.0
+
     def state(self, name: str) -> _ClassState:
         state = self.classes.get(name)
         if state is None:
@@ -275,6 +286,7 @@ class FlowQueue(TaskHost):
                 now = trio.current_time()
                 model.drain.dispatched(cost, now)
                 model.dispatches.dispatched(1, now)
+                model.moved = now
             self.metrics.admitted.labels(model.name, priority.name).inc()
             self.metrics.wait.labels(model.name, priority.name).observe(0.0)
             return Admitted(0.0, _Ticket(model, cost, output))
@@ -365,13 +377,14 @@ class FlowQueue(TaskHost):
         return None if above is None or rate is None else (above, rate)
 
     @staticmethod
-    def _predicted(drain: tuple[float, float] | None, own_ahead: int, cost: int) -> float | None:
+    def _predicted(drain: tuple[float, float] | None, own_ahead: int, cost: int, stalled: float = 0.0) -> float | None:
         """Seconds until a request with ``own_ahead`` of its band's tokens before it (and ``cost`` of its own)
-        would be dispatched: the bands above drained, then its part of its own (None: a rate unknown)."""
+        would be dispatched: the bands above drained, then its part of its own; at least the ``stalled`` seconds
+        the queue has gone without a dispatch (None: a rate unknown)."""
         if drain is None:
             return None
         above, rate = drain
-        return above + (own_ahead + cost // 2) / rate if rate > 0 else math.inf
+        return max(stalled, above + (own_ahead + cost // 2) / rate if rate > 0 else math.inf)
 
     async def _wait(self, model: _Model, request: FlowRequest) -> Admitted | Shed:
         if not self.running:
@@ -390,7 +403,7 @@ class FlowQueue(TaskHost):
         if not self._has_room(model, priority, tokens_ahead + max(request.cost, 0), _output_of(request),
                               position + 1):
             cost = max(request.cost, 0)
-            expected = self._predicted(self._drain_of(model, band, now, cost), own_ahead, cost)
+            expected = self._predicted(self._drain_of(model, band, now, cost), own_ahead, cost, model.stalled(now))
             if expected is not None and expected > ARRIVAL_SHARE * remaining:
                 return self._shed_early(model, band, request, band.fair.start_of(request.flow, request.weight), 0.0,
                                         self._unservable(model, tokens_ahead, expected, remaining), explain)
@@ -450,6 +463,8 @@ class FlowQueue(TaskHost):
     def _enqueue(self, model: _Model, waiter: _Waiter, now: float) -> None:
         request = waiter.request
         model.band(request.priority.rank).fair.push(waiter)
+        if not model.waiting:
+            model.moved = now
         model.waiting += 1
         model.tokens += waiter.cost
         self._count(model, request.priority.name, 1, waiter.cost)
@@ -471,6 +486,7 @@ class FlowQueue(TaskHost):
         model.tokens -= waiter.cost
         self._count(model, request.priority.name, -1, -waiter.cost)
         if dispatched:
+            model.moved = now
             model.drain.dispatched(waiter.cost, now)
             model.dispatches.dispatched(1, now)
             band.line.drain.dispatched(waiter.cost, now)
@@ -521,7 +537,7 @@ class FlowQueue(TaskHost):
         shedding's, within the bounds (the lower one while it is unknown)."""
         low, high = self.settings.retry_after_min, self.settings.retry_after_max
         band = model.band(priority.rank)
-        seconds = self._predicted(self._drain_of(model, band, now, 1), band.fair.tokens, 0)
+        seconds = self._predicted(self._drain_of(model, band, now, 1), band.fair.tokens, 0, model.stalled(now))
         if seconds is None:
             return low
         return max(low, min(high, math.ceil(seconds) if math.isfinite(seconds) else high))

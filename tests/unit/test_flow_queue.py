@@ -929,6 +929,25 @@ async def test_a_band_not_yet_measured_is_predicted_at_the_models_requests_per_s
 
 
 
+async def test_a_request_arriving_in_a_long_stall_is_shed_at_once_not_at_its_deadline(autojump_clock):
+    """The room is held by a long stream: the drain rate (1,000 tokens/s, an average over dispatches) predicts the
+    100 tokens ahead gone in 0.15 s, but nothing has gone for 1.9 s: an interactive arrival with 2 s is told at
+    once (a stall that lasted 1.9 s is expected to last about as long again), not after waiting 2 s."""
+    async with harness(capacity=1) as h:
+        await measure_drain(h)
+        await occupy(h, 1, hold=100)
+        h.start(request(INTERACTIVE, flow="ahead", cost=100, wait=100))
+        await trio.sleep(0.5)
+        early = h.start(request(INTERACTIVE, flow="early", cost=100, wait=2.0))
+        await trio.testing.wait_all_tasks_blocked()
+        assert id(early) not in h.outcomes  # 0.5 s of stall: it may still be served in time, so it waits
+        await trio.sleep(1.4)
+        started = trio.current_time()
+        outcome = await h.queue.enter(request(INTERACTIVE, flow="late", cost=100, wait=2.0))
+        assert isinstance(outcome, Shed) and outcome.reason == UNSERVABLE and trio.current_time() == started
+        assert outcome.retry_after == 2  # the stall so far, 1.9 s, rounded up
+
+
 async def test_a_look_at_the_waiters_costs_a_bounded_time_newest_first(autojump_clock, monkeypatch):
     monkeypatch.setattr(flow_queue, "RECHECK_MAX", 10)
     async with harness(capacity=1) as h:
