@@ -92,8 +92,7 @@ class LoadSharing:
         self._figures: Callable[[], dict[str, ModelFigures]] | None = None
         self._listeners: list[Callable[[], None]] = []
         self._crowded_told = False
-        self._queued_failure_told = False
-        self._figures_failure_told = False
+        self._failures_told: set[str] = set()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -128,18 +127,8 @@ class LoadSharing:
         self._figures = source
 
     def own_figures(self) -> dict[str, ModelFigures]:
-        """This gateway's figures per model; nothing when its source fails (logged once: the load report goes out
-        all the same)."""
-        if self._figures is None:
-            return {}
-        try:
-            return self._figures()
-        except Exception:
-            if not self._figures_failure_told:
-                self._figures_failure_told = True
-                log.exception("cluster state: this gateway's figures per model (arrivals, first tokens, drain "
-                              "rates) could not be counted; load reports go without them (logged once)")
-            return {}
+        """This gateway's figures per model; nothing when its source fails (logged once)."""
+        return self._counted(self._figures, "this gateway's figures per model (arrivals, first tokens, drain rates)")
 
     def peer_figures(self, model: str) -> dict[str, ModelFigures]:
         """What each live peer measured of ``model``, by origin (nothing, for a peer whose report does not list it;
@@ -163,16 +152,21 @@ class LoadSharing:
 
     def own_queued(self) -> dict[str, int]:
         """The requests this gateway holds per model (those holding some); nothing when its source fails (logged
-        once: the load report, which every other gateway counts on, goes out all the same)."""
-        if self._queued is None:
+        once)."""
+        return {model: n for model, n in self._counted(self._queued, "the requests held per model").items() if n > 0}
+
+    def _counted(self, source: Callable[[], dict[str, Any]] | None, what: str) -> dict[str, Any]:
+        """``source()``; nothing when it fails (logged once per ``what``: the load report, which every other gateway
+        counts on, goes out all the same, without it)."""
+        if source is None:
             return {}
         try:
-            return {model: n for model, n in self._queued().items() if n > 0}
+            return source()
         except Exception:
-            if not self._queued_failure_told:
-                self._queued_failure_told = True
-                log.exception("cluster state: the requests held per model could not be counted; load reports say "
-                              "none are held (logged once)")
+            if what not in self._failures_told:
+                self._failures_told.add(what)
+                log.exception("cluster state: %s could not be counted; load reports go without them (logged once)",
+                              what)
             return {}
 
     def peer_queued(self, model: str) -> list[int]:
