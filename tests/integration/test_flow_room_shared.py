@@ -22,7 +22,7 @@ from llmgw.gateway.app import Gateway
 from llmgw.testing.metrics import metric_value
 from llmgw.testing.processes import CLUSTER_SECRET, CLUSTER_SECRET_ENV
 from llmgw.testing.shared_state import cluster_config, wait_replicas
-from llmgw.testing.sims import MODEL, start_sims
+from llmgw.testing.sims import MODEL, start_sims, stream_story
 
 pytestmark = pytest.mark.slow
 
@@ -58,17 +58,10 @@ async def test_in_flight_and_held_requests_of_one_gateway_reach_the_others_room(
     replicas = gateway.router.replicas.members(MODEL)
     assert room.free(MODEL, INTERACTIVE) > 1000  # no engine has said it is full: nothing held
 
-    async def stream(http: httpx.AsyncClient, seed: int) -> None:
-        body = {"model": MODEL, "max_tokens": 200, "stream": True,
-                "messages": [{"role": "user", "content": f"tell me a story {seed}"}]}
-        async with http.stream("POST", control.url + "/v1/chat/completions", json=body) as response:
-            async for _ in response.aiter_raw():
-                pass
-
     async with httpx.AsyncClient(timeout=30) as http:
         async with trio.open_nursery() as streams:
             for seed in range(STREAMS):
-                streams.start_soon(stream, http, seed)
+                streams.start_soon(stream_story, http, control.url, seed)
             with trio.fail_after(10):  # this gateway sees the engines queue, and the control's requests in flight
                 while not (sum(r.peer_inflight for r in replicas) == STREAMS
                            and all(room.capacity(r) is not None for r in replicas)):

@@ -18,7 +18,7 @@ from llmgw.config.loading import parse_config
 from llmgw.gateway.app import Gateway
 from llmgw.testing.processes import CLUSTER_SECRET, CLUSTER_SECRET_ENV
 from llmgw.testing.shared_state import cluster_config, wait_replicas
-from llmgw.testing.sims import MODEL, start_sims
+from llmgw.testing.sims import MODEL, start_sims, stream_story
 
 pytestmark = pytest.mark.slow
 
@@ -45,12 +45,7 @@ async def test_a_gateways_arrivals_and_output_in_flight_reach_the_other_gateway(
     replicas = gateway.router.replicas.members(MODEL)
 
     async def stream(http: httpx.AsyncClient, seed: int) -> None:
-        body = {"model": MODEL, "max_tokens": MAX_TOKENS, "stream": True,
-                "messages": [{"role": "user", "content": f"tell me a story {seed}"}]}
-        async with http.stream("POST", control.url + "/v1/chat/completions", json=body) as response:
-            assert response.status_code == 200
-            async for _ in response.aiter_raw():
-                pass
+        assert await stream_story(http, control.url, seed, MAX_TOKENS) == 200
 
     async with httpx.AsyncClient(timeout=30) as http:
         async with trio.open_nursery() as streams:

@@ -441,8 +441,11 @@ async def test_a_request_the_queue_cannot_serve_before_its_deadline_is_shed_at_o
         assert id(patient) not in h.outcomes and id(other) not in h.outcomes
 
 
-async def test_with_no_drain_measured_a_request_is_never_shed_before_its_deadline(autojump_clock):
+@pytest.mark.parametrize("peers", [False, True])
+async def test_with_no_drain_measured_a_request_is_never_shed_before_its_deadline(autojump_clock, peers):
     async with harness(capacity=1) as h:
+        if peers:  # the other gateways measured another band: that says nothing of this one
+            h.queue.peers = FakePeers({BATCH.rank: [1500]}, [30])
         await occupy(h, 1, hold=100)
         for _ in range(30):
             h.start(request(STANDARD, flow="ahead", cost=100, wait=100))
@@ -483,19 +486,6 @@ async def test_a_gateway_without_its_own_rate_sheds_at_once_on_its_share_of_the_
         assert outcome.retry_after == 3  # ceil(3,000 / 1,125)
         # What this gateway tells the others is its own rate alone: none measured yet.
         assert h.queue.trusted_drains(MODEL) == ()
-
-
-async def test_a_band_no_peer_has_measured_still_waits_for_its_deadline(autojump_clock):
-    async with harness(capacity=1) as h:
-        h.queue.peers = FakePeers({BATCH.rank: [1500]}, [30])  # another band's rate says nothing of this one
-        await occupy(h, 1, hold=100)
-        for _ in range(30):
-            h.start(request(STANDARD, flow="ahead", cost=100, wait=100))
-        await trio.testing.wait_all_tasks_blocked()
-        started = trio.current_time()
-        outcome = await h.queue.enter(request(STANDARD, flow="late", cost=100, wait=1.0))
-        assert isinstance(outcome, Shed) and outcome.reason == EXPIRED
-        assert trio.current_time() - started == pytest.approx(1.0)
 
 
 async def test_a_gateways_own_trusted_rate_is_what_it_publishes_and_predicts_with(autojump_clock):

@@ -5,19 +5,14 @@ honest gateway signed, and small."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from llmgw.cluster import records
 from llmgw.cluster.load import NO_FIGURES, LoadSharing
-from llmgw.cluster.metrics import ClusterMetrics
 from llmgw.cluster.records import ModelFigures, RecordError
 from llmgw.gateway.load_figures import PeerDrainsOf
-from llmgw.router.model import TierModel
-from llmgw.router.replica import Replica
-from llmgw.router.replicas import STATIC, ReplicaSet
+from llmgw.testing.load_reports import CapturedLink, load_sharing, report_of
 
 LIMITS = records.LoadLimits(frozenset({"r1"}), 2.0, 10_000)
 FIGURES = ModelFigures(entered=120, ttft_within=40, ttft_seen=50, output_inflight=2048, drains=((0, 1500), (2, 90)))
@@ -79,33 +74,15 @@ def test_any_figures_field_decodes_bounded_or_is_a_record_error(f):
 
 
 def make_sharing(secret: bytes | None = None, origin: str = "gw-a") -> LoadSharing:
-    replicas = ReplicaSet()
-    replicas.declare_model(STATIC, TierModel("m"))
-    replicas.declare_model(STATIC, TierModel("n"))
-    replicas.add(Replica(name="r1", model="m", url="http://127.0.0.1:9000"))
-    return LoadSharing(None, records.Keys("c"), SimpleNamespace(load_ttl=2.0, load_interval=0.05), replicas,
-                       ClusterMetrics(None, "gateway", "c", origin), origin, records.Signer(secret), 10_000)
-
-
-class Captured:
-    """A Redis link that keeps what is written to the load stream."""
-
-    def __init__(self) -> None:
-        self.sent: list[dict[bytes, bytes]] = []
-
-    async def add_to_stream(self, operation, key, fields, length):
-        self.sent.append(fields)
+    return load_sharing(secret, origin, ("m", "n"))
 
 
 async def sent_by(sharing: LoadSharing, figures: dict[str, ModelFigures] | None,
                   queued: dict[str, int] | None = None) -> dict[str, bytes]:
-    link = Captured()
-    sharing.link = link
     if figures is not None:
         sharing.report_figures(lambda: figures)
     sharing.count_queued(lambda: queued or {}, 10_000)
-    await sharing._send(sharing.own_load(), sharing.own_queued(), sharing.own_figures())
-    return {name.decode(): value for name, value in link.sent[0].items()}
+    return await report_of(sharing)
 
 
 @pytest.mark.parametrize("secret", [None, b"k" * 32])
@@ -145,7 +122,7 @@ async def test_a_failing_source_of_figures_still_lets_the_load_report_go(caplog)
     def broken() -> dict[str, ModelFigures]:
         raise RuntimeError("the figures broke")
 
-    link = Captured()
+    link = CapturedLink()
     sharing.link = link
     sharing.report_figures(broken)
     for _ in range(2):
