@@ -407,6 +407,14 @@ async def measure_drain(h: Harness, rate_tokens: int = 1000, priority: PriorityC
     assert not h.queue.queued(MODEL)
 
 
+async def wait_behind(h: Harness, n: int, priority: PriorityClass = STANDARD) -> None:
+    """The room held by a long stream, and ``n`` patient requests of 100 tokens (flow ``ahead``) waiting."""
+    await occupy(h, 1, hold=100)
+    for _ in range(n):
+        h.start(request(priority, flow="ahead", cost=100, wait=100))
+    await trio.testing.wait_all_tasks_blocked()
+
+
 async def test_a_waiter_is_shed_expired_at_its_deadline(autojump_clock):
     async with harness(capacity=1) as h:
         await occupy(h, 1, hold=100)
@@ -423,10 +431,7 @@ async def test_a_request_the_queue_cannot_serve_before_its_deadline_is_shed_at_o
         await measure_drain(h)
         rate = h.queue.snapshot()[MODEL]["drain_rate"]
         assert rate == pytest.approx(1000, rel=0.1)
-        await occupy(h, 1, hold=100)
-        for _ in range(30):  # 3,000 tokens ahead: about 3 s at 1,000 tokens/s
-            h.start(request(STANDARD, flow="ahead", cost=100, wait=100))
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_behind(h, 30)  # 3,000 tokens ahead: about 3 s at 1,000 tokens/s
         started = trio.current_time()
         outcome = await h.queue.enter(request(STANDARD, flow="ahead", cost=100, wait=1.0))
         assert isinstance(outcome, Shed) and outcome.reason == UNSERVABLE
@@ -446,10 +451,7 @@ async def test_with_no_drain_measured_a_request_is_never_shed_before_its_deadlin
     async with harness(capacity=1) as h:
         if peers:  # the other gateways measured another band: that says nothing of this one
             h.queue.peers = FakePeers({BATCH.rank: [1500]}, [30])
-        await occupy(h, 1, hold=100)
-        for _ in range(30):
-            h.start(request(STANDARD, flow="ahead", cost=100, wait=100))
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_behind(h, 30)
         started = trio.current_time()
         outcome = await h.queue.enter(request(STANDARD, flow="late", cost=100, wait=1.0))
         assert isinstance(outcome, Shed) and outcome.reason == EXPIRED
@@ -475,10 +477,7 @@ async def test_a_gateway_without_its_own_rate_sheds_at_once_on_its_share_of_the_
     band and hold 90 requests to this one's 30: the cluster drains 4,500 tokens/s, this gateway's share a quarter."""
     async with harness(capacity=1) as h:
         h.queue.peers = FakePeers({STANDARD.rank: [1500, 1500], BATCH.rank: [99_999]}, [45, 45])
-        await occupy(h, 1, hold=100)
-        for _ in range(30):  # 3,000 tokens ahead: about 2.7 s at 1,125 tokens/s
-            h.start(request(STANDARD, flow="ahead", cost=100, wait=100))
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_behind(h, 30)  # 3,000 tokens ahead: about 2.7 s at 1,125 tokens/s
         started = trio.current_time()
         outcome = await h.queue.enter(request(STANDARD, flow="ahead", cost=100, wait=1.0))
         assert isinstance(outcome, Shed) and outcome.reason == UNSERVABLE
@@ -495,10 +494,8 @@ async def test_a_gateways_own_trusted_rate_is_what_it_publishes_and_predicts_wit
         await measure_drain(h)
         [(rank, rate)] = h.queue.trusted_drains(MODEL)
         assert rank == INTERACTIVE.rank and rate == pytest.approx(1000, rel=0.1)
-        await occupy(h, 1, hold=100)
-        for _ in range(10):  # 1,000 tokens ahead: about 1 s at its own rate (a millisecond at the peer's)
-            h.start(request(INTERACTIVE, flow="ahead", cost=100, wait=100))
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_behind(h, 10, INTERACTIVE)  # 1,000 tokens ahead: about 1 s at its own rate (a millisecond at the
+        # peer's)
         shed = await h.queue.enter(request(INTERACTIVE, flow="ahead", cost=100, wait=0.5))
         assert isinstance(shed, Shed) and shed.reason == UNSERVABLE and shed.retry_after == 2
 
@@ -847,10 +844,7 @@ async def test_an_early_shed_is_judged_wrong_when_its_band_empties_in_time_and_r
 
         h.room.capacity = 1
         await trio.sleep(2)  # the band's requests (1 s each) ended
-        await occupy(h, 1, hold=100)
-        for _ in range(30):
-            h.start(request(STANDARD, flow="ahead", cost=100, wait=100))
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_behind(h, 30)
         shed = await h.queue.enter(request(STANDARD, flow="ahead", cost=100, wait=1.0))
         assert isinstance(shed, Shed) and shed.reason == UNSERVABLE
         await trio.sleep(1.5)  # nothing moved: it would have expired

@@ -84,18 +84,19 @@ async def test_held_requests_forged_onto_a_signed_report_are_refused():
     assert reader.peer_queued("m") == []
 
 
-async def test_a_failing_count_of_held_requests_still_lets_the_load_report_go(caplog):
+async def test_a_failing_count_of_held_requests_or_of_figures_still_lets_the_load_report_go(caplog):
     sharing = load_sharing()
     sharing.replicas.get("r1").local_inflight = 2
 
-    def broken() -> dict[str, int]:
+    def broken() -> dict:
         raise RuntimeError("the queue's count broke")
 
     link = CapturedLink()
     sharing.link = link
     sharing.count_queued(broken, 10_000)
+    sharing.report_figures(broken)  # the figures per model (f, tests/unit/test_load_figures.py) likewise
     for _ in range(2):
-        await sharing._send(sharing.own_load(), sharing.own_queued())
-    assert len(link.sent) == 2 and b"q" not in link.sent[0]
+        await sharing._send(sharing.own_load(), sharing.own_queued(), sharing.own_figures())
+    assert len(link.sent) == 2 and b"q" not in link.sent[0] and b"f" not in link.sent[0]
     assert records.decode_load_report({k.decode(): v for k, v in link.sent[0].items()}, LIMITS)[2]["r1"][0] == 2
-    assert sum("could not be counted" in r.message for r in caplog.records) == 1
+    assert sum("could not be counted" in r.message for r in caplog.records) == 2  # once for each source
