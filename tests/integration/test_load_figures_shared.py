@@ -14,11 +14,8 @@ import httpx
 import pytest
 import trio
 
-from llmgw.config.loading import parse_config
-from llmgw.gateway.app import Gateway
-from llmgw.testing.processes import CLUSTER_SECRET, CLUSTER_SECRET_ENV
-from llmgw.testing.shared_state import cluster_config, wait_replicas
-from llmgw.testing.sims import MODEL, start_sims, stream_story
+from llmgw.testing.sims import MODEL, stream_story
+from llmgw.testing.two_gateways import control_and_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -28,20 +25,10 @@ MAX_TOKENS = 200
 
 async def test_a_gateways_arrivals_and_output_in_flight_reach_the_other_gateway(nursery, start_llmgw, redis_url,
                                                                                  cluster_name, monkeypatch):
-    # 200 output tokens at 20 ms a step: a stream stays in flight about 4 s.
-    engines = await start_sims(nursery, 2, num_blocks=512, block_size=16, time_scale=1, seed=0,
-                               extra=("--max-num-seqs", "2", "--output-tokens", f"{MAX_TOKENS}:{MAX_TOKENS}"))
-    config = cluster_config(engines, redis_url, cluster_name, routing="round_robin")
-    control = await start_llmgw(config)
-    await wait_replicas(control.control_url, 2)
-    monkeypatch.setenv(CLUSTER_SECRET_ENV, CLUSTER_SECRET)
-    gateway = Gateway(parse_config(config), role="gateway")
-    await nursery.start(gateway.run, ("127.0.0.1", 0), ("127.0.0.1", 0))
+    control, gateway = await control_and_gateway(nursery, start_llmgw, redis_url, cluster_name, monkeypatch.setenv,
+                                                 MAX_TOKENS)
     assert gateway.shared is not None
     sharing = gateway.shared.load
-    with trio.fail_after(20):
-        while len(gateway.router.replicas.members(MODEL)) < 2:
-            await trio.sleep(0.05)
     replicas = gateway.router.replicas.members(MODEL)
 
     async def stream(http: httpx.AsyncClient, seed: int) -> None:

@@ -649,6 +649,9 @@ def test_the_kv_tokens_are_split_among_the_gateways_holding_requests_as_the_requ
     b.peer_inflight, b.peer_inflight_tokens = 2, 3000  # another gateway's, output at our mean: 1,500 each
     assert held(router, room, "b") == 3000 + 2 * 256  # alone, the default; the room's own count takes our mean
     assert room.fits("m", INTERACTIVE, 4384) and not room.fits("m", INTERACTIVE, 4385)  # 6,000 held on each
+    peers.output["m"] = 200  # once their reports carry their output in flight: 100 each, so 3,200 held on b
+    assert room.fits("m", INTERACTIVE, 2192 + 4992) and not room.fits("m", INTERACTIVE, 2192 + 4993)
+    del peers.output["m"]  # a gateway of the version before among them: our mean again
     b.peer_inflight = b.peer_inflight_tokens = 0  # b empty: 8,192 free there
     assert room.fits("m", INTERACTIVE, 8192)
     peers.held["m"] = [10]
@@ -663,15 +666,3 @@ def test_the_kv_tokens_are_split_among_the_gateways_holding_requests_as_the_requ
     peers.held["m"] = [10_000_000]  # a forged count is taken at max_queued: still one request
     assert room.fits("m", INTERACTIVE, 8192)
 
-
-def test_the_others_output_is_counted_at_their_own_mean_once_their_reports_carry_it():
-    peers = Peers()
-    router, room, _, _ = make_room(peers=peers)
-    tell_kv(router, "a")
-    tell_kv(router, "b")
-    a, b = router.replicas.get("a"), router.replicas.get("b")
-    a.local_inflight, a.local_inflight_tokens, a.local_inflight_output_tokens = 2, 3000, 3000  # 1,500 output each
-    b.peer_inflight, b.peer_inflight_tokens = 2, 3000  # another gateway's, alone on b
-    assert room.fits("m", INTERACTIVE, 4384) and not room.fits("m", INTERACTIVE, 4385)  # at our mean: 6,000 on b
-    peers.output["m"] = 200  # their reports: 100 output tokens each, so 3,200 held on b
-    assert room.fits("m", INTERACTIVE, 2192 + 4992) and not room.fits("m", INTERACTIVE, 2192 + 4993)
