@@ -115,8 +115,8 @@ def is_follower(spec: wire.StartShard) -> bool:
 
 
 def openai_server_flags(spec: wire.StartShard, ctx: LaunchContext) -> list[str]:
-    """vLLM's flags for address, names, parallelism and LoRA adapters (shared by ``vllm`` and ``sim``); the API
-    key is not one of them: it goes in the environment (:func:`api_key_env`)."""
+    """vLLM's flags for address, names, parallelism, LoRA adapters and the scheduling policy (shared by ``vllm``
+    and ``sim``); the API key is not one of them: it goes in the environment (:func:`api_key_env`)."""
     profile = spec.profile
     if not profile.model_path:
         raise EngineError(f"engine {profile.engine or '?'}: profile {profile.name!r} has no model_path")
@@ -124,7 +124,20 @@ def openai_server_flags(spec: wire.StartShard, ctx: LaunchContext) -> list[str]:
              "--tensor-parallel-size", str(profile.tp), "--pipeline-parallel-size", str(profile.pp)]
     if profile.lora_adapters:
         flags += ["--enable-lora", "--lora-modules", *(f"{lora.name}={lora.path}" for lora in profile.lora_adapters)]
+    if profile.scheduling_policy == "priority":  # else vLLM's default, fcfs: other command lines stay as they were
+        flags += ["--scheduling-policy", "priority"]
+    if profile.sleep_mode:
+        flags.append("--enable-sleep-mode")
     return flags
+
+
+SLEEP_ENDPOINTS_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM serves /sleep, /wake_up and /is_sleeping only with it set
+
+
+def sleep_mode_env(spec: wire.StartShard) -> dict[str, str]:
+    """``VLLM_SERVER_DEV_MODE=1`` for a profile with ``sleep_mode``: the agent's sleep and wake-up calls need
+    vLLM's development endpoints (nothing otherwise)."""
+    return {SLEEP_ENDPOINTS_ENV: "1"} if spec.profile.sleep_mode else {}
 
 
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's API server (and the simulator) read it when there is no --api-key
@@ -203,4 +216,4 @@ def engine_env(spec: wire.StartShard, ctx: LaunchContext) -> dict[str, str]:
     own ``env`` (it may override any of those), with ``PYTHONHASHSEED`` fixed when the router keys by the
     engine's hashes; and last the engine API key (the one the probes and the router send)."""
     return {"PYTHONUNBUFFERED": "1", **gpu_env(spec, ctx), **cpu_threads_env(spec), **kv_events_env(spec, ctx),
-            **spec.profile.env, **api_key_env(spec)}
+            **sleep_mode_env(spec), **spec.profile.env, **api_key_env(spec)}

@@ -7,8 +7,11 @@
 - the drain rate: the replicas' ``served`` counters, in all and per ready replica-second; the arrivals: the
   requests entering every gateway's flow queue (this one's counter, and each other's from its load reports, ``f``
   in llmgw/cluster/load.py: :class:`PeerArrivals`); a gateway of a version before, whose reports lack them, is
-  counted as if it saw as many as the mean of those that report (a balancer spreading evenly). All are rates over
-  at least :data:`MIN_SPAN`, smoothed;
+  counted as if it saw as many as the mean of those that report (a balancer spreading evenly). The drain rate is
+  this gateway's own count (the load reports do not carry the others' finished requests), scaled to the cluster
+  times the live gateways (a balancer spreading evenly makes this gateway's share one in ``gateways``): left
+  unscaled, N gateways would ask for N times the replicas a backlog needs. All are rates over at least
+  :data:`MIN_SPAN`, smoothed;
 - TTFT attainment: the share of the cluster's first tokens of the last :data:`TTFT_WINDOW` within the deployment's
   ``ttft_slo``: this gateway's (:class:`FirstTokens`) and the counts the others report;
 - the last request: the last reading with anything queued or in flight, or a counter that moved (a fresh source
@@ -215,11 +218,12 @@ class GatewaySignals:
             within += sum(figures.ttft_within for figures in peers.values())
             first_tokens += sum(figures.ttft_seen for figures in peers.values())
             attainment = within / first_tokens if first_tokens else None
+        share = max(1, self.gateways())  # this gateway sees one share of the cluster's requests in ``share``
         # Gateways whose reports carry no arrivals (a version before) are taken to see the reporting ones' mean.
         reporting = 1 + len(peers)
         return ModelSignals(model=model, at=now, queued=queued, queued_tokens=tokens, inflight=inflight,
-                            arrivals_per_s=seen.entered.rate * max(reporting, self.gateways()) / reporting,
-                            served_per_s=seen.served.rate, served_per_replica_s=seen.per_replica,
+                            arrivals_per_s=seen.entered.rate * max(reporting, share) / reporting,
+                            served_per_s=seen.served.rate * share, served_per_replica_s=seen.per_replica * share,
                             kv_usage=sum(usage) / len(usage) if usage else None,
                             ttft_attainment=attainment, last_request_at=seen.last_request_at)
 

@@ -32,7 +32,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import httpx
@@ -48,7 +47,7 @@ from .autoscale_rig import AutoscaleRig, EngineShape, sim_models_startup
 from .autoscale_traces import MODEL_A, TRACES, Trace, arrival_times, shortened
 from .chat_workloads import new_client
 from .cluster_events import percentile
-from .common import bench_parser, chosen_names, print_and_save, write_json
+from .common import bench_parser, chosen_names, print_and_save, run_in_workdir, write_json
 from .limits import leaves
 from .overload_arms import ArmUnavailable
 from .overload_workload import INTERACTIVE, OK, Tenant, closed_loop, send_at, sender
@@ -273,10 +272,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    with contextlib.ExitStack() as stack:
-        root = Path(args.workdir) if args.workdir else \
-            Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llmgw-bench-autoscale-")))
-        report = trio.run(run, args, root)
+    report = run_in_workdir("autoscale", run, args)
     print(charts(report), "\n")
     report["targets"] = targets(report, AUTOSCALED)
     return print_and_save(report, markdown(report) + "\n\n" + targets_markdown(report, AUTOSCALED), args.json)

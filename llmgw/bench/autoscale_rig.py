@@ -64,15 +64,17 @@ class EngineShape:
         return args
 
 
-def fleet_config(workdir: Path, engine: EngineShape, deployments: Mapping[str, str], extra: str = "") -> str:
+def fleet_config(workdir: Path, engine: EngineShape, deployments: Mapping[str, str], extra: str = "",
+                 profile_extra: str = "") -> str:
     """The control process's config: a profile per model of ``deployments`` (model -> its deployment's YAML
-    lines after ``profile:``, e.g. ``replicas: 2``), the agents' settings and ``extra`` (top-level YAML)."""
+    lines after ``profile:``, e.g. ``replicas: 2``), each with ``profile_extra`` (YAML lines, e.g.
+    ``sleep_mode: true``), the agents' settings and ``extra`` (top-level YAML)."""
     profiles = "".join(f"""  - name: {profile_name(model)}
     engine: sim
     model_path: tiny
     served_model_name: {model}
     args: {json.dumps(engine.args())}
-""" for model in deployments)
+{profile_extra}""" for model in deployments)
     placed = "".join(f"  - profile: {profile_name(model)}\n    {lines}\n" for model, lines in deployments.items())
     return ("log_level: warning\n" + AGENTS.replace("agents:\n", f"agents:\n  control_state_dir: {workdir / 'ids'}\n")
             + f"profiles:\n{profiles}deployments:\n{placed}" + extra)
@@ -96,14 +98,14 @@ class AutoscaleRig:
     @contextlib.asynccontextmanager
     async def open(cls, workdir: Path, engine: EngineShape, deployments: Mapping[str, str], ready: Mapping[str, int],
                    *, nodes: int = 2, gpus: int = 4, timeout: float = 180.0,
-                   extra_config: str = "") -> AsyncIterator["AutoscaleRig"]:
+                   extra_config: str = "", profile_extra: str = "") -> AsyncIterator["AutoscaleRig"]:
         """The fleet of ``deployments`` (see the module's docstring), once each model has ``ready[model]``
         replicas up."""
         workdir.mkdir(parents=True, exist_ok=True)
         with EngineReaper(workdir) as reaper:
             async with httpx.AsyncClient(timeout=2.0) as http, trio.open_nursery() as nursery:
                 config = workdir / "llmgw.yaml"
-                config.write_text(fleet_config(workdir, engine, deployments, extra_config))
+                config.write_text(fleet_config(workdir, engine, deployments, extra_config, profile_extra))
                 control = GatewayProcess("llmgw control", CONTROL, config)
                 await control.start(nursery)
                 rig = cls(nursery, workdir, control, [], tuple(deployments), http, reaper)

@@ -42,10 +42,13 @@ def state_section(redis_url: str, *, cluster: str = CLUSTER, snapshot_interval: 
     return shared_state_section(redis_url, cluster, snapshot_interval=snapshot_interval, load_ttl=load_ttl, **more)
 
 
-def cluster_config(sims: list[Child], redis_url: str, **state_options: str) -> str:
-    """One model over ``sims`` (``kv_index``, following their KV events) and the shared state on ``redis_url``."""
+def cluster_config(sims: list[Child], redis_url: str, scheduling_policy: str | None = None,
+                   **state_options: str) -> str:
+    """One model over ``sims`` (``kv_index``, following their KV events) and the shared state on ``redis_url``;
+    ``scheduling_policy``: what the simulators run with (``priority``: the gateways send each class's priority)."""
     return gateway_config([s.url for s in sims], routing="kv_index", routing_options={"tokenize_timeout": "2s"},
-                          kv_sources=[kv_sources(s) for s in sims]) + state_section(redis_url, **state_options)
+                          kv_sources=[kv_sources(s) for s in sims], scheduling_policy=scheduling_policy) \
+        + state_section(redis_url, **state_options)
 
 
 @dataclass(eq=False)
@@ -112,7 +115,8 @@ class ClusterRig:
     async def open(cls, workdir: Path, *, followers: int, sims: int = 2, num_blocks: int = 2048,
                    time_scale: float = 0.0, sim_extra: tuple[str, ...] = (), sentinel: bool = False,
                    candidates: int = 1, source: Path | None = None, extra_config: str = "", workers: int = 1,
-                   engines: list[Child] | None = None, **state_options: str) -> AsyncIterator["ClusterRig"]:
+                   engines: list[Child] | None = None, scheduling_policy: str | None = None,
+                   **state_options: str) -> AsyncIterator["ClusterRig"]:
         """Everything started and ready (see the module's docstring); stopped when the block ends. ``source``: the
         gateways run the llmgw of that checkout (a baseline). ``sentinel``:
         a primary, its replica and a sentinel instead of one server, the gateways configured with
@@ -121,7 +125,7 @@ class ClusterRig:
         its first leader. ``extra_config``: YAML appended to every gateway's config (top-level keys);
         ``workers`` > 1: each gateway is ``llmgw serve --workers N`` (a state dir of its own under ``workdir``);
         ``engines``: simulators the caller started (with :data:`KV_SIM_EXTRA`) and keeps after the block, instead
-        of ``sims`` new ones."""
+        of ``sims`` new ones; ``scheduling_policy``: what they run with, as the config says it of each replica."""
         async with httpx.AsyncClient(timeout=10) as http, trio.open_nursery() as nursery:
             group = await start_sentinel_group(nursery, workdir / "redis") if sentinel else None
             redis = group.servers[0] if group else await start_private_redis(nursery, workdir / "redis")
@@ -129,7 +133,8 @@ class ClusterRig:
                 engines = await start_sims(nursery, sims, env=KV_SIM_ENV, num_blocks=num_blocks, block_size=16,
                                            time_scale=time_scale, seed=0, extra=KV_SIM_EXTRA + sim_extra)
             config = workdir / "llmgw.yaml"
-            config.write_text(cluster_config(engines, group.url if group else redis.url, **state_options)
+            config.write_text(cluster_config(engines, group.url if group else redis.url, scheduling_policy,
+                                             **state_options)
                               + extra_config)
 
             def process(name: str, role: str) -> GatewayProcess:

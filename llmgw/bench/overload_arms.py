@@ -4,8 +4,13 @@ them while the load runs.
 - ``llmgw-flow``: llmgw's default config, flow control on; the tenants' keys carry their ``priority`` class. An
   llmgw without the ``flow:`` section (before issue 31's gateway work) has no flow control to measure: the arm
   says so and is not run.
-- ``llmgw-off``: the same with ``flow: {enabled: false}`` (on an llmgw without the section, its default: no
-  admission at all, which is what "off" means).
+- ``llmgw-flow-priority``: ``llmgw-flow`` with every replica's ``scheduling_policy: priority``: each request
+  carries its class's engine priority, and the simulators (started with ``--scheduling-policy priority`` when this
+  arm runs) serve the interactive class first among what waits in them. The other arms send no priority: every
+  request's is 0, and an engine in priority scheduling then orders as in fcfs (arrival order, the latest arrival
+  preempted), so they run on the same engines unchanged.
+- ``llmgw-off``: the same as ``llmgw-flow`` with ``flow: {enabled: false}`` (on an llmgw without the section, its
+  default: no admission at all, which is what "off" means).
 - ``vllm-router``: one vllm-router 0.1.17 (``cache_aware``) with its concurrency limit and queue:
   ``--max-concurrent-requests`` tuned to the fleet (:func:`router_tuning`), ``--queue-size``,
   ``--queue-timeout-secs``.
@@ -34,11 +39,15 @@ from .cluster_rig import ClusterRig
 from .overload_workload import Tenant
 from .routing_arms import start_vllm_router
 
-FLOW, OFF, VLLM_ROUTER = "llmgw-flow", "llmgw-off", "vllm-router"
-ARMS = (FLOW, OFF, VLLM_ROUTER)
+FLOW, FLOW_PRIORITY, OFF, VLLM_ROUTER = "llmgw-flow", "llmgw-flow-priority", "llmgw-off", "vllm-router"
+ARMS = (FLOW, FLOW_PRIORITY, OFF, VLLM_ROUTER)
+DEFAULT_ARMS = (FLOW, OFF, VLLM_ROUTER)
 VLLM_ROUTER_POLICY = "cache_aware"
 QUEUE_GAUGE = "llmgw_flow_queued"  # the requests a gateway holds in its queue, by model and class
 ENGINE_KV, ENGINE_WAITING = "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting"
+ENGINE_RUNNING = "vllm:num_requests_running"
+ENGINE_PREEMPTIONS = "vllm:num_preemptions_total"  # sequences an engine preempted (its KV cache ran out)
+ALLOWANCE_GAUGE = "llmgw_flow_output_allowance_ratio"  # of max_tokens, what a gateway's room reserves
 
 
 class ArmUnavailable(Exception):
@@ -97,8 +106,10 @@ class Fleet:
 
 @contextlib.asynccontextmanager
 async def open_fleet(arm: str, gateways: int, engines: list[Child], tenants: Sequence[Tenant], workdir: Path,
-                     vllm_router: str | None, tuning: RouterTuning) -> AsyncIterator[Fleet]:
-    """``arm`` with ``gateways`` routers in front of ``engines`` (running, kept after the block)."""
+                     vllm_router: str | None, tuning: RouterTuning,
+                     output_quantile: str | None = None) -> AsyncIterator[Fleet]:
+    """``arm`` with ``gateways`` routers in front of ``engines`` (running, kept after the block); the flow arm's
+    ``flow.output_quantile`` (``off``: ``flow.learn_output: false``; None: the default)."""
     if arm == VLLM_ROUTER:
         if vllm_router is None:
             raise ArmUnavailable("vllm-router is not installed (llmgw bench overload --install-vllm-router)")
@@ -112,12 +123,16 @@ async def open_fleet(arm: str, gateways: int, engines: list[Child], tenants: Seq
                 nursery.cancel_scope.cancel()
         return
     config = keys_config(tenants)
-    if arm == FLOW and not flow_available():
+    if arm in (FLOW, FLOW_PRIORITY) and not flow_available():
         raise ArmUnavailable("not available: this llmgw has no flow control (the `flow:` config section)")
     if arm == OFF and flow_available():
         config += "flow:\n  enabled: false\n"
+    elif arm == FLOW and output_quantile is not None:
+        config += "flow:\n  " + ("learn_output: false" if output_quantile == "off" else
+                                   f"output_quantile: {float(output_quantile)}") + "\n"
     workdir.mkdir(parents=True, exist_ok=True)
-    async with ClusterRig.open(workdir, followers=gateways - 1, engines=engines, extra_config=config) as rig:
+    async with ClusterRig.open(workdir, followers=gateways - 1, engines=engines, extra_config=config,
+                               scheduling_policy="priority" if arm == FLOW_PRIORITY else None) as rig:
         yield Fleet(arm, gateways, [g.url for g in rig.gateways], [g.control_url for g in rig.gateways])
 
 
@@ -136,10 +151,20 @@ def queued(parsed: dict[str, float]) -> float | None:
     return sum(values) if values else None
 
 
+def allowance(parsed: dict[str, float]) -> float | None:
+    """A gateway's output allowance ratio (the mean of its models'), None when it has no such gauge."""
+    values = [v for k, v in parsed.items() if k.partition("{")[0] == ALLOWANCE_GAUGE]
+    return sum(values) / len(values) if values else None
+
+
 async def sample_kv(http: httpx.AsyncClient, engines: Sequence[str], gateways: Sequence[str], into: list[dict],
-                    interval: float = 0.25) -> None:
+                    interval: float = 0.25, seats: int = 0) -> None:
     """Until cancelled, a sample every ``interval``: ``kv`` (the engines' mean KV usage, 0..1), ``waiting`` (their
-    waiting requests), ``queued`` (the gateways' queued requests; None: no gateway has a queue gauge)."""
+    waiting requests), ``preemptions`` (their preemption counters' sum; None: an engine did not answer), ``queued``
+    (the gateways' queued requests; None: no gateway has a queue gauge), ``allowance`` (the gateways' mean output
+    allowance ratio; None: no gateway has the gauge), ``busy`` (the engines' mean of the larger of their KV usage and
+    their running sequences over ``seats``, their ``--max-num-seqs``: an engine full of sequences is as busy as one
+    full of blocks; None without ``seats``)."""
     while True:
         read: list[dict[str, float] | None] = [None] * (len(engines) + len(gateways))
 
@@ -152,10 +177,28 @@ async def sample_kv(http: httpx.AsyncClient, engines: Sequence[str], gateways: S
         engine_read = [r for r in read[:len(engines)] if r is not None]
         if engine_read:
             gateway_queues = [q for r in read[len(engines):] if r is not None and (q := queued(r)) is not None]
+            allowances = [a for r in read[len(engines):] if r is not None and (a := allowance(r)) is not None]
             into.append({"kv": sum(series_sum(r, ENGINE_KV) for r in engine_read) / len(engine_read),
                          "waiting": sum(series_sum(r, ENGINE_WAITING) for r in engine_read),
-                         "queued": sum(gateway_queues) if gateway_queues else None})
+                         "preemptions": sum(series_sum(r, ENGINE_PREEMPTIONS) for r in engine_read)
+                         if len(engine_read) == len(engines) else None,
+                         "queued": sum(gateway_queues) if gateway_queues else None,
+                         "allowance": sum(allowances) / len(allowances) if allowances else None,
+                         "busy": sum(max(series_sum(r, ENGINE_KV), series_sum(r, ENGINE_RUNNING) / seats)
+                                     for r in engine_read) / len(engine_read) if seats else None})
         await trio.sleep(interval)
+
+
+async def engine_priority_requests(http: httpx.AsyncClient, gateways: Sequence[str]) -> float | None:
+    """The requests the gateways sent with an engine priority (``llmgw_engine_priority_requests_total``, summed);
+    None when a gateway did not answer."""
+    total = 0.0
+    for url in gateways:
+        parsed = await _metrics(http, url)
+        if parsed is None:
+            return None
+        total += series_sum(parsed, "llmgw_engine_priority_requests_total")
+    return total
 
 
 async def wait_idle(http: httpx.AsyncClient, engines: Sequence[str], timeout: float) -> bool:

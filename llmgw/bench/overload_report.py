@@ -7,7 +7,8 @@ the arrivals stopped is not counted as the arrivals' rate), completed, shed (429
 ``queue_timeout``, or vllm-router's 408) and error counts, the refusals' latency p50/p99 and the share of them that
 carried ``Retry-After``; for the level: total goodput over the fleet's capacity, the interactive tenants' fairness
 (the smaller one's tokens in answers that met the SLO over the larger one's: they send equally many requests), and
-the engines' KV usage while a gateway queue held requests (and while the engines' own queues did). :func:`summary`
+the engines' KV usage while a gateway queue held requests (and while the engines' own queues did), and the
+sequences the engines preempted (their KV cache ran out: what a room that lets in too much costs). :func:`summary`
 takes each number's median, min and max over the repeats; :func:`markdown` prints them.
 """
 
@@ -47,8 +48,8 @@ def class_stats(outcomes: Sequence[Outcome], slo: dict[str, float], seconds: flo
             "tokens": sum(o.tokens for o in ok)}
 
 
-def _kv(samples: Sequence[dict], when: Callable[[dict], bool]) -> dict:
-    kv = [s["kv"] for s in samples if when(s)]
+def _kv(samples: Sequence[dict], when: Callable[[dict], bool], key: str = "kv") -> dict:
+    kv = [s[key] for s in samples if when(s) and s.get(key) is not None]
     return {"samples": len(kv), "mean": sum(kv) / len(kv) if kv else None, "min": min(kv) if kv else None}
 
 
@@ -94,7 +95,15 @@ def level_stats(loop: Loop, kv_samples: Sequence[dict], slo: dict[str, float], c
             "most_in_flight": loop.most_in_flight,
             "kv_gateway_queued": _kv(kv_samples, lambda s: bool(s["queued"])) if gateway_queues else None,
             "kv_engines_waiting": _kv(kv_samples, lambda s: s["waiting"] > 0),
-            "kv_all": _kv(kv_samples, lambda s: True)}
+            "busy_gateway_queued": _kv(kv_samples, lambda s: bool(s["queued"]), "busy") if gateway_queues else None,
+            "kv_all": _kv(kv_samples, lambda s: True), "preemptions": _preemptions(kv_samples),
+            "output_allowance": kv_samples[-1].get("allowance") if kv_samples else None}
+
+
+def _preemptions(samples: Sequence[dict]) -> float | None:
+    """The engines' preemptions during the run: their counters' rise from the first whole sample to the last."""
+    counts = [s["preemptions"] for s in samples if s.get("preemptions") is not None]
+    return counts[-1] - counts[0] if len(counts) > 1 else None
 
 
 # Each number of the summary and the table: its path in a level's stats
@@ -109,6 +118,8 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "goodput_rps": ("goodput_rps",), "goodput_of_capacity": ("goodput_of_capacity",), "fairness": ("fairness",),
     "kv_when_gateway_queued": ("kv_gateway_queued", "mean"), "kv_min_when_gateway_queued": ("kv_gateway_queued", "min"),
     "kv_when_engines_waiting": ("kv_engines_waiting", "mean"), "over_cap": ("over_cap",),
+    "preemptions": ("preemptions",), "output_allowance": ("output_allowance",),
+    "busy_when_gateway_queued": ("busy_gateway_queued", "mean"),
 }
 
 
@@ -165,12 +176,13 @@ def markdown(report: dict) -> str:
              "|---|---|---|" + "---|" * len(COLUMNS)]
     unloaded = capacity["unloaded_interactive_ttft_p99_ms"]
     totals = ["", "| arm | load | goodput / capacity | interactive TTFT p99 / unloaded | interactive fairness | "
-                  "KV while a gateway queue waits (mean; min) | KV while engines queue | over the in-flight cap |",
-              "|---|---|---|---|---|---|---|---|"]
+                  "KV while a gateway queue waits (mean; min) | engines busy then (KV or seats) | "
+                  "KV while engines queue | over the in-flight cap | engine preemptions | output allowance |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm in report["arms"]:
         if arm.get("error"):
             lines.append(f"| {arm['label']} | - | - | {arm['error']} |" + " |" * (len(COLUMNS) - 1))
-            totals.append(f"| {arm['label']} | - | {arm['error']} | | | | | |")
+            totals.append(f"| {arm['label']} | - | {arm['error']} | | | | | | | | |")
             continue
         for level in arm["levels"]:
             s = level["summary"]
@@ -185,6 +197,8 @@ def markdown(report: dict) -> str:
                           f"{ratio} | {spread_cell(s['fairness'], '.2f')} | "
                           f"{spread_cell(s['kv_when_gateway_queued'], '.0f', '%', 100)}; "
                           f"{spread_cell(s['kv_min_when_gateway_queued'], '.0f', '%', 100)} | "
+                          f"{spread_cell(s.get('busy_when_gateway_queued'), '.0f', '%', 100)} | "
                           f"{spread_cell(s['kv_when_engines_waiting'], '.0f', '%', 100)} | "
-                          f"{spread_cell(s['over_cap'], '.0f')} |")
+                          f"{spread_cell(s['over_cap'], '.0f')} | {spread_cell(s.get('preemptions'), '.0f')} | "
+                          f"{spread_cell(s.get('output_allowance'), '.2f')} |")
     return "\n".join(lines + totals)

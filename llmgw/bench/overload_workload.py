@@ -3,7 +3,8 @@ open loop (Poisson arrivals that never wait for answers).
 
 Three tenants, each with its own API key: two in the ``interactive`` class (short prompts, short streamed answers)
 and one in ``batch`` (long prompts, long answers). Every request streams, with ``ignore_eos`` so that an answer is
-exactly ``max_tokens`` long; its prompt is fresh random words (no two requests share a cached prefix). By default
+exactly ``max_tokens`` long (unless the bench's ``--natural-output``: then it ends at its EOS, at most that
+long); its prompt is fresh random words (no two requests share a cached prefix). By default
 70% of the arrivals are interactive and 30% batch, which makes batch about nine tenths of the tokens.
 
 :func:`open_loop` starts a task per arrival of a Poisson process (the tenants' arrivals are independent Poisson
@@ -109,9 +110,10 @@ def reason_of(status: int, body: str) -> str:
 Send = Callable[[Tenant, random.Random], Awaitable[Outcome]]
 
 
-def sender(client: httpx.AsyncClient, urls: Sequence[str], timeout: float, model: str = MODEL) -> Send:
+def sender(client: httpx.AsyncClient, urls: Sequence[str], timeout: float, model: str = MODEL,
+           ignore_eos: bool = True) -> Send:
     """Sends a tenant's request for ``model`` through ``urls`` in turn (an L4 balancer's round robin), fresh words
-    each time."""
+    each time; with ``ignore_eos`` its answer is exactly ``max_tokens`` long, else it ends at its EOS."""
     turn = 0
 
     async def send(tenant: Tenant, rng: random.Random) -> Outcome:
@@ -125,7 +127,7 @@ def sender(client: httpx.AsyncClient, urls: Sequence[str], timeout: float, model
         with trio.move_on_after(timeout):
             try:
                 result = await send_chat(client, url, model, messages, tenant.max_tokens, headers=tenant.headers,
-                                         extra_body={"ignore_eos": True})
+                                         extra_body={"ignore_eos": ignore_eos})
             except (httpx.HTTPError, ValueError):
                 pass
         if result is None:

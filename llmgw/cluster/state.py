@@ -372,10 +372,11 @@ class ReplicaBuilder:
                                                 f"not where the cluster says")
                         return Replica(name=record.name, model=record.model, url=spec.url, api_key=spec.api_key,
                                        weight=spec.weight, prefill_tokens_per_s=spec.prefill_tokens_per_s,
+                                       priority_scheduling=spec.scheduling_policy == "priority",
                                        labels=labels, engine_id=record.engine_id,
                                        tls=replica_tls_options(spec, config.upstream_tls))
             raise RefusedRecord(f"static replica {record.name} is not in this gateway's config")
-        api_key, gauges, prefill = None, VLLM_GAUGES, None
+        api_key, gauges, prefill, priority = None, VLLM_GAUGES, None, False
         if record.source == DEPLOYED:
             try:
                 profile = config.profile(labels.get("profile", ""))
@@ -385,8 +386,10 @@ class ReplicaBuilder:
             else:
                 api_key, gauges = profile.api_key, engine_gauges(self.registry, profile.engine)
                 prefill = profile.prefill_tokens_per_s
+                priority = profile.scheduling_policy == "priority"
         return Replica(name=record.name, model=record.model, url=record.url, api_key=api_key,
-                       weight=record.weight, prefill_tokens_per_s=prefill, labels=labels, gauges=gauges,
+                       weight=record.weight, prefill_tokens_per_s=prefill, priority_scheduling=priority,
+                       labels=labels, gauges=gauges,
                        engine_id=record.engine_id)
 
 

@@ -28,6 +28,9 @@ BENCHES: dict[str, tuple[str, str]] = {
     "fault": ("llmgw.bench.fault", "kill an engine, the agent and the control plane under a steady load: "
                                    "failed requests by kind, time to routable again, engine restarts "
                                    "(--gateways N: a gateway, then Redis, in a cluster)"),
+    "hot-start": ("llmgw.bench.hot_start", "a model at zero called again on a simulated H100: its replica woken "
+                                           "from sleep (sleep_mode, keep_warm) against started cold, seconds to "
+                                           "the first token, alternated"),
     "limits": ("llmgw.bench.limits", "per-key rpm, tpm, concurrency and budgets across N gateways (and workers) "
                                      "beside LiteLLM's proxy on one Redis: admitted over the limit, the largest "
                                      "overshoot, usable share under steady load, added latency, a Redis kill"),

@@ -78,6 +78,8 @@ UsdPerMillion = Annotated[float, Check(lambda value: whole_units(value, NANO_PER
 ModelNames = Annotated[list[Text], at_most_items(10_000)]
 LogLevel = Annotated[str, one_of("debug", "info", "warning", "error", "critical")]
 LogFormat = Annotated[str, one_of("text", "json")]
+# vLLM's --scheduling-policy of an engine: priority orders its waiting requests by the gateway's engine priority
+SchedulingPolicy = Annotated[str, one_of("fcfs", "priority")]
 
 
 def whole_units(value: float, units_per_one: int, what: str, decimals: int) -> str | None:
@@ -115,6 +117,7 @@ class ExternalReplica(Located):
     kv_replay: ZmqEndpoint | None = setting(None)  # its replay socket
     weight: SmallCount = setting(1)
     prefill_tokens_per_s: PrefillRate | None = setting(None)  # its prefill rate before it answers (docs/routing.md)
+    scheduling_policy: SchedulingPolicy = setting("fcfs")  # what the engine runs with: priority gets `priority` set
     tls_ca_file: TlsFile | None = setting(None)  # https:// only; default: upstream_tls.ca_file
     tls_cert_file: TlsFile | None = setting(None)  # client certificate for mutual TLS
     tls_key_file: TlsFile | None = setting(None)
@@ -385,10 +388,12 @@ class Profile(Located):
     routing_options: dict[str, Any] = setting(factory=dict)
     engine_bin: Text | None = setting(None)
     startup_timeout: PositiveDuration = setting(600.0)
+    sleep_mode: bool = setting(False)  # the engine's sleep mode: a replica kept warm sleeps (docs/autoscaling.md)
     labels: dict[str, str] = setting(factory=dict)
     prefill_tokens_per_s: PrefillRate | None = setting(None)  # its replicas' prefill rate before they answer
     cpu_threads: Annotated[int, at_least(1), at_most(4096)] | None = setting(None)
     api_key: Text | None = setting(None, secret=True)
+    scheduling_policy: SchedulingPolicy = setting("fcfs")  # priority: the engine orders requests by their class
 
     @property
     def gpus(self) -> int:
@@ -611,14 +616,16 @@ class PriorityClassConfig(Located):
     rank: Annotated[int, at_least(0), at_most(1000)] = setting()  # bands are served by rank, 0 first
     max_wait: PositiveDuration = setting()  # the longest a request of the class waits at the gateway (then 429)
     max_fill: Fraction = setting(1.0)  # the share of a model's room the class may fill
+    # the `priority` its requests carry to an engine in priority scheduling (lower first); default: its rank
+    engine_priority: Annotated[int, at_least(-1_000_000), at_most(1_000_000)] | None = setting(None)
 
     def priority_class(self) -> PriorityClass:
-        return PriorityClass(self.name, self.rank, self.max_wait, self.max_fill)
+        return PriorityClass(self.name, self.rank, self.max_wait, self.max_fill, self.engine_priority)
 
 
 def _default_classes() -> list[PriorityClassConfig]:
-    return [PriorityClassConfig(name=c.name, rank=c.rank, max_wait=c.max_wait, max_fill=c.max_fill)
-            for c in DEFAULT_CLASSES]
+    return [PriorityClassConfig(name=c.name, rank=c.rank, max_wait=c.max_wait, max_fill=c.max_fill,
+                                engine_priority=c.engine_priority) for c in DEFAULT_CLASSES]
 
 
 @config_class
@@ -638,6 +645,14 @@ class FlowConfig(Located):
     scrape_interval: Annotated[float, Parse(parse_duration), at_least(0.05), at_most(10.0)] = setting(0.25)
     kv_high: Fraction = setting(0.9)  # an engine's KV cache usage at which it counts as full
     kv_target: Fraction = setting(0.8)  # below it, a replica with requests waiting for it may take more
+    # Of a request's max_tokens, the room reserves this quantile of what groups of the model's answers held
+    # (docs/overload.md#the-output-allowance); learn_output false: max_tokens whole.
+    learn_output: bool = setting(True)
+    output_quantile: Annotated[float, at_least(0), at_most(1)] = setting(0.9)  # output_allowance's default
+
+    def reserved_output_quantile(self) -> float | None:
+        """What the router's output allowances reserve (None: ``max_tokens`` whole)."""
+        return self.output_quantile if self.learn_output else None
 
     def settings(self) -> FlowSettings:
         return FlowSettings(

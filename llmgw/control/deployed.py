@@ -63,6 +63,7 @@ class DeployedReplicas(TaskHost):
         self.models: dict[str, str] = {}  # served model name -> the tier it is declared with
         self.gauges: dict[str, EngineGauges] = {}  # served model name -> its engine plugin's load gauges
         self.prefill_rates: dict[str, float | None] = {}  # profile name -> its configured prefill_tokens_per_s
+        self.priority_profiles: set[str] = set()  # names of the profiles whose engines run priority scheduling
 
     # -- models --------------------------------------------------------------------------------------------------
 
@@ -72,9 +73,12 @@ class DeployedReplicas(TaskHost):
         nobody deploys any more (a model the config's ``models`` list too keeps its route)."""
         wanted: dict[str, Any] = {}  # model -> the llmgw.config.Profile that serves it
         self.prefill_rates = {}
+        self.priority_profiles = set()
         for profile in [*(replica.profile for replica in desired.values()), *held]:
             wanted.setdefault(profile.served_model_name, profile)
             self.prefill_rates[profile.name] = profile.prefill_tokens_per_s
+            if profile.scheduling_policy == "priority":
+                self.priority_profiles.add(profile.name)
         for model, profile in sorted(wanted.items()):
             tier = profile.routing
             self.replicas.declare_model(DEPLOYED, TierModel.of(
@@ -140,6 +144,7 @@ class DeployedReplicas(TaskHost):
         replica = Replica(name=assignment.replica_id, model=assignment.model, url=report.endpoint, api_key=api_key,
                           gauges=self.gauges.get(assignment.model, VLLM_GAUGES),
                           prefill_tokens_per_s=self.prefill_rates.get(assignment.profile),
+                          priority_scheduling=assignment.profile in self.priority_profiles,
                           labels={"node": assignment.leader.node_id, "profile": assignment.profile,
                                   "generation": str(assignment.generation)},
                           engine_id=f"{assignment.replica_id}/g{assignment.generation}/pid{report.pid}"

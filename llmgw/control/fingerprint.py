@@ -4,12 +4,12 @@ A running shard is adopted only when the fingerprint it was started with
 equals the fingerprint of its profile now; any change to how the engine is
 started (binary, model, parallelism, arguments, environment, adapters, KV
 events, CPU threads, API key, and the KV key mode: engine hashes, ``key_function:
-vllm``, start the engine with the router's hash algorithm and seed) gives a new
+vllm``, start the engine with the router's hash algorithm and seed; the scheduling policy) gives a new
 fingerprint, and the shard is replaced. Settings that do not touch the process
 (the rest of routing, labels, GPU class, startup timeout) do not count. The API
-key enters only as a hash; the key mode only when it is ``engine`` (profiles
-with content keys, the default, keep the fingerprints they had before it
-counted).
+key enters only as a hash; the key mode only when it is ``engine`` and the
+scheduling policy only when it is not ``fcfs`` (profiles with the defaults
+keep the fingerprints they had before these counted).
 """
 
 from __future__ import annotations
@@ -27,7 +27,11 @@ FINGERPRINT_LENGTH = 16  # hex digits
 
 def canonical_profile(profile: Profile) -> dict:
     """The fields of ``profile`` that change the engine process, as plain JSON values."""
-    engine_keys = {"kv_key_mode": "engine"} if profile_kv_key_mode(profile) == "engine" else {}
+    engine_keys: dict[str, str | bool] = {"kv_key_mode": "engine"} if profile_kv_key_mode(profile) == "engine" else {}
+    if profile.sleep_mode:  # only when on: the fingerprints of every profile without it stay as they were
+        engine_keys["sleep_mode"] = True
+    if profile.scheduling_policy != "fcfs":
+        engine_keys["scheduling_policy"] = profile.scheduling_policy
     return {**engine_keys,
         "v": FINGERPRINT_VERSION,
         "engine": profile.engine,

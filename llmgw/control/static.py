@@ -57,6 +57,7 @@ class StaticReplicas(TaskHost):
                 name = spec.name or f"{model.name}-{index}"
                 wanted[name] = Replica(name=name, model=model.name, url=spec.url, api_key=spec.api_key,
                                        weight=spec.weight, prefill_tokens_per_s=spec.prefill_tokens_per_s,
+                                       priority_scheduling=spec.scheduling_policy == "priority",
                                        tls=replica_tls_options(spec, config.upstream_tls))
                 if wanted[name].uses_tls and not wanted[name].tls.verify:
                     log.warning("replica %s (%s): TLS certificate and host name verification is OFF "
@@ -64,8 +65,9 @@ class StaticReplicas(TaskHost):
                                 "API key included", name, spec.url)
         for name, replica in list(self._static.items()):
             new = wanted.get(name)
-            if new is None or (new.model, new.url, new.api_key, new.weight, new.tls) != (
-                    replica.model, replica.url, replica.api_key, replica.weight, replica.tls):
+            if new is None or (new.model, new.url, new.api_key, new.weight, new.tls, new.priority_scheduling) != (
+                    replica.model, replica.url, replica.api_key, replica.weight, replica.tls,
+                    replica.priority_scheduling):
                 del self._static[name]
                 self.spawn(self._drain, replica, "removed from the config", new is None)
         for name, replica in wanted.items():

@@ -23,6 +23,14 @@ class PriorityClass:
     # The share of a model's room this class may fill (1.0: all of it). Below 1.0 the rest is kept for the classes
     # ranked above it, so that their arrivals find room at once instead of waiting for a long stream to end.
     max_fill: float = 1.0
+    # The ``priority`` its requests carry to an engine that runs vLLM's priority scheduling (lower is served first);
+    # None: its rank.
+    engine_priority: int | None = None
+
+    @property
+    def engine_rank(self) -> int:
+        """The ``priority`` an engine in priority scheduling is given for this class's requests."""
+        return self.rank if self.engine_priority is None else self.engine_priority
 
 
 DEFAULT_CLASSES = (

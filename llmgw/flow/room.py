@@ -13,14 +13,16 @@ their engines, less what every gateway has in flight there, split among the gate
 - The room is counted in KV tokens too: a replica's KV capacity is its engine's scraped cache config (blocks x
   block size), the tokens held there the requests in flight will hold at most (their prompt estimate, this
   gateway's and the others', scaled by how many tokens the engines counted per estimated one in the answers'
-  usage, :class:`~llmgw.router.prompt_ratio.PromptTokenRatio`; and their ``max_tokens``:
-  :meth:`EngineRoom.held_tokens`). A class may dispatch a request only if the model's replicas keep the tokens
-  within its ``max_fill`` of their KV capacity (:meth:`EngineRoom.fits`): three batch requests that fill the
-  cache leave no room for a fourth, while an interactive one still fits; the request asking counts likewise: its
-  prompt estimate scaled by the same ratio, its output allowance as it is. Before an engine has told its
-  capacity, the tokens hold nothing back. The other gateways' requests count with their prompts (in their
-  reports) and, on a replica where this gateway has none, their own mean output per request (the output in
-  flight their reports carry, ``f``), else this gateway's mean.
+  usage, :class:`~llmgw.router.prompt_ratio.PromptTokenRatio`; and their output allowances, what of their
+  ``max_tokens`` the model's answers were learnt to hold, :class:`~llmgw.router.output_allowance.OutputAllowance`:
+  :meth:`EngineRoom.held_tokens`; an allowance learnt too low is caught by the engine's own KV usage, which cuts
+  the replica's capacity at ``kv_high``: :mod:`llmgw.flow.capacity`). A class may dispatch a request only if the
+  model's replicas keep the tokens within its ``max_fill`` of their KV capacity (:meth:`EngineRoom.fits`): three
+  batch requests that fill the cache leave no room for a fourth, while an interactive one still fits; the request
+  asking counts likewise: its prompt estimate scaled by the same ratio, its output at the learnt allowance. Before
+  an engine has told its capacity, the tokens hold nothing back. The other gateways' requests count with their
+  prompts (in their reports) and, on a replica where this gateway has none, their own mean output per request
+  (the output in flight their reports carry, ``f``), else this gateway's mean.
 - Shared: every gateway reports how many requests it holds per model with its load (llmgw/cluster/load.py); when
   others hold some too, this gateway may have in flight its quota of the capacity and of the KV tokens, in
   proportion to its demand (requests in flight and held) among every gateway's (:meth:`EngineRoom.demand_share`:
@@ -189,10 +191,11 @@ class EngineRoom:
                 kv_room += max(0, share - self.held_tokens(replica, ratio, per_request))
         quota = self.demand_share(model, mine, theirs) if self.sharing is not None else None
         # The queue's estimate (prompt and most output, not yet routed) in the engine's count: the prompt part
-        # scaled by the ratio, the output allowance (max_tokens, already in the engine's tokens) as it is. Scaling
-        # the whole over-counted a batch request's long output several times (docs/overload.md, "Measured").
+        # scaled by the ratio, the output (max_tokens, already in the engine's tokens) as the model's answers were
+        # learnt to hold it (route.output_allowance). Scaling the whole by the prompt ratio over-counted a batch
+        # request's long output several times (docs/overload.md, "Measured").
         output = min(max(output, 0), tokens)
-        need = min(ratio.tokens(tokens - output) + output, kv_largest)
+        need = min(ratio.tokens(tokens - output) + route.output_allowance.tokens(output), kv_largest)
         fits = not kv_known or (need <= kv_room and (
             quota is None or mine == 0 or need <= kv_filled * quota[0] // quota[1] - kv_mine))
         if unbounded:

@@ -47,10 +47,12 @@ from ..tenancy.interfaces import KeyDirectory
 from ..tenancy.model import Estimate, Tenant
 from ..tenancy.usage import MODEL_NOT_ALLOWED
 from .decisions import DecisionLog
+from .engine_priority import PRIORITY_PATHS, engine_priority, prioritized_body
 from .flow_gate import OPEN, FlowGate, FlowTrace, Pass
 from .hops import HopGuard
 from .latency import StreamWatch, events_after_last_token
 from .readiness import Readiness
+from .replica_back import wait_for_replica_back
 from .request_ids import RequestIds, accepted_client_id
 from .stream_usage import UsageChunkFilter, usage_forced_body
 from .tenant_gate import Charge, TenancyGate
@@ -98,6 +100,7 @@ class Exchange:
     relayed: bool = False  # an upstream's answer: its access line is written when its body has been relayed
     charge: Charge | None = None  # its reservation and usage record, once admitted (tenant_gate.py)
     flow: FlowTrace | None = None  # what overload control did with it (None: it did not go through the queue)
+    engine_priority: int | None = None  # the priority field sent to an engine in priority scheduling (None: none)
 
 
 @dataclass(frozen=True)
@@ -372,6 +375,8 @@ class DataPlane:
         last_error: UpstreamError | None = None
         kept: tuple[Replica, int, list[tuple[bytes, bytes]], bytes] | None = None  # an unwell replica's answer
         resent = False  # sent on once after its engine went away with it
+        prioritized: bytes | None = None  # the body with its engine priority, made for the first replica that wants it
+        waited = False  # waited once for a held model's replica to come back
         retries = self.settings.retries  # read once: a reload may replace the settings meanwhile
         for attempt in range(1 + retries):
             decision = None
@@ -380,6 +385,11 @@ class DataPlane:
                 if decision is None and not tried and self.wait_for_replica is not None \
                         and await self.wait_for_replica(model):
                     decision = await self.router.pick(route_request, exclude=tried)
+                if decision is None and not waited and self.holds(route_request.model):
+                    # An autoscaled model's requests wait for a replica: its only one failed (engine killed,
+                    # restarting) in a way that lets the request be sent on, so it waits for it to come back.
+                    waited = True
+                    decision = await self._wait_for_replica_back(request, model, route_request, exchange, tried)
                 if decision is None:
                     break
                 replica = replica_of(decision)
@@ -391,7 +401,12 @@ class DataPlane:
                 self._load(replica, +1)
                 entered.release()  # its place in the room is now its replica's in-flight count
                 self.router.routed(route_request, decision)
-                outcome = await self._attempt(replica, request, upstream_body, forwarded, is_last=attempt == retries)
+                sent = upstream_body
+                if replica.priority_scheduling and request.path in PRIORITY_PATHS:
+                    if prioritized is None:
+                        prioritized = self._prioritized(request, route_request.body, exchange, strip_usage)
+                    sent = prioritized
+                outcome = await self._attempt(replica, request, sent, forwarded, is_last=attempt == retries)
             except BaseException:  # cancelled before any answer: the client went away (or the server stops)
                 if decision is not None:
                     self.router.finished(route_request, decision, None)
@@ -429,6 +444,32 @@ class DataPlane:
         if kept is not None and (last_error is None or last_error.kind in RETRY_KINDS):
             return self._count(model, self._kept_answer(*kept, id_header), started)
         return self._count(model, self._no_replica_error(model, last_error, tried, failures, id_header), started)
+
+    def _prioritized(self, request: Request, body: dict, exchange: Exchange, force_usage: bool) -> bytes:
+        """The body for an engine in priority scheduling: its ``priority`` from the request's class (counted by
+        model and class, and kept for the access line)."""
+        assert exchange.model is not None
+        chosen = self.flow.engine_class(exchange.tenant, request, exchange.flow)
+        exchange.engine_priority = engine_priority(chosen, exchange.tenant, body)
+        self.metrics.engine_priority_requests.labels(exchange.model, chosen.name).inc()
+        return prioritized_body(request.path, body, exchange.engine_priority, force_usage)
+
+    async def _wait_for_replica_back(self, request: Request, model: str, route_request: RouteRequest,
+                                     exchange: Exchange, tried: list[Replica]) -> Decision | None:
+        """Up to the request's class deadline (``max_wait`` from now, shortened by the client's own), a replica
+        of a held model that may take it (:mod:`.replica_back`); None: none came (answered as before)."""
+        flow = self.flow
+        priority = flow.priority_of(exchange.tenant, request)
+        until = flow.deadline(priority, request) if not isinstance(priority, Response) else None
+        if until is None or isinstance(until, Response) or flow.control is None:
+            return None
+        decision = await wait_for_replica_back(self.router, route_request, tried, until)
+        self.metrics.waited_for_replica.labels(model, "none" if decision is None else "routed").inc()
+        if decision is None:
+            log.info("request %s: no replica of %s came back within its class's max_wait (tried: %s); answered "
+                     "as without the wait", route_request.request_id, model,
+                     ", ".join(r.name for r in tried) or "none")
+        return decision
 
     @staticmethod
     def _cost(flow: FlowGate, exchange: Exchange, request: Request, body: dict) -> Estimate:
@@ -632,6 +673,7 @@ class DataPlane:
         fields["queue_wait_ms"] = round(trace.waited * 1000, 1) if trace is not None and trace.waited is not None \
             else None
         fields["shed"] = trace.shed if trace is not None else None
+        fields["engine_priority"] = exchange.engine_priority
         access_log.info("%s", logfmt(fields), extra=fields_extra(fields))
 
     def _count(self, model: str | None, response: _Answer, started: float | None = None,

@@ -135,9 +135,7 @@ class FlowGate:
     def priority_of(self, tenant: Tenant | None, request: Request) -> PriorityClass | Response:
         """The request's class: its key's, else its team's, else ``default_class``; the priority header may
         lower it, and raise it only when the key (or its team) allows it. A 400 for a header naming no class."""
-        named = tenant.class_name if tenant is not None else None
-        # A key or team of the admin API may name a class a reload since removed: it gets the default then.
-        own = self._classes.get(named, self._default) if named is not None else self._default
+        own = self.own_class(tenant)
         asked = request.header(self.settings.priority_header)
         if asked is None:
             return own
@@ -149,6 +147,23 @@ class FlowGate:
         if wanted.rank >= own.rank or (tenant is not None and tenant.may_raise_priority):
             return wanted
         return own  # a raise the key may not make: its own class, as if the header were absent
+
+    def own_class(self, tenant: Tenant | None) -> PriorityClass:
+        """The class of the request's key, else its team's, else ``default_class`` (no priority header read)."""
+        named = tenant.class_name if tenant is not None else None
+        # A key or team of the admin API may name a class a reload since removed: it gets the default then.
+        return self._classes.get(named, self._default) if named is not None else self._default
+
+    def engine_class(self, tenant: Tenant | None, request: Request, trace: FlowTrace | None) -> PriorityClass:
+        """The class whose engine priority a request carries (:mod:`.engine_priority`): the one the queue gave it,
+        else (flow control off, or a model it did not queue for) the one it would have had, its key's when its
+        priority header names no class."""
+        if trace is not None and trace.priority is not None:
+            queued = self._classes.get(trace.priority)
+            if queued is not None:
+                return queued
+        chosen = self.priority_of(tenant, request)
+        return self.own_class(tenant) if isinstance(chosen, Response) else chosen
 
     def deadline(self, priority: PriorityClass, request: Request) -> float | Response:
         """When the request stops waiting, on Trio's clock: its class's ``max_wait`` from now, shortened by the

@@ -60,6 +60,7 @@ class GatewayFlow:
         self.room = EngineRoom(router, sharing, settings, capacity_rule(flow), scrape_interval=flow.scrape_interval,
                                scrape_timeout=SCRAPE_TIMEOUT, metrics=RoomMetrics(registry))
         self._scrape(flow)
+        router.set_output_quantile(flow.reserved_output_quantile())
         # Among gateways, a band this one has not measured yet drains at its share of the others' rates.
         self.queue = FlowQueue(settings, self.room, FlowMetrics(registry),
                                PeerDrainsOf(sharing) if isinstance(sharing, LoadSharing) else None)
@@ -84,6 +85,7 @@ class GatewayFlow:
         self.room.rule = capacity_rule(flow)
         self.room.scrape_interval = flow.scrape_interval
         self._scrape(flow)
+        self.router.set_output_quantile(flow.reserved_output_quantile())
         self.gate = FlowGate(settings, self.queue, self.room, self.outcomes, estimator(config))
         return self.gate
 

@@ -41,7 +41,13 @@ def usage_forced_body(path: str, body: Mapping[str, object]) -> bytes | None:
     # usage: it goes, so that the chunks the client reads stay as they were.
     forced["stream_options"] = {**{k: v for k, v in options.items() if k != "continuous_usage_stats"},
                                 "include_usage": True}
-    return _encode(forced).encode("ascii")  # ASCII escapes: a lone surrogate the client sent stays as it was
+    return encode_body(forced)
+
+
+def encode_body(body: Mapping[str, object]) -> bytes:
+    """A body re-encoded for the engine: compact JSON with ASCII escapes, so a lone surrogate the client sent
+    stays as it was."""
+    return _encode(body).encode("ascii")
 
 
 def _last_event_end(data: bytes) -> int:

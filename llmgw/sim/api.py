@@ -5,7 +5,7 @@ not), ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``,
 ``GET /health``, ``GET /ping``, ``GET /version``, ``GET /load``, ``GET /metrics``,
 ``POST /reset_prefix_cache``, ``GET /kv_event_sources``, with ``--enable-sleep-mode`` ``POST /sleep``,
 ``POST /wake_up`` and ``GET /is_sleeping`` (:mod:`~llmgw.sim.startup`), and with the test switch
-``--debug-routes`` ``POST /debug/prefix_hit``. With ``--api-key`` (or
+``--debug-routes`` ``POST /debug/prefix_hit`` and ``GET /debug/first_tokens``. With ``--api-key`` (or
 ``VLLM_API_KEY`` in the environment), paths under ``/v1`` need ``Authorization: Bearer KEY`` (vLLM protects exactly
 those). A request whose client goes away is aborted in the engine (its blocks
 are freed; cached blocks stay cached).
@@ -68,7 +68,9 @@ class SimApi:
                              ("GET", "/is_sleeping"): self.is_sleeping}
         if sim.config.debug_routes:
             self._routes[("POST", "/debug/prefix_hit")] = self.debug_prefix_hit
-            log.info("test switch --debug-routes: POST /debug/prefix_hit shows the cache and queues to anyone")
+            self._routes[("GET", "/debug/first_tokens")] = self.debug_first_tokens
+            log.info("test switch --debug-routes: POST /debug/prefix_hit and GET /debug/first_tokens show the "
+                     "cache, queues and scheduling order to anyone")
         self._paths = {path for _, path in self._routes}
 
     async def handle(self, request: Request) -> Response:
@@ -135,13 +137,15 @@ class SimApi:
         assert config.max_model_len is not None  # SimConfig.resolve() filled it
         params = protocol.sampling_params(body, len(prompt_ids), config.max_model_len, chat=chat)
         salt = protocol.cache_salt(body)
+        priority = protocol.priority(body, config.scheduling_policy)
         planned = output_tokens(prompt_ids, params, engine_seed=config.seed, output_range=config.output_tokens)
         hashing = self.sim.hashing
         hashes = None
         if hashing is not None:
             hashes = hashing.for_request((lora.name, lora.path) if lora else None, salt)
         return Sequence(self._new_id(), prompt_ids, planned, hashes=hashes,
-                        lora_id=lora.lora_id if lora else None, lora_name=lora.name if lora else None)
+                        lora_id=lora.lora_id if lora else None, lora_name=lora.name if lora else None,
+                        priority=priority)
 
     async def _generate(self, body: dict, model: str, lora, prompt_ids: list[int], *, chat: bool) -> Response:
         options = protocol.stream_options(body)
@@ -262,6 +266,15 @@ class SimApi:
                               "prefill_tokens_per_s": self.core.timing.prefill_tokens_per_s,
                               "decode_ms_per_step": self.core.timing.decode_ms_per_step,
                               "max_num_batched_tokens": scheduler.max_num_batched_tokens})
+
+    async def debug_first_tokens(self, request: Request) -> Response:
+        """The latest first tokens in the order the engine produced them (test switch): each request's id (a
+        response's ``id`` less its ``cmpl-``/``chatcmpl-`` prefix), priority, arrival rank, when its first step
+        began and when its first token came (seconds, the engine loop's clock) and how often it was preempted."""
+        return Response.json({"scheduling_policy": self.config.scheduling_policy, "first_tokens": [
+            {"request_id": ft.request_id, "priority": ft.priority, "arrival": ft.arrival,
+             "scheduled_at": round(ft.scheduled_at, 6), "first_token_at": round(ft.first_token_at, 6),
+             "preemptions": ft.preemptions} for ft in self.core.first_tokens]})
 
     # ------------------------------------------------------------------ server endpoints
 

@@ -32,6 +32,7 @@ from .startup import Startup
 
 log = logging.getLogger(__name__)
 
+FIRST_TOKENS_KEPT = 1000  # --debug-routes: the latest first tokens GET /debug/first_tokens lists
 VLLM_VERSION = "0.32.0"  # the release whose behaviour the default (map) layout reproduces
 
 
@@ -78,14 +79,15 @@ class Simulator:
         assert config.max_num_batched_tokens is not None  # resolve() filled it
         scheduler = Scheduler(cache, max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens,
-                              chunked_prefill=config.enable_chunked_prefill)
+                              chunked_prefill=config.enable_chunked_prefill, policy=config.scheduling_policy)
         self._events_in = self._events_out = None
         if publishing:
             self._events_in, self._events_out = trio.open_memory_channel(queue_size(events_cfg.max_queue_size))
         self.core = StepLoop(scheduler, timing=config.timing(), time_scale=config.time_scale,
                              data_parallel_rank=config.data_parallel_rank, events_out=self._events_in,
                              suppress_events=frozenset(config.suppress_events),
-                             strip_token_ids=config.no_event_token_ids)
+                             strip_token_ids=config.no_event_token_ids,
+                             first_tokens_kept=FIRST_TOKENS_KEPT if config.debug_routes else 0)
         self.loras = {m.name: m for m in config.lora_modules}
         self.created = int(time.time())
         self.vllm_version = VLLM_VERSION if config.event_layout == "map" else "0.23.0"

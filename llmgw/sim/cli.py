@@ -22,6 +22,7 @@ from ..logsetup import add_logging_arguments, setup_logging
 from ..usererrors import run_reporting
 from .config import KVEventsConfig, SimArgumentError, SimConfig, parse_lora_modules
 from .profiles import CONSTANT, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_PROFILE, profile_names
+from .scheduler import FCFS, POLICIES
 
 log = logging.getLogger("llmgw.sim")
 
@@ -85,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                       help="split long prefills across steps within the budget, so running requests keep "
                            "decoding (vLLM V1's default)")
+    vllm.add_argument("--scheduling-policy", choices=POLICIES, default=FCFS,
+                      help="fcfs: waiting requests in arrival order; priority: by each request's 'priority' (lower "
+                           "first, then arrival), and blocks running out preempt the lowest priority (vLLM's)")
     vllm.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     vllm.add_argument("--prefix-caching-hash-algo", default="sha256",
                       choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"))
@@ -132,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "events lack them (a router cannot key its blocks by content)")
     sim.add_argument("--debug-routes", action="store_true",
                      help="test switch: serve POST /debug/prefix_hit (a prompt's cached leading tokens and the "
-                          "queues, read from the engine; for the routing benchmark's oracle)")
+                          "queues, read from the engine; for the routing benchmark's oracle) and GET "
+                          "/debug/first_tokens (the latest requests in the order they got their first token)")
     add_logging_arguments(sim)
     return p
 
@@ -169,6 +174,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         kv_events=args.kv_events_config or KVEventsConfig(),

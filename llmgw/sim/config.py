@@ -21,6 +21,7 @@ from llmgw.kv.subscriber import rank_endpoint
 
 from . import profiles
 from .profiles import CONSTANT, DEFAULT_GPU_MEMORY_UTILIZATION, GpuProfile, ProfileError
+from .scheduler import FCFS, POLICIES
 from .timing import ConstantTiming, GpuTiming, Timing
 
 
@@ -118,6 +119,7 @@ class SimConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None -> 2048, or max(max_model_len, 2048) without chunking
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = FCFS  # vLLM's --scheduling-policy: fcfs, or priority (a request's ``priority`` orders it)
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
@@ -224,6 +226,8 @@ class SimConfig:
             raise SimArgumentError(  # vLLM refuses the same: a prompt of max_model_len tokens could never be scheduled
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than --max-model-len "
                 f"({self.max_model_len}): without chunked prefill every prompt must fit in one step")
+        if self.scheduling_policy not in POLICIES:
+            raise SimArgumentError(f"--scheduling-policy must be one of {', '.join(POLICIES)}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise SimArgumentError("--max-num-seqs and --max-num-batched-tokens must be positive")
         constant_rates_bad = self.gpu_profile is None and (

@@ -22,6 +22,8 @@ import dataclasses
 import logging
 import math
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import trio
 
@@ -33,14 +35,30 @@ from .timing import ConstantTiming, Timing
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """One request's first token, as the engine produced it (its arrival is its place in the scheduler's arrival
+    order; the times are the engine loop's clock)."""
+
+    request_id: str
+    priority: int
+    arrival: int
+    scheduled_at: float
+    first_token_at: float
+    preemptions: int
+
+
 class StepLoop:
     """Owns the scheduler; one task runs :meth:`run`."""
 
     def __init__(self, scheduler: Scheduler, *, prefill_tokens_per_s: float = 20000.0,
                  decode_ms_per_step: float = 20.0, timing: Timing | None = None, time_scale: float = 1.0,
                  data_parallel_rank: int = 0, events_out: trio.MemorySendChannel | None = None,
-                 suppress_events: frozenset[str] = frozenset(), strip_token_ids: bool = False):
-        """``timing`` defaults to the constant model with ``prefill_tokens_per_s`` and ``decode_ms_per_step``."""
+                 suppress_events: frozenset[str] = frozenset(), strip_token_ids: bool = False,
+                 first_tokens_kept: int = 0):
+        """``timing`` defaults to the constant model with ``prefill_tokens_per_s`` and ``decode_ms_per_step``.
+        ``first_tokens_kept``: how many of the latest first tokens to keep in :attr:`first_tokens` (the order
+        the engine served its requests in, for ``--debug-routes``); 0 keeps none."""
         if time_scale < 0:
             raise ValueError("time_scale must be >= 0")
         self.scheduler = scheduler
@@ -54,6 +72,8 @@ class StepLoop:
         self.suppress_events = suppress_events
         self.events_suppressed = 0
         self.strip_token_ids = strip_token_ids  # test switch: BlockStored without token_ids (content keys impossible)
+        self.first_tokens: deque[FirstToken] = deque(maxlen=first_tokens_kept or None)
+        self._keep_first_tokens = first_tokens_kept > 0
         self._work = trio.Event()
 
     @property
@@ -144,6 +164,9 @@ class StepLoop:
             for seq in progressed:
                 if seq.num_output_tokens == 1 and seq.scheduled_at is not None:
                     scheduler.stats.observe_prefill(done - seq.scheduled_at)
+                    if self._keep_first_tokens:
+                        self.first_tokens.append(FirstToken(seq.request_id, seq.priority, seq.arrival,
+                                                            seq.scheduled_at, done, seq.num_preemptions))
                 seq.notify()
             self._publish(step.events)
 

@@ -17,6 +17,7 @@ from llmgw.http.messages import error_body
 
 from . import tokenizer
 from .sampler import SamplingParams
+from .scheduler import PRIORITY
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
@@ -131,6 +132,23 @@ def chat_prompt_ids(body: dict) -> list[int]:
         )
     except tokenizer.TokenizerError as exc:
         raise bad_request(str(exc), "messages") from None
+
+
+PRIORITY_BOUND = 1 << 63  # vLLM's engine requests carry it as a 64-bit integer
+
+
+def priority(body: dict, policy: str) -> int:
+    """A request's ``priority`` (vLLM's extra field, default 0): an integer, lower served first. Any other value
+    than 0 needs the engine in priority scheduling: vLLM refuses it otherwise (a ValueError its server answers
+    400), with this message."""
+    value = body.get("priority", 0)
+    if value is None:
+        return 0
+    if type(value) is not int or not -PRIORITY_BOUND <= value < PRIORITY_BOUND:
+        raise bad_request("'priority' must be an integer (a signed 64-bit one)", "priority")
+    if value != 0 and policy != PRIORITY:
+        raise bad_request(f"Got priority {value} but Priority scheduling is not enabled.", "priority")
+    return value
 
 
 def cache_salt(body: dict) -> str | None:

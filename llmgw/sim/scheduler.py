@@ -8,12 +8,19 @@ Pure and synchronous (no clock, no I/O), after vLLM v1's scheduler:
   when its blocks do not fit, the most recently admitted running request is
   preempted (blocks freed, recomputed later from the start, prefix cache
   permitting) until they do;
-- then, unless something was preempted, waiting requests in arrival order
-  while the budget, ``max_num_seqs`` and free blocks allow; each starts with
+- then, unless something was preempted, waiting requests in the queue's order
+  (``fcfs``: arrival; ``priority``: a request's ``priority``, lower first, then
+  arrival) while the budget, ``max_num_seqs`` and free blocks allow; each starts with
   its prefix-cache hit and computes the rest (chunked across steps when the
   budget is short; without ``chunked_prefill`` only a step with budget for
-  the whole rest admits it); the first that does not fit stops admission
-  (FCFS);
+  the whole rest admits it); the first that does not fit stops admission;
+- with ``policy="priority"`` (vLLM's ``--scheduling-policy priority``) the
+  request preempted when blocks run out is the running request of the lowest
+  priority (the highest ``priority`` value, the latest arrival among equals),
+  not the most recently admitted one; if it was already scheduled in this step,
+  its tokens go back to the budget. As in vLLM (v0.10 to 0.32), a waiting
+  request never preempts a running one: it is only ordered first among the
+  waiting, so a running batch prefill keeps its share of every step's budget;
 - after the step, every request whose scheduled tokens reached the end of its
   tokens samples one token; a request finishes at EOS or at its length limit,
   and its blocks are freed (cached blocks stay cached, evictable).
@@ -42,6 +49,10 @@ from .tokenizer import EOS_ID
 log = logging.getLogger(__name__)
 
 
+FCFS, PRIORITY = "fcfs", "priority"  # vLLM's --scheduling-policy values
+POLICIES = (FCFS, PRIORITY)
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -59,10 +70,11 @@ class Sequence:
     __slots__ = ("request_id", "prompt_len", "token_ids", "planned_output", "num_computed_tokens", "hashes",
                  "blocks", "num_cached_blocks", "lora_id", "lora_name", "num_cached_tokens", "status",
                  "finish_reason", "num_preemptions", "error", "scheduled_at", "first_token_at", "last_token_at",
-                 "_changed")
+                 "priority", "arrival", "_changed")
 
     def __init__(self, request_id: str, prompt_ids: list[int], planned_output: list[int], *,
-                 hashes: SequenceHashes | None = None, lora_id: int | None = None, lora_name: str | None = None):
+                 hashes: SequenceHashes | None = None, lora_id: int | None = None, lora_name: str | None = None,
+                 priority: int = 0):
         if not prompt_ids:
             raise ValueError("a request needs at least one prompt token")
         if not planned_output:
@@ -85,6 +97,8 @@ class Sequence:
         self.scheduled_at: float | None = None  # when its first step began (the engine loop's clock)
         self.first_token_at = 0.0  # when its first and latest tokens came, on the engine's modelled clock
         self.last_token_at = 0.0
+        self.priority = priority  # vLLM's request priority: lower is served first (policy "priority" only)
+        self.arrival = -1  # its place in arrival order, set when the scheduler first takes it
         self._changed = trio.Event()
         if hashes is not None:
             hashes.extend(self.token_ids)
@@ -192,9 +206,13 @@ class Scheduler:
     """The waiting queue, the running batch and the KV cache manager."""
 
     def __init__(self, cache: KVCacheManager, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 chunked_prefill: bool = True):
+                 chunked_prefill: bool = True, policy: str = FCFS):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {policy!r}: one of {', '.join(POLICIES)}")
+        self.policy = policy
+        self._arrivals = 0
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -209,7 +227,24 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        if seq.arrival < 0:
+            seq.arrival = self._arrivals
+            self._arrivals += 1
+        if self.policy == PRIORITY:
+            self._queue_in_order(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _queue_in_order(self, seq: Sequence) -> None:
+        """Insert ``seq`` where ``(priority, arrival)`` puts it (vLLM's priority queue, here a sorted deque: the
+        admission loop and the debug route read it in order). Searched from the tail: a new arrival of the
+        most common priority goes last at once."""
+        waiting = self.waiting
+        key = (seq.priority, seq.arrival)
+        at = len(waiting)
+        while at and (waiting[at - 1].priority, waiting[at - 1].arrival) > key:
+            at -= 1
+        waiting.insert(at, seq)
 
     def abort(self, seq: Sequence) -> None:
         """Finish ``seq`` now (client went away); its blocks are freed at once."""
@@ -259,7 +294,28 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.stats.preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.policy == PRIORITY:
+            self._queue_in_order(seq)  # vLLM: prepend_request is add_request in a priority queue
+        else:
+            self.waiting.appendleft(seq)
+
+    def _take_victim(self) -> tuple[Sequence, int]:
+        """Take the running request to preempt out of ``running``, with the index it had: the most recently
+        admitted one (fcfs), or the one of the lowest priority, the latest arrival among equals (priority)."""
+        running = self.running
+        if self.policy != PRIORITY:
+            return running.pop(), len(running)
+        at = max(range(len(running)), key=lambda k: (running[k].priority, running[k].arrival))
+        return running.pop(at), at
+
+    @staticmethod
+    def _unschedule(step: Step, seq: Sequence) -> int:
+        """Take ``seq`` out of this step's plan; the tokens it was given (back to the budget)."""
+        for k, (planned, num_new) in enumerate(step.scheduled):
+            if planned is seq:
+                del step.scheduled[k]
+                return num_new
+        return 0
 
     def preempt_all(self) -> int:
         """Preempt every running request (vLLM's ``reset_running_requests``); returns how many."""
@@ -281,7 +337,10 @@ class Scheduler:
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             fits = self._allocate(seq, num_new)
             while fits is False:
-                victim = running.pop()
+                victim, at = self._take_victim()
+                if at < i:  # scheduled earlier in this step (priority only): its tokens go back to the budget
+                    i -= 1
+                    budget += self._unschedule(step, victim)
                 self._preempt(victim)
                 step.preempted += 1
                 if victim is seq:

@@ -47,14 +47,16 @@ def sim_command(*, model: str = MODEL, num_blocks: int | None, block_size: int =
 
 def gateway_config(urls: Sequence[str], *, routing: str, routing_options: dict | None = None,
                    model: str = MODEL, kv_sources: Sequence[tuple[str, str]] | None = None,
-                   prefill_tokens_per_s: Sequence[float] | None = None) -> str:
+                   prefill_tokens_per_s: Sequence[float] | None = None, scheduling_policy: str | None = None) -> str:
     """``kv_sources``: each replica's (events, replay) ZMQ endpoints, for a gateway that follows their events;
-    ``prefill_tokens_per_s``: each replica's configured prefill rate (what its profile says)."""
+    ``prefill_tokens_per_s``: each replica's configured prefill rate (what its profile says);
+    ``scheduling_policy``: what every replica's engine runs with (``priority``: started so)."""
     events = [f"        kv_events: {events}\n        kv_replay: {replay}\n" for events, replay in kv_sources] \
         if kv_sources is not None else [""] * len(urls)
     rates = [f"        prefill_tokens_per_s: {rate:.1f}\n" for rate in prefill_tokens_per_s] \
         if prefill_tokens_per_s is not None else [""] * len(urls)
-    replicas = "".join(f"      - url: {url}\n        name: sim-{i}\n{kv}{rate}" for i, (url, kv, rate) in
+    policy = f"        scheduling_policy: {scheduling_policy}\n" if scheduling_policy else ""
+    replicas = "".join(f"      - url: {url}\n        name: sim-{i}\n{kv}{rate}{policy}" for i, (url, kv, rate) in
                        enumerate(zip(urls, events, rates, strict=True)))
     return (f"models:\n  - name: {model}\n    routing: {routing}\n"
             f"    routing_options: {json.dumps(routing_options or {})}\n    replicas:\n{replicas}"

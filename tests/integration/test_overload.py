@@ -424,3 +424,29 @@ async def test_explain_finds_a_request_another_gateway_shed_and_refuses_a_forged
     assert await second.metric("llmgw_flow_explain_lookups_total", 'result="refused"') == 2
     assert (await second.admin("/admin/explain", params={"request_id": "nobody"})).status_code == 404
     assert await second.metric("llmgw_flow_explain_lookups_total", 'result="missing"') == 1
+
+
+async def test_the_output_reserved_is_learnt_from_the_answers_and_learning_may_be_turned_off(gateway_in_process,
+                                                                                                nursery):
+    """Answers that end at their EOS after 20 tokens of a max_tokens of 200: after 32 of them, a request reserves a
+    tenth of its max_tokens (llmgw_flow_output_allowance_ratio); with flow.learn_output false, the whole."""
+    [sim] = await start_sims(nursery, 1, num_blocks=512, time_scale=0, extra=("--output-tokens", "20:20"))
+    learning = await gateway_in_process(config(sim.url))
+    whole = await gateway_in_process(config(sim.url, flow="  learn_output: false\n"))
+
+    async def answers(gw, count: int) -> None:
+        async with httpx.AsyncClient() as client:
+            for i in range(count):
+                answer = await chat(client, gw.url, BATCH, f"learn-{i}", max_tokens=200)
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["usage"]["completion_tokens"] == 20
+
+    async with trio.open_nursery() as both:
+        both.start_soon(answers, learning, 31)
+        both.start_soon(answers, whole, 32)
+    assert await learning.metric("llmgw_flow_output_allowance_ratio", 'model="tiny"') == 1.0  # 31: not yet
+    await answers(learning, 1)
+    assert await learning.metric("llmgw_flow_output_allowance_ratio", 'model="tiny"') == 0.1
+    assert await learning.metric("llmgw_flow_output_allowance_answers_total", 'model="tiny"') == 32
+    assert await whole.metric("llmgw_flow_output_allowance_ratio", 'model="tiny"') == 1.0
+    assert await whole.metric("llmgw_flow_output_allowance_answers_total", 'model="tiny"') == 32

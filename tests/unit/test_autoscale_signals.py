@@ -58,13 +58,17 @@ def test_models_no_longer_autoscaled_are_forgotten():
     assert source.signals("gone", 50.0).last_request_at == 50.0  # seen afresh
 
 
-def test_arrivals_are_the_requests_entering_this_gateways_queue_times_the_live_gateways():
+def test_arrivals_and_the_drain_rate_are_this_gateways_own_times_the_live_gateways():
     entered = {"tiny": 0}
-    source = GatewaySignals(router_with(), lambda model: (0, 0), entered=lambda model: entered[model],
+    replica = Replica("a", "tiny", "http://127.0.0.1:1", state=ReplicaState.UP)
+    source = GatewaySignals(router_with(replica), lambda model: (0, 0), entered=lambda model: entered[model],
                             gateways=lambda: 3)
     assert source.signals("tiny", now=0.0).arrivals_per_s == 0.0
-    entered["tiny"] = 4
-    assert source.signals("tiny", now=2.0).arrivals_per_s == 6.0  # 2/s here, one gateway in three
+    entered["tiny"] = replica.served = 4
+    signals = source.signals("tiny", now=2.0)
+    assert signals.arrivals_per_s == 6.0  # 2/s here, one gateway in three
+    # served the same way: a replica that keeps up with the arrivals drains as fast as they come, not a third
+    assert signals.served_per_s == 6.0 and signals.served_per_replica_s == 6.0
     entered["tiny"] = 1  # the queue forgot the model and counts afresh: no negative rate
     assert source.signals("tiny", now=4.0).arrivals_per_s >= 0
 
