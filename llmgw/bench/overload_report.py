@@ -53,6 +53,33 @@ def _kv(samples: Sequence[dict], when: Callable[[dict], bool], key: str = "kv") 
     return {"samples": len(kv), "mean": sum(kv) / len(kv) if kv else None, "min": min(kv) if kv else None}
 
 
+SLOW_REFUSAL = 0.05  # seconds: issue 31's target for a refusal's answer
+
+
+def refusal_breakdown(outcomes: Sequence[Outcome]) -> dict:
+    """Where the refusals' latency comes from: per reason (llmgw's expired, overflow, unservable) and per gateway,
+    their count and latency p50/p99; and the slow ones (over :data:`SLOW_REFUSAL`) per reason and per second of
+    the run they were sent in."""
+    refused = [o for o in outcomes if o.kind in (SHED, EXPIRED)]
+
+    def stats(group: list[Outcome]) -> dict:
+        return {"count": len(group), "p50_ms": _ms([o.latency for o in group], 0.5),
+                "p99_ms": _ms([o.latency for o in group], 0.99)}
+
+    def grouped(key: Callable[[Outcome], object], group: list[Outcome]) -> dict[str, list[Outcome]]:
+        out: dict[str, list[Outcome]] = {}
+        for o in group:
+            out.setdefault(str(key(o)), []).append(o)
+        return dict(sorted(out.items()))
+
+    slow = [o for o in refused if o.latency > SLOW_REFUSAL]
+    return {"by_reason": {k: stats(v) for k, v in grouped(lambda o: o.reason, refused).items()},
+            "by_gateway": {k: stats(v) for k, v in grouped(lambda o: o.gateway, refused).items()},
+            "slow": len(slow),
+            "slow_by_reason": {k: len(v) for k, v in grouped(lambda o: o.reason, slow).items()},
+            "slow_by_second": {k: len(v) for k, v in grouped(lambda o: int(o.sent), slow).items()}}
+
+
 def level_stats(loop: Loop, kv_samples: Sequence[dict], slo: dict[str, float], capacity_rps: float) -> dict:
     by_class = {c: class_stats([o for o in loop.outcomes if o.priority == c], slo, loop.elapsed) for c in CLASSES}
     tenants: dict[str, int] = {}  # each interactive tenant's tokens in answers that met the SLO
@@ -62,7 +89,7 @@ def level_stats(loop: Loop, kv_samples: Sequence[dict], slo: dict[str, float], c
     fairness = min(tenants.values()) / max(tenants.values()) if len(tenants) > 1 and max(tenants.values()) else None
     goodput = sum(c["goodput_rps"] for c in by_class.values())
     gateway_queues = any(s["queued"] is not None for s in kv_samples)
-    return {"classes": by_class, "goodput_rps": goodput,
+    return {"classes": by_class, "goodput_rps": goodput, "refusals": refusal_breakdown(loop.outcomes),
             "goodput_of_capacity": goodput / capacity_rps if capacity_rps else None,
             "fairness": fairness, "interactive_tokens": tenants, "over_cap": loop.over_cap,
             "most_in_flight": loop.most_in_flight,

@@ -77,6 +77,8 @@ class Outcome:
     tokens: int = 0  # prompt + completion tokens the engine reported (OK)
     itl: list[float] = field(default_factory=list)
     retry_after: bool = False  # a refusal carried Retry-After
+    gateway: int = 0  # which of the urls it was sent through
+    reason: str = ""  # a refusal's reason: llmgw's EXPIRED, OVERFLOW or UNSERVABLE (from its message), else ""
 
 
 EXPIRED_CODES = ("queue_timeout",)  # llmgw's 429 code for a request whose deadline passed (or would) waiting
@@ -92,6 +94,19 @@ def kind_of(status: int, body: str) -> str:
     return SHED if status == 429 else ERROR
 
 
+# llmgw's 429 messages (llmgw.gateway.flow_gate.shed_response) say why: the request would not have had room in
+# time (shed at once or while waiting: its message names the deadline too, so it is looked for first), the queue
+# was full, or the deadline passed while it waited.
+REFUSAL_REASONS = (("would not have room", "unservable"), ("is full", "overflow"), ("its deadline (class", "expired"))
+
+
+def reason_of(status: int, body: str) -> str:
+    """Why llmgw refused a request, from its 429's message; "" for anything else."""
+    if status != 429:
+        return ""
+    return next((reason for marker, reason in REFUSAL_REASONS if marker in body), "other")
+
+
 Send = Callable[[Tenant, random.Random], Awaitable[Outcome]]
 
 
@@ -103,7 +118,8 @@ def sender(client: httpx.AsyncClient, urls: Sequence[str], timeout: float, model
 
     async def send(tenant: Tenant, rng: random.Random) -> Outcome:
         nonlocal turn
-        url = urls[turn % len(urls)]
+        gateway = turn % len(urls)
+        url = urls[gateway]
         turn += 1
         messages = [{"role": "user", "content": words(rng, tenant.prompt_words)}]
         started = time.perf_counter()
@@ -116,10 +132,10 @@ def sender(client: httpx.AsyncClient, urls: Sequence[str], timeout: float, model
                 pass
         if result is None:
             elapsed = time.perf_counter() - started
-            return Outcome(tenant.name, tenant.priority, 0.0, ERROR, 0, elapsed, elapsed)
+            return Outcome(tenant.name, tenant.priority, 0.0, ERROR, 0, elapsed, elapsed, gateway=gateway)
         return Outcome(tenant.name, tenant.priority, 0.0, kind_of(result.status, result.error), result.status,
                        result.ttft, result.latency, result.prompt_tokens + result.completion_tokens, result.itl,
-                       result.retry_after is not None)
+                       result.retry_after is not None, gateway, reason_of(result.status, result.error))
 
     return send
 

@@ -75,6 +75,9 @@ class PeerView:
     def peer_queued(self, model: str) -> list[int]:
         return self.gateway.peer_held
 
+    def peer_output(self, model: str) -> int | None:
+        return None  # not modelled: the room counts the others' output at its own mean
+
     def watch(self, listener) -> None: ...
 
 
@@ -203,6 +206,9 @@ def free_cost_us(replicas: int = 4, peers: int = 3, rounds: int = 7) -> dict:
 
         def peer_queued(self, model: str) -> list[int]:
             return list(held.values())
+
+        def peer_output(self, model: str) -> int | None:
+            return None
 
         def watch(self, listener) -> None: ...
 

@@ -21,7 +21,8 @@ their engines, less what every gateway has in flight there, split among the gate
   batch requests that fill the cache leave no room for a fourth, while an interactive one still fits; the request
   asking counts likewise: its prompt estimate scaled by the same ratio, its output at the learnt allowance. Before
   an engine has told its capacity, the tokens hold nothing back. The other gateways' requests count with their
-  prompts (in their reports) and this gateway's mean output per request.
+  prompts (in their reports) and, on a replica where this gateway has none, their own mean output per request
+  (the output in flight their reports carry, ``f``), else this gateway's mean.
 - Shared: every gateway reports how many requests it holds per model with its load (llmgw/cluster/load.py); when
   others hold some too, this gateway may have in flight its quota of the capacity and of the KV tokens, in
   proportion to its demand (requests in flight and held) among every gateway's (:meth:`EngineRoom.demand_share`:
@@ -73,6 +74,8 @@ class SharedQueues(Protocol):
     def count_queued(self, source: Callable[[], dict[str, int]], max_queued: int) -> None: ...
 
     def peer_queued(self, model: str) -> list[int]: ...
+
+    def peer_output(self, model: str) -> int | None: ...
 
     def watch(self, listener: Callable[[], None]) -> None: ...
 
@@ -180,8 +183,10 @@ class EngineRoom:
                 left = min(left, max(1, math.floor(known.seats * fill)) - local - peer)
             if left > 0:
                 seat_free += left
-        if unsized:  # the others' output at this gateway's mean per request on the model (their reports lack it)
-            per_request = output_inflight / mine if mine else DEFAULT_OUTPUT_TOKENS
+        if unsized:  # the others' output at their mean per request on the model, else at this gateway's
+            per_request = self.peer_mean_output(model, theirs)
+            if per_request is None:
+                per_request = output_inflight / mine if mine else DEFAULT_OUTPUT_TOKENS
             for replica, share in unsized:
                 kv_room += max(0, share - self.held_tokens(replica, ratio, per_request))
         quota = self.demand_share(model, mine, theirs) if self.sharing is not None else None
@@ -216,6 +221,14 @@ class EngineRoom:
             local = replica.local_inflight
             output += replica.peer_inflight * output // local if local else int(replica.peer_inflight * per_request)
         return ratio.tokens(replica.inflight_tokens) + output
+
+    def peer_mean_output(self, model: str, theirs: int) -> float | None:
+        """The output allowance per request the other gateways have in flight on ``model`` (``theirs`` requests),
+        from their load reports; None when one of them does not report it or they have none in flight."""
+        if self.sharing is None or not theirs:
+            return None
+        output = self.sharing.peer_output(model)
+        return None if output is None else output / theirs
 
     def demand_share(self, model: str, mine: int, theirs: int) -> tuple[int, int] | None:
         """When other gateways hold requests for ``model`` too: this gateway's demand (its requests in flight,

@@ -73,6 +73,40 @@ def test_arrivals_and_the_drain_rate_are_this_gateways_own_times_the_live_gatewa
     assert source.signals("tiny", now=4.0).arrivals_per_s >= 0
 
 
+def peer(entered: int = 0, within: int = 0, seen: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(entered=entered, ttft_within=within, ttft_seen=seen)
+
+
+def test_arrivals_sum_every_gateways_reported_counter_whatever_the_balancer_does():
+    """Issue 32: the leader's own gateway saw 1 in 10 of the arrivals (an uneven balancer); the others' reports
+    carry theirs. A peer's counter counts from its first report seen; one that fell (a restart) counts from 0; a
+    gateway whose reports carry none (the version before) is taken to see the reporting ones' mean."""
+    entered = {"tiny": 0}
+    peers = {"gw-b": peer(500), "gw-c": peer(1000)}
+    source = GatewaySignals(router_with(), lambda model: (0, 0), entered=lambda model: entered[model],
+                            gateways=lambda: 3, peer_figures=lambda model: peers)
+    assert source.signals("tiny", now=0.0).arrivals_per_s == 0.0  # what they counted before is not an arrival now
+    entered["tiny"] = 2
+    peers = {"gw-b": peer(508), "gw-c": peer(1010)}
+    assert source.signals("tiny", now=2.0).arrivals_per_s == 10.0  # (2 + 8 + 10) / 2 s, not 1/s times 3
+    peers = {"gw-b": peer(3), "gw-c": peer(1010)}  # gw-b restarted: 3 since
+    assert source.signals("tiny", now=4.0).arrivals_per_s == pytest.approx(0.3 * 1.5 + 0.7 * 10.0)
+    peers = {"gw-b": peer(13)}  # gw-c is gone, its arrivals stay counted; the third gateway now says nothing:
+    later = source.signals("tiny", now=6.0).arrivals_per_s  # 10 in 2 s from the two reporting, of 3 gateways
+    assert later == pytest.approx((0.3 * 5.0 + 0.7 * (0.3 * 1.5 + 0.7 * 10.0)) * 3 / 2)
+
+
+def test_ttft_attainment_is_the_clusters_share_within_the_slo():
+    first_tokens = FirstTokens(lambda: 0.0)
+    for ttft in (0.2, 3.0):  # this gateway: 1 in 2 within the SLO
+        first_tokens.observe("tiny", ttft)
+    peers = {"gw-b": peer(within=9, seen=10), "gw-c": peer(within=0, seen=0)}
+    source = GatewaySignals(router_with(), lambda model: (0, 0), first_tokens=first_tokens,
+                            slo_of=lambda model: 1.0, peer_figures=lambda model: peers)
+    assert source.signals("tiny", now=1.0).ttft_attainment == 10 / 12
+    assert first_tokens.counts("tiny", 1.0, 1.0) == (1, 2)  # what this gateway reports
+
+
 def test_a_rate_is_measured_over_at_least_min_span_once_it_has_shown():
     replica = Replica("a", "tiny", "http://127.0.0.1:1")
     source = GatewaySignals(router_with(replica), lambda model: (0, 0))

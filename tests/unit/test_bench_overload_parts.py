@@ -28,8 +28,11 @@ from llmgw.bench.overload_workload import (
     Tenant,
     kind_of,
     open_loop,
+    reason_of,
 )
 from llmgw.config.loading import parse_config
+from llmgw.flow.model import EXPIRED as EXPIRED_REASON, OVERFLOW, UNSERVABLE, PriorityClass, Shed
+from llmgw.gateway.flow_gate import shed_response
 
 
 def test_an_answer_is_ok_shed_expired_or_an_error():
@@ -39,6 +42,25 @@ def test_an_answer_is_ok_shed_expired_or_an_error():
     assert kind_of(429, '{"error": {"code": "queue_full", "message": "the queue is full"}}') == SHED
     assert kind_of(408, "Request timed out in queue") == EXPIRED  # vllm-router's queue timeout
     assert kind_of(503, "") == ERROR and kind_of(0, "") == ERROR
+
+
+def test_a_refusals_reason_is_read_from_llmgws_message():
+    for reason, expected in ((EXPIRED_REASON, "expired"), (OVERFLOW, "overflow"), (UNSERVABLE, "unservable")):
+        response = shed_response(Shed(reason, 2, 1.5, "detail"), "tiny", PriorityClass("interactive", 0, 2.0))
+        assert reason_of(429, response.body.decode()) == expected
+    assert reason_of(429, '{"error": {"message": "rate limit: rpm"}}') == "other"
+    assert reason_of(200, "") == ""
+
+
+def test_the_refusals_are_broken_down_by_reason_gateway_and_second_the_slow_ones_counted():
+    outcomes = [Outcome("a", INTERACTIVE, 0.2, SHED, 429, 0.0, 0.004, gateway=0, reason="unservable"),
+                Outcome("a", INTERACTIVE, 3.5, EXPIRED, 429, 0.0, 2.0, gateway=1, reason="expired"),
+                Outcome("a", INTERACTIVE, 3.9, EXPIRED, 429, 0.0, 1.2, gateway=1, reason="expired"),
+                Outcome("a", INTERACTIVE, 1.0, OK, 200, 0.1, 0.5, gateway=2)]
+    found = level_stats(Loop(outcomes, 1.0, elapsed=2.0), [], {INTERACTIVE: 0.5, BATCH: 30.0}, 2.0)["refusals"]
+    assert found["by_reason"]["unservable"] == {"count": 1, "p50_ms": 4.0, "p99_ms": 4.0}
+    assert found["by_reason"]["expired"]["count"] == 2 and set(found["by_gateway"]) == {"0", "1"}
+    assert found["slow"] == 2 and found["slow_by_reason"] == {"expired": 2} and found["slow_by_second"] == {"3": 2}
 
 
 def test_a_gateways_queue_is_the_sum_of_its_flow_queued_gauges_and_none_without_them():

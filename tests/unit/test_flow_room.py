@@ -132,10 +132,12 @@ def test_broken_gauges_neither_crash_nor_reach_past_the_bounds():
 
 
 class Peers:
-    """The cluster's load sharing as the room sees it: the other gateways' requests held per model."""
+    """The cluster's load sharing as the room sees it: the other gateways' requests held per model, and the output
+    allowance they have in flight (None: one of them does not report it)."""
 
     def __init__(self) -> None:
         self.held: dict[str, list[int]] = {}
+        self.output: dict[str, int] = {}
         self.source = None
         self.max_queued = 0
         self.listeners: list = []
@@ -145,6 +147,9 @@ class Peers:
 
     def peer_queued(self, model):
         return self.held.get(model, [])
+
+    def peer_output(self, model):
+        return self.output.get(model)
 
     def watch(self, listener):
         self.listeners.append(listener)
@@ -698,6 +703,9 @@ def test_the_kv_tokens_are_split_among_the_gateways_holding_requests_as_the_requ
     b.peer_inflight, b.peer_inflight_tokens = 2, 3000  # another gateway's, output at our mean: 1,500 each
     assert held(router, room, "b") == 3000 + 2 * 256  # alone, the default; the room's own count takes our mean
     assert room.fits("m", INTERACTIVE, 4384) and not room.fits("m", INTERACTIVE, 4385)  # 6,000 held on each
+    peers.output["m"] = 200  # once their reports carry their output in flight: 100 each, so 3,200 held on b
+    assert room.fits("m", INTERACTIVE, 2192 + 4992) and not room.fits("m", INTERACTIVE, 2192 + 4993)
+    del peers.output["m"]  # a gateway of the version before among them: our mean again
     b.peer_inflight = b.peer_inflight_tokens = 0  # b empty: 8,192 free there
     assert room.fits("m", INTERACTIVE, 8192)
     peers.held["m"] = [10]
@@ -711,3 +719,4 @@ def test_the_kv_tokens_are_split_among_the_gateways_holding_requests_as_the_requ
     assert room.fits("m", INTERACTIVE, 8192)  # none of its own in flight: one request, whatever the quota
     peers.held["m"] = [10_000_000]  # a forged count is taken at max_queued: still one request
     assert room.fits("m", INTERACTIVE, 8192)
+
