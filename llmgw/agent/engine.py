@@ -126,7 +126,18 @@ def openai_server_flags(spec: wire.StartShard, ctx: LaunchContext) -> list[str]:
         flags += ["--enable-lora", "--lora-modules", *(f"{lora.name}={lora.path}" for lora in profile.lora_adapters)]
     if profile.scheduling_policy == "priority":  # else vLLM's default, fcfs: other command lines stay as they were
         flags += ["--scheduling-policy", "priority"]
+    if profile.sleep_mode:
+        flags.append("--enable-sleep-mode")
     return flags
+
+
+SLEEP_ENDPOINTS_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM serves /sleep, /wake_up and /is_sleeping only with it set
+
+
+def sleep_mode_env(spec: wire.StartShard) -> dict[str, str]:
+    """``VLLM_SERVER_DEV_MODE=1`` for a profile with ``sleep_mode``: the agent's sleep and wake-up calls need
+    vLLM's development endpoints (nothing otherwise)."""
+    return {SLEEP_ENDPOINTS_ENV: "1"} if spec.profile.sleep_mode else {}
 
 
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's API server (and the simulator) read it when there is no --api-key
@@ -205,4 +216,4 @@ def engine_env(spec: wire.StartShard, ctx: LaunchContext) -> dict[str, str]:
     own ``env`` (it may override any of those), with ``PYTHONHASHSEED`` fixed when the router keys by the
     engine's hashes; and last the engine API key (the one the probes and the router send)."""
     return {"PYTHONUNBUFFERED": "1", **gpu_env(spec, ctx), **cpu_threads_env(spec), **kv_events_env(spec, ctx),
-            **spec.profile.env, **api_key_env(spec)}
+            **sleep_mode_env(spec), **spec.profile.env, **api_key_env(spec)}

@@ -198,6 +198,23 @@ class ShardManager:
         await supervisor.drain(timeout, grace, reason)
         return self._settle(supervisor)
 
+    async def sleep(self, shard_id: str, level: int = 1, timeout: float = 30.0, reason: str = "") -> None:
+        """Put a shard's engine to sleep (see :meth:`ShardSupervisor.sleep`)."""
+        supervisor = self._shards.get(shard_id)
+        if supervisor is None:
+            self._not_running(shard_id)
+            return
+        await supervisor.sleep(level, timeout, reason)
+
+    async def wake(self, shard_id: str, timeout: float = 600.0, reason: str = "") -> None:
+        """Wake a shard's sleeping engine (see :meth:`ShardSupervisor.wake`)."""
+        supervisor = self._shards.get(shard_id)
+        if supervisor is None:
+            self._not_running(shard_id)
+            return
+        await supervisor.wake(timeout, reason)
+        self._settle(supervisor)  # stopped when it did not wake
+
     def reports(self) -> list[wire.ShardReport]:
         """Every shard this agent knows, for Register."""
         return [s.report() for s in self._shards.values()] + list(self._tombstones.values())

@@ -9,6 +9,10 @@ through ``on_status`` with a reason):
   ``/v1/models`` does not list the served name); also a Ready shard whose
   health probes keep failing (it is out of routing until they pass again).
 - READY: ``/health`` answers 200 and ``/v1/models`` lists the served name.
+- SLEEPING: a Ready engine put to sleep when told (:meth:`ShardSupervisor.sleep`, vLLM's sleep mode through
+  :mod:`llmgw.agent.sleep`): its process runs on, its GPU memory given up; health is still probed.
+- WAKING: told to wake (:meth:`ShardSupervisor.wake`); READY once the engine says it is awake and is ready, else
+  stopped (STOPPED, with why) so that it can be started cold.
 - DRAINING: a stop or drain was asked for; the control plane takes the shard
   out of routing when it sees this report.
 - STOPPED: the process exited after a stop or drain.
@@ -48,6 +52,7 @@ from ..fdpressure import ShortageBackoff, capacity_errno, note_shortage
 from ..http.client import UpstreamError, UpstreamPool
 from ..logfields import log_fields
 from ..procgroup import process_group_of, process_start_time, signal_group, terminate_group, wait_group_gone
+from . import sleep as sleep_mode
 from .engine import Engine, EngineError, Launch, LaunchContext, Readiness
 from .ledger import Ledger, LedgerEntry
 from .logs import ShardLog, redact_argv
@@ -67,7 +72,10 @@ class SupervisorSettings:
     crash_loop_after: int = 5  # this many restarts within crash_loop_window, then one more exit: crash loop
     crash_loop_window: float = 600.0
     crash_loop_retry: float | None = 60.0  # FAILED shards are retried this often; None: give up
-    probe_interval: tuple[float, float] = (0.5, 2.0)  # while starting or loading, while ready
+    # While starting or loading, while ready. Loading is probed often: a replica serves (and a scale-up or a start
+    # from zero ends) no sooner than its agent sees it ready; a probe of an engine not yet listening is a refused
+    # connection, nothing for the engine to do.
+    probe_interval: tuple[float, float] = (0.1, 2.0)
     probe_timeout: float = 2.0
     unhealthy_after: int = 3  # failed health probes in a row that take a Ready shard back to Loading
     restart_unhealthy_after: int = 10  # refused or 5xx health probes in a row that restart it (timeouts never do)
@@ -128,6 +136,13 @@ class EngineProcess:
         return f"pid {self.pid} exited with code {self.returncode}"
 
 
+def _asleep_or_why(answer: bool | str, wanted: bool) -> str | None:
+    """None when ``GET /is_sleeping`` answered ``wanted``, else why not."""
+    if isinstance(answer, str):
+        return answer
+    return None if answer is wanted else f"GET /is_sleeping says {str(answer).lower()}"
+
+
 async def _wait_for_foreign_exit(pid: int, start_time: int | None) -> None:
     """Wait for a process that is not our child: a pidfd when the kernel has them, else polling ``/proc``."""
     try:
@@ -155,7 +170,7 @@ class _Prober:
         self.readiness = readiness
         self.timeout = timeout
         self.pool = UpstreamPool(host, port, connect_timeout=timeout)
-        self._auth = [(b"authorization", f"Bearer {readiness.api_key}".encode())] if readiness.api_key else []
+        self.auth = [(b"authorization", f"Bearer {readiness.api_key}".encode())] if readiness.api_key else []
 
     async def health(self) -> probe.Health:
         """The probe, its reason naming the path: ``definite`` failures (refused, 5xx) can restart an engine;
@@ -172,7 +187,7 @@ class _Prober:
             return health
         name, path = self.readiness.served_model_name, self.readiness.models_path
         try:
-            status, body = await probe.get(self.pool, path, self.timeout, self._auth)
+            status, body = await probe.get(self.pool, path, self.timeout, self.auth)
         except trio.TooSlowError:
             return probe.Health(False, f"{path}: no answer within {self.timeout:g}s")
         except UpstreamError as exc:
@@ -235,6 +250,7 @@ class ShardSupervisor:
         self._nursery: trio.Nursery | None = None
         self._final = False
         self._finished = trio.Event()
+        self._sleep_lock = trio.Lock()  # one sleep or wake-up at a time
 
     # -- what others read ----------------------------------------------------------------------------------------
 
@@ -274,6 +290,69 @@ class ShardSupervisor:
     async def drain(self, timeout: float = 600.0, grace: float = 30.0, reason: str = "") -> None:
         """DRAINING (out of routing), wait until in-flight requests reach 0 or ``timeout``, then stop."""
         await self._request(_StopRequest(timeout, grace, reason or "drain requested"))
+
+    async def sleep(self, level: int = 1, timeout: float = 30.0, reason: str = "") -> None:
+        """Put a Ready engine to sleep (``POST /sleep?level=N``, then ``GET /is_sleeping``, each within
+        ``timeout``): SLEEPING; when it cannot be, it stays READY and the log says why."""
+        why = reason or "sleep requested"
+        async with self._sleep_lock:
+            proc, prober = self._proc, self._prober
+            refused = self._cannot_sleep_or_wake(State.READY)
+            if refused is None:
+                assert prober is not None  # _cannot_sleep_or_wake checked it
+                refused = await sleep_mode.sleep(prober.pool, level, timeout, prober.auth)
+                if refused is None:
+                    refused = _asleep_or_why(await sleep_mode.is_sleeping(prober.pool, timeout, prober.auth), True)
+            if refused is None and self._still(proc, State.READY):
+                self._set(State.SLEEPING, f"{why}: asleep at level {level}, its GPU memory given up; a WakeShard "
+                                          f"wakes it")
+            elif refused is not None:
+                log.warning("shard %s was not put to sleep (%s): %s; it stays as it is (%s)", self.shard_id, why,
+                            refused, self.state.value, extra=self._log_fields())
+
+    async def wake(self, timeout: float = 600.0, reason: str = "") -> None:
+        """Wake a sleeping engine (``POST /wake_up``, then ``GET /is_sleeping`` and the readiness probe, all within
+        ``timeout``): WAKING, then READY (a hot start); an engine that does not wake is stopped, so that the
+        control plane starts it cold."""
+        why = reason or "wake-up requested"
+        async with self._sleep_lock:
+            proc, prober = self._proc, self._prober
+            if self._cannot_sleep_or_wake(State.SLEEPING) is not None:
+                return  # awake already, or stopping: the report says what it is
+            assert prober is not None  # _cannot_sleep_or_wake checked it
+            self._set(State.WAKING, f"{why}: POST /wake_up")
+            failed: str | None = None
+            with trio.move_on_after(timeout) as deadline:
+                failed = await sleep_mode.wake_up(prober.pool, timeout, prober.auth)
+                if failed is None:
+                    failed = _asleep_or_why(await sleep_mode.is_sleeping(prober.pool, timeout, prober.auth), False)
+                while failed is None and not (probed := await prober.ready()).ok:
+                    await trio.sleep(self.settings.probe_interval[0])
+            if deadline.cancelled_caught:
+                failed = f"not awake and ready within {timeout:g}s"
+            if not self._still(proc, State.WAKING):
+                return  # it exited, restarted or is being stopped meanwhile: that is reported on its own
+            if failed is None:
+                self._set(State.READY, f"{why}: awake (a hot start); {probed.reason}")
+                return
+            log.warning("shard %s did not wake (%s): %s; stopping it, to be started cold", self.shard_id, why,
+                        failed, extra=self._log_fields())
+        await self.stop(self.settings.restart_grace, f"did not wake: {failed}; stopped, to be started cold")
+
+    def _cannot_sleep_or_wake(self, needed: State) -> str | None:
+        """Why the shard cannot be put to sleep or woken now (``needed``: the state it must be in), or None."""
+        if not self.spec.profile.sleep_mode:
+            return f"profile {self.spec.profile.name or '?'} does not run the engine with sleep_mode"
+        if self._stop is not None or self.finished:
+            return "it is stopping"
+        if self.state is not needed or self._proc is None or self._prober is None:
+            return f"it is {self.state.value}, not {needed.value}"
+        return None
+
+    def _still(self, proc: EngineProcess | None, state: State) -> bool:
+        """The same engine process is still running, in ``state``, and no stop was asked for."""
+        return self._proc is proc and proc is not None and proc.running and self.state is state \
+            and self._stop is None
 
     async def _request(self, request: _StopRequest) -> None:
         if self.finished:
@@ -429,7 +508,10 @@ class ShardSupervisor:
             self._set(State.LOADING, f"{adopted}; the ledger has no HTTP port for it")
             return
         ready = await self._prober.ready()
-        if ready.ok:
+        if ready.ok and self.spec.profile.sleep_mode and await sleep_mode.is_sleeping(
+                self._prober.pool, self.settings.probe_timeout, self._prober.auth) is True:
+            self._set(State.SLEEPING, f"{adopted}; it sleeps (GET /is_sleeping): a WakeShard wakes it")
+        elif ready.ok:
             self._set(State.READY, f"{adopted}; {ready.reason}")
         else:
             self._set(State.LOADING, f"{adopted}; not ready: {ready.reason}")
@@ -466,7 +548,8 @@ class ShardSupervisor:
             if self.state is not State.READY:
                 self._set(State.READY, f"pid {proc.pid} running headless (rank {self.spec.rank}): liveness only")
             await trio.sleep_forever()
-        ready = self.state is State.READY
+        # Asleep or waking (an adopted engine found asleep) is past readiness: only health is probed from here.
+        ready = self.state in (State.READY, State.SLEEPING, State.WAKING)
         failures = definite_failures = 0
         while True:
             await trio.sleep(ready_interval if ready else loading_interval)

@@ -14,7 +14,9 @@ pure (llmgw/autoscale/scaler.py); this module is its only caller in the product.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable
 
 import trio
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL = 1.0
+STEPS_UP = ("up", "from_zero", "take")
+MAX_START_NOTES = 1000  # the scaler keeps 500 decisions by default: their notes outlive them a little
 
 
 def autoscaled(config: "Config", settings_of: Callable[["Deployment"], AutoscaleSettings | None]
@@ -72,6 +76,7 @@ class Autoscaler:
         self.started: dict[str, int] = {}  # key -> the replicas running when placing began (this term's start)
         self._asked: dict[str, int] = {}  # the counts last handed to the control plane
         self.views: dict[str, DeploymentView] = {}  # the last step's, for /admin/autoscale
+        self._start_notes: OrderedDict[tuple, str] = OrderedDict()  # a step up's "woke ..." or "a cold start"
 
     # -- ReplicaCounter ------------------------------------------------------------------------------------------
 
@@ -120,13 +125,26 @@ class Autoscaler:
         if forget is not None:
             forget({view.model for view in self.views.values()})
         decisions = self.scaler.decide(now, list(self.views.values()), self.free_gpus(control))
-        self.metrics.record(decisions)
+        self.metrics.record([self._with_start_note(control, d) for d in decisions])
         before = dict(self._asked)
         counts = self.counts(control)
-        self.metrics.observe(now, list(self.views.values()), counts)
+        self.metrics.observe(now, list(self.views.values()), counts,
+                             {key: parked_replicas(control, key, asleep=True) for key in deployments})
         if counts != before:
             control.request_reconcile()
         return decisions
+
+    def _with_start_note(self, control: "ControlPlane", decision: ScaleDecision) -> ScaleDecision:
+        """A step up's reason says how its replicas start: woken from sleep (a hot start), or cold; kept for
+        /admin/autoscale's ``start``."""
+        if decision.kind not in STEPS_UP or decision.desired <= decision.current:
+            return decision
+        note = start_note(decision.desired - decision.current, parked_replicas(control, decision.key, asleep=True),
+                          parked_replicas(control, decision.key))
+        self._start_notes[_note_key(decision)] = note
+        while len(self._start_notes) > MAX_START_NOTES:
+            self._start_notes.popitem(last=False)
+        return dataclasses.replace(decision, reason=f"{decision.reason}; {note}")
 
     def view(self, control: "ControlPlane", key: str, settings: AutoscaleSettings, now: float) -> DeploymentView:
         profile = control.config.profile(key)
@@ -157,8 +175,10 @@ class Autoscaler:
                 "model": control.config.profile(key).served_model_name, "min": settings.min_replicas,
                 "max": settings.max_replicas, "desired": self._asked.get(key), "started_from": self.started.get(key),
                 "ready": counts.ready, "starting": counts.starting, "draining": counts.draining,
-                "unplaceable": counts.unplaceable, "signals": None,
-                "decisions": [decision_json(d) for d in self.scaler.history(key)]}
+                "unplaceable": counts.unplaceable, "sleeping": parked_replicas(control, key, asleep=True),
+                "waking": waking_replicas(control, key), "signals": None,
+                "decisions": [decision_json(d, self._start_notes.get(_note_key(d)))
+                              for d in self.scaler.history(key)]}
             if view is not None:
                 s = view.signals
                 entry["signals"] = {"queued": s.queued, "queued_tokens": s.queued_tokens, "inflight": s.inflight,
@@ -178,16 +198,34 @@ class Autoscaler:
 
 def running_replicas(control: "ControlPlane", key: str) -> int:
     """The replicas of deployment ``key`` that run now: those the control plane holds, and those a reachable node
-    reports serving with the profile's fingerprint that it has not adopted yet (the adoption happens in the same
-    reconcile pass that first asks for the counts after the adoption window)."""
+    reports serving (not draining, not asleep) with the profile's fingerprint that it has not adopted yet (the
+    adoption happens in the same reconcile pass that first asks for the counts after the adoption window)."""
     fingerprint = profile_fingerprint(control.config.profile(key))
     held = {a.replica_id for a in control.reconciler.active().values() if a.profile == key}
     reported = {report.replica_id for node in control.inventory.nodes.values() if node.reachable
                 for sid, report in node.shards.items()
-                if report.rank == 0 and report.state.alive and report.state is not ShardState.DRAINING
+                if report.rank == 0 and report.state.alive
+                and report.state not in (ShardState.DRAINING, ShardState.SLEEPING)
                 and report.fingerprint == fingerprint and sid not in node.unproven
                 and sid not in control.reconciler.parked and report.replica_id.startswith(f"{key}-")}
     return len(held | reported)
+
+
+def parked_replicas(control: "ControlPlane", key: str, *, asleep: bool = False) -> int:
+    """Replicas of deployment ``key`` scaled down and kept warm (unowned, unrouted): a step up adopts them;
+    ``asleep``: only those whose engines sleep (sleep mode), which the adoption wakes."""
+    fingerprint = profile_fingerprint(control.config.profile(key))
+    return sum(1 for node in control.inventory.nodes.values() for sid, report in node.shards.items()
+               if report.rank == 0 and sid in control.reconciler.parked
+               and (report.state is ShardState.SLEEPING if asleep else report.state.alive)
+               and report.fingerprint == fingerprint and report.replica_id.startswith(f"{key}-"))
+
+
+def waking_replicas(control: "ControlPlane", key: str) -> int:
+    """Replicas of deployment ``key`` wanted again and waking (counted as starting too)."""
+    return sum(1 for a in control.reconciler.active().values() if a.profile == key
+               and (report := control.inventory.shard(a.leader.node_id, a.leader.shard_id)) is not None
+               and report.state is ShardState.WAKING)
 
 
 def replica_counts(control: "ControlPlane", key: str) -> ReplicaCounts:
@@ -217,7 +255,30 @@ def replica_counts(control: "ControlPlane", key: str) -> ReplicaCounts:
     return ReplicaCounts(ready=ready, starting=starting, draining=draining, unplaceable=unplaceable)
 
 
-def decision_json(decision: ScaleDecision) -> dict[str, Any]:
+def decision_json(decision: ScaleDecision, start: str | None = None) -> dict[str, Any]:
+    """A decision for /admin/autoscale; ``start``: how a step up's replicas start (:func:`start_note`)."""
     return {"at": round(decision.at, 3), "kind": decision.kind, "from": decision.current, "to": decision.desired,
-            "reason": decision.reason, "taken_from": decision.taken_from}
+            "reason": f"{decision.reason}; {start}" if start else decision.reason, "taken_from": decision.taken_from,
+            "start": start}
+
+
+def start_note(added: int, sleeping: int, parked: int) -> str:
+    """How ``added`` replicas of a step up start when ``parked`` of the deployment's are kept warm, ``sleeping``
+    of them asleep: those are adopted (the sleeping ones woken, the others as they run), the rest start cold."""
+    woken = min(added, sleeping)
+    warm = min(added - woken, parked - sleeping)
+    cold = added - woken - warm
+    parts = ([f"woke {woken} sleeping replica{'' if woken == 1 else 's'} (a hot start)"] if woken else []) + \
+        ([f"adopted {_replicas(warm)} kept warm (a hot start)"] if warm else []) + \
+        ([f"{cold} cold start{'' if cold == 1 else 's'}" if woken or warm or cold > 1 else "a cold start"]
+         if cold else [])
+    return " and ".join(parts)
+
+
+def _replicas(count: int) -> str:
+    return f"{count} replica{'' if count == 1 else 's'}"
+
+
+def _note_key(decision: ScaleDecision) -> tuple:
+    return decision.key, decision.at, decision.kind, decision.desired
 

@@ -41,6 +41,9 @@ class AutoscaleMetrics:
         self.decisions = Counter("llmgw_autoscale_decisions", "Autoscaler decisions, by deployment and kind (up, "
                                  "down, from_zero, to_zero, take, give, hold).", ["deployment", "kind"],
                                  registry=registry)
+        self.sleeping = Gauge("llmgw_autoscale_sleeping_replicas", "Replicas of an autoscaled deployment scaled "
+                              "down and kept warm asleep (engine sleep mode): a step up wakes one instead of a cold "
+                              "start.", labels, registry=registry)
         self.last_decision_age = Gauge("llmgw_autoscale_last_decision_age_seconds", "Seconds since the last "
                                        "decision about an autoscaled deployment (its reason: /admin/autoscale).",
                                        labels, registry=registry)
@@ -54,11 +57,13 @@ class AutoscaleMetrics:
             self._last_at[decision.key] = decision.at
             log.info("autoscale: %s", describe(decision))
 
-    def observe(self, now: float, views: Sequence[DeploymentView], desired: dict[str, int]) -> None:
-        """Set each deployment's gauges (``desired``: the scaler's count for it); a deployment gone loses them."""
+    def observe(self, now: float, views: Sequence[DeploymentView], desired: dict[str, int],
+                sleeping: dict[str, int] | None = None) -> None:
+        """Set each deployment's gauges (``desired``: the scaler's count for it; ``sleeping``: its replicas kept
+        asleep); a deployment gone loses them."""
         keys = {view.key for view in views}
         for gone in self._shown - keys:
-            for gauge in (self.desired, self.ready, self.starting, self.last_decision_age):
+            for gauge in (self.desired, self.ready, self.starting, self.sleeping, self.last_decision_age):
                 try:
                     gauge.remove(gone)
                 except KeyError:  # never had that series
@@ -69,5 +74,6 @@ class AutoscaleMetrics:
             self.desired.labels(view.key).set(desired.get(view.key, view.desired))
             self.ready.labels(view.key).set(view.counts.ready)
             self.starting.labels(view.key).set(view.counts.starting)
+            self.sleeping.labels(view.key).set((sleeping or {}).get(view.key, 0))
             if view.key in self._last_at:
                 self.last_decision_age.labels(view.key).set(max(0.0, now - self._last_at[view.key]))

@@ -16,7 +16,9 @@ arrivals following the trace (streamed chat completions of ``--prompt-words`` wo
 through the gateway), sampled every ``--sample`` seconds (:meth:`~.autoscale_rig.AutoscaleRig.sample`). Per
 trace, arm and model (:mod:`.autoscale_report`): the step to the extra replica serving, dropped requests,
 reversals, TTFT p95 SLO attainment, replica-seconds against the oracle (:mod:`.autoscale_oracle`); a text chart of
-replicas against demand; with ``--json`` everything, series included (partial results as they come).
+replicas against demand; where the seconds of the step's scale-up and of the start from zero went, phase by phase,
+from the processes' logs (:mod:`.autoscale_timeline`); with ``--json`` everything, series included (partial results
+as they come).
 
 Run: ``llmgw bench autoscale [--traces step,diurnal,swap,idle] [--arms autoscaled,fixed-max,fixed-min]
 [--repeats 3] [--json bench-results/autoscale.json]``; ``--quick`` is a short form (the traces over a quarter of
@@ -32,23 +34,25 @@ import os
 import random
 import statistics
 import sys
-import tempfile
+import time
 from pathlib import Path
 
 import httpx
 import trio
 
 from ..config.schema import Deployment
+from ..flow.model import DEFAULT_CLASSES
 from ..sim.profiles import DEFAULT_PROFILE
 from ..testing.processes import ChildFailed
 from ..testing.sims import start_sims
 from .autoscale_oracle import plan
 from .autoscale_report import charts, markdown, model_stats, run_summary, series, targets, targets_markdown
-from .autoscale_rig import AutoscaleRig, EngineShape, sim_models_startup
+from .autoscale_rig import AutoscaleRig, EngineShape, profile_name, sim_models_startup
+from .autoscale_timeline import engine_logs, log_events, scale_up_timeline, timelines_markdown
 from .autoscale_traces import MODEL_A, TRACES, Trace, arrival_times, shortened
 from .chat_workloads import new_client
 from .cluster_events import percentile
-from .common import bench_parser, chosen_names, print_and_save, write_json
+from .common import bench_parser, chosen_names, print_and_save, run_in_workdir, write_json
 from .limits import leaves
 from .overload_arms import ArmUnavailable
 from .overload_workload import INTERACTIVE, OK, Tenant, closed_loop, send_at, sender
@@ -138,9 +142,23 @@ def deployment_lines(arm: str, trace: Trace, factor: float) -> str:
             f"    autoscale: {{{scaled}}}")
 
 
+REFERENCE_FACTOR = 10.0  # the compression at which the flow classes' default ``max_wait`` are kept as they are
+
+
+def flow_classes(factor: float) -> str:
+    """The flow queue's classes with their default ``max_wait`` held in fleet seconds as at the default compression
+    (the ``standard`` class's 10 s is 100 fleet seconds): a request held for a model at zero waits out an engine's
+    cold start at any ``--time-factor`` (docs/autoscaling.md: a ``max_wait`` longer than the start)."""
+    scaled = "".join(f"    - {{name: {c.name}, rank: {c.rank}, max_fill: {c.max_fill:g}, "
+                     f"max_wait: {seconds(c.max_wait * REFERENCE_FACTOR, factor)}}}\n" for c in DEFAULT_CLASSES)
+    return f"flow:\n  classes:\n{scaled}"
+
+
 def config_extra(arm: str, factor: float) -> str:
-    """The arm's top-level config: the autoscaler deciding every second of fleet time."""
-    return f"autoscale:\n  interval: {seconds(1.0, factor)}\n" if arm == AUTOSCALED else ""
+    """The arm's top-level config: the flow classes (:func:`flow_classes`) and, autoscaled, the autoscaler deciding
+    every second of fleet time."""
+    classes = "" if factor == REFERENCE_FACTOR else flow_classes(factor)
+    return classes + (f"autoscale:\n  interval: {seconds(1.0, factor)}\n" if arm == AUTOSCALED else "")
 
 
 def starting_count(arm: str, trace: Trace) -> int:
@@ -185,10 +203,12 @@ async def run_trace(args: argparse.Namespace, http: httpx.AsyncClient, trace: Tr
                         for at in arrival_times(trace, model, replica_rps, factor, rng)] for model in trace.models}
     fleet: list[dict] = []
     loops = {}
+    began: dict[str, float] = {}  # epoch seconds at which each model's arrivals are timed from
     async with AutoscaleRig.open(workdir, engine_of(args, boot), deployments, ready, nodes=args.nodes,
                                  gpus=args.gpus, extra_config=config_extra(arm, factor)) as rig:
 
         async def drive(model: str) -> None:
+            began[model] = time.time()
             loops[model] = await send_at(sender(http, [rig.url], args.request_timeout, model), arrivals[model],
                                          wall, args.cap)
 
@@ -198,6 +218,11 @@ async def run_trace(args: argparse.Namespace, http: httpx.AsyncClient, trace: Tr
                 for model in trace.models:
                     driving.start_soon(drive, model)
             sampling.cancel_scope.cancel()
+        control_log, agent_log = rig.log_lines()
+    for name, log_lines in (("control.log", control_log), ("agents.log", agent_log)):  # kept with --workdir
+        (workdir / name).write_text("\n".join(log_lines) + "\n")
+    control_events, agent_events = log_events(control_log), log_events(agent_log)
+    engines = engine_logs(workdir)
     within = [s for s in fleet if s["t"] <= wall]
     stats, lines = {}, {}
     for model in trace.models:
@@ -206,6 +231,11 @@ async def run_trace(args: argparse.Namespace, http: httpx.AsyncClient, trace: Tr
                                    args.ttft_slo_ms / 1000, args.window)
         stats[model]["over_cap"] = loops[model].over_cap
         lines[model] = series(trace, model, factor, within, oracle)
+        moment = trace.called_at if trace.called_at is not None else trace.step_at
+        if moment is not None:
+            since = began[model] + moment / factor
+            stats[model]["timeline"] = scale_up_timeline(control_events, agent_events, profile_name(model), model,
+                                                         since, engines, trace.called_at is not None)
     return stats, lines
 
 
@@ -273,11 +303,10 @@ async def run(args: argparse.Namespace, root: Path) -> dict:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    with contextlib.ExitStack() as stack:
-        root = Path(args.workdir) if args.workdir else \
-            Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llmgw-bench-autoscale-")))
-        report = trio.run(run, args, root)
+    report = run_in_workdir("autoscale", run, args)
     print(charts(report), "\n")
+    if timelines := timelines_markdown(report, AUTOSCALED):
+        print("Where the seconds of a scale-up go (the logs' timestamps):\n\n" + timelines, "\n")
     report["targets"] = targets(report, AUTOSCALED)
     return print_and_save(report, markdown(report) + "\n\n" + targets_markdown(report, AUTOSCALED), args.json)
 

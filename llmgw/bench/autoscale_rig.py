@@ -56,7 +56,8 @@ class EngineShape:
     hot_start: float
 
     def args(self) -> list[str]:
-        args = ["--profile", self.profile, "--max-num-seqs", str(self.max_num_seqs)]
+        # JSON logs: the timeline reads when the engine is ready from its own (llmgw/bench/autoscale_timeline.py)
+        args = ["--profile", self.profile, "--max-num-seqs", str(self.max_num_seqs), "--log-format", "json"]
         if sim_models_startup():
             args += [STARTUP_FLAGS[0], f"{self.cold_start:g}", STARTUP_FLAGS[1], f"{self.hot_start:g}"]
         if SLEEP_FLAG in build_parser().format_help():
@@ -64,17 +65,20 @@ class EngineShape:
         return args
 
 
-def fleet_config(workdir: Path, engine: EngineShape, deployments: Mapping[str, str], extra: str = "") -> str:
+def fleet_config(workdir: Path, engine: EngineShape, deployments: Mapping[str, str], extra: str = "",
+                 profile_extra: str = "") -> str:
     """The control process's config: a profile per model of ``deployments`` (model -> its deployment's YAML
-    lines after ``profile:``, e.g. ``replicas: 2``), the agents' settings and ``extra`` (top-level YAML)."""
+    lines after ``profile:``, e.g. ``replicas: 2``), each with ``profile_extra`` (YAML lines, e.g.
+    ``sleep_mode: true``), the agents' settings and ``extra`` (top-level YAML)."""
     profiles = "".join(f"""  - name: {profile_name(model)}
     engine: sim
     model_path: tiny
     served_model_name: {model}
     args: {json.dumps(engine.args())}
-""" for model in deployments)
+{profile_extra}""" for model in deployments)
     placed = "".join(f"  - profile: {profile_name(model)}\n    {lines}\n" for model, lines in deployments.items())
-    return ("log_level: warning\n" + AGENTS.replace("agents:\n", f"agents:\n  control_state_dir: {workdir / 'ids'}\n")
+    logs = "log_level: info\nlog_format: json\naccess_log: true\n"  # the timeline's (llmgw/bench/autoscale_timeline.py)
+    return (logs + AGENTS.replace("agents:\n", f"agents:\n  control_state_dir: {workdir / 'ids'}\n")
             + f"profiles:\n{profiles}deployments:\n{placed}" + extra)
 
 
@@ -96,14 +100,14 @@ class AutoscaleRig:
     @contextlib.asynccontextmanager
     async def open(cls, workdir: Path, engine: EngineShape, deployments: Mapping[str, str], ready: Mapping[str, int],
                    *, nodes: int = 2, gpus: int = 4, timeout: float = 180.0,
-                   extra_config: str = "") -> AsyncIterator["AutoscaleRig"]:
+                   extra_config: str = "", profile_extra: str = "") -> AsyncIterator["AutoscaleRig"]:
         """The fleet of ``deployments`` (see the module's docstring), once each model has ``ready[model]``
         replicas up."""
         workdir.mkdir(parents=True, exist_ok=True)
         with EngineReaper(workdir) as reaper:
             async with httpx.AsyncClient(timeout=2.0) as http, trio.open_nursery() as nursery:
                 config = workdir / "llmgw.yaml"
-                config.write_text(fleet_config(workdir, engine, deployments, extra_config))
+                config.write_text(fleet_config(workdir, engine, deployments, extra_config, profile_extra))
                 control = GatewayProcess("llmgw control", CONTROL, config)
                 await control.start(nursery)
                 rig = cls(nursery, workdir, control, [], tuple(deployments), http, reaper)
@@ -120,9 +124,14 @@ class AutoscaleRig:
         fixture.write_text(json.dumps(node_fixture(gpus, H100, node_id, index)))
         argv = llmgw_command("agent", "--join", self.control.control_url, "--token", TOKEN, "--node-id", node_id,
                              "--state-dir", str(self.workdir / f"agent-{node_id}"), "--address", "127.0.0.1",
-                             "--discovery", f"fixture:{fixture}", "--log-level", "warning")
+                             "--discovery", f"fixture:{fixture}", "--log-level", "info", "--log-format", "json")
         return await start_child(self.nursery, argv, name=f"llmgw agent {node_id}", ready=AGENT_READY,
                                  startup_timeout=60, stop_grace=2)
+
+    def log_lines(self) -> tuple[list[str], list[str]]:
+        """The control process's output so far, and every agent's together (JSON log lines: the timeline's)."""
+        control = self.control.child.lines if self.control.child is not None else []
+        return list(control), [line for agent in self.agents for line in agent.lines]
 
     async def replicas(self) -> list[dict]:
         listed = (await self.http.get(self.control.control_url + "/admin/replicas")).json()

@@ -6,7 +6,8 @@ per-replica capacity. The bench compresses fleet time by a stated factor (``--ti
 the scaler's windows and the trace all run that many times faster; a request itself runs at the engine's speed), so
 that a 20-minute diurnal trace fits in two.
 
-- ``step``: one model at 1.8 replicas' worth, doubled to 3.6 at a third of the trace (the 1x -> 2x step).
+- ``step``: one model at 1.8 replicas' worth, doubled to 3.6 at a third of the trace (the 1x -> 2x step); its
+  ``min`` is the 2 replicas the base needs.
 - ``diurnal``: one model following a compressed day, from 0.5 up to 3.5 replicas' worth and back (a cosine).
 - ``swap``: two models, one busy (3.4) and one quiet (0.6); halfway through they swap.
 - ``idle``: one model with ``min`` 0, not called for the first half, then called at 1.2 replicas' worth.
@@ -44,9 +45,11 @@ class Trace:
 
 
 def step_trace(seconds: float = 600.0, base: float = 1.8) -> Trace:
+    """The fleet starts (and stays at least) at what the base demand needs, so that the time to serving measures
+    the step itself, not a fleet still growing toward the base when the step comes."""
     at = seconds / 3
     return Trace("step", f"{base:g} replicas' worth, {2 * base:g} from {at:g} s", seconds, (MODEL_A,),
-                 lambda _model, t: base if t < at else 2 * base, 2 * base, step_at=at)
+                 lambda _model, t: base if t < at else 2 * base, 2 * base, min_replicas=math.ceil(base), step_at=at)
 
 
 def diurnal_trace(seconds: float = 1200.0, low: float = 0.5, high: float = 3.5) -> Trace:

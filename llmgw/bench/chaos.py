@@ -52,11 +52,12 @@ import trio
 import yaml
 
 from ..procgroup import wait_group_gone
-from .chaos_rig import CLUSTER, ChaosRig, rss_and_fds
+from .chaos_rig import AUTO_MODEL, AUTO_PROFILE, CLUSTER, ChaosRig, rss_and_fds
+from .chaos_scaler import ScalerLog, ScalerWindow
 from .chaos_schedule import QUICK, Fault, median_and_range, parse_faults, slope_per_hour, soak_plan
 from .cluster_rig import GatewayProcess
 from .common import bench_parser, cell, print_and_save
-from .fault_load import LoadSettings, SteadyLoad, add_load_options
+from .fault_load import MODEL, LoadSettings, SteadyLoad, add_load_options
 
 LOST_INSIDE = ("in_flight", "stream_cut", "timeout")  # how a request inside a killed or frozen process ends
 POLL = 0.1
@@ -92,6 +93,7 @@ class ChaosResult:
     expected_restarts: list[str]  # the engine fault's victim
     leaders: list[str]  # "A term 3" in the order seen, the one before the fault first
     fault_s: float  # how long the fault lasted (0 for an instant one)
+    scaler: dict | None = None  # the autoscaled deployment's count and decisions (ScalerWindow), None: unread
 
     @property
     def failed_elsewhere(self) -> int:
@@ -147,7 +149,7 @@ async def watch_gateway(rig: ChaosRig, gateway: GatewayProcess, watch: Watch) ->
     turn = 0
     while True:
         at = time.monotonic()
-        watch.unroutable[gateway.name].record(at, await rig.routable(gateway) != rig.replicas)
+        watch.unroutable[gateway.name].record(at, not await rig.routes_all(gateway))
         if turn % DEGRADED_EVERY == 0:
             at = time.monotonic()
             watch.degraded[gateway.name].record(at, await rig.degraded(gateway))
@@ -250,7 +252,12 @@ class Injector:
         await self.rig.start_agent()
 
     async def engine_kill(self, engines) -> None:
-        name = sorted(engines)[0]
+        await self._kill_engine(engines, sorted(n for n in engines if not n.startswith(AUTO_PROFILE))[0])
+
+    async def autoscaled_engine_kill(self, engines) -> None:
+        await self._kill_engine(engines, sorted(n for n in engines if n.startswith(AUTO_PROFILE))[0])
+
+    async def _kill_engine(self, engines: dict[str, int], name: str) -> None:
         self.expected_restarts = [name]
         os.kill(engines[name], signal.SIGKILL)
         await wait_group_gone(engines[name], timeout=30)
@@ -281,7 +288,8 @@ async def wait_recovered(rig: ChaosRig, watch: Watch, s: Settings, ended: float)
     return False
 
 
-async def run_fault(rig: ChaosRig, load: SteadyLoad, fault: Fault, s: Settings, run: int) -> ChaosResult:
+async def run_fault(rig: ChaosRig, load: SteadyLoad, scaler: ScalerLog, fault: Fault, s: Settings,
+                    run: int) -> ChaosResult:
     phase = f"{fault.name}#{run}"
     load.phase = phase
     await trio.sleep(s.before)
@@ -307,6 +315,9 @@ async def run_fault(rig: ChaosRig, load: SteadyLoad, fault: Fault, s: Settings, 
             if not healed:
                 healed_by = "nothing healed it"
         watchers.cancel_scope.cancel()
+    scaled = scaler.window(started, time.monotonic())
+    for why in scaled.reasons:
+        print(f"  {fault.name}: autoscale {why}", flush=True)
     await load.pause()
     counts = load.phases[phase]
     load.resume()
@@ -332,7 +343,7 @@ async def run_fault(rig: ChaosRig, load: SteadyLoad, fault: Fault, s: Settings, 
         healed_by=healed_by, engines_before=engines_before, engines_after=engines_after,
         engines_restarted=sorted(n for n, pid in engines_before.items() if engines_after.get(n) != pid),
         expected_restarts=injector.expected_restarts, leaders=watch.leaders,
-        fault_s=round(ended - started, 2))
+        fault_s=round(ended - started, 2), scaler=asdict(scaled))
 
 
 # -- the report ---------------------------------------------------------------------------------------------------
@@ -361,6 +372,17 @@ def routable_cell(result: ChaosResult) -> str:
     return f"{cell(result.routable_again_s, '.1f')} s{own}"
 
 
+def scaler_cell(result: ChaosResult) -> str:
+    """The autoscaled deployment's desired count: before -> after [lowest-highest in between]; its decisions."""
+    if result.scaler is None:
+        return "-"
+    w = ScalerWindow(**result.scaler)
+    count = f"{cell(w.before, 'd')} -> {cell(w.after, 'd')}"
+    if (w.lowest, w.highest) != (w.before, w.before):
+        count += f" [{cell(w.lowest, 'd')}-{cell(w.highest, 'd')}]"
+    return count + (f"; {', '.join(w.decisions)}" if w.decisions else "")
+
+
 def leaders_cell(result: ChaosResult) -> str:
     seen = " -> ".join(result.leaders) or "-"
     return seen if result.new_leader_s is None else f"{seen} (after {result.new_leader_s:.1f} s)"
@@ -369,23 +391,25 @@ def leaders_cell(result: ChaosResult) -> str:
 def markdown(results: list[ChaosResult]) -> str:
     lines = ["| fault | requests | failed per gateway (by outcome) | could not route to all (per gateway) "
              "| every replica routable again after the fault's end (leader faults: the election) | engines "
-             "| leaders (terms) | /health degraded |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| leaders (terms) | /health degraded | autoscaled: desired before -> after [range]; decisions |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         unroutable = ", ".join(f"{row.gateway} {row.unroutable_s:.1f} s" for row in r.gateways)
         degraded = ", ".join(f"{row.gateway} {row.degraded_s:.1f} s" for row in r.gateways)
         lines.append(f"| {r.what} | {r.requests} | {'; '.join(failed_cell(row) for row in r.gateways)} "
                      f"| {unroutable} | {routable_cell(r)} | {engines_cell(r)} | {leaders_cell(r)} "
-                     f"| {degraded} |")
+                     f"| {degraded} | {scaler_cell(r)} |")
     if len({r.run for r in results}) > 1:
         lines += ["", "| fault | runs | failed outside the victim: median [min-max] "
-                      "| routable again: median [min-max] | recovered by itself |", "|---|---|---|---|---|"]
+                      "| routable again: median [min-max] | recovered by itself | autoscaled count moved |",
+                  "|---|---|---|---|---|---|"]
         for name in dict.fromkeys(r.fault for r in results):
             runs = [r for r in results if r.fault == name]
             failed = median_and_range([r.failed_elsewhere for r in runs])
             back = median_and_range([r.routable_again_s for r in runs if r.routable_again_s is not None])
+            moved = sum(r.scaler is not None and ScalerWindow(**r.scaler).stepped for r in runs)
             lines.append(f"| {runs[0].what} | {len(runs)} | {spread(failed, '.0f')} | {spread(back, '.1f', ' s')} "
-                         f"| {sum(r.healed_by is None for r in runs)} of {len(runs)} |")
+                         f"| {sum(r.healed_by is None for r in runs)} of {len(runs)} | {moved} of {len(runs)} |")
     return "\n".join(lines)
 
 
@@ -399,7 +423,9 @@ def spread(values: tuple[float, float, float] | None, spec: str, unit: str = "")
 # -- the runs ------------------------------------------------------------------------------------------------------
 
 def load_settings(args, gateways: int) -> LoadSettings:
-    return LoadSettings.from_args(args, rate_scale=gateways, request_timeout=args.request_timeout)
+    """``--rate`` per gateway, half of it for the fixed deployment's model and half for the autoscaled one's."""
+    return LoadSettings.from_args(args, rate_scale=gateways, request_timeout=args.request_timeout,
+                                  models=(MODEL, AUTO_MODEL))
 
 
 def machine(load_before) -> dict:
@@ -415,12 +441,15 @@ async def run(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-chaos-") as workdir:
         async with ChaosRig.open(Path(workdir), gateways=args.gateways, replicas=args.replicas) as rig:
             load = SteadyLoad([g.url for g in rig.gateways], load_settings(args, len(rig.gateways)))
-            async with load.running():
+            scaler = ScalerLog()
+            async with load.running(), trio.open_nursery() as nursery:
+                nursery.start_soon(scaler.run, rig)
                 await trio.sleep(settings.before)  # warm-up
                 for run_number in range(1, args.repeats + 1):
                     for fault in faults:
-                        results.append(await run_fault(rig, load, fault, settings, run_number))
+                        results.append(await run_fault(rig, load, scaler, fault, settings, run_number))
                         print(f"  {fault.name} (run {run_number}): done", flush=True)
+                nursery.cancel_scope.cancel()
     return {"mode": "chaos", "settings": asdict(settings) | {"gateways": args.gateways, "replicas": args.replicas,
                                                              "rate_per_gateway": args.rate,
                                                              "concurrency": args.concurrency,
@@ -492,12 +521,14 @@ async def soak(args) -> dict:
                     await sample(rig, series, started)
                     await trio.sleep(args.sample_every)
 
+            scaler = ScalerLog()
             async with load.running(), trio.open_nursery() as nursery:
                 nursery.start_soon(sampler)
+                nursery.start_soon(scaler.run, rig)
                 load.phase = "quiet"
                 for number, (at, fault) in enumerate(plan, 1):
                     await trio.sleep_until(trio.current_time() + max(0.0, started + at - time.monotonic()))
-                    results.append(await run_fault(rig, load, fault, settings, number))
+                    results.append(await run_fault(rig, load, scaler, fault, settings, number))
                     load.phase = "quiet"
                     print(f"  soak {time.monotonic() - started:.0f} s: {fault.name} done", flush=True)
                 await trio.sleep(max(0.0, started + args.soak * 60 - time.monotonic()))
@@ -558,7 +589,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--faults", default="all", help="comma-separated faults in the order to run them, or all "
                                                    "(redis-stop, redis-restart, leader-stop, leader-kill, "
                                                    "forged-lease, lease-delete, partition, agent-kill, "
-                                                   "engine-kill)")
+                                                   "engine-kill, autoscaled-engine-kill)")
     p.add_argument("--quick", action="store_true",
                    help="one short fault (a 4 s partition, longer than state.timeout): a smoke run")
     p.add_argument("--repeats", type=int, default=1, help="run the schedule this many times (default 1)")

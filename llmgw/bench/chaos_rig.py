@@ -5,10 +5,13 @@
 (``llmgw serve``, each with an identity store of its own, as on hosts of their own),
 ``gateways`` ``llmgw serve --role gateway`` processes (the last one reaches Redis
 through a :class:`~.cut_proxy.CutProxy`, so a partition can be made), and one remote
-``llmgw agent --join A,B`` on a recorded node of two GPUs (fixture discovery) to which
-the leader deploys ``replicas`` simulators of a ``sim`` profile with KV events. Every
-process has ``state.secret_env`` set and ``agents.heartbeat_interval: 0.5s``. It
-returns once every gateway routes to every replica. Leaving the block stops every
+``llmgw agent --join A,B`` on a recorded node (fixture discovery) to which the leader
+deploys ``replicas`` simulators of a ``sim`` profile with KV events (the fixed
+deployment, model :data:`MODEL`) and, beside it, an autoscaled deployment of the same
+engine (model :data:`AUTO_MODEL`, ``replicas: {min: 1, max: 3}``, the scaler's defaults)
+with GPUs free for its ``max``. Every process has ``state.secret_env`` set,
+``agents.heartbeat_interval: 0.5s`` and overload control on (``flow.enabled``, the
+default, written out). It returns once every gateway routes to every replica of both. Leaving the block stops every
 process, and the engines (which outlive agents by design) are killed from the
 agent's ledger.
 
@@ -42,6 +45,9 @@ from .cluster_rig import CONTROL, GATEWAY, GatewayProcess
 from .cut_proxy import CutProxy
 
 CLUSTER = "chaos"
+AUTO_MODEL = "tiny-auto"  # the autoscaled deployment's model, beside the fixed one (MODEL)
+AUTO_PROFILE = "tiny-auto-sim"
+AUTO_MIN, AUTO_MAX = 1, 3
 NODE = "gpu-node"
 AGENT_READY = " connected to "
 POLL_TIMEOUT = 1.0  # an admin read of a frozen process gives up after this
@@ -69,14 +75,17 @@ def node_fixture(gpus: int, gpu: tuple[str, int, tuple[int, int]] = L4, hostname
 def process_config(redis_url: str, control_state_dir: Path, replicas: int,
                    routing_options: Mapping[str, Any] | None = None) -> str:
     """One process's config: the agents' settings, the deployed ``sim`` profile and the shared state (the HA tests'
-    candidate, :func:`llmgw.testing.ha.candidate_config`), quieter; ``routing_options`` added to the profile's
-    (the soak sets its caches' bounds small, so that they are full within minutes)."""
+    candidate, :func:`llmgw.testing.ha.candidate_config`), quieter, with overload control on and the autoscaled
+    deployment of the same engine beside the fixed one; ``routing_options`` added to the profiles' (the soak sets
+    its caches' bounds small, so that they are full within minutes)."""
     text = "log_level: warning\n" + candidate_config(control_state_dir, redis_url, CLUSTER, replicas, num_blocks=512)
-    if not routing_options:
-        return text
     config = yaml.safe_load(text)
+    config["flow"] = {"enabled": True}
+    fixed = config["profiles"][0]
+    config["profiles"].append({**fixed, "name": AUTO_PROFILE, "served_model_name": AUTO_MODEL})
+    config["deployments"].append({"profile": AUTO_PROFILE, "replicas": {"min": AUTO_MIN, "max": AUTO_MAX}})
     for profile in config["profiles"]:
-        profile["routing_options"] = {**profile.get("routing_options", {}), **routing_options}
+        profile["routing_options"] = {**profile.get("routing_options", {}), **(routing_options or {})}
     return yaml.safe_dump(config, sort_keys=False)
 
 
@@ -129,7 +138,7 @@ class ChaosRig:
                 for process in processes[1:]:
                     await process.start(nursery)
                 fixture = workdir / "node.json"
-                fixture.write_text(json.dumps(node_fixture(max(2, replicas))))
+                fixture.write_text(json.dumps(node_fixture(replicas + AUTO_MAX)))
                 rig.agent_argv = llmgw_command(
                     "agent", "--join", ",".join(c.control_url for c in rig.candidates), "--token", TOKEN,
                     "--node-id", NODE, "--state-dir", str(workdir / "agent"), "--address", "127.0.0.1",
@@ -199,16 +208,33 @@ class ChaosRig:
             return False
         return bool(state.get("degraded"))
 
-    async def routable(self, gateway: GatewayProcess) -> int | None:
-        """How many replicas of the model ``gateway`` can route to now; None when it does not answer."""
+    async def routable(self, gateway: GatewayProcess) -> dict[str, int] | None:
+        """How many replicas of each model ``gateway`` can route to now; None when it does not answer."""
         try:
             models = (await self.http.get(gateway.control_url + "/admin/models")).json()
-        except (httpx.HTTPError, ValueError):
+            return {name: next((m.get("routable", 0) for m in models if m.get("name") == name), 0)
+                    for name in (MODEL, AUTO_MODEL)}
+        except (httpx.HTTPError, ValueError, AttributeError):
             return None
-        return next((m.get("routable", 0) for m in models if m.get("name") == MODEL), 0)
+
+    async def routes_all(self, gateway: GatewayProcess) -> bool:
+        """Whether ``gateway`` routes to every replica of the fixed deployment and to at least the autoscaled
+        one's ``min`` (how many more it runs is the scaler's, watched apart: :meth:`autoscaled`)."""
+        routable = await self.routable(gateway)
+        return routable is not None and routable[MODEL] == self.replicas and routable[AUTO_MODEL] >= AUTO_MIN
 
     async def all_routable(self) -> bool:
-        return all([await self.routable(g) == self.replicas for g in self.gateways])
+        return all([await self.routes_all(g) for g in self.gateways])
+
+    async def autoscaled(self) -> dict | None:
+        """The autoscaled deployment as the leader's ``/admin/autoscale`` shows it (desired, ready, starting,
+        ``started_from``, decisions); None when no candidate answers as the leader."""
+        for candidate in self.candidates:
+            with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError):
+                answer = (await self.http.get(candidate.control_url + "/admin/autoscale")).json()
+                if answer.get("leading"):
+                    return answer.get("deployments", {}).get(AUTO_PROFILE)
+        return None
 
     async def wait_all_routable(self, timeout: float) -> None:
         with trio.fail_after(timeout):
@@ -227,7 +253,7 @@ class ChaosRig:
                     shards = replica.get("shards") or []
                     if shards and shards[0].get("pid"):
                         pids[replica["name"]] = shards[0]["pid"]
-        if len(pids) < self.replicas and self.ledger.exists():
+        if len(pids) < self.replicas + AUTO_MIN and self.ledger.exists():
             with contextlib.suppress(OSError, ValueError):
                 for key, entry in json.loads(self.ledger.read_text()).get("shards", {}).items():
                     name = entry.get("replica_id") or key

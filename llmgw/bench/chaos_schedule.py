@@ -27,7 +27,8 @@ SCHEDULE: tuple[Fault, ...] = (
     Fault("lease-delete", "DEL llmgw:CLUSTER:leader {lease_deletes} times, 1 s apart"),
     Fault("partition", "the last gateway cut from Redis {partition:g} s (a TCP proxy), then restored"),
     Fault("agent-kill", "the agent kill -9, started again {agent_down:g} s later"),
-    Fault("engine-kill", "one engine kill -9 (its agent restarts it)"),
+    Fault("engine-kill", "one engine of the fixed deployment kill -9 (its agent restarts it)"),
+    Fault("autoscaled-engine-kill", "the autoscaled deployment's only engine kill -9 (its agent restarts it)"),
 )
 BY_NAME = {fault.name: fault for fault in SCHEDULE}
 QUICK = ("partition",)

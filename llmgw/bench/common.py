@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
+
+import trio
 
 
 def cell(value: float | None, spec: str) -> str:
@@ -82,3 +87,12 @@ def chosen_names(parser: argparse.ArgumentParser, text: str, known: Sequence[str
 def numbers(text: str, kind: Callable[[str], float] = int) -> list:
     """The comma-separated numbers in ``text`` (``"1,3"``), each read with ``kind``."""
     return [kind(n) for n in text.split(",") if n]
+
+
+def run_in_workdir(name: str, run: Callable[..., Any], args: argparse.Namespace, *rest: Any) -> Any:
+    """``trio.run(run, args, root, *rest)``: ``root`` the ``--workdir`` given (``args.workdir``), else a temporary
+    folder (``llmgw-bench-NAME-*``) removed afterwards."""
+    with contextlib.ExitStack() as stack:
+        root = Path(args.workdir) if args.workdir else \
+            Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"llmgw-bench-{name}-")))
+        return trio.run(run, args, root, *rest)

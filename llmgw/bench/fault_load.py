@@ -27,6 +27,9 @@ would; each outcome is also counted for the data plane of the last attempt
 (``by_target``), and each refused connection for the one that refused it
 (``refused_by_target``).
 
+With several ``models`` (:class:`LoadSettings`), the requests take them in turn,
+so that every data plane is sent each of them.
+
 Outcomes are counted per ``phase``: the label current when the request ended
 (a request broken by a kill counts in the phase of the kill, even if it started
 before), and each retry in the phase current when it was retried.
@@ -59,6 +62,7 @@ class LoadSettings:
     retry_backoff: float = 0.2
     retry_deadline: float = 60.0
     api_key: str = ""  # sent as "Authorization: Bearer" with every request ("": none)
+    models: tuple[str, ...] = (MODEL,)  # request n asks for models[n // data planes % len(models)]
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, *, rate_scale: float = 1.0, **more) -> "LoadSettings":
@@ -184,7 +188,9 @@ class SteadyLoad:
     def body(self, number: int, stream: bool) -> dict:
         topic = number % 8  # a few shared prefixes, so the kv_index tier has something to find
         words = " ".join(f"t{topic}w{i}" for i in range(self.settings.prompt_words))
-        body = {"model": MODEL, "prompt": f"{words} question {number}", "max_tokens": self.settings.max_tokens,
+        models = self.settings.models
+        model = models[number // len(self.data_urls) % len(models)]  # every data plane sees every model
+        body = {"model": model, "prompt": f"{words} question {number}", "max_tokens": self.settings.max_tokens,
                 "ignore_eos": True}
         return body | {"stream": True} if stream else body
 

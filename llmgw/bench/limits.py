@@ -26,14 +26,11 @@ import contextlib
 import dataclasses
 import os
 import sys
-import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import trio
-
 from ..testing.processes import ChildFailed
-from .common import bench_parser, chosen_names, numbers, print_and_save, write_json
+from .common import bench_parser, chosen_names, numbers, print_and_save, run_in_workdir, write_json
 from .limits_litellm import LITELLM_VERSION, LitellmUnavailable, open_litellm
 from .limits_report import markdown, summary
 from .limits_rig import REDIS_KILL, Fleet, Plan, open_llmgw
@@ -133,10 +130,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    with contextlib.ExitStack() as stack:
-        root = Path(args.workdir) if args.workdir else \
-            Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llmgw-bench-limits-")))
-        report = trio.run(run, args, root)
+    report = run_in_workdir("limits", run, args)
     return print_and_save(report, markdown(report["arms"], report["settings"]), args.json)
 
 

@@ -24,11 +24,10 @@ for a smoke test. Needs ``redis-server``; vllm-router is looked up as ``llmgw be
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -39,7 +38,7 @@ from ..testing.processes import Child, ChildFailed
 from ..testing.sims import KV_SIM_ENV, KV_SIM_EXTRA, start_sims
 from .chat_workloads import new_client
 from .cluster_events import percentile
-from .common import bench_parser, chosen_names, numbers, print_and_save, write_json
+from .common import bench_parser, chosen_names, numbers, print_and_save, run_in_workdir, write_json
 from .limits import leaves
 from .overload_arms import (
     ARMS,
@@ -82,6 +81,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--slo-interactive-ms", type=float, default=500.0, help="interactive TTFT SLO")
     parser.add_argument("--slo-batch-s", type=float, default=30.0, help="batch end-to-end SLO")
     parser.add_argument("--batch-share", type=float, default=0.3, help="the batch tenant's share of arrivals")
+    parser.add_argument("--output-quantile", default=None, metavar="Q|off",
+                        help="the llmgw-flow arm's flow.output_quantile (off: flow.learn_output false, every "
+                             "request reserving its whole max_tokens; default: the gateway's default)")
+    parser.add_argument("--natural-output", default=None, metavar="MIN:MAX",
+                        help="answers end at their EOS after a length drawn in MIN:MAX tokens (the simulators' "
+                             "--output-tokens), at most max_tokens, instead of exactly max_tokens (ignore_eos): "
+                             "clients' max_tokens as a bound rather than the length")
     parser.add_argument("--cap", type=int, default=2000, help="requests in flight at most (arrivals beyond: counted)")
     parser.add_argument("--request-timeout", type=float, default=120.0, help="the client's, per request")
     parser.add_argument("--queue-size", type=int, default=100, help="vllm-router's --queue-size")
@@ -98,8 +104,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
                             capacity_seconds=4.0)
     args = parser.parse_args(argv)
     args.arms = chosen_names(parser, args.arms, ARMS)
+    if args.output_quantile not in (None, "off") and not _quantile(args.output_quantile):
+        parser.error(f"--output-quantile: a number within 0 and 1, or off: {args.output_quantile!r}")
     args.gateways, args.loads, args.ramp = numbers(args.gateways), numbers(args.loads, float), numbers(args.ramp)
     return args
+
+
+def _quantile(text: str) -> bool:
+    try:
+        return 0.0 <= float(text) <= 1.0
+    except ValueError:
+        return False
 
 
 def slo_of(args: argparse.Namespace) -> dict[str, float]:
@@ -109,7 +124,7 @@ def slo_of(args: argparse.Namespace) -> dict[str, float]:
 async def measure_capacity(args: argparse.Namespace, http: httpx.AsyncClient, engines: list[Child],
                            tenants: Sequence[Tenant]) -> dict:
     """The closed-loop ramp straight on the engines (see the module's docstring)."""
-    send = sender(http, [e.url for e in engines], args.request_timeout)
+    send = sender(http, [e.url for e in engines], args.request_timeout, ignore_eos=args.natural_output is None)
     slo = slo_of(args)[INTERACTIVE]
     steps = []
     for concurrency in args.ramp:
@@ -141,9 +156,10 @@ async def run_arm(args: argparse.Namespace, http: httpx.AsyncClient, arm: str, g
     entry: dict = {"arm": arm, "gateways": gateways, "label": f"{arm} x{gateways}", "levels": []}
     sim_urls = [e.url for e in engines]
     try:
-        async with open_fleet(arm, gateways, engines, tenants, workdir, vllm_router, tuning) as fleet:
+        async with open_fleet(arm, gateways, engines, tenants, workdir, vllm_router, tuning,
+                              args.output_quantile) as fleet:
             entry["notes"] = fleet.notes
-            send = sender(http, fleet.urls, args.request_timeout)
+            send = sender(http, fleet.urls, args.request_timeout, ignore_eos=args.natural_output is None)
             for load in args.loads:
                 runs = []
                 for repeat in range(args.repeats):
@@ -152,7 +168,8 @@ async def run_arm(args: argparse.Namespace, http: httpx.AsyncClient, arm: str, g
                     await wait_idle(http, sim_urls, args.request_timeout)
                     kv: list[dict] = []
                     async with trio.open_nursery() as nursery:
-                        nursery.start_soon(sample_kv, http, sim_urls, fleet.control_urls, kv)
+                        nursery.start_soon(partial(sample_kv, seats=args.max_num_seqs), http, sim_urls,
+                                           fleet.control_urls, kv)
                         loop = await open_loop(send, tenants, load * capacity, args.seconds, args.cap,
                                                args.seed * 100 + repeat)
                         nursery.cancel_scope.cancel()
@@ -178,15 +195,19 @@ async def run(args: argparse.Namespace, root: Path, vllm_router: str | None, loo
     tenants = Mix(batch_share=args.batch_share).tenants()
     settings = {key: getattr(args, key) for key in ("replicas", "profile", "max_num_seqs", "num_blocks", "time_scale",
                                                      "loads", "repeats", "seconds", "ramp", "capacity_seconds", "cap",
-                                                     "slo_interactive_ms", "slo_batch_s", "seed", "gateways")}
+                                                     "slo_interactive_ms", "slo_batch_s", "seed", "gateways",
+                                                     "natural_output", "output_quantile")}
     settings.update(sim_note=f"--max-num-seqs {args.max_num_seqs}, --num-blocks {args.num_blocks}"
-                    + (f", --time-scale {args.time_scale:g}" if args.time_scale != 1.0 else ""),
+                    + (f", --time-scale {args.time_scale:g}" if args.time_scale != 1.0 else "")
+                    + (f", answers of --output-tokens {args.natural_output} at most max_tokens"
+                       if args.natural_output else ""),
                     tenants=[vars(t) | {"key": "(its own)"} for t in tenants], cpus=os.cpu_count(),
                     load_average_at_start=os.getloadavg(),  # the machine's other work: read the spreads with it
                     vllm_router=vllm_router and vllm_router_version(vllm_router), vllm_router_lookup=lookup)
     report: dict = {"settings": settings, "arms": []}
     extra: tuple[str, ...] = (*KV_SIM_EXTRA, "--profile", args.profile, "--max-num-seqs", str(args.max_num_seqs),
-             "--time-scale", str(args.time_scale))
+             "--time-scale", str(args.time_scale),
+             *(("--output-tokens", args.natural_output) if args.natural_output else ()))
     if FLOW_PRIORITY in args.arms:  # requests without a priority are served in fcfs's order (overload_arms.py)
         extra += ("--scheduling-policy", "priority")
         settings["sim_note"] += ", --scheduling-policy priority"
@@ -214,10 +235,7 @@ def main(argv: list[str]) -> int:
     vllm_router, lookup = None, "not wanted"
     if VLLM_ROUTER in args.arms:
         vllm_router, lookup = find_vllm_router(args.vllm_router, args.install_vllm_router, Path.cwd())
-    with contextlib.ExitStack() as stack:
-        root = Path(args.workdir) if args.workdir else \
-            Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llmgw-bench-overload-")))
-        report = trio.run(run, args, root, vllm_router, lookup)
+    report = run_in_workdir("overload", run, args, vllm_router, lookup)
     return print_and_save(report, markdown(report), args.json)
 
 

@@ -45,7 +45,9 @@ DEFAULT_ARMS = (FLOW, OFF, VLLM_ROUTER)
 VLLM_ROUTER_POLICY = "cache_aware"
 QUEUE_GAUGE = "llmgw_flow_queued"  # the requests a gateway holds in its queue, by model and class
 ENGINE_KV, ENGINE_WAITING = "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting"
-ENGINE_PREEMPTIONS = "vllm:num_preemptions_total"
+ENGINE_RUNNING = "vllm:num_requests_running"
+ENGINE_PREEMPTIONS = "vllm:num_preemptions_total"  # sequences an engine preempted (its KV cache ran out)
+ALLOWANCE_GAUGE = "llmgw_flow_output_allowance_ratio"  # of max_tokens, what a gateway's room reserves
 
 
 class ArmUnavailable(Exception):
@@ -104,8 +106,10 @@ class Fleet:
 
 @contextlib.asynccontextmanager
 async def open_fleet(arm: str, gateways: int, engines: list[Child], tenants: Sequence[Tenant], workdir: Path,
-                     vllm_router: str | None, tuning: RouterTuning) -> AsyncIterator[Fleet]:
-    """``arm`` with ``gateways`` routers in front of ``engines`` (running, kept after the block)."""
+                     vllm_router: str | None, tuning: RouterTuning,
+                     output_quantile: str | None = None) -> AsyncIterator[Fleet]:
+    """``arm`` with ``gateways`` routers in front of ``engines`` (running, kept after the block); the flow arm's
+    ``flow.output_quantile`` (``off``: ``flow.learn_output: false``; None: the default)."""
     if arm == VLLM_ROUTER:
         if vllm_router is None:
             raise ArmUnavailable("vllm-router is not installed (llmgw bench overload --install-vllm-router)")
@@ -123,6 +127,9 @@ async def open_fleet(arm: str, gateways: int, engines: list[Child], tenants: Seq
         raise ArmUnavailable("not available: this llmgw has no flow control (the `flow:` config section)")
     if arm == OFF and flow_available():
         config += "flow:\n  enabled: false\n"
+    elif arm == FLOW and output_quantile is not None:
+        config += "flow:\n  " + ("learn_output: false" if output_quantile == "off" else
+                                   f"output_quantile: {float(output_quantile)}") + "\n"
     workdir.mkdir(parents=True, exist_ok=True)
     async with ClusterRig.open(workdir, followers=gateways - 1, engines=engines, extra_config=config,
                                scheduling_policy="priority" if arm == FLOW_PRIORITY else None) as rig:
@@ -144,11 +151,20 @@ def queued(parsed: dict[str, float]) -> float | None:
     return sum(values) if values else None
 
 
+def allowance(parsed: dict[str, float]) -> float | None:
+    """A gateway's output allowance ratio (the mean of its models'), None when it has no such gauge."""
+    values = [v for k, v in parsed.items() if k.partition("{")[0] == ALLOWANCE_GAUGE]
+    return sum(values) / len(values) if values else None
+
+
 async def sample_kv(http: httpx.AsyncClient, engines: Sequence[str], gateways: Sequence[str], into: list[dict],
-                    interval: float = 0.25) -> None:
+                    interval: float = 0.25, seats: int = 0) -> None:
     """Until cancelled, a sample every ``interval``: ``kv`` (the engines' mean KV usage, 0..1), ``waiting`` (their
-    waiting requests), ``preemptions`` (their preemption counters' sum), ``queued`` (the gateways' queued requests;
-    None: no gateway has a queue gauge)."""
+    waiting requests), ``preemptions`` (their preemption counters' sum; None: an engine did not answer), ``queued``
+    (the gateways' queued requests; None: no gateway has a queue gauge), ``allowance`` (the gateways' mean output
+    allowance ratio; None: no gateway has the gauge), ``busy`` (the engines' mean of the larger of their KV usage and
+    their running sequences over ``seats``, their ``--max-num-seqs``: an engine full of sequences is as busy as one
+    full of blocks; None without ``seats``)."""
     while True:
         read: list[dict[str, float] | None] = [None] * (len(engines) + len(gateways))
 
@@ -161,11 +177,15 @@ async def sample_kv(http: httpx.AsyncClient, engines: Sequence[str], gateways: S
         engine_read = [r for r in read[:len(engines)] if r is not None]
         if engine_read:
             gateway_queues = [q for r in read[len(engines):] if r is not None and (q := queued(r)) is not None]
+            allowances = [a for r in read[len(engines):] if r is not None and (a := allowance(r)) is not None]
             into.append({"kv": sum(series_sum(r, ENGINE_KV) for r in engine_read) / len(engine_read),
                          "waiting": sum(series_sum(r, ENGINE_WAITING) for r in engine_read),
                          "preemptions": sum(series_sum(r, ENGINE_PREEMPTIONS) for r in engine_read)
                          if len(engine_read) == len(engines) else None,
-                         "queued": sum(gateway_queues) if gateway_queues else None})
+                         "queued": sum(gateway_queues) if gateway_queues else None,
+                         "allowance": sum(allowances) / len(allowances) if allowances else None,
+                         "busy": sum(max(series_sum(r, ENGINE_KV), series_sum(r, ENGINE_RUNNING) / seats)
+                                     for r in engine_read) / len(engine_read) if seats else None})
         await trio.sleep(interval)
 
 

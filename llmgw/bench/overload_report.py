@@ -7,7 +7,8 @@ the arrivals stopped is not counted as the arrivals' rate), completed, shed (429
 ``queue_timeout``, or vllm-router's 408) and error counts, the refusals' latency p50/p99 and the share of them that
 carried ``Retry-After``; for the level: total goodput over the fleet's capacity, the interactive tenants' fairness
 (the smaller one's tokens in answers that met the SLO over the larger one's: they send equally many requests), and
-the engines' KV usage while a gateway queue held requests (and while the engines' own queues did). :func:`summary`
+the engines' KV usage while a gateway queue held requests (and while the engines' own queues did), and the
+sequences the engines preempted (their KV cache ran out: what a room that lets in too much costs). :func:`summary`
 takes each number's median, min and max over the repeats; :func:`markdown` prints them.
 """
 
@@ -47,9 +48,36 @@ def class_stats(outcomes: Sequence[Outcome], slo: dict[str, float], seconds: flo
             "tokens": sum(o.tokens for o in ok)}
 
 
-def _kv(samples: Sequence[dict], when: Callable[[dict], bool]) -> dict:
-    kv = [s["kv"] for s in samples if when(s)]
+def _kv(samples: Sequence[dict], when: Callable[[dict], bool], key: str = "kv") -> dict:
+    kv = [s[key] for s in samples if when(s) and s.get(key) is not None]
     return {"samples": len(kv), "mean": sum(kv) / len(kv) if kv else None, "min": min(kv) if kv else None}
+
+
+SLOW_REFUSAL = 0.05  # seconds: issue 31's target for a refusal's answer
+
+
+def refusal_breakdown(outcomes: Sequence[Outcome]) -> dict:
+    """Where the refusals' latency comes from: per reason (llmgw's expired, overflow, unservable) and per gateway,
+    their count and latency p50/p99; and the slow ones (over :data:`SLOW_REFUSAL`) per reason and per second of
+    the run they were sent in."""
+    refused = [o for o in outcomes if o.kind in (SHED, EXPIRED)]
+
+    def stats(group: list[Outcome]) -> dict:
+        return {"count": len(group), "p50_ms": _ms([o.latency for o in group], 0.5),
+                "p99_ms": _ms([o.latency for o in group], 0.99)}
+
+    def grouped(key: Callable[[Outcome], object], group: list[Outcome]) -> dict[str, list[Outcome]]:
+        out: dict[str, list[Outcome]] = {}
+        for o in group:
+            out.setdefault(str(key(o)), []).append(o)
+        return dict(sorted(out.items()))
+
+    slow = [o for o in refused if o.latency > SLOW_REFUSAL]
+    return {"by_reason": {k: stats(v) for k, v in grouped(lambda o: o.reason, refused).items()},
+            "by_gateway": {k: stats(v) for k, v in grouped(lambda o: o.gateway, refused).items()},
+            "slow": len(slow),
+            "slow_by_reason": {k: len(v) for k, v in grouped(lambda o: o.reason, slow).items()},
+            "slow_by_second": {k: len(v) for k, v in grouped(lambda o: int(o.sent), slow).items()}}
 
 
 def level_stats(loop: Loop, kv_samples: Sequence[dict], slo: dict[str, float], capacity_rps: float) -> dict:
@@ -61,13 +89,15 @@ def level_stats(loop: Loop, kv_samples: Sequence[dict], slo: dict[str, float], c
     fairness = min(tenants.values()) / max(tenants.values()) if len(tenants) > 1 and max(tenants.values()) else None
     goodput = sum(c["goodput_rps"] for c in by_class.values())
     gateway_queues = any(s["queued"] is not None for s in kv_samples)
-    return {"classes": by_class, "goodput_rps": goodput,
+    return {"classes": by_class, "goodput_rps": goodput, "refusals": refusal_breakdown(loop.outcomes),
             "goodput_of_capacity": goodput / capacity_rps if capacity_rps else None,
             "fairness": fairness, "interactive_tokens": tenants, "over_cap": loop.over_cap,
             "most_in_flight": loop.most_in_flight,
             "kv_gateway_queued": _kv(kv_samples, lambda s: bool(s["queued"])) if gateway_queues else None,
             "kv_engines_waiting": _kv(kv_samples, lambda s: s["waiting"] > 0),
-            "kv_all": _kv(kv_samples, lambda s: True), "preemptions": _preemptions(kv_samples)}
+            "busy_gateway_queued": _kv(kv_samples, lambda s: bool(s["queued"]), "busy") if gateway_queues else None,
+            "kv_all": _kv(kv_samples, lambda s: True), "preemptions": _preemptions(kv_samples),
+            "output_allowance": kv_samples[-1].get("allowance") if kv_samples else None}
 
 
 def _preemptions(samples: Sequence[dict]) -> float | None:
@@ -88,7 +118,8 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "goodput_rps": ("goodput_rps",), "goodput_of_capacity": ("goodput_of_capacity",), "fairness": ("fairness",),
     "kv_when_gateway_queued": ("kv_gateway_queued", "mean"), "kv_min_when_gateway_queued": ("kv_gateway_queued", "min"),
     "kv_when_engines_waiting": ("kv_engines_waiting", "mean"), "over_cap": ("over_cap",),
-    "preemptions": ("preemptions",),
+    "preemptions": ("preemptions",), "output_allowance": ("output_allowance",),
+    "busy_when_gateway_queued": ("busy_gateway_queued", "mean"),
 }
 
 
@@ -145,13 +176,13 @@ def markdown(report: dict) -> str:
              "|---|---|---|" + "---|" * len(COLUMNS)]
     unloaded = capacity["unloaded_interactive_ttft_p99_ms"]
     totals = ["", "| arm | load | goodput / capacity | interactive TTFT p99 / unloaded | interactive fairness | "
-                  "KV while a gateway queue waits (mean; min) | KV while engines queue | over the in-flight cap | "
-                  "engine preemptions |",
-              "|---|---|---|---|---|---|---|---|---|"]
+                  "KV while a gateway queue waits (mean; min) | engines busy then (KV or seats) | "
+                  "KV while engines queue | over the in-flight cap | engine preemptions | output allowance |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm in report["arms"]:
         if arm.get("error"):
             lines.append(f"| {arm['label']} | - | - | {arm['error']} |" + " |" * (len(COLUMNS) - 1))
-            totals.append(f"| {arm['label']} | - | {arm['error']} | | | | | | |")
+            totals.append(f"| {arm['label']} | - | {arm['error']} | | | | | | | | |")
             continue
         for level in arm["levels"]:
             s = level["summary"]
@@ -166,6 +197,8 @@ def markdown(report: dict) -> str:
                           f"{ratio} | {spread_cell(s['fairness'], '.2f')} | "
                           f"{spread_cell(s['kv_when_gateway_queued'], '.0f', '%', 100)}; "
                           f"{spread_cell(s['kv_min_when_gateway_queued'], '.0f', '%', 100)} | "
+                          f"{spread_cell(s.get('busy_when_gateway_queued'), '.0f', '%', 100)} | "
                           f"{spread_cell(s['kv_when_engines_waiting'], '.0f', '%', 100)} | "
-                          f"{spread_cell(s['over_cap'], '.0f')} | {spread_cell(s.get('preemptions'), '.0f')} |")
+                          f"{spread_cell(s['over_cap'], '.0f')} | {spread_cell(s.get('preemptions'), '.0f')} | "
+                          f"{spread_cell(s.get('output_allowance'), '.2f')} |")
     return "\n".join(lines + totals)

@@ -3,7 +3,8 @@ open loop (Poisson arrivals that never wait for answers).
 
 Three tenants, each with its own API key: two in the ``interactive`` class (short prompts, short streamed answers)
 and one in ``batch`` (long prompts, long answers). Every request streams, with ``ignore_eos`` so that an answer is
-exactly ``max_tokens`` long; its prompt is fresh random words (no two requests share a cached prefix). By default
+exactly ``max_tokens`` long (unless the bench's ``--natural-output``: then it ends at its EOS, at most that
+long); its prompt is fresh random words (no two requests share a cached prefix). By default
 70% of the arrivals are interactive and 30% batch, which makes batch about nine tenths of the tokens.
 
 :func:`open_loop` starts a task per arrival of a Poisson process (the tenants' arrivals are independent Poisson
@@ -76,6 +77,8 @@ class Outcome:
     tokens: int = 0  # prompt + completion tokens the engine reported (OK)
     itl: list[float] = field(default_factory=list)
     retry_after: bool = False  # a refusal carried Retry-After
+    gateway: int = 0  # which of the urls it was sent through
+    reason: str = ""  # a refusal's reason: llmgw's EXPIRED, OVERFLOW or UNSERVABLE (from its message), else ""
 
 
 EXPIRED_CODES = ("queue_timeout",)  # llmgw's 429 code for a request whose deadline passed (or would) waiting
@@ -91,17 +94,32 @@ def kind_of(status: int, body: str) -> str:
     return SHED if status == 429 else ERROR
 
 
+# llmgw's 429 messages (llmgw.gateway.flow_gate.shed_response) say why: the request would not have had room in
+# time (shed at once or while waiting: its message names the deadline too, so it is looked for first), the queue
+# was full, or the deadline passed while it waited.
+REFUSAL_REASONS = (("would not have room", "unservable"), ("is full", "overflow"), ("its deadline (class", "expired"))
+
+
+def reason_of(status: int, body: str) -> str:
+    """Why llmgw refused a request, from its 429's message; "" for anything else."""
+    if status != 429:
+        return ""
+    return next((reason for marker, reason in REFUSAL_REASONS if marker in body), "other")
+
+
 Send = Callable[[Tenant, random.Random], Awaitable[Outcome]]
 
 
-def sender(client: httpx.AsyncClient, urls: Sequence[str], timeout: float, model: str = MODEL) -> Send:
+def sender(client: httpx.AsyncClient, urls: Sequence[str], timeout: float, model: str = MODEL,
+           ignore_eos: bool = True) -> Send:
     """Sends a tenant's request for ``model`` through ``urls`` in turn (an L4 balancer's round robin), fresh words
-    each time."""
+    each time; with ``ignore_eos`` its answer is exactly ``max_tokens`` long, else it ends at its EOS."""
     turn = 0
 
     async def send(tenant: Tenant, rng: random.Random) -> Outcome:
         nonlocal turn
-        url = urls[turn % len(urls)]
+        gateway = turn % len(urls)
+        url = urls[gateway]
         turn += 1
         messages = [{"role": "user", "content": words(rng, tenant.prompt_words)}]
         started = time.perf_counter()
@@ -109,15 +127,15 @@ def sender(client: httpx.AsyncClient, urls: Sequence[str], timeout: float, model
         with trio.move_on_after(timeout):
             try:
                 result = await send_chat(client, url, model, messages, tenant.max_tokens, headers=tenant.headers,
-                                         extra_body={"ignore_eos": True})
+                                         extra_body={"ignore_eos": ignore_eos})
             except (httpx.HTTPError, ValueError):
                 pass
         if result is None:
             elapsed = time.perf_counter() - started
-            return Outcome(tenant.name, tenant.priority, 0.0, ERROR, 0, elapsed, elapsed)
+            return Outcome(tenant.name, tenant.priority, 0.0, ERROR, 0, elapsed, elapsed, gateway=gateway)
         return Outcome(tenant.name, tenant.priority, 0.0, kind_of(result.status, result.error), result.status,
                        result.ttft, result.latency, result.prompt_tokens + result.completion_tokens, result.itl,
-                       result.retry_after is not None)
+                       result.retry_after is not None, gateway, reason_of(result.status, result.error))
 
     return send
 

@@ -896,7 +896,7 @@ async def start_and_measure(args: argparse.Namespace, targets: list[str], workdi
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="llmgw bench proxy", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=int, default=10, help="seconds per measured wrk run (default 10)")
     parser.add_argument("--warmup", type=int, default=2,
                         help="seconds of unmeasured load before each scenario in the first round (default 2)")

@@ -75,6 +75,9 @@ class PeerView:
     def peer_queued(self, model: str) -> list[int]:
         return self.gateway.peer_held
 
+    def peer_output(self, model: str) -> int | None:
+        return None  # not modelled: the room counts the others' output at its own mean
+
     def watch(self, listener) -> None: ...
 
 
@@ -204,6 +207,9 @@ def free_cost_us(replicas: int = 4, peers: int = 3, rounds: int = 7) -> dict:
         def peer_queued(self, model: str) -> list[int]:
             return list(held.values())
 
+        def peer_output(self, model: str) -> int | None:
+            return None
+
         def watch(self, listener) -> None: ...
 
     room = EngineRoom(router, Peers())
@@ -253,7 +259,7 @@ def table(summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llmgw.bench.room", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", default="h100-llama-3.1-8b")
     parser.add_argument("--users", type=int, default=100)
     parser.add_argument("--gateways", type=int, default=1, help="gateways in this process, the users spread over "

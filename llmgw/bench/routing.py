@@ -606,7 +606,7 @@ def _arm_options(values: list[str]) -> dict[str, dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llmgw bench routing", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="grouped",
                         help=f"comma list of {', '.join(WORKLOADS)}, trace:FILE (default grouped)")
     parser.add_argument("--arms", default=None, help=f"comma list of {', '.join(ARMS)} (default: all; "

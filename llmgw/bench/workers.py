@@ -298,7 +298,7 @@ def print_report(summary: dict, processes: dict, found: dict, rest: dict) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llmgw.bench.workers", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=int, default=3, help="seconds per measured wrk run (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="seconds of unmeasured load first (default 1)")
     parser.add_argument("--repeat", type=int, default=2, help="interleaved rounds over the targets (default 2)")

@@ -17,8 +17,15 @@ path reads only these numbers: nothing on it waits for Redis.
 A report also carries the requests the gateway's overload control holds per
 model (``q``, from :meth:`LoadSharing.count_queued`'s source: llmgw/flow's room),
 so each gateway's room can split the free room among the gateways that have
-requests waiting (:meth:`LoadSharing.peer_queued`). The cluster layer does not
-import the flow layer: the gateway hands each the other's callables.
+requests waiting (:meth:`LoadSharing.peer_queued`). And per model what the
+others decide with (``f``, :class:`~.records.ModelFigures`, from
+:meth:`LoadSharing.report_figures`' source): the requests that entered its
+queue, its first tokens within the TTFT SLO, the output allowance in flight, and
+the drain rate per band it trusts (:meth:`LoadSharing.peer_figures`), so that the
+leader's autoscaler reads the cluster's arrivals and attainment, and a gateway
+sheds on the cluster's drain before its own third of it is measured. The cluster
+layer does not import the flow layer: the gateway hands each the other's
+callables.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import trio
 
 from . import records
 from .link import RedisLink, Unavailable
-from .records import LOAD_FIGURES as FIGURES, Keys, Load, RecordError
+from .records import LOAD_FIGURES as FIGURES, Keys, Load, ModelFigures, RecordError
 from .streams import follow_stream
 
 if TYPE_CHECKING:
@@ -42,6 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOAD_STREAM_LENGTH = 10_000
+NO_FIGURES = ModelFigures()
 
 
 def combined(reports: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -52,13 +60,15 @@ def combined(reports: list[tuple[int, ...]]) -> tuple[int, ...]:
 
 
 class PeerReport:
-    __slots__ = ("received", "expires", "load", "queued")
+    __slots__ = ("received", "expires", "load", "queued", "figures")
 
-    def __init__(self, received: float, expires: float, load: Load, queued: dict[str, int] | None = None):
+    def __init__(self, received: float, expires: float, load: Load, queued: dict[str, int] | None = None,
+                 figures: dict[str, ModelFigures] | None = None):
         self.received = received  # time.monotonic() when it arrived: the clock of Replica.queued_since
         self.expires = expires
         self.load = load
         self.queued = queued or {}  # model -> requests its overload control holds
+        self.figures = figures  # model -> what it measured (None: a gateway of the version before says nothing)
 
 
 class LoadSharing:
@@ -79,9 +89,10 @@ class LoadSharing:
         self.max_requests = max_requests
         self.max_queued = max_requests  # a peer's requests held per model, at most (count_queued sets it)
         self._queued: Callable[[], dict[str, int]] | None = None
+        self._figures: Callable[[], dict[str, ModelFigures]] | None = None
         self._listeners: list[Callable[[], None]] = []
         self._crowded_told = False
-        self._queued_failure_told = False
+        self._failures_told: set[str] = set()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -111,22 +122,51 @@ class LoadSharing:
         self._queued = source
         self.max_queued = max_queued
 
+    def report_figures(self, source: Callable[[], dict[str, ModelFigures]]) -> None:
+        """Report ``source()`` (this gateway's figures per model) with the load."""
+        self._figures = source
+
+    def own_figures(self) -> dict[str, ModelFigures]:
+        """This gateway's figures per model; nothing when its source fails (logged once)."""
+        return self._counted(self._figures, "this gateway's figures per model (arrivals, first tokens, drain rates)")
+
+    def peer_figures(self, model: str) -> dict[str, ModelFigures]:
+        """What each live peer measured of ``model``, by origin (nothing, for a peer whose report does not list it;
+        peers of the version before, whose reports carry no figures, left out)."""
+        return {origin: report.figures.get(model, NO_FIGURES) for origin, report in self.peers.items()
+                if report.figures is not None}
+
+    def peer_output(self, model: str) -> int | None:
+        """The output allowance of the requests every live peer has in flight on ``model``; None when one of them
+        does not report it (a gateway of the version before)."""
+        total = 0
+        for report in self.peers.values():
+            if report.figures is None:
+                return None
+            total += report.figures.get(model, NO_FIGURES).output_inflight
+        return total
+
     def watch(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` whenever the peers' figures change (a report arrived, one expired)."""
         self._listeners.append(listener)
 
     def own_queued(self) -> dict[str, int]:
         """The requests this gateway holds per model (those holding some); nothing when its source fails (logged
-        once: the load report, which every other gateway counts on, goes out all the same)."""
-        if self._queued is None:
+        once)."""
+        return {model: n for model, n in self._counted(self._queued, "the requests held per model").items() if n > 0}
+
+    def _counted(self, source: Callable[[], dict[str, Any]] | None, what: str) -> dict[str, Any]:
+        """``source()``; nothing when it fails (logged once per ``what``: the load report, which every other gateway
+        counts on, goes out all the same, without it)."""
+        if source is None:
             return {}
         try:
-            return {model: n for model, n in self._queued().items() if n > 0}
+            return source()
         except Exception:
-            if not self._queued_failure_told:
-                self._queued_failure_told = True
-                log.exception("cluster state: the requests held per model could not be counted; load reports say "
-                              "none are held (logged once)")
+            if what not in self._failures_told:
+                self._failures_told.add(what)
+                log.exception("cluster state: %s could not be counted; load reports go without them (logged once)",
+                              what)
             return {}
 
     def peer_queued(self, model: str) -> list[int]:
@@ -136,11 +176,11 @@ class LoadSharing:
     async def _publish(self) -> None:
         settings = self.settings
         heartbeat = settings.load_ttl / 4
-        last: tuple[Load, dict[str, int]] | None = None
+        last: tuple[Load, dict[str, int], dict[str, ModelFigures]] | None = None
         sent_at = -1e9
         failures = 0
         while True:
-            state = (self.own_load(), self.own_queued())
+            state = (self.own_load(), self.own_queued(), self.own_figures())
             now = trio.current_time()
             if state != last or now - sent_at >= heartbeat:
                 try:
@@ -153,13 +193,17 @@ class LoadSharing:
                 last, sent_at = state, now
             await trio.sleep(settings.load_interval)
 
-    async def _send(self, load: Load, queued: dict[str, int] | None = None) -> None:
+    async def _send(self, load: Load, queued: dict[str, int] | None = None,
+                    figures: dict[str, ModelFigures] | None = None) -> None:
         fields = {b"o": self.origin.encode(), b"x": str(int(self.settings.load_ttl * 1000)).encode(),
                   b"l": records.pack([[name, *figures] for name, figures in load.items()])}
         fields[b"s"] = self.signer.sign(fields[b"o"], fields[b"x"], fields[b"l"])
         if queued:
             fields[b"q"] = records.encode_load_queued(queued)
             fields[b"t"] = self.signer.sign(fields[b"o"], fields[b"x"], fields[b"l"], fields[b"q"])
+        if figures:
+            fields[b"f"] = records.encode_load_figures(figures)
+            fields[b"g"] = self.signer.sign(fields[b"o"], fields[b"x"], fields[b"l"], fields[b"f"])
         await self.link.add_to_stream("load_report", self.keys.load, fields, LOAD_STREAM_LENGTH)
         self.metrics.load_reports.labels("sent").inc()
 
@@ -168,7 +212,7 @@ class LoadSharing:
     async def _receive(self) -> None:
         await follow_stream(self.link, "load_read", self.keys.load, self.take_reports, stream="load",
                             max_bytes=lambda: records.load_report_bytes(self.limits()) + records.ENTRY_FIELDS_BYTES
-                            + records.MAX_QUEUED_BYTES)
+                            + records.MAX_QUEUED_BYTES + records.MAX_FIGURES_BYTES)
 
     def take_reports(self, reports: list[dict[str, Any]]) -> None:
         """One read's reports: recorded, and applied when another gateway's were among them."""
@@ -193,8 +237,12 @@ class LoadSharing:
                 raise RecordError("not signed with the cluster secret")
             if "q" in fields and not self.signer.valid(fields.get("t"), *signed, fields["q"]):
                 raise RecordError("its requests held (q) are not signed with the cluster secret")
+            if "f" in fields and not self.signer.valid(fields.get("g"), *signed, fields["f"]):
+                raise RecordError("its figures per model (f) are not signed with the cluster secret")
             origin, ttl, load = records.decode_load_report(fields, limits or self.limits())
-            queued = records.decode_load_queued(fields, frozenset(self.replicas.declared_models()), self.max_queued)
+            models = frozenset(self.replicas.declared_models())
+            queued = records.decode_load_queued(fields, models, self.max_queued)
+            figures = records.decode_load_figures(fields, models)
         except RecordError:
             self.metrics.bad_records.labels("load").inc()
             return False
@@ -209,7 +257,7 @@ class LoadSharing:
                             "logged once)", records.MAX_LOAD_ORIGINS, origin)
             return False
         self.metrics.load_reports.labels("received").inc()
-        self.peers[origin] = PeerReport(time.monotonic(), trio.current_time() + ttl, load, queued)
+        self.peers[origin] = PeerReport(time.monotonic(), trio.current_time() + ttl, load, queued, figures)
         return True
 
     async def _expire(self) -> None:

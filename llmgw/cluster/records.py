@@ -559,6 +559,76 @@ def decode_load_queued(fields: dict[str, Any], known: Container[str], cap: int) 
     return queued
 
 
+# A load report's ``f``: per model, what the origin measured that the others decide with (issues 31 and 32), as
+# ``[[model, entered, within, seen, output, [[rank, rate], ...]], ...]``: the requests that entered its flow queue
+# (a counter), its first tokens of the last minute within the deployment's ``ttft_slo`` and in all, the output
+# tokens (max_tokens) of its requests in flight on the model, and per band the drain rate it trusts (tokens/s).
+# Like ``q`` it came after ``l``: a reader of a version before ignores it (``g`` signs ``o``, ``x``, ``l``, ``f``),
+# and a report without it says nothing of them (None, not zero: a sender of the version before).
+MAX_FIGURES_MODELS = 1024  # models in one report's f (a reader takes its own models only)
+MAX_FIGURES_BANDS = 16  # bands per model
+MAX_FIGURES_BYTES = 64 * 1024  # f, msgpack (a reader budgets for it and its signature besides l and q)
+MAX_FIGURES_COUNTER = 1 << 53  # a counter (requests entered)
+MAX_FIGURES_FIRST_TOKENS = 1 << 16  # first tokens of the last minute one gateway keeps per model, at most
+MAX_FIGURES_RATE = 1 << 32  # tokens/s
+MAX_FIGURES_RANK = 1 << 16
+
+
+class ModelFigures(NamedTuple):
+    """One gateway's figures for one model (its load report's ``f``)."""
+
+    entered: int = 0  # requests that entered its flow queue since it started (a counter)
+    ttft_within: int = 0  # its first tokens of the last minute within the deployment's ttft_slo
+    ttft_seen: int = 0  # its first tokens of the last minute (0: none, or no ttft_slo)
+    output_inflight: int = 0  # the output allowance (max_tokens) of its requests in flight on the model
+    drains: tuple[tuple[int, int], ...] = ()  # (band rank, trusted drain rate in tokens/s), bands it trusts
+
+
+def encode_load_figures(figures: dict[str, ModelFigures]) -> bytes:
+    """A report's ``f``: the models with the most requests entered first, as many as fit
+    :data:`MAX_FIGURES_BYTES` (and :data:`MAX_FIGURES_MODELS`)."""
+    ordered = sorted(figures.items(), key=lambda item: -item[1].entered)[:MAX_FIGURES_MODELS]
+    items = [[model, f.entered, f.ttft_within, f.ttft_seen, f.output_inflight,
+              [list(band) for band in f.drains[:MAX_FIGURES_BANDS]]] for model, f in ordered]
+    raw = pack(items)
+    while len(raw) > MAX_FIGURES_BYTES:
+        items = items[:len(items) // 2]
+        raw = pack(items)
+    return raw
+
+
+def decode_load_figures(fields: dict[str, Any], known: Container[str]) -> dict[str, ModelFigures] | None:
+    """A load report's ``f`` as ``{model: ModelFigures}``: the models in ``known`` only, every figure clamped to
+    its bound (first tokens within the slo at most those seen); None when the report has none (a sender of the
+    version before: it says nothing, which is not zero); :class:`RecordError` for anything malformed."""
+    raw = fields.get("f")
+    if raw is None:
+        return None
+    items = unpack(raw, MAX_FIGURES_BYTES, MAX_FIGURES_MODELS * (6 + 3 * MAX_FIGURES_BANDS))
+    if not isinstance(items, list) or len(items) > MAX_FIGURES_MODELS:
+        raise RecordError(f"a load report's f is an array of at most {MAX_FIGURES_MODELS} models")
+    figures: dict[str, ModelFigures] = {}
+    for item in items:
+        if not isinstance(item, list) or len(item) != 6 or not isinstance(item[0], str) or len(item[0]) > MAX_NAME \
+                or not all(type(n) is int for n in item[1:5]) or not isinstance(item[5], list) \
+                or len(item[5]) > MAX_FIGURES_BANDS:
+            raise RecordError("a load report's f entry is [model, entered, within, seen, output, [[rank, rate]]]")
+        drains = []
+        for band in item[5]:
+            if not isinstance(band, list) or len(band) != 2 or not all(type(n) is int for n in band):
+                raise RecordError("a load report's drain rate is [rank, tokens per second]")
+            drains.append((_clamp(band[0], MAX_FIGURES_RANK), _clamp(band[1], MAX_FIGURES_RATE)))
+        if item[0] in known:
+            seen = _clamp(item[3], MAX_FIGURES_FIRST_TOKENS)
+            figures[item[0]] = ModelFigures(_clamp(item[1], MAX_FIGURES_COUNTER), _clamp(item[2], seen), seen,
+                                            _clamp(item[4], MAX_REPLICA_FIGURE), tuple(drains))
+    return figures
+
+
+def _clamp(value: int, high: int) -> int:
+    return max(0, min(value, high))
+
+
 # What the fields of one stream entry weigh besides its batch, at most: the names, an origin, a signature, a ttl.
 ENTRY_FIELDS_BYTES = 1024
 MAX_ASK_BYTES = 16 * 1024  # a resync ask: ["resync", replica, mode, reason], its reason cut to MAX_NAME characters

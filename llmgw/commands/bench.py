@@ -1,7 +1,8 @@
 """``llmgw bench NAME [options]``: run one of llmgw's benchmarks (a table of names to modules under llmgw.bench).
 
 Each benchmark module exposes ``main(argv) -> int``, prints a table and
-writes JSON with ``--json FILE``; ``llmgw bench NAME --help`` shows its options.
+writes JSON with ``--json FILE``; ``llmgw bench NAME --help`` shows its options (its parser takes the
+program's name, ``llmgw bench NAME``, from ``sys.argv[0]``, which :func:`main` sets while the benchmark runs).
 The benchmarks live in the source tree only (the wheel leaves ``llmgw/bench`` out):
 installed from a wheel, the command says how to get them.
 """
@@ -28,6 +29,9 @@ BENCHES: dict[str, tuple[str, str]] = {
     "fault": ("llmgw.bench.fault", "kill an engine, the agent and the control plane under a steady load: "
                                    "failed requests by kind, time to routable again, engine restarts "
                                    "(--gateways N: a gateway, then Redis, in a cluster)"),
+    "hot-start": ("llmgw.bench.hot_start", "a model at zero called again on a simulated H100: its replica woken "
+                                           "from sleep (sleep_mode, keep_warm) against started cold, seconds to "
+                                           "the first token, alternated"),
     "limits": ("llmgw.bench.limits", "per-key rpm, tpm, concurrency and budgets across N gateways (and workers) "
                                      "beside LiteLLM's proxy on one Redis: admitted over the limit, the largest "
                                      "overshoot, usable share under steady load, added latency, a Redis kill"),
@@ -78,4 +82,8 @@ def main(argv: list[str]) -> int:
             raise  # a dependency of the benchmark itself is missing: its own message says which
         print(NOT_INSTALLED.format(name=name), file=sys.stderr)
         return 2
-    return int(module.main(rest) or 0)
+    program, sys.argv[0] = sys.argv[0], f"llmgw bench {name}"
+    try:  # argparse names the program after sys.argv[0]: each benchmark's --help and errors say llmgw bench NAME
+        return int(module.main(rest) or 0)
+    finally:
+        sys.argv[0] = program

@@ -94,7 +94,8 @@ def autoscale_rows(autoscale: dict) -> list[list]:
         signals = d.get("signals") or {}
         last = (d.get("decisions") or [{}])[-1]
         rows.append([key, d.get("model"), f"{d.get('min')}..{d.get('max')}", d.get("desired"), d.get("ready"),
-                     d.get("starting"), d.get("draining"), signals.get("queued"), signals.get("inflight"),
+                     d.get("starting"), d.get("draining"), d.get("sleeping"), signals.get("queued"),
+                     signals.get("inflight"),
                      f"{last['kind']} {last['from']}->{last['to']}: {last['reason']}" if last else ""])
     return rows
 
@@ -104,8 +105,8 @@ def render_autoscale(autoscale: dict) -> list[str]:
     if not rows:
         return []
     return ["", f"AUTOSCALE ({len(rows)})"] + table(
-        ["DEPLOYMENT", "MODEL", "MIN..MAX", "DESIRED", "READY", "STARTING", "DRAINING", "QUEUED", "INFLIGHT",
-         "LAST DECISION"], rows)
+        ["DEPLOYMENT", "MODEL", "MIN..MAX", "DESIRED", "READY", "STARTING", "DRAINING", "SLEEPING", "QUEUED",
+         "INFLIGHT", "LAST DECISION"], rows)
 
 
 def leader_line(cluster: dict) -> str | None:

@@ -388,6 +388,7 @@ class Profile(Located):
     routing_options: dict[str, Any] = setting(factory=dict)
     engine_bin: Text | None = setting(None)
     startup_timeout: PositiveDuration = setting(600.0)
+    sleep_mode: bool = setting(False)  # the engine's sleep mode: a replica kept warm sleeps (docs/autoscaling.md)
     labels: dict[str, str] = setting(factory=dict)
     prefill_tokens_per_s: PrefillRate | None = setting(None)  # its replicas' prefill rate before they answer
     cpu_threads: Annotated[int, at_least(1), at_most(4096)] | None = setting(None)
@@ -644,6 +645,14 @@ class FlowConfig(Located):
     scrape_interval: Annotated[float, Parse(parse_duration), at_least(0.05), at_most(10.0)] = setting(0.25)
     kv_high: Fraction = setting(0.9)  # an engine's KV cache usage at which it counts as full
     kv_target: Fraction = setting(0.8)  # below it, a replica with requests waiting for it may take more
+    # Of a request's max_tokens, the room reserves this quantile of what groups of the model's answers held
+    # (docs/overload.md#the-output-allowance); learn_output false: max_tokens whole.
+    learn_output: bool = setting(True)
+    output_quantile: Annotated[float, at_least(0), at_most(1)] = setting(0.9)  # output_allowance's default
+
+    def reserved_output_quantile(self) -> float | None:
+        """What the router's output allowances reserve (None: ``max_tokens`` whole)."""
+        return self.output_quantile if self.learn_output else None
 
     def settings(self) -> FlowSettings:
         return FlowSettings(

@@ -27,7 +27,9 @@ FINGERPRINT_LENGTH = 16  # hex digits
 
 def canonical_profile(profile: Profile) -> dict:
     """The fields of ``profile`` that change the engine process, as plain JSON values."""
-    engine_keys = {"kv_key_mode": "engine"} if profile_kv_key_mode(profile) == "engine" else {}
+    engine_keys: dict[str, str | bool] = {"kv_key_mode": "engine"} if profile_kv_key_mode(profile) == "engine" else {}
+    if profile.sleep_mode:  # only when on: the fingerprints of every profile without it stay as they were
+        engine_keys["sleep_mode"] = True
     if profile.scheduling_policy != "fcfs":
         engine_keys["scheduling_policy"] = profile.scheduling_policy
     return {**engine_keys,

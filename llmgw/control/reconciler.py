@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT = 600.0  # what an agent waits for an engine's own in-flight requests after the router let go
 STOP_GRACE = 30.0  # SIGTERM to SIGKILL
+SLEEP_TIMEOUT = 120.0  # each HTTP call of a SleepShard: level 1 copies the weights to CPU memory first
+SLEEP_LEVEL = 1  # weights offloaded to CPU memory, KV cache dropped: the same model wakes from it
 
 
 # -- desired state ----------------------------------------------------------------------------------------------------
@@ -86,7 +88,7 @@ def shard_profile(profile) -> wire.ShardProfile:
         served_model_name=profile.served_model_name, tp=profile.tp, pp=profile.pp, args=list(profile.args),
         env=dict(profile.env), lora_adapters=[wire.LoraModule(a.name, a.path) for a in profile.lora_adapters],
         kv_events=profile.kv_events, kv_key_mode=profile_kv_key_mode(profile), startup_timeout=profile.startup_timeout,
-        scheduling_policy=profile.scheduling_policy)
+        scheduling_policy=profile.scheduling_policy, sleep_mode=profile.sleep_mode)
 
 
 # -- assignments ------------------------------------------------------------------------------------------------------
@@ -125,6 +127,7 @@ class Assignment:
     released: bool = False  # the router let go of it: its shards may be told to stop
     served: bool = False  # its leader was Ready once: no reported copy replaces it
     keep_warm: float = 0.0  # retiring: once out of routing, its engine is kept running this long (parked), not drained
+    sleep_mode: bool = False  # its profile runs the engine with sleep mode: parked, it sleeps; adopted asleep, it wakes
 
     @property
     def key(self) -> str:
@@ -157,14 +160,15 @@ class Action:
 
 @dataclass(frozen=True)
 class Command(Action):
-    """Send ``message`` (StartShard, StopShard or DrainShard) to ``node_id``."""
+    """Send ``message`` (StartShard, StopShard, DrainShard, SleepShard or WakeShard) to ``node_id``."""
 
     node_id: str = ""
-    message: wire.StartShard | wire.StopShard | wire.DrainShard | None = None
+    message: wire.StartShard | wire.StopShard | wire.DrainShard | wire.SleepShard | wire.WakeShard | None = None
 
     @property
     def kind(self) -> str:  # type: ignore[override]
-        return {wire.StartShard: "start", wire.StopShard: "stop", wire.DrainShard: "drain"}[type(self.message)]
+        return {wire.StartShard: "start", wire.StopShard: "stop", wire.DrainShard: "drain", wire.SleepShard: "sleep",
+                wire.WakeShard: "wake"}[type(self.message)]
 
     def describe(self) -> str:
         assert self.message is not None  # every command carries one (the default only orders the fields)
@@ -348,8 +352,12 @@ class Reconciler:
             self.assignments[assignment.key] = assignment
             self.unplaced.pop(replica_id, None)
             warm = [self.parked.pop(slot.shard_id) for slot in assignment.slots if slot.shard_id in self.parked]
-            why = "its engine was kept warm since it was scaled down: a hot start" if warm else \
-                f"reported running with fingerprint {wanted.fingerprint[:12]}"
+            if best[0][1].state is wire.ShardState.SLEEPING:
+                why = "its engine sleeps since it was scaled down: woke it (a hot start)"
+            elif warm:
+                why = "its engine was kept warm since it was scaled down: a hot start"
+            else:
+                why = f"reported running with fingerprint {wanted.fingerprint[:12]}"
             actions.append(Adopt(why, assignment))
 
     def _reported_gangs(self, nodes: Mapping[str, NodeRecord]) -> dict[str, list[list[tuple[str, wire.ShardReport]]]]:
@@ -399,7 +407,8 @@ class Reconciler:
         generation = gang[0][1].generation
         self._last_generation = max(self._last_generation, generation)
         return Assignment(wanted.replica_id, wanted.profile.name, wanted.model, wanted.fingerprint, generation, slots,
-                          leader_address=nodes[gang[0][0]].address, leader_port=0, origin="adopted")
+                          leader_address=nodes[gang[0][0]].address, leader_port=0, origin="adopted",
+                          sleep_mode=wanted.profile.sleep_mode)
 
     def _place(self, desired: Mapping[str, DesiredReplica], nodes: Mapping[str, NodeRecord], wall_ms: int,
                actions: list[Action]) -> None:
@@ -422,11 +431,11 @@ class Reconciler:
             leader = min(placed.shards, key=lambda s: s.rank)
             assignment = Assignment(placed.replica_id, wanted.profile.name, wanted.model, wanted.fingerprint,
                                     generation, slots, leader_address=leader.leader_address,
-                                    leader_port=leader.leader_port)
+                                    leader_port=leader.leader_port, sleep_mode=wanted.profile.sleep_mode)
             self.assignments[assignment.key] = assignment
             self.unplaced.pop(placed.replica_id, None)
             missing.discard(placed.replica_id)
-            actions.append(Place(f"deployment of profile {wanted.profile.name}", assignment))
+            actions.append(Place(f"deployment of profile {wanted.profile.name}: a cold start", assignment))
         for unplaced in sorted(result.unplaced, key=lambda u: u.replica_id):
             if unplaced.replica_id not in missing:
                 continue
@@ -441,7 +450,7 @@ class Reconciler:
         for assignment in self._sorted(self.assignments.values()):
             if assignment.retiring and not assignment.released:
                 continue
-            if assignment.retiring and assignment.keep_warm > 0 and self._park(assignment, nodes, now):
+            if assignment.retiring and assignment.keep_warm > 0 and self._park(assignment, nodes, now, actions):
                 continue
             for slot in assignment.slots:
                 node = nodes.get(slot.node_id)
@@ -449,6 +458,13 @@ class Reconciler:
                     continue
                 report = node.shards.get(slot.shard_id)
                 if not assignment.retiring:
+                    if report is not None and report.state is wire.ShardState.SLEEPING:
+                        if self._once(slot.shard_id, "wake", node.session_serial):
+                            actions.append(Command(
+                                f"replica {assignment.replica_id} is wanted again", slot.node_id,
+                                wire.WakeShard(slot.shard_id, f"replica {assignment.replica_id} is wanted again",
+                                               desired[assignment.replica_id].profile.startup_timeout)))
+                        continue
                     if report is not None and report.state is not wire.ShardState.STOPPED:
                         continue
                     if assignment.origin == "adopted" and len(assignment.slots) > 1:
@@ -467,18 +483,30 @@ class Reconciler:
                                    if drain else wire.StopShard(slot.shard_id, assignment.retiring, STOP_GRACE))
                         actions.append(Command(assignment.retiring, slot.node_id, message))
 
-    def _park(self, assignment: Assignment, nodes: Mapping[str, NodeRecord], now: float) -> bool:
+    def _park(self, assignment: Assignment, nodes: Mapping[str, NodeRecord], now: float,
+              actions: list[Action]) -> bool:
         """Keep a released retiring assignment's engine running, unowned, for its ``keep_warm`` (a step up within
-        it adopts it); True when parked. Only a whole gang whose leader is ready is parked."""
-        if self._leader_state(assignment, nodes) is not wire.ShardState.READY:
+        it adopts it); True when parked. Only a whole gang whose leader is ready (or asleep) is parked. With
+        ``sleep_mode`` the leader's engine is put to sleep (its GPU memory given up; vLLM's sleep reaches every
+        rank); the adoption wakes it."""
+        state = self._leader_state(assignment, nodes)
+        if state not in (wire.ShardState.READY, wire.ShardState.SLEEPING):
             return False
         for slot in assignment.slots:
             self.parked[slot.shard_id] = now + assignment.keep_warm
-        log.info("replica %s (generation %d) is kept warm for %gs: out of routing, its engine runs on; a step up "
+        asleep = assignment.sleep_mode
+        log.info("replica %s (generation %d) is kept warm for %gs: out of routing, its engine %s; a step up "
                  "within that time adopts it (a hot start), else it is stopped", assignment.replica_id,
-                 assignment.generation, assignment.keep_warm,
+                 assignment.generation, assignment.keep_warm, "is put to sleep" if asleep else "runs on",
                  extra=log_fields(replica=assignment.replica_id, generation=assignment.generation))
         del self.assignments[assignment.key]
+        leader = assignment.leader
+        node = nodes.get(leader.node_id)
+        if asleep and state is wire.ShardState.READY and node is not None \
+                and self._once(leader.shard_id, "sleep", node.session_serial):
+            why = f"scaled down with keep_warm {assignment.keep_warm:g}s and sleep_mode: its GPU memory given up"
+            actions.append(Command(why, leader.node_id, wire.SleepShard(leader.shard_id, why, SLEEP_LEVEL,
+                                                                        SLEEP_TIMEOUT)))
         return True
 
     def _stop_strays(self, desired: Mapping[str, DesiredReplica], nodes: Mapping[str, NodeRecord],

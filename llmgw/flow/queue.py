@@ -19,8 +19,18 @@ within a band, deadlines, overflow, and a Retry-After from the measured drain ra
   (a higher class arrived ahead of it, the drain slowed); else when its deadline passes (EXPIRED); or when the
   model's queue is over ``max_queued`` requests or ``max_queued_tokens`` (OVERFLOW: the newest waiter of the
   lowest band, maybe the one arriving). Each early shed is judged afterwards (``llmgw_flow_early_shed_verdicts``).
+- A stall in progress counts on arrival (and in Retry-After): while requests wait and nothing has been dispatched
+  for *s* seconds (the room full of long streams), an arrival's predicted wait is at least *s* (a stall that has
+  lasted *s* is expected to last about as long again): the drain rate, an average over dispatches, does not see a
+  stall until it ends, and the requests arriving late in one would otherwise wait for their deadline and expire,
+  the slow refusals of issue 31 through several gateways. Not in the looks at the waiters: near its deadline a
+  waiter has so little left that any pause between two dispatches would shed it.
 - Retry-After: the same estimate for all that waits in the shed request's band and above, rounded up and clamped
   to ``[retry_after_min, retry_after_max]`` (``retry_after_min`` while the rate is unknown).
+- Among several gateways (``peers``), a band whose rate this gateway does not trust yet drains at its share of the
+  rate the others trust (:mod:`.cluster_drain`): a gateway that sees a third of the arrivals sheds as soon as the
+  cluster has measured enough, not a third as soon. What this gateway publishes is its own rate alone
+  (:meth:`FlowQueue.trusted_drains`).
 
 The dispatchers run in :meth:`FlowQueue.run`'s nursery (a :class:`~llmgw.control.tasks.TaskHost`), which the
 gateway starts in its own.
@@ -38,6 +48,7 @@ import trio
 
 from ..control.tasks import TaskHost
 from ..lograte import RepeatLimitedLog
+from .cluster_drain import PeerDrains, share_of_cluster
 from .drain import DrainRate
 from .fair import FairBand
 from .interfaces import Room
@@ -129,8 +140,9 @@ class _Band:
 class _Model:
     """One model's queue."""
 
-    def __init__(self, name: str, ranks: list[int]):
+    def __init__(self, name: str, ranks: list[int], peers: PeerDrains | None = None):
         self.name = name
+        self.peers = peers
         self.bands: list[_Band] = [_Band(rank) for rank in sorted(set(ranks))]
         self.classes: dict[str, _ClassState] = {}
         self.pending = 0  # admitted, not yet released
@@ -144,6 +156,7 @@ class _Model:
         self.kick = trio.Event()  # set on an arrival or a release: the dispatcher looks again
         self.dispatching = False
         self.rechecked = 0.0  # when the waiters' predicted waits were last looked at
+        self.moved = 0.0  # the last dispatch while requests waited, or when they began to wait
 
     def band(self, rank: int) -> _Band:
         for band in self.bands:
@@ -185,8 +198,17 @@ class _Model:
         return requests, tokens, first, own
 
     def rate_of(self, band: _Band, now: float, cost: int) -> float | None:
-        """``band``'s drain rate in tokens/s: its own once measured, else the model's requests per second times
-        the mean cost of what waits in it (``cost`` when nothing does)."""
+        """``band``'s drain rate in tokens/s: its own once measured, else this gateway's share of the rate the
+        other gateways measured for it, else the model's requests per second times the mean cost of what waits in
+        it (``cost`` when nothing does)."""
+        own = band.line.drain.trusted
+        if own is not None:
+            return own
+        if self.peers is not None:
+            cluster = share_of_cluster(self.peers.rates(self.name, band.rank), sum(self.peers.held(self.name)),
+                                       self.waiting)
+            if cluster is not None:
+                return cluster
         requests = self.dispatches.trusted
         fair = band.fair
         mean = fair.tokens / len(fair) if len(fair) else cost
@@ -206,6 +228,10 @@ class _Model:
                 band.line.drain.backlog(is_head, now)
             if len(band.fair):
                 head = False
+
+    def stalled(self, now: float) -> float:
+        """Seconds since requests waiting here last saw a dispatch (0 when nothing waits)."""
+        return now - self.moved if self.waiting else 0.0
 
     def state(self, name: str) -> _ClassState:
         state = self.classes.get(name)
@@ -235,9 +261,12 @@ class FlowQueue(TaskHost):
 
     not_running = "FlowQueue.run() is not running: start it in the gateway's nursery first"
 
-    def __init__(self, settings: FlowSettings, room: Room, metrics: FlowMetrics | None = None):
+    def __init__(self, settings: FlowSettings, room: Room, metrics: FlowMetrics | None = None,
+                 peers: PeerDrains | None = None):
+        """``peers``: the other gateways' drain rates and held requests (None: a gateway alone)."""
         self.settings = settings
         self.room = room
+        self.peers = peers
         self.metrics = metrics or FlowMetrics()
         self._ranks = [c.rank for c in settings.classes]
         self._models: dict[str, _Model] = {}
@@ -257,6 +286,7 @@ class FlowQueue(TaskHost):
                 now = trio.current_time()
                 model.drain.dispatched(cost, now)
                 model.dispatches.dispatched(1, now)
+                model.moved = now
             self.metrics.admitted.labels(model.name, priority.name).inc()
             self.metrics.wait.labels(model.name, priority.name).observe(0.0)
             return Admitted(0.0, _Ticket(model, cost, output))
@@ -277,7 +307,7 @@ class FlowQueue(TaskHost):
     def _new_model(self, name: str) -> _Model:
         if len(self._models) >= MAX_MODELS:  # the data plane names served models only; still, never grow unbounded
             self._models = {n: m for n, m in self._models.items() if m.waiting or m.pending or m.dispatching}
-        model = self._models[name] = _Model(name, self._ranks)
+        model = self._models[name] = _Model(name, self._ranks, self.peers)
         return model
 
     def release(self, admitted: Admitted) -> None:
@@ -293,6 +323,14 @@ class FlowQueue(TaskHost):
         model.pending_output -= ticket.output
         if model.waiting:
             model.kick.set()
+
+    def trusted_drains(self, model: str) -> tuple[tuple[int, int], ...]:
+        """Per band of ``model``, ``(rank, tokens/s)`` of the drain rates this gateway measured and trusts (its
+        own alone: what it tells the other gateways)."""
+        found = self._models.get(model)
+        if found is None:
+            return ()
+        return tuple((band.rank, int(rate)) for band in found.bands if (rate := band.line.drain.trusted) is not None)
 
     def queued(self, model: str) -> dict[str, Queued]:
         """Per class name, what waits for ``model`` at this gateway (classes with nothing waiting left out)."""
@@ -339,13 +377,14 @@ class FlowQueue(TaskHost):
         return None if above is None or rate is None else (above, rate)
 
     @staticmethod
-    def _predicted(drain: tuple[float, float] | None, own_ahead: int, cost: int) -> float | None:
+    def _predicted(drain: tuple[float, float] | None, own_ahead: int, cost: int, stalled: float = 0.0) -> float | None:
         """Seconds until a request with ``own_ahead`` of its band's tokens before it (and ``cost`` of its own)
-        would be dispatched: the bands above drained, then its part of its own (None: a rate unknown)."""
+        would be dispatched: the bands above drained, then its part of its own; at least the ``stalled`` seconds
+        the queue has gone without a dispatch (None: a rate unknown)."""
         if drain is None:
             return None
         above, rate = drain
-        return above + (own_ahead + cost // 2) / rate if rate > 0 else math.inf
+        return max(stalled, above + (own_ahead + cost // 2) / rate if rate > 0 else math.inf)
 
     async def _wait(self, model: _Model, request: FlowRequest) -> Admitted | Shed:
         if not self.running:
@@ -364,7 +403,7 @@ class FlowQueue(TaskHost):
         if not self._has_room(model, priority, tokens_ahead + max(request.cost, 0), _output_of(request),
                               position + 1):
             cost = max(request.cost, 0)
-            expected = self._predicted(self._drain_of(model, band, now, cost), own_ahead, cost)
+            expected = self._predicted(self._drain_of(model, band, now, cost), own_ahead, cost, model.stalled(now))
             if expected is not None and expected > ARRIVAL_SHARE * remaining:
                 return self._shed_early(model, band, request, band.fair.start_of(request.flow, request.weight), 0.0,
                                         self._unservable(model, tokens_ahead, expected, remaining), explain)
@@ -424,6 +463,8 @@ class FlowQueue(TaskHost):
     def _enqueue(self, model: _Model, waiter: _Waiter, now: float) -> None:
         request = waiter.request
         model.band(request.priority.rank).fair.push(waiter)
+        if not model.waiting:
+            model.moved = now
         model.waiting += 1
         model.tokens += waiter.cost
         self._count(model, request.priority.name, 1, waiter.cost)
@@ -445,6 +486,7 @@ class FlowQueue(TaskHost):
         model.tokens -= waiter.cost
         self._count(model, request.priority.name, -1, -waiter.cost)
         if dispatched:
+            model.moved = now
             model.drain.dispatched(waiter.cost, now)
             model.dispatches.dispatched(1, now)
             band.line.drain.dispatched(waiter.cost, now)
@@ -495,7 +537,7 @@ class FlowQueue(TaskHost):
         shedding's, within the bounds (the lower one while it is unknown)."""
         low, high = self.settings.retry_after_min, self.settings.retry_after_max
         band = model.band(priority.rank)
-        seconds = self._predicted(self._drain_of(model, band, now, 1), band.fair.tokens, 0)
+        seconds = self._predicted(self._drain_of(model, band, now, 1), band.fair.tokens, 0, model.stalled(now))
         if seconds is None:
             return low
         return max(low, min(high, math.ceil(seconds) if math.isfinite(seconds) else high))

@@ -13,13 +13,16 @@ their engines, less what every gateway has in flight there, split among the gate
 - The room is counted in KV tokens too: a replica's KV capacity is its engine's scraped cache config (blocks x
   block size), the tokens held there the requests in flight will hold at most (their prompt estimate, this
   gateway's and the others', scaled by how many tokens the engines counted per estimated one in the answers'
-  usage, :class:`~llmgw.router.prompt_ratio.PromptTokenRatio`; and their ``max_tokens``:
-  :meth:`EngineRoom.held_tokens`). A class may dispatch a request only if the model's replicas keep the tokens
-  within its ``max_fill`` of their KV capacity (:meth:`EngineRoom.fits`): three batch requests that fill the
-  cache leave no room for a fourth, while an interactive one still fits; the request asking counts likewise: its
-  prompt estimate scaled by the same ratio, its output allowance as it is. Before an engine has told its
-  capacity, the tokens hold nothing back. The other gateways' requests count with their prompts (in their
-  reports) and this gateway's mean output per request.
+  usage, :class:`~llmgw.router.prompt_ratio.PromptTokenRatio`; and their output allowances, what of their
+  ``max_tokens`` the model's answers were learnt to hold, :class:`~llmgw.router.output_allowance.OutputAllowance`:
+  :meth:`EngineRoom.held_tokens`; an allowance learnt too low is caught by the engine's own KV usage, which cuts
+  the replica's capacity at ``kv_high``: :mod:`llmgw.flow.capacity`). A class may dispatch a request only if the
+  model's replicas keep the tokens within its ``max_fill`` of their KV capacity (:meth:`EngineRoom.fits`): three
+  batch requests that fill the cache leave no room for a fourth, while an interactive one still fits; the request
+  asking counts likewise: its prompt estimate scaled by the same ratio, its output at the learnt allowance. Before
+  an engine has told its capacity, the tokens hold nothing back. The other gateways' requests count with their
+  prompts (in their reports) and, on a replica where this gateway has none, their own mean output per request
+  (the output in flight their reports carry, ``f``), else this gateway's mean.
 - Shared: every gateway reports how many requests it holds per model with its load (llmgw/cluster/load.py); when
   others hold some too, this gateway may have in flight its quota of the capacity and of the KV tokens, in
   proportion to its demand (requests in flight and held) among every gateway's (:meth:`EngineRoom.demand_share`:
@@ -71,6 +74,8 @@ class SharedQueues(Protocol):
     def count_queued(self, source: Callable[[], dict[str, int]], max_queued: int) -> None: ...
 
     def peer_queued(self, model: str) -> list[int]: ...
+
+    def peer_output(self, model: str) -> int | None: ...
 
     def watch(self, listener: Callable[[], None]) -> None: ...
 
@@ -178,16 +183,19 @@ class EngineRoom:
                 left = min(left, max(1, math.floor(known.seats * fill)) - local - peer)
             if left > 0:
                 seat_free += left
-        if unsized:  # the others' output at this gateway's mean per request on the model (their reports lack it)
-            per_request = output_inflight / mine if mine else DEFAULT_OUTPUT_TOKENS
+        if unsized:  # the others' output at their mean per request on the model, else at this gateway's
+            per_request = self.peer_mean_output(model, theirs)
+            if per_request is None:
+                per_request = output_inflight / mine if mine else DEFAULT_OUTPUT_TOKENS
             for replica, share in unsized:
                 kv_room += max(0, share - self.held_tokens(replica, ratio, per_request))
         quota = self.demand_share(model, mine, theirs) if self.sharing is not None else None
         # The queue's estimate (prompt and most output, not yet routed) in the engine's count: the prompt part
-        # scaled by the ratio, the output allowance (max_tokens, already in the engine's tokens) as it is. Scaling
-        # the whole over-counted a batch request's long output several times (docs/overload.md, "Measured").
+        # scaled by the ratio, the output (max_tokens, already in the engine's tokens) as the model's answers were
+        # learnt to hold it (route.output_allowance). Scaling the whole by the prompt ratio over-counted a batch
+        # request's long output several times (docs/overload.md, "Measured").
         output = min(max(output, 0), tokens)
-        need = min(ratio.tokens(tokens - output) + output, kv_largest)
+        need = min(ratio.tokens(tokens - output) + route.output_allowance.tokens(output), kv_largest)
         fits = not kv_known or (need <= kv_room and (
             quota is None or mine == 0 or need <= kv_filled * quota[0] // quota[1] - kv_mine))
         if unbounded:
@@ -213,6 +221,14 @@ class EngineRoom:
             local = replica.local_inflight
             output += replica.peer_inflight * output // local if local else int(replica.peer_inflight * per_request)
         return ratio.tokens(replica.inflight_tokens) + output
+
+    def peer_mean_output(self, model: str, theirs: int) -> float | None:
+        """The output allowance per request the other gateways have in flight on ``model`` (``theirs`` requests),
+        from their load reports; None when one of them does not report it or they have none in flight."""
+        if self.sharing is None or not theirs:
+            return None
+        output = self.sharing.peer_output(model)
+        return None if output is None else output / theirs
 
     def demand_share(self, model: str, mine: int, theirs: int) -> tuple[int, int] | None:
         """When other gateways hold requests for ``model`` too: this gateway's demand (its requests in flight,

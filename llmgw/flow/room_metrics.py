@@ -1,5 +1,6 @@
 """The room's Prometheus series (``llmgw_flow_replica_*``: capacity, seats, saturation, KV;
-``llmgw_flow_room_free``, ``llmgw_flow_capacity_changes``, ``llmgw_flow_prompt_token_ratio``; docs/metrics.md,
+``llmgw_flow_room_free``, ``llmgw_flow_capacity_changes``, ``llmgw_flow_prompt_token_ratio``,
+``llmgw_flow_output_allowance_ratio``, ``llmgw_flow_output_allowance_answers``; docs/metrics.md,
 "Flow control"), read from the room when ``/metrics`` is rendered.
 
 Labels are the router's models and replicas (what the configuration and the control plane declare), so they are
@@ -43,7 +44,8 @@ class RoomMetrics:
         return self._families()
 
     def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily,
-                                 GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+                                 GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily,
+                                 GaugeMetricFamily, CounterMetricFamily]:
         capacity = GaugeMetricFamily("llmgw_flow_replica_capacity", "The requests in flight (all gateways') each "
                                      "replica takes, learnt from its engine's queue and KV usage; absent while "
                                      "unknown (its engine never said it was full: nothing is held for it).",
@@ -71,10 +73,16 @@ class RoomMetrics:
                                   "learnt from its running count when it queued with KV to spare; a class below "
                                   "max_fill 1.0 fills at most its share of them. Absent while unknown.",
                                   labels=["model", "replica"])
-        return capacity, saturation, free, changes, held, kv, ratio, seats
+        allowance = GaugeMetricFamily("llmgw_flow_output_allowance_ratio", "Of a request's max_tokens, the share "
+                                      "the room reserves in the KV cache: a high quantile of what groups of the "
+                                      "model's answers held (completion over max_tokens); 1 until enough answers.",
+                                      labels=["model"])
+        answers = CounterMetricFamily("llmgw_flow_output_allowance_answers", "Answers with a max_tokens and usage "
+                                      "the model's output allowance learnt from.", labels=["model"])
+        return capacity, saturation, free, changes, held, kv, ratio, seats, allowance, answers
 
     def collect(self) -> Iterable[Metric]:
-        capacity, saturation, free, changes, held, kv, ratio, seats = families = self._families()
+        capacity, saturation, free, changes, held, kv, ratio, seats, allowance, answers = families = self._families()
         room = self._room() if self._room is not None else None
         if room is not None:
             top = min(room.settings.classes, key=lambda c: c.rank)
@@ -91,6 +99,8 @@ class RoomMetrics:
                         kv.add_metric([model, replica.name], tokens)
                         held.add_metric([model, replica.name], room.held_tokens(replica, route.prompt_ratio))
                 ratio.add_metric([model], route.prompt_ratio.ratio)
+                allowance.add_metric([model], route.output_allowance.fraction)
+                answers.add_metric([model], route.output_allowance.answers)
                 room_free = room.free(model, top)
                 free.add_metric([model], float("inf") if room_free >= UNBOUNDED else room_free)
         for model, counts in sorted(self._changes.items()):

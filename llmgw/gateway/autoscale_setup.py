@@ -20,6 +20,7 @@ from ..autoscale.metrics import AutoscaleMetrics
 from ..autoscale.model import AutoscaleSettings
 from ..autoscale.scaler import TargetScaler
 from ..autoscale.signals import FirstTokens, GatewaySignals
+from .load_figures import GatewayFigures
 
 if TYPE_CHECKING:
     from ..cluster.load import LoadSharing
@@ -56,14 +57,20 @@ class GatewayAutoscale:
         self.scaler = scaler
         self.settings_of = settings_of
         self.models: frozenset[str] = frozenset()
+        self.slos: dict[str, float] = {}
         self.first_tokens = FirstTokens(trio.current_time)  # this gateway's, for the TTFT attainment signal
         router.first_token_listeners.append(self.first_tokens.observe)
         self.apply(config)
+        if sharing is not None:  # the leader, whichever gateway it is, reads the cluster's arrivals and first tokens
+            sharing.report_figures(GatewayFigures(router, flow.queue, self.first_tokens, self._slo_of).own)
 
     def apply(self, config: "Config") -> None:
-        """A (re)loaded config: which models are autoscaled."""
+        """A (re)loaded config: which models are autoscaled, and their ``ttft_slo``."""
         self.config = config
         self.models = autoscaled_models(config, self.settings_of)
+        self.slos = {config.profile(key).served_model_name: settings.ttft_slo
+                     for key, (_, settings) in autoscaled(config, self.settings_of).items()
+                     if settings.ttft_slo is not None}
 
     def holds(self, model: str) -> bool:
         return model in self.models
@@ -75,16 +82,14 @@ class GatewayAutoscale:
                                  sharing.peer_queued if sharing is not None else lambda model: [],
                                  entered=self.flow.queue.entered,
                                  gateways=(lambda: 1 + len(sharing.peers)) if sharing is not None else lambda: 1,
-                                 first_tokens=self.first_tokens, slo_of=self._slo_of)
+                                 first_tokens=self.first_tokens, slo_of=self._slo_of,
+                                 peer_figures=sharing.peer_figures if sharing is not None else lambda model: {})
         control.scale = Autoscaler(self.scaler(self.config), self.settings_of, signals,
                                    AutoscaleMetrics.for_registry(self.registry), lambda: self.config.autoscale.interval)
 
     def _slo_of(self, model: str) -> float | None:
         """The ``ttft_slo`` of the autoscaled deployment serving ``model`` (None: none set, or not autoscaled)."""
-        for key, (_, settings) in autoscaled(self.config, self.settings_of).items():
-            if self.config.profile(key).served_model_name == model:
-                return settings.ttft_slo
-        return None
+        return self.slos.get(model)
 
     def _held(self, model: str) -> tuple[int, int]:
         queued = self.flow.queue.queued(model).values()

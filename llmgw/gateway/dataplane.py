@@ -52,6 +52,7 @@ from .flow_gate import OPEN, FlowGate, FlowTrace, Pass
 from .hops import HopGuard
 from .latency import StreamWatch, events_after_last_token
 from .readiness import Readiness
+from .replica_back import wait_for_replica_back
 from .request_ids import RequestIds, accepted_client_id
 from .stream_usage import UsageChunkFilter, usage_forced_body
 from .tenant_gate import Charge, TenancyGate
@@ -377,6 +378,7 @@ class DataPlane:
         kept: tuple[Replica, int, list[tuple[bytes, bytes]], bytes] | None = None  # an unwell replica's answer
         resent = False  # sent on once after its engine went away with it
         prioritized: bytes | None = None  # the body with its engine priority, made for the first replica that wants it
+        waited = False  # waited once for a held model's replica to come back
         retries = self.settings.retries  # read once: a reload may replace the settings meanwhile
         for attempt in range(1 + retries):
             decision = None
@@ -385,6 +387,11 @@ class DataPlane:
                 if decision is None and not tried and self.wait_for_replica is not None \
                         and await self.wait_for_replica(model):
                     decision = await self.router.pick(route_request, exclude=tried)
+                if decision is None and not waited and self.holds(route_request.model):
+                    # An autoscaled model's requests wait for a replica: its only one failed (engine killed,
+                    # restarting) in a way that lets the request be sent on, so it waits for it to come back.
+                    waited = True
+                    decision = await self._wait_for_replica_back(request, model, route_request, exchange, tried)
                 if decision is None:
                     break
                 replica = replica_of(decision)
@@ -448,6 +455,23 @@ class DataPlane:
         exchange.engine_priority = engine_priority(chosen, exchange.tenant, body)
         self.metrics.engine_priority_requests.labels(exchange.model, chosen.name).inc()
         return prioritized_body(request.path, body, exchange.engine_priority, force_usage)
+
+    async def _wait_for_replica_back(self, request: Request, model: str, route_request: RouteRequest,
+                                     exchange: Exchange, tried: list[Replica]) -> Decision | None:
+        """Up to the request's class deadline (``max_wait`` from now, shortened by the client's own), a replica
+        of a held model that may take it (:mod:`.replica_back`); None: none came (answered as before)."""
+        flow = self.flow
+        priority = flow.priority_of(exchange.tenant, request)
+        until = flow.deadline(priority, request) if not isinstance(priority, Response) else None
+        if until is None or isinstance(until, Response) or flow.control is None:
+            return None
+        decision = await wait_for_replica_back(self.router, route_request, tried, until)
+        self.metrics.waited_for_replica.labels(model, "none" if decision is None else "routed").inc()
+        if decision is None:
+            log.info("request %s: no replica of %s came back within its class's max_wait (tried: %s); answered "
+                     "as without the wait", route_request.request_id, model,
+                     ", ".join(r.name for r in tried) or "none")
+        return decision
 
     @staticmethod
     def _cost(flow: FlowGate, exchange: Exchange, request: Request, body: dict) -> Estimate:

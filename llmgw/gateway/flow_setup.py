@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 from prometheus_client import CollectorRegistry
 
+from ..cluster.load import LoadSharing
 from ..config import Config
 from ..flow.capacity import UNBOUNDED, CapacityRule
 from ..flow.metrics import FlowMetrics
@@ -27,6 +28,7 @@ from ..tenancy.estimate import Estimator
 from ..tenancy.model import PriceList
 from .explain_shared import SharedOutcomes
 from .flow_gate import FlowGate, FlowOutcomes
+from .load_figures import PeerDrainsOf
 from .tenancy_setup import context_lengths
 
 if TYPE_CHECKING:
@@ -58,7 +60,10 @@ class GatewayFlow:
         self.room = EngineRoom(router, sharing, settings, capacity_rule(flow), scrape_interval=flow.scrape_interval,
                                scrape_timeout=SCRAPE_TIMEOUT, metrics=RoomMetrics(registry))
         self._scrape(flow)
-        self.queue = FlowQueue(settings, self.room, FlowMetrics(registry))
+        router.set_output_quantile(flow.reserved_output_quantile())
+        # Among gateways, a band this one has not measured yet drains at its share of the others' rates.
+        self.queue = FlowQueue(settings, self.room, FlowMetrics(registry),
+                               PeerDrainsOf(sharing) if isinstance(sharing, LoadSharing) else None)
         self.room.count_queued(self.held)
         self.outcomes = FlowOutcomes()
         self.explained = explained
@@ -80,6 +85,7 @@ class GatewayFlow:
         self.room.rule = capacity_rule(flow)
         self.room.scrape_interval = flow.scrape_interval
         self._scrape(flow)
+        self.router.set_output_quantile(flow.reserved_output_quantile())
         self.gate = FlowGate(settings, self.queue, self.room, self.outcomes, estimator(config))
         return self.gate
 

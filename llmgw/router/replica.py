@@ -71,7 +71,7 @@ class Replica:
     reason: str = ""
     local_inflight: int = 0  # this process's requests to it, not finished (the data plane counts them)
     local_inflight_tokens: int = 0  # the router's estimate of their prompt tokens
-    local_inflight_output_tokens: int = 0  # their max_tokens (else the typical output): KV they may come to hold
+    local_inflight_output_tokens: int = 0  # their output allowances (router.routed): KV they may come to hold
     peer_inflight: int = 0  # the other gateways' latest figures (assigned whole by the cluster-sharing code)
     peer_inflight_tokens: int = 0
     local_queued_tokens: int = 0  # new (uncached) prompt tokens of this process's requests there without a first token

@@ -27,6 +27,7 @@ from ..kv.metrics import KvMetrics
 from .canonical import estimated_prompt_tokens
 from .decode_cost import DEFAULT_OUTPUT_TOKENS, max_output_tokens
 from .model import TierModel
+from .output_allowance import DEFAULT_QUANTILE, OutputAllowance
 from .prompt_ratio import PromptTokenRatio
 from .replica import Replica
 from .replicas import STATIC, ReplicaSet
@@ -49,6 +50,7 @@ class ModelRoute:
     options: dict[str, Any] = field(default_factory=dict)
     declared: TierModel | None = None  # the ReplicaSet declaration it was built with (None: configured directly)
     prompt_ratio: PromptTokenRatio = field(default_factory=PromptTokenRatio)  # the engines' count over our estimate
+    output_allowance: OutputAllowance = field(default_factory=OutputAllowance)  # of max_tokens, what answers hold
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class Router:
         self.engine_metrics_demand: EngineMetricsDemand | None = None
         self.engine_load_listeners: list[Callable[[Replica], None]] = []
         self.first_token_listeners: list[Callable[[str, float], None]] = []  # (model, ttft s): the autoscaler's
+        self.output_quantile: float | None = DEFAULT_QUANTILE  # every model's OutputAllowance (flow.output_quantile)
         self.replicas.watch_models(self._declaration_changed)
         for name in self.replicas.declared_models():
             self._declaration_changed(name)
@@ -126,12 +129,21 @@ class Router:
                                 learning=self.learning.for_model(name) if self.learning is not None else None)
         tier = as_routing_tier(self.registry.get("routing_tiers", tier_name)(model_config, services))
         fallback = as_routing_tier(self.registry.get("routing_tiers", "round_robin")(model_config, services))
-        route = ModelRoute(name, tier_name, tier, fallback, replicas, routing_options)
+        route = ModelRoute(name, tier_name, tier, fallback, replicas, routing_options,
+                           output_allowance=OutputAllowance(self.output_quantile))
         previous = self.models.get(name)
-        if previous is not None:  # re-tiered: the engines' tokenizer is the same
+        if previous is not None:  # re-tiered: the engines' tokenizer and the clients' answers are the same
             route.prompt_ratio = previous.prompt_ratio
+            route.output_allowance = previous.output_allowance
         self.models[name] = route
         return route
+
+    def set_output_quantile(self, quantile: float | None) -> None:
+        """Every model's output allowance reserves this quantile of what its answers held (None: ``max_tokens``
+        whole), from now on; for the models configured later too."""
+        self.output_quantile = quantile
+        for route in list(self.models.values()):
+            route.output_allowance.set_quantile(quantile)
 
     def add_replica(self, replica: Replica) -> None:
         """Put ``replica`` into the router's set (a static one; the gateway's sources use the set directly)."""
@@ -245,18 +257,23 @@ class Router:
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         """The request is being handed to ``decision.replica``: its prompt tokens count in the replica's
-        ``local_inflight_tokens`` (hence ``inflight_tokens``) and its most output tokens in
-        ``local_inflight_output_tokens`` from now on, and the tier learns of it."""
+        ``local_inflight_tokens`` (hence ``inflight_tokens``) and its output allowance (of its ``max_tokens``, what
+        the model's answers were learnt to hold: :class:`OutputAllowance`) in ``local_inflight_output_tokens``
+        from now on, and the tier learns of it."""
+        route = self.models.get(request.model)
         if not decision.inflight_tokens:
             decision.inflight_tokens = estimated_prompt_tokens(request)
-            decision.output_tokens = max_output_tokens(request.body) or int(DEFAULT_OUTPUT_TOKENS)
+            cap = max_output_tokens(request.body)
+            if cap is None:
+                decision.output_tokens = int(DEFAULT_OUTPUT_TOKENS)
+            else:
+                decision.output_tokens = route.output_allowance.tokens(cap) if route is not None else cap
             replica = replica_of(decision)
             replica.local_inflight_tokens += decision.inflight_tokens
             replica.local_inflight_output_tokens += decision.output_tokens
         if decision.prefill_tokens > 0 and not decision.queued:
             decision.queued = True
             replica_of(decision).queue_prefill(id(decision), decision.prefill_tokens, time.monotonic())
-        route = self.models.get(request.model)
         if route is not None:
             self._notify(route, "routed", route.tier.routed, request, decision)
 
@@ -283,15 +300,16 @@ class Router:
     def finished(self, request: RouteRequest, decision: Decision, usage: dict[str, Any] | None) -> None:
         """The attempt ended (answered, failed or abandoned): its tokens leave the replica's
         ``local_inflight_tokens`` and the tier is told, once however often this is called. Its ``usage`` teaches
-        the model's :class:`PromptTokenRatio`."""
+        the model's :class:`PromptTokenRatio` and :class:`OutputAllowance`."""
         if decision.ended:
             return
         decision.ended = True
         self._unqueue(decision)
         route = self.models.get(request.model)
         if decision.inflight_tokens:
-            if route is not None:
+            if route is not None and usage is not None:
                 route.prompt_ratio.observe(decision.inflight_tokens, usage)
+                route.output_allowance.observe(max_output_tokens(request.body), usage)
             replica = replica_of(decision)
             replica.local_inflight_tokens = max(0, replica.local_inflight_tokens - decision.inflight_tokens)
             replica.local_inflight_output_tokens = max(0, replica.local_inflight_output_tokens - decision.output_tokens)

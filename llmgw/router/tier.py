@@ -129,7 +129,8 @@ class Decision:
     ``inflight_tokens`` is what the router added to the replica's
     ``local_inflight_tokens`` when the request was routed, and takes off again
     when it finishes; ``output_tokens`` likewise in ``local_inflight_output_tokens``
-    (the request's ``max_tokens``, else the typical output length).
+    (the request's output allowance: the share of its ``max_tokens`` the model's answers were learnt to hold,
+    :class:`llmgw.router.output_allowance.OutputAllowance`; 256 when it sets none).
     ``prefill_tokens``, when the tier sets it, is what the router counts in the
     replica's ``local_queued_tokens`` from the moment the request is routed to its
     first token (or its end): the one ledger of queued prefill, shared with the

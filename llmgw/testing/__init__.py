@@ -9,6 +9,8 @@
 - :mod:`.metrics`: the one Prometheus text reader (:func:`metric_value`, :func:`scrape`).
 - :mod:`.redis`: real redis-servers for tests, one per session or one a test may kill and restart.
 - :mod:`.shared_state`: gateway processes sharing state through Redis (a control process and followers).
+- :mod:`.two_gateways`: a control process and an in-process gateway of one cluster over two slow engines.
+- :mod:`.load_reports`: a gateway's load sharing without Redis, and the report it would send.
 
 Only the names below are imported here; the in-process gateway and the cluster are imported from their modules
 (they pull in the whole gateway).

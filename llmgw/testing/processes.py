@@ -15,6 +15,7 @@ Every child has the test clusters' secret in ``CLUSTER_SECRET_ENV`` (a Redis-bac
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -116,6 +117,18 @@ def free_port() -> int:
 def llmgw_command(*args: str) -> list[str]:
     """``python -m llmgw ARGS`` with this interpreter."""
     return [sys.executable, "-m", "llmgw", *args]
+
+
+async def run_bench(tmp_path: Path, name: str, *args: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict]:
+    """``llmgw bench NAME ARGS --json`` run to its end within ``timeout`` (its cache under ``tmp_path``): the
+    finished process (its exit status asserted 0, with its output's end) and the JSON report it wrote."""
+    out = tmp_path / f"{name}.json"
+    with trio.fail_after(timeout):
+        done = await trio.run_process(llmgw_command("bench", name, *args, "--json", str(out)), capture_stdout=True,
+                                      capture_stderr=True, check=False,
+                                      env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert done.returncode == 0, (done.stdout + done.stderr).decode()[-3000:]
+    return done, json.loads(out.read_text())
 
 
 def _matcher(ready: str | re.Pattern | None):

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
+import httpx
 import trio
 
 from . import fake_upstream
@@ -128,3 +129,14 @@ async def start_gateway(nursery: trio.Nursery, config_text: str) -> Child:
         path = Path(directory) / "llmgw.yaml"
         path.write_text(config_text)
         return await start_serve(nursery, path)
+
+
+async def stream_story(http: httpx.AsyncClient, url: str, seed: int, max_tokens: int = 200) -> int:
+    """One streamed chat request for :data:`MODEL` through the gateway at ``url``, read to its end (a request that
+    stays in flight as long as its answer streams); its HTTP status."""
+    body = {"model": MODEL, "max_tokens": max_tokens, "stream": True,
+            "messages": [{"role": "user", "content": f"tell me a story {seed}"}]}
+    async with http.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        async for _ in response.aiter_raw():
+            pass
+        return response.status_code

@@ -34,7 +34,8 @@ __all__ = [
     "PROTOCOL_VERSION", "WireError", "ShardState", "KvChangeKind", "HostInfo", "GpuFabric", "GpuHealth",
     "MigInfo", "NicPath", "GpuInfo", "ImexInfo", "Hca", "FabricInfo", "StorageInfo", "LocalWeights",
     "LoraModule", "ShardProfile", "ShardReport", "Message", "Register", "Registered", "Heartbeat",
-    "StartShard", "StopShard", "DrainShard", "ShardStatus", "KvChanges", "KvResync", "ErrorMessage",
+    "StartShard", "StopShard", "DrainShard", "SleepShard", "WakeShard", "ShardStatus", "KvChanges", "KvResync",
+    "ErrorMessage",
     "UnknownMessage", "encode", "decode", "to_plain", "from_plain",
 ]
 
@@ -50,6 +51,8 @@ class ShardState(str, enum.Enum):
     STARTING = "starting"
     LOADING = "loading"
     READY = "ready"
+    SLEEPING = "sleeping"  # out of routing, the process alive, its GPU memory given up (vLLM's sleep mode)
+    WAKING = "waking"  # a wake-up asked for: back to READY when the engine is awake and ready
     DRAINING = "draining"
     STOPPED = "stopped"
     FAILED = "failed"
@@ -61,7 +64,7 @@ class ShardState(str, enum.Enum):
     @property
     def alive(self) -> bool:
         return self in (ShardState.PENDING, ShardState.STARTING, ShardState.LOADING, ShardState.READY,
-                        ShardState.DRAINING)
+                        ShardState.SLEEPING, ShardState.WAKING, ShardState.DRAINING)
 
 
 # -- records nested in messages ---------------------------------------------------------------------------------------
@@ -192,6 +195,7 @@ class ShardProfile:
     kv_key_mode: str = "content"  # how the agent's mirror keys the engine's blocks: "content" or "engine" (hashes)
     startup_timeout: float = 600.0
     scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy (passed only when it is not vLLM's default fcfs)
+    sleep_mode: bool = False  # started with the engine's sleep mode: SleepShard and WakeShard work on it
 
 
 @dataclass
@@ -314,6 +318,27 @@ class DrainShard(Message):
     reason: str = ""
     timeout: float = 600.0
     grace: float = 30.0
+
+
+@dataclass
+class SleepShard(Message):
+    """Put a Ready shard's engine to sleep (out of routing first; vLLM ``POST /sleep?level=N``), each HTTP call
+    within ``timeout``. The shard reports SLEEPING, or stays READY with why not."""
+
+    shard_id: str = ""
+    reason: str = ""
+    level: int = 1
+    timeout: float = 30.0
+
+
+@dataclass
+class WakeShard(Message):
+    """Wake a sleeping shard's engine (vLLM ``POST /wake_up``) and probe it ready within ``timeout``: WAKING,
+    then READY; an engine that does not wake is stopped (STOPPED, with why), so that it can be started cold."""
+
+    shard_id: str = ""
+    reason: str = ""
+    timeout: float = 600.0
 
 
 @dataclass

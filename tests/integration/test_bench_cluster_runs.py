@@ -87,8 +87,11 @@ async def test_chaos_quick_cuts_the_last_gateway_from_redis_under_load_and_repor
     # the cut reached the last gateway only: its /health said degraded, the candidates' never did
     assert [row["degraded_s"] > 0 for row in result["gateways"]] == [False, False, True], result["gateways"]
     assert result["leaders"][0].startswith("A term ")
-    # both replicas deployed through the remote agent, their engines' pids as the agent reported them
-    assert len(result["engines_before"]) == 2 and all(pid > 0 for pid in result["engines_before"].values())
+    # the fixed deployment's two replicas and the autoscaled one's (at its min) deployed through the remote agent,
+    # their engines' pids as the agent reported them; the scaler's count read from the leader, unmoved by the cut
+    assert sorted(result["engines_before"]) == ["tiny-auto-sim-0", "tiny-sim-0", "tiny-sim-1"]
+    assert all(pid > 0 for pid in result["engines_before"].values())
+    assert (result["scaler"]["before"], result["scaler"]["after"], result["scaler"]["decisions"]) == (1, 1, [])
     assert report["settings"]["gateways"] == 1 and report["settings"]["partition"] == 4
 
 

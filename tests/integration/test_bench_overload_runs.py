@@ -7,27 +7,17 @@ that the benchmark counts what it says it counts."""
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-
 import pytest
-import trio
 
 from llmgw.bench.overload_arms import FLOW, OFF, VLLM_ROUTER, flow_available
 from llmgw.bench.overload_workload import BATCH, INTERACTIVE
+from llmgw.testing.processes import run_bench
 
 pytestmark = pytest.mark.slow
 
 
 async def test_overload_quick_runs_every_arm_and_reports_each_class(tmp_path):
-    out = tmp_path / "report.json"
-    command = [sys.executable, "-m", "llmgw", "bench", "overload", "--quick", "--json", str(out)]
-    with trio.fail_after(300):
-        done = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False,
-                                      env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
-    assert done.returncode == 0, (done.stdout + done.stderr).decode()[-3000:]
-    report = json.loads(out.read_text())
+    done, report = await run_bench(tmp_path, "overload", "--quick", timeout=300)
     assert report["markdown"] in done.stdout.decode()
     assert len(report["settings"]["load_average_at_start"]) == len(report["settings"]["load_average_at_end"]) == 3
     capacity = report["capacity"]

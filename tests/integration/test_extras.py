@@ -14,7 +14,6 @@ import ast
 import json
 import subprocess
 import sys
-import venv
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,6 @@ from llmgw.compiled import MYPYC_MODULES
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # a fresh virtualenv, and maybe the compiled build
 
 REPO = Path(__file__).resolve().parents[2]
-INSTALL_TIMEOUT = 900  # seconds: pip resolves and installs every dependency (from its cache after the first run)
 # Modules of an extra that run somewhere else, and where.
 RUN_ELSEWHERE = {"llmgw.bench.make_tiny_model": "runs inside vLLM's own virtualenv (llmgw bench vllm-real's)"}
 TOKENIZER_LIBRARIES = {"tokenizers", "jinja2"}  # what the tokenizer extra's distributions are imported as
@@ -62,18 +60,6 @@ def libraries_imported(module: str) -> set[str]:
     return {name for name in names if name not in sys.stdlib_module_names and name != "llmgw"}
 
 
-def fresh_venv(path: Path) -> Path:
-    """A virtualenv with nothing but pip; its python."""
-    venv.EnvBuilder(with_pip=True, clear=True).create(path)
-    return path / "bin" / "python"
-
-
-def pip_install(python: Path, *requirements: str) -> None:
-    installed = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                                *requirements], capture_output=True, text=True, timeout=INSTALL_TIMEOUT)
-    assert installed.returncode == 0, installed.stderr[-4000:]
-
-
 PROBE = """
 import importlib, json, sys
 failed = {}
@@ -97,8 +83,8 @@ def import_failures(python: Path, names: list[str], cwd: Path) -> dict[str, str]
 def test_the_bench_extra_installs_what_the_benchmarks_import(tmp_path):
     # a copy: the editable install writes its metadata beside the sources
     source = compiled_build.copy_sources(REPO, tmp_path / "llmgw-src", benchmarks=True)
-    python = fresh_venv(tmp_path / "venv")
-    pip_install(python, "-e", f"{source}[bench]")
+    python = compiled_build.fresh_venv(tmp_path / "venv")
+    compiled_build.pip_install(python, "-e", f"{source}[bench]")
     served = [name for name in modules_under("llmgw.bench") + modules_under("llmgw.testing")
               if name not in RUN_ELSEWHERE]
     libraries = sorted(set().union(*(libraries_imported(name) for name in served)))
@@ -108,7 +94,8 @@ def test_the_bench_extra_installs_what_the_benchmarks_import(tmp_path):
         helped = subprocess.run([str(python.parent / "llmgw"), "bench", name, "--help"], capture_output=True,
                                 text=True, timeout=120, cwd=tmp_path)
         assert (helped.returncode, helped.stderr) == (0, ""), (name, helped.stderr[-3000:])
-        assert helped.stdout.startswith("usage: ") and "-h, --help" in helped.stdout, (name, helped.stdout[:300])
+        assert helped.stdout.startswith(f"usage: llmgw bench {name}") and "-h, --help" in helped.stdout, \
+            (name, helped.stdout[:300])
 
 
 def test_the_compiled_wheel_with_the_tokenizer_extra_runs_compiled_and_imports_what_it_serves(tmp_path):
@@ -120,8 +107,8 @@ def test_the_compiled_wheel_with_the_tokenizer_extra_runs_compiled_and_imports_w
     wheel, *others = compiled_build.build_wheels(REPO, cache, tmp_path / "dist")  # what ./dev wheel makes
     assert "-linux_x86_64" in wheel.name or "manylinux" in wheel.name, wheel.name
     assert others[-1].name.endswith("-py3-none-any.whl"), others  # the pure fallback beside it
-    python = fresh_venv(tmp_path / "venv")
-    pip_install(python, f"{wheel}[tokenizer]")
+    python = compiled_build.fresh_venv(tmp_path / "venv")
+    compiled_build.pip_install(python, f"{wheel}[tokenizer]")
     n = len(MYPYC_MODULES)
     said = subprocess.run([str(python), "-m", "llmgw.compiled", "--require"], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)

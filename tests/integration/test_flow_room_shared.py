@@ -16,13 +16,11 @@ import trio
 
 from llmgw.cluster import records
 from llmgw.cluster.records import Keys
-from llmgw.config.loading import parse_config
 from llmgw.flow.model import DEFAULT_CLASSES, FlowSettings
-from llmgw.gateway.app import Gateway
 from llmgw.testing.metrics import metric_value
-from llmgw.testing.processes import CLUSTER_SECRET, CLUSTER_SECRET_ENV
-from llmgw.testing.shared_state import cluster_config, wait_replicas
-from llmgw.testing.sims import MODEL, start_sims
+from llmgw.testing.processes import CLUSTER_SECRET
+from llmgw.testing.sims import MODEL, stream_story
+from llmgw.testing.two_gateways import control_and_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -43,32 +41,15 @@ async def room_figures(http: httpx.AsyncClient, control_url: str) -> tuple[float
 async def test_in_flight_and_held_requests_of_one_gateway_reach_the_others_room(nursery, start_llmgw, redis_url,
                                                                                 cluster_name, monkeypatch):
     # 200 output tokens at 20 ms a step: a stream stays in flight about 4 s; at most 2 run per engine.
-    engines = await start_sims(nursery, 2, num_blocks=512, block_size=16, time_scale=1, seed=0,
-                               extra=("--max-num-seqs", "2", "--output-tokens", "200:200"))
-    config = cluster_config(engines, redis_url, cluster_name, routing="round_robin")
-    control = await start_llmgw(config)
-    await wait_replicas(control.control_url, 2)
-    monkeypatch.setenv(CLUSTER_SECRET_ENV, CLUSTER_SECRET)
-    gateway = Gateway(parse_config(config), role="gateway")
-    await nursery.start(gateway.run, ("127.0.0.1", 0), ("127.0.0.1", 0))
+    control, gateway = await control_and_gateway(nursery, start_llmgw, redis_url, cluster_name, monkeypatch.setenv)
     room = gateway.room
-    with trio.fail_after(20):
-        while len(gateway.router.replicas.members(MODEL)) < 2:
-            await trio.sleep(0.05)
     replicas = gateway.router.replicas.members(MODEL)
     assert room.free(MODEL, INTERACTIVE) > 1000  # no engine has said it is full: nothing held
-
-    async def stream(http: httpx.AsyncClient, seed: int) -> None:
-        body = {"model": MODEL, "max_tokens": 200, "stream": True,
-                "messages": [{"role": "user", "content": f"tell me a story {seed}"}]}
-        async with http.stream("POST", control.url + "/v1/chat/completions", json=body) as response:
-            async for _ in response.aiter_raw():
-                pass
 
     async with httpx.AsyncClient(timeout=30) as http:
         async with trio.open_nursery() as streams:
             for seed in range(STREAMS):
-                streams.start_soon(stream, http, seed)
+                streams.start_soon(stream_story, http, control.url, seed)
             with trio.fail_after(10):  # this gateway sees the engines queue, and the control's requests in flight
                 while not (sum(r.peer_inflight for r in replicas) == STREAMS
                            and all(room.capacity(r) is not None for r in replicas)):

@@ -470,3 +470,29 @@ async def test_usage_rows_of_two_gateways_tell_a_shed_class_from_a_served_one(ga
     assert await usage(first, **{"class": ""}) == {}
     wrong = await first.admin("/admin/usage", params={"group_by": "key,priority"})
     assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "group_by"
+
+
+async def test_the_output_reserved_is_learnt_from_the_answers_and_learning_may_be_turned_off(gateway_in_process,
+                                                                                                nursery):
+    """Answers that end at their EOS after 20 tokens of a max_tokens of 200: after 32 of them, a request reserves a
+    tenth of its max_tokens (llmgw_flow_output_allowance_ratio); with flow.learn_output false, the whole."""
+    [sim] = await start_sims(nursery, 1, num_blocks=512, time_scale=0, extra=("--output-tokens", "20:20"))
+    learning = await gateway_in_process(config(sim.url))
+    whole = await gateway_in_process(config(sim.url, flow="  learn_output: false\n"))
+
+    async def answers(gw, count: int) -> None:
+        async with httpx.AsyncClient() as client:
+            for i in range(count):
+                answer = await chat(client, gw.url, BATCH, f"learn-{i}", max_tokens=200)
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["usage"]["completion_tokens"] == 20
+
+    async with trio.open_nursery() as both:
+        both.start_soon(answers, learning, 31)
+        both.start_soon(answers, whole, 32)
+    assert await learning.metric("llmgw_flow_output_allowance_ratio", 'model="tiny"') == 1.0  # 31: not yet
+    await answers(learning, 1)
+    assert await learning.metric("llmgw_flow_output_allowance_ratio", 'model="tiny"') == 0.1
+    assert await learning.metric("llmgw_flow_output_allowance_answers_total", 'model="tiny"') == 32
+    assert await whole.metric("llmgw_flow_output_allowance_ratio", 'model="tiny"') == 1.0
+    assert await whole.metric("llmgw_flow_output_allowance_answers_total", 'model="tiny"') == 32

@@ -296,9 +296,7 @@ async def test_stop_kills_an_engine_that_ignores_sigterm(manager, recorder, tmp_
     await nursery.start(manager.run)
     manager.start(sim_shard(engine_bin=stubborn_engine(tmp_path)))
     loading = await recorder.wait_for("r1-0", State.LOADING)
-    with trio.fail_after(5):
-        while "stubborn engine up" not in (tmp_path / "logs" / "r1-0.log").read_text():
-            await trio.sleep(0.05)
+    await stubborn_engine_up(tmp_path)
     started = time.monotonic()
     stopped = await manager.stop("r1-0", grace=1.0)
     assert time.monotonic() - started >= 1.0
@@ -354,6 +352,7 @@ async def test_an_adopted_engine_that_ignores_sigterm_is_still_stopped(recorder,
         await agent.start(first_agent.run)
         first_agent.start(sim_shard(engine_bin=stubborn_engine(tmp_path)))
         loading = await recorder.wait_for("r1-0", State.LOADING)
+        await stubborn_engine_up(tmp_path)  # its SIGTERM handler installed: a loaded machine starts it slowly
         agent.cancel_scope.cancel()
 
     second_agent = ShardManager(default_registry(), state_dir=tmp_path, node_address="127.0.0.1",
@@ -457,6 +456,13 @@ async def test_a_supervisor_can_be_used_on_its_own(recorder, tmp_path, nursery):
     assert supervisor.report().pid == ready.pid and supervisor.settings.probe_interval == (0.1, 0.5)
     await supervisor.drain(timeout=5, grace=5)
     assert supervisor.state is State.STOPPED and supervisor.finished
+
+
+async def stubborn_engine_up(folder: Path) -> None:
+    """Until the engine of :func:`stubborn_engine` (shard ``r1-0``) says in its log that it ignores SIGTERM."""
+    with trio.fail_after(5):
+        while "stubborn engine up" not in (folder / "logs" / "r1-0.log").read_text():
+            await trio.sleep(0.05)
 
 
 def stubborn_engine(folder: Path) -> str:

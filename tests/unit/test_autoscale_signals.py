@@ -58,15 +58,53 @@ def test_models_no_longer_autoscaled_are_forgotten():
     assert source.signals("gone", 50.0).last_request_at == 50.0  # seen afresh
 
 
-def test_arrivals_are_the_requests_entering_this_gateways_queue_times_the_live_gateways():
+def test_arrivals_and_the_drain_rate_are_this_gateways_own_times_the_live_gateways():
     entered = {"tiny": 0}
-    source = GatewaySignals(router_with(), lambda model: (0, 0), entered=lambda model: entered[model],
+    replica = Replica("a", "tiny", "http://127.0.0.1:1", state=ReplicaState.UP)
+    source = GatewaySignals(router_with(replica), lambda model: (0, 0), entered=lambda model: entered[model],
                             gateways=lambda: 3)
     assert source.signals("tiny", now=0.0).arrivals_per_s == 0.0
-    entered["tiny"] = 4
-    assert source.signals("tiny", now=2.0).arrivals_per_s == 6.0  # 2/s here, one gateway in three
+    entered["tiny"] = replica.served = 4
+    signals = source.signals("tiny", now=2.0)
+    assert signals.arrivals_per_s == 6.0  # 2/s here, one gateway in three
+    # served the same way: a replica that keeps up with the arrivals drains as fast as they come, not a third
+    assert signals.served_per_s == 6.0 and signals.served_per_replica_s == 6.0
     entered["tiny"] = 1  # the queue forgot the model and counts afresh: no negative rate
     assert source.signals("tiny", now=4.0).arrivals_per_s >= 0
+
+
+def peer(entered: int = 0, within: int = 0, seen: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(entered=entered, ttft_within=within, ttft_seen=seen)
+
+
+def test_arrivals_sum_every_gateways_reported_counter_whatever_the_balancer_does():
+    """Issue 32: the leader's own gateway saw 1 in 10 of the arrivals (an uneven balancer); the others' reports
+    carry theirs. A peer's counter counts from its first report seen; one that fell (a restart) counts from 0; a
+    gateway whose reports carry none (the version before) is taken to see the reporting ones' mean."""
+    entered = {"tiny": 0}
+    peers = {"gw-b": peer(500), "gw-c": peer(1000)}
+    source = GatewaySignals(router_with(), lambda model: (0, 0), entered=lambda model: entered[model],
+                            gateways=lambda: 3, peer_figures=lambda model: peers)
+    assert source.signals("tiny", now=0.0).arrivals_per_s == 0.0  # what they counted before is not an arrival now
+    entered["tiny"] = 2
+    peers = {"gw-b": peer(508), "gw-c": peer(1010)}
+    assert source.signals("tiny", now=2.0).arrivals_per_s == 10.0  # (2 + 8 + 10) / 2 s, not 1/s times 3
+    peers = {"gw-b": peer(3), "gw-c": peer(1010)}  # gw-b restarted: 3 since
+    assert source.signals("tiny", now=4.0).arrivals_per_s == pytest.approx(0.3 * 1.5 + 0.7 * 10.0)
+    peers = {"gw-b": peer(13)}  # gw-c is gone, its arrivals stay counted; the third gateway now says nothing:
+    later = source.signals("tiny", now=6.0).arrivals_per_s  # 10 in 2 s from the two reporting, of 3 gateways
+    assert later == pytest.approx((0.3 * 5.0 + 0.7 * (0.3 * 1.5 + 0.7 * 10.0)) * 3 / 2)
+
+
+def test_ttft_attainment_is_the_clusters_share_within_the_slo():
+    first_tokens = FirstTokens(lambda: 0.0)
+    for ttft in (0.2, 3.0):  # this gateway: 1 in 2 within the SLO
+        first_tokens.observe("tiny", ttft)
+    peers = {"gw-b": peer(within=9, seen=10), "gw-c": peer(within=0, seen=0)}
+    source = GatewaySignals(router_with(), lambda model: (0, 0), first_tokens=first_tokens,
+                            slo_of=lambda model: 1.0, peer_figures=lambda model: peers)
+    assert source.signals("tiny", now=1.0).ttft_attainment == 10 / 12
+    assert first_tokens.counts("tiny", 1.0, 1.0) == (1, 2)  # what this gateway reports
 
 
 def test_a_rate_is_measured_over_at_least_min_span_once_it_has_shown():
@@ -125,3 +163,18 @@ def test_the_drain_rate_per_replica_is_over_ready_replica_seconds_so_a_replica_j
     assert signals.served_per_replica_s == pytest.approx(3.0)  # 6 over the first one's 2 s alone
     one.served, new.served = 18, 6
     assert source.signals("tiny", now=6.0).served_per_replica_s == pytest.approx(3.0)  # 12 over 2 replicas x 2 s
+
+
+def test_a_rising_arrival_rate_shows_within_a_span_and_a_falling_one_is_smoothed_slowly():
+    entered = {"tiny": 0}
+    source = GatewaySignals(router_with(), lambda model: (0, 0), entered=lambda model: entered[model])
+    source.signals("tiny", now=0.0)
+    for second in range(1, 4):  # 4/s for three spans
+        entered["tiny"] += 4
+        source.signals("tiny", now=float(second))
+    assert source.signals("tiny", now=3.0).arrivals_per_s == pytest.approx(4.0)
+    entered["tiny"] += 8  # the demand doubles: one span later most of the step shows
+    doubled = source.signals("tiny", now=4.0).arrivals_per_s
+    assert doubled == pytest.approx(0.7 * 8 + 0.3 * 4) and doubled > 1.5 * 4
+    entered["tiny"] += 2  # it falls back: the average comes down by a third of the way only
+    assert source.signals("tiny", now=5.0).arrivals_per_s == pytest.approx(0.3 * 2 + 0.7 * doubled)

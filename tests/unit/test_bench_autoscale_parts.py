@@ -41,6 +41,7 @@ from llmgw.bench.autoscale_traces import (
 from llmgw.bench.chaos_rig import H100, node_fixture
 from llmgw.bench.overload_workload import ERROR, INTERACTIVE, OK, SHED, Outcome
 from llmgw.config.loading import parse_config
+from llmgw.flow.model import DEFAULT_CLASSES
 
 
 def outcome(sent: float, ttft: float = 0.1, kind: str = OK) -> Outcome:
@@ -57,7 +58,7 @@ def sample(t: float, ready: int, starting: int = 0, model: str = MODEL_A) -> dic
 def test_the_traces_are_a_step_a_day_a_swap_and_an_idle_model():
     step = step_trace(600, base=1.8)
     assert step.demand(MODEL_A, 0) == 1.8 and step.demand(MODEL_A, 199) == 1.8 and step.demand(MODEL_A, 200) == 3.6
-    assert step.step_at == 200
+    assert step.step_at == 200 and step.min_replicas == 2  # the fleet is at the base's need when the step comes
     day = diurnal_trace(1200, low=0.5, high=3.5)
     assert day.demand(MODEL_A, 0) == pytest.approx(0.5) and day.demand(MODEL_A, 600) == pytest.approx(3.5)
     assert day.demand(MODEL_A, 300) == pytest.approx(2.0)
@@ -248,6 +249,13 @@ def test_the_autoscaled_arm_loads_with_its_windows_divided_or_says_this_llmgw_ca
     assert (settings.scale_up_after, settings.scale_down_after, settings.idle_to_zero) == (0.5, 30.0, 60.0)
     assert config.autoscale.interval == 0.1
     assert autoscale.config_extra(autoscale.FIXED_MAX, 10.0) == ""
+
+
+def test_at_a_smaller_compression_the_flow_classes_wait_as_long_in_fleet_seconds(tmp_path: Path):
+    text = fleet_config(tmp_path, EngineShape("h100-llama-3.1-8b", 2, 30.0, 2.5), {MODEL_A: "replicas: 1"},
+                        autoscale.config_extra(autoscale.FIXED_MAX, 2.0))
+    waits = {c.name: c.max_wait for c in parse_config(text, "fleet.yaml").flow.classes}
+    assert waits == {c.name: c.max_wait * 10 / 2 for c in DEFAULT_CLASSES}  # standard: 10 s at 10x, 50 s at 2x
 
 
 def test_the_nodes_are_recorded_h100s_with_uuids_of_their_own():

@@ -3,6 +3,8 @@ the Trio task count the soak samples, and the routing options it adds to every p
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import trio
 
@@ -18,7 +20,8 @@ from llmgw.bench.chaos import (
     result_from_dict,
     slopes,
 )
-from llmgw.bench.chaos_rig import process_config
+from llmgw.bench.chaos_rig import AUTO_MAX, AUTO_MIN, AUTO_MODEL, AUTO_PROFILE, process_config
+from llmgw.bench.chaos_scaler import ScalerLog, ScalerWindow
 from llmgw.bench.chaos_schedule import (
     SCHEDULE,
     median_and_range,
@@ -34,7 +37,7 @@ from llmgw.metrics import trio_task_count
 def test_the_schedule_runs_every_fault_of_the_issue_in_order_and_refuses_an_unknown_name():
     assert [f.name for f in parse_faults("all")] == [
         "redis-stop", "redis-restart", "leader-stop", "leader-kill", "forged-lease", "lease-delete", "partition",
-        "agent-kill", "engine-kill"]
+        "agent-kill", "engine-kill", "autoscaled-engine-kill"]
     assert parse_faults(None) == list(SCHEDULE)
     assert [f.name for f in parse_faults("engine-kill, redis-stop")] == ["engine-kill", "redis-stop"]
     with pytest.raises(ValueError, match="unknown fault.*nope"):
@@ -64,7 +67,8 @@ def result(run: int, failed: int, back: float | None, healed: str | None = None)
                        back_s=back)]
     return ChaosResult("leader-kill", "the leader kill -9", run, "A", 100, rows, back, 2.4, healed,
                        {"r0": 10, "r1": 11},
-                       {"r0": 10, "r1": 11}, [], [], ["A term 1", "B term 2"], 0.0)
+                       {"r0": 10, "r1": 11}, [], [], ["A term 1", "B term 2"], 0.0,
+                       asdict(ScalerWindow(before=1, after=1, lowest=1, highest=1, decisions=[])))
 
 
 def test_the_table_says_per_gateway_what_failed_apart_from_the_victims_own_and_how_long_until_routable():
@@ -73,6 +77,7 @@ def test_the_table_says_per_gateway_what_failed_apart_from_the_victims_own_and_h
     assert "A: 0 (+2 in flight inside it); F1: 7 http_503" in row
     assert "A 0.4 s, F1 3.0 s" in row and "2.5 s (A itself: 1.0 s)" in row
     assert "same pids" in row and "A term 1 -> B term 2 (after 2.4 s)" in row and "| A 0.0 s, F1 8.2 s |" in row
+    assert row.endswith("| 1 -> 1 |")
     healed = markdown([result(1, 7, None, healed="agent restarted")]).splitlines()[2]
     assert "not by itself (agent restarted)" in healed
 
@@ -80,7 +85,7 @@ def test_the_table_says_per_gateway_what_failed_apart_from_the_victims_own_and_h
 def test_repeats_add_medians_with_their_spread_and_the_json_round_trips():
     results = [result(1, 7, 2.5), result(2, 1, 1.5), result(3, 3, None, healed="agent restarted")]
     summary = markdown(results).splitlines()[-1]
-    assert "| 3 | 3 [1-7] | 2.0 s [1.5-2.5] | 2 of 3 |" in summary
+    assert "| 3 | 3 [1-7] | 2.0 s [1.5-2.5] | 2 of 3 | 0 of 3 |" in summary
     data = result_dict(results[0])
     assert data["failed_elsewhere"] == 7 and data["lost_inside"] == 2
     assert result_from_dict(data) == results[0]
@@ -107,10 +112,38 @@ def test_llmgw_bench_chaos_dispatches_to_its_module_and_bounds_its_options(capsy
 def test_the_soaks_routing_options_join_the_deployed_profiles_own(tmp_path):
     options = parser().parse_args(["--routing-options", "{tokenize_cache_tokens: 20000, tree_ttl: 60s}"])
     config = parse_config(process_config("redis://127.0.0.1:6379", tmp_path, 2, options.routing_options))
-    (profile,) = config.profiles
-    assert profile.routing_options == {"tokenize_timeout": "2s", "tokenize_cache_tokens": 20000, "tree_ttl": "60s"}
+    for profile in config.profiles:
+        assert profile.routing_options == {"tokenize_timeout": "2s", "tokenize_cache_tokens": 20000,
+                                           "tree_ttl": "60s"}
     assert process_config("redis://127.0.0.1:6379", tmp_path, 2) == \
         process_config("redis://127.0.0.1:6379", tmp_path, 2, parser().parse_args([]).routing_options)
+
+
+def test_the_rig_runs_an_autoscaled_deployment_beside_the_fixed_one_with_overload_control_on(tmp_path):
+    config = parse_config(process_config("redis://127.0.0.1:6379", tmp_path, 2))
+    assert config.flow.enabled
+    fixed, autoscaled = config.deployments
+    assert (fixed.profile, fixed.autoscaled) == ("tiny-sim", False)
+    assert (autoscaled.profile, autoscaled.autoscaled) == (AUTO_PROFILE, True)
+    assert autoscaled.bounds == (AUTO_MIN, AUTO_MAX)
+    assert {p.served_model_name for p in config.profiles} == {"tiny", AUTO_MODEL}
+
+
+def test_the_scaler_log_counts_each_decision_once_and_leaves_a_new_leaders_adoption_window_out():
+    log = ScalerLog()
+    up = {"at": 5.0, "kind": "up", "from": 1, "to": 2}
+    log.record("A", {"desired": 1, "started_from": 1, "decisions": [{"at": 1.0, "kind": "hold", "from": 1,
+                                                                     "to": 1}]}, at=10)
+    log.record("A", {"desired": 2, "started_from": 1, "decisions": [up]}, at=21)
+    log.record("A", {"desired": 2, "started_from": 1, "decisions": [up]}, at=22)
+    log.record("B", {"desired": 3, "started_from": None, "decisions": []}, at=23)  # B adopting: its max
+    log.record("B", {"desired": 2, "started_from": 2, "decisions": [{**up, "kind": "down", "from": 2, "to": 1,
+                                                                     "reason": "idle"}]}, at=24)
+    window = log.window(20, 30)
+    assert window == ScalerWindow(before=1, after=2, lowest=2, highest=2, decisions=["up 1->2", "down 2->1"],
+                                  reasons=["A: up 1->2: None", "B: down 2->1: idle"])
+    assert window.stepped
+    assert not log.window(0, 15).stepped and log.window(0, 15).decisions == []
 
 
 async def echo_server(nursery: trio.Nursery) -> int:

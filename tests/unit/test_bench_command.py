@@ -42,3 +42,14 @@ def test_llmgw_bench_proxy_dispatches_to_the_data_plane_benchmark(capsys):
     help_text = capsys.readouterr().out
     assert help_text.startswith("usage: llmgw bench proxy")
     assert all(flag in help_text for flag in ("--targets", "--baseline", "--vllm-router", "--repeat", "--json"))
+
+
+@pytest.mark.parametrize("name", sorted(BENCHES))
+def test_every_benchmarks_help_names_it_as_llmgw_bench_name(name, capsys):
+    program = sys.argv[0]
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", name, "--help"])
+    assert exit_.value.code == 0
+    usage = capsys.readouterr().out.split("\n", 1)[0]
+    assert usage.startswith(f"usage: llmgw bench {name} ") or usage == f"usage: llmgw bench {name}", usage
+    assert sys.argv[0] == program  # set for the benchmark's parser only

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from functools import partial
 
+import httpx
 import pytest
 import trio
 
 from llmgw.bench import overload
-from llmgw.bench.overload_arms import DEFAULT_ARMS, keys_config, queued, router_tuning
+from llmgw.bench.overload_arms import DEFAULT_ARMS, allowance, keys_config, queued, router_tuning, sample_kv
 from llmgw.bench.overload_report import level_stats, summary
 from llmgw.bench.overload_workload import (
     BATCH,
@@ -26,8 +28,11 @@ from llmgw.bench.overload_workload import (
     Tenant,
     kind_of,
     open_loop,
+    reason_of,
 )
 from llmgw.config.loading import parse_config
+from llmgw.flow.model import EXPIRED as EXPIRED_REASON, OVERFLOW, UNSERVABLE, PriorityClass, Shed
+from llmgw.gateway.flow_gate import shed_response
 
 
 def test_an_answer_is_ok_shed_expired_or_an_error():
@@ -39,6 +44,25 @@ def test_an_answer_is_ok_shed_expired_or_an_error():
     assert kind_of(503, "") == ERROR and kind_of(0, "") == ERROR
 
 
+def test_a_refusals_reason_is_read_from_llmgws_message():
+    for reason, expected in ((EXPIRED_REASON, "expired"), (OVERFLOW, "overflow"), (UNSERVABLE, "unservable")):
+        response = shed_response(Shed(reason, 2, 1.5, "detail"), "tiny", PriorityClass("interactive", 0, 2.0))
+        assert reason_of(429, response.body.decode()) == expected
+    assert reason_of(429, '{"error": {"message": "rate limit: rpm"}}') == "other"
+    assert reason_of(200, "") == ""
+
+
+def test_the_refusals_are_broken_down_by_reason_gateway_and_second_the_slow_ones_counted():
+    outcomes = [Outcome("a", INTERACTIVE, 0.2, SHED, 429, 0.0, 0.004, gateway=0, reason="unservable"),
+                Outcome("a", INTERACTIVE, 3.5, EXPIRED, 429, 0.0, 2.0, gateway=1, reason="expired"),
+                Outcome("a", INTERACTIVE, 3.9, EXPIRED, 429, 0.0, 1.2, gateway=1, reason="expired"),
+                Outcome("a", INTERACTIVE, 1.0, OK, 200, 0.1, 0.5, gateway=2)]
+    found = level_stats(Loop(outcomes, 1.0, elapsed=2.0), [], {INTERACTIVE: 0.5, BATCH: 30.0}, 2.0)["refusals"]
+    assert found["by_reason"]["unservable"] == {"count": 1, "p50_ms": 4.0, "p99_ms": 4.0}
+    assert found["by_reason"]["expired"]["count"] == 2 and set(found["by_gateway"]) == {"0", "1"}
+    assert found["slow"] == 2 and found["slow_by_reason"] == {"expired": 2} and found["slow_by_second"] == {"3": 2}
+
+
 def test_a_gateways_queue_is_the_sum_of_its_flow_queued_gauges_and_none_without_them():
     parsed = {'llmgw_flow_queued{model="tiny",class="interactive"}': 2.0,
               'llmgw_flow_queued{model="tiny",class="batch"}': 5.0,
@@ -46,6 +70,10 @@ def test_a_gateways_queue_is_the_sum_of_its_flow_queued_gauges_and_none_without_
               "llmgw_requests_total": 7.0}
     assert queued(parsed) == 7.0
     assert queued({"llmgw_requests_total": 7.0}) is None
+    assert allowance({'llmgw_flow_output_allowance_ratio{model="a"}': 0.5,
+                      'llmgw_flow_output_allowance_ratio{model="b"}': 1.0,
+                      'llmgw_flow_output_allowance_answers_total{model="a"}': 64.0}) == 0.75
+    assert allowance({"llmgw_requests_total": 7.0}) is None
 
 
 def test_batch_is_most_of_the_tokens_and_the_keys_carry_their_class():
@@ -102,9 +130,9 @@ def test_per_class_numbers_goodput_fairness_and_kv_while_a_queue_waits():
                 Outcome("interactive-b", INTERACTIVE, 0, SHED, 429, 0.0, 0.003, retry_after=True),
                 Outcome("batch", BATCH, 0, OK, 200, 2.0, 20.0, tokens=3000),
                 Outcome("batch", BATCH, 0, EXPIRED, 429, 0.0, 2.01, retry_after=False)]
-    kv = [{"kv": 0.9, "waiting": 0, "queued": 3.0, "preemptions": 4.0},
-          {"kv": 0.5, "waiting": 2, "queued": 1.0, "preemptions": None},  # an engine did not answer that time
-          {"kv": 0.1, "waiting": 0, "queued": 0.0, "preemptions": 9.0}]
+    kv = [{"kv": 0.9, "waiting": 0, "queued": 3.0, "preemptions": 4.0, "busy": 0.9},
+          {"kv": 0.5, "waiting": 2, "queued": 1.0, "preemptions": None, "busy": 1.0},  # an engine did not answer
+          {"kv": 0.1, "waiting": 0, "queued": 0.0, "preemptions": 9.0, "allowance": 0.6}]
     stats = level_stats(Loop(outcomes, 1.0, elapsed=2.0), kv, slo, capacity_rps=2.0)  # 1 s of arrivals, 2 s in all
     inter, batch = stats["classes"][INTERACTIVE], stats["classes"][BATCH]
     assert (inter["sent"], inter["completed"], inter["good"], inter["shed"], inter["expired"]) == (4, 3, 2, 1, 0)
@@ -116,6 +144,8 @@ def test_per_class_numbers_goodput_fairness_and_kv_while_a_queue_waits():
     assert stats["kv_gateway_queued"] == {"samples": 2, "mean": 0.7, "min": 0.5}
     assert stats["kv_engines_waiting"]["mean"] == 0.5
     assert stats["preemptions"] == 5.0  # the engines' counters rose from 4 to 9 during the run
+    assert stats["busy_gateway_queued"] == {"samples": 2, "mean": 0.95, "min": 0.9}
+    assert stats["output_allowance"] == 0.6  # the gateways' learnt share of max_tokens at the run's end
     medians = summary([stats, stats])
     assert medians["interactive_shed"] == {"median": 1.0, "min": 1.0, "max": 1.0}
     assert medians["kv_min_when_gateway_queued"]["median"] == 0.5
@@ -128,6 +158,11 @@ def test_the_command_line_reads_lists_and_quick_defaults_and_refuses_unknown_arm
     assert overload.parse(["--arms", "llmgw-flow,llmgw-flow-priority"]).arms == ["llmgw-flow", "llmgw-flow-priority"]
     quick = overload.parse(["--quick"])
     assert (quick.replicas, quick.gateways, quick.loads, quick.repeats) == (2, [1], [0.5, 2.0], 1)
+    assert (quick.natural_output, quick.output_quantile) == (None, None)  # answers of max_tokens, the default room
+    natural = overload.parse(["--natural-output", "16:256", "--output-quantile", "off"])
+    assert (natural.natural_output, natural.output_quantile) == ("16:256", "off")
+    with pytest.raises(SystemExit):
+        overload.parse(["--output-quantile", "high"])
     with pytest.raises(SystemExit):
         overload.parse(["--arms", "llmgw-flow,nginx"])
     assert "unknown arms: nginx" in capsys.readouterr().err
@@ -138,3 +173,23 @@ def test_the_tenants_of_a_class_take_turns_and_the_classes_keep_their_shares():
     drawn = Counter(pick().name for _ in range(10_000))
     assert abs(drawn["interactive-a"] - drawn["interactive-b"]) <= 1
     assert 0.28 < drawn["batch"] / 10_000 < 0.32
+
+
+def test_an_engine_full_of_sequences_counts_as_busy_however_little_of_its_cache_it_holds():
+    metrics = {"http://e1": "vllm:kv_cache_usage_perc 0.4\nvllm:num_requests_running 8\nvllm:num_requests_waiting 3\n",
+               "http://e2": "vllm:kv_cache_usage_perc 0.7\nvllm:num_requests_running 2\nvllm:num_requests_waiting 0\n"}
+
+    async def main() -> list[dict]:
+        samples: list[dict] = []
+        transport = httpx.MockTransport(
+            lambda request: httpx.Response(200, text=metrics[str(request.url).rsplit("/", 1)[0]]))
+        async with httpx.AsyncClient(transport=transport) as http, trio.open_nursery() as nursery:
+            nursery.start_soon(partial(sample_kv, seats=8), http, ["http://e1", "http://e2"], [], samples)
+            while not samples:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        return samples
+
+    sample = trio.run(main)[0]
+    assert sample["kv"] == 0.55 and sample["waiting"] == 3
+    assert sample["busy"] == (1.0 + 0.7) / 2  # e1: 8 of 8 seats; e2: its cache's 70%

@@ -22,6 +22,7 @@ from llmgw.config import (
 )
 from llmgw.config.fields import issue_at
 from llmgw.flow.model import FlowSettings
+from llmgw.router.output_allowance import DEFAULT_QUANTILE
 
 REPO = Path(__file__).resolve().parents[2]
 LLMGW = Path(sys.executable).parent / "llmgw"
@@ -286,6 +287,7 @@ ERROR_CASES = {
                                 "flow.retry_after_max", "must be at least retry_after_min"),
     "flow kv target": ("flow:\n  kv_high: 0.9\n  kv_target: 0.95\n", 3, "flow.kv_target", "must be below kv_high"),
     "flow kv high": ("flow:\n  kv_high: 0.7\n", 2, "flow.kv_high", "must be above kv_target"),
+    "flow output quantile": ("flow:\n  output_quantile: 1.5\n", 2, "flow.output_quantile", "must be at most 1"),
     "flow priority header": ("flow:\n  priority_header: 'x prio'\n", 2, "flow.priority_header",
                              "an HTTP header name"),
     "rpm below one": ("api_keys:\n  - key: k\n    limits: {rpm: 0}\n", 3, "api_keys[0].limits.rpm",
@@ -749,3 +751,26 @@ def test_the_flow_section_maps_to_flow_settings():
     assert (settings.default_class, settings.priority_header, settings.max_queued, settings.retry_after_max) == \
         ("bulk", "x-priority", 50, 30)
     assert parse_config("", "conf.yaml", env={}).flow.settings() == FlowSettings()  # the defaults are model.py's
+
+
+def test_sleep_mode_is_a_boolean_named_by_file_line_and_key():
+    issue = only_error(
+        """\
+        agents: {embedded: true}
+        profiles:
+          - name: p
+            engine: vllm
+            model_path: m
+            sleep_mode: sometimes
+        deployments:
+          - profile: p
+        """
+    )
+    assert (issue.file, issue.line, issue.key) == ("conf.yaml", 6, "profiles[0].sleep_mode"), str(issue)
+
+
+def test_the_output_quantile_defaults_to_the_allowances_own_and_learning_may_be_turned_off():
+    assert parse_config("", "conf.yaml", env={}).flow.output_quantile == DEFAULT_QUANTILE
+    assert parse_config("", "conf.yaml", env={}).flow.reserved_output_quantile() == DEFAULT_QUANTILE
+    assert parse_config("flow:\n  learn_output: false\n", "conf.yaml", env={}).flow.reserved_output_quantile() is None
+    assert parse_config("flow:\n  output_quantile: 0.5\n", "conf.yaml", env={}).flow.output_quantile == 0.5

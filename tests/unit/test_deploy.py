@@ -1,9 +1,10 @@
 """The ways to deploy (``Containerfile``, ``deploy/systemd``, ``deploy/kubernetes``) hold the rules docs/deploy.md
 promises, and each passes its own tool: hadolint, ``systemd-analyze verify``, the Kubernetes schema.
 
-No image is built here (this machine reaches no container registry for a base image): the Containerfile is
-linted and read. Every command line the files give llmgw is parsed by that command's own parser, and the
-Kubernetes config is checked as ``llmgw config check`` would, with the Secret's keys as its environment.
+No image is built here (it takes 15-30 minutes: ``deploy/check-image.sh`` builds and runs it by hand, and its
+steps and arguments are checked here): the Containerfile is linted and read. Every command line the files give
+llmgw is parsed by that command's own parser, and the Kubernetes config is checked as ``llmgw config check``
+would, with the Secret's keys as its environment.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from llmgw.config.loading import parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONTAINERFILE = REPO / "Containerfile"
+CHECK_IMAGE = REPO / "deploy" / "check-image.sh"
+BUILD_REQUIREMENTS = REPO / "deploy" / "build-requirements.py"
 SYSTEMD = REPO / "deploy" / "systemd"
 KUBERNETES = REPO / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.30"  # the oldest release still supported upstream when this was written
@@ -134,6 +137,52 @@ def test_hadolint_finds_nothing():
     result = subprocess.run([hadolint, "--no-color", str(CONTAINERFILE)], capture_output=True, text=True,
                             timeout=30)
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+
+
+def test_the_build_stage_installs_what_mypyc_checks_against():
+    """mypyc type-checks the hot modules against llmgw's dependencies and the stubs ./dev lint uses: without them
+    the compiled build stops at ``import-not-found`` (found by building the image for real). The build stage and
+    cibuildwheel install deploy/build-requirements.py's list, which is pyproject.toml's."""
+    listed = subprocess.run([sys.executable, str(BUILD_REQUIREMENTS)], capture_output=True, text=True, timeout=30,
+                            check=True).stdout.split()
+    pyproject = __import__("tomllib").loads((REPO / "pyproject.toml").read_text())
+    assert set(pyproject["project"]["dependencies"]) | set(pyproject["build-system"]["requires"]) <= set(listed)
+    assert "types-PyYAML" in listed and not any(pin.startswith("mypy") for pin in listed), listed
+    installs = "python deploy/build-requirements.py | /opt/build-tools/bin/pip install -r /dev/stdin"
+    assert installs in CONTAINERFILE.read_text()
+    before_build = pyproject["tool"]["cibuildwheel"]["before-build"]
+    assert "deploy/build-requirements.py | pip install -r /dev/stdin" in before_build
+
+
+# -- the image, built and run here (deploy/check-image.sh: a manual and release check) -------------------------------
+
+
+def check_image(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(CHECK_IMAGE), *args], capture_output=True, text=True, timeout=30)
+
+
+def test_the_image_check_builds_the_real_containerfile_on_a_base_made_from_debian():
+    steps = [line[2:] for line in check_image("--dry-run", "--port", "19000").stderr.splitlines()
+             if line.startswith("+ ")]
+    (debootstrap,) = [step.split() for step in steps if step.startswith("debootstrap ")]
+    packages = next(arg for arg in debootstrap if arg.startswith("--include=")).split("=", 1)[1].split(",")
+    # python:3.12-slim-bookworm's equivalent: a `python` (the Containerfile calls it), venv, the C headers mypyc
+    # compiles against, and the certificates pip reaches PyPI with
+    assert {"python3", "python3-venv", "python3-dev", "python-is-python3", "ca-certificates"} <= set(packages)
+    assert "--variant=minbase" in debootstrap and "bookworm" in debootstrap
+    (imported,) = [step for step in steps if "podman import" in step]
+    (build,) = [shlex.split(step) for step in steps if step.startswith("buildah bud ")]
+    base = imported.split()[-1]
+    assert build[-3:] == ["-f", str(CONTAINERFILE), str(REPO)], "the repository's Containerfile, as it is"
+    assert f"PYTHON_IMAGE={base}" in build and "--isolation" in build
+    (serve,) = [step for step in steps if step.startswith("buildah run ")]
+    assert serve.endswith("llmgw serve --listen 127.0.0.1:19000 --control-listen 127.0.0.1:19001 --stop-engines")
+
+
+@pytest.mark.parametrize("args", [["--bogus"], ["--port", "80"], ["--port", "65535"], ["--port", "x"], ["--work"]])
+def test_the_image_check_refuses_a_wrong_argument(args):
+    refused = check_image(*args)
+    assert refused.returncode == 2 and "check-image: " in refused.stderr, refused
 
 
 # -- systemd --------------------------------------------------------------------------------------------------------

@@ -104,6 +104,16 @@ def test_vllm_lora_adapters(vllm_bin):
     assert argv[i + 1:i + 3] == ["sql=/loras/sql", "chat=/loras/chat"]
 
 
+def test_sleep_mode_adds_vllms_flag_and_the_environment_its_routes_need(vllm_bin):
+    for engine in (VllmEngine(), SimEngine()):
+        spec = shard(engine.name, engine_bin=vllm_bin if engine.name == "vllm" else None,
+                     profile={"sleep_mode": True})
+        launch = engine.command(spec, CTX)
+        assert launch.argv.count("--enable-sleep-mode") == 1 and launch.env["VLLM_SERVER_DEV_MODE"] == "1"
+        plain = engine.command(shard(engine.name, engine_bin=spec.profile.engine_bin), CTX)
+        assert "--enable-sleep-mode" not in plain.argv and "VLLM_SERVER_DEV_MODE" not in plain.env
+
+
 def test_the_api_key_goes_in_the_environment_never_on_the_command_line(vllm_bin):
     """``/proc/PID/cmdline`` is world-readable; vLLM reads ``VLLM_API_KEY`` when there is no ``--api-key``."""
     for engine in (VllmEngine(), SimEngine()):

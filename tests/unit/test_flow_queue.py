@@ -407,6 +407,14 @@ async def measure_drain(h: Harness, rate_tokens: int = 1000, priority: PriorityC
     assert not h.queue.queued(MODEL)
 
 
+async def wait_behind(h: Harness, n: int, priority: PriorityClass = STANDARD) -> None:
+    """The room held by a long stream, and ``n`` patient requests of 100 tokens (flow ``ahead``) waiting."""
+    await occupy(h, 1, hold=100)
+    for _ in range(n):
+        h.start(request(priority, flow="ahead", cost=100, wait=100))
+    await trio.testing.wait_all_tasks_blocked()
+
+
 async def test_a_waiter_is_shed_expired_at_its_deadline(autojump_clock):
     async with harness(capacity=1) as h:
         await occupy(h, 1, hold=100)
@@ -423,10 +431,7 @@ async def test_a_request_the_queue_cannot_serve_before_its_deadline_is_shed_at_o
         await measure_drain(h)
         rate = h.queue.snapshot()[MODEL]["drain_rate"]
         assert rate == pytest.approx(1000, rel=0.1)
-        await occupy(h, 1, hold=100)
-        for _ in range(30):  # 3,000 tokens ahead: about 3 s at 1,000 tokens/s
-            h.start(request(STANDARD, flow="ahead", cost=100, wait=100))
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_behind(h, 30)  # 3,000 tokens ahead: about 3 s at 1,000 tokens/s
         started = trio.current_time()
         outcome = await h.queue.enter(request(STANDARD, flow="ahead", cost=100, wait=1.0))
         assert isinstance(outcome, Shed) and outcome.reason == UNSERVABLE
@@ -441,17 +446,58 @@ async def test_a_request_the_queue_cannot_serve_before_its_deadline_is_shed_at_o
         assert id(patient) not in h.outcomes and id(other) not in h.outcomes
 
 
-async def test_with_no_drain_measured_a_request_is_never_shed_before_its_deadline(autojump_clock):
+@pytest.mark.parametrize("peers", [False, True])
+async def test_with_no_drain_measured_a_request_is_never_shed_before_its_deadline(autojump_clock, peers):
     async with harness(capacity=1) as h:
-        await occupy(h, 1, hold=100)
-        for _ in range(30):
-            h.start(request(STANDARD, flow="ahead", cost=100, wait=100))
-        await trio.testing.wait_all_tasks_blocked()
+        if peers:  # the other gateways measured another band: that says nothing of this one
+            h.queue.peers = FakePeers({BATCH.rank: [1500]}, [30])
+        await wait_behind(h, 30)
         started = trio.current_time()
         outcome = await h.queue.enter(request(STANDARD, flow="late", cost=100, wait=1.0))
         assert isinstance(outcome, Shed) and outcome.reason == EXPIRED
         assert trio.current_time() - started == pytest.approx(1.0)
         assert outcome.retry_after == FlowSettings().retry_after_min  # no rate: no guess either
+
+
+class FakePeers:
+    """The other gateways' reports as the queue reads them: per band the rates they trust, the requests they hold."""
+
+    def __init__(self, rates: dict[int, list[int]], held: list[int]):
+        self._rates, self._held = rates, held
+
+    def rates(self, model: str, rank: int) -> list[int]:
+        return self._rates.get(rank, [])
+
+    def held(self, model: str) -> list[int]:
+        return self._held
+
+
+async def test_a_gateway_without_its_own_rate_sheds_at_once_on_its_share_of_the_peers_rates(autojump_clock):
+    """Issue 31 through 3 gateways: this one has measured nothing, the two others trust 1,500 tokens/s for the
+    band and hold 90 requests to this one's 30: the cluster drains 4,500 tokens/s, this gateway's share a quarter."""
+    async with harness(capacity=1) as h:
+        h.queue.peers = FakePeers({STANDARD.rank: [1500, 1500], BATCH.rank: [99_999]}, [45, 45])
+        await wait_behind(h, 30)  # 3,000 tokens ahead: about 2.7 s at 1,125 tokens/s
+        started = trio.current_time()
+        outcome = await h.queue.enter(request(STANDARD, flow="ahead", cost=100, wait=1.0))
+        assert isinstance(outcome, Shed) and outcome.reason == UNSERVABLE
+        assert trio.current_time() == started
+        assert outcome.retry_after == 3  # ceil(3,000 / 1,125)
+        # What this gateway tells the others is its own rate alone: none measured yet.
+        assert h.queue.trusted_drains(MODEL) == ()
+
+
+async def test_a_gateways_own_trusted_rate_is_what_it_publishes_and_predicts_with(autojump_clock):
+    async with harness(capacity=1) as h:
+        h.queue.peers = FakePeers({INTERACTIVE.rank: [1_000_000]}, [1])  # a peer far quicker: not used once it has
+        # its own
+        await measure_drain(h)
+        [(rank, rate)] = h.queue.trusted_drains(MODEL)
+        assert rank == INTERACTIVE.rank and rate == pytest.approx(1000, rel=0.1)
+        await wait_behind(h, 10, INTERACTIVE)  # 1,000 tokens ahead: about 1 s at its own rate (a millisecond at the
+        # peer's)
+        shed = await h.queue.enter(request(INTERACTIVE, flow="ahead", cost=100, wait=0.5))
+        assert isinstance(shed, Shed) and shed.reason == UNSERVABLE and shed.retry_after == 2
 
 
 async def test_retry_after_is_the_queue_ahead_over_the_drain_rate_within_its_bounds(autojump_clock):
@@ -798,10 +844,7 @@ async def test_an_early_shed_is_judged_wrong_when_its_band_empties_in_time_and_r
 
         h.room.capacity = 1
         await trio.sleep(2)  # the band's requests (1 s each) ended
-        await occupy(h, 1, hold=100)
-        for _ in range(30):
-            h.start(request(STANDARD, flow="ahead", cost=100, wait=100))
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_behind(h, 30)
         shed = await h.queue.enter(request(STANDARD, flow="ahead", cost=100, wait=1.0))
         assert isinstance(shed, Shed) and shed.reason == UNSERVABLE
         await trio.sleep(1.5)  # nothing moved: it would have expired
@@ -868,6 +911,25 @@ async def test_a_band_not_yet_measured_is_predicted_at_the_models_requests_per_s
         assert isinstance(outcome, Admitted)
         assert all(isinstance(h.outcomes[id(r)], Admitted) for r in ahead)
 
+
+
+async def test_a_request_arriving_in_a_long_stall_is_shed_at_once_not_at_its_deadline(autojump_clock):
+    """The room is held by a long stream: the drain rate (1,000 tokens/s, an average over dispatches) predicts the
+    100 tokens ahead gone in 0.15 s, but nothing has gone for 1.9 s: an interactive arrival with 2 s is told at
+    once (a stall that lasted 1.9 s is expected to last about as long again), not after waiting 2 s."""
+    async with harness(capacity=1) as h:
+        await measure_drain(h)
+        await occupy(h, 1, hold=100)
+        h.start(request(INTERACTIVE, flow="ahead", cost=100, wait=100))
+        await trio.sleep(0.5)
+        early = h.start(request(INTERACTIVE, flow="early", cost=100, wait=2.0))
+        await trio.testing.wait_all_tasks_blocked()
+        assert id(early) not in h.outcomes  # 0.5 s of stall: it may still be served in time, so it waits
+        await trio.sleep(1.4)
+        started = trio.current_time()
+        outcome = await h.queue.enter(request(INTERACTIVE, flow="late", cost=100, wait=2.0))
+        assert isinstance(outcome, Shed) and outcome.reason == UNSERVABLE and trio.current_time() == started
+        assert outcome.retry_after == 2  # the stall so far, 1.9 s, rounded up
 
 
 async def test_a_look_at_the_waiters_costs_a_bounded_time_newest_first(autojump_clock, monkeypatch):

@@ -20,6 +20,7 @@ from llmgw.metrics import Metrics
 from llmgw.plugins_manager import build_registry, make_plugin_manager
 from llmgw.router import load_scraper
 from llmgw.router.load_scraper import schedule
+from llmgw.router.output_allowance import BLOCK, BLOCKS, MIN_BLOCKS
 from llmgw.router.replica import Replica, ReplicaState
 from llmgw.router.router import EngineMetricsDemand, Router
 from llmgw.router.tier import Decision, RouteRequest
@@ -131,10 +132,12 @@ def test_broken_gauges_neither_crash_nor_reach_past_the_bounds():
 
 
 class Peers:
-    """The cluster's load sharing as the room sees it: the other gateways' requests held per model."""
+    """The cluster's load sharing as the room sees it: the other gateways' requests held per model, and the output
+    allowance they have in flight (None: one of them does not report it)."""
 
     def __init__(self) -> None:
         self.held: dict[str, list[int]] = {}
+        self.output: dict[str, int] = {}
         self.source = None
         self.max_queued = 0
         self.listeners: list = []
@@ -144,6 +147,9 @@ class Peers:
 
     def peer_queued(self, model):
         return self.held.get(model, [])
+
+    def peer_output(self, model):
+        return self.output.get(model)
 
     def watch(self, listener):
         self.listeners.append(listener)
@@ -530,6 +536,59 @@ def test_of_the_request_asking_only_the_prompt_is_scaled_its_output_allowance_co
     assert room.fits("m", BATCH, left, output=10**9) and not room.fits("m", BATCH, left + 1, output=10**9)
 
 
+def answer(router, replica, max_tokens, completion, times):
+    """``times`` answers on ``replica`` that held ``completion`` of their ``max_tokens``: what the output allowance
+    learns from."""
+    for _ in range(times):
+        request, decision = route(router, replica, prompt_words=10, max_tokens=max_tokens)
+        router.finished(request, decision, {"prompt_tokens": decision.inflight_tokens,
+                                            "completion_tokens": completion})
+
+
+def test_the_output_reserved_is_what_the_models_answers_were_learnt_to_hold():
+    router, room, _, _ = make_room(replicas=("a",))
+    tell_kv(router, "a")  # batch may hold 6,963 of 8,192
+    allowance = router.models["m"].output_allowance
+    answer(router, "a", max_tokens=1000, completion=1000, times=BLOCK * MIN_BLOCKS - 1)
+    route(router, "a", prompt_words=10, max_tokens=1000)
+    assert held(router, room, "a") == router.replicas.get("a").local_inflight_tokens + 1000  # not learnt yet
+    answer(router, "a", max_tokens=1000, completion=250, times=BLOCKS * BLOCK)  # answers now hold a quarter
+    assert allowance.fraction == 0.25
+    request, decision = route(router, "a", prompt_words=10, max_tokens=1000)
+    assert decision.output_tokens == 250  # in flight: a quarter of its cap
+    router.finished(request, decision, None)  # no usage (a stream cut short): nothing learnt, its tokens go
+    assert allowance.answers == (BLOCK * MIN_BLOCKS - 1) + BLOCKS * BLOCK
+    # The request asking reserves the same: 2,000 of output allowance holds 500 of the cache.
+    prompt = held(router, room, "a")
+    assert room.fits("m", BATCH, 6963 - prompt - 500 + 2000, output=2000)
+    assert not room.fits("m", BATCH, 6963 - prompt - 500 + 2001, output=2000)
+    # A request without max_tokens reserves the default whole (nothing bounds its answer), and teaches nothing.
+    request = RouteRequest("m", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    decision = Decision(router.replicas.get("a"))
+    router.routed(request, decision)
+    assert decision.output_tokens == 256
+    router.finished(request, decision, {"prompt_tokens": 3, "completion_tokens": 5000})
+    assert allowance.fraction == 0.25
+
+
+def test_an_allowance_learnt_too_low_is_caught_by_the_engines_kv_usage_cutting_the_capacity():
+    """Answers learnt to hold a tenth of their max_tokens run to their caps: the tokens the room counts let more in
+    than the cache holds, and the engine's KV usage at kv_high cuts the replica's capacity to what it runs."""
+    router, room, _, _ = make_room(replicas=("a",))
+    a = router.replicas.get("a")
+    answer(router, "a", max_tokens=1000, completion=100, times=BLOCKS * BLOCK)  # answers held a tenth
+    for _ in range(8):
+        route(router, "a", prompt_words=10, max_tokens=1000)
+        a.local_inflight += 1
+    a.engine_load = EngineLoad(running=8, waiting=0, at=1, kv_usage=0.8, num_blocks=512, block_size=16)
+    assert held(router, room, "a") < 0.2 * 8192  # the room's estimate: 8 x (the prompt + 100)
+    assert room.free("m", INTERACTIVE) == UNBOUNDED
+    a.engine_load = EngineLoad(running=8, waiting=0, at=2, kv_usage=0.95, num_blocks=512, block_size=16)
+    room.scraped(a)  # the answers grew: the engine's cache is nearly full
+    assert room.capacity(a) == math.floor(8 * RULE.kv_target / 0.95)
+    assert room.free("m", INTERACTIVE) == 0
+
+
 # -- seats: the sequences an engine runs at once ----------------------------------------------------------------------
 
 
@@ -644,6 +703,9 @@ def test_the_kv_tokens_are_split_among_the_gateways_holding_requests_as_the_requ
     b.peer_inflight, b.peer_inflight_tokens = 2, 3000  # another gateway's, output at our mean: 1,500 each
     assert held(router, room, "b") == 3000 + 2 * 256  # alone, the default; the room's own count takes our mean
     assert room.fits("m", INTERACTIVE, 4384) and not room.fits("m", INTERACTIVE, 4385)  # 6,000 held on each
+    peers.output["m"] = 200  # once their reports carry their output in flight: 100 each, so 3,200 held on b
+    assert room.fits("m", INTERACTIVE, 2192 + 4992) and not room.fits("m", INTERACTIVE, 2192 + 4993)
+    del peers.output["m"]  # a gateway of the version before among them: our mean again
     b.peer_inflight = b.peer_inflight_tokens = 0  # b empty: 8,192 free there
     assert room.fits("m", INTERACTIVE, 8192)
     peers.held["m"] = [10]
@@ -657,3 +719,4 @@ def test_the_kv_tokens_are_split_among_the_gateways_holding_requests_as_the_requ
     assert room.fits("m", INTERACTIVE, 8192)  # none of its own in flight: one request, whatever the quota
     peers.held["m"] = [10_000_000]  # a forged count is taken at max_queued: still one request
     assert room.fits("m", INTERACTIVE, 8192)
+

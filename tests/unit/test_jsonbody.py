@@ -56,6 +56,15 @@ def test_what_is_not_json_is_a_400(body):
     assert (exc.value.status, exc.value.code) == (400, "invalid_json")
 
 
+
+def test_a_byte_order_mark_left_after_decoding_is_a_400_that_says_so():
+    # Two UTF-8 BOMs: decoding as utf-8-sig takes one, json.loads refuses a str that still starts with one.
+    with pytest.raises(BodyError) as exc:
+        parse_json_body(b"\xef\xbb\xbf\xef\xbb\xbf{}")
+    assert (exc.value.status, exc.value.code) == (400, "invalid_json")
+    assert "BOM" in str(exc.value)
+    assert parse_json_body(b"\xef\xbb\xbf{}") == {}  # one BOM is decoded away, as json.loads(bytes) does
+
 json_ish = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=5), children, max_size=4),

@@ -4,18 +4,13 @@ forged onto a report an honest gateway signed."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from llmgw.cluster import records
 from llmgw.cluster.load import LoadSharing
-from llmgw.cluster.metrics import ClusterMetrics
 from llmgw.cluster.records import RecordError
-from llmgw.router.model import TierModel
-from llmgw.router.replica import Replica
-from llmgw.router.replicas import STATIC, ReplicaSet
+from llmgw.testing.load_reports import CapturedLink, load_sharing, report_of
 
 LIMITS = records.LoadLimits(frozenset({"r1"}), 2.0, 10_000)
 
@@ -57,35 +52,14 @@ def test_any_held_requests_field_decodes_bounded_or_is_a_record_error(q):
     assert set(held) <= {"m", ""} and all(0 <= n <= 100 for n in held.values())
 
 
-def make_sharing(secret: bytes | None = None, origin: str = "gw-a") -> LoadSharing:
-    replicas = ReplicaSet()
-    replicas.declare_model(STATIC, TierModel("m"))
-    replicas.add(Replica(name="r1", model="m", url="http://127.0.0.1:9000"))
-    return LoadSharing(None, records.Keys("c"), SimpleNamespace(load_ttl=2.0, load_interval=0.05), replicas,
-                       ClusterMetrics(None, "gateway", "c", origin), origin, records.Signer(secret), 10_000)
-
-
-class Captured:
-    """A Redis link that keeps what is written to the load stream."""
-
-    def __init__(self) -> None:
-        self.sent: list[dict[bytes, bytes]] = []
-
-    async def add_to_stream(self, operation, key, fields, length):
-        self.sent.append(fields)
-
-
 async def sent_by(sharing: LoadSharing, queued: dict[str, int]) -> dict[str, bytes]:
-    link = Captured()
-    sharing.link = link
     sharing.count_queued(lambda: queued, 10_000)
-    await sharing._send(sharing.own_load(), sharing.own_queued())
-    return {name.decode(): value for name, value in link.sent[0].items()}
+    return await report_of(sharing)
 
 
 @pytest.mark.parametrize("secret", [None, b"k" * 32])
 async def test_a_peers_held_requests_reach_this_gateway_and_wake_it(secret):
-    sender, reader = make_sharing(secret, "gw-b"), make_sharing(secret)
+    sender, reader = load_sharing(secret, "gw-b"), load_sharing(secret)
     woken = []
     reader.watch(lambda: woken.append(1))
     reader.count_queued(lambda: {}, 50)
@@ -98,7 +72,7 @@ async def test_a_peers_held_requests_reach_this_gateway_and_wake_it(secret):
 
 
 async def test_held_requests_forged_onto_a_signed_report_are_refused():
-    sender, reader = make_sharing(b"k" * 32, "gw-b"), make_sharing(b"k" * 32)
+    sender, reader = load_sharing(b"k" * 32, "gw-b"), load_sharing(b"k" * 32)
     fields = await sent_by(sender, {})
     fields["q"] = records.encode_load_queued({"m": 10_000})
     reader.take_reports([fields])
@@ -110,18 +84,19 @@ async def test_held_requests_forged_onto_a_signed_report_are_refused():
     assert reader.peer_queued("m") == []
 
 
-async def test_a_failing_count_of_held_requests_still_lets_the_load_report_go(caplog):
-    sharing = make_sharing()
+async def test_a_failing_count_of_held_requests_or_of_figures_still_lets_the_load_report_go(caplog):
+    sharing = load_sharing()
     sharing.replicas.get("r1").local_inflight = 2
 
-    def broken() -> dict[str, int]:
+    def broken() -> dict:
         raise RuntimeError("the queue's count broke")
 
-    link = Captured()
+    link = CapturedLink()
     sharing.link = link
     sharing.count_queued(broken, 10_000)
+    sharing.report_figures(broken)  # the figures per model (f, tests/unit/test_load_figures.py) likewise
     for _ in range(2):
-        await sharing._send(sharing.own_load(), sharing.own_queued())
-    assert len(link.sent) == 2 and b"q" not in link.sent[0]
+        await sharing._send(sharing.own_load(), sharing.own_queued(), sharing.own_figures())
+    assert len(link.sent) == 2 and b"q" not in link.sent[0] and b"f" not in link.sent[0]
     assert records.decode_load_report({k.decode(): v for k, v in link.sent[0].items()}, LIMITS)[2]["r1"][0] == 2
-    assert sum("could not be counted" in r.message for r in caplog.records) == 1
+    assert sum("could not be counted" in r.message for r in caplog.records) == 2  # once for each source

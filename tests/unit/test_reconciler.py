@@ -25,7 +25,7 @@ NODES = Path(__file__).resolve().parents[1] / "fixtures" / "nodes"
 WALL_MS = 1_000_000
 
 
-def config(replicas: int = 2, *, nodes: int = 1, args: str = "[]", extra_profile: str = ""):
+def config(replicas: int = 2, *, nodes: int = 1, args: str = "[]", extra_profile: str = "", extra_deployment: str = ""):
     tp = 2 if nodes == 2 else 1
     return parse_config(f"""
 agents: {{token: t}}
@@ -42,7 +42,7 @@ profiles:
 deployments:
   - profile: sim
     replicas: {replicas}
-""")
+{extra_deployment}""")
 
 
 def node(node_id: str, fixture: str | None = "tiny-2gpu-a", *, shards=(), serial: int = 1,
@@ -301,3 +301,94 @@ def test_the_start_message_tells_the_agent_how_the_router_keys_kv_blocks():
                      for options in ("", "    routing_options: {key_function: vllm}\n"))
     assert "kv_key_mode" not in canonical_profile(stock) and canonical_profile(engine)["kv_key_mode"] == "engine"
     assert profile_fingerprint(stock) != profile_fingerprint(engine)
+
+
+BIG = """    sleep_mode: true
+  - name: big
+    engine: sim
+    model_path: big
+    tp: 2"""  # another model, on two GPUs of one node: none placed until asked for (below)
+BIG_DEPLOYMENT = """  - profile: big
+    replicas: 0"""
+
+
+def _scaled_to(cfg, count: int, big: int = 0):
+    return desired_replicas(cfg, profile_fingerprint, counts={"sim": count, "big": big})
+
+
+def _parked_after_scale_down(sleep_mode: bool):
+    """Two replicas running, one scaled down with keep_warm and released by the router: the plan that parks it."""
+    cfg = config(extra_profile=BIG if sleep_mode else "", extra_deployment=BIG_DEPLOYMENT if sleep_mode else "")
+    nodes = nodes_of(node("a"), node("b", "tiny-2gpu-b"))
+    reconciler, _, _ = run_cluster(cfg, nodes)
+    reconciler.keep_warm = lambda assignment: 60.0
+    assert [a.kind for a in reconciler.plan(_scaled_to(cfg, 1), nodes, now=1.0, wall_ms=WALL_MS)] == ["retire"]
+    retired = next(a for a in reconciler.assignments.values() if a.retiring)
+    assert reconciler.release(retired.key)
+    return cfg, nodes, reconciler, retired, reconciler.plan(_scaled_to(cfg, 1), nodes, now=1.0, wall_ms=WALL_MS)
+
+
+def test_a_scaled_down_sleep_mode_replica_is_put_to_sleep_then_woken_by_the_next_step_up():
+    cfg, nodes, reconciler, retired, actions = _parked_after_scale_down(sleep_mode=True)
+    leader = retired.leader
+    assert [(a.kind, a.node_id, a.message.shard_id) for a in actions] == [("sleep", leader.node_id, leader.shard_id)]
+    assert actions[0].message.level == 1 and "sleep_mode" in actions[0].reason
+    assert reconciler.parked == {leader.shard_id: 61.0} and retired.key not in reconciler.assignments
+    report = nodes[leader.node_id].shards[leader.shard_id]
+    assert reconciler.plan(_scaled_to(cfg, 1), nodes, now=2.0, wall_ms=WALL_MS) == []  # asked once
+    report.state = wire.ShardState.SLEEPING
+    assert reconciler.plan(_scaled_to(cfg, 1), nodes, now=3.0, wall_ms=WALL_MS) == []  # asleep, kept
+
+    # The next step up adopts the sleeping engine (same shard, no start) and wakes it.
+    actions = reconciler.plan(_scaled_to(cfg, 2), nodes, now=4.0, wall_ms=WALL_MS)
+    assert [a.kind for a in actions] == ["adopt", "wake"]
+    assert "woke it (a hot start)" in actions[0].reason
+    assert actions[1].message == wire.WakeShard(leader.shard_id, actions[1].reason, 600.0)
+    assert reconciler.parked == {} and reconciler.active()[retired.replica_id].slots == retired.slots
+    assert reconciler.plan(_scaled_to(cfg, 2), nodes, now=5.0, wall_ms=WALL_MS) == []  # waking: asked once
+    report.state = wire.ShardState.WAKING
+    assert reconciler.plan(_scaled_to(cfg, 2), nodes, now=6.0, wall_ms=WALL_MS) == []
+    report.state = wire.ShardState.READY
+    assert reconciler.plan(_scaled_to(cfg, 2), nodes, now=7.0, wall_ms=WALL_MS) == []
+
+
+def test_an_engine_that_does_not_wake_is_started_cold_in_its_place():
+    cfg, nodes, reconciler, retired, _ = _parked_after_scale_down(sleep_mode=True)
+    leader = retired.leader
+    report = nodes[leader.node_id].shards[leader.shard_id]
+    report.state = wire.ShardState.SLEEPING
+    assert [a.kind for a in reconciler.plan(_scaled_to(cfg, 2), nodes, now=2.0, wall_ms=WALL_MS)] == ["adopt", "wake"]
+    report.state, report.reason = wire.ShardState.STOPPED, "did not wake: POST /wake_up: HTTP 500"  # the agent's
+    actions = reconciler.plan(_scaled_to(cfg, 2), nodes, now=3.0, wall_ms=WALL_MS)
+    assert [(a.kind, a.node_id, a.message.shard_id) for a in actions] == [("start", leader.node_id, leader.shard_id)]
+    assert actions[0].reason.startswith("stopped (did not wake")
+    assert actions[0].message.profile.sleep_mode  # started cold, with sleep mode again
+
+
+def test_a_sleeping_engine_is_stopped_when_its_time_is_up_or_its_gpus_are_wanted():
+    cfg, nodes, reconciler, retired, _ = _parked_after_scale_down(sleep_mode=True)
+    leader = retired.leader
+    nodes[leader.node_id].shards[leader.shard_id].state = wire.ShardState.SLEEPING
+    # Another model's replica needs two GPUs of one node: each node has one held (a replica, the sleeping engine).
+    actions = reconciler.plan(_scaled_to(cfg, 1, big=1), nodes, now=2.0, wall_ms=WALL_MS)
+    assert [(a.kind, getattr(a, "replica_id", "")) for a in actions] == [("unplaced", "big-0"), ("stop", "")]
+    assert actions[1].message.shard_id == leader.shard_id
+    assert "until a replica could not be placed" in actions[1].reason
+    nodes[leader.node_id].shards[leader.shard_id].state = wire.ShardState.STOPPED  # its GPUs are free: big fits
+    assert [a.kind for a in reconciler.plan(_scaled_to(cfg, 1, big=1), nodes, now=3.0, wall_ms=WALL_MS)] == [
+        "place", "start"]
+    cfg, nodes, reconciler, retired, _ = _parked_after_scale_down(sleep_mode=True)
+    actions = reconciler.plan(_scaled_to(cfg, 1), nodes, now=62.0, wall_ms=WALL_MS)
+    assert [(a.kind, a.message.shard_id) for a in actions] == [("stop", retired.leader.shard_id)]
+    assert "no step up adopted it in time" in actions[0].reason
+
+
+def test_without_sleep_mode_a_parked_engine_is_kept_awake():
+    _, _, reconciler, retired, actions = _parked_after_scale_down(sleep_mode=False)
+    assert actions == [] and retired.leader.shard_id in reconciler.parked
+
+
+def test_sleep_mode_is_in_the_fingerprint_only_when_on():
+    plain, asleep = config(), config(extra_profile="    sleep_mode: true")
+    assert "sleep_mode" not in canonical_profile(plain.profile("sim"))
+    assert profile_fingerprint(plain.profile("sim")) != profile_fingerprint(asleep.profile("sim"))

@@ -58,6 +58,8 @@ SAMPLES = [
                pool="default", fabric="ib0", fingerprint="f", generation=4, engine_api_key="k", cpu_threads=8),
     wire.StopShard(shard_id="s", reason="unwanted", grace=5.0),
     wire.DrainShard(shard_id="s", reason="scale down", timeout=60.0, grace=10.0),
+    wire.SleepShard(shard_id="s", reason="scaled down with keep_warm", level=1, timeout=120.0),
+    wire.WakeShard(shard_id="s", reason="wanted again", timeout=600.0),
     ShardStatus(shard=REPORT),
     KvChanges(shard_id="s", replica_id="r", data_parallel_rank=1, kind=KvChangeKind.FULL, block_size=16,
               stored=[1, 2**64 - 1], removed=[3], reason="reconnect"),
