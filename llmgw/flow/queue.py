@@ -210,9 +210,11 @@ class _Model:
             if cluster is not None:
                 return cluster
         requests = self.dispatches.trusted
+        if requests is None:
+            return None
         fair = band.fair
         mean = fair.tokens / len(fair) if len(fair) else cost
-        return band.line.rate(None if requests is None else requests * max(mean, 1))
+        return requests * max(mean, 1)
 
     def wait_above(self, rank: int, now: float) -> float | None:
         """Seconds to drain the bands above ``rank`` at their rates (None: a rate unknown)."""

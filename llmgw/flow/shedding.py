@@ -127,11 +127,6 @@ class BandDrain:
         self.verdicts = Verdicts()
         self.head = False  # the highest band with requests waiting
 
-    def rate(self, fallback: float | None) -> float | None:
-        """Its rate (tokens/s) to predict with; ``fallback`` until it is measured."""
-        rate = self.drain.trusted
-        return rate if rate is not None else fallback
-
 
 def drain_time(waiting: Iterable[tuple[int, float | None]]) -> float | None:
     """Seconds to dispatch each ``(tokens, rate)`` in turn; None when a part with tokens has no rate known."""
