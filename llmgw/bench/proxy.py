@@ -97,7 +97,8 @@ BENCH_KEY = "sk-bench-proxy-key"
 TENANT_TARGETS = {"llmgw-keyed": "", "llmgw-limited": "    limits: {rpm: 100000000, tpm: 100000000000, "
                                                       "concurrency: 100000}\n"}
 REDIS_CPU_TARGET, REDIS_P50_TARGET = 1.1, 1.05
-QUIET_LOAD = 0.25  # load average per CPU above which a machine is not quiet enough for a per-core measurement
+QUIET_LOAD = 0.25  # load average per CPU, before the run, above which a machine is not quiet for a per-core measurement
+QUIET_OTHERS = 0.05  # share of the proxy's core others (and the hypervisor) may take in a run of a quiet measurement
 DIRECT_TLS = "direct-tls"
 
 LUA = r"""
@@ -534,6 +535,7 @@ def summarize(results: list[RunResult], targets: list[str]) -> dict:
                 cell["proxy_cpu_share"] = round(cpu, 3)
                 cell["proxy_cpu_us_per_request"] = round(per_request, 1)
                 cell["others_on_proxy_core_max"] = round(max(r.foreign_cpu_share or 0.0 for r in runs), 3)
+                cell["proxy_core_steal_max"] = round(max(r.proxy_core_steal or 0.0 for r in runs), 3)
                 per_round = [r.proxy_cpu_us_per_request for r in runs if r.proxy_cpu_us_per_request is not None]
                 cell["proxy_cpu_us_per_request_rounds"] = [round(us, 1) for us in per_round]
                 cell["proxy_cpu_us_per_request_spread"] = spread(per_round)
@@ -674,11 +676,28 @@ def print_machine_state(state: dict, summary: dict, targets: list[str]) -> None:
         busiest = sorted(others.items(), key=lambda item: -item[1])[:machine_state.TOP]
         print(f"other processes on CPU {PROXY_CPU} while the proxies were measured (CPU seconds): "
               + ", ".join(f"{name} {seconds:.1f}" for name, seconds in busiest))
-    loaded = max((before.get("loadavg") or [0.0])[0], (after.get("loadavg") or [0.0])[0])
-    if loaded > QUIET_LOAD * (before.get("cpus") or 1) or others:
-        print(f"NOT A QUIET MEASUREMENT (load above {QUIET_LOAD:g} per CPU, or others on the proxy's core): read "
-              f"these numbers as this machine's today; docs/development.md, \"A quiet measurement\", says how to "
-              f"take one")
+    reasons = not_quiet_reasons(before, summary, targets)
+    if reasons:
+        print(f"NOT A QUIET MEASUREMENT ({'; '.join(reasons)}): read these numbers as this machine's today; "
+              f"docs/development.md, \"A quiet measurement\", says how to take one")
+
+
+def not_quiet_reasons(before: dict, summary: dict, targets: list[str]) -> list[str]:
+    """Why a run was not a quiet measurement: the machine loaded before it started (the load average after a run
+    is the run's own: the proxy, wrk and the upstreams), or others or the hypervisor taking more than
+    :data:`QUIET_OTHERS` of the proxy's core in some scenario. Empty when it was quiet."""
+    reasons = []
+    loaded, cpus = (before.get("loadavg") or [0.0])[0], before.get("cpus") or 1
+    if loaded > QUIET_LOAD * cpus:
+        reasons.append(f"load average {loaded:.2f} before the run, above {QUIET_LOAD:g} per CPU")
+    cells = [cell for target in targets for cell in summary.get(target, {}).values()]
+    others = max((cell.get("others_on_proxy_core_max") or 0.0 for cell in cells), default=0.0)
+    if others > QUIET_OTHERS:
+        reasons.append(f"others took up to {others * 100:.0f}% of the proxy's core")
+    steal = max((cell.get("proxy_core_steal_max") or 0.0 for cell in cells), default=0.0)
+    if steal > QUIET_OTHERS:
+        reasons.append(f"the hypervisor took up to {steal * 100:.0f}% of the proxy's core (steal)")
+    return reasons
 
 
 def print_table(summary: dict, targets: list[str]) -> None:

@@ -12,11 +12,14 @@ from llmgw.bench import machine_state, proxy
 from llmgw.bench.agreement import RATIO_SPREAD_BOUND, disagreement, spread
 
 
-def run(target: str, scenario: str, rps: float, cpu_us: float, others: list[dict] | None = None) -> proxy.RunResult:
+def run(target: str, scenario: str, rps: float, cpu_us: float, others: list[dict] | None = None,
+        foreign: float = 0.0, steal: float = 0.0) -> proxy.RunResult:
+    """A round: the proxy took ``cpu_us`` per request, others ``foreign`` of its core, the hypervisor ``steal``."""
     return proxy.RunResult(target=target, scenario=scenario, connections=32, requests=int(rps * 5), seconds=5.0,
                            rps=rps, p50_ms=1.0, p90_ms=1.0, p99_ms=2.0, p999_ms=3.0, max_ms=4.0, errors={},
                            proxy_cpu_share=rps * cpu_us / 1e6, proxy_cpu_us_per_request=cpu_us,
-                           proxy_core_busy=1.0, others_on_core=others or [])
+                           proxy_core_busy=rps * cpu_us / 1e6 + foreign, proxy_core_steal=steal,
+                           others_on_core=others or [])
 
 
 def test_spread_is_the_range_over_the_median_and_needs_two_rounds():
@@ -54,14 +57,27 @@ def test_a_ratio_whose_rounds_agree_is_printed_with_them():
 
 def test_the_machine_state_names_who_else_ran_on_the_proxys_core(capsys):
     busy = [{"pid": 7, "name": "pytest", "cpu_s": 1.5}]
-    results = [run("llmgw", "c32", 4000, 110, busy), run("llmgw", "c32", 4000, 110, busy)]
+    results = [run("llmgw", "c32", 4000, 110, busy, foreign=0.3), run("llmgw", "c32", 4000, 110, busy, foreign=0.3)]
     summary = proxy.summarize(results, ["llmgw"])
     assert summary["llmgw"]["c32"]["others_on_proxy_core"] == [{"name": "pytest", "cpu_s": 3.0}]
     state = {"before": {"loadavg": [0.1, 0.1, 0.1], "cpus": 2, "governor": None},
              "after": {"loadavg": [0.2, 0.1, 0.1], "cpus": 2, "governor": None}}
     proxy.print_machine_state(state, summary, ["llmgw"])
     printed = capsys.readouterr().out
-    assert "governor: not readable" in printed and "pytest 3.0" in printed and "NOT A QUIET MEASUREMENT" in printed
+    assert "governor: not readable" in printed and "pytest 3.0" in printed
+    assert "NOT A QUIET MEASUREMENT (others took up to 30% of the proxy's core)" in printed
+
+
+def test_the_runs_own_load_does_not_count_against_it_but_the_load_before_and_steal_do(capsys):
+    summary = proxy.summarize([run("llmgw", "c32", 4000, 110, foreign=0.02)], ["llmgw"])
+    state = {"before": {"loadavg": [0.3, 0.2, 0.2], "cpus": 2}, "after": {"loadavg": [2.4, 1.1, 0.5], "cpus": 2}}
+    assert proxy.not_quiet_reasons(state["before"], summary, ["llmgw"]) == []
+    loaded = {"loadavg": [0.9, 0.5, 0.5], "cpus": 2}
+    assert proxy.not_quiet_reasons(loaded, summary, ["llmgw"]) == [
+        "load average 0.90 before the run, above 0.25 per CPU"]
+    stolen = proxy.summarize([run("llmgw", "c32", 4000, 110, steal=0.12)], ["llmgw"])
+    assert proxy.not_quiet_reasons(state["before"], stolen, ["llmgw"]) == [
+        "the hypervisor took up to 12% of the proxy's core (steal)"]
 
 
 def test_a_quiet_machine_is_not_flagged(capsys):
