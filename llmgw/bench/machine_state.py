@@ -10,6 +10,7 @@ counted on the wrong one, which is why the core's own busy share (from ``/proc/s
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 PROC = Path("/proc")
@@ -90,6 +91,34 @@ def busiest_by_name(runs: list[list[dict]]) -> list[dict]:
             for name, seconds in sorted(totals.items(), key=lambda item: -item[1])[:TOP]]
 
 
-def describe(cpu: int) -> dict:
-    """The state to record beside a measurement on ``cpu``: load average and governor (None: not readable)."""
-    return {"loadavg": load_average(), "cpus": os.cpu_count(), "governor": cpu_governor(cpu)}
+def machine_busy() -> tuple[float, float] | None:
+    """(busy, total) CPU seconds of every CPU together since boot, from ``/proc/stat``'s ``cpu`` line; None where
+    it is not readable."""
+    try:
+        line = (PROC / "stat").read_text().splitlines()[0]
+        ticks = [int(x) for x in line.split()[1:9]]
+    except (OSError, ValueError, IndexError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (ticks + [0] * 8)[:8]
+    busy = user + nice + system + irq + softirq + steal
+    return busy / os.sysconf("SC_CLK_TCK"), (busy + idle + iowait) / os.sysconf("SC_CLK_TCK")
+
+
+def busy_share(seconds: float) -> float | None:
+    """The share of all CPUs busy (steal included) over the next ``seconds``: what the machine does right now,
+    unlike the load average, which still holds the last minute's work (a previous run's)."""
+    first = machine_busy()
+    time.sleep(seconds)
+    second = machine_busy()
+    if first is None or second is None or second[1] <= first[1]:
+        return None
+    return round((second[0] - first[0]) / (second[1] - first[1]), 3)
+
+
+def describe(cpu: int, sample: float = 0.0) -> dict:
+    """The state to record beside a measurement on ``cpu``: load average and governor (None: not readable); with
+    ``sample`` > 0, the share of the machine's CPUs busy over that many seconds (``busy``)."""
+    state = {"loadavg": load_average(), "cpus": os.cpu_count(), "governor": cpu_governor(cpu)}
+    if sample > 0:
+        state["busy"] = busy_share(sample)
+    return state

@@ -97,7 +97,8 @@ BENCH_KEY = "sk-bench-proxy-key"
 TENANT_TARGETS = {"llmgw-keyed": "", "llmgw-limited": "    limits: {rpm: 100000000, tpm: 100000000000, "
                                                       "concurrency: 100000}\n"}
 REDIS_CPU_TARGET, REDIS_P50_TARGET = 1.1, 1.05
-QUIET_LOAD = 0.25  # load average per CPU, before the run, above which a machine is not quiet for a per-core measurement
+QUIET_BUSY = 0.10  # share of the machine's CPUs busy just before the run above which it is not quiet
+QUIET_SAMPLE_S = 2.0  # how long the machine's idle targets are watched for that share
 QUIET_OTHERS = 0.05  # share of the proxy's core others (and the hypervisor) may take in a run of a quiet measurement
 DIRECT_TLS = "direct-tls"
 
@@ -665,7 +666,9 @@ def print_machine_state(state: dict, summary: dict, targets: list[str]) -> None:
     load = " / ".join(" ".join(f"{x:.2f}" for x in s["loadavg"]) if s.get("loadavg") else "unknown"
                       for s in (before, after))
     print()
-    print(f"machine: load average (1, 5, 15 min) {load} before / after, {before.get('cpus')} CPUs; "
+    busy = before.get("busy")
+    print(f"machine: load average (1, 5, 15 min) {load} before / after, {before.get('cpus')} CPUs"
+          + ("" if busy is None else f", {busy * 100:.0f}% busy in the {QUIET_SAMPLE_S:g} s before the run") + "; "
           f"CPU {PROXY_CPU}'s frequency governor: {before.get('governor') or 'not readable (no cpufreq here)'}")
     others: dict[str, float] = {}
     for target in targets:
@@ -683,13 +686,14 @@ def print_machine_state(state: dict, summary: dict, targets: list[str]) -> None:
 
 
 def not_quiet_reasons(before: dict, summary: dict, targets: list[str]) -> list[str]:
-    """Why a run was not a quiet measurement: the machine loaded before it started (the load average after a run
-    is the run's own: the proxy, wrk and the upstreams), or others or the hypervisor taking more than
-    :data:`QUIET_OTHERS` of the proxy's core in some scenario. Empty when it was quiet."""
+    """Why a run was not a quiet measurement: the machine busy just before it started, its targets idle (not the
+    load average: after a run it is the run's own, and before one it still holds the last run's minute), or others
+    or the hypervisor taking more than :data:`QUIET_OTHERS` of the proxy's core in some scenario. Empty when it
+    was quiet."""
     reasons = []
-    loaded, cpus = (before.get("loadavg") or [0.0])[0], before.get("cpus") or 1
-    if loaded > QUIET_LOAD * cpus:
-        reasons.append(f"load average {loaded:.2f} before the run, above {QUIET_LOAD:g} per CPU")
+    busy = before.get("busy")
+    if busy is not None and busy > QUIET_BUSY:
+        reasons.append(f"the CPUs {busy * 100:.0f}% busy before the run, above {QUIET_BUSY * 100:.0f}%")
     cells = [cell for target in targets for cell in summary.get(target, {}).values()]
     others = max((cell.get("others_on_proxy_core_max") or 0.0 for cell in cells), default=0.0)
     if others > QUIET_OTHERS:
@@ -901,7 +905,7 @@ async def start_and_measure(args: argparse.Namespace, targets: list[str], workdi
                 running.append(Target("vllm-router", proc.url, proc))
                 print(f"vllm-router {extra['vllm_router_version']}: {proc.url} (pid {proc.pid})", flush=True)
 
-        extra["machine_state"] = {"before": machine_state.describe(PROXY_CPU)}
+        extra["machine_state"] = {"before": machine_state.describe(PROXY_CPU, QUIET_SAMPLE_S)}
         print(f"measuring: {len(SCENARIOS)} scenarios x {len(running)} targets x {args.repeat} rounds of "
               f"{args.duration:g} s (+{args.warmup:g} s warm-up in round 1)", flush=True)
         redis_cpu = process_cpu_seconds(redis.pid) if redis is not None else 0.0

@@ -68,13 +68,12 @@ def test_the_machine_state_names_who_else_ran_on_the_proxys_core(capsys):
     assert "NOT A QUIET MEASUREMENT (others took up to 30% of the proxy's core)" in printed
 
 
-def test_the_runs_own_load_does_not_count_against_it_but_the_load_before_and_steal_do(capsys):
+def test_the_load_average_does_not_count_but_the_cpus_busy_just_before_and_steal_do():
     summary = proxy.summarize([run("llmgw", "c32", 4000, 110, foreign=0.02)], ["llmgw"])
-    state = {"before": {"loadavg": [0.3, 0.2, 0.2], "cpus": 2}, "after": {"loadavg": [2.4, 1.1, 0.5], "cpus": 2}}
+    state = {"before": {"loadavg": [2.4, 1.1, 0.5], "cpus": 2, "busy": 0.03}}  # the last run's minute
     assert proxy.not_quiet_reasons(state["before"], summary, ["llmgw"]) == []
-    loaded = {"loadavg": [0.9, 0.5, 0.5], "cpus": 2}
-    assert proxy.not_quiet_reasons(loaded, summary, ["llmgw"]) == [
-        "load average 0.90 before the run, above 0.25 per CPU"]
+    loaded = {"loadavg": [0.9, 0.5, 0.5], "cpus": 2, "busy": 0.4}
+    assert proxy.not_quiet_reasons(loaded, summary, ["llmgw"]) == ["the CPUs 40% busy before the run, above 10%"]
     stolen = proxy.summarize([run("llmgw", "c32", 4000, 110, steal=0.12)], ["llmgw"])
     assert proxy.not_quiet_reasons(state["before"], stolen, ["llmgw"]) == [
         "the hypervisor took up to 12% of the proxy's core (steal)"]
@@ -93,6 +92,9 @@ def test_this_process_is_seen_with_its_cpu_time_and_core():
     assert name and seconds >= 0 and 0 <= core < (os.cpu_count() or 1)
     state = machine_state.describe(0)
     assert state["cpus"] == os.cpu_count() and (state["loadavg"] is None or len(state["loadavg"]) == 3)
+    assert "busy" not in state
+    busy = machine_state.describe(0, sample=0.05)["busy"]
+    assert busy is None or 0.0 <= busy <= 1.0
 
 
 def test_busy_on_core_counts_the_growth_of_others_last_run_there():
