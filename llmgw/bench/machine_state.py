@@ -118,7 +118,7 @@ def busy_share(seconds: float) -> float | None:
 def describe(cpu: int, sample: float = 0.0) -> dict:
     """The state to record beside a measurement on ``cpu``: load average and governor (None: not readable); with
     ``sample`` > 0, the share of the machine's CPUs busy over that many seconds (``busy``)."""
-    state = {"loadavg": load_average(), "cpus": os.cpu_count(), "governor": cpu_governor(cpu)}
+    state: dict = {"loadavg": load_average(), "cpus": os.cpu_count(), "governor": cpu_governor(cpu)}
     if sample > 0:
         state["busy"] = busy_share(sample)
     return state
