@@ -62,12 +62,14 @@ async def test_openai_client_through_llmgw(start_fake_upstream, start_llmgw):
     assert completion.choices[0].text.startswith("hello from ")
     assert models == ["tiny"]
 
-    # Streaming: the first chunk arrives while the upstream is still producing the stream.
+    # Streaming: the first chunk arrives while the upstream is still producing the stream. The stream lasts 2 s so
+    # that the peek (two HTTP round trips from a thread) lands inside it on a loaded machine too; a gateway that
+    # buffered the stream would hand over the first chunk only after all 2 s.
     def stream_and_peek():
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0)
         stream = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True,
-            extra_body={"x_chunks": 10, "x_chunk_delay_ms": 60})
+            extra_body={"x_chunks": 40, "x_chunk_delay_ms": 50})
         chunks = iter(stream)
         first = next(chunks)
         peeks = [httpx.get(u.url + "/stats").json() for u in (a, b)]
@@ -78,7 +80,7 @@ async def test_openai_client_through_llmgw(start_fake_upstream, start_llmgw):
     assert first.choices[0].delta.content == "tok0 "
     assert sum(p["active_streams"] for p in peeks) == 1
     assert sum(p["completed_streams"] for p in peeks) == 0
-    assert [c.choices[0].delta.content for c in rest] == [f"tok{i} " for i in range(1, 10)]
+    assert [c.choices[0].delta.content for c in rest] == [f"tok{i} " for i in range(1, 40)]
 
 
 async def test_killed_upstream_is_retried_marked_down_and_rejoins(start_fake_upstream, start_llmgw):
