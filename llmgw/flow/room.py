@@ -63,7 +63,11 @@ UP, UNKNOWN = ReplicaState.UP, ReplicaState.UNKNOWN
 
 def kv_capacity(replica: Replica) -> int | None:
     """The tokens ``replica``'s engine's KV cache holds, from its last scrape; None while unknown."""
-    load = replica.engine_load
+    return cache_tokens(replica.engine_load)
+
+
+def cache_tokens(load: EngineLoad | None) -> int | None:
+    """The tokens an engine's KV cache holds, from ``load`` (a scrape); None when it does not say."""
     if load is None or not load.num_blocks or not load.block_size:
         return None
     return load.num_blocks * load.block_size
@@ -346,7 +350,7 @@ class EngineRoom:
         blocks from one for the step's budget (:func:`~llmgw.flow.capacity.queue_kind`). None when it cannot be
         told: its KV capacity or usage unknown, or more requests in the engine than the gateways know in flight
         there (a peer's report not in yet, or requests from elsewhere: of sizes nobody here knows)."""
-        capacity = kv_capacity(replica)
+        capacity = cache_tokens(load)
         route = self.router.models.get(replica.model)
         inflight = replica.inflight
         if capacity is None or load.kv_usage is None or route is None or load.requests > inflight:
