@@ -5,7 +5,9 @@ a gateway in this process with flow control, scraping the engine every 100 ms.
 
 Asserted: that queue is counted as one for the budget (``llmgw_flow_engine_queues_total{kind="budget"}``), the
 replica's capacity is not cut to what the engine runs, and the gateway holds none of the requests sent meanwhile
-(a cut would hold them while the engine has seats and blocks for them); every request is answered.
+(a cut would hold them while the engine has seats and blocks for them); every request is answered. And a request
+is counted in the room at its prompt in the engine's tokens (the router's estimate times the learnt ratio), not at
+its body's bytes times that ratio: requests the cache holds together are not held at the gateway.
 """
 
 from __future__ import annotations
@@ -99,3 +101,29 @@ async def test_a_queue_for_the_steps_token_budget_is_no_reason_to_hold_requests(
     assert held == 0, f"the gateway held {held} requests while the engine had seats and blocks for them"
     assert full == 0 and capacity is None, (budget, full, capacity)
     assert budget >= 1, "the engine never queued for its step's budget: the scenario did not happen"
+
+
+async def test_a_request_is_counted_at_its_prompt_in_the_engines_tokens_not_its_body_bytes(gateway_in_process,
+                                                                                           nursery):
+    """A cache of 2,048 tokens; four requests of ~250 prompt tokens and 100 out each fit in it together. Counted at
+    their body's bytes scaled by the learnt prompt-token ratio (learnt against characters / 4), each would count
+    some 1,100 tokens and the fourth would wait at the gateway."""
+    [sim] = await start_sims(nursery, 1, num_blocks=128, extra=(
+        "--max-num-seqs", str(SEATS), "--decode-ms-per-step", "20", "--output-tokens", "100:100"))
+    gw = await gateway_in_process(config(sim.url))
+    answers: list[int] = []
+    async with httpx.AsyncClient() as client:
+        await chat(client, gw.url, 50, 0, answers)  # an answer's usage teaches the ratio
+        ratio = await gw.metric("llmgw_flow_prompt_token_ratio", 'model="tiny"')
+        assert ratio > 2, ratio  # the simulator counts about a token per character
+        held = 0
+        async with trio.open_nursery() as burst:
+            for i in range(4):
+                burst.start_soon(chat, client, gw.url, 50, 10 + i, answers)
+            with trio.move_on_after(1.5):
+                while True:
+                    model = await flow_model(gw)
+                    held = max(held, sum(c["queued"] for c in model["classes"]))
+                    await trio.sleep(0.02)
+    assert answers == [200] * 5
+    assert held == 0, f"the gateway held {held} of 4 requests the engine's cache holds together"
