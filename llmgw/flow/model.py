@@ -73,6 +73,10 @@ class FlowRequest:
     # prompt-token ratio. 0: all of it is taken as prompt (scaled whole, the safe side).
     output: int = 0
     enqueued: float | None = None  # trio.current_time() when it started waiting (None: dispatched at once)
+    # Its prompt in the router's estimate (characters / 4), the one the requests in flight are counted in and the
+    # engines' prompt-token ratio is learnt against: the room counts it so, with ``output``. None: the prompt part
+    # of ``cost`` (the tenancy's estimate, one token per body byte: about 4 times the router's, docs/overload.md).
+    prompt: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,6 +78,14 @@ def _output_of(request: FlowRequest) -> int:
     return min(max(request.output, 0), max(request.cost, 0))
 
 
+def _room_cost(request: FlowRequest) -> int:
+    """The tokens the room counts for the request: its prompt in the router's estimate and its output allowance
+    (its cost when the prompt is not given apart)."""
+    if request.prompt is None:
+        return max(request.cost, 0)
+    return max(request.prompt, 0) + _output_of(request)
+
+
 class Queued(NamedTuple):
     """What waits for a model in one class."""
 
@@ -147,7 +155,7 @@ class _Model:
         self.classes: dict[str, _ClassState] = {}
         self.pending = 0  # admitted, not yet released
         self.entered = 0  # requests that entered (the autoscaler's arrival rate)
-        self.pending_tokens = 0  # their costs
+        self.pending_tokens = 0  # their tokens as the room counts them (_room_cost)
         self.pending_output = 0  # of those, their output allowances
         self.waiting = 0
         self.tokens = 0
@@ -282,7 +290,9 @@ class FlowQueue(TaskHost):
         priority = request.priority
         cost = max(request.cost, 0)
         output = _output_of(request)
-        if (not model.waiting or not model.waits_at(priority.rank)) and self._has_room(model, priority, cost, output):
+        room_cost = _room_cost(request)
+        if (not model.waiting or not model.waits_at(priority.rank)) and self._has_room(model, priority, room_cost,
+                                                                                        output):
             # The fast path: no await, no clock unless a backlog is being measured.
             if model.waiting:
                 now = trio.current_time()
@@ -291,7 +301,7 @@ class FlowQueue(TaskHost):
                 model.moved = now
             self.metrics.admitted.labels(model.name, priority.name).inc()
             self.metrics.wait.labels(model.name, priority.name).observe(0.0)
-            return Admitted(0.0, _Ticket(model, cost, output))
+            return Admitted(0.0, _Ticket(model, room_cost, output))
         return await self._wait(model, request)
 
     def entered(self, model: str) -> int:
@@ -570,12 +580,13 @@ class FlowQueue(TaskHost):
             had = len(fair)
             while (waiter := fair.peek()) is not None:
                 priority = waiter.request.priority
-                if not self._has_room(model, priority, waiter.cost, waiter.output):
+                room_cost = _room_cost(waiter.request)
+                if not self._has_room(model, priority, room_cost, waiter.output):
                     break
                 fair.pop()
                 self._dequeue(model, waiter, now, dispatched=True)
                 waited = now - waiter.since
-                waiter.outcome = Admitted(waited, _Ticket(model, waiter.cost, waiter.output), waiter.position,
+                waiter.outcome = Admitted(waited, _Ticket(model, room_cost, waiter.output), waiter.position,
                                           waiter.tokens_ahead, waiter.ahead_class)
                 waiter.event.set()
                 self.metrics.admitted.labels(model.name, priority.name).inc()

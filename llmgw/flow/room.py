@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import trio
 
+from ..engines.probe import EngineLoad
 from ..router.decode_cost import DEFAULT_OUTPUT_TOKENS
 from ..router.prompt_ratio import PromptTokenRatio
 from ..router.replica import Replica, ReplicaState
@@ -62,7 +63,11 @@ UP, UNKNOWN = ReplicaState.UP, ReplicaState.UNKNOWN
 
 def kv_capacity(replica: Replica) -> int | None:
     """The tokens ``replica``'s engine's KV cache holds, from its last scrape; None while unknown."""
-    load = replica.engine_load
+    return cache_tokens(replica.engine_load)
+
+
+def cache_tokens(load: EngineLoad | None) -> int | None:
+    """The tokens an engine's KV cache holds, from ``load`` (a scrape); None when it does not say."""
     if load is None or not load.num_blocks or not load.block_size:
         return None
     return load.num_blocks * load.block_size
@@ -320,7 +325,10 @@ class EngineRoom:
             learnt = self._learnt[replica] = ReplicaCapacity()
         before, seats_before = learnt.capacity, learnt.seats
         busy_share = min((c.max_fill for c in self.settings.classes), default=1.0)
-        change = learnt.observe(load, replica.inflight, self.demand(replica.model), self.rule, busy_share)
+        change = learnt.observe(load, replica.inflight, self.demand(replica.model), self.rule, busy_share,
+                                self.needed_tokens(replica, load))
+        if learnt.queue is not None and self.metrics is not None:
+            self.metrics.engine_queued(replica.model, learnt.queue)
         if change is not None:
             if before is None:
                 log.info("flow control: replica %s of model %s is full at %d requests in flight (its engine: %g "
@@ -335,6 +343,19 @@ class EngineRoom:
                      "(llmgw_flow_replica_seats)", replica.name, replica.model, learnt.seats,
                      "unknown" if load.kv_usage is None else f"{load.kv_usage:.2f}")
         self.wake(replica.model)
+
+    def needed_tokens(self, replica: Replica, load: EngineLoad) -> float | None:
+        """The KV tokens ``replica``'s engine must still find for the requests in flight there (every gateway's):
+        what they will hold at most (:meth:`held_tokens`) less what its cache holds now, what tells a queue for
+        blocks from one for the step's budget (:func:`~llmgw.flow.capacity.queue_kind`). None when it cannot be
+        told: its KV capacity or usage unknown, or more requests in the engine than the gateways know in flight
+        there (a peer's report not in yet, or requests from elsewhere: of sizes nobody here knows)."""
+        capacity = cache_tokens(load)
+        route = self.router.models.get(replica.model)
+        inflight = replica.inflight
+        if capacity is None or load.kv_usage is None or route is None or load.requests > inflight:
+            return None
+        return max(0.0, self.held_tokens(replica, route.prompt_ratio) - load.kv_usage * capacity)
 
     def demand(self, model: str) -> bool:
         """Requests for ``model`` wait at a gateway (this one or another)."""

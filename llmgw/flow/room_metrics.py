@@ -1,6 +1,7 @@
 """The room's Prometheus series (``llmgw_flow_replica_*``: capacity, seats, saturation, KV;
 ``llmgw_flow_room_free``, ``llmgw_flow_capacity_changes``, ``llmgw_flow_prompt_token_ratio``,
-``llmgw_flow_output_allowance_ratio``, ``llmgw_flow_output_allowance_answers``; docs/metrics.md,
+``llmgw_flow_output_allowance_ratio``, ``llmgw_flow_output_allowance_answers``, ``llmgw_flow_engine_queues``;
+docs/metrics.md,
 "Flow control"), read from the room when ``/metrics`` is rendered.
 
 Labels are the router's models and replicas (what the configuration and the control plane declare), so they are
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from .capacity import CUT, RAISE, UNBOUNDED
+from .capacity import CUT, QUEUE_KINDS, RAISE, UNBOUNDED
 from .room import kv_capacity
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ class RoomMetrics:
         self.registry = registry
         self._room: weakref.ref[EngineRoom] | None = None
         self._changes: dict[str, dict[str, int]] = {}  # model -> CUT/RAISE -> count
+        self._queues: dict[str, dict[str, int]] = {}  # model -> QUEUE_KINDS -> scrapes
 
     def track(self, room: EngineRoom) -> None:
         """Expose ``room``'s figures (registered with the first room; a later one replaces it)."""
@@ -40,12 +42,17 @@ class RoomMetrics:
         counts = self._changes.setdefault(model, {CUT: 0, RAISE: 0})
         counts[change] += 1
 
+    def engine_queued(self, model: str, kind: str) -> None:
+        """A scrape of one of ``model``'s engines found it queueing (two in a row) for ``kind`` (QUEUE_KINDS)."""
+        counts = self._queues.setdefault(model, dict.fromkeys(QUEUE_KINDS, 0))
+        counts[kind] += 1
+
     def describe(self) -> Iterable[Metric]:
         return self._families()
 
     def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily,
                                  GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily,
-                                 GaugeMetricFamily, CounterMetricFamily]:
+                                 GaugeMetricFamily, CounterMetricFamily, CounterMetricFamily]:
         capacity = GaugeMetricFamily("llmgw_flow_replica_capacity", "The requests in flight (all gateways') each "
                                      "replica takes, learnt from its engine's queue and KV usage; absent while "
                                      "unknown (its engine never said it was full: nothing is held for it).",
@@ -79,10 +86,15 @@ class RoomMetrics:
                                       labels=["model"])
         answers = CounterMetricFamily("llmgw_flow_output_allowance_answers", "Answers with a max_tokens and usage "
                                       "the model's output allowance learnt from.", labels=["model"])
-        return capacity, saturation, free, changes, held, kv, ratio, seats, allowance, answers
+        queues = CounterMetricFamily("llmgw_flow_engine_queues", "Scrapes that found one of the model's engines "
+                                     "queueing on two scrapes in a row, by what for: seats and blocks (a full "
+                                     "engine: its capacity is cut) or budget (its step's token budget, a chunked "
+                                     "prefill: no cut).", labels=["model", "kind"])
+        return capacity, saturation, free, changes, held, kv, ratio, seats, allowance, answers, queues
 
     def collect(self) -> Iterable[Metric]:
-        capacity, saturation, free, changes, held, kv, ratio, seats, allowance, answers = families = self._families()
+        capacity, saturation, free, changes, held, kv, ratio, seats, allowance, answers, queues = families = \
+            self._families()
         room = self._room() if self._room is not None else None
         if room is not None:
             top = min(room.settings.classes, key=lambda c: c.rank)
@@ -106,4 +118,7 @@ class RoomMetrics:
         for model, counts in sorted(self._changes.items()):
             for change, count in counts.items():
                 changes.add_metric([model, change], count)
+        for model, counts in sorted(self._queues.items()):
+            for kind, count in counts.items():
+                queues.add_metric([model, kind], count)
         return list(families)

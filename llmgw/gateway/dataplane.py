@@ -39,6 +39,7 @@ from ..http.multipart import FormError, form_field
 from ..http.server import AbortConnection
 from ..logfields import FieldValue, fields_extra, logfmt
 from ..metrics import ANSWERED, STREAM_ERROR, TOKEN_LATENCY_BOUNDS, add_observations
+from ..router.canonical import estimated_prompt_tokens
 from ..router.replica import Replica
 from ..router.router import Router, replica_of
 from ..router.tier import Decision, RouteRequest
@@ -350,7 +351,7 @@ class DataPlane:
             trace = exchange.flow = FlowTrace()
             estimate = self._cost(flow, exchange, request, body)
             turn = await flow.enter(request, exchange.tenant, resolved[0], estimate.tokens, request_id, trace,
-                                    output=estimate.max_output_tokens)
+                                    output=estimate.max_output_tokens, prompt=estimated_prompt_tokens(route_request))
             if exchange.charge is not None:  # a configured class (priority_of never yields a client's string)
                 exchange.charge.priority = trace.priority
             if isinstance(turn, Response):  # shed (429), or a priority header or deadline it cannot read (400)

@@ -187,11 +187,13 @@ class FlowGate:
         return trio.current_time() + max(wait, 0.0)
 
     async def enter(self, request: Request, tenant: Tenant | None, model: str, cost: int,
-                    request_id: str, trace: FlowTrace | None = None, output: int = 0) -> Pass | Response:
+                    request_id: str, trace: FlowTrace | None = None, output: int = 0,
+                    prompt: int | None = None) -> Pass | Response:
         """Wait for ``model``'s room in the request's class and flow: its :class:`Pass`, or the answer to give
         (400: a header it cannot read; 429: shed). Cancelled (the client left), it leaves the queue. ``trace``
         is filled in with its class, its wait and why it was shed. ``cost``: its estimated tokens, ``output`` of
-        them its output allowance (:attr:`FlowRequest.output`)."""
+        them its output allowance (:attr:`FlowRequest.output`); ``prompt``: its prompt in the router's estimate,
+        what the room counts (:attr:`FlowRequest.prompt`)."""
         control = self.control
         if control is None:
             return OPEN
@@ -201,7 +203,7 @@ class FlowGate:
         deadline = self.deadline(priority, request)
         if isinstance(deadline, Response):
             return deadline
-        flow_request = FlowRequest(model, _flow_of(tenant), priority, cost, deadline, output=output)
+        flow_request = FlowRequest(model, _flow_of(tenant), priority, cost, deadline, output=output, prompt=prompt)
         if trace is not None:
             trace.priority = priority.name
         outcome = await control.enter(flow_request)

@@ -77,9 +77,9 @@ class FakeRoom(Room):
 
 
 def request(priority: PriorityClass = STANDARD, flow: str = "a", cost: int = 100, *, wait: float | None = None,
-            weight: float = 1.0, output: int = 0) -> FlowRequest:
+            weight: float = 1.0, output: int = 0, prompt: int | None = None) -> FlowRequest:
     deadline = trio.current_time() + (priority.max_wait if wait is None else wait)
-    return FlowRequest(MODEL, flow, priority, cost, deadline, weight, output=output)
+    return FlowRequest(MODEL, flow, priority, cost, deadline, weight, output=output, prompt=prompt)
 
 
 class Harness:
@@ -739,6 +739,35 @@ async def test_a_waiter_is_dispatched_with_its_output_counted_apart(autojump_clo
         await trio.sleep(1.5)
         assert waiter in h.admitted  # 700 <= 850 once the blocker ended: not 1,600 scaled whole
         assert h.pending_tokens() == 0
+
+
+async def test_the_room_counts_a_request_by_its_prompt_in_the_routers_estimate_when_given_not_by_its_cost():
+    """The cost (the tenancy's estimate: one token per body byte, what fair shares count) of a long prompt is about 4
+    times the router's estimate (characters / 4) that the engines' prompt-token ratio is learnt against: scaled by
+    that ratio it would be counted 4 times over."""
+    room = FakeRoom(capacity=8, kv_tokens=1000)
+    room.prompt_ratio = 4.0
+    queue = FlowQueue(FlowSettings(), room)
+    # cost 2,200 (scaled: 8,500, past the cache); its prompt in the router's estimate 150: 150 x 4 + 100 = 700
+    first = admitted_at_once(queue, request(BATCH, cost=2200, output=100, prompt=150))
+    assert first is not None
+    # Admitted and not yet routed, it is held the same way: a second would bring it to 1,400, past batch's 850.
+    assert admitted_at_once(queue, request(BATCH, cost=2200, output=100, prompt=150)) is None
+    queue.release(first)
+    assert admitted_at_once(queue, request(BATCH, cost=2200, output=100, prompt=150)) is not None
+    assert admitted_at_once(FlowQueue(FlowSettings(), room), request(BATCH, cost=2200, output=100)) is None
+
+
+async def test_a_waiter_is_dispatched_by_its_prompt_in_the_routers_estimate(autojump_clock):
+    async with harness(capacity=100, kv_tokens=1000) as h:
+        h.room.prompt_ratio = 4.0
+        blocker = h.start(request(INTERACTIVE, flow="i", cost=600, output=600), hold=1.0)  # 600 held in flight
+        await trio.testing.wait_all_tasks_blocked()
+        waiter = h.start(request(BATCH, flow="b", cost=800, output=50, prompt=60), hold=1.0)  # 60 x 4 + 50 = 290
+        await trio.testing.wait_all_tasks_blocked()
+        assert blocker in h.admitted and waiter not in h.admitted  # 600 + 290 > 850, batch's share
+        await trio.sleep(1.5)
+        assert waiter in h.admitted and h.pending_tokens() == 0  # its cost scaled (3,050) would never fit
 
 
 async def test_with_the_kv_capacity_unknown_only_requests_are_counted():

@@ -6,13 +6,25 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import pytest
 import trio
 import trio.testing
 from hypothesis import given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 
 from llmgw.engines.probe import EngineLoad
-from llmgw.flow.capacity import CUT, MAX_CAPACITY, RAISE, UNBOUNDED, CapacityRule, ReplicaCapacity
+from llmgw.flow.capacity import (
+    BLOCKS as FOR_BLOCKS,
+    BUDGET as FOR_BUDGET,
+    CUT,
+    MAX_CAPACITY,
+    RAISE,
+    SEATS as FOR_SEATS,
+    UNBOUNDED,
+    CapacityRule,
+    ReplicaCapacity,
+    queue_kind,
+)
 from llmgw.flow.model import DEFAULT_CLASSES, FlowSettings
 from llmgw.flow.room import EngineRoom
 from llmgw.flow.room_metrics import RoomMetrics
@@ -720,3 +732,79 @@ def test_the_kv_tokens_are_split_among_the_gateways_holding_requests_as_the_requ
     peers.held["m"] = [10_000_000]  # a forged count is taken at max_queued: still one request
     assert room.fits("m", INTERACTIVE, 8192)
 
+
+
+# -- what an engine's queue waits for ---------------------------------------------------------------------------------
+
+
+def sized(at: float, running: float, waiting: float, kv: float, num_blocks: int = 512) -> EngineLoad:
+    """A scrape of an engine that exports its KV cache's size (16-token blocks: 8,192 tokens by default)."""
+    return EngineLoad(running=running, waiting=waiting, at=at, kv_usage=kv, block_size=16, num_blocks=num_blocks)
+
+
+def test_a_queue_is_for_blocks_when_the_free_cache_is_short_of_what_the_requests_in_flight_still_need():
+    # 8,192 tokens at 80%: 1,638 free, and the requests in flight need 2,300 more (a long prompt waits).
+    assert queue_kind(sized(1, 3, 1, kv=0.8), 3, needed_tokens=2300, seats=None, most_running=8,
+                      rule=RULE) == FOR_BLOCKS
+    # What the engine cannot size (no cache size, or no estimate of the need) counts as blocks unless it runs as
+    # many as it ever ran below kv_target (then seats): the rule as it was.
+    assert queue_kind(load(1, 3, 1, kv=0.3), 3, needed_tokens=10, seats=None, most_running=8, rule=RULE) == FOR_BLOCKS
+    assert queue_kind(sized(1, 3, 1, kv=0.3), 3, needed_tokens=None, seats=None, most_running=8,
+                      rule=RULE) == FOR_BLOCKS
+    assert queue_kind(load(1, 8, 1, kv=0.3), 8, needed_tokens=None, seats=None, most_running=8, rule=RULE) == FOR_SEATS
+    assert queue_kind(sized(1, 3, 1, kv=math.nan), 3, needed_tokens=0, seats=None, most_running=8,
+                      rule=RULE) == FOR_BLOCKS
+
+
+def test_a_queue_is_for_seats_at_the_engines_seats_and_else_for_the_steps_token_budget():
+    assert queue_kind(sized(1, 8, 2, kv=0.4), 8, needed_tokens=300, seats=8, most_running=8, rule=RULE) == FOR_SEATS
+    assert queue_kind(sized(1, 8, 2, kv=0.4), 8, needed_tokens=300, seats=None, most_running=8, rule=RULE) == FOR_SEATS
+    # Fewer running than the engine ran (or than its seats), blocks for all that waits: a long prompt's chunked
+    # prefill holds the step's budget and the requests behind it wait a step.
+    assert queue_kind(sized(1, 3, 2, kv=0.4), 3, needed_tokens=300, seats=8, most_running=8, rule=RULE) == FOR_BUDGET
+    assert queue_kind(sized(1, 3, 2, kv=0.4), 3, needed_tokens=300, seats=None, most_running=8, rule=RULE) == FOR_BUDGET
+
+
+def test_a_queue_for_the_steps_budget_neither_cuts_nor_stops_a_raise():
+    learnt = ReplicaCapacity()
+    learnt.observe(sized(1, running=8, waiting=0, kv=0.3), 8, True, RULE, needed_tokens=0)  # it ran 8 before
+    for at in (2, 3, 4):
+        assert learnt.observe(sized(at, running=3, waiting=2, kv=0.35), 5, True, RULE, needed_tokens=600) is None
+        assert learnt.queue == (FOR_BUDGET if at > 2 else None)  # two scrapes in a row make a queue
+    assert learnt.limit() is None and learnt.seats is None
+    # The same queue with the cache short of what the requests need: blocks, cut to what it runs.
+    assert learnt.observe(sized(5, running=3, waiting=2, kv=0.8), 5, True, RULE, needed_tokens=2300) == CUT
+    assert learnt.queue == FOR_BLOCKS and learnt.limit() == 3
+    # A queue for the budget, at its capacity with requests held at a gateway: raised, scrape after scrape.
+    assert learnt.observe(sized(6, running=3, waiting=1, kv=0.4), 3, True, RULE, needed_tokens=200) == RAISE
+    assert learnt.observe(sized(7, running=3, waiting=1, kv=0.4), 4, True, RULE, needed_tokens=200) == RAISE
+    assert learnt.queue == FOR_BUDGET and learnt.limit() == 5
+    # One scrape of a queue for blocks stops a raise (two would cut).
+    assert learnt.observe(sized(8, running=4, waiting=1, kv=0.8), 5, True, RULE, needed_tokens=2300) is None
+
+
+def test_seats_are_not_learnt_from_a_queue_for_blocks_just_below_kv_target():
+    """Three long prompts hold 79.8% of the cache at the start (the engine never ran more): the next one waits for
+    blocks, not for a seat (the estimate of what it needs says so where the usage gauge alone could not)."""
+    learnt = ReplicaCapacity()
+    learnt.observe(sized(1, running=3, waiting=1, kv=0.798), 4, True, RULE, needed_tokens=2300)
+    assert learnt.observe(sized(2, running=3, waiting=1, kv=0.798), 4, True, RULE, needed_tokens=2300) == CUT
+    assert learnt.seats is None and learnt.queue == FOR_BLOCKS
+
+
+def test_the_room_estimates_what_an_engine_must_still_find_and_counts_its_queues_by_kind():
+    registry = CollectorRegistry()
+    router, room, _, _ = make_room(replicas=("a",), metrics=RoomMetrics(registry))
+    replica = router.replicas.get("a")
+    replica.local_inflight, replica.local_inflight_tokens, replica.local_inflight_output_tokens = 5, 1000, 500
+    # held: 1,000 prompt tokens (ratio 1) + 500 output = 1,500; the cache holds 10% of 8,192 = 819 of it now
+    assert room.needed_tokens(replica, sized(1, 3, 2, kv=0.1)) == pytest.approx(1500 - 819.2)
+    assert room.needed_tokens(replica, sized(1, 4, 2, kv=0.1)) is None  # 6 in the engine, 5 known: unsized
+    assert room.needed_tokens(replica, load(1, 3, 2, kv=0.1)) is None  # no cache size
+    for at, running in enumerate((5, 3, 3), start=1):  # it ran 5; then 3 with 2 waiting, twice: a budget queue
+        replica.engine_load = sized(at, running, 5 - running, kv=0.1)
+        for listener in router.engine_load_listeners:
+            listener(replica)
+    assert room.capacity(replica) is None
+    assert registry.get_sample_value("llmgw_flow_engine_queues_total", {"model": "m", "kind": FOR_BUDGET}) == 1
+    assert registry.get_sample_value("llmgw_flow_engine_queues_total", {"model": "m", "kind": FOR_BLOCKS}) == 0
