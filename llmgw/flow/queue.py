@@ -10,10 +10,12 @@ within a band, deadlines, overflow, and a Retry-After from the measured drain ra
   FCFS within one). A dispatcher task per model, started when the model first has a waiter and ending when it has
   none, admits waiters while there is room: the highest band first, a lower band only when every band above it is
   empty. It wakes on ``room.changed(model)``, an arrival and a release.
-- A request is shed (:class:`~.model.Shed`, 429) at once on arrival when its predicted wait passes
-  ``ARRIVAL_SHARE`` of what its deadline leaves (UNSERVABLE; :mod:`.shedding`: the bands above drained at their
-  rates, then what of its own band the fair order puts before it, :meth:`~.fair.FairBand.tokens_before`: a light
-  tenant arriving behind a heavy one's burst is not shed for the burst); never while no drain rate is measured,
+- A request is shed (:class:`~.model.Shed`, 429) at once on arrival when its predicted wait, times the factor its
+  class's predictions were measured wrong by, passes what its deadline leaves (UNSERVABLE; :mod:`.shedding`: the
+  bands above drained at their rates, then what of its own band the fair order puts before it,
+  :meth:`~.fair.FairBand.tokens_before`: a light tenant arriving behind a heavy one's burst is not shed for the
+  burst; the factor, :class:`~.shedding.WaitErrors`, learnt from each waiter's wait against its prediction);
+  never while no drain rate is measured,
   nor when the model has room for it and all waiting ahead of it. A waiter is shed the same way while it waits
   (looked at every ``RECHECK`` seconds) once its predicted wait passes ``RECHECK_FACTOR`` times what it has left
   (a higher class arrived ahead of it, the drain slowed); else when its deadline passes (EXPIRED); or when the

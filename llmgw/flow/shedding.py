@@ -136,33 +136,41 @@ class WaitErrors:
     wait, each as the seconds waited over the seconds predicted, and the factor learnt from them
     (:meth:`factor`)."""
 
-    __slots__ = ("_ratios", "_factor")
+    __slots__ = ("_ratios", "_factor", "_missed")
 
     def __init__(self) -> None:
-        self._ratios: deque[float] = deque(maxlen=ERRORS_KEPT)
+        self._ratios: deque[tuple[float, bool]] = deque(maxlen=ERRORS_KEPT)  # (waited / predicted, missed)
         self._factor: float | None = None  # the quantile, kept until the next outcome
+        self._missed = 0  # of those kept, the waiters shed or expired
 
     def served(self, predicted: float, waited: float) -> None:
         """A request predicted to wait ``predicted`` seconds was dispatched after ``waited``."""
-        self._add(waited / max(predicted, SHORTEST))
+        self._add(waited / max(predicted, SHORTEST), False)
 
     def missed(self, predicted: float, left: float) -> None:
         """A request predicted to wait ``predicted`` seconds of the ``left`` its deadline left on arrival was shed
         while it waited, or expired: its wait would have been over ``left``, by how much is not known; counted as
         over by the time between two looks at the waiters (:data:`MISSED_BY`)."""
-        self._add((left + MISSED_BY) / max(predicted, SHORTEST))
+        self._add((left + MISSED_BY) / max(predicted, SHORTEST), True)
 
-    def _add(self, ratio: float) -> None:
-        self._ratios.append(ratio)
+    def _add(self, ratio: float, missed: bool) -> None:
+        if len(self._ratios) == ERRORS_KEPT and self._ratios[0][1]:
+            self._missed -= 1
+        self._ratios.append((ratio, missed))
+        self._missed += missed
         self._factor = None
 
     def factor(self) -> float | None:
         """The :data:`FACTOR_QUANTILE` of the waits over their predictions (None until :data:`ERRORS_LEARNT`
-        outcomes were seen)."""
+        outcomes were seen); :data:`FACTOR_LEAST` while none of them missed its deadline: waits longer than
+        predicted but served in time (a batch class's, behind the interactive arrivals that no prediction counts)
+        are no reason to shed."""
         if len(self._ratios) < ERRORS_LEARNT:
             return None
+        if not self._missed:
+            return FACTOR_LEAST
         if self._factor is None:
-            ordered = sorted(self._ratios)
+            ordered = sorted(ratio for ratio, _ in self._ratios)
             self._factor = ordered[min(len(ordered) - 1, int(FACTOR_QUANTILE * len(ordered)))]
         return self._factor
 
