@@ -50,7 +50,8 @@ class FlowMetrics:
         self.prediction_factor = CachedLabels(Gauge(
             "llmgw_flow_wait_prediction_factor", "What a class's waits came to over the waits predicted on their "
             "arrival (the 90th percentile of its latest 128 waiters): an arrival is shed at once when its predicted "
-            "wait times this (within 1.11 and 4) passes its deadline; absent until learnt.", ["model", "class"],
+            "wait times this (within 1.11 and 4) passes its deadline; 1.11 while none of them missed its deadline; "
+            "absent until learnt.", ["model", "class"],
             registry=r))
         self.drain_rate = CachedLabels(Gauge(
             "llmgw_flow_drain_tokens_per_second", "Estimated tokens per second a model's queue is dispatched at "
