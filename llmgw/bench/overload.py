@@ -47,6 +47,7 @@ from .overload_arms import (
     VLLM_ROUTER,
     ArmUnavailable,
     RouterTuning,
+    early_shed_verdicts,
     engine_priority_requests,
     open_fleet,
     router_tuning,
@@ -166,6 +167,7 @@ async def run_arm(args: argparse.Namespace, http: httpx.AsyncClient, arm: str, g
                     print(f"  {fleet.label}: {load:g}x ({load * capacity:.2f} req/s), repeat {repeat + 1} of "
                           f"{args.repeats}", file=sys.stderr, flush=True)
                     await wait_idle(http, sim_urls, args.request_timeout)
+                    judged = await early_shed_verdicts(http, fleet.control_urls)
                     kv: list[dict] = []
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(partial(sample_kv, seats=args.max_num_seqs), http, sim_urls,
@@ -174,6 +176,10 @@ async def run_arm(args: argparse.Namespace, http: httpx.AsyncClient, arm: str, g
                                                args.seed * 100 + repeat)
                         nursery.cancel_scope.cancel()
                     runs.append(level_stats(loop, kv, slo_of(args), capacity))
+                    # The early sheds judged during the run and its drain (wait_idle: their deadlines passed)
+                    await wait_idle(http, sim_urls, args.request_timeout)
+                    runs[-1]["early_shed_verdicts"] = _delta(judged, await early_shed_verdicts(http,
+                                                                                               fleet.control_urls))
                 entry["levels"].append({"load": load, "rate_rps": load * capacity, "runs": runs,
                                         "summary": summary(runs)})
             # What says the engines were given priorities at all (0 for every arm but llmgw-flow-priority)
@@ -185,6 +191,12 @@ async def run_arm(args: argparse.Namespace, http: httpx.AsyncClient, arm: str, g
         entry["error"] = failure.splitlines()[0][:200]
         entry["error_detail"] = failure[-4000:]
     return entry
+
+
+def _delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    if before is None or after is None:
+        return None
+    return {key: value - before.get(key, 0.0) for key, value in sorted(after.items())}
 
 
 def arm_runs(args: argparse.Namespace) -> list[tuple[str, int]]:

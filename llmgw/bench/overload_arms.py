@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,8 @@ QUEUE_GAUGE = "llmgw_flow_queued"  # the requests a gateway holds in its queue, 
 ENGINE_KV, ENGINE_WAITING = "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting"
 ENGINE_RUNNING = "vllm:num_requests_running"
 ENGINE_PREEMPTIONS = "vllm:num_preemptions_total"  # sequences an engine preempted (its KV cache ran out)
+VERDICTS_COUNTER = "llmgw_flow_early_shed_verdicts_total"  # early sheds judged afterwards (wrong: idle_in_time)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 ALLOWANCE_GAUGE = "llmgw_flow_output_allowance_ratio"  # of max_tokens, what a gateway's room reserves
 
 
@@ -189,16 +192,39 @@ async def sample_kv(http: httpx.AsyncClient, engines: Sequence[str], gateways: S
         await trio.sleep(interval)
 
 
-async def engine_priority_requests(http: httpx.AsyncClient, gateways: Sequence[str]) -> float | None:
-    """The requests the gateways sent with an engine priority (``llmgw_engine_priority_requests_total``, summed);
-    None when a gateway did not answer."""
-    total = 0.0
+async def gateway_series(http: httpx.AsyncClient, gateways: Sequence[str], stem: str) -> dict[str, float] | None:
+    """Each series of ``stem`` (by its labels, ``{...}``), summed over the gateways; None when one did not answer."""
+    total: dict[str, float] = {}
     for url in gateways:
         parsed = await _metrics(http, url)
         if parsed is None:
             return None
-        total += series_sum(parsed, "llmgw_engine_priority_requests_total")
+        for key, value in parsed.items():
+            name, _, labels = key.partition("{")
+            if name == stem:
+                total[labels] = total.get(labels, 0.0) + value
     return total
+
+
+async def engine_priority_requests(http: httpx.AsyncClient, gateways: Sequence[str]) -> float | None:
+    """The requests the gateways sent with an engine priority (``llmgw_engine_priority_requests_total``, summed);
+    None when a gateway did not answer."""
+    found = await gateway_series(http, gateways, "llmgw_engine_priority_requests_total")
+    return None if found is None else sum(found.values())
+
+
+async def early_shed_verdicts(http: httpx.AsyncClient, gateways: Sequence[str]) -> dict[str, float] | None:
+    """The gateways' early sheds judged so far (``llmgw_flow_early_shed_verdicts_total``), by ``class/verdict``;
+    None when a gateway did not answer."""
+    found = await gateway_series(http, gateways, VERDICTS_COUNTER)
+    if found is None:
+        return None
+    out: dict[str, float] = {}
+    for labels, value in found.items():
+        fields = dict(_LABEL.findall(labels))
+        key = f"{fields.get('class', '')}/{fields.get('verdict', '')}"
+        out[key] = out.get(key, 0.0) + value
+    return out
 
 
 async def wait_idle(http: httpx.AsyncClient, engines: Sequence[str], timeout: float) -> bool:

@@ -57,7 +57,8 @@ SLOW_REFUSAL = 0.05  # seconds: issue 31's target for a refusal's answer
 
 
 def refusal_breakdown(outcomes: Sequence[Outcome]) -> dict:
-    """Where the refusals' latency comes from: per reason (llmgw's expired, overflow, unservable) and per gateway,
+    """Where the refusals' latency comes from: per reason (llmgw's expired, overflow, unservable on arrival,
+    unservable_waiting: found while it waited) and per gateway,
     their count and latency p50/p99; and the slow ones (over :data:`SLOW_REFUSAL`) per reason and per second of
     the run they were sent in."""
     refused = [o for o in outcomes if o.kind in (SHED, EXPIRED)]

@@ -95,9 +95,10 @@ def kind_of(status: int, body: str) -> str:
 
 
 # llmgw's 429 messages (llmgw.gateway.flow_gate.shed_response) say why: the request would not have had room in
-# time (shed at once or while waiting: its message names the deadline too, so it is looked for first), the queue
-# was full, or the deadline passed while it waited.
-REFUSAL_REASONS = (("would not have room", "unservable"), ("is full", "overflow"), ("its deadline (class", "expired"))
+# time, found while it waited or on arrival (its message names the deadline too, so it is looked for first), the
+# queue was full, or the deadline passed while it waited.
+REFUSAL_REASONS = (("found after it waited", "unservable_waiting"), ("would not have room", "unservable"),
+                   ("is full", "overflow"), ("its deadline (class", "expired"))
 
 
 def reason_of(status: int, body: str) -> str:

@@ -8,6 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from ..cached_labels import CachedLabels
 
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+# Seconds waited less seconds predicted on arrival: early (below 0) or late
+PREDICTION_ERROR_BUCKETS = (-2.0, -1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 RETRY_AFTER_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300)
 
 
@@ -39,6 +41,18 @@ class FlowMetrics:
             "wrong shed), turn_in_time (its turn came in time, in a busy queue: served in another's place), "
             "would_expire (a right shed), unknown (too many awaiting a verdict).",
             ["model", "class", "verdict"], registry=r))
+        self.prediction_error = CachedLabels(Histogram(
+            "llmgw_flow_wait_prediction_error_seconds", "Of requests admitted to wait on a predicted wait, the "
+            "seconds they waited less the seconds predicted on arrival, by model, priority class and outcome: "
+            "admitted (dispatched), unservable (shed while waiting), expired (its deadline passed); for the last "
+            "two the wait so far, a lower bound.", ["model", "class", "outcome"],
+            buckets=PREDICTION_ERROR_BUCKETS, registry=r))
+        self.prediction_factor = CachedLabels(Gauge(
+            "llmgw_flow_wait_prediction_factor", "What a class's waits came to over the waits predicted on their "
+            "arrival (the 90th percentile of its latest 128 waiters): an arrival is shed at once when its predicted "
+            "wait times this (within 1.11 and 4) passes its deadline; 1.11 while none of them missed its deadline; "
+            "absent until learnt.", ["model", "class"],
+            registry=r))
         self.drain_rate = CachedLabels(Gauge(
             "llmgw_flow_drain_tokens_per_second", "Estimated tokens per second a model's queue is dispatched at "
             "while requests wait (an EWMA over half-second windows of backlog); absent until measured.",

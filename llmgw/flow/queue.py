@@ -10,10 +10,12 @@ within a band, deadlines, overflow, and a Retry-After from the measured drain ra
   FCFS within one). A dispatcher task per model, started when the model first has a waiter and ending when it has
   none, admits waiters while there is room: the highest band first, a lower band only when every band above it is
   empty. It wakes on ``room.changed(model)``, an arrival and a release.
-- A request is shed (:class:`~.model.Shed`, 429) at once on arrival when its predicted wait passes
-  ``ARRIVAL_SHARE`` of what its deadline leaves (UNSERVABLE; :mod:`.shedding`: the bands above drained at their
-  rates, then what of its own band the fair order puts before it, :meth:`~.fair.FairBand.tokens_before`: a light
-  tenant arriving behind a heavy one's burst is not shed for the burst); never while no drain rate is measured,
+- A request is shed (:class:`~.model.Shed`, 429) at once on arrival when its predicted wait, times the factor its
+  class's predictions were measured wrong by, passes what its deadline leaves (UNSERVABLE; :mod:`.shedding`: the
+  bands above drained at their rates, then what of its own band the fair order puts before it,
+  :meth:`~.fair.FairBand.tokens_before`: a light tenant arriving behind a heavy one's burst is not shed for the
+  burst; the factor, :class:`~.shedding.WaitErrors`, learnt from each waiter's wait against its prediction);
+  never while no drain rate is measured,
   nor when the model has room for it and all waiting ahead of it. A waiter is shed the same way while it waits
   (looked at every ``RECHECK`` seconds) once its predicted wait passes ``RECHECK_FACTOR`` times what it has left
   (a higher class arrived ahead of it, the drain slowed); else when its deadline passes (EXPIRED); or when the
@@ -54,23 +56,24 @@ from .fair import FairBand
 from .interfaces import Room
 from .metrics import FlowMetrics
 from .model import EXPIRED, OVERFLOW, UNSERVABLE, Admitted, FlowRequest, FlowSettings, PriorityClass, Shed
-from .shedding import BandDrain, drain_time
+from .shedding import BandDrain, drain_time, unservable_on_arrival
 
 log = logging.getLogger(__name__)
 
 POLL = 0.25  # seconds a dispatcher waits at most for a wake-up before looking at the room again
 RECHECK = 0.1  # seconds between two looks at the waiters' predicted waits
-# The predicted wait is noisy: dispatches come in steps as requests end, the drain rate is an EWMA. A request is
-# shed on arrival when its predicted wait passes this share of its deadline, so that those admitted near the line
-# keep some slack and are not shed (or expire) a moment later...
-ARRIVAL_SHARE = 0.9
-# ...and a waiter is shed only when its predicted wait passes its deadline by this factor: a real change (a
-# higher class arrived ahead of it, the drain slowed), not the noise of the estimate it was admitted on.
+# A request is shed on arrival when its predicted wait times a learnt factor passes its deadline (.shedding's
+# unservable_on_arrival); a waiter is shed only when its predicted wait passes its deadline by this factor: a real
+# change (a higher class arrived ahead of it, the drain slowed), not the noise of the estimate it was admitted on.
 RECHECK_FACTOR = 1.5
 RECHECK_MAX = 1000  # waiters of a band looked at per look at most (its newest: the most ahead of them)
 RECENT = 60.0  # seconds of sheds the snapshot counts
 RECENT_KEPT = 256  # sheds remembered per model and class for it
 MAX_MODELS = 1024  # models with nothing waiting or admitted are forgotten beyond it
+
+
+def _times(value: float | None) -> str:
+    return "not learnt" if value is None else f"{value:.2f}x"
 
 
 def _output_of(request: FlowRequest) -> int:
@@ -95,10 +98,10 @@ class Queued(NamedTuple):
 
 class _Waiter:
     __slots__ = ("request", "since", "event", "outcome", "position", "tokens_ahead", "ahead_class", "target",
-                 "start")
+                 "start", "predicted")
 
     def __init__(self, request: FlowRequest, since: float, position: int, tokens_ahead: int, ahead_class: str,
-                 target: int, start: float):
+                 target: int, start: float, predicted: float | None):
         self.request = request
         self.since = since
         self.event = trio.Event()
@@ -106,6 +109,8 @@ class _Waiter:
         self.position, self.tokens_ahead, self.ahead_class = position, tokens_ahead, ahead_class
         self.target = target  # its band's served tokens once those the fair order put before it have gone
         self.start = start  # its virtual start in its band's fair order
+        # The wait predicted on its arrival (None: no rate known, or room for it and all ahead of it then)
+        self.predicted = predicted
 
     # What the fair band orders by.
     @property
@@ -412,17 +417,21 @@ class FlowQueue(TaskHost):
         # With room for it and all ahead of it, it is dispatched as soon as the dispatcher runs: never shed early.
         # Those ahead count as prompt (their output is not summed per band): the room they need is over-counted,
         # never under, so a request is at worst looked at by the drain prediction rather than let through.
+        expected = None
         if not self._has_room(model, priority, tokens_ahead + max(request.cost, 0), _output_of(request),
                               position + 1):
             cost = max(request.cost, 0)
             expected = self._predicted(self._drain_of(model, band, now, cost), own_ahead, cost, model.stalled(now))
-            if expected is not None and expected > ARRIVAL_SHARE * remaining:
+            factor = band.line.errors.factor()
+            if factor is not None:
+                self.metrics.prediction_factor.labels(model.name, priority.name).set(factor)
+            if expected is not None and unservable_on_arrival(expected, remaining, factor):
                 return self._shed_early(model, band, request, band.fair.start_of(request.flow, request.weight), 0.0,
                                         self._unservable(model, tokens_ahead, expected, remaining), explain)
         if self._overflows(model, request):
             return self._shed(model, request, OVERFLOW, 0.0, self._full(model), explain)
         waiter = _Waiter(request, now, *explain, band.line.served + own_ahead,
-                         band.fair.start_of(request.flow, request.weight))
+                         band.fair.start_of(request.flow, request.weight), expected)
         request.enqueued = now
         self._enqueue(model, waiter, now)
         try:
@@ -437,10 +446,30 @@ class FlowQueue(TaskHost):
         if waiter.outcome is None:
             now = trio.current_time()
             self._dequeue(model, waiter, now)
+            self._missed(model, band, waiter, EXPIRED, now)
             waiter.outcome = self._shed(model, request, EXPIRED, now - waiter.since,
                                         f"no room for it on {model.name} within its {priority.name} deadline",
                                         explain)
         return waiter.outcome
+
+    def _missed(self, model: _Model, band: _Band, waiter: _Waiter, reason: str, now: float) -> None:
+        """A waiter admitted on a prediction was shed while it waited, or expired: the prediction was wrong."""
+        predicted = waiter.predicted
+        if predicted is None:
+            return
+        request = waiter.request
+        cls = request.priority.name
+        left = request.deadline - waiter.since
+        waited = now - waiter.since
+        band.line.errors.missed(predicted, left)
+        self._prediction_error(model, cls, reason, waited - predicted)
+        self._errors.log(logging.INFO, "flow: a %s request to %s predicted on arrival to wait %.2f s of the %.2f s "
+                         "its deadline left was shed (%s) after %.2f s; the class's factor on arrival is now %s "
+                         "(llmgw_flow_wait_prediction_error_seconds)", cls, model.name, predicted, left, reason,
+                         waited, _times(band.line.errors.factor()), kind=f"missed {model.name} {cls}")
+
+    def _prediction_error(self, model: _Model, cls: str, outcome: str, error: float) -> None:
+        self.metrics.prediction_error.labels(model.name, cls, outcome).observe(error)
 
     @staticmethod
     def _unservable(model: _Model, tokens_ahead: int, expected: float, remaining: float) -> str:
@@ -591,6 +620,9 @@ class FlowQueue(TaskHost):
                 waiter.event.set()
                 self.metrics.admitted.labels(model.name, priority.name).inc()
                 self.metrics.wait.labels(model.name, priority.name).observe(waited)
+                if waiter.predicted is not None:
+                    band.line.errors.served(waiter.predicted, waited)
+                    self._prediction_error(model, priority.name, "admitted", waited - waiter.predicted)
             if had and not len(fair) and band.line.verdicts.pending:
                 self._verdicts(model, band, band.line.verdicts.emptied(now))
             if len(fair):
@@ -629,6 +661,7 @@ class FlowQueue(TaskHost):
                         doomed.append((waiter, above + own_ahead, expected, remaining))
                 for waiter, tokens, expected, remaining in doomed:
                     self._dequeue(model, waiter, now)
+                    self._missed(model, band, waiter, UNSERVABLE, now)
                     waiter.outcome = self._shed_early(
                         model, band, waiter.request, waiter.start, now - waiter.since,
                         self._unservable(model, tokens, expected, remaining),

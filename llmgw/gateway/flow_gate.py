@@ -233,7 +233,8 @@ def shed_response(shed: Shed, model: str, priority: PriorityClass) -> Response:
     elif shed.reason == EXPIRED:
         why = f"it waited {shed.waited:.1f}s for room on model {model!r}, its deadline (class {priority.name!r})"
     else:
-        why = f"model {model!r} would not have room for it within its deadline (class {priority.name!r})"
+        why = f"model {model!r} would not have room for it within its deadline (class {priority.name!r})" + \
+            (f", found after it waited {shed.waited:.1f}s" if shed.waited > 0 else "")
     message = f"the gateway is overloaded: {why}" + (f"; {shed.detail}" if shed.detail else "") + \
         f"; retry after {shed.retry_after}s"
     return error_response(429, message, code=code, type_="rate_limit_exceeded",

@@ -45,8 +45,9 @@ def test_an_answer_is_ok_shed_expired_or_an_error():
 
 
 def test_a_refusals_reason_is_read_from_llmgws_message():
-    for reason, expected in ((EXPIRED_REASON, "expired"), (OVERFLOW, "overflow"), (UNSERVABLE, "unservable")):
-        response = shed_response(Shed(reason, 2, 1.5, "detail"), "tiny", PriorityClass("interactive", 0, 2.0))
+    for reason, waited, expected in ((EXPIRED_REASON, 2.0, "expired"), (OVERFLOW, 0.0, "overflow"),
+                                     (UNSERVABLE, 0.0, "unservable"), (UNSERVABLE, 1.5, "unservable_waiting")):
+        response = shed_response(Shed(reason, 2, waited, "detail"), "tiny", PriorityClass("interactive", 0, 2.0))
         assert reason_of(429, response.body.decode()) == expected
     assert reason_of(429, '{"error": {"message": "rate limit: rpm"}}') == "other"
     assert reason_of(200, "") == ""

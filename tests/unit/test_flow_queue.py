@@ -29,7 +29,19 @@ from llmgw.flow.model import (
     Shed,
 )
 from llmgw.flow.queue import FlowQueue, Queued
-from llmgw.flow.shedding import IDLE_IN_TIME, MAX_MARKS, TURN_IN_TIME, UNKNOWN, VERDICTS, WOULD_EXPIRE, Verdicts
+from llmgw.flow.shedding import (
+    ERRORS_LEARNT,
+    FACTOR_MAX,
+    IDLE_IN_TIME,
+    MAX_MARKS,
+    TURN_IN_TIME,
+    UNKNOWN,
+    VERDICTS,
+    WOULD_EXPIRE,
+    Verdicts,
+    WaitErrors,
+    unservable_on_arrival,
+)
 
 INTERACTIVE, STANDARD, BATCH, BEST_EFFORT = DEFAULT_CLASSES
 MODEL = "m"
@@ -956,9 +968,68 @@ async def test_a_request_arriving_in_a_long_stall_is_shed_at_once_not_at_its_dea
         assert id(early) not in h.outcomes  # 0.5 s of stall: it may still be served in time, so it waits
         await trio.sleep(1.4)
         started = trio.current_time()
-        outcome = await h.queue.enter(request(INTERACTIVE, flow="late", cost=100, wait=2.0))
+        outcome = await h.queue.enter(request(INTERACTIVE, flow="ahead", cost=100, wait=2.0))
         assert isinstance(outcome, Shed) and outcome.reason == UNSERVABLE and trio.current_time() == started
         assert outcome.retry_after == 2  # the stall so far, 1.9 s, rounded up
+
+
+def test_the_factor_on_arrival_is_learnt_from_the_waits_over_their_predictions():
+    errors = WaitErrors()
+    for _ in range(ERRORS_LEARNT - 1):
+        errors.served(predicted=0.5, waited=0.5)
+    assert errors.factor() is None  # too few outcomes: 10% of the deadline is the slack
+    assert unservable_on_arrival(1.7, 2.0, None) is False and unservable_on_arrival(1.9, 2.0, None) is True
+    errors.served(predicted=0.5, waited=0.5)
+    assert errors.factor() == pytest.approx(1 / 0.9)  # never less slack than 10% of the deadline
+    assert unservable_on_arrival(1.7, 2.0, errors.factor()) is False
+    assert unservable_on_arrival(1.9, 2.0, errors.factor()) is True
+    for _ in range(ERRORS_LEARNT):  # waits 3 times as long as predicted, all served in time: no reason to shed
+        errors.served(predicted=0.2, waited=0.6)
+    assert errors.factor() == pytest.approx(1 / 0.9)
+    errors.missed(predicted=1.0, left=2.0)  # one missed its deadline: the waits' 90th percentile counts
+    assert errors.factor() == pytest.approx(3.0)
+    assert unservable_on_arrival(0.6, 2.0, errors.factor()) is False
+    assert unservable_on_arrival(0.7, 2.0, errors.factor()) is True
+    # A waiter that missed its deadline counts as over it by a look's interval; a prediction of 0 as 50 ms.
+    for _ in range(ERRORS_LEARNT * 8):
+        errors.missed(predicted=0.0, left=2.0)
+    assert errors.factor() == pytest.approx(2.1 / 0.05)
+    assert unservable_on_arrival(0.5, 2.0, errors.factor()) is False  # within FACTOR_MAX: the queue keeps a buffer
+    assert unservable_on_arrival(0.51, 2.0, errors.factor()) is True and FACTOR_MAX == 4.0
+
+
+async def test_a_class_whose_waits_missed_their_predictions_is_shed_on_arrival_not_at_its_deadline(autojump_clock):
+    """The drain rate says 1,000 tokens/s (requests of 100 tokens, 0.1 s each), but the room is held by a long
+    stream: the waiters admitted on that prediction expire at their deadline (the slow refusals of issue 31). Once
+    the class has seen 8 of them, an arrival predicted to wait about 0.75 s of its 2 s is shed at once: its class's
+    waits came to many times what was predicted. On a fresh queue the same arrival waits (0.75 s is within 90% of
+    its 2 s)."""
+    async with harness(capacity=1) as h:
+        await measure_drain(h)
+        await occupy(h, 1, hold=100)
+        missed = [h.start(request(INTERACTIVE, flow=f"m{i}", cost=100, wait=2.0)) for i in range(ERRORS_LEARNT)]
+        await trio.sleep(2.5)
+        assert all(h.outcomes[id(r)].reason == EXPIRED for r in missed)  # type: ignore[union-attr]
+        assert h.sample("llmgw_flow_wait_prediction_error_seconds_count", model=MODEL, **{"class": "interactive"},
+                        outcome="expired") == ERRORS_LEARNT
+        assert h.sample("llmgw_flow_wait_prediction_factor", model=MODEL, **{"class": "interactive"}) == 0.0
+        for _ in range(7):  # 700 tokens of its own flow ahead: ~0.75 s at the rate measured
+            h.start(request(INTERACTIVE, flow="ahead", cost=100, wait=100))
+        await trio.testing.wait_all_tasks_blocked()
+        started = trio.current_time()
+        outcome = await h.queue.enter(request(INTERACTIVE, flow="ahead", cost=100, wait=2.0))
+        assert isinstance(outcome, Shed) and outcome.reason == UNSERVABLE and trio.current_time() == started
+        assert h.sample("llmgw_flow_wait_prediction_factor", model=MODEL, **{"class": "interactive"}) > FACTOR_MAX
+
+    async with harness(capacity=1) as fresh:
+        await measure_drain(fresh)
+        await occupy(fresh, 1, hold=100)
+        for _ in range(7):
+            fresh.start(request(INTERACTIVE, flow="ahead", cost=100, wait=100))
+        await trio.testing.wait_all_tasks_blocked()
+        waiter = fresh.start(request(INTERACTIVE, flow="ahead", cost=100, wait=2.0))
+        await trio.sleep(0.05)
+        assert id(waiter) not in fresh.outcomes  # admitted to wait on the prediction alone
 
 
 async def test_a_look_at_the_waiters_costs_a_bounded_time_newest_first(autojump_clock, monkeypatch):
