@@ -208,14 +208,14 @@ async def run_arm(args: argparse.Namespace, http: httpx.AsyncClient, arm: str, g
                           f"{args.repeats}", file=sys.stderr, flush=True)
                     await wait_idle(http, sim_urls, args.request_timeout)
                     kv: list[dict] = []
-                    before = await read_engines(http, sim_urls)
+                    before = await read_engines(http, sim_urls, fleet.control_urls)
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(partial(sample_kv, seats=args.max_num_seqs), http, sim_urls,
                                            fleet.control_urls, kv)
                         loop = await open_loop(send, tenants, load * capacity, args.seconds, args.cap,
                                                args.seed * 100 + repeat)
                         nursery.cancel_scope.cancel()
-                    engines_said = engine_stats(before, await read_engines(http, sim_urls))
+                    engines_said = engine_stats(before, await read_engines(http, sim_urls, fleet.control_urls))
                     runs.append(level_stats(loop, kv, slo_of(args), capacity) | {"engines": engines_said})
                 entry["levels"].append({"load": load, "rate_rps": load * capacity, "runs": runs,
                                         "summary": summary(runs)})

@@ -121,7 +121,8 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "preemptions": ("preemptions",), "output_allowance": ("output_allowance",),
     "busy_when_gateway_queued": ("busy_gateway_queued", "mean"),
     **{f"engine_{key}": ("engines", key) for key in ("step_p50_ms", "step_p99_ms", "overrun_p50_ms", "overrun_p99_ms",
-                                                      "itl_p99_ms", "capped_chunks", "steps")},
+                                                      "itl_p99_ms", "capped_chunks", "steps", "gateway_wait_p50_ms",
+                                                      "gateway_wait_p99_ms")},
 }
 
 
@@ -211,8 +212,9 @@ def engine_lines(arms: Sequence[dict], unloaded: float | None) -> list[str]:
     the modelled steps apart from the host's overrun; an arm on simulators of its own (``llmgw-flow-chunk``) also
     over its own unloaded p99."""
     out = ["", "| arm | load | interactive TTFT p99 ms | / unloaded | / its engines' unloaded | engine steps | "
-               "modelled step p50 / p99 ms | modelled ITL p99 ms | host overrun p50 / p99 ms | chunks capped |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+               "modelled step p50 / p99 ms | modelled ITL p99 ms | host overrun p50 / p99 ms | chunks capped | "
+               "interactive gateway wait p50 / p99 ms |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm in arms:
         if arm.get("error"):
             continue
@@ -229,5 +231,7 @@ def engine_lines(arms: Sequence[dict], unloaded: float | None) -> list[str]:
                        f"{spread_cell(s.get('engine_itl_p99_ms'), '.0f')} | "
                        f"{spread_cell(s.get('engine_overrun_p50_ms'), '.1f')} / "
                        f"{spread_cell(s.get('engine_overrun_p99_ms'), '.1f')} | "
-                       f"{spread_cell(s.get('engine_capped_chunks'), '.0f')} |")
+                       f"{spread_cell(s.get('engine_capped_chunks'), '.0f')} | "
+                       f"{spread_cell(s.get('engine_gateway_wait_p50_ms'), '.0f')} / "
+                       f"{spread_cell(s.get('engine_gateway_wait_p99_ms'), '.0f')} |")
     return out
