@@ -176,6 +176,15 @@ def text(n: int, tag: str) -> str:
     return (base + filler * (n // len(filler) + 1))[:n]
 
 
+async def after_first_token(response: httpx.Response):
+    """A streamed answer's lines, read up to its first ``data:`` line (its first token); the rest to iterate."""
+    lines = response.aiter_lines()
+    async for line in lines:
+        if line.startswith("data: "):
+            break
+    return lines
+
+
 # ---------------------------------------------------------------------------- tests
 
 
@@ -338,10 +347,7 @@ async def test_a_long_prompt_beside_a_running_request_is_prefilled_in_capped_chu
         decoding = {"prompt": text(31, "decoding"), "max_tokens": 400, "ignore_eos": True, "stream": True}
         with trio.fail_after(30):
             async with http.stream("POST", "/v1/completions", json=decoding) as r:
-                lines = r.aiter_lines()
-                async for line in lines:
-                    if line.startswith("data: "):
-                        break  # it decodes now: the engine holds two requests once the long one arrives
+                lines = await after_first_token(r)  # it decodes now: two requests held once the long one arrives
                 long = await http.post("/v1/completions", json={"prompt": text(2047, "long"), "max_tokens": 1})
                 assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == 2048
                 async for _line in lines:
@@ -366,10 +372,7 @@ async def test_usage_counts_blocks_of_running_requests():
         body = {"prompt": text(63, "in flight"), "max_tokens": 40, "ignore_eos": True, "stream": True}
         with trio.fail_after(20):
             async with http.stream("POST", "/v1/completions", json=body) as r:
-                lines = r.aiter_lines()
-                async for line in lines:
-                    if line.startswith("data: "):
-                        break  # first token out: 64 prompt tokens = 4 full blocks, decoding
+                lines = await after_first_token(r)  # 64 prompt tokens = 4 full blocks, decoding
                 metrics = (await http.get("/metrics")).text
                 samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and line[0] != "#")
                 labels = '{engine="0",model_name="sim"}'

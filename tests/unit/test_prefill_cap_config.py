@@ -3,18 +3,15 @@ simulator's, which accepts what the plugin builds), the wire to the agent and th
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from llmgw import wire
 from llmgw.config import ConfigError, parse_config
 from llmgw.control.fingerprint import profile_fingerprint
 from llmgw.control.reconciler import shard_profile
-from llmgw.plugin import LaunchContext
 from llmgw.plugins.engine_sim import SimEngine
 from llmgw.plugins.engine_vllm import VllmEngine
 from llmgw.sim.cli import _strip_ignored, build_parser, config_from_args
+from llmgw.testing.engine_argv import fake_vllm_on_path, launch_argv
 
 CONFIG = """\
 agents: {token: t}
@@ -25,7 +22,6 @@ deployments:
   - {profile: p, replicas: 1}
   - {profile: q, replicas: 1}
 """
-CTX = LaunchContext(host="127.0.0.1", http_port=21000, node_address="10.0.0.5", state_dir=Path("/tmp/state"))
 
 
 def test_the_key_is_read_and_a_bad_value_names_its_file_line_and_key():
@@ -39,26 +35,17 @@ def test_the_key_is_read_and_a_bad_value_names_its_file_line_and_key():
         assert "long_prefill_token_threshold" in str(caught.value) and "conf.yaml:3" in str(caught.value), bad
 
 
-def launch_argv(engine, threshold: int) -> list[str]:
-    profile = wire.ShardProfile(name="p", engine=engine.name, model_path="/models/llama", served_model_name="llama",
-                                args=["--seed", "1"], long_prefill_token_threshold=threshold)
-    return engine.command(wire.StartShard(shard_id="r1-0", replica_id="r1", profile=profile), CTX).argv
-
-
 @pytest.mark.parametrize("engine", [SimEngine(), VllmEngine()], ids=["sim", "vllm"])
 def test_the_engine_plugins_pass_it_and_nothing_without_it(engine, monkeypatch, tmp_path):
-    vllm = tmp_path / "vllm"
-    vllm.write_text("#!/bin/sh\n")
-    vllm.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
-    argv = launch_argv(engine, 256)
+    fake_vllm_on_path(monkeypatch, tmp_path)
+    argv = launch_argv(engine, long_prefill_token_threshold=256)
     at = argv.index("--long-prefill-token-threshold")
     assert argv[at + 1] == "256" and at < argv.index("--seed")  # the profile's own args come last
-    assert "--long-prefill-token-threshold" not in launch_argv(engine, 0)
+    assert "--long-prefill-token-threshold" not in launch_argv(engine, long_prefill_token_threshold=0)
 
 
 def test_the_simulator_runs_with_the_command_line_the_plugin_builds():
-    argv = launch_argv(SimEngine(), 256)
+    argv = launch_argv(SimEngine(), long_prefill_token_threshold=256)
     kept, _ignored = _strip_ignored(argv[argv.index("sim") + 1:])  # as its main() does
     config = config_from_args(build_parser().parse_args(kept)).resolve()
     assert config.long_prefill_token_threshold == 256
