@@ -72,6 +72,8 @@ async def test_the_chunk_arm_runs_on_engines_of_its_own_that_cap_the_prefill(tmp
             assert engines["steps"] > 0 and engines["step_p50_ms"] <= engines["step_p99_ms"], engines
             assert engines["overrun_p99_ms"] is not None
             capped[arm["arm"], level["load"]] = engines["capped_chunks"]
+            # the gateways' interactive queue wait: read where flow control queues, absent where it is off
+            assert (engines["gateway_wait_p99_ms"] is None) == (arm["arm"] == OFF), engines
     # a ~2,100-token batch prompt is cut into chunks of 128 whenever another request is held: at 2x of a capacity
     # given (the ramp's, on a loaded machine, can be a handful of requests), some 14 batch prompts among 34 others
     assert capped[FLOW_CHUNK, 2.0] > 0 and capped[OFF, 0.5] == capped[OFF, 2.0] == 0, capped
