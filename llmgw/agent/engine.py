@@ -115,8 +115,9 @@ def is_follower(spec: wire.StartShard) -> bool:
 
 
 def openai_server_flags(spec: wire.StartShard, ctx: LaunchContext) -> list[str]:
-    """vLLM's flags for address, names, parallelism, LoRA adapters and the scheduling policy (shared by ``vllm``
-    and ``sim``); the API key is not one of them: it goes in the environment (:func:`api_key_env`)."""
+    """vLLM's flags for address, names, parallelism, LoRA adapters, the scheduling policy and the per-step prefill
+    cap (shared by ``vllm`` and ``sim``); the API key is not one of them: it goes in the environment
+    (:func:`api_key_env`)."""
     profile = spec.profile
     if not profile.model_path:
         raise EngineError(f"engine {profile.engine or '?'}: profile {profile.name!r} has no model_path")
@@ -126,6 +127,8 @@ def openai_server_flags(spec: wire.StartShard, ctx: LaunchContext) -> list[str]:
         flags += ["--enable-lora", "--lora-modules", *(f"{lora.name}={lora.path}" for lora in profile.lora_adapters)]
     if profile.scheduling_policy == "priority":  # else vLLM's default, fcfs: other command lines stay as they were
         flags += ["--scheduling-policy", "priority"]
+    if profile.long_prefill_token_threshold:  # 0: vLLM's default, no cap per request and step
+        flags += ["--long-prefill-token-threshold", str(profile.long_prefill_token_threshold)]
     if profile.sleep_mode:
         flags.append("--enable-sleep-mode")
     return flags

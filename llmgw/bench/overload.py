@@ -15,7 +15,10 @@ written (partial results as they come).
 
 Run: ``llmgw bench overload [--arms llmgw-flow,llmgw-off,vllm-router] [--gateways 1,3] [--loads 0.5,1,2,4]
 [--repeats 3] [--json bench-results/overload.json]``; the arm ``llmgw-flow-priority`` (not in the default arms)
-adds the engines' priority scheduling (``--arms llmgw-flow,llmgw-flow-priority``). ``--quick`` is a small form
+adds the engines' priority scheduling (``--arms llmgw-flow,llmgw-flow-priority``), the arm ``llmgw-flow-chunk`` their
+per-step prefill cap (``--prefill-cap``) on simulators of its own, whose unloaded interactive TTFT p99 it measures
+first (the ramp's first step on them). Every run also reads what the simulators' ``/metrics`` say of it
+(:mod:`.overload_engines`): their steps' modelled lengths and the host's overrun past them. ``--quick`` is a small form
 for a smoke test. Needs ``redis-server``; vllm-router is looked up as ``llmgw bench routing`` does
 (``--install-vllm-router`` installs
 0.1.17 into bench-results/vr-venv), else its arm says it is not installed.
@@ -24,9 +27,10 @@ for a smoke test. Needs ``redis-server``; vllm-router is looked up as ``llmgw be
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -43,6 +47,7 @@ from .limits import leaves
 from .overload_arms import (
     ARMS,
     DEFAULT_ARMS,
+    FLOW_CHUNK,
     FLOW_PRIORITY,
     VLLM_ROUTER,
     ArmUnavailable,
@@ -54,6 +59,7 @@ from .overload_arms import (
     sample_kv,
     wait_idle,
 )
+from .overload_engines import engine_stats, read_engines
 from .overload_report import level_stats, markdown, summary
 from .overload_workload import BATCH, INTERACTIVE, OK, Mix, Tenant, closed_loop, open_loop, sender
 from .proxy import find_vllm_router, vllm_router_version
@@ -79,6 +85,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--capacity", type=float, default=None,
                         help="req/s the loads are multiples of, instead of the ramp's knee (the ramp still gives "
                              "the unloaded TTFT): two builds compared at the same arrival rates")
+    parser.add_argument("--prefill-cap", type=int, default=256, metavar="N",
+                        help="the llmgw-flow-chunk arm's simulators' --long-prefill-token-threshold (default 256)")
     parser.add_argument("--slo-interactive-ms", type=float, default=500.0, help="interactive TTFT SLO")
     parser.add_argument("--slo-batch-s", type=float, default=30.0, help="batch end-to-end SLO")
     parser.add_argument("--batch-share", type=float, default=0.3, help="the batch tenant's share of arrivals")
@@ -122,26 +130,33 @@ def slo_of(args: argparse.Namespace) -> dict[str, float]:
     return {INTERACTIVE: args.slo_interactive_ms / 1000, BATCH: args.slo_batch_s}
 
 
+async def ramp_step(args: argparse.Namespace, http: httpx.AsyncClient, engines: list[Child],
+                    tenants: Sequence[Tenant], concurrency: int) -> dict:
+    """One closed-loop step of the capacity ramp straight on ``engines``: its throughput and interactive TTFTs."""
+    send = sender(http, [e.url for e in engines], args.request_timeout, ignore_eos=args.natural_output is None)
+    await wait_idle(http, [e.url for e in engines], args.request_timeout)
+    loop = await closed_loop(send, tenants, concurrency, args.capacity_seconds, args.seed)
+    ok = [o for o in loop.outcomes if o.kind == OK]
+    ttft = [o.ttft for o in ok if o.priority == INTERACTIVE]
+    p50, p99 = percentile(ttft, 0.5), percentile(ttft, 0.99)
+    step = {"concurrency": concurrency, "rps": len(ok) / loop.seconds,
+            "interactive_ttft_p50_ms": None if p50 is None else p50 * 1000,
+            "interactive_ttft_p99_ms": None if p99 is None else p99 * 1000,
+            "failed": len(loop.outcomes) - len(ok)}
+    print(f"  capacity ramp: {concurrency} clients: {step['rps']:.2f} req/s, interactive TTFT p99 "
+          f"{step['interactive_ttft_p99_ms'] or 0:.0f} ms", file=sys.stderr, flush=True)
+    return step
+
+
 async def measure_capacity(args: argparse.Namespace, http: httpx.AsyncClient, engines: list[Child],
                            tenants: Sequence[Tenant]) -> dict:
     """The closed-loop ramp straight on the engines (see the module's docstring)."""
-    send = sender(http, [e.url for e in engines], args.request_timeout, ignore_eos=args.natural_output is None)
-    slo = slo_of(args)[INTERACTIVE]
     steps = []
     for concurrency in args.ramp:
-        await wait_idle(http, [e.url for e in engines], args.request_timeout)
-        loop = await closed_loop(send, tenants, concurrency, args.capacity_seconds, args.seed)
-        ok = [o for o in loop.outcomes if o.kind == OK]
-        ttft = [o.ttft for o in ok if o.priority == INTERACTIVE]
-        p99 = percentile(ttft, 0.99)
-        step = {"concurrency": concurrency, "rps": len(ok) / loop.seconds,
-                "interactive_ttft_p50_ms": None if not ttft else percentile(ttft, 0.5) * 1000,  # type: ignore[operator]
-                "interactive_ttft_p99_ms": None if p99 is None else p99 * 1000,
-                "failed": len(loop.outcomes) - len(ok)}
+        step = await ramp_step(args, http, engines, tenants, concurrency)
         steps.append(step)
-        print(f"  capacity ramp: {concurrency} clients: {step['rps']:.2f} req/s, interactive TTFT p99 "
-              f"{step['interactive_ttft_p99_ms'] or 0:.0f} ms", file=sys.stderr, flush=True)
-        if p99 is None or p99 > slo:
+        p99 = step["interactive_ttft_p99_ms"]
+        if p99 is None or p99 > args.slo_interactive_ms:
             break
     within = [s for s in steps if s["interactive_ttft_p99_ms"] is not None
               and s["interactive_ttft_p99_ms"] <= args.slo_interactive_ms]
@@ -151,14 +166,40 @@ async def measure_capacity(args: argparse.Namespace, http: httpx.AsyncClient, en
             "unloaded_interactive_ttft_p99_ms": steps[0]["interactive_ttft_p99_ms"], "ramp": steps}
 
 
+@contextlib.asynccontextmanager
+async def arm_engines(args: argparse.Namespace, http: httpx.AsyncClient, arm: str, engines: list[Child],
+                      extra: tuple[str, ...], tenants: Sequence[Tenant]) -> AsyncIterator[tuple[list[Child], dict]]:
+    """The simulators ``arm`` runs on, and what to record of them: the fleet's own; for ``llmgw-flow-chunk``, as
+    many of their own started with ``--long-prefill-token-threshold`` (stopped after the block), with their
+    unloaded interactive TTFT (the ramp's first step on them)."""
+    if arm != FLOW_CHUNK:
+        yield engines, {}
+        return
+    async with trio.open_nursery() as nursery:
+        own = await start_sims(nursery, args.replicas, env=KV_SIM_ENV, num_blocks=args.num_blocks, block_size=16,
+                               seed=0, extra=(*extra, "--long-prefill-token-threshold", str(args.prefill_cap)))
+        print(f"  {arm}: simulators of its own, --long-prefill-token-threshold {args.prefill_cap}", file=sys.stderr,
+              flush=True)
+        unloaded = await ramp_step(args, http, own, tenants, args.ramp[0])
+        try:
+            yield own, {"prefill_cap": args.prefill_cap, "unloaded": unloaded,
+                        "unloaded_interactive_ttft_p99_ms": unloaded["interactive_ttft_p99_ms"]}
+        finally:
+            nursery.cancel_scope.cancel()
+
+
 async def run_arm(args: argparse.Namespace, http: httpx.AsyncClient, arm: str, gateways: int, engines: list[Child],
                   tenants: Sequence[Tenant], workdir: Path, vllm_router: str | None, tuning: RouterTuning,
-                  capacity: float) -> dict:
+                  capacity: float, extra: tuple[str, ...]) -> dict:
+    """Every load level of ``arm`` through ``gateways`` routers, on ``engines`` or (:func:`arm_engines`) its own,
+    started with the fleet's ``extra`` simulator flags and its own."""
     entry: dict = {"arm": arm, "gateways": gateways, "label": f"{arm} x{gateways}", "levels": []}
-    sim_urls = [e.url for e in engines]
     try:
-        async with open_fleet(arm, gateways, engines, tenants, workdir, vllm_router, tuning,
-                              args.output_quantile) as fleet:
+        async with arm_engines(args, http, arm, engines, extra, tenants) as (arm_sims, record), \
+                open_fleet(arm, gateways, arm_sims, tenants, workdir, vllm_router, tuning,
+                           args.output_quantile) as fleet:
+            entry.update(record)
+            sim_urls = [e.url for e in arm_sims]
             entry["notes"] = fleet.notes
             send = sender(http, fleet.urls, args.request_timeout, ignore_eos=args.natural_output is None)
             for load in args.loads:
@@ -169,13 +210,15 @@ async def run_arm(args: argparse.Namespace, http: httpx.AsyncClient, arm: str, g
                     await wait_idle(http, sim_urls, args.request_timeout)
                     judged = await early_shed_verdicts(http, fleet.control_urls)
                     kv: list[dict] = []
+                    before = await read_engines(http, sim_urls, fleet.control_urls)
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(partial(sample_kv, seats=args.max_num_seqs), http, sim_urls,
                                            fleet.control_urls, kv)
                         loop = await open_loop(send, tenants, load * capacity, args.seconds, args.cap,
                                                args.seed * 100 + repeat)
                         nursery.cancel_scope.cancel()
-                    runs.append(level_stats(loop, kv, slo_of(args), capacity))
+                    engines_said = engine_stats(before, await read_engines(http, sim_urls, fleet.control_urls))
+                    runs.append(level_stats(loop, kv, slo_of(args), capacity) | {"engines": engines_said})
                     # The early sheds judged during the run and its drain (wait_idle: their deadlines passed)
                     await wait_idle(http, sim_urls, args.request_timeout)
                     runs[-1]["early_shed_verdicts"] = _delta(judged, await early_shed_verdicts(http,
@@ -208,7 +251,7 @@ async def run(args: argparse.Namespace, root: Path, vllm_router: str | None, loo
     settings = {key: getattr(args, key) for key in ("replicas", "profile", "max_num_seqs", "num_blocks", "time_scale",
                                                      "loads", "repeats", "seconds", "ramp", "capacity_seconds", "cap",
                                                      "slo_interactive_ms", "slo_batch_s", "seed", "gateways",
-                                                     "natural_output", "output_quantile")}
+                                                     "natural_output", "output_quantile", "prefill_cap")}
     settings.update(sim_note=f"--max-num-seqs {args.max_num_seqs}, --num-blocks {args.num_blocks}"
                     + (f", --time-scale {args.time_scale:g}" if args.time_scale != 1.0 else "")
                     + (f", answers of --output-tokens {args.natural_output} at most max_tokens"
@@ -234,7 +277,7 @@ async def run(args: argparse.Namespace, root: Path, vllm_router: str | None, loo
             print(f"llmgw bench overload: {arm}, {gateways} gateway(s)", file=sys.stderr, flush=True)
             report["arms"].append(await run_arm(args, http, arm, gateways, engines, tenants,
                                                 root / f"{i}-{arm}-{gateways}", vllm_router, tuning,
-                                                capacity["rps"]))
+                                                capacity["rps"], extra))
             if args.json:  # what was measured so far survives a run cut short
                 write_json(args.json, {**report, "partial": True})
         nursery.cancel_scope.cancel()

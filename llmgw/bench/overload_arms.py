@@ -9,6 +9,11 @@ them while the load runs.
   arm runs) serve the interactive class first among what waits in them. The other arms send no priority: every
   request's is 0, and an engine in priority scheduling then orders as in fcfs (arrival order, the latest arrival
   preempted), so they run on the same engines unchanged.
+- ``llmgw-flow-chunk``: ``llmgw-flow`` on simulators of their own, started with ``--long-prefill-token-threshold``
+  (the bench's ``--prefill-cap``, vLLM's per-step cap of each request's prefill: a profile's
+  ``long_prefill_token_threshold``), so that no interactive prefill shares its step with a whole batch prompt. The
+  cap changes every request's steps, so the other arms cannot share these engines: ``llmgw bench overload`` starts
+  them for this arm and stops them after it.
 - ``llmgw-off``: the same as ``llmgw-flow`` with ``flow: {enabled: false}`` (on an llmgw without the section, its
   default: no admission at all, which is what "off" means).
 - ``vllm-router``: one vllm-router 0.1.17 (``cache_aware``) with its concurrency limit and queue:
@@ -40,8 +45,9 @@ from .cluster_rig import ClusterRig
 from .overload_workload import Tenant
 from .routing_arms import start_vllm_router
 
-FLOW, FLOW_PRIORITY, OFF, VLLM_ROUTER = "llmgw-flow", "llmgw-flow-priority", "llmgw-off", "vllm-router"
-ARMS = (FLOW, FLOW_PRIORITY, OFF, VLLM_ROUTER)
+FLOW, FLOW_PRIORITY, FLOW_CHUNK = "llmgw-flow", "llmgw-flow-priority", "llmgw-flow-chunk"
+OFF, VLLM_ROUTER = "llmgw-off", "vllm-router"
+ARMS = (FLOW, FLOW_PRIORITY, FLOW_CHUNK, OFF, VLLM_ROUTER)
 DEFAULT_ARMS = (FLOW, OFF, VLLM_ROUTER)
 VLLM_ROUTER_POLICY = "cache_aware"
 QUEUE_GAUGE = "llmgw_flow_queued"  # the requests a gateway holds in its queue, by model and class
@@ -111,7 +117,7 @@ class Fleet:
 async def open_fleet(arm: str, gateways: int, engines: list[Child], tenants: Sequence[Tenant], workdir: Path,
                      vllm_router: str | None, tuning: RouterTuning,
                      output_quantile: str | None = None) -> AsyncIterator[Fleet]:
-    """``arm`` with ``gateways`` routers in front of ``engines`` (running, kept after the block); the flow arm's
+    """``arm`` with ``gateways`` routers in front of ``engines`` (running, kept after the block); the flow arms'
     ``flow.output_quantile`` (``off``: ``flow.learn_output: false``; None: the default)."""
     if arm == VLLM_ROUTER:
         if vllm_router is None:
@@ -126,11 +132,11 @@ async def open_fleet(arm: str, gateways: int, engines: list[Child], tenants: Seq
                 nursery.cancel_scope.cancel()
         return
     config = keys_config(tenants)
-    if arm in (FLOW, FLOW_PRIORITY) and not flow_available():
+    if arm in (FLOW, FLOW_PRIORITY, FLOW_CHUNK) and not flow_available():
         raise ArmUnavailable("not available: this llmgw has no flow control (the `flow:` config section)")
     if arm == OFF and flow_available():
         config += "flow:\n  enabled: false\n"
-    elif arm == FLOW and output_quantile is not None:
+    elif arm in (FLOW, FLOW_CHUNK) and output_quantile is not None:
         config += "flow:\n  " + ("learn_output: false" if output_quantile == "off" else
                                    f"output_quantile: {float(output_quantile)}") + "\n"
     workdir.mkdir(parents=True, exist_ok=True)

@@ -121,6 +121,9 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "kv_when_engines_waiting": ("kv_engines_waiting", "mean"), "over_cap": ("over_cap",),
     "preemptions": ("preemptions",), "output_allowance": ("output_allowance",),
     "busy_when_gateway_queued": ("busy_gateway_queued", "mean"),
+    **{f"engine_{key}": ("engines", key) for key in ("step_p50_ms", "step_p99_ms", "overrun_p50_ms", "overrun_p99_ms",
+                                                      "itl_p99_ms", "capped_chunks", "steps", "gateway_wait_p50_ms",
+                                                      "gateway_wait_p99_ms")},
 }
 
 
@@ -202,4 +205,34 @@ def markdown(report: dict) -> str:
                           f"{spread_cell(s['kv_when_engines_waiting'], '.0f', '%', 100)} | "
                           f"{spread_cell(s['over_cap'], '.0f')} | {spread_cell(s.get('preemptions'), '.0f')} | "
                           f"{spread_cell(s.get('output_allowance'), '.2f')} |")
-    return "\n".join(lines + totals)
+    return "\n".join(lines + totals + engine_lines(report["arms"], unloaded))
+
+
+def engine_lines(arms: Sequence[dict], unloaded: float | None) -> list[str]:
+    """The table of what the simulators said of each level (:mod:`.overload_engines`) beside the interactive TTFT:
+    the modelled steps apart from the host's overrun; an arm on simulators of its own (``llmgw-flow-chunk``) also
+    over its own unloaded p99."""
+    out = ["", "| arm | load | interactive TTFT p99 ms | / unloaded | / its engines' unloaded | engine steps | "
+               "modelled step p50 / p99 ms | modelled ITL p99 ms | host overrun p50 / p99 ms | chunks capped | "
+               "interactive gateway wait p50 / p99 ms |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for arm in arms:
+        if arm.get("error"):
+            continue
+        own = arm.get("unloaded_interactive_ttft_p99_ms")
+        for level in arm["levels"]:
+            s = level["summary"]
+            p99 = s["interactive_ttft_p99_ms"]
+            out.append(f"| {arm['label']} | {level['load']:g}x | {spread_cell(p99, '.0f')} | "
+                       f"{spread_cell(p99, '.1f', 'x', 1 / unloaded) if unloaded else '-'} | "
+                       f"{spread_cell(p99, '.1f', 'x', 1 / own) if own else '-'} | "
+                       f"{spread_cell(s.get('engine_steps'), '.0f')} | "
+                       f"{spread_cell(s.get('engine_step_p50_ms'), '.1f')} / "
+                       f"{spread_cell(s.get('engine_step_p99_ms'), '.1f')} | "
+                       f"{spread_cell(s.get('engine_itl_p99_ms'), '.0f')} | "
+                       f"{spread_cell(s.get('engine_overrun_p50_ms'), '.1f')} / "
+                       f"{spread_cell(s.get('engine_overrun_p99_ms'), '.1f')} | "
+                       f"{spread_cell(s.get('engine_capped_chunks'), '.0f')} | "
+                       f"{spread_cell(s.get('engine_gateway_wait_p50_ms'), '.0f')} / "
+                       f"{spread_cell(s.get('engine_gateway_wait_p99_ms'), '.0f')} |")
+    return out

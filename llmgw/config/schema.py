@@ -394,6 +394,8 @@ class Profile(Located):
     cpu_threads: Annotated[int, at_least(1), at_most(4096)] | None = setting(None)
     api_key: Text | None = setting(None, secret=True)
     scheduling_policy: SchedulingPolicy = setting("fcfs")  # priority: the engine orders requests by their class
+    # vLLM's --long-prefill-token-threshold: a request computes at most this many tokens per engine step
+    long_prefill_token_threshold: Annotated[int, at_least(1), at_most(100_000_000)] | None = setting(None)
 
     @property
     def gpus(self) -> int:

@@ -27,11 +27,14 @@ FINGERPRINT_LENGTH = 16  # hex digits
 
 def canonical_profile(profile: Profile) -> dict:
     """The fields of ``profile`` that change the engine process, as plain JSON values."""
-    engine_keys: dict[str, str | bool] = {"kv_key_mode": "engine"} if profile_kv_key_mode(profile) == "engine" else {}
+    engine_keys: dict[str, str | bool | int] = \
+        {"kv_key_mode": "engine"} if profile_kv_key_mode(profile) == "engine" else {}
     if profile.sleep_mode:  # only when on: the fingerprints of every profile without it stay as they were
         engine_keys["sleep_mode"] = True
     if profile.scheduling_policy != "fcfs":
         engine_keys["scheduling_policy"] = profile.scheduling_policy
+    if profile.long_prefill_token_threshold:
+        engine_keys["long_prefill_token_threshold"] = profile.long_prefill_token_threshold
     return {**engine_keys,
         "v": FINGERPRINT_VERSION,
         "engine": profile.engine,

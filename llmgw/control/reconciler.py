@@ -88,7 +88,8 @@ def shard_profile(profile) -> wire.ShardProfile:
         served_model_name=profile.served_model_name, tp=profile.tp, pp=profile.pp, args=list(profile.args),
         env=dict(profile.env), lora_adapters=[wire.LoraModule(a.name, a.path) for a in profile.lora_adapters],
         kv_events=profile.kv_events, kv_key_mode=profile_kv_key_mode(profile), startup_timeout=profile.startup_timeout,
-        scheduling_policy=profile.scheduling_policy, sleep_mode=profile.sleep_mode)
+        scheduling_policy=profile.scheduling_policy, sleep_mode=profile.sleep_mode,
+        long_prefill_token_threshold=profile.long_prefill_token_threshold or 0)
 
 
 # -- assignments ------------------------------------------------------------------------------------------------------

@@ -79,7 +79,9 @@ class Simulator:
         assert config.max_num_batched_tokens is not None  # resolve() filled it
         scheduler = Scheduler(cache, max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens,
-                              chunked_prefill=config.enable_chunked_prefill, policy=config.scheduling_policy)
+                              chunked_prefill=config.enable_chunked_prefill, policy=config.scheduling_policy,
+                              long_prefill_token_threshold=config.long_prefill_token_threshold,
+                              adaptive_long_prefill=config.long_prefill_token_threshold_adaptive)
         self._events_in = self._events_out = None
         if publishing:
             self._events_in, self._events_out = trio.open_memory_channel(queue_size(events_cfg.max_queue_size))

@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--scheduling-policy", choices=POLICIES, default=FCFS,
                       help="fcfs: waiting requests in arrival order; priority: by each request's 'priority' (lower "
                            "first, then arrival), and blocks running out preempt the lowest priority (vLLM's)")
+    vllm.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="N",
+                      help="while the engine holds more than one request, each computes at most N tokens per step: a "
+                           "long prompt's prefill is cut into chunks of N, so the steps it shares with others stay "
+                           "short (vLLM's; default 0: no cap)")
+    vllm.add_argument("--long-prefill-token-threshold-adaptive", action="store_true",
+                      help="that cap never below --max-num-batched-tokens // the requests held (vLLM's)")
     vllm.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     vllm.add_argument("--prefix-caching-hash-algo", default="sha256",
                       choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"))
@@ -175,6 +181,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
         scheduling_policy=args.scheduling_policy,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         kv_events=args.kv_events_config or KVEventsConfig(),

@@ -120,6 +120,8 @@ class SimConfig:
     max_num_batched_tokens: int | None = None  # None -> 2048, or max(max_model_len, 2048) without chunking
     enable_chunked_prefill: bool = True
     scheduling_policy: str = FCFS  # vLLM's --scheduling-policy: fcfs, or priority (a request's ``priority`` orders it)
+    long_prefill_token_threshold: int = 0  # vLLM's: tokens one request computes per step at most (0: no cap)
+    long_prefill_token_threshold_adaptive: bool = False  # vLLM's: that cap never below the budget's fair share
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
@@ -226,6 +228,10 @@ class SimConfig:
             raise SimArgumentError(  # vLLM refuses the same: a prompt of max_model_len tokens could never be scheduled
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than --max-model-len "
                 f"({self.max_model_len}): without chunked prefill every prompt must fit in one step")
+        if not 0 <= self.long_prefill_token_threshold <= self.max_model_len:
+            raise SimArgumentError(  # vLLM's SchedulerConfig refuses the same
+                f"--long-prefill-token-threshold ({self.long_prefill_token_threshold}) must be within 0 (no cap) and "
+                f"--max-model-len ({self.max_model_len})")
         if self.scheduling_policy not in POLICIES:
             raise SimArgumentError(f"--scheduling-policy must be one of {', '.join(POLICIES)}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -155,6 +155,7 @@ class StepLoop:
                 await trio.sleep_until(started + seconds)
             else:
                 await trio.lowlevel.checkpoint()
+            scheduler.stats.overrun.observe(max(0.0, trio.current_time() - started - seconds))
             try:
                 progressed = scheduler.update(step, seconds)
             except Exception as exc:

@@ -4,16 +4,22 @@ Pure and synchronous (no clock, no I/O), after vLLM v1's scheduler:
 
 - running requests first, in admission order: each gets the tokens it still
   has to compute (one per decoding request, the rest of a chunked or resumed
-  prefill), within the step's token budget (``max_num_batched_tokens``);
+  prefill), within the step's token budget (``max_num_batched_tokens``) and,
+  with ``long_prefill_token_threshold`` > 0 while the engine holds more than
+  one request (running and waiting, counted as the step is planned), at most
+  that many (vLLM's ``--long-prefill-token-threshold``, 0.32; with
+  ``adaptive_long_prefill``, its ``--long-prefill-token-threshold-adaptive``,
+  never below ``max_num_batched_tokens`` // those requests);
   when its blocks do not fit, the most recently admitted running request is
   preempted (blocks freed, recomputed later from the start, prefix cache
   permitting) until they do;
 - then, unless something was preempted, waiting requests in the queue's order
   (``fcfs``: arrival; ``priority``: a request's ``priority``, lower first, then
   arrival) while the budget, ``max_num_seqs`` and free blocks allow; each starts with
-  its prefix-cache hit and computes the rest (chunked across steps when the
-  budget is short; without ``chunked_prefill`` only a step with budget for
-  the whole rest admits it); the first that does not fit stops admission;
+  its prefix-cache hit and computes the rest, capped the same way (chunked
+  across steps when the budget is short; without ``chunked_prefill`` only a
+  step with budget for the whole capped rest admits it, as in vLLM, where the
+  cap applies first); the first that does not fit stops admission;
 - with ``policy="priority"`` (vLLM's ``--scheduling-policy priority``) the
   request preempted when blocks run out is the running request of the lowest
   priority (the highest ``priority`` value, the latest arrival among equals),
@@ -154,6 +160,10 @@ PREFILL_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0
 # vLLM's buckets of vllm:inter_token_latency_seconds (the same in loggers.py since it was named so, v0.11)
 INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                                10.0, 20.0, 40.0, 80.0)
+# llmgw_sim_step_seconds: a step's modelled length (x the time scale), from a decode step's few ms to a long prefill's
+STEP_BUCKETS = (0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+# llmgw_sim_step_overrun_seconds: how much later than modelled a step ended (the host's own delay)
+OVERRUN_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 @dataclass(slots=True)
@@ -196,19 +206,34 @@ class SchedulerStats:
     # the steps' modelled times (x the time scale), what the GPU would take, without the host's own delays
     inter_token: Histogram = field(default_factory=lambda: Histogram(INTER_TOKEN_LATENCY_BUCKETS))
     decode: Histogram = field(default_factory=lambda: Histogram(PREFILL_TIME_BUCKETS))
+    # each step's modelled length (x the time scale), and how much later than that it ended on the loop's clock: what
+    # the modelled GPU took, told apart from what the host added (llmgw bench overload reports both beside its TTFTs)
+    step: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))
+    overrun: Histogram = field(default_factory=lambda: Histogram(OVERRUN_BUCKETS))
+    capped_chunks: int = 0  # prefill chunks cut short by long_prefill_token_threshold
 
     def observe_prefill(self, seconds: float) -> None:
         """One request's prefill time."""
         self.prefill.observe(seconds)
 
 
+def _capped(tokens: int, cap: int) -> int:
+    """``tokens``, at most ``cap`` when it is > 0."""
+    return cap if 0 < cap < tokens else tokens
+
+
 class Scheduler:
     """The waiting queue, the running batch and the KV cache manager."""
 
     def __init__(self, cache: KVCacheManager, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 chunked_prefill: bool = True, policy: str = FCFS):
+                 chunked_prefill: bool = True, policy: str = FCFS, long_prefill_token_threshold: int = 0,
+                 adaptive_long_prefill: bool = False):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0: no cap)")
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.adaptive_long_prefill = adaptive_long_prefill
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}: one of {', '.join(POLICIES)}")
         self.policy = policy
@@ -324,6 +349,16 @@ class Scheduler:
             self._preempt(self.running.pop())
         return count
 
+    def chunk_cap(self) -> int:
+        """The most tokens one request computes in the step about to be planned, 0 for no cap (vLLM 0.32's
+        ``schedule``): the threshold, unless the engine holds a single request (nobody to starve); adaptive, never
+        below the budget's fair share over the requests it holds."""
+        held = len(self.running) + len(self.waiting)
+        threshold = self.long_prefill_token_threshold if held > 1 else 0
+        if threshold and self.adaptive_long_prefill:
+            threshold = max(threshold, self.max_num_batched_tokens // held)
+        return threshold
+
     def schedule(self) -> Step:
         """Plan the next step: allocate blocks (evictions and stores happen here, as in vLLM)."""
         step = Step()
@@ -331,10 +366,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         running = self.running
         scheduled = step.scheduled
+        cap = self.chunk_cap()
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            num_new = min(_capped(len(seq.token_ids) - seq.num_computed_tokens, cap), budget)
             fits = self._allocate(seq, num_new)
             while fits is False:
                 victim, at = self._take_victim()
@@ -354,8 +390,10 @@ class Scheduler:
             budget -= num_new
             i += 1
         if not step.preempted:
-            self._admit(step, budget)
+            self._admit(step, budget, cap)
         for seq, num_new in scheduled:
+            if num_new == cap < len(seq.token_ids) - seq.num_computed_tokens:
+                self.stats.capped_chunks += 1
             if num_new == 1 and seq.num_output_tokens and seq.num_computed_tokens == len(seq.token_ids) - 1:
                 step.decode_requests += 1
             else:
@@ -373,7 +411,7 @@ class Scheduler:
             self.fail(seq, exc)
             return None
 
-    def _admit(self, step: Step, budget: int) -> None:
+    def _admit(self, step: Step, budget: int, cap: int) -> None:
         cache = self.cache
         size = cache.block_size
         waiting, running = self.waiting, self.running
@@ -386,9 +424,10 @@ class Scheduler:
                 self.fail(seq, exc)
                 continue
             num_hit_tokens = len(hits) * size
-            num_new = min(len(seq.token_ids) - num_hit_tokens, budget)
-            if not self.chunked_prefill and num_new < len(seq.token_ids) - num_hit_tokens:
+            wanted = _capped(len(seq.token_ids) - num_hit_tokens, cap)
+            if not self.chunked_prefill and wanted > budget:
                 break  # its prefill must run whole: it waits for a step with budget for all of it
+            num_new = min(wanted, budget)
             fits = self._allocate(seq, num_new, hits)
             if fits is None:
                 continue
@@ -413,6 +452,7 @@ class Scheduler:
         finished_any = False
         stats = self.stats
         stats.steps += 1
+        stats.step.observe(seconds)
         self.modelled_clock += seconds
         for seq, num_new in step.scheduled:
             if seq.status is not Status.RUNNING:  # aborted (or failed) while the step ran

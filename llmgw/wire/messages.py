@@ -195,6 +195,7 @@ class ShardProfile:
     kv_key_mode: str = "content"  # how the agent's mirror keys the engine's blocks: "content" or "engine" (hashes)
     startup_timeout: float = 600.0
     scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy (passed only when it is not vLLM's default fcfs)
+    long_prefill_token_threshold: int = 0  # vLLM's --long-prefill-token-threshold (passed only when > 0)
     sleep_mode: bool = False  # started with the engine's sleep mode: SleepShard and WakeShard work on it
 
 

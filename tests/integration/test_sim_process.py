@@ -176,6 +176,15 @@ def text(n: int, tag: str) -> str:
     return (base + filler * (n // len(filler) + 1))[:n]
 
 
+async def after_first_token(response: httpx.Response):
+    """A streamed answer's lines, read up to its first ``data:`` line (its first token); the rest to iterate."""
+    lines = response.aiter_lines()
+    async for line in lines:
+        if line.startswith("data: "):
+            break
+    return lines
+
+
 # ---------------------------------------------------------------------------- tests
 
 
@@ -327,6 +336,35 @@ async def test_cache_hit_is_faster_by_the_prefill_time():
         assert miss_time - hit_time == pytest.approx(saved, abs=0.1)
 
 
+async def test_a_long_prompt_beside_a_running_request_is_prefilled_in_capped_chunks():
+    """``--long-prefill-token-threshold 256``: a 2,048-token prompt arriving while another request decodes is
+    prefilled 256 tokens a step, so no step lasts longer than a 256-token chunk (the steps' modelled lengths and the
+    capped chunks as its /metrics export them)."""
+    rate, decode_ms = 5000.0, 5.0
+    async with sim_process("--prefill-tokens-per-s", str(rate), "--decode-ms-per-step", str(decode_ms),
+                           "--time-scale", "1", "--long-prefill-token-threshold", "256") as sim, \
+            httpx.AsyncClient(base_url=sim.base_url, timeout=30) as http:
+        decoding = {"prompt": text(31, "decoding"), "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with trio.fail_after(30):
+            async with http.stream("POST", "/v1/completions", json=decoding) as r:
+                lines = await after_first_token(r)  # it decodes now: two requests held once the long one arrives
+                long = await http.post("/v1/completions", json={"prompt": text(2047, "long"), "max_tokens": 1})
+                assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == 2048
+                async for _line in lines:
+                    pass
+        metrics = (await http.get("/metrics")).text
+    labels = 'engine="0",model_name="sim"'
+    assert metric_value(metrics, "llmgw_sim_prefill_chunks_capped_total", labels) == 7  # 8 chunks, the last whole
+    steps = metric_value(metrics, "llmgw_sim_engine_steps_total", labels)
+    assert metric_value(metrics, "llmgw_sim_step_seconds_count", labels) == steps == 400  # the chunks ride decodes
+    # the longest step: a 256-token chunk beside the decoding request's token, 56 ms (without the cap: 415 ms)
+    assert (256 / rate + decode_ms / 1000) < 0.075
+    assert metric_value(metrics, "llmgw_sim_step_seconds_bucket", labels + ',le="0.075"') == steps
+    assert metric_value(metrics, "llmgw_sim_step_seconds_sum", labels) == pytest.approx(
+        (32 + 2048) / rate + steps * decode_ms / 1000, rel=0.01)
+    assert metric_value(metrics, "llmgw_sim_step_overrun_seconds_count", labels) == steps
+
+
 async def test_usage_counts_blocks_of_running_requests():
     """vLLM's kv_cache_usage_perc counts blocks held by running requests: full (stored) plus partial."""
     async with sim_process("--num-blocks", "101", "--decode-ms-per-step", "20", "--time-scale", "1") as sim, \
@@ -334,10 +372,7 @@ async def test_usage_counts_blocks_of_running_requests():
         body = {"prompt": text(63, "in flight"), "max_tokens": 40, "ignore_eos": True, "stream": True}
         with trio.fail_after(20):
             async with http.stream("POST", "/v1/completions", json=body) as r:
-                lines = r.aiter_lines()
-                async for line in lines:
-                    if line.startswith("data: "):
-                        break  # first token out: 64 prompt tokens = 4 full blocks, decoding
+                lines = await after_first_token(r)  # 64 prompt tokens = 4 full blocks, decoding
                 metrics = (await http.get("/metrics")).text
                 samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and line[0] != "#")
                 labels = '{engine="0",model_name="sim"}'

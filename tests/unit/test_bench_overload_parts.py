@@ -13,6 +13,7 @@ import trio
 
 from llmgw.bench import overload
 from llmgw.bench.overload_arms import DEFAULT_ARMS, allowance, keys_config, queued, router_tuning, sample_kv
+from llmgw.bench.overload_engines import engine_stats, read_engines
 from llmgw.bench.overload_report import level_stats, summary
 from llmgw.bench.overload_workload import (
     BATCH,
@@ -194,3 +195,49 @@ def test_an_engine_full_of_sequences_counts_as_busy_however_little_of_its_cache_
     sample = trio.run(main)[0]
     assert sample["kv"] == 0.55 and sample["waiting"] == 3
     assert sample["busy"] == (1.0 + 0.7) / 2  # e1: 8 of 8 seats; e2: its cache's 70%
+
+
+def sim_metrics(step: dict[str, float], overrun: dict[str, float], capped: float) -> str:
+    """A simulator's /metrics with the histograms the bench reads (cumulative buckets) and its capped chunks."""
+    lines = []
+    for name, buckets in (("llmgw_sim_step_seconds", step), ("llmgw_sim_step_overrun_seconds", overrun)):
+        lines += [f'{name}_bucket{{engine="0",model_name="sim",le="{le}"}} {n}' for le, n in buckets.items()]
+    lines.append(f'llmgw_sim_prefill_chunks_capped_total{{engine="0",model_name="sim"}} {capped}')
+    return "\n".join(lines) + "\n"
+
+
+def gateway_wait(interactive: dict[str, float], batch: dict[str, float]) -> str:
+    """A gateway's llmgw_flow_wait_seconds of two classes."""
+    return "".join(f'llmgw_flow_wait_seconds_bucket{{model="m",class="{name}",le="{le}"}} {n}\n'
+                   for name, buckets in (("interactive", interactive), ("batch", batch)) for le, n in buckets.items())
+
+
+async def test_the_engines_readings_are_summed_and_a_run_is_their_difference():
+    """Two simulators' histograms summed bucket by bucket, with the gateway's interactive queue wait (not the batch
+    class's); a run's quantiles come from the buckets' rise during it (steps before it do not count) and an engine
+    that does not answer makes no reading."""
+    texts = {"http://a": sim_metrics({"0.01": 10, "0.05": 10, "+Inf": 10}, {"0.001": 10, "+Inf": 10}, 0),
+             "http://b": sim_metrics({"0.01": 0, "0.05": 0, "+Inf": 0}, {"0.001": 0, "+Inf": 0}, 0),
+             "http://g": gateway_wait({"0.005": 5, "0.1": 5, "+Inf": 5}, {"0.005": 0, "0.1": 0, "+Inf": 50})}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        base = f"{request.url.scheme}://{request.url.host}"
+        return httpx.Response(200, text=texts[base]) if base in texts else httpx.Response(503)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
+        before = await read_engines(http, ["http://a", "http://b"], ["http://g"])
+        texts["http://b"] = sim_metrics({"0.01": 0, "0.05": 100, "+Inf": 100}, {"0.001": 99, "+Inf": 100}, 12)
+        texts["http://g"] = gateway_wait({"0.005": 5, "0.1": 15, "+Inf": 15}, {"0.005": 0, "0.1": 0, "+Inf": 90})
+        after = await read_engines(http, ["http://a", "http://b"], ["http://g"])
+        del texts["http://b"]
+        assert await read_engines(http, ["http://a", "http://b"]) is None  # b answers 503: no partial sum
+    assert before is not None and after is not None
+    assert after.buckets["llmgw_sim_step_seconds"][0.05] == 110 and after.capped_chunks == 12
+    run = engine_stats(before, after)
+    assert run is not None
+    assert run["steps"] == 100 and run["capped_chunks"] == 12
+    assert run["step_p50_ms"] == pytest.approx(30.0)  # within (10, 50] ms: every new step, linear in the bucket
+    assert run["step_p99_ms"] == pytest.approx(49.6)
+    assert run["overrun_p50_ms"] == pytest.approx(50 / 99)  # 99 of 100 steps within 1 ms: the 50th at 50/99 of it
+    assert run["gateway_wait_p50_ms"] == pytest.approx(5 + 95 * 0.5)  # 10 interactive waits, all within (5, 100]
+    assert engine_stats(None, after) is None and engine_stats(before, None) is None

@@ -5,12 +5,10 @@ the engine's command line, the fingerprint, the replicas built from it) and the 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from hypothesis import given, strategies as st
 
-from llmgw import wire
 from llmgw.cluster.records import ReplicaRecord
 from llmgw.cluster.state import ReplicaBuilder
 from llmgw.config import ConfigError, parse_config
@@ -21,13 +19,13 @@ from llmgw.flow.model import PriorityClass
 from llmgw.gateway.engine_priority import BOUND, engine_priority, prioritized_body
 from llmgw.kv.index import KvIndex
 from llmgw.metrics import Metrics
-from llmgw.plugin import LaunchContext
 from llmgw.plugins.engine_sim import SimEngine
 from llmgw.plugins.engine_vllm import VllmEngine
 from llmgw.plugins_manager import build_registry, make_plugin_manager
 from llmgw.router.replicas import DEPLOYED, STATIC, ReplicaSet
 from llmgw.tenancy.model import Team, Tenant
 from llmgw.testing.deployed import deploy_ready
+from llmgw.testing.engine_argv import fake_vllm_on_path, launch_argv
 
 CONFIG = """\
 agents: {token: t}
@@ -48,7 +46,6 @@ flow:
     - {name: batch, rank: 2, max_wait: 60s, engine_priority: -5}
   default_class: batch
 """
-CTX = LaunchContext(host="127.0.0.1", http_port=21000, node_address="10.0.0.5", state_dir=Path("/tmp/state"))
 
 
 def test_the_keys_are_read_and_a_bad_value_names_its_file_line_and_key():
@@ -68,23 +65,15 @@ def test_the_keys_are_read_and_a_bad_value_names_its_file_line_and_key():
         assert key in message and f"conf.yaml:{line}" in message, message
 
 
-def launch_argv(engine, policy: str) -> list[str]:
-    profile = wire.ShardProfile(name="p", engine=engine.name, model_path="/models/llama", served_model_name="llama",
-                                args=["--seed", "1"], scheduling_policy=policy)
-    return engine.command(wire.StartShard(shard_id="r1-0", replica_id="r1", profile=profile), CTX).argv
-
-
 @pytest.mark.parametrize("engine", [SimEngine(), VllmEngine()], ids=["sim", "vllm"])
 def test_the_engine_plugins_pass_the_policy_and_nothing_for_fcfs(engine, monkeypatch, tmp_path):
-    vllm = tmp_path / "vllm"
-    vllm.write_text("#!/bin/sh\n")
-    vllm.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
-    argv = launch_argv(engine, "priority")
+    fake_vllm_on_path(monkeypatch, tmp_path)
+    argv = launch_argv(engine, scheduling_policy="priority")
     at = argv.index("--scheduling-policy")
     assert argv[at + 1] == "priority" and at < argv.index("--seed")  # the profile's own args come last
-    assert "--scheduling-policy" not in launch_argv(engine, "fcfs")
-    assert "--scheduling-policy" not in launch_argv(engine, "lifo")  # a value off the wire it does not know
+    assert "--scheduling-policy" not in launch_argv(engine, scheduling_policy="fcfs")
+    # a value off the wire it does not know
+    assert "--scheduling-policy" not in launch_argv(engine, scheduling_policy="lifo")
 
 
 def test_the_control_plane_sends_it_and_only_priority_changes_the_fingerprint():
