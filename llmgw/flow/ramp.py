@@ -1,15 +1,19 @@
-"""A held burst's slow start: how many requests in flight a replica whose capacity is still unknown may take while
-requests for its model are held at a gateway.
+"""A held burst's ramp: how many requests in flight a replica that appears while requests for its model are held
+may take, so that it gets them oldest first and never all in one instant.
 
 An unknown replica is not full (:mod:`.capacity`): nothing is held back for it. But when requests are already
 held, a replica that appears (the first after a start from zero, the only one back after its engine restarted or
 an outage, an extra one after a step) would take the whole backlog in one instant, and its engine takes them in
 the order their connections land, not the order they arrived: the oldest may wait behind dozens of later ones
-(docs/autoscaling.md, "Where the seconds of a start go"). So while requests for its model are held, such a
-replica takes :data:`START` requests in flight, the queue dispatching its oldest first (band, fair order,
-arrival), and the ramp doubles on each scrape that shows its engine running all it was given without a queue
-and with its KV cache below ``kv_target``. Once its engine queues, its capacity is learnt as for any replica and
-the ramp no longer counts; once nothing is held, it ends (the room is unbounded again until a capacity is learnt).
+(docs/autoscaling.md, "From zero: the held burst"). So while requests for its model are held, such a replica
+takes :data:`START` requests in flight, the queue dispatching its oldest first (band, fair order, arrival), and the
+ramp doubles on each scrape that shows them all in flight with its engine's KV cache below ``kv_target``.
+
+A pace, not a cap: the engine's queue is first come, first served, so the requests it queues arrive in the order
+the queue sent them, and the ramp goes on past a capacity learnt meanwhile. Capped at the learnt capacity, an
+engine of 2 sequences ran one request of the ``standard`` class at a time (its ``max_fill`` keeps the other seat
+for ``interactive``) and 75 of the bench's 109 requests expired held (docs/benchmarks/autoscale.md). Once nothing
+is held, the ramp ends and the room is the capacity learnt, or unbounded while none is.
 """
 
 from __future__ import annotations
@@ -35,18 +39,17 @@ class Ramp:
     seen_at: float | None = None  # the ``at`` of the last scrape taken (each scrape counts once)
     doublings: int = 0
 
-    def observe(self, load: EngineLoad, inflight: int, rule: CapacityRule) -> bool:
+    def observe(self, load: EngineLoad, inflight: int, rule: CapacityRule, busy_share: float = 1.0) -> bool:
         """Learn from one scrape (``inflight``: every gateway's requests in flight there now): double the limit
-        when they fill it and the engine neither queues nor fills its KV cache. True when it doubled."""
+        when they fill it (its ``busy_share``, the lowest class's ``max_fill``: a class fills no more) and the
+        engine's KV cache is below ``kv_target``. True when it doubled."""
         if self.seen_at is not None and load.at <= self.seen_at:
             return False
         self.seen_at = load.at
-        running = load.running if math.isfinite(load.running) else 0.0
-        waiting = load.waiting if math.isfinite(load.waiting) else math.inf
         kv = load.kv_usage if load.kv_usage is not None and math.isfinite(load.kv_usage) else None
-        if waiting >= max(1.0, rule.waiting_slack * running) or (kv is not None and kv >= rule.kv_target):
-            return False
-        if inflight < self.limit or self.limit >= MAX_CAPACITY:
+        if kv is None and load.kv_usage is not None or (kv is not None and kv >= rule.kv_target):
+            return False  # a broken gauge says nothing of the room left
+        if inflight < max(1, math.floor(self.limit * busy_share)) or self.limit >= MAX_CAPACITY:
             return False
         self.limit = min(MAX_CAPACITY, self.limit * 2)
         self.doublings += 1

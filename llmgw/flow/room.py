@@ -10,8 +10,9 @@ their engines, less what every gateway has in flight there, split among the gate
   capacity), so that an arrival of a class above finds a free slot in the engine rather than its queue. A
   replica whose capacity is still unknown is not full: the model's room is then :data:`UNBOUNDED` (nothing is
   held before an engine has said it is full), except while requests for the model are held at a gateway: then
-  it takes them in a ramp (:mod:`.ramp`: a few in flight, doubling while its engine keeps up), so that a replica
-  appearing under a held burst (from zero, after an outage or a restart) gets the oldest first, not all at once.
+  it takes them in a ramp (:mod:`.ramp`: a few in flight, doubling on each scrape while its KV cache has room,
+  whatever capacity is learnt meanwhile), so that a replica appearing under a held burst (from zero, after an
+  outage or a restart) gets the oldest first, not all at once.
 - The room is counted in KV tokens too: a replica's KV capacity is its engine's scraped cache config (blocks x
   block size), the tokens held there the requests in flight will hold at most (their prompt estimate, this
   gateway's and the others', scaled by how many tokens the engines counted per estimated one in the answers'
@@ -178,12 +179,13 @@ class EngineRoom:
                     else:
                         kv_room += max(0, share - self.held_tokens(replica, ratio))
             known = learnt.get(replica)
-            if known is None or known.capacity is None:
-                ramp = self._ramp_limit(replica)
-                if ramp is None:
-                    unbounded = True
-                    continue
-                limit, known = ramp, None  # a held burst's slow start (:mod:`.ramp`): no seats known either
+            ramp = self._ramp_limit(replica, known) if self._ramps or known is None or known.capacity is None \
+                else None
+            if ramp is not None:
+                limit, known = ramp, None  # a held burst's pace (:mod:`.ramp`), not its seats
+            elif known is None or known.capacity is None:
+                unbounded = True
+                continue
             else:
                 limit = int(known.capacity)
             capacity += limit
@@ -330,8 +332,7 @@ class EngineRoom:
         if learnt is None:
             learnt = self._learnt[replica] = ReplicaCapacity()
         before, seats_before = learnt.capacity, learnt.seats
-        busy_share = min((c.max_fill for c in self.settings.classes), default=1.0)
-        change = learnt.observe(load, replica.inflight, self.demand(replica.model), self.rule, busy_share)
+        change = learnt.observe(load, replica.inflight, self.demand(replica.model), self.rule, self._busy_share())
         if change is not None:
             if before is None:
                 log.info("flow control: replica %s of model %s is full at %d requests in flight (its engine: %g "
@@ -356,17 +357,21 @@ class EngineRoom:
         ramp = self._ramps.get(replica)
         return None if ramp is None else ramp.limit
 
-    def _ramp_limit(self, replica: Replica) -> int | None:
-        """For a replica of unknown capacity: while requests for its model are held, its ramp's limit (one
-        begins); else None (it is not full: the room is unbounded), and a ramp it was in ends."""
+    def _ramp_limit(self, replica: Replica, known: ReplicaCapacity | None) -> int | None:
+        """While requests for its model are held: the ramp's limit of a replica in one, or of one whose capacity
+        is unknown (one begins), at least its learnt capacity. Else None (the room is its capacity, or unbounded
+        while unknown), and a ramp it was in ends."""
         ramp = self._ramps.get(replica)
+        if ramp is None and known is not None and known.capacity is not None:
+            return None
         if not self.demand(replica.model):
             if ramp is not None:
                 self._end_ramp(replica, ramp, "nothing is held any more")
             return None
         if ramp is None:
             ramp = self._start_ramp(replica)
-        return ramp.limit
+        learnt = known.limit() if known is not None else None
+        return ramp.limit if learnt is None else max(ramp.limit, learnt)
 
     def _start_ramp(self, replica: Replica) -> Ramp:
         # What it already carries without its engine queueing (else its capacity would be known) it has proven.
@@ -376,7 +381,8 @@ class EngineRoom:
         ramp = self._ramps[replica] = Ramp(max(RAMP_START, replica.inflight), self.clock(), held)
         log.info("flow control: replica %s of model %s has room while %d requests are held for the model (this "
                  "gateway's and the others') and its capacity is unknown: it takes them oldest first, %d in flight "
-                 "at first, doubling while its engine keeps up (llmgw_flow_replica_ramp)", replica.name,
+                 "at first, doubling on each scrape while its KV cache has room (llmgw_flow_replica_ramp)",
+                 replica.name,
                  replica.model, held, ramp.limit)
         if self.metrics is not None:
             self.metrics.ramp_started(replica.model, held)
@@ -385,8 +391,8 @@ class EngineRoom:
     def _ramp_scraped(self, replica: Replica, ramp: Ramp, load: EngineLoad, learnt: ReplicaCapacity) -> None:
         if not self.demand(replica.model):
             self._end_ramp(replica, ramp, "nothing is held any more")
-        elif learnt.capacity is None:
-            ramp.observe(load, replica.inflight, self.rule)
+        else:
+            ramp.observe(load, replica.inflight, self.rule, self._busy_share())
 
     def _end_ramp(self, replica: Replica, ramp: Ramp, why: str) -> None:
         del self._ramps[replica]
@@ -398,6 +404,11 @@ class EngineRoom:
                  "is still unknown" if capacity is None else f"was learnt at {capacity}")
         if self.metrics is not None:
             self.metrics.ramp_ended(replica.model, seconds)
+
+    def _busy_share(self) -> float:
+        """The share of a replica's room in flight from which it counts as full: the lowest class's ``max_fill``,
+        since a class fills no more."""
+        return min((c.max_fill for c in self.settings.classes), default=1.0)
 
     def demand(self, model: str) -> bool:
         """Requests for ``model`` wait at a gateway (this one or another)."""

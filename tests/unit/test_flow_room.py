@@ -726,8 +726,7 @@ def test_the_kv_tokens_are_split_among_the_gateways_holding_requests_as_the_requ
 # -- a held burst's slow start (llmgw/flow/ramp.py) -------------------------------------------------------------------
 
 
-def test_a_replica_appearing_while_requests_are_held_takes_them_a_few_at_a_time_growing_while_its_engine_keeps_up(
-        caplog):
+def test_a_replica_appearing_while_requests_are_held_takes_them_a_few_at_a_time_doubling_on_each_scrape(caplog):
     registry = CollectorRegistry()
     router, room, queued, clock = make_room(replicas=(), metrics=RoomMetrics(registry))
     queued["m"] = 10
@@ -740,27 +739,34 @@ def test_a_replica_appearing_while_requests_are_held_takes_them_a_few_at_a_time_
     assert room.describe("m")["replicas"][0]["ramp"] == RAMP_START
     a.local_inflight = RAMP_START
     assert room.free("m", INTERACTIVE) == 0
-    scrape(router, room, "a", 1, running=RAMP_START)  # its engine runs all it was given, no queue: doubled
+    scrape(router, room, "a", 1, running=RAMP_START)  # all it was given in flight, its KV cache has room: doubled
     assert room.ramp(a) == 2 * RAMP_START and room.free("m", INTERACTIVE) == RAMP_START
-    scrape(router, room, "a", 2, running=RAMP_START)  # not filled: it proves nothing more
+    scrape(router, room, "a", 2, running=RAMP_START)  # not filled: no faster
     assert room.ramp(a) == 2 * RAMP_START
     a.local_inflight = 2 * RAMP_START
-    scrape(router, room, "a", 3, running=RAMP_START, waiting=RAMP_START)  # it queues: the ramp stops growing
+    # Its engine queues (first come, first served: in the order the queue sent them): a pace, not a cap.
+    scrape(router, room, "a", 3, running=RAMP_START, waiting=RAMP_START)
     scrape(router, room, "a", 4, running=RAMP_START, waiting=RAMP_START)  # twice: its capacity is learnt
-    assert room.ramp(a) == 2 * RAMP_START and room.capacity(a) == RAMP_START
-    a.local_inflight = 0
-    assert room.free("m", INTERACTIVE) == RAMP_START  # the capacity, not the ramp, counts from now on
-    assert registry.get_sample_value("llmgw_flow_replica_ramp", {"model": "m", "replica": "a"}) == 2 * RAMP_START
+    assert room.capacity(a) == RAMP_START and room.ramp(a) == 4 * RAMP_START
+    assert room.free("m", INTERACTIVE) == 2 * RAMP_START  # the ramp goes on past the capacity while requests wait
+    scrape(router, room, "a", 5, running=RAMP_START, waiting=6 * RAMP_START, kv=RULE.kv_target)
+    a.local_inflight = 4 * RAMP_START
+    scrape(router, room, "a", 6, running=RAMP_START, waiting=6 * RAMP_START, kv=RULE.kv_target)
+    assert room.ramp(a) == 4 * RAMP_START  # its KV cache at kv_target: no more
+    assert registry.get_sample_value("llmgw_flow_replica_ramp", {"model": "m", "replica": "a"}) == 4 * RAMP_START
     clock.now += 1.5
     queued["m"] = 0
     with caplog.at_level("INFO", logger="llmgw.flow.room"):
-        scrape(router, room, "a", 5, running=0)  # nothing held any more: the ramp ends
+        scrape(router, room, "a", 7, running=RAMP_START)  # nothing held any more: the ramp ends
     assert room.ramp(a) is None
+    assert room.free("m", INTERACTIVE) == 0  # its learnt capacity counts again
     assert "ends its ramp through a held burst after 1.50 s (nothing is held any more)" in caplog.text
     assert registry.get_sample_value("llmgw_flow_ramps_total", {"model": "m"}) == 1
     assert registry.get_sample_value("llmgw_flow_ramp_held_requests_total", {"model": "m"}) == 10
     assert registry.get_sample_value("llmgw_flow_ramp_seconds_total", {"model": "m"}) == 1.5
     assert registry.get_sample_value("llmgw_flow_replica_ramp", {"model": "m", "replica": "a"}) is None
+    queued["m"] = 3  # held again, its capacity known: no ramp, the room is the capacity
+    assert room.free("m", INTERACTIVE) == 0 and room.ramp(a) is None
 
 
 def test_nothing_held_an_unknown_replica_stays_unbounded_and_one_already_busy_ramps_from_what_it_carries():
@@ -775,7 +781,7 @@ def test_nothing_held_an_unknown_replica_stays_unbounded_and_one_already_busy_ra
     assert room.free("m", INTERACTIVE) == UNBOUNDED and room.ramp(a) is None  # ended at the next look
 
 
-def test_the_ramp_ends_when_its_replica_leaves_and_never_doubles_on_a_full_cache_a_stale_or_broken_scrape():
+def test_the_ramp_ends_when_its_replica_leaves_and_never_doubles_on_a_full_cache_a_stale_or_broken_gauge():
     router, room, queued, _ = make_room(replicas=("a",))
     queued["m"] = 3
     a = router.replicas.get("a")
