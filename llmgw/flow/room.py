@@ -352,6 +352,9 @@ class EngineRoom:
 
     # -- a held burst's slow start (llmgw/flow/ramp.py) -----------------------------------------------------------
 
+    def ramping(self, model: str) -> bool:
+        return any(replica.model == model for replica in self._ramps)
+
     def ramp(self, replica: Replica) -> int | None:
         """The requests in flight ``replica`` may take in its ramp through a held burst, None when in none."""
         ramp = self._ramps.get(replica)
