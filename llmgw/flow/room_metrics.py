@@ -94,8 +94,8 @@ class RoomMetrics:
         answers = CounterMetricFamily("llmgw_flow_output_allowance_answers", "Answers with a max_tokens and usage "
                                       "the model's output allowance learnt from.", labels=["model"])
         ramp = GaugeMetricFamily("llmgw_flow_replica_ramp", "The requests in flight a replica of unknown capacity "
-                                 "may take while requests for its model are held (a held burst's slow start: "
-                                 "oldest first, doubling while its engine keeps up); absent outside one.",
+                                 "may take while requests for its model are held (a held burst's pace: oldest "
+                                 "first, doubling on each scrape while its KV cache has room); absent outside one.",
                                  labels=["model", "replica"])
         ramps = CounterMetricFamily("llmgw_flow_ramps", "Ramps begun: a replica of unknown capacity took requests "
                                     "held for its model (after a start from zero, an outage, a restart, a step).",
