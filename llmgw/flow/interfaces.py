@@ -49,6 +49,12 @@ class Room(Protocol):
     def saturation(self, model: str) -> float:
         """0.0 idle .. 1.0 full and beyond, for the metrics and /admin/explain."""
 
+    def ramping(self, model: str) -> bool:
+        """Whether a replica of ``model`` is taking the requests held for it in a ramp (llmgw/flow/ramp.py): their
+        dispatch is paced, so a drain rate measured meanwhile says nothing of how fast they will go. This default:
+        never."""
+        return False
+
 
 class FlowControl(Protocol):
     async def enter(self, request: FlowRequest) -> Admitted | Shed:

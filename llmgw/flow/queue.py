@@ -27,6 +27,10 @@ within a band, deadlines, overflow, and a Retry-After from the measured drain ra
   stall until it ends, and the requests arriving late in one would otherwise wait for their deadline and expire,
   the slow refusals of issue 31 through several gateways. Not in the looks at the waiters: near its deadline a
   waiter has so little left that any pause between two dispatches would shed it.
+- Nothing is shed early while a replica of the model takes the held requests in a ramp (``room.ramping(model)``,
+  :mod:`.ramp`): their dispatch is paced, a few at first, so the drain rate it measures would shed most of a
+  held burst the moment its first replica appears (the bench's start from zero: 52 of 79 held, before this).
+  Deadlines and the queue's bounds still hold.
 - Retry-After: the same estimate for all that waits in the shed request's band and above, rounded up and clamped
   to ``[retry_after_min, retry_after_max]`` (``retry_after_min`` while the rate is unknown).
 - Among several gateways (``peers``), a band whose rate this gateway does not trust yet drains at its share of the
@@ -419,7 +423,7 @@ class FlowQueue(TaskHost):
         # never under, so a request is at worst looked at by the drain prediction rather than let through.
         expected = None
         if not self._has_room(model, priority, tokens_ahead + max(request.cost, 0), _output_of(request),
-                              position + 1):
+                              position + 1) and not self.room.ramping(model.name):
             cost = max(request.cost, 0)
             expected = self._predicted(self._drain_of(model, band, now, cost), own_ahead, cost, model.stalled(now))
             factor = band.line.errors.factor()
@@ -644,7 +648,7 @@ class FlowQueue(TaskHost):
         RECHECK_FACTOR times what they have left: higher classes arrived ahead of them, or the drain slowed. At most
         RECHECK_MAX of each band a look (its newest), so that a long queue costs the loop a bounded time."""
         now = trio.current_time()
-        if now - model.rechecked < RECHECK or not model.waiting:
+        if now - model.rechecked < RECHECK or not model.waiting or self.room.ramping(model.name):
             return
         model.rechecked = now
         above = 0  # the tokens waiting in the bands above

@@ -9,7 +9,10 @@ their engines, less what every gateway has in flight there, split among the gate
   of the summed capacity and, below 1.0, of each replica's seats (its engine's sequence slots, learnt with the
   capacity), so that an arrival of a class above finds a free slot in the engine rather than its queue. A
   replica whose capacity is still unknown is not full: the model's room is then :data:`UNBOUNDED` (nothing is
-  held before an engine has said it is full).
+  held before an engine has said it is full), except while requests for the model are held at a gateway: then
+  it takes them in a ramp (:mod:`.ramp`: a few in flight, doubling on each scrape while its KV cache has room,
+  whatever capacity is learnt meanwhile), so that a replica appearing under a held burst (from zero, after an
+  outage or a restart) gets the oldest first, not all at once.
 - The room is counted in KV tokens too: a replica's KV capacity is its engine's scraped cache config (blocks x
   block size), the tokens held there the requests in flight will hold at most (their prompt estimate, this
   gateway's and the others', scaled by how many tokens the engines counted per estimated one in the answers'
@@ -50,6 +53,7 @@ from ..router.replica import Replica, ReplicaState
 from ..router.router import EngineMetricsDemand
 from .capacity import UNBOUNDED, CapacityRule, ReplicaCapacity
 from .model import FlowSettings, PriorityClass
+from .ramp import START as RAMP_START, Ramp
 
 if TYPE_CHECKING:
     from ..router.router import Router
@@ -99,6 +103,7 @@ class EngineRoom:
         self.metrics = metrics
         self.clock = clock
         self._learnt: dict[Replica, ReplicaCapacity] = {}  # a replica's entry goes when it leaves the table
+        self._ramps: dict[Replica, Ramp] = {}  # replicas of unknown capacity taking a held burst, likewise
         self._events: dict[str, trio.Event] = {}  # only while someone waits in changed()
         self._waiters: dict[str, int] = {}
         self._queued: Callable[[str], int] = lambda model: 0
@@ -114,6 +119,8 @@ class EngineRoom:
     def _members_changed(self, replica: Replica) -> None:
         if replica not in self.router.replicas:
             self._learnt.pop(replica, None)
+            if (ramp := self._ramps.get(replica)) is not None:
+                self._end_ramp(replica, ramp, "it left routing")
         self.wake(replica.model)
 
     def count_queued(self, queued: Callable[[str], int]) -> None:
@@ -176,15 +183,20 @@ class EngineRoom:
                     else:
                         kv_room += max(0, share - self.held_tokens(replica, ratio))
             known = learnt.get(replica)
-            if known is None or known.capacity is None:
+            ramp = self._ramp_limit(replica, known) if self._ramps or known is None or known.capacity is None \
+                else None
+            if ramp is not None:
+                limit, known = ramp, None  # a held burst's pace (:mod:`.ramp`), not its seats
+            elif known is None or known.capacity is None:
                 unbounded = True
                 continue
-            limit = int(known.capacity)
+            else:
+                limit = int(known.capacity)
             capacity += limit
             left = limit - local - peer
             if left > 0:
                 free += left
-            if seated and known.seats is not None:
+            if seated and known is not None and known.seats is not None:
                 left = min(left, max(1, math.floor(known.seats * fill)) - local - peer)
             if left > 0:
                 seat_free += left
@@ -324,8 +336,7 @@ class EngineRoom:
         if learnt is None:
             learnt = self._learnt[replica] = ReplicaCapacity()
         before, seats_before = learnt.capacity, learnt.seats
-        busy_share = min((c.max_fill for c in self.settings.classes), default=1.0)
-        change = learnt.observe(load, replica.inflight, self.demand(replica.model), self.rule, busy_share,
+        change = learnt.observe(load, replica.inflight, self.demand(replica.model), self.rule, self._busy_share(),
                                 self.needed_tokens(replica, load))
         if learnt.queue is not None and self.metrics is not None:
             self.metrics.engine_queued(replica.model, learnt.queue)
@@ -337,6 +348,8 @@ class EngineRoom:
                          load.running, load.waiting, "unknown" if load.kv_usage is None else f"{load.kv_usage:.2f}")
             if self.metrics is not None:
                 self.metrics.capacity_changed(replica.model, change)
+        if (ramp := self._ramps.get(replica)) is not None:
+            self._ramp_scraped(replica, ramp, load, learnt)
         if learnt.seats is not None and learnt.seats != seats_before:
             log.info("flow control: replica %s of model %s runs %d sequences at once (its engine queued at that with "
                      "KV usage %s); classes below max_fill 1.0 now keep their share of its seats free "
@@ -357,6 +370,69 @@ class EngineRoom:
             return None
         return max(0.0, self.held_tokens(replica, route.prompt_ratio) - load.kv_usage * capacity)
 
+    # -- a held burst's slow start (llmgw/flow/ramp.py) -----------------------------------------------------------
+
+    def ramping(self, model: str) -> bool:
+        return any(replica.model == model for replica in self._ramps)
+
+    def ramp(self, replica: Replica) -> int | None:
+        """The requests in flight ``replica`` may take in its ramp through a held burst, None when in none."""
+        ramp = self._ramps.get(replica)
+        return None if ramp is None else ramp.limit
+
+    def _ramp_limit(self, replica: Replica, known: ReplicaCapacity | None) -> int | None:
+        """While requests for its model are held: the ramp's limit of a replica in one, or of one whose capacity
+        is unknown (one begins), at least its learnt capacity. Else None (the room is its capacity, or unbounded
+        while unknown), and a ramp it was in ends."""
+        ramp = self._ramps.get(replica)
+        if ramp is None and known is not None and known.capacity is not None:
+            return None
+        if not self.demand(replica.model):
+            if ramp is not None:
+                self._end_ramp(replica, ramp, "nothing is held any more")
+            return None
+        if ramp is None:
+            ramp = self._start_ramp(replica)
+        learnt = known.limit() if known is not None else None
+        return ramp.limit if learnt is None else max(ramp.limit, learnt)
+
+    def _start_ramp(self, replica: Replica) -> Ramp:
+        # What it already carries without its engine queueing (else its capacity would be known) it has proven.
+        cap = self.settings.max_queued
+        held = self._queued(replica.model) + sum(
+            min(n, cap) for n in (self.sharing.peer_queued(replica.model) if self.sharing else ()))
+        ramp = self._ramps[replica] = Ramp(max(RAMP_START, replica.inflight), self.clock(), held)
+        log.info("flow control: replica %s of model %s has room while %d requests are held for the model (this "
+                 "gateway's and the others') and its capacity is unknown: it takes them oldest first, %d in flight "
+                 "at first, doubling on each scrape while its KV cache has room (llmgw_flow_replica_ramp)",
+                 replica.name,
+                 replica.model, held, ramp.limit)
+        if self.metrics is not None:
+            self.metrics.ramp_started(replica.model, held)
+        return ramp
+
+    def _ramp_scraped(self, replica: Replica, ramp: Ramp, load: EngineLoad, learnt: ReplicaCapacity) -> None:
+        if not self.demand(replica.model):
+            self._end_ramp(replica, ramp, "nothing is held any more")
+        else:
+            ramp.observe(load, replica.inflight, self.rule, self._busy_share())
+
+    def _end_ramp(self, replica: Replica, ramp: Ramp, why: str) -> None:
+        del self._ramps[replica]
+        seconds = max(0.0, self.clock() - ramp.started)
+        capacity = self.capacity(replica)
+        log.info("flow control: replica %s of model %s ends its ramp through a held burst after %.2f s (%s): %d "
+                 "requests were held when it began; it reached %d in flight after %d doublings; its capacity %s",
+                 replica.name, replica.model, seconds, why, ramp.held, ramp.limit, ramp.doublings,
+                 "is still unknown" if capacity is None else f"was learnt at {capacity}")
+        if self.metrics is not None:
+            self.metrics.ramp_ended(replica.model, seconds)
+
+    def _busy_share(self) -> float:
+        """The share of a replica's room in flight from which it counts as full: the lowest class's ``max_fill``,
+        since a class fills no more."""
+        return min((c.max_fill for c in self.settings.classes), default=1.0)
+
     def demand(self, model: str) -> bool:
         """Requests for ``model`` wait at a gateway (this one or another)."""
         if self._queued(model) > 0:
@@ -375,7 +451,8 @@ class EngineRoom:
             {"name": replica.name, "capacity": self.capacity(replica), "inflight": replica.inflight,
              "kv_capacity_tokens": kv_capacity(replica), "held_tokens": self.held_tokens(replica, route.prompt_ratio),
              "saturation": round(self.replica_saturation(replica), 3), "cuts": learnt.cuts if learnt else 0,
-             "raises": learnt.raises if learnt else 0, "seats": learnt.seats if learnt else None}
+             "raises": learnt.raises if learnt else 0, "seats": learnt.seats if learnt else None,
+             "ramp": self.ramp(replica)}
             for replica in route.replicas for learnt in [self._learnt.get(replica)]]
         peers = [] if self.sharing is None else self.sharing.peer_queued(model)
         return {"replicas": replicas, "held": self._queued(model), "peers_held": peers,

@@ -1,4 +1,5 @@
-"""The room's Prometheus series (``llmgw_flow_replica_*``: capacity, seats, saturation, KV;
+"""The room's Prometheus series (``llmgw_flow_replica_*``: capacity, seats, saturation, KV, ramp;
+``llmgw_flow_ramps``, ``llmgw_flow_ramp_held_requests``, ``llmgw_flow_ramp_seconds``;
 ``llmgw_flow_room_free``, ``llmgw_flow_capacity_changes``, ``llmgw_flow_prompt_token_ratio``,
 ``llmgw_flow_output_allowance_ratio``, ``llmgw_flow_output_allowance_answers``, ``llmgw_flow_engine_queues``;
 docs/metrics.md,
@@ -30,6 +31,7 @@ class RoomMetrics:
         self._room: weakref.ref[EngineRoom] | None = None
         self._changes: dict[str, dict[str, int]] = {}  # model -> CUT/RAISE -> count
         self._queues: dict[str, dict[str, int]] = {}  # model -> QUEUE_KINDS -> scrapes
+        self._ramps: dict[str, list[float]] = {}  # model -> [ramps begun, requests held then, seconds of ramps ended]
 
     def track(self, room: EngineRoom) -> None:
         """Expose ``room``'s figures (registered with the first room; a later one replaces it)."""
@@ -47,12 +49,24 @@ class RoomMetrics:
         counts = self._queues.setdefault(model, dict.fromkeys(QUEUE_KINDS, 0))
         counts[kind] += 1
 
+    def ramp_started(self, model: str, held: int) -> None:
+        counts = self._ramp_counts(model)
+        counts[0] += 1
+        counts[1] += held
+
+    def ramp_ended(self, model: str, seconds: float) -> None:
+        self._ramp_counts(model)[2] += seconds
+
+    def _ramp_counts(self, model: str) -> list[float]:
+        return self._ramps.setdefault(model, [0, 0, 0.0])
+
     def describe(self) -> Iterable[Metric]:
         return self._families()
 
     def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily,
                                  GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily,
-                                 GaugeMetricFamily, CounterMetricFamily, CounterMetricFamily]:
+                                 GaugeMetricFamily, CounterMetricFamily, CounterMetricFamily, GaugeMetricFamily,
+                                 CounterMetricFamily, CounterMetricFamily, CounterMetricFamily]:
         capacity = GaugeMetricFamily("llmgw_flow_replica_capacity", "The requests in flight (all gateways') each "
                                      "replica takes, learnt from its engine's queue and KV usage; absent while "
                                      "unknown (its engine never said it was full: nothing is held for it).",
@@ -90,11 +104,25 @@ class RoomMetrics:
                                      "queueing on two scrapes in a row, by what for: seats and blocks (a full "
                                      "engine: its capacity is cut) or budget (its step's token budget, a chunked "
                                      "prefill: no cut).", labels=["model", "kind"])
-        return capacity, saturation, free, changes, held, kv, ratio, seats, allowance, answers, queues
+        ramp = GaugeMetricFamily("llmgw_flow_replica_ramp", "The requests in flight a replica of unknown capacity "
+                                 "may take while requests for its model are held (a held burst's pace: oldest "
+                                 "first, doubling on each scrape while its KV cache has room); absent outside one.",
+                                 labels=["model", "replica"])
+        ramps = CounterMetricFamily("llmgw_flow_ramps", "Ramps begun: a replica of unknown capacity took requests "
+                                    "held for its model (after a start from zero, an outage, a restart, a step).",
+                                    labels=["model"])
+        ramp_held = CounterMetricFamily("llmgw_flow_ramp_held_requests", "The requests held (at every gateway) when "
+                                        "each ramp began.", labels=["model"])
+        ramp_seconds = CounterMetricFamily("llmgw_flow_ramp_seconds", "Seconds the ramps that ended lasted, from "
+                                           "the replica's first room to nothing held (divided by llmgw_flow_ramps: "
+                                           "how long a held burst took to dispatch).", labels=["model"])
+        return (capacity, saturation, free, changes, held, kv, ratio, seats, allowance, answers, queues, ramp,
+                ramps, ramp_held, ramp_seconds)
 
     def collect(self) -> Iterable[Metric]:
-        capacity, saturation, free, changes, held, kv, ratio, seats, allowance, answers, queues = families = \
-            self._families()
+        families = self._families()
+        (capacity, saturation, free, changes, held, kv, ratio, seats, allowance, answers, queues, ramp, ramps,
+         ramp_held, ramp_seconds) = families
         room = self._room() if self._room is not None else None
         if room is not None:
             top = min(room.settings.classes, key=lambda c: c.rank)
@@ -104,6 +132,8 @@ class RoomMetrics:
                     if limit is not None:
                         capacity.add_metric([model, replica.name], limit)
                     saturation.add_metric([model, replica.name], room.replica_saturation(replica))
+                    if (ramped := room.ramp(replica)) is not None:
+                        ramp.add_metric([model, replica.name], ramped)
                     if (known_seats := room.seats(replica)) is not None:
                         seats.add_metric([model, replica.name], known_seats)
                     tokens = kv_capacity(replica)
@@ -121,4 +151,8 @@ class RoomMetrics:
         for model, counts in sorted(self._queues.items()):
             for kind, count in counts.items():
                 queues.add_metric([model, kind], count)
+        for model, (begun, held_then, seconds) in sorted(self._ramps.items()):
+            ramps.add_metric([model], begun)
+            ramp_held.add_metric([model], held_then)
+            ramp_seconds.add_metric([model], seconds)
         return list(families)

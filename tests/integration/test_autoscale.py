@@ -133,6 +133,50 @@ async def test_from_zero_requests_wait_for_the_first_replica_and_to_zero_when_id
     assert (await chat(gateway)).status_code == 200
 
 
+HELD = 10  # requests held while the first replica starts
+# An engine of 2 sequences whose requests last a while (16 tokens of 20 ms steps), starting cold in 8 s: long enough
+# to queue the requests one by one in a known order before it is ready.
+BURSTY = ("tiny-sim", "tiny", ', "--startup-seconds", "8", "--max-num-seqs", "2", "--profile", "constant", '
+          '"--decode-ms-per-step", "20", "--output-tokens", "16:16"')
+
+
+async def first_token(gateway, times: dict[int, float], index: int) -> None:
+    """One streamed chat completion in the batch class; ``times[index]``: when its first token arrived (trio's
+    clock). Fails on any answer but 200."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": f"hello {index}"}], "max_tokens": 16,
+            "stream": True}
+    async with gateway.http.stream("POST", gateway.url + "/v1/chat/completions", json=body, headers=BATCH,
+                                   timeout=90) as answer:
+        assert answer.status_code == 200, (await answer.aread()).decode()
+        async for line in answer.aiter_lines():
+            if line.startswith("data: {") and '"content"' in line and index not in times:
+                times[index] = trio.current_time()
+
+
+async def test_from_zero_the_held_requests_go_out_oldest_first_and_none_is_dropped(nursery, cluster, tmp_path):
+    settings = {"tiny-sim": AutoscaleSettings(min_replicas=0, max_replicas=1, queued_per_replica=100,
+                                              idle_to_zero=3600)}
+    gateway, _ = await start(nursery, cluster, tmp_path, settings, BURSTY)
+    times: dict[int, float] = {}
+    async with trio.open_nursery() as asking:
+        for index in range(HELD):  # one after another, each queued before the next is sent: a known order
+            asking.start_soon(first_token, gateway, times, index)
+            await wait_for(cluster, f"request {index} queued", lambda n=index + 1: _queued(gateway, n), timeout=30)
+        assert not times  # all held while the engine starts
+    assert len(times) == HELD  # every one answered (first_token fails on anything but 200)
+    # The replica took the burst oldest first, a few at a time: its engine (2 sequences) gave the first request its
+    # first token first, and no request a first token before one held several places ahead of it. Before the ramp
+    # the whole burst went out at once, the engine taking it in the order the connections landed.
+    assert times[0] <= min(times[j] for j in range(2, HELD)), times
+    assert all(times[i] <= times[j] for i in range(HELD) for j in range(i + 4, HELD)), times
+    assert await gateway.metric("llmgw_flow_ramps_total", 'model="tiny"') == 1
+    assert await gateway.metric("llmgw_flow_ramp_held_requests_total", 'model="tiny"') == HELD
+
+
+async def _queued(gateway, count: int) -> bool:
+    return await gateway.metric("llmgw_flow_queued", 'model="tiny",class="batch"') == count
+
+
 async def _replicas_are(cluster, names: set[str]) -> bool:
     replicas = await cluster.replicas()
     return set(replicas) == names

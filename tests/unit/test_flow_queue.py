@@ -61,6 +61,7 @@ class FakeRoom(Room):
         self.inflight_tokens = 0
         self.held: dict[str, int] = {}  # a class's room forced to 0 (by name): a room that is not monotonic
         self.broken = False  # free() raises: a bug in the room
+        self.ramping_now = False  # a replica takes the held requests in a ramp
         self._changed = trio.Event()
 
     def free(self, model: str, priority: PriorityClass) -> int:
@@ -86,6 +87,9 @@ class FakeRoom(Room):
 
     def saturation(self, model: str) -> float:
         return self.inflight / self.capacity
+
+    def ramping(self, model: str) -> bool:
+        return self.ramping_now
 
 
 def request(priority: PriorityClass = STANDARD, flow: str = "a", cost: int = 100, *, wait: float | None = None,
@@ -456,6 +460,22 @@ async def test_a_request_the_queue_cannot_serve_before_its_deadline_is_shed_at_o
         other = h.start(request(STANDARD, flow="other", cost=100, wait=1.0))
         await trio.testing.wait_all_tasks_blocked()
         assert id(patient) not in h.outcomes and id(other) not in h.outcomes
+
+
+async def test_nothing_is_shed_early_while_a_replica_takes_the_held_requests_in_a_ramp(autojump_clock):
+    async with harness(capacity=1) as h:
+        await measure_drain(h)
+        await wait_behind(h, 30)  # about 3 s at the rate measured
+        h.room.ramping_now = True  # a replica appeared and takes them at a pace: the rate says nothing yet
+        late = h.start(request(STANDARD, flow="ahead", cost=100, wait=1.0))  # shed at once, else
+        waiter = h.start(request(STANDARD, flow="ahead", cost=100, wait=1.4))
+        await trio.sleep(0.5)  # looked at, with 0.9 s left for about 3 s: shed, else
+        assert id(late) not in h.outcomes and id(waiter) not in h.outcomes
+        await trio.sleep(1.0)  # their deadlines still hold
+        assert h.outcomes[id(late)].reason == EXPIRED and h.outcomes[id(waiter)].reason == EXPIRED
+        h.room.ramping_now = False  # the ramp over, the rate counts again
+        outcome = await h.queue.enter(request(STANDARD, flow="ahead", cost=100, wait=1.0))
+        assert isinstance(outcome, Shed) and outcome.reason == UNSERVABLE
 
 
 @pytest.mark.parametrize("peers", [False, True])

@@ -26,6 +26,7 @@ from llmgw.flow.capacity import (
     queue_kind,
 )
 from llmgw.flow.model import DEFAULT_CLASSES, FlowSettings
+from llmgw.flow.ramp import START as RAMP_START, Ramp
 from llmgw.flow.room import EngineRoom
 from llmgw.flow.room_metrics import RoomMetrics
 from llmgw.metrics import Metrics
@@ -808,3 +809,94 @@ def test_the_room_estimates_what_an_engine_must_still_find_and_counts_its_queues
     assert room.capacity(replica) is None
     assert registry.get_sample_value("llmgw_flow_engine_queues_total", {"model": "m", "kind": FOR_BUDGET}) == 1
     assert registry.get_sample_value("llmgw_flow_engine_queues_total", {"model": "m", "kind": FOR_BLOCKS}) == 0
+
+
+# -- a held burst's slow start (llmgw/flow/ramp.py) -------------------------------------------------------------------
+
+
+def test_a_replica_appearing_while_requests_are_held_takes_them_a_few_at_a_time_doubling_on_each_scrape(caplog):
+    registry = CollectorRegistry()
+    router, room, queued, clock = make_room(replicas=(), metrics=RoomMetrics(registry))
+    queued["m"] = 10
+    assert room.free("m", INTERACTIVE) == 0  # no replica: held
+    router.add_replica(Replica(name="a", model="m", url="http://127.0.0.1:9000"))
+    a = router.replicas.get("a")
+    with caplog.at_level("INFO", logger="llmgw.flow.room"):
+        assert room.free("m", INTERACTIVE) == RAMP_START  # not the whole backlog: it is unknown, not unbounded
+    assert "10 requests are held" in caplog.text and "oldest first" in caplog.text
+    assert room.describe("m")["replicas"][0]["ramp"] == RAMP_START
+    a.local_inflight = RAMP_START
+    assert room.free("m", INTERACTIVE) == 0
+    scrape(router, room, "a", 1, running=RAMP_START)  # all it was given in flight, its KV cache has room: doubled
+    assert room.ramp(a) == 2 * RAMP_START and room.free("m", INTERACTIVE) == RAMP_START
+    scrape(router, room, "a", 2, running=RAMP_START)  # not filled: no faster
+    assert room.ramp(a) == 2 * RAMP_START
+    a.local_inflight = 2 * RAMP_START
+    # Its engine queues (first come, first served: in the order the queue sent them): a pace, not a cap.
+    scrape(router, room, "a", 3, running=RAMP_START, waiting=RAMP_START)
+    scrape(router, room, "a", 4, running=RAMP_START, waiting=RAMP_START)  # twice: its capacity is learnt
+    assert room.capacity(a) == RAMP_START and room.ramp(a) == 4 * RAMP_START
+    assert room.free("m", INTERACTIVE) == 2 * RAMP_START  # the ramp goes on past the capacity while requests wait
+    scrape(router, room, "a", 5, running=RAMP_START, waiting=6 * RAMP_START, kv=RULE.kv_target)
+    a.local_inflight = 4 * RAMP_START
+    scrape(router, room, "a", 6, running=RAMP_START, waiting=6 * RAMP_START, kv=RULE.kv_target)
+    assert room.ramp(a) == 4 * RAMP_START  # its KV cache at kv_target: no more
+    assert registry.get_sample_value("llmgw_flow_replica_ramp", {"model": "m", "replica": "a"}) == 4 * RAMP_START
+    clock.now += 1.5
+    queued["m"] = 0
+    with caplog.at_level("INFO", logger="llmgw.flow.room"):
+        scrape(router, room, "a", 7, running=RAMP_START)  # nothing held any more: the ramp ends
+    assert room.ramp(a) is None
+    assert room.free("m", INTERACTIVE) == 0  # its learnt capacity counts again
+    assert "ends its ramp through a held burst after 1.50 s (nothing is held any more)" in caplog.text
+    assert registry.get_sample_value("llmgw_flow_ramps_total", {"model": "m"}) == 1
+    assert registry.get_sample_value("llmgw_flow_ramp_held_requests_total", {"model": "m"}) == 10
+    assert registry.get_sample_value("llmgw_flow_ramp_seconds_total", {"model": "m"}) == 1.5
+    assert registry.get_sample_value("llmgw_flow_replica_ramp", {"model": "m", "replica": "a"}) is None
+    queued["m"] = 3  # held again, its capacity known: no ramp, the room is the capacity
+    assert room.free("m", INTERACTIVE) == 0 and room.ramp(a) is None
+
+
+def test_nothing_held_an_unknown_replica_stays_unbounded_and_one_already_busy_ramps_from_what_it_carries():
+    router, room, queued, _ = make_room(replicas=("a",))
+    a = router.replicas.get("a")
+    a.local_inflight = 30
+    assert room.free("m", INTERACTIVE) == UNBOUNDED and room.ramp(a) is None
+    queued["m"] = 5  # held (say, for KV room): its 30 in flight without a queue are proven, not cut to a few
+    assert room.ramp(a) is None and room.free("m", INTERACTIVE) == 0
+    assert room.ramp(a) == 30
+    queued["m"] = 0
+    assert room.free("m", INTERACTIVE) == UNBOUNDED and room.ramp(a) is None  # ended at the next look
+
+
+def test_the_ramp_ends_when_its_replica_leaves_and_never_doubles_on_a_full_cache_a_stale_or_broken_gauge():
+    router, room, queued, _ = make_room(replicas=("a",))
+    queued["m"] = 3
+    a = router.replicas.get("a")
+    assert room.free("m", INTERACTIVE) == RAMP_START
+    a.local_inflight = RAMP_START
+    scrape(router, room, "a", 1, running=RAMP_START, kv=RULE.kv_target)  # the cache fills: no more
+    scrape(router, room, "a", 1, running=RAMP_START)  # the same scrape again
+    scrape(router, room, "a", 2, running=math.nan, waiting=math.nan, kv=math.nan)
+    assert room.ramp(a) == RAMP_START
+    router.remove_replica(a)
+    assert room._ramps == {}
+
+
+def test_a_ramp_doubles_within_its_bounds_whatever_the_gauges():
+    ramp = Ramp(RAMP_START, 0.0, 1)
+    for at in range(40):
+        ramp.observe(load(at, running=1e12, kv=0.1), inflight=1 << 40, rule=RULE)
+    assert ramp.limit == MAX_CAPACITY
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(allow_nan=True), st.floats(allow_nan=True), st.one_of(st.none(), st.floats()),
+                          st.integers(min_value=-10, max_value=1 << 40)), max_size=30))
+def test_any_engine_gauges_keep_a_ramp_within_its_bounds(scrapes):
+    ramp = Ramp(RAMP_START, 0.0, 1)
+    for at, (running, waiting, kv, inflight) in enumerate(scrapes):
+        before = ramp.limit
+        doubled = ramp.observe(load(at, running, waiting, kv), inflight, RULE)
+        assert RAMP_START <= ramp.limit <= MAX_CAPACITY
+        assert ramp.limit == (min(MAX_CAPACITY, 2 * before) if doubled else before)
