@@ -65,6 +65,7 @@ AUTOSCALED_SLEEP = "autoscaled-sleep"  # the autoscaled arm with sleep_mode and 
 ARMS = (AUTOSCALED, FIXED_MAX, FIXED_MIN)
 ALL_ARMS = (*ARMS, AUTOSCALED_SLEEP)
 SCALED_ARMS = (AUTOSCALED, AUTOSCALED_SLEEP)
+WINDOWS = {"scale_up_after": 5.0, "scale_down_after": 300.0, "idle_to_zero": 600.0}  # the autoscaled arms', fleet s
 KEEP_WARM = 3600.0  # fleet seconds a scaled-down replica of the sleep arm sleeps: longer than any trace
 SLEEP_MODE = "    sleep_mode: true\n"
 
@@ -149,7 +150,7 @@ def deployment_lines(arm: str, trace: Trace, factor: float) -> str:
         return f"replicas: {trace.min_replicas}"
     if not autoscale_available():
         raise ArmUnavailable("not available: this llmgw has no autoscaling (the deployments' `autoscale:` keys)")
-    windows = {"scale_up_after": 5.0, "scale_down_after": 300.0, "idle_to_zero": 600.0}
+    windows = dict(WINDOWS)
     if arm == AUTOSCALED_SLEEP:
         windows["keep_warm"] = KEEP_WARM
     scaled = ", ".join(f"{key}: {seconds(value, factor)}" for key, value in windows.items())
@@ -211,7 +212,7 @@ async def sample_fleet(rig: AutoscaleRig, every: float, into: list[dict]) -> Non
         await trio.sleep_until(start + (len(into) + 1) * every)
 
 
-ASLEEP_WAIT = 60.0  # wall seconds beyond idle_to_zero the sleep arm's replicas may take to drain and sleep
+ASLEEP_WAIT = 60.0  # wall seconds beyond the scale-downs' windows the sleep arm's replicas may take to sleep
 
 
 async def asleep_counts(rig: AutoscaleRig) -> dict[str, dict[str, int]]:
@@ -226,8 +227,9 @@ async def put_to_sleep(args: argparse.Namespace, http: httpx.AsyncClient, rig: A
                        replica_rps: float, rng: random.Random) -> dict[str, int]:
     """The sleep arm's fleet before its trace, as if it had served a busy spell before: each model driven at
     ``max`` replicas' worth for ``--warm-up`` fleet seconds, then left idle until its autoscaler took it back to
-    ``min`` (``idle_to_zero``) and the replicas it had above that sleep. Per model, the replicas asleep when the
-    trace starts (fewer than it had above ``min`` if they did not all sleep within :data:`ASLEEP_WAIT`)."""
+    ``min`` (a step down every ``scale_down_after``, or all at once after ``idle_to_zero``) and the replicas it had
+    above that sleep. Per model, the replicas asleep when the trace starts (fewer than it had above ``min`` if they
+    did not all sleep within those windows and :data:`ASLEEP_WAIT`)."""
     factor = args.time_factor
     wall = args.warm_up / factor
     warm = Trace("warm-up", "max replicas' worth", args.warm_up, trace.models,
@@ -253,7 +255,8 @@ async def put_to_sleep(args: argparse.Namespace, http: httpx.AsyncClient, rig: A
                 driving.start_soon(drive, model)
         warming.cancel_scope.cancel()
     counts: dict[str, dict[str, int]] = {}
-    with trio.move_on_after(600.0 / factor + ASLEEP_WAIT):  # idle_to_zero (deployment_lines), then the drain
+    steps_down = WINDOWS["idle_to_zero"] + trace.max_replicas * WINDOWS["scale_down_after"]
+    with trio.move_on_after(steps_down / factor + ASLEEP_WAIT):
         while True:
             with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
                 counts = await asleep_counts(rig)
