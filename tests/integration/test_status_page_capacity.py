@@ -42,6 +42,19 @@ deployments:
 """
 
 
+async def chart_title(tab, holding: str) -> str:
+    """The first chart's line of words, once it holds ``holding``."""
+    return await tab.wait_for(f"the chart with {holding!r}", f"(() => {{ const t = document.querySelector("
+                                                            f"'#capacity .chart div'); return t && t.textContent"
+                                                            f".includes({holding!r}) && t.textContent; }})()")
+
+
+async def every_layer_drawn(tab) -> None:
+    for part in ("ready", "starting", "sleeping", "draining", "inflight", "queued", "arrivals"):
+        points = await tab.evaluate(POINTS.format(part))
+        assert points and "NaN" not in points, (part, points)
+
+
 async def capacity(gw) -> dict:
     async with httpx.AsyncClient(timeout=10) as client:
         answer = await client.get(gw.control_url + "/admin/capacity")
@@ -81,13 +94,10 @@ async def test_the_page_charts_an_autoscaled_deployments_replicas_against_its_re
         browser = await start_chromium(nursery, tmp_path / "chromium")
         async with open_page(browser) as tab:
             await tab.navigate(f"{gw.control_url}/ui")
-            title = await tab.wait_for("the chart", "(() => { const t = document.querySelector('#capacity .chart "
-                                                    "div'); return t && t.textContent; })()")
+            title = await chart_title(tab, "ready")
             assert title.startswith(f"{MODEL}: 1 ready, 0 starting, 0 asleep, 0 draining; "), title
             assert await tab.evaluate("document.querySelectorAll('#capacity svg').length") == 1
-            for part in ("ready", "starting", "sleeping", "draining", "inflight", "queued", "arrivals"):
-                points = await tab.evaluate(f"document.querySelector('#capacity svg .{part}').getAttribute('points')")
-                assert points and "NaN" not in points, (part, points)
+            await every_layer_drawn(tab)
             await tab.wait_for("the requests in flight", "document.querySelector('#capacity .chart div')"
                                                          ".textContent.includes('3 in flight')")
             assert tab.errors == []
@@ -128,12 +138,15 @@ async def call(gw) -> None:
 
 
 async def until_sampled(gw, what: str, predicate) -> dict:
-    with trio.fail_after(60):
+    """The deployment's samples once ``predicate`` holds of them; a failure naming ``what`` after 60 s."""
+    found = None
+    with trio.move_on_after(60):
         while True:
             found = await latest(gw)
             if found is not None and predicate(found):
                 return found
             await trio.sleep(0.5)
+    raise AssertionError(f"/admin/capacity did not show {what} within 60 s; last: {found}")
 
 
 async def test_the_page_charts_a_replica_asleep_and_the_decisions_that_put_it_there_and_woke_it(
@@ -155,13 +168,10 @@ async def test_the_page_charts_a_replica_asleep_and_the_decisions_that_put_it_th
     browser = await start_chromium(nursery, tmp_path / "chromium")
     async with open_page(browser) as tab:
         await tab.navigate(f"{gw.control_url}/ui")
-        title = await tab.wait_for("the chart", "(() => { const t = document.querySelector('#capacity .chart div'); "
-                                                "return t && t.textContent.includes('asleep') && t.textContent; })()")
+        title = await chart_title(tab, "1 asleep")
         assert title.startswith(f"{MODEL}: 0 ready, 0 starting, 1 asleep, 0 draining; "), title
         assert "arriving/s" in title, title
-        for part in ("ready", "starting", "sleeping", "draining", "inflight", "queued", "arrivals"):
-            points = await tab.evaluate(POINTS.format(part))
-            assert points and "NaN" not in points, (part, points)
+        await every_layer_drawn(tab)
         # the violet layer stands above the axis at the end: its last point's height is the whole scale
         top = await tab.evaluate(POINTS.format("sleeping") + ".trim().split(' ').slice(-2)[0].split(',')[1]")
         axis = await tab.evaluate("document.querySelector('#capacity svg line').getAttribute('y1')")
