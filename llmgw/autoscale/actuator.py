@@ -196,6 +196,17 @@ class Autoscaler:
         return {"interval_s": self.interval(), "deployments": deployments, "move": waiting.get("move")}
 
 
+    def recent_decisions(self, key: str, count: int) -> list[dict[str, Any]]:
+        """Deployment ``key``'s newest ``count`` decisions as /admin/autoscale lists them, oldest first (the status
+        page marks them)."""
+        return [decision_json(d, self._start_notes.get(_note_key(d))) for d in self.scaler.history(key)[-count:]]
+
+    def arrivals_per_s(self, key: str) -> float | None:
+        """The arrivals the last step read for deployment ``key`` (None before its first step)."""
+        view = self.views.get(key)
+        return None if view is None else view.signals.arrivals_per_s
+
+
 def running_replicas(control: "ControlPlane", key: str) -> int:
     """The replicas of deployment ``key`` that run now: those the control plane holds, and those a reachable node
     reports serving (not draining, not asleep) with the profile's fingerprint that it has not adopted yet (the

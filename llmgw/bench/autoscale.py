@@ -11,7 +11,10 @@ First one replica's capacity: a closed loop of ``--max-num-seqs`` clients on a f
 ``--capacity-seconds`` (``--capacity`` gives it instead); one replica's worth of demand is ``--utilisation`` of it.
 Then, for each trace (:mod:`.autoscale_traces`: ``step``, ``diurnal``, ``swap``, ``idle``) and each arm
 (``autoscaled``: ``replicas: {min, max}`` and an ``autoscale:`` section with the windows, and the decisions'
-interval, divided by the factor; ``fixed-max``; ``fixed-min``), ``--repeats`` times on a fresh fleet: open-loop
+interval, divided by the factor; ``fixed-max``; ``fixed-min``; opt-in, ``autoscaled-sleep``: the autoscaled arm
+with ``sleep_mode`` on the profiles and a ``keep_warm`` longer than the trace, whose fleet first serves a busy spell
+and is left idle until the replicas above ``min`` sleep, so that its steps up wake them: hot starts beside the
+autoscaled arm's cold ones), ``--repeats`` times on a fresh fleet: open-loop
 arrivals following the trace (streamed chat completions of ``--prompt-words`` words and ``--max-tokens`` tokens
 through the gateway), sampled every ``--sample`` seconds (:meth:`~.autoscale_rig.AutoscaleRig.sample`). Per
 trace, arm and model (:mod:`.autoscale_report`): the step to the extra replica serving, dropped requests,
@@ -20,7 +23,7 @@ replicas against demand; where the seconds of the step's scale-up and of the sta
 from the processes' logs (:mod:`.autoscale_timeline`); with ``--json`` everything, series included (partial results
 as they come).
 
-Run: ``llmgw bench autoscale [--traces step,diurnal,swap,idle] [--arms autoscaled,fixed-max,fixed-min]
+Run: ``llmgw bench autoscale [--traces step,diurnal,swap,idle] [--arms autoscaled,fixed-max,fixed-min,...]
 [--repeats 3] [--json bench-results/autoscale.json]``; ``--quick`` is a short form (the traces over a quarter of
 their length, one repeat). An arm this llmgw cannot run (no ``autoscale:`` config yet) says so and is not run.
 """
@@ -58,13 +61,24 @@ from .overload_arms import ArmUnavailable
 from .overload_workload import INTERACTIVE, OK, Tenant, closed_loop, send_at, sender
 
 AUTOSCALED, FIXED_MAX, FIXED_MIN = "autoscaled", "fixed-max", "fixed-min"
+AUTOSCALED_SLEEP = "autoscaled-sleep"  # the autoscaled arm with sleep_mode and keep_warm: hot starts (opt-in)
 ARMS = (AUTOSCALED, FIXED_MAX, FIXED_MIN)
+ALL_ARMS = (*ARMS, AUTOSCALED_SLEEP)
+SCALED_ARMS = (AUTOSCALED, AUTOSCALED_SLEEP)
+WINDOWS = {"scale_up_after": 5.0, "scale_down_after": 300.0, "idle_to_zero": 600.0}  # the autoscaled arms', fleet s
+KEEP_WARM = 3600.0  # fleet seconds a scaled-down replica of the sleep arm sleeps: longer than any trace
+SLEEP_MODE = "    sleep_mode: true\n"
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = bench_parser(__doc__ or "")
     parser.add_argument("--traces", default=",".join(TRACES), help="comma-separated, of: " + ", ".join(TRACES))
-    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated, of: " + ", ".join(ARMS))
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated, of: " + ", ".join(ALL_ARMS)
+                        + f" (default: {','.join(ARMS)}; {AUTOSCALED_SLEEP} first drives each model to its max "
+                          "and leaves it idle until the replicas above its min sleep)")
+    parser.add_argument("--warm-up", type=float, default=240.0,
+                        help=f"{AUTOSCALED_SLEEP}: fleet seconds of load at max replicas' worth before the wait "
+                             "for its replicas to sleep")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--time-factor", type=float, default=10.0, help="fleet seconds per wall second")
     parser.add_argument("--cold-start", type=float, default=60.0, help="an engine's cold start, fleet seconds")
@@ -92,7 +106,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.set_defaults(repeats=1, capacity_seconds=6.0)
     args = parser.parse_args(argv)
     args.traces = chosen_names(parser, args.traces, list(TRACES), "traces")
-    args.arms = chosen_names(parser, args.arms, ARMS)
+    args.arms = chosen_names(parser, args.arms, ALL_ARMS)
     return args
 
 
@@ -136,7 +150,9 @@ def deployment_lines(arm: str, trace: Trace, factor: float) -> str:
         return f"replicas: {trace.min_replicas}"
     if not autoscale_available():
         raise ArmUnavailable("not available: this llmgw has no autoscaling (the deployments' `autoscale:` keys)")
-    windows = {"scale_up_after": 5.0, "scale_down_after": 300.0, "idle_to_zero": 600.0}
+    windows = dict(WINDOWS)
+    if arm == AUTOSCALED_SLEEP:
+        windows["keep_warm"] = KEEP_WARM
     scaled = ", ".join(f"{key}: {seconds(value, factor)}" for key, value in windows.items())
     return (f"replicas: {{min: {trace.min_replicas}, max: {trace.max_replicas}}}\n"
             f"    autoscale: {{{scaled}}}")
@@ -158,7 +174,12 @@ def config_extra(arm: str, factor: float) -> str:
     """The arm's top-level config: the flow classes (:func:`flow_classes`) and, autoscaled, the autoscaler deciding
     every second of fleet time."""
     classes = "" if factor == REFERENCE_FACTOR else flow_classes(factor)
-    return classes + (f"autoscale:\n  interval: {seconds(1.0, factor)}\n" if arm == AUTOSCALED else "")
+    return classes + (f"autoscale:\n  interval: {seconds(1.0, factor)}\n" if arm in SCALED_ARMS else "")
+
+
+def profile_extra(arm: str) -> str:
+    """The arm's profile keys: the sleep arm's engines can be put to sleep (vLLM's sleep mode; the simulator's)."""
+    return SLEEP_MODE if arm == AUTOSCALED_SLEEP else ""
 
 
 def starting_count(arm: str, trace: Trace) -> int:
@@ -191,6 +212,64 @@ async def sample_fleet(rig: AutoscaleRig, every: float, into: list[dict]) -> Non
         await trio.sleep_until(start + (len(into) + 1) * every)
 
 
+ASLEEP_WAIT = 60.0  # wall seconds beyond the scale-downs' windows the sleep arm's replicas may take to sleep
+
+
+async def asleep_counts(rig: AutoscaleRig) -> dict[str, dict[str, int]]:
+    """Per model: its replicas ready (``/admin/replicas``) and asleep (``/admin/autoscale``'s ``sleeping``)."""
+    counts = await rig.sample()
+    scaled = (await rig.http.get(rig.control.control_url + "/admin/autoscale")).json()["deployments"]
+    return {model: {"ready": counts[model]["ready"], "sleeping": scaled[profile_name(model)]["sleeping"]}
+            for model in rig.models}
+
+
+async def put_to_sleep(args: argparse.Namespace, http: httpx.AsyncClient, rig: AutoscaleRig, trace: Trace,
+                       replica_rps: float, rng: random.Random) -> dict[str, int]:
+    """The sleep arm's fleet before its trace, as if it had served a busy spell before: each model driven at
+    ``max`` replicas' worth for ``--warm-up`` fleet seconds, then left idle until its autoscaler took it back to
+    ``min`` (a step down every ``scale_down_after``, or all at once after ``idle_to_zero``) and the replicas it had
+    above that sleep. Per model, the replicas asleep when the trace starts (fewer than it had above ``min`` if they
+    did not all sleep within those windows and :data:`ASLEEP_WAIT`)."""
+    factor = args.time_factor
+    wall = args.warm_up / factor
+    warm = Trace("warm-up", "max replicas' worth", args.warm_up, trace.models,
+                 lambda _model, _t: float(trace.max_replicas), float(trace.max_replicas))
+    most = dict.fromkeys(trace.models, 0)
+
+    async def drive(model: str) -> None:
+        arrivals = [(at, tenant_of(args, model), random.Random(rng.random()))
+                    for at in arrival_times(warm, model, replica_rps, factor, rng)]
+        await send_at(sender(http, [rig.url], args.request_timeout, model), arrivals, wall, args.cap)
+
+    async def watch() -> None:
+        while True:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                for model, found in (await rig.sample()).items():
+                    most[model] = max(most[model], found["ready"])
+            await trio.sleep(args.sample)
+
+    async with trio.open_nursery() as warming:
+        warming.start_soon(watch)
+        async with trio.open_nursery() as driving:
+            for model in trace.models:
+                driving.start_soon(drive, model)
+        warming.cancel_scope.cancel()
+    counts: dict[str, dict[str, int]] = {}
+    steps_down = WINDOWS["idle_to_zero"] + trace.max_replicas * WINDOWS["scale_down_after"]
+    with trio.move_on_after(steps_down / factor + ASLEEP_WAIT):
+        while True:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                counts = await asleep_counts(rig)
+                if all(counts[m]["ready"] <= trace.min_replicas
+                       and counts[m]["sleeping"] >= most[m] - trace.min_replicas for m in trace.models):
+                    break
+            await trio.sleep(0.5)
+    asleep = {model: counts.get(model, {}).get("sleeping", 0) for model in trace.models}
+    print(f"    warmed up to {most} replicas ready; asleep when the trace starts: {asleep}", file=sys.stderr,
+          flush=True)
+    return asleep
+
+
 async def run_trace(args: argparse.Namespace, http: httpx.AsyncClient, trace: Trace, arm: str, repeat: int,
                     workdir: Path, replica_rps: float, boot: float) -> tuple[dict, dict]:
     """One repeat of ``trace`` on a fresh fleet of ``arm``: per model its stats and its series."""
@@ -204,8 +283,12 @@ async def run_trace(args: argparse.Namespace, http: httpx.AsyncClient, trace: Tr
     fleet: list[dict] = []
     loops = {}
     began: dict[str, float] = {}  # epoch seconds at which each model's arrivals are timed from
+    asleep: dict[str, int] = {}
     async with AutoscaleRig.open(workdir, engine_of(args, boot), deployments, ready, nodes=args.nodes,
-                                 gpus=args.gpus, extra_config=config_extra(arm, factor)) as rig:
+                                 gpus=args.gpus, extra_config=config_extra(arm, factor),
+                                 profile_extra=profile_extra(arm)) as rig:
+        if arm == AUTOSCALED_SLEEP:
+            asleep = await put_to_sleep(args, http, rig, trace, replica_rps, random.Random(rng.random()))
 
         async def drive(model: str) -> None:
             began[model] = time.time()
@@ -230,6 +313,8 @@ async def run_trace(args: argparse.Namespace, http: httpx.AsyncClient, trace: Tr
         stats[model] = model_stats(trace, model, factor, within, loops[model].outcomes, oracle,
                                    args.ttft_slo_ms / 1000, args.window)
         stats[model]["over_cap"] = loops[model].over_cap
+        if model in asleep:
+            stats[model]["asleep_at_start"] = asleep[model]
         lines[model] = series(trace, model, factor, within, oracle)
         moment = trace.called_at if trace.called_at is not None else trace.step_at
         if moment is not None:
@@ -269,7 +354,7 @@ def traces_of(args: argparse.Namespace) -> list[Trace]:
 async def run(args: argparse.Namespace, root: Path) -> dict:
     settings = {key: getattr(args, key) for key in (
         "traces", "arms", "repeats", "time_factor", "nodes", "profile", "max_num_seqs", "prompt_words",
-        "max_tokens", "utilisation", "ttft_slo_ms", "sample", "seed", "quick")}
+        "max_tokens", "utilisation", "ttft_slo_ms", "sample", "seed", "quick", "warm_up")}
     settings.update(gpus_per_node=args.gpus, gpu="H100 80GB", cold_start_s=args.cold_start,
                     hot_start_s=args.hot_start, window_s=args.window, startup_modelled=sim_models_startup(),
                     sim_note=f"--max-num-seqs {args.max_num_seqs}, {args.prompt_words}-word prompts, "
@@ -305,10 +390,15 @@ def main(argv: list[str]) -> int:
     args = parse(argv)
     report = run_in_workdir("autoscale", run, args)
     print(charts(report), "\n")
-    if timelines := timelines_markdown(report, AUTOSCALED):
-        print("Where the seconds of a scale-up go (the logs' timestamps):\n\n" + timelines, "\n")
+    for arm in (a for a in SCALED_ARMS if a in args.arms):
+        if timelines := timelines_markdown(report, arm):
+            print(f"Where the seconds of a scale-up go, {arm} (the logs' timestamps):\n\n" + timelines, "\n")
     report["targets"] = targets(report, AUTOSCALED)
-    return print_and_save(report, markdown(report) + "\n\n" + targets_markdown(report, AUTOSCALED), args.json)
+    text = markdown(report) + "\n\n" + targets_markdown(report, AUTOSCALED)
+    if AUTOSCALED_SLEEP in args.arms:
+        report["targets_sleep"] = targets(report, AUTOSCALED_SLEEP)
+        text += "\n\n" + targets_markdown(report, AUTOSCALED_SLEEP)
+    return print_and_save(report, text, args.json)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ and the fleet's config (each arm's deployments as the config loader reads them).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -249,6 +250,29 @@ def test_the_autoscaled_arm_loads_with_its_windows_divided_or_says_this_llmgw_ca
     assert (settings.scale_up_after, settings.scale_down_after, settings.idle_to_zero) == (0.5, 30.0, 60.0)
     assert config.autoscale.interval == 0.1
     assert autoscale.config_extra(autoscale.FIXED_MAX, 10.0) == ""
+
+
+def test_the_sleep_arm_is_the_autoscaled_one_with_sleep_mode_and_a_keep_warm_longer_than_any_trace(tmp_path: Path):
+    if not autoscale.autoscale_available():
+        return
+    trace = swap_trace()
+    text = fleet_config(tmp_path, EngineShape("h100-llama-3.1-8b", 2, 6.0, 0.5),
+                        {m: autoscale.deployment_lines(autoscale.AUTOSCALED_SLEEP, trace, 10.0) for m in trace.models},
+                        autoscale.config_extra(autoscale.AUTOSCALED_SLEEP, 10.0),
+                        autoscale.profile_extra(autoscale.AUTOSCALED_SLEEP))
+    config = parse_config(text, "fleet.yaml")
+    cold = parse_config(fleet_config(tmp_path, EngineShape("h100-llama-3.1-8b", 2, 6.0, 0.5),
+                                     {m: autoscale.deployment_lines(autoscale.AUTOSCALED, trace, 10.0)
+                                      for m in trace.models}, autoscale.config_extra(autoscale.AUTOSCALED, 10.0),
+                                     autoscale.profile_extra(autoscale.AUTOSCALED)), "fleet.yaml")
+    for deployment, same in zip(config.deployments, cold.deployments):
+        settings = deployment.autoscale_settings()
+        assert settings.keep_warm == 360.0 and settings.keep_warm * 10 > max(t().seconds for t in TRACES.values())
+        assert dataclasses.replace(settings, keep_warm=0.0) == same.autoscale_settings()
+        assert config.profile(deployment.profile).sleep_mode and not cold.profile(same.profile).sleep_mode
+    assert config.autoscale.interval == cold.autoscale.interval == 0.1
+    assert autoscale.AUTOSCALED_SLEEP not in autoscale.parse([]).arms  # opt-in
+    assert autoscale.parse(["--arms", "autoscaled-sleep"]).arms == [autoscale.AUTOSCALED_SLEEP]
 
 
 def test_at_a_smaller_compression_the_flow_classes_wait_as_long_in_fleet_seconds(tmp_path: Path):
