@@ -136,7 +136,8 @@ def deployment_lines(arm: str, trace: Trace, factor: float) -> str:
         return f"replicas: {trace.min_replicas}"
     if not autoscale_available():
         raise ArmUnavailable("not available: this llmgw has no autoscaling (the deployments' `autoscale:` keys)")
-    windows = {"scale_up_after": 5.0, "scale_down_after": 300.0, "idle_to_zero": 600.0}
+    # lookahead: the forecast of the busy load looks one cold start ahead (the issue's 60 s, the key's default)
+    windows = {"scale_up_after": 5.0, "scale_down_after": 300.0, "idle_to_zero": 600.0, "lookahead": 60.0}
     scaled = ", ".join(f"{key}: {seconds(value, factor)}" for key, value in windows.items())
     return (f"replicas: {{min: {trace.min_replicas}, max: {trace.max_replicas}}}\n"
             f"    autoscale: {{{scaled}}}")

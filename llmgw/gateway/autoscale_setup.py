@@ -83,7 +83,8 @@ class GatewayAutoscale:
                                  entered=self.flow.queue.entered,
                                  gateways=(lambda: 1 + len(sharing.peers)) if sharing is not None else lambda: 1,
                                  first_tokens=self.first_tokens, slo_of=self._slo_of,
-                                 peer_figures=sharing.peer_figures if sharing is not None else lambda model: {})
+                                 peer_figures=sharing.peer_figures if sharing is not None else lambda model: {},
+                                 seats_of=self.flow.room.seats)
         control.scale = Autoscaler(self.scaler(self.config), self.settings_of, signals,
                                    AutoscaleMetrics.for_registry(self.registry), lambda: self.config.autoscale.interval)
 
