@@ -19,6 +19,7 @@ from ..autoscale.interfaces import Scaler
 from ..autoscale.metrics import AutoscaleMetrics
 from ..autoscale.model import AutoscaleSettings
 from ..autoscale.scaler import TargetScaler
+from ..autoscale.seats import declared_seats
 from ..autoscale.signals import FirstTokens, GatewaySignals
 from .load_figures import GatewayFigures
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from ..config import Config
     from ..config.schema import Deployment
     from ..control.plane import ControlPlane
+    from ..router.replica import Replica
     from ..router.router import Router
     from .flow_setup import GatewayFlow
 
@@ -58,6 +60,7 @@ class GatewayAutoscale:
         self.settings_of = settings_of
         self.models: frozenset[str] = frozenset()
         self.slos: dict[str, float] = {}
+        self.declared_seats: dict[str, int] = {}  # served model -> its profile's --max-num-seqs
         self.first_tokens = FirstTokens(trio.current_time)  # this gateway's, for the TTFT attainment signal
         router.first_token_listeners.append(self.first_tokens.observe)
         self.apply(config)
@@ -71,6 +74,9 @@ class GatewayAutoscale:
         self.slos = {config.profile(key).served_model_name: settings.ttft_slo
                      for key, (_, settings) in autoscaled(config, self.settings_of).items()
                      if settings.ttft_slo is not None}
+        self.declared_seats = {profile.served_model_name: seats for profile in
+                               (config.profile(key) for key in autoscaled(config, self.settings_of))
+                               if (seats := declared_seats(profile.args)) is not None}
 
     def holds(self, model: str) -> bool:
         return model in self.models
@@ -84,13 +90,18 @@ class GatewayAutoscale:
                                  gateways=(lambda: 1 + len(sharing.peers)) if sharing is not None else lambda: 1,
                                  first_tokens=self.first_tokens, slo_of=self._slo_of,
                                  peer_figures=sharing.peer_figures if sharing is not None else lambda model: {},
-                                 seats_of=self.flow.room.seats)
+                                 seats_of=self._seats_of)
         control.scale = Autoscaler(self.scaler(self.config), self.settings_of, signals,
                                    AutoscaleMetrics.for_registry(self.registry), lambda: self.config.autoscale.interval)
 
     def _slo_of(self, model: str) -> float | None:
         """The ``ttft_slo`` of the autoscaled deployment serving ``model`` (None: none set, or not autoscaled)."""
         return self.slos.get(model)
+
+    def _seats_of(self, replica: "Replica") -> int | None:
+        """The seats of ``replica``'s engine: what the flow room learnt, else what its profile declares."""
+        learnt = self.flow.room.seats(replica)
+        return learnt if learnt is not None else self.declared_seats.get(replica.model)
 
     def _held(self, model: str) -> tuple[int, int]:
         queued = self.flow.queue.queued(model).values()

@@ -246,6 +246,38 @@ async def test_llmgws_own_scaler_from_the_config_starts_a_replica_from_zero_and_
     assert " ".join(row[10:]).startswith("to_zero 1->0: no request for tiny"), lines
 
 
+async def test_busy_seats_over_the_utilisation_target_step_up_before_the_queue_target(nursery, cluster, tmp_path):
+    """Three clients in a closed loop on one replica of two seats: its engine queues, the flow room learns its
+    seats, and the busy load (two seats of two) is over the 70% utilisation target while the gateway holds one
+    request, far under the queue target: llmgw's scaler steps up on the busy seats, and says so."""
+    gateway, _ = await start(nursery, cluster, tmp_path, None, ("tiny-sim", "tiny", ', "--max-num-seqs", "2"'),
+                             replicas="{min: 1, max: 2}",
+                             autoscale="{lookahead: 2s, scale_up_after: 0.5s, queued_per_replica: 100}")
+    await wait_for(cluster, "the first replica up", lambda: _up(cluster, {"tiny-sim-0"}))
+    done = trio.Event()
+
+    async def client():
+        while not done.is_set():
+            answer = await chat(gateway, max_tokens=128)
+            assert answer.status_code == 200, answer.text
+
+    async def stepped_up():
+        status = await autoscale(gateway, "tiny-sim")
+        ups = [d for d in status["decisions"] if d["kind"] == "up"]
+        return (status, ups[0]) if ups else None
+
+    async with trio.open_nursery() as clients:
+        for _ in range(3):
+            clients.start_soon(client)
+        status, up = await wait_for(cluster, "a step up on the busy seats", stepped_up)
+        done.set()
+    assert (up["from"], up["to"]) == (1, 2), up
+    assert "busy" in up["reason"] and "over 70% of 1 provisioned replica" in up["reason"], up
+    assert "queued over" not in up["reason"], up
+    assert status["signals"]["busy"] is not None and status["scaler"]["busy"] is not None, status
+    await wait_for(cluster, "the second replica", lambda: _up(cluster, {"tiny-sim-0", "tiny-sim-1"}))
+
+
 async def test_a_replica_kept_warm_is_adopted_by_the_next_step_up_and_stopped_when_its_time_is_up(
         nursery, cluster, tmp_path):
     profile = ("tiny-sim", "tiny", "")

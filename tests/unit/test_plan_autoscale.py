@@ -40,6 +40,17 @@ def run_plan(tmp_path: Path, *args: str, config: str = CONFIG) -> subprocess.Com
                           timeout=60, cwd=REPO)
 
 
+def test_a_busy_load_over_the_utilisation_target_previews_the_step_ahead_of_a_queue(tmp_path):
+    done = run_plan(tmp_path, "--load", "chat-model=0,inflight=3,busy=1.5", "--replicas", "chat=2", "--for", "120")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "chat (model chat-model): 2 -> 3 replicas (min 1, max 6); load: 0 queued, 3 in flight, busy 1.5 replicas" \
+        in lines, lines
+    up = next(line for line in lines if " up 2 -> 3: " in line)
+    assert "busy 1.50 replicas: over 70% of 2 provisioned replicas for 5.0 s: 2 -> 3 replicas" in up, lines
+    assert not any(" up 3 -> " in line for line in lines)  # 1.5 busy over 3 is under the target: one step
+
+
 def test_a_load_previews_each_decision_with_its_reason_and_time(tmp_path):
     done = run_plan(tmp_path, "--load", "chat-model=20,kv=0.5", "--load", "batch=0,idle=100", "--replicas",
                     "batch=2", "--free-gpus", "3")
