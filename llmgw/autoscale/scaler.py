@@ -48,6 +48,10 @@ BUSY_DOWN_FRACTION = 0.85
 DEFAULT_HISTORY = 500  # decisions kept for /admin/autoscale, ``llmgw status`` and /ui
 QUIET_AFTER = 60.0  # seconds steady after which the same wait is recorded again
 BACKLOG_SLACK = 0.05  # a measured demand within 5% of a whole number of replicas is that number (rates are noisy)
+SATURATED = 0.9  # the ready replicas' busy seats, over the window, from which a backlog measures their drain
+# A busy need already pending holds while its forecast stays over this share of the target (a Schmitt trigger):
+# the forecast of a ramp hovers about the target for a while, and each dip would restart ``scale_up_after``.
+BUSY_HOLD = 0.9
 
 
 def clamp(value: int, settings: AutoscaleSettings) -> int:
@@ -153,11 +157,15 @@ def settling(view: DeploymentView, current: int) -> bool:
     return view.counts.starting > 0 or current > view.counts.provisioned + view.counts.unplaceable
 
 
-def measured_demand(view: DeploymentView) -> tuple[float, float] | None:
+def measured_demand(view: DeploymentView, forecast: Forecast | None = None) -> tuple[float, float] | None:
     """(requests/s arriving, requests/s one ready replica serves) while a backlog shows the ready replicas
-    saturated; None before any replica is ready or has finished a request (e.g. ``llmgw plan``'s load)."""
+    saturated; None before any replica is ready or has finished a request (e.g. ``llmgw plan``'s load), and when
+    the busy load's window (``forecast``) says they are not: a request held for a moment while one replica's seats
+    were full is no saturation, and the drain of replicas with seats free is no measure of what one serves."""
     signals, counts = view.signals, view.counts
     if not signals.queued or counts.ready == 0 or signals.served_per_s <= 0:
+        return None
+    if forecast is not None and forecast.level < SATURATED * counts.ready:
         return None
     # Unknown arrivals (a source that does not count them): with a queue, at least what is served. Known, they
     # are the demand: what the replicas drain beyond them is the backlog.
@@ -174,7 +182,7 @@ def serving(demand: float, per_replica: float) -> int:
     return max(1, math.ceil(demand / per_replica - BACKLOG_SLACK))
 
 
-def backlog_cap(view: DeploymentView, current: int) -> tuple[float, str]:
+def backlog_cap(view: DeploymentView, current: int, forecast: Forecast | None = None) -> tuple[float, str]:
     """The most replicas a backlog can prove, and the sentence saying why: a backlog that piled up while nothing
     could serve it (a cold start) is no measure of demand, so the replicas it asks for are those that serve the
     arrivals at the rate the ready replicas drain, plus one that drains the backlog (never a cascade from zero).
@@ -184,7 +192,7 @@ def backlog_cap(view: DeploymentView, current: int) -> tuple[float, str]:
         held = max(1, current)
         return held, (f"no replica is ready to measure its rate yet, so the backlog proves no more than "
                       f"{plural(held, 'replica')}")
-    measured = measured_demand(view)
+    measured = measured_demand(view, forecast)
     if measured is None:
         return math.inf, ""
     demand, per_replica = measured
@@ -194,19 +202,20 @@ def backlog_cap(view: DeploymentView, current: int) -> tuple[float, str]:
 
 
 def need_of(view: DeploymentView, current: int, *, proven_only: bool = False,
-            forecast: Forecast | None = None) -> Need:
+            forecast: Forecast | None = None, pending: bool = False) -> Need:
     """The replicas the load asks for (before ``max_replicas``); ``current`` when nothing asks for more.
-    ``proven_only``: the queue's need alone (while a step is in flight); ``forecast``: the busy load's."""
+    ``proven_only``: the queue's need alone (while a step is in flight); ``forecast``: the busy load's;
+    ``pending``: a need for more already holds (the busy target is then :data:`BUSY_HOLD` of itself)."""
     settings, signals, counts = view.settings, view.signals, view.counts
     provisioned = counts.provisioned
     needs = [Need(current, "", False)]
     if signals.queued:
         by_queue = math.ceil(signals.queued / settings.queued_per_replica)
-        cap, bound = backlog_cap(view, current)
+        cap, bound = backlog_cap(view, current, forecast)
         reason = (f"{plural(signals.queued, 'request')} queued over {plural(provisioned, 'provisioned replica')} "
                   f"(target {settings.queued_per_replica:g} per replica)")
         needs.append(Need(int(min(by_queue, cap)), f"{reason}; {bound}" if cap < by_queue else reason, True))
-        measured = measured_demand(view)
+        measured = measured_demand(view, forecast)
         if measured is not None:  # saturated replicas and a backlog: the arrivals say how many, before it piles up
             demand, per_replica = measured
             needs.append(Need(serving(demand, per_replica),
@@ -223,7 +232,8 @@ def need_of(view: DeploymentView, current: int, *, proven_only: bool = False,
         needs.append(Need(provisioned + 1, f"TTFT attainment {signals.ttft_attainment:.1%} of {settings.ttft_slo:g} s "
                                            f"< target {settings.attainment:.0%}", False))
     if forecast is not None:
-        by_busy = math.ceil(forecast.ahead / settings.utilisation - BACKLOG_SLACK)
+        target = settings.utilisation * (BUSY_HOLD if pending else 1.0)
+        by_busy = math.ceil(forecast.ahead / target - BACKLOG_SLACK)
         if by_busy > provisioned:
             needs.append(Need(by_busy, f"{forecast.describe(settings.lookahead)}: over {settings.utilisation:.0%} "
                                        f"of {plural(provisioned, 'provisioned replica')}", False))
@@ -397,7 +407,7 @@ class TargetScaler:
             memory.trend.add(now, signals.busy, settings.lookahead)
         forecast = memory.forecast = memory.trend.forecast(now, settings.lookahead)
         in_flight = step_in_flight(view, current)
-        need = need_of(view, current, proven_only=in_flight, forecast=forecast)
+        need = need_of(view, current, proven_only=in_flight, forecast=forecast, pending=memory.up_since is not None)
         if in_flight and need.replicas <= current:
             unseen = need_of(view, current, forecast=forecast)
             if unseen.replicas > current:

@@ -94,7 +94,7 @@ def test_json_lists_the_decisions(tmp_path):
     (["--load", "chat"], "expected MODEL=QUEUED"),
     (["--load", "chat=many"], "--load chat queued: expected a whole number, got 'many'"),
     (["--load", "chat=1,kv=2"], "--load chat kv: must be between 0 and 1, got '2'"),
-    (["--load", "chat=1,speed=2"], "unknown option 'speed=2' (options: kv, ttft, inflight, idle)"),
+    (["--load", "chat=1,speed=2"], "unknown option 'speed=2' (options: kv, ttft, inflight, idle, busy)"),
     (["--load", "nobody=1"], "--load: no deployment of nobody in"),
     (["--load", "chat=1", "--replicas", "chat"], "--replicas 'chat': expected NAME=N"),
     (["--load", "chat=1", "--free-gpus", "h100=-1"], "--free-gpus h100=-1: must be at least 0"),
@@ -111,8 +111,9 @@ def test_a_config_without_an_autoscaled_deployment_exits_2(tmp_path):
 
 
 def test_the_parsers_read_what_they_document():
-    assert parse_load("m=3,kv=0.9,ttft=0.5,inflight=7,idle=60").__dict__ == {
-        "model": "m", "queued": 3, "inflight": 7, "kv_usage": 0.9, "ttft_attainment": 0.5, "idle": 60.0}
+    assert parse_load("m=3,kv=0.9,ttft=0.5,inflight=7,idle=60,busy=1.5").__dict__ == {
+        "model": "m", "queued": 3, "inflight": 7, "kv_usage": 0.9, "ttft_attainment": 0.5, "idle": 60.0,
+        "busy": 1.5}
     assert parse_counts(["4", "h100=2"], "--free-gpus", classes=True) == {None: 4, "h100": 2}
 
 
