@@ -4,8 +4,9 @@
   gateways' load reports say they hold (``q``, llmgw/cluster/load.py);
 - in flight: every replica's ``inflight`` (this gateway's exact count plus the peers' latest reports);
 - KV usage: the mean of the ready replicas' last scrape (the room's, llmgw/flow/room.py);
-- busy: the ready replicas' requests in flight over their engines' seats (as the flow room learnt them), each at
-  most 1, summed: the replicas' worth the load keeps busy, before any queue (the scaler's utilisation target);
+- busy: the ready replicas' requests in flight over what each takes (``seats_of``: its engine's seats, or the flow
+  room's learnt capacity when lower), each at most 1, summed: the replicas' worth the load keeps busy, before any
+  queue (the scaler's utilisation target);
 - the drain rate: the replicas' ``served`` counters, in all and per ready replica-second; the arrivals: the
   requests entering every gateway's flow queue (this one's counter, and each other's from its load reports, ``f``
   in llmgw/cluster/load.py: :class:`PeerArrivals`); a gateway of a version before, whose reports lack them, is
@@ -157,7 +158,7 @@ class _Seen:
     served_at_fold: int = 0
     ready_seconds_at_fold: float = 0.0
     per_replica: float = 0.0  # served per ready replica-second, smoothed
-    seats: int | None = None  # the most seats any of the model's engines was learnt to have (one profile: the same)
+    seats: int | None = None  # the most seats any of the model's replicas was known to have (one profile: the same)
     last_request_at: float | None = None
 
     def fold_per_replica(self, served: int) -> None:
@@ -182,8 +183,8 @@ class GatewaySignals:
         other gateway's latest load report says it holds; ``entered(model)``: the requests that have entered this
         gateway's flow queue (a counter); ``gateways()``: the live gateways, this one included; ``slo_of(model)``:
         the deployment's ``ttft_slo`` (None: no attainment is measured); ``peer_figures(model)``: per other
-        gateway (by origin) that reports them, its arrivals and first tokens; ``seats_of(replica)``: the sequences
-        its engine runs at once, as the flow room learnt them (None: not yet)."""
+        gateway (by origin) that reports them, its arrivals and first tokens; ``seats_of(replica)``: the requests in
+        flight it takes before it is full (its engine's seats, or fewer; None: not known yet)."""
         self.router = router
         self.held = held
         self.peer_held = peer_held
@@ -241,7 +242,7 @@ class GatewaySignals:
 
     def _busy(self, seen: _Seen, ready: list["Replica"]) -> float | None:
         """The ready replicas' busy seats, in replicas: each one's requests in flight (every gateway's) over its
-        engine's seats, at most 1; None until the flow room has learnt the seats of one of the model's engines."""
+        seats, at most 1; None until the seats of one of the model's replicas are known."""
         for replica in ready:
             seats = self.seats_of(replica)
             if seats is not None and seats > 0:

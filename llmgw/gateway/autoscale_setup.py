@@ -99,9 +99,13 @@ class GatewayAutoscale:
         return self.slos.get(model)
 
     def _seats_of(self, replica: "Replica") -> int | None:
-        """The seats of ``replica``'s engine: what the flow room learnt, else what its profile declares."""
-        learnt = self.flow.room.seats(replica)
-        return learnt if learnt is not None else self.declared_seats.get(replica.model)
+        """The requests in flight ``replica`` takes before it is full: its engine's seats (what the flow room
+        learnt, else what its profile declares), or the room's learnt capacity when lower (the room admits no more:
+        an engine whose KV cache or queue cut it is full there); None when neither is known."""
+        seats = self.flow.room.seats(replica)
+        seats = seats if seats is not None else self.declared_seats.get(replica.model)
+        known = [limit for limit in (seats, self.flow.room.capacity(replica)) if limit is not None and limit > 0]
+        return min(known) if known else None
 
     def _held(self, model: str) -> tuple[int, int]:
         queued = self.flow.queue.queued(model).values()
