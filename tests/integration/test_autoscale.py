@@ -256,9 +256,11 @@ async def test_busy_seats_over_the_utilisation_target_step_up_before_the_queue_t
     await wait_for(cluster, "the first replica up", lambda: _up(cluster, {"tiny-sim-0"}))
     done = trio.Event()
 
-    async def client():
+    async def client():  # interactive: a class that may fill every seat (batch keeps 15% of them free)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 128}
         while not done.is_set():
-            answer = await chat(gateway, max_tokens=128)
+            answer = await gateway.post("/v1/chat/completions", body, headers={"x-llmgw-priority": "interactive"},
+                                        timeout=90)
             assert answer.status_code == 200, answer.text
 
     async def stepped_up():
