@@ -4,8 +4,8 @@ The scaler feeds every reading of ``busy`` (the ready replicas' busy seats, in r
 :class:`LoadTrend`; it keeps :data:`BUCKETS` means over the last two ``lookahead`` (bounded whatever the decision
 rate), and :meth:`LoadTrend.forecast` fits a line through them. A rise counts only where the samples prove it: the
 slope's lower bound (:data:`CONFIDENCE` standard errors under it), so that the noise of a constant load (a few
-requests a second, each taking a seat for a second) does not read as a ramp; a fall is proven the same way, from
-the slope's upper bound.
+requests a second, each taking a seat for a second) does not read as a ramp, and only over a full window; a fall
+is proven the same way, from the slope's upper bound.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from collections import deque
 from dataclasses import dataclass
 
 BUCKETS = 20  # means over the window: few enough to be bounded, enough for a slope and its error
-MIN_BUCKETS = 5  # buckets before a forecast is made at all (a replica's first seconds are no trend)
+MIN_BUCKETS = 5  # buckets before a forecast (its level) is made at all
+# A rise is read only from a full window: traffic that starts (a fresh fleet, a model called after a quiet spell)
+# fills a partial window with a step from nothing, which a line through it reads as a steep ramp.
 CONFIDENCE = 2.0  # standard errors a slope must clear to count as a rise (or a fall)
 
 
@@ -70,6 +72,6 @@ class LoadTrend:
         slope = sum((t - mean_t) * (y - mean_y) for t, y in points) / sxx
         residual = sum((y - mean_y - slope * (t - mean_t)) ** 2 for t, y in points)
         error = math.sqrt(residual / (n - 2) / sxx) if n > 2 else math.inf
-        rise = max(0.0, slope - CONFIDENCE * error)
+        rise = max(0.0, slope - CONFIDENCE * error) if n >= BUCKETS else 0.0
         level = mean_y + rise * max(0.0, now - mean_t)
         return Forecast(level, level + rise * lookahead, rise, slope + CONFIDENCE * error < 0)

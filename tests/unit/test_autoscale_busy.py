@@ -98,6 +98,16 @@ def test_a_forecast_needs_a_few_buckets_and_keeps_a_bounded_window():
     assert len(trend._buckets) <= BUCKETS + 1
 
 
+def test_traffic_that_starts_is_no_ramp_until_the_window_is_full():
+    """A fresh fleet's first requests: the busy load steps from nothing to 1.3 replicas; a line through the
+    partial window would read that as a steep rise and step up for a load that is flat."""
+    trend = LoadTrend()
+    for tick in range(60):
+        trend.add(float(tick), 0.0 if tick < 10 else 1.3, READY)
+    early = trend.forecast(59.0, READY)
+    assert early is not None and early.rise_per_s == 0 and early.ahead <= 1.3
+
+
 def test_a_clock_that_goes_back_starts_the_window_over():
     trend = LoadTrend()
     for tick in range(100):
@@ -117,14 +127,17 @@ def test_nan_and_negative_busy_readings_are_sanitised():
 # -- the decisions -------------------------------------------------------------------------------------------------
 
 
+NIGHT = 150.0  # seconds of a flat load before the ramp: the window is full when the morning starts
+
+
 def test_a_ramp_steps_up_a_cold_start_before_it_saturates_the_replica():
     """The diurnal morning: 0.3 replicas' worth rising 0.3 a minute (the bench's diurnal trace at its steepest).
     The second replica is asked for while the first is well under its seats and nothing is queued, and it is ready
     by the time the load fills one replica."""
-    load = noisy(lambda t: 0.3 + 0.005 * t)
-    fleet, steps = run(load, 300, queue_over=1.0)
+    load = noisy(lambda t: 0.3 + 0.005 * max(0.0, t - NIGHT))
+    fleet, steps = run(load, NIGHT + 300, queue_over=1.0)
     first_up = next(d for d in steps if d.kind == "up")
-    saturated_at = (1.0 - 0.3) / 0.005  # 140 s
+    saturated_at = NIGHT + (1.0 - 0.3) / 0.005  # 140 s into the ramp
     assert first_up.at + READY <= saturated_at + 5, first_up.reason  # serving about when one replica fills
     assert "busy" in first_up.reason and "rising" in first_up.reason and "queued" not in first_up.reason
     assert first_up.desired == 2
