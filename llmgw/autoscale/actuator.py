@@ -185,6 +185,7 @@ class Autoscaler:
                                     "arrivals_per_s": round(s.arrivals_per_s, 3),
                                     "served_per_s": round(s.served_per_s, 3),
                                     "served_per_replica_s": round(s.served_per_replica_s, 3), "kv_usage": s.kv_usage,
+                                    "busy": None if s.busy is None else round(s.busy, 3),
                                     "ttft_attainment": s.ttft_attainment,
                                     "idle_s": None if s.last_request_at is None
                                     else round(max(0.0, s.at - s.last_request_at), 3)}

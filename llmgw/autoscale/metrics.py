@@ -44,6 +44,10 @@ class AutoscaleMetrics:
         self.sleeping = Gauge("llmgw_autoscale_sleeping_replicas", "Replicas of an autoscaled deployment scaled "
                               "down and kept warm asleep (engine sleep mode): a step up wakes one instead of a cold "
                               "start.", labels, registry=registry)
+        self.busy = Gauge("llmgw_autoscale_busy_replicas", "The ready replicas' busy engine seats of an autoscaled "
+                          "deployment, in replicas (each replica's requests in flight over its seats, at most 1): "
+                          "what the utilisation target reads; absent until an engine's seats are learnt.", labels,
+                          registry=registry)
         self.last_decision_age = Gauge("llmgw_autoscale_last_decision_age_seconds", "Seconds since the last "
                                        "decision about an autoscaled deployment (its reason: /admin/autoscale).",
                                        labels, registry=registry)
@@ -63,7 +67,7 @@ class AutoscaleMetrics:
         asleep); a deployment gone loses them."""
         keys = {view.key for view in views}
         for gone in self._shown - keys:
-            for gauge in (self.desired, self.ready, self.starting, self.sleeping, self.last_decision_age):
+            for gauge in (self.desired, self.ready, self.starting, self.sleeping, self.busy, self.last_decision_age):
                 try:
                     gauge.remove(gone)
                 except KeyError:  # never had that series
@@ -75,5 +79,7 @@ class AutoscaleMetrics:
             self.ready.labels(view.key).set(view.counts.ready)
             self.starting.labels(view.key).set(view.counts.starting)
             self.sleeping.labels(view.key).set((sleeping or {}).get(view.key, 0))
+            if view.signals.busy is not None:
+                self.busy.labels(view.key).set(view.signals.busy)
             if view.key in self._last_at:
                 self.last_decision_age.labels(view.key).set(max(0.0, now - self._last_at[view.key]))

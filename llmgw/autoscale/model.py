@@ -27,6 +27,10 @@ class AutoscaleSettings:
     kv_usage: float = 0.85  # mean KV-cache usage of its ready replicas
     ttft_slo: float | None = None  # seconds; when set, first-token SLO attainment below ``attainment`` scales up
     attainment: float = 0.95
+    # Ahead of saturation: the busy seats of the ready replicas, forecast ``lookahead`` ahead (about the engine's
+    # cold start), may fill at most this share of the provisioned replicas.
+    utilisation: float = 0.7
+    lookahead: float = 60.0
     # Stability: a need must hold this long before it is acted on; a scale-down also waits for the last step's
     # replica to have served this long (no reversal while the effect of a step is not yet visible).
     scale_up_after: float = 5.0
@@ -67,6 +71,7 @@ class ModelSignals:
     served_per_s: float = 0.0  # requests finished, smoothed (the drain rate)
     served_per_replica_s: float = 0.0  # requests finished per ready replica-second, smoothed (0: not measured)
     kv_usage: float | None = None  # mean over ready replicas; None: unknown
+    busy: float | None = None  # the ready replicas' busy seats, in replicas (sum of in flight / seats, each at most 1)
     ttft_attainment: float | None = None  # share of recent first tokens within the deployment's ttft_slo
     last_request_at: float | None = None  # when a request for the model last arrived at any gateway
 

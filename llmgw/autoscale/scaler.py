@@ -7,8 +7,10 @@ deployment (docs/autoscaling.md says why each is there):
 - **targets**: the replicas the load needs is the largest of ``ceil(queued / queued_per_replica)`` (a count of
   work waiting, so it proves how many; capped by :func:`backlog_cap` at the replicas that serve the arrivals at the
   ready replicas' measured drain rate plus one, and at one before any replica is ready: no cascade from zero),
-  ``ceil(ready x kv / kv_usage)`` when the KV usage of the ready replicas is over its target, and one more than
-  provisioned while TTFT attainment is under its target;
+  ``ceil(ready x kv / kv_usage)`` when the KV usage of the ready replicas is over its target, one more than
+  provisioned while TTFT attainment is under its target, and ``ceil(busy ahead / utilisation)``: the ready
+  replicas' busy seats forecast one ``lookahead`` ahead (:mod:`.trend`: the window's level and its proven rise),
+  so that a ramp steps up a cold start before it saturates the replicas rather than after a backlog;
 - **pending-aware**: replicas starting count as provisioned; while a step is in flight (a replica starting, or
   one decided and not yet placed), the signals measured on the ready replicas (KV, TTFT) cannot see it and do not
   step again; only the queue can prove that more is needed, and then the step goes straight to what it needs
@@ -16,7 +18,10 @@ deployment (docs/autoscaling.md says why each is there):
 - **windows**: a need to grow must hold ``scale_up_after``, a need to shrink ``scale_down_after`` (counted from
   the last step too), and a step down is one replica;
 - **hysteresis**: a step down only when every known signal would stay under :data:`DOWN_FRACTION` of its target
-  with one replica fewer (without a KV reading, only when nothing is in flight);
+  with one replica fewer (the busy load under :data:`BUSY_DOWN_FRACTION` of ``utilisation``; without a KV or a
+  busy reading, only when nothing is in flight); a fall the busy load's window proves waits ``lookahead`` rather
+  than ``scale_down_after`` (the load a cold start ahead is known to be lower: the step down follows the evening
+  as the step up follows the morning);
 - **from zero**: a request queued for a model with no replica starts one at once; **to zero**: no request for
   ``idle_to_zero`` returns the deployment to ``min_replicas``;
 - **across models**: when the free GPUs cannot hold a step, the deployment with the higher ``priority`` (at equal
@@ -34,11 +39,19 @@ from typing import Any, Mapping, Sequence
 
 from ..config import Config
 from .model import AutoscaleSettings, DeploymentView, ReplicaCounts, ScaleDecision, ScaleKind
+from .trend import Forecast, LoadTrend
 
 DOWN_FRACTION = 0.7  # a step down leaves every signal under 70% of its target: room before the next step up
+# The busy load is an average with little noise left and steps up on its forecast: a narrower band keeps the step
+# down near the oracle's (replica-seconds) while one fewer stays well clear of the next step up.
+BUSY_DOWN_FRACTION = 0.85
 DEFAULT_HISTORY = 500  # decisions kept for /admin/autoscale, ``llmgw status`` and /ui
 QUIET_AFTER = 60.0  # seconds steady after which the same wait is recorded again
 BACKLOG_SLACK = 0.05  # a measured demand within 5% of a whole number of replicas is that number (rates are noisy)
+SATURATED = 0.9  # the ready replicas' busy seats, over the window, from which a backlog measures their drain
+# A busy need already pending holds while its forecast stays over this share of the target (a Schmitt trigger):
+# the forecast of a ramp hovers about the target for a while, and each dip would restart ``scale_up_after``.
+BUSY_HOLD = 0.9
 
 
 def clamp(value: int, settings: AutoscaleSettings) -> int:
@@ -68,6 +81,8 @@ class _Memory:
     last_step: float | None = None
     hold: str = "steady"  # the topic of the last hold recorded: a hold is recorded when it changes
     steady_since: float | None = None  # since when nothing has waited
+    trend: LoadTrend = dataclasses.field(default_factory=LoadTrend)  # the busy load's window (the forecast)
+    forecast: Forecast | None = None  # the last one made (``status``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +130,8 @@ def sane(view: DeploymentView) -> DeploymentView:
         signals=dataclasses.replace(
             signals, queued=max(0, signals.queued), inflight=max(0, signals.inflight),
             kv_usage=_fraction(signals.kv_usage), ttft_attainment=_fraction(signals.ttft_attainment),
+            busy=None if signals.busy is None or not math.isfinite(signals.busy)
+            else min(float(counts.ready), max(0.0, signals.busy)),
             last_request_at=signals.last_request_at if signals.last_request_at is None
             or math.isfinite(signals.last_request_at) else None))
 
@@ -140,11 +157,15 @@ def settling(view: DeploymentView, current: int) -> bool:
     return view.counts.starting > 0 or current > view.counts.provisioned + view.counts.unplaceable
 
 
-def measured_demand(view: DeploymentView) -> tuple[float, float] | None:
+def measured_demand(view: DeploymentView, forecast: Forecast | None = None) -> tuple[float, float] | None:
     """(requests/s arriving, requests/s one ready replica serves) while a backlog shows the ready replicas
-    saturated; None before any replica is ready or has finished a request (e.g. ``llmgw plan``'s load)."""
+    saturated; None before any replica is ready or has finished a request (e.g. ``llmgw plan``'s load), and when
+    the busy load's window (``forecast``) says they are not: a request held for a moment while one replica's seats
+    were full is no saturation, and the drain of replicas with seats free is no measure of what one serves."""
     signals, counts = view.signals, view.counts
     if not signals.queued or counts.ready == 0 or signals.served_per_s <= 0:
+        return None
+    if forecast is not None and forecast.level < SATURATED * counts.ready:
         return None
     # Unknown arrivals (a source that does not count them): with a queue, at least what is served. Known, they
     # are the demand: what the replicas drain beyond them is the backlog.
@@ -161,7 +182,7 @@ def serving(demand: float, per_replica: float) -> int:
     return max(1, math.ceil(demand / per_replica - BACKLOG_SLACK))
 
 
-def backlog_cap(view: DeploymentView, current: int) -> tuple[float, str]:
+def backlog_cap(view: DeploymentView, current: int, forecast: Forecast | None = None) -> tuple[float, str]:
     """The most replicas a backlog can prove, and the sentence saying why: a backlog that piled up while nothing
     could serve it (a cold start) is no measure of demand, so the replicas it asks for are those that serve the
     arrivals at the rate the ready replicas drain, plus one that drains the backlog (never a cascade from zero).
@@ -171,7 +192,7 @@ def backlog_cap(view: DeploymentView, current: int) -> tuple[float, str]:
         held = max(1, current)
         return held, (f"no replica is ready to measure its rate yet, so the backlog proves no more than "
                       f"{plural(held, 'replica')}")
-    measured = measured_demand(view)
+    measured = measured_demand(view, forecast)
     if measured is None:
         return math.inf, ""
     demand, per_replica = measured
@@ -180,19 +201,21 @@ def backlog_cap(view: DeploymentView, current: int) -> tuple[float, str]:
                  f"{plural(cap - 1, 'replica')}, plus one to drain the backlog")
 
 
-def need_of(view: DeploymentView, current: int, *, proven_only: bool = False) -> Need:
+def need_of(view: DeploymentView, current: int, *, proven_only: bool = False,
+            forecast: Forecast | None = None, pending: bool = False) -> Need:
     """The replicas the load asks for (before ``max_replicas``); ``current`` when nothing asks for more.
-    ``proven_only``: the queue's need alone (while a step is in flight)."""
+    ``proven_only``: the queue's need alone (while a step is in flight); ``forecast``: the busy load's;
+    ``pending``: a need for more already holds (the busy target is then :data:`BUSY_HOLD` of itself)."""
     settings, signals, counts = view.settings, view.signals, view.counts
     provisioned = counts.provisioned
     needs = [Need(current, "", False)]
     if signals.queued:
         by_queue = math.ceil(signals.queued / settings.queued_per_replica)
-        cap, bound = backlog_cap(view, current)
+        cap, bound = backlog_cap(view, current, forecast)
         reason = (f"{plural(signals.queued, 'request')} queued over {plural(provisioned, 'provisioned replica')} "
                   f"(target {settings.queued_per_replica:g} per replica)")
         needs.append(Need(int(min(by_queue, cap)), f"{reason}; {bound}" if cap < by_queue else reason, True))
-        measured = measured_demand(view)
+        measured = measured_demand(view, forecast)
         if measured is not None:  # saturated replicas and a backlog: the arrivals say how many, before it piles up
             demand, per_replica = measured
             needs.append(Need(serving(demand, per_replica),
@@ -208,21 +231,31 @@ def need_of(view: DeploymentView, current: int, *, proven_only: bool = False) ->
             and signals.ttft_attainment < settings.attainment:
         needs.append(Need(provisioned + 1, f"TTFT attainment {signals.ttft_attainment:.1%} of {settings.ttft_slo:g} s "
                                            f"< target {settings.attainment:.0%}", False))
+    if forecast is not None:
+        target = settings.utilisation * (BUSY_HOLD if pending else 1.0)
+        by_busy = math.ceil(forecast.ahead / target - BACKLOG_SLACK)
+        if by_busy > provisioned:
+            needs.append(Need(by_busy, f"{forecast.describe(settings.lookahead)}: over {settings.utilisation:.0%} "
+                                       f"of {plural(provisioned, 'provisioned replica')}", False))
     return max(needs, key=lambda need: (need.replicas, need.proven))
 
 
-def why_not_fewer(view: DeploymentView, current: int) -> str | None:
-    """None when the load would stay under :data:`DOWN_FRACTION` of every known target with one replica fewer;
-    else the signal that would not (the hysteresis of a step down)."""
+def why_not_fewer(view: DeploymentView, current: int, forecast: Forecast | None = None) -> str | None:
+    """None when the load would stay under :data:`DOWN_FRACTION` of every known target with one replica fewer
+    (the busy load ``forecast`` under :data:`BUSY_DOWN_FRACTION` of ``utilisation``); else the signal that would
+    not (the hysteresis of a step down)."""
     settings, signals, counts = view.settings, view.signals, view.counts
     fewer = current - 1
     if fewer < 1:
         return "one replica is the least a step down leaves (to zero is idle_to_zero's)"
     if signals.queued > DOWN_FRACTION * settings.queued_per_replica * fewer:
         return f"{plural(signals.queued, 'request')} queued would be over {DOWN_FRACTION:.0%} of the target"
+    if forecast is not None and forecast.ahead > BUSY_DOWN_FRACTION * settings.utilisation * fewer:
+        return (f"{forecast.describe(settings.lookahead)} would be over {BUSY_DOWN_FRACTION:.0%} of the "
+                f"{settings.utilisation:.0%} utilisation target")
     if signals.kv_usage is None:
-        if signals.inflight:
-            return "no KV usage reading: a busy deployment is not stepped down blind"
+        if signals.inflight and forecast is None:
+            return "no KV usage or busy reading: a busy deployment is not stepped down blind"
     elif counts.ready > 1 and signals.kv_usage * counts.ready / (counts.ready - 1) \
             > DOWN_FRACTION * settings.kv_usage:
         return f"KV usage {signals.kv_usage:.2f} would be over {DOWN_FRACTION:.0%} of {settings.kv_usage:g}"
@@ -232,12 +265,23 @@ def why_not_fewer(view: DeploymentView, current: int) -> str | None:
     return None
 
 
-def down_evidence(view: DeploymentView, current: int) -> str:
+def down_evidence(view: DeploymentView, current: int, forecast: Forecast | None = None) -> str:
     signals, counts = view.signals, view.counts
-    kv = "no KV reading, nothing in flight" if view.signals.kv_usage is None else (
-        f"KV usage {signals.kv_usage:.2f} over {plural(counts.ready, 'ready replica')}")
-    return (f"{plural(signals.queued, 'request')} queued and {kv}: one replica fewer stays under "
+    kv = ("no KV reading" + ("" if forecast is not None else ", nothing in flight")) if signals.kv_usage is None \
+        else f"KV usage {signals.kv_usage:.2f} over {plural(counts.ready, 'ready replica')}"
+    busy = "" if forecast is None else (f", {forecast.describe(view.settings.lookahead)}, "
+                                        f"{forecast.ahead / (current - 1):.0%} of one fewer's seats "
+                                        f"(under {BUSY_DOWN_FRACTION:.0%} of the {view.settings.utilisation:.0%} "
+                                        "utilisation target)")
+    return (f"{plural(signals.queued, 'request')} queued and {kv}{busy}: one replica fewer stays under "
             f"{DOWN_FRACTION:.0%} of the targets")
+
+
+def down_wait(settings: AutoscaleSettings, forecast: Forecast | None) -> float:
+    """How long a need for fewer must hold: ``scale_down_after``, or ``lookahead`` when the busy load's window
+    proves a fall (a cold start ahead it is lower still)."""
+    return min(settings.scale_down_after, settings.lookahead) if forecast is not None and forecast.falling \
+        else settings.scale_down_after
 
 
 class _GpuPool:
@@ -302,6 +346,9 @@ class TargetScaler:
                 "desired": memory.desired, "waiting": None if memory.hold == "steady" else memory.hold,
                 "up_need_for": age(memory.up_since), "down_need_for": age(memory.down_since),
                 "since_last_step": age(memory.last_step),
+                "busy": None if memory.forecast is None else {
+                    "level": round(memory.forecast.level, 3), "ahead": round(memory.forecast.ahead, 3),
+                    "rise_per_s": round(memory.forecast.rise_per_s, 5), "falling": memory.forecast.falling},
             } for key, memory in sorted(self._memory.items())},
             "move": None if self._move is None else dataclasses.asdict(self._move),
         }
@@ -356,10 +403,13 @@ class TargetScaler:
                              "to_zero" if settings.min_replicas == 0 else "down",
                              f"no request for {view.model} for {now - idle_since:.0f} s (idle_to_zero "
                              f"{settings.idle_to_zero:g} s): back to min {settings.min_replicas}")
+        if signals.busy is not None:
+            memory.trend.add(now, signals.busy, settings.lookahead)
+        forecast = memory.forecast = memory.trend.forecast(now, settings.lookahead)
         in_flight = step_in_flight(view, current)
-        need = need_of(view, current, proven_only=in_flight)
+        need = need_of(view, current, proven_only=in_flight, forecast=forecast, pending=memory.up_since is not None)
         if in_flight and need.replicas <= current:
-            unseen = need_of(view, current)
+            unseen = need_of(view, current, forecast=forecast)
             if unseen.replicas > current:
                 memory.up_since = memory.down_since = None
                 return "in_flight", (f"{unseen.reason}, but a step is in flight ({view.counts.starting} starting, "
@@ -378,17 +428,18 @@ class TargetScaler:
         memory.up_since = None
         if need.replicas > current:
             return "at_max", f"{need.reason}: {need.replicas} replicas needed, capped at max {settings.max_replicas}"
-        blocker = why_not_fewer(view, current) if current > settings.min_replicas else "at min"
+        blocker = why_not_fewer(view, current, forecast) if current > settings.min_replicas else "at min"
         if blocker is not None or settling(view, current):
             memory.down_since = None
             return "steady", ""
         memory.down_since = now if memory.down_since is None else memory.down_since
         since = max(memory.down_since, memory.last_step if memory.last_step is not None else memory.down_since)
-        if now - since >= settings.scale_down_after:
-            return _Proposal(view, current, current - 1, "down",
-                             f"{down_evidence(view, current)} for {now - since:.0f} s: {current} -> {current - 1}")
-        return "down_pending", (f"{down_evidence(view, current)}: stepping down to {current - 1} if it holds for "
-                                f"{settings.scale_down_after:g} s")
+        wait = down_wait(settings, forecast)
+        if now - since >= wait:
+            return _Proposal(view, current, current - 1, "down", f"{down_evidence(view, current, forecast)} for "
+                                                                 f"{now - since:.0f} s: {current} -> {current - 1}")
+        return "down_pending", (f"{down_evidence(view, current, forecast)}: stepping down to {current - 1} if it "
+                                f"holds for {wait:g} s")
 
     def _hold(self, view: DeploymentView, memory: _Memory, now: float, topic: str,
               reason: str) -> list[ScaleDecision]:

@@ -4,6 +4,9 @@
   gateways' load reports say they hold (``q``, llmgw/cluster/load.py);
 - in flight: every replica's ``inflight`` (this gateway's exact count plus the peers' latest reports);
 - KV usage: the mean of the ready replicas' last scrape (the room's, llmgw/flow/room.py);
+- busy: the ready replicas' requests in flight over what each takes (``seats_of``: its engine's seats, or the flow
+  room's learnt capacity when lower), each at most 1, summed: the replicas' worth the load keeps busy, before any
+  queue (the scaler's utilisation target);
 - the drain rate: the replicas' ``served`` counters, in all and per ready replica-second; the arrivals: the
   requests entering every gateway's flow queue (this one's counter, and each other's from its load reports, ``f``
   in llmgw/cluster/load.py: :class:`PeerArrivals`); a gateway of a version before, whose reports lack them, is
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 from .model import ModelSignals
 
 if TYPE_CHECKING:
+    from ..router.replica import Replica
     from ..router.router import Router
 
 SMOOTHING = 0.3  # the weight of the newest rate in the served and arrival averages when it falls...
@@ -154,6 +158,7 @@ class _Seen:
     served_at_fold: int = 0
     ready_seconds_at_fold: float = 0.0
     per_replica: float = 0.0  # served per ready replica-second, smoothed
+    seats: int | None = None  # the most seats any of the model's replicas was known to have (one profile: the same)
     last_request_at: float | None = None
 
     def fold_per_replica(self, served: int) -> None:
@@ -172,12 +177,14 @@ class GatewaySignals:
                  peer_held: Callable[[str], list[int]] = lambda model: [], *,
                  entered: Callable[[str], int] = lambda model: 0, gateways: Callable[[], int] = lambda: 1,
                  first_tokens: FirstTokens | None = None, slo_of: Callable[[str], float | None] = lambda model: None,
-                 peer_figures: Callable[[str], Mapping[str, PeerFigures]] = lambda model: {}):
+                 peer_figures: Callable[[str], Mapping[str, PeerFigures]] = lambda model: {},
+                 seats_of: Callable[["Replica"], int | None] = lambda replica: None):
         """``held(model)``: (requests, tokens) this gateway's flow queue holds; ``peer_held(model)``: what each
         other gateway's latest load report says it holds; ``entered(model)``: the requests that have entered this
         gateway's flow queue (a counter); ``gateways()``: the live gateways, this one included; ``slo_of(model)``:
         the deployment's ``ttft_slo`` (None: no attainment is measured); ``peer_figures(model)``: per other
-        gateway (by origin) that reports them, its arrivals and first tokens."""
+        gateway (by origin) that reports them, its arrivals and first tokens; ``seats_of(replica)``: the requests in
+        flight it takes before it is full (its engine's seats, or fewer; None: not known yet)."""
         self.router = router
         self.held = held
         self.peer_held = peer_held
@@ -186,6 +193,7 @@ class GatewaySignals:
         self.first_tokens = first_tokens
         self.slo_of = slo_of
         self.peer_figures = peer_figures
+        self.seats_of = seats_of
         self._peer_arrivals = PeerArrivals()
         self._seen: dict[str, _Seen] = {}
 
@@ -215,6 +223,7 @@ class GatewaySignals:
                 seen.fold_per_replica(served)
         if queued or inflight:
             seen.last_request_at = now
+        busy = self._busy(seen, [replica for replica in replicas if replica.routable])
         slo = self.slo_of(model)
         attainment = None
         if slo is not None and self.first_tokens is not None:
@@ -228,8 +237,19 @@ class GatewaySignals:
         return ModelSignals(model=model, at=now, queued=queued, queued_tokens=tokens, inflight=inflight,
                             arrivals_per_s=seen.entered.rate * max(reporting, share) / reporting,
                             served_per_s=seen.served.rate * share, served_per_replica_s=seen.per_replica * share,
-                            kv_usage=sum(usage) / len(usage) if usage else None,
+                            kv_usage=sum(usage) / len(usage) if usage else None, busy=busy,
                             ttft_attainment=attainment, last_request_at=seen.last_request_at)
+
+    def _busy(self, seen: _Seen, ready: list["Replica"]) -> float | None:
+        """The ready replicas' busy seats, in replicas: each one's requests in flight (every gateway's) over its
+        seats, at most 1; None until the seats of one of the model's replicas are known."""
+        for replica in ready:
+            seats = self.seats_of(replica)
+            if seats is not None and seats > 0:
+                seen.seats = max(seats, seen.seats or 0)
+        if seen.seats is None:
+            return None
+        return sum(min(1.0, replica.inflight / (self.seats_of(replica) or seen.seats)) for replica in ready)
 
     def forget(self, keep: set[str]) -> None:
         """Drop what is remembered of models no longer autoscaled (bounded by the config's models)."""

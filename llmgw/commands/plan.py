@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for --control (default 10)")
     autoscale = parser.add_argument_group("autoscaling preview (docs/autoscaling.md)")
     autoscale.add_argument("--load", action="append", default=[],
-                           metavar="MODEL=QUEUED[,kv=F,ttft=F,inflight=N,idle=S]",
+                           metavar="MODEL=QUEUED[,kv=F,ttft=F,inflight=N,idle=S,busy=R]",
                            help="a model's (or profile's) load, held constant: requests queued at the gateways, "
                                 "KV usage, TTFT attainment, requests in flight, seconds idle (repeatable)")
     autoscale.add_argument("--replicas", action="append", default=[], metavar="PROFILE=N",

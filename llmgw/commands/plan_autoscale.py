@@ -22,7 +22,7 @@ from llmgw.config import Config
 
 UNLIMITED = 1_000_000  # free GPUs when neither --free-gpus nor nodes say
 MAX_TICKS = 100_000  # a preview's decisions: --for over autoscale.interval
-LOAD_KEYS = {"kv": "kv_usage", "ttft": "ttft_attainment", "inflight": "inflight", "idle": "idle"}
+LOAD_KEYS = {"kv": "kv_usage", "ttft": "ttft_attainment", "inflight": "inflight", "idle": "idle", "busy": "busy"}
 
 
 class LoadError(ValueError):
@@ -31,7 +31,8 @@ class LoadError(ValueError):
 
 @dataclass(frozen=True)
 class Load:
-    """One ``--load MODEL=QUEUED[,kv=F][,ttft=F][,inflight=N][,idle=S]``: a model's signals, held constant."""
+    """One ``--load MODEL=QUEUED[,kv=F][,ttft=F][,inflight=N][,idle=S][,busy=R]``: a model's signals, held
+    constant (``busy``: the replicas' worth of engine seats the load keeps busy)."""
 
     model: str
     queued: int
@@ -39,6 +40,7 @@ class Load:
     kv_usage: float | None = None
     ttft_attainment: float | None = None
     idle: float | None = None  # seconds since its last request when the preview starts (only with no request)
+    busy: float | None = None  # replicas' worth of busy seats (capped at the replicas ready)
 
 
 def _number(text: str, what: str, *, whole: bool = False, fraction: bool = False) -> float:
@@ -55,7 +57,8 @@ def parse_load(text: str) -> Load:
     head, *options = text.split(",")
     model, equals, queued = head.partition("=")
     if not equals or not model:
-        raise LoadError(f"--load {text!r}: expected MODEL=QUEUED[,kv=0.9][,ttft=0.95][,inflight=N][,idle=SECONDS]")
+        raise LoadError(f"--load {text!r}: expected MODEL=QUEUED[,kv=0.9][,ttft=0.95][,inflight=N][,idle=SECONDS]"
+                        "[,busy=REPLICAS]")
     values: dict[str, Any] = {}
     for option in options:
         key, equals, value = option.partition("=")
@@ -85,6 +88,7 @@ class _Deployment:
     desired: int
     ready: int
     stepped_at: float = -math.inf
+    busy: float | None = None  # the load's busy seats, in replicas (held, at most the replicas ready)
     history: list[ScaleDecision] = field(default_factory=list)
 
 
@@ -112,7 +116,7 @@ def preview(config: Config, loads: Sequence[Load], *, replicas: dict[str | None,
         view = DeploymentView(key=profile.name, model=profile.served_model_name, settings=settings[profile.name],
                               counts=ReplicaCounts(ready=start), desired=start, gpus_per_replica=profile.gpus,
                               gpu_class=profile.gpu_class, signals=signals)
-        runs[profile.name] = _Deployment(view, start, start)
+        runs[profile.name] = _Deployment(view, start, start, busy=load.busy)
     interval = config.autoscale.interval
     horizon = duration if duration is not None else 1 + max(
         max(s.scale_up_after, s.scale_down_after, s.idle_to_zero) for s in settings.values()) + ready_after
@@ -129,7 +133,8 @@ def preview(config: Config, loads: Sequence[Load], *, replicas: dict[str | None,
             kv = given.kv_usage  # the KV demand spreads over the replicas ready now
             if kv is not None and run.view.counts.ready and run.ready:
                 kv = min(1.0, kv * run.view.counts.ready / run.ready)
-            signals = dataclasses.replace(given, at=now, kv_usage=kv,
+            held = None if run.busy is None else min(run.busy, float(run.ready))
+            signals = dataclasses.replace(given, at=now, kv_usage=kv, busy=held,
                                           last_request_at=now if busy else given.last_request_at)
             views.append(dataclasses.replace(run.view, signals=signals, desired=run.desired, counts=ReplicaCounts(
                 ready=run.ready, starting=run.desired - run.ready)))
@@ -149,7 +154,8 @@ def preview(config: Config, loads: Sequence[Load], *, replicas: dict[str | None,
             "deployment": key, "model": run.view.model, "min": run.view.settings.min_replicas,
             "max": run.view.settings.max_replicas, "start": run.view.desired, "end": run.desired,
             "load": {"queued": run.view.signals.queued, "inflight": run.view.signals.inflight,
-                     "kv": run.view.signals.kv_usage, "ttft_attainment": run.view.signals.ttft_attainment},
+                     "kv": run.view.signals.kv_usage, "ttft_attainment": run.view.signals.ttft_attainment,
+                     "busy": run.busy},
             "decisions": run.history,
         } for key, run in runs.items()],
     }
@@ -166,6 +172,7 @@ def render_text(result: dict[str, Any]) -> list[str]:
         said = [f"{load['queued']} queued"] + ([f"{load['inflight']} in flight"] if load["inflight"] else [])
         said += [f"kv {load['kv']:g}"] if load["kv"] is not None else []
         said += [f"TTFT attainment {load['ttft_attainment']:g}"] if load["ttft_attainment"] is not None else []
+        said += [f"busy {load['busy']:g} replicas"] if load.get("busy") is not None else []
         lines += ["", f"{item['deployment']} (model {item['model']}): {item['start']} -> {item['end']} replicas "
                       f"(min {item['min']}, max {item['max']}); load: {', '.join(said)}"]
         for decision in item["decisions"]:

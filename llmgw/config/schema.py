@@ -453,6 +453,8 @@ class DeploymentAutoscale(Located):
     kv_usage: Fraction = setting(_AUTOSCALE.kv_usage)  # the mean KV-cache usage of the ready replicas
     ttft_slo: PositiveDuration | None = setting(None)  # when set, first-token attainment is a target too
     attainment: Fraction = setting(_AUTOSCALE.attainment)  # the share of first tokens within ttft_slo
+    utilisation: Fraction = setting(_AUTOSCALE.utilisation)  # the busy seats' share forecast `lookahead` ahead
+    lookahead: PositiveDuration = setting(_AUTOSCALE.lookahead)  # about the engine's cold start
     scale_up_after: Duration = setting(_AUTOSCALE.scale_up_after)
     scale_down_after: Duration = setting(_AUTOSCALE.scale_down_after)
     idle_to_zero: PositiveDuration = setting(_AUTOSCALE.idle_to_zero)  # no request this long: back to min
@@ -497,7 +499,8 @@ class Deployment(Located):
         return AutoscaleSettings(
             min_replicas=self.min_replicas, max_replicas=self.max_replicas,
             queued_per_replica=section.queued_per_replica, kv_usage=section.kv_usage, ttft_slo=section.ttft_slo,
-            attainment=section.attainment, scale_up_after=section.scale_up_after,
+            attainment=section.attainment, utilisation=section.utilisation, lookahead=section.lookahead,
+            scale_up_after=section.scale_up_after,
             scale_down_after=section.scale_down_after, idle_to_zero=section.idle_to_zero, priority=section.priority,
             keep_warm=section.keep_warm)
 

@@ -9,6 +9,7 @@ queue and the peers' load reports (:class:`~llmgw.autoscale.signals.GatewaySigna
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Callable
 
 import trio
@@ -19,6 +20,7 @@ from ..autoscale.interfaces import Scaler
 from ..autoscale.metrics import AutoscaleMetrics
 from ..autoscale.model import AutoscaleSettings
 from ..autoscale.scaler import TargetScaler
+from ..autoscale.seats import declared_seats
 from ..autoscale.signals import FirstTokens, GatewaySignals
 from .load_figures import GatewayFigures
 
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from ..config import Config
     from ..config.schema import Deployment
     from ..control.plane import ControlPlane
+    from ..router.replica import Replica
     from ..router.router import Router
     from .flow_setup import GatewayFlow
 
@@ -58,6 +61,8 @@ class GatewayAutoscale:
         self.settings_of = settings_of
         self.models: frozenset[str] = frozenset()
         self.slos: dict[str, float] = {}
+        self.declared_seats: dict[str, int] = {}  # served model -> its profile's --max-num-seqs
+        self.default_fill = 1.0  # the default class's max_fill: the share of a replica's seats its requests fill
         self.first_tokens = FirstTokens(trio.current_time)  # this gateway's, for the TTFT attainment signal
         router.first_token_listeners.append(self.first_tokens.observe)
         self.apply(config)
@@ -71,6 +76,11 @@ class GatewayAutoscale:
         self.slos = {config.profile(key).served_model_name: settings.ttft_slo
                      for key, (_, settings) in autoscaled(config, self.settings_of).items()
                      if settings.ttft_slo is not None}
+        flow = config.flow.settings()
+        self.default_fill = flow.by_name()[flow.default_class].max_fill if flow.enabled else 1.0
+        self.declared_seats = {profile.served_model_name: seats for profile in
+                               (config.profile(key) for key in autoscaled(config, self.settings_of))
+                               if (seats := declared_seats(profile.args)) is not None}
 
     def holds(self, model: str) -> bool:
         return model in self.models
@@ -83,13 +93,27 @@ class GatewayAutoscale:
                                  entered=self.flow.queue.entered,
                                  gateways=(lambda: 1 + len(sharing.peers)) if sharing is not None else lambda: 1,
                                  first_tokens=self.first_tokens, slo_of=self._slo_of,
-                                 peer_figures=sharing.peer_figures if sharing is not None else lambda model: {})
+                                 peer_figures=sharing.peer_figures if sharing is not None else lambda model: {},
+                                 seats_of=self._seats_of)
         control.scale = Autoscaler(self.scaler(self.config), self.settings_of, signals,
                                    AutoscaleMetrics.for_registry(self.registry), lambda: self.config.autoscale.interval)
 
     def _slo_of(self, model: str) -> float | None:
         """The ``ttft_slo`` of the autoscaled deployment serving ``model`` (None: none set, or not autoscaled)."""
         return self.slos.get(model)
+
+    def _seats_of(self, replica: "Replica") -> int | None:
+        """The requests in flight ``replica`` takes before it is full: its engine's seats (what the flow room
+        learnt, else what its profile declares) as the default class may fill them (the room admits that class
+        to ``floor(seats x max_fill)``, at least 1: a 2-seat engine takes one ``standard`` request at a time), or the
+        room's learnt capacity when lower (an engine whose KV cache or queue cut it is full there); None when
+        neither is known."""
+        seats = self.flow.room.seats(replica)
+        seats = seats if seats is not None else self.declared_seats.get(replica.model)
+        if seats is not None:
+            seats = max(1, math.floor(seats * self.default_fill))
+        known = [limit for limit in (seats, self.flow.room.capacity(replica)) if limit is not None and limit > 0]
+        return min(known) if known else None
 
     def _held(self, model: str) -> tuple[int, int]:
         queued = self.flow.queue.queued(model).values()

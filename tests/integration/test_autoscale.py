@@ -290,6 +290,40 @@ async def test_llmgws_own_scaler_from_the_config_starts_a_replica_from_zero_and_
     assert " ".join(row[10:]).startswith("to_zero 1->0: no request for tiny"), lines
 
 
+async def test_busy_seats_over_the_utilisation_target_step_up_before_the_queue_target(nursery, cluster, tmp_path):
+    """Two clients in a closed loop on one replica whose profile declares two seats: nothing waits at the gateway
+    (no queue, no backlog to measure arrivals by), yet the busy load is over the 70% utilisation target: llmgw's
+    scaler steps up on the busy seats, and says so."""
+    gateway, _ = await start(nursery, cluster, tmp_path, None, ("tiny-sim", "tiny", ', "--max-num-seqs", "2"'),
+                             replicas="{min: 1, max: 2}",
+                             autoscale="{lookahead: 2s, scale_up_after: 0.5s, queued_per_replica: 100}")
+    await wait_for(cluster, "the first replica up", lambda: _up(cluster, {"tiny-sim-0"}))
+    done = trio.Event()
+
+    async def client():  # interactive: a class that may fill every seat (batch keeps 15% of them free)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 128}
+        while not done.is_set():
+            answer = await gateway.post("/v1/chat/completions", body, headers={"x-llmgw-priority": "interactive"},
+                                        timeout=90)
+            assert answer.status_code == 200, answer.text
+
+    async def stepped_up():
+        status = await autoscale(gateway, "tiny-sim")
+        ups = [d for d in status["decisions"] if d["kind"] == "up"]
+        return (status, ups[0]) if ups else None
+
+    async with trio.open_nursery() as clients:
+        for _ in range(2):
+            clients.start_soon(client)
+        status, up = await wait_for(cluster, "a step up on the busy seats", stepped_up)
+        done.set()
+    assert (up["from"], up["to"]) == (1, 2), up
+    assert "busy" in up["reason"] and "over 70% of 1 provisioned replica" in up["reason"], up
+    assert "queued over" not in up["reason"] and "arriving" not in up["reason"], up
+    assert status["signals"]["busy"] is not None and status["scaler"]["busy"] is not None, status
+    await wait_for(cluster, "the second replica", lambda: _up(cluster, {"tiny-sim-0", "tiny-sim-1"}))
+
+
 async def test_a_replica_kept_warm_is_adopted_by_the_next_step_up_and_stopped_when_its_time_is_up(
         nursery, cluster, tmp_path):
     profile = ("tiny-sim", "tiny", "")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from prometheus_client import CollectorRegistry
@@ -49,3 +50,15 @@ def test_one_instance_per_registry_and_class():
     autoscale, control = AutoscaleMetrics.for_registry(first), ControlMetrics.for_registry(first)
     assert AutoscaleMetrics.for_registry(first) is autoscale and ControlMetrics.for_registry(first) is control
     assert AutoscaleMetrics.for_registry(second) is not autoscale
+
+
+def test_the_busy_gauge_follows_the_signal_and_is_absent_while_unknown():
+    registry = CollectorRegistry()
+    metrics = AutoscaleMetrics.for_registry(registry)
+    known = view("chat", 2, 0, 2)
+    known = dataclasses.replace(known, signals=dataclasses.replace(known.signals, busy=1.25))
+    metrics.observe(1.0, [known, view("batch", 1, 0, 1)], {})
+    assert registry.get_sample_value("llmgw_autoscale_busy_replicas", {"deployment": "chat"}) == 1.25
+    assert registry.get_sample_value("llmgw_autoscale_busy_replicas", {"deployment": "batch"}) is None
+    metrics.observe(2.0, [view("batch", 1, 0, 1)], {})
+    assert registry.get_sample_value("llmgw_autoscale_busy_replicas", {"deployment": "chat"}) is None

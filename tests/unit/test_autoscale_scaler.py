@@ -365,7 +365,8 @@ def test_status_says_what_each_deployment_waits_for_and_the_move_in_flight():
     urgent, lazy = view("u", desired=1, queued=12, priority=1), view("l", desired=3, last_request_at=0.0, kv=0.0)
     scaler.decide(0.0, [urgent, lazy], {None: 0})
     assert scaler.status(2.0)["deployments"]["u"] == {
-        "desired": 1, "waiting": "up_pending", "up_need_for": 2.0, "down_need_for": None, "since_last_step": None}
+        "desired": 1, "waiting": "up_pending", "up_need_for": 2.0, "down_need_for": None, "since_last_step": None,
+        "busy": None}
     scaler.decide(5.0, [urgent, lazy], {None: 0})
     status = scaler.status(7.0)
     assert status["move"] == {"taker": "u", "giver": "l", "target": 2}

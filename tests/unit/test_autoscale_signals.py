@@ -178,3 +178,24 @@ def test_a_rising_arrival_rate_shows_within_a_span_and_a_falling_one_is_smoothed
     assert doubled == pytest.approx(0.7 * 8 + 0.3 * 4) and doubled > 1.5 * 4
     entered["tiny"] += 2  # it falls back: the average comes down by a third of the way only
     assert source.signals("tiny", now=5.0).arrivals_per_s == pytest.approx(0.3 * 2 + 0.7 * doubled)
+
+
+def test_busy_is_each_ready_replicas_in_flight_over_its_seats_at_most_one_summed():
+    full = Replica("a", "tiny", "http://127.0.0.1:1", state=ReplicaState.UP, local_inflight=3, peer_inflight=2)
+    half = Replica("b", "tiny", "http://127.0.0.1:2", state=ReplicaState.UP, local_inflight=1)
+    down = Replica("c", "tiny", "http://127.0.0.1:3", state=ReplicaState.DOWN, local_inflight=2)
+    seats = {"a": 4, "b": None, "c": 2}  # b's engine not learnt yet: the model's seats (one profile) stand for it
+    source = GatewaySignals(router_with(full, half, down), lambda model: (0, 0),
+                            seats_of=lambda replica: seats[replica.name])
+    assert source.signals("tiny", 1.0).busy == pytest.approx(1.0 + 1 / 4)
+    unknown = GatewaySignals(router_with(half), lambda model: (0, 0))
+    assert unknown.signals("tiny", 1.0).busy is None  # no engine's seats known: not read
+
+
+def test_an_engines_learnt_seats_outlive_the_replica():
+    replica = Replica("a", "tiny", "http://127.0.0.1:1", state=ReplicaState.UP, local_inflight=1)
+    learnt: dict[str, int | None] = {"a": 2}
+    source = GatewaySignals(router_with(replica), lambda model: (0, 0), seats_of=lambda r: learnt[r.name])
+    assert source.signals("tiny", 1.0).busy == 0.5
+    learnt["a"] = None  # a new engine behind the same replica, not learnt yet
+    assert source.signals("tiny", 2.0).busy == 0.5

@@ -40,6 +40,17 @@ def run_plan(tmp_path: Path, *args: str, config: str = CONFIG) -> subprocess.Com
                           timeout=60, cwd=REPO)
 
 
+def test_a_busy_load_over_the_utilisation_target_previews_the_step_ahead_of_a_queue(tmp_path):
+    done = run_plan(tmp_path, "--load", "chat-model=0,inflight=3,busy=1.5", "--replicas", "chat=2", "--for", "120")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "chat (model chat-model): 2 -> 3 replicas (min 1, max 6); load: 0 queued, 3 in flight, busy 1.5 replicas" \
+        in lines, lines
+    up = next(line for line in lines if " up 2 -> 3: " in line)
+    assert "busy 1.50 replicas: over 70% of 2 provisioned replicas for 5.0 s: 2 -> 3 replicas" in up, lines
+    assert not any(" up 3 -> " in line for line in lines)  # 1.5 busy over 3 is under the target: one step
+
+
 def test_a_load_previews_each_decision_with_its_reason_and_time(tmp_path):
     done = run_plan(tmp_path, "--load", "chat-model=20,kv=0.5", "--load", "batch=0,idle=100", "--replicas",
                     "batch=2", "--free-gpus", "3")
@@ -83,7 +94,7 @@ def test_json_lists_the_decisions(tmp_path):
     (["--load", "chat"], "expected MODEL=QUEUED"),
     (["--load", "chat=many"], "--load chat queued: expected a whole number, got 'many'"),
     (["--load", "chat=1,kv=2"], "--load chat kv: must be between 0 and 1, got '2'"),
-    (["--load", "chat=1,speed=2"], "unknown option 'speed=2' (options: kv, ttft, inflight, idle)"),
+    (["--load", "chat=1,speed=2"], "unknown option 'speed=2' (options: kv, ttft, inflight, idle, busy)"),
     (["--load", "nobody=1"], "--load: no deployment of nobody in"),
     (["--load", "chat=1", "--replicas", "chat"], "--replicas 'chat': expected NAME=N"),
     (["--load", "chat=1", "--free-gpus", "h100=-1"], "--free-gpus h100=-1: must be at least 0"),
@@ -100,8 +111,9 @@ def test_a_config_without_an_autoscaled_deployment_exits_2(tmp_path):
 
 
 def test_the_parsers_read_what_they_document():
-    assert parse_load("m=3,kv=0.9,ttft=0.5,inflight=7,idle=60").__dict__ == {
-        "model": "m", "queued": 3, "inflight": 7, "kv_usage": 0.9, "ttft_attainment": 0.5, "idle": 60.0}
+    assert parse_load("m=3,kv=0.9,ttft=0.5,inflight=7,idle=60,busy=1.5").__dict__ == {
+        "model": "m", "queued": 3, "inflight": 7, "kv_usage": 0.9, "ttft_attainment": 0.5, "idle": 60.0,
+        "busy": 1.5}
     assert parse_counts(["4", "h100=2"], "--free-gpus", classes=True) == {None: 4, "h100": 2}
 
 
