@@ -38,9 +38,8 @@ MYPYC_MODULES = (
     "llmgw/gateway/stream_usage.py",
     "llmgw/gateway/flow_gate.py",  # overload control's gate and queue: every request passes them (on by default)
     "llmgw/flow/queue.py",
-    # the room's scan of the replicas, and the two learnt estimates it scales a request by: every request that
-    # passes the flow gate (on by default) calls them, and they were interpreted under the compiled gate and queue
-    "llmgw/flow/room.py",
+    # the two learnt estimates the flow room scales each request by (the room itself stays pure: its metrics hold
+    # it by weak reference, which compiled classes do not take)
     "llmgw/router/prompt_ratio.py",
     "llmgw/router/output_allowance.py",
     "llmgw/tenancy/estimate.py",
