@@ -38,6 +38,10 @@ MYPYC_MODULES = (
     "llmgw/gateway/stream_usage.py",
     "llmgw/gateway/flow_gate.py",  # overload control's gate and queue: every request passes them (on by default)
     "llmgw/flow/queue.py",
+    # the two learnt estimates the flow room scales each request by (the room itself stays pure: its metrics hold
+    # it by weak reference, which compiled classes do not take)
+    "llmgw/router/prompt_ratio.py",
+    "llmgw/router/output_allowance.py",
     "llmgw/tenancy/estimate.py",
     "llmgw/router/router.py",
     "llmgw/router/canonical.py",

@@ -90,18 +90,21 @@ PROBE_PATHS = frozenset({"/health", "/ready"})  # answered without an access lin
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 
 
-@dataclass(slots=True)
 class Exchange:
-    """One request as the access log and the per-key count see it, filled in as the data plane learns it."""
+    """One request as the access log and the per-key count see it, filled in as the data plane learns it. A plain
+    class: a dataclass's ``__init__`` is written at run time and stays interpreted in the compiled build."""
 
-    started: float
-    key: str = NO_KEY  # the name of the API key it carried
-    tenant: Tenant | None = None  # who carried it (None: no valid key, or no keys at all)
-    model: str | None = None
-    relayed: bool = False  # an upstream's answer: its access line is written when its body has been relayed
-    charge: Charge | None = None  # its reservation and usage record, once admitted (tenant_gate.py)
-    flow: FlowTrace | None = None  # what overload control did with it (None: it did not go through the queue)
-    engine_priority: int | None = None  # the priority field sent to an engine in priority scheduling (None: none)
+    __slots__ = ("started", "key", "tenant", "model", "relayed", "charge", "flow", "engine_priority")
+
+    def __init__(self, started: float, key: str = NO_KEY, tenant: Tenant | None = None, model: str | None = None):
+        self.started = started
+        self.key = key  # the name of the API key it carried
+        self.tenant = tenant  # who carried it (None: no valid key, or no keys at all)
+        self.model = model
+        self.relayed = False  # an upstream's answer: its access line is written when its body has been relayed
+        self.charge: Charge | None = None  # its reservation and usage record, once admitted (tenant_gate.py)
+        self.flow: FlowTrace | None = None  # what overload control did with it (None: it did not go through the queue)
+        self.engine_priority: int | None = None  # the priority sent to an engine in priority scheduling (None: none)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from ..tenancy.ratelimit_headers import retry_after_header
 
 DEADLINE_HEADER = "x-request-deadline"  # absolute: Unix epoch seconds (a decimal number) the client gives up at
 CLIENT_TIMEOUT_HEADER = "x-stainless-timeout"  # relative: the OpenAI SDKs' request timeout, in seconds
+_DEADLINE_NAME, _CLIENT_TIMEOUT_NAME = DEADLINE_HEADER.encode(), CLIENT_TIMEOUT_HEADER.encode()
 MAX_NUMBER_TEXT = 32  # characters of a deadline header read (a number needs far fewer)
 RECENT_OUTCOMES = 1000  # requests that waited or were shed, kept for /admin/explain
 # A shed request's error code, by the queue's reason: it waited its class's max_wait (or its own deadline), or
@@ -56,14 +57,17 @@ class FlowOutcome:
                 "ahead_class": outcome.ahead_class or None, "at": round(self.at, 3)}
 
 
-@dataclass(slots=True)
 class FlowTrace:
     """What overload control did with one request, for its access line: its class, its wait at the gateway
-    (seconds; 0.0 when routed at once) and, when shed, the reason (``expired``, ``overflow``, ``unservable``)."""
+    (seconds; 0.0 when routed at once) and, when shed, the reason (``expired``, ``overflow``, ``unservable``). A
+    plain class (one per request): a dataclass's ``__init__`` stays interpreted in the compiled build."""
 
-    priority: str | None = None
-    waited: float | None = None
-    shed: str | None = None
+    __slots__ = ("priority", "waited", "shed")
+
+    def __init__(self) -> None:
+        self.priority: str | None = None
+        self.waited: float | None = None
+        self.shed: str | None = None
 
 
 class FlowOutcomes:
@@ -117,7 +121,7 @@ OPEN = Pass(None, None)  # the pass of every request while flow control is off
 class FlowGate:
     """One config's overload control as the data plane uses it (``flow.enabled: false``: :data:`OPEN` for all)."""
 
-    __slots__ = ("settings", "control", "room", "outcomes", "estimator", "_classes", "_default")
+    __slots__ = ("settings", "control", "room", "outcomes", "estimator", "_classes", "_default", "_priority_header")
 
     def __init__(self, settings: FlowSettings, control: FlowControl | None, room: Room | None,
                  outcomes: FlowOutcomes | None = None, estimator: Estimator | None = None) -> None:
@@ -131,12 +135,16 @@ class FlowGate:
         self.estimator = estimator if estimator is not None else Estimator(TenancySettings(), PriceList())
         self._classes = settings.by_name()
         self._default = self._classes[settings.default_class]
+        self._priority_header = settings.priority_header.lower().encode("latin-1")  # as the server stores names
 
     def priority_of(self, tenant: Tenant | None, request: Request) -> PriorityClass | Response:
         """The request's class: its key's, else its team's, else ``default_class``; the priority header may
         lower it, and raise it only when the key (or its team) allows it. A 400 for a header naming no class."""
+        return self._priority(tenant, request.header(self.settings.priority_header))
+
+    def _priority(self, tenant: Tenant | None, asked: str | None) -> PriorityClass | Response:
+        """:meth:`priority_of` with the priority header's value (``asked``; None: absent)."""
         own = self.own_class(tenant)
-        asked = request.header(self.settings.priority_header)
         if asked is None:
             return own
         wanted = self._classes.get(asked.strip())
@@ -170,21 +178,7 @@ class FlowGate:
         client's own deadline (``x-request-deadline``: Unix epoch seconds; ``x-stainless-timeout``: seconds from
         now, as the OpenAI SDKs send it); never lengthened. A 400 for an ``x-request-deadline`` that is not a
         number."""
-        wait = priority.max_wait
-        absolute = request.header(DEADLINE_HEADER)
-        if absolute is not None:
-            at = _number(absolute)
-            if at is None:
-                return error_response(400, f"the header {DEADLINE_HEADER} must be a Unix time in seconds (a decimal "
-                                           "number), the time the client stops waiting", param=DEADLINE_HEADER,
-                                      code="invalid_deadline")
-            wait = min(wait, at - time.time())
-        relative = request.header(CLIENT_TIMEOUT_HEADER)
-        if relative is not None:
-            seconds = _number(relative)
-            if seconds is not None and seconds > 0:  # not ours to refuse: the SDK's own header, read if it is sane
-                wait = min(wait, seconds)
-        return trio.current_time() + max(wait, 0.0)
+        return _deadline(priority, request.header(DEADLINE_HEADER), request.header(CLIENT_TIMEOUT_HEADER))
 
     async def enter(self, request: Request, tenant: Tenant | None, model: str, cost: int,
                     request_id: str, trace: FlowTrace | None = None, output: int = 0,
@@ -197,10 +191,24 @@ class FlowGate:
         control = self.control
         if control is None:
             return OPEN
-        priority = self.priority_of(tenant, request)
+        # The three headers read in one pass over the request's (most requests carry none of them).
+        asked: str | None = None
+        absolute: str | None = None
+        relative: str | None = None
+        wanted = self._priority_header
+        for name, value in request.headers:
+            if name == wanted:
+                if asked is None:
+                    asked = value.decode("latin-1")
+            elif name == _DEADLINE_NAME:
+                if absolute is None:
+                    absolute = value.decode("latin-1")
+            elif name == _CLIENT_TIMEOUT_NAME and relative is None:
+                relative = value.decode("latin-1")
+        priority = self._priority(tenant, asked)
         if isinstance(priority, Response):
             return priority
-        deadline = self.deadline(priority, request)
+        deadline = _deadline(priority, absolute, relative)
         if isinstance(deadline, Response):
             return deadline
         flow_request = FlowRequest(model, _flow_of(tenant), priority, cost, deadline, output=output, prompt=prompt)
@@ -239,6 +247,23 @@ def shed_response(shed: Shed, model: str, priority: PriorityClass) -> Response:
         f"; retry after {shed.retry_after}s"
     return error_response(429, message, code=code, type_="rate_limit_exceeded",
                           headers=[retry_after_header(shed.retry_after)])
+
+
+def _deadline(priority: PriorityClass, absolute: str | None, relative: str | None) -> float | Response:
+    """:meth:`FlowGate.deadline` with the two headers' values (None: absent)."""
+    wait = priority.max_wait
+    if absolute is not None:
+        at = _number(absolute)
+        if at is None:
+            return error_response(400, f"the header {DEADLINE_HEADER} must be a Unix time in seconds (a decimal "
+                                       "number), the time the client stops waiting", param=DEADLINE_HEADER,
+                                  code="invalid_deadline")
+        wait = min(wait, at - time.time())
+    if relative is not None:
+        seconds = _number(relative)
+        if seconds is not None and seconds > 0:  # not ours to refuse: the SDK's own header, read if it is sane
+            wait = min(wait, seconds)
+    return trio.current_time() + max(wait, 0.0)
 
 
 def _flow_of(tenant: Tenant | None) -> str:

@@ -15,20 +15,29 @@ was cancelled: work that must not delay the answer (accounting, metrics).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Union
 
 Body = Union[bytes, AsyncIterator[bytes]]
 
 
-@dataclass(slots=True)
 class Request:
-    method: str
-    target: str  # path and query as sent, e.g. "/v1/models?x=1"
-    headers: list[tuple[bytes, bytes]]  # names lower-cased, values as sent
-    body: bytes = b""
-    client: tuple[str, int] | None = None
-    http_version: str = "1.1"
+    """One request as the handler gets it. A plain class, not a dataclass: ``dataclasses`` writes a dataclass's
+    ``__init__`` at run time, which stays interpreted in the compiled build (``llmgw/compiled.py``), and the server
+    makes one of these per request."""
+
+    __slots__ = ("method", "target", "headers", "body", "client", "http_version")
+
+    def __init__(self, method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes = b"",
+                 client: tuple[str, int] | None = None, http_version: str = "1.1") -> None:
+        self.method = method
+        self.target = target  # path and query as sent, e.g. "/v1/models?x=1"
+        self.headers = headers  # names lower-cased, values as sent
+        self.body = body
+        self.client = client
+        self.http_version = http_version
+
+    def __repr__(self) -> str:
+        return f"Request({self.method!r}, {self.target!r}, {len(self.headers)} headers, {len(self.body)} bytes)"
 
     @property
     def path(self) -> str:
@@ -50,12 +59,20 @@ class Request:
         return json.loads(self.body)
 
 
-@dataclass(slots=True)
 class Response:
-    status: int = 200
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    body: Body = b""
-    after_send: Callable[[], None] | None = None  # see the module docstring
+    """One answer (a plain class, as :class:`Request` is, for the same reason)."""
+
+    __slots__ = ("status", "headers", "body", "after_send")
+
+    def __init__(self, status: int = 200, headers: list[tuple[bytes, bytes]] | None = None, body: Body = b"",
+                 after_send: Callable[[], None] | None = None) -> None:
+        self.status = status
+        self.headers: list[tuple[bytes, bytes]] = [] if headers is None else headers
+        self.body = body
+        self.after_send = after_send  # see the module docstring
+
+    def __repr__(self) -> str:
+        return f"Response({self.status}, {self.headers!r})"
 
     @classmethod
     def json(cls, obj: Any, status: int = 200, headers: list[tuple[bytes, bytes]] | None = None) -> "Response":

@@ -148,3 +148,19 @@ def test_a_partly_compiled_install_names_its_pure_modules_in_a_warning(monkeypat
     n = len(names)
     assert llmgw.compiled.describe() == (f"data plane: {n - 1} of {n} hot modules compiled with mypyc; pure Python, "
                                          f"no extension for them in this install: {names[0]}", True)
+
+
+def test_the_per_request_records_are_built_natively_in_the_compiled_build():
+    """``dataclasses`` writes a dataclass's ``__init__`` at run time, so in a compiled module it stays an interpreted
+    function (a Python frame, and every field set through a descriptor) for each object made: the objects the data
+    plane makes for every request are plain classes, whose ``__init__`` mypyc compiles."""
+    import dataclasses
+
+    from llmgw.gateway.dataplane import Exchange
+    from llmgw.gateway.flow_gate import FlowTrace
+    from llmgw.http.messages import Request, Response
+
+    compiled = os.environ.get(EXPECT_COMPILED) == "1"
+    for cls in (Request, Response, Exchange, FlowTrace):
+        assert not dataclasses.is_dataclass(cls), cls
+        assert hasattr(cls.__init__, "__code__") is not compiled, cls  # a Python function only when pure
