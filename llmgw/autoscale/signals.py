@@ -160,12 +160,18 @@ class _Seen:
     per_replica: float = 0.0  # served per ready replica-second, smoothed
     seats: int | None = None  # the most seats any of the model's replicas was known to have (one profile: the same)
     last_request_at: float | None = None
+    worked_since_fold: bool = False  # a reading since the last fold had requests queued or in flight
 
     def fold_per_replica(self, served: int) -> None:
         """The drain rate of one ready replica since the last fold: the requests finished over the ready
-        replica-seconds (not over the replicas ready now: one that just became ready has finished nothing yet)."""
+        replica-seconds (not over the replicas ready now: one that just became ready has finished nothing yet).
+        A span in which the replicas had nothing to do (nothing queued or in flight at any reading, nothing
+        finished) is left out: it says nothing of how fast they drain, and folding it in would take the rate
+        towards 0 over a quiet spell, so that the next backlog would look like a need for ``max``."""
         spent = self.ready_seconds - self.ready_seconds_at_fold
-        if spent > 0 and served >= self.served_at_fold:
+        idle = not self.worked_since_fold and served == self.served_at_fold
+        self.worked_since_fold = False
+        if spent > 0 and served >= self.served_at_fold and not idle:
             rate = (served - self.served_at_fold) / spent
             self.per_replica = rate if self.per_replica == 0 else \
                 SMOOTHING * rate + (1 - SMOOTHING) * self.per_replica
@@ -214,6 +220,7 @@ class GatewaySignals:
             seen = self._seen[model] = _Seen(_Rate(served, now), _Rate(entered, now), now, ready, served_at_fold=served,
                                              last_request_at=now)
         elif now > seen.served.at:
+            seen.worked_since_fold |= bool(queued or inflight)
             seen.ready_seconds += seen.ready * (now - seen.at)
             seen.at, seen.ready = now, ready
             folded_at = seen.served.at

@@ -165,6 +165,23 @@ def test_the_drain_rate_per_replica_is_over_ready_replica_seconds_so_a_replica_j
     assert source.signals("tiny", now=6.0).served_per_replica_s == pytest.approx(3.0)  # 12 over 2 replicas x 2 s
 
 
+def test_a_quiet_spell_leaves_the_drain_rate_per_replica_as_it_was_measured():
+    """Ready replicas with nothing to do drain nothing: that is no measure of how fast they drain. Folded in, a
+    quiet spell took the rate towards 0, and the next backlog read as a need for max ("over the 0.00/s a ready
+    replica serves")."""
+    one = Replica("a", "tiny", "http://127.0.0.1:1", state=ReplicaState.UP)
+    source = GatewaySignals(router_with(one), lambda model: (0, 0))
+    source.signals("tiny", now=0.0)
+    one.served = 6
+    assert source.signals("tiny", now=2.0).served_per_replica_s == pytest.approx(3.0)
+    for now in range(4, 600, 2):  # ten minutes with nothing queued, in flight or finished
+        assert source.signals("tiny", now=float(now)).served_per_replica_s == pytest.approx(3.0)
+    one.local_inflight = 1  # work again: a span with requests in flight counts, even one that finished none
+    source.signals("tiny", now=601.0)
+    one.local_inflight = 0
+    assert source.signals("tiny", now=604.0).served_per_replica_s < 3.0
+
+
 def test_a_rising_arrival_rate_shows_within_a_span_and_a_falling_one_is_smoothed_slowly():
     entered = {"tiny": 0}
     source = GatewaySignals(router_with(), lambda model: (0, 0), entered=lambda model: entered[model])
