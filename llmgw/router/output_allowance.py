@@ -18,7 +18,6 @@ usage (scraped) is the backstop for that: at ``kv_high`` it cuts the replica's c
 from __future__ import annotations
 
 import math
-from typing import Any
 
 BLOCK = 8  # answers per sample: about the sequences one engine runs at once, whose KV shares one cache
 BLOCKS = 64  # samples kept: the last 512 answers with a cap
@@ -53,9 +52,10 @@ class OutputAllowance:
         self.fraction = ordered[min(len(ordered) - 1, math.ceil(quantile * len(ordered)) - 1)] if quantile > 0 \
             else ordered[0]
 
-    def observe(self, cap: int | None, usage: dict[str, Any] | None) -> None:
+    def observe(self, cap: int | None, usage: object) -> None:
         """An answer to a request whose output was capped at ``cap`` tokens (None: it set none) ended with
-        ``usage``."""
+        ``usage`` (anything an engine sent: typed ``object`` so that the compiled build takes what the pure one
+        does)."""
         if cap is None or cap <= 0 or not isinstance(usage, dict):
             return
         completion = usage.get("completion_tokens")

@@ -9,8 +9,6 @@ ratio is a moving average of ``usage.prompt_tokens / estimate`` over the model's
 
 from __future__ import annotations
 
-from typing import Any
-
 MIN_RATIO, MAX_RATIO = 0.25, 16.0
 WEIGHT = 0.1  # a new answer's share of the average: ~10 answers to follow a change of workload
 
@@ -22,8 +20,10 @@ class PromptTokenRatio:
         self.ratio = 1.0
         self.samples = 0
 
-    def observe(self, estimated: int, usage: dict[str, Any] | None) -> None:
-        """An answer to a request whose prompt was estimated at ``estimated`` tokens ended with ``usage``."""
+    def observe(self, estimated: int, usage: object) -> None:
+        """An answer to a request whose prompt was estimated at ``estimated`` tokens ended with ``usage`` (anything
+        an engine sent: only a dict with an integer ``prompt_tokens`` teaches; typed ``object`` so that the compiled
+        build takes what the pure one does)."""
         if estimated <= 0 or not isinstance(usage, dict):
             return
         counted = usage.get("prompt_tokens")
