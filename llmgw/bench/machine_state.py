@@ -91,17 +91,29 @@ def busiest_by_name(runs: list[list[dict]]) -> list[dict]:
             for name, seconds in sorted(totals.items(), key=lambda item: -item[1])[:TOP]]
 
 
-def machine_busy() -> tuple[float, float] | None:
-    """(busy, total) CPU seconds of every CPU together since boot, from ``/proc/stat``'s ``cpu`` line; None where
-    it is not readable."""
+def cpu_times(name: str) -> tuple[float, float, float] | None:
+    """``/proc/stat``'s line ``name`` (``cpu``: all CPUs together; ``cpu1``: one) as (busy, steal, total) CPU
+    seconds since boot (busy without steal; total with it); None where it is not readable."""
     try:
-        line = (PROC / "stat").read_text().splitlines()[0]
-        ticks = [int(x) for x in line.split()[1:9]]
-    except (OSError, ValueError, IndexError):
+        lines = (PROC / "stat").read_text().splitlines()
+    except OSError:
         return None
-    user, nice, system, idle, iowait, irq, softirq, steal = (ticks + [0] * 8)[:8]
-    busy = user + nice + system + irq + softirq + steal
-    return busy / os.sysconf("SC_CLK_TCK"), (busy + idle + iowait) / os.sysconf("SC_CLK_TCK")
+    for line in lines:
+        if line.startswith(name + " "):
+            try:
+                ticks = [int(x) for x in line.split()[1:9]]
+            except ValueError:
+                return None
+            user, nice, system, idle, iowait, irq, softirq, steal = (ticks + [0] * 8)[:8]
+            busy, tick = user + nice + system + irq + softirq, os.sysconf("SC_CLK_TCK")
+            return busy / tick, steal / tick, (busy + idle + iowait + steal) / tick
+    return None
+
+
+def machine_busy() -> tuple[float, float] | None:
+    """(busy, total) CPU seconds of every CPU together since boot, steal counted busy; None where not readable."""
+    times = cpu_times("cpu")
+    return None if times is None else (times[0] + times[1], times[2])
 
 
 def busy_share(seconds: float) -> float | None:

@@ -282,15 +282,8 @@ class RunResult:
 
 
 def core_times(cpu: int) -> tuple[float, float, float]:
-    """(busy, steal, total) seconds of one CPU since boot, from /proc/stat."""
-    tick = os.sysconf("SC_CLK_TCK")
-    for line in Path("/proc/stat").read_text().splitlines():
-        if line.startswith(f"cpu{cpu} "):
-            v = [int(x) for x in line.split()[1:]]
-            user, nice, system, idle, iowait, irq, softirq, steal = (v + [0] * 8)[:8]
-            busy = user + nice + system + irq + softirq
-            return busy / tick, steal / tick, (busy + idle + iowait + steal) / tick
-    return 0.0, 0.0, 0.0
+    """(busy, steal, total) seconds of one CPU since boot, from /proc/stat (zeros where not readable)."""
+    return machine_state.cpu_times(f"cpu{cpu}") or (0.0, 0.0, 0.0)
 
 
 def run_wrk(url: str, script: Path, connections: int, duration: float, proxy: Child | None,
